@@ -1,0 +1,60 @@
+# disagg_rs development: every target CI and the README use. `make help` lists them.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.deps-installed
+# Hypothesis profile: "ci" (>= 200 examples per property) unless overridden.
+export DISAGG_HYPOTHESIS_PROFILE ?= ci
+
+.PHONY: help
+help: ## Show the targets
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
+
+$(STAMP): requirements-dev.txt
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	@touch $@
+
+.PHONY: venv
+venv: $(STAMP) ## Create .venv with the pinned dependencies
+
+.PHONY: build
+build: $(STAMP) ## Build the Rust extension into .venv (release, overflow checks on)
+	$(VENV)/bin/maturin develop --release -q
+
+.PHONY: test
+test: build ## Build, then run cargo test for the workspace and the whole pytest suite
+	cargo test --workspace --exclude disagg-py --release -q
+	$(PY) -m pytest -q
+
+.PHONY: lint
+lint: $(STAMP) ## cargo fmt/clippy, ruff, mypy and stubtest
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets --release -q -- -D warnings
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
+	$(VENV)/bin/mypy
+	$(PY) -m mypy.stubtest disagg_rs._core --allowlist .stubtest-allowlist
+
+.PHONY: fmt
+fmt: $(STAMP) ## Format Rust and Python sources
+	cargo fmt --all
+	$(VENV)/bin/ruff format python tests benches
+	$(VENV)/bin/ruff check --fix python tests benches
+
+.PHONY: demo
+demo: build ## Run the main job (today: plan a TP8 -> TP4xPP2 reshard and print it)
+	$(VENV)/bin/disagg-rs plan --src "tp=8,pp=1" --dst "tp=4,pp=2" --layers 80 --kv-heads 8
+
+.PHONY: bench
+bench: build ## Run the benchmarks and write benches/RESULTS.md
+	$(PY) benches/bench_planner.py --write benches/RESULTS.md
+
+.PHONY: clean
+clean: ## Remove build outputs (keeps .venv)
+	cargo clean
+	rm -f python/disagg_rs/_core*.so

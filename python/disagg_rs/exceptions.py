@@ -1,0 +1,97 @@
+"""Exception classes of disagg_rs, defined once here and raised from Rust and Python alike.
+
+Every class derives from :class:`DisaggError` and from the built-in exception engines already
+catch (``ValueError``, ``TimeoutError``, ...). Facts a caller must act on are class attributes:
+``destinations_may_be_written`` says whether the destination blocks of a failed transfer may
+still be written by the transport, i.e. must stay quarantined rather than go back to the pool.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+__all__ = [
+    "AddressOverflowError",
+    "BlockIdError",
+    "CapacityError",
+    "DisaggError",
+    "DuplicateRequestError",
+    "GeometryMismatchError",
+    "HandoffStateError",
+    "LayoutError",
+    "MetadataError",
+    "PlanCoverageError",
+    "ResetRefusedError",
+    "TransferError",
+    "TransferTimeout",
+    "UnknownRequestError",
+]
+
+
+class DisaggError(Exception):
+    """Base class of every error raised by disagg_rs.
+
+    ``field`` names the offending input field where there is one (``None`` otherwise).
+    """
+
+    destinations_may_be_written: ClassVar[bool] = False
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class LayoutError(DisaggError, ValueError):
+    """A layout or dims field is out of range or disagrees with another field."""
+
+
+class PlanCoverageError(DisaggError, ValueError):
+    """A reshard plan leaves a destination cell unwritten or writes it twice."""
+
+
+class BlockIdError(DisaggError, ValueError):
+    """A block or slot id list is invalid: out of range, duplicated or of the wrong length."""
+
+
+class GeometryMismatchError(DisaggError, ValueError):
+    """Two memory geometries disagree on head_dim, element size, dtype, block count or axes."""
+
+
+class AddressOverflowError(DisaggError, OverflowError):
+    """Address arithmetic would overflow 64 bits: the geometry describes impossible memory."""
+
+
+class MetadataError(DisaggError, ValueError):
+    """Peer handoff metadata is missing a field, has a wrong type or an unknown version."""
+
+
+class UnknownRequestError(DisaggError, LookupError):
+    """A request id is unknown where it must be known."""
+
+
+class DuplicateRequestError(DisaggError, ValueError):
+    """A request id is already in flight."""
+
+
+class CapacityError(DisaggError, ValueError):
+    """A request needs more blocks or SSM slots than the whole pool holds."""
+
+
+class HandoffStateError(DisaggError, RuntimeError):
+    """An event is not allowed in the handoff's current state."""
+
+
+class ResetRefusedError(DisaggError, RuntimeError):
+    """A reset was refused because something may still be written or read; nothing changed."""
+
+    destinations_may_be_written: ClassVar[bool] = True
+
+
+class TransferError(DisaggError, RuntimeError):
+    """A transport reported an error for a transfer (every part of it is terminal)."""
+
+
+class TransferTimeout(DisaggError, TimeoutError):
+    """A transfer passed its deadline; its destinations may still be written."""
+
+    destinations_may_be_written: ClassVar[bool] = True

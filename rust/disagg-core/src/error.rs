@@ -1,0 +1,198 @@
+//! The one error type of the core: one variant per failure kind.
+//!
+//! Every variant names the offending field and, where there is one, both the value given and
+//! the value it had to agree with, so an engine log line is enough to find the bad input.
+//! The bindings map each variant to exactly one Python exception class of
+//! `disagg_rs.exceptions`; `DisaggError::kind` is the stable name that mapping keys on.
+
+use std::fmt;
+
+/// Result alias used by every fallible function of the core.
+pub type DisaggResult<T> = Result<T, DisaggError>;
+
+/// Every way a decision of the core can fail.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DisaggError {
+    /// A layout or dims field is out of range or disagrees with another field
+    /// (for example `tp_rank=4` with `tp_size=4`, or a layout list mixing `num_layers`).
+    Layout {
+        /// The field that is wrong.
+        field: String,
+        /// What was given and what it had to satisfy, both values spelled out.
+        detail: String,
+    },
+    /// A reshard plan would leave a destination cell unwritten (a gap) or write it twice
+    /// (an overlap). Names the first offending cell.
+    Coverage {
+        /// The first gap or overlap, with destination rank and cell coordinates.
+        detail: String,
+    },
+    /// A block id, slot id or block list is invalid: out of range, negative, duplicated where
+    /// it must be unique, or of a length that does not match its partner list.
+    Block {
+        /// The list or argument that is wrong.
+        field: String,
+        /// The bad value and the bound or partner value it violates.
+        detail: String,
+    },
+    /// Two memory geometries (or a geometry and a layout) disagree on something both sides must
+    /// share: head_dim, element size, dtype, number of blocks, axis set.
+    Geometry {
+        /// The field that disagrees.
+        field: String,
+        /// Both values.
+        detail: String,
+    },
+    /// Address arithmetic would overflow `u64`; the geometry describes memory that cannot exist.
+    AddressOverflow {
+        /// What was being computed.
+        detail: String,
+    },
+    /// Handoff metadata from a peer cannot be decoded: missing field, wrong type, unknown
+    /// format version or a compatibility-hash mismatch.
+    Wire {
+        /// The field that is missing or wrong.
+        field: String,
+        /// What was found and what was expected.
+        detail: String,
+    },
+    /// A request id is unknown to a ledger where it must be known.
+    UnknownRequest {
+        /// The request id.
+        request_id: u64,
+    },
+    /// A request id is already in flight in a ledger.
+    DuplicateRequest {
+        /// The request id.
+        request_id: u64,
+    },
+    /// A request needs more blocks or slots than the whole pool holds, so it could never start.
+    Capacity {
+        /// The resource (`blocks`, `ssm_slots`).
+        resource: String,
+        /// What was needed and what the pool holds.
+        detail: String,
+    },
+    /// An event is not allowed in the current state of a handoff (for example a second,
+    /// conflicting completion report from the same rank).
+    State {
+        /// The request id the event was for.
+        request_id: u64,
+        /// The current state and the event.
+        detail: String,
+    },
+    /// A reset was refused because something may still be written or read; nothing changed.
+    ResetRefused {
+        /// Itemized list of what blocks the reset.
+        detail: String,
+    },
+}
+
+impl DisaggError {
+    /// Stable name of the failure kind; the bindings map it to one exception class.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Layout { .. } => "Layout",
+            Self::Coverage { .. } => "Coverage",
+            Self::Block { .. } => "Block",
+            Self::Geometry { .. } => "Geometry",
+            Self::AddressOverflow { .. } => "AddressOverflow",
+            Self::Wire { .. } => "Wire",
+            Self::UnknownRequest { .. } => "UnknownRequest",
+            Self::DuplicateRequest { .. } => "DuplicateRequest",
+            Self::Capacity { .. } => "Capacity",
+            Self::State { .. } => "State",
+            Self::ResetRefused { .. } => "ResetRefused",
+        }
+    }
+
+    /// One example of every variant, so tests can prove that the mapping to Python classes is
+    /// exhaustive (a new variant without an example fails `every_variant_has_a_sample`).
+    pub fn samples() -> Vec<Self> {
+        vec![
+            Self::layout("tp_rank", "tp_rank=4 must be < tp_size=4"),
+            Self::Coverage { detail: "dst rank 0 layer 3 head 1 is never written".into() },
+            Self::block("src_block_ids", "block id 9 >= num_blocks=8"),
+            Self::geometry("head_dim", "src head_dim=128 != dst head_dim=64"),
+            Self::AddressOverflow { detail: "base 0xffff_ffff_ffff_fff0 + 64".into() },
+            Self::wire("version", "got 7, expected 1"),
+            Self::UnknownRequest { request_id: 7 },
+            Self::DuplicateRequest { request_id: 7 },
+            Self::Capacity { resource: "blocks".into(), detail: "needs 9 > pool size 8".into() },
+            Self::State { request_id: 7, detail: "rank 1 reported ok after error".into() },
+            Self::ResetRefused { detail: "1 importing handoff may still write".into() },
+        ]
+    }
+
+    /// Shorthand for [`DisaggError::Layout`].
+    pub fn layout(field: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self::Layout { field: field.into(), detail: detail.into() }
+    }
+
+    /// Shorthand for [`DisaggError::Block`].
+    pub fn block(field: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self::Block { field: field.into(), detail: detail.into() }
+    }
+
+    /// Shorthand for [`DisaggError::Geometry`].
+    pub fn geometry(field: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self::Geometry { field: field.into(), detail: detail.into() }
+    }
+
+    /// Shorthand for [`DisaggError::Wire`].
+    pub fn wire(field: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self::Wire { field: field.into(), detail: detail.into() }
+    }
+
+    /// Shorthand for [`DisaggError::AddressOverflow`].
+    pub fn overflow(detail: impl Into<String>) -> Self {
+        Self::AddressOverflow { detail: detail.into() }
+    }
+}
+
+impl fmt::Display for DisaggError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Layout { field, detail } => write!(f, "invalid layout field `{field}`: {detail}"),
+            Self::Coverage { detail } => write!(f, "reshard plan coverage broken: {detail}"),
+            Self::Block { field, detail } => write!(f, "invalid `{field}`: {detail}"),
+            Self::Geometry { field, detail } => write!(f, "geometry mismatch on `{field}`: {detail}"),
+            Self::AddressOverflow { detail } => write!(f, "address arithmetic overflows u64: {detail}"),
+            Self::Wire { field, detail } => write!(f, "bad handoff metadata field `{field}`: {detail}"),
+            Self::UnknownRequest { request_id } => write!(f, "unknown request id {request_id}"),
+            Self::DuplicateRequest { request_id } => {
+                write!(f, "request id {request_id} is already in flight")
+            }
+            Self::Capacity { resource, detail } => {
+                write!(f, "request can never fit in the {resource} pool: {detail}")
+            }
+            Self::State { request_id, detail } => {
+                write!(f, "event not allowed for request {request_id}: {detail}")
+            }
+            Self::ResetRefused { detail } => write!(f, "reset refused, nothing changed: {detail}"),
+        }
+    }
+}
+
+impl std::error::Error for DisaggError {}
+
+#[cfg(test)]
+mod tests {
+    use super::DisaggError;
+
+    #[test]
+    fn every_variant_has_a_sample() {
+        let mut kinds: Vec<&str> = DisaggError::samples().iter().map(DisaggError::kind).collect();
+        kinds.sort_unstable();
+        kinds.dedup();
+        // Bump this together with a new variant and its sample.
+        assert_eq!(kinds.len(), 11);
+    }
+
+    #[test]
+    fn display_names_field_and_values() {
+        let e = DisaggError::layout("tp_rank", "tp_rank=4 must be < tp_size=4");
+        assert!(e.to_string().contains("tp_rank=4"));
+        assert!(e.to_string().contains("tp_size=4"));
+    }
+}

@@ -1,0 +1,632 @@
+//! Shard layouts: which slice of the global KV cache or SSM state one rank holds.
+//!
+//! All ranges are half-open `[lo, hi)` in global coordinates. Constructors validate every field
+//! and name the field and both values on failure, so an invalid layout never exists.
+
+use crate::error::{DisaggError, DisaggResult};
+
+/// A half-open range `[lo, hi)` of layers, heads, groups or channels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Span {
+    /// First index in the range.
+    pub lo: u32,
+    /// One past the last index.
+    pub hi: u32,
+}
+
+impl Span {
+    /// `[lo, hi)`; callers guarantee `lo <= hi`.
+    pub const fn new(lo: u32, hi: u32) -> Self {
+        Self { lo, hi }
+    }
+
+    /// Number of indices in the range.
+    pub const fn len(self) -> u32 {
+        self.hi.saturating_sub(self.lo)
+    }
+
+    /// Whether the range holds no index.
+    pub const fn is_empty(self) -> bool {
+        self.hi <= self.lo
+    }
+
+    /// Whether `other` lies entirely inside `self`.
+    pub const fn contains_span(self, other: Span) -> bool {
+        self.lo <= other.lo && other.hi <= self.hi
+    }
+
+    /// The overlap of two ranges, if any.
+    pub fn intersect(self, other: Span) -> Option<Span> {
+        let lo = self.lo.max(other.lo);
+        let hi = self.hi.min(other.hi);
+        (lo < hi).then_some(Span { lo, hi })
+    }
+
+    /// The range shifted down by `origin` (global -> local coordinates).
+    pub const fn relative_to(self, origin: u32) -> Span {
+        Span { lo: self.lo - origin, hi: self.hi - origin }
+    }
+}
+
+/// Everything needed to build a [`KvShardLayout`]; `layer_start` and `num_local_layers` are set
+/// together (an explicit, possibly uneven pipeline window) or not at all (even split).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvLayoutSpec {
+    /// Layers of the whole model that hold KV cache.
+    pub num_layers: u32,
+    /// KV heads of the whole model.
+    pub num_kv_heads: u32,
+    /// Tensor-parallel size.
+    pub tp_size: u32,
+    /// Tensor-parallel rank, `< tp_size`.
+    pub tp_rank: u32,
+    /// Pipeline-parallel size.
+    pub pp_size: u32,
+    /// Pipeline-parallel rank, `< pp_size`.
+    pub pp_rank: u32,
+    /// Rank in the engine's world; the tie-breaker that picks one replica as the source.
+    pub global_rank: u32,
+    /// Expert-parallel coordinate of this replica (attention KV is identical across EP ranks).
+    pub ep_rank: u32,
+    /// Expert-tensor-parallel coordinate of this replica.
+    pub etp_rank: u32,
+    /// First global layer of this stage (explicit window).
+    pub layer_start: Option<u32>,
+    /// Number of layers of this stage (explicit window).
+    pub num_local_layers: Option<u32>,
+}
+
+/// The KV cache slice one rank holds: a layer window and a head range.
+///
+/// Beyond the reference design, `tp_size > num_kv_heads` is allowed when it is a multiple:
+/// each group of `tp_size / num_kv_heads` consecutive ranks holds the same single head (GQA
+/// replication). Replicas are never read twice: planners source each cell from the holder with
+/// the smallest global rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KvShardLayout {
+    /// Layers of the whole model.
+    pub num_layers: u32,
+    /// KV heads of the whole model.
+    pub num_kv_heads: u32,
+    /// Tensor-parallel size.
+    pub tp_size: u32,
+    /// Tensor-parallel rank.
+    pub tp_rank: u32,
+    /// Pipeline-parallel size.
+    pub pp_size: u32,
+    /// Pipeline-parallel rank.
+    pub pp_rank: u32,
+    /// Rank in the engine's world.
+    pub global_rank: u32,
+    /// Expert-parallel replica coordinate.
+    pub ep_rank: u32,
+    /// Expert-tensor-parallel replica coordinate.
+    pub etp_rank: u32,
+    /// Global layers held, `[lo, hi)`.
+    pub layers: Span,
+    /// Global KV heads held, `[lo, hi)`.
+    pub heads: Span,
+    /// Whether the layer window was given explicitly (kept for the wire round trip).
+    pub explicit_window: bool,
+}
+
+fn at_least_one(field: &str, value: u32) -> DisaggResult<()> {
+    if value == 0 {
+        return Err(DisaggError::layout(field, format!("{field}=0 must be >= 1")));
+    }
+    Ok(())
+}
+
+fn rank_below(rank_field: &str, rank: u32, size_field: &str, size: u32) -> DisaggResult<()> {
+    if rank >= size {
+        return Err(DisaggError::layout(
+            rank_field,
+            format!("{rank_field}={rank} must be < {size_field}={size}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The pipeline window of one stage: explicit, or an even split of `num_layers`.
+fn layer_window(
+    num_layers: u32,
+    pp_size: u32,
+    pp_rank: u32,
+    layer_start: Option<u32>,
+    num_local_layers: Option<u32>,
+) -> DisaggResult<(Span, bool)> {
+    match (layer_start, num_local_layers) {
+        (Some(start), Some(count)) => {
+            at_least_one("num_local_layers", count)?;
+            let end = start.checked_add(count).filter(|&e| e <= num_layers).ok_or_else(|| {
+                DisaggError::layout(
+                    "num_local_layers",
+                    format!(
+                        "layer_start={start} + num_local_layers={count} exceeds num_layers={num_layers}"
+                    ),
+                )
+            })?;
+            Ok((Span::new(start, end), true))
+        }
+        (None, None) => {
+            if num_layers % pp_size != 0 {
+                return Err(DisaggError::layout(
+                    "num_layers",
+                    format!(
+                        "num_layers={num_layers} is not divisible by pp_size={pp_size}; \
+                         give layer_start and num_local_layers for an uneven window"
+                    ),
+                ));
+            }
+            let per = num_layers / pp_size;
+            Ok((Span::new(pp_rank * per, (pp_rank + 1) * per), false))
+        }
+        (Some(start), None) => Err(DisaggError::layout(
+            "num_local_layers",
+            format!("layer_start={start} given but num_local_layers=None; set both or neither"),
+        )),
+        (None, Some(count)) => Err(DisaggError::layout(
+            "layer_start",
+            format!("num_local_layers={count} given but layer_start=None; set both or neither"),
+        )),
+    }
+}
+
+/// The units (heads or groups) rank `tp_rank` of `tp_size` holds out of `units`: an even split
+/// when `tp_size` divides `units`, one replicated unit when `units` divides `tp_size`.
+fn unit_share(units_field: &str, units: u32, tp_size: u32, tp_rank: u32) -> DisaggResult<Span> {
+    if tp_size <= units {
+        if units % tp_size != 0 {
+            return Err(DisaggError::layout(
+                units_field,
+                format!("{units_field}={units} is not divisible by tp_size={tp_size}"),
+            ));
+        }
+        let per = units / tp_size;
+        Ok(Span::new(tp_rank * per, (tp_rank + 1) * per))
+    } else {
+        if tp_size % units != 0 {
+            return Err(DisaggError::layout(
+                "tp_size",
+                format!(
+                    "tp_size={tp_size} exceeds {units_field}={units} but is not a multiple of it \
+                     (replication needs whole groups of ranks per unit)"
+                ),
+            ));
+        }
+        let unit = tp_rank / (tp_size / units);
+        Ok(Span::new(unit, unit + 1))
+    }
+}
+
+impl KvShardLayout {
+    /// Validate `spec` and build the layout.
+    pub fn new(spec: KvLayoutSpec) -> DisaggResult<Self> {
+        at_least_one("num_layers", spec.num_layers)?;
+        at_least_one("num_kv_heads", spec.num_kv_heads)?;
+        at_least_one("tp_size", spec.tp_size)?;
+        at_least_one("pp_size", spec.pp_size)?;
+        rank_below("tp_rank", spec.tp_rank, "tp_size", spec.tp_size)?;
+        rank_below("pp_rank", spec.pp_rank, "pp_size", spec.pp_size)?;
+        if spec.pp_size > spec.num_layers {
+            return Err(DisaggError::layout(
+                "pp_size",
+                format!("pp_size={} exceeds num_layers={}", spec.pp_size, spec.num_layers),
+            ));
+        }
+        let heads = unit_share("num_kv_heads", spec.num_kv_heads, spec.tp_size, spec.tp_rank)?;
+        let (layers, explicit_window) = layer_window(
+            spec.num_layers,
+            spec.pp_size,
+            spec.pp_rank,
+            spec.layer_start,
+            spec.num_local_layers,
+        )?;
+        Ok(Self {
+            num_layers: spec.num_layers,
+            num_kv_heads: spec.num_kv_heads,
+            tp_size: spec.tp_size,
+            tp_rank: spec.tp_rank,
+            pp_size: spec.pp_size,
+            pp_rank: spec.pp_rank,
+            global_rank: spec.global_rank,
+            ep_rank: spec.ep_rank,
+            etp_rank: spec.etp_rank,
+            layers,
+            heads,
+            explicit_window,
+        })
+    }
+
+    /// The spec this layout was built from (`new(l.spec()) == l`).
+    pub fn spec(&self) -> KvLayoutSpec {
+        KvLayoutSpec {
+            num_layers: self.num_layers,
+            num_kv_heads: self.num_kv_heads,
+            tp_size: self.tp_size,
+            tp_rank: self.tp_rank,
+            pp_size: self.pp_size,
+            pp_rank: self.pp_rank,
+            global_rank: self.global_rank,
+            ep_rank: self.ep_rank,
+            etp_rank: self.etp_rank,
+            layer_start: self.explicit_window.then_some(self.layers.lo),
+            num_local_layers: self.explicit_window.then_some(self.layers.len()),
+        }
+    }
+
+    /// Ranks holding the same head (1 unless `tp_size > num_kv_heads`).
+    pub fn gqa_replication(&self) -> u32 {
+        if self.tp_size > self.num_kv_heads {
+            self.tp_size / self.num_kv_heads
+        } else {
+            1
+        }
+    }
+}
+
+/// Global dimensions of one Mamba2-style SSM layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SsmStateDims {
+    /// SSM heads (`nheads`).
+    pub num_heads: u32,
+    /// Channels per head (`headdim`, p).
+    pub head_dim: u32,
+    /// State size per group (`d_state`, n).
+    pub d_state: u32,
+    /// B/C groups (`ngroups`).
+    pub n_groups: u32,
+    /// Convolution kernel width (`d_conv`).
+    pub d_conv: u32,
+}
+
+impl SsmStateDims {
+    /// Validate and build.
+    pub fn new(
+        num_heads: u32,
+        head_dim: u32,
+        d_state: u32,
+        n_groups: u32,
+        d_conv: u32,
+    ) -> DisaggResult<Self> {
+        at_least_one("num_heads", num_heads)?;
+        at_least_one("head_dim", head_dim)?;
+        at_least_one("d_state", d_state)?;
+        at_least_one("n_groups", n_groups)?;
+        at_least_one("d_conv", d_conv)?;
+        if num_heads % n_groups != 0 {
+            return Err(DisaggError::layout(
+                "n_groups",
+                format!("num_heads={num_heads} is not divisible by n_groups={n_groups}"),
+            ));
+        }
+        let dims = Self { num_heads, head_dim, d_state, n_groups, d_conv };
+        dims.conv_channels()?;
+        Ok(dims)
+    }
+
+    /// Width of the x band: `num_heads * head_dim`.
+    pub fn x_channels(&self) -> DisaggResult<u32> {
+        self.num_heads
+            .checked_mul(self.head_dim)
+            .ok_or_else(|| DisaggError::overflow("num_heads * head_dim exceeds u32"))
+    }
+
+    /// Width of the B (and of the C) band: `n_groups * d_state`.
+    pub fn bc_channels(&self) -> DisaggResult<u32> {
+        self.n_groups
+            .checked_mul(self.d_state)
+            .ok_or_else(|| DisaggError::overflow("n_groups * d_state exceeds u32"))
+    }
+
+    /// All conv channels: `[x | B | C]`.
+    pub fn conv_channels(&self) -> DisaggResult<u32> {
+        let bc = self.bc_channels()?;
+        self.x_channels()?
+            .checked_add(bc)
+            .and_then(|c| c.checked_add(bc))
+            .ok_or_else(|| DisaggError::overflow("conv channel count exceeds u32"))
+    }
+}
+
+/// Which part of the SSM state a transfer moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SsmBand {
+    /// Conv-state channels of the x band (head-sharded).
+    X,
+    /// Conv-state channels of the B band (group-sharded).
+    B,
+    /// Conv-state channels of the C band (group-sharded).
+    C,
+    /// The recurrent state, sharded by head.
+    Recurrent,
+}
+
+impl SsmBand {
+    /// All bands in plan order.
+    pub const ALL: [SsmBand; 4] = [SsmBand::X, SsmBand::B, SsmBand::C, SsmBand::Recurrent];
+
+    /// The wire and Python name of the band.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::X => "x",
+            Self::B => "B",
+            Self::C => "C",
+            Self::Recurrent => "recurrent",
+        }
+    }
+
+    /// Parse a band name.
+    pub fn parse(name: &str) -> DisaggResult<Self> {
+        match name {
+            "x" => Ok(Self::X),
+            "B" => Ok(Self::B),
+            "C" => Ok(Self::C),
+            "recurrent" => Ok(Self::Recurrent),
+            other => Err(DisaggError::layout(
+                "band",
+                format!("band={other:?} is not one of 'x', 'B', 'C', 'recurrent'"),
+            )),
+        }
+    }
+
+    /// Whether the band lives in the conv state (as opposed to the recurrent state).
+    pub fn is_conv(self) -> bool {
+        !matches!(self, Self::Recurrent)
+    }
+}
+
+/// Where one band sits: its global range and this rank's local range, in channels for the conv
+/// bands and in heads for the recurrent state. Both `[lo, hi)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BandSpan {
+    /// Global channels (conv) or heads (recurrent).
+    pub global: Span,
+    /// Offsets in this rank's local conv channels (conv) or local heads (recurrent).
+    pub local: Span,
+}
+
+/// Everything needed to build a [`SsmShardLayout`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SsmLayoutSpec {
+    /// SSM layers of the whole model.
+    pub num_layers: u32,
+    /// Global per-layer dimensions.
+    pub dims: SsmStateDims,
+    /// Tensor-parallel size.
+    pub tp_size: u32,
+    /// Tensor-parallel rank.
+    pub tp_rank: u32,
+    /// Pipeline-parallel size.
+    pub pp_size: u32,
+    /// Pipeline-parallel rank.
+    pub pp_rank: u32,
+    /// Rank in the engine's world.
+    pub global_rank: u32,
+    /// Expert-parallel replica coordinate.
+    pub ep_rank: u32,
+    /// Expert-tensor-parallel replica coordinate.
+    pub etp_rank: u32,
+    /// First global SSM layer of this stage (explicit window).
+    pub layer_start: Option<u32>,
+    /// Number of SSM layers of this stage (explicit window).
+    pub num_local_layers: Option<u32>,
+}
+
+/// The SSM state one rank holds: a layer window, a head range (x band and recurrent state) and
+/// a group range (B and C bands). The local conv channels are packed `[x | B | C]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SsmShardLayout {
+    /// SSM layers of the whole model.
+    pub num_layers: u32,
+    /// Global per-layer dimensions.
+    pub dims: SsmStateDims,
+    /// Tensor-parallel size.
+    pub tp_size: u32,
+    /// Tensor-parallel rank.
+    pub tp_rank: u32,
+    /// Pipeline-parallel size.
+    pub pp_size: u32,
+    /// Pipeline-parallel rank.
+    pub pp_rank: u32,
+    /// Rank in the engine's world.
+    pub global_rank: u32,
+    /// Expert-parallel replica coordinate.
+    pub ep_rank: u32,
+    /// Expert-tensor-parallel replica coordinate.
+    pub etp_rank: u32,
+    /// Global SSM layers held.
+    pub layers: Span,
+    /// Global SSM heads held.
+    pub heads: Span,
+    /// Global B/C groups held.
+    pub groups: Span,
+    /// Whether the layer window was given explicitly.
+    pub explicit_window: bool,
+}
+
+impl SsmShardLayout {
+    /// Validate `spec` and build the layout.
+    pub fn new(spec: SsmLayoutSpec) -> DisaggResult<Self> {
+        at_least_one("num_layers", spec.num_layers)?;
+        at_least_one("tp_size", spec.tp_size)?;
+        at_least_one("pp_size", spec.pp_size)?;
+        rank_below("tp_rank", spec.tp_rank, "tp_size", spec.tp_size)?;
+        rank_below("pp_rank", spec.pp_rank, "pp_size", spec.pp_size)?;
+        if spec.pp_size > spec.num_layers {
+            return Err(DisaggError::layout(
+                "pp_size",
+                format!("pp_size={} exceeds num_layers={}", spec.pp_size, spec.num_layers),
+            ));
+        }
+        let dims = spec.dims;
+        if dims.num_heads % spec.tp_size != 0 {
+            return Err(DisaggError::layout(
+                "num_heads",
+                format!(
+                    "SSM num_heads={} is not divisible by tp_size={}",
+                    dims.num_heads, spec.tp_size
+                ),
+            ));
+        }
+        let heads = unit_share("num_heads", dims.num_heads, spec.tp_size, spec.tp_rank)?;
+        let groups = unit_share("n_groups", dims.n_groups, spec.tp_size, spec.tp_rank)?;
+        let (layers, explicit_window) = layer_window(
+            spec.num_layers,
+            spec.pp_size,
+            spec.pp_rank,
+            spec.layer_start,
+            spec.num_local_layers,
+        )?;
+        Ok(Self {
+            num_layers: spec.num_layers,
+            dims,
+            tp_size: spec.tp_size,
+            tp_rank: spec.tp_rank,
+            pp_size: spec.pp_size,
+            pp_rank: spec.pp_rank,
+            global_rank: spec.global_rank,
+            ep_rank: spec.ep_rank,
+            etp_rank: spec.etp_rank,
+            layers,
+            heads,
+            groups,
+            explicit_window,
+        })
+    }
+
+    /// The spec this layout was built from.
+    pub fn spec(&self) -> SsmLayoutSpec {
+        SsmLayoutSpec {
+            num_layers: self.num_layers,
+            dims: self.dims,
+            tp_size: self.tp_size,
+            tp_rank: self.tp_rank,
+            pp_size: self.pp_size,
+            pp_rank: self.pp_rank,
+            global_rank: self.global_rank,
+            ep_rank: self.ep_rank,
+            etp_rank: self.etp_rank,
+            layer_start: self.explicit_window.then_some(self.layers.lo),
+            num_local_layers: self.explicit_window.then_some(self.layers.len()),
+        }
+    }
+
+    /// Local conv channels of this rank: `[x_local | B_local | C_local]`.
+    pub fn local_conv_channels(&self) -> u32 {
+        // Cannot overflow: bounded by the global count checked in `SsmStateDims::new`.
+        self.heads.len() * self.dims.head_dim + 2 * self.groups.len() * self.dims.d_state
+    }
+
+    /// Global and local position of `band` on this rank.
+    pub fn band(&self, band: SsmBand) -> BandSpan {
+        let d = self.dims;
+        let x_global = d.num_heads * d.head_dim;
+        let bc_global = d.n_groups * d.d_state;
+        let x_local = self.heads.len() * d.head_dim;
+        let bc_local = self.groups.len() * d.d_state;
+        match band {
+            SsmBand::X => BandSpan {
+                global: Span::new(self.heads.lo * d.head_dim, self.heads.hi * d.head_dim),
+                local: Span::new(0, x_local),
+            },
+            SsmBand::B => BandSpan {
+                global: Span::new(
+                    x_global + self.groups.lo * d.d_state,
+                    x_global + self.groups.hi * d.d_state,
+                ),
+                local: Span::new(x_local, x_local + bc_local),
+            },
+            SsmBand::C => BandSpan {
+                global: Span::new(
+                    x_global + bc_global + self.groups.lo * d.d_state,
+                    x_global + bc_global + self.groups.hi * d.d_state,
+                ),
+                local: Span::new(x_local + bc_local, x_local + 2 * bc_local),
+            },
+            SsmBand::Recurrent => {
+                BandSpan { global: self.heads, local: Span::new(0, self.heads.len()) }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv(tp: u32, rank: u32) -> KvLayoutSpec {
+        KvLayoutSpec {
+            num_layers: 8,
+            num_kv_heads: 4,
+            tp_size: tp,
+            tp_rank: rank,
+            pp_size: 1,
+            global_rank: rank,
+            ..KvLayoutSpec::default()
+        }
+    }
+
+    #[test]
+    fn even_tp_splits_heads() {
+        let l = KvShardLayout::new(kv(2, 1)).unwrap();
+        assert_eq!(l.heads, Span::new(2, 4));
+        assert_eq!(l.layers, Span::new(0, 8));
+    }
+
+    #[test]
+    fn gqa_replication_gives_one_head_per_group_of_ranks() {
+        let l = KvShardLayout::new(kv(8, 5)).unwrap();
+        assert_eq!(l.heads, Span::new(2, 3));
+        assert_eq!(l.gqa_replication(), 2);
+    }
+
+    #[test]
+    fn tp_rank_out_of_range_names_both_values() {
+        let e = KvShardLayout::new(kv(2, 2)).unwrap_err();
+        assert_eq!(e.kind(), "Layout");
+        assert!(e.to_string().contains("tp_rank=2"), "{e}");
+        assert!(e.to_string().contains("tp_size=2"), "{e}");
+    }
+
+    #[test]
+    fn window_fields_come_together() {
+        let mut s = kv(1, 0);
+        s.layer_start = Some(2);
+        let e = KvShardLayout::new(s).unwrap_err();
+        assert!(e.to_string().contains("num_local_layers"), "{e}");
+        s.num_local_layers = Some(7);
+        assert!(KvShardLayout::new(s).unwrap_err().to_string().contains("num_layers=8"));
+        s.num_local_layers = Some(6);
+        let l = KvShardLayout::new(s).unwrap();
+        assert_eq!(l.layers, Span::new(2, 8));
+        assert_eq!(KvShardLayout::new(l.spec()).unwrap(), l);
+    }
+
+    #[test]
+    fn ssm_bands_pack_x_then_b_then_c() {
+        let dims = SsmStateDims::new(8, 4, 16, 2, 4).unwrap();
+        let l = SsmShardLayout::new(SsmLayoutSpec {
+            num_layers: 2,
+            dims,
+            tp_size: 2,
+            tp_rank: 1,
+            pp_size: 1,
+            pp_rank: 0,
+            global_rank: 1,
+            ep_rank: 0,
+            etp_rank: 0,
+            layer_start: None,
+            num_local_layers: None,
+        })
+        .unwrap();
+        assert_eq!(l.band(SsmBand::X).global, Span::new(16, 32));
+        assert_eq!(l.band(SsmBand::X).local, Span::new(0, 16));
+        assert_eq!(l.band(SsmBand::B).global, Span::new(32 + 16, 32 + 32));
+        assert_eq!(l.band(SsmBand::B).local, Span::new(16, 32));
+        assert_eq!(l.band(SsmBand::C).global, Span::new(64 + 16, 64 + 32));
+        assert_eq!(l.band(SsmBand::C).local, Span::new(32, 48));
+        assert_eq!(l.local_conv_channels(), 48);
+        assert_eq!(l.band(SsmBand::Recurrent).global, Span::new(4, 8));
+    }
+}

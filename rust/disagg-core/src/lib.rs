@@ -1,0 +1,21 @@
+//! disagg-core: every decision of disagg_rs, in pure Rust.
+//!
+//! Layouts and reshard plans, and (in later modules) the descriptor compiler, the pools and the
+//! sans-IO ledgers. Nothing here performs I/O, reads a clock or calls Python: callers pass the
+//! time and the events in and carry the returned actions out. All ranges are half-open
+//! `[lo, hi)`.
+#![forbid(unsafe_code)]
+
+pub mod error;
+pub mod layout;
+pub mod reshard;
+
+pub use error::{DisaggError, DisaggResult};
+pub use layout::{
+    BandSpan, KvLayoutSpec, KvShardLayout, Span, SsmBand, SsmLayoutSpec, SsmShardLayout,
+    SsmStateDims,
+};
+pub use reshard::{
+    plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer, SsmReshardPlan,
+    SsmReshardTransfer,
+};

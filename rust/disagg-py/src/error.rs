@@ -1,0 +1,69 @@
+//! The one mapping from core errors to the Python classes of `disagg_rs.exceptions`.
+
+use disagg_core::DisaggError;
+use pyo3::prelude::*;
+
+pyo3::import_exception!(disagg_rs.exceptions, LayoutError);
+pyo3::import_exception!(disagg_rs.exceptions, PlanCoverageError);
+pyo3::import_exception!(disagg_rs.exceptions, BlockIdError);
+pyo3::import_exception!(disagg_rs.exceptions, GeometryMismatchError);
+pyo3::import_exception!(disagg_rs.exceptions, AddressOverflowError);
+pyo3::import_exception!(disagg_rs.exceptions, MetadataError);
+pyo3::import_exception!(disagg_rs.exceptions, UnknownRequestError);
+pyo3::import_exception!(disagg_rs.exceptions, DuplicateRequestError);
+pyo3::import_exception!(disagg_rs.exceptions, CapacityError);
+pyo3::import_exception!(disagg_rs.exceptions, HandoffStateError);
+pyo3::import_exception!(disagg_rs.exceptions, ResetRefusedError);
+
+/// Convert a core error into its Python exception: exhaustive, so a new variant fails to
+/// compile until it is mapped. The exception gets `(message, field)` as arguments.
+pub fn to_pyerr(e: DisaggError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        DisaggError::Layout { field, .. } => LayoutError::new_err((msg, field)),
+        DisaggError::Coverage { .. } => PlanCoverageError::new_err((msg, None::<String>)),
+        DisaggError::Block { field, .. } => BlockIdError::new_err((msg, field)),
+        DisaggError::Geometry { field, .. } => GeometryMismatchError::new_err((msg, field)),
+        DisaggError::AddressOverflow { .. } => AddressOverflowError::new_err((msg, None::<String>)),
+        DisaggError::Wire { field, .. } => MetadataError::new_err((msg, field)),
+        DisaggError::UnknownRequest { .. } => UnknownRequestError::new_err((msg, "request_id")),
+        DisaggError::DuplicateRequest { .. } => DuplicateRequestError::new_err((msg, "request_id")),
+        DisaggError::Capacity { resource, .. } => CapacityError::new_err((msg, resource)),
+        DisaggError::State { .. } => HandoffStateError::new_err((msg, None::<String>)),
+        DisaggError::ResetRefused { .. } => ResetRefusedError::new_err((msg, None::<String>)),
+    }
+}
+
+/// `?`-friendly conversion of core results.
+pub trait IntoPyResult<T> {
+    /// Map the error through [`to_pyerr`].
+    fn py(self) -> PyResult<T>;
+}
+
+impl<T> IntoPyResult<T> for Result<T, DisaggError> {
+    fn py(self) -> PyResult<T> {
+        self.map_err(to_pyerr)
+    }
+}
+
+/// The kinds of every core error variant, one sample each (for the mapping test).
+#[pyfunction]
+pub fn _error_kinds() -> Vec<&'static str> {
+    DisaggError::samples().iter().map(DisaggError::kind).collect()
+}
+
+/// Raise the sample error of `kind` through the real mapping (for the mapping test).
+#[pyfunction]
+pub fn _raise_sample_error(kind: &str) -> PyResult<()> {
+    match DisaggError::samples().into_iter().find(|e| e.kind() == kind) {
+        Some(e) => Err(to_pyerr(e)),
+        None => Err(pyo3::exceptions::PyValueError::new_err(format!("no error kind {kind:?}"))),
+    }
+}
+
+/// A Python int field that must fit `u32`, as a typed layout error otherwise.
+pub fn u32_field(field: &str, value: i64) -> PyResult<u32> {
+    u32::try_from(value).map_err(|_| {
+        to_pyerr(DisaggError::layout(field, format!("{field}={value} must be in [0, 2**32)")))
+    })
+}

@@ -1,0 +1,27 @@
+//! PyO3 bindings of disagg-core: the private extension module `disagg_rs._core`.
+//!
+//! Bindings only: argument conversion, GIL release around heavy work, and the one mapping of
+//! core errors to `disagg_rs.exceptions`. No decisions live here.
+
+mod error;
+mod layout;
+mod reshard;
+
+use pyo3::prelude::*;
+
+#[pymodule(gil_used = false)]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(error::_error_kinds, m)?)?;
+    m.add_function(wrap_pyfunction!(error::_raise_sample_error, m)?)?;
+    m.add_class::<layout::PyKvShardLayout>()?;
+    m.add_class::<layout::PySsmStateDims>()?;
+    m.add_class::<layout::PySsmShardLayout>()?;
+    m.add_class::<reshard::PyKvReshardTransfer>()?;
+    m.add_class::<reshard::PyKvReshardPlan>()?;
+    m.add_class::<reshard::PySsmReshardTransfer>()?;
+    m.add_class::<reshard::PySsmReshardPlan>()?;
+    m.add_function(wrap_pyfunction!(reshard::py_plan_kv_reshard, m)?)?;
+    m.add_function(wrap_pyfunction!(reshard::py_plan_ssm_reshard, m)?)?;
+    Ok(())
+}

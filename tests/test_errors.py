@@ -1,0 +1,53 @@
+"""Every core error variant maps to exactly one exception class of disagg_rs.exceptions."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg_rs import _core, exceptions
+
+EXPECTED = {
+    "Layout": (exceptions.LayoutError, ValueError),
+    "Coverage": (exceptions.PlanCoverageError, ValueError),
+    "Block": (exceptions.BlockIdError, ValueError),
+    "Geometry": (exceptions.GeometryMismatchError, ValueError),
+    "AddressOverflow": (exceptions.AddressOverflowError, OverflowError),
+    "Wire": (exceptions.MetadataError, ValueError),
+    "UnknownRequest": (exceptions.UnknownRequestError, LookupError),
+    "DuplicateRequest": (exceptions.DuplicateRequestError, ValueError),
+    "Capacity": (exceptions.CapacityError, ValueError),
+    "State": (exceptions.HandoffStateError, RuntimeError),
+    "ResetRefused": (exceptions.ResetRefusedError, RuntimeError),
+}
+
+
+def test_every_rust_error_kind_has_an_expected_class() -> None:
+    assert sorted(_core._error_kinds()) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
+def test_rust_error_kind_raises_its_class(kind: str) -> None:
+    cls, builtin = EXPECTED[kind]
+    with pytest.raises(cls) as info:
+        _core._raise_sample_error(kind)
+    assert type(info.value) is cls
+    assert isinstance(info.value, exceptions.DisaggError)
+    assert isinstance(info.value, builtin)
+    assert str(info.value)
+
+
+def test_every_exception_class_is_exported_and_derives_from_the_base() -> None:
+    for name in exceptions.__all__:
+        assert issubclass(getattr(exceptions, name), exceptions.DisaggError)
+
+
+def test_transfer_timeout_says_destinations_may_still_be_written() -> None:
+    assert exceptions.TransferTimeout.destinations_may_be_written
+    assert issubclass(exceptions.TransferTimeout, TimeoutError)
+    assert not exceptions.LayoutError.destinations_may_be_written
+
+
+def test_layout_error_carries_the_field() -> None:
+    with pytest.raises(exceptions.LayoutError) as info:
+        _core._raise_sample_error("Layout")
+    assert info.value.field == "tp_rank"
