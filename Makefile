@@ -24,27 +24,27 @@ venv: $(STAMP) ## Create .venv with the pinned dependencies
 
 .PHONY: build
 build: $(STAMP) ## Build the Rust extension into .venv (release, overflow checks on)
-	$(VENV)/bin/maturin develop --release -q
+	$(PY) -m maturin develop --release -q
 
 .PHONY: test
 test: build ## Build, then run cargo test for the workspace and the whole pytest suite
-	cargo test --workspace --exclude disagg-py --release -q
+	cargo test --workspace --release -q
 	$(PY) -m pytest -q
 
 .PHONY: lint
 lint: $(STAMP) ## cargo fmt/clippy, ruff, mypy and stubtest
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --release -q -- -D warnings
-	$(VENV)/bin/ruff check python tests benches
-	$(VENV)/bin/ruff format --check python tests benches
-	$(VENV)/bin/mypy
+	$(PY) -m ruff check python tests benches
+	$(PY) -m ruff format --check python tests benches
+	$(PY) -m mypy
 	$(PY) -m mypy.stubtest disagg_rs._core --allowlist .stubtest-allowlist
 
 .PHONY: fmt
 fmt: $(STAMP) ## Format Rust and Python sources
 	cargo fmt --all
-	$(VENV)/bin/ruff format python tests benches
-	$(VENV)/bin/ruff check --fix python tests benches
+	$(PY) -m ruff format python tests benches
+	$(PY) -m ruff check --fix python tests benches
 
 .PHONY: demo
 demo: build ## Run the main job (today: plan a TP8 -> TP4xPP2 reshard and print it)

@@ -36,7 +36,7 @@ pub enum DisaggError {
         detail: String,
     },
     /// Two memory geometries (or a geometry and a layout) disagree on something both sides must
-    /// share: head_dim, element size, dtype, number of blocks, axis set.
+    /// share: `head_dim`, element size, dtype, number of blocks, axis set.
     Geometry {
         /// The field that disagrees.
         field: String,
@@ -156,9 +156,15 @@ impl fmt::Display for DisaggError {
             Self::Layout { field, detail } => write!(f, "invalid layout field `{field}`: {detail}"),
             Self::Coverage { detail } => write!(f, "reshard plan coverage broken: {detail}"),
             Self::Block { field, detail } => write!(f, "invalid `{field}`: {detail}"),
-            Self::Geometry { field, detail } => write!(f, "geometry mismatch on `{field}`: {detail}"),
-            Self::AddressOverflow { detail } => write!(f, "address arithmetic overflows u64: {detail}"),
-            Self::Wire { field, detail } => write!(f, "bad handoff metadata field `{field}`: {detail}"),
+            Self::Geometry { field, detail } => {
+                write!(f, "geometry mismatch on `{field}`: {detail}")
+            }
+            Self::AddressOverflow { detail } => {
+                write!(f, "address arithmetic overflows u64: {detail}")
+            }
+            Self::Wire { field, detail } => {
+                write!(f, "bad handoff metadata field `{field}`: {detail}")
+            }
             Self::UnknownRequest { request_id } => write!(f, "unknown request id {request_id}"),
             Self::DuplicateRequest { request_id } => {
                 write!(f, "request id {request_id} is already in flight")

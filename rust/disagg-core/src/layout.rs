@@ -43,6 +43,7 @@ impl Span {
     }
 
     /// The range shifted down by `origin` (global -> local coordinates).
+    #[must_use]
     pub const fn relative_to(self, origin: u32) -> Span {
         Span { lo: self.lo - origin, hi: self.hi - origin }
     }
@@ -149,7 +150,7 @@ fn layer_window(
             Ok((Span::new(start, end), true))
         }
         (None, None) => {
-            if num_layers % pp_size != 0 {
+            if !num_layers.is_multiple_of(pp_size) {
                 return Err(DisaggError::layout(
                     "num_layers",
                     format!(
@@ -176,7 +177,7 @@ fn layer_window(
 /// when `tp_size` divides `units`, one replicated unit when `units` divides `tp_size`.
 fn unit_share(units_field: &str, units: u32, tp_size: u32, tp_rank: u32) -> DisaggResult<Span> {
     if tp_size <= units {
-        if units % tp_size != 0 {
+        if !units.is_multiple_of(tp_size) {
             return Err(DisaggError::layout(
                 units_field,
                 format!("{units_field}={units} is not divisible by tp_size={tp_size}"),
@@ -185,7 +186,7 @@ fn unit_share(units_field: &str, units: u32, tp_size: u32, tp_rank: u32) -> Disa
         let per = units / tp_size;
         Ok(Span::new(tp_rank * per, (tp_rank + 1) * per))
     } else {
-        if tp_size % units != 0 {
+        if !tp_size.is_multiple_of(units) {
             return Err(DisaggError::layout(
                 "tp_size",
                 format!(
@@ -294,7 +295,7 @@ impl SsmStateDims {
         at_least_one("d_state", d_state)?;
         at_least_one("n_groups", n_groups)?;
         at_least_one("d_conv", d_conv)?;
-        if num_heads % n_groups != 0 {
+        if !num_heads.is_multiple_of(n_groups) {
             return Err(DisaggError::layout(
                 "n_groups",
                 format!("num_heads={num_heads} is not divisible by n_groups={n_groups}"),
@@ -460,7 +461,7 @@ impl SsmShardLayout {
             ));
         }
         let dims = spec.dims;
-        if dims.num_heads % spec.tp_size != 0 {
+        if !dims.num_heads.is_multiple_of(spec.tp_size) {
             return Err(DisaggError::layout(
                 "num_heads",
                 format!(

@@ -1,4 +1,4 @@
-//! disagg-core: every decision of disagg_rs, in pure Rust.
+//! disagg-core: every decision of `disagg_rs`, in pure Rust.
 //!
 //! Layouts and reshard plans, and (in later modules) the descriptor compiler, the pools and the
 //! sans-IO ledgers. Nothing here performs I/O, reads a clock or calls Python: callers pass the

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 
 use crate::error::{DisaggError, DisaggResult};
-use crate::layout::{KvShardLayout, SsmBand, SsmShardLayout, Span};
+use crate::layout::{KvShardLayout, Span, SsmBand, SsmShardLayout};
 
 /// One rank's holding in the generic planner: rows are layers, columns are heads or groups.
 #[derive(Debug, Clone, Copy)]
@@ -49,10 +49,10 @@ fn interval_indices(points: &[u32], span: Span) -> std::ops::Range<usize> {
 fn reject_duplicate_ranks(side: &str, ranks: impl Iterator<Item = u32>) -> DisaggResult<()> {
     let mut seen: Vec<u32> = ranks.collect();
     seen.sort_unstable();
-    if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
+    if let Some(&[dup, _]) = seen.windows(2).find(|w| w[0] == w[1]) {
         return Err(DisaggError::layout(
             "global_rank",
-            format!("global_rank={} appears twice among the {side} layouts", w[0]),
+            format!("global_rank={dup} appears twice among the {side} layouts"),
         ));
     }
     Ok(())
@@ -403,7 +403,8 @@ fn band_ranges(l: &SsmShardLayout, band: SsmBand, units: Span) -> (Span, Span) {
     };
     let b = l.band(band);
     let global_base = b.global.lo - own.lo * unit_width;
-    let global = Span::new(global_base + units.lo * unit_width, global_base + units.hi * unit_width);
+    let global =
+        Span::new(global_base + units.lo * unit_width, global_base + units.hi * unit_width);
     let local = Span::new(
         b.local.lo + (units.lo - own.lo) * unit_width,
         b.local.lo + (units.hi - own.lo) * unit_width,
@@ -518,7 +519,12 @@ impl SsmReshardPlan {
                         }
                     }
                 }
-                rects.push(Rect { src: t.src_rank, dst: t.dst_rank, rows: t.layers, cols: t.global });
+                rects.push(Rect {
+                    src: t.src_rank,
+                    dst: t.dst_rank,
+                    rows: t.layers,
+                    cols: t.global,
+                });
             }
             let what = if band.is_conv() { "channel" } else { "head" };
             verify_rects(&rects, &s, &d, &format!("{} {what}", band.name()))?;

@@ -1,8 +1,7 @@
 //! Python classes for the shard layouts: `KVShardLayout`, `SSMStateDims`, `SSMShardLayout`.
 
 use disagg_core::{
-    DisaggError, KvLayoutSpec, KvShardLayout, SsmBand, SsmLayoutSpec, SsmShardLayout,
-    SsmStateDims,
+    DisaggError, KvLayoutSpec, KvShardLayout, SsmBand, SsmLayoutSpec, SsmShardLayout, SsmStateDims,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyType};
@@ -19,9 +18,9 @@ fn wire_err(field: &str, detail: String) -> PyErr {
 /// Reject keys a wire dict must not carry, so a typo never silently becomes a default.
 fn reject_unknown_keys(d: &Bound<'_, PyDict>, known: &[&str], what: &str) -> PyResult<()> {
     for key in d.keys() {
-        let name: String = key.extract().map_err(|_| {
-            wire_err("<key>", format!("{what} dict has a non-string key {key}"))
-        })?;
+        let name: String = key
+            .extract()
+            .map_err(|_| wire_err("<key>", format!("{what} dict has a non-string key {key}")))?;
         if !known.contains(&name.as_str()) {
             return Err(wire_err(&name, format!("unknown field in {what} dict; known: {known:?}")));
         }
@@ -188,7 +187,7 @@ impl PyKvShardLayout {
     fn heads(&self) -> PyRange {
         (self.inner.heads.lo, self.inner.heads.hi)
     }
-    /// Ranks holding the same KV head (GQA replication factor; 1 when tp_size <= heads).
+    /// Ranks holding the same KV head (GQA replication factor; 1 when `tp_size` <= heads).
     #[getter]
     fn gqa_replication(&self) -> u32 {
         self.inner.gqa_replication()
@@ -291,7 +290,13 @@ const DIMS_KEYS: [&str; 5] = ["num_heads", "head_dim", "d_state", "n_groups", "d
 impl PySsmStateDims {
     #[new]
     #[pyo3(signature = (num_heads, head_dim, d_state, n_groups=1, d_conv=4))]
-    fn new(num_heads: i64, head_dim: i64, d_state: i64, n_groups: i64, d_conv: i64) -> PyResult<Self> {
+    fn new(
+        num_heads: i64,
+        head_dim: i64,
+        d_state: i64,
+        n_groups: i64,
+        d_conv: i64,
+    ) -> PyResult<Self> {
         let inner = SsmStateDims::new(
             u32_field("num_heads", num_heads)?,
             u32_field("head_dim", head_dim)?,

@@ -1,7 +1,10 @@
-//! PyO3 bindings of disagg-core: the private extension module `disagg_rs._core`.
+//! `PyO3` bindings of disagg-core: the private extension module `disagg_rs._core`.
 //!
 //! Bindings only: argument conversion, GIL release around heavy work, and the one mapping of
 //! core errors to `disagg_rs.exceptions`. No decisions live here.
+
+// PyO3 extracts #[pyfunction] arguments by value; a reference is not an option there.
+#![allow(clippy::needless_pass_by_value)]
 
 mod error;
 mod layout;

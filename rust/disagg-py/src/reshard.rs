@@ -10,6 +10,15 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::error::IntoPyResult;
+
+/// Resolve a Python sequence index (negative counts from the end) against `len`.
+fn seq_index(index: isize, len: usize) -> PyResult<usize> {
+    let resolved =
+        if index < 0 { len.checked_sub(index.unsigned_abs()) } else { Some(index.unsigned_abs()) };
+    resolved.filter(|&i| i < len).ok_or_else(|| {
+        PyIndexError::new_err(format!("plan index {index} out of range for {len} transfers"))
+    })
+}
 use crate::layout::{PyKvShardLayout, PyRange, PySsmShardLayout};
 
 /// One KV transfer: `src_rank` sends global `layers` x `heads` (half-open) to `dst_rank` for
@@ -118,12 +127,9 @@ impl PyKvReshardPlan {
         self.inner.transfers.len()
     }
     fn __getitem__(&self, index: isize) -> PyResult<PyKvReshardTransfer> {
-        let n = self.inner.transfers.len() as isize;
-        let i = if index < 0 { index + n } else { index };
-        if i < 0 || i >= n {
-            return Err(PyIndexError::new_err(format!("plan index {index} out of range for {n} transfers")));
-        }
-        Ok(PyKvReshardTransfer { inner: self.inner.transfers[i as usize] })
+        Ok(PyKvReshardTransfer {
+            inner: self.inner.transfers[seq_index(index, self.inner.transfers.len())?],
+        })
     }
     /// All transfers as a list.
     #[getter]
@@ -286,12 +292,9 @@ impl PySsmReshardPlan {
         self.inner.transfers.len()
     }
     fn __getitem__(&self, index: isize) -> PyResult<PySsmReshardTransfer> {
-        let n = self.inner.transfers.len() as isize;
-        let i = if index < 0 { index + n } else { index };
-        if i < 0 || i >= n {
-            return Err(PyIndexError::new_err(format!("plan index {index} out of range for {n} transfers")));
-        }
-        Ok(PySsmReshardTransfer { inner: self.inner.transfers[i as usize] })
+        Ok(PySsmReshardTransfer {
+            inner: self.inner.transfers[seq_index(index, self.inner.transfers.len())?],
+        })
     }
     #[getter]
     fn transfers(&self) -> Vec<PySsmReshardTransfer> {
