@@ -1,0 +1,45 @@
+"""Write one benchmark's section into benches/RESULTS.md, leaving the other sections alone.
+
+Each bench script owns the text between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``;
+a run replaces its own section (or appends it) and stamps machine and date.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import re
+from pathlib import Path
+
+__all__ = ["machine_line", "write_section"]
+
+
+def machine_line() -> str:
+    """One line naming the machine, CPU count and date of this run."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    today = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    return f"{today}, {platform.node() or 'host'}: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+
+
+def write_section(path: str | Path, name: str, markdown: str) -> None:
+    """Replace (or append) the section ``name`` of the results file at ``path``."""
+    p = Path(path)
+    text = p.read_text() if p.exists() else "# Benchmark results\n\nRatios are from one run.\n"
+    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    block = f"{begin}\n{markdown.rstrip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    text = (
+        pattern.sub(lambda _: block, text)
+        if pattern.search(text)
+        else text.rstrip() + "\n\n" + block + "\n"
+    )
+    p.write_text(text)
