@@ -27,7 +27,8 @@ def machine_line() -> str:
     except OSError:
         pass
     today = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
-    return f"{today}, {platform.node() or 'host'}: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    host = platform.node() or "host"
+    return f"{today}, {host}: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 
 
 def write_section(path: str | Path, name: str, markdown: str) -> None:
