@@ -1,0 +1,221 @@
+//! Property tests of the reshard planners over random valid layouts: TP 1..16 in either
+//! direction, PP 1..4 with uneven windows, EP replicas, GQA replication, shuffled rank ids.
+
+use disagg_core::{
+    plan_kv_reshard, plan_ssm_reshard, KvLayoutSpec, KvShardLayout, SsmLayoutSpec, SsmShardLayout,
+    SsmStateDims,
+};
+use proptest::prelude::*;
+
+/// One engine's parallel shape.
+#[derive(Debug, Clone)]
+struct Side {
+    tp: u32,
+    pp: u32,
+    ep: u32,
+    /// Layers per PP stage (uneven windows), sums to the model's layer count.
+    split: Vec<u32>,
+    /// Global rank of each (ep, pp, tp) slot, a permutation (rank ids need not follow the grid).
+    ranks: Vec<u32>,
+}
+
+fn split_strategy(layers: u32, pp: u32) -> impl Strategy<Value = Vec<u32>> {
+    // Choose pp-1 distinct cut points in 1..layers.
+    proptest::sample::subsequence((1..layers).collect::<Vec<_>>(), (pp - 1) as usize).prop_map(
+        move |cuts| {
+            let mut bounds = vec![0];
+            bounds.extend(cuts);
+            bounds.push(layers);
+            bounds.windows(2).map(|w| w[1] - w[0]).collect()
+        },
+    )
+}
+
+fn side_strategy(layers: u32, units: u32, rank_base: u32) -> impl Strategy<Value = Side> {
+    let tps: Vec<u32> = (1..=16).filter(|&t| units % t == 0 || t % units == 0).collect();
+    (proptest::sample::select(tps), 1..=4u32.min(layers), 1..=2u32)
+        .prop_flat_map(move |(tp, pp, ep)| {
+            let n = (tp * pp * ep) as usize;
+            let ranks = Just((rank_base..rank_base + n as u32).collect::<Vec<_>>()).prop_shuffle();
+            (Just(tp), Just(pp), Just(ep), split_strategy(layers, pp), ranks)
+        })
+        .prop_map(|(tp, pp, ep, split, ranks)| Side { tp, pp, ep, split, ranks })
+}
+
+fn kv_layouts(side: &Side, layers: u32, heads: u32) -> Vec<KvShardLayout> {
+    let mut out = Vec::new();
+    let mut slot = 0;
+    for ep in 0..side.ep {
+        let mut start = 0;
+        for pp in 0..side.pp {
+            for tp in 0..side.tp {
+                out.push(
+                    KvShardLayout::new(KvLayoutSpec {
+                        num_layers: layers,
+                        num_kv_heads: heads,
+                        tp_size: side.tp,
+                        tp_rank: tp,
+                        pp_size: side.pp,
+                        pp_rank: pp,
+                        global_rank: side.ranks[slot],
+                        ep_rank: ep,
+                        etp_rank: 0,
+                        layer_start: Some(start),
+                        num_local_layers: Some(side.split[pp as usize]),
+                    })
+                    .unwrap(),
+                );
+                slot += 1;
+            }
+            start += side.split[pp as usize];
+        }
+    }
+    out
+}
+
+fn kv_case() -> impl Strategy<Value = (Vec<KvShardLayout>, Vec<KvShardLayout>)> {
+    (4..=24u32, proptest::sample::select(vec![1u32, 2, 3, 4, 6, 8, 12, 16]))
+        .prop_flat_map(|(layers, heads)| {
+            (
+                Just(layers),
+                Just(heads),
+                side_strategy(layers, heads, 0),
+                side_strategy(layers, heads, 1000),
+            )
+        })
+        .prop_map(|(layers, heads, s, d)| {
+            (kv_layouts(&s, layers, heads), kv_layouts(&d, layers, heads))
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn kv_plans_write_every_destination_cell_exactly_once((srcs, dsts) in kv_case()) {
+        let plan = plan_kv_reshard(&srcs, &dsts).unwrap();
+        plan.verify().unwrap();
+    }
+
+    #[test]
+    fn kv_plans_do_not_depend_on_layout_list_order(
+        (srcs, dsts) in kv_case(), seed in any::<u64>()
+    ) {
+        let plan = plan_kv_reshard(&srcs, &dsts).unwrap();
+        let mut s2 = srcs.clone();
+        let mut d2 = dsts.clone();
+        // Deterministic rotation driven by the seed: a different list order, same layouts.
+        s2.rotate_left((seed % srcs.len() as u64) as usize);
+        d2.reverse();
+        let again = plan_kv_reshard(&s2, &d2).unwrap();
+        prop_assert_eq!(&plan.transfers, &again.transfers);
+    }
+
+    #[test]
+    fn kv_plan_order_is_destination_then_layer_then_head((srcs, dsts) in kv_case()) {
+        let plan = plan_kv_reshard(&srcs, &dsts).unwrap();
+        let keys: Vec<_> = plan.transfers.iter().map(|t| (t.dst_rank, t.layers.lo, t.heads.lo)).collect();
+        let mut sorted = keys.clone();
+        sorted.sort_unstable();
+        prop_assert_eq!(keys, sorted);
+    }
+
+    #[test]
+    fn kv_src_and_dst_filters_partition_the_plan((srcs, dsts) in kv_case()) {
+        let plan = plan_kv_reshard(&srcs, &dsts).unwrap();
+        let mut by_src: Vec<_> = srcs.iter().flat_map(|l| plan.for_src(l.global_rank)).collect();
+        let mut by_dst: Vec<_> = dsts.iter().flat_map(|l| plan.for_dst(l.global_rank)).collect();
+        let mut all = plan.transfers.clone();
+        let key = |t: &disagg_core::KvReshardTransfer| (t.dst_rank, t.layers.lo, t.heads.lo, t.src_rank);
+        all.sort_by_key(key);
+        by_src.sort_by_key(key);
+        by_dst.sort_by_key(key);
+        prop_assert_eq!(&by_src, &all);
+        prop_assert_eq!(&by_dst, &all);
+    }
+
+    #[test]
+    fn kv_cells_are_read_from_the_smallest_rank_holding_them((srcs, dsts) in kv_case()) {
+        let plan = plan_kv_reshard(&srcs, &dsts).unwrap();
+        for t in &plan.transfers {
+            for s in srcs.iter().filter(|s| s.global_rank < t.src_rank) {
+                let overlap = s.layers.intersect(t.layers).is_some() && s.heads.intersect(t.heads).is_some();
+                prop_assert!(!overlap, "rank {} also holds part of {:?}", s.global_rank, t);
+            }
+        }
+    }
+}
+
+fn ssm_layouts(side: &Side, layers: u32, dims: SsmStateDims) -> Vec<SsmShardLayout> {
+    let mut out = Vec::new();
+    let mut slot = 0;
+    for ep in 0..side.ep {
+        let mut start = 0;
+        for pp in 0..side.pp {
+            for tp in 0..side.tp {
+                out.push(
+                    SsmShardLayout::new(SsmLayoutSpec {
+                        num_layers: layers,
+                        dims,
+                        tp_size: side.tp,
+                        tp_rank: tp,
+                        pp_size: side.pp,
+                        pp_rank: pp,
+                        global_rank: side.ranks[slot],
+                        ep_rank: ep,
+                        etp_rank: 0,
+                        layer_start: Some(start),
+                        num_local_layers: Some(side.split[pp as usize]),
+                    })
+                    .unwrap(),
+                );
+                slot += 1;
+            }
+            start += side.split[pp as usize];
+        }
+    }
+    out
+}
+
+fn ssm_side(layers: u32, heads: u32, groups: u32, base: u32) -> impl Strategy<Value = Side> {
+    side_strategy(layers, heads, base).prop_filter("groups must split or replicate", move |s| {
+        heads % s.tp == 0 && (groups % s.tp == 0 || s.tp % groups == 0)
+    })
+}
+
+fn ssm_case() -> impl Strategy<Value = (Vec<SsmShardLayout>, Vec<SsmShardLayout>)> {
+    (2..=12u32, proptest::sample::select(vec![2u32, 4, 8, 16]), 0..=2u32)
+        .prop_flat_map(|(layers, heads, g_exp)| {
+            let groups = (1u32 << g_exp).min(heads);
+            let dims = SsmStateDims::new(heads, 2, 3, groups, 4).unwrap();
+            (
+                Just(layers),
+                Just(dims),
+                ssm_side(layers, heads, groups, 0),
+                ssm_side(layers, heads, groups, 500),
+            )
+        })
+        .prop_map(|(layers, dims, s, d)| {
+            (ssm_layouts(&s, layers, dims), ssm_layouts(&d, layers, dims))
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn ssm_plans_cover_every_band_exactly_once((srcs, dsts) in ssm_case()) {
+        let plan = plan_ssm_reshard(&srcs, &dsts).unwrap();
+        plan.verify().unwrap();
+    }
+
+    #[test]
+    fn ssm_plans_do_not_depend_on_layout_list_order((srcs, dsts) in ssm_case()) {
+        let plan = plan_ssm_reshard(&srcs, &dsts).unwrap();
+        let mut s2 = srcs.clone();
+        s2.reverse();
+        let mut d2 = dsts.clone();
+        d2.reverse();
+        prop_assert_eq!(&plan.transfers, &plan_ssm_reshard(&s2, &d2).unwrap().transfers);
+    }
+}
