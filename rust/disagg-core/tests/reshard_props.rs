@@ -1,6 +1,9 @@
 //! Property tests of the reshard planners over random valid layouts: TP 1..16 in either
 //! direction, PP 1..4 with uneven windows, EP replicas, GQA replication, shuffled rank ids.
 
+// Test code: a panic is how a failure is reported.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use disagg_core::{
     plan_kv_reshard, plan_ssm_reshard, KvLayoutSpec, KvShardLayout, SsmLayoutSpec, SsmShardLayout,
     SsmStateDims,
@@ -32,7 +35,7 @@ fn split_strategy(layers: u32, pp: u32) -> impl Strategy<Value = Vec<u32>> {
 }
 
 fn side_strategy(layers: u32, units: u32, rank_base: u32) -> impl Strategy<Value = Side> {
-    let tps: Vec<u32> = (1..=16).filter(|&t| units % t == 0 || t % units == 0).collect();
+    let tps: Vec<u32> = (1..=16).filter(|&t| units.is_multiple_of(t) || t % units == 0).collect();
     (proptest::sample::select(tps), 1..=4u32.min(layers), 1..=2u32)
         .prop_flat_map(move |(tp, pp, ep)| {
             let n = (tp * pp * ep) as usize;
@@ -179,7 +182,7 @@ fn ssm_layouts(side: &Side, layers: u32, dims: SsmStateDims) -> Vec<SsmShardLayo
 
 fn ssm_side(layers: u32, heads: u32, groups: u32, base: u32) -> impl Strategy<Value = Side> {
     side_strategy(layers, heads, base).prop_filter("groups must split or replicate", move |s| {
-        heads % s.tp == 0 && (groups % s.tp == 0 || s.tp % groups == 0)
+        heads.is_multiple_of(s.tp) && (groups.is_multiple_of(s.tp) || s.tp % groups == 0)
     })
 }
 
