@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
@@ -31,7 +32,7 @@ def sides(draw: st.DrawFn, layers: int, units: int, rank_base: int, groups: int 
     ep = draw(st.integers(1, 2))
     cuts = sorted(draw(st.sets(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1)))
     bounds = [0, *cuts, layers]
-    split = tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+    split = tuple(b - a for a, b in itertools.pairwise(bounds))
     n = tp * pp * ep
     ranks = tuple(draw(st.permutations(range(rank_base, rank_base + n))))
     return Side(tp, pp, ep, split, ranks)
