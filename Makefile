@@ -47,7 +47,7 @@ fmt: $(STAMP) ## Format Rust and Python sources
 	$(PY) -m ruff check --fix python tests benches
 
 .PHONY: demo
-demo: build ## Run the main job (today: plan a TP8 -> TP4xPP2 reshard and print it)
+demo: build ## Run the main job (today: plan and verify a TP8 -> TP4xPP2 KV reshard)
 	$(VENV)/bin/disagg-rs plan --src "tp=8,pp=1" --dst "tp=4,pp=2" --layers 80 --kv-heads 8
 
 .PHONY: bench
