@@ -297,7 +297,11 @@ pub fn plan_kv_reshard(
             })
         })
         .collect();
-    Ok(KvReshardPlan { transfers, srcs: srcs.to_vec(), dsts: dsts.to_vec() })
+    let plan = KvReshardPlan { transfers, srcs: srcs.to_vec(), dsts: dsts.to_vec() };
+    // Debug builds check every plan; release builds leave it to `verify()` on demand.
+    #[cfg(debug_assertions)]
+    plan.verify()?;
+    Ok(plan)
 }
 
 impl KvReshardPlan {
@@ -456,7 +460,10 @@ pub fn plan_ssm_reshard(
         }
     }
     transfers.sort_by_key(|t| (t.dst_rank, t.layers.lo, t.band, t.global.lo, t.src_rank));
-    Ok(SsmReshardPlan { transfers, srcs: srcs.to_vec(), dsts: dsts.to_vec() })
+    let plan = SsmReshardPlan { transfers, srcs: srcs.to_vec(), dsts: dsts.to_vec() };
+    #[cfg(debug_assertions)]
+    plan.verify()?;
+    Ok(plan)
 }
 
 impl SsmReshardPlan {
