@@ -1,0 +1,573 @@
+"""Control plane: a coordinator and its clients over ZeroMQ (loopback by default).
+
+Engines register once with their static transfer metadata and an incarnation epoch (a restarted
+engine registers a new incarnation, and peers replace the stale one). Per request only a small
+ticket travels. Message flow of one request::
+
+    client  --SUBMIT-->                  coordinator --PREFILL--> prefill engine
+    prefill --PREFILL_DONE(ticket)-->    coordinator --SUBMIT_REQUEST_WITH_KV--> decode engine
+    decode  --KV_RECV_POSTED-->          coordinator --SEND_KV--> prefill        (push transports)
+    decode  --KV_IMPORTED-->             coordinator --RELEASE_KV--> prefill
+    decode  --TOKENS / DONE / FAILED-->  coordinator --TOKENS / DONE / FAILED--> client
+
+The routing logic is sans-IO (:class:`CoordinatorState`: messages and the caller's ``now`` in,
+addressed messages out), so tests drive it with a virtual clock; :class:`CoordinatorServer` is
+the thin ZeroMQ loop around it. Every request carries an attempt ``epoch``: a message for a
+finished request or an old epoch is ignored and counted, never applied. Every request has a
+deadline; when it passes the client gets ``FAILED``, the engines ``ABORT`` and the prefill
+``RELEASE_KV``, so no pinned block outlives its request.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+
+from disagg_rs.exceptions import MetadataError, TransferTimeout
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "ControlClient",
+    "CoordinatorServer",
+    "CoordinatorState",
+    "EngineLink",
+    "Msg",
+    "Outgoing",
+    "decode_message",
+    "encode_message",
+]
+
+PROTOCOL_VERSION = 1
+
+
+class Msg(str, enum.Enum):
+    """Control-plane message types."""
+
+    REGISTER = "REGISTER"
+    REGISTERED = "REGISTERED"
+    PEERS = "PEERS"
+    SUBMIT = "SUBMIT"
+    PREFILL = "PREFILL"
+    PREFILL_DONE = "PREFILL_DONE"
+    PREFILL_FAILED = "PREFILL_FAILED"
+    SUBMIT_REQUEST_WITH_KV = "SUBMIT_REQUEST_WITH_KV"
+    KV_RECV_POSTED = "KV_RECV_POSTED"
+    SEND_KV = "SEND_KV"
+    KV_IMPORTED = "KV_IMPORTED"
+    RELEASE_KV = "RELEASE_KV"
+    TOKENS = "TOKENS"
+    DONE = "DONE"
+    FAILED = "FAILED"
+    ABORT = "ABORT"
+    SHUTDOWN = "SHUTDOWN"
+
+
+_REQUIRED: dict[Msg, tuple[str, ...]] = {
+    Msg.REGISTER: ("engine_id", "role", "incarnation", "meta"),
+    Msg.REGISTERED: ("engine_id", "incarnation", "peers"),
+    Msg.PEERS: ("peers",),
+    Msg.SUBMIT: ("request_id", "prompt", "max_new_tokens"),
+    Msg.PREFILL: ("request_id", "epoch", "prompt", "max_new_tokens"),
+    Msg.PREFILL_DONE: ("request_id", "epoch", "ticket"),
+    Msg.PREFILL_FAILED: ("request_id", "epoch", "error"),
+    Msg.SUBMIT_REQUEST_WITH_KV: ("request_id", "epoch", "prompt", "max_new_tokens", "ticket"),
+    Msg.KV_RECV_POSTED: ("request_id", "epoch"),
+    Msg.SEND_KV: ("request_id", "epoch", "decode_engine_id"),
+    Msg.KV_IMPORTED: ("request_id", "epoch", "ok"),
+    Msg.RELEASE_KV: ("request_id", "epoch"),
+    Msg.TOKENS: ("request_id", "tokens"),
+    Msg.DONE: ("request_id", "tokens"),
+    Msg.FAILED: ("request_id", "error"),
+    Msg.ABORT: ("request_id", "epoch"),
+    Msg.SHUTDOWN: (),
+}
+
+
+def encode_message(kind: Msg, **fields: Any) -> bytes:
+    """Pack one message (msgpack, versioned)."""
+    missing = [k for k in _REQUIRED[kind] if k not in fields]
+    if missing:
+        raise MetadataError(f"{kind.value} message is missing {missing}", missing[0])
+    packed: bytes = msgpack.packb(
+        {"type": kind.value, "v": PROTOCOL_VERSION, **fields}, use_bin_type=True
+    )
+    return packed
+
+
+def decode_message(data: bytes) -> dict[str, Any]:
+    """Unpack and validate one message; raises :class:`MetadataError` naming the bad field."""
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise MetadataError(f"undecodable control message: {e}", "<frame>") from None
+    if not isinstance(msg, dict):
+        raise MetadataError(f"control message is a {type(msg).__name__}, not a map", "<frame>")
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise MetadataError(
+            f"control protocol version {msg.get('v')!r}, expected {PROTOCOL_VERSION}", "v"
+        )
+    try:
+        kind = Msg(msg.get("type"))
+    except ValueError:
+        raise MetadataError(f"unknown control message type {msg.get('type')!r}", "type") from None
+    missing = [k for k in _REQUIRED[kind] if k not in msg]
+    if missing:
+        raise MetadataError(f"{kind.value} message is missing {missing}", missing[0])
+    msg["type"] = kind
+    return msg
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One message the coordinator wants sent: to an engine id, or to a client identity."""
+
+    to_engine: str | None
+    to_client: bytes | None
+    kind: Msg
+    fields: dict[str, Any]
+
+
+@dataclass
+class _Engine:
+    engine_id: str
+    role: str
+    incarnation: int
+    meta: Any
+    identity: bytes
+
+
+class _Phase(enum.Enum):
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+
+
+@dataclass
+class _Request:
+    request_id: int
+    client: bytes
+    prompt: list[int]
+    max_new_tokens: int
+    deadline: float
+    epoch: int
+    phase: _Phase = _Phase.PREFILLING
+    prefill: str | None = None
+    decode: str | None = None
+    pinned: bool = False
+    tokens: list[int] = field(default_factory=list)
+
+
+class CoordinatorState:
+    """Sans-IO routing of requests between clients, prefill and decode engines.
+
+    ``handle(identity, msg, now)`` and ``poll(now)`` return the :class:`Outgoing` messages to
+    send. Time is the caller's ``now`` (seconds, any monotonic origin).
+    """
+
+    def __init__(self, request_timeout_s: float = 60.0, push_transport: bool = False) -> None:
+        self.request_timeout_s = request_timeout_s
+        self.push_transport = push_transport
+        self.engines: dict[str, _Engine] = {}
+        self.requests: dict[int, _Request] = {}
+        self.ignored: Counter[str] = Counter()
+        self.completed = 0
+        self.failed = 0
+        self._epochs = itertools.count(1)
+        self._round_robin: dict[str, int] = Counter()
+
+    # -- helpers -------------------------------------------------------------------------
+    def _peers(self) -> dict[str, dict[str, Any]]:
+        return {
+            e.engine_id: {"role": e.role, "incarnation": e.incarnation, "meta": e.meta}
+            for e in self.engines.values()
+        }
+
+    def _pick(self, role: str) -> str | None:
+        ids = sorted(e.engine_id for e in self.engines.values() if e.role == role)
+        if not ids:
+            return None
+        i = self._round_robin[role] % len(ids)
+        self._round_robin[role] += 1
+        return ids[i]
+
+    def _fail(self, req: _Request, error: str) -> list[Outgoing]:
+        """End a request with one FAILED, abort it on engines, release prefill pins."""
+        out = [
+            Outgoing(None, req.client, Msg.FAILED, {"request_id": req.request_id, "error": error})
+        ]
+        for engine in {req.prefill, req.decode} - {None}:
+            if engine in self.engines:
+                out.append(
+                    Outgoing(
+                        engine, None, Msg.ABORT, {"request_id": req.request_id, "epoch": req.epoch}
+                    )
+                )
+        if req.pinned and req.prefill in self.engines:
+            out.append(self._release(req))
+        del self.requests[req.request_id]
+        self.failed += 1
+        return out
+
+    def _release(self, req: _Request) -> Outgoing:
+        req.pinned = False
+        return Outgoing(
+            req.prefill, None, Msg.RELEASE_KV, {"request_id": req.request_id, "epoch": req.epoch}
+        )
+
+    def _current(self, msg: dict[str, Any], sender: str | None) -> _Request | None:
+        """The live request a message refers to, or None (ignored and counted)."""
+        req = self.requests.get(msg["request_id"])
+        if req is None or msg.get("epoch", req.epoch) != req.epoch:
+            self.ignored[msg["type"].value] += 1
+            return None
+        if sender is not None and sender not in (req.prefill, req.decode):
+            self.ignored[msg["type"].value] += 1
+            return None
+        return req
+
+    # -- events --------------------------------------------------------------------------
+    def handle(self, identity: bytes, msg: dict[str, Any], now: float) -> list[Outgoing]:
+        """Apply one incoming message from ``identity``."""
+        kind: Msg = msg["type"]
+        sender = next((e.engine_id for e in self.engines.values() if e.identity == identity), None)
+        if kind is Msg.REGISTER:
+            return self._on_register(identity, msg)
+        if kind is Msg.SUBMIT:
+            return self._on_submit(identity, msg, now)
+        req = self._current(msg, sender)
+        if req is None:
+            return []
+        handler = {
+            Msg.PREFILL_DONE: self._on_prefill_done,
+            Msg.PREFILL_FAILED: self._on_failed,
+            Msg.KV_RECV_POSTED: self._on_recv_posted,
+            Msg.KV_IMPORTED: self._on_imported,
+            Msg.TOKENS: self._on_tokens,
+            Msg.DONE: self._on_done,
+            Msg.FAILED: self._on_failed,
+        }.get(kind)
+        if handler is None:
+            self.ignored[kind.value] += 1
+            return []
+        return handler(req, msg)
+
+    def _on_register(self, identity: bytes, msg: dict[str, Any]) -> list[Outgoing]:
+        engine_id, incarnation = str(msg["engine_id"]), int(msg["incarnation"])
+        old = self.engines.get(engine_id)
+        if old is not None and incarnation < old.incarnation:
+            self.ignored["REGISTER"] += 1
+            return []
+        out: list[Outgoing] = []
+        if old is not None and incarnation > old.incarnation:
+            # A restarted engine: every request routed to the old incarnation has lost its state.
+            for req in list(self.requests.values()):
+                if engine_id in (req.prefill, req.decode):
+                    req.pinned = req.pinned and req.prefill != engine_id
+                    out += self._fail(
+                        req, f"engine {engine_id} restarted (incarnation {incarnation})"
+                    )
+        self.engines[engine_id] = _Engine(
+            engine_id, str(msg["role"]), incarnation, msg["meta"], identity
+        )
+        peers = self._peers()
+        out.append(
+            Outgoing(
+                engine_id,
+                None,
+                Msg.REGISTERED,
+                {"engine_id": engine_id, "incarnation": incarnation, "peers": peers},
+            )
+        )
+        out += [
+            Outgoing(other, None, Msg.PEERS, {"peers": peers})
+            for other in sorted(self.engines)
+            if other != engine_id
+        ]
+        return out
+
+    def _on_submit(self, identity: bytes, msg: dict[str, Any], now: float) -> list[Outgoing]:
+        rid = int(msg["request_id"])
+        if rid in self.requests:
+            self.ignored["SUBMIT"] += 1
+            return [
+                Outgoing(
+                    None, identity, Msg.FAILED, {"request_id": rid, "error": "duplicate request id"}
+                )
+            ]
+        req = _Request(
+            rid,
+            identity,
+            list(msg["prompt"]),
+            int(msg["max_new_tokens"]),
+            deadline=now + float(msg.get("timeout_s", self.request_timeout_s)),
+            epoch=next(self._epochs),
+        )
+        self.requests[rid] = req
+        req.prefill = self._pick("prefill")
+        if req.prefill is None:
+            return self._fail(req, "no prefill engine registered")
+        return [
+            Outgoing(
+                req.prefill,
+                None,
+                Msg.PREFILL,
+                {
+                    "request_id": rid,
+                    "epoch": req.epoch,
+                    "prompt": req.prompt,
+                    "max_new_tokens": req.max_new_tokens,
+                },
+            )
+        ]
+
+    def _on_prefill_done(self, req: _Request, msg: dict[str, Any]) -> list[Outgoing]:
+        if req.phase is not _Phase.PREFILLING:
+            self.ignored["PREFILL_DONE"] += 1
+            return []
+        req.pinned = True
+        req.phase = _Phase.DECODING
+        req.decode = self._pick("decode")
+        if req.decode is None:
+            return self._fail(req, "no decode engine registered")
+        ticket = dict(msg["ticket"])
+        prefill = self.engines[req.prefill] if req.prefill else None
+        ticket.setdefault("prefill_engine_id", req.prefill)
+        ticket.setdefault("prefill_incarnation", prefill.incarnation if prefill else None)
+        return [
+            Outgoing(
+                req.decode,
+                None,
+                Msg.SUBMIT_REQUEST_WITH_KV,
+                {
+                    "request_id": req.request_id,
+                    "epoch": req.epoch,
+                    "prompt": req.prompt,
+                    "max_new_tokens": req.max_new_tokens,
+                    "ticket": ticket,
+                },
+            )
+        ]
+
+    def _on_recv_posted(self, req: _Request, msg: dict[str, Any]) -> list[Outgoing]:
+        if not self.push_transport or not req.pinned:
+            self.ignored["KV_RECV_POSTED"] += 1
+            return []
+        return [
+            Outgoing(
+                req.prefill,
+                None,
+                Msg.SEND_KV,
+                {"request_id": req.request_id, "epoch": req.epoch, "decode_engine_id": req.decode},
+            )
+        ]
+
+    def _on_imported(self, req: _Request, msg: dict[str, Any]) -> list[Outgoing]:
+        if not req.pinned:
+            self.ignored["KV_IMPORTED"] += 1
+            return []
+        if not msg["ok"]:
+            return self._fail(req, f"KV import failed: {msg.get('error', 'unknown error')}")
+        return [self._release(req)]
+
+    def _on_tokens(self, req: _Request, msg: dict[str, Any]) -> list[Outgoing]:
+        req.tokens += list(msg["tokens"])
+        return [
+            Outgoing(
+                None,
+                req.client,
+                Msg.TOKENS,
+                {"request_id": req.request_id, "tokens": msg["tokens"]},
+            )
+        ]
+
+    def _on_done(self, req: _Request, msg: dict[str, Any]) -> list[Outgoing]:
+        out = [self._release(req)] if req.pinned else []
+        fields = {k: v for k, v in msg.items() if k not in ("type", "v", "epoch")}
+        out.append(Outgoing(None, req.client, Msg.DONE, fields))
+        del self.requests[req.request_id]
+        self.completed += 1
+        return out
+
+    def _on_failed(self, req: _Request, msg: dict[str, Any]) -> list[Outgoing]:
+        return self._fail(req, str(msg["error"]))
+
+    def poll(self, now: float) -> list[Outgoing]:
+        """Fail every request whose deadline has passed."""
+        out: list[Outgoing] = []
+        for req in sorted(self.requests.values(), key=lambda r: r.request_id):
+            if now >= req.deadline:
+                out += self._fail(req, f"request {req.request_id} passed its deadline")
+        return out
+
+
+class CoordinatorServer:
+    """The ZeroMQ ROUTER loop around :class:`CoordinatorState`; runs in a thread or a process."""
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://127.0.0.1:0",
+        request_timeout_s: float = 60.0,
+        push_transport: bool = False,
+    ) -> None:
+        self.state = CoordinatorState(request_timeout_s, push_transport)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.bind(endpoint)
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.undeliverable = 0
+        self.malformed = 0
+        self._stop = threading.Event()
+
+    def _send(self, out: list[Outgoing]) -> None:
+        for o in out:
+            if o.to_client is not None:
+                identity = o.to_client
+            else:
+                engine = self.state.engines.get(o.to_engine or "")
+                if engine is None:
+                    self.undeliverable += 1
+                    continue
+                identity = engine.identity
+            try:
+                self._sock.send_multipart([identity, encode_message(o.kind, **o.fields)])
+            except zmq.ZMQError:
+                self.undeliverable += 1
+
+    def run_once(self, timeout_ms: int = 10) -> None:
+        """Handle the messages that arrive within ``timeout_ms``, then the deadlines."""
+        if self._sock.poll(timeout_ms):
+            while True:
+                try:
+                    identity, data = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except ValueError:
+                    self.malformed += 1
+                    continue
+                try:
+                    msg = decode_message(data)
+                except MetadataError:
+                    self.malformed += 1
+                    continue
+                self._send(self.state.handle(identity, msg, time.monotonic()))
+        self._send(self.state.poll(time.monotonic()))
+
+    def serve(self) -> None:
+        """Run until :meth:`stop`."""
+        while not self._stop.is_set():
+            self.run_once(20)
+
+    def shutdown_engines(self) -> None:
+        """Tell every registered engine to stop."""
+        self._send([Outgoing(e, None, Msg.SHUTDOWN, {}) for e in sorted(self.state.engines)])
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Close the socket."""
+        self._sock.close(0)
+
+
+class EngineLink:
+    """An engine's connection to the coordinator (rank 0 of each engine holds one)."""
+
+    def __init__(
+        self, endpoint: str, engine_id: str, role: str, incarnation: int | None = None
+    ) -> None:
+        self.engine_id = engine_id
+        self.role = role
+        self.incarnation = incarnation if incarnation is not None else time.time_ns()
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IDENTITY, f"{role}:{engine_id}:{self.incarnation}".encode())
+        self._sock.connect(endpoint)
+        self.peers: dict[str, dict[str, Any]] = {}
+
+    def register(self, meta: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
+        """Publish static metadata once; returns the peers known to the coordinator."""
+        self.send(
+            Msg.REGISTER,
+            engine_id=self.engine_id,
+            role=self.role,
+            incarnation=self.incarnation,
+            meta=meta,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for msg in self.poll(100):
+                if msg["type"] is Msg.REGISTERED:
+                    return self.peers
+        raise TransferTimeout(
+            f"coordinator did not answer REGISTER within {timeout_s} s", "timeout_s"
+        )
+
+    def send(self, kind: Msg, **fields: Any) -> None:
+        """Send one message to the coordinator."""
+        self._sock.send(encode_message(kind, **fields))
+
+    def poll(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
+        """Messages that arrived within ``timeout_ms`` (peer updates are applied here)."""
+        out = []
+        if self._sock.poll(timeout_ms):
+            while True:
+                try:
+                    msg = decode_message(self._sock.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if msg["type"] in (Msg.REGISTERED, Msg.PEERS):
+                    self.peers = dict(msg["peers"])
+                out.append(msg)
+        return out
+
+    def close(self) -> None:
+        """Close the socket."""
+        self._sock.close(0)
+
+
+class ControlClient:
+    """Submits requests and streams their tokens back."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+
+    def submit(
+        self,
+        request_id: int,
+        prompt: list[int],
+        max_new_tokens: int,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Send one request."""
+        extra = {} if timeout_s is None else {"timeout_s": timeout_s}
+        self._sock.send(
+            encode_message(
+                Msg.SUBMIT,
+                request_id=request_id,
+                prompt=prompt,
+                max_new_tokens=max_new_tokens,
+                **extra,
+            )
+        )
+
+    def events(self, timeout_s: float) -> Iterator[dict[str, Any]]:
+        """TOKENS, DONE and FAILED messages until ``timeout_s`` passes without one."""
+        while self._sock.poll(int(timeout_s * 1000)):
+            yield decode_message(self._sock.recv())
+
+    def close(self) -> None:
+        """Close the socket."""
+        self._sock.close(0)

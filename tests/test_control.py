@@ -1,0 +1,228 @@
+"""Control plane: sans-IO routing with a virtual clock, and a real ZeroMQ round trip."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from disagg_rs.control import (
+    ControlClient,
+    CoordinatorServer,
+    CoordinatorState,
+    EngineLink,
+    Msg,
+    Outgoing,
+    decode_message,
+    encode_message,
+)
+from disagg_rs.exceptions import MetadataError
+
+CLIENT = b"client-1"
+PREFILL = b"prefill:p0:1"
+DECODE = b"decode:d0:1"
+
+
+def _msg(kind: Msg, **fields: Any) -> dict[str, Any]:
+    return decode_message(encode_message(kind, **fields))
+
+
+def _kinds(out: list[Outgoing]) -> list[tuple[str | None, str]]:
+    return [(o.to_engine or "client", o.kind.value) for o in out]
+
+
+def _registered(push: bool = False, timeout: float = 10.0) -> CoordinatorState:
+    state = CoordinatorState(request_timeout_s=timeout, push_transport=push)
+    state.handle(
+        PREFILL, _msg(Msg.REGISTER, engine_id="p0", role="prefill", incarnation=1, meta={}), 0
+    )
+    state.handle(
+        DECODE, _msg(Msg.REGISTER, engine_id="d0", role="decode", incarnation=1, meta={}), 0
+    )
+    return state
+
+
+def _submit(state: CoordinatorState, rid: int = 7, now: float = 0.0) -> int:
+    out = state.handle(
+        CLIENT, _msg(Msg.SUBMIT, request_id=rid, prompt=[1, 2], max_new_tokens=3), now
+    )
+    assert _kinds(out) == [("p0", "PREFILL")]
+    return int(out[0].fields["epoch"])
+
+
+def test_a_request_flows_prefill_decode_release_done() -> None:
+    state = _registered()
+    epoch = _submit(state)
+    out = state.handle(
+        PREFILL, _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch, ticket={"blocks": [3]}), 1
+    )
+    assert _kinds(out) == [("d0", "SUBMIT_REQUEST_WITH_KV")]
+    assert out[0].fields["ticket"]["prefill_engine_id"] == "p0"
+    out = state.handle(DECODE, _msg(Msg.KV_IMPORTED, request_id=7, epoch=epoch, ok=True), 2)
+    assert _kinds(out) == [("p0", "RELEASE_KV")]
+    out = state.handle(DECODE, _msg(Msg.TOKENS, request_id=7, epoch=epoch, tokens=[5]), 2)
+    assert _kinds(out) == [("client", "TOKENS")]
+    out = state.handle(DECODE, _msg(Msg.DONE, request_id=7, epoch=epoch, tokens=[5, 6]), 3)
+    assert _kinds(out) == [("client", "DONE")]
+    assert state.completed == 1 and not state.requests
+
+
+def test_push_transport_sends_send_kv_after_the_decode_posted_receives() -> None:
+    state = _registered(push=True)
+    epoch = _submit(state)
+    state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch, ticket={}), 1)
+    out = state.handle(DECODE, _msg(Msg.KV_RECV_POSTED, request_id=7, epoch=epoch), 1)
+    assert _kinds(out) == [("p0", "SEND_KV")]
+    assert out[0].fields["decode_engine_id"] == "d0"
+
+
+def test_a_late_message_with_an_old_epoch_is_ignored_and_counted() -> None:
+    state = _registered()
+    epoch = _submit(state)
+    out = state.handle(
+        PREFILL, _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch + 99, ticket={}), 1
+    )
+    assert out == []
+    assert state.ignored["PREFILL_DONE"] == 1
+
+
+def test_a_duplicate_prefill_done_is_ignored() -> None:
+    state = _registered()
+    epoch = _submit(state)
+    done = _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch, ticket={})
+    assert state.handle(PREFILL, done, 1)
+    assert state.handle(PREFILL, done, 1) == []
+    assert state.ignored["PREFILL_DONE"] == 1
+
+
+def test_a_message_from_an_engine_not_serving_the_request_is_ignored() -> None:
+    state = _registered()
+    epoch = _submit(state)
+    out = state.handle(DECODE, _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch, ticket={}), 1)
+    assert out == [] and state.ignored["PREFILL_DONE"] == 1
+
+
+def test_deadline_fails_the_request_aborts_engines_and_releases_pins() -> None:
+    state = _registered(timeout=5.0)
+    epoch = _submit(state, now=0.0)
+    state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch, ticket={}), 1)
+    assert state.poll(4.9) == []
+    out = state.poll(5.0)
+    assert sorted(_kinds(out)) == [
+        ("client", "FAILED"),
+        ("d0", "ABORT"),
+        ("p0", "ABORT"),
+        ("p0", "RELEASE_KV"),
+    ]
+    assert state.failed == 1 and not state.requests
+    # A completion arriving after the failure touches nothing.
+    assert state.handle(DECODE, _msg(Msg.DONE, request_id=7, epoch=epoch, tokens=[]), 6) == []
+
+
+def test_failed_import_fails_the_request_once_and_releases_pins() -> None:
+    state = _registered()
+    epoch = _submit(state)
+    state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch, ticket={}), 1)
+    out = state.handle(
+        DECODE, _msg(Msg.KV_IMPORTED, request_id=7, epoch=epoch, ok=False, error="x"), 2
+    )
+    assert ("client", "FAILED") in _kinds(out) and ("p0", "RELEASE_KV") in _kinds(out)
+    assert state.handle(DECODE, _msg(Msg.FAILED, request_id=7, epoch=epoch, error="again"), 2) == []
+
+
+def test_restarted_prefill_fails_its_requests_and_replaces_the_peer() -> None:
+    state = _registered()
+    _submit(state)
+    out = state.handle(
+        b"prefill:p0:2",
+        _msg(Msg.REGISTER, engine_id="p0", role="prefill", incarnation=2, meta={"x": 1}),
+        1,
+    )
+    assert ("client", "FAILED") in _kinds(out)
+    assert ("p0", "RELEASE_KV") not in _kinds(out)
+    assert state.engines["p0"].incarnation == 2
+    peers = next(o for o in out if o.kind is Msg.PEERS).fields["peers"]
+    assert peers["p0"]["meta"] == {"x": 1}
+
+
+def test_a_stale_incarnation_cannot_re_register() -> None:
+    state = _registered()
+    out = state.handle(
+        b"old", _msg(Msg.REGISTER, engine_id="p0", role="prefill", incarnation=0, meta={}), 1
+    )
+    assert out == [] and state.engines["p0"].identity == PREFILL
+
+
+def test_duplicate_submit_is_refused_without_touching_the_first() -> None:
+    state = _registered()
+    _submit(state)
+    out = state.handle(CLIENT, _msg(Msg.SUBMIT, request_id=7, prompt=[1], max_new_tokens=1), 0)
+    assert _kinds(out) == [("client", "FAILED")]
+    assert 7 in state.requests
+
+
+def test_submit_without_a_prefill_engine_fails_cleanly() -> None:
+    state = CoordinatorState()
+    out = state.handle(CLIENT, _msg(Msg.SUBMIT, request_id=1, prompt=[1], max_new_tokens=1), 0)
+    assert _kinds(out) == [("client", "FAILED")]
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (b"\xc1", "<frame>"),
+        (encode_message(Msg.SHUTDOWN)[:-1] + b"\x02", "v"),
+    ],
+)
+def test_malformed_messages_raise_metadata_error(raw: bytes, field: str) -> None:
+    with pytest.raises(MetadataError) as info:
+        decode_message(raw)
+    assert info.value.field == field
+
+
+def test_encoding_a_message_without_a_required_field_is_refused() -> None:
+    with pytest.raises(MetadataError, match="request_id"):
+        encode_message(Msg.SUBMIT, prompt=[1], max_new_tokens=1)
+
+
+def _wait_for(link: EngineLink, kind: Msg, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The first message of ``kind`` that reaches ``link`` (other messages are dropped)."""
+    for _ in range(int(timeout_s * 10)):
+        for msg in link.poll(100):
+            if msg["type"] is kind:
+                return msg
+    raise AssertionError(f"no {kind.value} within {timeout_s} s")
+
+
+def test_real_zeromq_round_trip_through_the_coordinator() -> None:
+    server = CoordinatorServer()
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    prefill = EngineLink(server.endpoint, "p0", "prefill", incarnation=1)
+    decode = EngineLink(server.endpoint, "d0", "decode", incarnation=1)
+    client = ControlClient(server.endpoint)
+    try:
+        prefill.register({"agent": "p0"})
+        peers = decode.register({"agent": "d0"})
+        assert set(peers) == {"p0", "d0"}
+        client.submit(42, [1, 2, 3], 2)
+        req = _wait_for(prefill, Msg.PREFILL)
+        prefill.send(Msg.PREFILL_DONE, request_id=42, epoch=req["epoch"], ticket={"first": 9})
+        imp = _wait_for(decode, Msg.SUBMIT_REQUEST_WITH_KV)
+        assert imp["ticket"]["first"] == 9
+        decode.send(Msg.KV_IMPORTED, request_id=42, epoch=imp["epoch"], ok=True)
+        decode.send(Msg.DONE, request_id=42, epoch=imp["epoch"], tokens=[9, 4])
+        events = []
+        for event in client.events(5.0):
+            events.append(event)
+            if event["type"] is Msg.DONE:
+                break
+        assert events[-1]["tokens"] == [9, 4]
+        assert _wait_for(prefill, Msg.RELEASE_KV)["request_id"] == 42
+    finally:
+        server.stop()
+        thread.join(5)
+        for sock in (prefill, decode, client):
+            sock.close()
+        server.close()
