@@ -161,14 +161,16 @@ def test_push_transport_never_trims_the_prefix() -> None:
 def test_block_size_mismatch_trims_only_whole_multiples_of_both_block_sizes() -> None:
     ledger = ImportLedger(16, 4)
     tokens = list(range(16))
-    (a,) = ledger.submit(1, tokens, src_block_ids=[0, 1], src_block_size_tokens=8, deadline=FAR, now=0)
+    (a,) = ledger.submit(
+        1, tokens, src_block_ids=[0, 1], src_block_size_tokens=8, deadline=FAR, now=0
+    )
     ledger.report(1, a.epoch, 0, "ok", 1)
     ledger.block_pool.release(ledger.admit(1)[0].block_ids)
     # 3 cached blocks of 4 = 12 tokens, but the source block is 8 tokens: reuse 8.
+    other = [*tokens[:12], 99, 98, 97, 96]
     (b,) = ledger.submit(
-        2, tokens[:12] + [99, 98, 97, 96], src_block_ids=[4, 5], src_block_size_tokens=8,
-        deadline=FAR, now=2,
-    )  # fmt: skip
+        2, other, src_block_ids=[4, 5], src_block_size_tokens=8, deadline=FAR, now=2
+    )
     assert b.token_start == 8
     assert len(b.cached_block_ids) == 2
     assert b.src_block_ids == [5]
