@@ -29,13 +29,40 @@ enum Bad {
 
 #[derive(Debug, Clone)]
 enum Tr {
-    Submit { rid: u64, n: u32, resume: u32, ssm: bool, finished: bool, ttl: u64, bad: Option<Bad> },
-    Report { pick: usize, stale: bool, rank: u32, outcome: RankOutcome },
-    Settle { pick: usize },
-    Abort { rid: u64 },
-    Advance { dt: u64 },
-    Admit { room: u32 },
-    Finish { pick: usize },
+    Submit {
+        rid: u64,
+        n: u32,
+        resume: u32,
+        ssm: bool,
+        finished: bool,
+        ttl: u64,
+        bad: Option<Bad>,
+    },
+    Report {
+        pick: usize,
+        stale: bool,
+        rank: u32,
+        outcome: RankOutcome,
+    },
+    Settle {
+        pick: usize,
+    },
+    Abort {
+        rid: u64,
+    },
+    Advance {
+        dt: u64,
+    },
+    Admit {
+        room: u32,
+    },
+    Finish {
+        pick: usize,
+    },
+    /// The engine allocates blocks of its own (capacity shrinks until it releases them).
+    EngineAlloc {
+        n: u32,
+    },
     Reset,
 }
 
@@ -292,6 +319,13 @@ impl Model {
                     self.give_back(need, ssm);
                 }
             }
+            Tr::EngineAlloc { n } => {
+                if n > self.free_blocks {
+                    return Err("Capacity");
+                }
+                self.free_blocks -= n;
+                self.engine.push((n, false));
+            }
             Tr::Reset => {
                 let busy = self.live.values().any(|r| matches!(&r.phase, Phase::Importing { local, .. } if *local != Local::Quiet));
                 if busy || !self.quarantine.is_empty() {
@@ -355,6 +389,7 @@ impl ReferenceStateMachine for ImportRef {
             2 => (0u64..25).prop_map(|dt| Tr::Advance { dt }),
             2 => (0u32..3).prop_map(|room| Tr::Admit { room }),
             1 => any::<usize>().prop_map(|pick| Tr::Finish { pick }),
+            1 => (0u32..5).prop_map(|n| Tr::EngineAlloc { n }),
             1 => Just(Tr::Reset),
         ]
         .boxed()
@@ -422,6 +457,11 @@ fn sut_step(s: &mut Sut, m: &Model, t: &Tr) -> Result<Vec<LedgerAction>, DisaggE
                     s.ledger.slots_mut().free(x)?;
                 }
             }
+            Ok(Vec::new())
+        }
+        Tr::EngineAlloc { n } => {
+            let blocks = s.ledger.pool_mut().allocate(n)?;
+            s.engine.push((blocks, None));
             Ok(Vec::new())
         }
         Tr::Reset => s.ledger.reset(now),
