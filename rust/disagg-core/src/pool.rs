@@ -527,6 +527,14 @@ mod tests {
     }
 
     #[test]
+    fn hash_chain_values_are_pinned_so_every_build_agrees() {
+        // Prefill and decode may run different builds: a change here breaks prefix reuse across
+        // a mixed deployment and must come with a wire-version bump.
+        let h = block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4).unwrap();
+        assert_eq!(h, vec![10_387_378_703_444_614_187, 5_092_859_689_871_276_153]);
+    }
+
+    #[test]
     fn slot_pool_detach_then_free_returns_the_slot() {
         let mut s = SlotPool::new(1);
         let x = s.allocate().unwrap();
