@@ -290,8 +290,8 @@ mod tests {
 
     fn megatron(base: u64) -> KvGeometrySpec {
         // [2, L=2, B=4, T=8, H=2, d=4] of 2-byte elements.
-        let (d, h, t, b, l) = (4u64 * 2, 2u64, 8u64, 4u64, 2u64);
-        let plane = b * t * h * d;
+        let (row, heads, tpb, blocks, layers) = (4u64 * 2, 2u64, 8u64, 4u64, 2u64);
+        let plane = blocks * tpb * heads * row;
         KvGeometrySpec {
             num_kv: 2,
             num_layers: 2,
@@ -300,10 +300,10 @@ mod tests {
             num_heads: 2,
             head_dim: 4,
             element_size: 2,
-            block_stride: t * h * d,
-            token_stride: h * d,
-            head_stride: d,
-            plane_bases: (0..2 * l).map(|i| base + i * plane).collect(),
+            block_stride: tpb * heads * row,
+            token_stride: heads * row,
+            head_stride: row,
+            plane_bases: (0..2 * layers).map(|i| base + i * plane).collect(),
             device_id: 0,
             dtype: Some("bfloat16".into()),
         }
@@ -319,7 +319,9 @@ mod tests {
 
     #[test]
     fn a_plane_that_ends_past_u64_is_an_overflow_error() {
-        let e = KvGeometry::new(megatron(u64::MAX - 100)).unwrap_err();
+        let mut s = megatron(0);
+        s.plane_bases[3] = u64::MAX - 100;
+        let e = KvGeometry::new(s).unwrap_err();
         assert_eq!(e.kind(), "AddressOverflow");
     }
 
