@@ -293,12 +293,14 @@ impl Purpose {
 }
 
 impl KvWork {
-    fn for_each_box(&self, purpose: Purpose, f: &mut impl FnMut(&CopyBox) -> bool) {
+    /// Walk every (transfer, kv, layer, segment) box of `purpose` into `sink`.
+    fn walk(&self, purpose: Purpose, sink: &mut impl FragmentSink) {
         let segs = match purpose {
             Purpose::Direct => &self.seg_direct,
             Purpose::Gather => &self.seg_src,
             Purpose::Scatter => &self.seg_dst,
         };
+        let (ia, ib) = purpose.sides();
         let s = self.src.spec();
         let row = self.src.row_bytes();
         let n_tok = self.num_tokens - self.token_start;
@@ -309,8 +311,16 @@ impl KvWork {
         });
         for set in &self.sets {
             let nh = set.num_heads;
-            let plane_bytes = n_tok * nh * row;
-            let (p_ts, p_hs) = if heads_outer { (row, n_tok * row) } else { (nh * row, row) };
+            let tok_bytes = nh * row;
+            let plane_bytes = n_tok * tok_bytes;
+            let (p_ts, p_hs) = if heads_outer { (row, n_tok * row) } else { (tok_bytes, row) };
+            let ts = [s.token_stride, d_ts, p_ts];
+            let hs = [s.head_stride, d_hs, p_hs];
+            // The heads of a token form one row on both sides and tokens follow each other:
+            // every segment is one fragment (matched layouts), so skip the general emitter.
+            let whole = (nh == 1 || (hs[ia] == row && hs[ib] == row))
+                && ts[ia] == tok_bytes
+                && ts[ib] == tok_bytes;
             for kv in 0..s.num_kv {
                 for l in 0..set.num_layers {
                     let sp = self.src.plane_base(kv, set.src_l0 + l) + set.src_h0 * s.head_stride;
@@ -321,20 +331,22 @@ impl KvWork {
                     let plane_idx = u64::from(kv * set.num_layers + l);
                     let pp = set.packed_off + plane_idx * plane_bytes;
                     for seg in segs {
-                        let rel = seg.t_lo - self.token_start;
-                        let b = CopyBox {
-                            base: [
-                                sp + seg.src_block * s.block_stride + seg.src_off * s.token_stride,
-                                dp + seg.dst_block * d_bs + seg.dst_off * d_ts,
-                                pp + rel * p_ts,
-                            ],
-                            row,
-                            dims: [
-                                [seg.n, s.token_stride, d_ts, p_ts],
-                                [nh, s.head_stride, d_hs, p_hs],
-                            ],
+                        let base = [
+                            sp + seg.src_block * s.block_stride + seg.src_off * s.token_stride,
+                            dp + seg.dst_block * d_bs + seg.dst_off * d_ts,
+                            pp + (seg.t_lo - self.token_start) * p_ts,
+                        ];
+                        let more = if whole {
+                            sink.push(base[ia], base[ib], seg.n * tok_bytes)
+                        } else {
+                            let b = CopyBox {
+                                base,
+                                row,
+                                dims: [[seg.n, ts[0], ts[1], ts[2]], [nh, hs[0], hs[1], hs[2]]],
+                            };
+                            emit_box(&b, (ia, ib), sink)
                         };
-                        if !f(&b) {
+                        if !more {
                             return;
                         }
                     }
@@ -349,26 +361,95 @@ impl KvWork {
 trait FragmentSink {
     /// Take `[a, a + len)` -> `[b, b + len)`; return false to stop the walk.
     fn push(&mut self, a: u64, b: u64, len: u64) -> bool;
+
+    /// Take `n >= 1` fragments `a + k * sa -> b + k * sb` of `len` bytes, which cannot merge
+    /// with each other (the emitter folded every dim that could); only the first may continue
+    /// the previous fragment.
+    fn push_run(&mut self, a: u64, b: u64, len: u64, n: u64, sa: u64, sb: u64) -> bool {
+        (0..n).all(|k| self.push(a + k * sa, b + k * sb, len))
+    }
 }
 
-/// Collects merged fragments as `[a, b, len]`.
-#[derive(Default)]
+/// Collects merged fragments as rows with the columns `a`, `b` and `len` at positions
+/// `cols[0]`, `cols[1]` and `cols[2]` (the gather and scatter row formats).
 struct Collect {
     out: Vec<[u64; 3]>,
+    cols: [usize; 3],
 }
 
 impl FragmentSink for Collect {
+    #[inline]
     fn push(&mut self, a: u64, b: u64, len: u64) -> bool {
+        let [ca, cb, cl] = self.cols;
         if let Some(last) = self.out.last_mut() {
-            if last[0] + last[2] == a && last[1] + last[2] == b {
-                last[2] += len;
+            if last[ca] + last[cl] == a && last[cb] + last[cl] == b {
+                last[cl] += len;
                 return true;
             }
         }
-        self.out.push([a, b, len]);
+        let mut row = [0u64; 3];
+        row[ca] = a;
+        row[cb] = b;
+        row[cl] = len;
+        self.out.push(row);
+        true
+    }
+
+    #[inline]
+    fn push_run(&mut self, a: u64, b: u64, len: u64, n: u64, sa: u64, sb: u64) -> bool {
+        self.push(a, b, len);
+        let [ca, cb, cl] = self.cols;
+        self.out.extend((1..n).map(|k| {
+            let mut row = [0u64; 3];
+            row[ca] = a + k * sa;
+            row[cb] = b + k * sb;
+            row[cl] = len;
+            row
+        }));
         true
     }
 }
+
+/// Collects merged direct pairs straight into the two transport arrays
+/// `(src_addr, len, src_device)` and `(dst_addr, len, dst_device)`.
+struct CollectPairs {
+    src: Vec<[u64; 3]>,
+    dst: Vec<[u64; 3]>,
+    src_device: u64,
+    dst_device: u64,
+}
+
+impl FragmentSink for CollectPairs {
+    #[inline]
+    fn push(&mut self, a: u64, b: u64, len: u64) -> bool {
+        if let (Some(s), Some(d)) = (self.src.last_mut(), self.dst.last_mut()) {
+            if s[0] + s[1] == a && d[0] + d[1] == b {
+                s[1] += len;
+                d[1] += len;
+                return true;
+            }
+        }
+        self.src.push([a, len, self.src_device]);
+        self.dst.push([b, len, self.dst_device]);
+        true
+    }
+
+    #[inline]
+    fn push_run(&mut self, a: u64, b: u64, len: u64, n: u64, sa: u64, sb: u64) -> bool {
+        self.push(a, b, len);
+        let (sd, dd) = (self.src_device, self.dst_device);
+        self.src.extend((1..n).map(|k| [a + k * sa, len, sd]));
+        self.dst.extend((1..n).map(|k| [b + k * sb, len, dd]));
+        true
+    }
+}
+
+/// Gather rows are `(src_addr, len, packed_offset)`: a (source) at 0, b (packed) at 2.
+const GATHER_COLS: [usize; 3] = [0, 2, 1];
+/// Scatter rows are `(packed_offset, dst_addr, len)`.
+const SCATTER_COLS: [usize; 3] = [0, 1, 2];
+/// Plain `(a, b, len)` rows.
+const PLAIN_COLS: [usize; 3] = [0, 1, 2];
 
 /// Counts merged fragments, stopping once the count passes `limit`.
 struct Count {
@@ -389,10 +470,19 @@ impl FragmentSink for Count {
         self.n += 1;
         self.n <= self.limit
     }
+
+    fn push_run(&mut self, a: u64, b: u64, len: u64, n: u64, sa: u64, sb: u64) -> bool {
+        self.push(a, b, len);
+        let k = n - 1;
+        self.n += k;
+        self.last = Some([a + k * sa, b + k * sb, len]);
+        self.n <= self.limit
+    }
 }
 
 /// Emit one box as fragments: first fold every outer dim whose strides equal the current row
 /// on both sides into the row (they are contiguous), then walk what is left.
+#[inline]
 fn emit_box(bx: &CopyBox, (ia, ib): (usize, usize), sink: &mut impl FragmentSink) -> bool {
     let mut row = bx.row;
     let mut dims = [(0u64, 0u64, 0u64); 2];
@@ -422,7 +512,7 @@ fn emit_box(bx: &CopyBox, (ia, ib): (usize, usize), sink: &mut impl FragmentSink
         0 => sink.push(a, b, row),
         1 => {
             let (n, sa, sb) = dims[0];
-            (0..n).all(|k| sink.push(a + k * sa, b + k * sb, row))
+            sink.push_run(a, b, row, n, sa, sb)
         }
         _ => {
             // Walk the dim with the larger stride on side a outside, so a advances in order.
@@ -430,7 +520,7 @@ fn emit_box(bx: &CopyBox, (ia, ib): (usize, usize), sink: &mut impl FragmentSink
                 if dims[0].1 >= dims[1].1 { (dims[0], dims[1]) } else { (dims[1], dims[0]) };
             (0..outer.0).all(|o| {
                 let (ao, bo) = (a + o * outer.1, b + o * outer.2);
-                (0..inner.0).all(|k| sink.push(ao + k * inner.1, bo + k * inner.2, row))
+                sink.push_run(ao, bo, row, inner.0, inner.1, inner.2)
             })
         }
     }
@@ -454,7 +544,7 @@ impl SourceProgram {
     fn walk(&self, purpose: Purpose, sink: &mut impl FragmentSink) {
         let sides = purpose.sides();
         match &self.work {
-            Work::Kv(kv) => kv.for_each_box(purpose, &mut |b| emit_box(b, sides, sink)),
+            Work::Kv(kv) => kv.walk(purpose, sink),
             Work::Boxes(boxes) => {
                 for b in boxes {
                     if !emit_box(b, sides, sink) {
@@ -465,8 +555,30 @@ impl SourceProgram {
         }
     }
 
-    fn collect(&self, purpose: Purpose) -> Vec<[u64; 3]> {
-        let mut c = Collect::default();
+    /// Boxes a walk visits: the capacity to reserve (one fragment per box when every box
+    /// coalesces, as in matched layouts; vectors grow beyond it otherwise).
+    fn box_count(&self, purpose: Purpose) -> usize {
+        match &self.work {
+            Work::Kv(kv) => {
+                let segs = match purpose {
+                    Purpose::Direct => kv.seg_direct.len(),
+                    Purpose::Gather => kv.seg_src.len(),
+                    Purpose::Scatter => kv.seg_dst.len(),
+                };
+                let planes: usize = kv
+                    .sets
+                    .iter()
+                    .map(|s| s.num_layers as usize * kv.src.spec().num_kv as usize)
+                    .sum();
+                planes.saturating_mul(segs)
+            }
+            Work::Boxes(b) => b.len(),
+        }
+    }
+
+    /// Rows `(a, b, len)` of a walk, placed at column positions `cols`.
+    fn collect(&self, purpose: Purpose, cols: [usize; 3]) -> Vec<[u64; 3]> {
+        let mut c = Collect { out: Vec::with_capacity(self.box_count(purpose)), cols };
         self.walk(purpose, &mut c);
         c.out
     }
@@ -505,7 +617,28 @@ pub struct TransferProgram {
     pub sources: Vec<SourceProgram>,
     /// Whether destination addresses are known (destination geometry and blocks given).
     pub has_destination: bool,
-    expected_dst: Vec<[u64; 2]>,
+    expected: Expected,
+}
+
+/// What the destination should receive, kept in input form: `verify` expands it cell by cell
+/// only when asked (compiling must not pay for the check).
+#[derive(Debug, Clone)]
+enum Expected {
+    None,
+    Kv { geometry: KvGeometry, block_ids: Vec<u32>, lo: u64, hi: u64 },
+    Ssm { geometry: SsmGeometry, layout: SsmShardLayout, slot: u32 },
+}
+
+impl Expected {
+    fn cells(&self) -> Vec<[u64; 2]> {
+        match self {
+            Self::None => Vec::new(),
+            Self::Kv { geometry, block_ids, lo, hi } => {
+                expected_kv_cells(geometry, block_ids, *lo, *hi)
+            }
+            Self::Ssm { geometry, layout, slot } => expected_ssm_cells(geometry, layout, *slot),
+        }
+    }
 }
 
 /// One flat list of fragments, row-major `[n, 3]`.
@@ -542,10 +675,15 @@ impl TransferProgram {
     pub fn direct_descriptors(&self, src_rank: u32) -> DisaggResult<(Rows, Rows)> {
         self.need_destination("direct descriptors")?;
         let s = self.source(src_rank)?;
-        let pairs = s.collect(Purpose::Direct);
-        let src = pairs.iter().map(|p| [p[0], p[2], s.src_device]).collect();
-        let dst = pairs.iter().map(|p| [p[1], p[2], self.dst_device]).collect();
-        Ok((src, dst))
+        let cap = s.box_count(Purpose::Direct);
+        let mut c = CollectPairs {
+            src: Vec::with_capacity(cap),
+            dst: Vec::with_capacity(cap),
+            src_device: s.src_device,
+            dst_device: self.dst_device,
+        };
+        s.walk(Purpose::Direct, &mut c);
+        Ok((c.src, c.dst))
     }
 
     /// What the transport moves for `src_rank`: the direct pairs, or (staged) one pair whose
@@ -569,14 +707,13 @@ impl TransferProgram {
     /// Gather list of `src_rank`: rows `(src_addr, len, packed_offset)`, merged where both the
     /// source and the packed ranges continue. Available in every mode and without destination.
     pub fn gather(&self, src_rank: u32) -> DisaggResult<Rows> {
-        let frags = self.source(src_rank)?.collect(Purpose::Gather);
-        Ok(frags.into_iter().map(|[a, p, n]| [a, n, p]).collect())
+        Ok(self.source(src_rank)?.collect(Purpose::Gather, GATHER_COLS))
     }
 
     /// Scatter list of `src_rank`: rows `(packed_offset, dst_addr, len)`.
     pub fn scatter(&self, src_rank: u32) -> DisaggResult<Rows> {
         self.need_destination("scatter")?;
-        Ok(self.source(src_rank)?.collect(Purpose::Scatter))
+        Ok(self.source(src_rank)?.collect(Purpose::Scatter, SCATTER_COLS))
     }
 
     /// Figures per source, in source order (walks the lists; not free).
@@ -617,11 +754,13 @@ impl TransferProgram {
         for s in &self.sources {
             match s.mode {
                 TransferMode::Direct => {
-                    written.extend(s.collect(Purpose::Direct).iter().map(|f| [f[1], f[1] + f[2]]));
+                    written.extend(
+                        s.collect(Purpose::Direct, PLAIN_COLS).iter().map(|f| [f[1], f[1] + f[2]]),
+                    );
                 }
                 TransferMode::Staged => {
-                    let gather = s.collect(Purpose::Gather);
-                    let scatter = s.collect(Purpose::Scatter);
+                    let gather = s.collect(Purpose::Gather, PLAIN_COLS);
+                    let scatter = s.collect(Purpose::Scatter, PLAIN_COLS);
                     for (what, list) in [
                         ("gather", gather.iter().map(|f| [f[1], f[1] + f[2]]).collect::<Vec<_>>()),
                         ("scatter", scatter.iter().map(|f| [f[0], f[0] + f[2]]).collect()),
@@ -644,7 +783,7 @@ impl TransferProgram {
             }
         }
         let got = disjoint_union(written, &format!("destination rank {}", self.dst_rank))?;
-        let want = disjoint_union(self.expected_dst.clone(), "expected destination")?;
+        let want = disjoint_union(self.expected.cells(), "expected destination")?;
         if got != want {
             let k = got
                 .iter()
@@ -933,16 +1072,21 @@ pub fn compile_kv_transfer(req: &KvTransferRequest) -> DisaggResult<TransferProg
         sp.mode = choose_mode(req.mode, &req.cost, &sp);
         sources.push(sp);
     }
-    let expected_dst = match (dst_g, &req.dst_block_ids) {
-        (Some(d), Some(ids)) => expected_kv_cells(d, ids, req.token_start, req.num_tokens),
-        _ => Vec::new(),
+    let expected = match (dst_g, &req.dst_block_ids) {
+        (Some(d), Some(ids)) => Expected::Kv {
+            geometry: d.clone(),
+            block_ids: ids.clone(),
+            lo: req.token_start,
+            hi: req.num_tokens,
+        },
+        _ => Expected::None,
     };
     Ok(TransferProgram {
         dst_rank: dst_l.global_rank,
         dst_device: dst_g.map_or(0, |d| d.spec().device_id),
         sources,
         has_destination,
-        expected_dst,
+        expected,
     })
 }
 
@@ -1108,16 +1252,16 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
         sp.mode = choose_mode(req.mode, &req.cost, &sp);
         sources.push(sp);
     }
-    let expected_dst = match (dst_g, req.dst_slot) {
-        (Some(d), Some(slot)) if has_destination => expected_ssm_cells(d, dst_l, slot),
-        _ => Vec::new(),
+    let expected = match (dst_g, req.dst_slot) {
+        (Some(d), Some(slot)) => Expected::Ssm { geometry: d.clone(), layout: *dst_l, slot },
+        _ => Expected::None,
     };
     Ok(TransferProgram {
         dst_rank: dst_l.global_rank,
         dst_device: dst_g.map_or(0, |d| d.device_id),
         sources,
         has_destination,
-        expected_dst,
+        expected,
     })
 }
 
