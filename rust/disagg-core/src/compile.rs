@@ -1113,6 +1113,9 @@ fn expected_kv_cells(d: &KvGeometry, ids: &[u32], lo: u64, hi: u64) -> Vec<[u64;
     out
 }
 
+/// Canonical packed order of SSM boxes: (recurrent?, source-local layer, band, first unit).
+type SsmPackKey = (u8, usize, SsmBand, u32);
+
 fn ssm_part_name(band: SsmBand) -> SsmStateKind {
     if band.is_conv() {
         SsmStateKind::Conv
@@ -1164,7 +1167,10 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
     // first source's): a backend buffer may hold only the conv or only the recurrent state.
     let reference = dst_g.or(req.srcs.first().map(|(_, g)| g));
     let moved = |kind: SsmStateKind| reference.is_some_and(|g| g.part(kind).is_some());
-    let mut by_src: BTreeMap<u32, (Vec<CopyBox>, u64)> = BTreeMap::new();
+    // Boxes per source with their canonical packed-order key: conv before recurrent, then
+    // source-local layer, then band (x, B, C) and channel, so the [x | B | C] pieces of one
+    // layer sit next to each other on both sides and merge.
+    let mut by_src: BTreeMap<u32, Vec<(SsmPackKey, CopyBox)>> = BTreeMap::new();
     for t in plan.transfers.iter().filter(|t| moved(ssm_part_name(t.band))) {
         let (_, g) =
             req.srcs.iter().find(|(l, _)| l.global_rank == t.src_rank).ok_or_else(|| {
@@ -1211,9 +1217,8 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
             })?,
         };
         check_slot("src_slot", src_slot, g)?;
-        let (boxes, packed) = by_src.entry(t.src_rank).or_default();
+        let boxes = by_src.entry(t.src_rank).or_default();
         let units = u64::from(t.src_local.len());
-        let layer_bytes = units * sp.unit_bytes;
         for l in 0..t.layers.len() {
             let sl = (t.src_local_layers().lo + l) as usize;
             let dl = (t.dst_local_layers().lo + l) as usize;
@@ -1229,16 +1234,29 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
                 _ => 0,
             };
             let dst_stride = dp.as_ref().map_or(0, |d| d.unit_stride);
-            boxes.push(CopyBox {
-                base: [src_addr, dst_addr, *packed],
-                row: sp.unit_bytes,
-                dims: [[units, sp.unit_stride, dst_stride, sp.unit_bytes], [1, 0, 0, 0]],
-            });
-            *packed = packed.checked_add(layer_bytes).ok_or_else(|| overflow("packed offset"))?;
+            let key = (u8::from(kind == SsmStateKind::Recurrent), sl, t.band, t.src_local.lo);
+            boxes.push((
+                key,
+                CopyBox {
+                    base: [src_addr, dst_addr, 0],
+                    row: sp.unit_bytes,
+                    dims: [[units, sp.unit_stride, dst_stride, sp.unit_bytes], [1, 0, 0, 0]],
+                },
+            ));
         }
     }
     let mut sources = Vec::with_capacity(by_src.len());
-    for (src_rank, (boxes, packed_bytes)) in by_src {
+    for (src_rank, mut keyed) in by_src {
+        keyed.sort_by_key(|(k, _)| *k);
+        let mut packed_bytes = 0u64;
+        let mut boxes = Vec::with_capacity(keyed.len());
+        for (_, mut b) in keyed {
+            b.base[PACKED] = packed_bytes;
+            let size = b.dims[0][0].checked_mul(b.row).ok_or_else(|| overflow("packed size"))?;
+            packed_bytes =
+                packed_bytes.checked_add(size).ok_or_else(|| overflow("packed offset"))?;
+            boxes.push(b);
+        }
         let Some((_, g)) = req.srcs.iter().find(|(l, _)| l.global_rank == src_rank) else {
             continue;
         };
