@@ -359,3 +359,28 @@ def test_from_tensor_reads_torch_tensors_in_bytes() -> None:
     assert hnd.strides == (2 * 4 * 8 * 2, 8 * 2, 4 * 8 * 2) and hnd.device_id == 3
     with pytest.raises(GeometryMismatchError, match="dim axis must be contiguous"):
         KVGeometry.from_tensor(t.transpose(4, 5).contiguous().transpose(4, 5))
+
+
+def test_lists_can_be_written_into_reused_caller_arrays() -> None:
+    src_l = kv_layouts(2, 1, 2, 4)
+    dst_l = KVShardLayout(2, 4, global_rank=9)
+    srcs = [(lay, megatron_geometry(2, 16, 4, 2, 8, (i + 1) << 32)) for i, lay in enumerate(src_l)]
+    dst = megatron_geometry(2, 16, 4, 4, 8, 1 << 40)
+    program = compile_kv_transfer(srcs, (dst_l, dst), [5, 1, 7], [2, 9, 4], 11, "direct")
+    buf_s, buf_d = np.zeros((500, 3), np.uint64), np.zeros((500, 3), np.uint64)
+    for r in program.src_ranks:
+        want_s, want_d = program.descriptors(r)
+        got_s, got_d = program.descriptors(r, out=(buf_s, buf_d))
+        assert len(got_s) == program.row_count(r, "descriptors") == len(want_s)
+        np.testing.assert_array_equal(got_s, want_s)
+        np.testing.assert_array_equal(got_d, want_d)
+        for which in ("gather", "scatter"):
+            want = getattr(program, which)(r)
+            got = getattr(program, which)(r, out=buf_s)
+            assert program.row_count(r, which) == len(want)
+            np.testing.assert_array_equal(got, want)
+    tiny = np.zeros((1, 3), np.uint64)
+    with pytest.raises(ValueError, match="out has 1 rows but the list needs"):
+        program.gather(0, out=tiny)
+    with pytest.raises(TypeError):
+        program.gather(0, out=np.zeros((4, 3), np.int64))

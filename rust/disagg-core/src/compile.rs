@@ -17,8 +17,9 @@
 //! The region holds the pair's reshard transfers in plan order; each transfer is a dense array
 //! `[kv][layer][token][head][dim]` (or `[kv][layer][head][token][dim]` when the source
 //! geometry stores heads outside tokens, HND), over the transfer's layers and heads and the
-//! moved token positions `[token_start, num_tokens)`. SSM transfers pack `[layer][unit][inner]`
-//! per plan transfer.
+//! moved token positions `[token_start, num_tokens)`. An SSM region holds the conv pieces,
+//! then the recurrent ones, each ordered by source-local layer, then band (x, B, C), then
+//! channel; a piece is its dense `[unit][inner]` bytes.
 //!
 //! Block-size mismatch: source and destination may use different `tokens_per_block`; the
 //! compiler maps token positions, cutting at every block boundary of either side, including a
@@ -370,18 +371,97 @@ trait FragmentSink {
     }
 }
 
+/// Where collected rows go: a growing vector, or a caller's fixed buffer ([`SliceRows`]).
+pub trait RowBuf {
+    /// The last row written, to merge into.
+    fn last_row(&mut self) -> Option<&mut [u64; 3]>;
+    /// Append a row; false when the buffer is full (the walk stops).
+    fn push_row(&mut self, row: [u64; 3]) -> bool;
+    /// Append rows `row(0), .., row(n - 1)`; false (and nothing written) when they do not fit.
+    fn extend_with(&mut self, n: usize, row: impl Fn(usize) -> [u64; 3]) -> bool;
+}
+
+impl RowBuf for Vec<[u64; 3]> {
+    #[inline]
+    fn last_row(&mut self) -> Option<&mut [u64; 3]> {
+        self.last_mut()
+    }
+    #[inline]
+    fn push_row(&mut self, row: [u64; 3]) -> bool {
+        self.push(row);
+        true
+    }
+    #[inline]
+    fn extend_with(&mut self, n: usize, row: impl Fn(usize) -> [u64; 3]) -> bool {
+        self.extend((0..n).map(row));
+        true
+    }
+}
+
+/// A caller's buffer of rows (for example a reused numpy array): fresh output memory costs a
+/// page fault per 4 KiB, which for large lists costs more than computing them.
+pub struct SliceRows<'a> {
+    rows: &'a mut [[u64; 3]],
+    len: usize,
+}
+
+impl<'a> SliceRows<'a> {
+    /// An empty buffer over `rows`.
+    pub fn new(rows: &'a mut [[u64; 3]]) -> Self {
+        Self { rows, len: 0 }
+    }
+    /// Rows written.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether no row was written.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl RowBuf for SliceRows<'_> {
+    #[inline]
+    fn last_row(&mut self) -> Option<&mut [u64; 3]> {
+        self.len.checked_sub(1).and_then(|i| self.rows.get_mut(i))
+    }
+    #[inline]
+    fn push_row(&mut self, row: [u64; 3]) -> bool {
+        match self.rows.get_mut(self.len) {
+            Some(slot) => {
+                *slot = row;
+                self.len += 1;
+                true
+            }
+            None => false,
+        }
+    }
+    #[inline]
+    fn extend_with(&mut self, n: usize, row: impl Fn(usize) -> [u64; 3]) -> bool {
+        let Some(free) = self.len.checked_add(n).and_then(|end| self.rows.get_mut(self.len..end))
+        else {
+            return false;
+        };
+        for (k, slot) in free.iter_mut().enumerate() {
+            *slot = row(k);
+        }
+        self.len += n;
+        true
+    }
+}
+
 /// Collects merged fragments as rows with the columns `a`, `b` and `len` at positions
 /// `cols[0]`, `cols[1]` and `cols[2]` (the gather and scatter row formats).
-struct Collect {
-    out: Vec<[u64; 3]>,
+struct Collect<B> {
+    out: B,
     cols: [usize; 3],
 }
 
-impl FragmentSink for Collect {
+impl<B: RowBuf> FragmentSink for Collect<B> {
     #[inline]
     fn push(&mut self, a: u64, b: u64, len: u64) -> bool {
         let [ca, cb, cl] = self.cols;
-        if let Some(last) = self.out.last_mut() {
+        if let Some(last) = self.out.last_row() {
             if last[ca] + last[cl] == a && last[cb] + last[cl] == b {
                 last[cl] += len;
                 return true;
@@ -391,56 +471,83 @@ impl FragmentSink for Collect {
         row[ca] = a;
         row[cb] = b;
         row[cl] = len;
-        self.out.push(row);
-        true
+        self.out.push_row(row)
     }
 
     #[inline]
     fn push_run(&mut self, a: u64, b: u64, len: u64, n: u64, sa: u64, sb: u64) -> bool {
-        self.push(a, b, len);
+        if !self.push(a, b, len) {
+            return false;
+        }
         let [ca, cb, cl] = self.cols;
-        self.out.extend((1..n).map(|k| {
+        self.out.extend_with(n as usize - 1, |k| {
+            let k = k as u64 + 1;
             let mut row = [0u64; 3];
             row[ca] = a + k * sa;
             row[cb] = b + k * sb;
             row[cl] = len;
             row
-        }));
-        true
+        })
     }
 }
 
 /// Collects merged direct pairs straight into the two transport arrays
 /// `(src_addr, len, src_device)` and `(dst_addr, len, dst_device)`.
-struct CollectPairs {
-    src: Vec<[u64; 3]>,
-    dst: Vec<[u64; 3]>,
+struct CollectPairs<B> {
+    src: B,
+    dst: B,
     src_device: u64,
     dst_device: u64,
 }
 
-impl FragmentSink for CollectPairs {
+impl<B: RowBuf> FragmentSink for CollectPairs<B> {
     #[inline]
     fn push(&mut self, a: u64, b: u64, len: u64) -> bool {
-        if let (Some(s), Some(d)) = (self.src.last_mut(), self.dst.last_mut()) {
+        if let (Some(s), Some(d)) = (self.src.last_row(), self.dst.last_row()) {
             if s[0] + s[1] == a && d[0] + d[1] == b {
                 s[1] += len;
                 d[1] += len;
                 return true;
             }
         }
-        self.src.push([a, len, self.src_device]);
-        self.dst.push([b, len, self.dst_device]);
-        true
+        self.src.push_row([a, len, self.src_device]) && self.dst.push_row([b, len, self.dst_device])
     }
 
     #[inline]
     fn push_run(&mut self, a: u64, b: u64, len: u64, n: u64, sa: u64, sb: u64) -> bool {
-        self.push(a, b, len);
+        if !self.push(a, b, len) {
+            return false;
+        }
         let (sd, dd) = (self.src_device, self.dst_device);
-        self.src.extend((1..n).map(|k| [a + k * sa, len, sd]));
-        self.dst.extend((1..n).map(|k| [b + k * sb, len, dd]));
-        true
+        let more = n as usize - 1;
+        self.src.extend_with(more, |k| [a + (k as u64 + 1) * sa, len, sd])
+            && self.dst.extend_with(more, |k| [b + (k as u64 + 1) * sb, len, dd])
+    }
+}
+
+/// Which list of a source rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ListKind {
+    /// What `descriptors` returns (direct pairs, or the one staged descriptor).
+    Descriptors,
+    /// The gather list.
+    Gather,
+    /// The scatter list.
+    Scatter,
+}
+
+impl ListKind {
+    /// Parse `"descriptors"`, `"gather"` or `"scatter"`.
+    pub fn parse(name: &str) -> DisaggResult<Self> {
+        match name {
+            "descriptors" => Ok(Self::Descriptors),
+            "gather" => Ok(Self::Gather),
+            "scatter" => Ok(Self::Scatter),
+            other => Err(DisaggError::layout(
+                "which",
+                format!("which={other:?} is not one of 'descriptors', 'gather', 'scatter'"),
+            )),
+        }
     }
 }
 
@@ -716,6 +823,76 @@ impl TransferProgram {
         Ok(self.source(src_rank)?.collect(Purpose::Scatter, SCATTER_COLS))
     }
 
+    /// Exact number of rows of one list of `src_rank` (walks it without writing).
+    pub fn row_count(&self, src_rank: u32, which: ListKind) -> DisaggResult<u64> {
+        let s = self.source(src_rank)?;
+        let purpose = match (which, s.mode) {
+            (ListKind::Descriptors, TransferMode::Staged) => return Ok(1),
+            (ListKind::Descriptors, TransferMode::Direct) => Purpose::Direct,
+            (ListKind::Gather, _) => Purpose::Gather,
+            (ListKind::Scatter, _) => Purpose::Scatter,
+        };
+        if purpose != Purpose::Gather {
+            self.need_destination("row_count")?;
+        }
+        let mut c = Count { last: None, n: 0, limit: u64::MAX - 1 };
+        s.walk(purpose, &mut c);
+        Ok(c.n)
+    }
+
+    /// [`TransferProgram::descriptors`] written into caller buffers; returns the row count.
+    pub fn descriptors_into(
+        &self,
+        src_rank: u32,
+        src_staging: u64,
+        dst_staging: u64,
+        src_out: &mut [[u64; 3]],
+        dst_out: &mut [[u64; 3]],
+    ) -> DisaggResult<usize> {
+        let s = self.source(src_rank)?;
+        if s.mode == TransferMode::Staged {
+            let (src_rows, dst_rows) = self.descriptors(src_rank, src_staging, dst_staging)?;
+            let (Some(first_src), Some(first_dst)) = (src_out.first_mut(), dst_out.first_mut())
+            else {
+                return Err(too_small("out", 0, 1));
+            };
+            *first_src = src_rows[0];
+            *first_dst = dst_rows[0];
+            return Ok(1);
+        }
+        self.need_destination("direct descriptors")?;
+        let cap = src_out.len().min(dst_out.len());
+        let mut c = CollectPairs {
+            src: SliceRows::new(src_out),
+            dst: SliceRows::new(dst_out),
+            src_device: s.src_device,
+            dst_device: self.dst_device,
+        };
+        s.walk(Purpose::Direct, &mut c);
+        finish_into(c.src.len(), c.dst.len().min(c.src.len()), cap, || {
+            self.row_count(src_rank, ListKind::Descriptors)
+        })
+    }
+
+    /// [`TransferProgram::gather`] written into a caller buffer; returns the row count.
+    pub fn gather_into(&self, src_rank: u32, out: &mut [[u64; 3]]) -> DisaggResult<usize> {
+        let s = self.source(src_rank)?;
+        let cap = out.len();
+        let mut c = Collect { out: SliceRows::new(out), cols: GATHER_COLS };
+        s.walk(Purpose::Gather, &mut c);
+        finish_into(c.out.len(), c.out.len(), cap, || self.row_count(src_rank, ListKind::Gather))
+    }
+
+    /// [`TransferProgram::scatter`] written into a caller buffer; returns the row count.
+    pub fn scatter_into(&self, src_rank: u32, out: &mut [[u64; 3]]) -> DisaggResult<usize> {
+        self.need_destination("scatter")?;
+        let s = self.source(src_rank)?;
+        let cap = out.len();
+        let mut c = Collect { out: SliceRows::new(out), cols: SCATTER_COLS };
+        s.walk(Purpose::Scatter, &mut c);
+        finish_into(c.out.len(), c.out.len(), cap, || self.row_count(src_rank, ListKind::Scatter))
+    }
+
     /// Figures per source, in source order (walks the lists; not free).
     pub fn stats(&self) -> Vec<SourceStats> {
         self.sources
@@ -802,6 +979,26 @@ impl TransferProgram {
         }
         Ok(())
     }
+}
+
+fn too_small(field: &str, have: usize, need: u64) -> DisaggError {
+    DisaggError::layout(field, format!("{field} has {have} rows but the list needs {need}"))
+}
+
+/// A fill that stopped at the end of the buffer names the size it needed.
+fn finish_into(
+    written: usize,
+    paired: usize,
+    cap: usize,
+    need: impl FnOnce() -> DisaggResult<u64>,
+) -> DisaggResult<usize> {
+    if written == cap || paired != written {
+        let n = need()?;
+        if n > cap as u64 {
+            return Err(too_small("out", cap, n));
+        }
+    }
+    Ok(paired)
 }
 
 /// Sort half-open byte ranges, reject any overlap, and merge touching ones.

@@ -13,9 +13,9 @@ pub mod layout;
 pub mod reshard;
 
 pub use compile::{
-    compile_kv_transfer, compile_ssm_transfer, CostModel, KvTransferRequest, ModeChoice,
-    SourceProgram, SourceStats, SrcBlockIds, SrcSlots, SsmTransferRequest, TransferMode,
-    TransferProgram,
+    compile_kv_transfer, compile_ssm_transfer, CostModel, KvTransferRequest, ListKind, ModeChoice,
+    RowBuf, SliceRows, SourceProgram, SourceStats, SrcBlockIds, SrcSlots, SsmTransferRequest,
+    TransferMode, TransferProgram,
 };
 pub use error::{DisaggError, DisaggResult};
 pub use geometry::{KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart};

@@ -5,13 +5,13 @@
 use std::collections::BTreeMap;
 
 use disagg_core::{
-    compile_kv_transfer, compile_ssm_transfer, CostModel, DisaggError, KvTransferRequest,
+    compile_kv_transfer, compile_ssm_transfer, CostModel, DisaggError, KvTransferRequest, ListKind,
     ModeChoice, SrcBlockIds, SrcSlots, SsmTransferRequest, TransferProgram,
 };
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray2, PyReadonlyArray1};
+use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyMapping};
+use pyo3::types::{PyDict, PyMapping, PySlice};
 
 use crate::error::{to_pyerr, IntoPyResult};
 use crate::geometry::{PyKvGeometry, PySsmGeometry};
@@ -72,6 +72,45 @@ fn rows_to_numpy(py: Python<'_>, rows: Vec<[u64; 3]>) -> PyResult<Bound<'_, PyAr
     Ok(arr.into_pyarray(py))
 }
 
+/// A caller's `[m, 3]` C-contiguous `uint64` array to write rows into.
+fn out_array<'py>(arr: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<u64>>> {
+    let a = arr.cast::<PyArray2<u64>>().map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err(
+            "out arrays must be numpy uint64 arrays of shape [m, 3]",
+        )
+    })?;
+    if a.shape()[1] != 3 || !a.is_c_contiguous() {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "out arrays must be C-contiguous with shape [m, 3], got {:?}",
+            a.shape()
+        )));
+    }
+    Ok(a.clone())
+}
+
+/// `arr[:n]`, a view.
+fn head<'py>(arr: &Bound<'py, PyArray2<u64>>, n: usize) -> PyResult<Bound<'py, PyAny>> {
+    let n = isize::try_from(n)
+        .map_err(|e| pyo3::exceptions::PyOverflowError::new_err(e.to_string()))?;
+    arr.as_any().get_item(PySlice::new(arr.py(), 0, n, 1))
+}
+
+/// Fill one caller array with the GIL released.
+fn fill_one<'py>(
+    py: Python<'py>,
+    out: &Bound<'py, PyAny>,
+    f: impl FnOnce(&mut [[u64; 3]]) -> Result<usize, DisaggError> + Send,
+) -> PyResult<Bound<'py, PyAny>> {
+    let arr = out_array(out)?;
+    let mut rw = arr.try_readwrite()?;
+    let flat =
+        rw.as_slice_mut().map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    let (rows, _) = flat.as_chunks_mut::<3>();
+    let n = py.detach(|| f(rows)).py()?;
+    drop(rw);
+    head(&arr, n)
+}
+
 fn cost(per_descriptor_s: f64, link_bytes_per_s: f64, gather_bytes_per_s: f64) -> CostModel {
     CostModel { per_descriptor_s, link_bytes_per_s, gather_bytes_per_s }
 }
@@ -107,17 +146,50 @@ impl PyTransferProgram {
     }
     /// `(src, dst)` Nx3 `uint64` arrays `(addr, len, device_id)` for the transport; staged
     /// sources give one row at the packed regions' addresses `src_staging` / `dst_staging`.
-    #[pyo3(signature = (src_rank, src_staging=0, dst_staging=0))]
+    /// With `out=(src_arr, dst_arr)` (uint64 `[m, 3]`, e.g. reused between handoffs) the rows
+    /// are written there and views of the first rows come back.
+    #[pyo3(signature = (src_rank, src_staging=0, dst_staging=0, *, out=None))]
     fn descriptors<'py>(
         &self,
         py: Python<'py>,
         src_rank: u32,
         src_staging: u64,
         dst_staging: u64,
-    ) -> PyResult<DescPair<'py>> {
+        out: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        if let Some((src_o, dst_o)) = out {
+            let (sa, da) = (out_array(&src_o)?, out_array(&dst_o)?);
+            if sa.is(&da) {
+                return Err(pyo3::exceptions::PyValueError::new_err(
+                    "out must be two distinct arrays",
+                ));
+            }
+            let mut sw = sa.try_readwrite()?;
+            let mut dw = da.try_readwrite()?;
+            let sflat = sw
+                .as_slice_mut()
+                .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+            let dflat = dw
+                .as_slice_mut()
+                .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+            let (srows, _) = sflat.as_chunks_mut::<3>();
+            let (drows, _) = dflat.as_chunks_mut::<3>();
+            let n = py
+                .detach(|| {
+                    self.inner.descriptors_into(src_rank, src_staging, dst_staging, srows, drows)
+                })
+                .py()?;
+            drop((sw, dw));
+            return Ok((head(&sa, n)?, head(&da, n)?));
+        }
         let (s, d) =
             py.detach(|| self.inner.descriptors(src_rank, src_staging, dst_staging)).py()?;
-        Ok((rows_to_numpy(py, s)?, rows_to_numpy(py, d)?))
+        Ok((rows_to_numpy(py, s)?.into_any(), rows_to_numpy(py, d)?.into_any()))
+    }
+    /// Exact rows of one list: `which` is "descriptors", "gather" or "scatter" (to size `out`).
+    fn row_count(&self, py: Python<'_>, src_rank: u32, which: &str) -> PyResult<u64> {
+        let kind = ListKind::parse(which).py()?;
+        py.detach(|| self.inner.row_count(src_rank, kind)).py()
     }
     /// The merged direct pairs of a source, whatever its mode.
     fn direct_descriptors<'py>(&self, py: Python<'py>, src_rank: u32) -> PyResult<DescPair<'py>> {
@@ -125,14 +197,32 @@ impl PyTransferProgram {
         Ok((rows_to_numpy(py, s)?, rows_to_numpy(py, d)?))
     }
     /// Mx3 `uint64` `(src_addr, len, packed_offset)`; needs no destination blocks.
-    fn gather<'py>(&self, py: Python<'py>, src_rank: u32) -> PyResult<Bound<'py, PyArray2<u64>>> {
+    #[pyo3(signature = (src_rank, *, out=None))]
+    fn gather<'py>(
+        &self,
+        py: Python<'py>,
+        src_rank: u32,
+        out: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if let Some(o) = out {
+            return fill_one(py, &o, |rows| self.inner.gather_into(src_rank, rows));
+        }
         let rows = py.detach(|| self.inner.gather(src_rank)).py()?;
-        rows_to_numpy(py, rows)
+        Ok(rows_to_numpy(py, rows)?.into_any())
     }
     /// Mx3 `uint64` `(packed_offset, dst_addr, len)`.
-    fn scatter<'py>(&self, py: Python<'py>, src_rank: u32) -> PyResult<Bound<'py, PyArray2<u64>>> {
+    #[pyo3(signature = (src_rank, *, out=None))]
+    fn scatter<'py>(
+        &self,
+        py: Python<'py>,
+        src_rank: u32,
+        out: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if let Some(o) = out {
+            return fill_one(py, &o, |rows| self.inner.scatter_into(src_rank, rows));
+        }
         let rows = py.detach(|| self.inner.scatter(src_rank)).py()?;
-        rows_to_numpy(py, rows)
+        Ok(rows_to_numpy(py, rows)?.into_any())
     }
     /// Figures: totals plus `sources[src_rank]` = mode, descriptors, fragments, bytes.
     #[getter]
