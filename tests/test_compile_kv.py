@@ -384,3 +384,46 @@ def test_lists_can_be_written_into_reused_caller_arrays() -> None:
         program.gather(0, out=tiny)
     with pytest.raises(TypeError):
         program.gather(0, out=np.zeros((4, 3), np.int64))
+
+
+def expand_runs(runs: np.ndarray[Any, Any]) -> list[tuple[int, int, int]]:
+    """(a, b, len) fragments of strided runs, in order."""
+    out = []
+    for a, b, n, count, sa, sb in runs.tolist():
+        out += [(a + k * sa, b + k * sb, n) for k in range(count)]
+    return out
+
+
+@pytest.mark.parametrize(("src_tp", "dst_kind"), [(4, "hnd"), (1, "nhd"), (2, "megatron")])
+def test_strided_runs_expand_to_the_same_bytes_as_the_flat_lists(
+    src_tp: int, dst_kind: str
+) -> None:
+    g = global_tensor(2, 2, 21, 4, 3, np.uint32)
+    srcs = []
+    ids = [4, 0, 2, 5, 1, 3]
+    for lay in kv_layouts(src_tp, 1, 2, 4):
+        r = KvRank(lay, "megatron", 6, 4, 3, np.uint32, 5)
+        r.write(g, ids, 0, 21)
+        srcs.append(r)
+    dst_l = KVShardLayout(2, 4, global_rank=50)
+    dst = KvRank(dst_l, dst_kind, 4, 8, 3, np.uint32, 0)
+    program = compile_kv_transfer(
+        [(r.layout, r.geometry) for r in srcs], (dst_l, dst.geometry), ids, [3, 1, 0], 21, "staged"
+    )
+    for r in program.src_ranks:
+        gather = [(a, off, n) for a, n, off in program.gather(r).tolist()]
+        runs = expand_runs(program.gather_runs(r))
+        assert sum(n for *_, n in runs) == program.packed_bytes(r)
+        assert _same_bytes(gather, runs)
+        assert _same_bytes(
+            [tuple(x) for x in program.scatter(r).tolist()], expand_runs(program.scatter_runs(r))
+        )
+
+
+def _same_bytes(a: list[Any], b: list[Any]) -> bool:
+    """Both lists map the same bytes (merging may differ)."""
+
+    def bytes_of(frags: list[Any]) -> set[tuple[int, int]]:
+        return {(x + k, y + k) for x, y, n in frags for k in range(n)}
+
+    return bytes_of(a) == bytes_of(b)

@@ -450,28 +450,44 @@ impl RowBuf for SliceRows<'_> {
     }
 }
 
-/// Collects merged fragments as rows with the columns `a`, `b` and `len` at positions
-/// `cols[0]`, `cols[1]` and `cols[2]` (the gather and scatter row formats).
-struct Collect<B> {
+/// Collects merged fragments as rows `(a, len, b)` (gather format, `GATHER`) or
+/// `(a, b, len)` (scatter format); the layout is a constant so each row is one store.
+struct Collect<B, const GATHER: bool> {
     out: B,
-    cols: [usize; 3],
 }
 
-impl<B: RowBuf> FragmentSink for Collect<B> {
+impl<B, const GATHER: bool> Collect<B, GATHER> {
+    #[inline]
+    fn row(a: u64, b: u64, len: u64) -> [u64; 3] {
+        if GATHER {
+            [a, len, b]
+        } else {
+            [a, b, len]
+        }
+    }
+    #[inline]
+    fn parts(r: &mut [u64; 3]) -> (u64, u64, &mut u64) {
+        if GATHER {
+            let [a, len, b] = r;
+            (*a, *b, len)
+        } else {
+            let [a, b, len] = r;
+            (*a, *b, len)
+        }
+    }
+}
+
+impl<B: RowBuf, const GATHER: bool> FragmentSink for Collect<B, GATHER> {
     #[inline]
     fn push(&mut self, a: u64, b: u64, len: u64) -> bool {
-        let [ca, cb, cl] = self.cols;
         if let Some(last) = self.out.last_row() {
-            if last[ca] + last[cl] == a && last[cb] + last[cl] == b {
-                last[cl] += len;
+            let (la, lb, ll) = Self::parts(last);
+            if la + *ll == a && lb + *ll == b {
+                *ll += len;
                 return true;
             }
         }
-        let mut row = [0u64; 3];
-        row[ca] = a;
-        row[cb] = b;
-        row[cl] = len;
-        self.out.push_row(row)
+        self.out.push_row(Self::row(a, b, len))
     }
 
     #[inline]
@@ -479,14 +495,9 @@ impl<B: RowBuf> FragmentSink for Collect<B> {
         if !self.push(a, b, len) {
             return false;
         }
-        let [ca, cb, cl] = self.cols;
         self.out.extend_with(n as usize - 1, |k| {
             let k = k as u64 + 1;
-            let mut row = [0u64; 3];
-            row[ca] = a + k * sa;
-            row[cb] = b + k * sb;
-            row[cl] = len;
-            row
+            Self::row(a + k * sa, b + k * sb, len)
         })
     }
 }
@@ -525,6 +536,36 @@ impl<B: RowBuf> FragmentSink for CollectPairs<B> {
     }
 }
 
+/// Collects strided runs `[a, b, len, count, a_stride, b_stride]`: fragment `k < count` is
+/// `a + k * a_stride -> b + k * b_stride`, `len` bytes. Single fragments merge as usual.
+#[derive(Default)]
+struct CollectRuns {
+    out: Vec<[u64; 6]>,
+}
+
+impl FragmentSink for CollectRuns {
+    #[inline]
+    fn push(&mut self, a: u64, b: u64, len: u64) -> bool {
+        if let Some(last) = self.out.last_mut() {
+            if last[3] == 1 && last[0] + last[2] == a && last[1] + last[2] == b {
+                last[2] += len;
+                return true;
+            }
+        }
+        self.out.push([a, b, len, 1, 0, 0]);
+        true
+    }
+
+    #[inline]
+    fn push_run(&mut self, a: u64, b: u64, len: u64, n: u64, sa: u64, sb: u64) -> bool {
+        if n == 1 {
+            return self.push(a, b, len);
+        }
+        self.out.push([a, b, len, n, sa, sb]);
+        true
+    }
+}
+
 /// Which list of a source rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ListKind {
@@ -550,13 +591,6 @@ impl ListKind {
         }
     }
 }
-
-/// Gather rows are `(src_addr, len, packed_offset)`: a (source) at 0, b (packed) at 2.
-const GATHER_COLS: [usize; 3] = [0, 2, 1];
-/// Scatter rows are `(packed_offset, dst_addr, len)`.
-const SCATTER_COLS: [usize; 3] = [0, 1, 2];
-/// Plain `(a, b, len)` rows.
-const PLAIN_COLS: [usize; 3] = [0, 1, 2];
 
 /// Counts merged fragments, stopping once the count passes `limit`.
 struct Count {
@@ -683,9 +717,9 @@ impl SourceProgram {
         }
     }
 
-    /// Rows `(a, b, len)` of a walk, placed at column positions `cols`.
-    fn collect(&self, purpose: Purpose, cols: [usize; 3]) -> Vec<[u64; 3]> {
-        let mut c = Collect { out: Vec::with_capacity(self.box_count(purpose)), cols };
+    /// Rows of a walk: `(a, len, b)` when `GATHER`, else `(a, b, len)`.
+    fn collect<const GATHER: bool>(&self, purpose: Purpose) -> Vec<[u64; 3]> {
+        let mut c = Collect::<_, GATHER> { out: Vec::with_capacity(self.box_count(purpose)) };
         self.walk(purpose, &mut c);
         c.out
     }
@@ -814,13 +848,31 @@ impl TransferProgram {
     /// Gather list of `src_rank`: rows `(src_addr, len, packed_offset)`, merged where both the
     /// source and the packed ranges continue. Available in every mode and without destination.
     pub fn gather(&self, src_rank: u32) -> DisaggResult<Rows> {
-        Ok(self.source(src_rank)?.collect(Purpose::Gather, GATHER_COLS))
+        Ok(self.source(src_rank)?.collect::<true>(Purpose::Gather))
     }
 
     /// Scatter list of `src_rank`: rows `(packed_offset, dst_addr, len)`.
     pub fn scatter(&self, src_rank: u32) -> DisaggResult<Rows> {
         self.need_destination("scatter")?;
-        Ok(self.source(src_rank)?.collect(Purpose::Scatter, SCATTER_COLS))
+        Ok(self.source(src_rank)?.collect::<false>(Purpose::Scatter))
+    }
+
+    /// The gather list of `src_rank` as strided runs
+    /// `(src_addr, packed_offset, len, count, src_stride, packed_stride)`: the compact form a
+    /// pack kernel wants (one row per block run instead of one per token for head reshards).
+    pub fn gather_runs(&self, src_rank: u32) -> DisaggResult<Vec<[u64; 6]>> {
+        let mut c = CollectRuns::default();
+        self.source(src_rank)?.walk(Purpose::Gather, &mut c);
+        Ok(c.out)
+    }
+
+    /// The scatter list of `src_rank` as strided runs
+    /// `(packed_offset, dst_addr, len, count, packed_stride, dst_stride)`.
+    pub fn scatter_runs(&self, src_rank: u32) -> DisaggResult<Vec<[u64; 6]>> {
+        self.need_destination("scatter")?;
+        let mut c = CollectRuns::default();
+        self.source(src_rank)?.walk(Purpose::Scatter, &mut c);
+        Ok(c.out)
     }
 
     /// Exact number of rows of one list of `src_rank` (walks it without writing).
@@ -878,7 +930,7 @@ impl TransferProgram {
     pub fn gather_into(&self, src_rank: u32, out: &mut [[u64; 3]]) -> DisaggResult<usize> {
         let s = self.source(src_rank)?;
         let cap = out.len();
-        let mut c = Collect { out: SliceRows::new(out), cols: GATHER_COLS };
+        let mut c = Collect::<_, true> { out: SliceRows::new(out) };
         s.walk(Purpose::Gather, &mut c);
         finish_into(c.out.len(), c.out.len(), cap, || self.row_count(src_rank, ListKind::Gather))
     }
@@ -888,7 +940,7 @@ impl TransferProgram {
         self.need_destination("scatter")?;
         let s = self.source(src_rank)?;
         let cap = out.len();
-        let mut c = Collect { out: SliceRows::new(out), cols: SCATTER_COLS };
+        let mut c = Collect::<_, false> { out: SliceRows::new(out) };
         s.walk(Purpose::Scatter, &mut c);
         finish_into(c.out.len(), c.out.len(), cap, || self.row_count(src_rank, ListKind::Scatter))
     }
@@ -932,12 +984,12 @@ impl TransferProgram {
             match s.mode {
                 TransferMode::Direct => {
                     written.extend(
-                        s.collect(Purpose::Direct, PLAIN_COLS).iter().map(|f| [f[1], f[1] + f[2]]),
+                        s.collect::<false>(Purpose::Direct).iter().map(|f| [f[1], f[1] + f[2]]),
                     );
                 }
                 TransferMode::Staged => {
-                    let gather = s.collect(Purpose::Gather, PLAIN_COLS);
-                    let scatter = s.collect(Purpose::Scatter, PLAIN_COLS);
+                    let gather = s.collect::<false>(Purpose::Gather);
+                    let scatter = s.collect::<false>(Purpose::Scatter);
                     for (what, list) in [
                         ("gather", gather.iter().map(|f| [f[1], f[1] + f[2]]).collect::<Vec<_>>()),
                         ("scatter", scatter.iter().map(|f| [f[0], f[0] + f[2]]).collect()),

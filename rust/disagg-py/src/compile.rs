@@ -72,6 +72,13 @@ fn rows_to_numpy(py: Python<'_>, rows: Vec<[u64; 3]>) -> PyResult<Bound<'_, PyAr
     Ok(arr.into_pyarray(py))
 }
 
+fn runs_to_numpy(py: Python<'_>, rows: Vec<[u64; 6]>) -> PyResult<Bound<'_, PyArray2<u64>>> {
+    let n = rows.len();
+    let arr = Array2::from_shape_vec((n, 6), rows.into_flattened())
+        .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
+    Ok(arr.into_pyarray(py))
+}
+
 /// A caller's `[m, 3]` C-contiguous `uint64` array to write rows into.
 fn out_array<'py>(arr: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<u64>>> {
     let a = arr.cast::<PyArray2<u64>>().map_err(|_| {
@@ -223,6 +230,26 @@ impl PyTransferProgram {
         }
         let rows = py.detach(|| self.inner.scatter(src_rank)).py()?;
         Ok(rows_to_numpy(py, rows)?.into_any())
+    }
+    /// Nx6 `uint64` strided gather runs `(src_addr, packed_offset, len, count, src_stride,
+    /// packed_stride)`; fragment `k < count` starts at `addr + k * stride` on each side.
+    fn gather_runs<'py>(
+        &self,
+        py: Python<'py>,
+        src_rank: u32,
+    ) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let rows = py.detach(|| self.inner.gather_runs(src_rank)).py()?;
+        runs_to_numpy(py, rows)
+    }
+    /// Nx6 `uint64` strided scatter runs `(packed_offset, dst_addr, len, count,
+    /// packed_stride, dst_stride)`.
+    fn scatter_runs<'py>(
+        &self,
+        py: Python<'py>,
+        src_rank: u32,
+    ) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let rows = py.detach(|| self.inner.scatter_runs(src_rank)).py()?;
+        runs_to_numpy(py, rows)
     }
     /// Figures: totals plus `sources[src_rank]` = mode, descriptors, fragments, bytes.
     #[getter]
