@@ -322,6 +322,22 @@ impl KvWork {
             let whole = (nh == 1 || (hs[ia] == row && hs[ib] == row))
                 && ts[ia] == tok_bytes
                 && ts[ib] == tok_bytes;
+            // Whole segments: their offsets inside a plane are the same for every plane, so
+            // compute and pre-merge them once; each plane then costs one add per run.
+            let runs: Vec<[u64; 3]> = if whole {
+                let mut c = Collect::<Vec<[u64; 3]>, false> { out: Vec::with_capacity(segs.len()) };
+                for seg in segs {
+                    let off = [
+                        seg.src_block * s.block_stride + seg.src_off * s.token_stride,
+                        seg.dst_block * d_bs + seg.dst_off * d_ts,
+                        (seg.t_lo - self.token_start) * p_ts,
+                    ];
+                    c.push(off[ia], off[ib], seg.n * tok_bytes);
+                }
+                c.out
+            } else {
+                Vec::new()
+            };
             for kv in 0..s.num_kv {
                 for l in 0..set.num_layers {
                     let sp = self.src.plane_base(kv, set.src_l0 + l) + set.src_h0 * s.head_stride;
@@ -331,23 +347,28 @@ impl KvWork {
                         .map_or(0, |d| d.plane_base(kv, set.dst_l0 + l) + set.dst_h0 * d_hs);
                     let plane_idx = u64::from(kv * set.num_layers + l);
                     let pp = set.packed_off + plane_idx * plane_bytes;
+                    if whole {
+                        let plane = [sp, dp, pp];
+                        let (ba, bb) = (plane[ia], plane[ib]);
+                        for r in &runs {
+                            if !sink.push(ba + r[0], bb + r[1], r[2]) {
+                                return;
+                            }
+                        }
+                        continue;
+                    }
                     for seg in segs {
                         let base = [
                             sp + seg.src_block * s.block_stride + seg.src_off * s.token_stride,
                             dp + seg.dst_block * d_bs + seg.dst_off * d_ts,
                             pp + (seg.t_lo - self.token_start) * p_ts,
                         ];
-                        let more = if whole {
-                            sink.push(base[ia], base[ib], seg.n * tok_bytes)
-                        } else {
-                            let b = CopyBox {
-                                base,
-                                row,
-                                dims: [[seg.n, ts[0], ts[1], ts[2]], [nh, hs[0], hs[1], hs[2]]],
-                            };
-                            emit_box(&b, (ia, ib), sink)
+                        let b = CopyBox {
+                            base,
+                            row,
+                            dims: [[seg.n, ts[0], ts[1], ts[2]], [nh, hs[0], hs[1], hs[2]]],
                         };
-                        if !more {
+                        if !emit_box(&b, (ia, ib), sink) {
                             return;
                         }
                     }
