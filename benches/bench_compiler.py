@@ -181,6 +181,7 @@ def main() -> None:
     args = ap.parse_args()
     rep_base, rep_ours = (1, 3) if args.quick else (2, 7)
     rows: list[str] = []
+    figures: dict[tuple[str, str], tuple[float, float, int]] = {}
 
     def record(name: str, mode: str, base: tuple[float, Any], run: Any) -> None:
         b_t, (b_s, _) = base
@@ -190,6 +191,7 @@ def main() -> None:
             f"| {name} | {mode} | {b_t * 1e3:,.1f} | {len(b_s):,} | {f_t * 1e3:,.2f} | "
             f"{o_t * 1e3:,.2f} | {o_desc:,} | {o_frag:,} | {b_t / f_t:,.0f}x | {b_t / o_t:,.0f}x |"
         )
+        figures[(name, mode)] = (b_t / f_t, b_t / o_t, o_desc)
         print(rows[-1], flush=True)
 
     prompts = [8192] if args.quick else [8192, 32768]
@@ -284,7 +286,32 @@ def main() -> None:
         "ours ms (reused `out=`) | ours descs | gather+scatter frags | speedup fresh | "
         "speedup reused |\n|---|---|---|---|---|---|---|---|---|---|\n"
     )
-    text = header + "\n".join(rows) + "\n"
+
+    def target(key: tuple[str, str], what: str, ok: Callable[[float, float, int], bool]) -> str:
+        if key not in figures:
+            return f"- {what}: not run (--quick)"
+        f, r, d = figures[key]
+        verdict = "met" if ok(f, r, d) else "NOT met"
+        return f"- {what}: {verdict} (fresh {f:,.0f}x, reused {r:,.0f}x, {d:,} descriptors)"
+
+    targets = [
+        target(
+            ("TP1->TP1 32K, scattered blocks", "direct"),
+            ">= 100x on 32K matched, scattered blocks (reused arrays)",
+            lambda f, r, d: r >= 100,
+        ),
+        target(
+            ("TP1->TP1 32K, contiguous blocks", "direct"),
+            "<= 2 x 80 descriptors with contiguous blocks",
+            lambda f, r, d: d <= 160,
+        ),
+        target(
+            ("TP8->TP4 8K head reshard", "staged"),
+            ">= 200x for the staged 8K TP8->TP4 reshard, one descriptor per source (flat lists)",
+            lambda f, r, d: r >= 200 and d == 2,
+        ),
+    ]
+    text = header + "\n".join(rows) + "\n\nTargets (issue 3):\n\n" + "\n".join(targets) + "\n"
     if args.write:
         write_section(args.write, "compiler", text)
 

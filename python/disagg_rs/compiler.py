@@ -29,7 +29,12 @@ source rank is the one message of that (source, destination) pair.
 arrays ``(addr, len, device_id)`` ready for ``nixl_agent.get_xfer_descs``; for a staged source
 one row at ``src_staging`` / ``dst_staging``), ``gather(r)`` ``(src_addr, len, packed_offset)``,
 ``scatter(r)`` ``(packed_offset, dst_addr, len)``, ``packed_bytes(r)``, ``stats``, ``verify()``.
-``compile_ssm_transfer(src, dst, src_slot, dst_slot, mode)`` does the same for SSM slots.
+``row_count(r, which)``, ``out=`` arrays for the three lists (reused buffers avoid page faults),
+and ``gather_runs(r)`` / ``scatter_runs(r)``: the same lists as strided runs
+``(a, b, len, count, a_stride, b_stride)`` for a pack/unpack kernel.
+``compile_ssm_transfer(src, dst, src_slot, dst_slot, mode)`` does the same for SSM slots: its
+packed region holds the conv pieces, then the recurrent ones, by source-local layer, then band
+(x, B, C), then channel.
 """
 
 from disagg_rs._core import TransferProgram, compile_kv_transfer, compile_ssm_transfer
