@@ -48,7 +48,7 @@ def run_scenario(
     """Split a global tensor by the source layouts, compile and apply one program per
     destination rank, and compare every destination buffer with a direct split."""
     sentinel = SENTINEL[dtype]
-    g = global_tensor(2, layers, num_tokens, heads, head_dim, dtype)
+    g = global_tensor(1 if src_kind == "mla" else 2, layers, num_tokens, heads, head_dim, dtype)
     src_layouts = kv_layouts(src_tp, src_pp, layers, heads)
     dst_layouts = kv_layouts(dst_tp, dst_pp, layers, heads, rank0=100)
     n_src_blocks = -(-num_tokens // src_tpb)
@@ -133,6 +133,51 @@ def test_every_destination_byte_equals_a_direct_split_of_the_global_tensor(
     s: dict[str, Any],
 ) -> None:
     run_scenario(**s)
+
+
+@given(
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from([1, 2]),
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from([1, 2]),
+    st.sampled_from([1, 3, 8]),
+    st.sampled_from([1, 3, 8]),
+    st.integers(1, 20),
+    st.sampled_from(["direct", "staged", "auto"]),
+    st.data(),
+)
+def test_mla_latent_bytes_equal_a_direct_split_for_any_tp_pp_and_block_sizes(
+    src_tp: int,
+    src_pp: int,
+    dst_tp: int,
+    dst_pp: int,
+    src_tpb: int,
+    dst_tpb: int,
+    num_tokens: int,
+    mode: str,
+    data: st.DataObject,
+) -> None:
+    def draw_ids(n: int, label: str) -> list[int]:
+        return data.draw(st.permutations(range(n + 2)), label=label)[:n]
+
+    run_scenario(
+        layers=2,
+        heads=1,
+        src_tp=src_tp,
+        src_pp=src_pp,
+        dst_tp=dst_tp,
+        dst_pp=dst_pp,
+        src_kind="mla",
+        dst_kind="mla",
+        src_tpb=src_tpb,
+        dst_tpb=dst_tpb,
+        num_tokens=num_tokens,
+        token_start=data.draw(st.integers(0, num_tokens), label="token_start"),
+        head_dim=5,
+        dtype=np.uint16,
+        mode=mode,
+        draw_ids=draw_ids,
+    )
 
 
 @pytest.mark.parametrize("mode", ["direct", "staged"])
