@@ -269,3 +269,48 @@ proptest! {
         apply(ModeChoice::Direct, &c)?;
     }
 }
+
+fn request(dst_ids: Option<Vec<u32>>, mode: ModeChoice, dst_hnd: bool) -> KvTransferRequest {
+    let src = layouts(2, 1, 2, 4, 0);
+    let dst = layouts(1, 1, 2, 4, 10)[0];
+    let srcs = src
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (*l, geometry(l, 8, 4, 2, false, (i as u64 + 1) << 20).0))
+        .collect();
+    KvTransferRequest {
+        srcs,
+        dst_layout: dst,
+        dst_geometry: Some(geometry(&dst, 8, 16, 2, dst_hnd, 1 << 30).0),
+        src_block_ids: SrcBlockIds::Shared(vec![3, 1, 6, 0, 2]),
+        dst_block_ids: dst_ids,
+        num_tokens: 18,
+        token_start: 0,
+        mode,
+        cost: CostModel::default(),
+    }
+}
+
+#[test]
+fn packed_offsets_do_not_depend_on_destination_blocks_or_geometry() {
+    let prefill = compile_kv_transfer(&request(None, ModeChoice::Staged, false)).unwrap();
+    for (ids, hnd) in [(vec![5, 2], false), (vec![0, 7], true)] {
+        let decode = compile_kv_transfer(&request(Some(ids), ModeChoice::Staged, hnd)).unwrap();
+        for s in &decode.sources {
+            assert_eq!(prefill.gather(s.src_rank).unwrap(), decode.gather(s.src_rank).unwrap());
+            assert_eq!(prefill.source(s.src_rank).unwrap().packed_bytes, s.packed_bytes);
+        }
+        decode.verify().unwrap();
+    }
+}
+
+#[test]
+fn duplicate_destination_blocks_and_missing_destinations_are_block_errors() {
+    let e = compile_kv_transfer(&request(Some(vec![4, 4]), ModeChoice::Direct, false)).unwrap_err();
+    assert_eq!(e.kind(), "Block");
+    assert!(e.to_string().contains("same block"), "{e}");
+    let e = compile_kv_transfer(&request(None, ModeChoice::Auto, false)).unwrap_err();
+    assert!(e.to_string().contains("dst_block_ids"), "{e}");
+    let p = compile_kv_transfer(&request(None, ModeChoice::Staged, false)).unwrap();
+    assert_eq!(p.scatter(0).unwrap_err().kind(), "Block");
+}
