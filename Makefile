@@ -54,6 +54,7 @@ demo: build ## Run the main job (today: plan and verify a TP8 -> TP4xPP2 KV resh
 bench: build ## Run the benchmarks and write benches/RESULTS.md
 	$(PY) benches/bench_planner.py --write benches/RESULTS.md
 	$(PY) benches/bench_ledger.py --write benches/RESULTS.md
+	$(PY) benches/bench_compiler.py --write benches/RESULTS.md
 
 .PHONY: clean
 clean: ## Remove build outputs (keeps .venv)

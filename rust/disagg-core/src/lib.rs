@@ -6,13 +6,21 @@
 //! `[lo, hi)`.
 #![forbid(unsafe_code)]
 
+pub mod compile;
 pub mod error;
+pub mod geometry;
 pub mod layout;
 pub mod ledger;
 pub mod pool;
 pub mod reshard;
 
+pub use compile::{
+    compile_kv_transfer, compile_ssm_transfer, CostModel, KvTransferRequest, ListKind, ModeChoice,
+    RowBuf, SliceRows, SourceProgram, SourceStats, SrcBlockIds, SrcSlots, SsmTransferRequest,
+    TransferMode, TransferProgram,
+};
 pub use error::{DisaggError, DisaggResult};
+pub use geometry::{KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart};
 pub use layout::{
     BandSpan, KvLayoutSpec, KvShardLayout, Span, SsmBand, SsmLayoutSpec, SsmShardLayout,
     SsmStateDims,

@@ -6,7 +6,9 @@
 // PyO3 extracts #[pyfunction] arguments by value; a reference is not an option there.
 #![allow(clippy::needless_pass_by_value)]
 
+mod compile;
 mod error;
+mod geometry;
 mod layout;
 mod ledger;
 mod pool;
@@ -34,5 +36,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ledger::PyImportLedger>()?;
     m.add_class::<ledger::PyPinLedger>()?;
     m.add_class::<ledger::PyCompletionQuorum>()?;
+    m.add_class::<geometry::PyKvGeometry>()?;
+    m.add_class::<geometry::PySsmGeometry>()?;
+    m.add_class::<compile::PyTransferProgram>()?;
+    m.add_function(wrap_pyfunction!(compile::py_compile_kv_transfer, m)?)?;
+    m.add_function(wrap_pyfunction!(compile::py_compile_ssm_transfer, m)?)?;
     Ok(())
 }
