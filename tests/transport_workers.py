@@ -137,14 +137,25 @@ def reference_compiler(
             sh = np.arange(*t.src_local_heads())[None, None, None, :]
             dh = np.arange(*t.dst_local_heads())[None, None, None, :]
             shape = (2, t.num_layers, num_tokens, t.num_heads)
-            src = _addr(sm, {"kv": kv, "layer": sl, "block": sids[tk // ts], "token": tk % ts,
-                             "head": sh})  # fmt: skip
+            src = _addr(
+                sm, {"kv": kv, "layer": sl, "block": sids[tk // ts], "token": tk % ts, "head": sh}
+            )
             dsta = None
             if dst_block_ids is not None:
                 dids = np.asarray(dst_block_ids, dtype=np.int64)
                 dsta = np.broadcast_to(
-                    _addr(dst, {"kv": kv, "layer": dl, "block": dids[tk // td], "token": tk % td,
-                                "head": dh}), shape).reshape(-1)  # fmt: skip
+                    _addr(
+                        dst,
+                        {
+                            "kv": kv,
+                            "layer": dl,
+                            "block": dids[tk // td],
+                            "token": tk % td,
+                            "head": dh,
+                        },
+                    ),
+                    shape,
+                ).reshape(-1)
             src = np.broadcast_to(src, shape).reshape(-1)
             lens = np.full(src.size, d * int(sm["buffer"]["element_size"]), dtype=np.int64)
             frags.setdefault(t.src_rank, []).append((src, dsta, lens))
@@ -159,18 +170,23 @@ def reference_compiler(
                 continue
             sm = by_rank[t.src_rank]
             sids = _ids_for(src_block_ids, t.src_rank)
-            shape_inner = np.prod(sm["buffer"]["shape"][3:]) if kind == "recurrent" else (
-                sm["buffer"]["shape"][3])  # fmt: skip
+            shape_inner = (
+                np.prod(sm["buffer"]["shape"][3:])
+                if kind == "recurrent"
+                else (sm["buffer"]["shape"][3])
+            )
             width = (t.src_local[1] - t.src_local[0]) * int(shape_inner)
             sl = np.arange(*t.src_local_layers())[:, None]
             dl = np.arange(*t.dst_local_layers())[:, None]
-            src = _addr(sm, {"layer": sl, "slot": sids[None, :],
-                             inner: np.array(t.src_local[0])}).reshape(-1)  # fmt: skip
+            src = _addr(
+                sm, {"layer": sl, "slot": sids[None, :], inner: np.array(t.src_local[0])}
+            ).reshape(-1)
             dsta = None
             if dst_block_ids is not None:
                 dids = np.asarray(dst_block_ids, dtype=np.int64)
-                dsta = _addr(dst, {"layer": dl, "slot": dids[None, :],
-                                   inner: np.array(t.dst_local[0])}).reshape(-1)  # fmt: skip
+                dsta = _addr(
+                    dst, {"layer": dl, "slot": dids[None, :], inner: np.array(t.dst_local[0])}
+                ).reshape(-1)
             lens = np.full(src.size, width * int(sm["buffer"]["element_size"]), dtype=np.int64)
             frags.setdefault(t.src_rank, []).append((src, dsta, lens))
     joined = {
@@ -237,18 +253,28 @@ def kv_layout(case: Case, side: Side) -> Any:
     import disagg_rs
 
     return disagg_rs.KVShardLayout(
-        case.num_layers, case.num_kv_heads, side.tp_size, side.tp_rank, side.pp_size,
-        side.pp_rank, side.global_rank,
-    )  # fmt: skip
+        case.num_layers,
+        case.num_kv_heads,
+        side.tp_size,
+        side.tp_rank,
+        side.pp_size,
+        side.pp_rank,
+        side.global_rank,
+    )
 
 
 def ssm_layout(case: Case, side: Side) -> Any:
     import disagg_rs
 
     return disagg_rs.SSMShardLayout(
-        case.num_layers, disagg_rs.SSMStateDims(*case.ssm), side.tp_size, side.tp_rank,
-        side.pp_size, side.pp_rank, side.global_rank,
-    )  # fmt: skip
+        case.num_layers,
+        disagg_rs.SSMStateDims(*case.ssm),
+        side.tp_size,
+        side.tp_rank,
+        side.pp_size,
+        side.pp_rank,
+        side.global_rank,
+    )
 
 
 def src_ids(case: Case, side: Side) -> list[int]:
@@ -300,8 +326,9 @@ def make_buffer(case: Case, side: Side, *, fill: bool) -> Any:
         _, p, n, _, dc = case.ssm
         l0, l1 = lay.layers
         if case.kind == "conv":
-            buf = torch.full((l1 - l0, side.num_blocks, lay.local_conv_channels, dc), SENTINEL,
-                             dtype=torch.int32)  # fmt: skip
+            buf = torch.full(
+                (l1 - l0, side.num_blocks, lay.local_conv_channels, dc), SENTINEL, dtype=torch.int32
+            )
             if fill:
                 g = _global_ssm(case)
                 slot = src_ids(case, side)[0]
@@ -310,16 +337,21 @@ def make_buffer(case: Case, side: Side, *, fill: bool) -> Any:
                     buf[:, slot, la:lb] = g[l0:l1, ga:gb]
         else:
             h0, h1 = lay.heads
-            buf = torch.full((l1 - l0, side.num_blocks, h1 - h0, p, n), SENTINEL,
-                             dtype=torch.int32)  # fmt: skip
+            buf = torch.full((l1 - l0, side.num_blocks, h1 - h0, p, n), SENTINEL, dtype=torch.int32)
             if fill:
                 buf[:, src_ids(case, side)[0]] = _global_ssm(case)[l0:l1, h0:h1]
         return buf
     lay = kv_layout(case, side)
     (l0, l1), (h0, h1) = lay.layers, lay.heads
     canon = ["kv", "layer", "block", "token", "head", "dim"]
-    sizes = {"kv": 2, "layer": l1 - l0, "block": side.num_blocks,
-             "token": side.tokens_per_block, "head": h1 - h0, "dim": case.head_dim}  # fmt: skip
+    sizes = {
+        "kv": 2,
+        "layer": l1 - l0,
+        "block": side.num_blocks,
+        "token": side.tokens_per_block,
+        "head": h1 - h0,
+        "dim": case.head_dim,
+    }
     names = side.axes.split()
     buf = torch.full([sizes[a] for a in names], SENTINEL, dtype=torch.int32)
     view = buf.permute([names.index(a) for a in canon])  # canonical-order view of the bytes
@@ -375,12 +407,18 @@ def _backend_kwargs(case: Case, side: Side) -> dict[str, Any]:
     if case.kind == "kv":
         lay = kv_layout(case, side)
         return {
-            "tp_size": side.tp_size, "tp_rank": side.tp_rank, "pp_size": side.pp_size,
-            "pp_rank": side.pp_rank, "global_rank": side.global_rank,
-            "num_kv_heads_global": case.num_kv_heads, "num_layers_global": case.num_layers,
-            "tokens_per_block": side.tokens_per_block, "head_dim": case.head_dim,
-            "axes": side.axes, "heads_per_partition": lay.heads_per_partition,
-        }  # fmt: skip
+            "tp_size": side.tp_size,
+            "tp_rank": side.tp_rank,
+            "pp_size": side.pp_size,
+            "pp_rank": side.pp_rank,
+            "global_rank": side.global_rank,
+            "num_kv_heads_global": case.num_kv_heads,
+            "num_layers_global": case.num_layers,
+            "tokens_per_block": side.tokens_per_block,
+            "head_dim": case.head_dim,
+            "axes": side.axes,
+            "heads_per_partition": lay.heads_per_partition,
+        }
     return {"ssm_layout": ssm_layout(case, side), "ssm_state_kind": case.kind}
 
 
@@ -400,18 +438,24 @@ class WorkerState:
 
             # A root registration keeps the shared agent alive across cases.
             self.root = NixlTransferBackend(
-                name, torch.zeros(2, 1, 1, 1, 1, 1, dtype=torch.int32), 1,
-                compiler=reference_compiler, staging_bytes=1 << 20,
-            )  # fmt: skip
+                name,
+                torch.zeros(2, 1, 1, 1, 1, 1, dtype=torch.int32),
+                1,
+                compiler=reference_compiler,
+                staging_bytes=1 << 20,
+            )
         else:
             import datetime
 
             import torch.distributed as dist
 
             dist.init_process_group(
-                "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                "gloo",
+                init_method=f"file://{store}",
+                rank=rank,
+                world_size=world,
                 timeout=datetime.timedelta(seconds=REPLY_TIMEOUT_S),
-            )  # fmt: skip
+            )
 
     def setup(self, key: str, case: Case, side: Side, role: str, **extra: Any) -> dict[str, Any]:
         """Create the backend for (case, side); fill it if it is a source; return its meta."""
@@ -457,8 +501,9 @@ class WorkerState:
         return {k: v[0] for k, v in self.root._ctx.peers.items()}
 
 
-def worker_main(conn: Connection, transport: str, name: str, rank: int, world: int,
-                store: str) -> None:  # fmt: skip
+def worker_main(
+    conn: Connection, transport: str, name: str, rank: int, world: int, store: str
+) -> None:
     """Serve commands ``(method, args, kwargs)`` until ``exit``; reply ``(ok, value)``."""
     os.environ.setdefault("UCX_TLS", "tcp,self,sm")
     state: WorkerState | None = None
@@ -489,8 +534,9 @@ def worker_main(conn: Connection, transport: str, name: str, rank: int, world: i
 class Worker:
     """Parent-side proxy of one spawned worker; every call has a deadline."""
 
-    def __init__(self, transport: str, name: str, rank: int = 0, world: int = 1,
-                 store: str = "") -> None:  # fmt: skip
+    def __init__(
+        self, transport: str, name: str, rank: int = 0, world: int = 1, store: str = ""
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
@@ -568,7 +614,7 @@ def kill_after_meta(conn: Connection, case: Case, side: Side) -> None:
     """Source that exports its metadata and then waits to be killed (one-sided failure test)."""
     os.environ.setdefault("UCX_TLS", "tcp,self,sm")
     state = WorkerState("nixl", "doomed", 0, 1, "")
-    conn.send(state.setup("k", case, side, "src"))
+    conn.send(state.setup("k", case, side, "src", mode="direct"))
     conn.poll(REPLY_TIMEOUT_S)
     os._exit(0)
 

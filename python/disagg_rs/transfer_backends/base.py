@@ -358,10 +358,19 @@ class TransferBackendBase:
             self.state_kind = "kv"
             self.axes = axes or KV_AXES
             self.layout = self._kv_layout(
-                tp_size, tp_rank, num_kv_heads_global, heads_per_partition, head_dim,
-                tokens_per_block, global_rank, pp_size, pp_rank, num_layers_global,
-                layer_start, layer_end,
-            )  # fmt: skip
+                tp_size,
+                tp_rank,
+                num_kv_heads_global,
+                heads_per_partition,
+                head_dim,
+                tokens_per_block,
+                global_rank,
+                pp_size,
+                pp_rank,
+                num_layers_global,
+                layer_start,
+                layer_end,
+            )
         self.buffer_info = _buffer_info(memory_buffer, self.axes)
         self.geometry = _compiler_geometry(memory_buffer, self.state_kind, self.axes)
 
@@ -445,12 +454,21 @@ class TransferBackendBase:
     def _check_ssm_shape(self, layout: _core.SSMShardLayout) -> None:
         dims = layout.dims
         if self.state_kind == "conv":
-            want = [layout.num_local_layers, self.expected_num_blocks,
-                    layout.local_conv_channels, dims.d_conv]  # fmt: skip
+            want = [
+                layout.num_local_layers,
+                self.expected_num_blocks,
+                layout.local_conv_channels,
+                dims.d_conv,
+            ]
         else:
             h_lo, h_hi = layout.heads
-            want = [layout.num_local_layers, self.expected_num_blocks, h_hi - h_lo,
-                    dims.head_dim, dims.d_state]  # fmt: skip
+            want = [
+                layout.num_local_layers,
+                self.expected_num_blocks,
+                h_hi - h_lo,
+                dims.head_dim,
+                dims.d_state,
+            ]
         got = [int(s) for s in self.memory_buffer.shape]
         if got != want:
             raise GeometryMismatchError(
@@ -504,22 +522,11 @@ class TransferBackendBase:
             raise MetadataError("no peer metadata given", field="peer_meta")
         return [check_meta_fields(m, self.name) for m in metas]
 
-    def _validate_peers(
-        self,
-        metas: Sequence[PeerMeta],
-        src_block_ids: BlockIds,
-        dst_block_ids: BlockIds | None,
-        num_tokens: int | None,
-        *,
-        local_is_dst: bool,
-    ) -> int | None:
-        """Check peers against this rank and the block ids against both buffers.
+    def _check_compat(self, metas: Sequence[PeerMeta]) -> set[int]:
+        """Check peers' model-level facts against this rank; return their global ranks.
 
-        ``metas`` are the source ranks' metadata; this rank is the destination when
-        ``local_is_dst`` (pull, receive) and one of the sources otherwise (push, stage).
-        Returns the token count to move (``None`` for SSM state). Raises before anything is
-        posted: ``MetadataError`` (missing field, version, duplicate rank),
-        ``GeometryMismatchError`` (dtype, head_dim, kind, model facts), ``BlockIdError``.
+        Raises ``GeometryMismatchError`` (kind, dtype, head_dim, layers, compat hash) or
+        ``MetadataError`` (two dicts claiming one global rank).
         """
         mine = self._compat_facts()
         my_hash = _compat_hash(mine)
@@ -548,6 +555,26 @@ class TransferBackendBase:
                     f"two peer metadata dicts claim global_rank {rank}", field="global_rank"
                 )
             ranks.add(rank)
+        return ranks
+
+    def _validate_peers(
+        self,
+        metas: Sequence[PeerMeta],
+        src_block_ids: BlockIds,
+        dst_block_ids: BlockIds | None,
+        num_tokens: int | None,
+        *,
+        local_is_dst: bool,
+    ) -> int | None:
+        """Check peers against this rank and the block ids against both buffers.
+
+        ``metas`` are the source ranks' metadata; this rank is the destination when
+        ``local_is_dst`` (pull, receive) and one of the sources otherwise (push, stage).
+        Returns the token count to move (``None`` for SSM state). Raises before anything is
+        posted: ``MetadataError`` (missing field, version, duplicate rank),
+        ``GeometryMismatchError`` (dtype, head_dim, kind, model facts), ``BlockIdError``.
+        """
+        ranks = self._check_compat(metas)
         src_sizes: list[tuple[PeerMeta, npt.NDArray[np.int64]]] = []
         if isinstance(src_block_ids, Mapping):
             unknown = set(int(k) for k in src_block_ids) - ranks

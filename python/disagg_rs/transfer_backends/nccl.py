@@ -14,6 +14,7 @@ by ``tag`` (gloo); the decode must post receives in the order the prefill posts 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,26 +56,49 @@ class NcclTransferHandle(TransferHandleBase):
         timeout_s: float = 30.0,
         clock: Clock = time.monotonic,
         error: str | None = None,
+        *,
+        use_waiter_thread: bool = False,
     ) -> None:
         super().__init__(timeout_s, clock)
         self.works = works
         self.keepalive = keepalive
         self.scatters = scatters
         self.error = error
+        self._settled = threading.Event()
+        self._thread_error: str | None = None
+        self._waiter: threading.Thread | None = None
+        if use_waiter_thread and works:
+            # gloo's send/recv works never report completion to is_completed() and a timed
+            # wait() closes the connection, so one thread per handoff does the blocking wait.
+            self._waiter = threading.Thread(target=self._wait_all, daemon=True)
+            self._waiter.start()
 
     def _progress(self) -> bool:
-        if not all(w.is_completed() for w in self.works):
+        if self._waiter is not None:
+            if not self._settled.is_set():
+                return False
+        elif not all(w.is_completed() for w in self.works):
             return False
         self._finish()
         return True
 
-    def _finish(self) -> None:
+    def _wait_all(self) -> None:
+        """Waiter-thread body: block on each work once, record the first failure."""
         for work in self.works:
             try:
-                work.wait()  # already complete: returns at once, raises if it failed
+                work.wait()
             except Exception as exc:
-                if self.error is None:
-                    self.error = f"torch.distributed reported {exc!r}"
+                self._thread_error = self._thread_error or f"torch.distributed reported {exc!r}"
+        self._settled.set()
+
+    def _finish(self) -> None:
+        if self._waiter is None:
+            for work in self.works:
+                try:
+                    work.wait()  # complete already: returns at once, raises if it failed
+                except Exception as exc:
+                    self.error = self.error or f"torch.distributed reported {exc!r}"
+        self.error = self.error or self._thread_error
         if self.error is None:
             for land in self.scatters:
                 try:
@@ -123,12 +147,29 @@ class NcclTransferBackend(TransferBackendBase):
         group: Any = None,
     ) -> None:
         super().__init__(
-            agent_name, memory_buffer, expected_num_blocks, tp_size, tp_rank,
-            num_kv_heads_global, heads_per_partition, head_dim, tokens_per_block, global_rank,
-            pp_size, pp_rank, num_layers_global, layer_start, layer_end, ssm_layout,
-            ssm_state_kind, axes=axes, compiler=compiler, timeout_s=timeout_s,
-            incarnation=incarnation, clock=clock,
-        )  # fmt: skip
+            agent_name,
+            memory_buffer,
+            expected_num_blocks,
+            tp_size,
+            tp_rank,
+            num_kv_heads_global,
+            heads_per_partition,
+            head_dim,
+            tokens_per_block,
+            global_rank,
+            pp_size,
+            pp_rank,
+            num_layers_global,
+            layer_start,
+            layer_end,
+            ssm_layout,
+            ssm_state_kind,
+            axes=axes,
+            compiler=compiler,
+            timeout_s=timeout_s,
+            incarnation=incarnation,
+            clock=clock,
+        )
         if not dist.is_initialized():
             raise TransferError("NcclTransferBackend needs torch.distributed initialised first")
         self.group = group
@@ -159,8 +200,9 @@ class NcclTransferBackend(TransferBackendBase):
         metas = super()._peer_list(peer_meta)
         for meta in metas:
             if "dist_rank" not in meta:
-                raise MetadataError("peer metadata lacks required field 'dist_rank'",
-                                    field="dist_rank")  # fmt: skip
+                raise MetadataError(
+                    "peer metadata lacks required field 'dist_rank'", field="dist_rank"
+                )
         return metas
 
     def _device(self) -> torch.device:
@@ -178,8 +220,9 @@ class NcclTransferBackend(TransferBackendBase):
     ) -> NcclTransferHandle:
         """Post this decode rank's receives for one handoff (one per source rank)."""
         metas = self._peer_list(peer_meta)
-        num_tokens = self._validate_peers(metas, src_block_ids, dst_block_ids, num_tokens,
-                                          local_is_dst=True)  # fmt: skip
+        num_tokens = self._validate_peers(
+            metas, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
+        )
         by_rank = {int(m["layout"]["global_rank"]): m for m in metas}
         program = self.compiler(
             metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, "staged"
@@ -189,14 +232,16 @@ class NcclTransferBackend(TransferBackendBase):
         scatters: list[Callable[[], None]] = []
         for rank in program.src_ranks:
             if rank not in by_rank:
-                raise MetadataError(f"the plan reads source rank {rank} but no metadata names it",
-                                    field="peer_meta")  # fmt: skip
+                raise MetadataError(
+                    f"the plan reads source rank {rank} but no metadata names it", field="peer_meta"
+                )
             nbytes = int(program.packed_bytes(rank))
             if nbytes == 0:
                 continue
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device())
-            ops.append(dist.P2POp(dist.irecv, buf, int(by_rank[rank]["dist_rank"]),
-                                  self.group, tag))  # fmt: skip
+            ops.append(
+                dist.P2POp(dist.irecv, buf, int(by_rank[rank]["dist_rank"]), self.group, tag)
+            )
             keep.append(buf)
             scatters.append(self._lander(buf, program.scatter(rank)))
         return self._submit(ops, keep, scatters, timeout_s)
@@ -230,9 +275,8 @@ class NcclTransferBackend(TransferBackendBase):
             if src_metas
             else [self._base_meta()]
         )
-        num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens,
-                                          local_is_dst=False)  # fmt: skip
-        self._validate_peers(dsts, src_block_ids, None, num_tokens, local_is_dst=False)
+        num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens, local_is_dst=False)
+        self._check_compat(dsts)
         me = self.layout.global_rank
         programs: list[tuple[PeerMeta, TransferProgramLike]] = [
             (dst, self.compiler(srcs, dst, src_block_ids, dst_block_ids, num_tokens, "staged"))
@@ -273,6 +317,7 @@ class NcclTransferBackend(TransferBackendBase):
             self.timeout_s if timeout_s is None else timeout_s,
             self.clock,
             error,
+            use_waiter_thread=dist.get_backend(self.group) == "gloo",
         )
 
     def close(self) -> None:

@@ -370,12 +370,29 @@ class NixlTransferBackend(TransferBackendBase):
     ) -> None:
         context = _shared_context or _NixlAgentContext(agent_name, incarnation=incarnation)
         super().__init__(
-            agent_name, memory_buffer, expected_num_blocks, tp_size, tp_rank,
-            num_kv_heads_global, heads_per_partition, head_dim, tokens_per_block, global_rank,
-            pp_size, pp_rank, num_layers_global, layer_start, layer_end, ssm_layout,
-            ssm_state_kind, axes=axes, compiler=compiler, timeout_s=timeout_s,
-            incarnation=context.incarnation, clock=clock,
-        )  # fmt: skip
+            agent_name,
+            memory_buffer,
+            expected_num_blocks,
+            tp_size,
+            tp_rank,
+            num_kv_heads_global,
+            heads_per_partition,
+            head_dim,
+            tokens_per_block,
+            global_rank,
+            pp_size,
+            pp_rank,
+            num_layers_global,
+            layer_start,
+            layer_end,
+            ssm_layout,
+            ssm_state_kind,
+            axes=axes,
+            compiler=compiler,
+            timeout_s=timeout_s,
+            incarnation=context.incarnation,
+            clock=clock,
+        )
         if mode not in ("auto", "direct", "staged"):
             raise ValueError(f"mode must be 'auto', 'direct' or 'staged', got {mode!r}")
         self.mode = mode
@@ -488,9 +505,8 @@ class NixlTransferBackend(TransferBackendBase):
         dst = check_meta_fields(peer_meta, self.name)
         srcs = list(src_metas) if src_metas is not None else [self._base_meta()]
         srcs = [check_meta_fields(m, self.name) for m in srcs]
-        num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens,
-                                          local_is_dst=False)  # fmt: skip
-        self._validate_peers([dst], src_block_ids, None, num_tokens, local_is_dst=False)
+        num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens, local_is_dst=False)
+        self._check_compat([dst])
         me = self.layout.global_rank
         program = self.compiler(srcs, dst, src_block_ids, None, num_tokens, self.mode)
         ticket: dict[str, Any] = {
@@ -543,8 +559,9 @@ class NixlTransferBackend(TransferBackendBase):
         first read is posted.
         """
         metas = self._peer_list(peer_meta)
-        num_tokens = self._validate_peers(metas, src_block_ids, dst_block_ids, num_tokens,
-                                          local_is_dst=True)  # fmt: skip
+        num_tokens = self._validate_peers(
+            metas, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
+        )
         by_rank = {int(m["layout"]["global_rank"]): m for m in metas}
         tickets = self._check_tickets(staged or (), by_rank)
         program = self.compiler(
@@ -633,8 +650,14 @@ class NixlTransferBackend(TransferBackendBase):
     def _mem(self, meta: PeerMeta) -> str:
         return str(meta["buffer"]["mem_type"])
 
-    def _post(self, local: npt.NDArray[np.uint64], remote: npt.NDArray[np.uint64],
-              meta: PeerMeta, peer: str, label: str) -> Any:  # fmt: skip
+    def _post(
+        self,
+        local: npt.NDArray[np.uint64],
+        remote: npt.NDArray[np.uint64],
+        meta: PeerMeta,
+        peer: str,
+        label: str,
+    ) -> Any:
         agent = self.agent
         xfer = agent.initialize_xfer(
             "READ",
@@ -666,8 +689,15 @@ class NixlTransferBackend(TransferBackendBase):
         offset = self.arena.alloc(nbytes)
         region = self.staging_buffer[offset : offset + nbytes]
         scatter_list = program.scatter(rank)
-        remote = _np_u64([[int(meta["staging"]["addr"]) + int(ticket["offset"]), nbytes,
-                           int(meta["buffer"]["device_id"])]])  # fmt: skip
+        remote = _np_u64(
+            [
+                [
+                    int(meta["staging"]["addr"]) + int(ticket["offset"]),
+                    nbytes,
+                    int(meta["buffer"]["device_id"]),
+                ]
+            ]
+        )
         local = _np_u64([[int(region.data_ptr()), nbytes, int(self.buffer_info["device_id"])]])
         label = f"staged:{meta['agent_name']}:{rank}"
 
@@ -681,5 +711,6 @@ class NixlTransferBackend(TransferBackendBase):
         except Exception:
             self.arena.free(offset)
             raise
-        return _PullPart(rank, xfer, on_done=land, cleanup=lambda: self.arena.free(offset),
-                         context=label)  # fmt: skip
+        return _PullPart(
+            rank, xfer, on_done=land, cleanup=lambda: self.arena.free(offset), context=label
+        )
