@@ -225,6 +225,8 @@ class Side:
     tokens_per_block: int = 16
     num_blocks: int = 8
     axes: str = "kv layer block token head dim"
+    #: Explicit block ids (benchmarks); ``None`` picks the scattered default below.
+    block_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -279,6 +281,8 @@ def ssm_layout(case: Case, side: Side) -> Any:
 
 def src_ids(case: Case, side: Side) -> list[int]:
     """Scattered, rank-independent source blocks: every other block from the end."""
+    if side.block_ids is not None:
+        return list(side.block_ids)
     if case.kind != "kv":
         return [side.num_blocks - 2]
     need = -(-case.num_tokens // side.tokens_per_block)
@@ -286,6 +290,8 @@ def src_ids(case: Case, side: Side) -> list[int]:
 
 
 def dst_ids(case: Case, side: Side) -> list[int]:
+    if side.block_ids is not None:
+        return list(side.block_ids)
     if case.kind != "kv":
         return [1]
     need = -(-case.num_tokens // side.tokens_per_block)
@@ -460,7 +466,7 @@ class WorkerState:
     def setup(self, key: str, case: Case, side: Side, role: str, **extra: Any) -> dict[str, Any]:
         """Create the backend for (case, side); fill it if it is a source; return its meta."""
         buf = make_buffer(case, side, fill=role == "src")
-        kwargs = dict(_backend_kwargs(case, side), compiler=reference_compiler, **extra)
+        kwargs = {**_backend_kwargs(case, side), "compiler": reference_compiler, **extra}
         if self.transport == "nixl":
             kwargs.setdefault("staging_bytes", 1 << 20)
             backend = self.root.new_registered_buffer(
@@ -482,6 +488,35 @@ class WorkerState:
             self.handles[key] = out
             return None
         return out
+
+    def timed(self, key: str, method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+        """Call a backend method, wait for its handle if it returns one; return (value, s)."""
+        import time
+
+        t0 = time.perf_counter()
+        out = getattr(self.backends[key], method)(*args, **kwargs)
+        if hasattr(out, "wait"):
+            out.wait()
+            out = None
+        return out, time.perf_counter() - t0
+
+    def per_message(
+        self, key: str, send: bool, peer: int, rows: np.ndarray, tag: int
+    ) -> tuple[int, float]:
+        """The reference design's two-sided way: one message per (offset, len) row."""
+        import time
+
+        import torch.distributed as dist
+
+        from disagg_rs.transfer_backends.staging import byte_view
+
+        flat = byte_view(self.backends[key].memory_buffer)
+        op = dist.isend if send else dist.irecv
+        t0 = time.perf_counter()
+        ops = [dist.P2POp(op, flat[o : o + n], peer, None, tag) for o, n in rows.tolist()]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return len(ops), time.perf_counter() - t0
 
     def wait(self, key: str) -> None:
         self.handles[key].wait()

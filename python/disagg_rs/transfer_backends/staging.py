@@ -9,9 +9,10 @@ lists come from the Rust descriptor compiler as ``uint64`` arrays:
 - scatter: ``M x 3`` rows ``(packed_offset, dst_addr, len)``
 
 Each fragment covers the half-open byte range ``[addr, addr + len)``. Both functions run a
-handful of torch ops per call whatever the fragment count (an index build with
-``repeat_interleave`` + ``arange``, one ``index_select`` and one ``index_copy_``): Python never
-loops over fragments. On CPU the same code runs on host tensors.
+handful of array ops per call whatever the fragment count (an index build with numpy
+``repeat`` + ``arange``, then one ``index_select`` or ``index_copy_`` when the packed side is
+canonical, i.e. back to back in list order): Python never loops over fragments. On CPU
+the same code runs on host tensors.
 
 The index is built in units of the largest power of two (up to 8 bytes) that divides every
 offset and length, and rows of ``g`` bytes where ``g`` is their greatest common divisor, so a
@@ -72,14 +73,16 @@ def _row_index(
     starts: npt.NDArray[np.int64], lens: npt.NDArray[np.int64], row_bytes: int, device: torch.device
 ) -> torch.Tensor:
     """Row numbers covered by fragments ``[start, start + len)``, fragment by fragment."""
-    counts = torch.from_numpy(lens // row_bytes).to(device)
-    first = torch.from_numpy(starts // row_bytes).to(device)
-    total = int(counts.sum().item())
+    counts = lens // row_bytes
     # Exclusive prefix sum: row j of fragment i sits at position excl[i] + j of the output.
-    excl = torch.cumsum(counts, 0) - counts
-    return torch.repeat_interleave(first - excl, counts, output_size=total) + torch.arange(
-        total, device=device
-    )
+    excl = np.cumsum(counts) - counts
+    index = np.repeat(starts // row_bytes - excl, counts) + np.arange(int(counts.sum()))
+    return torch.from_numpy(index).to(device, non_blocking=True)
+
+
+def _is_dense(packed: npt.NDArray[np.int64], lens: npt.NDArray[np.int64]) -> bool:
+    """Whether the packed side is back to back from 0 in list order (the canonical packing)."""
+    return bool(packed[0] == 0 and np.array_equal(packed[1:], np.cumsum(lens)[:-1]))
 
 
 def _check_bounds(
@@ -115,9 +118,13 @@ def pack(buffer: torch.Tensor, buffer_addr: int, gather: _U64Array, staging: tor
     src_rows = _rows(src_u8, g)
     out_rows = _rows(out_u8, g)
     take = _row_index(src, lens, g, src_u8.device)
-    put = _row_index(packed, lens, g, out_u8.device)
-    out_rows.index_copy_(0, put, src_rows.index_select(0, take))
-    return int(lens.sum())
+    total = int(lens.sum())
+    if _is_dense(packed, lens):
+        # Canonical packing: select straight into the staging rows, one copy in all.
+        torch.index_select(src_rows, 0, take, out=out_rows[: total // g])
+    else:
+        out_rows.index_copy_(0, _row_index(packed, lens, g, out_u8.device), src_rows[take])
+    return total
 
 
 def scatter(
@@ -140,7 +147,12 @@ def scatter(
     g = _row_bytes(packed, dst, lens)
     in_rows = _rows(in_u8, g)
     dst_rows = _rows(dst_u8, g)
-    take = _row_index(packed, lens, g, in_u8.device)
     put = _row_index(dst, lens, g, dst_u8.device)
-    dst_rows.index_copy_(0, put, in_rows.index_select(0, take))
-    return int(lens.sum())
+    total = int(lens.sum())
+    if _is_dense(packed, lens):
+        dst_rows.index_copy_(0, put, in_rows[: total // g])
+    else:
+        dst_rows.index_copy_(
+            0, put, in_rows.index_select(0, _row_index(packed, lens, g, in_u8.device))
+        )
+    return total
