@@ -229,7 +229,10 @@ def _compiler_geometry(tensor: torch.Tensor, kind: StateKind, axes: str) -> dict
         ssm_cls = getattr(disagg_rs, "SSMGeometry", None)
         if ssm_cls is None:
             return None
-        return dict(ssm_cls.from_tensor(tensor, kind).to_dict())
+        try:
+            return dict(ssm_cls.from_tensor(tensor, kind).to_dict())
+        except TypeError:  # constructor signature not the one assumed here: no geometry
+            return None
     kv_cls = getattr(disagg_rs, "KVGeometry", None)
     if kv_cls is None:
         return None
