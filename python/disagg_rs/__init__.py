@@ -7,14 +7,19 @@ design and adds the thin I/O drivers. All ranges are half-open ``[lo, hi)``.
 
 from disagg_rs import exceptions
 from disagg_rs._core import (
+    KVGeometry,
     KVReshardPlan,
     KVReshardTransfer,
     KVShardLayout,
+    SSMGeometry,
     SSMReshardPlan,
     SSMReshardTransfer,
     SSMShardLayout,
     SSMStateDims,
+    TransferProgram,
     __version__,
+    compile_kv_transfer,
+    compile_ssm_transfer,
     plan_kv_reshard,
     plan_ssm_reshard,
 )
@@ -28,6 +33,7 @@ from disagg_rs.exceptions import (
 
 __all__ = [
     "DisaggError",
+    "KVGeometry",
     "KVReshardPlan",
     "KVReshardTransfer",
     "KVShardLayout",
@@ -36,10 +42,14 @@ __all__ = [
     "SSMReshardPlan",
     "SSMReshardTransfer",
     "SSMShardLayout",
+    "SSMGeometry",
     "SSMStateDims",
     "TransferError",
+    "TransferProgram",
     "TransferTimeout",
     "__version__",
+    "compile_kv_transfer",
+    "compile_ssm_transfer",
     "exceptions",
     "plan_kv_reshard",
     "plan_ssm_reshard",

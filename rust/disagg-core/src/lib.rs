@@ -6,11 +6,19 @@
 //! `[lo, hi)`.
 #![forbid(unsafe_code)]
 
+pub mod compile;
 pub mod error;
+pub mod geometry;
 pub mod layout;
 pub mod reshard;
 
+pub use compile::{
+    compile_kv_transfer, compile_ssm_transfer, CostModel, KvTransferRequest, ModeChoice,
+    SourceProgram, SourceStats, SrcBlockIds, SrcSlots, SsmTransferRequest, TransferMode,
+    TransferProgram,
+};
 pub use error::{DisaggError, DisaggResult};
+pub use geometry::{KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart};
 pub use layout::{
     BandSpan, KvLayoutSpec, KvShardLayout, Span, SsmBand, SsmLayoutSpec, SsmShardLayout,
     SsmStateDims,

@@ -6,7 +6,9 @@
 // PyO3 extracts #[pyfunction] arguments by value; a reference is not an option there.
 #![allow(clippy::needless_pass_by_value)]
 
+mod compile;
 mod error;
+mod geometry;
 mod layout;
 mod reshard;
 
@@ -26,5 +28,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reshard::PySsmReshardPlan>()?;
     m.add_function(wrap_pyfunction!(reshard::py_plan_kv_reshard, m)?)?;
     m.add_function(wrap_pyfunction!(reshard::py_plan_ssm_reshard, m)?)?;
+    m.add_class::<geometry::PyKvGeometry>()?;
+    m.add_class::<geometry::PySsmGeometry>()?;
+    m.add_class::<compile::PyTransferProgram>()?;
+    m.add_function(wrap_pyfunction!(compile::py_compile_kv_transfer, m)?)?;
+    m.add_function(wrap_pyfunction!(compile::py_compile_ssm_transfer, m)?)?;
     Ok(())
 }

@@ -1,0 +1,335 @@
+//! Memory geometry: where each byte of one rank's KV cache or SSM state lives.
+//!
+//! A geometry is plain data that peers exchange once: base addresses, strides in bytes,
+//! element size, device id and the extent of every axis. The compiler (`compile.rs`) combines
+//! two geometries with a reshard plan and block lists into byte ranges; it never touches the
+//! memory. Constructors validate every field and check, with checked arithmetic, that the last
+//! byte of every plane is addressable, so the compiler's address arithmetic cannot overflow
+//! once a geometry exists. All index ranges are half-open `[lo, hi)`.
+
+use crate::error::{DisaggError, DisaggResult};
+
+/// Everything needed to build a [`KvGeometry`]; see the field docs there.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct KvGeometrySpec {
+    /// 2 for separate K and V planes, 1 for a single latent plane (MLA).
+    pub num_kv: u32,
+    /// Local layers of this rank (its pipeline window).
+    pub num_layers: u32,
+    /// Blocks in the paged cache.
+    pub num_blocks: u32,
+    /// Tokens per block.
+    pub tokens_per_block: u32,
+    /// Local KV heads of this rank (1 for MLA).
+    pub num_heads: u32,
+    /// Elements per head row.
+    pub head_dim: u32,
+    /// Bytes per element.
+    pub element_size: u32,
+    /// Byte stride between consecutive blocks.
+    pub block_stride: u64,
+    /// Byte stride between consecutive tokens of one block.
+    pub token_stride: u64,
+    /// Byte stride between consecutive heads.
+    pub head_stride: u64,
+    /// Base address of plane `(kv, layer)` at index `kv * num_layers + layer`.
+    pub plane_bases: Vec<u64>,
+    /// Device the memory lives on (NIXL's `device_id` column).
+    pub device_id: u64,
+    /// Element type name (`"bfloat16"`), compared between peers when both know it.
+    pub dtype: Option<String>,
+}
+
+/// Where byte `(kv, layer, block, token, head, dim)` of one rank's paged KV cache lives:
+/// `plane_bases[kv * num_layers + layer] + block * block_stride + token * token_stride +
+/// head * head_stride + dim * element_size`.
+///
+/// One list of plane bases covers every cache layout of DESIGN §4: one Megatron tensor
+/// `[2, L, B, T, H, d]` (bases on a regular grid), per-layer tensors `[2, B, T, H, d]` (NHD) or
+/// `[2, B, H, T, d]` (HND) at unrelated addresses, separate K and V tensors, and the MLA latent
+/// `[L, B, T, d]` (`num_kv = 1`, `num_heads = 1`). The head row (`head_dim` elements) must be
+/// contiguous: it is the smallest unit the compiler moves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvGeometry {
+    spec: KvGeometrySpec,
+}
+
+fn at_least_one(field: &str, value: u32) -> DisaggResult<()> {
+    if value == 0 {
+        return Err(DisaggError::geometry(field, format!("{field}=0 must be >= 1")));
+    }
+    Ok(())
+}
+
+/// Last byte offset (exclusive) of an axis walk `sum (count - 1) * stride + row`, checked.
+fn extent(axes: &[(u32, u64)], row: u64, what: &str) -> DisaggResult<u64> {
+    let mut end = row;
+    for &(count, stride) in axes {
+        let span = u64::from(count.saturating_sub(1))
+            .checked_mul(stride)
+            .and_then(|s| end.checked_add(s))
+            .ok_or_else(|| DisaggError::overflow(format!("{what}: extent exceeds u64")))?;
+        end = span;
+    }
+    Ok(end)
+}
+
+/// Every base plus `extent` must stay addressable.
+fn check_bases(bases: &[u64], extent: u64, what: &str) -> DisaggResult<()> {
+    for (i, &b) in bases.iter().enumerate() {
+        if b.checked_add(extent).is_none() {
+            return Err(DisaggError::overflow(format!(
+                "{what} plane {i}: base {b:#x} + extent {extent} exceeds u64"
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl KvGeometry {
+    /// Validate `spec` and build the geometry.
+    pub fn new(spec: KvGeometrySpec) -> DisaggResult<Self> {
+        if !(1..=2).contains(&spec.num_kv) {
+            return Err(DisaggError::geometry(
+                "num_kv",
+                format!("num_kv={} must be 1 (MLA latent) or 2 (K and V)", spec.num_kv),
+            ));
+        }
+        at_least_one("num_layers", spec.num_layers)?;
+        at_least_one("num_blocks", spec.num_blocks)?;
+        at_least_one("tokens_per_block", spec.tokens_per_block)?;
+        at_least_one("num_heads", spec.num_heads)?;
+        at_least_one("head_dim", spec.head_dim)?;
+        at_least_one("element_size", spec.element_size)?;
+        let planes = u64::from(spec.num_kv) * u64::from(spec.num_layers);
+        if spec.plane_bases.len() as u64 != planes {
+            return Err(DisaggError::geometry(
+                "plane_bases",
+                format!(
+                    "len(plane_bases)={} must equal num_kv={} * num_layers={}",
+                    spec.plane_bases.len(),
+                    spec.num_kv,
+                    spec.num_layers
+                ),
+            ));
+        }
+        let row = u64::from(spec.head_dim)
+            .checked_mul(u64::from(spec.element_size))
+            .ok_or_else(|| DisaggError::overflow("head_dim * element_size exceeds u64"))?;
+        let ext = extent(
+            &[
+                (spec.num_blocks, spec.block_stride),
+                (spec.tokens_per_block, spec.token_stride),
+                (spec.num_heads, spec.head_stride),
+            ],
+            row,
+            "KV plane",
+        )?;
+        check_bases(&spec.plane_bases, ext, "KV")?;
+        Ok(Self { spec })
+    }
+
+    /// The validated fields (`KvGeometry::new(g.spec().clone()) == g`).
+    pub fn spec(&self) -> &KvGeometrySpec {
+        &self.spec
+    }
+
+    /// Bytes of one head row: `head_dim * element_size` (cannot overflow: checked in `new`).
+    pub fn row_bytes(&self) -> u64 {
+        u64::from(self.spec.head_dim) * u64::from(self.spec.element_size)
+    }
+
+    /// Whether heads are outer to tokens inside a block (HND), which decides the canonical
+    /// packed order of a staged transfer from this rank.
+    pub fn heads_outer(&self) -> bool {
+        self.spec.num_heads > 1 && self.spec.head_stride > self.spec.token_stride
+    }
+
+    /// Base address of plane `(kv, layer)` (local layer index).
+    pub fn plane_base(&self, kv: u32, layer: u32) -> u64 {
+        self.spec.plane_bases[(kv * self.spec.num_layers + layer) as usize]
+    }
+}
+
+/// Which of the two SSM state tensors a part describes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SsmStateKind {
+    /// The convolution state `[L, slots, C, d_conv]`; units are channels.
+    Conv,
+    /// The recurrent state `[L, slots, H, p, n]`; units are heads.
+    Recurrent,
+}
+
+impl SsmStateKind {
+    /// The Python and wire name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Conv => "conv",
+            Self::Recurrent => "recurrent",
+        }
+    }
+}
+
+/// One SSM state tensor of one rank: byte `(layer, slot, unit, inner)` lives at
+/// `layer_bases[layer] + slot * slot_stride + unit * unit_stride + inner`, where a unit is a
+/// conv channel (`d_conv` contiguous elements) or a recurrent head (`p * n` contiguous
+/// elements) and `inner < unit_bytes`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SsmStatePart {
+    /// Base address of each local layer.
+    pub layer_bases: Vec<u64>,
+    /// Slots (live request states) per layer.
+    pub num_slots: u32,
+    /// Byte stride between slots.
+    pub slot_stride: u64,
+    /// Local channels (conv) or heads (recurrent).
+    pub num_units: u32,
+    /// Byte stride between units.
+    pub unit_stride: u64,
+    /// Contiguous bytes of one unit: `d_conv * element_size` or `p * n * element_size`.
+    pub unit_bytes: u64,
+    /// Bytes per element.
+    pub element_size: u32,
+    /// Element type name, compared between peers when both know it.
+    pub dtype: Option<String>,
+}
+
+/// Where one rank's SSM state lives: the conv part and/or the recurrent part, on one device.
+/// A part that is absent cannot be transferred (its bands are rejected by the compiler).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SsmGeometry {
+    /// The conv state, if this rank registers it.
+    pub conv: Option<SsmStatePart>,
+    /// The recurrent state, if this rank registers it.
+    pub recurrent: Option<SsmStatePart>,
+    /// Device the memory lives on.
+    pub device_id: u64,
+}
+
+impl SsmGeometry {
+    /// Validate both parts and build the geometry.
+    pub fn new(
+        conv: Option<SsmStatePart>,
+        recurrent: Option<SsmStatePart>,
+        device_id: u64,
+    ) -> DisaggResult<Self> {
+        if conv.is_none() && recurrent.is_none() {
+            return Err(DisaggError::geometry(
+                "conv",
+                "an SSM geometry needs a conv part, a recurrent part or both (got neither)",
+            ));
+        }
+        for (part, kind) in [(&conv, SsmStateKind::Conv), (&recurrent, SsmStateKind::Recurrent)] {
+            if let Some(p) = part {
+                let n = kind.name();
+                if p.layer_bases.is_empty() {
+                    return Err(DisaggError::geometry(
+                        format!("{n}.layer_bases"),
+                        "len(layer_bases)=0 must be >= 1",
+                    ));
+                }
+                at_least_one(&format!("{n}.num_slots"), p.num_slots)?;
+                at_least_one(&format!("{n}.num_units"), p.num_units)?;
+                at_least_one(&format!("{n}.element_size"), p.element_size)?;
+                if p.unit_bytes == 0 || p.unit_bytes % u64::from(p.element_size) != 0 {
+                    return Err(DisaggError::geometry(
+                        format!("{n}.unit_bytes"),
+                        format!(
+                            "unit_bytes={} must be a positive multiple of element_size={}",
+                            p.unit_bytes, p.element_size
+                        ),
+                    ));
+                }
+                let ext = extent(
+                    &[(p.num_slots, p.slot_stride), (p.num_units, p.unit_stride)],
+                    p.unit_bytes,
+                    n,
+                )?;
+                check_bases(&p.layer_bases, ext, n)?;
+            }
+        }
+        if let (Some(c), Some(r)) = (&conv, &recurrent) {
+            if c.layer_bases.len() != r.layer_bases.len() || c.num_slots != r.num_slots {
+                return Err(DisaggError::geometry(
+                    "num_layers",
+                    format!(
+                        "conv has {} layers x {} slots but recurrent has {} layers x {} slots",
+                        c.layer_bases.len(),
+                        c.num_slots,
+                        r.layer_bases.len(),
+                        r.num_slots
+                    ),
+                ));
+            }
+        }
+        Ok(Self { conv, recurrent, device_id })
+    }
+
+    /// The part of `kind`, if present.
+    pub fn part(&self, kind: SsmStateKind) -> Option<&SsmStatePart> {
+        match kind {
+            SsmStateKind::Conv => self.conv.as_ref(),
+            SsmStateKind::Recurrent => self.recurrent.as_ref(),
+        }
+    }
+
+    /// Local SSM layers (both parts agree, checked in `new`).
+    pub fn num_layers(&self) -> usize {
+        self.conv.as_ref().or(self.recurrent.as_ref()).map_or(0, |p| p.layer_bases.len())
+    }
+
+    /// Slots per layer.
+    pub fn num_slots(&self) -> u32 {
+        self.conv.as_ref().or(self.recurrent.as_ref()).map_or(0, |p| p.num_slots)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn megatron(base: u64) -> KvGeometrySpec {
+        // [2, L=2, B=4, T=8, H=2, d=4] of 2-byte elements.
+        let (row, heads, tpb, blocks, layers) = (4u64 * 2, 2u64, 8u64, 4u64, 2u64);
+        let plane = blocks * tpb * heads * row;
+        KvGeometrySpec {
+            num_kv: 2,
+            num_layers: 2,
+            num_blocks: 4,
+            tokens_per_block: 8,
+            num_heads: 2,
+            head_dim: 4,
+            element_size: 2,
+            block_stride: tpb * heads * row,
+            token_stride: heads * row,
+            head_stride: row,
+            plane_bases: (0..2 * layers).map(|i| base + i * plane).collect(),
+            device_id: 0,
+            dtype: Some("bfloat16".into()),
+        }
+    }
+
+    #[test]
+    fn a_valid_spec_round_trips() {
+        let g = KvGeometry::new(megatron(4096)).unwrap();
+        assert_eq!(KvGeometry::new(g.spec().clone()).unwrap(), g);
+        assert_eq!(g.row_bytes(), 8);
+        assert!(!g.heads_outer());
+    }
+
+    #[test]
+    fn a_plane_that_ends_past_u64_is_an_overflow_error() {
+        let mut s = megatron(0);
+        s.plane_bases[3] = u64::MAX - 100;
+        let e = KvGeometry::new(s).unwrap_err();
+        assert_eq!(e.kind(), "AddressOverflow");
+    }
+
+    #[test]
+    fn plane_count_must_match_kv_times_layers() {
+        let mut s = megatron(0);
+        s.plane_bases.pop();
+        let e = KvGeometry::new(s).unwrap_err();
+        assert!(e.to_string().contains("num_layers=2"), "{e}");
+    }
+}

@@ -1,0 +1,264 @@
+//! Python surface of the descriptor compiler: `compile_kv_transfer`, `compile_ssm_transfer`
+//! and `TransferProgram`, whose lists come back as `[n, 3]` `uint64` numpy arrays built with
+//! the GIL released (no Python object per descriptor).
+
+use std::collections::BTreeMap;
+
+use disagg_core::{
+    compile_kv_transfer, compile_ssm_transfer, CostModel, DisaggError, KvTransferRequest,
+    ModeChoice, SrcBlockIds, SrcSlots, SsmTransferRequest, TransferProgram,
+};
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray2, PyReadonlyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyMapping};
+
+use crate::error::{to_pyerr, IntoPyResult};
+use crate::geometry::{PyKvGeometry, PySsmGeometry};
+use crate::layout::{PyKvShardLayout, PySsmShardLayout};
+
+fn block_err(field: &str, detail: String) -> PyErr {
+    to_pyerr(DisaggError::block(field, detail))
+}
+
+/// A list of ints or a 1-D integer numpy array, as `u32` block ids.
+fn block_list(field: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let raw: Vec<i64> = if obj.hasattr("__array_interface__")? && !obj.hasattr("data_ptr")? {
+        let ndim: usize = obj.getattr("ndim")?.extract()?;
+        let kind: String = obj.getattr("dtype")?.getattr("kind")?.extract()?;
+        if ndim != 1 || !(kind == "i" || kind == "u") {
+            return Err(block_err(
+                field,
+                format!("{field} must be a 1-D integer array, got ndim={ndim} dtype kind {kind:?}"),
+            ));
+        }
+        let arr = obj.call_method1("astype", ("int64",))?;
+        let ro: PyReadonlyArray1<'_, i64> = arr.extract()?;
+        ro.as_array().to_vec()
+    } else {
+        obj.extract().map_err(|_| {
+            block_err(field, format!("{field} must be a list of ints or a 1-D integer array"))
+        })?
+    };
+    raw.into_iter()
+        .enumerate()
+        .map(|(i, v)| {
+            u32::try_from(v)
+                .map_err(|_| block_err(field, format!("{field}[{i}]={v} must be in [0, 2**32)")))
+        })
+        .collect()
+}
+
+fn parse_src_block_ids(obj: &Bound<'_, PyAny>) -> PyResult<SrcBlockIds> {
+    if let Ok(m) = obj.cast::<PyDict>() {
+        let mut out = BTreeMap::new();
+        for (k, v) in m.iter() {
+            let rank: u32 = k.extract().map_err(|_| {
+                block_err("src_block_ids", format!("dict key {k} is not a global rank"))
+            })?;
+            out.insert(rank, block_list(&format!("src_block_ids[{rank}]"), &v)?);
+        }
+        Ok(SrcBlockIds::PerRank(out))
+    } else {
+        Ok(SrcBlockIds::Shared(block_list("src_block_ids", obj)?))
+    }
+}
+
+fn rows_to_numpy(py: Python<'_>, rows: Vec<[u64; 3]>) -> PyResult<Bound<'_, PyArray2<u64>>> {
+    let n = rows.len();
+    let flat: Vec<u64> = rows.into_flattened();
+    let arr = Array2::from_shape_vec((n, 3), flat)
+        .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
+    Ok(arr.into_pyarray(py))
+}
+
+fn cost(per_descriptor_s: f64, link_bytes_per_s: f64, gather_bytes_per_s: f64) -> CostModel {
+    CostModel { per_descriptor_s, link_bytes_per_s, gather_bytes_per_s }
+}
+
+/// The compiled transfer of one destination rank: per source rank, its mode and lists.
+/// `packed_bytes(src_rank)` and the packed offsets are per (source rank, this destination).
+#[pyclass(name = "TransferProgram", module = "disagg_rs", frozen)]
+pub struct PyTransferProgram {
+    inner: TransferProgram,
+}
+
+type DescPair<'py> = (Bound<'py, PyArray2<u64>>, Bound<'py, PyArray2<u64>>);
+
+#[pymethods]
+impl PyTransferProgram {
+    /// Global rank of the destination this program is for.
+    #[getter]
+    fn dst_rank(&self) -> u32 {
+        self.inner.dst_rank
+    }
+    /// Source ranks that send something, ascending.
+    #[getter]
+    fn src_ranks(&self) -> Vec<u32> {
+        self.inner.sources.iter().map(|s| s.src_rank).collect()
+    }
+    /// `"direct"` or `"staged"`.
+    fn mode(&self, src_rank: u32) -> PyResult<&'static str> {
+        Ok(self.inner.source(src_rank).py()?.mode.name())
+    }
+    /// Bytes of the packed region `[0, packed_bytes)` of this (source, destination) pair.
+    fn packed_bytes(&self, src_rank: u32) -> PyResult<u64> {
+        Ok(self.inner.source(src_rank).py()?.packed_bytes)
+    }
+    /// `(src, dst)` Nx3 `uint64` arrays `(addr, len, device_id)` for the transport; staged
+    /// sources give one row at the packed regions' addresses `src_staging` / `dst_staging`.
+    #[pyo3(signature = (src_rank, src_staging=0, dst_staging=0))]
+    fn descriptors<'py>(
+        &self,
+        py: Python<'py>,
+        src_rank: u32,
+        src_staging: u64,
+        dst_staging: u64,
+    ) -> PyResult<DescPair<'py>> {
+        let (s, d) =
+            py.detach(|| self.inner.descriptors(src_rank, src_staging, dst_staging)).py()?;
+        Ok((rows_to_numpy(py, s)?, rows_to_numpy(py, d)?))
+    }
+    /// The merged direct pairs of a source, whatever its mode.
+    fn direct_descriptors<'py>(&self, py: Python<'py>, src_rank: u32) -> PyResult<DescPair<'py>> {
+        let (s, d) = py.detach(|| self.inner.direct_descriptors(src_rank)).py()?;
+        Ok((rows_to_numpy(py, s)?, rows_to_numpy(py, d)?))
+    }
+    /// Mx3 `uint64` `(src_addr, len, packed_offset)`; needs no destination blocks.
+    fn gather<'py>(&self, py: Python<'py>, src_rank: u32) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let rows = py.detach(|| self.inner.gather(src_rank)).py()?;
+        rows_to_numpy(py, rows)
+    }
+    /// Mx3 `uint64` `(packed_offset, dst_addr, len)`.
+    fn scatter<'py>(&self, py: Python<'py>, src_rank: u32) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let rows = py.detach(|| self.inner.scatter(src_rank)).py()?;
+        rows_to_numpy(py, rows)
+    }
+    /// Figures: totals plus `sources[src_rank]` = mode, descriptors, fragments, bytes.
+    #[getter]
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = py.detach(|| self.inner.stats());
+        let d = PyDict::new(py);
+        let per = PyDict::new(py);
+        let (mut desc, mut frags, mut bytes) = (0u64, 0u64, 0u64);
+        for s in &stats {
+            let e = PyDict::new(py);
+            e.set_item("mode", s.mode.name())?;
+            e.set_item("descriptors", s.descriptors)?;
+            e.set_item("fragments", s.fragments)?;
+            e.set_item("bytes", s.bytes)?;
+            per.set_item(s.src_rank, e)?;
+            desc = desc.saturating_add(s.descriptors);
+            frags = frags.saturating_add(s.fragments);
+            bytes = bytes.saturating_add(s.bytes);
+        }
+        d.set_item("dst_rank", self.inner.dst_rank)?;
+        d.set_item("descriptors", desc)?;
+        d.set_item("fragments", frags)?;
+        d.set_item("bytes", bytes)?;
+        d.set_item("sources", per)?;
+        Ok(d)
+    }
+    /// Check exact-once byte coverage of the destination (raises `PlanCoverageError`).
+    fn verify(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.verify()).py()
+    }
+    fn __repr__(&self) -> String {
+        let modes: Vec<String> = self
+            .inner
+            .sources
+            .iter()
+            .map(|s| format!("{}: {} {} B", s.src_rank, s.mode.name(), s.packed_bytes))
+            .collect();
+        format!(
+            "TransferProgram(dst_rank={}, sources={{{}}})",
+            self.inner.dst_rank,
+            modes.join(", ")
+        )
+    }
+}
+
+/// Compile the KV transfer of ONE destination rank from every source rank that sends to it.
+#[pyfunction(name = "compile_kv_transfer")]
+#[pyo3(signature = (
+    src, dst, src_block_ids, dst_block_ids, num_tokens, mode="auto", *, token_start=0,
+    per_descriptor_s=8e-6, link_bytes_per_s=388e9, gather_bytes_per_s=1.6e12
+))]
+pub fn py_compile_kv_transfer(
+    py: Python<'_>,
+    src: Vec<(PyRef<'_, PyKvShardLayout>, PyRef<'_, PyKvGeometry>)>,
+    dst: (PyRef<'_, PyKvShardLayout>, Option<PyRef<'_, PyKvGeometry>>),
+    src_block_ids: &Bound<'_, PyAny>,
+    dst_block_ids: Option<&Bound<'_, PyAny>>,
+    num_tokens: u64,
+    mode: &str,
+    token_start: u64,
+    per_descriptor_s: f64,
+    link_bytes_per_s: f64,
+    gather_bytes_per_s: f64,
+) -> PyResult<PyTransferProgram> {
+    let req = KvTransferRequest {
+        srcs: src.iter().map(|(l, g)| (l.inner, g.inner.clone())).collect(),
+        dst_layout: dst.0.inner,
+        dst_geometry: dst.1.as_ref().map(|g| g.inner.clone()),
+        src_block_ids: parse_src_block_ids(src_block_ids)?,
+        dst_block_ids: dst_block_ids
+            .filter(|o| !o.is_none())
+            .map(|o| block_list("dst_block_ids", o))
+            .transpose()?,
+        num_tokens,
+        token_start,
+        mode: ModeChoice::parse(mode).py()?,
+        cost: cost(per_descriptor_s, link_bytes_per_s, gather_bytes_per_s),
+    };
+    let inner = py.detach(|| compile_kv_transfer(&req)).py()?;
+    Ok(PyTransferProgram { inner })
+}
+
+fn slot_of(field: &str, v: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let n: i64 = v.extract().map_err(|_| block_err(field, format!("{field} must be an int")))?;
+    u32::try_from(n).map_err(|_| block_err(field, format!("{field}={n} must be in [0, 2**32)")))
+}
+
+/// Compile the SSM state transfer (conv bands and recurrent state) of ONE destination rank.
+#[pyfunction(name = "compile_ssm_transfer")]
+#[pyo3(signature = (
+    src, dst, src_slot, dst_slot, mode="auto", *,
+    per_descriptor_s=8e-6, link_bytes_per_s=388e9, gather_bytes_per_s=1.6e12
+))]
+pub fn py_compile_ssm_transfer(
+    py: Python<'_>,
+    src: Vec<(PyRef<'_, PySsmShardLayout>, PyRef<'_, PySsmGeometry>)>,
+    dst: (PyRef<'_, PySsmShardLayout>, Option<PyRef<'_, PySsmGeometry>>),
+    src_slot: &Bound<'_, PyAny>,
+    dst_slot: Option<&Bound<'_, PyAny>>,
+    mode: &str,
+    per_descriptor_s: f64,
+    link_bytes_per_s: f64,
+    gather_bytes_per_s: f64,
+) -> PyResult<PyTransferProgram> {
+    let src_slots = if let Ok(m) = src_slot.cast::<PyMapping>() {
+        let mut out = BTreeMap::new();
+        for item in m.items()?.iter() {
+            let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+            let rank: u32 = k
+                .extract()
+                .map_err(|_| block_err("src_slot", format!("dict key {k} is not a global rank")))?;
+            out.insert(rank, slot_of(&format!("src_slot[{rank}]"), &v)?);
+        }
+        SrcSlots::PerRank(out)
+    } else {
+        SrcSlots::Shared(slot_of("src_slot", src_slot)?)
+    };
+    let req = SsmTransferRequest {
+        srcs: src.iter().map(|(l, g)| (l.inner, g.inner.clone())).collect(),
+        dst_layout: dst.0.inner,
+        dst_geometry: dst.1.as_ref().map(|g| g.inner.clone()),
+        src_slots,
+        dst_slot: dst_slot.filter(|o| !o.is_none()).map(|o| slot_of("dst_slot", o)).transpose()?,
+        mode: ModeChoice::parse(mode).py()?,
+        cost: cost(per_descriptor_s, link_bytes_per_s, gather_bytes_per_s),
+    };
+    let inner = py.detach(|| compile_ssm_transfer(&req)).py()?;
+    Ok(PyTransferProgram { inner })
+}

@@ -1,0 +1,687 @@
+//! Python classes for memory geometries: `KVGeometry` and `SSMGeometry`.
+//!
+//! Tensors are read through the attributes every framework exposes (torch: `data_ptr()`,
+//! `shape`, `stride()`, `element_size()`, `dtype`, `device`; numpy: `__array_interface__`,
+//! `strides`, `itemsize`, `dtype`); nothing here imports torch.
+
+use disagg_core::{
+    DisaggError, KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyType};
+
+use crate::error::{to_pyerr, IntoPyResult};
+
+fn geo_err(field: &str, detail: String) -> PyErr {
+    to_pyerr(DisaggError::geometry(field, detail))
+}
+
+fn wire_err(field: &str, detail: String) -> PyErr {
+    to_pyerr(DisaggError::wire(field, detail))
+}
+
+/// What the compiler needs to know of one tensor: address, shape, byte strides.
+struct TensorView {
+    ptr: u64,
+    shape: Vec<u64>,
+    strides: Vec<u64>,
+    element_size: u32,
+    dtype: Option<String>,
+    device: Option<u64>,
+}
+
+fn nonneg(field: &str, v: Vec<i64>) -> PyResult<Vec<u64>> {
+    v.into_iter()
+        .map(|x| {
+            u64::try_from(x).map_err(|_| {
+                geo_err(field, format!("{field} has a negative entry {x}; not supported"))
+            })
+        })
+        .collect()
+}
+
+/// Read a torch tensor (anything with `data_ptr()`) or a numpy array.
+fn tensor_view(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
+    let shape: Vec<i64> = t.getattr("shape")?.extract()?;
+    let shape = nonneg("shape", shape)?;
+    let dtype = t.getattr("dtype").ok().map(|d| d.str().map(|s| s.to_string())).transpose()?;
+    let dtype = dtype.map(|s| s.strip_prefix("torch.").unwrap_or(&s).to_string());
+    if t.hasattr("data_ptr")? {
+        let element_size: u32 = t.call_method0("element_size")?.extract()?;
+        let ptr: u64 = t.call_method0("data_ptr")?.extract()?;
+        let strides: Vec<i64> = t.call_method0("stride")?.extract()?;
+        let strides = nonneg("stride", strides)?
+            .into_iter()
+            .map(|s| s.checked_mul(u64::from(element_size)))
+            .collect::<Option<Vec<u64>>>()
+            .ok_or_else(|| to_pyerr(DisaggError::overflow("tensor stride in bytes exceeds u64")))?;
+        let device = match t.getattr("device") {
+            Ok(d) => {
+                d.getattr("index").ok().and_then(|i| i.extract::<Option<u64>>().ok()).flatten()
+            }
+            Err(_) => None,
+        };
+        Ok(TensorView { ptr, shape, strides, element_size, dtype, device })
+    } else if t.hasattr("__array_interface__")? {
+        let iface = t.getattr("__array_interface__")?;
+        let data = iface.get_item("data")?;
+        let ptr: u64 = data.get_item(0)?.extract()?;
+        let element_size: u32 = t.getattr("itemsize")?.extract()?;
+        let strides: Vec<i64> = t.getattr("strides")?.extract()?;
+        Ok(TensorView {
+            ptr,
+            shape,
+            strides: nonneg("strides", strides)?,
+            element_size,
+            dtype,
+            device: None,
+        })
+    } else {
+        Err(geo_err(
+            "tensor",
+            format!(
+                "expected a torch tensor or numpy array (data_ptr() or __array_interface__), got {}",
+                t.get_type().name()?
+            ),
+        ))
+    }
+}
+
+const AXES: [&str; 6] = ["kv", "layer", "block", "token", "head", "dim"];
+
+/// Size and byte stride of each named axis (absent axes: size 1, stride 0).
+struct Axes {
+    size: [u64; 6],
+    stride: [u64; 6],
+}
+
+fn parse_axes(axes: &str, v: &TensorView, allowed: &[&str]) -> PyResult<Axes> {
+    let names: Vec<&str> = axes.split_whitespace().collect();
+    if names.len() != v.shape.len() {
+        return Err(geo_err(
+            "axes",
+            format!(
+                "axes={axes:?} names {} axes but the tensor has shape {:?}",
+                names.len(),
+                v.shape
+            ),
+        ));
+    }
+    let mut a = Axes { size: [1; 6], stride: [0; 6] };
+    let mut seen = [false; 6];
+    for (i, n) in names.iter().enumerate() {
+        let k =
+            AXES.iter().position(|x| x == n).filter(|_| allowed.contains(n)).ok_or_else(|| {
+                geo_err("axes", format!("axis {n:?} in axes={axes:?} is not one of {allowed:?}"))
+            })?;
+        if seen[k] {
+            return Err(geo_err("axes", format!("axis {n:?} appears twice in axes={axes:?}")));
+        }
+        seen[k] = true;
+        a.size[k] = v.shape[i];
+        a.stride[k] = v.strides[i];
+    }
+    for need in ["block", "token", "dim"] {
+        if !names.contains(&need) {
+            return Err(geo_err("axes", format!("axes={axes:?} lacks the {need:?} axis")));
+        }
+    }
+    if a.size[5] > 1 && a.stride[5] != u64::from(v.element_size) {
+        return Err(geo_err(
+            "dim",
+            format!(
+                "the dim axis must be contiguous: stride {} bytes != element_size={}",
+                a.stride[5], v.element_size
+            ),
+        ));
+    }
+    Ok(a)
+}
+
+fn u32_of(field: &str, v: u64) -> PyResult<u32> {
+    u32::try_from(v).map_err(|_| geo_err(field, format!("{field}={v} must be < 2**32")))
+}
+
+fn spec_from_axes(
+    a: &Axes,
+    v: &TensorView,
+    plane_bases: Vec<u64>,
+    num_layers: u64,
+    device_id: Option<u64>,
+) -> PyResult<KvGeometrySpec> {
+    Ok(KvGeometrySpec {
+        num_kv: u32_of("num_kv", a.size[0])?,
+        num_layers: u32_of("num_layers", num_layers)?,
+        num_blocks: u32_of("num_blocks", a.size[2])?,
+        tokens_per_block: u32_of("tokens_per_block", a.size[3])?,
+        num_heads: u32_of("num_heads", a.size[4])?,
+        head_dim: u32_of("head_dim", a.size[5])?,
+        element_size: v.element_size,
+        block_stride: a.stride[2],
+        token_stride: a.stride[3],
+        head_stride: a.stride[4],
+        plane_bases,
+        device_id: device_id.or(v.device).unwrap_or(0),
+        dtype: v.dtype.clone(),
+    })
+}
+
+fn plane_addr(base: u64, kv: u64, kv_stride: u64, l: u64, layer_stride: u64) -> PyResult<u64> {
+    kv.checked_mul(kv_stride)
+        .and_then(|x| x.checked_add(base))
+        .and_then(|x| l.checked_mul(layer_stride).and_then(|y| x.checked_add(y)))
+        .ok_or_else(|| to_pyerr(DisaggError::overflow("plane base address exceeds u64")))
+}
+
+/// Where each byte `(kv, layer, block, token, head, dim)` of one rank's paged KV cache lives.
+#[pyclass(name = "KVGeometry", module = "disagg_rs", frozen, eq)]
+#[derive(Clone, PartialEq, Eq)]
+pub struct PyKvGeometry {
+    /// The validated core geometry.
+    pub inner: KvGeometry,
+}
+
+const KV_GEO_KEYS: [&str; 14] = [
+    "kind",
+    "num_kv",
+    "num_layers",
+    "num_blocks",
+    "tokens_per_block",
+    "num_heads",
+    "head_dim",
+    "element_size",
+    "block_stride",
+    "token_stride",
+    "head_stride",
+    "plane_bases",
+    "device_id",
+    "dtype",
+];
+
+fn req<'py, T: for<'a> FromPyObject<'a, 'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T> {
+    let v = d.get_item(key)?.ok_or_else(|| wire_err(key, "missing required field".into()))?;
+    v.extract().map_err(|_| wire_err(key, format!("wrong type or range: {v}")))
+}
+
+fn reject_unknown(d: &Bound<'_, PyDict>, known: &[&str], what: &str) -> PyResult<()> {
+    for key in d.keys() {
+        let name: String = key
+            .extract()
+            .map_err(|_| wire_err("<key>", format!("{what} dict has a non-string key {key}")))?;
+        if !known.contains(&name.as_str()) {
+            return Err(wire_err(&name, format!("unknown field in {what} dict; known: {known:?}")));
+        }
+    }
+    Ok(())
+}
+
+#[pymethods]
+impl PyKvGeometry {
+    /// Explicit fields; every stride is in bytes and `plane_bases[kv * num_layers + layer]`.
+    #[new]
+    #[pyo3(signature = (
+        *, num_layers, num_blocks, tokens_per_block, num_heads, head_dim, element_size,
+        block_stride, token_stride, head_stride, plane_bases, num_kv=2, device_id=0, dtype=None
+    ))]
+    fn new(
+        num_layers: u32,
+        num_blocks: u32,
+        tokens_per_block: u32,
+        num_heads: u32,
+        head_dim: u32,
+        element_size: u32,
+        block_stride: u64,
+        token_stride: u64,
+        head_stride: u64,
+        plane_bases: Vec<u64>,
+        num_kv: u32,
+        device_id: u64,
+        dtype: Option<String>,
+    ) -> PyResult<Self> {
+        let spec = KvGeometrySpec {
+            num_kv,
+            num_layers,
+            num_blocks,
+            tokens_per_block,
+            num_heads,
+            head_dim,
+            element_size,
+            block_stride,
+            token_stride,
+            head_stride,
+            plane_bases,
+            device_id,
+            dtype,
+        };
+        Ok(Self { inner: KvGeometry::new(spec).py()? })
+    }
+
+    /// From one tensor whose axes are named by `axes` (any order; `kv`, `layer` and `head`
+    /// may be absent: MLA latent is `"layer block token dim"`).
+    #[classmethod]
+    #[pyo3(signature = (tensor, axes="kv layer block token head dim", device_id=None))]
+    fn from_tensor(
+        _cls: &Bound<'_, PyType>,
+        tensor: &Bound<'_, PyAny>,
+        axes: &str,
+        device_id: Option<u64>,
+    ) -> PyResult<Self> {
+        let v = tensor_view(tensor)?;
+        let a = parse_axes(axes, &v, &AXES)?;
+        let mut bases = Vec::new();
+        for kv in 0..a.size[0] {
+            for l in 0..a.size[1] {
+                bases.push(plane_addr(v.ptr, kv, a.stride[0], l, a.stride[1])?);
+            }
+        }
+        let spec = spec_from_axes(&a, &v, bases, a.size[1], device_id)?;
+        Ok(Self { inner: KvGeometry::new(spec).py()? })
+    }
+
+    /// The MLA latent cache `[L, B, T, d]`: `from_tensor(tensor, "layer block token dim")`.
+    #[classmethod]
+    #[pyo3(signature = (tensor, device_id=None))]
+    fn from_mla_tensor(
+        cls: &Bound<'_, PyType>,
+        tensor: &Bound<'_, PyAny>,
+        device_id: Option<u64>,
+    ) -> PyResult<Self> {
+        Self::from_tensor(cls, tensor, "layer block token dim", device_id)
+    }
+
+    /// From one tensor per local layer, all of one shape and strides: `[2, B, T, H, d]` (NHD,
+    /// the default axes) or `[2, B, H, T, d]` (HND: `axes="kv block head token dim"`).
+    #[classmethod]
+    #[pyo3(signature = (tensors, axes="kv block token head dim", device_id=None))]
+    fn from_layer_tensors(
+        _cls: &Bound<'_, PyType>,
+        tensors: &Bound<'_, PyAny>,
+        axes: &str,
+        device_id: Option<u64>,
+    ) -> PyResult<Self> {
+        let allowed = ["kv", "block", "token", "head", "dim"];
+        let mut views = Vec::new();
+        for t in tensors.try_iter()? {
+            views.push(tensor_view(&t?)?);
+        }
+        let Some(first) = views.first() else {
+            return Err(geo_err("tensors", "tensors=[] has no layer".into()));
+        };
+        let a = parse_axes(axes, first, &allowed)?;
+        for (i, v) in views.iter().enumerate() {
+            if v.shape != first.shape
+                || v.strides != first.strides
+                || v.element_size != first.element_size
+            {
+                return Err(geo_err(
+                    "tensors",
+                    format!(
+                        "layer {i} has shape {:?} strides {:?} but layer 0 has shape {:?} strides {:?}",
+                        v.shape, v.strides, first.shape, first.strides
+                    ),
+                ));
+            }
+        }
+        let n = views.len() as u64;
+        let mut bases = Vec::new();
+        for kv in 0..a.size[0] {
+            for v in &views {
+                bases.push(plane_addr(v.ptr, kv, a.stride[0], 0, 0)?);
+            }
+        }
+        let spec = spec_from_axes(&a, first, bases, n, device_id)?;
+        Ok(Self { inner: KvGeometry::new(spec).py()? })
+    }
+
+    /// 2 (K and V) or 1 (MLA latent).
+    #[getter]
+    fn num_kv(&self) -> u32 {
+        self.inner.spec().num_kv
+    }
+    /// Local layers.
+    #[getter]
+    fn num_layers(&self) -> u32 {
+        self.inner.spec().num_layers
+    }
+    /// Blocks in the cache.
+    #[getter]
+    fn num_blocks(&self) -> u32 {
+        self.inner.spec().num_blocks
+    }
+    /// Tokens per block.
+    #[getter]
+    fn tokens_per_block(&self) -> u32 {
+        self.inner.spec().tokens_per_block
+    }
+    /// Local KV heads.
+    #[getter]
+    fn num_heads(&self) -> u32 {
+        self.inner.spec().num_heads
+    }
+    /// Elements per head row.
+    #[getter]
+    fn head_dim(&self) -> u32 {
+        self.inner.spec().head_dim
+    }
+    /// Bytes per element.
+    #[getter]
+    fn element_size(&self) -> u32 {
+        self.inner.spec().element_size
+    }
+    /// Byte strides `(block, token, head)`.
+    #[getter]
+    fn strides(&self) -> (u64, u64, u64) {
+        let s = self.inner.spec();
+        (s.block_stride, s.token_stride, s.head_stride)
+    }
+    /// Plane base addresses, index `kv * num_layers + layer`.
+    #[getter]
+    fn plane_bases(&self) -> Vec<u64> {
+        self.inner.spec().plane_bases.clone()
+    }
+    /// Device id.
+    #[getter]
+    fn device_id(&self) -> u64 {
+        self.inner.spec().device_id
+    }
+    /// Element type name, if known.
+    #[getter]
+    fn dtype(&self) -> Option<String> {
+        self.inner.spec().dtype.clone()
+    }
+
+    /// Plain dict for the wire (JSON/msgpack safe); `from_dict(to_dict())` round-trips.
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.spec();
+        let d = PyDict::new(py);
+        d.set_item("kind", "kv")?;
+        d.set_item("num_kv", s.num_kv)?;
+        d.set_item("num_layers", s.num_layers)?;
+        d.set_item("num_blocks", s.num_blocks)?;
+        d.set_item("tokens_per_block", s.tokens_per_block)?;
+        d.set_item("num_heads", s.num_heads)?;
+        d.set_item("head_dim", s.head_dim)?;
+        d.set_item("element_size", s.element_size)?;
+        d.set_item("block_stride", s.block_stride)?;
+        d.set_item("token_stride", s.token_stride)?;
+        d.set_item("head_stride", s.head_stride)?;
+        d.set_item("plane_bases", PyList::new(py, &s.plane_bases)?)?;
+        d.set_item("device_id", s.device_id)?;
+        d.set_item("dtype", s.dtype.clone())?;
+        Ok(d)
+    }
+
+    /// Rebuild from `to_dict()` output; `MetadataError` on a missing, unknown or mistyped
+    /// field, `GeometryMismatchError`/`AddressOverflowError` on invalid values.
+    #[classmethod]
+    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyDict>) -> PyResult<Self> {
+        reject_unknown(d, &KV_GEO_KEYS, "KVGeometry")?;
+        let kind: String = req(d, "kind")?;
+        if kind != "kv" {
+            return Err(wire_err("kind", format!("kind={kind:?}, expected 'kv'")));
+        }
+        let spec = KvGeometrySpec {
+            num_kv: req(d, "num_kv")?,
+            num_layers: req(d, "num_layers")?,
+            num_blocks: req(d, "num_blocks")?,
+            tokens_per_block: req(d, "tokens_per_block")?,
+            num_heads: req(d, "num_heads")?,
+            head_dim: req(d, "head_dim")?,
+            element_size: req(d, "element_size")?,
+            block_stride: req(d, "block_stride")?,
+            token_stride: req(d, "token_stride")?,
+            head_stride: req(d, "head_stride")?,
+            plane_bases: req(d, "plane_bases")?,
+            device_id: req(d, "device_id")?,
+            dtype: req(d, "dtype")?,
+        };
+        Ok(Self { inner: KvGeometry::new(spec).py()? })
+    }
+
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyDict>,))> {
+        let from_dict = slf.get_type().getattr("from_dict")?;
+        Ok((from_dict, (slf.get().to_dict(slf.py())?,)))
+    }
+
+    fn __repr__(&self) -> String {
+        let s = self.inner.spec();
+        format!(
+            "KVGeometry(num_kv={}, layers={}, blocks={}x{} tokens, heads={}, head_dim={}, \
+             element_size={}, strides(block, token, head)=({}, {}, {}), device_id={}, dtype={})",
+            s.num_kv,
+            s.num_layers,
+            s.num_blocks,
+            s.tokens_per_block,
+            s.num_heads,
+            s.head_dim,
+            s.element_size,
+            s.block_stride,
+            s.token_stride,
+            s.head_stride,
+            s.device_id,
+            s.dtype.as_deref().map_or("None".to_string(), |t| format!("'{t}'"))
+        )
+    }
+}
+
+/// Where one rank's SSM conv and recurrent state live.
+#[pyclass(name = "SSMGeometry", module = "disagg_rs", frozen, eq)]
+#[derive(Clone, PartialEq, Eq)]
+pub struct PySsmGeometry {
+    /// The validated core geometry.
+    pub inner: SsmGeometry,
+}
+
+const PART_KEYS: [&str; 8] = [
+    "layer_bases",
+    "num_slots",
+    "slot_stride",
+    "num_units",
+    "unit_stride",
+    "unit_bytes",
+    "element_size",
+    "dtype",
+];
+
+/// `[L, slots, units, inner...]` with the inner axes contiguous.
+fn part_from_tensor(
+    t: &Bound<'_, PyAny>,
+    kind: SsmStateKind,
+    ndim: usize,
+) -> PyResult<(SsmStatePart, Option<u64>)> {
+    let field = kind.name();
+    let v = tensor_view(t)?;
+    if v.shape.len() != ndim {
+        return Err(geo_err(
+            field,
+            format!("{field} tensor must have {ndim} axes, got shape {:?}", v.shape),
+        ));
+    }
+    // Inner axes (after layer, slot, unit) must be one dense row.
+    let mut expect = u64::from(v.element_size);
+    for i in (3..ndim).rev() {
+        if v.shape[i] > 1 && v.strides[i] != expect {
+            return Err(geo_err(
+                field,
+                format!("{field} axis {i} must be contiguous: stride {} != {expect}", v.strides[i]),
+            ));
+        }
+        expect = expect.saturating_mul(v.shape[i]);
+    }
+    let mut layer_bases = Vec::new();
+    for l in 0..v.shape[0] {
+        layer_bases.push(plane_addr(v.ptr, 0, 0, l, v.strides[0])?);
+    }
+    let part = SsmStatePart {
+        layer_bases,
+        num_slots: u32_of("num_slots", v.shape[1])?,
+        slot_stride: v.strides[1],
+        num_units: u32_of("num_units", v.shape[2])?,
+        unit_stride: v.strides[2],
+        unit_bytes: expect,
+        element_size: v.element_size,
+        dtype: v.dtype.clone(),
+    };
+    Ok((part, v.device))
+}
+
+fn part_to_dict<'py>(py: Python<'py>, p: &SsmStatePart) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("layer_bases", PyList::new(py, &p.layer_bases)?)?;
+    d.set_item("num_slots", p.num_slots)?;
+    d.set_item("slot_stride", p.slot_stride)?;
+    d.set_item("num_units", p.num_units)?;
+    d.set_item("unit_stride", p.unit_stride)?;
+    d.set_item("unit_bytes", p.unit_bytes)?;
+    d.set_item("element_size", p.element_size)?;
+    d.set_item("dtype", p.dtype.clone())?;
+    Ok(d)
+}
+
+fn part_from_dict(d: Option<Bound<'_, PyAny>>, field: &str) -> PyResult<Option<SsmStatePart>> {
+    let Some(d) = d.filter(|v| !v.is_none()) else { return Ok(None) };
+    let d =
+        d.cast_into::<PyDict>().map_err(|_| wire_err(field, "expected a dict or None".into()))?;
+    reject_unknown(&d, &PART_KEYS, field)?;
+    Ok(Some(SsmStatePart {
+        layer_bases: req(&d, "layer_bases")?,
+        num_slots: req(&d, "num_slots")?,
+        slot_stride: req(&d, "slot_stride")?,
+        num_units: req(&d, "num_units")?,
+        unit_stride: req(&d, "unit_stride")?,
+        unit_bytes: req(&d, "unit_bytes")?,
+        element_size: req(&d, "element_size")?,
+        dtype: req(&d, "dtype")?,
+    }))
+}
+
+#[pymethods]
+impl PySsmGeometry {
+    /// Explicit parts as dicts with the keys of `to_dict()["conv"]`.
+    #[new]
+    #[pyo3(signature = (*, conv=None, recurrent=None, device_id=0))]
+    fn new(
+        conv: Option<Bound<'_, PyAny>>,
+        recurrent: Option<Bound<'_, PyAny>>,
+        device_id: u64,
+    ) -> PyResult<Self> {
+        let conv = part_from_dict(conv, "conv")?;
+        let recurrent = part_from_dict(recurrent, "recurrent")?;
+        Ok(Self { inner: SsmGeometry::new(conv, recurrent, device_id).py()? })
+    }
+
+    /// From the conv state `[L, slots, C, d_conv]` and/or the recurrent state
+    /// `[L, slots, H, p, n]` (either may be None; at least one is needed).
+    #[classmethod]
+    #[pyo3(signature = (conv=None, recurrent=None, device_id=None))]
+    fn from_tensors(
+        _cls: &Bound<'_, PyType>,
+        conv: Option<Bound<'_, PyAny>>,
+        recurrent: Option<Bound<'_, PyAny>>,
+        device_id: Option<u64>,
+    ) -> PyResult<Self> {
+        let mut dev = device_id;
+        let c = conv
+            .filter(|t| !t.is_none())
+            .map(|t| part_from_tensor(&t, SsmStateKind::Conv, 4))
+            .transpose()?;
+        let r = recurrent
+            .filter(|t| !t.is_none())
+            .map(|t| part_from_tensor(&t, SsmStateKind::Recurrent, 5))
+            .transpose()?;
+        for found in [c.as_ref().and_then(|p| p.1), r.as_ref().and_then(|p| p.1)] {
+            dev = dev.or(found);
+        }
+        let inner = SsmGeometry::new(c.map(|p| p.0), r.map(|p| p.0), dev.unwrap_or(0)).py()?;
+        Ok(Self { inner })
+    }
+
+    /// Alias of `from_tensors` (the name `KVGeometry` uses).
+    #[classmethod]
+    #[pyo3(signature = (conv=None, recurrent=None, device_id=None))]
+    fn from_tensor(
+        cls: &Bound<'_, PyType>,
+        conv: Option<Bound<'_, PyAny>>,
+        recurrent: Option<Bound<'_, PyAny>>,
+        device_id: Option<u64>,
+    ) -> PyResult<Self> {
+        Self::from_tensors(cls, conv, recurrent, device_id)
+    }
+
+    /// Local SSM layers.
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.inner.num_layers()
+    }
+    /// Slots per layer.
+    #[getter]
+    fn num_slots(&self) -> u32 {
+        self.inner.num_slots()
+    }
+    /// Device id.
+    #[getter]
+    fn device_id(&self) -> u64 {
+        self.inner.device_id
+    }
+    /// Whether the conv part is registered.
+    #[getter]
+    fn has_conv(&self) -> bool {
+        self.inner.conv.is_some()
+    }
+    /// Whether the recurrent part is registered.
+    #[getter]
+    fn has_recurrent(&self) -> bool {
+        self.inner.recurrent.is_some()
+    }
+
+    /// Plain dict for the wire; `from_dict(to_dict())` round-trips.
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("kind", "ssm")?;
+        d.set_item("conv", self.inner.conv.as_ref().map(|p| part_to_dict(py, p)).transpose()?)?;
+        d.set_item(
+            "recurrent",
+            self.inner.recurrent.as_ref().map(|p| part_to_dict(py, p)).transpose()?,
+        )?;
+        d.set_item("device_id", self.inner.device_id)?;
+        Ok(d)
+    }
+
+    /// Rebuild from `to_dict()` output.
+    #[classmethod]
+    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyDict>) -> PyResult<Self> {
+        reject_unknown(d, &["kind", "conv", "recurrent", "device_id"], "SSMGeometry")?;
+        let kind: String = req(d, "kind")?;
+        if kind != "ssm" {
+            return Err(wire_err("kind", format!("kind={kind:?}, expected 'ssm'")));
+        }
+        let conv = part_from_dict(d.get_item("conv")?, "conv")?;
+        let recurrent = part_from_dict(d.get_item("recurrent")?, "recurrent")?;
+        let inner = SsmGeometry::new(conv, recurrent, req(d, "device_id")?).py()?;
+        Ok(Self { inner })
+    }
+
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyDict>,))> {
+        let from_dict = slf.get_type().getattr("from_dict")?;
+        Ok((from_dict, (slf.get().to_dict(slf.py())?,)))
+    }
+
+    fn __repr__(&self) -> String {
+        let part = |p: &Option<SsmStatePart>| {
+            p.as_ref().map_or("None".to_string(), |p| {
+                format!("{} slots x {} units x {} bytes", p.num_slots, p.num_units, p.unit_bytes)
+            })
+        };
+        format!(
+            "SSMGeometry(layers={}, conv={}, recurrent={}, device_id={})",
+            self.inner.num_layers(),
+            part(&self.inner.conv),
+            part(&self.inner.recurrent),
+            self.inner.device_id
+        )
+    }
+}
