@@ -288,3 +288,21 @@ def test_ssm_state_needs_a_kind(backend: Any) -> None:
         backend.new_registered_buffer(
             memory_buffer=torch.zeros(2, 3, 8, 4), expected_num_blocks=3, ssm_layout=layout
         )
+
+
+def test_backends_default_to_the_rust_compiler_and_export_its_geometry() -> None:
+    import disagg_rs
+    from disagg_rs.transfer_backends.base import rust_program_compiler
+
+    b = NixlTransferBackend("rust-default", _kv(), 4)
+    try:
+        meta = b.export_meta()
+        assert b.compiler is rust_program_compiler
+        assert disagg_rs.KVGeometry.from_dict(meta["geometry"]) == disagg_rs.KVGeometry.from_tensor(
+            b.memory_buffer
+        )
+        program = rust_program_compiler([meta], meta, [0, 1], [2, 3], 20, "auto")
+        assert isinstance(program, disagg_rs.TransferProgram)
+        program.verify()
+    finally:
+        b.close()

@@ -64,7 +64,7 @@ class ReferenceProgram:
         lens = self.frags[src_rank][2]
         return np.cumsum(lens) - lens
 
-    def descriptors(self, src_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    def direct_descriptors(self, src_rank: int) -> tuple[np.ndarray, np.ndarray]:
         src, dst, lens = self.frags[src_rank]
         assert dst is not None, "descriptors need dst_block_ids"
         s, d, n = _merge(src, dst, lens)
@@ -444,11 +444,7 @@ class WorkerState:
 
             # A root registration keeps the shared agent alive across cases.
             self.root = NixlTransferBackend(
-                name,
-                torch.zeros(2, 1, 1, 1, 1, 1, dtype=torch.int32),
-                1,
-                compiler=reference_compiler,
-                staging_bytes=1 << 20,
+                name, torch.zeros(2, 1, 1, 1, 1, 1, dtype=torch.int32), 1, staging_bytes=1 << 20
             )
         else:
             import datetime
@@ -466,7 +462,7 @@ class WorkerState:
     def setup(self, key: str, case: Case, side: Side, role: str, **extra: Any) -> dict[str, Any]:
         """Create the backend for (case, side); fill it if it is a source; return its meta."""
         buf = make_buffer(case, side, fill=role == "src")
-        kwargs = {**_backend_kwargs(case, side), "compiler": reference_compiler, **extra}
+        kwargs = {**_backend_kwargs(case, side), **extra}
         if self.transport == "nixl":
             kwargs.setdefault("staging_bytes", 1 << 20)
             backend = self.root.new_registered_buffer(

@@ -123,8 +123,9 @@ class TransferProgramLike(Protocol):
     def mode(self, src_rank: int) -> Literal["direct", "staged"]:
         """How the bytes from ``src_rank`` move."""
 
-    def descriptors(self, src_rank: int) -> tuple[_U64, _U64]:
-        """Direct mode: ``N x 3`` ``(addr, len, device_id)`` rows for source and destination."""
+    def direct_descriptors(self, src_rank: int) -> tuple[_U64, _U64]:
+        """``N x 3`` ``(addr, len, device_id)`` rows for source and destination, whatever the
+        source's mode (a staged source can always be read directly instead)."""
 
     def gather(self, src_rank: int) -> _U64:
         """``M x 3`` ``(src_addr, len, packed_offset)`` rows (canonical packed order)."""
@@ -188,15 +189,40 @@ def rust_program_compiler(
             dict(meta["geometry"])
         )
 
-    program: TransferProgramLike = compile_fn(
+    if kind == "kv":
+        program: TransferProgramLike = compile_fn(
+            src=[side(m) for m in srcs],
+            dst=side(dst),
+            src_block_ids=src_block_ids,
+            dst_block_ids=dst_block_ids,
+            num_tokens=num_tokens,
+            mode=mode,
+        )
+        return program
+    # SSM state: one slot per handoff (the block id lists hold exactly one slot each).
+    src_slot: int | dict[int, int] = (
+        {int(r): _one_slot("src_block_ids", ids) for r, ids in src_block_ids.items()}
+        if isinstance(src_block_ids, Mapping)
+        else _one_slot("src_block_ids", src_block_ids)
+    )
+    dst_slot = None if dst_block_ids is None else _one_slot("dst_block_ids", dst_block_ids)
+    program = compile_fn(
         src=[side(m) for m in srcs],
         dst=side(dst),
-        src_block_ids=src_block_ids,
-        dst_block_ids=dst_block_ids,
-        num_tokens=num_tokens,
+        src_slot=src_slot,
+        dst_slot=dst_slot,
         mode=mode,
     )
     return program
+
+
+def _one_slot(field: str, ids: Any) -> int:
+    arr = np.asarray(ids).reshape(-1)
+    if arr.size != 1:
+        raise BlockIdError(
+            f"{field}: SSM state moves one slot per handoff, got {arr.size}", field=field
+        )
+    return int(arr[0])
 
 
 def _compat_hash(facts: Mapping[str, Any]) -> str:
@@ -229,10 +255,8 @@ def _compiler_geometry(tensor: torch.Tensor, kind: StateKind, axes: str) -> dict
         ssm_cls = getattr(disagg_rs, "SSMGeometry", None)
         if ssm_cls is None:
             return None
-        try:
-            return dict(ssm_cls.from_tensor(tensor, kind).to_dict())
-        except TypeError:  # constructor signature not the one assumed here: no geometry
-            return None
+        device = tensor.device.index if tensor.is_cuda else None
+        return dict(ssm_cls.from_tensors(**{kind: tensor}, device_id=device).to_dict())
     kv_cls = getattr(disagg_rs, "KVGeometry", None)
     if kv_cls is None:
         return None

@@ -508,7 +508,6 @@ class NixlTransferBackend(TransferBackendBase):
         num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens, local_is_dst=False)
         self._check_compat([dst])
         me = self.layout.global_rank
-        program = self.compiler(srcs, dst, src_block_ids, None, num_tokens, self.mode)
         ticket: dict[str, Any] = {
             "src_rank": me,
             "agent_name": self.agent_name,
@@ -517,7 +516,12 @@ class NixlTransferBackend(TransferBackendBase):
             "offset": 0,
             "nbytes": 0,
         }
-        if me not in program.src_ranks or program.mode(me) != "staged":
+        if self.mode == "direct":
+            return ticket
+        # Without destination blocks only the gather side compiles (mode "staged"); in
+        # "auto" the decode may still read this rank directly and ignore the packed copy.
+        program = self.compiler(srcs, dst, src_block_ids, None, num_tokens, "staged")
+        if me not in program.src_ranks:
             return ticket
         if self.staging_buffer is None:
             raise CapacityError("staged pull needs staging_bytes > 0", field="staging_bytes")
@@ -575,7 +579,9 @@ class NixlTransferBackend(TransferBackendBase):
                     field="peer_meta",
                 )
             ticket = tickets.get(rank)
-            if ticket is not None and ticket["staged"]:
+            # Read the packed copy when the source made one and the compiler prefers staging
+            # for this rank; otherwise read the blocks directly (always possible).
+            if ticket is not None and ticket["staged"] and program.mode(rank) == "staged":
                 if int(ticket["nbytes"]) != int(program.packed_bytes(rank)):
                     raise MetadataError(
                         f"ticket of rank {rank} packs {ticket['nbytes']} bytes, the plan "
@@ -583,11 +589,6 @@ class NixlTransferBackend(TransferBackendBase):
                         field="staged",
                     )
                 plan.append((rank, "staged"))
-            elif program.mode(rank) == "staged" and ticket is None:
-                raise MetadataError(
-                    f"source rank {rank} is staged but no stage_blocks ticket was given",
-                    field="staged",
-                )
             else:
                 plan.append((rank, "direct"))
         if any(kind == "staged" for _, kind in plan) and self.staging_buffer is None:
@@ -673,7 +674,7 @@ class NixlTransferBackend(TransferBackendBase):
         return xfer
 
     def _post_direct(self, program: Any, rank: int, meta: PeerMeta, peer: str) -> _PullPart | None:
-        src, dst = program.descriptors(rank)
+        src, dst = program.direct_descriptors(rank)
         if len(src) == 0:
             return None
         label = f"direct:{meta['agent_name']}:{rank}"
