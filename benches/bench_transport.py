@@ -41,27 +41,28 @@ BLOCK = 2 * LAYERS * PLANE
 
 
 class PerBlockProgram:
-    """One descriptor per (block, kv, layer) plane: the reference design's algorithm."""
+    """One descriptor per (block, kv, layer) plane, per token for a head reshard: the
+    reference design's algorithm, built by a plain Python loop on purpose."""
 
-    def __init__(self, src: np.ndarray, dst: np.ndarray, dev: int) -> None:
-        self._src, self._dst, self._dev = src, dst, dev
+    def __init__(self, rows: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+        self._rows = rows
 
     @property
     def src_ranks(self) -> list[int]:
-        return [0]
+        return sorted(self._rows)
 
     def mode(self, src_rank: int) -> str:
         return "direct"
 
     def direct_descriptors(self, src_rank: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._src, self._dst
+        return self._rows[src_rank]
 
     def packed_bytes(self, src_rank: int) -> int:
-        return int(self._src[:, 1].sum())
+        return int(self._rows[src_rank][0][:, 1].sum())
 
 
 def _planes(meta: dict[str, Any], ids: list[int]) -> list[tuple[int, int]]:
-    """(byte offset, len) of each (block, kv, layer) plane, by a Python loop on purpose."""
+    """(byte offset, len) of each (block, kv, layer) plane (two-sided baseline)."""
     strides = meta["buffer"]["strides"]
     rows = []
     for block in ids:
@@ -75,13 +76,40 @@ def _planes(meta: dict[str, Any], ids: list[int]) -> list[tuple[int, int]]:
 def per_block_compiler(
     srcs: Any, dst: Any, src_block_ids: Any, dst_block_ids: Any, num_tokens: Any, mode: str
 ) -> PerBlockProgram:
-    src_meta = srcs[0]
-    s = _planes(src_meta, list(src_block_ids))
-    d = _planes(dst, list(dst_block_ids))
-    sa, da = src_meta["buffer"]["addr"], dst["buffer"]["addr"]
-    src = np.array([(sa + o, n, 0) for o, n in s], dtype=np.uint64)
-    dst_rows = np.array([(da + o, n, 0) for o, n in d], dtype=np.uint64)
-    return PerBlockProgram(src, dst_rows, 0)
+    import disagg_rs
+
+    layouts = [disagg_rs.KVShardLayout.from_dict(m["layout"]) for m in srcs]
+    dst_layout = disagg_rs.KVShardLayout.from_dict(dst["layout"])
+    plan = disagg_rs.plan_kv_reshard(layouts, [dst_layout])
+    by_rank = {m["layout"]["global_rank"]: m for m in srcs}
+    rows: dict[int, tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]] = {}
+    ds, da = dst["buffer"]["strides"], dst["buffer"]["addr"]
+    for t in plan.for_dst(dst_layout.global_rank):
+        sm = by_rank[t.src_rank]
+        ss, sa = sm["buffer"]["strides"], sm["buffer"]["addr"]
+        s_rows, d_rows = rows.setdefault(t.src_rank, ([], []))
+        sh0, dh0 = t.src_local_heads()[0], t.dst_local_heads()[0]
+        whole = ss[4] * sm["buffer"]["shape"][4] == ss[3] and t.num_heads * DIM == ss[3] == ds[3]
+        for bs, bd in zip(src_block_ids, dst_block_ids, strict=True):
+            for kv in range(2):
+                for li in range(t.num_layers):
+                    sl, dl = t.src_local_layers()[0] + li, t.dst_local_layers()[0] + li
+                    so = kv * ss[0] + sl * ss[1] + bs * ss[2]
+                    do = kv * ds[0] + dl * ds[1] + bd * ds[2]
+                    if whole:
+                        s_rows.append((sa + so * ELEM, PLANE, 0))
+                        d_rows.append((da + do * ELEM, PLANE, 0))
+                        continue
+                    n = t.num_heads * DIM * ELEM
+                    for tok in range(TOKENS):
+                        s_rows.append((sa + (so + tok * ss[3] + sh0 * ss[4]) * ELEM, n, 0))
+                        d_rows.append((da + (do + tok * ds[3] + dh0 * ds[4]) * ELEM, n, 0))
+    return PerBlockProgram(
+        {
+            r: (np.array(a, dtype=np.uint64), np.array(b, dtype=np.uint64))
+            for r, (a, b) in rows.items()
+        }
+    )
 
 
 _CACHE: dict[tuple[Any, ...], Any] = {}
@@ -138,36 +166,77 @@ def _case(mib: int) -> tuple[tw.Case, int]:
     return case, blocks * BLOCK
 
 
+def _tp2_case(mib: int) -> tuple[tw.Case, int]:
+    """The same bytes at the destination, gathered from two TP ranks with half the heads."""
+    case, nbytes = _case(mib)
+    src = case.srcs[0]
+    srcs = tuple(
+        tw.Side(
+            2,
+            r,
+            global_rank=r,
+            tokens_per_block=TOKENS,
+            num_blocks=src.num_blocks,
+            block_ids=src.block_ids,
+        )
+        for r in range(2)
+    )
+    return tw.Case(
+        "bench-tp2",
+        srcs,
+        case.dsts,
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_dim=DIM,
+        num_tokens=case.num_tokens,
+    ), nbytes
+
+
 def _best(runs: list[float]) -> float:
     return min(runs)
 
 
-def bench_nixl(case: tw.Case, nbytes: int, repeat: int) -> list[tuple[str, int, float]]:
-    src, dst = case.srcs[0], case.dsts[0]
+def bench_nixl(case: tw.Case, nbytes: int, repeat: int, title: str) -> list[tuple[str, int, float]]:
+    dst = case.dsts[0]
     staging = nbytes + (1 << 20)
-    workers = tw.start_workers("nixl", ["bench-pre", "bench-dec"], "")
-    pre, dec = workers
+    names = [f"bench-pre{i}" for i in range(len(case.srcs))]
+    workers = tw.start_workers("nixl", [*names, "bench-dec"], "")
+    pres, dec = workers[:-1], workers[-1]
     out = []
     try:
-        ids_s, ids_d = tw.src_ids(case, src), tw.dst_ids(case, dst)
+        ids_s, ids_d = tw.src_ids(case, case.srcs[0]), tw.dst_ids(case, dst)
         for label, compiler, mode in (
             ("per-block (reference)", cached_per_block_compiler, "direct"),
             ("coalesced direct", cached_rust_compiler, "direct"),
             ("staged", cached_rust_compiler, "staged"),
         ):
             extra = {"mode": mode, "staging_bytes": staging, "compiler": compiler}
-            ms = pre("setup", "b", case, src, "src", **extra)
+            ms = [
+                p("setup", "b", case, s, "src", **extra)
+                for p, s in zip(pres, case.srcs, strict=True)
+            ]
             md = dec("setup", "b", case, dst, "dst", **extra)
-            prog = compiler([ms], md, ids_s, ids_d, case.num_tokens, mode)
-            ndesc = 1 if mode == "staged" else len(prog.direct_descriptors(0)[0])
+            prog = compiler(ms, md, ids_s, ids_d, case.num_tokens, mode)
+            ndesc = sum(
+                1 if mode == "staged" else len(prog.direct_descriptors(r)[0])
+                for r in prog.src_ranks
+            )
             times = []
             for _ in range(repeat):
                 tickets, t_pack = [], 0.0
                 if mode == "staged":
-                    ticket, t_pack = pre(
-                        "timed", "b", "stage_blocks", md, ids_s, num_tokens=case.num_tokens
-                    )
-                    tickets = [ticket]
+                    for p in pres:
+                        ticket, t = p(
+                            "timed",
+                            "b",
+                            "stage_blocks",
+                            md,
+                            ids_s,
+                            src_metas=ms,
+                            num_tokens=case.num_tokens,
+                        )
+                        tickets.append(ticket)
+                        t_pack = max(t_pack, t)  # sources pack in parallel in a real system
                 _, t_pull = dec(
                     "timed",
                     "b",
@@ -178,15 +247,16 @@ def bench_nixl(case: tw.Case, nbytes: int, repeat: int) -> list[tuple[str, int, 
                     num_tokens=case.num_tokens,
                     staged=tickets,
                 )
-                if tickets:
-                    pre("call", "b", "release_staged", tickets[0])
+                for p, ticket in zip(pres, tickets, strict=False):
+                    p("call", "b", "release_staged", ticket)
                 times.append(t_pack + t_pull)
             got = dec("buffer", "b")
             if not np.array_equal(got, tw.expected_dst(case, dst).numpy()):
                 raise AssertionError(f"NIXL {label}: bytes differ from the oracle")
-            pre("close", "b")
+            for p in pres:
+                p("close", "b")
             dec("close", "b")
-            out.append((f"NIXL DRAM, {label}", ndesc, _best(times)))
+            out.append((f"NIXL DRAM, {title}, {label}", ndesc, _best(times)))
     finally:
         tw.stop_workers(workers)
     return out
@@ -212,7 +282,7 @@ def bench_gloo(case: tw.Case, nbytes: int, repeat: int, store: str) -> list[tupl
             pre.send("per_message", "b", True, 1, s_rows, tag)
             (n_msgs, t_dec), (_, t_pre) = dec.result(), pre.result()
             times.append(max(t_dec, t_pre))
-        out.append(("gloo, per-block messages (reference)", n_msgs, _best(times)))
+        out.append(("gloo, TP1->TP1, per-block messages (reference)", n_msgs, _best(times)))
         times = []
         for _ in range(repeat):
             tag += 1
@@ -233,7 +303,7 @@ def bench_gloo(case: tw.Case, nbytes: int, repeat: int, store: str) -> list[tupl
             times.append(max(t_dec, t_pre))
         if not np.array_equal(dec("buffer", "b"), tw.expected_dst(case, dst).numpy()):
             raise AssertionError("gloo packed: bytes differ from the oracle")
-        out.append(("gloo, one packed message (pack, send, scatter)", 1, _best(times)))
+        out.append(("gloo, TP1->TP1, one packed message (pack, send, scatter)", 1, _best(times)))
     finally:
         tw.stop_workers(workers)
     return out
@@ -251,16 +321,18 @@ def main() -> None:
     import tempfile
 
     case, nbytes = _case(args.mib)
-    rows = bench_nixl(case, nbytes, args.repeat)
+    rows = bench_nixl(case, nbytes, args.repeat, "TP1->TP1")
     with tempfile.TemporaryDirectory() as tmp:
         rows += bench_gloo(case, nbytes, args.repeat, f"{tmp}/store")
+    tp2, _ = _tp2_case(args.mib)
+    rows += bench_nixl(tp2, nbytes, args.repeat, "TP2->TP1 head reshard")
     lines = [
         "## Transfer backends, end to end (`benches/bench_transport.py`)",
         "",
         machine_line(),
         "",
         f"{nbytes / 2**20:.0f} MiB of KV in {case.num_tokens // TOKENS} scattered blocks "
-        f"(runs of 4), 2 processes, loopback, host memory; best of {args.repeat}; "
+        f"(runs of 4), one process per rank, loopback, host memory; best of {args.repeat}; "
         "programs compiled once by the Rust compiler and cached (the times are transport + "
         "pack + scatter). Command: "
         f"`python benches/bench_transport.py --mib {args.mib}`.",
@@ -268,9 +340,10 @@ def main() -> None:
         "| transport, method | descriptors / messages | seconds | GB/s | vs reference |",
         "|---|---:|---:|---:|---:|",
     ]
-    base = {"NIXL": rows[0][2], "gloo": rows[3][2]}
+    ref = rows[0][2]
     for label, count, secs in rows:
-        ref = base["NIXL" if label.startswith("NIXL") else "gloo"]
+        if "(reference)" in label:  # each group starts with its reference row
+            ref = secs
         lines.append(
             f"| {label} | {count} | {secs:.3f} | {nbytes / secs / 1e9:.2f} | {ref / secs:.2f}x |"
         )

@@ -14,7 +14,14 @@ Two ways to move a source rank's bytes, chosen per source rank by the compiler:
   packed region with one descriptor and scatters it (``staging.scatter``) on completion.
 
 The ticket ``stage_blocks`` returns travels with the handoff to the decode's
-``begin_pull_blocks(..., staged=[ticket, ...])``.
+``begin_pull_blocks(..., staged=[ticket, ...])``. In ``"auto"`` mode the source packs (it
+cannot know the decode's blocks) and the decode reads the packed copy only where the
+compiler's cost model prefers staging; any source can always be read directly.
+
+Prepared descriptor lists (``prep_xfer_dlist`` / ``make_prepped_xfer``) pay off when one list
+is prepared once and indexed by many transfers, as in the reference design's fixed per-block
+lists. Compiled programs are coalesced per handoff, so a list would be prepared and used once:
+the backend posts them with ``initialize_xfer``, which does the same work in one call.
 """
 
 from __future__ import annotations
