@@ -437,6 +437,8 @@ class WorkerState:
         self.backends: dict[str, Any] = {}
         self.handles: dict[str, Any] = {}
         self.root: Any = None
+        # "nccl": NCCL over CUDA, one GPU per rank; buffers live on that GPU.
+        self.device = f"cuda:{rank}" if transport == "nccl" else "cpu"
         if transport == "nixl":
             import torch
 
@@ -451,8 +453,12 @@ class WorkerState:
 
             import torch.distributed as dist
 
+            if transport == "nccl":
+                import torch
+
+                torch.cuda.set_device(rank)
             dist.init_process_group(
-                "gloo",
+                "nccl" if transport == "nccl" else "gloo",
                 init_method=f"file://{store}",
                 rank=rank,
                 world_size=world,
@@ -461,7 +467,7 @@ class WorkerState:
 
     def setup(self, key: str, case: Case, side: Side, role: str, **extra: Any) -> dict[str, Any]:
         """Create the backend for (case, side); fill it if it is a source; return its meta."""
-        buf = make_buffer(case, side, fill=role == "src")
+        buf = make_buffer(case, side, fill=role == "src").to(self.device)
         kwargs = {**_backend_kwargs(case, side), **extra}
         if self.transport == "nixl":
             kwargs.setdefault("staging_bytes", 1 << 20)
@@ -521,7 +527,7 @@ class WorkerState:
         return bool(self.handles[key].poll())
 
     def buffer(self, key: str) -> np.ndarray:
-        return self.backends[key].memory_buffer.numpy().copy()
+        return self.backends[key].memory_buffer.cpu().numpy().copy()
 
     def close(self, key: str) -> int:
         self.backends.pop(key).close()

@@ -1,0 +1,78 @@
+"""Two-sided transfers over NCCL between two GPUs (two spawned processes, one GPU each).
+
+Skipped cleanly without two CUDA GPUs; run through the device tool on an H200 pair. The
+same cases and oracle as the CPU tests, buffers on the GPUs, pack and scatter on the GPUs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+import transport_workers as tw
+from test_transport_multiprocess import CASES
+from transport_workers import Case, Worker
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+]
+
+ONE_TO_ONE = [c for c in CASES if len(c.srcs) == 1 and len(c.dsts) == 1]
+_tags = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def nccl_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Worker]]:
+    store = str(tmp_path_factory.mktemp("nccl") / "store")
+    workers = tw.start_workers("nccl", ["pre0", "dec0"], store)
+    try:
+        yield workers
+    finally:
+        tw.stop_workers(workers)
+
+
+@pytest.mark.parametrize("case", ONE_TO_ONE, ids=lambda c: c.name)
+def test_nccl_push_and_pull_between_gpus_land_every_byte(
+    nccl_pool: list[Worker], case: Case
+) -> None:
+    pre, dec = nccl_pool
+    key, tag = case.name, next(_tags)
+    src, dst = case.srcs[0], case.dsts[0]
+    num_tokens = case.num_tokens if case.kind == "kv" else None
+    ms = pre("setup", key, case, src, "src")
+    md = dec("setup", key, case, dst, "dst")
+    try:
+        dec.send(
+            "call",
+            key,
+            "begin_pull_blocks",
+            ms,
+            tw.src_ids(case, src),
+            tw.dst_ids(case, dst),
+            num_tokens=num_tokens,
+            tag=tag,
+        )
+        pre.send(
+            "call",
+            key,
+            "begin_push_blocks",
+            md,
+            tw.src_ids(case, src),
+            num_tokens=num_tokens,
+            tag=tag,
+        )
+        dec.result()
+        pre.result()
+        dec.send("wait", key)
+        pre.send("wait", key)
+        dec.result()
+        pre.result()
+        assert np.array_equal(dec("buffer", key), tw.expected_dst(case, dst).numpy())
+    finally:
+        pre("close", key)
+        dec("close", key)
