@@ -17,10 +17,7 @@ import transport_workers as tw
 from test_transport_multiprocess import CASES
 from transport_workers import Case, Worker
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
-]
+pytestmark = pytest.mark.gpu
 
 ONE_TO_ONE = [c for c in CASES if len(c.srcs) == 1 and len(c.dsts) == 1]
 _tags = itertools.count(1)
@@ -36,6 +33,7 @@ def nccl_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Worker]
         tw.stop_workers(workers)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 @pytest.mark.parametrize("case", ONE_TO_ONE, ids=lambda c: c.name)
 def test_nccl_push_and_pull_between_gpus_land_every_byte(
     nccl_pool: list[Worker], case: Case
@@ -76,3 +74,28 @@ def test_nccl_push_and_pull_between_gpus_land_every_byte(
     finally:
         pre("close", key)
         dec("close", key)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pack_and_scatter_run_on_gpu_buffers_byte_exact() -> None:
+    from disagg_rs.transfer_backends import staging
+
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 2**31 - 1, (4, 64, 256), generator=gen, dtype=torch.int32).cuda()
+    rows = torch.randperm(4 * 64, generator=gen)[:100].numpy().astype(np.int64)
+    row_bytes = 256 * 4
+    lens = np.full(rows.size, row_bytes, dtype=np.int64)
+    packed = np.arange(rows.size, dtype=np.int64) * row_bytes
+    base = src.data_ptr()
+    gather = np.stack([rows * row_bytes + base, lens, packed], 1).astype(np.uint64)
+    region = torch.empty(rows.size * row_bytes, dtype=torch.uint8, device="cuda")
+    staging.pack(src, base, gather, region)
+    dst = torch.zeros_like(src)
+    scatter = np.stack([packed, rows * row_bytes + dst.data_ptr(), lens], 1).astype(np.uint64)
+    staging.scatter(region, dst, dst.data_ptr(), scatter)
+    flat_src, flat_dst = src.view(-1, 256), dst.view(-1, 256)
+    index = torch.from_numpy(rows).cuda()
+    assert torch.equal(flat_dst[index], flat_src[index])
+    mask = torch.ones(flat_dst.shape[0], dtype=torch.bool, device="cuda")
+    mask[index] = False
+    assert bool((flat_dst[mask] == 0).all())
