@@ -205,6 +205,42 @@ def test_gloo_push_and_pull_land_every_byte_where_the_oracle_says(
 TP2 = CASES[1]
 
 
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_nixl_pull_accepts_any_program_through_the_compiler_hook(
+    nixl_pool: dict[str, list[Worker]], mode: str
+) -> None:
+    case, key = TP2, f"hook-{mode}"
+    src_metas, dst_metas = _setup(nixl_pool, case, key, mode=mode, compiler=tw.reference_compiler)
+    try:
+        tickets = [
+            nixl_pool["pre"][i](
+                "call",
+                key,
+                "stage_blocks",
+                dst_metas[0],
+                tw.src_ids(case, s),
+                src_metas=src_metas,
+                num_tokens=case.num_tokens,
+            )
+            for i, s in enumerate(case.srcs)
+        ]
+        dec = nixl_pool["dec"][0]
+        dec(
+            "call",
+            key,
+            "begin_pull_blocks",
+            src_metas,
+            _src_ids(case),
+            tw.dst_ids(case, case.dsts[0]),
+            num_tokens=case.num_tokens,
+            staged=tickets,
+        )
+        dec("wait", key)
+        _assert_landed(nixl_pool, case, key)
+    finally:
+        _close(nixl_pool, case, key)
+
+
 def _bad(meta: dict[str, Any], change: str) -> Any:
     meta = dict(meta)
     if change == "missing_field":

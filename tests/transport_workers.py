@@ -4,10 +4,11 @@ Every transport party runs in its own spawned process (loopback only): NIXL agen
 on host memory, gloo process groups over a file store. The pytest process only orchestrates
 through pipes and compares bytes against the global-tensor oracle.
 
-``reference_compiler`` stands in for ``disagg_rs.compile_kv_transfer`` until the Rust
-descriptor compiler lands: it builds the same ``TransferProgram`` interface from the Rust
-reshard plan with numpy (a test oracle may loop; this one broadcasts). Packed offsets follow
-plan order (transfer, kv, layer, token, head), independent of destination block ids.
+``reference_compiler`` is an independent, numpy-built implementation of the
+``TransferProgram`` interface from the Rust reshard plan (a test oracle may loop; this one
+broadcasts). The tests use it to show that the backends accept any program through their
+``compiler=`` hook; by default they run on the Rust descriptor compiler. Its packed offsets
+follow plan order (transfer, kv, layer, token, head), independent of destination block ids.
 """
 
 from __future__ import annotations
