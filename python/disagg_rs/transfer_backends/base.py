@@ -1,0 +1,715 @@
+"""What the NIXL and torch.distributed backends share: metadata, validation, handles.
+
+A backend wraps ONE state buffer of one rank: the paged KV cache, or an SSM conv or recurrent
+state buffer. ``export_meta()`` describes it in a plain dict (msgpack- and JSON-safe) that the
+control plane ships to peers once; a pull or push names the peer metadata and the block ids,
+the Rust descriptor compiler turns them into a transfer program, and the backend posts it.
+
+Metadata schema (``FORMAT_VERSION`` 1), every field required:
+
+==================  =========================================================================
+``version``         wire format version; a peer with another version is rejected
+``backend``         ``"nixl"`` or ``"nccl"``
+``agent_name``      the rank's transport agent name (NIXL agent; informative for NCCL)
+``incarnation``     epoch of the exporting process; a new value means the peer restarted
+``compat_hash``     hash of the model-level facts both sides must share (dtype, head_dim, ...)
+``state_kind``      ``"kv"``, ``"conv"`` or ``"recurrent"``
+``layout``          ``KVShardLayout.to_dict()`` or ``SSMShardLayout.to_dict()``
+``num_blocks``      blocks (KV) or slots (SSM) in the buffer; ids are in ``[0, num_blocks)``
+``tokens_per_block`` tokens per KV block (``None`` for SSM state)
+``head_dim``        KV head dim (SSM: the state's head dim)
+``dtype``           torch dtype name of the buffer
+``buffer``          the buffer's memory: ``addr``, ``nbytes``, ``device_id``, ``mem_type``,
+                    ``shape``, ``strides`` (elements), ``element_size``, ``axes``
+``geometry``        the descriptor compiler's geometry dict (``None`` when not available)
+==================  =========================================================================
+
+Backends add their own fields (NIXL: ``agent_metadata``, ``staging``; NCCL: ``dist_rank``).
+All ranges are half-open ``[lo, hi)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+import disagg_rs
+from disagg_rs import _core
+from disagg_rs.exceptions import (
+    BlockIdError,
+    GeometryMismatchError,
+    LayoutError,
+    MetadataError,
+    TransferError,
+    TransferTimeout,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "KV_AXES",
+    "SSM_AXES",
+    "BlockIds",
+    "Clock",
+    "PeerMeta",
+    "ProgramCompiler",
+    "StateKind",
+    "TransferBackendBase",
+    "TransferHandleBase",
+    "TransferProgramLike",
+    "rust_program_compiler",
+]
+
+#: Version of the metadata schema above; bump on any incompatible change.
+FORMAT_VERSION = 1
+
+#: Default axis order of a KV buffer: Megatron's ``[2, L, B, T, H, d]``.
+KV_AXES = "kv layer block token head dim"
+
+#: Axis order of the SSM buffers: conv ``[L, slots, C, d_conv]``, recurrent ``[L, slots, H, p, n]``.
+SSM_AXES: dict[str, str] = {"conv": "layer slot channel conv", "recurrent": "layer slot head p n"}
+
+#: Peer metadata as produced by ``export_meta()``.
+PeerMeta: TypeAlias = Mapping[str, Any]
+#: Block ids: one list for every source rank, or ``{source global_rank: list}``.
+BlockIds: TypeAlias = "Sequence[int] | npt.NDArray[np.integer[Any]] | Mapping[int, Sequence[int]]"
+#: Which state a buffer holds.
+StateKind: TypeAlias = Literal["kv", "conv", "recurrent"]
+#: Monotonic seconds; injected so tests drive deadlines with a virtual clock.
+Clock: TypeAlias = Callable[[], float]
+
+_U64 = npt.NDArray[np.uint64]
+
+_REQUIRED = (
+    "version",
+    "backend",
+    "agent_name",
+    "incarnation",
+    "compat_hash",
+    "state_kind",
+    "layout",
+    "num_blocks",
+    "tokens_per_block",
+    "head_dim",
+    "dtype",
+    "buffer",
+    "geometry",
+)
+_BUFFER_REQUIRED = (
+    "addr",
+    "nbytes",
+    "device_id",
+    "mem_type",
+    "shape",
+    "strides",
+    "element_size",
+    "axes",
+)
+
+
+class TransferProgramLike(Protocol):
+    """The compiler's ``TransferProgram`` as the backends use it (one destination rank)."""
+
+    @property
+    def src_ranks(self) -> list[int]:
+        """Source global ranks this destination reads from, in plan order."""
+
+    def mode(self, src_rank: int) -> Literal["direct", "staged"]:
+        """How the bytes from ``src_rank`` move."""
+
+    def direct_descriptors(self, src_rank: int) -> tuple[_U64, _U64]:
+        """``N x 3`` ``(addr, len, device_id)`` rows for source and destination, whatever the
+        source's mode (a staged source can always be read directly instead)."""
+
+    def gather(self, src_rank: int) -> _U64:
+        """``M x 3`` ``(src_addr, len, packed_offset)`` rows (canonical packed order)."""
+
+    def scatter(self, src_rank: int) -> _U64:
+        """``M x 3`` ``(packed_offset, dst_addr, len)`` rows."""
+
+    def packed_bytes(self, src_rank: int) -> int:
+        """Size of the packed region from ``src_rank``."""
+
+
+class ProgramCompiler(Protocol):
+    """Turns peer metadata and block ids into a transfer program for one destination rank.
+
+    ``dst_block_ids`` is ``None`` on the source side of a staged or two-sided transfer: the
+    gather list and packed offsets must not depend on it.
+    """
+
+    def __call__(
+        self,
+        srcs: Sequence[PeerMeta],
+        dst: PeerMeta,
+        src_block_ids: BlockIds,
+        dst_block_ids: BlockIds | None,
+        num_tokens: int | None,
+        mode: str,
+    ) -> TransferProgramLike: ...
+
+
+def rust_program_compiler(
+    srcs: Sequence[PeerMeta],
+    dst: PeerMeta,
+    src_block_ids: BlockIds,
+    dst_block_ids: BlockIds | None,
+    num_tokens: int | None,
+    mode: str,
+) -> TransferProgramLike:
+    """The default compiler: ``disagg_rs.compile_kv_transfer`` (or its SSM twin) in Rust."""
+    kind = dst["state_kind"]
+    if kind == "kv":
+        compile_fn = getattr(disagg_rs, "compile_kv_transfer", None)
+        geometry_cls = getattr(disagg_rs, "KVGeometry", None)
+        layout_cls: Any = _core.KVShardLayout
+    else:
+        compile_fn = getattr(disagg_rs, "compile_ssm_transfer", None)
+        geometry_cls = getattr(disagg_rs, "SSMGeometry", None)
+        layout_cls = _core.SSMShardLayout
+    if compile_fn is None or geometry_cls is None:
+        raise TransferError(
+            f"this build of disagg_rs has no descriptor compiler for {kind!r} state; "
+            "pass compiler=... to the backend"
+        )
+    for meta in (*srcs, dst):
+        if meta["geometry"] is None:
+            raise MetadataError(
+                f"peer {meta['agent_name']!r} exported no compiler geometry", field="geometry"
+            )
+
+    def side(meta: PeerMeta) -> tuple[Any, Any]:
+        return layout_cls.from_dict(dict(meta["layout"])), geometry_cls.from_dict(
+            dict(meta["geometry"])
+        )
+
+    if kind == "kv":
+        program: TransferProgramLike = compile_fn(
+            src=[side(m) for m in srcs],
+            dst=side(dst),
+            src_block_ids=src_block_ids,
+            dst_block_ids=dst_block_ids,
+            num_tokens=num_tokens,
+            mode=mode,
+        )
+        return program
+    # SSM state: one slot per handoff (the block id lists hold exactly one slot each).
+    src_slot: int | dict[int, int] = (
+        {int(r): _one_slot("src_block_ids", ids) for r, ids in src_block_ids.items()}
+        if isinstance(src_block_ids, Mapping)
+        else _one_slot("src_block_ids", src_block_ids)
+    )
+    dst_slot = None if dst_block_ids is None else _one_slot("dst_block_ids", dst_block_ids)
+    program = compile_fn(
+        src=[side(m) for m in srcs],
+        dst=side(dst),
+        src_slot=src_slot,
+        dst_slot=dst_slot,
+        mode=mode,
+    )
+    return program
+
+
+def _one_slot(field: str, ids: Any) -> int:
+    arr = np.asarray(ids).reshape(-1)
+    if arr.size != 1:
+        raise BlockIdError(
+            f"{field}: SSM state moves one slot per handoff, got {arr.size}", field=field
+        )
+    return int(arr[0])
+
+
+def _compat_hash(facts: Mapping[str, Any]) -> str:
+    """Stable hash of the facts two peers must share to exchange state at all."""
+    blob = json.dumps(facts, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _mem_type(tensor: torch.Tensor) -> Literal["DRAM", "VRAM"]:
+    return "VRAM" if tensor.is_cuda else "DRAM"
+
+
+def _buffer_info(tensor: torch.Tensor, axes: str) -> dict[str, Any]:
+    """Plain description of a registered buffer (the part of the metadata every peer reads)."""
+    return {
+        "addr": int(tensor.data_ptr()),
+        "nbytes": int(tensor.numel() * tensor.element_size()),
+        "device_id": int(tensor.device.index or 0) if tensor.is_cuda else 0,
+        "mem_type": _mem_type(tensor),
+        "shape": [int(s) for s in tensor.shape],
+        "strides": [int(s) for s in tensor.stride()],
+        "element_size": int(tensor.element_size()),
+        "axes": axes,
+    }
+
+
+def _compiler_geometry(tensor: torch.Tensor, kind: StateKind, axes: str) -> dict[str, Any] | None:
+    """The compiler's geometry dict for ``tensor``, or ``None`` if this build has none."""
+    if kind != "kv":
+        ssm_cls = getattr(disagg_rs, "SSMGeometry", None)
+        if ssm_cls is None:
+            return None
+        device = tensor.device.index if tensor.is_cuda else None
+        return dict(ssm_cls.from_tensors(**{kind: tensor}, device_id=device).to_dict())
+    kv_cls = getattr(disagg_rs, "KVGeometry", None)
+    if kv_cls is None:
+        return None
+    device_id = tensor.device.index if tensor.is_cuda else None
+    return dict(kv_cls.from_tensor(tensor, axes=axes, device_id=device_id).to_dict())
+
+
+def _ids_array(field: str, ids: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise BlockIdError(
+            f"{field} must be a 1-D list of ints (got shape {arr.shape}, dtype {arr.dtype})",
+            field=field,
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_ids(field: str, ids: npt.NDArray[np.int64], num_blocks: int, owner: str) -> None:
+    """Every id in ``[0, num_blocks)`` and no id twice (vectorised, no Python loop)."""
+    if ids.size == 0:
+        raise BlockIdError(f"{field} is empty", field=field)
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= num_blocks:
+        bad = lo if lo < 0 else hi
+        raise BlockIdError(
+            f"{field} holds block {bad}, outside [0, {num_blocks}) of {owner}", field=field
+        )
+    uniq = np.unique(ids)
+    if uniq.size != ids.size:
+        raise BlockIdError(
+            f"{field} names a block twice ({ids.size} ids, {uniq.size} distinct)", field=field
+        )
+
+
+def check_meta_fields(meta: Any, backend: str) -> PeerMeta:
+    """Reject metadata that is not a dict of this schema: missing field, wrong version, backend."""
+    if not isinstance(meta, Mapping):
+        raise MetadataError(
+            f"peer metadata must be a dict, got {type(meta).__name__}", field="peer_meta"
+        )
+    for key in _REQUIRED:
+        if key not in meta:
+            raise MetadataError(f"peer metadata lacks required field {key!r}", field=key)
+    if meta["version"] != FORMAT_VERSION:
+        raise MetadataError(
+            f"peer metadata version {meta['version']!r} != supported {FORMAT_VERSION}",
+            field="version",
+        )
+    if meta["backend"] != backend:
+        raise MetadataError(
+            f"peer backend {meta['backend']!r} != this backend {backend!r}", field="backend"
+        )
+    buf = meta["buffer"]
+    if not isinstance(buf, Mapping):
+        raise MetadataError("peer metadata field 'buffer' must be a dict", field="buffer")
+    for key in _BUFFER_REQUIRED:
+        if key not in buf:
+            raise MetadataError(f"peer buffer metadata lacks field {key!r}", field=f"buffer.{key}")
+    return meta
+
+
+class TransferBackendBase:
+    """State shared by both backends: the rank's buffer, its layout and its metadata.
+
+    Constructor parameters follow the reference design (``memory_buffer`` plus the layout
+    fields); omitted layout fields are derived from the buffer's shape (TP1, PP1 defaults).
+    """
+
+    #: Backend name used in metadata and by ``construct_kv_transfer_backend_class``.
+    name: str = "base"
+
+    def __init__(
+        self,
+        agent_name: str,
+        memory_buffer: torch.Tensor,
+        expected_num_blocks: int,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
+        num_kv_heads_global: int | None = None,
+        heads_per_partition: int | None = None,
+        head_dim: int | None = None,
+        tokens_per_block: int | None = None,
+        global_rank: int | None = None,
+        pp_size: int | None = None,
+        pp_rank: int | None = None,
+        num_layers_global: int | None = None,
+        layer_start: int | None = None,
+        layer_end: int | None = None,
+        ssm_layout: _core.SSMShardLayout | None = None,
+        ssm_state_kind: str | None = None,
+        *,
+        axes: str | None = None,
+        compiler: ProgramCompiler | None = None,
+        timeout_s: float = 30.0,
+        incarnation: int | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        if not memory_buffer.is_contiguous():
+            raise GeometryMismatchError(
+                "memory_buffer must be contiguous (register the whole cache, not a view)",
+                field="memory_buffer",
+            )
+        self.agent_name = agent_name
+        self.memory_buffer = memory_buffer
+        self.expected_num_blocks = int(expected_num_blocks)
+        self.timeout_s = float(timeout_s)
+        self.compiler: ProgramCompiler = compiler or rust_program_compiler
+        self.clock = clock
+        self.incarnation = int(incarnation if incarnation is not None else time.time_ns())
+        self.layout: _core.KVShardLayout | _core.SSMShardLayout
+        self.tokens_per_block: int | None
+        if ssm_layout is not None or ssm_state_kind is not None:
+            if ssm_layout is None or ssm_state_kind not in SSM_AXES:
+                raise LayoutError(
+                    "SSM state needs both ssm_layout and ssm_state_kind in ('conv', "
+                    f"'recurrent'); got layout={ssm_layout!r}, kind={ssm_state_kind!r}",
+                    field="ssm_state_kind",
+                )
+            self.state_kind: StateKind = "conv" if ssm_state_kind == "conv" else "recurrent"
+            self.layout = ssm_layout
+            self.axes = axes or SSM_AXES[self.state_kind]
+            self.tokens_per_block = None
+            self.head_dim = ssm_layout.dims.head_dim
+            self._check_ssm_shape(ssm_layout)
+        else:
+            self.state_kind = "kv"
+            self.axes = axes or KV_AXES
+            self.layout = self._kv_layout(
+                tp_size,
+                tp_rank,
+                num_kv_heads_global,
+                heads_per_partition,
+                head_dim,
+                tokens_per_block,
+                global_rank,
+                pp_size,
+                pp_rank,
+                num_layers_global,
+                layer_start,
+                layer_end,
+            )
+        self.buffer_info = _buffer_info(memory_buffer, self.axes)
+        self.geometry = _compiler_geometry(memory_buffer, self.state_kind, self.axes)
+
+    # -- construction helpers ------------------------------------------------------------
+
+    def _axis_size(self, name: str) -> int:
+        names = self.axes.split()
+        if len(names) != self.memory_buffer.dim():
+            raise GeometryMismatchError(
+                f"axes {self.axes!r} name {len(names)} axes but memory_buffer has "
+                f"{self.memory_buffer.dim()}",
+                field="axes",
+            )
+        if name not in names:
+            raise GeometryMismatchError(f"axes {self.axes!r} lack axis {name!r}", field="axes")
+        return int(self.memory_buffer.shape[names.index(name)])
+
+    def _kv_layout(
+        self,
+        tp_size: int | None,
+        tp_rank: int | None,
+        num_kv_heads_global: int | None,
+        heads_per_partition: int | None,
+        head_dim: int | None,
+        tokens_per_block: int | None,
+        global_rank: int | None,
+        pp_size: int | None,
+        pp_rank: int | None,
+        num_layers_global: int | None,
+        layer_start: int | None,
+        layer_end: int | None,
+    ) -> _core.KVShardLayout:
+        local_layers = self._axis_size("layer")
+        blocks = self._axis_size("block")
+        tokens = self._axis_size("token")
+        heads = self._axis_size("head")
+        dim = self._axis_size("dim")
+        for field, given, actual in (
+            ("expected_num_blocks", self.expected_num_blocks, blocks),
+            ("heads_per_partition", heads_per_partition, heads),
+            ("head_dim", head_dim, dim),
+            ("tokens_per_block", tokens_per_block, tokens),
+        ):
+            if given is not None and given != actual:
+                raise GeometryMismatchError(
+                    f"{field}={given} but memory_buffer axis holds {actual}", field=field
+                )
+        if (
+            layer_start is not None
+            and layer_end is not None
+            and layer_end - layer_start != (local_layers)
+        ):
+            raise GeometryMismatchError(
+                f"layer window [{layer_start}, {layer_end}) != {local_layers} buffer layers",
+                field="layer_end",
+            )
+        tp = tp_size or 1
+        pp = pp_size or 1
+        explicit = layer_start is not None
+        layout = _core.KVShardLayout(
+            num_layers=num_layers_global if num_layers_global is not None else local_layers * pp,
+            num_kv_heads=num_kv_heads_global if num_kv_heads_global is not None else heads * tp,
+            tp_size=tp,
+            tp_rank=tp_rank or 0,
+            pp_size=pp,
+            pp_rank=pp_rank or 0,
+            global_rank=global_rank,
+            layer_start=layer_start if explicit else None,
+            num_local_layers=local_layers if explicit else None,
+        )
+        if layout.heads_per_partition != heads or layout.num_local_layers != local_layers:
+            raise GeometryMismatchError(
+                f"layout holds {layout.heads_per_partition} heads x {layout.num_local_layers} "
+                f"layers but memory_buffer holds {heads} x {local_layers}",
+                field="memory_buffer",
+            )
+        self.head_dim = dim
+        self.tokens_per_block = tokens
+        return layout
+
+    def _check_ssm_shape(self, layout: _core.SSMShardLayout) -> None:
+        dims = layout.dims
+        if self.state_kind == "conv":
+            want = [
+                layout.num_local_layers,
+                self.expected_num_blocks,
+                layout.local_conv_channels,
+                dims.d_conv,
+            ]
+        else:
+            h_lo, h_hi = layout.heads
+            want = [
+                layout.num_local_layers,
+                self.expected_num_blocks,
+                h_hi - h_lo,
+                dims.head_dim,
+                dims.d_state,
+            ]
+        got = [int(s) for s in self.memory_buffer.shape]
+        if got != want:
+            raise GeometryMismatchError(
+                f"{self.state_kind} buffer shape {got} != {want} expected from ssm_layout",
+                field="memory_buffer",
+            )
+
+    # -- metadata ------------------------------------------------------------------------
+
+    def _compat_facts(self) -> dict[str, Any]:
+        facts: dict[str, Any] = {
+            "version": FORMAT_VERSION,
+            "state_kind": self.state_kind,
+            "dtype": str(self.memory_buffer.dtype),
+            "head_dim": self.head_dim,
+            "num_layers": self.layout.num_layers,
+        }
+        if isinstance(self.layout, _core.SSMShardLayout):
+            facts["dims"] = self.layout.dims.to_dict()
+        else:
+            facts["num_kv_heads"] = self.layout.num_kv_heads
+        return facts
+
+    def _base_meta(self) -> dict[str, Any]:
+        return {
+            "version": FORMAT_VERSION,
+            "backend": self.name,
+            "agent_name": self.agent_name,
+            "incarnation": self.incarnation,
+            "compat_hash": _compat_hash(self._compat_facts()),
+            "state_kind": self.state_kind,
+            "layout": dict(self.layout.to_dict()),
+            "num_blocks": self.expected_num_blocks,
+            "tokens_per_block": self.tokens_per_block,
+            "head_dim": self.head_dim,
+            "dtype": str(self.memory_buffer.dtype),
+            "buffer": dict(self.buffer_info),
+            "geometry": self.geometry,
+        }
+
+    def export_meta(self) -> dict[str, Any]:
+        """Plain metadata for peers (see the module docstring for the schema)."""
+        return self._base_meta()
+
+    # -- validation ----------------------------------------------------------------------
+
+    def _peer_list(self, peer_meta: Any) -> list[PeerMeta]:
+        """Accept one metadata dict or a sequence of them (one per source rank)."""
+        metas = [peer_meta] if isinstance(peer_meta, Mapping) else list(peer_meta)
+        if not metas:
+            raise MetadataError("no peer metadata given", field="peer_meta")
+        return [check_meta_fields(m, self.name) for m in metas]
+
+    def _check_compat(self, metas: Sequence[PeerMeta]) -> set[int]:
+        """Check peers' model-level facts against this rank; return their global ranks.
+
+        Raises ``GeometryMismatchError`` (kind, dtype, head_dim, layers, compat hash) or
+        ``MetadataError`` (two dicts claiming one global rank).
+        """
+        mine = self._compat_facts()
+        my_hash = _compat_hash(mine)
+        ranks: set[int] = set()
+        for meta in metas:
+            for field, ours, theirs in (
+                ("state_kind", self.state_kind, meta["state_kind"]),
+                ("dtype", mine["dtype"], meta["dtype"]),
+                ("head_dim", self.head_dim, meta["head_dim"]),
+                ("num_layers", self.layout.num_layers, meta["layout"].get("num_layers")),
+            ):
+                if ours != theirs:
+                    raise GeometryMismatchError(
+                        f"peer {meta['agent_name']!r} has {field}={theirs!r}, this rank {ours!r}",
+                        field=field,
+                    )
+            if meta["compat_hash"] != my_hash:
+                raise GeometryMismatchError(
+                    f"peer {meta['agent_name']!r} compat_hash {meta['compat_hash']!r} != "
+                    f"{my_hash!r} (model-level facts differ)",
+                    field="compat_hash",
+                )
+            rank = int(meta["layout"].get("global_rank", -1))
+            if rank in ranks:
+                raise MetadataError(
+                    f"two peer metadata dicts claim global_rank {rank}", field="global_rank"
+                )
+            ranks.add(rank)
+        return ranks
+
+    def _validate_peers(
+        self,
+        metas: Sequence[PeerMeta],
+        src_block_ids: BlockIds,
+        dst_block_ids: BlockIds | None,
+        num_tokens: int | None,
+        *,
+        local_is_dst: bool,
+    ) -> int | None:
+        """Check peers against this rank and the block ids against both buffers.
+
+        ``metas`` are the source ranks' metadata; this rank is the destination when
+        ``local_is_dst`` (pull, receive) and one of the sources otherwise (push, stage).
+        Returns the token count to move (``None`` for SSM state). Raises before anything is
+        posted: ``MetadataError`` (missing field, version, duplicate rank),
+        ``GeometryMismatchError`` (dtype, head_dim, kind, model facts), ``BlockIdError``.
+        """
+        ranks = self._check_compat(metas)
+        src_sizes: list[tuple[PeerMeta, npt.NDArray[np.int64]]] = []
+        if isinstance(src_block_ids, Mapping):
+            unknown = set(int(k) for k in src_block_ids) - ranks
+            if unknown:
+                raise BlockIdError(
+                    f"src_block_ids names ranks {sorted(unknown)} with no metadata "
+                    f"(known {sorted(ranks)})",
+                    field="src_block_ids",
+                )
+            for meta in metas:
+                key = int(meta["layout"]["global_rank"])
+                if key in src_block_ids:
+                    arr = _ids_array("src_block_ids", src_block_ids[key])
+                    src_sizes.append((meta, arr))
+        else:
+            arr = _ids_array("src_block_ids", src_block_ids)
+            src_sizes = [(m, arr) for m in metas]
+        for meta, arr in src_sizes:
+            _check_ids("src_block_ids", arr, int(meta["num_blocks"]), repr(meta["agent_name"]))
+        dst_arr: npt.NDArray[np.int64] | None = None
+        if dst_block_ids is not None:
+            if isinstance(dst_block_ids, Mapping):
+                raise BlockIdError("dst_block_ids must be one list", field="dst_block_ids")
+            dst_arr = _ids_array("dst_block_ids", dst_block_ids)
+            if local_is_dst:
+                _check_ids("dst_block_ids", dst_arr, self.expected_num_blocks, "this rank")
+        if self.state_kind != "kv":
+            for _, arr in src_sizes:
+                if dst_arr is not None and arr.size != dst_arr.size:
+                    raise BlockIdError(
+                        f"SSM slots: {arr.size} source ids vs {dst_arr.size} destination ids",
+                        field="dst_block_ids",
+                    )
+            return None
+        capacities = [arr.size * int(m["tokens_per_block"]) for m, arr in src_sizes]
+        src_cap = min(capacities)
+        if num_tokens is None:
+            num_tokens = src_cap
+            if dst_arr is not None and local_is_dst and self.tokens_per_block is not None:
+                num_tokens = min(num_tokens, dst_arr.size * self.tokens_per_block)
+        if num_tokens <= 0 or num_tokens > src_cap:
+            raise BlockIdError(
+                f"num_tokens={num_tokens} but the source blocks hold [1, {src_cap}] tokens",
+                field="num_tokens",
+            )
+        if dst_arr is not None and local_is_dst and self.tokens_per_block is not None:
+            dst_cap = dst_arr.size * self.tokens_per_block
+            if num_tokens > dst_cap:
+                raise BlockIdError(
+                    f"num_tokens={num_tokens} but dst_block_ids hold only {dst_cap} tokens",
+                    field="dst_block_ids",
+                )
+        return num_tokens
+
+    def close(self) -> None:
+        """Release this buffer's transport resources (idempotent)."""
+
+
+class TransferHandleBase:
+    """A pollable transfer made of parts that each settle on their own.
+
+    ``poll()`` never blocks: it advances every part once and returns whether all parts are
+    terminal. ``wait()`` polls until then or until the deadline. Errors raise only once every
+    part is terminal (``TransferError``), so a failed handle never leaves a part that may still
+    write; past the deadline with parts still running, ``TransferTimeout`` is raised and its
+    ``destinations_may_be_written`` says the destinations must stay quarantined.
+    """
+
+    #: Seconds ``wait()`` sleeps between polls: short, so completion is seen promptly,
+    #: non-zero, so a waiting rank does not monopolise a core.
+    poll_interval_s: float = 0.0005
+
+    def __init__(self, timeout_s: float, clock: Clock) -> None:
+        self.clock = clock
+        self.submitted_at = clock()
+        self.timeout_s = float(timeout_s)
+        self.done = False
+        self.error: str | None = None
+
+    @property
+    def deadline(self) -> float:
+        """Clock value after which an unfinished transfer is timed out."""
+        return self.submitted_at + self.timeout_s
+
+    def _progress(self) -> bool:
+        """Advance every non-terminal part once; True when all parts are terminal."""
+        raise NotImplementedError
+
+    def poll(self) -> bool:
+        """Return True once every part is terminal; never blocks.
+
+        Raises ``TransferError`` (all parts terminal, one failed) or ``TransferTimeout``
+        (deadline passed, some part may still write).
+        """
+        if not self.done:
+            self.done = self._progress()
+        if self.done:
+            if self.error is not None:
+                raise TransferError(self.error)
+            return True
+        if self.clock() > self.deadline:
+            raise TransferTimeout(
+                f"transfer not finished {self.timeout_s:.3f} s after submission; "
+                "its destinations may still be written"
+            )
+        return False
+
+    def wait(self) -> None:
+        """Block until ``poll()`` returns True or raises (deadline ``submitted_at + timeout_s``)."""
+        while not self.poll():
+            time.sleep(self.poll_interval_s)

@@ -1,0 +1,324 @@
+"""Two-sided transfers over torch.distributed: NCCL on GPU, gloo on CPU.
+
+Both peers take part: the decode posts receives (``begin_pull_blocks``) when the handoff
+arrives, the prefill posts the matching sends (``begin_push_blocks``) when the coordinator
+names the decode. Both sides compile the same plan with the same inputs, so they agree on
+the packed layout without exchanging it. Per handoff each (source, destination) pair moves
+ONE message: the source packs its fragments (``staging.pack``), sends, and the destination
+scatters the message into its paged buffer when the receive completes.
+
+Messages of concurrent handoffs between the same pair are matched by post order (NCCL) or
+by ``tag`` (gloo); the decode must post receives in the order the prefill posts sends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from disagg_rs import _core
+from disagg_rs.exceptions import MetadataError, TransferError
+from disagg_rs.transfer_backends import staging
+from disagg_rs.transfer_backends.base import (
+    BlockIds,
+    Clock,
+    PeerMeta,
+    ProgramCompiler,
+    TransferBackendBase,
+    TransferHandleBase,
+    TransferProgramLike,
+    check_meta_fields,
+)
+
+__all__ = ["NcclTransferBackend", "NcclTransferHandle"]
+
+logger = logging.getLogger(__name__)
+
+
+class NcclTransferHandle(TransferHandleBase):
+    """Pollable handle for one batched send or receive of a handoff.
+
+    Receives land in temporary packed buffers; on completion the handle scatters them into
+    the paged buffer once. Send handles keep the packed source bytes alive until reaped.
+    """
+
+    def __init__(
+        self,
+        works: list[Any],
+        keepalive: list[torch.Tensor],
+        scatters: list[Callable[[], None]],
+        timeout_s: float = 30.0,
+        clock: Clock = time.monotonic,
+        error: str | None = None,
+        *,
+        use_waiter_thread: bool = False,
+    ) -> None:
+        super().__init__(timeout_s, clock)
+        self.works = works
+        self.keepalive = keepalive
+        self.scatters = scatters
+        self.error = error
+        self._settled = threading.Event()
+        self._thread_error: str | None = None
+        self._waiter: threading.Thread | None = None
+        if use_waiter_thread and works:
+            # gloo's send/recv works never report completion to is_completed() and a timed
+            # wait() closes the connection, so one thread per handoff does the blocking wait.
+            self._waiter = threading.Thread(target=self._wait_all, daemon=True)
+            self._waiter.start()
+
+    def _progress(self) -> bool:
+        if self._waiter is not None:
+            if not self._settled.is_set():
+                return False
+        elif not all(w.is_completed() for w in self.works):
+            return False
+        self._finish()
+        return True
+
+    def _wait_all(self) -> None:
+        """Waiter-thread body: block on each work once, record the first failure."""
+        for work in self.works:
+            try:
+                work.wait()
+            except Exception as exc:
+                self._thread_error = self._thread_error or f"torch.distributed reported {exc!r}"
+        self._settled.set()
+
+    def _finish(self) -> None:
+        if self._waiter is None:
+            for work in self.works:
+                try:
+                    work.wait()  # complete already: returns at once, raises if it failed
+                except Exception as exc:
+                    self.error = self.error or f"torch.distributed reported {exc!r}"
+        self.error = self.error or self._thread_error
+        if self.error is None:
+            for land in self.scatters:
+                try:
+                    land()
+                except Exception as exc:
+                    self.error = f"scatter failed: {exc!r}"
+                    break
+        self.works, self.scatters, self.keepalive = [], [], []
+
+
+class NcclTransferBackend(TransferBackendBase):
+    """Per-buffer two-sided transport over a torch.distributed process group.
+
+    Same constructor and metadata as ``NixlTransferBackend`` (plus ``dist_rank``, this
+    process's rank in the default group), so the handoff layer treats both alike. Keyword
+    extensions: ``axes``, ``timeout_s``, ``compiler``, ``incarnation``, ``clock``, ``group``.
+    """
+
+    name = "nccl"
+
+    def __init__(
+        self,
+        agent_name: str,
+        memory_buffer: torch.Tensor,
+        expected_num_blocks: int,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
+        num_kv_heads_global: int | None = None,
+        heads_per_partition: int | None = None,
+        head_dim: int | None = None,
+        tokens_per_block: int | None = None,
+        global_rank: int | None = None,
+        pp_size: int | None = None,
+        pp_rank: int | None = None,
+        num_layers_global: int | None = None,
+        layer_start: int | None = None,
+        layer_end: int | None = None,
+        ssm_layout: _core.SSMShardLayout | None = None,
+        ssm_state_kind: str | None = None,
+        *,
+        axes: str | None = None,
+        timeout_s: float = 30.0,
+        compiler: ProgramCompiler | None = None,
+        incarnation: int | None = None,
+        clock: Clock = time.monotonic,
+        group: Any = None,
+    ) -> None:
+        super().__init__(
+            agent_name,
+            memory_buffer,
+            expected_num_blocks,
+            tp_size,
+            tp_rank,
+            num_kv_heads_global,
+            heads_per_partition,
+            head_dim,
+            tokens_per_block,
+            global_rank,
+            pp_size,
+            pp_rank,
+            num_layers_global,
+            layer_start,
+            layer_end,
+            ssm_layout,
+            ssm_state_kind,
+            axes=axes,
+            compiler=compiler,
+            timeout_s=timeout_s,
+            incarnation=incarnation,
+            clock=clock,
+        )
+        if not dist.is_initialized():
+            raise TransferError("NcclTransferBackend needs torch.distributed initialised first")
+        self.group = group
+        self.dist_rank = dist.get_rank()
+        self._init_kwargs: dict[str, Any] = {
+            "axes": axes,
+            "timeout_s": timeout_s,
+            "compiler": compiler,
+            "clock": clock,
+            "group": group,
+            "incarnation": self.incarnation,
+        }
+
+    def new_registered_buffer(self, **kwargs: Any) -> NcclTransferBackend:
+        """Another state buffer of this rank (SSM conv/recurrent) on the same process group."""
+        kwargs.setdefault("agent_name", self.agent_name)
+        for key, value in self._init_kwargs.items():
+            kwargs.setdefault(key, value)
+        return NcclTransferBackend(**kwargs)
+
+    def export_meta(self) -> dict[str, Any]:
+        """Plain metadata for a peer; adds ``dist_rank`` to the shared schema."""
+        meta = self._base_meta()
+        meta["dist_rank"] = self.dist_rank
+        return meta
+
+    def _peer_list(self, peer_meta: Any) -> list[PeerMeta]:
+        metas = super()._peer_list(peer_meta)
+        for meta in metas:
+            if "dist_rank" not in meta:
+                raise MetadataError(
+                    "peer metadata lacks required field 'dist_rank'", field="dist_rank"
+                )
+        return metas
+
+    def _device(self) -> torch.device:
+        return self.memory_buffer.device
+
+    def begin_pull_blocks(
+        self,
+        peer_meta: Any,
+        src_block_ids: BlockIds,
+        dst_block_ids: BlockIds,
+        *,
+        num_tokens: int | None = None,
+        tag: int = 0,
+        timeout_s: float | None = None,
+    ) -> NcclTransferHandle:
+        """Post this decode rank's receives for one handoff (one per source rank)."""
+        metas = self._peer_list(peer_meta)
+        num_tokens = self._validate_peers(
+            metas, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
+        )
+        by_rank = {int(m["layout"]["global_rank"]): m for m in metas}
+        program = self.compiler(
+            metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, "staged"
+        )
+        ops: list[dist.P2POp] = []
+        keep: list[torch.Tensor] = []
+        scatters: list[Callable[[], None]] = []
+        for rank in program.src_ranks:
+            if rank not in by_rank:
+                raise MetadataError(
+                    f"the plan reads source rank {rank} but no metadata names it", field="peer_meta"
+                )
+            nbytes = int(program.packed_bytes(rank))
+            if nbytes == 0:
+                continue
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device())
+            ops.append(
+                dist.P2POp(dist.irecv, buf, int(by_rank[rank]["dist_rank"]), self.group, tag)
+            )
+            keep.append(buf)
+            scatters.append(self._lander(buf, program.scatter(rank)))
+        return self._submit(ops, keep, scatters, timeout_s)
+
+    def _lander(self, buf: torch.Tensor, scatter_list: Any) -> Callable[[], None]:
+        def land() -> None:
+            staging.scatter(buf, self.memory_buffer, self.buffer_info["addr"], scatter_list)
+
+        return land
+
+    def begin_push_blocks(
+        self,
+        peer_meta: Any,
+        src_block_ids: BlockIds,
+        dst_block_ids: BlockIds | None = None,
+        *,
+        src_metas: Sequence[PeerMeta] | None = None,
+        num_tokens: int | None = None,
+        tag: int = 0,
+        timeout_s: float | None = None,
+    ) -> NcclTransferHandle:
+        """Pack and send this prefill rank's part of a handoff to each decode rank named.
+
+        ``peer_meta``: one decode rank's metadata or a list (one message per decode rank that
+        reads from this rank). ``src_metas``: every source rank's metadata (default: this
+        rank alone), so the plan picks the same representatives the decode does.
+        """
+        dsts = self._peer_list(peer_meta)
+        srcs = (
+            [check_meta_fields(m, self.name) for m in src_metas]
+            if src_metas
+            else [self._base_meta()]
+        )
+        num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens, local_is_dst=False)
+        self._check_compat(dsts)
+        me = self.layout.global_rank
+        programs: list[tuple[PeerMeta, TransferProgramLike]] = [
+            (dst, self.compiler(srcs, dst, src_block_ids, dst_block_ids, num_tokens, "staged"))
+            for dst in dsts
+        ]
+        ops: list[dist.P2POp] = []
+        keep: list[torch.Tensor] = []
+        for dst, program in programs:
+            if me not in program.src_ranks:
+                continue
+            nbytes = int(program.packed_bytes(me))
+            if nbytes == 0:
+                continue
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device())
+            staging.pack(self.memory_buffer, self.buffer_info["addr"], program.gather(me), buf)
+            ops.append(dist.P2POp(dist.isend, buf, int(dst["dist_rank"]), self.group, tag))
+            keep.append(buf)
+        return self._submit(ops, keep, [], timeout_s)
+
+    def _submit(
+        self,
+        ops: list[dist.P2POp],
+        keep: list[torch.Tensor],
+        scatters: list[Callable[[], None]],
+        timeout_s: float | None,
+    ) -> NcclTransferHandle:
+        works: list[Any] = []
+        error: str | None = None
+        if ops:
+            try:
+                works = list(dist.batch_isend_irecv(ops))
+            except Exception as exc:
+                error = f"posting {len(ops)} point-to-point ops failed: {exc!r}"
+        return NcclTransferHandle(
+            works,
+            keep,
+            scatters,
+            self.timeout_s if timeout_s is None else timeout_s,
+            self.clock,
+            error,
+            use_waiter_thread=dist.get_backend(self.group) == "gloo",
+        )
+
+    def close(self) -> None:
+        """Nothing is registered for two-sided transfers; kept for interface parity."""
