@@ -1,5 +1,6 @@
 """The README's Python examples run as written and print what the README says they print
-(lines starting with ``#> `` in an example are its expected output)."""
+(lines starting with ``#> `` in an example are its expected output). Fragments that need
+a running engine are fenced as ``py`` instead of ``python`` and are not executed."""
 
 from __future__ import annotations
 
