@@ -34,6 +34,7 @@ from disagg_rs.reference.config import (
     ssm_layout_for,
 )
 from disagg_rs.reference.engine import (
+    EngineStats,
     FinishedRequest,
     PrefillHandoff,
     ReferenceEngine,
@@ -47,6 +48,7 @@ __all__ = [
     "BlockPoolLike",
     "CacheLayoutName",
     "EngineConfig",
+    "EngineStats",
     "FinishedRequest",
     "LayerKind",
     "ModelConfig",

@@ -62,6 +62,7 @@ from disagg_rs.reference.protocol import (
 )
 
 __all__ = [
+    "EngineStats",
     "FinishedRequest",
     "PrefillHandoff",
     "ReferenceEngine",
@@ -130,6 +131,22 @@ class StepOutput:
     """Requests that ended (their blocks and slot are back in the pools)."""
     handoffs: list[PrefillHandoff] = field(default_factory=list)
     """Prompts finished on a prefill engine (state pinned)."""
+
+
+@dataclass
+class EngineStats:
+    """Counters of one engine rank (identical on every rank of the engine)."""
+
+    steps: int = 0
+    """Forward passes run."""
+    prompt_tokens_computed: int = 0
+    """Prompt tokens that went through the model."""
+    prefix_hit_tokens: int = 0
+    """Prompt tokens skipped because their KV blocks came from the prefix cache."""
+    decode_tokens: int = 0
+    """Tokens sampled after the first (continuation tokens)."""
+    imported_requests: int = 0
+    """Requests admitted with state written from outside."""
 
 
 @dataclass
@@ -211,6 +228,8 @@ class ReferenceEngine:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._done_without_forward: list[FinishedRequest] = []
+        self.stats = EngineStats()
+        """Counters (steps, prompt tokens run, prefix-cache hits, decode tokens, imports)."""
 
     # -- what the handoff layer reads -------------------------------------------------------
 
@@ -365,6 +384,7 @@ class ReferenceEngine:
                 )
         req = _Request(request_id, prompt_l, max_new_tokens, resume, blocks, ssm_slot)
         req.num_computed = len(prompt_l)
+        self.stats.imported_requests += 1
         if finishes:
             done = self._finish(req)
             self._done_without_forward.append(done)
@@ -403,8 +423,13 @@ class ReferenceEngine:
         else:
             sampled = torch.empty(len(batch_reqs), dtype=torch.int64)
         sampled = self.comm.broadcast_tokens(sampled)
+        self.stats.steps += 1
         still: list[_Request] = []
         for req, tok in zip(batch_reqs, sampled.tolist(), strict=True):
+            if req.num_computed < len(req.prompt):
+                self.stats.prompt_tokens_computed += len(req.prompt) - req.num_computed
+            if req.generated:
+                self.stats.decode_tokens += 1
             req.num_computed = len(req.tokens)
             req.generated.append(int(tok))
             out.new_tokens[req.request_id] = int(tok)
@@ -485,6 +510,7 @@ class ReferenceEngine:
             self._waiting.popleft()
             req.block_ids = matched + pool.allocate(total - len(matched))
             req.num_computed = len(matched) * self.block_size_tokens
+            self.stats.prefix_hit_tokens += req.num_computed
             if self.slot_pool is not None:
                 req.ssm_slot = self.slot_pool.allocate()
             self._running.append(req)

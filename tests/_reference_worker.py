@@ -1,0 +1,135 @@
+"""Multi-process harness for the reference-engine tests: spawned processes, loopback gloo.
+
+``run_world(world_size, cases)`` starts ``world_size`` spawned processes that join one gloo
+group on 127.0.0.1 and run every case in order (each case builds its engines on all ranks);
+rank 0's result per case comes back through a queue. Every wait has a timeout, and a worker
+that raises sends its traceback instead of hanging its peers silently.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from _reference_pools import pool_factories
+from _reference_state import Piece, manual_handoff
+
+from disagg_rs.reference import EngineConfig, ModelConfig, ReferenceEngine
+
+TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class GenerateCase:
+    """Colocated generation on one engine layout (optionally twice, to hit the prefix cache)."""
+
+    model: ModelConfig
+    config: EngineConfig
+    prompts: dict[int, list[int]]
+    max_new_tokens: int
+    rounds: int = 1
+
+
+@dataclass(frozen=True)
+class HandoffCase:
+    """Prefill on layout A, copy the state by hand, decode on layout B."""
+
+    model: ModelConfig
+    prefill: EngineConfig
+    decode: EngineConfig
+    prompts: dict[int, list[int]]
+    max_new_tokens: int
+
+
+def _pool_report(engine: ReferenceEngine) -> dict[str, int]:
+    engine.check_pools()
+    slots = engine.slot_pool
+    return {
+        "free_blocks": engine.block_pool.num_free,
+        "num_blocks": engine.config.num_blocks,
+        "free_slots": slots.num_free if slots is not None else 0,
+        "num_slots": engine.config.num_ssm_slots if slots is not None else 0,
+    }
+
+
+def _run_case(case: GenerateCase | HandoffCase) -> dict[str, Any]:
+    if isinstance(case, GenerateCase):
+        eng = ReferenceEngine(case.model, case.config, **pool_factories())
+        rounds = []
+        for r in range(case.rounds):
+            prompts = {rid + 1000 * r: p for rid, p in case.prompts.items()}
+            out = eng.generate(prompts, case.max_new_tokens)  # type: ignore[arg-type]
+            rounds.append({rid - 1000 * r: t for rid, t in out.items()})
+        return {"rounds": rounds, "pools": [_pool_report(eng)]}
+    pre = ReferenceEngine(case.model, case.prefill, **pool_factories())
+    dec = ReferenceEngine(case.model, case.decode, **pool_factories())
+
+    def gather(piece: Piece) -> list[Piece]:
+        pieces: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(pieces, piece)
+        return pieces
+
+    tokens = manual_handoff(pre, dec, case.prompts, case.max_new_tokens, gather)
+    return {"tokens": tokens, "pools": [_pool_report(pre), _pool_report(dec)]}
+
+
+def _worker(rank: int, world: int, port: int, cases: list[Any], out: Any) -> None:
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=TIMEOUT_S),
+        )
+        results = [_run_case(c) for c in cases]
+        out.put((rank, "ok", results))
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_world(world: int, cases: list[Any]) -> list[list[dict[str, Any]]]:
+    """Run ``cases`` on ``world`` spawned ranks; results per rank, per case."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, cases, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, list[dict[str, Any]]] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world):
+            rank, status, payload = out.get(timeout=TIMEOUT_S)
+            if status == "ok":
+                got[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    except queue.Empty:
+        errors.append(f"timed out after {TIMEOUT_S} s waiting for the ranks")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [got[r] for r in range(world)]
