@@ -30,7 +30,9 @@ class Piece:
     recurrent: torch.Tensor | None  # [L_local, H_local, p, n]
 
 
-def _token_index(engine: ReferenceEngine, block_ids: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_index(
+    engine: ReferenceEngine, block_ids: list[int], n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     pos = torch.arange(n)
     bs = engine.block_size_tokens
     return torch.tensor(block_ids)[pos // bs], pos % bs
@@ -88,15 +90,22 @@ class GlobalState:
 def assemble(engine: ReferenceEngine, pieces: list[Piece], n: int) -> GlobalState:
     """Put every rank's piece at its global place (replicas write the same values)."""
     m = engine.model
-    kv = torch.full((m.num_attention_layers, 2, n, m.num_kv_heads, m.head_dim), float("nan"),
-                    dtype=torch.float64)
+    kv = torch.full(
+        (m.num_attention_layers, 2, n, m.num_kv_heads, m.head_dim),
+        float("nan"),
+        dtype=torch.float64,
+    )
     conv = rec = None
     if m.num_ssm_layers:
         dims = m.ssm_dims
-        conv = torch.full((m.num_ssm_layers, dims.conv_channels, m.ssm_d_conv), float("nan"),
-                          dtype=torch.float64)
-        rec = torch.full((m.num_ssm_layers, m.ssm_num_heads, m.ssm_head_dim, m.ssm_d_state),
-                         float("nan"), dtype=torch.float64)
+        conv = torch.full(
+            (m.num_ssm_layers, dims.conv_channels, m.ssm_d_conv), float("nan"), dtype=torch.float64
+        )
+        rec = torch.full(
+            (m.num_ssm_layers, m.ssm_num_heads, m.ssm_head_dim, m.ssm_d_state),
+            float("nan"),
+            dtype=torch.float64,
+        )
     for p in pieces:
         if p.kv is not None and p.kv_layers and p.kv_heads:
             (l0, l1), (h0, h1) = p.kv_layers, p.kv_heads
@@ -113,7 +122,9 @@ def assemble(engine: ReferenceEngine, pieces: list[Piece], n: int) -> GlobalStat
     return GlobalState(kv, conv, rec)
 
 
-def write_state(engine: ReferenceEngine, state: GlobalState, block_ids: list[int], slot: int | None) -> None:
+def write_state(
+    engine: ReferenceEngine, state: GlobalState, block_ids: list[int], slot: int | None
+) -> None:
     """Cut this rank's slice out of ``state`` and write it into its cache and SSM slot."""
     n = state.kv.shape[2]
     kv_layout, ssm_layout = engine.kv_layout, engine.ssm_layout

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
 from _reference_pools import pool_factories
 from _reference_state import Piece, manual_handoff
-
 from disagg_rs.reference import EngineConfig, ModelConfig, ReferenceEngine
 
 TIMEOUT_S = 120.0
@@ -80,6 +81,8 @@ def _run_case(case: GenerateCase | HandoffCase) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int, port: int, cases: list[Any], out: Any) -> None:
+    # Two ranks share two (busy) cores: intra-op threads would only oversubscribe them.
+    torch.set_num_threads(1)
     try:
         dist.init_process_group(
             "gloo",

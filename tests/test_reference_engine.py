@@ -6,13 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _reference_pools import pool_factories
-from _reference_state import Piece, manual_handoff
 from hypothesis import given
 from hypothesis import strategies as st
 
+from _reference_pools import pool_factories
+from _reference_state import Piece, manual_handoff
 from disagg_rs import KVShardLayout, SSMShardLayout
-from disagg_rs.exceptions import BlockIdError, CapacityError, DuplicateRequestError, HandoffStateError
+from disagg_rs.exceptions import (
+    BlockIdError,
+    CapacityError,
+    DuplicateRequestError,
+    HandoffStateError,
+)
 from disagg_rs.reference import (
     EngineConfig,
     ModelConfig,
@@ -52,8 +57,9 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
     inv = base ** (-torch.arange(half, dtype=torch.float64) / half)
     ang = pos.double()[:, None] * inv
     cos, sin = ang.cos()[:, None], ang.sin()[:, None]
-    return torch.cat([x[..., :half] * cos - x[..., half:] * sin,
-                      x[..., :half] * sin + x[..., half:] * cos], -1)
+    return torch.cat(
+        [x[..., :half] * cos - x[..., half:] * sin, x[..., :half] * sin + x[..., half:] * cos], -1
+    )
 
 
 def oracle_generate(m: ModelConfig, prompt: list[int], n: int) -> list[int]:
@@ -101,7 +107,10 @@ def oracle_generate(m: ModelConfig, prompt: list[int], n: int) -> list[int]:
                     bb = c[hh * p : hh * p + gg * ds].view(gg, ds)[w2.head_to_group]
                     cc = c[hh * p + gg * ds :].view(gg, ds)[w2.head_to_group]
                     decay = torch.exp(dt[t] * -torch.exp(w2.a_log))
-                    state = decay[:, None, None] * state + (dt[t][:, None] * xs)[..., None] * bb[:, None, :]
+                    state = (
+                        decay[:, None, None] * state
+                        + (dt[t][:, None] * xs)[..., None] * bb[:, None, :]
+                    )
                     y = (state * cc[:, None, :]).sum(-1) + xs * w2.d_skip[:, None]
                     ys.append(y)
                 y = torch.stack(ys) * F.silu(z)
@@ -125,7 +134,9 @@ def test_engine_tokens_equal_a_naive_full_recompute_oracle(model: ModelConfig) -
 
 @pytest.mark.parametrize("layout", ["megatron", "nhd", "hnd"])
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_every_cache_layout_and_block_size_gives_identical_tokens(layout: str, block_size: int) -> None:
+def test_every_cache_layout_and_block_size_gives_identical_tokens(
+    layout: str, block_size: int
+) -> None:
     base = engine(hybrid_model()).generate(dict(PROMPTS), MAX_NEW)
     e = engine(hybrid_model(), cache_layout=layout, block_size_tokens=block_size)
     assert e.generate(dict(PROMPTS), MAX_NEW) == base
@@ -236,12 +247,21 @@ def _local_gather(piece: Piece) -> list[Piece]:
 @pytest.mark.parametrize(
     ("model", "src", "dst"),
     [
-        (hybrid_model(), {"cache_layout": "nhd", "block_size_tokens": 16},
-         {"cache_layout": "megatron", "block_size_tokens": 64}),
-        (hybrid_model(), {"cache_layout": "megatron", "block_size_tokens": 64},
-         {"cache_layout": "hnd", "block_size_tokens": 16}),
-        (attention_model(), {"cache_layout": "hnd", "block_size_tokens": 16},
-         {"cache_layout": "nhd", "block_size_tokens": 64}),
+        (
+            hybrid_model(),
+            {"cache_layout": "nhd", "block_size_tokens": 16},
+            {"cache_layout": "megatron", "block_size_tokens": 64},
+        ),
+        (
+            hybrid_model(),
+            {"cache_layout": "megatron", "block_size_tokens": 64},
+            {"cache_layout": "hnd", "block_size_tokens": 16},
+        ),
+        (
+            attention_model(),
+            {"cache_layout": "hnd", "block_size_tokens": 16},
+            {"cache_layout": "nhd", "block_size_tokens": 64},
+        ),
     ],
     ids=["hybrid-nhd16-to-megatron64", "hybrid-megatron64-to-hnd16", "attention-hnd16-to-nhd64"],
 )
@@ -305,7 +325,8 @@ def test_tokens_do_not_depend_on_layout_block_size_or_batching(
     m = hybrid_model()
     reqs = {i: list(p) for i, p in enumerate(prompts)}
     alone = {i: engine(m).generate({i: p}, max_new)[i] for i, p in reqs.items()}
-    e = engine(m, cache_layout=layout, block_size_tokens=block_size, max_batch=max_batch,
-               num_blocks=64)
+    e = engine(
+        m, cache_layout=layout, block_size_tokens=block_size, max_batch=max_batch, num_blocks=64
+    )
     assert e.generate(dict(reqs), max_new) == alone  # type: ignore[arg-type]
     assert_pools_free(e)

@@ -75,7 +75,12 @@ class PagedKVCache:
         return t[0], t[1]
 
     def write(
-        self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
     ) -> None:
         """Store ``k``/``v`` ``[N, H, d]`` of N tokens at (``blocks[i]``, ``offsets[i]``)."""
         kc, vc = self.layer_views(layer)

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -217,13 +218,13 @@ class ReferenceEngine:
                 model.ssm_d_state,
             )
         self._stage = StageModel(model, window, self.comm, kv, ssm, self._kv, self._ssm)
-        block_factory = block_pool_factory or _default_factory("BlockPool")
+        block_factory = block_pool_factory or _default_block_pool
         self.block_pool: BlockPoolLike = block_factory(config.num_blocks, config.block_size_tokens)
         """KV blocks of this engine (mirrored on every rank)."""
         self.slot_pool: SlotPoolLike | None = None
         """SSM slots of this engine (None for attention-only models)."""
         if model.num_ssm_layers:
-            slot_factory = slot_pool_factory or _default_factory("SlotPool")
+            slot_factory = slot_pool_factory or _default_slot_pool
             self.slot_pool = slot_factory(config.num_ssm_slots)
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -347,7 +348,9 @@ class ReferenceEngine:
         :meth:`step`). Validates everything before changing anything.
         """
         if self.role == "prefill":
-            raise HandoffStateError("role='prefill' engine cannot admit handed-off requests", "role")
+            raise HandoffStateError(
+                "role='prefill' engine cannot admit handed-off requests", "role"
+            )
         prompt_l, resume, blocks = list(prompt), list(resume_tokens), list(block_ids)
         self._validate_new(request_id, len(prompt_l), max_new_tokens)
         if not resume:
@@ -540,10 +543,21 @@ class ReferenceEngine:
         return FinishedRequest(req.request_id, req.prompt, req.generated)
 
 
-def _default_factory(name: str) -> BlockPoolFactory | SlotPoolFactory:  # type: ignore[return]
-    factory = getattr(_core, name, None)
-    if factory is None:
+def _core_class(name: str) -> Any:
+    """A pool class of the Rust extension (``BlockPool`` / ``SlotPool``)."""
+    cls = getattr(_core, name, None)
+    if cls is None:
         raise RuntimeError(
             f"disagg_rs._core has no {name} in this build; pass {name[:-4].lower()}_pool_factory"
         )
-    return factory  # type: ignore[no-any-return]
+    return cls
+
+
+def _default_block_pool(num_blocks: int, block_size_tokens: int) -> BlockPoolLike:
+    pool: BlockPoolLike = _core_class("BlockPool")(num_blocks, block_size_tokens)
+    return pool
+
+
+def _default_slot_pool(num_slots: int) -> SlotPoolLike:
+    pool: SlotPoolLike = _core_class("SlotPool")(num_slots)
+    return pool

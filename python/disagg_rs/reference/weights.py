@@ -27,7 +27,9 @@ __all__ = [
 DTYPE = torch.float64
 
 
-def global_tensor(model: ModelConfig, layer: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def global_tensor(
+    model: ModelConfig, layer: int, name: str, shape: tuple[int, ...]
+) -> torch.Tensor:
     """The global weight ``name`` of model layer ``layer`` (``-1`` for embedding and head).
 
     Drawn from a generator seeded by a CRC of (seed, layer, name), so it does not depend on
