@@ -18,6 +18,8 @@ EXPECTED = {
     "Capacity": (exceptions.CapacityError, ValueError),
     "State": (exceptions.HandoffStateError, RuntimeError),
     "ResetRefused": (exceptions.ResetRefusedError, RuntimeError),
+    "Argument": (exceptions.ArgumentError, ValueError),
+    "Conservation": (exceptions.ConservationError, RuntimeError),
 }
 
 

@@ -7,9 +7,15 @@ design and adds the thin I/O drivers. All ranges are half-open ``[lo, hi)``.
 
 from disagg_rs import exceptions
 from disagg_rs._core import (
+    BlockPool,
+    CompletionQuorum,
+    ImportLedger,
     KVReshardPlan,
     KVReshardTransfer,
     KVShardLayout,
+    LedgerAction,
+    PinLedger,
+    SlotPool,
     SSMReshardPlan,
     SSMReshardTransfer,
     SSMShardLayout,
@@ -27,6 +33,12 @@ from disagg_rs.exceptions import (
 )
 
 __all__ = [
+    "BlockPool",
+    "CompletionQuorum",
+    "ImportLedger",
+    "LedgerAction",
+    "PinLedger",
+    "SlotPool",
     "DisaggError",
     "KVReshardPlan",
     "KVReshardTransfer",

@@ -12,8 +12,10 @@ from typing import ClassVar
 
 __all__ = [
     "AddressOverflowError",
+    "ArgumentError",
     "BlockIdError",
     "CapacityError",
+    "ConservationError",
     "DisaggError",
     "DuplicateRequestError",
     "GeometryMismatchError",
@@ -95,3 +97,11 @@ class TransferTimeout(DisaggError, TimeoutError):
     """A transfer passed its deadline; its destinations may still be written."""
 
     destinations_may_be_written: ClassVar[bool] = True
+
+
+class ArgumentError(DisaggError, ValueError):
+    """A plain argument is out of range (a rank >= world size, a zero block size, ...)."""
+
+
+class ConservationError(DisaggError, RuntimeError):
+    """A pool or ledger check found a leaked, doubly owned or miscounted block or slot."""

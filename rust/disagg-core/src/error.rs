@@ -86,6 +86,20 @@ pub enum DisaggError {
         /// Itemized list of what blocks the reset.
         detail: String,
     },
+    /// A plain argument is out of range (a rank >= world size, a zero block size, a deadline
+    /// before the current time).
+    Argument {
+        /// The argument that is wrong.
+        field: String,
+        /// The value given and the bound it violates.
+        detail: String,
+    },
+    /// A pool or ledger consistency check found a leaked, doubly owned or miscounted block or
+    /// slot. Always a bug (in the caller's use of the pool or in `disagg_rs`), never bad input.
+    Conservation {
+        /// The first broken invariant, with the counts involved.
+        detail: String,
+    },
 }
 
 impl DisaggError {
@@ -103,6 +117,8 @@ impl DisaggError {
             Self::Capacity { .. } => "Capacity",
             Self::State { .. } => "State",
             Self::ResetRefused { .. } => "ResetRefused",
+            Self::Argument { .. } => "Argument",
+            Self::Conservation { .. } => "Conservation",
         }
     }
 
@@ -121,6 +137,10 @@ impl DisaggError {
             Self::Capacity { resource: "blocks".into(), detail: "needs 9 > pool size 8".into() },
             Self::State { request_id: 7, detail: "rank 1 reported ok after error".into() },
             Self::ResetRefused { detail: "1 importing handoff may still write".into() },
+            Self::argument("rank", "rank=4 must be < world_size=4"),
+            Self::Conservation {
+                detail: "free 3 + owned 4 + quarantined 0 + pinned 0 != 8".into(),
+            },
         ]
     }
 
@@ -142,6 +162,11 @@ impl DisaggError {
     /// Shorthand for [`DisaggError::Wire`].
     pub fn wire(field: impl Into<String>, detail: impl Into<String>) -> Self {
         Self::Wire { field: field.into(), detail: detail.into() }
+    }
+
+    /// Shorthand for [`DisaggError::Argument`].
+    pub fn argument(field: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self::Argument { field: field.into(), detail: detail.into() }
     }
 
     /// Shorthand for [`DisaggError::AddressOverflow`].
@@ -176,6 +201,8 @@ impl fmt::Display for DisaggError {
                 write!(f, "event not allowed for request {request_id}: {detail}")
             }
             Self::ResetRefused { detail } => write!(f, "reset refused, nothing changed: {detail}"),
+            Self::Argument { field, detail } => write!(f, "invalid argument `{field}`: {detail}"),
+            Self::Conservation { detail } => write!(f, "conservation check failed: {detail}"),
         }
     }
 }
@@ -192,7 +219,7 @@ mod tests {
         kinds.sort_unstable();
         kinds.dedup();
         // Bump this together with a new variant and its sample.
-        assert_eq!(kinds.len(), 11);
+        assert_eq!(kinds.len(), 13);
     }
 
     #[test]

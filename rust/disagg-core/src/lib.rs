@@ -8,6 +8,8 @@
 
 pub mod error;
 pub mod layout;
+pub mod ledger;
+pub mod pool;
 pub mod reshard;
 
 pub use error::{DisaggError, DisaggResult};
@@ -15,6 +17,11 @@ pub use layout::{
     BandSpan, KvLayoutSpec, KvShardLayout, Span, SsmBand, SsmLayoutSpec, SsmShardLayout,
     SsmStateDims,
 };
+pub use ledger::{
+    CompletionQuorum, FailReason, ImportLedger, ImportLedgerConfig, ImportRequest, LedgerAction,
+    PinLedger, QuorumDecision, RankOutcome, ReleaseCause, StartImport,
+};
+pub use pool::{block_hashes, BlockPool, SlotPool, SlotState};
 pub use reshard::{
     plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer, SsmReshardPlan,
     SsmReshardTransfer,

@@ -14,6 +14,8 @@ pyo3::import_exception!(disagg_rs.exceptions, DuplicateRequestError);
 pyo3::import_exception!(disagg_rs.exceptions, CapacityError);
 pyo3::import_exception!(disagg_rs.exceptions, HandoffStateError);
 pyo3::import_exception!(disagg_rs.exceptions, ResetRefusedError);
+pyo3::import_exception!(disagg_rs.exceptions, ArgumentError);
+pyo3::import_exception!(disagg_rs.exceptions, ConservationError);
 
 /// Convert a core error into its Python exception: exhaustive, so a new variant fails to
 /// compile until it is mapped. The exception gets `(message, field)` as arguments.
@@ -31,6 +33,8 @@ pub fn to_pyerr(e: DisaggError) -> PyErr {
         DisaggError::Capacity { resource, .. } => CapacityError::new_err((msg, resource)),
         DisaggError::State { .. } => HandoffStateError::new_err((msg, None::<String>)),
         DisaggError::ResetRefused { .. } => ResetRefusedError::new_err((msg, None::<String>)),
+        DisaggError::Argument { field, .. } => ArgumentError::new_err((msg, field)),
+        DisaggError::Conservation { .. } => ConservationError::new_err((msg, None::<String>)),
     }
 }
 

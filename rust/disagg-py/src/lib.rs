@@ -8,6 +8,8 @@
 
 mod error;
 mod layout;
+mod ledger;
+mod pool;
 mod reshard;
 
 use pyo3::prelude::*;
@@ -26,5 +28,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reshard::PySsmReshardPlan>()?;
     m.add_function(wrap_pyfunction!(reshard::py_plan_kv_reshard, m)?)?;
     m.add_function(wrap_pyfunction!(reshard::py_plan_ssm_reshard, m)?)?;
+    m.add_class::<pool::PyBlockPool>()?;
+    m.add_class::<pool::PySlotPool>()?;
+    m.add_class::<ledger::PyLedgerAction>()?;
+    m.add_class::<ledger::PyImportLedger>()?;
+    m.add_class::<ledger::PyPinLedger>()?;
+    m.add_class::<ledger::PyCompletionQuorum>()?;
     Ok(())
 }

@@ -1,0 +1,859 @@
+//! Decode-side import ledger (DESIGN §5).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt::Write as _;
+
+use super::quorum::{CompletionQuorum, QuorumDecision, RankOutcome};
+use super::{FailReason, LedgerAction, ReleaseCause};
+use crate::error::{DisaggError, DisaggResult};
+use crate::pool::{BlockPool, SlotPool, SlotState};
+
+/// Static settings of an [`ImportLedger`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImportLedgerConfig {
+    /// Model-parallel ranks that must all report ok.
+    pub world_size: u32,
+    /// This rank (its report describes the local transfer handle).
+    pub rank: u32,
+    /// Pull transport (one-sided reads): reuse the decode prefix cache and pull only the
+    /// uncached suffix. Push transports never trim (receives must match the sender's posts).
+    pub pull: bool,
+    /// Extra token slots reserved after the resume tokens (speculative decode lookahead).
+    pub lookahead_tokens: u32,
+    /// How long (in the caller's time unit) a quarantine waits for its handle to settle before
+    /// its blocks are returned anyway.
+    pub drain_horizon: u64,
+}
+
+impl Default for ImportLedgerConfig {
+    fn default() -> Self {
+        Self {
+            world_size: 1,
+            rank: 0,
+            pull: true,
+            lookahead_tokens: 0,
+            drain_horizon: 30_000_000_000,
+        }
+    }
+}
+
+/// One `SUBMIT_REQUEST_WITH_KV` as the ledger needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImportRequest {
+    /// Request id (unique among live handoffs).
+    pub request_id: u64,
+    /// Prompt length in tokens.
+    pub num_prompt_tokens: u32,
+    /// Hash chain of the prompt's full blocks at the DECODE block size (may be shorter or empty:
+    /// no prefix reuse and no publishing beyond it).
+    pub prompt_hashes: Vec<u64>,
+    /// Source (prefill) block ids of the prompt, in token order.
+    pub src_block_ids: Vec<u32>,
+    /// Tokens per source block.
+    pub src_block_size_tokens: u32,
+    /// Tokens the prefill already generated that the decode continues from.
+    pub resume_tokens: u32,
+    /// Whether the model has SSM state to import (one slot).
+    pub has_ssm: bool,
+    /// The resume tokens already satisfy the request: it completes without a forward step.
+    pub finished: bool,
+    /// Absolute time after which the handoff fails if it is not admitted.
+    pub deadline: u64,
+}
+
+/// The reads (or receives) to post for one import, all in token order. Source blocks
+/// `src_block_ids` hold tokens `[token_start, num_prompt_tokens)`, destination blocks
+/// `dst_block_ids` receive them; `cached_block_ids` already hold `[0, token_start)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartImport {
+    /// The request.
+    pub request_id: u64,
+    /// This attempt's epoch: every report must carry it.
+    pub epoch: u64,
+    /// First prompt token to transfer (a multiple of both block sizes).
+    pub token_start: u32,
+    /// Source blocks to read, covering `[token_start, num_prompt_tokens)`.
+    pub src_block_ids: Vec<u32>,
+    /// Local blocks that receive them.
+    pub dst_block_ids: Vec<u32>,
+    /// Decode-cached prefix blocks reused for `[0, token_start)` (retained, never written).
+    pub cached_block_ids: Vec<u32>,
+    /// Empty blocks reserved for the resume tokens and lookahead.
+    pub continuation_block_ids: Vec<u32>,
+    /// The SSM slot that receives conv and recurrent state.
+    pub ssm_slot: Option<u32>,
+}
+
+/// Monotonic event counters of an [`ImportLedger`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ImportCounters {
+    /// Accepted submits.
+    pub submitted: u64,
+    /// Submits that had to wait in DEFERRED.
+    pub deferred: u64,
+    /// Imports started.
+    pub started: u64,
+    /// Requests admitted into the batch.
+    pub admitted: u64,
+    /// Requests completed without a forward step.
+    pub completed_without_forward: u64,
+    /// Requests failed (any reason).
+    pub failed: u64,
+    /// Failures whose destinations went to quarantine.
+    pub quarantined: u64,
+    /// Quarantines drained because the handle settled.
+    pub drained_settled: u64,
+    /// Quarantines drained because the horizon passed.
+    pub drained_horizon: u64,
+    /// Duplicate, late (old epoch) and unknown messages ignored.
+    pub ignored_messages: u64,
+    /// Cached prefix blocks reused instead of pulled.
+    pub prefix_blocks_reused: u64,
+}
+
+/// Whether the local transfer handle can still write the destinations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Local {
+    Running,
+    Quiet,
+    MayWrite,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Deferred,
+    Importing(Local),
+    Ready,
+}
+
+/// What one handoff holds in the pools.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Holdings {
+    cached: Vec<u32>,
+    dst: Vec<u32>,
+    cont: Vec<u32>,
+    slot: Option<u32>,
+}
+
+impl Holdings {
+    fn blocks(&self) -> impl Iterator<Item = u32> + '_ {
+        self.cached.iter().chain(&self.dst).chain(&self.cont).copied()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Handoff {
+    req: ImportRequest,
+    epoch: u64,
+    phase: Phase,
+    hold: Holdings,
+}
+
+#[derive(Debug, Clone)]
+struct Quarantined {
+    hold: Holdings,
+    drain_at: u64,
+    local_reported: bool,
+}
+
+/// A plan to start one deferred handoff, computed without mutation.
+struct StartPlan {
+    token_start: u32,
+    cached: Vec<u32>,
+    new_prompt: u32,
+    cont: u32,
+}
+
+fn ceil_div(a: u64, b: u64) -> u64 {
+    a.div_ceil(b)
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// The decode-side import lifecycle over its own [`BlockPool`] and [`SlotPool`].
+#[derive(Debug, Clone)]
+pub struct ImportLedger {
+    cfg: ImportLedgerConfig,
+    pool: BlockPool,
+    slots: SlotPool,
+    live: HashMap<u64, Handoff>,
+    deferred: VecDeque<u64>,
+    ready: VecDeque<u64>,
+    quarantine: BTreeMap<(u64, u64), Quarantined>,
+    quorum: CompletionQuorum,
+    next_epoch: u64,
+    counters: ImportCounters,
+}
+
+impl ImportLedger {
+    /// A ledger over fresh pools of `num_blocks` blocks and `num_ssm_slots` SSM slots.
+    pub fn new(
+        num_blocks: u32,
+        block_size_tokens: u32,
+        num_ssm_slots: u32,
+        cfg: ImportLedgerConfig,
+    ) -> DisaggResult<Self> {
+        Self::with_pools(
+            BlockPool::new(num_blocks, block_size_tokens)?,
+            SlotPool::new(num_ssm_slots),
+            cfg,
+        )
+    }
+
+    /// A ledger that takes ownership of existing pools.
+    pub fn with_pools(
+        pool: BlockPool,
+        slots: SlotPool,
+        cfg: ImportLedgerConfig,
+    ) -> DisaggResult<Self> {
+        if cfg.rank >= cfg.world_size {
+            return Err(DisaggError::argument(
+                "rank",
+                format!("rank={} must be < world_size={}", cfg.rank, cfg.world_size),
+            ));
+        }
+        Ok(Self {
+            quorum: CompletionQuorum::new(cfg.world_size)?,
+            cfg,
+            pool,
+            slots,
+            live: HashMap::new(),
+            deferred: VecDeque::new(),
+            ready: VecDeque::new(),
+            quarantine: BTreeMap::new(),
+            next_epoch: 1,
+            counters: ImportCounters::default(),
+        })
+    }
+
+    /// Static settings.
+    pub fn config(&self) -> ImportLedgerConfig {
+        self.cfg
+    }
+
+    /// The block pool (read-only).
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// The block pool, for the engine's own allocations (admitted requests, prompts it runs).
+    /// Releasing blocks the ledger holds through it is a bug that `check()` reports.
+    pub fn pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
+    }
+
+    /// The SSM slot pool (read-only).
+    pub fn slots(&self) -> &SlotPool {
+        &self.slots
+    }
+
+    /// The SSM slot pool, for the engine's own use.
+    pub fn slots_mut(&mut self) -> &mut SlotPool {
+        &mut self.slots
+    }
+
+    /// Event counters.
+    pub fn counters(&self) -> ImportCounters {
+        self.counters
+    }
+
+    /// Handoffs waiting for capacity.
+    pub fn num_deferred(&self) -> usize {
+        self.deferred.len()
+    }
+
+    /// Handoffs with transfers in flight.
+    pub fn num_importing(&self) -> usize {
+        self.live.values().filter(|h| matches!(h.phase, Phase::Importing(_))).count()
+    }
+
+    /// Complete handoffs waiting for an admission point.
+    pub fn num_ready(&self) -> usize {
+        self.ready.len()
+    }
+
+    /// Failed attempts whose destinations may still be written.
+    pub fn num_quarantined(&self) -> usize {
+        self.quarantine.len()
+    }
+
+    /// Distinct blocks held in quarantine.
+    pub fn num_quarantined_blocks(&self) -> usize {
+        self.quarantine.values().map(|q| q.hold.blocks().count()).sum()
+    }
+
+    /// The seed's `pending_kv_import_count`: waiting for capacity or transfer completion, or
+    /// complete but not admitted yet.
+    pub fn pending_kv_import_count(&self) -> usize {
+        self.live.len()
+    }
+
+    /// The seed's `has_admittable_kv_import`.
+    pub fn has_admittable_kv_import(&self) -> bool {
+        !self.ready.is_empty()
+    }
+
+    /// Request ids in DEFERRED, oldest first.
+    pub fn deferred_ids(&self) -> Vec<u64> {
+        self.deferred.iter().copied().collect()
+    }
+
+    /// The current attempt epoch of a live request.
+    pub fn epoch_of(&self, request_id: u64) -> Option<u64> {
+        self.live.get(&request_id).map(|h| h.epoch)
+    }
+
+    /// State name of a request's current attempt: `deferred`, `importing`, `ready`, or `None`
+    /// when it is not live (terminal or unknown).
+    pub fn state_of(&self, request_id: u64) -> Option<&'static str> {
+        self.live.get(&request_id).map(|h| match h.phase {
+            Phase::Deferred => "deferred",
+            Phase::Importing(_) => "importing",
+            Phase::Ready => "ready",
+        })
+    }
+
+    fn prompt_blocks(&self, n_tokens: u32) -> u64 {
+        ceil_div(u64::from(n_tokens), u64::from(self.pool.block_size_tokens()))
+    }
+
+    fn total_blocks(&self, req: &ImportRequest) -> u64 {
+        let total = u64::from(req.num_prompt_tokens)
+            + u64::from(req.resume_tokens)
+            + u64::from(self.cfg.lookahead_tokens);
+        ceil_div(total, u64::from(self.pool.block_size_tokens()))
+            .max(self.prompt_blocks(req.num_prompt_tokens))
+    }
+
+    fn validate(&self, req: &ImportRequest, now: u64) -> DisaggResult<()> {
+        if self.live.contains_key(&req.request_id) {
+            return Err(DisaggError::DuplicateRequest { request_id: req.request_id });
+        }
+        if req.num_prompt_tokens == 0 {
+            return Err(DisaggError::argument(
+                "num_prompt_tokens",
+                "num_prompt_tokens=0 must be >= 1",
+            ));
+        }
+        if req.src_block_size_tokens == 0 {
+            return Err(DisaggError::argument(
+                "src_block_size_tokens",
+                "src_block_size_tokens=0 must be >= 1",
+            ));
+        }
+        if req.deadline <= now {
+            return Err(DisaggError::argument(
+                "deadline",
+                format!("deadline={} must be > now={now}", req.deadline),
+            ));
+        }
+        let want_src =
+            ceil_div(u64::from(req.num_prompt_tokens), u64::from(req.src_block_size_tokens));
+        if req.src_block_ids.len() as u64 != want_src {
+            return Err(DisaggError::block(
+                "src_block_ids",
+                format!(
+                    "len(src_block_ids)={} != ceil(num_prompt_tokens={} / src_block_size_tokens={})={want_src}",
+                    req.src_block_ids.len(),
+                    req.num_prompt_tokens,
+                    req.src_block_size_tokens
+                ),
+            ));
+        }
+        let full = u64::from(req.num_prompt_tokens) / u64::from(self.pool.block_size_tokens());
+        if req.prompt_hashes.len() as u64 > full {
+            return Err(DisaggError::block(
+                "prompt_hashes",
+                format!(
+                    "len(prompt_hashes)={} > full prompt blocks={full}",
+                    req.prompt_hashes.len()
+                ),
+            ));
+        }
+        let need = self.total_blocks(req);
+        if need > u64::from(self.pool.num_blocks()) {
+            return Err(DisaggError::Capacity {
+                resource: "blocks".into(),
+                detail: format!(
+                    "request {} needs {need} blocks > num_blocks={}",
+                    req.request_id,
+                    self.pool.num_blocks()
+                ),
+            });
+        }
+        if req.has_ssm && self.slots.num_slots() == 0 {
+            return Err(DisaggError::Capacity {
+                resource: "ssm_slots".into(),
+                detail: format!("request {} needs 1 SSM slot > num_slots=0", req.request_id),
+            });
+        }
+        Ok(())
+    }
+
+    /// Validate, then queue (DEFERRED, FIFO, no side effects) and start what fits. A rejected
+    /// submit changes nothing. Returns the actions (a `StartImport` for each started handoff).
+    pub fn submit(&mut self, req: ImportRequest, now: u64) -> DisaggResult<Vec<LedgerAction>> {
+        self.validate(&req, now)?;
+        let rid = req.request_id;
+        let epoch = self.next_epoch;
+        self.next_epoch += 1;
+        self.counters.submitted += 1;
+        self.live
+            .insert(rid, Handoff { req, epoch, phase: Phase::Deferred, hold: Holdings::default() });
+        self.deferred.push_back(rid);
+        let mut out = Vec::new();
+        self.drain_deferred(&mut out);
+        if self.state_of(rid) == Some("deferred") {
+            self.counters.deferred += 1;
+        }
+        Ok(out)
+    }
+
+    fn plan_start(&self, req: &ImportRequest) -> Option<StartPlan> {
+        let bs = u64::from(self.pool.block_size_tokens());
+        let sbs = u64::from(req.src_block_size_tokens);
+        let mut cached =
+            if self.cfg.pull { self.pool.match_prefix(&req.prompt_hashes) } else { Vec::new() };
+        // Reuse only whole multiples of both block sizes, so no cached block is partly written
+        // and the source read starts on a source block boundary.
+        let lcm = bs / gcd(bs, sbs) * sbs;
+        let token_start =
+            (cached.len() as u64 * bs / lcm * lcm).min(u64::from(req.num_prompt_tokens));
+        cached.truncate((token_start / bs) as usize);
+        let prompt_blocks = self.prompt_blocks(req.num_prompt_tokens);
+        let new_prompt = prompt_blocks - cached.len() as u64;
+        let cont = self.total_blocks(req) - prompt_blocks;
+        let evictable_hits = cached.iter().filter(|&&b| self.pool.is_evictable(b)).count() as u64;
+        let available = u64::from(self.pool.num_free()) - evictable_hits;
+        if new_prompt + cont > available || (req.has_ssm && self.slots.num_free() == 0) {
+            return None;
+        }
+        Some(StartPlan {
+            token_start: token_start as u32,
+            cached,
+            new_prompt: new_prompt as u32,
+            cont: cont as u32,
+        })
+    }
+
+    /// Start deferred handoffs in FIFO order while the queue head fits.
+    fn drain_deferred(&mut self, out: &mut Vec<LedgerAction>) {
+        while let Some(&rid) = self.deferred.front() {
+            let Some(h) = self.live.get(&rid) else {
+                self.deferred.pop_front();
+                continue;
+            };
+            let Some(plan) = self.plan_start(&h.req) else { break };
+            match self.reserve(&plan, h.req.has_ssm) {
+                Ok(hold) => {
+                    self.deferred.pop_front();
+                    out.push(self.begin(rid, plan.token_start, hold));
+                }
+                // The plan was checked against the pools just above; a failure here means an
+                // outside caller broke the pool, and `check()` will say how. Keep it deferred.
+                Err(_) => break,
+            }
+        }
+    }
+
+    fn reserve(&mut self, plan: &StartPlan, has_ssm: bool) -> DisaggResult<Holdings> {
+        self.pool.retain(&plan.cached)?;
+        let mut fresh = match self.pool.allocate(plan.new_prompt + plan.cont) {
+            Ok(f) => f,
+            Err(e) => {
+                self.pool.release(&plan.cached)?;
+                return Err(e);
+            }
+        };
+        let slot = if has_ssm {
+            match self.slots.allocate() {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    self.pool.release(&plan.cached)?;
+                    self.pool.release(&fresh)?;
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
+        let cont = fresh.split_off(plan.new_prompt as usize);
+        Ok(Holdings { cached: plan.cached.clone(), dst: fresh, cont, slot })
+    }
+
+    fn begin(&mut self, rid: u64, token_start: u32, hold: Holdings) -> LedgerAction {
+        self.counters.started += 1;
+        self.counters.prefix_blocks_reused += hold.cached.len() as u64;
+        let h = self.live.get_mut(&rid);
+        let Some(h) = h else {
+            return LedgerAction::Fail {
+                request_id: rid,
+                epoch: 0,
+                reason: FailReason::Aborted,
+                quarantined: false,
+            };
+        };
+        let skip_src = (token_start / h.req.src_block_size_tokens) as usize;
+        let act = StartImport {
+            request_id: rid,
+            epoch: h.epoch,
+            token_start,
+            src_block_ids: h.req.src_block_ids.get(skip_src..).unwrap_or_default().to_vec(),
+            dst_block_ids: hold.dst.clone(),
+            cached_block_ids: hold.cached.clone(),
+            continuation_block_ids: hold.cont.clone(),
+            ssm_slot: hold.slot,
+        };
+        h.phase = Phase::Importing(Local::Running);
+        h.hold = hold;
+        LedgerAction::StartImport(act)
+    }
+
+    fn release_hold(&mut self, hold: &Holdings) -> DisaggResult<()> {
+        let blocks: Vec<u32> = hold.blocks().collect();
+        self.pool.release(&blocks)?;
+        if let Some(s) = hold.slot {
+            self.slots.free(s)?;
+        }
+        Ok(())
+    }
+
+    /// End the live attempt of `rid` as failed: release if quiet, else quarantine.
+    fn fail(
+        &mut self,
+        rid: u64,
+        reason: FailReason,
+        now: u64,
+        out: &mut Vec<LedgerAction>,
+    ) -> DisaggResult<()> {
+        let Some(h) = self.live.remove(&rid) else { return Ok(()) };
+        self.quorum.forget(rid, h.epoch);
+        match h.phase {
+            Phase::Deferred => self.deferred.retain(|&r| r != rid),
+            Phase::Ready => self.ready.retain(|&r| r != rid),
+            Phase::Importing(_) => {}
+        }
+        let may_write = matches!(h.phase, Phase::Importing(Local::Running | Local::MayWrite));
+        self.counters.failed += 1;
+        if may_write {
+            self.counters.quarantined += 1;
+            let drain_at = now.saturating_add(self.cfg.drain_horizon);
+            let local_reported = matches!(h.phase, Phase::Importing(Local::MayWrite));
+            self.quarantine
+                .insert((rid, h.epoch), Quarantined { hold: h.hold, drain_at, local_reported });
+        } else {
+            self.release_hold(&h.hold)?;
+        }
+        out.push(LedgerAction::Fail {
+            request_id: rid,
+            epoch: h.epoch,
+            reason,
+            quarantined: may_write,
+        });
+        Ok(())
+    }
+
+    fn drain_quarantine(
+        &mut self,
+        key: (u64, u64),
+        cause: ReleaseCause,
+        out: &mut Vec<LedgerAction>,
+    ) -> DisaggResult<()> {
+        if let Some(q) = self.quarantine.remove(&key) {
+            self.release_hold(&q.hold)?;
+            match cause {
+                ReleaseCause::Horizon => self.counters.drained_horizon += 1,
+                _ => self.counters.drained_settled += 1,
+            }
+            out.push(LedgerAction::Released { request_id: key.0, epoch: key.1, cause });
+        }
+        Ok(())
+    }
+
+    /// A rank's terminal report for attempt `(request_id, epoch)`. Late, duplicate and unknown
+    /// reports are ignored and counted; a rank contradicting itself is an error (nothing
+    /// changes). A quiet report from this rank for a quarantined attempt drains it.
+    pub fn report(
+        &mut self,
+        request_id: u64,
+        epoch: u64,
+        rank: u32,
+        outcome: RankOutcome,
+        now: u64,
+    ) -> DisaggResult<Vec<LedgerAction>> {
+        if rank >= self.cfg.world_size {
+            return Err(DisaggError::argument(
+                "rank",
+                format!("rank={rank} must be < world_size={}", self.cfg.world_size),
+            ));
+        }
+        let mut out = Vec::new();
+        let key = (request_id, epoch);
+        if let Some(q) = self.quarantine.get_mut(&key) {
+            if rank == self.cfg.rank && !q.local_reported {
+                q.local_reported = true;
+                if outcome.is_quiet() {
+                    self.drain_quarantine(key, ReleaseCause::Settled, &mut out)?;
+                    self.drain_deferred(&mut out);
+                }
+            } else {
+                self.counters.ignored_messages += 1;
+            }
+            return Ok(out);
+        }
+        let phase = match self.live.get(&request_id) {
+            Some(h) if h.epoch == epoch && h.phase != Phase::Deferred => h.phase,
+            _ => {
+                self.counters.ignored_messages += 1;
+                return Ok(out);
+            }
+        };
+        let before = self.quorum.ignored();
+        let decision = self.quorum.report(request_id, epoch, rank, outcome)?;
+        if self.quorum.ignored() != before {
+            self.counters.ignored_messages += 1;
+            return Ok(out);
+        }
+        if rank == self.cfg.rank {
+            if let (Phase::Importing(_), Some(h)) = (phase, self.live.get_mut(&request_id)) {
+                h.phase = Phase::Importing(if outcome.is_quiet() {
+                    Local::Quiet
+                } else {
+                    Local::MayWrite
+                });
+            }
+        }
+        match decision {
+            Some(QuorumDecision::Success) => {
+                if let Some(h) = self.live.get_mut(&request_id) {
+                    h.phase = Phase::Ready;
+                    self.ready.push_back(request_id);
+                }
+            }
+            Some(QuorumDecision::Failure { outcome, .. }) => {
+                let reason = if outcome == RankOutcome::Error {
+                    FailReason::RankError
+                } else {
+                    FailReason::RankTimeout
+                };
+                self.fail(request_id, reason, now, &mut out)?;
+                self.drain_deferred(&mut out);
+            }
+            None => {}
+        }
+        Ok(out)
+    }
+
+    /// The local transfer handle of attempt `(request_id, epoch)` settled after a timeout or
+    /// may-still-write report: nothing can write its destinations any more. Drains the
+    /// quarantine; anything else is ignored and counted.
+    pub fn settle(&mut self, request_id: u64, epoch: u64) -> DisaggResult<Vec<LedgerAction>> {
+        let mut out = Vec::new();
+        if self.quarantine.contains_key(&(request_id, epoch)) {
+            self.drain_quarantine((request_id, epoch), ReleaseCause::Settled, &mut out)?;
+            self.drain_deferred(&mut out);
+        } else {
+            self.counters.ignored_messages += 1;
+        }
+        Ok(out)
+    }
+
+    /// Abort a request at whatever stage it is. Unknown or already terminal ids are ignored and
+    /// counted.
+    pub fn abort(&mut self, request_id: u64, now: u64) -> DisaggResult<Vec<LedgerAction>> {
+        let mut out = Vec::new();
+        if self.live.contains_key(&request_id) {
+            self.fail(request_id, FailReason::Aborted, now, &mut out)?;
+            self.drain_deferred(&mut out);
+        } else {
+            self.counters.ignored_messages += 1;
+        }
+        Ok(out)
+    }
+
+    /// Advance time: fail every live handoff whose deadline is `<= now` (oldest epoch first),
+    /// drain quarantines whose horizon passed, then start what fits.
+    pub fn poll(&mut self, now: u64) -> DisaggResult<Vec<LedgerAction>> {
+        let mut out = Vec::new();
+        let mut expired: Vec<(u64, u64)> = self
+            .live
+            .values()
+            .filter(|h| h.req.deadline <= now)
+            .map(|h| (h.epoch, h.req.request_id))
+            .collect();
+        expired.sort_unstable();
+        for (_, rid) in expired {
+            self.fail(rid, FailReason::Deadline, now, &mut out)?;
+        }
+        let due: Vec<(u64, u64)> =
+            self.quarantine.iter().filter(|(_, q)| q.drain_at <= now).map(|(k, _)| *k).collect();
+        for key in due {
+            self.drain_quarantine(key, ReleaseCause::Horizon, &mut out)?;
+        }
+        self.drain_deferred(&mut out);
+        Ok(out)
+    }
+
+    /// An admission point: move READY handoffs, oldest first, into the batch while it has
+    /// `batch_room` places. Requests the resume tokens already satisfy complete without a
+    /// place. The head waits when the batch is full (later ones never overtake it). Admitted
+    /// prompts' full blocks are published in the prefix cache.
+    pub fn admit(&mut self, batch_room: u32) -> DisaggResult<Vec<LedgerAction>> {
+        let mut out = Vec::new();
+        let mut room = batch_room;
+        while let Some(&rid) = self.ready.front() {
+            let Some(h) = self.live.get(&rid) else {
+                self.ready.pop_front();
+                continue;
+            };
+            if !h.req.finished && room == 0 {
+                break;
+            }
+            self.ready.pop_front();
+            let Some(h) = self.live.remove(&rid) else { continue };
+            self.quorum.forget(rid, h.epoch);
+            let prompt: Vec<u32> = h.hold.cached.iter().chain(&h.hold.dst).copied().collect();
+            let n = h.req.prompt_hashes.len().min(prompt.len());
+            self.pool.register_cached(&prompt[..n], &h.req.prompt_hashes[..n])?;
+            if h.req.finished {
+                self.release_hold(&h.hold)?;
+                self.counters.completed_without_forward += 1;
+                out.push(LedgerAction::CompleteWithoutForward { request_id: rid, epoch: h.epoch });
+            } else {
+                room -= 1;
+                if let Some(s) = h.hold.slot {
+                    self.slots.detach(s)?;
+                }
+                self.counters.admitted += 1;
+                out.push(LedgerAction::Admit {
+                    request_id: rid,
+                    epoch: h.epoch,
+                    block_ids: h.hold.blocks().collect(),
+                    ssm_slot: h.hold.slot,
+                });
+            }
+        }
+        self.drain_deferred(&mut out);
+        Ok(out)
+    }
+
+    /// Engine reset: refuse, changing nothing, while any destination may still be written
+    /// (an import whose local handle is not quiet, a quarantine); otherwise fail every live
+    /// handoff with reason `reset` and release its blocks.
+    pub fn reset(&mut self, now: u64) -> DisaggResult<Vec<LedgerAction>> {
+        let mut blockers: Vec<String> = Vec::new();
+        let mut live: Vec<(u64, u64)> =
+            self.live.values().map(|h| (h.epoch, h.req.request_id)).collect();
+        live.sort_unstable();
+        for &(epoch, rid) in &live {
+            if let Some(Phase::Importing(l @ (Local::Running | Local::MayWrite))) =
+                self.live.get(&rid).map(|h| h.phase)
+            {
+                blockers
+                    .push(format!("request {rid} epoch {epoch} importing (local handle {l:?})"));
+            }
+        }
+        for (&(rid, epoch), q) in &self.quarantine {
+            blockers.push(format!("request {rid} epoch {epoch} quarantined until {}", q.drain_at));
+        }
+        if !blockers.is_empty() {
+            let mut detail = format!("{} item(s) may still be written: ", blockers.len());
+            let _ = write!(detail, "{}", blockers.join("; "));
+            return Err(DisaggError::ResetRefused { detail });
+        }
+        let mut out = Vec::new();
+        for (_, rid) in live {
+            self.fail(rid, FailReason::Reset, now, &mut out)?;
+        }
+        self.quorum.clear();
+        Ok(out)
+    }
+
+    /// Verify conservation and ownership: pools consistent; every block the ledger holds is
+    /// referenced at least once per holder; imported and continuation blocks (which a transfer
+    /// may write) are held by exactly one attempt and nobody else; held slots are allocated and
+    /// distinct; DEFERRED holds nothing; queues agree with states.
+    pub fn check(&self) -> DisaggResult<()> {
+        self.pool.check()?;
+        self.slots.check()?;
+        let n = self.pool.num_blocks() as usize;
+        let mut holds = vec![0u32; n];
+        let mut exclusive = vec![false; n];
+        let mut slot_held = vec![false; self.slots.num_slots() as usize];
+        let holdings = self
+            .live
+            .values()
+            .map(|h| (h.req.request_id, &h.hold))
+            .chain(self.quarantine.iter().map(|(k, q)| (k.0, &q.hold)));
+        for (rid, hold) in holdings {
+            for b in hold.blocks() {
+                let i = b as usize;
+                if i >= n {
+                    return Err(DisaggError::Conservation {
+                        detail: format!("request {rid} holds block {b} >= {n}"),
+                    });
+                }
+                holds[i] += 1;
+            }
+            for &b in hold.dst.iter().chain(&hold.cont) {
+                exclusive[b as usize] = true;
+            }
+            if let Some(s) = hold.slot {
+                if self.slots.state(s)? != SlotState::Allocated || slot_held[s as usize] {
+                    return Err(DisaggError::Conservation {
+                        detail: format!(
+                            "request {rid} holds slot {s} that is not allocated to it alone"
+                        ),
+                    });
+                }
+                slot_held[s as usize] = true;
+            }
+        }
+        for (b, &h) in holds.iter().enumerate() {
+            let rc = self.pool.refcount(b as u32)?;
+            if rc < h || (exclusive[b] && (rc != 1 || h != 1)) {
+                return Err(DisaggError::Conservation {
+                    detail: format!(
+                        "block {b}: refcount={rc}, ledger holders={h}, writable={}",
+                        exclusive[b]
+                    ),
+                });
+            }
+        }
+        let mut n_def = 0;
+        let mut n_ready = 0;
+        for h in self.live.values() {
+            match h.phase {
+                Phase::Deferred => {
+                    n_def += 1;
+                    if h.hold != Holdings::default() {
+                        return Err(DisaggError::Conservation {
+                            detail: format!(
+                                "deferred request {} holds resources",
+                                h.req.request_id
+                            ),
+                        });
+                    }
+                }
+                Phase::Ready => n_ready += 1,
+                Phase::Importing(_) => {}
+            }
+        }
+        if n_def != self.deferred.len() || n_ready != self.ready.len() {
+            return Err(DisaggError::Conservation {
+                detail: format!(
+                    "queues disagree with states: deferred {n_def} vs {}, ready {n_ready} vs {}",
+                    self.deferred.len(),
+                    self.ready.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+}

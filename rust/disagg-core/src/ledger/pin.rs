@@ -1,0 +1,335 @@
+//! Prefill-side pin ledger: a finished handoff's blocks and SSM slot stay pinned until
+//! `RELEASE_KV` or lease expiry.
+
+use std::collections::HashMap;
+
+use super::{LedgerAction, ReleaseCause};
+use crate::error::{DisaggError, DisaggResult};
+use crate::pool::{BlockPool, SlotPool, SlotState};
+
+/// Monotonic event counters of a [`PinLedger`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PinCounters {
+    /// Pins taken.
+    pub pinned: u64,
+    /// Pins released by `RELEASE_KV`.
+    pub released: u64,
+    /// Pins released because the lease expired.
+    pub expired: u64,
+    /// Releases for unknown ids or old epochs, and duplicate push reports (no-ops).
+    pub ignored_messages: u64,
+}
+
+/// Whether a push (two-sided send) is reading the pinned blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Push {
+    Idle,
+    /// A send is in flight; `release` holds the cause of a release that must wait for it.
+    Sending {
+        release: Option<ReleaseCause>,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct Pin {
+    epoch: u64,
+    blocks: Vec<u32>,
+    slot: Option<u32>,
+    lease_until: u64,
+    push: Push,
+}
+
+/// Pins of finished prefill handoffs over the prefill engine's own pools.
+///
+/// `pin` adds one reference to each block (the engine keeps and later drops its own) and takes
+/// over the SSM slot (it must be handed out, i.e. not free; the pin frees it at release).
+#[derive(Debug, Clone)]
+pub struct PinLedger {
+    pool: BlockPool,
+    slots: SlotPool,
+    pins: HashMap<u64, Pin>,
+    next_epoch: u64,
+    counters: PinCounters,
+}
+
+impl PinLedger {
+    /// A ledger over fresh pools.
+    pub fn new(num_blocks: u32, block_size_tokens: u32, num_ssm_slots: u32) -> DisaggResult<Self> {
+        Ok(Self::with_pools(
+            BlockPool::new(num_blocks, block_size_tokens)?,
+            SlotPool::new(num_ssm_slots),
+        ))
+    }
+
+    /// A ledger that takes ownership of existing pools.
+    pub fn with_pools(pool: BlockPool, slots: SlotPool) -> Self {
+        Self { pool, slots, pins: HashMap::new(), next_epoch: 1, counters: PinCounters::default() }
+    }
+
+    /// The block pool (read-only).
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// The block pool, for the engine's own allocations.
+    pub fn pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
+    }
+
+    /// The SSM slot pool (read-only).
+    pub fn slots(&self) -> &SlotPool {
+        &self.slots
+    }
+
+    /// The SSM slot pool, for the engine's own use.
+    pub fn slots_mut(&mut self) -> &mut SlotPool {
+        &mut self.slots
+    }
+
+    /// Event counters.
+    pub fn counters(&self) -> PinCounters {
+        self.counters
+    }
+
+    /// Live pins.
+    pub fn num_pinned(&self) -> usize {
+        self.pins.len()
+    }
+
+    /// The seed's `pending_kv_push_count`: pins with a send in flight.
+    pub fn pending_kv_push_count(&self) -> usize {
+        self.pins.values().filter(|p| matches!(p.push, Push::Sending { .. })).count()
+    }
+
+    /// Epoch of a live pin.
+    pub fn epoch_of(&self, request_id: u64) -> Option<u64> {
+        self.pins.get(&request_id).map(|p| p.epoch)
+    }
+
+    /// Blocks (with repeats) held by pins.
+    pub fn num_pinned_blocks(&self) -> usize {
+        self.pins.values().map(|p| p.blocks.len()).sum()
+    }
+
+    /// Pin `block_ids` and `ssm_slot` of a finished handoff until `RELEASE_KV` or `lease_until`.
+    /// Validates everything first; returns the pin's epoch.
+    pub fn pin(
+        &mut self,
+        request_id: u64,
+        block_ids: &[u32],
+        ssm_slot: Option<u32>,
+        lease_until: u64,
+        now: u64,
+    ) -> DisaggResult<u64> {
+        if self.pins.contains_key(&request_id) {
+            return Err(DisaggError::DuplicateRequest { request_id });
+        }
+        if lease_until <= now {
+            return Err(DisaggError::argument(
+                "lease_until",
+                format!("lease_until={lease_until} must be > now={now}"),
+            ));
+        }
+        if let Some(s) = ssm_slot {
+            if self.slots.state(s)? == SlotState::Free {
+                return Err(DisaggError::block(
+                    "ssm_slot",
+                    format!("slot {s} is free; pin a handed-out slot"),
+                ));
+            }
+            if let Some((rid, _)) = self.pins.iter().find(|(_, p)| p.slot == Some(s)) {
+                return Err(DisaggError::block(
+                    "ssm_slot",
+                    format!("slot {s} is already pinned by request {rid}"),
+                ));
+            }
+        }
+        for &b in block_ids {
+            if self.pool.refcount(b)? == 0 {
+                return Err(DisaggError::block(
+                    "block_ids",
+                    format!("block {b} has refcount=0; pin held blocks only"),
+                ));
+            }
+        }
+        self.pool.retain(block_ids)?;
+        let epoch = self.next_epoch;
+        self.next_epoch += 1;
+        self.counters.pinned += 1;
+        self.pins.insert(
+            request_id,
+            Pin {
+                epoch,
+                blocks: block_ids.to_vec(),
+                slot: ssm_slot,
+                lease_until,
+                push: Push::Idle,
+            },
+        );
+        Ok(epoch)
+    }
+
+    fn matches(&self, request_id: u64, epoch: Option<u64>) -> bool {
+        self.pins.get(&request_id).is_some_and(|p| epoch.is_none_or(|e| e == p.epoch))
+    }
+
+    /// A push send started reading the pinned blocks (two-sided transports).
+    pub fn begin_push(&mut self, request_id: u64, epoch: u64) -> DisaggResult<()> {
+        match self.pins.get_mut(&request_id) {
+            Some(p) if p.epoch == epoch => {
+                if p.push != Push::Idle {
+                    return Err(DisaggError::State {
+                        request_id,
+                        detail: format!("epoch {epoch}: a push is already in flight"),
+                    });
+                }
+                p.push = Push::Sending { release: None };
+                Ok(())
+            }
+            _ => {
+                self.counters.ignored_messages += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// The push send settled; a release that waited for it happens now.
+    pub fn push_settled(&mut self, request_id: u64, epoch: u64) -> DisaggResult<Vec<LedgerAction>> {
+        let mut out = Vec::new();
+        let pending = match self.pins.get_mut(&request_id) {
+            Some(p) if p.epoch == epoch && p.push != Push::Idle => {
+                let Push::Sending { release } = p.push else { return Ok(out) };
+                p.push = Push::Idle;
+                release
+            }
+            _ => {
+                self.counters.ignored_messages += 1;
+                return Ok(out);
+            }
+        };
+        if let Some(cause) = pending {
+            self.unpin(request_id, cause, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn unpin(
+        &mut self,
+        request_id: u64,
+        cause: ReleaseCause,
+        out: &mut Vec<LedgerAction>,
+    ) -> DisaggResult<()> {
+        let Some(p) = self.pins.remove(&request_id) else { return Ok(()) };
+        self.pool.release(&p.blocks)?;
+        if let Some(s) = p.slot {
+            self.slots.free(s)?;
+        }
+        match cause {
+            ReleaseCause::LeaseExpired => self.counters.expired += 1,
+            _ => self.counters.released += 1,
+        }
+        out.push(LedgerAction::Released { request_id, epoch: p.epoch, cause });
+        Ok(())
+    }
+
+    fn release_or_defer(
+        &mut self,
+        request_id: u64,
+        cause: ReleaseCause,
+        out: &mut Vec<LedgerAction>,
+    ) -> DisaggResult<()> {
+        if let Some(p) = self.pins.get_mut(&request_id) {
+            if let Push::Sending { release } = &mut p.push {
+                // The send still reads the blocks: release when it settles.
+                release.get_or_insert(cause);
+                return Ok(());
+            }
+        }
+        self.unpin(request_id, cause, out)
+    }
+
+    /// `RELEASE_KV`: idempotent; an unknown id or an old epoch is a counted no-op. While a push
+    /// still reads the blocks the release waits for `push_settled`.
+    pub fn release(
+        &mut self,
+        request_id: u64,
+        epoch: Option<u64>,
+    ) -> DisaggResult<Vec<LedgerAction>> {
+        let mut out = Vec::new();
+        if self.matches(request_id, epoch) {
+            self.release_or_defer(request_id, ReleaseCause::ReleaseKv, &mut out)?;
+        } else {
+            self.counters.ignored_messages += 1;
+        }
+        Ok(out)
+    }
+
+    /// Release every pin whose lease ended (`lease_until <= now`), oldest epoch first.
+    pub fn expire(&mut self, now: u64) -> DisaggResult<Vec<LedgerAction>> {
+        let mut due: Vec<(u64, u64)> = self
+            .pins
+            .iter()
+            .filter(|(_, p)| p.lease_until <= now)
+            .map(|(r, p)| (p.epoch, *r))
+            .collect();
+        due.sort_unstable();
+        let mut out = Vec::new();
+        for (_, rid) in due {
+            self.release_or_defer(rid, ReleaseCause::LeaseExpired, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// Engine reset: refuse, changing nothing, while a push may still read pinned blocks;
+    /// otherwise release every pin.
+    pub fn reset(&mut self) -> DisaggResult<Vec<LedgerAction>> {
+        let mut busy: Vec<u64> =
+            self.pins.iter().filter(|(_, p)| p.push != Push::Idle).map(|(r, _)| *r).collect();
+        if !busy.is_empty() {
+            busy.sort_unstable();
+            return Err(DisaggError::ResetRefused {
+                detail: format!(
+                    "{} push(es) may still read pinned blocks: requests {busy:?}",
+                    busy.len()
+                ),
+            });
+        }
+        let mut all: Vec<(u64, u64)> = self.pins.iter().map(|(r, p)| (p.epoch, *r)).collect();
+        all.sort_unstable();
+        let mut out = Vec::new();
+        for (_, rid) in all {
+            self.unpin(rid, ReleaseCause::Reset, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// Verify the pools and that every pinned block is referenced at least once per pin and
+    /// every pinned slot is handed out and pinned once.
+    pub fn check(&self) -> DisaggResult<()> {
+        self.pool.check()?;
+        self.slots.check()?;
+        let mut holds: HashMap<u32, u32> = HashMap::new();
+        let mut slots_seen: HashMap<u32, u64> = HashMap::new();
+        for (&rid, p) in &self.pins {
+            for &b in &p.blocks {
+                *holds.entry(b).or_insert(0) += 1;
+            }
+            if let Some(s) = p.slot {
+                if self.slots.state(s)? == SlotState::Free || slots_seen.insert(s, rid).is_some() {
+                    return Err(DisaggError::Conservation {
+                        detail: format!("pinned slot {s} of request {rid} is free or pinned twice"),
+                    });
+                }
+            }
+        }
+        for (b, h) in holds {
+            let rc = self.pool.refcount(b)?;
+            if rc < h {
+                return Err(DisaggError::Conservation {
+                    detail: format!("block {b}: refcount={rc} < pins={h}"),
+                });
+            }
+        }
+        Ok(())
+    }
+}

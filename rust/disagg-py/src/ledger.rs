@@ -1,0 +1,560 @@
+//! Python classes `ImportLedger`, `PinLedger`, `CompletionQuorum` and the action record
+//! `LedgerAction` they return.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use disagg_core::{
+    CompletionQuorum, DisaggError, ImportLedger, ImportLedgerConfig, ImportRequest, LedgerAction,
+    PinLedger, QuorumDecision, RankOutcome,
+};
+use pyo3::prelude::*;
+
+use crate::error::{to_pyerr, IntoPyResult};
+use crate::pool::{
+    ids_arg, lock, u32_arg, u64_arg, BlockPoolOwner, PyBlockPool, PySlotPool, SlotPoolOwner,
+};
+
+/// One action of a ledger, tagged by `kind`; the fields a kind does not use are empty.
+///
+/// Kinds: `start` (post the transfers: `src_block_ids` -> `dst_block_ids` for prompt tokens
+/// `[token_start, n)`, plus `cached_block_ids`, `continuation_block_ids`, `ssm_slot`), `admit`
+/// (ownership of `block_ids` and `ssm_slot` moved to the live request), `complete` (finished
+/// without a forward step), `fail` (`reason`, `quarantined`), `release` (`reason` is the cause).
+#[pyclass(name = "LedgerAction", module = "disagg_rs", frozen, get_all, eq)]
+#[derive(Clone, PartialEq, Eq)]
+pub struct PyLedgerAction {
+    kind: &'static str,
+    request_id: u64,
+    epoch: u64,
+    reason: Option<&'static str>,
+    quarantined: bool,
+    token_start: u32,
+    src_block_ids: Vec<u32>,
+    dst_block_ids: Vec<u32>,
+    cached_block_ids: Vec<u32>,
+    continuation_block_ids: Vec<u32>,
+    block_ids: Vec<u32>,
+    ssm_slot: Option<u32>,
+}
+
+impl PyLedgerAction {
+    fn empty(kind: &'static str, request_id: u64, epoch: u64) -> Self {
+        Self {
+            kind,
+            request_id,
+            epoch,
+            reason: None,
+            quarantined: false,
+            token_start: 0,
+            src_block_ids: Vec::new(),
+            dst_block_ids: Vec::new(),
+            cached_block_ids: Vec::new(),
+            continuation_block_ids: Vec::new(),
+            block_ids: Vec::new(),
+            ssm_slot: None,
+        }
+    }
+
+    fn from_core(a: LedgerAction) -> Self {
+        match a {
+            LedgerAction::StartImport(s) => Self {
+                token_start: s.token_start,
+                src_block_ids: s.src_block_ids,
+                dst_block_ids: s.dst_block_ids,
+                cached_block_ids: s.cached_block_ids,
+                continuation_block_ids: s.continuation_block_ids,
+                ssm_slot: s.ssm_slot,
+                ..Self::empty("start", s.request_id, s.epoch)
+            },
+            LedgerAction::Admit { request_id, epoch, block_ids, ssm_slot } => {
+                Self { block_ids, ssm_slot, ..Self::empty("admit", request_id, epoch) }
+            }
+            LedgerAction::CompleteWithoutForward { request_id, epoch } => {
+                Self::empty("complete", request_id, epoch)
+            }
+            LedgerAction::Fail { request_id, epoch, reason, quarantined } => Self {
+                reason: Some(reason.name()),
+                quarantined,
+                ..Self::empty("fail", request_id, epoch)
+            },
+            LedgerAction::Released { request_id, epoch, cause } => {
+                Self { reason: Some(cause.name()), ..Self::empty("release", request_id, epoch) }
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl PyLedgerAction {
+    fn __repr__(&self) -> String {
+        match self.kind {
+            "start" => format!(
+                "LedgerAction(start, request_id={}, epoch={}, token_start={}, src={:?}, dst={:?}, cached={:?}, continuation={:?}, ssm_slot={})",
+                self.request_id, self.epoch, self.token_start, self.src_block_ids, self.dst_block_ids,
+                self.cached_block_ids, self.continuation_block_ids, py_opt(self.ssm_slot)
+            ),
+            "admit" => format!(
+                "LedgerAction(admit, request_id={}, epoch={}, block_ids={:?}, ssm_slot={})",
+                self.request_id, self.epoch, self.block_ids, py_opt(self.ssm_slot)
+            ),
+            _ => format!(
+                "LedgerAction({}, request_id={}, epoch={}, reason={}, quarantined={})",
+                self.kind,
+                self.request_id,
+                self.epoch,
+                self.reason.map_or_else(|| "None".to_string(), |r| format!("'{r}'")),
+                if self.quarantined { "True" } else { "False" }
+            ),
+        }
+    }
+}
+
+/// A quorum decision as Python sees it: `("success", None, None)` or
+/// `("failure", first_failed_rank, its_outcome)`.
+type QuorumVerdict = (&'static str, Option<u32>, Option<&'static str>);
+
+/// `Some(x)` as `x`, `None` as `None`, the way Python prints it.
+fn py_opt(v: Option<u32>) -> String {
+    v.map_or_else(|| "None".to_string(), |x| x.to_string())
+}
+
+fn actions(v: Vec<LedgerAction>) -> Vec<PyLedgerAction> {
+    v.into_iter().map(PyLedgerAction::from_core).collect()
+}
+
+/// Decode-side import ledger over its own block and SSM slot pools.
+#[pyclass(name = "ImportLedger", module = "disagg_rs", frozen)]
+pub struct PyImportLedger {
+    inner: Arc<Mutex<ImportLedger>>,
+}
+
+#[pymethods]
+impl PyImportLedger {
+    #[new]
+    #[pyo3(signature = (
+        num_blocks, block_size_tokens, num_ssm_slots=0, *, world_size=1, rank=0, pull=true,
+        lookahead_tokens=0, drain_horizon=30_000_000_000
+    ))]
+    fn new(
+        num_blocks: i64,
+        block_size_tokens: i64,
+        num_ssm_slots: i64,
+        world_size: i64,
+        rank: i64,
+        pull: bool,
+        lookahead_tokens: i64,
+        drain_horizon: i64,
+    ) -> PyResult<Self> {
+        let cfg = ImportLedgerConfig {
+            world_size: u32_arg("world_size", world_size)?,
+            rank: u32_arg("rank", rank)?,
+            pull,
+            lookahead_tokens: u32_arg("lookahead_tokens", lookahead_tokens)?,
+            drain_horizon: u64_arg("drain_horizon", drain_horizon)?,
+        };
+        let l = ImportLedger::new(
+            u32_arg("num_blocks", num_blocks)?,
+            u32_arg("block_size_tokens", block_size_tokens)?,
+            u32_arg("num_ssm_slots", num_ssm_slots)?,
+            cfg,
+        )
+        .py()?;
+        Ok(Self { inner: Arc::new(Mutex::new(l)) })
+    }
+
+    /// The ledger's block pool (shared, not a copy): the engine's allocator.
+    #[getter]
+    fn block_pool(&self) -> PyBlockPool {
+        PyBlockPool { owner: BlockPoolOwner::Import(Arc::clone(&self.inner)) }
+    }
+
+    /// The ledger's SSM slot pool (shared, not a copy).
+    #[getter]
+    fn slot_pool(&self) -> PySlotPool {
+        PySlotPool { owner: SlotPoolOwner::Import(Arc::clone(&self.inner)) }
+    }
+
+    /// Validate, then queue or start one handoff. Give `prompt_tokens` (hashed here) or
+    /// `num_prompt_tokens` with optional `prompt_hashes` at the decode block size.
+    #[pyo3(signature = (
+        request_id, prompt_tokens=None, *, num_prompt_tokens=None, prompt_hashes=None,
+        src_block_ids, src_block_size_tokens=None, resume_tokens=0, has_ssm=false,
+        finished=false, deadline, now
+    ))]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        request_id: i64,
+        prompt_tokens: Option<Vec<i64>>,
+        num_prompt_tokens: Option<i64>,
+        prompt_hashes: Option<Vec<u64>>,
+        src_block_ids: Vec<i64>,
+        src_block_size_tokens: Option<i64>,
+        resume_tokens: i64,
+        has_ssm: bool,
+        finished: bool,
+        deadline: i64,
+        now: i64,
+    ) -> PyResult<Vec<PyLedgerAction>> {
+        let request_id = u64_arg("request_id", request_id)?;
+        let src_block_ids = ids_arg("src_block_ids", &src_block_ids)?;
+        let resume_tokens = u32_arg("resume_tokens", resume_tokens)?;
+        let deadline = u64_arg("deadline", deadline)?;
+        let now = u64_arg("now", now)?;
+        let src_bs =
+            src_block_size_tokens.map(|v| u32_arg("src_block_size_tokens", v)).transpose()?;
+        let n_given = num_prompt_tokens.map(|v| u32_arg("num_prompt_tokens", v)).transpose()?;
+        let inner = Arc::clone(&self.inner);
+        let out = py.detach(move || -> Result<Vec<LedgerAction>, PyErr> {
+            let mut l = lock(&inner)?;
+            let bs = l.pool().block_size_tokens();
+            let (num_prompt_tokens, prompt_hashes) = match (prompt_tokens, n_given) {
+                (Some(t), None) => {
+                    let n = u32::try_from(t.len()).map_err(|_| {
+                        to_pyerr(DisaggError::argument(
+                            "prompt_tokens",
+                            format!("len={} must be < 2**32", t.len()),
+                        ))
+                    })?;
+                    let h = match prompt_hashes {
+                        Some(h) => h,
+                        None => l.pool().block_hashes(&t).py()?,
+                    };
+                    (n, h)
+                }
+                (None, Some(n)) => (n, prompt_hashes.unwrap_or_default()),
+                _ => {
+                    return Err(to_pyerr(DisaggError::argument(
+                        "prompt_tokens",
+                        "give exactly one of prompt_tokens and num_prompt_tokens",
+                    )))
+                }
+            };
+            let req = ImportRequest {
+                request_id,
+                num_prompt_tokens,
+                prompt_hashes,
+                src_block_ids,
+                src_block_size_tokens: src_bs.unwrap_or(bs),
+                resume_tokens,
+                has_ssm,
+                finished,
+                deadline,
+            };
+            l.submit(req, now).py()
+        })?;
+        Ok(actions(out))
+    }
+
+    /// One rank's terminal report: `outcome` is `"ok"`, `"error"`, `"timeout"` or
+    /// `"may_still_write"`.
+    fn report(
+        &self,
+        request_id: i64,
+        epoch: i64,
+        rank: i64,
+        outcome: &str,
+        now: i64,
+    ) -> PyResult<Vec<PyLedgerAction>> {
+        let outcome = RankOutcome::parse(outcome).py()?;
+        let (r, e, k, n) = (
+            u64_arg("request_id", request_id)?,
+            u64_arg("epoch", epoch)?,
+            u32_arg("rank", rank)?,
+            u64_arg("now", now)?,
+        );
+        Ok(actions(lock(&self.inner)?.report(r, e, k, outcome, n).py()?))
+    }
+
+    /// The local handle of a quarantined attempt settled.
+    fn settle(&self, request_id: i64, epoch: i64) -> PyResult<Vec<PyLedgerAction>> {
+        let (r, e) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?);
+        Ok(actions(lock(&self.inner)?.settle(r, e).py()?))
+    }
+
+    /// Abort a request at any stage (unknown ids are counted no-ops).
+    fn abort(&self, request_id: i64, now: i64) -> PyResult<Vec<PyLedgerAction>> {
+        let (r, n) = (u64_arg("request_id", request_id)?, u64_arg("now", now)?);
+        Ok(actions(lock(&self.inner)?.abort(r, n).py()?))
+    }
+
+    /// Expire deadlines, drain quarantines past their horizon, start what fits.
+    fn poll(&self, now: i64) -> PyResult<Vec<PyLedgerAction>> {
+        let n = u64_arg("now", now)?;
+        Ok(actions(lock(&self.inner)?.poll(n).py()?))
+    }
+
+    /// Admission point: admit ready imports while the batch has `batch_room` places.
+    fn admit(&self, batch_room: i64) -> PyResult<Vec<PyLedgerAction>> {
+        let room = u32_arg("batch_room", batch_room)?;
+        Ok(actions(lock(&self.inner)?.admit(room).py()?))
+    }
+
+    /// Engine reset; raises `ResetRefusedError` (nothing changed) while anything may still be
+    /// written.
+    fn reset(&self, now: i64) -> PyResult<Vec<PyLedgerAction>> {
+        let n = u64_arg("now", now)?;
+        Ok(actions(lock(&self.inner)?.reset(n).py()?))
+    }
+
+    /// Verify conservation and ownership; raises `ConservationError`.
+    fn check(&self) -> PyResult<()> {
+        lock(&self.inner)?.check().py()
+    }
+
+    /// Live handoffs (deferred + importing + ready).
+    #[getter]
+    fn pending_kv_import_count(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.pending_kv_import_count())
+    }
+
+    /// Whether an admission point has work.
+    #[getter]
+    fn has_admittable_kv_import(&self) -> PyResult<bool> {
+        Ok(lock(&self.inner)?.has_admittable_kv_import())
+    }
+
+    /// Handoffs waiting for capacity.
+    #[getter]
+    fn num_deferred(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.num_deferred())
+    }
+
+    /// Handoffs with transfers in flight.
+    #[getter]
+    fn num_importing(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.num_importing())
+    }
+
+    /// Complete handoffs waiting for admission.
+    #[getter]
+    fn num_ready(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.num_ready())
+    }
+
+    /// Failed attempts whose destinations may still be written.
+    #[getter]
+    fn num_quarantined(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.num_quarantined())
+    }
+
+    /// Blocks held in quarantine.
+    #[getter]
+    fn num_quarantined_blocks(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.num_quarantined_blocks())
+    }
+
+    /// Deferred request ids, oldest first.
+    fn deferred_ids(&self) -> PyResult<Vec<u64>> {
+        Ok(lock(&self.inner)?.deferred_ids())
+    }
+
+    /// `"deferred"`, `"importing"`, `"ready"`, or `None` if not live.
+    fn state_of(&self, request_id: i64) -> PyResult<Option<&'static str>> {
+        let r = u64_arg("request_id", request_id)?;
+        Ok(lock(&self.inner)?.state_of(r))
+    }
+
+    /// Current attempt epoch of a live request.
+    fn epoch_of(&self, request_id: i64) -> PyResult<Option<u64>> {
+        let r = u64_arg("request_id", request_id)?;
+        Ok(lock(&self.inner)?.epoch_of(r))
+    }
+
+    /// Event counters by name.
+    fn counters(&self) -> PyResult<BTreeMap<&'static str, u64>> {
+        let c = lock(&self.inner)?.counters();
+        Ok(BTreeMap::from([
+            ("submitted", c.submitted),
+            ("deferred", c.deferred),
+            ("started", c.started),
+            ("admitted", c.admitted),
+            ("completed_without_forward", c.completed_without_forward),
+            ("failed", c.failed),
+            ("quarantined", c.quarantined),
+            ("drained_settled", c.drained_settled),
+            ("drained_horizon", c.drained_horizon),
+            ("ignored_messages", c.ignored_messages),
+            ("prefix_blocks_reused", c.prefix_blocks_reused),
+        ]))
+    }
+}
+
+/// Prefill-side pin ledger over its own block and SSM slot pools.
+#[pyclass(name = "PinLedger", module = "disagg_rs", frozen)]
+pub struct PyPinLedger {
+    inner: Arc<Mutex<PinLedger>>,
+}
+
+#[pymethods]
+impl PyPinLedger {
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size_tokens, num_ssm_slots=0))]
+    fn new(num_blocks: i64, block_size_tokens: i64, num_ssm_slots: i64) -> PyResult<Self> {
+        let l = PinLedger::new(
+            u32_arg("num_blocks", num_blocks)?,
+            u32_arg("block_size_tokens", block_size_tokens)?,
+            u32_arg("num_ssm_slots", num_ssm_slots)?,
+        )
+        .py()?;
+        Ok(Self { inner: Arc::new(Mutex::new(l)) })
+    }
+
+    /// The ledger's block pool (shared): the prefill engine's allocator.
+    #[getter]
+    fn block_pool(&self) -> PyBlockPool {
+        PyBlockPool { owner: BlockPoolOwner::Pin(Arc::clone(&self.inner)) }
+    }
+
+    /// The ledger's SSM slot pool (shared).
+    #[getter]
+    fn slot_pool(&self) -> PySlotPool {
+        PySlotPool { owner: SlotPoolOwner::Pin(Arc::clone(&self.inner)) }
+    }
+
+    /// Pin held blocks (one more reference each) and a handed-out SSM slot (taken over) until
+    /// `RELEASE_KV` or `lease_until`; returns the pin's epoch.
+    #[pyo3(signature = (request_id, block_ids, ssm_slot=None, *, lease_until, now))]
+    fn pin(
+        &self,
+        request_id: i64,
+        block_ids: Vec<i64>,
+        ssm_slot: Option<i64>,
+        lease_until: i64,
+        now: i64,
+    ) -> PyResult<u64> {
+        let r = u64_arg("request_id", request_id)?;
+        let ids = ids_arg("block_ids", &block_ids)?;
+        let slot = ssm_slot.map(|s| crate::pool::id_arg("ssm_slot", s)).transpose()?;
+        let (lease, n) = (u64_arg("lease_until", lease_until)?, u64_arg("now", now)?);
+        lock(&self.inner)?.pin(r, &ids, slot, lease, n).py()
+    }
+
+    /// A push send started reading the pin (two-sided transports).
+    fn begin_push(&self, request_id: i64, epoch: i64) -> PyResult<()> {
+        let (r, e) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?);
+        lock(&self.inner)?.begin_push(r, e).py()
+    }
+
+    /// The push send settled; a release that waited for it happens now.
+    fn push_settled(&self, request_id: i64, epoch: i64) -> PyResult<Vec<PyLedgerAction>> {
+        let (r, e) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?);
+        Ok(actions(lock(&self.inner)?.push_settled(r, e).py()?))
+    }
+
+    /// `RELEASE_KV`: idempotent; unknown ids and old epochs are counted no-ops.
+    #[pyo3(signature = (request_id, epoch=None))]
+    fn release(&self, request_id: i64, epoch: Option<i64>) -> PyResult<Vec<PyLedgerAction>> {
+        let r = u64_arg("request_id", request_id)?;
+        let e = epoch.map(|e| u64_arg("epoch", e)).transpose()?;
+        Ok(actions(lock(&self.inner)?.release(r, e).py()?))
+    }
+
+    /// Release pins whose lease ended at `now`.
+    fn expire(&self, now: i64) -> PyResult<Vec<PyLedgerAction>> {
+        let n = u64_arg("now", now)?;
+        Ok(actions(lock(&self.inner)?.expire(n).py()?))
+    }
+
+    /// Release every pin; refused (nothing changed) while a push may still read.
+    fn reset(&self) -> PyResult<Vec<PyLedgerAction>> {
+        Ok(actions(lock(&self.inner)?.reset().py()?))
+    }
+
+    /// Verify conservation; raises `ConservationError`.
+    fn check(&self) -> PyResult<()> {
+        lock(&self.inner)?.check().py()
+    }
+
+    /// Live pins.
+    #[getter]
+    fn num_pinned(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.num_pinned())
+    }
+
+    /// The seed's `pending_kv_push_count`.
+    #[getter]
+    fn pending_kv_push_count(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.pending_kv_push_count())
+    }
+
+    /// Epoch of a live pin.
+    fn epoch_of(&self, request_id: i64) -> PyResult<Option<u64>> {
+        let r = u64_arg("request_id", request_id)?;
+        Ok(lock(&self.inner)?.epoch_of(r))
+    }
+
+    /// Event counters by name.
+    fn counters(&self) -> PyResult<BTreeMap<&'static str, u64>> {
+        let c = lock(&self.inner)?.counters();
+        Ok(BTreeMap::from([
+            ("pinned", c.pinned),
+            ("released", c.released),
+            ("expired", c.expired),
+            ("ignored_messages", c.ignored_messages),
+        ]))
+    }
+}
+
+/// Model-parallel agreement: success when all ranks report ok, failure at the first non-ok
+/// report (once); a rank contradicting itself raises `HandoffStateError`.
+#[pyclass(name = "CompletionQuorum", module = "disagg_rs", frozen)]
+pub struct PyCompletionQuorum {
+    inner: Mutex<CompletionQuorum>,
+}
+
+#[pymethods]
+impl PyCompletionQuorum {
+    #[new]
+    fn new(world_size: i64) -> PyResult<Self> {
+        Ok(Self {
+            inner: Mutex::new(CompletionQuorum::new(u32_arg("world_size", world_size)?).py()?),
+        })
+    }
+
+    /// Number of ranks.
+    #[getter]
+    fn world_size(&self) -> PyResult<u32> {
+        Ok(lock(&self.inner)?.world_size())
+    }
+
+    /// Duplicate reports ignored so far.
+    #[getter]
+    fn ignored(&self) -> PyResult<u64> {
+        Ok(lock(&self.inner)?.ignored())
+    }
+
+    /// Attempts with votes not forgotten yet.
+    #[getter]
+    fn num_open(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.num_open())
+    }
+
+    /// Record a report. Returns `None` (no decision yet or already decided),
+    /// `("success", None, None)` or `("failure", first_failed_rank, its_outcome)`.
+    fn report(
+        &self,
+        request_id: i64,
+        epoch: i64,
+        rank: i64,
+        outcome: &str,
+    ) -> PyResult<Option<QuorumVerdict>> {
+        let o = RankOutcome::parse(outcome).py()?;
+        let (r, e, k) =
+            (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?, u32_arg("rank", rank)?);
+        Ok(lock(&self.inner)?.report(r, e, k, o).py()?.map(|d| match d {
+            QuorumDecision::Success => ("success", None, None),
+            QuorumDecision::Failure { rank, outcome } => {
+                ("failure", Some(rank), Some(outcome.name()))
+            }
+        }))
+    }
+
+    /// Drop the votes of a finished attempt.
+    fn forget(&self, request_id: i64, epoch: i64) -> PyResult<()> {
+        let (r, e) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?);
+        lock(&self.inner)?.forget(r, e);
+        Ok(())
+    }
+}

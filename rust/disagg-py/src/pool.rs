@@ -1,0 +1,275 @@
+//! Python classes `BlockPool` and `SlotPool`.
+//!
+//! A pool object is either standalone or a view of the pool a ledger owns (`ledger.block_pool`),
+//! so an engine allocates from the very pool whose conservation the ledger checks.
+
+use std::sync::{Arc, Mutex};
+
+use disagg_core::{BlockPool, DisaggError, ImportLedger, PinLedger, SlotPool, SlotState};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+
+use crate::error::{to_pyerr, IntoPyResult};
+
+/// Lock a shared core object; a poisoned lock (a panic elsewhere) becomes a Python error.
+pub fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
+    m.lock().map_err(|_| {
+        PyRuntimeError::new_err("disagg_rs internal lock poisoned by an earlier panic")
+    })
+}
+
+/// A Python int that must be a valid block or slot id (`[0, 2**32)`).
+pub fn id_arg(field: &str, v: i64) -> PyResult<u32> {
+    u32::try_from(v).map_err(|_| {
+        to_pyerr(DisaggError::block(field, format!("{field} value {v} must be in [0, 2**32)")))
+    })
+}
+
+/// A list of block ids, each checked like [`id_arg`].
+pub fn ids_arg(field: &str, v: &[i64]) -> PyResult<Vec<u32>> {
+    v.iter().map(|&x| id_arg(field, x)).collect()
+}
+
+/// A non-negative Python int argument (counts, times, request ids).
+pub fn u64_arg(field: &str, v: i64) -> PyResult<u64> {
+    u64::try_from(v)
+        .map_err(|_| to_pyerr(DisaggError::argument(field, format!("{field}={v} must be >= 0"))))
+}
+
+/// A count argument that must fit `u32`.
+pub fn u32_arg(field: &str, v: i64) -> PyResult<u32> {
+    u32::try_from(v).map_err(|_| {
+        to_pyerr(DisaggError::argument(field, format!("{field}={v} must be in [0, 2**32)")))
+    })
+}
+
+/// Who owns the block pool a Python `BlockPool` object talks to.
+#[derive(Clone)]
+pub enum BlockPoolOwner {
+    /// A standalone pool.
+    Own(Arc<Mutex<BlockPool>>),
+    /// The pool of an import ledger.
+    Import(Arc<Mutex<ImportLedger>>),
+    /// The pool of a pin ledger.
+    Pin(Arc<Mutex<PinLedger>>),
+}
+
+impl BlockPoolOwner {
+    fn with<R>(&self, f: impl FnOnce(&mut BlockPool) -> R) -> PyResult<R> {
+        Ok(match self {
+            Self::Own(m) => f(&mut *lock(m)?),
+            Self::Import(m) => f(lock(m)?.pool_mut()),
+            Self::Pin(m) => f(lock(m)?.pool_mut()),
+        })
+    }
+}
+
+/// Fixed pool of KV blocks: refcounts, prefix cache by block hash, LRU eviction.
+#[pyclass(name = "BlockPool", module = "disagg_rs", frozen)]
+pub struct PyBlockPool {
+    /// The pool, standalone or a ledger's.
+    pub owner: BlockPoolOwner,
+}
+
+#[pymethods]
+impl PyBlockPool {
+    #[new]
+    fn new(num_blocks: i64, block_size_tokens: i64) -> PyResult<Self> {
+        let pool = BlockPool::new(
+            u32_arg("num_blocks", num_blocks)?,
+            u32_arg("block_size_tokens", block_size_tokens)?,
+        )
+        .py()?;
+        Ok(Self { owner: BlockPoolOwner::Own(Arc::new(Mutex::new(pool))) })
+    }
+
+    /// Total number of blocks.
+    #[getter]
+    fn num_blocks(&self) -> PyResult<u32> {
+        self.owner.with(|p| p.num_blocks())
+    }
+
+    /// Tokens per block.
+    #[getter]
+    fn block_size_tokens(&self) -> PyResult<u32> {
+        self.owner.with(|p| p.block_size_tokens())
+    }
+
+    /// Blocks `allocate` can hand out now (never-used plus evictable cached).
+    #[getter]
+    fn num_free(&self) -> PyResult<u32> {
+        self.owner.with(|p| p.num_free())
+    }
+
+    /// Unreferenced blocks still published in the prefix cache.
+    #[getter]
+    fn num_evictable(&self) -> PyResult<u32> {
+        self.owner.with(|p| p.num_evictable())
+    }
+
+    /// Whether `allocate(n)` would succeed now.
+    fn can_allocate(&self, n: i64) -> PyResult<bool> {
+        let n = u32_arg("n", n)?;
+        self.owner.with(|p| p.can_allocate(n))
+    }
+
+    /// `n` blocks with refcount 1, all or nothing (evicts LRU cached blocks if needed).
+    fn allocate(&self, n: i64) -> PyResult<Vec<u32>> {
+        let n = u32_arg("n", n)?;
+        self.owner.with(|p| p.allocate(n))?.py()
+    }
+
+    /// One more reference per occurrence; claims evictable cached blocks.
+    fn retain(&self, block_ids: Vec<i64>) -> PyResult<()> {
+        let ids = ids_arg("block_ids", &block_ids)?;
+        self.owner.with(|p| p.retain(&ids))?.py()
+    }
+
+    /// One reference less per occurrence; all or nothing.
+    fn release(&self, block_ids: Vec<i64>) -> PyResult<()> {
+        let ids = ids_arg("block_ids", &block_ids)?;
+        self.owner.with(|p| p.release(&ids))?.py()
+    }
+
+    /// Reference count of one block.
+    fn refcount(&self, block_id: i64) -> PyResult<u32> {
+        let b = id_arg("block_id", block_id)?;
+        self.owner.with(|p| p.refcount(b))?.py()
+    }
+
+    /// Hash chain over the full blocks of `tokens` (deterministic across processes).
+    fn block_hashes(&self, py: Python<'_>, tokens: Vec<i64>) -> PyResult<Vec<u64>> {
+        let bs = self.owner.with(|p| p.block_size_tokens())?;
+        py.detach(|| disagg_core::block_hashes(&tokens, bs)).py()
+    }
+
+    /// Publish held full blocks under their hashes.
+    fn register_cached(&self, block_ids: Vec<i64>, hashes: Vec<u64>) -> PyResult<()> {
+        let ids = ids_arg("block_ids", &block_ids)?;
+        self.owner.with(|p| p.register_cached(&ids, &hashes))?.py()
+    }
+
+    /// Blocks of the longest cached prefix of `hashes` (not retained).
+    fn match_prefix(&self, hashes: Vec<u64>) -> PyResult<Vec<u32>> {
+        self.owner.with(|p| p.match_prefix(&hashes))
+    }
+
+    /// Verify conservation; raises `ConservationError`.
+    fn check(&self) -> PyResult<()> {
+        self.owner.with(|p| p.check())?.py()
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        self.owner.with(|p| p.num_blocks() as usize)
+    }
+
+    fn __repr__(&self) -> PyResult<String> {
+        self.owner.with(|p| {
+            format!(
+                "BlockPool(num_blocks={}, block_size_tokens={}, num_free={}, num_evictable={})",
+                p.num_blocks(),
+                p.block_size_tokens(),
+                p.num_free(),
+                p.num_evictable()
+            )
+        })
+    }
+}
+
+/// Who owns the slot pool a Python `SlotPool` object talks to.
+#[derive(Clone)]
+pub enum SlotPoolOwner {
+    /// A standalone pool.
+    Own(Arc<Mutex<SlotPool>>),
+    /// The pool of an import ledger.
+    Import(Arc<Mutex<ImportLedger>>),
+    /// The pool of a pin ledger.
+    Pin(Arc<Mutex<PinLedger>>),
+}
+
+impl SlotPoolOwner {
+    fn with<R>(&self, f: impl FnOnce(&mut SlotPool) -> R) -> PyResult<R> {
+        Ok(match self {
+            Self::Own(m) => f(&mut *lock(m)?),
+            Self::Import(m) => f(lock(m)?.slots_mut()),
+            Self::Pin(m) => f(lock(m)?.slots_mut()),
+        })
+    }
+}
+
+/// Fixed pool of SSM state slots.
+#[pyclass(name = "SlotPool", module = "disagg_rs", frozen)]
+pub struct PySlotPool {
+    /// The pool, standalone or a ledger's.
+    pub owner: SlotPoolOwner,
+}
+
+#[pymethods]
+impl PySlotPool {
+    #[new]
+    fn new(num_slots: i64) -> PyResult<Self> {
+        Ok(Self {
+            owner: SlotPoolOwner::Own(Arc::new(Mutex::new(SlotPool::new(u32_arg(
+                "num_slots",
+                num_slots,
+            )?)))),
+        })
+    }
+
+    /// Total number of slots.
+    #[getter]
+    fn num_slots(&self) -> PyResult<u32> {
+        self.owner.with(|p| p.num_slots())
+    }
+
+    /// Slots ready to hand out.
+    #[getter]
+    fn num_free(&self) -> PyResult<u32> {
+        self.owner.with(|p| p.num_free())
+    }
+
+    /// Slots moved to live requests by `detach`.
+    #[getter]
+    fn num_detached(&self) -> PyResult<u32> {
+        self.owner.with(|p| p.num_detached())
+    }
+
+    /// One free slot; `CapacityError` when none is free.
+    fn allocate(&self) -> PyResult<u32> {
+        self.owner.with(SlotPool::allocate)?.py()
+    }
+
+    /// Return an allocated or detached slot.
+    fn free(&self, slot: i64) -> PyResult<()> {
+        let s = id_arg("slot", slot)?;
+        self.owner.with(|p| p.free(s))?.py()
+    }
+
+    /// Move an allocated slot out of its allocator's accounting (to a live request); the
+    /// request's owner later calls `free`.
+    fn detach(&self, slot: i64) -> PyResult<()> {
+        let s = id_arg("slot", slot)?;
+        self.owner.with(|p| p.detach(s))?.py()
+    }
+
+    /// `"free"`, `"allocated"` or `"detached"`.
+    fn state(&self, slot: i64) -> PyResult<&'static str> {
+        let s = id_arg("slot", slot)?;
+        let st = self.owner.with(|p| p.state(s))?.py()?;
+        Ok(match st {
+            SlotState::Free => "free",
+            SlotState::Allocated => "allocated",
+            SlotState::Detached => "detached",
+        })
+    }
+
+    /// Verify conservation; raises `ConservationError`.
+    fn check(&self) -> PyResult<()> {
+        self.owner.with(|p| p.check())?.py()
+    }
+
+    fn __repr__(&self) -> PyResult<String> {
+        self.owner
+            .with(|p| format!("SlotPool(num_slots={}, num_free={})", p.num_slots(), p.num_free()))
+    }
+}
