@@ -123,16 +123,22 @@ def assemble(engine: ReferenceEngine, pieces: list[Piece], n: int) -> GlobalStat
 
 
 def write_state(
-    engine: ReferenceEngine, state: GlobalState, block_ids: list[int], slot: int | None
+    engine: ReferenceEngine,
+    state: GlobalState,
+    block_ids: list[int],
+    slot: int | None,
+    token_start: int = 0,
 ) -> None:
-    """Cut this rank's slice out of ``state`` and write it into its cache and SSM slot."""
+    """Cut this rank's slice out of ``state`` and write it into its cache and SSM slot; KV
+    positions ``[token_start, n)`` only (earlier ones are a cached prefix already there)."""
     n = state.kv.shape[2]
     kv_layout, ssm_layout = engine.kv_layout, engine.ssm_layout
     if kv_layout is not None:
         blk, off = _token_index(engine, block_ids, n)
+        blk, off = blk[token_start:], off[token_start:]
         (l0, l1), (h0, h1) = kv_layout.layers, kv_layout.heads
         for i, plane in enumerate(_kv_planes(engine)):
-            plane[:, blk, off] = state.kv[l0 + i, :, :, h0:h1]
+            plane[:, blk, off] = state.kv[l0 + i, :, token_start:, h0:h1]
     if ssm_layout is not None:
         assert slot is not None and state.conv is not None and state.recurrent is not None
         assert engine.ssm_conv_state is not None and engine.ssm_recurrent_state is not None
@@ -165,9 +171,9 @@ def manual_handoff(
         n = len(h.prompt)
         state = assemble(prefill, gather(read_piece(prefill, h.block_ids, n, h.ssm_slot)), n)
         blocks = decode.block_pool.allocate(-(-n // bs))
-        slot = decode.slot_pool.allocate() if decode.slot_pool is not None else None
+        slot = decode.ssm_slot_pool.allocate() if decode.ssm_slot_pool is not None else None
         write_state(decode, state, blocks, slot)
-        while not decode.can_admit(n, h.max_new_tokens, len(blocks)):
+        while not decode.batch_room(1):
             for f in decode.step().finished:
                 results[f.request_id] = f.tokens
         done = decode.admit(h.request_id, h.prompt, [h.first_token], blocks, slot, h.max_new_tokens)

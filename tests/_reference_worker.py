@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from _reference_pools import pool_factories
 from _reference_state import Piece, manual_handoff
 from disagg_rs.reference import EngineConfig, ModelConfig, ReferenceEngine
 
@@ -50,7 +49,7 @@ class HandoffCase:
 
 def _pool_report(engine: ReferenceEngine) -> dict[str, int]:
     engine.check_pools()
-    slots = engine.slot_pool
+    slots = engine.ssm_slot_pool
     return {
         "free_blocks": engine.block_pool.num_free,
         "num_blocks": engine.config.num_blocks,
@@ -61,15 +60,15 @@ def _pool_report(engine: ReferenceEngine) -> dict[str, int]:
 
 def _run_case(case: GenerateCase | HandoffCase) -> dict[str, Any]:
     if isinstance(case, GenerateCase):
-        eng = ReferenceEngine(case.model, case.config, **pool_factories())
+        eng = ReferenceEngine(case.model, case.config)
         rounds = []
         for r in range(case.rounds):
             prompts = {rid + 1000 * r: p for rid, p in case.prompts.items()}
             out = eng.generate(prompts, case.max_new_tokens)  # type: ignore[arg-type]
             rounds.append({rid - 1000 * r: t for rid, t in out.items()})
         return {"rounds": rounds, "pools": [_pool_report(eng)]}
-    pre = ReferenceEngine(case.model, case.prefill, **pool_factories())
-    dec = ReferenceEngine(case.model, case.decode, **pool_factories())
+    pre = ReferenceEngine(case.model, case.prefill)
+    dec = ReferenceEngine(case.model, case.decode)
 
     def gather(piece: Piece) -> list[Piece]:
         pieces: list[Any] = [None] * dist.get_world_size()

@@ -3,21 +3,25 @@ block sizes, continuous batching, prefix caching, roles and a manual in-process 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _reference_pools import pool_factories
-from _reference_state import Piece, manual_handoff
+from _reference_state import Piece, assemble, manual_handoff, read_piece, write_state
 from disagg_rs import KVShardLayout, SSMShardLayout
+from disagg_rs.engine_protocol import HandoffEngine
 from disagg_rs.exceptions import (
     BlockIdError,
     CapacityError,
     DuplicateRequestError,
     HandoffStateError,
+    UnknownRequestError,
 )
+from disagg_rs.ledger import ImportLedger
 from disagg_rs.reference import (
     EngineConfig,
     ModelConfig,
@@ -38,14 +42,14 @@ MAX_NEW = 12
 
 
 def engine(model: ModelConfig, **cfg: object) -> ReferenceEngine:
-    return ReferenceEngine(model, EngineConfig(**cfg), **pool_factories())  # type: ignore[arg-type]
+    return ReferenceEngine(model, EngineConfig(**cfg))  # type: ignore[arg-type]
 
 
 def assert_pools_free(e: ReferenceEngine) -> None:
     e.check_pools()
     assert e.block_pool.num_free == e.config.num_blocks
-    if e.slot_pool is not None:
-        assert e.slot_pool.num_free == e.config.num_ssm_slots
+    if e.ssm_slot_pool is not None:
+        assert e.ssm_slot_pool.num_free == e.config.num_ssm_slots
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -227,8 +231,8 @@ def test_prefill_role_pins_blocks_and_slot_until_released() -> None:
     assert h.first_token == colocated[0] == out.new_tokens[7]
     assert len(h.block_ids) == -(-len(PROMPTS[0]) // 16)
     assert e.block_pool.num_free == e.config.num_blocks - len(h.block_ids)
-    assert h.ssm_slot is not None and e.slot_pool is not None
-    assert e.slot_pool.num_free == e.config.num_ssm_slots - 1
+    assert h.ssm_slot is not None and e.ssm_slot_pool is not None
+    assert e.ssm_slot_pool.num_free == e.config.num_ssm_slots - 1
     e.release_pinned(h)
     assert_pools_free(e)
 
@@ -281,8 +285,8 @@ def test_manual_handoff_in_one_process_decodes_exactly_like_the_colocated_run(
 def test_resume_token_that_finishes_the_request_completes_without_a_forward() -> None:
     m = hybrid_model()
     dec = engine(m, role="decode")
-    assert dec.slot_pool is not None
-    blocks, slot = dec.block_pool.allocate(1), dec.slot_pool.allocate()
+    assert dec.ssm_slot_pool is not None
+    blocks, slot = dec.block_pool.allocate(1), dec.ssm_slot_pool.allocate()
     done = dec.admit(5, [1, 2, 3], [42], blocks, slot, max_new_tokens=1)
     assert done is not None and done.tokens == [42]
     out = dec.step()
@@ -292,24 +296,114 @@ def test_resume_token_that_finishes_the_request_completes_without_a_forward() ->
 
 def test_admit_rejects_bad_input_and_changes_nothing() -> None:
     dec = engine(hybrid_model(), role="decode", num_blocks=4, block_size_tokens=16, max_batch=1)
-    assert dec.slot_pool is not None
-    blocks, slot = dec.block_pool.allocate(2), dec.slot_pool.allocate()
+    assert dec.ssm_slot_pool is not None
+    blocks, slot = dec.block_pool.allocate(2), dec.ssm_slot_pool.allocate()
     prompt = list(range(20))
     with pytest.raises(BlockIdError, match="len\\(block_ids\\)=1 < 2"):
         dec.admit(1, prompt, [9], blocks[:1], slot, 4)
     with pytest.raises(BlockIdError, match="ssm_slot=None"):
         dec.admit(1, prompt, [9], blocks, None, 4)
-    with pytest.raises(CapacityError, match="continuation blocks"):
-        dec.admit(1, prompt, [9], blocks, slot, 60)
+    with pytest.raises(BlockIdError, match="resume_tokens"):
+        dec.admit(1, prompt, [], blocks, slot, 4)
     assert dec.block_pool.num_free == 2 and not dec.has_work
     assert dec.can_admit(20, 4, 2)
     assert dec.admit(1, prompt, [9], blocks, slot, 4) is None
     with pytest.raises(DuplicateRequestError):
         dec.admit(1, prompt, [9], blocks, slot, 4)
     assert not dec.can_admit(20, 4, 2)  # max_batch=1 is full
+    with pytest.raises(CapacityError, match="max_batch=1"):
+        dec.admit(2, prompt, [9], blocks, slot, 4)
     while dec.has_work:
         dec.step()
     assert_pools_free(dec)
+
+
+def test_an_import_the_pool_cannot_fully_reserve_grows_block_by_block() -> None:
+    m = attention_model()
+    colocated = engine(m).generate({0: PROMPTS[1], 1: PROMPTS[2]}, 30)
+    dec = engine(m, role="decode", num_blocks=11, block_size_tokens=8)
+    pre = engine(m, role="prefill", block_size_tokens=8)
+    # Request 0 (44 + 29 KV tokens) reserves all its 10 blocks; request 1 (3 + 29) gets only
+    # its prompt block, waits out the steps where no block is free, and finishes after 0.
+    got = manual_handoff(pre, dec, {0: PROMPTS[1], 1: PROMPTS[2]}, 30, _local_gather)
+    assert got == colocated
+    assert_pools_free(dec)
+
+
+def test_a_batch_where_every_request_waits_for_a_block_raises_capacity_error() -> None:
+    dec = engine(attention_model(), role="decode", num_blocks=2, block_size_tokens=4)
+    dec.admit(1, [5, 6, 7, 8], [1], dec.block_pool.allocate(1), None, 40)
+    dec.admit(2, [5, 6, 7, 8], [1], dec.block_pool.allocate(1), None, 40)
+    with pytest.raises(CapacityError, match="none is free"):
+        dec.step()
+
+
+def test_ledger_driven_imports_reuse_the_decode_prefix_cache_and_match_the_colocated_run() -> None:
+    m = attention_model()
+    shared = encode_text("The shared preamble that a second request repeats word for word. ")
+    prompts = {0: shared + encode_text("first"), 1: shared + encode_text("second one")}
+    colocated = engine(m).generate(dict(prompts), MAX_NEW)
+    pre = engine(m, role="prefill", block_size_tokens=16)
+    ledger = ImportLedger(32, 64 // 4, 0, pull=True)
+    loop = asyncio.new_event_loop()
+    try:
+        dec = ReferenceEngine(
+            m,
+            EngineConfig(role="decode", num_blocks=32, block_size_tokens=16, num_ssm_slots=0),
+            block_pool=ledger.block_pool,
+            event_loop=loop,
+        )
+        assert isinstance(dec, HandoffEngine)
+        results: dict[int, list[int]] = {}
+        for rid, prompt in prompts.items():  # one after the other: the second hits the cache
+            pre.add_request(rid, prompt, MAX_NEW)
+            (h,) = pre.step().handoffs
+            n = len(h.prompt)
+            state = assemble(pre, [read_piece(pre, h.block_ids, n, None)], n)
+            dec.expect_import(rid, h.prompt, [h.first_token], h.max_new_tokens)
+            (start,) = ledger.submit(
+                rid,
+                h.prompt,
+                src_block_ids=h.block_ids,
+                src_block_size_tokens=16,
+                resume_tokens=1,
+                deadline=10**6,
+                now=0,
+            )
+            assert start.kind == "start"
+            prompt_blocks = start.cached_block_ids + start.dst_block_ids
+            write_state(dec, state, prompt_blocks, None, token_start=start.token_start)
+            pre.release_pinned(h)
+            ledger.report(rid, start.epoch, rank=0, outcome="ok", now=1)
+            for action in ledger.admit(dec.decode_batch.can_admit(1)):
+                assert action.kind == "admit"
+                dec.decode_batch.admit(action.request_id, action.block_ids, action.ssm_slot)
+            while dec.has_work:
+                for f in dec.step().finished:
+                    results[f.request_id] = f.tokens
+            if rid == 1:
+                assert start.token_start == len(shared) // 16 * 16 > 0
+        assert results == colocated
+        ledger.check()
+        assert_pools_free(dec)
+        assert_pools_free(pre)
+    finally:
+        loop.close()
+
+
+def test_complete_without_forward_reports_the_announced_request() -> None:
+    dec = engine(attention_model(), role="decode")
+    dec.expect_import(3, [1, 2], [7], 1)
+    with pytest.raises(UnknownRequestError):
+        dec.complete_request_without_forward(4)
+    dec.complete_request_without_forward(3)
+    (done,) = dec.step().finished
+    assert (done.request_id, done.tokens) == (3, [7])
+    assert_pools_free(dec)
+
+
+def test_an_engine_without_an_event_loop_is_not_yet_a_handoff_engine() -> None:
+    assert not isinstance(engine(attention_model()), HandoffEngine)
 
 
 @given(

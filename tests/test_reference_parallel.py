@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from _reference_pools import pool_factories
 from _reference_worker import GenerateCase, HandoffCase, run_world
 from disagg_rs.reference import (
     EngineConfig,
@@ -81,7 +80,7 @@ def world_results() -> dict[str, list[dict[str, Any]]]:
 
 
 def single_process(model: ModelConfig, prompts: dict[int, list[int]]) -> dict[int, list[int]]:
-    e = ReferenceEngine(model, EngineConfig(), **pool_factories())
+    e = ReferenceEngine(model, EngineConfig())
     return e.generate(dict(prompts), MAX_NEW)  # type: ignore[arg-type]
 
 

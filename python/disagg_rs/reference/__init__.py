@@ -10,14 +10,19 @@ with prefix caching, continuous decode batching and greedy sampling.
 
 Engine protocol (DESIGN §6) as the handoff mixin uses it, on every rank of an engine:
 
-- ``block_pool`` / ``slot_pool``: the pools (``disagg_rs.BlockPool`` / ``SlotPool`` by default).
-- ``block_size_tokens``, ``num_speculative_tokens`` (0).
+It satisfies :class:`disagg_rs.engine_protocol.HandoffEngine` once given an event loop.
+
+- ``block_pool`` / ``ssm_slot_pool``: the pools (new ``disagg_rs.BlockPool`` / ``SlotPool`` by
+  default; pass a ledger's pool views so both account the same blocks).
+- ``block_size_tokens``, ``num_speculative_tokens`` (0), ``event_loop``.
 - ``kv_cache`` + ``kv_cache_layout``, ``ssm_conv_state``, ``ssm_recurrent_state``,
   ``kv_layout`` and ``ssm_layout``: what the transports register and plan with.
 - prefill role: ``step()`` returns :class:`PrefillHandoff` records (blocks and slot pinned, first
   token); ``release_pinned(handoff)`` unpins on RELEASE_KV.
-- decode role: ``can_admit(...)`` and ``admit(...)`` take a request whose state was written from
-  outside and continue decoding from its resume token.
+- decode role: ``admit(...)`` takes a request whose state was written from outside and continues
+  decoding from its resume token(s); or, ledger-driven, ``expect_import(...)`` when the request
+  arrives, then ``decode_batch.can_admit(n)`` / ``decode_batch.admit(id, block_ids, ssm_slot)``
+  or ``complete_request_without_forward(id)``.
 """
 
 from disagg_rs.reference.cache import PagedKVCache, SsmStateCache
@@ -37,15 +42,14 @@ from disagg_rs.reference.engine import (
     EngineStats,
     FinishedRequest,
     PrefillHandoff,
+    ReferenceDecodeBatch,
     ReferenceEngine,
     StepOutput,
     decode_text,
     encode_text,
 )
-from disagg_rs.reference.protocol import BlockPoolLike, SlotPoolLike
 
 __all__ = [
-    "BlockPoolLike",
     "CacheLayoutName",
     "EngineConfig",
     "EngineStats",
@@ -54,9 +58,9 @@ __all__ = [
     "ModelConfig",
     "PagedKVCache",
     "PrefillHandoff",
+    "ReferenceDecodeBatch",
     "ReferenceEngine",
     "Role",
-    "SlotPoolLike",
     "SsmStateCache",
     "StageWindow",
     "StepOutput",

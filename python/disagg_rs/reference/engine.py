@@ -20,29 +20,36 @@ Handoff surface (what the mixin and the transports read): :attr:`~ReferenceEngin
 :attr:`~ReferenceEngine.block_size_tokens`, :attr:`~ReferenceEngine.kv_layout` and
 :attr:`~ReferenceEngine.ssm_layout` of this rank, :attr:`~ReferenceEngine.ssm_conv_state` and
 :attr:`~ReferenceEngine.ssm_recurrent_state`, :attr:`~ReferenceEngine.block_pool` and
-:attr:`~ReferenceEngine.slot_pool`, :meth:`~ReferenceEngine.can_admit` and
-:meth:`~ReferenceEngine.admit`.
+:attr:`~ReferenceEngine.ssm_slot_pool`, :meth:`~ReferenceEngine.admit`, and the
+``disagg_rs.engine_protocol.HandoffEngine`` surface (:attr:`~ReferenceEngine.decode_batch`,
+:meth:`~ReferenceEngine.expect_import`,
+:meth:`~ReferenceEngine.complete_request_without_forward`, :attr:`~ReferenceEngine.event_loop`).
 
-Capacity is reserved whole at admission (prompt plus every continuation block), so a running
-request never needs a block the pool lacks and nothing is ever preempted.
+Prompts reserve their whole life's blocks at admission (prompt plus every continuation block),
+so they never wait for a block and nothing is ever preempted. Imported requests reserve the rest
+of their generation when the pool has it, else grow one block at a time as they decode (a step
+leaves out a request whose next block is not free; if that is every request, it raises
+``CapacityError``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from disagg_rs import _core
-from disagg_rs._core import KVShardLayout, SSMShardLayout
+from disagg_rs._core import BlockPool, KVShardLayout, SlotPool, SSMShardLayout
+from disagg_rs.engine_protocol import BlockAllocator, SlotAllocator
 from disagg_rs.exceptions import (
     BlockIdError,
     CapacityError,
     DuplicateRequestError,
+    GeometryMismatchError,
     HandoffStateError,
+    UnknownRequestError,
 )
 from disagg_rs.reference.cache import PagedKVCache, SsmStateCache
 from disagg_rs.reference.config import (
@@ -55,17 +62,12 @@ from disagg_rs.reference.config import (
 )
 from disagg_rs.reference.model import BatchInput, StageModel
 from disagg_rs.reference.parallel import EngineComm
-from disagg_rs.reference.protocol import (
-    BlockPoolFactory,
-    BlockPoolLike,
-    SlotPoolFactory,
-    SlotPoolLike,
-)
 
 __all__ = [
     "EngineStats",
     "FinishedRequest",
     "PrefillHandoff",
+    "ReferenceDecodeBatch",
     "ReferenceEngine",
     "StepOutput",
     "decode_text",
@@ -170,8 +172,10 @@ class ReferenceEngine:
     """One rank of a small, real engine for the byte-level hybrid model.
 
     Build it on every rank of the engine (``config.engine_ranks()``), after
-    ``torch.distributed`` is initialized when ``tp * pp > 1``. ``block_pool_factory`` and
-    ``slot_pool_factory`` default to ``disagg_rs.BlockPool`` and ``disagg_rs.SlotPool``.
+    ``torch.distributed`` is initialized when ``tp * pp > 1``. ``block_pool`` and
+    ``ssm_slot_pool`` default to a new ``disagg_rs.BlockPool`` / ``disagg_rs.SlotPool`` of the
+    configured size; pass a ledger's pools (``ImportLedger.block_pool``, ...) so that the engine
+    and the ledger draw from, and account, the same blocks.
     """
 
     num_speculative_tokens = 0
@@ -182,8 +186,9 @@ class ReferenceEngine:
         model: ModelConfig,
         config: EngineConfig,
         *,
-        block_pool_factory: BlockPoolFactory | None = None,
-        slot_pool_factory: SlotPoolFactory | None = None,
+        block_pool: BlockAllocator | None = None,
+        ssm_slot_pool: SlotAllocator | None = None,
+        event_loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self.model = model
         """Global model shape."""
@@ -218,17 +223,39 @@ class ReferenceEngine:
                 model.ssm_d_state,
             )
         self._stage = StageModel(model, window, self.comm, kv, ssm, self._kv, self._ssm)
-        block_factory = block_pool_factory or _default_block_pool
-        self.block_pool: BlockPoolLike = block_factory(config.num_blocks, config.block_size_tokens)
+        pool = (
+            block_pool
+            if block_pool is not None
+            else BlockPool(config.num_blocks, config.block_size_tokens)
+        )
+        if (pool.num_blocks, pool.block_size_tokens) != (
+            config.num_blocks,
+            config.block_size_tokens,
+        ):
+            raise GeometryMismatchError(
+                f"block_pool has num_blocks={pool.num_blocks}, block_size_tokens="
+                f"{pool.block_size_tokens}; the KV cache has num_blocks={config.num_blocks}, "
+                f"block_size_tokens={config.block_size_tokens}",
+                "block_pool",
+            )
+        self.block_pool: BlockAllocator = pool
         """KV blocks of this engine (mirrored on every rank)."""
-        self.slot_pool: SlotPoolLike | None = None
+        self.ssm_slot_pool: SlotAllocator | None = None
         """SSM slots of this engine (None for attention-only models)."""
         if model.num_ssm_layers:
-            slot_factory = slot_pool_factory or _default_slot_pool
-            self.slot_pool = slot_factory(config.num_ssm_slots)
+            slots = ssm_slot_pool if ssm_slot_pool is not None else SlotPool(config.num_ssm_slots)
+            if slots.num_slots != config.num_ssm_slots:
+                raise GeometryMismatchError(
+                    f"ssm_slot_pool has num_slots={slots.num_slots}; the SSM state has "
+                    f"num_ssm_slots={config.num_ssm_slots}",
+                    "ssm_slot_pool",
+                )
+            self.ssm_slot_pool = slots
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._done_without_forward: list[FinishedRequest] = []
+        self._expected: dict[int, tuple[list[int], list[int], int]] = {}
+        self._event_loop = event_loop
         self.stats = EngineStats()
         """Counters (steps, prompt tokens run, prefix-cache hits, decode tokens, imports)."""
 
@@ -278,7 +305,7 @@ class ReferenceEngine:
     @property
     def has_ssm(self) -> bool:
         """Whether requests need an SSM slot."""
-        return self.slot_pool is not None
+        return self.ssm_slot_pool is not None
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -317,12 +344,17 @@ class ReferenceEngine:
             )
         self._waiting.append(_Request(request_id, tokens, max_new_tokens))
 
+    def batch_room(self, num_requests: int) -> int:
+        """How many of ``num_requests`` more requests the running batch can take now."""
+        return max(0, min(num_requests, self.config.max_batch - len(self._running)))
+
     def blocks_needed(self, num_prompt_tokens: int, max_new_tokens: int) -> int:
         """KV blocks a request holds on this engine for its whole life."""
         return self._blocks_for(num_prompt_tokens, max_new_tokens)
 
     def can_admit(self, num_prompt_tokens: int, max_new_tokens: int, num_blocks_given: int) -> bool:
-        """Whether :meth:`admit` would accept such a request now (batch room and blocks)."""
+        """Whether the batch has room and the pool holds the rest of such a request's
+        generation (:meth:`admit` also accepts one it cannot reserve fully; it then grows)."""
         extra = self._blocks_for(num_prompt_tokens, max_new_tokens) - num_blocks_given
         return len(self._running) < self.config.max_batch and self.block_pool.can_allocate(
             max(extra, 0)
@@ -371,20 +403,11 @@ class ReferenceEngine:
                 "ssm_slot",
             )
         finishes = len(resume) >= max_new_tokens or self._is_eos(resume[-1])
-        extra = max(self._blocks_for(len(prompt_l), max_new_tokens) - len(blocks), 0)
-        if not finishes:
-            if len(self._running) >= self.config.max_batch:
-                raise CapacityError(
-                    f"running batch is full: {len(self._running)} >= "
-                    f"max_batch={self.config.max_batch}",
-                    "max_batch",
-                )
-            if not self.block_pool.can_allocate(extra):
-                raise CapacityError(
-                    f"request {request_id} needs {extra} continuation blocks > "
-                    f"num_free={self.block_pool.num_free}",
-                    "block_ids",
-                )
+        if not finishes and len(self._running) >= self.config.max_batch:
+            raise CapacityError(
+                f"running batch is full: {len(self._running)} >= max_batch={self.config.max_batch}",
+                "max_batch",
+            )
         req = _Request(request_id, prompt_l, max_new_tokens, resume, blocks, ssm_slot)
         req.num_computed = len(prompt_l)
         self.stats.imported_requests += 1
@@ -392,16 +415,61 @@ class ReferenceEngine:
             done = self._finish(req)
             self._done_without_forward.append(done)
             return done
-        if extra:
+        # Reserve the rest of the generation now when the pool has it; otherwise the request
+        # grows block by block as it decodes (see step).
+        extra = self._blocks_for(len(prompt_l), max_new_tokens) - len(blocks)
+        if extra > 0 and self.block_pool.can_allocate(extra):
             req.block_ids += self.block_pool.allocate(extra)
         self._running.append(req)
         return None
 
+    def expect_import(
+        self,
+        request_id: int,
+        prompt: Sequence[int],
+        resume_tokens: Sequence[int],
+        max_new_tokens: int,
+    ) -> None:
+        """Announce a handed-off request before its state arrives, for :attr:`decode_batch`.
+
+        The handoff layer calls this when SUBMIT_REQUEST_WITH_KV arrives; the later
+        ``decode_batch.admit(request_id, block_ids, ssm_slot)`` (or
+        :meth:`complete_request_without_forward`) then finds the prompt, resume tokens and
+        budget here.
+        """
+        if self.role == "prefill":
+            raise HandoffStateError(
+                "role='prefill' engine cannot admit handed-off requests", "role"
+            )
+        if request_id in self._expected:
+            raise DuplicateRequestError(f"request_id={request_id} is already expected")
+        self._validate_new(request_id, len(prompt), max_new_tokens)
+        self._expected[request_id] = (list(prompt), list(resume_tokens), max_new_tokens)
+
+    def complete_request_without_forward(self, request_id: int, result: object = None) -> None:
+        """Finish an expected request whose resume tokens already satisfy it (the ledger
+        released its state); it is reported by the next :meth:`step`. ``result`` is unused."""
+        del result
+        prompt, resume, _ = self._take_expected(request_id)
+        self._done_without_forward.append(FinishedRequest(request_id, prompt, resume))
+
+    @property
+    def decode_batch(self) -> ReferenceDecodeBatch:
+        """The admission surface of ``disagg_rs.engine_protocol.DecodeBatch``."""
+        return ReferenceDecodeBatch(self)
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop on which the handoff layer resolves futures (given at construction)."""
+        if self._event_loop is None:
+            raise AttributeError("no event loop: construct ReferenceEngine(..., event_loop=loop)")
+        return self._event_loop
+
     def release_pinned(self, handoff: PrefillHandoff) -> None:
         """Unpin a prefill handoff's blocks and SSM slot (after the decode has the state)."""
         self.block_pool.release(handoff.block_ids)
-        if handoff.ssm_slot is not None and self.slot_pool is not None:
-            self.slot_pool.free(handoff.ssm_slot)
+        if handoff.ssm_slot is not None and self.ssm_slot_pool is not None:
+            self.ssm_slot_pool.free(handoff.ssm_slot)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -411,8 +479,14 @@ class ReferenceEngine:
         out = StepOutput(finished=self._done_without_forward)
         self._done_without_forward = []
         self._admit_waiting()
-        batch_reqs = list(self._running)
+        batch_reqs = [r for r in self._running if self._grow(r)]
         if not batch_reqs:
+            if self._running:
+                raise CapacityError(
+                    f"every running request needs a block and none is free "
+                    f"(num_free={self.block_pool.num_free}, running={len(self._running)})",
+                    "num_blocks",
+                )
             return out
         batch = BatchInput.build(
             [r.tokens[r.num_computed :] for r in batch_reqs],
@@ -427,7 +501,7 @@ class ReferenceEngine:
             sampled = torch.empty(len(batch_reqs), dtype=torch.int64)
         sampled = self.comm.broadcast_tokens(sampled)
         self.stats.steps += 1
-        still: list[_Request] = []
+        ended: set[int] = set()
         for req, tok in zip(batch_reqs, sampled.tolist(), strict=True):
             if req.num_computed < len(req.prompt):
                 self.stats.prompt_tokens_computed += len(req.prompt) - req.num_computed
@@ -438,11 +512,11 @@ class ReferenceEngine:
             out.new_tokens[req.request_id] = int(tok)
             if self.role == "prefill":
                 out.handoffs.append(self._pin(req))
+                ended.add(req.request_id)
             elif len(req.generated) >= req.max_new_tokens or self._is_eos(int(tok)):
                 out.finished.append(self._finish(req))
-            else:
-                still.append(req)
-        self._running = still
+                ended.add(req.request_id)
+        self._running = [r for r in self._running if r.request_id not in ended]
         return out
 
     def generate(
@@ -460,8 +534,8 @@ class ReferenceEngine:
     def check_pools(self) -> None:
         """Run the pools' own consistency checks."""
         self.block_pool.check()
-        if self.slot_pool is not None:
-            self.slot_pool.check()
+        if self.ssm_slot_pool is not None:
+            self.ssm_slot_pool.check()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -489,6 +563,24 @@ class ReferenceEngine:
                 "max_new_tokens",
             )
 
+    def _grow(self, req: _Request) -> bool:
+        """Give ``req`` the blocks its next forward writes; False when the pool is short."""
+        short = _ceil_div(len(req.tokens), self.block_size_tokens) - len(req.block_ids)
+        if short <= 0:
+            return True
+        if not self.block_pool.can_allocate(short):
+            return False
+        req.block_ids += self.block_pool.allocate(short)
+        return True
+
+    def _take_expected(self, request_id: int) -> tuple[list[int], list[int], int]:
+        meta = self._expected.pop(request_id, None)
+        if meta is None:
+            raise UnknownRequestError(
+                f"request_id={request_id} was never announced (expect_import)"
+            )
+        return meta
+
     def _prefix_reusable(self) -> bool:
         # A cached KV prefix only skips compute when no SSM state must be rebuilt over it.
         return self.config.enable_prefix_caching and not self.has_ssm
@@ -497,7 +589,7 @@ class ReferenceEngine:
         pool = self.block_pool
         while self._waiting and len(self._running) < self.config.max_batch:
             req = self._waiting[0]
-            if self.slot_pool is not None and self.slot_pool.num_free < 1:
+            if self.ssm_slot_pool is not None and self.ssm_slot_pool.num_free < 1:
                 return
             total = self._blocks_for(len(req.prompt), req.max_new_tokens)
             matched: list[int] = []
@@ -514,8 +606,8 @@ class ReferenceEngine:
             req.block_ids = matched + pool.allocate(total - len(matched))
             req.num_computed = len(matched) * self.block_size_tokens
             self.stats.prefix_hit_tokens += req.num_computed
-            if self.slot_pool is not None:
-                req.ssm_slot = self.slot_pool.allocate()
+            if self.ssm_slot_pool is not None:
+                req.ssm_slot = self.ssm_slot_pool.allocate()
             self._running.append(req)
 
     def _publish(self, req: _Request, num_tokens: int) -> None:
@@ -538,26 +630,29 @@ class ReferenceEngine:
     def _finish(self, req: _Request) -> FinishedRequest:
         self._publish(req, req.num_computed)
         self.block_pool.release(req.block_ids)
-        if req.ssm_slot is not None and self.slot_pool is not None:
-            self.slot_pool.free(req.ssm_slot)
+        if req.ssm_slot is not None and self.ssm_slot_pool is not None:
+            self.ssm_slot_pool.free(req.ssm_slot)
         return FinishedRequest(req.request_id, req.prompt, req.generated)
 
 
-def _core_class(name: str) -> Any:
-    """A pool class of the Rust extension (``BlockPool`` / ``SlotPool``)."""
-    cls = getattr(_core, name, None)
-    if cls is None:
-        raise RuntimeError(
-            f"disagg_rs._core has no {name} in this build; pass {name[:-4].lower()}_pool_factory"
-        )
-    return cls
+class ReferenceDecodeBatch:
+    """``disagg_rs.engine_protocol.DecodeBatch`` over a :class:`ReferenceEngine`: admits
+    requests announced with :meth:`ReferenceEngine.expect_import`."""
 
+    def __init__(self, engine: ReferenceEngine) -> None:
+        self._engine = engine
 
-def _default_block_pool(num_blocks: int, block_size_tokens: int) -> BlockPoolLike:
-    pool: BlockPoolLike = _core_class("BlockPool")(num_blocks, block_size_tokens)
-    return pool
+    def can_admit(self, num_requests: int) -> int:
+        """How many of ``num_requests`` ready imports fit in the running batch now."""
+        return self._engine.batch_room(num_requests)
 
-
-def _default_slot_pool(num_slots: int) -> SlotPoolLike:
-    pool: SlotPoolLike = _core_class("SlotPool")(num_slots)
-    return pool
+    def admit(self, request_id: int, block_ids: Sequence[int], ssm_slot: int | None) -> None:
+        """Admit an announced request; it takes over one reference on each block and the
+        slot (a slot detached from a ledger's pool is freed by the engine when it ends)."""
+        engine = self._engine
+        prompt, resume, max_new = engine._take_expected(request_id)
+        try:
+            engine.admit(request_id, prompt, resume, block_ids, ssm_slot, max_new)
+        except Exception:
+            engine._expected[request_id] = (prompt, resume, max_new)
+            raise
