@@ -22,6 +22,7 @@ from disagg_rs.reference.config import CacheLayoutName
 __all__ = ["PagedKVCache", "SsmStateCache"]
 
 DTYPE = torch.float64
+"""Element type of every cache: float64, so that TP layouts agree to rounding."""
 
 
 class PagedKVCache:
@@ -52,7 +53,9 @@ class PagedKVCache:
         """Channels per head."""
         b, t, h, d = num_blocks, block_size_tokens, num_heads, head_dim
         self.megatron: torch.Tensor | None = None
+        """The ``[2, L, B, T, H, d]`` tensor of the ``megatron`` layout (else None)."""
         self.per_layer: list[torch.Tensor] = []
+        """One tensor per local layer in the ``nhd`` / ``hnd`` layouts (else empty)."""
         if layout == "megatron":
             self.megatron = torch.zeros((2, num_layers, b, t, h, d), dtype=DTYPE)
         elif layout == "nhd":

@@ -69,7 +69,7 @@ class BatchInput:
         seq_ids = torch.repeat_interleave(torch.arange(len(new_tokens)), num_new)
         first = torch.cumsum(num_new, 0) - num_new
         offsets = torch.arange(int(num_new.sum())) - first[seq_ids]
-        flat = torch.tensor([t for seq in new_tokens for t in seq], dtype=torch.int64)
+        flat = torch.cat([torch.tensor(seq, dtype=torch.int64) for seq in new_tokens])
         table = torch.nn.utils.rnn.pad_sequence(
             [torch.tensor(b, dtype=torch.int64) for b in block_ids], batch_first=True
         )

@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 DTYPE = torch.float64
+"""Element type of every weight and activation (float64: layouts agree to rounding)."""
 
 
 def global_tensor(
