@@ -28,6 +28,7 @@ class Piece:
     heads: tuple[int, int] | None
     conv: torch.Tensor | None  # [L_local, C_local, K]
     recurrent: torch.Tensor | None  # [L_local, H_local, p, n]
+    first_token: int | None = None  # set by harnesses that ship it with the state
 
 
 def _token_index(

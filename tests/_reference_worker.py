@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from _reference_state import Piece, manual_handoff
+from _reference_state import Piece, assemble, manual_handoff, read_piece, write_state
 from disagg_rs.reference import EngineConfig, ModelConfig, ReferenceEngine
 
 TIMEOUT_S = 120.0
@@ -47,6 +47,66 @@ class HandoffCase:
     max_new_tokens: int
 
 
+@dataclass(frozen=True)
+class SplitHandoffCase:
+    """Prefill and decode engines on disjoint ranks of one world (the disaggregated setup)."""
+
+    model: ModelConfig
+    prefill: EngineConfig
+    decode: EngineConfig
+    prompts: dict[int, list[int]]
+    max_new_tokens: int
+
+
+def _run_split(case: SplitHandoffCase) -> dict[str, Any]:
+    me = dist.get_rank()
+    pre = dec = None
+    if me in case.prefill.engine_ranks():
+        pre = ReferenceEngine(case.model, case.prefill)
+    if me in case.decode.engine_ranks():
+        dec = ReferenceEngine(case.model, case.decode)
+    handoffs = {}
+    if pre is not None:
+        for rid, prompt in case.prompts.items():
+            pre.add_request(rid, prompt, case.max_new_tokens)
+        while pre.has_work:
+            handoffs.update({h.request_id: h for h in pre.step().handoffs})
+    tokens: dict[int, list[int]] = {}
+    for rid in sorted(case.prompts):
+        n = len(case.prompts[rid])
+        piece = None
+        if pre is not None:
+            h = handoffs[rid]
+            piece = read_piece(pre, h.block_ids, n, h.ssm_slot)
+            piece.first_token = h.first_token
+        pieces: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(pieces, piece)
+        if pre is not None:
+            pre.release_pinned(handoffs[rid])
+        if dec is not None:
+            state = assemble(dec, [p for p in pieces if p is not None], n)
+            blocks = dec.block_pool.allocate(-(-n // dec.block_size_tokens))
+            slot = dec.ssm_slot_pool.allocate() if dec.ssm_slot_pool is not None else None
+            write_state(dec, state, blocks, slot)
+            first = pieces_first_token(pieces, rid)
+            dec.admit(rid, case.prompts[rid], [first], blocks, slot, case.max_new_tokens)
+            for f in dec.step().finished:
+                tokens[f.request_id] = f.tokens
+    if dec is not None:
+        while dec.has_work:
+            for f in dec.step().finished:
+                tokens[f.request_id] = f.tokens
+    pools = [_pool_report(e) for e in (pre, dec) if e is not None]
+    return {"tokens": tokens, "pools": pools, "role": "prefill" if pre is not None else "decode"}
+
+
+def pieces_first_token(pieces: list[Any], rid: int) -> int:
+    """The prefill's first token travels with the pieces (every prefill rank sends it)."""
+    firsts = {p.first_token for p in pieces if p is not None}
+    assert len(firsts) == 1, f"request {rid}: prefill ranks disagree on the first token {firsts}"
+    return int(firsts.pop())
+
+
 def _pool_report(engine: ReferenceEngine) -> dict[str, int]:
     engine.check_pools()
     slots = engine.ssm_slot_pool
@@ -58,7 +118,9 @@ def _pool_report(engine: ReferenceEngine) -> dict[str, int]:
     }
 
 
-def _run_case(case: GenerateCase | HandoffCase) -> dict[str, Any]:
+def _run_case(case: GenerateCase | HandoffCase | SplitHandoffCase) -> dict[str, Any]:
+    if isinstance(case, SplitHandoffCase):
+        return _run_split(case)
     if isinstance(case, GenerateCase):
         eng = ReferenceEngine(case.model, case.config)
         rounds = []

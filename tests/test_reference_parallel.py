@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from _reference_worker import GenerateCase, HandoffCase, run_world
+from _reference_worker import GenerateCase, HandoffCase, SplitHandoffCase, run_world
 from disagg_rs.reference import (
     EngineConfig,
     ModelConfig,
@@ -128,3 +128,19 @@ def test_manual_handoff_across_layouts_decodes_exactly_like_the_colocated_run(
     for rank_result in world_results[case]:
         assert rank_result["tokens"] == expected
     assert_all_pools_free(world_results[case])
+
+
+def test_prefill_tp2_and_decode_tp1_on_disjoint_ranks_match_the_colocated_run() -> None:
+    """Three processes: a TP2 prefill engine on ranks 0-1 (its own subgroup) and a TP1 decode
+    engine on rank 2, as the disaggregated demo runs them."""
+    case = SplitHandoffCase(
+        hybrid_model(),
+        EngineConfig(tp=2, ranks=(0, 1), role="prefill", cache_layout="nhd"),
+        EngineConfig(ranks=(2,), role="decode", cache_layout="megatron", block_size_tokens=64),
+        PROMPTS,
+        MAX_NEW,
+    )
+    (rank0, rank1, rank2) = [r[0] for r in run_world(3, [case])]
+    assert rank2["role"] == "decode" and rank0["role"] == rank1["role"] == "prefill"
+    assert rank2["tokens"] == single_process(hybrid_model(), PROMPTS)
+    assert_all_pools_free([rank0, rank1, rank2])

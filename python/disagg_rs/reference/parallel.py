@@ -19,12 +19,28 @@ from disagg_rs.reference.config import EngineConfig
 __all__ = ["EngineComm"]
 
 
+_GROUPS: dict[tuple[int, ...], Any] = {}
+"""Subgroups made so far, by sorted member ranks, for the current default group."""
+_GROUPS_WORLD: list[Any] = [None]
+"""The default group ``_GROUPS`` belongs to (a re-initialized world starts afresh)."""
+
+
 def _group(ranks: tuple[int, ...]) -> Any:
     """A process group over ``ranks``: the default group when it is the whole world (None),
-    else a new group that only its members create (others need not take part)."""
-    if len(ranks) == dist.get_world_size() and sorted(ranks) == list(range(len(ranks))):
+    else a group that only its members create (others need not take part).
+
+    Groups are reused by member set: locally synchronized groups are named by a hash of their
+    ranks, so creating a second one over the same ranks would collide.
+    """
+    members = tuple(sorted(ranks))
+    if members == tuple(range(dist.get_world_size())):
         return None
-    return dist.new_group(list(ranks), use_local_synchronization=True)
+    if _GROUPS_WORLD[0] is not dist.group.WORLD:
+        _GROUPS.clear()
+        _GROUPS_WORLD[0] = dist.group.WORLD
+    if members not in _GROUPS:
+        _GROUPS[members] = dist.new_group(list(members), use_local_synchronization=True)
+    return _GROUPS[members]
 
 
 class EngineComm:
