@@ -21,7 +21,7 @@ from disagg_rs.exceptions import (
     HandoffStateError,
     UnknownRequestError,
 )
-from disagg_rs.ledger import ImportLedger
+from disagg_rs.ledger import ImportLedger, PinLedger
 from disagg_rs.reference import (
     EngineConfig,
     ModelConfig,
@@ -234,6 +234,25 @@ def test_prefill_role_pins_blocks_and_slot_until_released() -> None:
     assert h.ssm_slot is not None and e.ssm_slot_pool is not None
     assert e.ssm_slot_pool.num_free == e.config.num_ssm_slots - 1
     e.release_pinned(h)
+    assert_pools_free(e)
+
+
+def test_a_pin_ledger_sharing_the_engine_pools_can_take_over_a_prefill_handoff() -> None:
+    pins = PinLedger(64, 16, 8)
+    e = ReferenceEngine(
+        hybrid_model(),
+        EngineConfig(role="prefill", block_size_tokens=16),
+        block_pool=pins.block_pool,
+        ssm_slot_pool=pins.slot_pool,
+    )
+    e.add_request(1, PROMPTS[0], MAX_NEW)
+    (h,) = e.step().handoffs
+    pins.pin(1, h.block_ids, h.ssm_slot, lease_until=100, now=0)
+    e.block_pool.release(h.block_ids)  # the engine's reference ends; the pin's remains
+    assert e.block_pool.num_free == 64 - len(h.block_ids)
+    (released,) = pins.release(1)  # RELEASE_KV
+    assert released.kind == "release"
+    pins.check()
     assert_pools_free(e)
 
 

@@ -106,8 +106,10 @@ class PrefillHandoff:
     """A prompt finished on a prefill-role engine, with its state pinned for the handoff.
 
     ``block_ids[i]`` holds prompt positions ``[i * block_size, (i + 1) * block_size)``; the SSM
-    slot holds the state after the whole prompt. Both stay pinned until
-    :meth:`ReferenceEngine.release_pinned`.
+    slot holds the state after the whole prompt. The handoff owns one reference on each block
+    and the slot until :meth:`ReferenceEngine.release_pinned`. A ``PinLedger`` that shares the
+    engine's pools can take them over instead: ``pins.pin(id, block_ids, ssm_slot, ...)``
+    (which retains the blocks and takes the slot), then ``engine.block_pool.release(block_ids)``.
     """
 
     request_id: int
