@@ -139,16 +139,20 @@ def write_state(
         blk, off = blk[token_start:], off[token_start:]
         (l0, l1), (h0, h1) = kv_layout.layers, kv_layout.heads
         for i, plane in enumerate(_kv_planes(engine)):
-            plane[:, blk, off] = state.kv[l0 + i, :, token_start:, h0:h1]
+            plane[:, blk, off] = state.kv[l0 + i, :, token_start:, h0:h1].to(plane.device)
     if ssm_layout is not None:
         assert slot is not None and state.conv is not None and state.recurrent is not None
         assert engine.ssm_conv_state is not None and engine.ssm_recurrent_state is not None
         l0, l1 = ssm_layout.layers
         for b in ("x", "B", "C"):
             (g0, g1), (c0, c1) = ssm_layout.band(b)
-            engine.ssm_conv_state[:, slot, c0:c1] = state.conv[l0:l1, g0:g1]
+            engine.ssm_conv_state[:, slot, c0:c1] = state.conv[l0:l1, g0:g1].to(
+                engine.ssm_conv_state.device
+            )
         h0, h1 = ssm_layout.heads
-        engine.ssm_recurrent_state[:, slot] = state.recurrent[l0:l1, h0:h1]
+        engine.ssm_recurrent_state[:, slot] = state.recurrent[l0:l1, h0:h1].to(
+            engine.ssm_recurrent_state.device
+        )
 
 
 def manual_handoff(

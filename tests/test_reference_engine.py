@@ -443,3 +443,29 @@ def test_tokens_do_not_depend_on_layout_block_size_or_batching(
     )
     assert e.generate(dict(reqs), max_new) == alone  # type: ignore[arg-type]
     assert_pools_free(e)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("layout", ["megatron", "nhd", "hnd"])
+def test_a_cuda_engine_generates_the_same_tokens_as_the_cpu_engine(layout: str) -> None:
+    expected = engine(hybrid_model()).generate(dict(PROMPTS), MAX_NEW)
+    e = engine(hybrid_model(), cache_layout=layout, device="cuda")
+    assert e.generate(dict(PROMPTS), MAX_NEW) == expected
+    kv = e.kv_cache
+    assert (kv if isinstance(kv, torch.Tensor) else kv[0]).is_cuda
+    assert_pools_free(e)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_cuda_prefill_hands_off_to_a_cpu_decode_that_matches_the_colocated_run() -> None:
+    colocated = engine(hybrid_model()).generate(dict(PROMPTS), MAX_NEW)
+    pre = engine(hybrid_model(), role="prefill", device="cuda", cache_layout="hnd")
+    dec = engine(hybrid_model(), role="decode", block_size_tokens=64)
+    assert manual_handoff(pre, dec, dict(PROMPTS), MAX_NEW, _local_gather) == colocated
+    assert_pools_free(pre)
+    assert_pools_free(dec)

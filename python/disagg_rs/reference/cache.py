@@ -36,6 +36,7 @@ class PagedKVCache:
         block_size_tokens: int,
         num_heads: int,
         head_dim: int,
+        device: str | torch.device = "cpu",
     ) -> None:
         if layout not in ("megatron", "nhd", "hnd"):
             raise ValueError(f"cache_layout={layout!r} is not one of 'megatron', 'nhd', 'hnd'")
@@ -57,11 +58,12 @@ class PagedKVCache:
         self.per_layer: list[torch.Tensor] = []
         """One tensor per local layer in the ``nhd`` / ``hnd`` layouts (else empty)."""
         if layout == "megatron":
-            self.megatron = torch.zeros((2, num_layers, b, t, h, d), dtype=DTYPE)
-        elif layout == "nhd":
-            self.per_layer = [torch.zeros((2, b, t, h, d), dtype=DTYPE) for _ in range(num_layers)]
+            self.megatron = torch.zeros((2, num_layers, b, t, h, d), dtype=DTYPE, device=device)
         else:
-            self.per_layer = [torch.zeros((2, b, h, t, d), dtype=DTYPE) for _ in range(num_layers)]
+            shape = (2, b, t, h, d) if layout == "nhd" else (2, b, h, t, d)
+            self.per_layer = [
+                torch.zeros(shape, dtype=DTYPE, device=device) for _ in range(num_layers)
+            ]
 
     @property
     def tensors(self) -> torch.Tensor | list[torch.Tensor]:
@@ -99,7 +101,7 @@ class PagedKVCache:
         positions past each sequence's end).
         """
         kc, vc = self.layer_views(layer)
-        pos = torch.arange(length)
+        pos = torch.arange(length, device=block_table.device)
         blocks = block_table[:, pos // self.block_size_tokens]
         offsets = (pos % self.block_size_tokens).expand_as(blocks)
         return kc[blocks, offsets], vc[blocks, offsets]
@@ -118,10 +120,13 @@ class SsmStateCache:
         num_heads: int,
         head_dim: int,
         d_state: int,
+        device: str | torch.device = "cpu",
     ) -> None:
-        self.conv = torch.zeros((num_layers, num_slots, conv_channels, d_conv), dtype=DTYPE)
+        self.conv = torch.zeros(
+            (num_layers, num_slots, conv_channels, d_conv), dtype=DTYPE, device=device
+        )
         """Last ``d_conv`` conv inputs per channel (most recent last)."""
         self.recurrent = torch.zeros(
-            (num_layers, num_slots, num_heads, head_dim, d_state), dtype=DTYPE
+            (num_layers, num_slots, num_heads, head_dim, d_state), dtype=DTYPE, device=device
         )
         """Recurrent state per head."""

@@ -196,6 +196,10 @@ class EngineConfig:
     cached prefix's compute; hybrid models still run it because the SSM state is not cached)."""
     eos_token: int | None = None
     """Token that finishes a request early, if any."""
+    device: str = "cpu"
+    """Torch device of weights, caches and activations (``cpu``, ``cuda``, ``cuda:1``). A
+    multi-rank engine needs a default process group whose backend serves it (gloo: cpu,
+    NCCL: cuda)."""
 
     def windows(self, model: ModelConfig) -> list[StageWindow]:
         """The model-layer window ``[lo, hi)`` of every pipeline stage."""

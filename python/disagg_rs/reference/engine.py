@@ -210,6 +210,7 @@ class ReferenceEngine:
             config.block_size_tokens,
             kv.heads_per_partition if kv is not None else model.num_kv_heads,
             model.head_dim,
+            config.device,
         )
         ssm = self._ssm_layout
         self._ssm: SsmStateCache | None = None
@@ -223,8 +224,11 @@ class ReferenceEngine:
                 h_hi - h_lo,
                 model.ssm_head_dim,
                 model.ssm_d_state,
+                config.device,
             )
-        self._stage = StageModel(model, window, self.comm, kv, ssm, self._kv, self._ssm)
+        self._stage = StageModel(
+            model, window, self.comm, kv, ssm, self._kv, self._ssm, config.device
+        )
         pool = (
             block_pool
             if block_pool is not None
@@ -495,12 +499,13 @@ class ReferenceEngine:
             [r.num_computed for r in batch_reqs],
             [r.block_ids for r in batch_reqs],
             [r.ssm_slot or 0 for r in batch_reqs],
+            self.config.device,
         )
         logits = self._stage.forward(batch)
         if logits is not None:
             sampled = torch.argmax(logits, dim=-1)
         else:
-            sampled = torch.empty(len(batch_reqs), dtype=torch.int64)
+            sampled = torch.empty(len(batch_reqs), dtype=torch.int64, device=self.config.device)
         sampled = self.comm.broadcast_tokens(sampled)
         self.stats.steps += 1
         ended: set[int] = set()

@@ -10,7 +10,8 @@ which lets a whole prompt and a single decode step share the same code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +63,10 @@ class BatchInput:
         starts: list[int],
         block_ids: list[list[int]],
         ssm_slots: list[int],
+        device: str | torch.device = "cpu",
     ) -> BatchInput:
-        """Pack per-sequence lists (one entry per sequence) into flat and padded tensors."""
+        """Pack per-sequence lists (one entry per sequence) into flat and padded tensors on
+        ``device``."""
         num_new = torch.tensor([len(t) for t in new_tokens], dtype=torch.int64)
         start_t = torch.tensor(starts, dtype=torch.int64)
         seq_ids = torch.repeat_interleave(torch.arange(len(new_tokens)), num_new)
@@ -74,14 +77,14 @@ class BatchInput:
             [torch.tensor(b, dtype=torch.int64) for b in block_ids], batch_first=True
         )
         return cls(
-            tokens=flat,
-            positions=start_t[seq_ids] + offsets,
-            seq_ids=seq_ids,
-            offsets=offsets,
-            num_new=num_new,
-            starts=start_t,
-            block_table=table,
-            ssm_slots=torch.tensor(ssm_slots, dtype=torch.int64),
+            tokens=flat.to(device),
+            positions=(start_t[seq_ids] + offsets).to(device),
+            seq_ids=seq_ids.to(device),
+            offsets=offsets.to(device),
+            num_new=num_new.to(device),
+            starts=start_t.to(device),
+            block_table=table.to(device),
+            ssm_slots=torch.tensor(ssm_slots, dtype=torch.int64).to(device),
         )
 
     @property
@@ -105,6 +108,15 @@ class BatchInput:
         return padded[self.seq_ids, self.offsets]
 
 
+_W = TypeVar("_W", AttentionWeights, SsmWeights, MlpWeights)
+
+
+def _moved(weights: _W, device: str | torch.device) -> _W:
+    """``weights`` with every tensor on ``device``."""
+    moved = {f.name: getattr(weights, f.name).to(device) for f in fields(weights)}
+    return replace(weights, **moved)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
@@ -112,7 +124,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def _rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     """Rotary embedding of ``x`` ``[N, H, d]`` at ``positions`` ``[N]`` (rotate-half form)."""
     half = x.shape[-1] // 2
-    inv = base ** (-torch.arange(half, dtype=DTYPE) / half)
+    inv = base ** (-torch.arange(half, dtype=DTYPE, device=x.device) / half)
     ang = positions.to(DTYPE)[:, None] * inv[None, :]
     cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
@@ -131,6 +143,7 @@ class StageModel:
         ssm_layout: SSMShardLayout | None,
         kv_cache: PagedKVCache,
         ssm_cache: SsmStateCache | None,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.model = model
         """Global model shape."""
@@ -147,21 +160,28 @@ class StageModel:
         # (kind, local cache index, mixer weights, mlp weights) per layer of the stage.
         self.layers: list[tuple[str, int, AttentionWeights | SsmWeights, MlpWeights]] = []
         for layer in range(window.lo, window.hi):
-            mlp = MlpWeights.build(model, layer, comm.tp, comm.tp_rank)
+            mlp = _moved(MlpWeights.build(model, layer, comm.tp, comm.tp_rank), device)
             if model.layer_kinds[layer] == "attention":
                 assert kv_layout is not None  # a stage with an attention layer has a KV layout
                 local = model.kind_index(layer) - attn_lo
                 self.layers.append(
-                    ("attention", local, AttentionWeights.build(model, layer, kv_layout), mlp)
+                    (
+                        "attention",
+                        local,
+                        _moved(AttentionWeights.build(model, layer, kv_layout), device),
+                        mlp,
+                    )
                 )
             else:
                 assert ssm_layout is not None  # a stage with an SSM layer has an SSM layout
                 local = model.kind_index(layer) - ssm_lo
-                self.layers.append(("ssm", local, SsmWeights.build(model, layer, ssm_layout), mlp))
+                self.layers.append(
+                    ("ssm", local, _moved(SsmWeights.build(model, layer, ssm_layout), device), mlp)
+                )
         h, v = model.hidden, model.vocab_size
-        self.embedding = global_tensor(model, -1, "embedding", (v, h)) * h**0.5
-        self.final_norm = 1.0 + 0.1 * global_tensor(model, -1, "final_norm", (h,))
-        self.lm_head = global_tensor(model, -1, "lm_head", (v, h))
+        self.embedding = (global_tensor(model, -1, "embedding", (v, h)) * h**0.5).to(device)
+        self.final_norm = (1.0 + 0.1 * global_tensor(model, -1, "final_norm", (h,))).to(device)
+        self.lm_head = global_tensor(model, -1, "lm_head", (v, h)).to(device)
 
     def forward(self, batch: BatchInput) -> torch.Tensor | None:
         """Run the stage on ``batch``; return next-token logits ``[S, vocab]`` on the last stage
@@ -170,7 +190,7 @@ class StageModel:
         if self.comm.is_first_stage:
             x = self.embedding[batch.tokens]
         else:
-            x = self.comm.recv_prev((n, self.model.hidden), DTYPE)
+            x = self.comm.recv_prev((n, self.model.hidden), DTYPE, self.lm_head.device)
         eps = self.model.rms_eps
         for kind, local, weights, mlp in self.layers:
             h = _rms_norm(x, mlp.norm_mix, eps)
@@ -204,8 +224,9 @@ class StageModel:
         keys, values = self.kv_cache.gather(local, batch.block_table, length)
         keys, values = keys[:, :, w.q_to_kv], values[:, :, w.q_to_kv]  # GQA: [S, L, hq, d]
         qp = batch.pad(q)  # [S, Q, hq, d]
-        qpos = batch.starts[:, None] + torch.arange(batch.max_new)[None, :]  # [S, Q]
-        kpos = torch.arange(length)
+        dev = x.device
+        qpos = batch.starts[:, None] + torch.arange(batch.max_new, device=dev)[None, :]  # [S, Q]
+        kpos = torch.arange(length, device=dev)
         scores = torch.einsum("sqhd,skhd->shqk", qp, keys) / d**0.5
         visible = kpos[None, None, None, :] <= qpos[:, None, :, None]
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
@@ -235,7 +256,8 @@ class StageModel:
         windows = u.unfold(2, kw, 1)  # [S, C, Q + 1, K]: window i covers u[i : i + K]
         conv = torch.einsum("sctk,ck->stc", windows[:, :, 1:], w.conv_w) + w.conv_b
         xbc_c = F.silu(batch.unpad(conv))  # [N, C]
-        keep = (batch.num_new[:, None, None] + torch.arange(kw)).expand(s_count, channels, kw)
+        keep = batch.num_new[:, None, None] + torch.arange(kw, device=x.device)
+        keep = keep.expand(s_count, channels, kw)
         cache.conv[local, slots] = torch.gather(u, 2, keep)
 
         xs = xbc_c[:, : hl * p].view(n, hl, p)
@@ -249,7 +271,7 @@ class StageModel:
         xdt = batch.pad(xs * dt[..., None])  # [S, Q, hl, p]
         bp, cp = batch.pad(b_h), batch.pad(c_h)  # [S, Q, hl, n]
         q = batch.max_new
-        causal = torch.ones((q, q), dtype=torch.bool).tril()
+        causal = torch.ones((q, q), dtype=torch.bool, device=x.device).tril()
         seg = cum[:, :, None, :] - cum[:, None, :, :]  # [S, t, u, hl]
         decay = torch.exp(seg.masked_fill(~causal[None, :, :, None], float("-inf")))
         cb = torch.einsum("sthn,suhn->stuh", cp, bp)

@@ -102,9 +102,11 @@ class EngineComm:
         """Send activations to the same TP rank of the next stage."""
         dist.send(t.contiguous(), dst=self.ranks[(self.pp_rank + 1) * self.tp + self.tp_rank])
 
-    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def recv_prev(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         """Receive activations of ``shape`` from the same TP rank of the previous stage."""
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(t, src=self.ranks[(self.pp_rank - 1) * self.tp + self.tp_rank])
         return t
 
