@@ -44,10 +44,10 @@ def global_tensor(
     return t
 
 
-def shard_range(total: int, tp: int, rank: int) -> tuple[int, int]:
-    """Even split ``[lo, hi)`` of ``total`` units for TP rank ``rank`` of ``tp``."""
+def shard_range(total: int, tp: int, rank: int, what: str = "units") -> tuple[int, int]:
+    """Even split ``[lo, hi)`` of ``total`` units (named ``what``) for TP rank ``rank``."""
     if total % tp:
-        raise ValueError(f"{total} units are not divisible by tp={tp}")
+        raise ValueError(f"{what}={total} is not divisible by tp={tp}")
     per = total // tp
     return rank * per, (rank + 1) * per
 
@@ -55,7 +55,7 @@ def shard_range(total: int, tp: int, rank: int) -> tuple[int, int]:
 def q_head_range(model: ModelConfig, tp: int, rank: int) -> tuple[int, int]:
     """Query heads ``[lo, hi)`` of a TP rank: an even split, which keeps each rank's queries on
     the KV head(s) that :class:`KVShardLayout` gives it, GQA replication included."""
-    return shard_range(model.num_q_heads, tp, rank)
+    return shard_range(model.num_q_heads, tp, rank, "num_q_heads")
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class MlpWeights:
     def build(cls, model: ModelConfig, layer: int, tp: int, tp_rank: int) -> MlpWeights:
         """Slice layer ``layer``'s MLP for TP rank ``tp_rank`` of ``tp``."""
         h, f = model.hidden, model.mlp_hidden
-        lo, hi = shard_range(f, tp, tp_rank)
+        lo, hi = shard_range(f, tp, tp_rank, "mlp_hidden")
         return cls(
             norm_mix=1.0 + 0.1 * global_tensor(model, layer, "norm_mix", (h,)),
             norm_mlp=1.0 + 0.1 * global_tensor(model, layer, "norm_mlp", (h,)),
