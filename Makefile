@@ -53,6 +53,7 @@ demo: build ## Run the main job (today: plan a TP8 -> TP4xPP2 reshard and print 
 .PHONY: bench
 bench: build ## Run the benchmarks and write benches/RESULTS.md
 	$(PY) benches/bench_planner.py --write benches/RESULTS.md
+	$(PY) benches/bench_ledger.py --write benches/RESULTS.md
 	$(PY) benches/bench_reference.py --write benches/RESULTS.md
 
 .PHONY: clean

@@ -348,3 +348,27 @@ def test_quorum_needs_every_rank_and_reports_the_first_failure_once() -> None:
         q.report(2, 1, 0, "ok")
     with pytest.raises(exceptions.ArgumentError):
         q.report(2, 1, 3, "ok")
+
+
+def test_engine_releasing_a_block_the_ledger_holds_fails_the_conservation_check() -> None:
+    ledger = ImportLedger(8, BS)
+    (start,) = submit(ledger, 1, 4)
+    ledger.block_pool.release(start.dst_block_ids)  # a bug in the engine
+    with pytest.raises(exceptions.ConservationError) as info:
+        ledger.check()
+    assert f"block {start.dst_block_ids[0]}" in str(info.value)
+
+
+def test_readme_example_admits_after_every_rank_reports_ok() -> None:
+    ledger = ImportLedger(
+        num_blocks=64, block_size_tokens=16, num_ssm_slots=4, world_size=2, rank=0
+    )
+    (start,) = ledger.submit(
+        7, list(range(40)), src_block_ids=[3, 4, 5], resume_tokens=1, has_ssm=True,
+        deadline=10_000, now=0,
+    )  # fmt: skip
+    assert ledger.report(7, start.epoch, rank=0, outcome="ok", now=5) == []
+    assert ledger.report(7, start.epoch, rank=1, outcome="ok", now=6) == []
+    (adm,) = ledger.admit(batch_room=8)
+    assert (adm.kind, adm.block_ids, adm.ssm_slot) == ("admit", start.dst_block_ids, start.ssm_slot)
+    ledger.check()

@@ -238,6 +238,15 @@ class ImportLedgerMachine(RuleBasedStateMachine):
             self.ledger.slot_pool.free(slot)
         self.apply(self.ledger.poll(self.now))
 
+    @rule(n=st.integers(0, 4))
+    def engine_allocates_its_own_blocks(self, n: int) -> None:
+        pool = self.ledger.block_pool
+        if not pool.can_allocate(n):
+            with pytest.raises(exceptions.CapacityError):
+                pool.allocate(n)
+            return
+        self.engine.append((pool.allocate(n), None))
+
     @rule()
     def reset(self) -> None:
         may_write = [

@@ -12,7 +12,8 @@ use pyo3::prelude::*;
 
 use crate::error::{to_pyerr, IntoPyResult};
 use crate::pool::{
-    ids_arg, lock, u32_arg, u64_arg, BlockPoolOwner, PyBlockPool, PySlotPool, SlotPoolOwner,
+    ids_arg, lock, tokens_arg, u32_arg, u64_arg, BlockPoolOwner, PyBlockPool, PySlotPool,
+    SlotPoolOwner,
 };
 
 /// One action of a ledger, tagged by `kind`; the fields a kind does not use are empty.
@@ -186,7 +187,7 @@ impl PyImportLedger {
         &self,
         py: Python<'_>,
         request_id: i64,
-        prompt_tokens: Option<Vec<i64>>,
+        prompt_tokens: Option<&Bound<'_, PyAny>>,
         num_prompt_tokens: Option<i64>,
         prompt_hashes: Option<Vec<u64>>,
         src_block_ids: Vec<i64>,
@@ -198,6 +199,7 @@ impl PyImportLedger {
         now: i64,
     ) -> PyResult<Vec<PyLedgerAction>> {
         let request_id = u64_arg("request_id", request_id)?;
+        let prompt_tokens = prompt_tokens.map(tokens_arg).transpose()?;
         let src_block_ids = ids_arg("src_block_ids", &src_block_ids)?;
         let resume_tokens = u32_arg("resume_tokens", resume_tokens)?;
         let deadline = u64_arg("deadline", deadline)?;

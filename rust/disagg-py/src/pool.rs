@@ -6,8 +6,10 @@
 use std::sync::{Arc, Mutex};
 
 use disagg_core::{BlockPool, DisaggError, ImportLedger, PinLedger, SlotPool, SlotState};
+use numpy::PyReadonlyArray1;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 
 use crate::error::{to_pyerr, IntoPyResult};
 
@@ -41,6 +43,26 @@ pub fn u32_arg(field: &str, v: i64) -> PyResult<u32> {
     u32::try_from(v).map_err(|_| {
         to_pyerr(DisaggError::argument(field, format!("{field}={v} must be in [0, 2**32)")))
     })
+}
+
+/// Token ids from a Python list (fast path), a 1-D integer numpy array, or any sequence.
+/// Converting 1,024 tokens through the generic sequence path costs more than hashing them, so
+/// lists and arrays are read directly.
+pub fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for item in list.iter() {
+            out.push(item.extract::<i64>()?);
+        }
+        return Ok(out);
+    }
+    if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        return Ok(arr.as_array().to_vec());
+    }
+    if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
+        return Ok(arr.as_array().iter().map(|&t| i64::from(t)).collect());
+    }
+    obj.extract::<Vec<i64>>()
 }
 
 /// Who owns the block pool a Python `BlockPool` object talks to.
@@ -138,7 +160,8 @@ impl PyBlockPool {
     }
 
     /// Hash chain over the full blocks of `tokens` (deterministic across processes).
-    fn block_hashes(&self, py: Python<'_>, tokens: Vec<i64>) -> PyResult<Vec<u64>> {
+    fn block_hashes(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let tokens = tokens_arg(tokens)?;
         let bs = self.owner.with(|p| p.block_size_tokens())?;
         py.detach(|| disagg_core::block_hashes(&tokens, bs)).py()
     }

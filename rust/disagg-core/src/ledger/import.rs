@@ -1,12 +1,12 @@
 //! Decode-side import ledger (DESIGN §5).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
 
 use super::quorum::{CompletionQuorum, QuorumDecision, RankOutcome};
 use super::{FailReason, LedgerAction, ReleaseCause};
 use crate::error::{DisaggError, DisaggResult};
-use crate::pool::{BlockPool, SlotPool, SlotState};
+use crate::pool::{BlockPool, IdMap, SlotPool, SlotState};
 
 /// Static settings of an [`ImportLedger`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,7 +182,7 @@ pub struct ImportLedger {
     cfg: ImportLedgerConfig,
     pool: BlockPool,
     slots: SlotPool,
-    live: HashMap<u64, Handoff>,
+    live: IdMap<u64, Handoff>,
     deferred: VecDeque<u64>,
     ready: VecDeque<u64>,
     quarantine: BTreeMap<(u64, u64), Quarantined>,
@@ -223,7 +223,7 @@ impl ImportLedger {
             cfg,
             pool,
             slots,
-            live: HashMap::new(),
+            live: IdMap::default(),
             deferred: VecDeque::new(),
             ready: VecDeque::new(),
             quarantine: BTreeMap::new(),

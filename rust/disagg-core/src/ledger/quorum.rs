@@ -1,8 +1,7 @@
 //! Model-parallel agreement on the outcome of one handoff attempt.
 
-use std::collections::HashMap;
-
 use crate::error::{DisaggError, DisaggResult};
+use crate::pool::IdMap;
 
 /// The terminal report of one rank's local transfer handle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -75,7 +74,7 @@ struct Votes {
 #[derive(Debug, Clone)]
 pub struct CompletionQuorum {
     world_size: u32,
-    votes: HashMap<(u64, u64), Votes>,
+    votes: IdMap<(u64, u64), Votes>,
     ignored: u64,
 }
 
@@ -85,7 +84,7 @@ impl CompletionQuorum {
         if world_size == 0 {
             return Err(DisaggError::argument("world_size", "world_size=0 must be >= 1"));
         }
-        Ok(Self { world_size, votes: HashMap::new(), ignored: 0 })
+        Ok(Self { world_size, votes: IdMap::default(), ignored: 0 })
     }
 
     /// Number of model-parallel ranks.
