@@ -56,6 +56,7 @@ bench: build ## Run the benchmarks and write benches/RESULTS.md
 	$(PY) benches/bench_ledger.py --write benches/RESULTS.md
 	$(PY) benches/bench_compiler.py --write benches/RESULTS.md
 	$(PY) benches/bench_transport.py --write benches/RESULTS.md
+	$(PY) benches/bench_reference.py --write benches/RESULTS.md
 
 .PHONY: clean
 clean: ## Remove build outputs (keeps .venv)
