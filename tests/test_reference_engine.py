@@ -256,6 +256,23 @@ def test_a_pin_ledger_sharing_the_engine_pools_can_take_over_a_prefill_handoff()
     assert_pools_free(e)
 
 
+def test_bad_prompts_and_configs_are_rejected_naming_the_value() -> None:
+    e = engine(hybrid_model())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        e.add_request(0, [1, 256], 4)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        e.add_request(0, [], 4)
+    with pytest.raises(CapacityError, match="max_new_tokens=0"):
+        e.add_request(0, [1], 0)
+    with pytest.raises(CapacityError, match="num_blocks=64"):
+        e.add_request(0, [1] * 2000, 4)
+    assert not e.has_work
+    with pytest.raises(ValueError, match="block_size_tokens=0"):
+        EngineConfig(block_size_tokens=0)
+    with pytest.raises(ValueError, match="stage_layers"):
+        EngineConfig(pp=2, stage_layers=(6, 0)).windows(hybrid_model())
+
+
 def test_decode_role_refuses_prompts() -> None:
     e = engine(hybrid_model(), role="decode")
     with pytest.raises(HandoffStateError, match="role='decode'"):

@@ -342,6 +342,7 @@ class ReferenceEngine:
             )
         tokens = encode_text(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_new(request_id, len(tokens), max_new_tokens)
+        self._validate_tokens(request_id, tokens)
         total = self._blocks_for(len(tokens), max_new_tokens)
         if total > self.config.num_blocks:
             raise CapacityError(
@@ -391,6 +392,7 @@ class ReferenceEngine:
             )
         prompt_l, resume, blocks = list(prompt), list(resume_tokens), list(block_ids)
         self._validate_new(request_id, len(prompt_l), max_new_tokens)
+        self._validate_tokens(request_id, prompt_l + resume)
         if not resume:
             raise BlockIdError(
                 f"request {request_id}: resume_tokens=[] must hold the prefill's token", "resume"
@@ -563,7 +565,7 @@ class ReferenceEngine:
         if known:
             raise DuplicateRequestError(f"request_id={request_id} is already queued or running")
         if num_prompt < 1:
-            raise BlockIdError(f"request {request_id}: empty prompt", "prompt")
+            raise ValueError(f"request {request_id}: prompt is empty")
         if max_new_tokens < 1:
             raise CapacityError(
                 f"request {request_id}: max_new_tokens={max_new_tokens} must be >= 1",
@@ -587,6 +589,14 @@ class ReferenceEngine:
                 f"request_id={request_id} was never announced (expect_import)"
             )
         return meta
+
+    def _validate_tokens(self, request_id: int, tokens: list[int]) -> None:
+        lo, hi = min(tokens, default=0), max(tokens, default=0)
+        if lo < 0 or hi >= self.model.vocab_size:
+            raise ValueError(
+                f"request {request_id}: token ids span [{lo}, {hi}], outside the vocabulary "
+                f"[0, {self.model.vocab_size})"
+            )
 
     def _prefix_reusable(self) -> bool:
         # A cached KV prefix only skips compute when no SSM state must be rebuilt over it.
