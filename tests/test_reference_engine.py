@@ -273,6 +273,23 @@ def test_bad_prompts_and_configs_are_rejected_naming_the_value() -> None:
         EngineConfig(pp=2, stage_layers=(6, 0)).windows(hybrid_model())
 
 
+def test_abort_and_reset_return_every_block_and_slot() -> None:
+    m = hybrid_model()
+    e = engine(m, max_batch=2)
+    for rid, prompt in PROMPTS.items():
+        e.add_request(rid, prompt, MAX_NEW)
+    e.step()  # two running, two waiting
+    assert (e.num_running, e.num_waiting) == (2, 2)
+    assert e.abort(0) and e.abort(3) and not e.abort(99)
+    assert (e.num_running, e.num_waiting) == (1, 1)
+    e.step()
+    assert e.reset() == 2 and not e.has_work
+    assert_pools_free(e)
+    # The engine keeps working after a reset, with the same answers.
+    assert e.generate({1: PROMPTS[1]}, MAX_NEW) == engine(m).generate({1: PROMPTS[1]}, MAX_NEW)
+    assert_pools_free(e)
+
+
 def test_decode_role_refuses_prompts() -> None:
     e = engine(hybrid_model(), role="decode")
     with pytest.raises(HandoffStateError, match="role='decode'"):
