@@ -128,7 +128,8 @@ def _run_case(case: GenerateCase | HandoffCase | SplitHandoffCase) -> dict[str, 
             prompts = {rid + 1000 * r: p for rid, p in case.prompts.items()}
             out = eng.generate(prompts, case.max_new_tokens)  # type: ignore[arg-type]
             rounds.append({rid - 1000 * r: t for rid, t in out.items()})
-        return {"rounds": rounds, "pools": [_pool_report(eng)]}
+        layouts = (eng.kv_layout is not None, eng.ssm_layout is not None)
+        return {"rounds": rounds, "pools": [_pool_report(eng)], "layouts": layouts}
     pre = ReferenceEngine(case.model, case.prefill)
     dec = ReferenceEngine(case.model, case.decode)
 

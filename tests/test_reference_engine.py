@@ -256,6 +256,40 @@ def test_a_pin_ledger_sharing_the_engine_pools_can_take_over_a_prefill_handoff()
     assert_pools_free(e)
 
 
+def test_bad_prompts_and_configs_are_rejected_naming_the_value() -> None:
+    e = engine(hybrid_model())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        e.add_request(0, [1, 256], 4)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        e.add_request(0, [], 4)
+    with pytest.raises(CapacityError, match="max_new_tokens=0"):
+        e.add_request(0, [1], 0)
+    with pytest.raises(CapacityError, match="num_blocks=64"):
+        e.add_request(0, [1] * 2000, 4)
+    assert not e.has_work
+    with pytest.raises(ValueError, match="block_size_tokens=0"):
+        EngineConfig(block_size_tokens=0)
+    with pytest.raises(ValueError, match="stage_layers"):
+        EngineConfig(pp=2, stage_layers=(6, 0)).windows(hybrid_model())
+
+
+def test_abort_and_reset_return_every_block_and_slot() -> None:
+    m = hybrid_model()
+    e = engine(m, max_batch=2)
+    for rid, prompt in PROMPTS.items():
+        e.add_request(rid, prompt, MAX_NEW)
+    e.step()  # two running, two waiting
+    assert (e.num_running, e.num_waiting) == (2, 2)
+    assert e.abort(0) and e.abort(3) and not e.abort(99)
+    assert (e.num_running, e.num_waiting) == (1, 1)
+    e.step()
+    assert e.reset() == 2 and not e.has_work
+    assert_pools_free(e)
+    # The engine keeps working after a reset, with the same answers.
+    assert e.generate({1: PROMPTS[1]}, MAX_NEW) == engine(m).generate({1: PROMPTS[1]}, MAX_NEW)
+    assert_pools_free(e)
+
+
 def test_decode_role_refuses_prompts() -> None:
     e = engine(hybrid_model(), role="decode")
     with pytest.raises(HandoffStateError, match="role='decode'"):
@@ -357,19 +391,24 @@ def test_a_batch_where_every_request_waits_for_a_block_raises_capacity_error() -
         dec.step()
 
 
-def test_ledger_driven_imports_reuse_the_decode_prefix_cache_and_match_the_colocated_run() -> None:
-    m = attention_model()
+@pytest.mark.parametrize("model", [attention_model(), hybrid_model()], ids=["attention", "hybrid"])
+def test_ledger_driven_imports_reuse_the_decode_prefix_cache_and_match_the_colocated_run(
+    model: ModelConfig,
+) -> None:
+    m = model
+    slots = 4 if m.num_ssm_layers else 0
     shared = encode_text("The shared preamble that a second request repeats word for word. ")
     prompts = {0: shared + encode_text("first"), 1: shared + encode_text("second one")}
     colocated = engine(m).generate(dict(prompts), MAX_NEW)
     pre = engine(m, role="prefill", block_size_tokens=16)
-    ledger = ImportLedger(32, 64 // 4, 0, pull=True)
+    ledger = ImportLedger(32, 16, slots, pull=True)
     loop = asyncio.new_event_loop()
     try:
         dec = ReferenceEngine(
             m,
-            EngineConfig(role="decode", num_blocks=32, block_size_tokens=16, num_ssm_slots=0),
+            EngineConfig(role="decode", num_blocks=32, block_size_tokens=16, num_ssm_slots=slots),
             block_pool=ledger.block_pool,
+            ssm_slot_pool=ledger.slot_pool,
             event_loop=loop,
         )
         assert isinstance(dec, HandoffEngine)
@@ -378,7 +417,7 @@ def test_ledger_driven_imports_reuse_the_decode_prefix_cache_and_match_the_coloc
             pre.add_request(rid, prompt, MAX_NEW)
             (h,) = pre.step().handoffs
             n = len(h.prompt)
-            state = assemble(pre, [read_piece(pre, h.block_ids, n, None)], n)
+            state = assemble(pre, [read_piece(pre, h.block_ids, n, h.ssm_slot)], n)
             dec.expect_import(rid, h.prompt, [h.first_token], h.max_new_tokens)
             (start,) = ledger.submit(
                 rid,
@@ -386,12 +425,13 @@ def test_ledger_driven_imports_reuse_the_decode_prefix_cache_and_match_the_coloc
                 src_block_ids=h.block_ids,
                 src_block_size_tokens=16,
                 resume_tokens=1,
+                has_ssm=bool(slots),
                 deadline=10**6,
                 now=0,
             )
             assert start.kind == "start"
             prompt_blocks = start.cached_block_ids + start.dst_block_ids
-            write_state(dec, state, prompt_blocks, None, token_start=start.token_start)
+            write_state(dec, state, prompt_blocks, start.ssm_slot, token_start=start.token_start)
             pre.release_pinned(h)
             ledger.report(rid, start.epoch, rank=0, outcome="ok", now=1)
             for action in ledger.admit(dec.decode_batch.can_admit(1)):

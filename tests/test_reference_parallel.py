@@ -31,6 +31,8 @@ SHARED = encode_text("A shared prefix of several full blocks, reused by the seco
 PREFIX_PROMPTS = {0: SHARED + encode_text("one?"), 1: SHARED + encode_text("two!")}
 # tp=2 > 1 KV head and > 1 SSM group: GQA and group replication.
 REPLICATED = hybrid_model(num_kv_heads=1, ssm_n_groups=1, seed=3)
+# pp=2 splits it into an attention-only stage and an SSM-only stage (no KV cache at all).
+SSM_TAIL = hybrid_model(layer_kinds=("attention", "attention", "ssm", "ssm"), seed=5)
 
 CASES: dict[str, Any] = {
     "tp2": GenerateCase(hybrid_model(), EngineConfig(tp=2), PROMPTS, MAX_NEW),
@@ -42,6 +44,9 @@ CASES: dict[str, Any] = {
     ),
     "tp2_replicated": GenerateCase(
         REPLICATED, EngineConfig(tp=2, cache_layout="nhd"), PROMPTS, MAX_NEW
+    ),
+    "pp2_stage_without_attention": GenerateCase(
+        SSM_TAIL, EngineConfig(pp=2, cache_layout="nhd"), PROMPTS, MAX_NEW
     ),
     "tp2_prefix": GenerateCase(
         attention_model(), EngineConfig(tp=2, block_size_tokens=16), PREFIX_PROMPTS, MAX_NEW, 2
@@ -108,6 +113,19 @@ def test_gqa_and_ssm_group_replication_generate_the_same_tokens_as_tp1(
     for rank_result in world_results["tp2_replicated"]:
         assert rank_result["rounds"][0] == expected
     assert_all_pools_free(world_results["tp2_replicated"])
+
+
+def test_a_pipeline_stage_without_attention_layers_holds_no_kv_and_agrees_with_tp1(
+    world_results: dict[str, list[dict[str, Any]]],
+) -> None:
+    expected = single_process(SSM_TAIL, PROMPTS)
+    for rank_result in world_results["pp2_stage_without_attention"]:
+        assert rank_result["rounds"][0] == expected
+    assert [r["layouts"] for r in world_results["pp2_stage_without_attention"]] == [
+        (True, False),
+        (False, True),
+    ]
+    assert_all_pools_free(world_results["pp2_stage_without_attention"])
 
 
 def test_prefix_cache_reuse_under_tp2_gives_identical_tokens(

@@ -201,6 +201,15 @@ class EngineConfig:
     multi-rank engine needs a default process group whose backend serves it (gloo: cpu,
     NCCL: cuda)."""
 
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "block_size_tokens", "num_blocks", "max_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_ssm_slots < 0:
+            raise ValueError(f"num_ssm_slots={self.num_ssm_slots} must be >= 0")
+        if self.role not in ("colocated", "prefill", "decode"):
+            raise ValueError(f"role={self.role!r} is not 'colocated', 'prefill' or 'decode'")
+
     def windows(self, model: ModelConfig) -> list[StageWindow]:
         """The model-layer window ``[lo, hi)`` of every pipeline stage."""
         counts = self.stage_layers

@@ -25,6 +25,9 @@ Handoff surface (what the mixin and the transports read): :attr:`~ReferenceEngin
 :meth:`~ReferenceEngine.expect_import`,
 :meth:`~ReferenceEngine.complete_request_without_forward`, :attr:`~ReferenceEngine.event_loop`).
 
+:meth:`~ReferenceEngine.abort` drops one request and :meth:`~ReferenceEngine.reset` every
+request, returning their blocks and slots (pinned prefill handoffs stay with their owner).
+
 Prompts reserve their whole life's blocks at admission (prompt plus every continuation block),
 so they never wait for a block and nothing is ever preempted. Imported requests reserve the rest
 of their generation when the pool has it, else grow one block at a time as they decode (a step
@@ -342,6 +345,7 @@ class ReferenceEngine:
             )
         tokens = encode_text(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_new(request_id, len(tokens), max_new_tokens)
+        self._validate_tokens(request_id, tokens)
         total = self._blocks_for(len(tokens), max_new_tokens)
         if total > self.config.num_blocks:
             raise CapacityError(
@@ -391,6 +395,7 @@ class ReferenceEngine:
             )
         prompt_l, resume, blocks = list(prompt), list(resume_tokens), list(block_ids)
         self._validate_new(request_id, len(prompt_l), max_new_tokens)
+        self._validate_tokens(request_id, prompt_l + resume)
         if not resume:
             raise BlockIdError(
                 f"request {request_id}: resume_tokens=[] must hold the prefill's token", "resume"
@@ -470,6 +475,34 @@ class ReferenceEngine:
         if self._event_loop is None:
             raise AttributeError("no event loop: construct ReferenceEngine(..., event_loop=loop)")
         return self._event_loop
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a waiting, running or announced request, returning its blocks and slot to the
+        pools (nothing is published: its KV may be partial). False if the id is unknown."""
+        if self._expected.pop(request_id, None) is not None:
+            return True
+        for req in self._waiting:
+            if req.request_id == request_id:
+                self._waiting.remove(req)
+                return True
+        for req in self._running:
+            if req.request_id == request_id:
+                self._running.remove(req)
+                self._drop(req)
+                return True
+        return False
+
+    def reset(self) -> int:
+        """Abort every request (waiting, running and announced); return how many. Pinned
+        prefill handoffs are not touched: their owner releases them."""
+        dropped = len(self._waiting) + len(self._running) + len(self._expected)
+        for req in self._running:
+            self._drop(req)
+        self._waiting.clear()
+        self._running = []
+        self._expected.clear()
+        self._done_without_forward = []
+        return dropped
 
     def release_pinned(self, handoff: PrefillHandoff) -> None:
         """Unpin a prefill handoff's blocks and SSM slot (after the decode has the state)."""
@@ -563,7 +596,7 @@ class ReferenceEngine:
         if known:
             raise DuplicateRequestError(f"request_id={request_id} is already queued or running")
         if num_prompt < 1:
-            raise BlockIdError(f"request {request_id}: empty prompt", "prompt")
+            raise ValueError(f"request {request_id}: prompt is empty")
         if max_new_tokens < 1:
             raise CapacityError(
                 f"request {request_id}: max_new_tokens={max_new_tokens} must be >= 1",
@@ -587,6 +620,14 @@ class ReferenceEngine:
                 f"request_id={request_id} was never announced (expect_import)"
             )
         return meta
+
+    def _validate_tokens(self, request_id: int, tokens: list[int]) -> None:
+        lo, hi = min(tokens, default=0), max(tokens, default=0)
+        if lo < 0 or hi >= self.model.vocab_size:
+            raise ValueError(
+                f"request {request_id}: token ids span [{lo}, {hi}], outside the vocabulary "
+                f"[0, {self.model.vocab_size})"
+            )
 
     def _prefix_reusable(self) -> bool:
         # A cached KV prefix only skips compute when no SSM state must be rebuilt over it.
@@ -636,10 +677,13 @@ class ReferenceEngine:
 
     def _finish(self, req: _Request) -> FinishedRequest:
         self._publish(req, req.num_computed)
+        self._drop(req)
+        return FinishedRequest(req.request_id, req.prompt, req.generated)
+
+    def _drop(self, req: _Request) -> None:
         self.block_pool.release(req.block_ids)
         if req.ssm_slot is not None and self.ssm_slot_pool is not None:
             self.ssm_slot_pool.free(req.ssm_slot)
-        return FinishedRequest(req.request_id, req.prompt, req.generated)
 
 
 class ReferenceDecodeBatch:
