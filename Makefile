@@ -47,8 +47,8 @@ fmt: $(STAMP) ## Format Rust and Python sources
 	$(PY) -m ruff check --fix python tests benches
 
 .PHONY: demo
-demo: build ## Run the main job (today: plan and verify a TP8 -> TP4xPP2 KV reshard)
-	$(VENV)/bin/disagg-rs plan --src "tp=8,pp=1" --dst "tp=4,pp=2" --layers 80 --kv-heads 8
+demo: build ## Run the main job: a disaggregated prefill (TP2) -> decode (TP1) run on CPU
+	UCX_TLS=$${UCX_TLS:-tcp,self,sm} UCX_LOG_LEVEL=$${UCX_LOG_LEVEL:-error} $(VENV)/bin/disagg-rs demo
 
 .PHONY: bench
 bench: build ## Run the benchmarks and write benches/RESULTS.md

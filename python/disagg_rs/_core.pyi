@@ -327,7 +327,7 @@ class ImportLedger:
     def submit(
         self,
         request_id: int,
-        prompt_tokens: Sequence[int] | None = None,
+        prompt_tokens: _BlockIds | None = None,
         *,
         num_prompt_tokens: int | None = None,
         prompt_hashes: Sequence[int] | None = None,

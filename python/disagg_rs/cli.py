@@ -1,7 +1,8 @@
 """The ``disagg-rs`` console command.
 
 ``disagg-rs plan --src "tp=8,pp=1" --dst "tp=4,pp=2" --layers 80 --kv-heads 8`` prints the KV
-reshard plan between two parallel layouts as a table, with totals.
+reshard plan between two parallel layouts as a table, with totals. ``disagg-rs demo`` runs a
+real disaggregated prefill -> decode run of the reference engine and checks every answer.
 """
 
 from __future__ import annotations
@@ -135,6 +136,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from disagg_rs.demo import options_from_args, run_demo
+
+    return run_demo(options_from_args(args)).exit_code
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``disagg-rs``."""
     parser = argparse.ArgumentParser(prog="disagg-rs", description=__doc__.split("\n")[0])
@@ -148,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element (default 2)")
     p.add_argument("--tokens", type=int, default=8192, help="prompt length for totals")
     p.set_defaults(func=_cmd_plan)
+    d = sub.add_parser(
+        "demo",
+        help="run a real disaggregated prefill -> decode demo of the reference engine on CPU",
+    )
+    from disagg_rs.demo import add_demo_arguments
+
+    add_demo_arguments(d)
+    d.set_defaults(func=_cmd_demo)
     return parser
 
 

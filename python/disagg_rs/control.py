@@ -341,7 +341,18 @@ class CoordinatorState:
         prefill = self.engines[req.prefill] if req.prefill else None
         ticket.setdefault("prefill_engine_id", req.prefill)
         ticket.setdefault("prefill_incarnation", prefill.incarnation if prefill else None)
+        first = list(ticket.get("resume_tokens", []))
+        streamed = (
+            [
+                Outgoing(
+                    None, req.client, Msg.TOKENS, {"request_id": req.request_id, "tokens": first}
+                )
+            ]
+            if first
+            else []
+        )
         return [
+            *streamed,
             Outgoing(
                 req.decode,
                 None,
@@ -353,7 +364,7 @@ class CoordinatorState:
                     "max_new_tokens": req.max_new_tokens,
                     "ticket": ticket,
                 },
-            )
+            ),
         ]
 
     def _on_recv_posted(self, req: _Request, msg: dict[str, Any]) -> list[Outgoing]:
@@ -365,7 +376,13 @@ class CoordinatorState:
                 req.prefill,
                 None,
                 Msg.SEND_KV,
-                {"request_id": req.request_id, "epoch": req.epoch, "decode_engine_id": req.decode},
+                {
+                    "request_id": req.request_id,
+                    "epoch": req.epoch,
+                    "decode_engine_id": req.decode,
+                    # Where the decode posted its receives (blocks, slot, token range).
+                    "transfer": msg.get("transfer", {}),
+                },
             )
         ]
 

@@ -117,6 +117,11 @@ class TransferProgramLike(Protocol):
     """The compiler's ``TransferProgram`` as the backends use it (one destination rank)."""
 
     @property
+    def stats(self) -> dict[str, Any]:
+        """Totals of the program (bytes, descriptors, fragments, per-source modes)."""
+        ...
+
+    @property
     def src_ranks(self) -> list[int]:
         """Source global ranks this destination reads from, in plan order."""
 
@@ -680,6 +685,9 @@ class TransferHandleBase:
         self.timeout_s = float(timeout_s)
         self.done = False
         self.error: str | None = None
+        #: The compiler's ``TransferProgram.stats`` of what this handle moves (receive side):
+        #: ``bytes``, ``descriptors``, ``fragments``, per-source modes. Empty when unknown.
+        self.stats: dict[str, Any] = {}
 
     @property
     def deadline(self) -> float:

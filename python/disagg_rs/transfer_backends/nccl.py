@@ -244,7 +244,9 @@ class NcclTransferBackend(TransferBackendBase):
             )
             keep.append(buf)
             scatters.append(self._lander(buf, program.scatter(rank)))
-        return self._submit(ops, keep, scatters, timeout_s)
+        handle = self._submit(ops, keep, scatters, timeout_s)
+        handle.stats = dict(program.stats)
+        return handle
 
     def _lander(self, buf: torch.Tensor, scatter_list: Any) -> Callable[[], None]:
         def land() -> None:

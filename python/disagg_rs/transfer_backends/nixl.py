@@ -160,7 +160,7 @@ class _NixlAgentContext:
         if self._agent is None:
             if self._refs:
                 raise TransferError(f"NIXL agent {self.agent_name!r} is closed")
-            from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-untyped]
+            from nixl._api import nixl_agent, nixl_agent_config
 
             self._agent = nixl_agent(self.agent_name, nixl_agent_config(backends=self.backends))
         self._refs += 1
@@ -616,13 +616,15 @@ class NixlTransferBackend(TransferBackendBase):
                 break
             if part is not None:
                 parts.append(part)
-        return NixlPullHandle(
+        handle = NixlPullHandle(
             self.agent,
             parts,
             self.timeout_s if timeout_s is None else timeout_s,
             self.clock,
             error,
         )
+        handle.stats = dict(program.stats)
+        return handle
 
     def _check_tickets(
         self, tickets: Sequence[Mapping[str, Any]], by_rank: Mapping[int, PeerMeta]

@@ -1,0 +1,527 @@
+"""``disagg-rs demo``: a real disaggregated prefill -> decode run of the reference engine.
+
+Starts a coordinator (in this process), a prefill engine and a decode engine as spawned
+processes (one per rank, one torch.distributed world over loopback), sends built-in prompts,
+streams the answers with a progress bar, and checks every answer token for token against a
+colocated run of the same model. Exits non-zero if any answer differs or anything leaked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import multiprocessing as mp
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PROMPTS", "DemoOptions", "DemoResult", "add_demo_arguments", "run_demo"]
+
+PROMPTS = [
+    "Disaggregated serving splits prefill and decode.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged KV caches hold attention keys and values in blocks.",
+    "Mamba layers carry a convolution state and a recurrent state.",
+    "Tensor parallelism shards heads across ranks.",
+    "Pipeline stages own contiguous windows of layers.",
+    "A handoff must never leak or corrupt a block.",
+    "NIXL reads remote memory with one-sided transfers.",
+]
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What to run."""
+
+    backend: str = "nixl"
+    prefill_tp: int = 2
+    prefill_pp: int = 1
+    decode_tp: int = 1
+    decode_pp: int = 1
+    prefill_block_size: int = 16
+    decode_block_size: int = 16
+    model: str = "hybrid"
+    requests: int = 8
+    max_new_tokens: int = 12
+    device: str = "cpu"
+    cache_layout: str = "megatron"
+    decode_cache_layout: str | None = None
+    num_blocks: int = 96
+    timeout_s: float = 90.0
+    quiet: bool = False
+    prompts: tuple[str, ...] | None = None
+    """Prompts to send (default: the built-in ones, cycled to ``requests``)."""
+    sequential: bool = False
+    """Submit each request only after the previous one finished (prefix-cache reuse)."""
+
+
+@dataclass
+class DemoResult:
+    """What a demo run produced."""
+
+    exit_code: int
+    failures: list[str]
+    answers: dict[int, list[int]]
+    expected: dict[int, list[int]]
+    workers: list[dict[str, Any]]
+
+
+@dataclass
+class _RequestTrace:
+    submitted: float
+    first_token: float | None = None
+    done: float | None = None
+    tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _model_config(name: str) -> Any:
+    from disagg_rs.reference import attention_model, hybrid_model
+
+    if name == "hybrid":
+        return hybrid_model()
+    if name == "attention":
+        return attention_model()
+    raise ValueError(f"--model {name!r}: expected 'hybrid' or 'attention'")
+
+
+def _engine_config(opts: DemoOptions, role: str, ranks: tuple[int, ...]) -> Any:
+    from disagg_rs.reference import EngineConfig
+
+    prefill = role == "prefill"
+    layout = opts.cache_layout if prefill else (opts.decode_cache_layout or opts.cache_layout)
+    return EngineConfig(
+        tp=opts.prefill_tp if prefill else opts.decode_tp,
+        pp=opts.prefill_pp if prefill else opts.decode_pp,
+        ranks=ranks,
+        cache_layout=layout,  # type: ignore[arg-type]
+        block_size_tokens=opts.prefill_block_size if prefill else opts.decode_block_size,
+        num_blocks=opts.num_blocks,
+        num_ssm_slots=max(8, opts.requests),
+        max_batch=8,
+        role=role,  # type: ignore[arg-type]
+        device=opts.device,
+    )
+
+
+def _worker(
+    opts: DemoOptions,
+    role: str,
+    global_rank: int,
+    ranks: tuple[int, ...],
+    world: int,
+    dist_port: int,
+    endpoint: str,
+    results: Any,
+) -> None:
+    """One engine rank: build, register, then serve control messages until SHUTDOWN."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from disagg_rs.control import EngineLink, Msg
+        from disagg_rs.reference.handoff import HandoffReferenceEngine
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{dist_port}",
+            rank=global_rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=opts.timeout_s),
+        )
+        engine = HandoffReferenceEngine(
+            _model_config(opts.model), _engine_config(opts, role, ranks), backend=opts.backend
+        )
+        engine.handoff_now_ns = time.monotonic_ns()
+        engine.setup_kv_transfer(role, opts.backend)
+        lead = global_rank == ranks[0]
+        link = EngineLink(endpoint, role, role) if lead else None
+        if link is not None:
+            link.register(engine.handoff_static_meta)
+        epochs: dict[int, int] = {}
+        admitted_sent: set[int] = set()
+        running = True
+        idle = 0
+        while running:
+            msgs: list[dict[str, Any]] = []
+            if link is not None:
+                msgs = link.poll(0 if engine.has_work or idle < 50 else 5)
+                for m in msgs:
+                    if m["type"] is Msg.SUBMIT_REQUEST_WITH_KV:
+                        pid = m["ticket"]["prefill_engine_id"]
+                        m["ticket"]["prefill_meta"] = link.peers[pid]["meta"]
+                    if m["type"] is Msg.SEND_KV:
+                        m["decode_meta"] = link.peers[m["decode_engine_id"]]["meta"]["ranks"]
+            now, msgs = engine.handoff_broadcast((time.monotonic_ns(), msgs))
+            engine.handoff_now_ns = now
+            idle = 0 if msgs or engine.has_work else idle + 1
+            for m in msgs:
+                kind = m["type"]
+                rid = int(m.get("request_id", -1))
+                if kind is Msg.SHUTDOWN:
+                    running = False
+                elif kind is Msg.PREFILL:
+                    epochs[rid] = int(m["epoch"])
+                    engine.add_request(rid, m["prompt"], int(m["max_new_tokens"]))
+                elif kind is Msg.SUBMIT_REQUEST_WITH_KV:
+                    epochs[rid] = int(m["epoch"])
+                    ticket = m["ticket"]
+                    try:
+                        engine.add_request_with_kv_handoff(
+                            rid,
+                            m["prompt"],
+                            int(m["max_new_tokens"]),
+                            ticket,
+                            ticket["src_block_ids"],
+                        )
+                    except Exception as e:  # rejected before any mutation
+                        if link is not None:
+                            link.send(
+                                Msg.FAILED,
+                                request_id=rid,
+                                epoch=epochs[rid],
+                                error=f"{type(e).__name__}: {e}",
+                            )
+                        continue
+                    pending = engine._pending_imports.get(rid)
+                    if link is not None and opts.backend == "nccl" and pending is not None:
+                        link.send(
+                            Msg.KV_RECV_POSTED,
+                            request_id=rid,
+                            epoch=epochs[rid],
+                            transfer=pending.destination,
+                        )
+                elif kind is Msg.SEND_KV:
+                    engine.push_handoff_kv(rid, m["decode_meta"], m["transfer"])
+                elif kind is Msg.RELEASE_KV:
+                    engine.release_handoff_blocks(rid)
+                elif kind is Msg.ABORT:
+                    if role == "decode":
+                        engine.abort_kv_import(rid)
+                    else:
+                        engine.release_handoff_blocks(rid)
+            if role == "decode":
+                engine._poll_pending_kv_imports()
+                engine._admit_pending_kv_imports()
+                for rid2, failed in engine._drain_handoff_completion_notifications():
+                    if link is not None and rid2 not in admitted_sent:
+                        admitted_sent.add(rid2)
+                        link.send(
+                            Msg.KV_IMPORTED,
+                            request_id=rid2,
+                            epoch=epochs[rid2],
+                            ok=not failed,
+                            error="import failed" if failed else "",
+                        )
+                        if failed:
+                            link.send(
+                                Msg.FAILED,
+                                request_id=rid2,
+                                epoch=epochs[rid2],
+                                error="KV import failed",
+                            )
+            else:
+                engine._poll_pending_kv_pushes()
+                engine.expire_handoff_pins()
+            if engine.has_work:
+                out = engine.step()
+                if role == "prefill":
+                    for h in out.handoffs:
+                        ticket = engine._capture_handoff_meta(h, None)
+                        if link is not None:
+                            link.send(
+                                Msg.PREFILL_DONE,
+                                request_id=h.request_id,
+                                epoch=epochs[h.request_id],
+                                ticket=ticket,
+                            )
+                else:
+                    if link is not None:
+                        for rid3, tok in out.new_tokens.items():
+                            link.send(Msg.TOKENS, request_id=rid3, epoch=epochs[rid3], tokens=[tok])
+                        for done in out.finished:
+                            link.send(
+                                Msg.DONE,
+                                request_id=done.request_id,
+                                epoch=epochs[done.request_id],
+                                tokens=done.tokens,
+                            )
+        # Idle and told to stop: everything must be back in the pools.
+        engine.check_pools()
+        if engine._import_ledger is not None:
+            engine._import_ledger.check()
+        if engine._pin_ledger is not None:
+            engine._pin_ledger.check()
+        results.put(
+            {
+                "role": role,
+                "rank": global_rank,
+                "stats": dict(engine.handoff_stats),
+                "requests": dict(engine.handoff_request_stats),
+                "leaked_blocks": engine.leaked_blocks(),
+                "quarantined": engine.num_quarantined_kv_imports,
+                "pinned": engine._pin_ledger.num_pinned if engine._pin_ledger is not None else 0,
+                "error": None,
+            }
+        )
+        engine.close_kv_transfer()
+        if link is not None:
+            link.close()
+        dist.destroy_process_group()
+    except BaseException:
+        results.put({"role": role, "rank": global_rank, "error": traceback.format_exc()})
+
+
+def _colocated_reference(opts: DemoOptions, prompts: dict[int, list[int]]) -> dict[int, list[int]]:
+    """The same model and prompts on one colocated TP1 engine in this process."""
+    from disagg_rs.reference import EngineConfig, ReferenceEngine
+
+    cfg = EngineConfig(
+        num_blocks=opts.num_blocks,
+        num_ssm_slots=max(8, opts.requests),
+        block_size_tokens=opts.decode_block_size,
+        device=opts.device,
+    )
+    engine = ReferenceEngine(_model_config(opts.model), cfg)
+    return engine.generate(dict(prompts), opts.max_new_tokens)
+
+
+def run_demo(opts: DemoOptions) -> DemoResult:
+    """Run the demo; ``result.exit_code`` is non-zero if an answer differs or anything
+    leaked."""
+    from disagg_rs.control import ControlClient, CoordinatorServer, Msg
+
+    say = (lambda *a: None) if opts.quiet else print
+    n_prefill = opts.prefill_tp * opts.prefill_pp
+    n_decode = opts.decode_tp * opts.decode_pp
+    world = n_prefill + n_decode
+    server = CoordinatorServer(
+        request_timeout_s=opts.timeout_s, push_transport=opts.backend == "nccl"
+    )
+    serve = threading.Thread(target=server.serve, daemon=True)
+    serve.start()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = []
+    for role, ranks in (
+        ("prefill", tuple(range(n_prefill))),
+        ("decode", tuple(range(n_prefill, world))),
+    ):
+        for r in ranks:
+            p = ctx.Process(
+                target=_worker,
+                args=(opts, role, r, ranks, world, port, server.endpoint, results),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+    say(
+        f"disagg-rs demo: {opts.model} model, prefill TP{opts.prefill_tp}xPP{opts.prefill_pp} "
+        f"(block {opts.prefill_block_size}) -> decode TP{opts.decode_tp}xPP{opts.decode_pp} "
+        f"(block {opts.decode_block_size}) over {opts.backend}, {opts.requests} requests"
+    )
+    texts = opts.prompts or PROMPTS
+    prompts = {i: list(texts[i % len(texts)].encode()) for i in range(opts.requests)}
+    t_ref = time.perf_counter()
+    expected = _colocated_reference(opts, prompts)
+    t_ref = time.perf_counter() - t_ref
+    client = ControlClient(server.endpoint)
+    deadline = time.monotonic() + opts.timeout_s
+    failures: list[str] = []
+    worker_reports: list[dict[str, Any]] = []
+    traces: dict[int, _RequestTrace] = {}
+    elapsed = 0.0
+    open_ids = set(prompts)
+
+    def crashed() -> bool:
+        return any(r.get("error") for r in worker_reports)
+
+    try:
+        while len(server.state.engines) < 2 and time.monotonic() < deadline and not crashed():
+            worker_reports += _drain(results, timeout=0.1)
+        if len(server.state.engines) < 2 and not crashed():
+            failures.append(f"engines did not register within {opts.timeout_s} s")
+        t0 = time.perf_counter()
+        to_send = list(prompts.items()) if not failures and not crashed() else []
+
+        def submit_next() -> None:
+            rid, prompt = to_send.pop(0)
+            traces[rid] = _RequestTrace(time.perf_counter())
+            client.submit(rid, prompt, opts.max_new_tokens)
+
+        while to_send and not opts.sequential:
+            submit_next()
+        if to_send:
+            submit_next()
+        bar = _progress(opts.requests * opts.max_new_tokens, opts.quiet)
+        while traces and open_ids and time.monotonic() < deadline and not crashed():
+            if opts.sequential and to_send and len(open_ids) == len(to_send):
+                submit_next()
+            for ev in client.events(0.2):
+                rid = int(ev["request_id"])
+                tr = traces[rid]
+                if ev["type"] is Msg.TOKENS:
+                    if tr.first_token is None:
+                        tr.first_token = time.perf_counter()
+                    bar.update(len(ev["tokens"]))
+                elif ev["type"] is Msg.DONE:
+                    tr.done = time.perf_counter()
+                    tr.tokens = list(ev["tokens"])
+                    open_ids.discard(rid)
+                elif ev["type"] is Msg.FAILED:
+                    tr.error = str(ev["error"])
+                    open_ids.discard(rid)
+                if not open_ids:
+                    break
+            worker_reports += _drain(results)
+        bar.close()
+        elapsed = time.perf_counter() - t0
+        if open_ids and not crashed():
+            failures.append(f"requests {sorted(open_ids)} did not finish within {opts.timeout_s} s")
+        server.shutdown_engines()
+        # A crashed rank leaves its peers stuck in collectives: give them a moment, then kill.
+        grace = time.monotonic() + (3.0 if crashed() else max(5.0, deadline - time.monotonic()))
+        while sum(1 for r in worker_reports if r.get("stats") or r.get("error")) < world:
+            if time.monotonic() > grace:
+                if not crashed():
+                    failures.append("not every engine rank reported at shutdown")
+                break
+            worker_reports += _drain(results, timeout=0.1)
+        for p in procs:
+            p.join(timeout=5)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        server.stop()
+        serve.join(5)
+        client.close()
+        server.close()
+    for rep in worker_reports:
+        if rep.get("error"):
+            failures.append(f"{rep['role']} rank {rep['rank']} failed:\n{rep['error']}")
+    wrong = 0
+    for rid, tr in sorted(traces.items()):
+        if tr.error is not None:
+            failures.append(f"request {rid} failed: {tr.error}")
+        elif tr.done is not None and tr.tokens != expected[rid]:
+            wrong += 1
+            failures.append(
+                f"request {rid}: decode answered {tr.tokens}, colocated {expected[rid]}"
+            )
+    finals = [r for r in worker_reports if r.get("stats") is not None]
+    leaked = sum(int(r["leaked_blocks"]) for r in finals)
+    quarantined = sum(int(r["quarantined"]) for r in finals)
+    pinned = sum(int(r["pinned"]) for r in finals)
+    if leaked or quarantined or pinned:
+        failures.append(f"leaked blocks {leaked}, quarantined {quarantined}, pinned {pinned}")
+    done = [t for t in traces.values() if t.done is not None]
+    ttft = sorted((t.first_token or t.done or 0) - t.submitted for t in done)
+    decode_tokens = sum(max(0, len(t.tokens) - 1) for t in done)
+    moved = sum(int(r["stats"].get("bytes_pulled", 0)) for r in finals)
+    descs = sum(int(r["stats"].get("descriptors", 0)) for r in finals)
+    if not opts.quiet:
+        rows = [
+            ("requests", f"{len(done)}/{opts.requests} done, {wrong} wrong"),
+            ("tokens generated", f"{sum(len(t.tokens) for t in done)}"),
+            (
+                "time to first token",
+                f"p50 {_pct(ttft, 50) * 1e3:.0f} ms, p99 {_pct(ttft, 99) * 1e3:.0f} ms",
+            ),
+            ("decode tokens/s", f"{decode_tokens / elapsed:.1f}" if done else "-"),
+            ("KV/SSM bytes moved", f"{moved:,}"),
+            ("transfer descriptors", f"{descs:,}"),
+            ("colocated reference", f"{t_ref:.2f} s"),
+            ("quarantined", f"{quarantined}"),
+            ("leaked blocks", f"{leaked}"),
+        ]
+        print()
+        for k, v in rows:
+            print(f"  {k:<22} {v}")
+        print()
+        for rid in sorted(traces)[:3]:
+            tr = traces[rid]
+            text = bytes(t for t in tr.tokens if 0 <= t < 256).decode(errors="replace")
+            print(f"  [{rid}] {texts[rid % len(texts)]!r} -> {text!r}")
+    for f in failures:
+        print(f"FAIL: {f}", file=sys.stderr)
+    if not failures:
+        say("OK: every answer equals the colocated run; nothing leaked.")
+    return DemoResult(
+        exit_code=1 if failures else 0,
+        failures=failures,
+        answers={rid: tr.tokens for rid, tr in traces.items() if tr.done is not None},
+        expected=expected,
+        workers=worker_reports,
+    )
+
+
+def _pct(values: list[float], p: int) -> float:
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, (len(values) * p) // 100)]
+
+
+def _drain(q: Any, timeout: float = 0.0) -> list[dict[str, Any]]:
+    """Everything in ``q`` now (waiting up to ``timeout`` for the first item)."""
+    out = []
+    try:
+        out.append(q.get(timeout=timeout) if timeout > 0 else q.get_nowait())
+        while True:
+            out.append(q.get_nowait())
+    except queue.Empty:
+        return out
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        del n
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, quiet: bool) -> Any:
+    if quiet:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="tokens", unit="tok", leave=False)
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    """The demo's command-line options."""
+    d = DemoOptions()
+    p.add_argument("--backend", choices=["nixl", "nccl"], default=d.backend)
+    p.add_argument("--prefill-tp", type=int, default=d.prefill_tp)
+    p.add_argument("--prefill-pp", type=int, default=d.prefill_pp)
+    p.add_argument("--decode-tp", type=int, default=d.decode_tp)
+    p.add_argument("--decode-pp", type=int, default=d.decode_pp)
+    p.add_argument("--prefill-block-size", type=int, default=d.prefill_block_size)
+    p.add_argument("--decode-block-size", type=int, default=d.decode_block_size)
+    p.add_argument("--model", choices=["hybrid", "attention"], default=d.model)
+    p.add_argument("--requests", type=int, default=d.requests)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
+    p.add_argument("--cache-layout", choices=["megatron", "nhd", "hnd"], default=d.cache_layout)
+    p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s")
+
+
+def options_from_args(args: argparse.Namespace) -> DemoOptions:
+    """Build :class:`DemoOptions` from parsed arguments."""
+    names = {f.name for f in dataclasses.fields(DemoOptions)}
+    return DemoOptions(**{k: v for k, v in vars(args).items() if k in names})
