@@ -48,7 +48,7 @@ fmt: $(STAMP) ## Format Rust and Python sources
 
 .PHONY: demo
 demo: build ## Run the main job: a disaggregated prefill (TP2) -> decode (TP1) run on CPU
-	UCX_TLS=$${UCX_TLS:-tcp,self,sm} UCX_LOG_LEVEL=$${UCX_LOG_LEVEL:-error} $(VENV)/bin/disagg-rs demo
+	$(VENV)/bin/disagg-rs demo
 
 .PHONY: bench
 bench: build ## Run the benchmarks and write benches/RESULTS.md

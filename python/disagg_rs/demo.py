@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import datetime
 import multiprocessing as mp
+import os
 import queue
 import socket
 import sys
@@ -127,6 +128,11 @@ def _worker(
     results: Any,
 ) -> None:
     """One engine rank: build, register, then serve control messages until SHUTDOWN."""
+    # NIXL's INFO lines would drown the progress bar; UCX stays on loopback transports on CPU.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    if opts.device == "cpu":
+        os.environ.setdefault("UCX_TLS", "tcp,self,sm")
     try:
         import torch
         import torch.distributed as dist
@@ -434,6 +440,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     decode_tokens = sum(max(0, len(t.tokens) - 1) for t in done)
     moved = sum(int(r["stats"].get("bytes_pulled", 0)) for r in finals)
     descs = sum(int(r["stats"].get("descriptors", 0)) for r in finals)
+    xfer_s = sum(int(r["stats"].get("transfer_ns", 0)) for r in finals) / 1e9
+    post_s = sum(int(r["stats"].get("post_ns", 0)) for r in finals) / 1e9
     if not opts.quiet:
         rows = [
             ("requests", f"{len(done)}/{opts.requests} done, {wrong} wrong"),
@@ -444,7 +452,16 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             ),
             ("decode tokens/s", f"{decode_tokens / elapsed:.1f}" if done else "-"),
             ("KV/SSM bytes moved", f"{moved:,}"),
+            (
+                "transfer GB/s",
+                f"{moved / xfer_s / 1e9:.3f} (sum of per-import wall time)" if xfer_s else "-",
+            ),
             ("transfer descriptors", f"{descs:,}"),
+            (
+                "plan+compile+post",
+                f"{post_s * 1e3:.1f} ms total, "
+                f"{post_s * 1e6 / max(1, len(done)):.0f} us per request",
+            ),
             ("colocated reference", f"{t_ref:.2f} s"),
             ("quarantined", f"{quarantined}"),
             ("leaked blocks", f"{leaked}"),

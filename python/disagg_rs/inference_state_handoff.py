@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,8 @@ class PendingKvImport:
     reported: bool = False
     failed_locally: str | None = None
     destination: dict[str, Any] = field(default_factory=dict)
+    posted_ns: int = 0
+    """``perf_counter_ns`` when the transfers were posted (statistics only)."""
 
 
 @dataclass
@@ -129,6 +132,8 @@ class InferenceStateHandoffMixin:
             "bytes_pulled": 0,
             "descriptors": 0,
             "pushes": 0,
+            "post_ns": 0,
+            "transfer_ns": 0,
         }
         self.handoff_events: list[tuple[str, int, str]] = []
         #: Per imported request: ``token_start`` (prompt tokens reused from the decode prefix
@@ -576,6 +581,7 @@ class InferenceStateHandoffMixin:
             "token_start": token_start,
             "src_block_size_tokens": src_bs,
         }
+        posted_at = time.perf_counter_ns()
         try:
             if self._kv_backend is not None and num_tokens > token_start:
                 kv_metas = [r["kv"] for r in prefill_ranks if r.get("kv") is not None]
@@ -592,6 +598,8 @@ class InferenceStateHandoffMixin:
         except Exception as e:  # transfer start threw: local failure, quiet if nothing posted
             pending.failed_locally = f"{type(e).__name__}: {e}"
             logger.warning("request %d: transfer start failed: %s", action.request_id, e)
+        pending.posted_ns = time.perf_counter_ns()
+        self.handoff_stats["post_ns"] += pending.posted_ns - posted_at
         self.handoff_stats["imports_started"] += 1
         self.handoff_request_stats[action.request_id] = {"token_start": token_start, "bytes": 0}
         self.handoff_events.append(("importing", action.request_id, f"token_start={token_start}"))
@@ -674,6 +682,7 @@ class InferenceStateHandoffMixin:
                         int(h.stats.get("descriptors", 0)) for h in pending.handles
                     )
                     self.handoff_request_stats.setdefault(pending.request_id, {})["bytes"] = moved
+                    self.handoff_stats["transfer_ns"] += time.perf_counter_ns() - pending.posted_ns
         reports = engine.handoff_all_gather(local)
         ledger = self._ledger()
         rank_of = self._mp_ranks()
