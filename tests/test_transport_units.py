@@ -306,3 +306,11 @@ def test_backends_default_to_the_rust_compiler_and_export_its_geometry() -> None
         program.verify()
     finally:
         b.close()
+
+
+def test_vram_support_is_recognised_under_both_nixl_spellings() -> None:
+    from disagg_rs.transfer_backends.nixl import backend_supports_vram
+
+    assert backend_supports_vram(["DRAM_SEG", "VRAM_SEG"])  # NIXL 1.5.1 on an H200
+    assert backend_supports_vram(["DRAM", "VRAM"])
+    assert not backend_supports_vram(["DRAM_SEG"])

@@ -454,7 +454,10 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             ("KV/SSM bytes moved", f"{moved:,}"),
             (
                 "transfer GB/s",
-                f"{moved / xfer_s / 1e9:.3f} (sum of per-import wall time)" if xfer_s else "-",
+                f"{moved / xfer_s / 1e9:.3f} (bytes / post-to-completion time, engine step "
+                "latency included)"
+                if xfer_s
+                else "-",
             ),
             ("transfer descriptors", f"{descs:,}"),
             (

@@ -120,6 +120,12 @@ def _validate_ucx_transport_config(memory_buffer: torch.Tensor) -> None:
         )
 
 
+def backend_supports_vram(mem_types: Any) -> bool:
+    """Whether a NIXL backend's memory types include GPU memory. NIXL 1.5 names them
+    ``"VRAM_SEG"`` (older builds ``"VRAM"``)."""
+    return any(str(t).upper() in ("VRAM", "VRAM_SEG") for t in mem_types)
+
+
 def _validate_nixl_cuda_support(agent: Any, memory_buffer: torch.Tensor) -> None:
     """Reject a NIXL/UCX runtime that cannot safely register CUDA memory."""
     if not memory_buffer.is_cuda:
@@ -128,7 +134,7 @@ def _validate_nixl_cuda_support(agent: Any, memory_buffer: torch.Tensor) -> None
     if mismatch is not None:
         raise TransferError(f"NIXL cannot register CUDA memory: {mismatch}")
     mem_types = agent.get_backend_mem_types("UCX")
-    if "VRAM" not in mem_types:
+    if not backend_supports_vram(mem_types):
         raise TransferError(
             f"the NIXL UCX backend supports {mem_types} but not VRAM (UCX built without CUDA)"
         )
