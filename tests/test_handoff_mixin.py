@@ -215,3 +215,34 @@ def test_a_decode_engine_refuses_to_schedule_prompts(pair: Pair) -> None:
     with pytest.raises(HandoffStateError, match="does not schedule prompts"):
         pair.decode.schedule_waiting_requests()
     pair.prefill.schedule_waiting_requests()
+
+
+def test_metrics_record_bytes_latency_and_queue_depths_and_serve_over_http(pair: Pair) -> None:
+    import socket
+    import urllib.request
+
+    from prometheus_client import generate_latest
+
+    from disagg_rs.metrics import HandoffMetrics
+
+    pair.decode.handoff_metrics = HandoffMetrics("decode", 1)
+    pair.run_prefill(1, PROMPTS[0])
+    pair.submit(1, PROMPTS[0])
+    pair.settle()
+    text = generate_latest(pair.decode.handoff_metrics.registry).decode()
+    moved = pair.decode.handoff_stats["bytes_pulled"]
+    assert moved > 0
+    assert f'disagg_transfer_bytes_total{{rank="1",role="decode"}} {float(moved)}' in text
+    assert 'disagg_import_transfer_seconds_count{rank="1",role="decode"} 1.0' in text
+    assert 'disagg_handoff_queue_depth{rank="1",role="decode",state="importing"} 0.0' in text
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server, thread = pair.decode.handoff_metrics.serve(port)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            assert b"disagg_transfer_bytes_total" in resp.read()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

@@ -56,6 +56,8 @@ class DemoOptions:
     num_blocks: int = 96
     timeout_s: float = 90.0
     quiet: bool = False
+    metrics_port: int | None = None
+    """Serve each rank's Prometheus metrics on ``metrics_port + global rank`` (loopback)."""
     prompts: tuple[str, ...] | None = None
     """Prompts to send (default: the built-in ones, cycled to ``requests``)."""
     sequential: bool = False
@@ -152,6 +154,11 @@ def _worker(
             _model_config(opts.model), _engine_config(opts, role, ranks), backend=opts.backend
         )
         engine.handoff_now_ns = time.monotonic_ns()
+        if opts.metrics_port is not None:
+            from disagg_rs.metrics import HandoffMetrics
+
+            engine.handoff_metrics = HandoffMetrics(role, global_rank)
+            engine.handoff_metrics.serve(opts.metrics_port + global_rank)
         engine.setup_kv_transfer(role, opts.backend)
         lead = global_rank == ranks[0]
         link = EngineLink(endpoint, role, role) if lead else None
@@ -335,6 +342,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             )
             p.start()
             procs.append(p)
+    if opts.metrics_port is not None:
+        say(f"metrics: http://127.0.0.1:{opts.metrics_port}..{opts.metrics_port + world - 1}/")
     say(
         f"disagg-rs demo: {opts.model} model, prefill TP{opts.prefill_tp}xPP{opts.prefill_pp} "
         f"(block {opts.prefill_block_size}) -> decode TP{opts.decode_tp}xPP{opts.decode_pp} "
@@ -539,6 +548,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
     p.add_argument("--cache-layout", choices=["megatron", "nhd", "hnd"], default=d.cache_layout)
     p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics of rank r on 127.0.0.1:(PORT + r)",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> DemoOptions:

@@ -139,6 +139,37 @@ class InferenceStateHandoffMixin:
         #: Per imported request: ``token_start`` (prompt tokens reused from the decode prefix
         #: cache) and ``bytes`` moved for it on this rank.
         self.handoff_request_stats: dict[int, dict[str, int]] = {}
+        #: Optional :class:`disagg_rs.metrics.HandoffMetrics` the mixin records into.
+        self.handoff_metrics: Any = None
+
+    def _event(self, event: tuple[str, int, str]) -> None:
+        """Record one lifecycle step and log it as a structured line."""
+        self.handoff_events.append(event)
+        kind, rid, detail = event
+        logger.info(
+            "handoff event=%s role=%s rank=%s request_id=%d %s",
+            kind,
+            getattr(self, "handoff_role", "?"),
+            getattr(self, "handoff_mp_rank", 0),
+            rid,
+            detail,
+        )
+
+    def _update_queue_metrics(self) -> None:
+        if self.handoff_metrics is None:
+            return
+        depths = {"pushing": len(self._pending_pushes)}
+        if self._import_ledger is not None:
+            ledger = self._import_ledger
+            depths.update(
+                deferred=ledger.num_deferred,
+                importing=ledger.num_importing,
+                ready=ledger.num_ready,
+                quarantined=ledger.num_quarantined,
+            )
+        if self._pin_ledger is not None:
+            depths["pinned"] = self._pin_ledger.num_pinned
+        self.handoff_metrics.queue_depths(depths)
 
     def _setup_handoff_completion_tracking(self, hostname: str | None = None) -> None:
         """Create the CPU path used to aggregate model-parallel transfer completion.
@@ -307,7 +338,7 @@ class InferenceStateHandoffMixin:
             "block_size_tokens": engine.block_size_tokens,
             "ranks": ranks,
         }
-        self.handoff_events.append(("setup", -1, f"{backend} {role} ranks={len(ranks)}"))
+        self._event(("setup", -1, f"{backend} {role} ranks={len(ranks)}"))
 
     @property
     def handoff_static_meta(self) -> dict[str, Any]:
@@ -377,7 +408,7 @@ class InferenceStateHandoffMixin:
         )
         engine.block_pool.release(blocks)
         self._pins_by_request[rid] = (blocks, slot, epoch)
-        self.handoff_events.append(("pinned", rid, f"{len(blocks)} blocks slot={slot}"))
+        self._event(("pinned", rid, f"{len(blocks)} blocks slot={slot}"))
         return {
             "src_block_ids": blocks,
             "src_block_size_tokens": self.block_size_tokens,
@@ -390,11 +421,11 @@ class InferenceStateHandoffMixin:
         """Release blocks pinned by a finished handoff (RELEASE_KV); unknown ids are no-ops."""
         if request_id in self._pending_pushes:
             # The push may still read them: the ledger defers the release until it settles.
-            self.handoff_events.append(("release_deferred", request_id, "push in flight"))
+            self._event(("release_deferred", request_id, "push in flight"))
         actions = self._pins().release(request_id)
         self._pins_by_request.pop(request_id, None)
         for a in actions:
-            self.handoff_events.append(("released", a.request_id, str(a.reason)))
+            self._event(("released", a.request_id, str(a.reason)))
 
     def _release_pinned_handoff_blocks(self, block_ids: list[int]) -> int:
         """Blocks are released by the PinLedger; returns how many this request pinned."""
@@ -406,12 +437,13 @@ class InferenceStateHandoffMixin:
 
     def expire_handoff_pins(self) -> int:
         """End pins whose lease has passed (``handoff_now_ns``); returns how many."""
+        self._update_queue_metrics()
         if self._pin_ledger is None:
             return 0
         actions = self._pin_ledger.expire(self.handoff_now_ns)
         for a in actions:
             self._pins_by_request.pop(a.request_id, None)
-            self.handoff_events.append(("lease_expired", a.request_id, ""))
+            self._event(("lease_expired", a.request_id, ""))
         return len(actions)
 
     def push_handoff_kv(
@@ -468,7 +500,7 @@ class InferenceStateHandoffMixin:
             ended += 1
             for a in self._pins().push_settled(rid, epoch):
                 self._pins_by_request.pop(a.request_id, None)
-                self.handoff_events.append(("released", a.request_id, str(a.reason)))
+                self._event(("released", a.request_id, str(a.reason)))
         return ended
 
     # -- decode side ----------------------------------------------------------------------------
@@ -523,7 +555,7 @@ class InferenceStateHandoffMixin:
         self._decode_requests[request_id] = _DecodeRequest(
             list(prompt), resume, max_new, dict(kv_meta), future
         )
-        self.handoff_events.append(("submitted", request_id, f"{len(prompt)} tokens"))
+        self._event(("submitted", request_id, f"{len(prompt)} tokens"))
         self._apply_import_actions(actions)
         return future
 
@@ -540,7 +572,7 @@ class InferenceStateHandoffMixin:
                 self._fail_import(a)
             elif kind == "release":
                 self._quarantined.pop((a.request_id, a.epoch), None)
-                self.handoff_events.append(("quarantine_drained", a.request_id, str(a.reason)))
+                self._event(("quarantine_drained", a.request_id, str(a.reason)))
 
     def _try_start_kv_handoff_import(self, handoff: Any) -> bool:
         """Starts happen inside the ledger (all or nothing); this drains its queue."""
@@ -600,9 +632,11 @@ class InferenceStateHandoffMixin:
             logger.warning("request %d: transfer start failed: %s", action.request_id, e)
         pending.posted_ns = time.perf_counter_ns()
         self.handoff_stats["post_ns"] += pending.posted_ns - posted_at
+        if self.handoff_metrics is not None:
+            self.handoff_metrics.posted((pending.posted_ns - posted_at) / 1e9)
         self.handoff_stats["imports_started"] += 1
         self.handoff_request_stats[action.request_id] = {"token_start": token_start, "bytes": 0}
-        self.handoff_events.append(("importing", action.request_id, f"token_start={token_start}"))
+        self._event(("importing", action.request_id, f"token_start={token_start}"))
 
     def _reserve_ssm_handoff_import(self) -> int:
         """The ledger reserves the SSM slot with the blocks (all or nothing)."""
@@ -682,7 +716,14 @@ class InferenceStateHandoffMixin:
                         int(h.stats.get("descriptors", 0)) for h in pending.handles
                     )
                     self.handoff_request_stats.setdefault(pending.request_id, {})["bytes"] = moved
-                    self.handoff_stats["transfer_ns"] += time.perf_counter_ns() - pending.posted_ns
+                    elapsed = time.perf_counter_ns() - pending.posted_ns
+                    self.handoff_stats["transfer_ns"] += elapsed
+                    if self.handoff_metrics is not None:
+                        self.handoff_metrics.transfer_done(
+                            moved,
+                            sum(int(h.stats.get("descriptors", 0)) for h in pending.handles),
+                            elapsed / 1e9,
+                        )
         reports = engine.handoff_all_gather(local)
         ledger = self._ledger()
         rank_of = self._mp_ranks()
@@ -718,6 +759,7 @@ class InferenceStateHandoffMixin:
             return 0
         self._report_completed_kv_imports()
         self._apply_import_actions(self._ledger().poll(self.handoff_now_ns))
+        self._update_queue_metrics()
         return self._ledger().num_ready
 
     def _admit_pending_kv_imports(self) -> int:
@@ -744,7 +786,7 @@ class InferenceStateHandoffMixin:
         req = self._decode_requests.pop(rid, None)
         self.handoff_stats["imports_admitted"] += 1
         self._record_handoff_completion_notification(rid, False)
-        self.handoff_events.append(("admitted", rid, f"{len(action.block_ids)} blocks"))
+        self._event(("admitted", rid, f"{len(action.block_ids)} blocks"))
         if req is not None and req.future is not None and not req.future.done():
             req.future.set_result(rid)
 
@@ -770,6 +812,8 @@ class InferenceStateHandoffMixin:
         if isinstance(expected, dict):
             expected.pop(rid, None)
         self.handoff_stats["imports_failed"] += 1
+        if self.handoff_metrics is not None:
+            self.handoff_metrics.failed(str(action.reason))
         self._record_handoff_completion_notification(rid, True)
         self.handoff_events.append(
             ("failed", rid, f"{action.reason} quarantined={action.quarantined}")
