@@ -2,6 +2,7 @@
 
 use disagg_core::DisaggError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 pyo3::import_exception!(disagg_rs.exceptions, LayoutError);
 pyo3::import_exception!(disagg_rs.exceptions, PlanCoverageError);
@@ -70,4 +71,22 @@ pub fn u32_field(field: &str, value: i64) -> PyResult<u32> {
     u32::try_from(value).map_err(|_| {
         to_pyerr(DisaggError::layout(field, format!("{field}={value} must be in [0, 2**32)")))
     })
+}
+
+/// A `MetadataError` naming `field`.
+pub fn wire_err(field: &str, detail: String) -> PyErr {
+    to_pyerr(DisaggError::wire(field, detail))
+}
+
+/// Reject keys a wire dict must not carry, so a typo never silently becomes a default.
+pub fn reject_unknown_keys(d: &Bound<'_, PyDict>, known: &[&str], what: &str) -> PyResult<()> {
+    for key in d.keys() {
+        let name: String = key
+            .extract()
+            .map_err(|_| wire_err("<key>", format!("{what} dict has a non-string key {key}")))?;
+        if !known.contains(&name.as_str()) {
+            return Err(wire_err(&name, format!("unknown field in {what} dict; known: {known:?}")));
+        }
+    }
+    Ok(())
 }

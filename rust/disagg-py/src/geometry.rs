@@ -10,14 +10,10 @@ use disagg_core::{
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyType};
 
-use crate::error::{to_pyerr, IntoPyResult};
+use crate::error::{reject_unknown_keys, to_pyerr, wire_err, IntoPyResult};
 
 fn geo_err(field: &str, detail: String) -> PyErr {
     to_pyerr(DisaggError::geometry(field, detail))
-}
-
-fn wire_err(field: &str, detail: String) -> PyErr {
-    to_pyerr(DisaggError::wire(field, detail))
 }
 
 /// What the compiler needs to know of one tensor: address, shape, byte strides.
@@ -201,18 +197,6 @@ const KV_GEO_KEYS: [&str; 14] = [
 fn req<'py, T: for<'a> FromPyObject<'a, 'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T> {
     let v = d.get_item(key)?.ok_or_else(|| wire_err(key, "missing required field".into()))?;
     v.extract().map_err(|_| wire_err(key, format!("wrong type or range: {v}")))
-}
-
-fn reject_unknown(d: &Bound<'_, PyDict>, known: &[&str], what: &str) -> PyResult<()> {
-    for key in d.keys() {
-        let name: String = key
-            .extract()
-            .map_err(|_| wire_err("<key>", format!("{what} dict has a non-string key {key}")))?;
-        if !known.contains(&name.as_str()) {
-            return Err(wire_err(&name, format!("unknown field in {what} dict; known: {known:?}")));
-        }
-    }
-    Ok(())
 }
 
 #[pymethods]
@@ -415,7 +399,7 @@ impl PyKvGeometry {
     /// field, `GeometryMismatchError`/`AddressOverflowError` on invalid values.
     #[classmethod]
     fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyDict>) -> PyResult<Self> {
-        reject_unknown(d, &KV_GEO_KEYS, "KVGeometry")?;
+        reject_unknown_keys(d, &KV_GEO_KEYS, "KVGeometry")?;
         let kind: String = req(d, "kind")?;
         if kind != "kv" {
             return Err(wire_err("kind", format!("kind={kind:?}, expected 'kv'")));
@@ -544,7 +528,7 @@ fn part_from_dict(d: Option<Bound<'_, PyAny>>, field: &str) -> PyResult<Option<S
     let Some(d) = d.filter(|v| !v.is_none()) else { return Ok(None) };
     let d =
         d.cast_into::<PyDict>().map_err(|_| wire_err(field, "expected a dict or None".into()))?;
-    reject_unknown(&d, &PART_KEYS, field)?;
+    reject_unknown_keys(&d, &PART_KEYS, field)?;
     Ok(Some(SsmStatePart {
         layer_bases: req(&d, "layer_bases")?,
         num_slots: req(&d, "num_slots")?,
@@ -652,7 +636,7 @@ impl PySsmGeometry {
     /// Rebuild from `to_dict()` output.
     #[classmethod]
     fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyDict>) -> PyResult<Self> {
-        reject_unknown(d, &["kind", "conv", "recurrent", "device_id"], "SSMGeometry")?;
+        reject_unknown_keys(d, &["kind", "conv", "recurrent", "device_id"], "SSMGeometry")?;
         let kind: String = req(d, "kind")?;
         if kind != "ssm" {
             return Err(wire_err("kind", format!("kind={kind:?}, expected 'ssm'")));

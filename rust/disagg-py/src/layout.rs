@@ -1,32 +1,15 @@
 //! Python classes for the shard layouts: `KVShardLayout`, `SSMStateDims`, `SSMShardLayout`.
 
 use disagg_core::{
-    DisaggError, KvLayoutSpec, KvShardLayout, SsmBand, SsmLayoutSpec, SsmShardLayout, SsmStateDims,
+    KvLayoutSpec, KvShardLayout, SsmBand, SsmLayoutSpec, SsmShardLayout, SsmStateDims,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyType};
 
-use crate::error::{to_pyerr, u32_field, IntoPyResult};
+use crate::error::{reject_unknown_keys, u32_field, wire_err, IntoPyResult};
 
 /// Half-open range as a Python tuple.
 pub type PyRange = (u32, u32);
-
-fn wire_err(field: &str, detail: String) -> PyErr {
-    to_pyerr(DisaggError::wire(field, detail))
-}
-
-/// Reject keys a wire dict must not carry, so a typo never silently becomes a default.
-fn reject_unknown_keys(d: &Bound<'_, PyDict>, known: &[&str], what: &str) -> PyResult<()> {
-    for key in d.keys() {
-        let name: String = key
-            .extract()
-            .map_err(|_| wire_err("<key>", format!("{what} dict has a non-string key {key}")))?;
-        if !known.contains(&name.as_str()) {
-            return Err(wire_err(&name, format!("unknown field in {what} dict; known: {known:?}")));
-        }
-    }
-    Ok(())
-}
 
 /// Required integer field of a wire dict.
 pub fn dict_u32(d: &Bound<'_, PyDict>, key: &str) -> PyResult<u32> {
