@@ -228,8 +228,17 @@ class CoordinatorState:
         if req is None or msg.get("epoch", req.epoch) != req.epoch:
             self.ignored[msg["type"].value] += 1
             return None
-        if sender is not None and sender not in (req.prefill, req.decode):
-            self.ignored[msg["type"].value] += 1
+        kind = msg["type"]
+        allowed = (
+            (req.prefill,)
+            if kind in (Msg.PREFILL_DONE, Msg.PREFILL_FAILED)
+            else (req.decode,)
+            if kind in (Msg.KV_RECV_POSTED, Msg.KV_IMPORTED, Msg.TOKENS, Msg.DONE)
+            else (req.prefill, req.decode)
+        )
+        if sender is not None and sender not in allowed:
+            # A message from an engine that does not play that part for this request.
+            self.ignored[kind.value] += 1
             return None
         return req
 
@@ -314,6 +323,9 @@ class CoordinatorState:
         req.prefill = self._pick("prefill")
         if req.prefill is None:
             return self._fail(req, "no prefill engine registered")
+        # The decode is chosen now so that a one-sided prefill can stage (pack) its state for
+        # that decode's layout before it announces the handoff.
+        req.decode = self._pick("decode")
         return [
             Outgoing(
                 req.prefill,
@@ -324,6 +336,7 @@ class CoordinatorState:
                     "epoch": req.epoch,
                     "prompt": req.prompt,
                     "max_new_tokens": req.max_new_tokens,
+                    "decode_engine_id": req.decode,
                 },
             )
         ]
@@ -334,7 +347,8 @@ class CoordinatorState:
             return []
         req.pinned = True
         req.phase = _Phase.DECODING
-        req.decode = self._pick("decode")
+        if req.decode not in self.engines:
+            req.decode = self._pick("decode")
         if req.decode is None:
             return self._fail(req, "no decode engine registered")
         ticket = dict(msg["ticket"])

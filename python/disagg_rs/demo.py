@@ -56,6 +56,10 @@ class DemoOptions:
     num_blocks: int = 96
     timeout_s: float = 90.0
     quiet: bool = False
+    nixl_mode: str = "auto"
+    """NIXL descriptor mode: "direct" reads, "staged" packed reads, "auto" by cost model."""
+    staging_mib: int = 64
+    """Registered staging region per NIXL KV buffer (staged pulls)."""
     metrics_port: int | None = None
     """Serve each rank's Prometheus metrics on ``metrics_port + global rank`` (loopback)."""
     prompts: tuple[str, ...] | None = None
@@ -159,12 +163,18 @@ def _worker(
 
             engine.handoff_metrics = HandoffMetrics(role, global_rank)
             engine.handoff_metrics.serve(opts.metrics_port + global_rank)
-        engine.setup_kv_transfer(role, opts.backend)
+        nixl_kwargs = (
+            {"mode": opts.nixl_mode, "staging_bytes": opts.staging_mib << 20}
+            if opts.backend == "nixl"
+            else {}
+        )
+        engine.setup_kv_transfer(role, opts.backend, **nixl_kwargs)
         lead = global_rank == ranks[0]
         link = EngineLink(endpoint, role, role) if lead else None
         if link is not None:
             link.register(engine.handoff_static_meta)
         epochs: dict[int, int] = {}
+        decode_targets: dict[int, Any] = {}
         admitted_sent: set[int] = set()
         running = True
         idle = 0
@@ -176,6 +186,8 @@ def _worker(
                     if m["type"] is Msg.SUBMIT_REQUEST_WITH_KV:
                         pid = m["ticket"]["prefill_engine_id"]
                         m["ticket"]["prefill_meta"] = link.peers[pid]["meta"]
+                    if m["type"] is Msg.PREFILL and m.get("decode_engine_id") in link.peers:
+                        m["decode_meta"] = link.peers[m["decode_engine_id"]]["meta"]["ranks"]
                     if m["type"] is Msg.SEND_KV:
                         m["decode_meta"] = link.peers[m["decode_engine_id"]]["meta"]["ranks"]
             now, msgs = engine.handoff_broadcast((time.monotonic_ns(), msgs))
@@ -188,6 +200,7 @@ def _worker(
                     running = False
                 elif kind is Msg.PREFILL:
                     epochs[rid] = int(m["epoch"])
+                    decode_targets[rid] = m.get("decode_meta")
                     engine.add_request(rid, m["prompt"], int(m["max_new_tokens"]))
                 elif kind is Msg.SUBMIT_REQUEST_WITH_KV:
                     epochs[rid] = int(m["epoch"])
@@ -253,7 +266,9 @@ def _worker(
                 out = engine.step()
                 if role == "prefill":
                     for h in out.handoffs:
-                        ticket = engine._capture_handoff_meta(h, None)
+                        ticket = engine._capture_handoff_meta(
+                            h, None, decode_targets.pop(h.request_id, None)
+                        )
                         if link is not None:
                             link.send(
                                 Msg.PREFILL_DONE,
@@ -548,6 +563,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
     p.add_argument("--cache-layout", choices=["megatron", "nhd", "hnd"], default=d.cache_layout)
     p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s")
+    p.add_argument(
+        "--nixl-mode",
+        choices=["auto", "direct", "staged"],
+        default=d.nixl_mode,
+        help="NIXL reads: direct descriptors, one packed region per source (staged), or auto",
+    )
     p.add_argument(
         "--metrics-port",
         type=int,

@@ -120,6 +120,7 @@ class InferenceStateHandoffMixin:
         self._decode_requests: dict[int, _DecodeRequest] = {}
         self._pending_pushes: dict[int, tuple[int, list[Any]]] = {}
         self._pins_by_request: dict[int, tuple[list[int], int | None, int]] = {}
+        self._staged_by_request: dict[int, list[dict[str, Any]]] = {}
         self._completion_notifications: list[tuple[int, bool]] = []
         self.handoff_now_ns = 0
         self.handoff_import_timeout_ns = DEFAULT_IMPORT_TIMEOUT_NS
@@ -390,7 +391,10 @@ class InferenceStateHandoffMixin:
         return {**static_metas, "slot": selected_slot}
 
     def _capture_handoff_meta(
-        self, request: Any, prepared: _PreparedHandoffMetadata | None
+        self,
+        request: Any,
+        prepared: _PreparedHandoffMetadata | None,
+        decode_metas: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """Pin the request's blocks and SSM slot in the PinLedger and return its ticket.
 
@@ -409,13 +413,58 @@ class InferenceStateHandoffMixin:
         engine.block_pool.release(blocks)
         self._pins_by_request[rid] = (blocks, slot, epoch)
         self._event(("pinned", rid, f"{len(blocks)} blocks slot={slot}"))
-        return {
+        ticket: dict[str, Any] = {
             "src_block_ids": blocks,
             "src_block_size_tokens": self.block_size_tokens,
             "src_ssm_slot": slot,
             "resume_tokens": [int(request.first_token)],
             "pin_epoch": epoch,
         }
+        staged = self._stage_for_decode(rid, blocks, len(request.prompt), decode_metas)
+        if staged:
+            ticket["staged"] = staged
+        return ticket
+
+    def _stage_for_decode(
+        self,
+        request_id: int,
+        blocks: list[int],
+        num_tokens: int,
+        decode_metas: list[dict[str, Any]] | None,
+    ) -> dict[int, list[dict[str, Any]]]:
+        """One-sided staged pulls: pack this rank's fragments for every decode rank before the
+        handoff is announced, and gather every prefill rank's tickets (collective).
+
+        Returns ``{decode global rank: [ticket per prefill rank that packed]}``; empty when the
+        backend reads directly (two-sided, ``mode="direct"``, or no decode chosen yet).
+        """
+        engine: Any = self
+        backend = self._kv_backend
+        stage = getattr(backend, "stage_blocks", None)
+        if not decode_metas or stage is None or getattr(backend, "mode", "direct") == "direct":
+            return {}
+        own = [r["kv"] for r in self.handoff_static_meta["ranks"] if r.get("kv") is not None]
+        local: dict[int, dict[str, Any]] = {}
+        for dm in decode_metas:
+            kv = dm.get("kv")
+            if kv is None:
+                continue
+            t = stage(kv, blocks, src_metas=own, num_tokens=num_tokens)
+            if t.get("staged"):
+                local[int(kv["layout"]["global_rank"])] = t
+        self._staged_by_request[request_id] = list(local.values())
+        merged: dict[int, list[dict[str, Any]]] = {}
+        for per_rank in engine.handoff_all_gather(local):
+            for dst, t in per_rank.items():
+                merged.setdefault(int(dst), []).append(t)
+        return merged
+
+    def _release_staged(self, request_id: int) -> None:
+        """Free the staging regions packed for a handoff (after RELEASE_KV or lease expiry)."""
+        release = getattr(self._kv_backend, "release_staged", None)
+        for t in self._staged_by_request.pop(request_id, []):
+            if release is not None:
+                release(t)
 
     def release_handoff_blocks(self, request_id: int) -> None:
         """Release blocks pinned by a finished handoff (RELEASE_KV); unknown ids are no-ops."""
@@ -424,6 +473,7 @@ class InferenceStateHandoffMixin:
             self._event(("release_deferred", request_id, "push in flight"))
         actions = self._pins().release(request_id)
         self._pins_by_request.pop(request_id, None)
+        self._release_staged(request_id)
         for a in actions:
             self._event(("released", a.request_id, str(a.reason)))
 
@@ -443,6 +493,7 @@ class InferenceStateHandoffMixin:
         actions = self._pin_ledger.expire(self.handoff_now_ns)
         for a in actions:
             self._pins_by_request.pop(a.request_id, None)
+            self._release_staged(a.request_id)
             self._event(("lease_expired", a.request_id, ""))
         return len(actions)
 
@@ -661,8 +712,14 @@ class InferenceStateHandoffMixin:
         staging tickets of a one-sided staged read."""
         if self._is_push:
             return {"tag": _tag(request_id, kind)}
-        staged = ticket.get("staged")
-        return {"staged": staged} if staged else {}
+        staged = ticket.get("staged") or {}
+        pending = self._pending_imports.get(request_id)
+        if kind != "kv" or pending is None or pending.destination.get("token_start", 0) != 0:
+            # The packed layout covers the whole prompt: a prefix-trimmed pull reads directly.
+            return {}
+        me = self._kv_backend.layout.global_rank if self._kv_backend is not None else None
+        mine = staged.get(me) or staged.get(str(me))
+        return {"staged": mine} if mine else {}
 
     @staticmethod
     def _pending_transfer_handles(pending: PendingKvImport) -> list[Any]:

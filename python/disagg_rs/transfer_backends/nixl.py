@@ -270,6 +270,8 @@ class _PullPart:
     cleanup: Callable[[], None] | None = None
     state: str = "PROC"
     context: str = ""
+    descriptors: int = 0
+    """Descriptors this read posted (1 for a staged read)."""
 
     def finish(self) -> None:
         if self.cleanup is not None:
@@ -629,7 +631,12 @@ class NixlTransferBackend(TransferBackendBase):
             self.clock,
             error,
         )
-        handle.stats = dict(program.stats)
+        # What was actually posted (a source without a staged ticket is read directly).
+        handle.stats = {
+            "bytes": int(program.stats.get("bytes", 0)),
+            "descriptors": sum(p.descriptors for p in parts),
+            "modes": {p.src_rank: p.context.split(":", 1)[0] for p in parts},
+        }
         return handle
 
     def _check_tickets(
@@ -693,7 +700,9 @@ class NixlTransferBackend(TransferBackendBase):
         if len(src) == 0:
             return None
         label = f"direct:{meta['agent_name']}:{rank}"
-        return _PullPart(rank, self._post(dst, src, meta, peer, label), context=label)
+        part = _PullPart(rank, self._post(dst, src, meta, peer, label), context=label)
+        part.descriptors = len(src)
+        return part
 
     def _post_staged(
         self, program: Any, rank: int, meta: PeerMeta, ticket: Mapping[str, Any], peer: str
@@ -727,6 +736,8 @@ class NixlTransferBackend(TransferBackendBase):
         except Exception:
             self.arena.free(offset)
             raise
-        return _PullPart(
+        part = _PullPart(
             rank, xfer, on_done=land, cleanup=lambda: self.arena.free(offset), context=label
         )
+        part.descriptors = 1
+        return part
