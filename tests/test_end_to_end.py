@@ -33,6 +33,7 @@ def _run(**kw: object) -> DemoResult:
     "case",
     [
         pytest.param({"backend": "nixl"}, id="nixl-tp2-to-tp1-hybrid"),
+        pytest.param({"backend": "nixl", "nixl_mode": "direct"}, id="nixl-direct-tp2-to-tp1"),
         pytest.param({"backend": "nccl"}, id="gloo-tp2-to-tp1-hybrid"),
         pytest.param({"backend": "nixl", "prefill_tp": 1, "decode_tp": 2}, id="nixl-tp1-to-tp2"),
         pytest.param({"backend": "nixl", "prefill_tp": 1, "prefill_pp": 2}, id="nixl-pp2-to-pp1"),
