@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import transport_workers as tw
 from transport_workers import Case, Side, Worker, WorkerError
@@ -78,6 +79,17 @@ def nixl_pool() -> Iterator[dict[str, list[Worker]]]:
 
 
 @pytest.fixture(scope="module")
+def nixl_cuda_pool() -> Iterator[dict[str, list[Worker]]]:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    workers = tw.start_workers("nixl-cuda", ["pre0", "pre1", "dec0", "dec1"], "")
+    try:
+        yield {"pre": workers[:2], "dec": workers[2:]}
+    finally:
+        tw.stop_workers(workers)
+
+
+@pytest.fixture(scope="module")
 def gloo_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Worker]]]:
     store = str(tmp_path_factory.mktemp("gloo") / "store")
     workers = tw.start_workers("gloo", ["pre0", "pre1", "dec0", "dec1"], store)
@@ -124,6 +136,19 @@ def _assert_landed(pool: dict[str, list[Worker]], case: Case, key: str) -> None:
 def test_nixl_pull_lands_every_byte_where_the_oracle_says(
     nixl_pool: dict[str, list[Worker]], case: Case, mode: str
 ) -> None:
+    _nixl_pull_case(nixl_pool, case, mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_nixl_pull_between_processes_sharing_one_gpu_lands_every_byte(
+    nixl_cuda_pool: dict[str, list[Worker]], case: Case, mode: str
+) -> None:
+    _nixl_pull_case(nixl_cuda_pool, case, mode)
+
+
+def _nixl_pull_case(nixl_pool: dict[str, list[Worker]], case: Case, mode: str) -> None:
     key = f"{case.name}-{mode}"
     src_metas, dst_metas = _setup(nixl_pool, case, key, mode=mode)
     try:

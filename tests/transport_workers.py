@@ -439,8 +439,9 @@ class WorkerState:
         self.handles: dict[str, Any] = {}
         self.root: Any = None
         # "nccl": NCCL over CUDA, one GPU per rank; buffers live on that GPU.
-        self.device = f"cuda:{rank}" if transport == "nccl" else "cpu"
-        if transport == "nixl":
+        # "nixl-cuda": NIXL over VRAM, every rank sharing GPU 0 (one-GPU machines).
+        self.device = {"nccl": f"cuda:{rank}", "nixl-cuda": "cuda:0"}.get(transport, "cpu")
+        if transport in ("nixl", "nixl-cuda"):
             import torch
 
             from disagg_rs.transfer_backends.nixl import NixlTransferBackend
@@ -470,7 +471,7 @@ class WorkerState:
         """Create the backend for (case, side); fill it if it is a source; return its meta."""
         buf = make_buffer(case, side, fill=role == "src").to(self.device)
         kwargs = {**_backend_kwargs(case, side), **extra}
-        if self.transport == "nixl":
+        if self.transport in ("nixl", "nixl-cuda"):
             kwargs.setdefault("staging_bytes", 1 << 20)
             backend = self.root.new_registered_buffer(
                 memory_buffer=buf, expected_num_blocks=side.num_blocks, **kwargs
@@ -543,7 +544,8 @@ def worker_main(
     conn: Connection, transport: str, name: str, rank: int, world: int, store: str
 ) -> None:
     """Serve commands ``(method, args, kwargs)`` until ``exit``; reply ``(ok, value)``."""
-    os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+    if transport != "nixl-cuda":  # GPU memory needs UCX's CUDA transports: leave UCX_TLS alone
+        os.environ.setdefault("UCX_TLS", "tcp,self,sm")
     state: WorkerState | None = None
     try:
         state = WorkerState(transport, name, rank, world, store)
