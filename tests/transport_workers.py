@@ -544,7 +544,10 @@ def worker_main(
     conn: Connection, transport: str, name: str, rank: int, world: int, store: str
 ) -> None:
     """Serve commands ``(method, args, kwargs)`` until ``exit``; reply ``(ok, value)``."""
-    if transport != "nixl-cuda":  # GPU memory needs UCX's CUDA transports: leave UCX_TLS alone
+    if transport == "nixl-cuda":
+        # GPU memory needs UCX's CUDA transports: let UCX pick rather than inherit a CPU list.
+        os.environ.pop("UCX_TLS", None)
+    else:
         os.environ.setdefault("UCX_TLS", "tcp,self,sm")
     state: WorkerState | None = None
     try:
