@@ -35,6 +35,7 @@ from disagg_rs._core import ImportLedger, LedgerAction, PinLedger
 from disagg_rs.exceptions import (
     HandoffStateError,
     MetadataError,
+    ResetRefusedError,
     TransferError,
     TransferTimeout,
 )
@@ -321,7 +322,25 @@ class InferenceStateHandoffMixin:
         return self._backend_name == "nccl"
 
     def close_kv_transfer(self) -> None:
-        """Deregister every buffer (idempotent)."""
+        """Deregister every buffer (idempotent).
+
+        Refuses with ``ResetRefusedError`` (nothing changed) while an import or push may still
+        touch the registered memory: deregistering under a live transfer would let it write
+        freed memory or fail in the transport instead of in the ledger.
+        """
+        live = sorted(
+            rid
+            for rid, p in self._pending_imports.items()
+            if not all(self._quiet(h) for h in p.handles)
+        )
+        live += sorted(rid for (rid, _), p in self._quarantined.items() if p.handles and not all(self._quiet(h) for h in p.handles))
+        live += sorted(self._pending_pushes)
+        if live:
+            raise ResetRefusedError(
+                f"close_kv_transfer: transfers of requests {live} are still in flight; "
+                "close after they settle",
+                "request_id",
+            )
         for b in self._ssm_backends.values():
             b.close()
         if self._kv_backend is not None:
@@ -651,10 +670,13 @@ class InferenceStateHandoffMixin:
 
     @staticmethod
     def _local_outcome(pending: PendingKvImport) -> str | None:
-        """This rank's terminal outcome, or None while a handle is active."""
-        if pending.failed_locally is not None:
-            return "error"
-        outcome = "ok"
+        """This rank's terminal outcome, or None while a handle is active.
+
+        A start that threw after posting part of the import (KV posted, SSM threw) is an
+        error only once the parts already posted are terminal: until then they may still write
+        the destinations, which must not go back to the pool.
+        """
+        outcome = "ok" if pending.failed_locally is None else "error"
         for h in pending.handles:
             try:
                 if not h.poll():
