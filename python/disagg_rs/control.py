@@ -107,7 +107,8 @@ def decode_message(data: bytes) -> dict[str, Any]:
     """Unpack and validate one message; raises :class:`MetadataError` naming the bad field."""
     try:
         msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as e:
+    # TypeError: a map key that is itself a map or list (unhashable) in a corrupted frame.
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise MetadataError(f"undecodable control message: {e}", "<frame>") from None
     if not isinstance(msg, dict):
         raise MetadataError(f"control message is a {type(msg).__name__}, not a map", "<frame>")
