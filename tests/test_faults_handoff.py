@@ -67,7 +67,11 @@ def _run_until_idle(pre: HandoffReferenceEngine, dec: HandoffReferenceEngine) ->
         if dec.has_work:
             for f in dec.step().finished:
                 done[f.request_id] = f.tokens
-        if not dec.has_work and not dec.pending_kv_import_count and not dec.num_quarantined_kv_imports:
+        if (
+            not dec.has_work
+            and not dec.pending_kv_import_count
+            and not dec.num_quarantined_kv_imports
+        ):
             return done
     raise AssertionError("the handoff did not settle within 30 s")
 
@@ -86,7 +90,10 @@ def test_ssm_ticket_on_a_non_hybrid_decode_and_none_on_a_hybrid_one_are_metadata
 ) -> None:
     pre, dec = hybrid
     h, ticket = _ticket(pre, 1)
-    for bad in ({**ticket, "src_ssm_slot": None}, {k: v for k, v in ticket.items() if k != "prefill_meta"}):
+    for bad in (
+        {**ticket, "src_ssm_slot": None},
+        {k: v for k, v in ticket.items() if k != "prefill_meta"},
+    ):
         with pytest.raises(exceptions.MetadataError) as info:
             dec.add_request_with_kv_handoff(1, h.prompt, MAX_NEW, bad, ticket["src_block_ids"])
         assert info.value.field in ("src_ssm_slot", "prefill_meta")
@@ -134,7 +141,9 @@ class _Running:
     """A handle that is still running (its transport has not finished)."""
 
     done = False
-    stats: dict[str, Any] = {}
+
+    def __init__(self) -> None:
+        self.stats: dict[str, Any] = {}
 
     def poll(self) -> bool:
         return False

@@ -333,7 +333,11 @@ class InferenceStateHandoffMixin:
             for rid, p in self._pending_imports.items()
             if not all(self._quiet(h) for h in p.handles)
         )
-        live += sorted(rid for (rid, _), p in self._quarantined.items() if p.handles and not all(self._quiet(h) for h in p.handles))
+        live += sorted(
+            rid
+            for (rid, _), p in self._quarantined.items()
+            if p.handles and not all(self._quiet(h) for h in p.handles)
+        )
         live += sorted(self._pending_pushes)
         if live:
             raise ResetRefusedError(

@@ -1,8 +1,8 @@
 """Soak: many handoffs through the reference engine with faults injected at every stage.
 
-One process holds a prefill and a decode :class:`~disagg_rs.reference.handoff.HandoffReferenceEngine`
-(hybrid attention + Mamba model) whose state moves over real NIXL (UCX on loopback). Each
-handoff draws one fault (or none) from :data:`FAULTS`; the driver runs the same loop as the demo's
+One process holds a prefill and a decode
+:class:`~disagg_rs.reference.handoff.HandoffReferenceEngine` (hybrid attention + Mamba
+model) whose state moves over real NIXL (UCX on loopback). Each handoff draws one fault (or none) from :data:`FAULTS`; the driver runs the same loop as the demo's
 engines (poll -> admit -> step, RELEASE_KV after the import settles) and checks at the end:
 
 - every request reached exactly one outcome (completed or failed);
@@ -193,7 +193,7 @@ def run_soak(opts: SoakOptions) -> SoakReport:
 
     rng = random.Random(opts.seed)
     pre, dec, colocated = _engines(opts)
-    words = "prefill decode handoff block slot lease quorum epoch drain".split()
+    words = ["prefill", "decode", "handoff", "block", "slot", "lease", "quorum", "epoch", "drain"]
     prompts = [
         encode_text(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
         for _ in range(opts.distinct_prompts)
@@ -264,9 +264,12 @@ def run_soak(opts: SoakOptions) -> SoakReport:
                         raise DisaggError(f"request {rid}: a duplicate submit was accepted")
         for rid, fault in fault_of.items():
             stage = fault.removeprefix("abort_")
-            if fault.startswith("abort_") and rid not in outcome:
-                if dec._ledger().state_of(rid) == stage:
-                    dec.abort_kv_import(rid)
+            if (
+                fault.startswith("abort_")
+                and rid not in outcome
+                and dec._ledger().state_of(rid) == stage
+            ):
+                dec.abort_kv_import(rid)
         dec._poll_pending_kv_imports()
         dec._admit_pending_kv_imports()
         for rid, failed in dec._drain_handoff_completion_notifications():

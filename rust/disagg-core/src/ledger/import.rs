@@ -372,10 +372,7 @@ impl ImportLedger {
         if let Some(dup) = req.src_block_ids.iter().find(|&&id| !seen.insert(id)) {
             return Err(DisaggError::block(
                 "src_block_ids",
-                format!(
-                    "src_block_ids names block {dup} twice ({} ids)",
-                    req.src_block_ids.len()
-                ),
+                format!("src_block_ids names block {dup} twice ({} ids)", req.src_block_ids.len()),
             ));
         }
         let full = u64::from(req.num_prompt_tokens) / u64::from(self.pool.block_size_tokens());
