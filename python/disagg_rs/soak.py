@@ -2,8 +2,9 @@
 
 One process holds a prefill and a decode
 :class:`~disagg_rs.reference.handoff.HandoffReferenceEngine` (hybrid attention + Mamba
-model) whose state moves over real NIXL (UCX on loopback). Each handoff draws one fault (or none) from :data:`FAULTS`; the driver runs the same loop as the demo's
-engines (poll -> admit -> step, RELEASE_KV after the import settles) and checks at the end:
+model) whose state moves over real NIXL (UCX on loopback). Each handoff draws one fault (or
+none) from :data:`FAULTS`; the driver runs the same loop as the demo's engines (poll -> admit
+-> step, RELEASE_KV after the import settles) and checks at the end:
 
 - every request reached exactly one outcome (completed or failed);
 - every completed answer equals the colocated run of its prompt (``wrong`` must be 0);
