@@ -178,3 +178,63 @@ def test_short_soak_with_faults_at_every_stage_leaks_nothing_and_answers_right()
     assert report.completed + report.failed == 120
     assert report.completed > 0 and report.failed > 0 and report.quarantined_then_drained > 0
     assert set(report.faults) == set(FAULTS)
+
+
+def test_an_import_that_would_read_after_the_prefill_lease_fails_and_is_never_admitted() -> None:
+    model = ModelConfig(layer_kinds=("attention",) * 2)
+    pre = HandoffReferenceEngine(model, EngineConfig(role="prefill", num_blocks=8))
+    # Room for one import at a time: the second waits for capacity (DEFERRED, nothing read).
+    dec = HandoffReferenceEngine(model, EngineConfig(role="decode", num_blocks=3))
+    pre.handoff_now_ns = dec.handoff_now_ns = 0  # virtual clocks, one per engine
+    pre.handoff_lease_ns = 1_000_000
+    pre.setup_kv_transfer("prefill", "nixl")
+    dec.setup_kv_transfer("decode", "nixl")
+    try:
+        prompt = encode_text("twenty-six tokens of prompt")
+        tickets = {}
+        for rid in (1, 2):
+            pre.add_request(rid, prompt, MAX_NEW)
+            (h,) = pre.step().handoffs
+            tickets[rid] = (h, pre._capture_handoff_meta(h, None))
+            tickets[rid][1]["prefill_meta"] = pre.handoff_static_meta
+            dec.add_request_with_kv_handoff(
+                rid, h.prompt, MAX_NEW, tickets[rid][1], tickets[rid][1]["src_block_ids"]
+            )
+        assert dec._ledger().state_of(2) == "deferred"
+        # The prefill lease ends; its blocks go back to the pool and a new prompt reuses them.
+        pre.handoff_now_ns = 1_000_000
+        assert pre.expire_handoff_pins() == 2
+        pre.add_request(3, encode_text("another prompt overwrites the freed blocks"), MAX_NEW)
+        (h3,) = pre.step().handoffs
+        # The decode's clock passes half the lease before request 2 could start reading.
+        dec.handoff_now_ns = 600_000
+        dec._poll_pending_kv_imports()
+        failed = dict(dec._drain_handoff_completion_notifications())
+        assert failed == {1: True, 2: True}
+        assert not any(e[:2] == ("importing", 2) for e in dec.handoff_events)
+        assert dec.handoff_stats["imports_admitted"] == 0
+        for _ in range(1000):  # request 1's read was in flight: it drains from quarantine
+            if dec.num_quarantined_kv_imports == 0:
+                break
+            dec._poll_pending_kv_imports()
+            time.sleep(0.001)
+        pre._capture_handoff_meta(h3, None)
+        pre.release_handoff_blocks(3)
+        _assert_all_free(pre, dec)
+    finally:
+        dec.close_kv_transfer()
+        pre.close_kv_transfer()
+
+
+def test_a_ticket_with_a_mistyped_lease_is_a_metadata_error(
+    hybrid: tuple[HandoffReferenceEngine, HandoffReferenceEngine],
+) -> None:
+    pre, dec = hybrid
+    h, ticket = _ticket(pre, 5)
+    with pytest.raises(exceptions.MetadataError) as info:
+        dec.add_request_with_kv_handoff(
+            5, h.prompt, MAX_NEW, {**ticket, "lease_ns": "soon"}, ticket["src_block_ids"]
+        )
+    assert info.value.field == "lease_ns" and dec.pending_kv_import_count == 0
+    pre.release_handoff_blocks(5)
+    _assert_all_free(pre, dec)

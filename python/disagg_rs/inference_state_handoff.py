@@ -50,6 +50,9 @@ _SSM_STATE_KINDS = ("conv", "recurrent")
 #: Default deadline of one import (submit to admission) and lease of one prefill pin.
 DEFAULT_IMPORT_TIMEOUT_NS = 60_000_000_000
 DEFAULT_LEASE_NS = 120_000_000_000
+#: Share of the prefill's lease (ticket ``lease_ns``) a decode import may use, submit to
+#: admission, by the decode's clock; the rest covers the ticket's transit from the prefill.
+LEASE_READ_FRACTION = 0.5
 
 _KV_AXES = {
     "megatron": "kv layer block token head dim",
@@ -407,6 +410,7 @@ class InferenceStateHandoffMixin:
             "src_ssm_slot": slot,
             "resume_tokens": [int(request.first_token)],
             "pin_epoch": epoch,
+            "lease_ns": self.handoff_lease_ns,
         }
 
     def release_handoff_blocks(self, request_id: int) -> None:
@@ -506,8 +510,9 @@ class InferenceStateHandoffMixin:
         """Start or capacity-queue a KV import and return its completion future.
 
         ``kv_meta`` is the ticket: ``resume_tokens``, ``src_block_size_tokens``,
-        ``src_ssm_slot``, and ``prefill_meta`` (the prefill engine's ``handoff_static_meta``).
-        ``sampling_params`` needs ``max_new_tokens`` (an int is accepted too).
+        ``src_ssm_slot``, ``prefill_meta`` (the prefill engine's ``handoff_static_meta``) and
+        optionally ``lease_ns`` (the prefill pin's lease: the import's deadline is at most
+        ``LEASE_READ_FRACTION`` of it). ``sampling_params`` needs ``max_new_tokens`` (an int is accepted too).
         """
         engine: Any = self
         ledger = self._ledger()
@@ -526,6 +531,19 @@ class InferenceStateHandoffMixin:
             engine.config.eos_token is not None and resume and resume[-1] == engine.config.eos_token
         )
         now = self.handoff_now_ns
+        budget = self.handoff_import_timeout_ns
+        lease = kv_meta.get("lease_ns")
+        if lease is not None:
+            if not isinstance(lease, int) or isinstance(lease, bool) or lease < 2:
+                raise MetadataError(
+                    f"request {request_id}: ticket lease_ns={lease!r} must be an int >= 2",
+                    "lease_ns",
+                )
+            # The prefill frees the source blocks when its lease ends; a read still running (or
+            # not yet started) then may see reused blocks. Clocks of the two engines are not
+            # comparable, so the decode finishes within LEASE_READ_FRACTION of the lease by its
+            # own clock and the rest absorbs the ticket's transit: past it the import fails.
+            budget = min(budget, int(lease * LEASE_READ_FRACTION))
         actions = ledger.submit(
             request_id,
             np.asarray(prompt, dtype=np.int64),
@@ -534,7 +552,7 @@ class InferenceStateHandoffMixin:
             resume_tokens=len(resume),
             has_ssm=has_ssm,
             finished=bool(finished),
-            deadline=now + self.handoff_import_timeout_ns,
+            deadline=now + budget,
             now=now,
         )
         # Validated by the ledger: now the engine learns of it (ledger and engine agree).
