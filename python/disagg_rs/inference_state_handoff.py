@@ -512,7 +512,8 @@ class InferenceStateHandoffMixin:
         ``kv_meta`` is the ticket: ``resume_tokens``, ``src_block_size_tokens``,
         ``src_ssm_slot``, ``prefill_meta`` (the prefill engine's ``handoff_static_meta``) and
         optionally ``lease_ns`` (the prefill pin's lease: the import's deadline is at most
-        ``LEASE_READ_FRACTION`` of it). ``sampling_params`` needs ``max_new_tokens`` (an int is accepted too).
+        ``LEASE_READ_FRACTION`` of it). ``sampling_params`` needs ``max_new_tokens`` (an int is
+        accepted too).
         """
         engine: Any = self
         ledger = self._ledger()
