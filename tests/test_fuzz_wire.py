@@ -20,6 +20,7 @@ from disagg_rs import ImportLedger, KVGeometry, KVShardLayout, SSMGeometry, SSMS
 from disagg_rs.control import Msg, decode_message, encode_message
 from disagg_rs.exceptions import DisaggError
 from disagg_rs.transfer_backends.base import check_meta_fields
+from disagg_rs.transfer_backends.nixl import NixlTransferBackend
 
 SCALARS = st.one_of(
     st.none(),
@@ -123,8 +124,6 @@ def test_ssm_geometry_from_dict_rejects_typed_or_round_trips(d: Any) -> None:
 
 
 def _peer_meta() -> dict[str, Any]:
-    from disagg_rs.transfer_backends.nixl import NixlTransferBackend
-
     b = NixlTransferBackend("fuzz-meta", torch.zeros(2, 2, 4, 16, 2, 8), 4)
     try:
         return b.export_meta()
@@ -133,6 +132,8 @@ def _peer_meta() -> dict[str, Any]:
 
 
 PEER_META = _peer_meta()
+# A real backend of the same geometry that validates the (mutated) peers as a puller would.
+PULLER = NixlTransferBackend("fuzz-puller", torch.zeros(2, 2, 4, 16, 2, 8), 4)
 
 
 @given(mutated(PEER_META))
@@ -141,6 +142,25 @@ def test_backend_metadata_check_rejects_typed_or_accepts_a_well_typed_dict(meta:
     if got is not None:
         assert isinstance(got["layout"], dict) and isinstance(got["num_blocks"], int)
         assert got["version"] == 1 and got["backend"] == "nixl"
+
+
+@given(
+    metas=st.lists(mutated(PEER_META), min_size=1, max_size=2),
+    src=st.lists(st.integers(-2, 6), max_size=5),
+    dst=st.lists(st.integers(-2, 6), max_size=5),
+    num_tokens=st.one_of(st.none(), st.integers(-1, 80)),
+)
+def test_peer_validation_before_a_pull_rejects_typed_or_bounds_every_id(
+    metas: list[Any], src: list[int], dst: list[int], num_tokens: int | None
+) -> None:
+    def go(_: None) -> Any:
+        peers = PULLER._peer_list(metas)
+        return PULLER._validate_peers(peers, src, dst, num_tokens, local_is_dst=True)
+
+    got = _typed_or_valid(go, None)
+    if got is not None:
+        assert all(0 <= i < 4 for i in dst) and len(set(dst)) == len(dst)
+        assert 1 <= got <= len(dst) * 16
 
 
 MESSAGES = [
