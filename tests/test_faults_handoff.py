@@ -173,7 +173,7 @@ def test_close_with_transfers_in_flight_is_refused_and_changes_nothing(
 
 def test_short_soak_with_faults_at_every_stage_leaks_nothing_and_answers_right() -> None:
     torch.set_num_threads(1)
-    report = run_soak(SoakOptions(handoffs=120, fault_rate=0.5, seed=1, quiet=True))
+    report = run_soak(SoakOptions(handoffs=120, fault_rate=0.5, seed=1))
     assert report.unresolved == 0 and report.leaked == 0 and report.wrong == 0, report.format()
     assert report.completed + report.failed == 120
     assert report.completed > 0 and report.failed > 0 and report.quarantined_then_drained > 0

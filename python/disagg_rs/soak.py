@@ -116,7 +116,6 @@ class SoakOptions:
     max_in_flight: int = 6
     num_blocks: int = 24
     distinct_prompts: int = 8
-    quiet: bool = False
 
 
 @dataclass
