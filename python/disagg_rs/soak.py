@@ -131,6 +131,8 @@ class SoakReport:
     unresolved: int = 0
     ttft_ms: list[float] = field(default_factory=list)
     faults: Counter[str] = field(default_factory=Counter)
+    #: Aborts that found their request in the drawn stage (the others ended first).
+    aborts_hit: Counter[str] = field(default_factory=Counter)
     elapsed_s: float = 0.0
 
     @property
@@ -160,6 +162,8 @@ class SoakReport:
                 f"  TTFT p50 / p99             {self.percentile(50):.2f} / "
                 f"{self.percentile(99):.2f} ms",
                 f"  faults injected            {faults}",
+                "  aborts that hit the stage  "
+                + ", ".join(f"{k} {v}" for k, v in sorted(self.aborts_hit.items())),
             ]
         )
 
@@ -214,6 +218,7 @@ def run_soak(opts: SoakOptions) -> SoakReport:
     started_at: dict[int, float] = {}
     epoch_of: dict[int, int] = {}
     outcome: dict[int, str] = {}
+    aborts: dict[int, str] = {}  # request id -> the stage to abort it in
     next_rid = 0
     t0 = time.perf_counter()
 
@@ -233,6 +238,8 @@ def run_soak(opts: SoakOptions) -> SoakReport:
             fault = rng.choice(FAULTS[1:]) if rng.random() < opts.fault_rate else "none"
             fault_of[rid], prompt_of[rid] = fault, rng.randrange(opts.distinct_prompts)
             report.faults[fault] += 1
+            if fault.startswith("abort_"):
+                aborts[rid] = fault.removeprefix("abort_")
             for b in backends.values():
                 b.faults[rid] = fault
             started_at[rid] = time.perf_counter()
@@ -262,15 +269,15 @@ def run_soak(opts: SoakOptions) -> SoakReport:
                         pass
                     else:
                         raise DisaggError(f"request {rid}: a duplicate submit was accepted")
-        for rid, fault in fault_of.items():
-            stage = fault.removeprefix("abort_")
-            if (
-                fault.startswith("abort_")
-                and rid not in outcome
-                and dec._ledger().state_of(rid) == stage
-            ):
-                dec.abort_kv_import(rid)
         dec._poll_pending_kv_imports()
+        # Between poll and admission every stage is observable, READY included.
+        for rid, stage in list(aborts.items()):
+            if rid in outcome:
+                del aborts[rid]  # ended before reaching its stage: a clean handoff after all
+            elif dec._ledger().state_of(rid) == stage:
+                del aborts[rid]
+                report.aborts_hit[stage] += 1
+                dec.abort_kv_import(rid)
         dec._admit_pending_kv_imports()
         for rid, failed in dec._drain_handoff_completion_notifications():
             pre.release_handoff_blocks(rid)  # RELEASE_KV: the import settled either way
