@@ -6,13 +6,22 @@ a RELEASE_KV or an ABORT emitted to that prefill; and the coordinator ends with 
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg_rs.control import CoordinatorState, Msg, Outgoing, decode_message, encode_message
+from disagg_rs.control import (
+    CoordinatorServer,
+    CoordinatorState,
+    EngineLink,
+    Msg,
+    Outgoing,
+    decode_message,
+    encode_message,
+)
 
 CLIENT = b"client"
 TIMEOUT = 10.0
@@ -144,3 +153,27 @@ def test_dropped_duplicated_reordered_messages_and_restarts_end_each_request_exa
     for rid in net.pinned:
         if net.client.get(rid) == ["DONE"]:
             assert net.releases[rid] >= 1, rid
+
+
+def test_shutdown_from_another_thread_is_sent_by_the_serving_thread() -> None:
+    # Sending on the ROUTER socket from the main thread while serve() used it aborted the
+    # whole process (ZeroMQ sockets are single-threaded); the serving thread now sends it.
+    server = CoordinatorServer()
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    link = EngineLink(server.endpoint, "p0", "prefill", incarnation=1)
+    try:
+        link.register({})
+        for _ in range(20):
+            server.shutdown_engines()
+        got: list[Msg] = []
+        for _ in range(200):
+            got += [m["type"] for m in link.poll(50) if m["type"] is Msg.SHUTDOWN]
+            if len(got) == 20:
+                break
+        assert got == [Msg.SHUTDOWN] * 20
+    finally:
+        server.stop()
+        thread.join(5)
+        link.close()
+        server.close()
