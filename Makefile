@@ -62,3 +62,7 @@ bench: build ## Run the benchmarks and write benches/RESULTS.md
 clean: ## Remove build outputs (keeps .venv)
 	cargo clean
 	rm -f python/disagg_rs/_core*.so
+
+.PHONY: soak
+soak: build ## Soak: 2,000 handoffs with injected faults; prints outcomes, leaks, wrong answers, TTFT
+	$(PY) -m disagg_rs.soak --handoffs 2000

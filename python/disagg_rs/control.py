@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import enum
 import itertools
+import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +108,8 @@ def decode_message(data: bytes) -> dict[str, Any]:
     """Unpack and validate one message; raises :class:`MetadataError` naming the bad field."""
     try:
         msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as e:
+    # TypeError: a map key that is itself a map or list (unhashable) in a corrupted frame.
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise MetadataError(f"undecodable control message: {e}", "<frame>") from None
     if not isinstance(msg, dict):
         raise MetadataError(f"control message is a {type(msg).__name__}, not a map", "<frame>")
@@ -458,6 +460,10 @@ class CoordinatorServer:
         self.undeliverable = 0
         self.malformed = 0
         self._stop = threading.Event()
+        # A ZeroMQ socket must only be used by one thread: while serve() runs, other threads
+        # hand their messages to it through this queue (sending directly aborted the process).
+        self._outbox: queue.SimpleQueue[Callable[[], list[Outgoing]]] = queue.SimpleQueue()
+        self._serving: threading.Thread | None = None
 
     def _send(self, out: list[Outgoing]) -> None:
         for o in out:
@@ -474,8 +480,16 @@ class CoordinatorServer:
             except zmq.ZMQError:
                 self.undeliverable += 1
 
+    def _flush_outbox(self) -> None:
+        while True:
+            try:
+                self._send(self._outbox.get_nowait()())
+            except queue.Empty:
+                return
+
     def run_once(self, timeout_ms: int = 10) -> None:
         """Handle the messages that arrive within ``timeout_ms``, then the deadlines."""
+        self._flush_outbox()
         if self._sock.poll(timeout_ms):
             while True:
                 try:
@@ -495,12 +509,25 @@ class CoordinatorServer:
 
     def serve(self) -> None:
         """Run until :meth:`stop`."""
-        while not self._stop.is_set():
-            self.run_once(20)
+        self._serving = threading.current_thread()
+        try:
+            while not self._stop.is_set():
+                self.run_once(20)
+            self._flush_outbox()
+        finally:
+            self._serving = None
 
     def shutdown_engines(self) -> None:
-        """Tell every registered engine to stop."""
-        self._send([Outgoing(e, None, Msg.SHUTDOWN, {}) for e in sorted(self.state.engines)])
+        """Tell every registered engine to stop (from any thread)."""
+
+        def shutdown() -> list[Outgoing]:  # built on the sending thread: it owns the state too
+            return [Outgoing(e, None, Msg.SHUTDOWN, {}) for e in sorted(self.state.engines)]
+
+        serving = self._serving
+        if serving is None or serving is threading.current_thread():
+            self._send(shutdown())
+        else:
+            self._outbox.put(shutdown)
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return."""

@@ -35,6 +35,7 @@ from disagg_rs._core import ImportLedger, LedgerAction, PinLedger
 from disagg_rs.exceptions import (
     HandoffStateError,
     MetadataError,
+    ResetRefusedError,
     TransferError,
     TransferTimeout,
 )
@@ -49,6 +50,9 @@ _SSM_STATE_KINDS = ("conv", "recurrent")
 #: Default deadline of one import (submit to admission) and lease of one prefill pin.
 DEFAULT_IMPORT_TIMEOUT_NS = 60_000_000_000
 DEFAULT_LEASE_NS = 120_000_000_000
+#: Share of the prefill's lease (ticket ``lease_ns``) a decode import may use, submit to
+#: admission, by the decode's clock; the rest covers the ticket's transit from the prefill.
+LEASE_READ_FRACTION = 0.5
 
 _KV_AXES = {
     "megatron": "kv layer block token head dim",
@@ -353,7 +357,29 @@ class InferenceStateHandoffMixin:
         return self._backend_name == "nccl"
 
     def close_kv_transfer(self) -> None:
-        """Deregister every buffer (idempotent)."""
+        """Deregister every buffer (idempotent).
+
+        Refuses with ``ResetRefusedError`` (nothing changed) while an import or push may still
+        touch the registered memory: deregistering under a live transfer would let it write
+        freed memory or fail in the transport instead of in the ledger.
+        """
+        live = sorted(
+            rid
+            for rid, p in self._pending_imports.items()
+            if not all(self._quiet(h) for h in p.handles)
+        )
+        live += sorted(
+            rid
+            for (rid, _), p in self._quarantined.items()
+            if p.handles and not all(self._quiet(h) for h in p.handles)
+        )
+        live += sorted(self._pending_pushes)
+        if live:
+            raise ResetRefusedError(
+                f"close_kv_transfer: transfers of requests {live} are still in flight; "
+                "close after they settle",
+                "request_id",
+            )
         for b in self._ssm_backends.values():
             b.close()
         if self._kv_backend is not None:
@@ -419,6 +445,7 @@ class InferenceStateHandoffMixin:
             "src_ssm_slot": slot,
             "resume_tokens": [int(request.first_token)],
             "pin_epoch": epoch,
+            "lease_ns": self.handoff_lease_ns,
         }
         staged = self._stage_for_decode(rid, blocks, len(request.prompt), decode_metas)
         if staged:
@@ -566,8 +593,10 @@ class InferenceStateHandoffMixin:
         """Start or capacity-queue a KV import and return its completion future.
 
         ``kv_meta`` is the ticket: ``resume_tokens``, ``src_block_size_tokens``,
-        ``src_ssm_slot``, and ``prefill_meta`` (the prefill engine's ``handoff_static_meta``).
-        ``sampling_params`` needs ``max_new_tokens`` (an int is accepted too).
+        ``src_ssm_slot``, ``prefill_meta`` (the prefill engine's ``handoff_static_meta``) and
+        optionally ``lease_ns`` (the prefill pin's lease: the import's deadline is at most
+        ``LEASE_READ_FRACTION`` of it). ``sampling_params`` needs ``max_new_tokens`` (an int is
+        accepted too).
         """
         engine: Any = self
         ledger = self._ledger()
@@ -586,6 +615,19 @@ class InferenceStateHandoffMixin:
             engine.config.eos_token is not None and resume and resume[-1] == engine.config.eos_token
         )
         now = self.handoff_now_ns
+        budget = self.handoff_import_timeout_ns
+        lease = kv_meta.get("lease_ns")
+        if lease is not None:
+            if not isinstance(lease, int) or isinstance(lease, bool) or lease < 2:
+                raise MetadataError(
+                    f"request {request_id}: ticket lease_ns={lease!r} must be an int >= 2",
+                    "lease_ns",
+                )
+            # The prefill frees the source blocks when its lease ends; a read still running (or
+            # not yet started) then may see reused blocks. Clocks of the two engines are not
+            # comparable, so the decode finishes within LEASE_READ_FRACTION of the lease by its
+            # own clock and the rest absorbs the ticket's transit: past it the import fails.
+            budget = min(budget, int(lease * LEASE_READ_FRACTION))
         actions = ledger.submit(
             request_id,
             np.asarray(prompt, dtype=np.int64),
@@ -594,7 +636,7 @@ class InferenceStateHandoffMixin:
             resume_tokens=len(resume),
             has_ssm=has_ssm,
             finished=bool(finished),
-            deadline=now + self.handoff_import_timeout_ns,
+            deadline=now + budget,
             now=now,
         )
         # Validated by the ledger: now the engine learns of it (ledger and engine agree).
@@ -742,10 +784,13 @@ class InferenceStateHandoffMixin:
 
     @staticmethod
     def _local_outcome(pending: PendingKvImport) -> str | None:
-        """This rank's terminal outcome, or None while a handle is active."""
-        if pending.failed_locally is not None:
-            return "error"
-        outcome = "ok"
+        """This rank's terminal outcome, or None while a handle is active.
+
+        A start that threw after posting part of the import (KV posted, SSM threw) is an
+        error only once the parts already posted are terminal: until then they may still write
+        the destinations, which must not go back to the pool.
+        """
+        outcome = "ok" if pending.failed_locally is None else "error"
         for h in pending.handles:
             try:
                 if not h.poll():

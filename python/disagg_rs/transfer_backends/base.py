@@ -314,13 +314,53 @@ def check_meta_fields(meta: Any, backend: str) -> PeerMeta:
         raise MetadataError(
             f"peer backend {meta['backend']!r} != this backend {backend!r}", field="backend"
         )
+    for key, types in _FIELD_TYPES.items():
+        _check_type(meta[key], types, key)
+    if meta["state_kind"] not in ("kv", "conv", "recurrent"):
+        raise MetadataError(
+            f"peer state_kind {meta['state_kind']!r} is not 'kv', 'conv' or 'recurrent'",
+            field="state_kind",
+        )
+    layout = meta["layout"]
+    for key in ("num_layers", "global_rank"):
+        if key in layout:
+            _check_type(layout[key], (int,), f"layout.{key}")
     buf = meta["buffer"]
-    if not isinstance(buf, Mapping):
-        raise MetadataError("peer metadata field 'buffer' must be a dict", field="buffer")
     for key in _BUFFER_REQUIRED:
         if key not in buf:
             raise MetadataError(f"peer buffer metadata lacks field {key!r}", field=f"buffer.{key}")
+    for key in ("addr", "nbytes", "device_id", "element_size"):
+        _check_type(buf[key], (int,), f"buffer.{key}")
     return meta
+
+
+#: Types of the top-level fields a peer's metadata must have (ints exclude bool; ints >= 0).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "agent_name": (str,),
+    "incarnation": (int,),
+    "compat_hash": (str,),
+    "state_kind": (str,),
+    "layout": (Mapping,),
+    "num_blocks": (int,),
+    "tokens_per_block": (int, type(None)),
+    "head_dim": (int,),
+    "dtype": (str,),
+    "buffer": (Mapping,),
+    "geometry": (Mapping, type(None)),
+}
+
+
+def _check_type(value: Any, types: tuple[type, ...], field: str) -> None:
+    """Reject a mistyped metadata field (a bool is not an int; ints are never negative)."""
+    ok = isinstance(value, types) and not isinstance(value, bool)
+    if ok and isinstance(value, int) and value < 0:
+        ok = False
+    if not ok:
+        names = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+        raise MetadataError(
+            f"peer metadata field {field!r} must be a non-negative {names}, got {value!r:.60}",
+            field=field,
+        )
 
 
 class TransferBackendBase:

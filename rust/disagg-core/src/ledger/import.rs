@@ -366,6 +366,15 @@ impl ImportLedger {
                 ),
             ));
         }
+        // A prefill request never holds one block at two token positions: a repeated source id
+        // means a corrupted ticket, and pulling it would silently duplicate one block's tokens.
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(dup) = req.src_block_ids.iter().find(|&&id| !seen.insert(id)) {
+            return Err(DisaggError::block(
+                "src_block_ids",
+                format!("src_block_ids names block {dup} twice ({} ids)", req.src_block_ids.len()),
+            ));
+        }
         let full = u64::from(req.num_prompt_tokens) / u64::from(self.pool.block_size_tokens());
         if req.prompt_hashes.len() as u64 > full {
             return Err(DisaggError::block(

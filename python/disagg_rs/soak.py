@@ -1,0 +1,355 @@
+"""Soak: many handoffs through the reference engine with faults injected at every stage.
+
+One process holds a prefill and a decode
+:class:`~disagg_rs.reference.handoff.HandoffReferenceEngine` (hybrid attention + Mamba
+model) whose state moves over real NIXL (UCX on loopback). Each handoff draws one fault (or
+none) from :data:`FAULTS`; the driver runs the same loop as the demo's engines (poll -> admit
+-> step, RELEASE_KV after the import settles) and checks at the end:
+
+- every request reached exactly one outcome (completed or failed);
+- every completed answer equals the colocated run of its prompt (``wrong`` must be 0);
+- every block, SSM slot and pin is back in its pool (``leaked`` must be 0), and every
+  quarantined import drained.
+
+Faults are injected by wrapping the decode engine's transport backends
+(:class:`FaultInjectingBackend`) and by the driver (aborts, bad tickets, duplicates); the library
+itself carries no fault hooks. Time to first token (TTFT) is measured from the prefill submit to
+the decode admission (the first token is the prefill's, resumed on decode).
+
+Run it with ``make soak`` (2,000 handoffs) or ``python -m disagg_rs.soak --handoffs N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg_rs.exceptions import DisaggError, TransferError, TransferTimeout
+
+__all__ = ["FAULTS", "FaultInjectingBackend", "SoakOptions", "SoakReport", "main", "run_soak"]
+
+#: The faults a handoff can draw; ``none`` is a clean handoff.
+FAULTS = (
+    "none",
+    "start_raises",  # the SSM start throws after the KV pull was posted (partial submission)
+    "transfer_error",  # the transport reports an error once every part is terminal
+    "transfer_timeout",  # the handle times out (may still write), settles a few polls later
+    "abort_deferred",  # abort while waiting for capacity
+    "abort_importing",  # abort while the pull runs
+    "abort_ready",  # abort after the transfer, before admission
+    "bad_ticket",  # the ticket lacks its prefill metadata
+    "duplicate_submit",  # the same request id is submitted twice
+    "duplicate_release",  # RELEASE_KV twice, plus one for an unknown id
+    "late_report",  # a completion report with an old epoch arrives after the import
+)
+
+
+class _FaultyHandle:
+    """A real transfer handle whose outcome is overridden once the real transfer settled."""
+
+    def __init__(self, inner: Any, fault: str, settle_polls: int) -> None:
+        self._inner = inner
+        self._fault = fault
+        self._left = settle_polls
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The real handle's statistics."""
+        return dict(self._inner.stats)
+
+    @property
+    def done(self) -> bool:
+        """Whether the (overridden) handle is terminal: never before the real one is."""
+        return bool(self._inner.done) and (self._fault != "transfer_timeout" or self._left <= 0)
+
+    def poll(self) -> bool:
+        """Advance the real handle, then report the injected outcome."""
+        if not self._inner.poll():
+            return False
+        if self._fault == "transfer_error":
+            raise TransferError("injected transfer error (every part terminal)")
+        if self._left > 0:
+            self._left -= 1
+            raise TransferTimeout("injected timeout; the destinations may still be written")
+        return True
+
+
+class FaultInjectingBackend:
+    """Wraps a transport backend; the next pull of an armed request fails as told."""
+
+    def __init__(self, inner: Any, kind: str) -> None:
+        self._inner = inner
+        self.kind = kind
+        #: request id -> fault, set by the driver before the request's transfers start.
+        self.faults: dict[int, str] = {}
+        #: The request whose transfers are being posted now (set by the decode engine).
+        self.current: int | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def begin_pull_blocks(self, *args: Any, **kwargs: Any) -> Any:
+        """Post the real pull, then apply this request's fault to it."""
+        fault = self.faults.get(self.current if self.current is not None else -1, "none")
+        if fault == "start_raises" and self.kind != "kv":
+            raise TransferError(f"injected: {self.kind} transfer start threw")
+        handle = self._inner.begin_pull_blocks(*args, **kwargs)
+        if fault in ("transfer_error", "transfer_timeout") and self.kind == "kv":
+            return _FaultyHandle(handle, fault, settle_polls=3)
+        return handle
+
+
+@dataclass
+class SoakOptions:
+    """What the soak runs."""
+
+    handoffs: int = 2000
+    fault_rate: float = 0.3
+    seed: int = 0
+    max_new_tokens: int = 3
+    max_in_flight: int = 6
+    num_blocks: int = 24
+    distinct_prompts: int = 8
+
+
+@dataclass
+class SoakReport:
+    """Counts and latencies of one soak; ``ok`` when nothing leaked and no answer is wrong."""
+
+    handoffs: int = 0
+    completed: int = 0
+    failed: int = 0
+    quarantined_then_drained: int = 0
+    leaked: int = 0
+    wrong: int = 0
+    unresolved: int = 0
+    ttft_ms: list[float] = field(default_factory=list)
+    faults: Counter[str] = field(default_factory=Counter)
+    #: Aborts that found their request in the drawn stage (the others ended first).
+    aborts_hit: Counter[str] = field(default_factory=Counter)
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Every request has one outcome, nothing leaked, every answer is right."""
+        return self.leaked == 0 and self.wrong == 0 and self.unresolved == 0
+
+    def percentile(self, p: int) -> float:
+        """The ``p``-th percentile of TTFT in ms (nearest rank; 0 when nothing completed)."""
+        values = sorted(self.ttft_ms)
+        if not values:
+            return 0.0
+        return values[min(len(values) - 1, max(0, round(p / 100 * len(values)) - 1))]
+
+    def format(self) -> str:
+        """Human-readable summary."""
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items()))
+        return "\n".join(
+            [
+                f"soak: {self.handoffs} handoffs in {self.elapsed_s:.1f} s",
+                f"  completed                  {self.completed}",
+                f"  failed                     {self.failed}",
+                f"  quarantined-then-drained   {self.quarantined_then_drained}",
+                f"  leaked                     {self.leaked}",
+                f"  wrong answers              {self.wrong}",
+                f"  unresolved                 {self.unresolved}",
+                f"  TTFT p50 / p99             {self.percentile(50):.2f} / "
+                f"{self.percentile(99):.2f} ms",
+                f"  faults injected            {faults}",
+                "  aborts that hit the stage  "
+                + ", ".join(f"{k} {v}" for k, v in sorted(self.aborts_hit.items())),
+            ]
+        )
+
+
+def _engines(opts: SoakOptions) -> tuple[Any, Any, Any]:
+    from disagg_rs.reference import EngineConfig, ModelConfig, ReferenceEngine
+    from disagg_rs.reference.handoff import HandoffReferenceEngine
+
+    class SoakDecodeEngine(HandoffReferenceEngine):
+        """Tells the fault-injecting backends which request's transfers are being posted."""
+
+        def _start_import(self, action: Any) -> None:
+            for b in (self._kv_backend, *self._ssm_backends.values()):
+                b.current = action.request_id
+            super()._start_import(action)
+
+    model = ModelConfig()
+    common = {"num_blocks": opts.num_blocks, "num_ssm_slots": opts.max_in_flight + 2}
+    pre = HandoffReferenceEngine(model, EngineConfig(role="prefill", **common))  # type: ignore[arg-type]
+    dec = SoakDecodeEngine(model, EngineConfig(role="decode", max_batch=4, **common))  # type: ignore[arg-type]
+    colocated = ReferenceEngine(model, EngineConfig(num_blocks=256))
+    return pre, dec, colocated
+
+
+def run_soak(opts: SoakOptions) -> SoakReport:
+    """Run ``opts.handoffs`` handoffs with injected faults and return the report."""
+    os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    from disagg_rs.reference.engine import encode_text
+
+    rng = random.Random(opts.seed)
+    pre, dec, colocated = _engines(opts)
+    words = ["prefill", "decode", "handoff", "block", "slot", "lease", "quorum", "epoch", "drain"]
+    prompts = [
+        encode_text(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
+        for _ in range(opts.distinct_prompts)
+    ]
+    expected = colocated.generate(dict(enumerate(prompts)), opts.max_new_tokens)
+    now = time.monotonic_ns()
+    pre.handoff_now_ns = dec.handoff_now_ns = now
+    pre.setup_kv_transfer("prefill", "nixl")
+    dec.setup_kv_transfer("decode", "nixl")
+    backends = {"kv": FaultInjectingBackend(dec._kv_backend, "kv")}
+    dec._kv_backend = backends["kv"]
+    for kind, b in list(dec._ssm_backends.items()):
+        backends[kind] = dec._ssm_backends[kind] = FaultInjectingBackend(b, kind)
+
+    report = SoakReport(handoffs=opts.handoffs)
+    fault_of: dict[int, str] = {}
+    prompt_of: dict[int, int] = {}
+    started_at: dict[int, float] = {}
+    epoch_of: dict[int, int] = {}
+    outcome: dict[int, str] = {}
+    aborts: dict[int, str] = {}  # request id -> the stage to abort it in
+    next_rid = 0
+    t0 = time.perf_counter()
+
+    def finish(rid: int, result: str) -> None:
+        if rid in outcome:
+            raise DisaggError(f"request {rid} reached a second outcome {result!r}")
+        outcome[rid] = result
+
+    while len(outcome) < opts.handoffs:
+        if time.perf_counter() - t0 > 600:
+            break
+        now = time.monotonic_ns()
+        pre.handoff_now_ns = dec.handoff_now_ns = now
+        in_flight = next_rid - len(outcome)
+        while next_rid < opts.handoffs and in_flight < opts.max_in_flight:
+            rid, next_rid, in_flight = next_rid, next_rid + 1, in_flight + 1
+            fault = rng.choice(FAULTS[1:]) if rng.random() < opts.fault_rate else "none"
+            fault_of[rid], prompt_of[rid] = fault, rng.randrange(opts.distinct_prompts)
+            report.faults[fault] += 1
+            if fault.startswith("abort_"):
+                aborts[rid] = fault.removeprefix("abort_")
+            for b in backends.values():
+                b.faults[rid] = fault
+            started_at[rid] = time.perf_counter()
+            pre.add_request(rid, prompts[prompt_of[rid]], opts.max_new_tokens)
+        if pre.has_work:
+            for h in pre.step().handoffs:
+                rid = h.request_id
+                ticket = pre._capture_handoff_meta(h, None)
+                ticket["prefill_meta"] = pre.handoff_static_meta
+                if fault_of[rid] == "bad_ticket":
+                    del ticket["prefill_meta"]
+                try:
+                    dec.add_request_with_kv_handoff(
+                        rid, h.prompt, opts.max_new_tokens, ticket, ticket["src_block_ids"]
+                    )
+                except DisaggError:
+                    pre.release_handoff_blocks(rid)
+                    finish(rid, "failed")
+                    continue
+                epoch_of[rid] = int(dec._ledger().epoch_of(rid) or 0)
+                if fault_of[rid] == "duplicate_submit":
+                    try:
+                        dec.add_request_with_kv_handoff(
+                            rid, h.prompt, opts.max_new_tokens, ticket, ticket["src_block_ids"]
+                        )
+                    except DisaggError:
+                        pass
+                    else:
+                        raise DisaggError(f"request {rid}: a duplicate submit was accepted")
+        dec._poll_pending_kv_imports()
+        # Between poll and admission every stage is observable, READY included.
+        for rid, stage in list(aborts.items()):
+            if rid in outcome:
+                del aborts[rid]  # ended before reaching its stage: a clean handoff after all
+            elif dec._ledger().state_of(rid) == stage:
+                del aborts[rid]
+                report.aborts_hit[stage] += 1
+                dec.abort_kv_import(rid)
+        dec._admit_pending_kv_imports()
+        for rid, failed in dec._drain_handoff_completion_notifications():
+            pre.release_handoff_blocks(rid)  # RELEASE_KV: the import settled either way
+            if fault_of[rid] == "duplicate_release":
+                pre.release_handoff_blocks(rid)
+                pre.release_handoff_blocks(10**9 + rid)
+            if fault_of[rid] == "late_report":
+                dec._apply_import_actions(
+                    dec._ledger().report(rid, max(0, epoch_of[rid] - 1), 0, "ok", now)
+                )
+            if failed:
+                finish(rid, "failed")
+            else:
+                report.ttft_ms.append((time.perf_counter() - started_at[rid]) * 1e3)
+        if dec.has_work:
+            for f in dec.step().finished:
+                finish(f.request_id, "completed")
+                if f.tokens != expected[prompt_of[f.request_id]]:
+                    report.wrong += 1
+        pre.expire_handoff_pins()
+
+    # Let every quarantined import drain (its handle settles within a few polls).
+    for _ in range(10_000):
+        if dec.num_quarantined_kv_imports == 0:
+            break
+        dec.handoff_now_ns = time.monotonic_ns()
+        dec._poll_pending_kv_imports()
+    report.elapsed_s = time.perf_counter() - t0
+    counts = Counter(outcome.values())
+    report.completed, report.failed = counts["completed"], counts["failed"]
+    report.unresolved = opts.handoffs - len(outcome)
+    ledger_counts = dec._ledger().counters()
+    report.quarantined_then_drained = int(ledger_counts["quarantined"])
+    drained = int(ledger_counts["drained_settled"]) + int(ledger_counts["drained_horizon"])
+    report.leaked = (
+        dec.leaked_blocks()
+        + pre.leaked_blocks()
+        + (dec.ssm_slot_pool.num_slots - dec.ssm_slot_pool.num_free)
+        + (pre.ssm_slot_pool.num_slots - pre.ssm_slot_pool.num_free)
+        + pre._pins().num_pinned
+        + dec.num_quarantined_kv_imports
+        + (report.quarantined_then_drained - drained)
+    )
+    dec._ledger().check()
+    pre._pins().check()
+    dec.check_pools()
+    pre.check_pools()
+    dec.close_kv_transfer()
+    pre.close_kv_transfer()
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m disagg_rs.soak``: run the soak, print the report, exit 1 unless it is ok."""
+    p = argparse.ArgumentParser(prog="disagg-rs-soak", description=__doc__.splitlines()[0])
+    p.add_argument("--handoffs", type=int, default=2000)
+    p.add_argument("--fault-rate", type=float, default=0.3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    import logging
+
+    import torch
+
+    torch.set_num_threads(1)
+    logging.getLogger("disagg_rs.handoff").setLevel(logging.ERROR)  # injected faults are expected
+    report = run_soak(
+        SoakOptions(handoffs=args.handoffs, fault_rate=args.fault_rate, seed=args.seed)
+    )
+    sys.stdout.write(report.format() + "\n")
+    sys.stdout.write(("OK" if report.ok else "FAILED") + "\n")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,240 @@
+"""Named fault scenarios (issue 9, item 1) through the handoff mixin: a prefill and a decode
+reference engine in this process, state moved by real NIXL over loopback UCX; plus the short
+soak (many handoffs with injected faults; ``make soak`` runs the long one)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from disagg_rs import exceptions
+from disagg_rs.inference_state_handoff import InferenceStateHandoffMixin, PendingKvImport
+from disagg_rs.reference import EngineConfig, ModelConfig, ReferenceEngine
+from disagg_rs.reference.engine import encode_text
+from disagg_rs.reference.handoff import HandoffReferenceEngine
+from disagg_rs.soak import FAULTS, FaultInjectingBackend, SoakOptions, run_soak
+
+os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+os.environ.setdefault("UCX_LOG_LEVEL", "error")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+PROMPT = encode_text("a prompt long enough to fill a few blocks of the paged cache")
+MAX_NEW = 3
+
+
+def _pair(model: ModelConfig) -> tuple[HandoffReferenceEngine, HandoffReferenceEngine]:
+    cfg = {"num_blocks": 16, "num_ssm_slots": 4}
+    pre = HandoffReferenceEngine(model, EngineConfig(role="prefill", **cfg))  # type: ignore[arg-type]
+    dec = HandoffReferenceEngine(model, EngineConfig(role="decode", **cfg))  # type: ignore[arg-type]
+    pre.handoff_now_ns = dec.handoff_now_ns = time.monotonic_ns()
+    pre.setup_kv_transfer("prefill", "nixl")
+    dec.setup_kv_transfer("decode", "nixl")
+    return pre, dec
+
+
+@pytest.fixture
+def hybrid() -> Iterator[tuple[HandoffReferenceEngine, HandoffReferenceEngine]]:
+    pre, dec = _pair(ModelConfig())
+    yield pre, dec
+    dec.close_kv_transfer()
+    pre.close_kv_transfer()
+
+
+def _ticket(pre: HandoffReferenceEngine, rid: int) -> tuple[Any, dict[str, Any]]:
+    pre.add_request(rid, PROMPT, MAX_NEW)
+    (h,) = pre.step().handoffs
+    ticket = pre._capture_handoff_meta(h, None)
+    ticket["prefill_meta"] = pre.handoff_static_meta
+    return h, ticket
+
+
+def _run_until_idle(pre: HandoffReferenceEngine, dec: HandoffReferenceEngine) -> dict[int, Any]:
+    """Drive the decode loop (poll, admit, step) until nothing is pending; RELEASE_KV after."""
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        dec.handoff_now_ns = time.monotonic_ns()
+        dec._poll_pending_kv_imports()
+        dec._admit_pending_kv_imports()
+        for rid, failed in dec._drain_handoff_completion_notifications():
+            pre.release_handoff_blocks(rid)
+            done[rid] = "failed" if failed else "admitted"
+        if dec.has_work:
+            for f in dec.step().finished:
+                done[f.request_id] = f.tokens
+        if (
+            not dec.has_work
+            and not dec.pending_kv_import_count
+            and not dec.num_quarantined_kv_imports
+        ):
+            return done
+    raise AssertionError("the handoff did not settle within 30 s")
+
+
+def _assert_all_free(*engines: HandoffReferenceEngine) -> None:
+    for e in engines:
+        e.check_pools()
+        assert e.leaked_blocks() == 0
+        assert e.ssm_slot_pool is None or e.ssm_slot_pool.num_free == e.ssm_slot_pool.num_slots
+    engines[0]._pins().check()
+    assert engines[0]._pins().num_pinned == 0
+
+
+def test_ssm_ticket_on_a_non_hybrid_decode_and_none_on_a_hybrid_one_are_metadata_errors(
+    hybrid: tuple[HandoffReferenceEngine, HandoffReferenceEngine],
+) -> None:
+    pre, dec = hybrid
+    h, ticket = _ticket(pre, 1)
+    for bad in (
+        {**ticket, "src_ssm_slot": None},
+        {k: v for k, v in ticket.items() if k != "prefill_meta"},
+    ):
+        with pytest.raises(exceptions.MetadataError) as info:
+            dec.add_request_with_kv_handoff(1, h.prompt, MAX_NEW, bad, ticket["src_block_ids"])
+        assert info.value.field in ("src_ssm_slot", "prefill_meta")
+    assert dec.pending_kv_import_count == 0
+    attention = HandoffReferenceEngine(
+        ModelConfig(layer_kinds=("attention",) * 2), EngineConfig(role="decode", num_blocks=16)
+    )
+    with pytest.raises(exceptions.MetadataError) as info:
+        attention.add_request_with_kv_handoff(1, h.prompt, MAX_NEW, ticket, ticket["src_block_ids"])
+    assert info.value.field == "src_ssm_slot"
+    assert attention.pending_kv_import_count == 0
+    pre.release_handoff_blocks(1)
+    _assert_all_free(pre, dec)
+
+
+def test_a_request_id_already_in_flight_is_refused_and_the_first_import_still_completes(
+    hybrid: tuple[HandoffReferenceEngine, HandoffReferenceEngine],
+) -> None:
+    pre, dec = hybrid
+    expected = ReferenceEngine(ModelConfig(), EngineConfig()).generate({7: PROMPT}, MAX_NEW)
+    h, ticket = _ticket(pre, 7)
+    dec.add_request_with_kv_handoff(7, h.prompt, MAX_NEW, ticket, ticket["src_block_ids"])
+    with pytest.raises(exceptions.DuplicateRequestError):
+        dec.add_request_with_kv_handoff(7, h.prompt, MAX_NEW, ticket, ticket["src_block_ids"])
+    assert _run_until_idle(pre, dec)[7] == expected[7]
+    _assert_all_free(pre, dec)
+
+
+def test_a_start_that_throws_after_posting_the_kv_pull_fails_once_and_frees_everything(
+    hybrid: tuple[HandoffReferenceEngine, HandoffReferenceEngine],
+) -> None:
+    pre, dec = hybrid
+    conv = FaultInjectingBackend(dec._ssm_backends["conv"], "conv")
+    conv.faults[3], conv.current = "start_raises", 3
+    dec._ssm_backends["conv"] = conv
+    h, ticket = _ticket(pre, 3)
+    dec.add_request_with_kv_handoff(3, h.prompt, MAX_NEW, ticket, ticket["src_block_ids"])
+    assert dec._pending_imports[3].failed_locally is not None
+    assert len(dec._pending_imports[3].handles) == 1  # the KV pull was posted before the throw
+    assert _run_until_idle(pre, dec) == {3: "failed"}
+    _assert_all_free(pre, dec)
+
+
+class _Running:
+    """A handle that is still running (its transport has not finished)."""
+
+    done = False
+
+    def __init__(self) -> None:
+        self.stats: dict[str, Any] = {}
+
+    def poll(self) -> bool:
+        return False
+
+
+def test_a_failed_start_is_not_reported_while_an_already_posted_part_may_still_write() -> None:
+    pending = PendingKvImport(1, 1, handles=[_Running()], failed_locally="SSM start threw")
+    assert InferenceStateHandoffMixin._local_outcome(pending) is None
+    pending.handles = []
+    assert InferenceStateHandoffMixin._local_outcome(pending) == "error"
+
+
+def test_close_with_transfers_in_flight_is_refused_and_changes_nothing(
+    hybrid: tuple[HandoffReferenceEngine, HandoffReferenceEngine],
+) -> None:
+    pre, dec = hybrid
+    h, ticket = _ticket(pre, 4)
+    dec.add_request_with_kv_handoff(4, h.prompt, MAX_NEW, ticket, ticket["src_block_ids"])
+    dec._pending_imports[4].handles.append(_Running())
+    with pytest.raises(exceptions.ResetRefusedError, match=r"\[4\]"):
+        dec.close_kv_transfer()
+    assert dec._kv_backend is not None
+    dec._pending_imports[4].handles.pop()
+    _run_until_idle(pre, dec)
+    _assert_all_free(pre, dec)
+
+
+def test_short_soak_with_faults_at_every_stage_leaks_nothing_and_answers_right() -> None:
+    torch.set_num_threads(1)
+    report = run_soak(SoakOptions(handoffs=120, fault_rate=0.5, seed=1))
+    assert report.unresolved == 0 and report.leaked == 0 and report.wrong == 0, report.format()
+    assert report.completed + report.failed == 120
+    assert report.completed > 0 and report.failed > 0 and report.quarantined_then_drained > 0
+    assert set(report.faults) == set(FAULTS)
+
+
+def test_an_import_that_would_read_after_the_prefill_lease_fails_and_is_never_admitted() -> None:
+    model = ModelConfig(layer_kinds=("attention",) * 2)
+    pre = HandoffReferenceEngine(model, EngineConfig(role="prefill", num_blocks=8))
+    # Room for one import at a time: the second waits for capacity (DEFERRED, nothing read).
+    dec = HandoffReferenceEngine(model, EngineConfig(role="decode", num_blocks=3))
+    pre.handoff_now_ns = dec.handoff_now_ns = 0  # virtual clocks, one per engine
+    pre.handoff_lease_ns = 1_000_000
+    pre.setup_kv_transfer("prefill", "nixl")
+    dec.setup_kv_transfer("decode", "nixl")
+    try:
+        prompt = encode_text("twenty-six tokens of prompt")
+        tickets = {}
+        for rid in (1, 2):
+            pre.add_request(rid, prompt, MAX_NEW)
+            (h,) = pre.step().handoffs
+            tickets[rid] = (h, pre._capture_handoff_meta(h, None))
+            tickets[rid][1]["prefill_meta"] = pre.handoff_static_meta
+            dec.add_request_with_kv_handoff(
+                rid, h.prompt, MAX_NEW, tickets[rid][1], tickets[rid][1]["src_block_ids"]
+            )
+        assert dec._ledger().state_of(2) == "deferred"
+        # The prefill lease ends; its blocks go back to the pool and a new prompt reuses them.
+        pre.handoff_now_ns = 1_000_000
+        assert pre.expire_handoff_pins() == 2
+        pre.add_request(3, encode_text("another prompt overwrites the freed blocks"), MAX_NEW)
+        (h3,) = pre.step().handoffs
+        # The decode's clock passes half the lease before request 2 could start reading.
+        dec.handoff_now_ns = 600_000
+        dec._poll_pending_kv_imports()
+        failed = dict(dec._drain_handoff_completion_notifications())
+        assert failed == {1: True, 2: True}
+        assert not any(e[:2] == ("importing", 2) for e in dec.handoff_events)
+        assert dec.handoff_stats["imports_admitted"] == 0
+        for _ in range(1000):  # request 1's read was in flight: it drains from quarantine
+            if dec.num_quarantined_kv_imports == 0:
+                break
+            dec._poll_pending_kv_imports()
+            time.sleep(0.001)
+        pre._capture_handoff_meta(h3, None)
+        pre.release_handoff_blocks(3)
+        _assert_all_free(pre, dec)
+    finally:
+        dec.close_kv_transfer()
+        pre.close_kv_transfer()
+
+
+def test_a_ticket_with_a_mistyped_lease_is_a_metadata_error(
+    hybrid: tuple[HandoffReferenceEngine, HandoffReferenceEngine],
+) -> None:
+    pre, dec = hybrid
+    h, ticket = _ticket(pre, 5)
+    with pytest.raises(exceptions.MetadataError) as info:
+        dec.add_request_with_kv_handoff(
+            5, h.prompt, MAX_NEW, {**ticket, "lease_ns": "soon"}, ticket["src_block_ids"]
+        )
+    assert info.value.field == "lease_ns" and dec.pending_kv_import_count == 0
+    pre.release_handoff_blocks(5)
+    _assert_all_free(pre, dec)
