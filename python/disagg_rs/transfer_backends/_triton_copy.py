@@ -77,9 +77,9 @@ def copy_runs_kernel(
         q = chunk_lo + s * BLOCK + lanes
         live = q < chunk_hi
         # Per-lane search inside [first_run, end_run): every index read stays in that range.
-        lo = tl.zeros([BLOCK], dtype=tl.int64) + first_run
-        hi = tl.zeros([BLOCK], dtype=tl.int64) + end_run
-        start = tl.zeros([BLOCK], dtype=tl.int64) + first_start
+        lo = tl.full([BLOCK], 0, tl.int64) + first_run
+        hi = tl.full([BLOCK], 0, tl.int64) + end_run
+        start = tl.full([BLOCK], 0, tl.int64) + first_start
         for _ in range(inner_steps):
             mid = (lo + hi) // 2
             at = tl.load(packed_start_ptr + mid)

@@ -249,6 +249,29 @@ def _lanes(tensor: torch.Tensor, unit: int) -> torch.Tensor:
     return flat[: (flat.numel() // size) * size].view(dtype)
 
 
+_interpreted: Any = None
+
+
+def _kernel() -> Any:
+    """The jitted kernel, or its interpreted twin when ``TRITON_INTERPRET=1`` is set now.
+
+    ``triton.jit`` picks interpreter or compiler when the module is imported; looking at the
+    flag per call lets the CPU tests run the real kernel body on host tensors in-process.
+    """
+    global _interpreted
+    from triton import knobs
+
+    from disagg_rs.transfer_backends._triton_copy import copy_runs_kernel
+
+    if not knobs.runtime.interpret or not hasattr(copy_runs_kernel, "fn"):
+        return copy_runs_kernel
+    if _interpreted is None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        _interpreted = InterpretedFunction(copy_runs_kernel.fn)
+    return _interpreted
+
+
 def copy_runs(
     table: RunTable,
     scattered: torch.Tensor,
@@ -264,8 +287,6 @@ def copy_runs(
     ``gather``: ``scattered`` -> ``packed``; else ``packed`` -> ``scattered``. Bounds must be
     multiples of ``table.unit`` (``ValueError`` otherwise). Queued on the current stream.
     """
-    from disagg_rs.transfer_backends._triton_copy import copy_runs_kernel
-
     hi = table.total_bytes if packed_hi is None else packed_hi
     if not 0 <= packed_lo <= hi <= table.total_bytes:
         raise ValueError(
@@ -279,7 +300,7 @@ def copy_runs(
     lo_u, hi_u = packed_lo // table.unit, hi // table.unit
     src, dst = (scattered, packed) if gather else (packed, scattered)
     grid = (-(-(hi_u - lo_u) // config.chunk_units),)
-    copy_runs_kernel[grid](
+    _kernel()[grid](
         _lanes(src, table.unit),
         _lanes(dst, table.unit),
         table.packed_start,
