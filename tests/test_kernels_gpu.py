@@ -63,9 +63,9 @@ def test_kernel_matches_the_torch_path_on_random_fragment_lists(
     assert torch.equal(region, ref)
     dst = torch.full((size,), 7, dtype=torch.uint8, device="cuda")
     want = dst.clone()
-    scatter_list = np.stack(
-        [packed, frags[:, 0] + dst.data_ptr(), frags[:, 1]], axis=1
-    ).astype(np.uint64)
+    scatter_list = np.stack([packed, frags[:, 0] + dst.data_ptr(), frags[:, 1]], axis=1).astype(
+        np.uint64
+    )
     assert kernels.scatter(region, dst, dst.data_ptr(), scatter_list, config=config) == total
     staging.scatter_torch(ref, want, dst.data_ptr(), scatter_list)
     torch.cuda.synchronize()
@@ -150,7 +150,9 @@ def test_pipelined_handoff_lands_the_same_bytes_as_pack_copy_scatter(chunk_bytes
         scatter_list, "scatter", 0, device="cuda", other_limit=size, packed_limit=total
     )
     assert g is not None and s is not None
-    done = kernels.pipelined_handoff(g, src, src_region, s, dst, dst_region, chunk_bytes=chunk_bytes)
+    done = kernels.pipelined_handoff(
+        g, src, src_region, s, dst, dst_region, chunk_bytes=chunk_bytes
+    )
     done.synchronize()
     want = torch.zeros_like(dst)
     staging.scatter_torch(src_region, want, 0, scatter_list)  # src_region holds the packing

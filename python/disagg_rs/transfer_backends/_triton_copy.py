@@ -22,7 +22,7 @@ import triton.language as tl
 
 # Run-time scalars are not specialised: a value of 1 would otherwise turn into a constant
 # (and a recompile) for tiny transfers.
-@triton.jit(do_not_specialize=["n_runs", "packed_lo", "packed_hi", "outer_steps", "inner_steps"])  # type: ignore[misc]  # triton is untyped
+@triton.jit(do_not_specialize=["n_runs", "packed_lo", "packed_hi", "outer_steps", "inner_steps"])
 def copy_runs_kernel(
     src_ptr,
     dst_ptr,
@@ -91,9 +91,7 @@ def copy_runs_kernel(
         flen = tl.load(frag_len_ptr + lo)
         k = offset // flen
         other = (
-            tl.load(other_start_ptr + lo)
-            + k * tl.load(other_stride_ptr + lo)
-            + (offset - k * flen)
+            tl.load(other_start_ptr + lo) + k * tl.load(other_stride_ptr + lo) + (offset - k * flen)
         )
         if GATHER:
             src_unit = other

@@ -289,9 +289,7 @@ def copy_runs(
     """
     hi = table.total_bytes if packed_hi is None else packed_hi
     if not 0 <= packed_lo <= hi <= table.total_bytes:
-        raise ValueError(
-            f"packed range [{packed_lo}, {hi}) is not inside [0, {table.total_bytes})"
-        )
+        raise ValueError(f"packed range [{packed_lo}, {hi}) is not inside [0, {table.total_bytes})")
     if packed_lo % table.unit or hi % table.unit:
         raise ValueError(f"packed range [{packed_lo}, {hi}) is not in {table.unit}-byte units")
     if hi == packed_lo:
@@ -438,20 +436,31 @@ def pipelined_handoff(
     unit = np.lcm(gather_table.unit, scatter_table.unit)
     step = max(int(chunk_bytes) // int(unit), 1) * int(unit)
     total = gather_table.total_bytes
-    s_pack, s_move, s_land = streams or tuple(torch.cuda.Stream(src.device) for _ in range(3))
+    s_pack, s_move, s_land = streams or tuple(
+        torch.cuda.Stream(src.device)  # type: ignore[no-untyped-call]
+        for _ in range(3)
+    )
     src_u8, dst_u8 = staging.byte_view(src_region), staging.byte_view(dst_region)
     # The regions and buffers must be ready before the first chunk starts.
-    start = torch.cuda.Event()
+    start = torch.cuda.Event()  # type: ignore[no-untyped-call]
     start.record()
     for s in (s_pack, s_move, s_land):
         s.wait_event(start)
-    done = torch.cuda.Event()
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
     for lo in range(0, total, step):  # chunks, not fragments: a handful per handoff
         hi = min(lo + step, total)
-        packed_ev, moved_ev = torch.cuda.Event(), torch.cuda.Event()
+        packed_ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        moved_ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
         with torch.cuda.stream(s_pack):
-            copy_runs(gather_table, src, src_region, gather=True, packed_lo=lo, packed_hi=hi,
-                      config=config)
+            copy_runs(
+                gather_table,
+                src,
+                src_region,
+                gather=True,
+                packed_lo=lo,
+                packed_hi=hi,
+                config=config,
+            )
             packed_ev.record(s_pack)
         with torch.cuda.stream(s_move):
             s_move.wait_event(packed_ev)
@@ -459,7 +468,14 @@ def pipelined_handoff(
             moved_ev.record(s_move)
         with torch.cuda.stream(s_land):
             s_land.wait_event(moved_ev)
-            copy_runs(scatter_table, dst, dst_region, gather=False, packed_lo=lo, packed_hi=hi,
-                      config=config)
+            copy_runs(
+                scatter_table,
+                dst,
+                dst_region,
+                gather=False,
+                packed_lo=lo,
+                packed_hi=hi,
+                config=config,
+            )
     done.record(s_land)
     return done
