@@ -8,6 +8,7 @@ comparison on a CUDA device.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
@@ -232,6 +233,15 @@ def test_kernel_runs_of_compiled_programs_land_the_same_bytes_as_the_flat_torch_
         kernels.pack(bufs[r], base, program.gather_runs(r), region, form="gather_runs", config=TINY)
         staging.pack_torch(bufs[r], base, program.gather(r), ref)
         assert torch.equal(region, ref)
+        # The 64-bit fragment index (runs past 2**31 units) gives the same bytes.
+        table = kernels.build_run_table(
+            program.gather_runs(r), "gather_runs", base, device="cpu",
+            other_limit=bufs[r].numel() * 2, packed_limit=n,
+        )  # fmt: skip
+        assert table is not None and table.div_bits in (0, 32)
+        wide = torch.zeros_like(region)
+        kernels.copy_runs(dataclasses.replace(table, div_bits=64), bufs[r], wide, gather=True)
+        assert torch.equal(wide, ref)
         kernels.scatter(
             region, dst, dst.data_ptr(), program.scatter_runs(r), form="scatter_runs", config=TINY
         )

@@ -39,6 +39,7 @@ def copy_runs_kernel(
     VEC: tl.constexpr,
     BLOCK: tl.constexpr,
     SUB: tl.constexpr,
+    DIV: tl.constexpr,
 ):
     """Copy packed units ``[packed_lo, packed_hi)`` between the packed and scattered sides.
 
@@ -47,6 +48,8 @@ def copy_runs_kernel(
     to ``packed_hi``. ``packed_start_ptr`` has ``n_runs + 1`` entries, the last one being
     the packed total. ``outer_steps`` >= ceil(log2(n_runs)); ``inner_steps`` >=
     ceil(log2(runs one chunk can touch)); extra steps are harmless (the search is stable).
+    ``DIV``: 0 when every run has one fragment, 32 when every run spans < 2**31 units
+    (32-bit fragment index), else 64.
     """
     pid = tl.program_id(0).to(tl.int64)
     chunk_lo = packed_lo.to(tl.int64) + pid * (BLOCK * SUB)
@@ -88,11 +91,18 @@ def copy_runs_kernel(
             hi = tl.where(right, hi, mid)
             start = tl.where(right, at, start)
         offset = q - start
-        flen = tl.load(frag_len_ptr + lo)
-        k = offset // flen
-        other = (
-            tl.load(other_start_ptr + lo) + k * tl.load(other_stride_ptr + lo) + (offset - k * flen)
-        )
+        if DIV == 0:
+            # Every run is one fragment: no division at all (flat lists).
+            other = tl.load(other_start_ptr + lo) + offset
+        else:
+            flen = tl.load(frag_len_ptr + lo)
+            if DIV == 32:
+                # Runs shorter than 2**31 units: a 32-bit division is several times cheaper.
+                k = (offset.to(tl.int32) // flen.to(tl.int32)).to(tl.int64)
+            else:
+                k = offset // flen
+            first = tl.load(other_start_ptr + lo) + k * tl.load(other_stride_ptr + lo)
+            other = first + (offset - k * flen)
         if GATHER:
             src_unit = other
             dst_unit = q

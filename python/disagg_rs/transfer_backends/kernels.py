@@ -103,6 +103,8 @@ class RunTable:
     total_bytes: int
     other_end_bytes: int
     min_run_units: int
+    #: Fragment-index arithmetic the kernel needs: 0 (one fragment per run), 32 or 64 bits.
+    div_bits: int = 64
 
     @property
     def outer_steps(self) -> int:
@@ -228,6 +230,12 @@ def build_run_table(
     host[3 * n + 1 :] = stride // unit
     dev = torch.from_numpy(host).to(device, non_blocking=False)
     runs_units = (span // unit) if n else np.zeros(1, np.int64)
+    if not n or int(count.max()) == 1:
+        div_bits = 0
+    elif int(runs_units.max()) < 2**31:
+        div_bits = 32
+    else:
+        div_bits = 64
     return RunTable(
         packed_start=dev[: n + 1],
         other_start=dev[n + 1 : 2 * n + 1],
@@ -238,6 +246,7 @@ def build_run_table(
         total_bytes=total,
         other_end_bytes=other_end,
         min_run_units=int(runs_units.min()),
+        div_bits=div_bits,
     )
 
 
@@ -314,6 +323,7 @@ def copy_runs(
         VEC=vec,
         BLOCK=config.block,
         SUB=config.sub,
+        DIV=table.div_bits,
         num_warps=config.num_warps,
     )
     return hi - packed_lo
