@@ -57,6 +57,12 @@ bench: build ## Run the benchmarks and write benches/RESULTS.md
 	$(PY) benches/bench_compiler.py --write benches/RESULTS.md
 	$(PY) benches/bench_transport.py --write benches/RESULTS.md
 	$(PY) benches/bench_reference.py --write benches/RESULTS.md
+	$(PY) benches/bench_gpu.py --write benches/RESULTS.md
+
+.PHONY: gpu
+gpu: build ## On a CUDA machine: the GPU tests (marker gpu), then the GPU bench
+	$(PY) -m pytest -q -m gpu
+	$(PY) benches/bench_gpu.py --write benches/RESULTS.md
 
 .PHONY: clean
 clean: ## Remove build outputs (keeps .venv)

@@ -14,6 +14,9 @@ handful of array ops per call whatever the fragment count (an index build with n
 canonical, i.e. back to back in list order): Python never loops over fragments. On CPU
 the same code runs on host tensors.
 
+``pack`` and ``scatter`` dispatch: CUDA buffers go to the Triton kernel of ``kernels.py`` (one
+launch, 16-byte lanes), host buffers to ``pack_torch`` / ``scatter_torch`` here.
+
 The index is built in units of the largest power of two (up to 8 bytes) that divides every
 offset and length, and rows of ``g`` bytes where ``g`` is their greatest common divisor, so a
 list of 256-byte head slices indexes 256-byte rows, not single bytes.
@@ -21,11 +24,13 @@ list of 256-byte head slices indexes 256-byte rows, not single bytes.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["byte_view", "pack", "scatter"]
+__all__ = ["byte_view", "pack", "pack_torch", "scatter", "scatter_torch"]
 
 _U64Array = npt.NDArray[np.uint64]
 
@@ -100,6 +105,40 @@ def _check_bounds(
 def pack(buffer: torch.Tensor, buffer_addr: int, gather: _U64Array, staging: torch.Tensor) -> int:
     """Copy the fragments of ``gather`` out of ``buffer`` into ``staging``; return bytes packed.
 
+    Same contract as :func:`pack_torch`; CUDA buffers take the Triton kernel (see
+    ``kernels.path_for``), whose host preparation is a few numpy ops and one device copy.
+    """
+    if buffer.is_cuda or _forced_kernel():
+        from disagg_rs.transfer_backends import kernels
+
+        return kernels.pack(buffer, buffer_addr, gather, staging)
+    return pack_torch(buffer, buffer_addr, gather, staging)
+
+
+def scatter(
+    staging: torch.Tensor, buffer: torch.Tensor, buffer_addr: int, scatter_list: _U64Array
+) -> int:
+    """Copy packed fragments from ``staging`` into ``buffer`` as ``scatter_list`` says.
+
+    Same contract as :func:`scatter_torch`; CUDA buffers take the Triton kernel.
+    """
+    if buffer.is_cuda or _forced_kernel():
+        from disagg_rs.transfer_backends import kernels
+
+        return kernels.scatter(staging, buffer, buffer_addr, scatter_list)
+    return scatter_torch(staging, buffer, buffer_addr, scatter_list)
+
+
+def _forced_kernel() -> bool:
+    # Lets the CPU tests drive the Triton kernel under TRITON_INTERPRET=1 through this entry.
+    return os.environ.get("DISAGG_STAGING_KERNEL") == "triton"
+
+
+def pack_torch(
+    buffer: torch.Tensor, buffer_addr: int, gather: _U64Array, staging: torch.Tensor
+) -> int:
+    """Copy the fragments of ``gather`` out of ``buffer`` into ``staging``; return bytes packed.
+
     ``buffer_addr`` is the address ``gather``'s ``src_addr`` column is relative to (the
     registered buffer's base); ``staging`` is a contiguous region whose byte 0 is packed
     offset 0. The copy is queued on the current stream; the caller synchronises before it
@@ -127,10 +166,10 @@ def pack(buffer: torch.Tensor, buffer_addr: int, gather: _U64Array, staging: tor
     return total
 
 
-def scatter(
+def scatter_torch(
     staging: torch.Tensor, buffer: torch.Tensor, buffer_addr: int, scatter_list: _U64Array
 ) -> int:
-    """Copy packed fragments from ``staging`` into ``buffer`` as ``scatter_list`` says.
+    """Copy packed fragments from ``staging`` into ``buffer`` with torch index ops.
 
     ``scatter_list`` rows are ``(packed_offset, dst_addr, len)``; ``buffer_addr`` is the
     address the ``dst_addr`` column is relative to. Returns the bytes written.

@@ -1,0 +1,491 @@
+"""Pack and scatter on the GPU: one Triton launch per handoff (or per pipeline chunk).
+
+The staged path (``staging.pack`` / ``staging.scatter``) dispatches here for CUDA buffers;
+host buffers keep the vectorised torch path of ``staging.py``. What the kernel consumes is a
+:class:`RunTable`: the compiler's fragment list (``TransferProgram.gather`` / ``scatter``,
+``[m, 3]``) or its strided runs (``gather_runs`` / ``scatter_runs``, ``[n, 6]``), turned into
+four ``int64`` columns by a handful of numpy ops (no Python loop over fragments) and moved to
+the device in ONE copy. Build the table once per handoff; every chunk of a pipelined
+transfer launches against the same table with a different packed range.
+
+Units: every offset, length and stride of a table, and both buffers' addresses, are divided
+by the largest power of two up to 16 bytes that divides them all; at 16 bytes each kernel
+lane is one 128-bit load and one 128-bit store. 256-byte head slices and whole blocks both
+get 16-byte units; odd sizes fall back to 8, 4, 2 or 1 bytes (slower, still one launch).
+
+Ranges are half-open ``[lo, hi)``. The packed side must be canonical (fragments back to back
+from 0 in packed order, what the compiler emits); a list that is not takes the torch path.
+
+Dispatch (``path_for``): CUDA tensors use Triton when it imports; everything else uses torch.
+``DISAGG_STAGING_KERNEL=torch`` forces torch everywhere (A/B runs); ``=triton`` forces the
+kernel, which on host tensors only works under ``TRITON_INTERPRET=1`` (how the CPU tests run
+the kernel itself).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from disagg_rs.transfer_backends import staging
+
+__all__ = [
+    "KernelConfig",
+    "RunTable",
+    "build_run_table",
+    "copy_runs",
+    "pack",
+    "path_for",
+    "pipelined_handoff",
+    "scatter",
+    "triton_available",
+]
+
+_U64Array = npt.NDArray[np.uint64]
+_I64Array = npt.NDArray[np.int64]
+ListForm = Literal["gather", "scatter", "gather_runs", "scatter_runs"]
+Path = Literal["triton", "torch"]
+
+# Element type and lane width (elements) per unit size in bytes: 16-byte units are four
+# int32 per lane, which Triton turns into one 128-bit access.
+_UNIT_LANES: dict[int, tuple[torch.dtype, int]] = {
+    16: (torch.int32, 4),
+    8: (torch.int32, 2),
+    4: (torch.int32, 1),
+    2: (torch.int16, 1),
+    1: (torch.uint8, 1),
+}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape: each program copies ``block * sub`` units of the packed range.
+
+    ``block`` lanes per inner step (a power of two), ``sub`` steps per program, ``num_warps``
+    per program. The default (1024 x 16 lanes, 256 KiB per program at 16-byte units) keeps
+    the per-program run search small next to the bytes moved; the GPU bench sweeps others.
+    """
+
+    block: int = 1024
+    sub: int = 16
+    num_warps: int = 4
+
+    @property
+    def chunk_units(self) -> int:
+        """Units of packed space one program owns."""
+        return self.block * self.sub
+
+
+DEFAULT_CONFIG = KernelConfig()
+
+
+@dataclass(frozen=True)
+class RunTable:
+    """A fragment list on the device, sorted by packed offset, in units of ``unit`` bytes.
+
+    ``packed_start`` has ``n_runs + 1`` entries (the last is the packed total); run ``r``
+    covers packed units ``[packed_start[r], packed_start[r + 1])`` and its fragment ``k``
+    starts at ``other_start[r] + k * other_stride[r]`` units on the scattered side, each
+    ``frag_len[r]`` units long. ``other_end_bytes`` is one past the last scattered byte.
+    """
+
+    packed_start: torch.Tensor
+    other_start: torch.Tensor
+    frag_len: torch.Tensor
+    other_stride: torch.Tensor
+    n_runs: int
+    unit: int
+    total_bytes: int
+    other_end_bytes: int
+    min_run_units: int
+    #: Fragment-index arithmetic the kernel needs: 0 (one fragment per run), 32 or 64 bits.
+    div_bits: int = 64
+
+    @property
+    def outer_steps(self) -> int:
+        """Binary-search steps over all runs: ceil(log2(n_runs))."""
+        return max(self.n_runs - 1, 0).bit_length()
+
+    def inner_steps(self, config: KernelConfig) -> int:
+        """Search steps within one program's chunk: ceil(log2(runs a chunk can touch))."""
+        touch = min(self.n_runs, config.chunk_units // max(self.min_run_units, 1) + 2)
+        return max(touch - 1, 0).bit_length()
+
+
+def triton_available() -> bool:
+    """Whether Triton imports here (it ships with CUDA builds of torch)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def path_for(tensor: torch.Tensor) -> Path:
+    """Which implementation copies fragments of ``tensor``: "triton" or "torch"."""
+    forced = os.environ.get("DISAGG_STAGING_KERNEL", "auto")
+    if forced == "torch":
+        return "torch"
+    if forced == "triton":
+        return "triton"
+    return "triton" if tensor.is_cuda and triton_available() else "torch"
+
+
+def _columns(rows: _U64Array, form: ListForm, other_base: int) -> tuple[_I64Array, ...]:
+    """(packed, other, len, count, other_stride) as int64 columns, ``other`` made relative."""
+    a = np.ascontiguousarray(rows).astype(np.int64, copy=False)
+    n = a.shape[0]
+    if form == "gather":
+        packed, other, length = a[:, 2], a[:, 0] - other_base, a[:, 1]
+        count, stride, pstride = np.ones(n, np.int64), np.zeros(n, np.int64), a[:, 1]
+    elif form == "scatter":
+        packed, other, length = a[:, 0], a[:, 1] - other_base, a[:, 2]
+        count, stride, pstride = np.ones(n, np.int64), np.zeros(n, np.int64), a[:, 2]
+    elif form == "gather_runs":
+        packed, other, length, count = a[:, 1], a[:, 0] - other_base, a[:, 2], a[:, 3]
+        stride, pstride = a[:, 4], a[:, 5]
+    else:
+        packed, other, length, count = a[:, 0], a[:, 1] - other_base, a[:, 2], a[:, 3]
+        stride, pstride = a[:, 5], a[:, 4]
+    # Inside a run the packed side must advance by exactly one fragment (canonical packing).
+    keep = (length > 0) & (count > 0)
+    if bool(np.any(keep & (count > 1) & (pstride != length))):
+        raise _NotCanonical
+    return packed[keep], other[keep], length[keep], count[keep], stride[keep]
+
+
+class _NotCanonical(Exception):
+    """The packed side is not back to back from 0: the torch path handles it."""
+
+
+def build_run_table(
+    rows: _U64Array,
+    form: ListForm,
+    other_base: int,
+    *,
+    device: torch.device | str,
+    other_limit: int,
+    packed_limit: int,
+    align: tuple[int, ...] = (),
+) -> RunTable | None:
+    """Turn a compiler list into a device :class:`RunTable`, or None when not canonical.
+
+    ``rows`` is one of the compiler's forms (``form`` says which); ``other_base`` is the
+    address its scattered-side column is relative to. The scattered side must fit
+    ``[0, other_limit)`` and the packed side ``[0, packed_limit)`` bytes (``ValueError``
+    otherwise, before anything is copied). ``align`` are the buffers' addresses, folded into
+    the unit so that vector accesses stay aligned.
+    """
+    try:
+        packed, other, length, count, stride = _columns(rows, form, other_base)
+    except _NotCanonical:
+        return None
+    span = length * count
+    if packed.size and bool(np.any(packed[1:] < packed[:-1])):
+        order = np.argsort(packed, kind="stable")
+        packed, other, length, count, stride, span = (
+            c[order] for c in (packed, other, length, count, stride, span)
+        )
+    ends = np.cumsum(span)
+    total = int(ends[-1]) if ends.size else 0
+    if packed.size and (packed[0] != 0 or not np.array_equal(packed[1:], ends[:-1])):
+        return None
+    if packed.size:
+        if int(other.min()) < 0:
+            raise ValueError(
+                f"scattered side: fragment starts below the buffer (offset {int(other.min())})"
+            )
+        other_end = int((other + (count - 1) * stride + length).max())
+    else:
+        other_end = 0
+    if other_end > other_limit:
+        raise ValueError(
+            f"scattered side: fragment ends at byte {other_end}, past the buffer's "
+            f"{other_limit} bytes"
+        )
+    if total > packed_limit:
+        raise ValueError(
+            f"packed side: fragments end at byte {total}, past the staging region's "
+            f"{packed_limit} bytes"
+        )
+    # Largest power of two <= 16 dividing every offset, length, used stride and address.
+    bits = 16
+    for col in (packed, other, length, stride[count > 1]):
+        if col.size:
+            bits |= int(np.bitwise_or.reduce(col))
+    for addr in align:
+        bits |= int(addr)
+    unit = bits & -bits
+    n = packed.size
+    host = np.empty(4 * n + 1, dtype=np.int64)
+    host[:n] = packed // unit
+    host[n] = total // unit
+    host[n + 1 : 2 * n + 1] = other // unit
+    host[2 * n + 1 : 3 * n + 1] = length // unit
+    host[3 * n + 1 :] = stride // unit
+    dev = torch.from_numpy(host).to(device, non_blocking=False)
+    runs_units = (span // unit) if n else np.zeros(1, np.int64)
+    if not n or int(count.max()) == 1:
+        div_bits = 0
+    elif int(runs_units.max()) < 2**31:
+        div_bits = 32
+    else:
+        div_bits = 64
+    return RunTable(
+        packed_start=dev[: n + 1],
+        other_start=dev[n + 1 : 2 * n + 1],
+        frag_len=dev[2 * n + 1 : 3 * n + 1],
+        other_stride=dev[3 * n + 1 :],
+        n_runs=n,
+        unit=unit,
+        total_bytes=total,
+        other_end_bytes=other_end,
+        min_run_units=int(runs_units.min()),
+        div_bits=div_bits,
+    )
+
+
+def _lanes(tensor: torch.Tensor, unit: int) -> torch.Tensor:
+    """``tensor``'s bytes viewed as the element type of ``unit``-byte lanes (tail trimmed)."""
+    dtype, _ = _UNIT_LANES[unit]
+    flat = staging.byte_view(tensor)
+    size = torch.tensor([], dtype=dtype).element_size()
+    return flat[: (flat.numel() // size) * size].view(dtype)
+
+
+_interpreted: Any = None
+
+
+def _kernel() -> Any:
+    """The jitted kernel, or its interpreted twin when ``TRITON_INTERPRET=1`` is set now.
+
+    ``triton.jit`` picks interpreter or compiler when the module is imported; looking at the
+    flag per call lets the CPU tests run the real kernel body on host tensors in-process.
+    """
+    global _interpreted
+    from triton import knobs
+
+    from disagg_rs.transfer_backends._triton_copy import copy_runs_kernel
+
+    if not knobs.runtime.interpret or not hasattr(copy_runs_kernel, "fn"):
+        return copy_runs_kernel
+    if _interpreted is None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        _interpreted = InterpretedFunction(copy_runs_kernel.fn)
+    return _interpreted
+
+
+def copy_runs(
+    table: RunTable,
+    scattered: torch.Tensor,
+    packed: torch.Tensor,
+    *,
+    gather: bool,
+    packed_lo: int = 0,
+    packed_hi: int | None = None,
+    config: KernelConfig = DEFAULT_CONFIG,
+) -> int:
+    """Launch the kernel once for packed bytes ``[packed_lo, packed_hi)``; return the bytes.
+
+    ``gather``: ``scattered`` -> ``packed``; else ``packed`` -> ``scattered``. Bounds must be
+    multiples of ``table.unit`` (``ValueError`` otherwise). Queued on the current stream.
+    """
+    hi = table.total_bytes if packed_hi is None else packed_hi
+    if not 0 <= packed_lo <= hi <= table.total_bytes:
+        raise ValueError(f"packed range [{packed_lo}, {hi}) is not inside [0, {table.total_bytes})")
+    if packed_lo % table.unit or hi % table.unit:
+        raise ValueError(f"packed range [{packed_lo}, {hi}) is not in {table.unit}-byte units")
+    if hi == packed_lo:
+        return 0
+    _, vec = _UNIT_LANES[table.unit]
+    lo_u, hi_u = packed_lo // table.unit, hi // table.unit
+    src, dst = (scattered, packed) if gather else (packed, scattered)
+    grid = (-(-(hi_u - lo_u) // config.chunk_units),)
+    _kernel()[grid](
+        _lanes(src, table.unit),
+        _lanes(dst, table.unit),
+        table.packed_start,
+        table.other_start,
+        table.frag_len,
+        table.other_stride,
+        table.n_runs,
+        lo_u,
+        hi_u,
+        table.outer_steps,
+        table.inner_steps(config),
+        GATHER=gather,
+        VEC=vec,
+        BLOCK=config.block,
+        SUB=config.sub,
+        DIV=table.div_bits,
+        num_warps=config.num_warps,
+    )
+    return hi - packed_lo
+
+
+def expand_runs(runs: _U64Array) -> _U64Array:
+    """Strided runs ``[n, 6]`` -> flat ``[m, 3]`` ``(a, len, b)``-ordered as the run form says.
+
+    Returns rows ``(a + k * a_stride, b + k * b_stride, len)`` for every run and ``k <
+    count``, run by run (numpy ``repeat``; no Python loop).
+    """
+    r = np.ascontiguousarray(runs).astype(np.int64, copy=False)
+    count = r[:, 3]
+    k = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    a = np.repeat(r[:, 0], count) + k * np.repeat(r[:, 4], count)
+    b = np.repeat(r[:, 1], count) + k * np.repeat(r[:, 5], count)
+    return np.stack([a, b, np.repeat(r[:, 2], count)], axis=1).astype(np.uint64)
+
+
+def _flat(rows: _U64Array, form: ListForm) -> _U64Array:
+    """The ``staging`` list form of ``rows``: gather ``(src, len, packed)``, scatter
+    ``(packed, dst, len)``."""
+    if form == "gather_runs":
+        a_b_len = expand_runs(rows)
+        return np.ascontiguousarray(a_b_len[:, [0, 2, 1]])
+    if form == "scatter_runs":
+        return expand_runs(rows)
+    return rows
+
+
+def pack(
+    buffer: torch.Tensor,
+    buffer_addr: int,
+    rows: _U64Array,
+    region: torch.Tensor,
+    *,
+    form: ListForm = "gather",
+    config: KernelConfig = DEFAULT_CONFIG,
+    table: RunTable | None = None,
+) -> int:
+    """Gather the fragments ``rows`` names from ``buffer`` into ``region``; return bytes.
+
+    ``form`` is "gather" (``[m, 3]`` ``(src_addr, len, packed_offset)``) or "gather_runs"
+    (``[n, 6]``); ``buffer_addr`` is the address the source column is relative to. On the
+    Triton path a prepared ``table`` skips the host work. Queued on the current stream.
+    """
+    if path_for(buffer) == "triton":
+        if table is None:
+            table = build_run_table(
+                rows,
+                form,
+                buffer_addr,
+                device=buffer.device,
+                other_limit=staging.byte_view(buffer).numel(),
+                packed_limit=staging.byte_view(region).numel(),
+                align=(buffer.data_ptr(), region.data_ptr()),
+            )
+        if table is not None:
+            return copy_runs(table, buffer, region, gather=True, config=config)
+    return staging.pack_torch(buffer, buffer_addr, _flat(rows, form), region)
+
+
+def scatter(
+    region: torch.Tensor,
+    buffer: torch.Tensor,
+    buffer_addr: int,
+    rows: _U64Array,
+    *,
+    form: ListForm = "scatter",
+    config: KernelConfig = DEFAULT_CONFIG,
+    table: RunTable | None = None,
+) -> int:
+    """Scatter ``region`` into ``buffer`` as ``rows`` says; return bytes written.
+
+    ``form`` is "scatter" (``[m, 3]`` ``(packed_offset, dst_addr, len)``) or "scatter_runs"
+    (``[n, 6]``); ``buffer_addr`` is the address the destination column is relative to.
+    """
+    if path_for(buffer) == "triton":
+        if table is None:
+            table = build_run_table(
+                rows,
+                form,
+                buffer_addr,
+                device=buffer.device,
+                other_limit=staging.byte_view(buffer).numel(),
+                packed_limit=staging.byte_view(region).numel(),
+                align=(buffer.data_ptr(), region.data_ptr()),
+            )
+        if table is not None:
+            return copy_runs(table, buffer, region, gather=False, config=config)
+    return staging.scatter_torch(region, buffer, buffer_addr, _flat(rows, form))
+
+
+def pipelined_handoff(
+    gather_table: RunTable,
+    src: torch.Tensor,
+    src_region: torch.Tensor,
+    scatter_table: RunTable,
+    dst: torch.Tensor,
+    dst_region: torch.Tensor,
+    *,
+    chunk_bytes: int = 64 << 20,
+    config: KernelConfig = DEFAULT_CONFIG,
+    streams: tuple[Any, Any, Any] | None = None,
+) -> Any:
+    """Pack, move and scatter in chunks on three CUDA streams, chained by events.
+
+    Chunk ``i`` is packed on stream 0, copied ``src_region -> dst_region`` on stream 1 once
+    its pack event fires, and scattered on stream 2 once its copy event fires; so chunk
+    ``i + 1`` packs while chunk ``i`` moves and chunk ``i - 1`` scatters, with no host sync.
+    The copy stands in for the transport's read of one chunk (same-device or peer
+    ``copy_``). Returns the event recorded after the last scatter; the caller waits on it.
+    Both tables must describe the same packed total (one source, one destination).
+    """
+    if gather_table.total_bytes != scatter_table.total_bytes:
+        raise ValueError(
+            f"gather packs {gather_table.total_bytes} bytes but scatter expects "
+            f"{scatter_table.total_bytes}"
+        )
+    unit = np.lcm(gather_table.unit, scatter_table.unit)
+    step = max(int(chunk_bytes) // int(unit), 1) * int(unit)
+    total = gather_table.total_bytes
+    s_pack, s_move, s_land = streams or tuple(
+        torch.cuda.Stream(src.device)  # type: ignore[no-untyped-call]
+        for _ in range(3)
+    )
+    src_u8, dst_u8 = staging.byte_view(src_region), staging.byte_view(dst_region)
+    # The regions and buffers must be ready before the first chunk starts.
+    start = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    start.record()
+    for s in (s_pack, s_move, s_land):
+        s.wait_event(start)
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    for lo in range(0, total, step):  # chunks, not fragments: a handful per handoff
+        hi = min(lo + step, total)
+        packed_ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        moved_ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(s_pack):
+            copy_runs(
+                gather_table,
+                src,
+                src_region,
+                gather=True,
+                packed_lo=lo,
+                packed_hi=hi,
+                config=config,
+            )
+            packed_ev.record(s_pack)
+        with torch.cuda.stream(s_move):
+            s_move.wait_event(packed_ev)
+            dst_u8[lo:hi].copy_(src_u8[lo:hi], non_blocking=True)
+            moved_ev.record(s_move)
+        with torch.cuda.stream(s_land):
+            s_land.wait_event(moved_ev)
+            copy_runs(
+                scatter_table,
+                dst,
+                dst_region,
+                gather=False,
+                packed_lo=lo,
+                packed_hi=hi,
+                config=config,
+            )
+    done.record(s_land)
+    return done
