@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
+
+# NIXL/UCX in tests talk over loopback only (shared memory and TCP). On a GPU machine UCX must
+# keep its CUDA transports (NIXL refuses a UCX_TLS without them when GPUs are present), so the
+# restriction applies to CPU-only machines; spawned workers inherit it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+os.environ.setdefault("UCX_LOG_LEVEL", "error")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 # "ci": what `make test` runs (>= 200 examples per property, no deadline: CI machines are slow
 # and timing is never asserted). "dev": quick local iteration. "soak": long runs by hand.

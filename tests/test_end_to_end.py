@@ -7,13 +7,9 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from disagg_rs.demo import DemoOptions, DemoResult, run_demo
 
-# UCX over loopback only (shared memory and TCP), as on a machine with no network fabric.
-if not torch.cuda.is_available():  # GPU memory needs UCX's CUDA transports
-    os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 os.environ.setdefault("UCX_LOG_LEVEL", "error")
 
 SMALL = {"requests": 3, "max_new_tokens": 6, "timeout_s": 120.0, "quiet": True, "num_blocks": 48}

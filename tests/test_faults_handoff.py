@@ -19,7 +19,6 @@ from disagg_rs.reference.engine import encode_text
 from disagg_rs.reference.handoff import HandoffReferenceEngine
 from disagg_rs.soak import FAULTS, FaultInjectingBackend, SoakOptions, run_soak
 
-os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 os.environ.setdefault("UCX_LOG_LEVEL", "error")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 

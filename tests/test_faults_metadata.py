@@ -17,7 +17,6 @@ import disagg_rs
 from disagg_rs import exceptions
 from disagg_rs.transfer_backends.nixl import NixlTransferBackend
 
-os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 os.environ.setdefault("UCX_LOG_LEVEL", "error")
 
 L, B, T, H, D = 4, 8, 16, 2, 8

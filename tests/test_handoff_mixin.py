@@ -10,14 +10,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from disagg_rs.exceptions import HandoffStateError, ResetRefusedError
 from disagg_rs.reference import EngineConfig, ReferenceEngine, hybrid_model
 from disagg_rs.reference.handoff import HandoffReferenceEngine
 
-if not torch.cuda.is_available():  # GPU memory needs UCX's CUDA transports
-    os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 os.environ.setdefault("UCX_LOG_LEVEL", "error")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 

@@ -190,7 +190,10 @@ def _engines(opts: SoakOptions) -> tuple[Any, Any, Any]:
 
 def run_soak(opts: SoakOptions) -> SoakReport:
     """Run ``opts.handoffs`` handoffs with injected faults and return the report."""
-    os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+    import torch
+
+    if not torch.cuda.is_available():  # with GPUs present NIXL needs UCX's CUDA transports
+        os.environ.setdefault("UCX_TLS", "tcp,self,sm")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from disagg_rs.reference.engine import encode_text
