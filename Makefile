@@ -64,6 +64,10 @@ gpu: build ## On a CUDA machine: the GPU tests (marker gpu), then the GPU bench
 	$(PY) -m pytest -q -m gpu
 	$(PY) benches/bench_gpu.py --write benches/RESULTS.md
 
+.PHONY: fuzz
+fuzz: build ## Longer atheris run over the wire decoders (DISAGG_FUZZ_RUNS, default 200000)
+	DISAGG_FUZZ_RUNS=$${DISAGG_FUZZ_RUNS:-200000} $(PY) -m pytest -q tests/test_fuzz_atheris.py
+
 .PHONY: clean
 clean: ## Remove build outputs (keeps .venv)
 	cargo clean

@@ -1,0 +1,58 @@
+"""Runs the atheris fuzzer of tests/fuzz_atheris.py for a fixed number of inputs, seeded with
+valid wire objects, and fails on any finding (a non-typed exception, a panic, a crash)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+import disagg_rs as dr
+from disagg_rs.control import Msg, encode_message
+
+HARNESS = Path(__file__).with_name("fuzz_atheris.py")
+RUNS = int(os.environ.get("DISAGG_FUZZ_RUNS", "4000"))
+
+
+def _seeds() -> list[bytes]:
+    dims = dr.SSMStateDims(num_heads=4, head_dim=2, d_state=3, n_groups=2, d_conv=4)
+    kv = np.zeros((2, 2, 4, 8, 2, 4), dtype=np.float32)
+    conv = np.zeros((2, 3, dims.conv_channels, dims.d_conv), dtype=np.float32)
+    objects = [
+        dr.KVShardLayout(8, 4, tp_size=2, tp_rank=1, pp_size=2, pp_rank=1).to_dict(),
+        dr.SSMShardLayout(4, dims, tp_size=2, tp_rank=0).to_dict(),
+        dr.KVGeometry.from_tensor(kv).to_dict(),
+        dr.SSMGeometry.from_tensors(conv=conv).to_dict(),
+    ]
+    frames = [msgpack.packb(o, use_bin_type=True) for o in objects]
+    frames.append(encode_message(Msg.SUBMIT, request_id=1, prompt=[1, 2], max_new_tokens=3))
+    frames.append(encode_message(Msg.KV_IMPORTED, request_id=1, epoch=2, ok=True))
+    return frames
+
+
+def test_atheris_finds_nothing_in_the_wire_decoders(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, frame in enumerate(_seeds()):
+        (corpus / f"seed{i}").write_bytes(frame)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(HARNESS),
+            str(corpus),
+            f"-runs={RUNS}",
+            "-max_total_time=600",
+            "-rss_limit_mb=4096",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    tail = proc.stderr[-3000:]
+    assert proc.returncode == 0, tail
+    assert f"Done {RUNS} runs" in proc.stderr or "DONE" in proc.stderr, tail
