@@ -71,3 +71,20 @@ def test_decode_prefix_cache_reuse_pulls_only_the_suffix() -> None:
     assert first["token_start"] == 0
     assert second["token_start"] >= 64, second
     assert 0 < second["bytes"] < first["bytes"]
+
+
+def test_dropped_duplicated_and_delayed_control_messages_end_each_request_once() -> None:
+    # 40 % of coordinator -> engine messages are dropped, duplicated or delayed (reordered).
+    # Requests may fail by their deadline; none may answer wrongly, end twice or leak: lost
+    # RELEASE_KV and ABORT messages are recovered by lease expiry and import deadlines.
+    opts = {**SMALL, "requests": 10, "control_faults": 0.4, "lease_s": 3.0, "timeout_s": 16.0}
+    result = run_demo(DemoOptions(**opts))  # type: ignore[arg-type]
+    assert result.failures == [], "\n".join(result.failures)
+    assert result.faults_injected > 0
+    assert not set(result.answers) & set(result.failed_requests)
+    assert set(result.answers) | set(result.failed_requests) == set(range(10))
+    for rid, tokens in result.answers.items():
+        assert tokens == result.expected[rid]
+    finals = [w for w in result.workers if w.get("stats") is not None]
+    assert all(w["leaked_blocks"] == 0 and w["pinned"] == 0 for w in finals)
+    assert all(w["quarantined"] == 0 for w in finals)

@@ -459,13 +459,44 @@ class CoordinatorServer:
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.undeliverable = 0
         self.malformed = 0
+        self.faults_injected = 0
         self._stop = threading.Event()
         # A ZeroMQ socket must only be used by one thread: while serve() runs, other threads
         # hand their messages to it through this queue (sending directly aborted the process).
         self._outbox: queue.SimpleQueue[Callable[[], list[Outgoing]]] = queue.SimpleQueue()
         self._serving: threading.Thread | None = None
 
+    def inject_faults(self, rate: float, seed: int = 0, max_delay_rounds: int = 20) -> None:
+        """Test hook: drop, duplicate, delay (reordering later traffic) a share ``rate`` of the
+        messages to engines (never to clients and never SHUTDOWN). Deterministic per seed."""
+        import random
+
+        self._fault_rng = random.Random(seed)
+        self._fault_rate = float(rate)
+        self._fault_max_delay = max_delay_rounds
+
+    def _faulty(self, out: list[Outgoing]) -> list[Outgoing]:
+        rng = getattr(self, "_fault_rng", None)
+        delayed: list[tuple[int, Outgoing]] = getattr(self, "_delayed", [])
+        ready = [o for n, o in delayed if n <= 0]
+        self._delayed = [(n - 1, o) for n, o in delayed if n > 0]
+        if rng is None:
+            return ready + out
+        kept: list[Outgoing] = list(ready)
+        for o in out:
+            if o.to_engine is None or o.kind is Msg.SHUTDOWN or rng.random() >= self._fault_rate:
+                kept.append(o)
+                continue
+            self.faults_injected += 1
+            fault = rng.choice(("drop", "duplicate", "delay"))
+            if fault == "duplicate":
+                kept += [o, o]
+            elif fault == "delay":
+                self._delayed.append((rng.randint(1, self._fault_max_delay), o))
+        return kept
+
     def _send(self, out: list[Outgoing]) -> None:
+        out = self._faulty(out)
         for o in out:
             if o.to_client is not None:
                 identity = o.to_client

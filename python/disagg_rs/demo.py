@@ -61,6 +61,11 @@ class DemoOptions:
     staging_mib: int = 64
     """Registered staging region per NIXL KV buffer (staged pulls)."""
     metrics_port: int | None = None
+    control_faults: float = 0.0
+    """Share of coordinator -> engine messages dropped, duplicated or delayed (fault test);
+    requests may then fail, but every one must end once and nothing may leak."""
+    lease_s: float = 120.0
+    """Prefill pin lease (a dropped RELEASE_KV is recovered by lease expiry)."""
     """Serve each rank's Prometheus metrics on ``metrics_port + global rank`` (loopback)."""
     prompts: tuple[str, ...] | None = None
     """Prompts to send (default: the built-in ones, cycled to ``requests``)."""
@@ -77,6 +82,8 @@ class DemoResult:
     answers: dict[int, list[int]]
     expected: dict[int, list[int]]
     workers: list[dict[str, Any]]
+    failed_requests: dict[int, str] = field(default_factory=dict)
+    faults_injected: int = 0
 
 
 @dataclass
@@ -144,6 +151,7 @@ def _worker(
         import torch.distributed as dist
 
         from disagg_rs.control import EngineLink, Msg
+        from disagg_rs.exceptions import DisaggError
         from disagg_rs.reference.handoff import HandoffReferenceEngine
 
         torch.set_num_threads(1)
@@ -158,6 +166,7 @@ def _worker(
             _model_config(opts.model), _engine_config(opts, role, ranks), backend=opts.backend
         )
         engine.handoff_now_ns = time.monotonic_ns()
+        engine.handoff_lease_ns = int(opts.lease_s * 1e9)
         if opts.metrics_port is not None:
             from disagg_rs.metrics import HandoffMetrics
 
@@ -175,6 +184,7 @@ def _worker(
             link.register(engine.handoff_static_meta)
         epochs: dict[int, int] = {}
         decode_targets: dict[int, Any] = {}
+        seen: set[tuple[str, int, int]] = set()
         admitted_sent: set[int] = set()
         running = True
         idle = 0
@@ -196,12 +206,26 @@ def _worker(
             for m in msgs:
                 kind = m["type"]
                 rid = int(m.get("request_id", -1))
+                if kind in (Msg.PREFILL, Msg.SUBMIT_REQUEST_WITH_KV, Msg.SEND_KV):
+                    key = (kind.value, rid, int(m["epoch"]))
+                    if key in seen:  # a duplicated message: the first one was acted on
+                        continue
+                    seen.add(key)
                 if kind is Msg.SHUTDOWN:
                     running = False
                 elif kind is Msg.PREFILL:
                     epochs[rid] = int(m["epoch"])
                     decode_targets[rid] = m.get("decode_meta")
-                    engine.add_request(rid, m["prompt"], int(m["max_new_tokens"]))
+                    try:
+                        engine.add_request(rid, m["prompt"], int(m["max_new_tokens"]))
+                    except DisaggError as e:  # e.g. a retried id still running: refuse it
+                        if link is not None:
+                            link.send(
+                                Msg.PREFILL_FAILED,
+                                request_id=rid,
+                                epoch=epochs[rid],
+                                error=f"{type(e).__name__}: {e}",
+                            )
                 elif kind is Msg.SUBMIT_REQUEST_WITH_KV:
                     epochs[rid] = int(m["epoch"])
                     ticket = m["ticket"]
@@ -238,6 +262,7 @@ def _worker(
                     if role == "decode":
                         engine.abort_kv_import(rid)
                     else:
+                        engine.abort(rid)  # still prefilling: drop it
                         engine.release_handoff_blocks(rid)
             if role == "decode":
                 engine._poll_pending_kv_imports()
@@ -336,9 +361,12 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     n_prefill = opts.prefill_tp * opts.prefill_pp
     n_decode = opts.decode_tp * opts.decode_pp
     world = n_prefill + n_decode
+    # Requests fail at 75 % of the run's budget, so the client still hears every FAILED.
     server = CoordinatorServer(
-        request_timeout_s=opts.timeout_s, push_transport=opts.backend == "nccl"
+        request_timeout_s=0.75 * opts.timeout_s, push_transport=opts.backend == "nccl"
     )
+    if opts.control_faults > 0:
+        server.inject_faults(opts.control_faults, seed=0)
     serve = threading.Thread(target=server.serve, daemon=True)
     serve.start()
     ctx = mp.get_context("spawn")
@@ -422,6 +450,12 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         elapsed = time.perf_counter() - t0
         if open_ids and not crashed():
             failures.append(f"requests {sorted(open_ids)} did not finish within {opts.timeout_s} s")
+        if opts.control_faults > 0 and not crashed():
+            # Lost RELEASE_KV / ABORT messages are recovered by lease expiry and import
+            # deadlines: let the engines run past them before checking the pools.
+            settle = time.monotonic() + opts.lease_s + 2.0
+            while time.monotonic() < settle and not crashed():
+                worker_reports += _drain(results, timeout=0.2)
         server.shutdown_engines()
         # A crashed rank leaves its peers stuck in collectives: give them a moment, then kill.
         grace = time.monotonic() + (3.0 if crashed() else max(5.0, deadline - time.monotonic()))
@@ -445,9 +479,12 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         if rep.get("error"):
             failures.append(f"{rep['role']} rank {rep['rank']} failed:\n{rep['error']}")
     wrong = 0
+    failed_requests: dict[int, str] = {}
     for rid, tr in sorted(traces.items()):
         if tr.error is not None:
-            failures.append(f"request {rid} failed: {tr.error}")
+            failed_requests[rid] = tr.error
+            if opts.control_faults == 0:  # with injected faults, a failed request is allowed
+                failures.append(f"request {rid} failed: {tr.error}")
         elif tr.done is not None and tr.tokens != expected[rid]:
             wrong += 1
             failures.append(
@@ -511,6 +548,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         answers={rid: tr.tokens for rid, tr in traces.items() if tr.done is not None},
         expected=expected,
         workers=worker_reports,
+        failed_requests=failed_requests,
+        faults_injected=server.faults_injected,
     )
 
 
@@ -568,6 +607,19 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "direct", "staged"],
         default=d.nixl_mode,
         help="NIXL reads: direct descriptors, one packed region per source (staged), or auto",
+    )
+    p.add_argument(
+        "--control-faults",
+        type=float,
+        default=d.control_faults,
+        help="share of coordinator -> engine messages to drop, duplicate or delay (fault test)",
+    )
+    p.add_argument(
+        "--lease",
+        type=float,
+        default=d.lease_s,
+        dest="lease_s",
+        help="prefill pin lease in seconds",
     )
     p.add_argument(
         "--metrics-port",
