@@ -45,3 +45,14 @@ def test_bad_spec_is_a_usage_error() -> None:
     )
     assert proc.returncode == 2
     assert "bad layout field 'tq=2'" in proc.stderr
+
+
+def test_bench_times_the_compiler_on_the_design_geometry(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench"]) == 0
+    out = capsys.readouterr().out
+    assert "TP1->TP1 32K, contiguous blocks" in out
+    # Contiguous blocks on both sides: one descriptor per (layer plane), 2 x 80.
+    assert "160" in out.splitlines()[2]
+    assert "TP8->TP4 8K head reshard" in out

@@ -142,6 +142,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(options_from_args(args)).exit_code
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    del args
+    from disagg_rs.quickbench import main as bench_main
+
+    return bench_main()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``disagg-rs``."""
     parser = argparse.ArgumentParser(prog="disagg-rs", description=__doc__.split("\n")[0])
@@ -163,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(d)
     d.set_defaults(func=_cmd_demo)
+    b = sub.add_parser("bench", help="time the descriptor compiler on the DESIGN §8 geometry")
+    b.set_defaults(func=_cmd_bench)
     return parser
 
 
