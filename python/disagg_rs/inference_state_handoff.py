@@ -804,46 +804,42 @@ class InferenceStateHandoffMixin:
     def _report_completed_kv_imports(self) -> None:
         """Share each rank's locally terminal imports with every MP rank and feed the ledger."""
         engine: Any = self
+        if not self._pending_imports and not self._quarantined:
+            # Mirrored on every rank (same ledger actions), so all ranks skip the collective.
+            return
         local = []
         for pending in self._pending_imports.values():
             if pending.reported:
                 continue
             outcome = self._local_outcome(pending)
-            if outcome is not None:
-                local.append((pending.request_id, pending.epoch, outcome))
-                if outcome == "ok":
-                    moved = sum(int(h.stats.get("bytes", 0)) for h in pending.handles)
-                    self.handoff_stats["bytes_pulled"] += moved
-                    self.handoff_stats["descriptors"] += sum(
-                        int(h.stats.get("descriptors", 0)) for h in pending.handles
-                    )
-                    self.handoff_request_stats.setdefault(pending.request_id, {})["bytes"] = moved
-                    elapsed = time.perf_counter_ns() - pending.posted_ns
-                    self.handoff_stats["transfer_ns"] += elapsed
-                    if self.handoff_metrics is not None:
-                        self.handoff_metrics.transfer_done(
-                            moved,
-                            sum(int(h.stats.get("descriptors", 0)) for h in pending.handles),
-                            elapsed / 1e9,
-                        )
-        reports = engine.handoff_all_gather(local)
+            if outcome is None:
+                continue
+            pending.reported = True
+            local.append((pending.request_id, pending.epoch, outcome))
+            if outcome == "ok":
+                self._record_transfer_done(pending)
         ledger = self._ledger()
-        rank_of = self._mp_ranks()
-        for index, rank_reports in enumerate(reports):
+        for rank, rank_reports in enumerate(engine.handoff_all_gather(local)):
             for rid, epoch, outcome in rank_reports:
-                if (
-                    rid in self._pending_imports
-                    and self._pending_imports[rid].epoch == epoch
-                    and index == rank_of
-                ):
-                    self._pending_imports[rid].reported = True
                 self._apply_import_actions(
-                    ledger.report(rid, epoch, index, outcome, self.handoff_now_ns)
+                    ledger.report(rid, epoch, rank, outcome, self.handoff_now_ns)
                 )
         # Quarantined destinations settle once every local handle is quiet again.
         for key, pending in list(self._quarantined.items()):
             if all(self._quiet(h) for h in pending.handles):
                 self._apply_import_actions(ledger.settle(*key))
+
+    def _record_transfer_done(self, pending: PendingKvImport) -> None:
+        """Statistics and metrics of one import whose transfers completed on this rank."""
+        moved = sum(int(h.stats.get("bytes", 0)) for h in pending.handles)
+        descriptors = sum(int(h.stats.get("descriptors", 0)) for h in pending.handles)
+        elapsed = time.perf_counter_ns() - pending.posted_ns
+        self.handoff_stats["bytes_pulled"] += moved
+        self.handoff_stats["descriptors"] += descriptors
+        self.handoff_stats["transfer_ns"] += elapsed
+        self.handoff_request_stats.setdefault(pending.request_id, {})["bytes"] = moved
+        if self.handoff_metrics is not None:
+            self.handoff_metrics.transfer_done(moved, descriptors, elapsed / 1e9)
 
     @staticmethod
     def _quiet(handle: Any) -> bool:
@@ -851,9 +847,6 @@ class InferenceStateHandoffMixin:
             return bool(handle.poll())
         except (TransferError, TransferTimeout):
             return bool(getattr(handle, "done", True))
-
-    def _mp_ranks(self) -> int:
-        return int(getattr(self, "handoff_mp_rank", 0))
 
     def _poll_pending_kv_imports(self) -> int:
         """Progress imports without mutating the active decode batch; returns ready count."""
