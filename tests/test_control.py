@@ -146,6 +146,68 @@ def test_restarted_prefill_fails_its_requests_and_replaces_the_peer() -> None:
     assert peers["p0"]["meta"] == {"x": 1}
 
 
+def _reregister(state: CoordinatorState, role: str, engine: str, now: float) -> list[Outgoing]:
+    return state.handle(
+        f"{role}:{engine}:2".encode(),
+        _msg(Msg.REGISTER, engine_id=engine, role=role, incarnation=2, meta={}),
+        now,
+    )
+
+
+def _imported(state: CoordinatorState, rid: int, now: float = 1.0) -> int:
+    epoch = _submit(state, rid, now)
+    state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=rid, epoch=epoch, ticket={}), now)
+    out = state.handle(DECODE, _msg(Msg.KV_IMPORTED, request_id=rid, epoch=epoch, ok=True), now)
+    assert _kinds(out) == [("p0", "RELEASE_KV")]
+    return epoch
+
+
+def test_restarted_prefill_spares_requests_whose_state_the_decode_already_imported() -> None:
+    state = _registered()
+    done_epoch = _imported(state, 1)  # imported: lives on the decode only
+    pulling = _submit(state, 2)  # handed off, the decode still reads the prefill's pins
+    state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=2, epoch=pulling, ticket={}), 1)
+    _submit(state, 3)  # still prefilling
+    out = _reregister(state, "prefill", "p0", 2)
+    failed = sorted(o.fields["request_id"] for o in out if o.kind is Msg.FAILED)
+    assert failed == [2, 3]
+    assert all("restarted" in o.fields["error"] for o in out if o.kind is Msg.FAILED)
+    # No RELEASE_KV to the new incarnation (its pins died with the old one); the decode aborts
+    # the read of request 2.
+    assert ("p0", "RELEASE_KV") not in _kinds(out) and ("d0", "ABORT") in _kinds(out)
+    out = state.handle(DECODE, _msg(Msg.DONE, request_id=1, epoch=done_epoch, tokens=[4]), 3)
+    assert _kinds(out) == [("client", "DONE")]
+    assert not state.requests and (state.completed, state.failed) == (1, 2)
+
+
+def test_restarted_decode_fails_its_requests_and_hands_prefilling_ones_to_the_new_one() -> None:
+    state = _registered()
+    _imported(state, 1)
+    pulling = _submit(state, 2)
+    state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=2, epoch=pulling, ticket={}), 1)
+    prefilling = _submit(state, 3)
+    out = _reregister(state, "decode", "d0", 2)
+    failed = sorted(o.fields["request_id"] for o in out if o.kind is Msg.FAILED)
+    assert failed == [1, 2]
+    # Request 2's pins on the prefill go back; request 3 was never on the decode.
+    releases = [o.fields["request_id"] for o in out if o.kind is Msg.RELEASE_KV]
+    assert releases == [2]
+    new_decode = b"decode:d0:2"
+    out = state.handle(
+        PREFILL, _msg(Msg.PREFILL_DONE, request_id=3, epoch=prefilling, ticket={}), 3
+    )
+    assert _kinds(out) == [("d0", "SUBMIT_REQUEST_WITH_KV")]
+    assert state.engines["d0"].identity == new_decode
+    # The old incarnation's identity is no longer an engine: its late messages are ignored.
+    assert (
+        state.handle(DECODE, _msg(Msg.KV_IMPORTED, request_id=3, epoch=prefilling, ok=True), 4)
+        == []
+    )
+    assert state.handle(
+        new_decode, _msg(Msg.KV_IMPORTED, request_id=3, epoch=prefilling, ok=True), 4
+    )
+
+
 def test_a_stale_incarnation_cannot_re_register() -> None:
     state = _registered()
     out = state.handle(

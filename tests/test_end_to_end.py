@@ -88,3 +88,49 @@ def test_dropped_duplicated_and_delayed_control_messages_end_each_request_once()
     finals = [w for w in result.workers if w.get("stats") is not None]
     assert all(w["leaked_blocks"] == 0 and w["pinned"] == 0 for w in finals)
     assert all(w["quarantined"] == 0 for w in finals)
+
+
+@pytest.mark.parametrize("engine", ["prefill", "decode"])
+def test_an_engine_killed_mid_run_and_restarted_ends_each_request_once_and_leaks_nothing(
+    engine: str,
+) -> None:
+    # SIGKILL one rank of the engine right after the first token streamed (handoffs in
+    # flight); the supervisor replaces the engine by a new incarnation (own torch.distributed
+    # world, new NIXL agents under the same names), then the second half is sent through it.
+    opts = {**SMALL, "requests": 4, "kill_engine": engine, "lease_s": 6.0, "timeout_s": 60.0}
+    result = run_demo(DemoOptions(**opts))  # type: ignore[arg-type]
+    assert result.failures == [], "\n".join(result.failures)
+    assert result.restarts == 1
+    assert result.after_restart == (2, 3)
+    # Exactly one outcome per request; every request sent after the restart answers correctly.
+    assert not set(result.answers) & set(result.failed_requests)
+    assert set(result.answers) | set(result.failed_requests) == set(range(4))
+    assert set(result.after_restart) <= set(result.answers)
+    for rid, tokens in result.answers.items():
+        assert tokens == result.expected[rid]
+    for rid, why in result.failed_requests.items():
+        assert "restarted" in why or "KV import failed" in why, (rid, why)
+    # The restarted engine reported as generation 1; nothing is left anywhere.
+    finals = [w for w in result.workers if w.get("stats") is not None]
+    assert {w["generation"] for w in finals if w["role"] == engine} == {1}
+    assert {w["generation"] for w in finals if w["role"] != engine} == {0}
+    assert len(finals) == 3  # prefill TP2 + decode TP1, current incarnations
+    assert all(w["leaked_blocks"] == 0 and w["pinned"] == 0 for w in finals)
+    assert all(w["quarantined"] == 0 for w in finals)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"kill_engine": "coordinator"}, "expected 'prefill' or 'decode'"),
+        ({"kill_engine": "prefill", "backend": "nccl"}, "needs backend='nixl'"),
+        ({"kill_engine": "decode", "sequential": True}, "two waves"),
+        ({"kill_engine": "decode", "requests": 1}, "requests >= 2"),
+        ({"kill_engine": "decode", "kill_rank": 1}, "outside the 1 ranks"),
+    ],
+)
+def test_kill_options_the_demo_cannot_run_are_refused_before_anything_starts(
+    changes: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        run_demo(DemoOptions(**{**SMALL, **changes}))  # type: ignore[arg-type]

@@ -238,8 +238,9 @@ class CoordinatorState:
             if kind in (Msg.KV_RECV_POSTED, Msg.KV_IMPORTED, Msg.TOKENS, Msg.DONE)
             else (req.prefill, req.decode)
         )
-        if sender is not None and sender not in allowed:
-            # A message from an engine that does not play that part for this request.
+        if sender is None or sender not in allowed:
+            # From an engine that does not play that part for this request, or from an identity
+            # that is not a registered engine (e.g. a replaced incarnation still talking).
             self.ignored[kind.value] += 1
             return None
         return req
@@ -278,12 +279,15 @@ class CoordinatorState:
             return []
         out: list[Outgoing] = []
         if old is not None and incarnation > old.incarnation:
-            # A restarted engine: every request routed to the old incarnation has lost its state.
-            for req in list(self.requests.values()):
-                if engine_id in (req.prefill, req.decode):
+            # A restarted engine lost its state: fail the requests that still depend on it.
+            for req in sorted(self.requests.values(), key=lambda r: r.request_id):
+                if self._lost_with(req, engine_id):
+                    # The pins died with the old prefill: no RELEASE_KV to the new one.
                     req.pinned = req.pinned and req.prefill != engine_id
                     out += self._fail(
-                        req, f"engine {engine_id} restarted (incarnation {incarnation})"
+                        req,
+                        f"engine {engine_id} restarted (incarnation {old.incarnation} -> "
+                        f"{incarnation}) while holding this request's state",
                     )
         self.engines[engine_id] = _Engine(
             engine_id, str(msg["role"]), incarnation, msg["meta"], identity
@@ -303,6 +307,19 @@ class CoordinatorState:
             if other != engine_id
         ]
         return out
+
+    @staticmethod
+    def _lost_with(req: _Request, engine_id: str) -> bool:
+        """Whether ``req`` loses state it still needs when ``engine_id`` restarts.
+
+        A prefill matters while it prefills and while its pins are the decode's source (until
+        KV_IMPORTED); a request whose state is imported finishes on its decode. A decode matters
+        once it was handed the request; one that is still prefilling is handed to the decode's
+        new incarnation (same layout, so a state staged for it stays valid).
+        """
+        if req.prefill == engine_id and (req.phase is _Phase.PREFILLING or req.pinned):
+            return True
+        return req.decode == engine_id and req.phase is _Phase.DECODING
 
     def _on_submit(self, identity: bytes, msg: dict[str, Any], now: float) -> list[Outgoing]:
         rid = int(msg["request_id"])

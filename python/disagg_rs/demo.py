@@ -14,6 +14,7 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -61,12 +62,21 @@ class DemoOptions:
     staging_mib: int = 64
     """Registered staging region per NIXL KV buffer (staged pulls)."""
     metrics_port: int | None = None
+    """Serve each rank's Prometheus metrics on ``metrics_port + n`` (loopback), ``n`` the
+    process's position: prefill ranks first, then decode ranks."""
     control_faults: float = 0.0
     """Share of coordinator -> engine messages dropped, duplicated or delayed (fault test);
     requests may then fail, but every one must end once and nothing may leak."""
     lease_s: float = 120.0
     """Prefill pin lease (a dropped RELEASE_KV is recovered by lease expiry)."""
-    """Serve each rank's Prometheus metrics on ``metrics_port + global rank`` (loopback)."""
+    kill_engine: str | None = None
+    """Fault test: ``"prefill"`` or ``"decode"``. Once the first token has streamed, one rank
+    of that engine is killed with SIGKILL; the supervisor kills the engine's other ranks and
+    starts it again as a new incarnation (new processes, torch.distributed world and NIXL
+    agents), then the second half of the requests is sent. Requests that lost state fail
+    once; every other one must answer like the colocated run and nothing may leak."""
+    kill_rank: int = -1
+    """Which rank of the killed engine gets SIGKILL (index into its ranks; -1: the last)."""
     prompts: tuple[str, ...] | None = None
     """Prompts to send (default: the built-in ones, cycled to ``requests``)."""
     sequential: bool = False
@@ -84,6 +94,10 @@ class DemoResult:
     workers: list[dict[str, Any]]
     failed_requests: dict[int, str] = field(default_factory=dict)
     faults_injected: int = 0
+    restarts: int = 0
+    """Engines restarted by the supervisor (``kill_engine``)."""
+    after_restart: tuple[int, ...] = ()
+    """Requests sent after the restarted engine registered again."""
 
 
 @dataclass
@@ -130,17 +144,28 @@ def _engine_config(opts: DemoOptions, role: str, ranks: tuple[int, ...]) -> Any:
     )
 
 
-def _worker(
-    opts: DemoOptions,
-    role: str,
-    global_rank: int,
-    ranks: tuple[int, ...],
-    world: int,
-    dist_port: int,
-    endpoint: str,
-    results: Any,
-) -> None:
-    """One engine rank: build, register, then serve control messages until SHUTDOWN."""
+@dataclass(frozen=True)
+class _Placement:
+    """Where one engine process sits."""
+
+    role: str
+    global_rank: int
+    """Rank in its torch.distributed world (and in the engine's layouts)."""
+    ranks: tuple[int, ...]
+    """The engine's ranks."""
+    world: int
+    dist_port: int
+    slot: int
+    """Position among all engine processes (prefill ranks first): the metrics port offset."""
+    generation: int
+    """How many times this engine was started before (0: the first incarnation)."""
+
+
+def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -> None:
+    """One engine rank: build, register, serve control messages until SHUTDOWN, then drain
+    (quarantined imports and unreleased pins, within their deadlines) and report."""
+    role, global_rank, ranks = where.role, where.global_rank, where.ranks
+    tag = {"role": role, "rank": global_rank, "generation": where.generation}
     # NIXL's INFO lines would drown the progress bar; UCX stays on loopback transports on CPU.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
@@ -157,9 +182,9 @@ def _worker(
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{dist_port}",
+            init_method=f"tcp://127.0.0.1:{where.dist_port}",
             rank=global_rank,
-            world_size=world,
+            world_size=where.world,
             timeout=datetime.timedelta(seconds=opts.timeout_s),
         )
         engine = HandoffReferenceEngine(
@@ -171,7 +196,7 @@ def _worker(
             from disagg_rs.metrics import HandoffMetrics
 
             engine.handoff_metrics = HandoffMetrics(role, global_rank)
-            engine.handoff_metrics.serve(opts.metrics_port + global_rank)
+            engine.handoff_metrics.serve(opts.metrics_port + where.slot)
         nixl_kwargs = (
             {"mode": opts.nixl_mode, "staging_bytes": opts.staging_mib << 20}
             if opts.backend == "nixl"
@@ -187,6 +212,7 @@ def _worker(
         seen: set[tuple[str, int, int]] = set()
         admitted_sent: set[int] = set()
         running = True
+        stop_by: int | None = None  # set by SHUTDOWN: drain until then at the latest
         idle = 0
         while running:
             msgs: list[dict[str, Any]] = []
@@ -202,6 +228,17 @@ def _worker(
                         m["decode_meta"] = link.peers[m["decode_engine_id"]]["meta"]["ranks"]
             now, msgs = engine.handoff_broadcast((time.monotonic_ns(), msgs))
             engine.handoff_now_ns = now
+            if stop_by is not None:
+                # Mirrored ledger state and the broadcast clock: every rank decides alike.
+                pinned = engine._pin_ledger.num_pinned if engine._pin_ledger is not None else 0
+                drained = not (
+                    engine.has_work
+                    or engine.pending_kv_import_count
+                    or engine.pending_kv_push_count
+                    or engine.num_quarantined_kv_imports
+                    or pinned
+                )
+                running = not drained and now < stop_by
             idle = 0 if msgs or engine.has_work else idle + 1
             for m in msgs:
                 kind = m["type"]
@@ -212,7 +249,7 @@ def _worker(
                         continue
                     seen.add(key)
                 if kind is Msg.SHUTDOWN:
-                    running = False
+                    stop_by = now + int((opts.lease_s + 2.0) * 1e9)
                 elif kind is Msg.PREFILL:
                     epochs[rid] = int(m["epoch"])
                     decode_targets[rid] = m.get("decode_meta")
@@ -260,7 +297,8 @@ def _worker(
                     engine.release_handoff_blocks(rid)
                 elif kind is Msg.ABORT:
                     if role == "decode":
-                        engine.abort_kv_import(rid)
+                        engine.abort_kv_import(rid)  # any import stage
+                        engine.abort(rid)  # already admitted: stop generating
                     else:
                         engine.abort(rid)  # still prefilling: drop it
                         engine.release_handoff_blocks(rid)
@@ -268,6 +306,7 @@ def _worker(
                 engine._poll_pending_kv_imports()
                 engine._admit_pending_kv_imports()
                 for rid2, failed in engine._drain_handoff_completion_notifications():
+                    why = engine.pop_handoff_failure_reason(rid2) or "unknown reason"
                     if link is not None and rid2 not in admitted_sent:
                         admitted_sent.add(rid2)
                         link.send(
@@ -275,15 +314,8 @@ def _worker(
                             request_id=rid2,
                             epoch=epochs[rid2],
                             ok=not failed,
-                            error="import failed" if failed else "",
+                            error=why if failed else "",
                         )
-                        if failed:
-                            link.send(
-                                Msg.FAILED,
-                                request_id=rid2,
-                                epoch=epochs[rid2],
-                                error="KV import failed",
-                            )
             else:
                 engine._poll_pending_kv_pushes()
                 engine.expire_handoff_pins()
@@ -320,8 +352,7 @@ def _worker(
             engine._pin_ledger.check()
         results.put(
             {
-                "role": role,
-                "rank": global_rank,
+                **tag,
                 "stats": dict(engine.handoff_stats),
                 "requests": dict(engine.handoff_request_stats),
                 "leaked_blocks": engine.leaked_blocks(),
@@ -335,7 +366,86 @@ def _worker(
             link.close()
         dist.destroy_process_group()
     except BaseException:
-        results.put({"role": role, "rank": global_rank, "error": traceback.format_exc()})
+        results.put({**tag, "error": traceback.format_exc()})
+
+
+class _Supervisor:
+    """Starts the engines' processes; kills one engine and starts it again (``kill_engine``).
+
+    With a one-sided backend (NIXL) every engine has its own torch.distributed world, as
+    separate deployments do, so one engine can be replaced while the other keeps running. The
+    two-sided backend moves state through a world that spans both engines, whose members
+    cannot be replaced one at a time.
+    """
+
+    def __init__(self, opts: DemoOptions, endpoint: str, results: Any) -> None:
+        self.opts = opts
+        self.endpoint = endpoint
+        self.results = results
+        self.ctx = mp.get_context("spawn")
+        self.sizes = {
+            "prefill": opts.prefill_tp * opts.prefill_pp,
+            "decode": opts.decode_tp * opts.decode_pp,
+        }
+        self.shared_world = opts.backend == "nccl"
+        self.generation = {"prefill": 0, "decode": 0}
+        self.procs: dict[str, list[Any]] = {"prefill": [], "decode": []}
+        self.retired: list[Any] = []
+        self.restarts = 0
+
+    @property
+    def world(self) -> int:
+        """How many engine processes run at once."""
+        return sum(self.sizes.values())
+
+    def _spawn(self, role: str, port: int) -> None:
+        n_prefill = self.sizes["prefill"]
+        if self.shared_world:
+            first, world = (0 if role == "prefill" else n_prefill), self.world
+        else:
+            first, world = 0, self.sizes[role]
+        ranks = tuple(range(first, first + self.sizes[role]))
+        slot0 = 0 if role == "prefill" else n_prefill
+        for i, r in enumerate(ranks):
+            where = _Placement(role, r, ranks, world, port, slot0 + i, self.generation[role])
+            p = self.ctx.Process(
+                target=_worker, args=(self.opts, where, self.endpoint, self.results), daemon=True
+            )
+            p.start()
+            self.procs[role].append(p)
+
+    def start(self) -> None:
+        """Start both engines."""
+        shared = _free_port()
+        for role in ("prefill", "decode"):
+            self._spawn(role, shared if self.shared_world else _free_port())
+
+    def kill_and_restart(self, role: str, rank_index: int) -> int:
+        """SIGKILL one rank of ``role``; as a supervisor would, kill the rest of that engine
+        (ranks of a dead engine hang in its collectives) and start a new incarnation.
+        Returns the pid that was killed first."""
+        procs = self.procs[role]
+        victim = procs[rank_index]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+        self.retired += procs
+        self.procs[role] = []
+        self.generation[role] += 1
+        self.restarts += 1
+        self._spawn(role, _free_port())
+        return int(victim.pid)
+
+    def current(self, report: dict[str, Any]) -> bool:
+        """Whether a worker report comes from an engine's current incarnation."""
+        return report.get("generation") == self.generation.get(str(report.get("role")))
+
+    def all(self) -> list[Any]:
+        """Every process started, current and retired."""
+        return [*self.retired, *self.procs["prefill"], *self.procs["decode"]]
 
 
 def _colocated_reference(opts: DemoOptions, prompts: dict[int, list[int]]) -> dict[int, list[int]]:
@@ -358,9 +468,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     from disagg_rs.control import ControlClient, CoordinatorServer, Msg
 
     say = (lambda *a: None) if opts.quiet else print
-    n_prefill = opts.prefill_tp * opts.prefill_pp
-    n_decode = opts.decode_tp * opts.decode_pp
-    world = n_prefill + n_decode
+    _check_options(opts)
     # Requests fail at 75 % of the run's budget, so the client still hears every FAILED.
     server = CoordinatorServer(
         request_timeout_s=0.75 * opts.timeout_s, push_transport=opts.backend == "nccl"
@@ -369,22 +477,10 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         server.inject_faults(opts.control_faults, seed=0)
     serve = threading.Thread(target=server.serve, daemon=True)
     serve.start()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = []
-    for role, ranks in (
-        ("prefill", tuple(range(n_prefill))),
-        ("decode", tuple(range(n_prefill, world))),
-    ):
-        for r in ranks:
-            p = ctx.Process(
-                target=_worker,
-                args=(opts, role, r, ranks, world, port, server.endpoint, results),
-                daemon=True,
-            )
-            p.start()
-            procs.append(p)
+    results = mp.get_context("spawn").Queue()
+    sup = _Supervisor(opts, server.endpoint, results)
+    world = sup.world
+    sup.start()
     if opts.metrics_port is not None:
         say(f"metrics: http://127.0.0.1:{opts.metrics_port}..{opts.metrics_port + world - 1}/")
     say(
@@ -404,9 +500,15 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     traces: dict[int, _RequestTrace] = {}
     elapsed = 0.0
     open_ids = set(prompts)
+    ended_twice: list[int] = []
+    # With kill_engine: the second half is sent once the restarted engine has registered.
+    wave2 = sorted(prompts)[(opts.requests + 1) // 2 :] if opts.kill_engine else []
+    after_restart: tuple[int, ...] = ()
+    restart_from: int | None = None  # incarnation that was killed, until its successor registers
 
     def crashed() -> bool:
-        return any(r.get("error") for r in worker_reports)
+        # Reports of a killed incarnation (ranks failing in collectives) are expected.
+        return any(r.get("error") and sup.current(r) for r in worker_reports)
 
     try:
         while len(server.state.engines) < 2 and time.monotonic() < deadline and not crashed():
@@ -415,6 +517,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             failures.append(f"engines did not register within {opts.timeout_s} s")
         t0 = time.perf_counter()
         to_send = list(prompts.items()) if not failures and not crashed() else []
+        held = [(rid, p) for rid, p in to_send if rid in wave2]
+        to_send = [(rid, p) for rid, p in to_send if rid not in wave2]
 
         def submit_next() -> None:
             rid, prompt = to_send.pop(0)
@@ -429,13 +533,39 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         while traces and open_ids and time.monotonic() < deadline and not crashed():
             if opts.sequential and to_send and len(open_ids) == len(to_send):
                 submit_next()
+            streamed = any(t.first_token is not None for t in traces.values())
+            if opts.kill_engine and restart_from is None and not after_restart and streamed:
+                role = opts.kill_engine
+                restart_from = server.state.engines[role].incarnation
+                pid = sup.kill_and_restart(role, opts.kill_rank)
+                say(
+                    f"killed {role} rank {opts.kill_rank % sup.sizes[role]} (pid {pid}) "
+                    "with SIGKILL; restarting the engine"
+                )
+            if restart_from is not None:
+                engine = server.state.engines.get(str(opts.kill_engine))
+                if engine is not None and engine.incarnation != restart_from:
+                    say(
+                        f"{opts.kill_engine} is back as incarnation {engine.incarnation}; "
+                        f"sending requests {[rid for rid, _ in held]}"
+                    )
+                    restart_from = None
+                    after_restart = tuple(rid for rid, _ in held)
+                    to_send += held
+                    while to_send:
+                        submit_next()
             for ev in client.events(0.2):
                 rid = int(ev["request_id"])
                 tr = traces[rid]
+                if rid not in open_ids:  # the coordinator ends each request exactly once
+                    ended_twice.append(rid)
+                    continue
                 if ev["type"] is Msg.TOKENS:
                     if tr.first_token is None:
                         tr.first_token = time.perf_counter()
                     bar.update(len(ev["tokens"]))
+                    if opts.kill_engine and not sup.restarts:
+                        break  # kill now, while the first handoffs are in flight
                 elif ev["type"] is Msg.DONE:
                     tr.done = time.perf_counter()
                     tr.tokens = list(ev["tokens"])
@@ -459,38 +589,43 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         server.shutdown_engines()
         # A crashed rank leaves its peers stuck in collectives: give them a moment, then kill.
         grace = time.monotonic() + (3.0 if crashed() else max(5.0, deadline - time.monotonic()))
-        while sum(1 for r in worker_reports if r.get("stats") or r.get("error")) < world:
+        while sum(1 for r in worker_reports if sup.current(r)) < world:
             if time.monotonic() > grace:
                 if not crashed():
                     failures.append("not every engine rank reported at shutdown")
                 break
             worker_reports += _drain(results, timeout=0.1)
-        for p in procs:
+        for p in sup.all():
             p.join(timeout=5)
     finally:
-        for p in procs:
+        for p in sup.all():
             if p.is_alive():
                 p.kill()
         server.stop()
         serve.join(5)
         client.close()
         server.close()
+    if ended_twice:
+        failures.append(f"requests {sorted(set(ended_twice))} got messages after they ended")
+    if opts.kill_engine and sup.restarts == 0 and not crashed():
+        failures.append(f"the {opts.kill_engine} engine was never killed (no token streamed)")
     for rep in worker_reports:
-        if rep.get("error"):
+        if rep.get("error") and sup.current(rep):
             failures.append(f"{rep['role']} rank {rep['rank']} failed:\n{rep['error']}")
     wrong = 0
     failed_requests: dict[int, str] = {}
     for rid, tr in sorted(traces.items()):
         if tr.error is not None:
             failed_requests[rid] = tr.error
-            if opts.control_faults == 0:  # with injected faults, a failed request is allowed
+            # With injected faults a request may fail; after a restart, none may.
+            if opts.control_faults == 0 and (not opts.kill_engine or rid in after_restart):
                 failures.append(f"request {rid} failed: {tr.error}")
         elif tr.done is not None and tr.tokens != expected[rid]:
             wrong += 1
             failures.append(
                 f"request {rid}: decode answered {tr.tokens}, colocated {expected[rid]}"
             )
-    finals = [r for r in worker_reports if r.get("stats") is not None]
+    finals = [r for r in worker_reports if r.get("stats") is not None and sup.current(r)]
     leaked = sum(int(r["leaked_blocks"]) for r in finals)
     quarantined = sum(int(r["quarantined"]) for r in finals)
     pinned = sum(int(r["pinned"]) for r in finals)
@@ -505,7 +640,10 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     post_s = sum(int(r["stats"].get("post_ns", 0)) for r in finals) / 1e9
     if not opts.quiet:
         rows = [
-            ("requests", f"{len(done)}/{opts.requests} done, {wrong} wrong"),
+            (
+                "requests",
+                f"{len(done)}/{opts.requests} done, {wrong} wrong, {len(failed_requests)} failed",
+            ),
             ("tokens generated", f"{sum(len(t.tokens) for t in done)}"),
             (
                 "time to first token",
@@ -530,11 +668,15 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             ("quarantined", f"{quarantined}"),
             ("leaked blocks", f"{leaked}"),
         ]
+        if sup.restarts:
+            rows.append(("engine restarts", f"{sup.restarts} ({opts.kill_engine})"))
         print()
         for k, v in rows:
             print(f"  {k:<22} {v}")
+        for rid, why in sorted(failed_requests.items()):
+            print(f"  failed [{rid}]: {why}")
         print()
-        for rid in sorted(traces)[:3]:
+        for rid in sorted(r for r, t in traces.items() if t.done is not None)[:3]:
             tr = traces[rid]
             text = bytes(t for t in tr.tokens if 0 <= t < 256).decode(errors="replace")
             print(f"  [{rid}] {texts[rid % len(texts)]!r} -> {text!r}")
@@ -550,7 +692,36 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         workers=worker_reports,
         failed_requests=failed_requests,
         faults_injected=server.faults_injected,
+        restarts=sup.restarts,
+        after_restart=after_restart,
     )
+
+
+def _check_options(opts: DemoOptions) -> None:
+    """Refuse option combinations the demo cannot run, before anything starts."""
+    if opts.kill_engine is None:
+        return
+    if opts.kill_engine not in ("prefill", "decode"):
+        raise ValueError(f"kill_engine={opts.kill_engine!r}: expected 'prefill' or 'decode'")
+    if opts.backend != "nixl":
+        raise ValueError(
+            f"kill_engine needs backend='nixl', got {opts.backend!r}: the two-sided backend "
+            "moves state through one torch.distributed world spanning both engines, and a "
+            "world's members cannot be replaced one at a time"
+        )
+    if opts.sequential:
+        raise ValueError("kill_engine sends requests in two waves; sequential=True conflicts")
+    if opts.requests < 2:
+        raise ValueError(
+            f"kill_engine needs requests >= 2 (one wave each side), got {opts.requests}"
+        )
+    n = (
+        (opts.prefill_tp * opts.prefill_pp)
+        if opts.kill_engine == "prefill"
+        else (opts.decode_tp * opts.decode_pp)
+    )
+    if not -n <= opts.kill_rank < n:
+        raise ValueError(f"kill_rank={opts.kill_rank} is outside the {n} ranks of the engine")
 
 
 def _pct(values: list[float], p: int) -> float:
@@ -620,6 +791,19 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         default=d.lease_s,
         dest="lease_s",
         help="prefill pin lease in seconds",
+    )
+    p.add_argument(
+        "--kill-engine",
+        choices=["prefill", "decode"],
+        default=None,
+        help="fault test: SIGKILL one rank of this engine once the first token streamed, "
+        "restart it as a new incarnation, then send the second half of the requests",
+    )
+    p.add_argument(
+        "--kill-rank",
+        type=int,
+        default=d.kill_rank,
+        help="which rank of the killed engine gets SIGKILL (-1: the last)",
     )
     p.add_argument(
         "--metrics-port",

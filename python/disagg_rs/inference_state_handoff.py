@@ -141,6 +141,9 @@ class InferenceStateHandoffMixin:
             "transfer_ns": 0,
         }
         self.handoff_events: list[tuple[str, int, str]] = []
+        # Reasons of failed imports: recorded, then those of the latest drain (bounded).
+        self._new_failure_reasons: dict[int, str] = {}
+        self._failure_reasons: dict[int, str] = {}
         #: Per imported request: ``token_start`` (prompt tokens reused from the decode prefix
         #: cache) and ``bytes`` moved for it on this rank.
         self.handoff_request_stats: dict[int, dict[str, int]] = {}
@@ -188,7 +191,13 @@ class InferenceStateHandoffMixin:
     def _drain_handoff_completion_notifications(self) -> list[tuple[int, bool]]:
         """Collect the (request_id, failed) decisions made since the last drain."""
         out, self._completion_notifications = self._completion_notifications, []
+        self._failure_reasons, self._new_failure_reasons = self._new_failure_reasons, {}
         return out
+
+    def pop_handoff_failure_reason(self, request_id: int) -> str | None:
+        """Why the import of ``request_id`` failed, for a failure returned by the latest
+        ``_drain_handoff_completion_notifications`` (None otherwise)."""
+        return self._failure_reasons.pop(request_id, None)
 
     def _record_handoff_completion_notification(self, request_id: int, failed: bool) -> None:
         """Record a shared admission decision (every MP rank records the same ones)."""
@@ -910,6 +919,7 @@ class InferenceStateHandoffMixin:
         if self.handoff_metrics is not None:
             self.handoff_metrics.failed(str(action.reason))
         self._record_handoff_completion_notification(rid, True)
+        self._new_failure_reasons[rid] = str(action.reason)
         self.handoff_events.append(
             ("failed", rid, f"{action.reason} quarantined={action.quarantined}")
         )
