@@ -288,3 +288,66 @@ def test_real_zeromq_round_trip_through_the_coordinator() -> None:
         for sock in (prefill, decode, client):
             sock.close()
         server.close()
+
+
+def _beat(state: CoordinatorState, identity: bytes, engine: str, now: float) -> list[Outgoing]:
+    return state.handle(identity, _msg(Msg.HEARTBEAT, engine_id=engine, incarnation=1), now)
+
+
+def test_a_silent_engine_is_declared_lost_and_its_requests_fail_before_their_deadline() -> None:
+    state = CoordinatorState(request_timeout_s=60.0, engine_timeout_s=5.0)
+    for identity, engine, role in ((PREFILL, "p0", "prefill"), (DECODE, "d0", "decode")):
+        state.handle(
+            identity, _msg(Msg.REGISTER, engine_id=engine, role=role, incarnation=1, meta={}), 0
+        )
+    epoch = _submit(state, 7, now=1.0)
+    state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch, ticket={}), 2.0)
+    assert _beat(state, PREFILL, "p0", 4.0) == []
+    assert state.poll(5.0) == []  # the decode was last heard at 0: not yet past 5 s
+    out = state.poll(5.5)
+    assert sorted(_kinds(out)) == [
+        ("client", "FAILED"),
+        ("p0", "ABORT"),
+        ("p0", "PEERS"),
+        ("p0", "RELEASE_KV"),
+    ]
+    failed = next(o for o in out if o.kind is Msg.FAILED).fields["error"]
+    assert "d0" in failed and "silent" in failed
+    assert set(state.engines) == {"p0"} and state.lost["d0"] == 1
+    assert set(next(o for o in out if o.kind is Msg.PEERS).fields["peers"]) == {"p0"}
+    # Heartbeats keep the prefill alive; the fenced decode's messages are ignored.
+    _beat(state, PREFILL, "p0", 9.0)
+    assert state.poll(13.0) == [] and "p0" in state.engines
+    assert _beat(state, DECODE, "d0", 13.0) == [] and state.ignored["HEARTBEAT"] == 1
+    assert state.handle(DECODE, _msg(Msg.DONE, request_id=7, epoch=epoch, tokens=[1]), 13) == []
+    # A request that reaches PREFILL_DONE with no decode left fails at once.
+    epoch = _submit(state, 8, now=13.0)
+    out = state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=8, epoch=epoch, ticket={}), 13)
+    assert ("client", "FAILED") in _kinds(out) and ("p0", "RELEASE_KV") in _kinds(out)
+    # The decode registers again and gets work again.
+    state.handle(
+        b"decode:d0:2",
+        _msg(Msg.REGISTER, engine_id="d0", role="decode", incarnation=2, meta={}),
+        14,
+    )
+    epoch = _submit(state, 9, now=14.0)
+    out = state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=9, epoch=epoch, ticket={}), 14)
+    assert _kinds(out) == [("d0", "SUBMIT_REQUEST_WITH_KV")]
+
+
+def test_without_an_engine_timeout_silence_is_not_loss() -> None:
+    state = _registered()
+    assert state.poll(10.0**6) == [] and set(state.engines) == {"p0", "d0"}
+    with pytest.raises(ValueError, match="engine_timeout_s"):
+        CoordinatorState(engine_timeout_s=0)
+
+
+def test_engine_link_heartbeats_only_when_it_has_been_quiet() -> None:
+    server = CoordinatorServer(engine_timeout_s=30.0)
+    link = EngineLink(server.endpoint, "p0", "prefill", incarnation=1)
+    try:
+        assert link.heartbeat(interval_s=3600.0) is False  # just created: counts as sent
+        assert link.heartbeat(interval_s=0.0) is True
+    finally:
+        link.close()
+        server.close()

@@ -127,6 +127,7 @@ def test_an_engine_killed_mid_run_and_restarted_ends_each_request_once_and_leaks
         ({"kill_engine": "decode", "sequential": True}, "two waves"),
         ({"kill_engine": "decode", "requests": 1}, "requests >= 2"),
         ({"kill_engine": "decode", "kill_rank": 1}, "outside the 1 ranks"),
+        ({"engine_timeout_s": 0.0}, "engine_timeout_s"),
     ],
 )
 def test_kill_options_the_demo_cannot_run_are_refused_before_anything_starts(
@@ -134,3 +135,36 @@ def test_kill_options_the_demo_cannot_run_are_refused_before_anything_starts(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         run_demo(DemoOptions(**{**SMALL, **changes}))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("engine", ["prefill", "decode"])
+def test_an_engine_killed_and_not_restarted_is_declared_lost_and_its_requests_fail_once(
+    engine: str,
+) -> None:
+    # No restart: the coordinator's liveness timeout (2 s without a heartbeat) declares the
+    # engine lost; requests that held state there fail at once (not at their 45 s deadline),
+    # later ones fail with "no ... engine registered", and the survivor ends with nothing held.
+    opts = {
+        **SMALL,
+        "requests": 4,
+        "kill_engine": engine,
+        "restart": False,
+        "engine_timeout_s": 2.0,
+        "lease_s": 6.0,
+        "timeout_s": 60.0,
+    }
+    result = run_demo(DemoOptions(**opts))  # type: ignore[arg-type]
+    assert result.failures == [], "\n".join(result.failures)
+    assert result.restarts == 0 and result.after_restart == (2, 3)
+    assert not set(result.answers) & set(result.failed_requests)
+    assert set(result.answers) | set(result.failed_requests) == set(range(4))
+    for rid in (2, 3):
+        assert result.failed_requests[rid] == f"no {engine} engine registered"
+    for rid, why in result.failed_requests.items():
+        assert "deadline" not in why, (rid, why)
+    for rid, tokens in result.answers.items():
+        assert tokens == result.expected[rid]
+    finals = [w for w in result.workers if w.get("stats") is not None]
+    assert {w["role"] for w in finals} == {"prefill", "decode"} - {engine}
+    assert all(w["leaked_blocks"] == 0 and w["pinned"] == 0 for w in finals)
+    assert all(w["quarantined"] == 0 for w in finals)

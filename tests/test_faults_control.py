@@ -1,8 +1,9 @@
 """Control-plane faults (issue 9, item 2) on the sans-IO coordinator: messages between the
 coordinator and the engines are dropped, duplicated, delayed and reordered, and engines restart
-mid-run. Every request must end in exactly one outcome for its client (DONE or FAILED, never
-both, never twice), by its deadline at the latest; every request whose prefill pinned state gets
-a RELEASE_KV or an ABORT emitted to that prefill; and the coordinator ends with no request."""
+mid-run or fall silent (liveness timeout). Every request must end in exactly one outcome for
+its client (DONE or FAILED, never both, never twice), by its deadline at the latest; every
+request whose prefill pinned state gets a RELEASE_KV or an ABORT emitted to that prefill; and
+the coordinator ends with no request."""
 
 from __future__ import annotations
 
@@ -110,7 +111,9 @@ class _Net:
 def test_dropped_duplicated_reordered_messages_and_restarts_end_each_request_exactly_once(
     data: st.DataObject,
 ) -> None:
-    state = CoordinatorState(request_timeout_s=TIMEOUT)
+    # Half the runs also declare engines lost after 3 s of silence (heartbeats can be lost too).
+    liveness = data.draw(st.booleans())
+    state = CoordinatorState(request_timeout_s=TIMEOUT, engine_timeout_s=3.0 if liveness else None)
     net = _Net(data, state)
     net.register("p0", 0.0)
     net.register("d0", 0.0)
@@ -120,7 +123,7 @@ def test_dropped_duplicated_reordered_messages_and_restarts_end_each_request_exa
     for _ in range(data.draw(st.integers(0, 60))):
         now += data.draw(st.sampled_from([0.0, 0.1, 1.0]))
         action = data.draw(
-            st.sampled_from(["submit", "engine", "engine", "coord", "coord", "restart"])
+            st.sampled_from(["submit", "engine", "engine", "coord", "coord", "restart", "beat"])
         )
         if action == "submit" and submitted < n:
             out = state.handle(
@@ -132,6 +135,10 @@ def test_dropped_duplicated_reordered_messages_and_restarts_end_each_request_exa
             net.engine_step()
         elif action == "coord":
             net.coordinator_step(now)
+        elif action == "beat":
+            engine = data.draw(st.sampled_from(["p0", "d0"]))
+            beat = _msg(Msg.HEARTBEAT, engine_id=engine, incarnation=net.incarnation[engine])
+            net.upstream.append((net.identity(engine), beat))
         elif action == "restart" and data.draw(st.integers(0, 4)) == 0:
             engine = data.draw(st.sampled_from(["p0", "d0"]))
             net.incarnation[engine] += 1

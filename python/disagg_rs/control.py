@@ -70,6 +70,7 @@ class Msg(str, enum.Enum):
     FAILED = "FAILED"
     ABORT = "ABORT"
     SHUTDOWN = "SHUTDOWN"
+    HEARTBEAT = "HEARTBEAT"
 
 
 _REQUIRED: dict[Msg, tuple[str, ...]] = {
@@ -90,6 +91,7 @@ _REQUIRED: dict[Msg, tuple[str, ...]] = {
     Msg.FAILED: ("request_id", "error"),
     Msg.ABORT: ("request_id", "epoch"),
     Msg.SHUTDOWN: (),
+    Msg.HEARTBEAT: ("engine_id", "incarnation"),
 }
 
 
@@ -145,6 +147,7 @@ class _Engine:
     incarnation: int
     meta: Any
     identity: bytes
+    last_seen: float = 0.0
 
 
 class _Phase(enum.Enum):
@@ -172,11 +175,26 @@ class CoordinatorState:
 
     ``handle(identity, msg, now)`` and ``poll(now)`` return the :class:`Outgoing` messages to
     send. Time is the caller's ``now`` (seconds, any monotonic origin).
+
+    Liveness: with ``engine_timeout_s``, an engine heard from (any message; idle engines send
+    HEARTBEAT) less recently than that is declared lost: the requests that depended on it fail
+    at once instead of at their deadlines, it gets no new work, and its later messages are
+    ignored until it registers again (a fenced engine's pins expire with their lease).
     """
 
-    def __init__(self, request_timeout_s: float = 60.0, push_transport: bool = False) -> None:
+    def __init__(
+        self,
+        request_timeout_s: float = 60.0,
+        push_transport: bool = False,
+        engine_timeout_s: float | None = None,
+    ) -> None:
+        if engine_timeout_s is not None and not engine_timeout_s > 0:
+            raise ValueError(f"engine_timeout_s={engine_timeout_s!r} must be > 0 or None")
         self.request_timeout_s = request_timeout_s
         self.push_transport = push_transport
+        self.engine_timeout_s = engine_timeout_s
+        self.lost: Counter[str] = Counter()
+        """Engines declared lost by the liveness timeout, by engine id."""
         self.engines: dict[str, _Engine] = {}
         self.requests: dict[int, _Request] = {}
         self.ignored: Counter[str] = Counter()
@@ -250,10 +268,16 @@ class CoordinatorState:
         """Apply one incoming message from ``identity``."""
         kind: Msg = msg["type"]
         sender = next((e.engine_id for e in self.engines.values() if e.identity == identity), None)
+        if sender is not None:
+            self.engines[sender].last_seen = now
         if kind is Msg.REGISTER:
-            return self._on_register(identity, msg)
+            return self._on_register(identity, msg, now)
         if kind is Msg.SUBMIT:
             return self._on_submit(identity, msg, now)
+        if kind is Msg.HEARTBEAT:
+            if sender is None:  # fenced or never registered
+                self.ignored[kind.value] += 1
+            return []
         req = self._current(msg, sender)
         if req is None:
             return []
@@ -271,7 +295,7 @@ class CoordinatorState:
             return []
         return handler(req, msg)
 
-    def _on_register(self, identity: bytes, msg: dict[str, Any]) -> list[Outgoing]:
+    def _on_register(self, identity: bytes, msg: dict[str, Any], now: float) -> list[Outgoing]:
         engine_id, incarnation = str(msg["engine_id"]), int(msg["incarnation"])
         old = self.engines.get(engine_id)
         if old is not None and incarnation < old.incarnation:
@@ -290,7 +314,7 @@ class CoordinatorState:
                         f"{incarnation}) while holding this request's state",
                     )
         self.engines[engine_id] = _Engine(
-            engine_id, str(msg["role"]), incarnation, msg["meta"], identity
+            engine_id, str(msg["role"]), incarnation, msg["meta"], identity, now
         )
         peers = self._peers()
         out.append(
@@ -450,8 +474,28 @@ class CoordinatorState:
         return self._fail(req, str(msg["error"]))
 
     def poll(self, now: float) -> list[Outgoing]:
-        """Fail every request whose deadline has passed."""
+        """Declare silent engines lost (``engine_timeout_s``), then fail every request whose
+        deadline has passed."""
         out: list[Outgoing] = []
+        timeout = self.engine_timeout_s
+        lost = sorted(
+            e.engine_id
+            for e in self.engines.values()
+            if timeout is not None and now - e.last_seen > timeout
+        )
+        for engine_id in lost:
+            gone = self.engines.pop(engine_id)
+            self.lost[engine_id] += 1
+            for req in sorted(self.requests.values(), key=lambda r: r.request_id):
+                if self._lost_with(req, engine_id):
+                    out += self._fail(
+                        req,
+                        f"engine {engine_id} (incarnation {gone.incarnation}) silent for more "
+                        f"than {timeout} s while holding this request's state",
+                    )
+        if lost:
+            peers = self._peers()
+            out += [Outgoing(e, None, Msg.PEERS, {"peers": peers}) for e in sorted(self.engines)]
         for req in sorted(self.requests.values(), key=lambda r: r.request_id):
             if now >= req.deadline:
                 out += self._fail(req, f"request {req.request_id} passed its deadline")
@@ -466,8 +510,9 @@ class CoordinatorServer:
         endpoint: str = "tcp://127.0.0.1:0",
         request_timeout_s: float = 60.0,
         push_transport: bool = False,
+        engine_timeout_s: float | None = None,
     ) -> None:
-        self.state = CoordinatorState(request_timeout_s, push_transport)
+        self.state = CoordinatorState(request_timeout_s, push_transport, engine_timeout_s)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -600,6 +645,7 @@ class EngineLink:
         self._sock.setsockopt(zmq.IDENTITY, f"{role}:{engine_id}:{self.incarnation}".encode())
         self._sock.connect(endpoint)
         self.peers: dict[str, dict[str, Any]] = {}
+        self._last_sent = time.monotonic()
 
     def register(self, meta: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """Publish static metadata once; returns the peers known to the coordinator."""
@@ -622,6 +668,15 @@ class EngineLink:
     def send(self, kind: Msg, **fields: Any) -> None:
         """Send one message to the coordinator."""
         self._sock.send(encode_message(kind, **fields))
+        self._last_sent = time.monotonic()
+
+    def heartbeat(self, interval_s: float = 1.0) -> bool:
+        """Send HEARTBEAT if nothing was sent for ``interval_s`` (call it from the serving
+        loop; any message counts as a sign of life). Returns whether one was sent."""
+        if time.monotonic() - self._last_sent < interval_s:
+            return False
+        self.send(Msg.HEARTBEAT, engine_id=self.engine_id, incarnation=self.incarnation)
+        return True
 
     def poll(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
         """Messages that arrived within ``timeout_ms`` (peer updates are applied here)."""

@@ -77,6 +77,12 @@ class DemoOptions:
     once; every other one must answer like the colocated run and nothing may leak."""
     kill_rank: int = -1
     """Which rank of the killed engine gets SIGKILL (index into its ranks; -1: the last)."""
+    restart: bool = True
+    """With ``kill_engine``: start the killed engine again. If False it stays dead; the second
+    half is sent once the coordinator has declared it lost and must fail at once."""
+    engine_timeout_s: float = 10.0
+    """Coordinator liveness: an engine silent this long is declared lost and the requests that
+    depended on it fail (engines send a heartbeat every ``engine_timeout_s / 10``)."""
     prompts: tuple[str, ...] | None = None
     """Prompts to send (default: the built-in ones, cycled to ``requests``)."""
     sequential: bool = False
@@ -205,6 +211,7 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
         engine.setup_kv_transfer(role, opts.backend, **nixl_kwargs)
         lead = global_rank == ranks[0]
         link = EngineLink(endpoint, role, role) if lead else None
+        beat_s = opts.engine_timeout_s / 10
         if link is not None:
             link.register(engine.handoff_static_meta)
         epochs: dict[int, int] = {}
@@ -217,6 +224,7 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
         while running:
             msgs: list[dict[str, Any]] = []
             if link is not None:
+                link.heartbeat(beat_s)
                 msgs = link.poll(0 if engine.has_work or idle < 50 else 5)
                 for m in msgs:
                     if m["type"] is Msg.SUBMIT_REQUEST_WITH_KV:
@@ -389,14 +397,16 @@ class _Supervisor:
         }
         self.shared_world = opts.backend == "nccl"
         self.generation = {"prefill": 0, "decode": 0}
+        self.down: set[str] = set()
+        """Engines killed and not restarted."""
         self.procs: dict[str, list[Any]] = {"prefill": [], "decode": []}
         self.retired: list[Any] = []
         self.restarts = 0
 
     @property
     def world(self) -> int:
-        """How many engine processes run at once."""
-        return sum(self.sizes.values())
+        """How many engine processes run now."""
+        return sum(n for role, n in self.sizes.items() if role not in self.down)
 
     def _spawn(self, role: str, port: int) -> None:
         n_prefill = self.sizes["prefill"]
@@ -420,10 +430,10 @@ class _Supervisor:
         for role in ("prefill", "decode"):
             self._spawn(role, shared if self.shared_world else _free_port())
 
-    def kill_and_restart(self, role: str, rank_index: int) -> int:
+    def kill(self, role: str, rank_index: int, restart: bool) -> int:
         """SIGKILL one rank of ``role``; as a supervisor would, kill the rest of that engine
-        (ranks of a dead engine hang in its collectives) and start a new incarnation.
-        Returns the pid that was killed first."""
+        (ranks of a dead engine hang in its collectives) and, if ``restart``, start a new
+        incarnation. Returns the pid that was killed first."""
         procs = self.procs[role]
         victim = procs[rank_index]
         os.kill(victim.pid, signal.SIGKILL)
@@ -435,8 +445,11 @@ class _Supervisor:
         self.retired += procs
         self.procs[role] = []
         self.generation[role] += 1
-        self.restarts += 1
-        self._spawn(role, _free_port())
+        if restart:
+            self.restarts += 1
+            self._spawn(role, _free_port())
+        else:
+            self.down.add(role)
         return int(victim.pid)
 
     def current(self, report: dict[str, Any]) -> bool:
@@ -471,7 +484,9 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     _check_options(opts)
     # Requests fail at 75 % of the run's budget, so the client still hears every FAILED.
     server = CoordinatorServer(
-        request_timeout_s=0.75 * opts.timeout_s, push_transport=opts.backend == "nccl"
+        request_timeout_s=0.75 * opts.timeout_s,
+        push_transport=opts.backend == "nccl",
+        engine_timeout_s=opts.engine_timeout_s,
     )
     if opts.control_faults > 0:
         server.inject_faults(opts.control_faults, seed=0)
@@ -479,10 +494,9 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     serve.start()
     results = mp.get_context("spawn").Queue()
     sup = _Supervisor(opts, server.endpoint, results)
-    world = sup.world
     sup.start()
     if opts.metrics_port is not None:
-        say(f"metrics: http://127.0.0.1:{opts.metrics_port}..{opts.metrics_port + world - 1}/")
+        say(f"metrics: http://127.0.0.1:{opts.metrics_port}..{opts.metrics_port + sup.world - 1}/")
     say(
         f"disagg-rs demo: {opts.model} model, prefill TP{opts.prefill_tp}xPP{opts.prefill_pp} "
         f"(block {opts.prefill_block_size}) -> decode TP{opts.decode_tp}xPP{opts.decode_pp} "
@@ -505,6 +519,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     wave2 = sorted(prompts)[(opts.requests + 1) // 2 :] if opts.kill_engine else []
     after_restart: tuple[int, ...] = ()
     restart_from: int | None = None  # incarnation that was killed, until its successor registers
+    killed = False
 
     def crashed() -> bool:
         # Reports of a killed incarnation (ranks failing in collectives) are expected.
@@ -534,20 +549,27 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             if opts.sequential and to_send and len(open_ids) == len(to_send):
                 submit_next()
             streamed = any(t.first_token is not None for t in traces.values())
-            if opts.kill_engine and restart_from is None and not after_restart and streamed:
+            if opts.kill_engine and not killed and streamed:
                 role = opts.kill_engine
                 restart_from = server.state.engines[role].incarnation
-                pid = sup.kill_and_restart(role, opts.kill_rank)
+                pid = sup.kill(role, opts.kill_rank, opts.restart)
+                killed = True
                 say(
                     f"killed {role} rank {opts.kill_rank % sup.sizes[role]} (pid {pid}) "
-                    "with SIGKILL; restarting the engine"
+                    f"with SIGKILL; {'restarting the engine' if opts.restart else 'not restarted'}"
                 )
             if restart_from is not None:
-                engine = server.state.engines.get(str(opts.kill_engine))
-                if engine is not None and engine.incarnation != restart_from:
+                role = str(opts.kill_engine)
+                engine = server.state.engines.get(role)
+                back = engine is not None and engine.incarnation != restart_from
+                if back or (not opts.restart and server.state.lost[role]):
                     say(
-                        f"{opts.kill_engine} is back as incarnation {engine.incarnation}; "
-                        f"sending requests {[rid for rid, _ in held]}"
+                        (
+                            f"{role} is back as incarnation {engine.incarnation}"
+                            if back and engine is not None
+                            else f"the coordinator declared {role} lost"
+                        )
+                        + f"; sending requests {[rid for rid, _ in held]}"
                     )
                     restart_from = None
                     after_restart = tuple(rid for rid, _ in held)
@@ -564,7 +586,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
                     if tr.first_token is None:
                         tr.first_token = time.perf_counter()
                     bar.update(len(ev["tokens"]))
-                    if opts.kill_engine and not sup.restarts:
+                    if opts.kill_engine and not killed:
                         break  # kill now, while the first handoffs are in flight
                 elif ev["type"] is Msg.DONE:
                     tr.done = time.perf_counter()
@@ -589,6 +611,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         server.shutdown_engines()
         # A crashed rank leaves its peers stuck in collectives: give them a moment, then kill.
         grace = time.monotonic() + (3.0 if crashed() else max(5.0, deadline - time.monotonic()))
+        world = sup.world
         while sum(1 for r in worker_reports if sup.current(r)) < world:
             if time.monotonic() > grace:
                 if not crashed():
@@ -607,7 +630,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         server.close()
     if ended_twice:
         failures.append(f"requests {sorted(set(ended_twice))} got messages after they ended")
-    if opts.kill_engine and sup.restarts == 0 and not crashed():
+    if opts.kill_engine and not killed and not crashed():
         failures.append(f"the {opts.kill_engine} engine was never killed (no token streamed)")
     for rep in worker_reports:
         if rep.get("error") and sup.current(rep):
@@ -618,7 +641,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         if tr.error is not None:
             failed_requests[rid] = tr.error
             # With injected faults a request may fail; after a restart, none may.
-            if opts.control_faults == 0 and (not opts.kill_engine or rid in after_restart):
+            may_fail = opts.kill_engine and (rid not in after_restart or not opts.restart)
+            if opts.control_faults == 0 and not may_fail:
                 failures.append(f"request {rid} failed: {tr.error}")
         elif tr.done is not None and tr.tokens != expected[rid]:
             wrong += 1
@@ -699,6 +723,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
 
 def _check_options(opts: DemoOptions) -> None:
     """Refuse option combinations the demo cannot run, before anything starts."""
+    if not opts.engine_timeout_s > 0:
+        raise ValueError(f"engine_timeout_s={opts.engine_timeout_s!r} must be > 0")
     if opts.kill_engine is None:
         return
     if opts.kill_engine not in ("prefill", "decode"):
@@ -798,6 +824,19 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="fault test: SIGKILL one rank of this engine once the first token streamed, "
         "restart it as a new incarnation, then send the second half of the requests",
+    )
+    p.add_argument(
+        "--no-restart",
+        action="store_false",
+        dest="restart",
+        help="with --kill-engine: leave the killed engine dead (its requests fail on liveness)",
+    )
+    p.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=d.engine_timeout_s,
+        dest="engine_timeout_s",
+        help="coordinator declares an engine silent this many seconds lost",
     )
     p.add_argument(
         "--kill-rank",

@@ -78,6 +78,17 @@ pub fn wire_err(field: &str, detail: String) -> PyErr {
     to_pyerr(DisaggError::wire(field, detail))
 }
 
+/// A wire value that must be a dict: `MetadataError` naming `field` for anything else.
+pub fn wire_dict<'a, 'py>(
+    v: &'a Bound<'py, PyAny>,
+    field: &str,
+) -> PyResult<&'a Bound<'py, PyDict>> {
+    v.cast::<PyDict>().map_err(|_| {
+        let kind = v.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string());
+        wire_err(field, format!("expected a dict, got a {kind}"))
+    })
+}
+
 /// Reject keys a wire dict must not carry, so a typo never silently becomes a default.
 pub fn reject_unknown_keys(d: &Bound<'_, PyDict>, known: &[&str], what: &str) -> PyResult<()> {
     for key in d.keys() {

@@ -10,7 +10,7 @@ use disagg_core::{
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyType};
 
-use crate::error::{reject_unknown_keys, to_pyerr, wire_err, IntoPyResult};
+use crate::error::{reject_unknown_keys, to_pyerr, wire_dict, wire_err, IntoPyResult};
 
 fn geo_err(field: &str, detail: String) -> PyErr {
     to_pyerr(DisaggError::geometry(field, detail))
@@ -398,7 +398,8 @@ impl PyKvGeometry {
     /// Rebuild from `to_dict()` output; `MetadataError` on a missing, unknown or mistyped
     /// field, `GeometryMismatchError`/`AddressOverflowError` on invalid values.
     #[classmethod]
-    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyDict>) -> PyResult<Self> {
+    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let d = wire_dict(d, "<dict>")?;
         reject_unknown_keys(d, &KV_GEO_KEYS, "KVGeometry")?;
         let kind: String = req(d, "kind")?;
         if kind != "kv" {
@@ -635,7 +636,8 @@ impl PySsmGeometry {
 
     /// Rebuild from `to_dict()` output.
     #[classmethod]
-    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyDict>) -> PyResult<Self> {
+    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let d = wire_dict(d, "<dict>")?;
         reject_unknown_keys(d, &["kind", "conv", "recurrent", "device_id"], "SSMGeometry")?;
         let kind: String = req(d, "kind")?;
         if kind != "ssm" {

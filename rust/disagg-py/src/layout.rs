@@ -6,7 +6,7 @@ use disagg_core::{
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyType};
 
-use crate::error::{reject_unknown_keys, u32_field, wire_err, IntoPyResult};
+use crate::error::{reject_unknown_keys, u32_field, wire_dict, wire_err, IntoPyResult};
 
 /// Half-open range as a Python tuple.
 pub type PyRange = (u32, u32);
@@ -202,7 +202,8 @@ impl PyKvShardLayout {
     /// Rebuild from `to_dict()` output; raises `MetadataError` on a missing, unknown or
     /// mistyped field and `LayoutError` on an invalid combination.
     #[classmethod]
-    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyDict>) -> PyResult<Self> {
+    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let d = wire_dict(d, "<dict>")?;
         Self::from_wire(d)
     }
 
@@ -325,7 +326,8 @@ impl PySsmStateDims {
         Ok(d)
     }
     #[classmethod]
-    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyDict>) -> PyResult<Self> {
+    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let d = wire_dict(d, "<dict>")?;
         Self::from_wire(d)
     }
     fn __reduce__<'py>(
@@ -512,7 +514,8 @@ impl PySsmShardLayout {
         Ok(d)
     }
     #[classmethod]
-    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyDict>) -> PyResult<Self> {
+    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let d = wire_dict(d, "<dict>")?;
         Self::from_wire(d)
     }
     fn __reduce__<'py>(
