@@ -115,10 +115,11 @@ def cell_hashes(cells: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Hash of every cell: ``cells`` is ``[..., row_bytes]`` uint8 (contiguous), ``keys`` the
     hashed position keys ``[...]`` (int64); returns ``[...]`` int64 (bits of a uint64)."""
     row_bytes = int(cells.shape[-1])
-    words = cells.view(_word_dtype(row_bytes)).to(torch.int64)
+    words = cells.view(_word_dtype(row_bytes)).to(torch.int64)  # may alias the state buffer
     offsets = torch.arange(words.shape[-1], dtype=torch.int64, device=words.device) * _GOLDEN
-    words.bitwise_xor_(keys.unsqueeze(-1) + offsets)
-    return _fmix64_(words).sum(dim=-1)
+    # Out of place first: ``words`` may be the caller's memory (int64 rows need no widening).
+    mixed = torch.bitwise_xor(words, keys.unsqueeze(-1) + offsets)
+    return _fmix64_(mixed).sum(dim=-1)
 
 
 def _check_key_range(name: str, value: int, bits: int) -> None:
