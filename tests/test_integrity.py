@@ -460,3 +460,31 @@ def test_a_table_in_the_ticket_of_a_non_verifying_decode_is_ignored(pair: _Pair)
     answers = pair.run()
     assert 1 in answers and pair.dec.handoff_stats["integrity_ns"] == 0
     pair.pre.release_handoff_blocks(1)
+
+
+# -- the multi-process demo (coordinator over ZeroMQ, spawned engines) ----------------------------
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param({}, id="nixl-tp2-to-tp1-hybrid"),
+        pytest.param(
+            {"prefill_tp": 1, "prefill_block_size": 16, "decode_block_size": 64},
+            id="nixl-block16-to-block64-hybrid",
+        ),
+        pytest.param({"prefill_tp": 1, "decode_tp": 2}, id="nixl-tp1-to-tp2-hybrid"),
+    ],
+)
+def test_verified_demo_handoffs_answer_like_the_colocated_run(case: dict[str, object]) -> None:
+    from disagg_rs.demo import DemoOptions, run_demo
+
+    opts = {"requests": 3, "max_new_tokens": 6, "timeout_s": 120.0, "quiet": True}
+    result = run_demo(DemoOptions(**{**opts, **case}, verify_integrity=True))  # type: ignore[arg-type]
+    assert result.failures == [] and result.exit_code == 0, result.failures
+    assert result.answers == result.expected
+    workers = [w for w in result.workers if w.get("stats") is not None]
+    decode = [w for w in workers if w["role"] == "decode"]
+    assert decode and all(w["stats"]["integrity_ns"] > 0 for w in decode)
+    assert all(w["stats"]["integrity_failures"] == 0 for w in decode)
+    assert all(w["leaked_blocks"] == 0 and w["pinned"] == 0 for w in workers)
