@@ -33,6 +33,7 @@ import numpy as np
 
 from disagg_rs._core import ImportLedger, LedgerAction, PinLedger
 from disagg_rs.exceptions import (
+    DisaggError,
     HandoffStateError,
     IntegrityError,
     MetadataError,
@@ -508,8 +509,16 @@ class InferenceStateHandoffMixin:
         (collective: each rank contributes the cells it holds)."""
         engine: Any = self
         started = time.perf_counter_ns()
-        local = self._local_integrity_pieces(block_ids, num_tokens, ssm_slot)
-        pieces = [p for rank in engine.handoff_all_gather(local) for p in rank]
+        local: list[IntegrityPiece] | str
+        try:
+            local = self._local_integrity_pieces(block_ids, num_tokens, ssm_slot)
+        except DisaggError as e:  # gathered, so every rank raises instead of one hanging
+            local = f"{type(e).__name__}: {e}"
+        gathered = engine.handoff_all_gather(local)
+        errors = [g for g in gathered if isinstance(g, str)]
+        if errors:
+            raise HandoffStateError(f"integrity digest failed on a rank: {errors[0]}", "integrity")
+        pieces = [p for rank in gathered for p in rank]
         table = IntegrityTable.merge(self._integrity_shapes(), pieces)
         self.handoff_stats["integrity_ns"] += time.perf_counter_ns() - started
         return table
@@ -908,7 +917,11 @@ class InferenceStateHandoffMixin:
                 self._record_transfer_done(pending)
                 # Every local transfer finished: the state is final, check it before the
                 # quorum can make the request admittable. A mismatch is this rank's error.
-                mismatch = self._verify_import_integrity(pending)
+                try:
+                    mismatch = self._verify_import_integrity(pending)
+                except DisaggError as e:  # this rank cannot check: its import fails
+                    logger.warning("request %d: integrity check raised: %s", pending.request_id, e)
+                    outcome = "error"
                 if mismatch is not None:
                     outcome = "error"
             local.append((pending.request_id, pending.epoch, outcome, mismatch))
