@@ -57,6 +57,7 @@ bench: build ## Run the benchmarks and write benches/RESULTS.md
 	$(PY) benches/bench_compiler.py --write benches/RESULTS.md
 	$(PY) benches/bench_transport.py --write benches/RESULTS.md
 	$(PY) benches/bench_reference.py --write benches/RESULTS.md
+	$(PY) benches/bench_integrity.py --write benches/RESULTS.md
 	$(PY) benches/bench_gpu.py --write benches/RESULTS.md
 
 .PHONY: gpu

@@ -87,6 +87,8 @@ class DemoOptions:
     """Prompts to send (default: the built-in ones, cycled to ``requests``)."""
     sequential: bool = False
     """Submit each request only after the previous one finished (prefix-cache reuse)."""
+    verify_integrity: bool = False
+    """Digest the state on prefill and check it on decode before admission."""
 
 
 @dataclass
@@ -198,6 +200,7 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
         )
         engine.handoff_now_ns = time.monotonic_ns()
         engine.handoff_lease_ns = int(opts.lease_s * 1e9)
+        engine.verify_integrity = opts.verify_integrity
         if opts.metrics_port is not None:
             from disagg_rs.metrics import HandoffMetrics
 
@@ -843,6 +846,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.kill_rank,
         help="which rank of the killed engine gets SIGKILL (-1: the last)",
+    )
+    p.add_argument(
+        "--verify-integrity",
+        action="store_true",
+        help="digest the handed-off state on prefill and verify it on decode before admission",
     )
     p.add_argument(
         "--metrics-port",

@@ -8,7 +8,7 @@ still be written by the transport, i.e. must stay quarantined rather than go bac
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 __all__ = [
     "AddressOverflowError",
@@ -20,6 +20,7 @@ __all__ = [
     "DuplicateRequestError",
     "GeometryMismatchError",
     "HandoffStateError",
+    "IntegrityError",
     "LayoutError",
     "MetadataError",
     "PlanCoverageError",
@@ -91,6 +92,22 @@ class ResetRefusedError(DisaggError, RuntimeError):
 
 class TransferError(DisaggError, RuntimeError):
     """A transport reported an error for a transfer (every part of it is terminal)."""
+
+
+class IntegrityError(TransferError):
+    """The state written on decode does not match the prefill's integrity digest
+    (``verify_integrity=True``): the request was not admitted and, the transfers having
+    finished, its destinations went back to the pools.
+
+    ``mismatch`` names the first differing cell (a
+    :class:`disagg_rs.integrity.IntegrityMismatch`: table, kv, layer, head or band unit,
+    expected and got), ``None`` if unknown. Python-only (no Rust variant): only the Python
+    driver compares digests.
+    """
+
+    def __init__(self, message: str, field: str | None = "integrity", mismatch: Any = None):
+        super().__init__(message, field)
+        self.mismatch = mismatch
 
 
 class TransferTimeout(DisaggError, TimeoutError):

@@ -33,11 +33,21 @@ import numpy as np
 
 from disagg_rs._core import ImportLedger, LedgerAction, PinLedger
 from disagg_rs.exceptions import (
+    DisaggError,
     HandoffStateError,
+    IntegrityError,
     MetadataError,
     ResetRefusedError,
     TransferError,
     TransferTimeout,
+)
+from disagg_rs.integrity import (
+    IntegrityMismatch,
+    IntegrityPiece,
+    IntegrityTable,
+    conv_pieces,
+    kv_pieces,
+    recurrent_pieces,
 )
 from disagg_rs.transfer_backends import construct_kv_transfer_backend_class
 
@@ -101,6 +111,8 @@ class _DecodeRequest:
     max_new_tokens: int
     kv_meta: dict[str, Any]
     future: asyncio.Future[Any] | None
+    integrity: IntegrityTable | None = None
+    """The prefill's digest, when this decode verifies (``verify_integrity``)."""
 
 
 class InferenceStateHandoffMixin:
@@ -127,12 +139,20 @@ class InferenceStateHandoffMixin:
         self._staged_by_request: dict[int, list[dict[str, Any]]] = {}
         self._completion_notifications: list[tuple[int, bool]] = []
         self.handoff_now_ns = 0
+        #: Digest the handed-off state (prefill: put a table in every ticket; decode: require
+        #: one and check the written state against it before admission, failing the import
+        #: with ``IntegrityError``). See :mod:`disagg_rs.integrity`. Set it like
+        #: ``handoff_lease_ns``, on every model-parallel rank alike (the digest is collective).
+        self.verify_integrity = False
+        self._integrity_failures: dict[int, IntegrityMismatch] = {}
         self.handoff_import_timeout_ns = DEFAULT_IMPORT_TIMEOUT_NS
         self.handoff_lease_ns = DEFAULT_LEASE_NS
         self.handoff_stats: dict[str, int] = {
             "imports_started": 0,
             "imports_admitted": 0,
             "imports_failed": 0,
+            "integrity_failures": 0,
+            "integrity_ns": 0,
             "imports_completed_without_forward": 0,
             "bytes_pulled": 0,
             "descriptors": 0,
@@ -441,6 +461,12 @@ class InferenceStateHandoffMixin:
         rid = int(request.request_id)
         blocks = list(prepared.local_blocks if prepared else request.block_ids)
         slot = prepared.local_ssm_slot if prepared else request.ssm_slot
+        # Digest before pinning (collective): a digest that raises leaves nothing pinned.
+        integrity = (
+            self._integrity_table_of(blocks, len(request.prompt), slot)
+            if self.verify_integrity
+            else None
+        )
         now = self.handoff_now_ns
         epoch = self._pins().pin(
             rid, blocks, slot, lease_until=now + self.handoff_lease_ns, now=now
@@ -456,10 +482,70 @@ class InferenceStateHandoffMixin:
             "pin_epoch": epoch,
             "lease_ns": self.handoff_lease_ns,
         }
+        if integrity is not None:
+            ticket["integrity"] = integrity.to_wire()
         staged = self._stage_for_decode(rid, blocks, len(request.prompt), decode_metas)
         if staged:
             ticket["staged"] = staged
         return ticket
+
+    # -- integrity digest (verify_integrity) ----------------------------------------------------
+    def _integrity_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Digest table shapes of this model (the parts this engine registers)."""
+        engine: Any = self
+        kv = engine.kv_layout if self._kv_backend is not None else None
+        ssm = engine.ssm_layout if self._ssm_backends else None
+        return IntegrityTable.shapes(kv, ssm)
+
+    def _local_integrity_pieces(
+        self, block_ids: list[int], num_tokens: int, ssm_slot: int | None
+    ) -> list[IntegrityPiece]:
+        """This rank's digest entries of one request: the cells it holds, on its device."""
+        pieces: list[IntegrityPiece] = []
+        kv = self._kv_backend
+        if kv is not None and num_tokens > 0:
+            pieces += kv_pieces(kv.memory_buffer, kv.geometry, kv.layout, block_ids, num_tokens)
+        if ssm_slot is not None:
+            for kind, b in self._ssm_backends.items():
+                fn = conv_pieces if kind == "conv" else recurrent_pieces
+                pieces += fn(b.memory_buffer, b.geometry, b.layout, ssm_slot)
+        return pieces
+
+    def _integrity_table_of(
+        self, block_ids: list[int], num_tokens: int, ssm_slot: int | None
+    ) -> IntegrityTable:
+        """The full digest of one prefilled request, assembled over the model-parallel ranks
+        (collective: each rank contributes the cells it holds)."""
+        engine: Any = self
+        started = time.perf_counter_ns()
+        local: list[IntegrityPiece] | str
+        try:
+            local = self._local_integrity_pieces(block_ids, num_tokens, ssm_slot)
+        except DisaggError as e:  # gathered, so every rank raises instead of one hanging
+            local = f"{type(e).__name__}: {e}"
+        gathered = engine.handoff_all_gather(local)
+        errors = [g for g in gathered if isinstance(g, str)]
+        if errors:
+            raise HandoffStateError(f"integrity digest failed on a rank: {errors[0]}", "integrity")
+        pieces = [p for rank in gathered for p in rank]
+        table = IntegrityTable.merge(self._integrity_shapes(), pieces)
+        self.handoff_stats["integrity_ns"] += time.perf_counter_ns() - started
+        return table
+
+    def _verify_import_integrity(self, pending: PendingKvImport) -> IntegrityMismatch | None:
+        """Check the state this rank holds for a finished import against the ticket's digest
+        (``None`` when it matches or this decode does not verify)."""
+        req = self._decode_requests.get(pending.request_id)
+        if req is None or req.integrity is None:
+            return None
+        started = time.perf_counter_ns()
+        dest = pending.destination
+        local = self._local_integrity_pieces(
+            list(dest["block_ids"]), int(dest["num_tokens"]), dest["dst_ssm_slot"]
+        )
+        mismatch = req.integrity.first_mismatch(local)
+        self.handoff_stats["integrity_ns"] += time.perf_counter_ns() - started
+        return mismatch
 
     def _stage_for_decode(
         self,
@@ -613,6 +699,15 @@ class InferenceStateHandoffMixin:
         resume = [int(t) for t in kv_meta.get("resume_tokens", [])]
         if "prefill_meta" not in kv_meta:
             raise MetadataError(f"request {request_id}: ticket has no prefill_meta", "prefill_meta")
+        integrity = None
+        if self.verify_integrity:
+            if kv_meta.get("integrity") is None:
+                raise MetadataError(
+                    f"request {request_id}: this decode verifies integrity but the ticket has "
+                    "no integrity table (enable verify_integrity on the prefill engine)",
+                    "integrity",
+                )
+            integrity = IntegrityTable.from_wire(kv_meta["integrity"], self._integrity_shapes())
         has_ssm = engine.ssm_slot_pool is not None
         if has_ssm != (kv_meta.get("src_ssm_slot") is not None):
             raise MetadataError(
@@ -655,7 +750,7 @@ class InferenceStateHandoffMixin:
         if loop is not None:
             future = loop.create_future()
         self._decode_requests[request_id] = _DecodeRequest(
-            list(prompt), resume, max_new, dict(kv_meta), future
+            list(prompt), resume, max_new, dict(kv_meta), future, integrity
         )
         self._event(("submitted", request_id, f"{len(prompt)} tokens"))
         self._apply_import_actions(actions)
@@ -710,6 +805,8 @@ class InferenceStateHandoffMixin:
         src_ids = list(action.src_block_ids)
         pending.destination = {
             "dst_block_ids": list(action.dst_block_ids),
+            # Every block of the prompt in token order, prefix-cached ones included.
+            "block_ids": list(action.cached_block_ids) + list(action.dst_block_ids),
             "dst_ssm_slot": action.ssm_slot,
             "num_tokens": num_tokens,
             "token_start": token_start,
@@ -824,12 +921,25 @@ class InferenceStateHandoffMixin:
             if outcome is None:
                 continue
             pending.reported = True
-            local.append((pending.request_id, pending.epoch, outcome))
+            mismatch = None
             if outcome == "ok":
                 self._record_transfer_done(pending)
+                # Every local transfer finished: the state is final, check it before the
+                # quorum can make the request admittable. A mismatch is this rank's error.
+                try:
+                    mismatch = self._verify_import_integrity(pending)
+                except DisaggError as e:  # this rank cannot check: its import fails
+                    logger.warning("request %d: integrity check raised: %s", pending.request_id, e)
+                    outcome = "error"
+                if mismatch is not None:
+                    outcome = "error"
+            local.append((pending.request_id, pending.epoch, outcome, mismatch))
         ledger = self._ledger()
         for rank, rank_reports in enumerate(engine.handoff_all_gather(local)):
-            for rid, epoch, outcome in rank_reports:
+            for rid, epoch, outcome, mismatch in rank_reports:
+                if mismatch is not None and rid in self._pending_imports:
+                    # Every rank records the same first mismatch (same gathered order).
+                    self._integrity_failures.setdefault(rid, mismatch)
                 self._apply_import_actions(
                     ledger.report(rid, epoch, rank, outcome, self.handoff_now_ns)
                 )
@@ -915,18 +1025,32 @@ class InferenceStateHandoffMixin:
         expected = getattr(engine, "_expected", None)
         if isinstance(expected, dict):
             expected.pop(rid, None)
+        mismatch = self._integrity_failures.pop(rid, None)
         self.handoff_stats["imports_failed"] += 1
+        reason = str(action.reason) if mismatch is None else "integrity"
+        if mismatch is not None:
+            self.handoff_stats["integrity_failures"] += 1
         if self.handoff_metrics is not None:
-            self.handoff_metrics.failed(str(action.reason))
+            self.handoff_metrics.failed(reason)
         self._record_handoff_completion_notification(rid, True)
-        self._new_failure_reasons[rid] = str(action.reason)
+        detail = "" if mismatch is None else f" {mismatch.describe()}"
+        self._new_failure_reasons[rid] = f"{reason}{detail}"
         self.handoff_events.append(
-            ("failed", rid, f"{action.reason} quarantined={action.quarantined}")
+            ("failed", rid, f"{reason} quarantined={action.quarantined}{detail}")
+        )
+        if mismatch is not None:
+            logger.warning("request %d: integrity check failed: %s", rid, mismatch.describe())
+        error: TransferError = (
+            TransferError(f"KV import of request {rid} failed: {action.reason}", "request_id")
+            if mismatch is None
+            else IntegrityError(
+                f"KV import of request {rid} failed the integrity check: {mismatch.describe()}",
+                "integrity",
+                mismatch,
+            )
         )
         if req is not None and req.future is not None and not req.future.done():
-            req.future.set_exception(
-                TransferError(f"KV import of request {rid} failed: {action.reason}", "request_id")
-            )
+            req.future.set_exception(error)
 
     def _release_pending_kv_import(self, pending: PendingKvImport) -> None:
         """Abort an unadmitted import; the ledger releases or quarantines its storage."""

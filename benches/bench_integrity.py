@@ -1,0 +1,103 @@
+"""Cost of the optional integrity digest (``verify_integrity``, ``disagg_rs.integrity``).
+
+One request's KV state on one rank (bf16, head_dim 128, 64 tokens per block, Megatron layout,
+blocks shuffled in the pool), digested with ``integrity.kv_entries``; baseline measured in the
+same run: a plain torch gather copy of the same bytes (``index_select`` of the request's blocks
+per (kv, layer) plane, what a staged transfer's pack does). Reports GB/s of both and the ratio
+digest time / copy time, on CPU (1 thread) and, when present, on CUDA (no host copy).
+
+Usage: python benches/bench_integrity.py [--write benches/RESULTS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from _results import machine_line, write_section
+from disagg_rs import KVGeometry, KVShardLayout
+from disagg_rs.integrity import kv_entries
+
+# (layers, KV heads on this rank, prompt tokens): DESIGN §8 head_dim/dtype/block, scaled so a
+# 2-core CPU run takes seconds; the CUDA rows use the TP8 rank of the 80-layer 8K prompt.
+CPU_CASES = [(8, 1, 2048), (8, 8, 2048)]
+CUDA_CASES = [(80, 1, 8192), (80, 8, 8192)]
+HEAD_DIM, BLOCK = 128, 64
+
+
+def _best(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(layers: int, heads: int, tokens: int, device: str) -> tuple[int, float, float]:
+    """(bytes digested, digest seconds, gather-copy seconds) of one request on one rank."""
+    nb = -(-tokens // BLOCK)
+    pool = nb * 2
+    cache = torch.randn((2, layers, pool, BLOCK, heads, HEAD_DIM), device=device).to(torch.bfloat16)
+    layout = KVShardLayout(layers, heads)
+    geometry = KVGeometry.from_tensor(cache)
+    ids = torch.randperm(pool, device=device)[:nb]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def digest() -> object:
+        return kv_entries(cache, geometry, layout, ids.tolist(), tokens)
+
+    def copy() -> object:
+        return [cache[kv, layer].index_select(0, ids) for kv in range(2) for layer in range(layers)]
+
+    nbytes = 2 * layers * tokens * heads * HEAD_DIM * 2
+    repeats = 5 if device == "cuda" else 3
+    return nbytes, _best(digest, sync, repeats), _best(copy, sync, repeats)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--write", help="results file to update")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    runs = [("cpu", c) for c in CPU_CASES]
+    if torch.cuda.is_available():
+        runs += [("cuda", c) for c in CUDA_CASES]
+    for device, (layers, heads, tokens) in runs:
+        nbytes, t_digest, t_copy = measure(layers, heads, tokens, device)
+        rows.append(
+            f"| {device} | {layers} x {heads} x {tokens} | {nbytes / 2**20:,.0f} MiB | "
+            f"{t_digest * 1e3:,.1f} ms ({nbytes / t_digest / 1e9:.2f} GB/s) | "
+            f"{t_copy * 1e3:,.1f} ms ({nbytes / t_copy / 1e9:.2f} GB/s) | "
+            f"{t_digest / t_copy:.1f}x |"
+        )
+        print(rows[-1], flush=True)
+    md = "\n".join(
+        [
+            "## Integrity digest (`benches/bench_integrity.py`)",
+            "",
+            machine_line(),
+            "",
+            "One request's KV on one rank (bf16, head_dim 128, 64-token blocks, shuffled ids),",
+            "`integrity.kv_entries` vs a torch gather copy of the same bytes (`index_select` per",
+            "(kv, layer) plane) in the same run; best of 3 (CPU, 1 thread) or 5 (CUDA).",
+            "",
+            "| device | layers x heads x tokens | bytes | digest | gather copy | digest / copy |",
+            "|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+    print(md)
+    if args.write:
+        write_section(args.write, "integrity", md)
+
+
+if __name__ == "__main__":
+    main()

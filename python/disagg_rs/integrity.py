@@ -1,0 +1,459 @@
+"""Optional integrity check of a transferred handoff state (``verify_integrity=True``).
+
+A digest of the state that depends only on **logical position and values**, never on the
+physical layout: the same KV state held by a TP2 prefill with 16-token blocks in the Megatron
+layout and by a TP1 decode with 64-token blocks in the NHD layout gives the same digest.
+
+Cells and entries
+-----------------
+- KV: a cell is one head row (``head_dim`` elements) at ``(kv, layer, global head, token)``;
+  the table entry of ``(kv, layer, global head)`` is the sum over the prompt's tokens
+  ``[0, num_tokens)`` of the cell hashes. Table shape ``[2, num_layers, num_kv_heads]``.
+- SSM conv state ``[x | B | C]``: units that no TP split cuts — one per SSM head in the x band
+  (``head_dim`` channels), one per group in the B band and in the C band (``d_state``
+  channels each); a cell is the unit's channels x ``d_conv``. Unit index: x head ``h`` is
+  ``h``, B group ``g`` is ``num_heads + g``, C group ``g`` is ``num_heads + n_groups + g``.
+  Table shape ``[num_layers, num_heads + 2 * n_groups]``.
+- SSM recurrent state: a cell is one head's ``[p, n]`` state. Table ``[num_layers, num_heads]``.
+
+Layers are the layout's global layer indices (attention layers for KV, SSM layers for SSM).
+
+Hash
+----
+A cell's bytes are read as 64-bit words (32, 16 or 8-bit words when the row size is not a
+multiple of 8, widened to 64 bits). Word ``j`` of the cell at position key ``k`` hashes to
+``fmix64(w_j XOR (fmix64(k) + j * golden))`` (``fmix64``: MurmurHash3's 64-bit finalizer, a
+bijection); the cell hash is the sum of its words' hashes and every sum is mod 2^64. Because
+the word hash is a bijection of the word for a fixed position, changing any byte of a cell
+changes that cell's hash and therefore exactly its entry. Because entries are sums, any rank
+holding a cell can contribute it (a PP stage owns its layers, GQA and group replicas hold
+identical values) and any rank holding it after a reshard can check it.
+
+Everything is integer torch ops on the buffer's device (CPU or CUDA, identical results; int64
+wrap-around is two's complement on both): the rank's registered byte buffer is viewed through
+its geometry with ``torch.as_strided``, the request's blocks are picked with ``index_select``,
+one (kv, layer) plane at a time. Only the small table of entries ever leaves the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from disagg_rs._core import KVShardLayout, SSMShardLayout
+from disagg_rs.exceptions import ArgumentError, IntegrityError, MetadataError
+
+__all__ = [
+    "IntegrityError",
+    "IntegrityMismatch",
+    "IntegrityPiece",
+    "IntegrityTable",
+    "TableName",
+    "cell_hashes",
+    "conv_pieces",
+    "kv_entries",
+    "kv_pieces",
+    "recurrent_pieces",
+]
+
+TableName = Literal["kv", "conv", "recurrent"]
+
+#: Position-key kind codes (key bits 58-59).
+_KIND_KEY, _KIND_VALUE, _KIND_CONV, _KIND_RECURRENT = 0, 1, 2, 3
+#: Position key = kind << 58 | layer << 42 | unit << 26 | token.
+_LAYER_BITS, _UNIT_BITS, _TOKEN_BITS = 16, 16, 26
+
+_U64 = 1 << 64
+
+
+def _signed(c: int) -> int:
+    """A 64-bit constant as the int64 value with the same bits."""
+    return c - _U64 if c >= 1 << 63 else c
+
+
+_FMIX_M1 = _signed(0xFF51AFD7ED558CCD)
+_FMIX_M2 = _signed(0xC4CEB9FE1A85EC53)
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_LOW31 = (1 << 31) - 1  # mask after a logical right shift by 33
+
+
+def _fmix64_(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 64-bit finalizer on an int64 tensor, in place (logical shifts)."""
+    x.bitwise_xor_((x >> 33) & _LOW31)
+    x.mul_(_FMIX_M1)
+    x.bitwise_xor_((x >> 33) & _LOW31)
+    x.mul_(_FMIX_M2)
+    x.bitwise_xor_((x >> 33) & _LOW31)
+    return x
+
+
+def _position_keys(
+    kind: int, layer: int, units: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    """Hashed position keys ``[len(tokens), len(units)]`` (int64) of one layer's cells."""
+    base = (kind << (_LAYER_BITS + _UNIT_BITS + _TOKEN_BITS)) | (
+        layer << (_UNIT_BITS + _TOKEN_BITS)
+    )
+    keys = (units << _TOKEN_BITS).unsqueeze(0) + tokens.unsqueeze(1) + base
+    return _fmix64_(keys)
+
+
+def _word_dtype(row_bytes: int) -> torch.dtype:
+    """The widest word that tiles a cell row: depends on the row size only (same both sides)."""
+    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if row_bytes % size == 0:
+            return dtype
+    return torch.uint8
+
+
+def cell_hashes(cells: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Hash of every cell: ``cells`` is ``[..., row_bytes]`` uint8 (contiguous), ``keys`` the
+    hashed position keys ``[...]`` (int64); returns ``[...]`` int64 (bits of a uint64)."""
+    row_bytes = int(cells.shape[-1])
+    words = cells.view(_word_dtype(row_bytes)).to(torch.int64)  # may alias the state buffer
+    offsets = torch.arange(words.shape[-1], dtype=torch.int64, device=words.device) * _GOLDEN
+    # Out of place first: ``words`` may be the caller's memory (int64 rows need no widening).
+    mixed = torch.bitwise_xor(words, keys.unsqueeze(-1) + offsets)
+    return _fmix64_(mixed).sum(dim=-1)
+
+
+def _check_key_range(name: str, value: int, bits: int) -> None:
+    if value >= 1 << bits:
+        raise ArgumentError(
+            f"integrity digest: {name}={value} does not fit the position key ({bits} bits)", name
+        )
+
+
+def _byte_view(buffer: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The registered buffer as flat bytes, and its base address."""
+    if not buffer.is_contiguous():
+        raise ArgumentError("integrity digest: the state buffer must be contiguous", "buffer")
+    return buffer.reshape(-1).view(torch.uint8), int(buffer.data_ptr())
+
+
+def _geometry_dict(geometry: Any) -> Mapping[str, Any]:
+    return geometry if isinstance(geometry, Mapping) else dict(geometry.to_dict())
+
+
+def _u64(t: torch.Tensor) -> npt.NDArray[np.uint64]:
+    """Copy a small int64 entry tensor to host as uint64 (same bits)."""
+    return t.cpu().numpy().astype(np.int64, copy=False).view(np.uint64)
+
+
+# -- KV -----------------------------------------------------------------------------------------
+
+
+def kv_entries(
+    buffer: torch.Tensor,
+    geometry: Any,
+    layout: KVShardLayout,
+    block_ids: Sequence[int] | npt.NDArray[Any] | torch.Tensor,
+    num_tokens: int,
+) -> torch.Tensor:
+    """Entries ``[2, local layers, local heads]`` (int64, on the buffer's device) of one
+    request's KV state on one rank.
+
+    ``buffer`` is the rank's registered KV buffer, ``geometry`` its :class:`KVGeometry` (or its
+    ``to_dict()``), ``layout`` its :class:`KVShardLayout` (global layer and head ranges,
+    half-open), ``block_ids`` the request's blocks in token order (covering ``[0,
+    num_tokens)``, prefix-cached blocks included).
+    """
+    g = _geometry_dict(geometry)
+    flat, base = _byte_view(buffer)
+    t_per_b, n_heads = int(g["tokens_per_block"]), int(g["num_heads"])
+    row_bytes = int(g["head_dim"]) * int(g["element_size"])
+    num_layers, num_kv = int(g["num_layers"]), int(g["num_kv"])
+    if num_kv != 2:
+        raise ArgumentError(f"integrity digest: num_kv={num_kv} (MLA) is not supported", "num_kv")
+    if n_heads != layout.heads_per_partition or num_layers != layout.num_local_layers:
+        raise ArgumentError(
+            f"integrity digest: geometry holds {num_layers} layers x {n_heads} heads but the "
+            f"layout {layout.num_local_layers} x {layout.heads_per_partition}",
+            "geometry",
+        )
+    ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=buffer.device)
+    needed = -(-num_tokens // t_per_b)
+    if int(ids.numel()) < needed:
+        raise ArgumentError(
+            f"integrity digest: {int(ids.numel())} block ids cover fewer than "
+            f"num_tokens={num_tokens} at {t_per_b} tokens per block",
+            "block_ids",
+        )
+    ids = ids[:needed]
+    _check_key_range("layer", layout.layer_end, _LAYER_BITS)
+    _check_key_range("head", layout.head_end, _UNIT_BITS)
+    _check_key_range("num_tokens", num_tokens, _TOKEN_BITS)
+    dev = buffer.device
+    heads = torch.arange(layout.head_start, layout.head_end, dtype=torch.int64, device=dev)
+    tokens = torch.arange(num_tokens, dtype=torch.int64, device=dev)
+    strides = (int(g["block_stride"]), int(g["token_stride"]), int(g["head_stride"]), 1)
+    size = (int(g["num_blocks"]), t_per_b, n_heads, row_bytes)
+    out = torch.empty((2, num_layers, n_heads), dtype=torch.int64, device=dev)
+    bases = [int(b) for b in g["plane_bases"]]
+    for kv in range(2):
+        for local in range(num_layers):
+            plane = torch.as_strided(flat, size, strides, bases[kv * num_layers + local] - base)
+            cells = plane.index_select(0, ids).reshape(-1, n_heads, row_bytes)[:num_tokens]
+            kind = _KIND_KEY if kv == 0 else _KIND_VALUE
+            keys = _position_keys(kind, layout.layer_start + local, heads, tokens)
+            out[kv, local] = cell_hashes(cells, keys).sum(dim=0)
+    return out
+
+
+# -- SSM ----------------------------------------------------------------------------------------
+
+
+def _ssm_cells(
+    flat: torch.Tensor, base: int, part: Mapping[str, Any], layer: int, slot: int
+) -> torch.Tensor:
+    """Units ``[num_units, unit_bytes]`` of one SSM layer's slot, as bytes."""
+    size = (int(part["num_units"]), int(part["unit_bytes"]))
+    offset = int(part["layer_bases"][layer]) - base + slot * int(part["slot_stride"])
+    return torch.as_strided(flat, size, (int(part["unit_stride"]), 1), offset)
+
+
+def _slot_index(slot: int, part: Mapping[str, Any]) -> int:
+    if not 0 <= slot < int(part["num_slots"]):
+        raise ArgumentError(
+            f"integrity digest: ssm slot={slot} outside [0, {int(part['num_slots'])})", "ssm_slot"
+        )
+    return slot
+
+
+def conv_pieces(
+    buffer: torch.Tensor, geometry: Any, layout: SSMShardLayout, slot: int
+) -> list[IntegrityPiece]:
+    """Entries of one SSM slot's conv state on one rank, one piece per band (x, B, C)."""
+    part = _geometry_dict(geometry)["conv"]
+    flat, base = _byte_view(buffer)
+    slot = _slot_index(slot, part)
+    dims = layout.dims
+    dev = buffer.device
+    _check_key_range("layer", layout.layer_end, _LAYER_BITS)
+    _check_key_range("unit", dims.num_heads + 2 * dims.n_groups, _UNIT_BITS)
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    pieces = []
+    for band, per_unit, first_unit in (
+        ("x", dims.head_dim, 0),
+        ("B", dims.d_state, dims.num_heads),
+        ("C", dims.d_state, dims.num_heads + dims.n_groups),
+    ):
+        (g_lo, g_hi), (l_lo, l_hi) = layout.band(band)  # type: ignore[arg-type]
+        band_start = 0 if band == "x" else dims.num_heads * dims.head_dim
+        if band == "C":
+            band_start += dims.n_groups * dims.d_state
+        u_lo = first_unit + (g_lo - band_start) // per_unit
+        n_units = (g_hi - g_lo) // per_unit
+        units = torch.arange(u_lo, u_lo + n_units, dtype=torch.int64, device=dev)
+        entries = torch.empty((layout.num_local_layers, n_units), dtype=torch.int64, device=dev)
+        for local in range(layout.num_local_layers):
+            rows = _ssm_cells(flat, base, part, local, slot)[l_lo:l_hi]
+            cells = rows.reshape(n_units, -1)
+            keys = _position_keys(_KIND_CONV, layout.layer_start + local, units, zero)[0]
+            entries[local] = cell_hashes(cells, keys)
+        pieces.append(IntegrityPiece("conv", layout.layer_start, u_lo, _u64(entries), band=band))
+    return pieces
+
+
+def recurrent_pieces(
+    buffer: torch.Tensor, geometry: Any, layout: SSMShardLayout, slot: int
+) -> list[IntegrityPiece]:
+    """Entries of one SSM slot's recurrent state on one rank (one piece)."""
+    part = _geometry_dict(geometry)["recurrent"]
+    flat, base = _byte_view(buffer)
+    slot = _slot_index(slot, part)
+    dev = buffer.device
+    h_lo, h_hi = layout.heads
+    _check_key_range("layer", layout.layer_end, _LAYER_BITS)
+    _check_key_range("head", h_hi, _UNIT_BITS)
+    heads = torch.arange(h_lo, h_hi, dtype=torch.int64, device=dev)
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    entries = torch.empty((layout.num_local_layers, h_hi - h_lo), dtype=torch.int64, device=dev)
+    for local in range(layout.num_local_layers):
+        cells = _ssm_cells(flat, base, part, local, slot)
+        keys = _position_keys(_KIND_RECURRENT, layout.layer_start + local, heads, zero)[0]
+        entries[local] = cell_hashes(cells, keys)
+    return [IntegrityPiece("recurrent", layout.layer_start, h_lo, _u64(entries))]
+
+
+def kv_pieces(
+    buffer: torch.Tensor,
+    geometry: Any,
+    layout: KVShardLayout,
+    block_ids: Sequence[int] | npt.NDArray[Any] | torch.Tensor,
+    num_tokens: int,
+) -> list[IntegrityPiece]:
+    """:func:`kv_entries` as a table piece (copied to host: a few bytes per layer and head)."""
+    entries = _u64(kv_entries(buffer, geometry, layout, block_ids, num_tokens))
+    return [IntegrityPiece("kv", layout.layer_start, layout.head_start, entries)]
+
+
+# -- tables ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IntegrityPiece:
+    """Entries one rank computed: a dense block of a table starting at global ``(layer,
+    unit)``; ``entries`` is ``[2, layers, units]`` for ``kv`` and ``[layers, units]`` for
+    ``conv``/``recurrent`` (``unit`` = KV head, conv band unit or SSM head)."""
+
+    table: TableName
+    layer_start: int
+    unit_start: int
+    entries: npt.NDArray[np.uint64]
+    band: str | None = None
+    """Conv band (``x``, ``B`` or ``C``) the units belong to (for messages only)."""
+
+    def index(self) -> tuple[slice, ...]:
+        """Where the piece sits in its full table."""
+        n_layers, n_units = self.entries.shape[-2:]
+        cells = (
+            slice(self.layer_start, self.layer_start + n_layers),
+            slice(self.unit_start, self.unit_start + n_units),
+        )
+        return (slice(None), *cells) if self.table == "kv" else cells
+
+
+@dataclass(frozen=True)
+class IntegrityMismatch:
+    """The first cell whose entry differs (``kv`` is ``"K"``/``"V"`` for KV cells)."""
+
+    table: TableName
+    layer: int
+    unit: int
+    expected: int
+    got: int
+    kv: str | None = None
+    band: str | None = None
+
+    def describe(self) -> str:
+        """A one-line description naming the cell and both values."""
+        if self.table == "kv":
+            cell = f"kv={self.kv} layer={self.layer} head={self.unit}"
+        elif self.table == "conv":
+            cell = f"conv layer={self.layer} unit={self.unit} (band {self.band})"
+        else:
+            cell = f"recurrent layer={self.layer} head={self.unit}"
+        return f"{cell}: expected 0x{self.expected:016x}, got 0x{self.got:016x}"
+
+
+@dataclass
+class IntegrityTable:
+    """The full digest of one handoff: per table, a ``uint64`` array of entries.
+
+    Wire form (the ticket's ``"integrity"`` key): ``{name: {"shape": [...], "data": bytes}}``
+    with little-endian ``uint64`` data, msgpack- and pickle-safe.
+    """
+
+    tables: dict[str, npt.NDArray[np.uint64]]
+
+    @staticmethod
+    def shapes(
+        kv_layout: KVShardLayout | None, ssm_layout: SSMShardLayout | None
+    ) -> dict[str, tuple[int, ...]]:
+        """Table shapes of a model given any rank's layouts."""
+        out: dict[str, tuple[int, ...]] = {}
+        if kv_layout is not None:
+            out["kv"] = (2, kv_layout.num_layers, kv_layout.num_kv_heads)
+        if ssm_layout is not None:
+            d = ssm_layout.dims
+            out["conv"] = (ssm_layout.num_layers, d.num_heads + 2 * d.n_groups)
+            out["recurrent"] = (ssm_layout.num_layers, d.num_heads)
+        return out
+
+    @classmethod
+    def merge(
+        cls, shapes: Mapping[str, tuple[int, ...]], pieces: Sequence[IntegrityPiece]
+    ) -> IntegrityTable:
+        """Assemble the full tables from every rank's pieces (the first holder of a cell
+        wins: replicas hold identical values). Raises if a cell has no holder."""
+        tables = {n: np.zeros(s, dtype=np.uint64) for n, s in shapes.items()}
+        filled = {n: np.zeros(s, dtype=bool) for n, s in shapes.items()}
+        for p in pieces:
+            if p.table not in tables:
+                raise ArgumentError(f"integrity piece for unknown table {p.table!r}", "table")
+            idx = p.index()
+            view = tables[p.table][idx]  # basic slicing: a view into the table
+            if view.shape != p.entries.shape:
+                raise ArgumentError(
+                    f"integrity piece {p.table!r} at layer {p.layer_start}, unit "
+                    f"{p.unit_start} of shape {p.entries.shape} overruns the table "
+                    f"{tables[p.table].shape}",
+                    "integrity",
+                )
+            fresh = ~filled[p.table][idx]
+            view[fresh] = p.entries[fresh]
+            filled[p.table][idx] = True
+        for name, f in filled.items():
+            if not f.all():
+                missing = tuple(int(i) for i in np.argwhere(~f)[0])
+                raise ArgumentError(
+                    f"integrity table {name!r}: cell {missing} has no holder among the ranks",
+                    "integrity",
+                )
+        return cls(tables)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The compact, msgpack-able form carried in the ticket."""
+        return {
+            n: {"shape": list(t.shape), "data": t.astype("<u8").tobytes()}
+            for n, t in self.tables.items()
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Any, shapes: Mapping[str, tuple[int, ...]]) -> IntegrityTable:
+        """Decode and check a ticket's ``"integrity"`` value against this model's ``shapes``;
+        raises :class:`~disagg_rs.exceptions.MetadataError` naming the bad field."""
+        if not isinstance(wire, Mapping):
+            raise MetadataError(
+                f"ticket integrity must be a map of tables, got {type(wire).__name__}",
+                "integrity",
+            )
+        tables = {}
+        for name, shape in shapes.items():
+            entry = wire.get(name)
+            if not isinstance(entry, Mapping):
+                raise MetadataError(f"ticket integrity has no {name!r} table", f"integrity.{name}")
+            got_shape = entry.get("shape")
+            data = entry.get("data")
+            if not isinstance(got_shape, (list, tuple)) or [
+                int(s) if isinstance(s, int) and not isinstance(s, bool) else -1 for s in got_shape
+            ] != list(shape):
+                raise MetadataError(
+                    f"ticket integrity.{name}.shape={got_shape!r} but this model needs "
+                    f"{list(shape)}",
+                    f"integrity.{name}.shape",
+                )
+            need = int(np.prod(shape)) * 8
+            if not isinstance(data, (bytes, bytearray)) or len(data) != need:
+                got = len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__
+                raise MetadataError(
+                    f"ticket integrity.{name}.data has {got} bytes, expected {need}",
+                    f"integrity.{name}.data",
+                )
+            tables[name] = np.frombuffer(bytes(data), dtype="<u8").astype(np.uint64).reshape(shape)
+        return cls(tables)
+
+    def first_mismatch(self, pieces: Sequence[IntegrityPiece]) -> IntegrityMismatch | None:
+        """The first cell of ``pieces`` (this rank's entries) whose entry differs."""
+        for p in pieces:
+            expected = self.tables[p.table][p.index()]
+            diff = np.argwhere(expected != p.entries)
+            if len(diff) == 0:
+                continue
+            at = tuple(int(i) for i in diff[0])
+            return IntegrityMismatch(
+                p.table,
+                p.layer_start + at[-2],
+                p.unit_start + at[-1],
+                expected=int(expected[at]),
+                got=int(p.entries[at]),
+                kv=("K" if at[0] == 0 else "V") if p.table == "kv" else None,
+                band=p.band,
+            )
+        return None
