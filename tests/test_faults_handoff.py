@@ -148,6 +148,31 @@ class _Running:
         return False
 
 
+def test_a_failed_import_names_the_rank_and_the_transport_error_it_saw(
+    hybrid: tuple[HandoffReferenceEngine, HandoffReferenceEngine],
+) -> None:
+    pre, dec = hybrid
+    kv = FaultInjectingBackend(dec._kv_backend, "kv")
+    kv.faults[4], kv.current = "transfer_error", 4
+    dec._kv_backend = kv  # type: ignore[assignment]
+    h, ticket = _ticket(pre, 4)
+    dec.add_request_with_kv_handoff(4, h.prompt, MAX_NEW, ticket, ticket["src_block_ids"])
+    reasons: dict[int, str | None] = {}
+    deadline = time.monotonic() + 30
+    while not reasons and time.monotonic() < deadline:
+        dec.handoff_now_ns = time.monotonic_ns()
+        dec._poll_pending_kv_imports()
+        for rid, failed in dec._drain_handoff_completion_notifications():
+            assert failed
+            reasons[rid] = dec.pop_handoff_failure_reason(rid)
+    why = "model-parallel rank 0: TransferError: injected transfer error"
+    assert reasons[4] is not None and why in reasons[4], reasons
+    assert dec.pop_handoff_failure_reason(4) is None  # taken once
+    assert any(e[:2] == ("failed", 4) and why in e[2] for e in dec.handoff_events)
+    pre.release_handoff_blocks(4)
+    _assert_all_free(pre, dec)
+
+
 def test_a_failed_start_is_not_reported_while_an_already_posted_part_may_still_write() -> None:
     pending = PendingKvImport(1, 1, handles=[_Running()], failed_locally="SSM start threw")
     assert InferenceStateHandoffMixin._local_outcome(pending) is None

@@ -145,6 +145,8 @@ class InferenceStateHandoffMixin:
         #: ``handoff_lease_ns``, on every model-parallel rank alike (the digest is collective).
         self.verify_integrity = False
         self._integrity_failures: dict[int, IntegrityMismatch] = {}
+        # The first transport error a rank reported for a failing import (until it fails).
+        self._rank_errors: dict[int, str] = {}
         self.handoff_import_timeout_ns = DEFAULT_IMPORT_TIMEOUT_NS
         self.handoff_lease_ns = DEFAULT_LEASE_NS
         self.handoff_stats: dict[str, int] = {
@@ -896,16 +898,24 @@ class InferenceStateHandoffMixin:
         error only once the parts already posted are terminal: until then they may still write
         the destinations, which must not go back to the pool.
         """
+        return InferenceStateHandoffMixin._local_outcome_detail(pending)[0]
+
+    @staticmethod
+    def _local_outcome_detail(pending: PendingKvImport) -> tuple[str | None, str]:
+        """``_local_outcome`` and, for a failure, the first error this rank saw."""
         outcome = "ok" if pending.failed_locally is None else "error"
+        detail = pending.failed_locally or ""
         for h in pending.handles:
             try:
                 if not h.poll():
-                    return None
-            except TransferTimeout:
+                    return None, ""
+            except TransferTimeout as e:
                 outcome = "may_still_write"
-            except TransferError:
+                detail = detail or f"{type(e).__name__}: {e}"
+            except TransferError as e:
                 outcome = "error" if outcome == "ok" else outcome
-        return outcome
+                detail = detail or f"{type(e).__name__}: {e}"
+        return outcome, detail
 
     def _report_completed_kv_imports(self) -> None:
         """Share each rank's locally terminal imports with every MP rank and feed the ledger."""
@@ -917,7 +927,7 @@ class InferenceStateHandoffMixin:
         for pending in self._pending_imports.values():
             if pending.reported:
                 continue
-            outcome = self._local_outcome(pending)
+            outcome, detail = self._local_outcome_detail(pending)
             if outcome is None:
                 continue
             pending.reported = True
@@ -933,13 +943,15 @@ class InferenceStateHandoffMixin:
                     outcome = "error"
                 if mismatch is not None:
                     outcome = "error"
-            local.append((pending.request_id, pending.epoch, outcome, mismatch))
+            local.append((pending.request_id, pending.epoch, outcome, mismatch, detail))
         ledger = self._ledger()
         for rank, rank_reports in enumerate(engine.handoff_all_gather(local)):
-            for rid, epoch, outcome, mismatch in rank_reports:
+            for rid, epoch, outcome, mismatch, detail in rank_reports:
                 if mismatch is not None and rid in self._pending_imports:
                     # Every rank records the same first mismatch (same gathered order).
                     self._integrity_failures.setdefault(rid, mismatch)
+                if outcome != "ok" and detail and rid in self._pending_imports:
+                    self._rank_errors.setdefault(rid, f"model-parallel rank {rank}: {detail}")
                 self._apply_import_actions(
                     ledger.report(rid, epoch, rank, outcome, self.handoff_now_ns)
                 )
@@ -1026,6 +1038,7 @@ class InferenceStateHandoffMixin:
         if isinstance(expected, dict):
             expected.pop(rid, None)
         mismatch = self._integrity_failures.pop(rid, None)
+        rank_error = self._rank_errors.pop(rid, None)
         self.handoff_stats["imports_failed"] += 1
         reason = str(action.reason) if mismatch is None else "integrity"
         if mismatch is not None:
@@ -1033,7 +1046,13 @@ class InferenceStateHandoffMixin:
         if self.handoff_metrics is not None:
             self.handoff_metrics.failed(reason)
         self._record_handoff_completion_notification(rid, True)
-        detail = "" if mismatch is None else f" {mismatch.describe()}"
+        detail = (
+            f" {mismatch.describe()}"
+            if mismatch is not None
+            else f" ({rank_error})"
+            if rank_error
+            else ""
+        )
         self._new_failure_reasons[rid] = f"{reason}{detail}"
         self.handoff_events.append(
             ("failed", rid, f"{reason} quarantined={action.quarantined}{detail}")
@@ -1041,7 +1060,9 @@ class InferenceStateHandoffMixin:
         if mismatch is not None:
             logger.warning("request %d: integrity check failed: %s", rid, mismatch.describe())
         error: TransferError = (
-            TransferError(f"KV import of request {rid} failed: {action.reason}", "request_id")
+            TransferError(
+                f"KV import of request {rid} failed: {action.reason}{detail}", "request_id"
+            )
             if mismatch is None
             else IntegrityError(
                 f"KV import of request {rid} failed the integrity check: {mismatch.describe()}",
