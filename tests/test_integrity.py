@@ -21,7 +21,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from disagg_rs import KVGeometry, KVShardLayout, SSMGeometry, SSMShardLayout, SSMStateDims
+from disagg_rs import (
+    KVGeometry,
+    KVShardLayout,
+    SSMGeometry,
+    SSMShardLayout,
+    SSMStateDims,
+    integrity,
+)
 from disagg_rs.exceptions import IntegrityError, MetadataError
 from disagg_rs.integrity import (
     IntegrityTable,
@@ -285,6 +292,20 @@ def test_the_wire_table_round_trips_and_a_bad_shape_or_length_is_a_metadata_erro
         IntegrityTable.from_wire(b"junk", shapes)
 
 
+@pytest.mark.parametrize("planes_per_batch", [2, 3, 8, 100])
+def test_planes_digested_in_batches_equal_one_plane_at_a_time(
+    planes_per_batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GPUs digest many (kv, layer) planes per batch of kernels; CPUs one at a time.
+    layout = KVShardLayout(4, 4, tp_size=2, tp_rank=1)
+    cpu = _random_bytes((2, 4, 9, 8, 2, 64), torch.bfloat16, torch.Generator().manual_seed(5))
+    ids = [5, 0, 7, 1, 8, 2, 6, 3]
+    one = kv_entries(cpu, KVGeometry.from_tensor(cpu), layout, ids, 60)
+    plane_bytes = 60 * 2 * 64 * 2
+    monkeypatch.setattr(integrity, "_CHUNK_BYTES_DEFAULT", planes_per_batch * plane_bytes)
+    assert torch.equal(kv_entries(cpu, KVGeometry.from_tensor(cpu), layout, ids, 60), one)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_digest_is_the_same_on_cpu_and_cuda() -> None:
@@ -292,7 +313,7 @@ def test_the_digest_is_the_same_on_cpu_and_cuda() -> None:
     gen = torch.Generator().manual_seed(3)
     cpu = _random_bytes((2, 4, 9, 8, 2, 64), torch.bfloat16, gen)
     gpu = cpu.cuda()
-    ids = [5, 0, 7, 1]
+    ids = [5, 0, 7, 1, 8, 2, 6, 3]  # 8 blocks of 8 tokens cover the 60
     a = kv_entries(cpu, KVGeometry.from_tensor(cpu), layout, ids, 60)
     b = kv_entries(gpu, KVGeometry.from_tensor(gpu), layout, ids, 60)
     assert b.is_cuda and torch.equal(a, b.cpu())

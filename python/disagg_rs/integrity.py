@@ -37,6 +37,7 @@ one (kv, layer) plane at a time. Only the small table of entries ever leaves the
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -69,6 +70,11 @@ _KIND_KEY, _KIND_VALUE, _KIND_CONV, _KIND_RECURRENT = 0, 1, 2, 3
 _LAYER_BITS, _UNIT_BITS, _TOKEN_BITS = 16, 16, 26
 
 _U64 = 1 << 64
+#: Cell bytes digested per batch of kernels, by device type (the int64 temporaries are a few
+#: times this): large on GPUs, where one plane is too little work per launch; on CPUs one
+#: cache-friendly plane at a time is fastest.
+_CHUNK_BYTES = {"cuda": 64 << 20}
+_CHUNK_BYTES_DEFAULT = 1
 
 
 def _signed(c: int) -> int:
@@ -193,16 +199,30 @@ def kv_entries(
     tokens = torch.arange(num_tokens, dtype=torch.int64, device=dev)
     strides = (int(g["block_stride"]), int(g["token_stride"]), int(g["head_stride"]), 1)
     size = (int(g["num_blocks"]), t_per_b, n_heads, row_bytes)
-    out = torch.empty((2, num_layers, n_heads), dtype=torch.int64, device=dev)
-    bases = [int(b) for b in g["plane_bases"]]
-    for kv in range(2):
-        for local in range(num_layers):
-            plane = torch.as_strided(flat, size, strides, bases[kv * num_layers + local] - base)
-            cells = plane.index_select(0, ids).reshape(-1, n_heads, row_bytes)[:num_tokens]
-            kind = _KIND_KEY if kv == 0 else _KIND_VALUE
-            keys = _position_keys(kind, layout.layer_start + local, heads, tokens)
-            out[kv, local] = cell_hashes(cells, keys).sum(dim=0)
-    return out
+    out = torch.empty((2 * num_layers, n_heads), dtype=torch.int64, device=dev)
+    bases = [int(b) - base for b in g["plane_bases"]]  # plane p = kv * num_layers + local layer
+    # Planes equally spaced in memory (one [2, L, ...] tensor) are digested a chunk of planes
+    # per batch of kernels (bounded temporaries); other geometries one plane at a time.
+    steps = {b - a for a, b in itertools.pairwise(bases)}
+    uniform = len(steps) == 1 and min(steps) > 0
+    plane_stride = min(steps) if uniform else 0
+    plane_bytes = max(1, num_tokens * n_heads * row_bytes)
+    budget = _CHUNK_BYTES.get(dev.type, _CHUNK_BYTES_DEFAULT)
+    chunk = max(1, budget // plane_bytes) if uniform else 1
+    for p0 in range(0, 2 * num_layers, chunk):
+        n = min(chunk, 2 * num_layers - p0)
+        planes = torch.as_strided(flat, (n, *size), (plane_stride, *strides), bases[p0])
+        cells = planes.index_select(1, ids).reshape(n, -1, n_heads, row_bytes)[:, :num_tokens]
+        p = torch.arange(p0, p0 + n, dtype=torch.int64, device=dev)
+        kind = torch.where(p < num_layers, _KIND_KEY, _KIND_VALUE)
+        layer = layout.layer_start + p % num_layers
+        plane_key = (kind << (_LAYER_BITS + _UNIT_BITS + _TOKEN_BITS)) | (
+            layer << (_UNIT_BITS + _TOKEN_BITS)
+        )
+        keys = (heads << _TOKEN_BITS).view(1, 1, -1) + tokens.view(1, -1, 1)
+        keys = _fmix64_(keys + plane_key.view(-1, 1, 1))
+        out[p0 : p0 + n] = cell_hashes(cells, keys).sum(dim=1)
+    return out.view(2, num_layers, n_heads)
 
 
 # -- SSM ----------------------------------------------------------------------------------------
