@@ -75,5 +75,5 @@ clean: ## Remove build outputs (keeps .venv)
 	rm -f python/disagg_rs/_core*.so
 
 .PHONY: soak
-soak: build ## Soak: 2,000 handoffs with injected faults; prints outcomes, leaks, wrong answers, TTFT
-	$(PY) -m disagg_rs.soak --handoffs 2000
+soak: build ## Soak: 2,000 handoffs, faults at every stage incl. corrupted transfers (integrity check on); outcomes, leaks, wrong answers, TTFT
+	$(PY) -m disagg_rs.soak --handoffs 2000 --verify-integrity

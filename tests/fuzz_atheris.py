@@ -2,7 +2,8 @@
 
 Each input is a msgpack frame. It goes to ``control.decode_message`` as is, and, when it
 unpacks (to a map or any other value), to ``KVShardLayout.from_dict``, ``SSMShardLayout.from_dict``,
-``KVGeometry.from_dict``, ``SSMGeometry.from_dict`` and the transport metadata check. Every
+``KVGeometry.from_dict``, ``SSMGeometry.from_dict``, the ticket's integrity table and the
+transport metadata check. Every
 call must either succeed or raise a :class:`disagg_rs.exceptions.DisaggError`; anything else
 (another exception, a PyO3 panic, a crash) is a finding and stops the fuzzer.
 
@@ -21,6 +22,7 @@ import atheris
 # instrumented block: instrumenting them costs minutes and adds no coverage of our code.
 import disagg_rs
 from disagg_rs.exceptions import DisaggError
+from disagg_rs.integrity import IntegrityTable
 from disagg_rs.transfer_backends.base import check_meta_fields
 
 with atheris.instrument_imports():
@@ -28,7 +30,10 @@ with atheris.instrument_imports():
 
     from disagg_rs import control
 
+INTEGRITY_SHAPES = IntegrityTable.shapes(disagg_rs.KVShardLayout(3, 2), None)
+
 DECODERS = (
+    lambda d: IntegrityTable.from_wire(d, INTEGRITY_SHAPES),
     disagg_rs.KVShardLayout.from_dict,
     disagg_rs.SSMShardLayout.from_dict,
     disagg_rs.KVGeometry.from_dict,

@@ -204,6 +204,17 @@ def test_short_soak_with_faults_at_every_stage_leaks_nothing_and_answers_right()
     assert set(report.faults) == set(FAULTS)
 
 
+def test_short_soak_with_integrity_catches_every_corrupted_transfer_and_nothing_else() -> None:
+    # Concurrent handoffs of repeated prompts: before a verifying decode stopped reusing its
+    # prefix cache, clean imports failed the check on prefixes another batch had prefilled.
+    torch.set_num_threads(1)
+    report = run_soak(SoakOptions(handoffs=120, fault_rate=0.5, seed=2, verify_integrity=True))
+    assert report.ok, report.format()
+    assert report.faults["corrupt_transfer"] > 0
+    assert report.integrity_failures == report.faults["corrupt_transfer"], report.format()
+    assert report.undetected == 0 and report.false_alarms == 0
+
+
 def test_an_import_that_would_read_after_the_prefill_lease_fails_and_is_never_admitted() -> None:
     model = ModelConfig(layer_kinds=("attention",) * 2)
     pre = HandoffReferenceEngine(model, EngineConfig(role="prefill", num_blocks=8))

@@ -13,6 +13,7 @@ import numpy as np
 
 import disagg_rs as dr
 from disagg_rs.control import Msg, encode_message
+from disagg_rs.integrity import IntegrityTable
 
 HARNESS = Path(__file__).with_name("fuzz_atheris.py")
 RUNS = int(os.environ.get("DISAGG_FUZZ_RUNS", "4000"))
@@ -28,6 +29,10 @@ def _seeds() -> list[bytes]:
         dr.KVGeometry.from_tensor(kv).to_dict(),
         dr.SSMGeometry.from_tensors(conv=conv).to_dict(),
     ]
+    shapes = IntegrityTable.shapes(dr.KVShardLayout(3, 2), None)
+    objects.append(
+        IntegrityTable({n: np.zeros(s, dtype=np.uint64) for n, s in shapes.items()}).to_wire()
+    )
     frames = [msgpack.packb(o, use_bin_type=True) for o in objects]
     frames.append(encode_message(Msg.SUBMIT, request_id=1, prompt=[1, 2], max_new_tokens=3))
     frames.append(encode_message(Msg.KV_IMPORTED, request_id=1, epoch=2, ok=True))

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -19,6 +20,7 @@ import disagg_rs
 from disagg_rs import ImportLedger, KVGeometry, KVShardLayout, SSMGeometry, SSMShardLayout
 from disagg_rs.control import Msg, decode_message, encode_message
 from disagg_rs.exceptions import DisaggError
+from disagg_rs.integrity import IntegrityTable
 from disagg_rs.transfer_backends.base import check_meta_fields
 from disagg_rs.transfer_backends.nixl import NixlTransferBackend
 
@@ -125,6 +127,20 @@ def test_ssm_geometry_from_dict_rejects_typed_or_round_trips(d: Any) -> None:
     got = _typed_or_valid(SSMGeometry.from_dict, d)
     if got is not None:
         assert SSMGeometry.from_dict(got.to_dict()) == got
+
+
+INTEGRITY_LAYOUT = KVShardLayout(3, 2)
+INTEGRITY_SHAPES = IntegrityTable.shapes(INTEGRITY_LAYOUT, None)
+VALID_INTEGRITY = IntegrityTable(
+    {n: np.arange(int(np.prod(s)), dtype=np.uint64).reshape(s) for n, s in INTEGRITY_SHAPES.items()}
+).to_wire()
+
+
+@given(mutated(VALID_INTEGRITY))
+def test_ticket_integrity_table_rejects_typed_or_has_the_model_shapes(wire: Any) -> None:
+    got = _typed_or_valid(lambda w: IntegrityTable.from_wire(w, INTEGRITY_SHAPES), wire)
+    if got is not None:
+        assert {n: t.shape for n, t in got.tables.items()} == INTEGRITY_SHAPES
 
 
 def _peer_meta() -> dict[str, Any]:

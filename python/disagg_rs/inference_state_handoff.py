@@ -734,9 +734,16 @@ class InferenceStateHandoffMixin:
             # comparable, so the decode finishes within LEASE_READ_FRACTION of the lease by its
             # own clock and the rest absorbs the ticket's transit: past it the import fails.
             budget = min(budget, int(lease * LEASE_READ_FRACTION))
+        # A verifying decode imports the whole prompt: a prefix from its own cache was not
+        # transferred and, computed by another prefill batch, may differ in its last bits.
+        prompt_args: dict[str, Any] = (
+            {"num_prompt_tokens": len(prompt), "prompt_hashes": []}
+            if self.verify_integrity
+            else {"prompt_tokens": np.asarray(prompt, dtype=np.int64)}
+        )
         actions = ledger.submit(
             request_id,
-            np.asarray(prompt, dtype=np.int64),
+            **prompt_args,
             src_block_ids=list(src_block_ids),
             src_block_size_tokens=int(kv_meta.get("src_block_size_tokens", self.block_size_tokens)),
             resume_tokens=len(resume),

@@ -167,7 +167,7 @@ def kv_entries(
     ``buffer`` is the rank's registered KV buffer, ``geometry`` its :class:`KVGeometry` (or its
     ``to_dict()``), ``layout`` its :class:`KVShardLayout` (global layer and head ranges,
     half-open), ``block_ids`` the request's blocks in token order (covering ``[0,
-    num_tokens)``, prefix-cached blocks included).
+    num_tokens)``).
     """
     g = _geometry_dict(geometry)
     flat, base = _byte_view(buffer)

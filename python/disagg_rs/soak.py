@@ -9,7 +9,11 @@ none) from :data:`FAULTS`; the driver runs the same loop as the demo's engines (
 - every request reached exactly one outcome (completed or failed);
 - every completed answer equals the colocated run of its prompt (``wrong`` must be 0);
 - every block, SSM slot and pin is back in its pool (``leaked`` must be 0), and every
-  quarantined import drained.
+  quarantined import drained;
+- with ``verify_integrity`` (``--verify-integrity``), handoffs may also draw
+  ``corrupt_transfer`` (:data:`INTEGRITY_FAULTS`: a byte of a destination block flips as the
+  read completes), and every one of them must fail the integrity check (``undetected`` must
+  be 0).
 
 Faults are injected by wrapping the decode engine's transport backends
 (:class:`FaultInjectingBackend`) and by the driver (aborts, bad tickets, duplicates); the library
@@ -32,7 +36,15 @@ from typing import Any
 
 from disagg_rs.exceptions import DisaggError, TransferError, TransferTimeout
 
-__all__ = ["FAULTS", "FaultInjectingBackend", "SoakOptions", "SoakReport", "main", "run_soak"]
+__all__ = [
+    "FAULTS",
+    "INTEGRITY_FAULTS",
+    "FaultInjectingBackend",
+    "SoakOptions",
+    "SoakReport",
+    "main",
+    "run_soak",
+]
 
 #: The faults a handoff can draw; ``none`` is a clean handoff.
 FAULTS = (
@@ -48,15 +60,20 @@ FAULTS = (
     "duplicate_release",  # RELEASE_KV twice, plus one for an unknown id
     "late_report",  # a completion report with an old epoch arrives after the import
 )
+#: Faults drawn only with ``verify_integrity``: without the digest nothing could notice them.
+INTEGRITY_FAULTS = (
+    "corrupt_transfer",  # one byte of a destination block flips as the KV read completes
+)
 
 
 class _FaultyHandle:
     """A real transfer handle whose outcome is overridden once the real transfer settled."""
 
-    def __init__(self, inner: Any, fault: str, settle_polls: int) -> None:
+    def __init__(self, inner: Any, fault: str, settle_polls: int, corrupt: Any = None) -> None:
         self._inner = inner
         self._fault = fault
         self._left = settle_polls
+        self._corrupt = corrupt  # called once when the real transfer completes
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -72,6 +89,11 @@ class _FaultyHandle:
         """Advance the real handle, then report the injected outcome."""
         if not self._inner.poll():
             return False
+        if self._corrupt is not None:
+            self._corrupt, corrupt = None, self._corrupt
+            corrupt()
+        if self._fault == "corrupt_transfer":
+            return True
         if self._fault == "transfer_error":
             raise TransferError("injected transfer error (every part terminal)")
         if self._left > 0:
@@ -102,7 +124,19 @@ class FaultInjectingBackend:
         handle = self._inner.begin_pull_blocks(*args, **kwargs)
         if fault in ("transfer_error", "transfer_timeout") and self.kind == "kv":
             return _FaultyHandle(handle, fault, settle_polls=3)
+        if fault == "corrupt_transfer" and self.kind == "kv":
+            dst = int(next(iter(args[2] if len(args) > 2 else kwargs["dst_block_ids"])))
+            return _FaultyHandle(handle, fault, 0, corrupt=lambda: self._flip_a_byte(dst))
         return handle
+
+    def _flip_a_byte(self, block: int) -> None:
+        """Flip one bit of the first K element of destination ``block`` (layer 0, token 0,
+        head 0): inside the request's state, as a faulty link would."""
+        import torch
+
+        buf = self._inner.memory_buffer  # [2, layers, blocks, ...] (Megatron layout)
+        cell = buf[0, 0, block].reshape(-1)[:1].view(torch.uint8)
+        cell[0] ^= 0x10
 
 
 @dataclass
@@ -116,6 +150,8 @@ class SoakOptions:
     max_in_flight: int = 6
     num_blocks: int = 24
     distinct_prompts: int = 8
+    verify_integrity: bool = False
+    """Digest on prefill, verify on decode, and draw :data:`INTEGRITY_FAULTS` too."""
 
 
 @dataclass
@@ -129,6 +165,12 @@ class SoakReport:
     leaked: int = 0
     wrong: int = 0
     unresolved: int = 0
+    integrity_failures: int = 0
+    """Imports the decode refused because the digest did not match."""
+    undetected: int = 0
+    """``corrupt_transfer`` handoffs that were admitted anyway (must be 0)."""
+    false_alarms: int = 0
+    """Integrity failures of handoffs nothing corrupted (must be 0)."""
     ttft_ms: list[float] = field(default_factory=list)
     faults: Counter[str] = field(default_factory=Counter)
     #: Aborts that found their request in the drawn stage (the others ended first).
@@ -138,7 +180,13 @@ class SoakReport:
     @property
     def ok(self) -> bool:
         """Every request has one outcome, nothing leaked, every answer is right."""
-        return self.leaked == 0 and self.wrong == 0 and self.unresolved == 0
+        return (
+            self.leaked == 0
+            and self.wrong == 0
+            and self.unresolved == 0
+            and not self.undetected
+            and not self.false_alarms
+        )
 
     def percentile(self, p: int) -> float:
         """The ``p``-th percentile of TTFT in ms (nearest rank; 0 when nothing completed)."""
@@ -158,6 +206,8 @@ class SoakReport:
                 f"  quarantined-then-drained   {self.quarantined_then_drained}",
                 f"  leaked                     {self.leaked}",
                 f"  wrong answers              {self.wrong}",
+                f"  integrity failures         {self.integrity_failures} "
+                f"({self.undetected} corruptions undetected, {self.false_alarms} false alarms)",
                 f"  unresolved                 {self.unresolved}",
                 f"  TTFT p50 / p99             {self.percentile(50):.2f} / "
                 f"{self.percentile(99):.2f} ms",
@@ -210,6 +260,8 @@ def run_soak(opts: SoakOptions) -> SoakReport:
     pre.handoff_now_ns = dec.handoff_now_ns = now
     pre.setup_kv_transfer("prefill", "nixl")
     dec.setup_kv_transfer("decode", "nixl")
+    pre.verify_integrity = dec.verify_integrity = opts.verify_integrity
+    faults = FAULTS[1:] + (INTEGRITY_FAULTS if opts.verify_integrity else ())
     backends = {"kv": FaultInjectingBackend(dec._kv_backend, "kv")}
     dec._kv_backend = backends["kv"]
     for kind, b in list(dec._ssm_backends.items()):
@@ -238,7 +290,7 @@ def run_soak(opts: SoakOptions) -> SoakReport:
         in_flight = next_rid - len(outcome)
         while next_rid < opts.handoffs and in_flight < opts.max_in_flight:
             rid, next_rid, in_flight = next_rid, next_rid + 1, in_flight + 1
-            fault = rng.choice(FAULTS[1:]) if rng.random() < opts.fault_rate else "none"
+            fault = rng.choice(faults) if rng.random() < opts.fault_rate else "none"
             fault_of[rid], prompt_of[rid] = fault, rng.randrange(opts.distinct_prompts)
             report.faults[fault] += 1
             if fault.startswith("abort_"):
@@ -283,6 +335,9 @@ def run_soak(opts: SoakOptions) -> SoakReport:
                 dec.abort_kv_import(rid)
         dec._admit_pending_kv_imports()
         for rid, failed in dec._drain_handoff_completion_notifications():
+            why = dec.pop_handoff_failure_reason(rid) or ""
+            if why.startswith("integrity") and fault_of[rid] != "corrupt_transfer":
+                report.false_alarms += 1
             pre.release_handoff_blocks(rid)  # RELEASE_KV: the import settled either way
             if fault_of[rid] == "duplicate_release":
                 pre.release_handoff_blocks(rid)
@@ -294,6 +349,8 @@ def run_soak(opts: SoakOptions) -> SoakReport:
             if failed:
                 finish(rid, "failed")
             else:
+                if fault_of[rid] == "corrupt_transfer":
+                    report.undetected += 1
                 report.ttft_ms.append((time.perf_counter() - started_at[rid]) * 1e3)
         if dec.has_work:
             for f in dec.step().finished:
@@ -311,6 +368,7 @@ def run_soak(opts: SoakOptions) -> SoakReport:
     report.elapsed_s = time.perf_counter() - t0
     counts = Counter(outcome.values())
     report.completed, report.failed = counts["completed"], counts["failed"]
+    report.integrity_failures = int(dec.handoff_stats.get("integrity_failures", 0))
     report.unresolved = opts.handoffs - len(outcome)
     ledger_counts = dec._ledger().counters()
     report.quarantined_then_drained = int(ledger_counts["quarantined"])
@@ -339,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--handoffs", type=int, default=2000)
     p.add_argument("--fault-rate", type=float, default=0.3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--verify-integrity",
+        action="store_true",
+        help="digest and verify every handoff; also inject corrupted transfers",
+    )
     args = p.parse_args(argv)
     import logging
 
@@ -347,7 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     logging.getLogger("disagg_rs.handoff").setLevel(logging.ERROR)  # injected faults are expected
     report = run_soak(
-        SoakOptions(handoffs=args.handoffs, fault_rate=args.fault_rate, seed=args.seed)
+        SoakOptions(
+            handoffs=args.handoffs,
+            fault_rate=args.fault_rate,
+            seed=args.seed,
+            verify_integrity=args.verify_integrity,
+        )
     )
     sys.stdout.write(report.format() + "\n")
     sys.stdout.write(("OK" if report.ok else "FAILED") + "\n")
