@@ -128,6 +128,8 @@ def test_an_engine_killed_mid_run_and_restarted_ends_each_request_once_and_leaks
         ({"kill_engine": "decode", "requests": 1}, "requests >= 2"),
         ({"kill_engine": "decode", "kill_rank": 1}, "outside the 1 ranks"),
         ({"engine_timeout_s": 0.0}, "engine_timeout_s"),
+        ({"corrupt": (0, 0)}, "needs verify_integrity"),
+        ({"corrupt": (2, 0), "verify_integrity": True}, "decode rank must be in"),
     ],
 )
 def test_kill_options_the_demo_cannot_run_are_refused_before_anything_starts(
@@ -168,3 +170,28 @@ def test_an_engine_killed_and_not_restarted_is_declared_lost_and_its_requests_fa
     assert {w["role"] for w in finals} == {"prefill", "decode"} - {engine}
     assert all(w["leaked_blocks"] == 0 and w["pinned"] == 0 for w in finals)
     assert all(w["quarantined"] == 0 for w in finals)
+
+
+def test_a_read_corrupted_on_one_decode_rank_fails_the_request_on_every_rank_together() -> None:
+    # Decode TP2 with the integrity check; on decode rank 1 only, request 1's read lands with a
+    # flipped bit. Rank 1's mismatch reaches rank 0 through the completion quorum (real gloo):
+    # the request fails once, naming the cell; the others answer right; nothing is left.
+    opts = {
+        **SMALL,
+        "prefill_tp": 1,
+        "decode_tp": 2,
+        "verify_integrity": True,
+        "corrupt": (1, 1),
+    }
+    result = run_demo(DemoOptions(**opts))  # type: ignore[arg-type]
+    assert result.failures == [], "\n".join(result.failures)
+    assert set(result.failed_requests) == {1}
+    why = result.failed_requests[1]
+    assert why.startswith("KV import failed: integrity kv=K layer=0 head=") and "expected" in why
+    assert sorted(result.answers) == [0, 2]
+    for rid, tokens in result.answers.items():
+        assert tokens == result.expected[rid]
+    decode = [w for w in result.workers if w.get("stats") is not None and w["role"] == "decode"]
+    assert len(decode) == 2
+    assert all(w["stats"]["imports_failed"] == 1 for w in decode)  # both ranks, same decision
+    assert all(w["leaked_blocks"] == 0 and w["quarantined"] == 0 for w in decode)

@@ -89,6 +89,10 @@ class DemoOptions:
     """Submit each request only after the previous one finished (prefix-cache reuse)."""
     verify_integrity: bool = False
     """Digest the state on prefill and check it on decode before admission."""
+    corrupt: tuple[int, int] | None = None
+    """Fault test ``(decode rank index, request id)``: on that decode rank, flip a bit of that
+    request's KV as its read completes (needs ``verify_integrity`` and NIXL). The request must
+    fail on every decode rank together; nothing may leak."""
 
 
 @dataclass
@@ -212,6 +216,12 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
             else {}
         )
         engine.setup_kv_transfer(role, opts.backend, **nixl_kwargs)
+        if (
+            role == "decode"
+            and opts.corrupt is not None
+            and opts.corrupt[0] == ranks.index(global_rank)
+        ):
+            _corrupt_reads(engine, opts.corrupt[1])
         lead = global_rank == ranks[0]
         link = EngineLink(endpoint, role, role) if lead else None
         beat_s = opts.engine_timeout_s / 10
@@ -378,6 +388,23 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
         dist.destroy_process_group()
     except BaseException:
         results.put({**tag, "error": traceback.format_exc()})
+
+
+def _corrupt_reads(engine: Any, request_id: int) -> None:
+    """Fault test: wrap this decode rank's KV backend so that ``request_id``'s read lands with
+    one bit flipped (the soak's ``corrupt_transfer``)."""
+    from disagg_rs.soak import FaultInjectingBackend
+
+    kv = FaultInjectingBackend(engine._kv_backend, "kv")
+    kv.faults[request_id] = "corrupt_transfer"
+    engine._kv_backend = kv
+    start = engine._start_import
+
+    def start_import(action: Any) -> None:
+        kv.current = action.request_id
+        start(action)
+
+    engine._start_import = start_import
 
 
 class _Supervisor:
@@ -644,7 +671,9 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         if tr.error is not None:
             failed_requests[rid] = tr.error
             # With injected faults a request may fail; after a restart, none may.
-            may_fail = opts.kill_engine and (rid not in after_restart or not opts.restart)
+            may_fail = (opts.kill_engine and (rid not in after_restart or not opts.restart)) or (
+                opts.corrupt is not None and rid == opts.corrupt[1]
+            )
             if opts.control_faults == 0 and not may_fail:
                 failures.append(f"request {rid} failed: {tr.error}")
         elif tr.done is not None and tr.tokens != expected[rid]:
@@ -728,6 +757,16 @@ def _check_options(opts: DemoOptions) -> None:
     """Refuse option combinations the demo cannot run, before anything starts."""
     if not opts.engine_timeout_s > 0:
         raise ValueError(f"engine_timeout_s={opts.engine_timeout_s!r} must be > 0")
+    if opts.corrupt is not None:
+        rank, rid = opts.corrupt
+        n = opts.decode_tp * opts.decode_pp
+        if not (opts.verify_integrity and opts.backend == "nixl"):
+            raise ValueError("corrupt needs verify_integrity=True and backend='nixl'")
+        if not (0 <= rank < n and 0 <= rid < opts.requests):
+            raise ValueError(
+                f"corrupt={opts.corrupt}: decode rank must be in [0, {n}) and request id in "
+                f"[0, {opts.requests})"
+            )
     if opts.kill_engine is None:
         return
     if opts.kill_engine not in ("prefill", "decode"):
