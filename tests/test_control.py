@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -318,7 +319,9 @@ def test_a_silent_engine_is_declared_lost_and_its_requests_fail_before_their_dea
     # Heartbeats keep the prefill alive; the fenced decode's messages are ignored.
     _beat(state, PREFILL, "p0", 9.0)
     assert state.poll(13.0) == [] and "p0" in state.engines
-    assert _beat(state, DECODE, "d0", 13.0) == [] and state.ignored["HEARTBEAT"] == 1
+    fenced = _beat(state, DECODE, "d0", 13.0)  # answered: register again
+    assert [(o.to_client, o.kind) for o in fenced] == [(DECODE, Msg.FENCED)]
+    assert state.ignored["HEARTBEAT"] == 1 and "d0" not in state.engines
     assert state.handle(DECODE, _msg(Msg.DONE, request_id=7, epoch=epoch, tokens=[1]), 13) == []
     # A request that reaches PREFILL_DONE with no decode left fails at once.
     epoch = _submit(state, 8, now=13.0)
@@ -349,5 +352,33 @@ def test_engine_link_heartbeats_only_when_it_has_been_quiet() -> None:
         assert link.heartbeat(interval_s=3600.0) is False  # just created: counts as sent
         assert link.heartbeat(interval_s=0.0) is True
     finally:
+        link.close()
+        server.close()
+
+
+def test_a_fenced_engine_link_registers_again_by_itself() -> None:
+    # Declared lost while alive (a long stall): its next heartbeat is answered with FENCED and
+    # the link registers again with the same incarnation and metadata.
+    server = CoordinatorServer(engine_timeout_s=30.0)
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    link = EngineLink(server.endpoint, "p0", "prefill", incarnation=7)
+    try:
+        link.register({"agent": "a"})
+        # Run the liveness check an hour ahead on the serving thread (it owns the state).
+        server._outbox.put(lambda: server.state.poll(time.monotonic() + 3600.0))
+        deadline = time.monotonic() + 10.0
+        while "p0" in server.state.engines and time.monotonic() < deadline:
+            link.poll(10)
+        assert "p0" not in server.state.engines and server.state.lost["p0"] == 1
+        link.heartbeat(interval_s=0.0)
+        while "p0" not in server.state.engines and time.monotonic() < deadline:
+            link.poll(10)
+        assert link.fenced == 1
+        engine = server.state.engines["p0"]
+        assert (engine.incarnation, engine.meta) == (7, {"agent": "a"})
+    finally:
+        server.stop()
+        serving.join(5)
         link.close()
         server.close()

@@ -71,6 +71,7 @@ class Msg(str, enum.Enum):
     ABORT = "ABORT"
     SHUTDOWN = "SHUTDOWN"
     HEARTBEAT = "HEARTBEAT"
+    FENCED = "FENCED"
 
 
 _REQUIRED: dict[Msg, tuple[str, ...]] = {
@@ -92,6 +93,7 @@ _REQUIRED: dict[Msg, tuple[str, ...]] = {
     Msg.ABORT: ("request_id", "epoch"),
     Msg.SHUTDOWN: (),
     Msg.HEARTBEAT: ("engine_id", "incarnation"),
+    Msg.FENCED: ("engine_id",),
 }
 
 
@@ -179,7 +181,9 @@ class CoordinatorState:
     Liveness: with ``engine_timeout_s``, an engine heard from (any message; idle engines send
     HEARTBEAT) less recently than that is declared lost: the requests that depended on it fail
     at once instead of at their deadlines, it gets no new work, and its later messages are
-    ignored until it registers again (a fenced engine's pins expire with their lease).
+    ignored until it registers again: its next HEARTBEAT is answered with FENCED, on which
+    :class:`EngineLink` registers again by itself (a fenced engine's pins expire with their
+    lease).
     """
 
     def __init__(
@@ -275,9 +279,13 @@ class CoordinatorState:
         if kind is Msg.SUBMIT:
             return self._on_submit(identity, msg, now)
         if kind is Msg.HEARTBEAT:
-            if sender is None:  # fenced or never registered
-                self.ignored[kind.value] += 1
-            return []
+            if sender is not None:
+                return []
+            # Fenced (declared lost) or never registered: tell it to register again. Its old
+            # requests have failed; what it still holds for them drains on its side (pins by
+            # lease, imports by deadline, admitted requests by finishing unheard).
+            self.ignored[kind.value] += 1
+            return [Outgoing(None, identity, Msg.FENCED, {"engine_id": str(msg["engine_id"])})]
         req = self._current(msg, sender)
         if req is None:
             return []
@@ -646,9 +654,13 @@ class EngineLink:
         self._sock.connect(endpoint)
         self.peers: dict[str, dict[str, Any]] = {}
         self._last_sent = time.monotonic()
+        self._meta: Any = None
+        self.fenced = 0
+        """How many times the coordinator fenced this engine (it then registered again)."""
 
     def register(self, meta: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """Publish static metadata once; returns the peers known to the coordinator."""
+        self._meta = meta
         self.send(
             Msg.REGISTER,
             engine_id=self.engine_id,
@@ -689,6 +701,16 @@ class EngineLink:
                     break
                 if msg["type"] in (Msg.REGISTERED, Msg.PEERS):
                     self.peers = dict(msg["peers"])
+                if msg["type"] is Msg.FENCED and self._meta is not None:
+                    self.fenced += 1  # declared lost while alive: come back, same incarnation
+                    self.send(
+                        Msg.REGISTER,
+                        engine_id=self.engine_id,
+                        role=self.role,
+                        incarnation=self.incarnation,
+                        meta=self._meta,
+                    )
+                    continue
                 out.append(msg)
         return out
 
