@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from disagg_rs.control import (
+    PROTOCOL_VERSION,
     ControlClient,
     CoordinatorServer,
     CoordinatorState,
@@ -235,7 +236,7 @@ def test_submit_without_a_prefill_engine_fails_cleanly() -> None:
     ("raw", "field"),
     [
         (b"\xc1", "<frame>"),
-        (encode_message(Msg.SHUTDOWN)[:-1] + b"\x02", "v"),
+        (encode_message(Msg.SHUTDOWN)[:-1] + bytes([PROTOCOL_VERSION + 1]), "v"),
     ],
 )
 def test_malformed_messages_raise_metadata_error(raw: bytes, field: str) -> None:

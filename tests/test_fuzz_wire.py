@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import disagg_rs
 from disagg_rs import ImportLedger, KVGeometry, KVShardLayout, SSMGeometry, SSMShardLayout
-from disagg_rs.control import Msg, decode_message, encode_message
+from disagg_rs.control import PROTOCOL_VERSION, Msg, decode_message, encode_message
 from disagg_rs.exceptions import DisaggError
 from disagg_rs.integrity import IntegrityTable
 from disagg_rs.transfer_backends.base import check_meta_fields
@@ -213,7 +213,7 @@ def test_control_decoder_rejects_typed_or_yields_a_known_complete_message(raw: b
     msg = _typed_or_valid(decode_message, raw)
     if msg is not None:
         assert isinstance(msg["type"], Msg)
-        assert msg["v"] == 1
+        assert msg["v"] == PROTOCOL_VERSION
 
 
 LEDGER = ImportLedger(16, 4, 2)

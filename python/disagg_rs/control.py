@@ -47,7 +47,8 @@ __all__ = [
     "encode_message",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""Version 2 added HEARTBEAT and FENCED (coordinator liveness)."""
 
 
 class Msg(str, enum.Enum):
