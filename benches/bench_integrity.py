@@ -18,14 +18,19 @@ from collections.abc import Callable
 import torch
 
 from _results import machine_line, write_section
-from disagg_rs import KVGeometry, KVShardLayout
-from disagg_rs.integrity import kv_entries
+from disagg_rs import KVGeometry, KVShardLayout, SSMGeometry, SSMShardLayout, SSMStateDims
+from disagg_rs.integrity import conv_pieces, kv_entries, recurrent_pieces
 
 # (layers, KV heads on this rank, prompt tokens): DESIGN §8 head_dim/dtype/block, scaled so a
 # 2-core CPU run takes seconds; the CUDA rows use the TP8 rank of the 80-layer 8K prompt.
 CPU_CASES = [(8, 1, 2048), (8, 8, 2048)]
 CUDA_CASES = [(80, 1, 8192), (80, 8, 8192)]
 HEAD_DIM, BLOCK = 128, 64
+# SSM state of one request (one slot) on one rank: (SSM layers, SSM heads), Mamba2 head_dim 64,
+# d_state 128, 8 groups, d_conv 4; conv state bf16, recurrent state fp32. CUDA: a
+# Nemotron-H-sized 52-layer, 128-head model on one rank.
+SSM_CPU_CASES = [(8, 16)]
+SSM_CUDA_CASES = [(52, 128)]
 
 
 def _best(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
@@ -61,6 +66,27 @@ def measure(layers: int, heads: int, tokens: int, device: str) -> tuple[int, flo
     return nbytes, _best(digest, sync, repeats), _best(copy, sync, repeats)
 
 
+def measure_ssm(layers: int, heads: int, device: str) -> tuple[int, float, float]:
+    """(bytes digested, digest seconds, copy seconds) of one slot's conv + recurrent state."""
+    dims = SSMStateDims(num_heads=heads, head_dim=64, d_state=128, n_groups=8, d_conv=4)
+    layout = SSMShardLayout(layers, dims)
+    slots = 4
+    conv = torch.randn((layers, slots, dims.conv_channels, 4), device=device).to(torch.bfloat16)
+    rec = torch.randn((layers, slots, heads, 64, 128), device=device)
+    geometry = SSMGeometry.from_tensors(conv=conv, recurrent=rec)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def digest() -> object:
+        return conv_pieces(conv, geometry, layout, 2) + recurrent_pieces(rec, geometry, layout, 2)
+
+    def copy() -> object:
+        return conv[:, 2].clone(), rec[:, 2].clone()
+
+    nbytes = conv[:, 2].numel() * 2 + rec[:, 2].numel() * 4
+    repeats = 5 if device == "cuda" else 3
+    return nbytes, _best(digest, sync, repeats), _best(copy, sync, repeats)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--write", help="results file to update")
@@ -70,10 +96,20 @@ def main() -> None:
     runs = [("cpu", c) for c in CPU_CASES]
     if torch.cuda.is_available():
         runs += [("cuda", c) for c in CUDA_CASES]
-    for device, (layers, heads, tokens) in runs:
-        nbytes, t_digest, t_copy = measure(layers, heads, tokens, device)
+    ssm_runs = [("cpu", c) for c in SSM_CPU_CASES]
+    if torch.cuda.is_available():
+        ssm_runs += [("cuda", c) for c in SSM_CUDA_CASES]
+    cases = [
+        (d, f"KV {a} x {b} x {c}", lambda d=d, x=(a, b, c): measure(*x, d)) for d, (a, b, c) in runs
+    ]
+    cases += [
+        (d, f"SSM {a} x {b} heads, 1 slot", lambda d=d, x=(a, b): measure_ssm(*x, d))
+        for d, (a, b) in ssm_runs
+    ]
+    for device, what, run in cases:
+        nbytes, t_digest, t_copy = run()
         rows.append(
-            f"| {device} | {layers} x {heads} x {tokens} | {nbytes / 2**20:,.0f} MiB | "
+            f"| {device} | {what} | {nbytes / 2**20:,.1f} MiB | "
             f"{t_digest * 1e3:,.1f} ms ({nbytes / t_digest / 1e9:.2f} GB/s) | "
             f"{t_copy * 1e3:,.1f} ms ({nbytes / t_copy / 1e9:.2f} GB/s) | "
             f"{t_digest / t_copy:.1f}x |"
@@ -85,11 +121,14 @@ def main() -> None:
             "",
             machine_line(),
             "",
-            "One request's KV on one rank (bf16, head_dim 128, 64-token blocks, shuffled ids),",
-            "`integrity.kv_entries` vs a torch gather copy of the same bytes (`index_select` per",
-            "(kv, layer) plane) in the same run; best of 3 (CPU, 1 thread) or 5 (CUDA).",
+            "KV: one request on one rank (layers x KV heads x tokens; bf16, head_dim 128,",
+            "64-token blocks, shuffled ids), `integrity.kv_entries` vs a torch gather copy of the",
+            "same bytes (`index_select` per (kv, layer) plane). SSM: one slot's conv (bf16) and",
+            "recurrent (fp32) state (head_dim 64, d_state 128, 8 groups), `conv_pieces` +",
+            "`recurrent_pieces` vs a copy of the slot. Same run; best of 3 (CPU, 1 thread) or 5",
+            "(CUDA).",
             "",
-            "| device | layers x heads x tokens | bytes | digest | gather copy | digest / copy |",
+            "| device | state | bytes | digest | copy | digest / copy |",
             "|---|---|---|---|---|---|",
             *rows,
         ]

@@ -292,6 +292,25 @@ def test_the_wire_table_round_trips_and_a_bad_shape_or_length_is_a_metadata_erro
         IntegrityTable.from_wire(b"junk", shapes)
 
 
+def test_ssm_layers_anywhere_in_memory_digest_like_equally_spaced_ones() -> None:
+    # Equally spaced layers are digested through one strided view, others stacked: store the
+    # layers in reverse order (negative spacing) and point the geometry at them accordingly.
+    dims = SSMStateDims(num_heads=4, head_dim=2, d_state=3, n_groups=2, d_conv=4)
+    layout = SSMShardLayout(5, dims, tp_size=2, tp_rank=1)
+    gen = torch.Generator().manual_seed(9)
+    conv = _random_bytes((5, 3, dims.conv_channels // 2, 4), torch.float32, gen)
+    rec = _random_bytes((5, 3, 2, 2, 3), torch.float32, gen)
+    geo = SSMGeometry.from_tensors(conv=conv, recurrent=rec)
+    conv_r, rec_r = conv.flip(0).contiguous(), rec.flip(0).contiguous()
+    wire = SSMGeometry.from_tensors(conv=conv_r, recurrent=rec_r).to_dict()
+    for part in ("conv", "recurrent"):
+        wire[part]["layer_bases"] = wire[part]["layer_bases"][::-1]
+    geo_r = SSMGeometry.from_dict(wire)
+    for fn, a, b in ((conv_pieces, conv, conv_r), (recurrent_pieces, rec, rec_r)):
+        straight, reverse = fn(a, geo, layout, 2), fn(b, geo_r, layout, 2)
+        assert [p.entries.tolist() for p in straight] == [p.entries.tolist() for p in reverse]
+
+
 @pytest.mark.parametrize("planes_per_batch", [2, 3, 8, 100])
 def test_planes_digested_in_batches_equal_one_plane_at_a_time(
     planes_per_batch: int, monkeypatch: pytest.MonkeyPatch

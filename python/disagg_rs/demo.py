@@ -178,14 +178,18 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
     (quarantined imports and unreleased pins, within their deadlines) and report."""
     role, global_rank, ranks = where.role, where.global_rank, where.ranks
     tag = {"role": role, "rank": global_rank, "generation": where.generation}
-    # NIXL's INFO lines would drown the progress bar; UCX stays on loopback transports on CPU.
+    # NIXL's INFO lines would drown the progress bar.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
-    if opts.device == "cpu":
-        os.environ.setdefault("UCX_TLS", "tcp,self,sm")
     try:
         import torch
         import torch.distributed as dist
+
+        # UCX stays on loopback transports on a machine without GPUs; where GPUs are present
+        # the CUDA build of NIXL needs UCX's CUDA transports even for host memory (an
+        # H200 refused a CPU demo with NIXL_ERR_BACKEND under UCX_TLS=tcp,self,sm).
+        if not torch.cuda.is_available():
+            os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 
         from disagg_rs.control import EngineLink, Msg
         from disagg_rs.exceptions import DisaggError

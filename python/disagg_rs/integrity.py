@@ -109,6 +109,15 @@ def _position_keys(
     return _fmix64_(keys)
 
 
+def _layer_keys(kind: int, layers: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+    """Hashed position keys ``[len(layers), len(units)]`` of token-less cells (SSM state):
+    the same keys as :func:`_position_keys` at token 0, for every layer at once."""
+    base = (layers << (_UNIT_BITS + _TOKEN_BITS)) | (
+        kind << (_LAYER_BITS + _UNIT_BITS + _TOKEN_BITS)
+    )
+    return _fmix64_(base.view(-1, 1) + (units << _TOKEN_BITS).view(1, -1))
+
+
 def _word_dtype(row_bytes: int) -> torch.dtype:
     """The widest word that tiles a cell row: depends on the row size only (same both sides)."""
     for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
@@ -229,12 +238,19 @@ def kv_entries(
 
 
 def _ssm_cells(
-    flat: torch.Tensor, base: int, part: Mapping[str, Any], layer: int, slot: int
+    flat: torch.Tensor, base: int, part: Mapping[str, Any], num_layers: int, slot: int
 ) -> torch.Tensor:
-    """Units ``[num_units, unit_bytes]`` of one SSM layer's slot, as bytes."""
+    """Units ``[layers, num_units, unit_bytes]`` of one slot in every local SSM layer, as bytes:
+    one strided view when the layers are equally spaced (one ``[L, slots, ...]`` tensor, one
+    batch of kernels after), else the layers stacked."""
     size = (int(part["num_units"]), int(part["unit_bytes"]))
-    offset = int(part["layer_bases"][layer]) - base + slot * int(part["slot_stride"])
-    return torch.as_strided(flat, size, (int(part["unit_stride"]), 1), offset)
+    strides = (int(part["unit_stride"]), 1)
+    offsets = [int(b) - base + slot * int(part["slot_stride"]) for b in part["layer_bases"]]
+    steps = {b - a for a, b in itertools.pairwise(offsets[:num_layers])}
+    if num_layers == 1 or (len(steps) == 1 and min(steps) > 0):
+        step = min(steps) if steps else 0
+        return torch.as_strided(flat, (num_layers, *size), (step, *strides), offsets[0])
+    return torch.stack([torch.as_strided(flat, size, strides, o) for o in offsets[:num_layers]])
 
 
 def _slot_index(slot: int, part: Mapping[str, Any]) -> int:
@@ -256,7 +272,8 @@ def conv_pieces(
     dev = buffer.device
     _check_key_range("layer", layout.layer_end, _LAYER_BITS)
     _check_key_range("unit", dims.num_heads + 2 * dims.n_groups, _UNIT_BITS)
-    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    layers = torch.arange(layout.layer_start, layout.layer_end, dtype=torch.int64, device=dev)
+    all_layers = _ssm_cells(flat, base, part, layout.num_local_layers, slot)
     pieces = []
     for band, per_unit, first_unit in (
         ("x", dims.head_dim, 0),
@@ -270,12 +287,10 @@ def conv_pieces(
         u_lo = first_unit + (g_lo - band_start) // per_unit
         n_units = (g_hi - g_lo) // per_unit
         units = torch.arange(u_lo, u_lo + n_units, dtype=torch.int64, device=dev)
-        entries = torch.empty((layout.num_local_layers, n_units), dtype=torch.int64, device=dev)
-        for local in range(layout.num_local_layers):
-            rows = _ssm_cells(flat, base, part, local, slot)[l_lo:l_hi]
-            cells = rows.reshape(n_units, -1)
-            keys = _position_keys(_KIND_CONV, layout.layer_start + local, units, zero)[0]
-            entries[local] = cell_hashes(cells, keys)
+        rows = all_layers[:, l_lo:l_hi]
+        cells = rows.reshape(layers.numel(), n_units, -1)
+        keys = _layer_keys(_KIND_CONV, layers, units)
+        entries = cell_hashes(cells, keys)
         pieces.append(IntegrityPiece("conv", layout.layer_start, u_lo, _u64(entries), band=band))
     return pieces
 
@@ -292,12 +307,9 @@ def recurrent_pieces(
     _check_key_range("layer", layout.layer_end, _LAYER_BITS)
     _check_key_range("head", h_hi, _UNIT_BITS)
     heads = torch.arange(h_lo, h_hi, dtype=torch.int64, device=dev)
-    zero = torch.zeros(1, dtype=torch.int64, device=dev)
-    entries = torch.empty((layout.num_local_layers, h_hi - h_lo), dtype=torch.int64, device=dev)
-    for local in range(layout.num_local_layers):
-        cells = _ssm_cells(flat, base, part, local, slot)
-        keys = _position_keys(_KIND_RECURRENT, layout.layer_start + local, heads, zero)[0]
-        entries[local] = cell_hashes(cells, keys)
+    layers = torch.arange(layout.layer_start, layout.layer_end, dtype=torch.int64, device=dev)
+    cells = _ssm_cells(flat, base, part, layout.num_local_layers, slot)
+    entries = cell_hashes(cells.contiguous(), _layer_keys(_KIND_RECURRENT, layers, heads))
     return [IntegrityPiece("recurrent", layout.layer_start, h_lo, _u64(entries))]
 
 
