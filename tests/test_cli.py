@@ -1,13 +1,15 @@
-"""The `disagg-rs plan` console command."""
+"""The `disagg-rs` console command (plan, bench, demo options)."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
 import pytest
 
 from disagg_rs.cli import ParallelSpec, main, parse_parallel_spec
+from disagg_rs.demo import add_demo_arguments, options_from_args
 
 
 def test_plan_prints_a_table_and_totals(capsys: pytest.CaptureFixture[str]) -> None:
@@ -56,3 +58,16 @@ def test_bench_times_the_compiler_on_the_design_geometry(
     # Contiguous blocks on both sides: one descriptor per (layer plane), 2 x 80.
     assert "160" in out.splitlines()[2]
     assert "TP8->TP4 8K head reshard" in out
+
+
+def test_demo_fault_options_parse_into_demo_options() -> None:
+    p = argparse.ArgumentParser()
+    add_demo_arguments(p)
+    args = "--kill-engine decode --kill-rank 0 --no-restart --engine-timeout 2.5 "
+    args += "--verify-integrity --corrupt 1:3 --control-faults 0.1 --lease 4"
+    opts = options_from_args(p.parse_args(args.split()))
+    assert (opts.kill_engine, opts.kill_rank, opts.restart) == ("decode", 0, False)
+    assert (opts.engine_timeout_s, opts.verify_integrity, opts.corrupt) == (2.5, True, (1, 3))
+    assert (opts.control_faults, opts.lease_s) == (0.1, 4.0)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--corrupt", "1-3"])

@@ -730,6 +730,16 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         ]
         if sup.restarts:
             rows.append(("engine restarts", f"{sup.restarts} ({opts.kill_engine})"))
+        lost = dict(server.state.lost)
+        ignored = dict(server.state.ignored)
+        if lost or ignored or server.faults_injected:
+            rows.append(
+                (
+                    "coordinator",
+                    f"{server.faults_injected} faults injected, engines lost {lost or 0}, "
+                    f"late/duplicate messages ignored {ignored or 0}",
+                )
+            )
         print()
         for k, v in rows:
             print(f"  {k:<22} {v}")
@@ -891,6 +901,14 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         help="which rank of the killed engine gets SIGKILL (-1: the last)",
     )
     p.add_argument(
+        "--corrupt",
+        type=_rank_and_request,
+        default=None,
+        metavar="RANK:REQUEST",
+        help="fault test (with --verify-integrity): flip a bit of REQUEST's KV as it lands on "
+        "decode rank RANK; the request must fail on every decode rank together",
+    )
+    p.add_argument(
         "--verify-integrity",
         action="store_true",
         help="digest the handed-off state on prefill and verify it on decode before admission",
@@ -901,6 +919,14 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="serve Prometheus metrics of rank r on 127.0.0.1:(PORT + r)",
     )
+
+
+def _rank_and_request(text: str) -> tuple[int, int]:
+    try:
+        rank, request = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANK:REQUEST, got {text!r}") from None
+    return rank, request
 
 
 def options_from_args(args: argparse.Namespace) -> DemoOptions:
