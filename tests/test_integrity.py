@@ -32,6 +32,7 @@ from disagg_rs import (
 from disagg_rs.exceptions import IntegrityError, MetadataError
 from disagg_rs.integrity import (
     IntegrityTable,
+    chunk_tokens_for,
     conv_pieces,
     kv_entries,
     kv_pieces,
@@ -117,16 +118,22 @@ def _kv_layouts(
 
 
 def _kv_table(
-    state: torch.Tensor, layouts: list[KVShardLayout], cache_layout: str, block: int, seed: int
+    state: torch.Tensor,
+    layouts: list[KVShardLayout],
+    cache_layout: str,
+    block: int,
+    seed: int,
+    chunk: int | None = None,
 ) -> IntegrityTable:
     gen = torch.Generator().manual_seed(seed)
     pieces = []
     for lay in layouts:
         buf, geo, ids = _place_kv(state, lay, cache_layout, block, gen)
         before = buf.clone()
-        pieces += kv_pieces(buf, geo, lay, ids, state.shape[2])
+        pieces += kv_pieces(buf, geo, lay, ids, state.shape[2], chunk)
         assert torch.equal(before.view(torch.uint8), buf.view(torch.uint8))
-    return IntegrityTable.merge(IntegrityTable.shapes(layouts[0], None), pieces)
+    chunks = -(-state.shape[2] // chunk) if chunk else 1
+    return IntegrityTable.merge(IntegrityTable.shapes(layouts[0], None, chunks), pieces)
 
 
 def _tp_sizes(num_heads: int) -> st.SearchStrategy[int]:
@@ -168,27 +175,29 @@ def test_kv_digest_depends_on_logical_cells_only_and_a_flipped_byte_changes_its_
     gen = torch.Generator().manual_seed(case["seed"])
     shape = (2, case["num_layers"], case["num_tokens"], case["num_heads"], case["head_dim"])
     state = _random_bytes(shape, case["dtype"], gen)
+    chunk = data.draw(st.none() | st.integers(1, 32))  # None: one chunk of the whole prompt
     tables = []
     for i, side in enumerate(case["sides"]):
         layouts = _kv_layouts(
             case["num_layers"], case["num_heads"], side["tp"], side["split"], i * 64
         )
-        tables.append(
-            (layouts, side, _kv_table(state, layouts, side["cache_layout"], side["block"], i))
-        )
+        table = _kv_table(state, layouts, side["cache_layout"], side["block"], i, chunk)
+        tables.append((layouts, side, table))
     (_, _, src_table), (dst_layouts, dst, dst_table) = tables
     assert np.array_equal(src_table.tables["kv"], dst_table.tables["kv"])
 
     # One flipped byte (in the logical state, so every holder sees it) changes exactly the
-    # entry of its (kv, layer, head) cell.
+    # entry of its (token chunk, kv, layer, head) cell.
     cell = tuple(data.draw(st.integers(0, s - 1)) for s in shape)
     raw = state.clone().view(torch.uint8)
     byte = data.draw(st.integers(0, state.element_size() - 1))
     bit = data.draw(st.integers(0, 7))
     raw[cell[:4]][cell[4] * state.element_size() + byte] ^= 1 << bit
-    flipped = _kv_table(raw.view(state.dtype), dst_layouts, dst["cache_layout"], dst["block"], 9)
+    flipped = _kv_table(
+        raw.view(state.dtype), dst_layouts, dst["cache_layout"], dst["block"], 9, chunk
+    )
     diff = np.argwhere(flipped.tables["kv"] != dst_table.tables["kv"]).tolist()
-    assert diff == [[cell[0], cell[1], cell[3]]]
+    assert diff == [[cell[2] // chunk if chunk else 0, cell[0], cell[1], cell[3]]]
 
 
 def _place_ssm(
@@ -423,7 +432,8 @@ def test_a_verified_hybrid_handoff_across_block_sizes_answers_like_the_colocated
     pair: _Pair,
 ) -> None:
     _, ticket = pair.ticket(1)
-    assert set(ticket["integrity"]) == {"kv", "conv", "recurrent"}
+    assert set(ticket["integrity"]) == {"kv", "conv", "recurrent", "chunk_tokens"}
+    assert ticket["integrity"]["chunk_tokens"] == chunk_tokens_for(len(PROMPT))
     future = pair.submit(1, ticket)
     assert pair.run()[1] == _colocated(ModelConfig())
     assert future is not None and future.result() == 1
@@ -469,6 +479,36 @@ def test_a_corrupted_source_fails_the_import_naming_the_cell_and_frees_everythin
     assert pair.dec._drain_handoff_completion_notifications() == [(1, True)]
     pair.assert_everything_free()
     pair.pre.release_handoff_blocks(1)
+
+
+def test_a_verifying_decode_reuses_its_prefix_cache_in_whole_chunks_and_checks_the_rest(
+    pair: _Pair,
+) -> None:
+    # The decode's cached prefix was not moved (and, prefilled in another batch, may differ in
+    # its last bits): the ledger reuses it in whole digest chunks and those chunks are skipped;
+    # every transferred token is still checked.
+    chunk = chunk_tokens_for(len(PROMPT))
+    assert len(PROMPT) > chunk and chunk % 64 == 0  # a whole decode block, plus a tail
+    expected = _colocated(ModelConfig())
+    for rid in (1, 2):
+        _, ticket = pair.ticket(rid)
+        pair.submit(rid, ticket)
+        assert pair.run()[rid] == expected
+        pair.pre.release_handoff_blocks(rid)
+    assert pair.dec.handoff_request_stats[1]["token_start"] == 0
+    assert pair.dec.handoff_request_stats[2]["token_start"] == chunk
+    assert pair.dec.handoff_stats["integrity_failures"] == 0
+    h, ticket = pair.ticket(3)
+    pre: Any = pair.pre  # Megatron [2, L, B, T, H, d]: K, layer 0, token `chunk`, head 0
+    pre.kv_cache[0, 0, h.block_ids[chunk // 16], 0, 0].view(torch.uint8)[0] ^= 1
+    future = pair.submit(3, ticket)
+    assert pair.run() == {}
+    assert future is not None and isinstance(future.exception(), IntegrityError)
+    m = future.exception().mismatch  # type: ignore[union-attr]
+    assert (m.table, m.kv, m.layer, m.unit, m.tokens) == ("kv", "K", 0, 0, (chunk, 2 * chunk))
+    assert f"tokens=[{chunk}, {2 * chunk})" in str(future.exception())
+    pair.assert_everything_free()
+    pair.pre.release_handoff_blocks(3)
 
 
 def test_a_verifying_decode_refuses_a_ticket_without_a_table_and_changes_nothing() -> None:

@@ -158,6 +158,30 @@ def test_push_transport_never_trims_the_prefix() -> None:
     assert b.src_block_ids == [0, 1]
 
 
+def test_reuse_alignment_trims_the_prefix_to_its_multiples_and_zero_is_refused() -> None:
+    # An integrity digest chunked by 8 tokens asks for reuse in multiples of 8 only.
+    ledger = ImportLedger(16, 4)
+    tokens = list(range(16))
+    (a,) = ledger.submit(1, tokens, src_block_ids=[0, 1, 2, 3], deadline=FAR, now=0)
+    ledger.report(1, a.epoch, 0, "ok", 1)
+    ledger.block_pool.release(ledger.admit(1)[0].block_ids)
+    other = [*tokens[:12], 99, 98, 97, 96]  # 3 cached blocks of 4 = 12 tokens match
+    with pytest.raises(exceptions.ArgumentError) as info:
+        ledger.submit(
+            2, other, src_block_ids=[4, 5, 6, 7], deadline=FAR, now=2, reuse_align_tokens=0
+        )
+    assert info.value.field == "reuse_align_tokens"
+    (b,) = ledger.submit(
+        2, other, src_block_ids=[4, 5, 6, 7], deadline=FAR, now=2, reuse_align_tokens=8
+    )
+    assert (b.token_start, len(b.cached_block_ids), b.src_block_ids) == (8, 2, [6, 7])
+    (c,) = ledger.submit(
+        3, other, src_block_ids=[8, 9, 10, 11], deadline=FAR, now=2, reuse_align_tokens=32
+    )
+    assert (c.token_start, c.cached_block_ids) == (0, [])  # no multiple of 32 is cached
+    ledger.check()
+
+
 def test_block_size_mismatch_trims_only_whole_multiples_of_both_block_sizes() -> None:
     ledger = ImportLedger(16, 4)
     tokens = list(range(16))

@@ -338,6 +338,7 @@ class ImportLedger:
         finished: bool = False,
         deadline: int,
         now: int,
+        reuse_align_tokens: int = 1,
     ) -> list[LedgerAction]: ...
     def report(
         self, request_id: int, epoch: int, rank: int, outcome: _Outcome, now: int

@@ -45,6 +45,7 @@ from disagg_rs.integrity import (
     IntegrityMismatch,
     IntegrityPiece,
     IntegrityTable,
+    chunk_tokens_for,
     conv_pieces,
     kv_pieces,
     recurrent_pieces,
@@ -492,21 +493,27 @@ class InferenceStateHandoffMixin:
         return ticket
 
     # -- integrity digest (verify_integrity) ----------------------------------------------------
-    def _integrity_shapes(self) -> dict[str, tuple[int, ...]]:
+    def _integrity_shapes(self, num_chunks: int = 1) -> dict[str, tuple[int, ...]]:
         """Digest table shapes of this model (the parts this engine registers)."""
         engine: Any = self
         kv = engine.kv_layout if self._kv_backend is not None else None
         ssm = engine.ssm_layout if self._ssm_backends else None
-        return IntegrityTable.shapes(kv, ssm)
+        return IntegrityTable.shapes(kv, ssm, num_chunks)
 
     def _local_integrity_pieces(
-        self, block_ids: list[int], num_tokens: int, ssm_slot: int | None
+        self,
+        block_ids: list[int],
+        num_tokens: int,
+        ssm_slot: int | None,
+        chunk_tokens: int | None = None,
     ) -> list[IntegrityPiece]:
         """This rank's digest entries of one request: the cells it holds, on its device."""
         pieces: list[IntegrityPiece] = []
         kv = self._kv_backend
         if kv is not None and num_tokens > 0:
-            pieces += kv_pieces(kv.memory_buffer, kv.geometry, kv.layout, block_ids, num_tokens)
+            pieces += kv_pieces(
+                kv.memory_buffer, kv.geometry, kv.layout, block_ids, num_tokens, chunk_tokens
+            )
         if ssm_slot is not None:
             for kind, b in self._ssm_backends.items():
                 fn = conv_pieces if kind == "conv" else recurrent_pieces
@@ -520,9 +527,10 @@ class InferenceStateHandoffMixin:
         (collective: each rank contributes the cells it holds)."""
         engine: Any = self
         started = time.perf_counter_ns()
+        chunk = chunk_tokens_for(num_tokens)
         local: list[IntegrityPiece] | str
         try:
-            local = self._local_integrity_pieces(block_ids, num_tokens, ssm_slot)
+            local = self._local_integrity_pieces(block_ids, num_tokens, ssm_slot, chunk)
         except DisaggError as e:  # gathered, so every rank raises instead of one hanging
             local = f"{type(e).__name__}: {e}"
         gathered = engine.handoff_all_gather(local)
@@ -530,7 +538,8 @@ class InferenceStateHandoffMixin:
         if errors:
             raise HandoffStateError(f"integrity digest failed on a rank: {errors[0]}", "integrity")
         pieces = [p for rank in gathered for p in rank]
-        table = IntegrityTable.merge(self._integrity_shapes(), pieces)
+        table = IntegrityTable.merge(self._integrity_shapes(-(-num_tokens // chunk)), pieces)
+        table.chunk_tokens = chunk
         self.handoff_stats["integrity_ns"] += time.perf_counter_ns() - started
         return table
 
@@ -542,10 +551,14 @@ class InferenceStateHandoffMixin:
             return None
         started = time.perf_counter_ns()
         dest = pending.destination
+        chunk = req.integrity.chunk_tokens
         local = self._local_integrity_pieces(
-            list(dest["block_ids"]), int(dest["num_tokens"]), dest["dst_ssm_slot"]
+            list(dest["block_ids"]), int(dest["num_tokens"]), dest["dst_ssm_slot"], chunk
         )
-        mismatch = req.integrity.first_mismatch(local)
+        # A prefix reused from this decode's cache was not moved (and, prefilled in another
+        # batch, may differ in its last bits): the ledger reused whole chunks only, skip them.
+        first = int(dest["token_start"]) // chunk if chunk else 0
+        mismatch = req.integrity.first_mismatch(local, first_chunk=first)
         self.handoff_stats["integrity_ns"] += time.perf_counter_ns() - started
         return mismatch
 
@@ -709,7 +722,10 @@ class InferenceStateHandoffMixin:
                     "no integrity table (enable verify_integrity on the prefill engine)",
                     "integrity",
                 )
-            integrity = IntegrityTable.from_wire(kv_meta["integrity"], self._integrity_shapes())
+            wire = kv_meta["integrity"]
+            chunk = IntegrityTable.wire_chunk_tokens(wire)
+            chunks = -(-len(prompt) // chunk) if chunk else 1
+            integrity = IntegrityTable.from_wire(wire, self._integrity_shapes(chunks))
         has_ssm = engine.ssm_slot_pool is not None
         if has_ssm != (kv_meta.get("src_ssm_slot") is not None):
             raise MetadataError(
@@ -734,13 +750,14 @@ class InferenceStateHandoffMixin:
             # comparable, so the decode finishes within LEASE_READ_FRACTION of the lease by its
             # own clock and the rest absorbs the ticket's transit: past it the import fails.
             budget = min(budget, int(lease * LEASE_READ_FRACTION))
-        # A verifying decode imports the whole prompt: a prefix from its own cache was not
-        # transferred and, computed by another prefill batch, may differ in its last bits.
-        prompt_args: dict[str, Any] = (
-            {"num_prompt_tokens": len(prompt), "prompt_hashes": []}
-            if self.verify_integrity
-            else {"prompt_tokens": np.asarray(prompt, dtype=np.int64)}
-        )
+        # A verifying decode reuses its prefix cache in whole digest chunks only (their
+        # entries are then skipped); a table without chunks allows no reuse at all.
+        prompt_args: dict[str, Any] = {"prompt_tokens": np.asarray(prompt, dtype=np.int64)}
+        if integrity is not None:
+            if integrity.chunk_tokens is None:
+                prompt_args = {"num_prompt_tokens": len(prompt), "prompt_hashes": []}
+            else:
+                prompt_args["reuse_align_tokens"] = integrity.chunk_tokens
         actions = ledger.submit(
             request_id,
             **prompt_args,

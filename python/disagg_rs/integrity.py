@@ -50,12 +50,15 @@ from disagg_rs._core import KVShardLayout, SSMShardLayout
 from disagg_rs.exceptions import ArgumentError, IntegrityError, MetadataError
 
 __all__ = [
+    "MAX_CHUNKS",
+    "MIN_CHUNK_TOKENS",
     "IntegrityError",
     "IntegrityMismatch",
     "IntegrityPiece",
     "IntegrityTable",
     "TableName",
     "cell_hashes",
+    "chunk_tokens_for",
     "conv_pieces",
     "kv_entries",
     "kv_pieces",
@@ -169,9 +172,11 @@ def kv_entries(
     layout: KVShardLayout,
     block_ids: Sequence[int] | npt.NDArray[Any] | torch.Tensor,
     num_tokens: int,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """Entries ``[2, local layers, local heads]`` (int64, on the buffer's device) of one
-    request's KV state on one rank.
+    request's KV state on one rank; with ``chunk_tokens`` ``C``, entries
+    ``[chunks, 2, local layers, local heads]``, chunk ``c`` summing tokens ``[c*C, (c+1)*C)``.
 
     ``buffer`` is the rank's registered KV buffer, ``geometry`` its :class:`KVGeometry` (or its
     ``to_dict()``), ``layout`` its :class:`KVShardLayout` (global layer and head ranges,
@@ -208,7 +213,11 @@ def kv_entries(
     tokens = torch.arange(num_tokens, dtype=torch.int64, device=dev)
     strides = (int(g["block_stride"]), int(g["token_stride"]), int(g["head_stride"]), 1)
     size = (int(g["num_blocks"]), t_per_b, n_heads, row_bytes)
-    out = torch.empty((2 * num_layers, n_heads), dtype=torch.int64, device=dev)
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ArgumentError(f"integrity digest: chunk_tokens={chunk_tokens} must be >= 1", "chunk")
+    per_chunk = chunk_tokens or max(1, num_tokens)
+    n_chunks = max(1, -(-num_tokens // per_chunk))
+    out = torch.empty((2 * num_layers, n_chunks, n_heads), dtype=torch.int64, device=dev)
     bases = [int(b) - base for b in g["plane_bases"]]  # plane p = kv * num_layers + local layer
     # Planes equally spaced in memory (one [2, L, ...] tensor) are digested a chunk of planes
     # per batch of kernels (bounded temporaries); other geometries one plane at a time.
@@ -230,8 +239,15 @@ def kv_entries(
         )
         keys = (heads << _TOKEN_BITS).view(1, 1, -1) + tokens.view(1, -1, 1)
         keys = _fmix64_(keys + plane_key.view(-1, 1, 1))
-        out[p0 : p0 + n] = cell_hashes(cells, keys).sum(dim=1)
-    return out.view(2, num_layers, n_heads)
+        hashes = cell_hashes(cells, keys)  # [planes, tokens, heads]
+        if n_chunks == 1:
+            out[p0 : p0 + n, 0] = hashes.sum(dim=1)
+        else:  # zero-padded to whole chunks (a zero adds nothing to a sum)
+            padded = torch.zeros((n, n_chunks * per_chunk, n_heads), dtype=torch.int64, device=dev)
+            padded[:, :num_tokens] = hashes
+            out[p0 : p0 + n] = padded.view(n, n_chunks, per_chunk, n_heads).sum(dim=2)
+    entries = out.view(2, num_layers, n_chunks, n_heads).permute(2, 0, 1, 3).contiguous()
+    return entries if chunk_tokens is not None else entries[0]
 
 
 # -- SSM ----------------------------------------------------------------------------------------
@@ -319,20 +335,39 @@ def kv_pieces(
     layout: KVShardLayout,
     block_ids: Sequence[int] | npt.NDArray[Any] | torch.Tensor,
     num_tokens: int,
+    chunk_tokens: int | None = None,
 ) -> list[IntegrityPiece]:
-    """:func:`kv_entries` as a table piece (copied to host: a few bytes per layer and head)."""
-    entries = _u64(kv_entries(buffer, geometry, layout, block_ids, num_tokens))
+    """:func:`kv_entries` as a table piece ``[chunks, 2, layers, heads]`` (one chunk without
+    ``chunk_tokens``), copied to host: a few bytes per chunk, layer and head."""
+    entries = _u64(
+        kv_entries(buffer, geometry, layout, block_ids, num_tokens, chunk_tokens or None)
+    )
+    if chunk_tokens is None:
+        entries = entries[np.newaxis]
     return [IntegrityPiece("kv", layout.layer_start, layout.head_start, entries)]
 
 
 # -- tables ---------------------------------------------------------------------------------
 
+#: At most this many KV chunks per ticket (8 bytes per chunk, layer and KV head).
+MAX_CHUNKS = 8
+#: Smallest KV chunk: a decode reuses its prefix cache in whole chunks only.
+MIN_CHUNK_TOKENS = 64
+
+
+def chunk_tokens_for(num_tokens: int) -> int:
+    """The KV chunk size for a prompt: a power of two, at least :data:`MIN_CHUNK_TOKENS`,
+    so that at most :data:`MAX_CHUNKS` chunks cover it (powers of two align with the usual
+    block sizes, so a decode's prefix reuse loses at most one chunk)."""
+    need = max(1, -(-num_tokens // MAX_CHUNKS))
+    return max(MIN_CHUNK_TOKENS, 1 << (need - 1).bit_length())
+
 
 @dataclass(frozen=True)
 class IntegrityPiece:
     """Entries one rank computed: a dense block of a table starting at global ``(layer,
-    unit)``; ``entries`` is ``[2, layers, units]`` for ``kv`` and ``[layers, units]`` for
-    ``conv``/``recurrent`` (``unit`` = KV head, conv band unit or SSM head)."""
+    unit)``; ``entries`` is ``[chunks, 2, layers, units]`` for ``kv`` and ``[layers, units]``
+    for ``conv``/``recurrent`` (``unit`` = KV head, conv band unit or SSM head)."""
 
     table: TableName
     layer_start: int
@@ -348,7 +383,7 @@ class IntegrityPiece:
             slice(self.layer_start, self.layer_start + n_layers),
             slice(self.unit_start, self.unit_start + n_units),
         )
-        return (slice(None), *cells) if self.table == "kv" else cells
+        return (slice(None), slice(None), *cells) if self.table == "kv" else cells
 
 
 @dataclass(frozen=True)
@@ -362,11 +397,15 @@ class IntegrityMismatch:
     got: int
     kv: str | None = None
     band: str | None = None
+    tokens: tuple[int, int] | None = None
+    """The KV chunk's token range ``[lo, hi)``."""
 
     def describe(self) -> str:
         """A one-line description naming the cell and both values."""
         if self.table == "kv":
             cell = f"kv={self.kv} layer={self.layer} head={self.unit}"
+            if self.tokens is not None:
+                cell += f" tokens=[{self.tokens[0]}, {self.tokens[1]})"
         elif self.table == "conv":
             cell = f"conv layer={self.layer} unit={self.unit} (band {self.band})"
         else:
@@ -383,15 +422,17 @@ class IntegrityTable:
     """
 
     tables: dict[str, npt.NDArray[np.uint64]]
+    chunk_tokens: int | None = None
+    """Tokens per KV chunk (the last may be shorter); None: one chunk of the whole prompt."""
 
     @staticmethod
     def shapes(
-        kv_layout: KVShardLayout | None, ssm_layout: SSMShardLayout | None
+        kv_layout: KVShardLayout | None, ssm_layout: SSMShardLayout | None, num_chunks: int = 1
     ) -> dict[str, tuple[int, ...]]:
-        """Table shapes of a model given any rank's layouts."""
+        """Table shapes of a model given any rank's layouts (and the KV chunk count)."""
         out: dict[str, tuple[int, ...]] = {}
         if kv_layout is not None:
-            out["kv"] = (2, kv_layout.num_layers, kv_layout.num_kv_heads)
+            out["kv"] = (num_chunks, 2, kv_layout.num_layers, kv_layout.num_kv_heads)
         if ssm_layout is not None:
             d = ssm_layout.dims
             out["conv"] = (ssm_layout.num_layers, d.num_heads + 2 * d.n_groups)
@@ -432,10 +473,26 @@ class IntegrityTable:
 
     def to_wire(self) -> dict[str, Any]:
         """The compact, msgpack-able form carried in the ticket."""
-        return {
+        wire: dict[str, Any] = {
             n: {"shape": list(t.shape), "data": t.astype("<u8").tobytes()}
             for n, t in self.tables.items()
         }
+        if self.chunk_tokens is not None:
+            wire["chunk_tokens"] = self.chunk_tokens
+        return wire
+
+    @staticmethod
+    def wire_chunk_tokens(wire: Any) -> int | None:
+        """The ``chunk_tokens`` of a ticket's table (None when absent); MetadataError if bad."""
+        if not isinstance(wire, Mapping) or wire.get("chunk_tokens") is None:
+            return None
+        c = wire["chunk_tokens"]
+        if not isinstance(c, int) or isinstance(c, bool) or not 1 <= c < 1 << _TOKEN_BITS:
+            raise MetadataError(
+                f"ticket integrity.chunk_tokens={c!r} must be an int in [1, 2**{_TOKEN_BITS})",
+                "integrity.chunk_tokens",
+            )
+        return c
 
     @classmethod
     def from_wire(cls, wire: Any, shapes: Mapping[str, tuple[int, ...]]) -> IntegrityTable:
@@ -469,23 +526,34 @@ class IntegrityTable:
                     f"integrity.{name}.data",
                 )
             tables[name] = np.frombuffer(bytes(data), dtype="<u8").astype(np.uint64).reshape(shape)
-        return cls(tables)
+        return cls(tables, cls.wire_chunk_tokens(wire))
 
-    def first_mismatch(self, pieces: Sequence[IntegrityPiece]) -> IntegrityMismatch | None:
-        """The first cell of ``pieces`` (this rank's entries) whose entry differs."""
+    def first_mismatch(
+        self, pieces: Sequence[IntegrityPiece], first_chunk: int = 0
+    ) -> IntegrityMismatch | None:
+        """The first cell of ``pieces`` (this rank's entries) whose entry differs; KV chunks
+        before ``first_chunk`` (a prefix the decode reused from its own cache, not moved) are
+        not compared."""
         for p in pieces:
-            expected = self.tables[p.table][p.index()]
-            diff = np.argwhere(expected != p.entries)
+            expected, got = self.tables[p.table][p.index()], p.entries
+            if p.table == "kv":
+                expected, got = expected[first_chunk:], got[first_chunk:]
+            diff = np.argwhere(expected != got)
             if len(diff) == 0:
                 continue
             at = tuple(int(i) for i in diff[0])
+            tokens = None
+            if p.table == "kv" and self.chunk_tokens is not None:
+                lo = (first_chunk + at[0]) * self.chunk_tokens
+                tokens = (lo, lo + self.chunk_tokens)
             return IntegrityMismatch(
                 p.table,
                 p.layer_start + at[-2],
                 p.unit_start + at[-1],
                 expected=int(expected[at]),
-                got=int(p.entries[at]),
-                kv=("K" if at[0] == 0 else "V") if p.table == "kv" else None,
+                got=int(got[at]),
+                kv=("K" if at[1] == 0 else "V") if p.table == "kv" else None,
                 band=p.band,
+                tokens=tokens,
             )
         return None

@@ -432,6 +432,7 @@ fn sut_step(s: &mut Sut, m: &Model, t: &Tr) -> Result<Vec<LedgerAction>, DisaggE
                 has_ssm: ssm,
                 finished,
                 deadline,
+                reuse_align_tokens: 1,
             };
             s.ledger.submit(req, now)
         }

@@ -181,7 +181,7 @@ impl PyImportLedger {
     #[pyo3(signature = (
         request_id, prompt_tokens=None, *, num_prompt_tokens=None, prompt_hashes=None,
         src_block_ids, src_block_size_tokens=None, resume_tokens=0, has_ssm=false,
-        finished=false, deadline, now
+        finished=false, deadline, now, reuse_align_tokens=1
     ))]
     fn submit(
         &self,
@@ -197,8 +197,10 @@ impl PyImportLedger {
         finished: bool,
         deadline: i64,
         now: i64,
+        reuse_align_tokens: i64,
     ) -> PyResult<Vec<PyLedgerAction>> {
         let request_id = u64_arg("request_id", request_id)?;
+        let reuse_align_tokens = u32_arg("reuse_align_tokens", reuse_align_tokens)?;
         let prompt_tokens = prompt_tokens.map(tokens_arg).transpose()?;
         let src_block_ids = ids_arg("src_block_ids", &src_block_ids)?;
         let resume_tokens = u32_arg("resume_tokens", resume_tokens)?;
@@ -243,6 +245,7 @@ impl PyImportLedger {
                 has_ssm,
                 finished,
                 deadline,
+                reuse_align_tokens,
             };
             l.submit(req, now).py()
         })?;

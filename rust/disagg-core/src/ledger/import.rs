@@ -59,6 +59,10 @@ pub struct ImportRequest {
     pub finished: bool,
     /// Absolute time after which the handoff fails if it is not admitted.
     pub deadline: u64,
+    /// Reuse a cached prefix only in whole multiples of this many tokens (as well as of both
+    /// block sizes); 1 for no constraint. An integrity digest chunked by `C` tokens sets `C`,
+    /// so the transferred suffix starts on a chunk boundary.
+    pub reuse_align_tokens: u32,
 }
 
 /// The reads (or receives) to post for one import, all in token order. Source blocks
@@ -347,6 +351,12 @@ impl ImportLedger {
                 "src_block_size_tokens=0 must be >= 1",
             ));
         }
+        if req.reuse_align_tokens == 0 {
+            return Err(DisaggError::argument(
+                "reuse_align_tokens",
+                "reuse_align_tokens=0 must be >= 1",
+            ));
+        }
         if req.deadline <= now {
             return Err(DisaggError::argument(
                 "deadline",
@@ -430,8 +440,11 @@ impl ImportLedger {
         let mut cached =
             if self.cfg.pull { self.pool.match_prefix(&req.prompt_hashes) } else { Vec::new() };
         // Reuse only whole multiples of both block sizes, so no cached block is partly written
-        // and the source read starts on a source block boundary.
+        // and the source read starts on a source block boundary (and of the requested
+        // alignment). Saturating: an alignment past any prompt simply means no reuse.
         let lcm = bs / gcd(bs, sbs) * sbs;
+        let align = u64::from(req.reuse_align_tokens);
+        let lcm = (lcm / gcd(lcm, align)).saturating_mul(align);
         let token_start =
             (cached.len() as u64 * bs / lcm * lcm).min(u64::from(req.num_prompt_tokens));
         cached.truncate((token_start / bs) as usize);
