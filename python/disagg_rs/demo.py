@@ -686,6 +686,17 @@ def run_demo(opts: DemoOptions) -> DemoResult:
                 f"request {rid}: decode answered {tr.tokens}, colocated {expected[rid]}"
             )
     finals = [r for r in worker_reports if r.get("stats") is not None and sup.current(r)]
+    if failures:  # where messages went, for the post-mortem
+        failures.append(
+            f"coordinator: undeliverable {server.undeliverable}, malformed {server.malformed}, "
+            f"ignored {dict(server.state.ignored)}, engines lost {dict(server.state.lost)}; "
+            "engine imports "
+            + "; ".join(
+                f"{r['role']}{r['rank']}: "
+                + ", ".join(f"{k}={v}" for k, v in sorted(r["stats"].items()) if v)
+                for r in finals
+            )
+        )
     leaked = sum(int(r["leaked_blocks"]) for r in finals)
     quarantined = sum(int(r["quarantined"]) for r in finals)
     pinned = sum(int(r["pinned"]) for r in finals)
