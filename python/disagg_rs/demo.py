@@ -121,10 +121,17 @@ class _RequestTrace:
     error: str | None = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all held open while choosing: a port closed and
+    asked for again may come back, and two worlds on one port would cross their rendezvous)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _model_config(name: str) -> Any:
@@ -435,6 +442,7 @@ class _Supervisor:
         """Engines killed and not restarted."""
         self.procs: dict[str, list[Any]] = {"prefill": [], "decode": []}
         self.retired: list[Any] = []
+        self._placements: list[_Placement] = []
         self.restarts = 0
 
     @property
@@ -452,6 +460,7 @@ class _Supervisor:
         slot0 = 0 if role == "prefill" else n_prefill
         for i, r in enumerate(ranks):
             where = _Placement(role, r, ranks, world, port, slot0 + i, self.generation[role])
+            self._placements.append(where)
             p = self.ctx.Process(
                 target=_worker, args=(self.opts, where, self.endpoint, self.results), daemon=True
             )
@@ -460,9 +469,9 @@ class _Supervisor:
 
     def start(self) -> None:
         """Start both engines."""
-        shared = _free_port()
-        for role in ("prefill", "decode"):
-            self._spawn(role, shared if self.shared_world else _free_port())
+        prefill_port, decode_port = _free_ports(2)
+        self._spawn("prefill", prefill_port)
+        self._spawn("decode", prefill_port if self.shared_world else decode_port)
 
     def kill(self, role: str, rank_index: int, restart: bool) -> int:
         """SIGKILL one rank of ``role``; as a supervisor would, kill the rest of that engine
@@ -481,7 +490,9 @@ class _Supervisor:
         self.generation[role] += 1
         if restart:
             self.restarts += 1
-            self._spawn(role, _free_port())
+            # Not the port the other engine's world uses, nor the dead incarnation's.
+            taken = {w.dist_port for w in self._placements}
+            self._spawn(role, next(p for p in _free_ports(3) if p not in taken))
         else:
             self.down.add(role)
         return int(victim.pid)
