@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import pytest
+import zmq
 
 from disagg_rs.control import (
     PROTOCOL_VERSION,
@@ -383,3 +384,41 @@ def test_a_fenced_engine_link_registers_again_by_itself() -> None:
         serving.join(5)
         link.close()
         server.close()
+
+
+def test_work_arriving_with_the_registered_reply_is_not_lost() -> None:
+    # The coordinator counts an engine as registered before the engine reads REGISTERED, so
+    # the first PREFILL can arrive in the same batch; register() used to drop it (the demo's
+    # requests then hung until their deadline).
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:0")
+    link = EngineLink(router.getsockopt_string(zmq.LAST_ENDPOINT), "p0", "prefill", incarnation=1)
+    prefill = encode_message(
+        Msg.PREFILL, request_id=5, epoch=1, prompt=[1], max_new_tokens=2, decode_engine_id="d0"
+    )
+    try:
+        sent = threading.Event()
+
+        def coordinator() -> None:
+            identity, _ = router.recv_multipart()  # REGISTER
+            registered = encode_message(
+                Msg.REGISTERED, engine_id="p0", incarnation=1, peers={"p0": {}}
+            )
+            router.send_multipart([identity, registered])
+            router.send_multipart([identity, prefill])
+            sent.set()
+
+        thread = threading.Thread(target=coordinator, daemon=True)
+        thread.start()
+        assert set(link.register({}, timeout_s=10.0)) == {"p0"}
+        assert sent.wait(10.0)
+        deadline = time.monotonic() + 10.0
+        got: list[dict[str, Any]] = []
+        while not got and time.monotonic() < deadline:
+            got = link.poll(50)
+        assert [(m["type"], m["request_id"]) for m in got] == [(Msg.PREFILL, 5)]
+        thread.join(5)
+    finally:
+        link.close()
+        router.close(0)

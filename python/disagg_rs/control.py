@@ -656,6 +656,7 @@ class EngineLink:
         self.peers: dict[str, dict[str, Any]] = {}
         self._last_sent = time.monotonic()
         self._meta: Any = None
+        self._backlog: list[dict[str, Any]] = []
         self.fenced = 0
         """How many times the coordinator fenced this engine (it then registered again)."""
 
@@ -671,9 +672,14 @@ class EngineLink:
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for msg in self.poll(100):
+            msgs = self.poll(100)
+            for i, msg in enumerate(msgs):
                 if msg["type"] is Msg.REGISTERED:
+                    # Work the coordinator sent right behind REGISTERED (it counts the engine
+                    # as registered before this reply is read) is kept for the next poll().
+                    self._backlog += msgs[:i] + msgs[i + 1 :]
                     return self.peers
+            self._backlog += [m for m in msgs if m["type"] is not Msg.REGISTERED]
         raise TransferTimeout(
             f"coordinator did not answer REGISTER within {timeout_s} s", "timeout_s"
         )
@@ -692,9 +698,10 @@ class EngineLink:
         return True
 
     def poll(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
-        """Messages that arrived within ``timeout_ms`` (peer updates are applied here)."""
-        out = []
-        if self._sock.poll(timeout_ms):
+        """Messages that arrived within ``timeout_ms`` (peer updates are applied here), after
+        any that arrived while :meth:`register` waited."""
+        out, self._backlog = self._backlog, []
+        if self._sock.poll(0 if out else timeout_ms):
             while True:
                 try:
                     msg = decode_message(self._sock.recv(zmq.NOBLOCK))
