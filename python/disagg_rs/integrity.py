@@ -101,24 +101,25 @@ def _fmix64_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _position_keys(
-    kind: int, layer: int, units: torch.Tensor, tokens: torch.Tensor
+def _keys(
+    kind: int | torch.Tensor, layers: torch.Tensor, units: torch.Tensor, tokens: torch.Tensor
 ) -> torch.Tensor:
-    """Hashed position keys ``[len(tokens), len(units)]`` (int64) of one layer's cells."""
+    """Hashed position keys ``[planes, tokens, units]`` (int64) of the cells at
+    ``(kind[p], layers[p], unit, token)`` (``kind`` per plane, or one for all)."""
     base = (kind << (_LAYER_BITS + _UNIT_BITS + _TOKEN_BITS)) | (
-        layer << (_UNIT_BITS + _TOKEN_BITS)
+        layers << (_UNIT_BITS + _TOKEN_BITS)
     )
-    keys = (units << _TOKEN_BITS).unsqueeze(0) + tokens.unsqueeze(1) + base
+    keys = base.view(-1, 1, 1) + tokens.view(1, -1, 1) + (units << _TOKEN_BITS).view(1, 1, -1)
     return _fmix64_(keys)
 
 
-def _layer_keys(kind: int, layers: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
-    """Hashed position keys ``[len(layers), len(units)]`` of token-less cells (SSM state):
-    the same keys as :func:`_position_keys` at token 0, for every layer at once."""
-    base = (layers << (_UNIT_BITS + _TOKEN_BITS)) | (
-        kind << (_LAYER_BITS + _UNIT_BITS + _TOKEN_BITS)
-    )
-    return _fmix64_(base.view(-1, 1) + (units << _TOKEN_BITS).view(1, -1))
+def _uniform_step(offsets: Sequence[int]) -> int | None:
+    """The spacing of equally spaced, increasing ``offsets`` (0 for one), else None: such
+    planes are one strided view, digested in one batch of kernels."""
+    steps = {b - a for a, b in itertools.pairwise(offsets)}
+    if not steps:
+        return 0
+    return min(steps) if len(steps) == 1 and min(steps) > 0 else None
 
 
 def _word_dtype(row_bytes: int) -> torch.dtype:
@@ -221,24 +222,18 @@ def kv_entries(
     bases = [int(b) - base for b in g["plane_bases"]]  # plane p = kv * num_layers + local layer
     # Planes equally spaced in memory (one [2, L, ...] tensor) are digested a chunk of planes
     # per batch of kernels (bounded temporaries); other geometries one plane at a time.
-    steps = {b - a for a, b in itertools.pairwise(bases)}
-    uniform = len(steps) == 1 and min(steps) > 0
-    plane_stride = min(steps) if uniform else 0
+    step = _uniform_step(bases)
     plane_bytes = max(1, num_tokens * n_heads * row_bytes)
     budget = _CHUNK_BYTES.get(dev.type, _CHUNK_BYTES_DEFAULT)
-    chunk = max(1, budget // plane_bytes) if uniform else 1
+    chunk = max(1, budget // plane_bytes) if step is not None else 1
     for p0 in range(0, 2 * num_layers, chunk):
         n = min(chunk, 2 * num_layers - p0)
-        planes = torch.as_strided(flat, (n, *size), (plane_stride, *strides), bases[p0])
+        planes = torch.as_strided(flat, (n, *size), (step or 0, *strides), bases[p0])
         cells = planes.index_select(1, ids).reshape(n, -1, n_heads, row_bytes)[:, :num_tokens]
         p = torch.arange(p0, p0 + n, dtype=torch.int64, device=dev)
         kind = torch.where(p < num_layers, _KIND_KEY, _KIND_VALUE)
         layer = layout.layer_start + p % num_layers
-        plane_key = (kind << (_LAYER_BITS + _UNIT_BITS + _TOKEN_BITS)) | (
-            layer << (_UNIT_BITS + _TOKEN_BITS)
-        )
-        keys = (heads << _TOKEN_BITS).view(1, 1, -1) + tokens.view(1, -1, 1)
-        keys = _fmix64_(keys + plane_key.view(-1, 1, 1))
+        keys = _keys(kind, layer, heads, tokens)
         hashes = cell_hashes(cells, keys)  # [planes, tokens, heads]
         if n_chunks == 1:
             out[p0 : p0 + n, 0] = hashes.sum(dim=1)
@@ -262,9 +257,8 @@ def _ssm_cells(
     size = (int(part["num_units"]), int(part["unit_bytes"]))
     strides = (int(part["unit_stride"]), 1)
     offsets = [int(b) - base + slot * int(part["slot_stride"]) for b in part["layer_bases"]]
-    steps = {b - a for a, b in itertools.pairwise(offsets[:num_layers])}
-    if num_layers == 1 or (len(steps) == 1 and min(steps) > 0):
-        step = min(steps) if steps else 0
+    step = _uniform_step(offsets[:num_layers])
+    if step is not None:
         return torch.as_strided(flat, (num_layers, *size), (step, *strides), offsets[0])
     return torch.stack([torch.as_strided(flat, size, strides, o) for o in offsets[:num_layers]])
 
@@ -289,6 +283,7 @@ def conv_pieces(
     _check_key_range("layer", layout.layer_end, _LAYER_BITS)
     _check_key_range("unit", dims.num_heads + 2 * dims.n_groups, _UNIT_BITS)
     layers = torch.arange(layout.layer_start, layout.layer_end, dtype=torch.int64, device=dev)
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)  # SSM state has no token axis
     all_layers = _ssm_cells(flat, base, part, layout.num_local_layers, slot)
     pieces = []
     for band, per_unit, first_unit in (
@@ -305,8 +300,7 @@ def conv_pieces(
         units = torch.arange(u_lo, u_lo + n_units, dtype=torch.int64, device=dev)
         rows = all_layers[:, l_lo:l_hi]
         cells = rows.reshape(layers.numel(), n_units, -1)
-        keys = _layer_keys(_KIND_CONV, layers, units)
-        entries = cell_hashes(cells, keys)
+        entries = cell_hashes(cells, _keys(_KIND_CONV, layers, units, zero)[:, 0])
         pieces.append(IntegrityPiece("conv", layout.layer_start, u_lo, _u64(entries), band=band))
     return pieces
 
@@ -325,7 +319,9 @@ def recurrent_pieces(
     heads = torch.arange(h_lo, h_hi, dtype=torch.int64, device=dev)
     layers = torch.arange(layout.layer_start, layout.layer_end, dtype=torch.int64, device=dev)
     cells = _ssm_cells(flat, base, part, layout.num_local_layers, slot)
-    entries = cell_hashes(cells.contiguous(), _layer_keys(_KIND_RECURRENT, layers, heads))
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    keys = _keys(_KIND_RECURRENT, layers, heads, zero)[:, 0]
+    entries = cell_hashes(cells.contiguous(), keys)
     return [IntegrityPiece("recurrent", layout.layer_start, h_lo, _u64(entries))]
 
 
