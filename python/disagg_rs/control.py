@@ -313,15 +313,11 @@ class CoordinatorState:
         out: list[Outgoing] = []
         if old is not None and incarnation > old.incarnation:
             # A restarted engine lost its state: fail the requests that still depend on it.
-            for req in sorted(self.requests.values(), key=lambda r: r.request_id):
-                if self._lost_with(req, engine_id):
-                    # The pins died with the old prefill: no RELEASE_KV to the new one.
-                    req.pinned = req.pinned and req.prefill != engine_id
-                    out += self._fail(
-                        req,
-                        f"engine {engine_id} restarted (incarnation {old.incarnation} -> "
-                        f"{incarnation}) while holding this request's state",
-                    )
+            out += self._fail_dependents(
+                engine_id,
+                f"engine {engine_id} restarted (incarnation {old.incarnation} -> "
+                f"{incarnation}) while holding this request's state",
+            )
         self.engines[engine_id] = _Engine(
             engine_id, str(msg["role"]), incarnation, msg["meta"], identity, now
         )
@@ -339,6 +335,17 @@ class CoordinatorState:
             for other in sorted(self.engines)
             if other != engine_id
         ]
+        return out
+
+    def _fail_dependents(self, engine_id: str, error: str) -> list[Outgoing]:
+        """Fail every request that loses state it still needs with ``engine_id``."""
+        out: list[Outgoing] = []
+        for req in sorted(self.requests.values(), key=lambda r: r.request_id):
+            if self._lost_with(req, engine_id):
+                # Pins held by that prefill died with it: no RELEASE_KV goes to it (a lost one
+                # is no longer an engine; a restarted one never had them).
+                req.pinned = req.pinned and req.prefill != engine_id
+                out += self._fail(req, error)
         return out
 
     @staticmethod
@@ -495,13 +502,11 @@ class CoordinatorState:
         for engine_id in lost:
             gone = self.engines.pop(engine_id)
             self.lost[engine_id] += 1
-            for req in sorted(self.requests.values(), key=lambda r: r.request_id):
-                if self._lost_with(req, engine_id):
-                    out += self._fail(
-                        req,
-                        f"engine {engine_id} (incarnation {gone.incarnation}) silent for more "
-                        f"than {timeout} s while holding this request's state",
-                    )
+            out += self._fail_dependents(
+                engine_id,
+                f"engine {engine_id} (incarnation {gone.incarnation}) silent for more than "
+                f"{timeout} s while holding this request's state",
+            )
         if lost:
             peers = self._peers()
             out += [Outgoing(e, None, Msg.PEERS, {"peers": peers}) for e in sorted(self.engines)]
@@ -663,13 +668,7 @@ class EngineLink:
     def register(self, meta: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """Publish static metadata once; returns the peers known to the coordinator."""
         self._meta = meta
-        self.send(
-            Msg.REGISTER,
-            engine_id=self.engine_id,
-            role=self.role,
-            incarnation=self.incarnation,
-            meta=meta,
-        )
+        self._send_register()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             msgs = self.poll(100)
@@ -682,6 +681,15 @@ class EngineLink:
             self._backlog += [m for m in msgs if m["type"] is not Msg.REGISTERED]
         raise TransferTimeout(
             f"coordinator did not answer REGISTER within {timeout_s} s", "timeout_s"
+        )
+
+    def _send_register(self) -> None:
+        self.send(
+            Msg.REGISTER,
+            engine_id=self.engine_id,
+            role=self.role,
+            incarnation=self.incarnation,
+            meta=self._meta,
         )
 
     def send(self, kind: Msg, **fields: Any) -> None:
@@ -711,13 +719,7 @@ class EngineLink:
                     self.peers = dict(msg["peers"])
                 if msg["type"] is Msg.FENCED and self._meta is not None:
                     self.fenced += 1  # declared lost while alive: come back, same incarnation
-                    self.send(
-                        Msg.REGISTER,
-                        engine_id=self.engine_id,
-                        role=self.role,
-                        incarnation=self.incarnation,
-                        meta=self._meta,
-                    )
+                    self._send_register()
                     continue
                 out.append(msg)
         return out
