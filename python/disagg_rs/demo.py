@@ -404,18 +404,12 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
 def _corrupt_reads(engine: Any, request_id: int) -> None:
     """Fault test: wrap this decode rank's KV backend so that ``request_id``'s read lands with
     one bit flipped (the soak's ``corrupt_transfer``)."""
-    from disagg_rs.soak import FaultInjectingBackend
+    from disagg_rs.soak import FaultInjectingBackend, track_posting_request
 
     kv = FaultInjectingBackend(engine._kv_backend, "kv")
     kv.faults[request_id] = "corrupt_transfer"
     engine._kv_backend = kv
-    start = engine._start_import
-
-    def start_import(action: Any) -> None:
-        kv.current = action.request_id
-        start(action)
-
-    engine._start_import = start_import
+    track_posting_request(engine, [kv])
 
 
 class _Supervisor:

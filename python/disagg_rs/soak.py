@@ -44,6 +44,7 @@ __all__ = [
     "SoakReport",
     "main",
     "run_soak",
+    "track_posting_request",
 ]
 
 #: The faults a handoff can draw; ``none`` is a clean handoff.
@@ -139,6 +140,19 @@ class FaultInjectingBackend:
         cell[0] ^= 0x10
 
 
+def track_posting_request(engine: Any, backends: list[FaultInjectingBackend]) -> None:
+    """Tell ``backends`` which request's transfers ``engine`` (a decode using them) is
+    posting, so that faults armed per request hit the right pulls."""
+    start = engine._start_import
+
+    def start_import(action: Any) -> None:
+        for b in backends:
+            b.current = action.request_id
+        start(action)
+
+    engine._start_import = start_import
+
+
 @dataclass
 class SoakOptions:
     """What the soak runs."""
@@ -222,18 +236,10 @@ def _engines(opts: SoakOptions) -> tuple[Any, Any, Any]:
     from disagg_rs.reference import EngineConfig, ModelConfig, ReferenceEngine
     from disagg_rs.reference.handoff import HandoffReferenceEngine
 
-    class SoakDecodeEngine(HandoffReferenceEngine):
-        """Tells the fault-injecting backends which request's transfers are being posted."""
-
-        def _start_import(self, action: Any) -> None:
-            for b in (self._kv_backend, *self._ssm_backends.values()):
-                b.current = action.request_id
-            super()._start_import(action)
-
     model = ModelConfig()
     common = {"num_blocks": opts.num_blocks, "num_ssm_slots": opts.max_in_flight + 2}
     pre = HandoffReferenceEngine(model, EngineConfig(role="prefill", **common))  # type: ignore[arg-type]
-    dec = SoakDecodeEngine(model, EngineConfig(role="decode", max_batch=4, **common))  # type: ignore[arg-type]
+    dec = HandoffReferenceEngine(model, EngineConfig(role="decode", max_batch=4, **common))  # type: ignore[arg-type]
     colocated = ReferenceEngine(model, EngineConfig(num_blocks=256))
     return pre, dec, colocated
 
@@ -266,6 +272,7 @@ def run_soak(opts: SoakOptions) -> SoakReport:
     dec._kv_backend = backends["kv"]
     for kind, b in list(dec._ssm_backends.items()):
         backends[kind] = dec._ssm_backends[kind] = FaultInjectingBackend(b, kind)
+    track_posting_request(dec, list(backends.values()))
 
     report = SoakReport(handoffs=opts.handoffs)
     fault_of: dict[int, str] = {}
