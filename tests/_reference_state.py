@@ -66,7 +66,7 @@ def read_piece(engine: ReferenceEngine, block_ids: list[int], n: int, slot: int 
         assert engine.ssm_recurrent_state is not None
         conv = engine.ssm_conv_state[:, slot].clone()
         rec = engine.ssm_recurrent_state[:, slot].clone()
-        bands = [ssm_layout.band(b) for b in ("x", "B", "C")]
+        bands = [ssm_layout.band_span(b) for b in ("x", "B", "C")]
     return Piece(
         kv_layers=kv_layout.layers if kv_layout else None,
         kv_heads=kv_layout.heads if kv_layout else None,
@@ -145,7 +145,7 @@ def write_state(
         assert engine.ssm_conv_state is not None and engine.ssm_recurrent_state is not None
         l0, l1 = ssm_layout.layers
         for b in ("x", "B", "C"):
-            (g0, g1), (c0, c1) = ssm_layout.band(b)
+            (g0, g1), (c0, c1) = ssm_layout.band_span(b)
             engine.ssm_conv_state[:, slot, c0:c1] = state.conv[l0:l1, g0:g1].to(
                 engine.ssm_conv_state.device
             )

@@ -72,7 +72,7 @@ def kv_layouts(side: Side, layers: int, heads: int) -> list[dr.KVShardLayout]:
 
 
 def ssm_layouts(side: Side, layers: int, dims: dr.SSMStateDims) -> list[dr.SSMShardLayout]:
-    """The SSMShardLayouts of every rank of ``side``."""
+    """The SSMShardLayouts of every rank of ``side`` (B/C groups may be replicated)."""
     return [
         dr.SSMShardLayout(
             layers,
@@ -85,6 +85,7 @@ def ssm_layouts(side: Side, layers: int, dims: dr.SSMStateDims) -> list[dr.SSMSh
             ep_rank=ep,
             layer_start=start,
             num_local_layers=side.split[pp],
+            replicate_groups=True,
         )
         for ep, pp, tp, start, rank in _slots(side)
     ]

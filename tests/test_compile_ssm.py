@@ -20,7 +20,9 @@ CONV_SENT, REC_SENT = 0xFFFF, 0xFFFFFFFF
 
 def layouts(dims: SSMStateDims, layers: int, tp: int, pp: int, rank0: int) -> list[SSMShardLayout]:
     return [
-        SSMShardLayout(layers, dims, tp, t, pp, p, global_rank=rank0 + p * tp + t)
+        SSMShardLayout(
+            layers, dims, tp, t, pp, p, global_rank=rank0 + p * tp + t, replicate_groups=True
+        )
         for p in range(pp)
         for t in range(tp)
     ]
@@ -41,7 +43,7 @@ class SsmRank:
     def write(self, gc: np.ndarray[Any, Any], gr: np.ndarray[Any, Any], slot: int) -> None:
         lay, l0 = self.layout, self.layout.layer_start
         for band in ("x", "B", "C"):
-            (g_lo, g_hi), (lo, hi) = lay.band(band)  # type: ignore[arg-type]
+            (g_lo, g_hi), (lo, hi) = lay.band_span(band)  # type: ignore[arg-type]
             self.conv[:, slot, lo:hi] = gc[l0 : lay.layer_end, g_lo:g_hi]
         h0, h1 = lay.heads
         self.rec[:, slot] = gr[l0 : lay.layer_end, h0:h1]

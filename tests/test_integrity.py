@@ -210,7 +210,7 @@ def _place_ssm(
     c = _random_bytes((l1 - l0, slots, layout.local_conv_channels, conv.shape[-1]), conv.dtype, gen)
     r = _random_bytes((l1 - l0, slots, h1 - h0, *rec.shape[2:]), rec.dtype, gen)
     for band in ("x", "B", "C"):
-        (g_lo, g_hi), (c_lo, c_hi) = layout.band(band)  # type: ignore[arg-type]
+        (g_lo, g_hi), (c_lo, c_hi) = layout.band_span(band)  # type: ignore[arg-type]
         c[:, slot, c_lo:c_hi] = conv[l0:l1, g_lo:g_hi]
     r[:, slot] = rec[l0:l1, h0:h1]
     return c, r, slot
@@ -260,7 +260,14 @@ def test_ssm_digest_is_keyed_by_band_units_that_no_tp_split_cuts(
 
     def layouts(tp: int, first: int) -> list[SSMShardLayout]:
         return [
-            SSMShardLayout(num_layers, dims, tp_size=tp, tp_rank=t, global_rank=first + t)
+            SSMShardLayout(
+                num_layers,
+                dims,
+                tp_size=tp,
+                tp_rank=t,
+                global_rank=first + t,
+                replicate_groups=True,
+            )
             for t in range(tp)
         ]
 

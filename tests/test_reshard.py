@@ -59,7 +59,7 @@ def test_applying_the_kv_plan_reproduces_a_direct_split(case) -> None:
 def test_applying_the_ssm_plan_reproduces_a_direct_split(case) -> None:
     srcs, dsts = case
     dims = srcs[0].dims
-    layers, d_conv = srcs[0].num_layers, dims.d_conv
+    layers, d_conv = srcs[0].total_layers, dims.d_conv
     conv = np.arange(layers * dims.conv_channels * d_conv, dtype=np.int64).reshape(
         layers, dims.conv_channels, d_conv
     )
@@ -69,7 +69,7 @@ def test_applying_the_ssm_plan_reproduces_a_direct_split(case) -> None:
 
     def conv_split(layout: dr.SSMShardLayout) -> np.ndarray:
         l0, l1 = layout.layers
-        bands = [conv[l0:l1, slice(*layout.band(b)[0])] for b in ("x", "B", "C")]
+        bands = [conv[l0:l1, slice(*layout.band_span(b)[0])] for b in ("x", "B", "C")]
         return np.concatenate(bands, axis=1)
 
     def rec_split(layout: dr.SSMShardLayout) -> np.ndarray:
@@ -155,7 +155,10 @@ def test_ssm_plan_moves_x_b_c_and_recurrent_bands() -> None:
     plan = dr.plan_ssm_reshard(srcs, [dr.SSMShardLayout(2, dims, global_rank=7)])
     plan.verify()
     assert sorted({t.band for t in plan}) == ["B", "C", "recurrent", "x"]
-    assert len(plan) == 8
+    # 2 sources x 4 bands, each over layers [0, 2): 8 ranges, 16 single-layer records.
+    assert len(plan.ranges) == 8
+    assert len(plan) == 16
+    assert all(r.layers == (0, 2) for r in plan.ranges)
     x1 = next(t for t in plan if t.band == "x" and t.src_rank == 1)
     assert x1.global_range == (4, 8)
     assert x1.src_local == (0, 4)

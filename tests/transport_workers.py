@@ -277,6 +277,7 @@ def ssm_layout(case: Case, side: Side) -> Any:
         side.pp_size,
         side.pp_rank,
         side.global_rank,
+        replicate_groups=True,
     )
 
 
@@ -340,7 +341,7 @@ def make_buffer(case: Case, side: Side, *, fill: bool) -> Any:
                 g = _global_ssm(case)
                 slot = src_ids(case, side)[0]
                 for band in ("x", "B", "C"):
-                    (ga, gb), (la, lb) = lay.band(band)
+                    (ga, gb), (la, lb) = lay.band_span(band)
                     buf[:, slot, la:lb] = g[l0:l1, ga:gb]
         else:
             h0, h1 = lay.heads
@@ -382,7 +383,7 @@ def expected_dst(case: Case, side: Side) -> Any:
         g = _global_ssm(case)
         if case.kind == "conv":
             for band in ("x", "B", "C"):
-                (ga, gb), (la, lb) = lay.band(band)
+                (ga, gb), (la, lb) = lay.band_span(band)
                 buf[:, slot, la:lb] = g[l0:l1, ga:gb]
         else:
             h0, h1 = lay.heads

@@ -47,7 +47,7 @@ import numpy.typing as npt
 import torch
 
 from disagg_rs._core import KVShardLayout, SSMShardLayout
-from disagg_rs.exceptions import ArgumentError, IntegrityError, MetadataError
+from disagg_rs.exceptions import ArgumentError, IntegrityError, LayoutError, MetadataError
 
 __all__ = [
     "MAX_CHUNKS",
@@ -291,7 +291,7 @@ def conv_pieces(
         ("B", dims.d_state, dims.num_heads),
         ("C", dims.d_state, dims.num_heads + dims.n_groups),
     ):
-        (g_lo, g_hi), (l_lo, l_hi) = layout.band(band)  # type: ignore[arg-type]
+        (g_lo, g_hi), (l_lo, l_hi) = layout.band_span(band)  # type: ignore[arg-type]
         band_start = 0 if band == "x" else dims.num_heads * dims.head_dim
         if band == "C":
             band_start += dims.n_groups * dims.d_state
@@ -431,8 +431,15 @@ class IntegrityTable:
             out["kv"] = (num_chunks, 2, kv_layout.num_layers, kv_layout.num_kv_heads)
         if ssm_layout is not None:
             d = ssm_layout.dims
-            out["conv"] = (ssm_layout.num_layers, d.num_heads + 2 * d.n_groups)
-            out["recurrent"] = (ssm_layout.num_layers, d.num_heads)
+            total = ssm_layout.total_layers
+            if total is None:
+                raise LayoutError(
+                    "integrity tables need the model's SSM layer count: build the "
+                    "SSMShardLayout with total_layers=",
+                    field="total_layers",
+                )
+            out["conv"] = (total, d.num_heads + 2 * d.n_groups)
+            out["recurrent"] = (total, d.num_heads)
         return out
 
     @classmethod

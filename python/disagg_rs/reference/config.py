@@ -284,4 +284,6 @@ def ssm_layout_for(
         global_rank,
         layer_start=lo if explicit else None,
         num_local_layers=hi - lo if explicit else None,
+        # The reference mixer gives each rank a full copy of its B/C group when tp > groups.
+        replicate_groups=True,
     )

@@ -51,7 +51,7 @@ impl Span {
 
 /// Everything needed to build a [`KvShardLayout`]; `layer_start` and `num_local_layers` are set
 /// together (an explicit, possibly uneven pipeline window) or not at all (even split).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvLayoutSpec {
     /// Layers of the whole model that hold KV cache.
     pub num_layers: u32,
@@ -67,14 +67,39 @@ pub struct KvLayoutSpec {
     pub pp_rank: u32,
     /// Rank in the engine's world; the tie-breaker that picks one replica as the source.
     pub global_rank: u32,
+    /// Expert-parallel size (attention KV is replicated, never split, across EP ranks).
+    pub ep_size: u32,
     /// Expert-parallel coordinate of this replica (attention KV is identical across EP ranks).
     pub ep_rank: u32,
+    /// Expert-tensor-parallel size (a replica dimension for attention KV, like EP).
+    pub etp_size: u32,
     /// Expert-tensor-parallel coordinate of this replica.
     pub etp_rank: u32,
     /// First global layer of this stage (explicit window).
     pub layer_start: Option<u32>,
     /// Number of layers of this stage (explicit window).
     pub num_local_layers: Option<u32>,
+}
+
+impl Default for KvLayoutSpec {
+    /// Zero model sizes (to be filled in), one EP and one ETP replica, even layer split.
+    fn default() -> Self {
+        Self {
+            num_layers: 0,
+            num_kv_heads: 0,
+            tp_size: 0,
+            tp_rank: 0,
+            pp_size: 0,
+            pp_rank: 0,
+            global_rank: 0,
+            ep_size: 1,
+            ep_rank: 0,
+            etp_size: 1,
+            etp_rank: 0,
+            layer_start: None,
+            num_local_layers: None,
+        }
+    }
 }
 
 /// The KV cache slice one rank holds: a layer window and a head range.
@@ -99,15 +124,21 @@ pub struct KvShardLayout {
     pub pp_rank: u32,
     /// Rank in the engine's world.
     pub global_rank: u32,
+    /// Expert-parallel size.
+    pub ep_size: u32,
     /// Expert-parallel replica coordinate.
     pub ep_rank: u32,
+    /// Expert-tensor-parallel size.
+    pub etp_size: u32,
     /// Expert-tensor-parallel replica coordinate.
     pub etp_rank: u32,
     /// Global layers held, `[lo, hi)`.
     pub layers: Span,
     /// Global KV heads held, `[lo, hi)`.
     pub heads: Span,
-    /// Whether the layer window was given explicitly (kept for the wire round trip).
+    /// Whether the layer window differs from the even split (kept for the wire round trip). An
+    /// explicit window equal to the even split is stored as the even split, so a layout rebuilt
+    /// from its own fields compares equal however the window was spelled.
     pub explicit_window: bool,
 }
 
@@ -128,9 +159,20 @@ fn rank_below(rank_field: &str, rank: u32, size_field: &str, size: u32) -> Disag
     Ok(())
 }
 
-/// The pipeline window of one stage: explicit, or an even split of `num_layers`.
+/// The even split of `num_layers` for `pp_rank`, if `pp_size` divides it.
+fn even_window(num_layers: u32, pp_size: u32, pp_rank: u32) -> Option<Span> {
+    if pp_size == 0 || !num_layers.is_multiple_of(pp_size) {
+        return None;
+    }
+    let per = num_layers / pp_size;
+    Some(Span::new(pp_rank * per, (pp_rank + 1) * per))
+}
+
+/// The pipeline window of one stage: explicit, or an even split of `num_layers`. `num_layers`
+/// is `None` when the model's total is unknown (only an explicit window is possible then).
+/// Returns the window and whether it differs from the even split.
 fn layer_window(
-    num_layers: u32,
+    num_layers: Option<u32>,
     pp_size: u32,
     pp_rank: u32,
     layer_start: Option<u32>,
@@ -139,17 +181,34 @@ fn layer_window(
     match (layer_start, num_local_layers) {
         (Some(start), Some(count)) => {
             at_least_one("num_local_layers", count)?;
-            let end = start.checked_add(count).filter(|&e| e <= num_layers).ok_or_else(|| {
+            let end = start.checked_add(count).ok_or_else(|| {
                 DisaggError::layout(
                     "num_local_layers",
-                    format!(
-                        "layer_start={start} + num_local_layers={count} exceeds num_layers={num_layers}"
-                    ),
+                    format!("layer_start={start} + num_local_layers={count} exceeds 2**32"),
                 )
             })?;
-            Ok((Span::new(start, end), true))
+            let Some(total) = num_layers else {
+                return Ok((Span::new(start, end), true));
+            };
+            if end > total {
+                return Err(DisaggError::layout(
+                    "num_local_layers",
+                    format!(
+                        "layer_start={start} + num_local_layers={count} exceeds num_layers={total}"
+                    ),
+                ));
+            }
+            let window = Span::new(start, end);
+            Ok((window, even_window(total, pp_size, pp_rank) != Some(window)))
         }
         (None, None) => {
+            let Some(num_layers) = num_layers else {
+                return Err(DisaggError::layout(
+                    "layer_start",
+                    "layer_start=None and num_layers=None: give the model's layer count or an \
+                     explicit layer window",
+                ));
+            };
             if !num_layers.is_multiple_of(pp_size) {
                 return Err(DisaggError::layout(
                     "num_layers",
@@ -207,6 +266,8 @@ impl KvShardLayout {
         at_least_one("num_kv_heads", spec.num_kv_heads)?;
         at_least_one("tp_size", spec.tp_size)?;
         at_least_one("pp_size", spec.pp_size)?;
+        at_least_one("ep_size", spec.ep_size)?;
+        at_least_one("etp_size", spec.etp_size)?;
         rank_below("tp_rank", spec.tp_rank, "tp_size", spec.tp_size)?;
         rank_below("pp_rank", spec.pp_rank, "pp_size", spec.pp_size)?;
         if spec.pp_size > spec.num_layers {
@@ -217,7 +278,7 @@ impl KvShardLayout {
         }
         let heads = unit_share("num_kv_heads", spec.num_kv_heads, spec.tp_size, spec.tp_rank)?;
         let (layers, explicit_window) = layer_window(
-            spec.num_layers,
+            Some(spec.num_layers),
             spec.pp_size,
             spec.pp_rank,
             spec.layer_start,
@@ -231,7 +292,9 @@ impl KvShardLayout {
             pp_size: spec.pp_size,
             pp_rank: spec.pp_rank,
             global_rank: spec.global_rank,
+            ep_size: spec.ep_size,
             ep_rank: spec.ep_rank,
+            etp_size: spec.etp_size,
             etp_rank: spec.etp_rank,
             layers,
             heads,
@@ -249,7 +312,9 @@ impl KvShardLayout {
             pp_size: self.pp_size,
             pp_rank: self.pp_rank,
             global_rank: self.global_rank,
+            ep_size: self.ep_size,
             ep_rank: self.ep_rank,
+            etp_size: self.etp_size,
             etp_rank: self.etp_rank,
             layer_start: self.explicit_window.then_some(self.layers.lo),
             num_local_layers: self.explicit_window.then_some(self.layers.len()),
@@ -263,6 +328,12 @@ impl KvShardLayout {
         } else {
             1
         }
+    }
+
+    /// The attention shard this rank holds, `(tp_rank, pp_rank)`: ranks sharing it are EP/ETP
+    /// replicas holding identical KV (the reference design's `kv_shard_key`).
+    pub fn kv_shard_key(&self) -> (u32, u32) {
+        (self.tp_rank, self.pp_rank)
     }
 }
 
@@ -390,8 +461,9 @@ pub struct BandSpan {
 /// Everything needed to build a [`SsmShardLayout`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SsmLayoutSpec {
-    /// SSM layers of the whole model.
-    pub num_layers: u32,
+    /// SSM layers of the whole model; `None` when unknown (the reference design's layouts carry
+    /// only the stage window), which requires an explicit window.
+    pub num_layers: Option<u32>,
     /// Global per-layer dimensions.
     pub dims: SsmStateDims,
     /// Tensor-parallel size.
@@ -412,14 +484,18 @@ pub struct SsmLayoutSpec {
     pub layer_start: Option<u32>,
     /// Number of SSM layers of this stage (explicit window).
     pub num_local_layers: Option<u32>,
+    /// Opt-in for `tp_size > n_groups`: each group of `tp_size / n_groups` ranks holds a full
+    /// copy of one B/C group. Off by default because Mamba mixers split the groups across TP
+    /// ranks and reject fewer groups than ranks; a layout that replicates them must say so.
+    pub replicate_groups: bool,
 }
 
 /// The SSM state one rank holds: a layer window, a head range (x band and recurrent state) and
 /// a group range (B and C bands). The local conv channels are packed `[x | B | C]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SsmShardLayout {
-    /// SSM layers of the whole model.
-    pub num_layers: u32,
+    /// SSM layers of the whole model, `None` when unknown.
+    pub num_layers: Option<u32>,
     /// Global per-layer dimensions.
     pub dims: SsmStateDims,
     /// Tensor-parallel size.
@@ -442,22 +518,26 @@ pub struct SsmShardLayout {
     pub heads: Span,
     /// Global B/C groups held.
     pub groups: Span,
-    /// Whether the layer window was given explicitly.
+    /// Whether the layer window differs from the even split (or the total is unknown).
     pub explicit_window: bool,
+    /// Whether B/C groups may be replicated across TP ranks (`tp_size > n_groups`).
+    pub replicate_groups: bool,
 }
 
 impl SsmShardLayout {
     /// Validate `spec` and build the layout.
     pub fn new(spec: SsmLayoutSpec) -> DisaggResult<Self> {
-        at_least_one("num_layers", spec.num_layers)?;
+        if let Some(total) = spec.num_layers {
+            at_least_one("num_layers", total)?;
+        }
         at_least_one("tp_size", spec.tp_size)?;
         at_least_one("pp_size", spec.pp_size)?;
         rank_below("tp_rank", spec.tp_rank, "tp_size", spec.tp_size)?;
         rank_below("pp_rank", spec.pp_rank, "pp_size", spec.pp_size)?;
-        if spec.pp_size > spec.num_layers {
+        if let Some(total) = spec.num_layers.filter(|&n| spec.pp_size > n) {
             return Err(DisaggError::layout(
                 "pp_size",
-                format!("pp_size={} exceeds num_layers={}", spec.pp_size, spec.num_layers),
+                format!("pp_size={} exceeds num_layers={total}", spec.pp_size),
             ));
         }
         let dims = spec.dims;
@@ -467,6 +547,16 @@ impl SsmShardLayout {
                 format!(
                     "SSM num_heads={} is not divisible by tp_size={}",
                     dims.num_heads, spec.tp_size
+                ),
+            ));
+        }
+        if dims.n_groups < spec.tp_size && !spec.replicate_groups {
+            return Err(DisaggError::layout(
+                "n_groups",
+                format!(
+                    "ngroups={} < tp_size={}: Mamba mixers split the B/C groups across TP ranks; \
+                     pass replicate_groups=True if each rank holds a full copy of its group",
+                    dims.n_groups, spec.tp_size
                 ),
             ));
         }
@@ -493,6 +583,7 @@ impl SsmShardLayout {
             heads,
             groups,
             explicit_window,
+            replicate_groups: spec.replicate_groups,
         })
     }
 
@@ -510,7 +601,28 @@ impl SsmShardLayout {
             etp_rank: self.etp_rank,
             layer_start: self.explicit_window.then_some(self.layers.lo),
             num_local_layers: self.explicit_window.then_some(self.layers.len()),
+            replicate_groups: self.replicate_groups,
         }
+    }
+
+    /// The SSM shard this rank holds, `(tp_rank, first layer)`: ranks sharing it hold
+    /// identical state (the reference design's `shard_key`).
+    pub fn shard_key(&self) -> (u32, u32) {
+        (self.tp_rank, self.layers.lo)
+    }
+
+    /// The reference design's band triple `(global_total, local_size, local_offset)`: the
+    /// band's global width, this rank's width of it and where it starts in the local packing
+    /// (channels for x, B, C; heads for the recurrent state, whose offset is always 0).
+    pub fn band_extent(&self, band: SsmBand) -> (u32, u32, u32) {
+        let d = self.dims;
+        let total = match band {
+            SsmBand::X => d.num_heads * d.head_dim,
+            SsmBand::B | SsmBand::C => d.n_groups * d.d_state,
+            SsmBand::Recurrent => d.num_heads,
+        };
+        let local = self.band(band).local;
+        (total, local.len(), local.lo)
     }
 
     /// Local conv channels of this rank: `[x_local | B_local | C_local]`.
@@ -608,7 +720,7 @@ mod tests {
     fn ssm_bands_pack_x_then_b_then_c() {
         let dims = SsmStateDims::new(8, 4, 16, 2, 4).unwrap();
         let l = SsmShardLayout::new(SsmLayoutSpec {
-            num_layers: 2,
+            num_layers: Some(2),
             dims,
             tp_size: 2,
             tp_rank: 1,
@@ -619,6 +731,7 @@ mod tests {
             etp_rank: 0,
             layer_start: None,
             num_local_layers: None,
+            replicate_groups: false,
         })
         .unwrap();
         assert_eq!(l.band(SsmBand::X).global, Span::new(16, 32));
@@ -629,5 +742,67 @@ mod tests {
         assert_eq!(l.band(SsmBand::C).local, Span::new(32, 48));
         assert_eq!(l.local_conv_channels(), 48);
         assert_eq!(l.band(SsmBand::Recurrent).global, Span::new(4, 8));
+    }
+
+    fn ssm(tp: u32, rank: u32, groups: u32, replicate: bool) -> SsmLayoutSpec {
+        SsmLayoutSpec {
+            num_layers: Some(4),
+            dims: SsmStateDims::new(8, 4, 16, groups, 4).unwrap(),
+            tp_size: tp,
+            tp_rank: rank,
+            pp_size: 1,
+            pp_rank: 0,
+            global_rank: rank,
+            ep_rank: 0,
+            etp_rank: 0,
+            layer_start: None,
+            num_local_layers: None,
+            replicate_groups: replicate,
+        }
+    }
+
+    #[test]
+    fn an_explicit_window_equal_to_the_even_split_is_the_even_split() {
+        let mut s = kv(1, 0);
+        s.pp_size = 2;
+        s.pp_rank = 1;
+        let even = KvShardLayout::new(s).unwrap();
+        s.layer_start = Some(4);
+        s.num_local_layers = Some(4);
+        assert_eq!(KvShardLayout::new(s).unwrap(), even);
+        s.num_local_layers = Some(3);
+        assert!(KvShardLayout::new(s).unwrap().explicit_window);
+    }
+
+    #[test]
+    fn fewer_ssm_groups_than_ranks_needs_the_replication_opt_in() {
+        let e = SsmShardLayout::new(ssm(4, 0, 2, false)).unwrap_err();
+        assert_eq!(e.kind(), "Layout");
+        assert!(e.to_string().contains("ngroups=2 < tp_size=4"), "{e}");
+        assert!(e.to_string().contains("replicate_groups"), "{e}");
+        let l = SsmShardLayout::new(ssm(4, 3, 2, true)).unwrap();
+        assert_eq!(l.groups, Span::new(1, 2));
+    }
+
+    #[test]
+    fn an_ssm_layout_without_a_total_needs_an_explicit_window() {
+        let mut s = ssm(1, 0, 2, false);
+        s.num_layers = None;
+        assert!(SsmShardLayout::new(s).unwrap_err().to_string().contains("num_layers=None"));
+        s.layer_start = Some(6);
+        s.num_local_layers = Some(2);
+        let l = SsmShardLayout::new(s).unwrap();
+        assert_eq!(l.layers, Span::new(6, 8));
+        assert_eq!(SsmShardLayout::new(l.spec()).unwrap(), l);
+    }
+
+    #[test]
+    fn band_extent_is_total_local_size_and_local_offset() {
+        let l = SsmShardLayout::new(ssm(2, 1, 2, false)).unwrap();
+        assert_eq!(l.band_extent(SsmBand::X), (32, 16, 0));
+        assert_eq!(l.band_extent(SsmBand::B), (32, 16, 16));
+        assert_eq!(l.band_extent(SsmBand::C), (32, 16, 32));
+        assert_eq!(l.band_extent(SsmBand::Recurrent), (8, 4, 0));
+        assert_eq!(l.shard_key(), (1, 0));
     }
 }

@@ -31,6 +31,6 @@ pub use ledger::{
 };
 pub use pool::{block_hashes, BlockPool, SlotPool, SlotState};
 pub use reshard::{
-    plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer, SsmReshardPlan,
-    SsmReshardTransfer,
+    local_range, plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer,
+    SsmReshardPlan, SsmReshardTransfer,
 };

@@ -231,6 +231,22 @@ pub struct KvReshardTransfer {
     pub dst_head_start: u32,
 }
 
+/// `range` (global) in the local indexing of a layout that holds `held`; a layout that does not
+/// hold the whole range (the wrong side's layout, or another rank's) is a layout error.
+pub fn local_range(range: Span, held: Span, field: &str, rank: u32) -> DisaggResult<Span> {
+    if !held.contains_span(range) {
+        return Err(DisaggError::layout(
+            field,
+            format!(
+                "the layout of global_rank={rank} holds {field} [{}, {}) but the transfer moves \
+                 [{}, {})",
+                held.lo, held.hi, range.lo, range.hi
+            ),
+        ));
+    }
+    Ok(range.relative_to(held.lo))
+}
+
 impl KvReshardTransfer {
     /// Layers in the source's local indexing.
     pub fn src_local_layers(&self) -> Span {
@@ -365,6 +381,12 @@ pub struct SsmReshardTransfer {
 }
 
 impl SsmReshardTransfer {
+    /// The transfer cut into one transfer per layer (the reference design's granularity), in
+    /// layer order.
+    pub fn per_layer(&self) -> impl Iterator<Item = SsmReshardTransfer> + '_ {
+        (self.layers.lo..self.layers.hi)
+            .map(|l| SsmReshardTransfer { layers: Span::new(l, l + 1), ..*self })
+    }
     /// Layers in the source's local indexing.
     pub fn src_local_layers(&self) -> Span {
         self.layers.relative_to(self.src_layer_start)
@@ -422,7 +444,9 @@ pub fn plan_ssm_reshard(
     srcs: &[SsmShardLayout],
     dsts: &[SsmShardLayout],
 ) -> DisaggResult<SsmReshardPlan> {
-    same_model("num_layers", srcs.iter().chain(dsts).map(|l| l.num_layers))?;
+    // Layouts built from a stage window alone do not know the model's total; the exact-once
+    // coverage check still catches a destination layer that no source holds.
+    same_model("num_layers", srcs.iter().chain(dsts).filter_map(|l| l.num_layers))?;
     let all = || srcs.iter().chain(dsts);
     same_model("num_heads", all().map(|l| l.dims.num_heads))?;
     same_model("head_dim", all().map(|l| l.dims.head_dim))?;
@@ -482,6 +506,11 @@ impl SsmReshardPlan {
     /// The transfers a given destination rank receives, in plan order.
     pub fn for_dst(&self, rank: u32) -> Vec<SsmReshardTransfer> {
         self.transfers.iter().filter(|t| t.dst_rank == rank).copied().collect()
+    }
+    /// The plan with every transfer cut into single layers (the reference design's records),
+    /// in plan order.
+    pub fn per_layer(&self) -> Vec<SsmReshardTransfer> {
+        self.transfers.iter().flat_map(SsmReshardTransfer::per_layer).collect()
     }
     /// Check exact-once coverage of every destination (layer, channel) conv cell and every
     /// (layer, head) recurrent cell, and that local ranges agree with the global ones.
@@ -596,6 +625,47 @@ mod tests {
         let e = plan_kv_reshard(&srcs, &kv_side(1, 1, 4, 2, 10)).unwrap_err();
         assert_eq!(e.kind(), "Coverage");
         assert!(e.to_string().contains("layer 2"), "{e}");
+    }
+
+    #[test]
+    fn local_ranges_need_a_layout_that_holds_the_range() {
+        let p = plan_kv_reshard(&kv_side(2, 1, 4, 4, 0), &kv_side(1, 1, 4, 4, 9)).unwrap();
+        let t = p.transfers[1];
+        assert_eq!(local_range(t.heads, Span::new(2, 4), "heads", 1).unwrap(), Span::new(0, 2));
+        let e = local_range(t.heads, Span::new(0, 2), "heads", 0).unwrap_err();
+        assert!(e.to_string().contains("holds heads [0, 2)"), "{e}");
+    }
+
+    #[test]
+    fn ssm_per_layer_cuts_every_transfer_into_single_layers() {
+        let dims = crate::layout::SsmStateDims::new(4, 2, 3, 2, 4).unwrap();
+        let side = |tp: u32, rank0: u32| -> Vec<SsmShardLayout> {
+            (0..tp)
+                .map(|t| {
+                    SsmShardLayout::new(crate::layout::SsmLayoutSpec {
+                        num_layers: Some(3),
+                        dims,
+                        tp_size: tp,
+                        tp_rank: t,
+                        pp_size: 1,
+                        pp_rank: 0,
+                        global_rank: rank0 + t,
+                        ep_rank: 0,
+                        etp_rank: 0,
+                        layer_start: None,
+                        num_local_layers: None,
+                        replicate_groups: false,
+                    })
+                    .unwrap()
+                })
+                .collect()
+        };
+        let p = plan_ssm_reshard(&side(2, 0), &side(1, 5)).unwrap();
+        let cut = p.per_layer();
+        assert_eq!(cut.len(), 3 * p.transfers.len());
+        assert!(cut.iter().all(|t| t.layers.len() == 1));
+        assert_eq!(cut[0].layers, Span::new(0, 1));
+        assert_eq!(cut[2].layers, Span::new(2, 3));
     }
 
     #[test]

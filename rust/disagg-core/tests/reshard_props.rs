@@ -61,7 +61,9 @@ fn kv_layouts(side: &Side, layers: u32, heads: u32) -> Vec<KvShardLayout> {
                         pp_size: side.pp,
                         pp_rank: pp,
                         global_rank: side.ranks[slot],
+                        ep_size: side.ep,
                         ep_rank: ep,
+                        etp_size: 1,
                         etp_rank: 0,
                         layer_start: Some(start),
                         num_local_layers: Some(side.split[pp as usize]),
@@ -158,7 +160,7 @@ fn ssm_layouts(side: &Side, layers: u32, dims: SsmStateDims) -> Vec<SsmShardLayo
             for tp in 0..side.tp {
                 out.push(
                     SsmShardLayout::new(SsmLayoutSpec {
-                        num_layers: layers,
+                        num_layers: Some(layers),
                         dims,
                         tp_size: side.tp,
                         tp_rank: tp,
@@ -169,6 +171,7 @@ fn ssm_layouts(side: &Side, layers: u32, dims: SsmStateDims) -> Vec<SsmShardLayo
                         etp_rank: 0,
                         layer_start: Some(start),
                         num_local_layers: Some(side.split[pp as usize]),
+                        replicate_groups: true,
                     })
                     .unwrap(),
                 );

@@ -1,12 +1,18 @@
 //! Python classes for the shard layouts: `KVShardLayout`, `SSMStateDims`, `SSMShardLayout`.
+//!
+//! Each class accepts the reference design's (Megatron-LM's disaggregation package) positional
+//! order and keywords, and ours as aliases of the same constructor. Each also carries the
+//! reference design's dataclass fields (`__dataclass_fields__`), so `dataclasses.asdict`,
+//! `astuple`, `fields` and `replace` work on them as on the reference dataclasses.
 
 use disagg_core::{
-    KvLayoutSpec, KvShardLayout, SsmBand, SsmLayoutSpec, SsmShardLayout, SsmStateDims,
+    DisaggError, KvLayoutSpec, KvShardLayout, SsmBand, SsmLayoutSpec, SsmShardLayout, SsmStateDims,
 };
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyType};
+use pyo3::types::{PyDict, PyList, PyTuple, PyType};
 
-use crate::error::{reject_unknown_keys, u32_field, wire_dict, wire_err, IntoPyResult};
+use crate::error::{reject_unknown_keys, to_pyerr, u32_field, wire_dict, wire_err, IntoPyResult};
 
 /// Half-open range as a Python tuple.
 pub type PyRange = (u32, u32);
@@ -27,8 +33,60 @@ pub fn dict_opt_u32(d: &Bound<'_, PyDict>, key: &str) -> PyResult<Option<u32>> {
     }
 }
 
+/// Required integer field of a wire dict under either of two spellings (ours, the reference
+/// design's); both present must agree.
+fn dict_u32_either(d: &Bound<'_, PyDict>, ours: &str, theirs: &str) -> PyResult<u32> {
+    match (dict_opt_u32(d, ours)?, dict_opt_u32(d, theirs)?) {
+        (Some(a), Some(b)) if a != b => {
+            Err(wire_err(ours, format!("{ours}={a} disagrees with its alias {theirs}={b}")))
+        }
+        (Some(a), _) | (None, Some(a)) => Ok(a),
+        (None, None) => Err(wire_err(ours, format!("missing required field (or {theirs})"))),
+    }
+}
+
+/// Optional boolean field of a wire dict (absent: false).
+fn dict_bool(d: &Bound<'_, PyDict>, key: &str) -> PyResult<bool> {
+    match d.get_item(key)? {
+        None => Ok(false),
+        Some(v) => v.extract().map_err(|_| wire_err(key, format!("expected a bool, got {v}"))),
+    }
+}
+
 fn opt_u32(field: &str, v: Option<i64>) -> PyResult<Option<u32>> {
     v.map(|x| u32_field(field, x)).transpose()
+}
+
+/// One argument given under the reference design's name or our alias (not both).
+fn one_of<T>(
+    name: &str,
+    value: Option<T>,
+    alias: &str,
+    alias_value: Option<T>,
+) -> PyResult<Option<T>> {
+    match (value, alias_value) {
+        (Some(_), Some(_)) => {
+            Err(PyTypeError::new_err(format!("give {name} or its alias {alias}, not both")))
+        }
+        (v, None) | (None, v) => Ok(v),
+    }
+}
+
+fn required<T>(name: &str, v: Option<T>) -> PyResult<T> {
+    v.ok_or_else(|| PyTypeError::new_err(format!("missing required argument {name}")))
+}
+
+/// `__dataclass_fields__` of a frozen dataclass named `name` with `fields`, built by
+/// `dataclasses.make_dataclass` so the `Field` objects are the standard library's own.
+fn dataclass_fields(py: Python<'_>, name: &str, fields: &[&str]) -> PyResult<Py<PyAny>> {
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("frozen", true)?;
+    let cls = py.import("dataclasses")?.call_method(
+        "make_dataclass",
+        (name, PyList::new(py, fields)?),
+        Some(&kwargs),
+    )?;
+    Ok(cls.getattr("__dataclass_fields__")?.unbind())
 }
 
 /// The KV cache slice one rank holds: a PP layer window and a KV head range (half-open).
@@ -39,15 +97,35 @@ pub struct PyKvShardLayout {
     pub inner: KvShardLayout,
 }
 
-const KV_KEYS: [&str; 11] = [
+const KV_KEYS: [&str; 14] = [
     "num_layers",
     "num_kv_heads",
+    "num_heads",
     "tp_size",
     "tp_rank",
     "pp_size",
     "pp_rank",
     "global_rank",
+    "ep_size",
     "ep_rank",
+    "etp_size",
+    "etp_rank",
+    "layer_start",
+    "num_local_layers",
+];
+
+/// The reference design's dataclass fields of `KVShardLayout`, in its order.
+const KV_FIELDS: [&str; 13] = [
+    "num_layers",
+    "num_heads",
+    "tp_size",
+    "tp_rank",
+    "pp_size",
+    "pp_rank",
+    "global_rank",
+    "ep_size",
+    "ep_rank",
+    "etp_size",
     "etp_rank",
     "layer_start",
     "num_local_layers",
@@ -57,35 +135,45 @@ const KV_KEYS: [&str; 11] = [
 impl PyKvShardLayout {
     #[new]
     #[pyo3(signature = (
-        num_layers, num_kv_heads, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, global_rank=None,
-        *, ep_rank=0, etp_rank=0, layer_start=None, num_local_layers=None
+        num_layers, num_heads=None, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, global_rank=None,
+        ep_size=1, ep_rank=0, etp_size=1, etp_rank=0, layer_start=None, num_local_layers=None,
+        *, num_kv_heads=None
     ))]
     fn new(
         num_layers: i64,
-        num_kv_heads: i64,
+        num_heads: Option<i64>,
         tp_size: i64,
         tp_rank: i64,
         pp_size: i64,
         pp_rank: i64,
         global_rank: Option<i64>,
+        ep_size: i64,
         ep_rank: i64,
+        etp_size: i64,
         etp_rank: i64,
         layer_start: Option<i64>,
         num_local_layers: Option<i64>,
+        num_kv_heads: Option<i64>,
     ) -> PyResult<Self> {
+        let heads = required(
+            "num_heads (or num_kv_heads)",
+            one_of("num_heads", num_heads, "num_kv_heads", num_kv_heads)?,
+        )?;
         let tp_size_u = u32_field("tp_size", tp_size)?;
         let tp_rank_u = u32_field("tp_rank", tp_rank)?;
         let pp_rank_u = u32_field("pp_rank", pp_rank)?;
         let default_rank = i64::from(pp_rank_u) * i64::from(tp_size_u) + i64::from(tp_rank_u);
         let spec = KvLayoutSpec {
             num_layers: u32_field("num_layers", num_layers)?,
-            num_kv_heads: u32_field("num_kv_heads", num_kv_heads)?,
+            num_kv_heads: u32_field("num_kv_heads", heads)?,
             tp_size: tp_size_u,
             tp_rank: tp_rank_u,
             pp_size: u32_field("pp_size", pp_size)?,
             pp_rank: pp_rank_u,
             global_rank: u32_field("global_rank", global_rank.unwrap_or(default_rank))?,
+            ep_size: u32_field("ep_size", ep_size)?,
             ep_rank: u32_field("ep_rank", ep_rank)?,
+            etp_size: u32_field("etp_size", etp_size)?,
             etp_rank: u32_field("etp_rank", etp_rank)?,
             layer_start: opt_u32("layer_start", layer_start)?,
             num_local_layers: opt_u32("num_local_layers", num_local_layers)?,
@@ -93,12 +181,23 @@ impl PyKvShardLayout {
         Ok(Self { inner: KvShardLayout::new(spec).py()? })
     }
 
+    /// The reference design's dataclass fields (for `dataclasses.asdict` and friends).
+    #[classattr]
+    fn __dataclass_fields__(py: Python<'_>) -> PyResult<Py<PyAny>> {
+        dataclass_fields(py, "KVShardLayout", &KV_FIELDS)
+    }
+
     /// Layers of the whole model.
     #[getter]
     fn num_layers(&self) -> u32 {
         self.inner.num_layers
     }
-    /// KV heads of the whole model.
+    /// KV heads of the whole model (the reference design's name).
+    #[getter]
+    fn num_heads(&self) -> u32 {
+        self.inner.num_kv_heads
+    }
+    /// KV heads of the whole model (alias of `num_heads`).
     #[getter]
     fn num_kv_heads(&self) -> u32 {
         self.inner.num_kv_heads
@@ -123,9 +222,19 @@ impl PyKvShardLayout {
     fn global_rank(&self) -> u32 {
         self.inner.global_rank
     }
+    /// Expert-parallel size (a replica dimension: KV is identical across EP ranks).
+    #[getter]
+    fn ep_size(&self) -> u32 {
+        self.inner.ep_size
+    }
     #[getter]
     fn ep_rank(&self) -> u32 {
         self.inner.ep_rank
+    }
+    /// Expert-tensor-parallel size (a replica dimension, like EP).
+    #[getter]
+    fn etp_size(&self) -> u32 {
+        self.inner.etp_size
     }
     #[getter]
     fn etp_rank(&self) -> u32 {
@@ -141,6 +250,7 @@ impl PyKvShardLayout {
     fn layer_end(&self) -> u32 {
         self.inner.layers.hi
     }
+    /// Layers held by this rank.
     #[getter]
     fn num_local_layers(&self) -> u32 {
         self.inner.layers.len()
@@ -155,7 +265,7 @@ impl PyKvShardLayout {
     fn head_end(&self) -> u32 {
         self.inner.heads.hi
     }
-    /// KV heads held by this rank (the seed API's `heads_per_partition`).
+    /// KV heads held by this rank (the backends' `heads_per_partition`).
     #[getter]
     fn heads_per_partition(&self) -> u32 {
         self.inner.heads.len()
@@ -170,12 +280,32 @@ impl PyKvShardLayout {
     fn heads(&self) -> PyRange {
         (self.inner.heads.lo, self.inner.heads.hi)
     }
+    /// Global layers held, `[lo, hi)` (the reference design's method).
+    fn layer_range(&self) -> PyRange {
+        self.layers()
+    }
+    /// Global KV heads held, `[lo, hi)` (the reference design's method).
+    fn head_range(&self) -> PyRange {
+        self.heads()
+    }
+    /// Layers held by this rank (the reference design's method).
+    fn local_num_layers(&self) -> u32 {
+        self.inner.layers.len()
+    }
+    /// KV heads held by this rank (the reference design's method).
+    fn local_num_heads(&self) -> u32 {
+        self.inner.heads.len()
+    }
+    /// The attention shard held, `(tp_rank, pp_rank)`: ranks sharing it are EP/ETP replicas.
+    fn kv_shard_key(&self) -> (u32, u32) {
+        self.inner.kv_shard_key()
+    }
     /// Ranks holding the same KV head (GQA replication factor; 1 when `tp_size` <= heads).
     #[getter]
     fn gqa_replication(&self) -> u32 {
         self.inner.gqa_replication()
     }
-    /// Whether the layer window was given explicitly.
+    /// Whether the layer window differs from the even split of the model's layers.
     #[getter]
     fn explicit_window(&self) -> bool {
         self.inner.explicit_window
@@ -192,14 +322,17 @@ impl PyKvShardLayout {
         d.set_item("pp_size", s.pp_size)?;
         d.set_item("pp_rank", s.pp_rank)?;
         d.set_item("global_rank", s.global_rank)?;
+        d.set_item("ep_size", s.ep_size)?;
         d.set_item("ep_rank", s.ep_rank)?;
+        d.set_item("etp_size", s.etp_size)?;
         d.set_item("etp_rank", s.etp_rank)?;
         d.set_item("layer_start", s.layer_start)?;
         d.set_item("num_local_layers", s.num_local_layers)?;
         Ok(d)
     }
 
-    /// Rebuild from `to_dict()` output; raises `MetadataError` on a missing, unknown or
+    /// Rebuild from `to_dict()` output or from the reference design's field dict
+    /// (`num_heads` for `num_kv_heads`); raises `MetadataError` on a missing, unknown or
     /// mistyped field and `LayoutError` on an invalid combination.
     #[classmethod]
     fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyAny>) -> PyResult<Self> {
@@ -230,8 +363,8 @@ impl PyKvShardLayout {
             l.heads.lo,
             l.heads.hi,
             l.num_kv_heads,
-            if l.ep_rank != 0 || l.etp_rank != 0 {
-                format!(", ep_rank={}, etp_rank={}", l.ep_rank, l.etp_rank)
+            if l.ep_size != 1 || l.etp_size != 1 || l.ep_rank != 0 || l.etp_rank != 0 {
+                format!(", ep={}/{}, etp={}/{}", l.ep_rank, l.ep_size, l.etp_rank, l.etp_size)
             } else {
                 String::new()
             }
@@ -240,18 +373,20 @@ impl PyKvShardLayout {
 }
 
 impl PyKvShardLayout {
-    /// Decode a wire dict.
+    /// Decode a wire dict (ours or the reference design's field names).
     pub fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
         reject_unknown_keys(d, &KV_KEYS, "KVShardLayout")?;
         let spec = KvLayoutSpec {
             num_layers: dict_u32(d, "num_layers")?,
-            num_kv_heads: dict_u32(d, "num_kv_heads")?,
+            num_kv_heads: dict_u32_either(d, "num_kv_heads", "num_heads")?,
             tp_size: dict_u32(d, "tp_size")?,
             tp_rank: dict_u32(d, "tp_rank")?,
             pp_size: dict_u32(d, "pp_size")?,
             pp_rank: dict_u32(d, "pp_rank")?,
             global_rank: dict_u32(d, "global_rank")?,
+            ep_size: dict_opt_u32(d, "ep_size")?.unwrap_or(1),
             ep_rank: dict_opt_u32(d, "ep_rank")?.unwrap_or(0),
+            etp_size: dict_opt_u32(d, "etp_size")?.unwrap_or(1),
             etp_rank: dict_opt_u32(d, "etp_rank")?.unwrap_or(0),
             layer_start: dict_opt_u32(d, "layer_start")?,
             num_local_layers: dict_opt_u32(d, "num_local_layers")?,
@@ -268,33 +403,65 @@ pub struct PySsmStateDims {
     pub inner: SsmStateDims,
 }
 
-const DIMS_KEYS: [&str; 5] = ["num_heads", "head_dim", "d_state", "n_groups", "d_conv"];
+const DIMS_KEYS: [&str; 8] =
+    ["num_heads", "nheads", "head_dim", "headdim", "d_state", "n_groups", "ngroups", "d_conv"];
+
+/// The reference design's dataclass fields of `SSMStateDims`, in its order.
+const DIMS_FIELDS: [&str; 5] = ["nheads", "headdim", "d_state", "ngroups", "d_conv"];
 
 #[pymethods]
 impl PySsmStateDims {
     #[new]
-    #[pyo3(signature = (num_heads, head_dim, d_state, n_groups=1, d_conv=4))]
+    #[pyo3(signature = (
+        nheads=None, headdim=None, d_state=None, ngroups=None, d_conv=4,
+        *, num_heads=None, head_dim=None, n_groups=None
+    ))]
     fn new(
-        num_heads: i64,
-        head_dim: i64,
-        d_state: i64,
-        n_groups: i64,
+        nheads: Option<i64>,
+        headdim: Option<i64>,
+        d_state: Option<i64>,
+        ngroups: Option<i64>,
         d_conv: i64,
+        num_heads: Option<i64>,
+        head_dim: Option<i64>,
+        n_groups: Option<i64>,
     ) -> PyResult<Self> {
+        let heads =
+            required("nheads (or num_heads)", one_of("nheads", nheads, "num_heads", num_heads)?)?;
+        let dim =
+            required("headdim (or head_dim)", one_of("headdim", headdim, "head_dim", head_dim)?)?;
+        let groups = one_of("ngroups", ngroups, "n_groups", n_groups)?.unwrap_or(1);
         let inner = SsmStateDims::new(
-            u32_field("num_heads", num_heads)?,
-            u32_field("head_dim", head_dim)?,
-            u32_field("d_state", d_state)?,
-            u32_field("n_groups", n_groups)?,
+            u32_field("num_heads", heads)?,
+            u32_field("head_dim", dim)?,
+            u32_field("d_state", required("d_state", d_state)?)?,
+            u32_field("n_groups", groups)?,
             u32_field("d_conv", d_conv)?,
         )
         .py()?;
         Ok(Self { inner })
     }
+    /// The reference design's dataclass fields (for `dataclasses.asdict` and friends).
+    #[classattr]
+    fn __dataclass_fields__(py: Python<'_>) -> PyResult<Py<PyAny>> {
+        dataclass_fields(py, "SSMStateDims", &DIMS_FIELDS)
+    }
+    /// SSM heads of the whole model (the reference design's name).
+    #[getter]
+    fn nheads(&self) -> u32 {
+        self.inner.num_heads
+    }
+    /// SSM heads of the whole model (alias of `nheads`).
     #[getter]
     fn num_heads(&self) -> u32 {
         self.inner.num_heads
     }
+    /// Channels per head (the reference design's name).
+    #[getter]
+    fn headdim(&self) -> u32 {
+        self.inner.head_dim
+    }
+    /// Channels per head (alias of `headdim`).
     #[getter]
     fn head_dim(&self) -> u32 {
         self.inner.head_dim
@@ -303,6 +470,12 @@ impl PySsmStateDims {
     fn d_state(&self) -> u32 {
         self.inner.d_state
     }
+    /// B/C groups of the whole model (the reference design's name).
+    #[getter]
+    fn ngroups(&self) -> u32 {
+        self.inner.n_groups
+    }
+    /// B/C groups of the whole model (alias of `ngroups`).
     #[getter]
     fn n_groups(&self) -> u32 {
         self.inner.n_groups
@@ -325,6 +498,7 @@ impl PySsmStateDims {
         d.set_item("d_conv", self.inner.d_conv)?;
         Ok(d)
     }
+    /// Rebuild from `to_dict()` output or from the reference design's field dict.
     #[classmethod]
     fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyAny>) -> PyResult<Self> {
         let d = wire_dict(d, "<dict>")?;
@@ -339,25 +513,38 @@ impl PySsmStateDims {
     fn __repr__(&self) -> String {
         let d = &self.inner;
         format!(
-            "SSMStateDims(num_heads={}, head_dim={}, d_state={}, n_groups={}, d_conv={})",
+            "SSMStateDims(nheads={}, headdim={}, d_state={}, ngroups={}, d_conv={})",
             d.num_heads, d.head_dim, d.d_state, d.n_groups, d.d_conv
         )
     }
 }
 
 impl PySsmStateDims {
-    /// Decode a wire dict.
+    /// Decode a wire dict (ours or the reference design's field names).
     pub fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
         reject_unknown_keys(d, &DIMS_KEYS, "SSMStateDims")?;
         let inner = SsmStateDims::new(
-            dict_u32(d, "num_heads")?,
-            dict_u32(d, "head_dim")?,
+            dict_u32_either(d, "num_heads", "nheads")?,
+            dict_u32_either(d, "head_dim", "headdim")?,
             dict_u32(d, "d_state")?,
-            dict_u32(d, "n_groups")?,
+            dict_u32_either(d, "n_groups", "ngroups")?,
             dict_u32(d, "d_conv")?,
         )
         .py()?;
         Ok(Self { inner })
+    }
+
+    /// An `SSMStateDims` argument, or the dict a wire round trip (`dataclasses.asdict`) made of
+    /// one.
+    fn coerce(v: &Bound<'_, PyAny>) -> PyResult<SsmStateDims> {
+        if let Ok(dims) = v.cast::<PySsmStateDims>() {
+            return Ok(dims.get().inner);
+        }
+        if let Ok(d) = v.cast::<PyDict>() {
+            return Ok(Self::from_wire(d)?.inner);
+        }
+        let kind = v.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string());
+        Err(PyTypeError::new_err(format!("dims must be an SSMStateDims or a dict, got a {kind}")))
     }
 }
 
@@ -370,7 +557,8 @@ pub struct PySsmShardLayout {
     pub inner: SsmShardLayout,
 }
 
-const SSM_KEYS: [&str; 11] = [
+/// Keys of our wire dict (`to_dict`): `num_layers` there is the model's total.
+const SSM_KEYS: [&str; 12] = [
     "num_layers",
     "dims",
     "tp_size",
@@ -382,49 +570,199 @@ const SSM_KEYS: [&str; 11] = [
     "etp_rank",
     "layer_start",
     "num_local_layers",
+    "replicate_groups",
 ];
+
+/// Every constructor keyword.
+const SSM_ARGS: [&str; 13] = [
+    "num_layers",
+    "dims",
+    "tp_size",
+    "tp_rank",
+    "pp_size",
+    "pp_rank",
+    "global_rank",
+    "ep_rank",
+    "etp_rank",
+    "layer_start",
+    "num_local_layers",
+    "total_layers",
+    "replicate_groups",
+];
+
+/// Positional order of the reference design's dataclass.
+const SSM_REFERENCE_POSITIONAL: [&str; 6] =
+    ["global_rank", "tp_size", "tp_rank", "layer_start", "num_layers", "dims"];
+
+/// Positional order of our form.
+const SSM_OUR_POSITIONAL: [&str; 7] =
+    ["num_layers", "dims", "tp_size", "tp_rank", "pp_size", "pp_rank", "global_rank"];
+
+/// The reference design's dataclass fields, then ours (so `asdict` round-trips every layout).
+const SSM_FIELDS: [&str; 12] = [
+    "global_rank",
+    "tp_size",
+    "tp_rank",
+    "layer_start",
+    "num_layers",
+    "dims",
+    "pp_size",
+    "pp_rank",
+    "ep_rank",
+    "etp_rank",
+    "total_layers",
+    "replicate_groups",
+];
+
+/// Constructor arguments by name, from either positional order.
+struct SsmArgs<'py> {
+    given: Vec<(&'static str, Bound<'py, PyAny>)>,
+}
+
+impl<'py> SsmArgs<'py> {
+    fn parse(args: &Bound<'py, PyTuple>, kwargs: Option<&Bound<'py, PyDict>>) -> PyResult<Self> {
+        let kw_has = |k: &str| kwargs.is_some_and(|d| d.contains(k).unwrap_or(false));
+        // Our form puts dims second; the reference form puts an int (tp_size) there. With one
+        // positional argument it is our `num_layers` unless `num_layers` is also a keyword.
+        let ours = match args.len() {
+            0 => true,
+            1 => !kw_has("num_layers"),
+            _ => {
+                let second = args.get_item(1)?;
+                second.cast::<PySsmStateDims>().is_ok() || second.cast::<PyDict>().is_ok()
+            }
+        };
+        let order: &[&'static str] =
+            if ours { &SSM_OUR_POSITIONAL } else { &SSM_REFERENCE_POSITIONAL };
+        if args.len() > order.len() {
+            return Err(PyTypeError::new_err(format!(
+                "SSMShardLayout takes at most {} positional arguments ({}), {} given",
+                order.len(),
+                order.join(", "),
+                args.len()
+            )));
+        }
+        let mut given: Vec<(&'static str, Bound<'py, PyAny>)> =
+            order.iter().copied().zip(args.iter()).collect();
+        if let Some(kw) = kwargs {
+            for (k, v) in kw.iter() {
+                let key: String = k.extract()?;
+                let Some(&name) = SSM_ARGS.iter().find(|&&n| n == key) else {
+                    return Err(PyTypeError::new_err(format!(
+                        "SSMShardLayout got an unexpected keyword argument {key:?}"
+                    )));
+                };
+                if given.iter().any(|(n, _)| *n == name) {
+                    return Err(PyTypeError::new_err(format!(
+                        "SSMShardLayout got multiple values for argument {name:?}"
+                    )));
+                }
+                given.push((name, v));
+            }
+        }
+        Ok(Self { given })
+    }
+
+    fn get(&self, name: &str) -> Option<&Bound<'py, PyAny>> {
+        self.given.iter().find(|(n, _)| *n == name).map(|(_, v)| v).filter(|v| !v.is_none())
+    }
+
+    fn int(&self, name: &str) -> PyResult<Option<u32>> {
+        self.get(name)
+            .map(|v| {
+                let n: i64 = v
+                    .extract()
+                    .map_err(|_| PyTypeError::new_err(format!("{name} must be an int, got {v}")))?;
+                u32_field(name, n)
+            })
+            .transpose()
+    }
+}
 
 #[pymethods]
 impl PySsmShardLayout {
+    /// Two call forms, one layout:
+    ///
+    /// - the reference design's: `SSMShardLayout(global_rank, tp_size, tp_rank, layer_start,
+    ///   num_layers, dims)` where `num_layers` counts this stage's layers; the model's total
+    ///   may be given as `total_layers=`;
+    /// - ours: `SSMShardLayout(num_layers, dims, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0,
+    ///   global_rank=None, *, layer_start=None, num_local_layers=None)` where `num_layers` is
+    ///   the model's total and the window is the even split unless given.
+    ///
+    /// `num_layers` means the stage's count exactly when `layer_start` is given without
+    /// `num_local_layers`. `replicate_groups=True` opts in to `tp_size > ngroups`.
     #[new]
-    #[pyo3(signature = (
-        num_layers, dims, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, global_rank=None,
-        *, ep_rank=0, etp_rank=0, layer_start=None, num_local_layers=None
-    ))]
-    fn new(
-        num_layers: i64,
-        dims: PyRef<'_, PySsmStateDims>,
-        tp_size: i64,
-        tp_rank: i64,
-        pp_size: i64,
-        pp_rank: i64,
-        global_rank: Option<i64>,
-        ep_rank: i64,
-        etp_rank: i64,
-        layer_start: Option<i64>,
-        num_local_layers: Option<i64>,
-    ) -> PyResult<Self> {
-        let tp_size_u = u32_field("tp_size", tp_size)?;
-        let tp_rank_u = u32_field("tp_rank", tp_rank)?;
-        let pp_rank_u = u32_field("pp_rank", pp_rank)?;
-        let default_rank = i64::from(pp_rank_u) * i64::from(tp_size_u) + i64::from(tp_rank_u);
+    #[pyo3(signature = (*args, **kwargs))]
+    fn new(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let a = SsmArgs::parse(args, kwargs)?;
+        let dims = PySsmStateDims::coerce(required("dims", a.get("dims"))?)?;
+        let layer_start = a.int("layer_start")?;
+        let num_local_layers = a.int("num_local_layers")?;
+        let num_layers = a.int("num_layers")?;
+        let total_layers = a.int("total_layers")?;
+        let (total, local) = if layer_start.is_some() && num_local_layers.is_none() {
+            (total_layers, Some(required("num_layers", num_layers)?))
+        } else {
+            let total = match (num_layers, total_layers) {
+                (Some(n), Some(t)) if n != t => {
+                    return Err(to_pyerr(DisaggError::layout(
+                        "total_layers",
+                        format!("num_layers={n} and total_layers={t} both name the model's total"),
+                    )));
+                }
+                (n, t) => n.or(t),
+            };
+            (Some(required("num_layers", total)?), num_local_layers)
+        };
+        let tp_size = a.int("tp_size")?.unwrap_or(1);
+        let tp_rank = a.int("tp_rank")?.unwrap_or(0);
+        let pp_rank = a.int("pp_rank")?.unwrap_or(0);
+        let default_rank = i64::from(pp_rank) * i64::from(tp_size) + i64::from(tp_rank);
+        let global_rank = match a.int("global_rank")? {
+            Some(r) => r,
+            None => u32_field("global_rank", default_rank)?,
+        };
+        let replicate_groups = match a.get("replicate_groups") {
+            Some(v) => v.extract().map_err(|_| {
+                PyTypeError::new_err(format!("replicate_groups must be a bool, got {v}"))
+            })?,
+            None => false,
+        };
         let spec = SsmLayoutSpec {
-            num_layers: u32_field("num_layers", num_layers)?,
-            dims: dims.inner,
-            tp_size: tp_size_u,
-            tp_rank: tp_rank_u,
-            pp_size: u32_field("pp_size", pp_size)?,
-            pp_rank: pp_rank_u,
-            global_rank: u32_field("global_rank", global_rank.unwrap_or(default_rank))?,
-            ep_rank: u32_field("ep_rank", ep_rank)?,
-            etp_rank: u32_field("etp_rank", etp_rank)?,
-            layer_start: opt_u32("layer_start", layer_start)?,
-            num_local_layers: opt_u32("num_local_layers", num_local_layers)?,
+            num_layers: total,
+            dims,
+            tp_size,
+            tp_rank,
+            pp_size: a.int("pp_size")?.unwrap_or(1),
+            pp_rank,
+            global_rank,
+            ep_rank: a.int("ep_rank")?.unwrap_or(0),
+            etp_rank: a.int("etp_rank")?.unwrap_or(0),
+            layer_start,
+            num_local_layers: local,
+            replicate_groups,
         };
         Ok(Self { inner: SsmShardLayout::new(spec).py()? })
     }
+    /// The reference design's dataclass fields, then ours (for `dataclasses.asdict` and friends).
+    #[classattr]
+    fn __dataclass_fields__(py: Python<'_>) -> PyResult<Py<PyAny>> {
+        dataclass_fields(py, "SSMShardLayout", &SSM_FIELDS)
+    }
+    /// The conv-state bands in packing order.
+    #[classattr]
+    fn conv_bands() -> (&'static str, &'static str, &'static str) {
+        ("x", "B", "C")
+    }
+    /// SSM layers held by this rank (the reference design's field; see `total_layers`).
     #[getter]
     fn num_layers(&self) -> u32 {
+        self.inner.layers.len()
+    }
+    /// SSM layers of the whole model, `None` when the layout was built from its window alone.
+    #[getter]
+    fn total_layers(&self) -> Option<u32> {
         self.inner.num_layers
     }
     #[getter]
@@ -459,10 +797,28 @@ impl PySsmShardLayout {
     fn etp_rank(&self) -> u32 {
         self.inner.etp_rank
     }
+    /// Whether B/C groups may be replicated across TP ranks (`tp_size > ngroups`).
+    #[getter]
+    fn replicate_groups(&self) -> bool {
+        self.inner.replicate_groups
+    }
     /// Global SSM layers held, `[lo, hi)`.
     #[getter]
     fn layers(&self) -> PyRange {
         (self.inner.layers.lo, self.inner.layers.hi)
+    }
+    /// Global SSM layers held, `[lo, hi)` (the reference design's method).
+    fn layer_range(&self) -> PyRange {
+        self.layers()
+    }
+    /// `{global layer: local layer}` for the layers held.
+    #[getter]
+    fn layer_map<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for g in self.inner.layers.lo..self.inner.layers.hi {
+            d.set_item(g, g - self.inner.layers.lo)?;
+        }
+        Ok(d)
     }
     #[getter]
     fn layer_start(&self) -> u32 {
@@ -486,17 +842,52 @@ impl PySsmShardLayout {
     fn groups(&self) -> PyRange {
         (self.inner.groups.lo, self.inner.groups.hi)
     }
+    /// Global inner dimension `nheads * headdim`.
+    #[getter]
+    fn d_inner(&self) -> u32 {
+        self.inner.band_extent(SsmBand::X).0
+    }
+    /// SSM heads held by this rank.
+    #[getter]
+    fn nheads_local(&self) -> u32 {
+        self.inner.heads.len()
+    }
+    /// Inner channels (x band) held by this rank.
+    #[getter]
+    fn d_inner_local(&self) -> u32 {
+        self.inner.band_extent(SsmBand::X).1
+    }
+    /// B/C groups held by this rank.
+    #[getter]
+    fn ngroups_local(&self) -> u32 {
+        self.inner.groups.len()
+    }
     /// Local conv channels `[x_local | B_local | C_local]`.
     #[getter]
     fn local_conv_channels(&self) -> u32 {
         self.inner.local_conv_channels()
     }
+    /// Local conv channels (the reference design's name of `local_conv_channels`).
+    #[getter]
+    fn conv_dim_local(&self) -> u32 {
+        self.inner.local_conv_channels()
+    }
+    /// The SSM shard held, `(tp_rank, layer_start)`: ranks sharing it hold identical state.
+    fn shard_key(&self) -> (u32, u32) {
+        self.inner.shard_key()
+    }
+    /// The reference design's `(global_total, local_size, local_offset)` of a band: channels
+    /// for "x", "B", "C", heads for "recurrent" (whose offset is always 0).
+    fn band(&self, name: &str) -> PyResult<(u32, u32, u32)> {
+        Ok(self.inner.band_extent(SsmBand::parse(name).py()?))
+    }
     /// `(global [lo, hi), local [lo, hi))` of a band: channels for "x", "B", "C", heads for
     /// "recurrent".
-    fn band(&self, name: &str) -> PyResult<(PyRange, PyRange)> {
+    fn band_span(&self, name: &str) -> PyResult<(PyRange, PyRange)> {
         let b = self.inner.band(SsmBand::parse(name).py()?);
         Ok(((b.global.lo, b.global.hi), (b.local.lo, b.local.hi)))
     }
+    /// Plain dict for the wire; `num_layers` there is the model's total (`None` if unknown).
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.spec();
         let d = PyDict::new(py);
@@ -511,6 +902,7 @@ impl PySsmShardLayout {
         d.set_item("etp_rank", s.etp_rank)?;
         d.set_item("layer_start", s.layer_start)?;
         d.set_item("num_local_layers", s.num_local_layers)?;
+        d.set_item("replicate_groups", s.replicate_groups)?;
         Ok(d)
     }
     #[classmethod]
@@ -526,6 +918,7 @@ impl PySsmShardLayout {
     }
     fn __repr__(&self) -> String {
         let l = &self.inner;
+        let total = l.num_layers.map_or_else(|| "?".to_owned(), |n| n.to_string());
         format!(
             "SSMShardLayout(global_rank={}, tp={}/{}, pp={}/{}, layers=[{}, {}) of {}, \
              heads=[{}, {}), groups=[{}, {}), dims={})",
@@ -536,7 +929,7 @@ impl PySsmShardLayout {
             l.pp_size,
             l.layers.lo,
             l.layers.hi,
-            l.num_layers,
+            total,
             l.heads.lo,
             l.heads.hi,
             l.groups.lo,
@@ -556,7 +949,7 @@ impl PySsmShardLayout {
             .cast::<PyDict>()
             .map_err(|_| wire_err("dims", format!("expected a dict, got {dims_obj}")))?;
         let spec = SsmLayoutSpec {
-            num_layers: dict_u32(d, "num_layers")?,
+            num_layers: dict_opt_u32(d, "num_layers")?,
             dims: PySsmStateDims::from_wire(dims_dict)?.inner,
             tp_size: dict_u32(d, "tp_size")?,
             tp_rank: dict_u32(d, "tp_rank")?,
@@ -567,6 +960,7 @@ impl PySsmShardLayout {
             etp_rank: dict_opt_u32(d, "etp_rank")?.unwrap_or(0),
             layer_start: dict_opt_u32(d, "layer_start")?,
             num_local_layers: dict_opt_u32(d, "num_local_layers")?,
+            replicate_groups: dict_bool(d, "replicate_groups")?,
         };
         Ok(Self { inner: SsmShardLayout::new(spec).py()? })
     }

@@ -2,14 +2,19 @@
 //! and their SSM counterparts. Planning runs with the GIL released.
 
 use disagg_core::{
-    plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer, KvShardLayout,
-    SsmReshardPlan, SsmReshardTransfer, SsmShardLayout,
+    local_range, plan_kv_reshard, plan_ssm_reshard, DisaggError, KvReshardPlan, KvReshardTransfer,
+    KvShardLayout, Span, SsmReshardPlan, SsmReshardTransfer, SsmShardLayout,
 };
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PySlice};
 
-use crate::error::IntoPyResult;
+use crate::error::{to_pyerr, IntoPyResult};
+
+/// A Python `slice(lo, hi)` (step None, like the reference design's helpers return).
+fn py_slice(py: Python<'_>, s: Span) -> PyResult<Bound<'_, PyAny>> {
+    py.get_type::<PySlice>().call1((s.lo, s.hi))
+}
 
 /// Resolve a Python sequence index (negative counts from the end) against `len`.
 fn seq_index(index: isize, len: usize) -> PyResult<usize> {
@@ -51,6 +56,66 @@ impl PyKvReshardTransfer {
     #[getter]
     fn heads(&self) -> PyRange {
         (self.inner.heads.lo, self.inner.heads.hi)
+    }
+    /// First global layer moved (the reference design's field).
+    #[getter]
+    fn global_layer_lo(&self) -> u32 {
+        self.inner.layers.lo
+    }
+    /// One past the last global layer moved (the reference design's field).
+    #[getter]
+    fn global_layer_hi(&self) -> u32 {
+        self.inner.layers.hi
+    }
+    /// First global KV head moved (the reference design's field).
+    #[getter]
+    fn global_head_lo(&self) -> u32 {
+        self.inner.heads.lo
+    }
+    /// One past the last global KV head moved (the reference design's field).
+    #[getter]
+    fn global_head_hi(&self) -> u32 {
+        self.inner.heads.hi
+    }
+    /// The moved layers as a slice of `src`'s local layer axis; `LayoutError` if `src` does
+    /// not hold them.
+    fn src_layer_slice<'py>(
+        &self,
+        py: Python<'py>,
+        src: PyRef<'py, PyKvShardLayout>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let l = &src.inner;
+        py_slice(py, local_range(self.inner.layers, l.layers, "layers", l.global_rank).py()?)
+    }
+    /// The moved heads as a slice of `src`'s local head axis; `LayoutError` if `src` does not
+    /// hold them.
+    fn src_head_slice<'py>(
+        &self,
+        py: Python<'py>,
+        src: PyRef<'py, PyKvShardLayout>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let l = &src.inner;
+        py_slice(py, local_range(self.inner.heads, l.heads, "heads", l.global_rank).py()?)
+    }
+    /// The moved layers as a slice of `dst`'s local layer axis; `LayoutError` if `dst` does
+    /// not hold them.
+    fn dst_layer_slice<'py>(
+        &self,
+        py: Python<'py>,
+        dst: PyRef<'py, PyKvShardLayout>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let l = &dst.inner;
+        py_slice(py, local_range(self.inner.layers, l.layers, "layers", l.global_rank).py()?)
+    }
+    /// The moved heads as a slice of `dst`'s local head axis; `LayoutError` if `dst` does not
+    /// hold them.
+    fn dst_head_slice<'py>(
+        &self,
+        py: Python<'py>,
+        dst: PyRef<'py, PyKvShardLayout>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let l = &dst.inner;
+        py_slice(py, local_range(self.inner.heads, l.heads, "heads", l.global_rank).py()?)
     }
     /// Number of layers moved.
     #[getter]
@@ -221,6 +286,47 @@ impl PySsmReshardTransfer {
     fn band(&self) -> &'static str {
         self.inner.band.name()
     }
+    /// Whether the transfer moves conv state (bands x, B, C) rather than recurrent state.
+    #[getter]
+    fn is_conv(&self) -> bool {
+        self.inner.band.is_conv()
+    }
+    /// The one global layer moved (the reference design's per-layer field); `LayoutError` on
+    /// a transfer spanning several layers (from `SSMReshardPlan.ranges`).
+    #[getter]
+    fn global_layer(&self) -> PyResult<u32> {
+        self.single_layer("global_layer").map(|s| s.lo)
+    }
+    /// The one layer moved, in the source's local indexing.
+    #[getter]
+    fn src_layer(&self) -> PyResult<u32> {
+        self.single_layer("src_layer").map(|s| s.lo - self.inner.src_layer_start)
+    }
+    /// The one layer moved, in the destination's local indexing.
+    #[getter]
+    fn dst_layer(&self) -> PyResult<u32> {
+        self.single_layer("dst_layer").map(|s| s.lo - self.inner.dst_layer_start)
+    }
+    /// First local channel (conv) or head (recurrent) read on the source.
+    #[getter]
+    fn src_lo(&self) -> u32 {
+        self.inner.src_local.lo
+    }
+    /// One past the last local channel or head read on the source.
+    #[getter]
+    fn src_hi(&self) -> u32 {
+        self.inner.src_local.hi
+    }
+    /// First local channel (conv) or head (recurrent) written on the destination.
+    #[getter]
+    fn dst_lo(&self) -> u32 {
+        self.inner.dst_local.lo
+    }
+    /// One past the last local channel or head written on the destination.
+    #[getter]
+    fn dst_hi(&self) -> u32 {
+        self.inner.dst_local.hi
+    }
     /// "conv" for x/B/C, "recurrent" for the recurrent state.
     #[getter]
     fn state_kind(&self) -> &'static str {
@@ -275,29 +381,53 @@ impl PySsmReshardTransfer {
     }
 }
 
+impl PySsmReshardTransfer {
+    fn single_layer(&self, field: &str) -> PyResult<Span> {
+        let l = self.inner.layers;
+        if l.len() == 1 {
+            return Ok(l);
+        }
+        Err(to_pyerr(DisaggError::layout(
+            field,
+            format!(
+                "{field} is defined for single-layer transfers (iterating an SSMReshardPlan \
+                 gives those); this one spans layers [{}, {})",
+                l.lo, l.hi
+            ),
+        )))
+    }
+}
+
 fn wrap_ssm(ts: Vec<SsmReshardTransfer>) -> Vec<PySsmReshardTransfer> {
     ts.into_iter().map(|inner| PySsmReshardTransfer { inner }).collect()
 }
 
-/// An SSM reshard plan: a read-only sequence of `SSMReshardTransfer`.
+/// An SSM reshard plan: a read-only sequence of single-layer `SSMReshardTransfer` records (the
+/// reference design's granularity); `ranges` holds the same moves merged over layer ranges.
 #[pyclass(name = "SSMReshardPlan", module = "disagg_rs", frozen, sequence)]
 pub struct PySsmReshardPlan {
-    /// The core plan.
+    /// The core plan (layer-range transfers).
     pub inner: SsmReshardPlan,
+    /// The same transfers cut into single layers, in plan order.
+    per_layer: Vec<SsmReshardTransfer>,
 }
 
 #[pymethods]
 impl PySsmReshardPlan {
     fn __len__(&self) -> usize {
-        self.inner.transfers.len()
+        self.per_layer.len()
     }
     fn __getitem__(&self, index: isize) -> PyResult<PySsmReshardTransfer> {
-        Ok(PySsmReshardTransfer {
-            inner: self.inner.transfers[seq_index(index, self.inner.transfers.len())?],
-        })
+        Ok(PySsmReshardTransfer { inner: self.per_layer[seq_index(index, self.per_layer.len())?] })
     }
+    /// All single-layer transfers as a list.
     #[getter]
     fn transfers(&self) -> Vec<PySsmReshardTransfer> {
+        wrap_ssm(self.per_layer.clone())
+    }
+    /// The transfers merged over layer ranges (fewer records; `layers` spans several layers).
+    #[getter]
+    fn ranges(&self) -> Vec<PySsmReshardTransfer> {
         wrap_ssm(self.inner.transfers.clone())
     }
     #[getter]
@@ -308,11 +438,13 @@ impl PySsmReshardPlan {
     fn dsts(&self) -> Vec<PySsmShardLayout> {
         self.inner.dsts().iter().map(|&inner| PySsmShardLayout { inner }).collect()
     }
+    /// Single-layer transfers sent by one source rank, in plan order.
     fn for_src(&self, global_rank: u32) -> Vec<PySsmReshardTransfer> {
-        wrap_ssm(self.inner.for_src(global_rank))
+        wrap_ssm(self.per_layer.iter().filter(|t| t.src_rank == global_rank).copied().collect())
     }
+    /// Single-layer transfers received by one destination rank, in plan order.
     fn for_dst(&self, global_rank: u32) -> Vec<PySsmReshardTransfer> {
-        wrap_ssm(self.inner.for_dst(global_rank))
+        wrap_ssm(self.per_layer.iter().filter(|t| t.dst_rank == global_rank).copied().collect())
     }
     /// Check exact-once coverage of every destination conv channel and recurrent head.
     fn verify(&self, py: Python<'_>) -> PyResult<()> {
@@ -320,7 +452,8 @@ impl PySsmReshardPlan {
     }
     fn __repr__(&self) -> String {
         format!(
-            "SSMReshardPlan({} transfers, {} sources -> {} destinations)",
+            "SSMReshardPlan({} single-layer transfers in {} ranges, {} sources -> {} destinations)",
+            self.per_layer.len(),
             self.inner.transfers.len(),
             self.inner.srcs().len(),
             self.inner.dsts().len()
@@ -332,11 +465,14 @@ impl PySsmReshardPlan {
 #[pyfunction(name = "plan_ssm_reshard")]
 pub fn py_plan_ssm_reshard(
     py: Python<'_>,
-    srcs: Vec<PyRef<'_, PySsmShardLayout>>,
-    dsts: Vec<PyRef<'_, PySsmShardLayout>>,
+    src_layouts: Vec<PyRef<'_, PySsmShardLayout>>,
+    dst_layouts: Vec<PyRef<'_, PySsmShardLayout>>,
 ) -> PyResult<PySsmReshardPlan> {
-    let s: Vec<SsmShardLayout> = srcs.iter().map(|l| l.inner).collect();
-    let d: Vec<SsmShardLayout> = dsts.iter().map(|l| l.inner).collect();
-    let inner = py.detach(|| plan_ssm_reshard(&s, &d)).py()?;
-    Ok(PySsmReshardPlan { inner })
+    let s: Vec<SsmShardLayout> = src_layouts.iter().map(|l| l.inner).collect();
+    let d: Vec<SsmShardLayout> = dst_layouts.iter().map(|l| l.inner).collect();
+    let (inner, per_layer) = py
+        .detach(|| plan_ssm_reshard(&s, &d).map(|p| (p.per_layer(), p)))
+        .map(|(cut, p)| (p, cut))
+        .py()?;
+    Ok(PySsmReshardPlan { inner, per_layer })
 }
