@@ -713,7 +713,8 @@ impl PySsmShardLayout {
                 }
                 (n, t) => n.or(t),
             };
-            (Some(required("num_layers", total)?), num_local_layers)
+            // Without a total, only an explicit window works; the core says so if it is missing.
+            (total, num_local_layers)
         };
         let tp_size = a.int("tp_size")?.unwrap_or(1);
         let tp_rank = a.int("tp_rank")?.unwrap_or(0);
