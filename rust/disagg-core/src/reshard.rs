@@ -508,9 +508,12 @@ impl SsmReshardPlan {
         self.transfers.iter().filter(|t| t.dst_rank == rank).copied().collect()
     }
     /// The plan with every transfer cut into single layers (the reference design's records),
-    /// in plan order.
+    /// ordered like the plan: by destination rank, layer, band, global offset, source rank.
     pub fn per_layer(&self) -> Vec<SsmReshardTransfer> {
-        self.transfers.iter().flat_map(SsmReshardTransfer::per_layer).collect()
+        let mut cut: Vec<SsmReshardTransfer> =
+            self.transfers.iter().flat_map(SsmReshardTransfer::per_layer).collect();
+        cut.sort_by_key(|t| (t.dst_rank, t.layers.lo, t.band, t.global.lo, t.src_rank));
+        cut
     }
     /// Check exact-once coverage of every destination (layer, channel) conv cell and every
     /// (layer, head) recurrent cell, and that local ranges agree with the global ones.
@@ -665,7 +668,8 @@ mod tests {
         assert_eq!(cut.len(), 3 * p.transfers.len());
         assert!(cut.iter().all(|t| t.layers.len() == 1));
         assert_eq!(cut[0].layers, Span::new(0, 1));
-        assert_eq!(cut[2].layers, Span::new(2, 3));
+        assert_eq!(cut.last().unwrap().layers, Span::new(2, 3));
+        assert!(cut.windows(2).all(|w| w[0].layers.lo <= w[1].layers.lo));
     }
 
     #[test]
