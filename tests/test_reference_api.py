@@ -504,3 +504,41 @@ def test_transfers_for_src_and_dst_filter_an_ssm_plan_into_single_layer_records(
         want = [t for t in plan if t.dst_rank == d.global_rank]
         assert utils.transfers_for_dst(plan, d.global_rank) == want
         assert all(t.layers[1] - t.layers[0] == 1 for t in want)
+
+
+def test_peer_records_flatten_flat_tp_and_pp_wrapped_metadata() -> None:
+    a, b, c = {"agent": "a"}, {"agent": "b", "block_ids": [7, 8]}, {"agent": "c"}
+    assert utils.transfer_peer_records(a, [1, 2]) == [(a, [1, 2])]
+    assert utils.transfer_peer_records({"tp_metas": [a, b]}, (3, 4)) == [(a, [3, 4]), (b, [7, 8])]
+    staged = {"pp_metas": [{"tp_metas": [a, c], "block_ids": [5]}, {**b}]}
+    assert utils.transfer_peer_records(staged, [9]) == [(a, [5]), (c, [5]), (b, [7, 8])]
+    assert utils.transfer_block_count(staged, [9]) == 1
+    assert utils.transfer_block_count({"tp_metas": []}, [1, 2]) == 0
+    assert utils.transfer_block_count(a, np.arange(4)) == 4
+
+
+def test_peer_records_reject_entries_that_are_not_dicts_and_negative_block_ids() -> None:
+    with pytest.raises(dr.exceptions.MetadataError, match="must be dictionaries") as e:
+        utils.transfer_peer_records({"tp_metas": [{"agent": "a"}, "b"]}, [1])
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(dr.exceptions.BlockIdError, match="-1"):
+        utils.transfer_peer_records({"agent": "a"}, [0, -1])
+
+
+def test_dropping_a_cached_prefix_trims_every_block_list_and_leaves_the_input_alone() -> None:
+    meta = {"pp_metas": [{"tp_metas": [{"block_ids": [1, 2, 3]}], "block_ids": [4, 5, 6]}]}
+    original = repr(meta)
+    trimmed, src = utils.drop_transfer_prefix_blocks(meta, [7, 8, 9], 2)
+    assert trimmed == {"pp_metas": [{"tp_metas": [{"block_ids": [3]}], "block_ids": [6]}]}
+    assert src == [9]
+    assert repr(meta) == original
+    same, src = utils.drop_transfer_prefix_blocks(meta, [7, 8], 0)
+    assert same is meta and src == [7, 8]
+    assert utils.drop_transfer_prefix_blocks({"block_ids": [1, 2]}, [], 1) == (
+        {"block_ids": [2]},
+        [],
+    )
+    with pytest.raises(dr.exceptions.BlockIdError, match="cannot remove 4 blocks from a 3-block"):
+        utils.drop_transfer_prefix_blocks(meta, [7, 8, 9], 4)
+    with pytest.raises(dr.exceptions.ArgumentError, match="prefix_count=-1"):
+        utils.drop_transfer_prefix_blocks(meta, [7], -1)

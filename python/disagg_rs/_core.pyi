@@ -348,6 +348,13 @@ def plan_kv_reshard(
 def plan_ssm_reshard(
     src_layouts: Sequence[SSMShardLayout], dst_layouts: Sequence[SSMShardLayout]
 ) -> SSMReshardPlan: ...
+def transfer_peer_records(
+    peer_meta: Any, src_block_ids: Sequence[int]
+) -> list[tuple[dict[str, Any], list[int]]]: ...
+def transfer_block_count(peer_meta: Any, src_block_ids: Sequence[int]) -> int: ...
+def drop_transfer_prefix_blocks(
+    peer_meta: Any, src_block_ids: Sequence[int], prefix_count: int
+) -> tuple[Any, list[int]]: ...
 
 # --- pools and ledgers (issue 4) ---
 

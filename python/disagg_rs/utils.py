@@ -1,8 +1,14 @@
-"""Helpers shared by the reshard planners (the reference design's ``utils`` module).
+"""Helpers shared by the reshard planners and the transports (the reference design's ``utils``).
 
 Ranges are half-open ``[lo, hi)``. ``transfers_for_src`` / ``transfers_for_dst`` filter a plan
 to one rank's transfers; on the plans ``plan_kv_reshard`` and ``plan_ssm_reshard`` return, the
 filtering runs in Rust (``plan.for_src`` / ``plan.for_dst``) and keeps plan order.
+
+``transfer_peer_records`` flattens flat, TP-wrapped (``{"tp_metas": [...]}``) and PP-wrapped
+(``{"pp_metas": [...]}``) peer metadata into ``(meta, block_ids)`` records;
+``transfer_block_count`` counts a handoff's blocks; ``drop_transfer_prefix_blocks`` removes a
+cached prefix. They parse block ids once, in Rust (``BlockIdError`` for a negative id,
+``MetadataError`` for a metadata entry that is not a dict).
 """
 
 from __future__ import annotations
@@ -10,9 +16,22 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from disagg_rs._core import KVReshardPlan, SSMReshardPlan
+from disagg_rs._core import (
+    KVReshardPlan,
+    SSMReshardPlan,
+    drop_transfer_prefix_blocks,
+    transfer_block_count,
+    transfer_peer_records,
+)
 
-__all__ = ["intersect", "transfers_for_dst", "transfers_for_src"]
+__all__ = [
+    "drop_transfer_prefix_blocks",
+    "intersect",
+    "transfer_block_count",
+    "transfer_peer_records",
+    "transfers_for_dst",
+    "transfers_for_src",
+]
 
 
 def intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:

@@ -11,6 +11,7 @@ mod error;
 mod geometry;
 mod layout;
 mod ledger;
+mod peer_records;
 mod pool;
 mod reshard;
 
@@ -30,6 +31,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reshard::PySsmReshardPlan>()?;
     m.add_function(wrap_pyfunction!(reshard::py_plan_kv_reshard, m)?)?;
     m.add_function(wrap_pyfunction!(reshard::py_plan_ssm_reshard, m)?)?;
+    m.add_function(wrap_pyfunction!(peer_records::transfer_peer_records, m)?)?;
+    m.add_function(wrap_pyfunction!(peer_records::transfer_block_count, m)?)?;
+    m.add_function(wrap_pyfunction!(peer_records::drop_transfer_prefix_blocks, m)?)?;
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<pool::PySlotPool>()?;
     m.add_class::<ledger::PyLedgerAction>()?;
