@@ -484,6 +484,23 @@ impl PyPinLedger {
         Ok(lock(&self.inner)?.pending_kv_push_count())
     }
 
+    /// Blocks of a live pin in pinned order (``None`` for an id with no pin).
+    fn pinned_blocks(&self, request_id: i64) -> PyResult<Option<Vec<u32>>> {
+        let r = u64_arg("request_id", request_id)?;
+        Ok(lock(&self.inner)?.pinned(r).map(|(b, _)| b.to_vec()))
+    }
+
+    /// SSM slot of a live pin (``None`` for an id with no pin or a pin without a slot).
+    fn pinned_ssm_slot(&self, request_id: i64) -> PyResult<Option<u32>> {
+        let r = u64_arg("request_id", request_id)?;
+        Ok(lock(&self.inner)?.pinned(r).and_then(|(_, s)| s))
+    }
+
+    /// Request ids of the live pins, ascending.
+    fn pinned_request_ids(&self) -> PyResult<Vec<u64>> {
+        Ok(lock(&self.inner)?.pinned_request_ids())
+    }
+
     /// Epoch of a live pin.
     fn epoch_of(&self, request_id: i64) -> PyResult<Option<u64>> {
         let r = u64_arg("request_id", request_id)?;
