@@ -33,8 +33,7 @@ def additional_decode_blocks(
         raise MetadataError(f"block_size={block_size} must be >= 1", "block_size")
     if prompt_length < 0 or input_token_count < 0:
         raise MetadataError(
-            f"prompt_length={prompt_length} and input_token_count={input_token_count} must be "
-            ">= 0",
+            f"prompt_length={prompt_length} and input_token_count={input_token_count} must be >= 0",
             "prompt_length",
         )
     drafts = max(0, input_token_count - 2) if mtp_kv_cache else 0
@@ -127,7 +126,8 @@ def admit_prefilled_decode(
     table.fill_(-1)
     table[: len(blocks)] = torch.tensor(blocks, dtype=table.dtype, device=table.device)
     context.request_ids[row] = request.request_id
-    for (label, _), value in zip(request.get_metadata_types(), request.tracked_metadata):
+    types, values = request.get_metadata_types(), request.tracked_metadata
+    for (label, _), value in zip(types, values, strict=True):
         column = context.request_metadata[label]
         column[row] = torch.as_tensor(value, dtype=column.dtype, device=column.device)
     context.request_kv_length_offsets[row] = prompt_length

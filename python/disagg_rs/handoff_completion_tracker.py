@@ -42,7 +42,7 @@ class HandoffCompletionTracker:
         self.world_size = int(dist.get_world_size(process_group))
         self.is_coordinator = self.rank == 0
         self._reports = {}
-        self._failure_notified = set()
+        self._failure_notified: set[int] = set()
         self._socket: Any = None
         self.sockets: list[Any] = []
         if self.world_size == 1:

@@ -38,8 +38,14 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from disagg_rs._core import BlockPool, ImportLedger, LedgerAction, PinLedger
-from disagg_rs._core import SSMShardLayout, SSMStateDims
+from disagg_rs._core import (
+    BlockPool,
+    ImportLedger,
+    LedgerAction,
+    PinLedger,
+    SSMShardLayout,
+    SSMStateDims,
+)
 from disagg_rs.decode_admission import (
     additional_decode_blocks,
     admit_prefilled_decode,
@@ -139,11 +145,11 @@ def compute_block_hashes_batched(prompt_tokens: Any, block_size_tokens: int) -> 
     when importable; otherwise disagg_rs's :meth:`BlockPool.block_hashes` chain.
     """
     try:
-        from megatron.core.inference.inference_request import (
+        from megatron.core.inference.inference_request import (  # type: ignore[import-not-found]
             compute_block_hashes_batched as engine_hashes,
         )
     except ImportError:
-        tokens = np.asarray(torch.as_tensor(prompt_tokens).cpu(), dtype=np.int64)
+        tokens: list[int] = torch.as_tensor(prompt_tokens).cpu().tolist()
         return list(BlockPool(1, int(block_size_tokens)).block_hashes(tokens))
     return list(engine_hashes(prompt_tokens, block_size_tokens))
 
@@ -512,8 +518,7 @@ class InferenceStateHandoffMixin:
             context = self._ref().context
             decided = self._handoff_completion_notifications
             return any(
-                decided[p.request_id]
-                or can_admit_prefilled_decode(context, len(p.resume_tokens))
+                decided[p.request_id] or can_admit_prefilled_decode(context, len(p.resume_tokens))
                 for p in self._pending_kv_imports
                 if p.request_id in decided
             )
@@ -776,7 +781,11 @@ class InferenceStateHandoffMixin:
         make = getattr(self._kv_transfer_agent, "new_registered_buffer", backend_cls)
         specs = {
             "conv": (conv, conv.shape[-2], conv.shape[-1]),
-            "recurrent": (recurrent, recurrent.shape[-3], recurrent.shape[-2] * recurrent.shape[-1]),
+            "recurrent": (
+                recurrent,
+                recurrent.shape[-3],
+                recurrent.shape[-2] * recurrent.shape[-1],
+            ),
         }
         for kind, (buf, width, dim) in specs.items():
             self._ssm_transfer_agents[kind] = make(
@@ -942,7 +951,9 @@ class InferenceStateHandoffMixin:
             raise
 
     @staticmethod
-    def _ssm_stage_transfer_meta(static_metas: dict[str, Any], selected_slot: int) -> dict[str, Any]:
+    def _ssm_stage_transfer_meta(
+        static_metas: dict[str, Any], selected_slot: int
+    ) -> dict[str, Any]:
         """Attach the final recurrent-state slot to one stage's descriptors (per state kind:
         one descriptor, or a list with one per TP rank)."""
         out: dict[str, Any] = {}
@@ -1226,7 +1237,9 @@ class InferenceStateHandoffMixin:
                 "decode's posted destination with with_push_destination)",
                 "destination",
             )
-        for key in ("dst_block_ids", "num_tokens") + (("dst_ssm_slot",) if slot is not None else ()):
+        for key in ("dst_block_ids", "num_tokens") + (
+            ("dst_ssm_slot",) if slot is not None else ()
+        ):
             if key not in destination:
                 raise MetadataError(
                     f"request {request_id}: push destination has no {key!r}", "destination"
@@ -1266,7 +1279,9 @@ class InferenceStateHandoffMixin:
     def _push_reference_handoff_kv(self, request_id: int, decode_metas: list[Any]) -> None:
         blocks = self._pinned_handoff_blocks.get(request_id)
         if not blocks:
-            logger.warning("SEND_KV for request %d with no pinned handoff blocks; skipped", request_id)
+            logger.warning(
+                "SEND_KV for request %d with no pinned handoff blocks; skipped", request_id
+            )
             return
         ssm_sends = []
         if self._ssm_transfer_agents:
@@ -1286,7 +1301,9 @@ class InferenceStateHandoffMixin:
                         kind,
                     ) from e
                 ssm_sends.append((self._ssm_transfer_agents[kind], peers, slot))
-        handles = [self._kv_transfer_agent.begin_push_blocks({"tp_metas": list(decode_metas)}, blocks)]
+        handles = [
+            self._kv_transfer_agent.begin_push_blocks({"tp_metas": list(decode_metas)}, blocks)
+        ]
         # The final block stays pinned until RELEASE_KV, so its SSM slot is not reused while
         # these sends run.
         for agent, peers, slot in ssm_sends:
@@ -1298,7 +1315,7 @@ class InferenceStateHandoffMixin:
         if not self._ledger_driven():
             pushes = self._pending_kv_pushes
             done = [all(h.poll() for h in hs) for _, hs in pushes]
-            self._pending_kv_pushes = [p for p, d in zip(pushes, done) if not d]
+            self._pending_kv_pushes = [p for p, d in zip(pushes, done, strict=False) if not d]
             return sum(done)
         ended = 0
         for rid, (epoch, handles) in list(self._pending_pushes.items()):
@@ -1446,7 +1463,9 @@ class InferenceStateHandoffMixin:
         """
         if not self._ledger_driven():
             if handoff is None:
-                raise HandoffStateError("a reference-design engine starts a given handoff", "handoff")
+                raise HandoffStateError(
+                    "a reference-design engine starts a given handoff", "handoff"
+                )
             return self._start_reference_import(handoff)
         return self._drain_deferred_kv_handoffs() > 0
 
@@ -1953,9 +1972,10 @@ class InferenceStateHandoffMixin:
                 f"needs num_speculative_tokens+1={want}",
                 "resume_tokens",
             )
-        if getattr(sampling_params, "return_log_probs", False) or (
-            getattr(sampling_params, "top_n_logprobs", 0) or 0
-        ) > 0:
+        if (
+            getattr(sampling_params, "return_log_probs", False)
+            or (getattr(sampling_params, "top_n_logprobs", 0) or 0) > 0
+        ):
             raise HandoffMetadataError(
                 f"request {request_id}: a decode-only handoff carries no log probabilities "
                 "(return_log_probs / top_n_logprobs)",
@@ -1998,7 +2018,7 @@ class InferenceStateHandoffMixin:
         )
         meta = handoff.kv_meta if isinstance(handoff.kv_meta, dict) else {}
         resume = [int(t) for t in meta.get("resume_tokens", [])]
-        ssm_meta = meta.get("ssm")
+        ssm_meta: dict[str, Any] | None = meta.get("ssm")
         n_import = handoff.num_blocks - len(cached)
         n_more = (
             additional_decode_blocks(len(handoff.prompt), len(resume), int(ctx.block_size_tokens))
@@ -2038,7 +2058,7 @@ class InferenceStateHandoffMixin:
             handle = self._kv_transfer_agent.begin_pull_blocks(
                 meta_left, src_left, fresh[:n_import]
             )
-            if ssm_import is not None:
+            if ssm_import is not None and ssm_meta is not None:
                 self._start_ssm_handoff_import(handoff.request_id, ssm_meta, ssm_import)
         except Exception as e:  # this rank's failure: reported to the quorum like any other
             error = e
@@ -2074,7 +2094,7 @@ class InferenceStateHandoffMixin:
             ctx.kv_block_allocator.register_kv_block_hashes(
                 pending.local_blocks[start:end],
                 pending.hashes[start:end],
-                parent_hashes=([0] + pending.hashes)[start:end],
+                parent_hashes=([0, *pending.hashes])[start:end],
             )
         request_future = ref.add_request(
             pending.request_id,
@@ -2270,7 +2290,9 @@ class InferenceStateHandoffMixin:
                 "wait for RELEASE_KV",
                 "request_id",
             )
-        busy_pushes = [rid for rid, hs in self._pending_kv_pushes if not self._wait_for_transfer_handles(*hs)]
+        busy_pushes = [
+            rid for rid, hs in self._pending_kv_pushes if not self._wait_for_transfer_handles(*hs)
+        ]
         imports = list(self._pending_kv_imports) + list(self._quarantined_kv_imports)
         busy = [
             p.request_id
