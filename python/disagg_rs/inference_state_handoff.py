@@ -1440,6 +1440,13 @@ class InferenceStateHandoffMixin:
         self._apply_import_actions(actions)
         return future
 
+    def kv_import_destination(self, request_id: int) -> dict[str, Any] | None:
+        """Where this rank receives a started import (ledger-driven decode): its
+        ``dst_block_ids``, ``dst_ssm_slot``, ``num_tokens`` and ``token_start``. A two-sided
+        prefill needs it to push (:func:`with_push_destination`); None when not importing."""
+        pending = self._pending_imports.get(request_id)
+        return None if pending is None else dict(pending.destination)
+
     def _apply_import_actions(self, actions: Sequence[LedgerAction]) -> None:
         for a in actions:
             kind = a.kind
