@@ -38,7 +38,6 @@ LAYERS, HEADS, HEAD_DIM, VOCAB = 2, 2, 4, 251
 BLOCK = 4
 SPECULATIVE = 2
 NUM_BLOCKS = 48
-STOP_WORD = 7
 
 # (request id, prompt, tokens to generate, stop words); request 3's first token is a stop word.
 PROMPTS: list[tuple[int, list[int], int, list[list[int]]]] = [
@@ -348,7 +347,7 @@ def test_an_engine_written_against_the_protocol_hands_off_byte_exact_with_lookah
     assert decode["answers"] == expected
     # Request 2 (one token) and request 3 (its first token is a stop word) end at admission.
     assert decode["completed_without_forward"] == 2
-    for rid, prompt, max_new, stops in PROMPTS:
+    for rid, prompt, _, _ in PROMPTS:
         if rid in decode["admitted_blocks"]:
             # The ledger reserved the resume token and the speculative lookahead with the prompt.
             need = -(-(len(prompt) + 1 + SPECULATIVE) // BLOCK)
