@@ -16,8 +16,9 @@ The mixin works with two kinds of engine, chosen by what the engine has:
   :class:`~disagg_rs.engine_protocol.ReferenceDesignEngine`) attaches no ledger: the mixin
   then keeps the reference design's records (:mod:`disagg_rs.pending_handoff_imports`) over
   the engine's own block allocator and admits through :mod:`disagg_rs.decode_admission`, and
-  model-parallel agreement goes through :class:`~disagg_rs.HandoffCompletionTracker`
-  (a Rust :class:`~disagg_rs.CompletionQuorum`). Swapping the reference design's package for
+  model-parallel agreement goes through
+  :class:`~disagg_rs.handoff_completion_tracker.HandoffCompletionTracker` (a Rust
+  :class:`~disagg_rs.CompletionQuorum`). Swapping the reference design's package for
   ``disagg_rs`` is an import-path change for such an engine.
 
 Model-parallel ranks call every public method collectively, in the same order, with the same
