@@ -339,6 +339,7 @@ class ToyHost(InferenceStateHandoffMixin, _Scheduler):
         spec: int = 0,
     ) -> None:
         self._initialize_disaggregation_state()
+        self.num_speculative_tokens = spec
         ledger = self.make_handoff_ledger(role, num_blocks, BS, 0, num_speculative_tokens=spec)
         self.attach_handoff_ledger(ledger)
         self.block_pool = ledger.block_pool
@@ -445,6 +446,15 @@ def test_speculative_lookahead_blocks_are_reserved_with_the_prompt(
     host._admit_pending_kv_imports()
     # 6 prompt tokens + 1 handed-off token + 3 lookahead tokens = 10 -> 3 blocks of 4.
     assert len(host.admitted[1]) == 3
+
+
+def test_a_decode_ledger_without_the_engines_lookahead_is_refused(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    host = ToyHost("decode", loop, spec=2)
+    ledger = host.make_handoff_ledger("decode", 8, BS, 0)
+    with pytest.raises(HandoffStateError, match="num_speculative_tokens=2"):
+        host.attach_handoff_ledger(ledger)
 
 
 def test_scheduling_a_decode_admits_then_refuses_only_waiting_prompts_and_chains(
@@ -643,3 +653,71 @@ def test_reference_engine_metadata_errors_are_runtime_errors_too(
     with pytest.raises(HandoffMetadataError, match="need 2"):
         engine.add_request_with_kv_handoff(1, [1] * 8, Sampling(3), {"resume_tokens": [5]}, [0])
     assert engine.pending_kv_import_count == 0
+
+
+# -- the tracker across processes (gloo broadcasts the address, ZeroMQ carries the reports) -----
+def _tracker_rank(rank: int, world: int, port: int, out: Any) -> None:
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import zmq
+
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=120),
+        )
+        ctx = zmq.Context()
+        tracker = HandoffCompletionTracker(ctx, dist.group.WORLD, "127.0.0.1")
+        # Request 1 succeeds on every rank; request 2 fails on the last rank only.
+        tracker.report(1, False)
+        tracker.report(2, rank == world - 1)
+        decided: list[tuple[int, bool]] = []
+        if tracker.is_coordinator:
+            while len(decided) < 2:
+                decided += tracker.drain_completed()
+        dist.barrier()
+        out.put((rank, "ok", decided))
+        for s in tracker.sockets:
+            s.close(linger=0)
+        ctx.term()
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_model_parallel_ranks_agree_through_the_coordinator_across_processes() -> None:
+    import multiprocessing as mp
+    import queue
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    world = 3
+    procs = [ctx.Process(target=_tracker_rank, args=(r, world, port, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, status, payload = out.get(timeout=240)
+            assert status == "ok", payload
+            got[rank] = payload
+    except queue.Empty:
+        pytest.fail("the tracker ranks did not finish")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    assert sorted(got[0]) == [(1, False), (2, True)]
+    assert got[1] == got[2] == []

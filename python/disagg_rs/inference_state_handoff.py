@@ -487,8 +487,20 @@ class InferenceStateHandoffMixin:
         raise HandoffStateError(f"role={role!r} has no handoff ledger; use 'prefill' or 'decode'")
 
     def attach_handoff_ledger(self, ledger: ImportLedger | PinLedger) -> None:
-        """Use ``ledger`` (made by :meth:`make_handoff_ledger`) for this engine's handoffs."""
+        """Use ``ledger`` (made by :meth:`make_handoff_ledger`) for this engine's handoffs.
+
+        A decode ledger must reserve the engine's speculative lookahead with every import:
+        its ``lookahead_tokens`` must equal the engine's ``num_speculative_tokens``.
+        """
         if isinstance(ledger, ImportLedger):
+            spec = self._host().num_speculative_tokens
+            if ledger.lookahead_tokens != spec:
+                raise HandoffStateError(
+                    f"ImportLedger lookahead_tokens={ledger.lookahead_tokens} but the engine's "
+                    f"num_speculative_tokens={spec}: make the ledger with "
+                    "make_handoff_ledger(..., num_speculative_tokens=engine.num_speculative_tokens)",
+                    "num_speculative_tokens",
+                )
             self._import_ledger = ledger
         else:
             self._pin_ledger = ledger

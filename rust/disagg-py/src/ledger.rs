@@ -350,6 +350,12 @@ impl PyImportLedger {
         Ok(lock(&self.inner)?.num_quarantined_blocks())
     }
 
+    /// Speculative lookahead tokens reserved after the resume tokens of every import.
+    #[getter]
+    fn lookahead_tokens(&self) -> PyResult<u32> {
+        Ok(lock(&self.inner)?.config().lookahead_tokens)
+    }
+
     /// Deferred request ids, oldest first.
     fn deferred_ids(&self) -> PyResult<Vec<u64>> {
         Ok(lock(&self.inner)?.deferred_ids())
