@@ -497,8 +497,8 @@ class InferenceStateHandoffMixin:
             if ledger.lookahead_tokens != spec:
                 raise HandoffStateError(
                     f"ImportLedger lookahead_tokens={ledger.lookahead_tokens} but the engine's "
-                    f"num_speculative_tokens={spec}: make the ledger with "
-                    "make_handoff_ledger(..., num_speculative_tokens=engine.num_speculative_tokens)",
+                    f"num_speculative_tokens={spec}: pass the engine's num_speculative_tokens "
+                    "to make_handoff_ledger",
                     "num_speculative_tokens",
                 )
             self._import_ledger = ledger
