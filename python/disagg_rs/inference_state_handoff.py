@@ -516,7 +516,7 @@ class InferenceStateHandoffMixin:
             raise HandoffStateError("this engine has no PinLedger (not a prefill engine)")
         return self._pin_ledger
 
-    # -- counts (seed names) --------------------------------------------------------------------
+    # -- counts (the reference design's names) -----------------------------------------------------
     @property
     def pending_kv_import_count(self) -> int:
         """Number of decode requests waiting for capacity or transfer completion."""
