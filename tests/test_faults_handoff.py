@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from disagg_rs import exceptions
-from disagg_rs.inference_state_handoff import InferenceStateHandoffMixin, PendingKvImport
+from disagg_rs.inference_state_handoff import InferenceStateHandoffMixin
+from disagg_rs.inference_state_handoff import RankImport as PendingKvImport
 from disagg_rs.reference import EngineConfig, ModelConfig, ReferenceEngine
 from disagg_rs.reference.engine import encode_text
 from disagg_rs.reference.handoff import HandoffReferenceEngine

@@ -210,9 +210,21 @@ def test_abort_while_importing_releases_nothing_until_the_transfer_is_quiet(pair
     assert 1 not in pair.answers
 
 
-def test_a_decode_engine_refuses_to_schedule_prompts(pair: Pair) -> None:
-    with pytest.raises(HandoffStateError, match="does not schedule prompts"):
-        pair.decode.schedule_waiting_requests()
+def test_scheduling_a_decode_engine_admits_completed_imports_when_no_prompt_waits(
+    pair: Pair,
+) -> None:
+    # The reference engine refuses prompts on a decode engine up front, so nothing waits and
+    # the scheduling point only admits (the refusal itself: test_reference_api_lifecycle.py).
+    with pytest.raises(HandoffStateError, match="decode engines only admit"):
+        pair.decode.add_request(9, PROMPTS[0], 2)
+    pair.run_prefill(1, PROMPTS[0])
+    pair.submit(1, PROMPTS[0])
+    deadline = time.monotonic() + 60
+    while not pair.decode.has_admittable_kv_import and time.monotonic() < deadline:
+        pair.tick()
+        pair.decode._poll_pending_kv_imports()
+    pair.decode.schedule_waiting_requests()
+    assert pair.decode.handoff_stats["imports_admitted"] == 1
     pair.prefill.schedule_waiting_requests()
 
 

@@ -200,6 +200,7 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
 
         from disagg_rs.control import EngineLink, Msg
         from disagg_rs.exceptions import DisaggError
+        from disagg_rs.inference_state_handoff import with_push_destination
         from disagg_rs.reference.handoff import HandoffReferenceEngine
 
         torch.set_num_threads(1)
@@ -324,7 +325,9 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
                             transfer=pending.destination,
                         )
                 elif kind is Msg.SEND_KV:
-                    engine.push_handoff_kv(rid, m["decode_meta"], m["transfer"])
+                    engine.push_handoff_kv(
+                        rid, with_push_destination(m["decode_meta"], m["transfer"])
+                    )
                 elif kind is Msg.RELEASE_KV:
                     engine.release_handoff_blocks(rid)
                 elif kind is Msg.ABORT:

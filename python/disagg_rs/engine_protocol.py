@@ -1,4 +1,4 @@
-"""The small protocol an inference engine provides to disagg_rs (DESIGN §6).
+"""The small protocol an inference engine provides to disagg_rs.
 
 These are :class:`typing.Protocol` classes: an engine does not subclass them, it just has the
 methods. disagg_rs's own :class:`~disagg_rs.BlockPool` and :class:`~disagg_rs.SlotPool`
@@ -13,9 +13,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-__all__ = ["BlockAllocator", "DecodeBatch", "HandoffEngine", "SlotAllocator"]
+if TYPE_CHECKING:
+    from disagg_rs._core import KVShardLayout, SSMShardLayout
+
+__all__ = [
+    "BlockAllocator",
+    "DecodeBatch",
+    "EngineSettings",
+    "HandoffEngine",
+    "HandoffHost",
+    "ModelShape",
+    "ReferenceDesignEngine",
+    "SlotAllocator",
+]
 
 
 @runtime_checkable
@@ -138,9 +150,31 @@ class DecodeBatch(Protocol):
         ...
 
 
+class EngineSettings(Protocol):
+    """The engine settings the handoff mixin reads."""
+
+    @property
+    def eos_token(self) -> int | None:
+        """End-of-sequence token (None: generation ends only at the token limit)."""
+        ...
+
+
+class ModelShape(Protocol):
+    """The model dimensions the handoff mixin reads."""
+
+    @property
+    def head_dim(self) -> int:
+        """Attention head dimension."""
+        ...
+
+
 @runtime_checkable
 class HandoffEngine(Protocol):
-    """Everything ``InferenceStateHandoffMixin`` needs from the engine it is composed into."""
+    """What an engine built on disagg_rs's pools provides to ``InferenceStateHandoffMixin``.
+
+    The mixin touches exactly these members (plus :class:`HandoffHost`'s collective ones);
+    mypy checks it against this protocol.
+    """
 
     @property
     def block_pool(self) -> BlockAllocator:
@@ -159,7 +193,8 @@ class HandoffEngine(Protocol):
 
     @property
     def num_speculative_tokens(self) -> int:
-        """Lookahead tokens reserved after the resume tokens (0 without speculation)."""
+        """Lookahead tokens reserved after the resume tokens (0 without speculation); pass
+        it to ``make_handoff_ledger`` so every import reserves them."""
         ...
 
     @property
@@ -169,9 +204,138 @@ class HandoffEngine(Protocol):
 
     @property
     def event_loop(self) -> asyncio.AbstractEventLoop:
-        """The loop on which handoff futures are resolved."""
+        """The loop on which handoff futures are resolved; raises ``AttributeError`` on an
+        engine without one (``add_request_with_kv_handoff`` then returns no future)."""
+        ...
+
+    @property
+    def config(self) -> EngineSettings:
+        """Engine settings (the end-of-sequence token)."""
+        ...
+
+    @property
+    def model(self) -> ModelShape:
+        """Model dimensions (the attention head dimension)."""
+        ...
+
+    @property
+    def num_waiting(self) -> int:
+        """Prompts waiting to be scheduled (a decode engine refuses to schedule them)."""
+        ...
+
+    @property
+    def kv_cache(self) -> Any:
+        """This rank's KV cache memory (one contiguous tensor to register for transfers)."""
+        ...
+
+    @property
+    def kv_cache_layout(self) -> str:
+        """Axes of :attr:`kv_cache`: ``megatron``, ``nhd`` or ``hnd``."""
+        ...
+
+    @property
+    def kv_layout(self) -> KVShardLayout | None:
+        """Which KV layers and heads this rank holds (None: no attention here)."""
+        ...
+
+    @property
+    def ssm_layout(self) -> SSMShardLayout | None:
+        """Which SSM layers, heads and groups this rank holds (None: no SSM layer here)."""
+        ...
+
+    @property
+    def ssm_conv_state(self) -> Any:
+        """Conv state tensor ``[L, slots, C, d_conv]`` (None without SSM layers)."""
+        ...
+
+    @property
+    def ssm_recurrent_state(self) -> Any:
+        """Recurrent state tensor ``[L, slots, H, p, n]`` (None without SSM layers)."""
+        ...
+
+    def expect_import(
+        self,
+        request_id: int,
+        prompt: Sequence[int],
+        resume_tokens: Sequence[int],
+        max_new_tokens: int,
+    ) -> None:
+        """Announce a handed-off request before its state arrives (validated; raises before
+        anything changes)."""
+        ...
+
+    def abort(self, request_id: int) -> bool:
+        """Forget an announced request whose import failed (False for an unknown id)."""
         ...
 
     def complete_request_without_forward(self, request_id: int, result: Any) -> None:
-        """Finish a request whose transferred tokens already satisfy it."""
+        """Finish an announced request whose handed-off tokens (``result``, the resume
+        tokens) already satisfy it."""
+        ...
+
+
+@runtime_checkable
+class HandoffHost(HandoffEngine, Protocol):
+    """A :class:`HandoffEngine` that runs the handoff mixin: it also shares small objects
+    among its model-parallel ranks."""
+
+    @property
+    def handoff_mp_rank(self) -> int:
+        """This rank's index among the engine's model-parallel ranks (0 for one rank)."""
+        ...
+
+    def handoff_all_gather(self, obj: Any) -> list[Any]:
+        """All-gather a small picklable object over the engine's model-parallel ranks, in
+        rank order (``[obj]`` for one rank)."""
+        ...
+
+
+class ReferenceDesignEngine(Protocol):
+    """The members of the reference design's dynamic engine (Megatron-LM's
+    ``DynamicInferenceEngine``) that ``InferenceStateHandoffMixin`` touches when no ledger is
+    attached. Their types and meaning are the reference design's; ``context`` is its
+    ``DynamicInferenceContext`` (block allocator, SSM metadata, per-request tensors)."""
+
+    context: Any
+    pg_collection: Any
+    controller: Any
+    requests: Any
+    waiting_request_ids: Any
+    track_generated_token_events: bool
+    use_coordinator: bool
+    is_mp_coordinator: bool
+    finished_request_count: int
+    zmq_context: Any
+    zmq_sockets: Any
+    _loop: asyncio.AbstractEventLoop
+    _partial_emit_lengths: Any
+
+    def add_request(
+        self,
+        request_id: int,
+        prompt: Any,
+        sampling_params: Any,
+        precomputed_block_hashes: Any = None,
+    ) -> asyncio.Future[Any]:
+        """Queue a request (the handoff takes it straight out of the waiting queue)."""
+        ...
+
+    def get_request(self, request_id: int) -> Any:
+        """The live request object."""
+        ...
+
+    def _notify_cond_for_new_request(self) -> Any:
+        """Coroutine waking the engine loop."""
+        ...
+
+    def _check_stop_words_for_request_post_append(self, request: Any) -> tuple[bool, int]:
+        """Whether the request's latest tokens end with a stop word."""
+        ...
+
+    def _try_send_streaming_partials(self) -> None:
+        """Stream partial outputs to the coordinator."""
+        ...
+
+    def _send_request_records_to_coordinator(self, records: list[Any]) -> None:
+        """Send finished request records to the coordinator."""
         ...

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 __all__ = [
+    "HandoffMetadataError",
     "AddressOverflowError",
     "ArgumentError",
     "BlockIdError",
@@ -66,6 +67,11 @@ class AddressOverflowError(DisaggError, OverflowError):
 
 class MetadataError(DisaggError, ValueError):
     """Peer handoff metadata is missing a field, has a wrong type or an unknown version."""
+
+
+class HandoffMetadataError(MetadataError, RuntimeError):
+    """Malformed or mismatched handoff metadata met on the reference design's engine path,
+    which reports it as a ``RuntimeError`` (so it is both)."""
 
 
 class UnknownRequestError(DisaggError, LookupError):

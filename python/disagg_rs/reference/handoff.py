@@ -42,6 +42,7 @@ class HandoffReferenceEngine(InferenceStateHandoffMixin, ReferenceEngine):
             world_size=len(ranks),
             rank=index,
             pull=backend != "nccl",
+            num_speculative_tokens=self.num_speculative_tokens,
         )
         self.attach_handoff_ledger(ledger)
         super().__init__(

@@ -350,6 +350,12 @@ impl PyImportLedger {
         Ok(lock(&self.inner)?.num_quarantined_blocks())
     }
 
+    /// Speculative lookahead tokens reserved after the resume tokens of every import.
+    #[getter]
+    fn lookahead_tokens(&self) -> PyResult<u32> {
+        Ok(lock(&self.inner)?.config().lookahead_tokens)
+    }
+
     /// Deferred request ids, oldest first.
     fn deferred_ids(&self) -> PyResult<Vec<u64>> {
         Ok(lock(&self.inner)?.deferred_ids())
@@ -482,6 +488,23 @@ impl PyPinLedger {
     #[getter]
     fn pending_kv_push_count(&self) -> PyResult<usize> {
         Ok(lock(&self.inner)?.pending_kv_push_count())
+    }
+
+    /// Blocks of a live pin in pinned order (``None`` for an id with no pin).
+    fn pinned_blocks(&self, request_id: i64) -> PyResult<Option<Vec<u32>>> {
+        let r = u64_arg("request_id", request_id)?;
+        Ok(lock(&self.inner)?.pinned(r).map(|(b, _)| b.to_vec()))
+    }
+
+    /// SSM slot of a live pin (``None`` for an id with no pin or a pin without a slot).
+    fn pinned_ssm_slot(&self, request_id: i64) -> PyResult<Option<u32>> {
+        let r = u64_arg("request_id", request_id)?;
+        Ok(lock(&self.inner)?.pinned(r).and_then(|(_, s)| s))
+    }
+
+    /// Request ids of the live pins, ascending.
+    fn pinned_request_ids(&self) -> PyResult<Vec<u64>> {
+        Ok(lock(&self.inner)?.pinned_request_ids())
     }
 
     /// Epoch of a live pin.

@@ -106,6 +106,18 @@ impl PinLedger {
         self.pins.get(&request_id).map(|p| p.epoch)
     }
 
+    /// The blocks and SSM slot of a live pin, in the order they were pinned.
+    pub fn pinned(&self, request_id: u64) -> Option<(&[u32], Option<u32>)> {
+        self.pins.get(&request_id).map(|p| (p.blocks.as_slice(), p.slot))
+    }
+
+    /// Request ids of the live pins, ascending.
+    pub fn pinned_request_ids(&self) -> Vec<u64> {
+        let mut ids: Vec<u64> = self.pins.keys().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// Blocks (with repeats) held by pins.
     pub fn num_pinned_blocks(&self) -> usize {
         self.pins.values().map(|p| p.blocks.len()).sum()

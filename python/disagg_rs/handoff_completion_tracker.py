@@ -1,0 +1,141 @@
+"""Model-parallel agreement on each import's outcome (the reference design's
+``handoff_completion_tracker`` module).
+
+Every model-parallel rank of a decode engine moves its own share of a request's state, so a
+request may start decoding only once every rank's transfer succeeded, and must fail as soon
+as one rank's failed. Ranks report once per request; the coordinator (rank 0 of the group)
+collects the reports and :meth:`HandoffCompletionTracker.drain_completed` returns the
+decisions, which the engine then distributes with its usual per-step broadcast. The votes and
+the decision live in :class:`~disagg_rs.CompletionQuorum` (Rust): success needs every rank,
+the first failure decides at once, a late report of a decided request is absorbed, and a rank
+that contradicts itself is an error.
+
+Non-coordinator ranks send their reports over a ZeroMQ PUSH socket whose address the
+coordinator broadcasts once at construction (``pyzmq`` is needed only with more than one rank).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+from disagg_rs._core import CompletionQuorum
+from disagg_rs.exceptions import HandoffStateError
+
+__all__ = ["HandoffCompletionTracker"]
+
+# All reports of one request share one attempt of the quorum.
+_EPOCH = 0
+
+
+class HandoffCompletionTracker:
+    """Aggregate per-rank transfer results at the model-parallel coordinator."""
+
+    _REPORT_FORMAT = "!qi?"
+
+    def __init__(self, zmq_context: Any, process_group: Any, hostname: str | None = None) -> None:
+        import torch.distributed as dist
+
+        self.rank = int(dist.get_rank(process_group))
+        self.world_size = int(dist.get_world_size(process_group))
+        self.is_coordinator = self.rank == 0
+        self._reports = {}
+        self._failure_notified: set[int] = set()
+        self._socket: Any = None
+        self.sockets: list[Any] = []
+        if self.world_size == 1:
+            return
+        import zmq
+
+        root = dist.get_process_group_ranks(process_group)[0]
+        if self.is_coordinator:
+            self._socket = zmq_context.socket(zmq.PULL)
+            self._socket.bind_to_random_port(f"tcp://{hostname or socket.gethostname()}")
+            box: list[Any] = [self._socket.getsockopt_string(zmq.LAST_ENDPOINT)]
+            dist.broadcast_object_list(box, src=root, group=process_group)
+        else:
+            box = [None]
+            dist.broadcast_object_list(box, src=root, group=process_group)
+            self._socket = zmq_context.socket(zmq.PUSH)
+            self._socket.connect(box[0])
+        self.sockets.append(self._socket)
+
+    # -- state: a view over the Rust quorum ----------------------------------------------------
+    @property
+    def _reports(self) -> dict[int, str]:
+        """Requests with reports and no decision yet (read-only view)."""
+        return {rid: "open" for rid in sorted(self.__dict__.get("_open_ids", set()))}
+
+    @_reports.setter
+    def _reports(self, value: Mapping[int, Any]) -> None:
+        if value:
+            raise HandoffStateError(
+                f"_reports can only be reset to empty, got {len(value)} entries", "_reports"
+            )
+        self.__dict__["_open_ids"] = set()
+        self.__dict__["_decided"] = []
+        self.__dict__["_quorum"] = None
+
+    def _votes(self) -> CompletionQuorum:
+        quorum: CompletionQuorum | None = self.__dict__.get("_quorum")
+        if quorum is None:
+            quorum = CompletionQuorum(int(self.world_size))
+            self.__dict__["_quorum"] = quorum
+            self.__dict__.setdefault("_open_ids", set())
+            self.__dict__.setdefault("_decided", [])
+        return quorum
+
+    # -- API -----------------------------------------------------------------------------------
+    def report(self, request_id: int, failed: bool) -> None:
+        """Report this rank's terminal transfer result for a request (once)."""
+        if self.is_coordinator:
+            self._record(request_id, self.rank, failed)
+            return
+        self._socket.send(struct.pack(self._REPORT_FORMAT, request_id, self.rank, failed))
+
+    def drain_completed(self) -> list[tuple[int, bool]]:
+        """Requests that every rank completed, or that some rank failed, since the last drain:
+        ``(request_id, failed)`` in decision order. Empty on non-coordinator ranks."""
+        if not self.is_coordinator:
+            return []
+        if self._socket is not None:
+            import zmq
+
+            while True:
+                try:
+                    frame = self._socket.recv(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                rid, rank, failed = struct.unpack(self._REPORT_FORMAT, frame)
+                self._record(rid, rank, failed)
+        self._votes()
+        out: list[tuple[int, bool]] = self.__dict__["_decided"]
+        self.__dict__["_decided"] = []
+        return out
+
+    def _record(self, request_id: int, rank: int, failed: bool) -> None:
+        """One rank's report; the quorum decides (a contradicting report raises
+        ``HandoffStateError`` naming the request and both outcomes)."""
+        quorum = self._votes()
+        if request_id in self._failure_notified:
+            # Decided as failed already: the attempt is closed, later reports are absorbed.
+            return
+        decision = quorum.report(request_id, _EPOCH, rank, "error" if failed else "ok")
+        open_ids: set[int] = self.__dict__["_open_ids"]
+        if decision is None:
+            open_ids.add(request_id)
+            return
+        open_ids.discard(request_id)
+        quorum.forget(request_id, _EPOCH)
+        is_failure = decision[0] == "failure"
+        if is_failure:
+            self._failure_notified.add(request_id)
+        self.__dict__["_decided"].append((request_id, is_failure))
+
+    def forget(self, request_id: int) -> None:
+        """Drop everything known about a request that ended (its id may be reused)."""
+        self._votes().forget(request_id, _EPOCH)
+        self.__dict__["_open_ids"].discard(request_id)
+        self._failure_notified.discard(request_id)
