@@ -339,6 +339,26 @@ def test_reference_metadata_with_a_wrong_field_is_refused_naming_it(
         dst.close()
 
 
+def test_a_pull_of_no_blocks_is_a_settled_handle_and_half_empty_lists_are_refused(
+    root: nixl.NixlTransferBackend,
+) -> None:
+    src = _kv_backend(root, 2, 0, 1, 0, 4, 16)
+    dst = _kv_backend(root, 1, 0, 1, 0, 4, 16)
+    try:
+        meta = {"tp_metas": [src.export_meta()]}
+        before = dst.memory_buffer.clone()
+        handle = dst.begin_pull_blocks(meta, [], [])
+        assert handle.poll() is True
+        assert handle.storage_safe
+        assert torch.equal(dst.memory_buffer, before)
+        with pytest.raises(exceptions.BlockIdError) as info:
+            dst.begin_pull_blocks(meta, [], [1])
+        assert info.value.field == "src_block_ids"
+    finally:
+        src.close()
+        dst.close()
+
+
 def test_a_buffer_registered_the_reference_way_exports_its_slices(
     root: nixl.NixlTransferBackend,
 ) -> None:
@@ -459,24 +479,8 @@ def _close(workers: list[Worker], key: str) -> None:
         w("close", key)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("wrapped", [True, False], ids=["tp_metas", "list"])
-def test_a_seed_style_tp2_to_tp1_nixl_pull_without_num_tokens_moves_whole_blocks(
-    nixl_pool: list[Worker], wrapped: bool
-) -> None:
-    case, key = TP2_WHOLE, f"seed-nixl-{wrapped}"
-    metas = [nixl_pool[i]("setup", key, case, s, "src") for i, s in enumerate(case.srcs)]
-    nixl_pool[2]("setup", key, case, case.dsts[0], "dst")
-    try:
-        peer = {"tp_metas": metas} if wrapped else metas
-        src, dst = tw.src_ids(case, case.srcs[0]), tw.dst_ids(case, case.dsts[0])
-        nixl_pool[2]("call", key, "begin_pull_blocks", peer, src, dst)
-        nixl_pool[2]("wait", key)
-        _landed(nixl_pool[2], key, case)
-    finally:
-        _close(nixl_pool, key)
-
-
+# gloo first: its workers meet at a rendezvous, which a loaded machine running the NIXL
+# workers beside it can push past the reply deadline.
 @pytest.mark.slow
 @pytest.mark.parametrize("reference_fields_only", [False, True], ids=["ours", "reference"])
 def test_a_seed_style_tp2_to_tp1_gloo_push_and_pull_without_num_tokens_move_whole_blocks(
@@ -503,6 +507,24 @@ def test_a_seed_style_tp2_to_tp1_gloo_push_and_pull_without_num_tokens_move_whol
         _landed(gloo_pool[2], key, case)
     finally:
         _close(gloo_pool, key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapped", [True, False], ids=["tp_metas", "list"])
+def test_a_seed_style_tp2_to_tp1_nixl_pull_without_num_tokens_moves_whole_blocks(
+    nixl_pool: list[Worker], wrapped: bool
+) -> None:
+    case, key = TP2_WHOLE, f"seed-nixl-{wrapped}"
+    metas = [nixl_pool[i]("setup", key, case, s, "src") for i, s in enumerate(case.srcs)]
+    nixl_pool[2]("setup", key, case, case.dsts[0], "dst")
+    try:
+        peer = {"tp_metas": metas} if wrapped else metas
+        src, dst = tw.src_ids(case, case.srcs[0]), tw.dst_ids(case, case.dsts[0])
+        nixl_pool[2]("call", key, "begin_pull_blocks", peer, src, dst)
+        nixl_pool[2]("wait", key)
+        _landed(nixl_pool[2], key, case)
+    finally:
+        _close(nixl_pool, key)
 
 
 @pytest.mark.slow
@@ -563,3 +585,69 @@ def test_nccl_metadata_carries_the_reference_transport_fields(tmp_path: Any) -> 
         assert info.value.field == "nccl_rank"
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_pp2_to_pp1_nixl_pull_takes_each_stage_s_block_ids_from_the_pp_metas_wrapper(
+    nixl_pool: list[Worker],
+) -> None:
+    case = Case(
+        "pp2_to_pp1_whole_blocks",
+        (Side(pp_size=2, pp_rank=0, global_rank=0), Side(pp_size=2, pp_rank=1, global_rank=1)),
+        (Side(global_rank=2),),
+        num_tokens=48,
+    )
+    key = "pp-metas"
+    metas = [nixl_pool[i]("setup", key, case, s, "src") for i, s in enumerate(case.srcs)]
+    nixl_pool[2]("setup", key, case, case.dsts[0], "dst")
+    try:
+        stages = [
+            {"tp_metas": [m], "block_ids": tw.src_ids(case, s)}
+            for m, s in zip(metas, case.srcs, strict=True)
+        ]
+        dst = tw.dst_ids(case, case.dsts[0])
+        # The stage lists carry the block ids; the top-level list is not consulted.
+        nixl_pool[2]("call", key, "begin_pull_blocks", {"pp_metas": stages}, [], dst)
+        nixl_pool[2]("wait", key)
+        _landed(nixl_pool[2], key, case)
+    finally:
+        _close(nixl_pool, key)
+
+
+@pytest.fixture(scope="module")
+def nccl_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Worker]]:
+    store = str(tmp_path_factory.mktemp("nccl-ref") / "store")
+    workers = tw.start_workers("nccl", ["ref-pre0", "ref-dec0"], store)
+    try:
+        yield workers
+    finally:
+        tw.stop_workers(workers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("reference_fields_only", [False, True], ids=["ours", "reference"])
+def test_an_nccl_push_and_pull_between_gpus_in_the_reference_form_move_whole_blocks(
+    nccl_pool: list[Worker], reference_fields_only: bool
+) -> None:
+    case = Case("tp1_whole_blocks", (Side(),), (Side(global_rank=1),), num_tokens=48)
+    key = f"seed-nccl-{reference_fields_only}"
+    pre, dec = nccl_pool
+    ms = pre("setup", key, case, case.srcs[0], "src")
+    md = dec("setup", key, case, case.dsts[0], "dst")
+    if reference_fields_only:
+        ms, md = reference_only(ms), reference_only(md)
+    try:
+        src, dst = tw.src_ids(case, case.srcs[0]), tw.dst_ids(case, case.dsts[0])
+        dec.send("call", key, "begin_pull_blocks", {"tp_metas": [ms]}, src, dst)
+        pre.send("call", key, "begin_push_blocks", {"tp_metas": [md]}, src)
+        dec.result()
+        pre.result()
+        dec.send("wait", key)
+        pre.send("wait", key)
+        dec.result()
+        pre.result()
+        _landed(dec, key, case)
+    finally:
+        pre("close", key)
+        dec("close", key)

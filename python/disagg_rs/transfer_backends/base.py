@@ -25,6 +25,11 @@ Metadata schema (``FORMAT_VERSION`` 1), every field required:
 ==================  =========================================================================
 
 Backends add their own fields (NIXL: ``agent_metadata``, ``staging``; NCCL: ``dist_rank``).
+Beside them every export carries the reference design's fields (Megatron-LM's
+disaggregation package: ``base_addr``, ``outer_stride_bytes``, ``num_outer``,
+``bytes_per_slice``, ``blocks_axis``, ``element_size``, ``heads_per_partition``, the KV layout
+fields ``global_rank`` ... ``layer_end``, ``ssm_layout``; NIXL ``agent_metadata_b64``; NCCL
+``transport``, ``nccl_rank``), and a peer dict without ``version`` is read from those alone.
 All ranges are half-open ``[lo, hi)``.
 """
 
@@ -230,6 +235,18 @@ def rust_program_compiler(
         mode=mode,
     )
     return program
+
+
+def no_blocks(*block_ids: Any) -> bool:
+    """Whether every given block id list is empty (a handoff with nothing left to move, e.g.
+    a prompt whole in the decode's prefix cache): the reference design's no-op transfer."""
+    for ids in block_ids:
+        if ids is None:
+            continue
+        lists = ids.values() if isinstance(ids, Mapping) else [ids]
+        if any(np.asarray(x).size for x in lists):
+            return False
+    return True
 
 
 def _one_slot(field: str, ids: Any) -> int:

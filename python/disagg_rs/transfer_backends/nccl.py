@@ -34,6 +34,7 @@ from disagg_rs.transfer_backends.base import (
     TransferHandleBase,
     TransferProgramLike,
     kv_layout_from_meta,
+    no_blocks,
 )
 
 __all__ = ["NcclTransferBackend", "NcclTransferHandle"]
@@ -254,6 +255,8 @@ class NcclTransferBackend(TransferBackendBase):
         metas, src_ids = self._resolve_peers(peer_meta, src_block_ids)
         assert src_ids is not None  # given, so resolved to the given ids or a rank map
         src_block_ids = src_ids
+        if no_blocks(src_block_ids, dst_block_ids):  # nothing to move: a settled handle
+            return self._submit([], [], [], timeout_s)
         num_tokens = self._validate_peers(
             metas, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
         )
@@ -308,6 +311,8 @@ class NcclTransferBackend(TransferBackendBase):
         Without ``num_tokens`` whole blocks move.
         """
         dsts = self._peer_list(peer_meta)
+        if no_blocks(src_block_ids):  # nothing to move: a settled handle
+            return self._submit([], [], [], timeout_s)
         srcs = self._peer_list(src_metas) if src_metas else self._group_metas()
         num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens, local_is_dst=False)
         self._check_compat(dsts)

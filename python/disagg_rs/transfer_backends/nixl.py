@@ -59,6 +59,7 @@ from disagg_rs.transfer_backends.base import (
     TransferHandleBase,
     check_meta_fields,
     kv_layout_from_meta,
+    no_blocks,
 )
 
 __all__ = ["NixlPullHandle", "NixlTransferBackend", "StagingArena"]
@@ -670,6 +671,8 @@ class NixlTransferBackend(TransferBackendBase):
         metas, src_ids = self._resolve_peers(peer_meta, src_block_ids)
         assert src_ids is not None  # given, so resolved to the given ids or a rank map
         src_block_ids = src_ids
+        if no_blocks(src_block_ids, dst_block_ids):  # nothing to move: a settled handle
+            return NixlPullHandle(self.agent, [], self.timeout_s, self.clock, None)
         num_tokens = self._validate_peers(
             metas, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
         )
