@@ -207,8 +207,13 @@ def test_nccl_handle_scatters_once_after_completion() -> None:
         ("", True),
         ("tcp,self,sm", False),
         ("tcp,cuda_copy,cuda_ipc", True),
-        ("rc,sm", True),
+        ("rc,sm", False),  # rc moves host memory only
+        ("rc", False),
+        ("all", True),
+        ("rc,cuda_copy", True),
         ("^cuda_copy,cuda_ipc,cuda", False),
+        ("^cuda_copy,cuda_ipc,gdr_copy", False),
+        ("^cuda_copy,cuda_ipc", True),  # gdr_copy is left
         ("^ib", True),
     ],
 )

@@ -486,6 +486,32 @@ class WorkerState:
         meta: dict[str, Any] = backend.export_meta()
         return meta
 
+    def setup_raw(
+        self, key: str, shape: tuple[int, ...], num_blocks: int, fill: int | None, **extra: Any
+    ) -> dict[str, Any]:
+        """A backend over any int32 buffer of ``shape`` (e.g. the reference design's 3-D
+        matched layout); ``fill`` offsets an ``arange`` fill, ``None`` fills the sentinel."""
+        import torch
+
+        n = int(np.prod(shape))
+        if fill is None:
+            buf = torch.full(shape, SENTINEL, dtype=torch.int32)
+        else:
+            buf = (torch.arange(n, dtype=torch.int32) + fill).reshape(shape)
+        buf = buf.to(self.device)
+        if self.transport in ("nixl", "nixl-cuda"):
+            backend = self.root.new_registered_buffer(
+                memory_buffer=buf, expected_num_blocks=num_blocks, **extra
+            )
+        else:
+            from disagg_rs.transfer_backends import construct_kv_transfer_backend_class
+
+            cls = construct_kv_transfer_backend_class("nccl")
+            backend = cls(self.name, buf, num_blocks, **extra)
+        self.backends[key] = backend
+        meta: dict[str, Any] = backend.export_meta()
+        return meta
+
     def call(self, key: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call a backend method; keep a returned handle under ``key``."""
         out = getattr(self.backends[key], method)(*args, **kwargs)

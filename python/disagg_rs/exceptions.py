@@ -27,6 +27,7 @@ __all__ = [
     "PlanCoverageError",
     "ResetRefusedError",
     "TransferError",
+    "TransferStartError",
     "TransferTimeout",
     "UnknownRequestError",
 ]
@@ -98,6 +99,44 @@ class ResetRefusedError(DisaggError, RuntimeError):
 
 class TransferError(DisaggError, RuntimeError):
     """A transport reported an error for a transfer (every part of it is terminal)."""
+
+
+class TransferStartError(TransferError):
+    """Posting a transfer failed after the transport may already own some of its storage.
+
+    ``cleanup_handles`` are the handles of the parts that were posted before the failure;
+    poll them until they settle before reusing the storage. ``storage_safe`` is True when
+    nothing was posted or every posted part has settled (the reference design's contract).
+    ``resources`` keeps buffers and descriptors alive while the storage is not yet safe.
+    Python-only (no Rust variant): only the Python drivers post transfers.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        storage_safe: bool,
+        resources: Any = None,
+        cleanup_handles: list[Any] | None = None,
+        field: str | None = None,
+    ) -> None:
+        super().__init__(message, field)
+        self._storage_safe = bool(storage_safe)
+        self.resources = resources
+        self.cleanup_handles = list(cleanup_handles or [])
+
+    @property
+    def destinations_may_be_written(self) -> bool:  # type: ignore[override]
+        """True while a posted part may still read or write the storage."""
+        return not self.storage_safe
+
+    @property
+    def storage_safe(self) -> bool:
+        """Whether the failure happened before anything was posted, or every posted part
+        has settled since."""
+        return self._storage_safe or (
+            bool(self.cleanup_handles) and all(bool(h.storage_safe) for h in self.cleanup_handles)
+        )
 
 
 class IntegrityError(TransferError):

@@ -25,15 +25,22 @@ Metadata schema (``FORMAT_VERSION`` 1), every field required:
 ==================  =========================================================================
 
 Backends add their own fields (NIXL: ``agent_metadata``, ``staging``; NCCL: ``dist_rank``).
+Beside them every export carries the reference design's fields (Megatron-LM's
+disaggregation package: ``base_addr``, ``outer_stride_bytes``, ``num_outer``,
+``bytes_per_slice``, ``blocks_axis``, ``element_size``, ``heads_per_partition``, the KV layout
+fields ``global_rank`` ... ``layer_end``, ``ssm_layout``; NIXL ``agent_metadata_b64``; NCCL
+``transport``, ``nccl_rank``), and a peer dict without ``version`` is read from those alone.
 All ranges are half-open ``[lo, hi)``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeAlias
 
 import numpy as np
@@ -48,22 +55,31 @@ from disagg_rs.exceptions import (
     LayoutError,
     MetadataError,
     TransferError,
+    TransferStartError,
     TransferTimeout,
 )
 
 __all__ = [
+    "BACKENDS",
     "FORMAT_VERSION",
     "KV_AXES",
     "SSM_AXES",
     "BlockIds",
+    "BufferGeometry",
     "Clock",
+    "KVTransportBackend",
     "PeerMeta",
     "ProgramCompiler",
     "StateKind",
     "TransferBackendBase",
     "TransferHandleBase",
     "TransferProgramLike",
+    "TransferStartError",
+    "compute_buffer_geometry",
+    "construct_kv_transfer_backend_class",
+    "export_geometry_meta",
     "rust_program_compiler",
+    "transfer_peer_records",
 ]
 
 #: Version of the metadata schema above; bump on any incompatible change.
@@ -221,6 +237,18 @@ def rust_program_compiler(
     return program
 
 
+def no_blocks(*block_ids: Any) -> bool:
+    """Whether every given block id list is empty (a handoff with nothing left to move, e.g.
+    a prompt whole in the decode's prefix cache): the reference design's no-op transfer."""
+    for ids in block_ids:
+        if ids is None:
+            continue
+        lists = ids.values() if isinstance(ids, Mapping) else [ids]
+        if any(np.asarray(x).size for x in lists):
+            return False
+    return True
+
+
 def _one_slot(field: str, ids: Any) -> int:
     arr = np.asarray(ids).reshape(-1)
     if arr.size != 1:
@@ -363,6 +391,417 @@ def _check_type(value: Any, types: tuple[type, ...], field: str) -> None:
         )
 
 
+# -- the reference design's registry, geometry and peer wrappers ------------------------------
+
+#: The reference design's name for "a transfer backend class" (its registry's return type).
+KVTransportBackend: TypeAlias = "type[TransferBackendBase]"
+
+#: Backend name -> (module, class) of the explicit registry.
+BACKENDS: dict[str, tuple[str, str]] = {
+    "nixl": ("disagg_rs.transfer_backends.nixl", "NixlTransferBackend"),
+    "nccl": ("disagg_rs.transfer_backends.nccl", "NcclTransferBackend"),
+}
+
+
+def construct_kv_transfer_backend_class(name: str) -> type[TransferBackendBase]:
+    """Return the backend class registered as ``name`` (``"nixl"`` or ``"nccl"``, any case).
+
+    Selection is explicit (the launcher names the backend); modules import lazily, so
+    ``import disagg_rs`` never imports NIXL or touches a process group.
+    """
+    key = str(name).lower().replace("_", "-")
+    if key not in BACKENDS:
+        raise ValueError(
+            f"unknown transfer backend {name!r}; expected 'nixl' or 'nccl' (known: "
+            f"{sorted(BACKENDS)})"
+        )
+    module_name, class_name = BACKENDS[key]
+    cls: type[TransferBackendBase] = getattr(importlib.import_module(module_name), class_name)
+    return cls
+
+
+@dataclass
+class BufferGeometry:
+    """A registered buffer as the reference design describes it: ``[outer..., B, inner...]``.
+
+    Each ``(outer, block)`` pair is one contiguous slice of ``bytes_per_slice`` bytes; the
+    outer stride skips the whole block pool. ``layout`` is the KV layout when the buffer is
+    a KV cache with a full layout (``None`` otherwise). The descriptor compiler's geometry
+    (``KVGeometry`` / ``SSMGeometry``) is the richer description the transfers use; this one
+    is exported alongside it so reference-design peers can read our metadata.
+    """
+
+    buf_ptr: int
+    element_size: int
+    device_id: int
+    blocks_axis: int
+    num_blocks: int
+    num_outer: int
+    bytes_per_slice: int
+    outer_stride_bytes: int
+    heads_per_partition: int | None
+    head_dim: int | None
+    tokens_per_block: int | None
+    layout: _core.KVShardLayout | None
+
+
+def compute_buffer_geometry(
+    memory_buffer: torch.Tensor,
+    expected_num_blocks: int,
+    *,
+    backend_name: str,
+    tp_size: int | None = None,
+    tp_rank: int | None = None,
+    num_kv_heads_global: int | None = None,
+    heads_per_partition: int | None = None,
+    head_dim: int | None = None,
+    tokens_per_block: int | None = None,
+    global_rank: int | None = None,
+    pp_size: int | None = None,
+    pp_rank: int | None = None,
+    num_layers_global: int | None = None,
+    layer_start: int | None = None,
+    layer_end: int | None = None,
+    ssm_layout: _core.SSMShardLayout | None = None,
+    ssm_state_kind: str | None = None,
+    blocks_axis: int | None = None,
+) -> BufferGeometry:
+    """Locate the blocks axis of ``memory_buffer`` and derive its slice strides.
+
+    ``blocks_axis`` (an extension) names the axis; without it the one axis whose size is
+    ``expected_num_blocks`` is the blocks axis (SSM state: axis 1, the slot axis), as in the
+    reference design. With every KV layout field given, the KV layout is built and checked
+    against the buffer (``[2, L, B, T, H, d]``). Raises ``LayoutError`` /
+    ``GeometryMismatchError`` (both ``ValueError``) naming the field.
+    """
+    if ssm_state_kind not in (None, "conv", "recurrent"):
+        raise LayoutError(
+            f"{backend_name}: ssm_state_kind must be 'conv' or 'recurrent', got {ssm_state_kind!r}",
+            field="ssm_state_kind",
+        )
+    if (ssm_layout is None) != (ssm_state_kind is None):
+        raise LayoutError(
+            f"{backend_name}: ssm_layout and ssm_state_kind go together (got layout="
+            f"{ssm_layout!r}, kind={ssm_state_kind!r})",
+            field="ssm_state_kind",
+        )
+    shape = [int(d) for d in memory_buffer.shape]
+    if blocks_axis is None:
+        if ssm_layout is not None:
+            blocks_axis = 1
+        else:
+            axes = [i for i, d in enumerate(shape) if d == expected_num_blocks]
+            if len(axes) != 1:
+                raise GeometryMismatchError(
+                    f"{backend_name}: {len(axes)} axes of memory_buffer shape {shape} have "
+                    f"expected_num_blocks={expected_num_blocks} entries (need exactly one); "
+                    "pass axes=... to name them",
+                    field="expected_num_blocks",
+                )
+            blocks_axis = axes[0]
+    if not 0 <= blocks_axis < len(shape) or shape[blocks_axis] != expected_num_blocks:
+        raise GeometryMismatchError(
+            f"{backend_name}: memory_buffer shape {shape} has no {expected_num_blocks}-entry "
+            f"blocks axis at {blocks_axis}",
+            field="expected_num_blocks",
+        )
+    element_size = int(memory_buffer.element_size())
+    num_outer = int(np.prod(shape[:blocks_axis], dtype=np.int64))
+    bytes_per_slice = element_size * int(np.prod(shape[blocks_axis + 1 :], dtype=np.int64))
+    layout = None
+    full = (
+        global_rank,
+        tp_size,
+        tp_rank,
+        pp_size,
+        pp_rank,
+        num_layers_global,
+        num_kv_heads_global,
+        heads_per_partition,
+        head_dim,
+        tokens_per_block,
+        layer_start,
+        layer_end,
+    )
+    if ssm_layout is None and None not in full:
+        layout = _kv_layout(
+            num_layers=num_layers_global,
+            num_kv_heads=num_kv_heads_global,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            pp_size=pp_size,
+            pp_rank=pp_rank,
+            global_rank=global_rank,
+            layer_start=layer_start,
+            layer_end=layer_end,
+        )
+        if blocks_axis != 2 or len(shape) != 6:
+            raise GeometryMismatchError(
+                f"{backend_name}: a KV cache with a layout is [2, L, B, T, H, d]; shape "
+                f"{shape} has its blocks on axis {blocks_axis}",
+                field="memory_buffer",
+            )
+        if layout.heads_per_partition != heads_per_partition:
+            raise GeometryMismatchError(
+                f"{backend_name}: heads_per_partition={heads_per_partition} but the KV "
+                f"layout gives {layout.heads_per_partition}",
+                field="heads_per_partition",
+            )
+        if num_outer % layout.num_local_layers:
+            raise GeometryMismatchError(
+                f"{backend_name}: {num_outer} outer slices are not a multiple of the "
+                f"{layout.num_local_layers} local layers",
+                field="memory_buffer",
+            )
+    return BufferGeometry(
+        buf_ptr=int(memory_buffer.data_ptr()),
+        element_size=element_size,
+        device_id=int(memory_buffer.device.index or 0) if memory_buffer.is_cuda else 0,
+        blocks_axis=int(blocks_axis),
+        num_blocks=int(expected_num_blocks),
+        num_outer=num_outer,
+        bytes_per_slice=bytes_per_slice,
+        outer_stride_bytes=int(expected_num_blocks) * bytes_per_slice,
+        heads_per_partition=heads_per_partition,
+        head_dim=head_dim,
+        tokens_per_block=tokens_per_block,
+        layout=layout,
+    )
+
+
+def _kv_layout(
+    *,
+    num_layers: Any,
+    num_kv_heads: Any,
+    tp_size: Any,
+    tp_rank: Any,
+    pp_size: Any,
+    pp_rank: Any,
+    global_rank: Any,
+    layer_start: Any,
+    layer_end: Any,
+) -> _core.KVShardLayout:
+    """A ``KVShardLayout`` with an explicit layer window ``[layer_start, layer_end)``."""
+    return _core.KVShardLayout(
+        num_layers=int(num_layers),
+        num_kv_heads=int(num_kv_heads),
+        tp_size=int(tp_size),
+        tp_rank=int(tp_rank),
+        pp_size=int(pp_size),
+        pp_rank=int(pp_rank),
+        global_rank=int(global_rank),
+        layer_start=int(layer_start),
+        num_local_layers=int(layer_end) - int(layer_start),
+    )
+
+
+#: The reference design's KV layout fields in peer metadata.
+REFERENCE_LAYOUT_FIELDS = (
+    "global_rank",
+    "tp_size",
+    "tp_rank",
+    "pp_size",
+    "pp_rank",
+    "num_layers_global",
+    "num_kv_heads_global",
+    "layer_start",
+    "layer_end",
+)
+
+#: The reference design's address fields every exported buffer carries.
+REFERENCE_ADDRESS_FIELDS = (
+    "base_addr",
+    "outer_stride_bytes",
+    "num_outer",
+    "bytes_per_slice",
+    "blocks_axis",
+    "num_blocks",
+)
+
+
+def kv_layout_from_meta(meta: Mapping[str, Any]) -> _core.KVShardLayout:
+    """Rebuild a peer's ``KVShardLayout`` from the reference design's metadata fields.
+
+    Raises ``MetadataError`` naming the missing fields, ``LayoutError`` on invalid values.
+    """
+    missing = [k for k in REFERENCE_LAYOUT_FIELDS if meta.get(k) is None]
+    if missing:
+        raise MetadataError(f"peer metadata lacks KV layout fields {missing}", field=missing[0])
+    for key in REFERENCE_LAYOUT_FIELDS:
+        _check_type(meta[key], (int,), key)
+    return _kv_layout(
+        num_layers=meta["num_layers_global"],
+        num_kv_heads=meta["num_kv_heads_global"],
+        tp_size=meta["tp_size"],
+        tp_rank=meta["tp_rank"],
+        pp_size=meta["pp_size"],
+        pp_rank=meta["pp_rank"],
+        global_rank=meta["global_rank"],
+        layer_start=meta["layer_start"],
+        layer_end=meta["layer_end"],
+    )
+
+
+def _ssm_reference_dict(layout: _core.SSMShardLayout) -> dict[str, Any]:
+    """An SSM layout in the reference design's field names (``num_layers`` = local layers)."""
+    dims = layout.dims
+    return {
+        "global_rank": layout.global_rank,
+        "tp_size": layout.tp_size,
+        "tp_rank": layout.tp_rank,
+        "layer_start": layout.layer_start,
+        "num_layers": layout.num_local_layers,
+        "dims": {
+            "nheads": dims.num_heads,
+            "headdim": dims.head_dim,
+            "d_state": dims.d_state,
+            "ngroups": dims.n_groups,
+            "d_conv": dims.d_conv,
+        },
+    }
+
+
+def export_geometry_meta(
+    geometry: BufferGeometry, ssm_layout: _core.SSMShardLayout | None = None
+) -> dict[str, Any]:
+    """The reference design's metadata fields of one buffer (plain ints, msgpack-safe).
+
+    Every backend's ``export_meta()`` carries them beside its own schema.
+    """
+    meta: dict[str, Any] = {
+        "base_addr": geometry.buf_ptr,
+        "outer_stride_bytes": geometry.outer_stride_bytes,
+        "device_id": geometry.device_id,
+        "num_outer": geometry.num_outer,
+        "bytes_per_slice": geometry.bytes_per_slice,
+        "blocks_axis": geometry.blocks_axis,
+        "num_blocks": geometry.num_blocks,
+        "heads_per_partition": geometry.heads_per_partition,
+        "head_dim": geometry.head_dim,
+        "tokens_per_block": geometry.tokens_per_block,
+        "element_size": geometry.element_size,
+    }
+    layout = geometry.layout
+    if layout is not None:
+        meta.update(
+            global_rank=layout.global_rank,
+            tp_size=layout.tp_size,
+            tp_rank=layout.tp_rank,
+            pp_size=layout.pp_size,
+            pp_rank=layout.pp_rank,
+            num_layers_global=layout.num_layers,
+            num_kv_heads_global=layout.num_kv_heads,
+            layer_start=layout.layer_start,
+            layer_end=layout.layer_end,
+        )
+    if ssm_layout is not None:
+        meta["ssm_layout"] = _ssm_reference_dict(ssm_layout)
+    return meta
+
+
+def transfer_peer_records(
+    peer_meta: Any, src_block_ids: Any
+) -> list[tuple[Mapping[str, Any], Any]]:
+    """Unwrap peer metadata into ``(meta, source block ids)`` records, one per source rank.
+
+    Accepts what the reference design's hand-off carries: one metadata dict, a list of them,
+    ``{"tp_metas": [...]}`` and ``{"pp_metas": [{"tp_metas": [...], "block_ids": [...]},
+    ...]}`` (each pipeline stage with its own block ids). A metadata dict with its own
+    ``block_ids`` uses those; the others use ``src_block_ids``.
+    """
+    records: list[tuple[Mapping[str, Any], Any]] = []
+
+    def add(raw: Any, default: Any) -> None:
+        metas = [raw] if isinstance(raw, Mapping) else list(raw)
+        for meta in metas:
+            if not isinstance(meta, Mapping):
+                raise MetadataError(
+                    f"peer metadata entries must be dicts, got {type(meta).__name__}",
+                    field="peer_meta",
+                )
+            records.append((meta, meta.get("block_ids", default)))
+
+    if isinstance(peer_meta, Mapping) and "pp_metas" in peer_meta:
+        for stage in peer_meta["pp_metas"]:
+            if not isinstance(stage, Mapping):
+                raise MetadataError("pp_metas entries must be dicts", field="pp_metas")
+            add(stage.get("tp_metas", stage), stage.get("block_ids", src_block_ids))
+        return records
+    if isinstance(peer_meta, Mapping) and "tp_metas" in peer_meta:
+        peer_meta = peer_meta["tp_metas"]
+    if peer_meta is None or isinstance(peer_meta, (str, bytes)):
+        raise MetadataError(
+            f"peer metadata must be a dict or a list of dicts, got {type(peer_meta).__name__}",
+            field="peer_meta",
+        )
+    add(peer_meta, src_block_ids)
+    return records
+
+
+def reference_kv_geometry(meta: Mapping[str, Any], layout: _core.KVShardLayout | None) -> Any:
+    """The descriptor compiler's ``KVGeometry`` for a buffer the reference design describes.
+
+    With a KV layout the buffer is ``[2, L, B, T, H, d]``; without one it is the reference's
+    matched layout ``[outer..., B, slice]``, seen as ``num_outer`` one-token planes.
+    """
+    es = int(meta["element_size"])
+    bps = int(meta["bytes_per_slice"])
+    outer = int(meta["num_outer"])
+    bases = (
+        int(meta["base_addr"])
+        + np.arange(outer, dtype=np.uint64) * np.uint64(int(meta["outer_stride_bytes"]))
+    ).tolist()
+    device = int(meta.get("device_id") or 0)
+    # The compiler's dtype names drop torch's prefix ("float32", as KVGeometry.from_tensor).
+    dtype = None if meta.get("dtype") is None else str(meta["dtype"]).removeprefix("torch.")
+    if layout is None:
+        return disagg_rs.KVGeometry(
+            num_kv=1,
+            num_layers=outer,
+            num_blocks=int(meta["num_blocks"]),
+            tokens_per_block=1,
+            num_heads=1,
+            head_dim=bps // es,
+            element_size=es,
+            block_stride=bps,
+            token_stride=bps,
+            head_stride=bps,
+            plane_bases=bases,
+            device_id=device,
+            dtype=dtype,
+        )
+    heads = int(meta["heads_per_partition"])
+    dim = int(meta["head_dim"])
+    tokens = int(meta["tokens_per_block"])
+    if int(meta["blocks_axis"]) != 2 or outer != 2 * layout.num_local_layers:
+        raise GeometryMismatchError(
+            f"peer {meta.get('agent_name')!r}: blocks_axis={meta['blocks_axis']} and "
+            f"num_outer={outer} do not describe [2, {layout.num_local_layers}, B, T, H, d]",
+            field="num_outer",
+        )
+    if bps != tokens * heads * dim * es:
+        raise GeometryMismatchError(
+            f"peer {meta.get('agent_name')!r}: bytes_per_slice={bps} != tokens_per_block "
+            f"x heads_per_partition x head_dim x element_size = {tokens * heads * dim * es}",
+            field="bytes_per_slice",
+        )
+    return disagg_rs.KVGeometry(
+        num_kv=2,
+        num_layers=layout.num_local_layers,
+        num_blocks=int(meta["num_blocks"]),
+        tokens_per_block=tokens,
+        num_heads=heads,
+        head_dim=dim,
+        element_size=es,
+        block_stride=bps,
+        token_stride=heads * dim * es,
+        head_stride=dim * es,
+        plane_bases=bases,
+        device_id=device,
+        dtype=dtype,
+    )
+
+
 class TransferBackendBase:
     """State shared by both backends: the rank's buffer, its layout and its metadata.
 
@@ -426,6 +865,12 @@ class TransferBackendBase:
             self.tokens_per_block = None
             self.head_dim = ssm_layout.dims.head_dim
             self._check_ssm_shape(ssm_layout)
+        elif axes is None and memory_buffer.dim() != len(KV_AXES.split()):
+            # The reference design's matched layout: any [outer..., B, inner...] buffer, moved
+            # in whole (outer, block) slices between peers of one shape.
+            self.state_kind = "kv"
+            self.axes = "outer block slice"
+            self.layout = self._matched_layout(global_rank)
         else:
             self.state_kind = "kv"
             self.axes = axes or KV_AXES
@@ -444,9 +889,85 @@ class TransferBackendBase:
                 layer_end,
             )
         self.buffer_info = _buffer_info(memory_buffer, self.axes)
-        self.geometry = _compiler_geometry(memory_buffer, self.state_kind, self.axes)
+        # The reference design's description of the same buffer (exported beside ours).
+        self._geometry = compute_buffer_geometry(
+            memory_buffer,
+            self.expected_num_blocks,
+            backend_name=type(self).__name__,
+            heads_per_partition=heads_per_partition,
+            head_dim=head_dim if self.state_kind == "kv" else None,
+            tokens_per_block=tokens_per_block,
+            ssm_layout=ssm_layout,
+            ssm_state_kind=ssm_state_kind,
+            blocks_axis=self._blocks_axis_index(),
+        )
+        if isinstance(self.layout, _core.KVShardLayout) and self.axes != "outer block slice":
+            self._geometry.layout = self.layout
+            self._geometry.heads_per_partition = self.layout.heads_per_partition
+            self._geometry.head_dim = self.head_dim
+            self._geometry.tokens_per_block = self.tokens_per_block
+        self.geometry: dict[str, Any] | None
+        if self.axes == "outer block slice":
+            self.geometry = dict(reference_kv_geometry(self._reference_fields(), None).to_dict())
+        else:
+            self.geometry = _compiler_geometry(memory_buffer, self.state_kind, self.axes)
+        # The reference design's private attribute names, for code written against it.
+        self._memory_buffer = memory_buffer
+        self._buf_ptr = self._geometry.buf_ptr
+        self._element_size = self._geometry.element_size
+        self._device_id = self._geometry.device_id
+        self._outer_stride_bytes = self._geometry.outer_stride_bytes
+        self._num_outer = self._geometry.num_outer
+        self._bytes_per_slice = self._geometry.bytes_per_slice
+        self._blocks_axis = self._geometry.blocks_axis
+        self._num_blocks = self._geometry.num_blocks
+        self._heads_per_partition = self._geometry.heads_per_partition
+        self._head_dim = self._geometry.head_dim
+        self._tokens_per_block = self._geometry.tokens_per_block
+        self._layout = self._geometry.layout
+        self._ssm_layout = ssm_layout
+        self._ssm_state_kind = ssm_state_kind
 
     # -- construction helpers ------------------------------------------------------------
+
+    def _blocks_axis_index(self) -> int | None:
+        """Index of the block (KV) or slot (SSM) axis; ``None``: find it by its size."""
+        if self.state_kind != "kv":
+            return 1
+        names = self.axes.split()
+        if self.axes == "outer block slice" or "block" not in names:
+            return None
+        return names.index("block")
+
+    def _matched_layout(self, global_rank: int | None) -> _core.KVShardLayout:
+        """Layout of a matched-layout buffer: one head, one token, ``num_outer`` layers."""
+        geo = compute_buffer_geometry(
+            self.memory_buffer, self.expected_num_blocks, backend_name=type(self).__name__
+        )
+        if geo.bytes_per_slice == 0 or geo.num_outer == 0:
+            raise GeometryMismatchError(
+                f"memory_buffer shape {list(self.memory_buffer.shape)} holds no bytes per block",
+                field="memory_buffer",
+            )
+        self.head_dim = geo.bytes_per_slice // geo.element_size
+        self.tokens_per_block = 1
+        return _core.KVShardLayout(
+            num_layers=geo.num_outer,
+            num_kv_heads=1,
+            tp_size=1,
+            tp_rank=0,
+            pp_size=1,
+            pp_rank=0,
+            global_rank=global_rank or 0,
+        )
+
+    def _reference_fields(self) -> dict[str, Any]:
+        """The reference design's metadata fields of this buffer (plus ``dtype``)."""
+        meta = export_geometry_meta(
+            self._geometry, self.layout if isinstance(self.layout, _core.SSMShardLayout) else None
+        )
+        meta["dtype"] = str(self.memory_buffer.dtype)
+        return meta
 
     def _axis_size(self, name: str) -> int:
         names = self.axes.split()
@@ -565,7 +1086,8 @@ class TransferBackendBase:
         return facts
 
     def _base_meta(self) -> dict[str, Any]:
-        return {
+        # The reference design's fields first; ours (same meaning where names coincide) win.
+        return self._reference_fields() | {
             "version": FORMAT_VERSION,
             "backend": self.name,
             "agent_name": self.agent_name,
@@ -587,12 +1109,180 @@ class TransferBackendBase:
 
     # -- validation ----------------------------------------------------------------------
 
+    def _group_metas(self) -> list[PeerMeta]:
+        """This rank's metadata and its model-parallel siblings' (every TP rank of every PP
+        stage), for a source that must plan without the other sources' metadata.
+
+        The reference design's push names only the decode ranks; the plan still needs every
+        source so that each destination cell has exactly one sender. Siblings are numbered
+        the Megatron way (TP fastest, then PP, from this group's first global rank) and share
+        this rank's geometry; where that cannot hold (an explicit, uneven layer window or
+        unequal shards), ``MetadataError`` asks for ``src_metas``.
+        """
+        me = self._base_meta()
+        lay = self.layout
+        tp, pp = lay.tp_size, lay.pp_size
+        first = lay.global_rank - (lay.pp_rank * tp + lay.tp_rank)
+        layout_cls: Any = type(lay)
+        mine = dict(lay.to_dict())
+        metas: list[PeerMeta] = []
+        for stage in range(pp):
+            for rank in range(tp):
+                if (stage, rank) == (lay.pp_rank, lay.tp_rank):
+                    metas.append(me)
+                    continue
+                sib = {
+                    **mine,
+                    "tp_rank": rank,
+                    "pp_rank": stage,
+                    "global_rank": first + stage * tp + rank,
+                }
+                if first < 0 or (pp > 1 and mine.get("layer_start") is not None):
+                    sib = {}
+                other = layout_cls.from_dict(sib) if sib else None
+                if other is None or (other.num_local_layers, len(range(*other.heads))) != (
+                    lay.num_local_layers,
+                    len(range(*lay.heads)),
+                ):
+                    raise MetadataError(
+                        f"cannot infer the layout of source (tp_rank={rank}, pp_rank={stage}) "
+                        "from this rank's; pass src_metas=[every source rank's metadata]",
+                        field="src_metas",
+                    )
+                metas.append(
+                    {**me, "layout": sib, "agent_name": f"{me['agent_name']}/{stage}.{rank}"}
+                )
+        return metas
+
     def _peer_list(self, peer_meta: Any) -> list[PeerMeta]:
-        """Accept one metadata dict or a sequence of them (one per source rank)."""
-        metas = [peer_meta] if isinstance(peer_meta, Mapping) else list(peer_meta)
-        if not metas:
+        """Peers' metadata in this library's schema (see ``_resolve_peers``)."""
+        return self._resolve_peers(peer_meta, None)[0]
+
+    def _resolve_peers(
+        self, peer_meta: Any, src_block_ids: BlockIds | None
+    ) -> tuple[list[PeerMeta], BlockIds | None]:
+        """Unwrap and check the peers' metadata; return it with the source block ids.
+
+        ``peer_meta``: one metadata dict, a list, ``{"tp_metas": [...]}`` or
+        ``{"pp_metas": [...]}`` (``transfer_peer_records``); each dict in this library's
+        schema or in the reference design's fields only. Where a wrapper or a dict carries
+        its own ``block_ids``, the returned ids are ``{global_rank: ids}``.
+        """
+        records = transfer_peer_records(peer_meta, src_block_ids)
+        if not records:
             raise MetadataError("no peer metadata given", field="peer_meta")
-        return [check_meta_fields(m, self.name) for m in metas]
+        metas = [self._adopt_peer_meta(meta) for meta, _ in records]
+        if all(ids is src_block_ids for _, ids in records):
+            return metas, src_block_ids
+        by_rank: dict[int, Any] = {}
+        for meta, (_, ids) in zip(metas, records, strict=True):
+            rank = int(meta["layout"]["global_rank"])
+            if isinstance(ids, Mapping):
+                if rank in ids:
+                    by_rank[rank] = ids[rank]
+            elif ids is not None:
+                by_rank[rank] = ids
+        return metas, by_rank
+
+    def _adopt_peer_meta(self, meta: Mapping[str, Any]) -> PeerMeta:
+        """Check one peer's metadata; translate the reference design's fields when the
+        dict has no ``version`` (the reference exports none)."""
+        if "version" not in meta:
+            meta = self._meta_from_reference(meta)
+        checked = check_meta_fields(meta, self.name)
+        self._check_backend_fields(checked)
+        return checked
+
+    def _check_backend_fields(self, meta: PeerMeta) -> None:
+        """Reject metadata that lacks this backend's own fields (overridden per backend)."""
+
+    def _backend_fields_from_reference(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """This backend's own fields, translated from the reference design's names."""
+        return {}
+
+    def _meta_from_reference(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """This library's schema for a peer that exports the reference design's fields only.
+
+        The reference exports no dtype, version, incarnation or memory type: the dtype is
+        this rank's when the element sizes agree; the memory type is VRAM (the reference
+        registers GPU memory only). A peer with the KV layout fields is a ``[2, L, B, T, H,
+        d]`` cache; without them it is a matched-layout buffer moved in whole slices.
+        """
+        missing = [k for k in REFERENCE_ADDRESS_FIELDS if meta.get(k) is None]
+        if missing:
+            raise MetadataError(
+                f"peer metadata has no 'version' and lacks the reference design's fields {missing}",
+                field=missing[0],
+            )
+        for key in (*REFERENCE_ADDRESS_FIELDS, "device_id", "element_size"):
+            if meta.get(key) is not None:
+                _check_type(meta[key], (int,), key)
+        transport = meta.get("transport", self.name)
+        if transport != self.name:
+            raise MetadataError(
+                f"peer transport {transport!r} != this backend {self.name!r}", field="transport"
+            )
+        if meta.get("ssm_layout") is not None or self.state_kind != "kv":
+            raise MetadataError(
+                "SSM state metadata must be exported by this library (it has a 'version'); "
+                "the reference design's SSM fields alone are not read",
+                field="ssm_layout",
+            )
+        my_es = int(self.memory_buffer.element_size())
+        es = int(meta.get("element_size") or my_es)
+        ref = dict(meta)
+        ref["element_size"] = es
+        ref["dtype"] = str(self.memory_buffer.dtype) if es == my_es else f"{es}-byte elements"
+        has_layout = any(meta.get(k) is not None for k in REFERENCE_LAYOUT_FIELDS)
+        if has_layout:
+            layout = kv_layout_from_meta(meta)
+        else:
+            layout = _core.KVShardLayout(
+                num_layers=int(meta["num_outer"]),
+                num_kv_heads=1,
+                tp_size=1,
+                tp_rank=0,
+                pp_size=1,
+                pp_rank=0,
+                global_rank=int(meta.get("global_rank") or 0),
+            )
+        geometry = reference_kv_geometry(ref, layout if has_layout else None)
+        facts = {
+            "version": FORMAT_VERSION,
+            "state_kind": "kv",
+            "dtype": ref["dtype"],
+            "head_dim": geometry.head_dim,
+            "num_layers": layout.num_layers,
+            "num_kv_heads": layout.num_kv_heads,
+        }
+        nbytes = int(meta["num_outer"]) * int(meta["outer_stride_bytes"])
+        name = meta.get("agent_name") or f"rank{layout.global_rank}"
+        return {
+            **ref,
+            "version": FORMAT_VERSION,
+            "backend": self.name,
+            "agent_name": str(name),
+            "incarnation": 0,
+            "compat_hash": _compat_hash(facts),
+            "state_kind": "kv",
+            "layout": dict(layout.to_dict()),
+            "num_blocks": int(meta["num_blocks"]),
+            "tokens_per_block": geometry.tokens_per_block,
+            "head_dim": geometry.head_dim,
+            "buffer": {
+                "addr": int(meta["base_addr"]),
+                "nbytes": nbytes,
+                "device_id": int(meta.get("device_id") or 0),
+                "mem_type": str(meta.get("mem_type") or "VRAM"),
+                "shape": [],
+                "strides": [],
+                "element_size": es,
+                "axes": "reference",
+            },
+            "geometry": dict(geometry.to_dict()),
+            "reference_only": True,
+            **self._backend_fields_from_reference(meta),
+        }
 
     def _check_compat(self, metas: Sequence[PeerMeta]) -> set[int]:
         """Check peers' model-level facts against this rank; return their global ranks.
@@ -728,6 +1418,11 @@ class TransferHandleBase:
         #: The compiler's ``TransferProgram.stats`` of what this handle moves (receive side):
         #: ``bytes``, ``descriptors``, ``fragments``, per-source modes. Empty when unknown.
         self.stats: dict[str, Any] = {}
+
+    @property
+    def storage_safe(self) -> bool:
+        """Whether every part has stopped reading and writing its buffers (all terminal)."""
+        return bool(self.done)
 
     @property
     def deadline(self) -> float:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,7 +33,8 @@ from disagg_rs.transfer_backends.base import (
     TransferBackendBase,
     TransferHandleBase,
     TransferProgramLike,
-    check_meta_fields,
+    kv_layout_from_meta,
+    no_blocks,
 )
 
 __all__ = ["NcclTransferBackend", "NcclTransferHandle"]
@@ -109,6 +110,20 @@ class NcclTransferHandle(TransferHandleBase):
         self.works, self.scatters, self.keepalive = [], [], []
 
 
+def _make_copy(view: torch.Tensor, buf: torch.Tensor) -> Callable[[], None]:
+    """A closure that copies a received contiguous ``buf`` into the paged ``view``."""
+
+    def copy() -> None:
+        view.copy_(buf.view(view.shape))
+
+    return copy
+
+
+def _kv_layout_from_meta(meta: Mapping[str, Any]) -> _core.KVShardLayout:
+    """Rebuild a peer's ``KVShardLayout`` from its exported (reference design's) fields."""
+    return kv_layout_from_meta(meta)
+
+
 class NcclTransferBackend(TransferBackendBase):
     """Per-buffer two-sided transport over a torch.distributed process group.
 
@@ -118,6 +133,8 @@ class NcclTransferBackend(TransferBackendBase):
     """
 
     name = "nccl"
+    #: Two-sided: the prefill pushes (``begin_push_blocks``) what the decode receives.
+    is_push = True
 
     def __init__(
         self,
@@ -191,19 +208,30 @@ class NcclTransferBackend(TransferBackendBase):
         return NcclTransferBackend(**kwargs)
 
     def export_meta(self) -> dict[str, Any]:
-        """Plain metadata for a peer; adds ``dist_rank`` to the shared schema."""
+        """Plain metadata for a peer; adds ``dist_rank`` (and the reference design's
+        ``transport``/``nccl_rank``) to the shared schema."""
         meta = self._base_meta()
         meta["dist_rank"] = self.dist_rank
+        meta["transport"] = self.name
+        meta["nccl_rank"] = self.dist_rank
         return meta
 
-    def _peer_list(self, peer_meta: Any) -> list[PeerMeta]:
-        metas = super()._peer_list(peer_meta)
-        for meta in metas:
-            if "dist_rank" not in meta:
-                raise MetadataError(
-                    "peer metadata lacks required field 'dist_rank'", field="dist_rank"
-                )
-        return metas
+    def _check_backend_fields(self, meta: PeerMeta) -> None:
+        if "dist_rank" not in meta:
+            raise MetadataError("peer metadata lacks required field 'dist_rank'", field="dist_rank")
+        rank = meta["dist_rank"]
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise MetadataError(
+                f"peer dist_rank must be a non-negative int, got {rank!r:.40}", field="dist_rank"
+            )
+
+    def _backend_fields_from_reference(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        if meta.get("nccl_rank") is None:
+            raise MetadataError(
+                f"peer metadata for {meta.get('agent_name')!r} lacks nccl_rank",
+                field="nccl_rank",
+            )
+        return {"dist_rank": meta["nccl_rank"]}
 
     def _device(self) -> torch.device:
         return self.memory_buffer.device
@@ -218,8 +246,17 @@ class NcclTransferBackend(TransferBackendBase):
         tag: int = 0,
         timeout_s: float | None = None,
     ) -> NcclTransferHandle:
-        """Post this decode rank's receives for one handoff (one per source rank)."""
-        metas = self._peer_list(peer_meta)
+        """Post this decode rank's receives for one handoff (one per source rank).
+
+        ``peer_meta``: the source ranks' metadata (a dict, a list, ``{"tp_metas": [...]}`` or
+        ``{"pp_metas": [...]}``). Without ``num_tokens`` whole blocks move (as many tokens as
+        both block lists hold).
+        """
+        metas, src_ids = self._resolve_peers(peer_meta, src_block_ids)
+        assert src_ids is not None  # given, so resolved to the given ids or a rank map
+        src_block_ids = src_ids
+        if no_blocks(src_block_ids, dst_block_ids):  # nothing to move: a settled handle
+            return self._submit([], [], [], timeout_s)
         num_tokens = self._validate_peers(
             metas, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
         )
@@ -267,16 +304,16 @@ class NcclTransferBackend(TransferBackendBase):
     ) -> NcclTransferHandle:
         """Pack and send this prefill rank's part of a handoff to each decode rank named.
 
-        ``peer_meta``: one decode rank's metadata or a list (one message per decode rank that
-        reads from this rank). ``src_metas``: every source rank's metadata (default: this
-        rank alone), so the plan picks the same representatives the decode does.
+        ``peer_meta``: the decode ranks' metadata (a dict, a list or ``{"tp_metas": [...]}``;
+        one message per decode rank that reads from this rank). ``src_metas``: every source
+        rank's metadata, so the plan picks the same representatives the decode does (default:
+        this rank's model-parallel group inferred from its layout, see ``_group_metas``).
+        Without ``num_tokens`` whole blocks move.
         """
         dsts = self._peer_list(peer_meta)
-        srcs = (
-            [check_meta_fields(m, self.name) for m in src_metas]
-            if src_metas
-            else [self._base_meta()]
-        )
+        if no_blocks(src_block_ids):  # nothing to move: a settled handle
+            return self._submit([], [], [], timeout_s)
+        srcs = self._peer_list(src_metas) if src_metas else self._group_metas()
         num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens, local_is_dst=False)
         self._check_compat(dsts)
         me = self.layout.global_rank

@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.metadata
+import importlib.metadata as importlib_metadata
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,7 +41,14 @@ import numpy.typing as npt
 import torch
 
 from disagg_rs import _core
-from disagg_rs.exceptions import CapacityError, MetadataError, TransferError
+from disagg_rs.exceptions import (
+    BlockIdError,
+    CapacityError,
+    GeometryMismatchError,
+    MetadataError,
+    TransferError,
+    TransferStartError,
+)
 from disagg_rs.transfer_backends import staging
 from disagg_rs.transfer_backends.base import (
     BlockIds,
@@ -52,6 +58,8 @@ from disagg_rs.transfer_backends.base import (
     TransferBackendBase,
     TransferHandleBase,
     check_meta_fields,
+    kv_layout_from_meta,
+    no_blocks,
 )
 
 __all__ = ["NixlPullHandle", "NixlTransferBackend", "StagingArena"]
@@ -62,51 +70,76 @@ logger = logging.getLogger(__name__)
 _POLL_INTERVAL_S = 0.0005
 #: Default deadline of a pull, from submission.
 _POLL_TIMEOUT_S = 30.0
-#: UCX transports that can move CUDA memory; ``UCX_TLS`` must allow one for VRAM buffers.
-_UCX_CUDA_TLS = ("cuda", "cuda_copy", "cuda_ipc", "gdr_copy", "rc", "rc_x", "dc", "dc_x", "all")
+#: The UCX transports that move CUDA memory; ``UCX_TLS`` must leave one for VRAM buffers.
+_UCX_CUDA_TLS = frozenset({"cuda_copy", "cuda_ipc", "gdr_copy"})
 
 
 def _detect_nixl_variant(api_module_name: str) -> str | None:
-    """Distribution (``nixl-cu12``, ``nixl-cu13``, ...) that provides the active NIXL API."""
-    module = sys.modules.get(api_module_name)
-    top = (getattr(module, "__name__", "") or "").split(".")[0]
-    if not top.startswith("nixl_"):
-        return None
-    dist = top.replace("_", "-")
+    """Return the installed distribution's package (``nixl_cu12``, ``nixl_cu13``, ...) that
+    provides the active NIXL API module ``api_module_name``; ``None`` if none is installed."""
+    top = api_module_name.split(".", 1)[0]
     try:
-        importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
+        provided = importlib_metadata.packages_distributions()
+    except Exception as exc:  # a broken site-packages must not stop the import
+        logger.debug("packages_distributions failed: %r", exc)
         return None
-    return dist
+    return top if provided.get(top) else None
+
+
+try:
+    from nixl import _api as _nixl_api
+
+    #: NIXL's agent class and its config (module globals, so tests may replace them).
+    nixl_agent: Any = _nixl_api.nixl_agent
+    nixl_agent_config: Any = _nixl_api.nixl_agent_config
+    #: Package of the active NIXL build (``nixl_cu12``/``nixl_cu13``), or ``None``.
+    _NIXL_VARIANT: str | None = _detect_nixl_variant(_nixl_api.__name__)
+    _HAVE_NIXL = True
+except ImportError:  # the backend then refuses construction with an explanation
+    nixl_agent = None
+    nixl_agent_config = None
+    _NIXL_VARIANT = None
+    _HAVE_NIXL = False
 
 
 def ucx_tls_allows_cuda(tls: str | None) -> bool:
-    """Whether a ``UCX_TLS`` value lets UCX move CUDA memory (unset means UCX picks: yes).
+    """Whether a ``UCX_TLS`` value leaves UCX a transport that moves CUDA memory.
 
-    A ``^`` prefix is UCX's exclusion syntax: everything but the listed transports.
+    Unset or empty: UCX picks (yes). An inclusion list needs ``all``, ``cuda`` or one of
+    ``cuda_copy``/``cuda_ipc``/``gdr_copy`` (``rc`` alone moves host memory only). A ``^``
+    exclusion list fails when it removes ``cuda`` or all three CUDA transports.
     """
     if not tls:
         return True
-    names = [t.strip() for t in tls.split(",") if t.strip()]
+    names = {t.strip().lower().lstrip("\\") for t in tls.lstrip("^").split(",") if t.strip()}
     if tls.startswith("^"):
-        excluded = {t.lstrip("^") for t in names}
-        return not {"cuda", "cuda_copy", "cuda_ipc"} <= excluded and "cuda" not in excluded
-    return any(n in _UCX_CUDA_TLS or n.startswith("cuda") for n in names)
+        return "cuda" not in names and not names >= _UCX_CUDA_TLS
+    return bool({"all", "cuda"} & names or _UCX_CUDA_TLS & names)
 
 
 def nixl_cuda_major_mismatch(variant: str | None, torch_cuda: str | None) -> str | None:
-    """Explain a nixl-cuXX vs torch CUDA major mismatch, or ``None`` when they agree."""
-    if variant is None or torch_cuda is None or not variant.startswith("nixl-cu"):
+    """Explain a NIXL build (``nixl_cu12`` or ``nixl-cu12``) whose CUDA major differs from
+    torch's, or ``None`` when they agree or either is unknown."""
+    if variant is None or not torch_cuda:
         return None
-    nixl_major = variant.removeprefix("nixl-cu")
-    torch_major = torch_cuda.split(".")[0]
-    if nixl_major != torch_major:
-        return f"{variant} is built for CUDA {nixl_major} but torch uses CUDA {torch_cuda}"
+    name = variant.replace("-", "_")
+    if not name.startswith("nixl_cu"):
+        return None
+    torch_major = torch_cuda.split(".", 1)[0]
+    if name != f"nixl_cu{torch_major}":
+        return (
+            f"PyTorch uses CUDA {torch_cuda}, but NIXL selected {variant}. Install the "
+            f"matching build with `pip install nixl-cu{torch_major}`: a mismatched NIXL "
+            "backend can make UCX classify GPU buffers as host memory"
+        )
     return None
 
 
 def _validate_ucx_transport_config(memory_buffer: torch.Tensor) -> None:
-    """Configure safe UCX memory detection and reject host-only transports for GPU buffers."""
+    """Configure safe UCX memory detection and reject host-only transports for GPU buffers.
+
+    Host-memory buffers are not checked: a CPU deployment may restrict UCX to ``tcp,self,sm``.
+    """
     if not memory_buffer.is_cuda:
         return
     # The UCX memory-type cache misclassifies CUDA allocations reused by torch's caching
@@ -115,33 +148,43 @@ def _validate_ucx_transport_config(memory_buffer: torch.Tensor) -> None:
     tls = os.environ.get("UCX_TLS")
     if not ucx_tls_allows_cuda(tls):
         raise TransferError(
-            f"UCX_TLS={tls!r} has no CUDA transport, so UCX cannot read GPU buffers; add "
-            "cuda_copy,cuda_ipc (or unset UCX_TLS)"
+            f"UCX_TLS={tls!r} does not enable a CUDA transport for NIXL GPU buffers; unset "
+            "it to let UCX choose, or include cuda_copy or cuda_ipc",
+            field="UCX_TLS",
         )
 
 
 def backend_supports_vram(mem_types: Any) -> bool:
     """Whether a NIXL backend's memory types include GPU memory. NIXL 1.5 names them
-    ``"VRAM_SEG"`` (older builds ``"VRAM"``)."""
-    return any(str(t).upper() in ("VRAM", "VRAM_SEG") for t in mem_types)
+    ``"VRAM_SEG"`` (older builds ``"VRAM"``; some report ``"cuda"``)."""
+    return any("vram" in str(t).lower() or "cuda" in str(t).lower() for t in mem_types)
 
 
 def _validate_nixl_cuda_support(agent: Any, memory_buffer: torch.Tensor) -> None:
     """Reject a NIXL/UCX runtime that cannot safely register CUDA memory."""
     if not memory_buffer.is_cuda:
         return
-    mismatch = nixl_cuda_major_mismatch(_detect_nixl_variant("nixl._api"), torch.version.cuda)
+    mismatch = nixl_cuda_major_mismatch(_NIXL_VARIANT, torch.version.cuda)
     if mismatch is not None:
-        raise TransferError(f"NIXL cannot register CUDA memory: {mismatch}")
-    mem_types = agent.get_backend_mem_types("UCX")
+        raise TransferError(mismatch, field="nixl")
+    get_mem_types = getattr(agent, "get_backend_mem_types", None)
+    if get_mem_types is None:  # an older NIXL cannot say; registration will tell
+        return
+    mem_types = list(get_mem_types("UCX"))
     if not backend_supports_vram(mem_types):
         raise TransferError(
-            f"the NIXL UCX backend supports {mem_types} but not VRAM (UCX built without CUDA)"
+            f"The NIXL UCX backend does not report CUDA/VRAM memory support (reported "
+            f"memory types: {mem_types}); install the NIXL build for this CUDA major or "
+            "rebuild UCX --with-cuda",
+            field="nixl",
         )
 
 
 class _NixlAgentContext:
-    """NIXL resources shared by the state buffers on one rank: one agent, one peer table."""
+    """NIXL resources shared by the state buffers on one rank: one agent, one peer table.
+
+    The agent is created by the first ``acquire()`` and dropped by the last ``release()``.
+    """
 
     def __init__(
         self, agent_name: str, backends: Sequence[str] = ("UCX",), incarnation: int | None = None
@@ -149,28 +192,40 @@ class _NixlAgentContext:
         self.agent_name = agent_name
         self.backends = list(backends)
         self.incarnation = int(incarnation if incarnation is not None else time.time_ns())
-        self._agent: Any = None
+        #: The shared agent while a registration holds it, else ``None``.
+        self.agent: Any = None
         self._refs = 0
-        # Peer agent name -> (incarnation, digest of the metadata it was loaded from).
-        self.peers: dict[str, tuple[int, str]] = {}
+        # Peer agent name -> (incarnation, digest of its metadata, id NIXL gave it).
+        self.peers: dict[str, tuple[int, str, str]] = {}
 
     @property
-    def agent(self) -> Any:
-        """The live agent; raises if every registration has been released."""
-        if self._agent is None:
-            raise TransferError(f"NIXL agent {self.agent_name!r} is closed")
-        return self._agent
+    def known_peers(self) -> dict[str, tuple[int, str, str]]:
+        """The peer table (the reference design's name)."""
+        return self.peers
+
+    def live_agent(self) -> Any:
+        """The agent; raises ``TransferError`` once every registration has been released."""
+        if self.agent is None:
+            raise TransferError(f"NIXL agent {self.agent_name!r} is closed", field="agent")
+        return self.agent
 
     def acquire(self) -> Any:
         """Retain the shared agent for one buffer registration (created on first use)."""
-        if self._agent is None:
-            if self._refs:
-                raise TransferError(f"NIXL agent {self.agent_name!r} is closed")
-            from nixl._api import nixl_agent, nixl_agent_config
-
-            self._agent = nixl_agent(self.agent_name, nixl_agent_config(backends=self.backends))
+        if self.agent is None:
+            if not _HAVE_NIXL:
+                raise TransferError(
+                    "NixlTransferBackend needs the nixl Python package (pip install nixl)",
+                    field="nixl",
+                )
+            # One shared progress thread: one-sided reads need the passive peer to progress.
+            config = (
+                nixl_agent_config(enable_prog_thread=True)
+                if self.backends == ["UCX"]
+                else nixl_agent_config(enable_prog_thread=True, backends=self.backends)
+            )
+            self.agent = nixl_agent(self.agent_name, config)
         self._refs += 1
-        return self._agent
+        return self.agent
 
     def release(self) -> None:
         """Release one registration; drop the agent after the last user closes."""
@@ -180,43 +235,47 @@ class _NixlAgentContext:
         if self._refs == 0:
             for name in list(self.peers):
                 self._forget(name)
-            self._agent = None
+            self.agent = None
 
     @property
-    def refs(self) -> int:
+    def ref_count(self) -> int:
         """Registrations still holding the agent."""
         return self._refs
 
+    @property
+    def refs(self) -> int:
+        """Alias of ``ref_count``."""
+        return self._refs
+
     def _forget(self, name: str) -> None:
-        self.peers.pop(name, None)
+        known = self.peers.pop(name, None)
         try:
-            self.agent.remove_remote_agent(name)
+            if known is not None and self.agent is not None:
+                self.agent.remove_remote_agent(known[2])
         except Exception as exc:  # a peer that is gone cannot be disconnected cleanly
             logger.debug("removing NIXL peer %s: %s", name, exc)
 
     def ensure_peer(self, meta: PeerMeta) -> str:
-        """Register the peer on first use, replacing a stale incarnation; return its name."""
+        """Register the peer on first use, replacing a stale incarnation; return the id NIXL
+        gave it (its agent name)."""
         name = str(meta["agent_name"])
         blob = base64.b64decode(meta["agent_metadata"])
         key = (int(meta["incarnation"]), hashlib.sha256(blob).hexdigest())
         known = self.peers.get(name)
-        if known == key:
-            return name
+        if known is not None and known[:2] == key:
+            return known[2]
         if known is not None:
             logger.info("NIXL peer %s changed incarnation %s -> %s", name, known[0], key[0])
             self._forget(name)
         try:
-            raw = self.agent.add_remote_agent(blob)
-            loaded = raw.decode() if isinstance(raw, bytes) else str(raw)
+            raw = self.live_agent().add_remote_agent(blob)
         except Exception as exc:
-            raise TransferError(f"cannot register NIXL peer {name!r}: {exc!r}") from exc
-        if loaded != name:
-            raise MetadataError(
-                f"agent_metadata describes agent {loaded!r} but agent_name is {name!r}",
-                field="agent_name",
-            )
-        self.peers[name] = key
-        return name
+            raise TransferError(
+                f"cannot register NIXL peer {name!r}: {exc!r}", field="agent_metadata"
+            ) from exc
+        loaded = raw.decode() if isinstance(raw, bytes) else str(raw or name)
+        self.peers[name] = (*key, loaded)
+        return loaded
 
 
 class StagingArena:
@@ -315,7 +374,7 @@ class NixlPullHandle(TransferHandleBase):
             except Exception as exc:
                 state = "ERR"
                 logger.debug("check_xfer_state failed: %r", exc)
-            if state == "PROC":
+            if state not in ("DONE", "ERR"):  # "PROC" (NIXL 1.x) or any other pending state
                 continue
             if state == "DONE":
                 part.state = "DONE"
@@ -383,6 +442,12 @@ class NixlTransferBackend(TransferBackendBase):
         incarnation: int | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
+        if not _HAVE_NIXL:
+            raise TransferError(
+                "NixlTransferBackend needs the nixl Python package: install the NIXL runtime "
+                "(pip install nixl) before starting disaggregated workers",
+                field="nixl",
+            )
         context = _shared_context or _NixlAgentContext(agent_name, incarnation=incarnation)
         super().__init__(
             agent_name,
@@ -413,7 +478,11 @@ class NixlTransferBackend(TransferBackendBase):
         self.mode = mode
         _validate_ucx_transport_config(memory_buffer)
         self._ctx = context
+        self._agent_context = context
+        self._known_peers = context.peers
         agent = context.acquire()
+        #: The shared NIXL agent (``None`` once this registration is closed).
+        self._agent: Any = agent
         self._closed = False
         self._regs: list[Any] = []
         try:
@@ -441,8 +510,8 @@ class NixlTransferBackend(TransferBackendBase):
 
     @property
     def agent(self) -> Any:
-        """The rank's shared NIXL agent."""
-        return self._ctx.agent
+        """The rank's shared NIXL agent; raises ``TransferError`` after the last close."""
+        return self._ctx.live_agent()
 
     def new_registered_buffer(self, **kwargs: Any) -> NixlTransferBackend:
         """Register another state buffer (e.g. SSM conv/recurrent) on this backend's agent.
@@ -461,7 +530,8 @@ class NixlTransferBackend(TransferBackendBase):
             return
         self._closed = True
         agent = self._ctx.agent
-        for reg in self._regs:
+        self._agent = None
+        for reg in self._regs if agent is not None else []:
             try:
                 agent.deregister_memory(reg)
             except Exception as exc:
@@ -477,7 +547,9 @@ class NixlTransferBackend(TransferBackendBase):
         The agent metadata is taken now, so export after registering all buffers of the rank.
         """
         meta = self._base_meta()
-        meta["agent_metadata"] = base64.b64encode(self.agent.get_agent_metadata()).decode()
+        blob = base64.b64encode(self.agent.get_agent_metadata()).decode("ascii")
+        meta["agent_metadata"] = blob
+        meta["agent_metadata_b64"] = blob  # the reference design's name
         meta["staging"] = (
             None
             if self.staging_buffer is None
@@ -488,17 +560,36 @@ class NixlTransferBackend(TransferBackendBase):
         )
         return meta
 
+    def _base_meta(self) -> dict[str, Any]:
+        meta = super()._base_meta()
+        # Peers address the rank's NIXL agent, whichever buffer name registered on it.
+        meta["agent_name"] = self._ctx.agent_name
+        meta["buffer_name"] = self.agent_name
+        return meta
+
     def _ensure_peer_registered(self, peer_meta: PeerMeta) -> str:
-        """Register the peer with NIXL on first use; return its agent name."""
+        """Register the peer with NIXL on first use; return its agent id."""
+        if "agent_metadata" not in peer_meta and "agent_metadata_b64" in peer_meta:
+            peer_meta = {**peer_meta, "agent_metadata": peer_meta["agent_metadata_b64"]}
+        if "incarnation" not in peer_meta:
+            peer_meta = {**peer_meta, "incarnation": 0}
         return self._ctx.ensure_peer(peer_meta)
 
-    def _peer_list(self, peer_meta: Any) -> list[PeerMeta]:
-        metas = super()._peer_list(peer_meta)
-        for meta in metas:
-            for key in ("agent_metadata", "staging"):
-                if key not in meta:
-                    raise MetadataError(f"peer metadata lacks required field {key!r}", field=key)
-        return metas
+    def _check_backend_fields(self, meta: PeerMeta) -> None:
+        for key in ("agent_metadata", "staging"):
+            if key not in meta:
+                raise MetadataError(f"peer metadata lacks required field {key!r}", field=key)
+        if not isinstance(meta["agent_metadata"], str):
+            raise MetadataError("peer agent_metadata must be base64 text", field="agent_metadata")
+
+    def _backend_fields_from_reference(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        blob = meta.get("agent_metadata_b64")
+        if not blob:
+            raise MetadataError(
+                f"peer metadata for {meta.get('agent_name')!r} lacks agent_metadata_b64",
+                field="agent_metadata_b64",
+            )
+        return {"agent_metadata": blob, "staging": None}
 
     # -- source side of a staged pull ----------------------------------------------------
 
@@ -577,7 +668,11 @@ class NixlTransferBackend(TransferBackendBase):
         rank that packed). Everything is validated and every peer registered before the
         first read is posted.
         """
-        metas = self._peer_list(peer_meta)
+        metas, src_ids = self._resolve_peers(peer_meta, src_block_ids)
+        assert src_ids is not None  # given, so resolved to the given ids or a rank map
+        src_block_ids = src_ids
+        if no_blocks(src_block_ids, dst_block_ids):  # nothing to move: a settled handle
+            return NixlPullHandle(self.agent, [], self.timeout_s, self.clock, None)
         num_tokens = self._validate_peers(
             metas, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
         )
@@ -682,12 +777,15 @@ class NixlTransferBackend(TransferBackendBase):
         label: str,
     ) -> Any:
         agent = self.agent
+        # A peer that exported the reference design's fields only is read its way: the
+        # reference registers GPU memory only and names both lists VRAM.
+        local_mem = "VRAM" if meta.get("reference_only") else self.buffer_info["mem_type"]
+        # READ pulls remote -> local; NIXL's order is (op, local, remote, peer).
         xfer = agent.initialize_xfer(
             "READ",
-            agent.get_xfer_descs(local, self.buffer_info["mem_type"]),
-            agent.get_xfer_descs(remote, self._mem(meta)),
+            agent.get_xfer_descs(local, mem_type=local_mem),
+            agent.get_xfer_descs(remote, mem_type=self._mem(meta)),
             peer,
-            label.encode(),
         )
         state = agent.transfer(xfer)
         if state == "ERR":
@@ -741,3 +839,136 @@ class NixlTransferBackend(TransferBackendBase):
         )
         part.descriptors = 1
         return part
+
+    # -- the reference design's primitives -------------------------------------------------
+
+    @staticmethod
+    def _kv_layout_from_meta(meta: Mapping[str, Any]) -> _core.KVShardLayout:
+        """Reconstruct a peer's KV layout from the reference design's metadata fields."""
+        return kv_layout_from_meta(meta)
+
+    def _validate_peer(
+        self,
+        meta: Mapping[str, Any],
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        *,
+        matched_layout: bool = False,
+    ) -> None:
+        """Validate a peer's metadata and one block mapping against this buffer.
+
+        Raises what ``begin_pull_blocks`` raises before posting (``MetadataError``,
+        ``GeometryMismatchError``, ``BlockIdError``); with ``matched_layout`` the slice
+        geometry (outer slices, slice bytes, blocks axis, heads) must be equal as well.
+        """
+        peer = self._adopt_peer_meta(meta)
+        self._validate_peers([peer], src_block_ids, dst_block_ids, None, local_is_dst=True)
+        if matched_layout:
+            mine = self._reference_fields()
+            for key in ("num_outer", "bytes_per_slice", "blocks_axis", "heads_per_partition"):
+                if peer.get(key) is not None and mine[key] is not None and peer[key] != mine[key]:
+                    raise GeometryMismatchError(
+                        f"matched-layout peer {peer['agent_name']!r} has {key}={peer[key]}, "
+                        f"this rank {mine[key]}",
+                        field=key,
+                    )
+
+    def _begin_transfer(
+        self,
+        peer_meta: Mapping[str, Any],
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        src_o_start: int,
+        dst_o_start: int,
+        n_outer: int,
+        src_h0: int = 0,
+        dst_h0: int = 0,
+        n_heads: int = 0,
+    ) -> tuple[Any, str]:
+        """Submit one full-slice (``n_heads=0``) or head-fragment NIXL read.
+
+        The reference design's primitive over its address fields: ``n_outer`` outer slices
+        from ``src_o_start``/``dst_o_start`` of each block pair, or heads ``[h0, h0 +
+        n_heads)`` of each token. Descriptors are built as arrays. If posting fails after
+        NIXL took the read, ``TransferStartError.cleanup_handles`` holds it.
+        """
+        agent = self._agent
+        peer_id = self._ensure_peer_registered(peer_meta)
+        src = np.asarray(src_block_ids, dtype=np.uint64).reshape(-1, 1)
+        dst = np.asarray(dst_block_ids, dtype=np.uint64).reshape(-1, 1)
+        if src.shape != dst.shape:
+            raise BlockIdError(
+                f"{src.shape[0]} source blocks but {dst.shape[0]} destination blocks",
+                field="dst_block_ids",
+            )
+        outer = np.arange(int(n_outer), dtype=np.uint64).reshape(1, -1)
+        peer_bps = np.uint64(int(peer_meta["bytes_per_slice"]))
+        bps = np.uint64(self._bytes_per_slice)
+        src_rows = (
+            np.uint64(int(peer_meta["base_addr"]))
+            + (np.uint64(src_o_start) + outer) * np.uint64(int(peer_meta["outer_stride_bytes"]))
+            + src * peer_bps
+        )
+        dst_rows = (
+            np.uint64(self._buf_ptr)
+            + (np.uint64(dst_o_start) + outer) * np.uint64(self._outer_stride_bytes)
+            + dst * bps
+        )
+        if n_heads == 0:
+            src_len, dst_len = int(peer_bps), int(bps)
+            ctx = f"matched peer={peer_id} outer[{src_o_start}:+{n_outer}] blocks={src.shape[0]}"
+        else:
+            d_bytes = int(self._head_dim or 0) * self._element_size
+            tokens = np.arange(int(self._tokens_per_block or 0), dtype=np.uint64).reshape(1, 1, -1)
+            peer_token = np.uint64(int(peer_meta["heads_per_partition"]) * d_bytes)
+            token = np.uint64(int(self._heads_per_partition or 0) * d_bytes)
+            src_rows = src_rows[..., None] + np.uint64(src_h0 * d_bytes) + tokens * peer_token
+            dst_rows = dst_rows[..., None] + np.uint64(dst_h0 * d_bytes) + tokens * token
+            src_len = dst_len = int(n_heads) * d_bytes
+            ctx = (
+                f"reshard peer={peer_id} outer[{src_o_start}:+{n_outer}] "
+                f"heads[{src_h0}:+{n_heads}] blocks={src.shape[0]}"
+            )
+        peer_dev = int(peer_meta.get("device_id") or 0)
+        remote = _desc_rows(src_rows.reshape(-1), src_len, peer_dev)
+        local = _desc_rows(dst_rows.reshape(-1), dst_len, self._device_id)
+        buffer_info = getattr(self, "buffer_info", None)
+        local_mem = buffer_info["mem_type"] if buffer_info else "VRAM"
+        peer_buffer = peer_meta.get("buffer")
+        remote_mem = peer_buffer["mem_type"] if isinstance(peer_buffer, Mapping) else "VRAM"
+        xfer = agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(local, mem_type=local_mem),
+            agent.get_xfer_descs(remote, mem_type=remote_mem),
+            peer_id,
+        )
+        try:
+            state = agent.transfer(xfer)
+            if state == "ERR":
+                raise TransferError(f"NIXL refused to post {ctx}")
+        except Exception as exc:
+            # NIXL may have taken the read before failing: its destination is not safe to
+            # reuse until the handle below settles.
+            cleanup = NixlPullHandle(
+                agent,
+                [_PullPart(-1, xfer, context=ctx)],
+                getattr(self, "timeout_s", _POLL_TIMEOUT_S),
+                getattr(self, "clock", time.monotonic),
+                None,
+            )
+            raise TransferStartError(
+                f"posting {ctx} failed: {exc!r}",
+                storage_safe=False,
+                resources=(local, remote),
+                cleanup_handles=[cleanup],
+            ) from exc
+        return xfer, ctx
+
+
+def _desc_rows(addrs: npt.NDArray[np.uint64], length: int, device: int) -> npt.NDArray[np.uint64]:
+    """``N x 3`` ``(addr, len, device)`` rows for NIXL."""
+    rows = np.empty((addrs.shape[0], 3), dtype=np.uint64)
+    rows[:, 0] = addrs
+    rows[:, 1] = length
+    rows[:, 2] = device
+    return rows
