@@ -30,6 +30,7 @@ from the same plan (vectorised, no Python loop over blocks).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -146,6 +147,13 @@ class DevicePlan:
         ]
 
     # -- device tables -------------------------------------------------------------------
+
+    def paged_end(self, kind: Literal["src", "dst"], num_blocks: int) -> int:
+        """One past the last byte a paged side can touch with block ids < ``num_blocks``."""
+        col, bs, ts = (0, self.src_block_stride, self.src_token_stride) if kind == "src" else (
+            1, self.dst_block_stride, self.dst_token_stride)  # fmt: skip
+        ends = self.planes[:, col] + (num_blocks - 1) * bs + (self.tokens_per_block - 1) * ts
+        return int((ends + self.planes[:, 3]).max())
 
     def unit(self, *addresses: int) -> int:
         """Largest power of two <= 16 dividing every offset, stride, row and address."""
@@ -271,14 +279,33 @@ def copy(
     if use == "torch":
         copy_torch(plan, a, b, n_tok, k_lo, k_hi)
         return int(hi - lo)
-    unit = plan.unit(
-        a.buffer.data_ptr(), b.buffer.data_ptr(), a.bias, b.bias, int(plan.planes[:, 2].min())
-    )
-    table = plan.table(a.buffer.device, unit)
+    unit = plan.unit(a.buffer.data_ptr(), b.buffer.data_ptr(), a.bias, b.bias)
+    # The kernel runs where the local cache is: the destination of a pull (its source may be
+    # a peer's buffer mapped from another GPU), else the source of a pack.
+    device = (b if b.kind == "dst" else a).buffer.device
+    table = plan.table(device, unit)
     _, vec = _UNIT_LANES[unit]
+    dummy = table
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        _launch(table, a, b, n_tok, k_lo, k_hi, plan, unit, vec, dummy)
+    return int(hi - lo)
+
+
+def _launch(
+    table: torch.Tensor,
+    a: Side,
+    b: Side,
+    n_tok: int,
+    k_lo: int,
+    k_hi: int,
+    plan: DevicePlan,
+    unit: int,
+    vec: int,
+    dummy: torch.Tensor,
+) -> None:
     a_col, a_bs, a_ts = _strides(plan, a)
     b_col, b_bs, b_ts = _strides(plan, b)
-    dummy = table
     _kernel()[(k_hi - k_lo,)](
         _lanes(a.buffer, unit),
         _lanes(b.buffer, unit),
@@ -302,7 +329,6 @@ def copy(
         VEC=vec,
         BLOCK=BLOCK,
     )
-    return int(hi - lo)
 
 
 def _triton() -> bool:
@@ -402,17 +428,18 @@ class IdUploader:
 
 
 class PlanCache:
-    """Plans by key (peer names and incarnations), built once by ``build``; thread-safe."""
+    """Plans (or anything derived from a compiled program) by key (peer names and
+    incarnations), built once by ``build``; thread-safe; the oldest key goes past ``limit``."""
 
     def __init__(self, limit: int = 256) -> None:
         self.limit = int(limit)
-        self._plans: dict[Hashable, DevicePlan | None] = {}
+        self._plans: dict[Hashable, Any] = {}
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: Hashable, build: Callable[[], DevicePlan | None]) -> DevicePlan | None:
-        """The cached plan of ``key``, building it on first use (``None`` is cached too)."""
+    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The cached value of ``key``, built on first use (``None`` is cached too)."""
         with self._lock:
             if key in self._plans:
                 self.hits += 1
@@ -424,6 +451,15 @@ class PlanCache:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = plan
         return plan
+
+    def peek(self, key: Hashable) -> Any:
+        """The cached value of ``key`` or ``None`` (no build)."""
+        with self._lock:
+            return self._plans.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._plans
 
     def __len__(self) -> int:
         return len(self._plans)
