@@ -111,6 +111,22 @@ def _worker(conn: Any, device: int, ipc: bool) -> None:
                     h = backends[key].begin_pull_blocks(metas, sids, dids, num_tokens=n)
                     times.append(time.perf_counter() - t0)
                     h.wait()
+                prof_dir = os.environ.get("BENCH_PROFILE_DIR")
+                if prof_dir:
+                    import cProfile
+                    import io
+                    import pstats
+
+                    prof = cProfile.Profile()
+                    for _ in range(20):
+                        prof.enable()
+                        h = backends[key].begin_pull_blocks(metas, sids, dids, num_tokens=n)
+                        prof.disable()
+                        h.wait()
+                    text = io.StringIO()
+                    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+                    with open(os.path.join(prof_dir, "submit_profile.txt"), "w") as f:
+                        f.write(text.getvalue())
                 conn.send((True, times))
             elif cmd == "check":
                 # dst blocks == the sources' blocks (regenerated from their seeds) head slices.

@@ -111,6 +111,10 @@ def test_chunks_tile_the_packed_region_in_order_and_each_fits_its_bound(
     assert chunks[-1][1] == plan.num_items(tokens)
     assert chunks[-1][3] == plan.packed_bytes(tokens)
     item_max = int(plan.planes[:, 3].max()) * tpb
+    every = np.arange(plan.num_items(tokens) + 1)
+    assert plan.item_offsets(every, tokens).tolist() == [
+        plan.item_offset(int(k), tokens) for k in every
+    ]
     for (a, b, x, y), nxt in zip(chunks, [*chunks[1:], None], strict=True):
         assert a < b and x < y
         assert y - x <= max(max_bytes, item_max)

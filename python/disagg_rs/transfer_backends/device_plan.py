@@ -75,6 +75,7 @@ class DevicePlan:
     dst_block_stride: int
     dst_token_stride: int
     _dev: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_program(
@@ -119,7 +120,10 @@ class DevicePlan:
 
     def packed_bytes(self, n_tok: int) -> int:
         """Size of the packed region of ``n_tok`` tokens."""
-        return int(self.planes[:, 3].sum()) * int(n_tok)
+        per = self._cache.get("tok_bytes")
+        if per is None:
+            per = self._cache["tok_bytes"] = int(self.planes[:, 3].sum())
+        return int(per) * int(n_tok)
 
     def item_offsets(self, items: _I64, n_tok: int) -> _I64:
         """Packed byte offset where each item of ``items`` starts (``num_items`` -> the end)."""
@@ -132,6 +136,23 @@ class DevicePlan:
             + np.minimum(i * self.tokens_per_block, n_tok) * (self.planes[p, 3])
         )
         return np.where(k >= self.num_items(n_tok), self.packed_bytes(n_tok), start)
+
+    def item_offset(self, k: int, n_tok: int) -> int:
+        """:meth:`item_offsets` of one item, in plain integers (the per-launch path)."""
+        n_blk = self.num_blocks(n_tok)
+        if k >= self.num_planes * n_blk:
+            return self.packed_bytes(n_tok)
+        p, i = divmod(int(k), n_blk)
+        coef, row = self._rows[p]
+        return coef * n_tok + min(i * self.tokens_per_block, n_tok) * row
+
+    @property
+    def _rows(self) -> list[tuple[int, int]]:
+        rows = self._cache.get("rows")
+        if rows is None:
+            rows = [(int(c), int(r)) for c, r in self.planes[:, 2:4].tolist()]
+            self._cache["rows"] = rows
+        return rows
 
     def chunks(self, n_tok: int, max_bytes: int) -> list[tuple[int, int, int, int]]:
         """Item ranges of at most ``max_bytes`` packed bytes (one item at least):
@@ -157,7 +178,12 @@ class DevicePlan:
 
     def unit(self, *addresses: int) -> int:
         """Largest power of two <= 16 dividing every offset, stride, row and address."""
-        bits = 16 | int(np.bitwise_or.reduce(self.planes[:, [0, 1, 3]].reshape(-1)))
+        base = self._cache.get("bits")
+        if base is None:
+            base = self._cache["bits"] = 16 | int(
+                np.bitwise_or.reduce(self.planes[:, [0, 1, 3]].reshape(-1))
+            )
+        bits = int(base)
         for v in (
             self.src_block_stride,
             self.src_token_stride,
@@ -235,7 +261,7 @@ def _check_side(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) 
     """Bounds of one side, checked on the host before the launch (ValueError)."""
     nbytes = staging.byte_view(side.buffer).numel()
     if side.kind == "packed":
-        lo, hi = plan.item_offsets(np.array([k_lo, k_hi]), n_tok)
+        lo, hi = plan.item_offset(k_lo, n_tok), plan.item_offset(k_hi, n_tok)
         if lo < side.bias or hi - side.bias > nbytes:
             raise ValueError(
                 f"packed side: items [{k_lo}, {k_hi}) cover packed bytes [{lo}, {hi}) but the "
@@ -267,7 +293,7 @@ def copy(
         raise ValueError(f"items [{k_lo}, {k_hi}) are not inside [0, {total})")
     for side in (a, b):
         _check_side(plan, side, n_tok, k_lo, k_hi)
-    lo, hi = plan.item_offsets(np.array([k_lo, k_hi]), n_tok)
+    lo, hi = plan.item_offset(k_lo, n_tok), plan.item_offset(k_hi, n_tok)
     if k_hi == k_lo:
         return 0
     use = path

@@ -104,22 +104,6 @@ def _local_index(uuid: str) -> int | None:
     return None
 
 
-def _enable_peer(mapped: torch.Tensor, local: torch.device) -> torch.Tensor | None:
-    """Let kernels on ``local`` read ``mapped`` (on another GPU): torch's cross-device copies
-    enable peer access both ways. ``None`` when the GPUs cannot reach each other."""
-    if mapped.device == local or mapped.numel() == 0:
-        return mapped
-    theirs, ours = mapped.device.index or 0, local.index or 0
-    if not torch.cuda.can_device_access_peer(ours, theirs):
-        return None
-    probe = torch.empty(1, dtype=torch.uint8, device=local)
-    probe.copy_(mapped[:1])
-    back = torch.empty(1, dtype=torch.uint8, device=mapped.device)
-    back.copy_(probe)
-    torch.cuda.synchronize(local)
-    return mapped
-
-
 class IpcMapper:
     """Opens peers' buffers once per (agent, incarnation) and keeps them until ``close``."""
 
@@ -145,23 +129,26 @@ class IpcMapper:
             known = self._maps.get(name)
             if known is not None and known[0] == inc:
                 return known[1]
-        mapped = self._open(theirs)
-        if mapped is not None and local_device is not None:
-            mapped = _enable_peer(mapped, local_device)
+        mapped = self._open(theirs, local_device)
         with self._lock:
             self._maps[name] = (inc, mapped)
         return mapped
 
-    def _open(self, ipc: Mapping[str, Any]) -> torch.Tensor | None:
+    def _open(self, ipc: Mapping[str, Any], local: torch.device | None) -> torch.Tensor | None:
         nbytes = int(ipc["nbytes"])
         if int(ipc["pid"]) == os.getpid():
             with _LOCAL_LOCK:
-                local = _LOCAL.get(str(ipc["handle"]))
-            if local is None:
+                same = _LOCAL.get(str(ipc["handle"]))
+            if same is None:
                 return None
-            return local.reshape(-1).view(torch.uint8)[:nbytes]
-        index = _local_index(str(ipc["device_uuid"]))
-        if index is None:
+            return same.reshape(-1).view(torch.uint8)[:nbytes]
+        home = _local_index(str(ipc["device_uuid"]))
+        if home is None:
+            return None
+        # Map into the context of the GPU whose kernels read it: CUDA enables peer access to
+        # the buffer's GPU for that mapping (torch opens with cudaIpcMemLazyEnablePeerAccess).
+        index = home if local is None or local.type != "cuda" else int(local.index or 0)
+        if index != home and not torch.cuda.can_device_access_peer(index, home):
             return None
         try:
             with torch.cuda.device(index):
