@@ -171,10 +171,14 @@ class DevicePlan:
 
     def paged_end(self, kind: Literal["src", "dst"], num_blocks: int) -> int:
         """One past the last byte a paged side can touch with block ids < ``num_blocks``."""
+        key = ("end", kind, int(num_blocks))
+        if key in self._cache:
+            return int(self._cache[key])
         col, bs, ts = (0, self.src_block_stride, self.src_token_stride) if kind == "src" else (
             1, self.dst_block_stride, self.dst_token_stride)  # fmt: skip
         ends = self.planes[:, col] + (num_blocks - 1) * bs + (self.tokens_per_block - 1) * ts
-        return int((ends + self.planes[:, 3]).max())
+        end = self._cache[key] = int((ends + self.planes[:, 3]).max())
+        return end
 
     def unit(self, *addresses: int) -> int:
         """Largest power of two <= 16 dividing every offset, stride, row and address."""
@@ -231,10 +235,13 @@ def _strides(plan: DevicePlan, side: Side) -> tuple[int, int, int]:
     return 2, 0, 0
 
 
+_ELEMENT_BYTES = {torch.int32: 4, torch.int16: 2, torch.uint8: 1}
+
+
 def _lanes(tensor: torch.Tensor, unit: int) -> torch.Tensor:
     dtype, _ = _UNIT_LANES[unit]
     flat = staging.byte_view(tensor)
-    size = torch.tensor([], dtype=dtype).element_size()
+    size = _ELEMENT_BYTES[dtype]
     return flat[: (flat.numel() // size) * size].view(dtype)
 
 
