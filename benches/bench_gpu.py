@@ -527,10 +527,37 @@ def product_main(write: str | None, rows: str) -> None:
             f"| {r['gbps']:,.0f} | {'yes' if r['exact'] else 'NO'} | {sub} |"
         )
         print(lines[-1], flush=True)
+    lines += ["", *product_targets(results)]
     text = "\n".join(lines)
     print(text)
     if write:
         write_section(write, "gpu-product", text)
+
+
+def product_targets(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The transfer-path targets against this run's rows ("not run" where a row is missing)."""
+
+    def row(name: str, key: str, floor: float, *, below: bool = False) -> str:
+        r = results.get(name)
+        if r is None or key not in r:
+            return f"{name}: not run"
+        v = r[key]
+        ok = (v <= floor) if below else (v >= floor)
+        return f"{'met' if ok else 'NOT met'} ({v:,.0f})"
+
+    return [
+        "Targets:",
+        "",
+        f"- two GPUs TP1->TP1 32K >= 340 GB/s: {row('ipc-2gpu-tp1-32k', 'gbps', 340)}",
+        f"- two GPUs TP2->TP1 8K head reshard >= 300 GB/s: {row('ipc-2gpu-tp2-8k', 'gbps', 300)}",
+        f"- same GPU TP1->TP1 32K >= 1,000 GB/s: {row('ipc-1gpu-tp1-32k', 'gbps', 1000)}",
+        f"- same GPU TP2->TP1 8K >= 800 GB/s: {row('ipc-1gpu-tp2-8k', 'gbps', 800)}",
+        "- host submit <= 100 us (8K TP2->TP1, `begin_pull_blocks` call to return): "
+        f"{row('ipc-1gpu-tp2-8k', 'submit_us', 100, below=True)}",
+        f"- NIXL staged, two GPUs, TP1->TP1 32K (no target; vs 171 before): "
+        f"{results.get('staged-2gpu-tp1-32k', {}).get('gbps', 0):,.0f} GB/s",
+        "- NCCL TP1->TP1 >= 300 GB/s: not run (no device plans in the NCCL backend yet)",
+    ]
 
 
 if __name__ == "__main__":
