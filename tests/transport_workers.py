@@ -448,6 +448,7 @@ class WorkerState:
             "nixl-ipc": "cuda:0",
             "nixl-2gpu": f"cuda:{int(rank >= world // 2)}",
             "nixl-2gpu-ipc": f"cuda:{int(rank >= world // 2)}",
+            "nccl-2gpu-small": f"cuda:{int(rank >= world // 2)}",
         }.get(transport, "cpu")
         if transport.startswith("nixl"):
             import torch
@@ -463,12 +464,12 @@ class WorkerState:
 
             import torch.distributed as dist
 
-            if transport == "nccl":
+            if transport.startswith("nccl"):
                 import torch
 
-                torch.cuda.set_device(rank)
+                torch.cuda.set_device(torch.device(self.device))
             dist.init_process_group(
-                "nccl" if transport == "nccl" else "gloo",
+                "nccl" if transport.startswith("nccl") else "gloo",
                 init_method=f"file://{store}",
                 rank=rank,
                 world_size=world,
@@ -556,6 +557,10 @@ def worker_main(
     conn: Connection, transport: str, name: str, rank: int, world: int, store: str
 ) -> None:
     """Serve commands ``(method, args, kwargs)`` until ``exit``; reply ``(ok, value)``."""
+    if transport.endswith("-small"):
+        # A staging pool far smaller than any prompt: every KV handoff moves in many chunks.
+        os.environ["DISAGG_STAGING_POOL_BYTES"] = "8192"
+        os.environ["DISAGG_CHUNK_BYTES"] = "4096"
     if transport.startswith("nixl-"):
         # GPU memory needs UCX's CUDA transports: let UCX pick rather than inherit a CPU list.
         os.environ.pop("UCX_TLS", None)
