@@ -47,7 +47,62 @@ def _worker(conn: Any, device: int, ipc: bool) -> None:
             if cmd == "exit":
                 conn.send((True, None))
                 os._exit(0)
-            if cmd == "make":
+            if cmd == "dist_init":
+                import datetime
+
+                import torch.distributed as dist
+
+                rank, world, port = args
+                dist.init_process_group(
+                    "nccl",
+                    init_method=f"tcp://127.0.0.1:{port}",
+                    rank=rank,
+                    world_size=world,
+                    timeout=datetime.timedelta(seconds=300),
+                )
+                conn.send((True, None))
+            elif cmd == "make_nccl":
+                from disagg_rs.transfer_backends.nccl import NcclTransferBackend
+
+                key, blocks, tp, rank, grank, fill_seed = args
+                heads = HEADS // tp
+                buf = torch.empty(_shape(blocks, heads), dtype=torch.bfloat16, device="cuda")
+                if fill_seed is not None:
+                    g = torch.Generator(device="cuda").manual_seed(fill_seed)
+                    buf.view(torch.int16).copy_(
+                        torch.randint(
+                            -(2**15),
+                            2**15,
+                            buf.shape,
+                            generator=g,
+                            device="cuda",
+                            dtype=torch.int16,
+                        )
+                    )
+                else:
+                    buf.view(torch.int16).fill_(-1)
+                backends[key] = NcclTransferBackend(
+                    name,
+                    buf,
+                    blocks,
+                    tp_size=tp,
+                    tp_rank=rank,
+                    global_rank=grank,
+                    num_kv_heads_global=HEADS,
+                )
+                torch.cuda.synchronize()
+                conn.send((True, backends[key].export_meta()))
+            elif cmd == "post":
+                key, method, a, kw = args
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                handles[key] = getattr(backends[key], method)(*a, **kw)
+                conn.send((True, (t0, time.perf_counter())))
+            elif cmd == "wait":
+                (key,) = args
+                handles[key].wait()
+                conn.send((True, (time.perf_counter(), dict(handles[key].stats))))
+            elif cmd == "make":
                 key, blocks, tp, rank, grank, fill_seed, staging, mode = args
                 heads = HEADS // tp
                 buf = torch.empty(_shape(blocks, heads), dtype=torch.bfloat16, device="cuda")
@@ -171,6 +226,70 @@ def _worker(conn: Any, device: int, ipc: bool) -> None:
             import traceback
 
             conn.send((False, f"{exc!r}\n{traceback.format_exc()}"))
+
+
+def run_nccl_case(
+    *, tokens: int, src_tp: int, devices: Sequence[int], repeat: int = 3
+) -> dict[str, Any]:
+    """NCCL push/pull between processes: prefill ranks on ``devices[0]``, decode on
+    ``devices[1]``; post start (earliest of both sides) -> decode's scatter end."""
+    import random
+
+    n_blk = tokens // TPB
+    blocks = n_blk + 8
+    rng = np.random.default_rng(tokens + src_tp)
+    src_ids = [[int(x) for x in rng.permutation(blocks)[:n_blk]] for _ in range(src_tp)]
+    dst_ids = [int(x) for x in rng.permutation(blocks)[:n_blk]]
+    nbytes = 2 * LAYERS * tokens * HEADS * DIM * 2
+    pres = [_Proc(devices[0], False) for _ in range(src_tp)]
+    dec = _Proc(devices[1], False)
+    procs = [*pres, dec]
+    port = random.randint(20000, 40000)
+    try:
+        for r, p in enumerate(procs):
+            p.conn.send(("dist_init", (r, len(procs), port)))
+        for p in procs:
+            if not p.conn.poll(300):
+                raise TimeoutError("dist_init")
+            ok, value = p.conn.recv()
+            if not ok:
+                raise RuntimeError(value)
+        src_metas = [
+            p("make_nccl", "kv", blocks, src_tp, r, r, 1000 + r) for r, p in enumerate(pres)
+        ]
+        dst_meta = dec("make_nccl", "kv", blocks, 1, 0, src_tp, None)
+        sids = {r: src_ids[r] for r in range(src_tp)}
+        times, ok_all, stats = [], True, {}
+        for rep in range(repeat + 1):
+            dec("reset", "kv")
+            tag = rep + 1
+            dec.conn.send(("post", ("kv", "begin_pull_blocks", (src_metas, sids, dst_ids),
+                                    {"num_tokens": tokens, "tag": tag})))  # fmt: skip
+            for r, p in enumerate(pres):
+                p.conn.send(("post", ("kv", "begin_push_blocks", (dst_meta, src_ids[r]),
+                                      {"src_metas": src_metas, "num_tokens": tokens,
+                                       "tag": tag})))  # fmt: skip
+            starts = []
+            for p in procs:
+                ok, value = p.conn.recv()
+                if not ok:
+                    raise RuntimeError(value)
+                starts.append(value[0])
+            for p in pres:
+                p("wait", "kv")
+            t_end, stats = dec("wait", "kv")
+            times.append(t_end - min(starts))
+            ok_all &= dec(
+                "check", "kv",
+                [(1000 + r, blocks, src_tp, r, src_ids[r]) for r in range(src_tp)], dst_ids,
+                tokens,
+            )  # fmt: skip
+        med = statistics.median(times[1:])
+        return {"bytes": nbytes, "s": med, "gbps": nbytes / med / 1e9, "exact": ok_all,
+                "stats": stats}  # fmt: skip
+    finally:
+        for p in procs:
+            p.stop()
 
 
 class _Proc:

@@ -324,7 +324,9 @@ class NcclTransferBackend(TransferBackendBase):
             for r in ranks
         ]
         handle = self._submit_chunks(pairs, tag, timeout_s)
+        chunks = sum(len(p.plan.chunks(num_tokens, self.staging_pool.slot_bytes)) for p in pairs)
         handle.stats = {
+            "descriptors": chunks,
             "bytes": sum(plans[r].packed_bytes(num_tokens) for r in ranks),
             "chunks": sum(
                 len(p.plan.chunks(num_tokens, self.staging_pool.slot_bytes)) for p in pairs
