@@ -462,7 +462,12 @@ class NcclTransferBackend(TransferBackendBase):
         error: str | None = None
         if ops:
             try:
-                works = list(dist.batch_isend_irecv(ops))
+                if dist.get_backend(self.group) == "nccl":
+                    # One op at a time, in order: a batched call must be the group's first
+                    # call on EVERY rank, which a handoff between some ranks never is.
+                    works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+                else:
+                    works = list(dist.batch_isend_irecv(ops))
             except Exception as exc:
                 error = f"posting {len(ops)} point-to-point ops failed: {exc!r}"
         return NcclTransferHandle(
