@@ -506,7 +506,7 @@ def product_main(write: str | None, rows: str) -> None:
         "warm-up; every repeat checked byte-exact. `ipc`: same host, CUDA IPC mapping + one "
         "device-plan kernel (chosen automatically); `staged`: NIXL with IPC off (pack, one "
         "READ, scatter); `direct`: NIXL with IPC off, one descriptor per (block, plane); "
-        "`nccl`: NcclTransferBackend push/pull, 64 MiB chunks through the 256 MiB staging pool.",
+        "`nccl`: NcclTransferBackend push/pull, chunks through the 256 MiB staging pool.",
         "",
         "| row | GB | path | GPUs | GB/s | byte-exact | host submit us (median of 50) |",
         "|---|---|---|---|---|---|---|",
