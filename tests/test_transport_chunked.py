@@ -110,3 +110,49 @@ def test_nccl_between_two_gpus_moves_prompts_larger_than_the_pool_in_chunks_byte
     nccl_small: dict[str, list[Worker]], case: Case
 ) -> None:
     _check_chunked(case, _push_pull(nccl_small, case))
+
+
+def test_the_pool_is_cut_into_whole_chunks_and_never_less_than_one_slot() -> None:
+    from disagg_rs.transfer_backends import pipeline
+
+    pool = pipeline.StagingPool(torch.device("cpu"), pool_bytes=10 << 20, chunk_bytes=4 << 20)
+    assert (pool.slots, pool.slot_bytes, pool.nbytes) == (2, 4 << 20, 8 << 20)
+    assert pipeline.StagingPool(torch.device("cpu"), 1024, 4096).slots == 1
+    assert [pool.next_index() for _ in range(5)] == [0, 1, 0, 1, 0]
+    with pytest.raises(ValueError, match="multiple of 256"):
+        pipeline.StagingPool(torch.device("cpu"), 1 << 20, 1000)
+
+
+def test_a_block_larger_than_a_slot_is_refused_before_anything_is_posted() -> None:
+    from disagg_rs import KVGeometry, KVShardLayout, compile_kv_transfer
+    from disagg_rs.exceptions import CapacityError
+    from disagg_rs.transfer_backends import device_plan as dp
+    from disagg_rs.transfer_backends import pipeline
+
+    buf = torch.zeros((2, 2, 4, 16, 4, 8), dtype=torch.int16)
+    lay = KVShardLayout(2, 4, global_rank=0)
+    program = compile_kv_transfer(
+        [(lay, KVGeometry.from_tensor(buf))], (KVShardLayout(2, 4, global_rank=1), None),
+        [0, 1], None, 32, "staged",
+    )  # fmt: skip
+    plan = dp.DevicePlan.from_program(program, 0, src_addr=buf.data_ptr(), dst_addr=0)
+    assert plan is not None
+    pool = pipeline.StagingPool(torch.device("cpu"), 1024, 512)  # one block-plane is 1 KiB
+    cp = pipeline.ChunkPlan(plan, torch.tensor([0, 1]), 32, peer=1, send=True)
+    with pytest.raises(CapacityError, match="chunk_bytes=512"):
+        pipeline.post_chunks([cp], buf, pool, None, 0)
+
+
+def test_only_kv_caches_with_one_block_size_and_contiguous_heads_move_in_chunks() -> None:
+    from disagg_rs.transfer_backends import pipeline
+
+    def meta(tpb: int = 16, head_stride: int = 16, kind: str = "kv") -> dict[str, object]:
+        geometry = {"tokens_per_block": tpb, "num_heads": 4, "head_stride": head_stride,
+                    "head_dim": 8, "element_size": 2}  # fmt: skip
+        return {"state_kind": kind, "geometry": geometry}
+
+    assert pipeline.chunkable([meta(), meta()])
+    assert not pipeline.chunkable([meta(), meta(tpb=64)])
+    assert not pipeline.chunkable([meta(), meta(head_stride=16 * 16)])
+    assert not pipeline.chunkable([meta(kind="conv"), meta(kind="conv")])
+    assert not pipeline.chunkable([{"state_kind": "kv", "geometry": None}])

@@ -343,7 +343,12 @@ class NcclTransferBackend(TransferBackendBase):
         errors: list[str] = []
         try:
             works, ready, _, errors = pipeline.post_chunks(
-                pairs, self.memory_buffer, self.staging_pool, self.group, tag
+                pairs,
+                self.memory_buffer,
+                self.staging_pool,
+                self.group,
+                tag,
+                self.timeout_s if timeout_s is None else timeout_s,
             )
         except CapacityError:
             raise  # checked before anything is posted

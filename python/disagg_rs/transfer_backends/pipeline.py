@@ -174,13 +174,19 @@ def _one_chunk(
 
 
 def post_chunks(
-    pairs: list[ChunkPlan], buffer: torch.Tensor, pool: StagingPool, group: Any, tag: int
+    pairs: list[ChunkPlan],
+    buffer: torch.Tensor,
+    pool: StagingPool,
+    group: Any,
+    tag: int,
+    timeout_s: float = 30.0,
 ) -> tuple[list[Any], Callable[[], bool], threading.Thread | None, list[str]]:
     """Move every pair's chunks through ``pool``.
 
     Returns ``(works, done, thread, errors)``: on CUDA, ``works`` are the NCCL works and
     ``done()`` queries the event recorded after the last scatter; on host memory a worker
-    thread runs the loop (``done()`` says it finished; ``errors`` holds its failures).
+    thread runs the loop (``done()`` says it finished; ``errors`` holds its failures, e.g. a
+    slot still held ``timeout_s`` later by a transfer whose peer never answered).
     """
     for cp in pairs:
         item = int(cp.plan.planes[:, 3].max()) * cp.plan.tokens_per_block
@@ -196,6 +202,9 @@ def post_chunks(
         stream = pool.stream
         # The pool's stream starts after what the engine queued so far (the blocks' bytes).
         stream.wait_stream(torch.cuda.current_stream(buffer.device))
+        for cp in pairs:
+            # The ids were copied on the engine's stream; keep them until this stream is done.
+            cp.ids.record_stream(stream)
         with torch.cuda.stream(stream):
             for cp, chunk in chunks:
                 index = pool.next_index()
@@ -217,10 +226,15 @@ def post_chunks(
         try:
             for cp, chunk in chunks:
                 index = pool.next_index()
-                with pool.lock(index):
+                lock = pool.lock(index)
+                if not lock.acquire(timeout=timeout_s):
+                    raise TimeoutError(f"staging slot {index} still busy after {timeout_s} s")
+                try:
                     post, land = _one_chunk(cp, buffer, pool.slot(index), chunk, group, tag)
                     post().wait()
                     land()
+                finally:
+                    lock.release()
         except Exception as exc:
             errors.append(f"chunked transfer failed: {exc!r}")
         finally:
