@@ -59,6 +59,7 @@ bench: build ## Run the benchmarks and write benches/RESULTS.md
 	$(PY) benches/bench_reference.py --write benches/RESULTS.md
 	$(PY) benches/bench_integrity.py --write benches/RESULTS.md
 	$(PY) benches/bench_gpu.py --write benches/RESULTS.md
+	$(PY) benches/bench_gpu.py --product --write benches/RESULTS.md
 
 .PHONY: gpu
 gpu: build ## On a CUDA machine: the GPU tests (marker gpu), then the GPU bench

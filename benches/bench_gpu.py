@@ -347,10 +347,19 @@ def main() -> None:
     ap.add_argument("--write", help="results file to update (section 'gpu')")
     ap.add_argument("--tokens", type=int, default=8192, help="prompt tokens (head reshard, submit)")
     ap.add_argument("--mib", type=int, default=1024, help="bytes per kernel/handoff case, MiB")
+    ap.add_argument(
+        "--product",
+        action="store_true",
+        help="measure the backends between processes instead (section 'gpu-product')",
+    )
+    ap.add_argument("--rows", default="all", help="product rows to run (comma list of names)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         # `make bench` runs on CPU machines too: nothing to measure there.
         print("bench_gpu.py: no CUDA GPU, skipped")
+        return
+    if args.product:
+        product_main(args.write, args.rows)
         return
     t_start = time.perf_counter()
     import triton
@@ -461,6 +470,100 @@ def main() -> None:
     print(text)
     if args.write:
         write_section(args.write, "gpu", text)
+
+
+#: Product rows: name -> (tokens, source TP, (prefill GPU, decode GPU), path).
+PRODUCT_ROWS: dict[str, tuple[int, int, tuple[int, int], str]] = {
+    "ipc-1gpu-tp1-32k": (32768, 1, (0, 0), "ipc"),
+    "ipc-1gpu-tp2-8k": (8192, 2, (0, 0), "ipc"),
+    "ipc-2gpu-tp1-32k": (32768, 1, (0, 1), "ipc"),
+    "ipc-2gpu-tp2-8k": (8192, 2, (0, 1), "ipc"),
+    "staged-2gpu-tp1-32k": (32768, 1, (0, 1), "staged"),
+    "staged-2gpu-tp2-8k": (8192, 2, (0, 1), "staged"),
+    "staged-1gpu-tp1-32k": (32768, 1, (0, 0), "staged"),
+    "direct-2gpu-tp1-32k": (32768, 1, (0, 1), "direct"),
+    "nccl-2gpu-tp1-32k": (32768, 1, (0, 1), "nccl"),
+    "nccl-2gpu-tp2-8k": (8192, 2, (0, 1), "nccl"),
+}
+
+
+def product_main(write: str | None, rows: str) -> None:
+    """The product path between processes (see ``_gpu_product``); one markdown section."""
+    from _gpu_product import run_case, run_nccl_case
+
+    n_gpu = torch.cuda.device_count()
+    names = list(PRODUCT_ROWS) if rows == "all" else rows.split(",")
+    lines = [
+        "## GPU transfer path between processes (`benches/bench_gpu.py --product`)",
+        "",
+        f"{dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d')}, {n_gpu} x "
+        f"{torch.cuda.get_device_name()}; torch {torch.__version__}; host: {machine_line()}",
+        "",
+        "Command: `python benches/bench_gpu.py --product --write benches/RESULTS.md`. "
+        f"NixlTransferBackend in separate processes, Megatron layout, {LAYERS} layers, {HEADS} "
+        f"KV heads, head_dim {DIM}, bf16, {TPB} tokens/block, block ids a random permutation; "
+        "stage start (or pull call) -> scatter end on the host clock, median of 3 after a "
+        "warm-up; every repeat checked byte-exact. `ipc`: same host, CUDA IPC mapping + one "
+        "device-plan kernel (chosen automatically); `staged`: NIXL with IPC off (pack, one "
+        "READ, scatter); `direct`: NIXL with IPC off, one descriptor per (block, plane); "
+        "`nccl`: NcclTransferBackend push/pull, chunks through the 256 MiB staging pool.",
+        "",
+        "| row | GB | path | GPUs | GB/s | byte-exact | host submit us (median of 50) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    results = {}
+    for name in names:
+        tokens, tp, devs, path = PRODUCT_ROWS[name]
+        if max(devs) >= n_gpu:
+            lines.append(f"| {name} | | {path} | {devs} | not run: needs 2 GPUs | | |")
+            continue
+        try:
+            if path == "nccl":
+                r = run_nccl_case(tokens=tokens, src_tp=tp, devices=devs)
+            else:
+                r = run_case(tokens=tokens, src_tp=tp, devices=devs, path=path)
+        except Exception as exc:  # report the row, keep going
+            lines.append(f"| {name} | | {path} | {devs} | FAILED: {str(exc)[:200]!r} | | |")
+            print(lines[-1], flush=True)
+            continue
+        results[name] = r
+        sub = f"{r['submit_us']:,.0f}" if "submit_us" in r else ""
+        lines.append(
+            f"| {name} | {r['bytes'] / 1e9:.1f} | {path} | GPU{devs[0]}->GPU{devs[1]} "
+            f"| {r['gbps']:,.0f} | {'yes' if r['exact'] else 'NO'} | {sub} |"
+        )
+        print(lines[-1], flush=True)
+    lines += ["", *product_targets(results)]
+    text = "\n".join(lines)
+    print(text)
+    if write:
+        write_section(write, "gpu-product", text)
+
+
+def product_targets(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The transfer-path targets against this run's rows ("not run" where a row is missing)."""
+
+    def row(name: str, key: str, floor: float, *, below: bool = False) -> str:
+        r = results.get(name)
+        if r is None or key not in r:
+            return f"{name}: not run"
+        v = r[key]
+        ok = (v <= floor) if below else (v >= floor)
+        return f"{'met' if ok else 'NOT met'} ({v:,.0f})"
+
+    return [
+        "Targets:",
+        "",
+        f"- two GPUs TP1->TP1 32K >= 340 GB/s: {row('ipc-2gpu-tp1-32k', 'gbps', 340)}",
+        f"- two GPUs TP2->TP1 8K head reshard >= 300 GB/s: {row('ipc-2gpu-tp2-8k', 'gbps', 300)}",
+        f"- same GPU TP1->TP1 32K >= 1,000 GB/s: {row('ipc-1gpu-tp1-32k', 'gbps', 1000)}",
+        f"- same GPU TP2->TP1 8K >= 800 GB/s: {row('ipc-1gpu-tp2-8k', 'gbps', 800)}",
+        "- host submit <= 100 us (8K TP2->TP1, `begin_pull_blocks` call to return): "
+        f"{row('ipc-1gpu-tp2-8k', 'submit_us', 100, below=True)}",
+        f"- NIXL staged, two GPUs, TP1->TP1 32K (no target; vs 171 before): "
+        f"{results.get('staged-2gpu-tp1-32k', {}).get('gbps', 0):,.0f} GB/s",
+        f"- NCCL TP1->TP1 >= 300 GB/s: {row('nccl-2gpu-tp1-32k', 'gbps', 300)}",
+    ]
 
 
 if __name__ == "__main__":

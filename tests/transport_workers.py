@@ -441,8 +441,17 @@ class WorkerState:
         self.root: Any = None
         # "nccl": NCCL over CUDA, one GPU per rank; buffers live on that GPU.
         # "nixl-cuda": NIXL over VRAM, every rank sharing GPU 0 (one-GPU machines).
-        self.device = {"nccl": f"cuda:{rank}", "nixl-cuda": "cuda:0"}.get(transport, "cpu")
-        if transport in ("nixl", "nixl-cuda"):
+        # "nixl-ipc": NIXL metadata, every rank on GPU 0, the CUDA IPC direct path on.
+        # "nixl-2gpu" / "nixl-2gpu-ipc": the first half of the ranks on GPU 0, the rest on 1.
+        self.device = {
+            "nccl": f"cuda:{rank}",
+            "nixl-cuda": "cuda:0",
+            "nixl-ipc": "cuda:0",
+            "nixl-2gpu": f"cuda:{int(rank >= world // 2)}",
+            "nixl-2gpu-ipc": f"cuda:{int(rank >= world // 2)}",
+            "nccl-2gpu-small": f"cuda:{int(rank >= world // 2)}",
+        }.get(transport, "cpu")
+        if transport.startswith("nixl"):
             import torch
 
             from disagg_rs.transfer_backends.nixl import NixlTransferBackend
@@ -456,12 +465,12 @@ class WorkerState:
 
             import torch.distributed as dist
 
-            if transport == "nccl":
+            if transport.startswith("nccl"):
                 import torch
 
-                torch.cuda.set_device(rank)
+                torch.cuda.set_device(torch.device(self.device))
             dist.init_process_group(
-                "nccl" if transport == "nccl" else "gloo",
+                "nccl" if transport.startswith("nccl") else "gloo",
                 init_method=f"file://{store}",
                 rank=rank,
                 world_size=world,
@@ -472,7 +481,7 @@ class WorkerState:
         """Create the backend for (case, side); fill it if it is a source; return its meta."""
         buf = make_buffer(case, side, fill=role == "src").to(self.device)
         kwargs = {**_backend_kwargs(case, side), **extra}
-        if self.transport in ("nixl", "nixl-cuda"):
+        if self.transport.startswith("nixl"):
             kwargs.setdefault("staging_bytes", 1 << 20)
             backend = self.root.new_registered_buffer(
                 memory_buffer=buf, expected_num_blocks=side.num_blocks, **kwargs
@@ -552,6 +561,10 @@ class WorkerState:
     def wait(self, key: str) -> None:
         self.handles[key].wait()
 
+    def stats(self, key: str) -> dict[str, Any]:
+        """The last handle's ``stats`` (which path moved the bytes)."""
+        return dict(self.handles[key].stats)
+
     def poll(self, key: str) -> bool:
         return bool(self.handles[key].poll())
 
@@ -571,9 +584,15 @@ def worker_main(
     conn: Connection, transport: str, name: str, rank: int, world: int, store: str
 ) -> None:
     """Serve commands ``(method, args, kwargs)`` until ``exit``; reply ``(ok, value)``."""
-    if transport == "nixl-cuda":
+    if transport.endswith("-small"):
+        # A staging pool far smaller than any prompt: every KV handoff moves in many chunks.
+        os.environ["DISAGG_STAGING_POOL_BYTES"] = "8192"
+        os.environ["DISAGG_CHUNK_BYTES"] = "4096"
+    if transport.startswith("nixl-"):
         # GPU memory needs UCX's CUDA transports: let UCX pick rather than inherit a CPU list.
         os.environ.pop("UCX_TLS", None)
+        # The plain GPU pools test NIXL itself; the "-ipc" pools the same-host direct path.
+        os.environ["DISAGG_CUDA_IPC"] = "1" if transport.endswith("-ipc") else "0"
     else:
         os.environ.setdefault("UCX_TLS", "tcp,self,sm")
     state: WorkerState | None = None

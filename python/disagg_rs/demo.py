@@ -159,8 +159,20 @@ def _engine_config(opts: DemoOptions, role: str, ranks: tuple[int, ...]) -> Any:
         num_ssm_slots=max(8, opts.requests),
         max_batch=8,
         role=role,  # type: ignore[arg-type]
-        device=opts.device,
+        device=engine_device(opts.device, role),
     )
+
+
+def engine_device(device: str, role: str) -> str:
+    """Where an engine runs: with ``--device cuda`` and two or more GPUs visible, the
+    prefill on GPU 0 and the decode on GPU 1 (their handoffs cross NVLink); else ``device``."""
+    if device != "cuda":
+        return device
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return device
+    return "cuda:0" if role == "prefill" else "cuda:1"
 
 
 @dataclass(frozen=True)
@@ -204,6 +216,10 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
         from disagg_rs.reference.handoff import HandoffReferenceEngine
 
         torch.set_num_threads(1)
+        placed = engine_device(opts.device, role)
+        if placed.startswith("cuda:"):
+            # Launches, NCCL and the CUDA IPC mapping follow the engine's GPU.
+            torch.cuda.set_device(int(placed.split(":")[1]))
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{where.dist_port}",

@@ -24,6 +24,7 @@ the kernel itself).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -307,25 +308,28 @@ def copy_runs(
     lo_u, hi_u = packed_lo // table.unit, hi // table.unit
     src, dst = (scattered, packed) if gather else (packed, scattered)
     grid = (-(-(hi_u - lo_u) // config.chunk_units),)
-    _kernel()[grid](
-        _lanes(src, table.unit),
-        _lanes(dst, table.unit),
-        table.packed_start,
-        table.other_start,
-        table.frag_len,
-        table.other_stride,
-        table.n_runs,
-        lo_u,
-        hi_u,
-        table.outer_steps,
-        table.inner_steps(config),
-        GATHER=gather,
-        VEC=vec,
-        BLOCK=config.block,
-        SUB=config.sub,
-        DIV=table.div_bits,
-        num_warps=config.num_warps,
-    )
+    # Launch on the scattered buffer's GPU (the current device may be another one).
+    guard = torch.cuda.device(scattered.device) if scattered.is_cuda else contextlib.nullcontext()
+    with guard:
+        _kernel()[grid](
+            _lanes(src, table.unit),
+            _lanes(dst, table.unit),
+            table.packed_start,
+            table.other_start,
+            table.frag_len,
+            table.other_stride,
+            table.n_runs,
+            lo_u,
+            hi_u,
+            table.outer_steps,
+            table.inner_steps(config),
+            GATHER=gather,
+            VEC=vec,
+            BLOCK=config.block,
+            SUB=config.sub,
+            DIV=table.div_bits,
+            num_warps=config.num_warps,
+        )
     return hi - packed_lo
 
 

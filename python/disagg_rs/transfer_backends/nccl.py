@@ -19,12 +19,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from disagg_rs import _core
-from disagg_rs.exceptions import MetadataError, TransferError
-from disagg_rs.transfer_backends import staging
+from disagg_rs.exceptions import BlockIdError, CapacityError, MetadataError, TransferError
+from disagg_rs.transfer_backends import device_plan as dp
+from disagg_rs.transfer_backends import pipeline, staging
 from disagg_rs.transfer_backends.base import (
     BlockIds,
     Clock,
@@ -40,6 +42,14 @@ from disagg_rs.transfer_backends.base import (
 __all__ = ["NcclTransferBackend", "NcclTransferHandle"]
 
 logger = logging.getLogger(__name__)
+
+
+def _peer_key(metas: Sequence[PeerMeta]) -> tuple[tuple[str, int, int], ...]:
+    """What identifies a set of peers' buffers: names, incarnations and global ranks."""
+    return tuple(
+        (str(m["agent_name"]), int(m["incarnation"]), int(m["layout"].get("global_rank", -1)))
+        for m in metas
+    )
 
 
 class NcclTransferHandle(TransferHandleBase):
@@ -59,8 +69,14 @@ class NcclTransferHandle(TransferHandleBase):
         error: str | None = None,
         *,
         use_waiter_thread: bool = False,
+        ready: Callable[[], bool] | None = None,
+        errors: list[str] | None = None,
     ) -> None:
         super().__init__(timeout_s, clock)
+        # Chunked transfers (``pipeline.post_chunks``): settled once ``ready()`` says so;
+        # their failures land in ``errors``.
+        self._ready = ready
+        self._errors = errors if errors is not None else []
         self.works = works
         self.keepalive = keepalive
         self.scatters = scatters
@@ -75,6 +91,8 @@ class NcclTransferHandle(TransferHandleBase):
             self._waiter.start()
 
     def _progress(self) -> bool:
+        if self._ready is not None and not self._ready():
+            return False
         if self._waiter is not None:
             if not self._settled.is_set():
                 return False
@@ -100,6 +118,8 @@ class NcclTransferHandle(TransferHandleBase):
                 except Exception as exc:
                     self.error = self.error or f"torch.distributed reported {exc!r}"
         self.error = self.error or self._thread_error
+        if self._errors:
+            self.error = self.error or self._errors[0]
         if self.error is None:
             for land in self.scatters:
                 try:
@@ -191,6 +211,10 @@ class NcclTransferBackend(TransferBackendBase):
             raise TransferError("NcclTransferBackend needs torch.distributed initialised first")
         self.group = group
         self.dist_rank = dist.get_rank()
+        # Chunked transfers: a bounded staging pool, plans per peer set, ids to the device.
+        self.staging_pool = pipeline.StagingPool(memory_buffer.device)
+        self._plans = dp.PlanCache()
+        self._ids = dp.IdUploader(memory_buffer.device)
         self._init_kwargs: dict[str, Any] = {
             "axes": axes,
             "timeout_s": timeout_s,
@@ -261,9 +285,12 @@ class NcclTransferBackend(TransferBackendBase):
             metas, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
         )
         by_rank = {int(m["layout"]["global_rank"]): m for m in metas}
-        program = self.compiler(
-            metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, "staged"
-        )
+        me = self._base_meta()
+        if num_tokens is not None and pipeline.chunkable([*metas, me]):
+            return self._pull_chunked(
+                metas, by_rank, src_block_ids, dst_block_ids, num_tokens, tag, timeout_s
+            )
+        program = self.compiler(metas, me, src_block_ids, dst_block_ids, num_tokens, "staged")
         ops: list[dist.P2POp] = []
         keep: list[torch.Tensor] = []
         scatters: list[Callable[[], None]] = []
@@ -284,6 +311,96 @@ class NcclTransferBackend(TransferBackendBase):
         handle = self._submit(ops, keep, scatters, timeout_s)
         handle.stats = dict(program.stats)
         return handle
+
+    def _pull_chunked(
+        self,
+        metas: Sequence[PeerMeta],
+        by_rank: dict[int, PeerMeta],
+        src_block_ids: BlockIds,
+        dst_block_ids: BlockIds,
+        num_tokens: int,
+        tag: int,
+        timeout_s: float | None,
+    ) -> NcclTransferHandle:
+        """Receive every source's packed bytes in chunks through the staging pool and scatter
+        each chunk from the cached device plan (see ``pipeline``)."""
+
+        def build() -> tuple[list[int], dict[int, dp.DevicePlan]]:
+            program = self.compiler(
+                metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, "staged"
+            )
+            plans = {}
+            for rank in program.src_ranks:
+                if rank not in by_rank:
+                    raise MetadataError(
+                        f"the plan reads source rank {rank} but no metadata names it",
+                        field="peer_meta",
+                    )
+                plan = dp.DevicePlan.from_program(
+                    program,
+                    rank,
+                    src_addr=int(by_rank[rank]["buffer"]["addr"]),
+                    dst_addr=int(self.buffer_info["addr"]),
+                )
+                if plan is None:
+                    raise TransferError(f"no device plan for source rank {rank}")
+                plans[rank] = plan
+            return list(program.src_ranks), plans
+
+        ranks, plans = self._plans.get(("pull", _peer_key(metas)), build)
+        ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+        need = plans[ranks[0]].num_blocks(num_tokens) if ranks else 0
+        if ids.size != need:
+            raise BlockIdError(
+                f"dst_block_ids holds {ids.size} blocks, {num_tokens} tokens need {need}",
+                field="dst_block_ids",
+            )
+        (dev_ids,) = self._ids.upload(ids)
+        pairs = [
+            pipeline.ChunkPlan(plans[r], dev_ids, num_tokens, int(by_rank[r]["dist_rank"]), False)
+            for r in ranks
+        ]
+        handle = self._submit_chunks(pairs, tag, timeout_s)
+        chunks = sum(len(p.plan.chunks(num_tokens, self.staging_pool.slot_bytes)) for p in pairs)
+        handle.stats = {
+            "descriptors": chunks,
+            "bytes": sum(plans[r].packed_bytes(num_tokens) for r in ranks),
+            "chunks": sum(
+                len(p.plan.chunks(num_tokens, self.staging_pool.slot_bytes)) for p in pairs
+            ),
+        }
+        return handle
+
+    def _submit_chunks(
+        self, pairs: list[pipeline.ChunkPlan], tag: int, timeout_s: float | None
+    ) -> NcclTransferHandle:
+        error: str | None = None
+        works: list[Any] = []
+        ready: Callable[[], bool] = lambda: True  # noqa: E731
+        errors: list[str] = []
+        try:
+            works, ready, _, errors = pipeline.post_chunks(
+                pairs,
+                self.memory_buffer,
+                self.staging_pool,
+                self.group,
+                tag,
+                self.timeout_s if timeout_s is None else timeout_s,
+            )
+        except CapacityError:
+            raise  # checked before anything is posted
+        except Exception as exc:
+            error = f"posting chunked point-to-point ops failed: {exc!r}"
+        return NcclTransferHandle(
+            works,
+            [],
+            [],
+            self.timeout_s if timeout_s is None else timeout_s,
+            self.clock,
+            error,
+            ready=ready,
+            errors=errors,
+        )
 
     def _lander(self, buf: torch.Tensor, scatter_list: Any) -> Callable[[], None]:
         def land() -> None:
@@ -317,6 +434,8 @@ class NcclTransferBackend(TransferBackendBase):
         num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens, local_is_dst=False)
         self._check_compat(dsts)
         me = self.layout.global_rank
+        if num_tokens is not None and all(pipeline.chunkable([*srcs, d]) for d in dsts):
+            return self._push_chunked(srcs, dsts, src_block_ids, num_tokens, tag, timeout_s)
         programs: list[tuple[PeerMeta, TransferProgramLike]] = [
             (dst, self.compiler(srcs, dst, src_block_ids, dst_block_ids, num_tokens, "staged"))
             for dst in dsts
@@ -335,6 +454,45 @@ class NcclTransferBackend(TransferBackendBase):
             keep.append(buf)
         return self._submit(ops, keep, [], timeout_s)
 
+    def _push_chunked(
+        self,
+        srcs: Sequence[PeerMeta],
+        dsts: Sequence[PeerMeta],
+        src_block_ids: BlockIds,
+        num_tokens: int,
+        tag: int,
+        timeout_s: float | None,
+    ) -> NcclTransferHandle:
+        """Pack and send this rank's part in chunks through the staging pool (see
+        ``pipeline``); the decode cuts the same chunks from the same plan."""
+        me = self.layout.global_rank
+        pairs: list[pipeline.ChunkPlan] = []
+        ids = np.asarray(
+            src_block_ids[me] if isinstance(src_block_ids, Mapping) else src_block_ids,
+            dtype=np.int64,
+        ).reshape(-1)
+        (dev_ids,) = self._ids.upload(ids)
+        for dst in dsts:
+
+            def build(dst: PeerMeta = dst) -> dp.DevicePlan | None:
+                program = self.compiler(srcs, dst, src_block_ids, None, num_tokens, "staged")
+                if me not in program.src_ranks:
+                    return None
+                addr = int(self.buffer_info["addr"])
+                return dp.DevicePlan.from_program(program, me, src_addr=addr, dst_addr=0)
+
+            plan = self._plans.get(("push", _peer_key(srcs), _peer_key([dst])), build)
+            if plan is None:
+                continue
+            if ids.size != plan.num_blocks(num_tokens):
+                raise BlockIdError(
+                    f"src_block_ids holds {ids.size} blocks, {num_tokens} tokens need "
+                    f"{plan.num_blocks(num_tokens)}",
+                    field="src_block_ids",
+                )
+            pairs.append(pipeline.ChunkPlan(plan, dev_ids, num_tokens, int(dst["dist_rank"]), True))
+        return self._submit_chunks(pairs, tag, timeout_s)
+
     def _submit(
         self,
         ops: list[dist.P2POp],
@@ -346,7 +504,12 @@ class NcclTransferBackend(TransferBackendBase):
         error: str | None = None
         if ops:
             try:
-                works = list(dist.batch_isend_irecv(ops))
+                if dist.get_backend(self.group) == "nccl":
+                    # One op at a time, in order: a batched call must be the group's first
+                    # call on EVERY rank, which a handoff between some ranks never is.
+                    works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+                else:
+                    works = list(dist.batch_isend_irecv(ops))
             except Exception as exc:
                 error = f"posting {len(ops)} point-to-point ops failed: {exc!r}"
         return NcclTransferHandle(

@@ -49,7 +49,8 @@ from disagg_rs.exceptions import (
     TransferError,
     TransferStartError,
 )
-from disagg_rs.transfer_backends import staging
+from disagg_rs.transfer_backends import device_plan as dp
+from disagg_rs.transfer_backends import ipc, staging
 from disagg_rs.transfer_backends.base import (
     BlockIds,
     Clock,
@@ -331,6 +332,11 @@ class _PullPart:
     context: str = ""
     descriptors: int = 0
     """Descriptors this read posted (1 for a staged read)."""
+    landed: Callable[[], bool] | None = None
+    """Set by ``on_done`` when the landing (scatter) is queued on the GPU: the part is DONE
+    once it returns True (a CUDA event query; the serving thread never synchronises)."""
+    local: bool = False
+    """No NIXL transfer: the part is a GPU copy (CUDA IPC) settled by ``landed`` alone."""
 
     def finish(self) -> None:
         if self.cleanup is not None:
@@ -367,7 +373,17 @@ class NixlPullHandle(TransferHandleBase):
 
     def _progress(self) -> bool:
         for part in self.parts:
+            if part.state == "LAND":
+                if part.landed is None or part.landed():
+                    part.state = "DONE"
+                    self._release(part)
+                continue
             if part.state != "PROC":
+                continue
+            if part.local:
+                if part.landed is None or part.landed():
+                    part.state = "DONE"
+                    self._release(part)
                 continue
             try:
                 state = self.agent.check_xfer_state(part.xfer)
@@ -383,19 +399,41 @@ class NixlPullHandle(TransferHandleBase):
                         part.on_done()
                     except Exception as exc:
                         self._fail(part, f"scatter of {part.context} failed: {exc!r}")
+                if part.state == "DONE" and part.landed is not None and not part.landed():
+                    part.state = "LAND"
+                    self._release_xfer(part)
+                    continue
             else:
                 self._fail(part, f"NIXL reported {state} for {part.context}")
             self._release(part)
-        return all(p.state != "PROC" for p in self.parts)
+        return all(p.state not in ("PROC", "LAND") for p in self.parts)
 
-    def _release(self, part: _PullPart) -> None:
+    def _release_xfer(self, part: _PullPart) -> None:
         try:
-            if part.xfer is not None:
+            if part.xfer is not None and not part.local:
                 self.agent.release_xfer_handle(part.xfer)
         except Exception as exc:
             logger.debug("release_xfer_handle: %r", exc)
         part.xfer = None
-        part.finish()
+
+    def _release(self, part: _PullPart) -> None:
+        self._release_xfer(part)
+        if part.state != "LAND":
+            part.finish()
+
+
+def _peer_key(metas: Sequence[PeerMeta]) -> tuple[tuple[str, int, int], ...]:
+    """What identifies a set of peers' buffers: names, incarnations and global ranks."""
+    return tuple(
+        (str(m["agent_name"]), int(m["incarnation"]), int(m["layout"].get("global_rank", -1)))
+        for m in metas
+    )
+
+
+def _rank_ids(ids: BlockIds, rank: int) -> npt.NDArray[np.int64]:
+    """The block ids of source ``rank`` (one shared list or a per-rank mapping)."""
+    chosen = ids[rank] if isinstance(ids, Mapping) else ids
+    return np.asarray(chosen, dtype=np.int64).reshape(-1)
 
 
 def _np_u64(rows: Sequence[Sequence[int]]) -> npt.NDArray[np.uint64]:
@@ -498,6 +536,12 @@ class NixlTransferBackend(TransferBackendBase):
             self.close()
             raise
         self.arena = StagingArena(int(staging_bytes))
+        # Device plans per peer set, block ids through pinned memory, peers' buffers mapped
+        # through CUDA IPC when they share this host (see device_plan.py and ipc.py).
+        self._plans = dp.PlanCache()
+        self._ids = dp.IdUploader(memory_buffer.device)
+        self._ipc = ipc.IpcMapper()
+        self.ipc_meta = ipc.export(memory_buffer)
         self._init_kwargs: dict[str, Any] = {
             "axes": axes,
             "mode": mode,
@@ -537,6 +581,7 @@ class NixlTransferBackend(TransferBackendBase):
             except Exception as exc:
                 logger.warning("deregister_memory failed: %r", exc)
         self._regs.clear()
+        self._ipc.close()
         self._ctx.release()
 
     # -- metadata ------------------------------------------------------------------------
@@ -550,6 +595,7 @@ class NixlTransferBackend(TransferBackendBase):
         blob = base64.b64encode(self.agent.get_agent_metadata()).decode("ascii")
         meta["agent_metadata"] = blob
         meta["agent_metadata_b64"] = blob  # the reference design's name
+        meta["ipc"] = self.ipc_meta
         meta["staging"] = (
             None
             if self.staging_buffer is None
@@ -624,18 +670,53 @@ class NixlTransferBackend(TransferBackendBase):
         }
         if self.mode == "direct":
             return ticket
+        # A decode on this host reads this rank's blocks through CUDA IPC: nothing to pack.
+        if self.memory_buffer.is_cuda and ipc.same_host(self.ipc_meta, dst.get("ipc")):
+            return ticket
         # Without destination blocks only the gather side compiles (mode "staged"); in
         # "auto" the decode may still read this rank directly and ignore the packed copy.
-        program = self.compiler(srcs, dst, src_block_ids, None, num_tokens, "staged")
-        if me not in program.src_ranks:
+        # The compiled gather side is cached as a device plan per (sources, decode) pair.
+        key = ("stage", _peer_key(srcs), _peer_key([dst]), num_tokens is None)
+        program: Any = None
+
+        def build() -> tuple[list[int], dp.DevicePlan | None]:
+            nonlocal program
+            program = self.compiler(srcs, dst, src_block_ids, None, num_tokens, "staged")
+            plan = None
+            if me in program.src_ranks:
+                addr = int(self.buffer_info["addr"])
+                plan = dp.DevicePlan.from_program(program, me, src_addr=addr, dst_addr=0)
+            return list(program.src_ranks), plan
+
+        ranks, plan = self._cached(key, build)
+        if me not in ranks:
             return ticket
         if self.staging_buffer is None:
             raise CapacityError("staged pull needs staging_bytes > 0", field="staging_bytes")
-        nbytes = int(program.packed_bytes(me))
+        ids = _rank_ids(src_block_ids, me)
+        if plan is not None and num_tokens is not None and ids.size == plan.num_blocks(num_tokens):
+            nbytes = plan.packed_bytes(num_tokens)
+        else:
+            plan = None
+            if program is None:
+                program = self.compiler(srcs, dst, src_block_ids, None, num_tokens, "staged")
+            nbytes = int(program.packed_bytes(me))
         offset = self.arena.alloc(nbytes)
         try:
             region = self.staging_buffer[offset : offset + nbytes]
-            staging.pack(self.memory_buffer, self.buffer_info["addr"], program.gather(me), region)
+            if plan is not None and num_tokens is not None:
+                (dev_ids,) = self._ids.upload(ids)
+                dp.copy(
+                    plan,
+                    dp.Side("src", self.memory_buffer, dev_ids),
+                    dp.Side("packed", region),
+                    num_tokens,
+                )
+            else:
+                staging.pack(
+                    self.memory_buffer, self.buffer_info["addr"], program.gather(me), region
+                )
+            # The decode reads the region as soon as it has the ticket: the pack must be done.
             if region.is_cuda:
                 torch.cuda.current_stream(region.device).synchronize()
         except Exception:
@@ -643,6 +724,10 @@ class NixlTransferBackend(TransferBackendBase):
             raise
         ticket.update(staged=True, offset=offset, nbytes=nbytes)
         return ticket
+
+    def _cached(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()`` once per ``key`` (device plans and the plan's source ranks)."""
+        return self._plans.get(key, build)
 
     def release_staged(self, ticket: Mapping[str, Any]) -> None:
         """Free the staging region of a ticket (after RELEASE_KV); idempotent."""
@@ -678,9 +763,17 @@ class NixlTransferBackend(TransferBackendBase):
         )
         by_rank = {int(m["layout"]["global_rank"]): m for m in metas}
         tickets = self._check_tickets(staged or (), by_rank)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        direct = self._pull_by_ipc(metas, by_rank, src_block_ids, dst_block_ids, num_tokens)
+        if direct is not None:
+            ipc_part, nbytes = direct
+            handle = NixlPullHandle(self.agent, [ipc_part], timeout, self.clock, None)
+            handle.stats = {"bytes": nbytes, "descriptors": 0, "modes": {-1: "ipc"}}
+            return handle
         program = self.compiler(
             metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, self.mode
         )
+        plans = self._pull_plans(metas, by_rank, program)
         plan: list[tuple[int, str]] = []
         for rank in program.src_ranks:
             if rank not in by_rank:
@@ -709,7 +802,15 @@ class NixlTransferBackend(TransferBackendBase):
         for rank, kind in plan:
             try:
                 part = (
-                    self._post_staged(program, rank, by_rank[rank], tickets[rank], peers[rank])
+                    self._post_staged(
+                        program,
+                        rank,
+                        by_rank[rank],
+                        tickets[rank],
+                        peers[rank],
+                        (plans or {}).get(rank),
+                        (src_block_ids, dst_block_ids, num_tokens),
+                    )
                     if kind == "staged"
                     else self._post_direct(program, rank, by_rank[rank], peers[rank])
                 )
@@ -719,13 +820,7 @@ class NixlTransferBackend(TransferBackendBase):
                 break
             if part is not None:
                 parts.append(part)
-        handle = NixlPullHandle(
-            self.agent,
-            parts,
-            self.timeout_s if timeout_s is None else timeout_s,
-            self.clock,
-            error,
-        )
+        handle = NixlPullHandle(self.agent, parts, timeout, self.clock, error)
         # What was actually posted (a source without a staged ticket is read directly).
         handle.stats = {
             "bytes": int(program.stats.get("bytes", 0)),
@@ -733,6 +828,85 @@ class NixlTransferBackend(TransferBackendBase):
             "modes": {p.src_rank: p.context.split(":", 1)[0] for p in parts},
         }
         return handle
+
+    def _pull_plans(
+        self, metas: Sequence[PeerMeta], by_rank: Mapping[int, PeerMeta], program: Any
+    ) -> dict[int, dp.DevicePlan] | None:
+        """Device plans of every source rank of this peer set (cached), or ``None`` when a
+        rank has none (SSM state, HND caches, block-size changes)."""
+
+        def build() -> dict[int, dp.DevicePlan] | None:
+            plans = {}
+            for rank in program.src_ranks:
+                plan = dp.DevicePlan.from_program(
+                    program,
+                    rank,
+                    src_addr=int(by_rank[rank]["buffer"]["addr"]),
+                    dst_addr=int(self.buffer_info["addr"]),
+                )
+                if plan is None:
+                    return None
+                plans[rank] = plan
+            return plans
+
+        plans: dict[int, dp.DevicePlan] | None = self._cached(("pull", _peer_key(metas)), build)
+        return plans
+
+    def _pull_by_ipc(
+        self,
+        metas: Sequence[PeerMeta],
+        by_rank: Mapping[int, PeerMeta],
+        src_block_ids: BlockIds,
+        dst_block_ids: BlockIds,
+        num_tokens: int | None,
+    ) -> tuple[_PullPart, int] | None:
+        """Copy every source rank's blocks straight from its CUDA IPC mapping (same host),
+        one kernel per source rank, no staging; ``None`` when any rank cannot be mapped or
+        has no device plan (the caller then takes the NIXL path)."""
+        if not self.memory_buffer.is_cuda or num_tokens is None or self.ipc_meta is None:
+            return None
+        mapped = {}
+        for rank, meta in by_rank.items():
+            view = self._ipc.open(meta, self.ipc_meta, self.memory_buffer.device)
+            if view is None:
+                return None
+            mapped[rank] = view
+        key = ("pull", _peer_key(metas))
+        plans: dict[int, dp.DevicePlan] | None = self._plans.peek(key)
+        if plans is None and key not in self._plans:
+            # First handoff of this peer set: compile once (raises the compiler's errors).
+            program = self.compiler(
+                metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, "staged"
+            )
+            plans = self._pull_plans(metas, by_rank, program)
+        if plans is None:
+            return None
+        dst_ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+        src_ids = {rank: _rank_ids(src_block_ids, rank) for rank in plans}
+        for rank, plan in plans.items():
+            n_blk = plan.num_blocks(num_tokens)
+            if src_ids[rank].size != n_blk or dst_ids.size != n_blk:
+                return None  # the compiler path names the mismatch
+            # Every byte the kernel may touch lies inside both buffers.
+            src_end = plan.paged_end("src", int(by_rank[rank]["num_blocks"]))
+            dst_end = plan.paged_end("dst", self.expected_num_blocks)
+            if src_end > mapped[rank].numel() or dst_end > self.buffer_info["nbytes"]:
+                return None
+        ranks = sorted(plans)
+        dev = self._ids.upload(dst_ids, *(src_ids[r] for r in ranks))
+        nbytes = 0
+        with torch.cuda.device(self.memory_buffer.device):
+            for rank, sid in zip(ranks, dev[1:], strict=True):
+                nbytes += dp.copy(
+                    plans[rank],
+                    dp.Side("src", mapped[rank], sid),
+                    dp.Side("dst", self.memory_buffer, dev[0]),
+                    num_tokens,
+                )
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record()
+        label = "ipc:" + ",".join(str(by_rank[r]["agent_name"]) for r in ranks)
+        return _PullPart(-1, None, context=label, landed=done.query, local=True), nbytes
 
     def _check_tickets(
         self, tickets: Sequence[Mapping[str, Any]], by_rank: Mapping[int, PeerMeta]
@@ -803,7 +977,14 @@ class NixlTransferBackend(TransferBackendBase):
         return part
 
     def _post_staged(
-        self, program: Any, rank: int, meta: PeerMeta, ticket: Mapping[str, Any], peer: str
+        self,
+        program: Any,
+        rank: int,
+        meta: PeerMeta,
+        ticket: Mapping[str, Any],
+        peer: str,
+        plan: dp.DevicePlan | None = None,
+        handoff: tuple[BlockIds, BlockIds, int | None] | None = None,
     ) -> _PullPart | None:
         nbytes = int(ticket["nbytes"])
         if nbytes == 0:
@@ -811,7 +992,15 @@ class NixlTransferBackend(TransferBackendBase):
         assert self.staging_buffer is not None  # checked before posting
         offset = self.arena.alloc(nbytes)
         region = self.staging_buffer[offset : offset + nbytes]
-        scatter_list = program.scatter(rank)
+        on_gpu = plan is not None and handoff is not None and region.is_cuda
+        if on_gpu:
+            assert plan is not None and handoff is not None
+            n_tok = handoff[2]
+            dst_ids = np.asarray(handoff[1], dtype=np.int64).reshape(-1)
+            if n_tok is None or dst_ids.size != plan.num_blocks(n_tok):
+                on_gpu = False
+        scatter_list = None if on_gpu else program.scatter(rank)
+        landed: list[Any] = []
         remote = _np_u64(
             [
                 [
@@ -825,6 +1014,17 @@ class NixlTransferBackend(TransferBackendBase):
         label = f"staged:{meta['agent_name']}:{rank}"
 
         def land() -> None:
+            if on_gpu:
+                # One kernel from the cached plan; the part settles when its event has.
+                assert plan is not None and handoff is not None and handoff[2] is not None
+                (ids,) = self._ids.upload(np.asarray(handoff[1], dtype=np.int64))
+                dp.copy(plan, dp.Side("packed", region), dp.Side("dst", self.memory_buffer, ids),
+                        handoff[2])  # fmt: skip
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                done.record()
+                landed.append(done)
+                return
+            assert scatter_list is not None
             staging.scatter(region, self.memory_buffer, self.buffer_info["addr"], scatter_list)
             if region.is_cuda:
                 torch.cuda.current_stream(region.device).synchronize()
@@ -835,7 +1035,12 @@ class NixlTransferBackend(TransferBackendBase):
             self.arena.free(offset)
             raise
         part = _PullPart(
-            rank, xfer, on_done=land, cleanup=lambda: self.arena.free(offset), context=label
+            rank,
+            xfer,
+            on_done=land,
+            cleanup=lambda: self.arena.free(offset),
+            context=label,
+            landed=lambda: all(bool(ev.query()) for ev in landed),
         )
         part.descriptors = 1
         return part

@@ -753,6 +753,84 @@ impl SourceProgram {
     }
 }
 
+/// One source rank's KV transfer as a block-id-free table a device kernel walks itself.
+///
+/// Token `t < n_tok` of plane row `p` (one per transfer, kv and layer, in packed order) is
+/// `row_bytes` contiguous bytes on every side:
+/// - source: `src_plane + src_ids[t / tpb] * src_block_stride + (t % tpb) * src_token_stride`;
+/// - destination: `dst_plane + dst_ids[t / tpb] * dst_block_stride + (t % tpb) *
+///   dst_token_stride` (zero when the program has no destination);
+/// - packed: `packed_coef * n_tok + t * row_bytes` (the canonical packed order).
+///
+/// It depends on the two geometries and the reshard plan only: a transport caches it per
+/// (source, destination) pair and hands a kernel only the block ids of each handoff. Plane
+/// addresses are absolute, as in the geometries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvDevicePlan {
+    /// Rows `[src_plane, dst_plane, packed_coef, row_bytes]`.
+    pub planes: Vec<[u64; 4]>,
+    /// Tokens per block, the same on both sides.
+    pub tokens_per_block: u64,
+    /// Source byte stride between blocks.
+    pub src_block_stride: u64,
+    /// Source byte stride between tokens of a block.
+    pub src_token_stride: u64,
+    /// Destination byte stride between blocks (0 without destination).
+    pub dst_block_stride: u64,
+    /// Destination byte stride between tokens of a block (0 without destination).
+    pub dst_token_stride: u64,
+}
+
+impl KvWork {
+    /// The plan, or `None` when the transfer does not have its shape: a first moved token that
+    /// is not 0, different `tokens_per_block` on the two sides, or the heads of one token not
+    /// contiguous on a side (HND caches).
+    fn device_plan(&self) -> Option<KvDevicePlan> {
+        if self.token_start != 0 {
+            return None;
+        }
+        let s = self.src.spec();
+        let row = self.src.row_bytes();
+        let (d_bs, d_ts, d_hs) = match &self.dst {
+            Some(d) => {
+                let ds = d.spec();
+                if ds.tokens_per_block != s.tokens_per_block {
+                    return None;
+                }
+                (ds.block_stride, ds.token_stride, Some(ds.head_stride))
+            }
+            None => (0, 0, None),
+        };
+        let mut planes = Vec::new();
+        let mut coef = 0u64;
+        for set in &self.sets {
+            let nh = set.num_heads;
+            if nh > 1 && (s.head_stride != row || d_hs.is_some_and(|h| h != row)) {
+                return None;
+            }
+            let tok_bytes = nh * row;
+            for kv in 0..s.num_kv {
+                for l in 0..set.num_layers {
+                    let sp = self.src.plane_base(kv, set.src_l0 + l) + set.src_h0 * s.head_stride;
+                    let dp = self.dst.as_ref().map_or(0, |d| {
+                        d.plane_base(kv, set.dst_l0 + l) + set.dst_h0 * d.spec().head_stride
+                    });
+                    planes.push([sp, dp, coef, tok_bytes]);
+                    coef += tok_bytes;
+                }
+            }
+        }
+        Some(KvDevicePlan {
+            planes,
+            tokens_per_block: u64::from(s.tokens_per_block),
+            src_block_stride: s.block_stride,
+            src_token_stride: s.token_stride,
+            dst_block_stride: d_bs,
+            dst_token_stride: d_ts,
+        })
+    }
+}
+
 /// Per-source figures of a program.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SourceStats {
@@ -964,6 +1042,15 @@ impl TransferProgram {
         let mut c = Collect::<_, false> { out: SliceRows::new(out) };
         s.walk(Purpose::Scatter, &mut c);
         finish_into(c.out.len(), c.out.len(), cap, || self.row_count(src_rank, ListKind::Scatter))
+    }
+
+    /// The block-id-free device plan of `src_rank` ([`KvDevicePlan`]), or `None` for SSM
+    /// state and for KV transfers that do not have its shape.
+    pub fn device_plan(&self, src_rank: u32) -> DisaggResult<Option<KvDevicePlan>> {
+        Ok(match &self.source(src_rank)?.work {
+            Work::Kv(kv) => kv.device_plan(),
+            Work::Boxes(_) => None,
+        })
     }
 
     /// Figures per source, in source order (walks the lists; not free).

@@ -15,9 +15,9 @@ pub mod pool;
 pub mod reshard;
 
 pub use compile::{
-    compile_kv_transfer, compile_ssm_transfer, CostModel, KvTransferRequest, ListKind, ModeChoice,
-    RowBuf, SliceRows, SourceProgram, SourceStats, SrcBlockIds, SrcSlots, SsmTransferRequest,
-    TransferMode, TransferProgram,
+    compile_kv_transfer, compile_ssm_transfer, CostModel, KvDevicePlan, KvTransferRequest,
+    ListKind, ModeChoice, RowBuf, SliceRows, SourceProgram, SourceStats, SrcBlockIds, SrcSlots,
+    SsmTransferRequest, TransferMode, TransferProgram,
 };
 pub use error::{DisaggError, DisaggResult};
 pub use geometry::{KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart};

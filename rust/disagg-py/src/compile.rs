@@ -251,6 +251,31 @@ impl PyTransferProgram {
         let rows = py.detach(|| self.inner.scatter_runs(src_rank)).py()?;
         runs_to_numpy(py, rows)
     }
+    /// The block-id-free table a device kernel walks (see `disagg_rs.transfer_backends.
+    /// device_plan`): a dict with `planes` (`[p, 4]` `uint64` rows `(src_plane, dst_plane,
+    /// packed_coef, row_bytes)`) and the scalars `tokens_per_block`, `src_block_stride`,
+    /// `src_token_stride`, `dst_block_stride`, `dst_token_stride`; `None` for SSM state and
+    /// for KV transfers of another shape (HND caches, block-size changes, `token_start > 0`).
+    fn device_plan<'py>(
+        &self,
+        py: Python<'py>,
+        src_rank: u32,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(plan) = self.inner.device_plan(src_rank).py()? else {
+            return Ok(None);
+        };
+        let n = plan.planes.len();
+        let planes = Array2::from_shape_vec((n, 4), plan.planes.into_flattened())
+            .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
+        let d = PyDict::new(py);
+        d.set_item("planes", planes.into_pyarray(py))?;
+        d.set_item("tokens_per_block", plan.tokens_per_block)?;
+        d.set_item("src_block_stride", plan.src_block_stride)?;
+        d.set_item("src_token_stride", plan.src_token_stride)?;
+        d.set_item("dst_block_stride", plan.dst_block_stride)?;
+        d.set_item("dst_token_stride", plan.dst_token_stride)?;
+        Ok(Some(d))
+    }
     /// Figures: totals plus `sources[src_rank]` = mode, descriptors, fragments, bytes.
     #[getter]
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -1,0 +1,498 @@
+"""Device-resident transfer plans: the GPU looks the blocks up, the host uploads only ids.
+
+The descriptor compiler describes a KV transfer of one (source rank, destination rank) pair
+as a block-id-free table (``TransferProgram.device_plan``): one row per plane (transfer, kv,
+layer) with the plane's address on each side, its packed offset per token and its row size;
+plus both sides' block and token strides. :class:`DevicePlan` keeps that table on the device
+(once per device and unit size) and :func:`copy` launches ONE kernel that reads each item's
+block id from a device array. So per handoff the host validates the ids, writes them into a
+pinned buffer, queues one small host-to-device copy and one launch: no fragment list, no run
+table, no synchronisation.
+
+A plan depends only on the two geometries and the reshard plan, so transports cache it per
+peer pair (:class:`PlanCache`, keyed by the peers' names and incarnations). The same plan
+serves all three copies a transport needs:
+
+- pack: source cache -> packed region (``a="src"``, ``b="packed"``);
+- scatter: packed region -> destination cache (``a="packed"``, ``b="dst"``);
+- direct: source cache -> destination cache, e.g. through a CUDA IPC mapping of the peer's
+  cache (``a="src"``, ``b="dst"``), no staging at all.
+
+Work is split into *items*: item ``k`` is plane row ``k // n_blk`` and block index
+``k % n_blk``. Items are in packed order, so a range of items is a contiguous range of the
+packed region (:meth:`DevicePlan.chunks`): a pipelined or bounded transfer runs the same
+kernel over item ranges. Ranges are half-open ``[lo, hi)``.
+
+Host tensors run the same kernel under Triton's interpreter (``TRITON_INTERPRET=1``), which
+is how the CPU tests check it; without it :func:`copy` falls back to torch index ops built
+from the same plan (vectorised, no Python loop over blocks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from disagg_rs.transfer_backends import staging
+
+__all__ = ["DevicePlan", "IdUploader", "PlanCache", "Side", "copy", "copy_torch"]
+
+SideKind = Literal["src", "dst", "packed"]
+_I64 = npt.NDArray[np.int64]
+
+# Element type and lanes per unit (bytes), as in kernels.py: 16-byte units are 4 x int32.
+_UNIT_LANES: dict[int, tuple[torch.dtype, int]] = {
+    16: (torch.int32, 4),
+    8: (torch.int32, 2),
+    4: (torch.int32, 1),
+    2: (torch.int16, 1),
+    1: (torch.uint8, 1),
+}
+#: Lanes per inner step of one program (each lane one unit).
+BLOCK = 1024
+
+
+@dataclass
+class DevicePlan:
+    """One source rank's transfer as plane rows; see the module docstring.
+
+    ``planes`` is ``[p, 4]`` int64 bytes ``(src_off, dst_off, packed_coef, row_bytes)`` with
+    the plane offsets relative to the two buffers' bases (so a peer's buffer mapped at another
+    address works unchanged).
+    """
+
+    planes: _I64
+    tokens_per_block: int
+    src_block_stride: int
+    src_token_stride: int
+    dst_block_stride: int
+    dst_token_stride: int
+    _dev: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_program(
+        cls, program: Any, src_rank: int, *, src_addr: int, dst_addr: int
+    ) -> DevicePlan | None:
+        """The plan of ``src_rank`` in ``program``, or ``None`` when it has none.
+
+        ``src_addr`` / ``dst_addr`` are the buffer bases the geometries' plane addresses
+        are relative to (the two ranks' ``buffer.addr``; ``dst_addr`` is ignored for a
+        program compiled without destination).
+        """
+        raw = program.device_plan(src_rank) if hasattr(program, "device_plan") else None
+        if raw is None:
+            return None
+        planes = np.asarray(raw["planes"]).astype(np.int64)
+        planes[:, 0] -= int(src_addr)
+        if int(raw["dst_block_stride"]):
+            planes[:, 1] -= int(dst_addr)
+        return cls(
+            planes=planes,
+            tokens_per_block=int(raw["tokens_per_block"]),
+            src_block_stride=int(raw["src_block_stride"]),
+            src_token_stride=int(raw["src_token_stride"]),
+            dst_block_stride=int(raw["dst_block_stride"]),
+            dst_token_stride=int(raw["dst_token_stride"]),
+        )
+
+    # -- sizes ---------------------------------------------------------------------------
+
+    @property
+    def num_planes(self) -> int:
+        """Plane rows."""
+        return int(self.planes.shape[0])
+
+    def num_blocks(self, n_tok: int) -> int:
+        """Block indices ``n_tok`` tokens span."""
+        return -(-int(n_tok) // self.tokens_per_block)
+
+    def num_items(self, n_tok: int) -> int:
+        """Items (plane row x block index) of a handoff of ``n_tok`` tokens."""
+        return self.num_planes * self.num_blocks(n_tok)
+
+    def packed_bytes(self, n_tok: int) -> int:
+        """Size of the packed region of ``n_tok`` tokens."""
+        per = self._cache.get("tok_bytes")
+        if per is None:
+            per = self._cache["tok_bytes"] = int(self.planes[:, 3].sum())
+        return int(per) * int(n_tok)
+
+    def item_offsets(self, items: _I64, n_tok: int) -> _I64:
+        """Packed byte offset where each item of ``items`` starts (``num_items`` -> the end)."""
+        n_blk = self.num_blocks(n_tok)
+        k = np.asarray(items, dtype=np.int64)
+        p = np.minimum(k // n_blk, self.num_planes - 1)
+        i = k - p * n_blk
+        start = (
+            self.planes[p, 2] * n_tok
+            + np.minimum(i * self.tokens_per_block, n_tok) * (self.planes[p, 3])
+        )
+        return np.where(k >= self.num_items(n_tok), self.packed_bytes(n_tok), start)
+
+    def item_offset(self, k: int, n_tok: int) -> int:
+        """:meth:`item_offsets` of one item, in plain integers (the per-launch path)."""
+        n_blk = self.num_blocks(n_tok)
+        if k >= self.num_planes * n_blk:
+            return self.packed_bytes(n_tok)
+        p, i = divmod(int(k), n_blk)
+        coef, row = self._rows[p]
+        return coef * n_tok + min(i * self.tokens_per_block, n_tok) * row
+
+    @property
+    def _rows(self) -> list[tuple[int, int]]:
+        rows = self._cache.get("rows")
+        if rows is None:
+            rows = [(int(c), int(r)) for c, r in self.planes[:, 2:4].tolist()]
+            self._cache["rows"] = rows
+        return rows
+
+    def chunks(self, n_tok: int, max_bytes: int) -> list[tuple[int, int, int, int]]:
+        """Item ranges of at most ``max_bytes`` packed bytes (one item at least):
+        ``(k_lo, k_hi, byte_lo, byte_hi)`` in packed order, covering every item once."""
+        total = self.num_items(n_tok)
+        item_max = int(self.planes[:, 3].max()) * self.tokens_per_block
+        per = max(int(max_bytes) // max(item_max, 1), 1)
+        bounds = np.append(np.arange(0, total, per, dtype=np.int64), total)
+        offs = self.item_offsets(bounds, n_tok)
+        return [
+            (int(a), int(b), int(x), int(y))
+            for a, b, x, y in zip(bounds[:-1], bounds[1:], offs[:-1], offs[1:], strict=True)
+        ]
+
+    # -- device tables -------------------------------------------------------------------
+
+    def paged_end(self, kind: Literal["src", "dst"], num_blocks: int) -> int:
+        """One past the last byte a paged side can touch with block ids < ``num_blocks``."""
+        key = ("end", kind, int(num_blocks))
+        if key in self._cache:
+            return int(self._cache[key])
+        col, bs, ts = (0, self.src_block_stride, self.src_token_stride) if kind == "src" else (
+            1, self.dst_block_stride, self.dst_token_stride)  # fmt: skip
+        ends = self.planes[:, col] + (num_blocks - 1) * bs + (self.tokens_per_block - 1) * ts
+        end = self._cache[key] = int((ends + self.planes[:, 3]).max())
+        return end
+
+    def unit(self, *addresses: int) -> int:
+        """Largest power of two <= 16 dividing every offset, stride, row and address."""
+        base = self._cache.get("bits")
+        if base is None:
+            base = self._cache["bits"] = 16 | int(
+                np.bitwise_or.reduce(self.planes[:, [0, 1, 3]].reshape(-1))
+            )
+        bits = int(base)
+        for v in (
+            self.src_block_stride,
+            self.src_token_stride,
+            self.dst_block_stride,
+            self.dst_token_stride,
+            *addresses,
+        ):
+            bits |= int(v)
+        return bits & -bits
+
+    def table(self, device: torch.device, unit: int) -> torch.Tensor:
+        """The plane table in ``unit``-byte units on ``device`` (copied once, then cached).
+
+        Column 2 (packed coefficient) stays a multiple of the row, so it divides too.
+        """
+        key = (str(device), unit)
+        dev = self._dev.get(key)
+        if dev is None:
+            dev = torch.from_numpy(np.ascontiguousarray(self.planes // unit)).to(device)
+            self._dev[key] = dev
+        return dev
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a copy: a buffer (whole cache or packed window) and how it is addressed.
+
+    ``kind`` "src" / "dst": a paged cache addressed through ``ids`` (device int tensor of
+    block ids, one per block index). "packed": the packed region, of which ``buffer`` holds
+    bytes ``[bias, bias + buffer bytes)``.
+    """
+
+    kind: SideKind
+    buffer: torch.Tensor
+    ids: torch.Tensor | None = None
+    bias: int = 0
+
+
+def _strides(plan: DevicePlan, side: Side) -> tuple[int, int, int]:
+    """(plane column, block stride, token stride) in bytes."""
+    if side.kind == "src":
+        return 0, plan.src_block_stride, plan.src_token_stride
+    if side.kind == "dst":
+        return 1, plan.dst_block_stride, plan.dst_token_stride
+    return 2, 0, 0
+
+
+_ELEMENT_BYTES = {torch.int32: 4, torch.int16: 2, torch.uint8: 1}
+
+
+def _lanes(tensor: torch.Tensor, unit: int) -> torch.Tensor:
+    dtype, _ = _UNIT_LANES[unit]
+    flat = staging.byte_view(tensor)
+    size = _ELEMENT_BYTES[dtype]
+    return flat[: (flat.numel() // size) * size].view(dtype)
+
+
+_interpreted: Any = None
+
+
+def _kernel() -> Any:
+    """The jitted kernel, or its interpreted twin under ``TRITON_INTERPRET=1`` (CPU tests)."""
+    global _interpreted
+    from triton import knobs
+
+    from disagg_rs.transfer_backends._triton_blocks import copy_blocks_kernel
+
+    if not knobs.runtime.interpret or not hasattr(copy_blocks_kernel, "fn"):
+        return copy_blocks_kernel
+    if _interpreted is None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        _interpreted = InterpretedFunction(copy_blocks_kernel.fn)
+    return _interpreted
+
+
+def _check_side(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) -> None:
+    """Bounds of one side, checked on the host before the launch (ValueError)."""
+    nbytes = staging.byte_view(side.buffer).numel()
+    if side.kind == "packed":
+        lo, hi = plan.item_offset(k_lo, n_tok), plan.item_offset(k_hi, n_tok)
+        if lo < side.bias or hi - side.bias > nbytes:
+            raise ValueError(
+                f"packed side: items [{k_lo}, {k_hi}) cover packed bytes [{lo}, {hi}) but the "
+                f"window holds [{side.bias}, {side.bias + nbytes})"
+            )
+        return
+    if side.ids is None:
+        raise ValueError(f"{side.kind} side needs block ids")
+    if side.ids.numel() < plan.num_blocks(n_tok):
+        raise ValueError(
+            f"{side.kind} side: {side.ids.numel()} block ids for {plan.num_blocks(n_tok)} blocks"
+        )
+
+
+def copy(
+    plan: DevicePlan,
+    a: Side,
+    b: Side,
+    n_tok: int,
+    *,
+    items: tuple[int, int] | None = None,
+    path: Literal["auto", "triton", "torch"] = "auto",
+) -> int:
+    """Copy items ``items`` (default: all) of a handoff of ``n_tok`` tokens from ``a`` to
+    ``b``; return the bytes copied. Queued on the current stream (one launch)."""
+    total = plan.num_items(n_tok)
+    k_lo, k_hi = items if items is not None else (0, total)
+    if not 0 <= k_lo <= k_hi <= total:
+        raise ValueError(f"items [{k_lo}, {k_hi}) are not inside [0, {total})")
+    for side in (a, b):
+        _check_side(plan, side, n_tok, k_lo, k_hi)
+    lo, hi = plan.item_offset(k_lo, n_tok), plan.item_offset(k_hi, n_tok)
+    if k_hi == k_lo:
+        return 0
+    use = path
+    if use == "auto":
+        import os
+
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        use = "triton" if (a.buffer.is_cuda or interp) and _triton() else "torch"
+    if use == "torch":
+        copy_torch(plan, a, b, n_tok, k_lo, k_hi)
+        return int(hi - lo)
+    unit = plan.unit(a.buffer.data_ptr(), b.buffer.data_ptr(), a.bias, b.bias)
+    # The kernel runs where the local cache is: the destination of a pull (its source may be
+    # a peer's buffer mapped from another GPU), else the source of a pack.
+    device = (b if b.kind == "dst" else a).buffer.device
+    table = plan.table(device, unit)
+    _, vec = _UNIT_LANES[unit]
+    dummy = table
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        _launch(table, a, b, n_tok, k_lo, k_hi, plan, unit, vec, dummy)
+    return int(hi - lo)
+
+
+def _launch(
+    table: torch.Tensor,
+    a: Side,
+    b: Side,
+    n_tok: int,
+    k_lo: int,
+    k_hi: int,
+    plan: DevicePlan,
+    unit: int,
+    vec: int,
+    dummy: torch.Tensor,
+) -> None:
+    a_col, a_bs, a_ts = _strides(plan, a)
+    b_col, b_bs, b_ts = _strides(plan, b)
+    _kernel()[(k_hi - k_lo,)](
+        _lanes(a.buffer, unit),
+        _lanes(b.buffer, unit),
+        table,
+        a.ids if a.ids is not None else dummy,
+        b.ids if b.ids is not None else dummy,
+        plan.num_blocks(n_tok),
+        int(n_tok),
+        plan.tokens_per_block,
+        k_lo,
+        a_col,
+        a_bs // unit,
+        a_ts // unit,
+        a.bias // unit,
+        b_col,
+        b_bs // unit,
+        b_ts // unit,
+        b.bias // unit,
+        A_PACKED=a.kind == "packed",
+        B_PACKED=b.kind == "packed",
+        VEC=vec,
+        BLOCK=BLOCK,
+    )
+
+
+def _triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _side_rows(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) -> _I64:
+    """Byte offset of every (item, token) row of items ``[k_lo, k_hi)``, numpy, vectorised."""
+    n_blk = plan.num_blocks(n_tok)
+    tpb = plan.tokens_per_block
+    k = np.arange(k_lo, k_hi, dtype=np.int64)
+    p, i = k // n_blk, k % n_blk
+    ntok = np.minimum(tpb, n_tok - i * tpb)
+    item = np.repeat(np.arange(k.size), ntok)
+    t = np.arange(int(ntok.sum()), dtype=np.int64) - np.repeat(np.cumsum(ntok) - ntok, ntok)
+    pp, ii = p[item], i[item]
+    row = plan.planes[pp, 3]
+    if side.kind == "packed":
+        out: _I64 = plan.planes[pp, 2] * n_tok + (ii * tpb + t) * row - side.bias
+        return out
+    col, bs, ts = _strides(plan, side)
+    assert side.ids is not None
+    ids = side.ids.cpu().numpy().astype(np.int64)
+    out = plan.planes[pp, col] + ids[ii] * bs + t * ts
+    return out
+
+
+def copy_torch(plan: DevicePlan, a: Side, b: Side, n_tok: int, k_lo: int, k_hi: int) -> None:
+    """The torch twin of the kernel (host tensors without the interpreter): row offsets by
+    numpy, one ``staging`` gather/scatter pass through a dense temporary."""
+    src_rows = _side_rows(plan, a, n_tok, k_lo, k_hi)
+    dst_rows = _side_rows(plan, b, n_tok, k_lo, k_hi)
+    n_blk = plan.num_blocks(n_tok)
+    k = np.arange(k_lo, k_hi, dtype=np.int64)
+    p, i = k // n_blk, k % n_blk
+    ntok = np.minimum(plan.tokens_per_block, n_tok - i * plan.tokens_per_block)
+    lens = np.repeat(plan.planes[p, 3], ntok)
+    packed = np.cumsum(lens) - lens
+    total = int(lens.sum())
+    tmp = torch.empty(total, dtype=torch.uint8, device=a.buffer.device)
+    gather = np.stack([src_rows, lens, packed], axis=1).astype(np.uint64)
+    staging.pack_torch(a.buffer, 0, gather, tmp)
+    scatter = np.stack([packed, dst_rows, lens], axis=1).astype(np.uint64)
+    staging.scatter_torch(tmp, b.buffer, 0, scatter)
+
+
+class IdUploader:
+    """Block ids to the device through a ring of pinned buffers (one async copy per handoff).
+
+    A slot is reused only once the copy that last used it has finished (its event says so);
+    a busy ring grows instead of waiting, so the host never blocks on the GPU.
+    """
+
+    def __init__(self, device: torch.device, capacity: int = 4096) -> None:
+        self.device = device
+        self.capacity = int(capacity)
+        self._slots: list[tuple[torch.Tensor, Any]] = []
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def upload(self, *arrays: npt.ArrayLike) -> list[torch.Tensor]:
+        """Copy the int arrays to the device in one transfer; return device views of each."""
+        parts = [np.asarray(x, dtype=np.int64).reshape(-1) for x in arrays]
+        n = sum(p.size for p in parts)
+        if self.device.type != "cuda":
+            flat = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+            return list(torch.split(flat, [p.size for p in parts]))
+        with self._lock:
+            host = self._slot(n)
+            view = host[:n].numpy()
+            at = 0
+            for p in parts:
+                view[at : at + p.size] = p
+                at += p.size
+            dev = host[:n].to(self.device, non_blocking=True)
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record()
+            self._slots[self._next - 1] = (host, ev)
+        return list(torch.split(dev, [p.size for p in parts]))
+
+    def _slot(self, n: int) -> torch.Tensor:
+        for _ in range(len(self._slots)):
+            idx = self._next % len(self._slots)
+            host, ev = self._slots[idx]
+            if host.numel() >= n and (ev is None or ev.query()):
+                self._next = idx + 1
+                return host
+            self._next = idx + 1
+        host = torch.empty(max(n, self.capacity), dtype=torch.int64).pin_memory()
+        self._slots.append((host, None))
+        self._next = len(self._slots)
+        return host
+
+
+class PlanCache:
+    """Plans (or anything derived from a compiled program) by key (peer names and
+    incarnations), built once by ``build``; thread-safe; the oldest key goes past ``limit``."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = int(limit)
+        self._plans: dict[Hashable, Any] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The cached value of ``key``, built on first use (``None`` is cached too)."""
+        with self._lock:
+            if key in self._plans:
+                self.hits += 1
+                return self._plans[key]
+        plan = build()
+        with self._lock:
+            self.misses += 1
+            if len(self._plans) >= self.limit:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = plan
+        return plan
+
+    def peek(self, key: Hashable) -> Any:
+        """The cached value of ``key`` or ``None`` (no build)."""
+        with self._lock:
+            return self._plans.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._plans
+
+    def __len__(self) -> int:
+        return len(self._plans)

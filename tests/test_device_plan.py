@@ -1,0 +1,200 @@
+"""Device plans on the CPU: the compiler's block-id-free table, the Triton kernel that walks
+it (under Triton's interpreter) and its torch twin, against the compiler's own fragment
+lists; chunking; the plan cache and the id uploader."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from disagg_rs import KVGeometry, KVShardLayout, compile_kv_transfer
+from disagg_rs.transfer_backends import device_plan as dp
+from disagg_rs.transfer_backends import staging
+
+pytest.importorskip("triton")
+
+interpreter_warnings = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim > 0:DeprecationWarning"
+)
+
+
+@pytest.fixture
+def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+def _case(
+    src_tp: int, dst_tp: int, tokens: int, tpb: int, seed: int, heads: int = 4, dim: int = 8
+) -> tuple[dict[int, torch.Tensor], torch.Tensor, list[int], list[int], list[tuple[int, Any]]]:
+    """Source caches of ``src_tp`` ranks (random), the destination rank 0 of ``dst_tp``
+    (zeros), scattered block ids, and the compiled staged programs of every destination."""
+    layers = 3
+    rng = np.random.default_rng(seed)
+    n_blk = -(-tokens // tpb)
+    src_ids = [int(x) for x in rng.permutation(n_blk + 3)[:n_blk]]
+    dst_ids = [int(x) for x in rng.permutation(n_blk + 2)[:n_blk]]
+    gen = torch.Generator().manual_seed(seed)
+    bufs, srcs = {}, []
+    for r in range(src_tp):
+        t = torch.randint(
+            -(2**15), 2**15, (2, layers, n_blk + 3, tpb, heads // src_tp, dim),
+            dtype=torch.int16, generator=gen,
+        )  # fmt: skip
+        bufs[r] = t
+        lay = KVShardLayout(layers, heads, tp_size=src_tp, tp_rank=r, global_rank=r)
+        srcs.append((lay, KVGeometry.from_tensor(t)))
+    dst = torch.zeros((2, layers, n_blk + 2, tpb, heads // dst_tp, dim), dtype=torch.int16)
+    dst_layout = KVShardLayout(layers, heads, tp_size=dst_tp, tp_rank=0, global_rank=50)
+    program = compile_kv_transfer(
+        srcs, (dst_layout, KVGeometry.from_tensor(dst)), src_ids, dst_ids, tokens, "staged"
+    )
+    return bufs, dst, src_ids, dst_ids, [(r, program) for r in program.src_ranks]
+
+
+def _reference(program: Any, r: int, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Packed region by the compiler's flat lists and the torch path; scatters it into
+    ``dst`` (the buffer the program was compiled for)."""
+    packed = torch.zeros(program.packed_bytes(r), dtype=torch.uint8)
+    staging.pack_torch(src, src.data_ptr(), program.gather(r), packed)
+    staging.scatter_torch(packed, dst, dst.data_ptr(), program.scatter(r))
+    return packed
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+@pytest.mark.parametrize(
+    ("src_tp", "dst_tp", "tokens", "tpb"), [(1, 1, 37, 8), (2, 1, 40, 8), (1, 2, 29, 4)]
+)
+@interpreter_warnings
+def test_pack_scatter_and_direct_copy_by_plan_match_the_compiler_lists_byte_exact(
+    interpreted: None, path: str, src_tp: int, dst_tp: int, tokens: int, tpb: int
+) -> None:
+    bufs, dst, src_ids, dst_ids, programs = _case(src_tp, dst_tp, tokens, tpb, seed=src_tp)
+    direct = dst.clone()
+    staged = dst.clone()
+    for r, program in programs:
+        plan = dp.DevicePlan.from_program(
+            program, r, src_addr=bufs[r].data_ptr(), dst_addr=dst.data_ptr()
+        )
+        assert plan is not None
+        ref_packed = _reference(program, r, bufs[r], dst)
+        assert plan.packed_bytes(tokens) == program.packed_bytes(r)
+        sid, did = (torch.tensor(x) for x in (src_ids, dst_ids))
+        packed = torch.full((plan.packed_bytes(tokens),), 9, dtype=torch.uint8)
+        kind: Any = path
+        dp.copy(plan, dp.Side("src", bufs[r], sid), dp.Side("packed", packed), tokens, path=kind)
+        assert torch.equal(packed, ref_packed)
+        dp.copy(plan, dp.Side("packed", packed), dp.Side("dst", staged, did), tokens, path=kind)
+        dp.copy(plan, dp.Side("src", bufs[r], sid), dp.Side("dst", direct, did), tokens, path=kind)
+    assert torch.equal(staged, dst)
+    assert torch.equal(direct, dst)
+    assert bool((dst != 0).any())
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 50), st.sampled_from([1, 3, 4]), st.integers(1, 4000), st.integers(0, 9))
+def test_chunks_tile_the_packed_region_in_order_and_each_fits_its_bound(
+    tokens: int, tpb: int, max_bytes: int, seed: int
+) -> None:
+    _, dst, _, _, programs = _case(2, 1, tokens, tpb, seed)
+    r, program = programs[0]
+    plan = dp.DevicePlan.from_program(program, r, src_addr=0, dst_addr=dst.data_ptr())
+    assert plan is not None
+    chunks = plan.chunks(tokens, max_bytes)
+    assert chunks[0][0] == 0 and chunks[0][2] == 0
+    assert chunks[-1][1] == plan.num_items(tokens)
+    assert chunks[-1][3] == plan.packed_bytes(tokens)
+    item_max = int(plan.planes[:, 3].max()) * tpb
+    every = np.arange(plan.num_items(tokens) + 1)
+    assert plan.item_offsets(every, tokens).tolist() == [
+        plan.item_offset(int(k), tokens) for k in every
+    ]
+    for (a, b, x, y), nxt in zip(chunks, [*chunks[1:], None], strict=True):
+        assert a < b and x < y
+        assert y - x <= max(max_bytes, item_max)
+        if nxt is not None:
+            assert nxt[0] == b and nxt[2] == y
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+@interpreter_warnings
+def test_a_chunked_pack_into_a_small_window_then_scatter_lands_every_byte(
+    interpreted: None, path: str
+) -> None:
+    tokens = 45
+    bufs, dst, src_ids, dst_ids, programs = _case(2, 1, tokens, 8, seed=7)
+    got = dst.clone()
+    kind: Any = path
+    for r, program in programs:
+        _reference(program, r, bufs[r], dst)
+        plan = dp.DevicePlan.from_program(
+            program, r, src_addr=bufs[r].data_ptr(), dst_addr=dst.data_ptr()
+        )
+        assert plan is not None
+        sid, did = torch.tensor(src_ids), torch.tensor(dst_ids)
+        chunks = plan.chunks(tokens, 300)
+        assert len(chunks) > 3
+        window = torch.zeros(max(y - x for _, _, x, y in chunks), dtype=torch.uint8)
+        for a, b, x, y in chunks:
+            part = window[: y - x]
+            dp.copy(plan, dp.Side("src", bufs[r], sid), dp.Side("packed", part, bias=x),
+                    tokens, items=(a, b), path=kind)  # fmt: skip
+            dp.copy(plan, dp.Side("packed", part, bias=x), dp.Side("dst", got, did),
+                    tokens, items=(a, b), path=kind)  # fmt: skip
+    assert torch.equal(got, dst)
+    assert bool((dst != 0).any())
+
+
+def test_a_window_too_small_for_its_items_is_refused_before_any_copy() -> None:
+    _, dst, src_ids, _, programs = _case(1, 1, 16, 8, seed=1)
+    r, program = programs[0]
+    plan = dp.DevicePlan.from_program(program, r, src_addr=0, dst_addr=dst.data_ptr())
+    assert plan is not None
+    small = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="packed side"):
+        dp.copy(plan, dp.Side("src", dst, torch.tensor(src_ids)), dp.Side("packed", small), 16)
+    with pytest.raises(ValueError, match="not inside"):
+        dp.copy(plan, dp.Side("src", dst, torch.tensor(src_ids)), dp.Side("packed", small), 16,
+                items=(0, 10**6))  # fmt: skip
+    assert not bool(small.any())
+
+
+def test_hnd_caches_and_block_size_changes_have_no_plan() -> None:
+    layers, heads, dim = 2, 4, 8
+    src = torch.zeros((2, layers, 4, 8, heads, dim), dtype=torch.int16)
+    dst = torch.zeros((2, layers, 8, 4, heads, dim), dtype=torch.int16)
+    lay = KVShardLayout(layers, heads, global_rank=0)
+    dlay = KVShardLayout(layers, heads, global_rank=1)
+    program = compile_kv_transfer(
+        [(lay, KVGeometry.from_tensor(src))], (dlay, KVGeometry.from_tensor(dst)),
+        [0, 1], [0, 1, 2, 3], 16, "staged",
+    )  # fmt: skip
+    assert program.device_plan(0) is None
+
+
+def test_the_plan_cache_builds_once_per_key_and_caches_a_missing_plan() -> None:
+    cache = dp.PlanCache(limit=2)
+    built: list[str] = []
+
+    def build(name: str) -> Any:
+        built.append(name)
+        return None
+
+    for key in ("a", "a", "b", "a"):
+        assert cache.get(key, lambda k=key: build(k)) is None
+    assert built == ["a", "b"]
+    assert (cache.hits, cache.misses) == (2, 2)
+    cache.get("c", lambda: build("c"))
+    assert len(cache) == 2
+
+
+def test_the_id_uploader_returns_each_array_in_order_on_the_host() -> None:
+    up = dp.IdUploader(torch.device("cpu"))
+    a, b = up.upload([3, 1, 2], np.array([7, 8], dtype=np.int32))
+    assert a.tolist() == [3, 1, 2] and b.tolist() == [7, 8]

@@ -1,0 +1,158 @@
+"""Bounded, chunked two-sided transfers: a staging pool far smaller than every prompt (two
+4 KiB slots), so each KV handoff moves in many chunks through reused slots; byte-exact
+against the same oracle as every transport test. gloo on CPU (CI), NCCL on two GPUs (marker
+``gpu``), including TP2 -> TP1, TP1 -> TP2 and hybrid SSM state."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import transport_workers as tw
+from test_transport_multiprocess import CASES, _assert_landed, _close, _num_tokens, _setup
+from transport_workers import Case, Worker
+
+_tags = itertools.count(1000)
+POOL, CHUNK = 8192, 4096
+
+
+def _pool(transport: str) -> Iterator[dict[str, list[Worker]]]:
+    workers = tw.start_workers(transport, ["pre0", "pre1", "dec0", "dec1"], _store(transport))
+    try:
+        yield {"pre": workers[:2], "dec": workers[2:]}
+    finally:
+        tw.stop_workers(workers)
+
+
+_stores: dict[str, str] = {}
+
+
+def _store(transport: str) -> str:
+    return _stores[transport]
+
+
+@pytest.fixture(scope="module")
+def gloo_small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Worker]]]:
+    _stores["gloo-small"] = str(tmp_path_factory.mktemp("gloo-small") / "store")
+    yield from _pool("gloo-small")
+
+
+@pytest.fixture(scope="module")
+def nccl_small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Worker]]]:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    _stores["nccl-2gpu-small"] = str(tmp_path_factory.mktemp("nccl-small") / "store")
+    yield from _pool("nccl-2gpu-small")
+
+
+def _push_pull(pool: dict[str, list[Worker]], case: Case) -> list[dict[str, object]]:
+    """Every decode posts its receives, every prefill its sends; wait; check; return the
+    decodes' handle stats."""
+    key, tag = case.name, next(_tags)
+    src_metas, dst_metas = _setup(pool, case, key)
+    stats = []
+    try:
+        for j, side in enumerate(case.dsts):
+            pool["dec"][j].send(
+                "call", key, "begin_pull_blocks", src_metas,
+                {s.global_rank: tw.src_ids(case, s) for s in case.srcs},
+                tw.dst_ids(case, side), num_tokens=_num_tokens(case), tag=tag,
+            )  # fmt: skip
+        for i, side in enumerate(case.srcs):
+            pool["pre"][i].send(
+                "call", key, "begin_push_blocks", dst_metas, tw.src_ids(case, side),
+                src_metas=src_metas, num_tokens=_num_tokens(case), tag=tag,
+            )  # fmt: skip
+        parties = pool["dec"][: len(case.dsts)] + pool["pre"][: len(case.srcs)]
+        for w in parties:
+            w.result()
+        for w in parties:
+            w.send("wait", key)
+        for w in parties:
+            w.result()
+        _assert_landed(pool, case, key)
+        stats = [pool["dec"][j]("stats", key) for j in range(len(case.dsts))]
+    finally:
+        _close(pool, case, key)
+    return stats
+
+
+def _check_chunked(case: Case, stats: list[dict[str, object]]) -> None:
+    if case.kind != "kv" or "block16" in case.name or "block64" in case.name or "hnd" in case.name:
+        return
+    for s in stats:
+        # Far more chunks than slots: every slot was reused, the pool never grew.
+        assert int(s["chunks"]) > POOL // CHUNK  # type: ignore[call-overload]
+        assert int(s["bytes"]) > POOL  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_gloo_moves_prompts_larger_than_the_staging_pool_in_chunks_byte_exact(
+    gloo_small: dict[str, list[Worker]], case: Case
+) -> None:
+    _check_chunked(case, _push_pull(gloo_small, case))
+
+
+TWO_GPU_CASES = [
+    c
+    for c in CASES
+    if c.name
+    in ("tp1_to_tp1", "tp2_to_tp1", "tp1_to_tp2", "ssm_conv_tp2_to_tp1", "ssm_recurrent_tp2_to_tp1")
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TWO_GPU_CASES, ids=lambda c: c.name)
+def test_nccl_between_two_gpus_moves_prompts_larger_than_the_pool_in_chunks_byte_exact(
+    nccl_small: dict[str, list[Worker]], case: Case
+) -> None:
+    _check_chunked(case, _push_pull(nccl_small, case))
+
+
+def test_the_pool_is_cut_into_whole_chunks_and_never_less_than_one_slot() -> None:
+    from disagg_rs.transfer_backends import pipeline
+
+    pool = pipeline.StagingPool(torch.device("cpu"), pool_bytes=10 << 20, chunk_bytes=4 << 20)
+    assert (pool.slots, pool.slot_bytes, pool.nbytes) == (2, 4 << 20, 8 << 20)
+    assert pipeline.StagingPool(torch.device("cpu"), 1024, 4096).slots == 1
+    assert [pool.next_index() for _ in range(5)] == [0, 1, 0, 1, 0]
+    with pytest.raises(ValueError, match="multiple of 256"):
+        pipeline.StagingPool(torch.device("cpu"), 1 << 20, 1000)
+
+
+def test_a_block_larger_than_a_slot_is_refused_before_anything_is_posted() -> None:
+    from disagg_rs import KVGeometry, KVShardLayout, compile_kv_transfer
+    from disagg_rs.exceptions import CapacityError
+    from disagg_rs.transfer_backends import device_plan as dp
+    from disagg_rs.transfer_backends import pipeline
+
+    buf = torch.zeros((2, 2, 4, 16, 4, 8), dtype=torch.int16)
+    lay = KVShardLayout(2, 4, global_rank=0)
+    program = compile_kv_transfer(
+        [(lay, KVGeometry.from_tensor(buf))], (KVShardLayout(2, 4, global_rank=1), None),
+        [0, 1], None, 32, "staged",
+    )  # fmt: skip
+    plan = dp.DevicePlan.from_program(program, 0, src_addr=buf.data_ptr(), dst_addr=0)
+    assert plan is not None
+    pool = pipeline.StagingPool(torch.device("cpu"), 1024, 512)  # one block-plane is 1 KiB
+    cp = pipeline.ChunkPlan(plan, torch.tensor([0, 1]), 32, peer=1, send=True)
+    with pytest.raises(CapacityError, match="chunk_bytes=512"):
+        pipeline.post_chunks([cp], buf, pool, None, 0)
+
+
+def test_only_kv_caches_with_one_block_size_and_contiguous_heads_move_in_chunks() -> None:
+    from disagg_rs.transfer_backends import pipeline
+
+    def meta(tpb: int = 16, head_stride: int = 16, kind: str = "kv") -> dict[str, object]:
+        geometry = {"tokens_per_block": tpb, "num_heads": 4, "head_stride": head_stride,
+                    "head_dim": 8, "element_size": 2}  # fmt: skip
+        return {"state_kind": kind, "geometry": geometry}
+
+    assert pipeline.chunkable([meta(), meta()])
+    assert not pipeline.chunkable([meta(), meta(tpb=64)])
+    assert not pipeline.chunkable([meta(), meta(head_stride=16 * 16)])
+    assert not pipeline.chunkable([meta(kind="conv"), meta(kind="conv")])
+    assert not pipeline.chunkable([{"state_kind": "kv", "geometry": None}])
