@@ -278,6 +278,11 @@ impl StateMachineTest for PinTest {
         assert_eq!(l.slots().num_free(), m.free_slots);
         assert_eq!(l.num_pinned(), m.pins.len());
         assert_eq!(l.pending_kv_push_count(), m.pins.values().filter(|p| p.pushing).count());
+        assert_eq!(l.pinned_request_ids(), m.pins.keys().copied().collect::<Vec<_>>());
+        for (rid, pin) in &m.pins {
+            let (blocks, slot) = l.pinned(*rid).unwrap();
+            assert_eq!((blocks.len(), slot.is_some()), (pin.n as usize, pin.ssm));
+        }
     }
 
     fn teardown(mut l: PinLedger, m: Model) {
