@@ -408,7 +408,7 @@ def expected_dst(case: Case, side: Side) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 #: Seconds a worker or the orchestrator waits for any one reply before giving up.
-REPLY_TIMEOUT_S = 60.0
+REPLY_TIMEOUT_S = 180.0
 
 
 def _backend_kwargs(case: Case, side: Side) -> dict[str, Any]:
