@@ -314,6 +314,23 @@ def test_reference_only_metadata_reads_back_as_the_same_layout_and_geometry(
         dst.close()
 
 
+def test_a_reference_peer_is_translated_once_and_read_the_same_every_time(
+    root: nixl.NixlTransferBackend,
+) -> None:
+    src = _kv_backend(root, 2, 1, 1, 0, 4, 16)
+    dst = _kv_backend(root, 1, 0, 1, 0, 4, 16)
+    try:
+        ref = reference_only(src.export_meta())
+        first = dst._adopt_peer_meta(dict(ref))
+        assert dst._adopt_peer_meta(dict(ref)) == first == dst._meta_from_reference(ref)
+        assert len(dst.__dict__["_reference_cache"]) == 1
+        moved = dst._adopt_peer_meta({**ref, "base_addr": ref["base_addr"] + 4096})
+        assert moved["buffer"]["addr"] == first["buffer"]["addr"] + 4096
+    finally:
+        src.close()
+        dst.close()
+
+
 def test_reference_metadata_with_a_wrong_field_is_refused_naming_it(
     root: nixl.NixlTransferBackend,
 ) -> None:
