@@ -14,8 +14,15 @@ The routing logic is sans-IO (:class:`CoordinatorState`: messages and the caller
 addressed messages out), so tests drive it with a virtual clock; :class:`CoordinatorServer` is
 the thin ZeroMQ loop around it. Every request carries an attempt ``epoch``: a message for a
 finished request or an old epoch is ignored and counted, never applied. Every request has a
-deadline; when it passes the client gets ``FAILED``, the engines ``ABORT`` and the prefill
-``RELEASE_KV``, so no pinned block outlives its request.
+deadline; when it passes the client gets ``FAILED`` and the engines ``ABORT``.
+
+Lease safety: a prefill's pinned blocks are the source of the decode's reads, so RELEASE_KV
+goes out only once the decode is known not to read them any more: it reported the import done
+(``KV_IMPORTED ok``, ``DONE``), reported a failure with its reads quiet (``quiet: true``), or
+was never sent the ticket. Otherwise (the decode is lost, fenced, restarted, past the deadline,
+or its reads may still be running) the prefill keeps the pin until its lease ends, and the
+decode, which knows that end from the ticket, never starts, completes or admits the import
+after it.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from disagg_rs.exceptions import MetadataError, TransferTimeout
+from disagg_rs.exceptions import ArgumentError, MetadataError, TransferTimeout
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -49,6 +56,21 @@ __all__ = [
 
 PROTOCOL_VERSION = 2
 """Version 2 added HEARTBEAT and FENCED (coordinator liveness)."""
+
+MAX_TIMEOUT_S = 86_400.0
+"""Largest request timeout a SUBMIT may ask for (one day)."""
+
+
+def check_timeout(value: Any, field: str = "timeout_s") -> float:
+    """``value`` as a timeout in seconds: a real number in ``(0, MAX_TIMEOUT_S]``. NaN, inf,
+    zero, negative, bool and non-numbers raise :class:`ArgumentError` naming ``field`` (a NaN
+    deadline would never pass)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentError(f"{field}={value!r:.60} must be a number of seconds", field)
+    t = float(value)
+    if not 0.0 < t <= MAX_TIMEOUT_S:  # also False for NaN
+        raise ArgumentError(f"{field}={value!r} must be in (0, {MAX_TIMEOUT_S:g}] seconds", field)
+    return t
 
 
 class Msg(str, enum.Enum):
@@ -170,6 +192,8 @@ class _Request:
     prefill: str | None = None
     decode: str | None = None
     pinned: bool = False
+    ticket_sent: bool = False
+    """The decode was sent the ticket: it may read the pinned blocks until it says it is quiet."""
     tokens: list[int] = field(default_factory=list)
 
 
@@ -195,11 +219,14 @@ class CoordinatorState:
     ) -> None:
         if engine_timeout_s is not None and not engine_timeout_s > 0:
             raise ValueError(f"engine_timeout_s={engine_timeout_s!r} must be > 0 or None")
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s = check_timeout(request_timeout_s, "request_timeout_s")
         self.push_transport = push_transport
         self.engine_timeout_s = engine_timeout_s
         self.lost: Counter[str] = Counter()
         """Engines declared lost by the liveness timeout, by engine id."""
+        self.left_to_lease = 0
+        """Failed requests whose prefill pins were left to their lease (the decode may still
+        have been reading them), instead of released by RELEASE_KV."""
         self.engines: dict[str, _Engine] = {}
         self.requests: dict[int, _Request] = {}
         self.ignored: Counter[str] = Counter()
@@ -223,8 +250,10 @@ class CoordinatorState:
         self._round_robin[role] += 1
         return ids[i]
 
-    def _fail(self, req: _Request, error: str) -> list[Outgoing]:
-        """End a request with one FAILED, abort it on engines, release prefill pins."""
+    def _fail(self, req: _Request, error: str, decode_quiet: bool = False) -> list[Outgoing]:
+        """End a request with one FAILED and abort it on engines. Prefill pins are released
+        only if no decode may read them (``decode_quiet``, or the ticket was never sent);
+        otherwise they are left to the prefill's lease."""
         out = [
             Outgoing(None, req.client, Msg.FAILED, {"request_id": req.request_id, "error": error})
         ]
@@ -236,7 +265,10 @@ class CoordinatorState:
                     )
                 )
         if req.pinned and req.prefill in self.engines:
-            out.append(self._release(req))
+            if decode_quiet or not req.ticket_sent:
+                out.append(self._release(req))
+            else:
+                self.left_to_lease += 1
         del self.requests[req.request_id]
         self.failed += 1
         return out
@@ -363,6 +395,11 @@ class CoordinatorState:
 
     def _on_submit(self, identity: bytes, msg: dict[str, Any], now: float) -> list[Outgoing]:
         rid = int(msg["request_id"])
+        try:
+            timeout = check_timeout(msg.get("timeout_s", self.request_timeout_s))
+        except ArgumentError as e:
+            self.ignored["SUBMIT"] += 1
+            return [Outgoing(None, identity, Msg.FAILED, {"request_id": rid, "error": str(e)})]
         if rid in self.requests:
             self.ignored["SUBMIT"] += 1
             return [
@@ -375,7 +412,7 @@ class CoordinatorState:
             identity,
             list(msg["prompt"]),
             int(msg["max_new_tokens"]),
-            deadline=now + float(msg.get("timeout_s", self.request_timeout_s)),
+            deadline=now + timeout,
             epoch=next(self._epochs),
         )
         self.requests[rid] = req
@@ -424,6 +461,7 @@ class CoordinatorState:
             if first
             else []
         )
+        req.ticket_sent = True  # from now on the decode may read the pinned blocks
         return [
             *streamed,
             Outgoing(
@@ -464,7 +502,13 @@ class CoordinatorState:
             self.ignored["KV_IMPORTED"] += 1
             return []
         if not msg["ok"]:
-            return self._fail(req, f"KV import failed: {msg.get('error', 'unknown error')}")
+            # ``quiet``: the decode's reads of the pinned blocks are over (none posted, or all
+            # terminal); without it they may still run and the pin waits for its lease.
+            return self._fail(
+                req,
+                f"KV import failed: {msg.get('error', 'unknown error')}",
+                decode_quiet=msg.get("quiet") is True,
+            )
         return [self._release(req)]
 
     def _on_tokens(self, req: _Request, msg: dict[str, Any]) -> list[Outgoing]:
@@ -487,7 +531,7 @@ class CoordinatorState:
         return out
 
     def _on_failed(self, req: _Request, msg: dict[str, Any]) -> list[Outgoing]:
-        return self._fail(req, str(msg["error"]))
+        return self._fail(req, str(msg["error"]), decode_quiet=msg.get("quiet") is True)
 
     def poll(self, now: float) -> list[Outgoing]:
         """Declare silent engines lost (``engine_timeout_s``), then fail every request whose
@@ -744,8 +788,8 @@ class ControlClient:
         max_new_tokens: int,
         timeout_s: float | None = None,
     ) -> None:
-        """Send one request."""
-        extra = {} if timeout_s is None else {"timeout_s": timeout_s}
+        """Send one request (``timeout_s``: see :func:`check_timeout`)."""
+        extra = {} if timeout_s is None else {"timeout_s": check_timeout(timeout_s)}
         self._sock.send(
             encode_message(
                 Msg.SUBMIT,

@@ -27,7 +27,7 @@ pub use layout::{
 };
 pub use ledger::{
     CompletionQuorum, FailReason, ImportLedger, ImportLedgerConfig, ImportRequest, LedgerAction,
-    PinLedger, QuorumDecision, RankOutcome, ReleaseCause, StartImport,
+    PinLedger, QuorumDecision, RankOutcome, ReleaseCause, SourceLease, StartImport,
 };
 pub use pool::{block_hashes, BlockPool, SlotPool, SlotState};
 pub use reshard::{
