@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -42,7 +43,11 @@ import zmq
 
 from disagg_rs.exceptions import ArgumentError, MetadataError, TransferTimeout
 
+logger = logging.getLogger("disagg_rs.control")
+
 __all__ = [
+    "MAX_NEW_TOKENS",
+    "MAX_PROMPT_TOKENS",
     "PROTOCOL_VERSION",
     "ControlClient",
     "CoordinatorServer",
@@ -50,6 +55,8 @@ __all__ = [
     "EngineLink",
     "Msg",
     "Outgoing",
+    "check_fields",
+    "check_timeout",
     "decode_message",
     "encode_message",
 ]
@@ -118,6 +125,94 @@ _REQUIRED: dict[Msg, tuple[str, ...]] = {
     Msg.HEARTBEAT: ("engine_id", "incarnation"),
     Msg.FENCED: ("engine_id",),
 }
+
+
+MAX_PROMPT_TOKENS = 1 << 20
+"""Longest prompt a SUBMIT may carry."""
+MAX_NEW_TOKENS = 1 << 20
+"""Largest ``max_new_tokens`` a SUBMIT may ask for."""
+MAX_ID = (1 << 63) - 1
+"""Largest request id, epoch or incarnation (they travel as signed 64-bit ints)."""
+MAX_TEXT = 4096
+"""Longest engine id or error text."""
+MAX_FRAME_BYTES = 64 << 20
+"""Largest control frame a socket accepts (ZeroMQ ``MAXMSGSIZE``); larger ones are dropped."""
+
+
+def _int_in(lo: int, hi: int) -> Callable[[Any], bool]:
+    return lambda v: type(v) is int and lo <= v <= hi
+
+
+def _text(v: Any) -> bool:
+    return isinstance(v, str) and len(v) <= MAX_TEXT
+
+
+def _int_list(max_len: int, min_len: int = 0) -> Callable[[Any], bool]:
+    def ok(v: Any) -> bool:
+        return (
+            isinstance(v, list)
+            and min_len <= len(v) <= max_len
+            and all(type(t) is int and 0 <= t <= MAX_ID for t in v)
+        )
+
+    return ok
+
+
+def _timeout(v: Any) -> bool:
+    try:
+        check_timeout(v)
+    except ArgumentError:
+        return False
+    return True
+
+
+_ID = _int_in(0, MAX_ID)
+_BOOL: Callable[[Any], bool] = lambda v: isinstance(v, bool)  # noqa: E731
+_MAP: Callable[[Any], bool] = lambda v: isinstance(v, dict)  # noqa: E731
+_ANY: Callable[[Any], bool] = lambda v: True  # noqa: E731
+
+#: Per message type the coordinator accepts: field -> check. Optional fields are checked only
+#: when present; a failing check names the field. Types not listed are not for the coordinator.
+_SCHEMA: dict[Msg, dict[str, Callable[[Any], bool]]] = {
+    Msg.REGISTER: {
+        "engine_id": _text,
+        "role": lambda v: v in ("prefill", "decode"),
+        "incarnation": _ID,
+        "meta": _ANY,
+    },
+    Msg.SUBMIT: {
+        "request_id": _ID,
+        "prompt": _int_list(MAX_PROMPT_TOKENS, 1),
+        "max_new_tokens": _int_in(1, MAX_NEW_TOKENS),
+        "timeout_s": _timeout,
+    },
+    Msg.PREFILL_DONE: {"request_id": _ID, "epoch": _ID, "ticket": _MAP},
+    Msg.PREFILL_FAILED: {"request_id": _ID, "epoch": _ID, "error": _text},
+    Msg.KV_RECV_POSTED: {"request_id": _ID, "epoch": _ID, "transfer": _MAP},
+    Msg.KV_IMPORTED: {
+        "request_id": _ID,
+        "epoch": _ID,
+        "ok": _BOOL,
+        "error": _text,
+        "quiet": _BOOL,
+    },
+    Msg.TOKENS: {"request_id": _ID, "epoch": _ID, "tokens": _int_list(MAX_NEW_TOKENS)},
+    Msg.DONE: {"request_id": _ID, "epoch": _ID, "tokens": _int_list(MAX_NEW_TOKENS + 1)},
+    Msg.FAILED: {"request_id": _ID, "epoch": _ID, "error": _text, "quiet": _BOOL},
+    Msg.HEARTBEAT: {"engine_id": _text, "incarnation": _ID},
+}
+
+
+def check_fields(msg: dict[str, Any]) -> None:
+    """Check the fields of a decoded message the coordinator accepts (types, ranges, size
+    caps; NaN and inf rejected); raises :class:`MetadataError` naming the first bad field."""
+    kind: Msg = msg["type"]
+    schema = _SCHEMA.get(kind)
+    if schema is None:
+        raise MetadataError(f"{kind.value} is not a message the coordinator accepts", "type")
+    for name, ok in schema.items():
+        if name in msg and not ok(msg[name]):
+            raise MetadataError(f"{kind.value} field {name}={msg[name]!r:.80} is invalid", name)
 
 
 def encode_message(kind: Msg, **fields: Any) -> bytes:
@@ -230,6 +325,8 @@ class CoordinatorState:
         self.engines: dict[str, _Engine] = {}
         self.requests: dict[int, _Request] = {}
         self.ignored: Counter[str] = Counter()
+        self.malformed: Counter[str] = Counter()
+        """Messages refused by :func:`check_fields` (or that failed to apply), by type."""
         self.completed = 0
         self.failed = 0
         self._epochs = itertools.count(1)
@@ -302,7 +399,30 @@ class CoordinatorState:
 
     # -- events --------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: dict[str, Any], now: float) -> list[Outgoing]:
-        """Apply one incoming message from ``identity``."""
+        """Apply one incoming message from ``identity``. Never raises on input: a message that
+        fails :func:`check_fields` (or, defensively, any error while applying it) is counted in
+        ``malformed`` by type and changes nothing; a malformed SUBMIT with a usable request id
+        gets FAILED naming the bad field."""
+        kind = msg.get("type") if isinstance(msg, dict) else None
+        name = kind.value if isinstance(kind, Msg) else "<unknown>"
+        try:
+            if not isinstance(kind, Msg):
+                raise MetadataError(f"message type {kind!r:.40} is not a Msg", "type")
+            check_fields(msg)
+        except MetadataError as e:
+            self.malformed[name] += 1
+            rid = msg.get("request_id") if isinstance(msg, dict) else None
+            if kind is Msg.SUBMIT and _ID(rid) and rid not in self.requests:
+                return [Outgoing(None, identity, Msg.FAILED, {"request_id": rid, "error": str(e)})]
+            return []
+        try:
+            return self._apply(identity, msg, now)
+        except Exception:  # a bug, not input: count it, keep serving
+            logger.exception("coordinator failed to apply a %s message", name)
+            self.malformed[name] += 1
+            return []
+
+    def _apply(self, identity: bytes, msg: dict[str, Any], now: float) -> list[Outgoing]:
         kind: Msg = msg["type"]
         sender = next((e.engine_id for e in self.engines.values() if e.identity == identity), None)
         if sender is not None:
@@ -575,6 +695,7 @@ class CoordinatorServer:
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.undeliverable = 0
@@ -655,6 +776,7 @@ class CoordinatorServer:
                 except MetadataError:
                     self.malformed += 1
                     continue
+                # handle() never raises on input; it counts refused messages itself.
                 self._send(self.state.handle(identity, msg, time.monotonic()))
         self._send(self.state.poll(time.monotonic()))
 
@@ -701,6 +823,7 @@ class EngineLink:
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IDENTITY, f"{role}:{engine_id}:{self.incarnation}".encode())
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._sock.connect(endpoint)
         self.peers: dict[str, dict[str, Any]] = {}
         self._last_sent = time.monotonic()
@@ -708,6 +831,8 @@ class EngineLink:
         self._backlog: list[dict[str, Any]] = []
         self.fenced = 0
         """How many times the coordinator fenced this engine (it then registered again)."""
+        self.malformed = 0
+        """Undecodable frames received (dropped)."""
 
     def register(self, meta: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """Publish static metadata once; returns the peers known to the coordinator."""
@@ -759,6 +884,9 @@ class EngineLink:
                     msg = decode_message(self._sock.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
+                except MetadataError:
+                    self.malformed += 1  # an undecodable frame never stops the engine
+                    continue
                 if msg["type"] in (Msg.REGISTERED, Msg.PEERS):
                     self.peers = dict(msg["peers"])
                 if msg["type"] is Msg.FENCED and self._meta is not None:

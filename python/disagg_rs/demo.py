@@ -206,7 +206,6 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
             os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 
         from disagg_rs.control import EngineLink, Msg
-        from disagg_rs.exceptions import DisaggError
         from disagg_rs.reference.handoff import HandoffReferenceEngine
 
         torch.set_num_threads(1)
@@ -282,7 +281,9 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
             idle = 0 if msgs or engine.has_work else idle + 1
             for m in msgs:
                 kind = m["type"]
-                rid = int(m.get("request_id", -1))
+                rid = m.get("request_id", -1)
+                if type(rid) is not int:  # not from a well-behaved coordinator: skip it
+                    continue
                 if kind in (Msg.PREFILL, Msg.SUBMIT_REQUEST_WITH_KV, Msg.SEND_KV):
                     key = (kind.value, rid, int(m["epoch"]))
                     if key in seen:  # a duplicated message: the first one was acted on
@@ -295,7 +296,7 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
                     decode_targets[rid] = m.get("decode_meta")
                     try:
                         engine.add_request(rid, m["prompt"], int(m["max_new_tokens"]))
-                    except DisaggError as e:  # e.g. a retried id still running: refuse it
+                    except Exception as e:  # a bad prompt or a retried id: fail it alone
                         if link is not None:
                             link.send(
                                 Msg.PREFILL_FAILED,
@@ -333,7 +334,10 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
                             transfer=pending.destination,
                         )
                 elif kind is Msg.SEND_KV:
-                    engine.push_handoff_kv(rid, m["decode_meta"], m["transfer"])
+                    try:
+                        engine.push_handoff_kv(rid, m["decode_meta"], m["transfer"])
+                    except Exception as e:  # refused before the push started: pins wait
+                        print(f"{role} rank {global_rank}: SEND_KV {rid} refused: {e}")
                 elif kind is Msg.RELEASE_KV:
                     engine.release_handoff_blocks(rid)
                 elif kind is Msg.ABORT:

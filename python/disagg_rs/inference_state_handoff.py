@@ -33,6 +33,7 @@ import numpy as np
 
 from disagg_rs._core import ImportLedger, LedgerAction, PinLedger
 from disagg_rs.exceptions import (
+    ArgumentError,
     DisaggError,
     HandoffStateError,
     IntegrityError,
@@ -75,9 +76,23 @@ _KV_AXES = {
 _TAG_KIND = {"kv": 0, "conv": 1, "recurrent": 2}
 
 
+#: Request ids a two-sided transport can tag: ``id * 4 + kind`` must fit a 31-bit tag.
+MAX_TWO_SIDED_REQUEST_ID = (1 << 29) - 1
+
+
 def _tag(request_id: int, kind: str) -> int:
-    """The two-sided message tag of one request's state kind (both sides compute it)."""
-    return (request_id * 4 + _TAG_KIND[kind]) & 0x7FFFFFFF
+    """The two-sided message tag of one request's state kind (both sides compute it).
+
+    Injective: an id outside ``[0, MAX_TWO_SIDED_REQUEST_ID]`` is refused
+    (``ArgumentError``) instead of wrapping onto another request's tag.
+    """
+    if not 0 <= request_id <= MAX_TWO_SIDED_REQUEST_ID:
+        raise ArgumentError(
+            f"request_id={request_id} must be in [0, {MAX_TWO_SIDED_REQUEST_ID}] on a two-sided "
+            "transport (its message tags are 31-bit)",
+            "request_id",
+        )
+    return request_id * 4 + _TAG_KIND[kind]
 
 
 @dataclass
@@ -652,6 +667,7 @@ class InferenceStateHandoffMixin:
                 f"request {request_id} has no pinned handoff to push", "request_id"
             )
         blocks, slot, epoch = self._pins_by_request[request_id]
+        _tag(request_id, "kv")  # an id that cannot be tagged is refused before the push starts
         pins = self._pins()
         pins.begin_push(request_id, epoch)
         handles = []
@@ -722,6 +738,8 @@ class InferenceStateHandoffMixin:
         if "prefill_meta" not in kv_meta:
             raise MetadataError(f"request {request_id}: ticket has no prefill_meta", "prefill_meta")
         self._check_ticket_sources(request_id, kv_meta)
+        if self._is_push:
+            _tag(request_id, "kv")  # refuses an id whose tags would alias another request's
         integrity = None
         if self.verify_integrity:
             if kv_meta.get("integrity") is None:
@@ -760,13 +778,14 @@ class InferenceStateHandoffMixin:
             budget = min(budget, int(lease * LEASE_READ_FRACTION))
         lease_end = kv_meta.get("lease_until_wall_ns")
         now_wall = self.handoff_wall_now_ns if lease_end is not None else None
-        if now_wall is not None:
-            if not isinstance(lease_end, int) or isinstance(lease_end, bool) or lease_end < 0:
-                raise MetadataError(
-                    f"request {request_id}: ticket lease_until_wall_ns={lease_end!r} must be "
-                    "an int >= 0",
-                    "lease_until_wall_ns",
-                )
+        if now_wall is not None and (
+            not isinstance(lease_end, int) or isinstance(lease_end, bool) or lease_end < 0
+        ):
+            raise MetadataError(
+                f"request {request_id}: ticket lease_until_wall_ns={lease_end!r} must be "
+                "an int >= 0",
+                "lease_until_wall_ns",
+            )
         # A verifying decode reuses its prefix cache in whole digest chunks only (their
         # entries are then skipped); a table without chunks allows no reuse at all.
         prompt_args: dict[str, Any] = {"prompt_tokens": np.asarray(prompt, dtype=np.int64)}

@@ -239,7 +239,7 @@ impl ImportLedger {
     ) -> DisaggResult<Self> {
         Self::with_pools(
             BlockPool::new(num_blocks, block_size_tokens)?,
-            SlotPool::new(num_ssm_slots),
+            SlotPool::try_new(num_ssm_slots)?,
             cfg,
         )
     }
