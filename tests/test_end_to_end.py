@@ -109,7 +109,12 @@ def test_an_engine_killed_mid_run_and_restarted_ends_each_request_once_and_leaks
     for rid, tokens in result.answers.items():
         assert tokens == result.expected[rid]
     for rid, why in result.failed_requests.items():
-        assert "restarted" in why or "KV import failed" in why, (rid, why)
+        # On a loaded machine the new incarnation may take longer to start than the liveness
+        # timeout: the coordinator then declares the old one lost first (also a valid end).
+        assert any(s in why for s in ("restarted", "KV import failed", "silent for more")), (
+            rid,
+            why,
+        )
     # The restarted engine reported as generation 1; nothing is left anywhere.
     finals = [w for w in result.workers if w.get("stats") is not None]
     assert {w["generation"] for w in finals if w["role"] == engine} == {1}
