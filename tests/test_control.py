@@ -20,7 +20,7 @@ from disagg_rs.control import (
     decode_message,
     encode_message,
 )
-from disagg_rs.exceptions import MetadataError
+from disagg_rs.exceptions import ArgumentError, MetadataError
 
 CLIENT = b"client-1"
 PREFILL = b"prefill:p0:1"
@@ -106,31 +106,32 @@ def test_a_message_from_an_engine_not_serving_the_request_is_ignored() -> None:
     assert out == [] and state.ignored["PREFILL_DONE"] == 1
 
 
-def test_deadline_fails_the_request_aborts_engines_and_releases_pins() -> None:
+def test_deadline_fails_the_request_and_leaves_pins_the_decode_may_read_to_their_lease() -> None:
     state = _registered(timeout=5.0)
     epoch = _submit(state, now=0.0)
     state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch, ticket={}), 1)
     assert state.poll(4.9) == []
     out = state.poll(5.0)
-    assert sorted(_kinds(out)) == [
-        ("client", "FAILED"),
-        ("d0", "ABORT"),
-        ("p0", "ABORT"),
-        ("p0", "RELEASE_KV"),
-    ]
-    assert state.failed == 1 and not state.requests
+    # The decode holds the ticket and may still be reading: no RELEASE_KV, the lease decides.
+    assert sorted(_kinds(out)) == [("client", "FAILED"), ("d0", "ABORT"), ("p0", "ABORT")]
+    assert state.failed == 1 and not state.requests and state.left_to_lease == 1
     # A completion arriving after the failure touches nothing.
     assert state.handle(DECODE, _msg(Msg.DONE, request_id=7, epoch=epoch, tokens=[]), 6) == []
 
 
-def test_failed_import_fails_the_request_once_and_releases_pins() -> None:
+@pytest.mark.parametrize("quiet", [True, False, None])
+def test_failed_import_fails_once_and_releases_pins_only_when_the_decode_reads_are_quiet(
+    quiet: bool | None,
+) -> None:
     state = _registered()
     epoch = _submit(state)
     state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch, ticket={}), 1)
+    extra = {} if quiet is None else {"quiet": quiet}
     out = state.handle(
-        DECODE, _msg(Msg.KV_IMPORTED, request_id=7, epoch=epoch, ok=False, error="x"), 2
+        DECODE, _msg(Msg.KV_IMPORTED, request_id=7, epoch=epoch, ok=False, error="x", **extra), 2
     )
-    assert ("client", "FAILED") in _kinds(out) and ("p0", "RELEASE_KV") in _kinds(out)
+    assert ("client", "FAILED") in _kinds(out)
+    assert (("p0", "RELEASE_KV") in _kinds(out)) is (quiet is True)
     assert state.handle(DECODE, _msg(Msg.FAILED, request_id=7, epoch=epoch, error="again"), 2) == []
 
 
@@ -192,9 +193,9 @@ def test_restarted_decode_fails_its_requests_and_hands_prefilling_ones_to_the_ne
     out = _reregister(state, "decode", "d0", 2)
     failed = sorted(o.fields["request_id"] for o in out if o.kind is Msg.FAILED)
     assert failed == [1, 2]
-    # Request 2's pins on the prefill go back; request 3 was never on the decode.
-    releases = [o.fields["request_id"] for o in out if o.kind is Msg.RELEASE_KV]
-    assert releases == [2]
+    # Request 2's pins stay until their lease (the old decode process may still be reading
+    # them); request 3 was never on the decode.
+    assert [o for o in out if o.kind is Msg.RELEASE_KV] == [] and state.left_to_lease == 1
     new_decode = b"decode:d0:2"
     out = state.handle(
         PREFILL, _msg(Msg.PREFILL_DONE, request_id=3, epoch=prefilling, ticket={}), 3
@@ -308,12 +309,9 @@ def test_a_silent_engine_is_declared_lost_and_its_requests_fail_before_their_dea
     assert _beat(state, PREFILL, "p0", 4.0) == []
     assert state.poll(5.0) == []  # the decode was last heard at 0: not yet past 5 s
     out = state.poll(5.5)
-    assert sorted(_kinds(out)) == [
-        ("client", "FAILED"),
-        ("p0", "ABORT"),
-        ("p0", "PEERS"),
-        ("p0", "RELEASE_KV"),
-    ]
+    # No RELEASE_KV: the silent decode may only be stalled and read the pins when it continues;
+    # the prefill keeps them until their lease ends.
+    assert sorted(_kinds(out)) == [("client", "FAILED"), ("p0", "ABORT"), ("p0", "PEERS")]
     failed = next(o for o in out if o.kind is Msg.FAILED).fields["error"]
     assert "d0" in failed and "silent" in failed
     assert set(state.engines) == {"p0"} and state.lost["d0"] == 1
@@ -422,3 +420,41 @@ def test_work_arriving_with_the_registered_reply_is_not_lost() -> None:
     finally:
         link.close()
         router.close(0)
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -1.0, 0.0, True, "5", 1e9])
+def test_a_submit_with_a_timeout_that_never_or_already_expired_fails_alone_with_a_typed_error(
+    timeout_s: object,
+) -> None:
+    state = _registered()
+    out = state.handle(
+        CLIENT,
+        _msg(Msg.SUBMIT, request_id=3, prompt=[1], max_new_tokens=2, timeout_s=timeout_s),
+        0.0,
+    )
+    assert _kinds(out) == [("client", "FAILED")]
+    assert "ArgumentError" not in out[0].fields["error"]  # the message names the field
+    assert "timeout_s=" in out[0].fields["error"] and not state.requests
+    # The coordinator keeps serving: a good request after it flows.
+    _submit(state, 4)
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -0.5])
+def test_the_client_refuses_a_timeout_that_would_never_expire(timeout_s: float) -> None:
+    client = ControlClient("tcp://127.0.0.1:1")
+    try:
+        with pytest.raises(ArgumentError) as info:
+            client.submit(1, [1], 1, timeout_s=timeout_s)
+        assert info.value.field == "timeout_s"
+    finally:
+        client.close()
+
+
+def test_a_decode_failure_at_submit_is_quiet_and_releases_the_pins_at_once() -> None:
+    state = _registered()
+    epoch = _submit(state)
+    state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch, ticket={}), 1)
+    out = state.handle(
+        DECODE, _msg(Msg.FAILED, request_id=7, epoch=epoch, error="refused", quiet=True), 2
+    )
+    assert ("p0", "RELEASE_KV") in _kinds(out) and state.left_to_lease == 0

@@ -109,7 +109,12 @@ def test_an_engine_killed_mid_run_and_restarted_ends_each_request_once_and_leaks
     for rid, tokens in result.answers.items():
         assert tokens == result.expected[rid]
     for rid, why in result.failed_requests.items():
-        assert "restarted" in why or "KV import failed" in why, (rid, why)
+        # On a loaded machine the new incarnation may take longer to start than the liveness
+        # timeout: the coordinator then declares the old one lost first (also a valid end).
+        assert any(s in why for s in ("restarted", "KV import failed", "silent for more")), (
+            rid,
+            why,
+        )
     # The restarted engine reported as generation 1; nothing is left anywhere.
     finals = [w for w in result.workers if w.get("stats") is not None]
     assert {w["generation"] for w in finals if w["role"] == engine} == {1}
@@ -195,3 +200,37 @@ def test_a_read_corrupted_on_one_decode_rank_fails_the_request_on_every_rank_tog
     assert len(decode) == 2
     assert all(w["stats"]["imports_failed"] == 1 for w in decode)  # both ranks, same decision
     assert all(w["leaked_blocks"] == 0 and w["quarantined"] == 0 for w in decode)
+
+
+def test_a_decode_stopped_past_the_liveness_timeout_never_admits_its_stale_handoffs() -> None:
+    # The decode is stopped (SIGSTOP) before the first half is sent: its tickets wait unread
+    # while the coordinator declares it lost (2 s) and fails those requests, leaving the
+    # prefill's pins to their lease (3 s). After the lease, other prompts make the prefill reuse
+    # its blocks; then the decode continues (SIGCONT), reads the stale tickets, registers again
+    # and the second half (the same prompts) is sent. Before, the coordinator released the pins
+    # at once and the continued decode imported reused blocks, admitted them and cached them:
+    # the second half answered wrongly. Valid outcomes: a stalled request fails or answers
+    # right; it is never admitted; the second half answers right; nothing is left anywhere.
+    prompts = ("Stalled decodes must never read reused blocks.", "Leases end; pins do too.")
+    opts = {
+        **SMALL,
+        "requests": 4,
+        "prompts": prompts,
+        "model": "attention",
+        "stall_engine": "decode",
+        "engine_timeout_s": 2.0,
+        "lease_s": 3.0,
+        "timeout_s": 100.0,
+    }
+    result = run_demo(DemoOptions(**opts))  # type: ignore[arg-type]
+    assert result.failures == [], "\n".join(result.failures)
+    assert result.after_restart == (2, 3)
+    assert set(result.after_restart) <= set(result.answers)
+    for rid, tokens in result.answers.items():
+        assert tokens == result.expected[rid], rid
+    assert {0, 1} <= set(result.answers) | set(result.failed_requests)
+    (decode,) = [w for w in result.workers if w.get("stats") is not None and w["role"] == "decode"]
+    assert not {0, 1} & set(decode["admitted"])
+    finals = [w for w in result.workers if w.get("stats") is not None]
+    assert all(w["leaked_blocks"] == 0 and w["pinned"] == 0 for w in finals)
+    assert all(w["quarantined"] == 0 for w in finals)

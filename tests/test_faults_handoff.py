@@ -274,3 +274,75 @@ def test_a_ticket_with_a_mistyped_lease_is_a_metadata_error(
     assert info.value.field == "lease_ns" and dec.pending_kv_import_count == 0
     pre.release_handoff_blocks(5)
     _assert_all_free(pre, dec)
+
+
+@pytest.mark.parametrize(
+    "prefill_meta",
+    [{}, {"ranks": []}, {"ranks": [{}]}, {"ranks": "x"}, {"ranks": [{"kv": None, "conv": 1}]}],
+)
+def test_a_ticket_without_a_source_for_state_the_decode_must_read_is_refused_unreserved(
+    hybrid: tuple[HandoffReferenceEngine, HandoffReferenceEngine], prefill_meta: dict[str, Any]
+) -> None:
+    # Before: prefill_meta={} reserved blocks, posted nothing, reported "ok" and admitted the
+    # request with unwritten blocks.
+    pre, dec = hybrid
+    h, ticket = _ticket(pre, 1)
+    with pytest.raises(exceptions.MetadataError) as info:
+        dec.add_request_with_kv_handoff(
+            1, h.prompt, MAX_NEW, {**ticket, "prefill_meta": prefill_meta}, ticket["src_block_ids"]
+        )
+    assert info.value.field == "prefill_meta"
+    assert dec.pending_kv_import_count == 0 and dec.handoff_stats["imports_started"] == 0
+    pre.release_handoff_blocks(1)
+    _assert_all_free(pre, dec)
+
+
+WALL = 1_700_000_000_000_000_000  # a wall clock reading, virtual
+
+
+def test_a_ticket_that_arrives_after_the_prefill_lease_ended_is_refused_before_any_read(
+    hybrid: tuple[HandoffReferenceEngine, HandoffReferenceEngine],
+) -> None:
+    # The decode was stopped while the ticket waited: by the prefill's wall clock the lease
+    # (10 s) is over when the decode reads the ticket, whatever the decode's own clock says.
+    pre, dec = hybrid
+    pre.handoff_lease_ns = 10_000_000_000
+    pre.handoff_wall_now_ns = WALL
+    h, ticket = _ticket(pre, 1)
+    assert ticket["lease_until_wall_ns"] == WALL + 10_000_000_000
+    dec.handoff_wall_now_ns = WALL + 9_500_000_000  # within 1 s (clock offset bound) of the end
+    with pytest.raises(exceptions.ArgumentError) as info:
+        dec.add_request_with_kv_handoff(1, h.prompt, MAX_NEW, ticket, ticket["src_block_ids"])
+    assert info.value.field == "lease_until_wall"
+    assert dec.pending_kv_import_count == 0 and dec.handoff_stats["imports_started"] == 0
+    pre.release_handoff_blocks(1)
+    _assert_all_free(pre, dec)
+
+
+def test_an_import_observed_complete_after_the_lease_is_neither_admitted_nor_cached(
+    hybrid: tuple[HandoffReferenceEngine, HandoffReferenceEngine],
+) -> None:
+    pre, dec = hybrid
+    pre.handoff_lease_ns = 10_000_000_000
+    pre.handoff_wall_now_ns = dec.handoff_wall_now_ns = WALL
+    h, ticket = _ticket(pre, 1)
+    start = dec.handoff_now_ns
+    dec.add_request_with_kv_handoff(1, h.prompt, MAX_NEW, ticket, ticket["src_block_ids"])
+    for _ in range(5000):  # the read completes and is reported (ready), within the lease
+        dec._poll_pending_kv_imports()
+        if dec._ledger().num_ready:
+            break
+        time.sleep(0.001)
+    assert dec._ledger().num_ready == 1
+    # The decode stalls; its next clock reading is past the lease (9 s left after the bound).
+    dec.handoff_now_ns = start + 9_000_000_000
+    assert dec._admit_pending_kv_imports() == 0
+    assert dict(dec._drain_handoff_completion_notifications()) == {1: True}
+    assert dec.pop_handoff_failure_reason(1) == "lease_expired"
+    assert dec._ledger().counters()["lease_expired"] == 1
+    # Nothing of it entered the prefix cache: the same prompt is pulled from token 0 again.
+    assert (
+        dec._ledger().block_pool.match_prefix(dec._ledger().block_pool.block_hashes(h.prompt)) == []
+    )
+    pre.release_handoff_blocks(1)
+    _assert_all_free(pre, dec)

@@ -14,14 +14,22 @@ The routing logic is sans-IO (:class:`CoordinatorState`: messages and the caller
 addressed messages out), so tests drive it with a virtual clock; :class:`CoordinatorServer` is
 the thin ZeroMQ loop around it. Every request carries an attempt ``epoch``: a message for a
 finished request or an old epoch is ignored and counted, never applied. Every request has a
-deadline; when it passes the client gets ``FAILED``, the engines ``ABORT`` and the prefill
-``RELEASE_KV``, so no pinned block outlives its request.
+deadline; when it passes the client gets ``FAILED`` and the engines ``ABORT``.
+
+Lease safety: a prefill's pinned blocks are the source of the decode's reads, so RELEASE_KV
+goes out only once the decode is known not to read them any more: it reported the import done
+(``KV_IMPORTED ok``, ``DONE``), reported a failure with its reads quiet (``quiet: true``), or
+was never sent the ticket. Otherwise (the decode is lost, fenced, restarted, past the deadline,
+or its reads may still be running) the prefill keeps the pin until its lease ends, and the
+decode, which knows that end from the ticket, never starts, completes or admits the import
+after it.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -33,9 +41,13 @@ from typing import Any
 import msgpack
 import zmq
 
-from disagg_rs.exceptions import MetadataError, TransferTimeout
+from disagg_rs.exceptions import ArgumentError, MetadataError, TransferTimeout
+
+logger = logging.getLogger("disagg_rs.control")
 
 __all__ = [
+    "MAX_NEW_TOKENS",
+    "MAX_PROMPT_TOKENS",
     "PROTOCOL_VERSION",
     "ControlClient",
     "CoordinatorServer",
@@ -43,12 +55,29 @@ __all__ = [
     "EngineLink",
     "Msg",
     "Outgoing",
+    "check_fields",
+    "check_timeout",
     "decode_message",
     "encode_message",
 ]
 
 PROTOCOL_VERSION = 2
 """Version 2 added HEARTBEAT and FENCED (coordinator liveness)."""
+
+MAX_TIMEOUT_S = 86_400.0
+"""Largest request timeout a SUBMIT may ask for (one day)."""
+
+
+def check_timeout(value: Any, field: str = "timeout_s") -> float:
+    """``value`` as a timeout in seconds: a real number in ``(0, MAX_TIMEOUT_S]``. NaN, inf,
+    zero, negative, bool and non-numbers raise :class:`ArgumentError` naming ``field`` (a NaN
+    deadline would never pass)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentError(f"{field}={value!r:.60} must be a number of seconds", field)
+    t = float(value)
+    if not 0.0 < t <= MAX_TIMEOUT_S:  # also False for NaN
+        raise ArgumentError(f"{field}={value!r} must be in (0, {MAX_TIMEOUT_S:g}] seconds", field)
+    return t
 
 
 class Msg(str, enum.Enum):
@@ -96,6 +125,94 @@ _REQUIRED: dict[Msg, tuple[str, ...]] = {
     Msg.HEARTBEAT: ("engine_id", "incarnation"),
     Msg.FENCED: ("engine_id",),
 }
+
+
+MAX_PROMPT_TOKENS = 1 << 20
+"""Longest prompt a SUBMIT may carry."""
+MAX_NEW_TOKENS = 1 << 20
+"""Largest ``max_new_tokens`` a SUBMIT may ask for."""
+MAX_ID = (1 << 63) - 1
+"""Largest request id, epoch or incarnation (they travel as signed 64-bit ints)."""
+MAX_TEXT = 4096
+"""Longest engine id or error text."""
+MAX_FRAME_BYTES = 64 << 20
+"""Largest control frame a socket accepts (ZeroMQ ``MAXMSGSIZE``); larger ones are dropped."""
+
+
+def _int_in(lo: int, hi: int) -> Callable[[Any], bool]:
+    return lambda v: type(v) is int and lo <= v <= hi
+
+
+def _text(v: Any) -> bool:
+    return isinstance(v, str) and len(v) <= MAX_TEXT
+
+
+def _int_list(max_len: int, min_len: int = 0) -> Callable[[Any], bool]:
+    def ok(v: Any) -> bool:
+        return (
+            isinstance(v, list)
+            and min_len <= len(v) <= max_len
+            and all(type(t) is int and 0 <= t <= MAX_ID for t in v)
+        )
+
+    return ok
+
+
+def _timeout(v: Any) -> bool:
+    try:
+        check_timeout(v)
+    except ArgumentError:
+        return False
+    return True
+
+
+_ID = _int_in(0, MAX_ID)
+_BOOL: Callable[[Any], bool] = lambda v: isinstance(v, bool)  # noqa: E731
+_MAP: Callable[[Any], bool] = lambda v: isinstance(v, dict)  # noqa: E731
+_ANY: Callable[[Any], bool] = lambda v: True  # noqa: E731
+
+#: Per message type the coordinator accepts: field -> check. Optional fields are checked only
+#: when present; a failing check names the field. Types not listed are not for the coordinator.
+_SCHEMA: dict[Msg, dict[str, Callable[[Any], bool]]] = {
+    Msg.REGISTER: {
+        "engine_id": _text,
+        "role": lambda v: v in ("prefill", "decode"),
+        "incarnation": _ID,
+        "meta": _ANY,
+    },
+    Msg.SUBMIT: {
+        "request_id": _ID,
+        "prompt": _int_list(MAX_PROMPT_TOKENS, 1),
+        "max_new_tokens": _int_in(1, MAX_NEW_TOKENS),
+        "timeout_s": _timeout,
+    },
+    Msg.PREFILL_DONE: {"request_id": _ID, "epoch": _ID, "ticket": _MAP},
+    Msg.PREFILL_FAILED: {"request_id": _ID, "epoch": _ID, "error": _text},
+    Msg.KV_RECV_POSTED: {"request_id": _ID, "epoch": _ID, "transfer": _MAP},
+    Msg.KV_IMPORTED: {
+        "request_id": _ID,
+        "epoch": _ID,
+        "ok": _BOOL,
+        "error": _text,
+        "quiet": _BOOL,
+    },
+    Msg.TOKENS: {"request_id": _ID, "epoch": _ID, "tokens": _int_list(MAX_NEW_TOKENS)},
+    Msg.DONE: {"request_id": _ID, "epoch": _ID, "tokens": _int_list(MAX_NEW_TOKENS + 1)},
+    Msg.FAILED: {"request_id": _ID, "epoch": _ID, "error": _text, "quiet": _BOOL},
+    Msg.HEARTBEAT: {"engine_id": _text, "incarnation": _ID},
+}
+
+
+def check_fields(msg: dict[str, Any]) -> None:
+    """Check the fields of a decoded message the coordinator accepts (types, ranges, size
+    caps; NaN and inf rejected); raises :class:`MetadataError` naming the first bad field."""
+    kind: Msg = msg["type"]
+    schema = _SCHEMA.get(kind)
+    if schema is None:
+        raise MetadataError(f"{kind.value} is not a message the coordinator accepts", "type")
+    for name, ok in schema.items():
+        if name in msg and not ok(msg[name]):
+            raise MetadataError(f"{kind.value} field {name}={msg[name]!r:.80} is invalid", name)
 
 
 def encode_message(kind: Msg, **fields: Any) -> bytes:
@@ -170,6 +287,8 @@ class _Request:
     prefill: str | None = None
     decode: str | None = None
     pinned: bool = False
+    ticket_sent: bool = False
+    """The decode was sent the ticket: it may read the pinned blocks until it says it is quiet."""
     tokens: list[int] = field(default_factory=list)
 
 
@@ -195,14 +314,19 @@ class CoordinatorState:
     ) -> None:
         if engine_timeout_s is not None and not engine_timeout_s > 0:
             raise ValueError(f"engine_timeout_s={engine_timeout_s!r} must be > 0 or None")
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s = check_timeout(request_timeout_s, "request_timeout_s")
         self.push_transport = push_transport
         self.engine_timeout_s = engine_timeout_s
         self.lost: Counter[str] = Counter()
         """Engines declared lost by the liveness timeout, by engine id."""
+        self.left_to_lease = 0
+        """Failed requests whose prefill pins were left to their lease (the decode may still
+        have been reading them), instead of released by RELEASE_KV."""
         self.engines: dict[str, _Engine] = {}
         self.requests: dict[int, _Request] = {}
         self.ignored: Counter[str] = Counter()
+        self.malformed: Counter[str] = Counter()
+        """Messages refused by :func:`check_fields` (or that failed to apply), by type."""
         self.completed = 0
         self.failed = 0
         self._epochs = itertools.count(1)
@@ -223,8 +347,10 @@ class CoordinatorState:
         self._round_robin[role] += 1
         return ids[i]
 
-    def _fail(self, req: _Request, error: str) -> list[Outgoing]:
-        """End a request with one FAILED, abort it on engines, release prefill pins."""
+    def _fail(self, req: _Request, error: str, decode_quiet: bool = False) -> list[Outgoing]:
+        """End a request with one FAILED and abort it on engines. Prefill pins are released
+        only if no decode may read them (``decode_quiet``, or the ticket was never sent);
+        otherwise they are left to the prefill's lease."""
         out = [
             Outgoing(None, req.client, Msg.FAILED, {"request_id": req.request_id, "error": error})
         ]
@@ -236,7 +362,10 @@ class CoordinatorState:
                     )
                 )
         if req.pinned and req.prefill in self.engines:
-            out.append(self._release(req))
+            if decode_quiet or not req.ticket_sent:
+                out.append(self._release(req))
+            else:
+                self.left_to_lease += 1
         del self.requests[req.request_id]
         self.failed += 1
         return out
@@ -270,7 +399,30 @@ class CoordinatorState:
 
     # -- events --------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: dict[str, Any], now: float) -> list[Outgoing]:
-        """Apply one incoming message from ``identity``."""
+        """Apply one incoming message from ``identity``. Never raises on input: a message that
+        fails :func:`check_fields` (or, defensively, any error while applying it) is counted in
+        ``malformed`` by type and changes nothing; a malformed SUBMIT with a usable request id
+        gets FAILED naming the bad field."""
+        kind = msg.get("type") if isinstance(msg, dict) else None
+        name = kind.value if isinstance(kind, Msg) else "<unknown>"
+        try:
+            if not isinstance(kind, Msg):
+                raise MetadataError(f"message type {kind!r:.40} is not a Msg", "type")
+            check_fields(msg)
+        except MetadataError as e:
+            self.malformed[name] += 1
+            rid = msg.get("request_id") if isinstance(msg, dict) else None
+            if kind is Msg.SUBMIT and _ID(rid) and rid not in self.requests:
+                return [Outgoing(None, identity, Msg.FAILED, {"request_id": rid, "error": str(e)})]
+            return []
+        try:
+            return self._apply(identity, msg, now)
+        except Exception:  # a bug, not input: count it, keep serving
+            logger.exception("coordinator failed to apply a %s message", name)
+            self.malformed[name] += 1
+            return []
+
+    def _apply(self, identity: bytes, msg: dict[str, Any], now: float) -> list[Outgoing]:
         kind: Msg = msg["type"]
         sender = next((e.engine_id for e in self.engines.values() if e.identity == identity), None)
         if sender is not None:
@@ -363,6 +515,11 @@ class CoordinatorState:
 
     def _on_submit(self, identity: bytes, msg: dict[str, Any], now: float) -> list[Outgoing]:
         rid = int(msg["request_id"])
+        try:
+            timeout = check_timeout(msg.get("timeout_s", self.request_timeout_s))
+        except ArgumentError as e:
+            self.ignored["SUBMIT"] += 1
+            return [Outgoing(None, identity, Msg.FAILED, {"request_id": rid, "error": str(e)})]
         if rid in self.requests:
             self.ignored["SUBMIT"] += 1
             return [
@@ -375,7 +532,7 @@ class CoordinatorState:
             identity,
             list(msg["prompt"]),
             int(msg["max_new_tokens"]),
-            deadline=now + float(msg.get("timeout_s", self.request_timeout_s)),
+            deadline=now + timeout,
             epoch=next(self._epochs),
         )
         self.requests[rid] = req
@@ -424,6 +581,7 @@ class CoordinatorState:
             if first
             else []
         )
+        req.ticket_sent = True  # from now on the decode may read the pinned blocks
         return [
             *streamed,
             Outgoing(
@@ -464,7 +622,13 @@ class CoordinatorState:
             self.ignored["KV_IMPORTED"] += 1
             return []
         if not msg["ok"]:
-            return self._fail(req, f"KV import failed: {msg.get('error', 'unknown error')}")
+            # ``quiet``: the decode's reads of the pinned blocks are over (none posted, or all
+            # terminal); without it they may still run and the pin waits for its lease.
+            return self._fail(
+                req,
+                f"KV import failed: {msg.get('error', 'unknown error')}",
+                decode_quiet=msg.get("quiet") is True,
+            )
         return [self._release(req)]
 
     def _on_tokens(self, req: _Request, msg: dict[str, Any]) -> list[Outgoing]:
@@ -487,7 +651,7 @@ class CoordinatorState:
         return out
 
     def _on_failed(self, req: _Request, msg: dict[str, Any]) -> list[Outgoing]:
-        return self._fail(req, str(msg["error"]))
+        return self._fail(req, str(msg["error"]), decode_quiet=msg.get("quiet") is True)
 
     def poll(self, now: float) -> list[Outgoing]:
         """Declare silent engines lost (``engine_timeout_s``), then fail every request whose
@@ -531,6 +695,7 @@ class CoordinatorServer:
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.undeliverable = 0
@@ -611,6 +776,7 @@ class CoordinatorServer:
                 except MetadataError:
                     self.malformed += 1
                     continue
+                # handle() never raises on input; it counts refused messages itself.
                 self._send(self.state.handle(identity, msg, time.monotonic()))
         self._send(self.state.poll(time.monotonic()))
 
@@ -657,6 +823,7 @@ class EngineLink:
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IDENTITY, f"{role}:{engine_id}:{self.incarnation}".encode())
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._sock.connect(endpoint)
         self.peers: dict[str, dict[str, Any]] = {}
         self._last_sent = time.monotonic()
@@ -664,6 +831,8 @@ class EngineLink:
         self._backlog: list[dict[str, Any]] = []
         self.fenced = 0
         """How many times the coordinator fenced this engine (it then registered again)."""
+        self.malformed = 0
+        """Undecodable frames received (dropped)."""
 
     def register(self, meta: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """Publish static metadata once; returns the peers known to the coordinator."""
@@ -715,6 +884,9 @@ class EngineLink:
                     msg = decode_message(self._sock.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
+                except MetadataError:
+                    self.malformed += 1  # an undecodable frame never stops the engine
+                    continue
                 if msg["type"] in (Msg.REGISTERED, Msg.PEERS):
                     self.peers = dict(msg["peers"])
                 if msg["type"] is Msg.FENCED and self._meta is not None:
@@ -744,8 +916,8 @@ class ControlClient:
         max_new_tokens: int,
         timeout_s: float | None = None,
     ) -> None:
-        """Send one request."""
-        extra = {} if timeout_s is None else {"timeout_s": timeout_s}
+        """Send one request (``timeout_s``: see :func:`check_timeout`)."""
+        extra = {} if timeout_s is None else {"timeout_s": check_timeout(timeout_s)}
         self._sock.send(
             encode_message(
                 Msg.SUBMIT,

@@ -89,6 +89,13 @@ class DemoOptions:
     """Submit each request only after the previous one finished (prefix-cache reuse)."""
     verify_integrity: bool = False
     """Digest the state on prefill and check it on decode before admission."""
+    stall_engine: str | None = None
+    """Fault test: ``"decode"``. The decode's processes are stopped (SIGSTOP) before the
+    first half of the requests is sent, so their tickets wait unread while the coordinator
+    declares the decode lost; once the prefill's leases ended, requests with other prompts
+    make the prefill reuse its blocks, then the decode continues (SIGCONT), registers again
+    and the second half is sent. The stalled requests may fail, never answer wrongly, and are
+    never admitted; the second half must answer like the colocated run."""
     corrupt: tuple[int, int] | None = None
     """Fault test ``(decode rank index, request id)``: on that decode rank, flip a bit of that
     request's KV as its read completes (needs ``verify_integrity`` and NIXL). The request must
@@ -275,8 +282,9 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
                         m["decode_meta"] = link.peers[m["decode_engine_id"]]["meta"]["ranks"]
                     if m["type"] is Msg.SEND_KV:
                         m["decode_meta"] = link.peers[m["decode_engine_id"]]["meta"]["ranks"]
-            now, msgs = engine.handoff_broadcast((time.monotonic_ns(), msgs))
+            now, wall, msgs = engine.handoff_broadcast((time.monotonic_ns(), time.time_ns(), msgs))
             engine.handoff_now_ns = now
+            engine.handoff_wall_now_ns = wall
             if stop_by is not None:
                 # Mirrored ledger state and the broadcast clock: every rank decides alike.
                 pinned = engine._pin_ledger.num_pinned if engine._pin_ledger is not None else 0
@@ -291,7 +299,9 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
             idle = 0 if msgs or engine.has_work else idle + 1
             for m in msgs:
                 kind = m["type"]
-                rid = int(m.get("request_id", -1))
+                rid = m.get("request_id", -1)
+                if type(rid) is not int:  # not from a well-behaved coordinator: skip it
+                    continue
                 if kind in (Msg.PREFILL, Msg.SUBMIT_REQUEST_WITH_KV, Msg.SEND_KV):
                     key = (kind.value, rid, int(m["epoch"]))
                     if key in seen:  # a duplicated message: the first one was acted on
@@ -304,7 +314,7 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
                     decode_targets[rid] = m.get("decode_meta")
                     try:
                         engine.add_request(rid, m["prompt"], int(m["max_new_tokens"]))
-                    except DisaggError as e:  # e.g. a retried id still running: refuse it
+                    except Exception as e:  # a bad prompt or a retried id: fail it alone
                         if link is not None:
                             link.send(
                                 Msg.PREFILL_FAILED,
@@ -323,13 +333,14 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
                             ticket,
                             ticket["src_block_ids"],
                         )
-                    except Exception as e:  # rejected before any mutation
+                    except Exception as e:  # rejected before any mutation: nothing was read
                         if link is not None:
                             link.send(
                                 Msg.FAILED,
                                 request_id=rid,
                                 epoch=epochs[rid],
                                 error=f"{type(e).__name__}: {e}",
+                                quiet=True,
                             )
                         continue
                     pending = engine._pending_imports.get(rid)
@@ -341,9 +352,12 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
                             transfer=pending.destination,
                         )
                 elif kind is Msg.SEND_KV:
-                    engine.push_handoff_kv(
-                        rid, with_push_destination(m["decode_meta"], m["transfer"])
-                    )
+                    try:
+                        engine.push_handoff_kv(
+                            rid, with_push_destination(m["decode_meta"], m["transfer"])
+                        )
+                    except Exception as e:  # refused before the push started: pins wait
+                        print(f"{role} rank {global_rank}: SEND_KV {rid} refused: {e}")
                 elif kind is Msg.RELEASE_KV:
                     engine.release_handoff_blocks(rid)
                 elif kind is Msg.ABORT:
@@ -351,21 +365,26 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
                         engine.abort_kv_import(rid)  # any import stage
                         engine.abort(rid)  # already admitted: stop generating
                     else:
-                        engine.abort(rid)  # still prefilling: drop it
-                        engine.release_handoff_blocks(rid)
+                        # Still prefilling: drop it. Pins stay until RELEASE_KV or their
+                        # lease: the decode may still be reading them.
+                        engine.abort(rid)
             if role == "decode":
-                engine._poll_pending_kv_imports()
+                # Admit first: this turn's clock was read after the last turn observed the
+                # completions, so a lease that ended in between (a stalled process) is seen.
                 engine._admit_pending_kv_imports()
+                engine._poll_pending_kv_imports()
                 for rid2, failed in engine._drain_handoff_completion_notifications():
                     why = engine.pop_handoff_failure_reason(rid2) or "unknown reason"
                     if link is not None and rid2 not in admitted_sent:
                         admitted_sent.add(rid2)
+                        quarantined = any(k[0] == rid2 for k in engine._quarantined)
                         link.send(
                             Msg.KV_IMPORTED,
                             request_id=rid2,
                             epoch=epochs[rid2],
                             ok=not failed,
                             error=why if failed else "",
+                            quiet=failed and not quarantined,
                         )
             else:
                 engine._poll_pending_kv_pushes()
@@ -409,6 +428,7 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
                 "leaked_blocks": engine.leaked_blocks(),
                 "quarantined": engine.num_quarantined_kv_imports,
                 "pinned": engine._pin_ledger.num_pinned if engine._pin_ledger is not None else 0,
+                "admitted": sorted({e[1] for e in engine.handoff_events if e[0] == "admitted"}),
                 "error": None,
             }
         )
@@ -510,6 +530,11 @@ class _Supervisor:
             self.down.add(role)
         return int(victim.pid)
 
+    def signal(self, role: str, sig: int) -> None:
+        """Send ``sig`` to every process of ``role`` (SIGSTOP / SIGCONT: a stalled engine)."""
+        for p in self.procs[role]:
+            os.kill(p.pid, sig)
+
     def current(self, report: dict[str, Any]) -> bool:
         """Whether a worker report comes from an engine's current incarnation."""
         return report.get("generation") == self.generation.get(str(report.get("role")))
@@ -562,8 +587,14 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     )
     texts = opts.prompts or PROMPTS
     prompts = {i: list(texts[i % len(texts)].encode()) for i in range(opts.requests)}
+    # stall_engine: other prompts (the same texts reversed) that reuse the prefill's blocks.
+    fillers = (
+        {opts.requests + i: list(reversed(prompts[i])) for i in range(opts.requests)}
+        if opts.stall_engine
+        else {}
+    )
     t_ref = time.perf_counter()
-    expected = _colocated_reference(opts, prompts)
+    expected = _colocated_reference(opts, {**prompts, **fillers})
     t_ref = time.perf_counter() - t_ref
     client = ControlClient(server.endpoint)
     deadline = time.monotonic() + opts.timeout_s
@@ -574,7 +605,10 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     open_ids = set(prompts)
     ended_twice: list[int] = []
     # With kill_engine: the second half is sent once the restarted engine has registered.
-    wave2 = sorted(prompts)[(opts.requests + 1) // 2 :] if opts.kill_engine else []
+    # With stall_engine: once the stalled engine continued and registered again.
+    two_waves = bool(opts.kill_engine or opts.stall_engine)
+    wave2 = sorted(prompts)[(opts.requests + 1) // 2 :] if two_waves else []
+    stall = _Stall(opts, sup, server, fillers) if opts.stall_engine else None
     after_restart: tuple[int, ...] = ()
     restart_from: int | None = None  # incarnation that was killed, until its successor registers
     killed = False
@@ -598,12 +632,15 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             traces[rid] = _RequestTrace(time.perf_counter())
             client.submit(rid, prompt, opts.max_new_tokens)
 
+        if stall is not None and to_send:
+            stall.stop()
+            say(f"stopped {opts.stall_engine} with SIGSTOP before sending {len(to_send)} requests")
         while to_send and not opts.sequential:
             submit_next()
         if to_send:
             submit_next()
         bar = _progress(opts.requests * opts.max_new_tokens, opts.quiet)
-        while traces and open_ids and time.monotonic() < deadline and not crashed():
+        while traces and (open_ids or held) and time.monotonic() < deadline and not crashed():
             if opts.sequential and to_send and len(open_ids) == len(to_send):
                 submit_next()
             streamed = any(t.first_token is not None for t in traces.values())
@@ -616,6 +653,20 @@ def run_demo(opts: DemoOptions) -> DemoResult:
                     f"killed {role} rank {opts.kill_rank % sup.sizes[role]} (pid {pid}) "
                     f"with SIGKILL; {'restarting the engine' if opts.restart else 'not restarted'}"
                 )
+            if stall is not None:
+                for line in stall.step(open_ids, to_send):
+                    say(line)
+                for rid in stall.submitted:
+                    if rid not in traces:
+                        traces[rid] = _RequestTrace(time.perf_counter())
+                        open_ids.add(rid)
+                        client.submit(rid, fillers[rid], opts.max_new_tokens)
+                if stall.back and held:
+                    after_restart = tuple(rid for rid, _ in held)
+                    to_send += held
+                    held = []
+                    while to_send:
+                        submit_next()
             if restart_from is not None:
                 role = str(opts.kill_engine)
                 engine = server.state.engines.get(role)
@@ -632,6 +683,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
                     restart_from = None
                     after_restart = tuple(rid for rid, _ in held)
                     to_send += held
+                    held = []
                     while to_send:
                         submit_next()
             for ev in client.events(0.2):
@@ -679,6 +731,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         for p in sup.all():
             p.join(timeout=5)
     finally:
+        if stall is not None:
+            stall.resume()  # a stopped process ignores SIGKILL's cleanup until continued
         for p in sup.all():
             if p.is_alive():
                 p.kill()
@@ -699,8 +753,10 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         if tr.error is not None:
             failed_requests[rid] = tr.error
             # With injected faults a request may fail; after a restart, none may.
-            may_fail = (opts.kill_engine and (rid not in after_restart or not opts.restart)) or (
-                opts.corrupt is not None and rid == opts.corrupt[1]
+            may_fail = (
+                (opts.kill_engine and (rid not in after_restart or not opts.restart))
+                or (opts.corrupt is not None and rid == opts.corrupt[1])
+                or (opts.stall_engine is not None and rid not in after_restart)
             )
             if opts.control_faults == 0 and not may_fail:
                 failures.append(f"request {rid} failed: {tr.error}")
@@ -802,6 +858,54 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     )
 
 
+class _Stall:
+    """The ``stall_engine`` fault test, step by step from the client loop: SIGSTOP, wait for
+    the coordinator to declare the engine lost and for the prefill's leases to end, send the
+    filler prompts (they reuse the prefill's blocks and fail: no decode), SIGCONT, wait for the
+    engine to register again; then ``back`` is true."""
+
+    def __init__(
+        self, opts: DemoOptions, sup: _Supervisor, server: Any, fillers: dict[int, list[int]]
+    ) -> None:
+        self.opts, self.sup, self.server = opts, sup, server
+        self.role = str(opts.stall_engine)
+        self.fillers = fillers
+        self.submitted: list[int] = []
+        self.stopped = False
+        self.lost_at: float | None = None
+        self.back = False
+
+    def stop(self) -> None:
+        self.sup.signal(self.role, signal.SIGSTOP)
+        self.stopped = True
+
+    def resume(self) -> None:
+        if self.stopped:
+            self.sup.signal(self.role, signal.SIGCONT)
+            self.stopped = False
+
+    def step(self, open_ids: set[int], to_send: list[Any]) -> list[str]:
+        lines: list[str] = []
+        state = self.server.state
+        if self.lost_at is None and state.lost[self.role]:
+            self.lost_at = time.monotonic()
+            lines.append(f"the coordinator declared {self.role} lost")
+        # Every pin the stalled engine could read was taken before it was declared lost.
+        leases_over = (
+            self.lost_at is not None and time.monotonic() > self.lost_at + self.opts.lease_s + 1
+        )
+        if leases_over and not self.submitted and not to_send:
+            self.submitted = sorted(self.fillers)
+            lines.append(f"leases over; sending other prompts {self.submitted}")
+        if self.stopped and self.submitted and not open_ids & set(self.submitted):
+            self.resume()
+            lines.append(f"continued {self.role} with SIGCONT")
+        if not self.stopped and self.submitted and not self.back and self.role in state.engines:
+            self.back = True
+            lines.append(f"{self.role} registered again")
+        return lines
+
+
 def _check_options(opts: DemoOptions) -> None:
     """Refuse option combinations the demo cannot run, before anything starts."""
     if not opts.engine_timeout_s > 0:
@@ -816,6 +920,13 @@ def _check_options(opts: DemoOptions) -> None:
                 f"corrupt={opts.corrupt}: decode rank must be in [0, {n}) and request id in "
                 f"[0, {opts.requests})"
             )
+    if opts.stall_engine is not None:
+        if opts.stall_engine != "decode" or opts.kill_engine is not None:
+            raise ValueError(
+                f"stall_engine={opts.stall_engine!r}: expected 'decode', without kill_engine"
+            )
+        if opts.backend != "nixl" or opts.sequential or opts.requests < 2:
+            raise ValueError("stall_engine needs backend='nixl', two waves and requests >= 2")
     if opts.kill_engine is None:
         return
     if opts.kill_engine not in ("prefill", "decode"):

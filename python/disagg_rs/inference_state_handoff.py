@@ -53,6 +53,7 @@ from disagg_rs.decode_admission import (
     can_admit_prefilled_decode,
 )
 from disagg_rs.exceptions import (
+    ArgumentError,
     DisaggError,
     HandoffMetadataError,
     HandoffStateError,
@@ -116,9 +117,23 @@ _KV_AXES = {
 _TAG_KIND = {"kv": 0, "conv": 1, "recurrent": 2}
 
 
+#: Request ids a two-sided transport can tag: ``id * 4 + kind`` must fit a 31-bit tag.
+MAX_TWO_SIDED_REQUEST_ID = (1 << 29) - 1
+
+
 def _tag(request_id: int, kind: str) -> int:
-    """The two-sided message tag of one request's state kind (both sides compute it)."""
-    return (request_id * 4 + _TAG_KIND[kind]) & 0x7FFFFFFF
+    """The two-sided message tag of one request's state kind (both sides compute it).
+
+    Injective: an id outside ``[0, MAX_TWO_SIDED_REQUEST_ID]`` is refused
+    (``ArgumentError``) instead of wrapping onto another request's tag.
+    """
+    if not 0 <= request_id <= MAX_TWO_SIDED_REQUEST_ID:
+        raise ArgumentError(
+            f"request_id={request_id} must be in [0, {MAX_TWO_SIDED_REQUEST_ID}] on a two-sided "
+            "transport (its message tags are 31-bit)",
+            "request_id",
+        )
+    return request_id * 4 + _TAG_KIND[kind]
 
 
 # -- helpers the reference design's engines use (module attributes, looked up at call time) ----
@@ -315,6 +330,11 @@ class InferenceStateHandoffMixin:
         self._staged_by_request: dict[int, list[dict[str, Any]]] = {}
         self._completion_notifications: list[tuple[int, bool]] = []
         self.handoff_now_ns = 0
+        #: Wall clock (``time.time_ns()``) read with ``handoff_now_ns``, or None. When set, a
+        #: prefill states its pin's end on it in each ticket (``lease_until_wall_ns``) and a
+        #: decode never starts, completes or admits an import past that end (less the
+        #: ledger's clock offset bound), however long the ticket took to arrive.
+        self.handoff_wall_now_ns: int | None = None
         #: Digest the handed-off state (prefill: put a table in every ticket; decode: require
         #: one and check the written state against it before admission, failing the import
         #: with ``IntegrityError``). See :mod:`disagg_rs.integrity`. Set it like
@@ -1025,6 +1045,8 @@ class InferenceStateHandoffMixin:
             "pin_epoch": epoch,
             "lease_ns": self.handoff_lease_ns,
         }
+        if self.handoff_wall_now_ns is not None:
+            ticket["lease_until_wall_ns"] = self.handoff_wall_now_ns + self.handoff_lease_ns
         if integrity is not None:
             ticket["integrity"] = integrity.to_wire()
         staged = self._stage_for_decode(rid, blocks, len(request.prompt), decode_metas)
@@ -1242,6 +1264,7 @@ class InferenceStateHandoffMixin:
             raise HandoffStateError(
                 f"request {request_id} has no pinned handoff to push", "request_id"
             )
+        _tag(request_id, "kv")  # an id that cannot be tagged is refused before the push starts
         slot = pins.pinned_ssm_slot(request_id)
         destination = next((m["destination"] for m in decode_metas if "destination" in m), None)
         if destination is None:
@@ -1376,6 +1399,9 @@ class InferenceStateHandoffMixin:
         resume = [int(t) for t in kv_meta.get("resume_tokens", [])]
         if "prefill_meta" not in kv_meta:
             raise MetadataError(f"request {request_id}: ticket has no prefill_meta", "prefill_meta")
+        self._check_ticket_sources(request_id, kv_meta)
+        if self._is_push:
+            _tag(request_id, "kv")  # refuses an id whose tags would alias another request's
         integrity = None
         if self.verify_integrity:
             if kv_meta.get("integrity") is None:
@@ -1416,6 +1442,16 @@ class InferenceStateHandoffMixin:
             # comparable, so the decode finishes within LEASE_READ_FRACTION of the lease by its
             # own clock and the rest absorbs the ticket's transit: past it the import fails.
             budget = min(budget, int(lease * LEASE_READ_FRACTION))
+        lease_end = kv_meta.get("lease_until_wall_ns")
+        now_wall = self.handoff_wall_now_ns if lease_end is not None else None
+        if now_wall is not None and (
+            not isinstance(lease_end, int) or isinstance(lease_end, bool) or lease_end < 0
+        ):
+            raise MetadataError(
+                f"request {request_id}: ticket lease_until_wall_ns={lease_end!r} must be "
+                "an int >= 0",
+                "lease_until_wall_ns",
+            )
         # A verifying decode reuses its prefix cache in whole digest chunks only (their
         # entries are then skipped); a table without chunks allows no reuse at all.
         prompt_args: dict[str, Any] = {"prompt_tokens": np.asarray(prompt, dtype=np.int64)}
@@ -1436,6 +1472,8 @@ class InferenceStateHandoffMixin:
             finished=bool(finished),
             deadline=now + budget,
             now=now,
+            lease_until_wall=lease_end if now_wall is not None else None,
+            now_wall=now_wall,
         )
         # Validated by the ledger: now the engine learns of it (ledger and engine agree).
         engine.expect_import(request_id, prompt, resume, max_new)
@@ -1459,6 +1497,29 @@ class InferenceStateHandoffMixin:
         prefill needs it to push (:func:`with_push_destination`); None when not importing."""
         pending = self._pending_imports.get(request_id)
         return None if pending is None else dict(pending.destination)
+
+    def _check_ticket_sources(self, request_id: int, kv_meta: dict[str, Any]) -> None:
+        """Refuse a ticket whose prefill metadata names no source for a state this decode
+        must read (it would reserve blocks, post nothing and be admitted unwritten)."""
+        ranks = (
+            kv_meta["prefill_meta"].get("ranks")
+            if isinstance(kv_meta["prefill_meta"], dict)
+            else None
+        )
+        if not isinstance(ranks, list) or not ranks or not all(isinstance(r, dict) for r in ranks):
+            raise MetadataError(
+                f"request {request_id}: ticket prefill_meta has no list of rank metadata "
+                f"(got ranks={ranks!r:.80})",
+                "prefill_meta",
+            )
+        needed = (["kv"] if self._kv_backend is not None else []) + list(self._ssm_backends)
+        for kind in needed:
+            if not any(r.get(kind) is not None for r in ranks):
+                raise MetadataError(
+                    f"request {request_id}: ticket prefill_meta has no {kind!r} source on any "
+                    f"of its {len(ranks)} ranks, but this decode must read {kind} state",
+                    "prefill_meta",
+                )
 
     def _apply_import_actions(self, actions: Sequence[LedgerAction]) -> None:
         for a in actions:
@@ -1524,6 +1585,7 @@ class InferenceStateHandoffMixin:
                 started += 1
             return started
         before = self._ledger().num_importing
+        self._cancel_due_quarantines()
         self._apply_import_actions(self._ledger().poll(self.handoff_now_ns))
         return max(0, self._ledger().num_importing - before)
 
@@ -1750,6 +1812,16 @@ class InferenceStateHandoffMixin:
         if self.handoff_metrics is not None:
             self.handoff_metrics.transfer_done(moved, descriptors, elapsed / 1e9)
 
+    def _cancel_due_quarantines(self) -> None:
+        """Cancel through the transport the transfers of quarantines whose drain horizon
+        passed, before the ledger's poll returns their destinations to the pool."""
+        for key in self._ledger().quarantine_due(self.handoff_now_ns):
+            pending = self._quarantined.get(key)
+            for handle in pending.handles if pending is not None else []:
+                cancel = getattr(handle, "cancel", None)
+                if cancel is not None:
+                    cancel()
+
     @staticmethod
     def _quiet(handle: Any) -> bool:
         try:
@@ -1770,6 +1842,7 @@ class InferenceStateHandoffMixin:
         if self._import_ledger is None:
             return 0
         self._report_completed_kv_imports()
+        self._cancel_due_quarantines()
         self._apply_import_actions(self._ledger().poll(self.handoff_now_ns))
         self._update_queue_metrics()
         return self._ledger().num_ready
@@ -1784,7 +1857,8 @@ class InferenceStateHandoffMixin:
             return 0
         room = int(engine.decode_batch.can_admit(ledger.num_ready))
         before = self.handoff_stats["imports_admitted"]
-        self._apply_import_actions(ledger.admit(room))
+        # handoff_now_ns must be read after the completions were observed (next loop turn).
+        self._apply_import_actions(ledger.admit(room, self.handoff_now_ns))
         return self.handoff_stats["imports_admitted"] - before
 
     def _validate_decode_ready_handoff(self, pending: Any) -> None:

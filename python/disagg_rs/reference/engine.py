@@ -41,12 +41,14 @@ import asyncio
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from disagg_rs._core import BlockPool, KVShardLayout, SlotPool, SSMShardLayout
 from disagg_rs.engine_protocol import BlockAllocator, SlotAllocator
 from disagg_rs.exceptions import (
+    ArgumentError,
     BlockIdError,
     CapacityError,
     DuplicateRequestError,
@@ -76,6 +78,21 @@ __all__ = [
     "decode_text",
     "encode_text",
 ]
+
+
+def _token_list(request_id: int, prompt: Any) -> list[int]:
+    """``prompt`` as a list of ints; anything else (a non-sequence, floats, bools, strings
+    among the ids) raises :class:`ArgumentError` naming ``prompt``."""
+    try:
+        tokens = list(prompt)
+    except TypeError:
+        tokens = None
+    if tokens is None or not all(type(t) is int for t in tokens):
+        raise ArgumentError(
+            f"request {request_id}: prompt must be a sequence of int token ids, got {prompt!r:.60}",
+            "prompt",
+        )
+    return tokens
 
 
 def encode_text(text: str) -> list[int]:
@@ -343,7 +360,7 @@ class ReferenceEngine:
                 "admit handed-off requests (admit)",
                 "role",
             )
-        tokens = encode_text(prompt) if isinstance(prompt, str) else list(prompt)
+        tokens = encode_text(prompt) if isinstance(prompt, str) else _token_list(request_id, prompt)
         self._validate_new(request_id, len(tokens), max_new_tokens)
         self._validate_tokens(request_id, tokens)
         total = self._blocks_for(len(tokens), max_new_tokens)
@@ -596,7 +613,7 @@ class ReferenceEngine:
         if known:
             raise DuplicateRequestError(f"request_id={request_id} is already queued or running")
         if num_prompt < 1:
-            raise ValueError(f"request {request_id}: prompt is empty")
+            raise ArgumentError(f"request {request_id}: prompt is empty (0 tokens)", "prompt")
         if max_new_tokens < 1:
             raise CapacityError(
                 f"request {request_id}: max_new_tokens={max_new_tokens} must be >= 1",
@@ -624,9 +641,10 @@ class ReferenceEngine:
     def _validate_tokens(self, request_id: int, tokens: list[int]) -> None:
         lo, hi = min(tokens, default=0), max(tokens, default=0)
         if lo < 0 or hi >= self.model.vocab_size:
-            raise ValueError(
+            raise ArgumentError(
                 f"request {request_id}: token ids span [{lo}, {hi}], outside the vocabulary "
-                f"[0, {self.model.vocab_size})"
+                f"[0, {self.model.vocab_size})",
+                "prompt",
             )
 
     def _prefix_reusable(self) -> bool:

@@ -408,6 +408,15 @@ class NixlPullHandle(TransferHandleBase):
             self._release(part)
         return all(p.state not in ("PROC", "LAND") for p in self.parts)
 
+    def cancel(self) -> None:
+        """Stop the parts still running: NIXL releases (aborts) each posted read, so nothing
+        writes the destinations afterwards. The handle then counts as failed."""
+        for part in self.parts:
+            if part.state == "PROC":
+                self._fail(part, f"cancelled {part.context} at the quarantine drain horizon")
+                self._release(part)
+        self.done = True
+
     def _release_xfer(self, part: _PullPart) -> None:
         try:
             if part.xfer is not None and not part.local:

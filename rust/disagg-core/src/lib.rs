@@ -27,9 +27,9 @@ pub use layout::{
 };
 pub use ledger::{
     CompletionQuorum, FailReason, ImportLedger, ImportLedgerConfig, ImportRequest, LedgerAction,
-    PinLedger, QuorumDecision, RankOutcome, ReleaseCause, StartImport,
+    PinLedger, QuorumDecision, RankOutcome, ReleaseCause, SourceLease, StartImport,
 };
-pub use pool::{block_hashes, BlockPool, SlotPool, SlotState};
+pub use pool::{block_hashes, BlockPool, SlotPool, SlotState, MAX_POOL_BLOCKS, MAX_SSM_SLOTS};
 pub use reshard::{
     local_range, plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer,
     SsmReshardPlan, SsmReshardTransfer,

@@ -110,13 +110,26 @@ pub struct BlockPool {
     tick: u64,
 }
 
+/// Most blocks one [`BlockPool`] may hold (a larger count is a configuration error, refused
+/// before anything is allocated; 2**24 blocks of 16 tokens hold 268M tokens).
+pub const MAX_POOL_BLOCKS: u32 = 1 << 24;
+/// Most slots one [`SlotPool`] may hold.
+pub const MAX_SSM_SLOTS: u32 = 1 << 20;
+
 impl BlockPool {
     /// A pool of `num_blocks` blocks of `block_size_tokens` tokens each, all free.
+    /// `num_blocks` is at most [`MAX_POOL_BLOCKS`].
     pub fn new(num_blocks: u32, block_size_tokens: u32) -> DisaggResult<Self> {
         if block_size_tokens == 0 {
             return Err(DisaggError::argument(
                 "block_size_tokens",
                 "block_size_tokens=0 must be >= 1",
+            ));
+        }
+        if num_blocks > MAX_POOL_BLOCKS {
+            return Err(DisaggError::argument(
+                "num_blocks",
+                format!("num_blocks={num_blocks} must be <= {MAX_POOL_BLOCKS}"),
             ));
         }
         let n = num_blocks as usize;
@@ -398,12 +411,24 @@ pub struct SlotPool {
 }
 
 impl SlotPool {
-    /// A pool of `num_slots` free slots.
+    /// A pool of `num_slots` free slots. Input from outside goes through
+    /// [`SlotPool::try_new`], which caps the count.
     pub fn new(num_slots: u32) -> Self {
         Self {
             state: vec![SlotState::Free; num_slots as usize],
             free: (0..num_slots).rev().collect(),
         }
+    }
+
+    /// A pool of `num_slots` free slots; more than [`MAX_SSM_SLOTS`] is an argument error.
+    pub fn try_new(num_slots: u32) -> DisaggResult<Self> {
+        if num_slots > MAX_SSM_SLOTS {
+            return Err(DisaggError::argument(
+                "num_ssm_slots",
+                format!("num_ssm_slots={num_slots} must be <= {MAX_SSM_SLOTS}"),
+            ));
+        }
+        Ok(Self::new(num_slots))
     }
 
     /// Total number of slots.
@@ -515,6 +540,16 @@ mod tests {
         assert_eq!(got, vec![b[1]]);
         assert_eq!(p.match_prefix(&h), vec![b[0]]);
         p.check().unwrap();
+    }
+
+    #[test]
+    fn pools_past_their_caps_are_argument_errors_before_any_allocation() {
+        let e = BlockPool::new(MAX_POOL_BLOCKS + 1, 16).unwrap_err();
+        assert!(matches!(&e, DisaggError::Argument { field, .. } if field == "num_blocks"));
+        assert!(e.to_string().contains(&format!("{}", MAX_POOL_BLOCKS + 1)), "{e}");
+        let e = SlotPool::try_new(u32::MAX).unwrap_err();
+        assert!(matches!(&e, DisaggError::Argument { field, .. } if field == "num_ssm_slots"));
+        assert_eq!(SlotPool::try_new(3).unwrap().num_slots(), 3);
     }
 
     #[test]

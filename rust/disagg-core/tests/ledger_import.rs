@@ -433,6 +433,7 @@ fn sut_step(s: &mut Sut, m: &Model, t: &Tr) -> Result<Vec<LedgerAction>, DisaggE
                 finished,
                 deadline,
                 reuse_align_tokens: 1,
+                source_lease: None,
             };
             s.ledger.submit(req, now)
         }
@@ -449,7 +450,7 @@ fn sut_step(s: &mut Sut, m: &Model, t: &Tr) -> Result<Vec<LedgerAction>, DisaggE
         },
         Tr::Abort { rid } => s.ledger.abort(rid, now),
         Tr::Advance { .. } => s.ledger.poll(now),
-        Tr::Admit { room } => s.ledger.admit(room),
+        Tr::Admit { room } => s.ledger.admit(room, Some(now)),
         Tr::Finish { pick } => {
             if !s.engine.is_empty() {
                 let (blocks, slot) = s.engine.remove(pick % s.engine.len());
@@ -482,6 +483,7 @@ impl StateMachineTest for ImportTest {
             pull: false,
             lookahead_tokens: 0,
             drain_horizon: HORIZON,
+            clock_offset_bound: 0,
         };
         Sut { ledger: ImportLedger::new(BLOCKS, BS, SLOTS, cfg).unwrap(), engine: Vec::new() }
     }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use disagg_core::{
     CompletionQuorum, DisaggError, ImportLedger, ImportLedgerConfig, ImportRequest, LedgerAction,
-    PinLedger, QuorumDecision, RankOutcome,
+    PinLedger, QuorumDecision, RankOutcome, SourceLease,
 };
 use pyo3::prelude::*;
 
@@ -135,8 +135,9 @@ impl PyImportLedger {
     #[new]
     #[pyo3(signature = (
         num_blocks, block_size_tokens, num_ssm_slots=0, *, world_size=1, rank=0, pull=true,
-        lookahead_tokens=0, drain_horizon=30_000_000_000
+        lookahead_tokens=0, drain_horizon=30_000_000_000, clock_offset_bound=1_000_000_000
     ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
         block_size_tokens: i64,
@@ -146,6 +147,7 @@ impl PyImportLedger {
         pull: bool,
         lookahead_tokens: i64,
         drain_horizon: i64,
+        clock_offset_bound: i64,
     ) -> PyResult<Self> {
         let cfg = ImportLedgerConfig {
             world_size: u32_arg("world_size", world_size)?,
@@ -153,6 +155,7 @@ impl PyImportLedger {
             pull,
             lookahead_tokens: u32_arg("lookahead_tokens", lookahead_tokens)?,
             drain_horizon: u64_arg("drain_horizon", drain_horizon)?,
+            clock_offset_bound: u64_arg("clock_offset_bound", clock_offset_bound)?,
         };
         let l = ImportLedger::new(
             u32_arg("num_blocks", num_blocks)?,
@@ -177,11 +180,14 @@ impl PyImportLedger {
     }
 
     /// Validate, then queue or start one handoff. Give `prompt_tokens` (hashed here) or
-    /// `num_prompt_tokens` with optional `prompt_hashes` at the decode block size.
+    /// `num_prompt_tokens` with optional `prompt_hashes` at the decode block size. A source
+    /// lease is `lease_until_wall` (the source's wall clock) with `now_wall` (ours, read with
+    /// `now`); give both or neither.
     #[pyo3(signature = (
         request_id, prompt_tokens=None, *, num_prompt_tokens=None, prompt_hashes=None,
         src_block_ids, src_block_size_tokens=None, resume_tokens=0, has_ssm=false,
-        finished=false, deadline, now, reuse_align_tokens=1
+        finished=false, deadline, now, reuse_align_tokens=1, lease_until_wall=None,
+        now_wall=None
     ))]
     fn submit(
         &self,
@@ -198,8 +204,23 @@ impl PyImportLedger {
         deadline: i64,
         now: i64,
         reuse_align_tokens: i64,
+        lease_until_wall: Option<i64>,
+        now_wall: Option<i64>,
     ) -> PyResult<Vec<PyLedgerAction>> {
         let request_id = u64_arg("request_id", request_id)?;
+        let source_lease = match (lease_until_wall, now_wall) {
+            (None, None) => None,
+            (Some(u), Some(w)) => Some(SourceLease {
+                until_wall: u64_arg("lease_until_wall", u)?,
+                now_wall: u64_arg("now_wall", w)?,
+            }),
+            (u, w) => {
+                return Err(to_pyerr(DisaggError::argument(
+                    "lease_until_wall",
+                    format!("give lease_until_wall={u:?} and now_wall={w:?} together or neither"),
+                )))
+            }
+        };
         let reuse_align_tokens = u32_arg("reuse_align_tokens", reuse_align_tokens)?;
         let prompt_tokens = prompt_tokens.map(tokens_arg).transpose()?;
         let src_block_ids = ids_arg("src_block_ids", &src_block_ids)?;
@@ -246,6 +267,7 @@ impl PyImportLedger {
                 finished,
                 deadline,
                 reuse_align_tokens,
+                source_lease,
             };
             l.submit(req, now).py()
         })?;
@@ -284,16 +306,27 @@ impl PyImportLedger {
         Ok(actions(lock(&self.inner)?.abort(r, n).py()?))
     }
 
+    /// Quarantined `(request_id, epoch)` pairs whose drain horizon is `<= now` (cancel their
+    /// transfers before the `poll(now)` that frees their blocks).
+    fn quarantine_due(&self, now: i64) -> PyResult<Vec<(u64, u64)>> {
+        let n = u64_arg("now", now)?;
+        Ok(lock(&self.inner)?.quarantine_due(n))
+    }
+
     /// Expire deadlines, drain quarantines past their horizon, start what fits.
     fn poll(&self, now: i64) -> PyResult<Vec<PyLedgerAction>> {
         let n = u64_arg("now", now)?;
         Ok(actions(lock(&self.inner)?.poll(n).py()?))
     }
 
-    /// Admission point: admit ready imports while the batch has `batch_room` places.
-    fn admit(&self, batch_room: i64) -> PyResult<Vec<PyLedgerAction>> {
+    /// Admission point: admit ready imports while the batch has `batch_room` places. `now`
+    /// (read after the completions were observed) fails imports whose source lease passed;
+    /// without it, imports with a source lease wait.
+    #[pyo3(signature = (batch_room, now=None))]
+    fn admit(&self, batch_room: i64, now: Option<i64>) -> PyResult<Vec<PyLedgerAction>> {
         let room = u32_arg("batch_room", batch_room)?;
-        Ok(actions(lock(&self.inner)?.admit(room).py()?))
+        let now = now.map(|n| u64_arg("now", n)).transpose()?;
+        Ok(actions(lock(&self.inner)?.admit(room, now).py()?))
     }
 
     /// Engine reset; raises `ResetRefusedError` (nothing changed) while anything may still be
@@ -386,6 +419,7 @@ impl PyImportLedger {
             ("quarantined", c.quarantined),
             ("drained_settled", c.drained_settled),
             ("drained_horizon", c.drained_horizon),
+            ("lease_expired", c.lease_expired),
             ("ignored_messages", c.ignored_messages),
             ("prefix_blocks_reused", c.prefix_blocks_reused),
         ]))

@@ -232,10 +232,9 @@ impl PySlotPool {
     #[new]
     fn new(num_slots: i64) -> PyResult<Self> {
         Ok(Self {
-            owner: SlotPoolOwner::Own(Arc::new(Mutex::new(SlotPool::new(u32_arg(
-                "num_slots",
-                num_slots,
-            )?)))),
+            owner: SlotPoolOwner::Own(Arc::new(Mutex::new(
+                SlotPool::try_new(u32_arg("num_slots", num_slots)?).py()?,
+            ))),
         })
     }
 

@@ -23,6 +23,9 @@ pub struct ImportLedgerConfig {
     /// How long (in the caller's time unit) a quarantine waits for its handle to settle before
     /// its blocks are returned anyway.
     pub drain_horizon: u64,
+    /// Bound on how far the source's clock may be from ours (caller's time unit): a source
+    /// lease counts as ending this much earlier than it says.
+    pub clock_offset_bound: u64,
 }
 
 impl Default for ImportLedgerConfig {
@@ -33,6 +36,7 @@ impl Default for ImportLedgerConfig {
             pull: true,
             lookahead_tokens: 0,
             drain_horizon: 30_000_000_000,
+            clock_offset_bound: 1_000_000_000,
         }
     }
 }
@@ -63,6 +67,23 @@ pub struct ImportRequest {
     /// block sizes); 1 for no constraint. An integrity digest chunked by `C` tokens sets `C`,
     /// so the transferred suffix starts on a chunk boundary.
     pub reuse_align_tokens: u32,
+    /// The source's pin lease, if it has one: past it the source may reuse the blocks this
+    /// import reads, so the import must not start, complete or be admitted after it.
+    pub source_lease: Option<SourceLease>,
+}
+
+/// A source pin lease as the ticket states it, read against this side's clock.
+///
+/// The source frees its blocks at `until_wall` of ITS wall clock; `now_wall` is this side's
+/// wall clock read together with the `now` of the submit. With the configured
+/// `clock_offset_bound` the ledger derives a deadline on its own (monotonic) time base:
+/// `now + (until_wall - now_wall - clock_offset_bound)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourceLease {
+    /// End of the source's lease, on the source's wall clock.
+    pub until_wall: u64,
+    /// This side's wall clock at the submit.
+    pub now_wall: u64,
 }
 
 /// The reads (or receives) to post for one import, all in token order. Source blocks
@@ -109,6 +130,9 @@ pub struct ImportCounters {
     pub drained_settled: u64,
     /// Quarantines drained because the horizon passed.
     pub drained_horizon: u64,
+    /// Imports failed because the source lease may have ended (before start, completion or
+    /// admission).
+    pub lease_expired: u64,
     /// Duplicate, late (old epoch) and unknown messages ignored.
     pub ignored_messages: u64,
     /// Cached prefix blocks reused instead of pulled.
@@ -151,6 +175,14 @@ struct Handoff {
     epoch: u64,
     phase: Phase,
     hold: Holdings,
+    /// Local time at which the source lease may end (`None`: no lease).
+    lease_deadline: Option<u64>,
+}
+
+impl Handoff {
+    fn lease_passed(&self, now: u64) -> bool {
+        self.lease_deadline.is_some_and(|d| d <= now)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -193,6 +225,8 @@ pub struct ImportLedger {
     quorum: CompletionQuorum,
     next_epoch: u64,
     counters: ImportCounters,
+    /// The latest `now` any call supplied: a lower bound of the current time.
+    clock: u64,
 }
 
 impl ImportLedger {
@@ -205,7 +239,7 @@ impl ImportLedger {
     ) -> DisaggResult<Self> {
         Self::with_pools(
             BlockPool::new(num_blocks, block_size_tokens)?,
-            SlotPool::new(num_ssm_slots),
+            SlotPool::try_new(num_ssm_slots)?,
             cfg,
         )
     }
@@ -233,6 +267,7 @@ impl ImportLedger {
             quarantine: BTreeMap::new(),
             next_epoch: 1,
             counters: ImportCounters::default(),
+            clock: 0,
         })
     }
 
@@ -290,6 +325,13 @@ impl ImportLedger {
     /// Distinct blocks held in quarantine.
     pub fn num_quarantined_blocks(&self) -> usize {
         self.quarantine.values().map(|q| q.hold.blocks().count()).sum()
+    }
+
+    /// Quarantined attempts `(request_id, epoch)` whose drain horizon is `<= now`: the next
+    /// `poll(now)` returns their blocks to the pool, so the caller cancels their transfers
+    /// through the transport first.
+    pub fn quarantine_due(&self, now: u64) -> Vec<(u64, u64)> {
+        self.quarantine.iter().filter(|(_, q)| q.drain_at <= now).map(|(k, _)| *k).collect()
     }
 
     /// The seed's `pending_kv_import_count`: waiting for capacity or transfer completion, or
@@ -363,6 +405,7 @@ impl ImportLedger {
                 format!("deadline={} must be > now={now}", req.deadline),
             ));
         }
+        self.lease_deadline(req, now)?;
         let want_src =
             ceil_div(u64::from(req.num_prompt_tokens), u64::from(req.src_block_size_tokens));
         if req.src_block_ids.len() as u64 != want_src {
@@ -415,19 +458,60 @@ impl ImportLedger {
         Ok(())
     }
 
+    /// The local time at which the source lease of `req` may end, read at `now`: its
+    /// remaining time by the source's wall clock, less the clock offset bound. `None` without a
+    /// lease; an error when no time is left (the source may already reuse the blocks).
+    fn lease_deadline(&self, req: &ImportRequest, now: u64) -> DisaggResult<Option<u64>> {
+        let Some(lease) = req.source_lease else { return Ok(None) };
+        let left = lease
+            .until_wall
+            .checked_sub(lease.now_wall)
+            .and_then(|r| r.checked_sub(self.cfg.clock_offset_bound))
+            .filter(|&r| r > 0);
+        match left {
+            Some(r) => Ok(Some(now.saturating_add(r))),
+            None => Err(DisaggError::argument(
+                "lease_until_wall",
+                format!(
+                    "request {}: source lease ends at lease_until_wall={} but now_wall={} + \
+                     clock_offset_bound={} leaves no time to read before it",
+                    req.request_id, lease.until_wall, lease.now_wall, self.cfg.clock_offset_bound
+                ),
+            )),
+        }
+    }
+
+    fn tick(&mut self, now: u64) {
+        self.clock = self.clock.max(now);
+    }
+
     /// Validate, then queue (DEFERRED, FIFO, no side effects) and start what fits. A rejected
     /// submit changes nothing. Returns the actions (a `StartImport` for each started handoff).
+    ///
+    /// With `req.source_lease` the import gets a second deadline, the local time at which the
+    /// source may reuse its blocks: it does not start, become ready or get admitted at or past
+    /// it, and `poll` fails it there (reason `lease_expired`).
     pub fn submit(&mut self, req: ImportRequest, now: u64) -> DisaggResult<Vec<LedgerAction>> {
         self.validate(&req, now)?;
+        let lease_deadline = self.lease_deadline(&req, now)?;
+        self.tick(now);
         let rid = req.request_id;
         let epoch = self.next_epoch;
         self.next_epoch += 1;
         self.counters.submitted += 1;
-        self.live
-            .insert(rid, Handoff { req, epoch, phase: Phase::Deferred, hold: Holdings::default() });
+        self.live.insert(
+            rid,
+            Handoff {
+                req,
+                epoch,
+                phase: Phase::Deferred,
+                hold: Holdings::default(),
+                lease_deadline,
+            },
+        );
         self.deferred.push_back(rid);
         let mut out = Vec::new();
-        self.drain_deferred(&mut out);
+        self.drain_deferred(&mut out)?;
         if self.state_of(rid) == Some("deferred") {
             self.counters.deferred += 1;
         }
@@ -464,13 +548,18 @@ impl ImportLedger {
         })
     }
 
-    /// Start deferred handoffs in FIFO order while the queue head fits.
-    fn drain_deferred(&mut self, out: &mut Vec<LedgerAction>) {
+    /// Start deferred handoffs in FIFO order while the queue head fits. A head whose source
+    /// lease passed by the latest known time fails instead (nothing was posted for it).
+    fn drain_deferred(&mut self, out: &mut Vec<LedgerAction>) -> DisaggResult<()> {
         while let Some(&rid) = self.deferred.front() {
             let Some(h) = self.live.get(&rid) else {
                 self.deferred.pop_front();
                 continue;
             };
+            if h.lease_passed(self.clock) {
+                self.fail(rid, FailReason::LeaseExpired, self.clock, out)?;
+                continue;
+            }
             let Some(plan) = self.plan_start(&h.req) else { break };
             match self.reserve(&plan, h.req.has_ssm) {
                 Ok(hold) => {
@@ -482,6 +571,7 @@ impl ImportLedger {
                 Err(_) => break,
             }
         }
+        Ok(())
     }
 
     fn reserve(&mut self, plan: &StartPlan, has_ssm: bool) -> DisaggResult<Holdings> {
@@ -563,6 +653,9 @@ impl ImportLedger {
         }
         let may_write = matches!(h.phase, Phase::Importing(Local::Running | Local::MayWrite));
         self.counters.failed += 1;
+        if reason == FailReason::LeaseExpired {
+            self.counters.lease_expired += 1;
+        }
         if may_write {
             self.counters.quarantined += 1;
             let drain_at = now.saturating_add(self.cfg.drain_horizon);
@@ -615,6 +708,7 @@ impl ImportLedger {
                 format!("rank={rank} must be < world_size={}", self.cfg.world_size),
             ));
         }
+        self.tick(now);
         let mut out = Vec::new();
         let key = (request_id, epoch);
         if let Some(q) = self.quarantine.get_mut(&key) {
@@ -622,7 +716,7 @@ impl ImportLedger {
                 q.local_reported = true;
                 if outcome.is_quiet() {
                     self.drain_quarantine(key, ReleaseCause::Settled, &mut out)?;
-                    self.drain_deferred(&mut out);
+                    self.drain_deferred(&mut out)?;
                 }
             } else {
                 self.counters.ignored_messages += 1;
@@ -652,6 +746,14 @@ impl ImportLedger {
             }
         }
         match decision {
+            // Every rank's reads are complete, but `now` (read after the reports were observed)
+            // may be past the source lease: the source may have reused the blocks under them.
+            Some(QuorumDecision::Success)
+                if self.live.get(&request_id).is_some_and(|h| h.lease_passed(now)) =>
+            {
+                self.fail(request_id, FailReason::LeaseExpired, now, &mut out)?;
+                self.drain_deferred(&mut out)?;
+            }
             Some(QuorumDecision::Success) => {
                 if let Some(h) = self.live.get_mut(&request_id) {
                     h.phase = Phase::Ready;
@@ -665,7 +767,7 @@ impl ImportLedger {
                     FailReason::RankTimeout
                 };
                 self.fail(request_id, reason, now, &mut out)?;
-                self.drain_deferred(&mut out);
+                self.drain_deferred(&mut out)?;
             }
             None => {}
         }
@@ -679,7 +781,7 @@ impl ImportLedger {
         let mut out = Vec::new();
         if self.quarantine.contains_key(&(request_id, epoch)) {
             self.drain_quarantine((request_id, epoch), ReleaseCause::Settled, &mut out)?;
-            self.drain_deferred(&mut out);
+            self.drain_deferred(&mut out)?;
         } else {
             self.counters.ignored_messages += 1;
         }
@@ -689,44 +791,62 @@ impl ImportLedger {
     /// Abort a request at whatever stage it is. Unknown or already terminal ids are ignored and
     /// counted.
     pub fn abort(&mut self, request_id: u64, now: u64) -> DisaggResult<Vec<LedgerAction>> {
+        self.tick(now);
         let mut out = Vec::new();
         if self.live.contains_key(&request_id) {
             self.fail(request_id, FailReason::Aborted, now, &mut out)?;
-            self.drain_deferred(&mut out);
+            self.drain_deferred(&mut out)?;
         } else {
             self.counters.ignored_messages += 1;
         }
         Ok(out)
     }
 
-    /// Advance time: fail every live handoff whose deadline is `<= now` (oldest epoch first),
-    /// drain quarantines whose horizon passed, then start what fits.
+    /// Advance time: fail every live handoff whose deadline (reason `deadline`) or source
+    /// lease (reason `lease_expired`) is `<= now`, oldest epoch first, drain quarantines whose
+    /// horizon passed, then start what fits.
     pub fn poll(&mut self, now: u64) -> DisaggResult<Vec<LedgerAction>> {
+        self.tick(now);
         let mut out = Vec::new();
-        let mut expired: Vec<(u64, u64)> = self
+        let mut expired: Vec<(u64, u64, FailReason)> = self
             .live
             .values()
-            .filter(|h| h.req.deadline <= now)
-            .map(|h| (h.epoch, h.req.request_id))
+            .filter_map(|h| {
+                let reason = if h.lease_passed(now) {
+                    FailReason::LeaseExpired
+                } else if h.req.deadline <= now {
+                    FailReason::Deadline
+                } else {
+                    return None;
+                };
+                Some((h.epoch, h.req.request_id, reason))
+            })
             .collect();
-        expired.sort_unstable();
-        for (_, rid) in expired {
-            self.fail(rid, FailReason::Deadline, now, &mut out)?;
+        expired.sort_unstable_by_key(|&(e, r, _)| (e, r));
+        for (_, rid, reason) in expired {
+            self.fail(rid, reason, now, &mut out)?;
         }
         let due: Vec<(u64, u64)> =
             self.quarantine.iter().filter(|(_, q)| q.drain_at <= now).map(|(k, _)| *k).collect();
         for key in due {
             self.drain_quarantine(key, ReleaseCause::Horizon, &mut out)?;
         }
-        self.drain_deferred(&mut out);
+        self.drain_deferred(&mut out)?;
         Ok(out)
     }
 
     /// An admission point: move READY handoffs, oldest first, into the batch while it has
     /// `batch_room` places. Requests the resume tokens already satisfy complete without a
     /// place. The head waits when the batch is full (later ones never overtake it). Admitted
-    /// prompts' full blocks are published in the prefix cache.
-    pub fn admit(&mut self, batch_room: u32) -> DisaggResult<Vec<LedgerAction>> {
+    /// prompts' full blocks are published in the prefix cache (never before admission).
+    ///
+    /// `now` must be read after the completions were observed (the next clock reading of the
+    /// serving loop): a READY handoff whose source lease is `<= now` fails (`lease_expired`)
+    /// instead. Without `now` a handoff with a source lease cannot be proven safe and waits.
+    pub fn admit(&mut self, batch_room: u32, now: Option<u64>) -> DisaggResult<Vec<LedgerAction>> {
+        if let Some(n) = now {
+            self.tick(n);
+        }
         let mut out = Vec::new();
         let mut room = batch_room;
         while let Some(&rid) = self.ready.front() {
@@ -734,7 +854,18 @@ impl ImportLedger {
                 self.ready.pop_front();
                 continue;
             };
-            if !h.req.finished && room == 0 {
+            let (lease, finished) = (h.lease_deadline, h.req.finished);
+            if let Some(deadline) = lease {
+                match now {
+                    None => break,
+                    Some(n) if deadline <= n => {
+                        self.fail(rid, FailReason::LeaseExpired, n, &mut out)?;
+                        continue;
+                    }
+                    Some(_) => {}
+                }
+            }
+            if !finished && room == 0 {
                 break;
             }
             self.ready.pop_front();
@@ -761,7 +892,7 @@ impl ImportLedger {
                 });
             }
         }
-        self.drain_deferred(&mut out);
+        self.drain_deferred(&mut out)?;
         Ok(out)
     }
 
@@ -769,6 +900,7 @@ impl ImportLedger {
     /// (an import whose local handle is not quiet, a quarantine); otherwise fail every live
     /// handoff with reason `reset` and release its blocks.
     pub fn reset(&mut self, now: u64) -> DisaggResult<Vec<LedgerAction>> {
+        self.tick(now);
         let mut blockers: Vec<String> = Vec::new();
         let mut live: Vec<(u64, u64)> =
             self.live.values().map(|h| (h.epoch, h.req.request_id)).collect();

@@ -13,7 +13,9 @@ mod import;
 mod pin;
 mod quorum;
 
-pub use import::{ImportCounters, ImportLedger, ImportLedgerConfig, ImportRequest, StartImport};
+pub use import::{
+    ImportCounters, ImportLedger, ImportLedgerConfig, ImportRequest, SourceLease, StartImport,
+};
 pub use pin::{PinCounters, PinLedger};
 pub use quorum::{CompletionQuorum, QuorumDecision, RankOutcome};
 
@@ -30,6 +32,9 @@ pub enum FailReason {
     Aborted,
     /// An engine reset cancelled it.
     Reset,
+    /// The source's pin lease may have ended before the import started, completed or was
+    /// admitted: the source may have reused the blocks it read.
+    LeaseExpired,
 }
 
 impl FailReason {
@@ -41,6 +46,7 @@ impl FailReason {
             Self::Deadline => "deadline",
             Self::Aborted => "aborted",
             Self::Reset => "reset",
+            Self::LeaseExpired => "lease_expired",
         }
     }
 }

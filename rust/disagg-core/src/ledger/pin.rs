@@ -57,7 +57,7 @@ impl PinLedger {
     pub fn new(num_blocks: u32, block_size_tokens: u32, num_ssm_slots: u32) -> DisaggResult<Self> {
         Ok(Self::with_pools(
             BlockPool::new(num_blocks, block_size_tokens)?,
-            SlotPool::new(num_ssm_slots),
+            SlotPool::try_new(num_ssm_slots)?,
         ))
     }
 
