@@ -218,7 +218,6 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
             os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 
         from disagg_rs.control import EngineLink, Msg
-        from disagg_rs.exceptions import DisaggError
         from disagg_rs.inference_state_handoff import with_push_destination
         from disagg_rs.reference.handoff import HandoffReferenceEngine
 
