@@ -1501,6 +1501,9 @@ class InferenceStateHandoffMixin:
     def _check_ticket_sources(self, request_id: int, kv_meta: dict[str, Any]) -> None:
         """Refuse a ticket whose prefill metadata names no source for a state this decode
         must read (it would reserve blocks, post nothing and be admitted unwritten)."""
+        needed = (["kv"] if self._kv_backend is not None else []) + list(self._ssm_backends)
+        if not needed:  # this rank reads no state (no transfer backend set up)
+            return
         ranks = (
             kv_meta["prefill_meta"].get("ranks")
             if isinstance(kv_meta["prefill_meta"], dict)
@@ -1512,7 +1515,6 @@ class InferenceStateHandoffMixin:
                 f"(got ranks={ranks!r:.80})",
                 "prefill_meta",
             )
-        needed = (["kv"] if self._kv_backend is not None else []) + list(self._ssm_backends)
         for kind in needed:
             if not any(r.get(kind) is not None for r in ranks):
                 raise MetadataError(
