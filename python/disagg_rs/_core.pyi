@@ -235,7 +235,7 @@ def plan_ssm_reshard(
     srcs: Sequence[SSMShardLayout], dsts: Sequence[SSMShardLayout]
 ) -> SSMReshardPlan: ...
 
-# --- pools and ledgers (issue 4) ---
+# --- pools and ledgers ---
 
 _Outcome: TypeAlias = Literal["ok", "error", "timeout", "may_still_write"]
 _ActionKind: TypeAlias = Literal["start", "admit", "complete", "fail", "release"]

@@ -8,7 +8,7 @@ carries their actions out: it posts transfers on the transport backends, polls t
 shares each rank's terminal outcome with the other model-parallel ranks, and admits requests at
 the engine's admission points. Nothing here loops over blocks, tokens or descriptors.
 
-The engine provides (DESIGN §6, :mod:`disagg_rs.engine_protocol`): ``block_pool`` and
+The engine provides (docs/architecture.md §6, :mod:`disagg_rs.engine_protocol`): ``block_pool`` and
 ``ssm_slot_pool`` (the ledger's pools, so both account the same blocks), ``block_size_tokens``,
 ``num_speculative_tokens``, ``decode_batch`` (``can_admit``/``admit``), ``expect_import`` and
 ``complete_request_without_forward``, ``event_loop``, the state buffers (``kv_cache``,
@@ -206,7 +206,7 @@ class InferenceStateHandoffMixin:
         """Create the CPU path used to aggregate model-parallel transfer completion.
 
         Completion is shared through the engine's ``handoff_all_gather`` (a gloo/NCCL
-        all-gather over the model-parallel ranks); ``hostname`` is accepted for the seed API.
+        all-gather over the model-parallel ranks); ``hostname`` is accepted, as in the reference.
         """
         del hostname
         self._completion_notifications = []
@@ -270,7 +270,7 @@ class InferenceStateHandoffMixin:
             raise HandoffStateError("this engine has no PinLedger (not a prefill engine)")
         return self._pin_ledger
 
-    # -- counts (seed names) --------------------------------------------------------------------
+    # -- counts (reference design names) ----------------------------------------------------------
     @property
     def pending_kv_import_count(self) -> int:
         """Number of decode requests waiting for capacity or transfer completion."""

@@ -25,7 +25,7 @@ frozen record per request (never one object per block), tagged by ``kind``:
     A quarantine drained or a prefill pin ended (``reason``: ``settled``, ``horizon``,
     ``release_kv``, ``lease_expired``, ``reset``).
 
-:class:`ImportLedger` (decode side, DESIGN §5) owns its block and slot pools
+:class:`ImportLedger` (decode side, docs/architecture.md §5) owns its block and slot pools
 (``ledger.block_pool``, ``ledger.slot_pool``). ``submit`` validates (a rejected submit raises
 a typed error and changes nothing), queues FIFO in DEFERRED, and starts every queued handoff
 whose reservation (cached prefix, imported blocks, continuation blocks, one SSM slot) fits, all

@@ -6,6 +6,7 @@ use disagg_core::{
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyType};
 
+use crate::args::{Int, Text, Typed};
 use crate::error::{reject_unknown_keys, u32_field, wire_dict, wire_err, IntoPyResult};
 
 /// Half-open range as a Python tuple.
@@ -27,7 +28,7 @@ pub fn dict_opt_u32(d: &Bound<'_, PyDict>, key: &str) -> PyResult<Option<u32>> {
     }
 }
 
-fn opt_u32(field: &str, v: Option<i64>) -> PyResult<Option<u32>> {
+fn opt_u32(field: &str, v: Option<Int>) -> PyResult<Option<u32>> {
     v.map(|x| u32_field(field, x)).transpose()
 }
 
@@ -57,26 +58,27 @@ const KV_KEYS: [&str; 11] = [
 impl PyKvShardLayout {
     #[new]
     #[pyo3(signature = (
-        num_layers, num_kv_heads, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, global_rank=None,
-        *, ep_rank=0, etp_rank=0, layer_start=None, num_local_layers=None
-    ))]
+        num_layers, num_kv_heads, tp_size=Int::of(1), tp_rank=Int::of(0), pp_size=Int::of(1), pp_rank=Int::of(0), global_rank=None,
+        *, ep_rank=Int::of(0), etp_rank=Int::of(0), layer_start=None, num_local_layers=None
+    ),
+    text_signature = "(num_layers, num_kv_heads, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, global_rank=None, *, ep_rank=0, etp_rank=0, layer_start=None, num_local_layers=None)")]
     fn new(
-        num_layers: i64,
-        num_kv_heads: i64,
-        tp_size: i64,
-        tp_rank: i64,
-        pp_size: i64,
-        pp_rank: i64,
-        global_rank: Option<i64>,
-        ep_rank: i64,
-        etp_rank: i64,
-        layer_start: Option<i64>,
-        num_local_layers: Option<i64>,
+        num_layers: Int,
+        num_kv_heads: Int,
+        tp_size: Int,
+        tp_rank: Int,
+        pp_size: Int,
+        pp_rank: Int,
+        global_rank: Option<Int>,
+        ep_rank: Int,
+        etp_rank: Int,
+        layer_start: Option<Int>,
+        num_local_layers: Option<Int>,
     ) -> PyResult<Self> {
         let tp_size_u = u32_field("tp_size", tp_size)?;
         let tp_rank_u = u32_field("tp_rank", tp_rank)?;
         let pp_rank_u = u32_field("pp_rank", pp_rank)?;
-        let default_rank = i64::from(pp_rank_u) * i64::from(tp_size_u) + i64::from(tp_rank_u);
+        let default_rank = i128::from(pp_rank_u) * i128::from(tp_size_u) + i128::from(tp_rank_u);
         let spec = KvLayoutSpec {
             num_layers: u32_field("num_layers", num_layers)?,
             num_kv_heads: u32_field("num_kv_heads", num_kv_heads)?,
@@ -84,7 +86,10 @@ impl PyKvShardLayout {
             tp_rank: tp_rank_u,
             pp_size: u32_field("pp_size", pp_size)?,
             pp_rank: pp_rank_u,
-            global_rank: u32_field("global_rank", global_rank.unwrap_or(default_rank))?,
+            global_rank: u32_field(
+                "global_rank",
+                global_rank.unwrap_or_else(|| default_rank.into()),
+            )?,
             ep_rank: u32_field("ep_rank", ep_rank)?,
             etp_rank: u32_field("etp_rank", etp_rank)?,
             layer_start: opt_u32("layer_start", layer_start)?,
@@ -155,7 +160,7 @@ impl PyKvShardLayout {
     fn head_end(&self) -> u32 {
         self.inner.heads.hi
     }
-    /// KV heads held by this rank (the seed API's `heads_per_partition`).
+    /// KV heads held by this rank (the reference design's `heads_per_partition`).
     #[getter]
     fn heads_per_partition(&self) -> u32 {
         self.inner.heads.len()
@@ -273,13 +278,14 @@ const DIMS_KEYS: [&str; 5] = ["num_heads", "head_dim", "d_state", "n_groups", "d
 #[pymethods]
 impl PySsmStateDims {
     #[new]
-    #[pyo3(signature = (num_heads, head_dim, d_state, n_groups=1, d_conv=4))]
+    #[pyo3(signature = (num_heads, head_dim, d_state, n_groups=Int::of(1), d_conv=Int::of(4)),
+    text_signature = "(num_heads, head_dim, d_state, n_groups=1, d_conv=4)")]
     fn new(
-        num_heads: i64,
-        head_dim: i64,
-        d_state: i64,
-        n_groups: i64,
-        d_conv: i64,
+        num_heads: Int,
+        head_dim: Int,
+        d_state: Int,
+        n_groups: Int,
+        d_conv: Int,
     ) -> PyResult<Self> {
         let inner = SsmStateDims::new(
             u32_field("num_heads", num_heads)?,
@@ -388,34 +394,38 @@ const SSM_KEYS: [&str; 11] = [
 impl PySsmShardLayout {
     #[new]
     #[pyo3(signature = (
-        num_layers, dims, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, global_rank=None,
-        *, ep_rank=0, etp_rank=0, layer_start=None, num_local_layers=None
-    ))]
+        num_layers, dims, tp_size=Int::of(1), tp_rank=Int::of(0), pp_size=Int::of(1), pp_rank=Int::of(0), global_rank=None,
+        *, ep_rank=Int::of(0), etp_rank=Int::of(0), layer_start=None, num_local_layers=None
+    ),
+    text_signature = "(num_layers, dims, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, global_rank=None, *, ep_rank=0, etp_rank=0, layer_start=None, num_local_layers=None)")]
     fn new(
-        num_layers: i64,
-        dims: PyRef<'_, PySsmStateDims>,
-        tp_size: i64,
-        tp_rank: i64,
-        pp_size: i64,
-        pp_rank: i64,
-        global_rank: Option<i64>,
-        ep_rank: i64,
-        etp_rank: i64,
-        layer_start: Option<i64>,
-        num_local_layers: Option<i64>,
+        num_layers: Int,
+        dims: Typed<PyRef<'_, PySsmStateDims>>,
+        tp_size: Int,
+        tp_rank: Int,
+        pp_size: Int,
+        pp_rank: Int,
+        global_rank: Option<Int>,
+        ep_rank: Int,
+        etp_rank: Int,
+        layer_start: Option<Int>,
+        num_local_layers: Option<Int>,
     ) -> PyResult<Self> {
         let tp_size_u = u32_field("tp_size", tp_size)?;
         let tp_rank_u = u32_field("tp_rank", tp_rank)?;
         let pp_rank_u = u32_field("pp_rank", pp_rank)?;
-        let default_rank = i64::from(pp_rank_u) * i64::from(tp_size_u) + i64::from(tp_rank_u);
+        let default_rank = i128::from(pp_rank_u) * i128::from(tp_size_u) + i128::from(tp_rank_u);
         let spec = SsmLayoutSpec {
             num_layers: u32_field("num_layers", num_layers)?,
-            dims: dims.inner,
+            dims: dims.get("dims", "an SSMStateDims")?.inner,
             tp_size: tp_size_u,
             tp_rank: tp_rank_u,
             pp_size: u32_field("pp_size", pp_size)?,
             pp_rank: pp_rank_u,
-            global_rank: u32_field("global_rank", global_rank.unwrap_or(default_rank))?,
+            global_rank: u32_field(
+                "global_rank",
+                global_rank.unwrap_or_else(|| default_rank.into()),
+            )?,
             ep_rank: u32_field("ep_rank", ep_rank)?,
             etp_rank: u32_field("etp_rank", etp_rank)?,
             layer_start: opt_u32("layer_start", layer_start)?,
@@ -493,8 +503,8 @@ impl PySsmShardLayout {
     }
     /// `(global [lo, hi), local [lo, hi))` of a band: channels for "x", "B", "C", heads for
     /// "recurrent".
-    fn band(&self, name: &str) -> PyResult<(PyRange, PyRange)> {
-        let b = self.inner.band(SsmBand::parse(name).py()?);
+    fn band(&self, name: Text) -> PyResult<(PyRange, PyRange)> {
+        let b = self.inner.band(SsmBand::parse(name.get("name")?).py()?);
         Ok(((b.global.lo, b.global.hi), (b.local.lo, b.local.hi)))
     }
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -1,4 +1,4 @@
-//! Decode-side import ledger (DESIGN §5).
+//! Decode-side import ledger (docs/architecture.md §5).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
