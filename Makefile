@@ -40,7 +40,7 @@ build: $(STAMP) ## Build the Rust extension into .venv (release, overflow checks
 	fi
 
 .PHONY: test
-test: build ## Build, then run cargo test for the workspace and the whole pytest suite
+test: build wheel ## Build (extension and wheel), then cargo test and the whole pytest suite
 	cargo test --workspace --release -q
 	$(PY) -m pytest -q
 
@@ -63,8 +63,14 @@ WHEEL_DIR := dist
 .PHONY: wheel
 wheel: $(STAMP) ## Build the release wheel into dist/: abi3, manylinux_2_28 (zig linker), stripped
 	rm -f $(WHEEL_DIR)/disagg_rs-*.whl
-	$(PY) -m maturin build --release --strip --zig --compatibility manylinux_2_28 --out $(WHEEL_DIR)
+	@echo "==> Release wheel (zig linker, own target dir target/wheel; first build 2-4 minutes)"
+	PATH="$(abspath $(VENV))/bin:$$PATH" CARGO_TARGET_DIR=target/wheel $(PY) -m maturin build \
+		--release --strip --zig --compatibility manylinux_2_28 -i $(PY) --out $(WHEEL_DIR)
 	@ls -l $(WHEEL_DIR)/disagg_rs-*.whl
+
+.PHONY: readme
+readme: build ## Rewrite the README's console samples from fresh runs of their commands
+	$(PY) tests/test_readme.py --write
 
 .PHONY: demo
 demo: build ## Run the main job: a disaggregated prefill (TP2) -> decode (TP1) run on CPU
