@@ -20,7 +20,8 @@ $(STAMP): requirements-dev.txt requirements-nodeps.txt
 	@$(PY) -m pip install -q --upgrade pip
 	@echo "==> [2/3] Pinned dependencies (requirements-dev.txt). A first run downloads about 3 GB"
 	@echo "    (torch 2.11.0 with its CUDA 13 libraries, even on CPU-only machines) and takes"
-	@echo "    several minutes; .venv ends up about 5 GB. Later runs skip this step."
+	@echo "    several minutes (13.5 on a busy 2-core machine); .venv ends up about 5.5 GB."
+	@echo "    Later runs skip this step."
 	$(PY) -m pip install --progress-bar on -r requirements-dev.txt
 	$(PY) -m pip install --progress-bar on --no-deps -r requirements-nodeps.txt
 	@touch $@
@@ -32,7 +33,7 @@ venv: $(STAMP) ## Create .venv with the pinned dependencies
 # dependencies and print one "Ignoring ...: markers 'extra == ...'" line per extra.
 .PHONY: build
 build: $(STAMP) ## Build the Rust extension into .venv (release, overflow checks on)
-	@echo "==> [3/3] Rust extension (cargo, release; the first build takes 1-3 minutes)"
+	@echo "==> [3/3] Rust extension (cargo, release; the first build takes 2-9 minutes)"
 	@if [ -f $(VENV)/bin/disagg-rs ]; then \
 		$(PY) -m maturin develop --release --skip-install; \
 	else \
