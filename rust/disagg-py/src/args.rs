@@ -74,7 +74,8 @@ pub fn describe(obj: &Bound<'_, PyAny>) -> String {
     if obj.is_none() {
         "None".to_owned()
     } else {
-        format!("a {kind} ({repr})")
+        let article = if kind.starts_with(['a', 'e', 'i', 'o', 'u']) { "an" } else { "a" };
+        format!("{article} {kind} ({repr})")
     }
 }
 

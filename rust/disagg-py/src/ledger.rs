@@ -487,7 +487,7 @@ impl PyPinLedger {
         Ok(lock(&self.inner)?.num_pinned())
     }
 
-    /// The seed's `pending_kv_push_count`.
+    /// The reference design's `pending_kv_push_count`.
     #[getter]
     fn pending_kv_push_count(&self) -> PyResult<usize> {
         Ok(lock(&self.inner)?.pending_kv_push_count())

@@ -292,13 +292,13 @@ impl ImportLedger {
         self.quarantine.values().map(|q| q.hold.blocks().count()).sum()
     }
 
-    /// The seed's `pending_kv_import_count`: waiting for capacity or transfer completion, or
-    /// complete but not admitted yet.
+    /// The reference design's `pending_kv_import_count`: waiting for capacity or transfer
+    /// completion, or complete but not admitted yet.
     pub fn pending_kv_import_count(&self) -> usize {
         self.live.len()
     }
 
-    /// The seed's `has_admittable_kv_import`.
+    /// The reference design's `has_admittable_kv_import`.
     pub fn has_admittable_kv_import(&self) -> bool {
         !self.ready.is_empty()
     }
