@@ -37,12 +37,13 @@ from disagg_rs import (
     plan_ssm_reshard,
 )
 
-# Ints: negative, small, and beyond every native width. Valid mid-range sizes (say 2**31
-# blocks) are left out: they are accepted and would allocate gigabytes of pool state.
+# Ints: negative, small, and beyond every native width. Valid large sizes (say 2**32 - 1
+# blocks) are left out: pools and ledgers accept them and allocate their state up front, and an
+# allocation that size aborts the process (a known limit: pools do not yet allocate fallibly).
 INTS = st.one_of(
     st.integers(-(2**70), -1),
     st.integers(0, 40),
-    st.integers(2**32 - 2, 2**32 + 2),
+    st.integers(2**32, 2**32 + 2),
     st.integers(2**64 - 2, 2**70),
 )
 ARBITRARY: st.SearchStrategy[Any] = st.one_of(
