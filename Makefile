@@ -13,21 +13,35 @@ export DISAGG_HYPOTHESIS_PROFILE ?= ci
 help: ## Show the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
 
-$(STAMP): requirements-dev.txt
+# Set-up prints each step before it runs; pip and cargo show their own progress (no -q).
+$(STAMP): requirements-dev.txt requirements-nodeps.txt
+	@echo "==> [1/3] Python virtual environment in $(VENV)"
 	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
+	@$(PY) -m pip install -q --upgrade pip
+	@echo "==> [2/3] Pinned dependencies (requirements-dev.txt). A first run downloads about 3 GB"
+	@echo "    (torch 2.11.0 with its CUDA 13 libraries, even on CPU-only machines) and takes"
+	@echo "    several minutes (13.5 on a busy 2-core machine); .venv ends up about 5.5 GB."
+	@echo "    Later runs skip this step."
+	$(PY) -m pip install --progress-bar on -r requirements-dev.txt
+	$(PY) -m pip install --progress-bar on --no-deps -r requirements-nodeps.txt
 	@touch $@
 
 .PHONY: venv
 venv: $(STAMP) ## Create .venv with the pinned dependencies
 
+# `--skip-install` after the first install: maturin would otherwise re-run pip on the optional
+# dependencies and print one "Ignoring ...: markers 'extra == ...'" line per extra.
 .PHONY: build
 build: $(STAMP) ## Build the Rust extension into .venv (release, overflow checks on)
-	$(PY) -m maturin develop --release -q
+	@echo "==> [3/3] Rust extension (cargo, release; the first build takes 2-9 minutes)"
+	@if [ -f $(VENV)/bin/disagg-rs ]; then \
+		$(PY) -m maturin develop --release --skip-install; \
+	else \
+		$(PY) -m maturin develop --release 2>&1 | { grep -v "^Ignoring " || true; }; \
+	fi
 
 .PHONY: test
-test: build ## Build, then run cargo test for the workspace and the whole pytest suite
+test: build wheel ## Build (extension and wheel), then cargo test and the whole pytest suite
 	cargo test --workspace --release -q
 	$(PY) -m pytest -q
 
@@ -45,6 +59,19 @@ fmt: $(STAMP) ## Format Rust and Python sources
 	cargo fmt --all
 	$(PY) -m ruff format python tests benches
 	$(PY) -m ruff check --fix python tests benches
+
+WHEEL_DIR := dist
+.PHONY: wheel
+wheel: $(STAMP) ## Build the release wheel into dist/: abi3, manylinux_2_28 (zig linker), stripped
+	rm -f $(WHEEL_DIR)/disagg_rs-*.whl
+	@echo "==> Release wheel (zig linker, own target dir target/wheel; first build 2-4 minutes)"
+	PATH="$(abspath $(VENV))/bin:$$PATH" CARGO_TARGET_DIR=target/wheel $(PY) -m maturin build \
+		--release --strip --zig --compatibility manylinux_2_28 -i $(PY) --out $(WHEEL_DIR)
+	@ls -l $(WHEEL_DIR)/disagg_rs-*.whl
+
+.PHONY: readme
+readme: build ## Rewrite the README's console samples from fresh runs of their commands
+	$(PY) tests/test_readme.py --write
 
 .PHONY: demo
 demo: build ## Run the main job: a disaggregated prefill (TP2) -> decode (TP1) run on CPU

@@ -1,4 +1,5 @@
-"""Descriptor compiler vs the reference algorithm in plain Python (DESIGN §8 scenarios).
+"""Descriptor compiler vs the reference algorithm in plain Python (the scenarios of
+docs/architecture.md §8).
 
 Reference geometry: 80 layers, 8 KV heads, head_dim 128, bf16, Megatron ``[2, L, B, T, H, d]``
 caches, 64 tokens per block. The baseline is the reference design's algorithm written by us:
@@ -311,7 +312,7 @@ def main() -> None:
             lambda f, r, d: r >= 200 and d == 2,
         ),
     ]
-    text = header + "\n".join(rows) + "\n\nTargets (issue 3):\n\n" + "\n".join(targets) + "\n"
+    text = header + "\n".join(rows) + "\n\nTargets:\n\n" + "\n".join(targets) + "\n"
     if args.write:
         write_section(args.write, "compiler", text)
 

@@ -21,8 +21,9 @@ from _results import machine_line, write_section
 from disagg_rs import KVGeometry, KVShardLayout, SSMGeometry, SSMShardLayout, SSMStateDims
 from disagg_rs.integrity import conv_pieces, kv_entries, recurrent_pieces
 
-# (layers, KV heads on this rank, prompt tokens): DESIGN §8 head_dim/dtype/block, scaled so a
-# 2-core CPU run takes seconds; the CUDA rows use the TP8 rank of the 80-layer 8K prompt.
+# (layers, KV heads on this rank, prompt tokens): docs/architecture.md §8 head_dim/dtype/block,
+# scaled so a 2-core CPU run takes seconds; the CUDA rows use the TP8 rank of the 80-layer 8K
+# prompt.
 CPU_CASES = [(8, 1, 2048), (8, 8, 2048)]
 CUDA_CASES = [(80, 1, 8192), (80, 8, 8192)]
 HEAD_DIM, BLOCK = 128, 64

@@ -145,20 +145,22 @@ def test_two_peers_claiming_one_global_rank_are_refused(peers: dict[str, Any]) -
 def test_sources_missing_a_tp_rank_leave_heads_uncovered_and_are_refused(
     peers: dict[str, Any],
 ) -> None:
-    _rejected(peers, exceptions.PlanCoverageError, None, _metas(peers)[:1])
+    _rejected(peers, exceptions.PlanCoverageError, "dsts", _metas(peers)[:1])
 
 
 def test_sources_missing_a_pipeline_stage_leave_layers_uncovered_and_are_refused(
     peers: dict[str, Any],
 ) -> None:
-    _rejected(peers, exceptions.PlanCoverageError, None, _metas(peers, "pp")[1:])
+    _rejected(peers, exceptions.PlanCoverageError, "dsts", _metas(peers, "pp")[1:])
 
 
 def test_ssm_sources_missing_a_tp_rank_leave_bands_uncovered_and_are_refused(
     peers: dict[str, Any],
 ) -> None:
     metas = _metas(peers, "ssm")[:1]
-    _rejected(peers, exceptions.PlanCoverageError, None, metas, (0,), (1,), None, target="ssm_dst")
+    _rejected(
+        peers, exceptions.PlanCoverageError, "dsts", metas, (0,), (1,), None, target="ssm_dst"
+    )
 
 
 @pytest.mark.parametrize(

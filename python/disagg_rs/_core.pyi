@@ -356,7 +356,7 @@ def drop_transfer_prefix_blocks(
     peer_meta: Any, src_block_ids: Sequence[int], prefix_count: int
 ) -> tuple[Any, list[int]]: ...
 
-# --- pools and ledgers (issue 4) ---
+# --- pools and ledgers ---
 
 _Outcome: TypeAlias = Literal["ok", "error", "timeout", "may_still_write"]
 _ActionKind: TypeAlias = Literal["start", "admit", "complete", "fail", "release"]

@@ -14,8 +14,8 @@ program; a prefill rank compiles one per destination rank it serves).
   Both sides of a staged transfer must use the same value: it shapes the packed region.
 - ``mode``: ``"direct"`` (descriptor pairs, merged where contiguous on both sides),
   ``"staged"`` (gather, one descriptor per source rank, scatter) or ``"auto"`` (per source
-  rank by the DESIGN §4 cost model; keywords ``per_descriptor_s``, ``link_bytes_per_s``,
-  ``gather_bytes_per_s``).
+  rank by the docs/architecture.md §4 cost model; keywords ``per_descriptor_s``,
+  ``link_bytes_per_s``, ``gather_bytes_per_s``).
 
 Canonical packed order (both sides compute identical offsets): the packed region of one
 (source rank, destination rank) pair is ``[0, packed_bytes(src_rank))`` and holds that pair's

@@ -987,19 +987,52 @@ def _progress(total: int, quiet: bool) -> Any:
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's command-line options."""
     d = DemoOptions()
-    p.add_argument("--backend", choices=["nixl", "nccl"], default=d.backend)
-    p.add_argument("--prefill-tp", type=int, default=d.prefill_tp)
-    p.add_argument("--prefill-pp", type=int, default=d.prefill_pp)
-    p.add_argument("--decode-tp", type=int, default=d.decode_tp)
-    p.add_argument("--decode-pp", type=int, default=d.decode_pp)
-    p.add_argument("--prefill-block-size", type=int, default=d.prefill_block_size)
-    p.add_argument("--decode-block-size", type=int, default=d.decode_block_size)
-    p.add_argument("--model", choices=["hybrid", "attention"], default=d.model)
-    p.add_argument("--requests", type=int, default=d.requests)
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
-    p.add_argument("--cache-layout", choices=["megatron", "nhd", "hnd"], default=d.cache_layout)
-    p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s")
+    p.add_argument(
+        "--backend",
+        choices=["nixl", "nccl"],
+        default=d.backend,
+        help="transport: nixl (one-sided reads) or nccl (torch.distributed; gloo on CPU)",
+    )
+    p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, help="prefill TP size")
+    p.add_argument("--prefill-pp", type=int, default=d.prefill_pp, help="prefill PP size")
+    p.add_argument("--decode-tp", type=int, default=d.decode_tp, help="decode TP size")
+    p.add_argument("--decode-pp", type=int, default=d.decode_pp, help="decode PP size")
+    p.add_argument(
+        "--prefill-block-size",
+        type=int,
+        default=d.prefill_block_size,
+        help="prefill KV block size in tokens",
+    )
+    p.add_argument(
+        "--decode-block-size",
+        type=int,
+        default=d.decode_block_size,
+        help="decode KV block size in tokens",
+    )
+    p.add_argument(
+        "--model",
+        choices=["hybrid", "attention"],
+        default=d.model,
+        help="reference model: hybrid (attention + Mamba2) or attention only",
+    )
+    p.add_argument("--requests", type=int, default=d.requests, help="number of prompts")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens per answer")
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default=d.device, help="where caches and weights live"
+    )
+    p.add_argument(
+        "--cache-layout",
+        choices=["megatron", "nhd", "hnd"],
+        default=d.cache_layout,
+        help="paged KV cache memory layout",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=d.timeout_s,
+        dest="timeout_s",
+        help="seconds the whole run may take",
+    )
     p.add_argument(
         "--nixl-mode",
         choices=["auto", "direct", "staged"],

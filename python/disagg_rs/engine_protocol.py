@@ -1,4 +1,4 @@
-"""The small protocol an inference engine provides to disagg_rs.
+"""The small protocol an inference engine provides to disagg_rs (docs/architecture.md §6).
 
 These are :class:`typing.Protocol` classes: an engine does not subclass them, it just has the
 methods. disagg_rs's own :class:`~disagg_rs.BlockPool` and :class:`~disagg_rs.SlotPool`

@@ -14,6 +14,7 @@ __all__ = [
     "HandoffMetadataError",
     "AddressOverflowError",
     "ArgumentError",
+    "ArgumentTypeError",
     "BlockIdError",
     "CapacityError",
     "ConservationError",
@@ -163,6 +164,12 @@ class TransferTimeout(DisaggError, TimeoutError):
 
 class ArgumentError(DisaggError, ValueError):
     """A plain argument is out of range (a rank >= world size, a zero block size, ...)."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument has the wrong type (``None``, a bool, a float or a string where an int is
+    needed, an object that is not a tensor, ...). Also a ``TypeError``, as Python code expects.
+    Python-only class (no Rust variant): the bindings raise it while reading arguments."""
 
 
 class ConservationError(DisaggError, RuntimeError):

@@ -1,4 +1,4 @@
-"""Memory geometry of one rank's state buffers (DESIGN §4).
+"""Memory geometry of one rank's state buffers (docs/architecture.md §4).
 
 A geometry says where byte ``(kv, layer, block, token, head, dim)`` of a rank's paged KV cache
 lives (:class:`KVGeometry`), or byte ``(layer, slot, channel|head, ...)`` of its SSM state

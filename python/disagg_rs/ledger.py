@@ -25,7 +25,7 @@ frozen record per request (never one object per block), tagged by ``kind``:
     A quarantine drained or a prefill pin ended (``reason``: ``settled``, ``horizon``,
     ``release_kv``, ``lease_expired``, ``reset``).
 
-:class:`ImportLedger` (decode side, DESIGN §5) owns its block and slot pools
+:class:`ImportLedger` (decode side, docs/architecture.md §5) owns its block and slot pools
 (``ledger.block_pool``, ``ledger.slot_pool``). ``submit`` validates (a rejected submit raises
 a typed error and changes nothing), queues FIFO in DEFERRED, and starts every queued handoff
 whose reservation (cached prefix, imported blocks, continuation blocks, one SSM slot) fits, all
@@ -36,12 +36,13 @@ rank, outcome, now)`` feeds each rank's terminal outcome (``"ok"``, ``"error"``,
 local handle is provably quiet, else quarantine them until ``settle`` (or a quiet local report)
 or until ``poll(now)`` passes the drain horizon. ``abort``, ``poll`` (deadlines), ``reset`` and
 the counters complete the surface; ``pending_kv_import_count`` and ``has_admittable_kv_import``
-are the seed's names. Duplicate, late (old epoch) and unknown messages are counted no-ops.
+are the reference design's names. Duplicate, late (old epoch) and unknown messages are counted
+no-ops.
 
 :class:`PinLedger` (prefill side) pins a finished handoff's blocks and SSM slot until
 ``release`` (RELEASE_KV; idempotent, unknown ids are no-ops) or ``expire(now)`` passes the
 lease; a push in flight (``begin_push`` .. ``push_settled``) delays the release until it
-settles. ``pending_kv_push_count`` is the seed's name.
+settles. ``pending_kv_push_count`` is the reference design's name.
 
 Example::
 

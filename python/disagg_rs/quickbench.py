@@ -1,4 +1,4 @@
-"""``disagg-rs bench``: a self-contained compile benchmark on the DESIGN §8 geometry.
+"""``disagg-rs bench``: a self-contained compile benchmark on the docs/architecture.md §8 geometry.
 
 Describes the caches with explicit geometries (no memory is allocated: the compiler only does
 address arithmetic), compiles each scenario's transfer program for one destination rank and
@@ -98,7 +98,8 @@ def run(s: Scenario, repeats: int = 5) -> tuple[float, int, int]:
 def main() -> int:
     """Print the table; returns the exit code."""
     print(
-        f"DESIGN §8 geometry: {LAYERS} layers, {HEADS} KV heads, head_dim {HEAD_DIM}, bf16, "
+        f"docs/architecture.md §8 geometry: {LAYERS} layers, {HEADS} KV heads, "
+        f"head_dim {HEAD_DIM}, bf16, "
         f"{TOKENS_PER_BLOCK} tokens/block; one destination rank, lists materialised as numpy"
     )
     print(f"{'scenario':<36} {'mode':<7} {'compile+lists':>14} {'descriptors':>12} {'bytes':>15}")

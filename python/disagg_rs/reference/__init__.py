@@ -8,7 +8,7 @@ agree to rounding and greedy tokens agree exactly), tensor parallelism over torc
 uneven layer windows, a paged KV cache in three memory layouts, SSM state slots, a block pool
 with prefix caching, continuous decode batching and greedy sampling.
 
-Engine protocol (DESIGN §6) as the handoff mixin uses it, on every rank of an engine:
+Engine protocol (docs/architecture.md §6) as the handoff mixin uses it, on every rank of an engine:
 
 It satisfies :class:`disagg_rs.engine_protocol.HandoffEngine` once given an event loop.
 

@@ -73,7 +73,7 @@ impl ModeChoice {
             "direct" => Ok(Self::Direct),
             "staged" => Ok(Self::Staged),
             "auto" => Ok(Self::Auto),
-            other => Err(DisaggError::layout(
+            other => Err(DisaggError::argument(
                 "mode",
                 format!("mode={other:?} is not one of 'direct', 'staged', 'auto'"),
             )),
@@ -81,9 +81,9 @@ impl ModeChoice {
     }
 }
 
-/// DESIGN §4 cost model: direct costs `n_desc * per_descriptor_s + bytes / link_bytes_per_s`,
+/// docs/architecture.md §4 cost model: direct costs `n_desc * per_descriptor_s + bytes / link_bytes_per_s`,
 /// staged costs `2 * bytes / gather_bytes_per_s + bytes / link_bytes_per_s` plus one
-/// descriptor. Defaults are the H200 measurements of DESIGN §4.
+/// descriptor. Defaults are the H200 measurements of docs/architecture.md §4.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostModel {
     /// Seconds one extra descriptor costs the transport (measured: about 8 us).
@@ -605,7 +605,7 @@ impl ListKind {
             "descriptors" => Ok(Self::Descriptors),
             "gather" => Ok(Self::Gather),
             "scatter" => Ok(Self::Scatter),
-            other => Err(DisaggError::layout(
+            other => Err(DisaggError::argument(
                 "which",
                 format!("which={other:?} is not one of 'descriptors', 'gather', 'scatter'"),
             )),

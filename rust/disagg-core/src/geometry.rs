@@ -44,7 +44,7 @@ pub struct KvGeometrySpec {
 /// `plane_bases[kv * num_layers + layer] + block * block_stride + token * token_stride +
 /// head * head_stride + dim * element_size`.
 ///
-/// One list of plane bases covers every cache layout of DESIGN §4: one Megatron tensor
+/// One list of plane bases covers every cache layout of docs/architecture.md §4: one Megatron tensor
 /// `[2, L, B, T, H, d]` (bases on a regular grid), per-layer tensors `[2, B, T, H, d]` (NHD) or
 /// `[2, B, H, T, d]` (HND) at unrelated addresses, separate K and V tensors, and the MLA latent
 /// `[L, B, T, d]` (`num_kv = 1`, `num_heads = 1`). The head row (`head_dim` elements) must be

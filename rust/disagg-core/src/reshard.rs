@@ -264,9 +264,19 @@ impl KvReshardTransfer {
     pub fn dst_local_heads(&self) -> Span {
         self.heads.relative_to(self.dst_head_start)
     }
-    /// Bytes this transfer moves per token (K and V).
-    pub fn bytes_per_token(&self, head_dim: u64, element_size: u64) -> u64 {
-        2 * u64::from(self.layers.len()) * u64::from(self.heads.len()) * head_dim * element_size
+    /// Bytes this transfer moves per token (K and V); `AddressOverflow` past `u64`.
+    pub fn bytes_per_token(&self, head_dim: u64, element_size: u64) -> DisaggResult<u64> {
+        [u64::from(self.layers.len()), u64::from(self.heads.len()), head_dim, element_size]
+            .into_iter()
+            .try_fold(2u64, u64::checked_mul)
+            .ok_or_else(|| {
+                DisaggError::overflow(format!(
+                    "bytes per token = 2 x {} layers x {} heads x head_dim {head_dim} x \
+                     element_size {element_size}",
+                    self.layers.len(),
+                    self.heads.len()
+                ))
+            })
     }
 }
 
@@ -338,8 +348,11 @@ impl KvReshardPlan {
         self.transfers.iter().filter(|t| t.dst_rank == rank).copied().collect()
     }
     /// Bytes per token over the whole plan (K and V).
-    pub fn bytes_per_token(&self, head_dim: u64, element_size: u64) -> u64 {
-        self.transfers.iter().map(|t| t.bytes_per_token(head_dim, element_size)).sum()
+    pub fn bytes_per_token(&self, head_dim: u64, element_size: u64) -> DisaggResult<u64> {
+        self.transfers.iter().try_fold(0u64, |acc, t| {
+            acc.checked_add(t.bytes_per_token(head_dim, element_size)?)
+                .ok_or_else(|| DisaggError::overflow("bytes per token summed over the plan"))
+        })
     }
     /// Check that every destination (layer, head) cell is written exactly once, by a source
     /// that holds it. Names the first gap or overlap.

@@ -9,53 +9,25 @@ use disagg_core::{
     ModeChoice, SrcBlockIds, SrcSlots, SsmTransferRequest, TransferProgram,
 };
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyMapping, PySlice};
 
-use crate::error::{to_pyerr, IntoPyResult};
+use crate::args::{describe, err, type_err, Int, IntList, Kind, Real, Text, Typed};
+use crate::error::IntoPyResult;
 use crate::geometry::{PyKvGeometry, PySsmGeometry};
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
 
-fn block_err(field: &str, detail: String) -> PyErr {
-    to_pyerr(DisaggError::block(field, detail))
-}
-
-/// A list of ints or a 1-D integer numpy array, as `u32` block ids.
+/// A list of ints or a 1-D integer numpy array or torch tensor, as `u32` block ids.
 fn block_list(field: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    let raw: Vec<i64> = if obj.hasattr("__array_interface__")? && !obj.hasattr("data_ptr")? {
-        let ndim: usize = obj.getattr("ndim")?.extract()?;
-        let kind: String = obj.getattr("dtype")?.getattr("kind")?.extract()?;
-        if ndim != 1 || !(kind == "i" || kind == "u") {
-            return Err(block_err(
-                field,
-                format!("{field} must be a 1-D integer array, got ndim={ndim} dtype kind {kind:?}"),
-            ));
-        }
-        let arr = obj.call_method1("astype", ("int64",))?;
-        let ro: PyReadonlyArray1<'_, i64> = arr.extract()?;
-        ro.as_array().to_vec()
-    } else {
-        obj.extract().map_err(|_| {
-            block_err(field, format!("{field} must be a list of ints or a 1-D integer array"))
-        })?
-    };
-    raw.into_iter()
-        .enumerate()
-        .map(|(i, v)| {
-            u32::try_from(v)
-                .map_err(|_| block_err(field, format!("{field}[{i}]={v} must be in [0, 2**32)")))
-        })
-        .collect()
+    obj.extract::<IntList>()?.to_u32s(Kind::Block, field)
 }
 
 fn parse_src_block_ids(obj: &Bound<'_, PyAny>) -> PyResult<SrcBlockIds> {
     if let Ok(m) = obj.cast::<PyDict>() {
         let mut out = BTreeMap::new();
         for (k, v) in m.iter() {
-            let rank: u32 = k.extract().map_err(|_| {
-                block_err("src_block_ids", format!("dict key {k} is not a global rank"))
-            })?;
+            let rank = k.extract::<Int>()?.to_u32(Kind::Block, "src_block_ids (dict key)")?;
             out.insert(rank, block_list(&format!("src_block_ids[{rank}]"), &v)?);
         }
         Ok(SrcBlockIds::PerRank(out))
@@ -82,23 +54,27 @@ fn runs_to_numpy(py: Python<'_>, rows: Vec<[u64; 6]>) -> PyResult<Bound<'_, PyAr
 /// A caller's `[m, 3]` C-contiguous `uint64` array to write rows into.
 fn out_array<'py>(arr: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<u64>>> {
     let a = arr.cast::<PyArray2<u64>>().map_err(|_| {
-        pyo3::exceptions::PyTypeError::new_err(
-            "out arrays must be numpy uint64 arrays of shape [m, 3]",
+        type_err(
+            "out",
+            format!(
+                "out arrays must be numpy uint64 arrays of shape [m, 3], got {}",
+                describe(arr)
+            ),
         )
     })?;
     if a.shape()[1] != 3 || !a.is_c_contiguous() {
-        return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "out arrays must be C-contiguous with shape [m, 3], got {:?}",
-            a.shape()
-        )));
+        return Err(err(
+            Kind::Argument,
+            "out",
+            format!("out arrays must be C-contiguous with shape [m, 3], got {:?}", a.shape()),
+        ));
     }
     Ok(a.clone())
 }
 
 /// `arr[:n]`, a view.
 fn head<'py>(arr: &Bound<'py, PyArray2<u64>>, n: usize) -> PyResult<Bound<'py, PyAny>> {
-    let n = isize::try_from(n)
-        .map_err(|e| pyo3::exceptions::PyOverflowError::new_err(e.to_string()))?;
+    let n = isize::try_from(n).map_err(|_| err(Kind::Argument, "out", format!("{n} rows")))?;
     arr.as_any().get_item(PySlice::new(arr.py(), 0, n, 1))
 }
 
@@ -109,17 +85,26 @@ fn fill_one<'py>(
     f: impl FnOnce(&mut [[u64; 3]]) -> Result<usize, DisaggError> + Send,
 ) -> PyResult<Bound<'py, PyAny>> {
     let arr = out_array(out)?;
-    let mut rw = arr.try_readwrite()?;
-    let flat =
-        rw.as_slice_mut().map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    let mut rw = arr
+        .try_readwrite()
+        .map_err(|e| err(Kind::Argument, "out", format!("out array is not writable: {e}")))?;
+    let flat = rw.as_slice_mut().map_err(|e| err(Kind::Argument, "out", e.to_string()))?;
     let (rows, _) = flat.as_chunks_mut::<3>();
     let n = py.detach(|| f(rows)).py()?;
     drop(rw);
     head(&arr, n)
 }
 
-fn cost(per_descriptor_s: f64, link_bytes_per_s: f64, gather_bytes_per_s: f64) -> CostModel {
-    CostModel { per_descriptor_s, link_bytes_per_s, gather_bytes_per_s }
+fn cost(
+    per_descriptor_s: &Real,
+    link_bytes_per_s: &Real,
+    gather_bytes_per_s: &Real,
+) -> PyResult<CostModel> {
+    Ok(CostModel {
+        per_descriptor_s: per_descriptor_s.positive("per_descriptor_s")?,
+        link_bytes_per_s: link_bytes_per_s.positive("link_bytes_per_s")?,
+        gather_bytes_per_s: gather_bytes_per_s.positive("gather_bytes_per_s")?,
+    })
 }
 
 /// The compiled transfer of one destination rank: per source rank, its mode and lists.
@@ -144,41 +129,45 @@ impl PyTransferProgram {
         self.inner.sources.iter().map(|s| s.src_rank).collect()
     }
     /// `"direct"` or `"staged"`.
-    fn mode(&self, src_rank: u32) -> PyResult<&'static str> {
+    fn mode(&self, src_rank: Int) -> PyResult<&'static str> {
+        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
         Ok(self.inner.source(src_rank).py()?.mode.name())
     }
     /// Bytes of the packed region `[0, packed_bytes)` of this (source, destination) pair.
-    fn packed_bytes(&self, src_rank: u32) -> PyResult<u64> {
+    fn packed_bytes(&self, src_rank: Int) -> PyResult<u64> {
+        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
         Ok(self.inner.source(src_rank).py()?.packed_bytes)
     }
     /// `(src, dst)` Nx3 `uint64` arrays `(addr, len, device_id)` for the transport; staged
     /// sources give one row at the packed regions' addresses `src_staging` / `dst_staging`.
     /// With `out=(src_arr, dst_arr)` (uint64 `[m, 3]`, e.g. reused between handoffs) the rows
     /// are written there and views of the first rows come back.
-    #[pyo3(signature = (src_rank, src_staging=0, dst_staging=0, *, out=None))]
+    #[pyo3(signature = (src_rank, src_staging=Int::of(0), dst_staging=Int::of(0), *, out=None),
+        text_signature = "($self, src_rank, src_staging=0, dst_staging=0, *, out=None)")]
     fn descriptors<'py>(
         &self,
         py: Python<'py>,
-        src_rank: u32,
-        src_staging: u64,
-        dst_staging: u64,
-        out: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+        src_rank: Int,
+        src_staging: Int,
+        dst_staging: Int,
+        out: Option<Typed<(Bound<'py, PyAny>, Bound<'py, PyAny>)>>,
     ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
+        let src_staging = src_staging.to_u64(Kind::Argument, "src_staging")?;
+        let dst_staging = dst_staging.to_u64(Kind::Argument, "dst_staging")?;
+        let out = out.map(|o| o.get("out", "a pair of numpy arrays")).transpose()?;
         if let Some((src_o, dst_o)) = out {
             let (sa, da) = (out_array(&src_o)?, out_array(&dst_o)?);
             if sa.is(&da) {
-                return Err(pyo3::exceptions::PyValueError::new_err(
-                    "out must be two distinct arrays",
-                ));
+                return Err(err(Kind::Argument, "out", "out must be two distinct arrays".into()));
             }
-            let mut sw = sa.try_readwrite()?;
-            let mut dw = da.try_readwrite()?;
-            let sflat = sw
-                .as_slice_mut()
-                .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
-            let dflat = dw
-                .as_slice_mut()
-                .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+            let not_writable = |e: numpy::BorrowError| {
+                err(Kind::Argument, "out", format!("out array is not writable: {e}"))
+            };
+            let mut sw = sa.try_readwrite().map_err(not_writable)?;
+            let mut dw = da.try_readwrite().map_err(not_writable)?;
+            let sflat = sw.as_slice_mut().map_err(|e| err(Kind::Argument, "out", e.to_string()))?;
+            let dflat = dw.as_slice_mut().map_err(|e| err(Kind::Argument, "out", e.to_string()))?;
             let (srows, _) = sflat.as_chunks_mut::<3>();
             let (drows, _) = dflat.as_chunks_mut::<3>();
             let n = py
@@ -194,12 +183,14 @@ impl PyTransferProgram {
         Ok((rows_to_numpy(py, s)?.into_any(), rows_to_numpy(py, d)?.into_any()))
     }
     /// Exact rows of one list: `which` is "descriptors", "gather" or "scatter" (to size `out`).
-    fn row_count(&self, py: Python<'_>, src_rank: u32, which: &str) -> PyResult<u64> {
-        let kind = ListKind::parse(which).py()?;
+    fn row_count(&self, py: Python<'_>, src_rank: Int, which: Text) -> PyResult<u64> {
+        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
+        let kind = ListKind::parse(which.get("which")?).py()?;
         py.detach(|| self.inner.row_count(src_rank, kind)).py()
     }
     /// The merged direct pairs of a source, whatever its mode.
-    fn direct_descriptors<'py>(&self, py: Python<'py>, src_rank: u32) -> PyResult<DescPair<'py>> {
+    fn direct_descriptors<'py>(&self, py: Python<'py>, src_rank: Int) -> PyResult<DescPair<'py>> {
+        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
         let (s, d) = py.detach(|| self.inner.direct_descriptors(src_rank)).py()?;
         Ok((rows_to_numpy(py, s)?, rows_to_numpy(py, d)?))
     }
@@ -208,9 +199,10 @@ impl PyTransferProgram {
     fn gather<'py>(
         &self,
         py: Python<'py>,
-        src_rank: u32,
+        src_rank: Int,
         out: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
         if let Some(o) = out {
             return fill_one(py, &o, |rows| self.inner.gather_into(src_rank, rows));
         }
@@ -222,9 +214,10 @@ impl PyTransferProgram {
     fn scatter<'py>(
         &self,
         py: Python<'py>,
-        src_rank: u32,
+        src_rank: Int,
         out: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
         if let Some(o) = out {
             return fill_one(py, &o, |rows| self.inner.scatter_into(src_rank, rows));
         }
@@ -236,8 +229,9 @@ impl PyTransferProgram {
     fn gather_runs<'py>(
         &self,
         py: Python<'py>,
-        src_rank: u32,
+        src_rank: Int,
     ) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
         let rows = py.detach(|| self.inner.gather_runs(src_rank)).py()?;
         runs_to_numpy(py, rows)
     }
@@ -246,8 +240,9 @@ impl PyTransferProgram {
     fn scatter_runs<'py>(
         &self,
         py: Python<'py>,
-        src_rank: u32,
+        src_rank: Int,
     ) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
         let rows = py.detach(|| self.inner.scatter_runs(src_rank)).py()?;
         runs_to_numpy(py, rows)
     }
@@ -323,22 +318,31 @@ impl PyTransferProgram {
 /// Compile the KV transfer of ONE destination rank from every source rank that sends to it.
 #[pyfunction(name = "compile_kv_transfer")]
 #[pyo3(signature = (
-    src, dst, src_block_ids, dst_block_ids, num_tokens, mode="auto", *, token_start=0,
-    per_descriptor_s=8e-6, link_bytes_per_s=388e9, gather_bytes_per_s=1.6e12
-))]
+    src, dst, src_block_ids, dst_block_ids, num_tokens, mode=Text::of("auto"), *,
+    token_start=Int::of(0), per_descriptor_s=Real::of(8e-6), link_bytes_per_s=Real::of(388e9),
+    gather_bytes_per_s=Real::of(1.6e12)
+), text_signature = "(src, dst, src_block_ids, dst_block_ids, num_tokens, mode='auto', *, \
+token_start=0, per_descriptor_s=8e-06, link_bytes_per_s=388000000000.0, \
+gather_bytes_per_s=1600000000000.0)")]
 pub fn py_compile_kv_transfer(
     py: Python<'_>,
-    src: Vec<(PyRef<'_, PyKvShardLayout>, PyRef<'_, PyKvGeometry>)>,
-    dst: (PyRef<'_, PyKvShardLayout>, Option<PyRef<'_, PyKvGeometry>>),
+    src: Typed<Vec<(PyRef<'_, PyKvShardLayout>, PyRef<'_, PyKvGeometry>)>>,
+    dst: Typed<(PyRef<'_, PyKvShardLayout>, Option<PyRef<'_, PyKvGeometry>>)>,
     src_block_ids: &Bound<'_, PyAny>,
     dst_block_ids: Option<&Bound<'_, PyAny>>,
-    num_tokens: u64,
-    mode: &str,
-    token_start: u64,
-    per_descriptor_s: f64,
-    link_bytes_per_s: f64,
-    gather_bytes_per_s: f64,
+    num_tokens: Int,
+    mode: Text,
+    token_start: Int,
+    per_descriptor_s: Real,
+    link_bytes_per_s: Real,
+    gather_bytes_per_s: Real,
 ) -> PyResult<PyTransferProgram> {
+    let src = src.get("src", "a list of (KVShardLayout, KVGeometry) pairs")?;
+    let dst = dst.get("dst", "a (KVShardLayout, KVGeometry or None) pair")?;
+    let num_tokens = num_tokens.to_u64(Kind::Argument, "num_tokens")?;
+    let token_start = token_start.to_u64(Kind::Argument, "token_start")?;
+    let mode = mode.get("mode")?;
+    let cost = cost(&per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
     let req = KvTransferRequest {
         srcs: src.iter().map(|(l, g)| (l.inner, g.inner.clone())).collect(),
         dst_layout: dst.0.inner,
@@ -351,41 +355,44 @@ pub fn py_compile_kv_transfer(
         num_tokens,
         token_start,
         mode: ModeChoice::parse(mode).py()?,
-        cost: cost(per_descriptor_s, link_bytes_per_s, gather_bytes_per_s),
+        cost,
     };
     let inner = py.detach(|| compile_kv_transfer(&req)).py()?;
     Ok(PyTransferProgram { inner })
 }
 
 fn slot_of(field: &str, v: &Bound<'_, PyAny>) -> PyResult<u32> {
-    let n: i64 = v.extract().map_err(|_| block_err(field, format!("{field} must be an int")))?;
-    u32::try_from(n).map_err(|_| block_err(field, format!("{field}={n} must be in [0, 2**32)")))
+    v.extract::<Int>()?.to_u32(Kind::Block, field)
 }
 
 /// Compile the SSM state transfer (conv bands and recurrent state) of ONE destination rank.
 #[pyfunction(name = "compile_ssm_transfer")]
 #[pyo3(signature = (
-    src, dst, src_slot, dst_slot, mode="auto", *,
-    per_descriptor_s=8e-6, link_bytes_per_s=388e9, gather_bytes_per_s=1.6e12
-))]
+    src, dst, src_slot, dst_slot, mode=Text::of("auto"), *,
+    per_descriptor_s=Real::of(8e-6), link_bytes_per_s=Real::of(388e9),
+    gather_bytes_per_s=Real::of(1.6e12)
+), text_signature = "(src, dst, src_slot, dst_slot, mode='auto', *, per_descriptor_s=8e-06, \
+link_bytes_per_s=388000000000.0, gather_bytes_per_s=1600000000000.0)")]
 pub fn py_compile_ssm_transfer(
     py: Python<'_>,
-    src: Vec<(PyRef<'_, PySsmShardLayout>, PyRef<'_, PySsmGeometry>)>,
-    dst: (PyRef<'_, PySsmShardLayout>, Option<PyRef<'_, PySsmGeometry>>),
+    src: Typed<Vec<(PyRef<'_, PySsmShardLayout>, PyRef<'_, PySsmGeometry>)>>,
+    dst: Typed<(PyRef<'_, PySsmShardLayout>, Option<PyRef<'_, PySsmGeometry>>)>,
     src_slot: &Bound<'_, PyAny>,
     dst_slot: Option<&Bound<'_, PyAny>>,
-    mode: &str,
-    per_descriptor_s: f64,
-    link_bytes_per_s: f64,
-    gather_bytes_per_s: f64,
+    mode: Text,
+    per_descriptor_s: Real,
+    link_bytes_per_s: Real,
+    gather_bytes_per_s: Real,
 ) -> PyResult<PyTransferProgram> {
+    let src = src.get("src", "a list of (SSMShardLayout, SSMGeometry) pairs")?;
+    let dst = dst.get("dst", "a (SSMShardLayout, SSMGeometry or None) pair")?;
+    let mode = mode.get("mode")?;
+    let cost = cost(&per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
     let src_slots = if let Ok(m) = src_slot.cast::<PyMapping>() {
         let mut out = BTreeMap::new();
         for item in m.items()?.iter() {
             let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
-            let rank: u32 = k
-                .extract()
-                .map_err(|_| block_err("src_slot", format!("dict key {k} is not a global rank")))?;
+            let rank = k.extract::<Int>()?.to_u32(Kind::Block, "src_slot (dict key)")?;
             out.insert(rank, slot_of(&format!("src_slot[{rank}]"), &v)?);
         }
         SrcSlots::PerRank(out)
@@ -399,7 +406,7 @@ pub fn py_compile_ssm_transfer(
         src_slots,
         dst_slot: dst_slot.filter(|o| !o.is_none()).map(|o| slot_of("dst_slot", o)).transpose()?,
         mode: ModeChoice::parse(mode).py()?,
-        cost: cost(per_descriptor_s, link_bytes_per_s, gather_bytes_per_s),
+        cost,
     };
     let inner = py.detach(|| compile_ssm_transfer(&req)).py()?;
     Ok(PyTransferProgram { inner })

@@ -4,6 +4,8 @@ use disagg_core::DisaggError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::args::{Int, Kind};
+
 pyo3::import_exception!(disagg_rs.exceptions, LayoutError);
 pyo3::import_exception!(disagg_rs.exceptions, PlanCoverageError);
 pyo3::import_exception!(disagg_rs.exceptions, BlockIdError);
@@ -24,7 +26,7 @@ pub fn to_pyerr(e: DisaggError) -> PyErr {
     let msg = e.to_string();
     match e {
         DisaggError::Layout { field, .. } => LayoutError::new_err((msg, field)),
-        DisaggError::Coverage { .. } => PlanCoverageError::new_err((msg, None::<String>)),
+        DisaggError::Coverage { .. } => PlanCoverageError::new_err((msg, "dsts")),
         DisaggError::Block { field, .. } => BlockIdError::new_err((msg, field)),
         DisaggError::Geometry { field, .. } => GeometryMismatchError::new_err((msg, field)),
         DisaggError::AddressOverflow { .. } => AddressOverflowError::new_err((msg, None::<String>)),
@@ -66,11 +68,10 @@ pub fn _raise_sample_error(kind: &str) -> PyResult<()> {
     }
 }
 
-/// A Python int field that must fit `u32`, as a typed layout error otherwise.
-pub fn u32_field(field: &str, value: i64) -> PyResult<u32> {
-    u32::try_from(value).map_err(|_| {
-        to_pyerr(DisaggError::layout(field, format!("{field}={value} must be in [0, 2**32)")))
-    })
+/// A Python int field that must fit `u32`, as a typed layout error otherwise (any other type,
+/// a bool, a negative or huge int included: see [`crate::args`]).
+pub fn u32_field(field: &str, value: impl Into<Int>) -> PyResult<u32> {
+    value.into().to_u32(Kind::Layout, field)
 }
 
 /// A `MetadataError` naming `field`.

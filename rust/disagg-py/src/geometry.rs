@@ -10,6 +10,7 @@ use disagg_core::{
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyType};
 
+use crate::args::{describe, retype, type_err, Int, IntList, Kind, Text};
 use crate::error::{reject_unknown_keys, to_pyerr, wire_dict, wire_err, IntoPyResult};
 
 fn geo_err(field: &str, detail: String) -> PyErr {
@@ -36,8 +37,24 @@ fn nonneg(field: &str, v: Vec<i64>) -> PyResult<Vec<u64>> {
         .collect()
 }
 
-/// Read a torch tensor (anything with `data_ptr()`) or a numpy array.
+/// Read a torch tensor (anything with `data_ptr()`) or a numpy array; anything else (None, a
+/// list, an object lacking the attributes) is a `GeometryMismatchError` naming `tensor`.
 fn tensor_view(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
+    tensor_view_of(t).map_err(|e| {
+        retype(t.py(), e, || {
+            type_err(
+                "tensor",
+                format!(
+                    "expected a torch tensor or numpy array (data_ptr() or \
+                     __array_interface__), got {}",
+                    describe(t)
+                ),
+            )
+        })
+    })
+}
+
+fn tensor_view_of(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
     let shape: Vec<i64> = t.getattr("shape")?.extract()?;
     let shape = nonneg("shape", shape)?;
     let dtype = t.getattr("dtype").ok().map(|d| d.str().map(|s| s.to_string())).transpose()?;
@@ -81,6 +98,10 @@ fn tensor_view(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
             ),
         ))
     }
+}
+
+fn device_u64(device_id: Option<Int>) -> PyResult<Option<u64>> {
+    device_id.map(|d| d.to_u64(Kind::Argument, "device_id")).transpose()
 }
 
 const AXES: [&str; 6] = ["kv", "layer", "block", "token", "head", "dim"];
@@ -205,37 +226,41 @@ impl PyKvGeometry {
     #[new]
     #[pyo3(signature = (
         *, num_layers, num_blocks, tokens_per_block, num_heads, head_dim, element_size,
-        block_stride, token_stride, head_stride, plane_bases, num_kv=2, device_id=0, dtype=None
-    ))]
+        block_stride, token_stride, head_stride, plane_bases, num_kv=Int::of(2),
+        device_id=Int::of(0), dtype=None
+    ), text_signature = "(*, num_layers, num_blocks, tokens_per_block, num_heads, head_dim, \
+        element_size, block_stride, token_stride, head_stride, plane_bases, num_kv=2, \
+        device_id=0, dtype=None)")]
     fn new(
-        num_layers: u32,
-        num_blocks: u32,
-        tokens_per_block: u32,
-        num_heads: u32,
-        head_dim: u32,
-        element_size: u32,
-        block_stride: u64,
-        token_stride: u64,
-        head_stride: u64,
-        plane_bases: Vec<u64>,
-        num_kv: u32,
-        device_id: u64,
-        dtype: Option<String>,
+        num_layers: Int,
+        num_blocks: Int,
+        tokens_per_block: Int,
+        num_heads: Int,
+        head_dim: Int,
+        element_size: Int,
+        block_stride: Int,
+        token_stride: Int,
+        head_stride: Int,
+        plane_bases: IntList,
+        num_kv: Int,
+        device_id: Int,
+        dtype: Option<Text>,
     ) -> PyResult<Self> {
+        let a = Kind::Argument;
         let spec = KvGeometrySpec {
-            num_kv,
-            num_layers,
-            num_blocks,
-            tokens_per_block,
-            num_heads,
-            head_dim,
-            element_size,
-            block_stride,
-            token_stride,
-            head_stride,
-            plane_bases,
-            device_id,
-            dtype,
+            num_kv: num_kv.to_u32(a, "num_kv")?,
+            num_layers: num_layers.to_u32(a, "num_layers")?,
+            num_blocks: num_blocks.to_u32(a, "num_blocks")?,
+            tokens_per_block: tokens_per_block.to_u32(a, "tokens_per_block")?,
+            num_heads: num_heads.to_u32(a, "num_heads")?,
+            head_dim: head_dim.to_u32(a, "head_dim")?,
+            element_size: element_size.to_u32(a, "element_size")?,
+            block_stride: block_stride.to_u64(a, "block_stride")?,
+            token_stride: token_stride.to_u64(a, "token_stride")?,
+            head_stride: head_stride.to_u64(a, "head_stride")?,
+            plane_bases: plane_bases.to_u64s(a, "plane_bases")?,
+            device_id: device_id.to_u64(a, "device_id")?,
+            dtype: dtype.map(|t| t.get("dtype").map(str::to_owned)).transpose()?,
         };
         Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
@@ -243,13 +268,16 @@ impl PyKvGeometry {
     /// From one tensor whose axes are named by `axes` (any order; `kv`, `layer` and `head`
     /// may be absent: MLA latent is `"layer block token dim"`).
     #[classmethod]
-    #[pyo3(signature = (tensor, axes="kv layer block token head dim", device_id=None))]
+    #[pyo3(signature = (tensor, axes=Text::of("kv layer block token head dim"), device_id=None),
+        text_signature = "(tensor, axes='kv layer block token head dim', device_id=None)")]
     fn from_tensor(
         _cls: &Bound<'_, PyType>,
         tensor: &Bound<'_, PyAny>,
-        axes: &str,
-        device_id: Option<u64>,
+        axes: Text,
+        device_id: Option<Int>,
     ) -> PyResult<Self> {
+        let device_id = device_u64(device_id)?;
+        let axes = axes.get("axes")?;
         let v = tensor_view(tensor)?;
         let a = parse_axes(axes, &v, &AXES)?;
         let mut bases = Vec::new();
@@ -268,25 +296,31 @@ impl PyKvGeometry {
     fn from_mla_tensor(
         cls: &Bound<'_, PyType>,
         tensor: &Bound<'_, PyAny>,
-        device_id: Option<u64>,
+        device_id: Option<Int>,
     ) -> PyResult<Self> {
-        Self::from_tensor(cls, tensor, "layer block token dim", device_id)
+        Self::from_tensor(cls, tensor, Text::of("layer block token dim"), device_id)
     }
 
     /// From one tensor per local layer, all of one shape and strides: `[2, B, T, H, d]` (NHD,
     /// the default axes) or `[2, B, H, T, d]` (HND: `axes="kv block head token dim"`).
     #[classmethod]
-    #[pyo3(signature = (tensors, axes="kv block token head dim", device_id=None))]
+    #[pyo3(signature = (tensors, axes=Text::of("kv block token head dim"), device_id=None),
+        text_signature = "(tensors, axes='kv block token head dim', device_id=None)")]
     fn from_layer_tensors(
         _cls: &Bound<'_, PyType>,
         tensors: &Bound<'_, PyAny>,
-        axes: &str,
-        device_id: Option<u64>,
+        axes: Text,
+        device_id: Option<Int>,
     ) -> PyResult<Self> {
+        let device_id = device_u64(device_id)?;
+        let axes = axes.get("axes")?;
         let allowed = ["kv", "block", "token", "head", "dim"];
         let mut views = Vec::new();
-        for t in tensors.try_iter()? {
-            views.push(tensor_view(&t?)?);
+        let not_a_list =
+            || geo_err("tensors", format!("expected a list of tensors, got {}", describe(tensors)));
+        let items = tensors.try_iter().map_err(|e| retype(tensors.py(), e, not_a_list))?;
+        for t in items {
+            views.push(tensor_view(&t.map_err(|e| retype(tensors.py(), e, not_a_list))?)?);
         }
         let Some(first) = views.first() else {
             return Err(geo_err("tensors", "tensors=[] has no layer".into()));
@@ -546,12 +580,14 @@ fn part_from_dict(d: Option<Bound<'_, PyAny>>, field: &str) -> PyResult<Option<S
 impl PySsmGeometry {
     /// Explicit parts as dicts with the keys of `to_dict()["conv"]`.
     #[new]
-    #[pyo3(signature = (*, conv=None, recurrent=None, device_id=0))]
+    #[pyo3(signature = (*, conv=None, recurrent=None, device_id=Int::of(0)),
+        text_signature = "(*, conv=None, recurrent=None, device_id=0)")]
     fn new(
         conv: Option<Bound<'_, PyAny>>,
         recurrent: Option<Bound<'_, PyAny>>,
-        device_id: u64,
+        device_id: Int,
     ) -> PyResult<Self> {
+        let device_id = device_id.to_u64(Kind::Argument, "device_id")?;
         let conv = part_from_dict(conv, "conv")?;
         let recurrent = part_from_dict(recurrent, "recurrent")?;
         Ok(Self { inner: SsmGeometry::new(conv, recurrent, device_id).py()? })
@@ -565,9 +601,9 @@ impl PySsmGeometry {
         _cls: &Bound<'_, PyType>,
         conv: Option<Bound<'_, PyAny>>,
         recurrent: Option<Bound<'_, PyAny>>,
-        device_id: Option<u64>,
+        device_id: Option<Int>,
     ) -> PyResult<Self> {
-        let mut dev = device_id;
+        let mut dev = device_u64(device_id)?;
         let c = conv
             .filter(|t| !t.is_none())
             .map(|t| part_from_tensor(&t, SsmStateKind::Conv, 4))
@@ -590,7 +626,7 @@ impl PySsmGeometry {
         cls: &Bound<'_, PyType>,
         conv: Option<Bound<'_, PyAny>>,
         recurrent: Option<Bound<'_, PyAny>>,
-        device_id: Option<u64>,
+        device_id: Option<Int>,
     ) -> PyResult<Self> {
         Self::from_tensors(cls, conv, recurrent, device_id)
     }

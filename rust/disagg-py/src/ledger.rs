@@ -10,6 +10,7 @@ use disagg_core::{
 };
 use pyo3::prelude::*;
 
+use crate::args::{Flag, Int, IntList, Kind, Text};
 use crate::error::{to_pyerr, IntoPyResult};
 use crate::pool::{
     ids_arg, lock, tokens_arg, u32_arg, u64_arg, BlockPoolOwner, PyBlockPool, PySlotPool,
@@ -134,25 +135,28 @@ pub struct PyImportLedger {
 impl PyImportLedger {
     #[new]
     #[pyo3(signature = (
-        num_blocks, block_size_tokens, num_ssm_slots=0, *, world_size=1, rank=0, pull=true,
-        lookahead_tokens=0, drain_horizon=30_000_000_000, clock_offset_bound=1_000_000_000
-    ))]
+        num_blocks, block_size_tokens, num_ssm_slots=Int::of(0), *, world_size=Int::of(1),
+        rank=Int::of(0), pull=Flag::of(true), lookahead_tokens=Int::of(0),
+        drain_horizon=Int::of(30_000_000_000), clock_offset_bound=Int::of(1_000_000_000)
+    ), text_signature = "(num_blocks, block_size_tokens, num_ssm_slots=0, *, world_size=1, \
+        rank=0, pull=True, lookahead_tokens=0, drain_horizon=30000000000, \
+        clock_offset_bound=1000000000)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        num_blocks: i64,
-        block_size_tokens: i64,
-        num_ssm_slots: i64,
-        world_size: i64,
-        rank: i64,
-        pull: bool,
-        lookahead_tokens: i64,
-        drain_horizon: i64,
-        clock_offset_bound: i64,
+        num_blocks: Int,
+        block_size_tokens: Int,
+        num_ssm_slots: Int,
+        world_size: Int,
+        rank: Int,
+        pull: Flag,
+        lookahead_tokens: Int,
+        drain_horizon: Int,
+        clock_offset_bound: Int,
     ) -> PyResult<Self> {
         let cfg = ImportLedgerConfig {
             world_size: u32_arg("world_size", world_size)?,
             rank: u32_arg("rank", rank)?,
-            pull,
+            pull: pull.get("pull")?,
             lookahead_tokens: u32_arg("lookahead_tokens", lookahead_tokens)?,
             drain_horizon: u64_arg("drain_horizon", drain_horizon)?,
             clock_offset_bound: u64_arg("clock_offset_bound", clock_offset_bound)?,
@@ -185,29 +189,35 @@ impl PyImportLedger {
     /// `now`); give both or neither.
     #[pyo3(signature = (
         request_id, prompt_tokens=None, *, num_prompt_tokens=None, prompt_hashes=None,
-        src_block_ids, src_block_size_tokens=None, resume_tokens=0, has_ssm=false,
-        finished=false, deadline, now, reuse_align_tokens=1, lease_until_wall=None,
-        now_wall=None
-    ))]
+        src_block_ids, src_block_size_tokens=None, resume_tokens=Int::of(0), has_ssm=Flag::of(false),
+        finished=Flag::of(false), deadline, now, reuse_align_tokens=Int::of(1),
+        lease_until_wall=None, now_wall=None
+    ), text_signature = "($self, request_id, prompt_tokens=None, *, num_prompt_tokens=None, \
+        prompt_hashes=None, src_block_ids, src_block_size_tokens=None, resume_tokens=0, \
+        has_ssm=False, finished=False, deadline, now, reuse_align_tokens=1, \
+        lease_until_wall=None, now_wall=None)")]
     fn submit(
         &self,
         py: Python<'_>,
-        request_id: i64,
+        request_id: Int,
         prompt_tokens: Option<&Bound<'_, PyAny>>,
-        num_prompt_tokens: Option<i64>,
-        prompt_hashes: Option<Vec<u64>>,
-        src_block_ids: Vec<i64>,
-        src_block_size_tokens: Option<i64>,
-        resume_tokens: i64,
-        has_ssm: bool,
-        finished: bool,
-        deadline: i64,
-        now: i64,
-        reuse_align_tokens: i64,
-        lease_until_wall: Option<i64>,
-        now_wall: Option<i64>,
+        num_prompt_tokens: Option<Int>,
+        prompt_hashes: Option<IntList>,
+        src_block_ids: IntList,
+        src_block_size_tokens: Option<Int>,
+        resume_tokens: Int,
+        has_ssm: Flag,
+        finished: Flag,
+        deadline: Int,
+        now: Int,
+        reuse_align_tokens: Int,
+        lease_until_wall: Option<Int>,
+        now_wall: Option<Int>,
     ) -> PyResult<Vec<PyLedgerAction>> {
         let request_id = u64_arg("request_id", request_id)?;
+        let (has_ssm, finished) = (has_ssm.get("has_ssm")?, finished.get("finished")?);
+        let prompt_hashes =
+            prompt_hashes.map(|h| h.to_u64s(Kind::Argument, "prompt_hashes")).transpose()?;
         let source_lease = match (lease_until_wall, now_wall) {
             (None, None) => None,
             (Some(u), Some(w)) => Some(SourceLease {
@@ -217,7 +227,12 @@ impl PyImportLedger {
             (u, w) => {
                 return Err(to_pyerr(DisaggError::argument(
                     "lease_until_wall",
-                    format!("give lease_until_wall={u:?} and now_wall={w:?} together or neither"),
+                    format!(
+                        "give lease_until_wall (given: {}) and now_wall (given: {}) together or \
+                         neither",
+                        u.is_some(),
+                        w.is_some()
+                    ),
                 )))
             }
         };
@@ -278,13 +293,13 @@ impl PyImportLedger {
     /// `"may_still_write"`.
     fn report(
         &self,
-        request_id: i64,
-        epoch: i64,
-        rank: i64,
-        outcome: &str,
-        now: i64,
+        request_id: Int,
+        epoch: Int,
+        rank: Int,
+        outcome: Text,
+        now: Int,
     ) -> PyResult<Vec<PyLedgerAction>> {
-        let outcome = RankOutcome::parse(outcome).py()?;
+        let outcome = RankOutcome::parse(outcome.get("outcome")?).py()?;
         let (r, e, k, n) = (
             u64_arg("request_id", request_id)?,
             u64_arg("epoch", epoch)?,
@@ -295,13 +310,13 @@ impl PyImportLedger {
     }
 
     /// The local handle of a quarantined attempt settled.
-    fn settle(&self, request_id: i64, epoch: i64) -> PyResult<Vec<PyLedgerAction>> {
+    fn settle(&self, request_id: Int, epoch: Int) -> PyResult<Vec<PyLedgerAction>> {
         let (r, e) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?);
         Ok(actions(lock(&self.inner)?.settle(r, e).py()?))
     }
 
     /// Abort a request at any stage (unknown ids are counted no-ops).
-    fn abort(&self, request_id: i64, now: i64) -> PyResult<Vec<PyLedgerAction>> {
+    fn abort(&self, request_id: Int, now: Int) -> PyResult<Vec<PyLedgerAction>> {
         let (r, n) = (u64_arg("request_id", request_id)?, u64_arg("now", now)?);
         Ok(actions(lock(&self.inner)?.abort(r, n).py()?))
     }
@@ -314,7 +329,7 @@ impl PyImportLedger {
     }
 
     /// Expire deadlines, drain quarantines past their horizon, start what fits.
-    fn poll(&self, now: i64) -> PyResult<Vec<PyLedgerAction>> {
+    fn poll(&self, now: Int) -> PyResult<Vec<PyLedgerAction>> {
         let n = u64_arg("now", now)?;
         Ok(actions(lock(&self.inner)?.poll(n).py()?))
     }
@@ -323,7 +338,7 @@ impl PyImportLedger {
     /// (read after the completions were observed) fails imports whose source lease passed;
     /// without it, imports with a source lease wait.
     #[pyo3(signature = (batch_room, now=None))]
-    fn admit(&self, batch_room: i64, now: Option<i64>) -> PyResult<Vec<PyLedgerAction>> {
+    fn admit(&self, batch_room: Int, now: Option<Int>) -> PyResult<Vec<PyLedgerAction>> {
         let room = u32_arg("batch_room", batch_room)?;
         let now = now.map(|n| u64_arg("now", n)).transpose()?;
         Ok(actions(lock(&self.inner)?.admit(room, now).py()?))
@@ -331,7 +346,7 @@ impl PyImportLedger {
 
     /// Engine reset; raises `ResetRefusedError` (nothing changed) while anything may still be
     /// written.
-    fn reset(&self, now: i64) -> PyResult<Vec<PyLedgerAction>> {
+    fn reset(&self, now: Int) -> PyResult<Vec<PyLedgerAction>> {
         let n = u64_arg("now", now)?;
         Ok(actions(lock(&self.inner)?.reset(n).py()?))
     }
@@ -395,13 +410,13 @@ impl PyImportLedger {
     }
 
     /// `"deferred"`, `"importing"`, `"ready"`, or `None` if not live.
-    fn state_of(&self, request_id: i64) -> PyResult<Option<&'static str>> {
+    fn state_of(&self, request_id: Int) -> PyResult<Option<&'static str>> {
         let r = u64_arg("request_id", request_id)?;
         Ok(lock(&self.inner)?.state_of(r))
     }
 
     /// Current attempt epoch of a live request.
-    fn epoch_of(&self, request_id: i64) -> PyResult<Option<u64>> {
+    fn epoch_of(&self, request_id: Int) -> PyResult<Option<u64>> {
         let r = u64_arg("request_id", request_id)?;
         Ok(lock(&self.inner)?.epoch_of(r))
     }
@@ -435,8 +450,9 @@ pub struct PyPinLedger {
 #[pymethods]
 impl PyPinLedger {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size_tokens, num_ssm_slots=0))]
-    fn new(num_blocks: i64, block_size_tokens: i64, num_ssm_slots: i64) -> PyResult<Self> {
+    #[pyo3(signature = (num_blocks, block_size_tokens, num_ssm_slots=Int::of(0)),
+        text_signature = "(num_blocks, block_size_tokens, num_ssm_slots=0)")]
+    fn new(num_blocks: Int, block_size_tokens: Int, num_ssm_slots: Int) -> PyResult<Self> {
         let l = PinLedger::new(
             u32_arg("num_blocks", num_blocks)?,
             u32_arg("block_size_tokens", block_size_tokens)?,
@@ -463,11 +479,11 @@ impl PyPinLedger {
     #[pyo3(signature = (request_id, block_ids, ssm_slot=None, *, lease_until, now))]
     fn pin(
         &self,
-        request_id: i64,
-        block_ids: Vec<i64>,
-        ssm_slot: Option<i64>,
-        lease_until: i64,
-        now: i64,
+        request_id: Int,
+        block_ids: IntList,
+        ssm_slot: Option<Int>,
+        lease_until: Int,
+        now: Int,
     ) -> PyResult<u64> {
         let r = u64_arg("request_id", request_id)?;
         let ids = ids_arg("block_ids", &block_ids)?;
@@ -477,27 +493,27 @@ impl PyPinLedger {
     }
 
     /// A push send started reading the pin (two-sided transports).
-    fn begin_push(&self, request_id: i64, epoch: i64) -> PyResult<()> {
+    fn begin_push(&self, request_id: Int, epoch: Int) -> PyResult<()> {
         let (r, e) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?);
         lock(&self.inner)?.begin_push(r, e).py()
     }
 
     /// The push send settled; a release that waited for it happens now.
-    fn push_settled(&self, request_id: i64, epoch: i64) -> PyResult<Vec<PyLedgerAction>> {
+    fn push_settled(&self, request_id: Int, epoch: Int) -> PyResult<Vec<PyLedgerAction>> {
         let (r, e) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?);
         Ok(actions(lock(&self.inner)?.push_settled(r, e).py()?))
     }
 
     /// `RELEASE_KV`: idempotent; unknown ids and old epochs are counted no-ops.
     #[pyo3(signature = (request_id, epoch=None))]
-    fn release(&self, request_id: i64, epoch: Option<i64>) -> PyResult<Vec<PyLedgerAction>> {
+    fn release(&self, request_id: Int, epoch: Option<Int>) -> PyResult<Vec<PyLedgerAction>> {
         let r = u64_arg("request_id", request_id)?;
         let e = epoch.map(|e| u64_arg("epoch", e)).transpose()?;
         Ok(actions(lock(&self.inner)?.release(r, e).py()?))
     }
 
     /// Release pins whose lease ended at `now`.
-    fn expire(&self, now: i64) -> PyResult<Vec<PyLedgerAction>> {
+    fn expire(&self, now: Int) -> PyResult<Vec<PyLedgerAction>> {
         let n = u64_arg("now", now)?;
         Ok(actions(lock(&self.inner)?.expire(n).py()?))
     }
@@ -518,7 +534,7 @@ impl PyPinLedger {
         Ok(lock(&self.inner)?.num_pinned())
     }
 
-    /// The seed's `pending_kv_push_count`.
+    /// The reference design's `pending_kv_push_count`.
     #[getter]
     fn pending_kv_push_count(&self) -> PyResult<usize> {
         Ok(lock(&self.inner)?.pending_kv_push_count())
@@ -542,7 +558,7 @@ impl PyPinLedger {
     }
 
     /// Epoch of a live pin.
-    fn epoch_of(&self, request_id: i64) -> PyResult<Option<u64>> {
+    fn epoch_of(&self, request_id: Int) -> PyResult<Option<u64>> {
         let r = u64_arg("request_id", request_id)?;
         Ok(lock(&self.inner)?.epoch_of(r))
     }
@@ -569,7 +585,7 @@ pub struct PyCompletionQuorum {
 #[pymethods]
 impl PyCompletionQuorum {
     #[new]
-    fn new(world_size: i64) -> PyResult<Self> {
+    fn new(world_size: Int) -> PyResult<Self> {
         Ok(Self {
             inner: Mutex::new(CompletionQuorum::new(u32_arg("world_size", world_size)?).py()?),
         })
@@ -597,12 +613,12 @@ impl PyCompletionQuorum {
     /// `("success", None, None)` or `("failure", first_failed_rank, its_outcome)`.
     fn report(
         &self,
-        request_id: i64,
-        epoch: i64,
-        rank: i64,
-        outcome: &str,
+        request_id: Int,
+        epoch: Int,
+        rank: Int,
+        outcome: Text,
     ) -> PyResult<Option<QuorumVerdict>> {
-        let o = RankOutcome::parse(outcome).py()?;
+        let o = RankOutcome::parse(outcome.get("outcome")?).py()?;
         let (r, e, k) =
             (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?, u32_arg("rank", rank)?);
         Ok(lock(&self.inner)?.report(r, e, k, o).py()?.map(|d| match d {
@@ -614,7 +630,7 @@ impl PyCompletionQuorum {
     }
 
     /// Drop the votes of a finished attempt.
-    fn forget(&self, request_id: i64, epoch: i64) -> PyResult<()> {
+    fn forget(&self, request_id: Int, epoch: Int) -> PyResult<()> {
         let (r, e) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?);
         lock(&self.inner)?.forget(r, e);
         Ok(())

@@ -6,6 +6,7 @@
 // PyO3 extracts #[pyfunction] arguments by value; a reference is not an option there.
 #![allow(clippy::needless_pass_by_value)]
 
+mod args;
 mod compile;
 mod error;
 mod geometry;

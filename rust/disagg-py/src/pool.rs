@@ -5,13 +5,14 @@
 
 use std::sync::{Arc, Mutex};
 
-use disagg_core::{BlockPool, DisaggError, ImportLedger, PinLedger, SlotPool, SlotState};
+use disagg_core::{BlockPool, ImportLedger, PinLedger, SlotPool, SlotState};
 use numpy::PyReadonlyArray1;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::error::{to_pyerr, IntoPyResult};
+use crate::args::{describe, err, Int, IntList, Kind};
+use crate::error::IntoPyResult;
 
 /// Lock a shared core object; a poisoned lock (a panic elsewhere) becomes a Python error.
 pub fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
@@ -21,28 +22,23 @@ pub fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
 }
 
 /// A Python int that must be a valid block or slot id (`[0, 2**32)`).
-pub fn id_arg(field: &str, v: i64) -> PyResult<u32> {
-    u32::try_from(v).map_err(|_| {
-        to_pyerr(DisaggError::block(field, format!("{field} value {v} must be in [0, 2**32)")))
-    })
+pub fn id_arg(field: &str, v: impl Into<Int>) -> PyResult<u32> {
+    v.into().to_u32(Kind::Block, field)
 }
 
 /// A list of block ids, each checked like [`id_arg`].
-pub fn ids_arg(field: &str, v: &[i64]) -> PyResult<Vec<u32>> {
-    v.iter().map(|&x| id_arg(field, x)).collect()
+pub fn ids_arg(field: &str, v: &IntList) -> PyResult<Vec<u32>> {
+    v.to_u32s(Kind::Block, field)
 }
 
 /// A non-negative Python int argument (counts, times, request ids).
-pub fn u64_arg(field: &str, v: i64) -> PyResult<u64> {
-    u64::try_from(v)
-        .map_err(|_| to_pyerr(DisaggError::argument(field, format!("{field}={v} must be >= 0"))))
+pub fn u64_arg(field: &str, v: impl Into<Int>) -> PyResult<u64> {
+    v.into().to_u64(Kind::Argument, field)
 }
 
 /// A count argument that must fit `u32`.
-pub fn u32_arg(field: &str, v: i64) -> PyResult<u32> {
-    u32::try_from(v).map_err(|_| {
-        to_pyerr(DisaggError::argument(field, format!("{field}={v} must be in [0, 2**32)")))
-    })
+pub fn u32_arg(field: &str, v: impl Into<Int>) -> PyResult<u32> {
+    v.into().to_u32(Kind::Argument, field)
 }
 
 /// Token ids from a Python list (fast path), a 1-D integer numpy array, or any sequence.
@@ -51,8 +47,11 @@ pub fn u32_arg(field: &str, v: i64) -> PyResult<u32> {
 pub fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     if let Ok(list) = obj.cast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
-        for item in list.iter() {
-            out.push(item.extract::<i64>()?);
+        for (i, item) in list.iter().enumerate() {
+            let t = item.extract::<Int>()?.to_i64(Kind::Argument, "prompt_tokens");
+            out.push(t.map_err(|_| {
+                err(Kind::Argument, "prompt_tokens", format!("item {i} is {}", describe(&item)))
+            })?);
         }
         return Ok(out);
     }
@@ -62,7 +61,7 @@ pub fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
         return Ok(arr.as_array().iter().map(|&t| i64::from(t)).collect());
     }
-    obj.extract::<Vec<i64>>()
+    obj.extract::<IntList>()?.to_i64s(Kind::Argument, "prompt_tokens")
 }
 
 /// Who owns the block pool a Python `BlockPool` object talks to.
@@ -96,7 +95,7 @@ pub struct PyBlockPool {
 #[pymethods]
 impl PyBlockPool {
     #[new]
-    fn new(num_blocks: i64, block_size_tokens: i64) -> PyResult<Self> {
+    fn new(num_blocks: Int, block_size_tokens: Int) -> PyResult<Self> {
         let pool = BlockPool::new(
             u32_arg("num_blocks", num_blocks)?,
             u32_arg("block_size_tokens", block_size_tokens)?,
@@ -130,31 +129,31 @@ impl PyBlockPool {
     }
 
     /// Whether `allocate(n)` would succeed now.
-    fn can_allocate(&self, n: i64) -> PyResult<bool> {
+    fn can_allocate(&self, n: Int) -> PyResult<bool> {
         let n = u32_arg("n", n)?;
         self.owner.with(|p| p.can_allocate(n))
     }
 
     /// `n` blocks with refcount 1, all or nothing (evicts LRU cached blocks if needed).
-    fn allocate(&self, n: i64) -> PyResult<Vec<u32>> {
+    fn allocate(&self, n: Int) -> PyResult<Vec<u32>> {
         let n = u32_arg("n", n)?;
         self.owner.with(|p| p.allocate(n))?.py()
     }
 
     /// One more reference per occurrence; claims evictable cached blocks.
-    fn retain(&self, block_ids: Vec<i64>) -> PyResult<()> {
+    fn retain(&self, block_ids: IntList) -> PyResult<()> {
         let ids = ids_arg("block_ids", &block_ids)?;
         self.owner.with(|p| p.retain(&ids))?.py()
     }
 
     /// One reference less per occurrence; all or nothing.
-    fn release(&self, block_ids: Vec<i64>) -> PyResult<()> {
+    fn release(&self, block_ids: IntList) -> PyResult<()> {
         let ids = ids_arg("block_ids", &block_ids)?;
         self.owner.with(|p| p.release(&ids))?.py()
     }
 
     /// Reference count of one block.
-    fn refcount(&self, block_id: i64) -> PyResult<u32> {
+    fn refcount(&self, block_id: Int) -> PyResult<u32> {
         let b = id_arg("block_id", block_id)?;
         self.owner.with(|p| p.refcount(b))?.py()
     }
@@ -167,13 +166,15 @@ impl PyBlockPool {
     }
 
     /// Publish held full blocks under their hashes.
-    fn register_cached(&self, block_ids: Vec<i64>, hashes: Vec<u64>) -> PyResult<()> {
+    fn register_cached(&self, block_ids: IntList, hashes: IntList) -> PyResult<()> {
         let ids = ids_arg("block_ids", &block_ids)?;
+        let hashes = hashes.to_u64s(Kind::Argument, "hashes")?;
         self.owner.with(|p| p.register_cached(&ids, &hashes))?.py()
     }
 
     /// Blocks of the longest cached prefix of `hashes` (not retained).
-    fn match_prefix(&self, hashes: Vec<u64>) -> PyResult<Vec<u32>> {
+    fn match_prefix(&self, hashes: IntList) -> PyResult<Vec<u32>> {
+        let hashes = hashes.to_u64s(Kind::Argument, "hashes")?;
         self.owner.with(|p| p.match_prefix(&hashes))
     }
 
@@ -230,7 +231,7 @@ pub struct PySlotPool {
 #[pymethods]
 impl PySlotPool {
     #[new]
-    fn new(num_slots: i64) -> PyResult<Self> {
+    fn new(num_slots: Int) -> PyResult<Self> {
         Ok(Self {
             owner: SlotPoolOwner::Own(Arc::new(Mutex::new(
                 SlotPool::try_new(u32_arg("num_slots", num_slots)?).py()?,
@@ -262,20 +263,20 @@ impl PySlotPool {
     }
 
     /// Return an allocated or detached slot.
-    fn free(&self, slot: i64) -> PyResult<()> {
+    fn free(&self, slot: Int) -> PyResult<()> {
         let s = id_arg("slot", slot)?;
         self.owner.with(|p| p.free(s))?.py()
     }
 
     /// Move an allocated slot out of its allocator's accounting (to a live request); the
     /// request's owner later calls `free`.
-    fn detach(&self, slot: i64) -> PyResult<()> {
+    fn detach(&self, slot: Int) -> PyResult<()> {
         let s = id_arg("slot", slot)?;
         self.owner.with(|p| p.detach(s))?.py()
     }
 
     /// `"free"`, `"allocated"` or `"detached"`.
-    fn state(&self, slot: i64) -> PyResult<&'static str> {
+    fn state(&self, slot: Int) -> PyResult<&'static str> {
         let s = id_arg("slot", slot)?;
         let st = self.owner.with(|p| p.state(s))?.py()?;
         Ok(match st {

@@ -1,4 +1,4 @@
-//! Decode-side import ledger (DESIGN §5).
+//! Decode-side import ledger (docs/architecture.md §5).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
@@ -334,13 +334,13 @@ impl ImportLedger {
         self.quarantine.iter().filter(|(_, q)| q.drain_at <= now).map(|(k, _)| *k).collect()
     }
 
-    /// The seed's `pending_kv_import_count`: waiting for capacity or transfer completion, or
-    /// complete but not admitted yet.
+    /// The reference design's `pending_kv_import_count`: waiting for capacity or transfer
+    /// completion, or complete but not admitted yet.
     pub fn pending_kv_import_count(&self) -> usize {
         self.live.len()
     }
 
-    /// The seed's `has_admittable_kv_import`.
+    /// The reference design's `has_admittable_kv_import`.
     pub fn has_admittable_kv_import(&self) -> bool {
         !self.ready.is_empty()
     }

@@ -1,6 +1,6 @@
 //! Sans-IO handoff ledgers: events in, actions out, time supplied by the caller.
 //!
-//! [`ImportLedger`] runs the decode side (DESIGN §5): DEFERRED -> IMPORTING -> READY ->
+//! [`ImportLedger`] runs the decode side (docs/architecture.md §5): DEFERRED -> IMPORTING -> READY ->
 //! ADMITTED, with FAILED handoffs either released at once (destinations provably quiet) or
 //! QUARANTINED until their handle settles or a drain horizon passes. [`PinLedger`] runs the
 //! prefill side: blocks and the SSM slot of a finished handoff stay pinned until `RELEASE_KV` or

@@ -96,7 +96,7 @@ impl PinLedger {
         self.pins.len()
     }
 
-    /// The seed's `pending_kv_push_count`: pins with a send in flight.
+    /// The reference design's `pending_kv_push_count`: pins with a send in flight.
     pub fn pending_kv_push_count(&self) -> usize {
         self.pins.values().filter(|p| matches!(p.push, Push::Sending { .. })).count()
     }
