@@ -9,6 +9,7 @@ use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PySlice};
 
+use crate::args::{Int, Kind, Typed};
 use crate::error::{to_pyerr, IntoPyResult};
 
 /// A Python `slice(lo, hi)` (step None, like the reference design's helpers return).
@@ -148,9 +149,14 @@ impl PyKvReshardTransfer {
         (s.lo, s.hi)
     }
     /// Bytes moved per token, K and V.
-    #[pyo3(signature = (head_dim, element_size=2))]
-    fn bytes_per_token(&self, head_dim: u64, element_size: u64) -> u64 {
-        self.inner.bytes_per_token(head_dim, element_size)
+    #[pyo3(signature = (head_dim, element_size=Int::of(2)),
+        text_signature = "($self, head_dim, element_size=2)")]
+    fn bytes_per_token(&self, head_dim: Int, element_size: Int) -> PyResult<u64> {
+        let (h, e) = (
+            head_dim.to_u64(Kind::Argument, "head_dim")?,
+            element_size.to_u64(Kind::Argument, "element_size")?,
+        );
+        self.inner.bytes_per_token(h, e).py()
     }
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let t = &self.inner;
@@ -212,17 +218,24 @@ impl PyKvReshardPlan {
         self.inner.dsts().iter().map(|&inner| PyKvShardLayout { inner }).collect()
     }
     /// Transfers sent by one source rank, in plan order.
-    fn for_src(&self, global_rank: u32) -> Vec<PyKvReshardTransfer> {
-        wrap_kv(self.inner.for_src(global_rank))
+    fn for_src(&self, global_rank: Int) -> PyResult<Vec<PyKvReshardTransfer>> {
+        let global_rank = global_rank.to_u32(Kind::Argument, "global_rank")?;
+        Ok(wrap_kv(self.inner.for_src(global_rank)))
     }
     /// Transfers received by one destination rank, in plan order.
-    fn for_dst(&self, global_rank: u32) -> Vec<PyKvReshardTransfer> {
-        wrap_kv(self.inner.for_dst(global_rank))
+    fn for_dst(&self, global_rank: Int) -> PyResult<Vec<PyKvReshardTransfer>> {
+        let global_rank = global_rank.to_u32(Kind::Argument, "global_rank")?;
+        Ok(wrap_kv(self.inner.for_dst(global_rank)))
     }
     /// Bytes moved per token over the whole plan, K and V.
-    #[pyo3(signature = (head_dim, element_size=2))]
-    fn bytes_per_token(&self, head_dim: u64, element_size: u64) -> u64 {
-        self.inner.bytes_per_token(head_dim, element_size)
+    #[pyo3(signature = (head_dim, element_size=Int::of(2)),
+        text_signature = "($self, head_dim, element_size=2)")]
+    fn bytes_per_token(&self, head_dim: Int, element_size: Int) -> PyResult<u64> {
+        let (h, e) = (
+            head_dim.to_u64(Kind::Argument, "head_dim")?,
+            element_size.to_u64(Kind::Argument, "element_size")?,
+        );
+        self.inner.bytes_per_token(h, e).py()
     }
     /// Check that every destination (layer, head) cell is written exactly once by a source
     /// holding it; raises `PlanCoverageError` naming the first gap or overlap.
@@ -249,9 +262,11 @@ fn kv_layouts(ls: &[PyRef<'_, PyKvShardLayout>]) -> Vec<KvShardLayout> {
 #[pyfunction(name = "plan_kv_reshard")]
 pub fn py_plan_kv_reshard(
     py: Python<'_>,
-    srcs: Vec<PyRef<'_, PyKvShardLayout>>,
-    dsts: Vec<PyRef<'_, PyKvShardLayout>>,
+    srcs: Typed<Vec<PyRef<'_, PyKvShardLayout>>>,
+    dsts: Typed<Vec<PyRef<'_, PyKvShardLayout>>>,
 ) -> PyResult<PyKvReshardPlan> {
+    let srcs = srcs.get("srcs", "a list of KVShardLayout")?;
+    let dsts = dsts.get("dsts", "a list of KVShardLayout")?;
     let (s, d) = (kv_layouts(&srcs), kv_layouts(&dsts));
     let inner = py.detach(|| plan_kv_reshard(&s, &d)).py()?;
     Ok(PyKvReshardPlan { inner })
@@ -439,12 +454,18 @@ impl PySsmReshardPlan {
         self.inner.dsts().iter().map(|&inner| PySsmShardLayout { inner }).collect()
     }
     /// Single-layer transfers sent by one source rank, in plan order.
-    fn for_src(&self, global_rank: u32) -> Vec<PySsmReshardTransfer> {
-        wrap_ssm(self.per_layer.iter().filter(|t| t.src_rank == global_rank).copied().collect())
+    fn for_src(&self, global_rank: Int) -> PyResult<Vec<PySsmReshardTransfer>> {
+        let global_rank = global_rank.to_u32(Kind::Argument, "global_rank")?;
+        Ok(wrap_ssm(
+            self.per_layer.iter().filter(|t| t.src_rank == global_rank).copied().collect(),
+        ))
     }
     /// Single-layer transfers received by one destination rank, in plan order.
-    fn for_dst(&self, global_rank: u32) -> Vec<PySsmReshardTransfer> {
-        wrap_ssm(self.per_layer.iter().filter(|t| t.dst_rank == global_rank).copied().collect())
+    fn for_dst(&self, global_rank: Int) -> PyResult<Vec<PySsmReshardTransfer>> {
+        let global_rank = global_rank.to_u32(Kind::Argument, "global_rank")?;
+        Ok(wrap_ssm(
+            self.per_layer.iter().filter(|t| t.dst_rank == global_rank).copied().collect(),
+        ))
     }
     /// Check exact-once coverage of every destination conv channel and recurrent head.
     fn verify(&self, py: Python<'_>) -> PyResult<()> {
@@ -465,9 +486,11 @@ impl PySsmReshardPlan {
 #[pyfunction(name = "plan_ssm_reshard")]
 pub fn py_plan_ssm_reshard(
     py: Python<'_>,
-    src_layouts: Vec<PyRef<'_, PySsmShardLayout>>,
-    dst_layouts: Vec<PyRef<'_, PySsmShardLayout>>,
+    src_layouts: Typed<Vec<PyRef<'_, PySsmShardLayout>>>,
+    dst_layouts: Typed<Vec<PyRef<'_, PySsmShardLayout>>>,
 ) -> PyResult<PySsmReshardPlan> {
+    let src_layouts = src_layouts.get("src_layouts", "a list of SSMShardLayout")?;
+    let dst_layouts = dst_layouts.get("dst_layouts", "a list of SSMShardLayout")?;
     let s: Vec<SsmShardLayout> = src_layouts.iter().map(|l| l.inner).collect();
     let d: Vec<SsmShardLayout> = dst_layouts.iter().map(|l| l.inner).collect();
     let (inner, per_layer) = py
