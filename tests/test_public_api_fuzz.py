@@ -137,7 +137,7 @@ def _calls() -> list[Call]:
         ),
         ("SSMShardLayout.band", ssm_lay.band, dict(name="x")),
         ("plan_kv_reshard", plan_kv_reshard, dict(srcs=[lay], dsts=[lay1])),
-        ("plan_ssm_reshard", plan_ssm_reshard, dict(srcs=[ssm_lay], dsts=[ssm_lay1])),
+        ("plan_ssm_reshard", plan_ssm_reshard, dict(src_layouts=[ssm_lay], dst_layouts=[ssm_lay1])),
         ("KVReshardPlan.bytes_per_token", plan.bytes_per_token, dict(head_dim=8, element_size=2)),
         (
             "KVReshardTransfer.bytes_per_token",
