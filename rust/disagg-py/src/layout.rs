@@ -12,6 +12,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple, PyType};
 
+use crate::args::{Int, Text};
 use crate::error::{reject_unknown_keys, to_pyerr, u32_field, wire_dict, wire_err, IntoPyResult};
 
 /// Half-open range as a Python tuple.
@@ -53,7 +54,7 @@ fn dict_bool(d: &Bound<'_, PyDict>, key: &str) -> PyResult<bool> {
     }
 }
 
-fn opt_u32(field: &str, v: Option<i64>) -> PyResult<Option<u32>> {
+fn opt_u32(field: &str, v: Option<Int>) -> PyResult<Option<u32>> {
     v.map(|x| u32_field(field, x)).transpose()
 }
 
@@ -135,25 +136,28 @@ const KV_FIELDS: [&str; 13] = [
 impl PyKvShardLayout {
     #[new]
     #[pyo3(signature = (
-        num_layers, num_heads=None, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, global_rank=None,
-        ep_size=1, ep_rank=0, etp_size=1, etp_rank=0, layer_start=None, num_local_layers=None,
+        num_layers, num_heads=None, tp_size=Int::of(1), tp_rank=Int::of(0), pp_size=Int::of(1),
+        pp_rank=Int::of(0), global_rank=None, ep_size=Int::of(1), ep_rank=Int::of(0),
+        etp_size=Int::of(1), etp_rank=Int::of(0), layer_start=None, num_local_layers=None,
         *, num_kv_heads=None
-    ))]
+    ), text_signature = "(num_layers, num_heads=None, tp_size=1, tp_rank=0, pp_size=1, \
+        pp_rank=0, global_rank=None, ep_size=1, ep_rank=0, etp_size=1, etp_rank=0, \
+        layer_start=None, num_local_layers=None, *, num_kv_heads=None)")]
     fn new(
-        num_layers: i64,
-        num_heads: Option<i64>,
-        tp_size: i64,
-        tp_rank: i64,
-        pp_size: i64,
-        pp_rank: i64,
-        global_rank: Option<i64>,
-        ep_size: i64,
-        ep_rank: i64,
-        etp_size: i64,
-        etp_rank: i64,
-        layer_start: Option<i64>,
-        num_local_layers: Option<i64>,
-        num_kv_heads: Option<i64>,
+        num_layers: Int,
+        num_heads: Option<Int>,
+        tp_size: Int,
+        tp_rank: Int,
+        pp_size: Int,
+        pp_rank: Int,
+        global_rank: Option<Int>,
+        ep_size: Int,
+        ep_rank: Int,
+        etp_size: Int,
+        etp_rank: Int,
+        layer_start: Option<Int>,
+        num_local_layers: Option<Int>,
+        num_kv_heads: Option<Int>,
     ) -> PyResult<Self> {
         let heads = required(
             "num_heads (or num_kv_heads)",
@@ -162,7 +166,7 @@ impl PyKvShardLayout {
         let tp_size_u = u32_field("tp_size", tp_size)?;
         let tp_rank_u = u32_field("tp_rank", tp_rank)?;
         let pp_rank_u = u32_field("pp_rank", pp_rank)?;
-        let default_rank = i64::from(pp_rank_u) * i64::from(tp_size_u) + i64::from(tp_rank_u);
+        let default_rank = i128::from(pp_rank_u) * i128::from(tp_size_u) + i128::from(tp_rank_u);
         let spec = KvLayoutSpec {
             num_layers: u32_field("num_layers", num_layers)?,
             num_kv_heads: u32_field("num_kv_heads", heads)?,
@@ -170,7 +174,10 @@ impl PyKvShardLayout {
             tp_rank: tp_rank_u,
             pp_size: u32_field("pp_size", pp_size)?,
             pp_rank: pp_rank_u,
-            global_rank: u32_field("global_rank", global_rank.unwrap_or(default_rank))?,
+            global_rank: u32_field(
+                "global_rank",
+                global_rank.unwrap_or_else(|| default_rank.into()),
+            )?,
             ep_size: u32_field("ep_size", ep_size)?,
             ep_rank: u32_field("ep_rank", ep_rank)?,
             etp_size: u32_field("etp_size", etp_size)?,
@@ -413,24 +420,26 @@ const DIMS_FIELDS: [&str; 5] = ["nheads", "headdim", "d_state", "ngroups", "d_co
 impl PySsmStateDims {
     #[new]
     #[pyo3(signature = (
-        nheads=None, headdim=None, d_state=None, ngroups=None, d_conv=4,
+        nheads=None, headdim=None, d_state=None, ngroups=None, d_conv=Int::of(4),
         *, num_heads=None, head_dim=None, n_groups=None
-    ))]
+    ), text_signature = "(nheads=None, headdim=None, d_state=None, ngroups=None, d_conv=4, *, \
+        num_heads=None, head_dim=None, n_groups=None)")]
     fn new(
-        nheads: Option<i64>,
-        headdim: Option<i64>,
-        d_state: Option<i64>,
-        ngroups: Option<i64>,
-        d_conv: i64,
-        num_heads: Option<i64>,
-        head_dim: Option<i64>,
-        n_groups: Option<i64>,
+        nheads: Option<Int>,
+        headdim: Option<Int>,
+        d_state: Option<Int>,
+        ngroups: Option<Int>,
+        d_conv: Int,
+        num_heads: Option<Int>,
+        head_dim: Option<Int>,
+        n_groups: Option<Int>,
     ) -> PyResult<Self> {
         let heads =
             required("nheads (or num_heads)", one_of("nheads", nheads, "num_heads", num_heads)?)?;
         let dim =
             required("headdim (or head_dim)", one_of("headdim", headdim, "head_dim", head_dim)?)?;
-        let groups = one_of("ngroups", ngroups, "n_groups", n_groups)?.unwrap_or(1);
+        let groups =
+            one_of("ngroups", ngroups, "n_groups", n_groups)?.unwrap_or_else(|| Int::of(1));
         let inner = SsmStateDims::new(
             u32_field("num_heads", heads)?,
             u32_field("head_dim", dim)?,
@@ -670,9 +679,7 @@ impl<'py> SsmArgs<'py> {
     fn int(&self, name: &str) -> PyResult<Option<u32>> {
         self.get(name)
             .map(|v| {
-                let n: i64 = v
-                    .extract()
-                    .map_err(|_| PyTypeError::new_err(format!("{name} must be an int, got {v}")))?;
+                let n: Int = v.extract()?;
                 u32_field(name, n)
             })
             .transpose()
@@ -879,13 +886,13 @@ impl PySsmShardLayout {
     }
     /// The reference design's `(global_total, local_size, local_offset)` of a band: channels
     /// for "x", "B", "C", heads for "recurrent" (whose offset is always 0).
-    fn band(&self, name: &str) -> PyResult<(u32, u32, u32)> {
-        Ok(self.inner.band_extent(SsmBand::parse(name).py()?))
+    fn band(&self, name: Text) -> PyResult<(u32, u32, u32)> {
+        Ok(self.inner.band_extent(SsmBand::parse(name.get("name")?).py()?))
     }
     /// `(global [lo, hi), local [lo, hi))` of a band: channels for "x", "B", "C", heads for
     /// "recurrent".
-    fn band_span(&self, name: &str) -> PyResult<(PyRange, PyRange)> {
-        let b = self.inner.band(SsmBand::parse(name).py()?);
+    fn band_span(&self, name: Text) -> PyResult<(PyRange, PyRange)> {
+        let b = self.inner.band(SsmBand::parse(name.get("name")?).py()?);
         Ok(((b.global.lo, b.global.hi), (b.local.lo, b.local.hi)))
     }
     /// Plain dict for the wire; `num_layers` there is the model's total (`None` if unknown).

@@ -456,16 +456,12 @@ impl PySsmReshardPlan {
     /// Single-layer transfers sent by one source rank, in plan order.
     fn for_src(&self, global_rank: Int) -> PyResult<Vec<PySsmReshardTransfer>> {
         let global_rank = global_rank.to_u32(Kind::Argument, "global_rank")?;
-        Ok(wrap_ssm(
-            self.per_layer.iter().filter(|t| t.src_rank == global_rank).copied().collect(),
-        ))
+        Ok(wrap_ssm(self.per_layer.iter().filter(|t| t.src_rank == global_rank).copied().collect()))
     }
     /// Single-layer transfers received by one destination rank, in plan order.
     fn for_dst(&self, global_rank: Int) -> PyResult<Vec<PySsmReshardTransfer>> {
         let global_rank = global_rank.to_u32(Kind::Argument, "global_rank")?;
-        Ok(wrap_ssm(
-            self.per_layer.iter().filter(|t| t.dst_rank == global_rank).copied().collect(),
-        ))
+        Ok(wrap_ssm(self.per_layer.iter().filter(|t| t.dst_rank == global_rank).copied().collect()))
     }
     /// Check exact-once coverage of every destination conv channel and recurrent head.
     fn verify(&self, py: Python<'_>) -> PyResult<()> {
