@@ -1080,6 +1080,8 @@ class TransferBackendBase:
             "num_layers": self.layout.num_layers,
         }
         if isinstance(self.layout, _core.SSMShardLayout):
+            # An SSM layout's num_layers counts its stage's layers; the model's is total_layers.
+            facts["num_layers"] = self.layout.total_layers
             facts["dims"] = self.layout.dims.to_dict()
         else:
             facts["num_kv_heads"] = self.layout.num_kv_heads
@@ -1318,7 +1320,7 @@ class TransferBackendBase:
                 ("state_kind", self.state_kind, meta["state_kind"]),
                 ("dtype", mine["dtype"], meta["dtype"]),
                 ("head_dim", self.head_dim, meta["head_dim"]),
-                ("num_layers", self.layout.num_layers, meta["layout"].get("num_layers")),
+                ("num_layers", mine["num_layers"], meta["layout"].get("num_layers")),
             ):
                 if ours != theirs:
                     raise GeometryMismatchError(
