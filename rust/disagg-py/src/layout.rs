@@ -12,7 +12,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple, PyType};
 
-use crate::args::{Int, Text};
+use crate::args::{type_err, Int, Text};
 use crate::error::{reject_unknown_keys, to_pyerr, u32_field, wire_dict, wire_err, IntoPyResult};
 
 /// Half-open range as a Python tuple.
@@ -67,14 +67,14 @@ fn one_of<T>(
 ) -> PyResult<Option<T>> {
     match (value, alias_value) {
         (Some(_), Some(_)) => {
-            Err(PyTypeError::new_err(format!("give {name} or its alias {alias}, not both")))
+            Err(type_err(name, format!("give {name} or its alias {alias}, not both")))
         }
         (v, None) | (None, v) => Ok(v),
     }
 }
 
 fn required<T>(name: &str, v: Option<T>) -> PyResult<T> {
-    v.ok_or_else(|| PyTypeError::new_err(format!("missing required argument {name}")))
+    v.ok_or_else(|| type_err(name, format!("missing required argument {name}")))
 }
 
 /// `__dataclass_fields__` of a frozen dataclass named `name` with `fields`, built by
@@ -553,7 +553,7 @@ impl PySsmStateDims {
             return Ok(Self::from_wire(d)?.inner);
         }
         let kind = v.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string());
-        Err(PyTypeError::new_err(format!("dims must be an SSMStateDims or a dict, got a {kind}")))
+        Err(type_err("dims", format!("dims must be an SSMStateDims or a dict, got a {kind}")))
     }
 }
 
@@ -733,7 +733,7 @@ impl PySsmShardLayout {
         };
         let replicate_groups = match a.get("replicate_groups") {
             Some(v) => v.extract().map_err(|_| {
-                PyTypeError::new_err(format!("replicate_groups must be a bool, got {v}"))
+                type_err("replicate_groups", format!("replicate_groups must be a bool, got {v}"))
             })?,
             None => false,
         };
