@@ -626,10 +626,15 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         held = [(rid, p) for rid, p in to_send if rid in wave2]
         to_send = [(rid, p) for rid, p in to_send if rid not in wave2]
 
+        # The coordinator fails a request timeout_s after its SUBMIT; wait that long after the
+        # last submit, plus a margin for the FAILED to arrive, before calling a request hung.
+        ends = [deadline]
+
         def submit_next() -> None:
             rid, prompt = to_send.pop(0)
             traces[rid] = _RequestTrace(time.perf_counter())
             client.submit(rid, prompt, opts.max_new_tokens)
+            ends.append(time.monotonic() + opts.timeout_s + 5.0)
 
         if stall is not None and to_send:
             stall.stop()
@@ -639,7 +644,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         if to_send:
             submit_next()
         bar = _progress(opts.requests * opts.max_new_tokens, opts.quiet)
-        while traces and (open_ids or held) and time.monotonic() < deadline and not crashed():
+        while traces and (open_ids or held) and time.monotonic() < max(ends) and not crashed():
             if opts.sequential and to_send and len(open_ids) == len(to_send):
                 submit_next()
             streamed = any(t.first_token is not None for t in traces.values())
@@ -660,6 +665,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
                         traces[rid] = _RequestTrace(time.perf_counter())
                         open_ids.add(rid)
                         client.submit(rid, fillers[rid], opts.max_new_tokens)
+                        ends.append(time.monotonic() + opts.timeout_s + 5.0)
                 if stall.back and held:
                     after_restart = tuple(rid for rid, _ in held)
                     to_send += held
