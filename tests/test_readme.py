@@ -61,13 +61,14 @@ def run_console_command(command: str) -> str:
     return proc.stdout
 
 
-# How many engines the coordinator saw go silent while the run shut down depends on timing.
-SHUTDOWN = re.compile(r"engines lost \{[^}]*\}")
+# How many engines the coordinator saw go silent while the run shut down, and how many late
+# messages it ignored, depend on timing.
+SHUTDOWN = re.compile(r"(engines lost|messages ignored) (\{[^}]*\}|0)")
 
 
 def _mask(text: str) -> list[str]:
     return [
-        SHUTDOWN.sub("engines lost <n>", TIMING.sub("<t>", line)).rstrip()
+        SHUTDOWN.sub(r"\1 <n>", TIMING.sub("<t>", line)).rstrip()
         for line in text.strip().splitlines()
     ]
 

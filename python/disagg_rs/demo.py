@@ -828,14 +828,13 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             rows.append(("engine restarts", f"{sup.restarts} ({opts.kill_engine})"))
         lost = dict(server.state.lost)
         ignored = dict(server.state.ignored)
-        if lost or ignored or server.faults_injected:
-            rows.append(
-                (
-                    "coordinator",
-                    f"{server.faults_injected} faults injected, engines lost {lost or 0}, "
-                    f"late/duplicate messages ignored {ignored or 0}",
-                )
+        rows.append(
+            (
+                "coordinator",
+                f"{server.faults_injected} faults injected, engines lost {lost or 0}, "
+                f"late/duplicate messages ignored {ignored or 0}",
             )
+        )
         print()
         for k, v in rows:
             print(f"  {k:<22} {v}")
