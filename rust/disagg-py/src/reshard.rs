@@ -36,6 +36,27 @@ pub struct PyKvReshardTransfer {
     pub inner: KvReshardTransfer,
 }
 
+impl PyKvReshardTransfer {
+    /// The moved layers (or heads) as a slice of `layout`'s local axis: one implementation for
+    /// the source and destination helpers, which differ only in which layout they are given.
+    fn layer_slice<'py>(
+        &self,
+        py: Python<'py>,
+        layout: &PyKvShardLayout,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let l = &layout.inner;
+        py_slice(py, local_range(self.inner.layers, l.layers, "layers", l.global_rank).py()?)
+    }
+    fn head_slice<'py>(
+        &self,
+        py: Python<'py>,
+        layout: &PyKvShardLayout,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let l = &layout.inner;
+        py_slice(py, local_range(self.inner.heads, l.heads, "heads", l.global_rank).py()?)
+    }
+}
+
 #[pymethods]
 impl PyKvReshardTransfer {
     /// Global rank of the source.
@@ -85,8 +106,7 @@ impl PyKvReshardTransfer {
         py: Python<'py>,
         src: PyRef<'py, PyKvShardLayout>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let l = &src.inner;
-        py_slice(py, local_range(self.inner.layers, l.layers, "layers", l.global_rank).py()?)
+        self.layer_slice(py, &src)
     }
     /// The moved heads as a slice of `src`'s local head axis; `LayoutError` if `src` does not
     /// hold them.
@@ -95,8 +115,7 @@ impl PyKvReshardTransfer {
         py: Python<'py>,
         src: PyRef<'py, PyKvShardLayout>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let l = &src.inner;
-        py_slice(py, local_range(self.inner.heads, l.heads, "heads", l.global_rank).py()?)
+        self.head_slice(py, &src)
     }
     /// The moved layers as a slice of `dst`'s local layer axis; `LayoutError` if `dst` does
     /// not hold them.
@@ -105,8 +124,7 @@ impl PyKvReshardTransfer {
         py: Python<'py>,
         dst: PyRef<'py, PyKvShardLayout>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let l = &dst.inner;
-        py_slice(py, local_range(self.inner.layers, l.layers, "layers", l.global_rank).py()?)
+        self.layer_slice(py, &dst)
     }
     /// The moved heads as a slice of `dst`'s local head axis; `LayoutError` if `dst` does not
     /// hold them.
@@ -115,8 +133,7 @@ impl PyKvReshardTransfer {
         py: Python<'py>,
         dst: PyRef<'py, PyKvShardLayout>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let l = &dst.inner;
-        py_slice(py, local_range(self.inner.heads, l.heads, "heads", l.global_rank).py()?)
+        self.head_slice(py, &dst)
     }
     /// Number of layers moved.
     #[getter]
