@@ -41,7 +41,7 @@ build: $(STAMP) ## Build the Rust extension into .venv (release, overflow checks
 	fi
 
 .PHONY: test
-test: build wheel ## Build (extension and wheel), then cargo test and the whole pytest suite
+test: build wheel lint ## Build (extension and wheel), lint, then cargo test and the whole pytest suite
 	cargo test --workspace --release -q
 	$(PY) -m pytest -q
 

@@ -13,6 +13,7 @@ pub mod layout;
 pub mod ledger;
 pub mod pool;
 pub mod reshard;
+pub mod wire;
 
 pub use compile::{
     compile_kv_transfer, compile_ssm_transfer, CostModel, KvDevicePlan, KvTransferRequest,

@@ -1,0 +1,10 @@
+//! The typed wire contract: everything that crosses a process boundary is parsed here, once,
+//! into typed values with every field validated and size-capped, the field named in the error.
+//!
+//! - [`peer`]: peer metadata and the peer table (parsed once per peer incarnation).
+//! - [`ticket`]: handoff and staging tickets.
+//! - [`control`]: control-plane messages, one schema per message type.
+
+pub mod control;
+pub mod peer;
+pub mod ticket;
