@@ -52,42 +52,32 @@ def _slots(side: Side) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
-def kv_layouts(side: Side, layers: int, heads: int) -> list[dr.KVShardLayout]:
-    """The KVShardLayouts of every rank of ``side``."""
+def _rank_kwargs(side: Side) -> list[dict[str, int]]:
+    """The rank keyword arguments of every rank of ``side``, as both layout classes take them."""
     return [
-        dr.KVShardLayout(
-            layers,
-            heads,
-            tp_size=side.tp,
-            tp_rank=tp,
-            pp_size=side.pp,
-            pp_rank=pp,
-            global_rank=rank,
-            ep_rank=ep,
-            layer_start=start,
-            num_local_layers=side.split[pp],
-        )
+        {
+            "tp_size": side.tp,
+            "tp_rank": tp,
+            "pp_size": side.pp,
+            "pp_rank": pp,
+            "global_rank": rank,
+            "ep_rank": ep,
+            "layer_start": start,
+            "num_local_layers": side.split[pp],
+        }
         for ep, pp, tp, start, rank in _slots(side)
     ]
+
+
+def kv_layouts(side: Side, layers: int, heads: int) -> list[dr.KVShardLayout]:
+    """The KVShardLayouts of every rank of ``side``."""
+    return [dr.KVShardLayout(layers, heads, **kw) for kw in _rank_kwargs(side)]
 
 
 def ssm_layouts(side: Side, layers: int, dims: dr.SSMStateDims) -> list[dr.SSMShardLayout]:
     """The SSMShardLayouts of every rank of ``side`` (B/C groups may be replicated)."""
     return [
-        dr.SSMShardLayout(
-            layers,
-            dims,
-            tp_size=side.tp,
-            tp_rank=tp,
-            pp_size=side.pp,
-            pp_rank=pp,
-            global_rank=rank,
-            ep_rank=ep,
-            layer_start=start,
-            num_local_layers=side.split[pp],
-            replicate_groups=True,
-        )
-        for ep, pp, tp, start, rank in _slots(side)
+        dr.SSMShardLayout(layers, dims, replicate_groups=True, **kw) for kw in _rank_kwargs(side)
     ]
 
 

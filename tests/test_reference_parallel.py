@@ -96,36 +96,32 @@ def assert_all_pools_free(results: list[dict[str, Any]]) -> None:
             assert pool["free_slots"] == pool["num_slots"], pool
 
 
+def assert_first_round_matches(results: list[dict[str, Any]], expected: Any) -> None:
+    """Every rank's first round equals ``expected`` and every pool ended free."""
+    for rank_result in results:
+        assert rank_result["rounds"][0] == expected
+    assert_all_pools_free(results)
+
+
 @pytest.mark.parametrize("case", ["tp2", "tp1pp2_uneven"])
 def test_tp2_and_uneven_pp2_generate_the_same_tokens_as_tp1(
     world_results: dict[str, list[dict[str, Any]]], case: str
 ) -> None:
-    expected = single_process(hybrid_model(), PROMPTS)
-    for rank_result in world_results[case]:
-        assert rank_result["rounds"][0] == expected
-    assert_all_pools_free(world_results[case])
+    assert_first_round_matches(world_results[case], single_process(hybrid_model(), PROMPTS))
 
 
 def test_gqa_and_ssm_group_replication_generate_the_same_tokens_as_tp1(
     world_results: dict[str, list[dict[str, Any]]],
 ) -> None:
-    expected = single_process(REPLICATED, PROMPTS)
-    for rank_result in world_results["tp2_replicated"]:
-        assert rank_result["rounds"][0] == expected
-    assert_all_pools_free(world_results["tp2_replicated"])
+    assert_first_round_matches(world_results["tp2_replicated"], single_process(REPLICATED, PROMPTS))
 
 
 def test_a_pipeline_stage_without_attention_layers_holds_no_kv_and_agrees_with_tp1(
     world_results: dict[str, list[dict[str, Any]]],
 ) -> None:
-    expected = single_process(SSM_TAIL, PROMPTS)
-    for rank_result in world_results["pp2_stage_without_attention"]:
-        assert rank_result["rounds"][0] == expected
-    assert [r["layouts"] for r in world_results["pp2_stage_without_attention"]] == [
-        (True, False),
-        (False, True),
-    ]
-    assert_all_pools_free(world_results["pp2_stage_without_attention"])
+    results = world_results["pp2_stage_without_attention"]
+    assert_first_round_matches(results, single_process(SSM_TAIL, PROMPTS))
+    assert [r["layouts"] for r in results] == [(True, False), (False, True)]
 
 
 def test_prefix_cache_reuse_under_tp2_gives_identical_tokens(
