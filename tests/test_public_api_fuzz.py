@@ -37,12 +37,13 @@ from disagg_rs import (
     plan_ssm_reshard,
 )
 
-# Ints: negative, small, and beyond every native width. Valid large sizes (say 2**32 - 1
-# blocks) are left out: pools and ledgers accept them and allocate their state up front, and an
-# allocation that size aborts the process (a known limit: pools do not yet allocate fallibly).
+# Ints: negative, small, around the pool caps (2**24 blocks, 2**20 SSM slots) and 2**31, and
+# beyond every native width. Sizes above a cap are refused with CapacityError before anything is
+# allocated.
 INTS = st.one_of(
     st.integers(-(2**70), -1),
     st.integers(0, 40),
+    st.sampled_from([2**20, 2**20 + 1, 2**24, 2**24 + 1, 2**31 - 1, 2**31, 2**32 - 1]),
     st.integers(2**32, 2**32 + 2),
     st.integers(2**64 - 2, 2**70),
 )
