@@ -7,6 +7,8 @@
 //! byte of every plane is addressable, so the compiler's address arithmetic cannot overflow
 //! once a geometry exists. All index ranges are half-open `[lo, hi)`.
 
+use std::fmt;
+
 use crate::error::{DisaggError, DisaggResult};
 
 /// Everything needed to build a [`KvGeometry`]; see the field docs there.
@@ -284,6 +286,49 @@ impl SsmGeometry {
     }
 }
 
+impl fmt::Display for KvGeometry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.spec();
+        write!(
+            f,
+            "KVGeometry(num_kv={}, layers={}, blocks={}x{} tokens, heads={}, head_dim={}, \
+             element_size={}, strides(block, token, head)=({}, {}, {}), device_id={}, dtype=",
+            s.num_kv,
+            s.num_layers,
+            s.num_blocks,
+            s.tokens_per_block,
+            s.num_heads,
+            s.head_dim,
+            s.element_size,
+            s.block_stride,
+            s.token_stride,
+            s.head_stride,
+            s.device_id,
+        )?;
+        match &s.dtype {
+            Some(t) => write!(f, "'{t}')"),
+            None => f.write_str("None)"),
+        }
+    }
+}
+
+impl fmt::Display for SsmGeometry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SSMGeometry(layers={}", self.num_layers())?;
+        for (name, part) in [("conv", &self.conv), ("recurrent", &self.recurrent)] {
+            match part {
+                Some(p) => write!(
+                    f,
+                    ", {name}={} slots x {} units x {} bytes",
+                    p.num_slots, p.num_units, p.unit_bytes
+                )?,
+                None => write!(f, ", {name}=None")?,
+            }
+        }
+        write!(f, ", device_id={})", self.device_id)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -307,6 +352,35 @@ mod tests {
             device_id: 0,
             dtype: Some("bfloat16".into()),
         }
+    }
+
+    #[test]
+    fn reprs_name_every_dimension_and_the_dtype() {
+        let mut s = megatron(0x1000);
+        let g = KvGeometry::new(s.clone()).unwrap();
+        assert_eq!(
+            g.to_string(),
+            "KVGeometry(num_kv=2, layers=2, blocks=4x8 tokens, heads=2, head_dim=4, \
+             element_size=2, strides(block, token, head)=(128, 16, 8), device_id=0, \
+             dtype='bfloat16')"
+        );
+        s.dtype = None;
+        assert!(KvGeometry::new(s).unwrap().to_string().ends_with("device_id=0, dtype=None)"));
+        let part = SsmStatePart {
+            layer_bases: vec![0x1000, 0x9000],
+            num_slots: 4,
+            slot_stride: 256,
+            num_units: 8,
+            unit_stride: 32,
+            unit_bytes: 32,
+            element_size: 2,
+            dtype: None,
+        };
+        let g = SsmGeometry::new(None, Some(part), 3).unwrap();
+        assert_eq!(
+            g.to_string(),
+            "SSMGeometry(layers=2, conv=None, recurrent=4 slots x 8 units x 32 bytes, device_id=3)"
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyType};
 
 use crate::args::{describe, retype, type_err, Int, IntList, Kind, Text};
-use crate::error::{reject_unknown_keys, to_pyerr, wire_dict, wire_err, IntoPyResult};
+use crate::error::{py_methods, reject_unknown_keys, to_pyerr, wire_err, IntoPyResult};
 
 fn geo_err(field: &str, detail: String) -> PyErr {
     to_pyerr(DisaggError::geometry(field, detail))
@@ -220,8 +220,38 @@ fn req<'py, T: for<'a> FromPyObject<'a, 'py>>(d: &Bound<'py, PyDict>, key: &str)
     v.extract().map_err(|_| wire_err(key, format!("wrong type or range: {v}")))
 }
 
-#[pymethods]
-impl PyKvGeometry {
+py_methods!(wire PyKvGeometry,
+get {
+    /// 2 (K and V) or 1 (MLA latent).
+    num_kv: u32 = (spec().num_kv);
+    /// Local layers.
+    num_layers: u32 = (spec().num_layers);
+    /// Blocks in the cache.
+    num_blocks: u32 = (spec().num_blocks);
+    /// Tokens per block.
+    tokens_per_block: u32 = (spec().tokens_per_block);
+    /// Local KV heads.
+    num_heads: u32 = (spec().num_heads);
+    /// Elements per head row.
+    head_dim: u32 = (spec().head_dim);
+    /// Bytes per element.
+    element_size: u32 = (spec().element_size);
+    /// Plane base addresses, index `kv * num_layers + layer`.
+    plane_bases: Vec<u64> = (spec().plane_bases.clone());
+    /// Device id.
+    device_id: u64 = (spec().device_id);
+    /// Element type name, if known.
+    dtype: Option<String> = (spec().dtype.clone());
+}
+span {}
+range {}
+methods {
+    /// Byte strides `(block, token, head)`.
+    #[getter]
+    fn strides(&self) -> (u64, u64, u64) {
+        let s = self.inner.spec();
+        (s.block_stride, s.token_stride, s.head_stride)
+    }
     /// Explicit fields; every stride is in bytes and `plane_bases[kv * num_layers + layer]`.
     #[new]
     #[pyo3(signature = (
@@ -351,63 +381,6 @@ impl PyKvGeometry {
         Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
 
-    /// 2 (K and V) or 1 (MLA latent).
-    #[getter]
-    fn num_kv(&self) -> u32 {
-        self.inner.spec().num_kv
-    }
-    /// Local layers.
-    #[getter]
-    fn num_layers(&self) -> u32 {
-        self.inner.spec().num_layers
-    }
-    /// Blocks in the cache.
-    #[getter]
-    fn num_blocks(&self) -> u32 {
-        self.inner.spec().num_blocks
-    }
-    /// Tokens per block.
-    #[getter]
-    fn tokens_per_block(&self) -> u32 {
-        self.inner.spec().tokens_per_block
-    }
-    /// Local KV heads.
-    #[getter]
-    fn num_heads(&self) -> u32 {
-        self.inner.spec().num_heads
-    }
-    /// Elements per head row.
-    #[getter]
-    fn head_dim(&self) -> u32 {
-        self.inner.spec().head_dim
-    }
-    /// Bytes per element.
-    #[getter]
-    fn element_size(&self) -> u32 {
-        self.inner.spec().element_size
-    }
-    /// Byte strides `(block, token, head)`.
-    #[getter]
-    fn strides(&self) -> (u64, u64, u64) {
-        let s = self.inner.spec();
-        (s.block_stride, s.token_stride, s.head_stride)
-    }
-    /// Plane base addresses, index `kv * num_layers + layer`.
-    #[getter]
-    fn plane_bases(&self) -> Vec<u64> {
-        self.inner.spec().plane_bases.clone()
-    }
-    /// Device id.
-    #[getter]
-    fn device_id(&self) -> u64 {
-        self.inner.spec().device_id
-    }
-    /// Element type name, if known.
-    #[getter]
-    fn dtype(&self) -> Option<String> {
-        self.inner.spec().dtype.clone()
-    }
-
     /// Plain dict for the wire (JSON/msgpack safe); `from_dict(to_dict())` round-trips.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.spec();
@@ -429,11 +402,15 @@ impl PyKvGeometry {
         Ok(d)
     }
 
-    /// Rebuild from `to_dict()` output; `MetadataError` on a missing, unknown or mistyped
-    /// field, `GeometryMismatchError`/`AddressOverflowError` on invalid values.
-    #[classmethod]
-    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let d = wire_dict(d, "<dict>")?;
+    fn __repr__(&self) -> String {
+        self.inner.to_string()
+    }
+});
+
+impl PyKvGeometry {
+    /// Decode a wire dict; `MetadataError` on a missing, unknown or mistyped field,
+    /// `GeometryMismatchError`/`AddressOverflowError` on invalid values.
+    fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
         reject_unknown_keys(d, &KV_GEO_KEYS, "KVGeometry")?;
         let kind: String = req(d, "kind")?;
         if kind != "kv" {
@@ -455,33 +432,6 @@ impl PyKvGeometry {
             dtype: req(d, "dtype")?,
         };
         Ok(Self { inner: KvGeometry::new(spec).py()? })
-    }
-
-    fn __reduce__<'py>(
-        slf: &Bound<'py, Self>,
-    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyDict>,))> {
-        let from_dict = slf.get_type().getattr("from_dict")?;
-        Ok((from_dict, (slf.get().to_dict(slf.py())?,)))
-    }
-
-    fn __repr__(&self) -> String {
-        let s = self.inner.spec();
-        format!(
-            "KVGeometry(num_kv={}, layers={}, blocks={}x{} tokens, heads={}, head_dim={}, \
-             element_size={}, strides(block, token, head)=({}, {}, {}), device_id={}, dtype={})",
-            s.num_kv,
-            s.num_layers,
-            s.num_blocks,
-            s.tokens_per_block,
-            s.num_heads,
-            s.head_dim,
-            s.element_size,
-            s.block_stride,
-            s.token_stride,
-            s.head_stride,
-            s.device_id,
-            s.dtype.as_deref().map_or("None".to_string(), |t| format!("'{t}'"))
-        )
     }
 }
 
@@ -576,8 +526,22 @@ fn part_from_dict(d: Option<Bound<'_, PyAny>>, field: &str) -> PyResult<Option<S
     }))
 }
 
-#[pymethods]
-impl PySsmGeometry {
+py_methods!(wire PySsmGeometry,
+get {
+    /// Local SSM layers.
+    num_layers: usize = (num_layers());
+    /// Slots per layer.
+    num_slots: u32 = (num_slots());
+    /// Device id.
+    device_id: u64 = (device_id);
+    /// Whether the conv part is registered.
+    has_conv: bool = (conv.is_some());
+    /// Whether the recurrent part is registered.
+    has_recurrent: bool = (recurrent.is_some());
+}
+span {}
+range {}
+methods {
     /// Explicit parts as dicts with the keys of `to_dict()["conv"]`.
     #[new]
     #[pyo3(signature = (*, conv=None, recurrent=None, device_id=Int::of(0)),
@@ -631,32 +595,6 @@ impl PySsmGeometry {
         Self::from_tensors(cls, conv, recurrent, device_id)
     }
 
-    /// Local SSM layers.
-    #[getter]
-    fn num_layers(&self) -> usize {
-        self.inner.num_layers()
-    }
-    /// Slots per layer.
-    #[getter]
-    fn num_slots(&self) -> u32 {
-        self.inner.num_slots()
-    }
-    /// Device id.
-    #[getter]
-    fn device_id(&self) -> u64 {
-        self.inner.device_id
-    }
-    /// Whether the conv part is registered.
-    #[getter]
-    fn has_conv(&self) -> bool {
-        self.inner.conv.is_some()
-    }
-    /// Whether the recurrent part is registered.
-    #[getter]
-    fn has_recurrent(&self) -> bool {
-        self.inner.recurrent.is_some()
-    }
-
     /// Plain dict for the wire; `from_dict(to_dict())` round-trips.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
@@ -670,10 +608,14 @@ impl PySsmGeometry {
         Ok(d)
     }
 
-    /// Rebuild from `to_dict()` output.
-    #[classmethod]
-    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let d = wire_dict(d, "<dict>")?;
+    fn __repr__(&self) -> String {
+        self.inner.to_string()
+    }
+});
+
+impl PySsmGeometry {
+    /// Decode a wire dict.
+    fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
         reject_unknown_keys(d, &["kind", "conv", "recurrent", "device_id"], "SSMGeometry")?;
         let kind: String = req(d, "kind")?;
         if kind != "ssm" {
@@ -683,27 +625,5 @@ impl PySsmGeometry {
         let recurrent = part_from_dict(d.get_item("recurrent")?, "recurrent")?;
         let inner = SsmGeometry::new(conv, recurrent, req(d, "device_id")?).py()?;
         Ok(Self { inner })
-    }
-
-    fn __reduce__<'py>(
-        slf: &Bound<'py, Self>,
-    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyDict>,))> {
-        let from_dict = slf.get_type().getattr("from_dict")?;
-        Ok((from_dict, (slf.get().to_dict(slf.py())?,)))
-    }
-
-    fn __repr__(&self) -> String {
-        let part = |p: &Option<SsmStatePart>| {
-            p.as_ref().map_or("None".to_string(), |p| {
-                format!("{} slots x {} units x {} bytes", p.num_slots, p.num_units, p.unit_bytes)
-            })
-        };
-        format!(
-            "SSMGeometry(layers={}, conv={}, recurrent={}, device_id={})",
-            self.inner.num_layers(),
-            part(&self.inner.conv),
-            part(&self.inner.recurrent),
-            self.inner.device_id
-        )
     }
 }
