@@ -88,6 +88,19 @@ pub struct SourceStats {
     pub bytes: u64,
 }
 
+impl SourceStats {
+    /// Totals over sources `(descriptors, fragments, bytes)`, saturating.
+    pub fn totals(stats: &[SourceStats]) -> (u64, u64, u64) {
+        stats.iter().fold((0, 0, 0), |(d, f, b), s| {
+            (
+                d.saturating_add(s.descriptors),
+                f.saturating_add(s.fragments),
+                b.saturating_add(s.bytes),
+            )
+        })
+    }
+}
+
 /// The compiled transfer of one destination rank: what each source rank does.
 #[derive(Debug, Clone)]
 pub struct TransferProgram {
@@ -321,4 +334,23 @@ pub(super) fn finish_into(
         }
     }
     Ok(paired)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn totals_add_every_source_and_saturate() {
+        let s = |descriptors, bytes| SourceStats {
+            src_rank: 0,
+            mode: TransferMode::Direct,
+            descriptors,
+            fragments: 2,
+            bytes,
+        };
+        assert_eq!(SourceStats::totals(&[]), (0, 0, 0));
+        assert_eq!(SourceStats::totals(&[s(3, 10), s(4, 20)]), (7, 4, 30));
+        assert_eq!(SourceStats::totals(&[s(1, u64::MAX), s(1, 1)]), (2, 4, u64::MAX));
+    }
 }
