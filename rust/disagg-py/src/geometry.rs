@@ -4,6 +4,7 @@
 //! `shape`, `stride()`, `element_size()`, `dtype`, `device`; numpy: `__array_interface__`,
 //! `strides`, `itemsize`, `dtype`); nothing here imports torch.
 
+use disagg_core::geometry::TensorView;
 use disagg_core::{
     DisaggError, KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart,
 };
@@ -15,16 +16,6 @@ use crate::error::{py_methods, reject_unknown_keys, to_pyerr, wire_err, IntoPyRe
 
 fn geo_err(field: &str, detail: String) -> PyErr {
     to_pyerr(DisaggError::geometry(field, detail))
-}
-
-/// What the compiler needs to know of one tensor: address, shape, byte strides.
-struct TensorView {
-    ptr: u64,
-    shape: Vec<u64>,
-    strides: Vec<u64>,
-    element_size: u32,
-    dtype: Option<String>,
-    device: Option<u64>,
 }
 
 fn nonneg(field: &str, v: Vec<i64>) -> PyResult<Vec<u64>> {
@@ -102,92 +93,6 @@ fn tensor_view_of(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
 
 fn device_u64(device_id: Option<Int>) -> PyResult<Option<u64>> {
     device_id.map(|d| d.to_u64(Kind::Argument, "device_id")).transpose()
-}
-
-const AXES: [&str; 6] = ["kv", "layer", "block", "token", "head", "dim"];
-
-/// Size and byte stride of each named axis (absent axes: size 1, stride 0).
-struct Axes {
-    size: [u64; 6],
-    stride: [u64; 6],
-}
-
-fn parse_axes(axes: &str, v: &TensorView, allowed: &[&str]) -> PyResult<Axes> {
-    let names: Vec<&str> = axes.split_whitespace().collect();
-    if names.len() != v.shape.len() {
-        return Err(geo_err(
-            "axes",
-            format!(
-                "axes={axes:?} names {} axes but the tensor has shape {:?}",
-                names.len(),
-                v.shape
-            ),
-        ));
-    }
-    let mut a = Axes { size: [1; 6], stride: [0; 6] };
-    let mut seen = [false; 6];
-    for (i, n) in names.iter().enumerate() {
-        let k =
-            AXES.iter().position(|x| x == n).filter(|_| allowed.contains(n)).ok_or_else(|| {
-                geo_err("axes", format!("axis {n:?} in axes={axes:?} is not one of {allowed:?}"))
-            })?;
-        if seen[k] {
-            return Err(geo_err("axes", format!("axis {n:?} appears twice in axes={axes:?}")));
-        }
-        seen[k] = true;
-        a.size[k] = v.shape[i];
-        a.stride[k] = v.strides[i];
-    }
-    for need in ["block", "token", "dim"] {
-        if !names.contains(&need) {
-            return Err(geo_err("axes", format!("axes={axes:?} lacks the {need:?} axis")));
-        }
-    }
-    if a.size[5] > 1 && a.stride[5] != u64::from(v.element_size) {
-        return Err(geo_err(
-            "dim",
-            format!(
-                "the dim axis must be contiguous: stride {} bytes != element_size={}",
-                a.stride[5], v.element_size
-            ),
-        ));
-    }
-    Ok(a)
-}
-
-fn u32_of(field: &str, v: u64) -> PyResult<u32> {
-    u32::try_from(v).map_err(|_| geo_err(field, format!("{field}={v} must be < 2**32")))
-}
-
-fn spec_from_axes(
-    a: &Axes,
-    v: &TensorView,
-    plane_bases: Vec<u64>,
-    num_layers: u64,
-    device_id: Option<u64>,
-) -> PyResult<KvGeometrySpec> {
-    Ok(KvGeometrySpec {
-        num_kv: u32_of("num_kv", a.size[0])?,
-        num_layers: u32_of("num_layers", num_layers)?,
-        num_blocks: u32_of("num_blocks", a.size[2])?,
-        tokens_per_block: u32_of("tokens_per_block", a.size[3])?,
-        num_heads: u32_of("num_heads", a.size[4])?,
-        head_dim: u32_of("head_dim", a.size[5])?,
-        element_size: v.element_size,
-        block_stride: a.stride[2],
-        token_stride: a.stride[3],
-        head_stride: a.stride[4],
-        plane_bases,
-        device_id: device_id.or(v.device).unwrap_or(0),
-        dtype: v.dtype.clone(),
-    })
-}
-
-fn plane_addr(base: u64, kv: u64, kv_stride: u64, l: u64, layer_stride: u64) -> PyResult<u64> {
-    kv.checked_mul(kv_stride)
-        .and_then(|x| x.checked_add(base))
-        .and_then(|x| l.checked_mul(layer_stride).and_then(|y| x.checked_add(y)))
-        .ok_or_else(|| to_pyerr(DisaggError::overflow("plane base address exceeds u64")))
 }
 
 /// Where each byte `(kv, layer, block, token, head, dim)` of one rank's paged KV cache lives.
@@ -306,17 +211,9 @@ methods {
         axes: Text,
         device_id: Option<Int>,
     ) -> PyResult<Self> {
-        let device_id = device_u64(device_id)?;
-        let axes = axes.get("axes")?;
         let v = tensor_view(tensor)?;
-        let a = parse_axes(axes, &v, &AXES)?;
-        let mut bases = Vec::new();
-        for kv in 0..a.size[0] {
-            for l in 0..a.size[1] {
-                bases.push(plane_addr(v.ptr, kv, a.stride[0], l, a.stride[1])?);
-            }
-        }
-        let spec = spec_from_axes(&a, &v, bases, a.size[1], device_id)?;
+        let spec =
+            KvGeometrySpec::from_tensor(&v, axes.get("axes")?, device_u64(device_id)?).py()?;
         Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
 
@@ -342,42 +239,14 @@ methods {
         axes: Text,
         device_id: Option<Int>,
     ) -> PyResult<Self> {
-        let device_id = device_u64(device_id)?;
-        let axes = axes.get("axes")?;
-        let allowed = ["kv", "block", "token", "head", "dim"];
-        let mut views = Vec::new();
         let not_a_list =
             || geo_err("tensors", format!("expected a list of tensors, got {}", describe(tensors)));
         let items = tensors.try_iter().map_err(|e| retype(tensors.py(), e, not_a_list))?;
-        for t in items {
-            views.push(tensor_view(&t.map_err(|e| retype(tensors.py(), e, not_a_list))?)?);
-        }
-        let Some(first) = views.first() else {
-            return Err(geo_err("tensors", "tensors=[] has no layer".into()));
-        };
-        let a = parse_axes(axes, first, &allowed)?;
-        for (i, v) in views.iter().enumerate() {
-            if v.shape != first.shape
-                || v.strides != first.strides
-                || v.element_size != first.element_size
-            {
-                return Err(geo_err(
-                    "tensors",
-                    format!(
-                        "layer {i} has shape {:?} strides {:?} but layer 0 has shape {:?} strides {:?}",
-                        v.shape, v.strides, first.shape, first.strides
-                    ),
-                ));
-            }
-        }
-        let n = views.len() as u64;
-        let mut bases = Vec::new();
-        for kv in 0..a.size[0] {
-            for v in &views {
-                bases.push(plane_addr(v.ptr, kv, a.stride[0], 0, 0)?);
-            }
-        }
-        let spec = spec_from_axes(&a, first, bases, n, device_id)?;
+        let views = items
+            .map(|t| tensor_view(&t.map_err(|e| retype(tensors.py(), e, not_a_list))?))
+            .collect::<PyResult<Vec<_>>>()?;
+        let (axes, device_id) = (axes.get("axes")?, device_u64(device_id)?);
+        let spec = KvGeometrySpec::from_layer_tensors(&views, axes, device_id).py()?;
         Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
 
@@ -454,46 +323,14 @@ const PART_KEYS: [&str; 8] = [
     "dtype",
 ];
 
-/// `[L, slots, units, inner...]` with the inner axes contiguous.
+/// One SSM state tensor: its part, and the device it names.
 fn part_from_tensor(
     t: &Bound<'_, PyAny>,
     kind: SsmStateKind,
     ndim: usize,
 ) -> PyResult<(SsmStatePart, Option<u64>)> {
-    let field = kind.name();
     let v = tensor_view(t)?;
-    if v.shape.len() != ndim {
-        return Err(geo_err(
-            field,
-            format!("{field} tensor must have {ndim} axes, got shape {:?}", v.shape),
-        ));
-    }
-    // Inner axes (after layer, slot, unit) must be one dense row.
-    let mut expect = u64::from(v.element_size);
-    for i in (3..ndim).rev() {
-        if v.shape[i] > 1 && v.strides[i] != expect {
-            return Err(geo_err(
-                field,
-                format!("{field} axis {i} must be contiguous: stride {} != {expect}", v.strides[i]),
-            ));
-        }
-        expect = expect.saturating_mul(v.shape[i]);
-    }
-    let mut layer_bases = Vec::new();
-    for l in 0..v.shape[0] {
-        layer_bases.push(plane_addr(v.ptr, 0, 0, l, v.strides[0])?);
-    }
-    let part = SsmStatePart {
-        layer_bases,
-        num_slots: u32_of("num_slots", v.shape[1])?,
-        slot_stride: v.strides[1],
-        num_units: u32_of("num_units", v.shape[2])?,
-        unit_stride: v.strides[2],
-        unit_bytes: expect,
-        element_size: v.element_size,
-        dtype: v.dtype.clone(),
-    };
-    Ok((part, v.device))
+    Ok((SsmStatePart::from_tensor(&v, kind, ndim).py()?, v.device))
 }
 
 fn part_to_dict<'py>(py: Python<'py>, p: &SsmStatePart) -> PyResult<Bound<'py, PyDict>> {
