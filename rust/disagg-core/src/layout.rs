@@ -694,10 +694,10 @@ fn wire_either(f: &WireFields<'_>, ours: &str, theirs: &str) -> DisaggResult<u32
 }
 
 impl KvLayoutSpec {
-    /// Keys a KV layout's wire dict may carry: ours, and the reference design's `num_heads`.
+    /// Keys a KV layout's wire dict may carry: the reference design's dataclass fields in its
+    /// order (the first 13, with `num_heads`), then our `num_kv_heads`.
     pub const WIRE_KEYS: [&'static str; 14] = [
         "num_layers",
-        "num_kv_heads",
         "num_heads",
         "tp_size",
         "tp_rank",
@@ -710,6 +710,7 @@ impl KvLayoutSpec {
         "etp_rank",
         "layer_start",
         "num_local_layers",
+        "num_kv_heads",
     ];
 
     /// Our wire fields, in wire order; [`KvLayoutSpec::from_wire`] round-trips them.

@@ -72,23 +72,6 @@ pub struct PyKvShardLayout {
     pub inner: KvShardLayout,
 }
 
-/// The reference design's dataclass fields of `KVShardLayout`, in its order.
-const KV_FIELDS: [&str; 13] = [
-    "num_layers",
-    "num_heads",
-    "tp_size",
-    "tp_rank",
-    "pp_size",
-    "pp_rank",
-    "global_rank",
-    "ep_size",
-    "ep_rank",
-    "etp_size",
-    "etp_rank",
-    "layer_start",
-    "num_local_layers",
-];
-
 py_methods!(wire PyKvShardLayout,
 get {
     /// Layers of the whole model.
@@ -195,7 +178,7 @@ methods {
     /// The reference design's dataclass fields (for `dataclasses.asdict` and friends).
     #[classattr]
     fn __dataclass_fields__(py: Python<'_>) -> PyResult<Py<PyAny>> {
-        dataclass_fields(py, "KVShardLayout", &KV_FIELDS)
+        dataclass_fields(py, "KVShardLayout", &KvLayoutSpec::WIRE_KEYS[..13])
     }
     /// Layers held by this rank (the reference design's method).
     fn local_num_layers(&self) -> u32 {
