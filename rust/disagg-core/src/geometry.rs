@@ -1,11 +1,13 @@
 //! Memory geometry: where each byte of one rank's KV cache or SSM state lives.
 //!
 //! A geometry is plain data that peers exchange once: base addresses, strides in bytes,
-//! element size, device id and the extent of every axis. The compiler (`compile.rs`) combines
+//! element size, device id and the extent of every axis. The compiler (`compile/`) combines
 //! two geometries with a reshard plan and block lists into byte ranges; it never touches the
 //! memory. Constructors validate every field and check, with checked arithmetic, that the last
 //! byte of every plane is addressable, so the compiler's address arithmetic cannot overflow
 //! once a geometry exists. All index ranges are half-open `[lo, hi)`.
+
+use std::fmt;
 
 use crate::error::{DisaggError, DisaggResult};
 
@@ -284,6 +286,252 @@ impl SsmGeometry {
     }
 }
 
+/// What a geometry needs of one tensor, read by the bindings from torch or numpy: address,
+/// shape, byte strides, element size, dtype name and device index.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TensorView {
+    /// Address of element 0.
+    pub ptr: u64,
+    /// Extent of each axis.
+    pub shape: Vec<u64>,
+    /// Byte stride of each axis.
+    pub strides: Vec<u64>,
+    /// Bytes per element.
+    pub element_size: u32,
+    /// Element type name (`"bfloat16"`), if known.
+    pub dtype: Option<String>,
+    /// Device index, if the tensor says.
+    pub device: Option<u64>,
+}
+
+const AXES: [&str; 6] = ["kv", "layer", "block", "token", "head", "dim"];
+
+/// Size and byte stride of each named axis (absent axes: size 1, stride 0).
+struct Axes {
+    size: [u64; 6],
+    stride: [u64; 6],
+}
+
+fn parse_axes(axes: &str, v: &TensorView, allowed: &[&str]) -> DisaggResult<Axes> {
+    let names: Vec<&str> = axes.split_whitespace().collect();
+    if names.len() != v.shape.len() {
+        return Err(DisaggError::geometry(
+            "axes",
+            format!(
+                "axes={axes:?} names {} axes but the tensor has shape {:?}",
+                names.len(),
+                v.shape
+            ),
+        ));
+    }
+    let mut a = Axes { size: [1; 6], stride: [0; 6] };
+    let mut seen = [false; 6];
+    for (i, n) in names.iter().enumerate() {
+        let k =
+            AXES.iter().position(|x| x == n).filter(|_| allowed.contains(n)).ok_or_else(|| {
+                DisaggError::geometry(
+                    "axes",
+                    format!("axis {n:?} in axes={axes:?} is not one of {allowed:?}"),
+                )
+            })?;
+        if seen[k] {
+            return Err(DisaggError::geometry(
+                "axes",
+                format!("axis {n:?} appears twice in axes={axes:?}"),
+            ));
+        }
+        seen[k] = true;
+        a.size[k] = v.shape[i];
+        a.stride[k] = v.strides[i];
+    }
+    for need in ["block", "token", "dim"] {
+        if !names.contains(&need) {
+            return Err(DisaggError::geometry(
+                "axes",
+                format!("axes={axes:?} lacks the {need:?} axis"),
+            ));
+        }
+    }
+    if a.size[5] > 1 && a.stride[5] != u64::from(v.element_size) {
+        return Err(DisaggError::geometry(
+            "dim",
+            format!(
+                "the dim axis must be contiguous: stride {} bytes != element_size={}",
+                a.stride[5], v.element_size
+            ),
+        ));
+    }
+    Ok(a)
+}
+
+fn u32_of(field: &str, v: u64) -> DisaggResult<u32> {
+    u32::try_from(v)
+        .map_err(|_| DisaggError::geometry(field, format!("{field}={v} must be < 2**32")))
+}
+
+fn plane_addr(base: u64, kv: u64, kv_stride: u64, l: u64, layer_stride: u64) -> DisaggResult<u64> {
+    kv.checked_mul(kv_stride)
+        .and_then(|x| x.checked_add(base))
+        .and_then(|x| l.checked_mul(layer_stride).and_then(|y| x.checked_add(y)))
+        .ok_or_else(|| DisaggError::overflow("plane base address exceeds u64"))
+}
+
+fn spec_from_axes(
+    a: &Axes,
+    v: &TensorView,
+    plane_bases: Vec<u64>,
+    num_layers: u64,
+    device_id: Option<u64>,
+) -> DisaggResult<KvGeometrySpec> {
+    Ok(KvGeometrySpec {
+        num_kv: u32_of("num_kv", a.size[0])?,
+        num_layers: u32_of("num_layers", num_layers)?,
+        num_blocks: u32_of("num_blocks", a.size[2])?,
+        tokens_per_block: u32_of("tokens_per_block", a.size[3])?,
+        num_heads: u32_of("num_heads", a.size[4])?,
+        head_dim: u32_of("head_dim", a.size[5])?,
+        element_size: v.element_size,
+        block_stride: a.stride[2],
+        token_stride: a.stride[3],
+        head_stride: a.stride[4],
+        plane_bases,
+        device_id: device_id.or(v.device).unwrap_or(0),
+        dtype: v.dtype.clone(),
+    })
+}
+
+impl KvGeometrySpec {
+    /// One tensor whose axes are named by `axes` (any order of `kv layer block token head
+    /// dim`; `kv`, `layer` and `head` may be absent). `device_id` overrides the tensor's.
+    pub fn from_tensor(v: &TensorView, axes: &str, device_id: Option<u64>) -> DisaggResult<Self> {
+        let a = parse_axes(axes, v, &AXES)?;
+        let mut bases = Vec::new();
+        for kv in 0..a.size[0] {
+            for l in 0..a.size[1] {
+                bases.push(plane_addr(v.ptr, kv, a.stride[0], l, a.stride[1])?);
+            }
+        }
+        spec_from_axes(&a, v, bases, a.size[1], device_id)
+    }
+
+    /// One tensor per local layer, all of one shape, strides and element size, with the axes
+    /// `axes` (no `layer` axis).
+    pub fn from_layer_tensors(
+        views: &[TensorView],
+        axes: &str,
+        device_id: Option<u64>,
+    ) -> DisaggResult<Self> {
+        let Some(first) = views.first() else {
+            return Err(DisaggError::geometry("tensors", "tensors=[] has no layer"));
+        };
+        let a = parse_axes(axes, first, &["kv", "block", "token", "head", "dim"])?;
+        if let Some((i, v)) = views.iter().enumerate().find(|(_, v)| {
+            v.shape != first.shape
+                || v.strides != first.strides
+                || v.element_size != first.element_size
+        }) {
+            return Err(DisaggError::geometry(
+                "tensors",
+                format!(
+                    "layer {i} has shape {:?} strides {:?} but layer 0 has shape {:?} strides {:?}",
+                    v.shape, v.strides, first.shape, first.strides
+                ),
+            ));
+        }
+        let mut bases = Vec::new();
+        for kv in 0..a.size[0] {
+            for v in views {
+                bases.push(plane_addr(v.ptr, kv, a.stride[0], 0, 0)?);
+            }
+        }
+        spec_from_axes(&a, first, bases, views.len() as u64, device_id)
+    }
+}
+
+impl SsmStatePart {
+    /// One state tensor `[L, slots, units, inner...]` of `ndim` axes (conv 4, recurrent 5)
+    /// whose inner axes form one dense row.
+    pub fn from_tensor(v: &TensorView, kind: SsmStateKind, ndim: usize) -> DisaggResult<Self> {
+        let field = kind.name();
+        if v.shape.len() != ndim {
+            return Err(DisaggError::geometry(
+                field,
+                format!("{field} tensor must have {ndim} axes, got shape {:?}", v.shape),
+            ));
+        }
+        let mut expect = u64::from(v.element_size);
+        for i in (3..ndim).rev() {
+            if v.shape[i] > 1 && v.strides[i] != expect {
+                return Err(DisaggError::geometry(
+                    field,
+                    format!(
+                        "{field} axis {i} must be contiguous: stride {} != {expect}",
+                        v.strides[i]
+                    ),
+                ));
+            }
+            expect = expect.saturating_mul(v.shape[i]);
+        }
+        let mut layer_bases = Vec::new();
+        for l in 0..v.shape[0] {
+            layer_bases.push(plane_addr(v.ptr, 0, 0, l, v.strides[0])?);
+        }
+        Ok(Self {
+            layer_bases,
+            num_slots: u32_of("num_slots", v.shape[1])?,
+            slot_stride: v.strides[1],
+            num_units: u32_of("num_units", v.shape[2])?,
+            unit_stride: v.strides[2],
+            unit_bytes: expect,
+            element_size: v.element_size,
+            dtype: v.dtype.clone(),
+        })
+    }
+}
+
+impl fmt::Display for KvGeometry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.spec();
+        write!(
+            f,
+            "KVGeometry(num_kv={}, layers={}, blocks={}x{} tokens, heads={}, head_dim={}, \
+             element_size={}, strides(block, token, head)=({}, {}, {}), device_id={}, dtype=",
+            s.num_kv,
+            s.num_layers,
+            s.num_blocks,
+            s.tokens_per_block,
+            s.num_heads,
+            s.head_dim,
+            s.element_size,
+            s.block_stride,
+            s.token_stride,
+            s.head_stride,
+            s.device_id,
+        )?;
+        match &s.dtype {
+            Some(t) => write!(f, "'{t}')"),
+            None => f.write_str("None)"),
+        }
+    }
+}
+
+impl fmt::Display for SsmGeometry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SSMGeometry(layers={}", self.num_layers())?;
+        for (name, part) in [("conv", &self.conv), ("recurrent", &self.recurrent)] {
+            match part {
+                Some(p) => write!(
+                    f,
+                    ", {name}={} slots x {} units x {} bytes",
+                    p.num_slots, p.num_units, p.unit_bytes
+                )?,
+                None => write!(f, ", {name}=None")?,
+            }
+        }
+        write!(f, ", device_id={})", self.device_id)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -307,6 +555,103 @@ mod tests {
             device_id: 0,
             dtype: Some("bfloat16".into()),
         }
+    }
+
+    fn view(shape: &[u64], ptr: u64) -> TensorView {
+        // Row-major strides of 2-byte elements.
+        let mut strides = vec![2u64; shape.len()];
+        for i in (0..shape.len().saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * shape[i + 1];
+        }
+        TensorView {
+            ptr,
+            shape: shape.to_vec(),
+            strides,
+            element_size: 2,
+            dtype: Some("bfloat16".into()),
+            device: Some(1),
+        }
+    }
+
+    #[test]
+    fn a_named_axes_tensor_gives_the_per_layer_geometry() {
+        let s = KvGeometrySpec::from_tensor(
+            &view(&[2, 2, 4, 8, 2, 4], 0x1000),
+            "kv layer block token head dim",
+            None,
+        )
+        .unwrap();
+        assert_eq!(s, KvGeometrySpec { device_id: 1, ..megatron(0x1000) });
+        let e = KvGeometrySpec::from_tensor(&view(&[4, 8, 4], 0), "block token head", None)
+            .unwrap_err();
+        assert!(e.to_string().contains("lacks the \"dim\" axis"), "{e}");
+        let e =
+            KvGeometrySpec::from_tensor(&view(&[4, 8, 4], 0), "block block dim", None).unwrap_err();
+        assert!(e.to_string().contains("appears twice"), "{e}");
+        let e =
+            KvGeometrySpec::from_tensor(&view(&[4, 8], 0), "block token dim", None).unwrap_err();
+        assert!(e.to_string().contains("names 3 axes"), "{e}");
+    }
+
+    #[test]
+    fn per_layer_tensors_must_agree_and_give_one_base_per_kv_and_layer() {
+        let layers = [view(&[2, 4, 8, 2, 4], 0x1000), view(&[2, 4, 8, 2, 4], 0x9000)];
+        let s = KvGeometrySpec::from_layer_tensors(&layers, "kv block token head dim", Some(5))
+            .unwrap();
+        let plane = 4 * 8 * 2 * 4 * 2;
+        assert_eq!(s.plane_bases, vec![0x1000, 0x9000, 0x1000 + plane, 0x9000 + plane]);
+        assert_eq!((s.num_layers, s.device_id), (2, 5));
+        let e =
+            KvGeometrySpec::from_layer_tensors(&[], "kv block token head dim", None).unwrap_err();
+        assert!(e.to_string().contains("no layer"), "{e}");
+        let odd = [layers[0].clone(), view(&[2, 4, 8, 1, 4], 0)];
+        let e =
+            KvGeometrySpec::from_layer_tensors(&odd, "kv block token head dim", None).unwrap_err();
+        assert!(e.to_string().contains("layer 1 has shape"), "{e}");
+    }
+
+    #[test]
+    fn an_ssm_state_tensor_needs_dense_inner_axes() {
+        let p =
+            SsmStatePart::from_tensor(&view(&[3, 4, 8, 16, 2], 0x100), SsmStateKind::Recurrent, 5)
+                .unwrap();
+        assert_eq!((p.num_slots, p.num_units, p.unit_bytes), (4, 8, 64));
+        assert_eq!(p.layer_bases, vec![0x100, 0x100 + 4 * 8 * 64, 0x100 + 2 * 4 * 8 * 64]);
+        let mut v = view(&[3, 4, 8, 4], 0);
+        v.strides[3] = 4;
+        let e = SsmStatePart::from_tensor(&v, SsmStateKind::Conv, 4).unwrap_err();
+        assert!(e.to_string().contains("conv axis 3 must be contiguous"), "{e}");
+        let e = SsmStatePart::from_tensor(&view(&[3, 4, 8], 0), SsmStateKind::Conv, 4).unwrap_err();
+        assert!(e.to_string().contains("must have 4 axes"), "{e}");
+    }
+
+    #[test]
+    fn reprs_name_every_dimension_and_the_dtype() {
+        let mut s = megatron(0x1000);
+        let g = KvGeometry::new(s.clone()).unwrap();
+        assert_eq!(
+            g.to_string(),
+            "KVGeometry(num_kv=2, layers=2, blocks=4x8 tokens, heads=2, head_dim=4, \
+             element_size=2, strides(block, token, head)=(128, 16, 8), device_id=0, \
+             dtype='bfloat16')"
+        );
+        s.dtype = None;
+        assert!(KvGeometry::new(s).unwrap().to_string().ends_with("device_id=0, dtype=None)"));
+        let part = SsmStatePart {
+            layer_bases: vec![0x1000, 0x9000],
+            num_slots: 4,
+            slot_stride: 256,
+            num_units: 8,
+            unit_stride: 32,
+            unit_bytes: 32,
+            element_size: 2,
+            dtype: None,
+        };
+        let g = SsmGeometry::new(None, Some(part), 3).unwrap();
+        assert_eq!(
+            g.to_string(),
+            "SSMGeometry(layers=2, conv=None, recurrent=4 slots x 8 units x 32 bytes, device_id=3)"
+        );
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //! All ranges are half-open `[lo, hi)` in global coordinates. Constructors validate every field
 //! and name the field and both values on failure, so an invalid layout never exists.
 
+use std::fmt;
+
 use crate::error::{DisaggError, DisaggResult};
 
 /// A half-open range `[lo, hi)` of layers, heads, groups or channels.
@@ -664,6 +666,254 @@ impl SsmShardLayout {
     }
 }
 
+/// One record's wire fields by name, as the bindings read them from a dict: `None` for a
+/// field that is absent or null.
+pub type WireFields<'a> = [(&'a str, Option<u32>)];
+
+fn wire_get(f: &WireFields<'_>, key: &str) -> Option<u32> {
+    f.iter().find(|(k, _)| *k == key).and_then(|(_, v)| *v)
+}
+
+fn wire_need(f: &WireFields<'_>, key: &str) -> DisaggResult<u32> {
+    wire_get(f, key).ok_or_else(|| DisaggError::wire(key, "missing required field"))
+}
+
+/// A required field under either of two spellings (ours, the reference design's); both
+/// present must agree.
+fn wire_either(f: &WireFields<'_>, ours: &str, theirs: &str) -> DisaggResult<u32> {
+    match (wire_get(f, ours), wire_get(f, theirs)) {
+        (Some(a), Some(b)) if a != b => Err(DisaggError::wire(
+            ours,
+            format!("{ours}={a} disagrees with its alias {theirs}={b}"),
+        )),
+        (Some(a), _) | (None, Some(a)) => Ok(a),
+        (None, None) => {
+            Err(DisaggError::wire(ours, format!("missing required field (or {theirs})")))
+        }
+    }
+}
+
+impl KvLayoutSpec {
+    /// Keys a KV layout's wire dict may carry: the reference design's dataclass fields in its
+    /// order (the first 13, with `num_heads`), then our `num_kv_heads`.
+    pub const WIRE_KEYS: [&'static str; 14] = [
+        "num_layers",
+        "num_heads",
+        "tp_size",
+        "tp_rank",
+        "pp_size",
+        "pp_rank",
+        "global_rank",
+        "ep_size",
+        "ep_rank",
+        "etp_size",
+        "etp_rank",
+        "layer_start",
+        "num_local_layers",
+        "num_kv_heads",
+    ];
+
+    /// Our wire fields, in wire order; [`KvLayoutSpec::from_wire`] round-trips them.
+    pub fn wire_fields(&self) -> [(&'static str, Option<u32>); 13] {
+        [
+            ("num_layers", Some(self.num_layers)),
+            ("num_kv_heads", Some(self.num_kv_heads)),
+            ("tp_size", Some(self.tp_size)),
+            ("tp_rank", Some(self.tp_rank)),
+            ("pp_size", Some(self.pp_size)),
+            ("pp_rank", Some(self.pp_rank)),
+            ("global_rank", Some(self.global_rank)),
+            ("ep_size", Some(self.ep_size)),
+            ("ep_rank", Some(self.ep_rank)),
+            ("etp_size", Some(self.etp_size)),
+            ("etp_rank", Some(self.etp_rank)),
+            ("layer_start", self.layer_start),
+            ("num_local_layers", self.num_local_layers),
+        ]
+    }
+
+    /// Decode wire fields (ours or the reference design's names): the EP/ETP replica fields
+    /// default to a single replica, the window to the even split.
+    pub fn from_wire(f: &WireFields<'_>) -> DisaggResult<Self> {
+        Ok(Self {
+            num_layers: wire_need(f, "num_layers")?,
+            num_kv_heads: wire_either(f, "num_kv_heads", "num_heads")?,
+            tp_size: wire_need(f, "tp_size")?,
+            tp_rank: wire_need(f, "tp_rank")?,
+            pp_size: wire_need(f, "pp_size")?,
+            pp_rank: wire_need(f, "pp_rank")?,
+            global_rank: wire_need(f, "global_rank")?,
+            ep_size: wire_get(f, "ep_size").unwrap_or(1),
+            ep_rank: wire_get(f, "ep_rank").unwrap_or(0),
+            etp_size: wire_get(f, "etp_size").unwrap_or(1),
+            etp_rank: wire_get(f, "etp_rank").unwrap_or(0),
+            layer_start: wire_get(f, "layer_start"),
+            num_local_layers: wire_get(f, "num_local_layers"),
+        })
+    }
+}
+
+impl SsmStateDims {
+    /// Keys an SSM dims wire dict may carry: ours and the reference design's.
+    pub const WIRE_KEYS: [&'static str; 8] =
+        ["num_heads", "nheads", "head_dim", "headdim", "d_state", "n_groups", "ngroups", "d_conv"];
+
+    /// Our wire fields, in wire order.
+    pub fn wire_fields(&self) -> [(&'static str, u32); 5] {
+        [
+            ("num_heads", self.num_heads),
+            ("head_dim", self.head_dim),
+            ("d_state", self.d_state),
+            ("n_groups", self.n_groups),
+            ("d_conv", self.d_conv),
+        ]
+    }
+
+    /// Decode and validate wire fields (ours or the reference design's names).
+    pub fn from_wire(f: &WireFields<'_>) -> DisaggResult<Self> {
+        Self::new(
+            wire_either(f, "num_heads", "nheads")?,
+            wire_either(f, "head_dim", "headdim")?,
+            wire_need(f, "d_state")?,
+            wire_either(f, "n_groups", "ngroups")?,
+            wire_need(f, "d_conv")?,
+        )
+    }
+}
+
+impl fmt::Display for SsmStateDims {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "SSMStateDims(nheads={}, headdim={}, d_state={}, ngroups={}, d_conv={})",
+            self.num_heads, self.head_dim, self.d_state, self.n_groups, self.d_conv
+        )
+    }
+}
+
+impl SsmLayoutSpec {
+    /// Keys an SSM layout's wire dict may carry (`num_layers` there is the model's total).
+    pub const WIRE_KEYS: [&'static str; 12] = [
+        "num_layers",
+        "dims",
+        "tp_size",
+        "tp_rank",
+        "pp_size",
+        "pp_rank",
+        "global_rank",
+        "ep_rank",
+        "etp_rank",
+        "layer_start",
+        "num_local_layers",
+        "replicate_groups",
+    ];
+
+    /// The integer keys among [`SsmLayoutSpec::WIRE_KEYS`].
+    pub const INT_WIRE_KEYS: [&'static str; 10] = [
+        "num_layers",
+        "tp_size",
+        "tp_rank",
+        "pp_size",
+        "pp_rank",
+        "global_rank",
+        "ep_rank",
+        "etp_rank",
+        "layer_start",
+        "num_local_layers",
+    ];
+
+    /// Our integer wire fields, in wire order (`dims` and `replicate_groups` travel beside
+    /// them).
+    pub fn wire_fields(&self) -> [(&'static str, Option<u32>); 10] {
+        [
+            ("num_layers", self.num_layers),
+            ("tp_size", Some(self.tp_size)),
+            ("tp_rank", Some(self.tp_rank)),
+            ("pp_size", Some(self.pp_size)),
+            ("pp_rank", Some(self.pp_rank)),
+            ("global_rank", Some(self.global_rank)),
+            ("ep_rank", Some(self.ep_rank)),
+            ("etp_rank", Some(self.etp_rank)),
+            ("layer_start", self.layer_start),
+            ("num_local_layers", self.num_local_layers),
+        ]
+    }
+
+    /// Decode the integer wire fields around already decoded `dims` and `replicate_groups`.
+    pub fn from_wire(
+        f: &WireFields<'_>,
+        dims: SsmStateDims,
+        replicate_groups: bool,
+    ) -> DisaggResult<Self> {
+        Ok(Self {
+            num_layers: wire_get(f, "num_layers"),
+            dims,
+            tp_size: wire_need(f, "tp_size")?,
+            tp_rank: wire_need(f, "tp_rank")?,
+            pp_size: wire_need(f, "pp_size")?,
+            pp_rank: wire_need(f, "pp_rank")?,
+            global_rank: wire_need(f, "global_rank")?,
+            ep_rank: wire_get(f, "ep_rank").unwrap_or(0),
+            etp_rank: wire_get(f, "etp_rank").unwrap_or(0),
+            layer_start: wire_get(f, "layer_start"),
+            num_local_layers: wire_get(f, "num_local_layers"),
+            replicate_groups,
+        })
+    }
+}
+
+impl fmt::Display for KvShardLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "KVShardLayout(global_rank={}, tp={}/{}, pp={}/{}, layers=[{}, {}) of {}, \
+             heads=[{}, {}) of {}",
+            self.global_rank,
+            self.tp_rank,
+            self.tp_size,
+            self.pp_rank,
+            self.pp_size,
+            self.layers.lo,
+            self.layers.hi,
+            self.num_layers,
+            self.heads.lo,
+            self.heads.hi,
+            self.num_kv_heads,
+        )?;
+        if self.ep_size != 1 || self.etp_size != 1 || self.ep_rank != 0 || self.etp_rank != 0 {
+            write!(
+                f,
+                ", ep={}/{}, etp={}/{}",
+                self.ep_rank, self.ep_size, self.etp_rank, self.etp_size
+            )?;
+        }
+        f.write_str(")")
+    }
+}
+
+impl fmt::Display for SsmShardLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let total = self.num_layers.map_or_else(|| "?".to_owned(), |n| n.to_string());
+        write!(
+            f,
+            "SSMShardLayout(global_rank={}, tp={}/{}, pp={}/{}, layers=[{}, {}) of {total}, \
+             heads=[{}, {}), groups=[{}, {}), dims={})",
+            self.global_rank,
+            self.tp_rank,
+            self.tp_size,
+            self.pp_rank,
+            self.pp_size,
+            self.layers.lo,
+            self.layers.hi,
+            self.heads.lo,
+            self.heads.hi,
+            self.groups.lo,
+            self.groups.hi,
+            self.dims
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -678,6 +928,111 @@ mod tests {
             global_rank: rank,
             ..KvLayoutSpec::default()
         }
+    }
+
+    fn ssm_spec(window: Option<(u32, u32)>) -> SsmLayoutSpec {
+        SsmLayoutSpec {
+            num_layers: window.is_none().then_some(4),
+            dims: SsmStateDims::new(8, 4, 16, 2, 4).unwrap(),
+            tp_size: 2,
+            tp_rank: 1,
+            pp_size: 1,
+            pp_rank: 0,
+            global_rank: 1,
+            ep_rank: 0,
+            etp_rank: 0,
+            layer_start: window.map(|w| w.0),
+            num_local_layers: window.map(|w| w.1),
+            replicate_groups: false,
+        }
+    }
+
+    #[test]
+    fn kv_wire_fields_round_trip_with_window_and_replicas() {
+        let mut s = kv(2, 1);
+        (s.layer_start, s.num_local_layers, s.ep_size, s.ep_rank) = (Some(2), Some(6), 2, 1);
+        let l = KvShardLayout::new(s).unwrap();
+        let f = l.spec().wire_fields();
+        assert!(f.iter().all(|(k, _)| KvLayoutSpec::WIRE_KEYS.contains(k)));
+        assert_eq!(KvShardLayout::new(KvLayoutSpec::from_wire(&f).unwrap()).unwrap(), l);
+    }
+
+    #[test]
+    fn kv_wire_accepts_the_reference_head_name_and_defaults_replicas() {
+        let mut f = kv(2, 1).wire_fields().to_vec();
+        f.retain(|(k, _)| !k.starts_with("ep_") && !k.starts_with("etp_"));
+        f[1].0 = "num_heads";
+        let s = KvLayoutSpec::from_wire(&f).unwrap();
+        assert_eq!(s, kv(2, 1));
+        f.push(("num_kv_heads", Some(8)));
+        let e = KvLayoutSpec::from_wire(&f).unwrap_err();
+        assert_eq!(e.kind(), "Wire");
+        assert!(
+            e.to_string().contains("num_kv_heads=8 disagrees with its alias num_heads=4"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn kv_wire_names_a_missing_required_field() {
+        let f = [("num_layers", Some(8)), ("num_kv_heads", Some(4)), ("tp_size", None)];
+        let e = KvLayoutSpec::from_wire(&f).unwrap_err();
+        assert_eq!(e.kind(), "Wire");
+        assert!(e.to_string().contains("tp_size"), "{e}");
+        assert!(e.to_string().contains("missing required field"), "{e}");
+    }
+
+    #[test]
+    fn ssm_wire_fields_round_trip_with_and_without_a_total() {
+        for w in [None, Some((1, 2))] {
+            let l = SsmShardLayout::new(ssm_spec(w)).unwrap();
+            let s = l.spec();
+            let keys: Vec<&str> = s.wire_fields().iter().map(|f| f.0).collect();
+            assert_eq!(keys, SsmLayoutSpec::INT_WIRE_KEYS);
+            assert!(keys.iter().all(|k| SsmLayoutSpec::WIRE_KEYS.contains(k)));
+            let dims: Vec<_> = s.dims.wire_fields().iter().map(|&(k, v)| (k, Some(v))).collect();
+            let back = SsmLayoutSpec::from_wire(
+                &s.wire_fields(),
+                SsmStateDims::from_wire(&dims).unwrap(),
+                s.replicate_groups,
+            )
+            .unwrap();
+            assert_eq!(SsmShardLayout::new(back).unwrap(), l);
+        }
+    }
+
+    #[test]
+    fn ssm_dims_wire_takes_the_reference_names() {
+        let f = [
+            ("nheads", Some(8)),
+            ("headdim", Some(4)),
+            ("d_state", Some(16)),
+            ("ngroups", Some(2)),
+            ("d_conv", Some(4)),
+        ];
+        assert_eq!(
+            SsmStateDims::from_wire(&f).unwrap(),
+            SsmStateDims::new(8, 4, 16, 2, 4).unwrap()
+        );
+        let e = SsmStateDims::from_wire(&f[..4]).unwrap_err();
+        assert!(e.to_string().contains("d_conv"), "{e}");
+    }
+
+    #[test]
+    fn reprs_name_the_window_heads_and_replicas() {
+        let mut s = kv(2, 1);
+        assert_eq!(
+            KvShardLayout::new(s).unwrap().to_string(),
+            "KVShardLayout(global_rank=1, tp=1/2, pp=0/1, layers=[0, 8) of 8, heads=[2, 4) of 4)"
+        );
+        (s.ep_size, s.ep_rank) = (2, 1);
+        assert!(KvShardLayout::new(s).unwrap().to_string().ends_with("of 4, ep=1/2, etp=0/1)"));
+        let l = SsmShardLayout::new(ssm_spec(Some((1, 2)))).unwrap();
+        assert_eq!(
+            l.to_string(),
+            "SSMShardLayout(global_rank=1, tp=1/2, pp=0/1, layers=[1, 3) of ?, heads=[4, 8), \
+             groups=[1, 2), dims=SSMStateDims(nheads=8, headdim=4, d_state=16, ngroups=2, d_conv=4))"
+        );
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //! All ranges are half-open `[lo, hi)`.
 
 use std::collections::HashMap;
+use std::fmt;
 
 use crate::error::{DisaggError, DisaggResult};
 use crate::layout::{KvShardLayout, Span, SsmBand, SsmShardLayout};
@@ -408,6 +409,91 @@ impl SsmReshardTransfer {
     pub fn dst_local_layers(&self) -> Span {
         self.layers.relative_to(self.dst_layer_start)
     }
+
+    /// The one global layer moved (the reference design's per-layer records); `LayoutError`
+    /// naming `field` on a transfer spanning several layers.
+    pub fn single_layer(&self, field: &str) -> DisaggResult<u32> {
+        let l = self.layers;
+        if l.len() == 1 {
+            return Ok(l.lo);
+        }
+        Err(DisaggError::layout(
+            field,
+            format!(
+                "{field} is defined for single-layer transfers (iterating an SSMReshardPlan \
+                 gives those); this one spans layers [{}, {})",
+                l.lo, l.hi
+            ),
+        ))
+    }
+
+    /// The one layer moved, in the source's local indexing.
+    pub fn src_layer(&self) -> DisaggResult<u32> {
+        Ok(self.single_layer("src_layer")? - self.src_layer_start)
+    }
+
+    /// The one layer moved, in the destination's local indexing.
+    pub fn dst_layer(&self) -> DisaggResult<u32> {
+        Ok(self.single_layer("dst_layer")? - self.dst_layer_start)
+    }
+
+    /// "conv" for the bands x, B, C, "recurrent" for the recurrent state.
+    pub fn state_kind(&self) -> &'static str {
+        if self.band.is_conv() {
+            "conv"
+        } else {
+            "recurrent"
+        }
+    }
+}
+
+impl fmt::Display for SsmReshardTransfer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "SSMReshardTransfer(src_rank={} -> dst_rank={}, layers=[{}, {}), band={}, \
+             global=[{}, {}), src_local=[{}, {}), dst_local=[{}, {}))",
+            self.src_rank,
+            self.dst_rank,
+            self.layers.lo,
+            self.layers.hi,
+            self.band.name(),
+            self.global.lo,
+            self.global.hi,
+            self.src_local.lo,
+            self.src_local.hi,
+            self.dst_local.lo,
+            self.dst_local.hi
+        )
+    }
+}
+
+impl fmt::Display for KvReshardTransfer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "KVReshardTransfer(src_rank={} -> dst_rank={}, layers=[{}, {}), heads=[{}, {}))",
+            self.src_rank,
+            self.dst_rank,
+            self.layers.lo,
+            self.layers.hi,
+            self.heads.lo,
+            self.heads.hi
+        )
+    }
+}
+
+impl KvReshardTransfer {
+    /// The moved layers in `layout`'s local layer axis; `LayoutError` if it does not hold
+    /// them.
+    pub fn layers_in(&self, layout: &KvShardLayout) -> DisaggResult<Span> {
+        local_range(self.layers, layout.layers, "layers", layout.global_rank)
+    }
+
+    /// The moved heads in `layout`'s local head axis; `LayoutError` if it does not hold them.
+    pub fn heads_in(&self, layout: &KvShardLayout) -> DisaggResult<Span> {
+        local_range(self.heads, layout.heads, "heads", layout.global_rank)
+    }
 }
 
 /// An SSM reshard plan, ordered by destination rank, layer, band, then global offset.
@@ -683,6 +769,52 @@ mod tests {
         assert_eq!(cut[0].layers, Span::new(0, 1));
         assert_eq!(cut.last().unwrap().layers, Span::new(2, 3));
         assert!(cut.windows(2).all(|w| w[0].layers.lo <= w[1].layers.lo));
+    }
+
+    #[test]
+    fn single_layer_fields_hold_only_for_single_layer_transfers() {
+        let t = SsmReshardTransfer {
+            src_rank: 1,
+            dst_rank: 4,
+            layers: Span::new(2, 4),
+            band: SsmBand::B,
+            global: Span::new(8, 12),
+            src_local: Span::new(0, 4),
+            dst_local: Span::new(4, 8),
+            src_layer_start: 2,
+            dst_layer_start: 0,
+        };
+        let e = t.src_layer().unwrap_err();
+        assert_eq!(e.kind(), "Layout");
+        assert!(e.to_string().contains("src_layer"), "{e}");
+        assert!(e.to_string().contains("spans layers [2, 4)"), "{e}");
+        let one: Vec<_> = t.per_layer().collect();
+        assert_eq!(
+            (one[1].single_layer("global_layer").unwrap(), one[1].src_layer().unwrap()),
+            (3, 1)
+        );
+        assert_eq!(one[1].dst_layer().unwrap(), 3);
+        assert_eq!(t.state_kind(), "conv");
+        assert_eq!(
+            t.to_string(),
+            "SSMReshardTransfer(src_rank=1 -> dst_rank=4, layers=[2, 4), band=B, global=[8, 12), \
+             src_local=[0, 4), dst_local=[4, 8))"
+        );
+    }
+
+    #[test]
+    fn kv_transfer_local_axes_come_from_the_layout_given() {
+        let p = plan_kv_reshard(&kv_side(2, 1, 4, 4, 0), &kv_side(1, 1, 4, 4, 9)).unwrap();
+        let t = p.transfers[1];
+        let (src, dst) = (&kv_side(2, 1, 4, 4, 0)[1], &kv_side(1, 1, 4, 4, 9)[0]);
+        assert_eq!(t.heads_in(src).unwrap(), Span::new(0, 2));
+        assert_eq!(t.heads_in(dst).unwrap(), Span::new(2, 4));
+        assert_eq!(t.layers_in(dst).unwrap(), Span::new(0, 4));
+        assert!(t.heads_in(&kv_side(2, 1, 4, 4, 0)[0]).is_err());
+        assert_eq!(
+            t.to_string(),
+            "KVReshardTransfer(src_rank=1 -> dst_rank=9, layers=[0, 4), heads=[2, 4))"
+        );
     }
 
     #[test]

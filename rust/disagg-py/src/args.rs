@@ -170,40 +170,21 @@ pub struct IntList(Result<Vec<i128>, String>);
 impl IntList {
     /// Every value in `[0, 2**32)`; errors name `field[i]`.
     pub fn to_u32s(&self, kind: Kind, field: &str) -> PyResult<Vec<u32>> {
-        self.values(field)?
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| {
-                u32::try_from(v).map_err(|_| {
-                    err(kind, field, format!("{field}[{i}]={v} must be in [0, 2**32)"))
-                })
-            })
-            .collect()
+        self.each(kind, field, "must be in [0, 2**32)")
     }
     /// Every value in `[0, 2**64)`; errors name `field[i]`.
     pub fn to_u64s(&self, kind: Kind, field: &str) -> PyResult<Vec<u64>> {
-        self.values(field)?
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| {
-                u64::try_from(v).map_err(|_| {
-                    err(kind, field, format!("{field}[{i}]={v} must be in [0, 2**64)"))
-                })
-            })
-            .collect()
+        self.each(kind, field, "must be in [0, 2**64)")
     }
     /// Every value in `[-2**63, 2**63)`; errors name `field[i]`.
-    /// Every value in `[-2**63, 2**63)`; errors name `field[i]`.
     pub fn to_i64s(&self, kind: Kind, field: &str) -> PyResult<Vec<i64>> {
-        self.values(field)?
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| {
-                i64::try_from(v).map_err(|_| {
-                    err(kind, field, format!("{field}[{i}]={v} must fit a signed 64-bit int"))
-                })
-            })
-            .collect()
+        self.each(kind, field, "must fit a signed 64-bit int")
+    }
+    /// Every value converted to `T`; the first that does not fit is named with `range`.
+    fn each<T: TryFrom<i128>>(&self, kind: Kind, field: &str, range: &str) -> PyResult<Vec<T>> {
+        let values = self.values(field)?;
+        let bad = |i: usize, v: i128| err(kind, field, format!("{field}[{i}]={v} {range}"));
+        values.iter().enumerate().map(|(i, &v)| T::try_from(v).map_err(|_| bad(i, v))).collect()
     }
     fn values(&self, field: &str) -> PyResult<&[i128]> {
         match &self.0 {

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use disagg_core::{
     compile_kv_transfer, compile_ssm_transfer, CostModel, DisaggError, KvTransferRequest, ListKind,
-    ModeChoice, SrcBlockIds, SrcSlots, SsmTransferRequest, TransferProgram,
+    ModeChoice, SourceStats, SrcBlockIds, SrcSlots, SsmTransferRequest, TransferProgram,
 };
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
@@ -116,6 +116,45 @@ pub struct PyTransferProgram {
 
 type DescPair<'py> = (Bound<'py, PyArray2<u64>>, Bound<'py, PyArray2<u64>>);
 
+impl PyTransferProgram {
+    /// `gather` and `scatter` (`scatter` picks the list): one implementation.
+    fn packed_list<'py>(
+        &self,
+        py: Python<'py>,
+        src_rank: Int,
+        out: Option<Bound<'py, PyAny>>,
+        scatter: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (p, src_rank) = (&self.inner, src_rank.to_u32(Kind::Argument, "src_rank")?);
+        if let Some(o) = out {
+            return fill_one(py, &o, |rows| {
+                if scatter {
+                    p.scatter_into(src_rank, rows)
+                } else {
+                    p.gather_into(src_rank, rows)
+                }
+            });
+        }
+        let rows =
+            py.detach(|| if scatter { p.scatter(src_rank) } else { p.gather(src_rank) }).py()?;
+        Ok(rows_to_numpy(py, rows)?.into_any())
+    }
+
+    /// `gather_runs` and `scatter_runs`: one implementation.
+    fn packed_runs<'py>(
+        &self,
+        py: Python<'py>,
+        src_rank: Int,
+        scatter: bool,
+    ) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let (p, src_rank) = (&self.inner, src_rank.to_u32(Kind::Argument, "src_rank")?);
+        let rows = py
+            .detach(|| if scatter { p.scatter_runs(src_rank) } else { p.gather_runs(src_rank) })
+            .py()?;
+        runs_to_numpy(py, rows)
+    }
+}
+
 #[pymethods]
 impl PyTransferProgram {
     /// Global rank of the destination this program is for.
@@ -202,12 +241,7 @@ impl PyTransferProgram {
         src_rank: Int,
         out: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
-        if let Some(o) = out {
-            return fill_one(py, &o, |rows| self.inner.gather_into(src_rank, rows));
-        }
-        let rows = py.detach(|| self.inner.gather(src_rank)).py()?;
-        Ok(rows_to_numpy(py, rows)?.into_any())
+        self.packed_list(py, src_rank, out, false)
     }
     /// Mx3 `uint64` `(packed_offset, dst_addr, len)`.
     #[pyo3(signature = (src_rank, *, out=None))]
@@ -217,12 +251,7 @@ impl PyTransferProgram {
         src_rank: Int,
         out: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
-        if let Some(o) = out {
-            return fill_one(py, &o, |rows| self.inner.scatter_into(src_rank, rows));
-        }
-        let rows = py.detach(|| self.inner.scatter(src_rank)).py()?;
-        Ok(rows_to_numpy(py, rows)?.into_any())
+        self.packed_list(py, src_rank, out, true)
     }
     /// Nx6 `uint64` strided gather runs `(src_addr, packed_offset, len, count, src_stride,
     /// packed_stride)`; fragment `k < count` starts at `addr + k * stride` on each side.
@@ -231,9 +260,7 @@ impl PyTransferProgram {
         py: Python<'py>,
         src_rank: Int,
     ) -> PyResult<Bound<'py, PyArray2<u64>>> {
-        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
-        let rows = py.detach(|| self.inner.gather_runs(src_rank)).py()?;
-        runs_to_numpy(py, rows)
+        self.packed_runs(py, src_rank, false)
     }
     /// Nx6 `uint64` strided scatter runs `(packed_offset, dst_addr, len, count,
     /// packed_stride, dst_stride)`.
@@ -242,9 +269,7 @@ impl PyTransferProgram {
         py: Python<'py>,
         src_rank: Int,
     ) -> PyResult<Bound<'py, PyArray2<u64>>> {
-        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
-        let rows = py.detach(|| self.inner.scatter_runs(src_rank)).py()?;
-        runs_to_numpy(py, rows)
+        self.packed_runs(py, src_rank, true)
     }
     /// The block-id-free table a device kernel walks (see `disagg_rs.transfer_backends.
     /// device_plan`): a dict with `planes` (`[p, 4]` `uint64` rows `(src_plane, dst_plane,
@@ -277,7 +302,6 @@ impl PyTransferProgram {
         let stats = py.detach(|| self.inner.stats());
         let d = PyDict::new(py);
         let per = PyDict::new(py);
-        let (mut desc, mut frags, mut bytes) = (0u64, 0u64, 0u64);
         for s in &stats {
             let e = PyDict::new(py);
             e.set_item("mode", s.mode.name())?;
@@ -285,10 +309,8 @@ impl PyTransferProgram {
             e.set_item("fragments", s.fragments)?;
             e.set_item("bytes", s.bytes)?;
             per.set_item(s.src_rank, e)?;
-            desc = desc.saturating_add(s.descriptors);
-            frags = frags.saturating_add(s.fragments);
-            bytes = bytes.saturating_add(s.bytes);
         }
+        let (desc, frags, bytes) = SourceStats::totals(&stats);
         d.set_item("dst_rank", self.inner.dst_rank)?;
         d.set_item("descriptors", desc)?;
         d.set_item("fragments", frags)?;

@@ -90,6 +90,26 @@ pub fn wire_dict<'a, 'py>(
     })
 }
 
+/// The integer fields `keys` of a wire dict, type-checked: `None` for an absent or null one.
+pub fn dict_u32s<'k>(
+    d: &Bound<'_, PyDict>,
+    keys: &[&'k str],
+) -> PyResult<Vec<(&'k str, Option<u32>)>> {
+    keys.iter()
+        .map(|&key| {
+            let v = match d.get_item(key)? {
+                Some(v) if !v.is_none() => v,
+                _ => return Ok((key, None)),
+            };
+            let n: i64 =
+                v.extract().map_err(|_| wire_err(key, format!("expected an int, got {v}")))?;
+            let n = u32::try_from(n)
+                .map_err(|_| wire_err(key, format!("{key}={n} must be in [0, 2**32)")))?;
+            Ok((key, Some(n)))
+        })
+        .collect()
+}
+
 /// Reject keys a wire dict must not carry, so a typo never silently becomes a default.
 pub fn reject_unknown_keys(d: &Bound<'_, PyDict>, known: &[&str], what: &str) -> PyResult<()> {
     for key in d.keys() {
@@ -102,3 +122,61 @@ pub fn reject_unknown_keys(d: &Bound<'_, PyDict>, known: &[&str], what: &str) ->
     }
     Ok(())
 }
+
+/// One `#[pymethods]` block whose plain read-only accessors of `self.inner` are listed, not
+/// written out, so every record class reads its fields through one implementation:
+///
+/// - `get { name: Type = (path); }`: getter returning `self.inner.path`;
+/// - `span { name = (path); }`: getter returning the span `self.inner.path` as `(lo, hi)`;
+/// - `range { name = (path); }`: method (not a getter) returning that span as `(lo, hi)`;
+/// - `methods { .. }`: the hand-written methods.
+///
+/// A leading `wire` adds `from_dict` (through the type's `from_wire`) and `__reduce__`
+/// (through its `to_dict`), so pickling and the wire share one decoder. Doc comments carry over.
+macro_rules! py_methods {
+    (wire $ty:ty, get $g:tt span $s:tt range $r:tt methods { $($m:tt)* }) => {
+        $crate::error::py_methods!($ty, get $g span $s range $r methods {
+            $($m)*
+            /// Rebuild from `to_dict()` output (or the reference design's field dict).
+            #[classmethod]
+            fn from_dict(
+                _cls: &::pyo3::Bound<'_, ::pyo3::types::PyType>,
+                d: &::pyo3::Bound<'_, ::pyo3::PyAny>,
+            ) -> ::pyo3::PyResult<Self> {
+                Self::from_wire($crate::error::wire_dict(d, "<dict>")?)
+            }
+            fn __reduce__<'py>(
+                slf: &::pyo3::Bound<'py, Self>,
+            ) -> ::pyo3::PyResult<(
+                ::pyo3::Bound<'py, ::pyo3::PyAny>,
+                (::pyo3::Bound<'py, ::pyo3::types::PyDict>,),
+            )> {
+                use ::pyo3::types::PyAnyMethods;
+                let from_dict = slf.get_type().getattr("from_dict")?;
+                Ok((from_dict, (slf.get().to_dict(slf.py())?,)))
+            }
+        });
+    };
+    (
+        $ty:ty,
+        get { $($(#[$gm:meta])* $g:ident: $gt:ty = ($($gp:tt)+);)* }
+        span { $($(#[$sm:meta])* $s:ident = ($($sp:tt)+);)* }
+        range { $($(#[$rm:meta])* $r:ident = ($($rp:tt)+);)* }
+        methods { $($m:tt)* }
+    ) => {
+        #[::pyo3::pymethods]
+        impl $ty {
+            $($(#[$gm])* #[getter] fn $g(&self) -> $gt { self.inner.$($gp)+ })*
+            $($(#[$sm])* #[getter] fn $s(&self) -> (u32, u32) {
+                let s = self.inner.$($sp)+;
+                (s.lo, s.hi)
+            })*
+            $($(#[$rm])* fn $r(&self) -> (u32, u32) {
+                let s = self.inner.$($rp)+;
+                (s.lo, s.hi)
+            })*
+            $($m)*
+        }
+    };
+}
+pub(crate) use py_methods;

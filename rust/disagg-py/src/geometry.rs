@@ -4,6 +4,7 @@
 //! `shape`, `stride()`, `element_size()`, `dtype`, `device`; numpy: `__array_interface__`,
 //! `strides`, `itemsize`, `dtype`); nothing here imports torch.
 
+use disagg_core::geometry::TensorView;
 use disagg_core::{
     DisaggError, KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart,
 };
@@ -11,20 +12,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyType};
 
 use crate::args::{describe, retype, type_err, Int, IntList, Kind, Text};
-use crate::error::{reject_unknown_keys, to_pyerr, wire_dict, wire_err, IntoPyResult};
+use crate::error::{py_methods, reject_unknown_keys, to_pyerr, wire_err, IntoPyResult};
 
 fn geo_err(field: &str, detail: String) -> PyErr {
     to_pyerr(DisaggError::geometry(field, detail))
-}
-
-/// What the compiler needs to know of one tensor: address, shape, byte strides.
-struct TensorView {
-    ptr: u64,
-    shape: Vec<u64>,
-    strides: Vec<u64>,
-    element_size: u32,
-    dtype: Option<String>,
-    device: Option<u64>,
 }
 
 fn nonneg(field: &str, v: Vec<i64>) -> PyResult<Vec<u64>> {
@@ -104,92 +95,6 @@ fn device_u64(device_id: Option<Int>) -> PyResult<Option<u64>> {
     device_id.map(|d| d.to_u64(Kind::Argument, "device_id")).transpose()
 }
 
-const AXES: [&str; 6] = ["kv", "layer", "block", "token", "head", "dim"];
-
-/// Size and byte stride of each named axis (absent axes: size 1, stride 0).
-struct Axes {
-    size: [u64; 6],
-    stride: [u64; 6],
-}
-
-fn parse_axes(axes: &str, v: &TensorView, allowed: &[&str]) -> PyResult<Axes> {
-    let names: Vec<&str> = axes.split_whitespace().collect();
-    if names.len() != v.shape.len() {
-        return Err(geo_err(
-            "axes",
-            format!(
-                "axes={axes:?} names {} axes but the tensor has shape {:?}",
-                names.len(),
-                v.shape
-            ),
-        ));
-    }
-    let mut a = Axes { size: [1; 6], stride: [0; 6] };
-    let mut seen = [false; 6];
-    for (i, n) in names.iter().enumerate() {
-        let k =
-            AXES.iter().position(|x| x == n).filter(|_| allowed.contains(n)).ok_or_else(|| {
-                geo_err("axes", format!("axis {n:?} in axes={axes:?} is not one of {allowed:?}"))
-            })?;
-        if seen[k] {
-            return Err(geo_err("axes", format!("axis {n:?} appears twice in axes={axes:?}")));
-        }
-        seen[k] = true;
-        a.size[k] = v.shape[i];
-        a.stride[k] = v.strides[i];
-    }
-    for need in ["block", "token", "dim"] {
-        if !names.contains(&need) {
-            return Err(geo_err("axes", format!("axes={axes:?} lacks the {need:?} axis")));
-        }
-    }
-    if a.size[5] > 1 && a.stride[5] != u64::from(v.element_size) {
-        return Err(geo_err(
-            "dim",
-            format!(
-                "the dim axis must be contiguous: stride {} bytes != element_size={}",
-                a.stride[5], v.element_size
-            ),
-        ));
-    }
-    Ok(a)
-}
-
-fn u32_of(field: &str, v: u64) -> PyResult<u32> {
-    u32::try_from(v).map_err(|_| geo_err(field, format!("{field}={v} must be < 2**32")))
-}
-
-fn spec_from_axes(
-    a: &Axes,
-    v: &TensorView,
-    plane_bases: Vec<u64>,
-    num_layers: u64,
-    device_id: Option<u64>,
-) -> PyResult<KvGeometrySpec> {
-    Ok(KvGeometrySpec {
-        num_kv: u32_of("num_kv", a.size[0])?,
-        num_layers: u32_of("num_layers", num_layers)?,
-        num_blocks: u32_of("num_blocks", a.size[2])?,
-        tokens_per_block: u32_of("tokens_per_block", a.size[3])?,
-        num_heads: u32_of("num_heads", a.size[4])?,
-        head_dim: u32_of("head_dim", a.size[5])?,
-        element_size: v.element_size,
-        block_stride: a.stride[2],
-        token_stride: a.stride[3],
-        head_stride: a.stride[4],
-        plane_bases,
-        device_id: device_id.or(v.device).unwrap_or(0),
-        dtype: v.dtype.clone(),
-    })
-}
-
-fn plane_addr(base: u64, kv: u64, kv_stride: u64, l: u64, layer_stride: u64) -> PyResult<u64> {
-    kv.checked_mul(kv_stride)
-        .and_then(|x| x.checked_add(base))
-        .and_then(|x| l.checked_mul(layer_stride).and_then(|y| x.checked_add(y)))
-        .ok_or_else(|| to_pyerr(DisaggError::overflow("plane base address exceeds u64")))
-}
-
 /// Where each byte `(kv, layer, block, token, head, dim)` of one rank's paged KV cache lives.
 #[pyclass(name = "KVGeometry", module = "disagg_rs", frozen, eq)]
 #[derive(Clone, PartialEq, Eq)]
@@ -220,8 +125,38 @@ fn req<'py, T: for<'a> FromPyObject<'a, 'py>>(d: &Bound<'py, PyDict>, key: &str)
     v.extract().map_err(|_| wire_err(key, format!("wrong type or range: {v}")))
 }
 
-#[pymethods]
-impl PyKvGeometry {
+py_methods!(wire PyKvGeometry,
+get {
+    /// 2 (K and V) or 1 (MLA latent).
+    num_kv: u32 = (spec().num_kv);
+    /// Local layers.
+    num_layers: u32 = (spec().num_layers);
+    /// Blocks in the cache.
+    num_blocks: u32 = (spec().num_blocks);
+    /// Tokens per block.
+    tokens_per_block: u32 = (spec().tokens_per_block);
+    /// Local KV heads.
+    num_heads: u32 = (spec().num_heads);
+    /// Elements per head row.
+    head_dim: u32 = (spec().head_dim);
+    /// Bytes per element.
+    element_size: u32 = (spec().element_size);
+    /// Plane base addresses, index `kv * num_layers + layer`.
+    plane_bases: Vec<u64> = (spec().plane_bases.clone());
+    /// Device id.
+    device_id: u64 = (spec().device_id);
+    /// Element type name, if known.
+    dtype: Option<String> = (spec().dtype.clone());
+}
+span {}
+range {}
+methods {
+    /// Byte strides `(block, token, head)`.
+    #[getter]
+    fn strides(&self) -> (u64, u64, u64) {
+        let s = self.inner.spec();
+        (s.block_stride, s.token_stride, s.head_stride)
+    }
     /// Explicit fields; every stride is in bytes and `plane_bases[kv * num_layers + layer]`.
     #[new]
     #[pyo3(signature = (
@@ -276,17 +211,9 @@ impl PyKvGeometry {
         axes: Text,
         device_id: Option<Int>,
     ) -> PyResult<Self> {
-        let device_id = device_u64(device_id)?;
-        let axes = axes.get("axes")?;
         let v = tensor_view(tensor)?;
-        let a = parse_axes(axes, &v, &AXES)?;
-        let mut bases = Vec::new();
-        for kv in 0..a.size[0] {
-            for l in 0..a.size[1] {
-                bases.push(plane_addr(v.ptr, kv, a.stride[0], l, a.stride[1])?);
-            }
-        }
-        let spec = spec_from_axes(&a, &v, bases, a.size[1], device_id)?;
+        let spec =
+            KvGeometrySpec::from_tensor(&v, axes.get("axes")?, device_u64(device_id)?).py()?;
         Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
 
@@ -312,100 +239,15 @@ impl PyKvGeometry {
         axes: Text,
         device_id: Option<Int>,
     ) -> PyResult<Self> {
-        let device_id = device_u64(device_id)?;
-        let axes = axes.get("axes")?;
-        let allowed = ["kv", "block", "token", "head", "dim"];
-        let mut views = Vec::new();
         let not_a_list =
             || geo_err("tensors", format!("expected a list of tensors, got {}", describe(tensors)));
         let items = tensors.try_iter().map_err(|e| retype(tensors.py(), e, not_a_list))?;
-        for t in items {
-            views.push(tensor_view(&t.map_err(|e| retype(tensors.py(), e, not_a_list))?)?);
-        }
-        let Some(first) = views.first() else {
-            return Err(geo_err("tensors", "tensors=[] has no layer".into()));
-        };
-        let a = parse_axes(axes, first, &allowed)?;
-        for (i, v) in views.iter().enumerate() {
-            if v.shape != first.shape
-                || v.strides != first.strides
-                || v.element_size != first.element_size
-            {
-                return Err(geo_err(
-                    "tensors",
-                    format!(
-                        "layer {i} has shape {:?} strides {:?} but layer 0 has shape {:?} strides {:?}",
-                        v.shape, v.strides, first.shape, first.strides
-                    ),
-                ));
-            }
-        }
-        let n = views.len() as u64;
-        let mut bases = Vec::new();
-        for kv in 0..a.size[0] {
-            for v in &views {
-                bases.push(plane_addr(v.ptr, kv, a.stride[0], 0, 0)?);
-            }
-        }
-        let spec = spec_from_axes(&a, first, bases, n, device_id)?;
+        let views = items
+            .map(|t| tensor_view(&t.map_err(|e| retype(tensors.py(), e, not_a_list))?))
+            .collect::<PyResult<Vec<_>>>()?;
+        let (axes, device_id) = (axes.get("axes")?, device_u64(device_id)?);
+        let spec = KvGeometrySpec::from_layer_tensors(&views, axes, device_id).py()?;
         Ok(Self { inner: KvGeometry::new(spec).py()? })
-    }
-
-    /// 2 (K and V) or 1 (MLA latent).
-    #[getter]
-    fn num_kv(&self) -> u32 {
-        self.inner.spec().num_kv
-    }
-    /// Local layers.
-    #[getter]
-    fn num_layers(&self) -> u32 {
-        self.inner.spec().num_layers
-    }
-    /// Blocks in the cache.
-    #[getter]
-    fn num_blocks(&self) -> u32 {
-        self.inner.spec().num_blocks
-    }
-    /// Tokens per block.
-    #[getter]
-    fn tokens_per_block(&self) -> u32 {
-        self.inner.spec().tokens_per_block
-    }
-    /// Local KV heads.
-    #[getter]
-    fn num_heads(&self) -> u32 {
-        self.inner.spec().num_heads
-    }
-    /// Elements per head row.
-    #[getter]
-    fn head_dim(&self) -> u32 {
-        self.inner.spec().head_dim
-    }
-    /// Bytes per element.
-    #[getter]
-    fn element_size(&self) -> u32 {
-        self.inner.spec().element_size
-    }
-    /// Byte strides `(block, token, head)`.
-    #[getter]
-    fn strides(&self) -> (u64, u64, u64) {
-        let s = self.inner.spec();
-        (s.block_stride, s.token_stride, s.head_stride)
-    }
-    /// Plane base addresses, index `kv * num_layers + layer`.
-    #[getter]
-    fn plane_bases(&self) -> Vec<u64> {
-        self.inner.spec().plane_bases.clone()
-    }
-    /// Device id.
-    #[getter]
-    fn device_id(&self) -> u64 {
-        self.inner.spec().device_id
-    }
-    /// Element type name, if known.
-    #[getter]
-    fn dtype(&self) -> Option<String> {
-        self.inner.spec().dtype.clone()
     }
 
     /// Plain dict for the wire (JSON/msgpack safe); `from_dict(to_dict())` round-trips.
@@ -429,11 +271,15 @@ impl PyKvGeometry {
         Ok(d)
     }
 
-    /// Rebuild from `to_dict()` output; `MetadataError` on a missing, unknown or mistyped
-    /// field, `GeometryMismatchError`/`AddressOverflowError` on invalid values.
-    #[classmethod]
-    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let d = wire_dict(d, "<dict>")?;
+    fn __repr__(&self) -> String {
+        self.inner.to_string()
+    }
+});
+
+impl PyKvGeometry {
+    /// Decode a wire dict; `MetadataError` on a missing, unknown or mistyped field,
+    /// `GeometryMismatchError`/`AddressOverflowError` on invalid values.
+    fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
         reject_unknown_keys(d, &KV_GEO_KEYS, "KVGeometry")?;
         let kind: String = req(d, "kind")?;
         if kind != "kv" {
@@ -456,33 +302,6 @@ impl PyKvGeometry {
         };
         Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
-
-    fn __reduce__<'py>(
-        slf: &Bound<'py, Self>,
-    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyDict>,))> {
-        let from_dict = slf.get_type().getattr("from_dict")?;
-        Ok((from_dict, (slf.get().to_dict(slf.py())?,)))
-    }
-
-    fn __repr__(&self) -> String {
-        let s = self.inner.spec();
-        format!(
-            "KVGeometry(num_kv={}, layers={}, blocks={}x{} tokens, heads={}, head_dim={}, \
-             element_size={}, strides(block, token, head)=({}, {}, {}), device_id={}, dtype={})",
-            s.num_kv,
-            s.num_layers,
-            s.num_blocks,
-            s.tokens_per_block,
-            s.num_heads,
-            s.head_dim,
-            s.element_size,
-            s.block_stride,
-            s.token_stride,
-            s.head_stride,
-            s.device_id,
-            s.dtype.as_deref().map_or("None".to_string(), |t| format!("'{t}'"))
-        )
-    }
 }
 
 /// Where one rank's SSM conv and recurrent state live.
@@ -504,46 +323,14 @@ const PART_KEYS: [&str; 8] = [
     "dtype",
 ];
 
-/// `[L, slots, units, inner...]` with the inner axes contiguous.
+/// One SSM state tensor: its part, and the device it names.
 fn part_from_tensor(
     t: &Bound<'_, PyAny>,
     kind: SsmStateKind,
     ndim: usize,
 ) -> PyResult<(SsmStatePart, Option<u64>)> {
-    let field = kind.name();
     let v = tensor_view(t)?;
-    if v.shape.len() != ndim {
-        return Err(geo_err(
-            field,
-            format!("{field} tensor must have {ndim} axes, got shape {:?}", v.shape),
-        ));
-    }
-    // Inner axes (after layer, slot, unit) must be one dense row.
-    let mut expect = u64::from(v.element_size);
-    for i in (3..ndim).rev() {
-        if v.shape[i] > 1 && v.strides[i] != expect {
-            return Err(geo_err(
-                field,
-                format!("{field} axis {i} must be contiguous: stride {} != {expect}", v.strides[i]),
-            ));
-        }
-        expect = expect.saturating_mul(v.shape[i]);
-    }
-    let mut layer_bases = Vec::new();
-    for l in 0..v.shape[0] {
-        layer_bases.push(plane_addr(v.ptr, 0, 0, l, v.strides[0])?);
-    }
-    let part = SsmStatePart {
-        layer_bases,
-        num_slots: u32_of("num_slots", v.shape[1])?,
-        slot_stride: v.strides[1],
-        num_units: u32_of("num_units", v.shape[2])?,
-        unit_stride: v.strides[2],
-        unit_bytes: expect,
-        element_size: v.element_size,
-        dtype: v.dtype.clone(),
-    };
-    Ok((part, v.device))
+    Ok((SsmStatePart::from_tensor(&v, kind, ndim).py()?, v.device))
 }
 
 fn part_to_dict<'py>(py: Python<'py>, p: &SsmStatePart) -> PyResult<Bound<'py, PyDict>> {
@@ -576,8 +363,22 @@ fn part_from_dict(d: Option<Bound<'_, PyAny>>, field: &str) -> PyResult<Option<S
     }))
 }
 
-#[pymethods]
-impl PySsmGeometry {
+py_methods!(wire PySsmGeometry,
+get {
+    /// Local SSM layers.
+    num_layers: usize = (num_layers());
+    /// Slots per layer.
+    num_slots: u32 = (num_slots());
+    /// Device id.
+    device_id: u64 = (device_id);
+    /// Whether the conv part is registered.
+    has_conv: bool = (conv.is_some());
+    /// Whether the recurrent part is registered.
+    has_recurrent: bool = (recurrent.is_some());
+}
+span {}
+range {}
+methods {
     /// Explicit parts as dicts with the keys of `to_dict()["conv"]`.
     #[new]
     #[pyo3(signature = (*, conv=None, recurrent=None, device_id=Int::of(0)),
@@ -631,32 +432,6 @@ impl PySsmGeometry {
         Self::from_tensors(cls, conv, recurrent, device_id)
     }
 
-    /// Local SSM layers.
-    #[getter]
-    fn num_layers(&self) -> usize {
-        self.inner.num_layers()
-    }
-    /// Slots per layer.
-    #[getter]
-    fn num_slots(&self) -> u32 {
-        self.inner.num_slots()
-    }
-    /// Device id.
-    #[getter]
-    fn device_id(&self) -> u64 {
-        self.inner.device_id
-    }
-    /// Whether the conv part is registered.
-    #[getter]
-    fn has_conv(&self) -> bool {
-        self.inner.conv.is_some()
-    }
-    /// Whether the recurrent part is registered.
-    #[getter]
-    fn has_recurrent(&self) -> bool {
-        self.inner.recurrent.is_some()
-    }
-
     /// Plain dict for the wire; `from_dict(to_dict())` round-trips.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
@@ -670,10 +445,14 @@ impl PySsmGeometry {
         Ok(d)
     }
 
-    /// Rebuild from `to_dict()` output.
-    #[classmethod]
-    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let d = wire_dict(d, "<dict>")?;
+    fn __repr__(&self) -> String {
+        self.inner.to_string()
+    }
+});
+
+impl PySsmGeometry {
+    /// Decode a wire dict.
+    fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
         reject_unknown_keys(d, &["kind", "conv", "recurrent", "device_id"], "SSMGeometry")?;
         let kind: String = req(d, "kind")?;
         if kind != "ssm" {
@@ -683,27 +462,5 @@ impl PySsmGeometry {
         let recurrent = part_from_dict(d.get_item("recurrent")?, "recurrent")?;
         let inner = SsmGeometry::new(conv, recurrent, req(d, "device_id")?).py()?;
         Ok(Self { inner })
-    }
-
-    fn __reduce__<'py>(
-        slf: &Bound<'py, Self>,
-    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyDict>,))> {
-        let from_dict = slf.get_type().getattr("from_dict")?;
-        Ok((from_dict, (slf.get().to_dict(slf.py())?,)))
-    }
-
-    fn __repr__(&self) -> String {
-        let part = |p: &Option<SsmStatePart>| {
-            p.as_ref().map_or("None".to_string(), |p| {
-                format!("{} slots x {} units x {} bytes", p.num_slots, p.num_units, p.unit_bytes)
-            })
-        };
-        format!(
-            "SSMGeometry(layers={}, conv={}, recurrent={}, device_id={})",
-            self.inner.num_layers(),
-            part(&self.inner.conv),
-            part(&self.inner.recurrent),
-            self.inner.device_id
-        )
     }
 }

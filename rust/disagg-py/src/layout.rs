@@ -10,41 +10,15 @@ use disagg_core::{
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple, PyType};
+use pyo3::types::{IntoPyDict, PyDict, PyList, PyTuple};
 
 use crate::args::{type_err, Int, Text};
-use crate::error::{reject_unknown_keys, to_pyerr, u32_field, wire_dict, wire_err, IntoPyResult};
+use crate::error::{
+    dict_u32s, py_methods, reject_unknown_keys, to_pyerr, u32_field, wire_err, IntoPyResult,
+};
 
 /// Half-open range as a Python tuple.
 pub type PyRange = (u32, u32);
-
-/// Required integer field of a wire dict.
-pub fn dict_u32(d: &Bound<'_, PyDict>, key: &str) -> PyResult<u32> {
-    let v = d.get_item(key)?.ok_or_else(|| wire_err(key, "missing required field".into()))?;
-    let n: i64 = v.extract().map_err(|_| wire_err(key, format!("expected an int, got {v}")))?;
-    u32::try_from(n).map_err(|_| wire_err(key, format!("{key}={n} must be in [0, 2**32)")))
-}
-
-/// Optional integer field of a wire dict (absent or None).
-pub fn dict_opt_u32(d: &Bound<'_, PyDict>, key: &str) -> PyResult<Option<u32>> {
-    match d.get_item(key)? {
-        None => Ok(None),
-        Some(v) if v.is_none() => Ok(None),
-        Some(_) => dict_u32(d, key).map(Some),
-    }
-}
-
-/// Required integer field of a wire dict under either of two spellings (ours, the reference
-/// design's); both present must agree.
-fn dict_u32_either(d: &Bound<'_, PyDict>, ours: &str, theirs: &str) -> PyResult<u32> {
-    match (dict_opt_u32(d, ours)?, dict_opt_u32(d, theirs)?) {
-        (Some(a), Some(b)) if a != b => {
-            Err(wire_err(ours, format!("{ours}={a} disagrees with its alias {theirs}={b}")))
-        }
-        (Some(a), _) | (None, Some(a)) => Ok(a),
-        (None, None) => Err(wire_err(ours, format!("missing required field (or {theirs})"))),
-    }
-}
 
 /// Optional boolean field of a wire dict (absent: false).
 fn dict_bool(d: &Bound<'_, PyDict>, key: &str) -> PyResult<bool> {
@@ -98,42 +72,55 @@ pub struct PyKvShardLayout {
     pub inner: KvShardLayout,
 }
 
-const KV_KEYS: [&str; 14] = [
-    "num_layers",
-    "num_kv_heads",
-    "num_heads",
-    "tp_size",
-    "tp_rank",
-    "pp_size",
-    "pp_rank",
-    "global_rank",
-    "ep_size",
-    "ep_rank",
-    "etp_size",
-    "etp_rank",
-    "layer_start",
-    "num_local_layers",
-];
-
-/// The reference design's dataclass fields of `KVShardLayout`, in its order.
-const KV_FIELDS: [&str; 13] = [
-    "num_layers",
-    "num_heads",
-    "tp_size",
-    "tp_rank",
-    "pp_size",
-    "pp_rank",
-    "global_rank",
-    "ep_size",
-    "ep_rank",
-    "etp_size",
-    "etp_rank",
-    "layer_start",
-    "num_local_layers",
-];
-
-#[pymethods]
-impl PyKvShardLayout {
+py_methods!(wire PyKvShardLayout,
+get {
+    /// Layers of the whole model.
+    num_layers: u32 = (num_layers);
+    /// KV heads of the whole model (the reference design's name).
+    num_heads: u32 = (num_kv_heads);
+    /// KV heads of the whole model (alias of `num_heads`).
+    num_kv_heads: u32 = (num_kv_heads);
+    tp_size: u32 = (tp_size);
+    tp_rank: u32 = (tp_rank);
+    pp_size: u32 = (pp_size);
+    pp_rank: u32 = (pp_rank);
+    global_rank: u32 = (global_rank);
+    /// Expert-parallel size (a replica dimension: KV is identical across EP ranks).
+    ep_size: u32 = (ep_size);
+    ep_rank: u32 = (ep_rank);
+    /// Expert-tensor-parallel size (a replica dimension, like EP).
+    etp_size: u32 = (etp_size);
+    etp_rank: u32 = (etp_rank);
+    /// First global layer held.
+    layer_start: u32 = (layers.lo);
+    /// One past the last global layer held.
+    layer_end: u32 = (layers.hi);
+    /// Layers held by this rank.
+    num_local_layers: u32 = (layers.len());
+    /// First global KV head held.
+    head_start: u32 = (heads.lo);
+    /// One past the last global KV head held.
+    head_end: u32 = (heads.hi);
+    /// KV heads held by this rank (the backends' `heads_per_partition`).
+    heads_per_partition: u32 = (heads.len());
+    /// Ranks holding the same KV head (GQA replication factor; 1 when `tp_size` <= heads).
+    gqa_replication: u32 = (gqa_replication());
+    /// Whether the layer window differs from the even split of the model's layers.
+    explicit_window: bool = (explicit_window);
+}
+span {
+    /// Global layers held, `[lo, hi)`.
+    layers = (layers);
+    /// Global KV heads held, `[lo, hi)`.
+    heads = (heads);
+}
+range {
+    /// Global layers held, `[lo, hi)` (the reference design's method).
+    layer_range = (layers);
+    /// Global KV heads held, `[lo, hi)` (the reference design's method).
+    head_range = (heads);
+}
+methods {
     #[new]
     #[pyo3(signature = (
         num_layers, num_heads=None, tp_size=Int::of(1), tp_rank=Int::of(0), pp_size=Int::of(1),
@@ -191,109 +178,7 @@ impl PyKvShardLayout {
     /// The reference design's dataclass fields (for `dataclasses.asdict` and friends).
     #[classattr]
     fn __dataclass_fields__(py: Python<'_>) -> PyResult<Py<PyAny>> {
-        dataclass_fields(py, "KVShardLayout", &KV_FIELDS)
-    }
-
-    /// Layers of the whole model.
-    #[getter]
-    fn num_layers(&self) -> u32 {
-        self.inner.num_layers
-    }
-    /// KV heads of the whole model (the reference design's name).
-    #[getter]
-    fn num_heads(&self) -> u32 {
-        self.inner.num_kv_heads
-    }
-    /// KV heads of the whole model (alias of `num_heads`).
-    #[getter]
-    fn num_kv_heads(&self) -> u32 {
-        self.inner.num_kv_heads
-    }
-    #[getter]
-    fn tp_size(&self) -> u32 {
-        self.inner.tp_size
-    }
-    #[getter]
-    fn tp_rank(&self) -> u32 {
-        self.inner.tp_rank
-    }
-    #[getter]
-    fn pp_size(&self) -> u32 {
-        self.inner.pp_size
-    }
-    #[getter]
-    fn pp_rank(&self) -> u32 {
-        self.inner.pp_rank
-    }
-    #[getter]
-    fn global_rank(&self) -> u32 {
-        self.inner.global_rank
-    }
-    /// Expert-parallel size (a replica dimension: KV is identical across EP ranks).
-    #[getter]
-    fn ep_size(&self) -> u32 {
-        self.inner.ep_size
-    }
-    #[getter]
-    fn ep_rank(&self) -> u32 {
-        self.inner.ep_rank
-    }
-    /// Expert-tensor-parallel size (a replica dimension, like EP).
-    #[getter]
-    fn etp_size(&self) -> u32 {
-        self.inner.etp_size
-    }
-    #[getter]
-    fn etp_rank(&self) -> u32 {
-        self.inner.etp_rank
-    }
-    /// First global layer held.
-    #[getter]
-    fn layer_start(&self) -> u32 {
-        self.inner.layers.lo
-    }
-    /// One past the last global layer held.
-    #[getter]
-    fn layer_end(&self) -> u32 {
-        self.inner.layers.hi
-    }
-    /// Layers held by this rank.
-    #[getter]
-    fn num_local_layers(&self) -> u32 {
-        self.inner.layers.len()
-    }
-    /// First global KV head held.
-    #[getter]
-    fn head_start(&self) -> u32 {
-        self.inner.heads.lo
-    }
-    /// One past the last global KV head held.
-    #[getter]
-    fn head_end(&self) -> u32 {
-        self.inner.heads.hi
-    }
-    /// KV heads held by this rank (the backends' `heads_per_partition`).
-    #[getter]
-    fn heads_per_partition(&self) -> u32 {
-        self.inner.heads.len()
-    }
-    /// Global layers held, `[lo, hi)`.
-    #[getter]
-    fn layers(&self) -> PyRange {
-        (self.inner.layers.lo, self.inner.layers.hi)
-    }
-    /// Global KV heads held, `[lo, hi)`.
-    #[getter]
-    fn heads(&self) -> PyRange {
-        (self.inner.heads.lo, self.inner.heads.hi)
-    }
-    /// Global layers held, `[lo, hi)` (the reference design's method).
-    fn layer_range(&self) -> PyRange {
-        self.layers()
-    }
-    /// Global KV heads held, `[lo, hi)` (the reference design's method).
-    fn head_range(&self) -> PyRange {
-        self.heads()
+        dataclass_fields(py, "KVShardLayout", &KvLayoutSpec::WIRE_KEYS[..13])
     }
     /// Layers held by this rank (the reference design's method).
     fn local_num_layers(&self) -> u32 {
@@ -307,97 +192,20 @@ impl PyKvShardLayout {
     fn kv_shard_key(&self) -> (u32, u32) {
         self.inner.kv_shard_key()
     }
-    /// Ranks holding the same KV head (GQA replication factor; 1 when `tp_size` <= heads).
-    #[getter]
-    fn gqa_replication(&self) -> u32 {
-        self.inner.gqa_replication()
-    }
-    /// Whether the layer window differs from the even split of the model's layers.
-    #[getter]
-    fn explicit_window(&self) -> bool {
-        self.inner.explicit_window
-    }
-
     /// Plain dict for the wire (JSON/msgpack safe); `from_dict(to_dict())` round-trips.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.spec();
-        let d = PyDict::new(py);
-        d.set_item("num_layers", s.num_layers)?;
-        d.set_item("num_kv_heads", s.num_kv_heads)?;
-        d.set_item("tp_size", s.tp_size)?;
-        d.set_item("tp_rank", s.tp_rank)?;
-        d.set_item("pp_size", s.pp_size)?;
-        d.set_item("pp_rank", s.pp_rank)?;
-        d.set_item("global_rank", s.global_rank)?;
-        d.set_item("ep_size", s.ep_size)?;
-        d.set_item("ep_rank", s.ep_rank)?;
-        d.set_item("etp_size", s.etp_size)?;
-        d.set_item("etp_rank", s.etp_rank)?;
-        d.set_item("layer_start", s.layer_start)?;
-        d.set_item("num_local_layers", s.num_local_layers)?;
-        Ok(d)
+        PyDict::from_sequence(&PyList::new(py, self.inner.spec().wire_fields())?.into_any())
     }
-
-    /// Rebuild from `to_dict()` output or from the reference design's field dict
-    /// (`num_heads` for `num_kv_heads`); raises `MetadataError` on a missing, unknown or
-    /// mistyped field and `LayoutError` on an invalid combination.
-    #[classmethod]
-    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let d = wire_dict(d, "<dict>")?;
-        Self::from_wire(d)
-    }
-
-    fn __reduce__<'py>(
-        slf: &Bound<'py, Self>,
-    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyDict>,))> {
-        let from_dict = slf.get_type().getattr("from_dict")?;
-        Ok((from_dict, (slf.get().to_dict(slf.py())?,)))
-    }
-
     fn __repr__(&self) -> String {
-        let l = &self.inner;
-        format!(
-            "KVShardLayout(global_rank={}, tp={}/{}, pp={}/{}, layers=[{}, {}) of {}, \
-             heads=[{}, {}) of {}{})",
-            l.global_rank,
-            l.tp_rank,
-            l.tp_size,
-            l.pp_rank,
-            l.pp_size,
-            l.layers.lo,
-            l.layers.hi,
-            l.num_layers,
-            l.heads.lo,
-            l.heads.hi,
-            l.num_kv_heads,
-            if l.ep_size != 1 || l.etp_size != 1 || l.ep_rank != 0 || l.etp_rank != 0 {
-                format!(", ep={}/{}, etp={}/{}", l.ep_rank, l.ep_size, l.etp_rank, l.etp_size)
-            } else {
-                String::new()
-            }
-        )
+        self.inner.to_string()
     }
-}
+});
 
 impl PyKvShardLayout {
     /// Decode a wire dict (ours or the reference design's field names).
     pub fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
-        reject_unknown_keys(d, &KV_KEYS, "KVShardLayout")?;
-        let spec = KvLayoutSpec {
-            num_layers: dict_u32(d, "num_layers")?,
-            num_kv_heads: dict_u32_either(d, "num_kv_heads", "num_heads")?,
-            tp_size: dict_u32(d, "tp_size")?,
-            tp_rank: dict_u32(d, "tp_rank")?,
-            pp_size: dict_u32(d, "pp_size")?,
-            pp_rank: dict_u32(d, "pp_rank")?,
-            global_rank: dict_u32(d, "global_rank")?,
-            ep_size: dict_opt_u32(d, "ep_size")?.unwrap_or(1),
-            ep_rank: dict_opt_u32(d, "ep_rank")?.unwrap_or(0),
-            etp_size: dict_opt_u32(d, "etp_size")?.unwrap_or(1),
-            etp_rank: dict_opt_u32(d, "etp_rank")?.unwrap_or(0),
-            layer_start: dict_opt_u32(d, "layer_start")?,
-            num_local_layers: dict_opt_u32(d, "num_local_layers")?,
-        };
+        reject_unknown_keys(d, &KvLayoutSpec::WIRE_KEYS, "KVShardLayout")?;
+        let spec = KvLayoutSpec::from_wire(&dict_u32s(d, &KvLayoutSpec::WIRE_KEYS)?).py()?;
         Ok(Self { inner: KvShardLayout::new(spec).py()? })
     }
 }
@@ -410,14 +218,29 @@ pub struct PySsmStateDims {
     pub inner: SsmStateDims,
 }
 
-const DIMS_KEYS: [&str; 8] =
-    ["num_heads", "nheads", "head_dim", "headdim", "d_state", "n_groups", "ngroups", "d_conv"];
-
 /// The reference design's dataclass fields of `SSMStateDims`, in its order.
 const DIMS_FIELDS: [&str; 5] = ["nheads", "headdim", "d_state", "ngroups", "d_conv"];
 
-#[pymethods]
-impl PySsmStateDims {
+py_methods!(wire PySsmStateDims,
+get {
+    /// SSM heads of the whole model (the reference design's name).
+    nheads: u32 = (num_heads);
+    /// SSM heads of the whole model (alias of `nheads`).
+    num_heads: u32 = (num_heads);
+    /// Channels per head (the reference design's name).
+    headdim: u32 = (head_dim);
+    /// Channels per head (alias of `headdim`).
+    head_dim: u32 = (head_dim);
+    d_state: u32 = (d_state);
+    /// B/C groups of the whole model (the reference design's name).
+    ngroups: u32 = (n_groups);
+    /// B/C groups of the whole model (alias of `ngroups`).
+    n_groups: u32 = (n_groups);
+    d_conv: u32 = (d_conv);
+}
+span {}
+range {}
+methods {
     #[new]
     #[pyo3(signature = (
         nheads=None, headdim=None, d_state=None, ngroups=None, d_conv=Int::of(4),
@@ -455,91 +278,24 @@ impl PySsmStateDims {
     fn __dataclass_fields__(py: Python<'_>) -> PyResult<Py<PyAny>> {
         dataclass_fields(py, "SSMStateDims", &DIMS_FIELDS)
     }
-    /// SSM heads of the whole model (the reference design's name).
-    #[getter]
-    fn nheads(&self) -> u32 {
-        self.inner.num_heads
-    }
-    /// SSM heads of the whole model (alias of `nheads`).
-    #[getter]
-    fn num_heads(&self) -> u32 {
-        self.inner.num_heads
-    }
-    /// Channels per head (the reference design's name).
-    #[getter]
-    fn headdim(&self) -> u32 {
-        self.inner.head_dim
-    }
-    /// Channels per head (alias of `headdim`).
-    #[getter]
-    fn head_dim(&self) -> u32 {
-        self.inner.head_dim
-    }
-    #[getter]
-    fn d_state(&self) -> u32 {
-        self.inner.d_state
-    }
-    /// B/C groups of the whole model (the reference design's name).
-    #[getter]
-    fn ngroups(&self) -> u32 {
-        self.inner.n_groups
-    }
-    /// B/C groups of the whole model (alias of `ngroups`).
-    #[getter]
-    fn n_groups(&self) -> u32 {
-        self.inner.n_groups
-    }
-    #[getter]
-    fn d_conv(&self) -> u32 {
-        self.inner.d_conv
-    }
     /// Global conv channels `num_heads*head_dim + 2*n_groups*d_state`.
     #[getter]
     fn conv_channels(&self) -> PyResult<u32> {
         self.inner.conv_channels().py()
     }
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("num_heads", self.inner.num_heads)?;
-        d.set_item("head_dim", self.inner.head_dim)?;
-        d.set_item("d_state", self.inner.d_state)?;
-        d.set_item("n_groups", self.inner.n_groups)?;
-        d.set_item("d_conv", self.inner.d_conv)?;
-        Ok(d)
-    }
-    /// Rebuild from `to_dict()` output or from the reference design's field dict.
-    #[classmethod]
-    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let d = wire_dict(d, "<dict>")?;
-        Self::from_wire(d)
-    }
-    fn __reduce__<'py>(
-        slf: &Bound<'py, Self>,
-    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyDict>,))> {
-        let from_dict = slf.get_type().getattr("from_dict")?;
-        Ok((from_dict, (slf.get().to_dict(slf.py())?,)))
+        self.inner.wire_fields().into_py_dict(py)
     }
     fn __repr__(&self) -> String {
-        let d = &self.inner;
-        format!(
-            "SSMStateDims(nheads={}, headdim={}, d_state={}, ngroups={}, d_conv={})",
-            d.num_heads, d.head_dim, d.d_state, d.n_groups, d.d_conv
-        )
+        self.inner.to_string()
     }
-}
+});
 
 impl PySsmStateDims {
     /// Decode a wire dict (ours or the reference design's field names).
     pub fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
-        reject_unknown_keys(d, &DIMS_KEYS, "SSMStateDims")?;
-        let inner = SsmStateDims::new(
-            dict_u32_either(d, "num_heads", "nheads")?,
-            dict_u32_either(d, "head_dim", "headdim")?,
-            dict_u32(d, "d_state")?,
-            dict_u32_either(d, "n_groups", "ngroups")?,
-            dict_u32(d, "d_conv")?,
-        )
-        .py()?;
+        reject_unknown_keys(d, &SsmStateDims::WIRE_KEYS, "SSMStateDims")?;
+        let inner = SsmStateDims::from_wire(&dict_u32s(d, &SsmStateDims::WIRE_KEYS)?).py()?;
         Ok(Self { inner })
     }
 
@@ -565,22 +321,6 @@ pub struct PySsmShardLayout {
     /// The validated core layout.
     pub inner: SsmShardLayout,
 }
-
-/// Keys of our wire dict (`to_dict`): `num_layers` there is the model's total.
-const SSM_KEYS: [&str; 12] = [
-    "num_layers",
-    "dims",
-    "tp_size",
-    "tp_rank",
-    "pp_size",
-    "pp_rank",
-    "global_rank",
-    "ep_rank",
-    "etp_rank",
-    "layer_start",
-    "num_local_layers",
-    "replicate_groups",
-];
 
 /// Every constructor keyword.
 const SSM_ARGS: [&str; 13] = [
@@ -686,8 +426,50 @@ impl<'py> SsmArgs<'py> {
     }
 }
 
-#[pymethods]
-impl PySsmShardLayout {
+py_methods!(wire PySsmShardLayout,
+get {
+    /// SSM layers held by this rank (the reference design's field; see `total_layers`).
+    num_layers: u32 = (layers.len());
+    /// SSM layers of the whole model, `None` when the layout was built from its window alone.
+    total_layers: Option<u32> = (num_layers);
+    tp_size: u32 = (tp_size);
+    tp_rank: u32 = (tp_rank);
+    pp_size: u32 = (pp_size);
+    pp_rank: u32 = (pp_rank);
+    global_rank: u32 = (global_rank);
+    ep_rank: u32 = (ep_rank);
+    etp_rank: u32 = (etp_rank);
+    /// Whether B/C groups may be replicated across TP ranks (`tp_size > ngroups`).
+    replicate_groups: bool = (replicate_groups);
+    layer_start: u32 = (layers.lo);
+    layer_end: u32 = (layers.hi);
+    num_local_layers: u32 = (layers.len());
+    /// Global inner dimension `nheads * headdim`.
+    d_inner: u32 = (band_extent(SsmBand::X).0);
+    /// SSM heads held by this rank.
+    nheads_local: u32 = (heads.len());
+    /// Inner channels (x band) held by this rank.
+    d_inner_local: u32 = (band_extent(SsmBand::X).1);
+    /// B/C groups held by this rank.
+    ngroups_local: u32 = (groups.len());
+    /// Local conv channels `[x_local | B_local | C_local]`.
+    local_conv_channels: u32 = (local_conv_channels());
+    /// Local conv channels (the reference design's name of `local_conv_channels`).
+    conv_dim_local: u32 = (local_conv_channels());
+}
+span {
+    /// Global SSM layers held, `[lo, hi)`.
+    layers = (layers);
+    /// Global SSM heads held, `[lo, hi)`.
+    heads = (heads);
+    /// Global B/C groups held, `[lo, hi)`.
+    groups = (groups);
+}
+range {
+    /// Global SSM layers held, `[lo, hi)` (the reference design's method).
+    layer_range = (layers);
+}
+methods {
     /// Two call forms, one layout:
     ///
     /// - the reference design's: `SSMShardLayout(global_rank, tp_size, tp_rank, layer_start,
@@ -763,122 +545,15 @@ impl PySsmShardLayout {
     fn conv_bands() -> (&'static str, &'static str, &'static str) {
         ("x", "B", "C")
     }
-    /// SSM layers held by this rank (the reference design's field; see `total_layers`).
-    #[getter]
-    fn num_layers(&self) -> u32 {
-        self.inner.layers.len()
-    }
-    /// SSM layers of the whole model, `None` when the layout was built from its window alone.
-    #[getter]
-    fn total_layers(&self) -> Option<u32> {
-        self.inner.num_layers
-    }
     #[getter]
     fn dims(&self) -> PySsmStateDims {
         PySsmStateDims { inner: self.inner.dims }
     }
-    #[getter]
-    fn tp_size(&self) -> u32 {
-        self.inner.tp_size
-    }
-    #[getter]
-    fn tp_rank(&self) -> u32 {
-        self.inner.tp_rank
-    }
-    #[getter]
-    fn pp_size(&self) -> u32 {
-        self.inner.pp_size
-    }
-    #[getter]
-    fn pp_rank(&self) -> u32 {
-        self.inner.pp_rank
-    }
-    #[getter]
-    fn global_rank(&self) -> u32 {
-        self.inner.global_rank
-    }
-    #[getter]
-    fn ep_rank(&self) -> u32 {
-        self.inner.ep_rank
-    }
-    #[getter]
-    fn etp_rank(&self) -> u32 {
-        self.inner.etp_rank
-    }
-    /// Whether B/C groups may be replicated across TP ranks (`tp_size > ngroups`).
-    #[getter]
-    fn replicate_groups(&self) -> bool {
-        self.inner.replicate_groups
-    }
-    /// Global SSM layers held, `[lo, hi)`.
-    #[getter]
-    fn layers(&self) -> PyRange {
-        (self.inner.layers.lo, self.inner.layers.hi)
-    }
-    /// Global SSM layers held, `[lo, hi)` (the reference design's method).
-    fn layer_range(&self) -> PyRange {
-        self.layers()
-    }
     /// `{global layer: local layer}` for the layers held.
     #[getter]
     fn layer_map<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        for g in self.inner.layers.lo..self.inner.layers.hi {
-            d.set_item(g, g - self.inner.layers.lo)?;
-        }
-        Ok(d)
-    }
-    #[getter]
-    fn layer_start(&self) -> u32 {
-        self.inner.layers.lo
-    }
-    #[getter]
-    fn layer_end(&self) -> u32 {
-        self.inner.layers.hi
-    }
-    #[getter]
-    fn num_local_layers(&self) -> u32 {
-        self.inner.layers.len()
-    }
-    /// Global SSM heads held, `[lo, hi)`.
-    #[getter]
-    fn heads(&self) -> PyRange {
-        (self.inner.heads.lo, self.inner.heads.hi)
-    }
-    /// Global B/C groups held, `[lo, hi)`.
-    #[getter]
-    fn groups(&self) -> PyRange {
-        (self.inner.groups.lo, self.inner.groups.hi)
-    }
-    /// Global inner dimension `nheads * headdim`.
-    #[getter]
-    fn d_inner(&self) -> u32 {
-        self.inner.band_extent(SsmBand::X).0
-    }
-    /// SSM heads held by this rank.
-    #[getter]
-    fn nheads_local(&self) -> u32 {
-        self.inner.heads.len()
-    }
-    /// Inner channels (x band) held by this rank.
-    #[getter]
-    fn d_inner_local(&self) -> u32 {
-        self.inner.band_extent(SsmBand::X).1
-    }
-    /// B/C groups held by this rank.
-    #[getter]
-    fn ngroups_local(&self) -> u32 {
-        self.inner.groups.len()
-    }
-    /// Local conv channels `[x_local | B_local | C_local]`.
-    #[getter]
-    fn local_conv_channels(&self) -> u32 {
-        self.inner.local_conv_channels()
-    }
-    /// Local conv channels (the reference design's name of `local_conv_channels`).
-    #[getter]
-    fn conv_dim_local(&self) -> u32 {
-        self.inner.local_conv_channels()
+        let l = self.inner.layers;
+        (l.lo..l.hi).map(|g| (g, g - l.lo)).into_py_dict(py)
     }
     /// The SSM shard held, `(tp_rank, layer_start)`: ranks sharing it hold identical state.
     fn shard_key(&self) -> (u32, u32) {
@@ -898,78 +573,29 @@ impl PySsmShardLayout {
     /// Plain dict for the wire; `num_layers` there is the model's total (`None` if unknown).
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.spec();
-        let d = PyDict::new(py);
-        d.set_item("num_layers", s.num_layers)?;
-        d.set_item("dims", self.dims().to_dict(py)?)?;
-        d.set_item("tp_size", s.tp_size)?;
-        d.set_item("tp_rank", s.tp_rank)?;
-        d.set_item("pp_size", s.pp_size)?;
-        d.set_item("pp_rank", s.pp_rank)?;
-        d.set_item("global_rank", s.global_rank)?;
-        d.set_item("ep_rank", s.ep_rank)?;
-        d.set_item("etp_rank", s.etp_rank)?;
-        d.set_item("layer_start", s.layer_start)?;
-        d.set_item("num_local_layers", s.num_local_layers)?;
+        let d = s.wire_fields().into_py_dict(py)?;
+        d.set_item("dims", s.dims.wire_fields().into_py_dict(py)?)?;
         d.set_item("replicate_groups", s.replicate_groups)?;
         Ok(d)
     }
-    #[classmethod]
-    fn from_dict(_cls: &Bound<'_, PyType>, d: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let d = wire_dict(d, "<dict>")?;
-        Self::from_wire(d)
-    }
-    fn __reduce__<'py>(
-        slf: &Bound<'py, Self>,
-    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyDict>,))> {
-        let from_dict = slf.get_type().getattr("from_dict")?;
-        Ok((from_dict, (slf.get().to_dict(slf.py())?,)))
-    }
     fn __repr__(&self) -> String {
-        let l = &self.inner;
-        let total = l.num_layers.map_or_else(|| "?".to_owned(), |n| n.to_string());
-        format!(
-            "SSMShardLayout(global_rank={}, tp={}/{}, pp={}/{}, layers=[{}, {}) of {}, \
-             heads=[{}, {}), groups=[{}, {}), dims={})",
-            l.global_rank,
-            l.tp_rank,
-            l.tp_size,
-            l.pp_rank,
-            l.pp_size,
-            l.layers.lo,
-            l.layers.hi,
-            total,
-            l.heads.lo,
-            l.heads.hi,
-            l.groups.lo,
-            l.groups.hi,
-            self.dims().__repr__()
-        )
+        self.inner.to_string()
     }
-}
+});
 
 impl PySsmShardLayout {
     /// Decode a wire dict.
     pub fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
-        reject_unknown_keys(d, &SSM_KEYS, "SSMShardLayout")?;
+        reject_unknown_keys(d, &SsmLayoutSpec::WIRE_KEYS, "SSMShardLayout")?;
         let dims_obj =
             d.get_item("dims")?.ok_or_else(|| wire_err("dims", "missing required field".into()))?;
         let dims_dict = dims_obj
             .cast::<PyDict>()
             .map_err(|_| wire_err("dims", format!("expected a dict, got {dims_obj}")))?;
-        let spec = SsmLayoutSpec {
-            num_layers: dict_opt_u32(d, "num_layers")?,
-            dims: PySsmStateDims::from_wire(dims_dict)?.inner,
-            tp_size: dict_u32(d, "tp_size")?,
-            tp_rank: dict_u32(d, "tp_rank")?,
-            pp_size: dict_u32(d, "pp_size")?,
-            pp_rank: dict_u32(d, "pp_rank")?,
-            global_rank: dict_u32(d, "global_rank")?,
-            ep_rank: dict_opt_u32(d, "ep_rank")?.unwrap_or(0),
-            etp_rank: dict_opt_u32(d, "etp_rank")?.unwrap_or(0),
-            layer_start: dict_opt_u32(d, "layer_start")?,
-            num_local_layers: dict_opt_u32(d, "num_local_layers")?,
-            replicate_groups: dict_bool(d, "replicate_groups")?,
-        };
+        let dims = PySsmStateDims::from_wire(dims_dict)?.inner;
+        let fields = dict_u32s(d, &SsmLayoutSpec::INT_WIRE_KEYS)?;
+        let spec =
+            SsmLayoutSpec::from_wire(&fields, dims, dict_bool(d, "replicate_groups")?).py()?;
         Ok(Self { inner: SsmShardLayout::new(spec).py()? })
     }
 }

@@ -64,26 +64,58 @@ pub fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     obj.extract::<IntList>()?.to_i64s(Kind::Argument, "prompt_tokens")
 }
 
-/// Who owns the block pool a Python `BlockPool` object talks to.
-#[derive(Clone)]
-pub enum BlockPoolOwner {
+/// Who owns the pool a Python `BlockPool` or `SlotPool` object talks to: itself, or a ledger
+/// whose conservation covers it.
+pub enum PoolOwner<P> {
     /// A standalone pool.
-    Own(Arc<Mutex<BlockPool>>),
+    Own(Arc<Mutex<P>>),
     /// The pool of an import ledger.
     Import(Arc<Mutex<ImportLedger>>),
     /// The pool of a pin ledger.
     Pin(Arc<Mutex<PinLedger>>),
 }
 
-impl BlockPoolOwner {
-    fn with<R>(&self, f: impl FnOnce(&mut BlockPool) -> R) -> PyResult<R> {
+/// A pool a ledger owns, reached the same way through either ledger.
+pub trait LedgerPool: Sized {
+    /// This pool inside an import ledger.
+    fn of_import(l: &mut ImportLedger) -> &mut Self;
+    /// This pool inside a pin ledger.
+    fn of_pin(l: &mut PinLedger) -> &mut Self;
+}
+
+impl LedgerPool for BlockPool {
+    fn of_import(l: &mut ImportLedger) -> &mut Self {
+        l.pool_mut()
+    }
+    fn of_pin(l: &mut PinLedger) -> &mut Self {
+        l.pool_mut()
+    }
+}
+
+impl LedgerPool for SlotPool {
+    fn of_import(l: &mut ImportLedger) -> &mut Self {
+        l.slots_mut()
+    }
+    fn of_pin(l: &mut PinLedger) -> &mut Self {
+        l.slots_mut()
+    }
+}
+
+impl<P: LedgerPool> PoolOwner<P> {
+    fn with<R>(&self, f: impl FnOnce(&mut P) -> R) -> PyResult<R> {
         Ok(match self {
             Self::Own(m) => f(&mut *lock(m)?),
-            Self::Import(m) => f(lock(m)?.pool_mut()),
-            Self::Pin(m) => f(lock(m)?.pool_mut()),
+            Self::Import(m) => f(P::of_import(&mut *lock(m)?)),
+            Self::Pin(m) => f(P::of_pin(&mut *lock(m)?)),
         })
     }
 }
+
+/// Who owns the block pool a Python `BlockPool` object talks to.
+pub type BlockPoolOwner = PoolOwner<BlockPool>;
+
+/// Who owns the slot pool a Python `SlotPool` object talks to.
+pub type SlotPoolOwner = PoolOwner<SlotPool>;
 
 /// Fixed pool of KV blocks: refcounts, prefix cache by block hash, LRU eviction.
 #[pyclass(name = "BlockPool", module = "disagg_rs", frozen)]
@@ -196,27 +228,6 @@ impl PyBlockPool {
                 p.num_free(),
                 p.num_evictable()
             )
-        })
-    }
-}
-
-/// Who owns the slot pool a Python `SlotPool` object talks to.
-#[derive(Clone)]
-pub enum SlotPoolOwner {
-    /// A standalone pool.
-    Own(Arc<Mutex<SlotPool>>),
-    /// The pool of an import ledger.
-    Import(Arc<Mutex<ImportLedger>>),
-    /// The pool of a pin ledger.
-    Pin(Arc<Mutex<PinLedger>>),
-}
-
-impl SlotPoolOwner {
-    fn with<R>(&self, f: impl FnOnce(&mut SlotPool) -> R) -> PyResult<R> {
-        Ok(match self {
-            Self::Own(m) => f(&mut *lock(m)?),
-            Self::Import(m) => f(lock(m)?.slots_mut()),
-            Self::Pin(m) => f(lock(m)?.slots_mut()),
         })
     }
 }

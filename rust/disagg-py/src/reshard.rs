@@ -2,15 +2,15 @@
 //! and their SSM counterparts. Planning runs with the GIL released.
 
 use disagg_core::{
-    local_range, plan_kv_reshard, plan_ssm_reshard, DisaggError, KvReshardPlan, KvReshardTransfer,
-    KvShardLayout, Span, SsmReshardPlan, SsmReshardTransfer, SsmShardLayout,
+    plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer, KvShardLayout, Span,
+    SsmReshardPlan, SsmReshardTransfer, SsmShardLayout,
 };
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PySlice};
+use pyo3::types::{IntoPyDict, PyDict, PySlice};
 
 use crate::args::{Int, Kind, Typed};
-use crate::error::{to_pyerr, IntoPyResult};
+use crate::error::{py_methods, IntoPyResult};
 
 /// A Python `slice(lo, hi)` (step None, like the reference design's helpers return).
 fn py_slice(py: Python<'_>, s: Span) -> PyResult<Bound<'_, PyAny>> {
@@ -25,7 +25,7 @@ fn seq_index(index: isize, len: usize) -> PyResult<usize> {
         PyIndexError::new_err(format!("plan index {index} out of range for {len} transfers"))
     })
 }
-use crate::layout::{PyKvShardLayout, PyRange, PySsmShardLayout};
+use crate::layout::{PyKvShardLayout, PySsmShardLayout};
 
 /// One KV transfer: `src_rank` sends global `layers` x `heads` (half-open) to `dst_rank` for
 /// every token of the handoff.
@@ -36,134 +36,61 @@ pub struct PyKvReshardTransfer {
     pub inner: KvReshardTransfer,
 }
 
-impl PyKvReshardTransfer {
-    /// The moved layers (or heads) as a slice of `layout`'s local axis: one implementation for
-    /// the source and destination helpers, which differ only in which layout they are given.
-    fn layer_slice<'py>(
-        &self,
-        py: Python<'py>,
-        layout: &PyKvShardLayout,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let l = &layout.inner;
-        py_slice(py, local_range(self.inner.layers, l.layers, "layers", l.global_rank).py()?)
-    }
-    fn head_slice<'py>(
-        &self,
-        py: Python<'py>,
-        layout: &PyKvShardLayout,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let l = &layout.inner;
-        py_slice(py, local_range(self.inner.heads, l.heads, "heads", l.global_rank).py()?)
-    }
-}
-
-#[pymethods]
-impl PyKvReshardTransfer {
+py_methods!(PyKvReshardTransfer,
+get {
     /// Global rank of the source.
-    #[getter]
-    fn src_rank(&self) -> u32 {
-        self.inner.src_rank
-    }
+    src_rank: u32 = (src_rank);
     /// Global rank of the destination.
-    #[getter]
-    fn dst_rank(&self) -> u32 {
-        self.inner.dst_rank
-    }
-    /// Global layers moved, `[lo, hi)`.
-    #[getter]
-    fn layers(&self) -> PyRange {
-        (self.inner.layers.lo, self.inner.layers.hi)
-    }
-    /// Global KV heads moved, `[lo, hi)`.
-    #[getter]
-    fn heads(&self) -> PyRange {
-        (self.inner.heads.lo, self.inner.heads.hi)
-    }
+    dst_rank: u32 = (dst_rank);
     /// First global layer moved (the reference design's field).
-    #[getter]
-    fn global_layer_lo(&self) -> u32 {
-        self.inner.layers.lo
-    }
+    global_layer_lo: u32 = (layers.lo);
     /// One past the last global layer moved (the reference design's field).
-    #[getter]
-    fn global_layer_hi(&self) -> u32 {
-        self.inner.layers.hi
-    }
+    global_layer_hi: u32 = (layers.hi);
     /// First global KV head moved (the reference design's field).
-    #[getter]
-    fn global_head_lo(&self) -> u32 {
-        self.inner.heads.lo
-    }
+    global_head_lo: u32 = (heads.lo);
     /// One past the last global KV head moved (the reference design's field).
-    #[getter]
-    fn global_head_hi(&self) -> u32 {
-        self.inner.heads.hi
-    }
+    global_head_hi: u32 = (heads.hi);
+    /// Number of layers moved.
+    num_layers: u32 = (layers.len());
+    /// Number of heads moved.
+    num_heads: u32 = (heads.len());
+}
+span {
+    /// Global layers moved, `[lo, hi)`.
+    layers = (layers);
+    /// Global KV heads moved, `[lo, hi)`.
+    heads = (heads);
+}
+range {
+    /// Layers in the source's local indexing, `[lo, hi)`.
+    src_local_layers = (src_local_layers());
+    /// Heads in the source's local indexing, `[lo, hi)`.
+    src_local_heads = (src_local_heads());
+    /// Layers in the destination's local indexing, `[lo, hi)`.
+    dst_local_layers = (dst_local_layers());
+    /// Heads in the destination's local indexing, `[lo, hi)`.
+    dst_local_heads = (dst_local_heads());
+}
+methods {
     /// The moved layers as a slice of `src`'s local layer axis; `LayoutError` if `src` does
     /// not hold them.
-    fn src_layer_slice<'py>(
-        &self,
-        py: Python<'py>,
-        src: PyRef<'py, PyKvShardLayout>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        self.layer_slice(py, &src)
+    fn src_layer_slice<'py>(&self, py: Python<'py>, src: Kv<'py>) -> PyResult<Bound<'py, PyAny>> {
+        py_slice(py, self.inner.layers_in(&src.inner).py()?)
     }
     /// The moved heads as a slice of `src`'s local head axis; `LayoutError` if `src` does not
     /// hold them.
-    fn src_head_slice<'py>(
-        &self,
-        py: Python<'py>,
-        src: PyRef<'py, PyKvShardLayout>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        self.head_slice(py, &src)
+    fn src_head_slice<'py>(&self, py: Python<'py>, src: Kv<'py>) -> PyResult<Bound<'py, PyAny>> {
+        py_slice(py, self.inner.heads_in(&src.inner).py()?)
     }
     /// The moved layers as a slice of `dst`'s local layer axis; `LayoutError` if `dst` does
     /// not hold them.
-    fn dst_layer_slice<'py>(
-        &self,
-        py: Python<'py>,
-        dst: PyRef<'py, PyKvShardLayout>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        self.layer_slice(py, &dst)
+    fn dst_layer_slice<'py>(&self, py: Python<'py>, dst: Kv<'py>) -> PyResult<Bound<'py, PyAny>> {
+        py_slice(py, self.inner.layers_in(&dst.inner).py()?)
     }
     /// The moved heads as a slice of `dst`'s local head axis; `LayoutError` if `dst` does not
     /// hold them.
-    fn dst_head_slice<'py>(
-        &self,
-        py: Python<'py>,
-        dst: PyRef<'py, PyKvShardLayout>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        self.head_slice(py, &dst)
-    }
-    /// Number of layers moved.
-    #[getter]
-    fn num_layers(&self) -> u32 {
-        self.inner.layers.len()
-    }
-    /// Number of heads moved.
-    #[getter]
-    fn num_heads(&self) -> u32 {
-        self.inner.heads.len()
-    }
-    /// Layers in the source's local indexing, `[lo, hi)`.
-    fn src_local_layers(&self) -> PyRange {
-        let s = self.inner.src_local_layers();
-        (s.lo, s.hi)
-    }
-    /// Heads in the source's local indexing, `[lo, hi)`.
-    fn src_local_heads(&self) -> PyRange {
-        let s = self.inner.src_local_heads();
-        (s.lo, s.hi)
-    }
-    /// Layers in the destination's local indexing, `[lo, hi)`.
-    fn dst_local_layers(&self) -> PyRange {
-        let s = self.inner.dst_local_layers();
-        (s.lo, s.hi)
-    }
-    /// Heads in the destination's local indexing, `[lo, hi)`.
-    fn dst_local_heads(&self) -> PyRange {
-        let s = self.inner.dst_local_heads();
-        (s.lo, s.hi)
+    fn dst_head_slice<'py>(&self, py: Python<'py>, dst: Kv<'py>) -> PyResult<Bound<'py, PyAny>> {
+        py_slice(py, self.inner.heads_in(&dst.inner).py()?)
     }
     /// Bytes moved per token, K and V.
     #[pyo3(signature = (head_dim, element_size=Int::of(2)),
@@ -177,25 +104,26 @@ impl PyKvReshardTransfer {
     }
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let t = &self.inner;
-        let d = PyDict::new(py);
-        d.set_item("src_rank", t.src_rank)?;
-        d.set_item("dst_rank", t.dst_rank)?;
-        d.set_item("layers", self.layers())?;
-        d.set_item("heads", self.heads())?;
-        d.set_item("src_local_layers", self.src_local_layers())?;
-        d.set_item("src_local_heads", self.src_local_heads())?;
-        d.set_item("dst_local_layers", self.dst_local_layers())?;
-        d.set_item("dst_local_heads", self.dst_local_heads())?;
+        let d = [("src_rank", t.src_rank), ("dst_rank", t.dst_rank)].into_py_dict(py)?;
+        for (k, s) in [
+            ("layers", t.layers),
+            ("heads", t.heads),
+            ("src_local_layers", t.src_local_layers()),
+            ("src_local_heads", t.src_local_heads()),
+            ("dst_local_layers", t.dst_local_layers()),
+            ("dst_local_heads", t.dst_local_heads()),
+        ] {
+            d.set_item(k, (s.lo, s.hi))?;
+        }
         Ok(d)
     }
     fn __repr__(&self) -> String {
-        let t = &self.inner;
-        format!(
-            "KVReshardTransfer(src_rank={} -> dst_rank={}, layers=[{}, {}), heads=[{}, {}))",
-            t.src_rank, t.dst_rank, t.layers.lo, t.layers.hi, t.heads.lo, t.heads.hi
-        )
+        self.inner.to_string()
     }
-}
+});
+
+/// A KV layout argument.
+type Kv<'py> = PyRef<'py, PyKvShardLayout>;
 
 fn wrap_kv(ts: Vec<KvReshardTransfer>) -> Vec<PyKvReshardTransfer> {
     ts.into_iter().map(|inner| PyKvReshardTransfer { inner }).collect()
@@ -298,137 +226,62 @@ pub struct PySsmReshardTransfer {
     pub inner: SsmReshardTransfer,
 }
 
-#[pymethods]
-impl PySsmReshardTransfer {
-    #[getter]
-    fn src_rank(&self) -> u32 {
-        self.inner.src_rank
-    }
-    #[getter]
-    fn dst_rank(&self) -> u32 {
-        self.inner.dst_rank
-    }
-    /// Global SSM layers moved, `[lo, hi)`.
-    #[getter]
-    fn layers(&self) -> PyRange {
-        (self.inner.layers.lo, self.inner.layers.hi)
-    }
+py_methods!(PySsmReshardTransfer,
+get {
+    src_rank: u32 = (src_rank);
+    dst_rank: u32 = (dst_rank);
     /// "x", "B", "C" or "recurrent".
-    #[getter]
-    fn band(&self) -> &'static str {
-        self.inner.band.name()
-    }
+    band: &'static str = (band.name());
     /// Whether the transfer moves conv state (bands x, B, C) rather than recurrent state.
-    #[getter]
-    fn is_conv(&self) -> bool {
-        self.inner.band.is_conv()
-    }
+    is_conv: bool = (band.is_conv());
+    /// First local channel (conv) or head (recurrent) read on the source.
+    src_lo: u32 = (src_local.lo);
+    /// One past the last local channel or head read on the source.
+    src_hi: u32 = (src_local.hi);
+    /// First local channel (conv) or head (recurrent) written on the destination.
+    dst_lo: u32 = (dst_local.lo);
+    /// One past the last local channel or head written on the destination.
+    dst_hi: u32 = (dst_local.hi);
+    /// "conv" for x/B/C, "recurrent" for the recurrent state.
+    state_kind: &'static str = (state_kind());
+}
+span {
+    /// Global SSM layers moved, `[lo, hi)`.
+    layers = (layers);
+    /// Global channels or heads, `[lo, hi)`.
+    global_range = (global);
+    /// The source's local channels or heads, `[lo, hi)`.
+    src_local = (src_local);
+    /// The destination's local channels or heads, `[lo, hi)`.
+    dst_local = (dst_local);
+}
+range {
+    /// Layers in the source's local indexing.
+    src_local_layers = (src_local_layers());
+    /// Layers in the destination's local indexing.
+    dst_local_layers = (dst_local_layers());
+}
+methods {
     /// The one global layer moved (the reference design's per-layer field); `LayoutError` on
     /// a transfer spanning several layers (from `SSMReshardPlan.ranges`).
     #[getter]
     fn global_layer(&self) -> PyResult<u32> {
-        self.single_layer("global_layer").map(|s| s.lo)
+        self.inner.single_layer("global_layer").py()
     }
     /// The one layer moved, in the source's local indexing.
     #[getter]
     fn src_layer(&self) -> PyResult<u32> {
-        self.single_layer("src_layer").map(|s| s.lo - self.inner.src_layer_start)
+        self.inner.src_layer().py()
     }
     /// The one layer moved, in the destination's local indexing.
     #[getter]
     fn dst_layer(&self) -> PyResult<u32> {
-        self.single_layer("dst_layer").map(|s| s.lo - self.inner.dst_layer_start)
-    }
-    /// First local channel (conv) or head (recurrent) read on the source.
-    #[getter]
-    fn src_lo(&self) -> u32 {
-        self.inner.src_local.lo
-    }
-    /// One past the last local channel or head read on the source.
-    #[getter]
-    fn src_hi(&self) -> u32 {
-        self.inner.src_local.hi
-    }
-    /// First local channel (conv) or head (recurrent) written on the destination.
-    #[getter]
-    fn dst_lo(&self) -> u32 {
-        self.inner.dst_local.lo
-    }
-    /// One past the last local channel or head written on the destination.
-    #[getter]
-    fn dst_hi(&self) -> u32 {
-        self.inner.dst_local.hi
-    }
-    /// "conv" for x/B/C, "recurrent" for the recurrent state.
-    #[getter]
-    fn state_kind(&self) -> &'static str {
-        if self.inner.band.is_conv() {
-            "conv"
-        } else {
-            "recurrent"
-        }
-    }
-    /// Global channels or heads, `[lo, hi)`.
-    #[getter]
-    fn global_range(&self) -> PyRange {
-        (self.inner.global.lo, self.inner.global.hi)
-    }
-    /// The source's local channels or heads, `[lo, hi)`.
-    #[getter]
-    fn src_local(&self) -> PyRange {
-        (self.inner.src_local.lo, self.inner.src_local.hi)
-    }
-    /// The destination's local channels or heads, `[lo, hi)`.
-    #[getter]
-    fn dst_local(&self) -> PyRange {
-        (self.inner.dst_local.lo, self.inner.dst_local.hi)
-    }
-    /// Layers in the source's local indexing.
-    fn src_local_layers(&self) -> PyRange {
-        let s = self.inner.src_local_layers();
-        (s.lo, s.hi)
-    }
-    /// Layers in the destination's local indexing.
-    fn dst_local_layers(&self) -> PyRange {
-        let s = self.inner.dst_local_layers();
-        (s.lo, s.hi)
+        self.inner.dst_layer().py()
     }
     fn __repr__(&self) -> String {
-        let t = &self.inner;
-        format!(
-            "SSMReshardTransfer(src_rank={} -> dst_rank={}, layers=[{}, {}), band={}, \
-             global=[{}, {}), src_local=[{}, {}), dst_local=[{}, {}))",
-            t.src_rank,
-            t.dst_rank,
-            t.layers.lo,
-            t.layers.hi,
-            t.band.name(),
-            t.global.lo,
-            t.global.hi,
-            t.src_local.lo,
-            t.src_local.hi,
-            t.dst_local.lo,
-            t.dst_local.hi
-        )
+        self.inner.to_string()
     }
-}
-
-impl PySsmReshardTransfer {
-    fn single_layer(&self, field: &str) -> PyResult<Span> {
-        let l = self.inner.layers;
-        if l.len() == 1 {
-            return Ok(l);
-        }
-        Err(to_pyerr(DisaggError::layout(
-            field,
-            format!(
-                "{field} is defined for single-layer transfers (iterating an SSMReshardPlan \
-                 gives those); this one spans layers [{}, {})",
-                l.lo, l.hi
-            ),
-        )))
-    }
-}
+});
 
 fn wrap_ssm(ts: Vec<SsmReshardTransfer>) -> Vec<PySsmReshardTransfer> {
     ts.into_iter().map(|inner| PySsmReshardTransfer { inner }).collect()

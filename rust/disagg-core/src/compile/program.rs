@@ -1,0 +1,356 @@
+//! The compiled program: per-source lists, in-place fills and figures.
+
+use crate::error::{DisaggError, DisaggResult};
+
+use super::cost::TransferMode;
+use super::kv::KvDevicePlan;
+use super::sink::{Collect, CollectPairs, CollectRuns, Count, FragmentSink, ListKind, SliceRows};
+use super::verify::Expected;
+use super::walk::{emit_box, Purpose, Work};
+
+/// The compiled program of one source rank.
+#[derive(Debug, Clone)]
+pub struct SourceProgram {
+    /// Global rank of the source.
+    pub src_rank: u32,
+    /// Device of the source memory.
+    pub src_device: u64,
+    /// How its bytes move.
+    pub mode: TransferMode,
+    /// Payload bytes, which is also the size of its packed region `[0, packed_bytes)`.
+    pub packed_bytes: u64,
+    pub(super) work: Work,
+}
+
+impl SourceProgram {
+    pub(super) fn walk(&self, purpose: Purpose, sink: &mut impl FragmentSink) {
+        let sides = purpose.sides();
+        match &self.work {
+            Work::Kv(kv) => kv.walk(purpose, sink),
+            Work::Boxes(boxes) => {
+                for b in boxes {
+                    if !emit_box(b, sides, sink) {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Boxes a walk visits: the capacity to reserve (one fragment per box when every box
+    /// coalesces, as in matched layouts; vectors grow beyond it otherwise).
+    pub(super) fn box_count(&self, purpose: Purpose) -> usize {
+        match &self.work {
+            Work::Kv(kv) => {
+                let segs = match purpose {
+                    Purpose::Direct => kv.seg_direct.len(),
+                    Purpose::Gather => kv.seg_src.len(),
+                    Purpose::Scatter => kv.seg_dst.len(),
+                };
+                let planes: usize = kv
+                    .sets
+                    .iter()
+                    .map(|s| s.num_layers as usize * kv.src.spec().num_kv as usize)
+                    .sum();
+                planes.saturating_mul(segs)
+            }
+            Work::Boxes(b) => b.len(),
+        }
+    }
+
+    /// Rows of a walk: `(a, len, b)` when `GATHER`, else `(a, b, len)`.
+    pub(super) fn collect<const GATHER: bool>(&self, purpose: Purpose) -> Vec<[u64; 3]> {
+        let mut c = Collect::<_, GATHER> { out: Vec::with_capacity(self.box_count(purpose)) };
+        self.walk(purpose, &mut c);
+        c.out
+    }
+
+    /// Number of merged direct descriptors, counting at most `limit + 1`.
+    pub(super) fn count_direct(&self, limit: u64) -> u64 {
+        let mut c = Count { last: None, n: 0, limit };
+        self.walk(Purpose::Direct, &mut c);
+        c.n
+    }
+}
+
+/// Per-source figures of a program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourceStats {
+    /// Global rank of the source.
+    pub src_rank: u32,
+    /// Its mode.
+    pub mode: TransferMode,
+    /// Descriptors handed to the transport: merged pairs (direct) or 1 (staged).
+    pub descriptors: u64,
+    /// Gather plus scatter fragments (staged; 0 for direct).
+    pub fragments: u64,
+    /// Payload bytes.
+    pub bytes: u64,
+}
+
+impl SourceStats {
+    /// Totals over sources `(descriptors, fragments, bytes)`, saturating.
+    pub fn totals(stats: &[SourceStats]) -> (u64, u64, u64) {
+        stats.iter().fold((0, 0, 0), |(d, f, b), s| {
+            (
+                d.saturating_add(s.descriptors),
+                f.saturating_add(s.fragments),
+                b.saturating_add(s.bytes),
+            )
+        })
+    }
+}
+
+/// The compiled transfer of one destination rank: what each source rank does.
+#[derive(Debug, Clone)]
+pub struct TransferProgram {
+    /// Global rank of the destination.
+    pub dst_rank: u32,
+    /// Device of the destination memory.
+    pub dst_device: u64,
+    /// Sources in ascending global rank; only ranks that send something.
+    pub sources: Vec<SourceProgram>,
+    /// Whether destination addresses are known (destination geometry and blocks given).
+    pub has_destination: bool,
+    pub(super) expected: Expected,
+}
+
+/// One flat list of fragments, row-major `[n, 3]`.
+pub type Rows = Vec<[u64; 3]>;
+
+impl TransferProgram {
+    /// The source program of `src_rank`.
+    pub fn source(&self, src_rank: u32) -> DisaggResult<&SourceProgram> {
+        self.sources.iter().find(|s| s.src_rank == src_rank).ok_or_else(|| {
+            DisaggError::block(
+                "src_rank",
+                format!(
+                    "src_rank={src_rank} sends nothing to destination rank {}; sources: {:?}",
+                    self.dst_rank,
+                    self.sources.iter().map(|s| s.src_rank).collect::<Vec<_>>()
+                ),
+            )
+        })
+    }
+
+    pub(super) fn need_destination(&self, what: &str) -> DisaggResult<()> {
+        if self.has_destination {
+            Ok(())
+        } else {
+            Err(DisaggError::block(
+                "dst_block_ids",
+                format!("{what} needs destination addresses, but the program was compiled with dst_block_ids=None or no destination geometry"),
+            ))
+        }
+    }
+
+    /// Direct descriptor pairs of `src_rank` regardless of its mode: `(src, dst)`, each row
+    /// `(addr, len, device)`.
+    pub fn direct_descriptors(&self, src_rank: u32) -> DisaggResult<(Rows, Rows)> {
+        self.need_destination("direct descriptors")?;
+        let s = self.source(src_rank)?;
+        let cap = s.box_count(Purpose::Direct);
+        let mut c = CollectPairs {
+            src: Vec::with_capacity(cap),
+            dst: Vec::with_capacity(cap),
+            src_device: s.src_device,
+            dst_device: self.dst_device,
+        };
+        s.walk(Purpose::Direct, &mut c);
+        Ok((c.src, c.dst))
+    }
+
+    /// What the transport moves for `src_rank`: the direct pairs, or (staged) one pair whose
+    /// addresses are `src_staging` and `dst_staging`, the packed regions' addresses.
+    pub fn descriptors(
+        &self,
+        src_rank: u32,
+        src_staging: u64,
+        dst_staging: u64,
+    ) -> DisaggResult<(Rows, Rows)> {
+        let s = self.source(src_rank)?;
+        match s.mode {
+            TransferMode::Direct => self.direct_descriptors(src_rank),
+            TransferMode::Staged => Ok((
+                vec![[src_staging, s.packed_bytes, s.src_device]],
+                vec![[dst_staging, s.packed_bytes, self.dst_device]],
+            )),
+        }
+    }
+
+    /// Gather list of `src_rank`: rows `(src_addr, len, packed_offset)`, merged where both the
+    /// source and the packed ranges continue. Available in every mode and without destination.
+    pub fn gather(&self, src_rank: u32) -> DisaggResult<Rows> {
+        Ok(self.source(src_rank)?.collect::<true>(Purpose::Gather))
+    }
+
+    /// Scatter list of `src_rank`: rows `(packed_offset, dst_addr, len)`.
+    pub fn scatter(&self, src_rank: u32) -> DisaggResult<Rows> {
+        self.need_destination("scatter")?;
+        Ok(self.source(src_rank)?.collect::<false>(Purpose::Scatter))
+    }
+
+    /// The gather list of `src_rank` as strided runs
+    /// `(src_addr, packed_offset, len, count, src_stride, packed_stride)`: the compact form a
+    /// pack kernel wants (one row per block run instead of one per token for head reshards).
+    pub fn gather_runs(&self, src_rank: u32) -> DisaggResult<Vec<[u64; 6]>> {
+        let mut c = CollectRuns::default();
+        self.source(src_rank)?.walk(Purpose::Gather, &mut c);
+        Ok(c.out)
+    }
+
+    /// The scatter list of `src_rank` as strided runs
+    /// `(packed_offset, dst_addr, len, count, packed_stride, dst_stride)`.
+    pub fn scatter_runs(&self, src_rank: u32) -> DisaggResult<Vec<[u64; 6]>> {
+        self.need_destination("scatter")?;
+        let mut c = CollectRuns::default();
+        self.source(src_rank)?.walk(Purpose::Scatter, &mut c);
+        Ok(c.out)
+    }
+
+    /// Exact number of rows of one list of `src_rank` (walks it without writing).
+    pub fn row_count(&self, src_rank: u32, which: ListKind) -> DisaggResult<u64> {
+        let s = self.source(src_rank)?;
+        let purpose = match (which, s.mode) {
+            (ListKind::Descriptors, TransferMode::Staged) => return Ok(1),
+            (ListKind::Descriptors, TransferMode::Direct) => Purpose::Direct,
+            (ListKind::Gather, _) => Purpose::Gather,
+            (ListKind::Scatter, _) => Purpose::Scatter,
+        };
+        if purpose != Purpose::Gather {
+            self.need_destination("row_count")?;
+        }
+        let mut c = Count { last: None, n: 0, limit: u64::MAX - 1 };
+        s.walk(purpose, &mut c);
+        Ok(c.n)
+    }
+
+    /// [`TransferProgram::descriptors`] written into caller buffers; returns the row count.
+    pub fn descriptors_into(
+        &self,
+        src_rank: u32,
+        src_staging: u64,
+        dst_staging: u64,
+        src_out: &mut [[u64; 3]],
+        dst_out: &mut [[u64; 3]],
+    ) -> DisaggResult<usize> {
+        let s = self.source(src_rank)?;
+        if s.mode == TransferMode::Staged {
+            let (src_rows, dst_rows) = self.descriptors(src_rank, src_staging, dst_staging)?;
+            let (Some(first_src), Some(first_dst)) = (src_out.first_mut(), dst_out.first_mut())
+            else {
+                return Err(too_small("out", 0, 1));
+            };
+            *first_src = src_rows[0];
+            *first_dst = dst_rows[0];
+            return Ok(1);
+        }
+        self.need_destination("direct descriptors")?;
+        let cap = src_out.len().min(dst_out.len());
+        let mut c = CollectPairs {
+            src: SliceRows::new(src_out),
+            dst: SliceRows::new(dst_out),
+            src_device: s.src_device,
+            dst_device: self.dst_device,
+        };
+        s.walk(Purpose::Direct, &mut c);
+        finish_into(c.src.len(), c.dst.len().min(c.src.len()), cap, || {
+            self.row_count(src_rank, ListKind::Descriptors)
+        })
+    }
+
+    /// [`TransferProgram::gather`] written into a caller buffer; returns the row count.
+    pub fn gather_into(&self, src_rank: u32, out: &mut [[u64; 3]]) -> DisaggResult<usize> {
+        let s = self.source(src_rank)?;
+        let cap = out.len();
+        let mut c = Collect::<_, true> { out: SliceRows::new(out) };
+        s.walk(Purpose::Gather, &mut c);
+        finish_into(c.out.len(), c.out.len(), cap, || self.row_count(src_rank, ListKind::Gather))
+    }
+
+    /// [`TransferProgram::scatter`] written into a caller buffer; returns the row count.
+    pub fn scatter_into(&self, src_rank: u32, out: &mut [[u64; 3]]) -> DisaggResult<usize> {
+        self.need_destination("scatter")?;
+        let s = self.source(src_rank)?;
+        let cap = out.len();
+        let mut c = Collect::<_, false> { out: SliceRows::new(out) };
+        s.walk(Purpose::Scatter, &mut c);
+        finish_into(c.out.len(), c.out.len(), cap, || self.row_count(src_rank, ListKind::Scatter))
+    }
+
+    /// The block-id-free device plan of `src_rank` ([`KvDevicePlan`]), or `None` for SSM
+    /// state and for KV transfers that do not have its shape.
+    pub fn device_plan(&self, src_rank: u32) -> DisaggResult<Option<KvDevicePlan>> {
+        Ok(match &self.source(src_rank)?.work {
+            Work::Kv(kv) => kv.device_plan(),
+            Work::Boxes(_) => None,
+        })
+    }
+
+    /// Figures per source, in source order (walks the lists; not free).
+    pub fn stats(&self) -> Vec<SourceStats> {
+        self.sources
+            .iter()
+            .map(|s| {
+                let (descriptors, fragments) = match s.mode {
+                    TransferMode::Direct => (s.count_direct(u64::MAX - 1), 0),
+                    TransferMode::Staged => {
+                        let mut g = Count { last: None, n: 0, limit: u64::MAX - 1 };
+                        s.walk(Purpose::Gather, &mut g);
+                        let mut sc = Count { last: None, n: 0, limit: u64::MAX - 1 };
+                        if self.has_destination {
+                            s.walk(Purpose::Scatter, &mut sc);
+                        }
+                        (1, g.n + sc.n)
+                    }
+                };
+                SourceStats {
+                    src_rank: s.src_rank,
+                    mode: s.mode,
+                    descriptors,
+                    fragments,
+                    bytes: s.packed_bytes,
+                }
+            })
+            .collect()
+    }
+}
+
+pub(super) fn too_small(field: &str, have: usize, need: u64) -> DisaggError {
+    DisaggError::layout(field, format!("{field} has {have} rows but the list needs {need}"))
+}
+
+/// A fill that stopped at the end of the buffer names the size it needed.
+pub(super) fn finish_into(
+    written: usize,
+    paired: usize,
+    cap: usize,
+    need: impl FnOnce() -> DisaggResult<u64>,
+) -> DisaggResult<usize> {
+    if written == cap || paired != written {
+        let n = need()?;
+        if n > cap as u64 {
+            return Err(too_small("out", cap, n));
+        }
+    }
+    Ok(paired)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn totals_add_every_source_and_saturate() {
+        let s = |descriptors, bytes| SourceStats {
+            src_rank: 0,
+            mode: TransferMode::Direct,
+            descriptors,
+            fragments: 2,
+            bytes,
+        };
+        assert_eq!(SourceStats::totals(&[]), (0, 0, 0));
+        assert_eq!(SourceStats::totals(&[s(3, 10), s(4, 20)]), (7, 4, 30));
+        assert_eq!(SourceStats::totals(&[s(1, u64::MAX), s(1, 1)]), (2, 4, u64::MAX));
+    }
+}

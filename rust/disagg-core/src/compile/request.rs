@@ -1,0 +1,84 @@
+//! What the compiler is asked: the KV and SSM transfer requests.
+
+use std::collections::BTreeMap;
+
+use crate::error::{DisaggError, DisaggResult};
+use crate::geometry::{KvGeometry, SsmGeometry};
+use crate::layout::{KvShardLayout, SsmShardLayout};
+
+use super::cost::{CostModel, ModeChoice};
+
+/// Source block ids: one list for every source rank, or one list per source global rank
+/// (pipeline stages allocate independently).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SrcBlockIds {
+    /// The same ids on every source rank.
+    Shared(Vec<u32>),
+    /// Ids per source global rank.
+    PerRank(BTreeMap<u32, Vec<u32>>),
+}
+
+impl SrcBlockIds {
+    pub(super) fn for_rank(&self, rank: u32, field: &str) -> DisaggResult<&[u32]> {
+        match self {
+            Self::Shared(v) => Ok(v),
+            Self::PerRank(m) => m.get(&rank).map(Vec::as_slice).ok_or_else(|| {
+                DisaggError::block(
+                    field,
+                    format!("no list for source global_rank={rank}; given ranks {:?}", m.keys()),
+                )
+            }),
+        }
+    }
+}
+
+/// Everything `compile_kv_transfer` needs; see the module docs for the packed order.
+#[derive(Debug, Clone)]
+pub struct KvTransferRequest {
+    /// Source ranks with their geometries (any order; ranks that send nothing are ignored).
+    pub srcs: Vec<(KvShardLayout, KvGeometry)>,
+    /// The destination rank this program is for.
+    pub dst_layout: KvShardLayout,
+    /// Its geometry; `None` allows only the gather side (what a prefill needs to pack).
+    pub dst_geometry: Option<KvGeometry>,
+    /// Source block ids covering token positions `[0, num_tokens)`.
+    pub src_block_ids: SrcBlockIds,
+    /// Destination block ids covering `[0, num_tokens)`; `None` allows only the gather side.
+    pub dst_block_ids: Option<Vec<u32>>,
+    /// Tokens of the prompt state.
+    pub num_tokens: u64,
+    /// First token position moved (a cached prefix on the destination is skipped).
+    pub token_start: u64,
+    /// Direct, staged or auto.
+    pub mode: ModeChoice,
+    /// Constants of the auto decision.
+    pub cost: CostModel,
+}
+
+/// Everything `compile_ssm_transfer` needs.
+#[derive(Debug, Clone)]
+pub struct SsmTransferRequest {
+    /// Source ranks with their geometries.
+    pub srcs: Vec<(SsmShardLayout, SsmGeometry)>,
+    /// The destination rank this program is for.
+    pub dst_layout: SsmShardLayout,
+    /// Its geometry; `None` allows only the gather side.
+    pub dst_geometry: Option<SsmGeometry>,
+    /// Source slot: one for every source rank, or one per source global rank.
+    pub src_slots: SrcSlots,
+    /// Destination slot; `None` allows only the gather side.
+    pub dst_slot: Option<u32>,
+    /// Direct, staged or auto.
+    pub mode: ModeChoice,
+    /// Constants of the auto decision.
+    pub cost: CostModel,
+}
+
+/// Source SSM slot ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SrcSlots {
+    /// The same slot on every source rank.
+    Shared(u32),
+    /// Slot per source global rank.
+    PerRank(BTreeMap<u32, u32>),
+}
