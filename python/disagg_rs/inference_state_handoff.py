@@ -8,6 +8,7 @@ design's import path working.
 
 from __future__ import annotations
 
+from disagg_rs._core import drop_transfer_prefix_blocks, transfer_block_count
 from disagg_rs.decode_admission import (
     additional_decode_blocks,
     admit_prefilled_decode,
@@ -22,13 +23,7 @@ from disagg_rs.handoff.base import (
     RankImport,
     _tag,
 )
-from disagg_rs.handoff.compat import (
-    compute_block_hashes_batched,
-    drop_transfer_prefix_blocks,
-    get_pg_rank,
-    get_pg_size,
-    transfer_block_count,
-)
+from disagg_rs.handoff.compat import compute_block_hashes_batched, get_pg_rank, get_pg_size
 from disagg_rs.handoff.mixin import InferenceStateHandoffMixin
 from disagg_rs.handoff.prefill import with_push_destination
 from disagg_rs.pending_handoff_imports import DeferredKvHandoff, PendingKvImport, PendingSSMImport

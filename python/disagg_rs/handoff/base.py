@@ -43,7 +43,7 @@ DEFAULT_IMPORT_TIMEOUT_NS = 60_000_000_000
 DEFAULT_LEASE_NS = 120_000_000_000
 #: Share of the prefill's lease (ticket ``lease_ns``) a decode import may use, submit to
 #: admission, by the decode's clock; the rest covers the ticket's transit from the prefill.
-LEASE_READ_FRACTION = 0.5
+LEASE_READ_FRACTION = ImportLedger.LEASE_READ_PERCENT / 100
 
 _KV_AXES = {
     "megatron": "kv layer block token head dim",

@@ -5,7 +5,7 @@ swapping the reference design's package for ``disagg_rs`` is an import-path chan
 
 * the module helpers its engines look up (``get_pg_size``, ``get_pg_rank``,
   ``compute_block_hashes_batched``) and the ticket helpers of its block lists
-  (``transfer_block_count``, ``drop_transfer_prefix_blocks``);
+  (``transfer_block_count``, ``drop_transfer_prefix_blocks``, from the Rust core);
 * :class:`ReferenceDesignCompat`, the mixin's methods for an engine that brings its own block
   allocator and attaches no ledger (``_setup_reference_kv_transfer`` ...
   ``_reset_reference_imports``). The shared entry points of
@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import torch
@@ -32,6 +32,8 @@ from disagg_rs._core import (
     BlockPool,
     SSMShardLayout,
     SSMStateDims,
+    drop_transfer_prefix_blocks,
+    transfer_block_count,
 )
 from disagg_rs.decode_admission import (
     additional_decode_blocks,
@@ -85,40 +87,6 @@ def compute_block_hashes_batched(prompt_tokens: Any, block_size_tokens: int) -> 
         tokens: list[int] = torch.as_tensor(prompt_tokens).cpu().tolist()
         return list(BlockPool(1, int(block_size_tokens)).block_hashes(tokens))
     return list(engine_hashes(prompt_tokens, block_size_tokens))
-
-
-def transfer_block_count(kv_meta: Any, src_block_ids: Sequence[int]) -> int:
-    """Source blocks a ticket names: those of its first pipeline stage or TP rank when it
-    carries per-stage / per-rank lists, else ``src_block_ids``."""
-    if isinstance(kv_meta, dict):
-        stages = kv_meta.get("pp_metas")
-        if stages and "block_ids" in stages[0]:
-            return len(stages[0]["block_ids"])
-        ranks = kv_meta.get("tp_metas")
-        if isinstance(ranks, list) and ranks and "block_ids" in ranks[0]:
-            return len(ranks[0]["block_ids"])
-    return len(src_block_ids)
-
-
-def drop_transfer_prefix_blocks(
-    kv_meta: Any, src_block_ids: Sequence[int], num_cached: int
-) -> tuple[Any, list[int]]:
-    """The ticket and source blocks with the first ``num_cached`` blocks (already cached on
-    the decode) left out of every per-stage and per-rank block list."""
-    if num_cached == 0 or not isinstance(kv_meta, dict):
-        return kv_meta, list(src_block_ids)
-    meta = dict(kv_meta)
-    if isinstance(meta.get("pp_metas"), list):
-        meta["pp_metas"] = [_trim_blocks(stage, num_cached) for stage in meta["pp_metas"]]
-    if isinstance(meta.get("tp_metas"), list):
-        meta["tp_metas"] = [_trim_blocks(rank, num_cached) for rank in meta["tp_metas"]]
-    return meta, list(src_block_ids)[num_cached:]
-
-
-def _trim_blocks(entry: Any, n: int) -> Any:
-    if isinstance(entry, dict) and "block_ids" in entry:
-        return {**entry, "block_ids": list(entry["block_ids"])[n:]}
-    return entry
 
 
 class ReferenceDesignCompat(HandoffBase):
@@ -579,10 +547,8 @@ class ReferenceDesignCompat(HandoffBase):
         resume = [int(t) for t in meta.get("resume_tokens", [])]
         ssm_meta: dict[str, Any] | None = meta.get("ssm")
         n_import = handoff.num_blocks - len(cached)
-        n_more = (
-            additional_decode_blocks(len(handoff.prompt), len(resume), int(ctx.block_size_tokens))
-            if resume
-            else 0
+        n_more = additional_decode_blocks(
+            len(handoff.prompt), len(resume), int(ctx.block_size_tokens)
         )
         if not self._whole()._handoff_capacity_available(n_import + n_more, cached):
             return False

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from disagg_rs._core import (
+    ImportLedger,
     LedgerAction,
 )
 from disagg_rs.exceptions import (
@@ -26,7 +27,6 @@ from disagg_rs.exceptions import (
 )
 from disagg_rs.handoff.base import (
     _SSM_STATE_KINDS,
-    LEASE_READ_FRACTION,
     HandoffBase,
     RankImport,
     _DecodeRequest,
@@ -58,11 +58,6 @@ def _sampling_limits(sampling_params: Any) -> tuple[int, int | None, list[list[i
     term = getattr(sampling_params, "termination_id", None)
     stops = getattr(sampling_params, "stop_word_ids", None) or []
     return int(limit), (None if term is None or term < 0 else int(term)), [list(w) for w in stops]
-
-
-def _hits_stop_word(tokens: list[int], stop_word_ids: list[list[int]]) -> bool:
-    """Whether ``tokens`` end with one of the stop words (a loop over stop words)."""
-    return any(w and tokens[-len(w) :] == w for w in stop_word_ids)
 
 
 class DecodeHandoff(HandoffBase):
@@ -127,35 +122,16 @@ class DecodeHandoff(HandoffBase):
             )
         if termination_id is None:
             termination_id = engine.config.eos_token
-        finished = (
-            len(resume) >= max_new
-            or (termination_id is not None and bool(resume) and resume[-1] == termination_id)
-            or _hits_stop_word(resume, stop_word_ids)
-        )
+        finished = ImportLedger.resume_finishes(resume, max_new, termination_id, stop_word_ids)
         now = self.handoff_now_ns
-        budget = self.handoff_import_timeout_ns
-        lease = kv_meta.get("lease_ns")
-        if lease is not None:
-            if not isinstance(lease, int) or isinstance(lease, bool) or lease < 2:
-                raise MetadataError(
-                    f"request {request_id}: ticket lease_ns={lease!r} must be an int >= 2",
-                    "lease_ns",
-                )
-            # The prefill frees the source blocks when its lease ends; a read still running (or
-            # not yet started) then may see reused blocks. Clocks of the two engines are not
-            # comparable, so the decode finishes within LEASE_READ_FRACTION of the lease by its
-            # own clock and the rest absorbs the ticket's transit: past it the import fails.
-            budget = min(budget, int(lease * LEASE_READ_FRACTION))
-        lease_end = kv_meta.get("lease_until_wall_ns")
-        now_wall = self.handoff_wall_now_ns if lease_end is not None else None
-        if now_wall is not None and (
-            not isinstance(lease_end, int) or isinstance(lease_end, bool) or lease_end < 0
-        ):
-            raise MetadataError(
-                f"request {request_id}: ticket lease_until_wall_ns={lease_end!r} must be "
-                "an int >= 0",
-                "lease_until_wall_ns",
-            )
+        # The prefill frees the source blocks when its lease ends: the import's deadline is at
+        # most a share of the ticket's lease_ns by this clock, the rest absorbs the transit.
+        deadline = ImportLedger.import_deadline(
+            request_id, now, self.handoff_import_timeout_ns, kv_meta.get("lease_ns")
+        )
+        lease_end, now_wall = ImportLedger.source_lease(
+            request_id, kv_meta.get("lease_until_wall_ns"), self.handoff_wall_now_ns
+        )
         # A verifying decode reuses its prefix cache in whole digest chunks only (their
         # entries are then skipped); a table without chunks allows no reuse at all.
         prompt_args: dict[str, Any] = {"prompt_tokens": np.asarray(prompt, dtype=np.int64)}
@@ -174,9 +150,9 @@ class DecodeHandoff(HandoffBase):
             resume_tokens=len(resume),
             has_ssm=has_ssm,
             finished=bool(finished),
-            deadline=now + budget,
+            deadline=deadline,
             now=now,
-            lease_until_wall=lease_end if now_wall is not None else None,
+            lease_until_wall=lease_end,
             now_wall=now_wall,
         )
         # Validated by the ledger: now the engine learns of it (ledger and engine agree).

@@ -4,14 +4,15 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use disagg_core::ledger::admission::{self, BatchRoom};
 use disagg_core::{
     CompletionQuorum, DisaggError, ImportLedger, ImportLedgerConfig, ImportRequest, LedgerAction,
     PinLedger, QuorumDecision, RankOutcome, SourceLease,
 };
 use pyo3::prelude::*;
 
-use crate::args::{Flag, Int, IntList, Kind, Text};
-use crate::error::{to_pyerr, IntoPyResult};
+use crate::args::{describe, Flag, Int, IntList, Kind, Text};
+use crate::error::{to_pyerr, wire_err, IntoPyResult};
 use crate::pool::{
     ids_arg, lock, tokens_arg, u32_arg, u64_arg, BlockPoolOwner, PyBlockPool, PySlotPool,
     SlotPoolOwner,
@@ -125,6 +126,28 @@ fn actions(v: Vec<LedgerAction>) -> Vec<PyLedgerAction> {
     v.into_iter().map(PyLedgerAction::from_core).collect()
 }
 
+/// A decode batch's occupancy from its context's counts.
+fn batch_room(total: Int, max_requests: Int, active: Int, max_tokens: Int) -> PyResult<BatchRoom> {
+    Ok(BatchRoom {
+        total_requests: u64_arg("total_request_count", total)?,
+        max_requests: u64_arg("max_requests", max_requests)?,
+        active_tokens: u64_arg("active_token_count", active)?,
+        max_tokens: u64_arg("max_tokens", max_tokens)?,
+    })
+}
+
+/// A ticket's integer field: anything else (a bool, a float, a string) is a `MetadataError`
+/// naming the field.
+fn ticket_int(request_id: u64, field: &str, v: &Bound<'_, PyAny>) -> PyResult<i128> {
+    let int = v.extract::<Int>()?;
+    int.in_range(Kind::Argument, field, i128::MIN, i128::MAX, "2**127").map_err(|_| {
+        wire_err(
+            field,
+            format!("request {request_id}: ticket {field}={} must be an int", describe(v)),
+        )
+    })
+}
+
 /// Decode-side import ledger over its own block and SSM slot pools.
 #[pyclass(name = "ImportLedger", module = "disagg_rs", frozen)]
 pub struct PyImportLedger {
@@ -169,6 +192,150 @@ impl PyImportLedger {
         )
         .py()?;
         Ok(Self { inner: Arc::new(Mutex::new(l)) })
+    }
+
+    /// Share of the source's pin lease (percent) an import may use, submit to admission.
+    #[classattr]
+    const LEASE_READ_PERCENT: u64 = admission::LEASE_READ_PERCENT;
+
+    /// Blocks an imported request needs beyond its prompt blocks (its `input_token_count`
+    /// query tokens, plus the drafts of a speculative KV cache).
+    #[staticmethod]
+    #[pyo3(signature = (prompt_length, input_token_count, block_size, mtp_kv_cache=Flag::of(false)),
+        text_signature = "(prompt_length, input_token_count, block_size, mtp_kv_cache=False)")]
+    fn continuation_blocks(
+        prompt_length: Int,
+        input_token_count: Int,
+        block_size: Int,
+        mtp_kv_cache: Flag,
+    ) -> PyResult<u64> {
+        admission::continuation_blocks(
+            u64_arg("prompt_length", prompt_length)?,
+            u64_arg("input_token_count", input_token_count)?,
+            u64_arg("block_size", block_size)?,
+            mtp_kv_cache.get("mtp_kv_cache")?,
+        )
+        .py()
+    }
+
+    /// Whether one more request with `input_tokens` query tokens fits a decode batch of
+    /// `total_request_count` of `max_requests` requests and `active_token_count` of
+    /// `max_tokens` tokens.
+    #[staticmethod]
+    fn batch_fits(
+        total_request_count: Int,
+        max_requests: Int,
+        active_token_count: Int,
+        max_tokens: Int,
+        input_tokens: Int,
+    ) -> PyResult<bool> {
+        let room = batch_room(total_request_count, max_requests, active_token_count, max_tokens)?;
+        Ok(room.fits(u64_arg("input_tokens", input_tokens)?))
+    }
+
+    /// Check, before anything changes, that a prefilled request may enter the decode batch
+    /// now (see `disagg_rs.decode_admission.admit_prefilled_decode`).
+    #[staticmethod]
+    #[pyo3(signature = (
+        request_id, prompt_length, prompt_blocks, continuation_blocks, input_tokens, *,
+        has_ssm_slot, block_size, num_speculative_tokens, mtp_kv_cache, hybrid,
+        total_request_count, max_requests, active_token_count, max_tokens
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn check_prefilled_admission(
+        request_id: Int,
+        prompt_length: Int,
+        prompt_blocks: Int,
+        continuation_blocks: Int,
+        input_tokens: Int,
+        has_ssm_slot: Flag,
+        block_size: Int,
+        num_speculative_tokens: Int,
+        mtp_kv_cache: Flag,
+        hybrid: Flag,
+        total_request_count: Int,
+        max_requests: Int,
+        active_token_count: Int,
+        max_tokens: Int,
+    ) -> PyResult<()> {
+        let req = admission::PrefilledRequest {
+            request_id: u64_arg("request_id", request_id)?,
+            prompt_len: u64_arg("prompt_length", prompt_length)?,
+            prompt_blocks: u64_arg("prompt_blocks", prompt_blocks)?,
+            continuation_blocks: u64_arg("continuation_blocks", continuation_blocks)?,
+            input_tokens: u64_arg("input_tokens", input_tokens)?,
+            has_ssm_slot: has_ssm_slot.get("has_ssm_slot")?,
+        };
+        let settings = admission::DecodeSettings {
+            block_size: u64_arg("block_size", block_size)?,
+            num_speculative_tokens: u64_arg("num_speculative_tokens", num_speculative_tokens)?,
+            mtp_kv_cache: mtp_kv_cache.get("mtp_kv_cache")?,
+            hybrid: hybrid.get("hybrid")?,
+        };
+        let room = batch_room(total_request_count, max_requests, active_token_count, max_tokens)?;
+        admission::check_prefilled_admission(&req, &room, &settings).py()
+    }
+
+    /// The deadline of an import submitted at `now`: `timeout` after it, or sooner under the
+    /// ticket's source lease `lease_ns` (a `MetadataError` unless an int >= 2).
+    #[staticmethod]
+    #[pyo3(signature = (request_id, now, timeout, lease_ns=None))]
+    fn import_deadline(
+        request_id: Int,
+        now: Int,
+        timeout: Int,
+        lease_ns: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let request_id = u64_arg("request_id", request_id)?;
+        let lease = lease_ns.map(|v| ticket_int(request_id, "lease_ns", v)).transpose()?;
+        admission::import_deadline(
+            request_id,
+            u64_arg("now", now)?,
+            u64_arg("timeout", timeout)?,
+            lease,
+        )
+        .py()
+    }
+
+    /// `(lease_until_wall, now_wall)` for `submit` from the ticket's `lease_until_wall_ns`
+    /// and this side's wall clock: both, or `(None, None)` when either is missing.
+    #[staticmethod]
+    #[pyo3(signature = (request_id, lease_until_wall_ns=None, now_wall=None))]
+    fn source_lease(
+        request_id: Int,
+        lease_until_wall_ns: Option<&Bound<'_, PyAny>>,
+        now_wall: Option<Int>,
+    ) -> PyResult<(Option<u64>, Option<u64>)> {
+        let request_id = u64_arg("request_id", request_id)?;
+        let wall = now_wall.map(|w| w.to_i64(Kind::Argument, "now_wall")).transpose()?;
+        let end = match (lease_until_wall_ns, wall) {
+            (Some(v), Some(_)) => Some(ticket_int(request_id, "lease_until_wall_ns", v)?),
+            _ => None,
+        };
+        let lease = admission::source_lease_end(request_id, end, wall.map(i128::from)).py()?;
+        Ok(lease.map_or((None, None), |(e, w)| (Some(e), Some(w))))
+    }
+
+    /// Whether the handed-off `resume_tokens` already finish a request: its limit
+    /// `max_new_tokens`, its `termination_id` or one of its `stop_word_ids`.
+    #[staticmethod]
+    #[pyo3(signature = (resume_tokens, max_new_tokens, termination_id=None, stop_word_ids=Vec::new()),
+        text_signature = "(resume_tokens, max_new_tokens, termination_id=None, stop_word_ids=[])")]
+    fn resume_finishes(
+        resume_tokens: IntList,
+        max_new_tokens: Int,
+        termination_id: Option<Int>,
+        stop_word_ids: Vec<IntList>,
+    ) -> PyResult<bool> {
+        let resume = resume_tokens.to_i64s(Kind::Argument, "resume_tokens")?;
+        let limit = max_new_tokens.to_i64(Kind::Argument, "max_new_tokens")?;
+        let term =
+            termination_id.map(|t| t.to_i64(Kind::Argument, "termination_id")).transpose()?;
+        let stops = stop_word_ids
+            .iter()
+            .map(|w| w.to_i64s(Kind::Argument, "stop_word_ids"))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(admission::resume_finishes(&resume, limit, term, &stops))
     }
 
     /// The ledger's block pool (shared, not a copy): the engine's allocator.

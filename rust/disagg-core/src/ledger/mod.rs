@@ -9,6 +9,7 @@
 //! Time is an opaque `u64` chosen by the caller (nanoseconds of a monotonic clock in the
 //! drivers, a virtual counter in tests); nothing here reads a clock.
 
+pub mod admission;
 mod import;
 mod pin;
 mod quorum;
