@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from disagg_rs._core import (
+    CompletionQuorum,
     ImportLedger,
     LedgerAction,
 )
@@ -38,6 +39,8 @@ from disagg_rs.integrity import (
     IntegrityTable,
 )
 from disagg_rs.pending_handoff_imports import DeferredKvHandoff, PendingKvImport, PendingSSMImport
+
+_HandleState = Literal["running", "done", "timeout", "error"]
 
 
 def _sampling_limits(sampling_params: Any) -> tuple[int, int | None, list[list[int]]]:
@@ -363,21 +366,26 @@ class DecodeHandoff(HandoffBase):
         return DecodeHandoff._local_outcome_detail(pending)[0]
 
     @staticmethod
+    def _handle_state(handle: Any) -> tuple[_HandleState, str]:
+        """One poll of a transfer handle: ``running``, ``done``, ``timeout`` or ``error``, and
+        the error's text."""
+        try:
+            return ("done" if handle.poll() else "running"), ""
+        except TransferTimeout as e:
+            return "timeout", f"{type(e).__name__}: {e}"
+        except TransferError as e:
+            return "error", f"{type(e).__name__}: {e}"
+
+    @staticmethod
     def _local_outcome_detail(pending: RankImport) -> tuple[str | None, str]:
-        """``_local_outcome`` and, for a failure, the first error this rank saw."""
-        outcome = "ok" if pending.failed_locally is None else "error"
-        detail = pending.failed_locally or ""
-        for h in pending.handles:
-            try:
-                if not h.poll():
-                    return None, ""
-            except TransferTimeout as e:
-                outcome = "may_still_write"
-                detail = detail or f"{type(e).__name__}: {e}"
-            except TransferError as e:
-                outcome = "error" if outcome == "ok" else outcome
-                detail = detail or f"{type(e).__name__}: {e}"
-        return outcome, detail
+        """``_local_outcome`` and, for a failure, the first error this rank saw (the outcome
+        is folded by :meth:`disagg_rs.CompletionQuorum.local_outcome`)."""
+        polled = [DecodeHandoff._handle_state(h) for h in pending.handles]
+        outcome = CompletionQuorum.local_outcome(
+            pending.failed_locally is not None, [state for state, _ in polled]
+        )
+        errors = [pending.failed_locally or "", *(text for _, text in polled)]
+        return outcome, max(errors, key=bool)  # the first non-empty one (max keeps the first)
 
     def _report_completed_kv_imports(self) -> None:
         """Report locally terminal imports: a ledger-driven engine shares each rank's outcome

@@ -16,7 +16,6 @@ from disagg_rs._core import (
 from disagg_rs.exceptions import (
     DisaggError,
     HandoffStateError,
-    MetadataError,
 )
 from disagg_rs.handoff.base import (
     HandoffBase,
@@ -29,6 +28,45 @@ from disagg_rs.integrity import (
     IntegrityTable,
     chunk_tokens_for,
 )
+
+
+def handoff_ticket(
+    *,
+    src_block_ids: list[int],
+    src_block_size_tokens: int,
+    src_ssm_slot: int | None,
+    resume_tokens: list[int],
+    pin_epoch: int,
+    lease_ns: int,
+    lease_until_wall_ns: int | None = None,
+    integrity: Any = None,
+    staged: Mapping[int, list[dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """The handoff ticket a ledger-driven prefill announces for one pinned request: the one
+    place its fields are assembled.
+
+    ``src_block_ids`` / ``src_ssm_slot`` are the pinned source state, ``resume_tokens`` the
+    tokens the decode continues from, ``pin_epoch`` the pin's epoch, ``lease_ns`` its lease
+    and ``lease_until_wall_ns`` the lease's end on the prefill's wall clock (when it reads
+    one). ``integrity`` is the digest table in wire form, ``staged`` the packed staging
+    tickets by decode rank; absent optional fields are left out of the ticket. The
+    coordinator adds ``prefill_meta`` (the prefill's static metadata) on its way to a decode.
+    """
+    ticket: dict[str, Any] = {
+        "src_block_ids": list(src_block_ids),
+        "src_block_size_tokens": int(src_block_size_tokens),
+        "src_ssm_slot": src_ssm_slot,
+        "resume_tokens": list(resume_tokens),
+        "pin_epoch": int(pin_epoch),
+        "lease_ns": int(lease_ns),
+    }
+    optional = {
+        "lease_until_wall_ns": lease_until_wall_ns,
+        "integrity": integrity,
+        "staged": dict(staged) if staged else None,
+    }
+    ticket.update((key, value) for key, value in optional.items() if value is not None)
+    return ticket
 
 
 def with_push_destination(
@@ -129,22 +167,18 @@ class PrefillHandoff(HandoffBase):
         )
         engine.block_pool.release(blocks)
         self._event(("pinned", rid, f"{len(blocks)} blocks slot={slot}"))
-        ticket: dict[str, Any] = {
-            "src_block_ids": blocks,
-            "src_block_size_tokens": self._host().block_size_tokens,
-            "src_ssm_slot": slot,
-            "resume_tokens": [int(request.first_token)],
-            "pin_epoch": epoch,
-            "lease_ns": self.handoff_lease_ns,
-        }
-        if self.handoff_wall_now_ns is not None:
-            ticket["lease_until_wall_ns"] = self.handoff_wall_now_ns + self.handoff_lease_ns
-        if integrity is not None:
-            ticket["integrity"] = integrity.to_wire()
-        staged = self._stage_for_decode(rid, blocks, len(request.prompt), decode_metas)
-        if staged:
-            ticket["staged"] = staged
-        return ticket
+        wall = self.handoff_wall_now_ns
+        return handoff_ticket(
+            src_block_ids=blocks,
+            src_block_size_tokens=engine.block_size_tokens,
+            src_ssm_slot=slot,
+            resume_tokens=[int(request.first_token)],
+            pin_epoch=epoch,
+            lease_ns=self.handoff_lease_ns,
+            lease_until_wall_ns=None if wall is None else wall + self.handoff_lease_ns,
+            integrity=None if integrity is None else integrity.to_wire(),
+            staged=self._stage_for_decode(rid, blocks, len(request.prompt), decode_metas),
+        )
 
     def _integrity_table_of(
         self, block_ids: list[int], num_tokens: int, ssm_slot: int | None
@@ -272,54 +306,32 @@ class PrefillHandoff(HandoffBase):
         if not self._ledger_driven():
             self._whole()._push_reference_handoff_kv(request_id, decode_metas)
             return
-        pins = self._pins()
-        blocks = pins.pinned_blocks(request_id)
-        epoch = pins.epoch_of(request_id)
-        if blocks is None or epoch is None:
-            raise HandoffStateError(
-                f"request {request_id} has no pinned handoff to push", "request_id"
-            )
         _tag(request_id, "kv")  # an id that cannot be tagged is refused before the push starts
-        slot = pins.pinned_ssm_slot(request_id)
-        destination = next((m["destination"] for m in decode_metas if "destination" in m), None)
-        if destination is None:
-            raise MetadataError(
-                f"request {request_id}: decode_metas carry no 'destination' (attach the "
-                "decode's posted destination with with_push_destination)",
-                "destination",
-            )
-        for key in ("dst_block_ids", "num_tokens") + (
-            ("dst_ssm_slot",) if slot is not None else ()
-        ):
-            if key not in destination:
-                raise MetadataError(
-                    f"request {request_id}: push destination has no {key!r}", "destination"
-                )
-        token_start = int(destination.get("token_start", 0))
-        first_src = token_start // self._host().block_size_tokens
+        # Validated (pin, destination, token range), then marked in flight: all in the ledger.
+        plan = self._pins().start_push(request_id, decode_metas)
+        epoch = plan["epoch"]
         own = self.handoff_static_meta["ranks"]
         kv_metas = [r["kv"] for r in decode_metas if r.get("kv") is not None]
-        pins.begin_push(request_id, epoch)
         handles = []
         if self._kv_backend is not None and kv_metas:
             handles.append(
                 self._kv_backend.begin_push_blocks(
                     kv_metas,
-                    blocks[first_src:],
-                    destination["dst_block_ids"],
+                    plan["src_block_ids"],
+                    plan["dst_block_ids"],
                     src_metas=[r["kv"] for r in own if r.get("kv") is not None],
-                    num_tokens=int(destination["num_tokens"]) - token_start,
+                    num_tokens=plan["num_tokens"],
                     tag=_tag(request_id, "kv"),
                 )
             )
-        if slot is not None:
+        if plan["src_ssm_slot"] is not None:
             for kind, backend in self._ssm_backends.items():
                 metas = [r[kind] for r in decode_metas if r.get(kind) is not None]
                 handles.append(
                     backend.begin_push_blocks(
                         metas,
-                        [slot],
-                        [int(destination["dst_ssm_slot"])],
+                        [plan["src_ssm_slot"]],
+                        [plan["dst_ssm_slot"]],
                         src_metas=[r[kind] for r in own if r.get(kind) is not None],
                         tag=_tag(request_id, kind),
                     )

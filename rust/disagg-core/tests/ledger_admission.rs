@@ -5,6 +5,7 @@ use disagg_core::ledger::admission::{
     check_prefilled_admission, continuation_blocks, import_deadline, resume_finishes,
     source_lease_end, BatchRoom, DecodeSettings, PrefilledRequest,
 };
+use disagg_core::ledger::{HandleState, RankOutcome};
 use disagg_core::DisaggError;
 use proptest::prelude::*;
 
@@ -121,6 +122,45 @@ proptest! {
             }
             _ => prop_assert_eq!(got.unwrap(), None),
         }
+    }
+}
+
+fn handle_state() -> impl Strategy<Value = HandleState> {
+    prop_oneof![
+        Just(HandleState::Running),
+        Just(HandleState::Done),
+        Just(HandleState::TimedOut),
+        Just(HandleState::Failed),
+    ]
+}
+
+/// The fold as the handles are polled one by one: wait at the first running handle; a timeout
+/// outranks an error, an error outranks ok.
+fn fold_oracle(failed_locally: bool, handles: &[HandleState]) -> Option<RankOutcome> {
+    let mut outcome = if failed_locally { RankOutcome::Error } else { RankOutcome::Ok };
+    for h in handles {
+        match h {
+            HandleState::Running => return None,
+            HandleState::TimedOut => outcome = RankOutcome::MayStillWrite,
+            HandleState::Failed if outcome == RankOutcome::Ok => outcome = RankOutcome::Error,
+            _ => {}
+        }
+    }
+    Some(outcome)
+}
+
+proptest! {
+    #[test]
+    fn a_rank_outcome_waits_for_every_handle_then_prefers_may_still_write_to_error(
+        failed_locally: bool, handles in proptest::collection::vec(handle_state(), 0..5),
+    ) {
+        let got = RankOutcome::fold_local(failed_locally, &handles);
+        prop_assert_eq!(got, fold_oracle(failed_locally, &handles));
+        // Only a quiet outcome lets the destinations go back to the pool.
+        prop_assert_eq!(
+            got.is_some_and(RankOutcome::is_quiet),
+            got.is_some() && !handles.contains(&HandleState::TimedOut)
+        );
     }
 }
 

@@ -5,11 +5,13 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use disagg_core::ledger::admission::{self, BatchRoom};
+use disagg_core::ledger::{HandleState, PushDestination};
 use disagg_core::{
     CompletionQuorum, DisaggError, ImportLedger, ImportLedgerConfig, ImportRequest, LedgerAction,
     PinLedger, QuorumDecision, RankOutcome, SourceLease,
 };
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::args::{describe, Flag, Int, IntList, Kind, Text};
 use crate::error::{to_pyerr, wire_err, IntoPyResult};
@@ -146,6 +148,31 @@ fn ticket_int(request_id: u64, field: &str, v: &Bound<'_, PyAny>) -> PyResult<i1
             format!("request {request_id}: ticket {field}={} must be an int", describe(v)),
         )
     })
+}
+
+/// The `destination` one decode rank's metadata states (`None` when it states none).
+fn push_destination(meta: &Bound<'_, PyAny>) -> PyResult<Option<PushDestination>> {
+    let Ok(meta) = meta.cast::<PyDict>() else { return Ok(None) };
+    let Some(dest) = meta.get_item("destination")? else { return Ok(None) };
+    let dest = dest
+        .cast_into::<PyDict>()
+        .map_err(|_| wire_err("destination", "a push destination must be a dict".to_owned()))?;
+    // A key holding None states nothing, like a missing key.
+    let get = |key: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
+        Ok(dest.get_item(key)?.filter(|v| !v.is_none()))
+    };
+    let int = |key: &str| -> PyResult<Option<u32>> {
+        get(key)?.map(|v| v.extract::<Int>()?.to_u32(Kind::Argument, key)).transpose()
+    };
+    let dst_block_ids = get("dst_block_ids")?
+        .map(|v| v.extract::<IntList>()?.to_u32s(Kind::Block, "dst_block_ids"))
+        .transpose()?;
+    Ok(Some(PushDestination {
+        dst_block_ids,
+        num_tokens: int("num_tokens")?,
+        token_start: int("token_start")?.unwrap_or(0),
+        dst_ssm_slot: int("dst_ssm_slot")?,
+    }))
 }
 
 /// Decode-side import ledger over its own block and SSM slot pools.
@@ -659,6 +686,30 @@ impl PyPinLedger {
         lock(&self.inner)?.pin(r, &ids, slot, lease, n).py()
     }
 
+    /// Plan a push of a pinned handoff to the `destination` of the first entry of
+    /// `decode_metas` (one per decode rank) that states one, and mark it in flight; refuses,
+    /// changing nothing, what `PushDestination` lacks. Returns `epoch`, `src_block_ids`,
+    /// `dst_block_ids`, `num_tokens` (to send), `src_ssm_slot` and `dst_ssm_slot`.
+    fn start_push<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: Int,
+        decode_metas: Vec<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let request_id = u64_arg("request_id", request_id)?;
+        let destinations =
+            decode_metas.iter().map(push_destination).collect::<PyResult<Vec<_>>>()?;
+        let plan = lock(&self.inner)?.start_push(request_id, &destinations).py()?;
+        let out = PyDict::new(py);
+        out.set_item("epoch", plan.epoch)?;
+        out.set_item("src_block_ids", plan.src_block_ids)?;
+        out.set_item("dst_block_ids", plan.dst_block_ids)?;
+        out.set_item("num_tokens", plan.num_tokens)?;
+        out.set_item("src_ssm_slot", plan.src_ssm_slot)?;
+        out.set_item("dst_ssm_slot", plan.dst_ssm_slot)?;
+        Ok(out)
+    }
+
     /// A push send started reading the pin (two-sided transports).
     fn begin_push(&self, request_id: Int, epoch: Int) -> PyResult<()> {
         let (r, e) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?);
@@ -756,6 +807,22 @@ impl PyCompletionQuorum {
         Ok(Self {
             inner: Mutex::new(CompletionQuorum::new(u32_arg("world_size", world_size)?).py()?),
         })
+    }
+
+    /// This rank's outcome of one import from its transfer handles' states (`"running"`,
+    /// `"done"`, `"timeout"`, `"error"`): `None` while one runs, else `"may_still_write"`,
+    /// `"error"` or `"ok"` (see `RankOutcome::fold_local`).
+    #[staticmethod]
+    fn local_outcome(
+        failed_locally: Flag,
+        handle_states: Vec<Text>,
+    ) -> PyResult<Option<&'static str>> {
+        let states = handle_states
+            .iter()
+            .map(|t| HandleState::parse(t.get("handle_states")?).py())
+            .collect::<PyResult<Vec<_>>>()?;
+        let failed = failed_locally.get("failed_locally")?;
+        Ok(RankOutcome::fold_local(failed, &states).map(RankOutcome::name))
     }
 
     /// Number of ranks.

@@ -17,8 +17,8 @@ mod quorum;
 pub use import::{
     ImportCounters, ImportLedger, ImportLedgerConfig, ImportRequest, SourceLease, StartImport,
 };
-pub use pin::{PinCounters, PinLedger};
-pub use quorum::{CompletionQuorum, QuorumDecision, RankOutcome};
+pub use pin::{PinCounters, PinLedger, PushDestination, PushPlan};
+pub use quorum::{CompletionQuorum, HandleState, QuorumDecision, RankOutcome};
 
 /// Why a handoff failed (the reason of a [`LedgerAction::Fail`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
