@@ -308,8 +308,9 @@ class PrefillHandoff(HandoffBase):
             return
         _tag(request_id, "kv")  # an id that cannot be tagged is refused before the push starts
         # Validated (pin, destination, token range), then marked in flight: all in the ledger.
-        plan = self._pins().start_push(request_id, decode_metas)
-        epoch = plan["epoch"]
+        epoch, src_ids, dst_ids, num_tokens, src_slot, dst_slot = self._pins().start_push(
+            request_id, decode_metas
+        )
         own = self.handoff_static_meta["ranks"]
         kv_metas = [r["kv"] for r in decode_metas if r.get("kv") is not None]
         handles = []
@@ -317,21 +318,21 @@ class PrefillHandoff(HandoffBase):
             handles.append(
                 self._kv_backend.begin_push_blocks(
                     kv_metas,
-                    plan["src_block_ids"],
-                    plan["dst_block_ids"],
+                    src_ids,
+                    dst_ids,
                     src_metas=[r["kv"] for r in own if r.get("kv") is not None],
-                    num_tokens=plan["num_tokens"],
+                    num_tokens=num_tokens,
                     tag=_tag(request_id, "kv"),
                 )
             )
-        if plan["src_ssm_slot"] is not None:
+        if src_slot is not None:
             for kind, backend in self._ssm_backends.items():
                 metas = [r[kind] for r in decode_metas if r.get(kind) is not None]
                 handles.append(
                     backend.begin_push_blocks(
                         metas,
-                        [plan["src_ssm_slot"]],
-                        [plan["dst_ssm_slot"]],
+                        [src_slot],
+                        [dst_slot],
                         src_metas=[r[kind] for r in own if r.get(kind) is not None],
                         tag=_tag(request_id, kind),
                     )

@@ -150,6 +150,9 @@ fn ticket_int(request_id: u64, field: &str, v: &Bound<'_, PyAny>) -> PyResult<i1
     })
 }
 
+/// A push plan as Python receives it (see `PyPinLedger::start_push`).
+type PushTuple = (u64, Vec<u32>, Vec<u32>, u32, Option<u32>, Option<u32>);
+
 /// The `destination` one decode rank's metadata states (`None` when it states none).
 fn push_destination(meta: &Bound<'_, PyAny>) -> PyResult<Option<PushDestination>> {
     let Ok(meta) = meta.cast::<PyDict>() else { return Ok(None) };
@@ -688,26 +691,25 @@ impl PyPinLedger {
 
     /// Plan a push of a pinned handoff to the `destination` of the first entry of
     /// `decode_metas` (one per decode rank) that states one, and mark it in flight; refuses,
-    /// changing nothing, what `PushDestination` lacks. Returns `epoch`, `src_block_ids`,
-    /// `dst_block_ids`, `num_tokens` (to send), `src_ssm_slot` and `dst_ssm_slot`.
-    fn start_push<'py>(
+    /// changing nothing, what `PushDestination` lacks. Returns `(epoch, src_block_ids,
+    /// dst_block_ids, num_tokens, src_ssm_slot, dst_ssm_slot)`: `num_tokens` tokens to send.
+    fn start_push(
         &self,
-        py: Python<'py>,
         request_id: Int,
-        decode_metas: Vec<Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyDict>> {
+        decode_metas: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<PushTuple> {
         let request_id = u64_arg("request_id", request_id)?;
         let destinations =
             decode_metas.iter().map(push_destination).collect::<PyResult<Vec<_>>>()?;
-        let plan = lock(&self.inner)?.start_push(request_id, &destinations).py()?;
-        let out = PyDict::new(py);
-        out.set_item("epoch", plan.epoch)?;
-        out.set_item("src_block_ids", plan.src_block_ids)?;
-        out.set_item("dst_block_ids", plan.dst_block_ids)?;
-        out.set_item("num_tokens", plan.num_tokens)?;
-        out.set_item("src_ssm_slot", plan.src_ssm_slot)?;
-        out.set_item("dst_ssm_slot", plan.dst_ssm_slot)?;
-        Ok(out)
+        let p = lock(&self.inner)?.start_push(request_id, &destinations).py()?;
+        Ok((
+            p.epoch,
+            p.src_block_ids,
+            p.dst_block_ids,
+            p.num_tokens,
+            p.src_ssm_slot,
+            p.dst_ssm_slot,
+        ))
     }
 
     /// A push send started reading the pin (two-sided transports).
