@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from disagg_rs.exceptions import HandoffStateError, ResetRefusedError
+from disagg_rs import ImportLedger
+from disagg_rs.exceptions import HandoffStateError, MetadataError, ResetRefusedError
+from disagg_rs.handoff.prefill import handoff_ticket
 from disagg_rs.reference import EngineConfig, ReferenceEngine, hybrid_model
 from disagg_rs.reference.handoff import HandoffReferenceEngine
 
@@ -257,3 +259,41 @@ def test_metrics_record_bytes_latency_and_queue_depths_and_serve_over_http(pair:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+# -- the ticket and the decisions the decode side takes from the ledger ----------------------------
+def test_the_prefill_ticket_is_assembled_in_one_place_with_optional_fields_only_when_set() -> None:
+    base = dict(
+        src_block_ids=[4, 9],
+        src_block_size_tokens=16,
+        src_ssm_slot=None,
+        resume_tokens=[7],
+        pin_epoch=3,
+        lease_ns=10,
+    )
+    plain = handoff_ticket(**base, staged={})
+    assert plain == {**base, "src_block_ids": [4, 9], "resume_tokens": [7]}
+    full = handoff_ticket(
+        **base, lease_until_wall_ns=0, integrity={"v": 1}, staged={1: [{"staged": True}]}
+    )
+    assert full["lease_until_wall_ns"] == 0 and full["integrity"] == {"v": 1}
+    assert full["staged"] == {1: [{"staged": True}]}
+
+
+@pytest.mark.parametrize("lease", [True, 1.5, "soon", 1, -4])
+def test_a_ticket_lease_that_is_not_an_int_of_at_least_two_is_a_metadata_error_naming_it(
+    lease: Any,
+) -> None:
+    with pytest.raises(MetadataError) as info:
+        ImportLedger.import_deadline(1, 100, 1_000, lease)
+    assert info.value.field == "lease_ns"
+    assert ImportLedger.import_deadline(1, 100, 1_000, 600) == 400  # half the lease, sooner
+
+
+def test_a_source_lease_end_is_read_only_against_a_wall_clock_and_must_be_an_int() -> None:
+    assert ImportLedger.source_lease(1, 50, None) == (None, None)
+    assert ImportLedger.source_lease(1, None, 40) == (None, None)
+    assert ImportLedger.source_lease(1, 50, 40) == (50, 40)
+    with pytest.raises(MetadataError) as info:
+        ImportLedger.source_lease(1, "later", 40)
+    assert info.value.field == "lease_until_wall_ns"

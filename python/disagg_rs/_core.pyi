@@ -441,6 +441,50 @@ class ImportLedger:
     def block_pool(self) -> BlockPool: ...
     @property
     def slot_pool(self) -> SlotPool: ...
+    LEASE_READ_PERCENT: ClassVar[int]
+    @staticmethod
+    def continuation_blocks(
+        prompt_length: int, input_token_count: int, block_size: int, mtp_kv_cache: bool = False
+    ) -> int: ...
+    @staticmethod
+    def batch_fits(
+        total_request_count: int,
+        max_requests: int,
+        active_token_count: int,
+        max_tokens: int,
+        input_tokens: int,
+    ) -> bool: ...
+    @staticmethod
+    def check_prefilled_admission(
+        request_id: int,
+        prompt_length: int,
+        prompt_blocks: int,
+        continuation_blocks: int,
+        input_tokens: int,
+        *,
+        has_ssm_slot: bool,
+        block_size: int,
+        num_speculative_tokens: int,
+        mtp_kv_cache: bool,
+        hybrid: bool,
+        total_request_count: int,
+        max_requests: int,
+        active_token_count: int,
+        max_tokens: int,
+    ) -> None: ...
+    @staticmethod
+    def import_deadline(request_id: int, now: int, timeout: int, lease_ns: Any = None) -> int: ...
+    @staticmethod
+    def source_lease(
+        request_id: int, lease_until_wall_ns: Any = None, now_wall: int | None = None
+    ) -> tuple[int, int] | tuple[None, None]: ...
+    @staticmethod
+    def resume_finishes(
+        resume_tokens: Sequence[int],
+        max_new_tokens: int,
+        termination_id: int | None = None,
+        stop_word_ids: Sequence[Sequence[int]] = [],
+    ) -> bool: ...
     def submit(
         self,
         request_id: int,
@@ -508,6 +552,9 @@ class PinLedger:
         lease_until: int,
         now: int,
     ) -> int: ...
+    def start_push(
+        self, request_id: int, decode_metas: Sequence[Any]
+    ) -> tuple[int, list[int], list[int], int, int | None, int | None]: ...
     def begin_push(self, request_id: int, epoch: int) -> None: ...
     def push_settled(self, request_id: int, epoch: int) -> list[LedgerAction]: ...
     def release(self, request_id: int, epoch: int | None = None) -> list[LedgerAction]: ...
@@ -527,6 +574,11 @@ class PinLedger:
 @final
 class CompletionQuorum:
     def __new__(cls, world_size: int) -> CompletionQuorum: ...
+    @staticmethod
+    def local_outcome(
+        failed_locally: bool,
+        handle_states: Sequence[Literal["running", "done", "timeout", "error"]],
+    ) -> _Outcome | None: ...
     @property
     def world_size(self) -> int: ...
     @property

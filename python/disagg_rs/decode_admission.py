@@ -14,13 +14,10 @@ from typing import Any
 
 import torch
 
-from disagg_rs.exceptions import BlockIdError, HandoffStateError, MetadataError
+from disagg_rs._core import ImportLedger
+from disagg_rs.exceptions import HandoffStateError, MetadataError
 
 __all__ = ["additional_decode_blocks", "admit_prefilled_decode", "can_admit_prefilled_decode"]
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def additional_decode_blocks(
@@ -28,17 +25,9 @@ def additional_decode_blocks(
 ) -> int:
     """Blocks an imported request needs beyond its prompt blocks: room for the resume tokens
     (sampled token plus speculative proposals) and, with a speculative KV cache, the drafts
-    beyond them."""
-    if block_size < 1:
-        raise MetadataError(f"block_size={block_size} must be >= 1", "block_size")
-    if prompt_length < 0 or input_token_count < 0:
-        raise MetadataError(
-            f"prompt_length={prompt_length} and input_token_count={input_token_count} must be >= 0",
-            "prompt_length",
-        )
-    drafts = max(0, input_token_count - 2) if mtp_kv_cache else 0
-    return _ceil_div(prompt_length + input_token_count + drafts, block_size) - _ceil_div(
-        prompt_length, block_size
+    beyond them (decided by :meth:`disagg_rs.ImportLedger.continuation_blocks`)."""
+    return ImportLedger.continuation_blocks(
+        prompt_length, input_token_count, block_size, mtp_kv_cache
     )
 
 
@@ -55,9 +44,13 @@ def can_admit_prefilled_decode(context: Any, input_token_count: int) -> bool:
             f"{context.chunked_prefill_request_id}",
             "num_prefill_requests",
         )
-    if context.total_request_count >= context.max_requests:
-        return False
-    return bool(context.active_token_count + input_token_count <= context.max_tokens)
+    return ImportLedger.batch_fits(
+        context.total_request_count,
+        context.max_requests,
+        context.active_token_count,
+        context.max_tokens,
+        input_token_count,
+    )
 
 
 def admit_prefilled_decode(
@@ -77,47 +70,30 @@ def admit_prefilled_decode(
     changes.
     """
     n_in = len(input_tokens)
-    if not can_admit_prefilled_decode(context, n_in):
-        raise HandoffStateError(
-            f"the decode batch cannot take request {request.request_id} now: "
-            f"total_request_count={context.total_request_count} of {context.max_requests}, "
-            f"active_token_count={context.active_token_count} + {n_in} of {context.max_tokens}",
-            "max_requests",
-        )
     bs = int(context.block_size_tokens)
     prompt_length = len(request.prompt_tokens)
-    want_prompt = _ceil_div(prompt_length, bs)
-    if len(prompt_block_ids) != want_prompt:
-        raise BlockIdError(
-            f"request {request.request_id}: len(prompt_block_ids)={len(prompt_block_ids)} but "
-            f"{prompt_length} prompt tokens at block_size={bs} need {want_prompt}",
-            "prompt_block_ids",
-        )
-    want_more = additional_decode_blocks(
-        prompt_length, n_in, bs, bool(getattr(context, "enable_mtp_kv_cache", False))
+    can_admit_prefilled_decode(context, n_in)  # refuses a context that holds prefill work
+    ImportLedger.check_prefilled_admission(
+        request.request_id,
+        prompt_length,
+        len(prompt_block_ids),
+        len(continuation_block_ids),
+        n_in,
+        has_ssm_slot=ssm_state_idx is not None,
+        block_size=bs,
+        num_speculative_tokens=context.num_speculative_tokens,
+        mtp_kv_cache=bool(getattr(context, "enable_mtp_kv_cache", False)),
+        hybrid=bool(context.is_hybrid_model),
+        total_request_count=context.total_request_count,
+        max_requests=context.max_requests,
+        active_token_count=context.active_token_count,
+        max_tokens=context.max_tokens,
     )
-    if len(continuation_block_ids) != want_more:
-        raise BlockIdError(
-            f"request {request.request_id}: len(continuation_block_ids)="
-            f"{len(continuation_block_ids)} but {n_in} input tokens need {want_more}",
-            "continuation_block_ids",
-        )
-    if n_in != context.num_speculative_tokens + 1:
-        raise MetadataError(
-            f"request {request.request_id}: len(input_tokens)={n_in} but the decode expects "
-            f"num_speculative_tokens+1={context.num_speculative_tokens + 1}",
-            "input_tokens",
-        )
     if request.get_metadata_types() != context.request_metadata_types:
         raise MetadataError(
             f"request {request.request_id}: metadata types {request.get_metadata_types()} differ "
             f"from the context's {context.request_metadata_types}",
             "request_metadata_types",
-        )
-    if context.is_hybrid_model and ssm_state_idx is None:
-        raise MetadataError(
-            f"request {request.request_id}: a hybrid model needs ssm_state_idx, got None",
-            "ssm_state_idx",
         )
 
     row = int(context.total_request_count)

@@ -4,14 +4,17 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use disagg_core::ledger::admission::{self, BatchRoom};
+use disagg_core::ledger::{HandleState, PushDestination};
 use disagg_core::{
     CompletionQuorum, DisaggError, ImportLedger, ImportLedgerConfig, ImportRequest, LedgerAction,
     PinLedger, QuorumDecision, RankOutcome, SourceLease,
 };
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
-use crate::args::{Flag, Int, IntList, Kind, Text};
-use crate::error::{to_pyerr, IntoPyResult};
+use crate::args::{describe, Flag, Int, IntList, Kind, Text};
+use crate::error::{to_pyerr, wire_err, IntoPyResult};
 use crate::pool::{
     ids_arg, lock, tokens_arg, u32_arg, u64_arg, BlockPoolOwner, PyBlockPool, PySlotPool,
     SlotPoolOwner,
@@ -125,6 +128,56 @@ fn actions(v: Vec<LedgerAction>) -> Vec<PyLedgerAction> {
     v.into_iter().map(PyLedgerAction::from_core).collect()
 }
 
+/// A decode batch's occupancy from its context's counts.
+fn batch_room(total: Int, max_requests: Int, active: Int, max_tokens: Int) -> PyResult<BatchRoom> {
+    Ok(BatchRoom {
+        total_requests: u64_arg("total_request_count", total)?,
+        max_requests: u64_arg("max_requests", max_requests)?,
+        active_tokens: u64_arg("active_token_count", active)?,
+        max_tokens: u64_arg("max_tokens", max_tokens)?,
+    })
+}
+
+/// A ticket's integer field: anything else (a bool, a float, a string) is a `MetadataError`
+/// naming the field.
+fn ticket_int(request_id: u64, field: &str, v: &Bound<'_, PyAny>) -> PyResult<i128> {
+    let int = v.extract::<Int>()?;
+    int.in_range(Kind::Argument, field, i128::MIN, i128::MAX, "2**127").map_err(|_| {
+        wire_err(
+            field,
+            format!("request {request_id}: ticket {field}={} must be an int", describe(v)),
+        )
+    })
+}
+
+/// A push plan as Python receives it (see `PyPinLedger::start_push`).
+type PushTuple = (u64, Vec<u32>, Vec<u32>, u32, Option<u32>, Option<u32>);
+
+/// The `destination` one decode rank's metadata states (`None` when it states none).
+fn push_destination(meta: &Bound<'_, PyAny>) -> PyResult<Option<PushDestination>> {
+    let Ok(meta) = meta.cast::<PyDict>() else { return Ok(None) };
+    let Some(dest) = meta.get_item("destination")? else { return Ok(None) };
+    let dest = dest
+        .cast_into::<PyDict>()
+        .map_err(|_| wire_err("destination", "a push destination must be a dict".to_owned()))?;
+    // A key holding None states nothing, like a missing key.
+    let get = |key: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
+        Ok(dest.get_item(key)?.filter(|v| !v.is_none()))
+    };
+    let int = |key: &str| -> PyResult<Option<u32>> {
+        get(key)?.map(|v| v.extract::<Int>()?.to_u32(Kind::Argument, key)).transpose()
+    };
+    let dst_block_ids = get("dst_block_ids")?
+        .map(|v| v.extract::<IntList>()?.to_u32s(Kind::Block, "dst_block_ids"))
+        .transpose()?;
+    Ok(Some(PushDestination {
+        dst_block_ids,
+        num_tokens: int("num_tokens")?,
+        token_start: int("token_start")?.unwrap_or(0),
+        dst_ssm_slot: int("dst_ssm_slot")?,
+    }))
+}
+
 /// Decode-side import ledger over its own block and SSM slot pools.
 #[pyclass(name = "ImportLedger", module = "disagg_rs", frozen)]
 pub struct PyImportLedger {
@@ -169,6 +222,150 @@ impl PyImportLedger {
         )
         .py()?;
         Ok(Self { inner: Arc::new(Mutex::new(l)) })
+    }
+
+    /// Share of the source's pin lease (percent) an import may use, submit to admission.
+    #[classattr]
+    const LEASE_READ_PERCENT: u64 = admission::LEASE_READ_PERCENT;
+
+    /// Blocks an imported request needs beyond its prompt blocks (its `input_token_count`
+    /// query tokens, plus the drafts of a speculative KV cache).
+    #[staticmethod]
+    #[pyo3(signature = (prompt_length, input_token_count, block_size, mtp_kv_cache=Flag::of(false)),
+        text_signature = "(prompt_length, input_token_count, block_size, mtp_kv_cache=False)")]
+    fn continuation_blocks(
+        prompt_length: Int,
+        input_token_count: Int,
+        block_size: Int,
+        mtp_kv_cache: Flag,
+    ) -> PyResult<u64> {
+        admission::continuation_blocks(
+            u64_arg("prompt_length", prompt_length)?,
+            u64_arg("input_token_count", input_token_count)?,
+            u64_arg("block_size", block_size)?,
+            mtp_kv_cache.get("mtp_kv_cache")?,
+        )
+        .py()
+    }
+
+    /// Whether one more request with `input_tokens` query tokens fits a decode batch of
+    /// `total_request_count` of `max_requests` requests and `active_token_count` of
+    /// `max_tokens` tokens.
+    #[staticmethod]
+    fn batch_fits(
+        total_request_count: Int,
+        max_requests: Int,
+        active_token_count: Int,
+        max_tokens: Int,
+        input_tokens: Int,
+    ) -> PyResult<bool> {
+        let room = batch_room(total_request_count, max_requests, active_token_count, max_tokens)?;
+        Ok(room.fits(u64_arg("input_tokens", input_tokens)?))
+    }
+
+    /// Check, before anything changes, that a prefilled request may enter the decode batch
+    /// now (see `disagg_rs.decode_admission.admit_prefilled_decode`).
+    #[staticmethod]
+    #[pyo3(signature = (
+        request_id, prompt_length, prompt_blocks, continuation_blocks, input_tokens, *,
+        has_ssm_slot, block_size, num_speculative_tokens, mtp_kv_cache, hybrid,
+        total_request_count, max_requests, active_token_count, max_tokens
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn check_prefilled_admission(
+        request_id: Int,
+        prompt_length: Int,
+        prompt_blocks: Int,
+        continuation_blocks: Int,
+        input_tokens: Int,
+        has_ssm_slot: Flag,
+        block_size: Int,
+        num_speculative_tokens: Int,
+        mtp_kv_cache: Flag,
+        hybrid: Flag,
+        total_request_count: Int,
+        max_requests: Int,
+        active_token_count: Int,
+        max_tokens: Int,
+    ) -> PyResult<()> {
+        let req = admission::PrefilledRequest {
+            request_id: u64_arg("request_id", request_id)?,
+            prompt_len: u64_arg("prompt_length", prompt_length)?,
+            prompt_blocks: u64_arg("prompt_blocks", prompt_blocks)?,
+            continuation_blocks: u64_arg("continuation_blocks", continuation_blocks)?,
+            input_tokens: u64_arg("input_tokens", input_tokens)?,
+            has_ssm_slot: has_ssm_slot.get("has_ssm_slot")?,
+        };
+        let settings = admission::DecodeSettings {
+            block_size: u64_arg("block_size", block_size)?,
+            num_speculative_tokens: u64_arg("num_speculative_tokens", num_speculative_tokens)?,
+            mtp_kv_cache: mtp_kv_cache.get("mtp_kv_cache")?,
+            hybrid: hybrid.get("hybrid")?,
+        };
+        let room = batch_room(total_request_count, max_requests, active_token_count, max_tokens)?;
+        admission::check_prefilled_admission(&req, &room, &settings).py()
+    }
+
+    /// The deadline of an import submitted at `now`: `timeout` after it, or sooner under the
+    /// ticket's source lease `lease_ns` (a `MetadataError` unless an int >= 2).
+    #[staticmethod]
+    #[pyo3(signature = (request_id, now, timeout, lease_ns=None))]
+    fn import_deadline(
+        request_id: Int,
+        now: Int,
+        timeout: Int,
+        lease_ns: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let request_id = u64_arg("request_id", request_id)?;
+        let lease = lease_ns.map(|v| ticket_int(request_id, "lease_ns", v)).transpose()?;
+        admission::import_deadline(
+            request_id,
+            u64_arg("now", now)?,
+            u64_arg("timeout", timeout)?,
+            lease,
+        )
+        .py()
+    }
+
+    /// `(lease_until_wall, now_wall)` for `submit` from the ticket's `lease_until_wall_ns`
+    /// and this side's wall clock: both, or `(None, None)` when either is missing.
+    #[staticmethod]
+    #[pyo3(signature = (request_id, lease_until_wall_ns=None, now_wall=None))]
+    fn source_lease(
+        request_id: Int,
+        lease_until_wall_ns: Option<&Bound<'_, PyAny>>,
+        now_wall: Option<Int>,
+    ) -> PyResult<(Option<u64>, Option<u64>)> {
+        let request_id = u64_arg("request_id", request_id)?;
+        let wall = now_wall.map(|w| w.to_i64(Kind::Argument, "now_wall")).transpose()?;
+        let end = match (lease_until_wall_ns, wall) {
+            (Some(v), Some(_)) => Some(ticket_int(request_id, "lease_until_wall_ns", v)?),
+            _ => None,
+        };
+        let lease = admission::source_lease_end(request_id, end, wall.map(i128::from)).py()?;
+        Ok(lease.map_or((None, None), |(e, w)| (Some(e), Some(w))))
+    }
+
+    /// Whether the handed-off `resume_tokens` already finish a request: its limit
+    /// `max_new_tokens`, its `termination_id` or one of its `stop_word_ids`.
+    #[staticmethod]
+    #[pyo3(signature = (resume_tokens, max_new_tokens, termination_id=None, stop_word_ids=Vec::new()),
+        text_signature = "(resume_tokens, max_new_tokens, termination_id=None, stop_word_ids=[])")]
+    fn resume_finishes(
+        resume_tokens: IntList,
+        max_new_tokens: Int,
+        termination_id: Option<Int>,
+        stop_word_ids: Vec<IntList>,
+    ) -> PyResult<bool> {
+        let resume = resume_tokens.to_i64s(Kind::Argument, "resume_tokens")?;
+        let limit = max_new_tokens.to_i64(Kind::Argument, "max_new_tokens")?;
+        let term =
+            termination_id.map(|t| t.to_i64(Kind::Argument, "termination_id")).transpose()?;
+        let stops = stop_word_ids
+            .iter()
+            .map(|w| w.to_i64s(Kind::Argument, "stop_word_ids"))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(admission::resume_finishes(&resume, limit, term, &stops))
     }
 
     /// The ledger's block pool (shared, not a copy): the engine's allocator.
@@ -492,6 +689,29 @@ impl PyPinLedger {
         lock(&self.inner)?.pin(r, &ids, slot, lease, n).py()
     }
 
+    /// Plan a push of a pinned handoff to the `destination` of the first entry of
+    /// `decode_metas` (one per decode rank) that states one, and mark it in flight; refuses,
+    /// changing nothing, what `PushDestination` lacks. Returns `(epoch, src_block_ids,
+    /// dst_block_ids, num_tokens, src_ssm_slot, dst_ssm_slot)`: `num_tokens` tokens to send.
+    fn start_push(
+        &self,
+        request_id: Int,
+        decode_metas: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<PushTuple> {
+        let request_id = u64_arg("request_id", request_id)?;
+        let destinations =
+            decode_metas.iter().map(push_destination).collect::<PyResult<Vec<_>>>()?;
+        let p = lock(&self.inner)?.start_push(request_id, &destinations).py()?;
+        Ok((
+            p.epoch,
+            p.src_block_ids,
+            p.dst_block_ids,
+            p.num_tokens,
+            p.src_ssm_slot,
+            p.dst_ssm_slot,
+        ))
+    }
+
     /// A push send started reading the pin (two-sided transports).
     fn begin_push(&self, request_id: Int, epoch: Int) -> PyResult<()> {
         let (r, e) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?);
@@ -589,6 +809,22 @@ impl PyCompletionQuorum {
         Ok(Self {
             inner: Mutex::new(CompletionQuorum::new(u32_arg("world_size", world_size)?).py()?),
         })
+    }
+
+    /// This rank's outcome of one import from its transfer handles' states (`"running"`,
+    /// `"done"`, `"timeout"`, `"error"`): `None` while one runs, else `"may_still_write"`,
+    /// `"error"` or `"ok"` (see `RankOutcome::fold_local`).
+    #[staticmethod]
+    fn local_outcome(
+        failed_locally: Flag,
+        handle_states: Vec<Text>,
+    ) -> PyResult<Option<&'static str>> {
+        let states = handle_states
+            .iter()
+            .map(|t| HandleState::parse(t.get("handle_states")?).py())
+            .collect::<PyResult<Vec<_>>>()?;
+        let failed = failed_locally.get("failed_locally")?;
+        Ok(RankOutcome::fold_local(failed, &states).map(RankOutcome::name))
     }
 
     /// Number of ranks.

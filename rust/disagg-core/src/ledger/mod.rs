@@ -9,6 +9,7 @@
 //! Time is an opaque `u64` chosen by the caller (nanoseconds of a monotonic clock in the
 //! drivers, a virtual counter in tests); nothing here reads a clock.
 
+pub mod admission;
 mod import;
 mod pin;
 mod quorum;
@@ -16,8 +17,8 @@ mod quorum;
 pub use import::{
     ImportCounters, ImportLedger, ImportLedgerConfig, ImportRequest, SourceLease, StartImport,
 };
-pub use pin::{PinCounters, PinLedger};
-pub use quorum::{CompletionQuorum, QuorumDecision, RankOutcome};
+pub use pin::{PinCounters, PinLedger, PushDestination, PushPlan};
+pub use quorum::{CompletionQuorum, HandleState, QuorumDecision, RankOutcome};
 
 /// Why a handoff failed (the reason of a [`LedgerAction::Fail`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -39,6 +39,39 @@ struct Pin {
     push: Push,
 }
 
+/// Where a decode posted the receives of a push, as its `destination` states it; a field it
+/// left out is `None`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PushDestination {
+    /// Decode blocks that receive the sent blocks, in token order.
+    pub dst_block_ids: Option<Vec<u32>>,
+    /// Prompt tokens of the request.
+    pub num_tokens: Option<u32>,
+    /// First prompt token the decode receives (it holds the ones before it).
+    pub token_start: u32,
+    /// Decode SSM slot that receives the state (hybrid models).
+    pub dst_ssm_slot: Option<u32>,
+}
+
+/// What one push of a pinned handoff sends: pinned blocks `src_block_ids` (from the block of
+/// the destination's `token_start` on) into `dst_block_ids`, `num_tokens` tokens in all, and the
+/// pinned SSM slot into `dst_ssm_slot`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushPlan {
+    /// The pin's epoch (its `push_settled` must carry it).
+    pub epoch: u64,
+    /// Pinned blocks to send.
+    pub src_block_ids: Vec<u32>,
+    /// Decode blocks that receive them.
+    pub dst_block_ids: Vec<u32>,
+    /// Tokens to send (the destination's `num_tokens - token_start`).
+    pub num_tokens: u32,
+    /// The pinned SSM slot, if any.
+    pub src_ssm_slot: Option<u32>,
+    /// The decode slot that receives it (given exactly when the pin has a slot).
+    pub dst_ssm_slot: Option<u32>,
+}
+
 /// Pins of finished prefill handoffs over the prefill engine's own pools.
 ///
 /// `pin` adds one reference to each block (the engine keeps and later drops its own) and takes
@@ -183,6 +216,74 @@ impl PinLedger {
 
     fn matches(&self, request_id: u64, epoch: Option<u64>) -> bool {
         self.pins.get(&request_id).is_some_and(|p| epoch.is_none_or(|e| e == p.epoch))
+    }
+
+    /// Plan a push of `request_id`'s pin to the first destination among `destinations` (one
+    /// entry per decode rank, `None` where a rank states none), then mark the push in flight.
+    /// Refuses, changing nothing, an unpinned request, a push already in flight, no
+    /// destination, a destination without `dst_block_ids` or `num_tokens` (or `dst_ssm_slot`
+    /// when the pin holds a slot), and a `token_start` past the prompt or the pinned blocks.
+    pub fn start_push(
+        &mut self,
+        request_id: u64,
+        destinations: &[Option<PushDestination>],
+    ) -> DisaggResult<PushPlan> {
+        let bs = self.pool.block_size_tokens();
+        let Some(pin) = self.pins.get(&request_id) else {
+            return Err(DisaggError::State {
+                request_id,
+                detail: "it has no pinned handoff to push".into(),
+            });
+        };
+        if pin.push != Push::Idle {
+            return Err(DisaggError::State {
+                request_id,
+                detail: format!("epoch {}: a push is already in flight", pin.epoch),
+            });
+        }
+        let Some(dest) = destinations.iter().flatten().next() else {
+            return Err(DisaggError::wire(
+                "destination",
+                format!(
+                    "request {request_id}: decode_metas carry no 'destination' (attach the \
+                     decode's posted destination with with_push_destination)"
+                ),
+            ));
+        };
+        let missing = |key: &str| {
+            DisaggError::wire(
+                "destination",
+                format!("request {request_id}: push destination has no '{key}'"),
+            )
+        };
+        let dst_block_ids = dest.dst_block_ids.clone().ok_or_else(|| missing("dst_block_ids"))?;
+        let num_tokens = dest.num_tokens.ok_or_else(|| missing("num_tokens"))?;
+        let dst_ssm_slot = match pin.slot {
+            Some(_) => Some(dest.dst_ssm_slot.ok_or_else(|| missing("dst_ssm_slot"))?),
+            None => None,
+        };
+        let first = (dest.token_start / bs) as usize;
+        if dest.token_start > num_tokens || first > pin.blocks.len() {
+            return Err(DisaggError::wire(
+                "token_start",
+                format!(
+                    "request {request_id}: push destination token_start={} is past num_tokens=\
+                     {num_tokens} or the {} pinned blocks of {bs} tokens",
+                    dest.token_start,
+                    pin.blocks.len()
+                ),
+            ));
+        }
+        let plan = PushPlan {
+            epoch: pin.epoch,
+            src_block_ids: pin.blocks[first..].to_vec(),
+            dst_block_ids,
+            num_tokens: num_tokens - dest.token_start,
+            src_ssm_slot: pin.slot,
+            dst_ssm_slot,
+        };
+        self.begin_push(request_id, plan.epoch)?;
+        Ok(plan)
     }
 
     /// A push send started reading the pinned blocks (two-sided transports).

@@ -47,6 +47,54 @@ impl RankOutcome {
     }
 }
 
+/// What one poll of a local transfer handle said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandleState {
+    /// Still moving data.
+    Running,
+    /// Completed.
+    Done,
+    /// Passed its deadline: the transport may still write.
+    TimedOut,
+    /// Failed and settled.
+    Failed,
+}
+
+impl HandleState {
+    /// Parse `running`, `done`, `timeout` or `error`.
+    pub fn parse(s: &str) -> DisaggResult<Self> {
+        match s {
+            "running" => Ok(Self::Running),
+            "done" => Ok(Self::Done),
+            "timeout" => Ok(Self::TimedOut),
+            "error" => Ok(Self::Failed),
+            other => Err(DisaggError::argument(
+                "handle_states",
+                format!("handle state {other:?} must be one of running, done, timeout, error"),
+            )),
+        }
+    }
+}
+
+impl RankOutcome {
+    /// This rank's terminal outcome of one import from its handles' states, or `None` while a
+    /// handle still runs (a start that threw after posting part of the import is an error only
+    /// once the parts already posted are terminal: until then they may write). A timed-out
+    /// handle makes it `MayStillWrite`; otherwise a failed start (`failed_locally`) or a
+    /// failed handle makes it `Error`.
+    pub fn fold_local(failed_locally: bool, handles: &[HandleState]) -> Option<Self> {
+        if handles.contains(&HandleState::Running) {
+            None
+        } else if handles.contains(&HandleState::TimedOut) {
+            Some(Self::MayStillWrite)
+        } else if failed_locally || handles.contains(&HandleState::Failed) {
+            Some(Self::Error)
+        } else {
+            Some(Self::Ok)
+        }
+    }
+}
+
 /// What the quorum decided for one attempt; each attempt gets at most one decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuorumDecision {
