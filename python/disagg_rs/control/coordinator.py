@@ -9,7 +9,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg_rs.control.messages import _ID, Msg, check_fields, check_timeout
+import msgpack
+
+from disagg_rs.control.messages import MAX_ID, Msg, check_fields, check_timeout
 from disagg_rs.exceptions import ArgumentError, MetadataError
 
 logger = logging.getLogger("disagg_rs.control")
@@ -174,10 +176,15 @@ class CoordinatorState:
             if not isinstance(kind, Msg):
                 raise MetadataError(f"message type {kind!r:.40} is not a Msg", "type")
             check_fields(msg)
-        except MetadataError as e:
+        except Exception as e:  # any input problem: MetadataError, or a dict that is no message
             self.malformed[name] += 1
             rid = msg.get("request_id") if isinstance(msg, dict) else None
-            if kind is Msg.SUBMIT and _ID(rid) and rid not in self.requests:
+            if (
+                kind is Msg.SUBMIT
+                and type(rid) is int
+                and 0 <= rid <= MAX_ID
+                and rid not in self.requests
+            ):
                 return [Outgoing(None, identity, Msg.FAILED, {"request_id": rid, "error": str(e)})]
             return []
         try:
@@ -186,6 +193,19 @@ class CoordinatorState:
             logger.exception("coordinator failed to apply a %s message", name)
             self.malformed[name] += 1
             return []
+
+    def refused(self, identity: bytes, data: bytes, error: MetadataError) -> list[Outgoing]:
+        """A frame refused at decode (``error``): a SUBMIT whose request id can be read gets
+        FAILED naming the bad field, so its client does not wait for its own timeout."""
+        try:
+            head = msgpack.unpackb(data, raw=False, strict_map_key=False)
+            rid = head["request_id"]
+            usable = head["type"] == "SUBMIT" and type(rid) is int and 0 <= rid <= MAX_ID
+        except Exception:  # not even a map with those keys: nobody to answer
+            return []
+        if not usable or rid in self.requests:
+            return []
+        return [Outgoing(None, identity, Msg.FAILED, {"request_id": rid, "error": str(error)})]
 
     def _apply(self, identity: bytes, msg: dict[str, Any], now: float) -> list[Outgoing]:
         kind: Msg = msg["type"]
@@ -334,8 +354,10 @@ class CoordinatorState:
             return self._fail(req, "no decode engine registered")
         ticket = dict(msg["ticket"])
         prefill = self.engines[req.prefill] if req.prefill else None
-        ticket.setdefault("prefill_engine_id", req.prefill)
-        ticket.setdefault("prefill_incarnation", prefill.incarnation if prefill else None)
+        # Provenance comes from the coordinator's own state, never from the sender's ticket.
+        ticket["prefill_engine_id"] = req.prefill
+        ticket["prefill_incarnation"] = prefill.incarnation if prefill else None
+        ticket["epoch"] = req.epoch
         first = list(ticket.get("resume_tokens", []))
         streamed = (
             [

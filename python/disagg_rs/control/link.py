@@ -15,7 +15,7 @@ from disagg_rs.control.messages import (
     decode_message,
     encode_message,
 )
-from disagg_rs.exceptions import MetadataError, TransferTimeout
+from disagg_rs.exceptions import TransferTimeout
 
 
 class EngineLink:
@@ -91,8 +91,8 @@ class EngineLink:
                     msg = decode_message(self._sock.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
-                except MetadataError:
-                    self.malformed += 1  # an undecodable frame never stops the engine
+                except Exception:  # any undecodable or invalid frame never stops the engine
+                    self.malformed += 1
                     continue
                 if msg["type"] in (Msg.REGISTERED, Msg.PEERS):
                     self.peers = dict(msg["peers"])

@@ -107,8 +107,9 @@ class CoordinatorServer:
                     continue
                 try:
                     msg = decode_message(data)
-                except MetadataError:
+                except MetadataError as e:
                     self.malformed += 1
+                    self._send(self.state.refused(identity, data, e))
                     continue
                 # handle() never raises on input; it counts refused messages itself.
                 self._send(self.state.handle(identity, msg, time.monotonic()))

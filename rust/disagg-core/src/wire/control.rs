@@ -289,6 +289,7 @@ fn check(ty: FieldType, value: &Value) -> Result<(), String> {
         },
         FieldType::Timeout => {
             let t = match value {
+                #[allow(clippy::cast_precision_loss)] // only compared with a bound of 86,400
                 Value::Int(i) => Some(*i as f64),
                 Value::Float(f) => Some(*f),
                 _ => None,
@@ -430,7 +431,9 @@ mod tests {
                 Value::Array(items) => {
                     out.push(0xdd);
                     out.extend_from_slice(&(items.len() as u32).to_be_bytes());
-                    items.iter().for_each(|i| val(out, i));
+                    for i in items {
+                        val(out, i);
+                    }
                 }
                 Value::Map(m) => {
                     out.push(0xdf);

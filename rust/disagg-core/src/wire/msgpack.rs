@@ -104,7 +104,7 @@ impl<'a> Reader<'a> {
         let tag = self.take(1)?[0];
         Ok(match tag {
             0x00..=0x7f => Value::Int(i64::from(tag)),
-            0xe0..=0xff => Value::Int(i64::from(tag as i8)),
+            0xe0..=0xff => Value::Int(i64::from(tag.cast_signed())),
             0xc0 => Value::Nil,
             0xc2 => Value::Bool(false),
             0xc3 => Value::Bool(true),
@@ -112,7 +112,7 @@ impl<'a> Reader<'a> {
             0xcd => uint(self.be(2)?),
             0xce => uint(self.be(4)?),
             0xcf => uint(self.be(8)?),
-            0xd0 => Value::Int(i64::from(self.take(1)?[0] as i8)),
+            0xd0 => Value::Int(i64::from(self.take(1)?[0].cast_signed())),
             0xd1 => {
                 let b = self.take(2)?;
                 Value::Int(i64::from(i16::from_be_bytes([b[0], b[1]])))
