@@ -28,6 +28,7 @@ after it.
 from __future__ import annotations
 
 from disagg_rs.control.coordinator import CoordinatorState, Outgoing
+from disagg_rs.control.keys import CurveKeys
 from disagg_rs.control.link import ControlClient, EngineLink
 from disagg_rs.control.messages import (
     MAX_NEW_TOKENS,
@@ -48,6 +49,7 @@ __all__ = [
     "ControlClient",
     "CoordinatorServer",
     "CoordinatorState",
+    "CurveKeys",
     "EngineLink",
     "Msg",
     "Outgoing",

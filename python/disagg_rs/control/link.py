@@ -8,6 +8,7 @@ from typing import Any
 
 import zmq
 
+from disagg_rs.control.keys import CurveKeys, connect_with
 from disagg_rs.control.messages import (
     MAX_FRAME_BYTES,
     Msg,
@@ -22,12 +23,22 @@ class EngineLink:
     """An engine's connection to the coordinator (rank 0 of each engine holds one)."""
 
     def __init__(
-        self, endpoint: str, engine_id: str, role: str, incarnation: int | None = None
+        self,
+        endpoint: str,
+        engine_id: str,
+        role: str,
+        incarnation: int | None = None,
+        keys: CurveKeys | None = None,
+        server_key: bytes | None = None,
     ) -> None:
+        """``keys`` and ``server_key``: this engine's CURVE key pair and the coordinator's
+        public key (both or neither)."""
         self.engine_id = engine_id
         self.role = role
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        if keys is not None and server_key is not None:
+            connect_with(self._sock, keys, server_key)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IDENTITY, f"{role}:{engine_id}:{self.incarnation}".encode())
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -111,8 +122,12 @@ class EngineLink:
 class ControlClient:
     """Submits requests and streams their tokens back."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(
+        self, endpoint: str, keys: CurveKeys | None = None, server_key: bytes | None = None
+    ) -> None:
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        if keys is not None and server_key is not None:
+            connect_with(self._sock, keys, server_key)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
 

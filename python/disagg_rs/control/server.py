@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from disagg_rs.control.coordinator import CoordinatorState, Outgoing
+from disagg_rs.control.keys import CurveKeys, serve_with
 from disagg_rs.control.messages import MAX_FRAME_BYTES, Msg, decode_message, encode_message
 from disagg_rs.exceptions import MetadataError
 
@@ -23,10 +27,36 @@ class CoordinatorServer:
         request_timeout_s: float = 60.0,
         push_transport: bool = False,
         engine_timeout_s: float | None = None,
+        keys: CurveKeys | None = None,
+        engine_keys: Mapping[str, bytes] | None = None,
+        client_keys: Collection[bytes] = (),
     ) -> None:
+        """With ``keys``, the socket is a CURVE server: only the public keys in ``engine_keys``
+        (engine id -> key) and ``client_keys`` may connect, and a message naming an engine id
+        counts only from that engine's key (others are dropped, counted in
+        ``unauthenticated``). Without keys the control plane is plain TCP: a warning is
+        logged."""
         self.state = CoordinatorState(request_timeout_s, push_transport, engine_timeout_s)
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._auth: ThreadAuthenticator | None = None
+        self._engine_keys = (
+            None if keys is None else {e: k.decode() for e, k in (engine_keys or {}).items()}
+        )
+        self.unauthenticated = 0
+        if keys is None:
+            self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+            logging.getLogger("disagg_rs.control").warning(
+                "control plane on %s without CURVE keys: any peer that reaches it is trusted",
+                endpoint,
+            )
+        else:
+            self._ctx = zmq.Context()  # one ZAP handler per context
+            allowed = {*(engine_keys or {}).values(), *client_keys}
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", credentials_provider=_AllowList(allowed))
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
+        if keys is not None:
+            serve_with(self._sock, keys)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -99,21 +129,38 @@ class CoordinatorServer:
         if self._sock.poll(timeout_ms):
             while True:
                 try:
-                    identity, data = self._sock.recv_multipart(zmq.NOBLOCK)
+                    identity_frame, frame = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 except ValueError:
                     self.malformed += 1
                     continue
+                identity, data = identity_frame.bytes, frame.bytes
                 try:
                     msg = decode_message(data)
                 except MetadataError as e:
                     self.malformed += 1
                     self._send(self.state.refused(identity, data, e))
                     continue
+                if not self._authentic(identity, frame, msg):
+                    self.unauthenticated += 1
+                    continue
                 # handle() never raises on input; it counts refused messages itself.
                 self._send(self.state.handle(identity, msg, time.monotonic()))
         self._send(self.state.poll(time.monotonic()))
+
+    def _authentic(self, identity: bytes, frame: zmq.Frame, msg: dict[str, Any]) -> bool:
+        """Whether ``msg`` comes from the key its engine id is bound to (clients: SUBMIT only)."""
+        if self._engine_keys is None:
+            return True
+        if msg["type"] in (Msg.REGISTER, Msg.HEARTBEAT):
+            claimed: str | None = msg["engine_id"]
+        else:
+            engines = self.state.engines.values()
+            claimed = next((e.engine_id for e in engines if e.identity == identity), None)
+        if claimed is None:
+            return bool(msg["type"] is Msg.SUBMIT)
+        return self._engine_keys.get(claimed) == frame.get("User-Id")
 
     def serve(self) -> None:
         """Run until :meth:`stop`."""
@@ -142,5 +189,18 @@ class CoordinatorServer:
         self._stop.set()
 
     def close(self) -> None:
-        """Close the socket."""
+        """Close the socket (and the authenticator)."""
         self._sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._ctx.term()
+
+
+class _AllowList:
+    """ZAP credentials provider: a connection is allowed if its public key is listed."""
+
+    def __init__(self, keys: Collection[bytes]) -> None:
+        self._keys = frozenset(keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self._keys
