@@ -42,10 +42,31 @@ DECODERS = (
 )
 
 
+def _state() -> control.CoordinatorState:
+    state = control.CoordinatorState(engine_timeout_s=1e9)
+    for ident, eid, role in ((b"prefill:p0:1", "p0", "prefill"), (b"decode:d0:1", "d0", "decode")):
+        frame = control.encode_message(
+            control.Msg.REGISTER, engine_id=eid, role=role, incarnation=1, meta={}
+        )
+        state.handle(ident, control.decode_message(frame), 0.0)
+    return state
+
+
+STATE = _state()
+
+
 def one_input(data: bytes) -> None:
     """Fuzz target: every decoder accepts or raises a typed error."""
-    with contextlib.suppress(DisaggError):
-        control.decode_message(data)
+    try:
+        msg = control.decode_message(data)
+    except DisaggError:
+        msg = None
+    if msg is not None:
+        # A decoded frame reaches the coordinator, with engines registered so that every
+        # message type finds a state to act on; handle() must never raise.
+        STATE.handle(b"prefill:p0:1", msg, 1.0)
+        STATE.handle(b"decode:d0:1", msg, 2.0)
+        STATE.poll(3.0)
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception:  # not a frame at all: nothing more to decode

@@ -247,9 +247,9 @@ def test_malformed_messages_raise_metadata_error(raw: bytes, field: str) -> None
     assert info.value.field == field
 
 
-def test_encoding_a_message_without_a_required_field_is_refused() -> None:
+def test_a_message_without_a_required_field_is_refused_at_decode() -> None:
     with pytest.raises(MetadataError, match="request_id"):
-        encode_message(Msg.SUBMIT, prompt=[1], max_new_tokens=1)
+        decode_message(encode_message(Msg.SUBMIT, prompt=[1], max_new_tokens=1))
 
 
 def _wait_for(link: EngineLink, kind: Msg, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -429,7 +429,14 @@ def test_a_submit_with_a_timeout_that_never_or_already_expired_fails_alone_with_
     state = _registered()
     out = state.handle(
         CLIENT,
-        _msg(Msg.SUBMIT, request_id=3, prompt=[1], max_new_tokens=2, timeout_s=timeout_s),
+        {
+            "type": Msg.SUBMIT,
+            "v": PROTOCOL_VERSION,
+            "request_id": 3,
+            "prompt": [1],
+            "max_new_tokens": 2,
+            "timeout_s": timeout_s,
+        },
         0.0,
     )
     assert _kinds(out) == [("client", "FAILED")]

@@ -36,10 +36,14 @@ def _seeds() -> list[bytes]:
     frames = [msgpack.packb(o, use_bin_type=True) for o in objects]
     frames.append(encode_message(Msg.SUBMIT, request_id=1, prompt=[1, 2], max_new_tokens=3))
     frames.append(encode_message(Msg.KV_IMPORTED, request_id=1, epoch=2, ok=True))
+    frames.append(encode_message(Msg.PREFILL_DONE, request_id=1, epoch=1, ticket={"a": [1]}))
+    frames.append(encode_message(Msg.DONE, request_id=1, epoch=1, tokens=[4, 5]))
+    frames.append(encode_message(Msg.HEARTBEAT, engine_id="p0", incarnation=1))
+    frames.append(encode_message(Msg.FAILED, request_id=1, error="x", quiet=True))
     return frames
 
 
-def test_atheris_finds_nothing_in_the_wire_decoders(tmp_path: Path) -> None:
+def test_atheris_finds_nothing_in_the_wire_decoders_or_the_coordinator(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i, frame in enumerate(_seeds()):

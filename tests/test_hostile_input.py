@@ -48,8 +48,11 @@ def _registered() -> CoordinatorState:
 
 
 def _raw(**fields: Any) -> dict[str, Any]:
-    """A frame as a peer could send it (any field values), decoded like the server does."""
-    return decode_message(msgpack.packb({"v": PROTOCOL_VERSION, **fields}, use_bin_type=True))
+    """A message as a peer could send it (any field values), handed to ``handle`` as a dict
+    (the server refuses such frames at decode already: tests/test_control_messages.py)."""
+    msg: dict[str, Any] = {"v": PROTOCOL_VERSION, **fields}
+    msg["type"] = Msg(msg["type"])
+    return msg
 
 
 def _flows(state: CoordinatorState, rid: int = 99) -> None:
@@ -79,8 +82,11 @@ def test_the_real_server_survives_a_shutdown_frame_and_answers_the_next_client()
     client = ControlClient(server.endpoint)
     try:
         sock.send(msgpack.packb({"type": "SHUTDOWN", "v": 2}))
-        client.submit(1, [1, 2], 1)  # no engines: answered FAILED, by a live coordinator
-        event = next(iter(client.events(10.0)))
+        # Sent on the same socket, so it arrives after the SHUTDOWN frame. No engines: answered
+        # FAILED, by a live coordinator.
+        sock.send(encode_message(Msg.SUBMIT, request_id=1, prompt=[1, 2], max_new_tokens=1))
+        assert sock.poll(60_000)
+        event = decode_message(sock.recv())
         assert event["type"] is Msg.FAILED and "no prefill engine" in event["error"]
         assert thread.is_alive() and server.state.malformed["SHUTDOWN"] == 1
     finally:

@@ -8,6 +8,7 @@
 
 mod args;
 mod compile;
+mod control;
 mod error;
 mod geometry;
 mod layout;
@@ -23,6 +24,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(error::_error_kinds, m)?)?;
     m.add_function(wrap_pyfunction!(error::_raise_sample_error, m)?)?;
+    m.add_function(wrap_pyfunction!(control::decode_control_message, m)?)?;
     m.add_class::<layout::PyKvShardLayout>()?;
     m.add_class::<layout::PySsmStateDims>()?;
     m.add_class::<layout::PySsmShardLayout>()?;

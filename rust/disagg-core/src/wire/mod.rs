@@ -6,5 +6,6 @@
 //! - [`control`]: control-plane messages, one schema per message type.
 
 pub mod control;
+pub mod msgpack;
 pub mod peer;
 pub mod ticket;

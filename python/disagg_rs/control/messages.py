@@ -1,0 +1,92 @@
+"""Control-plane messages: types, the wire encoding, limits."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgpack
+
+from disagg_rs._core import decode_control_message
+from disagg_rs.exceptions import ArgumentError, MetadataError
+
+PROTOCOL_VERSION = 2
+"""Version 2 added HEARTBEAT and FENCED (coordinator liveness)."""
+
+MAX_TIMEOUT_S = 86_400.0
+"""Largest request timeout a SUBMIT may ask for (one day)."""
+
+
+def check_timeout(value: Any, field: str = "timeout_s") -> float:
+    """``value`` as a timeout in seconds: a real number in ``(0, MAX_TIMEOUT_S]``. NaN, inf,
+    zero, negative, bool and non-numbers raise :class:`ArgumentError` naming ``field`` (a NaN
+    deadline would never pass)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentError(f"{field}={value!r:.60} must be a number of seconds", field)
+    t = float(value)
+    if not 0.0 < t <= MAX_TIMEOUT_S:  # also False for NaN
+        raise ArgumentError(f"{field}={value!r} must be in (0, {MAX_TIMEOUT_S:g}] seconds", field)
+    return t
+
+
+class Msg(str, enum.Enum):
+    """Control-plane message types."""
+
+    REGISTER = "REGISTER"
+    REGISTERED = "REGISTERED"
+    PEERS = "PEERS"
+    SUBMIT = "SUBMIT"
+    PREFILL = "PREFILL"
+    PREFILL_DONE = "PREFILL_DONE"
+    PREFILL_FAILED = "PREFILL_FAILED"
+    SUBMIT_REQUEST_WITH_KV = "SUBMIT_REQUEST_WITH_KV"
+    KV_RECV_POSTED = "KV_RECV_POSTED"
+    SEND_KV = "SEND_KV"
+    KV_IMPORTED = "KV_IMPORTED"
+    RELEASE_KV = "RELEASE_KV"
+    TOKENS = "TOKENS"
+    DONE = "DONE"
+    FAILED = "FAILED"
+    ABORT = "ABORT"
+    SHUTDOWN = "SHUTDOWN"
+    HEARTBEAT = "HEARTBEAT"
+    FENCED = "FENCED"
+
+
+MAX_PROMPT_TOKENS = 1 << 20
+"""Longest prompt a SUBMIT may carry."""
+MAX_NEW_TOKENS = 1 << 20
+"""Largest ``max_new_tokens`` a SUBMIT may ask for."""
+MAX_ID = (1 << 63) - 1
+"""Largest request id, epoch or incarnation (they travel as signed 64-bit ints)."""
+MAX_TEXT = 4096
+"""Longest engine id or error text."""
+MAX_FRAME_BYTES = 64 << 20
+"""Largest control frame a socket accepts (ZeroMQ ``MAXMSGSIZE``); larger ones are dropped."""
+
+
+def encode_message(kind: Msg, **fields: Any) -> bytes:
+    """Pack one message (msgpack, versioned). The receiver checks it against its type's schema."""
+    packed: bytes = msgpack.packb(
+        {"type": kind.value, "v": PROTOCOL_VERSION, **fields}, use_bin_type=True
+    )
+    return packed
+
+
+def decode_message(data: bytes) -> dict[str, Any]:
+    """Unpack one message and check it against its type's schema (in Rust: types, ranges, size
+    caps, NaN and inf refused); raises :class:`MetadataError` naming the bad field."""
+    msg = decode_control_message(data)
+    msg["type"] = Msg(msg["type"])
+    return msg
+
+
+def check_fields(msg: dict[str, Any]) -> None:
+    """Check a message the coordinator accepts against its type's schema (the same check
+    :func:`decode_message` makes); raises :class:`MetadataError` naming the first bad field."""
+    fields = {k: v for k, v in msg.items() if k not in ("type", "v")}
+    try:
+        frame = encode_message(Msg(msg.get("type")), **fields)
+    except (TypeError, ValueError, OverflowError) as e:  # not a Msg, or unpackable fields
+        raise MetadataError(f"message cannot be encoded: {e}", "<frame>") from None
+    decode_control_message(frame, True)

@@ -1,0 +1,206 @@
+"""The coordinator's ZeroMQ loop."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from disagg_rs.control.coordinator import CoordinatorState, Outgoing
+from disagg_rs.control.keys import CurveKeys, serve_with
+from disagg_rs.control.messages import MAX_FRAME_BYTES, Msg, decode_message, encode_message
+from disagg_rs.exceptions import MetadataError
+
+
+class CoordinatorServer:
+    """The ZeroMQ ROUTER loop around :class:`CoordinatorState`; runs in a thread or a process."""
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://127.0.0.1:0",
+        request_timeout_s: float = 60.0,
+        push_transport: bool = False,
+        engine_timeout_s: float | None = None,
+        keys: CurveKeys | None = None,
+        engine_keys: Mapping[str, bytes] | None = None,
+        client_keys: Collection[bytes] = (),
+    ) -> None:
+        """With ``keys``, the socket is a CURVE server: only the public keys in ``engine_keys``
+        (engine id -> key) and ``client_keys`` may connect, and a message naming an engine id
+        counts only from that engine's key (others are dropped, counted in
+        ``unauthenticated``). Without keys the control plane is plain TCP: a warning is
+        logged."""
+        self.state = CoordinatorState(request_timeout_s, push_transport, engine_timeout_s)
+        self._auth: ThreadAuthenticator | None = None
+        self._engine_keys = (
+            None if keys is None else {e: k.decode() for e, k in (engine_keys or {}).items()}
+        )
+        self.unauthenticated = 0
+        if keys is None:
+            self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+            logging.getLogger("disagg_rs.control").warning(
+                "control plane on %s without CURVE keys: any peer that reaches it is trusted",
+                endpoint,
+            )
+        else:
+            self._ctx = zmq.Context()  # one ZAP handler per context
+            allowed = {*(engine_keys or {}).values(), *client_keys}
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", credentials_provider=_AllowList(allowed))
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
+        if keys is not None:
+            serve_with(self._sock, keys)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._sock.bind(endpoint)
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.undeliverable = 0
+        self.malformed = 0
+        self.faults_injected = 0
+        self._stop = threading.Event()
+        # A ZeroMQ socket must only be used by one thread: while serve() runs, other threads
+        # hand their messages to it through this queue (sending directly aborted the process).
+        self._outbox: queue.SimpleQueue[Callable[[], list[Outgoing]]] = queue.SimpleQueue()
+        self._serving: threading.Thread | None = None
+
+    def inject_faults(self, rate: float, seed: int = 0, max_delay_rounds: int = 20) -> None:
+        """Test hook: drop, duplicate, delay (reordering later traffic) a share ``rate`` of the
+        messages to engines (never to clients and never SHUTDOWN). Deterministic per seed."""
+        import random
+
+        self._fault_rng = random.Random(seed)
+        self._fault_rate = float(rate)
+        self._fault_max_delay = max_delay_rounds
+
+    def _faulty(self, out: list[Outgoing]) -> list[Outgoing]:
+        rng = getattr(self, "_fault_rng", None)
+        delayed: list[tuple[int, Outgoing]] = getattr(self, "_delayed", [])
+        ready = [o for n, o in delayed if n <= 0]
+        self._delayed = [(n - 1, o) for n, o in delayed if n > 0]
+        if rng is None:
+            return ready + out
+        kept: list[Outgoing] = list(ready)
+        for o in out:
+            if o.to_engine is None or o.kind is Msg.SHUTDOWN or rng.random() >= self._fault_rate:
+                kept.append(o)
+                continue
+            self.faults_injected += 1
+            fault = rng.choice(("drop", "duplicate", "delay"))
+            if fault == "duplicate":
+                kept += [o, o]
+            elif fault == "delay":
+                self._delayed.append((rng.randint(1, self._fault_max_delay), o))
+        return kept
+
+    def _send(self, out: list[Outgoing]) -> None:
+        out = self._faulty(out)
+        for o in out:
+            if o.to_client is not None:
+                identity = o.to_client
+            else:
+                engine = self.state.engines.get(o.to_engine or "")
+                if engine is None:
+                    self.undeliverable += 1
+                    continue
+                identity = engine.identity
+            try:
+                self._sock.send_multipart([identity, encode_message(o.kind, **o.fields)])
+            except zmq.ZMQError:
+                self.undeliverable += 1
+
+    def _flush_outbox(self) -> None:
+        while True:
+            try:
+                self._send(self._outbox.get_nowait()())
+            except queue.Empty:
+                return
+
+    def run_once(self, timeout_ms: int = 10) -> None:
+        """Handle the messages that arrive within ``timeout_ms``, then the deadlines."""
+        self._flush_outbox()
+        if self._sock.poll(timeout_ms):
+            while True:
+                try:
+                    identity_frame, frame = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                except ValueError:
+                    self.malformed += 1
+                    continue
+                identity, data = identity_frame.bytes, frame.bytes
+                try:
+                    msg = decode_message(data)
+                except MetadataError as e:
+                    self.malformed += 1
+                    self._send(self.state.refused(identity, data, e))
+                    continue
+                if not self._authentic(identity, frame, msg):
+                    self.unauthenticated += 1
+                    continue
+                # handle() never raises on input; it counts refused messages itself.
+                self._send(self.state.handle(identity, msg, time.monotonic()))
+        self._send(self.state.poll(time.monotonic()))
+
+    def _authentic(self, identity: bytes, frame: zmq.Frame, msg: dict[str, Any]) -> bool:
+        """Whether ``msg`` comes from the key its engine id is bound to (clients: SUBMIT only)."""
+        if self._engine_keys is None:
+            return True
+        if msg["type"] in (Msg.REGISTER, Msg.HEARTBEAT):
+            claimed: str | None = msg["engine_id"]
+        else:
+            engines = self.state.engines.values()
+            claimed = next((e.engine_id for e in engines if e.identity == identity), None)
+        if claimed is None:
+            return bool(msg["type"] is Msg.SUBMIT)
+        return self._engine_keys.get(claimed) == frame.get("User-Id")
+
+    def serve(self) -> None:
+        """Run until :meth:`stop`."""
+        self._serving = threading.current_thread()
+        try:
+            while not self._stop.is_set():
+                self.run_once(20)
+            self._flush_outbox()
+        finally:
+            self._serving = None
+
+    def shutdown_engines(self) -> None:
+        """Tell every registered engine to stop (from any thread)."""
+
+        def shutdown() -> list[Outgoing]:  # built on the sending thread: it owns the state too
+            return [Outgoing(e, None, Msg.SHUTDOWN, {}) for e in sorted(self.state.engines)]
+
+        serving = self._serving
+        if serving is None or serving is threading.current_thread():
+            self._send(shutdown())
+        else:
+            self._outbox.put(shutdown)
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Close the socket (and the authenticator)."""
+        self._sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._ctx.term()
+
+
+class _AllowList:
+    """ZAP credentials provider: a connection is allowed if its public key is listed."""
+
+    def __init__(self, keys: Collection[bytes]) -> None:
+        self._keys = frozenset(keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self._keys

@@ -1,0 +1,283 @@
+//! A bounded msgpack decoder for frames that come from other processes.
+//!
+//! Every length prefix is checked against the bytes that remain before anything is allocated
+//! (an array of `n` elements needs at least `n` more bytes, a map `2 n`), nesting is capped at
+//! [`MAX_DEPTH`], strings must be UTF-8, map keys must be scalars (hashable on the Python side),
+//! extension types are refused and trailing bytes after the value are an error. So a frame of
+//! `b` bytes never makes the decoder allocate much more than `b` bytes' worth of values.
+
+use crate::error::{DisaggError, DisaggResult};
+
+/// Deepest nesting of arrays and maps a frame may carry.
+pub const MAX_DEPTH: usize = 32;
+
+/// One decoded msgpack value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    /// `nil`.
+    Nil,
+    /// `true` / `false`.
+    Bool(bool),
+    /// A signed integer (every msgpack int that fits `i64`).
+    Int(i64),
+    /// An unsigned integer above `i64::MAX`.
+    UInt(u64),
+    /// A float32 or float64 (any value, NaN included: schemas decide).
+    Float(f64),
+    /// A UTF-8 string.
+    Str(String),
+    /// A byte string.
+    Bin(Vec<u8>),
+    /// An array.
+    Array(Vec<Value>),
+    /// A map, pairs in frame order (the last of duplicate keys wins where looked up).
+    Map(Vec<(Value, Value)>),
+}
+
+impl Value {
+    /// Short name of the value's type, for error messages.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Self::Nil => "nil",
+            Self::Bool(_) => "bool",
+            Self::Int(_) | Self::UInt(_) => "int",
+            Self::Float(_) => "float",
+            Self::Str(_) => "str",
+            Self::Bin(_) => "bytes",
+            Self::Array(_) => "list",
+            Self::Map(_) => "map",
+        }
+    }
+}
+
+fn uint(v: u64) -> Value {
+    i64::try_from(v).map_or(Value::UInt(v), Value::Int)
+}
+
+fn frame_err(detail: impl Into<String>) -> DisaggError {
+    DisaggError::wire("<frame>", detail)
+}
+
+struct Reader<'a> {
+    data: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn remaining(&self) -> usize {
+        self.data.len() - self.pos
+    }
+
+    fn take(&mut self, n: usize) -> DisaggResult<&'a [u8]> {
+        if n > self.remaining() {
+            return Err(frame_err(format!(
+                "truncated: {n} bytes needed at offset {}, {} left",
+                self.pos,
+                self.remaining()
+            )));
+        }
+        let out = &self.data[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(out)
+    }
+
+    fn be(&mut self, n: usize) -> DisaggResult<u64> {
+        Ok(self.take(n)?.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b)))
+    }
+
+    fn len(&mut self, n: usize) -> DisaggResult<usize> {
+        usize::try_from(self.be(n)?).map_err(|_| frame_err("length does not fit usize"))
+    }
+
+    /// `count` items of at least `min_bytes` each must fit in what remains.
+    fn check_count(&self, count: usize, min_bytes: usize) -> DisaggResult<()> {
+        if count.saturating_mul(min_bytes) > self.remaining() {
+            return Err(frame_err(format!(
+                "a container of {count} items cannot fit in the {} bytes left",
+                self.remaining()
+            )));
+        }
+        Ok(())
+    }
+
+    fn value(&mut self, depth: usize) -> DisaggResult<Value> {
+        let tag = self.take(1)?[0];
+        Ok(match tag {
+            0x00..=0x7f => Value::Int(i64::from(tag)),
+            0xe0..=0xff => Value::Int(i64::from(tag.cast_signed())),
+            0xc0 => Value::Nil,
+            0xc2 => Value::Bool(false),
+            0xc3 => Value::Bool(true),
+            0xcc => uint(self.be(1)?),
+            0xcd => uint(self.be(2)?),
+            0xce => uint(self.be(4)?),
+            0xcf => uint(self.be(8)?),
+            0xd0 => Value::Int(i64::from(self.take(1)?[0].cast_signed())),
+            0xd1 => {
+                let b = self.take(2)?;
+                Value::Int(i64::from(i16::from_be_bytes([b[0], b[1]])))
+            }
+            0xd2 => {
+                let b = self.take(4)?;
+                Value::Int(i64::from(i32::from_be_bytes([b[0], b[1], b[2], b[3]])))
+            }
+            0xd3 => Value::Int(i64::from_be_bytes(self.be(8)?.to_be_bytes())),
+            0xca => {
+                let b = self.take(4)?;
+                Value::Float(f64::from(f32::from_be_bytes([b[0], b[1], b[2], b[3]])))
+            }
+            0xcb => Value::Float(f64::from_bits(self.be(8)?)),
+            0xa0..=0xbf => self.str(usize::from(tag & 0x1f))?,
+            0xd9 => {
+                let n = self.len(1)?;
+                self.str(n)?
+            }
+            0xda => {
+                let n = self.len(2)?;
+                self.str(n)?
+            }
+            0xdb => {
+                let n = self.len(4)?;
+                self.str(n)?
+            }
+            0xc4..=0xc6 => {
+                let n = self.len(1 << (tag - 0xc4))?;
+                Value::Bin(self.take(n)?.to_vec())
+            }
+            0x90..=0x9f => self.array(usize::from(tag & 0x0f), depth)?,
+            0xdc => {
+                let n = self.len(2)?;
+                self.array(n, depth)?
+            }
+            0xdd => {
+                let n = self.len(4)?;
+                self.array(n, depth)?
+            }
+            0x80..=0x8f => self.map(usize::from(tag & 0x0f), depth)?,
+            0xde => {
+                let n = self.len(2)?;
+                self.map(n, depth)?
+            }
+            0xdf => {
+                let n = self.len(4)?;
+                self.map(n, depth)?
+            }
+            _ => return Err(frame_err(format!("unsupported msgpack type 0x{tag:02x}"))),
+        })
+    }
+
+    fn str(&mut self, n: usize) -> DisaggResult<Value> {
+        let bytes = self.take(n)?;
+        std::str::from_utf8(bytes)
+            .map(|s| Value::Str(s.to_owned()))
+            .map_err(|e| frame_err(format!("string is not UTF-8: {e}")))
+    }
+
+    fn enter(depth: usize) -> DisaggResult<usize> {
+        if depth >= MAX_DEPTH {
+            return Err(frame_err(format!("nested deeper than {MAX_DEPTH} levels")));
+        }
+        Ok(depth + 1)
+    }
+
+    fn array(&mut self, n: usize, depth: usize) -> DisaggResult<Value> {
+        let depth = Self::enter(depth)?;
+        self.check_count(n, 1)?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            out.push(self.value(depth)?);
+        }
+        Ok(Value::Array(out))
+    }
+
+    fn map(&mut self, n: usize, depth: usize) -> DisaggResult<Value> {
+        let depth = Self::enter(depth)?;
+        self.check_count(n, 2)?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let key = self.value(depth)?;
+            if matches!(key, Value::Array(_) | Value::Map(_)) {
+                return Err(frame_err(format!("a map key is a {} (unhashable)", key.type_name())));
+            }
+            out.push((key, self.value(depth)?));
+        }
+        Ok(Value::Map(out))
+    }
+}
+
+/// Decode exactly one value from `data` (trailing bytes are an error).
+pub fn decode(data: &[u8]) -> DisaggResult<Value> {
+    let mut r = Reader { data, pos: 0 };
+    let v = r.value(0)?;
+    if r.remaining() != 0 {
+        return Err(frame_err(format!("{} bytes after the value", r.remaining())));
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scalars_and_containers_decode() {
+        // {"a": [1, -1, 300, true, nil, "x"]}
+        let frame = [0x81, 0xa1, b'a', 0x96, 0x01, 0xff, 0xcd, 0x01, 0x2c, 0xc3, 0xc0, 0xa1, b'x'];
+        let v = decode(&frame).unwrap();
+        let Value::Map(pairs) = v else { panic!("not a map") };
+        assert_eq!(pairs[0].0, Value::Str("a".into()));
+        assert_eq!(
+            pairs[0].1,
+            Value::Array(vec![
+                Value::Int(1),
+                Value::Int(-1),
+                Value::Int(300),
+                Value::Bool(true),
+                Value::Nil,
+                Value::Str("x".into())
+            ])
+        );
+    }
+
+    #[test]
+    fn a_huge_length_prefix_is_refused_before_allocating() {
+        for frame in [&[0xdd, 0xff, 0xff, 0xff, 0xff][..], &[0xdf, 0xff, 0xff, 0xff, 0xff, 0x01]] {
+            assert!(matches!(decode(frame), Err(DisaggError::Wire { .. })));
+        }
+    }
+
+    #[test]
+    fn nesting_past_the_cap_is_refused() {
+        let frame = vec![0x91; MAX_DEPTH + 1];
+        assert!(decode(&frame).is_err());
+        let mut ok = vec![0x91; MAX_DEPTH - 1];
+        ok.push(0x90);
+        assert!(decode(&ok).is_ok());
+    }
+
+    #[test]
+    fn trailing_bytes_truncation_bad_utf8_and_unhashable_keys_are_refused() {
+        for frame in [
+            &[0x01, 0x02][..],
+            &[0xa2, b'a'],
+            &[0xa1, 0xff],
+            &[0x81, 0x90, 0x01],
+            &[0xd4, 0x00, 0x00],
+            &[],
+        ] {
+            assert!(decode(frame).is_err(), "{frame:?}");
+        }
+    }
+
+    #[test]
+    fn every_int_width_decodes_to_its_value() {
+        assert_eq!(decode(&[0xd3, 0x80, 0, 0, 0, 0, 0, 0, 0]).unwrap(), Value::Int(i64::MIN));
+        assert_eq!(
+            decode(&[0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]).unwrap(),
+            Value::UInt(u64::MAX)
+        );
+        assert_eq!(decode(&[0xd1, 0xff, 0x00]).unwrap(), Value::Int(-256));
+        assert_eq!(decode(&[0xd2, 0xff, 0xff, 0xff, 0xfe]).unwrap(), Value::Int(-2));
+        assert_eq!(decode(&[0xce, 0xff, 0xff, 0xff, 0xff]).unwrap(), Value::Int(0xffff_ffff));
+    }
+}
