@@ -3,8 +3,10 @@
 //!
 //! - [`peer`]: peer metadata and the peer table (parsed once per peer incarnation).
 //! - [`ticket`]: handoff and staging tickets.
+//! - [`value`]: the decoded wire value, its size caps and typed field accessors.
 //! - [`control`]: control-plane messages, one schema per message type.
 
 pub mod control;
 pub mod peer;
 pub mod ticket;
+pub mod value;
