@@ -745,16 +745,20 @@ pub fn check_transfer(
     Ok(Some(n))
 }
 
-/// Peers parsed once, found again by content.
+/// One parsed peer and what the caller attached to it.
+type Entry<A> = (WireValue, Arc<PeerMeta>, A);
+
+/// Peers parsed once, found again by content. `A` is whatever the caller keeps beside each
+/// parsed peer (the bindings keep the Python object they hand out).
 #[derive(Debug)]
-pub struct PeerTable {
+pub struct PeerTable<A: Clone = ()> {
     backend: String,
     local: LocalFacts,
-    by_key: HashMap<u64, Vec<(WireValue, Arc<PeerMeta>)>>,
+    by_key: HashMap<u64, Vec<Entry<A>>>,
     len: usize,
 }
 
-impl PeerTable {
+impl<A: Clone> PeerTable<A> {
     /// An empty table of a `backend` backend whose peers must share `local`'s facts.
     pub fn new(backend: &str, local: LocalFacts) -> Self {
         Self { backend: backend.to_owned(), local, by_key: HashMap::new(), len: 0 }
@@ -763,6 +767,11 @@ impl PeerTable {
     /// The backend name.
     pub fn backend(&self) -> &str {
         &self.backend
+    }
+
+    /// The facts every peer must share.
+    pub fn local(&self) -> &LocalFacts {
+        &self.local
     }
 
     /// How many distinct metadata maps the table holds.
@@ -776,28 +785,46 @@ impl PeerTable {
     }
 
     /// The peer parsed from a map equal to `raw`, if any: no parse.
-    pub fn lookup(&self, raw: &WireValue) -> Option<Arc<PeerMeta>> {
+    pub fn lookup(&self, raw: &WireValue) -> Option<(Arc<PeerMeta>, A)> {
         let key = raw.content_key();
-        self.by_key.get(&key)?.iter().find(|(v, _)| v == raw).map(|(_, m)| Arc::clone(m))
+        self.by_key
+            .get(&key)?
+            .iter()
+            .find(|(v, _, _)| v == raw)
+            .map(|(_, m, a)| (Arc::clone(m), a.clone()))
     }
 
     /// Parse `schema` (the peer's metadata in this library's schema: `raw` itself, or its
     /// translation from the reference design's fields), check it against this rank's facts
-    /// and keep it under `raw`'s content. Nothing is kept when a check fails.
-    pub fn adopt(&mut self, raw: WireValue, schema: &WireValue) -> DisaggResult<Arc<PeerMeta>> {
+    /// and keep it under `raw`'s content with `attach(&meta)` beside it. Nothing is kept when
+    /// a check fails.
+    pub fn adopt<F>(
+        &mut self,
+        raw: WireValue,
+        schema: &WireValue,
+        attach: F,
+    ) -> DisaggResult<(Arc<PeerMeta>, A)>
+    where
+        F: FnOnce(&Arc<PeerMeta>) -> DisaggResult<A>,
+    {
         if let Some(hit) = self.lookup(&raw) {
             return Ok(hit);
         }
         let meta = PeerMeta::parse(schema, &self.backend)?;
         meta.check_compat(&self.local)?;
+        let meta = Arc::new(meta);
+        let extra = attach(&meta)?;
         if self.len >= MAX_TABLE_PEERS {
             self.by_key.clear();
             self.len = 0;
         }
-        let meta = Arc::new(meta);
-        self.by_key.entry(raw.content_key()).or_default().push((raw, Arc::clone(&meta)));
+        self.by_key.entry(raw.content_key()).or_default().push((
+            raw,
+            Arc::clone(&meta),
+            extra.clone(),
+        ));
         self.len += 1;
-        Ok(meta)
+        Ok((meta, extra))
     }
 }
 
@@ -1011,13 +1038,13 @@ pub(crate) mod tests {
 
     #[test]
     fn the_table_parses_a_peer_once_and_finds_it_by_content() {
-        let mut t = PeerTable::new("nixl", local());
+        let mut t: PeerTable = PeerTable::new("nixl", local());
         let before = parse_count();
-        let a = t.adopt(meta(), &meta()).unwrap();
+        let (a, ()) = t.adopt(meta(), &meta(), |_| Ok(())).unwrap();
         let after_first = parse_count();
         assert!(after_first > before);
         assert!(t.lookup(&meta()).is_some());
-        let b = t.adopt(meta(), &meta()).unwrap();
+        let (b, ()) = t.adopt(meta(), &meta(), |_| Ok(())).unwrap();
         assert!(Arc::ptr_eq(&a, &b));
         assert_eq!(t.len(), 1);
         let mut other = meta();
@@ -1025,7 +1052,7 @@ pub(crate) mod tests {
         assert!(t.lookup(&other).is_none());
         let mut bad = meta();
         set(&mut bad, "head_dim", i(8));
-        assert!(t.adopt(bad.clone(), &bad).is_err());
+        assert!(t.adopt(bad.clone(), &bad, |_| Ok(())).is_err());
         assert_eq!(t.len(), 1);
     }
 
