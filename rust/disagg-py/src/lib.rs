@@ -51,6 +51,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<wire::PyPeerTable>()?;
     m.add_function(wrap_pyfunction!(wire::plan_peer_transfer, m)?)?;
     m.add_function(wrap_pyfunction!(wire::check_peer_transfer, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::compile_peer_transfer, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::parse_peer_meta, m)?)?;
     m.add_function(wrap_pyfunction!(wire::check_staging_tickets_of, m)?)?;
     m.add_function(wrap_pyfunction!(wire::check_handoff_ticket, m)?)?;
     m.add_function(wrap_pyfunction!(wire::py_compat_hash, m)?)?;

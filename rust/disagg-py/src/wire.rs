@@ -6,10 +6,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use disagg_core::wire::peer::{
-    compat_hash, parse_count, LocalFacts, LocalSide, PeerGeometry, PeerLayout, PeerMeta,
-    PeerTable, SourceIds, StateKind,
+    compat_hash, parse_count, LocalFacts, LocalSide, PeerGeometry, PeerLayout, PeerMeta, PeerTable,
+    SourceIds, StateKind,
 };
-use disagg_core::wire::plan::{plan_transfer, TransferPlanRequest};
+use disagg_core::wire::plan::{compile_checked, plan_transfer, TransferPlanRequest};
 use disagg_core::wire::ticket::{check_staging_tickets, HandoffTicket};
 use disagg_core::wire::value::{Budget, WireValue};
 use disagg_core::ModeChoice;
@@ -37,10 +37,9 @@ fn convert(
         return Ok(WireValue::Bool(b.is_true()));
     }
     if obj.is_instance_of::<PyInt>() {
-        return obj
-            .extract::<i128>()
-            .map(WireValue::Int)
-            .map_err(|_| crate::error::to_pyerr(Budget::int_out_of_range(field, &obj.to_string())));
+        return obj.extract::<i128>().map(WireValue::Int).map_err(|_| {
+            crate::error::to_pyerr(Budget::int_out_of_range(field, &obj.to_string()))
+        });
     }
     if let Ok(f) = obj.cast::<PyFloat>() {
         return Ok(WireValue::Float(f.value()));
@@ -160,7 +159,9 @@ impl PyPeer {
     fn geometry(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         Ok(match &self.inner.geometry {
             None => None,
-            Some(PeerGeometry::Kv(g)) => Some(Py::new(py, PyKvGeometry { inner: g.clone() })?.into_any()),
+            Some(PeerGeometry::Kv(g)) => {
+                Some(Py::new(py, PyKvGeometry { inner: g.clone() })?.into_any())
+            }
             Some(PeerGeometry::Ssm(g)) => {
                 Some(Py::new(py, PySsmGeometry { inner: g.clone() })?.into_any())
             }
@@ -332,6 +333,47 @@ pub fn plan_peer_transfer(
     };
     let (n, inner) = py.detach(|| plan_transfer(&req)).py()?;
     Ok((n, PyTransferProgram::new(inner)))
+}
+
+/// Compile a transfer whose peers and block ids `check_peer_transfer` accepted (no second
+/// check): `num_tokens` is its result.
+#[pyfunction]
+#[pyo3(signature = (srcs, dst, src_block_ids, dst_block_ids, num_tokens, mode))]
+pub fn compile_peer_transfer(
+    py: Python<'_>,
+    srcs: Vec<PyRef<'_, PyPeer>>,
+    dst: PyRef<'_, PyPeer>,
+    src_block_ids: &Bound<'_, PyAny>,
+    dst_block_ids: Option<&Bound<'_, PyAny>>,
+    num_tokens: Option<Int>,
+    mode: &str,
+) -> PyResult<PyTransferProgram> {
+    let n = num_tokens.map(|n| n.to_u64(Kind::Block, "num_tokens")).transpose()?;
+    let req = TransferPlanRequest {
+        srcs: metas(&srcs),
+        dst: dst.inner.as_ref(),
+        src_ids: source_ids(src_block_ids)?,
+        dst_ids: dst_block_ids
+            .map(|o| o.extract::<IntList>()?.to_i64s(Kind::Block, "dst_block_ids"))
+            .transpose()?,
+        num_tokens: None,
+        local: LocalSide { is_dst: false, num_blocks: 0, tokens_per_block: None },
+        mode: ModeChoice::parse(mode).py()?,
+    };
+    let inner = py.detach(|| compile_checked(&req, n)).py()?;
+    Ok(PyTransferProgram::new(inner))
+}
+
+/// Parse one peer's metadata exported by a `backend` backend (no table, no compatibility
+/// check): `MetadataError`, `LayoutError` or `GeometryMismatchError` naming the field.
+#[pyfunction]
+pub fn parse_peer_meta(
+    py: Python<'_>,
+    meta: &Bound<'_, PyAny>,
+    backend: &str,
+) -> PyResult<Py<PyPeer>> {
+    let inner = Arc::new(PeerMeta::parse(&to_wire(meta, "peer_meta")?, backend).py()?);
+    Py::new(py, PyPeer { inner, meta: meta.clone().unbind() })
 }
 
 /// Check the peer set and block ids of one transfer (no compile); return the token count

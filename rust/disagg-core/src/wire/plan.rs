@@ -89,9 +89,22 @@ pub fn plan_transfer(
 ) -> DisaggResult<(Option<u64>, TransferProgram)> {
     let num_tokens =
         check_transfer(&req.srcs, &req.src_ids, req.dst_ids.as_deref(), req.num_tokens, req.local)?;
+    Ok((num_tokens, compile_checked(req, num_tokens)?))
+}
+
+/// Compile a transfer whose peers and block ids [`check_transfer`] accepted, moving
+/// `num_tokens` tokens (KV; `None` for SSM state).
+pub fn compile_checked(
+    req: &TransferPlanRequest<'_>,
+    num_tokens: Option<u64>,
+) -> DisaggResult<TransferProgram> {
     let cost = CostModel::default();
-    let program = match num_tokens {
-        Some(n) => {
+    let kv = req.dst.state_kind == crate::wire::peer::StateKind::Kv;
+    let program = match (kv, num_tokens) {
+        (true, None) => {
+            return Err(DisaggError::block("num_tokens", "a KV transfer needs a token count"))
+        }
+        (true, Some(n)) => {
             let srcs = req.srcs.iter().map(|m| kv_side(m)).collect::<DisaggResult<Vec<_>>>()?;
             let (dst_layout, dst_geometry) = kv_side(req.dst)?;
             let src_block_ids = match &req.src_ids {
@@ -114,7 +127,7 @@ pub fn plan_transfer(
                 cost,
             })?
         }
-        None => {
+        (false, _) => {
             let srcs = req.srcs.iter().map(|m| ssm_side(m)).collect::<DisaggResult<Vec<_>>>()?;
             let (dst_layout, dst_geometry) = ssm_side(req.dst)?;
             let src_slots = match &req.src_ids {
@@ -143,7 +156,7 @@ pub fn plan_transfer(
             })?
         }
     };
-    Ok((num_tokens, program))
+    Ok(program)
 }
 
 #[cfg(test)]
