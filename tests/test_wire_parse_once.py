@@ -52,12 +52,25 @@ def test_a_decode_handoff_parses_no_peer_metadata_after_registration(
             tickets = []
             if mode == "staged":
                 tickets = [
-                    pre[i]("call", key, "stage_blocks", dst_meta, tw.src_ids(CASE, s),
-                           src_metas=src_metas)  # fmt: skip
+                    pre[i](
+                        "call",
+                        key,
+                        "stage_blocks",
+                        dst_meta,
+                        tw.src_ids(CASE, s),
+                        src_metas=src_metas,
+                    )
                     for i, s in enumerate(CASE.srcs)
                 ]
-            dec("call", key, "begin_pull_blocks", src_metas, src_ids,
-                tw.dst_ids(CASE, CASE.dsts[0]), staged=tickets)  # fmt: skip
+            dec(
+                "call",
+                key,
+                "begin_pull_blocks",
+                src_metas,
+                src_ids,
+                tw.dst_ids(CASE, CASE.dsts[0]),
+                staged=tickets,
+            )
             dec("wait", key)
         got = dec("buffer", key)
         assert np.array_equal(got, tw.expected_dst(CASE, CASE.dsts[0]).numpy())

@@ -1136,7 +1136,9 @@ class TransferBackendBase:
     def register_peers(self, peer_meta: Any) -> int:
         """Parse and check peers' metadata now (when the control plane announces them:
         REGISTER/PEERS), so handoffs naming them only look them up. ``peer_meta`` as for a
-        pull; returns how many peer buffers were named."""
+        pull (this rank's own metadata, which plans read too, is parsed with them); returns
+        how many peer buffers were named."""
+        self._local_peer()
         return len(self._resolve_peers(peer_meta, None)[0])
 
     def _adopt_peer_meta(self, meta: Mapping[str, Any]) -> PeerMeta:

@@ -267,14 +267,15 @@ class NcclTransferBackend(TransferBackendBase):
         ``{"pp_metas": [...]}``). Without ``num_tokens`` whole blocks move (as many tokens as
         both block lists hold).
         """
-        metas, src_ids = self._resolve_peers(peer_meta, src_block_ids)
+        peers, src_ids = self._resolve_peers(peer_meta, src_block_ids)
         assert src_ids is not None  # given, so resolved to the given ids or a rank map
         src_block_ids = src_ids
         if no_blocks(src_block_ids, dst_block_ids):  # nothing to move: a settled handle
             return self._submit([], [], [], timeout_s)
         num_tokens = self._validate_peers(
-            metas, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
+            peers, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
         )
+        metas = [p.meta for p in peers]
         by_rank = {int(m["layout"]["global_rank"]): m for m in metas}
         me = self._base_meta()
         if num_tokens is not None and pipeline.chunkable([*metas, me]):
