@@ -727,13 +727,13 @@ pub fn check_transfer(
         Some(n) => n,
         None => i64::try_from(dst_cap.map_or(src_cap, |d| d.min(src_cap))).unwrap_or(i64::MAX),
     };
-    if n <= 0 || n as u64 > src_cap {
+    let n_pos = u64::try_from(n).ok().filter(|&v| v > 0 && v <= src_cap);
+    let Some(n) = n_pos else {
         return Err(DisaggError::block(
             "num_tokens",
             format!("num_tokens={n} but the source blocks hold [1, {src_cap}] tokens"),
         ));
-    }
-    let n = n as u64;
+    };
     if let Some(cap) = dst_cap {
         if n > cap {
             return Err(DisaggError::block(

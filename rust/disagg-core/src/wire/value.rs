@@ -5,6 +5,8 @@
 //! refuses anything deeper, longer or larger than the caps before it is copied; the parsers
 //! then read typed fields through [`Obj`], whose every error names the full field path.
 
+use std::fmt::Write as _;
+
 use crate::error::{DisaggError, DisaggResult};
 
 /// Deepest nesting of lists and maps a wire value may have.
@@ -112,7 +114,9 @@ impl WireValue {
             Self::Null => out.push_str("null"),
             Self::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
             Self::Int(i) => out.push_str(&i.to_string()),
-            Self::Float(f) => out.push_str(&format!("{f:?}")),
+            Self::Float(f) => {
+                let _ = write!(out, "{f:?}");
+            }
             Self::Str(s) => write_json_str(s, out),
             Self::List(items) => {
                 out.push('[');
@@ -154,7 +158,7 @@ fn write_json_str(s: &str, out: &mut String) {
             c if (c as u32) < 0x20 || (c as u32) > 0x7e => {
                 let mut buf = [0u16; 2];
                 for unit in c.encode_utf16(&mut buf) {
-                    out.push_str(&format!("\\u{unit:04x}"));
+                    let _ = write!(out, "\\u{unit:04x}");
                 }
             }
             c => out.push(c),
