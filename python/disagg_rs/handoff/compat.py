@@ -1,0 +1,881 @@
+"""Compatibility with the reference design (Megatron-LM's disaggregation package), in one place.
+
+Everything a dynamic-batching engine of the reference design needs lives here, so that
+swapping the reference design's package for ``disagg_rs`` is an import-path change:
+
+* the module helpers its engines look up (``get_pg_size``, ``get_pg_rank``,
+  ``compute_block_hashes_batched``) and the ticket helpers of its block lists
+  (``transfer_block_count``, ``drop_transfer_prefix_blocks``);
+* :class:`ReferenceDesignCompat`, the mixin's methods for an engine that brings its own block
+  allocator and attaches no ledger (``_setup_reference_kv_transfer`` ...
+  ``_reset_reference_imports``). The shared entry points of
+  :class:`~disagg_rs.handoff.mixin.InferenceStateHandoffMixin` (``setup_kv_transfer``,
+  ``add_request_with_kv_handoff``, ``_admit_pending_kv_imports`` ...) dispatch here when no
+  ledger is attached;
+* the reference design's private names kept as aliases of one implementation: the
+  ``_kv_backend`` / ``_ssm_backends`` properties (``_kv_transfer_agent`` /
+  ``_ssm_transfer_agents``) and ``_pinned_handoff_blocks`` (a read-only view of the
+  :class:`~disagg_rs.PinLedger` on a ledger-driven prefill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+
+from disagg_rs._core import (
+    BlockPool,
+    SSMShardLayout,
+    SSMStateDims,
+)
+from disagg_rs.decode_admission import (
+    additional_decode_blocks,
+    admit_prefilled_decode,
+    can_admit_prefilled_decode,
+)
+from disagg_rs.exceptions import (
+    HandoffMetadataError,
+    HandoffStateError,
+    ResetRefusedError,
+    TransferError,
+)
+from disagg_rs.handoff.base import (
+    _SSM_STATE_KINDS,
+    HandoffBase,
+    _PreparedHandoffMetadata,
+    logger,
+)
+from disagg_rs.pending_handoff_imports import DeferredKvHandoff, PendingKvImport, PendingSSMImport
+from disagg_rs.transfer_backends import construct_kv_transfer_backend_class
+
+
+def get_pg_size(group: Any) -> int:
+    """Number of ranks of a process group (1 without one or without torch.distributed)."""
+    dist = torch.distributed
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size(group))
+
+
+def get_pg_rank(group: Any) -> int:
+    """This process's rank in a process group (0 without one or without torch.distributed)."""
+    dist = torch.distributed
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return int(dist.get_rank(group))
+
+
+def compute_block_hashes_batched(prompt_tokens: Any, block_size_tokens: int) -> list[int]:
+    """Hash chain of a prompt's full blocks, as the engine's prefix cache keys them.
+
+    A reference-design engine's allocator keys its cache with the reference design's own
+    chain (``megatron.core.inference.inference_request.compute_block_hashes_batched``), used
+    when importable; otherwise disagg_rs's :meth:`BlockPool.block_hashes` chain.
+    """
+    try:
+        from megatron.core.inference.inference_request import (  # type: ignore[import-not-found]
+            compute_block_hashes_batched as engine_hashes,
+        )
+    except ImportError:
+        tokens: list[int] = torch.as_tensor(prompt_tokens).cpu().tolist()
+        return list(BlockPool(1, int(block_size_tokens)).block_hashes(tokens))
+    return list(engine_hashes(prompt_tokens, block_size_tokens))
+
+
+def transfer_block_count(kv_meta: Any, src_block_ids: Sequence[int]) -> int:
+    """Source blocks a ticket names: those of its first pipeline stage or TP rank when it
+    carries per-stage / per-rank lists, else ``src_block_ids``."""
+    if isinstance(kv_meta, dict):
+        stages = kv_meta.get("pp_metas")
+        if stages and "block_ids" in stages[0]:
+            return len(stages[0]["block_ids"])
+        ranks = kv_meta.get("tp_metas")
+        if isinstance(ranks, list) and ranks and "block_ids" in ranks[0]:
+            return len(ranks[0]["block_ids"])
+    return len(src_block_ids)
+
+
+def drop_transfer_prefix_blocks(
+    kv_meta: Any, src_block_ids: Sequence[int], num_cached: int
+) -> tuple[Any, list[int]]:
+    """The ticket and source blocks with the first ``num_cached`` blocks (already cached on
+    the decode) left out of every per-stage and per-rank block list."""
+    if num_cached == 0 or not isinstance(kv_meta, dict):
+        return kv_meta, list(src_block_ids)
+    meta = dict(kv_meta)
+    if isinstance(meta.get("pp_metas"), list):
+        meta["pp_metas"] = [_trim_blocks(stage, num_cached) for stage in meta["pp_metas"]]
+    if isinstance(meta.get("tp_metas"), list):
+        meta["tp_metas"] = [_trim_blocks(rank, num_cached) for rank in meta["tp_metas"]]
+    return meta, list(src_block_ids)[num_cached:]
+
+
+def _trim_blocks(entry: Any, n: int) -> Any:
+    if isinstance(entry, dict) and "block_ids" in entry:
+        return {**entry, "block_ids": list(entry["block_ids"])[n:]}
+    return entry
+
+
+class ReferenceDesignCompat(HandoffBase):
+    """The mixin's methods for a reference-design engine (its own allocator, no ledger)."""
+
+    def _setup_reference_kv_transfer(self, role: str, backend: str) -> None:
+        """``setup_kv_transfer`` of a reference-design engine (its context's buffers)."""
+        ref = self._ref()
+        ctx = ref.context
+        hybrid = bool(ctx.is_hybrid_model)
+        if hybrid:
+            durable = ctx.mamba_slot_allocator
+            if role == "prefill" and durable is None:
+                raise HandoffStateError(
+                    "a hybrid prefill handoff needs an SSM state cache (mamba_slot_allocator is "
+                    "None): the pinned state is read from it",
+                    "mamba_slot_allocator",
+                )
+            if role == "decode" and durable is not None:
+                raise HandoffStateError(
+                    "a hybrid decode handoff writes directly into live SSM state; configure no "
+                    "SSM state cache (mamba_slot_allocator) on the decode engine",
+                    "mamba_slot_allocator",
+                )
+        allocator = ctx.kv_block_allocator
+        if not allocator.enable_prefix_caching:
+            raise HandoffStateError(
+                "KV handoff needs prefix caching on both engines: enable_prefix_caching=False",
+                "enable_prefix_caching",
+            )
+        self._kv_transfer_role = role
+        backend_cls = construct_kv_transfer_backend_class(backend)
+        # Only a prefill's finished blocks stay pinned until the decode has read them.
+        allocator.enable_handoff_pinning = role == "prefill"
+        dist = torch.distributed
+        distributed = dist.is_available() and dist.is_initialized()
+        rank = int(dist.get_rank()) if distributed else 0
+        config = ref.controller.inference_wrapped_model.model.config
+        kv_heads = config.num_query_groups or config.num_attention_heads
+        groups = ref.pg_collection
+        tp_size, tp_rank = get_pg_size(groups.tp), get_pg_rank(groups.tp)
+        pp_size, pp_rank = get_pg_size(groups.pp), get_pg_rank(groups.pp)
+        n_attn, n_ssm = int(ctx.num_attention_layers), int(ctx.num_mamba_layers)
+        layer_start, n_attn_global, ssm_start = 0, n_attn, 0
+        if pp_size > 1 and distributed:
+            counts: list[Any] = [None] * pp_size
+            dist.all_gather_object(counts, (n_attn, n_ssm), group=groups.pp)
+            layer_start = sum(c[0] for c in counts[:pp_rank])
+            n_attn_global = sum(c[0] for c in counts)
+            ssm_start = sum(c[1] for c in counts[:pp_rank])
+        self._kv_transfer_agent = backend_cls(
+            agent_name=f"{role}-rank{rank}",
+            memory_buffer=ctx.memory_buffer,
+            expected_num_blocks=allocator.pool_size,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            num_kv_heads_global=kv_heads,
+            heads_per_partition=ctx.num_attention_heads_per_partition,
+            head_dim=ctx.hidden_size_per_attention_head,
+            tokens_per_block=ctx.block_size_tokens,
+            global_rank=rank,
+            pp_size=pp_size,
+            pp_rank=pp_rank,
+            num_layers_global=n_attn_global,
+            layer_start=layer_start,
+            layer_end=layer_start + n_attn,
+        )
+        if hybrid:
+            self._setup_reference_ssm_agents(role, backend_cls, rank, tp_size, tp_rank, ssm_start)
+        local = {"kv": self._kv_transfer_agent.export_meta(), "ssm": self._ssm_peer_metas}
+        if distributed and tp_size > 1:
+            gathered: list[Any] = [None] * tp_size
+            dist.all_gather_object(gathered, local, group=groups.tp)
+            kinds = [set(g["ssm"]) for g in gathered]
+            if any(k != kinds[0] for k in kinds[1:]):
+                raise HandoffStateError(
+                    f"SSM handoff agents differ between TP ranks: {kinds}", "ssm_state_kind"
+                )
+            self._kv_peer_metas = [g["kv"] for g in gathered]
+            self._tp_ssm_peer_metas = {k: [g["ssm"][k] for g in gathered] for k in kinds[0]}
+        else:
+            self._kv_peer_metas = local["kv"]
+            self._tp_ssm_peer_metas = dict(local["ssm"])
+        stage = {"kv": self._kv_peer_metas, "ssm": self._tp_ssm_peer_metas}
+        stages: list[Any] = [stage]
+        if distributed and pp_size > 1:
+            stages = [None] * pp_size
+            dist.all_gather_object(stages, stage, group=groups.pp)
+        self._pp_kv_peer_metas = [st["kv"] for st in stages]
+        self._pp_ssm_peer_metas = [st["ssm"] for st in stages]
+
+    def _setup_reference_ssm_agents(
+        self, role: str, backend_cls: Any, rank: int, tp_size: int, tp_rank: int, ssm_start: int
+    ) -> None:
+        """Register a hybrid reference-design engine's SSM buffers: the prefill's pinned
+        state cache, or the decode's live request slots."""
+        ref = self._ref()
+        ctx = ref.context
+        if role == "prefill":
+            cache = ctx.mamba_slot_allocator
+            conv, recurrent, num_slots = cache.conv_states, cache.ssm_states, cache.max_slots
+        else:
+            conv, recurrent = ctx.mamba_conv_states, ctx.mamba_ssm_states
+            num_slots = ctx.max_requests
+        config = ref.controller.inference_wrapped_model.model.config
+        heads = int(recurrent.shape[-3]) * tp_size
+        if config.mamba_num_heads is not None and config.mamba_num_heads != heads:
+            raise HandoffMetadataError(
+                f"SSM state shape implies {heads} heads but mamba_num_heads="
+                f"{config.mamba_num_heads}",
+                "mamba_num_heads",
+            )
+        dims = SSMStateDims(
+            heads,
+            int(recurrent.shape[-2]),
+            int(recurrent.shape[-1]),
+            int(config.mamba_num_groups),
+            int(conv.shape[-1]),
+        )
+        n_local = int(ctx.num_mamba_layers)
+        layout = SSMShardLayout(
+            ssm_start + n_local,
+            dims,
+            tp_size,
+            tp_rank,
+            global_rank=rank,
+            layer_start=ssm_start,
+            num_local_layers=n_local,
+        )
+        if int(conv.shape[-2]) != layout.local_conv_channels:
+            raise HandoffMetadataError(
+                f"SSM conv state has {conv.shape[-2]} channels but the TP layout needs "
+                f"{layout.local_conv_channels}",
+                "mamba_conv_states",
+            )
+        make = getattr(self._kv_transfer_agent, "new_registered_buffer", backend_cls)
+        specs = {
+            "conv": (conv, conv.shape[-2], conv.shape[-1]),
+            "recurrent": (
+                recurrent,
+                recurrent.shape[-3],
+                recurrent.shape[-2] * recurrent.shape[-1],
+            ),
+        }
+        for kind, (buf, width, dim) in specs.items():
+            self._ssm_transfer_agents[kind] = make(
+                agent_name=f"{role}-ssm-{kind}-rank{rank}",
+                memory_buffer=buf,
+                expected_num_blocks=num_slots,
+                heads_per_partition=width,
+                head_dim=dim,
+                tokens_per_block=1,
+                ssm_layout=layout,
+                ssm_state_kind=kind,
+            )
+        self._ssm_peer_metas = {k: a.export_meta() for k, a in self._ssm_transfer_agents.items()}
+
+    def _prepare_reference_handoff_metadata(
+        self,
+        requests_and_state: Iterable[tuple[Any, ...]],
+        decode_tokens_by_request: Mapping[int, list[int]],
+    ) -> dict[int, _PreparedHandoffMetadata]:
+        ctx = self._ref().context
+        bs = int(ctx.block_size_tokens)
+        handoffs = [
+            (request, list(blocks)[: -(-len(request.prompt_tokens) // bs)])
+            for request, blocks, *_ in requests_and_state
+            if request.sampling_params.do_kv_handoff
+        ]
+        if not handoffs:
+            return {}
+        if self._kv_peer_metas is None:
+            raise HandoffStateError(
+                "a KV handoff was requested before setup_kv_transfer", "setup_kv_transfer"
+            )
+        pp_size = get_pg_size(self._ref().pg_collection.pp)
+        try:
+            ssm_cache = ctx.mamba_slot_allocator if self._ssm_transfer_agents else None
+            kv_stages = self._pp_kv_peer_metas or [self._kv_peer_metas]
+            ssm_stages = self._pp_ssm_peer_metas or [self._tp_ssm_peer_metas]
+            if len(kv_stages) != pp_size or len(ssm_stages) != pp_size:
+                raise HandoffMetadataError(
+                    f"static metadata covers {len(kv_stages)} KV / {len(ssm_stages)} SSM "
+                    f"pipeline stages but pp_size={pp_size}",
+                    "pp_metas",
+                )
+            want_resume = int(ctx.num_speculative_tokens) + 1
+            prepared: dict[int, _PreparedHandoffMetadata] = {}
+            for request, blocks in handoffs:
+                rid = request.request_id
+                resume = list(decode_tokens_by_request.get(rid, []))
+                if len(resume) != want_resume:
+                    raise HandoffMetadataError(
+                        f"request {rid}: {len(resume)} resume tokens but a decode-only handoff "
+                        f"needs num_speculative_tokens+1={want_resume}",
+                        "resume_tokens",
+                    )
+                if not blocks:
+                    raise HandoffMetadataError(f"request {rid}: no prompt KV blocks", "block_ids")
+                slot = -1 if ssm_cache is None else int(ssm_cache.get_slot(blocks[-1]))
+                if ssm_cache is not None and slot < 0:
+                    raise HandoffStateError(
+                        f"request {rid}: no SSM state cached for its final block {blocks[-1]}",
+                        "ssm_slot",
+                    )
+                kv_meta: Any = (
+                    {"pp_metas": [{"tp_metas": m, "block_ids": blocks} for m in kv_stages]}
+                    if pp_size > 1
+                    else self._kv_peer_metas
+                )
+                ssm_meta = None
+                if self._ssm_transfer_agents:
+                    per_stage = [self._ssm_stage_transfer_meta(m, slot) for m in ssm_stages]
+                    ssm_meta = {
+                        kind: (
+                            {"pp_metas": [{"tp_metas": st[kind]} for st in per_stage]}
+                            if pp_size > 1
+                            else per_stage[0][kind]
+                        )
+                        for kind in _SSM_STATE_KINDS
+                    }
+                prepared[rid] = _PreparedHandoffMetadata(
+                    local_blocks=blocks,
+                    kv_meta=kv_meta,
+                    ssm_meta=ssm_meta,
+                    resume_tokens=resume,
+                    local_ssm_slot=None if ssm_cache is None else slot,
+                )
+            return prepared
+        except Exception:
+            for _, blocks in handoffs:
+                self._whole()._release_pinned_handoff_blocks(blocks)
+            raise
+
+    @staticmethod
+    def _ssm_stage_transfer_meta(
+        static_metas: dict[str, Any], selected_slot: int
+    ) -> dict[str, Any]:
+        """Attach the final recurrent-state slot to one stage's descriptors (per state kind:
+        one descriptor, or a list with one per TP rank)."""
+        out: dict[str, Any] = {}
+        for kind in _SSM_STATE_KINDS:
+            metas = static_metas.get(kind)
+            if metas is None:
+                raise HandoffMetadataError(f"static {kind} SSM handoff metadata is missing", kind)
+            out[kind] = (
+                [{**m, "block_ids": [selected_slot]} for m in metas]
+                if isinstance(metas, list)
+                else {**metas, "block_ids": [selected_slot]}
+            )
+        return out
+
+    def _capture_reference_handoff_meta(
+        self, request: Any, prepared: _PreparedHandoffMetadata | None
+    ) -> dict[str, Any]:
+        if prepared is None:
+            raise HandoffStateError(
+                f"request {request.request_id}: no handoff metadata was prepared", "prepared"
+            )
+        rid = request.request_id
+        blocks = prepared.local_blocks
+        self._pinned_handoff_blocks[rid] = list(blocks)
+        # A list is one descriptor per TP rank; a dict is the engine's shared descriptor and
+        # is copied so request-specific entries stay out of it.
+        kv_meta = (
+            {"tp_metas": prepared.kv_meta}
+            if isinstance(prepared.kv_meta, list)
+            else dict(prepared.kv_meta)
+        )
+        kv_meta["resume_tokens"] = prepared.resume_tokens
+        if prepared.ssm_meta is not None:
+            kv_meta["ssm"] = prepared.ssm_meta
+        params = {"request_id": rid, "block_ids": blocks, "kv_meta": kv_meta}
+        request.disaggregated_params = params
+        logger.info(
+            "handoff event=pinned request_id=%d blocks=%d ssm=%d",
+            rid,
+            len(blocks),
+            int(prepared.ssm_meta is not None),
+        )
+        return params
+
+    def _push_reference_handoff_kv(self, request_id: int, decode_metas: list[Any]) -> None:
+        blocks = self._pinned_handoff_blocks.get(request_id)
+        if not blocks:
+            logger.warning(
+                "SEND_KV for request %d with no pinned handoff blocks; skipped", request_id
+            )
+            return
+        ssm_sends = []
+        if self._ssm_transfer_agents:
+            slot = int(self._ref().context.mamba_slot_allocator.get_slot(blocks[-1]))
+            if slot < 0:
+                raise HandoffStateError(
+                    f"request {request_id}: no pinned SSM state for its final block {blocks[-1]}",
+                    "ssm_slot",
+                )
+            for kind in _SSM_STATE_KINDS:
+                try:
+                    peers = [entry["ssm"][kind] for entry in decode_metas]
+                except (KeyError, TypeError) as e:
+                    raise HandoffMetadataError(
+                        f"request {request_id}: decode metadata is missing {kind} SSM transfer "
+                        "state",
+                        kind,
+                    ) from e
+                ssm_sends.append((self._ssm_transfer_agents[kind], peers, slot))
+        handles = [
+            self._kv_transfer_agent.begin_push_blocks({"tp_metas": list(decode_metas)}, blocks)
+        ]
+        # The final block stays pinned until RELEASE_KV, so its SSM slot is not reused while
+        # these sends run.
+        for agent, peers, slot in ssm_sends:
+            handles.append(agent.begin_push_blocks({"tp_metas": peers}, [slot]))
+        self._pending_kv_pushes.append((request_id, handles))
+
+    def _reserve_ssm_handoff_import(self) -> PendingSSMImport:
+        """Reserve the live request slot that receives exact SSM state (reference-design
+        engine; a ledger reserves the slot with the blocks, all or nothing, in ``submit``)."""
+        if self._ledger_driven():
+            raise HandoffStateError(
+                "SSM slots are reserved by ImportLedger.submit, not separately", "ssm_slot"
+            )
+        if not self._ssm_transfer_agents:
+            raise HandoffStateError(
+                "received SSM handoff state but this decode engine has no SSM transfer agents "
+                "(setup_kv_transfer on a hybrid decode engine)",
+                "setup_kv_transfer",
+            )
+        slot = self._ref().context.mamba_metadata.allocate_slot()
+        if slot is None:
+            raise HandoffStateError(
+                "live SSM slot capacity changed between the check and the reservation",
+                "mamba_state_free_slot_count",
+            )
+        return PendingSSMImport(handles={}, live_slot=int(slot))
+
+    def _validate_decode_ready_handoff(self, pending: Any) -> None:
+        """Validate that transferred state can start decode without prompt execution (a
+        ledger admits only imports whose quorum succeeded: nothing else to check there)."""
+        if not isinstance(pending, PendingKvImport):
+            return
+        ctx = self._ref().context
+        want = int(ctx.num_speculative_tokens) + 1
+        if len(pending.resume_tokens) != want:
+            raise HandoffMetadataError(
+                f"request {pending.request_id}: {len(pending.resume_tokens)} resume tokens, "
+                f"expected num_speculative_tokens+1={want}",
+                "resume_tokens",
+            )
+        if ctx.is_hybrid_model and pending.ssm is None:
+            raise HandoffStateError(
+                f"request {pending.request_id}: a hybrid decode-only handoff has no transferred "
+                "SSM state",
+                "ssm",
+            )
+
+    def _add_reference_request_with_kv_handoff(
+        self,
+        request_id: int,
+        prompt: list[int],
+        sampling_params: Any,
+        kv_meta: dict[str, Any],
+        src_block_ids: list[int],
+    ) -> asyncio.Future[Any]:
+        ref = self._ref()
+        ctx = ref.context
+        if not ctx.kv_block_allocator.enable_prefix_caching:
+            raise HandoffStateError(
+                "add_request_with_kv_handoff needs prefix caching on the decode engine "
+                "(enable_prefix_caching=False)",
+                "enable_prefix_caching",
+            )
+        ssm_meta = kv_meta.get("ssm") if isinstance(kv_meta, dict) else None
+        has_ssm = bool(self._ssm_transfer_agents)
+        if ctx.is_hybrid_model and not has_ssm:
+            raise HandoffStateError(
+                f"request {request_id}: a hybrid decode received a handoff before SSM transfer "
+                "setup",
+                "setup_kv_transfer",
+            )
+        if has_ssm:
+            if not isinstance(ssm_meta, dict):
+                raise HandoffMetadataError(
+                    f"request {request_id}: a hybrid decode needs the ticket's 'ssm' mapping, "
+                    f"got {type(ssm_meta).__name__}",
+                    "ssm",
+                )
+            missing = [k for k in _SSM_STATE_KINDS if k not in ssm_meta]
+            if missing:
+                raise HandoffMetadataError(
+                    f"request {request_id}: SSM metadata lacks state kinds {missing}", "ssm"
+                )
+        elif ssm_meta is not None:
+            raise HandoffMetadataError(
+                f"request {request_id}: an attention-only decode received SSM metadata from a "
+                "hybrid prefill",
+                "ssm",
+            )
+        if self._kv_transfer_agent is None:
+            raise HandoffStateError(
+                f"request {request_id}: no transfer backend (setup_kv_transfer has not run)",
+                "setup_kv_transfer",
+            )
+        resume = [int(t) for t in kv_meta.get("resume_tokens", [])]
+        want = int(ctx.num_speculative_tokens) + 1
+        if len(resume) != want:
+            raise HandoffMetadataError(
+                f"request {request_id}: {len(resume)} resume tokens but a decode-only handoff "
+                f"needs num_speculative_tokens+1={want}",
+                "resume_tokens",
+            )
+        if (
+            getattr(sampling_params, "return_log_probs", False)
+            or (getattr(sampling_params, "top_n_logprobs", 0) or 0) > 0
+        ):
+            raise HandoffMetadataError(
+                f"request {request_id}: a decode-only handoff carries no log probabilities "
+                "(return_log_probs / top_n_logprobs)",
+                "return_log_probs",
+            )
+        bs = int(ctx.block_size_tokens)
+        num_blocks = transfer_block_count(kv_meta, src_block_ids)
+        if num_blocks != -(-len(prompt) // bs):
+            raise HandoffMetadataError(
+                f"request {request_id}: {num_blocks} source blocks but {len(prompt)} prompt "
+                f"tokens at block_size={bs} need {-(-len(prompt) // bs)} (partial tail included)",
+                "src_block_ids",
+            )
+        hashes = compute_block_hashes_batched(torch.tensor(prompt, dtype=torch.int64), bs)
+        handoff = DeferredKvHandoff(
+            request_id=request_id,
+            prompt=list(prompt),
+            sampling_params=sampling_params,
+            kv_meta=kv_meta,
+            src_block_ids=list(src_block_ids),
+            hashes=hashes,
+            num_blocks=num_blocks,
+            future=ref._loop.create_future(),
+        )
+        # FIFO under backpressure: two-sided receives must match the sender's order, and a
+        # stream of small handoffs must not starve an older large one.
+        if self._deferred_kv_handoffs or not self._whole()._try_start_kv_handoff_import(handoff):
+            self._deferred_kv_handoffs.append(handoff)
+        return handoff.future
+
+    def _start_reference_import(self, handoff: DeferredKvHandoff) -> bool:
+        """Reserve blocks (and a live SSM slot) and post the import, or change nothing."""
+        ref = self._ref()
+        ctx = ref.context
+        allocator = ctx.kv_block_allocator
+        cached = (
+            []
+            if getattr(self._kv_transfer_agent, "is_push", False)
+            else self._whole()._find_cached_handoff_prefix(handoff.hashes, handoff.num_blocks)
+        )
+        meta = handoff.kv_meta if isinstance(handoff.kv_meta, dict) else {}
+        resume = [int(t) for t in meta.get("resume_tokens", [])]
+        ssm_meta: dict[str, Any] | None = meta.get("ssm")
+        n_import = handoff.num_blocks - len(cached)
+        n_more = (
+            additional_decode_blocks(len(handoff.prompt), len(resume), int(ctx.block_size_tokens))
+            if resume
+            else 0
+        )
+        if not self._whole()._handoff_capacity_available(n_import + n_more, cached):
+            return False
+        if ssm_meta and ctx.mamba_metadata.mamba_state_free_slot_count < 1:
+            return False
+        allocator.retain_memory_blocks(cached)
+        got = allocator.allocate_memory_blocks(n_import + n_more)
+        if got is None:
+            if cached:
+                allocator.release_memory_blocks(torch.tensor(cached, dtype=torch.int32))
+            raise HandoffStateError(
+                f"request {handoff.request_id}: allocator capacity changed between the check "
+                f"and the allocation of {n_import + n_more} blocks",
+                "kv_block_allocator",
+            )
+        fresh = [int(b) for b in got.tolist()]
+        local = cached + fresh[:n_import]
+        owned = torch.tensor(local + fresh[n_import:], dtype=torch.int32)
+        ssm_import = None
+        if ssm_meta:
+            try:
+                ssm_import = self._reserve_ssm_handoff_import()
+            except Exception:
+                allocator.release_memory_blocks(owned)
+                raise
+        handle = None
+        error: BaseException | None = None
+        try:
+            meta_left, src_left = drop_transfer_prefix_blocks(
+                handoff.kv_meta, handoff.src_block_ids, len(cached)
+            )
+            handle = self._kv_transfer_agent.begin_pull_blocks(
+                meta_left, src_left, fresh[:n_import]
+            )
+            if ssm_import is not None and ssm_meta is not None:
+                self._whole()._start_ssm_handoff_import(handoff.request_id, ssm_meta, ssm_import)
+        except Exception as e:  # this rank's failure: reported to the quorum like any other
+            error = e
+        self._pending_kv_imports.append(
+            PendingKvImport(
+                request_id=handoff.request_id,
+                prompt=handoff.prompt,
+                sampling_params=handoff.sampling_params,
+                local_blocks=local,
+                hashes=handoff.hashes,
+                cached_prefix_block_count=len(cached),
+                handle=handle,
+                future=handoff.future,
+                ssm=ssm_import,
+                resume_tokens=resume,
+                continuation_blocks=fresh[n_import:],
+                local_error=error,
+                destinations_safe=error is None
+                or bool(getattr(error, "transfer_destinations_safe", True)),
+            )
+        )
+        loop = ref._loop
+        loop.call_soon_threadsafe(loop.create_task, ref._notify_cond_for_new_request())
+        return True
+
+    def _finalize_reference_import(self, pending: PendingKvImport) -> None:
+        ref = self._ref()
+        ctx = ref.context
+        start = pending.cached_prefix_block_count
+        end = min(len(pending.local_blocks), len(pending.hashes))
+        if end > start:
+            # The imported suffix extends the reused prefix: keep each block's parent link.
+            ctx.kv_block_allocator.register_kv_block_hashes(
+                pending.local_blocks[start:end],
+                pending.hashes[start:end],
+                parent_hashes=([0, *pending.hashes])[start:end],
+            )
+        request_future = ref.add_request(
+            pending.request_id,
+            pending.prompt,
+            pending.sampling_params,
+            precomputed_block_hashes=pending.hashes[:end] if end > 0 else None,
+        )
+        request = ref.get_request(pending.request_id)
+        if getattr(request.status, "name", None) == "FAILED":
+            # add_request reported a validation failure through its own future.
+            self._whole()._release_pending_kv_import(pending)
+        else:
+            head = ref.waiting_request_ids[0]
+            if head != pending.request_id:
+                raise HandoffStateError(
+                    f"admission expected request {pending.request_id} at the waiting queue head, "
+                    f"found {head}",
+                    "waiting_request_ids",
+                )
+            ref.waiting_request_ids.popleft()
+            self._validate_decode_ready_handoff(pending)
+            first = pending.resume_tokens[0]
+            params = request.sampling_params
+            if params.num_tokens_to_generate > 0:
+                request.generated_tokens.append(first)
+                if ref.track_generated_token_events:
+                    request.add_event_generated_token(first)
+                added = getattr(request, "event_add_engine", None)
+                if added is not None:
+                    request.ttft = time.time() - added.timestamp
+                stop_hit = False
+                if request.stop_word_ids:
+                    stop_hit, _ = ref._check_stop_words_for_request_post_append(request)
+                if first == params.termination_id or stop_hit:
+                    params.num_tokens_to_generate = len(request.generated_tokens)
+            request.num_cached_tokens = len(pending.prompt)
+            if len(request.generated_tokens) >= params.num_tokens_to_generate:
+                self._whole()._release_pending_kv_import(pending)
+                self._whole()._complete_handoff_request_without_forward(pending.request_id)
+            else:
+                admit_prefilled_decode(
+                    ctx,
+                    request,
+                    pending.local_blocks,
+                    pending.continuation_blocks,
+                    pending.resume_tokens,
+                    ssm_state_idx=None if pending.ssm is None else pending.ssm.live_slot,
+                )
+                pending.ssm = None
+                pending.local_blocks = []
+                pending.continuation_blocks = []
+                if ref.use_coordinator and ref.is_mp_coordinator:
+                    ref._try_send_streaming_partials()
+
+        def relay(src: asyncio.Future[Any]) -> None:
+            """Forward the request's completion to the handoff future."""
+            dst = pending.future
+            if dst is None or dst.done():
+                return
+            if src.cancelled():
+                dst.cancel()
+            elif src.exception() is not None:
+                dst.set_exception(cast(BaseException, src.exception()))
+            else:
+                dst.set_result(src.result())
+
+        request_future.add_done_callback(relay)
+
+    def _complete_reference_request_without_forward(self, request_id: int) -> None:
+        ref = self._ref()
+        entry = ref.requests.pop(request_id)
+        request = entry.record[-1]
+        request.generated_length = len(request.generated_tokens)
+        request.status = type(request.status)["COMPLETED"]
+        request.add_event_finish()
+        ref.finished_request_count += 1
+        if ref.use_coordinator and ref.is_mp_coordinator:
+            ref._send_request_records_to_coordinator([entry.record])
+            ref._partial_emit_lengths.pop(request_id, None)
+        elif not ref.use_coordinator:
+            controller = ref.controller
+            if request.prompt is None:
+                request.prompt = controller.detokenize(
+                    controller.tokenizer, request.prompt_tokens.tolist(), remove_EOD=False
+                )
+            request.generated_text = controller.detokenize(
+                controller.tokenizer,
+                request.generated_tokens,
+                remove_EOD=not request.sampling_params.detokenize_stop_sequence,
+            )
+        entry.future.set_result(entry.record)
+
+    def _release_reference_import(self, pending: PendingKvImport) -> None:
+        ctx = self._ref().context
+        owned = pending.local_blocks + pending.continuation_blocks
+        if owned:
+            ctx.kv_block_allocator.release_memory_blocks(torch.tensor(owned, dtype=torch.int32))
+        pending.local_blocks = []
+        pending.continuation_blocks = []
+        if pending.ssm is not None:
+            ctx.mamba_metadata.free_slot(pending.ssm.live_slot)
+            pending.ssm = None
+
+    def _report_reference_imports(self) -> None:
+        tracker = self._handoff_completion_tracker
+        for pending in self._pending_kv_imports:
+            if pending.terminal_state_reported:
+                continue
+            failed = pending.local_error is not None
+            if not failed:
+                try:
+                    if not all(h.poll() for h in self._pending_transfer_handles(pending)):
+                        continue
+                except Exception as e:  # a terminal transfer error of this rank
+                    pending.local_error = e
+                    failed = True
+            if tracker is None or tracker.world_size == 1:
+                mp = get_pg_size(self._ref().pg_collection.mp)
+                if mp != 1:
+                    raise HandoffStateError(
+                        f"model-parallel size {mp} needs a completion tracker "
+                        "(_setup_handoff_completion_tracking)",
+                        "_handoff_completion_tracker",
+                    )
+                self._handoff_completion_notifications[pending.request_id] = failed
+            else:
+                tracker.report(pending.request_id, failed)
+            pending.terminal_state_reported = True
+
+    def _admit_reference_imports(self) -> int:
+        ref = self._ref()
+        decided = self._handoff_completion_notifications
+        admitted = 0
+        remaining: deque[PendingKvImport] = deque()
+        queue = self._pending_kv_imports
+        while queue:
+            pending = queue.popleft()
+            failed = decided.get(pending.request_id)
+            if failed is None:
+                remaining.append(pending)
+                continue
+            try:
+                if failed:
+                    raise pending.local_error or TransferError(
+                        f"KV import of request {pending.request_id} failed on a model-parallel "
+                        "peer",
+                        "request_id",
+                    )
+                self._validate_decode_ready_handoff(pending)
+                if not can_admit_prefilled_decode(ref.context, len(pending.resume_tokens)):
+                    remaining.append(pending)
+                    continue
+                decided.pop(pending.request_id)
+                self._whole()._finalize_kv_handoff_import(pending)
+                admitted += 1
+            except Exception as exc:
+                decided.pop(pending.request_id, None)
+                # A peer may fail before posting its half of a two-sided transfer: never wait
+                # on this rank's unmatched operation; quarantine unless it is already terminal.
+                safe = (
+                    pending.destinations_safe
+                    and pending.terminal_state_reported
+                    and self._wait_for_transfer_handles(*self._pending_transfer_handles(pending))
+                )
+                if safe:
+                    self._whole()._release_pending_kv_import(pending)
+                else:
+                    self._quarantined_kv_imports.append(pending)
+                    logger.error(
+                        "request %d: storage quarantined after an incomplete handoff",
+                        pending.request_id,
+                    )
+                if pending.future is not None and not pending.future.done():
+                    pending.future.set_exception(exc)
+                if failed:
+                    continue
+                remaining.extend(queue)
+                self._pending_kv_imports = remaining
+                raise
+        self._pending_kv_imports = remaining
+        if admitted:
+            loop = ref._loop
+            loop.call_soon_threadsafe(loop.create_task, ref._notify_cond_for_new_request())
+        return admitted
+
+    def _reset_reference_imports(self) -> None:
+        """All or nothing: refuse while blocks are pinned or a transfer may still touch cache
+        storage; otherwise cancel queued handoffs and release every import."""
+        if self._pinned_handoff_blocks:
+            raise ResetRefusedError(
+                f"cannot reset while KV handoff blocks remain pinned for requests "
+                f"{sorted(self._pinned_handoff_blocks)}: a decode may still be reading them; "
+                "wait for RELEASE_KV",
+                "request_id",
+            )
+        busy_pushes = [
+            rid for rid, hs in self._pending_kv_pushes if not self._wait_for_transfer_handles(*hs)
+        ]
+        imports = list(self._pending_kv_imports) + list(self._quarantined_kv_imports)
+        busy = [
+            p.request_id
+            for p in imports
+            if not (
+                p.destinations_safe
+                and self._wait_for_transfer_handles(*self._pending_transfer_handles(p))
+            )
+        ]
+        if busy_pushes or busy:
+            raise ResetRefusedError(
+                "cannot reset while KV handoff transfers may still access cache storage: "
+                f"pushes of requests {busy_pushes}, imports of requests {busy}",
+                "request_id",
+            )
+        self._pending_kv_pushes = []
+        while self._deferred_kv_handoffs:
+            handoff = self._deferred_kv_handoffs.popleft()
+            if not handoff.future.done():
+                handoff.future.cancel()
+        for pending in imports:
+            self._whole()._release_pending_kv_import(pending)
+            if pending.future is not None and not pending.future.done():
+                pending.future.cancel()
+        self._pending_kv_imports = deque()
+        self._quarantined_kv_imports = []
+        self._handoff_completion_notifications.clear()

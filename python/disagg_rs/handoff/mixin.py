@@ -1,0 +1,316 @@
+"""Engine-side lifecycle of a disaggregated KV/SSM state handoff (the reference design's
+``inference_state_handoff`` module), composed into an engine as a mixin.
+
+The mixin composes three parts: :mod:`~disagg_rs.handoff.decode` (importing a handed-off
+request), :mod:`~disagg_rs.handoff.prefill` (exporting one) and
+:mod:`~disagg_rs.handoff.compat` (the reference design's engines and helpers).
+
+The mixin works with two kinds of engine, chosen by what the engine has:
+
+* An engine built on disagg_rs's pools (:class:`~disagg_rs.engine_protocol.HandoffHost`,
+  e.g. :class:`disagg_rs.reference.handoff.HandoffReferenceEngine`) attaches a ledger with
+  :meth:`InferenceStateHandoffMixin.attach_handoff_ledger`. The decisions then live in the
+  Rust ledgers: the decode side's :class:`~disagg_rs.ImportLedger` (deferral, all-or-nothing
+  reservation including speculative lookahead blocks, quorum, admission, quarantine,
+  deadlines) and the prefill side's :class:`~disagg_rs.PinLedger` (pins until RELEASE_KV or
+  lease expiry). The mixin carries their actions out: it posts transfers, polls the handles,
+  shares each rank's outcome with the other model-parallel ranks, and admits requests at the
+  engine's admission points.
+* A dynamic-batching engine of the reference design (Megatron-LM's ``DynamicInferenceEngine``,
+  :class:`~disagg_rs.engine_protocol.ReferenceDesignEngine`) attaches no ledger: the mixin
+  then keeps the reference design's records (:mod:`disagg_rs.pending_handoff_imports`) over
+  the engine's own block allocator and admits through :mod:`disagg_rs.decode_admission`, and
+  model-parallel agreement goes through
+  :class:`~disagg_rs.handoff_completion_tracker.HandoffCompletionTracker` (a Rust
+  :class:`~disagg_rs.CompletionQuorum`). Swapping the reference design's package for
+  ``disagg_rs`` is an import-path change for such an engine.
+
+Model-parallel ranks call every public method collectively, in the same order, with the same
+arguments and the same ``now``, so their ledgers stay identical. Time is an ``int`` of
+nanoseconds supplied by the driver (``handoff_now_ns``), never read here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg_rs._core import (
+    ImportLedger,
+    PinLedger,
+)
+from disagg_rs.decode_admission import (
+    can_admit_prefilled_decode,
+)
+from disagg_rs.exceptions import (
+    HandoffStateError,
+    ResetRefusedError,
+)
+from disagg_rs.handoff.base import (
+    _KV_AXES,
+)
+from disagg_rs.handoff.compat import ReferenceDesignCompat
+from disagg_rs.handoff.decode import DecodeHandoff
+from disagg_rs.handoff.prefill import PrefillHandoff, _PinnedBlocksView
+from disagg_rs.handoff_completion_tracker import HandoffCompletionTracker
+from disagg_rs.transfer_backends import construct_kv_transfer_backend_class
+
+
+class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignCompat):
+    """Optional KV/SSM handoff behaviour composed into an engine (see the module docstring)."""
+
+    def _setup_handoff_completion_tracking(self, hostname: str | None = None) -> None:
+        """Create the CPU path used to aggregate model-parallel transfer completion.
+
+        A ledger-driven engine shares completion through its ``handoff_all_gather``; a
+        reference-design engine gets a :class:`HandoffCompletionTracker` over its
+        model-parallel group (ZeroMQ from each rank to the group's first rank).
+        """
+        if self._ledger_driven():
+            self._completion_notifications = []
+            return
+        ref = self._ref()
+        tracker = HandoffCompletionTracker(ref.zmq_context, ref.pg_collection.mp, hostname)
+        self._handoff_completion_tracker = tracker
+        ref.zmq_sockets.extend(tracker.sockets)
+
+    def _drain_handoff_completion_notifications(self) -> list[tuple[int, bool]]:
+        """Collect decisions that the engine's model-parallel schedule broadcast distributes:
+        ``(request_id, failed)`` decided since the last drain."""
+        if not self._ledger_driven():
+            tracker = self.__dict__.get("_handoff_completion_tracker")
+            return [] if tracker is None else tracker.drain_completed()
+        out, self._completion_notifications = self._completion_notifications, []
+        self._failure_reasons, self._new_failure_reasons = self._new_failure_reasons, {}
+        return out
+
+    def pop_handoff_failure_reason(self, request_id: int) -> str | None:
+        """Why the import of ``request_id`` failed, for a failure returned by the latest
+        ``_drain_handoff_completion_notifications`` (None otherwise)."""
+        return self._failure_reasons.pop(request_id, None)
+
+    @staticmethod
+    def make_handoff_ledger(
+        role: str,
+        num_blocks: int,
+        block_size_tokens: int,
+        num_ssm_slots: int,
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+        pull: bool = True,
+        num_speculative_tokens: int = 0,
+    ) -> ImportLedger | PinLedger:
+        """The ledger of ``role``; an engine builds its pools from ``ledger.block_pool`` and
+        ``ledger.slot_pool`` so the ledger accounts exactly the blocks the engine uses.
+
+        A decode ledger reserves, with every import, the blocks of the resume tokens plus
+        ``num_speculative_tokens`` lookahead tokens (pass the engine's
+        ``num_speculative_tokens``), all or nothing with the prompt's blocks.
+        """
+        if role == "decode":
+            return ImportLedger(
+                num_blocks,
+                block_size_tokens,
+                num_ssm_slots,
+                world_size=world_size,
+                rank=rank,
+                pull=pull,
+                lookahead_tokens=num_speculative_tokens,
+            )
+        if role == "prefill":
+            return PinLedger(num_blocks, block_size_tokens, num_ssm_slots)
+        raise HandoffStateError(f"role={role!r} has no handoff ledger; use 'prefill' or 'decode'")
+
+    def attach_handoff_ledger(self, ledger: ImportLedger | PinLedger) -> None:
+        """Use ``ledger`` (made by :meth:`make_handoff_ledger`) for this engine's handoffs.
+
+        A decode ledger must reserve the engine's speculative lookahead with every import:
+        its ``lookahead_tokens`` must equal the engine's ``num_speculative_tokens``.
+        """
+        if isinstance(ledger, ImportLedger):
+            spec = self._host().num_speculative_tokens
+            if ledger.lookahead_tokens != spec:
+                raise HandoffStateError(
+                    f"ImportLedger lookahead_tokens={ledger.lookahead_tokens} but the engine's "
+                    f"num_speculative_tokens={spec}: pass the engine's num_speculative_tokens "
+                    "to make_handoff_ledger",
+                    "num_speculative_tokens",
+                )
+            self._import_ledger = ledger
+        else:
+            self._pin_ledger = ledger
+            self._pinned_handoff_blocks = _PinnedBlocksView(ledger)
+
+    @property
+    def pending_kv_import_count(self) -> int:
+        """Number of decode requests waiting for capacity or transfer completion."""
+        if not self._ledger_driven():
+            return len(self._deferred_kv_handoffs) + len(self._pending_kv_imports)
+        return 0 if self._import_ledger is None else self._import_ledger.pending_kv_import_count
+
+    @property
+    def has_admittable_kv_import(self) -> bool:
+        """Whether a completed import can be handled at the next admission point."""
+        if not self._ledger_driven():
+            context = self._ref().context
+            decided = self._handoff_completion_notifications
+            return any(
+                decided[p.request_id] or can_admit_prefilled_decode(context, len(p.resume_tokens))
+                for p in self._pending_kv_imports
+                if p.request_id in decided
+            )
+        return self._import_ledger is not None and self._import_ledger.has_admittable_kv_import
+
+    @property
+    def pending_kv_push_count(self) -> int:
+        """Number of prefill sends waiting for transport completion."""
+        if not self._ledger_driven():
+            return len(self._pending_kv_pushes)
+        return len(self._pending_pushes)
+
+    @property
+    def num_quarantined_kv_imports(self) -> int:
+        """Failed imports whose destinations may still be written."""
+        if not self._ledger_driven():
+            return len(self._quarantined_kv_imports)
+        return 0 if self._import_ledger is None else self._import_ledger.num_quarantined
+
+    def schedule_waiting_requests(self) -> None:
+        """The engine's scheduling point: a decode engine first admits completed imports, and
+        refuses (``HandoffStateError``) only when prompts are actually waiting, since a
+        dedicated decode engine never runs prompts; then the engine's own scheduler runs
+        (``super().schedule_waiting_requests()``, when the engine has one)."""
+        if self.handoff_role == "decode":
+            self._admit_pending_kv_imports()
+            waiting = (
+                self._host().num_waiting
+                if self._ledger_driven()
+                else len(self._ref().waiting_request_ids)
+            )
+            if waiting:
+                raise HandoffStateError(
+                    f"a disaggregated decode engine cannot schedule prompt prefill requests: "
+                    f"{waiting} waiting; submit handoffs with add_request_with_kv_handoff",
+                    "role",
+                )
+        parent = getattr(super(), "schedule_waiting_requests", None)
+        if parent is not None:
+            parent()
+
+    def setup_kv_transfer(self, role: str, backend: str = "nixl", **backend_kwargs: Any) -> None:
+        """Bring up the KV transfer agents for this engine.
+
+        Must be called collectively by every model-parallel rank: each rank registers its own
+        buffers and the static metadata of all ranks is gathered (``handoff_static_meta`` on a
+        ledger-driven engine; the per-stage peer metadata on a reference-design engine).
+        ``role`` is ``"prefill"`` or ``"decode"``; ``backend`` a registered transport
+        (``"nixl"``; ``"nccl"`` selects the two-sided push family).
+        """
+        if role not in ("prefill", "decode"):
+            raise HandoffStateError(f"role={role!r} must be 'prefill' or 'decode'", "role")
+        if self._ledger_driven():
+            self._setup_ledger_kv_transfer(role, backend, **backend_kwargs)
+        else:
+            self._setup_reference_kv_transfer(role, backend)
+
+    def _setup_ledger_kv_transfer(self, role: str, backend: str, **backend_kwargs: Any) -> None:
+        engine = self._host()
+        cls = construct_kv_transfer_backend_class(backend)
+        kv_layout = engine.kv_layout
+        common = dict(backend_kwargs)
+        agent = f"{role}-{kv_layout.global_rank if kv_layout is not None else 'x'}"
+        self._kv_transfer_role = role
+        self._backend_name = backend
+        if kv_layout is not None and not hasattr(engine.kv_cache, "data_ptr"):
+            raise HandoffStateError(
+                f"kv_cache_layout={engine.kv_cache_layout!r} is a list of per-layer tensors; the "
+                "transfer backends register one contiguous buffer per rank (use 'megatron')",
+                "kv_cache_layout",
+            )
+        if kv_layout is not None:
+            self._kv_backend = cls(
+                agent,
+                engine.kv_cache,
+                engine.block_pool.num_blocks,
+                tp_size=kv_layout.tp_size,
+                tp_rank=kv_layout.tp_rank,
+                num_kv_heads_global=kv_layout.num_kv_heads,
+                heads_per_partition=kv_layout.heads_per_partition,
+                head_dim=engine.model.head_dim,
+                tokens_per_block=engine.block_size_tokens,
+                global_rank=kv_layout.global_rank,
+                pp_size=kv_layout.pp_size,
+                pp_rank=kv_layout.pp_rank,
+                num_layers_global=kv_layout.num_layers,
+                layer_start=kv_layout.layer_start,
+                layer_end=kv_layout.layer_end,
+                axes=_KV_AXES[engine.kv_cache_layout],
+                **common,
+            )
+        ssm_layout = engine.ssm_layout
+        if ssm_layout is not None and engine.ssm_slot_pool is not None:
+            for kind, buf in (
+                ("conv", engine.ssm_conv_state),
+                ("recurrent", engine.ssm_recurrent_state),
+            ):
+                if self._kv_backend is not None:
+                    self._ssm_backends[kind] = self._kv_backend.new_registered_buffer(
+                        memory_buffer=buf,
+                        expected_num_blocks=engine.ssm_slot_pool.num_slots,
+                        ssm_layout=ssm_layout,
+                        ssm_state_kind=kind,
+                        global_rank=ssm_layout.global_rank,
+                    )
+                else:
+                    self._ssm_backends[kind] = cls(
+                        f"{agent}-{kind}",
+                        buf,
+                        engine.ssm_slot_pool.num_slots,
+                        global_rank=ssm_layout.global_rank,
+                        ssm_layout=ssm_layout,
+                        ssm_state_kind=kind,
+                        **common,
+                    )
+        local = {
+            "kv": self._kv_backend.export_meta() if self._kv_backend is not None else None,
+            **{k: b.export_meta() for k, b in self._ssm_backends.items()},
+        }
+        ranks = engine.handoff_all_gather(local)
+        self._static_meta = {
+            "backend": backend,
+            "role": role,
+            "block_size_tokens": engine.block_size_tokens,
+            "ranks": ranks,
+        }
+        self._event(("setup", -1, f"{backend} {role} ranks={len(ranks)}"))
+
+    def close_kv_transfer(self) -> None:
+        """Deregister every buffer (idempotent).
+
+        Refuses with ``ResetRefusedError`` (nothing changed) while an import or push may still
+        touch the registered memory: deregistering under a live transfer would let it write
+        freed memory or fail in the transport instead of in the ledger.
+        """
+        live = sorted(
+            rid
+            for rid, p in self._pending_imports.items()
+            if not all(self._quiet(h) for h in p.handles)
+        )
+        live += sorted(
+            rid
+            for (rid, _), p in self._quarantined.items()
+            if p.handles and not all(self._quiet(h) for h in p.handles)
+        )
+        live += sorted(self._pending_pushes)
+        if live:
+            raise ResetRefusedError(
+                f"close_kv_transfer: transfers of requests {live} are still in flight; "
+                "close after they settle",
+                "request_id",
+            )
+        for b in self._ssm_backends.values():
+            b.close()
+        if self._kv_backend is not None:
+            self._kv_backend.close()
+        self._ssm_backends = {}
+        self._kv_backend = None

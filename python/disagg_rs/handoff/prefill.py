@@ -1,0 +1,345 @@
+"""Prefill side of the handoff mixin: prepare and capture a finished prefill's ticket, pin its
+blocks (PinLedger), stage or push its state, release it on RELEASE_KV or lease expiry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from disagg_rs._core import (
+    PinLedger,
+)
+from disagg_rs.exceptions import (
+    DisaggError,
+    HandoffStateError,
+    MetadataError,
+)
+from disagg_rs.handoff.base import (
+    HandoffBase,
+    _PreparedHandoffMetadata,
+    _tag,
+    logger,
+)
+from disagg_rs.integrity import (
+    IntegrityPiece,
+    IntegrityTable,
+    chunk_tokens_for,
+)
+
+
+def with_push_destination(
+    decode_metas: Sequence[Mapping[str, Any]], destination: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """The decode's per-rank transfer metadata with the destination it posted receives for
+    (``dst_block_ids``, ``dst_ssm_slot``, ``num_tokens``, ``token_start``) attached, as
+    :meth:`InferenceStateHandoffMixin.push_handoff_kv` takes it."""
+    return [{**m, "destination": dict(destination)} for m in decode_metas]
+
+
+class _PinnedBlocksView(Mapping[int, list[int]]):
+    """``_pinned_handoff_blocks`` of a ledger-driven prefill: request id -> pinned blocks,
+    read from the :class:`~disagg_rs.PinLedger` (read-only)."""
+
+    def __init__(self, ledger: PinLedger) -> None:
+        self._ledger = ledger
+
+    def __getitem__(self, request_id: int) -> list[int]:
+        blocks = self._ledger.pinned_blocks(request_id)
+        if blocks is None:
+            raise KeyError(request_id)
+        return blocks
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ledger.pinned_request_ids())
+
+    def __len__(self) -> int:
+        return self._ledger.num_pinned
+
+
+class PrefillHandoff(HandoffBase):
+    """The prefill half of :class:`~disagg_rs.handoff.mixin.InferenceStateHandoffMixin`."""
+
+    def _prepare_handoff_metadata_batch(
+        self,
+        requests_and_state: Iterable[tuple[Any, ...]],
+        decode_tokens_by_request: Mapping[int, list[int]],
+    ) -> dict[int, _PreparedHandoffMetadata]:
+        """Assemble metadata for all handoffs completed by one engine step.
+
+        Entries are ``(request, block_ids)`` or ``(request, block_ids, ssm_slot)``. No
+        collective runs here: the static transport metadata was gathered at setup.
+        """
+        if self._ledger_driven():
+            out = {}
+            for request, blocks, *rest in requests_and_state:
+                rid = int(request.request_id)
+                slot = rest[0] if rest else None
+                out[rid] = _PreparedHandoffMetadata(
+                    local_blocks=list(blocks),
+                    local_ssm_slot=slot,
+                    kv_meta={
+                        "src_block_ids": list(blocks),
+                        "src_block_size_tokens": self._host().block_size_tokens,
+                    },
+                    ssm_meta=None if slot is None else {"src_slot": slot},
+                    resume_tokens=list(decode_tokens_by_request.get(rid, [])),
+                )
+            return out
+        return self._whole()._prepare_reference_handoff_metadata(
+            requests_and_state, decode_tokens_by_request
+        )
+
+    def _capture_handoff_meta(
+        self,
+        request: Any,
+        prepared: _PreparedHandoffMetadata | None,
+        decode_metas: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """Attach prepared transfer metadata and retain the request's blocks.
+
+        Ledger-driven prefill: pin the request's blocks and SSM slot in the PinLedger and
+        return its ticket. ``request`` is the engine's finished-prefill record
+        (``request_id``, ``block_ids``, ``ssm_slot``, ``first_token``). The engine's own
+        reference on the blocks is dropped here: from now on the pin owns them until
+        RELEASE_KV or lease expiry.
+
+        Reference-design prefill: the blocks (whose reference the engine's allocator keeps
+        pinned) are recorded for RELEASE_KV and ``request.disaggregated_params`` receives
+        ``request_id``, ``block_ids`` and ``kv_meta``; returns that mapping.
+        """
+        if not self._ledger_driven():
+            return self._whole()._capture_reference_handoff_meta(request, prepared)
+        engine = self._host()
+        rid = int(request.request_id)
+        blocks = list(prepared.local_blocks if prepared else request.block_ids)
+        slot = prepared.local_ssm_slot if prepared else request.ssm_slot
+        # Digest before pinning (collective): a digest that raises leaves nothing pinned.
+        integrity = (
+            self._integrity_table_of(blocks, len(request.prompt), slot)
+            if self.verify_integrity
+            else None
+        )
+        now = self.handoff_now_ns
+        epoch = self._pins().pin(
+            rid, blocks, slot, lease_until=now + self.handoff_lease_ns, now=now
+        )
+        engine.block_pool.release(blocks)
+        self._event(("pinned", rid, f"{len(blocks)} blocks slot={slot}"))
+        ticket: dict[str, Any] = {
+            "src_block_ids": blocks,
+            "src_block_size_tokens": self._host().block_size_tokens,
+            "src_ssm_slot": slot,
+            "resume_tokens": [int(request.first_token)],
+            "pin_epoch": epoch,
+            "lease_ns": self.handoff_lease_ns,
+        }
+        if self.handoff_wall_now_ns is not None:
+            ticket["lease_until_wall_ns"] = self.handoff_wall_now_ns + self.handoff_lease_ns
+        if integrity is not None:
+            ticket["integrity"] = integrity.to_wire()
+        staged = self._stage_for_decode(rid, blocks, len(request.prompt), decode_metas)
+        if staged:
+            ticket["staged"] = staged
+        return ticket
+
+    def _integrity_table_of(
+        self, block_ids: list[int], num_tokens: int, ssm_slot: int | None
+    ) -> IntegrityTable:
+        """The full digest of one prefilled request, assembled over the model-parallel ranks
+        (collective: each rank contributes the cells it holds)."""
+        engine = self._host()
+        started = time.perf_counter_ns()
+        chunk = chunk_tokens_for(num_tokens)
+        local: list[IntegrityPiece] | str
+        try:
+            local = self._local_integrity_pieces(block_ids, num_tokens, ssm_slot, chunk)
+        except DisaggError as e:  # gathered, so every rank raises instead of one hanging
+            local = f"{type(e).__name__}: {e}"
+        gathered = engine.handoff_all_gather(local)
+        errors = [g for g in gathered if isinstance(g, str)]
+        if errors:
+            raise HandoffStateError(f"integrity digest failed on a rank: {errors[0]}", "integrity")
+        pieces = [p for rank in gathered for p in rank]
+        table = IntegrityTable.merge(self._integrity_shapes(-(-num_tokens // chunk)), pieces)
+        table.chunk_tokens = chunk
+        self.handoff_stats["integrity_ns"] += time.perf_counter_ns() - started
+        return table
+
+    def _stage_for_decode(
+        self,
+        request_id: int,
+        blocks: list[int],
+        num_tokens: int,
+        decode_metas: list[dict[str, Any]] | None,
+    ) -> dict[int, list[dict[str, Any]]]:
+        """One-sided staged pulls: pack this rank's fragments for every decode rank before the
+        handoff is announced, and gather every prefill rank's tickets (collective).
+
+        Returns ``{decode global rank: [ticket per prefill rank that packed]}``; empty when the
+        backend reads directly (two-sided, ``mode="direct"``, or no decode chosen yet).
+        """
+        engine = self._host()
+        backend = self._kv_backend
+        stage = getattr(backend, "stage_blocks", None)
+        if not decode_metas or stage is None or getattr(backend, "mode", "direct") == "direct":
+            return {}
+        own = [r["kv"] for r in self.handoff_static_meta["ranks"] if r.get("kv") is not None]
+        local: dict[int, dict[str, Any]] = {}
+        for dm in decode_metas:
+            kv = dm.get("kv")
+            if kv is None:
+                continue
+            t = stage(kv, blocks, src_metas=own, num_tokens=num_tokens)
+            if t.get("staged"):
+                local[int(kv["layout"]["global_rank"])] = t
+        self._staged_by_request[request_id] = list(local.values())
+        merged: dict[int, list[dict[str, Any]]] = {}
+        for per_rank in engine.handoff_all_gather(local):
+            for dst, t in per_rank.items():
+                merged.setdefault(int(dst), []).append(t)
+        return merged
+
+    def _release_staged(self, request_id: int) -> None:
+        """Free the staging regions packed for a handoff (after RELEASE_KV or lease expiry)."""
+        release = getattr(self._kv_backend, "release_staged", None)
+        for t in self._staged_by_request.pop(request_id, []):
+            if release is not None:
+                release(t)
+
+    def release_handoff_blocks(self, request_id: int) -> None:
+        """Release blocks pinned by a finished handoff (RELEASE_KV); unknown ids and repeated
+        releases are no-ops."""
+        if not self._ledger_driven():
+            blocks = self._pinned_handoff_blocks.pop(request_id, None)
+            if blocks:
+                released = self._release_pinned_handoff_blocks(blocks)
+                logger.info("handoff event=released request_id=%d blocks=%d", request_id, released)
+            return
+        if request_id in self._pending_pushes:
+            # The push may still read them: the ledger defers the release until it settles.
+            self._event(("release_deferred", request_id, "push in flight"))
+        actions = self._pins().release(request_id)
+        self._release_staged(request_id)
+        for a in actions:
+            self._event(("released", a.request_id, str(a.reason)))
+
+    def _release_pinned_handoff_blocks(self, block_ids: list[int]) -> int:
+        """Drop this request's ownership of its pinned blocks; returns how many.
+
+        Reference-design engine: one allocator reference per block. Ledger-driven engine: the
+        PinLedger releases them with the pin (nothing to do here).
+        """
+        if not block_ids:
+            return 0
+        if not self._ledger_driven():
+            ids = torch.tensor(list(block_ids), dtype=torch.int32, device="cpu")
+            self._ref().context.kv_block_allocator.release_memory_blocks(ids)
+        return len(block_ids)
+
+    def _release_pinned_handoff_ssm_slot(self, ssm_slot: int | None) -> None:
+        """The slot's ownership ends with the pin (PinLedger, or the reference design's state
+        cache, which keys it by the pinned final block); nothing else to release."""
+        del ssm_slot
+
+    def expire_handoff_pins(self) -> int:
+        """End pins whose lease has passed (``handoff_now_ns``); returns how many."""
+        self._update_queue_metrics()
+        if self._pin_ledger is None:
+            return 0
+        actions = self._pin_ledger.expire(self.handoff_now_ns)
+        for a in actions:
+            self._release_staged(a.request_id)
+            self._event(("lease_expired", a.request_id, ""))
+        return len(actions)
+
+    def push_handoff_kv(self, request_id: int, decode_metas: list[Any]) -> None:
+        """Push a pinned handoff's KV and live SSM state to the decode instance described by
+        ``decode_metas`` (two-sided transports only): one entry per decode rank.
+
+        The decode posted its matching receives when SUBMIT_REQUEST_WITH_KV arrived; the
+        sends are reaped by ``_poll_pending_kv_pushes`` and the pins stay until RELEASE_KV.
+        Everything is validated before any send is posted.
+
+        On a ledger-driven engine each entry carries the decode's static ``kv``/``conv``/
+        ``recurrent`` metadata and the ``destination`` it posted receives for (attach it with
+        :func:`with_push_destination`). On a reference-design engine each entry is the
+        decode rank's KV descriptor with its SSM descriptors under ``"ssm"``.
+        """
+        if not self._ledger_driven():
+            self._whole()._push_reference_handoff_kv(request_id, decode_metas)
+            return
+        pins = self._pins()
+        blocks = pins.pinned_blocks(request_id)
+        epoch = pins.epoch_of(request_id)
+        if blocks is None or epoch is None:
+            raise HandoffStateError(
+                f"request {request_id} has no pinned handoff to push", "request_id"
+            )
+        _tag(request_id, "kv")  # an id that cannot be tagged is refused before the push starts
+        slot = pins.pinned_ssm_slot(request_id)
+        destination = next((m["destination"] for m in decode_metas if "destination" in m), None)
+        if destination is None:
+            raise MetadataError(
+                f"request {request_id}: decode_metas carry no 'destination' (attach the "
+                "decode's posted destination with with_push_destination)",
+                "destination",
+            )
+        for key in ("dst_block_ids", "num_tokens") + (
+            ("dst_ssm_slot",) if slot is not None else ()
+        ):
+            if key not in destination:
+                raise MetadataError(
+                    f"request {request_id}: push destination has no {key!r}", "destination"
+                )
+        token_start = int(destination.get("token_start", 0))
+        first_src = token_start // self._host().block_size_tokens
+        own = self.handoff_static_meta["ranks"]
+        kv_metas = [r["kv"] for r in decode_metas if r.get("kv") is not None]
+        pins.begin_push(request_id, epoch)
+        handles = []
+        if self._kv_backend is not None and kv_metas:
+            handles.append(
+                self._kv_backend.begin_push_blocks(
+                    kv_metas,
+                    blocks[first_src:],
+                    destination["dst_block_ids"],
+                    src_metas=[r["kv"] for r in own if r.get("kv") is not None],
+                    num_tokens=int(destination["num_tokens"]) - token_start,
+                    tag=_tag(request_id, "kv"),
+                )
+            )
+        if slot is not None:
+            for kind, backend in self._ssm_backends.items():
+                metas = [r[kind] for r in decode_metas if r.get(kind) is not None]
+                handles.append(
+                    backend.begin_push_blocks(
+                        metas,
+                        [slot],
+                        [int(destination["dst_ssm_slot"])],
+                        src_metas=[r[kind] for r in own if r.get(kind) is not None],
+                        tag=_tag(request_id, kind),
+                    )
+                )
+        self._pending_pushes[request_id] = (epoch, handles)
+        self.handoff_stats["pushes"] += 1
+
+    def _poll_pending_kv_pushes(self) -> int:
+        """Reap completed push sends; unfinished ones stay pending. Returns how many ended."""
+        if not self._ledger_driven():
+            pushes = self._pending_kv_pushes
+            done = [all(h.poll() for h in hs) for _, hs in pushes]
+            self._pending_kv_pushes = [p for p, d in zip(pushes, done, strict=False) if not d]
+            return sum(done)
+        ended = 0
+        for rid, (epoch, handles) in list(self._pending_pushes.items()):
+            if not self._wait_for_transfer_handles(*handles, block=False):
+                continue
+            del self._pending_pushes[rid]
+            ended += 1
+            for a in self._pins().push_settled(rid, epoch):
+                self._event(("released", a.request_id, str(a.reason)))
+        return ended
