@@ -15,7 +15,7 @@ use disagg_core::wire::value::{Budget, WireValue};
 use disagg_core::ModeChoice;
 use numpy::PyReadonlyArray2;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
 
 use crate::args::{Int, IntList, Kind};
 use crate::compile::PyTransferProgram;
@@ -48,6 +48,11 @@ fn convert(
         let s = s.to_str()?;
         budget.string(field, s.len()).py()?;
         return Ok(WireValue::Str(s.to_owned()));
+    }
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        let b = b.as_bytes();
+        budget.string(field, b.len()).py()?;
+        return Ok(WireValue::Bytes(b.to_vec()));
     }
     if let Ok(d) = obj.cast::<PyDict>() {
         budget.items(field, d.len()).py()?;

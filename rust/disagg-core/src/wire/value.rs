@@ -33,6 +33,8 @@ pub enum WireValue {
     Float(f64),
     /// A text string.
     Str(String),
+    /// A byte string (msgpack bin).
+    Bytes(Vec<u8>),
     /// A list (or tuple).
     List(Vec<WireValue>),
     /// A map with text keys, in the order given.
@@ -48,6 +50,7 @@ impl WireValue {
             Self::Int(_) => "int",
             Self::Float(_) => "float",
             Self::Str(_) => "str",
+            Self::Bytes(_) => "bytes",
             Self::List(_) => "list",
             Self::Map(_) => "dict",
         }
@@ -78,6 +81,11 @@ impl WireValue {
                 h.write(&[4]);
                 h.write(&(s.len() as u64).to_le_bytes());
                 h.write(s.as_bytes());
+            }
+            Self::Bytes(b) => {
+                h.write(&[7]);
+                h.write(&(b.len() as u64).to_le_bytes());
+                h.write(b);
             }
             Self::List(items) => {
                 h.write(&[5]);
@@ -118,6 +126,9 @@ impl WireValue {
                 let _ = write!(out, "{f:?}");
             }
             Self::Str(s) => write_json_str(s, out),
+            Self::Bytes(b) => {
+                let _ = write!(out, "\"<{} bytes>\"", b.len());
+            }
             Self::List(items) => {
                 out.push('[');
                 for (i, v) in items.iter().enumerate() {
