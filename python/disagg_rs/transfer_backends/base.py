@@ -100,33 +100,6 @@ Clock: TypeAlias = Callable[[], float]
 
 _U64 = npt.NDArray[np.uint64]
 
-_REQUIRED = (
-    "version",
-    "backend",
-    "agent_name",
-    "incarnation",
-    "compat_hash",
-    "state_kind",
-    "layout",
-    "num_blocks",
-    "tokens_per_block",
-    "head_dim",
-    "dtype",
-    "buffer",
-    "geometry",
-)
-_BUFFER_REQUIRED = (
-    "addr",
-    "nbytes",
-    "device_id",
-    "mem_type",
-    "shape",
-    "strides",
-    "element_size",
-    "axes",
-)
-
-
 class TransferProgramLike(Protocol):
     """The compiler's ``TransferProgram`` as the backends use it (one destination rank)."""
 

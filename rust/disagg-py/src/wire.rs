@@ -290,6 +290,28 @@ fn source_ids(obj: &Bound<'_, PyAny>) -> PyResult<SourceIds> {
     Ok(SourceIds::Shared(obj.extract::<IntList>()?.to_i64s(Kind::Block, "src_block_ids")?))
 }
 
+/// The plan request of Python arguments (peers borrowed from `srcs` and `dst`).
+fn plan_request<'a>(
+    srcs: &'a [PyRef<'_, PyPeer>],
+    dst: &'a PyRef<'_, PyPeer>,
+    src_block_ids: &Bound<'_, PyAny>,
+    dst_block_ids: Option<&Bound<'_, PyAny>>,
+    mode: &str,
+    local: LocalSide,
+) -> PyResult<TransferPlanRequest<'a>> {
+    Ok(TransferPlanRequest {
+        srcs: metas(srcs),
+        dst: dst.inner.as_ref(),
+        src_ids: source_ids(src_block_ids)?,
+        dst_ids: dst_block_ids
+            .map(|o| o.extract::<IntList>()?.to_i64s(Kind::Block, "dst_block_ids"))
+            .transpose()?,
+        num_tokens: None,
+        local,
+        mode: ModeChoice::parse(mode).py()?,
+    })
+}
+
 fn local_side(
     local_is_dst: bool,
     local_num_blocks: Int,
@@ -325,17 +347,9 @@ pub fn plan_peer_transfer(
     local_num_blocks: Int,
     local_tokens_per_block: Option<Int>,
 ) -> PyResult<(Option<u64>, PyTransferProgram)> {
-    let req = TransferPlanRequest {
-        srcs: metas(&srcs),
-        dst: dst.inner.as_ref(),
-        src_ids: source_ids(src_block_ids)?,
-        dst_ids: dst_block_ids
-            .map(|o| o.extract::<IntList>()?.to_i64s(Kind::Block, "dst_block_ids"))
-            .transpose()?,
-        num_tokens: num_tokens.map(|n| n.to_i64(Kind::Block, "num_tokens")).transpose()?,
-        local: local_side(local_is_dst, local_num_blocks, local_tokens_per_block)?,
-        mode: ModeChoice::parse(mode).py()?,
-    };
+    let local = local_side(local_is_dst, local_num_blocks, local_tokens_per_block)?;
+    let mut req = plan_request(&srcs, &dst, src_block_ids, dst_block_ids, mode, local)?;
+    req.num_tokens = num_tokens.map(|n| n.to_i64(Kind::Block, "num_tokens")).transpose()?;
     let (n, inner) = py.detach(|| plan_transfer(&req)).py()?;
     Ok((n, PyTransferProgram::new(inner)))
 }
@@ -354,17 +368,8 @@ pub fn compile_peer_transfer(
     mode: &str,
 ) -> PyResult<PyTransferProgram> {
     let n = num_tokens.map(|n| n.to_u64(Kind::Block, "num_tokens")).transpose()?;
-    let req = TransferPlanRequest {
-        srcs: metas(&srcs),
-        dst: dst.inner.as_ref(),
-        src_ids: source_ids(src_block_ids)?,
-        dst_ids: dst_block_ids
-            .map(|o| o.extract::<IntList>()?.to_i64s(Kind::Block, "dst_block_ids"))
-            .transpose()?,
-        num_tokens: None,
-        local: LocalSide { is_dst: false, num_blocks: 0, tokens_per_block: None },
-        mode: ModeChoice::parse(mode).py()?,
-    };
+    let local = LocalSide { is_dst: false, num_blocks: 0, tokens_per_block: None };
+    let req = plan_request(&srcs, &dst, src_block_ids, dst_block_ids, mode, local)?;
     let inner = py.detach(|| compile_checked(&req, n)).py()?;
     Ok(PyTransferProgram::new(inner))
 }
