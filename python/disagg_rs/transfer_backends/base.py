@@ -48,7 +48,6 @@ import torch
 import disagg_rs
 from disagg_rs import _core
 from disagg_rs.exceptions import (
-    BlockIdError,
     GeometryMismatchError,
     LayoutError,
     MetadataError,
@@ -99,6 +98,7 @@ StateKind: TypeAlias = Literal["kv", "conv", "recurrent"]
 Clock: TypeAlias = Callable[[], float]
 
 _U64 = npt.NDArray[np.uint64]
+
 
 class TransferProgramLike(Protocol):
     """The compiler's ``TransferProgram`` as the backends use it (one destination rank)."""
@@ -155,55 +155,14 @@ def rust_program_compiler(
     num_tokens: int | None,
     mode: str,
 ) -> TransferProgramLike:
-    """The default compiler: ``disagg_rs.compile_kv_transfer`` (or its SSM twin) in Rust."""
-    kind = dst["state_kind"]
-    if kind == "kv":
-        compile_fn = getattr(disagg_rs, "compile_kv_transfer", None)
-        geometry_cls = getattr(disagg_rs, "KVGeometry", None)
-        layout_cls: Any = _core.KVShardLayout
-    else:
-        compile_fn = getattr(disagg_rs, "compile_ssm_transfer", None)
-        geometry_cls = getattr(disagg_rs, "SSMGeometry", None)
-        layout_cls = _core.SSMShardLayout
-    if compile_fn is None or geometry_cls is None:
-        raise TransferError(
-            f"this build of disagg_rs has no descriptor compiler for {kind!r} state; "
-            "pass compiler=... to the backend"
-        )
-    for meta in (*srcs, dst):
-        if meta["geometry"] is None:
-            raise MetadataError(
-                f"peer {meta['agent_name']!r} exported no compiler geometry", field="geometry"
-            )
-
-    def side(meta: PeerMeta) -> tuple[Any, Any]:
-        return layout_cls.from_dict(dict(meta["layout"])), geometry_cls.from_dict(
-            dict(meta["geometry"])
-        )
-
-    if kind == "kv":
-        program: TransferProgramLike = compile_fn(
-            src=[side(m) for m in srcs],
-            dst=side(dst),
-            src_block_ids=src_block_ids,
-            dst_block_ids=dst_block_ids,
-            num_tokens=num_tokens,
-            mode=mode,
-        )
-        return program
-    # SSM state: one slot per handoff (the block id lists hold exactly one slot each).
-    src_slot: int | dict[int, int] = (
-        {int(r): _one_slot("src_block_ids", ids) for r, ids in src_block_ids.items()}
-        if isinstance(src_block_ids, Mapping)
-        else _one_slot("src_block_ids", src_block_ids)
-    )
-    dst_slot = None if dst_block_ids is None else _one_slot("dst_block_ids", dst_block_ids)
-    program = compile_fn(
-        src=[side(m) for m in srcs],
-        dst=side(dst),
-        src_slot=src_slot,
-        dst_slot=dst_slot,
-        mode=mode,
+    """The default compiler: the Rust descriptor compiler over the peers' layouts and
+    geometries, each metadata dict parsed in Rust (a backend plans from its ``PeerTable``
+    instead, parsing each peer once). SSM handoffs move one slot."""
+    extras = {"agent_metadata": "", "staging": None, "dist_rank": 0}
+    backend = str(dst.get("backend", "nixl"))
+    peers = [_core.parse_peer_meta({**extras, **m}, backend) for m in (*srcs, dst)]
+    program: TransferProgramLike = _core.compile_peer_transfer(
+        peers[:-1], peers[-1], src_block_ids, dst_block_ids, num_tokens, mode
     )
     return program
 
@@ -218,15 +177,6 @@ def no_blocks(*block_ids: Any) -> bool:
         if any(np.asarray(x).size for x in lists):
             return False
     return True
-
-
-def _one_slot(field: str, ids: Any) -> int:
-    arr = np.asarray(ids).reshape(-1)
-    if arr.size != 1:
-        raise BlockIdError(
-            f"{field}: SSM state moves one slot per handoff, got {arr.size}", field=field
-        )
-    return int(arr[0])
 
 
 def _mem_type(tensor: torch.Tensor) -> Literal["DRAM", "VRAM"]:
