@@ -127,7 +127,8 @@ pub const MAX_RESUME_TOKENS: usize = 4096;
 /// The handoff ticket the prefill sends with a finished prefill.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HandoffTicket {
-    /// The prompt's blocks on the prefill (first pipeline stage's, TP rank 0's).
+    /// The prompt's blocks on the prefill (first pipeline stage's, TP rank 0's); empty when
+    /// the caller passes them beside the ticket.
     pub src_block_ids: Vec<u32>,
     /// Tokens per prefill block.
     pub src_block_size_tokens: Option<u32>,
@@ -159,8 +160,18 @@ impl HandoffTicket {
     /// Parse and validate a ticket (every field named in its error). `staged` maps decode
     /// ranks (ints or their decimal text) to lists of staging tickets.
     pub fn parse(v: &WireValue) -> DisaggResult<Self> {
-        let o = Obj::of(v, "ticket")?;
-        let ids = o.uints("src_block_ids", u64::from(u32::MAX))?;
+        if !matches!(v, WireValue::Map(_)) {
+            return Err(DisaggError::wire(
+                "ticket",
+                format!("expected a dict, got a {}", v.type_name()),
+            ));
+        }
+        let o = Obj::of(v, "")?;
+        // The reference design's callers pass the source blocks beside the ticket.
+        let ids = match o.some("src_block_ids") {
+            None => Vec::new(),
+            Some(_) => o.uints("src_block_ids", u64::from(u32::MAX))?,
+        };
         if ids.len() > MAX_ITEMS {
             return Err(DisaggError::block("src_block_ids", format!("{} ids", ids.len())));
         }
@@ -279,7 +290,7 @@ mod tests {
         assert_eq!(t.src_block_ids, vec![3, 1]);
         assert_eq!(t.staged[&0][0].nbytes, 64);
         for (key, bad, field) in [
-            ("src_block_ids", WireValue::List(vec![i(-1)]), "ticket.src_block_ids[0]"),
+            ("src_block_ids", WireValue::List(vec![i(-1)]), "src_block_ids[0]"),
             ("lease_ns", i(1), "lease_ns"),
             ("resume_tokens", WireValue::Str("x".into()), "resume_tokens"),
             ("staged", map(vec![("x", WireValue::List(vec![]))]), "staged"),
