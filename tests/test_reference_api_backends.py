@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import disagg_rs
 import transport_workers as tw
-from disagg_rs import exceptions
+from disagg_rs import _core, exceptions
 from disagg_rs.transfer_backends import base, nccl, nixl
 from transport_workers import Case, Side, Worker
 
@@ -321,9 +321,11 @@ def test_a_reference_peer_is_translated_once_and_read_the_same_every_time(
     dst = _kv_backend(root, 1, 0, 1, 0, 4, 16)
     try:
         ref = reference_only(src.export_meta())
+        parses = _core.peer_meta_parses()
         first = dst._adopt_peer_meta(dict(ref))
         assert dst._adopt_peer_meta(dict(ref)) == first == dst._meta_from_reference(ref)
-        assert len(dst.__dict__["_reference_cache"]) == 1
+        assert len(dst._peer_table()) == 1
+        assert _core.peer_meta_parses() == parses + 1
         moved = dst._adopt_peer_meta({**ref, "base_addr": ref["base_addr"] + 4096})
         assert moved["buffer"]["addr"] == first["buffer"]["addr"] + 4096
     finally:

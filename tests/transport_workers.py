@@ -576,6 +576,12 @@ class WorkerState:
         self.handles.pop(key, None)
         return int(self.root._ctx.refs) if self.root is not None else 0
 
+    def peer_meta_parses(self) -> int:
+        """How many peer metadata dicts this process has parsed."""
+        from disagg_rs import _core
+
+        return int(_core.peer_meta_parses())
+
     def agent_peers(self) -> dict[str, int]:
         return {k: v[0] for k, v in self.root._ctx.peers.items()}
 

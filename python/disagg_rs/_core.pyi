@@ -741,3 +741,81 @@ def compile_ssm_transfer(
     link_bytes_per_s: float = 388e9,
     gather_bytes_per_s: float = 1.6e12,
 ) -> TransferProgram: ...
+
+# -- the typed wire contract -------------------------------------------------------------------
+
+@final
+class Peer:
+    @property
+    def meta(self) -> Any: ...
+    @property
+    def agent_name(self) -> str: ...
+    @property
+    def incarnation(self) -> int: ...
+    @property
+    def global_rank(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def tokens_per_block(self) -> int | None: ...
+    @property
+    def state_kind(self) -> Literal["kv", "conv", "recurrent"]: ...
+    @property
+    def layout(self) -> KVShardLayout | SSMShardLayout: ...
+    @property
+    def geometry(self) -> KVGeometry | SSMGeometry | None: ...
+    def check_addresses(self, rows: _U64Array, field: str) -> None: ...
+
+@final
+class PeerTable:
+    def __new__(
+        cls,
+        backend: str,
+        *,
+        state_kind: str,
+        dtype: str,
+        head_dim: int,
+        num_layers: int | None,
+        compat_hash: str,
+    ) -> PeerTable: ...
+    def lookup(self, meta: Any) -> Peer | None: ...
+    def adopt(self, meta: Any, schema: Any = None) -> Peer: ...
+    def __len__(self) -> int: ...
+
+def plan_peer_transfer(
+    srcs: Sequence[Peer],
+    dst: Peer,
+    src_block_ids: Any,
+    dst_block_ids: Any,
+    num_tokens: int | None,
+    mode: str,
+    *,
+    local_is_dst: bool,
+    local_num_blocks: int,
+    local_tokens_per_block: int | None,
+) -> tuple[int | None, TransferProgram]: ...
+def check_peer_transfer(
+    srcs: Sequence[Peer],
+    src_block_ids: Any,
+    dst_block_ids: Any,
+    num_tokens: int | None,
+    *,
+    local_is_dst: bool,
+    local_num_blocks: int,
+    local_tokens_per_block: int | None,
+) -> int | None: ...
+def compile_peer_transfer(
+    srcs: Sequence[Peer],
+    dst: Peer,
+    src_block_ids: Any,
+    dst_block_ids: Any,
+    num_tokens: int | None,
+    mode: str,
+) -> TransferProgram: ...
+def parse_peer_meta(meta: Any, backend: str) -> Peer: ...
+def check_staging_tickets_of(
+    tickets: Sequence[Any], peers: Sequence[Peer]
+) -> dict[int, dict[str, Any]]: ...
+def check_handoff_ticket(ticket: Any) -> None: ...
+def compat_hash(facts: Any) -> str: ...
+def peer_meta_parses() -> int: ...

@@ -16,6 +16,7 @@ from disagg_rs._core import (
     CompletionQuorum,
     ImportLedger,
     LedgerAction,
+    check_handoff_ticket,
 )
 from disagg_rs.exceptions import (
     DisaggError,
@@ -101,6 +102,7 @@ class DecodeHandoff(HandoffBase):
         resume = [int(t) for t in kv_meta.get("resume_tokens", [])]
         if "prefill_meta" not in kv_meta:
             raise MetadataError(f"request {request_id}: ticket has no prefill_meta", "prefill_meta")
+        check_handoff_ticket(kv_meta)  # every field typed and range-checked once, in Rust
         self._check_ticket_sources(request_id, kv_meta)
         if self._is_push:
             _tag(request_id, "kv")  # refuses an id whose tags would alias another request's

@@ -35,9 +35,7 @@ All ranges are half-open ``[lo, hi)``.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,7 +48,6 @@ import torch
 import disagg_rs
 from disagg_rs import _core
 from disagg_rs.exceptions import (
-    BlockIdError,
     GeometryMismatchError,
     LayoutError,
     MetadataError,
@@ -101,32 +98,6 @@ StateKind: TypeAlias = Literal["kv", "conv", "recurrent"]
 Clock: TypeAlias = Callable[[], float]
 
 _U64 = npt.NDArray[np.uint64]
-
-_REQUIRED = (
-    "version",
-    "backend",
-    "agent_name",
-    "incarnation",
-    "compat_hash",
-    "state_kind",
-    "layout",
-    "num_blocks",
-    "tokens_per_block",
-    "head_dim",
-    "dtype",
-    "buffer",
-    "geometry",
-)
-_BUFFER_REQUIRED = (
-    "addr",
-    "nbytes",
-    "device_id",
-    "mem_type",
-    "shape",
-    "strides",
-    "element_size",
-    "axes",
-)
 
 
 class TransferProgramLike(Protocol):
@@ -184,55 +155,14 @@ def rust_program_compiler(
     num_tokens: int | None,
     mode: str,
 ) -> TransferProgramLike:
-    """The default compiler: ``disagg_rs.compile_kv_transfer`` (or its SSM twin) in Rust."""
-    kind = dst["state_kind"]
-    if kind == "kv":
-        compile_fn = getattr(disagg_rs, "compile_kv_transfer", None)
-        geometry_cls = getattr(disagg_rs, "KVGeometry", None)
-        layout_cls: Any = _core.KVShardLayout
-    else:
-        compile_fn = getattr(disagg_rs, "compile_ssm_transfer", None)
-        geometry_cls = getattr(disagg_rs, "SSMGeometry", None)
-        layout_cls = _core.SSMShardLayout
-    if compile_fn is None or geometry_cls is None:
-        raise TransferError(
-            f"this build of disagg_rs has no descriptor compiler for {kind!r} state; "
-            "pass compiler=... to the backend"
-        )
-    for meta in (*srcs, dst):
-        if meta["geometry"] is None:
-            raise MetadataError(
-                f"peer {meta['agent_name']!r} exported no compiler geometry", field="geometry"
-            )
-
-    def side(meta: PeerMeta) -> tuple[Any, Any]:
-        return layout_cls.from_dict(dict(meta["layout"])), geometry_cls.from_dict(
-            dict(meta["geometry"])
-        )
-
-    if kind == "kv":
-        program: TransferProgramLike = compile_fn(
-            src=[side(m) for m in srcs],
-            dst=side(dst),
-            src_block_ids=src_block_ids,
-            dst_block_ids=dst_block_ids,
-            num_tokens=num_tokens,
-            mode=mode,
-        )
-        return program
-    # SSM state: one slot per handoff (the block id lists hold exactly one slot each).
-    src_slot: int | dict[int, int] = (
-        {int(r): _one_slot("src_block_ids", ids) for r, ids in src_block_ids.items()}
-        if isinstance(src_block_ids, Mapping)
-        else _one_slot("src_block_ids", src_block_ids)
-    )
-    dst_slot = None if dst_block_ids is None else _one_slot("dst_block_ids", dst_block_ids)
-    program = compile_fn(
-        src=[side(m) for m in srcs],
-        dst=side(dst),
-        src_slot=src_slot,
-        dst_slot=dst_slot,
-        mode=mode,
+    """The default compiler: the Rust descriptor compiler over the peers' layouts and
+    geometries, each metadata dict parsed in Rust (a backend plans from its ``PeerTable``
+    instead, parsing each peer once). SSM handoffs move one slot."""
+    extras = {"agent_metadata": "", "staging": None, "dist_rank": 0}
+    backend = str(dst.get("backend", "nixl"))
+    peers = [_core.parse_peer_meta({**extras, **m}, backend) for m in (*srcs, dst)]
+    program: TransferProgramLike = _core.compile_peer_transfer(
+        peers[:-1], peers[-1], src_block_ids, dst_block_ids, num_tokens, mode
     )
     return program
 
@@ -247,21 +177,6 @@ def no_blocks(*block_ids: Any) -> bool:
         if any(np.asarray(x).size for x in lists):
             return False
     return True
-
-
-def _one_slot(field: str, ids: Any) -> int:
-    arr = np.asarray(ids).reshape(-1)
-    if arr.size != 1:
-        raise BlockIdError(
-            f"{field}: SSM state moves one slot per handoff, got {arr.size}", field=field
-        )
-    return int(arr[0])
-
-
-def _compat_hash(facts: Mapping[str, Any]) -> str:
-    """Stable hash of the facts two peers must share to exchange state at all."""
-    blob = json.dumps(facts, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _mem_type(tensor: torch.Tensor) -> Literal["DRAM", "VRAM"]:
@@ -297,85 +212,11 @@ def _compiler_geometry(tensor: torch.Tensor, kind: StateKind, axes: str) -> dict
     return dict(kv_cls.from_tensor(tensor, axes=axes, device_id=device_id).to_dict())
 
 
-def _ids_array(field: str, ids: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.int64]:
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise BlockIdError(
-            f"{field} must be a 1-D list of ints (got shape {arr.shape}, dtype {arr.dtype})",
-            field=field,
-        )
-    return arr.astype(np.int64, copy=False)
-
-
-def _check_ids(field: str, ids: npt.NDArray[np.int64], num_blocks: int, owner: str) -> None:
-    """Every id in ``[0, num_blocks)`` and no id twice (vectorised, no Python loop)."""
-    if ids.size == 0:
-        raise BlockIdError(f"{field} is empty", field=field)
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= num_blocks:
-        bad = lo if lo < 0 else hi
-        raise BlockIdError(
-            f"{field} holds block {bad}, outside [0, {num_blocks}) of {owner}", field=field
-        )
-    uniq = np.unique(ids)
-    if uniq.size != ids.size:
-        raise BlockIdError(
-            f"{field} names a block twice ({ids.size} ids, {uniq.size} distinct)", field=field
-        )
-
-
 def check_meta_fields(meta: Any, backend: str) -> PeerMeta:
-    """Reject metadata that is not a dict of this schema: missing field, wrong version, backend."""
-    if not isinstance(meta, Mapping):
-        raise MetadataError(
-            f"peer metadata must be a dict, got {type(meta).__name__}", field="peer_meta"
-        )
-    for key in _REQUIRED:
-        if key not in meta:
-            raise MetadataError(f"peer metadata lacks required field {key!r}", field=key)
-    if meta["version"] != FORMAT_VERSION:
-        raise MetadataError(
-            f"peer metadata version {meta['version']!r} != supported {FORMAT_VERSION}",
-            field="version",
-        )
-    if meta["backend"] != backend:
-        raise MetadataError(
-            f"peer backend {meta['backend']!r} != this backend {backend!r}", field="backend"
-        )
-    for key, types in _FIELD_TYPES.items():
-        _check_type(meta[key], types, key)
-    if meta["state_kind"] not in ("kv", "conv", "recurrent"):
-        raise MetadataError(
-            f"peer state_kind {meta['state_kind']!r} is not 'kv', 'conv' or 'recurrent'",
-            field="state_kind",
-        )
-    layout = meta["layout"]
-    for key in ("num_layers", "global_rank"):
-        if key in layout:
-            _check_type(layout[key], (int,), f"layout.{key}")
-    buf = meta["buffer"]
-    for key in _BUFFER_REQUIRED:
-        if key not in buf:
-            raise MetadataError(f"peer buffer metadata lacks field {key!r}", field=f"buffer.{key}")
-    for key in ("addr", "nbytes", "device_id", "element_size"):
-        _check_type(buf[key], (int,), f"buffer.{key}")
-    return meta
-
-
-#: Types of the top-level fields a peer's metadata must have (ints exclude bool; ints >= 0).
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "agent_name": (str,),
-    "incarnation": (int,),
-    "compat_hash": (str,),
-    "state_kind": (str,),
-    "layout": (Mapping,),
-    "num_blocks": (int,),
-    "tokens_per_block": (int, type(None)),
-    "head_dim": (int,),
-    "dtype": (str,),
-    "buffer": (Mapping,),
-    "geometry": (Mapping, type(None)),
-}
+    """Reject metadata that is not a dict of this schema (missing or mistyped field, version,
+    backend, size caps): ``MetadataError`` naming the field. Parsed in Rust."""
+    _core.parse_peer_meta(meta, backend)
+    return meta  # type: ignore[no-any-return]
 
 
 def _check_type(value: Any, types: tuple[type, ...], field: str) -> None:
@@ -1094,7 +935,7 @@ class TransferBackendBase:
             "backend": self.name,
             "agent_name": self.agent_name,
             "incarnation": self.incarnation,
-            "compat_hash": _compat_hash(self._compat_facts()),
+            "compat_hash": _core.compat_hash(self._compat_facts()),
             "state_kind": self.state_kind,
             "layout": dict(self.layout.to_dict()),
             "num_blocks": self.expected_num_blocks,
@@ -1158,12 +999,13 @@ class TransferBackendBase:
 
     def _peer_list(self, peer_meta: Any) -> list[PeerMeta]:
         """Peers' metadata in this library's schema (see ``_resolve_peers``)."""
-        return self._resolve_peers(peer_meta, None)[0]
+        return [p.meta for p in self._resolve_peers(peer_meta, None)[0]]
 
     def _resolve_peers(
         self, peer_meta: Any, src_block_ids: BlockIds | None
-    ) -> tuple[list[PeerMeta], BlockIds | None]:
-        """Unwrap and check the peers' metadata; return it with the source block ids.
+    ) -> tuple[list[Any], BlockIds | None]:
+        """Unwrap the peers' metadata into parsed ``Peer`` objects (``_adopt_peer``); return
+        them with the source block ids.
 
         ``peer_meta``: one metadata dict, a list, ``{"tp_metas": [...]}`` or
         ``{"pp_metas": [...]}`` (``transfer_peer_records``); each dict in this library's
@@ -1173,50 +1015,92 @@ class TransferBackendBase:
         records = transfer_peer_records(peer_meta, src_block_ids)
         if not records:
             raise MetadataError("no peer metadata given", field="peer_meta")
-        metas = [self._adopt_peer_meta(meta) for meta, _ in records]
+        peers = [self._adopt_peer(meta) for meta, _ in records]
         if all(ids is src_block_ids for _, ids in records):
-            return metas, src_block_ids
+            return peers, src_block_ids
         by_rank: dict[int, Any] = {}
-        for meta, (_, ids) in zip(metas, records, strict=True):
-            rank = int(meta["layout"]["global_rank"])
+        for peer, (_, ids) in zip(peers, records, strict=True):
             if isinstance(ids, Mapping):
-                if rank in ids:
-                    by_rank[rank] = ids[rank]
+                if peer.global_rank in ids:
+                    by_rank[peer.global_rank] = ids[peer.global_rank]
             elif ids is not None:
-                by_rank[rank] = ids
-        return metas, by_rank
+                by_rank[peer.global_rank] = ids
+        return peers, by_rank
+
+    def _peer_table(self) -> Any:
+        """This backend's ``PeerTable``: every peer parsed once, checked against this rank's
+        model-level facts; found again by content."""
+        table = self.__dict__.get("_peers")
+        if table is None:
+            facts = self._compat_facts()
+            table = self.__dict__["_peers"] = _core.PeerTable(
+                self.name,
+                state_kind=self.state_kind,
+                dtype=facts["dtype"],
+                head_dim=self.head_dim,
+                num_layers=dict(self.layout.to_dict()).get("num_layers"),
+                compat_hash=_core.compat_hash(facts),
+            )
+        return table
+
+    def _adopt_peer(self, meta: Any) -> Any:
+        """The parsed ``Peer`` of one metadata dict: a table lookup when seen before, else
+        parsed once (the reference design's fields translated first). A dict's own
+        ``block_ids`` (per handoff) are not part of the peer."""
+        if isinstance(meta, Mapping) and "block_ids" in meta:
+            meta = {k: v for k, v in meta.items() if k != "block_ids"}
+        table = self._peer_table()
+        peer = table.lookup(meta)
+        if peer is None:
+            reference = isinstance(meta, Mapping) and "version" not in meta
+            peer = table.adopt(meta, self._meta_from_reference(meta) if reference else None)
+        return peer
+
+    def register_peers(self, peer_meta: Any) -> int:
+        """Parse and check peers' metadata now (when the control plane announces them:
+        REGISTER/PEERS), so handoffs naming them only look them up. ``peer_meta`` as for a
+        pull (this rank's own metadata, which plans read too, is parsed with them); returns
+        how many peer buffers were named."""
+        self._local_peer()
+        return len(self._resolve_peers(peer_meta, None)[0])
 
     def _adopt_peer_meta(self, meta: Mapping[str, Any]) -> PeerMeta:
-        """Check one peer's metadata; translate the reference design's fields when the
-        dict has no ``version`` (the reference exports none)."""
-        if "version" not in meta:
-            meta = self._translated_reference_meta(meta)
-        checked = check_meta_fields(meta, self.name)
-        self._check_backend_fields(checked)
-        return checked
+        """One peer's metadata, checked, in this library's schema."""
+        return self._adopt_peer(meta).meta  # type: ignore[no-any-return]
 
-    #: Translated reference-design peers kept per backend (a peer's fields do not change
-    #: while it lives); cleared when full.
-    _REFERENCE_CACHE_SIZE = 256
+    def _local_peer(self, meta: Mapping[str, Any] | None = None) -> Any:
+        """This rank (or a sibling whose metadata ``meta`` derives from this rank's) as a
+        parsed ``Peer``; the backend's own transport fields are not needed to plan."""
+        base = self._base_meta() if meta is None else meta
+        return self._adopt_peer({"agent_metadata": "", "staging": None, "dist_rank": 0, **base})
 
-    def _translated_reference_meta(self, meta: Mapping[str, Any]) -> dict[str, Any]:
-        """``_meta_from_reference`` once per distinct peer dict (it builds a layout and a
-        geometry: ~0.7 ms for 80 layers), a dict lookup after that."""
-        try:
-            key = tuple(sorted(meta.items()))
-            hash(key)
-        except TypeError:  # a nested value (never in the reference's KV fields)
-            return self._meta_from_reference(meta)
-        cache: dict[Any, dict[str, Any]] = self.__dict__.setdefault("_reference_cache", {})
-        hit = cache.get(key)
-        if hit is None:
-            if len(cache) >= self._REFERENCE_CACHE_SIZE:
-                cache.clear()
-            hit = cache[key] = self._meta_from_reference(meta)
-        return dict(hit)
+    def _as_peer(self, meta: Any) -> Any:
+        """A ``Peer`` as is; a dict adopted before, found by content; else this rank's own
+        metadata or a sibling's derived from it (``_local_peer``)."""
+        if isinstance(meta, _core.Peer):
+            return meta
+        return self._peer_table().lookup(meta) or self._local_peer(meta)
 
-    def _check_backend_fields(self, meta: PeerMeta) -> None:
-        """Reject metadata that lacks this backend's own fields (overridden per backend)."""
+    def _compile(
+        self,
+        srcs: Sequence[Any],
+        dst: Any,
+        src_block_ids: BlockIds,
+        dst_block_ids: BlockIds | None,
+        num_tokens: int | None,
+        mode: str,
+    ) -> TransferProgramLike:
+        """The transfer program of checked peers (``_validate_peers``): from the layouts and
+        geometries parsed with the peers, or through a caller-supplied compiler."""
+        peers = [self._as_peer(m) for m in srcs]
+        to = self._as_peer(dst)
+        if self.compiler is not rust_program_compiler:
+            metas = [p.meta for p in peers]
+            return self.compiler(metas, to.meta, src_block_ids, dst_block_ids, num_tokens, mode)
+        program: TransferProgramLike = _core.compile_peer_transfer(
+            peers, to, src_block_ids, dst_block_ids, num_tokens, mode
+        )
+        return program
 
     def _backend_fields_from_reference(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         """This backend's own fields, translated from the reference design's names."""
@@ -1285,7 +1169,7 @@ class TransferBackendBase:
             "backend": self.name,
             "agent_name": str(name),
             "incarnation": 0,
-            "compat_hash": _compat_hash(facts),
+            "compat_hash": _core.compat_hash(facts),
             "state_kind": "kv",
             "layout": dict(layout.to_dict()),
             "num_blocks": int(meta["num_blocks"]),
@@ -1306,112 +1190,32 @@ class TransferBackendBase:
             **self._backend_fields_from_reference(meta),
         }
 
-    def _check_compat(self, metas: Sequence[PeerMeta]) -> set[int]:
-        """Check peers' model-level facts against this rank; return their global ranks.
-
-        Raises ``GeometryMismatchError`` (kind, dtype, head_dim, layers, compat hash) or
-        ``MetadataError`` (two dicts claiming one global rank).
-        """
-        mine = self._compat_facts()
-        my_hash = _compat_hash(mine)
-        ranks: set[int] = set()
-        for meta in metas:
-            for field, ours, theirs in (
-                ("state_kind", self.state_kind, meta["state_kind"]),
-                ("dtype", mine["dtype"], meta["dtype"]),
-                ("head_dim", self.head_dim, meta["head_dim"]),
-                ("num_layers", mine["num_layers"], meta["layout"].get("num_layers")),
-            ):
-                if ours != theirs:
-                    raise GeometryMismatchError(
-                        f"peer {meta['agent_name']!r} has {field}={theirs!r}, this rank {ours!r}",
-                        field=field,
-                    )
-            if meta["compat_hash"] != my_hash:
-                raise GeometryMismatchError(
-                    f"peer {meta['agent_name']!r} compat_hash {meta['compat_hash']!r} != "
-                    f"{my_hash!r} (model-level facts differ)",
-                    field="compat_hash",
-                )
-            rank = int(meta["layout"].get("global_rank", -1))
-            if rank in ranks:
-                raise MetadataError(
-                    f"two peer metadata dicts claim global_rank {rank}", field="global_rank"
-                )
-            ranks.add(rank)
-        return ranks
-
     def _validate_peers(
         self,
-        metas: Sequence[PeerMeta],
+        peers: Sequence[Any],
         src_block_ids: BlockIds,
         dst_block_ids: BlockIds | None,
         num_tokens: int | None,
         *,
         local_is_dst: bool,
     ) -> int | None:
-        """Check peers against this rank and the block ids against both buffers.
+        """Check parsed peers (two claiming one rank) and the block ids against both
+        buffers, once, in Rust; return the token count to move (``None`` for SSM state).
 
-        ``metas`` are the source ranks' metadata; this rank is the destination when
-        ``local_is_dst`` (pull, receive) and one of the sources otherwise (push, stage).
-        Returns the token count to move (``None`` for SSM state). Raises before anything is
-        posted: ``MetadataError`` (missing field, version, duplicate rank),
-        ``GeometryMismatchError`` (dtype, head_dim, kind, model facts), ``BlockIdError``.
+        ``peers`` are the source ranks; this rank is the destination when ``local_is_dst``
+        (pull, receive) and one of the sources otherwise (push, stage). Raises before
+        anything is posted: ``MetadataError``, ``BlockIdError``.
         """
-        ranks = self._check_compat(metas)
-        src_sizes: list[tuple[PeerMeta, npt.NDArray[np.int64]]] = []
-        if isinstance(src_block_ids, Mapping):
-            unknown = set(int(k) for k in src_block_ids) - ranks
-            if unknown:
-                raise BlockIdError(
-                    f"src_block_ids names ranks {sorted(unknown)} with no metadata "
-                    f"(known {sorted(ranks)})",
-                    field="src_block_ids",
-                )
-            for meta in metas:
-                key = int(meta["layout"]["global_rank"])
-                if key in src_block_ids:
-                    arr = _ids_array("src_block_ids", src_block_ids[key])
-                    src_sizes.append((meta, arr))
-        else:
-            arr = _ids_array("src_block_ids", src_block_ids)
-            src_sizes = [(m, arr) for m in metas]
-        for meta, arr in src_sizes:
-            _check_ids("src_block_ids", arr, int(meta["num_blocks"]), repr(meta["agent_name"]))
-        dst_arr: npt.NDArray[np.int64] | None = None
-        if dst_block_ids is not None:
-            if isinstance(dst_block_ids, Mapping):
-                raise BlockIdError("dst_block_ids must be one list", field="dst_block_ids")
-            dst_arr = _ids_array("dst_block_ids", dst_block_ids)
-            if local_is_dst:
-                _check_ids("dst_block_ids", dst_arr, self.expected_num_blocks, "this rank")
-        if self.state_kind != "kv":
-            for _, arr in src_sizes:
-                if dst_arr is not None and arr.size != dst_arr.size:
-                    raise BlockIdError(
-                        f"SSM slots: {arr.size} source ids vs {dst_arr.size} destination ids",
-                        field="dst_block_ids",
-                    )
-            return None
-        capacities = [arr.size * int(m["tokens_per_block"]) for m, arr in src_sizes]
-        src_cap = min(capacities)
-        if num_tokens is None:
-            num_tokens = src_cap
-            if dst_arr is not None and local_is_dst and self.tokens_per_block is not None:
-                num_tokens = min(num_tokens, dst_arr.size * self.tokens_per_block)
-        if num_tokens <= 0 or num_tokens > src_cap:
-            raise BlockIdError(
-                f"num_tokens={num_tokens} but the source blocks hold [1, {src_cap}] tokens",
-                field="num_tokens",
-            )
-        if dst_arr is not None and local_is_dst and self.tokens_per_block is not None:
-            dst_cap = dst_arr.size * self.tokens_per_block
-            if num_tokens > dst_cap:
-                raise BlockIdError(
-                    f"num_tokens={num_tokens} but dst_block_ids hold only {dst_cap} tokens",
-                    field="dst_block_ids",
-                )
-        return num_tokens
+        n: int | None = _core.check_peer_transfer(
+            [self._as_peer(m) for m in peers],
+            src_block_ids,
+            dst_block_ids,
+            num_tokens,
+            local_is_dst=local_is_dst,
+            local_num_blocks=self.expected_num_blocks,
+            local_tokens_per_block=self.tokens_per_block,
+        )
+        return n
 
     def close(self) -> None:
         """Release this buffer's transport resources (idempotent)."""

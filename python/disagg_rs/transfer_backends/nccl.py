@@ -240,15 +240,6 @@ class NcclTransferBackend(TransferBackendBase):
         meta["nccl_rank"] = self.dist_rank
         return meta
 
-    def _check_backend_fields(self, meta: PeerMeta) -> None:
-        if "dist_rank" not in meta:
-            raise MetadataError("peer metadata lacks required field 'dist_rank'", field="dist_rank")
-        rank = meta["dist_rank"]
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise MetadataError(
-                f"peer dist_rank must be a non-negative int, got {rank!r:.40}", field="dist_rank"
-            )
-
     def _backend_fields_from_reference(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         if meta.get("nccl_rank") is None:
             raise MetadataError(
@@ -276,21 +267,22 @@ class NcclTransferBackend(TransferBackendBase):
         ``{"pp_metas": [...]}``). Without ``num_tokens`` whole blocks move (as many tokens as
         both block lists hold).
         """
-        metas, src_ids = self._resolve_peers(peer_meta, src_block_ids)
+        peers, src_ids = self._resolve_peers(peer_meta, src_block_ids)
         assert src_ids is not None  # given, so resolved to the given ids or a rank map
         src_block_ids = src_ids
         if no_blocks(src_block_ids, dst_block_ids):  # nothing to move: a settled handle
             return self._submit([], [], [], timeout_s)
         num_tokens = self._validate_peers(
-            metas, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
+            peers, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
         )
+        metas = [p.meta for p in peers]
         by_rank = {int(m["layout"]["global_rank"]): m for m in metas}
         me = self._base_meta()
         if num_tokens is not None and pipeline.chunkable([*metas, me]):
             return self._pull_chunked(
                 metas, by_rank, src_block_ids, dst_block_ids, num_tokens, tag, timeout_s
             )
-        program = self.compiler(metas, me, src_block_ids, dst_block_ids, num_tokens, "staged")
+        program = self._compile(metas, me, src_block_ids, dst_block_ids, num_tokens, "staged")
         ops: list[dist.P2POp] = []
         keep: list[torch.Tensor] = []
         scatters: list[Callable[[], None]] = []
@@ -326,7 +318,7 @@ class NcclTransferBackend(TransferBackendBase):
         each chunk from the cached device plan (see ``pipeline``)."""
 
         def build() -> tuple[list[int], dict[int, dp.DevicePlan]]:
-            program = self.compiler(
+            program = self._compile(
                 metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, "staged"
             )
             plans = {}
@@ -432,12 +424,11 @@ class NcclTransferBackend(TransferBackendBase):
             return self._submit([], [], [], timeout_s)
         srcs = self._peer_list(src_metas) if src_metas else self._group_metas()
         num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens, local_is_dst=False)
-        self._check_compat(dsts)
         me = self.layout.global_rank
         if num_tokens is not None and all(pipeline.chunkable([*srcs, d]) for d in dsts):
             return self._push_chunked(srcs, dsts, src_block_ids, num_tokens, tag, timeout_s)
         programs: list[tuple[PeerMeta, TransferProgramLike]] = [
-            (dst, self.compiler(srcs, dst, src_block_ids, dst_block_ids, num_tokens, "staged"))
+            (dst, self._compile(srcs, dst, src_block_ids, dst_block_ids, num_tokens, "staged"))
             for dst in dsts
         ]
         ops: list[dist.P2POp] = []
@@ -475,7 +466,7 @@ class NcclTransferBackend(TransferBackendBase):
         for dst in dsts:
 
             def build(dst: PeerMeta = dst) -> dp.DevicePlan | None:
-                program = self.compiler(srcs, dst, src_block_ids, None, num_tokens, "staged")
+                program = self._compile(srcs, dst, src_block_ids, None, num_tokens, "staged")
                 if me not in program.src_ranks:
                     return None
                 addr = int(self.buffer_info["addr"])

@@ -58,7 +58,6 @@ from disagg_rs.transfer_backends.base import (
     ProgramCompiler,
     TransferBackendBase,
     TransferHandleBase,
-    check_meta_fields,
     kv_layout_from_meta,
     no_blocks,
 )
@@ -630,13 +629,6 @@ class NixlTransferBackend(TransferBackendBase):
             peer_meta = {**peer_meta, "incarnation": 0}
         return self._ctx.ensure_peer(peer_meta)
 
-    def _check_backend_fields(self, meta: PeerMeta) -> None:
-        for key in ("agent_metadata", "staging"):
-            if key not in meta:
-                raise MetadataError(f"peer metadata lacks required field {key!r}", field=key)
-        if not isinstance(meta["agent_metadata"], str):
-            raise MetadataError("peer agent_metadata must be base64 text", field="agent_metadata")
-
     def _backend_fields_from_reference(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         blob = meta.get("agent_metadata_b64")
         if not blob:
@@ -663,11 +655,13 @@ class NixlTransferBackend(TransferBackendBase):
         handoff; ``{"staged": False}`` in it means the compiler chose direct for this rank.
         The pack finishes before this returns. Release the region with ``release_staged``.
         """
-        dst = check_meta_fields(peer_meta, self.name)
-        srcs = list(src_metas) if src_metas is not None else [self._base_meta()]
-        srcs = [check_meta_fields(m, self.name) for m in srcs]
+        dst = self._adopt_peer_meta(peer_meta)
+        srcs = (
+            [self._adopt_peer_meta(m) for m in src_metas]
+            if src_metas is not None
+            else [self._base_meta()]
+        )
         num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens, local_is_dst=False)
-        self._check_compat([dst])
         me = self.layout.global_rank
         ticket: dict[str, Any] = {
             "src_rank": me,
@@ -690,7 +684,7 @@ class NixlTransferBackend(TransferBackendBase):
 
         def build() -> tuple[list[int], dp.DevicePlan | None]:
             nonlocal program
-            program = self.compiler(srcs, dst, src_block_ids, None, num_tokens, "staged")
+            program = self._compile(srcs, dst, src_block_ids, None, num_tokens, "staged")
             plan = None
             if me in program.src_ranks:
                 addr = int(self.buffer_info["addr"])
@@ -708,7 +702,7 @@ class NixlTransferBackend(TransferBackendBase):
         else:
             plan = None
             if program is None:
-                program = self.compiler(srcs, dst, src_block_ids, None, num_tokens, "staged")
+                program = self._compile(srcs, dst, src_block_ids, None, num_tokens, "staged")
             nbytes = int(program.packed_bytes(me))
         offset = self.arena.alloc(nbytes)
         try:
@@ -762,16 +756,17 @@ class NixlTransferBackend(TransferBackendBase):
         rank that packed). Everything is validated and every peer registered before the
         first read is posted.
         """
-        metas, src_ids = self._resolve_peers(peer_meta, src_block_ids)
+        peers, src_ids = self._resolve_peers(peer_meta, src_block_ids)
         assert src_ids is not None  # given, so resolved to the given ids or a rank map
         src_block_ids = src_ids
         if no_blocks(src_block_ids, dst_block_ids):  # nothing to move: a settled handle
             return NixlPullHandle(self.agent, [], self.timeout_s, self.clock, None)
         num_tokens = self._validate_peers(
-            metas, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
+            peers, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
         )
-        by_rank = {int(m["layout"]["global_rank"]): m for m in metas}
-        tickets = self._check_tickets(staged or (), by_rank)
+        metas = [p.meta for p in peers]
+        by_rank = {p.global_rank: p.meta for p in peers}
+        tickets = _core.check_staging_tickets_of(list(staged or ()), peers)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         direct = self._pull_by_ipc(metas, by_rank, src_block_ids, dst_block_ids, num_tokens)
         if direct is not None:
@@ -779,7 +774,7 @@ class NixlTransferBackend(TransferBackendBase):
             handle = NixlPullHandle(self.agent, [ipc_part], timeout, self.clock, None)
             handle.stats = {"bytes": nbytes, "descriptors": 0, "modes": {-1: "ipc"}}
             return handle
-        program = self.compiler(
+        program = self._compile(
             metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, self.mode
         )
         plans = self._pull_plans(metas, by_rank, program)
@@ -805,7 +800,12 @@ class NixlTransferBackend(TransferBackendBase):
                 plan.append((rank, "direct"))
         if any(kind == "staged" for _, kind in plan) and self.staging_buffer is None:
             raise CapacityError("staged pull needs staging_bytes > 0", field="staging_bytes")
-        peers = {rank: self._ensure_peer_registered(by_rank[rank]) for rank, _ in plan}
+        # Every remote byte a descriptor names lies in the source's exported regions.
+        rows = {rank: program.direct_descriptors(rank) for rank, kind in plan if kind == "direct"}
+        by_peer = {p.global_rank: p for p in peers}
+        for rank, (src_rows, _) in rows.items():
+            by_peer[rank].check_addresses(src_rows, "src_descriptors")
+        agents = {rank: self._ensure_peer_registered(by_rank[rank]) for rank, _ in plan}
         parts: list[_PullPart] = []
         error: str | None = None
         for rank, kind in plan:
@@ -816,12 +816,12 @@ class NixlTransferBackend(TransferBackendBase):
                         rank,
                         by_rank[rank],
                         tickets[rank],
-                        peers[rank],
+                        agents[rank],
                         (plans or {}).get(rank),
                         (src_block_ids, dst_block_ids, num_tokens),
                     )
                     if kind == "staged"
-                    else self._post_direct(program, rank, by_rank[rank], peers[rank])
+                    else self._post_direct(rows[rank], rank, by_rank[rank], agents[rank])
                 )
             except Exception as exc:
                 # Parts already posted keep running; the handle raises once they settle.
@@ -884,7 +884,7 @@ class NixlTransferBackend(TransferBackendBase):
         plans: dict[int, dp.DevicePlan] | None = self._plans.peek(key)
         if plans is None and key not in self._plans:
             # First handoff of this peer set: compile once (raises the compiler's errors).
-            program = self.compiler(
+            program = self._compile(
                 metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, "staged"
             )
             plans = self._pull_plans(metas, by_rank, program)
@@ -917,37 +917,6 @@ class NixlTransferBackend(TransferBackendBase):
         label = "ipc:" + ",".join(str(by_rank[r]["agent_name"]) for r in ranks)
         return _PullPart(-1, None, context=label, landed=done.query, local=True), nbytes
 
-    def _check_tickets(
-        self, tickets: Sequence[Mapping[str, Any]], by_rank: Mapping[int, PeerMeta]
-    ) -> dict[int, Mapping[str, Any]]:
-        out: dict[int, Mapping[str, Any]] = {}
-        for ticket in tickets:
-            for key in ("src_rank", "incarnation", "staged", "offset", "nbytes"):
-                if key not in ticket:
-                    raise MetadataError(f"staging ticket lacks field {key!r}", field="staged")
-            rank = int(ticket["src_rank"])
-            meta = by_rank.get(rank)
-            if meta is None:
-                raise MetadataError(f"ticket names unknown source rank {rank}", field="staged")
-            if int(ticket["incarnation"]) != int(meta["incarnation"]):
-                raise MetadataError(
-                    f"ticket of rank {rank} is from incarnation {ticket['incarnation']}, the "
-                    f"peer is at {meta['incarnation']}",
-                    field="staged",
-                )
-            if rank in out:
-                raise MetadataError(f"two tickets for source rank {rank}", field="staged")
-            stage = meta["staging"]
-            if ticket["staged"] and (
-                stage is None or int(ticket["offset"]) + int(ticket["nbytes"]) > stage["nbytes"]
-            ):
-                raise MetadataError(
-                    f"ticket of rank {rank} names bytes outside the peer's staging region",
-                    field="staged",
-                )
-            out[rank] = ticket
-        return out
-
     def _mem(self, meta: PeerMeta) -> str:
         return str(meta["buffer"]["mem_type"])
 
@@ -976,8 +945,10 @@ class NixlTransferBackend(TransferBackendBase):
             raise TransferError(f"NIXL refused to post {label}")
         return xfer
 
-    def _post_direct(self, program: Any, rank: int, meta: PeerMeta, peer: str) -> _PullPart | None:
-        src, dst = program.direct_descriptors(rank)
+    def _post_direct(
+        self, rows: tuple[Any, Any], rank: int, meta: PeerMeta, peer: str
+    ) -> _PullPart | None:
+        src, dst = rows
         if len(src) == 0:
             return None
         label = f"direct:{meta['agent_name']}:{rank}"

@@ -114,6 +114,13 @@ pub struct PyTransferProgram {
     inner: TransferProgram,
 }
 
+impl PyTransferProgram {
+    /// Wrap a compiled program.
+    pub(crate) fn new(inner: TransferProgram) -> Self {
+        Self { inner }
+    }
+}
+
 type DescPair<'py> = (Bound<'py, PyArray2<u64>>, Bound<'py, PyArray2<u64>>);
 
 impl PyTransferProgram {

@@ -16,6 +16,7 @@ mod ledger;
 mod peer_records;
 mod pool;
 mod reshard;
+mod wire;
 
 use pyo3::prelude::*;
 
@@ -48,5 +49,15 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<compile::PyTransferProgram>()?;
     m.add_function(wrap_pyfunction!(compile::py_compile_kv_transfer, m)?)?;
     m.add_function(wrap_pyfunction!(compile::py_compile_ssm_transfer, m)?)?;
+    m.add_class::<wire::PyPeer>()?;
+    m.add_class::<wire::PyPeerTable>()?;
+    m.add_function(wrap_pyfunction!(wire::plan_peer_transfer, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::check_peer_transfer, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::compile_peer_transfer, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::parse_peer_meta, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::check_staging_tickets_of, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::check_handoff_ticket, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::py_compat_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::peer_meta_parses, m)?)?;
     Ok(())
 }

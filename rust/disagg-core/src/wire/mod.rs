@@ -2,10 +2,14 @@
 //! into typed values with every field validated and size-capped, the field named in the error.
 //!
 //! - [`peer`]: peer metadata and the peer table (parsed once per peer incarnation).
+//! - [`plan`]: the hot path in one call, parsed peers and block ids in, program out.
 //! - [`ticket`]: handoff and staging tickets.
+//! - [`value`]: the decoded wire value, its size caps and typed field accessors.
 //! - [`control`]: control-plane messages, one schema per message type.
 
 pub mod control;
 pub mod msgpack;
 pub mod peer;
+pub mod plan;
 pub mod ticket;
+pub mod value;

@@ -1,0 +1,465 @@
+//! Bindings of the typed wire contract (`disagg_core::wire`): Python dicts and lists are
+//! converted into wire values under the core's size caps; parsing, validation, the peer
+//! table, the address checks and the one-call transfer plan are the core's.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use disagg_core::wire::peer::{
+    compat_hash, parse_count, LocalFacts, LocalSide, PeerGeometry, PeerLayout, PeerMeta, PeerTable,
+    SourceIds, StateKind,
+};
+use disagg_core::wire::plan::{compile_checked, plan_transfer, TransferPlanRequest};
+use disagg_core::wire::ticket::{check_staging_tickets, HandoffTicket};
+use disagg_core::wire::value::{Budget, WireValue};
+use disagg_core::ModeChoice;
+use numpy::PyReadonlyArray2;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
+
+use crate::args::{Int, IntList, Kind};
+use crate::compile::PyTransferProgram;
+use crate::error::{wire_err, IntoPyResult};
+use crate::geometry::{PyKvGeometry, PySsmGeometry};
+use crate::layout::{PyKvShardLayout, PySsmShardLayout};
+
+fn convert(
+    obj: &Bound<'_, PyAny>,
+    field: &str,
+    depth: usize,
+    budget: &mut Budget,
+) -> PyResult<WireValue> {
+    budget.node(field, depth).py()?;
+    if obj.is_none() {
+        return Ok(WireValue::Null);
+    }
+    if let Ok(b) = obj.cast::<PyBool>() {
+        return Ok(WireValue::Bool(b.is_true()));
+    }
+    if obj.is_instance_of::<PyInt>() {
+        return obj.extract::<i128>().map(WireValue::Int).map_err(|_| {
+            crate::error::to_pyerr(Budget::int_out_of_range(field, &obj.to_string()))
+        });
+    }
+    if let Ok(f) = obj.cast::<PyFloat>() {
+        return Ok(WireValue::Float(f.value()));
+    }
+    if let Ok(s) = obj.cast::<PyString>() {
+        let s = s.to_str()?;
+        budget.string(field, s.len()).py()?;
+        return Ok(WireValue::Str(s.to_owned()));
+    }
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        let b = b.as_bytes();
+        budget.string(field, b.len()).py()?;
+        return Ok(WireValue::Bytes(b.to_vec()));
+    }
+    if let Ok(d) = obj.cast::<PyDict>() {
+        budget.items(field, d.len()).py()?;
+        let mut out = Vec::with_capacity(d.len());
+        for (k, v) in d.iter() {
+            let key = if let Ok(s) = k.cast::<PyString>() {
+                s.to_str()?.to_owned()
+            } else if k.is_instance_of::<PyInt>() && !k.is_instance_of::<PyBool>() {
+                k.to_string()
+            } else {
+                return Err(wire_err(field, format!("dict key {k:.40} is not a str or an int")));
+            };
+            let sub = convert(&v, &format!("{field}.{key}"), depth + 1, budget)?;
+            out.push((key, sub));
+        }
+        return Ok(WireValue::Map(out));
+    }
+    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        let n = obj.len()?;
+        budget.items(field, n).py()?;
+        let mut out = Vec::with_capacity(n);
+        for (i, v) in obj.try_iter()?.enumerate() {
+            out.push(convert(&v?, &format!("{field}[{i}]"), depth + 1, budget)?);
+        }
+        return Ok(WireValue::List(out));
+    }
+    if let Ok(m) = obj.cast::<PyMapping>() {
+        let d = PyDict::new(obj.py());
+        for item in m.items()?.iter() {
+            let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+            d.set_item(k, v)?;
+        }
+        return convert(d.as_any(), field, depth, budget);
+    }
+    if let Ok(i) = obj.extract::<i128>() {
+        return Ok(WireValue::Int(i)); // a numpy integer scalar
+    }
+    let kind = obj.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string());
+    Err(wire_err(field, format!("a {kind} cannot cross the wire")))
+}
+
+/// Convert a Python value into a wire value under the core's caps.
+pub fn to_wire(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<WireValue> {
+    convert(obj, field, 0, &mut Budget::default())
+}
+
+/// One peer buffer's metadata, parsed and validated once (see `PeerTable`).
+#[pyclass(name = "Peer", module = "disagg_rs", frozen)]
+pub struct PyPeer {
+    inner: Arc<PeerMeta>,
+    meta: Py<PyAny>,
+}
+
+#[pymethods]
+impl PyPeer {
+    /// The metadata dict in this library's schema (read-only by convention).
+    #[getter]
+    fn meta(&self, py: Python<'_>) -> Py<PyAny> {
+        self.meta.clone_ref(py)
+    }
+
+    /// The transport agent name.
+    #[getter]
+    fn agent_name(&self) -> &str {
+        &self.inner.agent_name
+    }
+
+    /// The exporting process's incarnation.
+    #[getter]
+    fn incarnation(&self) -> u64 {
+        self.inner.incarnation
+    }
+
+    /// The rank's global rank.
+    #[getter]
+    fn global_rank(&self) -> u32 {
+        self.inner.layout.global_rank()
+    }
+
+    /// Blocks (KV) or slots (SSM) of the buffer.
+    #[getter]
+    fn num_blocks(&self) -> u32 {
+        self.inner.num_blocks
+    }
+
+    /// Tokens per KV block (`None` for SSM state).
+    #[getter]
+    fn tokens_per_block(&self) -> Option<u32> {
+        self.inner.tokens_per_block
+    }
+
+    /// `"kv"`, `"conv"` or `"recurrent"`.
+    #[getter]
+    fn state_kind(&self) -> &'static str {
+        self.inner.state_kind.name()
+    }
+
+    /// The rank's layout (`KVShardLayout` or `SSMShardLayout`).
+    #[getter]
+    fn layout(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        Ok(match &self.inner.layout {
+            PeerLayout::Kv(l) => Py::new(py, PyKvShardLayout { inner: *l })?.into_any(),
+            PeerLayout::Ssm(l) => Py::new(py, PySsmShardLayout { inner: *l })?.into_any(),
+        })
+    }
+
+    /// The compiler geometry (`KVGeometry`, `SSMGeometry` or `None`).
+    #[getter]
+    fn geometry(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        Ok(match &self.inner.geometry {
+            None => None,
+            Some(PeerGeometry::Kv(g)) => {
+                Some(Py::new(py, PyKvGeometry { inner: g.clone() })?.into_any())
+            }
+            Some(PeerGeometry::Ssm(g)) => {
+                Some(Py::new(py, PySsmGeometry { inner: g.clone() })?.into_any())
+            }
+        })
+    }
+
+    /// Raise `MetadataError` naming `field` unless every `(addr, len, ...)` row of `rows`
+    /// lies inside the peer's exported regions (its buffer and its staging region).
+    fn check_addresses(&self, rows: PyReadonlyArray2<'_, u64>, field: &str) -> PyResult<()> {
+        let view = rows.as_array();
+        if view.ncols() < 2 {
+            return Err(wire_err(field, format!("rows have {} columns, need >= 2", view.ncols())));
+        }
+        let rows: Vec<[u64; 3]> = view.rows().into_iter().map(|r| [r[0], r[1], 0]).collect();
+        self.inner.check_addresses(&rows, field).py()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Peer(agent_name={:?}, global_rank={}, incarnation={}, state_kind={:?})",
+            self.inner.agent_name,
+            self.inner.layout.global_rank(),
+            self.inner.incarnation,
+            self.inner.state_kind.name()
+        )
+    }
+}
+
+/// Peers of one backend, each parsed once and found again by content.
+#[pyclass(name = "PeerTable", module = "disagg_rs")]
+pub struct PyPeerTable {
+    inner: PeerTable<Arc<Py<PyPeer>>>,
+}
+
+#[pymethods]
+impl PyPeerTable {
+    /// A table of a `backend` (`"nixl"` or `"nccl"`) backend whose peers must share this
+    /// rank's facts: state kind, dtype, head dim, the layout's layer count and the
+    /// compatibility hash.
+    #[new]
+    #[pyo3(signature = (backend, *, state_kind, dtype, head_dim, num_layers, compat_hash))]
+    fn new(
+        backend: &str,
+        state_kind: &str,
+        dtype: &str,
+        head_dim: Int,
+        num_layers: Option<Int>,
+        compat_hash: &str,
+    ) -> PyResult<Self> {
+        let local = LocalFacts {
+            state_kind: StateKind::parse("state_kind", state_kind).py()?,
+            dtype: dtype.to_owned(),
+            head_dim: head_dim.to_u32(Kind::Argument, "head_dim")?,
+            num_layers: num_layers.map(|n| n.to_u32(Kind::Argument, "num_layers")).transpose()?,
+            compat_hash: compat_hash.to_owned(),
+        };
+        Ok(Self { inner: PeerTable::new(backend, local) })
+    }
+
+    /// The peer parsed from metadata equal to `meta`, or `None` (never parses).
+    fn lookup(&self, py: Python<'_>, meta: &Bound<'_, PyAny>) -> PyResult<Option<Py<PyPeer>>> {
+        let raw = to_wire(meta, "peer_meta")?;
+        Ok(self.inner.lookup(&raw).map(|(_, p)| p.clone_ref(py)))
+    }
+
+    /// The peer of `meta`, parsed now if the table has not seen metadata equal to it.
+    /// `schema` is `meta` in this library's schema when `meta` carries the reference
+    /// design's fields only (default: `meta` itself). Raises `MetadataError`,
+    /// `LayoutError` or `GeometryMismatchError` naming the field.
+    #[pyo3(signature = (meta, schema=None))]
+    fn adopt(
+        &mut self,
+        py: Python<'_>,
+        meta: &Bound<'_, PyAny>,
+        schema: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyPeer>> {
+        let raw = to_wire(meta, "peer_meta")?;
+        if let Some((_, p)) = self.inner.lookup(&raw) {
+            return Ok(p.clone_ref(py));
+        }
+        let schema_obj = schema.unwrap_or(meta);
+        let schema_val = match schema {
+            Some(s) => to_wire(s, "peer_meta")?,
+            None => raw.clone(),
+        };
+        let mut made: Option<PyErr> = None;
+        let out = self.inner.adopt(raw, &schema_val, |m| {
+            match Py::new(py, PyPeer { inner: Arc::clone(m), meta: schema_obj.clone().unbind() }) {
+                Ok(p) => Ok(Arc::new(p)),
+                Err(e) => {
+                    made = Some(e);
+                    Err(disagg_core::DisaggError::wire("peer_meta", "could not build the peer"))
+                }
+            }
+        });
+        match (out, made) {
+            (_, Some(e)) => Err(e),
+            (r, None) => Ok(r.py()?.1.clone_ref(py)),
+        }
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+}
+
+fn metas<'a>(peers: &'a [PyRef<'_, PyPeer>]) -> Vec<&'a PeerMeta> {
+    peers.iter().map(|p| p.inner.as_ref()).collect()
+}
+
+fn source_ids(obj: &Bound<'_, PyAny>) -> PyResult<SourceIds> {
+    if let Ok(m) = obj.cast::<PyMapping>() {
+        let mut out = Vec::new();
+        for item in m.items()?.iter() {
+            let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+            let rank = k.extract::<Int>()?.to_i64(Kind::Block, "src_block_ids (dict key)")?;
+            out.push((rank, v.extract::<IntList>()?.to_i64s(Kind::Block, "src_block_ids")?));
+        }
+        return Ok(SourceIds::PerRank(out));
+    }
+    Ok(SourceIds::Shared(obj.extract::<IntList>()?.to_i64s(Kind::Block, "src_block_ids")?))
+}
+
+/// The plan request of Python arguments (peers borrowed from `srcs` and `dst`).
+fn plan_request<'a>(
+    srcs: &'a [PyRef<'_, PyPeer>],
+    dst: &'a PyRef<'_, PyPeer>,
+    src_block_ids: &Bound<'_, PyAny>,
+    dst_block_ids: Option<&Bound<'_, PyAny>>,
+    mode: &str,
+    local: LocalSide,
+) -> PyResult<TransferPlanRequest<'a>> {
+    Ok(TransferPlanRequest {
+        srcs: metas(srcs),
+        dst: dst.inner.as_ref(),
+        src_ids: source_ids(src_block_ids)?,
+        dst_ids: dst_block_ids
+            .map(|o| o.extract::<IntList>()?.to_i64s(Kind::Block, "dst_block_ids"))
+            .transpose()?,
+        num_tokens: None,
+        local,
+        mode: ModeChoice::parse(mode).py()?,
+    })
+}
+
+fn local_side(
+    local_is_dst: bool,
+    local_num_blocks: Int,
+    local_tokens_per_block: Option<Int>,
+) -> PyResult<LocalSide> {
+    Ok(LocalSide {
+        is_dst: local_is_dst,
+        num_blocks: local_num_blocks.to_u32(Kind::Argument, "local_num_blocks")?,
+        tokens_per_block: local_tokens_per_block
+            .map(|t| t.to_u32(Kind::Argument, "local_tokens_per_block"))
+            .transpose()?,
+    })
+}
+
+/// Check peers and block ids once, then compile the transfer: returns `(num_tokens,
+/// TransferProgram)` (`num_tokens` is `None` for SSM state). `srcs` are the source ranks'
+/// peers, `dst` the destination's; `dst_block_ids` is `None` on the source side of a staged
+/// transfer. Raises `MetadataError`, `BlockIdError`, `GeometryMismatchError` before anything
+/// is posted.
+#[pyfunction]
+#[pyo3(signature = (srcs, dst, src_block_ids, dst_block_ids, num_tokens, mode, *,
+    local_is_dst, local_num_blocks, local_tokens_per_block))]
+#[allow(clippy::too_many_arguments)]
+pub fn plan_peer_transfer(
+    py: Python<'_>,
+    srcs: Vec<PyRef<'_, PyPeer>>,
+    dst: PyRef<'_, PyPeer>,
+    src_block_ids: &Bound<'_, PyAny>,
+    dst_block_ids: Option<&Bound<'_, PyAny>>,
+    num_tokens: Option<Int>,
+    mode: &str,
+    local_is_dst: bool,
+    local_num_blocks: Int,
+    local_tokens_per_block: Option<Int>,
+) -> PyResult<(Option<u64>, PyTransferProgram)> {
+    let local = local_side(local_is_dst, local_num_blocks, local_tokens_per_block)?;
+    let mut req = plan_request(&srcs, &dst, src_block_ids, dst_block_ids, mode, local)?;
+    req.num_tokens = num_tokens.map(|n| n.to_i64(Kind::Block, "num_tokens")).transpose()?;
+    let (n, inner) = py.detach(|| plan_transfer(&req)).py()?;
+    Ok((n, PyTransferProgram::new(inner)))
+}
+
+/// Compile a transfer whose peers and block ids `check_peer_transfer` accepted (no second
+/// check): `num_tokens` is its result.
+#[pyfunction]
+#[pyo3(signature = (srcs, dst, src_block_ids, dst_block_ids, num_tokens, mode))]
+pub fn compile_peer_transfer(
+    py: Python<'_>,
+    srcs: Vec<PyRef<'_, PyPeer>>,
+    dst: PyRef<'_, PyPeer>,
+    src_block_ids: &Bound<'_, PyAny>,
+    dst_block_ids: Option<&Bound<'_, PyAny>>,
+    num_tokens: Option<Int>,
+    mode: &str,
+) -> PyResult<PyTransferProgram> {
+    let n = num_tokens.map(|n| n.to_u64(Kind::Block, "num_tokens")).transpose()?;
+    let local = LocalSide { is_dst: false, num_blocks: 0, tokens_per_block: None };
+    let req = plan_request(&srcs, &dst, src_block_ids, dst_block_ids, mode, local)?;
+    let inner = py.detach(|| compile_checked(&req, n)).py()?;
+    Ok(PyTransferProgram::new(inner))
+}
+
+/// Parse one peer's metadata exported by a `backend` backend (no table, no compatibility
+/// check): `MetadataError`, `LayoutError` or `GeometryMismatchError` naming the field.
+#[pyfunction]
+pub fn parse_peer_meta(
+    py: Python<'_>,
+    meta: &Bound<'_, PyAny>,
+    backend: &str,
+) -> PyResult<Py<PyPeer>> {
+    let inner = Arc::new(PeerMeta::parse(&to_wire(meta, "peer_meta")?, backend).py()?);
+    Py::new(py, PyPeer { inner, meta: meta.clone().unbind() })
+}
+
+/// Check the peer set and block ids of one transfer (no compile); return the token count
+/// (`None` for SSM state).
+#[pyfunction]
+#[pyo3(signature = (srcs, src_block_ids, dst_block_ids, num_tokens, *,
+    local_is_dst, local_num_blocks, local_tokens_per_block))]
+pub fn check_peer_transfer(
+    srcs: Vec<PyRef<'_, PyPeer>>,
+    src_block_ids: &Bound<'_, PyAny>,
+    dst_block_ids: Option<&Bound<'_, PyAny>>,
+    num_tokens: Option<Int>,
+    local_is_dst: bool,
+    local_num_blocks: Int,
+    local_tokens_per_block: Option<Int>,
+) -> PyResult<Option<u64>> {
+    let dst = dst_block_ids
+        .map(|o| o.extract::<IntList>()?.to_i64s(Kind::Block, "dst_block_ids"))
+        .transpose()?;
+    disagg_core::wire::peer::check_transfer(
+        &metas(&srcs),
+        &source_ids(src_block_ids)?,
+        dst.as_deref(),
+        num_tokens.map(|n| n.to_i64(Kind::Block, "num_tokens")).transpose()?,
+        local_side(local_is_dst, local_num_blocks, local_tokens_per_block)?,
+    )
+    .py()
+}
+
+/// Check the staging tickets of one pull against the source peers; return them by source
+/// global rank. Raises `MetadataError` (field `staged`) for an unknown source, another
+/// incarnation, a second ticket of one source, a negative offset or bytes outside the
+/// source's staging region.
+#[pyfunction]
+pub fn check_staging_tickets_of<'py>(
+    py: Python<'py>,
+    tickets: Vec<Bound<'py, PyAny>>,
+    peers: Vec<PyRef<'py, PyPeer>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let values = tickets
+        .iter()
+        .enumerate()
+        .map(|(i, t)| to_wire(t, &format!("staged[{i}]")))
+        .collect::<PyResult<Vec<_>>>()?;
+    let by_rank: BTreeMap<u32, &PeerMeta> =
+        peers.iter().map(|p| (p.inner.layout.global_rank(), p.inner.as_ref())).collect();
+    let checked = check_staging_tickets(&values, &by_rank).py()?;
+    let out = PyDict::new(py);
+    for (rank, t) in checked {
+        let d = PyDict::new(py);
+        d.set_item("src_rank", t.src_rank)?;
+        d.set_item("incarnation", t.incarnation)?;
+        d.set_item("staged", t.staged)?;
+        d.set_item("offset", t.offset)?;
+        d.set_item("nbytes", t.nbytes)?;
+        out.set_item(rank, d)?;
+    }
+    Ok(out)
+}
+
+/// Check a handoff ticket once, when the decode receives it: `MetadataError` naming the
+/// field (block ids, first tokens, lease, staging tickets and their offsets).
+#[pyfunction]
+pub fn check_handoff_ticket(ticket: &Bound<'_, PyAny>) -> PyResult<()> {
+    HandoffTicket::parse(&to_wire(ticket, "ticket")?).py().map(|_| ())
+}
+
+/// The compatibility hash of a facts dict: 16 hex digits.
+#[pyfunction(name = "compat_hash")]
+pub fn py_compat_hash(facts: &Bound<'_, PyAny>) -> PyResult<String> {
+    Ok(compat_hash(&to_wire(facts, "facts")?))
+}
+
+/// How many peer metadata dicts this process has parsed (lookups of a parsed peer do not
+/// count).
+#[pyfunction]
+pub fn peer_meta_parses() -> u64 {
+    parse_count()
+}
