@@ -8,6 +8,7 @@
 
 mod args;
 mod compile;
+mod driver;
 mod error;
 mod geometry;
 mod layout;
@@ -46,5 +47,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<compile::PyTransferProgram>()?;
     m.add_function(wrap_pyfunction!(compile::py_compile_kv_transfer, m)?)?;
     m.add_function(wrap_pyfunction!(compile::py_compile_ssm_transfer, m)?)?;
+    m.add_class::<driver::PyEngineDriverState>()?;
     Ok(())
 }
