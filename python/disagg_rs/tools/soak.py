@@ -20,7 +20,7 @@ Faults are injected by wrapping the decode engine's transport backends
 itself carries no fault hooks. Time to first token (TTFT) is measured from the prefill submit to
 the decode admission (the first token is the prefill's, resumed on decode).
 
-Run it with ``make soak`` (2,000 handoffs) or ``python -m disagg_rs.soak --handoffs N``.
+Run it with ``make soak`` (2,000 handoffs) or ``python -m disagg_rs.tools.soak --handoffs N``.
 """
 
 from __future__ import annotations
@@ -399,7 +399,7 @@ def run_soak(opts: SoakOptions) -> SoakReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m disagg_rs.soak``: run the soak, print the report, exit 1 unless it is ok."""
+    """``python -m disagg_rs.tools.soak``: run the soak, print the report, exit 1 unless ok."""
     p = argparse.ArgumentParser(prog="disagg-rs-soak", description=__doc__.splitlines()[0])
     p.add_argument("--handoffs", type=int, default=2000)
     p.add_argument("--fault-rate", type=float, default=0.3)
