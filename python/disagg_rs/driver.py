@@ -79,6 +79,18 @@ class HandoffDriver:
         self._wait_ms = 0
         self._messages = 0  # acted on this turn (the idle back-off)
         self._targets: dict[int, Any] = {}  # prefill: request -> the decode's rank metadata
+        self._handlers: dict[Any, Callable[[Any, dict[str, Any]], None]] = {
+            Msg.SHUTDOWN: self._on_shutdown,
+            Msg.PREFILL: self._on_prefill,
+            Msg.SUBMIT_REQUEST_WITH_KV: self._on_ticket,
+            Msg.SEND_KV: self._on_send_kv,
+            Msg.RELEASE_KV: self._on_release,
+            Msg.ABORT: self._on_abort,
+        }
+        decode = self.role == "decode"
+        self._abort_import = engine.abort_kv_import if decode else _nothing
+        self._advance = self._advance_imports if decode else self._advance_pushes
+        self._report_step = self._report_decode_step if decode else self._report_prefill_step
         if link is not None:
             link.register(engine.handoff_static_meta)
 
@@ -103,50 +115,40 @@ class HandoffDriver:
 
     def on_message(self, msg: dict[str, Any]) -> None:
         """Act on one control message (a duplicate or malformed one is dropped and counted)."""
-        kind, rid = msg.get("type"), msg.get("request_id")  # rid: an id once accepted
-        rid = rid if isinstance(rid, int) else -1
-        verdict = self.state.accept(kind, rid, msg.get("epoch"))
-        if verdict != "act":
-            return
-        self._messages += 1
-        e = self.engine
-        if kind is Msg.SHUTDOWN:
-            self.state.shutdown(self.now_ns, self.shutdown_grace_ns)
-        elif kind is Msg.PREFILL:
-            self._targets[rid] = msg.get("decode_meta")
-            self._guard(
-                Msg.PREFILL_FAILED,
-                rid,
-                e.add_request,
-                rid,
-                msg.get("prompt"),
-                msg.get("max_new_tokens"),
-            )
-        elif kind is Msg.SUBMIT_REQUEST_WITH_KV:
-            ticket = msg.get("ticket")
-            src = ticket.get("src_block_ids") if isinstance(ticket, dict) else None
-            started = self._guard(
-                Msg.FAILED,
-                rid,
-                e.add_request_with_kv_handoff,
-                rid,
-                msg.get("prompt"),
-                msg.get("max_new_tokens"),
-                ticket,
-                src,
-            )
-            destination = e.kv_import_destination(rid) if started else None
-            if destination is not None and e._is_push:
-                self._send(Msg.KV_RECV_POSTED, rid, transfer=destination)
-        elif kind is Msg.SEND_KV:
-            self._guard(None, rid, _push, e, rid, msg.get("decode_meta"), msg.get("transfer"))
-        elif kind is Msg.RELEASE_KV:
-            e.release_handoff_blocks(rid)
-        elif kind is Msg.ABORT:
-            if self.role == "decode":
-                e.abort_kv_import(rid)  # any import stage
-            # Prefill: pins stay until RELEASE_KV or their lease (the decode may be reading).
-            e.abort(rid)
+        kind = msg.get("type")
+        verdict = self.state.accept(kind, msg.get("request_id"), msg.get("epoch"))
+        handler = self._handlers.get(kind) if verdict == "act" else None
+        if handler is not None:
+            self._messages += 1
+            handler(msg.get("request_id", -1), msg)
+
+    def _on_shutdown(self, rid: int, msg: dict[str, Any]) -> None:
+        self.state.shutdown(self.now_ns, self.shutdown_grace_ns)
+
+    def _on_prefill(self, rid: int, msg: dict[str, Any]) -> None:
+        self._targets[rid] = msg.get("decode_meta")
+        args = (rid, msg.get("prompt"), msg.get("max_new_tokens"))
+        self._guard(Msg.PREFILL_FAILED, rid, self.engine.add_request, *args)
+
+    def _on_ticket(self, rid: int, msg: dict[str, Any]) -> None:
+        e, ticket = self.engine, msg.get("ticket")
+        src = ticket.get("src_block_ids") if isinstance(ticket, dict) else None
+        args = (rid, msg.get("prompt"), msg.get("max_new_tokens"), ticket, src)
+        started = self._guard(Msg.FAILED, rid, e.add_request_with_kv_handoff, *args)
+        destination = e.kv_import_destination(rid) if started and e._is_push else None
+        if destination is not None:  # two-sided: the prefill pushes once receives are posted
+            self._send(Msg.KV_RECV_POSTED, rid, transfer=destination)
+
+    def _on_send_kv(self, rid: int, msg: dict[str, Any]) -> None:
+        self._guard(None, rid, _push, self.engine, rid, msg.get("decode_meta"), msg.get("transfer"))
+
+    def _on_release(self, rid: int, msg: dict[str, Any]) -> None:
+        self.engine.release_handoff_blocks(rid)
+
+    def _on_abort(self, rid: int, msg: dict[str, Any]) -> None:
+        # Prefill: pins stay until RELEASE_KV or their lease (the decode may be reading).
+        self._abort_import(rid)  # decode: any import stage
+        self.engine.abort(rid)
 
     # -- one turn ------------------------------------------------------------------------
     def tick(self, now_ns: int, wall_ns: int | None = None) -> None:
@@ -158,33 +160,43 @@ class HandoffDriver:
         e.handoff_now_ns = now_ns
         if wall_ns is not None:
             e.handoff_wall_now_ns = wall_ns
-        if self.role == "decode":
-            # Admit first: this turn's clock was read after the last turn observed the
-            # completions, so a lease that ended in between (a stalled process) is seen.
-            e._admit_pending_kv_imports()
-            e._poll_pending_kv_imports()
-            for rid, failed in e._drain_handoff_completion_notifications():
-                why = (e.pop_handoff_failure_reason(rid) or "unknown reason") if failed else ""
-                quarantined = failed and any(k[0] == rid for k in e._quarantined)
-                report = self.state.import_settled(rid, failed, quarantined)
-                if report is not None:
-                    epoch, ok, quiet = report
-                    self._send(Msg.KV_IMPORTED, rid, epoch, ok=ok, error=why, quiet=quiet)
-        else:
-            e._poll_pending_kv_pushes()
-            e.expire_handoff_pins()
+        self._advance()
         if e.has_work:
-            out = e.step()
-            for h in getattr(out, "handoffs", ()):
-                ticket = e._capture_handoff_meta(h, None, self._targets.pop(h.request_id, None))
-                self._send(Msg.PREFILL_DONE, h.request_id, ticket=ticket)
-            if self.role == "decode":
-                for rid, tok in out.new_tokens.items():
-                    self._send(Msg.TOKENS, rid, tokens=[tok])
-                for done in out.finished:
-                    self._send(Msg.DONE, done.request_id, tokens=done.tokens)
+            self._report_step(e.step())
         self._wait_ms = self.state.turn(self._messages > 0, self.busy)
         self._messages = 0
+
+    def _advance_imports(self) -> None:
+        # Admit first: this turn's clock was read after the last turn observed the
+        # completions, so a lease that ended in between (a stalled process) is seen.
+        e = self.engine
+        e._admit_pending_kv_imports()
+        e._poll_pending_kv_imports()
+        settled = e._drain_handoff_completion_notifications()
+        quarantined = {rid for rid, _ in e._quarantined}
+        for rid, failed in settled:
+            why = e.pop_handoff_failure_reason(rid) or ""
+            report = self.state.import_settled(rid, failed, rid in quarantined)
+            if report is not None:
+                epoch, ok, quiet = report
+                self._send(Msg.KV_IMPORTED, rid, epoch, ok=ok, error=why, quiet=quiet)
+
+    def _advance_pushes(self) -> None:
+        self.engine._poll_pending_kv_pushes()
+        self.engine.expire_handoff_pins()
+
+    def _report_prefill_step(self, out: Any) -> None:
+        for h in out.handoffs:
+            ticket = self.engine._capture_handoff_meta(
+                h, None, self._targets.pop(h.request_id, None)
+            )
+            self._send(Msg.PREFILL_DONE, h.request_id, ticket=ticket)
+
+    def _report_decode_step(self, out: Any) -> None:
+        for rid, tok in out.new_tokens.items():
+            self._send(Msg.TOKENS, rid, tokens=[tok])
+        for done in out.finished:
+            self._send(Msg.DONE, done.request_id, tokens=done.tokens)
 
     @property
     def busy(self) -> bool:
@@ -246,6 +258,10 @@ class HandoffDriver:
                 self._send(failure, rid, error=f"{type(err).__name__}: {err}", **extra)
             return False
         return True
+
+
+def _nothing(request_id: int) -> None:
+    del request_id
 
 
 def _pinned(engine: Any) -> int:
@@ -330,13 +346,8 @@ class LoopbackLink:
         return self.peers
 
     def _register(self) -> None:
-        self.send(
-            Msg.REGISTER,
-            engine_id=self.engine_id,
-            role=self.role,
-            incarnation=self.incarnation,
-            meta=self._meta,
-        )
+        ids = {"engine_id": self.engine_id, "role": self.role, "incarnation": self.incarnation}
+        self.send(Msg.REGISTER, meta=self._meta, **ids)
 
     def send(self, kind: Msg, **fields: Any) -> None:
         """Send one message to the coordinator."""
