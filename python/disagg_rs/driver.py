@@ -305,15 +305,12 @@ class LoopbackCoordinator:
         self._route(self.state.poll(self.clock()))
 
     def _route(self, out: list[Outgoing]) -> None:
+        engines = {e.engine_id: e.identity for e in self.state.engines.values()}
         for o in out:
-            if o.to_client is not None:
-                identity = o.to_client
-            else:
-                engine = self.state.engines.get(o.to_engine or "")
-                if engine is None:
-                    self.undeliverable += 1
-                    continue
-                identity = engine.identity
+            identity = o.to_client or engines.get(o.to_engine or "")
+            if identity is None:  # an engine that is gone
+                self.undeliverable += 1
+                continue
             self._inbox(identity).append(encode_message(o.kind, **o.fields))
 
     def take(self, identity: bytes) -> list[dict[str, Any]]:
