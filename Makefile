@@ -104,4 +104,4 @@ clean: ## Remove build outputs (keeps .venv)
 
 .PHONY: soak
 soak: build ## Soak: 2,000 handoffs, faults at every stage incl. corrupted transfers (integrity check on); outcomes, leaks, wrong answers, TTFT
-	$(PY) -m disagg_rs.soak --handoffs 2000 --verify-integrity
+	$(PY) -m disagg_rs.tools.soak --handoffs 2000 --verify-integrity

@@ -142,8 +142,15 @@ def _run_case(case: GenerateCase | HandoffCase | SplitHandoffCase) -> dict[str, 
     return {"tokens": tokens, "pools": [_pool_report(pre), _pool_report(dec)]}
 
 
-def _worker(rank: int, world: int, port: int, cases: list[Any], out: Any) -> None:
-    # Two ranks share two (busy) cores: intra-op threads would only oversubscribe them.
+def _run_cases(rank: int, cases: list[Any]) -> list[dict[str, Any]]:
+    del rank
+    return [_run_case(c) for c in cases]
+
+
+def _rank_main(
+    rank: int, world: int, port: int, timeout_s: float, fn: Any, args: tuple[Any, ...], out: Any
+) -> None:
+    # Ranks share two (busy) cores: intra-op threads would only oversubscribe them.
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
@@ -151,10 +158,9 @@ def _worker(rank: int, world: int, port: int, cases: list[Any], out: Any) -> Non
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
-            timeout=timedelta(seconds=TIMEOUT_S),
+            timeout=timedelta(seconds=timeout_s),
         )
-        results = [_run_case(c) for c in cases]
-        out.put((rank, "ok", results))
+        out.put((rank, "ok", fn(rank, *args)))
     except BaseException:
         out.put((rank, "error", traceback.format_exc()))
     finally:
@@ -168,26 +174,30 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_world(world: int, cases: list[Any]) -> list[list[dict[str, Any]]]:
-    """Run ``cases`` on ``world`` spawned ranks; results per rank, per case."""
+def spawn_gloo_world(world: int, fn: Any, *args: Any, timeout_s: float = TIMEOUT_S) -> list[Any]:
+    """Run ``fn(rank, *args)`` (a module-level function) on ``world`` spawned ranks of one
+    gloo world; returns each rank's result, in rank order. A rank's error fails the call."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cases, out)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, timeout_s, fn, args, out))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
-    got: dict[int, list[dict[str, Any]]] = {}
+    got: dict[int, Any] = {}
     errors: list[str] = []
     try:
         for _ in range(world):
-            rank, status, payload = out.get(timeout=TIMEOUT_S)
+            rank, status, payload = out.get(timeout=timeout_s * 2)
             if status == "ok":
                 got[rank] = payload
             else:
                 errors.append(f"rank {rank}:\n{payload}")
                 break
     except queue.Empty:
-        errors.append(f"timed out after {TIMEOUT_S} s waiting for the ranks")
+        errors.append(f"timed out after {timeout_s * 2} s waiting for the ranks")
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -198,3 +208,8 @@ def run_world(world: int, cases: list[Any]) -> list[list[dict[str, Any]]]:
     if errors:
         raise AssertionError("\n".join(errors))
     return [got[r] for r in range(world)]
+
+
+def run_world(world: int, cases: list[Any]) -> list[list[dict[str, Any]]]:
+    """Run ``cases`` on ``world`` spawned ranks; results per rank, per case."""
+    return spawn_gloo_world(world, _run_cases, cases)

@@ -11,7 +11,7 @@ import pytest
 
 import disagg_rs
 from disagg_rs.cli import ParallelSpec, build_parser, main, parse_parallel_spec
-from disagg_rs.demo import add_demo_arguments, options_from_args
+from disagg_rs.tools.demo import add_demo_arguments, options_from_args
 
 
 def test_plan_prints_a_table_and_totals(capsys: pytest.CaptureFixture[str]) -> None:
@@ -160,12 +160,12 @@ def test_every_flag_has_help_text(command: str) -> None:
 def _demo_error(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str
 ) -> str:
-    import disagg_rs.demo
+    import disagg_rs.tools.demo
 
     def no_run(*a: object, **k: object) -> None:
         raise AssertionError("the demo started although an option is invalid")
 
-    monkeypatch.setattr(disagg_rs.demo, "run_demo", no_run)
+    monkeypatch.setattr(disagg_rs.tools.demo, "run_demo", no_run)
     assert main(["demo", *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from disagg_rs.demo import DemoOptions, DemoResult, run_demo
+from disagg_rs.tools.demo import DemoOptions, DemoResult, run_demo
 
 os.environ.setdefault("UCX_LOG_LEVEL", "error")
 

@@ -12,20 +12,16 @@ end."""
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
-import queue
-import socket
 import time
-import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from _reference_worker import spawn_gloo_world
 from disagg_rs import KVShardLayout
 from disagg_rs.engine_protocol import HandoffEngine, HandoffHost
 from disagg_rs.inference_state_handoff import InferenceStateHandoffMixin, with_push_destination
@@ -285,63 +281,11 @@ def _run(rank: int, backend: str) -> dict[str, Any]:
     return report
 
 
-def _worker(rank: int, port: int, backend: str, out: Any) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=timedelta(seconds=TIMEOUT_S),
-        )
-        out.put((rank, "ok", _run(rank, backend)))
-    except BaseException:
-        out.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawn(backend: str) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, backend, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got: dict[int, dict[str, Any]] = {}
-    errors: list[str] = []
-    try:
-        for _ in range(2):
-            rank, status, payload = out.get(timeout=TIMEOUT_S * 2)
-            if status != "ok":
-                errors.append(f"rank {rank}:\n{payload}")
-                break
-            got[rank] = payload
-    except queue.Empty:
-        errors.append("timed out waiting for the engines")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
-    assert not errors, "\n".join(errors)
-    return got
-
-
 @pytest.mark.parametrize("backend", ["nixl", "nccl"], ids=["nixl", "two-sided-on-gloo"])
 def test_an_engine_written_against_the_protocol_hands_off_byte_exact_with_lookahead(
     backend: str,
 ) -> None:
-    got = _spawn(backend)
+    got = dict(enumerate(spawn_gloo_world(2, _run, backend, timeout_s=TIMEOUT_S)))
     decode = got[1]
     expected = {rid: colocated(p, n, s) for rid, p, n, s in PROMPTS}
     assert decode["answers"] == expected

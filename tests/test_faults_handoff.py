@@ -18,7 +18,7 @@ from disagg_rs.inference_state_handoff import RankImport as PendingKvImport
 from disagg_rs.reference import EngineConfig, ModelConfig, ReferenceEngine
 from disagg_rs.reference.engine import encode_text
 from disagg_rs.reference.handoff import HandoffReferenceEngine
-from disagg_rs.soak import FAULTS, FaultInjectingBackend, SoakOptions, run_soak
+from disagg_rs.tools.soak import FAULTS, FaultInjectingBackend, SoakOptions, run_soak
 
 os.environ.setdefault("UCX_LOG_LEVEL", "error")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")

@@ -564,7 +564,7 @@ def test_a_table_in_the_ticket_of_a_non_verifying_decode_is_ignored(pair: _Pair)
     ],
 )
 def test_verified_demo_handoffs_answer_like_the_colocated_run(case: dict[str, object]) -> None:
-    from disagg_rs.demo import DemoOptions, run_demo
+    from disagg_rs.tools.demo import DemoOptions, run_demo
 
     opts = {"requests": 3, "max_new_tokens": 6, "timeout_s": 120.0, "quiet": True}
     result = run_demo(DemoOptions(**{**opts, **case}, verify_integrity=True))  # type: ignore[arg-type]

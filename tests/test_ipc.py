@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from disagg_rs import demo
+from disagg_rs.tools import demo
 from disagg_rs.transfer_backends import ipc
 
 

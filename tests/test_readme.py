@@ -114,3 +114,13 @@ if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: python tests/test_readme.py --write  (rewrites the README's samples)")
     write_console_samples()
+
+
+def test_the_readme_engine_loop_is_the_code_the_demo_runs() -> None:
+    import inspect
+
+    from disagg_rs.tools.demo import serve_engine
+
+    blocks = re.findall(r"```py\n(def serve_engine.*?)```", README.read_text(), re.S)
+    assert blocks == [inspect.getsource(serve_engine)]
+    assert len(blocks[0].splitlines()) < 30

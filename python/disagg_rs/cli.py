@@ -234,7 +234,7 @@ def _divisors(n: int) -> list[int]:
 
 def _valid_tp_sizes(model: str) -> tuple[list[int], str]:
     """TP sizes the reference model allows, and what limits them (computed from the model)."""
-    from disagg_rs.demo import _model_config
+    from disagg_rs.tools.demo import _model_config
 
     cfg = _model_config(model)
     limits = {"num_q_heads": cfg.num_q_heads, "num_kv_heads": cfg.num_kv_heads}
@@ -253,7 +253,7 @@ def _valid_tp_sizes(model: str) -> tuple[list[int], str]:
 def validate_demo_args(args: argparse.Namespace) -> str | None:
     """The first bad demo option as one line naming the flag and the valid values, else None.
     Runs before any process starts."""
-    from disagg_rs.demo import _model_config
+    from disagg_rs.tools.demo import _model_config
 
     cfg = _model_config(args.model)
     tp_sizes, why = _valid_tp_sizes(args.model)
@@ -328,7 +328,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if bad is not None:
         print(f"disagg-rs demo: error: {bad}", file=sys.stderr)
         return 2
-    from disagg_rs.demo import options_from_args, run_demo
+    from disagg_rs.tools.demo import options_from_args, run_demo
 
     return run_demo(options_from_args(args)).exit_code
 
@@ -336,7 +336,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     del args
     _require_demo_extra("bench")
-    from disagg_rs.quickbench import main as bench_main
+    from disagg_rs.tools.quickbench import main as bench_main
 
     return bench_main()
 
@@ -411,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
         "colocated run. Exit code 0 only if every answer matches and nothing leaked. Needs the "
         'demo extra (pip install "disagg_rs[demo]").',
     )
-    from disagg_rs.demo import add_demo_arguments
+    from disagg_rs.tools.demo import add_demo_arguments
 
     add_demo_arguments(d)
     d.set_defaults(func=_cmd_demo)

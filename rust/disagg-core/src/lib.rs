@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod compile;
+pub mod driver;
 pub mod error;
 pub mod geometry;
 pub mod layout;
@@ -20,6 +21,7 @@ pub use compile::{
     ListKind, ModeChoice, RowBuf, SliceRows, SourceProgram, SourceStats, SrcBlockIds, SrcSlots,
     SsmTransferRequest, TransferMode, TransferProgram,
 };
+pub use driver::{DriverCounters, EngineDriver, ImportReport, MsgKind, Verdict};
 pub use error::{DisaggError, DisaggResult};
 pub use geometry::{KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart};
 pub use layout::{

@@ -9,6 +9,7 @@
 mod args;
 mod compile;
 mod control;
+mod driver;
 mod error;
 mod geometry;
 mod layout;
@@ -59,5 +60,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wire::check_handoff_ticket, m)?)?;
     m.add_function(wrap_pyfunction!(wire::py_compat_hash, m)?)?;
     m.add_function(wrap_pyfunction!(wire::peer_meta_parses, m)?)?;
+    m.add_class::<driver::PyEngineDriverState>()?;
     Ok(())
 }

@@ -2,9 +2,11 @@
 
 One process holds a prefill and a decode
 :class:`~disagg_rs.reference.handoff.HandoffReferenceEngine` (hybrid attention + Mamba
-model) whose state moves over real NIXL (UCX on loopback). Each handoff draws one fault (or
-none) from :data:`FAULTS`; the driver runs the same loop as the demo's engines (poll -> admit
--> step, RELEASE_KV after the import settles) and checks at the end:
+model) whose state moves over real NIXL (UCX on loopback). Each engine is served by the same
+:class:`~disagg_rs.driver.HandoffDriver` as the demo's engines, through an in-process
+coordinator (:class:`~disagg_rs.driver.LoopbackCoordinator`), and a client submits the
+prompts. Each handoff draws one fault (or none) from :data:`FAULTS`; the soak checks at the
+end:
 
 - every request reached exactly one outcome (completed or failed);
 - every completed answer equals the colocated run of its prompt (``wrong`` must be 0);
@@ -16,11 +18,11 @@ none) from :data:`FAULTS`; the driver runs the same loop as the demo's engines (
   be 0).
 
 Faults are injected by wrapping the decode engine's transport backends
-(:class:`FaultInjectingBackend`) and by the driver (aborts, bad tickets, duplicates); the library
-itself carries no fault hooks. Time to first token (TTFT) is measured from the prefill submit to
-the decode admission (the first token is the prefill's, resumed on decode).
+(:class:`FaultInjectingBackend`) and into the messages the drivers receive (aborts, bad
+tickets, duplicated and late messages); the library itself carries no fault hooks. Time to
+first token (TTFT) is measured from the client's submit to its first streamed token.
 
-Run it with ``make soak`` (2,000 handoffs) or ``python -m disagg_rs.soak --handoffs N``.
+Run it with ``make soak`` (2,000 handoffs) or ``python -m disagg_rs.tools.soak --handoffs N``.
 """
 
 from __future__ import annotations
@@ -56,10 +58,10 @@ FAULTS = (
     "abort_deferred",  # abort while waiting for capacity
     "abort_importing",  # abort while the pull runs
     "abort_ready",  # abort after the transfer, before admission
-    "bad_ticket",  # the ticket lacks its prefill metadata
-    "duplicate_submit",  # the same request id is submitted twice
+    "bad_ticket",  # the ticket reaches the decode without its prefill metadata
+    "duplicate_submit",  # the decode receives the same ticket message twice
     "duplicate_release",  # RELEASE_KV twice, plus one for an unknown id
-    "late_report",  # a completion report with an old epoch arrives after the import
+    "late_report",  # the ticket message arrives again after the request ended
 )
 #: Faults drawn only with ``verify_integrity``: without the digest nothing could notice them.
 INTEGRITY_FAULTS = (
@@ -166,6 +168,9 @@ class SoakOptions:
     distinct_prompts: int = 8
     verify_integrity: bool = False
     """Digest on prefill, verify on decode, and draw :data:`INTEGRITY_FAULTS` too."""
+    lease_s: float = 3.0
+    """Prefill pin lease: how long the blocks of an import that failed with its reads possibly
+    still running stay pinned."""
 
 
 @dataclass
@@ -245,13 +250,21 @@ def _engines(opts: SoakOptions) -> tuple[Any, Any, Any]:
 
 
 def run_soak(opts: SoakOptions) -> SoakReport:
-    """Run ``opts.handoffs`` handoffs with injected faults and return the report."""
+    """Run ``opts.handoffs`` handoffs with injected faults and return the report.
+
+    Both engines are served by :class:`~disagg_rs.driver.HandoffDriver` through a
+    :class:`~disagg_rs.driver.LoopbackCoordinator` (the coordinator's routing, in this process),
+    and a client submits the prompts: the same loop as the demo's engines. Faults the driver
+    must absorb (duplicated, late and malformed messages, bad tickets, aborts) are injected
+    into the messages it receives; transport faults by wrapping the decode's backends."""
     import torch
 
     if not torch.cuda.is_available():  # with GPUs present NIXL needs UCX's CUDA transports
         os.environ.setdefault("UCX_TLS", "tcp,self,sm")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    from disagg_rs.control import CoordinatorState, Msg
+    from disagg_rs.driver import HandoffDriver, LoopbackCoordinator
     from disagg_rs.reference.engine import encode_text
 
     rng = random.Random(opts.seed)
@@ -262,11 +275,12 @@ def run_soak(opts: SoakOptions) -> SoakReport:
         for _ in range(opts.distinct_prompts)
     ]
     expected = colocated.generate(dict(enumerate(prompts)), opts.max_new_tokens)
-    now = time.monotonic_ns()
-    pre.handoff_now_ns = dec.handoff_now_ns = now
-    pre.setup_kv_transfer("prefill", "nixl")
-    dec.setup_kv_transfer("decode", "nixl")
+    pre.handoff_now_ns = dec.handoff_now_ns = time.monotonic_ns()
+    pre.setup_kv_transfer("prefill", "nixl", mode="direct")
+    dec.setup_kv_transfer("decode", "nixl", mode="direct")
     pre.verify_integrity = dec.verify_integrity = opts.verify_integrity
+    # A failed import whose reads may still run leaves the prefill's pins to their lease.
+    pre.handoff_lease_ns = int(opts.lease_s * 1e9)
     faults = FAULTS[1:] + (INTEGRITY_FAULTS if opts.verify_integrity else ())
     backends = {"kv": FaultInjectingBackend(dec._kv_backend, "kv")}
     dec._kv_backend = backends["kv"]
@@ -274,13 +288,19 @@ def run_soak(opts: SoakOptions) -> SoakReport:
         backends[kind] = dec._ssm_backends[kind] = FaultInjectingBackend(b, kind)
     track_posting_request(dec, list(backends.values()))
 
+    hub = LoopbackCoordinator(CoordinatorState(request_timeout_s=3600.0))
+    drivers = {
+        role: HandoffDriver(eng, hub.link(role, role), shutdown_grace_s=30.0)
+        for role, eng in (("prefill", pre), ("decode", dec))
+    }
+    client = hub.client()
     report = SoakReport(handoffs=opts.handoffs)
     fault_of: dict[int, str] = {}
     prompt_of: dict[int, int] = {}
     started_at: dict[int, float] = {}
-    epoch_of: dict[int, int] = {}
     outcome: dict[int, str] = {}
     aborts: dict[int, str] = {}  # request id -> the stage to abort it in
+    replay: dict[int, dict[str, Any]] = {}  # late_report: the ticket message, replayed later
     next_rid = 0
     t0 = time.perf_counter()
 
@@ -289,11 +309,34 @@ def run_soak(opts: SoakOptions) -> SoakReport:
             raise DisaggError(f"request {rid} reached a second outcome {result!r}")
         outcome[rid] = result
 
-    while len(outcome) < opts.handoffs:
-        if time.perf_counter() - t0 > 600:
-            break
-        now = time.monotonic_ns()
-        pre.handoff_now_ns = dec.handoff_now_ns = now
+    def faulty(role: str, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The driver's messages with this turn's message faults applied."""
+        out: list[dict[str, Any]] = []
+        for m in msgs:
+            rid, kind = m.get("request_id"), m["type"]
+            out.append(m)
+            if not isinstance(rid, int):
+                continue
+            fault = fault_of.get(rid, "none")
+            if kind is Msg.SUBMIT_REQUEST_WITH_KV and fault == "bad_ticket":
+                m["ticket"].pop("prefill_meta", None)
+            if kind is Msg.SUBMIT_REQUEST_WITH_KV and fault == "duplicate_submit":
+                out.append(m)
+            if kind is Msg.SUBMIT_REQUEST_WITH_KV and fault == "late_report":
+                replay[rid] = m
+            if kind is Msg.RELEASE_KV and fault == "duplicate_release":
+                out += [m, {**m, "request_id": 10**9 + rid}]
+        if role == "decode":
+            for rid, stage in list(aborts.items()):
+                if rid in outcome:
+                    del aborts[rid]  # ended before reaching its stage: a clean handoff
+                elif dec._import_ledger.state_of(rid) == stage:
+                    del aborts[rid]
+                    report.aborts_hit[stage] += 1
+                    out.append({"type": Msg.ABORT, "request_id": rid, "epoch": 0})
+        return out
+
+    while len(outcome) < opts.handoffs and time.perf_counter() - t0 < 600:
         in_flight = next_rid - len(outcome)
         while next_rid < opts.handoffs and in_flight < opts.max_in_flight:
             rid, next_rid, in_flight = next_rid, next_rid + 1, in_flight + 1
@@ -305,101 +348,63 @@ def run_soak(opts: SoakOptions) -> SoakReport:
             for b in backends.values():
                 b.faults[rid] = fault
             started_at[rid] = time.perf_counter()
-            pre.add_request(rid, prompts[prompt_of[rid]], opts.max_new_tokens)
-        if pre.has_work:
-            for h in pre.step().handoffs:
-                rid = h.request_id
-                ticket = pre._capture_handoff_meta(h, None)
-                ticket["prefill_meta"] = pre.handoff_static_meta
-                if fault_of[rid] == "bad_ticket":
-                    del ticket["prefill_meta"]
-                try:
-                    dec.add_request_with_kv_handoff(
-                        rid, h.prompt, opts.max_new_tokens, ticket, ticket["src_block_ids"]
-                    )
-                except DisaggError:
-                    pre.release_handoff_blocks(rid)
-                    finish(rid, "failed")
-                    continue
-                epoch_of[rid] = int(dec._ledger().epoch_of(rid) or 0)
-                if fault_of[rid] == "duplicate_submit":
-                    try:
-                        dec.add_request_with_kv_handoff(
-                            rid, h.prompt, opts.max_new_tokens, ticket, ticket["src_block_ids"]
-                        )
-                    except DisaggError:
-                        pass
-                    else:
-                        raise DisaggError(f"request {rid}: a duplicate submit was accepted")
-        dec._poll_pending_kv_imports()
-        # Between poll and admission every stage is observable, READY included.
-        for rid, stage in list(aborts.items()):
-            if rid in outcome:
-                del aborts[rid]  # ended before reaching its stage: a clean handoff after all
-            elif dec._ledger().state_of(rid) == stage:
-                del aborts[rid]
-                report.aborts_hit[stage] += 1
-                dec.abort_kv_import(rid)
-        dec._admit_pending_kv_imports()
-        for rid, failed in dec._drain_handoff_completion_notifications():
-            why = dec.pop_handoff_failure_reason(rid) or ""
-            if why.startswith("integrity") and fault_of[rid] != "corrupt_transfer":
-                report.false_alarms += 1
-            pre.release_handoff_blocks(rid)  # RELEASE_KV: the import settled either way
-            if fault_of[rid] == "duplicate_release":
-                pre.release_handoff_blocks(rid)
-                pre.release_handoff_blocks(10**9 + rid)
-            if fault_of[rid] == "late_report":
-                dec._apply_import_actions(
-                    dec._ledger().report(rid, max(0, epoch_of[rid] - 1), 0, "ok", now)
-                )
-            if failed:
+            client.submit(rid, prompts[prompt_of[rid]], opts.max_new_tokens)
+        now = time.monotonic_ns()
+        for role, driver in drivers.items():
+            for m in faulty(role, driver.receive()):
+                driver.on_message(m)
+            driver.tick(now)
+        hub.pump()
+        for ev in client.events():
+            rid = int(ev["request_id"])
+            if ev["type"] is Msg.TOKENS and rid not in outcome and rid in started_at:
+                report.ttft_ms.append((time.perf_counter() - started_at.pop(rid)) * 1e3)
+            elif ev["type"] is Msg.FAILED:
+                why = str(ev.get("error", ""))
+                if "integrity" in why and fault_of[rid] != "corrupt_transfer":
+                    report.false_alarms += 1
                 finish(rid, "failed")
-            else:
+            elif ev["type"] is Msg.DONE:
                 if fault_of[rid] == "corrupt_transfer":
                     report.undetected += 1
-                report.ttft_ms.append((time.perf_counter() - started_at[rid]) * 1e3)
-        if dec.has_work:
-            for f in dec.step().finished:
-                finish(f.request_id, "completed")
-                if f.tokens != expected[prompt_of[f.request_id]]:
+                finish(rid, "completed")
+                if list(ev["tokens"]) != expected[prompt_of[rid]]:
                     report.wrong += 1
-        pre.expire_handoff_pins()
+        for rid in [r for r in replay if r in outcome]:
+            drivers["decode"].on_message(replay.pop(rid))  # a late duplicate: dropped
 
-    # Let every quarantined import drain (its handle settles within a few polls).
-    for _ in range(10_000):
-        if dec.num_quarantined_kv_imports == 0:
-            break
-        dec.handoff_now_ns = time.monotonic_ns()
-        dec._poll_pending_kv_imports()
+    # Let every quarantined import drain and every pin go: SHUTDOWN, serve until idle.
+    for driver in drivers.values():
+        driver.on_message({"type": Msg.SHUTDOWN})
+    while any(d.running for d in drivers.values()):
+        now = time.monotonic_ns()
+        for driver in drivers.values():
+            driver.tick(now)
     report.elapsed_s = time.perf_counter() - t0
     counts = Counter(outcome.values())
     report.completed, report.failed = counts["completed"], counts["failed"]
     report.integrity_failures = int(dec.handoff_stats.get("integrity_failures", 0))
     report.unresolved = opts.handoffs - len(outcome)
-    ledger_counts = dec._ledger().counters()
+    ledger_counts = dec._import_ledger.counters()
     report.quarantined_then_drained = int(ledger_counts["quarantined"])
     drained = int(ledger_counts["drained_settled"]) + int(ledger_counts["drained_horizon"])
+    finals = {role: d.drain() for role, d in drivers.items()}  # raises on a conservation bug
     report.leaked = (
-        dec.leaked_blocks()
-        + pre.leaked_blocks()
+        sum(
+            int(r["leaked_blocks"]) + int(r["pinned"]) + int(r["quarantined"])
+            for r in finals.values()
+        )
         + (dec.ssm_slot_pool.num_slots - dec.ssm_slot_pool.num_free)
         + (pre.ssm_slot_pool.num_slots - pre.ssm_slot_pool.num_free)
-        + pre._pins().num_pinned
-        + dec.num_quarantined_kv_imports
         + (report.quarantined_then_drained - drained)
     )
-    dec._ledger().check()
-    pre._pins().check()
-    dec.check_pools()
-    pre.check_pools()
     dec.close_kv_transfer()
     pre.close_kv_transfer()
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m disagg_rs.soak``: run the soak, print the report, exit 1 unless it is ok."""
+    """``python -m disagg_rs.tools.soak``: run the soak, print the report, exit 1 unless ok."""
     p = argparse.ArgumentParser(prog="disagg-rs-soak", description=__doc__.splitlines()[0])
     p.add_argument("--handoffs", type=int, default=2000)
     p.add_argument("--fault-rate", type=float, default=0.3)

@@ -100,6 +100,11 @@ class DemoOptions:
     """Fault test ``(decode rank index, request id)``: on that decode rank, flip a bit of that
     request's KV as its read completes (needs ``verify_integrity`` and NIXL). The request must
     fail on every decode rank together; nothing may leak."""
+    bind_host: str = "127.0.0.1"
+    """Address every socket the demo opens binds to: the coordinator (ZeroMQ), the engines'
+    rendezvous store and collectives (torch.distributed, gloo) and NIXL's UCX transports.
+    Loopback by default; any other address exposes them to that network (see the README's
+    trust boundary)."""
 
 
 @dataclass
@@ -128,13 +133,13 @@ class _RequestTrace:
     error: str | None = None
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (all held open while choosing: a port closed and
+def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free ports on ``host`` (all held open while choosing: a port closed and
     asked for again may come back, and two worlds on one port would cross their rendezvous)."""
-    socks = [socket.socket() for _ in range(n)]
+    socks = [socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) for _ in range(n)]
     try:
         for s in socks:
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
         return [int(s.getsockname()[1]) for s in socks]
     finally:
         for s in socks:
@@ -199,6 +204,51 @@ class _Placement:
     """How many times this engine was started before (0: the first incarnation)."""
 
 
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _bind_ucx(host: str) -> None:
+    """Keep UCX's and gloo's sockets on the loopback interface when the demo binds there (an
+    operator's explicit setting wins)."""
+    if _loopback(host):
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _store(host: str, port: int, world: int, rank: int, timeout: datetime.timedelta) -> Any:
+    """The world's rendezvous store. torch's TCPStore server listens on every interface when
+    it opens its own socket, so the first rank hands it one bound to ``host`` only."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    if rank != 0:
+        return TCPStore(host, port, world, False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    store = TCPStore(
+        host, port, world, True, timeout=timeout, master_listen_fd=sock.detach(), use_libuv=True
+    )
+    return store
+
+
+def serve_engine(engine: Any, link: Any, heartbeat_s: float, grace_s: float) -> dict[str, Any]:
+    """Serve one engine rank until SHUTDOWN, drain, and return the driver's report."""
+    from disagg_rs.driver import HandoffDriver
+
+    driver = HandoffDriver(engine, link, heartbeat_s=heartbeat_s, shutdown_grace_s=grace_s)
+    while driver.running:
+        msgs = driver.receive()  # only the engine's first rank holds a link
+        # Every rank of the engine acts on the same messages at the same clock.
+        clocks = (time.monotonic_ns(), time.time_ns(), msgs)
+        now, wall, msgs = engine.handoff_broadcast(clocks)
+        for msg in msgs:
+            driver.on_message(msg)
+        driver.tick(now, wall)
+    return driver.drain()
+
+
 def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -> None:
     """One engine rank: build, register, serve control messages until SHUTDOWN, then drain
     (quarantined imports and unreleased pins, within their deadlines) and report."""
@@ -216,9 +266,9 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
         # H200 refused a CPU demo with NIXL_ERR_BACKEND under UCX_TLS=tcp,self,sm).
         if not torch.cuda.is_available():
             os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+        _bind_ucx(opts.bind_host)
 
-        from disagg_rs.control import EngineLink, Msg
-        from disagg_rs.inference_state_handoff import with_push_destination
+        from disagg_rs.control import EngineLink
         from disagg_rs.reference.handoff import HandoffReferenceEngine
 
         torch.set_num_threads(1)
@@ -226,12 +276,10 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
         if placed.startswith("cuda:"):
             # Launches, NCCL and the CUDA IPC mapping follow the engine's GPU.
             torch.cuda.set_device(int(placed.split(":")[1]))
+        timeout = datetime.timedelta(seconds=opts.timeout_s)
+        store = _store(opts.bind_host, where.dist_port, where.world, global_rank, timeout)
         dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{where.dist_port}",
-            rank=global_rank,
-            world_size=where.world,
-            timeout=datetime.timedelta(seconds=opts.timeout_s),
+            "gloo", store=store, rank=global_rank, world_size=where.world, timeout=timeout
         )
         engine = HandoffReferenceEngine(
             _model_config(opts.model), _engine_config(opts, role, ranks), backend=opts.backend
@@ -243,7 +291,7 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
             from disagg_rs.metrics import HandoffMetrics
 
             engine.handoff_metrics = HandoffMetrics(role, global_rank)
-            engine.handoff_metrics.serve(opts.metrics_port + where.slot)
+            engine.handoff_metrics.serve(opts.metrics_port + where.slot, opts.bind_host)
         nixl_kwargs = (
             {"mode": opts.nixl_mode, "staging_bytes": opts.staging_mib << 20}
             if opts.backend == "nixl"
@@ -256,181 +304,9 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
             and opts.corrupt[0] == ranks.index(global_rank)
         ):
             _corrupt_reads(engine, opts.corrupt[1])
-        lead = global_rank == ranks[0]
-        link = EngineLink(endpoint, role, role) if lead else None
-        beat_s = opts.engine_timeout_s / 10
-        if link is not None:
-            link.register(engine.handoff_static_meta)
-        epochs: dict[int, int] = {}
-        decode_targets: dict[int, Any] = {}
-        seen: set[tuple[str, int, int]] = set()
-        admitted_sent: set[int] = set()
-        running = True
-        stop_by: int | None = None  # set by SHUTDOWN: drain until then at the latest
-        idle = 0
-        while running:
-            msgs: list[dict[str, Any]] = []
-            if link is not None:
-                link.heartbeat(beat_s)
-                msgs = link.poll(0 if engine.has_work or idle < 50 else 5)
-                for m in msgs:
-                    if m["type"] is Msg.SUBMIT_REQUEST_WITH_KV:
-                        pid = m["ticket"]["prefill_engine_id"]
-                        m["ticket"]["prefill_meta"] = link.peers[pid]["meta"]
-                    if m["type"] is Msg.PREFILL and m.get("decode_engine_id") in link.peers:
-                        m["decode_meta"] = link.peers[m["decode_engine_id"]]["meta"]["ranks"]
-                    if m["type"] is Msg.SEND_KV:
-                        m["decode_meta"] = link.peers[m["decode_engine_id"]]["meta"]["ranks"]
-            now, wall, msgs = engine.handoff_broadcast((time.monotonic_ns(), time.time_ns(), msgs))
-            engine.handoff_now_ns = now
-            engine.handoff_wall_now_ns = wall
-            if stop_by is not None:
-                # Mirrored ledger state and the broadcast clock: every rank decides alike.
-                pinned = engine._pin_ledger.num_pinned if engine._pin_ledger is not None else 0
-                drained = not (
-                    engine.has_work
-                    or engine.pending_kv_import_count
-                    or engine.pending_kv_push_count
-                    or engine.num_quarantined_kv_imports
-                    or pinned
-                )
-                running = not drained and now < stop_by
-            idle = 0 if msgs or engine.has_work else idle + 1
-            for m in msgs:
-                kind = m["type"]
-                rid = m.get("request_id", -1)
-                if type(rid) is not int:  # not from a well-behaved coordinator: skip it
-                    continue
-                if kind in (Msg.PREFILL, Msg.SUBMIT_REQUEST_WITH_KV, Msg.SEND_KV):
-                    key = (kind.value, rid, int(m["epoch"]))
-                    if key in seen:  # a duplicated message: the first one was acted on
-                        continue
-                    seen.add(key)
-                if kind is Msg.SHUTDOWN:
-                    stop_by = now + int((opts.lease_s + 2.0) * 1e9)
-                elif kind is Msg.PREFILL:
-                    epochs[rid] = int(m["epoch"])
-                    decode_targets[rid] = m.get("decode_meta")
-                    try:
-                        engine.add_request(rid, m["prompt"], int(m["max_new_tokens"]))
-                    except Exception as e:  # a bad prompt or a retried id: fail it alone
-                        if link is not None:
-                            link.send(
-                                Msg.PREFILL_FAILED,
-                                request_id=rid,
-                                epoch=epochs[rid],
-                                error=f"{type(e).__name__}: {e}",
-                            )
-                elif kind is Msg.SUBMIT_REQUEST_WITH_KV:
-                    epochs[rid] = int(m["epoch"])
-                    ticket = m["ticket"]
-                    try:
-                        engine.add_request_with_kv_handoff(
-                            rid,
-                            m["prompt"],
-                            int(m["max_new_tokens"]),
-                            ticket,
-                            ticket["src_block_ids"],
-                        )
-                    except Exception as e:  # rejected before any mutation: nothing was read
-                        if link is not None:
-                            link.send(
-                                Msg.FAILED,
-                                request_id=rid,
-                                epoch=epochs[rid],
-                                error=f"{type(e).__name__}: {e}",
-                                quiet=True,
-                            )
-                        continue
-                    pending = engine._pending_imports.get(rid)
-                    if link is not None and opts.backend == "nccl" and pending is not None:
-                        link.send(
-                            Msg.KV_RECV_POSTED,
-                            request_id=rid,
-                            epoch=epochs[rid],
-                            transfer=pending.destination,
-                        )
-                elif kind is Msg.SEND_KV:
-                    try:
-                        engine.push_handoff_kv(
-                            rid, with_push_destination(m["decode_meta"], m["transfer"])
-                        )
-                    except Exception as e:  # refused before the push started: pins wait
-                        print(f"{role} rank {global_rank}: SEND_KV {rid} refused: {e}")
-                elif kind is Msg.RELEASE_KV:
-                    engine.release_handoff_blocks(rid)
-                elif kind is Msg.ABORT:
-                    if role == "decode":
-                        engine.abort_kv_import(rid)  # any import stage
-                        engine.abort(rid)  # already admitted: stop generating
-                    else:
-                        # Still prefilling: drop it. Pins stay until RELEASE_KV or their
-                        # lease: the decode may still be reading them.
-                        engine.abort(rid)
-            if role == "decode":
-                # Admit first: this turn's clock was read after the last turn observed the
-                # completions, so a lease that ended in between (a stalled process) is seen.
-                engine._admit_pending_kv_imports()
-                engine._poll_pending_kv_imports()
-                for rid2, failed in engine._drain_handoff_completion_notifications():
-                    why = engine.pop_handoff_failure_reason(rid2) or "unknown reason"
-                    if link is not None and rid2 not in admitted_sent:
-                        admitted_sent.add(rid2)
-                        quarantined = any(k[0] == rid2 for k in engine._quarantined)
-                        link.send(
-                            Msg.KV_IMPORTED,
-                            request_id=rid2,
-                            epoch=epochs[rid2],
-                            ok=not failed,
-                            error=why if failed else "",
-                            quiet=failed and not quarantined,
-                        )
-            else:
-                engine._poll_pending_kv_pushes()
-                engine.expire_handoff_pins()
-            if engine.has_work:
-                out = engine.step()
-                if role == "prefill":
-                    for h in out.handoffs:
-                        ticket = engine._capture_handoff_meta(
-                            h, None, decode_targets.pop(h.request_id, None)
-                        )
-                        if link is not None:
-                            link.send(
-                                Msg.PREFILL_DONE,
-                                request_id=h.request_id,
-                                epoch=epochs[h.request_id],
-                                ticket=ticket,
-                            )
-                else:
-                    if link is not None:
-                        for rid3, tok in out.new_tokens.items():
-                            link.send(Msg.TOKENS, request_id=rid3, epoch=epochs[rid3], tokens=[tok])
-                        for done in out.finished:
-                            link.send(
-                                Msg.DONE,
-                                request_id=done.request_id,
-                                epoch=epochs[done.request_id],
-                                tokens=done.tokens,
-                            )
-        # Idle and told to stop: everything must be back in the pools.
-        engine.check_pools()
-        if engine._import_ledger is not None:
-            engine._import_ledger.check()
-        if engine._pin_ledger is not None:
-            engine._pin_ledger.check()
-        results.put(
-            {
-                **tag,
-                "stats": dict(engine.handoff_stats),
-                "requests": dict(engine.handoff_request_stats),
-                "leaked_blocks": engine.leaked_blocks(),
-                "quarantined": engine.num_quarantined_kv_imports,
-                "pinned": engine._pin_ledger.num_pinned if engine._pin_ledger is not None else 0,
-                "admitted": sorted({e[1] for e in engine.handoff_events if e[0] == "admitted"}),
-                "error": None,
-            }
-        )
+        link = EngineLink(endpoint, role, role) if global_rank == ranks[0] else None
+        report = serve_engine(engine, link, opts.engine_timeout_s / 10, opts.lease_s + 2.0)
+        results.put({**tag, **report, "error": None})
         engine.close_kv_transfer()
         if link is not None:
             link.close()
@@ -442,7 +318,7 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
 def _corrupt_reads(engine: Any, request_id: int) -> None:
     """Fault test: wrap this decode rank's KV backend so that ``request_id``'s read lands with
     one bit flipped (the soak's ``corrupt_transfer``)."""
-    from disagg_rs.soak import FaultInjectingBackend, track_posting_request
+    from disagg_rs.tools.soak import FaultInjectingBackend, track_posting_request
 
     kv = FaultInjectingBackend(engine._kv_backend, "kv")
     kv.faults[request_id] = "corrupt_transfer"
@@ -501,7 +377,7 @@ class _Supervisor:
 
     def start(self) -> None:
         """Start both engines."""
-        prefill_port, decode_port = _free_ports(2)
+        prefill_port, decode_port = _free_ports(2, self.opts.bind_host)
         self._spawn("prefill", prefill_port)
         self._spawn("decode", prefill_port if self.shared_world else decode_port)
 
@@ -524,7 +400,9 @@ class _Supervisor:
             self.restarts += 1
             # Not the port the other engine's world uses, nor the dead incarnation's.
             taken = {w.dist_port for w in self._placements}
-            self._spawn(role, next(p for p in _free_ports(3) if p not in taken))
+            self._spawn(
+                role, next(p for p in _free_ports(3, self.opts.bind_host) if p not in taken)
+            )
         else:
             self.down.add(role)
         return int(victim.pid)
@@ -564,8 +442,15 @@ def run_demo(opts: DemoOptions) -> DemoResult:
 
     say = (lambda *a: None) if opts.quiet else print
     _check_options(opts)
+    if not _loopback(opts.bind_host):
+        print(
+            f"disagg-rs demo: warning: binding to {opts.bind_host}: the coordinator, the "
+            "rendezvous store and the transfer agents accept anyone on that network",
+            file=sys.stderr,
+        )
     # Requests fail at 75 % of the run's budget, so the client still hears every FAILED.
     server = CoordinatorServer(
+        endpoint=f"tcp://{opts.bind_host}:0",
         request_timeout_s=0.75 * opts.timeout_s,
         push_transport=opts.backend == "nccl",
         engine_timeout_s=opts.engine_timeout_s,
@@ -578,7 +463,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     sup = _Supervisor(opts, server.endpoint, results)
     sup.start()
     if opts.metrics_port is not None:
-        say(f"metrics: http://127.0.0.1:{opts.metrics_port}..{opts.metrics_port + sup.world - 1}/")
+        last = opts.metrics_port + sup.world - 1
+        say(f"metrics: http://{opts.bind_host}:{opts.metrics_port}..{last}/")
     say(
         f"disagg-rs demo: {opts.model} model, prefill TP{opts.prefill_tp}xPP{opts.prefill_pp} "
         f"(block {opts.prefill_block_size}) -> decode TP{opts.decode_tp}xPP{opts.decode_pp} "
@@ -1100,7 +986,15 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         "--metrics-port",
         type=int,
         default=None,
-        help="serve Prometheus metrics of rank r on 127.0.0.1:(PORT + r)",
+        help="serve Prometheus metrics of rank r on BIND_HOST:(PORT + r)",
+    )
+    p.add_argument(
+        "--bind-host",
+        default=d.bind_host,
+        metavar="ADDR",
+        help="address every socket of the demo binds to: coordinator, rendezvous store, "
+        "collectives, UCX (default: loopback; another address exposes unauthenticated "
+        "endpoints to that network)",
     )
 
 

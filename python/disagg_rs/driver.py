@@ -1,0 +1,404 @@
+"""The engine-side handoff driver: control messages in, engine calls and reports out.
+
+:class:`HandoffDriver` connects an engine that uses the handoff mixin (prefill or decode) to
+the coordinator through a link (:class:`~disagg_rs.control.EngineLink` over ZeroMQ, or
+:class:`LoopbackLink` in one process). It dispatches ``PREFILL``, ``SUBMIT_REQUEST_WITH_KV``,
+``SEND_KV``, ``RELEASE_KV``, ``ABORT`` and ``SHUTDOWN`` to the engine, advances the engine's
+imports, pushes and pins once per turn, and reports ``PREFILL_DONE``, ``KV_IMPORTED``,
+``TOKENS`` and ``DONE``. The decisions (acting on a duplicated message once, the attempt epoch
+of each request, reporting each import once, when a shutdown may end) are made by the
+library's core (:class:`disagg_rs._core.EngineDriverState`); this module only moves messages.
+
+A serving loop::
+
+    driver = HandoffDriver(engine, link)
+    while driver.running:
+        msgs = driver.receive()
+        now, wall, msgs = engine.handoff_broadcast((time.monotonic_ns(), time.time_ns(), msgs))
+        for msg in msgs:
+            driver.on_message(msg)
+        driver.tick(now, wall)
+    report = driver.drain()
+
+An engine with several ranks runs one driver per rank; only its first rank holds a link
+(the others pass ``link=None``), and every rank acts on the same broadcast messages and clock.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from disagg_rs._core import EngineDriverState
+from disagg_rs.control import CoordinatorState, Msg, Outgoing, decode_message, encode_message
+from disagg_rs.exceptions import DisaggError
+from disagg_rs.handoff.prefill import with_push_destination
+
+__all__ = ["HandoffDriver", "Link", "LoopbackClient", "LoopbackCoordinator", "LoopbackLink"]
+
+
+class Link(Protocol):
+    """What the driver needs of its connection to the coordinator (both
+    :class:`~disagg_rs.control.EngineLink` and :class:`LoopbackLink` provide it)."""
+
+    peers: dict[str, dict[str, Any]]
+
+    def register(self, meta: Any, timeout_s: float = ...) -> dict[str, dict[str, Any]]: ...
+    def send(self, kind: Msg, **fields: Any) -> None: ...
+    def heartbeat(self, interval_s: float = ...) -> bool: ...
+    def poll(self, timeout_ms: int = ...) -> list[dict[str, Any]]: ...
+    def close(self) -> None: ...
+
+
+class HandoffDriver:
+    """Serves one engine rank: see the module documentation for the loop.
+
+    ``link``: this rank's connection (``None`` on an engine's other ranks); the engine is
+    registered on it at construction. ``heartbeat_s``: send a heartbeat when nothing was sent
+    for this long. ``shutdown_grace_s``: after ``SHUTDOWN``, keep serving until nothing is in
+    flight or this much time has passed (at least the pin lease, so that pins end).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        link: Link | None,
+        *,
+        heartbeat_s: float = 1.0,
+        shutdown_grace_s: float = 60.0,
+    ) -> None:
+        self.engine = engine
+        self.link = link
+        self.role = engine.handoff_role
+        self.heartbeat_s = heartbeat_s
+        self.shutdown_grace_ns = int(shutdown_grace_s * 1e9)
+        self.state = EngineDriverState()
+        self.now_ns = int(engine.handoff_now_ns)
+        self._wait_ms = 0
+        self._messages = 0  # acted on this turn (the idle back-off)
+        self._targets: dict[int, Any] = {}  # prefill: request -> the decode's rank metadata
+        self._handlers: dict[Any, Callable[[Any, dict[str, Any]], None]] = {
+            Msg.SHUTDOWN: self._on_shutdown,
+            Msg.PREFILL: self._on_prefill,
+            Msg.SUBMIT_REQUEST_WITH_KV: self._on_ticket,
+            Msg.SEND_KV: self._on_send_kv,
+            Msg.RELEASE_KV: self._on_release,
+            Msg.ABORT: self._on_abort,
+        }
+        decode = self.role == "decode"
+        self._abort_import = engine.abort_kv_import if decode else _nothing
+        self._advance = self._advance_imports if decode else self._advance_pushes
+        self._report_step = self._report_decode_step if decode else self._report_prefill_step
+        if link is not None:
+            link.register(engine.handoff_static_meta)
+
+    # -- input ---------------------------------------------------------------------------
+    def receive(self) -> list[dict[str, Any]]:
+        """This rank's new messages (none without a link), with the peer metadata they name
+        attached from the link's peer table; sends a heartbeat when due."""
+        if self.link is None:
+            return []
+        self.link.heartbeat(self.heartbeat_s)
+        msgs = self.link.poll(self._wait_ms)
+        peers = self.link.peers
+        for m in msgs:
+            kind = m["type"]
+            if kind is Msg.SUBMIT_REQUEST_WITH_KV and isinstance(m.get("ticket"), dict):
+                source = peers.get(m["ticket"].get("prefill_engine_id"))
+                if source is not None:
+                    m["ticket"]["prefill_meta"] = source["meta"]
+            if kind in (Msg.PREFILL, Msg.SEND_KV) and m.get("decode_engine_id") in peers:
+                m["decode_meta"] = peers[m["decode_engine_id"]]["meta"]["ranks"]
+        return msgs
+
+    def on_message(self, msg: dict[str, Any]) -> None:
+        """Act on one control message (a duplicate or malformed one is dropped and counted)."""
+        kind = msg.get("type")
+        verdict = self.state.accept(kind, msg.get("request_id"), msg.get("epoch"))
+        handler = self._handlers.get(kind) if verdict == "act" else None
+        if handler is not None:
+            self._messages += 1
+            handler(msg.get("request_id", -1), msg)
+
+    def _on_shutdown(self, rid: int, msg: dict[str, Any]) -> None:
+        self.state.shutdown(self.now_ns, self.shutdown_grace_ns)
+
+    def _on_prefill(self, rid: int, msg: dict[str, Any]) -> None:
+        self._targets[rid] = msg.get("decode_meta")
+        args = (rid, msg.get("prompt"), msg.get("max_new_tokens"))
+        self._guard(Msg.PREFILL_FAILED, rid, self.engine.add_request, *args)
+
+    def _on_ticket(self, rid: int, msg: dict[str, Any]) -> None:
+        e, ticket = self.engine, msg.get("ticket")
+        src = ticket.get("src_block_ids") if isinstance(ticket, dict) else None
+        args = (rid, msg.get("prompt"), msg.get("max_new_tokens"), ticket, src)
+        started = self._guard(Msg.FAILED, rid, e.add_request_with_kv_handoff, *args)
+        destination = e.kv_import_destination(rid) if started and e._is_push else None
+        if destination is not None:  # two-sided: the prefill pushes once receives are posted
+            self._send(Msg.KV_RECV_POSTED, rid, transfer=destination)
+
+    def _on_send_kv(self, rid: int, msg: dict[str, Any]) -> None:
+        self._guard(None, rid, _push, self.engine, rid, msg.get("decode_meta"), msg.get("transfer"))
+
+    def _on_release(self, rid: int, msg: dict[str, Any]) -> None:
+        self.engine.release_handoff_blocks(rid)
+
+    def _on_abort(self, rid: int, msg: dict[str, Any]) -> None:
+        # Prefill: pins stay until RELEASE_KV or their lease (the decode may be reading).
+        self._abort_import(rid)  # decode: any import stage
+        self.engine.abort(rid)
+
+    # -- one turn ------------------------------------------------------------------------
+    def tick(self, now_ns: int, wall_ns: int | None = None) -> None:
+        """One serving turn at ``now_ns`` (monotonic; ``wall_ns``: wall clock, for leases
+        carried across hosts): advance imports (decode) or pushes and pins (prefill), report
+        what settled, run one engine step and report its output."""
+        e = self.engine
+        self.now_ns = now_ns
+        e.handoff_now_ns = now_ns
+        if wall_ns is not None:
+            e.handoff_wall_now_ns = wall_ns
+        self._advance()
+        if e.has_work:
+            self._report_step(e.step())
+        self._wait_ms = self.state.turn(self._messages > 0, self.busy)
+        self._messages = 0
+
+    def _advance_imports(self) -> None:
+        # Admit first: this turn's clock was read after the last turn observed the
+        # completions, so a lease that ended in between (a stalled process) is seen.
+        e = self.engine
+        e._admit_pending_kv_imports()
+        e._poll_pending_kv_imports()
+        settled = e._drain_handoff_completion_notifications()
+        quarantined = {rid for rid, _ in e._quarantined}
+        for rid, failed in settled:
+            why = e.pop_handoff_failure_reason(rid) or ""
+            report = self.state.import_settled(rid, failed, rid in quarantined)
+            if report is not None:
+                epoch, ok, quiet = report
+                self._send(Msg.KV_IMPORTED, rid, epoch, ok=ok, error=why, quiet=quiet)
+
+    def _advance_pushes(self) -> None:
+        self.engine._poll_pending_kv_pushes()
+        self.engine.expire_handoff_pins()
+
+    def _report_prefill_step(self, out: Any) -> None:
+        for h in out.handoffs:
+            ticket = self.engine._capture_handoff_meta(
+                h, None, self._targets.pop(h.request_id, None)
+            )
+            self._send(Msg.PREFILL_DONE, h.request_id, ticket=ticket)
+
+    def _report_decode_step(self, out: Any) -> None:
+        for rid, tok in out.new_tokens.items():
+            self._send(Msg.TOKENS, rid, tokens=[tok])
+        for done in out.finished:
+            self._send(Msg.DONE, done.request_id, tokens=done.tokens)
+
+    @property
+    def busy(self) -> bool:
+        """Whether anything is in flight: engine work, imports, pushes, quarantined reads or
+        pins."""
+        e = self.engine
+        return bool(
+            e.has_work
+            or e.pending_kv_import_count
+            or e.pending_kv_push_count
+            or e.num_quarantined_kv_imports
+            or _pinned(e)
+        )
+
+    @property
+    def running(self) -> bool:
+        """Whether the serving loop goes on (until ``SHUTDOWN``, then until drained or its
+        grace period is over)."""
+        return bool(self.state.running(self.now_ns, self.busy))
+
+    def drain(self) -> dict[str, Any]:
+        """After the loop: check that every block, slot and pin is back (raises
+        :class:`~disagg_rs.exceptions.ConservationError` otherwise), and return the engine's
+        handoff report: ``stats``, ``requests``, ``leaked_blocks``, ``quarantined``,
+        ``pinned``, ``admitted`` and the driver's ``dropped`` counters."""
+        e = self.engine
+        e.check_pools()
+        for ledger in (e._import_ledger, e._pin_ledger):
+            if ledger is not None:
+                ledger.check()
+        return {
+            "stats": dict(e.handoff_stats),
+            "requests": dict(e.handoff_request_stats),
+            "leaked_blocks": e.leaked_blocks(),
+            "quarantined": e.num_quarantined_kv_imports,
+            "pinned": _pinned(e),
+            "admitted": sorted({ev[1] for ev in e.handoff_events if ev[0] == "admitted"}),
+            "dropped": self.state.counters(),
+        }
+
+    # -- output --------------------------------------------------------------------------
+    def _send(self, kind: Msg, rid: int, epoch: int | None = None, **fields: Any) -> None:
+        if self.link is None:
+            return
+        if epoch is None:
+            epoch = self.state.outcome_epoch(rid)
+            if epoch is None:  # no attempt known: the coordinator's deadline ends it
+                return
+        self.link.send(kind, request_id=rid, epoch=epoch, **fields)
+
+    def _guard(self, failure: Msg | None, rid: int, call: Callable[..., Any], *args: Any) -> bool:
+        """Call ``call(*args)``; a refusal (bad input, a retried id) fails this request alone:
+        ``failure`` is reported (quiet: nothing was read) and the loop goes on."""
+        try:
+            call(*args)
+        except (DisaggError, ValueError, TypeError, KeyError, IndexError) as err:
+            if failure is not None:
+                extra = {"quiet": True} if failure is Msg.FAILED else {}
+                self._send(failure, rid, error=f"{type(err).__name__}: {err}", **extra)
+            return False
+        return True
+
+
+def _nothing(request_id: int) -> None:
+    del request_id
+
+
+def _pinned(engine: Any) -> int:
+    ledger = engine._pin_ledger
+    return 0 if ledger is None else int(ledger.num_pinned)
+
+
+def _push(engine: Any, request_id: int, decode_meta: Any, transfer: Any) -> None:
+    engine.push_handoff_kv(request_id, with_push_destination(decode_meta, transfer))
+
+
+class LoopbackCoordinator:
+    """A coordinator in this process: :class:`~disagg_rs.control.CoordinatorState` with
+    in-memory delivery, so engines' drivers and clients run in one process (the soak, tests).
+    Every message is encoded and decoded as on the wire. ``clock``: seconds, any origin
+    (a virtual clock in tests)."""
+
+    def __init__(self, state: CoordinatorState, clock: Callable[[], float] = time.monotonic):
+        self.state = state
+        self.clock = clock
+        self._inboxes: dict[bytes, collections.deque[bytes]] = {}
+        self.undeliverable = 0
+
+    def link(self, engine_id: str, role: str, incarnation: int = 1) -> LoopbackLink:
+        """A link for one engine."""
+        return LoopbackLink(self, engine_id, role, incarnation)
+
+    def client(self, name: str = "client") -> LoopbackClient:
+        """A client that submits requests and reads their events."""
+        return LoopbackClient(self, name.encode())
+
+    def _inbox(self, identity: bytes) -> collections.deque[bytes]:
+        return self._inboxes.setdefault(identity, collections.deque())
+
+    def deliver(self, identity: bytes, frame: bytes) -> None:
+        """Hand one frame from ``identity`` to the coordinator and route what it answers."""
+        self._route(self.state.handle(identity, decode_message(frame), self.clock()))
+
+    def pump(self) -> None:
+        """Run the coordinator's deadlines and liveness at the clock's time."""
+        self._route(self.state.poll(self.clock()))
+
+    def _route(self, out: list[Outgoing]) -> None:
+        engines = {e.engine_id: e.identity for e in self.state.engines.values()}
+        for o in out:
+            identity = o.to_client or engines.get(o.to_engine or "")
+            if identity is None:  # an engine that is gone
+                self.undeliverable += 1
+                continue
+            self._inbox(identity).append(encode_message(o.kind, **o.fields))
+
+    def take(self, identity: bytes) -> list[dict[str, Any]]:
+        """Every message waiting for ``identity``, decoded."""
+        box = self._inbox(identity)
+        out = [decode_message(f) for f in box]
+        box.clear()
+        return out
+
+
+class LoopbackLink:
+    """An engine's in-process link to a :class:`LoopbackCoordinator`, with the interface of
+    :class:`~disagg_rs.control.EngineLink`."""
+
+    def __init__(
+        self, hub: LoopbackCoordinator, engine_id: str, role: str, incarnation: int
+    ) -> None:
+        self.hub, self.engine_id, self.role, self.incarnation = hub, engine_id, role, incarnation
+        self.identity = f"{role}:{engine_id}:{incarnation}".encode()
+        self.peers: dict[str, dict[str, Any]] = {}
+        self.fenced = 0
+        self._meta: Any = None
+        self._last_sent = hub.clock()
+
+    def register(self, meta: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
+        """Publish static metadata; returns the peers known to the coordinator."""
+        del timeout_s  # the answer is immediate
+        self._meta = meta
+        self._register()
+        return self.peers
+
+    def _register(self) -> None:
+        ids = {"engine_id": self.engine_id, "role": self.role, "incarnation": self.incarnation}
+        self.send(Msg.REGISTER, meta=self._meta, **ids)
+
+    def send(self, kind: Msg, **fields: Any) -> None:
+        """Send one message to the coordinator."""
+        self._last_sent = self.hub.clock()
+        self.hub.deliver(self.identity, encode_message(kind, **fields))
+
+    def heartbeat(self, interval_s: float = 1.0) -> bool:
+        """Send HEARTBEAT if nothing was sent for ``interval_s``."""
+        if self.hub.clock() - self._last_sent < interval_s:
+            return False
+        self.send(Msg.HEARTBEAT, engine_id=self.engine_id, incarnation=self.incarnation)
+        return True
+
+    def poll(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
+        """Messages waiting for this engine (peer updates applied; FENCED answered by
+        registering again). Never waits: everything was delivered when it was sent."""
+        del timeout_ms
+        out = []
+        for msg in self.hub.take(self.identity):
+            if msg["type"] in (Msg.REGISTERED, Msg.PEERS):
+                self.peers = dict(msg["peers"])
+            if msg["type"] is Msg.FENCED and self._meta is not None:
+                self.fenced += 1
+                self._register()
+                continue
+            if msg["type"] is not Msg.REGISTERED:
+                out.append(msg)
+        return out
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+class LoopbackClient:
+    """A client of a :class:`LoopbackCoordinator` (the interface of
+    :class:`~disagg_rs.control.ControlClient`, without waiting)."""
+
+    def __init__(self, hub: LoopbackCoordinator, identity: bytes) -> None:
+        self.hub, self.identity = hub, identity
+
+    def submit(
+        self,
+        request_id: int,
+        prompt: list[int],
+        max_new_tokens: int,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Send one request."""
+        extra = {} if timeout_s is None else {"timeout_s": timeout_s}
+        frame = encode_message(
+            Msg.SUBMIT, request_id=request_id, prompt=prompt, max_new_tokens=max_new_tokens, **extra
+        )
+        self.hub.deliver(self.identity, frame)
+
+    def events(self) -> list[dict[str, Any]]:
+        """TOKENS, DONE and FAILED messages received so far."""
+        return self.hub.take(self.identity)

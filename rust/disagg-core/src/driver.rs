@@ -1,0 +1,350 @@
+//! The engine-side handoff driver's decisions, sans-IO.
+//!
+//! An engine serves control messages from the coordinator (`PREFILL`, `SUBMIT_REQUEST_WITH_KV`,
+//! `SEND_KV`, `RELEASE_KV`, `ABORT`, `SHUTDOWN`) and reports what its handoffs did. The control
+//! plane delivers at least once and may reorder, so the engine must act on each (kind, request,
+//! attempt epoch) once, remember which attempt a request is on, report each import's outcome
+//! once, and know when a shutdown may end (nothing in flight, or the grace period over). Those
+//! decisions live here; the Python driver only moves messages and calls the engine.
+//!
+//! Memory is bounded: at most `capacity` (kind, request, epoch) keys and request epochs are
+//! remembered, the oldest forgotten first.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+/// Control-message kinds the engine side acts on; everything else is [`MsgKind::Other`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum MsgKind {
+    /// Run a prompt (prefill engine).
+    Prefill,
+    /// Import a prompt's state with its ticket (decode engine).
+    SubmitWithKv,
+    /// Push the pinned state to a decode (push transports, prefill engine).
+    SendKv,
+    /// Release a request's pinned blocks (prefill engine).
+    ReleaseKv,
+    /// Stop a request (either engine).
+    Abort,
+    /// Drain and stop.
+    Shutdown,
+    /// Any other message type (not acted on by the driver).
+    Other,
+}
+
+impl MsgKind {
+    /// The kind of a message type name (`"PREFILL"`, ...).
+    pub fn parse(name: &str) -> Self {
+        match name {
+            "PREFILL" => Self::Prefill,
+            "SUBMIT_REQUEST_WITH_KV" => Self::SubmitWithKv,
+            "SEND_KV" => Self::SendKv,
+            "RELEASE_KV" => Self::ReleaseKv,
+            "ABORT" => Self::Abort,
+            "SHUTDOWN" => Self::Shutdown,
+            _ => Self::Other,
+        }
+    }
+
+    /// Kinds that start work: acting on a duplicate would start it twice.
+    fn starts_work(self) -> bool {
+        matches!(self, Self::Prefill | Self::SubmitWithKv | Self::SendKv)
+    }
+
+    /// Kinds that carry the request's current attempt epoch.
+    fn opens_attempt(self) -> bool {
+        matches!(self, Self::Prefill | Self::SubmitWithKv)
+    }
+}
+
+/// What the driver does with one incoming message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Dispatch it to the engine.
+    Act,
+    /// The same (kind, request, epoch) was acted on already: drop it.
+    Duplicate,
+    /// A request id or epoch that is not a non-negative int: drop it and count it.
+    Malformed,
+    /// Not a kind the driver acts on.
+    Ignore,
+}
+
+impl Verdict {
+    /// Stable name (`"act"`, `"duplicate"`, `"malformed"`, `"ignore"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Act => "act",
+            Self::Duplicate => "duplicate",
+            Self::Malformed => "malformed",
+            Self::Ignore => "ignore",
+        }
+    }
+}
+
+/// The one report of a settled import (the `KV_IMPORTED` message's fields).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImportReport {
+    /// The attempt epoch the report is for.
+    pub epoch: u64,
+    /// Whether the import succeeded.
+    pub ok: bool,
+    /// A failure whose reads are known to have stopped (not quarantined): the prefill may
+    /// release its pins at once.
+    pub quiet: bool,
+}
+
+/// Counters of what the driver dropped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DriverCounters {
+    /// Duplicated messages dropped.
+    pub duplicates: u64,
+    /// Messages with a request id or epoch that is not a non-negative int.
+    pub malformed: u64,
+    /// Outcomes for requests whose attempt epoch the driver no longer (or never) knew.
+    pub unknown: u64,
+}
+
+/// Turns without messages or work after which the driver polls with a wait.
+const IDLE_TURNS: u32 = 50;
+/// How long an idle driver waits for a message, in milliseconds.
+const IDLE_POLL_MS: u32 = 5;
+
+/// The engine-side handoff driver's state: de-duplication, attempt epochs, once-only import
+/// reports, the shutdown horizon and the idle back-off.
+#[derive(Debug, Clone)]
+pub struct EngineDriver {
+    capacity: usize,
+    seen: BTreeSet<(MsgKind, u64, u64)>,
+    seen_order: VecDeque<(MsgKind, u64, u64)>,
+    epochs: BTreeMap<u64, u64>,
+    epoch_order: VecDeque<u64>,
+    reported: BTreeSet<(u64, u64)>,
+    stop_by_ns: Option<u64>,
+    idle: u32,
+    counters: DriverCounters,
+}
+
+impl EngineDriver {
+    /// A driver remembering at most `capacity` (at least 1) message keys and request epochs.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity: capacity.max(1),
+            seen: BTreeSet::new(),
+            seen_order: VecDeque::new(),
+            epochs: BTreeMap::new(),
+            epoch_order: VecDeque::new(),
+            reported: BTreeSet::new(),
+            stop_by_ns: None,
+            idle: 0,
+            counters: DriverCounters::default(),
+        }
+    }
+
+    /// Decide what to do with a message of `kind` for `request_id` at `epoch` (`None` where
+    /// the field is missing or not a non-negative int). Work-starting kinds are acted on once
+    /// per (kind, request, epoch); `PREFILL` and `SUBMIT_REQUEST_WITH_KV` record the epoch.
+    pub fn accept(
+        &mut self,
+        kind: MsgKind,
+        request_id: Option<u64>,
+        epoch: Option<u64>,
+    ) -> Verdict {
+        match kind {
+            MsgKind::Other => return Verdict::Ignore,
+            MsgKind::Shutdown => return Verdict::Act,
+            _ => {}
+        }
+        let Some(rid) = request_id else {
+            self.counters.malformed += 1;
+            return Verdict::Malformed;
+        };
+        if !kind.starts_work() {
+            return Verdict::Act;
+        }
+        let Some(epoch) = epoch else {
+            self.counters.malformed += 1;
+            return Verdict::Malformed;
+        };
+        let key = (kind, rid, epoch);
+        if self.seen.contains(&key) {
+            self.counters.duplicates += 1;
+            return Verdict::Duplicate;
+        }
+        self.seen.insert(key);
+        self.seen_order.push_back(key);
+        while self.seen_order.len() > self.capacity {
+            if let Some(old) = self.seen_order.pop_front() {
+                self.seen.remove(&old);
+            }
+        }
+        if kind.opens_attempt() {
+            if self.epochs.insert(rid, epoch).is_none() {
+                self.epoch_order.push_back(rid);
+            }
+            while self.epoch_order.len() > self.capacity {
+                if let Some(old) = self.epoch_order.pop_front() {
+                    self.epochs.remove(&old);
+                }
+            }
+        }
+        Verdict::Act
+    }
+
+    /// The attempt epoch of `request_id`, if known.
+    pub fn epoch_of(&self, request_id: u64) -> Option<u64> {
+        self.epochs.get(&request_id).copied()
+    }
+
+    /// The epoch to stamp on an outcome of `request_id` (counted as unknown when there is none:
+    /// the caller then drops the outcome, the coordinator's deadline ends the request).
+    pub fn outcome_epoch(&mut self, request_id: u64) -> Option<u64> {
+        let e = self.epoch_of(request_id);
+        if e.is_none() {
+            self.counters.unknown += 1;
+        }
+        e
+    }
+
+    /// An import of `request_id` settled (`failed`; `quarantined`: its reads may still run).
+    /// Returns the report to send, once per attempt; `None` for a repeat or an unknown request.
+    pub fn import_settled(
+        &mut self,
+        request_id: u64,
+        failed: bool,
+        quarantined: bool,
+    ) -> Option<ImportReport> {
+        let epoch = self.outcome_epoch(request_id)?;
+        if !self.reported.insert((request_id, epoch)) {
+            return None;
+        }
+        while self.reported.len() > self.capacity {
+            let first = self.reported.iter().next().copied();
+            if let Some(k) = first {
+                self.reported.remove(&k);
+            }
+        }
+        Some(ImportReport { epoch, ok: !failed, quiet: failed && !quarantined })
+    }
+
+    /// `SHUTDOWN` arrived at `now_ns`: drain until `now_ns + grace_ns` at the latest (a second
+    /// one never extends the horizon).
+    pub fn shutdown(&mut self, now_ns: u64, grace_ns: u64) {
+        let by = now_ns.saturating_add(grace_ns);
+        self.stop_by_ns = Some(self.stop_by_ns.map_or(by, |b| b.min(by)));
+    }
+
+    /// Whether a shutdown was asked for.
+    pub fn stopping(&self) -> bool {
+        self.stop_by_ns.is_some()
+    }
+
+    /// Whether the serving loop goes on at `now_ns`: always before `SHUTDOWN`; after it, while
+    /// the engine is `busy` (work, imports, pushes, quarantined reads or pins) and the
+    /// horizon has not passed.
+    pub fn running(&self, now_ns: u64, busy: bool) -> bool {
+        match self.stop_by_ns {
+            None => true,
+            Some(by) => busy && now_ns < by,
+        }
+    }
+
+    /// One serving turn ended (`had_messages`, engine `busy`); returns how long the next poll
+    /// may wait for a message, in milliseconds (0 while there is anything to do or the engine
+    /// was idle only briefly).
+    pub fn turn(&mut self, had_messages: bool, busy: bool) -> u32 {
+        self.idle = if had_messages || busy { 0 } else { self.idle.saturating_add(1) };
+        if busy || self.idle < IDLE_TURNS {
+            0
+        } else {
+            IDLE_POLL_MS
+        }
+    }
+
+    /// What was dropped so far.
+    pub fn counters(&self) -> DriverCounters {
+        self.counters
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_duplicated_work_message_is_acted_on_once() {
+        let mut d = EngineDriver::new(16);
+        assert_eq!(d.accept(MsgKind::Prefill, Some(1), Some(3)), Verdict::Act);
+        assert_eq!(d.accept(MsgKind::Prefill, Some(1), Some(3)), Verdict::Duplicate);
+        assert_eq!(d.accept(MsgKind::Prefill, Some(1), Some(4)), Verdict::Act);
+        assert_eq!(d.epoch_of(1), Some(4));
+        assert_eq!(d.counters().duplicates, 1);
+    }
+
+    #[test]
+    fn release_and_abort_are_never_deduplicated() {
+        let mut d = EngineDriver::new(16);
+        for _ in 0..3 {
+            assert_eq!(d.accept(MsgKind::ReleaseKv, Some(1), Some(0)), Verdict::Act);
+            assert_eq!(d.accept(MsgKind::Abort, Some(1), None), Verdict::Act);
+        }
+        assert_eq!(d.epoch_of(1), None);
+    }
+
+    #[test]
+    fn a_bad_request_id_or_missing_epoch_is_malformed() {
+        let mut d = EngineDriver::new(16);
+        assert_eq!(d.accept(MsgKind::Abort, None, Some(0)), Verdict::Malformed);
+        assert_eq!(d.accept(MsgKind::SubmitWithKv, Some(2), None), Verdict::Malformed);
+        assert_eq!(d.accept(MsgKind::Other, None, None), Verdict::Ignore);
+        assert_eq!(d.accept(MsgKind::Shutdown, None, None), Verdict::Act);
+        assert_eq!(d.counters().malformed, 2);
+    }
+
+    #[test]
+    fn an_import_is_reported_once_per_attempt() {
+        let mut d = EngineDriver::new(16);
+        assert_eq!(d.import_settled(5, false, false), None);
+        assert_eq!(d.counters().unknown, 1);
+        d.accept(MsgKind::SubmitWithKv, Some(5), Some(2));
+        let r = d.import_settled(5, true, false);
+        assert_eq!(r, Some(ImportReport { epoch: 2, ok: false, quiet: true }));
+        assert_eq!(d.import_settled(5, true, false), None);
+        d.accept(MsgKind::SubmitWithKv, Some(5), Some(3));
+        let r = d.import_settled(5, true, true);
+        assert_eq!(r, Some(ImportReport { epoch: 3, ok: false, quiet: false }));
+    }
+
+    #[test]
+    fn shutdown_runs_while_busy_until_the_horizon() {
+        let mut d = EngineDriver::new(4);
+        assert!(d.running(0, false));
+        d.shutdown(100, 50);
+        d.shutdown(110, 500); // never extends
+        assert!(d.stopping());
+        assert!(d.running(120, true));
+        assert!(!d.running(120, false));
+        assert!(!d.running(150, true));
+    }
+
+    #[test]
+    fn an_idle_driver_waits_only_after_many_idle_turns() {
+        let mut d = EngineDriver::new(4);
+        for _ in 0..IDLE_TURNS - 1 {
+            assert_eq!(d.turn(false, false), 0);
+        }
+        assert_eq!(d.turn(false, false), IDLE_POLL_MS);
+        assert_eq!(d.turn(true, false), 0);
+        assert_eq!(d.turn(false, true), 0);
+    }
+
+    #[test]
+    fn memory_stays_bounded_by_capacity() {
+        let mut d = EngineDriver::new(8);
+        for rid in 0..1000 {
+            d.accept(MsgKind::Prefill, Some(rid), Some(0));
+            d.import_settled(rid, false, false);
+        }
+        assert!(d.seen.len() <= 8 && d.seen_order.len() <= 8);
+        assert!(d.epochs.len() <= 8 && d.reported.len() <= 8);
+    }
+}

@@ -1,0 +1,151 @@
+"""The public engine driver: a prefill and a decode reference engine in one process (real NIXL
+over UCX loopback), each served by a HandoffDriver through a LoopbackCoordinator, driven with a
+virtual clock."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from disagg_rs.control import CoordinatorState, Msg
+from disagg_rs.driver import HandoffDriver, LoopbackCoordinator
+from disagg_rs.reference import EngineConfig, ReferenceEngine, hybrid_model
+from disagg_rs.reference.handoff import HandoffReferenceEngine
+
+os.environ.setdefault("UCX_LOG_LEVEL", "error")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+MODEL = hybrid_model()
+PROMPTS = {
+    0: list(b"Disaggregated prefill then decode."),
+    1: list(b"A second, longer prompt goes here!"),
+    2: list(b"Short."),
+}
+MAX_NEW = 4
+STEP_NS = 1_000_000
+
+
+class World:
+    """Two engines, their drivers, a loopback coordinator and one client, on one clock."""
+
+    def __init__(self) -> None:
+        self.now_ns = 1_000_000_000
+        self.hub = LoopbackCoordinator(
+            CoordinatorState(request_timeout_s=600.0), clock=lambda: self.now_ns / 1e9
+        )
+        self.engines: dict[str, Any] = {}
+        self.drivers: dict[str, HandoffDriver] = {}
+        for rank, role in enumerate(("prefill", "decode")):
+            eng = HandoffReferenceEngine(
+                MODEL, EngineConfig(role=role, ranks=(rank,), num_blocks=32, num_ssm_slots=4)
+            )
+            eng.handoff_now_ns = self.now_ns
+            eng.setup_kv_transfer(role, "nixl", staging_bytes=8 << 20)
+            self.engines[role] = eng
+            self.drivers[role] = HandoffDriver(eng, self.hub.link(role, role), shutdown_grace_s=5.0)
+        self.client = self.hub.client()
+        self.events: list[dict[str, Any]] = []
+
+    def turn(self) -> None:
+        self.now_ns += STEP_NS
+        for d in self.drivers.values():
+            for msg in d.receive():
+                d.on_message(msg)
+            d.tick(self.now_ns)
+        self.hub.pump()
+        self.events += self.client.events()
+
+    def run(self, until: Any, turns: int = 5_000) -> None:
+        for _ in range(turns):
+            if until():
+                return
+            self.turn()
+        raise AssertionError(f"not done after {turns} turns; events {self.events}")
+
+    def close(self) -> dict[str, dict[str, Any]]:
+        for d in self.drivers.values():
+            d.on_message({"type": Msg.SHUTDOWN})
+        self.run(lambda: not any(d.running for d in self.drivers.values()))
+        reports = {role: d.drain() for role, d in self.drivers.items()}
+        for e in self.engines.values():
+            e.close_kv_transfer()
+        return reports
+
+
+@pytest.fixture
+def world() -> World:
+    return World()
+
+
+def _done(events: list[dict[str, Any]]) -> dict[int, list[int]]:
+    return {int(e["request_id"]): list(e["tokens"]) for e in events if e["type"] is Msg.DONE}
+
+
+def test_requests_served_by_two_drivers_answer_like_the_colocated_engine(world: World) -> None:
+    for rid, prompt in PROMPTS.items():
+        world.client.submit(rid, prompt, MAX_NEW)
+    world.run(lambda: len(_done(world.events)) == len(PROMPTS))
+    expected = ReferenceEngine(MODEL, EngineConfig(num_blocks=64)).generate(PROMPTS, MAX_NEW)
+    assert _done(world.events) == expected
+    reports = world.close()
+    assert reports["decode"]["admitted"] == sorted(PROMPTS)
+    for r in reports.values():
+        assert r["leaked_blocks"] == 0 and r["quarantined"] == 0 and r["pinned"] == 0
+
+
+def test_a_duplicated_ticket_is_imported_once_and_counted(world: World) -> None:
+    dec = world.drivers["decode"]
+    original = dec.receive
+
+    def twice() -> list[dict[str, Any]]:
+        msgs = original()
+        return msgs + [m for m in msgs if m["type"] is Msg.SUBMIT_REQUEST_WITH_KV]
+
+    dec.receive = twice  # type: ignore[method-assign]
+    world.client.submit(0, PROMPTS[0], MAX_NEW)
+    world.run(lambda: 0 in _done(world.events))
+    assert dec.state.counters()["duplicates"] == 1
+    assert [e["type"] for e in world.events].count(Msg.DONE) == 1
+    reports = world.close()
+    assert reports["decode"]["stats"]["imports_started"] == 1
+    assert reports["decode"]["leaked_blocks"] == 0
+
+
+def test_a_prompt_the_engine_refuses_fails_that_request_alone(world: World) -> None:
+    world.client.submit(7, [70_000], MAX_NEW)  # a token outside the vocabulary
+    world.client.submit(0, PROMPTS[0], MAX_NEW)
+    world.run(
+        lambda: 0 in _done(world.events) and any(e["type"] is Msg.FAILED for e in world.events)
+    )
+    failed = [e for e in world.events if e["type"] is Msg.FAILED]
+    assert [int(e["request_id"]) for e in failed] == [7]
+    assert "outside the vocabulary" in failed[0]["error"]  # the engine's refusal, reported
+    reports = world.close()
+    assert reports["prefill"]["pinned"] == 0
+
+
+def test_messages_with_a_bad_request_id_are_dropped_and_counted(world: World) -> None:
+    pre = world.drivers["prefill"]
+    for bad in ("seven", None, -1, 2.5, [1]):
+        pre.on_message({"type": Msg.PREFILL, "request_id": bad, "epoch": 1, "prompt": [1]})
+        pre.on_message({"type": Msg.RELEASE_KV, "request_id": bad, "epoch": 1})
+    pre.on_message({"type": Msg.PREFILL, "request_id": 3, "prompt": [1], "max_new_tokens": 1})
+    assert pre.state.counters()["malformed"] == 11
+    assert not world.engines["prefill"].has_work
+    world.close()
+
+
+def test_after_shutdown_an_idle_driver_stops_and_a_busy_one_waits_for_its_pins(
+    world: World,
+) -> None:
+    world.client.submit(0, PROMPTS[0], MAX_NEW)
+    pre = world.drivers["prefill"]
+    # Run until the prefill pinned the request's blocks (its ticket is on its way).
+    world.run(lambda: pre.busy and not world.engines["prefill"].has_work)
+    pre.on_message({"type": Msg.SHUTDOWN})
+    assert pre.running  # pins are held: it keeps serving until RELEASE_KV or the grace period
+    world.run(lambda: 0 in _done(world.events))
+    world.run(lambda: not pre.running)
+    assert world.close()["prefill"]["pinned"] == 0
