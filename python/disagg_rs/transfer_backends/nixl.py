@@ -279,45 +279,9 @@ class _NixlAgentContext:
         return loaded
 
 
-class StagingArena:
-    """First-fit allocator of byte ranges ``[offset, offset + size)`` in a staging region.
-
-    One range per staged handoff part, so it tracks as many ranges as transfers in flight,
-    never one per block.
-    """
-
-    #: Ranges start on this many bytes, so packed rows can use wide element views.
-    alignment = 256
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = int(capacity)
-        self._used: dict[int, int] = {}
-
-    def alloc(self, size: int) -> int:
-        """Reserve ``size`` bytes; return the offset. Raises ``CapacityError`` when full."""
-        size = -(-int(size) // self.alignment) * self.alignment
-        cursor = 0
-        for off, length in sorted(self._used.items()):
-            if off - cursor >= size:
-                break
-            cursor = off + length
-        if cursor + size > self.capacity:
-            raise CapacityError(
-                f"staging needs {size} bytes but only {self.capacity - self.in_use} of "
-                f"staging_bytes={self.capacity} are free (or fragmented)",
-                field="staging_bytes",
-            )
-        self._used[cursor] = size
-        return cursor
-
-    def free(self, offset: int) -> None:
-        """Return a range; freeing an unknown offset is a no-op (idempotent release)."""
-        self._used.pop(int(offset), None)
-
-    @property
-    def in_use(self) -> int:
-        """Bytes reserved now."""
-        return sum(self._used.values())
+#: Byte ranges of the registered staging region (first fit, 256-byte aligned starts), kept
+#: in Rust: one entry per staged part in flight, never one per block.
+StagingArena = _core.StagingRanges
 
 
 @dataclass
