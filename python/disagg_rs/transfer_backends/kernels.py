@@ -1,12 +1,12 @@
 """Pack and scatter on the GPU: one Triton launch per handoff (or per pipeline chunk).
 
-The staged path (``staging.pack`` / ``staging.scatter`` are this module's) takes the kernel
-for CUDA buffers; host buffers keep the vectorised torch path of ``torch_copy.py``. What the kernel consumes is a
-:class:`RunTable`: the compiler's fragment list (``TransferProgram.gather`` / ``scatter``,
-``[m, 3]``) or its strided runs (``gather_runs`` / ``scatter_runs``, ``[n, 6]``), turned into
-four ``int64`` columns by a handful of numpy ops (no Python loop over fragments) and moved to
-the device in ONE copy. Build the table once per handoff; every chunk of a pipelined
-transfer launches against the same table with a different packed range.
+The staged path (``staging.pack`` / ``staging.scatter`` are this module's) takes the kernel for
+CUDA buffers; host buffers keep the vectorised torch path of ``torch_copy.py``. What the kernel
+consumes is a :class:`RunTable`: the compiler's fragment list (``TransferProgram.gather`` /
+``scatter``, ``[m, 3]``) or its strided runs (``gather_runs`` / ``scatter_runs``, ``[n, 6]``),
+turned into four ``int64`` columns by a handful of numpy ops (no Python loop over fragments)
+and moved to the device in ONE copy. Build the table once per handoff; every chunk of a
+pipelined transfer launches against the same table with a different packed range.
 
 Units: every offset, length and stride of a table, and both buffers' addresses, are divided
 by the largest power of two up to 16 bytes that divides them all; at 16 bytes each kernel
