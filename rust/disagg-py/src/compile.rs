@@ -191,8 +191,10 @@ impl PyTransferProgram {
     /// The merged direct pairs of a source, whatever its mode.
     fn direct_descriptors<'py>(&self, py: Python<'py>, src_rank: Int) -> PyResult<DescPair<'py>> {
         let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
-        let (s, d) = py.detach(|| self.inner.direct_descriptors(src_rank)).py()?;
-        Ok((rows_to_numpy(py, s)?, rows_to_numpy(py, d)?))
+        let n = py.detach(|| self.inner.direct_row_count(src_rank)).py()?;
+        let n =
+            usize::try_from(n).map_err(|_| err(Kind::Argument, "src_rank", format!("{n} rows")))?;
+        crate::rows::pair_with(py, n, |s, d| self.inner.direct_descriptors_into(src_rank, s, d))
     }
     /// Mx3 `uint64` `(src_addr, len, packed_offset)`; needs no destination blocks.
     #[pyo3(signature = (src_rank, *, out=None))]

@@ -15,6 +15,7 @@ mod ledger;
 mod peer_records;
 mod pool;
 mod reshard;
+mod rows;
 mod staging;
 
 use pyo3::prelude::*;

@@ -1,0 +1,99 @@
+"""Direct descriptor arrays: fresh arrays per call whose memory is recycled after Python drops
+them; what a live array holds never changes, whatever is computed after it."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from disagg_rs import KVGeometry, KVShardLayout, compile_kv_transfer
+
+LAYERS, HEADS, ROW, TPB, POOL = 3, 2, 32, 4, 64
+
+
+def _geometry(base: int) -> KVGeometry:
+    block = TPB * HEADS * ROW
+    return KVGeometry(
+        num_layers=LAYERS,
+        num_blocks=POOL,
+        tokens_per_block=TPB,
+        num_heads=HEADS,
+        head_dim=ROW // 2,
+        element_size=2,
+        block_stride=block,
+        token_stride=HEADS * ROW,
+        head_stride=ROW,
+        plane_bases=[base + i * POOL * block for i in range(2 * LAYERS)],
+        dtype="bfloat16",
+    )
+
+
+def _program(sids: list[int], dids: list[int], mode: str = "direct") -> object:
+    layout = KVShardLayout(LAYERS, HEADS)
+    return compile_kv_transfer(
+        [(layout, _geometry(1 << 30))],
+        (layout, _geometry(1 << 32)),
+        sids,
+        dids,
+        len(sids) * TPB,
+        mode,  # type: ignore[arg-type]
+    )
+
+
+def _oracle(sids: list[int], dids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-(plane, block) rows, merged where both sides continue (what a transport posts)."""
+    block, plane = TPB * HEADS * ROW, POOL * TPB * HEADS * ROW
+    src: list[list[int]] = []
+    dst: list[list[int]] = []
+    for p in range(2 * LAYERS):
+        for s, d in zip(sids, dids, strict=True):
+            a, b = (1 << 30) + p * plane + s * block, (1 << 32) + p * plane + d * block
+            if src and src[-1][0] + src[-1][1] == a and dst[-1][0] + dst[-1][1] == b:
+                src[-1][1] += block
+                dst[-1][1] += block
+            else:
+                src.append([a, block])
+                dst.append([b, block])
+    return np.array(src, dtype=np.uint64).reshape(-1, 2), np.array(dst, np.uint64).reshape(-1, 2)
+
+
+blocks = st.integers(1, 24).flatmap(
+    lambda n: st.tuples(
+        st.permutations(range(POOL)).map(lambda p: list(p[:n])),
+        st.permutations(range(POOL)).map(lambda p: list(p[:n])),
+    )
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(blocks, min_size=1, max_size=6), st.data())
+def test_live_descriptor_arrays_keep_their_rows_while_dropped_ones_are_recycled(
+    handoffs: list[tuple[list[int], list[int]]], data: st.DataObject
+) -> None:
+    live: list[tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]] = []
+    for sids, dids in handoffs:
+        mode = data.draw(st.sampled_from(["direct", "staged"]))
+        src, dst = _program(sids, dids, mode).direct_descriptors(0)  # type: ignore[attr-defined]
+        assert src.dtype == np.uint64 and src.shape[1] == 3 and src.flags.c_contiguous
+        want = _oracle(sids, dids)
+        assert np.array_equal(src[:, :2], want[0]) and np.array_equal(dst[:, :2], want[1])
+        live.append(((src, dst), want))
+        if data.draw(st.booleans()) and len(live) > 1:
+            del live[data.draw(st.integers(0, len(live) - 2))]
+            gc.collect()
+        for (s, d), (ws, wd) in live:
+            assert np.array_equal(s[:, :2], ws) and np.array_equal(d[:, :2], wd)
+
+
+def test_each_call_returns_new_writable_arrays_that_share_no_memory() -> None:
+    program = _program([5, 9, 1], [2, 7, 30])
+    a = program.direct_descriptors(0)  # type: ignore[attr-defined]
+    b = program.direct_descriptors(0)  # type: ignore[attr-defined]
+    assert all(not np.shares_memory(x, y) for x in a for y in b)
+    assert not np.shares_memory(a[0], a[1])
+    saved = b[0].copy()
+    a[0][:] = 0  # the caller owns its arrays
+    assert np.array_equal(b[0], saved)
