@@ -417,7 +417,8 @@ class NixlTransferBackend(TransferBackendBase):
     """Per-buffer registration on a rank's NIXL agent; the decode pulls with one-sided reads.
 
     Constructor parameters are the reference design's; keyword extensions: ``axes`` (cache
-    layout), ``staging_bytes`` (registered staging region for staged pulls, 0 = none),
+    layout), ``staging_bytes`` (registered staging region for staged pulls, 0 = none; a fixed
+    pool whatever the prompt size: a part that does not fit is read directly),
     ``mode`` (``"auto"``/``"direct"``/``"staged"``, passed to the compiler), ``timeout_s``,
     ``compiler``, ``incarnation``, ``clock``.
     """
@@ -624,8 +625,10 @@ class NixlTransferBackend(TransferBackendBase):
 
         ``src_metas`` are all source ranks' metadata (default: this rank alone) so the plan
         picks the same representatives the decode will. Returns the ticket to send with the
-        handoff; ``{"staged": False}`` in it means the compiler chose direct for this rank.
-        The pack finishes before this returns. Release the region with ``release_staged``.
+        handoff; ``{"staged": False}`` in it means the compiler chose direct for this rank, or
+        the packed copy does not fit the staging pool now (the decode then reads this rank's
+        blocks directly). The pack finishes before this returns. Release the region with
+        ``release_staged``.
         """
         dst = check_meta_fields(peer_meta, self.name)
         srcs = list(src_metas) if src_metas is not None else [self._base_meta()]
@@ -674,6 +677,16 @@ class NixlTransferBackend(TransferBackendBase):
             if program is None:
                 program = self.compiler(srcs, dst, src_block_ids, None, num_tokens, "staged")
             nbytes = int(program.packed_bytes(me))
+        if nbytes > self.arena.largest_free:
+            # The staging region is a fixed pool whatever the prompt size: a part that does not
+            # fit now is not packed, and the decode reads this rank's blocks directly.
+            logger.info(
+                "staging: %d bytes for decode rank %s do not fit (largest free range %d of "
+                "staging_bytes=%d); the decode reads directly",
+                nbytes, dst["layout"].get("global_rank"), self.arena.largest_free,
+                self.arena.capacity,
+            )  # fmt: skip
+            return ticket
         offset = self.arena.alloc(nbytes)
         try:
             region = self.staging_buffer[offset : offset + nbytes]
@@ -963,6 +976,10 @@ class NixlTransferBackend(TransferBackendBase):
         if nbytes == 0:
             return None
         assert self.staging_buffer is not None  # checked before posting
+        if nbytes > self.arena.largest_free:
+            # This engine's staging pool cannot take the packed copy now: read the source's
+            # blocks directly instead (always possible; the packed copy is released as usual).
+            return self._post_direct(program, rank, meta, peer)
         offset = self.arena.alloc(nbytes)
         region = self.staging_buffer[offset : offset + nbytes]
         on_gpu = plan is not None and handoff is not None and region.is_cuda
