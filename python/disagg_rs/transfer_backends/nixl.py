@@ -1019,16 +1019,19 @@ class NixlTransferBackend(TransferBackendBase):
             if region.is_cuda:
                 torch.cuda.current_stream(region.device).synchronize()
 
+        def free() -> None:
+            self.arena.free(offset)
+
         try:
             xfer = self._post(local, remote, meta, peer, label)
         except Exception:
-            self.arena.free(offset)
+            free()
             raise
         part = _PullPart(
             rank,
             xfer,
             on_done=land,
-            cleanup=lambda: self.arena.free(offset),
+            cleanup=free,
             context=label,
             landed=lambda: all(bool(ev.query()) for ev in landed),
         )

@@ -18,7 +18,7 @@ pub struct PyStagingRanges {
 #[pymethods]
 impl PyStagingRanges {
     #[new]
-    #[pyo3(signature = (capacity, alignment = Int::from(256_i64)))]
+    #[pyo3(signature = (capacity, alignment = Int::from(256_i64)), text_signature = "(capacity, alignment=256)")]
     fn new(capacity: Int, alignment: Int) -> PyResult<Self> {
         let capacity = capacity.to_u64(Kind::Argument, "capacity")?;
         let alignment = alignment.to_u64(Kind::Argument, "alignment")?;
