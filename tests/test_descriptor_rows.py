@@ -97,3 +97,64 @@ def test_each_call_returns_new_writable_arrays_that_share_no_memory() -> None:
     saved = b[0].copy()
     a[0][:] = 0  # the caller owns its arrays
     assert np.array_equal(b[0], saved)
+
+
+def _head_reshard_program(mode: str) -> object:
+    """TP2 -> TP1 head reshard (fragments per token) from rank 0's and rank 1's caches."""
+    src = [
+        (KVShardLayout(LAYERS, HEADS, 2, r, global_rank=r), _half(1 << (30 + r))) for r in (0, 1)
+    ]
+    return compile_kv_transfer(
+        src,
+        (KVShardLayout(LAYERS, HEADS), _geometry(1 << 33)),
+        [3, 9],
+        [4, 1],
+        7,
+        mode,  # type: ignore[arg-type]
+    )
+
+
+def _half(base: int) -> KVGeometry:
+    block = TPB * (HEADS // 2) * ROW
+    return KVGeometry(
+        num_layers=LAYERS,
+        num_blocks=POOL,
+        tokens_per_block=TPB,
+        num_heads=HEADS // 2,
+        head_dim=ROW // 2,
+        element_size=2,
+        block_stride=block,
+        token_stride=(HEADS // 2) * ROW,
+        head_stride=ROW,
+        plane_bases=[base + i * POOL * block for i in range(2 * LAYERS)],
+        dtype="bfloat16",
+    )
+
+
+def test_direct_descriptors_equal_the_direct_program_descriptors_for_reshards_and_ssm() -> None:
+    from disagg_rs import SSMGeometry, SSMShardLayout, SSMStateDims, compile_ssm_transfer
+
+    for rank in (0, 1):
+        want = _head_reshard_program("direct").descriptors(rank)  # type: ignore[attr-defined]
+        for mode in ("direct", "staged"):
+            got = _head_reshard_program(mode).direct_descriptors(rank)  # type: ignore[attr-defined]
+            assert len(got[0]) == len(want[0]) > 2 * LAYERS
+            assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    dims = SSMStateDims(num_heads=4, head_dim=2, d_state=2, n_groups=2, d_conv=3)
+    lay = SSMShardLayout(2, dims)
+    conv = np.arange(2 * 2 * dims.conv_channels * 3, dtype=np.uint16).reshape(2, 2, -1, 3)
+    out = np.zeros_like(conv)
+    progs = {
+        m: compile_ssm_transfer(
+            [(lay, SSMGeometry.from_tensors(conv=conv))],
+            (lay, SSMGeometry.from_tensors(conv=out)),
+            1,
+            0,
+            m,  # type: ignore[arg-type]
+        )
+        for m in ("direct", "staged")
+    }
+    want = progs["direct"].descriptors(0)
+    for program in progs.values():
+        got = program.direct_descriptors(0)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))

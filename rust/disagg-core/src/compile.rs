@@ -1020,6 +1020,13 @@ impl TransferProgram {
         Ok(self.source(src_rank)?.count_direct(u64::MAX - 1))
     }
 
+    /// A cheap row count for [`TransferProgram::direct_descriptors`] of `src_rank` (no walk):
+    /// enough for every program the KV compiler emits, but a caller must still handle a
+    /// too-small buffer (see [`TransferProgram::direct_row_count`]).
+    pub fn direct_row_hint(&self, src_rank: u32) -> DisaggResult<u64> {
+        Ok(self.source(src_rank)?.box_count(Purpose::Direct) as u64)
+    }
+
     /// [`TransferProgram::direct_descriptors`] written into caller buffers (whatever the mode
     /// of `src_rank`); returns the row count.
     pub fn direct_descriptors_into(
