@@ -158,3 +158,44 @@ def test_direct_descriptors_equal_the_direct_program_descriptors_for_reshards_an
     for program in progs.values():
         got = program.direct_descriptors(0)
         assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def _reshard_16(rank: int) -> object:
+    """TP2 -> TP1, 4 KV heads, 16 tokens per block, 40 tokens: per-token runs of 2 heads."""
+    tpb, heads, row = 16, 4, 32
+
+    def geo(base: int, h: int) -> KVGeometry:
+        block = tpb * h * row
+        return KVGeometry(
+            num_layers=4,
+            num_blocks=8,
+            tokens_per_block=tpb,
+            num_heads=h,
+            head_dim=8,
+            element_size=4,
+            block_stride=block,
+            token_stride=h * row,
+            head_stride=row,
+            plane_bases=[base + i * 8 * block for i in range(8)],
+            dtype="int32",
+        )
+
+    src = [(KVShardLayout(4, heads, 2, r, global_rank=r), geo(1 << (30 + r), 2)) for r in (0, 1)]
+    dst = (KVShardLayout(4, heads), geo(1 << 33, heads))
+    return compile_kv_transfer(src, dst, [5, 0, 3], [7, 2, 4], 40, "direct")
+
+
+def test_an_out_buffer_too_small_by_any_number_of_rows_raises_instead_of_truncating() -> None:
+    from disagg_rs.exceptions import DisaggError
+
+    program = _reshard_16(0)
+    need = len(program.descriptors(0)[0])  # type: ignore[attr-defined]
+    assert need > 100
+    assert len(program.direct_descriptors(0)[0]) == need  # type: ignore[attr-defined]
+    for n in range(1, need, 7):
+        out = (np.zeros((n, 3), np.uint64), np.zeros((n, 3), np.uint64))
+        try:
+            got = program.descriptors(0, out=out)  # type: ignore[attr-defined]
+        except DisaggError:
+            continue
+        raise AssertionError(f"out of {n} rows returned {len(got[0])} of {need} rows")

@@ -2,16 +2,20 @@
 fit (on the prefill or on the decode) is not made, the decode reads those blocks directly, and
 every byte still lands where the global-tensor oracle says.
 
-Real NIXL agents in spawned processes (UCX loopback, host memory), no mocks.
+Real NIXL agents in spawned processes (UCX loopback), no mocks: host memory, and (marker
+``gpu``) VRAM with every rank on GPU 0 and the same-host CUDA IPC path turned off, so the
+bytes go through NIXL as they would across hosts.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import transport_workers as tw
 from transport_workers import Case, Side, Worker
@@ -23,9 +27,19 @@ CASE = Case("tp2_to_tp1", (Side(2, 0, global_rank=0), Side(2, 1, global_rank=1))
 SMALL, LARGE = 4096, 1 << 20
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[list[Worker]]:
-    workers = tw.start_workers("nixl", ["pre0", "pre1", "dec0"], "")
+@pytest.fixture(scope="module", params=["nixl", pytest.param("nixl-cuda", marks=pytest.mark.gpu)])
+def pool(request: pytest.FixtureRequest) -> Iterator[list[Worker]]:
+    if request.param == "nixl-cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    before = os.environ.get("DISAGG_CUDA_IPC")
+    os.environ["DISAGG_CUDA_IPC"] = "0"  # spawned workers inherit it: NIXL moves the bytes
+    try:
+        workers = tw.start_workers(request.param, ["pre0", "pre1", "dec0"], "")
+    finally:
+        if before is None:
+            del os.environ["DISAGG_CUDA_IPC"]
+        else:
+            os.environ["DISAGG_CUDA_IPC"] = before
     try:
         yield workers
     finally:
