@@ -248,3 +248,35 @@ def test_kernel_runs_of_compiled_programs_land_the_same_bytes_as_the_flat_torch_
         staging.scatter_torch(ref, want, dst.data_ptr(), program.scatter(r))
     assert torch.equal(dst, want)
     assert bool((dst != 0).any())
+
+
+def _imported_modules(module: str) -> set[str]:
+    """Modules of ``disagg_rs.transfer_backends`` that ``module`` imports (any position)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(f"disagg_rs.transfer_backends.{module}")
+    assert spec is not None and spec.origin is not None
+    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "disagg_rs.transfer_backends":
+                found.update(alias.name for alias in node.names)
+            elif node.module.startswith("disagg_rs.transfer_backends."):
+                found.add(node.module.rsplit(".", 1)[1])
+        elif isinstance(node, ast.Import):
+            found.update(
+                a.name.rsplit(".", 1)[1]
+                for a in node.names
+                if a.name.startswith("disagg_rs.transfer_backends.")
+            )
+    return found
+
+
+def test_copy_modules_import_in_one_direction_without_a_cycle() -> None:
+    assert _imported_modules("torch_copy") & {"kernels", "staging", "device_plan"} == set()
+    assert "staging" not in _imported_modules("kernels")
+    assert "staging" not in _imported_modules("device_plan")
+    assert staging.pack is kernels.pack and staging.scatter is kernels.scatter

@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from disagg_rs.transfer_backends import staging
+from disagg_rs.transfer_backends import torch_copy
 
 __all__ = ["DevicePlan", "IdUploader", "PlanCache", "Side", "copy", "copy_torch"]
 
@@ -240,7 +240,7 @@ _ELEMENT_BYTES = {torch.int32: 4, torch.int16: 2, torch.uint8: 1}
 
 def _lanes(tensor: torch.Tensor, unit: int) -> torch.Tensor:
     dtype, _ = _UNIT_LANES[unit]
-    flat = staging.byte_view(tensor)
+    flat = torch_copy.byte_view(tensor)
     size = _ELEMENT_BYTES[dtype]
     return flat[: (flat.numel() // size) * size].view(dtype)
 
@@ -266,7 +266,7 @@ def _kernel() -> Any:
 
 def _check_side(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) -> None:
     """Bounds of one side, checked on the host before the launch (ValueError)."""
-    nbytes = staging.byte_view(side.buffer).numel()
+    nbytes = torch_copy.byte_view(side.buffer).numel()
     if side.kind == "packed":
         lo, hi = plan.item_offset(k_lo, n_tok), plan.item_offset(k_hi, n_tok)
         if lo < side.bias or hi - side.bias > nbytes:
@@ -395,7 +395,7 @@ def _side_rows(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) -
 
 def copy_torch(plan: DevicePlan, a: Side, b: Side, n_tok: int, k_lo: int, k_hi: int) -> None:
     """The torch twin of the kernel (host tensors without the interpreter): row offsets by
-    numpy, one ``staging`` gather/scatter pass through a dense temporary."""
+    numpy, one ``torch_copy`` gather/scatter pass through a dense temporary."""
     src_rows = _side_rows(plan, a, n_tok, k_lo, k_hi)
     dst_rows = _side_rows(plan, b, n_tok, k_lo, k_hi)
     n_blk = plan.num_blocks(n_tok)
@@ -407,9 +407,9 @@ def copy_torch(plan: DevicePlan, a: Side, b: Side, n_tok: int, k_lo: int, k_hi: 
     total = int(lens.sum())
     tmp = torch.empty(total, dtype=torch.uint8, device=a.buffer.device)
     gather = np.stack([src_rows, lens, packed], axis=1).astype(np.uint64)
-    staging.pack_torch(a.buffer, 0, gather, tmp)
+    torch_copy.pack_torch(a.buffer, 0, gather, tmp)
     scatter = np.stack([packed, dst_rows, lens], axis=1).astype(np.uint64)
-    staging.scatter_torch(tmp, b.buffer, 0, scatter)
+    torch_copy.scatter_torch(tmp, b.buffer, 0, scatter)
 
 
 class IdUploader:

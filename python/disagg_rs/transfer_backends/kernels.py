@@ -1,12 +1,12 @@
 """Pack and scatter on the GPU: one Triton launch per handoff (or per pipeline chunk).
 
-The staged path (``staging.pack`` / ``staging.scatter``) dispatches here for CUDA buffers;
-host buffers keep the vectorised torch path of ``staging.py``. What the kernel consumes is a
-:class:`RunTable`: the compiler's fragment list (``TransferProgram.gather`` / ``scatter``,
-``[m, 3]``) or its strided runs (``gather_runs`` / ``scatter_runs``, ``[n, 6]``), turned into
-four ``int64`` columns by a handful of numpy ops (no Python loop over fragments) and moved to
-the device in ONE copy. Build the table once per handoff; every chunk of a pipelined
-transfer launches against the same table with a different packed range.
+The staged path (``staging.pack`` / ``staging.scatter`` are this module's) takes the kernel for
+CUDA buffers; host buffers keep the vectorised torch path of ``torch_copy.py``. What the kernel
+consumes is a :class:`RunTable`: the compiler's fragment list (``TransferProgram.gather`` /
+``scatter``, ``[m, 3]``) or its strided runs (``gather_runs`` / ``scatter_runs``, ``[n, 6]``),
+turned into four ``int64`` columns by a handful of numpy ops (no Python loop over fragments)
+and moved to the device in ONE copy. Build the table once per handoff; every chunk of a
+pipelined transfer launches against the same table with a different packed range.
 
 Units: every offset, length and stride of a table, and both buffers' addresses, are divided
 by the largest power of two up to 16 bytes that divides them all; at 16 bytes each kernel
@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from disagg_rs.transfer_backends import staging
+from disagg_rs.transfer_backends import torch_copy
 
 __all__ = [
     "KernelConfig",
@@ -254,7 +254,7 @@ def build_run_table(
 def _lanes(tensor: torch.Tensor, unit: int) -> torch.Tensor:
     """``tensor``'s bytes viewed as the element type of ``unit``-byte lanes (tail trimmed)."""
     dtype, _ = _UNIT_LANES[unit]
-    flat = staging.byte_view(tensor)
+    flat = torch_copy.byte_view(tensor)
     size = torch.tensor([], dtype=dtype).element_size()
     return flat[: (flat.numel() // size) * size].view(dtype)
 
@@ -348,7 +348,7 @@ def expand_runs(runs: _U64Array) -> _U64Array:
 
 
 def _flat(rows: _U64Array, form: ListForm) -> _U64Array:
-    """The ``staging`` list form of ``rows``: gather ``(src, len, packed)``, scatter
+    """The ``torch_copy`` list form of ``rows``: gather ``(src, len, packed)``, scatter
     ``(packed, dst, len)``."""
     if form == "gather_runs":
         a_b_len = expand_runs(rows)
@@ -381,13 +381,13 @@ def pack(
                 form,
                 buffer_addr,
                 device=buffer.device,
-                other_limit=staging.byte_view(buffer).numel(),
-                packed_limit=staging.byte_view(region).numel(),
+                other_limit=torch_copy.byte_view(buffer).numel(),
+                packed_limit=torch_copy.byte_view(region).numel(),
                 align=(buffer.data_ptr(), region.data_ptr()),
             )
         if table is not None:
             return copy_runs(table, buffer, region, gather=True, config=config)
-    return staging.pack_torch(buffer, buffer_addr, _flat(rows, form), region)
+    return torch_copy.pack_torch(buffer, buffer_addr, _flat(rows, form), region)
 
 
 def scatter(
@@ -412,13 +412,13 @@ def scatter(
                 form,
                 buffer_addr,
                 device=buffer.device,
-                other_limit=staging.byte_view(buffer).numel(),
-                packed_limit=staging.byte_view(region).numel(),
+                other_limit=torch_copy.byte_view(buffer).numel(),
+                packed_limit=torch_copy.byte_view(region).numel(),
                 align=(buffer.data_ptr(), region.data_ptr()),
             )
         if table is not None:
             return copy_runs(table, buffer, region, gather=False, config=config)
-    return staging.scatter_torch(region, buffer, buffer_addr, _flat(rows, form))
+    return torch_copy.scatter_torch(region, buffer, buffer_addr, _flat(rows, form))
 
 
 def pipelined_handoff(
@@ -454,7 +454,7 @@ def pipelined_handoff(
         torch.cuda.Stream(src.device)  # type: ignore[no-untyped-call]
         for _ in range(3)
     )
-    src_u8, dst_u8 = staging.byte_view(src_region), staging.byte_view(dst_region)
+    src_u8, dst_u8 = torch_copy.byte_view(src_region), torch_copy.byte_view(dst_region)
     # The regions and buffers must be ready before the first chunk starts.
     start = torch.cuda.Event()  # type: ignore[no-untyped-call]
     start.record()

@@ -278,45 +278,9 @@ class _NixlAgentContext:
         return loaded
 
 
-class StagingArena:
-    """First-fit allocator of byte ranges ``[offset, offset + size)`` in a staging region.
-
-    One range per staged handoff part, so it tracks as many ranges as transfers in flight,
-    never one per block.
-    """
-
-    #: Ranges start on this many bytes, so packed rows can use wide element views.
-    alignment = 256
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = int(capacity)
-        self._used: dict[int, int] = {}
-
-    def alloc(self, size: int) -> int:
-        """Reserve ``size`` bytes; return the offset. Raises ``CapacityError`` when full."""
-        size = -(-int(size) // self.alignment) * self.alignment
-        cursor = 0
-        for off, length in sorted(self._used.items()):
-            if off - cursor >= size:
-                break
-            cursor = off + length
-        if cursor + size > self.capacity:
-            raise CapacityError(
-                f"staging needs {size} bytes but only {self.capacity - self.in_use} of "
-                f"staging_bytes={self.capacity} are free (or fragmented)",
-                field="staging_bytes",
-            )
-        self._used[cursor] = size
-        return cursor
-
-    def free(self, offset: int) -> None:
-        """Return a range; freeing an unknown offset is a no-op (idempotent release)."""
-        self._used.pop(int(offset), None)
-
-    @property
-    def in_use(self) -> int:
-        """Bytes reserved now."""
-        return sum(self._used.values())
+#: Byte ranges of the registered staging region (first fit, 256-byte aligned starts), kept
+#: in Rust: one entry per staged part in flight, never one per block.
+StagingArena = _core.StagingRanges
 
 
 @dataclass
@@ -452,7 +416,8 @@ class NixlTransferBackend(TransferBackendBase):
     """Per-buffer registration on a rank's NIXL agent; the decode pulls with one-sided reads.
 
     Constructor parameters are the reference design's; keyword extensions: ``axes`` (cache
-    layout), ``staging_bytes`` (registered staging region for staged pulls, 0 = none),
+    layout), ``staging_bytes`` (registered staging region for staged pulls, 0 = none; a fixed
+    pool whatever the prompt size: a part that does not fit is read directly),
     ``mode`` (``"auto"``/``"direct"``/``"staged"``, passed to the compiler), ``timeout_s``,
     ``compiler``, ``incarnation``, ``clock``.
     """
@@ -652,8 +617,10 @@ class NixlTransferBackend(TransferBackendBase):
 
         ``src_metas`` are all source ranks' metadata (default: this rank alone) so the plan
         picks the same representatives the decode will. Returns the ticket to send with the
-        handoff; ``{"staged": False}`` in it means the compiler chose direct for this rank.
-        The pack finishes before this returns. Release the region with ``release_staged``.
+        handoff; ``{"staged": False}`` in it means the compiler chose direct for this rank, or
+        the packed copy does not fit the staging pool now (the decode then reads this rank's
+        blocks directly). The pack finishes before this returns. Release the region with
+        ``release_staged``.
         """
         dst = self._adopt_peer_meta(peer_meta)
         srcs = (
@@ -704,6 +671,16 @@ class NixlTransferBackend(TransferBackendBase):
             if program is None:
                 program = self._compile(srcs, dst, src_block_ids, None, num_tokens, "staged")
             nbytes = int(program.packed_bytes(me))
+        if nbytes > self.arena.largest_free:
+            # The staging region is a fixed pool whatever the prompt size: a part that does not
+            # fit now is not packed, and the decode reads this rank's blocks directly.
+            logger.info(
+                "staging: %d bytes for decode rank %s do not fit (largest free range %d of "
+                "staging_bytes=%d); the decode reads directly",
+                nbytes, dst["layout"].get("global_rank"), self.arena.largest_free,
+                self.arena.capacity,
+            )  # fmt: skip
+            return ticket
         offset = self.arena.alloc(nbytes)
         try:
             region = self.staging_buffer[offset : offset + nbytes]
@@ -970,6 +947,10 @@ class NixlTransferBackend(TransferBackendBase):
         if nbytes == 0:
             return None
         assert self.staging_buffer is not None  # checked before posting
+        if nbytes > self.arena.largest_free:
+            # This engine's staging pool cannot take the packed copy now: read the source's
+            # blocks directly instead (always possible; the packed copy is released as usual).
+            return self._post_direct(program, rank, meta, peer)
         offset = self.arena.alloc(nbytes)
         region = self.staging_buffer[offset : offset + nbytes]
         on_gpu = plan is not None and handoff is not None and region.is_cuda
@@ -1009,16 +990,19 @@ class NixlTransferBackend(TransferBackendBase):
             if region.is_cuda:
                 torch.cuda.current_stream(region.device).synchronize()
 
+        def free() -> None:
+            self.arena.free(offset)
+
         try:
             xfer = self._post(local, remote, meta, peer, label)
         except Exception:
-            self.arena.free(offset)
+            free()
             raise
         part = _PullPart(
             rank,
             xfer,
             on_done=land,
-            cleanup=lambda: self.arena.free(offset),
+            cleanup=free,
             context=label,
             landed=lambda: all(bool(ev.query()) for ev in landed),
         )

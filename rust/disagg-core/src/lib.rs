@@ -14,6 +14,7 @@ pub mod layout;
 pub mod ledger;
 pub mod pool;
 pub mod reshard;
+pub mod staging;
 pub mod wire;
 
 pub use compile::{
@@ -37,3 +38,4 @@ pub use reshard::{
     local_range, plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer,
     SsmReshardPlan, SsmReshardTransfer,
 };
+pub use staging::StagingRanges;

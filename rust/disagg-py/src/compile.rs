@@ -237,8 +237,19 @@ impl PyTransferProgram {
     /// The merged direct pairs of a source, whatever its mode.
     fn direct_descriptors<'py>(&self, py: Python<'py>, src_rank: Int) -> PyResult<DescPair<'py>> {
         let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
-        let (s, d) = py.detach(|| self.inner.direct_descriptors(src_rank)).py()?;
-        Ok((rows_to_numpy(py, s)?, rows_to_numpy(py, d)?))
+        let rows = |n: u64| {
+            usize::try_from(n).map_err(|_| err(Kind::Argument, "src_rank", format!("{n} rows")))
+        };
+        // Fill at the cheap bound; only a program it underestimates pays the exact count.
+        let hint = rows(self.inner.direct_row_hint(src_rank).py()?)?;
+        let fill = |s: &mut [[u64; 3]], d: &mut [[u64; 3]]| {
+            self.inner.direct_descriptors_into(src_rank, s, d)
+        };
+        if let Ok(pair) = crate::rows::pair_with(py, hint, fill) {
+            return Ok(pair);
+        }
+        let n = rows(py.detach(|| self.inner.direct_row_count(src_rank)).py()?)?;
+        crate::rows::pair_with(py, n, fill)
     }
     /// Mx3 `uint64` `(src_addr, len, packed_offset)`; needs no destination blocks.
     #[pyo3(signature = (src_rank, *, out=None))]

@@ -18,6 +18,8 @@ mod peer_records;
 mod pool;
 mod reshard;
 mod wire;
+mod rows;
+mod staging;
 
 use pyo3::prelude::*;
 
@@ -41,6 +43,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(peer_records::drop_transfer_prefix_blocks, m)?)?;
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<pool::PySlotPool>()?;
+    m.add_class::<staging::PyStagingRanges>()?;
     m.add_class::<ledger::PyLedgerAction>()?;
     m.add_class::<ledger::PyImportLedger>()?;
     m.add_class::<ledger::PyPinLedger>()?;

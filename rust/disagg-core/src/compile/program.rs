@@ -245,6 +245,31 @@ impl TransferProgram {
             *first_dst = dst_rows[0];
             return Ok(1);
         }
+        self.direct_descriptors_into(src_rank, src_out, dst_out)
+    }
+
+    /// Exact rows of [`TransferProgram::direct_descriptors`] of `src_rank` (walks the list).
+    pub fn direct_row_count(&self, src_rank: u32) -> DisaggResult<u64> {
+        self.need_destination("direct descriptors")?;
+        Ok(self.source(src_rank)?.count_direct(u64::MAX - 1))
+    }
+
+    /// A cheap row count for [`TransferProgram::direct_descriptors`] of `src_rank` (no walk):
+    /// enough for every program the KV compiler emits, but a caller must still handle a
+    /// too-small buffer (see [`TransferProgram::direct_row_count`]).
+    pub fn direct_row_hint(&self, src_rank: u32) -> DisaggResult<u64> {
+        Ok(self.source(src_rank)?.box_count(Purpose::Direct) as u64)
+    }
+
+    /// [`TransferProgram::direct_descriptors`] written into caller buffers (whatever the mode
+    /// of `src_rank`); returns the row count.
+    pub fn direct_descriptors_into(
+        &self,
+        src_rank: u32,
+        src_out: &mut [[u64; 3]],
+        dst_out: &mut [[u64; 3]],
+    ) -> DisaggResult<usize> {
+        let s = self.source(src_rank)?;
         self.need_destination("direct descriptors")?;
         let cap = src_out.len().min(dst_out.len());
         let mut c = CollectPairs {
@@ -255,7 +280,7 @@ impl TransferProgram {
         };
         s.walk(Purpose::Direct, &mut c);
         finish_into(c.src.len(), c.dst.len().min(c.src.len()), cap, || {
-            self.row_count(src_rank, ListKind::Descriptors)
+            Ok(s.count_direct(u64::MAX - 1))
         })
     }
 

@@ -85,6 +85,9 @@ impl RowBuf for SliceRows<'_> {
     fn extend_with(&mut self, n: usize, row: impl Fn(usize) -> [u64; 3]) -> bool {
         let Some(free) = self.len.checked_add(n).and_then(|end| self.rows.get_mut(self.len..end))
         else {
+            // Refused: count the buffer as full, so the caller sees `len == capacity` and
+            // measures the list (a run that does not fit can leave free rows behind).
+            self.len = self.rows.len();
             return false;
         };
         for (k, slot) in free.iter_mut().enumerate() {

@@ -1,0 +1,112 @@
+"""A NIXL staging region is a fixed pool whatever the prompt size: a packed copy that does not
+fit (on the prefill or on the decode) is not made, the decode reads those blocks directly, and
+every byte still lands where the global-tensor oracle says.
+
+Real NIXL agents in spawned processes (UCX loopback), no mocks: host memory, and (marker
+``gpu``) VRAM with every rank on GPU 0 and the same-host CUDA IPC path turned off, so the
+bytes go through NIXL as they would across hosts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import transport_workers as tw
+from transport_workers import Case, Side, Worker
+
+pytestmark = pytest.mark.slow
+
+CASE = Case("tp2_to_tp1", (Side(2, 0, global_rank=0), Side(2, 1, global_rank=1)), (Side(),))
+#: Each source packs 40 tokens x 4 layers x 2 x 2 heads x 8 x 4 bytes = 20,480 bytes.
+SMALL, LARGE = 4096, 1 << 20
+
+
+@pytest.fixture(scope="module", params=["nixl", pytest.param("nixl-cuda", marks=pytest.mark.gpu)])
+def pool(request: pytest.FixtureRequest) -> Iterator[list[Worker]]:
+    if request.param == "nixl-cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    before = os.environ.get("DISAGG_CUDA_IPC")
+    os.environ["DISAGG_CUDA_IPC"] = "0"  # spawned workers inherit it: NIXL moves the bytes
+    try:
+        workers = tw.start_workers(request.param, ["pre0", "pre1", "dec0"], "")
+    finally:
+        if before is None:
+            del os.environ["DISAGG_CUDA_IPC"]
+        else:
+            os.environ["DISAGG_CUDA_IPC"] = before
+    try:
+        yield workers
+    finally:
+        tw.stop_workers(workers)
+
+
+def _handoff(workers: list[Worker], key: str, src_pool: int, dst_pool: int) -> dict[str, Any]:
+    """Set up, stage, pull, wait and check one handoff; return the tickets and the stats."""
+    pre, dec = workers[:2], workers[2]
+    src_metas = [
+        pre[i]("setup", key, CASE, s, "src", mode="staged", staging_bytes=src_pool)
+        for i, s in enumerate(CASE.srcs)
+    ]
+    dst_meta = dec("setup", key, CASE, CASE.dsts[0], "dst", mode="staged", staging_bytes=dst_pool)
+    try:
+        tickets = [
+            pre[i](
+                "call",
+                key,
+                "stage_blocks",
+                dst_meta,
+                tw.src_ids(CASE, s),
+                src_metas=src_metas,
+                num_tokens=CASE.num_tokens,
+            )
+            for i, s in enumerate(CASE.srcs)
+        ]
+        dec(
+            "call",
+            key,
+            "begin_pull_blocks",
+            src_metas,
+            {s.global_rank: tw.src_ids(CASE, s) for s in CASE.srcs},
+            tw.dst_ids(CASE, CASE.dsts[0]),
+            num_tokens=CASE.num_tokens,
+            staged=tickets,
+        )
+        dec("wait", key)
+        stats = dec("stats", key)
+        got = dec("buffer", key)
+        assert np.array_equal(got, tw.expected_dst(CASE, CASE.dsts[0]).numpy())
+        for i, t in enumerate(tickets):
+            pre[i]("call", key, "release_staged", t)
+        return {"tickets": tickets, "stats": stats}
+    finally:
+        for i in range(len(CASE.srcs)):
+            pre[i]("close", key)
+        dec("close", key)
+
+
+def test_prompts_that_fit_both_pools_move_packed(pool: list[Worker]) -> None:
+    out = _handoff(pool, "fits", LARGE, LARGE)
+    assert all(t["staged"] for t in out["tickets"])
+    assert set(out["stats"]["modes"].values()) == {"staged"}
+
+
+def test_a_prompt_larger_than_the_prefill_pool_is_read_directly_byte_exact(
+    pool: list[Worker],
+) -> None:
+    out = _handoff(pool, "src-small", SMALL, LARGE)
+    assert not any(t["staged"] for t in out["tickets"])
+    assert set(out["stats"]["modes"].values()) == {"direct"}
+
+
+def test_a_prompt_larger_than_the_decode_pool_is_read_directly_byte_exact(
+    pool: list[Worker],
+) -> None:
+    out = _handoff(pool, "dst-small", LARGE, SMALL)
+    assert all(t["staged"] for t in out["tickets"])
+    assert set(out["stats"]["modes"].values()) == {"direct"}
