@@ -17,9 +17,9 @@ mod ledger;
 mod peer_records;
 mod pool;
 mod reshard;
-mod wire;
 mod rows;
 mod staging;
+mod wire;
 
 use pyo3::prelude::*;
 
