@@ -600,7 +600,7 @@ def worker_main(
         # The plain GPU pools test NIXL itself; the "-ipc" pools the same-host direct path.
         os.environ["DISAGG_CUDA_IPC"] = "1" if transport.endswith("-ipc") else "0"
     else:
-        os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+        _loopback_ucx()
     state: WorkerState | None = None
     try:
         state = WorkerState(transport, name, rank, world, store)
@@ -700,6 +700,16 @@ def start_workers(transport: str, names: Sequence[str], store: str) -> list[Work
     return workers
 
 
+def _loopback_ucx() -> None:
+    """Host-memory workers talk over shared memory and TCP only, on machines without GPUs: a
+    CUDA build of NIXL refuses a UCX_TLS without CUDA transports (NIXL_ERR_BACKEND) even for
+    host memory, so on a GPU machine UCX picks its transports itself."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+
+
 def stop_workers(workers: Sequence[Worker]) -> None:
     for w in workers:
         w.stop()
@@ -707,7 +717,7 @@ def stop_workers(workers: Sequence[Worker]) -> None:
 
 def kill_after_meta(conn: Connection, case: Case, side: Side) -> None:
     """Source that exports its metadata and then waits to be killed (one-sided failure test)."""
-    os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+    _loopback_ucx()
     state = WorkerState("nixl", "doomed", 0, 1, "")
     conn.send(state.setup("k", case, side, "src", mode="direct"))
     conn.poll(REPLY_TIMEOUT_S)

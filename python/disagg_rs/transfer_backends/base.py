@@ -35,6 +35,7 @@ All ranges are half-open ``[lo, hi)``.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -167,6 +168,10 @@ def rust_program_compiler(
     return program
 
 
+#: Peer dicts a backend remembers by identity (``_adopt_peer``); past it the memo restarts.
+_PEER_MEMO_LIMIT = 256
+
+
 def no_blocks(*block_ids: Any) -> bool:
     """Whether every given block id list is empty (a handoff with nothing left to move, e.g.
     a prompt whole in the decode's prefix cache): the reference design's no-op transfer."""
@@ -174,7 +179,7 @@ def no_blocks(*block_ids: Any) -> bool:
         if ids is None:
             continue
         lists = ids.values() if isinstance(ids, Mapping) else [ids]
-        if any(np.asarray(x).size for x in lists):
+        if any(len(x) if isinstance(x, list | tuple) else np.asarray(x).size for x in lists):
             return False
     return True
 
@@ -1049,11 +1054,21 @@ class TransferBackendBase:
         ``block_ids`` (per handoff) are not part of the peer."""
         if isinstance(meta, Mapping) and "block_ids" in meta:
             meta = {k: v for k, v in meta.items() if k != "block_ids"}
+        # The same dict object as a previous handoff, still equal to a deep copy taken then
+        # (a C-level compare of mostly shared strings): its peer without converting it again.
+        memo: dict[int, tuple[Any, Any, Any]] = self.__dict__.setdefault("_peer_memo", {})
+        seen = memo.get(id(meta))
+        if seen is not None and seen[0] is meta and seen[1] == meta:
+            return seen[2]
         table = self._peer_table()
         peer = table.lookup(meta)
         if peer is None:
             reference = isinstance(meta, Mapping) and "version" not in meta
             peer = table.adopt(meta, self._meta_from_reference(meta) if reference else None)
+        if isinstance(meta, dict):
+            if len(memo) >= _PEER_MEMO_LIMIT:
+                memo.clear()
+            memo[id(meta)] = (meta, copy.deepcopy(meta), peer)
         return peer
 
     def register_peers(self, peer_meta: Any) -> int:

@@ -42,7 +42,7 @@ import torch
 
 from disagg_rs.transfer_backends import torch_copy
 
-__all__ = ["DevicePlan", "IdUploader", "PlanCache", "Side", "copy", "copy_torch"]
+__all__ = ["DevicePlan", "IdUploader", "PlanCache", "PreparedCopy", "Side", "copy", "copy_torch"]
 
 SideKind = Literal["src", "dst", "packed"]
 _I64 = npt.NDArray[np.int64]
@@ -364,6 +364,66 @@ def _launch(
     )
 
 
+class PreparedCopy:
+    """:func:`copy` between two fixed paged buffers, prepared once (a route's per-peer-pair
+    state): bounds, unit, lane views and the device table are settled at construction, so a
+    handoff costs the id checks of its caller and one launch.
+
+    After the first launch of each pointer-alignment class the compiled kernel is launched
+    directly (Triton's own launcher, without re-binding and re-hashing the arguments); the
+    alignment of every pointer is part of the key because Triton specialises on it.
+    """
+
+    def __init__(self, plan: DevicePlan, a: Side, b: Side) -> None:
+        if a.kind == "packed" or b.kind == "packed":
+            raise ValueError("PreparedCopy copies between two paged buffers")
+        self.plan = plan
+        self.unit = plan.unit(a.buffer.data_ptr(), b.buffer.data_ptr())
+        self.device = (b if b.kind == "dst" else a).buffer.device
+        self.a, self.b = a.buffer, b.buffer
+        self.a_lanes = _lanes(a.buffer, self.unit)
+        self.b_lanes = _lanes(b.buffer, self.unit)
+        self.table = plan.table(self.device, self.unit)
+        a_col, a_bs, a_ts = _strides(plan, a)
+        b_col, b_bs, b_ts = _strides(plan, b)
+        u = self.unit
+        self._consts = (a_col, a_bs // u, a_ts // u, 0, b_col, b_bs // u, b_ts // u, 0)
+        self._vec = _UNIT_LANES[self.unit][1]
+        self._compiled: dict[tuple[bool, ...], Any] = {}
+        self._fast = self.device.type == "cuda" and _triton()
+
+    def __call__(
+        self, n_tok: int, a_ids: torch.Tensor, b_ids: torch.Tensor, stream: int | None = None
+    ) -> int:
+        """Queue the copy of every item of an ``n_tok``-token handoff on the current stream
+        of the device (block ids already on it, one per block index); return the bytes.
+        ``stream``: that stream's raw handle when the caller has it (CUDA, device current)."""
+        plan = self.plan
+        n_blk = plan.num_blocks(n_tok)
+        if a_ids.numel() < n_blk or b_ids.numel() < n_blk:
+            raise ValueError(f"{a_ids.numel()} / {b_ids.numel()} block ids for {n_blk} blocks")
+        grid = plan.num_planes * n_blk
+        if not self._fast:
+            return copy(plan, Side("src", self.a, a_ids), Side("dst", self.b, b_ids), n_tok)
+        args = (self.a_lanes, self.b_lanes, self.table, a_ids, b_ids, n_blk, int(n_tok),
+                plan.tokens_per_block, 0, *self._consts, False, False, self._vec, BLOCK)  # fmt: skip
+        key = tuple(t.data_ptr() % 16 == 0 for t in args[:5])
+        compiled = self._compiled.get(key)
+        if compiled is None or not hasattr(compiled, "run"):
+            out = _kernel()[(grid,)](*args[:17], A_PACKED=False, B_PACKED=False, VEC=self._vec,
+                                     BLOCK=BLOCK)  # fmt: skip
+            self._compiled[key] = out
+        else:
+            from triton import knobs
+
+            if stream is None:
+                stream = torch.cuda.current_stream(self.device).cuda_stream
+            compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
+                         compiled.launch_metadata((grid, 1, 1), stream, *args),
+                         knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)  # fmt: skip
+        return plan.packed_bytes(n_tok)
+
+
 def _triton() -> bool:
     try:
         import triton  # noqa: F401
@@ -412,52 +472,91 @@ def copy_torch(plan: DevicePlan, a: Side, b: Side, n_tok: int, k_lo: int, k_hi: 
     torch_copy.scatter_torch(tmp, b.buffer, 0, scatter)
 
 
+class _Busy:
+    """The event of a slot handed out and not yet settled: never finished."""
+
+    @staticmethod
+    def query() -> bool:
+        return False
+
+
+_BUSY = _Busy()
+
+
 class IdUploader:
     """Block ids to the device through a ring of pinned buffers (one async copy per handoff).
 
-    A slot is reused only once the copy that last used it has finished (its event says so);
+    A slot is reused only once the work that last read it has finished (its event says so);
     a busy ring grows instead of waiting, so the host never blocks on the GPU.
     """
 
     def __init__(self, device: torch.device, capacity: int = 4096) -> None:
         self.device = device
         self.capacity = int(capacity)
-        self._slots: list[tuple[torch.Tensor, Any]] = []
+        self._slots: list[tuple[torch.Tensor, torch.Tensor | None, Any]] = []
         self._next = 0
         self._lock = threading.Lock()
 
     def upload(self, *arrays: npt.ArrayLike) -> list[torch.Tensor]:
         """Copy the int arrays to the device in one transfer; return device views of each."""
-        parts = [np.asarray(x, dtype=np.int64).reshape(-1) for x in arrays]
-        n = sum(p.size for p in parts)
-        if self.device.type != "cuda":
-            flat = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
-            return list(torch.split(flat, [p.size for p in parts]))
-        with self._lock:
-            host = self._slot(n)
-            view = host[:n].numpy()
-            at = 0
-            for p in parts:
-                view[at : at + p.size] = p
-                at += p.size
-            dev = host[:n].to(self.device, non_blocking=True)
+        views, slot = self.begin(*arrays, fresh=True)
+        if slot >= 0:
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record()
-            self._slots[self._next - 1] = (host, ev)
-        return list(torch.split(dev, [p.size for p in parts]))
+            self.settle(slot, ev)
+        return views
 
-    def _slot(self, n: int) -> torch.Tensor:
+    def begin(
+        self, *arrays: npt.ArrayLike, fresh: bool = False
+    ) -> tuple[list[torch.Tensor], int]:
+        """Like :meth:`upload`, but the slot stays taken until :meth:`settle` names the event
+        recorded after the last kernel that reads the ids (one event per handoff, not two),
+        and the ids land in the slot's own device buffer (``fresh``: a new device tensor, for
+        readers that the slot's event does not cover). Returns the device views and the slot
+        (-1: host memory, nothing to settle)."""
+        parts = [np.asarray(x, dtype=np.int64).reshape(-1) for x in arrays]
+        if self.device.type != "cuda":
+            flat = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+            return list(torch.split(flat, [p.size for p in parts])), -1
+        # Every part starts 16-byte aligned (an even element offset), so the kernels that read
+        # them see the same pointer alignment from one handoff to the next.
+        starts = [0]
+        for p in parts:
+            starts.append(starts[-1] + p.size + (p.size & 1))
+        n = starts[-1]
+        with self._lock:
+            slot = self._slot(n)
+            host, dev, _ = self._slots[slot]
+            self._slots[slot] = (host, dev, _BUSY)
+        view = host.numpy()
+        for p, at in zip(parts, starts, strict=False):
+            view[at : at + p.size] = p
+        if fresh or dev is None:
+            dev = host[:n].to(self.device, non_blocking=True)
+        else:
+            dev[:n].copy_(host[:n], non_blocking=True)
+        return [dev[at : at + p.size] for p, at in zip(parts, starts, strict=False)], slot
+
+    def settle(self, slot: int, event: Any) -> None:
+        """Slot ``slot`` is free once ``event`` (recorded after its readers) has completed."""
+        if slot >= 0:
+            with self._lock:
+                host, dev, _ = self._slots[slot]
+                self._slots[slot] = (host, dev, event)
+
+    def _slot(self, n: int) -> int:
         for _ in range(len(self._slots)):
             idx = self._next % len(self._slots)
-            host, ev = self._slots[idx]
-            if host.numel() >= n and (ev is None or ev.query()):
-                self._next = idx + 1
-                return host
+            host, _, ev = self._slots[idx]
             self._next = idx + 1
-        host = torch.empty(max(n, self.capacity), dtype=torch.int64).pin_memory()
-        self._slots.append((host, None))
+            if host.numel() >= n and (ev is None or ev.query()):
+                return idx
+        size = max(n, self.capacity)
+        host = torch.empty(size, dtype=torch.int64).pin_memory()
+        dev = torch.empty(size, dtype=torch.int64, device=self.device)
+        self._slots.append((host, dev, None))
         self._next = len(self._slots)
-        return host
+        return len(self._slots) - 1
 
 
 class PlanCache:

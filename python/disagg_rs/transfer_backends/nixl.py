@@ -514,6 +514,8 @@ class NixlTransferBackend(TransferBackendBase):
         self._plans = dp.PlanCache()
         self._ids = dp.IdUploader(memory_buffer.device)
         self._ipc = ipc.IpcMapper()
+        #: IPC routes by peer set (``_ipc_route``).
+        self._ipc_routes: dict[Any, Any] = {}
         self.ipc_meta = ipc.export(memory_buffer)
         self._init_kwargs: dict[str, Any] = {
             "axes": axes,
@@ -555,6 +557,7 @@ class NixlTransferBackend(TransferBackendBase):
                 logger.warning("deregister_memory failed: %r", exc)
         self._regs.clear()
         self._ipc.close()
+        getattr(self, "_ipc_routes", {}).clear()
         self._ctx.release()
 
     # -- metadata ------------------------------------------------------------------------
@@ -848,51 +851,96 @@ class NixlTransferBackend(TransferBackendBase):
     ) -> tuple[_PullPart, int] | None:
         """Copy every source rank's blocks straight from its CUDA IPC mapping (same host),
         one kernel per source rank, no staging; ``None`` when any rank cannot be mapped or
-        has no device plan (the caller then takes the NIXL path)."""
+        has no device plan (the caller then takes the NIXL path).
+
+        Everything that depends only on the peer set (mappings, plans, bounds, prepared
+        launches) is settled once per peer set (:meth:`_ipc_route`); a handoff converts its
+        ids, uploads them in one pinned copy and queues one launch per source rank."""
         if not self.memory_buffer.is_cuda or num_tokens is None or self.ipc_meta is None:
             return None
+        key = _peer_key(metas)
+        route = self._ipc_routes.get(key)
+        if route is None:
+            route = self._ipc_route(key, metas, by_rank, src_block_ids, dst_block_ids, num_tokens)
+        if route is False:
+            return None
+        ranks, copies, n_blk_of, label = route
+        n_blk = n_blk_of(num_tokens)
+        dst_ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+        src_ids = [_rank_ids(src_block_ids, r) for r in ranks]
+        if dst_ids.size != n_blk or any(x.size != n_blk for x in src_ids):
+            return None  # the compiler path names the mismatch
+        nbytes = 0
+        with torch.cuda.device(self.memory_buffer.device):
+            dev, slot = self._ids.begin(dst_ids, *src_ids)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            stream = torch.cuda.current_stream()
+            try:
+                for launch, sid in zip(copies, dev[1:], strict=True):
+                    nbytes += launch(num_tokens, sid, dev[0], stream.cuda_stream)
+            finally:
+                done.record(stream)
+                self._ids.settle(slot, done)
+        return _PullPart(-1, None, context=label, landed=done.query, local=True), nbytes
+
+    def _ipc_route(
+        self,
+        key: Any,
+        metas: Sequence[PeerMeta],
+        by_rank: Mapping[int, PeerMeta],
+        src_block_ids: BlockIds,
+        dst_block_ids: BlockIds,
+        num_tokens: int,
+    ) -> Any:
+        """The IPC route of one peer set: ``(ranks, prepared copies, blocks of n tokens,
+        label)``, or ``False`` when the set cannot take the IPC path (cached either way; a
+        peer's new incarnation is a new peer set and drops the routes of its old one)."""
+        names = {str(m["agent_name"]) for m in metas}
+        for old in [k for k in self._ipc_routes if names & {n for n, _, _ in k}]:
+            del self._ipc_routes[old]
+        route: Any = False
         mapped = {}
         for rank, meta in by_rank.items():
             view = self._ipc.open(meta, self.ipc_meta, self.memory_buffer.device)
             if view is None:
-                return None
+                break
             mapped[rank] = view
-        key = ("pull", _peer_key(metas))
-        plans: dict[int, dp.DevicePlan] | None = self._plans.peek(key)
-        if plans is None and key not in self._plans:
+        else:
             # First handoff of this peer set: compile once (raises the compiler's errors).
             program = self._compile(
                 metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, "staged"
             )
             plans = self._pull_plans(metas, by_rank, program)
-        if plans is None:
-            return None
-        dst_ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
-        src_ids = {rank: _rank_ids(src_block_ids, rank) for rank in plans}
+            if plans is not None and self._ipc_bounds_hold(plans, by_rank, mapped):
+                ranks = sorted(plans)
+                copies = [
+                    dp.PreparedCopy(
+                        plans[r], dp.Side("src", mapped[r]), dp.Side("dst", self.memory_buffer)
+                    )
+                    for r in ranks
+                ]
+                label = "ipc:" + ",".join(str(by_rank[r]["agent_name"]) for r in ranks)
+                route = (ranks, copies, plans[ranks[0]].num_blocks, label)
+        self._ipc_routes[key] = route
+        return route
+
+    def _ipc_bounds_hold(
+        self,
+        plans: Mapping[int, dp.DevicePlan],
+        by_rank: Mapping[int, PeerMeta],
+        mapped: Mapping[int, torch.Tensor],
+    ) -> bool:
+        """Every byte the kernels may touch lies inside both buffers, and every source rank
+        cuts the prompt into the same blocks."""
+        tpb = {plan.tokens_per_block for plan in plans.values()}
+        if len(tpb) != 1:
+            return False
         for rank, plan in plans.items():
-            n_blk = plan.num_blocks(num_tokens)
-            if src_ids[rank].size != n_blk or dst_ids.size != n_blk:
-                return None  # the compiler path names the mismatch
-            # Every byte the kernel may touch lies inside both buffers.
             src_end = plan.paged_end("src", int(by_rank[rank]["num_blocks"]))
             dst_end = plan.paged_end("dst", self.expected_num_blocks)
             if src_end > mapped[rank].numel() or dst_end > self.buffer_info["nbytes"]:
-                return None
-        ranks = sorted(plans)
-        dev = self._ids.upload(dst_ids, *(src_ids[r] for r in ranks))
-        nbytes = 0
-        with torch.cuda.device(self.memory_buffer.device):
-            for rank, sid in zip(ranks, dev[1:], strict=True):
-                nbytes += dp.copy(
-                    plans[rank],
-                    dp.Side("src", mapped[rank], sid),
-                    dp.Side("dst", self.memory_buffer, dev[0]),
-                    num_tokens,
-                )
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record()
-        label = "ipc:" + ",".join(str(by_rank[r]["agent_name"]) for r in ranks)
-        return _PullPart(-1, None, context=label, landed=done.query, local=True), nbytes
+                return False
+        return True
 
     def _mem(self, meta: PeerMeta) -> str:
         return str(meta["buffer"]["mem_type"])
