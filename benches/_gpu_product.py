@@ -6,8 +6,9 @@ check after every row. Time: stage start (or pull call) -> scatter end, host clo
 
 Paths: "ipc" (same host: CUDA IPC mapping + one device-plan kernel per source, chosen
 automatically), "staged" (NIXL over UCX with the IPC path turned off: pack on the prefill,
-one READ of the packed region, scatter on the decode) and "direct" (NIXL, one descriptor per
-(block, plane): the per-descriptor way).
+one READ of the packed region, scatter on the decode), "chunked" (the same with a 256 MiB
+decode pool: the packed region read in chunks, each scattered while the next is read) and
+"direct" (NIXL, one descriptor per (block, plane): the per-descriptor way).
 """
 
 from __future__ import annotations
@@ -321,14 +322,17 @@ def run_case(
 ) -> dict[str, Any]:
     """One row: ``src_tp`` prefill ranks on ``devices[0]``, the decode on ``devices[1]``."""
     ipc = path == "ipc"
-    mode = {"ipc": "staged", "staged": "staged", "direct": "direct"}[path]
+    mode = {"ipc": "staged", "staged": "staged", "chunked": "staged", "direct": "direct"}[path]
+    staged = path in ("staged", "chunked")
     n_blk = tokens // TPB
     blocks = n_blk + 8
     rng = np.random.default_rng(tokens + src_tp)
     src_ids = [[int(x) for x in rng.permutation(blocks)[:n_blk]] for _ in range(src_tp)]
     dst_ids = [int(x) for x in rng.permutation(blocks)[:n_blk]]
     nbytes = 2 * LAYERS * tokens * HEADS * DIM * 2
-    staging = 0 if path != "staged" else nbytes // src_tp + (1 << 20)
+    staging = 0 if not staged else nbytes // src_tp + (1 << 20)
+    # "chunked": the decode's pool is the default 256 MiB, far smaller than the packed copy.
+    dst_staging = 0 if not staged else (256 << 20 if path == "chunked" else nbytes + (1 << 20))
     pres = [_Proc(devices[0], ipc) for _ in range(src_tp)]
     dec = _Proc(devices[1], ipc)
     try:
@@ -336,14 +340,14 @@ def run_case(
             p("make", "kv", blocks, src_tp, r, r, 1000 + r, staging, mode)
             for r, p in enumerate(pres)
         ]
-        dst_meta = dec("make", "kv", blocks, 1, 0, 100, None, staging and nbytes + (1 << 20), mode)
+        dst_meta = dec("make", "kv", blocks, 1, 0, 100, None, dst_staging, mode)
         sids = {r: src_ids[r] for r in range(src_tp)}
         times, ok_all, stats = [], True, {}
         for _ in range(repeat + 1):
             dec("reset", "kv")
             tickets = []
             t_start = time.perf_counter()
-            if path == "staged":
+            if staged:
                 outs = [
                     p("stage", "kv", dst_meta, src_ids[r], src_metas, tokens)
                     for r, p in enumerate(pres)
@@ -351,7 +355,7 @@ def run_case(
                 tickets = [o[0] for o in outs]
                 t_start = min(o[1] for o in outs)
             t_call, _, t_end, stats = dec("pull", "kv", src_metas, sids, dst_ids, tokens, tickets)
-            if path != "staged":
+            if not staged:
                 t_start = t_call
             times.append(t_end - t_start)
             for r, p in enumerate(pres):

@@ -1,6 +1,7 @@
 """A NIXL staging region is a fixed pool whatever the prompt size: a packed copy that does not
-fit (on the prefill or on the decode) is not made, the decode reads those blocks directly, and
-every byte still lands where the global-tensor oracle says.
+fit the prefill's pool is not made (the decode reads those blocks directly); one that does not
+fit the decode's pool is read through a few slots of it in chunks, each scattered while the
+next is read; and every byte still lands where the global-tensor oracle says.
 
 Real NIXL agents in spawned processes (UCX loopback), no mocks: host memory, and (marker
 ``gpu``) VRAM with every rank on GPU 0 and the same-host CUDA IPC path turned off, so the
@@ -25,6 +26,8 @@ pytestmark = pytest.mark.slow
 CASE = Case("tp2_to_tp1", (Side(2, 0, global_rank=0), Side(2, 1, global_rank=1)), (Side(),))
 #: Each source packs 40 tokens x 4 layers x 2 x 2 heads x 8 x 4 bytes = 20,480 bytes.
 SMALL, LARGE = 4096, 1 << 20
+#: Smaller than two items (one block of one plane row): no chunk fits, the blocks are read.
+TINY = 512
 
 
 @pytest.fixture(scope="module", params=["nixl", pytest.param("nixl-cuda", marks=pytest.mark.gpu)])
@@ -104,9 +107,19 @@ def test_a_prompt_larger_than_the_prefill_pool_is_read_directly_byte_exact(
     assert set(out["stats"]["modes"].values()) == {"direct"}
 
 
-def test_a_prompt_larger_than_the_decode_pool_is_read_directly_byte_exact(
+def test_a_packed_copy_larger_than_the_decode_pool_is_read_in_chunks_byte_exact(
     pool: list[Worker],
 ) -> None:
     out = _handoff(pool, "dst-small", LARGE, SMALL)
+    assert all(t["staged"] for t in out["tickets"])
+    assert set(out["stats"]["modes"].values()) == {"chunked"}
+    # Each source's 20,480 packed bytes went through a 4,096-byte pool: many reads each.
+    assert out["stats"]["descriptors"] >= 2 * (20480 // SMALL)
+
+
+def test_a_decode_pool_smaller_than_one_item_reads_the_blocks_directly_byte_exact(
+    pool: list[Worker],
+) -> None:
+    out = _handoff(pool, "dst-tiny", LARGE, TINY)
     assert all(t["staged"] for t in out["tickets"])
     assert set(out["stats"]["modes"].values()) == {"direct"}

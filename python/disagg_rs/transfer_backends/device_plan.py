@@ -405,8 +405,9 @@ class PreparedCopy:
         grid = plan.num_planes * n_blk
         if not self._fast:
             return copy(plan, Side("src", self.a, a_ids), Side("dst", self.b, b_ids), n_tok)
-        args = (self.a_lanes, self.b_lanes, self.table, a_ids, b_ids, n_blk, int(n_tok),
-                plan.tokens_per_block, 0, *self._consts, False, False, self._vec, BLOCK)  # fmt: skip
+        tpb = plan.tokens_per_block
+        args = (self.a_lanes, self.b_lanes, self.table, a_ids, b_ids, n_blk, int(n_tok), tpb, 0,
+                *self._consts, False, False, self._vec, BLOCK)  # fmt: skip
         key = tuple(t.data_ptr() % 16 == 0 for t in args[:5])
         compiled = self._compiled.get(key)
         if compiled is None or not hasattr(compiled, "run"):
@@ -418,9 +419,10 @@ class PreparedCopy:
 
             if stream is None:
                 stream = torch.cuda.current_stream(self.device).cuda_stream
-            compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
-                         compiled.launch_metadata((grid, 1, 1), stream, *args),
-                         knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)  # fmt: skip
+            hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+            meta = compiled.launch_metadata((grid, 1, 1), stream, *args)
+            compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, meta,
+                         *hooks, *args)  # fmt: skip
         return plan.packed_bytes(n_tok)
 
 
@@ -506,9 +508,7 @@ class IdUploader:
             self.settle(slot, ev)
         return views
 
-    def begin(
-        self, *arrays: npt.ArrayLike, fresh: bool = False
-    ) -> tuple[list[torch.Tensor], int]:
+    def begin(self, *arrays: npt.ArrayLike, fresh: bool = False) -> tuple[list[torch.Tensor], int]:
         """Like :meth:`upload`, but the slot stays taken until :meth:`settle` names the event
         recorded after the last kernel that reads the ids (one event per handoff, not two),
         and the ids land in the slot's own device buffer (``fresh``: a new device tensor, for

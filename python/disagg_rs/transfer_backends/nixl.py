@@ -27,6 +27,7 @@ the backend posts them with ``initialize_xfer``, which does the same work in one
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import importlib.metadata as importlib_metadata
 import logging
@@ -300,6 +301,9 @@ class _PullPart:
     once it returns True (a CUDA event query; the serving thread never synchronises)."""
     local: bool = False
     """No NIXL transfer: the part is a GPU copy (CUDA IPC) settled by ``landed`` alone."""
+    step: Callable[[], str] | None = None
+    """A part that drives its own reads (chunked staging): advances once, returns "PROC"
+    or "DONE", raises on failure."""
 
     def finish(self) -> None:
         if self.cleanup is not None:
@@ -342,6 +346,15 @@ class NixlPullHandle(TransferHandleBase):
                     self._release(part)
                 continue
             if part.state != "PROC":
+                continue
+            if part.step is not None:
+                try:
+                    if part.step() == "PROC":
+                        continue
+                    part.state = "DONE"
+                except Exception as exc:
+                    self._fail(part, f"chunked read of {part.context} failed: {exc!r}")
+                self._release(part)
                 continue
             if part.local:
                 if part.landed is None or part.landed():
@@ -392,6 +405,103 @@ class NixlPullHandle(TransferHandleBase):
         self._release_xfer(part)
         if part.state != "LAND":
             part.finish()
+
+
+#: Slots of the decode's staging pool one chunked read cycles through: one landing while one
+#: scatters and one is read.
+_CHUNK_SLOTS = 3
+
+
+class _ChunkedRead:
+    """One source's packed copy read through a few slots of this rank's staging pool.
+
+    The device plan cuts the packed region into item ranges of at most a slot
+    (``DevicePlan.chunks``); each chunk is one NIXL READ into a free slot, then one scatter of
+    its items from the slot (``device_plan.copy`` with the slot as a packed window), and the
+    slot is free again once the scatter's event has completed. So the READ of chunk ``i + 1``
+    runs while chunk ``i`` scatters, the pool holds ``slots x slot_bytes`` whatever the
+    prompt size, and nothing waits on the host: :meth:`step` only polls.
+    """
+
+    def __init__(
+        self,
+        backend: NixlTransferBackend,
+        plan: dp.DevicePlan,
+        meta: PeerMeta,
+        ticket: Mapping[str, Any],
+        peer: str,
+        n_tok: int,
+        dst_ids: npt.NDArray[np.int64],
+        slots: int,
+        slot_bytes: int,
+    ) -> None:
+        assert backend.staging_buffer is not None
+        self.backend, self.plan, self.meta, self.peer, self.n_tok = (
+            backend, plan, meta, peer, n_tok
+        )  # fmt: skip
+        self.chunks = plan.chunks(n_tok, slot_bytes)
+        self.remote = int(meta["staging"]["addr"]) + int(ticket["offset"])
+        self.offsets = [backend.arena.alloc(slot_bytes) for _ in range(slots)]
+        self.slot_bytes = slot_bytes
+        #: Per slot: None (free), ("read", xfer, chunk) or ("scatter", event or None, chunk).
+        self.busy: list[tuple[str, Any, int] | None] = [None] * slots
+        self.next = 0
+        (self.ids,) = backend._ids.upload(dst_ids)
+
+    def _window(self, slot: int, nbytes: int) -> torch.Tensor:
+        assert self.backend.staging_buffer is not None
+        at = self.offsets[slot]
+        return self.backend.staging_buffer[at : at + nbytes]
+
+    def step(self) -> str:
+        """Advance every slot once: land finished reads (queue their scatter), free slots
+        whose scatter has completed, read the next chunks into free slots."""
+        b = self.backend
+        for slot, held in enumerate(self.busy):
+            if held is not None and held[0] == "read":
+                state = b.agent.check_xfer_state(held[1])
+                if state == "ERR":
+                    raise TransferError(f"NIXL reported ERR for chunk {held[2]}")
+                if state != "DONE":
+                    continue
+                b.agent.release_xfer_handle(held[1])
+                k_lo, k_hi, lo, hi = self.chunks[held[2]]
+                window = self._window(slot, hi - lo)
+                dp.copy(self.plan, dp.Side("packed", window, bias=lo),
+                        dp.Side("dst", b.memory_buffer, self.ids), self.n_tok,
+                        items=(k_lo, k_hi))  # fmt: skip
+                event = None
+                if window.is_cuda:
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record()
+                held = self.busy[slot] = ("scatter", event, held[2])
+            if held is not None and (held[1] is None or held[1].query()):
+                held = self.busy[slot] = None
+            if held is None and self.next < len(self.chunks):
+                _, _, lo, hi = self.chunks[self.next]
+                window = self._window(slot, hi - lo)
+                dev = int(b.buffer_info["device_id"])
+                local = _np_u64([[int(window.data_ptr()), hi - lo, dev]])
+                remote = _np_u64(
+                    [[self.remote + lo, hi - lo, int(self.meta["buffer"]["device_id"])]]
+                )
+                label = f"chunk {self.next} of {self.meta['agent_name']}"
+                self.busy[slot] = ("read", b._post(local, remote, self.meta, self.peer, label),
+                                   self.next)  # fmt: skip
+                self.next += 1
+        done = self.next == len(self.chunks) and all(h is None for h in self.busy)
+        return "DONE" if done else "PROC"
+
+    def close(self) -> None:
+        """Abort reads still in flight and give the slots back (idempotent)."""
+        for held in self.busy:
+            if held is not None and held[0] == "read":
+                with contextlib.suppress(Exception):
+                    self.backend.agent.release_xfer_handle(held[1])
+        self.busy = [None] * len(self.busy)
+        for at in self.offsets:
+            self.backend.arena.free(at)
+        self.offsets = []
 
 
 def _peer_key(metas: Sequence[PeerMeta]) -> tuple[tuple[str, int, int], ...]:
@@ -788,7 +898,10 @@ class NixlTransferBackend(TransferBackendBase):
         agents = {rank: self._ensure_peer_registered(by_rank[rank]) for rank, _ in plan}
         parts: list[_PullPart] = []
         error: str | None = None
+        # Staged reads still to post: a chunked read takes its share of the free pool.
+        staged_left = sum(kind == "staged" for _, kind in plan)
         for rank, kind in plan:
+            staged_left -= kind == "staged"
             try:
                 part = (
                     self._post_staged(
@@ -799,6 +912,7 @@ class NixlTransferBackend(TransferBackendBase):
                         agents[rank],
                         (plans or {}).get(rank),
                         (src_block_ids, dst_block_ids, num_tokens),
+                        share=staged_left + 1,
                     )
                     if kind == "staged"
                     else self._post_direct(rows[rank], rank, by_rank[rank], agents[rank])
@@ -871,7 +985,9 @@ class NixlTransferBackend(TransferBackendBase):
         if dst_ids.size != n_blk or any(x.size != n_blk for x in src_ids):
             return None  # the compiler path names the mismatch
         nbytes = 0
-        with torch.cuda.device(self.memory_buffer.device):
+        index = int(self.memory_buffer.device.index or 0)
+        same = torch.cuda.current_device() == index
+        with contextlib.nullcontext() if same else torch.cuda.device(index):
             dev, slot = self._ids.begin(dst_ids, *src_ids)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             stream = torch.cuda.current_stream()
@@ -990,15 +1106,22 @@ class NixlTransferBackend(TransferBackendBase):
         peer: str,
         plan: dp.DevicePlan | None = None,
         handoff: tuple[BlockIds, BlockIds, int | None] | None = None,
+        *,
+        share: int = 1,
     ) -> _PullPart | None:
         nbytes = int(ticket["nbytes"])
         if nbytes == 0:
             return None
         assert self.staging_buffer is not None  # checked before posting
         if nbytes > self.arena.largest_free:
-            # This engine's staging pool cannot take the packed copy now: read the source's
-            # blocks directly instead (always possible; the packed copy is released as usual).
-            return self._post_direct(program, rank, meta, peer)
+            # This engine's staging pool cannot take the packed copy now: read it in chunks
+            # through a few slots of the pool (a device plan scatters each chunk), else read
+            # the source's blocks directly (always possible; the packed copy is released as
+            # usual).
+            chunked = self._post_chunked(rank, meta, ticket, peer, plan, handoff, share)
+            if chunked is not None:
+                return chunked
+            return self._post_direct(program.direct_descriptors(rank), rank, meta, peer)
         offset = self.arena.alloc(nbytes)
         region = self.staging_buffer[offset : offset + nbytes]
         on_gpu = plan is not None and handoff is not None and region.is_cuda
@@ -1055,6 +1178,45 @@ class NixlTransferBackend(TransferBackendBase):
             landed=lambda: all(bool(ev.query()) for ev in landed),
         )
         part.descriptors = 1
+        return part
+
+    def _post_chunked(
+        self,
+        rank: int,
+        meta: PeerMeta,
+        ticket: Mapping[str, Any],
+        peer: str,
+        plan: dp.DevicePlan | None,
+        handoff: tuple[BlockIds, BlockIds, int | None] | None,
+        share: int = 1,
+    ) -> _PullPart | None:
+        """Read a source's packed copy through at most ``_CHUNK_SLOTS`` slots of this rank's
+        staging pool (``1 / share`` of its largest free range: the other staged sources of
+        the pull read through the rest), or ``None`` when no device plan covers it or no
+        slot fits an item."""
+        if plan is None or handoff is None or handoff[2] is None:
+            return None
+        n_tok = int(handoff[2])
+        dst_ids = np.asarray(handoff[1], dtype=np.int64).reshape(-1)
+        if dst_ids.size != plan.num_blocks(n_tok) or plan.packed_bytes(n_tok) != int(
+            ticket["nbytes"]
+        ):
+            return None
+        item_max = int(plan.planes[:, 3].max()) * plan.tokens_per_block
+        budget = self.arena.largest_free // max(int(share), 1)
+        slots = min(_CHUNK_SLOTS, budget // max(item_max, 1))
+        slot_bytes = (budget // max(slots, 1)) & ~255
+        if slots < 2 or slot_bytes < item_max:
+            return None
+        reader = _ChunkedRead(self, plan, meta, ticket, peer, n_tok, dst_ids, slots, slot_bytes)
+        label = f"chunked:{meta['agent_name']}:{rank}"
+        part = _PullPart(rank, None, cleanup=reader.close, context=label, step=reader.step)
+        part.descriptors = len(reader.chunks)
+        try:
+            reader.step()
+        except Exception:
+            reader.close()
+            raise
         return part
 
     # -- the reference design's primitives -------------------------------------------------
