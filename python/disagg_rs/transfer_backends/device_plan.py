@@ -390,6 +390,7 @@ class PreparedCopy:
         self._consts = (a_col, a_bs // u, a_ts // u, 0, b_col, b_bs // u, b_ts // u, 0)
         self._vec = _UNIT_LANES[self.unit][1]
         self._compiled: dict[tuple[bool, ...], Any] = {}
+        self._ptrs = (self.a_lanes.data_ptr(), self.b_lanes.data_ptr(), self.table.data_ptr())
         self._fast = self.device.type == "cuda" and _triton()
 
     def __call__(
@@ -406,23 +407,32 @@ class PreparedCopy:
         if not self._fast:
             return copy(plan, Side("src", self.a, a_ids), Side("dst", self.b, b_ids), n_tok)
         tpb = plan.tokens_per_block
-        args = (self.a_lanes, self.b_lanes, self.table, a_ids, b_ids, n_blk, int(n_tok), tpb, 0,
-                *self._consts, False, False, self._vec, BLOCK)  # fmt: skip
-        key = tuple(t.data_ptr() % 16 == 0 for t in args[:5])
+        a_ptr, b_ptr = a_ids.data_ptr(), b_ids.data_ptr()
+        key = (a_ptr % 16 == 0, b_ptr % 16 == 0)
         compiled = self._compiled.get(key)
         if compiled is None or not hasattr(compiled, "run"):
-            out = _kernel()[(grid,)](*args[:17], A_PACKED=False, B_PACKED=False, VEC=self._vec,
-                                     BLOCK=BLOCK)  # fmt: skip
-            self._compiled[key] = out
-        else:
-            from triton import knobs
+            self._compiled[key] = _kernel()[(grid,)](
+                self.a_lanes, self.b_lanes, self.table, a_ids, b_ids, n_blk, int(n_tok), tpb, 0,
+                *self._consts, A_PACKED=False, B_PACKED=False, VEC=self._vec, BLOCK=BLOCK,
+            )  # fmt: skip
+            return plan.packed_bytes(n_tok)
+        from triton import knobs
 
-            if stream is None:
-                stream = torch.cuda.current_stream(self.device).cuda_stream
-            hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-            meta = compiled.launch_metadata((grid, 1, 1), stream, *args)
-            compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, meta,
-                         *hooks, *args)  # fmt: skip
+        # Raw addresses: Triton's launcher then skips a data_ptr() call and a pointer query
+        # per tensor (the buffers are held by this object, the ids by the caller). The
+        # buffers' alignment is fixed; the ids' is the key.
+        args = (*self._ptrs, a_ptr, b_ptr, n_blk, int(n_tok), tpb, 0, *self._consts,
+                False, False, self._vec, BLOCK)  # fmt: skip
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+        meta = (
+            None
+            if hooks[0] is None and hooks[1] is None
+            else compiled.launch_metadata((grid, 1, 1), stream, *args)
+        )
+        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, meta,
+                     *hooks, *args)  # fmt: skip
         return plan.packed_bytes(n_tok)
 
 
@@ -496,6 +506,8 @@ class IdUploader:
         self.device = device
         self.capacity = int(capacity)
         self._slots: list[tuple[torch.Tensor, torch.Tensor | None, Any]] = []
+        self._views: list[npt.NDArray[np.int64]] = []
+        self._cuts: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor, list[Any]]] = {}
         self._next = 0
         self._lock = threading.Lock()
 
@@ -528,14 +540,20 @@ class IdUploader:
             slot = self._slot(n)
             host, dev, _ = self._slots[slot]
             self._slots[slot] = (host, dev, _BUSY)
-        view = host.numpy()
+            view = self._views[slot]
         for p, at in zip(parts, starts, strict=False):
             view[at : at + p.size] = p
         if fresh or dev is None:
             dev = host[:n].to(self.device, non_blocking=True)
-        else:
-            dev[:n].copy_(host[:n], non_blocking=True)
-        return [dev[at : at + p.size] for p, at in zip(parts, starts, strict=False)], slot
+            return [dev[at : at + p.size] for p, at in zip(parts, starts, strict=False)], slot
+        # The slot's device views of the last cut, reused while the part sizes repeat.
+        sizes = tuple(p.size for p in parts)
+        cut = self._cuts.get(slot)
+        if cut is None or cut[0] != sizes:
+            views = [dev[at : at + p.size] for p, at in zip(parts, starts, strict=False)]
+            cut = self._cuts[slot] = (sizes, host[:n], dev[:n], views)
+        cut[2].copy_(cut[1], non_blocking=True)
+        return list(cut[3]), slot
 
     def settle(self, slot: int, event: Any) -> None:
         """Slot ``slot`` is free once ``event`` (recorded after its readers) has completed."""
@@ -555,6 +573,7 @@ class IdUploader:
         host = torch.empty(size, dtype=torch.int64).pin_memory()
         dev = torch.empty(size, dtype=torch.int64, device=self.device)
         self._slots.append((host, dev, None))
+        self._views.append(host.numpy())
         self._next = len(self._slots)
         return len(self._slots) - 1
 

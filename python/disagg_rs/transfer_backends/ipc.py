@@ -139,8 +139,14 @@ class IpcMapper:
         if int(ipc["pid"]) == os.getpid():
             with _LOCAL_LOCK:
                 same = _LOCAL.get(str(ipc["handle"]))
+            # Another GPU's buffer of this process: kernels here could not read it without
+            # peer access, which only an IPC mapping enables; the network path takes it.
             if same is None:
                 return None
+            if local is not None and local.type == "cuda":
+                here = local.index if local.index is not None else torch.cuda.current_device()
+                if same.device.index != here:
+                    return None
             return same.reshape(-1).view(torch.uint8)[:nbytes]
         home = _local_index(str(ipc["device_uuid"]))
         if home is None:
