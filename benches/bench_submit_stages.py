@@ -1,0 +1,119 @@
+"""Where the host time of one same-host pull goes: ``begin_pull_blocks`` of an 8K-token
+TP2 -> TP1 handoff (80 layers, 8 KV heads, head_dim 128, bf16, 64 tokens/block, random block
+ids) on the CUDA IPC path, and each of its stages alone, with ``time.perf_counter_ns``.
+
+Both sources and the decode live in this process on one GPU (the IPC path finds the
+sources' buffers in the process-local table). The GPU queue is drained between calls, so
+the numbers are host time only. Needs a CUDA GPU and NIXL.
+
+Command: ``python benches/bench_submit_stages.py [--device cuda:0] [--repeat 200]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from disagg_rs import _core
+from disagg_rs.transfer_backends.nixl import NixlTransferBackend, _peer_key, _rank_ids
+
+LAYERS, HEADS, DIM, TPB = 80, 8, 128, 64
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--repeat", type=int, default=200)
+    args = ap.parse_args()
+    n_blk = 128
+    blocks = n_blk + 8
+    tokens = n_blk * TPB
+
+    def cache(heads: int) -> torch.Tensor:
+        shape = (2, LAYERS, blocks, TPB, heads, DIM)
+        return torch.zeros(shape, dtype=torch.bfloat16, device=args.device)
+
+    kw: dict[str, Any] = {"num_kv_heads_global": HEADS, "mode": "staged"}
+    dec = NixlTransferBackend("dec", cache(HEADS), blocks, **kw)
+    root = NixlTransferBackend(
+        "pre", cache(HEADS // 2), blocks, tp_size=2, tp_rank=0, global_rank=0, **kw
+    )
+    other = root.new_registered_buffer(
+        memory_buffer=cache(HEADS // 2),
+        expected_num_blocks=blocks,
+        tp_size=2,
+        tp_rank=1,
+        global_rank=1,
+        **kw,
+    )
+    metas = [b.export_meta() for b in (root, other)]
+    rng = np.random.default_rng(0)
+    sids = {r: [int(x) for x in rng.permutation(blocks)[:n_blk]] for r in range(2)}
+    dids = [int(x) for x in rng.permutation(blocks)[:n_blk]]
+    first = dec.begin_pull_blocks(metas, sids, dids, num_tokens=tokens)
+    first.wait()
+    print("modes", first.stats.get("modes"))
+
+    def stage(name: str, fn: Callable[[], Any]) -> None:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter_ns()
+            fn()
+            times.append(time.perf_counter_ns() - t0)
+            torch.cuda.synchronize()
+        print(f"| {name} | {statistics.median(times) / 1e3:,.1f} |", flush=True)
+
+    sa = {r: np.asarray(v) for r, v in sids.items()}
+    da = np.asarray(dids)
+    print("| stage | us |\n|---|---:|")
+    stage(
+        "whole call, ids as lists",
+        lambda: dec.begin_pull_blocks(metas, sids, dids, num_tokens=tokens),
+    )
+    stage(
+        "whole call, ids as arrays", lambda: dec.begin_pull_blocks(metas, sa, da, num_tokens=tokens)
+    )
+    stage("resolve peers", lambda: dec._resolve_peers(metas, sids))
+    peers, ids = dec._resolve_peers(metas, sids)
+    stage(
+        "check ids, lists", lambda: dec._validate_peers(peers, ids, dids, tokens, local_is_dst=True)
+    )
+    stage(
+        "check ids, arrays", lambda: dec._validate_peers(peers, sa, da, tokens, local_is_dst=True)
+    )
+    stage("check tickets", lambda: _core.check_staging_tickets_of([], peers))
+    pm = [p.meta for p in peers]
+    by_rank = {p.global_rank: p.meta for p in peers}
+    stage("IPC route", lambda: dec._pull_by_ipc(pm, by_rank, ids, dids, tokens))
+    stage(
+        "ids to arrays", lambda: (np.asarray(dids, np.int64), [_rank_ids(ids, r) for r in (0, 1)])
+    )
+    _, copies, _, _ = dec._ipc_routes[_peer_key(pm)]
+    d0 = np.asarray(dids, dtype=np.int64)
+    s0 = [_rank_ids(ids, r) for r in (0, 1)]
+
+    def upload() -> None:
+        _, slot = dec._ids.begin(d0, *s0)
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record()
+        dec._ids.settle(slot, ev)
+
+    stage("ids upload + event", upload)
+    views, _ = dec._ids.begin(d0, *s0)
+    stream = torch.cuda.current_stream()
+    stage("one launch", lambda: copies[0](tokens, views[1], views[0], stream.cuda_stream))
+    stage("torch.cuda.current_stream()", torch.cuda.current_stream)
+    for b in (other, root, dec):
+        b.close()
+
+
+if __name__ == "__main__":
+    main()
