@@ -434,9 +434,9 @@ class _ChunkedRead:
         ticket: Mapping[str, Any],
         peer: str,
         n_tok: int,
-        dst_ids: npt.NDArray[np.int64],
-        slots: int,
+        ids: torch.Tensor,
         slot_bytes: int,
+        offsets: list[int],
     ) -> None:
         assert backend.staging_buffer is not None
         self.backend, self.plan, self.meta, self.peer, self.n_tok = (
@@ -444,12 +444,12 @@ class _ChunkedRead:
         )  # fmt: skip
         self.chunks = plan.chunks(n_tok, slot_bytes)
         self.remote = int(meta["staging"]["addr"]) + int(ticket["offset"])
-        self.offsets = [backend.arena.alloc(slot_bytes) for _ in range(slots)]
+        self.offsets = offsets
         self.slot_bytes = slot_bytes
         #: Per slot: None (free), ("read", xfer, chunk) or ("scatter", event or None, chunk).
-        self.busy: list[tuple[str, Any, int] | None] = [None] * slots
+        self.busy: list[tuple[str, Any, int] | None] = [None] * len(offsets)
         self.next = 0
-        (self.ids,) = backend._ids.upload(dst_ids)
+        self.ids = ids
 
     def _window(self, slot: int, nbytes: int) -> torch.Tensor:
         assert self.backend.staging_buffer is not None
@@ -1208,13 +1208,12 @@ class NixlTransferBackend(TransferBackendBase):
             ticket["nbytes"]
         ):
             return None
+        (ids,) = self._ids.upload(dst_ids)
         item_max = int(plan.planes[:, 3].max()) * plan.tokens_per_block
-        budget = self.arena.largest_free // max(int(share), 1)
-        slots = min(_CHUNK_SLOTS, budget // max(item_max, 1))
-        slot_bytes = (budget // max(slots, 1)) & ~255
-        if slots < 2 or slot_bytes < item_max:
+        slots = self.arena.alloc_slots(item_max, share, _CHUNK_SLOTS)
+        if slots is None:
             return None
-        reader = _ChunkedRead(self, plan, meta, ticket, peer, n_tok, dst_ids, slots, slot_bytes)
+        reader = _ChunkedRead(self, plan, meta, ticket, peer, n_tok, ids, *slots)
         label = f"chunked:{meta['agent_name']}:{rank}"
         part = _PullPart(rank, None, cleanup=reader.close, context=label, step=reader.step)
         part.descriptors = len(reader.chunks)

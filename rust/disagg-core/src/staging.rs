@@ -121,6 +121,41 @@ impl StagingRanges {
         Ok(offset)
     }
 
+    /// Slots for a chunked transfer: at most `max_slots` equal ranges of the largest free
+    /// range's `1 / share` (the rest is left to `share - 1` other transfers), each a multiple
+    /// of the alignment and at least `item_bytes` (the smallest piece a chunk can hold), at
+    /// least two (one lands while the other is read). Returns `(slot_bytes, offsets)`, or
+    /// `None` (nothing reserved) when two such slots do not fit.
+    pub fn alloc_slots(
+        &mut self,
+        item_bytes: u64,
+        share: u64,
+        max_slots: u64,
+    ) -> Option<(u64, Vec<u64>)> {
+        let budget = self.largest_free() / share.max(1);
+        let slots = max_slots.min(budget / item_bytes.max(1));
+        if slots < 2 {
+            return None;
+        }
+        let slot_bytes = budget / slots / self.alignment * self.alignment;
+        if slot_bytes < item_bytes.max(1) {
+            return None;
+        }
+        let mut offsets = Vec::new();
+        for _ in 0..slots {
+            match self.alloc(slot_bytes) {
+                Ok(at) => offsets.push(at),
+                Err(_) => {
+                    for at in offsets {
+                        self.free(at);
+                    }
+                    return None;
+                }
+            }
+        }
+        Some((slot_bytes, offsets))
+    }
+
     /// Return the range starting at `offset`; `false` (and nothing changes) when no range
     /// starts there, so a repeated release is harmless.
     pub fn free(&mut self, offset: u64) -> bool {
@@ -143,6 +178,24 @@ impl StagingRanges {
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
+
+    #[test]
+    fn chunk_slots_share_the_largest_free_range_and_each_hold_an_item() {
+        let mut pool = StagingRanges::new(4096, 256).unwrap();
+        let (bytes, offs) = pool.alloc_slots(1024, 2, 3).unwrap();
+        assert_eq!((bytes, offs.len()), (1024, 2));
+        // The other half is left for the second source.
+        assert_eq!(pool.largest_free(), 2048);
+        let (bytes2, offs2) = pool.alloc_slots(512, 1, 3).unwrap();
+        assert_eq!((bytes2, offs2.len()), (512, 3));
+        for at in offs.into_iter().chain(offs2) {
+            assert!(pool.free(at));
+        }
+        assert_eq!(pool.in_use(), 0);
+        // Fewer than two items fit: nothing is reserved.
+        assert!(pool.alloc_slots(3000, 1, 3).is_none());
+        assert!(pool.alloc_slots(0, 0, 3).is_some_and(|(b, o)| b >= 256 && o.len() == 3));
+    }
 
     use super::*;
 

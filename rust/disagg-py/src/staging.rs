@@ -50,6 +50,20 @@ impl PyStagingRanges {
         let size = size.to_u64(Kind::Argument, "size")?;
         lock(&self.inner)?.alloc(size).py()
     }
+    /// Slots for a chunked transfer: at most `max_slots` equal ranges of the largest free
+    /// range's `1 / share`, each aligned and at least `item_bytes`, two at least. Returns
+    /// `(slot_bytes, offsets)`, or `None` (nothing reserved) when two do not fit.
+    fn alloc_slots(
+        &self,
+        item_bytes: Int,
+        share: Int,
+        max_slots: Int,
+    ) -> PyResult<Option<(u64, Vec<u64>)>> {
+        let item = item_bytes.to_u64(Kind::Argument, "item_bytes")?;
+        let share = share.to_u64(Kind::Argument, "share")?;
+        let max_slots = max_slots.to_u64(Kind::Argument, "max_slots")?;
+        Ok(lock(&self.inner)?.alloc_slots(item, share, max_slots))
+    }
     /// Return the range at `offset`; `False` when none starts there (idempotent release).
     fn free(&self, offset: Int) -> PyResult<bool> {
         let offset = offset.to_u64(Kind::Argument, "offset")?;
