@@ -143,14 +143,13 @@ impl StagingRanges {
         }
         let mut offsets = Vec::new();
         for _ in 0..slots {
-            match self.alloc(slot_bytes) {
-                Ok(at) => offsets.push(at),
-                Err(_) => {
-                    for at in offsets {
-                        self.free(at);
-                    }
-                    return None;
+            if let Ok(at) = self.alloc(slot_bytes) {
+                offsets.push(at);
+            } else {
+                for at in offsets {
+                    self.free(at);
                 }
+                return None;
             }
         }
         Some((slot_bytes, offsets))
