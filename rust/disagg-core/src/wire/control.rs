@@ -9,8 +9,8 @@
 use crate::error::{DisaggError, DisaggResult};
 use crate::wire::msgpack::{self, Value};
 
-/// Version of the control protocol (2 added HEARTBEAT and FENCED).
-pub const PROTOCOL_VERSION: i64 = 2;
+/// Version of the control protocol (2 added HEARTBEAT and FENCED, 3 HEARTBEAT_ACK).
+pub const PROTOCOL_VERSION: i64 = 3;
 /// Longest prompt a SUBMIT may carry.
 pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
 /// Largest `max_new_tokens` a SUBMIT may ask for.
@@ -91,6 +91,7 @@ pub enum Kind {
     Shutdown,
     Heartbeat,
     Fenced,
+    HeartbeatAck,
 }
 
 const RID: Field = req("request_id", FieldType::Id);
@@ -103,7 +104,7 @@ const TOKEN_CAP: usize = MAX_NEW_TOKENS as usize;
 
 impl Kind {
     /// Every type, in wire-name order of the protocol description.
-    pub const ALL: [Kind; 19] = [
+    pub const ALL: [Kind; 20] = [
         Kind::Register,
         Kind::Registered,
         Kind::Peers,
@@ -123,6 +124,7 @@ impl Kind {
         Kind::Shutdown,
         Kind::Heartbeat,
         Kind::Fenced,
+        Kind::HeartbeatAck,
     ];
 
     /// The name on the wire.
@@ -147,6 +149,7 @@ impl Kind {
             Kind::Shutdown => "SHUTDOWN",
             Kind::Heartbeat => "HEARTBEAT",
             Kind::Fenced => "FENCED",
+            Kind::HeartbeatAck => "HEARTBEAT_ACK",
         }
     }
 
@@ -224,7 +227,9 @@ impl Kind {
                 vec![RID, opt("epoch", T::Id), req("error", T::Text), opt("quiet", T::Bool)]
             }
             Kind::Shutdown => vec![],
-            Kind::Heartbeat => vec![req("engine_id", T::Text), req("incarnation", T::Id)],
+            Kind::Heartbeat | Kind::HeartbeatAck => {
+                vec![req("engine_id", T::Text), req("incarnation", T::Id)]
+            }
             Kind::Fenced => vec![req("engine_id", T::Text)],
         }
     }
@@ -520,14 +525,14 @@ mod tests {
     fn a_missing_required_field_is_named_and_optional_ones_may_be_absent() {
         let frame = enc(&[
             ("type", s("KV_IMPORTED")),
-            ("v", Value::Int(2)),
+            ("v", Value::Int(PROTOCOL_VERSION)),
             ("request_id", Value::Int(1)),
             ("epoch", Value::Int(1)),
         ]);
         assert_eq!(field_of(decode_message(&frame, true)), "ok");
         let frame = enc(&[
             ("type", s("KV_IMPORTED")),
-            ("v", Value::Int(2)),
+            ("v", Value::Int(PROTOCOL_VERSION)),
             ("request_id", Value::Int(1)),
             ("epoch", Value::Int(1)),
             ("ok", Value::Bool(true)),
@@ -539,7 +544,7 @@ mod tests {
     fn engine_bound_types_are_refused_only_on_the_coordinator_side() {
         let frame = enc(&[
             ("type", s("ABORT")),
-            ("v", Value::Int(2)),
+            ("v", Value::Int(PROTOCOL_VERSION)),
             ("request_id", Value::Int(1)),
             ("epoch", Value::Int(3)),
         ]);
