@@ -88,7 +88,7 @@ class EngineLink:
         self._clock = clock
         self.coordinator_timeout_s = coordinator_timeout_s
         self.peers: dict[str, dict[str, Any]] = {}
-        self._last_sent = self._last_heard = self._last_probe = clock()
+        self._last_sent = self._last_probe = clock()
         self._meta: Any = None
         self._backlog: list[dict[str, Any]] = []
         self._given: dict[int, int] = {}  # request id -> epoch, until this engine is done
@@ -98,6 +98,8 @@ class EngineLink:
         """Undecodable frames received (dropped)."""
         self.unsent = 0
         """Messages dropped because the coordinator's queue was full (it does not read)."""
+        self.last_heard = self._last_sent
+        """When (on ``clock``) the last message from the coordinator arrived."""
         self.coordinator_lost = False
         """Whether the coordinator is silent past ``coordinator_timeout_s`` now."""
         self.coordinator_losses = 0
@@ -147,7 +149,7 @@ class EngineLink:
         one per interval; call it from the serving loop). The coordinator acknowledges each
         one, so a coordinator that answers nothing is detected. Returns whether one was sent."""
         now = self._clock()
-        idle = max(now - self._last_sent, now - self._last_heard)
+        idle = max(now - self._last_sent, now - self.last_heard)
         if idle < interval_s or now - self._last_probe < interval_s:
             return False
         self._last_probe = now
@@ -182,7 +184,7 @@ class EngineLink:
         return out + self._check_coordinator()
 
     def _heard(self) -> None:
-        self._last_heard = self._clock()
+        self.last_heard = self._clock()
         if self.coordinator_lost:  # back (or a new one): it may not know this engine
             self.coordinator_lost = False
             if self._meta is not None:
@@ -196,7 +198,7 @@ class EngineLink:
 
     def _check_coordinator(self) -> list[dict[str, Any]]:
         timeout = self.coordinator_timeout_s
-        silent = self._clock() - self._last_heard
+        silent = self._clock() - self.last_heard
         if self.coordinator_lost or timeout is None or silent <= timeout:
             return []
         self.coordinator_lost = True
