@@ -93,8 +93,7 @@ def test_a_registered_engine_that_never_reads_is_fenced_and_its_requests_fail() 
         while not srv.slow_engines and submitted < 400:
             client.submit(submitted, prompt, 1)
             submitted += 1
-            handled = lambda: srv.state.failed + len(srv.state.requests) == submitted  # noqa: E731
-            _until(handled, lambda: srv.run_once(20))
+            _until(lambda n=submitted: _handled(srv) == n, lambda: srv.run_once(20))
         assert srv.slow_engines == {"p0": 1}
         assert "p0" not in srv.state.engines and not srv.state.requests
         assert srv.state.failed == submitted
@@ -112,6 +111,11 @@ def test_a_registered_engine_that_never_reads_is_fenced_and_its_requests_fail() 
         hostile.close(0)
         client.close()
         srv.close()
+
+
+def _handled(srv: CoordinatorServer) -> int:
+    """SUBMITs the coordinator has acted on (each is live or has failed)."""
+    return srv.state.failed + len(srv.state.requests)
 
 
 def _failures(client: ControlClient) -> list[tuple[int, str]]:
@@ -179,7 +183,10 @@ def test_the_coordinator_acknowledges_heartbeats_so_a_live_one_is_never_declared
             assert link.heartbeat(1.0)
             got: list[dict[str, Any]] = []
             heard = link.last_heard
-            _until(lambda: link.last_heard > heard, lambda: got.extend(link.poll(20)))
+            _until(
+                lambda heard=heard: link.last_heard > heard,
+                lambda got=got: got.extend(link.poll(20)),
+            )
             assert got == []  # the ack is consumed by the link, never handed to the engine
             clock.now += DEFAULT_LIVENESS_TIMEOUT_S * 0.45
             assert link.poll(0) == [] and not link.coordinator_lost
@@ -220,7 +227,7 @@ def test_an_engine_declares_a_silent_coordinator_lost_and_aborts_what_it_was_giv
         aborts = link.poll(0)
         # Only request 3 is still this engine's; 4 ended with its PREFILL_FAILED.
         assert aborts == [{"type": Msg.ABORT, "request_id": 3, "epoch": given[0]["epoch"]}]
-        assert link.coordinator_lost and link.coordinator_losses == 1
+        assert link.coordinator_lost and link.coordinator_losses == 1 and link.abandoned == 1
         clock.now += 100.0
         assert link.poll(0) == [] and link.coordinator_losses == 1  # declared once
     finally:
@@ -260,4 +267,85 @@ def test_an_answer_before_the_deadline_is_never_followed_by_a_failed(
         clock.now += 100.0
         assert list(client.events(0.01)) == []
     finally:
+        client.close()
+
+
+def test_engines_abort_their_work_when_the_coordinator_dies_and_leak_nothing() -> None:
+    """A prefill and a decode reference engine (real NIXL over UCX loopback), each served by a
+    HandoffDriver over a real EngineLink; the coordinator dies while a request is decoding.
+    Every valid outcome is accepted for the other requests (done before the loss, or
+    aborted); afterwards nothing is leaked, no pin outlives its lease, and the client hears
+    FAILED for every unanswered request by its deadline."""
+    from disagg_rs.driver import HandoffDriver
+    from disagg_rs.reference import EngineConfig, hybrid_model
+    from disagg_rs.reference.handoff import HandoffReferenceEngine
+
+    clock = Clock(1.0)
+    srv = CoordinatorServer(insecure=True, engine_timeout_s=None)
+    serving = threading.Thread(target=srv.serve, daemon=True)
+    serving.start()
+    engines: dict[str, Any] = {}
+    drivers: dict[str, HandoffDriver] = {}
+    links: dict[str, EngineLink] = {}
+    client = ControlClient(srv.endpoint, insecure=True, clock=clock, default_timeout_s=30.0)
+    try:
+        for rank, role in enumerate(("prefill", "decode")):
+            eng = HandoffReferenceEngine(
+                hybrid_model(),
+                EngineConfig(role=role, ranks=(rank,), num_blocks=64, num_ssm_slots=4),
+            )
+            eng.handoff_now_ns = int(clock.now * 1e9)
+            eng.setup_kv_transfer(role, "nixl", staging_bytes=8 << 20)
+            engines[role] = eng
+            links[role] = EngineLink(srv.endpoint, role, role, 1, insecure=True, clock=clock)
+            drivers[role] = HandoffDriver(eng, links[role], shutdown_grace_s=5.0)
+        events: list[dict[str, Any]] = []
+
+        def turn(dt: float) -> None:
+            clock.now += dt
+            for d in drivers.values():
+                for msg in d.receive():
+                    d.on_message(msg)
+                d.tick(int(clock.now * 1e9))
+            events.extend(client.events(0.0))
+
+        prompts = {0: list(b"A prompt that decodes for long."), 1: list(b"Another one.")}
+        for rid, prompt in prompts.items():
+            client.submit(rid, prompt, 120)
+        _until(lambda: any(e["type"] is Msg.TOKENS for e in events), lambda: turn(0.001))
+    finally:
+        srv.stop()
+        serving.join(30)
+        srv.close()  # the coordinator dies with work in flight
+    try:
+        answered = {e["request_id"] for e in events if e["type"] in (Msg.DONE, Msg.FAILED)}
+        # Virtual time runs past the liveness timeout, the pins' lease and the deadlines.
+        _until(
+            lambda: (
+                all(lk.coordinator_lost for lk in links.values())
+                and not any(d.busy for d in drivers.values())
+            ),
+            lambda: turn(0.25),
+        )
+        for _ in range(40):  # 80 virtual seconds: past every deadline
+            turn(2.0)
+        ends = [e for e in events if e["type"] in (Msg.DONE, Msg.FAILED)]
+        assert sorted(e["request_id"] for e in ends) == sorted(prompts)  # each ends once
+        late = [e for e in ends if e["request_id"] not in answered]
+        assert late and all(e["type"] is Msg.FAILED for e in late)
+        assert all(lk.coordinator_losses == 1 for lk in links.values())
+        assert links["decode"].abandoned >= 1  # the decoding request was aborted, not finished
+        for d in drivers.values():
+            d.on_message({"type": Msg.SHUTDOWN})
+        _until(lambda: not any(d.running for d in drivers.values()), lambda: turn(0.25))
+        for d in drivers.values():
+            report = d.drain()  # raises if a block, slot or pin is not back
+            assert report["leaked_blocks"] == 0 and report["pinned"] == 0
+            assert report["quarantined"] == 0
+        assert engines["decode"].has_work is False
+    finally:
+        for eng in engines.values():
+            eng.close_kv_transfer()
+        for lk in links.values():
+            lk.close()
         client.close()

@@ -104,6 +104,8 @@ class EngineLink:
         """Whether the coordinator is silent past ``coordinator_timeout_s`` now."""
         self.coordinator_losses = 0
         """How many times the coordinator was declared lost."""
+        self.abandoned = 0
+        """Requests aborted because the coordinator was declared lost."""
 
     def register(self, meta: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """Publish static metadata once; returns the peers known to the coordinator."""
@@ -204,6 +206,7 @@ class EngineLink:
         self.coordinator_lost = True
         self.coordinator_losses += 1
         given, self._given = self._given, {}
+        self.abandoned += len(given)
         return [
             {"type": Msg.ABORT, "request_id": rid, "epoch": epoch}
             for rid, epoch in sorted(given.items())
