@@ -182,15 +182,15 @@ def test_the_coordinator_acknowledges_heartbeats_so_a_live_one_is_never_declared
             clock.now += DEFAULT_LIVENESS_TIMEOUT_S * 0.45
             assert link.heartbeat(1.0)
             got: list[dict[str, Any]] = []
-            heard = link.last_heard
+            heard = link.liveness.last_heard
             _until(
-                lambda heard=heard: link.last_heard > heard,
+                lambda heard=heard: link.liveness.last_heard > heard,
                 lambda got=got: got.extend(link.poll(20)),
             )
             assert got == []  # the ack is consumed by the link, never handed to the engine
             clock.now += DEFAULT_LIVENESS_TIMEOUT_S * 0.45
             assert link.poll(0) == [] and not link.coordinator_lost
-        assert link.coordinator_losses == 0
+        assert link.liveness.counters()["losses"] == 0
     finally:
         link.close()
 
@@ -227,9 +227,10 @@ def test_an_engine_declares_a_silent_coordinator_lost_and_aborts_what_it_was_giv
         aborts = link.poll(0)
         # Only request 3 is still this engine's; 4 ended with its PREFILL_FAILED.
         assert aborts == [{"type": Msg.ABORT, "request_id": 3, "epoch": given[0]["epoch"]}]
-        assert link.coordinator_lost and link.coordinator_losses == 1 and link.abandoned == 1
+        assert link.coordinator_lost
+        assert link.liveness.counters() == {"losses": 1, "abandoned": 1}
         clock.now += 100.0
-        assert link.poll(0) == [] and link.coordinator_losses == 1  # declared once
+        assert link.poll(0) == [] and link.liveness.counters()["losses"] == 1  # declared once
     finally:
         link.close()
         client.close()
@@ -333,8 +334,10 @@ def test_engines_abort_their_work_when_the_coordinator_dies_and_leak_nothing() -
         assert sorted(e["request_id"] for e in ends) == sorted(prompts)  # each ends once
         late = [e for e in ends if e["request_id"] not in answered]
         assert late and all(e["type"] is Msg.FAILED for e in late)
-        assert all(lk.coordinator_losses == 1 for lk in links.values())
-        assert links["decode"].abandoned >= 1  # the decoding request was aborted, not finished
+        assert all(lk.liveness.counters()["losses"] == 1 for lk in links.values())
+        assert (
+            links["decode"].liveness.counters()["abandoned"] >= 1
+        )  # the decoding request was aborted, not finished
         for d in drivers.values():
             d.on_message({"type": Msg.SHUTDOWN})
         _until(lambda: not any(d.running for d in drivers.values()), lambda: turn(0.25))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -55,6 +56,27 @@ class ControlPlaneKeys:
     def engine_public_keys(self) -> dict[str, bytes]:
         """The coordinator's allow-list: engine id -> public key."""
         return {e: k.public for e, k in self.engines.items()}
+
+    def server_args(self) -> dict[str, Any]:
+        """The key arguments of :class:`~disagg_rs.control.CoordinatorServer`."""
+        clients = [self.client.public]
+        return {
+            "keys": self.coordinator,
+            "engine_keys": self.engine_public_keys(),
+            "client_keys": clients,
+        }
+
+    def engine_args(self, engine_id: str) -> dict[str, Any]:
+        """The key arguments of :class:`~disagg_rs.control.EngineLink` for ``engine_id``."""
+        return {"keys": self.engines[engine_id], "server_key": self.coordinator.public}
+
+    def client_args(self) -> dict[str, Any]:
+        """The key arguments of :class:`~disagg_rs.control.ControlClient`."""
+        return {"keys": self.client, "server_key": self.coordinator.public}
+
+
+INSECURE: dict[str, Any] = {"insecure": True}
+"""The arguments that run any end of the control plane as plain TCP (logs a warning)."""
 
 
 def use_curve(keys: object, peer_key: object, insecure: bool, what: str, where: str) -> bool:

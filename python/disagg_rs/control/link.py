@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from disagg_rs._core import LinkLiveness
 from disagg_rs.control.keys import CurveKeys, connect_with, use_curve
 from disagg_rs.control.messages import (
     DEFAULT_LIVENESS_TIMEOUT_S,
@@ -25,11 +26,6 @@ from disagg_rs.control.messages import (
     encode_message,
 )
 from disagg_rs.exceptions import TransferTimeout
-
-# What an engine is given (opens a request) and what ends its part in it.
-_GIVEN = (Msg.PREFILL, Msg.SUBMIT_REQUEST_WITH_KV)
-_ENDED_BY_COORDINATOR = (Msg.ABORT, Msg.RELEASE_KV)
-_ENDED_BY_ENGINE = (Msg.PREFILL_FAILED, Msg.DONE, Msg.FAILED)
 
 
 def _dealer(
@@ -56,7 +52,7 @@ class EngineLink:
     ``keys`` and ``server_key``: this engine's CURVE key pair and the coordinator's public key;
     without them the link refuses to start unless ``insecure=True``. ``coordinator_timeout_s``
     (``None``: off): when nothing came from the coordinator for this long, :meth:`poll`
-    declares it lost (``coordinator_lost``, counted in ``coordinator_losses``) and returns an
+    declares it lost (``coordinator_lost``; counted in ``liveness``) and returns an
     ABORT for every request this engine was given and has not finished, so the driver fails
     that work cleanly (a prefill's pins then end with their lease); once the coordinator is
     heard again the engine registers again. ``clock``: seconds, for these decisions (a virtual
@@ -80,32 +76,28 @@ class EngineLink:
         self.engine_id = engine_id
         self.role = role
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
-        if coordinator_timeout_s is not None:
-            check_timeout(coordinator_timeout_s, "coordinator_timeout_s")
+        self.liveness = LinkLiveness(coordinator_timeout_s, clock())  # refuses a bad timeout
+        """The coordinator's liveness as this engine sees it (decided in the core)."""
         self._sock = _dealer(endpoint, keys, server_key, insecure, f"engine {engine_id}", send_hwm)
         self._sock.setsockopt(zmq.IDENTITY, f"{role}:{engine_id}:{self.incarnation}".encode())
         self._sock.connect(endpoint)
         self._clock = clock
         self.coordinator_timeout_s = coordinator_timeout_s
         self.peers: dict[str, dict[str, Any]] = {}
-        self._last_sent = self._last_probe = clock()
         self._meta: Any = None
         self._backlog: list[dict[str, Any]] = []
-        self._given: dict[int, int] = {}  # request id -> epoch, until this engine is done
         self.fenced = 0
         """How many times the coordinator fenced this engine (it then registered again)."""
         self.malformed = 0
         """Undecodable frames received (dropped)."""
         self.unsent = 0
         """Messages dropped because the coordinator's queue was full (it does not read)."""
-        self.last_heard = self._last_sent
-        """When (on ``clock``) the last message from the coordinator arrived."""
-        self.coordinator_lost = False
-        """Whether the coordinator is silent past ``coordinator_timeout_s`` now."""
-        self.coordinator_losses = 0
-        """How many times the coordinator was declared lost."""
-        self.abandoned = 0
-        """Requests aborted because the coordinator was declared lost."""
+
+    @property
+    def coordinator_lost(self) -> bool:
+        """Whether the coordinator is silent past ``coordinator_timeout_s`` now
+        (``liveness.counters()``: ``losses``, and ``abandoned`` requests)."""
+        return self.liveness.lost
 
     def register(self, meta: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """Publish static metadata once; returns the peers known to the coordinator."""
@@ -137,24 +129,20 @@ class EngineLink:
     def send(self, kind: Msg, **fields: Any) -> None:
         """Send one message to the coordinator; never blocks (a message the coordinator's
         queue cannot take is dropped and counted in ``unsent``)."""
-        if kind in _ENDED_BY_ENGINE:
-            self._given.pop(fields.get("request_id", -1), None)
         try:
             self._sock.send(encode_message(kind, **fields), zmq.NOBLOCK)
+            delivered = True
         except zmq.Again:
             self.unsent += 1
-            return
-        self._last_sent = self._clock()
+            delivered = False
+        self.liveness.sent(kind.value, fields.get("request_id"), delivered, self._clock())
 
     def heartbeat(self, interval_s: float = 1.0) -> bool:
         """Send HEARTBEAT if nothing was sent, or nothing heard, for ``interval_s`` (at most
         one per interval; call it from the serving loop). The coordinator acknowledges each
         one, so a coordinator that answers nothing is detected. Returns whether one was sent."""
-        now = self._clock()
-        idle = max(now - self._last_sent, now - self.last_heard)
-        if idle < interval_s or now - self._last_probe < interval_s:
+        if not self.liveness.heartbeat_due(interval_s, self._clock()):
             return False
-        self._last_probe = now
         self.send(Msg.HEARTBEAT, engine_id=self.engine_id, incarnation=self.incarnation)
         return True
 
@@ -172,45 +160,21 @@ class EngineLink:
                 except Exception:  # any undecodable or invalid frame never stops the engine
                     self.malformed += 1
                     continue
-                self._heard()
+                back = self.liveness.received(
+                    msg["type"].value, msg.get("request_id"), msg.get("epoch"), self._clock()
+                )
+                if back and self._meta is not None:  # a coordinator again; it may not know us
+                    self._send_register()
                 if msg["type"] in (Msg.REGISTERED, Msg.PEERS):
                     self.peers = dict(msg["peers"])
                 if msg["type"] is Msg.FENCED and self._meta is not None:
                     self.fenced += 1  # declared lost while alive: come back, same incarnation
                     self._send_register()
                     continue
-                if msg["type"] is Msg.HEARTBEAT_ACK:
-                    continue
-                self._track(msg)
-                out.append(msg)
-        return out + self._check_coordinator()
-
-    def _heard(self) -> None:
-        self.last_heard = self._clock()
-        if self.coordinator_lost:  # back (or a new one): it may not know this engine
-            self.coordinator_lost = False
-            if self._meta is not None:
-                self._send_register()
-
-    def _track(self, msg: dict[str, Any]) -> None:
-        if msg["type"] in _GIVEN:
-            self._given[msg["request_id"]] = msg["epoch"]
-        elif msg["type"] in _ENDED_BY_COORDINATOR:
-            self._given.pop(msg["request_id"], None)
-
-    def _check_coordinator(self) -> list[dict[str, Any]]:
-        timeout = self.coordinator_timeout_s
-        silent = self._clock() - self.last_heard
-        if self.coordinator_lost or timeout is None or silent <= timeout:
-            return []
-        self.coordinator_lost = True
-        self.coordinator_losses += 1
-        given, self._given = self._given, {}
-        self.abandoned += len(given)
-        return [
-            {"type": Msg.ABORT, "request_id": rid, "epoch": epoch}
-            for rid, epoch in sorted(given.items())
-        ]
+                if msg["type"] is not Msg.HEARTBEAT_ACK:
+                    out.append(msg)
+        abandoned = self.liveness.check(self._clock())
+        return out + [{"type": Msg.ABORT, "request_id": r, "epoch": e} for r, e in abandoned]
 
     def close(self) -> None:
         """Close the socket."""

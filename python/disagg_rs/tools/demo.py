@@ -272,6 +272,7 @@ def _worker(opts: DemoOptions, where: _Placement, control: Any, results: Any) ->
         _bind_ucx(opts.bind_host)
 
         from disagg_rs.control import EngineLink
+        from disagg_rs.control.keys import INSECURE
         from disagg_rs.reference.handoff import HandoffReferenceEngine
 
         torch.set_num_threads(1)
@@ -308,18 +309,8 @@ def _worker(opts: DemoOptions, where: _Placement, control: Any, results: Any) ->
         ):
             _corrupt_reads(engine, opts.corrupt[1])
         endpoint, keys = control  # keys: this run's ControlPlaneKeys, or None (plain TCP)
-        link = (
-            EngineLink(
-                endpoint,
-                role,
-                role,
-                keys=None if keys is None else keys.engines[role],
-                server_key=None if keys is None else keys.coordinator.public,
-                insecure=keys is None,
-            )
-            if global_rank == ranks[0]
-            else None
-        )
+        access = INSECURE if keys is None else keys.engine_args(role)
+        link = EngineLink(endpoint, role, role, **access) if global_rank == ranks[0] else None
         report = serve_engine(engine, link, opts.engine_timeout_s / 10, opts.lease_s + 2.0)
         results.put({**tag, **report, "error": None})
         engine.close_kv_transfer()
@@ -454,6 +445,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     """Run the demo; ``result.exit_code`` is non-zero if an answer differs or anything
     leaked."""
     from disagg_rs.control import ControlClient, ControlPlaneKeys, CoordinatorServer, Msg
+    from disagg_rs.control.keys import INSECURE
 
     say = (lambda *a: None) if opts.quiet else print
     _check_options(opts)
@@ -471,10 +463,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         request_timeout_s=0.75 * opts.timeout_s,
         push_transport=opts.backend == "nccl",
         engine_timeout_s=opts.engine_timeout_s,
-        keys=None if keys is None else keys.coordinator,
-        engine_keys=None if keys is None else keys.engine_public_keys(),
-        client_keys=() if keys is None else [keys.client.public],
-        insecure=keys is None,
+        **(INSECURE if keys is None else keys.server_args()),
     )
     if opts.control_faults > 0:
         server.inject_faults(opts.control_faults, seed=0)
@@ -504,10 +493,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     t_ref = time.perf_counter() - t_ref
     client = ControlClient(
         server.endpoint,
-        keys=None if keys is None else keys.client,
-        server_key=None if keys is None else keys.coordinator.public,
-        insecure=keys is None,
         default_timeout_s=opts.timeout_s,  # the coordinator's FAILED comes first
+        **(INSECURE if keys is None else keys.client_args()),
     )
     deadline = time.monotonic() + opts.timeout_s
     failures: list[str] = []
