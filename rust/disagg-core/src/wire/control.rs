@@ -441,7 +441,7 @@ impl LinkLiveness {
             lost: false,
             losses: 0,
             abandoned: 0,
-            given: Default::default(),
+            given: std::collections::BTreeMap::default(),
         })
     }
 
@@ -727,7 +727,7 @@ mod tests {
         for t in [0.0, -1.0, f64::NAN, f64::INFINITY] {
             match LinkLiveness::new(Some(t), 0.0) {
                 Err(DisaggError::Argument { field, .. }) => {
-                    assert_eq!(field, "coordinator_timeout_s")
+                    assert_eq!(field, "coordinator_timeout_s");
                 }
                 other => panic!("{t}: {other:?}"),
             }
