@@ -262,12 +262,12 @@ def _wait_for(link: EngineLink, kind: Msg, timeout_s: float = 5.0) -> dict[str, 
 
 
 def test_real_zeromq_round_trip_through_the_coordinator() -> None:
-    server = CoordinatorServer()
+    server = CoordinatorServer(insecure=True)
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
-    prefill = EngineLink(server.endpoint, "p0", "prefill", incarnation=1)
-    decode = EngineLink(server.endpoint, "d0", "decode", incarnation=1)
-    client = ControlClient(server.endpoint)
+    prefill = EngineLink(server.endpoint, "p0", "prefill", incarnation=1, insecure=True)
+    decode = EngineLink(server.endpoint, "d0", "decode", incarnation=1, insecure=True)
+    client = ControlClient(server.endpoint, insecure=True)
     try:
         prefill.register({"agent": "p0"})
         peers = decode.register({"agent": "d0"})
@@ -306,7 +306,8 @@ def test_a_silent_engine_is_declared_lost_and_its_requests_fail_before_their_dea
         )
     epoch = _submit(state, 7, now=1.0)
     state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch, ticket={}), 2.0)
-    assert _beat(state, PREFILL, "p0", 4.0) == []
+    ack = {"engine_id": "p0", "incarnation": 1}
+    assert _beat(state, PREFILL, "p0", 4.0) == [Outgoing("p0", None, Msg.HEARTBEAT_ACK, ack)]
     assert state.poll(5.0) == []  # the decode was last heard at 0: not yet past 5 s
     out = state.poll(5.5)
     # No RELEASE_KV: the silent decode may only be stalled and read the pins when it continues;
@@ -346,8 +347,8 @@ def test_without_an_engine_timeout_silence_is_not_loss() -> None:
 
 
 def test_engine_link_heartbeats_only_when_it_has_been_quiet() -> None:
-    server = CoordinatorServer(engine_timeout_s=30.0)
-    link = EngineLink(server.endpoint, "p0", "prefill", incarnation=1)
+    server = CoordinatorServer(engine_timeout_s=30.0, insecure=True)
+    link = EngineLink(server.endpoint, "p0", "prefill", incarnation=1, insecure=True)
     try:
         assert link.heartbeat(interval_s=3600.0) is False  # just created: counts as sent
         assert link.heartbeat(interval_s=0.0) is True
@@ -359,10 +360,10 @@ def test_engine_link_heartbeats_only_when_it_has_been_quiet() -> None:
 def test_a_fenced_engine_link_registers_again_by_itself() -> None:
     # Declared lost while alive (a long stall): its next heartbeat is answered with FENCED and
     # the link registers again with the same incarnation and metadata.
-    server = CoordinatorServer(engine_timeout_s=30.0)
+    server = CoordinatorServer(engine_timeout_s=30.0, insecure=True)
     serving = threading.Thread(target=server.serve, daemon=True)
     serving.start()
-    link = EngineLink(server.endpoint, "p0", "prefill", incarnation=7)
+    link = EngineLink(server.endpoint, "p0", "prefill", incarnation=7, insecure=True)
     try:
         link.register({"agent": "a"})
         # Run the liveness check an hour ahead on the serving thread (it owns the state).
@@ -391,7 +392,9 @@ def test_work_arriving_with_the_registered_reply_is_not_lost() -> None:
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind("tcp://127.0.0.1:0")
-    link = EngineLink(router.getsockopt_string(zmq.LAST_ENDPOINT), "p0", "prefill", incarnation=1)
+    link = EngineLink(
+        router.getsockopt_string(zmq.LAST_ENDPOINT), "p0", "prefill", incarnation=1, insecure=True
+    )
     prefill = encode_message(
         Msg.PREFILL, request_id=5, epoch=1, prompt=[1], max_new_tokens=2, decode_engine_id="d0"
     )
@@ -448,7 +451,7 @@ def test_a_submit_with_a_timeout_that_never_or_already_expired_fails_alone_with_
 
 @pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -0.5])
 def test_the_client_refuses_a_timeout_that_would_never_expire(timeout_s: float) -> None:
-    client = ControlClient("tcp://127.0.0.1:1")
+    client = ControlClient("tcp://127.0.0.1:1", insecure=True)
     try:
         with pytest.raises(ArgumentError) as info:
             client.submit(1, [1], 1, timeout_s=timeout_s)

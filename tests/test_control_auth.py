@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from disagg_rs.control import ControlClient, CoordinatorServer, EngineLink, Msg
-from disagg_rs.control.keys import CurveKeys, generate
-from disagg_rs.exceptions import TransferTimeout
+from disagg_rs.control.keys import ControlPlaneKeys, CurveKeys, generate
+from disagg_rs.exceptions import ArgumentError, TransferTimeout
 
 META = {"kind": "test"}
 
@@ -83,6 +83,63 @@ def test_a_coordinator_without_keys_warns_that_it_is_unauthenticated(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="disagg_rs.control"):
-        server = CoordinatorServer()
+        server = CoordinatorServer(insecure=True)
     server.close()
-    assert any("without CURVE keys" in r.getMessage() for r in caplog.records)
+    warnings = [r for r in caplog.records if "without CURVE keys" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: CoordinatorServer(),
+        lambda: EngineLink("tcp://127.0.0.1:1", "p0", "prefill", 1),
+        lambda: EngineLink("tcp://127.0.0.1:1", "p0", "prefill", 1, keys=generate()),
+        lambda: ControlClient("tcp://127.0.0.1:1"),
+    ],
+    ids=["coordinator", "engine", "engine-without-server-key", "client"],
+)
+def test_every_end_of_the_control_plane_refuses_to_start_without_keys_unless_told_insecure(
+    make: Callable[[], object],
+) -> None:
+    with pytest.raises(ArgumentError) as err:
+        make()
+    assert err.value.field == "keys"
+    assert "insecure=True" in str(err.value)
+
+
+def test_keys_together_with_insecure_are_refused_naming_insecure() -> None:
+    k = generate()
+    with pytest.raises(ArgumentError) as err:
+        ControlClient("tcp://127.0.0.1:1", keys=k, server_key=k.public, insecure=True)
+    assert err.value.field == "insecure"
+
+
+def test_generated_control_plane_keys_let_engines_and_clients_through_the_allow_list() -> None:
+    plane = ControlPlaneKeys.generate(["p0"])
+    server = CoordinatorServer(
+        keys=plane.coordinator,
+        engine_keys=plane.engine_public_keys(),
+        client_keys=[plane.client.public],
+    )
+    pub = plane.coordinator.public
+    link = EngineLink(server.endpoint, "p0", "prefill", 1, keys=plane.engines["p0"], server_key=pub)
+    client = ControlClient(server.endpoint, keys=plane.client, server_key=pub)
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    try:
+        link.register(META, timeout_s=60)
+        client.submit(1, [1, 2, 3], 2)
+        got = []
+        for _ in range(600):  # bounded: the PREFILL arrives once the coordinator routed it
+            got += link.poll(100)
+            if got:
+                break
+        assert [m["type"] for m in got] == [Msg.PREFILL]
+        assert got[0]["request_id"] == 1
+    finally:
+        server.stop()
+        serving.join(30)
+        link.close()
+        client.close()
+        server.close()

@@ -174,7 +174,7 @@ def test_the_coordinator_overwrites_the_provenance_of_a_forwarded_ticket() -> No
 
 
 def test_the_real_server_answers_a_submit_refused_at_decode_with_failed_naming_the_field() -> None:
-    server = CoordinatorServer()
+    server = CoordinatorServer(insecure=True)
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     sock = zmq.Context.instance().socket(zmq.DEALER)

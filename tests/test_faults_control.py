@@ -165,10 +165,10 @@ def test_dropped_duplicated_reordered_messages_and_restarts_end_each_request_exa
 def test_shutdown_from_another_thread_is_sent_by_the_serving_thread() -> None:
     # Sending on the ROUTER socket from the main thread while serve() used it aborted the
     # whole process (ZeroMQ sockets are single-threaded); the serving thread now sends it.
-    server = CoordinatorServer()
+    server = CoordinatorServer(insecure=True)
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
-    link = EngineLink(server.endpoint, "p0", "prefill", incarnation=1)
+    link = EngineLink(server.endpoint, "p0", "prefill", incarnation=1, insecure=True)
     try:
         link.register({})
         for _ in range(20):

@@ -63,7 +63,7 @@ def _flows(state: CoordinatorState, rid: int = 99) -> None:
 
 def test_a_shutdown_frame_sent_to_the_coordinator_is_counted_not_fatal() -> None:
     # Before: the 18-byte frame {"type": "SHUTDOWN", "v": 2} raised KeyError out of handle().
-    frame = msgpack.packb({"type": "SHUTDOWN", "v": 2})
+    frame = msgpack.packb({"type": "SHUTDOWN", "v": PROTOCOL_VERSION})
     assert len(frame) == 18
     for identity in (CLIENT, PREFILL):
         state = _registered()
@@ -73,15 +73,15 @@ def test_a_shutdown_frame_sent_to_the_coordinator_is_counted_not_fatal() -> None
 
 
 def test_the_real_server_survives_a_shutdown_frame_and_answers_the_next_client() -> None:
-    server = CoordinatorServer()
+    server = CoordinatorServer(insecure=True)
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(server.endpoint)
-    client = ControlClient(server.endpoint)
+    client = ControlClient(server.endpoint, insecure=True)
     try:
-        sock.send(msgpack.packb({"type": "SHUTDOWN", "v": 2}))
+        sock.send(msgpack.packb({"type": "SHUTDOWN", "v": PROTOCOL_VERSION}))
         # Sent on the same socket, so it arrives after the SHUTDOWN frame. No engines: answered
         # FAILED, by a live coordinator.
         sock.send(encode_message(Msg.SUBMIT, request_id=1, prompt=[1, 2], max_new_tokens=1))
@@ -231,7 +231,9 @@ def test_an_engine_link_drops_undecodable_frames_and_reads_the_next_good_one(
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind("tcp://127.0.0.1:0")
-    link = EngineLink(router.getsockopt_string(zmq.LAST_ENDPOINT), "d0", "decode", incarnation=1)
+    link = EngineLink(
+        router.getsockopt_string(zmq.LAST_ENDPOINT), "d0", "decode", incarnation=1, insecure=True
+    )
     try:
         link.send(Msg.HEARTBEAT, engine_id="d0", incarnation=1)
         identity, _ = router.recv_multipart()

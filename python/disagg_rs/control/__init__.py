@@ -28,9 +28,10 @@ after it.
 from __future__ import annotations
 
 from disagg_rs.control.coordinator import CoordinatorState, Outgoing
-from disagg_rs.control.keys import CurveKeys
+from disagg_rs.control.keys import ControlPlaneKeys, CurveKeys
 from disagg_rs.control.link import ControlClient, EngineLink
 from disagg_rs.control.messages import (
+    DEFAULT_LIVENESS_TIMEOUT_S,
     MAX_NEW_TOKENS,
     MAX_PROMPT_TOKENS,
     PROTOCOL_VERSION,
@@ -43,10 +44,12 @@ from disagg_rs.control.messages import (
 from disagg_rs.control.server import CoordinatorServer
 
 __all__ = [
+    "DEFAULT_LIVENESS_TIMEOUT_S",
     "MAX_NEW_TOKENS",
     "MAX_PROMPT_TOKENS",
     "PROTOCOL_VERSION",
     "ControlClient",
+    "ControlPlaneKeys",
     "CoordinatorServer",
     "CoordinatorState",
     "CurveKeys",

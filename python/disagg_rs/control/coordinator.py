@@ -65,12 +65,14 @@ class CoordinatorState:
     ``handle(identity, msg, now)`` and ``poll(now)`` return the :class:`Outgoing` messages to
     send. Time is the caller's ``now`` (seconds, any monotonic origin).
 
-    Liveness: with ``engine_timeout_s``, an engine heard from (any message; idle engines send
-    HEARTBEAT) less recently than that is declared lost: the requests that depended on it fail
+    Liveness (on by default in :class:`~disagg_rs.control.CoordinatorServer`): with
+    ``engine_timeout_s``, an engine heard from (any message; idle engines send HEARTBEAT) less
+    recently than that is declared lost: the requests that depended on it fail
     at once instead of at their deadlines, it gets no new work, and its later messages are
     ignored until it registers again: its next HEARTBEAT is answered with FENCED, on which
     :class:`EngineLink` registers again by itself (a fenced engine's pins expire with their
-    lease).
+    lease). Each HEARTBEAT of a registered engine is answered with HEARTBEAT_ACK, so
+    engines detect a silent coordinator in turn.
     """
 
     def __init__(
@@ -217,8 +219,9 @@ class CoordinatorState:
         if kind is Msg.SUBMIT:
             return self._on_submit(identity, msg, now)
         if kind is Msg.HEARTBEAT:
-            if sender is not None:
-                return []
+            if sender is not None:  # acknowledged: the engine's view of the coordinator's life
+                ids = {"engine_id": sender, "incarnation": self.engines[sender].incarnation}
+                return [Outgoing(sender, None, Msg.HEARTBEAT_ACK, ids)]
             # Fenced (declared lost) or never registered: tell it to register again. Its old
             # requests have failed; what it still holds for them drains on its side (pins by
             # lease, imports by deadline, admitted requests by finishing unheard).
@@ -440,6 +443,20 @@ class CoordinatorState:
     def _on_failed(self, req: _Request, msg: dict[str, Any]) -> list[Outgoing]:
         return self._fail(req, str(msg["error"]), decode_quiet=msg.get("quiet") is True)
 
+    def fence(self, engine_id: str, why: str) -> list[Outgoing]:
+        """Declare ``engine_id`` lost (``why``: silent, or not reading its messages): the
+        requests that depend on it fail, the others learn the new peer table, and its later
+        messages are ignored until it registers again (its next HEARTBEAT gets FENCED)."""
+        gone = self.engines.pop(engine_id, None)
+        if gone is None:
+            return []
+        out = self._fail_dependents(
+            engine_id,
+            f"{why} (incarnation {gone.incarnation}) while holding this request's state",
+        )
+        peers = self._peers()
+        return out + [Outgoing(e, None, Msg.PEERS, {"peers": peers}) for e in sorted(self.engines)]
+
     def poll(self, now: float) -> list[Outgoing]:
         """Declare silent engines lost (``engine_timeout_s``), then fail every request whose
         deadline has passed."""
@@ -451,16 +468,8 @@ class CoordinatorState:
             if timeout is not None and now - e.last_seen > timeout
         )
         for engine_id in lost:
-            gone = self.engines.pop(engine_id)
             self.lost[engine_id] += 1
-            out += self._fail_dependents(
-                engine_id,
-                f"engine {engine_id} (incarnation {gone.incarnation}) silent for more than "
-                f"{timeout} s while holding this request's state",
-            )
-        if lost:
-            peers = self._peers()
-            out += [Outgoing(e, None, Msg.PEERS, {"peers": peers}) for e in sorted(self.engines)]
+            out += self.fence(engine_id, f"engine {engine_id} silent for more than {timeout} s")
         for req in sorted(self.requests.values(), key=lambda r: r.request_id):
             if now >= req.deadline:
                 out += self._fail(req, f"request {req.request_id} passed its deadline")

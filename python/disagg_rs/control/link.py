@@ -1,15 +1,24 @@
-"""The engines' and clients' ends of the control plane."""
+"""The engines' and clients' ends of the control plane.
+
+Neither end ever blocks on the coordinator: sends are non-blocking (a message that cannot be
+queued is dropped and counted), an engine declares the coordinator lost when nothing (not
+even a HEARTBEAT_ACK) came back for ``coordinator_timeout_s`` and aborts the requests it was
+given, and a client reports FAILED for a request that got no answer by its deadline.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
 
-from disagg_rs.control.keys import CurveKeys, connect_with
+from disagg_rs._core import LinkLiveness
+from disagg_rs.control.keys import CurveKeys, connect_with, use_curve
 from disagg_rs.control.messages import (
+    DEFAULT_LIVENESS_TIMEOUT_S,
+    DEFAULT_SEND_HWM,
     MAX_FRAME_BYTES,
     Msg,
     check_timeout,
@@ -19,8 +28,36 @@ from disagg_rs.control.messages import (
 from disagg_rs.exceptions import TransferTimeout
 
 
+def _dealer(
+    endpoint: str,
+    keys: CurveKeys | None,
+    server_key: bytes | None,
+    insecure: bool,
+    what: str,
+    send_hwm: int,
+) -> zmq.Socket[bytes]:
+    curve = use_curve(keys, server_key, insecure, what, endpoint)  # refuses before any socket
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    if curve and keys is not None and server_key is not None:
+        connect_with(sock, keys, server_key)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, send_hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    return sock
+
+
 class EngineLink:
-    """An engine's connection to the coordinator (rank 0 of each engine holds one)."""
+    """An engine's connection to the coordinator (rank 0 of each engine holds one).
+
+    ``keys`` and ``server_key``: this engine's CURVE key pair and the coordinator's public key;
+    without them the link refuses to start unless ``insecure=True``. ``coordinator_timeout_s``
+    (``None``: off): when nothing came from the coordinator for this long, :meth:`poll`
+    declares it lost (``coordinator_lost``; counted in ``liveness``) and returns an
+    ABORT for every request this engine was given and has not finished, so the driver fails
+    that work cleanly (a prefill's pins then end with their lease); once the coordinator is
+    heard again the engine registers again. ``clock``: seconds, for these decisions (a virtual
+    clock in tests).
+    """
 
     def __init__(
         self,
@@ -30,27 +67,37 @@ class EngineLink:
         incarnation: int | None = None,
         keys: CurveKeys | None = None,
         server_key: bytes | None = None,
+        *,
+        insecure: bool = False,
+        coordinator_timeout_s: float | None = DEFAULT_LIVENESS_TIMEOUT_S,
+        send_hwm: int = DEFAULT_SEND_HWM,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``keys`` and ``server_key``: this engine's CURVE key pair and the coordinator's
-        public key (both or neither)."""
         self.engine_id = engine_id
         self.role = role
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
-        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        if keys is not None and server_key is not None:
-            connect_with(self._sock, keys, server_key)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self.liveness = LinkLiveness(coordinator_timeout_s, clock())  # refuses a bad timeout
+        """The coordinator's liveness as this engine sees it (decided in the core)."""
+        self._sock = _dealer(endpoint, keys, server_key, insecure, f"engine {engine_id}", send_hwm)
         self._sock.setsockopt(zmq.IDENTITY, f"{role}:{engine_id}:{self.incarnation}".encode())
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._sock.connect(endpoint)
+        self._clock = clock
+        self.coordinator_timeout_s = coordinator_timeout_s
         self.peers: dict[str, dict[str, Any]] = {}
-        self._last_sent = time.monotonic()
         self._meta: Any = None
         self._backlog: list[dict[str, Any]] = []
         self.fenced = 0
         """How many times the coordinator fenced this engine (it then registered again)."""
         self.malformed = 0
         """Undecodable frames received (dropped)."""
+        self.unsent = 0
+        """Messages dropped because the coordinator's queue was full (it does not read)."""
+
+    @property
+    def coordinator_lost(self) -> bool:
+        """Whether the coordinator is silent past ``coordinator_timeout_s`` now
+        (``liveness.counters()``: ``losses``, and ``abandoned`` requests)."""
+        return self.liveness.lost
 
     def register(self, meta: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """Publish static metadata once; returns the peers known to the coordinator."""
@@ -80,21 +127,29 @@ class EngineLink:
         )
 
     def send(self, kind: Msg, **fields: Any) -> None:
-        """Send one message to the coordinator."""
-        self._sock.send(encode_message(kind, **fields))
-        self._last_sent = time.monotonic()
+        """Send one message to the coordinator; never blocks (a message the coordinator's
+        queue cannot take is dropped and counted in ``unsent``)."""
+        try:
+            self._sock.send(encode_message(kind, **fields), zmq.NOBLOCK)
+            delivered = True
+        except zmq.Again:
+            self.unsent += 1
+            delivered = False
+        self.liveness.sent(kind.value, fields.get("request_id"), delivered, self._clock())
 
     def heartbeat(self, interval_s: float = 1.0) -> bool:
-        """Send HEARTBEAT if nothing was sent for ``interval_s`` (call it from the serving
-        loop; any message counts as a sign of life). Returns whether one was sent."""
-        if time.monotonic() - self._last_sent < interval_s:
+        """Send HEARTBEAT if nothing was sent, or nothing heard, for ``interval_s`` (at most
+        one per interval; call it from the serving loop). The coordinator acknowledges each
+        one, so a coordinator that answers nothing is detected. Returns whether one was sent."""
+        if not self.liveness.heartbeat_due(interval_s, self._clock()):
             return False
         self.send(Msg.HEARTBEAT, engine_id=self.engine_id, incarnation=self.incarnation)
         return True
 
     def poll(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
         """Messages that arrived within ``timeout_ms`` (peer updates are applied here), after
-        any that arrived while :meth:`register` waited."""
+        any that arrived while :meth:`register` waited; when the coordinator has just been
+        declared lost, an ABORT for each request this engine still holds."""
         out, self._backlog = self._backlog, []
         if self._sock.poll(0 if out else timeout_ms):
             while True:
@@ -105,14 +160,21 @@ class EngineLink:
                 except Exception:  # any undecodable or invalid frame never stops the engine
                     self.malformed += 1
                     continue
+                back = self.liveness.received(
+                    msg["type"].value, msg.get("request_id"), msg.get("epoch"), self._clock()
+                )
+                if back and self._meta is not None:  # a coordinator again; it may not know us
+                    self._send_register()
                 if msg["type"] in (Msg.REGISTERED, Msg.PEERS):
                     self.peers = dict(msg["peers"])
                 if msg["type"] is Msg.FENCED and self._meta is not None:
                     self.fenced += 1  # declared lost while alive: come back, same incarnation
                     self._send_register()
                     continue
-                out.append(msg)
-        return out
+                if msg["type"] is not Msg.HEARTBEAT_ACK:
+                    out.append(msg)
+        abandoned = self.liveness.check(self._clock())
+        return out + [{"type": Msg.ABORT, "request_id": r, "epoch": e} for r, e in abandoned]
 
     def close(self) -> None:
         """Close the socket."""
@@ -120,16 +182,36 @@ class EngineLink:
 
 
 class ControlClient:
-    """Submits requests and streams their tokens back."""
+    """Submits requests and streams their tokens back.
+
+    ``keys`` and ``server_key``: the client's CURVE key pair and the coordinator's public key
+    (required unless ``insecure=True``). Every request has a deadline on this side too
+    (``timeout_s`` of :meth:`submit`, else ``default_timeout_s``, plus ``grace_s`` for the
+    coordinator's own FAILED to arrive first): :meth:`events` yields FAILED for a request
+    that got no DONE or FAILED by then, so a client is told even when the coordinator is
+    gone. ``clock``: seconds, for the deadlines (a virtual clock in tests).
+    """
 
     def __init__(
-        self, endpoint: str, keys: CurveKeys | None = None, server_key: bytes | None = None
+        self,
+        endpoint: str,
+        keys: CurveKeys | None = None,
+        server_key: bytes | None = None,
+        *,
+        insecure: bool = False,
+        default_timeout_s: float = 60.0,
+        grace_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        if keys is not None and server_key is not None:
-            connect_with(self._sock, keys, server_key)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock = _dealer(endpoint, keys, server_key, insecure, "client", DEFAULT_SEND_HWM)
         self._sock.connect(endpoint)
+        self.default_timeout_s = check_timeout(default_timeout_s, "default_timeout_s")
+        self.grace_s = grace_s
+        self._clock = clock
+        self._deadlines: dict[int, float] = {}
+        self.unsent = 0
+        """Requests whose SUBMIT the coordinator's queue could not take (they fail at their
+        deadline)."""
 
     def submit(
         self,
@@ -138,22 +220,40 @@ class ControlClient:
         max_new_tokens: int,
         timeout_s: float | None = None,
     ) -> None:
-        """Send one request (``timeout_s``: see :func:`check_timeout`)."""
+        """Send one request (``timeout_s``: see :func:`check_timeout`); never blocks."""
         extra = {} if timeout_s is None else {"timeout_s": check_timeout(timeout_s)}
-        self._sock.send(
-            encode_message(
-                Msg.SUBMIT,
-                request_id=request_id,
-                prompt=prompt,
-                max_new_tokens=max_new_tokens,
-                **extra,
-            )
+        budget = self.default_timeout_s if timeout_s is None else extra["timeout_s"]
+        self._deadlines[request_id] = self._clock() + budget + self.grace_s
+        frame = encode_message(
+            Msg.SUBMIT,
+            request_id=request_id,
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            **extra,
         )
+        try:
+            self._sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            self.unsent += 1
 
     def events(self, timeout_s: float) -> Iterator[dict[str, Any]]:
-        """TOKENS, DONE and FAILED messages until ``timeout_s`` passes without one."""
-        while self._sock.poll(int(timeout_s * 1000)):
-            yield decode_message(self._sock.recv())
+        """TOKENS, DONE and FAILED messages until ``timeout_s`` passes without one; a request
+        past its deadline without an answer gets a FAILED from this side."""
+        while True:
+            if self._sock.poll(int(timeout_s * 1000)):
+                msg = decode_message(self._sock.recv())
+                if msg["type"] in (Msg.DONE, Msg.FAILED):
+                    self._deadlines.pop(msg["request_id"], None)
+                yield msg
+                continue
+            now = self._clock()
+            late = sorted(rid for rid, end in self._deadlines.items() if now >= end)
+            if not late:
+                return
+            for rid in late:
+                del self._deadlines[rid]
+                error = f"request {rid}: no answer from the coordinator by its deadline"
+                yield {"type": Msg.FAILED, "request_id": rid, "error": error}
 
     def close(self) -> None:
         """Close the socket."""

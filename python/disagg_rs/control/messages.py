@@ -10,8 +10,9 @@ import msgpack
 from disagg_rs._core import decode_control_message
 from disagg_rs.exceptions import ArgumentError, MetadataError
 
-PROTOCOL_VERSION = 2
-"""Version 2 added HEARTBEAT and FENCED (coordinator liveness)."""
+PROTOCOL_VERSION = 3
+"""Version 2 added HEARTBEAT and FENCED (coordinator liveness), 3 HEARTBEAT_ACK (engines' view
+of the coordinator's liveness)."""
 
 MAX_TIMEOUT_S = 86_400.0
 """Largest request timeout a SUBMIT may ask for (one day)."""
@@ -51,6 +52,7 @@ class Msg(str, enum.Enum):
     SHUTDOWN = "SHUTDOWN"
     HEARTBEAT = "HEARTBEAT"
     FENCED = "FENCED"
+    HEARTBEAT_ACK = "HEARTBEAT_ACK"
 
 
 MAX_PROMPT_TOKENS = 1 << 20
@@ -61,8 +63,14 @@ MAX_ID = (1 << 63) - 1
 """Largest request id, epoch or incarnation (they travel as signed 64-bit ints)."""
 MAX_TEXT = 4096
 """Longest engine id or error text."""
-MAX_FRAME_BYTES = 64 << 20
-"""Largest control frame a socket accepts (ZeroMQ ``MAXMSGSIZE``); larger ones are dropped."""
+MAX_FRAME_BYTES = 16 << 20
+"""Largest control frame a socket accepts (ZeroMQ ``MAXMSGSIZE``); a peer that sends a larger
+one is disconnected."""
+DEFAULT_LIVENESS_TIMEOUT_S = 10.0
+"""Default liveness timeout, both ways: the coordinator declares an engine lost, and an engine
+declares the coordinator lost, after this long without a message from the other."""
+DEFAULT_SEND_HWM = 1000
+"""Default number of messages queued per peer before a send fails (the peer does not read)."""
 
 
 def encode_message(kind: Msg, **fields: Any) -> bytes:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -13,8 +13,15 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from disagg_rs.control.coordinator import CoordinatorState, Outgoing
-from disagg_rs.control.keys import CurveKeys, serve_with
-from disagg_rs.control.messages import MAX_FRAME_BYTES, Msg, decode_message, encode_message
+from disagg_rs.control.keys import CurveKeys, serve_with, use_curve
+from disagg_rs.control.messages import (
+    DEFAULT_LIVENESS_TIMEOUT_S,
+    DEFAULT_SEND_HWM,
+    MAX_FRAME_BYTES,
+    Msg,
+    decode_message,
+    encode_message,
+)
 from disagg_rs.exceptions import MetadataError
 
 
@@ -26,28 +33,36 @@ class CoordinatorServer:
         endpoint: str = "tcp://127.0.0.1:0",
         request_timeout_s: float = 60.0,
         push_transport: bool = False,
-        engine_timeout_s: float | None = None,
+        engine_timeout_s: float | None = DEFAULT_LIVENESS_TIMEOUT_S,
         keys: CurveKeys | None = None,
         engine_keys: Mapping[str, bytes] | None = None,
         client_keys: Collection[bytes] = (),
+        *,
+        insecure: bool = False,
+        send_hwm: int = DEFAULT_SEND_HWM,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
-        """With ``keys``, the socket is a CURVE server: only the public keys in ``engine_keys``
+        """``keys``: the socket is a CURVE server: only the public keys in ``engine_keys``
         (engine id -> key) and ``client_keys`` may connect, and a message naming an engine id
         counts only from that engine's key (others are dropped, counted in
-        ``unauthenticated``). Without keys the control plane is plain TCP: a warning is
-        logged."""
+        ``unauthenticated``). Without keys the server refuses to start
+        (:class:`~disagg_rs.exceptions.ArgumentError`) unless ``insecure=True`` asks for
+        plain TCP, which logs a warning.
+
+        ``engine_timeout_s``: liveness, on by default: an engine silent this long is declared
+        lost (``None`` turns it off). ``send_hwm``: messages queued per peer; a registered
+        engine that lets that many pile up unread is fenced (its requests fail, counted in
+        ``slow_engines``): sends never block the serving thread. ``max_frame_bytes``: a peer
+        that sends a larger frame is disconnected (ZeroMQ ``MAXMSGSIZE``)."""
         self.state = CoordinatorState(request_timeout_s, push_transport, engine_timeout_s)
         self._auth: ThreadAuthenticator | None = None
+        curve = use_curve(keys, "server end", insecure, "coordinator", endpoint)
         self._engine_keys = (
-            None if keys is None else {e: k.decode() for e, k in (engine_keys or {}).items()}
+            {e: k.decode() for e, k in (engine_keys or {}).items()} if curve else None
         )
         self.unauthenticated = 0
         if keys is None:
             self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-            logging.getLogger("disagg_rs.control").warning(
-                "control plane on %s without CURVE keys: any peer that reaches it is trusted",
-                endpoint,
-            )
         else:
             self._ctx = zmq.Context()  # one ZAP handler per context
             allowed = {*(engine_keys or {}).values(), *client_keys}
@@ -58,11 +73,17 @@ class CoordinatorServer:
         if keys is not None:
             serve_with(self._sock, keys)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Unroutable sends fail at once (counted) instead of vanishing; with NOBLOCK a full
+        # queue fails at once too (the peer is fenced) instead of blocking the thread.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._sock.setsockopt(zmq.SNDHWM, send_hwm)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.undeliverable = 0
+        """Messages to a peer that is gone, or dropped because a client does not read."""
+        self.slow_engines: Counter[str] = Counter()
+        """Engines fenced because their send queue was full (they do not read), by id."""
         self.malformed = 0
         self.faults_injected = 0
         self._stop = threading.Event()
@@ -101,8 +122,11 @@ class CoordinatorServer:
         return kept
 
     def _send(self, out: list[Outgoing]) -> None:
-        out = self._faulty(out)
-        for o in out:
+        """Send without ever blocking; an engine whose queue is full is fenced, and what
+        fencing it produces (FAILED to clients, ABORT and PEERS to others) is sent in turn."""
+        pending = self._faulty(out)
+        while pending:
+            o = pending.pop(0)
             if o.to_client is not None:
                 identity = o.to_client
             else:
@@ -112,7 +136,16 @@ class CoordinatorServer:
                     continue
                 identity = engine.identity
             try:
-                self._sock.send_multipart([identity, encode_message(o.kind, **o.fields)])
+                self._sock.send_multipart(
+                    [identity, encode_message(o.kind, **o.fields)], zmq.NOBLOCK
+                )
+            except zmq.Again:  # the peer's queue is full: it does not read
+                self.undeliverable += 1
+                if o.to_engine is not None:
+                    self.slow_engines[o.to_engine] += 1
+                    pending += self.state.fence(
+                        o.to_engine, f"engine {o.to_engine} does not read its messages (fenced)"
+                    )
             except zmq.ZMQError:
                 self.undeliverable += 1
 

@@ -9,12 +9,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from disagg_rs._core import MAX_TWO_SIDED_REQUEST_ID as _MAX_TWO_SIDED_REQUEST_ID
 from disagg_rs._core import (
     ImportLedger,
     PinLedger,
+    two_sided_tag,
 )
 from disagg_rs.exceptions import (
-    ArgumentError,
     HandoffStateError,
     TransferError,
     TransferTimeout,
@@ -52,26 +53,11 @@ _KV_AXES = {
 }
 
 
-_TAG_KIND = {"kv": 0, "conv": 1, "recurrent": 2}
-
-
-#: Request ids a two-sided transport can tag: ``id * 4 + kind`` must fit a 31-bit tag.
-MAX_TWO_SIDED_REQUEST_ID = (1 << 29) - 1
-
-
-def _tag(request_id: int, kind: str) -> int:
-    """The two-sided message tag of one request's state kind (both sides compute it).
-
-    Injective: an id outside ``[0, MAX_TWO_SIDED_REQUEST_ID]`` is refused
-    (``ArgumentError``) instead of wrapping onto another request's tag.
-    """
-    if not 0 <= request_id <= MAX_TWO_SIDED_REQUEST_ID:
-        raise ArgumentError(
-            f"request_id={request_id} must be in [0, {MAX_TWO_SIDED_REQUEST_ID}] on a two-sided "
-            "transport (its message tags are 31-bit)",
-            "request_id",
-        )
-    return request_id * 4 + _TAG_KIND[kind]
+#: Request ids a two-sided transport can tag (its message tags are 31-bit). The tag of each
+#: request's state kind is derived, injectively, by the library's core; an id outside
+#: ``[0, MAX_TWO_SIDED_REQUEST_ID]`` is refused with ``ArgumentError``.
+MAX_TWO_SIDED_REQUEST_ID = _MAX_TWO_SIDED_REQUEST_ID
+_tag = two_sided_tag
 
 
 @dataclass

@@ -100,6 +100,9 @@ class DemoOptions:
     """Fault test ``(decode rank index, request id)``: on that decode rank, flip a bit of that
     request's KV as its read completes (needs ``verify_integrity`` and NIXL). The request must
     fail on every decode rank together; nothing may leak."""
+    insecure_plaintext: bool = False
+    """Run the control plane as plain TCP without CURVE keys (one warning). By default every
+    run generates fresh keys: the coordinator admits only its own engines and client."""
     bind_host: str = "127.0.0.1"
     """Address every socket the demo opens binds to: the coordinator (ZeroMQ), the engines'
     rendezvous store and collectives (torch.distributed, gloo) and NIXL's UCX transports.
@@ -249,7 +252,7 @@ def serve_engine(engine: Any, link: Any, heartbeat_s: float, grace_s: float) -> 
     return driver.drain()
 
 
-def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -> None:
+def _worker(opts: DemoOptions, where: _Placement, control: Any, results: Any) -> None:
     """One engine rank: build, register, serve control messages until SHUTDOWN, then drain
     (quarantined imports and unreleased pins, within their deadlines) and report."""
     role, global_rank, ranks = where.role, where.global_rank, where.ranks
@@ -269,6 +272,7 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
         _bind_ucx(opts.bind_host)
 
         from disagg_rs.control import EngineLink
+        from disagg_rs.control.keys import INSECURE
         from disagg_rs.reference.handoff import HandoffReferenceEngine
 
         torch.set_num_threads(1)
@@ -304,7 +308,9 @@ def _worker(opts: DemoOptions, where: _Placement, endpoint: str, results: Any) -
             and opts.corrupt[0] == ranks.index(global_rank)
         ):
             _corrupt_reads(engine, opts.corrupt[1])
-        link = EngineLink(endpoint, role, role) if global_rank == ranks[0] else None
+        endpoint, keys = control  # keys: this run's ControlPlaneKeys, or None (plain TCP)
+        access = INSECURE if keys is None else keys.engine_args(role)
+        link = EngineLink(endpoint, role, role, **access) if global_rank == ranks[0] else None
         report = serve_engine(engine, link, opts.engine_timeout_s / 10, opts.lease_s + 2.0)
         results.put({**tag, **report, "error": None})
         engine.close_kv_transfer()
@@ -335,9 +341,9 @@ class _Supervisor:
     cannot be replaced one at a time.
     """
 
-    def __init__(self, opts: DemoOptions, endpoint: str, results: Any) -> None:
+    def __init__(self, opts: DemoOptions, control: Any, results: Any) -> None:
         self.opts = opts
-        self.endpoint = endpoint
+        self.control = control  # (endpoint, keys)
         self.results = results
         self.ctx = mp.get_context("spawn")
         self.sizes = {
@@ -370,7 +376,7 @@ class _Supervisor:
             where = _Placement(role, r, ranks, world, port, slot0 + i, self.generation[role])
             self._placements.append(where)
             p = self.ctx.Process(
-                target=_worker, args=(self.opts, where, self.endpoint, self.results), daemon=True
+                target=_worker, args=(self.opts, where, self.control, self.results), daemon=True
             )
             p.start()
             self.procs[role].append(p)
@@ -438,7 +444,8 @@ def _colocated_reference(opts: DemoOptions, prompts: dict[int, list[int]]) -> di
 def run_demo(opts: DemoOptions) -> DemoResult:
     """Run the demo; ``result.exit_code`` is non-zero if an answer differs or anything
     leaked."""
-    from disagg_rs.control import ControlClient, CoordinatorServer, Msg
+    from disagg_rs.control import ControlClient, ControlPlaneKeys, CoordinatorServer, Msg
+    from disagg_rs.control.keys import INSECURE
 
     say = (lambda *a: None) if opts.quiet else print
     _check_options(opts)
@@ -448,19 +455,22 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             "rendezvous store and the transfer agents accept anyone on that network",
             file=sys.stderr,
         )
+    # Fresh CURVE keys per run: only this run's engines and client pass the allow-list.
+    keys = None if opts.insecure_plaintext else ControlPlaneKeys.generate(("prefill", "decode"))
     # Requests fail at 75 % of the run's budget, so the client still hears every FAILED.
     server = CoordinatorServer(
         endpoint=f"tcp://{opts.bind_host}:0",
         request_timeout_s=0.75 * opts.timeout_s,
         push_transport=opts.backend == "nccl",
         engine_timeout_s=opts.engine_timeout_s,
+        **(INSECURE if keys is None else keys.server_args()),
     )
     if opts.control_faults > 0:
         server.inject_faults(opts.control_faults, seed=0)
     serve = threading.Thread(target=server.serve, daemon=True)
     serve.start()
     results = mp.get_context("spawn").Queue()
-    sup = _Supervisor(opts, server.endpoint, results)
+    sup = _Supervisor(opts, (server.endpoint, keys), results)
     sup.start()
     if opts.metrics_port is not None:
         last = opts.metrics_port + sup.world - 1
@@ -481,7 +491,11 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     t_ref = time.perf_counter()
     expected = _colocated_reference(opts, {**prompts, **fillers})
     t_ref = time.perf_counter() - t_ref
-    client = ControlClient(server.endpoint)
+    client = ControlClient(
+        server.endpoint,
+        default_timeout_s=opts.timeout_s,  # the coordinator's FAILED comes first
+        **(INSECURE if keys is None else keys.client_args()),
+    )
     deadline = time.monotonic() + opts.timeout_s
     failures: list[str] = []
     worker_reports: list[dict[str, Any]] = []
@@ -987,6 +1001,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="serve Prometheus metrics of rank r on BIND_HOST:(PORT + r)",
+    )
+    p.add_argument(
+        "--insecure-plaintext",
+        action="store_true",
+        help="run the control plane as plain TCP without CURVE keys (logs a warning; by "
+        "default each run generates keys and admits only its own engines and client)",
     )
     p.add_argument(
         "--bind-host",

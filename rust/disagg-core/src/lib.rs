@@ -15,6 +15,7 @@ pub mod ledger;
 pub mod pool;
 pub mod reshard;
 pub mod staging;
+pub mod tags;
 pub mod wire;
 
 pub use compile::{

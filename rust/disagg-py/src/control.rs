@@ -51,3 +51,85 @@ pub fn decode_control_message<'py>(
     }
     Ok(dict)
 }
+
+fn kind(name: &str) -> Option<control::Kind> {
+    control::Kind::from_name(name)
+}
+
+/// An id field as an int, or `None` (absent, or not an int that fits: no request to track).
+fn id(v: Option<&Bound<'_, PyAny>>) -> Option<i64> {
+    v.and_then(|v| v.extract::<i64>().ok())
+}
+
+/// An engine's view of its coordinator (`disagg_core::wire::control::LinkLiveness`): liveness
+/// through acknowledged heartbeats, and the requests to abort when it is lost. Times are
+/// seconds on the caller's clock.
+#[pyclass(module = "disagg_rs._core")]
+pub struct LinkLiveness(control::LinkLiveness);
+
+#[pymethods]
+impl LinkLiveness {
+    #[new]
+    #[pyo3(signature = (timeout_s, now))]
+    fn new(timeout_s: Option<f64>, now: f64) -> PyResult<Self> {
+        Ok(Self(control::LinkLiveness::new(timeout_s, now).py()?))
+    }
+
+    /// The engine sent (or dropped, `delivered` false) a `kind` message about `request_id`.
+    #[pyo3(signature = (kind, request_id, delivered, now))]
+    fn sent(
+        &mut self,
+        kind: &str,
+        request_id: Option<&Bound<'_, PyAny>>,
+        delivered: bool,
+        now: f64,
+    ) {
+        if let Some(k) = self::kind(kind) {
+            self.0.sent(k, id(request_id), delivered, now);
+        }
+    }
+
+    /// A message arrived; returns whether the coordinator was lost and is back.
+    #[pyo3(signature = (kind, request_id, epoch, now))]
+    fn received(
+        &mut self,
+        kind: &str,
+        request_id: Option<&Bound<'_, PyAny>>,
+        epoch: Option<&Bound<'_, PyAny>>,
+        now: f64,
+    ) -> bool {
+        match self::kind(kind) {
+            Some(k) => self.0.received(k, id(request_id), id(epoch), now),
+            None => false,
+        }
+    }
+
+    /// Whether a heartbeat is due (taken as sent when it is).
+    fn heartbeat_due(&mut self, interval_s: f64, now: f64) -> bool {
+        self.0.heartbeat_due(interval_s, now)
+    }
+
+    /// The `(request_id, epoch)` pairs to abort when the coordinator has just been declared
+    /// lost at `now`; empty otherwise.
+    fn check(&mut self, now: f64) -> Vec<(i64, i64)> {
+        self.0.check(now)
+    }
+
+    /// Whether the coordinator is declared lost now.
+    #[getter]
+    fn lost(&self) -> bool {
+        self.0.lost()
+    }
+
+    /// When the coordinator was last heard from.
+    #[getter]
+    fn last_heard(&self) -> f64 {
+        self.0.last_heard()
+    }
+
+    /// `losses` (times the coordinator was declared lost) and `abandoned` (requests handed
+    /// back to abort).
+    fn counters(&self) -> std::collections::HashMap<&'static str, u64> {
+        [("losses", self.0.losses()), ("abandoned", self.0.abandoned())].into()
+    }
+}

@@ -19,6 +19,7 @@ mod pool;
 mod reshard;
 mod rows;
 mod staging;
+mod tags;
 mod wire;
 
 use pyo3::prelude::*;
@@ -29,6 +30,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(error::_error_kinds, m)?)?;
     m.add_function(wrap_pyfunction!(error::_raise_sample_error, m)?)?;
     m.add_function(wrap_pyfunction!(control::decode_control_message, m)?)?;
+    m.add_class::<control::LinkLiveness>()?;
+    m.add_function(wrap_pyfunction!(tags::two_sided_tag, m)?)?;
+    m.add_function(wrap_pyfunction!(tags::two_sided_tag_owner, m)?)?;
+    m.add("MAX_TWO_SIDED_REQUEST_ID", disagg_core::tags::MAX_TWO_SIDED_REQUEST_ID)?;
     m.add_class::<layout::PyKvShardLayout>()?;
     m.add_class::<layout::PySsmStateDims>()?;
     m.add_class::<layout::PySsmShardLayout>()?;

@@ -9,8 +9,8 @@
 use crate::error::{DisaggError, DisaggResult};
 use crate::wire::msgpack::{self, Value};
 
-/// Version of the control protocol (2 added HEARTBEAT and FENCED).
-pub const PROTOCOL_VERSION: i64 = 2;
+/// Version of the control protocol (2 added `HEARTBEAT` and `FENCED`, 3 `HEARTBEAT_ACK`).
+pub const PROTOCOL_VERSION: i64 = 3;
 /// Longest prompt a SUBMIT may carry.
 pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
 /// Largest `max_new_tokens` a SUBMIT may ask for.
@@ -91,6 +91,7 @@ pub enum Kind {
     Shutdown,
     Heartbeat,
     Fenced,
+    HeartbeatAck,
 }
 
 const RID: Field = req("request_id", FieldType::Id);
@@ -103,7 +104,7 @@ const TOKEN_CAP: usize = MAX_NEW_TOKENS as usize;
 
 impl Kind {
     /// Every type, in wire-name order of the protocol description.
-    pub const ALL: [Kind; 19] = [
+    pub const ALL: [Kind; 20] = [
         Kind::Register,
         Kind::Registered,
         Kind::Peers,
@@ -123,6 +124,7 @@ impl Kind {
         Kind::Shutdown,
         Kind::Heartbeat,
         Kind::Fenced,
+        Kind::HeartbeatAck,
     ];
 
     /// The name on the wire.
@@ -147,6 +149,7 @@ impl Kind {
             Kind::Shutdown => "SHUTDOWN",
             Kind::Heartbeat => "HEARTBEAT",
             Kind::Fenced => "FENCED",
+            Kind::HeartbeatAck => "HEARTBEAT_ACK",
         }
     }
 
@@ -224,7 +227,9 @@ impl Kind {
                 vec![RID, opt("epoch", T::Id), req("error", T::Text), opt("quiet", T::Bool)]
             }
             Kind::Shutdown => vec![],
-            Kind::Heartbeat => vec![req("engine_id", T::Text), req("incarnation", T::Id)],
+            Kind::Heartbeat | Kind::HeartbeatAck => {
+                vec![req("engine_id", T::Text), req("incarnation", T::Id)]
+            }
             Kind::Fenced => vec![req("engine_id", T::Text)],
         }
     }
@@ -396,6 +401,131 @@ pub fn decode_message(data: &[u8], to_coordinator: bool) -> DisaggResult<Control
     Ok(ControlMessage { kind, fields })
 }
 
+/// An engine's view of its coordinator: whether it is alive, and the requests the engine was
+/// given and has not finished (what it must abort when the coordinator is lost).
+///
+/// Times are the caller's seconds on any monotonic origin (a virtual clock in tests). The
+/// coordinator acknowledges every `HEARTBEAT`, so any message received is a sign of life; a
+/// coordinator heard from less recently than the timeout is declared lost once, and heard
+/// again it is back (the engine registers again: a new coordinator does not know it).
+#[derive(Debug, Clone)]
+pub struct LinkLiveness {
+    timeout_s: Option<f64>,
+    last_sent: f64,
+    last_heard: f64,
+    last_probe: f64,
+    lost: bool,
+    losses: u64,
+    abandoned: u64,
+    given: std::collections::BTreeMap<i64, i64>,
+}
+
+impl LinkLiveness {
+    /// A link that last heard from its coordinator at `now`; `timeout_s` of `None` never
+    /// declares it lost. A timeout that is not finite and positive is refused naming
+    /// `coordinator_timeout_s`.
+    pub fn new(timeout_s: Option<f64>, now: f64) -> DisaggResult<Self> {
+        if let Some(t) = timeout_s {
+            if !(t.is_finite() && t > 0.0) {
+                return Err(DisaggError::Argument {
+                    field: "coordinator_timeout_s".into(),
+                    detail: format!("coordinator_timeout_s={t} must be finite and > 0"),
+                });
+            }
+        }
+        Ok(Self {
+            timeout_s,
+            last_sent: now,
+            last_heard: now,
+            last_probe: now,
+            lost: false,
+            losses: 0,
+            abandoned: 0,
+            given: std::collections::BTreeMap::default(),
+        })
+    }
+
+    /// The engine sent (or, `delivered` false, dropped) a `kind` message about `request_id`
+    /// at `now`: a final report ends the engine's part in that request either way.
+    pub fn sent(&mut self, kind: Kind, request_id: Option<i64>, delivered: bool, now: f64) {
+        if matches!(kind, Kind::PrefillFailed | Kind::Done | Kind::Failed) {
+            if let Some(rid) = request_id {
+                self.given.remove(&rid);
+            }
+        }
+        if delivered {
+            self.last_sent = now;
+        }
+    }
+
+    /// A `kind` message arrived at `now`. Returns whether the coordinator was lost and is
+    /// back (the engine then registers again).
+    pub fn received(
+        &mut self,
+        kind: Kind,
+        request_id: Option<i64>,
+        epoch: Option<i64>,
+        now: f64,
+    ) -> bool {
+        self.last_heard = self.last_heard.max(now);
+        match (kind, request_id, epoch) {
+            (Kind::Prefill | Kind::SubmitRequestWithKv, Some(rid), Some(epoch)) => {
+                self.given.insert(rid, epoch);
+            }
+            (Kind::Abort | Kind::ReleaseKv, Some(rid), _) => {
+                self.given.remove(&rid);
+            }
+            _ => {}
+        }
+        std::mem::replace(&mut self.lost, false)
+    }
+
+    /// Whether a `HEARTBEAT` is due at `now`: nothing sent, or nothing heard, for
+    /// `interval_s`, and none sent within it. A due heartbeat is taken as sent now.
+    pub fn heartbeat_due(&mut self, interval_s: f64, now: f64) -> bool {
+        let idle = (now - self.last_sent).max(now - self.last_heard);
+        if idle < interval_s || now - self.last_probe < interval_s {
+            return false;
+        }
+        self.last_probe = now;
+        true
+    }
+
+    /// At `now`: if the coordinator has just passed the timeout silent, declare it lost and
+    /// return every `(request_id, epoch)` the engine still holds (to abort), in id order.
+    pub fn check(&mut self, now: f64) -> Vec<(i64, i64)> {
+        let Some(timeout) = self.timeout_s else { return Vec::new() };
+        if self.lost || now - self.last_heard <= timeout {
+            return Vec::new();
+        }
+        self.lost = true;
+        self.losses += 1;
+        let given: Vec<(i64, i64)> = std::mem::take(&mut self.given).into_iter().collect();
+        self.abandoned += given.len() as u64;
+        given
+    }
+
+    /// Whether the coordinator is declared lost now.
+    pub fn lost(&self) -> bool {
+        self.lost
+    }
+
+    /// How many times the coordinator was declared lost.
+    pub fn losses(&self) -> u64 {
+        self.losses
+    }
+
+    /// Requests handed back for abort because the coordinator was lost.
+    pub fn abandoned(&self) -> u64 {
+        self.abandoned
+    }
+
+    /// When the coordinator was last heard from.
+    pub fn last_heard(&self) -> f64 {
+        self.last_heard
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -520,14 +650,14 @@ mod tests {
     fn a_missing_required_field_is_named_and_optional_ones_may_be_absent() {
         let frame = enc(&[
             ("type", s("KV_IMPORTED")),
-            ("v", Value::Int(2)),
+            ("v", Value::Int(PROTOCOL_VERSION)),
             ("request_id", Value::Int(1)),
             ("epoch", Value::Int(1)),
         ]);
         assert_eq!(field_of(decode_message(&frame, true)), "ok");
         let frame = enc(&[
             ("type", s("KV_IMPORTED")),
-            ("v", Value::Int(2)),
+            ("v", Value::Int(PROTOCOL_VERSION)),
             ("request_id", Value::Int(1)),
             ("epoch", Value::Int(1)),
             ("ok", Value::Bool(true)),
@@ -539,7 +669,7 @@ mod tests {
     fn engine_bound_types_are_refused_only_on_the_coordinator_side() {
         let frame = enc(&[
             ("type", s("ABORT")),
-            ("v", Value::Int(2)),
+            ("v", Value::Int(PROTOCOL_VERSION)),
             ("request_id", Value::Int(1)),
             ("epoch", Value::Int(3)),
         ]);
@@ -557,6 +687,50 @@ mod tests {
     fn every_kind_round_trips_through_its_wire_name() {
         for k in Kind::ALL {
             assert_eq!(Kind::from_name(k.name()), Some(k));
+        }
+    }
+
+    #[test]
+    fn a_silent_coordinator_is_lost_once_and_the_held_requests_come_back_to_abort() {
+        let mut l = LinkLiveness::new(Some(10.0), 0.0).unwrap();
+        l.received(Kind::Prefill, Some(3), Some(7), 1.0);
+        l.received(Kind::Prefill, Some(4), Some(8), 1.0);
+        l.received(Kind::SubmitRequestWithKv, Some(5), Some(9), 1.0);
+        l.sent(Kind::PrefillFailed, Some(4), false, 2.0); // ends 4 even when dropped
+        l.received(Kind::Abort, Some(5), Some(9), 2.0);
+        assert!(l.check(12.0).is_empty()); // 10 s since heard: not past
+        assert_eq!(l.check(12.5), vec![(3, 7)]);
+        assert!(l.lost() && l.losses() == 1 && l.abandoned() == 1);
+        assert!(l.check(100.0).is_empty());
+        assert!(l.received(Kind::HeartbeatAck, None, None, 101.0)); // back: register again
+        assert!(!l.lost() && !l.received(Kind::Peers, None, None, 101.0));
+        assert!(l.check(111.0).is_empty());
+        assert!(l.check(111.5).is_empty() && l.lost()); // lost again, nothing held
+        assert_eq!(l.losses(), 2);
+    }
+
+    #[test]
+    fn heartbeats_are_due_when_idle_either_way_at_most_once_per_interval() {
+        let mut l = LinkLiveness::new(None, 0.0).unwrap();
+        assert!(!l.heartbeat_due(1.0, 0.5));
+        assert!(l.heartbeat_due(1.0, 1.0));
+        assert!(!l.heartbeat_due(1.0, 1.5)); // one per interval
+        l.sent(Kind::Tokens, Some(1), true, 2.0); // busy sending, but nothing heard back
+        assert!(l.heartbeat_due(1.0, 2.1));
+        l.received(Kind::HeartbeatAck, None, None, 2.2);
+        assert!(!l.heartbeat_due(1.0, 3.0)); // sent and heard within the interval
+        assert!(l.check(1e9).is_empty()); // no timeout: never lost
+    }
+
+    #[test]
+    fn a_timeout_that_is_not_finite_and_positive_is_refused() {
+        for t in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            match LinkLiveness::new(Some(t), 0.0) {
+                Err(DisaggError::Argument { field, .. }) => {
+                    assert_eq!(field, "coordinator_timeout_s");
+                }
+                other => panic!("{t}: {other:?}"),
+            }
         }
     }
 }

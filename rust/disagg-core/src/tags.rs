@@ -1,0 +1,138 @@
+//! Message tags of two-sided transfers (torch.distributed send/recv over NCCL or gloo).
+//!
+//! Both sides of a two-sided handoff compute the tag of each message from the request id and
+//! the kind of state it carries, without talking to each other, so the mapping must be the
+//! same on both sides and injective: two requests in flight at once must never share a tag
+//! (a receive would match another request's send and land its bytes). Tags are 31-bit
+//! non-negative ints (`int32` on the wire of every backend), so `request_id * KINDS + kind`
+//! must fit: an id outside `[0, MAX_TWO_SIDED_REQUEST_ID]` is refused with a typed error
+//! instead of wrapping onto another request's tag.
+
+use crate::error::{DisaggError, DisaggResult};
+
+/// The state a two-sided message carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TagKind {
+    /// The paged KV cache.
+    Kv = 0,
+    /// The SSM convolution state.
+    Conv = 1,
+    /// The SSM recurrent state.
+    Recurrent = 2,
+}
+
+/// Tag slots per request (a power of two above the number of kinds).
+pub const KINDS: i64 = 4;
+
+/// Largest tag a backend accepts (`i32::MAX`).
+pub const MAX_TAG: i64 = i32::MAX as i64;
+
+/// Largest request id a two-sided transport can tag.
+pub const MAX_TWO_SIDED_REQUEST_ID: i64 = (MAX_TAG + 1) / KINDS - 1;
+
+impl TagKind {
+    /// Every kind.
+    pub const ALL: [TagKind; 3] = [TagKind::Kv, TagKind::Conv, TagKind::Recurrent];
+
+    /// The kind called `name` (`"kv"`, `"conv"`, `"recurrent"`).
+    pub fn from_name(name: &str) -> DisaggResult<TagKind> {
+        match name {
+            "kv" => Ok(TagKind::Kv),
+            "conv" => Ok(TagKind::Conv),
+            "recurrent" => Ok(TagKind::Recurrent),
+            other => Err(DisaggError::Argument {
+                field: "kind".into(),
+                detail: format!("kind={other:?} must be one of \"kv\", \"conv\", \"recurrent\""),
+            }),
+        }
+    }
+}
+
+/// The tag of `request_id`'s `kind` message: injective over every accepted id and kind.
+pub fn two_sided_tag(request_id: i64, kind: TagKind) -> DisaggResult<i64> {
+    if !(0..=MAX_TWO_SIDED_REQUEST_ID).contains(&request_id) {
+        return Err(DisaggError::Argument {
+            field: "request_id".into(),
+            detail: format!(
+                "request_id={request_id} must be in [0, {MAX_TWO_SIDED_REQUEST_ID}] on a \
+                 two-sided transport (its message tags are 31-bit)"
+            ),
+        });
+    }
+    Ok(request_id * KINDS + kind as i64)
+}
+
+/// The request and kind a tag was made from (the inverse of [`two_sided_tag`]).
+pub fn tag_owner(tag: i64) -> DisaggResult<(i64, TagKind)> {
+    let kind = TagKind::ALL.into_iter().find(|k| *k as i64 == tag.rem_euclid(KINDS));
+    match kind {
+        Some(kind) if (0..=MAX_TAG).contains(&tag) => Ok((tag / KINDS, kind)),
+        _ => Err(DisaggError::Argument {
+            field: "tag".into(),
+            detail: format!("tag={tag} is not a two-sided handoff tag"),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn ids_two_to_the_29_apart_get_different_tags_or_are_refused() {
+        let a = two_sided_tag(5, TagKind::Kv).unwrap();
+        assert!(two_sided_tag(5 + (1 << 29), TagKind::Kv).is_err());
+        let b = two_sided_tag(MAX_TWO_SIDED_REQUEST_ID, TagKind::Recurrent).unwrap();
+        assert_ne!(a, b);
+        assert!(b <= MAX_TAG);
+    }
+
+    #[test]
+    fn negative_and_too_large_ids_are_refused_naming_the_field() {
+        for rid in [-1, MAX_TWO_SIDED_REQUEST_ID + 1, i64::MAX, i64::MIN] {
+            match two_sided_tag(rid, TagKind::Conv) {
+                Err(DisaggError::Argument { field, detail }) => {
+                    assert_eq!(field, "request_id");
+                    assert!(detail.contains(&rid.to_string()));
+                }
+                other => panic!("{rid}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn unknown_kind_names_and_foreign_tags_are_refused() {
+        assert!(TagKind::from_name("ssm").is_err());
+        assert!(tag_owner(-1).is_err());
+        assert!(tag_owner(3).is_err());
+        assert!(tag_owner(MAX_TAG + 1).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn tags_are_injective_and_invert_to_their_request(
+            ids in proptest::collection::vec(prop_oneof![
+                0..=64i64,
+                (MAX_TWO_SIDED_REQUEST_ID - 64)..=MAX_TWO_SIDED_REQUEST_ID,
+                -(1i64 << 40)..(1i64 << 40),
+            ], 1..64)
+        ) {
+            let mut seen: HashMap<i64, (i64, TagKind)> = HashMap::new();
+            for &rid in &ids {
+                for kind in TagKind::ALL {
+                    match two_sided_tag(rid, kind) {
+                        Ok(tag) => {
+                            prop_assert!((0..=MAX_TAG).contains(&tag));
+                            prop_assert_eq!(tag_owner(tag).unwrap(), (rid, kind));
+                            let prev = seen.insert(tag, (rid, kind));
+                            prop_assert!(prev.is_none() || prev == Some((rid, kind)));
+                        }
+                        Err(_) => prop_assert!(!(0..=MAX_TWO_SIDED_REQUEST_ID).contains(&rid)),
+                    }
+                }
+            }
+        }
+    }
+}
