@@ -99,12 +99,41 @@ def test_a_handoff_ticket_with_a_negative_staging_offset_is_refused_naming_it() 
     }  # fmt: skip
     _core.check_handoff_ticket(ticket)
     ticket["staged"][0][0]["offset"] = -64
-    with pytest.raises(exceptions.MetadataError) as err:
+    with pytest.raises(exceptions.HandoffMetadataError) as err:
         _core.check_handoff_ticket(ticket)
     assert err.value.field == "staged.0[0].offset"
-    for key, value in (("lease_ns", 1), ("src_block_ids", [-1]), ("resume_tokens", "x")):
-        with pytest.raises(exceptions.MetadataError):
+    for key, value, field in (
+        ("lease_ns", 1, "lease_ns"),
+        ("src_block_ids", [-1], "src_block_ids[0]"),
+        ("resume_tokens", "x", "resume_tokens"),
+        ("resume_tokens", [0] * 5_000, "resume_tokens"),
+        ("resume_tokens", [0] * 70_000, "ticket.resume_tokens"),  # over the size cap
+    ):
+        with pytest.raises(exceptions.HandoffMetadataError) as err:
             _core.check_handoff_ticket({**ticket, "staged": {}, key: value})
+        assert err.value.field == field, err.value
+        assert isinstance(err.value, exceptions.MetadataError)
+
+
+def test_a_ticket_is_checked_against_what_the_decode_rank_reads_naming_the_field() -> None:
+    ranks = [{"kv": {"agent_name": "p0"}, "conv": None}]
+    ticket = {"src_block_ids": [0], "prefill_meta": {"ranks": ranks}}
+    _core.check_handoff_ticket(ticket, request_id=5, sources=["kv"])
+    cases = [
+        ({k: v for k, v in ticket.items() if k != "prefill_meta"}, {}, "prefill_meta"),
+        ({**ticket, "prefill_meta": {"ranks": "x"}}, {}, "prefill_meta"),
+        (ticket, {"sources": ["kv", "conv"]}, "prefill_meta"),
+        (ticket, {"integrity": True}, "integrity"),
+        (ticket, {"has_ssm": True}, "src_ssm_slot"),
+        ({**ticket, "src_ssm_slot": 2}, {}, "src_ssm_slot"),
+    ]
+    for bad, needs, field in cases:
+        args: dict[str, Any] = {"sources": ["kv"], **needs}
+        with pytest.raises(exceptions.HandoffMetadataError) as err:
+            _core.check_handoff_ticket(bad, request_id=5, **args)
+        assert err.value.field == field and "request 5" in str(err.value), err.value
+    # Without a request id only the ticket's own fields are checked.
+    _core.check_handoff_ticket({**ticket, "src_ssm_slot": 2})
 
 
 def test_a_staging_ticket_outside_the_sources_staging_region_is_refused(
@@ -117,7 +146,7 @@ def test_a_staging_ticket_outside_the_sources_staging_region_is_refused(
     good = {"src_rank": 0, "incarnation": inc, "staged": True, "offset": 0, "nbytes": 4096}
     assert _core.check_staging_tickets_of([good], [peer])[0]["nbytes"] == 4096
     for bad in ({**good, "offset": 1}, {**good, "incarnation": inc + 1}, {**good, "src_rank": 3}):
-        with pytest.raises(exceptions.MetadataError) as err:
+        with pytest.raises(exceptions.HandoffMetadataError) as err:
             _core.check_staging_tickets_of([bad], [peer])
         assert err.value.field == "staged"
 

@@ -32,6 +32,7 @@ from disagg_rs._core import (
     BlockPool,
     SSMShardLayout,
     SSMStateDims,
+    check_reference_ticket,
     drop_transfer_prefix_blocks,
     transfer_block_count,
 )
@@ -460,7 +461,6 @@ class ReferenceDesignCompat(HandoffBase):
                 "(enable_prefix_caching=False)",
                 "enable_prefix_caching",
             )
-        ssm_meta = kv_meta.get("ssm") if isinstance(kv_meta, dict) else None
         has_ssm = bool(self._ssm_transfer_agents)
         if ctx.is_hybrid_model and not has_ssm:
             raise HandoffStateError(
@@ -468,54 +468,27 @@ class ReferenceDesignCompat(HandoffBase):
                 "setup",
                 "setup_kv_transfer",
             )
-        if has_ssm:
-            if not isinstance(ssm_meta, dict):
-                raise HandoffMetadataError(
-                    f"request {request_id}: a hybrid decode needs the ticket's 'ssm' mapping, "
-                    f"got {type(ssm_meta).__name__}",
-                    "ssm",
-                )
-            missing = [k for k in _SSM_STATE_KINDS if k not in ssm_meta]
-            if missing:
-                raise HandoffMetadataError(
-                    f"request {request_id}: SSM metadata lacks state kinds {missing}", "ssm"
-                )
-        elif ssm_meta is not None:
-            raise HandoffMetadataError(
-                f"request {request_id}: an attention-only decode received SSM metadata from a "
-                "hybrid prefill",
-                "ssm",
-            )
         if self._kv_transfer_agent is None:
             raise HandoffStateError(
                 f"request {request_id}: no transfer backend (setup_kv_transfer has not run)",
                 "setup_kv_transfer",
             )
-        resume = [int(t) for t in kv_meta.get("resume_tokens", [])]
-        want = int(ctx.num_speculative_tokens) + 1
-        if len(resume) != want:
-            raise HandoffMetadataError(
-                f"request {request_id}: {len(resume)} resume tokens but a decode-only handoff "
-                f"needs num_speculative_tokens+1={want}",
-                "resume_tokens",
-            )
-        if (
-            getattr(sampling_params, "return_log_probs", False)
-            or (getattr(sampling_params, "top_n_logprobs", 0) or 0) > 0
-        ):
-            raise HandoffMetadataError(
-                f"request {request_id}: a decode-only handoff carries no log probabilities "
-                "(return_log_probs / top_n_logprobs)",
-                "return_log_probs",
-            )
         bs = int(ctx.block_size_tokens)
         num_blocks = transfer_block_count(kv_meta, src_block_ids)
-        if num_blocks != -(-len(prompt) // bs):
-            raise HandoffMetadataError(
-                f"request {request_id}: {num_blocks} source blocks but {len(prompt)} prompt "
-                f"tokens at block_size={bs} need {-(-len(prompt) // bs)} (partial tail included)",
-                "src_block_ids",
-            )
+        # The ticket against this decode, in Rust: SSM entry, first tokens, log probabilities,
+        # source block count (HandoffMetadataError naming the first bad field).
+        check_reference_ticket(
+            request_id,
+            kv_meta.get("ssm") if isinstance(kv_meta, dict) else None,
+            decode_has_ssm=has_ssm,
+            resume_tokens=len(kv_meta.get("resume_tokens", [])),
+            num_speculative_tokens=int(ctx.num_speculative_tokens),
+            return_log_probs=bool(getattr(sampling_params, "return_log_probs", False)),
+            top_n_logprobs=getattr(sampling_params, "top_n_logprobs", None),
+            src_blocks=num_blocks,
+            prompt_tokens=len(prompt),
+            block_size=bs,
+        )
         hashes = compute_block_hashes_batched(torch.tensor(prompt, dtype=torch.int64), bs)
         handoff = DeferredKvHandoff(
             request_id=request_id,

@@ -6,11 +6,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use disagg_core::wire::peer::{
-    compat_hash, parse_count, LocalFacts, LocalSide, PeerGeometry, PeerLayout, PeerMeta, PeerTable,
-    SourceIds, StateKind,
+    block_check_count, compat_hash, parse_count, LocalFacts, LocalSide, PeerGeometry, PeerLayout,
+    PeerMeta, PeerTable, SourceIds, StateKind,
 };
 use disagg_core::wire::plan::{compile_checked, plan_transfer, TransferPlanRequest};
-use disagg_core::wire::ticket::{check_staging_tickets, HandoffTicket};
+use disagg_core::wire::ticket::{
+    check_staging_tickets, DecodeNeeds, HandoffTicket, ReferenceSsm, ReferenceTicket,
+};
 use disagg_core::wire::value::{Budget, WireValue};
 use disagg_core::ModeChoice;
 use numpy::PyReadonlyArray2;
@@ -19,7 +21,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, Py
 
 use crate::args::{Int, IntList, Kind};
 use crate::compile::PyTransferProgram;
-use crate::error::{wire_err, IntoPyResult};
+use crate::error::{in_handoff_metadata, wire_err, IntoPyResult};
 use crate::geometry::{PyKvGeometry, PySsmGeometry};
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
 
@@ -444,11 +446,76 @@ pub fn check_staging_tickets_of<'py>(
     Ok(out)
 }
 
-/// Check a handoff ticket once, when the decode receives it: `MetadataError` naming the
-/// field (block ids, first tokens, lease, staging tickets and their offsets).
+/// Check a handoff ticket once, when the decode receives it: `HandoffMetadataError` naming
+/// the field (block ids, first tokens, lease, staging tickets and their offsets). With
+/// `request_id`, also against what this decode rank needs: the state kinds it reads
+/// (`sources`), whether it holds SSM state and whether it verifies integrity.
 #[pyfunction]
-pub fn check_handoff_ticket(ticket: &Bound<'_, PyAny>) -> PyResult<()> {
-    HandoffTicket::parse(&to_wire(ticket, "ticket")?).py().map(|_| ())
+#[pyo3(signature = (ticket, *, request_id=None, sources=Vec::new(), has_ssm=false, integrity=false))]
+pub fn check_handoff_ticket(
+    ticket: &Bound<'_, PyAny>,
+    request_id: Option<Int>,
+    sources: Vec<String>,
+    has_ssm: bool,
+    integrity: bool,
+) -> PyResult<()> {
+    let v = to_wire(ticket, "ticket").map_err(|e| in_handoff_metadata(ticket.py(), e))?;
+    let parsed = HandoffTicket::parse(&v).py()?;
+    if let Some(rid) = request_id {
+        let request_id = rid.to_u64(Kind::Argument, "request_id")?;
+        let needs = DecodeNeeds { request_id, sources, has_ssm, integrity };
+        parsed.check_for_decode(&needs).py()?;
+    }
+    Ok(())
+}
+
+/// Check a reference-design handoff before the decode reserves anything: the ticket's `ssm`
+/// entry against whether this decode moves SSM state, the first tokens against
+/// `num_speculative_tokens`, no log probabilities, and the source block count against the
+/// prompt. `HandoffMetadataError` naming the first bad field.
+#[pyfunction]
+#[pyo3(signature = (request_id, ssm, *, decode_has_ssm, resume_tokens, num_speculative_tokens,
+    return_log_probs, top_n_logprobs, src_blocks, prompt_tokens, block_size))]
+#[allow(clippy::too_many_arguments)]
+pub fn check_reference_ticket(
+    request_id: Int,
+    ssm: &Bound<'_, PyAny>,
+    decode_has_ssm: bool,
+    resume_tokens: Int,
+    num_speculative_tokens: Int,
+    return_log_probs: bool,
+    top_n_logprobs: Option<Int>,
+    src_blocks: Int,
+    prompt_tokens: Int,
+    block_size: Int,
+) -> PyResult<()> {
+    let ssm = if ssm.is_none() {
+        ReferenceSsm::Absent
+    } else if let Ok(d) = ssm.cast::<PyDict>() {
+        ReferenceSsm::Kinds(d.keys().iter().map(|k| k.to_string()).collect())
+    } else {
+        ReferenceSsm::Other(
+            ssm.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string()),
+        )
+    };
+    let n = |v: Int, field: &str| v.to_u64(Kind::Argument, field);
+    ReferenceTicket {
+        request_id: n(request_id, "request_id")?,
+        ssm,
+        decode_has_ssm,
+        resume_tokens: n(resume_tokens, "resume_tokens")?,
+        num_speculative_tokens: n(num_speculative_tokens, "num_speculative_tokens")?,
+        return_log_probs,
+        top_n_logprobs: top_n_logprobs
+            .map(|t| t.to_i64(Kind::Argument, "top_n_logprobs"))
+            .transpose()?
+            .unwrap_or(0),
+        src_blocks: n(src_blocks, "src_blocks")?,
+        prompt_tokens: n(prompt_tokens, "prompt_tokens")?,
+        block_size: n(block_size, "block_size")?,
+    }
+    .check()
+    .py()
 }
 
 /// The compatibility hash of a facts dict: 16 hex digits.
@@ -462,4 +529,11 @@ pub fn py_compat_hash(facts: &Bound<'_, PyAny>) -> PyResult<String> {
 #[pyfunction]
 pub fn peer_meta_parses() -> u64 {
     parse_count()
+}
+
+/// How many times this process has validated a transfer's KV block ids against the buffers
+/// (once per transfer on the hot path).
+#[pyfunction]
+pub fn block_id_checks() -> u64 {
+    block_check_count()
 }

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use crate::compile::{
-    compile_kv_transfer, compile_ssm_transfer, CostModel, KvTransferRequest, ModeChoice,
+    compile_kv_transfer_checked, compile_ssm_transfer, CostModel, KvTransferRequest, ModeChoice,
     SrcBlockIds, SrcSlots, SsmTransferRequest, TransferProgram,
 };
 use crate::error::{DisaggError, DisaggResult};
@@ -115,17 +115,20 @@ pub fn compile_checked(
                         .collect::<BTreeMap<_, _>>(),
                 ),
             };
-            compile_kv_transfer(&KvTransferRequest {
-                srcs,
-                dst_layout,
-                dst_geometry: Some(dst_geometry),
-                src_block_ids,
-                dst_block_ids: req.dst_ids.as_deref().map(u32s),
-                num_tokens: n,
-                token_start: 0,
-                mode: req.mode,
-                cost,
-            })?
+            compile_kv_transfer_checked(
+                &KvTransferRequest {
+                    srcs,
+                    dst_layout,
+                    dst_geometry: Some(dst_geometry),
+                    src_block_ids,
+                    dst_block_ids: req.dst_ids.as_deref().map(u32s),
+                    num_tokens: n,
+                    token_start: 0,
+                    mode: req.mode,
+                    cost,
+                },
+                req.local.is_dst,
+            )?
         }
         (false, _) => {
             let srcs = req.srcs.iter().map(|m| ssm_side(m)).collect::<DisaggResult<Vec<_>>>()?;
