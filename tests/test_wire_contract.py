@@ -186,3 +186,46 @@ def test_any_mutation_of_an_export_parses_or_is_refused_with_a_typed_error(
         _core.parse_peer_meta(meta, "nixl")
     except TYPED as exc:
         assert exc.field, f"{type(exc).__name__} without a field: {exc}"
+
+
+def test_a_reference_design_ticket_is_refused_naming_its_first_bad_field() -> None:
+    ok: dict[str, Any] = {
+        "decode_has_ssm": True,
+        "resume_tokens": 1,
+        "num_speculative_tokens": 0,
+        "return_log_probs": False,
+        "top_n_logprobs": None,
+        "src_blocks": 2,
+        "prompt_tokens": 5,
+        "block_size": 4,
+    }
+    ssm = {"conv": {}, "recurrent": {}}
+    _core.check_reference_ticket(9, ssm, **ok)
+    _core.check_reference_ticket(9, None, **{**ok, "decode_has_ssm": False})
+    for meta, change, field in (
+        ({"conv": {}}, {}, "ssm"),
+        ([1], {}, "ssm"),
+        (None, {}, "ssm"),
+        (ssm, {"decode_has_ssm": False}, "ssm"),
+        (ssm, {"resume_tokens": 2}, "resume_tokens"),
+        (ssm, {"top_n_logprobs": 3}, "return_log_probs"),
+        (ssm, {"return_log_probs": True}, "return_log_probs"),
+        (ssm, {"src_blocks": 1}, "src_block_ids"),
+    ):
+        with pytest.raises(exceptions.HandoffMetadataError) as err:
+            _core.check_reference_ticket(9, meta, **{**ok, **change})
+        assert err.value.field == field and "request 9" in str(err.value), err.value
+        assert isinstance(err.value, RuntimeError)
+
+
+def test_a_reference_design_prefill_batch_is_refused_before_any_request_is_prepared() -> None:
+    stages = {"kv_stages": 1, "ssm_stages": 1, "pp_size": 1, "num_speculative_tokens": 1}
+    _core.check_reference_prefill([(1, 2, 3), (2, 2, 1)], **stages)
+    for requests, change, field in (
+        ([(1, 2, 3)], {"pp_size": 2}, "pp_metas"),
+        ([(1, 2, 3), (2, 1, 1)], {}, "resume_tokens"),
+        ([(1, 2, 0)], {}, "block_ids"),
+    ):
+        with pytest.raises(exceptions.HandoffMetadataError) as err:
+            _core.check_reference_prefill(requests, **{**stages, **change})
+        assert err.value.field == field, err.value

@@ -32,6 +32,7 @@ from disagg_rs._core import (
     BlockPool,
     SSMShardLayout,
     SSMStateDims,
+    check_reference_prefill,
     check_reference_ticket,
     drop_transfer_prefix_blocks,
     transfer_block_count,
@@ -268,25 +269,19 @@ class ReferenceDesignCompat(HandoffBase):
             ssm_cache = ctx.mamba_slot_allocator if self._ssm_transfer_agents else None
             kv_stages = self._pp_kv_peer_metas or [self._kv_peer_metas]
             ssm_stages = self._pp_ssm_peer_metas or [self._tp_ssm_peer_metas]
-            if len(kv_stages) != pp_size or len(ssm_stages) != pp_size:
-                raise HandoffMetadataError(
-                    f"static metadata covers {len(kv_stages)} KV / {len(ssm_stages)} SSM "
-                    f"pipeline stages but pp_size={pp_size}",
-                    "pp_metas",
-                )
-            want_resume = int(ctx.num_speculative_tokens) + 1
+            resumes = [list(decode_tokens_by_request.get(r.request_id, [])) for r, _ in handoffs]
+            pairs = list(zip(handoffs, resumes, strict=True))
+            # Every request checked before any is prepared, in Rust (HandoffMetadataError).
+            check_reference_prefill(
+                [(r.request_id, len(t), len(b)) for (r, b), t in pairs],
+                kv_stages=len(kv_stages),
+                ssm_stages=len(ssm_stages),
+                pp_size=pp_size,
+                num_speculative_tokens=int(ctx.num_speculative_tokens),
+            )
             prepared: dict[int, _PreparedHandoffMetadata] = {}
-            for request, blocks in handoffs:
+            for (request, blocks), resume in pairs:
                 rid = request.request_id
-                resume = list(decode_tokens_by_request.get(rid, []))
-                if len(resume) != want_resume:
-                    raise HandoffMetadataError(
-                        f"request {rid}: {len(resume)} resume tokens but a decode-only handoff "
-                        f"needs num_speculative_tokens+1={want_resume}",
-                        "resume_tokens",
-                    )
-                if not blocks:
-                    raise HandoffMetadataError(f"request {rid}: no prompt KV blocks", "block_ids")
                 slot = -1 if ssm_cache is None else int(ssm_cache.get_slot(blocks[-1]))
                 if ssm_cache is not None and slot < 0:
                     raise HandoffStateError(

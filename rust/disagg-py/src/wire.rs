@@ -11,7 +11,8 @@ use disagg_core::wire::peer::{
 };
 use disagg_core::wire::plan::{compile_checked, plan_transfer, TransferPlanRequest};
 use disagg_core::wire::ticket::{
-    check_staging_tickets, DecodeNeeds, HandoffTicket, ReferenceSsm, ReferenceTicket,
+    check_staging_tickets, DecodeNeeds, HandoffTicket, ReferencePrefillBatch, ReferenceSsm,
+    ReferenceTicket,
 };
 use disagg_core::wire::value::{Budget, WireValue};
 use disagg_core::ModeChoice;
@@ -513,6 +514,35 @@ pub fn check_reference_ticket(
         src_blocks: n(src_blocks, "src_blocks")?,
         prompt_tokens: n(prompt_tokens, "prompt_tokens")?,
         block_size: n(block_size, "block_size")?,
+    }
+    .check()
+    .py()
+}
+
+/// Check a reference-design prefill's finished handoffs before any is prepared: the static
+/// metadata covers `pp_size` stages, and each `(request_id, resume_tokens, prompt_blocks)`
+/// has `num_speculative_tokens + 1` first tokens and a block. `HandoffMetadataError` naming
+/// the field.
+#[pyfunction]
+#[pyo3(signature = (requests, *, kv_stages, ssm_stages, pp_size, num_speculative_tokens))]
+pub fn check_reference_prefill(
+    requests: Vec<(Int, Int, Int)>,
+    kv_stages: Int,
+    ssm_stages: Int,
+    pp_size: Int,
+    num_speculative_tokens: Int,
+) -> PyResult<()> {
+    let n = |v: &Int, field: &str| v.to_u64(Kind::Argument, field);
+    let requests = requests
+        .iter()
+        .map(|(r, t, b)| Ok((n(r, "request_id")?, n(t, "resume_tokens")?, n(b, "block_ids")?)))
+        .collect::<PyResult<Vec<_>>>()?;
+    ReferencePrefillBatch {
+        kv_stages: n(&kv_stages, "kv_stages")?,
+        ssm_stages: n(&ssm_stages, "ssm_stages")?,
+        pp_size: n(&pp_size, "pp_size")?,
+        num_speculative_tokens: n(&num_speculative_tokens, "num_speculative_tokens")?,
+        requests,
     }
     .check()
     .py()

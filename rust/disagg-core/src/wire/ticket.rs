@@ -467,6 +467,58 @@ impl ReferenceTicket {
     }
 }
 
+/// A reference-design prefill's finished handoffs, checked before any is prepared (see
+/// [`ReferencePrefillBatch::check`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReferencePrefillBatch {
+    /// Pipeline stages the static KV metadata covers.
+    pub kv_stages: u64,
+    /// Pipeline stages the static SSM metadata covers.
+    pub ssm_stages: u64,
+    /// The engine's pipeline-parallel size.
+    pub pp_size: u64,
+    /// The engine's speculative tokens (a handoff carries one more first token).
+    pub num_speculative_tokens: u64,
+    /// Per request: its id, first tokens generated, prompt blocks.
+    pub requests: Vec<(u64, u64, u64)>,
+}
+
+impl ReferencePrefillBatch {
+    /// Refuse the whole batch, naming the field (`pp_metas`, `resume_tokens`, `block_ids`),
+    /// when the static metadata does not cover every pipeline stage or a request has the
+    /// wrong number of first tokens or no prompt block: `HandoffMetadata` errors.
+    pub fn check(&self) -> DisaggResult<()> {
+        if self.kv_stages != self.pp_size || self.ssm_stages != self.pp_size {
+            return Err(DisaggError::handoff_metadata(
+                "pp_metas",
+                format!(
+                    "static metadata covers {} KV / {} SSM pipeline stages but pp_size={}",
+                    self.kv_stages, self.ssm_stages, self.pp_size
+                ),
+            ));
+        }
+        let want = self.num_speculative_tokens.saturating_add(1);
+        for &(rid, resume, blocks) in &self.requests {
+            if resume != want {
+                return Err(DisaggError::handoff_metadata(
+                    "resume_tokens",
+                    format!(
+                        "request {rid}: {resume} resume tokens but a decode-only handoff needs \
+                         num_speculative_tokens+1={want}"
+                    ),
+                ));
+            }
+            if blocks == 0 {
+                return Err(DisaggError::handoff_metadata(
+                    "block_ids",
+                    format!("request {rid}: no prompt KV blocks"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A staged map key given as an int (msgpack keeps int keys; JSON turns them into text).
 pub fn int_key(v: &WireValue) -> Option<u32> {
     as_uint(v, u64::from(u32::MAX)).and_then(|x| u32::try_from(x).ok())
@@ -621,6 +673,28 @@ mod tests {
             ReferenceTicket { block_size: 0, ..ok }.check(),
             Err(DisaggError::Argument { .. })
         ));
+    }
+
+    #[test]
+    fn a_reference_prefill_batch_is_refused_before_any_request_is_prepared() {
+        let ok = ReferencePrefillBatch {
+            kv_stages: 2,
+            ssm_stages: 2,
+            pp_size: 2,
+            num_speculative_tokens: 0,
+            requests: vec![(1, 1, 3), (2, 1, 1)],
+        };
+        assert!(ok.check().is_ok());
+        let field = |b: ReferencePrefillBatch| match b.check() {
+            Err(DisaggError::HandoffMetadata { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(ReferencePrefillBatch { ssm_stages: 1, ..ok.clone() }), "pp_metas");
+        assert_eq!(field(ReferencePrefillBatch { kv_stages: 3, ..ok.clone() }), "pp_metas");
+        let resume = ReferencePrefillBatch { requests: vec![(1, 1, 3), (2, 2, 1)], ..ok.clone() };
+        assert_eq!(field(resume), "resume_tokens");
+        let empty = ReferencePrefillBatch { requests: vec![(1, 1, 0)], ..ok };
+        assert_eq!(field(empty), "block_ids");
     }
 
     #[test]
