@@ -827,6 +827,8 @@ def compile_peer_transfer(
     dst_block_ids: Any,
     num_tokens: int | None,
     mode: str,
+    *,
+    checked: bool = False,
 ) -> TransferProgram: ...
 def parse_peer_meta(meta: Any, backend: str) -> Peer: ...
 def check_staging_tickets_of(

@@ -9,7 +9,9 @@ use disagg_core::wire::peer::{
     block_check_count, compat_hash, parse_count, LocalFacts, LocalSide, PeerGeometry, PeerLayout,
     PeerMeta, PeerTable, SourceIds, StateKind,
 };
-use disagg_core::wire::plan::{compile_checked, plan_transfer, TransferPlanRequest};
+use disagg_core::wire::plan::{
+    compile_checked, compile_unchecked, plan_transfer, TransferPlanRequest,
+};
 use disagg_core::wire::ticket::{
     check_staging_tickets, DecodeNeeds, HandoffTicket, ReferencePrefillBatch, ReferenceSsm,
     ReferenceTicket,
@@ -357,10 +359,12 @@ pub fn plan_peer_transfer(
     Ok((n, PyTransferProgram::new(inner)))
 }
 
-/// Compile a transfer whose peers and block ids `check_peer_transfer` accepted (no second
-/// check): `num_tokens` is its result.
+/// Compile a transfer of parsed peers. `checked`: its peers and source block ids are what
+/// `check_peer_transfer` accepted (`num_tokens` is its result), so they are not scanned again;
+/// otherwise the compiler validates every block id.
 #[pyfunction]
-#[pyo3(signature = (srcs, dst, src_block_ids, dst_block_ids, num_tokens, mode))]
+#[pyo3(signature = (srcs, dst, src_block_ids, dst_block_ids, num_tokens, mode, *, checked=false))]
+#[allow(clippy::too_many_arguments)]
 pub fn compile_peer_transfer(
     py: Python<'_>,
     srcs: Vec<PyRef<'_, PyPeer>>,
@@ -369,11 +373,13 @@ pub fn compile_peer_transfer(
     dst_block_ids: Option<&Bound<'_, PyAny>>,
     num_tokens: Option<Int>,
     mode: &str,
+    checked: bool,
 ) -> PyResult<PyTransferProgram> {
     let n = num_tokens.map(|n| n.to_u64(Kind::Block, "num_tokens")).transpose()?;
     let local = LocalSide { is_dst: false, num_blocks: 0, tokens_per_block: None };
     let req = plan_request(&srcs, &dst, src_block_ids, dst_block_ids, mode, local)?;
-    let inner = py.detach(|| compile_checked(&req, n)).py()?;
+    let compile = if checked { compile_checked } else { compile_unchecked };
+    let inner = py.detach(|| compile(&req, n)).py()?;
     Ok(PyTransferProgram::new(inner))
 }
 
