@@ -125,7 +125,7 @@ class ContractEngine(InferenceStateHandoffMixin):
     """Attention-only toy engine providing exactly ``engine_protocol.HandoffHost``."""
 
     def __init__(self, role: str, backend: str, rank: int, loop: asyncio.AbstractEventLoop):
-        self._initialize_disaggregation_state()
+        self.init_handoff_state()
         self.handoff_mp_rank = 0
         self.config = Settings()
         self.model = Shape()
@@ -231,7 +231,7 @@ def _run(rank: int, backend: str) -> dict[str, Any]:
         payload = None
         if rank == 0:
             finished = engine.prefill(rid, prompt)
-            ticket = engine._capture_handoff_meta(finished, None)
+            ticket = engine.capture_handoff_ticket(finished)
             ticket["prefill_meta"] = prefill_meta
             payload = (ticket, engine.prompt_kv(finished.block_ids, len(prompt)))
         ticket, prefill_kv = _exchange(payload, 0)
@@ -250,11 +250,11 @@ def _run(rank: int, backend: str) -> dict[str, Any]:
             now += 1_000
             engine.handoff_now_ns = now
             if rank == 0:
-                engine._poll_pending_kv_pushes()
+                engine.poll_kv_pushes()
                 if not engine.pending_kv_push_count:
                     break
             else:
-                engine._poll_pending_kv_imports()
+                engine.poll_kv_imports()
                 engine.schedule_waiting_requests()
                 if futures[rid].done():
                     break

@@ -13,6 +13,7 @@ EXPECTED = {
     "Geometry": (exceptions.GeometryMismatchError, ValueError),
     "AddressOverflow": (exceptions.AddressOverflowError, OverflowError),
     "Wire": (exceptions.MetadataError, ValueError),
+    "HandoffMetadata": (exceptions.HandoffMetadataError, RuntimeError),
     "UnknownRequest": (exceptions.UnknownRequestError, LookupError),
     "DuplicateRequest": (exceptions.DuplicateRequestError, ValueError),
     "Capacity": (exceptions.CapacityError, ValueError),
@@ -53,3 +54,10 @@ def test_layout_error_carries_the_field() -> None:
     with pytest.raises(exceptions.LayoutError) as info:
         _core._raise_sample_error("Layout")
     assert info.value.field == "tp_rank"
+
+
+def test_handoff_metadata_error_carries_the_field_and_is_a_metadata_error() -> None:
+    with pytest.raises(exceptions.HandoffMetadataError) as info:
+        _core._raise_sample_error("HandoffMetadata")
+    assert info.value.field == "lease_ns"
+    assert isinstance(info.value, exceptions.MetadataError)

@@ -48,7 +48,7 @@ def hybrid() -> Iterator[tuple[HandoffReferenceEngine, HandoffReferenceEngine]]:
 def _ticket(pre: HandoffReferenceEngine, rid: int) -> tuple[Any, dict[str, Any]]:
     pre.add_request(rid, PROMPT, MAX_NEW)
     (h,) = pre.step().handoffs
-    ticket = pre._capture_handoff_meta(h, None)
+    ticket = pre.capture_handoff_ticket(h)
     ticket["prefill_meta"] = pre.handoff_static_meta
     return h, ticket
 
@@ -59,9 +59,9 @@ def _run_until_idle(pre: HandoffReferenceEngine, dec: HandoffReferenceEngine) ->
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         dec.handoff_now_ns = time.monotonic_ns()
-        dec._poll_pending_kv_imports()
-        dec._admit_pending_kv_imports()
-        for rid, failed in dec._drain_handoff_completion_notifications():
+        dec.poll_kv_imports()
+        dec.admit_kv_imports()
+        for rid, failed in dec.drain_handoff_outcomes():
             pre.release_handoff_blocks(rid)
             done[rid] = "failed" if failed else "admitted"
         if dec.has_work:
@@ -81,8 +81,8 @@ def _assert_all_free(*engines: HandoffReferenceEngine) -> None:
         e.check_pools()
         assert e.leaked_blocks() == 0
         assert e.ssm_slot_pool is None or e.ssm_slot_pool.num_free == e.ssm_slot_pool.num_slots
-    engines[0]._pins().check()
-    assert engines[0]._pins().num_pinned == 0
+    engines[0].pin_ledger.check()
+    assert engines[0].pin_ledger.num_pinned == 0
 
 
 def test_ssm_ticket_on_a_non_hybrid_decode_and_none_on_a_hybrid_one_are_metadata_errors(
@@ -126,13 +126,14 @@ def test_a_start_that_throws_after_posting_the_kv_pull_fails_once_and_frees_ever
     hybrid: tuple[HandoffReferenceEngine, HandoffReferenceEngine],
 ) -> None:
     pre, dec = hybrid
-    conv = FaultInjectingBackend(dec._ssm_backends["conv"], "conv")
+    conv = FaultInjectingBackend(dec.ssm_transfer_backends["conv"], "conv")
     conv.faults[3], conv.current = "start_raises", 3
-    dec._ssm_backends["conv"] = conv
+    dec.ssm_transfer_backends["conv"] = conv
     h, ticket = _ticket(pre, 3)
     dec.add_request_with_kv_handoff(3, h.prompt, MAX_NEW, ticket, ticket["src_block_ids"])
-    assert dec._pending_imports[3].failed_locally is not None
-    assert len(dec._pending_imports[3].handles) == 1  # the KV pull was posted before the throw
+    pending = dec.pending_kv_import(3)
+    assert pending is not None and pending.failed_locally is not None
+    assert len(pending.handles) == 1  # the KV pull was posted before the throw
     assert _run_until_idle(pre, dec) == {3: "failed"}
     _assert_all_free(pre, dec)
 
@@ -153,17 +154,17 @@ def test_a_failed_import_names_the_rank_and_the_transport_error_it_saw(
     hybrid: tuple[HandoffReferenceEngine, HandoffReferenceEngine],
 ) -> None:
     pre, dec = hybrid
-    kv = FaultInjectingBackend(dec._kv_backend, "kv")
+    kv = FaultInjectingBackend(dec.kv_transfer_backend, "kv")
     kv.faults[4], kv.current = "transfer_error", 4
-    dec._kv_backend = kv  # type: ignore[assignment]
+    dec.kv_transfer_backend = kv  # type: ignore[assignment]
     h, ticket = _ticket(pre, 4)
     dec.add_request_with_kv_handoff(4, h.prompt, MAX_NEW, ticket, ticket["src_block_ids"])
     reasons: dict[int, str | None] = {}
     deadline = time.monotonic() + 30
     while not reasons and time.monotonic() < deadline:
         dec.handoff_now_ns = time.monotonic_ns()
-        dec._poll_pending_kv_imports()
-        for rid, failed in dec._drain_handoff_completion_notifications():
+        dec.poll_kv_imports()
+        for rid, failed in dec.drain_handoff_outcomes():
             assert failed
             reasons[rid] = dec.pop_handoff_failure_reason(rid)
     why = "model-parallel rank 0: TransferError: injected transfer error"
@@ -176,9 +177,9 @@ def test_a_failed_import_names_the_rank_and_the_transport_error_it_saw(
 
 def test_a_failed_start_is_not_reported_while_an_already_posted_part_may_still_write() -> None:
     pending = PendingKvImport(1, 1, handles=[_Running()], failed_locally="SSM start threw")
-    assert InferenceStateHandoffMixin._local_outcome(pending) is None
+    assert InferenceStateHandoffMixin.rank_import_outcome(pending) is None
     pending.handles = []
-    assert InferenceStateHandoffMixin._local_outcome(pending) == "error"
+    assert InferenceStateHandoffMixin.rank_import_outcome(pending) == "error"
 
 
 def test_close_with_transfers_in_flight_is_refused_and_changes_nothing(
@@ -187,11 +188,13 @@ def test_close_with_transfers_in_flight_is_refused_and_changes_nothing(
     pre, dec = hybrid
     h, ticket = _ticket(pre, 4)
     dec.add_request_with_kv_handoff(4, h.prompt, MAX_NEW, ticket, ticket["src_block_ids"])
-    dec._pending_imports[4].handles.append(_Running())
+    pending = dec.pending_kv_import(4)
+    assert pending is not None
+    pending.handles.append(_Running())
     with pytest.raises(exceptions.ResetRefusedError, match=r"\[4\]"):
         dec.close_kv_transfer()
-    assert dec._kv_backend is not None
-    dec._pending_imports[4].handles.pop()
+    assert dec.kv_transfer_backend is not None
+    pending.handles.pop()
     _run_until_idle(pre, dec)
     _assert_all_free(pre, dec)
 
@@ -231,12 +234,12 @@ def test_an_import_that_would_read_after_the_prefill_lease_fails_and_is_never_ad
         for rid in (1, 2):
             pre.add_request(rid, prompt, MAX_NEW)
             (h,) = pre.step().handoffs
-            tickets[rid] = (h, pre._capture_handoff_meta(h, None))
+            tickets[rid] = (h, pre.capture_handoff_ticket(h))
             tickets[rid][1]["prefill_meta"] = pre.handoff_static_meta
             dec.add_request_with_kv_handoff(
                 rid, h.prompt, MAX_NEW, tickets[rid][1], tickets[rid][1]["src_block_ids"]
             )
-        assert dec._ledger().state_of(2) == "deferred"
+        assert dec.import_ledger.state_of(2) == "deferred"
         # The prefill lease ends; its blocks go back to the pool and a new prompt reuses them.
         pre.handoff_now_ns = 1_000_000
         assert pre.expire_handoff_pins() == 2
@@ -244,17 +247,17 @@ def test_an_import_that_would_read_after_the_prefill_lease_fails_and_is_never_ad
         (h3,) = pre.step().handoffs
         # The decode's clock passes half the lease before request 2 could start reading.
         dec.handoff_now_ns = 600_000
-        dec._poll_pending_kv_imports()
-        failed = dict(dec._drain_handoff_completion_notifications())
+        dec.poll_kv_imports()
+        failed = dict(dec.drain_handoff_outcomes())
         assert failed == {1: True, 2: True}
         assert not any(e[:2] == ("importing", 2) for e in dec.handoff_events)
         assert dec.handoff_stats["imports_admitted"] == 0
         for _ in range(1000):  # request 1's read was in flight: it drains from quarantine
             if dec.num_quarantined_kv_imports == 0:
                 break
-            dec._poll_pending_kv_imports()
+            dec.poll_kv_imports()
             time.sleep(0.001)
-        pre._capture_handoff_meta(h3, None)
+        pre.capture_handoff_ticket(h3)
         pre.release_handoff_blocks(3)
         _assert_all_free(pre, dec)
     finally:
@@ -329,20 +332,23 @@ def test_an_import_observed_complete_after_the_lease_is_neither_admitted_nor_cac
     start = dec.handoff_now_ns
     dec.add_request_with_kv_handoff(1, h.prompt, MAX_NEW, ticket, ticket["src_block_ids"])
     for _ in range(5000):  # the read completes and is reported (ready), within the lease
-        dec._poll_pending_kv_imports()
-        if dec._ledger().num_ready:
+        dec.poll_kv_imports()
+        if dec.import_ledger.num_ready:
             break
         time.sleep(0.001)
-    assert dec._ledger().num_ready == 1
+    assert dec.import_ledger.num_ready == 1
     # The decode stalls; its next clock reading is past the lease (9 s left after the bound).
     dec.handoff_now_ns = start + 9_000_000_000
-    assert dec._admit_pending_kv_imports() == 0
-    assert dict(dec._drain_handoff_completion_notifications()) == {1: True}
+    assert dec.admit_kv_imports() == 0
+    assert dict(dec.drain_handoff_outcomes()) == {1: True}
     assert dec.pop_handoff_failure_reason(1) == "lease_expired"
-    assert dec._ledger().counters()["lease_expired"] == 1
+    assert dec.import_ledger.counters()["lease_expired"] == 1
     # Nothing of it entered the prefix cache: the same prompt is pulled from token 0 again.
     assert (
-        dec._ledger().block_pool.match_prefix(dec._ledger().block_pool.block_hashes(h.prompt)) == []
+        dec.import_ledger.block_pool.match_prefix(
+            dec.import_ledger.block_pool.block_hashes(h.prompt)
+        )
+        == []
     )
     pre.release_handoff_blocks(1)
     _assert_all_free(pre, dec)

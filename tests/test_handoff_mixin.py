@@ -57,7 +57,7 @@ class Pair:
         self.prefill.add_request(rid, prompt, self.max_new)
         while self.prefill.has_work:
             for h in self.prefill.step().handoffs:
-                ticket = self.prefill._capture_handoff_meta(h, None)
+                ticket = self.prefill.capture_handoff_ticket(h)
                 ticket["prefill_meta"] = self.prefill.handoff_static_meta
                 self.tickets[h.request_id] = ticket
         return self.tickets[rid]
@@ -71,8 +71,8 @@ class Pair:
 
     def step_decode(self) -> None:
         self.tick()
-        self.decode._poll_pending_kv_imports()
-        self.decode._admit_pending_kv_imports()
+        self.decode.poll_kv_imports()
+        self.decode.admit_kv_imports()
         if self.decode.has_work:
             for done in self.decode.step().finished:
                 self.answers[done.request_id] = done.tokens
@@ -109,18 +109,18 @@ def test_a_handoff_continues_decoding_exactly_like_the_colocated_run(pair: Pair)
     pair.settle()
     assert pair.answers[1] == _colocated(PROMPTS[0], pair.max_new)
     pair.prefill.release_handoff_blocks(1)
-    assert pair.prefill._pins().num_pinned == 0
+    assert pair.prefill.pin_ledger.num_pinned == 0
     assert pair.prefill.leaked_blocks() == 0 and pair.decode.leaked_blocks() == 0
 
 
 def test_release_kv_frees_prefill_pins_and_a_duplicate_release_is_a_no_op(pair: Pair) -> None:
     pair.run_prefill(1, PROMPTS[0])
-    assert pair.prefill._pins().num_pinned == 1
+    assert pair.prefill.pin_ledger.num_pinned == 1
     assert pair.prefill.leaked_blocks() > 0
     pair.prefill.release_handoff_blocks(1)
     pair.prefill.release_handoff_blocks(1)
     pair.prefill.release_handoff_blocks(999)
-    assert pair.prefill._pins().num_pinned == 0
+    assert pair.prefill.pin_ledger.num_pinned == 0
     assert pair.prefill.leaked_blocks() == 0
 
 
@@ -131,8 +131,8 @@ def test_capacity_miss_defers_before_any_transfer() -> None:
         for rid, prompt in ((1, PROMPTS[0]), (2, PROMPTS[1])):
             pair.run_prefill(rid, prompt)
             pair.submit(rid, prompt)
-        assert pair.decode._ledger().deferred_ids() == [2]
-        assert 2 not in pair.decode._pending_imports
+        assert pair.decode.import_ledger.deferred_ids() == [2]
+        assert pair.decode.pending_kv_import(2) is None
         assert pair.decode.pending_kv_import_count == 2
         pair.settle()
         assert pair.answers[1] == _colocated(PROMPTS[0], 2)
@@ -149,7 +149,7 @@ def test_completed_import_waits_when_the_batch_is_full() -> None:
             pair.run_prefill(rid, prompt)
             pair.submit(rid, prompt)
         deadline = time.monotonic() + 30
-        while not pair.decode._ledger().num_ready and time.monotonic() < deadline:
+        while not pair.decode.import_ledger.num_ready and time.monotonic() < deadline:
             pair.step_decode()
         # One request runs; the other is complete but not admitted while the batch is full.
         assert pair.decode.num_running == 1
@@ -175,10 +175,10 @@ def test_resume_token_that_already_finishes_the_request_needs_no_forward(pair: P
 def test_reset_with_an_import_in_flight_is_refused_and_changes_nothing(pair: Pair) -> None:
     pair.run_prefill(1, PROMPTS[0])
     pair.submit(1, PROMPTS[0])
-    assert pair.decode._ledger().num_importing == 1
+    assert pair.decode.import_ledger.num_importing == 1
     with pytest.raises(ResetRefusedError, match="request 1"):
-        pair.decode._reset_pending_kv_imports()
-    assert pair.decode._ledger().num_importing == 1
+        pair.decode.reset_kv_imports()
+    assert pair.decode.import_ledger.num_importing == 1
     pair.settle()
     assert 1 in pair.answers
 
@@ -188,14 +188,13 @@ def test_reset_after_transfers_settle_fails_pending_imports_and_frees_their_bloc
 ) -> None:
     pair.run_prefill(1, PROMPTS[0])
     pair.submit(1, PROMPTS[0])
-    handles = pair.decode._pending_transfer_handles(pair.decode._pending_imports[1])
-    assert pair.decode._wait_for_transfer_handles(*handles)
-    pair.decode._report_completed_kv_imports()  # local outcome known: nothing may still write
-    pair.decode._reset_pending_kv_imports()
+    assert pair.decode.wait_for_kv_import_transfers(1)
+    pair.decode.poll_kv_imports()  # local outcome known: nothing may still write
+    pair.decode.reset_kv_imports()
     assert pair.decode.pending_kv_import_count == 0
     assert pair.decode.handoff_stats["imports_failed"] == 1
     assert pair.decode.leaked_blocks() == 0
-    pair.decode._ledger().check()
+    pair.decode.import_ledger.check()
 
 
 def test_abort_while_importing_releases_nothing_until_the_transfer_is_quiet(pair: Pair) -> None:
@@ -224,7 +223,7 @@ def test_scheduling_a_decode_engine_admits_completed_imports_when_no_prompt_wait
     deadline = time.monotonic() + 60
     while not pair.decode.has_admittable_kv_import and time.monotonic() < deadline:
         pair.tick()
-        pair.decode._poll_pending_kv_imports()
+        pair.decode.poll_kv_imports()
     pair.decode.schedule_waiting_requests()
     assert pair.decode.handoff_stats["imports_admitted"] == 1
     pair.prefill.schedule_waiting_requests()

@@ -385,7 +385,7 @@ class _Pair:
     def ticket(self, rid: int) -> tuple[Any, dict[str, Any]]:
         self.pre.add_request(rid, PROMPT, MAX_NEW)
         (h,) = self.pre.step().handoffs
-        ticket = self.pre._capture_handoff_meta(h, None)
+        ticket = self.pre.capture_handoff_ticket(h)
         ticket["prefill_meta"] = self.pre.handoff_static_meta
         return h, ticket
 
@@ -400,8 +400,8 @@ class _Pair:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             self.dec.handoff_now_ns = time.monotonic_ns()
-            self.dec._poll_pending_kv_imports()
-            self.dec._admit_pending_kv_imports()
+            self.dec.poll_kv_imports()
+            self.dec.admit_kv_imports()
             if self.dec.has_work:
                 for f in self.dec.step().finished:
                     done[f.request_id] = f.tokens
@@ -415,7 +415,7 @@ class _Pair:
         assert dec.ssm_slot_pool is not None
         assert dec.ssm_slot_pool.num_free == dec.ssm_slot_pool.num_slots
         assert dec.num_quarantined_kv_imports == 0 and dec.pending_kv_import_count == 0
-        dec._ledger().check()
+        dec.import_ledger.check()
 
     def close(self) -> None:
         self.dec.close_kv_transfer()
@@ -483,7 +483,7 @@ def test_a_corrupted_source_fails_the_import_naming_the_cell_and_frees_everythin
     assert not pair.dec.has_work  # never admitted
     assert pair.dec.handoff_stats["imports_admitted"] == 0
     assert pair.dec.handoff_stats["integrity_failures"] == 1
-    assert pair.dec._drain_handoff_completion_notifications() == [(1, True)]
+    assert pair.dec.drain_handoff_outcomes() == [(1, True)]
     pair.assert_everything_free()
     pair.pre.release_handoff_blocks(1)
 
@@ -528,8 +528,8 @@ def test_a_verifying_decode_refuses_a_ticket_without_a_table_and_changes_nothing
             p.submit(1, ticket)
         assert info.value.field == "integrity" and "no integrity table" in str(info.value)
         assert p.dec.block_pool.num_free == free
-        assert p.dec.pending_kv_import_count == 0 and not p.dec._pending_imports
-        assert p.dec._decode_requests == {}
+        assert p.dec.pending_kv_import_count == 0 and p.dec.pending_kv_import(1) is None
+        assert p.dec.num_decode_requests == 0
         # The same request id is still usable (nothing was recorded).
         p.dec.verify_integrity = False
         p.submit(1, ticket)

@@ -99,12 +99,41 @@ def test_a_handoff_ticket_with_a_negative_staging_offset_is_refused_naming_it() 
     }  # fmt: skip
     _core.check_handoff_ticket(ticket)
     ticket["staged"][0][0]["offset"] = -64
-    with pytest.raises(exceptions.MetadataError) as err:
+    with pytest.raises(exceptions.HandoffMetadataError) as err:
         _core.check_handoff_ticket(ticket)
     assert err.value.field == "staged.0[0].offset"
-    for key, value in (("lease_ns", 1), ("src_block_ids", [-1]), ("resume_tokens", "x")):
-        with pytest.raises(exceptions.MetadataError):
+    for key, value, field in (
+        ("lease_ns", 1, "lease_ns"),
+        ("src_block_ids", [-1], "src_block_ids[0]"),
+        ("resume_tokens", "x", "resume_tokens"),
+        ("resume_tokens", [0] * 5_000, "resume_tokens"),
+        ("resume_tokens", [0] * 70_000, "ticket.resume_tokens"),  # over the size cap
+    ):
+        with pytest.raises(exceptions.HandoffMetadataError) as err:
             _core.check_handoff_ticket({**ticket, "staged": {}, key: value})
+        assert err.value.field == field, err.value
+        assert isinstance(err.value, exceptions.MetadataError)
+
+
+def test_a_ticket_is_checked_against_what_the_decode_rank_reads_naming_the_field() -> None:
+    ranks = [{"kv": {"agent_name": "p0"}, "conv": None}]
+    ticket = {"src_block_ids": [0], "prefill_meta": {"ranks": ranks}}
+    _core.check_handoff_ticket(ticket, request_id=5, sources=["kv"])
+    cases = [
+        ({k: v for k, v in ticket.items() if k != "prefill_meta"}, {}, "prefill_meta"),
+        ({**ticket, "prefill_meta": {"ranks": "x"}}, {}, "prefill_meta"),
+        (ticket, {"sources": ["kv", "conv"]}, "prefill_meta"),
+        (ticket, {"integrity": True}, "integrity"),
+        (ticket, {"has_ssm": True}, "src_ssm_slot"),
+        ({**ticket, "src_ssm_slot": 2}, {}, "src_ssm_slot"),
+    ]
+    for bad, needs, field in cases:
+        args: dict[str, Any] = {"sources": ["kv"], **needs}
+        with pytest.raises(exceptions.HandoffMetadataError) as err:
+            _core.check_handoff_ticket(bad, request_id=5, **args)
+        assert err.value.field == field and "request 5" in str(err.value), err.value
+    # Without a request id only the ticket's own fields are checked.
+    _core.check_handoff_ticket({**ticket, "src_ssm_slot": 2})
 
 
 def test_a_staging_ticket_outside_the_sources_staging_region_is_refused(
@@ -117,7 +146,7 @@ def test_a_staging_ticket_outside_the_sources_staging_region_is_refused(
     good = {"src_rank": 0, "incarnation": inc, "staged": True, "offset": 0, "nbytes": 4096}
     assert _core.check_staging_tickets_of([good], [peer])[0]["nbytes"] == 4096
     for bad in ({**good, "offset": 1}, {**good, "incarnation": inc + 1}, {**good, "src_rank": 3}):
-        with pytest.raises(exceptions.MetadataError) as err:
+        with pytest.raises(exceptions.HandoffMetadataError) as err:
             _core.check_staging_tickets_of([bad], [peer])
         assert err.value.field == "staged"
 
@@ -157,3 +186,46 @@ def test_any_mutation_of_an_export_parses_or_is_refused_with_a_typed_error(
         _core.parse_peer_meta(meta, "nixl")
     except TYPED as exc:
         assert exc.field, f"{type(exc).__name__} without a field: {exc}"
+
+
+def test_a_reference_design_ticket_is_refused_naming_its_first_bad_field() -> None:
+    ok: dict[str, Any] = {
+        "decode_has_ssm": True,
+        "resume_tokens": 1,
+        "num_speculative_tokens": 0,
+        "return_log_probs": False,
+        "top_n_logprobs": None,
+        "src_blocks": 2,
+        "prompt_tokens": 5,
+        "block_size": 4,
+    }
+    ssm = {"conv": {}, "recurrent": {}}
+    _core.check_reference_ticket(9, ssm, **ok)
+    _core.check_reference_ticket(9, None, **{**ok, "decode_has_ssm": False})
+    for meta, change, field in (
+        ({"conv": {}}, {}, "ssm"),
+        ([1], {}, "ssm"),
+        (None, {}, "ssm"),
+        (ssm, {"decode_has_ssm": False}, "ssm"),
+        (ssm, {"resume_tokens": 2}, "resume_tokens"),
+        (ssm, {"top_n_logprobs": 3}, "return_log_probs"),
+        (ssm, {"return_log_probs": True}, "return_log_probs"),
+        (ssm, {"src_blocks": 1}, "src_block_ids"),
+    ):
+        with pytest.raises(exceptions.HandoffMetadataError) as err:
+            _core.check_reference_ticket(9, meta, **{**ok, **change})
+        assert err.value.field == field and "request 9" in str(err.value), err.value
+        assert isinstance(err.value, RuntimeError)
+
+
+def test_a_reference_design_prefill_batch_is_refused_before_any_request_is_prepared() -> None:
+    stages = {"kv_stages": 1, "ssm_stages": 1, "pp_size": 1, "num_speculative_tokens": 1}
+    _core.check_reference_prefill([(1, 2, 3), (2, 2, 1)], **stages)
+    for requests, change, field in (
+        ([(1, 2, 3)], {"pp_size": 2}, "pp_metas"),
+        ([(1, 2, 3), (2, 1, 1)], {}, "resume_tokens"),
+        ([(1, 2, 0)], {}, "block_ids"),
+    ):
+        with pytest.raises(exceptions.HandoffMetadataError) as err:
+            _core.check_reference_prefill(requests, **{**stages, **change})
+        assert err.value.field == field, err.value

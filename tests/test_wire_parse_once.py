@@ -1,9 +1,12 @@
-"""Peer metadata is parsed once per peer, at registration, never on a handoff's hot path.
+"""Peer metadata is parsed once per peer, at registration, never on a handoff's hot path;
+a handoff's block ids are checked once.
 
 Two spawned processes with real NIXL agents (UCX over loopback, host memory): the prefill
 exports its metadata, the decode registers it (as it does when the control plane announces
 its peers), then runs handoffs, direct and staged, and the process-wide parse counter of the
-Rust wire contract does not move.
+Rust wire contract does not move. Then whole requests through two engines served by
+``HandoffDriver``s (the driver registers the peers PEERS announces): no parse per handoff,
+and one block-id check per side.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import numpy as np
 import pytest
 
 import transport_workers as tw
+from disagg_rs import _core
+from driver_world import MAX_NEW, PROMPTS, World, done
 from transport_workers import Case, Side, Worker
 
 pytestmark = pytest.mark.slow
@@ -99,3 +104,27 @@ def test_a_restarted_peer_is_parsed_again_under_its_new_incarnation(pool: list[W
     finally:
         pre("close", key)
         dec("close", key)
+
+
+@pytest.mark.parametrize(
+    ("mode", "checks_per_handoff"),
+    # direct: the decode checks the block ids of its pull; staged: the prefill checks its
+    # own ids once when it packs, the decode once when it reads (one process counts both).
+    [("direct", 1), ("staged", 2)],
+)
+def test_a_handoff_through_the_driver_parses_no_peer_metadata_and_checks_block_ids_once(
+    mode: str, checks_per_handoff: int
+) -> None:
+    world = World(mode=mode)
+    world.turn()  # REGISTERED/PEERS reach both drivers: every peer is parsed here
+    assert all(not d.refused_peers for d in world.drivers.values())
+    for rid, prompt in PROMPTS.items():
+        parses, checks = _core.peer_meta_parses(), _core.block_id_checks()
+        world.client.submit(rid, prompt, MAX_NEW)
+        world.run(lambda rid=rid: rid in done(world.events))
+        assert _core.peer_meta_parses() - parses == 0
+        assert _core.block_id_checks() - checks == checks_per_handoff
+    stats = world.engines["decode"].handoff_stats
+    assert stats["imports_admitted"] == len(PROMPTS) and stats["imports_failed"] == 0
+    reports = world.close()
+    assert reports["decode"]["leaked_blocks"] == 0 and reports["prefill"]["pinned"] == 0

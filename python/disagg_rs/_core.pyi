@@ -850,14 +850,45 @@ def compile_peer_transfer(
     dst_block_ids: Any,
     num_tokens: int | None,
     mode: str,
+    *,
+    checked: bool = False,
 ) -> TransferProgram: ...
 def parse_peer_meta(meta: Any, backend: str) -> Peer: ...
 def check_staging_tickets_of(
     tickets: Sequence[Any], peers: Sequence[Peer]
 ) -> dict[int, dict[str, Any]]: ...
-def check_handoff_ticket(ticket: Any) -> None: ...
+def check_handoff_ticket(
+    ticket: Any,
+    *,
+    request_id: int | None = None,
+    sources: list[str] = ...,
+    has_ssm: bool = False,
+    integrity: bool = False,
+) -> None: ...
+def check_reference_ticket(
+    request_id: int,
+    ssm: Any,
+    *,
+    decode_has_ssm: bool,
+    resume_tokens: int,
+    num_speculative_tokens: int,
+    return_log_probs: bool,
+    top_n_logprobs: int | None,
+    src_blocks: int,
+    prompt_tokens: int,
+    block_size: int,
+) -> None: ...
+def check_reference_prefill(
+    requests: list[tuple[int, int, int]],
+    *,
+    kv_stages: int,
+    ssm_stages: int,
+    pp_size: int,
+    num_speculative_tokens: int,
+) -> None: ...
 def compat_hash(facts: Any) -> str: ...
 def peer_meta_parses() -> int: ...
+def block_id_checks() -> int: ...
 
 # --- engine-side handoff driver (driver.rs) ---
 _Verdict: TypeAlias = Literal["act", "duplicate", "malformed", "ignore"]

@@ -3,7 +3,8 @@
 :class:`HandoffDriver` connects an engine that uses the handoff mixin (prefill or decode) to
 the coordinator through a link (:class:`~disagg_rs.control.EngineLink` over ZeroMQ, or
 :class:`LoopbackLink` in one process). It dispatches ``PREFILL``, ``SUBMIT_REQUEST_WITH_KV``,
-``SEND_KV``, ``RELEASE_KV``, ``ABORT`` and ``SHUTDOWN`` to the engine, advances the engine's
+``SEND_KV``, ``RELEASE_KV``, ``ABORT`` and ``SHUTDOWN`` to the engine (and registers the peers
+``PEERS`` announces, once per incarnation), advances the engine's
 imports, pushes and pins once per turn, and reports ``PREFILL_DONE``, ``KV_IMPORTED``,
 ``TOKENS`` and ``DONE``. The decisions (acting on a duplicated message once, the attempt epoch
 of each request, reporting each import once, when a shutdown may end) are made by the
@@ -79,6 +80,9 @@ class HandoffDriver:
         self._wait_ms = 0
         self._messages = 0  # acted on this turn (the idle back-off)
         self._targets: dict[int, Any] = {}  # prefill: request -> the decode's rank metadata
+        self._announced: Any = None  # the link's peer table last registered
+        #: Peer engines whose metadata the engine refused, with the error.
+        self.refused_peers: dict[str, str] = {}
         self._handlers: dict[Any, Callable[[Any, dict[str, Any]], None]] = {
             Msg.SHUTDOWN: self._on_shutdown,
             Msg.PREFILL: self._on_prefill,
@@ -103,6 +107,11 @@ class HandoffDriver:
         self.link.heartbeat(self.heartbeat_s)
         msgs = self.link.poll(self._wait_ms)
         peers = self.link.peers
+        if peers is not self._announced:  # REGISTERED or PEERS: every rank registers them
+            self._announced = peers
+            msgs = [{"type": Msg.PEERS, "peers": peers}] + [
+                m for m in msgs if m["type"] is not Msg.PEERS
+            ]
         for m in msgs:
             kind = m["type"]
             if kind is Msg.SUBMIT_REQUEST_WITH_KV and isinstance(m.get("ticket"), dict):
@@ -114,8 +123,14 @@ class HandoffDriver:
         return msgs
 
     def on_message(self, msg: dict[str, Any]) -> None:
-        """Act on one control message (a duplicate or malformed one is dropped and counted)."""
+        """Act on one control message (a duplicate or malformed one is dropped and counted).
+        ``PEERS`` registers the peers' metadata with the engine, once per incarnation."""
         kind = msg.get("type")
+        if kind is Msg.PEERS:
+            peers = msg.get("peers")
+            if isinstance(peers, dict):
+                self.refused_peers.update(self.engine.register_handoff_peers(peers))
+            return
         verdict = self.state.accept(kind, msg.get("request_id"), msg.get("epoch"))
         handler = self._handlers.get(kind) if verdict == "act" else None
         if handler is not None:
@@ -135,7 +150,7 @@ class HandoffDriver:
         src = ticket.get("src_block_ids") if isinstance(ticket, dict) else None
         args = (rid, msg.get("prompt"), msg.get("max_new_tokens"), ticket, src)
         started = self._guard(Msg.FAILED, rid, e.add_request_with_kv_handoff, *args)
-        destination = e.kv_import_destination(rid) if started and e._is_push else None
+        destination = e.kv_import_destination(rid) if started and e.handoff_two_sided else None
         if destination is not None:  # two-sided: the prefill pushes once receives are posted
             self._send(Msg.KV_RECV_POSTED, rid, transfer=destination)
 
@@ -170,10 +185,10 @@ class HandoffDriver:
         # Admit first: this turn's clock was read after the last turn observed the
         # completions, so a lease that ended in between (a stalled process) is seen.
         e = self.engine
-        e._admit_pending_kv_imports()
-        e._poll_pending_kv_imports()
-        settled = e._drain_handoff_completion_notifications()
-        quarantined = {rid for rid, _ in e._quarantined}
+        e.admit_kv_imports()
+        e.poll_kv_imports()
+        settled = e.drain_handoff_outcomes()
+        quarantined = e.quarantined_kv_import_ids
         for rid, failed in settled:
             why = e.pop_handoff_failure_reason(rid) or ""
             report = self.state.import_settled(rid, failed, rid in quarantined)
@@ -182,14 +197,12 @@ class HandoffDriver:
                 self._send(Msg.KV_IMPORTED, rid, epoch, ok=ok, error=why, quiet=quiet)
 
     def _advance_pushes(self) -> None:
-        self.engine._poll_pending_kv_pushes()
+        self.engine.poll_kv_pushes()
         self.engine.expire_handoff_pins()
 
     def _report_prefill_step(self, out: Any) -> None:
         for h in out.handoffs:
-            ticket = self.engine._capture_handoff_meta(
-                h, None, self._targets.pop(h.request_id, None)
-            )
+            ticket = self.engine.capture_handoff_ticket(h, self._targets.pop(h.request_id, None))
             self._send(Msg.PREFILL_DONE, h.request_id, ticket=ticket)
 
     def _report_decode_step(self, out: Any) -> None:
@@ -208,7 +221,7 @@ class HandoffDriver:
             or e.pending_kv_import_count
             or e.pending_kv_push_count
             or e.num_quarantined_kv_imports
-            or _pinned(e)
+            or e.num_pinned_handoffs
         )
 
     @property
@@ -221,20 +234,19 @@ class HandoffDriver:
         """After the loop: check that every block, slot and pin is back (raises
         :class:`~disagg_rs.exceptions.ConservationError` otherwise), and return the engine's
         handoff report: ``stats``, ``requests``, ``leaked_blocks``, ``quarantined``,
-        ``pinned``, ``admitted`` and the driver's ``dropped`` counters."""
+        ``pinned``, ``admitted``, the driver's ``dropped`` counters and the ``refused_peers``."""
         e = self.engine
         e.check_pools()
-        for ledger in (e._import_ledger, e._pin_ledger):
-            if ledger is not None:
-                ledger.check()
+        e.check_handoff_ledgers()
         return {
             "stats": dict(e.handoff_stats),
             "requests": dict(e.handoff_request_stats),
             "leaked_blocks": e.leaked_blocks(),
             "quarantined": e.num_quarantined_kv_imports,
-            "pinned": _pinned(e),
+            "pinned": e.num_pinned_handoffs,
             "admitted": sorted({ev[1] for ev in e.handoff_events if ev[0] == "admitted"}),
             "dropped": self.state.counters(),
+            "refused_peers": dict(self.refused_peers),
         }
 
     # -- output --------------------------------------------------------------------------
@@ -262,11 +274,6 @@ class HandoffDriver:
 
 def _nothing(request_id: int) -> None:
     del request_id
-
-
-def _pinned(engine: Any) -> int:
-    ledger = engine._pin_ledger
-    return 0 if ledger is None else int(ledger.num_pinned)
 
 
 def _push(engine: Any, request_id: int, decode_meta: Any, transfer: Any) -> None:

@@ -32,6 +32,8 @@ from disagg_rs._core import (
     BlockPool,
     SSMShardLayout,
     SSMStateDims,
+    check_reference_prefill,
+    check_reference_ticket,
     drop_transfer_prefix_blocks,
     transfer_block_count,
 )
@@ -267,25 +269,19 @@ class ReferenceDesignCompat(HandoffBase):
             ssm_cache = ctx.mamba_slot_allocator if self._ssm_transfer_agents else None
             kv_stages = self._pp_kv_peer_metas or [self._kv_peer_metas]
             ssm_stages = self._pp_ssm_peer_metas or [self._tp_ssm_peer_metas]
-            if len(kv_stages) != pp_size or len(ssm_stages) != pp_size:
-                raise HandoffMetadataError(
-                    f"static metadata covers {len(kv_stages)} KV / {len(ssm_stages)} SSM "
-                    f"pipeline stages but pp_size={pp_size}",
-                    "pp_metas",
-                )
-            want_resume = int(ctx.num_speculative_tokens) + 1
+            resumes = [list(decode_tokens_by_request.get(r.request_id, [])) for r, _ in handoffs]
+            pairs = list(zip(handoffs, resumes, strict=True))
+            # Every request checked before any is prepared, in Rust (HandoffMetadataError).
+            check_reference_prefill(
+                [(r.request_id, len(t), len(b)) for (r, b), t in pairs],
+                kv_stages=len(kv_stages),
+                ssm_stages=len(ssm_stages),
+                pp_size=pp_size,
+                num_speculative_tokens=int(ctx.num_speculative_tokens),
+            )
             prepared: dict[int, _PreparedHandoffMetadata] = {}
-            for request, blocks in handoffs:
+            for (request, blocks), resume in pairs:
                 rid = request.request_id
-                resume = list(decode_tokens_by_request.get(rid, []))
-                if len(resume) != want_resume:
-                    raise HandoffMetadataError(
-                        f"request {rid}: {len(resume)} resume tokens but a decode-only handoff "
-                        f"needs num_speculative_tokens+1={want_resume}",
-                        "resume_tokens",
-                    )
-                if not blocks:
-                    raise HandoffMetadataError(f"request {rid}: no prompt KV blocks", "block_ids")
                 slot = -1 if ssm_cache is None else int(ssm_cache.get_slot(blocks[-1]))
                 if ssm_cache is not None and slot < 0:
                     raise HandoffStateError(
@@ -460,7 +456,6 @@ class ReferenceDesignCompat(HandoffBase):
                 "(enable_prefix_caching=False)",
                 "enable_prefix_caching",
             )
-        ssm_meta = kv_meta.get("ssm") if isinstance(kv_meta, dict) else None
         has_ssm = bool(self._ssm_transfer_agents)
         if ctx.is_hybrid_model and not has_ssm:
             raise HandoffStateError(
@@ -468,54 +463,27 @@ class ReferenceDesignCompat(HandoffBase):
                 "setup",
                 "setup_kv_transfer",
             )
-        if has_ssm:
-            if not isinstance(ssm_meta, dict):
-                raise HandoffMetadataError(
-                    f"request {request_id}: a hybrid decode needs the ticket's 'ssm' mapping, "
-                    f"got {type(ssm_meta).__name__}",
-                    "ssm",
-                )
-            missing = [k for k in _SSM_STATE_KINDS if k not in ssm_meta]
-            if missing:
-                raise HandoffMetadataError(
-                    f"request {request_id}: SSM metadata lacks state kinds {missing}", "ssm"
-                )
-        elif ssm_meta is not None:
-            raise HandoffMetadataError(
-                f"request {request_id}: an attention-only decode received SSM metadata from a "
-                "hybrid prefill",
-                "ssm",
-            )
         if self._kv_transfer_agent is None:
             raise HandoffStateError(
                 f"request {request_id}: no transfer backend (setup_kv_transfer has not run)",
                 "setup_kv_transfer",
             )
-        resume = [int(t) for t in kv_meta.get("resume_tokens", [])]
-        want = int(ctx.num_speculative_tokens) + 1
-        if len(resume) != want:
-            raise HandoffMetadataError(
-                f"request {request_id}: {len(resume)} resume tokens but a decode-only handoff "
-                f"needs num_speculative_tokens+1={want}",
-                "resume_tokens",
-            )
-        if (
-            getattr(sampling_params, "return_log_probs", False)
-            or (getattr(sampling_params, "top_n_logprobs", 0) or 0) > 0
-        ):
-            raise HandoffMetadataError(
-                f"request {request_id}: a decode-only handoff carries no log probabilities "
-                "(return_log_probs / top_n_logprobs)",
-                "return_log_probs",
-            )
         bs = int(ctx.block_size_tokens)
         num_blocks = transfer_block_count(kv_meta, src_block_ids)
-        if num_blocks != -(-len(prompt) // bs):
-            raise HandoffMetadataError(
-                f"request {request_id}: {num_blocks} source blocks but {len(prompt)} prompt "
-                f"tokens at block_size={bs} need {-(-len(prompt) // bs)} (partial tail included)",
-                "src_block_ids",
-            )
+        # The ticket against this decode, in Rust: SSM entry, first tokens, log probabilities,
+        # source block count (HandoffMetadataError naming the first bad field).
+        check_reference_ticket(
+            request_id,
+            kv_meta.get("ssm") if isinstance(kv_meta, dict) else None,
+            decode_has_ssm=has_ssm,
+            resume_tokens=len(kv_meta.get("resume_tokens", [])),
+            num_speculative_tokens=int(ctx.num_speculative_tokens),
+            return_log_probs=bool(getattr(sampling_params, "return_log_probs", False)),
+            top_n_logprobs=getattr(sampling_params, "top_n_logprobs", None),
+            src_blocks=num_blocks,
+            prompt_tokens=len(prompt),
+            block_size=bs,
+        )
         hashes = compute_block_hashes_batched(torch.tensor(prompt, dtype=torch.int64), bs)
         handoff = DeferredKvHandoff(
             request_id=request_id,

@@ -100,31 +100,25 @@ class DecodeHandoff(HandoffBase):
         ledger = self._ledger()
         max_new, termination_id, stop_word_ids = _sampling_limits(sampling_params)
         resume = [int(t) for t in kv_meta.get("resume_tokens", [])]
-        if "prefill_meta" not in kv_meta:
-            raise MetadataError(f"request {request_id}: ticket has no prefill_meta", "prefill_meta")
-        check_handoff_ticket(kv_meta)  # every field typed and range-checked once, in Rust
-        self._check_ticket_sources(request_id, kv_meta)
+        has_ssm = engine.ssm_slot_pool is not None
+        # Every field typed and range-checked once, in Rust, with what this rank needs of it:
+        # the prefill's metadata names a source of every state it reads (else it would
+        # reserve blocks, post nothing and be admitted unwritten).
+        check_handoff_ticket(
+            kv_meta,
+            request_id=request_id,
+            sources=(["kv"] if self._kv_backend is not None else []) + list(self._ssm_backends),
+            has_ssm=has_ssm,
+            integrity=self.verify_integrity,
+        )
         if self._is_push:
             _tag(request_id, "kv")  # refuses an id whose tags would alias another request's
         integrity = None
         if self.verify_integrity:
-            if kv_meta.get("integrity") is None:
-                raise MetadataError(
-                    f"request {request_id}: this decode verifies integrity but the ticket has "
-                    "no integrity table (enable verify_integrity on the prefill engine)",
-                    "integrity",
-                )
             wire = kv_meta["integrity"]
             chunk = IntegrityTable.wire_chunk_tokens(wire)
             chunks = -(-len(prompt) // chunk) if chunk else 1
             integrity = IntegrityTable.from_wire(wire, self._integrity_shapes(chunks))
-        has_ssm = engine.ssm_slot_pool is not None
-        if has_ssm != (kv_meta.get("src_ssm_slot") is not None):
-            raise MetadataError(
-                f"request {request_id}: decode has_ssm={has_ssm} but ticket src_ssm_slot="
-                f"{kv_meta.get('src_ssm_slot')}",
-                "src_ssm_slot",
-            )
         if termination_id is None:
             termination_id = engine.config.eos_token
         finished = ImportLedger.resume_finishes(resume, max_new, termination_id, stop_word_ids)
@@ -182,31 +176,6 @@ class DecodeHandoff(HandoffBase):
         prefill needs it to push (:func:`with_push_destination`); None when not importing."""
         pending = self._pending_imports.get(request_id)
         return None if pending is None else dict(pending.destination)
-
-    def _check_ticket_sources(self, request_id: int, kv_meta: dict[str, Any]) -> None:
-        """Refuse a ticket whose prefill metadata names no source for a state this decode
-        must read (it would reserve blocks, post nothing and be admitted unwritten)."""
-        needed = (["kv"] if self._kv_backend is not None else []) + list(self._ssm_backends)
-        if not needed:  # this rank reads no state (no transfer backend set up)
-            return
-        ranks = (
-            kv_meta["prefill_meta"].get("ranks")
-            if isinstance(kv_meta["prefill_meta"], dict)
-            else None
-        )
-        if not isinstance(ranks, list) or not ranks or not all(isinstance(r, dict) for r in ranks):
-            raise MetadataError(
-                f"request {request_id}: ticket prefill_meta has no list of rank metadata "
-                f"(got ranks={ranks!r:.80})",
-                "prefill_meta",
-            )
-        for kind in needed:
-            if not any(r.get(kind) is not None for r in ranks):
-                raise MetadataError(
-                    f"request {request_id}: ticket prefill_meta has no {kind!r} source on any "
-                    f"of its {len(ranks)} ranks, but this decode must read {kind} state",
-                    "prefill_meta",
-                )
 
     def _apply_import_actions(self, actions: Sequence[LedgerAction]) -> None:
         for a in actions:

@@ -32,6 +32,7 @@ nanoseconds supplied by the driver (``handoff_now_ns``), never read here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from disagg_rs._core import (
@@ -42,11 +43,14 @@ from disagg_rs.decode_admission import (
     can_admit_prefilled_decode,
 )
 from disagg_rs.exceptions import (
+    DisaggError,
     HandoffStateError,
     ResetRefusedError,
 )
 from disagg_rs.handoff.base import (
     _KV_AXES,
+    HandoffBase,
+    RankImport,
 )
 from disagg_rs.handoff.compat import ReferenceDesignCompat
 from disagg_rs.handoff.decode import DecodeHandoff
@@ -283,6 +287,134 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
             "ranks": ranks,
         }
         self._event(("setup", -1, f"{backend} {role} ranks={len(ranks)}"))
+
+    # -- the public serving surface (what a driver calls each turn) ---------------------------
+    # The reference design names these steps with a leading underscore; the public names
+    # below call those same methods (one implementation, overridable under either name).
+
+    def init_handoff_state(self) -> None:
+        """Initialize the handoff state (an engine's ``__init__`` calls it once, before
+        :meth:`setup_kv_transfer`)."""
+        self._initialize_disaggregation_state()
+
+    def poll_kv_imports(self) -> int:
+        """Decode, once per turn: start queued imports that now fit and report transfers that
+        became terminal; returns how many imports are ready to admit."""
+        return self._poll_pending_kv_imports()
+
+    def admit_kv_imports(self) -> int:
+        """Decode, at an admission point: admit the imports that are ready; returns how many
+        were admitted."""
+        return self._admit_pending_kv_imports()
+
+    def drain_handoff_outcomes(self) -> list[tuple[int, bool]]:
+        """Decode: ``(request_id, failed)`` of every import decided since the last drain
+        (:meth:`pop_handoff_failure_reason` then says why one failed)."""
+        return self._drain_handoff_completion_notifications()
+
+    def poll_kv_pushes(self) -> int:
+        """Prefill on a two-sided transport: settle finished pushes; returns how many are
+        still in flight."""
+        return self._poll_pending_kv_pushes()
+
+    def capture_handoff_ticket(
+        self, request: Any, decode_metas: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """Prefill: pin a finished prefill's blocks and SSM slot and return its handoff ticket
+        (``decode_metas``: the decode's rank metadata, when known, to stage for it)."""
+        return self._capture_handoff_meta(request, None, decode_metas)
+
+    def reset_kv_imports(self) -> None:
+        """Decode, before an engine reset: cancel queued imports and release every import
+        (``ResetRefusedError``, nothing changed, while a transfer may still write)."""
+        self._reset_pending_kv_imports()
+
+    @property
+    def import_ledger(self) -> ImportLedger:
+        """The decode's :class:`~disagg_rs.ImportLedger` (``HandoffStateError`` without one)."""
+        return self._ledger()
+
+    @property
+    def pin_ledger(self) -> PinLedger:
+        """The prefill's :class:`~disagg_rs.PinLedger` (``HandoffStateError`` without one)."""
+        return self._pins()
+
+    def check_handoff_ledgers(self) -> None:
+        """Check the attached ledgers' conservation invariants (``ConservationError``)."""
+        for ledger in (self._import_ledger, self._pin_ledger):
+            if ledger is not None:
+                ledger.check()
+
+    @property
+    def num_pinned_handoffs(self) -> int:
+        """Requests whose blocks a prefill holds for a decode (0 without a pin ledger)."""
+        return 0 if self._pin_ledger is None else int(self._pin_ledger.num_pinned)
+
+    @property
+    def quarantined_kv_import_ids(self) -> set[int]:
+        """Requests whose failed import is quarantined (its destinations may still be
+        written)."""
+        return {rid for rid, _ in self._quarantined}
+
+    @property
+    def num_decode_requests(self) -> int:
+        """Handed-off requests this decode tracks (submitted, not yet admitted or failed)."""
+        return len(self._decode_requests)
+
+    @property
+    def handoff_two_sided(self) -> bool:
+        """Whether the transport is two-sided (the prefill pushes once the decode posted its
+        receives: :meth:`kv_import_destination`)."""
+        return self._is_push
+
+    #: The KV transfer backend (``None`` before :meth:`setup_kv_transfer`); settable, e.g. to
+    #: wrap it for fault injection.
+    kv_transfer_backend = HandoffBase._kv_backend
+    #: The SSM transfer backends by state kind (``conv``, ``recurrent``); the dict itself, so
+    #: an entry may be replaced.
+    ssm_transfer_backends = HandoffBase._ssm_backends
+
+    def pending_kv_import(self, request_id: int) -> RankImport | None:
+        """This rank's record of a started, unsettled import (its transfer handles, a local
+        start failure), or None."""
+        return self._pending_imports.get(request_id)
+
+    def wait_for_kv_import_transfers(self, request_id: int) -> bool:
+        """Block until every transfer of a started import is terminal (each within its own
+        deadline); returns whether all are (True also when none is pending)."""
+        pending = self._pending_imports.get(request_id)
+        handles = [] if pending is None else self._pending_transfer_handles(pending)
+        return self._wait_for_transfer_handles(*handles)
+
+    @staticmethod
+    def rank_import_outcome(pending: RankImport) -> str | None:
+        """One rank's terminal outcome of an import (``"ok"``, ``"error"``, ...), or None
+        while a transfer may still write."""
+        return DecodeHandoff._local_outcome(pending)
+
+    def register_handoff_peers(self, peers: Mapping[str, Any]) -> dict[str, str]:
+        """Parse and check the transfer metadata of peer engines now, once per incarnation,
+        so that handoffs naming them only look them up (the driver calls it when the
+        control plane announces its peers: REGISTER, PEERS).
+
+        ``peers``: the control plane's peer table, ``{engine_id: {"role", "incarnation",
+        "meta"}}`` with ``meta`` an engine's ``handoff_static_meta`` (this engine's own
+        entry included: a prefill plans its staged copies from its own ranks' metadata).
+        Returns the engines whose metadata was refused, with the error (their handoffs fail
+        when they start); the others are registered.
+        """
+        backends = {"kv": self._kv_backend, **self._ssm_backends}
+        refused: dict[str, str] = {}
+        for engine_id, peer in peers.items():
+            try:
+                ranks = peer["meta"]["ranks"]
+                for kind, backend in backends.items():
+                    named = [r[kind] for r in ranks if r.get(kind) is not None]
+                    if backend is not None and named:
+                        backend.register_peers(named)
+            except (DisaggError, KeyError, TypeError, AttributeError) as err:
+                refused[engine_id] = f"{type(err).__name__}: {err}"
+        return refused
 
     def close_kv_transfer(self) -> None:
         """Deregister every buffer (idempotent).

@@ -326,9 +326,9 @@ def _corrupt_reads(engine: Any, request_id: int) -> None:
     one bit flipped (the soak's ``corrupt_transfer``)."""
     from disagg_rs.tools.soak import FaultInjectingBackend, track_posting_request
 
-    kv = FaultInjectingBackend(engine._kv_backend, "kv")
+    kv = FaultInjectingBackend(engine.kv_transfer_backend, "kv")
     kv.faults[request_id] = "corrupt_transfer"
-    engine._kv_backend = kv
+    engine.kv_transfer_backend = kv
     track_posting_request(engine, [kv])
 
 

@@ -282,10 +282,10 @@ def run_soak(opts: SoakOptions) -> SoakReport:
     # A failed import whose reads may still run leaves the prefill's pins to their lease.
     pre.handoff_lease_ns = int(opts.lease_s * 1e9)
     faults = FAULTS[1:] + (INTEGRITY_FAULTS if opts.verify_integrity else ())
-    backends = {"kv": FaultInjectingBackend(dec._kv_backend, "kv")}
-    dec._kv_backend = backends["kv"]
-    for kind, b in list(dec._ssm_backends.items()):
-        backends[kind] = dec._ssm_backends[kind] = FaultInjectingBackend(b, kind)
+    backends = {"kv": FaultInjectingBackend(dec.kv_transfer_backend, "kv")}
+    dec.kv_transfer_backend = backends["kv"]
+    for kind, b in list(dec.ssm_transfer_backends.items()):
+        backends[kind] = dec.ssm_transfer_backends[kind] = FaultInjectingBackend(b, kind)
     track_posting_request(dec, list(backends.values()))
 
     hub = LoopbackCoordinator(CoordinatorState(request_timeout_s=3600.0))
@@ -330,7 +330,7 @@ def run_soak(opts: SoakOptions) -> SoakReport:
             for rid, stage in list(aborts.items()):
                 if rid in outcome:
                     del aborts[rid]  # ended before reaching its stage: a clean handoff
-                elif dec._import_ledger.state_of(rid) == stage:
+                elif dec.import_ledger.state_of(rid) == stage:
                     del aborts[rid]
                     report.aborts_hit[stage] += 1
                     out.append({"type": Msg.ABORT, "request_id": rid, "epoch": 0})
@@ -385,7 +385,7 @@ def run_soak(opts: SoakOptions) -> SoakReport:
     report.completed, report.failed = counts["completed"], counts["failed"]
     report.integrity_failures = int(dec.handoff_stats.get("integrity_failures", 0))
     report.unresolved = opts.handoffs - len(outcome)
-    ledger_counts = dec._import_ledger.counters()
+    ledger_counts = dec.import_ledger.counters()
     report.quarantined_then_drained = int(ledger_counts["quarantined"])
     drained = int(ledger_counts["drained_settled"]) + int(ledger_counts["drained_horizon"])
     finals = {role: d.drain() for role, d in drivers.items()}  # raises on a conservation bug

@@ -1113,7 +1113,7 @@ class TransferBackendBase:
             metas = [p.meta for p in peers]
             return self.compiler(metas, to.meta, src_block_ids, dst_block_ids, num_tokens, mode)
         program: TransferProgramLike = _core.compile_peer_transfer(
-            peers, to, src_block_ids, dst_block_ids, num_tokens, mode
+            peers, to, src_block_ids, dst_block_ids, num_tokens, mode, checked=True
         )
         return program
 

@@ -56,6 +56,15 @@ pub enum DisaggError {
         /// What was found and what was expected.
         detail: String,
     },
+    /// A handoff's own metadata is malformed: a ticket (source blocks, first tokens, lease,
+    /// staging tickets) or the peer metadata it carries is missing a field, mistyped or out of
+    /// range. A kind of `Wire` error raised where the handoff contract is checked.
+    HandoffMetadata {
+        /// The field that is missing or wrong.
+        field: String,
+        /// What was found and what was expected.
+        detail: String,
+    },
     /// A request id is unknown to a ledger where it must be known.
     UnknownRequest {
         /// The request id.
@@ -112,6 +121,7 @@ impl DisaggError {
             Self::Geometry { .. } => "Geometry",
             Self::AddressOverflow { .. } => "AddressOverflow",
             Self::Wire { .. } => "Wire",
+            Self::HandoffMetadata { .. } => "HandoffMetadata",
             Self::UnknownRequest { .. } => "UnknownRequest",
             Self::DuplicateRequest { .. } => "DuplicateRequest",
             Self::Capacity { .. } => "Capacity",
@@ -132,6 +142,7 @@ impl DisaggError {
             Self::geometry("head_dim", "src head_dim=128 != dst head_dim=64"),
             Self::AddressOverflow { detail: "base 0xffff_ffff_ffff_fff0 + 64".into() },
             Self::wire("version", "got 7, expected 1"),
+            Self::handoff_metadata("lease_ns", "lease_ns=1 must be >= 2"),
             Self::UnknownRequest { request_id: 7 },
             Self::DuplicateRequest { request_id: 7 },
             Self::Capacity { resource: "blocks".into(), detail: "needs 9 > pool size 8".into() },
@@ -164,6 +175,21 @@ impl DisaggError {
         Self::Wire { field: field.into(), detail: detail.into() }
     }
 
+    /// Shorthand for [`DisaggError::HandoffMetadata`].
+    pub fn handoff_metadata(field: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self::HandoffMetadata { field: field.into(), detail: detail.into() }
+    }
+
+    /// The same failure as a handoff-metadata error: a `Wire` error becomes
+    /// [`DisaggError::HandoffMetadata`] with its field and detail; any other is kept.
+    #[must_use]
+    pub fn in_handoff_metadata(self) -> Self {
+        match self {
+            Self::Wire { field, detail } => Self::HandoffMetadata { field, detail },
+            other => other,
+        }
+    }
+
     /// Shorthand for [`DisaggError::Argument`].
     pub fn argument(field: impl Into<String>, detail: impl Into<String>) -> Self {
         Self::Argument { field: field.into(), detail: detail.into() }
@@ -189,6 +215,9 @@ impl fmt::Display for DisaggError {
             }
             Self::Wire { field, detail } => {
                 write!(f, "bad handoff metadata field `{field}`: {detail}")
+            }
+            Self::HandoffMetadata { field, detail } => {
+                write!(f, "malformed handoff metadata field `{field}`: {detail}")
             }
             Self::UnknownRequest { request_id } => write!(f, "unknown request id {request_id}"),
             Self::DuplicateRequest { request_id } => {
@@ -219,7 +248,7 @@ mod tests {
         kinds.sort_unstable();
         kinds.dedup();
         // Bump this together with a new variant and its sample.
-        assert_eq!(kinds.len(), 13);
+        assert_eq!(kinds.len(), 14);
     }
 
     #[test]

@@ -12,6 +12,7 @@ pyo3::import_exception!(disagg_rs.exceptions, BlockIdError);
 pyo3::import_exception!(disagg_rs.exceptions, GeometryMismatchError);
 pyo3::import_exception!(disagg_rs.exceptions, AddressOverflowError);
 pyo3::import_exception!(disagg_rs.exceptions, MetadataError);
+pyo3::import_exception!(disagg_rs.exceptions, HandoffMetadataError);
 pyo3::import_exception!(disagg_rs.exceptions, UnknownRequestError);
 pyo3::import_exception!(disagg_rs.exceptions, DuplicateRequestError);
 pyo3::import_exception!(disagg_rs.exceptions, CapacityError);
@@ -31,6 +32,7 @@ pub fn to_pyerr(e: DisaggError) -> PyErr {
         DisaggError::Geometry { field, .. } => GeometryMismatchError::new_err((msg, field)),
         DisaggError::AddressOverflow { .. } => AddressOverflowError::new_err((msg, None::<String>)),
         DisaggError::Wire { field, .. } => MetadataError::new_err((msg, field)),
+        DisaggError::HandoffMetadata { field, .. } => HandoffMetadataError::new_err((msg, field)),
         DisaggError::UnknownRequest { .. } => UnknownRequestError::new_err((msg, "request_id")),
         DisaggError::DuplicateRequest { .. } => DuplicateRequestError::new_err((msg, "request_id")),
         DisaggError::Capacity { resource, .. } => CapacityError::new_err((msg, resource)),
@@ -39,6 +41,18 @@ pub fn to_pyerr(e: DisaggError) -> PyErr {
         DisaggError::Argument { field, .. } => ArgumentError::new_err((msg, field)),
         DisaggError::Conservation { .. } => ConservationError::new_err((msg, None::<String>)),
     }
+}
+
+/// A `MetadataError` raised while converting a handoff's own metadata (a ticket) into wire
+/// values, as the `HandoffMetadataError` it is; any other error is kept.
+pub fn in_handoff_metadata(py: Python<'_>, e: PyErr) -> PyErr {
+    if !e.is_instance_of::<MetadataError>(py) || e.is_instance_of::<HandoffMetadataError>(py) {
+        return e;
+    }
+    let value = e.value(py);
+    let field: Option<String> = value.getattr("field").ok().and_then(|f| f.extract().ok());
+    let msg = value.str().map_or_else(|_| String::new(), |s| s.to_string());
+    HandoffMetadataError::new_err((msg, field))
 }
 
 /// `?`-friendly conversion of core results.

@@ -66,8 +66,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wire::parse_peer_meta, m)?)?;
     m.add_function(wrap_pyfunction!(wire::check_staging_tickets_of, m)?)?;
     m.add_function(wrap_pyfunction!(wire::check_handoff_ticket, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::check_reference_ticket, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::check_reference_prefill, m)?)?;
     m.add_function(wrap_pyfunction!(wire::py_compat_hash, m)?)?;
     m.add_function(wrap_pyfunction!(wire::peer_meta_parses, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::block_id_checks, m)?)?;
     m.add_class::<driver::PyEngineDriverState>()?;
     Ok(())
 }

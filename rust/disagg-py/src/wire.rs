@@ -6,11 +6,16 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use disagg_core::wire::peer::{
-    compat_hash, parse_count, LocalFacts, LocalSide, PeerGeometry, PeerLayout, PeerMeta, PeerTable,
-    SourceIds, StateKind,
+    block_check_count, compat_hash, parse_count, LocalFacts, LocalSide, PeerGeometry, PeerLayout,
+    PeerMeta, PeerTable, SourceIds, StateKind,
 };
-use disagg_core::wire::plan::{compile_checked, plan_transfer, TransferPlanRequest};
-use disagg_core::wire::ticket::{check_staging_tickets, HandoffTicket};
+use disagg_core::wire::plan::{
+    compile_checked, compile_unchecked, plan_transfer, TransferPlanRequest,
+};
+use disagg_core::wire::ticket::{
+    check_staging_tickets, DecodeNeeds, HandoffTicket, ReferencePrefillBatch, ReferenceSsm,
+    ReferenceTicket,
+};
 use disagg_core::wire::value::{Budget, WireValue};
 use disagg_core::ModeChoice;
 use numpy::PyReadonlyArray2;
@@ -19,7 +24,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, Py
 
 use crate::args::{Int, IntList, Kind};
 use crate::compile::PyTransferProgram;
-use crate::error::{wire_err, IntoPyResult};
+use crate::error::{in_handoff_metadata, wire_err, IntoPyResult};
 use crate::geometry::{PyKvGeometry, PySsmGeometry};
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
 
@@ -354,10 +359,12 @@ pub fn plan_peer_transfer(
     Ok((n, PyTransferProgram::new(inner)))
 }
 
-/// Compile a transfer whose peers and block ids `check_peer_transfer` accepted (no second
-/// check): `num_tokens` is its result.
+/// Compile a transfer of parsed peers. `checked`: its peers and source block ids are what
+/// `check_peer_transfer` accepted (`num_tokens` is its result), so they are not scanned again;
+/// otherwise the compiler validates every block id.
 #[pyfunction]
-#[pyo3(signature = (srcs, dst, src_block_ids, dst_block_ids, num_tokens, mode))]
+#[pyo3(signature = (srcs, dst, src_block_ids, dst_block_ids, num_tokens, mode, *, checked=false))]
+#[allow(clippy::too_many_arguments)]
 pub fn compile_peer_transfer(
     py: Python<'_>,
     srcs: Vec<PyRef<'_, PyPeer>>,
@@ -366,11 +373,13 @@ pub fn compile_peer_transfer(
     dst_block_ids: Option<&Bound<'_, PyAny>>,
     num_tokens: Option<Int>,
     mode: &str,
+    checked: bool,
 ) -> PyResult<PyTransferProgram> {
     let n = num_tokens.map(|n| n.to_u64(Kind::Block, "num_tokens")).transpose()?;
     let local = LocalSide { is_dst: false, num_blocks: 0, tokens_per_block: None };
     let req = plan_request(&srcs, &dst, src_block_ids, dst_block_ids, mode, local)?;
-    let inner = py.detach(|| compile_checked(&req, n)).py()?;
+    let compile = if checked { compile_checked } else { compile_unchecked };
+    let inner = py.detach(|| compile(&req, n)).py()?;
     Ok(PyTransferProgram::new(inner))
 }
 
@@ -444,11 +453,105 @@ pub fn check_staging_tickets_of<'py>(
     Ok(out)
 }
 
-/// Check a handoff ticket once, when the decode receives it: `MetadataError` naming the
-/// field (block ids, first tokens, lease, staging tickets and their offsets).
+/// Check a handoff ticket once, when the decode receives it: `HandoffMetadataError` naming
+/// the field (block ids, first tokens, lease, staging tickets and their offsets). With
+/// `request_id`, also against what this decode rank needs: the state kinds it reads
+/// (`sources`), whether it holds SSM state and whether it verifies integrity.
 #[pyfunction]
-pub fn check_handoff_ticket(ticket: &Bound<'_, PyAny>) -> PyResult<()> {
-    HandoffTicket::parse(&to_wire(ticket, "ticket")?).py().map(|_| ())
+#[pyo3(signature = (ticket, *, request_id=None, sources=Vec::new(), has_ssm=false, integrity=false))]
+pub fn check_handoff_ticket(
+    ticket: &Bound<'_, PyAny>,
+    request_id: Option<Int>,
+    sources: Vec<String>,
+    has_ssm: bool,
+    integrity: bool,
+) -> PyResult<()> {
+    let v = to_wire(ticket, "ticket").map_err(|e| in_handoff_metadata(ticket.py(), e))?;
+    let parsed = HandoffTicket::parse(&v).py()?;
+    if let Some(rid) = request_id {
+        let request_id = rid.to_u64(Kind::Argument, "request_id")?;
+        let needs = DecodeNeeds { request_id, sources, has_ssm, integrity };
+        parsed.check_for_decode(&needs).py()?;
+    }
+    Ok(())
+}
+
+/// Check a reference-design handoff before the decode reserves anything: the ticket's `ssm`
+/// entry against whether this decode moves SSM state, the first tokens against
+/// `num_speculative_tokens`, no log probabilities, and the source block count against the
+/// prompt. `HandoffMetadataError` naming the first bad field.
+#[pyfunction]
+#[pyo3(signature = (request_id, ssm, *, decode_has_ssm, resume_tokens, num_speculative_tokens,
+    return_log_probs, top_n_logprobs, src_blocks, prompt_tokens, block_size))]
+#[allow(clippy::too_many_arguments)]
+pub fn check_reference_ticket(
+    request_id: Int,
+    ssm: &Bound<'_, PyAny>,
+    decode_has_ssm: bool,
+    resume_tokens: Int,
+    num_speculative_tokens: Int,
+    return_log_probs: bool,
+    top_n_logprobs: Option<Int>,
+    src_blocks: Int,
+    prompt_tokens: Int,
+    block_size: Int,
+) -> PyResult<()> {
+    let ssm = if ssm.is_none() {
+        ReferenceSsm::Absent
+    } else if let Ok(d) = ssm.cast::<PyDict>() {
+        ReferenceSsm::Kinds(d.keys().iter().map(|k| k.to_string()).collect())
+    } else {
+        ReferenceSsm::Other(
+            ssm.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string()),
+        )
+    };
+    let n = |v: Int, field: &str| v.to_u64(Kind::Argument, field);
+    ReferenceTicket {
+        request_id: n(request_id, "request_id")?,
+        ssm,
+        decode_has_ssm,
+        resume_tokens: n(resume_tokens, "resume_tokens")?,
+        num_speculative_tokens: n(num_speculative_tokens, "num_speculative_tokens")?,
+        return_log_probs,
+        top_n_logprobs: top_n_logprobs
+            .map(|t| t.to_i64(Kind::Argument, "top_n_logprobs"))
+            .transpose()?
+            .unwrap_or(0),
+        src_blocks: n(src_blocks, "src_blocks")?,
+        prompt_tokens: n(prompt_tokens, "prompt_tokens")?,
+        block_size: n(block_size, "block_size")?,
+    }
+    .check()
+    .py()
+}
+
+/// Check a reference-design prefill's finished handoffs before any is prepared: the static
+/// metadata covers `pp_size` stages, and each `(request_id, resume_tokens, prompt_blocks)`
+/// has `num_speculative_tokens + 1` first tokens and a block. `HandoffMetadataError` naming
+/// the field.
+#[pyfunction]
+#[pyo3(signature = (requests, *, kv_stages, ssm_stages, pp_size, num_speculative_tokens))]
+pub fn check_reference_prefill(
+    requests: Vec<(Int, Int, Int)>,
+    kv_stages: Int,
+    ssm_stages: Int,
+    pp_size: Int,
+    num_speculative_tokens: Int,
+) -> PyResult<()> {
+    let n = |v: &Int, field: &str| v.to_u64(Kind::Argument, field);
+    let requests = requests
+        .iter()
+        .map(|(r, t, b)| Ok((n(r, "request_id")?, n(t, "resume_tokens")?, n(b, "block_ids")?)))
+        .collect::<PyResult<Vec<_>>>()?;
+    ReferencePrefillBatch {
+        kv_stages: n(&kv_stages, "kv_stages")?,
+        ssm_stages: n(&ssm_stages, "ssm_stages")?,
+        pp_size: n(&pp_size, "pp_size")?,
+        num_speculative_tokens: n(&num_speculative_tokens, "num_speculative_tokens")?,
+        requests,
+    }
+    .check()
+    .py()
 }
 
 /// The compatibility hash of a facts dict: 16 hex digits.
@@ -462,4 +565,11 @@ pub fn py_compat_hash(facts: &Bound<'_, PyAny>) -> PyResult<String> {
 #[pyfunction]
 pub fn peer_meta_parses() -> u64 {
     parse_count()
+}
+
+/// How many times this process has validated a transfer's KV block ids against the buffers
+/// (once per transfer on the hot path).
+#[pyfunction]
+pub fn block_id_checks() -> u64 {
+    block_check_count()
 }

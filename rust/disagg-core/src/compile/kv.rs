@@ -122,13 +122,15 @@ pub(super) fn check_same_kv(a: &KvGeometry, b: &KvGeometry, who: &str) -> Disagg
     Ok(())
 }
 
-/// Block list for `[0, num_tokens)`: right length, every id `< num_blocks`.
+/// Block list for `[0, num_tokens)`: right length, every id `< num_blocks` (the range scan
+/// only when `scan`: ids that `check_transfer` accepted are not scanned twice).
 pub(super) fn check_blocks(
     field: &str,
     who: &str,
     ids: &[u32],
     num_tokens: u64,
     g: &KvGeometry,
+    scan: bool,
 ) -> DisaggResult<()> {
     let s = g.spec();
     let tpb = u64::from(s.tokens_per_block);
@@ -141,6 +143,9 @@ pub(super) fn check_blocks(
                 ids.len()
             ),
         ));
+    }
+    if !scan {
+        return Ok(());
     }
     if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id >= s.num_blocks) {
         return Err(DisaggError::block(
@@ -170,13 +175,32 @@ pub(super) fn overflow(what: &str) -> DisaggError {
     DisaggError::overflow(format!("{what} exceeds u64"))
 }
 
-// Validation is one checklist read top to bottom; splitting it would scatter the order in
-// which errors are reported.
-#[allow(clippy::too_many_lines)]
 /// Compile the KV transfer of one destination rank. Validates everything (layouts against
 /// geometries, `head_dim`, element size, dtype, block list lengths and ranges, duplicate
 /// destination blocks, address overflow) before building anything.
 pub fn compile_kv_transfer(req: &KvTransferRequest) -> DisaggResult<TransferProgram> {
+    crate::wire::peer::count_block_check();
+    compile_kv(req, true, true)
+}
+
+/// [`compile_kv_transfer`] of source block ids that `check_transfer` already validated, with
+/// the destination's too when `dst_checked` (the ranges and repeats of a checked list are not
+/// scanned again; every length still is).
+pub fn compile_kv_transfer_checked(
+    req: &KvTransferRequest,
+    dst_checked: bool,
+) -> DisaggResult<TransferProgram> {
+    compile_kv(req, false, !dst_checked)
+}
+
+// Validation is one checklist read top to bottom; splitting it would scatter the order in
+// which errors are reported.
+#[allow(clippy::too_many_lines)]
+fn compile_kv(
+    req: &KvTransferRequest,
+    scan_src: bool,
+    scan_dst: bool,
+) -> DisaggResult<TransferProgram> {
     let dst_l = &req.dst_layout;
     let dst_g = req.dst_geometry.as_ref();
     let has_destination = dst_g.is_some() && req.dst_block_ids.is_some();
@@ -218,8 +242,11 @@ pub fn compile_kv_transfer(req: &KvTransferRequest) -> DisaggResult<TransferProg
             ids,
             req.num_tokens,
             g,
+            scan_dst,
         )?;
-        reject_duplicates("dst_block_ids", ids)?;
+        if scan_dst {
+            reject_duplicates("dst_block_ids", ids)?;
+        }
     }
     let n_tok = req.num_tokens - req.token_start;
     let mut by_src: BTreeMap<u32, Vec<KvPlaneSet>> = BTreeMap::new();
@@ -264,7 +291,8 @@ pub fn compile_kv_transfer(req: &KvTransferRequest) -> DisaggResult<TransferProg
             continue;
         };
         let ids = req.src_block_ids.for_rank(src_rank, "src_block_ids")?;
-        check_blocks("src_block_ids", &format!("source rank {src_rank}"), ids, req.num_tokens, g)?;
+        let who = format!("source rank {src_rank}");
+        check_blocks("src_block_ids", &who, ids, req.num_tokens, g, scan_src)?;
         let src_side = Some((u64::from(g.spec().tokens_per_block), ids));
         let dst_side = match (dst_g, &req.dst_block_ids) {
             (Some(d), Some(ids)) if has_destination => {

@@ -39,7 +39,7 @@ mod verify;
 mod walk;
 
 pub use cost::{CostModel, ModeChoice, TransferMode};
-pub use kv::{compile_kv_transfer, KvDevicePlan};
+pub use kv::{compile_kv_transfer, compile_kv_transfer_checked, KvDevicePlan};
 pub use program::{Rows, SourceProgram, SourceStats, TransferProgram};
 pub use request::{KvTransferRequest, SrcBlockIds, SrcSlots, SsmTransferRequest};
 pub use sink::{ListKind, RowBuf, SliceRows};

@@ -31,6 +31,19 @@ pub fn parse_count() -> u64 {
     PARSES.load(Ordering::Relaxed)
 }
 
+static BLOCK_CHECKS: AtomicU64 = AtomicU64::new(0);
+
+/// How many times this process has validated a transfer's KV block ids against the buffers
+/// (range, repeats, token capacity): once per transfer on the hot path.
+pub fn block_check_count() -> u64 {
+    BLOCK_CHECKS.load(Ordering::Relaxed)
+}
+
+/// Count one validation of a transfer's KV block ids (see [`block_check_count`]).
+pub(crate) fn count_block_check() {
+    BLOCK_CHECKS.fetch_add(1, Ordering::Relaxed);
+}
+
 /// Which state a buffer holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StateKind {
@@ -664,6 +677,9 @@ pub fn check_transfer(
                 format!("two peer metadata dicts claim global_rank {r}"),
             ));
         }
+    }
+    if peers.first().is_some_and(|p| p.state_kind == StateKind::Kv) {
+        count_block_check();
     }
     let mut sized: Vec<(&PeerMeta, usize)> = Vec::new();
     match src {

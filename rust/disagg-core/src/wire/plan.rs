@@ -6,8 +6,8 @@
 use std::collections::BTreeMap;
 
 use crate::compile::{
-    compile_kv_transfer, compile_ssm_transfer, CostModel, KvTransferRequest, ModeChoice,
-    SrcBlockIds, SrcSlots, SsmTransferRequest, TransferProgram,
+    compile_kv_transfer, compile_kv_transfer_checked, compile_ssm_transfer, CostModel,
+    KvTransferRequest, ModeChoice, SrcBlockIds, SrcSlots, SsmTransferRequest, TransferProgram,
 };
 use crate::error::{DisaggError, DisaggResult};
 use crate::wire::peer::{check_transfer, LocalSide, PeerGeometry, PeerLayout, PeerMeta, SourceIds};
@@ -93,10 +93,27 @@ pub fn plan_transfer(
 }
 
 /// Compile a transfer whose peers and block ids [`check_transfer`] accepted, moving
-/// `num_tokens` tokens (KV; `None` for SSM state).
+/// `num_tokens` tokens (KV; `None` for SSM state): the source block ids are not scanned
+/// again (nor the destination's, when this rank is the destination).
 pub fn compile_checked(
     req: &TransferPlanRequest<'_>,
     num_tokens: Option<u64>,
+) -> DisaggResult<TransferProgram> {
+    compile_program(req, num_tokens, true)
+}
+
+/// Compile a transfer whose block ids nothing checked yet: the compiler validates them all.
+pub fn compile_unchecked(
+    req: &TransferPlanRequest<'_>,
+    num_tokens: Option<u64>,
+) -> DisaggResult<TransferProgram> {
+    compile_program(req, num_tokens, false)
+}
+
+fn compile_program(
+    req: &TransferPlanRequest<'_>,
+    num_tokens: Option<u64>,
+    checked: bool,
 ) -> DisaggResult<TransferProgram> {
     let cost = CostModel::default();
     let kv = req.dst.state_kind == crate::wire::peer::StateKind::Kv;
@@ -115,7 +132,7 @@ pub fn compile_checked(
                         .collect::<BTreeMap<_, _>>(),
                 ),
             };
-            compile_kv_transfer(&KvTransferRequest {
+            let kv_req = KvTransferRequest {
                 srcs,
                 dst_layout,
                 dst_geometry: Some(dst_geometry),
@@ -125,7 +142,12 @@ pub fn compile_checked(
                 token_start: 0,
                 mode: req.mode,
                 cost,
-            })?
+            };
+            if checked {
+                compile_kv_transfer_checked(&kv_req, req.local.is_dst)?
+            } else {
+                compile_kv_transfer(&kv_req)?
+            }
         }
         (false, _) => {
             let srcs = req.srcs.iter().map(|m| ssm_side(m)).collect::<DisaggResult<Vec<_>>>()?;
@@ -182,9 +204,16 @@ mod tests {
         assert_eq!(n, Some(4));
         let (src_rows, _) = program.direct_descriptors(0).unwrap();
         peer.check_addresses(&src_rows, "src").unwrap();
-        let bad = TransferPlanRequest { src_ids: SourceIds::Shared(vec![0, 9]), ..req };
+        let bad = TransferPlanRequest { src_ids: SourceIds::Shared(vec![0, 9]), ..req.clone() };
         let e = plan_transfer(&bad).unwrap_err();
         assert!(matches!(&e, DisaggError::Block { field, .. } if field == "src_block_ids"), "{e}");
+        // Compiled without a check first, the compiler validates the ids itself.
+        for ids in [vec![0, 9], vec![-1, 1]] {
+            let bad = TransferPlanRequest { src_ids: SourceIds::Shared(ids), ..req.clone() };
+            let e = compile_unchecked(&bad, Some(4)).unwrap_err();
+            assert!(matches!(&e, DisaggError::Block { field, .. } if field == "src_block_ids"));
+        }
+        assert!(compile_unchecked(&req, Some(4)).is_ok());
     }
 
     #[test]

@@ -27,8 +27,12 @@ pub struct StagingTicket {
 }
 
 impl StagingTicket {
-    /// Parse one ticket map (`field` names it in errors).
+    /// Parse one ticket map (`field` names it in errors): `HandoffMetadata` errors.
     pub fn parse(v: &WireValue, field: &str) -> DisaggResult<Self> {
+        Self::parse_fields(v, field).map_err(DisaggError::in_handoff_metadata)
+    }
+
+    fn parse_fields(v: &WireValue, field: &str) -> DisaggResult<Self> {
         let o = Obj::of(v, field)?;
         let t = Self {
             src_rank: o.u32("src_rank")?,
@@ -92,8 +96,16 @@ impl StagingTicket {
 }
 
 /// Check the staging tickets of one pull against the source peers (by global rank): every
-/// ticket names a known source, at most one ticket per source. Returns them by source rank.
+/// ticket names a known source, at most one ticket per source. Returns them by source rank;
+/// errors are `HandoffMetadata` naming the field.
 pub fn check_staging_tickets(
+    tickets: &[WireValue],
+    peers: &BTreeMap<u32, &PeerMeta>,
+) -> DisaggResult<BTreeMap<u32, StagingTicket>> {
+    check_tickets(tickets, peers).map_err(DisaggError::in_handoff_metadata)
+}
+
+fn check_tickets(
     tickets: &[WireValue],
     peers: &BTreeMap<u32, &PeerMeta>,
 ) -> DisaggResult<BTreeMap<u32, StagingTicket>> {
@@ -148,6 +160,43 @@ pub struct HandoffTicket {
     pub has_integrity: bool,
     /// Whether the ticket names the prefill's rank metadata.
     pub has_prefill_meta: bool,
+    /// The state kinds (`kv`, `conv`, `recurrent`) each prefill rank exports, when the
+    /// prefill metadata holds a non-empty list of rank maps (`None` otherwise).
+    pub prefill_sources: Option<Vec<Vec<String>>>,
+}
+
+/// What a decode rank needs of a ticket (see [`HandoffTicket::check_for_decode`]).
+#[derive(Debug, Clone, Default)]
+pub struct DecodeNeeds {
+    /// The request the ticket is for (named in errors).
+    pub request_id: u64,
+    /// The state kinds this rank reads (`kv` and its SSM kinds); empty when it reads none.
+    pub sources: Vec<String>,
+    /// Whether this decode holds SSM state (the ticket must name a source slot exactly then).
+    pub has_ssm: bool,
+    /// Whether this decode verifies integrity (the ticket must carry a digest table).
+    pub integrity: bool,
+}
+
+/// The state kinds each rank map of a prefill's `handoff_static_meta` exports.
+fn prefill_sources(meta: &WireValue) -> Option<Vec<Vec<String>>> {
+    let ranks = Obj::of(meta, "prefill_meta").ok()?.some("ranks")?;
+    let WireValue::List(items) = ranks else { return None };
+    if items.is_empty() {
+        return None;
+    }
+    items
+        .iter()
+        .map(|r| match r {
+            WireValue::Map(e) => Some(
+                e.iter()
+                    .filter(|(_, v)| !matches!(v, WireValue::Null))
+                    .map(|(k, _)| k.clone())
+                    .collect(),
+            ),
+            _ => None,
+        })
+        .collect()
 }
 
 fn rank_key(k: &str) -> DisaggResult<u32> {
@@ -157,9 +206,13 @@ fn rank_key(k: &str) -> DisaggResult<u32> {
 }
 
 impl HandoffTicket {
-    /// Parse and validate a ticket (every field named in its error). `staged` maps decode
-    /// ranks (ints or their decimal text) to lists of staging tickets.
+    /// Parse and validate a ticket (every field named in its `HandoffMetadata` error).
+    /// `staged` maps decode ranks (ints or their decimal text) to lists of staging tickets.
     pub fn parse(v: &WireValue) -> DisaggResult<Self> {
+        Self::parse_fields(v).map_err(DisaggError::in_handoff_metadata)
+    }
+
+    fn parse_fields(v: &WireValue) -> DisaggResult<Self> {
         if !matches!(v, WireValue::Map(_)) {
             return Err(DisaggError::wire(
                 "ticket",
@@ -239,7 +292,230 @@ impl HandoffTicket {
             staged,
             has_integrity: o.some("integrity").is_some(),
             has_prefill_meta: o.some("prefill_meta").is_some(),
+            prefill_sources: o.some("prefill_meta").and_then(prefill_sources),
         })
+    }
+
+    /// Check the ticket against what one decode rank needs, before anything is reserved:
+    /// the prefill's rank metadata is named and exports every state kind this rank reads,
+    /// a digest table is present when the decode verifies, and the ticket names a source
+    /// SSM slot exactly when the decode holds SSM state. `HandoffMetadata` errors naming the
+    /// field (`prefill_meta`, `integrity`, `src_ssm_slot`).
+    pub fn check_for_decode(&self, needs: &DecodeNeeds) -> DisaggResult<()> {
+        let rid = needs.request_id;
+        if !self.has_prefill_meta {
+            return Err(DisaggError::handoff_metadata(
+                "prefill_meta",
+                format!("request {rid}: ticket has no prefill_meta"),
+            ));
+        }
+        if !needs.sources.is_empty() {
+            let Some(ranks) = &self.prefill_sources else {
+                return Err(DisaggError::handoff_metadata(
+                    "prefill_meta",
+                    format!("request {rid}: ticket prefill_meta has no list of rank metadata"),
+                ));
+            };
+            if let Some(kind) = needs.sources.iter().find(|k| !ranks.iter().any(|r| r.contains(k)))
+            {
+                return Err(DisaggError::handoff_metadata(
+                    "prefill_meta",
+                    format!(
+                        "request {rid}: ticket prefill_meta has no {kind:?} source on any of its \
+                         {} ranks, but this decode must read {kind} state",
+                        ranks.len()
+                    ),
+                ));
+            }
+        }
+        if needs.integrity && !self.has_integrity {
+            return Err(DisaggError::handoff_metadata(
+                "integrity",
+                format!(
+                    "request {rid}: this decode verifies integrity but the ticket has no \
+                     integrity table (enable verify_integrity on the prefill engine)"
+                ),
+            ));
+        }
+        if needs.has_ssm != self.src_ssm_slot.is_some() {
+            return Err(DisaggError::handoff_metadata(
+                "src_ssm_slot",
+                format!(
+                    "request {rid}: decode has_ssm={} but ticket src_ssm_slot={:?}",
+                    needs.has_ssm, self.src_ssm_slot
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The `ssm` entry of a reference-design ticket (`kv_meta["ssm"]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReferenceSsm {
+    /// No entry (or `None`).
+    Absent,
+    /// A mapping with these keys (state kinds).
+    Kinds(Vec<String>),
+    /// Anything else: its type name.
+    Other(String),
+}
+
+/// What the reference design's decode engine checks of a handoff before it reserves anything
+/// (see [`ReferenceTicket::check`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReferenceTicket {
+    /// The request.
+    pub request_id: u64,
+    /// The ticket's SSM metadata.
+    pub ssm: ReferenceSsm,
+    /// Whether the decode moves SSM state (it set up SSM transfer agents).
+    pub decode_has_ssm: bool,
+    /// First tokens the ticket carries.
+    pub resume_tokens: u64,
+    /// The decode's speculative tokens (a handoff carries one more first token).
+    pub num_speculative_tokens: u64,
+    /// Whether the request asks for log probabilities (never handed off).
+    pub return_log_probs: bool,
+    /// Top-n log probabilities asked for (0: none).
+    pub top_n_logprobs: i64,
+    /// Source blocks named.
+    pub src_blocks: u64,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Tokens per decode block.
+    pub block_size: u64,
+}
+
+/// The SSM state kinds a hybrid model's ticket names.
+pub const SSM_STATE_KINDS: [&str; 2] = ["conv", "recurrent"];
+
+impl ReferenceTicket {
+    /// Refuse a ticket the decode cannot import, naming the field (`ssm`, `resume_tokens`,
+    /// `return_log_probs`, `src_block_ids`): `HandoffMetadata` errors, checked in this order.
+    pub fn check(&self) -> DisaggResult<()> {
+        let rid = self.request_id;
+        match (&self.ssm, self.decode_has_ssm) {
+            (ReferenceSsm::Kinds(kinds), true) => {
+                let missing: Vec<&str> =
+                    SSM_STATE_KINDS.into_iter().filter(|k| !kinds.iter().any(|x| x == k)).collect();
+                if !missing.is_empty() {
+                    return Err(DisaggError::handoff_metadata(
+                        "ssm",
+                        format!("request {rid}: SSM metadata lacks state kinds {missing:?}"),
+                    ));
+                }
+            }
+            (ReferenceSsm::Absent | ReferenceSsm::Other(_), true) => {
+                let got = match &self.ssm {
+                    ReferenceSsm::Other(t) => t.as_str(),
+                    _ => "NoneType",
+                };
+                return Err(DisaggError::handoff_metadata(
+                    "ssm",
+                    format!(
+                        "request {rid}: a hybrid decode needs the ticket's 'ssm' mapping, got {got}"
+                    ),
+                ));
+            }
+            (ReferenceSsm::Absent, false) => {}
+            (_, false) => {
+                return Err(DisaggError::handoff_metadata(
+                    "ssm",
+                    format!(
+                        "request {rid}: an attention-only decode received SSM metadata from a \
+                         hybrid prefill"
+                    ),
+                ));
+            }
+        }
+        let want = self.num_speculative_tokens.saturating_add(1);
+        if self.resume_tokens != want {
+            return Err(DisaggError::handoff_metadata(
+                "resume_tokens",
+                format!(
+                    "request {rid}: {} resume tokens but a decode-only handoff needs \
+                     num_speculative_tokens+1={want}",
+                    self.resume_tokens
+                ),
+            ));
+        }
+        if self.return_log_probs || self.top_n_logprobs > 0 {
+            return Err(DisaggError::handoff_metadata(
+                "return_log_probs",
+                format!(
+                    "request {rid}: a decode-only handoff carries no log probabilities \
+                     (return_log_probs / top_n_logprobs)"
+                ),
+            ));
+        }
+        if self.block_size == 0 {
+            return Err(DisaggError::argument("block_size", "block_size=0 must be >= 1"));
+        }
+        let need = self.prompt_tokens.div_ceil(self.block_size);
+        if self.src_blocks != need {
+            return Err(DisaggError::handoff_metadata(
+                "src_block_ids",
+                format!(
+                    "request {rid}: {} source blocks but {} prompt tokens at block_size={} need \
+                     {need} (partial tail included)",
+                    self.src_blocks, self.prompt_tokens, self.block_size
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A reference-design prefill's finished handoffs, checked before any is prepared (see
+/// [`ReferencePrefillBatch::check`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReferencePrefillBatch {
+    /// Pipeline stages the static KV metadata covers.
+    pub kv_stages: u64,
+    /// Pipeline stages the static SSM metadata covers.
+    pub ssm_stages: u64,
+    /// The engine's pipeline-parallel size.
+    pub pp_size: u64,
+    /// The engine's speculative tokens (a handoff carries one more first token).
+    pub num_speculative_tokens: u64,
+    /// Per request: its id, first tokens generated, prompt blocks.
+    pub requests: Vec<(u64, u64, u64)>,
+}
+
+impl ReferencePrefillBatch {
+    /// Refuse the whole batch, naming the field (`pp_metas`, `resume_tokens`, `block_ids`),
+    /// when the static metadata does not cover every pipeline stage or a request has the
+    /// wrong number of first tokens or no prompt block: `HandoffMetadata` errors.
+    pub fn check(&self) -> DisaggResult<()> {
+        if self.kv_stages != self.pp_size || self.ssm_stages != self.pp_size {
+            return Err(DisaggError::handoff_metadata(
+                "pp_metas",
+                format!(
+                    "static metadata covers {} KV / {} SSM pipeline stages but pp_size={}",
+                    self.kv_stages, self.ssm_stages, self.pp_size
+                ),
+            ));
+        }
+        let want = self.num_speculative_tokens.saturating_add(1);
+        for &(rid, resume, blocks) in &self.requests {
+            if resume != want {
+                return Err(DisaggError::handoff_metadata(
+                    "resume_tokens",
+                    format!(
+                        "request {rid}: {resume} resume tokens but a decode-only handoff needs \
+                         num_speculative_tokens+1={want}"
+                    ),
+                ));
+            }
+            if blocks == 0 {
+                return Err(DisaggError::handoff_metadata(
+                    "block_ids",
+                    format!("request {rid}: no prompt KV blocks"),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -272,10 +548,16 @@ mod tests {
     #[test]
     fn negative_offsets_and_wrapping_ranges_are_refused_when_parsed() {
         let e = StagingTicket::parse(&ticket(0, 1, true, -8, 8), "t").unwrap_err();
-        assert!(matches!(&e, DisaggError::Wire { field, .. } if field == "t.offset"), "{e}");
+        assert!(
+            matches!(&e, DisaggError::HandoffMetadata { field, .. } if field == "t.offset"),
+            "{e}"
+        );
         let e =
             StagingTicket::parse(&ticket(0, 1, true, i128::from(u64::MAX), 2), "t").unwrap_err();
-        assert!(matches!(&e, DisaggError::Wire { field, .. } if field == "t.nbytes"), "{e}");
+        assert!(
+            matches!(&e, DisaggError::HandoffMetadata { field, .. } if field == "t.nbytes"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -301,8 +583,118 @@ mod tests {
                 e.push((key.to_owned(), bad));
             }
             let e = HandoffTicket::parse(&v).unwrap_err();
-            assert!(matches!(&e, DisaggError::Wire { field: f, .. } if f == field), "{e}");
+            assert!(
+                matches!(&e, DisaggError::HandoffMetadata { field: f, .. } if f == field),
+                "{e}"
+            );
         }
+    }
+
+    #[test]
+    fn a_ticket_missing_what_the_decode_reads_is_refused_naming_the_field() {
+        let rank = |kinds: Vec<(&str, WireValue)>| map(kinds);
+        let prefill = map(vec![(
+            "ranks",
+            WireValue::List(vec![rank(vec![("kv", map(vec![])), ("conv", WireValue::Null)])]),
+        )]);
+        let ticket = |extra: Vec<(&str, WireValue)>| {
+            let mut e = vec![("src_block_ids", WireValue::List(vec![i(0)]))];
+            e.extend(extra);
+            HandoffTicket::parse(&map(e)).unwrap()
+        };
+        let kv = DecodeNeeds { request_id: 3, sources: vec!["kv".into()], ..Default::default() };
+        let ok = ticket(vec![("prefill_meta", prefill.clone())]);
+        assert!(ok.check_for_decode(&kv).is_ok());
+        let field = |t: &HandoffTicket, n: &DecodeNeeds| match t.check_for_decode(n) {
+            Err(DisaggError::HandoffMetadata { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(&ticket(vec![]), &kv), "prefill_meta");
+        let bad = ticket(vec![("prefill_meta", map(vec![("ranks", WireValue::List(vec![]))]))]);
+        assert_eq!(field(&bad, &kv), "prefill_meta");
+        let conv = DecodeNeeds { sources: vec!["kv".into(), "conv".into()], ..kv.clone() };
+        assert_eq!(field(&ok, &conv), "prefill_meta");
+        let verify = DecodeNeeds { integrity: true, ..kv.clone() };
+        assert_eq!(field(&ok, &verify), "integrity");
+        let ssm = DecodeNeeds { has_ssm: true, ..kv.clone() };
+        assert_eq!(field(&ok, &ssm), "src_ssm_slot");
+        let with_slot = ticket(vec![("prefill_meta", prefill), ("src_ssm_slot", i(1))]);
+        assert_eq!(field(&with_slot, &kv), "src_ssm_slot");
+        assert!(with_slot.check_for_decode(&ssm).is_ok());
+        // A decode that reads nothing needs no sources, but still the metadata.
+        let none = DecodeNeeds { sources: vec![], ..kv };
+        assert!(bad.check_for_decode(&none).is_ok());
+    }
+
+    #[test]
+    fn a_reference_ticket_is_refused_naming_the_first_bad_field() {
+        let ok = ReferenceTicket {
+            request_id: 4,
+            ssm: ReferenceSsm::Kinds(vec!["conv".into(), "recurrent".into()]),
+            decode_has_ssm: true,
+            resume_tokens: 2,
+            num_speculative_tokens: 1,
+            return_log_probs: false,
+            top_n_logprobs: 0,
+            src_blocks: 3,
+            prompt_tokens: 9,
+            block_size: 4,
+        };
+        assert!(ok.check().is_ok());
+        let attention =
+            ReferenceTicket { ssm: ReferenceSsm::Absent, decode_has_ssm: false, ..ok.clone() };
+        assert!(attention.check().is_ok());
+        let field = |t: ReferenceTicket| match t.check() {
+            Err(DisaggError::HandoffMetadata { field, detail }) => {
+                assert!(detail.contains("request 4"), "{detail}");
+                field
+            }
+            other => panic!("{other:?}"),
+        };
+        for (bad, want) in [
+            (
+                ReferenceTicket { ssm: ReferenceSsm::Kinds(vec!["conv".into()]), ..ok.clone() },
+                "ssm",
+            ),
+            (ReferenceTicket { ssm: ReferenceSsm::Other("list".into()), ..ok.clone() }, "ssm"),
+            (ReferenceTicket { ssm: ReferenceSsm::Absent, ..ok.clone() }, "ssm"),
+            (ReferenceTicket { decode_has_ssm: false, ..ok.clone() }, "ssm"),
+            (ReferenceTicket { resume_tokens: 1, ..ok.clone() }, "resume_tokens"),
+            (ReferenceTicket { return_log_probs: true, ..ok.clone() }, "return_log_probs"),
+            (ReferenceTicket { top_n_logprobs: 2, ..ok.clone() }, "return_log_probs"),
+            (ReferenceTicket { src_blocks: 2, ..ok.clone() }, "src_block_ids"),
+            (ReferenceTicket { prompt_tokens: 13, ..ok.clone() }, "src_block_ids"),
+            // The first bad field is named: SSM before the first tokens.
+            (ReferenceTicket { ssm: ReferenceSsm::Absent, resume_tokens: 0, ..ok.clone() }, "ssm"),
+        ] {
+            assert_eq!(field(bad), want);
+        }
+        assert!(matches!(
+            ReferenceTicket { block_size: 0, ..ok }.check(),
+            Err(DisaggError::Argument { .. })
+        ));
+    }
+
+    #[test]
+    fn a_reference_prefill_batch_is_refused_before_any_request_is_prepared() {
+        let ok = ReferencePrefillBatch {
+            kv_stages: 2,
+            ssm_stages: 2,
+            pp_size: 2,
+            num_speculative_tokens: 0,
+            requests: vec![(1, 1, 3), (2, 1, 1)],
+        };
+        assert!(ok.check().is_ok());
+        let field = |b: ReferencePrefillBatch| match b.check() {
+            Err(DisaggError::HandoffMetadata { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(ReferencePrefillBatch { ssm_stages: 1, ..ok.clone() }), "pp_metas");
+        assert_eq!(field(ReferencePrefillBatch { kv_stages: 3, ..ok.clone() }), "pp_metas");
+        let resume = ReferencePrefillBatch { requests: vec![(1, 1, 3), (2, 2, 1)], ..ok.clone() };
+        assert_eq!(field(resume), "resume_tokens");
+        let empty = ReferencePrefillBatch { requests: vec![(1, 1, 0)], ..ok };
+        assert_eq!(field(empty), "block_ids");
     }
 
     #[test]
@@ -321,7 +713,10 @@ mod tests {
             vec![ticket(0, inc, false, 0, 0), ticket(0, inc, false, 0, 0)],
         ] {
             let e = check_staging_tickets(&bad, &peers).unwrap_err();
-            assert!(matches!(&e, DisaggError::Wire { field, .. } if field == "staged"), "{e}");
+            assert!(
+                matches!(&e, DisaggError::HandoffMetadata { field, .. } if field == "staged"),
+                "{e}"
+            );
         }
     }
 }
