@@ -322,6 +322,7 @@ pub fn compile_kv_transfer(req: &KvTransferRequest) -> DisaggResult<TransferProg
         dst_device: dst_g.map_or(0, |d| d.spec().device_id),
         sources,
         has_destination,
+        device_plans: true,
         expected,
     })
 }
