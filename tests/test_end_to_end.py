@@ -56,12 +56,6 @@ def test_disaggregated_answers_equal_the_colocated_run_and_nothing_leaks(
     _run(**case)
 
 
-def test_per_layer_cache_lists_are_refused_with_a_clear_error() -> None:
-    result = run_demo(DemoOptions(**{**SMALL, "cache_layout": "nhd"}))  # type: ignore[arg-type]
-    assert result.exit_code == 1
-    assert any("one contiguous" in f for f in result.failures), result.failures
-
-
 def test_decode_prefix_cache_reuse_pulls_only_the_suffix() -> None:
     shared = "A long shared system prompt that both requests start with, word for word. "
     prompts = (shared + "First question?", shared + "Second, different question?")

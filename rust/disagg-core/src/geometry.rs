@@ -437,8 +437,14 @@ impl KvGeometrySpec {
                 format!(
                     "layer {i} has shape {:?} strides {:?} dtype {:?} device {:?} but layer 0 has \
                      shape {:?} strides {:?} dtype {:?} device {:?}",
-                    v.shape, v.strides, v.dtype, v.device, first.shape, first.strides,
-                    first.dtype, first.device
+                    v.shape,
+                    v.strides,
+                    v.dtype,
+                    v.device,
+                    first.shape,
+                    first.strides,
+                    first.dtype,
+                    first.device
                 ),
             ));
         }

@@ -250,9 +250,7 @@ methods {
             .collect::<PyResult<Vec<_>>>()?;
         let (axes, device_id) = (axes.get("axes")?, device_u64(device_id)?);
         // `(K, V)` pairs per layer: separate key and value tensors.
-        fn pair<'a, 'py>(t: &'a Bound<'py, PyAny>) -> Option<&'a Bound<'py, PyTuple>> {
-            t.cast::<PyTuple>().ok().filter(|p| p.len() == 2)
-        }
+        let pair = kv_pair;
         let spec = if items.first().is_some_and(|t| pair(t).is_some()) {
             let (mut keys, mut values) = (Vec::new(), Vec::new());
             for (i, t) in items.iter().enumerate() {
@@ -483,4 +481,8 @@ impl PySsmGeometry {
         let inner = SsmGeometry::new(conv, recurrent, req(d, "device_id")?).py()?;
         Ok(Self { inner })
     }
+}
+/// A `(K, V)` tuple of one layer's separate key and value tensors, if `t` is one.
+fn kv_pair<'a, 'py>(t: &'a Bound<'py, PyAny>) -> Option<&'a Bound<'py, PyTuple>> {
+    t.cast::<PyTuple>().ok().filter(|p| p.len() == 2)
 }

@@ -18,9 +18,15 @@ pub(crate) struct RowsArg<'py> {
     field: &'static str,
 }
 
-pub(crate) fn rows_arg<'py>(obj: &Bound<'py, PyAny>, field: &'static str) -> PyResult<RowsArg<'py>> {
+pub(crate) fn rows_arg<'py>(
+    obj: &Bound<'py, PyAny>,
+    field: &'static str,
+) -> PyResult<RowsArg<'py>> {
     let arr = obj.extract::<PyReadonlyArray2<'py, u64>>().map_err(|_| {
-        type_err(field, format!("{field} must be a numpy uint64 array [n, 3], got {}", describe(obj)))
+        type_err(
+            field,
+            format!("{field} must be a numpy uint64 array [n, 3], got {}", describe(obj)),
+        )
     })?;
     if arr.shape()[1] != 3 || !arr.is_c_contiguous() {
         return Err(err(
@@ -35,7 +41,8 @@ pub(crate) fn rows_arg<'py>(obj: &Bound<'py, PyAny>, field: &'static str) -> PyR
 impl RowsArg<'_> {
     /// The rows, borrowed.
     pub(crate) fn rows(&self) -> PyResult<&[[u64; 3]]> {
-        let flat = self.arr.as_slice().map_err(|e| err(Kind::Argument, self.field, e.to_string()))?;
+        let flat =
+            self.arr.as_slice().map_err(|e| err(Kind::Argument, self.field, e.to_string()))?;
         Ok(flat.as_chunks::<3>().0)
     }
 }
@@ -50,7 +57,12 @@ pub(crate) fn to_numpy(py: Python<'_>, rows: Vec<[u64; 3]>) -> PyResult<Bound<'_
 
 /// `[(addr, nbytes), ...]` as a validated table (`MetadataError` naming `regions`).
 fn table(regions: &Bound<'_, PyAny>) -> PyResult<RegionTable> {
-    let not_pairs = || type_err("regions", format!("regions must be a list of (addr, nbytes) pairs, got {}", describe(regions)));
+    let not_pairs = || {
+        type_err(
+            "regions",
+            format!("regions must be a list of (addr, nbytes) pairs, got {}", describe(regions)),
+        )
+    };
     let items = regions.try_iter().map_err(|_| not_pairs())?;
     let mut out = Vec::new();
     for item in items {

@@ -128,8 +128,12 @@ impl RegionTable {
     }
 
     fn outside(&self, field: &str, row: usize, addr: u64, len: u64) -> DisaggError {
-        let shown: Vec<String> =
-            self.regions.iter().take(8).map(|g| format!("[{:#x}, {:#x})", g.addr, g.end())).collect();
+        let shown: Vec<String> = self
+            .regions
+            .iter()
+            .take(8)
+            .map(|g| format!("[{:#x}, {:#x})", g.addr, g.end()))
+            .collect();
         let more = self.regions.len().saturating_sub(8);
         DisaggError::wire(
             field,
@@ -167,7 +171,8 @@ impl RegionTable {
                 format!("{} source rows but {} destination rows", src.len(), dst.len()),
             ));
         }
-        let inside = |t: &RegionTable, r: &[u64; 3]| t.locate(r[0]).is_some_and(|i| t.holds(i, r[0], r[1]));
+        let inside =
+            |t: &RegionTable, r: &[u64; 3]| t.locate(r[0]).is_some_and(|i| t.holds(i, r[0], r[1]));
         let first = src.iter().zip(dst).position(|(s, d)| !inside(src_t, s) || !inside(dst_t, d));
         let Some(first) = first else { return Ok(None) };
         let mut out_s: Rows = src[..first].to_vec();
@@ -227,8 +232,11 @@ mod tests {
     use proptest::prelude::*;
 
     fn table(rs: &[(u64, u64)]) -> RegionTable {
-        RegionTable::new("regions", rs.iter().map(|&(addr, nbytes)| Region { addr, nbytes }).collect())
-            .unwrap()
+        RegionTable::new(
+            "regions",
+            rs.iter().map(|&(addr, nbytes)| Region { addr, nbytes }).collect(),
+        )
+        .unwrap()
     }
 
     #[test]
@@ -258,12 +266,17 @@ mod tests {
     fn a_pair_running_across_adjacent_regions_is_split_at_the_boundary() {
         let src = table(&[(0, 64), (64, 64)]);
         let dst = table(&[(1000, 200)]);
-        let (s, d) =
-            RegionTable::split_pairs(&src, &dst, &[[32, 64, 7]], &[[1000, 64, 9]]).unwrap().unwrap();
+        let (s, d) = RegionTable::split_pairs(&src, &dst, &[[32, 64, 7]], &[[1000, 64, 9]])
+            .unwrap()
+            .unwrap();
         assert_eq!(s, vec![[32, 32, 7], [64, 32, 7]]);
         assert_eq!(d, vec![[1000, 32, 9], [1032, 32, 9]]);
-        assert_eq!(RegionTable::split_pairs(&src, &dst, &[[0, 64, 7]], &[[1000, 64, 9]]).unwrap(), None);
-        let e = RegionTable::split_pairs(&src, &dst, &[[100, 64, 7]], &[[1000, 64, 9]]).unwrap_err();
+        assert_eq!(
+            RegionTable::split_pairs(&src, &dst, &[[0, 64, 7]], &[[1000, 64, 9]]).unwrap(),
+            None
+        );
+        let e =
+            RegionTable::split_pairs(&src, &dst, &[[100, 64, 7]], &[[1000, 64, 9]]).unwrap_err();
         assert!(e.to_string().contains("src_descriptors"), "{e}");
         let e = RegionTable::split_pairs(&src, &dst, &[[0, 8, 7]], &[[1199, 8, 9]]).unwrap_err();
         assert!(e.to_string().contains("dst_descriptors"), "{e}");
@@ -276,7 +289,11 @@ mod tests {
         let g = t.group(&rows, RowForm::Gather).unwrap();
         assert_eq!(
             g,
-            vec![(0, vec![[105, 5, 8]]), (1, vec![[110, 5, 13]]), (2, vec![[0, 8, 0], [40, 10, 18]])]
+            vec![
+                (0, vec![[105, 5, 8]]),
+                (1, vec![[110, 5, 13]]),
+                (2, vec![[0, 8, 0], [40, 10, 18]])
+            ]
         );
         let sc = t.group(&[[3, 112, 4]], RowForm::Scatter).unwrap();
         assert_eq!(sc, vec![(1, vec![[3, 112, 4]])]);
@@ -319,17 +336,13 @@ mod tests {
                         let mut p = 0;
                         src.iter().map(|r| { let row = [r[0], r[1], p]; p += r[1]; row }).collect()
                     };
-                    let mut pairs: Vec<(u64, u64)> = t
-                        .group(&gathered, RowForm::Gather)
-                        .unwrap()
-                        .into_iter()
-                        .flat_map(|(i, g)| {
-                            g.into_iter().flat_map(move |r| {
-                                assert!(t.regions[i].contains(r[0], r[1]));
-                                (0..r[1]).map(move |k| (r[2] + k, r[0] + k))
-                            })
-                        })
-                        .collect();
+                    let mut pairs: Vec<(u64, u64)> = Vec::new();
+                    for (i, g) in t.group(&gathered, RowForm::Gather).unwrap() {
+                        for r in g {
+                            prop_assert!(t.regions[i].contains(r[0], r[1]));
+                            pairs.extend((0..r[1]).map(|k| (r[2] + k, r[0] + k)));
+                        }
+                    }
                     pairs.sort_unstable();
                     let want: Vec<(u64, u64)> = gathered
                         .iter()

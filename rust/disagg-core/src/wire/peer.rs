@@ -363,7 +363,10 @@ fn geometry(o: &Obj<'_>) -> DisaggResult<PeerGeometry> {
 fn region_list(v: &WireValue) -> DisaggResult<Vec<Region>> {
     let field = "buffer.regions";
     let WireValue::List(items) = v else {
-        return Err(DisaggError::wire(field, format!("must be a list of [addr, nbytes], got {}", v.type_name())));
+        return Err(DisaggError::wire(
+            field,
+            format!("must be a list of [addr, nbytes], got {}", v.type_name()),
+        ));
     };
     items
         .iter()
