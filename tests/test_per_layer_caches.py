@@ -130,15 +130,15 @@ def _handoff(rank: int, case: Case) -> dict[str, Any]:
             out["stats"] = dict(handle.stats)
         dist.barrier()  # the prefill's memory stays registered until the decode has read it
     elif prefill:
-        backend.begin_push_blocks(
-            metas[2], src_ids, src_metas=metas[:2], num_tokens=TOKENS
-        ).wait()
+        backend.begin_push_blocks(metas[2], src_ids, src_metas=metas[:2], num_tokens=TOKENS).wait()
     else:
         backend.begin_pull_blocks(metas[:2], src_ids, dst_ids, num_tokens=TOKENS).wait()
     if not prefill:
         want = PagedKVCache(layout, LAYERS, BLOCKS, tpb, heads, HEAD_DIM)  # type: ignore[arg-type]
         _write(want, dst_ids, slice(0, HEADS))
-        out["equal"] = [torch.equal(a, b) for a, b in zip(cache.per_layer, want.per_layer)]
+        out["equal"] = [
+            torch.equal(a, b) for a, b in zip(cache.per_layer, want.per_layer, strict=True)
+        ]
         out["moved_any"] = any(bool(t.abs().sum() > 0) for t in cache.per_layer)
     backend.close()
     return out

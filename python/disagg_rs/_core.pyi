@@ -790,6 +790,7 @@ class Peer:
 def rows_by_region(
     rows: _U64Array, form: Literal["gather", "scatter"], regions: Any
 ) -> list[tuple[int, _U64Array]]: ...
+
 @final
 class PeerTable:
     def __new__(

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from disagg_rs import _core
 from disagg_rs.exceptions import BlockIdError, CapacityError, MetadataError, TransferError
 from disagg_rs.transfer_backends import device_plan as dp
-from disagg_rs.transfer_backends import pipeline, staging
+from disagg_rs.transfer_backends import pipeline
 from disagg_rs.transfer_backends.base import (
     BlockIds,
     Clock,

@@ -50,7 +50,7 @@ from disagg_rs.exceptions import (
     TransferStartError,
 )
 from disagg_rs.transfer_backends import device_plan as dp
-from disagg_rs.transfer_backends import ipc, staging
+from disagg_rs.transfer_backends import ipc
 from disagg_rs.transfer_backends.base import (
     BlockIds,
     Clock,
