@@ -35,6 +35,7 @@ All ranges are half-open ``[lo, hi)``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -1147,6 +1148,12 @@ class TransferBackendBase:
         parsed ``Peer``; the backend's own transport fields are not needed to plan."""
         base = self._base_meta() if meta is None else meta
         return self._adopt_peer({"agent_metadata": "", "staging": None, "dist_rank": 0, **base})
+
+    @functools.cached_property
+    def _own_peer(self) -> Any:
+        """This rank's own parsed ``Peer``, once (its metadata does not change while it
+        lives): the destination side of ``Peer.split_descriptors``."""
+        return self._local_peer()
 
     def _as_peer(self, meta: Any) -> Any:
         """A ``Peer`` as is; a dict adopted before, found by content; else this rank's own

@@ -780,7 +780,7 @@ class NixlTransferBackend(TransferBackendBase):
         # Every remote byte a descriptor names lies in the source's exported regions, every
         # local byte in this rank's; a range running across per-layer tensors is split.
         by_peer = {p.global_rank: p for p in peers}
-        me = self._local_peer()
+        me = self._own_peer
         rows = {
             rank: by_peer[rank].split_descriptors(*program.direct_descriptors(rank), me)
             for rank, kind in plan
