@@ -993,6 +993,50 @@ pub(crate) mod tests {
         }
     }
 
+    /// `meta()` with its four planes in per-layer regions: planes 0 and 2 (layer 0's K and V)
+    /// in one region, planes 1 and 3 in another far away.
+    fn per_layer_meta(regions: WireValue) -> WireValue {
+        let far: i128 = 0x20_0000;
+        let mut v = meta();
+        let bases: Vec<WireValue> = [BASE, far, BASE + 128, far + 128].into_iter().map(i).collect();
+        if let WireValue::Map(e) = &mut v {
+            for (k, val) in e.iter_mut() {
+                if k == "geometry" {
+                    set(val, "plane_bases", WireValue::List(bases.clone()));
+                } else if k == "buffer" {
+                    set(val, "regions", regions.clone());
+                }
+            }
+        }
+        v
+    }
+
+    fn pair(a: i128, n: i128) -> WireValue {
+        WireValue::List(vec![i(a), i(n)])
+    }
+
+    #[test]
+    fn per_layer_regions_hold_the_plane_bases_and_every_address() {
+        let regions = WireValue::List(vec![pair(BASE, 256), pair(0x20_0000, 256)]);
+        let m = PeerMeta::parse(&per_layer_meta(regions), "nixl").unwrap();
+        assert_eq!(m.buffer.regions.regions().len(), 2);
+        assert!(m.check_addresses(&[[0x20_0000 + 8, 64, 0]], "src").is_ok());
+        assert!(m.check_addresses(&[[0x20_0000 + 250, 64, 0]], "src").is_err());
+        // Without the second region, planes 1 and 3 lie outside every region.
+        let e = PeerMeta::parse(&per_layer_meta(WireValue::List(vec![pair(BASE, 256)])), "nixl")
+            .unwrap_err();
+        assert_eq!(field_of(&e), "geometry.plane_bases", "{e}");
+        for bad in [
+            WireValue::List(vec![]),
+            WireValue::List(vec![pair(BASE, 256), pair(BASE + 128, 256)]),
+            WireValue::List(vec![WireValue::List(vec![i(BASE)])]),
+            i(3),
+        ] {
+            let e = PeerMeta::parse(&per_layer_meta(bad), "nixl").unwrap_err();
+            assert!(field_of(&e).starts_with("buffer.regions"), "{e}");
+        }
+    }
+
     #[test]
     fn a_valid_export_parses_into_typed_fields() {
         let m = PeerMeta::parse(&meta(), "nixl").unwrap();
