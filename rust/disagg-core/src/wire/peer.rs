@@ -995,7 +995,7 @@ pub(crate) mod tests {
 
     /// `meta()` with its four planes in per-layer regions: planes 0 and 2 (layer 0's K and V)
     /// in one region, planes 1 and 3 in another far away.
-    fn per_layer_meta(regions: WireValue) -> WireValue {
+    fn per_layer_meta(regions: &WireValue) -> WireValue {
         let far: i128 = 0x20_0000;
         let mut v = meta();
         let bases: Vec<WireValue> = [BASE, far, BASE + 128, far + 128].into_iter().map(i).collect();
@@ -1018,12 +1018,12 @@ pub(crate) mod tests {
     #[test]
     fn per_layer_regions_hold_the_plane_bases_and_every_address() {
         let regions = WireValue::List(vec![pair(BASE, 256), pair(0x20_0000, 256)]);
-        let m = PeerMeta::parse(&per_layer_meta(regions), "nixl").unwrap();
+        let m = PeerMeta::parse(&per_layer_meta(&regions), "nixl").unwrap();
         assert_eq!(m.buffer.regions.regions().len(), 2);
         assert!(m.check_addresses(&[[0x20_0000 + 8, 64, 0]], "src").is_ok());
         assert!(m.check_addresses(&[[0x20_0000 + 250, 64, 0]], "src").is_err());
         // Without the second region, planes 1 and 3 lie outside every region.
-        let e = PeerMeta::parse(&per_layer_meta(WireValue::List(vec![pair(BASE, 256)])), "nixl")
+        let e = PeerMeta::parse(&per_layer_meta(&WireValue::List(vec![pair(BASE, 256)])), "nixl")
             .unwrap_err();
         assert_eq!(field_of(&e), "geometry.plane_bases", "{e}");
         for bad in [
@@ -1032,7 +1032,7 @@ pub(crate) mod tests {
             WireValue::List(vec![WireValue::List(vec![i(BASE)])]),
             i(3),
         ] {
-            let e = PeerMeta::parse(&per_layer_meta(bad), "nixl").unwrap_err();
+            let e = PeerMeta::parse(&per_layer_meta(&bad), "nixl").unwrap_err();
             assert!(field_of(&e).starts_with("buffer.regions"), "{e}");
         }
     }
