@@ -189,8 +189,11 @@ def _demo_error(
         (["--kill-engine", "decode", "--backend", "nccl"], "--kill-engine needs --backend nixl"),
         (["--kill-engine", "prefill", "--kill-rank", "2"], "--kill-rank 2: must be in [-2, 2)"),
         (["--no-restart"], "--no-restart needs --kill-engine"),
-        (["--cache-layout", "nhd"], "--cache-layout nhd: the demo hands off through"),
         (["--control-faults", "2"], "--control-faults 2.0: must be a share in [0, 1]"),
+        (
+            ["--verify-integrity", "--cache-layout", "hnd"],
+            "--verify-integrity digests one contiguous cache per rank",
+        ),
     ],
 )
 def test_bad_demo_options_fail_before_any_process_starts_naming_the_flag(

@@ -279,11 +279,10 @@ def validate_demo_args(args: argparse.Namespace) -> str | None:
     ):
         if not fvalue > 0:
             return f"{flag} {fvalue}: must be > 0 seconds"
-    if args.cache_layout != "megatron":
+    if args.verify_integrity and args.cache_layout != "megatron":
         return (
-            f"--cache-layout {args.cache_layout}: the demo hands off through transports that "
-            "register one contiguous cache per rank; per-layer tensor lists (nhd, hnd) are "
-            "refused, so only megatron runs"
+            f"--verify-integrity digests one contiguous cache per rank: it needs "
+            f"--cache-layout megatron, not {args.cache_layout}"
         )
     if not 0.0 <= args.control_faults <= 1.0:
         return f"--control-faults {args.control_faults}: must be a share in [0, 1]"

@@ -225,12 +225,6 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         agent = f"{role}-{kv_layout.global_rank if kv_layout is not None else 'x'}"
         self._kv_transfer_role = role
         self._backend_name = backend
-        if kv_layout is not None and not hasattr(engine.kv_cache, "data_ptr"):
-            raise HandoffStateError(
-                f"kv_cache_layout={engine.kv_cache_layout!r} is a list of per-layer tensors; the "
-                "transfer backends register one contiguous buffer per rank (use 'megatron')",
-                "kv_cache_layout",
-            )
         if kv_layout is not None:
             self._kv_backend = cls(
                 agent,

@@ -36,6 +36,7 @@ All ranges are half-open ``[lo, hi)``.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -56,6 +57,7 @@ from disagg_rs.exceptions import (
     TransferStartError,
     TransferTimeout,
 )
+from disagg_rs.transfer_backends import staging
 
 __all__ = [
     "BACKENDS",
@@ -85,6 +87,18 @@ FORMAT_VERSION = 1
 
 #: Default axis order of a KV buffer: Megatron's ``[2, L, B, T, H, d]``.
 KV_AXES = "kv layer block token head dim"
+
+#: Default axes of each per-layer KV tensor: NHD ``[2, B, T, H, d]``.
+LAYER_KV_AXES = "kv block token head dim"
+
+#: Compiler geometry field of each axis (the sizes of a per-layer cache).
+_GEOMETRY_AXES = {
+    "layer": "num_layers",
+    "block": "num_blocks",
+    "token": "tokens_per_block",
+    "head": "num_heads",
+    "dim": "head_dim",
+}
 
 #: Axis order of the SSM buffers: conv ``[L, slots, C, d_conv]``, recurrent ``[L, slots, H, p, n]``.
 SSM_AXES: dict[str, str] = {"conv": "layer slot channel conv", "recurrent": "layer slot head p n"}
@@ -184,13 +198,34 @@ def no_blocks(*block_ids: Any) -> bool:
     return True
 
 
+def _region_tensors(memory_buffer: Any) -> list[torch.Tensor]:
+    """The tensors of a buffer argument: one tensor, or a per-layer list of tensors or of
+    ``(K, V)`` pairs, flattened in order."""
+    if isinstance(memory_buffer, torch.Tensor):
+        return [memory_buffer]
+    flat = [t for item in memory_buffer for t in (item if isinstance(item, tuple) else (item,))]
+    if not flat or not all(isinstance(t, torch.Tensor) for t in flat):
+        raise GeometryMismatchError(
+            "memory_buffer must be a tensor or a non-empty list of per-layer tensors (or of "
+            f"(K, V) tensor pairs), got {type(memory_buffer).__name__}",
+            field="memory_buffer",
+        )
+    return flat
+
+
 def _mem_type(tensor: torch.Tensor) -> Literal["DRAM", "VRAM"]:
     return "VRAM" if tensor.is_cuda else "DRAM"
 
 
-def _buffer_info(tensor: torch.Tensor, axes: str) -> dict[str, Any]:
-    """Plain description of a registered buffer (the part of the metadata every peer reads)."""
+def _buffer_info(
+    tensor: torch.Tensor, axes: str, tensors: Sequence[torch.Tensor] | None = None
+) -> dict[str, Any]:
+    """Plain description of a registered buffer (the part of the metadata every peer reads):
+    ``tensor``'s fields plus ``regions``, ``[addr, nbytes]`` of every registered tensor
+    (``tensors``, one per layer or per K/V plane, or ``tensor`` alone)."""
+    regions = [[int(t.data_ptr()), int(t.numel() * t.element_size())] for t in tensors or [tensor]]
     return {
+        "regions": regions,
         "addr": int(tensor.data_ptr()),
         "nbytes": int(tensor.numel() * tensor.element_size()),
         "device_id": int(tensor.device.index or 0) if tensor.is_cuda else 0,
@@ -202,8 +237,11 @@ def _buffer_info(tensor: torch.Tensor, axes: str) -> dict[str, Any]:
     }
 
 
-def _compiler_geometry(tensor: torch.Tensor, kind: StateKind, axes: str) -> dict[str, Any] | None:
-    """The compiler's geometry dict for ``tensor``, or ``None`` if this build has none."""
+def _compiler_geometry(
+    tensor: torch.Tensor, kind: StateKind, axes: str, layers: Sequence[Any] | None = None
+) -> dict[str, Any] | None:
+    """The compiler's geometry dict for ``tensor`` (or the per-layer list ``layers``), or
+    ``None`` if this build has none."""
     if kind != "kv":
         ssm_cls = getattr(disagg_rs, "SSMGeometry", None)
         if ssm_cls is None:
@@ -214,6 +252,8 @@ def _compiler_geometry(tensor: torch.Tensor, kind: StateKind, axes: str) -> dict
     if kv_cls is None:
         return None
     device_id = tensor.device.index if tensor.is_cuda else None
+    if layers is not None:
+        return dict(kv_cls.from_layer_tensors(layers, axes=axes, device_id=device_id).to_dict())
     return dict(kv_cls.from_tensor(tensor, axes=axes, device_id=device_id).to_dict())
 
 
@@ -661,7 +701,7 @@ class TransferBackendBase:
     def __init__(
         self,
         agent_name: str,
-        memory_buffer: torch.Tensor,
+        memory_buffer: torch.Tensor | Sequence[Any],
         expected_num_blocks: int,
         tp_size: int | None = None,
         tp_rank: int | None = None,
@@ -684,11 +724,25 @@ class TransferBackendBase:
         incarnation: int | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
-        if not memory_buffer.is_contiguous():
+        layers = None if isinstance(memory_buffer, torch.Tensor) else list(memory_buffer)
+        #: Every registered tensor: the buffer, or the per-layer tensors (K and V of a layer
+        #: as given), each one region of the exported ``buffer.regions``.
+        self.region_tensors: list[torch.Tensor] = _region_tensors(memory_buffer)
+        memory_buffer = self.region_tensors[0]
+        if not all(t.is_contiguous() for t in self.region_tensors):
             raise GeometryMismatchError(
                 "memory_buffer must be contiguous (register the whole cache, not a view)",
                 field="memory_buffer",
             )
+        self._layer_geometry: dict[str, Any] | None = None
+        if layers is not None:
+            if ssm_layout is not None or ssm_state_kind is not None:
+                raise LayoutError(
+                    "SSM state is one [L, slots, ...] tensor per kind, not a per-layer list",
+                    field="memory_buffer",
+                )
+            axes = axes or LAYER_KV_AXES
+            self._layer_geometry = _compiler_geometry(memory_buffer, "kv", axes, layers)
         self.agent_name = agent_name
         self.memory_buffer = memory_buffer
         self.expected_num_blocks = int(expected_num_blocks)
@@ -734,7 +788,7 @@ class TransferBackendBase:
                 layer_start,
                 layer_end,
             )
-        self.buffer_info = _buffer_info(memory_buffer, self.axes)
+        self.buffer_info = _buffer_info(memory_buffer, self.axes, self.region_tensors)
         # The reference design's description of the same buffer (exported beside ours).
         self._geometry = compute_buffer_geometry(
             memory_buffer,
@@ -755,6 +809,8 @@ class TransferBackendBase:
         self.geometry: dict[str, Any] | None
         if self.axes == "outer block slice":
             self.geometry = dict(reference_kv_geometry(self._reference_fields(), None).to_dict())
+        elif self._layer_geometry is not None:
+            self.geometry = self._layer_geometry
         else:
             self.geometry = _compiler_geometry(memory_buffer, self.state_kind, self.axes)
         # The reference design's private attribute names, for code written against it.
@@ -816,6 +872,8 @@ class TransferBackendBase:
         return meta
 
     def _axis_size(self, name: str) -> int:
+        if self._layer_geometry is not None:  # per-layer tensors: read off the geometry
+            return int(self._layer_geometry[_GEOMETRY_AXES[name]])
         names = self.axes.split()
         if len(names) != self.memory_buffer.dim():
             raise GeometryMismatchError(
@@ -914,6 +972,23 @@ class TransferBackendBase:
                 f"{self.state_kind} buffer shape {got} != {want} expected from ssm_layout",
                 field="memory_buffer",
             )
+
+    # -- pack and scatter over the registered tensors -----------------------------------
+
+    def pack_rows(self, rows: _U64, out: torch.Tensor) -> None:
+        """Gather rows ``(src_addr, len, packed_offset)`` of this rank's registered tensors
+        into ``out`` (packed offset 0 at its byte 0). The rows are grouped by the region
+        they lie in, in Rust, which checks every byte; one pack per region that has rows."""
+        for i, part in _core.rows_by_region(rows, "gather", self.buffer_info["regions"]):
+            t = self.region_tensors[i]
+            staging.pack(t, int(t.data_ptr()), part, out)
+
+    def scatter_rows(self, packed: torch.Tensor, rows: _U64) -> None:
+        """Scatter ``packed`` into this rank's registered tensors as rows ``(packed_offset,
+        dst_addr, len)`` say (grouped by region as in ``pack_rows``)."""
+        for i, part in _core.rows_by_region(rows, "scatter", self.buffer_info["regions"]):
+            t = self.region_tensors[i]
+            staging.scatter(packed, t, int(t.data_ptr()), part)
 
     # -- metadata ------------------------------------------------------------------------
 
@@ -1088,6 +1163,12 @@ class TransferBackendBase:
         parsed ``Peer``; the backend's own transport fields are not needed to plan."""
         base = self._base_meta() if meta is None else meta
         return self._adopt_peer({"agent_metadata": "", "staging": None, "dist_rank": 0, **base})
+
+    @functools.cached_property
+    def _own_peer(self) -> Any:
+        """This rank's own parsed ``Peer``, once (its metadata does not change while it
+        lives): the destination side of ``Peer.split_descriptors``."""
+        return self._local_peer()
 
     def _as_peer(self, meta: Any) -> Any:
         """A ``Peer`` as is; a dict adopted before, found by content; else this rank's own

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from disagg_rs import _core
 from disagg_rs.exceptions import BlockIdError, CapacityError, MetadataError, TransferError
 from disagg_rs.transfer_backends import device_plan as dp
-from disagg_rs.transfer_backends import pipeline, staging
+from disagg_rs.transfer_backends import pipeline
 from disagg_rs.transfer_backends.base import (
     BlockIds,
     Clock,
@@ -159,7 +159,7 @@ class NcclTransferBackend(TransferBackendBase):
     def __init__(
         self,
         agent_name: str,
-        memory_buffer: torch.Tensor,
+        memory_buffer: torch.Tensor | Sequence[Any],
         expected_num_blocks: int,
         tp_size: int | None = None,
         tp_rank: int | None = None,
@@ -207,6 +207,7 @@ class NcclTransferBackend(TransferBackendBase):
             incarnation=incarnation,
             clock=clock,
         )
+        memory_buffer = self.memory_buffer  # the first tensor of a per-layer list
         if not dist.is_initialized():
             raise TransferError("NcclTransferBackend needs torch.distributed initialised first")
         self.group = group
@@ -396,7 +397,7 @@ class NcclTransferBackend(TransferBackendBase):
 
     def _lander(self, buf: torch.Tensor, scatter_list: Any) -> Callable[[], None]:
         def land() -> None:
-            staging.scatter(buf, self.memory_buffer, self.buffer_info["addr"], scatter_list)
+            self.scatter_rows(buf, scatter_list)
 
         return land
 
@@ -440,7 +441,7 @@ class NcclTransferBackend(TransferBackendBase):
             if nbytes == 0:
                 continue
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device())
-            staging.pack(self.memory_buffer, self.buffer_info["addr"], program.gather(me), buf)
+            self.pack_rows(program.gather(me), buf)
             ops.append(dist.P2POp(dist.isend, buf, int(dst["dist_rank"]), self.group, tag))
             keep.append(buf)
         return self._submit(ops, keep, [], timeout_s)

@@ -51,7 +51,7 @@ from disagg_rs.exceptions import (
     TransferStartError,
 )
 from disagg_rs.transfer_backends import device_plan as dp
-from disagg_rs.transfer_backends import ipc, staging
+from disagg_rs.transfer_backends import ipc
 from disagg_rs.transfer_backends.base import (
     BlockIds,
     Clock,
@@ -540,7 +540,7 @@ class NixlTransferBackend(TransferBackendBase):
     def __init__(
         self,
         agent_name: str,
-        memory_buffer: torch.Tensor,
+        memory_buffer: torch.Tensor | Sequence[Any],
         expected_num_blocks: int,
         tp_size: int | None = None,
         tp_rank: int | None = None,
@@ -597,6 +597,7 @@ class NixlTransferBackend(TransferBackendBase):
             incarnation=context.incarnation,
             clock=clock,
         )
+        memory_buffer = self.memory_buffer  # the first tensor of a per-layer list
         if mode not in ("auto", "direct", "staged"):
             raise ValueError(f"mode must be 'auto', 'direct' or 'staged', got {mode!r}")
         self.mode = mode
@@ -611,7 +612,7 @@ class NixlTransferBackend(TransferBackendBase):
         self._regs: list[Any] = []
         try:
             _validate_nixl_cuda_support(agent, memory_buffer)
-            self._regs.append(agent.register_memory(memory_buffer))
+            self._regs.append(agent.register_memory(self.region_tensors))
             self.staging_buffer: torch.Tensor | None = None
             if staging_bytes > 0:
                 self.staging_buffer = torch.zeros(
@@ -629,7 +630,8 @@ class NixlTransferBackend(TransferBackendBase):
         self._ipc = ipc.IpcMapper()
         #: IPC routes by peer set (``_ipc_route``).
         self._ipc_routes: dict[Any, Any] = {}
-        self.ipc_meta = ipc.export(memory_buffer)
+        # CUDA IPC maps one buffer: per-layer tensors are read over NIXL.
+        self.ipc_meta = ipc.export(memory_buffer) if len(self.region_tensors) == 1 else None
         self._init_kwargs: dict[str, Any] = {
             "axes": axes,
             "mode": mode,
@@ -809,9 +811,7 @@ class NixlTransferBackend(TransferBackendBase):
                     num_tokens,
                 )
             else:
-                staging.pack(
-                    self.memory_buffer, self.buffer_info["addr"], program.gather(me), region
-                )
+                self.pack_rows(program.gather(me), region)
             # The decode reads the region as soon as it has the ticket: the pack must be done.
             if region.is_cuda:
                 torch.cuda.current_stream(region.device).synchronize()
@@ -893,11 +893,15 @@ class NixlTransferBackend(TransferBackendBase):
                 plan.append((rank, "direct"))
         if any(kind == "staged" for _, kind in plan) and self.staging_buffer is None:
             raise CapacityError("staged pull needs staging_bytes > 0", field="staging_bytes")
-        # Every remote byte a descriptor names lies in the source's exported regions.
-        rows = {rank: program.direct_descriptors(rank) for rank, kind in plan if kind == "direct"}
+        # Every remote byte a descriptor names lies in the source's exported regions, every
+        # local byte in this rank's; a range running across per-layer tensors is split.
         by_peer = {p.global_rank: p for p in peers}
-        for rank, (src_rows, _) in rows.items():
-            by_peer[rank].check_addresses(src_rows, "src_descriptors")
+        me = self._own_peer
+        rows = {
+            rank: by_peer[rank].split_descriptors(*program.direct_descriptors(rank), me)
+            for rank, kind in plan
+            if kind == "direct"
+        }
         agents = {rank: self._ensure_peer_registered(by_rank[rank]) for rank, _ in plan}
         parts: list[_PullPart] = []
         error: str | None = None
@@ -1163,7 +1167,7 @@ class NixlTransferBackend(TransferBackendBase):
                 landed.append(done)
                 return
             assert scatter_list is not None
-            staging.scatter(region, self.memory_buffer, self.buffer_info["addr"], scatter_list)
+            self.scatter_rows(region, scatter_list)
             if region.is_cuda:
                 torch.cuda.current_stream(region.device).synchronize()
 

@@ -429,12 +429,22 @@ impl KvGeometrySpec {
             v.shape != first.shape
                 || v.strides != first.strides
                 || v.element_size != first.element_size
+                || v.dtype != first.dtype
+                || v.device != first.device
         }) {
             return Err(DisaggError::geometry(
                 "tensors",
                 format!(
-                    "layer {i} has shape {:?} strides {:?} but layer 0 has shape {:?} strides {:?}",
-                    v.shape, v.strides, first.shape, first.strides
+                    "layer {i} has shape {:?} strides {:?} dtype {:?} device {:?} but layer 0 has \
+                     shape {:?} strides {:?} dtype {:?} device {:?}",
+                    v.shape,
+                    v.strides,
+                    v.dtype,
+                    v.device,
+                    first.shape,
+                    first.strides,
+                    first.dtype,
+                    first.device
                 ),
             ));
         }
@@ -445,6 +455,35 @@ impl KvGeometrySpec {
             }
         }
         spec_from_axes(&a, first, bases, views.len() as u64, device_id)
+    }
+
+    /// Separate key and value tensors per local layer (`keys[l]`, `values[l]`, all of one
+    /// shape, strides and element size, axes `axes` without `kv` and `layer`): two planes
+    /// per layer, as engines that allocate K and V apart hold them.
+    pub fn from_kv_layer_tensors(
+        keys: &[TensorView],
+        values: &[TensorView],
+        axes: &str,
+        device_id: Option<u64>,
+    ) -> DisaggResult<Self> {
+        if keys.len() != values.len() {
+            return Err(DisaggError::geometry(
+                "tensors",
+                format!("{} key tensors but {} value tensors", keys.len(), values.len()),
+            ));
+        }
+        if axes.split_whitespace().any(|a| a == "kv") {
+            return Err(DisaggError::geometry(
+                "axes",
+                format!("axes={axes:?} of separate K and V tensors must not name a kv axis"),
+            ));
+        }
+        let all: Vec<TensorView> = keys.iter().chain(values).cloned().collect();
+        let mut spec = Self::from_layer_tensors(&all, axes, device_id)?;
+        // Planes kv * num_layers + layer: keys first, then values, as concatenated.
+        spec.num_kv = 2;
+        spec.num_layers = u32_of("num_layers", keys.len() as u64)?;
+        Ok(spec)
     }
 }
 

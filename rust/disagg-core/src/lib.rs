@@ -20,8 +20,8 @@ pub mod wire;
 
 pub use compile::{
     compile_kv_transfer, compile_ssm_transfer, CostModel, KvDevicePlan, KvTransferRequest,
-    ListKind, ModeChoice, RowBuf, SliceRows, SourceProgram, SourceStats, SrcBlockIds, SrcSlots,
-    SsmTransferRequest, TransferMode, TransferProgram,
+    ListKind, ModeChoice, RegionTable, RowBuf, RowForm, SliceRows, SourceProgram, SourceStats,
+    SrcBlockIds, SrcSlots, SsmTransferRequest, TransferMode, TransferProgram,
 };
 pub use driver::{DriverCounters, EngineDriver, ImportReport, MsgKind, Verdict};
 pub use error::{DisaggError, DisaggResult};

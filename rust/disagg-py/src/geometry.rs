@@ -9,7 +9,7 @@ use disagg_core::{
     DisaggError, KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyType};
+use pyo3::types::{PyDict, PyList, PyTuple, PyType};
 
 use crate::args::{describe, retype, type_err, Int, IntList, Kind, Text};
 use crate::error::{py_methods, reject_unknown_keys, to_pyerr, wire_err, IntoPyResult};
@@ -229,7 +229,9 @@ methods {
     }
 
     /// From one tensor per local layer, all of one shape and strides: `[2, B, T, H, d]` (NHD,
-    /// the default axes) or `[2, B, H, T, d]` (HND: `axes="kv block head token dim"`).
+    /// the default axes) or `[2, B, H, T, d]` (HND: `axes="kv block head token dim"`), an MLA
+    /// latent `[B, T, d]` (`axes="block token dim"`), or one `(K, V)` tuple per layer of
+    /// separate key and value tensors (axes without `kv`, e.g. `"block token head dim"`).
     #[classmethod]
     #[pyo3(signature = (tensors, axes=Text::of("kv block token head dim"), device_id=None),
         text_signature = "(tensors, axes='kv block token head dim', device_id=None)")]
@@ -241,12 +243,28 @@ methods {
     ) -> PyResult<Self> {
         let not_a_list =
             || geo_err("tensors", format!("expected a list of tensors, got {}", describe(tensors)));
-        let items = tensors.try_iter().map_err(|e| retype(tensors.py(), e, not_a_list))?;
-        let views = items
-            .map(|t| tensor_view(&t.map_err(|e| retype(tensors.py(), e, not_a_list))?))
+        let items = tensors
+            .try_iter()
+            .map_err(|e| retype(tensors.py(), e, not_a_list))?
+            .map(|t| t.map_err(|e| retype(tensors.py(), e, not_a_list)))
             .collect::<PyResult<Vec<_>>>()?;
         let (axes, device_id) = (axes.get("axes")?, device_u64(device_id)?);
-        let spec = KvGeometrySpec::from_layer_tensors(&views, axes, device_id).py()?;
+        // `(K, V)` pairs per layer: separate key and value tensors.
+        let pair = kv_pair;
+        let spec = if items.first().is_some_and(|t| pair(t).is_some()) {
+            let (mut keys, mut values) = (Vec::new(), Vec::new());
+            for (i, t) in items.iter().enumerate() {
+                let p = pair(t).ok_or_else(|| {
+                    geo_err("tensors", format!("tensors[{i}] is {}, not a (K, V) pair like tensors[0]", describe(t)))
+                })?;
+                keys.push(tensor_view(&p.get_item(0)?)?);
+                values.push(tensor_view(&p.get_item(1)?)?);
+            }
+            KvGeometrySpec::from_kv_layer_tensors(&keys, &values, axes, device_id).py()?
+        } else {
+            let views = items.iter().map(tensor_view).collect::<PyResult<Vec<_>>>()?;
+            KvGeometrySpec::from_layer_tensors(&views, axes, device_id).py()?
+        };
         Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
 
@@ -463,4 +481,8 @@ impl PySsmGeometry {
         let inner = SsmGeometry::new(conv, recurrent, req(d, "device_id")?).py()?;
         Ok(Self { inner })
     }
+}
+/// A `(K, V)` tuple of one layer's separate key and value tensors, if `t` is one.
+fn kv_pair<'a, 'py>(t: &'a Bound<'py, PyAny>) -> Option<&'a Bound<'py, PyTuple>> {
+    t.cast::<PyTuple>().ok().filter(|p| p.len() == 2)
 }

@@ -16,6 +16,7 @@ mod layout;
 mod ledger;
 mod peer_records;
 mod pool;
+mod regions;
 mod reshard;
 mod rows;
 mod staging;
@@ -41,6 +42,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reshard::PyKvReshardPlan>()?;
     m.add_class::<reshard::PySsmReshardTransfer>()?;
     m.add_class::<reshard::PySsmReshardPlan>()?;
+    m.add_function(wrap_pyfunction!(regions::rows_by_region, m)?)?;
     m.add_function(wrap_pyfunction!(reshard::py_plan_kv_reshard, m)?)?;
     m.add_function(wrap_pyfunction!(reshard::py_plan_ssm_reshard, m)?)?;
     m.add_function(wrap_pyfunction!(peer_records::transfer_peer_records, m)?)?;

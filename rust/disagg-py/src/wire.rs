@@ -189,6 +189,42 @@ impl PyPeer {
         self.inner.check_addresses(&rows, field).py()
     }
 
+    /// The separately registered pieces of the peer's cache, `[(addr, nbytes), ...]` in
+    /// registration order (one per per-layer tensor; one for a single buffer).
+    #[getter]
+    fn buffer_regions(&self) -> Vec<(u64, u64)> {
+        self.inner.buffer.regions.regions().iter().map(|r| (r.addr, r.nbytes)).collect()
+    }
+
+    /// Direct descriptor pairs whose source side is this peer's memory and whose destination
+    /// side is `local`'s, split so that every piece lies inside one registered region on each
+    /// side (a merged range can run from one per-layer tensor into the next). Returns the
+    /// `(src_rows, dst_rows)` arrays themselves when no row needs splitting. Raises
+    /// `MetadataError` (field `src_descriptors` / `dst_descriptors`) for a byte outside
+    /// every region.
+    fn split_descriptors<'py>(
+        &self,
+        py: Python<'py>,
+        src_rows: Bound<'py, PyAny>,
+        dst_rows: Bound<'py, PyAny>,
+        local: PyRef<'py, PyPeer>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let split = {
+            let s = crate::regions::rows_arg(&src_rows, "src_rows")?;
+            let d = crate::regions::rows_arg(&dst_rows, "dst_rows")?;
+            let (s, d) = (s.rows()?, d.rows()?);
+            let (st, dt) = (&self.inner.buffer.regions, &local.inner.buffer.regions);
+            py.detach(|| disagg_core::RegionTable::split_pairs(st, dt, s, d)).py()?
+        };
+        match split {
+            None => Ok((src_rows, dst_rows)),
+            Some((s, d)) => Ok((
+                crate::regions::to_numpy(py, s)?.into_any(),
+                crate::regions::to_numpy(py, d)?.into_any(),
+            )),
+        }
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Peer(agent_name={:?}, global_rank={}, incarnation={}, state_kind={:?})",

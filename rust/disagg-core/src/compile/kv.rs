@@ -350,6 +350,7 @@ fn compile_kv(
         dst_device: dst_g.map_or(0, |d| d.spec().device_id),
         sources,
         has_destination,
+        device_plans: true,
         expected,
     })
 }

@@ -32,6 +32,7 @@
 mod cost;
 mod kv;
 mod program;
+mod regions;
 mod request;
 mod sink;
 mod ssm;
@@ -41,6 +42,7 @@ mod walk;
 pub use cost::{CostModel, ModeChoice, TransferMode};
 pub use kv::{compile_kv_transfer, compile_kv_transfer_checked, KvDevicePlan};
 pub use program::{Rows, SourceProgram, SourceStats, TransferProgram};
+pub use regions::{RegionTable, RowForm};
 pub use request::{KvTransferRequest, SrcBlockIds, SrcSlots, SsmTransferRequest};
 pub use sink::{ListKind, RowBuf, SliceRows};
 pub use ssm::compile_ssm_transfer;

@@ -112,6 +112,10 @@ pub struct TransferProgram {
     pub sources: Vec<SourceProgram>,
     /// Whether destination addresses are known (destination geometry and blocks given).
     pub has_destination: bool,
+    /// Whether device plans may be offered: false when a side's cache is several separately
+    /// registered regions (per-layer tensors), which a plan relative to one buffer base
+    /// cannot address.
+    pub device_plans: bool,
     pub(super) expected: Expected,
 }
 
@@ -307,6 +311,7 @@ impl TransferProgram {
     /// state and for KV transfers that do not have its shape.
     pub fn device_plan(&self, src_rank: u32) -> DisaggResult<Option<KvDevicePlan>> {
         Ok(match &self.source(src_rank)?.work {
+            Work::Kv(_) if !self.device_plans => None,
             Work::Kv(kv) => kv.device_plan(),
             Work::Boxes(_) => None,
         })

@@ -184,6 +184,7 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
         dst_device: dst_g.map_or(0, |d| d.device_id),
         sources,
         has_destination,
+        device_plans: true,
         expected,
     })
 }

@@ -12,10 +12,11 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::compile::RegionTable;
 use crate::error::{DisaggError, DisaggResult};
 use crate::geometry::{KvGeometry, KvGeometrySpec, SsmGeometry, SsmStatePart};
 use crate::layout::{KvLayoutSpec, KvShardLayout, SsmLayoutSpec, SsmShardLayout, SsmStateDims};
-use crate::wire::value::{join, Fnv, Obj, WireValue, MAX_ITEMS};
+use crate::wire::value::{as_uint, join, Fnv, Obj, WireValue, MAX_ITEMS};
 
 /// Version of the metadata schema; a peer with another version is rejected.
 pub const FORMAT_VERSION: u32 = 1;
@@ -161,6 +162,9 @@ pub struct BufferInfo {
     pub element_size: u32,
     /// Axis names, space separated (or `"reference"` / `"outer block slice"`).
     pub axes: Vec<String>,
+    /// Every separately registered piece of the cache (`regions`: `[[addr, nbytes], ...]`,
+    /// one per per-layer tensor); `[region]` when the exporter registered one buffer.
+    pub regions: RegionTable,
 }
 
 /// Which backend exported the metadata, with its own fields.
@@ -368,13 +372,54 @@ fn geometry(o: &Obj<'_>) -> DisaggResult<PeerGeometry> {
     }
 }
 
+/// `buffer.regions`: a list of `[addr, nbytes]` pairs.
+fn region_list(v: &WireValue) -> DisaggResult<Vec<Region>> {
+    let field = "buffer.regions";
+    let WireValue::List(items) = v else {
+        return Err(DisaggError::wire(
+            field,
+            format!("must be a list of [addr, nbytes], got {}", v.type_name()),
+        ));
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, x)| match x {
+            WireValue::List(p) if p.len() == 2 => {
+                match (as_uint(&p[0], u64::MAX), as_uint(&p[1], u64::MAX)) {
+                    (Some(addr), Some(nbytes)) => Ok(Region { addr, nbytes }),
+                    _ => Err(DisaggError::wire(
+                        format!("{field}[{i}]"),
+                        "addr and nbytes must be ints in [0, 2**64)",
+                    )),
+                }
+            }
+            _ => Err(DisaggError::wire(
+                format!("{field}[{i}]"),
+                format!("must be an [addr, nbytes] pair, got {}", x.type_name()),
+            )),
+        })
+        .collect()
+}
+
 fn buffer(o: &Obj<'_>) -> DisaggResult<BufferInfo> {
     for key in BUFFER_REQUIRED {
         o.req(key)?;
     }
     let axes = o.str_max("axes", 1024)?;
+    let region = Region::parse(o, "buffer.nbytes")?;
+    let regions = match o.some("regions") {
+        None => vec![region],
+        Some(v) => region_list(v)?,
+    };
     Ok(BufferInfo {
-        region: Region::parse(o, "buffer.nbytes")?,
+        regions: if region.nbytes == 0 && regions == [region] {
+            // A buffer of no bytes: no plane base to check, no byte to address.
+            RegionTable::empty()
+        } else {
+            RegionTable::new("buffer.regions", regions)?
+        },
+        region,
         device_id: o.u64("device_id")?,
         mem_type: o.name("mem_type")?.to_owned(),
         shape: o.uints("shape", u64::MAX)?,
@@ -472,7 +517,7 @@ impl PeerMeta {
 
     /// The regions a reader may address: the buffer and the staging region.
     pub fn regions(&self) -> Vec<Region> {
-        let mut out = vec![self.buffer.region];
+        let mut out = self.buffer.regions.regions().to_vec();
         out.extend(self.staging());
         out
     }
@@ -490,12 +535,12 @@ impl PeerMeta {
         }
     }
 
-    /// Plane bases lie in the exported buffer, never in the staging region, and the staging
-    /// region does not overlap the buffer.
+    /// Plane bases lie in the exported buffer regions, never in the staging region, and the
+    /// staging region overlaps no buffer region.
     fn check_regions(&self) -> DisaggResult<()> {
-        let buf = self.buffer.region;
+        let table = &self.buffer.regions;
         if let Some(st) = self.staging() {
-            if st.overlaps(&buf) {
+            if let Some(buf) = table.regions().iter().find(|b| st.overlaps(b)) {
                 return Err(DisaggError::wire(
                     "staging",
                     format!(
@@ -521,13 +566,16 @@ impl PeerMeta {
                     ));
                 }
             }
-            if buf.nbytes > 0 && !buf.contains(b, 1) {
+            if !table.is_empty() && table.locate(b).is_none() {
+                let buf = self.buffer.region;
                 return Err(DisaggError::wire(
                     "geometry.plane_bases",
                     format!(
-                        "plane {i} base {b:#x} lies outside the buffer [{:#x}, {:#x})",
+                        "plane {i} base {b:#x} lies outside the buffer [{:#x}, {:#x}) and its \
+                         {} registered regions",
                         buf.addr,
-                        buf.end()
+                        buf.end(),
+                        table.regions().len()
                     ),
                 ));
             }
@@ -958,6 +1006,50 @@ pub(crate) mod tests {
             | DisaggError::Block { field, .. }
             | DisaggError::Layout { field, .. } => field.clone(),
             other => other.kind().into(),
+        }
+    }
+
+    /// `meta()` with its four planes in per-layer regions: planes 0 and 2 (layer 0's K and V)
+    /// in one region, planes 1 and 3 in another far away.
+    fn per_layer_meta(regions: &WireValue) -> WireValue {
+        let far: i128 = 0x20_0000;
+        let mut v = meta();
+        let bases: Vec<WireValue> = [BASE, far, BASE + 128, far + 128].into_iter().map(i).collect();
+        if let WireValue::Map(e) = &mut v {
+            for (k, val) in e.iter_mut() {
+                if k == "geometry" {
+                    set(val, "plane_bases", WireValue::List(bases.clone()));
+                } else if k == "buffer" {
+                    set(val, "regions", regions.clone());
+                }
+            }
+        }
+        v
+    }
+
+    fn pair(a: i128, n: i128) -> WireValue {
+        WireValue::List(vec![i(a), i(n)])
+    }
+
+    #[test]
+    fn per_layer_regions_hold_the_plane_bases_and_every_address() {
+        let regions = WireValue::List(vec![pair(BASE, 256), pair(0x20_0000, 256)]);
+        let m = PeerMeta::parse(&per_layer_meta(&regions), "nixl").unwrap();
+        assert_eq!(m.buffer.regions.regions().len(), 2);
+        assert!(m.check_addresses(&[[0x20_0000 + 8, 64, 0]], "src").is_ok());
+        assert!(m.check_addresses(&[[0x20_0000 + 250, 64, 0]], "src").is_err());
+        // Without the second region, planes 1 and 3 lie outside every region.
+        let e = PeerMeta::parse(&per_layer_meta(&WireValue::List(vec![pair(BASE, 256)])), "nixl")
+            .unwrap_err();
+        assert_eq!(field_of(&e), "geometry.plane_bases", "{e}");
+        for bad in [
+            WireValue::List(vec![]),
+            WireValue::List(vec![pair(BASE, 256), pair(BASE + 128, 256)]),
+            WireValue::List(vec![WireValue::List(vec![i(BASE)])]),
+            i(3),
+        ] {
+            let e = PeerMeta::parse(&per_layer_meta(&bad), "nixl").unwrap_err();
+            assert!(field_of(&e).starts_with("buffer.regions"), "{e}");
         }
     }
 

@@ -117,7 +117,7 @@ fn compile_program(
 ) -> DisaggResult<TransferProgram> {
     let cost = CostModel::default();
     let kv = req.dst.state_kind == crate::wire::peer::StateKind::Kv;
-    let program = match (kv, num_tokens) {
+    let mut program = match (kv, num_tokens) {
         (true, None) => {
             return Err(DisaggError::block("num_tokens", "a KV transfer needs a token count"))
         }
@@ -178,6 +178,9 @@ fn compile_program(
             })?
         }
     };
+    // A plan relative to one buffer base cannot address per-layer tensors.
+    program.device_plans =
+        req.srcs.iter().chain([&req.dst]).all(|m| m.buffer.regions.regions().len() <= 1);
     Ok(program)
 }
 

@@ -1,0 +1,111 @@
+//! Region tables of per-layer caches: `rows_by_region` and the row-array helpers the peer's
+//! `split_descriptors` uses. The splitting and the checks are the core's
+//! (`disagg_core::RegionTable`).
+
+use disagg_core::wire::peer::Region;
+use disagg_core::{RegionTable, RowForm};
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::args::{describe, err, type_err, Int, Kind, Text};
+use crate::error::IntoPyResult;
+
+/// A caller's `[n, 3]` C-contiguous `uint64` row array, read in place.
+pub(crate) struct RowsArg<'py> {
+    arr: PyReadonlyArray2<'py, u64>,
+    field: &'static str,
+}
+
+pub(crate) fn rows_arg<'py>(
+    obj: &Bound<'py, PyAny>,
+    field: &'static str,
+) -> PyResult<RowsArg<'py>> {
+    let arr = obj.extract::<PyReadonlyArray2<'py, u64>>().map_err(|_| {
+        type_err(
+            field,
+            format!("{field} must be a numpy uint64 array [n, 3], got {}", describe(obj)),
+        )
+    })?;
+    if arr.shape()[1] != 3 || !arr.is_c_contiguous() {
+        return Err(err(
+            Kind::Argument,
+            field,
+            format!("{field} must be C-contiguous with shape [n, 3], got {:?}", arr.shape()),
+        ));
+    }
+    Ok(RowsArg { arr, field })
+}
+
+impl RowsArg<'_> {
+    /// The rows, borrowed.
+    pub(crate) fn rows(&self) -> PyResult<&[[u64; 3]]> {
+        let flat =
+            self.arr.as_slice().map_err(|e| err(Kind::Argument, self.field, e.to_string()))?;
+        Ok(flat.as_chunks::<3>().0)
+    }
+}
+
+/// Rows as a new `[n, 3]` `uint64` array.
+pub(crate) fn to_numpy(py: Python<'_>, rows: Vec<[u64; 3]>) -> PyResult<Bound<'_, PyArray2<u64>>> {
+    let n = rows.len();
+    let arr = Array2::from_shape_vec((n, 3), rows.into_flattened())
+        .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
+    Ok(arr.into_pyarray(py))
+}
+
+/// `[(addr, nbytes), ...]` as a validated table (`MetadataError` naming `regions`).
+fn table(regions: &Bound<'_, PyAny>) -> PyResult<RegionTable> {
+    let not_pairs = || {
+        type_err(
+            "regions",
+            format!("regions must be a list of (addr, nbytes) pairs, got {}", describe(regions)),
+        )
+    };
+    let items = regions.try_iter().map_err(|_| not_pairs())?;
+    let mut out = Vec::new();
+    for item in items {
+        let item = item?;
+        let pair: Vec<Int> = item.extract().map_err(|_| not_pairs())?;
+        let [addr, nbytes] = <[Int; 2]>::try_from(pair).map_err(|_| not_pairs())?;
+        out.push(Region {
+            addr: addr.to_u64(Kind::Argument, "regions")?,
+            nbytes: nbytes.to_u64(Kind::Argument, "regions")?,
+        });
+    }
+    RegionTable::new("regions", out).py()
+}
+
+/// Gather rows `(src_addr, len, packed_offset)` (`form="gather"`) or scatter rows
+/// `(packed_offset, dst_addr, len)` (`form="scatter"`) grouped by the region of `regions`
+/// (`[(addr, nbytes), ...]`, one per registered tensor) their buffer-side bytes lie in:
+/// `[(region_index, rows), ...]` in ascending region order, a row running into the next
+/// region split at the boundary. With one region the rows come back as they are (checked).
+/// Raises `MetadataError` (field `rows`) for a byte outside every region.
+#[pyfunction]
+pub fn rows_by_region<'py>(
+    py: Python<'py>,
+    rows: Bound<'py, PyAny>,
+    form: Text,
+    regions: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyList>> {
+    let form = RowForm::parse(form.get("form")?).py()?;
+    let t = table(regions)?;
+    let groups = {
+        let r = rows_arg(&rows, "rows")?;
+        let view = r.rows()?;
+        py.detach(|| t.group(view, form)).py()?
+    };
+    let out = PyList::empty(py);
+    if t.regions().len() == 1 {
+        if !groups.is_empty() {
+            out.append((0usize, rows))?;
+        }
+        return Ok(out);
+    }
+    for (i, g) in groups {
+        out.append((i, to_numpy(py, g)?))?;
+    }
+    Ok(out)
+}
