@@ -33,7 +33,8 @@ from typing import Any, Protocol
 
 from disagg_rs._core import EngineDriverState
 from disagg_rs.control import CoordinatorState, Msg, Outgoing, decode_message, encode_message
-from disagg_rs.exceptions import DisaggError
+from disagg_rs.control.messages import MAX_FRAME_BYTES
+from disagg_rs.exceptions import DisaggError, MetadataError
 from disagg_rs.handoff.prefill import with_push_destination
 
 __all__ = ["HandoffDriver", "Link", "LoopbackClient", "LoopbackCoordinator", "LoopbackLink"]
@@ -106,9 +107,14 @@ class HandoffDriver:
         for m in msgs:
             kind = m["type"]
             if kind is Msg.SUBMIT_REQUEST_WITH_KV and isinstance(m.get("ticket"), dict):
-                source = peers.get(m["ticket"].get("prefill_engine_id"))
-                if source is not None:
-                    m["ticket"]["prefill_meta"] = source["meta"]
+                # Where to read comes only from the peer table, and only for the incarnation
+                # the ticket names: otherwise the ticket has no source and is refused unread.
+                ticket = m["ticket"]
+                ticket.pop("prefill_meta", None)
+                source = peers.get(str(ticket.get("prefill_engine_id")))
+                known = None if source is None else source.get("incarnation")
+                if self.state.ticket_source_ok(ticket.get("prefill_incarnation"), known):
+                    ticket["prefill_meta"] = source["meta"]  # type: ignore[index]
             if kind in (Msg.PREFILL, Msg.SEND_KV) and m.get("decode_engine_id") in peers:
                 m["decode_meta"] = peers[m["decode_engine_id"]]["meta"]["ranks"]
         return msgs
@@ -284,6 +290,8 @@ class LoopbackCoordinator:
         self.clock = clock
         self._inboxes: dict[bytes, collections.deque[bytes]] = {}
         self.undeliverable = 0
+        self.malformed = 0
+        """Frames dropped (too large) or refused at decode."""
 
     def link(self, engine_id: str, role: str, incarnation: int = 1) -> LoopbackLink:
         """A link for one engine."""
@@ -297,8 +305,19 @@ class LoopbackCoordinator:
         return self._inboxes.setdefault(identity, collections.deque())
 
     def deliver(self, identity: bytes, frame: bytes) -> None:
-        """Hand one frame from ``identity`` to the coordinator and route what it answers."""
-        self._route(self.state.handle(identity, decode_message(frame), self.clock()))
+        """Hand one frame from ``identity`` to the coordinator and route what it answers. As
+        on the socket: a frame over ``MAX_FRAME_BYTES`` is dropped, one that fails its schema
+        is refused (a SUBMIT with a readable id gets FAILED); both count in ``malformed``."""
+        if len(frame) > MAX_FRAME_BYTES:
+            self.malformed += 1
+            return
+        try:
+            msg = decode_message(frame)
+        except MetadataError as err:
+            self.malformed += 1
+            self._route(self.state.refused(identity, frame, err))
+            return
+        self._route(self.state.handle(identity, msg, self.clock()))
 
     def pump(self) -> None:
         """Run the coordinator's deadlines and liveness at the clock's time."""
