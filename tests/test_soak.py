@@ -177,3 +177,15 @@ def test_a_hostile_client_frame_is_refused_counted_and_answered_when_its_id_is_r
         client.identity, encode_message(Msg.SUBMIT, request_id=12, prompt=[1], max_new_tokens=1)
     )
     assert 12 in {e["request_id"] for e in client.events()}  # no prefill yet: FAILED, at once
+
+
+@pytest.mark.parametrize("kind", [Msg.RELEASE_KV, Msg.SEND_KV, Msg.PREFILL])
+def test_a_decode_driver_drops_a_message_meant_for_a_prefill_without_reaching_its_engine(
+    kind: Msg,
+) -> None:
+    # Found by the fuzzer: RELEASE_KV handed to a decode's driver raised out of its loop.
+    _, driver, _ = _decode_driver()  # the stand-in engine has none of the prefill's calls
+    msg = {"type": kind, "request_id": 3, "epoch": 1, "prompt": [1], "max_new_tokens": 1}
+    driver.on_message(msg)
+    driver.on_message({"type": Msg.SHUTDOWN})
+    assert driver.state.stopping  # still serving messages

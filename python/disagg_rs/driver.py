@@ -80,15 +80,19 @@ class HandoffDriver:
         self._wait_ms = 0
         self._messages = 0  # acted on this turn (the idle back-off)
         self._targets: dict[int, Any] = {}  # prefill: request -> the decode's rank metadata
-        self._handlers: dict[Any, Callable[[Any, dict[str, Any]], None]] = {
-            Msg.SHUTDOWN: self._on_shutdown,
-            Msg.PREFILL: self._on_prefill,
-            Msg.SUBMIT_REQUEST_WITH_KV: self._on_ticket,
-            Msg.SEND_KV: self._on_send_kv,
-            Msg.RELEASE_KV: self._on_release,
-            Msg.ABORT: self._on_abort,
-        }
         decode = self.role == "decode"
+        # What this role acts on; a message meant for the other role is dropped unread.
+        role_handlers: dict[Any, Callable[[Any, dict[str, Any]], None]] = (
+            {Msg.SUBMIT_REQUEST_WITH_KV: self._on_ticket}
+            if decode
+            else {
+                Msg.PREFILL: self._on_prefill,
+                Msg.SEND_KV: self._on_send_kv,
+                Msg.RELEASE_KV: self._on_release,
+            }
+        )
+        self._handlers = {Msg.SHUTDOWN: self._on_shutdown, Msg.ABORT: self._on_abort}
+        self._handlers.update(role_handlers)
         self._abort_import = engine.abort_kv_import if decode else _nothing
         self._advance = self._advance_imports if decode else self._advance_pushes
         self._report_step = self._report_decode_step if decode else self._report_prefill_step
