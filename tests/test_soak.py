@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 import torch
 
+from disagg_rs._core import check_handoff_ticket
 from disagg_rs.control import CoordinatorState, Msg, encode_message
 from disagg_rs.driver import HandoffDriver, LoopbackCoordinator
+from disagg_rs.exceptions import MetadataError
 from disagg_rs.tools.soak import (
     FORGERIES,
     HOSTILE_REQUESTS,
@@ -189,3 +191,18 @@ def test_a_decode_driver_drops_a_message_meant_for_a_prefill_without_reaching_it
     driver.on_message(msg)
     driver.on_message({"type": Msg.SHUTDOWN})
     assert driver.state.stopping  # still serving messages
+
+
+@pytest.mark.parametrize("resume", [None, []])
+def test_a_ticket_without_the_prefills_sampled_token_is_refused_before_any_import(
+    resume: list[int] | None,
+) -> None:
+    # Found by the fuzzer: such a ticket was imported, then its admission raised out of the
+    # decode's serving loop (nothing to continue from).
+    ticket: dict[str, Any] = {"src_block_ids": [0, 1], "lease_ns": 10**9}
+    if resume is not None:
+        ticket["resume_tokens"] = resume
+    with pytest.raises(MetadataError) as err:
+        check_handoff_ticket(ticket)
+    assert err.value.field == "resume_tokens"
+    check_handoff_ticket({**ticket, "resume_tokens": [7]})
