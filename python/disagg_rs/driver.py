@@ -91,7 +91,10 @@ class HandoffDriver:
                 Msg.RELEASE_KV: self._on_release,
             }
         )
-        self._handlers = {Msg.SHUTDOWN: self._on_shutdown, Msg.ABORT: self._on_abort}
+        self._handlers: dict[Any, Callable[[Any, dict[str, Any]], None]] = {
+            Msg.SHUTDOWN: self._on_shutdown,
+            Msg.ABORT: self._on_abort,
+        }
         self._handlers.update(role_handlers)
         self._abort_import = engine.abort_kv_import if decode else _nothing
         self._advance = self._advance_imports if decode else self._advance_pushes
