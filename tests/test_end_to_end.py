@@ -241,7 +241,7 @@ def test_a_decode_stopped_past_the_liveness_timeout_never_admits_its_stale_hando
     assert set(result.after_restart) <= set(result.answers) | lost_again
     for rid, tokens in result.answers.items():
         assert tokens == result.expected[rid], rid
-    assert set(range(4)) == set(result.answers) | set(result.failed_requests)
+    assert set(range(4)) <= set(result.answers) | set(result.failed_requests)  # + fillers
     assert not set(result.answers) & set(result.failed_requests)
     (decode,) = [w for w in result.workers if w.get("stats") is not None and w["role"] == "decode"]
     assert not {0, 1} & set(decode["admitted"])
