@@ -212,13 +212,16 @@ def test_a_read_corrupted_on_one_decode_rank_fails_the_request_on_every_rank_tog
 
 def test_a_decode_stopped_past_the_liveness_timeout_never_admits_its_stale_handoffs() -> None:
     # The decode is stopped (SIGSTOP) before the first half is sent: its tickets wait unread
-    # while the coordinator declares it lost (2 s) and fails those requests, leaving the
-    # prefill's pins to their lease (3 s). After the lease, other prompts make the prefill reuse
-    # its blocks; then the decode continues (SIGCONT), reads the stale tickets, registers again
-    # and the second half (the same prompts) is sent. Before, the coordinator released the pins
-    # at once and the continued decode imported reused blocks, admitted them and cached them:
-    # the second half answered wrongly. Valid outcomes: a stalled request fails or answers
-    # right; it is never admitted; the second half answers right; nothing is left anywhere.
+    # while the coordinator declares it lost (4 s without a heartbeat; the demo waits for that
+    # declaration, so the pause lasts past the timeout however loaded the machine is) and fails
+    # those requests, leaving the prefill's pins to their lease (6 s). After the lease, other
+    # prompts make the prefill reuse its blocks; then the decode continues (SIGCONT), reads the
+    # stale tickets, registers again and the second half (the same prompts) is sent. Before,
+    # the coordinator released the pins at once and the continued decode imported reused
+    # blocks, admitted them and cached them: the second half answered wrongly.
+    # Valid outcomes: a stalled request fails or answers right and is never admitted; a
+    # request of the second half answers right, or fails because a loaded machine silenced
+    # the decode past the timeout again (never by a wrong answer); nothing is left anywhere.
     prompts = ("Stalled decodes must never read reused blocks.", "Leases end; pins do too.")
     opts = {
         **SMALL,
@@ -226,17 +229,28 @@ def test_a_decode_stopped_past_the_liveness_timeout_never_admits_its_stale_hando
         "prompts": prompts,
         "model": "attention",
         "stall_engine": "decode",
-        "engine_timeout_s": 2.0,
-        "lease_s": 3.0,
+        "engine_timeout_s": 4.0,
+        "lease_s": 6.0,
         "timeout_s": 100.0,
     }
     result = run_demo(DemoOptions(**opts))  # type: ignore[arg-type]
-    assert result.failures == [], "\n".join(result.failures)
     assert result.after_restart == (2, 3)
-    assert set(result.after_restart) <= set(result.answers)
+    lost_again = {
+        rid
+        for rid, why in result.failed_requests.items()
+        if rid in result.after_restart and "silent for more than" in why
+    }
+    unexpected = [
+        f
+        for f in result.failures
+        if not any(f.startswith(f"request {r} failed") for r in lost_again)
+    ]
+    assert unexpected == [], "\n".join(unexpected)
+    assert set(result.after_restart) <= set(result.answers) | lost_again
     for rid, tokens in result.answers.items():
         assert tokens == result.expected[rid], rid
-    assert {0, 1} <= set(result.answers) | set(result.failed_requests)
+    assert set(range(4)) <= set(result.answers) | set(result.failed_requests)  # + fillers
+    assert not set(result.answers) & set(result.failed_requests)
     (decode,) = [w for w in result.workers if w.get("stats") is not None and w["role"] == "decode"]
     assert not {0, 1} & set(decode["admitted"])
     finals = [w for w in result.workers if w.get("stats") is not None]

@@ -215,7 +215,10 @@ def test_short_soak_with_integrity_catches_every_corrupted_transfer_and_nothing_
     report = run_soak(SoakOptions(handoffs=120, fault_rate=0.5, seed=2, verify_integrity=True))
     assert report.ok, report.format()
     assert report.faults["corrupt_transfer"] > 0
-    assert report.integrity_failures == report.faults["corrupt_transfer"], report.format()
+    # Besides the corrupted transfers, a read that a stalled decode let land after the prefill's
+    # lease (on reused blocks) fails the check too: never admitted either way.
+    caught = report.faults["corrupt_transfer"] + report.stale_reads_caught
+    assert report.integrity_failures == caught, report.format()
     assert report.undetected == 0 and report.false_alarms == 0
 
 

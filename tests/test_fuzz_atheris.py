@@ -1,5 +1,6 @@
-"""Runs the atheris fuzzer of tests/fuzz_atheris.py for a fixed number of inputs, seeded with
-valid wire objects, and fails on any finding (a non-typed exception, a panic, a crash)."""
+"""Runs the atheris fuzzer of tests/fuzz_atheris.py (wire decoders, the coordinator, the engine
+driver loop) for a fixed number of inputs, seeded with valid wire objects and control messages,
+and fails on any finding (a non-typed exception, a panic, a crash)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 
 import disagg_rs as dr
 from disagg_rs.control import Msg, encode_message
+from disagg_rs.handoff.prefill import handoff_ticket
 from disagg_rs.integrity import IntegrityTable
 
 HARNESS = Path(__file__).with_name("fuzz_atheris.py")
@@ -40,10 +42,45 @@ def _seeds() -> list[bytes]:
     frames.append(encode_message(Msg.DONE, request_id=1, epoch=1, tokens=[4, 5]))
     frames.append(encode_message(Msg.HEARTBEAT, engine_id="p0", incarnation=1))
     frames.append(encode_message(Msg.FAILED, request_id=1, error="x", quiet=True))
+    # What the engine drivers act on: a prompt to prefill, a ticket to import (two blocks of
+    # 16 tokens from the prefill), a release, an abort, a shutdown.
+    frames.append(
+        encode_message(
+            Msg.PREFILL,
+            request_id=3,
+            epoch=1,
+            prompt=list(b"a prompt of thirty-three bytes..."),
+            max_new_tokens=2,
+            decode_engine_id="d0",
+        )
+    )
+    ticket = handoff_ticket(
+        src_block_ids=[0, 1],
+        src_block_size_tokens=16,
+        src_ssm_slot=None,
+        resume_tokens=[7],
+        pin_epoch=1,
+        lease_ns=10**9,
+    )
+    frames.append(
+        encode_message(
+            Msg.SUBMIT_REQUEST_WITH_KV,
+            request_id=4,
+            epoch=1,
+            prompt=list(b"twenty bytes prompt."),
+            max_new_tokens=2,
+            ticket={**ticket, "prefill_engine_id": "p0", "prefill_incarnation": 1},
+        )
+    )
+    frames.append(encode_message(Msg.RELEASE_KV, request_id=3, epoch=1))
+    frames.append(encode_message(Msg.ABORT, request_id=4, epoch=1))
+    frames.append(encode_message(Msg.SHUTDOWN))
     return frames
 
 
-def test_atheris_finds_nothing_in_the_wire_decoders_or_the_coordinator(tmp_path: Path) -> None:
+def test_atheris_finds_nothing_in_the_wire_decoders_the_coordinator_or_the_engine_drivers(
+    tmp_path: Path,
+) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i, frame in enumerate(_seeds()):

@@ -34,7 +34,8 @@ from typing import Any, Protocol
 
 from disagg_rs._core import EngineDriverState
 from disagg_rs.control import CoordinatorState, Msg, Outgoing, decode_message, encode_message
-from disagg_rs.exceptions import DisaggError
+from disagg_rs.control.messages import MAX_FRAME_BYTES
+from disagg_rs.exceptions import DisaggError, MetadataError
 from disagg_rs.handoff.prefill import with_push_destination
 
 __all__ = ["HandoffDriver", "Link", "LoopbackClient", "LoopbackCoordinator", "LoopbackLink"]
@@ -83,15 +84,22 @@ class HandoffDriver:
         self._announced: Any = None  # the link's peer table last registered
         #: Peer engines whose metadata the engine refused, with the error.
         self.refused_peers: dict[str, str] = {}
+        decode = self.role == "decode"
+        # What this role acts on; a message meant for the other role is dropped unread.
+        role_handlers: dict[Any, Callable[[Any, dict[str, Any]], None]] = (
+            {Msg.SUBMIT_REQUEST_WITH_KV: self._on_ticket}
+            if decode
+            else {
+                Msg.PREFILL: self._on_prefill,
+                Msg.SEND_KV: self._on_send_kv,
+                Msg.RELEASE_KV: self._on_release,
+            }
+        )
         self._handlers: dict[Any, Callable[[Any, dict[str, Any]], None]] = {
             Msg.SHUTDOWN: self._on_shutdown,
-            Msg.PREFILL: self._on_prefill,
-            Msg.SUBMIT_REQUEST_WITH_KV: self._on_ticket,
-            Msg.SEND_KV: self._on_send_kv,
-            Msg.RELEASE_KV: self._on_release,
             Msg.ABORT: self._on_abort,
         }
-        decode = self.role == "decode"
+        self._handlers.update(role_handlers)
         self._abort_import = engine.abort_kv_import if decode else _nothing
         self._advance = self._advance_imports if decode else self._advance_pushes
         self._report_step = self._report_decode_step if decode else self._report_prefill_step
@@ -115,9 +123,14 @@ class HandoffDriver:
         for m in msgs:
             kind = m["type"]
             if kind is Msg.SUBMIT_REQUEST_WITH_KV and isinstance(m.get("ticket"), dict):
-                source = peers.get(m["ticket"].get("prefill_engine_id"))
-                if source is not None:
-                    m["ticket"]["prefill_meta"] = source["meta"]
+                # Where to read comes only from the peer table, and only for the incarnation
+                # the ticket names: otherwise the ticket has no source and is refused unread.
+                ticket = m["ticket"]
+                ticket.pop("prefill_meta", None)
+                source = peers.get(str(ticket.get("prefill_engine_id")))
+                known = None if source is None else source.get("incarnation")
+                if self.state.ticket_source_ok(ticket.get("prefill_incarnation"), known):
+                    ticket["prefill_meta"] = source["meta"]  # type: ignore[index]
             if kind in (Msg.PREFILL, Msg.SEND_KV) and m.get("decode_engine_id") in peers:
                 m["decode_meta"] = peers[m["decode_engine_id"]]["meta"]["ranks"]
         return msgs
@@ -291,6 +304,8 @@ class LoopbackCoordinator:
         self.clock = clock
         self._inboxes: dict[bytes, collections.deque[bytes]] = {}
         self.undeliverable = 0
+        self.malformed = 0
+        """Frames dropped (too large) or refused at decode."""
 
     def link(self, engine_id: str, role: str, incarnation: int = 1) -> LoopbackLink:
         """A link for one engine."""
@@ -304,8 +319,19 @@ class LoopbackCoordinator:
         return self._inboxes.setdefault(identity, collections.deque())
 
     def deliver(self, identity: bytes, frame: bytes) -> None:
-        """Hand one frame from ``identity`` to the coordinator and route what it answers."""
-        self._route(self.state.handle(identity, decode_message(frame), self.clock()))
+        """Hand one frame from ``identity`` to the coordinator and route what it answers. As
+        on the socket: a frame over ``MAX_FRAME_BYTES`` is dropped, one that fails its schema
+        is refused (a SUBMIT with a readable id gets FAILED); both count in ``malformed``."""
+        if len(frame) > MAX_FRAME_BYTES:
+            self.malformed += 1
+            return
+        try:
+            msg = decode_message(frame)
+        except MetadataError as err:
+            self.malformed += 1
+            self._route(self.state.refused(identity, frame, err))
+            return
+        self._route(self.state.handle(identity, msg, self.clock()))
 
     def pump(self) -> None:
         """Run the coordinator's deadlines and liveness at the clock's time."""

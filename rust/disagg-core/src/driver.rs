@@ -102,6 +102,9 @@ pub struct DriverCounters {
     pub malformed: u64,
     /// Outcomes for requests whose attempt epoch the driver no longer (or never) knew.
     pub unknown: u64,
+    /// Tickets refused before any read: their source engine is not in the peer table at the
+    /// incarnation the ticket names (forged or stale provenance).
+    pub forged: u64,
 }
 
 /// Turns without messages or work after which the driver polls with a wait.
@@ -188,6 +191,20 @@ impl EngineDriver {
             }
         }
         Verdict::Act
+    }
+
+    /// Whether a ticket's source may be read: the ticket names its source engine at
+    /// incarnation `named` and this engine's peer table holds that engine at incarnation
+    /// `known` (`None` where missing, unknown or not a non-negative int). Only the same
+    /// incarnation on both sides passes; anything else is refused and counted as forged (the
+    /// coordinator writes a ticket's provenance from its own state, so a mismatch is a forged
+    /// ticket or one from an incarnation that is gone, whose blocks may be reused).
+    pub fn ticket_source_ok(&mut self, named: Option<u64>, known: Option<u64>) -> bool {
+        let ok = matches!((named, known), (Some(a), Some(b)) if a == b);
+        if !ok {
+            self.counters.forged += 1;
+        }
+        ok
     }
 
     /// The attempt epoch of `request_id`, if known.
@@ -278,6 +295,17 @@ mod tests {
         assert_eq!(d.accept(MsgKind::Prefill, Some(1), Some(4)), Verdict::Act);
         assert_eq!(d.epoch_of(1), Some(4));
         assert_eq!(d.counters().duplicates, 1);
+    }
+
+    #[test]
+    fn a_ticket_is_read_only_from_the_incarnation_the_peer_table_holds() {
+        let mut d = EngineDriver::new(8);
+        assert!(d.ticket_source_ok(Some(3), Some(3)));
+        assert!(!d.ticket_source_ok(Some(4), Some(3)));
+        assert!(!d.ticket_source_ok(None, Some(3)));
+        assert!(!d.ticket_source_ok(Some(3), None));
+        assert!(!d.ticket_source_ok(None, None));
+        assert_eq!(d.counters().forged, 4);
     }
 
     #[test]

@@ -41,6 +41,13 @@ impl PyEngineDriverState {
         Ok(v.name())
     }
 
+    /// Whether a ticket naming its source at incarnation `named` may be read, given the peer
+    /// table's incarnation `known` of that engine (`None` or a non-int: missing); a refusal is
+    /// counted as `forged`.
+    fn ticket_source_ok(&self, named: Int, known: Int) -> PyResult<bool> {
+        Ok(lock(&self.inner)?.ticket_source_ok(id_of(&named), id_of(&known)))
+    }
+
     /// The attempt epoch of `request_id`, if known.
     fn epoch_of(&self, request_id: Int) -> PyResult<Option<u64>> {
         let d = lock(&self.inner)?;
@@ -91,11 +98,16 @@ impl PyEngineDriverState {
         Ok(lock(&self.inner)?.turn(had_messages, busy))
     }
 
-    /// `{"duplicates": n, "malformed": n, "unknown": n}`.
+    /// `{"duplicates": n, "malformed": n, "unknown": n, "forged": n}`.
     fn counters(&self) -> PyResult<std::collections::BTreeMap<&'static str, u64>> {
         let c = lock(&self.inner)?.counters();
-        Ok([("duplicates", c.duplicates), ("malformed", c.malformed), ("unknown", c.unknown)]
-            .into_iter()
-            .collect())
+        Ok([
+            ("duplicates", c.duplicates),
+            ("malformed", c.malformed),
+            ("unknown", c.unknown),
+            ("forged", c.forged),
+        ]
+        .into_iter()
+        .collect())
     }
 }

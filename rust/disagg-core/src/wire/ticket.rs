@@ -228,8 +228,21 @@ impl HandoffTicket {
         if ids.len() > MAX_ITEMS {
             return Err(DisaggError::block("src_block_ids", format!("{} ids", ids.len())));
         }
+        // A handoff continues from the token(s) the prefill sampled: never from none (the
+        // decode would import, then fail at admission with nothing to continue from).
         let resume = match o.some("resume_tokens") {
-            None => Vec::new(),
+            None => {
+                return Err(DisaggError::wire(
+                    "resume_tokens",
+                    "must hold the prefill's sampled token, got no field",
+                ))
+            }
+            Some(WireValue::List(items)) if items.is_empty() => {
+                return Err(DisaggError::wire(
+                    "resume_tokens",
+                    "must hold the prefill's sampled token, got an empty list",
+                ))
+            }
             Some(WireValue::List(items)) if items.len() <= MAX_RESUME_TOKENS => items
                 .iter()
                 .enumerate()
@@ -575,6 +588,7 @@ mod tests {
             ("src_block_ids", WireValue::List(vec![i(-1)]), "src_block_ids[0]"),
             ("lease_ns", i(1), "lease_ns"),
             ("resume_tokens", WireValue::Str("x".into()), "resume_tokens"),
+            ("resume_tokens", WireValue::List(vec![]), "resume_tokens"),
             ("staged", map(vec![("x", WireValue::List(vec![]))]), "staged"),
         ] {
             let mut v = ok.clone();
