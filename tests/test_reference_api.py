@@ -479,31 +479,28 @@ def test_intersect_is_the_overlap_of_half_open_ranges() -> None:
     assert utils.intersect((3, 5), (0, 9)) == (3, 5)
 
 
+def _assert_rank_filters_keep_plan_order(plan, srcs, dsts) -> None:
+    """`transfers_for_src`/`_dst` of the plan and of a list of it are the plan's own filter."""
+    for side, layouts, pick in (
+        ("src", srcs, utils.transfers_for_src),
+        ("dst", dsts, utils.transfers_for_dst),
+    ):
+        for lay in layouts:
+            want = [t for t in plan if getattr(t, f"{side}_rank") == lay.global_rank]
+            assert pick(plan, lay.global_rank) == want
+            assert pick(list(plan), lay.global_rank) == want
+
+
 @given(kv_cases())
 def test_transfers_for_src_and_dst_filter_a_kv_plan_in_plan_order(case) -> None:
-    srcs, dsts = case
-    plan = dr.plan_kv_reshard(srcs, dsts)
-    for s in srcs:
-        want = [t for t in plan if t.src_rank == s.global_rank]
-        assert utils.transfers_for_src(plan, s.global_rank) == want
-        assert utils.transfers_for_src(list(plan), s.global_rank) == want
-    for d in dsts:
-        want = [t for t in plan if t.dst_rank == d.global_rank]
-        assert utils.transfers_for_dst(plan, d.global_rank) == want
-        assert utils.transfers_for_dst(list(plan), d.global_rank) == want
+    _assert_rank_filters_keep_plan_order(dr.plan_kv_reshard(*case), *case)
 
 
 @given(ssm_cases())
 def test_transfers_for_src_and_dst_filter_an_ssm_plan_into_single_layer_records(case) -> None:
-    srcs, dsts = case
-    plan = dr.plan_ssm_reshard(srcs, dsts)
-    for s in srcs:
-        want = [t for t in plan if t.src_rank == s.global_rank]
-        assert utils.transfers_for_src(plan, s.global_rank) == want
-    for d in dsts:
-        want = [t for t in plan if t.dst_rank == d.global_rank]
-        assert utils.transfers_for_dst(plan, d.global_rank) == want
-        assert all(t.layers[1] - t.layers[0] == 1 for t in want)
+    plan = dr.plan_ssm_reshard(*case)
+    _assert_rank_filters_keep_plan_order(plan, *case)
+    assert all(t.layers[1] - t.layers[0] == 1 for t in plan)
 
 
 def test_peer_records_flatten_flat_tp_and_pp_wrapped_metadata() -> None:
