@@ -118,6 +118,16 @@ def test_additional_decode_blocks_reject_a_zero_block_size() -> None:
         additional_decode_blocks(3, 1, 0)
 
 
+# Per-request int32 context tensors that start at zero.
+_ZERO_REQUEST_FIELDS = (
+    "kv_length_offsets",
+    "query_lengths",
+    "output_lengths",
+    "kv_block_counts",
+    "last_kv_block_offset",
+)
+
+
 def _context(rows: int = 2, tokens: int = 8, spec: int = 1, hybrid: bool = False) -> Any:
     types = [("temperature", torch.float32)]
     return SimpleNamespace(
@@ -138,9 +148,7 @@ def _context(rows: int = 2, tokens: int = 8, spec: int = 1, hybrid: bool = False
         request_last_kv_block_id=torch.full((rows,), -1, dtype=torch.int32),
         token_to_block_idx=torch.full((tokens,), -1, dtype=torch.int32),
         **{
-            f"request_{name}": torch.zeros(rows, dtype=torch.int32)
-            for name in "kv_length_offsets query_lengths output_lengths kv_block_counts "
-            "last_kv_block_offset".split()
+            f"request_{name}": torch.zeros(rows, dtype=torch.int32) for name in _ZERO_REQUEST_FIELDS
         },
         **{
             f"token_to_{name}": torch.zeros(tokens, dtype=dtype)
