@@ -42,23 +42,13 @@ def test_the_reference_modules_export_the_package_classes() -> None:
 
 
 def test_kv_layout_takes_every_reference_field_positionally_and_by_keyword() -> None:
-    positional = kv_reshard.KVShardLayout(12, 8, 2, 1, 3, 2, 7, 2, 1, 3, 2, None, None)
-    keywords = kv_reshard.KVShardLayout(
-        num_layers=12,
-        num_heads=8,
-        tp_size=2,
-        tp_rank=1,
-        pp_size=3,
-        pp_rank=2,
-        global_rank=7,
-        ep_size=2,
-        ep_rank=1,
-        etp_size=3,
-        etp_rank=2,
-        layer_start=None,
-        num_local_layers=None,
-    )
+    values = (12, 8, 2, 1, 3, 2, 7, 2, 1, 3, 2, None, None)
+    names = list(kv_reshard.KVShardLayout.__dataclass_fields__)
+    assert names[:2] == ["num_layers", "num_heads"] and len(names) == len(values)
+    positional = kv_reshard.KVShardLayout(*values)
+    keywords = kv_reshard.KVShardLayout(**dict(zip(names, values, strict=True)))
     assert positional == keywords
+    assert [getattr(keywords, n) for n in names[2:11]] == list(values[2:11])
     assert (keywords.ep_size, keywords.ep_rank, keywords.etp_size, keywords.etp_rank) == (
         2,
         1,

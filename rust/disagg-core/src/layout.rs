@@ -930,18 +930,13 @@ impl SsmLayoutSpec {
         };
         let (tp_size, tp_rank, pp_rank) =
             (get("tp_size").unwrap_or(1), get("tp_rank").unwrap_or(0), get("pp_rank").unwrap_or(0));
-        let global_rank = match get("global_rank") {
-            Some(r) => r,
-            None => {
-                let r = u64::from(pp_rank) * u64::from(tp_size) + u64::from(tp_rank);
-                u32::try_from(r).map_err(|_| {
-                    DisaggError::layout(
-                        "global_rank",
-                        format!("global_rank={r} must be in [0, 2**32)"),
-                    )
-                })?
-            }
+        let default_rank = || {
+            let r = u64::from(pp_rank) * u64::from(tp_size) + u64::from(tp_rank);
+            u32::try_from(r).map_err(|_| {
+                DisaggError::layout("global_rank", format!("global_rank={r} must be in [0, 2**32)"))
+            })
         };
+        let global_rank = get("global_rank").map_or_else(default_rank, Ok)?;
         Ok(Self {
             num_layers: total,
             dims,

@@ -218,8 +218,10 @@ proptest! {
 #[test]
 fn named_counters_list_every_counter_once_under_its_own_name() {
     let mut l = ledger(8);
-    let e = epoch_of_start(&l.submit(req(1, 8, 10_000, Some(50)), 100).unwrap());
-    l.report(1, e, 0, RankOutcome::Ok, 140).unwrap();
+    for (rid, lease) in [(1, Some(50)), (2, None)] {
+        l.submit(req(rid, 8, 10_000, lease), 100).unwrap();
+    }
+    l.abort(2, 120).unwrap();
     let c = l.counters();
     let named = std::collections::BTreeMap::from(c.named());
     assert_eq!(named.len(), c.named().len(), "a name is listed twice");

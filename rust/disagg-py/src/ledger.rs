@@ -15,10 +15,7 @@ use pyo3::types::PyDict;
 
 use crate::args::{describe, Flag, Int, IntList, Kind, Text};
 use crate::error::{wire_err, IntoPyResult};
-use crate::pool::{
-    core_methods, ids_arg, lock, lock_with, tokens_arg, u32_arg, u64_arg, BlockPoolOwner, Out,
-    PyBlockPool, PySlotPool, SlotPoolOwner,
-};
+use crate::pool::{core_methods, ids_arg, lock, lock_with, tokens_arg, u32_arg, u64_arg, Out};
 
 /// One action of a ledger, tagged by `kind`; the fields a kind does not use are empty.
 ///
@@ -119,6 +116,12 @@ impl PyLedgerAction {
 /// `("failure", first_failed_rank, its_outcome)`.
 type QuorumVerdict = (&'static str, Option<u32>, Option<&'static str>);
 
+/// What `CompletionQuorum.report` returns: `None` or a [`QuorumVerdict`].
+type Verdict = PyResult<Option<QuorumVerdict>>;
+
+/// What a ledger call that acts returns.
+type Acts = PyResult<Vec<PyLedgerAction>>;
+
 /// `Some(x)` as `x`, `None` as `None`, the way Python prints it.
 fn py_opt(v: Option<u32>) -> String {
     v.map_or_else(|| "None".to_string(), |x| x.to_string())
@@ -191,7 +194,7 @@ pub struct PyImportLedger {
     inner: Arc<Mutex<ImportLedger>>,
 }
 
-core_methods!(PyImportLedger, lock_with, inner,
+core_methods!(PyImportLedger, lock_with, inner, pools Import,
 calls {
     /// The local handle of a quarantined attempt settled.
     fn settle(request_id: u64_arg, epoch: u64_arg) -> Vec<PyLedgerAction> = settle;
@@ -208,30 +211,23 @@ calls {
     /// Verify conservation and ownership; raises `ConservationError`.
     fn check() -> () = check;
     /// Live handoffs (deferred + importing + ready).
-    #[getter]
-    fn pending_kv_import_count() -> usize = pending_kv_import_count;
+    #[getter] fn pending_kv_import_count() -> usize = pending_kv_import_count;
     /// Whether an admission point has work.
-    #[getter]
-    fn has_admittable_kv_import() -> bool = has_admittable_kv_import;
+    #[getter] fn has_admittable_kv_import() -> bool = has_admittable_kv_import;
     /// Handoffs waiting for capacity.
-    #[getter]
-    fn num_deferred() -> usize = num_deferred;
-    /// Handoffs with transfers in flight.
-    #[getter]
-    fn num_importing() -> usize = num_importing;
-    /// Complete handoffs waiting for admission.
-    #[getter]
-    fn num_ready() -> usize = num_ready;
-    /// Failed attempts whose destinations may still be written.
-    #[getter]
-    fn num_quarantined() -> usize = num_quarantined;
-    /// Blocks held in quarantine.
-    #[getter]
-    fn num_quarantined_blocks() -> usize = num_quarantined_blocks;
+    #[getter] fn num_deferred() -> usize = num_deferred;
     /// Deferred request ids, oldest first.
     fn deferred_ids() -> Vec<u64> = deferred_ids;
+    /// Handoffs with transfers in flight.
+    #[getter] fn num_importing() -> usize = num_importing;
+    /// Complete handoffs waiting for admission.
+    #[getter] fn num_ready() -> usize = num_ready;
     /// `"deferred"`, `"importing"`, `"ready"`, or `None` if not live.
     fn state_of(request_id: u64_arg) -> Option<&'static str> = state_of;
+    /// Failed attempts whose destinations may still be written.
+    #[getter] fn num_quarantined() -> usize = num_quarantined;
+    /// Blocks held in quarantine.
+    #[getter] fn num_quarantined_blocks() -> usize = num_quarantined_blocks;
     /// Current attempt epoch of a live request.
     fn epoch_of(request_id: u64_arg) -> Option<u64> = epoch_of;
 }
@@ -418,18 +414,6 @@ methods {
         Ok(admission::resume_finishes(&resume, limit, term, &stops))
     }
 
-    /// The ledger's block pool (shared, not a copy): the engine's allocator.
-    #[getter]
-    fn block_pool(&self) -> PyBlockPool {
-        PyBlockPool { owner: BlockPoolOwner::Import(Arc::clone(&self.inner)) }
-    }
-
-    /// The ledger's SSM slot pool (shared, not a copy).
-    #[getter]
-    fn slot_pool(&self) -> PySlotPool {
-        PySlotPool { owner: SlotPoolOwner::Import(Arc::clone(&self.inner)) }
-    }
-
     /// Validate, then queue or start one handoff. Give `prompt_tokens` (hashed here) or
     /// `num_prompt_tokens` with optional `prompt_hashes` at the decode block size. A source
     /// lease is `lease_until_wall` (the source's wall clock) with `now_wall` (ours, read with
@@ -505,14 +489,7 @@ methods {
 
     /// One rank's terminal report: `outcome` is `"ok"`, `"error"`, `"timeout"` or
     /// `"may_still_write"`.
-    fn report(
-        &self,
-        request_id: Int,
-        epoch: Int,
-        rank: Int,
-        outcome: Text,
-        now: Int,
-    ) -> PyResult<Vec<PyLedgerAction>> {
+    fn report(&self, request_id: Int, epoch: Int, rank: Int, outcome: Text, now: Int) -> Acts {
         let outcome = RankOutcome::parse(outcome.get("outcome")?).py()?;
         let (r, e, k, n) = (
             u64_arg("request_id", request_id)?,
@@ -551,7 +528,7 @@ pub struct PyPinLedger {
     inner: Arc<Mutex<PinLedger>>,
 }
 
-core_methods!(PyPinLedger, lock_with, inner,
+core_methods!(PyPinLedger, lock_with, inner, pools Pin,
 calls {
     /// A push send started reading the pin (two-sided transports).
     fn begin_push(request_id: u64_arg, epoch: u64_arg) -> () = begin_push;
@@ -564,11 +541,9 @@ calls {
     /// Verify conservation; raises `ConservationError`.
     fn check() -> () = check;
     /// Live pins.
-    #[getter]
-    fn num_pinned() -> usize = num_pinned;
+    #[getter] fn num_pinned() -> usize = num_pinned;
     /// The reference design's `pending_kv_push_count`.
-    #[getter]
-    fn pending_kv_push_count() -> usize = pending_kv_push_count;
+    #[getter] fn pending_kv_push_count() -> usize = pending_kv_push_count;
     /// Request ids of the live pins, ascending.
     fn pinned_request_ids() -> Vec<u64> = pinned_request_ids;
     /// Epoch of a live pin.
@@ -586,18 +561,6 @@ methods {
         )
         .py()?;
         Ok(Self { inner: Arc::new(Mutex::new(l)) })
-    }
-
-    /// The ledger's block pool (shared): the prefill engine's allocator.
-    #[getter]
-    fn block_pool(&self) -> PyBlockPool {
-        PyBlockPool { owner: BlockPoolOwner::Pin(Arc::clone(&self.inner)) }
-    }
-
-    /// The ledger's SSM slot pool (shared).
-    #[getter]
-    fn slot_pool(&self) -> PySlotPool {
-        PySlotPool { owner: SlotPoolOwner::Pin(Arc::clone(&self.inner)) }
     }
 
     /// Pin held blocks (one more reference each) and a handed-out SSM slot (taken over) until
@@ -677,14 +640,11 @@ pub struct PyCompletionQuorum {
 core_methods!(PyCompletionQuorum, lock_with, inner,
 calls {
     /// Number of ranks.
-    #[getter]
-    fn world_size() -> u32 = world_size;
+    #[getter] fn world_size() -> u32 = world_size;
     /// Duplicate reports ignored so far.
-    #[getter]
-    fn ignored() -> u64 = ignored;
+    #[getter] fn ignored() -> u64 = ignored;
     /// Attempts with votes not forgotten yet.
-    #[getter]
-    fn num_open() -> usize = num_open;
+    #[getter] fn num_open() -> usize = num_open;
     /// Drop the votes of a finished attempt.
     fn forget(request_id: u64_arg, epoch: u64_arg) -> () = forget;
 }
@@ -714,13 +674,7 @@ methods {
 
     /// Record a report. Returns `None` (no decision yet or already decided),
     /// `("success", None, None)` or `("failure", first_failed_rank, its_outcome)`.
-    fn report(
-        &self,
-        request_id: Int,
-        epoch: Int,
-        rank: Int,
-        outcome: Text,
-    ) -> PyResult<Option<QuorumVerdict>> {
+    fn report(&self, request_id: Int, epoch: Int, rank: Int, outcome: Text) -> Verdict {
         let o = RankOutcome::parse(outcome.get("outcome")?).py()?;
         let (r, e, k) =
             (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?, u32_arg("rank", rank)?);

@@ -53,10 +53,11 @@ plain_out!(Vec<(u64, u64)>);
 /// (`lock_with` for a ledger's mutex, `PoolOwner::with` for a pool): each `calls` entry `fn name(arg: conv, ..) -> T = method;` converts every `Int` argument
 /// with `conv("arg", arg)` (before the core is locked), then returns `core.method(args..)` as
 /// Python receives it ([`Out`]). Attributes (doc comments, `#[getter]`) carry over;
-/// `methods { .. }` holds the hand-written ones.
+/// `methods { .. }` holds the hand-written ones; `pools Variant,` adds the `block_pool` and
+/// `slot_pool` views of a ledger's pools (`PoolOwner::Variant`).
 macro_rules! core_methods {
     (
-        $ty:ty, $reach:path, $field:ident,
+        $ty:ty, $reach:path, $field:ident, $(pools $owner:ident,)?
         calls { $($(#[$m:meta])* fn $name:ident($($a:ident: $conv:ident),*) -> $ret:ty = $call:ident;)* }
         methods { $($rest:tt)* }
     ) => {
@@ -66,6 +67,20 @@ macro_rules! core_methods {
                 $(let $a = $conv(stringify!($a), $a)?;)*
                 $crate::pool::Out::out($reach(&self.$field, |c| c.$call($($a),*))?)
             })*
+            $(
+                /// The ledger's block pool (shared, not a copy): the engine's allocator.
+                #[getter]
+                fn block_pool(&self) -> $crate::pool::PyBlockPool {
+                    let owner = $crate::pool::PoolOwner::$owner(::std::sync::Arc::clone(&self.$field));
+                    $crate::pool::PyBlockPool { owner }
+                }
+                /// The ledger's SSM slot pool (shared, not a copy).
+                #[getter]
+                fn slot_pool(&self) -> $crate::pool::PySlotPool {
+                    let owner = $crate::pool::PoolOwner::$owner(::std::sync::Arc::clone(&self.$field));
+                    $crate::pool::PySlotPool { owner }
+                }
+            )?
             $($rest)*
         }
     };
@@ -184,17 +199,13 @@ pub struct PyBlockPool {
 core_methods!(PyBlockPool, PoolOwner::with, owner,
 calls {
     /// Total number of blocks.
-    #[getter]
-    fn num_blocks() -> u32 = num_blocks;
+    #[getter] fn num_blocks() -> u32 = num_blocks;
     /// Tokens per block.
-    #[getter]
-    fn block_size_tokens() -> u32 = block_size_tokens;
+    #[getter] fn block_size_tokens() -> u32 = block_size_tokens;
     /// Blocks `allocate` can hand out now (never-used plus evictable cached).
-    #[getter]
-    fn num_free() -> u32 = num_free;
+    #[getter] fn num_free() -> u32 = num_free;
     /// Unreferenced blocks still published in the prefix cache.
-    #[getter]
-    fn num_evictable() -> u32 = num_evictable;
+    #[getter] fn num_evictable() -> u32 = num_evictable;
     /// Whether `allocate(n)` would succeed now.
     fn can_allocate(n: u32_arg) -> bool = can_allocate;
     /// `n` blocks with refcount 1, all or nothing (evicts LRU cached blocks if needed).
@@ -274,14 +285,11 @@ pub struct PySlotPool {
 core_methods!(PySlotPool, PoolOwner::with, owner,
 calls {
     /// Total number of slots.
-    #[getter]
-    fn num_slots() -> u32 = num_slots;
+    #[getter] fn num_slots() -> u32 = num_slots;
     /// Slots ready to hand out.
-    #[getter]
-    fn num_free() -> u32 = num_free;
+    #[getter] fn num_free() -> u32 = num_free;
     /// Slots moved to live requests by `detach`.
-    #[getter]
-    fn num_detached() -> u32 = num_detached;
+    #[getter] fn num_detached() -> u32 = num_detached;
     /// One free slot; `CapacityError` when none is free.
     fn allocate() -> u32 = allocate;
     /// Return an allocated or detached slot.
