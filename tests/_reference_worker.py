@@ -48,14 +48,8 @@ class HandoffCase:
 
 
 @dataclass(frozen=True)
-class SplitHandoffCase:
+class SplitHandoffCase(HandoffCase):
     """Prefill and decode engines on disjoint ranks of one world (the disaggregated setup)."""
-
-    model: ModelConfig
-    prefill: EngineConfig
-    decode: EngineConfig
-    prompts: dict[int, list[int]]
-    max_new_tokens: int
 
 
 def _run_split(case: SplitHandoffCase) -> dict[str, Any]:

@@ -6,21 +6,20 @@ import pytest
 
 from disagg_rs import _core, exceptions
 
-EXPECTED = {
-    "Layout": (exceptions.LayoutError, ValueError),
-    "Coverage": (exceptions.PlanCoverageError, ValueError),
-    "Block": (exceptions.BlockIdError, ValueError),
-    "Geometry": (exceptions.GeometryMismatchError, ValueError),
-    "AddressOverflow": (exceptions.AddressOverflowError, OverflowError),
-    "Wire": (exceptions.MetadataError, ValueError),
-    "HandoffMetadata": (exceptions.HandoffMetadataError, RuntimeError),
-    "UnknownRequest": (exceptions.UnknownRequestError, LookupError),
-    "DuplicateRequest": (exceptions.DuplicateRequestError, ValueError),
-    "Capacity": (exceptions.CapacityError, ValueError),
-    "State": (exceptions.HandoffStateError, RuntimeError),
-    "ResetRefused": (exceptions.ResetRefusedError, RuntimeError),
-    "Argument": (exceptions.ArgumentError, ValueError),
-    "Conservation": (exceptions.ConservationError, RuntimeError),
+# Each builtin base, then the core error kinds (`Kind:ExceptionClass`) that subclass it.
+_KINDS_BY_BUILTIN = {
+    ValueError: "Layout:LayoutError Coverage:PlanCoverageError Block:BlockIdError "
+    "Geometry:GeometryMismatchError Wire:MetadataError DuplicateRequest:DuplicateRequestError "
+    "Capacity:CapacityError Argument:ArgumentError",
+    OverflowError: "AddressOverflow:AddressOverflowError",
+    LookupError: "UnknownRequest:UnknownRequestError",
+    RuntimeError: "State:HandoffStateError ResetRefused:ResetRefusedError "
+    "Conservation:ConservationError HandoffMetadata:HandoffMetadataError",
+}
+EXPECTED: dict[str, tuple[type[BaseException], type[BaseException]]] = {
+    kind: (getattr(exceptions, name), builtin)
+    for builtin, pairs in _KINDS_BY_BUILTIN.items()
+    for kind, name in (pair.split(":") for pair in pairs.split())
 }
 
 

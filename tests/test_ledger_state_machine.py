@@ -267,17 +267,22 @@ class ImportLedgerMachine(RuleBasedStateMachine):
             assert self.ledger.pending_kv_import_count == 0
 
     # -- invariants -----------------------------------------------------------------------
+    def block_owners(self) -> Counter[int]:
+        """How many live attempts and admitted requests of the model hold each block."""
+        owners: Counter[int] = Counter()
+        for a in self.attempts.values():
+            owners.update(a.blocks)
+        for blocks, _ in self.engine:
+            owners.update(blocks)
+        return owners
+
     @invariant()
     def ledger_check_passes(self) -> None:
         self.ledger.check()
 
     @invariant()
     def refcount_equals_owners_and_blocks_are_conserved(self) -> None:
-        owners: Counter[int] = Counter()
-        for a in self.attempts.values():
-            owners.update(a.blocks)
-        for blocks, _ in self.engine:
-            owners.update(blocks)
+        owners = self.block_owners()
         pool = self.ledger.block_pool
         for b in range(NUM_BLOCKS):
             assert pool.refcount(b) == owners[b], f"block {b}"
@@ -292,11 +297,7 @@ class ImportLedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_destination_that_may_be_written_is_free_or_shared(self) -> None:
-        owners: Counter[int] = Counter()
-        for a in self.attempts.values():
-            owners.update(a.blocks)
-        for blocks, _ in self.engine:
-            owners.update(blocks)
+        owners = self.block_owners()
         for a in self.attempts.values():
             if (a.started and a.terminal is None) or a.quarantined:
                 for b in a.writable:

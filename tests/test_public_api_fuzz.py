@@ -111,18 +111,9 @@ def _calls() -> list[Call]:
         (
             "KVShardLayout",
             KVShardLayout,
-            dict(
-                num_layers=4,
-                num_kv_heads=2,
-                tp_size=1,
-                tp_rank=0,
-                pp_size=1,
-                pp_rank=0,
-                global_rank=None,
-                ep_rank=0,
-                etp_rank=0,
-                layer_start=None,
-                num_local_layers=None,
+            dict(num_layers=4, num_kv_heads=2, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0)
+            | dict(
+                global_rank=None, ep_rank=0, etp_rank=0, layer_start=None, num_local_layers=None
             ),
         ),
         ("KVShardLayout.from_dict", KVShardLayout.from_dict, dict(d=lay.to_dict())),
@@ -150,21 +141,9 @@ def _calls() -> list[Call]:
         (
             "KVGeometry",
             KVGeometry,
-            dict(
-                num_layers=1,
-                num_blocks=4,
-                tokens_per_block=4,
-                num_heads=2,
-                head_dim=8,
-                element_size=2,
-                block_stride=256,
-                token_stride=64,
-                head_stride=16,
-                plane_bases=[4096, 8192],
-                num_kv=2,
-                device_id=0,
-                dtype=None,
-            ),
+            dict(num_layers=1, num_blocks=4, tokens_per_block=4, num_heads=2, head_dim=8)
+            | dict(element_size=2, block_stride=256, token_stride=64, head_stride=16)
+            | dict(plane_bases=[4096, 8192], num_kv=2, device_id=0, dtype=None),
         ),
         (
             "KVGeometry.from_tensor",
@@ -196,30 +175,15 @@ def _calls() -> list[Call]:
         (
             "compile_kv_transfer",
             compile_kv_transfer,
-            dict(
-                src=[(lay, _kv_geometry())],
-                dst=(lay1, _kv_geometry()),
-                src_block_ids=[0, 1],
-                dst_block_ids=[2, 3],
-                num_tokens=8,
-                mode="auto",
-                token_start=0,
-                per_descriptor_s=8e-6,
-                link_bytes_per_s=388e9,
-                gather_bytes_per_s=1.6e12,
-            ),
+            dict(src=[(lay, _kv_geometry())], dst=(lay1, _kv_geometry()), num_tokens=8)
+            | dict(src_block_ids=[0, 1], dst_block_ids=[2, 3], mode="auto", token_start=0)
+            | dict(per_descriptor_s=8e-6, link_bytes_per_s=388e9, gather_bytes_per_s=1.6e12),
         ),
         (
             "compile_ssm_transfer",
             compile_ssm_transfer,
-            dict(
-                src=[(ssm_lay, ssm_geo)],
-                dst=(ssm_lay1, ssm_geo),
-                src_slot=0,
-                dst_slot=1,
-                mode="auto",
-                per_descriptor_s=8e-6,
-            ),
+            dict(src=[(ssm_lay, ssm_geo)], dst=(ssm_lay1, ssm_geo), src_slot=0, dst_slot=1)
+            | dict(mode="auto", per_descriptor_s=8e-6),
         ),
         ("TransferProgram.mode", prog.mode, dict(src_rank=0)),
         ("TransferProgram.packed_bytes", prog.packed_bytes, dict(src_rank=0)),
@@ -250,32 +214,15 @@ def _calls() -> list[Call]:
         (
             "ImportLedger",
             ImportLedger,
-            dict(
-                num_blocks=16,
-                block_size_tokens=4,
-                num_ssm_slots=2,
-                world_size=1,
-                rank=0,
-                pull=True,
-                lookahead_tokens=0,
-                drain_horizon=10,
-            ),
+            dict(num_blocks=16, block_size_tokens=4, num_ssm_slots=2, world_size=1, rank=0)
+            | dict(pull=True, lookahead_tokens=0, drain_horizon=10),
         ),
         (
             "ImportLedger.submit",
             ledger.submit,
-            dict(
-                request_id=1,
-                prompt_tokens=[1, 2, 3, 4, 5],
-                src_block_ids=[0, 1],
-                src_block_size_tokens=None,
-                resume_tokens=0,
-                has_ssm=False,
-                finished=False,
-                deadline=100,
-                now=0,
-                reuse_align_tokens=1,
-            ),
+            dict(request_id=1, prompt_tokens=[1, 2, 3, 4, 5], src_block_ids=[0, 1])
+            | dict(src_block_size_tokens=None, resume_tokens=0, has_ssm=False, finished=False)
+            | dict(deadline=100, now=0, reuse_align_tokens=1),
         ),
         (
             "ImportLedger.report",

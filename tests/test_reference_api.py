@@ -42,23 +42,13 @@ def test_the_reference_modules_export_the_package_classes() -> None:
 
 
 def test_kv_layout_takes_every_reference_field_positionally_and_by_keyword() -> None:
-    positional = kv_reshard.KVShardLayout(12, 8, 2, 1, 3, 2, 7, 2, 1, 3, 2, None, None)
-    keywords = kv_reshard.KVShardLayout(
-        num_layers=12,
-        num_heads=8,
-        tp_size=2,
-        tp_rank=1,
-        pp_size=3,
-        pp_rank=2,
-        global_rank=7,
-        ep_size=2,
-        ep_rank=1,
-        etp_size=3,
-        etp_rank=2,
-        layer_start=None,
-        num_local_layers=None,
-    )
+    values = (12, 8, 2, 1, 3, 2, 7, 2, 1, 3, 2, None, None)
+    names = list(kv_reshard.KVShardLayout.__dataclass_fields__)
+    assert names[:2] == ["num_layers", "num_heads"] and len(names) == len(values)
+    positional = kv_reshard.KVShardLayout(*values)
+    keywords = kv_reshard.KVShardLayout(**dict(zip(names, values, strict=True)))
     assert positional == keywords
+    assert [getattr(keywords, n) for n in names[2:11]] == list(values[2:11])
     assert (keywords.ep_size, keywords.ep_rank, keywords.etp_size, keywords.etp_rank) == (
         2,
         1,
@@ -479,31 +469,28 @@ def test_intersect_is_the_overlap_of_half_open_ranges() -> None:
     assert utils.intersect((3, 5), (0, 9)) == (3, 5)
 
 
+def _assert_rank_filters_keep_plan_order(plan, srcs, dsts) -> None:
+    """`transfers_for_src`/`_dst` of the plan and of a list of it are the plan's own filter."""
+    for side, layouts, pick in (
+        ("src", srcs, utils.transfers_for_src),
+        ("dst", dsts, utils.transfers_for_dst),
+    ):
+        for lay in layouts:
+            want = [t for t in plan if getattr(t, f"{side}_rank") == lay.global_rank]
+            assert pick(plan, lay.global_rank) == want
+            assert pick(list(plan), lay.global_rank) == want
+
+
 @given(kv_cases())
 def test_transfers_for_src_and_dst_filter_a_kv_plan_in_plan_order(case) -> None:
-    srcs, dsts = case
-    plan = dr.plan_kv_reshard(srcs, dsts)
-    for s in srcs:
-        want = [t for t in plan if t.src_rank == s.global_rank]
-        assert utils.transfers_for_src(plan, s.global_rank) == want
-        assert utils.transfers_for_src(list(plan), s.global_rank) == want
-    for d in dsts:
-        want = [t for t in plan if t.dst_rank == d.global_rank]
-        assert utils.transfers_for_dst(plan, d.global_rank) == want
-        assert utils.transfers_for_dst(list(plan), d.global_rank) == want
+    _assert_rank_filters_keep_plan_order(dr.plan_kv_reshard(*case), *case)
 
 
 @given(ssm_cases())
 def test_transfers_for_src_and_dst_filter_an_ssm_plan_into_single_layer_records(case) -> None:
-    srcs, dsts = case
-    plan = dr.plan_ssm_reshard(srcs, dsts)
-    for s in srcs:
-        want = [t for t in plan if t.src_rank == s.global_rank]
-        assert utils.transfers_for_src(plan, s.global_rank) == want
-    for d in dsts:
-        want = [t for t in plan if t.dst_rank == d.global_rank]
-        assert utils.transfers_for_dst(plan, d.global_rank) == want
-        assert all(t.layers[1] - t.layers[0] == 1 for t in want)
+    plan = dr.plan_ssm_reshard(*case)
+    _assert_rank_filters_keep_plan_order(plan, *case)
+    assert all(t.layers[1] - t.layers[0] == 1 for t in plan)
 
 
 def test_peer_records_flatten_flat_tp_and_pp_wrapped_metadata() -> None:

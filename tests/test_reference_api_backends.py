@@ -14,6 +14,7 @@ import datetime
 import inspect
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -222,6 +223,16 @@ def root() -> Iterator[nixl.NixlTransferBackend]:
     backend.close()
 
 
+@contextmanager
+def _closing(*backends: Any) -> Iterator[tuple[Any, ...]]:
+    """The backends, closed on the way out whatever happens inside."""
+    try:
+        yield backends
+    finally:
+        for b in backends:
+            b.close()
+
+
 def _kv_backend(
     root: nixl.NixlTransferBackend, tp: int, rank: int, pp: int, stage: int, blocks: int, t: int
 ) -> Any:
@@ -294,9 +305,9 @@ def test_reference_only_metadata_reads_back_as_the_same_layout_and_geometry(
 ) -> None:
     rank = data.draw(st.integers(0, tp - 1))
     stage = data.draw(st.integers(0, pp - 1))
-    src = _kv_backend(root, tp, rank, pp, stage, blocks, t)
-    dst = _kv_backend(root, 1, 0, 1, 0, blocks, t)
-    try:
+    with _closing(
+        _kv_backend(root, tp, rank, pp, stage, blocks, t), _kv_backend(root, 1, 0, 1, 0, blocks, t)
+    ) as (src, dst):
         ours = src.export_meta()
         theirs = dst._adopt_peer_meta(reference_only(ours))
         assert theirs["reference_only"] is True
@@ -309,17 +320,15 @@ def test_reference_only_metadata_reads_back_as_the_same_layout_and_geometry(
         )
         assert theirs["compat_hash"] == ours["compat_hash"]
         assert theirs["buffer"]["mem_type"] == "VRAM"  # the reference registers GPU memory
-    finally:
-        src.close()
-        dst.close()
 
 
 def test_a_reference_peer_is_translated_once_and_read_the_same_every_time(
     root: nixl.NixlTransferBackend,
 ) -> None:
-    src = _kv_backend(root, 2, 1, 1, 0, 4, 16)
-    dst = _kv_backend(root, 1, 0, 1, 0, 4, 16)
-    try:
+    with _closing(_kv_backend(root, 2, 1, 1, 0, 4, 16), _kv_backend(root, 1, 0, 1, 0, 4, 16)) as (
+        src,
+        dst,
+    ):
         ref = reference_only(src.export_meta())
         parses = _core.peer_meta_parses()
         first = dst._adopt_peer_meta(dict(ref))
@@ -328,9 +337,6 @@ def test_a_reference_peer_is_translated_once_and_read_the_same_every_time(
         assert _core.peer_meta_parses() == parses + 1
         moved = dst._adopt_peer_meta({**ref, "base_addr": ref["base_addr"] + 4096})
         assert moved["buffer"]["addr"] == first["buffer"]["addr"] + 4096
-    finally:
-        src.close()
-        dst.close()
 
 
 def test_reference_metadata_with_a_wrong_field_is_refused_naming_it(
@@ -361,9 +367,10 @@ def test_reference_metadata_with_a_wrong_field_is_refused_naming_it(
 def test_a_pull_of_no_blocks_is_a_settled_handle_and_half_empty_lists_are_refused(
     root: nixl.NixlTransferBackend,
 ) -> None:
-    src = _kv_backend(root, 2, 0, 1, 0, 4, 16)
-    dst = _kv_backend(root, 1, 0, 1, 0, 4, 16)
-    try:
+    with _closing(_kv_backend(root, 2, 0, 1, 0, 4, 16), _kv_backend(root, 1, 0, 1, 0, 4, 16)) as (
+        src,
+        dst,
+    ):
         meta = {"tp_metas": [src.export_meta()]}
         before = dst.memory_buffer.clone()
         handle = dst.begin_pull_blocks(meta, [], [])
@@ -373,9 +380,6 @@ def test_a_pull_of_no_blocks_is_a_settled_handle_and_half_empty_lists_are_refuse
         with pytest.raises(exceptions.BlockIdError) as info:
             dst.begin_pull_blocks(meta, [], [1])
         assert info.value.field == "src_block_ids"
-    finally:
-        src.close()
-        dst.close()
 
 
 def test_a_buffer_registered_the_reference_way_exports_its_slices(
@@ -533,7 +537,8 @@ def test_a_seed_style_tp2_to_tp1_gloo_push_and_pull_without_num_tokens_move_whol
 def test_a_seed_style_tp2_to_tp1_nixl_pull_without_num_tokens_moves_whole_blocks(
     nixl_pool: list[Worker], wrapped: bool
 ) -> None:
-    case, key = TP2_WHOLE, f"seed-nixl-{wrapped}"
+    key = f"seed-nixl-{wrapped}"
+    case = TP2_WHOLE
     metas = [nixl_pool[i]("setup", key, case, s, "src") for i, s in enumerate(case.srcs)]
     nixl_pool[2]("setup", key, case, case.dsts[0], "dst")
     try:

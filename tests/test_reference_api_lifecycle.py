@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _reference_worker import spawn_gloo_world
 from disagg_rs import BlockPool, CompletionQuorum, PinLedger
 from disagg_rs.decode_admission import (
     additional_decode_blocks,
@@ -117,6 +118,16 @@ def test_additional_decode_blocks_reject_a_zero_block_size() -> None:
         additional_decode_blocks(3, 1, 0)
 
 
+# Per-request int32 context tensors that start at zero.
+_ZERO_REQUEST_FIELDS = (
+    "kv_length_offsets",
+    "query_lengths",
+    "output_lengths",
+    "kv_block_counts",
+    "last_kv_block_offset",
+)
+
+
 def _context(rows: int = 2, tokens: int = 8, spec: int = 1, hybrid: bool = False) -> Any:
     types = [("temperature", torch.float32)]
     return SimpleNamespace(
@@ -133,19 +144,22 @@ def _context(rows: int = 2, tokens: int = 8, spec: int = 1, hybrid: bool = False
         request_metadata={"temperature": torch.zeros(rows)},
         request_to_kv_block_ids=torch.full((rows, 4), -1, dtype=torch.int32),
         request_ids=torch.full((rows,), -1, dtype=torch.int64),
-        request_kv_length_offsets=torch.zeros(rows, dtype=torch.int32),
-        request_query_lengths=torch.zeros(rows, dtype=torch.int32),
-        request_output_lengths=torch.zeros(rows, dtype=torch.int32),
         request_in_prefill_status_tensor=torch.ones(rows, dtype=torch.int32),
-        request_kv_block_counts=torch.zeros(rows, dtype=torch.int32),
         request_last_kv_block_id=torch.full((rows,), -1, dtype=torch.int32),
-        request_last_kv_block_offset=torch.zeros(rows, dtype=torch.int32),
-        token_to_input_ids=torch.zeros(tokens, dtype=torch.int64),
-        token_to_pos_ids=torch.zeros(tokens, dtype=torch.int64),
-        token_to_request_idx=torch.zeros(tokens, dtype=torch.int32),
-        token_to_position_in_request=torch.zeros(tokens, dtype=torch.int64),
-        token_to_local_position_within_kv_block=torch.zeros(tokens, dtype=torch.int32),
         token_to_block_idx=torch.full((tokens,), -1, dtype=torch.int32),
+        **{
+            f"request_{name}": torch.zeros(rows, dtype=torch.int32) for name in _ZERO_REQUEST_FIELDS
+        },
+        **{
+            f"token_to_{name}": torch.zeros(tokens, dtype=dtype)
+            for name, dtype in (
+                ("input_ids", torch.int64),
+                ("pos_ids", torch.int64),
+                ("request_idx", torch.int32),
+                ("position_in_request", torch.int64),
+                ("local_position_within_kv_block", torch.int32),
+            )
+        },
         mamba_metadata=SimpleNamespace(request_to_mamba_state_idx=torch.full((rows,), -1)),
     )
 
@@ -656,68 +670,29 @@ def test_reference_engine_metadata_errors_are_runtime_errors_too(
 
 
 # -- the tracker across processes (gloo broadcasts the address, ZeroMQ carries the reports) -----
-def _tracker_rank(rank: int, world: int, port: int, out: Any) -> None:
-    import traceback
-    from datetime import timedelta
-
+def _tracker_rank(rank: int) -> list[tuple[int, bool]]:
+    """One rank of a 3-rank gloo world (set up by `spawn_gloo_world`): its decided reports."""
     import torch.distributed as dist
     import zmq
 
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=120),
-        )
-        ctx = zmq.Context()
-        tracker = HandoffCompletionTracker(ctx, dist.group.WORLD, "127.0.0.1")
-        # Request 1 succeeds on every rank; request 2 fails on the last rank only.
-        tracker.report(1, False)
-        tracker.report(2, rank == world - 1)
-        decided: list[tuple[int, bool]] = []
-        if tracker.is_coordinator:
-            while len(decided) < 2:
-                decided += tracker.drain_completed()
-        dist.barrier()
-        out.put((rank, "ok", decided))
-        for s in tracker.sockets:
-            s.close(linger=0)
-        ctx.term()
-    except BaseException:
-        out.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    world = dist.get_world_size()
+    ctx = zmq.Context()
+    tracker = HandoffCompletionTracker(ctx, dist.group.WORLD, "127.0.0.1")
+    # Request 1 succeeds on every rank; request 2 fails on the last rank only.
+    tracker.report(1, False)
+    tracker.report(2, rank == world - 1)
+    decided: list[tuple[int, bool]] = []
+    if tracker.is_coordinator:
+        while len(decided) < 2:
+            decided += tracker.drain_completed()
+    dist.barrier()
+    for s in tracker.sockets:
+        s.close(linger=0)
+    ctx.term()
+    return decided
 
 
 def test_model_parallel_ranks_agree_through_the_coordinator_across_processes() -> None:
-    import multiprocessing as mp
-    import queue
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    world = 3
-    procs = [ctx.Process(target=_tracker_rank, args=(r, world, port, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            rank, status, payload = out.get(timeout=240)
-            assert status == "ok", payload
-            got[rank] = payload
-    except queue.Empty:
-        pytest.fail("the tracker ranks did not finish")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
+    got = spawn_gloo_world(3, _tracker_rank)
     assert sorted(got[0]) == [(1, False), (2, True)]
     assert got[1] == got[2] == []

@@ -68,6 +68,9 @@ from disagg_rs.reference.config import (
 from disagg_rs.reference.model import BatchInput, StageModel
 from disagg_rs.reference.parallel import EngineComm
 
+#: Token ids of a prompt or of handed-off resume tokens.
+_Tokens = Sequence[int]
+
 __all__ = [
     "EngineStats",
     "FinishedRequest",
@@ -452,11 +455,7 @@ class ReferenceEngine:
         return None
 
     def expect_import(
-        self,
-        request_id: int,
-        prompt: Sequence[int],
-        resume_tokens: Sequence[int],
-        max_new_tokens: int,
+        self, request_id: int, prompt: _Tokens, resume_tokens: _Tokens, max_new_tokens: int
     ) -> None:
         """Announce a handed-off request before its state arrives, for :attr:`decode_batch`.
 

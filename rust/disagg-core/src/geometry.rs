@@ -10,6 +10,7 @@
 use std::fmt;
 
 use crate::error::{DisaggError, DisaggResult};
+use crate::wire::value::{join, Obj, WireValue};
 
 /// Everything needed to build a [`KvGeometry`]; see the field docs there.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -528,6 +529,172 @@ impl SsmStatePart {
     }
 }
 
+/// Keys of a KV geometry's wire dict, in `to_wire` order.
+pub const KV_GEOMETRY_KEYS: [&str; 14] = [
+    "kind",
+    "num_kv",
+    "num_layers",
+    "num_blocks",
+    "tokens_per_block",
+    "num_heads",
+    "head_dim",
+    "element_size",
+    "block_stride",
+    "token_stride",
+    "head_stride",
+    "plane_bases",
+    "device_id",
+    "dtype",
+];
+
+/// Keys of an SSM geometry's wire dict.
+pub const SSM_GEOMETRY_KEYS: [&str; 4] = ["kind", "conv", "recurrent", "device_id"];
+
+/// Keys of one SSM state part's wire dict, in `to_wire` order.
+pub const SSM_PART_KEYS: [&str; 8] = [
+    "layer_bases",
+    "num_slots",
+    "slot_stride",
+    "num_units",
+    "unit_stride",
+    "unit_bytes",
+    "element_size",
+    "dtype",
+];
+
+fn w_uints(v: &[u64]) -> WireValue {
+    WireValue::List(v.iter().map(|&x| WireValue::Int(i128::from(x))).collect())
+}
+
+fn w_dtype(d: Option<&String>) -> WireValue {
+    d.map_or(WireValue::Null, |s| WireValue::Str(s.clone()))
+}
+
+fn w_map<const N: usize>(keys: [&str; N], values: [WireValue; N]) -> WireValue {
+    WireValue::Map(keys.iter().map(|k| (*k).to_owned()).zip(values).collect())
+}
+
+/// The `kind` of a geometry dict, which must be `want`.
+fn check_kind(o: &Obj<'_>, want: &str) -> DisaggResult<()> {
+    match o.name("kind")? {
+        k if k == want => Ok(()),
+        k => {
+            Err(DisaggError::wire(join(o.path(), "kind"), format!("kind={k:?}, expected '{want}'")))
+        }
+    }
+}
+
+impl KvGeometry {
+    /// Decode the dict [`Self::to_wire`] writes: a `Wire` error names a missing, unknown or
+    /// mistyped field; invalid values fail as in [`Self::new`].
+    pub fn from_wire(o: &Obj<'_>) -> DisaggResult<Self> {
+        o.only(&KV_GEOMETRY_KEYS, "KVGeometry dict")?;
+        check_kind(o, "kv")?;
+        Self::new(KvGeometrySpec {
+            num_kv: o.u32("num_kv")?,
+            num_layers: o.u32("num_layers")?,
+            num_blocks: o.u32("num_blocks")?,
+            tokens_per_block: o.u32("tokens_per_block")?,
+            num_heads: o.u32("num_heads")?,
+            head_dim: o.u32("head_dim")?,
+            element_size: o.u32("element_size")?,
+            block_stride: o.u64("block_stride")?,
+            token_stride: o.u64("token_stride")?,
+            head_stride: o.u64("head_stride")?,
+            plane_bases: o.uints("plane_bases", u64::MAX)?,
+            device_id: o.u64("device_id")?,
+            dtype: o.opt_name("dtype")?.map(str::to_owned),
+        })
+    }
+
+    /// The wire dict (every key of [`KV_GEOMETRY_KEYS`]).
+    pub fn to_wire(&self) -> WireValue {
+        let s = &self.spec;
+        let int = |v: u64| WireValue::Int(i128::from(v));
+        w_map(
+            KV_GEOMETRY_KEYS,
+            [
+                WireValue::Str("kv".to_owned()),
+                int(s.num_kv.into()),
+                int(s.num_layers.into()),
+                int(s.num_blocks.into()),
+                int(s.tokens_per_block.into()),
+                int(s.num_heads.into()),
+                int(s.head_dim.into()),
+                int(s.element_size.into()),
+                int(s.block_stride),
+                int(s.token_stride),
+                int(s.head_stride),
+                w_uints(&s.plane_bases),
+                int(s.device_id),
+                w_dtype(s.dtype.as_ref()),
+            ],
+        )
+    }
+}
+
+impl SsmStatePart {
+    /// The part under `key` of an SSM geometry dict (`None` when absent or `None`).
+    pub fn from_wire(o: &Obj<'_>, key: &str) -> DisaggResult<Option<Self>> {
+        let Some(v) = o.some(key) else { return Ok(None) };
+        let path = join(o.path(), key);
+        let p = Obj::of(v, &path)?;
+        p.only(&SSM_PART_KEYS, &path)?;
+        Ok(Some(Self {
+            layer_bases: p.uints("layer_bases", u64::MAX)?,
+            num_slots: p.u32("num_slots")?,
+            slot_stride: p.u64("slot_stride")?,
+            num_units: p.u32("num_units")?,
+            unit_stride: p.u64("unit_stride")?,
+            unit_bytes: p.u64("unit_bytes")?,
+            element_size: p.u32("element_size")?,
+            dtype: p.opt_name("dtype")?.map(str::to_owned),
+        }))
+    }
+
+    /// The wire dict (every key of [`SSM_PART_KEYS`]).
+    pub fn to_wire(&self) -> WireValue {
+        let int = |v: u64| WireValue::Int(i128::from(v));
+        w_map(
+            SSM_PART_KEYS,
+            [
+                w_uints(&self.layer_bases),
+                int(self.num_slots.into()),
+                int(self.slot_stride),
+                int(self.num_units.into()),
+                int(self.unit_stride),
+                int(self.unit_bytes),
+                int(self.element_size.into()),
+                w_dtype(self.dtype.as_ref()),
+            ],
+        )
+    }
+}
+
+impl SsmGeometry {
+    /// Decode the dict [`Self::to_wire`] writes (errors as [`KvGeometry::from_wire`]).
+    pub fn from_wire(o: &Obj<'_>) -> DisaggResult<Self> {
+        o.only(&SSM_GEOMETRY_KEYS, "SSMGeometry dict")?;
+        check_kind(o, "ssm")?;
+        let conv = SsmStatePart::from_wire(o, "conv")?;
+        Self::new(conv, SsmStatePart::from_wire(o, "recurrent")?, o.u64("device_id")?)
+    }
+
+    /// The wire dict (an absent part is `None`).
+    pub fn to_wire(&self) -> WireValue {
+        let part = |p: Option<&SsmStatePart>| p.map_or(WireValue::Null, SsmStatePart::to_wire);
+        w_map(
+            SSM_GEOMETRY_KEYS,
+            [
+                WireValue::Str("ssm".to_owned()),
+                part(self.conv.as_ref()),
+                part(self.recurrent.as_ref()),
+                WireValue::Int(i128::from(self.device_id)),
+            ],
+        )
+    }
+}
+
 impl fmt::Display for KvGeometry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = self.spec();
@@ -664,6 +831,20 @@ mod tests {
         assert!(e.to_string().contains("must have 4 axes"), "{e}");
     }
 
+    /// Two layers of 4 slots x 8 units x 32 bytes.
+    fn recurrent_part(dtype: Option<&str>) -> SsmStatePart {
+        SsmStatePart {
+            layer_bases: vec![0x1000, 0x9000],
+            num_slots: 4,
+            slot_stride: 256,
+            num_units: 8,
+            unit_stride: 32,
+            unit_bytes: 32,
+            element_size: 2,
+            dtype: dtype.map(str::to_owned),
+        }
+    }
+
     #[test]
     fn reprs_name_every_dimension_and_the_dtype() {
         let mut s = megatron(0x1000);
@@ -676,17 +857,7 @@ mod tests {
         );
         s.dtype = None;
         assert!(KvGeometry::new(s).unwrap().to_string().ends_with("device_id=0, dtype=None)"));
-        let part = SsmStatePart {
-            layer_bases: vec![0x1000, 0x9000],
-            num_slots: 4,
-            slot_stride: 256,
-            num_units: 8,
-            unit_stride: 32,
-            unit_bytes: 32,
-            element_size: 2,
-            dtype: None,
-        };
-        let g = SsmGeometry::new(None, Some(part), 3).unwrap();
+        let g = SsmGeometry::new(None, Some(recurrent_part(None)), 3).unwrap();
         assert_eq!(
             g.to_string(),
             "SSMGeometry(layers=2, conv=None, recurrent=4 slots x 8 units x 32 bytes, device_id=3)"
@@ -715,5 +886,54 @@ mod tests {
         s.plane_bases.pop();
         let e = KvGeometry::new(s).unwrap_err();
         assert!(e.to_string().contains("num_layers=2"), "{e}");
+    }
+
+    fn wire_field(v: &WireValue, f: impl Fn(&Obj<'_>) -> DisaggResult<()>) -> String {
+        match f(&Obj::of(v, "").unwrap()).unwrap_err() {
+            DisaggError::Wire { field, .. } => field,
+            other => panic!("not a wire error: {other}"),
+        }
+    }
+
+    fn set(v: &mut WireValue, path: &[&str], new: WireValue) {
+        let WireValue::Map(entries) = v else { panic!("not a map") };
+        let (key, rest) = path.split_first().unwrap();
+        match entries.iter_mut().find(|(k, _)| k == key) {
+            Some((_, slot)) if rest.is_empty() => *slot = new,
+            Some((_, slot)) => set(slot, rest, new),
+            None => entries.push(((*key).to_owned(), new)),
+        }
+    }
+
+    #[test]
+    fn geometries_round_trip_through_their_wire_dicts_and_name_a_bad_field() {
+        let g = KvGeometry::new(megatron(4096)).unwrap();
+        let v = g.to_wire();
+        assert_eq!(KvGeometry::from_wire(&Obj::of(&v, "").unwrap()).unwrap(), g);
+        let ssm = SsmGeometry::new(None, Some(recurrent_part(Some("float32"))), 3).unwrap();
+        let sv = ssm.to_wire();
+        assert_eq!(SsmGeometry::from_wire(&Obj::of(&sv, "").unwrap()).unwrap(), ssm);
+        let kv = |o: &Obj<'_>| KvGeometry::from_wire(o).map(drop);
+        let sm = |o: &Obj<'_>| SsmGeometry::from_wire(o).map(drop);
+        for (path, new, field) in [
+            (&["typo"][..], WireValue::Int(1), "typo"),
+            (&["kind"][..], WireValue::Str("ssm".into()), "kind"),
+            (&["num_blocks"][..], WireValue::Int(-1), "num_blocks"),
+            (&["plane_bases"][..], WireValue::List(vec![WireValue::Bool(true)]), "plane_bases[0]"),
+        ] {
+            let mut bad = v.clone();
+            set(&mut bad, path, new);
+            assert_eq!(wire_field(&bad, kv), field);
+        }
+        for (path, new, field) in [
+            (&["kind"][..], WireValue::Str("kv".into()), "kind"),
+            (&["recurrent", "typo"][..], WireValue::Int(1), "recurrent.typo"),
+            (&["recurrent", "num_slots"][..], WireValue::Null, "recurrent.num_slots"),
+            (&["conv"][..], WireValue::Int(3), "conv"),
+        ] {
+            let mut bad = sv.clone();
+            set(&mut bad, path, new);
+            assert_eq!(wire_field(&bad, sm), field);
+        }
     }
 }

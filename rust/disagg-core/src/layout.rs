@@ -839,6 +839,120 @@ impl SsmLayoutSpec {
         ]
     }
 
+    /// Every keyword of the `SSMShardLayout` constructor.
+    pub const CALL_KEYS: [&'static str; 13] = [
+        "num_layers",
+        "dims",
+        "tp_size",
+        "tp_rank",
+        "pp_size",
+        "pp_rank",
+        "global_rank",
+        "ep_rank",
+        "etp_rank",
+        "layer_start",
+        "num_local_layers",
+        "total_layers",
+        "replicate_groups",
+    ];
+
+    /// The reference design's dataclass fields, then ours (so `asdict` round-trips a layout);
+    /// the first six are the reference design's positional order.
+    pub const DATACLASS_FIELDS: [&'static str; 12] = [
+        "global_rank",
+        "tp_size",
+        "tp_rank",
+        "layer_start",
+        "num_layers",
+        "dims",
+        "pp_size",
+        "pp_rank",
+        "ep_rank",
+        "etp_rank",
+        "total_layers",
+        "replicate_groups",
+    ];
+
+    /// Positional order of our call form.
+    pub const OUR_POSITIONAL: [&'static str; 7] =
+        ["num_layers", "dims", "tp_size", "tp_rank", "pp_size", "pp_rank", "global_rank"];
+
+    /// The positional order of a constructor call with `n_positional` arguments. Our form puts
+    /// the dims second where the reference design's puts an int (`tp_size`); with one
+    /// positional argument it is our `num_layers` unless `num_layers` is also a keyword.
+    pub fn call_order(
+        n_positional: usize,
+        second_is_dims: bool,
+        num_layers_keyword: bool,
+    ) -> &'static [&'static str] {
+        let ours = match n_positional {
+            0 => true,
+            1 => !num_layers_keyword,
+            _ => second_is_dims,
+        };
+        if ours {
+            &Self::OUR_POSITIONAL
+        } else {
+            &Self::DATACLASS_FIELDS[..6]
+        }
+    }
+
+    /// The spec of a constructor call from its integer arguments by name (absent: not given).
+    /// `num_layers` is the stage's count exactly when `layer_start` is given without
+    /// `num_local_layers` (the reference design's form; the model's total may then come as
+    /// `total_layers`); otherwise it is the model's total, and so is `total_layers`, so the
+    /// two must agree. Sizes default to 1, ranks to 0, `global_rank` to
+    /// `pp_rank * tp_size + tp_rank`. A missing stage count is an `Argument` error.
+    pub fn from_call(
+        f: &WireFields<'_>,
+        dims: SsmStateDims,
+        replicate_groups: bool,
+    ) -> DisaggResult<Self> {
+        let get = |key: &str| wire_get(f, key);
+        let (num_layers, total_layers) = (get("num_layers"), get("total_layers"));
+        let (layer_start, num_local_layers) = (get("layer_start"), get("num_local_layers"));
+        let (total, local) = if layer_start.is_some() && num_local_layers.is_none() {
+            let n = num_layers.ok_or_else(|| {
+                DisaggError::argument("num_layers", "missing required argument num_layers")
+            })?;
+            (total_layers, Some(n))
+        } else {
+            match (num_layers, total_layers) {
+                (Some(n), Some(t)) if n != t => {
+                    return Err(DisaggError::layout(
+                        "total_layers",
+                        format!("num_layers={n} and total_layers={t} both name the model's total"),
+                    ))
+                }
+                // Without a total only an explicit window works; `new` says so if it is missing.
+                (n, t) => (n.or(t), num_local_layers),
+            }
+        };
+        let (tp_size, tp_rank, pp_rank) =
+            (get("tp_size").unwrap_or(1), get("tp_rank").unwrap_or(0), get("pp_rank").unwrap_or(0));
+        let default_rank = || {
+            let r = u64::from(pp_rank) * u64::from(tp_size) + u64::from(tp_rank);
+            u32::try_from(r).map_err(|_| {
+                DisaggError::layout("global_rank", format!("global_rank={r} must be in [0, 2**32)"))
+            })
+        };
+        let global_rank = get("global_rank").map_or_else(default_rank, Ok)?;
+        Ok(Self {
+            num_layers: total,
+            dims,
+            tp_size,
+            tp_rank,
+            pp_size: get("pp_size").unwrap_or(1),
+            pp_rank,
+            global_rank,
+            ep_rank: get("ep_rank").unwrap_or(0),
+            etp_rank: get("etp_rank").unwrap_or(0),
+            layer_start,
+            num_local_layers: local,
+            replicate_groups,
+        })
+    }
+
     /// Decode the integer wire fields around already decoded `dims` and `replicate_groups`.
     pub fn from_wire(
         f: &WireFields<'_>,
@@ -1159,5 +1273,46 @@ mod tests {
         assert_eq!(l.band_extent(SsmBand::C), (32, 16, 32));
         assert_eq!(l.band_extent(SsmBand::Recurrent), (8, 4, 0));
         assert_eq!(l.shard_key(), (1, 0));
+    }
+
+    #[test]
+    fn an_ssm_call_reads_num_layers_as_the_stage_count_only_with_a_bare_layer_start() {
+        let dims = SsmStateDims::new(8, 4, 16, 2, 4).unwrap();
+        let call = |f: &[(&str, Option<u32>)]| SsmLayoutSpec::from_call(f, dims, false);
+        // Ours: num_layers is the model's total, the window the even split.
+        let s =
+            call(&[("num_layers", Some(8)), ("pp_size", Some(2)), ("pp_rank", Some(1))]).unwrap();
+        assert_eq!((s.num_layers, s.num_local_layers, s.global_rank), (Some(8), None, 1));
+        // The reference design's: layer_start alone makes num_layers the stage's count.
+        let f = [("num_layers", Some(3)), ("layer_start", Some(5)), ("total_layers", Some(8))];
+        let s = call(&f).unwrap();
+        assert_eq!((s.num_layers, s.layer_start, s.num_local_layers), (Some(8), Some(5), Some(3)));
+        let e = call(&[("layer_start", Some(5))]).unwrap_err();
+        assert_eq!((e.kind(), e.to_string().contains("num_layers")), ("Argument", true));
+        let e = call(&[("num_layers", Some(8)), ("total_layers", Some(6))]).unwrap_err();
+        assert!(matches!(e, DisaggError::Layout { ref field, .. } if field == "total_layers"));
+        // The default global rank is pp_rank * tp_size + tp_rank, refused past u32.
+        let f = [("num_layers", Some(8)), ("tp_size", Some(4)), ("tp_rank", Some(3))];
+        assert_eq!(call(&[&f[..], &[("pp_rank", Some(2))]].concat()).unwrap().global_rank, 11);
+        let f = [("tp_size", Some(u32::MAX)), ("pp_rank", Some(2)), ("num_layers", Some(8))];
+        assert!(
+            matches!(call(&f).unwrap_err(), DisaggError::Layout { ref field, .. } if field == "global_rank")
+        );
+    }
+
+    #[test]
+    fn an_ssm_call_form_is_ours_unless_an_int_stands_where_our_dims_go() {
+        let order = SsmLayoutSpec::call_order;
+        assert_eq!(order(0, false, false)[0], "num_layers");
+        assert_eq!(order(1, false, false)[0], "num_layers");
+        assert_eq!(order(1, false, true)[0], "global_rank");
+        assert_eq!(order(2, true, false)[1], "dims");
+        assert_eq!(
+            order(6, false, false),
+            ["global_rank", "tp_size", "tp_rank", "layer_start", "num_layers", "dims"]
+        );
+        assert!(SsmLayoutSpec::DATACLASS_FIELDS
+            .iter()
+            .all(|k| SsmLayoutSpec::CALL_KEYS.contains(k)));
     }
 }

@@ -281,14 +281,68 @@ impl KvReshardTransfer {
     }
 }
 
-/// A KV reshard plan: transfers ordered by destination rank, then layer, then head.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct KvReshardPlan {
-    /// The transfers, in plan order.
-    pub transfers: Vec<KvReshardTransfer>,
-    srcs: Vec<KvShardLayout>,
-    dsts: Vec<KvShardLayout>,
+/// A transfer from one global rank to another.
+pub trait RankPair: Copy {
+    /// `(src_rank, dst_rank)`.
+    fn ranks(&self) -> (u32, u32);
 }
+
+impl RankPair for KvReshardTransfer {
+    fn ranks(&self) -> (u32, u32) {
+        (self.src_rank, self.dst_rank)
+    }
+}
+
+impl RankPair for SsmReshardTransfer {
+    fn ranks(&self) -> (u32, u32) {
+        (self.src_rank, self.dst_rank)
+    }
+}
+
+/// The transfers of `ts` that `rank` sends (`src`) or receives (`!src`), in their order.
+pub fn of_rank<T: RankPair>(ts: &[T], src: bool, rank: u32) -> Vec<T> {
+    ts.iter()
+        .filter(|t| if src { t.ranks().0 == rank } else { t.ranks().1 == rank })
+        .copied()
+        .collect()
+}
+
+/// A reshard plan: transfers `T` between layouts `L`, in plan order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReshardPlan<L, T> {
+    /// The transfers, in plan order.
+    pub transfers: Vec<T>,
+    srcs: Vec<L>,
+    dsts: Vec<L>,
+}
+
+impl<L, T> Default for ReshardPlan<L, T> {
+    fn default() -> Self {
+        Self { transfers: Vec::new(), srcs: Vec::new(), dsts: Vec::new() }
+    }
+}
+
+impl<L, T: RankPair> ReshardPlan<L, T> {
+    /// The source layouts the plan was made from.
+    pub fn srcs(&self) -> &[L] {
+        &self.srcs
+    }
+    /// The destination layouts the plan was made from.
+    pub fn dsts(&self) -> &[L] {
+        &self.dsts
+    }
+    /// The transfers a given source rank sends, in plan order.
+    pub fn for_src(&self, rank: u32) -> Vec<T> {
+        of_rank(&self.transfers, true, rank)
+    }
+    /// The transfers a given destination rank receives, in plan order.
+    pub fn for_dst(&self, rank: u32) -> Vec<T> {
+        of_rank(&self.transfers, false, rank)
+    }
+}
+
+/// A KV reshard plan: transfers ordered by destination rank, then layer, then head.
+pub type KvReshardPlan = ReshardPlan<KvShardLayout, KvReshardTransfer>;
 
 fn kv_holding(l: &KvShardLayout) -> Holding {
     Holding { rank: l.global_rank, rows: l.layers, cols: l.heads }
@@ -332,22 +386,6 @@ pub fn plan_kv_reshard(
 }
 
 impl KvReshardPlan {
-    /// The source layouts the plan was made from.
-    pub fn srcs(&self) -> &[KvShardLayout] {
-        &self.srcs
-    }
-    /// The destination layouts the plan was made from.
-    pub fn dsts(&self) -> &[KvShardLayout] {
-        &self.dsts
-    }
-    /// The transfers a given source rank sends, in plan order.
-    pub fn for_src(&self, rank: u32) -> Vec<KvReshardTransfer> {
-        self.transfers.iter().filter(|t| t.src_rank == rank).copied().collect()
-    }
-    /// The transfers a given destination rank receives, in plan order.
-    pub fn for_dst(&self, rank: u32) -> Vec<KvReshardTransfer> {
-        self.transfers.iter().filter(|t| t.dst_rank == rank).copied().collect()
-    }
     /// Bytes per token over the whole plan (K and V).
     pub fn bytes_per_token(&self, head_dim: u64, element_size: u64) -> DisaggResult<u64> {
         self.transfers.iter().try_fold(0u64, |acc, t| {
@@ -497,13 +535,7 @@ impl KvReshardTransfer {
 }
 
 /// An SSM reshard plan, ordered by destination rank, layer, band, then global offset.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct SsmReshardPlan {
-    /// The transfers, in plan order.
-    pub transfers: Vec<SsmReshardTransfer>,
-    srcs: Vec<SsmShardLayout>,
-    dsts: Vec<SsmShardLayout>,
-}
+pub type SsmReshardPlan = ReshardPlan<SsmShardLayout, SsmReshardTransfer>;
 
 fn ssm_holdings(ls: &[SsmShardLayout], by_groups: bool) -> Vec<Holding> {
     ls.iter()
@@ -590,22 +622,6 @@ pub fn plan_ssm_reshard(
 }
 
 impl SsmReshardPlan {
-    /// The source layouts the plan was made from.
-    pub fn srcs(&self) -> &[SsmShardLayout] {
-        &self.srcs
-    }
-    /// The destination layouts the plan was made from.
-    pub fn dsts(&self) -> &[SsmShardLayout] {
-        &self.dsts
-    }
-    /// The transfers a given source rank sends, in plan order.
-    pub fn for_src(&self, rank: u32) -> Vec<SsmReshardTransfer> {
-        self.transfers.iter().filter(|t| t.src_rank == rank).copied().collect()
-    }
-    /// The transfers a given destination rank receives, in plan order.
-    pub fn for_dst(&self, rank: u32) -> Vec<SsmReshardTransfer> {
-        self.transfers.iter().filter(|t| t.dst_rank == rank).copied().collect()
-    }
     /// The plan with every transfer cut into single layers (the reference design's records),
     /// ordered like the plan: by destination rank, layer, band, global offset, source rank.
     pub fn per_layer(&self) -> Vec<SsmReshardTransfer> {

@@ -214,3 +214,60 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn named_counters_list_every_counter_once_under_its_own_name() {
+    let mut l = ledger(8);
+    for (rid, lease) in [(1, Some(50)), (2, None)] {
+        l.submit(req(rid, 8, 10_000, lease), 100).unwrap();
+    }
+    l.abort(2, 120).unwrap();
+    let c = l.counters();
+    let named = std::collections::BTreeMap::from(c.named());
+    assert_eq!(named.len(), c.named().len(), "a name is listed twice");
+    assert_eq!(
+        (named["submitted"], named["started"], named["lease_expired"], named["failed"]),
+        (c.submitted, c.started, c.lease_expired, c.failed)
+    );
+    assert_eq!(named.values().sum::<u64>(), c.named().iter().map(|(_, v)| v).sum::<u64>());
+    let pins = disagg_core::ledger::PinCounters {
+        pinned: 1,
+        released: 2,
+        expired: 3,
+        ignored_messages: 4,
+    };
+    assert_eq!(
+        pins.named(),
+        [("pinned", 1), ("released", 2), ("expired", 3), ("ignored_messages", 4)]
+    );
+}
+
+#[test]
+fn a_lease_states_both_clocks_or_neither() {
+    assert_eq!(SourceLease::pair(None, None).unwrap(), None);
+    assert_eq!(
+        SourceLease::pair(Some(9), Some(4)).unwrap(),
+        Some(SourceLease { until_wall: 9, now_wall: 4 })
+    );
+    for (u, w) in [(Some(9), None), (None, Some(4))] {
+        let e = SourceLease::pair(u, w).unwrap_err();
+        assert!(matches!(&e, DisaggError::Argument { field, .. } if field == "lease_until_wall"));
+        assert!(e.to_string().contains("together or neither"), "{e}");
+    }
+}
+
+#[test]
+fn a_prompt_is_its_tokens_hashed_here_or_its_length_alone_never_both() {
+    let l = ledger(8);
+    let tokens: Vec<i64> = (0..9).collect();
+    let hashed = l.pool().block_hashes(&tokens).unwrap();
+    assert_eq!(hashed.len(), 2);
+    assert_eq!(l.prompt_facts(Some(&tokens), None, None).unwrap(), (9, hashed));
+    assert_eq!(l.prompt_facts(Some(&tokens), None, Some(vec![7])).unwrap(), (9, vec![7]));
+    assert_eq!(l.prompt_facts(None, Some(5), None).unwrap(), (5, vec![]));
+    assert_eq!(l.prompt_facts(None, Some(5), Some(vec![3])).unwrap(), (5, vec![3]));
+    for (t, n) in [(Some(&tokens[..]), Some(9)), (None, None)] {
+        let e = l.prompt_facts(t, n, None).unwrap_err();
+        assert!(matches!(&e, DisaggError::Argument { field, .. } if field == "prompt_tokens"));
+    }
+}

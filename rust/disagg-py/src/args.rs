@@ -9,10 +9,12 @@
 //! out of range, with the value given and the valid range. So every bad argument, of any type,
 //! gives one typed error with `.field` set.
 
+use disagg_core::wire::value::WireValue;
 use disagg_core::DisaggError;
 use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
+use pyo3::IntoPyObjectExt;
 
 use crate::error::to_pyerr;
 
@@ -359,4 +361,32 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Flag {
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         Ok(Self(obj.extract::<bool>().map_err(|_| describe(&obj.to_owned()))))
     }
+}
+
+/// A core wire value as the Python value `to_wire` would read back as it.
+pub fn wire_to_py<'py>(py: Python<'py>, v: &WireValue) -> PyResult<Bound<'py, PyAny>> {
+    match v {
+        WireValue::Null => Ok(py.None().into_bound(py)),
+        WireValue::Bool(b) => b.into_bound_py_any(py),
+        WireValue::Int(i) => i.into_bound_py_any(py),
+        WireValue::Float(f) => f.into_bound_py_any(py),
+        WireValue::Str(s) => s.into_bound_py_any(py),
+        WireValue::Bytes(b) => Ok(PyBytes::new(py, b).into_any()),
+        WireValue::List(items) => {
+            let items = items.iter().map(|x| wire_to_py(py, x)).collect::<PyResult<Vec<_>>>()?;
+            Ok(PyList::new(py, items)?.into_any())
+        }
+        WireValue::Map(entries) => {
+            let d = PyDict::new(py);
+            for (k, x) in entries {
+                d.set_item(k, wire_to_py(py, x)?)?;
+            }
+            Ok(d.into_any())
+        }
+    }
+}
+
+/// A core wire map as a Python dict.
+pub fn wire_dict_to_py<'py>(py: Python<'py>, v: &WireValue) -> PyResult<Bound<'py, PyDict>> {
+    Ok(wire_to_py(py, v)?.cast_into::<PyDict>()?)
 }

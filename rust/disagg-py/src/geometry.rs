@@ -5,14 +5,16 @@
 //! `strides`, `itemsize`, `dtype`); nothing here imports torch.
 
 use disagg_core::geometry::TensorView;
+use disagg_core::wire::value::{Obj, WireValue};
 use disagg_core::{
     DisaggError, KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple, PyType};
+use pyo3::types::{PyDict, PyTuple, PyType};
 
-use crate::args::{describe, retype, type_err, Int, IntList, Kind, Text};
-use crate::error::{py_methods, reject_unknown_keys, to_pyerr, wire_err, IntoPyResult};
+use crate::args::{describe, retype, type_err, wire_dict_to_py, Int, IntList, Kind, Text};
+use crate::error::{py_methods, to_pyerr, IntoPyResult};
+use crate::wire::to_wire;
 
 fn geo_err(field: &str, detail: String) -> PyErr {
     to_pyerr(DisaggError::geometry(field, detail))
@@ -101,28 +103,6 @@ fn device_u64(device_id: Option<Int>) -> PyResult<Option<u64>> {
 pub struct PyKvGeometry {
     /// The validated core geometry.
     pub inner: KvGeometry,
-}
-
-const KV_GEO_KEYS: [&str; 14] = [
-    "kind",
-    "num_kv",
-    "num_layers",
-    "num_blocks",
-    "tokens_per_block",
-    "num_heads",
-    "head_dim",
-    "element_size",
-    "block_stride",
-    "token_stride",
-    "head_stride",
-    "plane_bases",
-    "device_id",
-    "dtype",
-];
-
-fn req<'py, T: for<'a> FromPyObject<'a, 'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T> {
-    let v = d.get_item(key)?.ok_or_else(|| wire_err(key, "missing required field".into()))?;
-    v.extract().map_err(|_| wire_err(key, format!("wrong type or range: {v}")))
 }
 
 py_methods!(wire PyKvGeometry,
@@ -270,23 +250,7 @@ methods {
 
     /// Plain dict for the wire (JSON/msgpack safe); `from_dict(to_dict())` round-trips.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.spec();
-        let d = PyDict::new(py);
-        d.set_item("kind", "kv")?;
-        d.set_item("num_kv", s.num_kv)?;
-        d.set_item("num_layers", s.num_layers)?;
-        d.set_item("num_blocks", s.num_blocks)?;
-        d.set_item("tokens_per_block", s.tokens_per_block)?;
-        d.set_item("num_heads", s.num_heads)?;
-        d.set_item("head_dim", s.head_dim)?;
-        d.set_item("element_size", s.element_size)?;
-        d.set_item("block_stride", s.block_stride)?;
-        d.set_item("token_stride", s.token_stride)?;
-        d.set_item("head_stride", s.head_stride)?;
-        d.set_item("plane_bases", PyList::new(py, &s.plane_bases)?)?;
-        d.set_item("device_id", s.device_id)?;
-        d.set_item("dtype", s.dtype.clone())?;
-        Ok(d)
+        wire_dict_to_py(py, &self.inner.to_wire())
     }
 
     fn __repr__(&self) -> String {
@@ -298,27 +262,8 @@ impl PyKvGeometry {
     /// Decode a wire dict; `MetadataError` on a missing, unknown or mistyped field,
     /// `GeometryMismatchError`/`AddressOverflowError` on invalid values.
     fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
-        reject_unknown_keys(d, &KV_GEO_KEYS, "KVGeometry")?;
-        let kind: String = req(d, "kind")?;
-        if kind != "kv" {
-            return Err(wire_err("kind", format!("kind={kind:?}, expected 'kv'")));
-        }
-        let spec = KvGeometrySpec {
-            num_kv: req(d, "num_kv")?,
-            num_layers: req(d, "num_layers")?,
-            num_blocks: req(d, "num_blocks")?,
-            tokens_per_block: req(d, "tokens_per_block")?,
-            num_heads: req(d, "num_heads")?,
-            head_dim: req(d, "head_dim")?,
-            element_size: req(d, "element_size")?,
-            block_stride: req(d, "block_stride")?,
-            token_stride: req(d, "token_stride")?,
-            head_stride: req(d, "head_stride")?,
-            plane_bases: req(d, "plane_bases")?,
-            device_id: req(d, "device_id")?,
-            dtype: req(d, "dtype")?,
-        };
-        Ok(Self { inner: KvGeometry::new(spec).py()? })
+        let v = to_wire(d.as_any(), "<dict>")?;
+        Ok(Self { inner: KvGeometry::from_wire(&Obj::of(&v, "").py()?).py()? })
     }
 }
 
@@ -330,17 +275,6 @@ pub struct PySsmGeometry {
     pub inner: SsmGeometry,
 }
 
-const PART_KEYS: [&str; 8] = [
-    "layer_bases",
-    "num_slots",
-    "slot_stride",
-    "num_units",
-    "unit_stride",
-    "unit_bytes",
-    "element_size",
-    "dtype",
-];
-
 /// One SSM state tensor: its part, and the device it names.
 fn part_from_tensor(
     t: &Bound<'_, PyAny>,
@@ -351,34 +285,11 @@ fn part_from_tensor(
     Ok((SsmStatePart::from_tensor(&v, kind, ndim).py()?, v.device))
 }
 
-fn part_to_dict<'py>(py: Python<'py>, p: &SsmStatePart) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("layer_bases", PyList::new(py, &p.layer_bases)?)?;
-    d.set_item("num_slots", p.num_slots)?;
-    d.set_item("slot_stride", p.slot_stride)?;
-    d.set_item("num_units", p.num_units)?;
-    d.set_item("unit_stride", p.unit_stride)?;
-    d.set_item("unit_bytes", p.unit_bytes)?;
-    d.set_item("element_size", p.element_size)?;
-    d.set_item("dtype", p.dtype.clone())?;
-    Ok(d)
-}
-
-fn part_from_dict(d: Option<Bound<'_, PyAny>>, field: &str) -> PyResult<Option<SsmStatePart>> {
-    let Some(d) = d.filter(|v| !v.is_none()) else { return Ok(None) };
-    let d =
-        d.cast_into::<PyDict>().map_err(|_| wire_err(field, "expected a dict or None".into()))?;
-    reject_unknown_keys(&d, &PART_KEYS, field)?;
-    Ok(Some(SsmStatePart {
-        layer_bases: req(&d, "layer_bases")?,
-        num_slots: req(&d, "num_slots")?,
-        slot_stride: req(&d, "slot_stride")?,
-        num_units: req(&d, "num_units")?,
-        unit_stride: req(&d, "unit_stride")?,
-        unit_bytes: req(&d, "unit_bytes")?,
-        element_size: req(&d, "element_size")?,
-        dtype: req(&d, "dtype")?,
-    }))
+/// An SSM state part argument: a dict with the keys of `to_dict()["conv"]`, or `None`.
+fn part_arg(v: Option<Bound<'_, PyAny>>, key: &str) -> PyResult<Option<SsmStatePart>> {
+    let Some(v) = v else { return Ok(None) };
+    let map = WireValue::Map(vec![(key.to_owned(), to_wire(&v, key)?)]);
+    SsmStatePart::from_wire(&Obj::of(&map, "").py()?, key).py()
 }
 
 py_methods!(wire PySsmGeometry,
@@ -407,8 +318,8 @@ methods {
         device_id: Int,
     ) -> PyResult<Self> {
         let device_id = device_id.to_u64(Kind::Argument, "device_id")?;
-        let conv = part_from_dict(conv, "conv")?;
-        let recurrent = part_from_dict(recurrent, "recurrent")?;
+        let conv = part_arg(conv, "conv")?;
+        let recurrent = part_arg(recurrent, "recurrent")?;
         Ok(Self { inner: SsmGeometry::new(conv, recurrent, device_id).py()? })
     }
 
@@ -452,15 +363,7 @@ methods {
 
     /// Plain dict for the wire; `from_dict(to_dict())` round-trips.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("kind", "ssm")?;
-        d.set_item("conv", self.inner.conv.as_ref().map(|p| part_to_dict(py, p)).transpose()?)?;
-        d.set_item(
-            "recurrent",
-            self.inner.recurrent.as_ref().map(|p| part_to_dict(py, p)).transpose()?,
-        )?;
-        d.set_item("device_id", self.inner.device_id)?;
-        Ok(d)
+        wire_dict_to_py(py, &self.inner.to_wire())
     }
 
     fn __repr__(&self) -> String {
@@ -471,15 +374,8 @@ methods {
 impl PySsmGeometry {
     /// Decode a wire dict.
     fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
-        reject_unknown_keys(d, &["kind", "conv", "recurrent", "device_id"], "SSMGeometry")?;
-        let kind: String = req(d, "kind")?;
-        if kind != "ssm" {
-            return Err(wire_err("kind", format!("kind={kind:?}, expected 'ssm'")));
-        }
-        let conv = part_from_dict(d.get_item("conv")?, "conv")?;
-        let recurrent = part_from_dict(d.get_item("recurrent")?, "recurrent")?;
-        let inner = SsmGeometry::new(conv, recurrent, req(d, "device_id")?).py()?;
-        Ok(Self { inner })
+        let v = to_wire(d.as_any(), "<dict>")?;
+        Ok(Self { inner: SsmGeometry::from_wire(&Obj::of(&v, "").py()?).py()? })
     }
 }
 /// A `(K, V)` tuple of one layer's separate key and value tensors, if `t` is one.

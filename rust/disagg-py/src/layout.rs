@@ -322,47 +322,6 @@ pub struct PySsmShardLayout {
     pub inner: SsmShardLayout,
 }
 
-/// Every constructor keyword.
-const SSM_ARGS: [&str; 13] = [
-    "num_layers",
-    "dims",
-    "tp_size",
-    "tp_rank",
-    "pp_size",
-    "pp_rank",
-    "global_rank",
-    "ep_rank",
-    "etp_rank",
-    "layer_start",
-    "num_local_layers",
-    "total_layers",
-    "replicate_groups",
-];
-
-/// Positional order of the reference design's dataclass.
-const SSM_REFERENCE_POSITIONAL: [&str; 6] =
-    ["global_rank", "tp_size", "tp_rank", "layer_start", "num_layers", "dims"];
-
-/// Positional order of our form.
-const SSM_OUR_POSITIONAL: [&str; 7] =
-    ["num_layers", "dims", "tp_size", "tp_rank", "pp_size", "pp_rank", "global_rank"];
-
-/// The reference design's dataclass fields, then ours (so `asdict` round-trips every layout).
-const SSM_FIELDS: [&str; 12] = [
-    "global_rank",
-    "tp_size",
-    "tp_rank",
-    "layer_start",
-    "num_layers",
-    "dims",
-    "pp_size",
-    "pp_rank",
-    "ep_rank",
-    "etp_rank",
-    "total_layers",
-    "replicate_groups",
-];
-
 /// Constructor arguments by name, from either positional order.
 struct SsmArgs<'py> {
     given: Vec<(&'static str, Bound<'py, PyAny>)>,
@@ -371,18 +330,10 @@ struct SsmArgs<'py> {
 impl<'py> SsmArgs<'py> {
     fn parse(args: &Bound<'py, PyTuple>, kwargs: Option<&Bound<'py, PyDict>>) -> PyResult<Self> {
         let kw_has = |k: &str| kwargs.is_some_and(|d| d.contains(k).unwrap_or(false));
-        // Our form puts dims second; the reference form puts an int (tp_size) there. With one
-        // positional argument it is our `num_layers` unless `num_layers` is also a keyword.
-        let ours = match args.len() {
-            0 => true,
-            1 => !kw_has("num_layers"),
-            _ => {
-                let second = args.get_item(1)?;
-                second.cast::<PySsmStateDims>().is_ok() || second.cast::<PyDict>().is_ok()
-            }
-        };
-        let order: &[&'static str] =
-            if ours { &SSM_OUR_POSITIONAL } else { &SSM_REFERENCE_POSITIONAL };
+        let second = args.get_item(1).ok();
+        let dims_second = second
+            .is_some_and(|v| v.cast::<PySsmStateDims>().is_ok() || v.cast::<PyDict>().is_ok());
+        let order = SsmLayoutSpec::call_order(args.len(), dims_second, kw_has("num_layers"));
         if args.len() > order.len() {
             return Err(PyTypeError::new_err(format!(
                 "SSMShardLayout takes at most {} positional arguments ({}), {} given",
@@ -396,7 +347,7 @@ impl<'py> SsmArgs<'py> {
         if let Some(kw) = kwargs {
             for (k, v) in kw.iter() {
                 let key: String = k.extract()?;
-                let Some(&name) = SSM_ARGS.iter().find(|&&n| n == key) else {
+                let Some(&name) = SsmLayoutSpec::CALL_KEYS.iter().find(|&&n| n == key) else {
                     return Err(PyTypeError::new_err(format!(
                         "SSMShardLayout got an unexpected keyword argument {key:?}"
                     )));
@@ -486,59 +437,29 @@ methods {
     fn new(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
         let a = SsmArgs::parse(args, kwargs)?;
         let dims = PySsmStateDims::coerce(required("dims", a.get("dims"))?)?;
-        let layer_start = a.int("layer_start")?;
-        let num_local_layers = a.int("num_local_layers")?;
-        let num_layers = a.int("num_layers")?;
-        let total_layers = a.int("total_layers")?;
-        let (total, local) = if layer_start.is_some() && num_local_layers.is_none() {
-            (total_layers, Some(required("num_layers", num_layers)?))
-        } else {
-            let total = match (num_layers, total_layers) {
-                (Some(n), Some(t)) if n != t => {
-                    return Err(to_pyerr(DisaggError::layout(
-                        "total_layers",
-                        format!("num_layers={n} and total_layers={t} both name the model's total"),
-                    )));
-                }
-                (n, t) => n.or(t),
-            };
-            // Without a total, only an explicit window works; the core says so if it is missing.
-            (total, num_local_layers)
-        };
-        let tp_size = a.int("tp_size")?.unwrap_or(1);
-        let tp_rank = a.int("tp_rank")?.unwrap_or(0);
-        let pp_rank = a.int("pp_rank")?.unwrap_or(0);
-        let default_rank = i64::from(pp_rank) * i64::from(tp_size) + i64::from(tp_rank);
-        let global_rank = match a.int("global_rank")? {
-            Some(r) => r,
-            None => u32_field("global_rank", default_rank)?,
-        };
         let replicate_groups = match a.get("replicate_groups") {
             Some(v) => v.extract().map_err(|_| {
                 type_err("replicate_groups", format!("replicate_groups must be a bool, got {v}"))
             })?,
             None => false,
         };
-        let spec = SsmLayoutSpec {
-            num_layers: total,
-            dims,
-            tp_size,
-            tp_rank,
-            pp_size: a.int("pp_size")?.unwrap_or(1),
-            pp_rank,
-            global_rank,
-            ep_rank: a.int("ep_rank")?.unwrap_or(0),
-            etp_rank: a.int("etp_rank")?.unwrap_or(0),
-            layer_start,
-            num_local_layers: local,
-            replicate_groups,
-        };
+        let ints = SsmLayoutSpec::CALL_KEYS
+            .iter()
+            .filter(|&&k| k != "dims" && k != "replicate_groups")
+            .map(|&k| Ok((k, a.int(k)?)))
+            .collect::<PyResult<Vec<_>>>()?;
+        let spec = SsmLayoutSpec::from_call(&ints, dims, replicate_groups).map_err(|e| match e {
+            DisaggError::Argument { field, .. } => {
+                type_err(&field, format!("missing required argument {field}"))
+            }
+            e => to_pyerr(e),
+        })?;
         Ok(Self { inner: SsmShardLayout::new(spec).py()? })
     }
     /// The reference design's dataclass fields, then ours (for `dataclasses.asdict` and friends).
     #[classattr]
     fn __dataclass_fields__(py: Python<'_>) -> PyResult<Py<PyAny>> {
-        dataclass_fields(py, "SSMShardLayout", &SSM_FIELDS)
+        dataclass_fields(py, "SSMShardLayout", &SsmLayoutSpec::DATACLASS_FIELDS)
     }
     /// The conv-state bands in packing order.
     #[classattr]

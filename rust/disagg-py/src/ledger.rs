@@ -14,11 +14,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::args::{describe, Flag, Int, IntList, Kind, Text};
-use crate::error::{to_pyerr, wire_err, IntoPyResult};
-use crate::pool::{
-    ids_arg, lock, tokens_arg, u32_arg, u64_arg, BlockPoolOwner, PyBlockPool, PySlotPool,
-    SlotPoolOwner,
-};
+use crate::error::{wire_err, IntoPyResult};
+use crate::pool::{core_methods, ids_arg, lock, lock_with, tokens_arg, u32_arg, u64_arg, Out};
 
 /// One action of a ledger, tagged by `kind`; the fields a kind does not use are empty.
 ///
@@ -119,6 +116,12 @@ impl PyLedgerAction {
 /// `("failure", first_failed_rank, its_outcome)`.
 type QuorumVerdict = (&'static str, Option<u32>, Option<&'static str>);
 
+/// What `CompletionQuorum.report` returns: `None` or a [`QuorumVerdict`].
+type Verdict = PyResult<Option<QuorumVerdict>>;
+
+/// What a ledger call that acts returns.
+type Acts = PyResult<Vec<PyLedgerAction>>;
+
 /// `Some(x)` as `x`, `None` as `None`, the way Python prints it.
 fn py_opt(v: Option<u32>) -> String {
     v.map_or_else(|| "None".to_string(), |x| x.to_string())
@@ -126,6 +129,13 @@ fn py_opt(v: Option<u32>) -> String {
 
 fn actions(v: Vec<LedgerAction>) -> Vec<PyLedgerAction> {
     v.into_iter().map(PyLedgerAction::from_core).collect()
+}
+
+impl Out for Result<Vec<LedgerAction>, DisaggError> {
+    type Py = Vec<PyLedgerAction>;
+    fn out(self) -> PyResult<Self::Py> {
+        Ok(actions(self.py()?))
+    }
 }
 
 /// A decode batch's occupancy from its context's counts.
@@ -184,8 +194,44 @@ pub struct PyImportLedger {
     inner: Arc<Mutex<ImportLedger>>,
 }
 
-#[pymethods]
-impl PyImportLedger {
+core_methods!(PyImportLedger, lock_with, inner, pools Import,
+calls {
+    /// The local handle of a quarantined attempt settled.
+    fn settle(request_id: u64_arg, epoch: u64_arg) -> Vec<PyLedgerAction> = settle;
+    /// Abort a request at any stage (unknown ids are counted no-ops).
+    fn abort(request_id: u64_arg, now: u64_arg) -> Vec<PyLedgerAction> = abort;
+    /// Quarantined `(request_id, epoch)` pairs whose drain horizon is `<= now` (cancel their
+    /// transfers before the `poll(now)` that frees their blocks).
+    fn quarantine_due(now: u64_arg) -> Vec<(u64, u64)> = quarantine_due;
+    /// Expire deadlines, drain quarantines past their horizon, start what fits.
+    fn poll(now: u64_arg) -> Vec<PyLedgerAction> = poll;
+    /// Engine reset; raises `ResetRefusedError` (nothing changed) while anything may still be
+    /// written.
+    fn reset(now: u64_arg) -> Vec<PyLedgerAction> = reset;
+    /// Verify conservation and ownership; raises `ConservationError`.
+    fn check() -> () = check;
+    /// Live handoffs (deferred + importing + ready).
+    #[getter] fn pending_kv_import_count() -> usize = pending_kv_import_count;
+    /// Whether an admission point has work.
+    #[getter] fn has_admittable_kv_import() -> bool = has_admittable_kv_import;
+    /// Handoffs waiting for capacity.
+    #[getter] fn num_deferred() -> usize = num_deferred;
+    /// Deferred request ids, oldest first.
+    fn deferred_ids() -> Vec<u64> = deferred_ids;
+    /// Handoffs with transfers in flight.
+    #[getter] fn num_importing() -> usize = num_importing;
+    /// Complete handoffs waiting for admission.
+    #[getter] fn num_ready() -> usize = num_ready;
+    /// `"deferred"`, `"importing"`, `"ready"`, or `None` if not live.
+    fn state_of(request_id: u64_arg) -> Option<&'static str> = state_of;
+    /// Failed attempts whose destinations may still be written.
+    #[getter] fn num_quarantined() -> usize = num_quarantined;
+    /// Blocks held in quarantine.
+    #[getter] fn num_quarantined_blocks() -> usize = num_quarantined_blocks;
+    /// Current attempt epoch of a live request.
+    fn epoch_of(request_id: u64_arg) -> Option<u64> = epoch_of;
+}
+methods {
     #[new]
     #[pyo3(signature = (
         num_blocks, block_size_tokens, num_ssm_slots=Int::of(0), *, world_size=Int::of(1),
@@ -368,18 +414,6 @@ impl PyImportLedger {
         Ok(admission::resume_finishes(&resume, limit, term, &stops))
     }
 
-    /// The ledger's block pool (shared, not a copy): the engine's allocator.
-    #[getter]
-    fn block_pool(&self) -> PyBlockPool {
-        PyBlockPool { owner: BlockPoolOwner::Import(Arc::clone(&self.inner)) }
-    }
-
-    /// The ledger's SSM slot pool (shared, not a copy).
-    #[getter]
-    fn slot_pool(&self) -> PySlotPool {
-        PySlotPool { owner: SlotPoolOwner::Import(Arc::clone(&self.inner)) }
-    }
-
     /// Validate, then queue or start one handoff. Give `prompt_tokens` (hashed here) or
     /// `num_prompt_tokens` with optional `prompt_hashes` at the decode block size. A source
     /// lease is `lease_until_wall` (the source's wall clock) with `now_wall` (ours, read with
@@ -415,24 +449,11 @@ impl PyImportLedger {
         let (has_ssm, finished) = (has_ssm.get("has_ssm")?, finished.get("finished")?);
         let prompt_hashes =
             prompt_hashes.map(|h| h.to_u64s(Kind::Argument, "prompt_hashes")).transpose()?;
-        let source_lease = match (lease_until_wall, now_wall) {
-            (None, None) => None,
-            (Some(u), Some(w)) => Some(SourceLease {
-                until_wall: u64_arg("lease_until_wall", u)?,
-                now_wall: u64_arg("now_wall", w)?,
-            }),
-            (u, w) => {
-                return Err(to_pyerr(DisaggError::argument(
-                    "lease_until_wall",
-                    format!(
-                        "give lease_until_wall (given: {}) and now_wall (given: {}) together or \
-                         neither",
-                        u.is_some(),
-                        w.is_some()
-                    ),
-                )))
-            }
-        };
+        let source_lease = SourceLease::pair(
+            lease_until_wall.map(|u| u64_arg("lease_until_wall", u)).transpose()?,
+            now_wall.map(|w| u64_arg("now_wall", w)).transpose()?,
+        )
+        .py()?;
         let reuse_align_tokens = u32_arg("reuse_align_tokens", reuse_align_tokens)?;
         let prompt_tokens = prompt_tokens.map(tokens_arg).transpose()?;
         let src_block_ids = ids_arg("src_block_ids", &src_block_ids)?;
@@ -443,31 +464,11 @@ impl PyImportLedger {
             src_block_size_tokens.map(|v| u32_arg("src_block_size_tokens", v)).transpose()?;
         let n_given = num_prompt_tokens.map(|v| u32_arg("num_prompt_tokens", v)).transpose()?;
         let inner = Arc::clone(&self.inner);
-        let out = py.detach(move || -> Result<Vec<LedgerAction>, PyErr> {
+        let out = py.detach(move || -> PyResult<Vec<LedgerAction>> {
             let mut l = lock(&inner)?;
             let bs = l.pool().block_size_tokens();
-            let (num_prompt_tokens, prompt_hashes) = match (prompt_tokens, n_given) {
-                (Some(t), None) => {
-                    let n = u32::try_from(t.len()).map_err(|_| {
-                        to_pyerr(DisaggError::argument(
-                            "prompt_tokens",
-                            format!("len={} must be < 2**32", t.len()),
-                        ))
-                    })?;
-                    let h = match prompt_hashes {
-                        Some(h) => h,
-                        None => l.pool().block_hashes(&t).py()?,
-                    };
-                    (n, h)
-                }
-                (None, Some(n)) => (n, prompt_hashes.unwrap_or_default()),
-                _ => {
-                    return Err(to_pyerr(DisaggError::argument(
-                        "prompt_tokens",
-                        "give exactly one of prompt_tokens and num_prompt_tokens",
-                    )))
-                }
-            };
+            let (num_prompt_tokens, prompt_hashes) =
+                l.prompt_facts(prompt_tokens.as_deref(), n_given, prompt_hashes).py()?;
             let req = ImportRequest {
                 request_id,
                 num_prompt_tokens,
@@ -488,14 +489,7 @@ impl PyImportLedger {
 
     /// One rank's terminal report: `outcome` is `"ok"`, `"error"`, `"timeout"` or
     /// `"may_still_write"`.
-    fn report(
-        &self,
-        request_id: Int,
-        epoch: Int,
-        rank: Int,
-        outcome: Text,
-        now: Int,
-    ) -> PyResult<Vec<PyLedgerAction>> {
+    fn report(&self, request_id: Int, epoch: Int, rank: Int, outcome: Text, now: Int) -> Acts {
         let outcome = RankOutcome::parse(outcome.get("outcome")?).py()?;
         let (r, e, k, n) = (
             u64_arg("request_id", request_id)?,
@@ -504,31 +498,6 @@ impl PyImportLedger {
             u64_arg("now", now)?,
         );
         Ok(actions(lock(&self.inner)?.report(r, e, k, outcome, n).py()?))
-    }
-
-    /// The local handle of a quarantined attempt settled.
-    fn settle(&self, request_id: Int, epoch: Int) -> PyResult<Vec<PyLedgerAction>> {
-        let (r, e) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?);
-        Ok(actions(lock(&self.inner)?.settle(r, e).py()?))
-    }
-
-    /// Abort a request at any stage (unknown ids are counted no-ops).
-    fn abort(&self, request_id: Int, now: Int) -> PyResult<Vec<PyLedgerAction>> {
-        let (r, n) = (u64_arg("request_id", request_id)?, u64_arg("now", now)?);
-        Ok(actions(lock(&self.inner)?.abort(r, n).py()?))
-    }
-
-    /// Quarantined `(request_id, epoch)` pairs whose drain horizon is `<= now` (cancel their
-    /// transfers before the `poll(now)` that frees their blocks).
-    fn quarantine_due(&self, now: i64) -> PyResult<Vec<(u64, u64)>> {
-        let n = u64_arg("now", now)?;
-        Ok(lock(&self.inner)?.quarantine_due(n))
-    }
-
-    /// Expire deadlines, drain quarantines past their horizon, start what fits.
-    fn poll(&self, now: Int) -> PyResult<Vec<PyLedgerAction>> {
-        let n = u64_arg("now", now)?;
-        Ok(actions(lock(&self.inner)?.poll(n).py()?))
     }
 
     /// Admission point: admit ready imports while the batch has `batch_room` places. `now`
@@ -541,102 +510,17 @@ impl PyImportLedger {
         Ok(actions(lock(&self.inner)?.admit(room, now).py()?))
     }
 
-    /// Engine reset; raises `ResetRefusedError` (nothing changed) while anything may still be
-    /// written.
-    fn reset(&self, now: Int) -> PyResult<Vec<PyLedgerAction>> {
-        let n = u64_arg("now", now)?;
-        Ok(actions(lock(&self.inner)?.reset(n).py()?))
-    }
-
-    /// Verify conservation and ownership; raises `ConservationError`.
-    fn check(&self) -> PyResult<()> {
-        lock(&self.inner)?.check().py()
-    }
-
-    /// Live handoffs (deferred + importing + ready).
-    #[getter]
-    fn pending_kv_import_count(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.pending_kv_import_count())
-    }
-
-    /// Whether an admission point has work.
-    #[getter]
-    fn has_admittable_kv_import(&self) -> PyResult<bool> {
-        Ok(lock(&self.inner)?.has_admittable_kv_import())
-    }
-
-    /// Handoffs waiting for capacity.
-    #[getter]
-    fn num_deferred(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.num_deferred())
-    }
-
-    /// Handoffs with transfers in flight.
-    #[getter]
-    fn num_importing(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.num_importing())
-    }
-
-    /// Complete handoffs waiting for admission.
-    #[getter]
-    fn num_ready(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.num_ready())
-    }
-
-    /// Failed attempts whose destinations may still be written.
-    #[getter]
-    fn num_quarantined(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.num_quarantined())
-    }
-
-    /// Blocks held in quarantine.
-    #[getter]
-    fn num_quarantined_blocks(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.num_quarantined_blocks())
-    }
-
     /// Speculative lookahead tokens reserved after the resume tokens of every import.
     #[getter]
     fn lookahead_tokens(&self) -> PyResult<u32> {
         Ok(lock(&self.inner)?.config().lookahead_tokens)
     }
 
-    /// Deferred request ids, oldest first.
-    fn deferred_ids(&self) -> PyResult<Vec<u64>> {
-        Ok(lock(&self.inner)?.deferred_ids())
-    }
-
-    /// `"deferred"`, `"importing"`, `"ready"`, or `None` if not live.
-    fn state_of(&self, request_id: Int) -> PyResult<Option<&'static str>> {
-        let r = u64_arg("request_id", request_id)?;
-        Ok(lock(&self.inner)?.state_of(r))
-    }
-
-    /// Current attempt epoch of a live request.
-    fn epoch_of(&self, request_id: Int) -> PyResult<Option<u64>> {
-        let r = u64_arg("request_id", request_id)?;
-        Ok(lock(&self.inner)?.epoch_of(r))
-    }
-
     /// Event counters by name.
     fn counters(&self) -> PyResult<BTreeMap<&'static str, u64>> {
-        let c = lock(&self.inner)?.counters();
-        Ok(BTreeMap::from([
-            ("submitted", c.submitted),
-            ("deferred", c.deferred),
-            ("started", c.started),
-            ("admitted", c.admitted),
-            ("completed_without_forward", c.completed_without_forward),
-            ("failed", c.failed),
-            ("quarantined", c.quarantined),
-            ("drained_settled", c.drained_settled),
-            ("drained_horizon", c.drained_horizon),
-            ("lease_expired", c.lease_expired),
-            ("ignored_messages", c.ignored_messages),
-            ("prefix_blocks_reused", c.prefix_blocks_reused),
-        ]))
+        Ok(BTreeMap::from(lock(&self.inner)?.counters().named()))
     }
-}
+});
 
 /// Prefill-side pin ledger over its own block and SSM slot pools.
 #[pyclass(name = "PinLedger", module = "disagg_rs", frozen)]
@@ -644,8 +528,28 @@ pub struct PyPinLedger {
     inner: Arc<Mutex<PinLedger>>,
 }
 
-#[pymethods]
-impl PyPinLedger {
+core_methods!(PyPinLedger, lock_with, inner, pools Pin,
+calls {
+    /// A push send started reading the pin (two-sided transports).
+    fn begin_push(request_id: u64_arg, epoch: u64_arg) -> () = begin_push;
+    /// The push send settled; a release that waited for it happens now.
+    fn push_settled(request_id: u64_arg, epoch: u64_arg) -> Vec<PyLedgerAction> = push_settled;
+    /// Release pins whose lease ended at `now`.
+    fn expire(now: u64_arg) -> Vec<PyLedgerAction> = expire;
+    /// Release every pin; refused (nothing changed) while a push may still read.
+    fn reset() -> Vec<PyLedgerAction> = reset;
+    /// Verify conservation; raises `ConservationError`.
+    fn check() -> () = check;
+    /// Live pins.
+    #[getter] fn num_pinned() -> usize = num_pinned;
+    /// The reference design's `pending_kv_push_count`.
+    #[getter] fn pending_kv_push_count() -> usize = pending_kv_push_count;
+    /// Request ids of the live pins, ascending.
+    fn pinned_request_ids() -> Vec<u64> = pinned_request_ids;
+    /// Epoch of a live pin.
+    fn epoch_of(request_id: u64_arg) -> Option<u64> = epoch_of;
+}
+methods {
     #[new]
     #[pyo3(signature = (num_blocks, block_size_tokens, num_ssm_slots=Int::of(0)),
         text_signature = "(num_blocks, block_size_tokens, num_ssm_slots=0)")]
@@ -657,18 +561,6 @@ impl PyPinLedger {
         )
         .py()?;
         Ok(Self { inner: Arc::new(Mutex::new(l)) })
-    }
-
-    /// The ledger's block pool (shared): the prefill engine's allocator.
-    #[getter]
-    fn block_pool(&self) -> PyBlockPool {
-        PyBlockPool { owner: BlockPoolOwner::Pin(Arc::clone(&self.inner)) }
-    }
-
-    /// The ledger's SSM slot pool (shared).
-    #[getter]
-    fn slot_pool(&self) -> PySlotPool {
-        PySlotPool { owner: SlotPoolOwner::Pin(Arc::clone(&self.inner)) }
     }
 
     /// Pin held blocks (one more reference each) and a handed-out SSM slot (taken over) until
@@ -712,18 +604,6 @@ impl PyPinLedger {
         ))
     }
 
-    /// A push send started reading the pin (two-sided transports).
-    fn begin_push(&self, request_id: Int, epoch: Int) -> PyResult<()> {
-        let (r, e) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?);
-        lock(&self.inner)?.begin_push(r, e).py()
-    }
-
-    /// The push send settled; a release that waited for it happens now.
-    fn push_settled(&self, request_id: Int, epoch: Int) -> PyResult<Vec<PyLedgerAction>> {
-        let (r, e) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?);
-        Ok(actions(lock(&self.inner)?.push_settled(r, e).py()?))
-    }
-
     /// `RELEASE_KV`: idempotent; unknown ids and old epochs are counted no-ops.
     #[pyo3(signature = (request_id, epoch=None))]
     fn release(&self, request_id: Int, epoch: Option<Int>) -> PyResult<Vec<PyLedgerAction>> {
@@ -732,68 +612,23 @@ impl PyPinLedger {
         Ok(actions(lock(&self.inner)?.release(r, e).py()?))
     }
 
-    /// Release pins whose lease ended at `now`.
-    fn expire(&self, now: Int) -> PyResult<Vec<PyLedgerAction>> {
-        let n = u64_arg("now", now)?;
-        Ok(actions(lock(&self.inner)?.expire(n).py()?))
-    }
-
-    /// Release every pin; refused (nothing changed) while a push may still read.
-    fn reset(&self) -> PyResult<Vec<PyLedgerAction>> {
-        Ok(actions(lock(&self.inner)?.reset().py()?))
-    }
-
-    /// Verify conservation; raises `ConservationError`.
-    fn check(&self) -> PyResult<()> {
-        lock(&self.inner)?.check().py()
-    }
-
-    /// Live pins.
-    #[getter]
-    fn num_pinned(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.num_pinned())
-    }
-
-    /// The reference design's `pending_kv_push_count`.
-    #[getter]
-    fn pending_kv_push_count(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.pending_kv_push_count())
-    }
-
     /// Blocks of a live pin in pinned order (``None`` for an id with no pin).
-    fn pinned_blocks(&self, request_id: i64) -> PyResult<Option<Vec<u32>>> {
+    fn pinned_blocks(&self, request_id: Int) -> PyResult<Option<Vec<u32>>> {
         let r = u64_arg("request_id", request_id)?;
         Ok(lock(&self.inner)?.pinned(r).map(|(b, _)| b.to_vec()))
     }
 
     /// SSM slot of a live pin (``None`` for an id with no pin or a pin without a slot).
-    fn pinned_ssm_slot(&self, request_id: i64) -> PyResult<Option<u32>> {
+    fn pinned_ssm_slot(&self, request_id: Int) -> PyResult<Option<u32>> {
         let r = u64_arg("request_id", request_id)?;
         Ok(lock(&self.inner)?.pinned(r).and_then(|(_, s)| s))
     }
 
-    /// Request ids of the live pins, ascending.
-    fn pinned_request_ids(&self) -> PyResult<Vec<u64>> {
-        Ok(lock(&self.inner)?.pinned_request_ids())
-    }
-
-    /// Epoch of a live pin.
-    fn epoch_of(&self, request_id: Int) -> PyResult<Option<u64>> {
-        let r = u64_arg("request_id", request_id)?;
-        Ok(lock(&self.inner)?.epoch_of(r))
-    }
-
     /// Event counters by name.
     fn counters(&self) -> PyResult<BTreeMap<&'static str, u64>> {
-        let c = lock(&self.inner)?.counters();
-        Ok(BTreeMap::from([
-            ("pinned", c.pinned),
-            ("released", c.released),
-            ("expired", c.expired),
-            ("ignored_messages", c.ignored_messages),
-        ]))
+        Ok(BTreeMap::from(lock(&self.inner)?.counters().named()))
     }
-}
+});
 
 /// Model-parallel agreement: success when all ranks report ok, failure at the first non-ok
 /// report (once); a rank contradicting itself raises `HandoffStateError`.
@@ -802,8 +637,18 @@ pub struct PyCompletionQuorum {
     inner: Mutex<CompletionQuorum>,
 }
 
-#[pymethods]
-impl PyCompletionQuorum {
+core_methods!(PyCompletionQuorum, lock_with, inner,
+calls {
+    /// Number of ranks.
+    #[getter] fn world_size() -> u32 = world_size;
+    /// Duplicate reports ignored so far.
+    #[getter] fn ignored() -> u64 = ignored;
+    /// Attempts with votes not forgotten yet.
+    #[getter] fn num_open() -> usize = num_open;
+    /// Drop the votes of a finished attempt.
+    fn forget(request_id: u64_arg, epoch: u64_arg) -> () = forget;
+}
+methods {
     #[new]
     fn new(world_size: Int) -> PyResult<Self> {
         Ok(Self {
@@ -827,33 +672,9 @@ impl PyCompletionQuorum {
         Ok(RankOutcome::fold_local(failed, &states).map(RankOutcome::name))
     }
 
-    /// Number of ranks.
-    #[getter]
-    fn world_size(&self) -> PyResult<u32> {
-        Ok(lock(&self.inner)?.world_size())
-    }
-
-    /// Duplicate reports ignored so far.
-    #[getter]
-    fn ignored(&self) -> PyResult<u64> {
-        Ok(lock(&self.inner)?.ignored())
-    }
-
-    /// Attempts with votes not forgotten yet.
-    #[getter]
-    fn num_open(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.num_open())
-    }
-
     /// Record a report. Returns `None` (no decision yet or already decided),
     /// `("success", None, None)` or `("failure", first_failed_rank, its_outcome)`.
-    fn report(
-        &self,
-        request_id: Int,
-        epoch: Int,
-        rank: Int,
-        outcome: Text,
-    ) -> PyResult<Option<QuorumVerdict>> {
+    fn report(&self, request_id: Int, epoch: Int, rank: Int, outcome: Text) -> Verdict {
         let o = RankOutcome::parse(outcome.get("outcome")?).py()?;
         let (r, e, k) =
             (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?, u32_arg("rank", rank)?);
@@ -864,11 +685,4 @@ impl PyCompletionQuorum {
             }
         }))
     }
-
-    /// Drop the votes of a finished attempt.
-    fn forget(&self, request_id: Int, epoch: Int) -> PyResult<()> {
-        let (r, e) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?);
-        lock(&self.inner)?.forget(r, e);
-        Ok(())
-    }
-}
+});

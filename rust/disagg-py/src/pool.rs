@@ -5,7 +5,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use disagg_core::{BlockPool, ImportLedger, PinLedger, SlotPool, SlotState};
+use disagg_core::{BlockPool, DisaggError, ImportLedger, PinLedger, SlotPool, SlotState};
 use numpy::PyReadonlyArray1;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -19,6 +19,77 @@ pub fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
     m.lock().map_err(|_| {
         PyRuntimeError::new_err("disagg_rs internal lock poisoned by an earlier panic")
     })
+}
+
+/// What a core call returns, as Python receives it.
+pub trait Out {
+    /// The Python-side value.
+    type Py;
+    /// Convert, mapping a core error through the one error mapping.
+    fn out(self) -> PyResult<Self::Py>;
+}
+
+/// `Out` for values Python receives as they are, bare or in a core `Result`.
+macro_rules! plain_out {
+    ($($t:ty),*) => {$(
+        impl Out for $t {
+            type Py = $t;
+            fn out(self) -> PyResult<$t> {
+                Ok(self)
+            }
+        }
+        impl Out for Result<$t, DisaggError> {
+            type Py = $t;
+            fn out(self) -> PyResult<$t> {
+                self.py()
+            }
+        }
+    )*};
+}
+plain_out!((), bool, u32, u64, usize, Option<u64>, Option<&'static str>, Vec<u32>, Vec<u64>);
+plain_out!(Vec<(u64, u64)>);
+
+/// One `#[pymethods]` block of a class that reaches its core object as `reach(&self.field, f)`
+/// (`lock_with` for a ledger's mutex, `PoolOwner::with` for a pool): each `calls` entry `fn name(arg: conv, ..) -> T = method;` converts every `Int` argument
+/// with `conv("arg", arg)` (before the core is locked), then returns `core.method(args..)` as
+/// Python receives it ([`Out`]). Attributes (doc comments, `#[getter]`) carry over;
+/// `methods { .. }` holds the hand-written ones; `pools Variant,` adds the `block_pool` and
+/// `slot_pool` views of a ledger's pools (`PoolOwner::Variant`).
+macro_rules! core_methods {
+    (
+        $ty:ty, $reach:path, $field:ident, $(pools $owner:ident,)?
+        calls { $($(#[$m:meta])* fn $name:ident($($a:ident: $conv:ident),*) -> $ret:ty = $call:ident;)* }
+        methods { $($rest:tt)* }
+    ) => {
+        #[pymethods]
+        impl $ty {
+            $($(#[$m])* fn $name(&self, $($a: $crate::args::Int),*) -> PyResult<$ret> {
+                $(let $a = $conv(stringify!($a), $a)?;)*
+                $crate::pool::Out::out($reach(&self.$field, |c| c.$call($($a),*))?)
+            })*
+            $(
+                /// The ledger's block pool (shared, not a copy): the engine's allocator.
+                #[getter]
+                fn block_pool(&self) -> $crate::pool::PyBlockPool {
+                    let owner = $crate::pool::PoolOwner::$owner(::std::sync::Arc::clone(&self.$field));
+                    $crate::pool::PyBlockPool { owner }
+                }
+                /// The ledger's SSM slot pool (shared, not a copy).
+                #[getter]
+                fn slot_pool(&self) -> $crate::pool::PySlotPool {
+                    let owner = $crate::pool::PoolOwner::$owner(::std::sync::Arc::clone(&self.$field));
+                    $crate::pool::PySlotPool { owner }
+                }
+            )?
+            $($rest)*
+        }
+    };
+}
+pub(crate) use core_methods;
+
+/// Run `f` on the core object behind `m`, locked.
+pub fn lock_with<T, R>(m: &Mutex<T>, f: impl FnOnce(&mut T) -> R) -> PyResult<R> {
+    Ok(f(&mut *lock(m)?))
 }
 
 /// A Python int that must be a valid block or slot id (`[0, 2**32)`).
@@ -102,7 +173,8 @@ impl LedgerPool for SlotPool {
 }
 
 impl<P: LedgerPool> PoolOwner<P> {
-    fn with<R>(&self, f: impl FnOnce(&mut P) -> R) -> PyResult<R> {
+    /// Run `f` on the pool, locked.
+    pub fn with<R>(&self, f: impl FnOnce(&mut P) -> R) -> PyResult<R> {
         Ok(match self {
             Self::Own(m) => f(&mut *lock(m)?),
             Self::Import(m) => f(P::of_import(&mut *lock(m)?)),
@@ -124,8 +196,26 @@ pub struct PyBlockPool {
     pub owner: BlockPoolOwner,
 }
 
-#[pymethods]
-impl PyBlockPool {
+core_methods!(PyBlockPool, PoolOwner::with, owner,
+calls {
+    /// Total number of blocks.
+    #[getter] fn num_blocks() -> u32 = num_blocks;
+    /// Tokens per block.
+    #[getter] fn block_size_tokens() -> u32 = block_size_tokens;
+    /// Blocks `allocate` can hand out now (never-used plus evictable cached).
+    #[getter] fn num_free() -> u32 = num_free;
+    /// Unreferenced blocks still published in the prefix cache.
+    #[getter] fn num_evictable() -> u32 = num_evictable;
+    /// Whether `allocate(n)` would succeed now.
+    fn can_allocate(n: u32_arg) -> bool = can_allocate;
+    /// `n` blocks with refcount 1, all or nothing (evicts LRU cached blocks if needed).
+    fn allocate(n: u32_arg) -> Vec<u32> = allocate;
+    /// Reference count of one block.
+    fn refcount(block_id: id_arg) -> u32 = refcount;
+    /// Verify conservation; raises `ConservationError`.
+    fn check() -> () = check;
+}
+methods {
     #[new]
     fn new(num_blocks: Int, block_size_tokens: Int) -> PyResult<Self> {
         let pool = BlockPool::new(
@@ -134,42 +224,6 @@ impl PyBlockPool {
         )
         .py()?;
         Ok(Self { owner: BlockPoolOwner::Own(Arc::new(Mutex::new(pool))) })
-    }
-
-    /// Total number of blocks.
-    #[getter]
-    fn num_blocks(&self) -> PyResult<u32> {
-        self.owner.with(|p| p.num_blocks())
-    }
-
-    /// Tokens per block.
-    #[getter]
-    fn block_size_tokens(&self) -> PyResult<u32> {
-        self.owner.with(|p| p.block_size_tokens())
-    }
-
-    /// Blocks `allocate` can hand out now (never-used plus evictable cached).
-    #[getter]
-    fn num_free(&self) -> PyResult<u32> {
-        self.owner.with(|p| p.num_free())
-    }
-
-    /// Unreferenced blocks still published in the prefix cache.
-    #[getter]
-    fn num_evictable(&self) -> PyResult<u32> {
-        self.owner.with(|p| p.num_evictable())
-    }
-
-    /// Whether `allocate(n)` would succeed now.
-    fn can_allocate(&self, n: Int) -> PyResult<bool> {
-        let n = u32_arg("n", n)?;
-        self.owner.with(|p| p.can_allocate(n))
-    }
-
-    /// `n` blocks with refcount 1, all or nothing (evicts LRU cached blocks if needed).
-    fn allocate(&self, n: Int) -> PyResult<Vec<u32>> {
-        let n = u32_arg("n", n)?;
-        self.owner.with(|p| p.allocate(n))?.py()
     }
 
     /// One more reference per occurrence; claims evictable cached blocks.
@@ -182,12 +236,6 @@ impl PyBlockPool {
     fn release(&self, block_ids: IntList) -> PyResult<()> {
         let ids = ids_arg("block_ids", &block_ids)?;
         self.owner.with(|p| p.release(&ids))?.py()
-    }
-
-    /// Reference count of one block.
-    fn refcount(&self, block_id: Int) -> PyResult<u32> {
-        let b = id_arg("block_id", block_id)?;
-        self.owner.with(|p| p.refcount(b))?.py()
     }
 
     /// Hash chain over the full blocks of `tokens` (deterministic across processes).
@@ -210,11 +258,6 @@ impl PyBlockPool {
         self.owner.with(|p| p.match_prefix(&hashes))
     }
 
-    /// Verify conservation; raises `ConservationError`.
-    fn check(&self) -> PyResult<()> {
-        self.owner.with(|p| p.check())?.py()
-    }
-
     fn __len__(&self) -> PyResult<usize> {
         self.owner.with(|p| p.num_blocks() as usize)
     }
@@ -230,7 +273,7 @@ impl PyBlockPool {
             )
         })
     }
-}
+});
 
 /// Fixed pool of SSM state slots.
 #[pyclass(name = "SlotPool", module = "disagg_rs", frozen)]
@@ -239,8 +282,25 @@ pub struct PySlotPool {
     pub owner: SlotPoolOwner,
 }
 
-#[pymethods]
-impl PySlotPool {
+core_methods!(PySlotPool, PoolOwner::with, owner,
+calls {
+    /// Total number of slots.
+    #[getter] fn num_slots() -> u32 = num_slots;
+    /// Slots ready to hand out.
+    #[getter] fn num_free() -> u32 = num_free;
+    /// Slots moved to live requests by `detach`.
+    #[getter] fn num_detached() -> u32 = num_detached;
+    /// One free slot; `CapacityError` when none is free.
+    fn allocate() -> u32 = allocate;
+    /// Return an allocated or detached slot.
+    fn free(slot: id_arg) -> () = free;
+    /// Move an allocated slot out of its allocator's accounting (to a live request); the
+    /// request's owner later calls `free`.
+    fn detach(slot: id_arg) -> () = detach;
+    /// Verify conservation; raises `ConservationError`.
+    fn check() -> () = check;
+}
+methods {
     #[new]
     fn new(num_slots: Int) -> PyResult<Self> {
         Ok(Self {
@@ -248,42 +308,6 @@ impl PySlotPool {
                 SlotPool::try_new(u32_arg("num_slots", num_slots)?).py()?,
             ))),
         })
-    }
-
-    /// Total number of slots.
-    #[getter]
-    fn num_slots(&self) -> PyResult<u32> {
-        self.owner.with(|p| p.num_slots())
-    }
-
-    /// Slots ready to hand out.
-    #[getter]
-    fn num_free(&self) -> PyResult<u32> {
-        self.owner.with(|p| p.num_free())
-    }
-
-    /// Slots moved to live requests by `detach`.
-    #[getter]
-    fn num_detached(&self) -> PyResult<u32> {
-        self.owner.with(|p| p.num_detached())
-    }
-
-    /// One free slot; `CapacityError` when none is free.
-    fn allocate(&self) -> PyResult<u32> {
-        self.owner.with(SlotPool::allocate)?.py()
-    }
-
-    /// Return an allocated or detached slot.
-    fn free(&self, slot: Int) -> PyResult<()> {
-        let s = id_arg("slot", slot)?;
-        self.owner.with(|p| p.free(s))?.py()
-    }
-
-    /// Move an allocated slot out of its allocator's accounting (to a live request); the
-    /// request's owner later calls `free`.
-    fn detach(&self, slot: Int) -> PyResult<()> {
-        let s = id_arg("slot", slot)?;
-        self.owner.with(|p| p.detach(s))?.py()
     }
 
     /// `"free"`, `"allocated"` or `"detached"`.
@@ -297,13 +321,8 @@ impl PySlotPool {
         })
     }
 
-    /// Verify conservation; raises `ConservationError`.
-    fn check(&self) -> PyResult<()> {
-        self.owner.with(|p| p.check())?.py()
-    }
-
     fn __repr__(&self) -> PyResult<String> {
         self.owner
             .with(|p| format!("SlotPool(num_slots={}, num_free={})", p.num_slots(), p.num_free()))
     }
-}
+});

@@ -1,6 +1,7 @@
 //! Python classes for reshard plans: `KVReshardTransfer`, `KVReshardPlan`, `plan_kv_reshard`,
 //! and their SSM counterparts. Planning runs with the GIL released.
 
+use disagg_core::reshard::of_rank;
 use disagg_core::{
     plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer, KvShardLayout, Span,
     SsmReshardPlan, SsmReshardTransfer, SsmShardLayout,
@@ -26,6 +27,60 @@ fn seq_index(index: isize, len: usize) -> PyResult<usize> {
     })
 }
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
+
+/// `head_dim` and `element_size` arguments of `bytes_per_token`.
+fn row_args(head_dim: Int, element_size: Int) -> PyResult<(u64, u64)> {
+    let a = Kind::Argument;
+    Ok((head_dim.to_u64(a, "head_dim")?, element_size.to_u64(a, "element_size")?))
+}
+
+/// The `#[pymethods]` of a plan class `$plan` (a read-only sequence of `$tr` records held in
+/// `self.records()`, made from `$lay` layouts in `self.inner`), plus the hand-written `methods`.
+macro_rules! plan_methods {
+    ($plan:ty, $tr:ident, $lay:ident, methods { $($m:tt)* }) => {
+        #[pymethods]
+        impl $plan {
+            fn __len__(&self) -> usize {
+                self.records().len()
+            }
+            fn __getitem__(&self, index: isize) -> PyResult<$tr> {
+                let records = self.records();
+                Ok($tr { inner: records[seq_index(index, records.len())?] })
+            }
+            /// All transfers as a list, in plan order.
+            #[getter]
+            fn transfers(&self) -> Vec<$tr> {
+                self.records().iter().map(|&inner| $tr { inner }).collect()
+            }
+            /// Source layouts the plan was made from.
+            #[getter]
+            fn srcs(&self) -> Vec<$lay> {
+                self.inner.srcs().iter().map(|&inner| $lay { inner }).collect()
+            }
+            /// Destination layouts the plan was made from.
+            #[getter]
+            fn dsts(&self) -> Vec<$lay> {
+                self.inner.dsts().iter().map(|&inner| $lay { inner }).collect()
+            }
+            /// Transfers sent by one source rank, in plan order.
+            fn for_src(&self, global_rank: Int) -> PyResult<Vec<$tr>> {
+                let rank = global_rank.to_u32(Kind::Argument, "global_rank")?;
+                Ok(of_rank(self.records(), true, rank).into_iter().map(|inner| $tr { inner }).collect())
+            }
+            /// Transfers received by one destination rank, in plan order.
+            fn for_dst(&self, global_rank: Int) -> PyResult<Vec<$tr>> {
+                let rank = global_rank.to_u32(Kind::Argument, "global_rank")?;
+                Ok(of_rank(self.records(), false, rank).into_iter().map(|inner| $tr { inner }).collect())
+            }
+            /// Check that every destination cell is written exactly once by a source holding
+            /// it; raises `PlanCoverageError` naming the first gap or overlap.
+            fn verify(&self, py: Python<'_>) -> PyResult<()> {
+                py.detach(|| self.inner.verify()).py()
+            }
+            $($m)*
+        }
+    };
+}
 
 /// One KV transfer: `src_rank` sends global `layers` x `heads` (half-open) to `dst_rank` for
 /// every token of the handoff.
@@ -96,10 +151,7 @@ methods {
     #[pyo3(signature = (head_dim, element_size=Int::of(2)),
         text_signature = "($self, head_dim, element_size=2)")]
     fn bytes_per_token(&self, head_dim: Int, element_size: Int) -> PyResult<u64> {
-        let (h, e) = (
-            head_dim.to_u64(Kind::Argument, "head_dim")?,
-            element_size.to_u64(Kind::Argument, "element_size")?,
-        );
+        let (h, e) = row_args(head_dim, element_size)?;
         self.inner.bytes_per_token(h, e).py()
     }
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -125,10 +177,6 @@ methods {
 /// A KV layout argument.
 type Kv<'py> = PyRef<'py, PyKvShardLayout>;
 
-fn wrap_kv(ts: Vec<KvReshardTransfer>) -> Vec<PyKvReshardTransfer> {
-    ts.into_iter().map(|inner| PyKvReshardTransfer { inner }).collect()
-}
-
 /// A KV reshard plan: a read-only sequence of `KVReshardTransfer` ordered by destination rank,
 /// layer, head. Both sides compute the same plan from the same layouts.
 #[pyclass(name = "KVReshardPlan", module = "disagg_rs", frozen, sequence)]
@@ -137,55 +185,14 @@ pub struct PyKvReshardPlan {
     pub inner: KvReshardPlan,
 }
 
-#[pymethods]
-impl PyKvReshardPlan {
-    fn __len__(&self) -> usize {
-        self.inner.transfers.len()
-    }
-    fn __getitem__(&self, index: isize) -> PyResult<PyKvReshardTransfer> {
-        Ok(PyKvReshardTransfer {
-            inner: self.inner.transfers[seq_index(index, self.inner.transfers.len())?],
-        })
-    }
-    /// All transfers as a list.
-    #[getter]
-    fn transfers(&self) -> Vec<PyKvReshardTransfer> {
-        wrap_kv(self.inner.transfers.clone())
-    }
-    /// Source layouts the plan was made from.
-    #[getter]
-    fn srcs(&self) -> Vec<PyKvShardLayout> {
-        self.inner.srcs().iter().map(|&inner| PyKvShardLayout { inner }).collect()
-    }
-    /// Destination layouts the plan was made from.
-    #[getter]
-    fn dsts(&self) -> Vec<PyKvShardLayout> {
-        self.inner.dsts().iter().map(|&inner| PyKvShardLayout { inner }).collect()
-    }
-    /// Transfers sent by one source rank, in plan order.
-    fn for_src(&self, global_rank: Int) -> PyResult<Vec<PyKvReshardTransfer>> {
-        let global_rank = global_rank.to_u32(Kind::Argument, "global_rank")?;
-        Ok(wrap_kv(self.inner.for_src(global_rank)))
-    }
-    /// Transfers received by one destination rank, in plan order.
-    fn for_dst(&self, global_rank: Int) -> PyResult<Vec<PyKvReshardTransfer>> {
-        let global_rank = global_rank.to_u32(Kind::Argument, "global_rank")?;
-        Ok(wrap_kv(self.inner.for_dst(global_rank)))
-    }
+plan_methods!(PyKvReshardPlan, PyKvReshardTransfer, PyKvShardLayout,
+methods {
     /// Bytes moved per token over the whole plan, K and V.
     #[pyo3(signature = (head_dim, element_size=Int::of(2)),
         text_signature = "($self, head_dim, element_size=2)")]
     fn bytes_per_token(&self, head_dim: Int, element_size: Int) -> PyResult<u64> {
-        let (h, e) = (
-            head_dim.to_u64(Kind::Argument, "head_dim")?,
-            element_size.to_u64(Kind::Argument, "element_size")?,
-        );
+        let (h, e) = row_args(head_dim, element_size)?;
         self.inner.bytes_per_token(h, e).py()
-    }
-    /// Check that every destination (layer, head) cell is written exactly once by a source
-    /// holding it; raises `PlanCoverageError` naming the first gap or overlap.
-    fn verify(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.verify()).py()
     }
     fn __repr__(&self) -> String {
         format!(
@@ -195,10 +202,22 @@ impl PyKvReshardPlan {
             self.inner.dsts().len()
         )
     }
-}
+});
 
 fn kv_layouts(ls: &[PyRef<'_, PyKvShardLayout>]) -> Vec<KvShardLayout> {
     ls.iter().map(|l| l.inner).collect()
+}
+
+impl PyKvReshardPlan {
+    fn records(&self) -> &[KvReshardTransfer] {
+        &self.inner.transfers
+    }
+}
+
+impl PySsmReshardPlan {
+    fn records(&self) -> &[SsmReshardTransfer] {
+        &self.per_layer
+    }
 }
 
 /// Plan the KV reshard between two layout lists (any TP ratio, PP mismatch including uneven
@@ -283,10 +302,6 @@ methods {
     }
 });
 
-fn wrap_ssm(ts: Vec<SsmReshardTransfer>) -> Vec<PySsmReshardTransfer> {
-    ts.into_iter().map(|inner| PySsmReshardTransfer { inner }).collect()
-}
-
 /// An SSM reshard plan: a read-only sequence of single-layer `SSMReshardTransfer` records (the
 /// reference design's granularity); `ranges` holds the same moves merged over layer ranges.
 #[pyclass(name = "SSMReshardPlan", module = "disagg_rs", frozen, sequence)]
@@ -297,45 +312,12 @@ pub struct PySsmReshardPlan {
     per_layer: Vec<SsmReshardTransfer>,
 }
 
-#[pymethods]
-impl PySsmReshardPlan {
-    fn __len__(&self) -> usize {
-        self.per_layer.len()
-    }
-    fn __getitem__(&self, index: isize) -> PyResult<PySsmReshardTransfer> {
-        Ok(PySsmReshardTransfer { inner: self.per_layer[seq_index(index, self.per_layer.len())?] })
-    }
-    /// All single-layer transfers as a list.
-    #[getter]
-    fn transfers(&self) -> Vec<PySsmReshardTransfer> {
-        wrap_ssm(self.per_layer.clone())
-    }
+plan_methods!(PySsmReshardPlan, PySsmReshardTransfer, PySsmShardLayout,
+methods {
     /// The transfers merged over layer ranges (fewer records; `layers` spans several layers).
     #[getter]
     fn ranges(&self) -> Vec<PySsmReshardTransfer> {
-        wrap_ssm(self.inner.transfers.clone())
-    }
-    #[getter]
-    fn srcs(&self) -> Vec<PySsmShardLayout> {
-        self.inner.srcs().iter().map(|&inner| PySsmShardLayout { inner }).collect()
-    }
-    #[getter]
-    fn dsts(&self) -> Vec<PySsmShardLayout> {
-        self.inner.dsts().iter().map(|&inner| PySsmShardLayout { inner }).collect()
-    }
-    /// Single-layer transfers sent by one source rank, in plan order.
-    fn for_src(&self, global_rank: Int) -> PyResult<Vec<PySsmReshardTransfer>> {
-        let global_rank = global_rank.to_u32(Kind::Argument, "global_rank")?;
-        Ok(wrap_ssm(self.per_layer.iter().filter(|t| t.src_rank == global_rank).copied().collect()))
-    }
-    /// Single-layer transfers received by one destination rank, in plan order.
-    fn for_dst(&self, global_rank: Int) -> PyResult<Vec<PySsmReshardTransfer>> {
-        let global_rank = global_rank.to_u32(Kind::Argument, "global_rank")?;
-        Ok(wrap_ssm(self.per_layer.iter().filter(|t| t.dst_rank == global_rank).copied().collect()))
-    }
-    /// Check exact-once coverage of every destination conv channel and recurrent head.
-    fn verify(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.verify()).py()
+        self.inner.transfers.iter().map(|&inner| PySsmReshardTransfer { inner }).collect()
     }
     fn __repr__(&self) -> String {
         format!(
@@ -346,7 +328,7 @@ impl PySsmReshardPlan {
             self.inner.dsts().len()
         )
     }
-}
+});
 
 /// Plan the SSM reshard (conv bands x, B, C and the recurrent state) between layout lists.
 #[pyfunction(name = "plan_ssm_reshard")]

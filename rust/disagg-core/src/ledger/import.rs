@@ -86,6 +86,25 @@ pub struct SourceLease {
     pub now_wall: u64,
 }
 
+impl SourceLease {
+    /// The lease a submit states: both clocks, or neither (an `Argument` error otherwise).
+    pub fn pair(until_wall: Option<u64>, now_wall: Option<u64>) -> DisaggResult<Option<Self>> {
+        match (until_wall, now_wall) {
+            (None, None) => Ok(None),
+            (Some(until_wall), Some(now_wall)) => Ok(Some(Self { until_wall, now_wall })),
+            (u, w) => Err(DisaggError::argument(
+                "lease_until_wall",
+                format!(
+                    "give lease_until_wall (given: {}) and now_wall (given: {}) together or \
+                     neither",
+                    u.is_some(),
+                    w.is_some()
+                ),
+            )),
+        }
+    }
+}
+
 /// The reads (or receives) to post for one import, all in token order. Source blocks
 /// `src_block_ids` hold tokens `[token_start, num_prompt_tokens)`, destination blocks
 /// `dst_block_ids` receive them; `cached_block_ids` already hold `[0, token_start)`.
@@ -138,6 +157,34 @@ pub struct ImportCounters {
     /// Cached prefix blocks reused instead of pulled.
     pub prefix_blocks_reused: u64,
 }
+
+/// `named()` of a counters struct: every listed counter under its own name, in order.
+macro_rules! named_counters {
+    ($ty:ty { $($f:ident),* $(,)? }) => {
+        impl $ty {
+            /// Every counter under its name, in declaration order.
+            pub fn named(&self) -> [(&'static str, u64); [$(stringify!($f)),*].len()] {
+                [$((stringify!($f), self.$f)),*]
+            }
+        }
+    };
+}
+pub(crate) use named_counters;
+
+named_counters!(ImportCounters {
+    submitted,
+    deferred,
+    started,
+    admitted,
+    completed_without_forward,
+    failed,
+    quarantined,
+    drained_settled,
+    drained_horizon,
+    lease_expired,
+    ignored_messages,
+    prefix_blocks_reused,
+});
 
 /// Whether the local transfer handle can still write the destinations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,6 +321,33 @@ impl ImportLedger {
     /// Static settings.
     pub fn config(&self) -> ImportLedgerConfig {
         self.cfg
+    }
+
+    /// A submit's prompt as `(num_prompt_tokens, prompt_hashes)`: from its `tokens` (hashed
+    /// at this ledger's block size unless `hashes` are given) or from its length `num_tokens`
+    /// alone (with `hashes` or none); exactly one of the two must be given.
+    pub fn prompt_facts(
+        &self,
+        tokens: Option<&[i64]>,
+        num_tokens: Option<u32>,
+        hashes: Option<Vec<u64>>,
+    ) -> DisaggResult<(u32, Vec<u64>)> {
+        match (tokens, num_tokens) {
+            (Some(t), None) => {
+                let n = u32::try_from(t.len()).map_err(|_| {
+                    DisaggError::argument(
+                        "prompt_tokens",
+                        format!("len={} must be < 2**32", t.len()),
+                    )
+                })?;
+                Ok((n, hashes.map_or_else(|| self.pool.block_hashes(t), Ok)?))
+            }
+            (None, Some(n)) => Ok((n, hashes.unwrap_or_default())),
+            _ => Err(DisaggError::argument(
+                "prompt_tokens",
+                "give exactly one of prompt_tokens and num_prompt_tokens",
+            )),
+        }
     }
 
     /// The block pool (read-only).

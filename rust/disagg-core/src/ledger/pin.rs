@@ -20,6 +20,8 @@ pub struct PinCounters {
     pub ignored_messages: u64,
 }
 
+super::import::named_counters!(PinCounters { pinned, released, expired, ignored_messages });
+
 /// Whether a push (two-sided send) is reading the pinned blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Push {

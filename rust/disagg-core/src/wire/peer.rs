@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use crate::compile::RegionTable;
 use crate::error::{DisaggError, DisaggResult};
-use crate::geometry::{KvGeometry, KvGeometrySpec, SsmGeometry, SsmStatePart};
+use crate::geometry::{KvGeometry, SsmGeometry};
 use crate::layout::{KvLayoutSpec, KvShardLayout, SsmLayoutSpec, SsmShardLayout, SsmStateDims};
 use crate::wire::value::{as_uint, join, Fnv, Obj, WireValue, MAX_ITEMS};
 
@@ -324,47 +324,10 @@ fn ssm_layout(o: &Obj<'_>) -> DisaggResult<SsmShardLayout> {
     })
 }
 
-fn kv_geometry(o: &Obj<'_>) -> DisaggResult<KvGeometry> {
-    KvGeometry::new(KvGeometrySpec {
-        num_kv: o.u32("num_kv")?,
-        num_layers: o.u32("num_layers")?,
-        num_blocks: o.u32("num_blocks")?,
-        tokens_per_block: o.u32("tokens_per_block")?,
-        num_heads: o.u32("num_heads")?,
-        head_dim: o.u32("head_dim")?,
-        element_size: o.u32("element_size")?,
-        block_stride: o.u64("block_stride")?,
-        token_stride: o.u64("token_stride")?,
-        head_stride: o.u64("head_stride")?,
-        plane_bases: o.uints("plane_bases", u64::MAX)?,
-        device_id: o.u64("device_id")?,
-        dtype: o.opt_name("dtype")?.map(str::to_owned),
-    })
-}
-
-fn ssm_part(o: &Obj<'_>, key: &str) -> DisaggResult<Option<SsmStatePart>> {
-    let Some(v) = o.some(key) else { return Ok(None) };
-    let path = join(o.path(), key);
-    let p = Obj::of(v, &path)?;
-    Ok(Some(SsmStatePart {
-        layer_bases: p.uints("layer_bases", u64::MAX)?,
-        num_slots: p.u32("num_slots")?,
-        slot_stride: p.u64("slot_stride")?,
-        num_units: p.u32("num_units")?,
-        unit_stride: p.u64("unit_stride")?,
-        unit_bytes: p.u64("unit_bytes")?,
-        element_size: p.u32("element_size")?,
-        dtype: p.opt_name("dtype")?.map(str::to_owned),
-    }))
-}
-
 fn geometry(o: &Obj<'_>) -> DisaggResult<PeerGeometry> {
     match o.name("kind")? {
-        "kv" => kv_geometry(o).map(PeerGeometry::Kv),
-        "ssm" => {
-            SsmGeometry::new(ssm_part(o, "conv")?, ssm_part(o, "recurrent")?, o.u64("device_id")?)
-                .map(PeerGeometry::Ssm)
-        }
+        "kv" => KvGeometry::from_wire(o).map(PeerGeometry::Kv),
+        "ssm" => SsmGeometry::from_wire(o).map(PeerGeometry::Ssm),
         other => Err(DisaggError::wire(
             "geometry.kind",
             format!("geometry kind {other:?} is not 'kv' or 'ssm'"),
