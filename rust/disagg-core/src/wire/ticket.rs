@@ -612,7 +612,10 @@ mod tests {
             WireValue::List(vec![rank(vec![("kv", map(vec![])), ("conv", WireValue::Null)])]),
         )]);
         let ticket = |extra: Vec<(&str, WireValue)>| {
-            let mut e = vec![("src_block_ids", WireValue::List(vec![i(0)]))];
+            let mut e = vec![
+                ("src_block_ids", WireValue::List(vec![i(0)])),
+                ("resume_tokens", WireValue::List(vec![i(1)])),
+            ];
             e.extend(extra);
             HandoffTicket::parse(&map(e)).unwrap()
         };
