@@ -6,6 +6,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-installed
+DEV_STAMP := $(VENV)/.dev-deps-installed
 # Hypothesis profile: "ci" (>= 200 examples per property) unless overridden.
 export DISAGG_HYPOTHESIS_PROFILE ?= ci
 
@@ -14,20 +15,28 @@ help: ## Show the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
 
 # Set-up prints each step before it runs; pip and cargo show their own progress (no -q).
-$(STAMP): requirements-dev.txt requirements-nodeps.txt
+# Two stamps: what building and running need (requirements.txt: `make demo` stops there), and
+# the test, lint and release tools on top (requirements-dev.txt: `make test`, `make lint`).
+$(STAMP): requirements.txt requirements-nodeps.txt
 	@echo "==> [1/3] Python virtual environment in $(VENV)"
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
-	@echo "==> [2/3] Pinned dependencies (requirements-dev.txt). A first run downloads about 3 GB"
+	@echo "==> [2/3] Pinned dependencies (requirements.txt). A first run downloads about 3 GB"
 	@echo "    (torch 2.11.0 with its CUDA 13 libraries, even on CPU-only machines) and takes"
-	@echo "    several minutes (13.5 on a busy 2-core machine); .venv ends up about 5.5 GB."
+	@echo "    several minutes (about 10 on a busy 2-core machine); .venv ends up about 5.0 GB."
 	@echo "    Later runs skip this step."
-	$(PY) -m pip install --progress-bar on -r requirements-dev.txt
+	$(PY) -m pip install --progress-bar on -r requirements.txt
 	$(PY) -m pip install --progress-bar on --no-deps -r requirements-nodeps.txt
 	@touch $@
 
+$(DEV_STAMP): $(STAMP) requirements-dev.txt
+	@echo "==> Test, lint and release tools (requirements-dev.txt: pytest, hypothesis, mypy, ruff,"
+	@echo "    atheris, ziglang; about 90 MB to download, 0.6 GB installed)"
+	$(PY) -m pip install --progress-bar on -r requirements-dev.txt
+	@touch $@
+
 .PHONY: venv
-venv: $(STAMP) ## Create .venv with the pinned dependencies
+venv: $(DEV_STAMP) ## Create .venv with every pinned dependency (run, test, lint, release)
 
 # `--skip-install` after the first install: maturin would otherwise re-run pip on the optional
 # dependencies and print one "Ignoring ...: markers 'extra == ...'" line per extra.
@@ -41,12 +50,12 @@ build: $(STAMP) ## Build the Rust extension into .venv (release, overflow checks
 	fi
 
 .PHONY: test
-test: build wheel lint ## Build (extension and wheel), lint, then cargo test and the whole pytest suite
+test: $(DEV_STAMP) build wheel lint ## Build (extension and wheel), lint, then cargo test and the whole pytest suite
 	cargo test --workspace --release -q
 	$(PY) -m pytest -q
 
 .PHONY: lint
-lint: $(STAMP) ## cargo fmt/clippy, ruff, mypy and stubtest
+lint: $(DEV_STAMP) ## cargo fmt/clippy, ruff, mypy and stubtest
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --release -q -- -D warnings
 	$(PY) -m ruff check python tests benches
@@ -55,14 +64,14 @@ lint: $(STAMP) ## cargo fmt/clippy, ruff, mypy and stubtest
 	$(PY) -m mypy.stubtest disagg_rs._core --allowlist .stubtest-allowlist
 
 .PHONY: fmt
-fmt: $(STAMP) ## Format Rust and Python sources
+fmt: $(DEV_STAMP) ## Format Rust and Python sources
 	cargo fmt --all
 	$(PY) -m ruff format python tests benches
 	$(PY) -m ruff check --fix python tests benches
 
 WHEEL_DIR := dist
 .PHONY: wheel
-wheel: $(STAMP) ## Build the release wheel into dist/: abi3, manylinux_2_28 (zig linker), stripped
+wheel: $(DEV_STAMP) ## Build the release wheel into dist/: abi3, manylinux_2_28 (zig linker), stripped
 	rm -f $(WHEEL_DIR)/disagg_rs-*.whl
 	@echo "==> Release wheel (zig linker, own target dir target/wheel; first build 2-4 minutes)"
 	PATH="$(abspath $(VENV))/bin:$$PATH" CARGO_TARGET_DIR=target/wheel $(PY) -m maturin build \
@@ -70,7 +79,7 @@ wheel: $(STAMP) ## Build the release wheel into dist/: abi3, manylinux_2_28 (zig
 	@ls -l $(WHEEL_DIR)/disagg_rs-*.whl
 
 .PHONY: readme
-readme: build ## Rewrite the README's console samples from fresh runs of their commands
+readme: build $(DEV_STAMP) ## Rewrite the README's console samples from fresh runs of their commands
 	$(PY) tests/test_readme.py --write
 
 .PHONY: demo
@@ -89,12 +98,12 @@ bench: build ## Run the benchmarks and write benches/RESULTS.md
 	$(PY) benches/bench_gpu.py --product --write benches/RESULTS.md
 
 .PHONY: gpu
-gpu: build ## On a CUDA machine: the GPU tests (marker gpu), then the GPU bench
+gpu: build $(DEV_STAMP) ## On a CUDA machine: the GPU tests (marker gpu), then the GPU bench
 	$(PY) -m pytest -q -m gpu
 	$(PY) benches/bench_gpu.py --write benches/RESULTS.md
 
 .PHONY: fuzz
-fuzz: build ## Longer atheris run over the wire decoders (DISAGG_FUZZ_RUNS, default 200000)
+fuzz: build $(DEV_STAMP) ## Longer atheris run over the wire decoders (DISAGG_FUZZ_RUNS, default 200000)
 	DISAGG_FUZZ_RUNS=$${DISAGG_FUZZ_RUNS:-200000} $(PY) -m pytest -q tests/test_fuzz_atheris.py
 
 .PHONY: clean

@@ -385,6 +385,17 @@ def test_a_fenced_engine_link_registers_again_by_itself() -> None:
         server.close()
 
 
+def test_engines_told_to_shut_down_go_silent_without_being_declared_lost() -> None:
+    state = CoordinatorState(request_timeout_s=60.0, engine_timeout_s=5.0)
+    for identity, engine, role in ((PREFILL, "p0", "prefill"), (DECODE, "d0", "decode")):
+        state.handle(
+            identity, _msg(Msg.REGISTER, engine_id=engine, role=role, incarnation=1, meta={}), 0
+        )
+    assert _kinds(state.shutdown()) == [("d0", "SHUTDOWN"), ("p0", "SHUTDOWN")]
+    assert state.poll(100.0) == []
+    assert not state.lost and set(state.engines) == {"p0", "d0"}
+
+
 def test_work_arriving_with_the_registered_reply_is_not_lost() -> None:
     # The coordinator counts an engine as registered before the engine reads REGISTERED, so
     # the first PREFILL can arrive in the same batch; register() used to drop it (the demo's

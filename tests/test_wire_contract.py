@@ -117,7 +117,7 @@ def test_a_handoff_ticket_with_a_negative_staging_offset_is_refused_naming_it() 
 
 def test_a_ticket_is_checked_against_what_the_decode_rank_reads_naming_the_field() -> None:
     ranks = [{"kv": {"agent_name": "p0"}, "conv": None}]
-    ticket = {"src_block_ids": [0], "prefill_meta": {"ranks": ranks}}
+    ticket = {"src_block_ids": [0], "resume_tokens": [1], "prefill_meta": {"ranks": ranks}}
     _core.check_handoff_ticket(ticket, request_id=5, sources=["kv"])
     cases = [
         ({k: v for k, v in ticket.items() if k != "prefill_meta"}, {}, "prefill_meta"),

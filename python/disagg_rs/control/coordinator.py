@@ -98,6 +98,8 @@ class CoordinatorState:
         """Messages refused by :func:`check_fields` (or that failed to apply), by type."""
         self.completed = 0
         self.failed = 0
+        self.shutting_down = False
+        """Set by :meth:`shutdown`: engines told to stop go silent, and are not declared lost."""
         self._epochs = itertools.count(1)
         self._round_robin: dict[str, int] = Counter()
 
@@ -457,6 +459,12 @@ class CoordinatorState:
         peers = self._peers()
         return out + [Outgoing(e, None, Msg.PEERS, {"peers": peers}) for e in sorted(self.engines)]
 
+    def shutdown(self) -> list[Outgoing]:
+        """Tell every registered engine to stop. From then on the engines' silence is
+        expected: the liveness timeout declares none of them lost."""
+        self.shutting_down = True
+        return [Outgoing(e, None, Msg.SHUTDOWN, {}) for e in sorted(self.engines)]
+
     def poll(self, now: float) -> list[Outgoing]:
         """Declare silent engines lost (``engine_timeout_s``), then fail every request whose
         deadline has passed."""
@@ -465,7 +473,7 @@ class CoordinatorState:
         lost = sorted(
             e.engine_id
             for e in self.engines.values()
-            if timeout is not None and now - e.last_seen > timeout
+            if timeout is not None and not self.shutting_down and now - e.last_seen > timeout
         )
         for engine_id in lost:
             self.lost[engine_id] += 1

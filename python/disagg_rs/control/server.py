@@ -209,7 +209,7 @@ class CoordinatorServer:
         """Tell every registered engine to stop (from any thread)."""
 
         def shutdown() -> list[Outgoing]:  # built on the sending thread: it owns the state too
-            return [Outgoing(e, None, Msg.SHUTDOWN, {}) for e in sorted(self.state.engines)]
+            return self.state.shutdown()
 
         serving = self._serving
         if serving is None or serving is threading.current_thread():

@@ -64,7 +64,7 @@ def chunkable(metas: list[Any]) -> bool:
     geoms = [m.get("geometry") for m in metas]
     if any(m.get("state_kind") != "kv" for m in metas) or any(g is None for g in geoms):
         return False
-    if any(len(m["buffer"].get("regions") or ()) > 1 for m in metas):
+    if any(len((m.get("buffer") or {}).get("regions") or ()) > 1 for m in metas):
         return False  # per-layer tensors: a device plan addresses one buffer
     if len({int(g["tokens_per_block"]) for g in geoms}) != 1:
         return False
