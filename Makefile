@@ -103,8 +103,9 @@ gpu: build $(DEV_STAMP) ## On a CUDA machine: the GPU tests (marker gpu), then t
 	$(PY) benches/bench_gpu.py --write benches/RESULTS.md
 
 .PHONY: fuzz
-fuzz: build $(DEV_STAMP) ## Longer atheris run over the wire decoders (DISAGG_FUZZ_RUNS, default 200000)
-	DISAGG_FUZZ_RUNS=$${DISAGG_FUZZ_RUNS:-200000} $(PY) -m pytest -q tests/test_fuzz_atheris.py
+fuzz: build $(DEV_STAMP) ## Longer atheris run: wire decoders, coordinator, engine drivers (DISAGG_FUZZ_RUNS, default 200000)
+	DISAGG_FUZZ_RUNS=$${DISAGG_FUZZ_RUNS:-200000} DISAGG_FUZZ_SECONDS=$${DISAGG_FUZZ_SECONDS:-10800} \
+		$(PY) -m pytest -q tests/test_fuzz_atheris.py
 
 .PHONY: clean
 clean: ## Remove build outputs (keeps .venv)

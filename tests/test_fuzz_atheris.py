@@ -19,6 +19,8 @@ from disagg_rs.integrity import IntegrityTable
 
 HARNESS = Path(__file__).with_name("fuzz_atheris.py")
 RUNS = int(os.environ.get("DISAGG_FUZZ_RUNS", "4000"))
+SECONDS = int(os.environ.get("DISAGG_FUZZ_SECONDS", "600"))
+"""Wall-clock cap; a run that stops at the cap before ``RUNS`` inputs fails."""
 
 
 def _seeds() -> list[bytes]:
@@ -91,14 +93,14 @@ def test_atheris_finds_nothing_in_the_wire_decoders_the_coordinator_or_the_engin
             str(HARNESS),
             str(corpus),
             f"-runs={RUNS}",
-            "-max_total_time=600",
+            f"-max_total_time={SECONDS}",
             "-rss_limit_mb=4096",
         ],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=SECONDS + 300,
         check=False,
     )
     tail = proc.stderr[-3000:]
     assert proc.returncode == 0, tail
-    assert f"Done {RUNS} runs" in proc.stderr or "DONE" in proc.stderr, tail
+    assert f"Done {RUNS} runs" in proc.stderr, tail  # all of them, not stopped by the cap
