@@ -23,7 +23,8 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 	@$(PY) -m pip install -q --upgrade pip
 	@echo "==> [2/3] Pinned dependencies (requirements.txt). A first run downloads about 3 GB"
 	@echo "    (torch 2.11.0 with its CUDA 13 libraries, even on CPU-only machines) and takes"
-	@echo "    several minutes (about 10 on a busy 2-core machine); .venv ends up about 5.0 GB."
+	@echo "    a few minutes (5 for the whole first make demo on a busy 2-core machine); .venv"
+	@echo "    ends up about 4.9 GB."
 	@echo "    Later runs skip this step."
 	$(PY) -m pip install --progress-bar on -r requirements.txt
 	$(PY) -m pip install --progress-bar on --no-deps -r requirements-nodeps.txt
