@@ -314,7 +314,7 @@ impl PyPeerTable {
     }
 }
 
-fn metas<'a>(peers: &'a [PyRef<'_, PyPeer>]) -> Vec<&'a PeerMeta> {
+pub(crate) fn metas<'a>(peers: &'a [PyRef<'_, PyPeer>]) -> Vec<&'a PeerMeta> {
     peers.iter().map(|p| p.inner.as_ref()).collect()
 }
 
