@@ -113,3 +113,60 @@ def test_one_merged_launch_lands_what_each_ranks_own_plan_lands(
             )
         assert torch.equal(landed, want)
         assert bool((landed != -1).any())
+
+
+_ID = st.integers(-1, BLOCKS)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    src=st.lists(st.lists(_ID, min_size=1, max_size=5), min_size=2, max_size=2),
+    dst=st.lists(_ID, min_size=1, max_size=5),
+    n_tok=st.one_of(st.none(), st.integers(-1, 24)),
+    per_rank=st.booleans(),
+    arrays=st.booleans(),
+)
+def test_the_rust_id_writer_raises_what_the_id_check_raises_and_lays_out_what_it_accepts(
+    tp2: Any,
+    src: list[list[int]],
+    dst: list[int],
+    n_tok: int | None,
+    per_rank: bool,
+    arrays: bool,
+) -> None:
+    dec, _, metas = tp2
+    conv: Any = (lambda x: np.asarray(x, dtype=np.int64)) if arrays else list
+    sids: Any = {0: conv(src[0]), 1: conv(src[1])} if per_rank else conv(src[0])
+    dids = conv(dst)
+    peers, _ = dec._resolve_peers(metas, sids)
+    want: Any
+    try:
+        want = dec._validate_peers(peers, sids, dids, n_tok, local_is_dst=True)
+    except exceptions.DisaggError as exc:
+        want = exc
+    out = np.full(64, -7, dtype=np.int64)
+    kw: dict[str, Any] = {"local_num_blocks": BLOCKS, "local_tokens_per_block": TPB}
+    try:
+        got: Any = _core.write_pull_ids(
+            out, peers, [0, 1], sids, dids, n_tok, **kw, tokens_per_block=TPB
+        )
+    except exceptions.DisaggError as exc:
+        got = exc
+    if isinstance(want, Exception):
+        assert type(got) is type(want) and str(got) == str(want)
+        assert (out == -7).all()  # nothing written before the checks passed
+        return
+    assert not isinstance(got, Exception)
+    n_blk = -(-want // TPB)
+    by_rank = [src[0], src[1] if per_rank else src[0]]
+    if len(dst) != n_blk or any(len(x) != n_blk for x in by_rank):
+        assert got is None  # left to the general path
+        assert (out == -7).all()
+        return
+    stride = n_blk + n_blk % 2
+    assert got == (want, n_blk, stride, 3 * stride)
+    expect = np.full(64, -7, dtype=np.int64)
+    for j, ids in enumerate([dst, *by_rank]):
+        expect[j * stride : j * stride + n_blk] = ids
+    assert (out == expect).all()
+    assert _core.pull_ids_len(len(dst), 2) == 3 * stride

@@ -687,8 +687,9 @@ class PullRoute:
     this rank's kernels see them (e.g. CUDA IPC mappings); ``dst`` is this rank's buffer.
     The plans are merged into one (:meth:`DevicePlan.merge`, source offsets relative to the
     lowest buffer address) when they share block size and strides and the kernel runs, else
-    each keeps its own launch. Per handoff (:meth:`run`) Rust checks the block ids and writes them straight
-    into a pinned slot of ``uploader``; one async copy and the launch follow.
+    each keeps its own launch. Per handoff (:meth:`run`) Rust checks the block ids and
+    writes them straight into a pinned slot of ``uploader``; one async copy and the launch
+    follow.
     """
 
     def __init__(
@@ -720,6 +721,7 @@ class PullRoute:
             ]
         )
         self._streams: dict[int, Any] = {}
+        self._events: dict[int, Any] = {}
 
     def run(
         self,
@@ -772,7 +774,12 @@ class PullRoute:
                 if len(self._streams) > 64:
                     self._streams.clear()
                 stream = self._streams[raw] = torch.cuda.current_stream(self.device)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            # One event per id slot, recorded again when the slot is reused: the slot is free
+            # only once that event's last record completed, so a handle still holding it
+            # can only see it complete later, never early.
+            done = self._events.get(slot)
+            if done is None:
+                done = self._events[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
             try:
                 for launch, first in self.copies:
                     src = ids[(first + 1) * stride :]

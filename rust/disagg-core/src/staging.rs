@@ -420,6 +420,8 @@ mod tests {
             }
             PeerMeta::parse(&v, "nixl").unwrap()
         }
+        /// Source ids, destination ids, tokens, ranks, slot room.
+        type Case<'a> = (SourceIds, Vec<i64>, Option<i64>, &'a [u32], usize);
         const LOCAL: LocalSide =
             LocalSide { is_dst: true, num_blocks: 4, tokens_per_block: Some(2) };
 
@@ -443,10 +445,10 @@ mod tests {
         #[test]
         fn ids_that_do_not_fit_the_layout_are_left_to_the_general_path() {
             let (a, b) = (peer(0), peer(1));
-            let mut out = vec![-7_i64; 16];
+            let mut out = [-7_i64; 16];
             let per = |x: Vec<i64>| SourceIds::PerRank(vec![(0, vec![0, 1]), (1, x)]);
             // 3 tokens span 2 blocks; 1 token spans 1 block but 2 ids are given.
-            let cases: [(SourceIds, Vec<i64>, Option<i64>, &[u32], usize); 4] = [
+            let cases: [Case<'_>; 4] = [
                 (per(vec![2, 3]), vec![0, 1], Some(1), &[0, 1], 16),
                 (SourceIds::PerRank(vec![(0, vec![0, 1])]), vec![0, 1], None, &[0, 1], 16),
                 (per(vec![2, 3]), vec![0, 1], None, &[0, 1], 5),
