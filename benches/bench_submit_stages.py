@@ -4,7 +4,9 @@ ids) on the CUDA IPC path, and each of its stages alone, with ``time.perf_counte
 
 Both sources and the decode live in this process on one GPU (the IPC path finds the
 sources' buffers in the process-local table). The GPU queue is drained between calls, so
-the numbers are host time only. Needs a CUDA GPU and NIXL.
+the numbers are host time only; one row sleeps 0.5 ms before each call, as the product
+harness's ``wait()`` does between polls, so the call starts on an idle core. Needs a CUDA
+GPU and NIXL.
 
 Command: ``python benches/bench_submit_stages.py [--device cuda:0] [--repeat 200]``.
 """
@@ -60,11 +62,13 @@ def main() -> None:
     first.wait()
     print("modes", first.stats.get("modes"))
 
-    def stage(name: str, fn: Callable[[], Any]) -> None:
+    def stage(name: str, fn: Callable[[], Any], idle_s: float = 0.0) -> None:
         fn()
         torch.cuda.synchronize()
         times = []
         for _ in range(args.repeat):
+            if idle_s:
+                time.sleep(idle_s)
             t0 = time.perf_counter_ns()
             fn()
             times.append(time.perf_counter_ns() - t0)
@@ -80,6 +84,11 @@ def main() -> None:
     )
     stage(
         "whole call, ids as arrays", lambda: dec.begin_pull_blocks(metas, sa, da, num_tokens=tokens)
+    )
+    stage(
+        "whole call, ids as lists, after 0.5 ms idle (as between the product harness's polls)",
+        lambda: dec.begin_pull_blocks(metas, sids, dids, num_tokens=tokens),
+        idle_s=0.0005,
     )
     stage("resolve peers", lambda: dec._resolve_peers(metas, sids))
     peers, ids = dec._resolve_peers(metas, sids)
