@@ -107,7 +107,7 @@ def main() -> None:
         "local_tokens_per_block": dec.tokens_per_block,
         "tokens_per_block": pr.tokens_per_block,
     }
-    n_ids = _core.pull_ids_len(n_blk, len(pr.ranks))
+    n_ids = _core.pull_ids_len(dids, len(pr.ranks))
     slot, host = dec._ids.take(n_ids)
     stage(
         "ids checked + written into the pinned slot by Rust, lists",

@@ -34,7 +34,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -74,7 +74,7 @@ class DevicePlan:
 
     ``planes`` is ``[p, 4]`` int64 bytes ``(src_off, dst_off, packed_coef, row_bytes)`` with
     the plane offsets relative to the two buffers' bases (so a peer's buffer mapped at another
-    address works unchanged). ``sets`` (default all 0) is each row's id set: a paged side
+    address works unchanged). ``sets`` (all 0 for one rank) is each row's id set: a paged side
     reads row ``p``'s block ids at ``sets[p] * set_stride`` of its id array, which lets one
     plan (:meth:`merge`) read several source ranks, each with its own ids, in one launch.
     A merged plan copies between paged sides only (its packed coefficients overlap).
@@ -86,7 +86,7 @@ class DevicePlan:
     src_token_stride: int
     dst_block_stride: int
     dst_token_stride: int
-    sets: _I64 | None = None
+    sets: _I64
     paged_only: bool = False
     _dev: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
@@ -115,6 +115,7 @@ class DevicePlan:
             src_token_stride=int(raw["src_token_stride"]),
             dst_block_stride=int(raw["dst_block_stride"]),
             dst_token_stride=int(raw["dst_token_stride"]),
+            sets=np.zeros(planes.shape[0], dtype=np.int64),
         )
 
     @classmethod
@@ -123,31 +124,30 @@ class DevicePlan:
         they do not share block size and strides. Plan ``j``'s rows read id set ``j`` and its
         source offsets move by ``src_shifts[j]`` bytes (its buffer's address minus the base
         address the merged plan is launched with)."""
-        first = plans[0]
-        same = (
-            first.tokens_per_block,
-            first.src_block_stride,
-            first.src_token_stride,
-            first.dst_block_stride,
-            first.dst_token_stride,
+        if len({plan.strides for plan in plans}) != 1:
+            return None
+        counts = [plan.num_planes for plan in plans]
+        planes = np.concatenate([plan.planes for plan in plans])
+        planes[:, 0] += np.repeat(np.asarray(src_shifts, dtype=np.int64), counts)
+        sets = np.repeat(np.arange(len(plans), dtype=np.int64), counts)
+        return cls(planes, *plans[0].strides, sets=sets, paged_only=True)
+
+    @property
+    def strides(self) -> tuple[int, int, int, int, int]:
+        """Block size and both sides' block and token strides (what :meth:`merge` needs
+        to agree)."""
+        return (
+            self.tokens_per_block,
+            self.src_block_stride,
+            self.src_token_stride,
+            self.dst_block_stride,
+            self.dst_token_stride,
         )
-        for plan in plans:
-            shape = (
-                plan.tokens_per_block,
-                plan.src_block_stride,
-                plan.src_token_stride,
-                plan.dst_block_stride,
-                plan.dst_token_stride,
-            )
-            if shape != same:
-                return None
-        parts = []
-        for plan, shift in zip(plans, src_shifts, strict=True):
-            rows = plan.planes.copy()
-            rows[:, 0] += int(shift)
-            parts.append(rows)
-        sets = np.repeat(np.arange(len(plans), dtype=np.int64), [p.num_planes for p in plans])
-        return cls(np.concatenate(parts), *same, sets=sets, paged_only=True)
+
+    @property
+    def num_sets(self) -> int:
+        """Id sets the rows read (1 for one rank's plan)."""
+        return int(self.sets.max(initial=0)) + 1
 
     # -- sizes ---------------------------------------------------------------------------
 
@@ -252,8 +252,7 @@ class DevicePlan:
         key = (str(device), unit)
         dev = self._dev.get(key)
         if dev is None:
-            sets = self.sets if self.sets is not None else np.zeros(self.num_planes, np.int64)
-            rows = np.concatenate([self.planes // unit, sets[:, None]], axis=1)
+            rows = np.concatenate([self.planes // unit, self.sets[:, None]], axis=1)
             dev = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(device)
             self._dev[key] = dev
         return dev
@@ -330,11 +329,9 @@ def _check_side(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) 
         return
     if side.ids is None:
         raise ValueError(f"{side.kind} side needs block ids")
-    sets = 1 if plan.sets is None else int(plan.sets.max()) + 1
-    need = (sets - 1) * side.set_stride + plan.num_blocks(n_tok)
+    sets, n_blk = plan.num_sets, plan.num_blocks(n_tok)
     # Stride 0: every id set reads the same ids; else sets must not overlap.
-    overlap = sets > 1 and 0 < side.set_stride < plan.num_blocks(n_tok)
-    if side.ids.numel() < need or overlap:
+    if side.ids.numel() < (sets - 1) * side.set_stride + n_blk or 0 < side.set_stride < n_blk:
         raise ValueError(
             f"{side.kind} side: {side.ids.numel()} block ids (set stride {side.set_stride}) "
             f"for {sets} id sets of {plan.num_blocks(n_tok)} blocks"
@@ -449,7 +446,7 @@ class PreparedCopy:
         u = self.unit
         self._consts = (a_col, a_bs // u, a_ts // u, 0, b_col, b_bs // u, b_ts // u, 0)
         self._vec = _UNIT_LANES[self.unit][1]
-        self._sets = 1 if plan.sets is None else int(plan.sets.max()) + 1
+        self._sets = plan.num_sets
         self._compiled: dict[tuple[bool, ...], Any] = {}
         self._ptrs = (self.a_lanes.data_ptr(), self.b_lanes.data_ptr(), self.table.data_ptr())
         self._fast = self.device.type == "cuda" and _triton()
@@ -534,7 +531,7 @@ def _side_rows(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) -
     col, bs, ts = _strides(plan, side)
     assert side.ids is not None
     ids = side.ids.cpu().numpy().astype(np.int64)
-    at = ii if plan.sets is None else plan.sets[pp] * side.set_stride + ii
+    at = plan.sets[pp] * side.set_stride + ii
     out = plan.planes[pp, col] + ids[at] * bs + t * ts
     return out
 
@@ -582,7 +579,9 @@ class IdUploader:
         self._slots: list[tuple[torch.Tensor, torch.Tensor | None, Any]] = []
         self._views: list[npt.NDArray[np.int64]] = []
         self._cuts: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor, list[Any]]] = {}
-        self._pairs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: One CUDA event per slot for readers that record their own (``PullRoute``).
+        self.events: list[Any] = []
         self._next = 0
         self._lock = threading.Lock()
 
@@ -647,13 +646,10 @@ class IdUploader:
         :meth:`take` returned) to the device on the current stream; return them there."""
         if slot < 0:
             return torch.from_numpy(host[:n])
-        pair = self._pairs.get((slot, n))
-        if pair is None:
-            if len(self._pairs) > 256:
-                self._pairs.clear()
+        pair = self._pairs.get(slot)
+        if pair is None or pair[0].numel() != n:  # the slot's views of the last size
             h, d, _ = self._slots[slot]
-            assert d is not None
-            pair = self._pairs[(slot, n)] = (h[:n], d[:n])
+            pair = self._pairs[slot] = (h[:n], cast(torch.Tensor, d)[:n])
         pair[1].copy_(pair[0], non_blocking=True)
         return pair[1]
 
@@ -676,6 +672,7 @@ class IdUploader:
         dev = torch.empty(size, dtype=torch.int64, device=self.device)
         self._slots.append((host, dev, None))
         self._views.append(host.numpy())
+        self.events.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
         self._next = len(self._slots)
         return len(self._slots) - 1
 
@@ -686,10 +683,11 @@ class PullRoute:
     ``plans`` are the source ranks' plans (by global rank) and ``buffers`` their buffers as
     this rank's kernels see them (e.g. CUDA IPC mappings); ``dst`` is this rank's buffer.
     The plans are merged into one (:meth:`DevicePlan.merge`, source offsets relative to the
-    lowest buffer address) when they share block size and strides and the kernel runs, else
-    each keeps its own launch. Per handoff (:meth:`run`) Rust checks the block ids and
-    writes them straight into a pinned slot of ``uploader``; one async copy and the launch
-    follow.
+    lowest buffer address) when they share block size and strides, else each keeps its own
+    launch. The merged kernel reads across buffers by address: host tensors need Triton's
+    interpreter (the torch twin reads one buffer). Per handoff (:meth:`run`) Rust checks
+    the block ids and writes them straight into a pinned slot of ``uploader``; one async
+    copy and the launch follow.
     """
 
     def __init__(
@@ -705,23 +703,18 @@ class PullRoute:
         self.uploader = uploader
         base = min(self.ranks, key=lambda r: buffers[r].data_ptr())
         shifts = [buffers[r].data_ptr() - buffers[base].data_ptr() for r in self.ranks]
-        # Only the kernel reads across buffers by address; the torch twin (host tensors
-        # without the interpreter) keeps one copy per rank.
-        import os
-
-        kernel = (dst.is_cuda and _triton()) or os.environ.get("TRITON_INTERPRET") == "1"
-        merged = DevicePlan.merge([plans[r] for r in self.ranks], shifts) if kernel else None
+        merged = DevicePlan.merge([plans[r] for r in self.ranks], shifts)
+        solo = [(plans[r], r, j) for j, r in enumerate(self.ranks)]
+        groups = solo if merged is None else [(merged, base, 0)]
         #: ``(prepared copy, first id set)``: one entry when merged, else one per rank.
-        self.copies: list[tuple[PreparedCopy, int]] = (
-            [(PreparedCopy(merged, Side("src", buffers[base]), Side("dst", dst)), 0)]
-            if merged is not None
-            else [
-                (PreparedCopy(plans[r], Side("src", buffers[r]), Side("dst", dst)), j)
-                for j, r in enumerate(self.ranks)
-            ]
-        )
+        self.copies = [
+            (PreparedCopy(plan, Side("src", buffers[r]), Side("dst", dst)), j)
+            for plan, r, j in groups
+        ]
+        #: The device index (-1: host memory, where ``torch.cuda.device`` does nothing).
+        self.index = dst.get_device()
+        self._cuda = dst.is_cuda
         self._streams: dict[int, Any] = {}
-        self._events: dict[int, Any] = {}
 
     def run(
         self,
@@ -739,55 +732,46 @@ class PullRoute:
         than the plan's)."""
         from disagg_rs import _core
 
-        try:
-            n_dst = len(dst_block_ids)
-        except TypeError:
-            return None
         up = self.uploader
-        slot, host = up.take(_core.pull_ids_len(n_dst, len(self.ranks)))
+        slot, host = up.take(_core.pull_ids_len(dst_block_ids, len(self.ranks)))
+        got = None
         try:
             got = _core.write_pull_ids(
                 host, peers, self.ranks, src_block_ids, dst_block_ids, num_tokens,
                 local_num_blocks=local_num_blocks, local_tokens_per_block=local_tokens_per_block,
                 tokens_per_block=self.tokens_per_block,
             )  # fmt: skip
-        except BaseException:
-            up.settle(slot, None)
-            raise
+        finally:
+            if got is None:  # raised, or not this route's ids: the slot is free again
+                up.settle(slot, None)
         if got is None:
-            up.settle(slot, None)
             return None
         n_tok, _, stride, n = got
         nbytes = 0
-        if self.device.type != "cuda":  # host buffers (tests): synchronous, no event
+        with torch.cuda.device(self.index):
             ids = up.push(slot, host, n)
-            for launch, first in self.copies:
-                nbytes += launch(n_tok, ids[(first + 1) * stride :], ids, a_set=stride)
-            return None, nbytes
-        index = self.device.index if self.device.index is not None else 0
-        same = torch.cuda.current_device() == index
-        with contextlib.nullcontext() if same else torch.cuda.device(index):
-            ids = up.push(slot, host, n)
-            raw = torch._C._cuda_getCurrentRawStream(index)
-            stream = self._streams.get(raw)
-            if stream is None:
-                if len(self._streams) > 64:
-                    self._streams.clear()
-                stream = self._streams[raw] = torch.cuda.current_stream(self.device)
-            # One event per id slot, recorded again when the slot is reused: the slot is free
-            # only once that event's last record completed, so a handle still holding it
-            # can only see it complete later, never early.
-            done = self._events.get(slot)
-            if done is None:
-                done = self._events[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            raw = torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
             try:
                 for launch, first in self.copies:
-                    src = ids[(first + 1) * stride :]
-                    nbytes += launch(n_tok, src, ids, raw, a_set=stride)
+                    nbytes += launch(n_tok, ids[(first + 1) * stride :], ids, raw, a_set=stride)
             finally:
-                done.record(stream)
-                up.settle(slot, done)
+                done = self._record(slot, raw) if self._cuda else None
         return done, nbytes
+
+    def _record(self, slot: int, raw: Any) -> Any:
+        """Record the event of id slot ``slot`` on the stream ``raw`` and settle the slot.
+
+        One event per slot, recorded again when the slot is reused: the slot is free only
+        once that event's last record completed, so a handle still holding it can only see
+        it complete later, never early. Stream objects are kept by raw handle (building one
+        costs more than the launch's other calls together)."""
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = torch.cuda.current_stream(self.device)
+        done = self.uploader.events[slot]
+        done.record(stream)
+        self.uploader.settle(slot, done)
+        return done
 
 
 class PlanCache:

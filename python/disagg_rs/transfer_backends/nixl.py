@@ -35,7 +35,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -999,8 +999,7 @@ class NixlTransferBackend(TransferBackendBase):
     ) -> tuple[_PullPart, int] | None:
         """Queue one handoff on an IPC route (ids checked and written by Rust, one upload,
         one launch per merged plan); ``None`` when its ids do not fit the route."""
-        assert route.copy is not None
-        got = route.copy.run(
+        got = cast(dp.PullRoute, route.copy).run(
             peers,
             src_block_ids,
             dst_block_ids,
@@ -1010,9 +1009,8 @@ class NixlTransferBackend(TransferBackendBase):
         )
         if got is None:
             return None
-        done, nbytes = got
-        landed = done.query if done is not None else (lambda: True)
-        return _PullPart(-1, None, context=route.label, landed=landed, local=True), nbytes
+        done, nbytes = got  # a CUDA event: routes exist for GPU buffers only
+        return _PullPart(-1, None, context=route.label, landed=done.query, local=True), nbytes
 
     def _pull_by_ipc(
         self,

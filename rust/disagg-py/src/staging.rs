@@ -129,10 +129,14 @@ fn source_ids_of(obj: &Bound<'_, PyAny>) -> PyResult<SourceIds> {
     Ok(SourceIds::Shared(ids_of(obj, "src_block_ids")?))
 }
 
-/// Ids a device id slot needs for a pull of `dst_len` destination ids from `sources` ranks.
+/// Ids a device id slot needs for a pull into `dst_block_ids` from `sources` source ranks.
 #[pyfunction]
-pub fn pull_ids_len(dst_len: usize, sources: usize) -> usize {
-    disagg_core::pull_ids_len(dst_len, sources)
+pub fn pull_ids_len(dst_block_ids: &Bound<'_, PyAny>, sources: usize) -> PyResult<usize> {
+    let n = match dst_block_ids.len() {
+        Ok(n) => n,
+        Err(_) => ids_of(dst_block_ids, "dst_block_ids")?.len(),
+    };
+    Ok(disagg_core::pull_ids_len(n, sources))
 }
 
 /// Check the peers (`srcs`, parsed) and block ids of one KV pull into this rank exactly as
