@@ -116,7 +116,7 @@ fn ids_of(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<i64>> {
 }
 
 /// Source ids: one shared list or array, or a mapping of global rank to ids.
-fn source_ids_of(obj: &Bound<'_, PyAny>) -> PyResult<SourceIds> {
+pub(crate) fn source_ids_of(obj: &Bound<'_, PyAny>) -> PyResult<SourceIds> {
     if let Ok(m) = obj.cast::<PyMapping>() {
         let mut out = Vec::new();
         for item in m.items()?.iter() {
