@@ -34,16 +34,11 @@ def tp2() -> Iterator[tuple[Any, list[Any], list[dict[str, Any]]]]:
 
     kw: dict[str, Any] = {"num_kv_heads_global": HEADS}
     dec = nixl.NixlTransferBackend("route-dec", torch.zeros_like(cache(HEADS)), BLOCKS, **kw)
-    root = nixl.NixlTransferBackend(
-        "route-pre", cache(HEADS // 2), BLOCKS, tp_size=2, tp_rank=0, global_rank=0, **kw
-    )
+    # Both prefill ranks on one agent: rank 0 makes it, rank 1 registers on it.
+    rank = [{"tp_size": 2, "tp_rank": r, "global_rank": r, **kw} for r in (0, 1)]
+    root = nixl.NixlTransferBackend("route-pre", cache(HEADS // 2), BLOCKS, **rank[0])
     other = root.new_registered_buffer(
-        memory_buffer=cache(HEADS // 2),
-        expected_num_blocks=BLOCKS,
-        tp_size=2,
-        tp_rank=1,
-        global_rank=1,
-        **kw,
+        memory_buffer=cache(HEADS // 2), expected_num_blocks=BLOCKS, **rank[1]
     )
     srcs = [root, other]
     yield dec, srcs, [s.export_meta() for s in srcs]
