@@ -4,7 +4,9 @@ ids) on the CUDA IPC path, and each of its stages alone, with ``time.perf_counte
 
 Both sources and the decode live in this process on one GPU (the IPC path finds the
 sources' buffers in the process-local table). The GPU queue is drained between calls, so
-the numbers are host time only. Needs a CUDA GPU and NIXL.
+the numbers are host time only; one row sleeps 0.5 ms before each call, as the product
+harness's ``wait()`` does between polls, so the call starts on an idle core. Needs a CUDA
+GPU and NIXL.
 
 Command: ``python benches/bench_submit_stages.py [--device cuda:0] [--repeat 200]``.
 """
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 
 from disagg_rs import _core
-from disagg_rs.transfer_backends.nixl import NixlTransferBackend, _peer_key, _rank_ids
+from disagg_rs.transfer_backends.nixl import NixlTransferBackend
 
 LAYERS, HEADS, DIM, TPB = 80, 8, 128, 64
 
@@ -60,11 +62,13 @@ def main() -> None:
     first.wait()
     print("modes", first.stats.get("modes"))
 
-    def stage(name: str, fn: Callable[[], Any]) -> None:
+    def stage(name: str, fn: Callable[[], Any], idle_s: float = 0.0) -> None:
         fn()
         torch.cuda.synchronize()
         times = []
         for _ in range(args.repeat):
+            if idle_s:
+                time.sleep(idle_s)
             t0 = time.perf_counter_ns()
             fn()
             times.append(time.perf_counter_ns() - t0)
@@ -81,6 +85,11 @@ def main() -> None:
     stage(
         "whole call, ids as arrays", lambda: dec.begin_pull_blocks(metas, sa, da, num_tokens=tokens)
     )
+    stage(
+        "whole call, ids as lists, after 0.5 ms idle (as between the product harness's polls)",
+        lambda: dec.begin_pull_blocks(metas, sids, dids, num_tokens=tokens),
+        idle_s=0.0005,
+    )
     stage("resolve peers", lambda: dec._resolve_peers(metas, sids))
     peers, ids = dec._resolve_peers(metas, sids)
     stage(
@@ -89,28 +98,49 @@ def main() -> None:
     stage(
         "check ids, arrays", lambda: dec._validate_peers(peers, sa, da, tokens, local_is_dst=True)
     )
-    stage("check tickets", lambda: _core.check_staging_tickets_of([], peers))
-    pm = [p.meta for p in peers]
-    by_rank = {p.global_rank: p.meta for p in peers}
-    stage("IPC route", lambda: dec._pull_by_ipc(pm, by_rank, ids, dids, tokens))
+    route = dec._ipc_routes[tuple(map(id, peers))]
+    assert route.copy is not None
+    pr = route.copy
+    print("launches per call", len(pr.copies))
+    kw2: dict[str, Any] = {
+        "local_num_blocks": dec.expected_num_blocks,
+        "local_tokens_per_block": dec.tokens_per_block,
+        "tokens_per_block": pr.tokens_per_block,
+    }
+    n_ids = _core.pull_ids_len(dids, len(pr.ranks))
+    slot, host = dec._ids.take(n_ids)
     stage(
-        "ids to arrays", lambda: (np.asarray(dids, np.int64), [_rank_ids(ids, r) for r in (0, 1)])
+        "ids checked + written into the pinned slot by Rust, lists",
+        lambda: _core.write_pull_ids(host, peers, pr.ranks, ids, dids, tokens, **kw2),
     )
-    _, copies, _, _ = dec._ipc_routes[_peer_key(pm)]
-    d0 = np.asarray(dids, dtype=np.int64)
-    s0 = [_rank_ids(ids, r) for r in (0, 1)]
-
-    def upload() -> None:
-        _, slot = dec._ids.begin(d0, *s0)
-        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ev.record()
-        dec._ids.settle(slot, ev)
-
-    stage("ids upload + event", upload)
-    views, _ = dec._ids.begin(d0, *s0)
-    stream = torch.cuda.current_stream()
-    stage("one launch", lambda: copies[0](tokens, views[1], views[0], stream.cuda_stream))
+    stage(
+        "ids checked + written into the pinned slot by Rust, arrays",
+        lambda: _core.write_pull_ids(host, peers, pr.ranks, sa, da, tokens, **kw2),
+    )
+    dec._ids.settle(slot, None)
+    run_kw = {"local_num_blocks": dec.expected_num_blocks, "local_tokens_per_block": TPB}
+    stage(
+        "IPC route (ids, upload, launch, event)", lambda: pr.run(peers, ids, dids, tokens, **run_kw)
+    )
+    slot, host = dec._ids.take(n_ids)
+    got = _core.write_pull_ids(host, peers, pr.ranks, ids, dids, tokens, **kw2)
+    assert got is not None
+    stride, n = got[2], got[3]
+    stage("one async copy of the slot", lambda: dec._ids.push(slot, host, n))
+    dev = dec._ids.push(slot, host, n)
+    raw = torch._C._cuda_getCurrentRawStream(0)
+    launch, first = pr.copies[0]
+    stage(
+        "one launch (all source ranks)",
+        lambda: launch(tokens, dev[(first + 1) * stride :], dev, raw, a_set=stride),
+    )
+    dec._ids.settle(slot, None)
+    stage("new event + record", lambda: torch.cuda.Event().record())  # type: ignore[no-untyped-call]
+    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    cur = torch.cuda.current_stream()
+    stage("record again on a kept event", lambda: ev.record(cur))
     stage("torch.cuda.current_stream()", torch.cuda.current_stream)
+    stage("raw current stream", lambda: torch._C._cuda_getCurrentRawStream(0))
     for b in (other, root, dec):
         b.close()
 

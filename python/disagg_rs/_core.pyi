@@ -852,6 +852,19 @@ def check_peer_transfer(
     local_num_blocks: int,
     local_tokens_per_block: int | None,
 ) -> int | None: ...
+def pull_ids_len(dst_block_ids: Any, sources: int) -> int: ...
+def write_pull_ids(
+    out: _npt.NDArray[_np.int64],
+    srcs: Sequence[Peer],
+    ranks: Sequence[int],
+    src_block_ids: Any,
+    dst_block_ids: Any,
+    num_tokens: int | None,
+    *,
+    local_num_blocks: int,
+    local_tokens_per_block: int | None,
+    tokens_per_block: int,
+) -> tuple[int, int, int, int] | None: ...
 def compile_peer_transfer(
     srcs: Sequence[Peer],
     dst: Peer,

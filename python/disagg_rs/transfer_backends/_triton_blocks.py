@@ -7,8 +7,11 @@ One program copies one *item*: the tokens of one block of one plane row of a
 units on each side, so the item is ``n_tokens x row`` units and lane ``u`` of it is token
 ``u // row``, unit ``u % row``.
 
-A side is either *paged* (a KV cache: the plane's base from column ``col`` of the plane
-table, plus ``ids[i] * block_stride + token * token_stride``) or *packed* (the canonical
+The plane table has five int64 columns per row: source offset, destination offset, packed
+coefficient, row (all in units) and the row's *id set*. A side is either *paged* (a KV cache:
+the plane's base from column ``col`` of the plane table, plus ``ids[set * set_stride + i] *
+block_stride + token * token_stride``, so one launch can read several source ranks, each
+with its own block ids) or *packed* (the canonical
 packed region: ``plane[2] * n_tok + (i * tpb + token) * row``, minus ``bias`` so a chunk of
 the packed region can live in a smaller window). The block ids are read on the device: the
 host uploads only the two id arrays per handoff.
@@ -21,16 +24,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+#: Columns of the plane table.
+COLS: tl.constexpr = tl.constexpr(5)
+
 
 @triton.jit
-def _side_base(plane_ptr, ids_ptr, p, i, n_tok, tpb, row, col, bs, bias, PACKED: tl.constexpr):
+def _side_base(
+    plane_ptr, ids_ptr, p, i, n_tok, tpb, row, col, bs, bias, set_stride, PACKED: tl.constexpr
+):
     """Unit offset of token 0 of item (p, i) and the unit stride between its tokens."""
     if PACKED:
-        base = tl.load(plane_ptr + p * 4 + 2) * n_tok + i * tpb * row - bias
+        base = tl.load(plane_ptr + p * COLS + 2) * n_tok + i * tpb * row - bias
         ts = row
     else:
-        block = tl.load(ids_ptr + i).to(tl.int64)
-        base = tl.load(plane_ptr + p * 4 + col) + block * bs
+        id_at = tl.load(plane_ptr + p * COLS + 4) * set_stride + i
+        block = tl.load(ids_ptr + id_at).to(tl.int64)
+        base = tl.load(plane_ptr + p * COLS + col) + block * bs
         ts = row  # replaced by the caller's token stride
     return base, ts
 
@@ -49,6 +58,8 @@ def _side_base(plane_ptr, ids_ptr, p, i, n_tok, tpb, row, col, bs, bias, PACKED:
         "b_bs",
         "b_ts",
         "b_bias",
+        "a_set",
+        "b_set",
     ]
 )
 def copy_blocks_kernel(
@@ -69,6 +80,8 @@ def copy_blocks_kernel(
     b_bs,
     b_ts,
     b_bias,
+    a_set,
+    b_set,
     A_PACKED: tl.constexpr,
     B_PACKED: tl.constexpr,
     VEC: tl.constexpr,
@@ -80,14 +93,36 @@ def copy_blocks_kernel(
     i = k - p * n_blk
     n_tok64 = n_tok.to(tl.int64)
     tpb64 = tpb.to(tl.int64)
-    row = tl.load(plane_ptr + p * 4 + 3)
+    row = tl.load(plane_ptr + p * COLS + 3)
     first = i * tpb64
     ntok = tl.minimum(tpb64, n_tok64 - first)
     a_base, a_pts = _side_base(
-        plane_ptr, a_ids_ptr, p, i, n_tok64, tpb64, row, a_col, a_bs, a_bias, A_PACKED
+        plane_ptr,
+        a_ids_ptr,
+        p,
+        i,
+        n_tok64,
+        tpb64,
+        row,
+        a_col,
+        a_bs,
+        a_bias,
+        a_set.to(tl.int64),
+        A_PACKED,
     )
     b_base, b_pts = _side_base(
-        plane_ptr, b_ids_ptr, p, i, n_tok64, tpb64, row, b_col, b_bs, b_bias, B_PACKED
+        plane_ptr,
+        b_ids_ptr,
+        p,
+        i,
+        n_tok64,
+        tpb64,
+        row,
+        b_col,
+        b_bs,
+        b_bias,
+        b_set.to(tl.int64),
+        B_PACKED,
     )
     if not A_PACKED:
         a_pts = a_ts.to(tl.int64)

@@ -34,7 +34,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -42,7 +42,16 @@ import torch
 
 from disagg_rs.transfer_backends import torch_copy
 
-__all__ = ["DevicePlan", "IdUploader", "PlanCache", "PreparedCopy", "Side", "copy", "copy_torch"]
+__all__ = [
+    "DevicePlan",
+    "IdUploader",
+    "PlanCache",
+    "PreparedCopy",
+    "PullRoute",
+    "Side",
+    "copy",
+    "copy_torch",
+]
 
 SideKind = Literal["src", "dst", "packed"]
 _I64 = npt.NDArray[np.int64]
@@ -65,7 +74,10 @@ class DevicePlan:
 
     ``planes`` is ``[p, 4]`` int64 bytes ``(src_off, dst_off, packed_coef, row_bytes)`` with
     the plane offsets relative to the two buffers' bases (so a peer's buffer mapped at another
-    address works unchanged).
+    address works unchanged). ``sets`` (all 0 for one rank) is each row's id set: a paged side
+    reads row ``p``'s block ids at ``sets[p] * set_stride`` of its id array, which lets one
+    plan (:meth:`merge`) read several source ranks, each with its own ids, in one launch.
+    A merged plan copies between paged sides only (its packed coefficients overlap).
     """
 
     planes: _I64
@@ -74,6 +86,8 @@ class DevicePlan:
     src_token_stride: int
     dst_block_stride: int
     dst_token_stride: int
+    sets: _I64
+    paged_only: bool = False
     _dev: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
@@ -101,7 +115,39 @@ class DevicePlan:
             src_token_stride=int(raw["src_token_stride"]),
             dst_block_stride=int(raw["dst_block_stride"]),
             dst_token_stride=int(raw["dst_token_stride"]),
+            sets=np.zeros(planes.shape[0], dtype=np.int64),
         )
+
+    @classmethod
+    def merge(cls, plans: list[DevicePlan], src_shifts: list[int]) -> DevicePlan | None:
+        """One plan reading every plan of ``plans`` (one source rank each), ``None`` when
+        they do not share block size and strides. Plan ``j``'s rows read id set ``j`` and its
+        source offsets move by ``src_shifts[j]`` bytes (its buffer's address minus the base
+        address the merged plan is launched with)."""
+        if len({plan.strides for plan in plans}) != 1:
+            return None
+        counts = [plan.num_planes for plan in plans]
+        planes = np.concatenate([plan.planes for plan in plans])
+        planes[:, 0] += np.repeat(np.asarray(src_shifts, dtype=np.int64), counts)
+        sets = np.repeat(np.arange(len(plans), dtype=np.int64), counts)
+        return cls(planes, *plans[0].strides, sets=sets, paged_only=True)
+
+    @property
+    def strides(self) -> tuple[int, int, int, int, int]:
+        """Block size and both sides' block and token strides (what :meth:`merge` needs
+        to agree)."""
+        return (
+            self.tokens_per_block,
+            self.src_block_stride,
+            self.src_token_stride,
+            self.dst_block_stride,
+            self.dst_token_stride,
+        )
+
+    @property
+    def num_sets(self) -> int:
+        """Id sets the rows read (1 for one rank's plan)."""
+        return int(self.sets.max(initial=0)) + 1
 
     # -- sizes ---------------------------------------------------------------------------
 
@@ -206,7 +252,8 @@ class DevicePlan:
         key = (str(device), unit)
         dev = self._dev.get(key)
         if dev is None:
-            dev = torch.from_numpy(np.ascontiguousarray(self.planes // unit)).to(device)
+            rows = np.concatenate([self.planes // unit, self.sets[:, None]], axis=1)
+            dev = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(device)
             self._dev[key] = dev
         return dev
 
@@ -216,14 +263,17 @@ class Side:
     """One side of a copy: a buffer (whole cache or packed window) and how it is addressed.
 
     ``kind`` "src" / "dst": a paged cache addressed through ``ids`` (device int tensor of
-    block ids, one per block index). "packed": the packed region, of which ``buffer`` holds
-    bytes ``[bias, bias + buffer bytes)``.
+    block ids, one per block index; id set ``j`` of a merged plan at ``j * set_stride``,
+    the same ids for every set when 0).
+    "packed": the packed region, of which ``buffer`` holds bytes ``[bias, bias + buffer
+    bytes)``.
     """
 
     kind: SideKind
     buffer: torch.Tensor
     ids: torch.Tensor | None = None
     bias: int = 0
+    set_stride: int = 0
 
 
 def _strides(plan: DevicePlan, side: Side) -> tuple[int, int, int]:
@@ -268,6 +318,8 @@ def _check_side(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) 
     """Bounds of one side, checked on the host before the launch (ValueError)."""
     nbytes = torch_copy.byte_view(side.buffer).numel()
     if side.kind == "packed":
+        if plan.paged_only:
+            raise ValueError("a merged plan copies between paged sides only")
         lo, hi = plan.item_offset(k_lo, n_tok), plan.item_offset(k_hi, n_tok)
         if lo < side.bias or hi - side.bias > nbytes:
             raise ValueError(
@@ -277,9 +329,12 @@ def _check_side(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) 
         return
     if side.ids is None:
         raise ValueError(f"{side.kind} side needs block ids")
-    if side.ids.numel() < plan.num_blocks(n_tok):
+    sets, n_blk = plan.num_sets, plan.num_blocks(n_tok)
+    # Stride 0: every id set reads the same ids; else sets must not overlap.
+    if side.ids.numel() < (sets - 1) * side.set_stride + n_blk or 0 < side.set_stride < n_blk:
         raise ValueError(
-            f"{side.kind} side: {side.ids.numel()} block ids for {plan.num_blocks(n_tok)} blocks"
+            f"{side.kind} side: {side.ids.numel()} block ids (set stride {side.set_stride}) "
+            f"for {sets} id sets of {plan.num_blocks(n_tok)} blocks"
         )
 
 
@@ -357,6 +412,8 @@ def _launch(
         b_bs // unit,
         b_ts // unit,
         b.bias // unit,
+        a.set_stride,
+        b.set_stride,
         A_PACKED=a.kind == "packed",
         B_PACKED=b.kind == "packed",
         VEC=vec,
@@ -389,23 +446,35 @@ class PreparedCopy:
         u = self.unit
         self._consts = (a_col, a_bs // u, a_ts // u, 0, b_col, b_bs // u, b_ts // u, 0)
         self._vec = _UNIT_LANES[self.unit][1]
+        self._sets = plan.num_sets
         self._compiled: dict[tuple[bool, ...], Any] = {}
         self._ptrs = (self.a_lanes.data_ptr(), self.b_lanes.data_ptr(), self.table.data_ptr())
         self._fast = self.device.type == "cuda" and _triton()
 
     def __call__(
-        self, n_tok: int, a_ids: torch.Tensor, b_ids: torch.Tensor, stream: int | None = None
+        self,
+        n_tok: int,
+        a_ids: torch.Tensor,
+        b_ids: torch.Tensor,
+        stream: int | None = None,
+        a_set: int = 0,
     ) -> int:
         """Queue the copy of every item of an ``n_tok``-token handoff on the current stream
-        of the device (block ids already on it, one per block index); return the bytes.
-        ``stream``: that stream's raw handle when the caller has it (CUDA, device current)."""
+        of the device (block ids already on it, one per block index; id set ``j`` of a merged
+        plan at ``j * a_set`` of ``a_ids``); return the bytes. ``stream``: that stream's raw
+        handle when the caller has it (CUDA, device current)."""
         plan = self.plan
         n_blk = plan.num_blocks(n_tok)
-        if a_ids.numel() < n_blk or b_ids.numel() < n_blk:
-            raise ValueError(f"{a_ids.numel()} / {b_ids.numel()} block ids for {n_blk} blocks")
+        need = (self._sets - 1) * a_set + n_blk
+        if a_ids.numel() < need or b_ids.numel() < n_blk or (self._sets > 1 and 0 < a_set < n_blk):
+            raise ValueError(
+                f"{a_ids.numel()} / {b_ids.numel()} block ids (set stride {a_set}) for "
+                f"{self._sets} id sets of {n_blk} blocks"
+            )
         grid = plan.num_planes * n_blk
         if not self._fast:
-            return copy(plan, Side("src", self.a, a_ids), Side("dst", self.b, b_ids), n_tok)
+            a = Side("src", self.a, a_ids, set_stride=a_set)
+            return copy(plan, a, Side("dst", self.b, b_ids), n_tok)
         tpb = plan.tokens_per_block
         a_ptr, b_ptr = a_ids.data_ptr(), b_ids.data_ptr()
         key = (a_ptr % 16 == 0, b_ptr % 16 == 0)
@@ -413,7 +482,8 @@ class PreparedCopy:
         if compiled is None or not hasattr(compiled, "run"):
             self._compiled[key] = _kernel()[(grid,)](
                 self.a_lanes, self.b_lanes, self.table, a_ids, b_ids, n_blk, int(n_tok), tpb, 0,
-                *self._consts, A_PACKED=False, B_PACKED=False, VEC=self._vec, BLOCK=BLOCK,
+                *self._consts, a_set, 0, A_PACKED=False, B_PACKED=False, VEC=self._vec,
+                BLOCK=BLOCK,
             )  # fmt: skip
             return plan.packed_bytes(n_tok)
         from triton import knobs
@@ -422,7 +492,7 @@ class PreparedCopy:
         # per tensor (the buffers are held by this object, the ids by the caller). The
         # buffers' alignment is fixed; the ids' is the key.
         args = (*self._ptrs, a_ptr, b_ptr, n_blk, int(n_tok), tpb, 0, *self._consts,
-                False, False, self._vec, BLOCK)  # fmt: skip
+                a_set, 0, False, False, self._vec, BLOCK)  # fmt: skip
         if stream is None:
             stream = torch.cuda.current_stream(self.device).cuda_stream
         hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
@@ -461,7 +531,8 @@ def _side_rows(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) -
     col, bs, ts = _strides(plan, side)
     assert side.ids is not None
     ids = side.ids.cpu().numpy().astype(np.int64)
-    out = plan.planes[pp, col] + ids[ii] * bs + t * ts
+    at = plan.sets[pp] * side.set_stride + ii
+    out = plan.planes[pp, col] + ids[at] * bs + t * ts
     return out
 
 
@@ -508,6 +579,9 @@ class IdUploader:
         self._slots: list[tuple[torch.Tensor, torch.Tensor | None, Any]] = []
         self._views: list[npt.NDArray[np.int64]] = []
         self._cuts: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor, list[Any]]] = {}
+        self._pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: One CUDA event per slot for readers that record their own (``PullRoute``).
+        self.events: list[Any] = []
         self._next = 0
         self._lock = threading.Lock()
 
@@ -555,6 +629,30 @@ class IdUploader:
         cut[2].copy_(cut[1], non_blocking=True)
         return list(cut[3]), slot
 
+    def take(self, n: int) -> tuple[int, npt.NDArray[np.int64]]:
+        """A slot of at least ``n`` ids, taken until :meth:`settle`, and its pinned host
+        memory as a numpy array for the caller to fill (then :meth:`push`). Host devices:
+        slot -1 and a fresh array (nothing to settle)."""
+        if self.device.type != "cuda":
+            return -1, np.zeros(n, dtype=np.int64)
+        with self._lock:
+            slot = self._slot(n)
+            host, dev, _ = self._slots[slot]
+            self._slots[slot] = (host, dev, _BUSY)
+            return slot, self._views[slot]
+
+    def push(self, slot: int, host: npt.NDArray[np.int64], n: int) -> torch.Tensor:
+        """Queue the copy of the first ``n`` ids of a taken slot (``host``: what
+        :meth:`take` returned) to the device on the current stream; return them there."""
+        if slot < 0:
+            return torch.from_numpy(host[:n])
+        pair = self._pairs.get(slot)
+        if pair is None or pair[0].numel() != n:  # the slot's views of the last size
+            h, d, _ = self._slots[slot]
+            pair = self._pairs[slot] = (h[:n], cast(torch.Tensor, d)[:n])
+        pair[1].copy_(pair[0], non_blocking=True)
+        return pair[1]
+
     def settle(self, slot: int, event: Any) -> None:
         """Slot ``slot`` is free once ``event`` (recorded after its readers) has completed."""
         if slot >= 0:
@@ -574,8 +672,106 @@ class IdUploader:
         dev = torch.empty(size, dtype=torch.int64, device=self.device)
         self._slots.append((host, dev, None))
         self._views.append(host.numpy())
+        self.events.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
         self._next = len(self._slots)
         return len(self._slots) - 1
+
+
+class PullRoute:
+    """Every source rank of one peer set copied into this rank's blocks by one launch.
+
+    ``plans`` are the source ranks' plans (by global rank) and ``buffers`` their buffers as
+    this rank's kernels see them (e.g. CUDA IPC mappings); ``dst`` is this rank's buffer.
+    The plans are merged into one (:meth:`DevicePlan.merge`, source offsets relative to the
+    lowest buffer address) when they share block size and strides, else each keeps its own
+    launch. The merged kernel reads across buffers by address: host tensors need Triton's
+    interpreter (the torch twin reads one buffer). Per handoff (:meth:`run`) Rust checks
+    the block ids and writes them straight into a pinned slot of ``uploader``; one async
+    copy and the launch follow.
+    """
+
+    def __init__(
+        self,
+        plans: dict[int, DevicePlan],
+        buffers: dict[int, torch.Tensor],
+        dst: torch.Tensor,
+        uploader: IdUploader,
+    ) -> None:
+        self.ranks = sorted(plans)
+        self.tokens_per_block = plans[self.ranks[0]].tokens_per_block
+        self.device = dst.device
+        self.uploader = uploader
+        base = min(self.ranks, key=lambda r: buffers[r].data_ptr())
+        shifts = [buffers[r].data_ptr() - buffers[base].data_ptr() for r in self.ranks]
+        merged = DevicePlan.merge([plans[r] for r in self.ranks], shifts)
+        solo = [(plans[r], r, j) for j, r in enumerate(self.ranks)]
+        groups = solo if merged is None else [(merged, base, 0)]
+        #: ``(prepared copy, first id set)``: one entry when merged, else one per rank.
+        self.copies = [
+            (PreparedCopy(plan, Side("src", buffers[r]), Side("dst", dst)), j)
+            for plan, r, j in groups
+        ]
+        #: The device index (-1: host memory, where ``torch.cuda.device`` does nothing).
+        self.index = dst.get_device()
+        self._cuda = dst.is_cuda
+        self._streams: dict[int, Any] = {}
+
+    def run(
+        self,
+        peers: list[Any],
+        src_block_ids: Any,
+        dst_block_ids: Any,
+        num_tokens: int | None,
+        *,
+        local_num_blocks: int,
+        local_tokens_per_block: int | None,
+    ) -> tuple[Any, int] | None:
+        """Check the ids (``check_peer_transfer``'s errors), upload them and queue the copy
+        on the device's current stream; return ``(event recorded after it, bytes)``, or
+        ``None`` (nothing queued) when the ids do not fit this route (block counts other
+        than the plan's)."""
+        from disagg_rs import _core
+
+        up = self.uploader
+        slot, host = up.take(_core.pull_ids_len(dst_block_ids, len(self.ranks)))
+        got = None
+        try:
+            got = _core.write_pull_ids(
+                host, peers, self.ranks, src_block_ids, dst_block_ids, num_tokens,
+                local_num_blocks=local_num_blocks, local_tokens_per_block=local_tokens_per_block,
+                tokens_per_block=self.tokens_per_block,
+            )  # fmt: skip
+        finally:
+            if got is None:  # raised, or not this route's ids: the slot is free again
+                up.settle(slot, None)
+        if got is None:
+            return None
+        n_tok, _, stride, n = got
+        nbytes = 0
+        with torch.cuda.device(self.index):
+            ids = up.push(slot, host, n)
+            raw = torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
+            try:
+                for launch, first in self.copies:
+                    nbytes += launch(n_tok, ids[(first + 1) * stride :], ids, raw, a_set=stride)
+            finally:
+                done = self._record(slot, raw) if self._cuda else None
+        return done, nbytes
+
+    def _record(self, slot: int, raw: Any) -> Any:
+        """Record the event of id slot ``slot`` on the stream ``raw`` and settle the slot.
+
+        One event per slot, recorded again when the slot is reused: the slot is free only
+        once that event's last record completed, so a handle still holding it can only see
+        it complete later, never early. Stream objects are kept by raw handle (building one
+        costs more than the launch's other calls together)."""
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = torch.cuda.current_stream(self.device)
+        done = self.uploader.events[slot]
+        done.record(stream)
+        self.uploader.settle(slot, done)
+        return done
 
 
 class PlanCache:

@@ -35,7 +35,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -309,6 +309,16 @@ class _PullPart:
         if self.cleanup is not None:
             self.cleanup()
             self.cleanup = None
+
+
+@dataclass(frozen=True)
+class _IpcRoute:
+    """A peer set on the CUDA IPC path: its parsed peers (held, so the identity key of the
+    route stays theirs), the merged device copy and the part label."""
+
+    peers: tuple[Any, ...]
+    copy: dp.PullRoute | None
+    label: str
 
 
 class NixlPullHandle(TransferHandleBase):
@@ -628,8 +638,9 @@ class NixlTransferBackend(TransferBackendBase):
         self._plans = dp.PlanCache()
         self._ids = dp.IdUploader(memory_buffer.device)
         self._ipc = ipc.IpcMapper()
-        #: IPC routes by peer set (``_ipc_route``).
+        #: IPC routes by peer set (``_ipc_route``), and the agent names of each set.
         self._ipc_routes: dict[Any, Any] = {}
+        self._route_names: dict[Any, set[str]] = {}
         # CUDA IPC maps one buffer: per-layer tensors are read over NIXL.
         self.ipc_meta = ipc.export(memory_buffer) if len(self.region_tensors) == 1 else None
         self._init_kwargs: dict[str, Any] = {
@@ -673,6 +684,7 @@ class NixlTransferBackend(TransferBackendBase):
         self._regs.clear()
         self._ipc.close()
         getattr(self, "_ipc_routes", {}).clear()
+        getattr(self, "_route_names", {}).clear()
         self._ctx.release()
 
     # -- metadata ------------------------------------------------------------------------
@@ -854,19 +866,25 @@ class NixlTransferBackend(TransferBackendBase):
         src_block_ids = src_ids
         if no_blocks(src_block_ids, dst_block_ids):  # nothing to move: a settled handle
             return NixlPullHandle(self.agent, [], self.timeout_s, self.clock, None)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        # A peer set seen before on the CUDA IPC path: Rust checks the ids while writing
+        # them into the upload slot (the same checks as below), one launch follows.
+        route = self._ipc_routes.get(tuple(map(id, peers)))
+        if route is not None and route.copy is not None:
+            if staged:
+                _core.check_staging_tickets_of(list(staged), peers)
+            direct = self._pull_on_route(route, peers, src_block_ids, dst_block_ids, num_tokens)
+            if direct is not None:
+                return self._ipc_handle(direct, timeout)
         num_tokens = self._validate_peers(
             peers, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
         )
         metas = [p.meta for p in peers]
         by_rank = {p.global_rank: p.meta for p in peers}
         tickets = _core.check_staging_tickets_of(list(staged or ()), peers)
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        direct = self._pull_by_ipc(metas, by_rank, src_block_ids, dst_block_ids, num_tokens)
+        direct = self._pull_by_ipc(peers, by_rank, src_block_ids, dst_block_ids, num_tokens)
         if direct is not None:
-            ipc_part, nbytes = direct
-            handle = NixlPullHandle(self.agent, [ipc_part], timeout, self.clock, None)
-            handle.stats = {"bytes": nbytes, "descriptors": 0, "modes": {-1: "ipc"}}
-            return handle
+            return self._ipc_handle(direct, timeout)
         program = self._compile(
             metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, self.mode
         )
@@ -965,66 +983,79 @@ class NixlTransferBackend(TransferBackendBase):
         plans: dict[int, dp.DevicePlan] | None = self._cached(("pull", _peer_key(metas)), build)
         return plans
 
+    def _ipc_handle(self, direct: tuple[_PullPart, int], timeout: float) -> NixlPullHandle:
+        ipc_part, nbytes = direct
+        handle = NixlPullHandle(self.agent, [ipc_part], timeout, self.clock, None)
+        handle.stats = {"bytes": nbytes, "descriptors": 0, "modes": {-1: "ipc"}}
+        return handle
+
+    def _pull_on_route(
+        self,
+        route: _IpcRoute,
+        peers: list[Any],
+        src_block_ids: BlockIds,
+        dst_block_ids: BlockIds,
+        num_tokens: int | None,
+    ) -> tuple[_PullPart, int] | None:
+        """Queue one handoff on an IPC route (ids checked and written by Rust, one upload,
+        one launch per merged plan); ``None`` when its ids do not fit the route."""
+        got = cast(dp.PullRoute, route.copy).run(
+            peers,
+            src_block_ids,
+            dst_block_ids,
+            num_tokens,
+            local_num_blocks=self.expected_num_blocks,
+            local_tokens_per_block=self.tokens_per_block,
+        )
+        if got is None:
+            return None
+        done, nbytes = got  # a CUDA event: routes exist for GPU buffers only
+        return _PullPart(-1, None, context=route.label, landed=done.query, local=True), nbytes
+
     def _pull_by_ipc(
         self,
-        metas: Sequence[PeerMeta],
+        peers: list[Any],
         by_rank: Mapping[int, PeerMeta],
         src_block_ids: BlockIds,
         dst_block_ids: BlockIds,
         num_tokens: int | None,
     ) -> tuple[_PullPart, int] | None:
         """Copy every source rank's blocks straight from its CUDA IPC mapping (same host),
-        one kernel per source rank, no staging; ``None`` when any rank cannot be mapped or
-        has no device plan (the caller then takes the NIXL path).
+        one kernel for all source ranks, no staging; ``None`` when any rank cannot be mapped
+        or has no device plan (the caller then takes the NIXL path).
 
-        Everything that depends only on the peer set (mappings, plans, bounds, prepared
-        launches) is settled once per peer set (:meth:`_ipc_route`); a handoff converts its
-        ids, uploads them in one pinned copy and queues one launch per source rank."""
+        Everything that depends only on the peer set (mappings, plans, bounds, the merged
+        plan and its prepared launch) is settled once per peer set (:meth:`_ipc_route`) and
+        found again by the parsed peers' identity at the top of ``begin_pull_blocks``."""
         if not self.memory_buffer.is_cuda or num_tokens is None or self.ipc_meta is None:
             return None
-        key = _peer_key(metas)
-        route = self._ipc_routes.get(key)
+        key = tuple(map(id, peers))
+        route: _IpcRoute | None = self._ipc_routes.get(key)
         if route is None:
-            route = self._ipc_route(key, metas, by_rank, src_block_ids, dst_block_ids, num_tokens)
-        if route is False:
+            route = self._ipc_route(key, peers, by_rank, src_block_ids, dst_block_ids, num_tokens)
+        if route.copy is None:
             return None
-        ranks, copies, n_blk_of, label = route
-        n_blk = n_blk_of(num_tokens)
-        dst_ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
-        src_ids = [_rank_ids(src_block_ids, r) for r in ranks]
-        if dst_ids.size != n_blk or any(x.size != n_blk for x in src_ids):
-            return None  # the compiler path names the mismatch
-        nbytes = 0
-        index = int(self.memory_buffer.device.index or 0)
-        same = torch.cuda.current_device() == index
-        with contextlib.nullcontext() if same else torch.cuda.device(index):
-            dev, slot = self._ids.begin(dst_ids, *src_ids)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            stream = torch.cuda.current_stream()
-            try:
-                for launch, sid in zip(copies, dev[1:], strict=True):
-                    nbytes += launch(num_tokens, sid, dev[0], stream.cuda_stream)
-            finally:
-                done.record(stream)
-                self._ids.settle(slot, done)
-        return _PullPart(-1, None, context=label, landed=done.query, local=True), nbytes
+        return self._pull_on_route(route, peers, src_block_ids, dst_block_ids, num_tokens)
 
     def _ipc_route(
         self,
         key: Any,
-        metas: Sequence[PeerMeta],
+        peers: list[Any],
         by_rank: Mapping[int, PeerMeta],
         src_block_ids: BlockIds,
         dst_block_ids: BlockIds,
         num_tokens: int,
-    ) -> Any:
-        """The IPC route of one peer set: ``(ranks, prepared copies, blocks of n tokens,
-        label)``, or ``False`` when the set cannot take the IPC path (cached either way; a
-        peer's new incarnation is a new peer set and drops the routes of its old one)."""
+    ) -> _IpcRoute:
+        """The IPC route of one peer set (its ``copy`` is ``None`` when the set cannot take
+        the IPC path); cached either way by the parsed peers' identity (the route holds the
+        peers, so those ids stay theirs); a peer's new incarnation is a new peer set and
+        drops the routes of its old one."""
+        metas = [p.meta for p in peers]
         names = {str(m["agent_name"]) for m in metas}
-        for old in [k for k in self._ipc_routes if names & {n for n, _, _ in k}]:
+        for old in [k for k in self._ipc_routes if names & self._route_names[k]]:
             del self._ipc_routes[old]
-        route: Any = False
+            del self._route_names[old]
+        route = _IpcRoute(tuple(peers), None, "")
         mapped = {}
         for rank, meta in by_rank.items():
             view = self._ipc.open(meta, self.ipc_meta, self.memory_buffer.device)
@@ -1038,16 +1069,13 @@ class NixlTransferBackend(TransferBackendBase):
             )
             plans = self._pull_plans(metas, by_rank, program)
             if plans is not None and self._ipc_bounds_hold(plans, by_rank, mapped):
-                ranks = sorted(plans)
-                copies = [
-                    dp.PreparedCopy(
-                        plans[r], dp.Side("src", mapped[r]), dp.Side("dst", self.memory_buffer)
-                    )
-                    for r in ranks
-                ]
-                label = "ipc:" + ",".join(str(by_rank[r]["agent_name"]) for r in ranks)
-                route = (ranks, copies, plans[ranks[0]].num_blocks, label)
+                copy = dp.PullRoute(
+                    plans, {r: mapped[r] for r in plans}, self.memory_buffer, self._ids
+                )
+                label = "ipc:" + ",".join(str(by_rank[r]["agent_name"]) for r in copy.ranks)
+                route = _IpcRoute(tuple(peers), copy, label)
         self._ipc_routes[key] = route
+        self._route_names[key] = names
         return route
 
     def _ipc_bounds_hold(

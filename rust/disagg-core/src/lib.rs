@@ -39,4 +39,4 @@ pub use reshard::{
     local_range, plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer,
     SsmReshardPlan, SsmReshardTransfer,
 };
-pub use staging::StagingRanges;
+pub use staging::{pull_ids_len, write_pull_ids, PullIds, StagingRanges};

@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 
 use crate::error::{DisaggError, DisaggResult};
+use crate::wire::peer::{check_transfer, LocalSide, PeerMeta, SourceIds};
 
 /// First-fit allocator of aligned byte ranges in a region of `capacity` bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -174,6 +175,79 @@ impl StagingRanges {
     }
 }
 
+/// Where one pull's block ids went in a device id slot ([`write_pull_ids`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PullIds {
+    /// Tokens the pull moves (what [`check_transfer`] returned).
+    pub num_tokens: u64,
+    /// Block indices of every side.
+    pub num_blocks: usize,
+    /// Ids between the starts of two consecutive parts (`num_blocks` rounded up to even).
+    pub stride: usize,
+    /// Ids written.
+    pub len: usize,
+}
+
+/// Ids a slot needs for a pull of `dst_len` destination ids from `sources` source ranks.
+#[must_use]
+pub fn pull_ids_len(dst_len: usize, sources: usize) -> usize {
+    (dst_len + (dst_len & 1)) * (sources + 1)
+}
+
+/// Check the peers and block ids of one KV pull ([`check_transfer`], same errors), then lay
+/// the ids out in `out` for a device plan launched once for all source ranks: destination
+/// ids at 0, the ids of `ranks[j]` at `(j + 1) * stride`, every part starting on an even
+/// index (16-byte aligned on the device).
+///
+/// `tokens_per_block` is the plan's block size. `Ok(None)`: the ids do not fit this layout
+/// (SSM state, a side whose id count is not the plan's block count for the tokens moved, a
+/// rank without ids, `out` too short); the caller takes its general path, which names the
+/// mismatch if there is one.
+///
+/// # Errors
+/// What [`check_transfer`] raises (`MetadataError`, `BlockIdError`).
+#[allow(clippy::too_many_arguments)]
+pub fn write_pull_ids(
+    peers: &[&PeerMeta],
+    ranks: &[u32],
+    src: &SourceIds,
+    dst: &[i64],
+    num_tokens: Option<i64>,
+    local: LocalSide,
+    tokens_per_block: u32,
+    out: &mut [i64],
+) -> DisaggResult<Option<PullIds>> {
+    let Some(n_tok) = check_transfer(peers, src, Some(dst), num_tokens, local)? else {
+        return Ok(None);
+    };
+    if tokens_per_block == 0 {
+        return Ok(None);
+    }
+    let n_blk = usize::try_from(n_tok.div_ceil(u64::from(tokens_per_block))).unwrap_or(0);
+    let stride = n_blk + (n_blk & 1);
+    let len = pull_ids_len(n_blk, ranks.len());
+    if dst.len() != n_blk || out.len() < len {
+        return Ok(None);
+    }
+    let mut parts: Vec<&[i64]> = vec![dst];
+    for &rank in ranks {
+        let ids = match src {
+            SourceIds::Shared(ids) => Some(ids.as_slice()),
+            SourceIds::PerRank(map) => {
+                map.iter().find(|(r, _)| *r == i64::from(rank)).map(|(_, ids)| ids.as_slice())
+            }
+        };
+        match ids {
+            Some(ids) if ids.len() == n_blk => parts.push(ids),
+            _ => return Ok(None),
+        }
+    }
+    for (j, ids) in parts.into_iter().enumerate() {
+        out[j * stride..j * stride + n_blk].copy_from_slice(ids);
+    }
+    Ok(Some(PullIds { num_tokens: n_tok, num_blocks: n_blk, stride, len }))
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -320,5 +394,107 @@ mod tests {
         let mut pool = StagingRanges::new(1024, 256).unwrap();
         assert_eq!(pool.alloc(u64::MAX).unwrap_err().kind(), "Capacity");
         assert!(pool.is_empty());
+    }
+
+    mod pull_ids {
+        use super::super::*;
+        use crate::wire::peer::{tests::meta_with_staging, Region};
+        use crate::wire::value::WireValue;
+        use proptest::prelude::*;
+
+        // Two source ranks of the test export: 4 blocks of 2 tokens each.
+        fn peer(rank: i128) -> PeerMeta {
+            let mut v = meta_with_staging(Region { addr: 1 << 20, nbytes: 4096 });
+            if let WireValue::Map(entries) = &mut v {
+                for (k, val) in entries.iter_mut() {
+                    if k == "layout" {
+                        if let WireValue::Map(lay) = val {
+                            for (lk, lv) in lay.iter_mut() {
+                                if lk == "global_rank" {
+                                    *lv = WireValue::Int(rank);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            PeerMeta::parse(&v, "nixl").unwrap()
+        }
+        /// Source ids, destination ids, tokens, ranks, slot room.
+        type Case<'a> = (SourceIds, Vec<i64>, Option<i64>, &'a [u32], usize);
+        const LOCAL: LocalSide =
+            LocalSide { is_dst: true, num_blocks: 4, tokens_per_block: Some(2) };
+
+        #[test]
+        fn bad_ids_raise_what_check_transfer_raises_and_leave_the_slot_untouched() {
+            let (a, b) = (peer(0), peer(1));
+            let mut out = vec![-7_i64; 16];
+            for (src, dst) in [
+                (SourceIds::Shared(vec![0, 4]), vec![0, 1]),
+                (SourceIds::PerRank(vec![(0, vec![0, 1]), (1, vec![2, 2])]), vec![0, 1]),
+                (SourceIds::Shared(vec![0, 1]), vec![3, 3]),
+            ] {
+                let want = check_transfer(&[&a, &b], &src, Some(&dst), None, LOCAL).unwrap_err();
+                let got = write_pull_ids(&[&a, &b], &[0, 1], &src, &dst, None, LOCAL, 2, &mut out)
+                    .unwrap_err();
+                assert_eq!(got.to_string(), want.to_string());
+                assert!(out.iter().all(|&x| x == -7));
+            }
+        }
+
+        #[test]
+        fn ids_that_do_not_fit_the_layout_are_left_to_the_general_path() {
+            let (a, b) = (peer(0), peer(1));
+            let mut out = [-7_i64; 16];
+            let per = |x: Vec<i64>| SourceIds::PerRank(vec![(0, vec![0, 1]), (1, x)]);
+            // 3 tokens span 2 blocks; 1 token spans 1 block but 2 ids are given.
+            let cases: [Case<'_>; 4] = [
+                (per(vec![2, 3]), vec![0, 1], Some(1), &[0, 1], 16),
+                (SourceIds::PerRank(vec![(0, vec![0, 1])]), vec![0, 1], None, &[0, 1], 16),
+                (per(vec![2, 3]), vec![0, 1], None, &[0, 1], 5),
+                (per(vec![2, 3]), vec![0, 1], None, &[0, 1], 16),
+            ];
+            for (k, (src, dst, n, ranks, room)) in cases.into_iter().enumerate() {
+                let got =
+                    write_pull_ids(&[&a, &b], ranks, &src, &dst, n, LOCAL, 2, &mut out[..room])
+                        .unwrap();
+                assert_eq!(got.is_some(), k == 3, "case {k}: {got:?}");
+            }
+        }
+
+        proptest! {
+            #[test]
+            fn the_slot_holds_the_destination_then_each_rank_on_even_starts(
+                n_tok in 1_i64..=8,
+                perm in Just((0_i64..4).collect::<Vec<_>>()).prop_shuffle(),
+                shared in any::<bool>(),
+            ) {
+                let (a, b) = (peer(0), peer(1));
+                let n_blk = usize::try_from(n_tok).unwrap().div_ceil(2);
+                let dst: Vec<i64> = perm[..n_blk].to_vec();
+                let s0: Vec<i64> = perm.iter().rev().take(n_blk).copied().collect();
+                let s1: Vec<i64> = if shared { s0.clone() } else { perm[4 - n_blk..].to_vec() };
+                let src = if shared {
+                    SourceIds::Shared(s0.clone())
+                } else {
+                    SourceIds::PerRank(vec![(1, s1.clone()), (0, s0.clone())])
+                };
+                let mut out = vec![-7_i64; 16];
+                let got = write_pull_ids(&[&a, &b], &[0, 1], &src, &dst, Some(n_tok), LOCAL, 2, &mut out)
+                    .unwrap()
+                    .unwrap();
+                let stride = n_blk + n_blk % 2;
+                prop_assert_eq!(got, PullIds {
+                    num_tokens: u64::try_from(n_tok).unwrap(), num_blocks: n_blk, stride,
+                    len: 3 * stride,
+                });
+                prop_assert_eq!(pull_ids_len(n_blk, 2), 3 * stride);
+                let mut want = vec![-7_i64; 16];
+                for (j, ids) in [&dst, &s0, &s1].into_iter().enumerate() {
+                    want[j * stride..j * stride + n_blk].copy_from_slice(ids);
+                }
+                prop_assert_eq!(out, want);
+            }
+        }
     }
 }

@@ -51,6 +51,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<pool::PySlotPool>()?;
     m.add_class::<staging::PyStagingRanges>()?;
+    m.add_function(wrap_pyfunction!(staging::write_pull_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(staging::pull_ids_len, m)?)?;
     m.add_class::<ledger::PyLedgerAction>()?;
     m.add_class::<ledger::PyImportLedger>()?;
     m.add_class::<ledger::PyPinLedger>()?;

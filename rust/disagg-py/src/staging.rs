@@ -1,13 +1,18 @@
-//! Python class `StagingRanges`: the byte-range pool of a transport's staging region.
+//! Python class `StagingRanges`: the byte-range pool of a transport's staging region; and
+//! `write_pull_ids`: one pull's block ids checked and laid out in a device id slot.
 
 use std::sync::Mutex;
 
+use disagg_core::wire::peer::{LocalSide, SourceIds};
 use disagg_core::StagingRanges;
+use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
+use pyo3::types::{PyInt, PyList, PyMapping};
 
-use crate::args::{Int, Kind};
+use crate::args::{Int, IntList, Kind};
 use crate::error::IntoPyResult;
 use crate::pool::lock;
+use crate::wire::{metas, PyPeer};
 
 /// First-fit pool of aligned byte ranges `[offset, offset + size)` in a staging region.
 #[pyclass(name = "StagingRanges", module = "disagg_rs", frozen)]
@@ -86,4 +91,93 @@ impl PyStagingRanges {
             p.len()
         ))
     }
+}
+
+/// Block ids of one side: a list of ints or a contiguous `int64` numpy array read directly,
+/// anything else through [`IntList`] (its errors).
+fn ids_of(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<i64>> {
+    if let Ok(arr) = obj.cast::<PyArray1<i64>>() {
+        if let Ok(view) = arr.try_readonly() {
+            if let Ok(ids) = view.as_slice() {
+                return Ok(ids.to_vec());
+            }
+        }
+    } else if let Ok(list) = obj.cast::<PyList>() {
+        let mut ids = Vec::with_capacity(list.len());
+        for x in list.iter() {
+            match x.cast_exact::<PyInt>().ok().and_then(|i| i.extract::<i64>().ok()) {
+                Some(v) => ids.push(v),
+                None => return obj.extract::<IntList>()?.to_i64s(Kind::Block, field),
+            }
+        }
+        return Ok(ids);
+    }
+    obj.extract::<IntList>()?.to_i64s(Kind::Block, field)
+}
+
+/// Source ids: one shared list or array, or a mapping of global rank to ids.
+pub(crate) fn source_ids_of(obj: &Bound<'_, PyAny>) -> PyResult<SourceIds> {
+    if let Ok(m) = obj.cast::<PyMapping>() {
+        let mut out = Vec::new();
+        for item in m.items()?.iter() {
+            let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+            let rank = k.extract::<Int>()?.to_i64(Kind::Block, "src_block_ids (dict key)")?;
+            out.push((rank, ids_of(&v, "src_block_ids")?));
+        }
+        return Ok(SourceIds::PerRank(out));
+    }
+    Ok(SourceIds::Shared(ids_of(obj, "src_block_ids")?))
+}
+
+/// Ids a device id slot needs for a pull into `dst_block_ids` from `sources` source ranks.
+#[pyfunction]
+pub fn pull_ids_len(dst_block_ids: &Bound<'_, PyAny>, sources: usize) -> PyResult<usize> {
+    let n = match dst_block_ids.len() {
+        Ok(n) => n,
+        Err(_) => ids_of(dst_block_ids, "dst_block_ids")?.len(),
+    };
+    Ok(disagg_core::pull_ids_len(n, sources))
+}
+
+/// Check the peers (`srcs`, parsed) and block ids of one KV pull into this rank exactly as
+/// `check_peer_transfer` does (same errors, raised before anything is written), then write
+/// the ids into `out` (a 1-D `int64` array, e.g. a pinned slot's numpy view): destination
+/// ids at 0, the ids of `ranks[j]` at `(j + 1) * stride`. Returns `(num_tokens, num_blocks,
+/// stride, written)`, or `None` when the ids do not fit that layout (the caller's general
+/// path then handles or names the mismatch).
+#[pyfunction]
+#[pyo3(signature = (out, srcs, ranks, src_block_ids, dst_block_ids, num_tokens, *,
+    local_num_blocks, local_tokens_per_block, tokens_per_block))]
+#[allow(clippy::too_many_arguments)]
+pub fn write_pull_ids(
+    out: &Bound<'_, PyArray1<i64>>,
+    srcs: Vec<PyRef<'_, PyPeer>>,
+    ranks: Vec<u32>,
+    src_block_ids: &Bound<'_, PyAny>,
+    dst_block_ids: &Bound<'_, PyAny>,
+    num_tokens: Option<Int>,
+    local_num_blocks: Int,
+    local_tokens_per_block: Option<Int>,
+    tokens_per_block: Int,
+) -> PyResult<Option<(u64, usize, usize, usize)>> {
+    let src = source_ids_of(src_block_ids)?;
+    let dst = ids_of(dst_block_ids, "dst_block_ids")?;
+    let local = LocalSide {
+        is_dst: true,
+        num_blocks: local_num_blocks.to_u32(Kind::Argument, "local_num_blocks")?,
+        tokens_per_block: local_tokens_per_block
+            .map(|t| t.to_u32(Kind::Argument, "local_tokens_per_block"))
+            .transpose()?,
+    };
+    let tpb = tokens_per_block.to_u32(Kind::Argument, "tokens_per_block")?;
+    let n = num_tokens.map(|n| n.to_i64(Kind::Block, "num_tokens")).transpose()?;
+    let mut view = out.try_readwrite().map_err(|e| {
+        pyo3::exceptions::PyValueError::new_err(format!("out is not writable: {e}"))
+    })?;
+    let slot = view.as_slice_mut().map_err(|e| {
+        pyo3::exceptions::PyValueError::new_err(format!("out is not contiguous: {e}"))
+    })?;
+    let peers = metas(&srcs);
+    let got = disagg_core::write_pull_ids(&peers, &ranks, &src, &dst, n, local, tpb, slot).py()?;
+    Ok(got.map(|g| (g.num_tokens, g.num_blocks, g.stride, g.len)))
 }

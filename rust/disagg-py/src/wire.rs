@@ -314,21 +314,12 @@ impl PyPeerTable {
     }
 }
 
-fn metas<'a>(peers: &'a [PyRef<'_, PyPeer>]) -> Vec<&'a PeerMeta> {
+pub(crate) fn metas<'a>(peers: &'a [PyRef<'_, PyPeer>]) -> Vec<&'a PeerMeta> {
     peers.iter().map(|p| p.inner.as_ref()).collect()
 }
 
 fn source_ids(obj: &Bound<'_, PyAny>) -> PyResult<SourceIds> {
-    if let Ok(m) = obj.cast::<PyMapping>() {
-        let mut out = Vec::new();
-        for item in m.items()?.iter() {
-            let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
-            let rank = k.extract::<Int>()?.to_i64(Kind::Block, "src_block_ids (dict key)")?;
-            out.push((rank, v.extract::<IntList>()?.to_i64s(Kind::Block, "src_block_ids")?));
-        }
-        return Ok(SourceIds::PerRank(out));
-    }
-    Ok(SourceIds::Shared(obj.extract::<IntList>()?.to_i64s(Kind::Block, "src_block_ids")?))
+    crate::staging::source_ids_of(obj)
 }
 
 /// The plan request of Python arguments (peers borrowed from `srcs` and `dst`).

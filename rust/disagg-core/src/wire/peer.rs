@@ -636,6 +636,9 @@ fn check_ids(field: &str, ids: &[i64], num_blocks: u32, owner: &str) -> DisaggRe
             format!("{field} holds {} ids, more than the {num_blocks} blocks", ids.len()),
         ));
     }
+    // One bit per block (ids are checked against `num_blocks` first), a set past 16 M.
+    let mut bits =
+        vec![0_u64; if num_blocks <= 1 << 24 { (num_blocks as usize).div_ceil(64) } else { 0 }];
     let mut seen = BTreeSet::new();
     for &b in ids {
         if b < 0 || b >= i64::from(num_blocks) {
@@ -644,7 +647,16 @@ fn check_ids(field: &str, ids: &[i64], num_blocks: u32, owner: &str) -> DisaggRe
                 format!("{field} holds block {b}, outside [0, {num_blocks}) of {owner}"),
             ));
         }
-        if !seen.insert(b) {
+        let fresh = if bits.is_empty() {
+            seen.insert(b)
+        } else {
+            let b = b.cast_unsigned(); // in [0, num_blocks): checked above
+            let (word, bit) = ((b / 64) as usize, 1_u64 << (b % 64));
+            let was = bits[word] & bit == 0;
+            bits[word] |= bit;
+            was
+        };
+        if !fresh {
             return Err(DisaggError::block(
                 field,
                 format!("{field} names block {b} twice ({} ids)", ids.len()),
