@@ -915,11 +915,11 @@ class NixlTransferBackend(TransferBackendBase):
         # local byte in this rank's; a range running across per-layer tensors is split.
         by_peer = {p.global_rank: p for p in peers}
         me = self._own_peer
-        rows = {
-            rank: by_peer[rank].split_descriptors(*program.direct_descriptors(rank), me)
-            for rank, kind in plan
-            if kind == "direct"
-        }
+
+        def direct_rows(rank: int) -> tuple[Any, Any]:
+            return by_peer[rank].split_descriptors(*program.direct_descriptors(rank), me)  # type: ignore[no-any-return]
+
+        rows = {rank: direct_rows(rank) for rank, kind in plan if kind == "direct"}
         agents = {rank: self._ensure_peer_registered(by_rank[rank]) for rank, _ in plan}
         parts: list[_PullPart] = []
         error: str | None = None
@@ -938,6 +938,7 @@ class NixlTransferBackend(TransferBackendBase):
                         (plans or {}).get(rank),
                         (src_block_ids, dst_block_ids, num_tokens),
                         share=staged_left + 1,
+                        direct=direct_rows,
                     )
                     if kind == "staged"
                     else self._post_direct(rows[rank], rank, by_rank[rank], agents[rank])
@@ -1146,6 +1147,7 @@ class NixlTransferBackend(TransferBackendBase):
         handoff: tuple[BlockIds, BlockIds, int | None] | None = None,
         *,
         share: int = 1,
+        direct: Callable[[int], tuple[Any, Any]],
     ) -> _PullPart | None:
         nbytes = int(ticket["nbytes"])
         if nbytes == 0:
@@ -1159,7 +1161,7 @@ class NixlTransferBackend(TransferBackendBase):
             chunked = self._post_chunked(rank, meta, ticket, peer, plan, handoff, share)
             if chunked is not None:
                 return chunked
-            return self._post_direct(program.direct_descriptors(rank), rank, meta, peer)
+            return self._post_direct(direct(rank), rank, meta, peer)
         offset = self.arena.alloc(nbytes)
         region = self.staging_buffer[offset : offset + nbytes]
         on_gpu = plan is not None and handoff is not None and region.is_cuda
