@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -69,34 +69,29 @@ CASES = [
 _tags = itertools.count(1)
 
 
-@pytest.fixture(scope="module")
-def nixl_pool() -> Iterator[dict[str, list[Worker]]]:
-    workers = tw.start_workers("nixl", ["pre0", "pre1", "dec0", "dec1"], "")
+def _pool(transport: str, store: str = "") -> Iterator[dict[str, list[Worker]]]:
+    workers = tw.start_workers(transport, ["pre0", "pre1", "dec0", "dec1"], store)
     try:
         yield {"pre": workers[:2], "dec": workers[2:]}
     finally:
         tw.stop_workers(workers)
+
+
+@pytest.fixture(scope="module")
+def nixl_pool() -> Iterator[dict[str, list[Worker]]]:
+    yield from _pool("nixl")
 
 
 @pytest.fixture(scope="module")
 def nixl_cuda_pool() -> Iterator[dict[str, list[Worker]]]:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    workers = tw.start_workers("nixl-cuda", ["pre0", "pre1", "dec0", "dec1"], "")
-    try:
-        yield {"pre": workers[:2], "dec": workers[2:]}
-    finally:
-        tw.stop_workers(workers)
+    yield from _pool("nixl-cuda")
 
 
 @pytest.fixture(scope="module")
 def gloo_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Worker]]]:
-    store = str(tmp_path_factory.mktemp("gloo") / "store")
-    workers = tw.start_workers("gloo", ["pre0", "pre1", "dec0", "dec1"], store)
-    try:
-        yield {"pre": workers[:2], "dec": workers[2:]}
-    finally:
-        tw.stop_workers(workers)
+    yield from _pool("gloo", str(tmp_path_factory.mktemp("gloo") / "store"))
 
 
 def _src_ids(case: Case) -> dict[int, list[int]]:
@@ -122,6 +117,16 @@ def _close(pool: dict[str, list[Worker]], case: Case, key: str) -> None:
 
 def _num_tokens(case: Case) -> int | None:
     return case.num_tokens if case.kind == "kv" else None
+
+
+def _pull(call: Callable[..., Any], key: str, metas: Any, src: Any, dst: Any, **kw: Any) -> Any:
+    """``begin_pull_blocks`` on a decode worker (``call``: the worker, or its ``send``)."""
+    return call("call", key, "begin_pull_blocks", metas, src, dst, **kw)
+
+
+def _stage(call: Callable[..., Any], key: str, dst_meta: Any, src: Any, **kw: Any) -> Any:
+    """``stage_blocks`` on a prefill worker (``call``: the worker, or its ``send``)."""
+    return call("call", key, "stage_blocks", dst_meta, src, **kw)
 
 
 def _assert_landed(pool: dict[str, list[Worker]], case: Case, key: str) -> None:
@@ -157,10 +162,9 @@ def _nixl_pull_case(nixl_pool: dict[str, list[Worker]], case: Case, mode: str) -
             if mode == "staged":
                 # The prefill packs before the pull is announced; the ticket travels with it.
                 tickets = [
-                    nixl_pool["pre"][i](
-                        "call",
+                    _stage(
+                        nixl_pool["pre"][i],
                         key,
-                        "stage_blocks",
                         dst_meta,
                         tw.src_ids(case, s),
                         src_metas=src_metas,
@@ -169,10 +173,9 @@ def _nixl_pull_case(nixl_pool: dict[str, list[Worker]], case: Case, mode: str) -
                     for i, s in enumerate(case.srcs)
                 ]
             dec = nixl_pool["dec"][j]
-            dec(
-                "call",
+            _pull(
+                dec,
                 key,
-                "begin_pull_blocks",
                 src_metas,
                 _src_ids(case),
                 tw.dst_ids(case, case.dsts[j]),
@@ -194,10 +197,9 @@ def test_gloo_push_and_pull_land_every_byte_where_the_oracle_says(
     src_metas, dst_metas = _setup(gloo_pool, case, key)
     try:
         for j, side in enumerate(case.dsts):
-            gloo_pool["dec"][j].send(
-                "call",
+            _pull(
+                gloo_pool["dec"][j].send,
                 key,
-                "begin_pull_blocks",
                 src_metas,
                 _src_ids(case),
                 tw.dst_ids(case, side),
@@ -238,10 +240,9 @@ def test_nixl_pull_accepts_any_program_through_the_compiler_hook(
     src_metas, dst_metas = _setup(nixl_pool, case, key, mode=mode, compiler=tw.reference_compiler)
     try:
         tickets = [
-            nixl_pool["pre"][i](
-                "call",
+            _stage(
+                nixl_pool["pre"][i],
                 key,
-                "stage_blocks",
                 dst_metas[0],
                 tw.src_ids(case, s),
                 src_metas=src_metas,
@@ -250,16 +251,8 @@ def test_nixl_pull_accepts_any_program_through_the_compiler_hook(
             for i, s in enumerate(case.srcs)
         ]
         dec = nixl_pool["dec"][0]
-        dec(
-            "call",
-            key,
-            "begin_pull_blocks",
-            src_metas,
-            _src_ids(case),
-            tw.dst_ids(case, case.dsts[0]),
-            num_tokens=case.num_tokens,
-            staged=tickets,
-        )
+        dst = tw.dst_ids(case, case.dsts[0])
+        _pull(dec, key, src_metas, _src_ids(case), dst, num_tokens=case.num_tokens, staged=tickets)
         dec("wait", key)
         _assert_landed(nixl_pool, case, key)
     finally:
@@ -307,10 +300,9 @@ def test_bad_peer_metadata_is_rejected_before_anything_is_posted(
         dst = [*dst[:-1], -1]
     try:
         with pytest.raises(WorkerError) as info:
-            pool["dec"][0](
-                "call",
+            _pull(
+                pool["dec"][0],
                 key,
-                "begin_pull_blocks",
                 metas,
                 src,
                 dst,
@@ -332,6 +324,12 @@ def test_nixl_pull_from_a_killed_source_fails_typed_and_a_restarted_source_repla
     ctx = mp.get_context("spawn")
     key = "killed"
     procs = []
+
+    def pull_from(meta: dict[str, Any]) -> None:
+        dst = tw.dst_ids(case, case.dsts[0])
+        _pull(dec, key, meta, tw.src_ids(case, side), dst, num_tokens=case.num_tokens)
+        dec("wait", key)
+
     try:
         dec("setup", key, case, case.dsts[0], "dst", timeout_s=5.0, mode="direct")
         metas = []
@@ -343,41 +341,14 @@ def test_nixl_pull_from_a_killed_source_fails_typed_and_a_restarted_source_repla
             assert parent.poll(tw.REPLY_TIMEOUT_S)
             metas.append(parent.recv())
             if len(metas) == 1:
-                dec(
-                    "call",
-                    key,
-                    "begin_pull_blocks",
-                    metas[0],
-                    tw.src_ids(case, side),
-                    tw.dst_ids(case, case.dsts[0]),
-                    num_tokens=case.num_tokens,
-                )
-                dec("wait", key)
+                pull_from(metas[0])
                 proc.kill()
                 proc.join(10)
                 with pytest.raises(WorkerError) as info:
-                    dec(
-                        "call",
-                        key,
-                        "begin_pull_blocks",
-                        metas[0],
-                        tw.src_ids(case, side),
-                        tw.dst_ids(case, case.dsts[0]),
-                        num_tokens=case.num_tokens,
-                    )
-                    dec("wait", key)
+                    pull_from(metas[0])
                 assert info.value.kind in ("TransferError", "TransferTimeout")
         assert metas[0]["incarnation"] != metas[1]["incarnation"]
-        dec(
-            "call",
-            key,
-            "begin_pull_blocks",
-            metas[1],
-            tw.src_ids(case, side),
-            tw.dst_ids(case, case.dsts[0]),
-            num_tokens=case.num_tokens,
-        )
-        dec("wait", key)
+        pull_from(metas[1])
         assert dec("agent_peers")["doomed"] == metas[1]["incarnation"]
         assert np.array_equal(dec("buffer", key), tw.expected_dst(case, case.dsts[0]).numpy())
     finally:
@@ -396,16 +367,8 @@ def test_gloo_pull_whose_peer_never_posts_times_out_typed(
     dec = gloo_pool["dec"][0]
     try:
         # A tag nobody will ever send on: this receive stays posted until the worker exits.
-        dec(
-            "call",
-            key,
-            "begin_pull_blocks",
-            src_metas,
-            _src_ids(case),
-            tw.dst_ids(case, case.dsts[0]),
-            num_tokens=case.num_tokens,
-            tag=10**6,
-        )
+        dst = tw.dst_ids(case, case.dsts[0])
+        _pull(dec, key, src_metas, _src_ids(case), dst, num_tokens=case.num_tokens, tag=10**6)
         with pytest.raises(WorkerError) as info:
             dec("wait", key)
         assert info.value.kind == "TransferTimeout"
