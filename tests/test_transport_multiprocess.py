@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -70,11 +70,8 @@ _tags = itertools.count(1)
 
 
 def _pool(transport: str, store: str = "") -> Iterator[dict[str, list[Worker]]]:
-    workers = tw.start_workers(transport, ["pre0", "pre1", "dec0", "dec1"], store)
-    try:
+    for workers in tw.worker_pool(transport, ["pre0", "pre1", "dec0", "dec1"], store):
         yield {"pre": workers[:2], "dec": workers[2:]}
-    finally:
-        tw.stop_workers(workers)
 
 
 @pytest.fixture(scope="module")
@@ -119,16 +116,6 @@ def _num_tokens(case: Case) -> int | None:
     return case.num_tokens if case.kind == "kv" else None
 
 
-def _pull(call: Callable[..., Any], key: str, metas: Any, src: Any, dst: Any, **kw: Any) -> Any:
-    """``begin_pull_blocks`` on a decode worker (``call``: the worker, or its ``send``)."""
-    return call("call", key, "begin_pull_blocks", metas, src, dst, **kw)
-
-
-def _stage(call: Callable[..., Any], key: str, dst_meta: Any, src: Any, **kw: Any) -> Any:
-    """``stage_blocks`` on a prefill worker (``call``: the worker, or its ``send``)."""
-    return call("call", key, "stage_blocks", dst_meta, src, **kw)
-
-
 def _assert_landed(pool: dict[str, list[Worker]], case: Case, key: str) -> None:
     for j, side in enumerate(case.dsts):
         got = pool["dec"][j]("buffer", key)
@@ -162,7 +149,7 @@ def _nixl_pull_case(nixl_pool: dict[str, list[Worker]], case: Case, mode: str) -
             if mode == "staged":
                 # The prefill packs before the pull is announced; the ticket travels with it.
                 tickets = [
-                    _stage(
+                    tw.stage(
                         nixl_pool["pre"][i],
                         key,
                         dst_meta,
@@ -173,7 +160,7 @@ def _nixl_pull_case(nixl_pool: dict[str, list[Worker]], case: Case, mode: str) -
                     for i, s in enumerate(case.srcs)
                 ]
             dec = nixl_pool["dec"][j]
-            _pull(
+            tw.pull(
                 dec,
                 key,
                 src_metas,
@@ -188,17 +175,15 @@ def _nixl_pull_case(nixl_pool: dict[str, list[Worker]], case: Case, mode: str) -
         _close(nixl_pool, case, key)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_gloo_push_and_pull_land_every_byte_where_the_oracle_says(
-    gloo_pool: dict[str, list[Worker]], case: Case
-) -> None:
+def _push_pull(pool: dict[str, list[Worker]], case: Case, tag: int) -> list[dict[str, Any]]:
+    """Every decode posts its receives, every prefill its sends; wait; check the bytes; return
+    the decodes' handle stats."""
     key = case.name
-    tag = next(_tags)
-    src_metas, dst_metas = _setup(gloo_pool, case, key)
+    src_metas, dst_metas = _setup(pool, case, key)
     try:
         for j, side in enumerate(case.dsts):
-            _pull(
-                gloo_pool["dec"][j].send,
+            tw.pull(
+                pool["dec"][j].send,
                 key,
                 src_metas,
                 _src_ids(case),
@@ -207,7 +192,7 @@ def test_gloo_push_and_pull_land_every_byte_where_the_oracle_says(
                 tag=tag,
             )
         for i, side in enumerate(case.srcs):
-            gloo_pool["pre"][i].send(
+            pool["pre"][i].send(
                 "call",
                 key,
                 "begin_push_blocks",
@@ -217,16 +202,18 @@ def test_gloo_push_and_pull_land_every_byte_where_the_oracle_says(
                 num_tokens=_num_tokens(case),
                 tag=tag,
             )
-        parties = gloo_pool["dec"][: len(case.dsts)] + gloo_pool["pre"][: len(case.srcs)]
-        for w in parties:
-            w.result()
-        for w in parties:
-            w.send("wait", key)
-        for w in parties:
-            w.result()
-        _assert_landed(gloo_pool, case, key)
+        tw.settle(pool["dec"][: len(case.dsts)] + pool["pre"][: len(case.srcs)], key)
+        _assert_landed(pool, case, key)
+        return [pool["dec"][j]("stats", key) for j in range(len(case.dsts))]
     finally:
-        _close(gloo_pool, case, key)
+        _close(pool, case, key)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_gloo_push_and_pull_land_every_byte_where_the_oracle_says(
+    gloo_pool: dict[str, list[Worker]], case: Case
+) -> None:
+    _push_pull(gloo_pool, case, next(_tags))
 
 
 TP2 = CASES[1]
@@ -240,7 +227,7 @@ def test_nixl_pull_accepts_any_program_through_the_compiler_hook(
     src_metas, dst_metas = _setup(nixl_pool, case, key, mode=mode, compiler=tw.reference_compiler)
     try:
         tickets = [
-            _stage(
+            tw.stage(
                 nixl_pool["pre"][i],
                 key,
                 dst_metas[0],
@@ -252,7 +239,9 @@ def test_nixl_pull_accepts_any_program_through_the_compiler_hook(
         ]
         dec = nixl_pool["dec"][0]
         dst = tw.dst_ids(case, case.dsts[0])
-        _pull(dec, key, src_metas, _src_ids(case), dst, num_tokens=case.num_tokens, staged=tickets)
+        tw.pull(
+            dec, key, src_metas, _src_ids(case), dst, num_tokens=case.num_tokens, staged=tickets
+        )
         dec("wait", key)
         _assert_landed(nixl_pool, case, key)
     finally:
@@ -300,7 +289,7 @@ def test_bad_peer_metadata_is_rejected_before_anything_is_posted(
         dst = [*dst[:-1], -1]
     try:
         with pytest.raises(WorkerError) as info:
-            _pull(
+            tw.pull(
                 pool["dec"][0],
                 key,
                 metas,
@@ -327,7 +316,7 @@ def test_nixl_pull_from_a_killed_source_fails_typed_and_a_restarted_source_repla
 
     def pull_from(meta: dict[str, Any]) -> None:
         dst = tw.dst_ids(case, case.dsts[0])
-        _pull(dec, key, meta, tw.src_ids(case, side), dst, num_tokens=case.num_tokens)
+        tw.pull(dec, key, meta, tw.src_ids(case, side), dst, num_tokens=case.num_tokens)
         dec("wait", key)
 
     try:
@@ -368,7 +357,7 @@ def test_gloo_pull_whose_peer_never_posts_times_out_typed(
     try:
         # A tag nobody will ever send on: this receive stays posted until the worker exits.
         dst = tw.dst_ids(case, case.dsts[0])
-        _pull(dec, key, src_metas, _src_ids(case), dst, num_tokens=case.num_tokens, tag=10**6)
+        tw.pull(dec, key, src_metas, _src_ids(case), dst, num_tokens=case.num_tokens, tag=10**6)
         with pytest.raises(WorkerError) as info:
             dec("wait", key)
         assert info.value.kind == "TransferTimeout"

@@ -58,28 +58,14 @@ def _handoff(workers: list[Worker], key: str, src_pool: int, dst_pool: int) -> d
     ]
     dst_meta = dec("setup", key, CASE, CASE.dsts[0], "dst", mode="staged", staging_bytes=dst_pool)
     try:
+        n = CASE.num_tokens
         tickets = [
-            pre[i](
-                "call",
-                key,
-                "stage_blocks",
-                dst_meta,
-                tw.src_ids(CASE, s),
-                src_metas=src_metas,
-                num_tokens=CASE.num_tokens,
-            )
+            tw.stage(pre[i], key, dst_meta, tw.src_ids(CASE, s), src_metas=src_metas, num_tokens=n)
             for i, s in enumerate(CASE.srcs)
         ]
-        dec(
-            "call",
-            key,
-            "begin_pull_blocks",
-            src_metas,
-            {s.global_rank: tw.src_ids(CASE, s) for s in CASE.srcs},
-            tw.dst_ids(CASE, CASE.dsts[0]),
-            num_tokens=CASE.num_tokens,
-            staged=tickets,
-        )
+        src_ids = {s.global_rank: tw.src_ids(CASE, s) for s in CASE.srcs}
+        dst_ids = tw.dst_ids(CASE, CASE.dsts[0])
+        tw.pull(dec, key, src_metas, src_ids, dst_ids, num_tokens=n, staged=tickets)
         dec("wait", key)
         stats = dec("stats", key)
         got = dec("buffer", key)

@@ -14,6 +14,9 @@ use disagg_core::{
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
 
+mod common;
+use common::{apply_or_keep, assert_matches_model, by_epoch};
+
 const BLOCKS: u32 = 8;
 const BS: u32 = 4;
 const SLOTS: u32 = 2;
@@ -272,14 +275,8 @@ impl Model {
             }
             Tr::Advance { dt } => {
                 self.now += dt;
-                let mut due: Vec<(u64, u64)> = self
-                    .live
-                    .iter()
-                    .filter(|(_, r)| r.deadline <= self.now)
-                    .map(|(rid, r)| (r.epoch, *rid))
-                    .collect();
-                due.sort_unstable();
-                for (_, rid) in due {
+                let due = self.live.iter().filter(|(_, r)| r.deadline <= self.now);
+                for rid in by_epoch(due.map(|(rid, r)| (r.epoch, *rid))) {
                     self.fail(rid, "deadline", &mut out);
                 }
                 let drained: Vec<(u64, u64)> = self
@@ -331,10 +328,7 @@ impl Model {
                 if busy || !self.quarantine.is_empty() {
                     return Err("ResetRefused");
                 }
-                let mut all: Vec<(u64, u64)> =
-                    self.live.iter().map(|(rid, r)| (r.epoch, *rid)).collect();
-                all.sort_unstable();
-                for (_, rid) in all {
+                for rid in by_epoch(self.live.iter().map(|(rid, r)| (r.epoch, *rid))) {
                     self.fail(rid, "reset", &mut out);
                 }
             }
@@ -395,15 +389,8 @@ impl ReferenceStateMachine for ImportRef {
         .boxed()
     }
 
-    fn apply(mut state: Model, t: &Tr) -> Model {
-        let before = state.clone();
-        let r = state.step(t);
-        if r.is_err() {
-            // A rejected event changes nothing.
-            state = before;
-        }
-        state.expect = r;
-        state
+    fn apply(state: Model, t: &Tr) -> Model {
+        apply_or_keep(state, |s| s.step(t), |s, r| s.expect = r)
     }
 }
 
@@ -490,18 +477,11 @@ impl StateMachineTest for ImportTest {
 
     fn apply(mut s: Sut, m: &Model, t: Tr) -> Sut {
         let got = sut_step(&mut s, m, &t);
-        match (&got, &m.expect) {
-            (Ok(acts), Ok(want)) => {
-                let acts_c: Vec<Act> = acts.iter().map(compact).collect();
-                assert_eq!(&acts_c, want, "actions after {t:?}");
-                for a in acts {
-                    if let LedgerAction::Admit { block_ids, ssm_slot, .. } = a {
-                        s.engine.push((block_ids.clone(), *ssm_slot));
-                    }
-                }
+        assert_matches_model(&got, &m.expect, |acts| acts.iter().map(compact).collect(), &t);
+        for a in got.iter().flatten() {
+            if let LedgerAction::Admit { block_ids, ssm_slot, .. } = a {
+                s.engine.push((block_ids.clone(), *ssm_slot));
             }
-            (Err(e), Err(kind)) => assert_eq!(e.kind(), *kind, "error after {t:?}: {e}"),
-            _ => panic!("after {t:?}: ledger gave {got:?}, model expected {:?}", m.expect),
         }
         s
     }

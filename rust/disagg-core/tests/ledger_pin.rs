@@ -7,6 +7,9 @@ use disagg_core::{LedgerAction, PinLedger};
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
 
+mod common;
+use common::{apply_or_keep, assert_matches_model, by_epoch};
+
 const BLOCKS: u32 = 8;
 const SLOTS: u32 = 2;
 
@@ -109,14 +112,8 @@ impl Model {
             }
             Tr::Advance { dt } => {
                 self.now += dt;
-                let mut due: Vec<(u64, u64)> = self
-                    .pins
-                    .iter()
-                    .filter(|(_, p)| p.lease <= self.now)
-                    .map(|(r, p)| (p.epoch, *r))
-                    .collect();
-                due.sort_unstable();
-                for (_, rid) in due {
+                let due = self.pins.iter().filter(|(_, p)| p.lease <= self.now);
+                for rid in by_epoch(due.map(|(r, p)| (p.epoch, *r))) {
                     self.unpin_or_wait(rid, "lease_expired", &mut out);
                 }
             }
@@ -142,10 +139,7 @@ impl Model {
                 if self.pins.values().any(|p| p.pushing) {
                     return Err("ResetRefused");
                 }
-                let mut all: Vec<(u64, u64)> =
-                    self.pins.iter().map(|(r, p)| (p.epoch, *r)).collect();
-                all.sort_unstable();
-                for (_, rid) in all {
+                for rid in by_epoch(self.pins.iter().map(|(r, p)| (p.epoch, *r))) {
                     self.unpin_or_wait(rid, "reset", &mut out);
                 }
             }
@@ -186,14 +180,8 @@ impl ReferenceStateMachine for PinRef {
         .boxed()
     }
 
-    fn apply(mut state: Model, t: &Tr) -> Model {
-        let before = state.clone();
-        let r = state.step(t);
-        if r.is_err() {
-            state = before;
-        }
-        state.expect = r;
-        state
+    fn apply(state: Model, t: &Tr) -> Model {
+        apply_or_keep(state, |s| s.step(t), |s, r| s.expect = r)
     }
 }
 
@@ -253,22 +241,15 @@ impl StateMachineTest for PinTest {
 
     fn apply(mut l: PinLedger, m: &Model, t: Tr) -> PinLedger {
         let got = sut_step(&mut l, m, &t);
-        match (&got, &m.expect) {
-            (Ok(acts), Ok(want)) => {
-                let acts_c: Vec<(u64, &'static str)> = acts
-                    .iter()
-                    .map(|a| match a {
-                        LedgerAction::Released { request_id, cause, .. } => {
-                            (*request_id, cause.name())
-                        }
-                        other => panic!("unexpected pin action {other:?}"),
-                    })
-                    .collect();
-                assert_eq!(&acts_c, want, "after {t:?}");
-            }
-            (Err(e), Err(kind)) => assert_eq!(e.kind(), *kind, "after {t:?}"),
-            _ => panic!("after {t:?}: ledger gave {got:?}, model expected {:?}", m.expect),
-        }
+        let compact = |acts: &[LedgerAction]| -> Vec<(u64, &'static str)> {
+            acts.iter()
+                .map(|a| match a {
+                    LedgerAction::Released { request_id, cause, .. } => (*request_id, cause.name()),
+                    other => panic!("unexpected pin action {other:?}"),
+                })
+                .collect()
+        };
+        assert_matches_model(&got, &m.expect, compact, &t);
         l
     }
 
