@@ -14,12 +14,11 @@ use disagg_core::{
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
 
+#[macro_use]
 mod common;
-use common::{apply_or_keep, assert_matches_model, by_epoch};
+use common::{assert_matches_model, by_epoch, BLOCKS, SLOTS};
 
-const BLOCKS: u32 = 8;
 const BS: u32 = 4;
-const SLOTS: u32 = 2;
 const WORLD: u32 = 2;
 const HORIZON: u64 = 20;
 
@@ -138,6 +137,50 @@ struct Model {
     /// What the last transition must have produced.
     expect: Result<Vec<Act>, &'static str>,
 }
+
+reference_model!(
+    ImportRef,
+    Model {
+        now: 0,
+        free_blocks: BLOCKS,
+        free_slots: SLOTS,
+        next_epoch: 1,
+        live: BTreeMap::new(),
+        deferred: VecDeque::new(),
+        ready: VecDeque::new(),
+        quarantine: BTreeMap::new(),
+        engine: Vec::new(),
+        attempts: Vec::new(),
+        expect: Ok(Vec::new()),
+    },
+    {
+        let outcome = prop_oneof![
+            4 => Just(RankOutcome::Ok),
+            1 => Just(RankOutcome::Error),
+            1 => Just(RankOutcome::Timeout),
+            1 => Just(RankOutcome::MayStillWrite),
+        ];
+        let bad = prop_oneof![
+            6 => Just(None),
+            1 => Just(Some(Bad::SrcLen)),
+            1 => Just(Some(Bad::Deadline)),
+            1 => Just(Some(Bad::ZeroTokens)),
+        ];
+        prop_oneof![
+            4 => (1u64..6, 1u32..36, 0u32..4, any::<bool>(), prop::bool::weighted(0.2), 1u64..60, bad)
+                .prop_map(|(rid, n, resume, ssm, finished, ttl, bad)| Tr::Submit { rid, n, resume, ssm, finished, ttl, bad }),
+            6 => (any::<usize>(), prop::bool::weighted(0.1), 0..WORLD, outcome)
+                .prop_map(|(pick, stale, rank, outcome)| Tr::Report { pick, stale, rank, outcome }),
+            1 => any::<usize>().prop_map(|pick| Tr::Settle { pick }),
+            1 => (0u64..7).prop_map(|rid| Tr::Abort { rid }),
+            2 => (0u64..25).prop_map(|dt| Tr::Advance { dt }),
+            2 => (0u32..3).prop_map(|room| Tr::Admit { room }),
+            1 => any::<usize>().prop_map(|pick| Tr::Finish { pick }),
+            1 => (0u32..5).prop_map(|n| Tr::EngineAlloc { n }),
+            1 => Just(Tr::Reset),
+        ]
+    }
+);
 
 impl Model {
     fn drain(&mut self, out: &mut Vec<Act>) {
@@ -334,63 +377,6 @@ impl Model {
             }
         }
         Ok(out)
-    }
-}
-
-struct ImportRef;
-
-impl ReferenceStateMachine for ImportRef {
-    type State = Model;
-    type Transition = Tr;
-
-    fn init_state() -> BoxedStrategy<Model> {
-        Just(Model {
-            now: 0,
-            free_blocks: BLOCKS,
-            free_slots: SLOTS,
-            next_epoch: 1,
-            live: BTreeMap::new(),
-            deferred: VecDeque::new(),
-            ready: VecDeque::new(),
-            quarantine: BTreeMap::new(),
-            engine: Vec::new(),
-            attempts: Vec::new(),
-            expect: Ok(Vec::new()),
-        })
-        .boxed()
-    }
-
-    fn transitions(_: &Model) -> BoxedStrategy<Tr> {
-        let outcome = prop_oneof![
-            4 => Just(RankOutcome::Ok),
-            1 => Just(RankOutcome::Error),
-            1 => Just(RankOutcome::Timeout),
-            1 => Just(RankOutcome::MayStillWrite),
-        ];
-        let bad = prop_oneof![
-            6 => Just(None),
-            1 => Just(Some(Bad::SrcLen)),
-            1 => Just(Some(Bad::Deadline)),
-            1 => Just(Some(Bad::ZeroTokens)),
-        ];
-        prop_oneof![
-            4 => (1u64..6, 1u32..36, 0u32..4, any::<bool>(), prop::bool::weighted(0.2), 1u64..60, bad)
-                .prop_map(|(rid, n, resume, ssm, finished, ttl, bad)| Tr::Submit { rid, n, resume, ssm, finished, ttl, bad }),
-            6 => (any::<usize>(), prop::bool::weighted(0.1), 0..WORLD, outcome)
-                .prop_map(|(pick, stale, rank, outcome)| Tr::Report { pick, stale, rank, outcome }),
-            1 => any::<usize>().prop_map(|pick| Tr::Settle { pick }),
-            1 => (0u64..7).prop_map(|rid| Tr::Abort { rid }),
-            2 => (0u64..25).prop_map(|dt| Tr::Advance { dt }),
-            2 => (0u32..3).prop_map(|room| Tr::Admit { room }),
-            1 => any::<usize>().prop_map(|pick| Tr::Finish { pick }),
-            1 => (0u32..5).prop_map(|n| Tr::EngineAlloc { n }),
-            1 => Just(Tr::Reset),
-        ]
-        .boxed()
-    }
-
-    fn apply(state: Model, t: &Tr) -> Model {
-        apply_or_keep(state, |s| s.step(t), |s, r| s.expect = r)
     }
 }
 

@@ -7,11 +7,9 @@ use disagg_core::{LedgerAction, PinLedger};
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
 
+#[macro_use]
 mod common;
-use common::{apply_or_keep, assert_matches_model, by_epoch};
-
-const BLOCKS: u32 = 8;
-const SLOTS: u32 = 2;
+use common::{assert_matches_model, by_epoch, BLOCKS, SLOTS};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum EpochArg {
@@ -64,6 +62,30 @@ struct Model {
     free_slots: u32,
     expect: Result<Vec<(u64, &'static str)>, &'static str>,
 }
+
+reference_model!(
+    PinRef,
+    Model {
+        now: 0,
+        next_epoch: 1,
+        pins: BTreeMap::new(),
+        free_blocks: BLOCKS,
+        free_slots: SLOTS,
+        expect: Ok(Vec::new()),
+    },
+    {
+        let epoch =
+            prop_oneof![Just(EpochArg::Omitted), Just(EpochArg::Current), Just(EpochArg::Stale)];
+        prop_oneof![
+            3 => (1u64..6, 0u32..5, any::<bool>(), 0u64..40).prop_map(|(rid, n, ssm, ttl)| Tr::Pin { rid, n, ssm, ttl }),
+            3 => (0u64..7, epoch).prop_map(|(rid, epoch)| Tr::Release { rid, epoch }),
+            2 => (0u64..20).prop_map(|dt| Tr::Advance { dt }),
+            1 => (0u64..7).prop_map(|rid| Tr::BeginPush { rid }),
+            1 => (0u64..7).prop_map(|rid| Tr::PushSettled { rid }),
+            1 => Just(Tr::Reset),
+        ]
+    }
+);
 
 impl Model {
     fn unpin_or_wait(&mut self, rid: u64, cause: &'static str, out: &mut Vec<(u64, &'static str)>) {
@@ -145,43 +167,6 @@ impl Model {
             }
         }
         Ok(out)
-    }
-}
-
-struct PinRef;
-
-impl ReferenceStateMachine for PinRef {
-    type State = Model;
-    type Transition = Tr;
-
-    fn init_state() -> BoxedStrategy<Model> {
-        Just(Model {
-            now: 0,
-            next_epoch: 1,
-            pins: BTreeMap::new(),
-            free_blocks: BLOCKS,
-            free_slots: SLOTS,
-            expect: Ok(Vec::new()),
-        })
-        .boxed()
-    }
-
-    fn transitions(_: &Model) -> BoxedStrategy<Tr> {
-        let epoch =
-            prop_oneof![Just(EpochArg::Omitted), Just(EpochArg::Current), Just(EpochArg::Stale)];
-        prop_oneof![
-            3 => (1u64..6, 0u32..5, any::<bool>(), 0u64..40).prop_map(|(rid, n, ssm, ttl)| Tr::Pin { rid, n, ssm, ttl }),
-            3 => (0u64..7, epoch).prop_map(|(rid, epoch)| Tr::Release { rid, epoch }),
-            2 => (0u64..20).prop_map(|dt| Tr::Advance { dt }),
-            1 => (0u64..7).prop_map(|rid| Tr::BeginPush { rid }),
-            1 => (0u64..7).prop_map(|rid| Tr::PushSettled { rid }),
-            1 => Just(Tr::Reset),
-        ]
-        .boxed()
-    }
-
-    fn apply(state: Model, t: &Tr) -> Model {
-        apply_or_keep(state, |s| s.step(t), |s, r| s.expect = r)
     }
 }
 

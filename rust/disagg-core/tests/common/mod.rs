@@ -5,6 +5,10 @@ use std::fmt::Debug;
 
 use disagg_core::DisaggError;
 
+/// Blocks and SSM slots of the ledgers' pools in the model tests.
+pub const BLOCKS: u32 = 8;
+pub const SLOTS: u32 = 2;
+
 /// Request ids of `(epoch, request_id)` pairs, oldest attempt first (the order in which a
 /// ledger ends several attempts at once).
 pub fn by_epoch(attempts: impl Iterator<Item = (u64, u64)>) -> Vec<u64> {
@@ -13,20 +17,36 @@ pub fn by_epoch(attempts: impl Iterator<Item = (u64, u64)>) -> Vec<u64> {
     all.into_iter().map(|(_, rid)| rid).collect()
 }
 
-/// A reference model's `apply`: run `step`; a rejected event changes nothing; `record` stores
-/// the outcome the ledger must give.
-pub fn apply_or_keep<M: Clone, R>(
-    mut state: M,
-    step: impl FnOnce(&mut M) -> Result<R, &'static str>,
-    record: impl FnOnce(&mut M, Result<R, &'static str>),
-) -> M {
-    let before = state.clone();
-    let r = step(&mut state);
-    if r.is_err() {
-        state = before;
-    }
-    record(&mut state, r);
-    state
+/// `struct $name`, the reference state machine of the file's `Model` (starting as `$init`)
+/// over the transitions `Tr` drawn by `$transitions`. A rejected event changes nothing; the
+/// model's `expect` holds what the ledger must answer (`Model::step`'s result).
+macro_rules! reference_model {
+    ($name:ident, $init:expr, $transitions:expr) => {
+        struct $name;
+
+        impl ReferenceStateMachine for $name {
+            type State = Model;
+            type Transition = Tr;
+
+            fn init_state() -> BoxedStrategy<Model> {
+                Just($init).boxed()
+            }
+
+            fn transitions(_: &Model) -> BoxedStrategy<Tr> {
+                $transitions.boxed()
+            }
+
+            fn apply(mut state: Model, t: &Tr) -> Model {
+                let before = state.clone();
+                let r = state.step(t);
+                if r.is_err() {
+                    state = before;
+                }
+                state.expect = r;
+                state
+            }
+        }
+    };
 }
 
 /// The ledger's answer to `event` is the model's: the same actions (as `compact` writes them)
