@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import machine_line, write_section
+from _results import machine_line, publish
 from disagg_rs import KVGeometry, KVShardLayout, compile_kv_transfer
 
 LAYERS, HEADS, HEAD_DIM, ELEM, TPB = 80, 8, 128, 2, 64
@@ -165,9 +165,7 @@ def main() -> None:
             f"({ratio:.0f}x).",
         ]
     )
-    print(md)
-    if args.write:
-        write_section(args.write, "descriptors", md)
+    publish(args.write, "descriptors", md)
 
 
 if __name__ == "__main__":

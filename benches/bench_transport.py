@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import transport_workers as tw
-from _results import machine_line, write_section
+from _results import machine_line, publish
 from disagg_rs.transfer_backends.base import rust_program_compiler
 
 LAYERS, TOKENS, HEADS, DIM, ELEM = 32, 16, 8, 64, 4
@@ -348,9 +348,7 @@ def main() -> None:
             f"| {label} | {count} | {secs:.3f} | {nbytes / secs / 1e9:.2f} | {ref / secs:.2f}x |"
         )
     text = "\n".join(lines)
-    print(text)
-    if args.write:
-        write_section(args.write, "transport", text)
+    publish(args.write, "transport", text)
 
 
 if __name__ == "__main__":
