@@ -709,14 +709,19 @@ def worker_pool(transport: str, names: Sequence[str], store: str = "") -> Iterat
         stop_workers(workers)
 
 
-def pull(call: Callable[..., Any], key: str, metas: Any, src: Any, dst: Any, **kw: Any) -> Any:
-    """``begin_pull_blocks`` on a decode worker (``call``: the worker, or its ``send``)."""
-    return call("call", key, "begin_pull_blocks", metas, src, dst, **kw)
+def pull(
+    call: Callable[..., Any], key: str, metas: Any, src: Any, dst: Any, how: str = "call", **kw: Any
+) -> Any:
+    """``begin_pull_blocks`` on a decode worker (``call``: the worker, or its ``send``;
+    ``how="timed"`` returns the result and the seconds it took)."""
+    return call(how, key, "begin_pull_blocks", metas, src, dst, **kw)
 
 
-def stage(call: Callable[..., Any], key: str, dst_meta: Any, src: Any, **kw: Any) -> Any:
-    """``stage_blocks`` on a prefill worker (``call``: the worker, or its ``send``)."""
-    return call("call", key, "stage_blocks", dst_meta, src, **kw)
+def stage(
+    call: Callable[..., Any], key: str, dst_meta: Any, src: Any, how: str = "call", **kw: Any
+) -> Any:
+    """``stage_blocks`` on a prefill worker (``call`` and ``how``: as for :func:`pull`)."""
+    return call(how, key, "stage_blocks", dst_meta, src, **kw)
 
 
 def settle(parties: Sequence[Worker], key: str) -> None:
