@@ -32,8 +32,10 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _compile_oracle import megatron_geometry
 from _results import machine_line, publish
 from disagg_rs import KVGeometry, KVShardLayout, compile_kv_transfer
 
@@ -46,19 +48,7 @@ TARGET = 100.0
 
 
 def geometry(base: int) -> KVGeometry:
-    return KVGeometry(
-        num_layers=LAYERS,
-        num_blocks=POOL,
-        tokens_per_block=TPB,
-        num_heads=HEADS,
-        head_dim=HEAD_DIM,
-        element_size=ELEM,
-        block_stride=BLOCK,
-        token_stride=HEADS * HEAD_DIM * ELEM,
-        head_stride=HEAD_DIM * ELEM,
-        plane_bases=[base + i * PLANE for i in range(2 * LAYERS)],
-        dtype="bfloat16",
-    )
+    return megatron_geometry(LAYERS, POOL, TPB, HEADS, HEAD_DIM, base, ELEM)
 
 
 def scattered_ids(n: int, seed: int) -> list[int]:
