@@ -125,19 +125,15 @@ def _assert_landed(pool: dict[str, list[Worker]], case: Case, key: str) -> None:
 
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "pool_name",
+    ["nixl_pool", pytest.param("nixl_cuda_pool", marks=pytest.mark.gpu, id="one-shared-gpu")],
+)
 def test_nixl_pull_lands_every_byte_where_the_oracle_says(
-    nixl_pool: dict[str, list[Worker]], case: Case, mode: str
+    request: pytest.FixtureRequest, pool_name: str, case: Case, mode: str
 ) -> None:
-    _nixl_pull_case(nixl_pool, case, mode)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["direct", "staged"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_nixl_pull_between_processes_sharing_one_gpu_lands_every_byte(
-    nixl_cuda_pool: dict[str, list[Worker]], case: Case, mode: str
-) -> None:
-    _nixl_pull_case(nixl_cuda_pool, case, mode)
+    """Host memory, and (marker ``gpu``) processes sharing one GPU."""
+    _nixl_pull_case(request.getfixturevalue(pool_name), case, mode)
 
 
 def _nixl_pull_case(nixl_pool: dict[str, list[Worker]], case: Case, mode: str) -> None:
