@@ -8,6 +8,7 @@
 
 use crate::error::{DisaggError, DisaggResult};
 use crate::wire::msgpack::{self, Value};
+use crate::wire::value::clipped;
 
 /// Version of the control protocol (2 added `HEARTBEAT` and `FENCED`, 3 `HEARTBEAT_ACK`).
 pub const PROTOCOL_VERSION: i64 = 3;
@@ -253,16 +254,7 @@ impl ControlMessage {
 }
 
 fn short(v: &Value) -> String {
-    let mut s = format!("{v:?}");
-    if s.len() > 80 {
-        let mut cut = 80;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
-        s.push_str("...");
-    }
-    s
+    clipped(format!("{v:?}"), 80)
 }
 
 fn int(v: &Value) -> Option<i64> {
