@@ -12,7 +12,7 @@ import platform
 import re
 from pathlib import Path
 
-__all__ = ["machine_line", "write_section"]
+__all__ = ["machine_line", "publish", "table_section", "write_section"]
 
 
 def machine_line() -> str:
@@ -44,3 +44,18 @@ def write_section(path: str | Path, name: str, markdown: str) -> None:
         else text.rstrip() + "\n\n" + block + "\n"
     )
     p.write_text(text)
+
+
+def publish(path: str | Path | None, name: str, markdown: str) -> None:
+    """Print one benchmark's section and, given a results file ``path``, write it there."""
+    print(markdown)
+    if path:
+        write_section(path, name, markdown)
+
+
+def table_section(title: str, intro: list[str], columns: list[str], rows: list[str]) -> str:
+    """A results section: ``## title``, the machine line, ``intro`` and a table of ``rows``
+    (already-formatted markdown rows) under ``columns``."""
+    header = "| " + " | ".join(columns) + " |"
+    rule = "|" + "---|" * len(columns)
+    return "\n".join([f"## {title}", "", machine_line(), "", *intro, "", header, rule, *rows])

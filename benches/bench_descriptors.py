@@ -32,9 +32,11 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import machine_line, write_section
+from _compile_oracle import megatron_geometry
+from _results import machine_line, publish
 from disagg_rs import KVGeometry, KVShardLayout, compile_kv_transfer
 
 LAYERS, HEADS, HEAD_DIM, ELEM, TPB = 80, 8, 128, 2, 64
@@ -46,19 +48,7 @@ TARGET = 100.0
 
 
 def geometry(base: int) -> KVGeometry:
-    return KVGeometry(
-        num_layers=LAYERS,
-        num_blocks=POOL,
-        tokens_per_block=TPB,
-        num_heads=HEADS,
-        head_dim=HEAD_DIM,
-        element_size=ELEM,
-        block_stride=BLOCK,
-        token_stride=HEADS * HEAD_DIM * ELEM,
-        head_stride=HEAD_DIM * ELEM,
-        plane_bases=[base + i * PLANE for i in range(2 * LAYERS)],
-        dtype="bfloat16",
-    )
+    return megatron_geometry(LAYERS, POOL, TPB, HEADS, HEAD_DIM, base, ELEM)
 
 
 def scattered_ids(n: int, seed: int) -> list[int]:
@@ -165,9 +155,7 @@ def main() -> None:
             f"({ratio:.0f}x).",
         ]
     )
-    print(md)
-    if args.write:
-        write_section(args.write, "descriptors", md)
+    publish(args.write, "descriptors", md)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from _results import machine_line, write_section
+from _results import publish, table_section
 from disagg_rs import KVGeometry, KVShardLayout, SSMGeometry, SSMShardLayout, SSMStateDims
 from disagg_rs.integrity import conv_pieces, kv_entries, recurrent_pieces
 
@@ -88,6 +88,17 @@ def measure_ssm(layers: int, heads: int, device: str) -> tuple[int, float, float
     return nbytes, _best(digest, sync, repeats), _best(copy, sync, repeats)
 
 
+TITLE = "Integrity digest (`benches/bench_integrity.py`)"
+INTRO = (
+    "KV: one request on one rank (layers x KV heads x tokens; bf16, head_dim 128,\n"
+    "64-token blocks, shuffled ids), `integrity.kv_entries` vs a torch gather copy of the\n"
+    "same bytes (`index_select` per (kv, layer) plane). SSM: one slot's conv (bf16) and\n"
+    "recurrent (fp32) state (head_dim 64, d_state 128, 8 groups), `conv_pieces` +\n"
+    "`recurrent_pieces` vs a copy of the slot. Same run; best of 3 (CPU, 1 thread) or 5\n"
+    "(CUDA)."
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--write", help="results file to update")
@@ -116,27 +127,8 @@ def main() -> None:
             f"{t_digest / t_copy:.1f}x |"
         )
         print(rows[-1], flush=True)
-    md = "\n".join(
-        [
-            "## Integrity digest (`benches/bench_integrity.py`)",
-            "",
-            machine_line(),
-            "",
-            "KV: one request on one rank (layers x KV heads x tokens; bf16, head_dim 128,",
-            "64-token blocks, shuffled ids), `integrity.kv_entries` vs a torch gather copy of the",
-            "same bytes (`index_select` per (kv, layer) plane). SSM: one slot's conv (bf16) and",
-            "recurrent (fp32) state (head_dim 64, d_state 128, 8 groups), `conv_pieces` +",
-            "`recurrent_pieces` vs a copy of the slot. Same run; best of 3 (CPU, 1 thread) or 5",
-            "(CUDA).",
-            "",
-            "| device | state | bytes | digest | copy | digest / copy |",
-            "|---|---|---|---|---|---|",
-            *rows,
-        ]
-    )
-    print(md)
-    if args.write:
-        write_section(args.write, "integrity", md)
+    columns = ["device", "state", "bytes", "digest", "copy", "digest / copy"]
+    publish(args.write, "integrity", table_section(TITLE, [INTRO], columns, rows))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from _results import machine_line, write_section
+from _results import machine_line, publish
 from disagg_rs import ImportLedger
 
 BLOCK = 64
@@ -169,9 +169,7 @@ def main() -> None:
         "calls (submit, report, admit, release) and their small action records.",
     ]
     text = "\n".join(lines)
-    print(text)
-    if args.write:
-        write_section(args.write, "ledger", text)
+    publish(args.write, "ledger", text)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from _results import machine_line, write_section
+from _results import publish, table_section
 from disagg_rs.reference import EngineConfig, ReferenceEngine, encode_text, hybrid_model
 
 TEXT = "Disaggregated serving moves a finished prompt's state to a decode engine. "
@@ -63,24 +63,17 @@ def main() -> None:
                 f"| {layout} | {bs} | {pre:,.0f} | {pre / base[0]:.2f} | {dec:,.0f} "
                 f"| {dec / base[1]:.2f} |"
             )
-    md = "\n".join(
+    md = table_section(
+        "Reference engine (CPU, one process, hybrid model, float64, 1 thread)",
         [
-            "## Reference engine (CPU, one process, hybrid model, float64, 1 thread)",
-            "",
-            machine_line(),
-            "",
             f"`python benches/bench_reference.py` — {args.requests} prompts of "
             f"{len(TEXT) * 3 + 1} bytes, {args.max_new} new tokens each, one batch. "
             "Best of 3 runs each; ratios against megatron/16 of this run.",
-            "",
-            "| cache layout | block | prompt tok/s | ratio | decode tok/s | ratio |",
-            "|---|---|---|---|---|---|",
-            *rows,
-        ]
+        ],
+        ["cache layout", "block", "prompt tok/s", "ratio", "decode tok/s", "ratio"],
+        rows,
     )
-    print(md)
-    if args.write:
-        write_section(args.write, "reference", md)
+    publish(args.write, "reference", md)
 
 
 if __name__ == "__main__":

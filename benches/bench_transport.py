@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import transport_workers as tw
-from _results import machine_line, write_section
+from _results import machine_line, publish
 from disagg_rs.transfer_backends.base import rust_program_compiler
 
 LAYERS, TOKENS, HEADS, DIM, ELEM = 32, 16, 8, 64, 4
@@ -226,26 +226,12 @@ def bench_nixl(case: tw.Case, nbytes: int, repeat: int, title: str) -> list[tupl
                 tickets, t_pack = [], 0.0
                 if mode == "staged":
                     for p in pres:
-                        ticket, t = p(
-                            "timed",
-                            "b",
-                            "stage_blocks",
-                            md,
-                            ids_s,
-                            src_metas=ms,
-                            num_tokens=case.num_tokens,
-                        )
+                        n = case.num_tokens
+                        ticket, t = tw.stage(p, "b", md, ids_s, "timed", src_metas=ms, num_tokens=n)
                         tickets.append(ticket)
                         t_pack = max(t_pack, t)  # sources pack in parallel in a real system
-                _, t_pull = dec(
-                    "timed",
-                    "b",
-                    "begin_pull_blocks",
-                    ms,
-                    ids_s,
-                    ids_d,
-                    num_tokens=case.num_tokens,
-                    staged=tickets,
+                _, t_pull = tw.pull(
+                    dec, "b", ms, ids_s, ids_d, "timed", num_tokens=case.num_tokens, staged=tickets
                 )
                 for p, ticket in zip(pres, tickets, strict=False):
                     p("call", "b", "release_staged", ticket)
@@ -286,16 +272,7 @@ def bench_gloo(case: tw.Case, nbytes: int, repeat: int, store: str) -> list[tupl
         times = []
         for _ in range(repeat):
             tag += 1
-            dec.send(
-                "timed",
-                "b",
-                "begin_pull_blocks",
-                ms,
-                ids_s,
-                ids_d,
-                num_tokens=case.num_tokens,
-                tag=tag,
-            )
+            tw.pull(dec.send, "b", ms, ids_s, ids_d, "timed", num_tokens=case.num_tokens, tag=tag)
             pre.send(
                 "timed", "b", "begin_push_blocks", md, ids_s, num_tokens=case.num_tokens, tag=tag
             )
@@ -348,9 +325,7 @@ def main() -> None:
             f"| {label} | {count} | {secs:.3f} | {nbytes / secs / 1e9:.2f} | {ref / secs:.2f}x |"
         )
     text = "\n".join(lines)
-    print(text)
-    if args.write:
-        write_section(args.write, "transport", text)
+    publish(args.write, "transport", text)
 
 
 if __name__ == "__main__":

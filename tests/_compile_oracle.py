@@ -126,6 +126,27 @@ class KvRank:
         return [b.copy() for b in self.buffers]
 
 
+def megatron_geometry(
+    layers: int, blocks: int, tpb: int, heads: int, d: int, base: int, item: int = 2
+) -> KVGeometry:
+    """A Megatron ``[2, L, B, T, H, d]`` geometry by explicit fields (no memory needed)."""
+    row = d * item
+    plane = blocks * tpb * heads * row
+    return KVGeometry(
+        num_layers=layers,
+        num_blocks=blocks,
+        tokens_per_block=tpb,
+        num_heads=heads,
+        head_dim=d,
+        element_size=item,
+        block_stride=tpb * heads * row,
+        token_stride=heads * row,
+        head_stride=row,
+        plane_bases=[base + i * plane for i in range(2 * layers)],
+        dtype="bfloat16",
+    )
+
+
 def global_tensor(num_kv: int, layers: int, tokens: int, heads: int, d: int, dtype: Any) -> Array:
     """Unique values 1..n (never the sentinel nor the source filler)."""
     n = num_kv * layers * tokens * heads * d

@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _compile_oracle import KINDS, KvRank, apply_program, global_tensor, kv_layouts
+from _compile_oracle import (
+    KINDS,
+    KvRank,
+    apply_program,
+    global_tensor,
+    kv_layouts,
+    megatron_geometry,
+)
 from disagg_rs import KVGeometry, KVShardLayout, compile_kv_transfer
 from disagg_rs.exceptions import (
     AddressOverflowError,
@@ -232,27 +239,6 @@ def test_mla_latent_moves_between_tp_replicas_and_block_sizes() -> None:
     program.verify()
     apply_program(program, {r.layout.global_rank: r.ranges() for r in srcs}, dst.ranges())
     np.testing.assert_array_equal(dst.buffers[0], want.buffers[0])
-
-
-def megatron_geometry(
-    layers: int, blocks: int, tpb: int, heads: int, d: int, base: int, item: int = 2
-) -> KVGeometry:
-    """A Megatron ``[2, L, B, T, H, d]`` geometry by explicit fields (no memory needed)."""
-    row = d * item
-    plane = blocks * tpb * heads * row
-    return KVGeometry(
-        num_layers=layers,
-        num_blocks=blocks,
-        tokens_per_block=tpb,
-        num_heads=heads,
-        head_dim=d,
-        element_size=item,
-        block_stride=tpb * heads * row,
-        token_stride=heads * row,
-        head_stride=row,
-        plane_bases=[base + i * plane for i in range(2 * layers)],
-        dtype="bfloat16",
-    )
 
 
 def test_contiguous_block_runs_need_one_descriptor_per_plane() -> None:

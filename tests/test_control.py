@@ -261,10 +261,10 @@ def _wait_for(link: EngineLink, kind: Msg, timeout_s: float = 5.0) -> dict[str, 
     raise AssertionError(f"no {kind.value} within {timeout_s} s")
 
 
-def test_real_zeromq_round_trip_through_the_coordinator() -> None:
-    server = CoordinatorServer(insecure=True)
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
+def test_real_zeromq_round_trip_through_the_coordinator(
+    served: tuple[CoordinatorServer, threading.Thread],
+) -> None:
+    server = served[0]
     prefill = EngineLink(server.endpoint, "p0", "prefill", incarnation=1, insecure=True)
     decode = EngineLink(server.endpoint, "d0", "decode", incarnation=1, insecure=True)
     client = ControlClient(server.endpoint, insecure=True)
@@ -287,11 +287,8 @@ def test_real_zeromq_round_trip_through_the_coordinator() -> None:
         assert events[-1]["tokens"] == [9, 4]
         assert _wait_for(prefill, Msg.RELEASE_KV)["request_id"] == 42
     finally:
-        server.stop()
-        thread.join(5)
         for sock in (prefill, decode, client):
             sock.close()
-        server.close()
 
 
 def _beat(state: CoordinatorState, identity: bytes, engine: str, now: float) -> list[Outgoing]:

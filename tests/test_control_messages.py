@@ -173,21 +173,11 @@ def test_the_coordinator_overwrites_the_provenance_of_a_forwarded_ticket() -> No
     assert ticket["x"] == 1
 
 
-def test_the_real_server_answers_a_submit_refused_at_decode_with_failed_naming_the_field() -> None:
-    server = CoordinatorServer(insecure=True)
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(server.endpoint)
-    try:
-        sock.send(_submit(request_id=11, prompt=[]))
-        assert sock.poll(60_000)
-        event = decode_message(sock.recv())
-        assert event["type"] is Msg.FAILED and event["request_id"] == 11
-        assert "prompt" in event["error"] and server.malformed == 1
-    finally:
-        server.stop()
-        thread.join(5)
-        sock.close(0)
-        server.close()
+def test_the_real_server_answers_a_submit_refused_at_decode_with_failed_naming_the_field(
+    served: tuple[CoordinatorServer, threading.Thread], raw_dealer: zmq.Socket[bytes]
+) -> None:
+    raw_dealer.send(_submit(request_id=11, prompt=[]))
+    assert raw_dealer.poll(60_000)
+    event = decode_message(raw_dealer.recv())
+    assert event["type"] is Msg.FAILED and event["request_id"] == 11
+    assert "prompt" in event["error"] and served[0].malformed == 1

@@ -162,12 +162,12 @@ def test_dropped_duplicated_reordered_messages_and_restarts_end_each_request_exa
             assert net.releases[rid] >= 1, rid
 
 
-def test_shutdown_from_another_thread_is_sent_by_the_serving_thread() -> None:
+def test_shutdown_from_another_thread_is_sent_by_the_serving_thread(
+    served: tuple[CoordinatorServer, threading.Thread],
+) -> None:
     # Sending on the ROUTER socket from the main thread while serve() used it aborted the
     # whole process (ZeroMQ sockets are single-threaded); the serving thread now sends it.
-    server = CoordinatorServer(insecure=True)
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
+    server = served[0]
     link = EngineLink(server.endpoint, "p0", "prefill", incarnation=1, insecure=True)
     try:
         link.register({})
@@ -180,7 +180,4 @@ def test_shutdown_from_another_thread_is_sent_by_the_serving_thread() -> None:
                 break
         assert got == [Msg.SHUTDOWN] * 20
     finally:
-        server.stop()
-        thread.join(5)
         link.close()
-        server.close()

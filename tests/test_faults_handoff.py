@@ -85,6 +85,14 @@ def _assert_all_free(*engines: HandoffReferenceEngine) -> None:
     assert engines[0].pin_ledger.num_pinned == 0
 
 
+def _release_and_assert_all_free(
+    pre: HandoffReferenceEngine, dec: HandoffReferenceEngine, request_id: int
+) -> None:
+    """The decode is done with ``request_id``: the prefill releases it, nothing stays held."""
+    pre.release_handoff_blocks(request_id)
+    _assert_all_free(pre, dec)
+
+
 def test_ssm_ticket_on_a_non_hybrid_decode_and_none_on_a_hybrid_one_are_metadata_errors(
     hybrid: tuple[HandoffReferenceEngine, HandoffReferenceEngine],
 ) -> None:
@@ -105,8 +113,7 @@ def test_ssm_ticket_on_a_non_hybrid_decode_and_none_on_a_hybrid_one_are_metadata
         attention.add_request_with_kv_handoff(1, h.prompt, MAX_NEW, ticket, ticket["src_block_ids"])
     assert info.value.field == "src_ssm_slot"
     assert attention.pending_kv_import_count == 0
-    pre.release_handoff_blocks(1)
-    _assert_all_free(pre, dec)
+    _release_and_assert_all_free(pre, dec, 1)
 
 
 def test_a_request_id_already_in_flight_is_refused_and_the_first_import_still_completes(
@@ -171,8 +178,7 @@ def test_a_failed_import_names_the_rank_and_the_transport_error_it_saw(
     assert reasons[4] is not None and why in reasons[4], reasons
     assert dec.pop_handoff_failure_reason(4) is None  # taken once
     assert any(e[:2] == ("failed", 4) and why in e[2] for e in dec.handoff_events)
-    pre.release_handoff_blocks(4)
-    _assert_all_free(pre, dec)
+    _release_and_assert_all_free(pre, dec, 4)
 
 
 def test_a_failed_start_is_not_reported_while_an_already_posted_part_may_still_write() -> None:
@@ -261,8 +267,7 @@ def test_an_import_that_would_read_after_the_prefill_lease_fails_and_is_never_ad
             dec.poll_kv_imports()
             time.sleep(0.001)
         pre.capture_handoff_ticket(h3)
-        pre.release_handoff_blocks(3)
-        _assert_all_free(pre, dec)
+        _release_and_assert_all_free(pre, dec, 3)
     finally:
         dec.close_kv_transfer()
         pre.close_kv_transfer()
@@ -278,8 +283,7 @@ def test_a_ticket_with_a_mistyped_lease_is_a_metadata_error(
             5, h.prompt, MAX_NEW, {**ticket, "lease_ns": "soon"}, ticket["src_block_ids"]
         )
     assert info.value.field == "lease_ns" and dec.pending_kv_import_count == 0
-    pre.release_handoff_blocks(5)
-    _assert_all_free(pre, dec)
+    _release_and_assert_all_free(pre, dec, 5)
 
 
 @pytest.mark.parametrize(
@@ -299,8 +303,7 @@ def test_a_ticket_without_a_source_for_state_the_decode_must_read_is_refused_unr
         )
     assert info.value.field == "prefill_meta"
     assert dec.pending_kv_import_count == 0 and dec.handoff_stats["imports_started"] == 0
-    pre.release_handoff_blocks(1)
-    _assert_all_free(pre, dec)
+    _release_and_assert_all_free(pre, dec, 1)
 
 
 WALL = 1_700_000_000_000_000_000  # a wall clock reading, virtual
@@ -321,8 +324,7 @@ def test_a_ticket_that_arrives_after_the_prefill_lease_ended_is_refused_before_a
         dec.add_request_with_kv_handoff(1, h.prompt, MAX_NEW, ticket, ticket["src_block_ids"])
     assert info.value.field == "lease_until_wall"
     assert dec.pending_kv_import_count == 0 and dec.handoff_stats["imports_started"] == 0
-    pre.release_handoff_blocks(1)
-    _assert_all_free(pre, dec)
+    _release_and_assert_all_free(pre, dec, 1)
 
 
 def test_an_import_observed_complete_after_the_lease_is_neither_admitted_nor_cached(
@@ -353,5 +355,4 @@ def test_an_import_observed_complete_after_the_lease_is_neither_admitted_nor_cac
         )
         == []
     )
-    pre.release_handoff_blocks(1)
-    _assert_all_free(pre, dec)
+    _release_and_assert_all_free(pre, dec, 1)

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -101,32 +102,22 @@ def _typed_or_valid(build: Callable[[Any], Any], value: Any) -> Any:
         raise AssertionError(f"untyped {type(e).__name__}: {e!r} for input {value!r}") from e
 
 
-@given(mutated(VALID["kv_layout"]))
-def test_kv_layout_from_dict_rejects_typed_or_round_trips(d: Any) -> None:
-    got = _typed_or_valid(KVShardLayout.from_dict, d)
+@pytest.mark.parametrize(
+    ("key", "cls"),
+    [
+        ("kv_layout", KVShardLayout),
+        ("ssm_layout", SSMShardLayout),
+        ("kv_geometry", KVGeometry),
+        ("ssm_geometry", SSMGeometry),
+    ],
+)
+@given(data=st.data())
+def test_layouts_and_geometries_from_dict_reject_typed_or_round_trip(
+    key: str, cls: Any, data: st.DataObject
+) -> None:
+    got = _typed_or_valid(cls.from_dict, data.draw(mutated(VALID[key])))
     if got is not None:
-        assert KVShardLayout.from_dict(got.to_dict()) == got
-
-
-@given(mutated(VALID["ssm_layout"]))
-def test_ssm_layout_from_dict_rejects_typed_or_round_trips(d: Any) -> None:
-    got = _typed_or_valid(SSMShardLayout.from_dict, d)
-    if got is not None:
-        assert SSMShardLayout.from_dict(got.to_dict()) == got
-
-
-@given(mutated(VALID["kv_geometry"]))
-def test_kv_geometry_from_dict_rejects_typed_or_round_trips(d: Any) -> None:
-    got = _typed_or_valid(KVGeometry.from_dict, d)
-    if got is not None:
-        assert KVGeometry.from_dict(got.to_dict()) == got
-
-
-@given(mutated(VALID["ssm_geometry"]))
-def test_ssm_geometry_from_dict_rejects_typed_or_round_trips(d: Any) -> None:
-    got = _typed_or_valid(SSMGeometry.from_dict, d)
-    if got is not None:
-        assert SSMGeometry.from_dict(got.to_dict()) == got
+        assert cls.from_dict(got.to_dict()) == got
 
 
 INTEGRITY_LAYOUT = KVShardLayout(3, 2)

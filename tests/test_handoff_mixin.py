@@ -69,6 +69,11 @@ class Pair:
             rid, prompt, max_new or self.max_new, ticket, ticket["src_block_ids"]
         )
 
+    def hand_off(self, rid: int, prompt: list[int], max_new: int | None = None) -> None:
+        """Prefill ``prompt`` and submit its handoff to the decode."""
+        self.run_prefill(rid, prompt)
+        self.submit(rid, prompt, max_new)
+
     def step_decode(self) -> None:
         self.tick()
         self.decode.poll_kv_imports()
@@ -104,8 +109,7 @@ def _colocated(prompt: list[int], max_new: int) -> list[int]:
 
 
 def test_a_handoff_continues_decoding_exactly_like_the_colocated_run(pair: Pair) -> None:
-    pair.run_prefill(1, PROMPTS[0])
-    pair.submit(1, PROMPTS[0])
+    pair.hand_off(1, PROMPTS[0])
     pair.settle()
     assert pair.answers[1] == _colocated(PROMPTS[0], pair.max_new)
     pair.prefill.release_handoff_blocks(1)
@@ -129,8 +133,7 @@ def test_capacity_miss_defers_before_any_transfer() -> None:
     pair = Pair(decode_blocks=4, max_new=2)
     try:
         for rid, prompt in ((1, PROMPTS[0]), (2, PROMPTS[1])):
-            pair.run_prefill(rid, prompt)
-            pair.submit(rid, prompt)
+            pair.hand_off(rid, prompt)
         assert pair.decode.import_ledger.deferred_ids() == [2]
         assert pair.decode.pending_kv_import(2) is None
         assert pair.decode.pending_kv_import_count == 2
@@ -146,8 +149,7 @@ def test_completed_import_waits_when_the_batch_is_full() -> None:
     pair = Pair(max_batch=1, max_new=4)
     try:
         for rid, prompt in ((1, PROMPTS[0]), (2, PROMPTS[1])):
-            pair.run_prefill(rid, prompt)
-            pair.submit(rid, prompt)
+            pair.hand_off(rid, prompt)
         deadline = time.monotonic() + 30
         while not pair.decode.import_ledger.num_ready and time.monotonic() < deadline:
             pair.step_decode()
@@ -162,8 +164,7 @@ def test_completed_import_waits_when_the_batch_is_full() -> None:
 
 
 def test_resume_token_that_already_finishes_the_request_needs_no_forward(pair: Pair) -> None:
-    pair.run_prefill(1, PROMPTS[0])
-    pair.submit(1, PROMPTS[0], max_new=1)
+    pair.hand_off(1, PROMPTS[0], max_new=1)
     pair.settle()
     # The ledger completes it at the admission point; the decode never runs a forward step.
     assert pair.decode.handoff_stats["imports_completed_without_forward"] == 1
@@ -173,8 +174,7 @@ def test_resume_token_that_already_finishes_the_request_needs_no_forward(pair: P
 
 
 def test_reset_with_an_import_in_flight_is_refused_and_changes_nothing(pair: Pair) -> None:
-    pair.run_prefill(1, PROMPTS[0])
-    pair.submit(1, PROMPTS[0])
+    pair.hand_off(1, PROMPTS[0])
     assert pair.decode.import_ledger.num_importing == 1
     with pytest.raises(ResetRefusedError, match="request 1"):
         pair.decode.reset_kv_imports()
@@ -186,8 +186,7 @@ def test_reset_with_an_import_in_flight_is_refused_and_changes_nothing(pair: Pai
 def test_reset_after_transfers_settle_fails_pending_imports_and_frees_their_blocks(
     pair: Pair,
 ) -> None:
-    pair.run_prefill(1, PROMPTS[0])
-    pair.submit(1, PROMPTS[0])
+    pair.hand_off(1, PROMPTS[0])
     assert pair.decode.wait_for_kv_import_transfers(1)
     pair.decode.poll_kv_imports()  # local outcome known: nothing may still write
     pair.decode.reset_kv_imports()
@@ -198,8 +197,7 @@ def test_reset_after_transfers_settle_fails_pending_imports_and_frees_their_bloc
 
 
 def test_abort_while_importing_releases_nothing_until_the_transfer_is_quiet(pair: Pair) -> None:
-    pair.run_prefill(1, PROMPTS[0])
-    pair.submit(1, PROMPTS[0])
+    pair.hand_off(1, PROMPTS[0])
     pair.decode.abort_kv_import(1)
     # The read may still land: the destinations stay out of the pool until it settles.
     assert pair.decode.num_quarantined_kv_imports + pair.decode.leaked_blocks() > 0
@@ -218,8 +216,7 @@ def test_scheduling_a_decode_engine_admits_completed_imports_when_no_prompt_wait
     # the scheduling point only admits (the refusal itself: test_reference_api_lifecycle.py).
     with pytest.raises(HandoffStateError, match="decode engines only admit"):
         pair.decode.add_request(9, PROMPTS[0], 2)
-    pair.run_prefill(1, PROMPTS[0])
-    pair.submit(1, PROMPTS[0])
+    pair.hand_off(1, PROMPTS[0])
     deadline = time.monotonic() + 60
     while not pair.decode.has_admittable_kv_import and time.monotonic() < deadline:
         pair.tick()
@@ -238,8 +235,7 @@ def test_metrics_record_bytes_latency_and_queue_depths_and_serve_over_http(pair:
     from disagg_rs.metrics import HandoffMetrics
 
     pair.decode.handoff_metrics = HandoffMetrics("decode", 1)
-    pair.run_prefill(1, PROMPTS[0])
-    pair.submit(1, PROMPTS[0])
+    pair.hand_off(1, PROMPTS[0])
     pair.settle()
     text = generate_latest(pair.decode.handoff_metrics.registry).decode()
     moved = pair.decode.handoff_stats["bytes_pulled"]

@@ -72,13 +72,11 @@ def test_a_shutdown_frame_sent_to_the_coordinator_is_counted_not_fatal() -> None
         _flows(state)
 
 
-def test_the_real_server_survives_a_shutdown_frame_and_answers_the_next_client() -> None:
-    server = CoordinatorServer(insecure=True)
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(server.endpoint)
+def test_the_real_server_survives_a_shutdown_frame_and_answers_the_next_client(
+    served: tuple[CoordinatorServer, threading.Thread], raw_dealer: zmq.Socket[bytes]
+) -> None:
+    server, thread = served
+    sock = raw_dealer
     client = ControlClient(server.endpoint, insecure=True)
     try:
         sock.send(msgpack.packb({"type": "SHUTDOWN", "v": PROTOCOL_VERSION}))
@@ -90,11 +88,7 @@ def test_the_real_server_survives_a_shutdown_frame_and_answers_the_next_client()
         assert event["type"] is Msg.FAILED and "no prefill engine" in event["error"]
         assert thread.is_alive() and server.state.malformed["SHUTDOWN"] == 1
     finally:
-        server.stop()
-        thread.join(5)
-        sock.close(0)
         client.close()
-        server.close()
 
 
 @pytest.mark.parametrize(

@@ -475,21 +475,13 @@ TP2_WHOLE = Case(
 
 @pytest.fixture(scope="module")
 def nixl_pool() -> Iterator[list[Worker]]:
-    workers = tw.start_workers("nixl", ["ref-pre0", "ref-pre1", "ref-dec0"], "")
-    try:
-        yield workers
-    finally:
-        tw.stop_workers(workers)
+    yield from tw.worker_pool("nixl", ["ref-pre0", "ref-pre1", "ref-dec0"])
 
 
 @pytest.fixture(scope="module")
 def gloo_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Worker]]:
     store = str(tmp_path_factory.mktemp("gloo-ref") / "store")
-    workers = tw.start_workers("gloo", ["ref-pre0", "ref-pre1", "ref-dec0"], store)
-    try:
-        yield workers
-    finally:
-        tw.stop_workers(workers)
+    yield from tw.worker_pool("gloo", ["ref-pre0", "ref-pre1", "ref-dec0"], store)
 
 
 def _landed(worker: Worker, key: str, case: Case) -> None:
@@ -521,12 +513,7 @@ def test_a_seed_style_tp2_to_tp1_gloo_push_and_pull_without_num_tokens_move_whol
         gloo_pool[2].send("call", key, "begin_pull_blocks", {"tp_metas": src_metas}, src, dst)
         for i in range(2):
             gloo_pool[i].send("call", key, "begin_push_blocks", {"tp_metas": [dst_meta]}, src)
-        for w in gloo_pool:
-            w.result()
-        for w in gloo_pool:
-            w.send("wait", key)
-        for w in gloo_pool:
-            w.result()
+        tw.settle(gloo_pool, key)
         _landed(gloo_pool[2], key, case)
     finally:
         _close(gloo_pool, key)
@@ -641,11 +628,7 @@ def test_a_pp2_to_pp1_nixl_pull_takes_each_stage_s_block_ids_from_the_pp_metas_w
 @pytest.fixture(scope="module")
 def nccl_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Worker]]:
     store = str(tmp_path_factory.mktemp("nccl-ref") / "store")
-    workers = tw.start_workers("nccl", ["ref-pre0", "ref-dec0"], store)
-    try:
-        yield workers
-    finally:
-        tw.stop_workers(workers)
+    yield from tw.worker_pool("nccl", ["ref-pre0", "ref-dec0"], store)
 
 
 @pytest.mark.gpu
@@ -665,12 +648,7 @@ def test_an_nccl_push_and_pull_between_gpus_in_the_reference_form_move_whole_blo
         src, dst = tw.src_ids(case, case.srcs[0]), tw.dst_ids(case, case.dsts[0])
         dec.send("call", key, "begin_pull_blocks", {"tp_metas": [ms]}, src, dst)
         pre.send("call", key, "begin_push_blocks", {"tp_metas": [md]}, src)
-        dec.result()
-        pre.result()
-        dec.send("wait", key)
-        pre.send("wait", key)
-        dec.result()
-        pre.result()
+        tw.settle([dec, pre], key)
         _landed(dec, key, case)
     finally:
         pre("close", key)

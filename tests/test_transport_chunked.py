@@ -11,73 +11,29 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import transport_workers as tw
-from test_transport_multiprocess import CASES, _assert_landed, _close, _num_tokens, _setup
+from test_transport_multiprocess import CASES
+from test_transport_multiprocess import _pool as _workers
+from test_transport_multiprocess import _push_pull as _push_pull_case
 from transport_workers import Case, Worker
 
 _tags = itertools.count(1000)
 POOL, CHUNK = 8192, 4096
 
 
-def _pool(transport: str) -> Iterator[dict[str, list[Worker]]]:
-    workers = tw.start_workers(transport, ["pre0", "pre1", "dec0", "dec1"], _store(transport))
-    try:
-        yield {"pre": workers[:2], "dec": workers[2:]}
-    finally:
-        tw.stop_workers(workers)
-
-
-_stores: dict[str, str] = {}
-
-
-def _store(transport: str) -> str:
-    return _stores[transport]
-
-
 @pytest.fixture(scope="module")
 def gloo_small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Worker]]]:
-    _stores["gloo-small"] = str(tmp_path_factory.mktemp("gloo-small") / "store")
-    yield from _pool("gloo-small")
+    yield from _workers("gloo-small", str(tmp_path_factory.mktemp("gloo-small") / "store"))
 
 
 @pytest.fixture(scope="module")
 def nccl_small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Worker]]]:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs")
-    _stores["nccl-2gpu-small"] = str(tmp_path_factory.mktemp("nccl-small") / "store")
-    yield from _pool("nccl-2gpu-small")
+    yield from _workers("nccl-2gpu-small", str(tmp_path_factory.mktemp("nccl-small") / "store"))
 
 
 def _push_pull(pool: dict[str, list[Worker]], case: Case) -> list[dict[str, object]]:
-    """Every decode posts its receives, every prefill its sends; wait; check; return the
-    decodes' handle stats."""
-    key, tag = case.name, next(_tags)
-    src_metas, dst_metas = _setup(pool, case, key)
-    stats = []
-    try:
-        for j, side in enumerate(case.dsts):
-            pool["dec"][j].send(
-                "call", key, "begin_pull_blocks", src_metas,
-                {s.global_rank: tw.src_ids(case, s) for s in case.srcs},
-                tw.dst_ids(case, side), num_tokens=_num_tokens(case), tag=tag,
-            )  # fmt: skip
-        for i, side in enumerate(case.srcs):
-            pool["pre"][i].send(
-                "call", key, "begin_push_blocks", dst_metas, tw.src_ids(case, side),
-                src_metas=src_metas, num_tokens=_num_tokens(case), tag=tag,
-            )  # fmt: skip
-        parties = pool["dec"][: len(case.dsts)] + pool["pre"][: len(case.srcs)]
-        for w in parties:
-            w.result()
-        for w in parties:
-            w.send("wait", key)
-        for w in parties:
-            w.result()
-        _assert_landed(pool, case, key)
-        stats = [pool["dec"][j]("stats", key) for j in range(len(case.dsts))]
-    finally:
-        _close(pool, case, key)
-    return stats
+    return _push_pull_case(pool, case, next(_tags))
 
 
 def _check_chunked(case: Case, stats: list[dict[str, object]]) -> None:

@@ -69,34 +69,26 @@ CASES = [
 _tags = itertools.count(1)
 
 
+def _pool(transport: str, store: str = "") -> Iterator[dict[str, list[Worker]]]:
+    for workers in tw.worker_pool(transport, ["pre0", "pre1", "dec0", "dec1"], store):
+        yield {"pre": workers[:2], "dec": workers[2:]}
+
+
 @pytest.fixture(scope="module")
 def nixl_pool() -> Iterator[dict[str, list[Worker]]]:
-    workers = tw.start_workers("nixl", ["pre0", "pre1", "dec0", "dec1"], "")
-    try:
-        yield {"pre": workers[:2], "dec": workers[2:]}
-    finally:
-        tw.stop_workers(workers)
+    yield from _pool("nixl")
 
 
 @pytest.fixture(scope="module")
 def nixl_cuda_pool() -> Iterator[dict[str, list[Worker]]]:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    workers = tw.start_workers("nixl-cuda", ["pre0", "pre1", "dec0", "dec1"], "")
-    try:
-        yield {"pre": workers[:2], "dec": workers[2:]}
-    finally:
-        tw.stop_workers(workers)
+    yield from _pool("nixl-cuda")
 
 
 @pytest.fixture(scope="module")
 def gloo_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Worker]]]:
-    store = str(tmp_path_factory.mktemp("gloo") / "store")
-    workers = tw.start_workers("gloo", ["pre0", "pre1", "dec0", "dec1"], store)
-    try:
-        yield {"pre": workers[:2], "dec": workers[2:]}
-    finally:
-        tw.stop_workers(workers)
+    yield from _pool("gloo", str(tmp_path_factory.mktemp("gloo") / "store"))
 
 
 def _src_ids(case: Case) -> dict[int, list[int]]:
@@ -133,19 +125,15 @@ def _assert_landed(pool: dict[str, list[Worker]], case: Case, key: str) -> None:
 
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "pool_name",
+    ["nixl_pool", pytest.param("nixl_cuda_pool", marks=pytest.mark.gpu, id="one-shared-gpu")],
+)
 def test_nixl_pull_lands_every_byte_where_the_oracle_says(
-    nixl_pool: dict[str, list[Worker]], case: Case, mode: str
+    request: pytest.FixtureRequest, pool_name: str, case: Case, mode: str
 ) -> None:
-    _nixl_pull_case(nixl_pool, case, mode)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["direct", "staged"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_nixl_pull_between_processes_sharing_one_gpu_lands_every_byte(
-    nixl_cuda_pool: dict[str, list[Worker]], case: Case, mode: str
-) -> None:
-    _nixl_pull_case(nixl_cuda_pool, case, mode)
+    """Host memory, and (marker ``gpu``) processes sharing one GPU."""
+    _nixl_pull_case(request.getfixturevalue(pool_name), case, mode)
 
 
 def _nixl_pull_case(nixl_pool: dict[str, list[Worker]], case: Case, mode: str) -> None:
@@ -157,10 +145,9 @@ def _nixl_pull_case(nixl_pool: dict[str, list[Worker]], case: Case, mode: str) -
             if mode == "staged":
                 # The prefill packs before the pull is announced; the ticket travels with it.
                 tickets = [
-                    nixl_pool["pre"][i](
-                        "call",
+                    tw.stage(
+                        nixl_pool["pre"][i],
                         key,
-                        "stage_blocks",
                         dst_meta,
                         tw.src_ids(case, s),
                         src_metas=src_metas,
@@ -169,10 +156,9 @@ def _nixl_pull_case(nixl_pool: dict[str, list[Worker]], case: Case, mode: str) -
                     for i, s in enumerate(case.srcs)
                 ]
             dec = nixl_pool["dec"][j]
-            dec(
-                "call",
+            tw.pull(
+                dec,
                 key,
-                "begin_pull_blocks",
                 src_metas,
                 _src_ids(case),
                 tw.dst_ids(case, case.dsts[j]),
@@ -185,19 +171,16 @@ def _nixl_pull_case(nixl_pool: dict[str, list[Worker]], case: Case, mode: str) -
         _close(nixl_pool, case, key)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_gloo_push_and_pull_land_every_byte_where_the_oracle_says(
-    gloo_pool: dict[str, list[Worker]], case: Case
-) -> None:
+def _push_pull(pool: dict[str, list[Worker]], case: Case, tag: int) -> list[dict[str, Any]]:
+    """Every decode posts its receives, every prefill its sends; wait; check the bytes; return
+    the decodes' handle stats."""
     key = case.name
-    tag = next(_tags)
-    src_metas, dst_metas = _setup(gloo_pool, case, key)
+    src_metas, dst_metas = _setup(pool, case, key)
     try:
         for j, side in enumerate(case.dsts):
-            gloo_pool["dec"][j].send(
-                "call",
+            tw.pull(
+                pool["dec"][j].send,
                 key,
-                "begin_pull_blocks",
                 src_metas,
                 _src_ids(case),
                 tw.dst_ids(case, side),
@@ -205,7 +188,7 @@ def test_gloo_push_and_pull_land_every_byte_where_the_oracle_says(
                 tag=tag,
             )
         for i, side in enumerate(case.srcs):
-            gloo_pool["pre"][i].send(
+            pool["pre"][i].send(
                 "call",
                 key,
                 "begin_push_blocks",
@@ -215,16 +198,18 @@ def test_gloo_push_and_pull_land_every_byte_where_the_oracle_says(
                 num_tokens=_num_tokens(case),
                 tag=tag,
             )
-        parties = gloo_pool["dec"][: len(case.dsts)] + gloo_pool["pre"][: len(case.srcs)]
-        for w in parties:
-            w.result()
-        for w in parties:
-            w.send("wait", key)
-        for w in parties:
-            w.result()
-        _assert_landed(gloo_pool, case, key)
+        tw.settle(pool["dec"][: len(case.dsts)] + pool["pre"][: len(case.srcs)], key)
+        _assert_landed(pool, case, key)
+        return [pool["dec"][j]("stats", key) for j in range(len(case.dsts))]
     finally:
-        _close(gloo_pool, case, key)
+        _close(pool, case, key)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_gloo_push_and_pull_land_every_byte_where_the_oracle_says(
+    gloo_pool: dict[str, list[Worker]], case: Case
+) -> None:
+    _push_pull(gloo_pool, case, next(_tags))
 
 
 TP2 = CASES[1]
@@ -238,10 +223,9 @@ def test_nixl_pull_accepts_any_program_through_the_compiler_hook(
     src_metas, dst_metas = _setup(nixl_pool, case, key, mode=mode, compiler=tw.reference_compiler)
     try:
         tickets = [
-            nixl_pool["pre"][i](
-                "call",
+            tw.stage(
+                nixl_pool["pre"][i],
                 key,
-                "stage_blocks",
                 dst_metas[0],
                 tw.src_ids(case, s),
                 src_metas=src_metas,
@@ -250,15 +234,9 @@ def test_nixl_pull_accepts_any_program_through_the_compiler_hook(
             for i, s in enumerate(case.srcs)
         ]
         dec = nixl_pool["dec"][0]
-        dec(
-            "call",
-            key,
-            "begin_pull_blocks",
-            src_metas,
-            _src_ids(case),
-            tw.dst_ids(case, case.dsts[0]),
-            num_tokens=case.num_tokens,
-            staged=tickets,
+        dst = tw.dst_ids(case, case.dsts[0])
+        tw.pull(
+            dec, key, src_metas, _src_ids(case), dst, num_tokens=case.num_tokens, staged=tickets
         )
         dec("wait", key)
         _assert_landed(nixl_pool, case, key)
@@ -307,10 +285,9 @@ def test_bad_peer_metadata_is_rejected_before_anything_is_posted(
         dst = [*dst[:-1], -1]
     try:
         with pytest.raises(WorkerError) as info:
-            pool["dec"][0](
-                "call",
+            tw.pull(
+                pool["dec"][0],
                 key,
-                "begin_pull_blocks",
                 metas,
                 src,
                 dst,
@@ -332,6 +309,12 @@ def test_nixl_pull_from_a_killed_source_fails_typed_and_a_restarted_source_repla
     ctx = mp.get_context("spawn")
     key = "killed"
     procs = []
+
+    def pull_from(meta: dict[str, Any]) -> None:
+        dst = tw.dst_ids(case, case.dsts[0])
+        tw.pull(dec, key, meta, tw.src_ids(case, side), dst, num_tokens=case.num_tokens)
+        dec("wait", key)
+
     try:
         dec("setup", key, case, case.dsts[0], "dst", timeout_s=5.0, mode="direct")
         metas = []
@@ -343,41 +326,14 @@ def test_nixl_pull_from_a_killed_source_fails_typed_and_a_restarted_source_repla
             assert parent.poll(tw.REPLY_TIMEOUT_S)
             metas.append(parent.recv())
             if len(metas) == 1:
-                dec(
-                    "call",
-                    key,
-                    "begin_pull_blocks",
-                    metas[0],
-                    tw.src_ids(case, side),
-                    tw.dst_ids(case, case.dsts[0]),
-                    num_tokens=case.num_tokens,
-                )
-                dec("wait", key)
+                pull_from(metas[0])
                 proc.kill()
                 proc.join(10)
                 with pytest.raises(WorkerError) as info:
-                    dec(
-                        "call",
-                        key,
-                        "begin_pull_blocks",
-                        metas[0],
-                        tw.src_ids(case, side),
-                        tw.dst_ids(case, case.dsts[0]),
-                        num_tokens=case.num_tokens,
-                    )
-                    dec("wait", key)
+                    pull_from(metas[0])
                 assert info.value.kind in ("TransferError", "TransferTimeout")
         assert metas[0]["incarnation"] != metas[1]["incarnation"]
-        dec(
-            "call",
-            key,
-            "begin_pull_blocks",
-            metas[1],
-            tw.src_ids(case, side),
-            tw.dst_ids(case, case.dsts[0]),
-            num_tokens=case.num_tokens,
-        )
-        dec("wait", key)
+        pull_from(metas[1])
         assert dec("agent_peers")["doomed"] == metas[1]["incarnation"]
         assert np.array_equal(dec("buffer", key), tw.expected_dst(case, case.dsts[0]).numpy())
     finally:
@@ -396,16 +352,8 @@ def test_gloo_pull_whose_peer_never_posts_times_out_typed(
     dec = gloo_pool["dec"][0]
     try:
         # A tag nobody will ever send on: this receive stays posted until the worker exits.
-        dec(
-            "call",
-            key,
-            "begin_pull_blocks",
-            src_metas,
-            _src_ids(case),
-            tw.dst_ids(case, case.dsts[0]),
-            num_tokens=case.num_tokens,
-            tag=10**6,
-        )
+        dst = tw.dst_ids(case, case.dsts[0])
+        tw.pull(dec, key, src_metas, _src_ids(case), dst, num_tokens=case.num_tokens, tag=10**6)
         with pytest.raises(WorkerError) as info:
             dec("wait", key)
         assert info.value.kind == "TransferTimeout"

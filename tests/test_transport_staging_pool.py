@@ -58,28 +58,14 @@ def _handoff(workers: list[Worker], key: str, src_pool: int, dst_pool: int) -> d
     ]
     dst_meta = dec("setup", key, CASE, CASE.dsts[0], "dst", mode="staged", staging_bytes=dst_pool)
     try:
+        n = CASE.num_tokens
         tickets = [
-            pre[i](
-                "call",
-                key,
-                "stage_blocks",
-                dst_meta,
-                tw.src_ids(CASE, s),
-                src_metas=src_metas,
-                num_tokens=CASE.num_tokens,
-            )
+            tw.stage(pre[i], key, dst_meta, tw.src_ids(CASE, s), src_metas=src_metas, num_tokens=n)
             for i, s in enumerate(CASE.srcs)
         ]
-        dec(
-            "call",
-            key,
-            "begin_pull_blocks",
-            src_metas,
-            {s.global_rank: tw.src_ids(CASE, s) for s in CASE.srcs},
-            tw.dst_ids(CASE, CASE.dsts[0]),
-            num_tokens=CASE.num_tokens,
-            staged=tickets,
-        )
+        src_ids = {s.global_rank: tw.src_ids(CASE, s) for s in CASE.srcs}
+        dst_ids = tw.dst_ids(CASE, CASE.dsts[0])
+        tw.pull(dec, key, src_metas, src_ids, dst_ids, num_tokens=n, staged=tickets)
         dec("wait", key)
         stats = dec("stats", key)
         got = dec("buffer", key)
@@ -93,33 +79,35 @@ def _handoff(workers: list[Worker], key: str, src_pool: int, dst_pool: int) -> d
         dec("close", key)
 
 
-def test_prompts_that_fit_both_pools_move_packed(pool: list[Worker]) -> None:
-    out = _handoff(pool, "fits", LARGE, LARGE)
-    assert all(t["staged"] for t in out["tickets"])
-    assert set(out["stats"]["modes"].values()) == {"staged"}
-
-
-def test_a_prompt_larger_than_the_prefill_pool_is_read_directly_byte_exact(
+@pytest.mark.parametrize(
+    ("key", "src_pool", "dst_pool", "staged", "mode", "min_descriptors"),
+    [
+        pytest.param("fits", LARGE, LARGE, True, "staged", 0, id="fits_both_pools_moves_packed"),
+        pytest.param(
+            "src-small", SMALL, LARGE, False, "direct", 0,
+            id="larger_than_prefill_pool_read_directly",
+        ),
+        # Each source's 20,480 packed bytes go through a 4,096-byte pool: many reads each.
+        pytest.param(
+            "dst-small", LARGE, SMALL, True, "chunked", 2 * (20480 // SMALL),
+            id="packed_copy_larger_than_decode_pool_read_in_chunks",
+        ),
+        pytest.param(
+            "dst-tiny", LARGE, TINY, True, "direct", 0,
+            id="decode_pool_smaller_than_one_item_reads_the_blocks_directly",
+        ),
+    ],
+)  # fmt: skip
+def test_a_handoff_lands_byte_exact_packed_chunked_or_direct_as_the_pools_allow(
     pool: list[Worker],
+    key: str,
+    src_pool: int,
+    dst_pool: int,
+    staged: bool,
+    mode: str,
+    min_descriptors: int,
 ) -> None:
-    out = _handoff(pool, "src-small", SMALL, LARGE)
-    assert not any(t["staged"] for t in out["tickets"])
-    assert set(out["stats"]["modes"].values()) == {"direct"}
-
-
-def test_a_packed_copy_larger_than_the_decode_pool_is_read_in_chunks_byte_exact(
-    pool: list[Worker],
-) -> None:
-    out = _handoff(pool, "dst-small", LARGE, SMALL)
-    assert all(t["staged"] for t in out["tickets"])
-    assert set(out["stats"]["modes"].values()) == {"chunked"}
-    # Each source's 20,480 packed bytes went through a 4,096-byte pool: many reads each.
-    assert out["stats"]["descriptors"] >= 2 * (20480 // SMALL)
-
-
-def test_a_decode_pool_smaller_than_one_item_reads_the_blocks_directly_byte_exact(
-    pool: list[Worker],
-) -> None:
-    out = _handoff(pool, "dst-tiny", LARGE, TINY)
-    assert all(t["staged"] for t in out["tickets"])
-    assert set(out["stats"]["modes"].values()) == {"direct"}
+    out = _handoff(pool, key, src_pool, dst_pool)
+    assert all(t["staged"] is staged for t in out["tickets"])
+    assert set(out["stats"]["modes"].values()) == {mode}
+    assert out["stats"]["descriptors"] >= min_descriptors

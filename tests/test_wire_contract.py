@@ -35,6 +35,13 @@ def pair() -> Iterator[tuple[Any, Any]]:
     root.close()
 
 
+@pytest.fixture
+def src_peer(pair: tuple[Any, Any]) -> tuple[dict[str, Any], Any]:
+    """The source buffer's exported metadata and its parsed peer."""
+    meta = pair[0].export_meta()
+    return meta, _core.parse_peer_meta(meta, "nixl")
+
+
 def test_a_peer_is_parsed_once_and_found_again_by_content(pair: tuple[Any, Any]) -> None:
     src, dst = pair
     meta = src.export_meta()
@@ -59,11 +66,9 @@ def test_plane_bases_inside_the_staging_region_are_refused_naming_the_field(
 
 
 def test_descriptor_rows_outside_the_exported_regions_name_the_field_and_both_ranges(
-    pair: tuple[Any, Any],
+    src_peer: tuple[dict[str, Any], Any],
 ) -> None:
-    src, _ = pair
-    meta = src.export_meta()
-    peer = _core.parse_peer_meta(meta, "nixl")
+    meta, peer = src_peer
     addr, nbytes = meta["buffer"]["addr"], meta["buffer"]["nbytes"]
     peer.check_addresses(np.array([[addr, nbytes, 0]], dtype=np.uint64), "src")
     with pytest.raises(exceptions.MetadataError) as err:
@@ -137,11 +142,9 @@ def test_a_ticket_is_checked_against_what_the_decode_rank_reads_naming_the_field
 
 
 def test_a_staging_ticket_outside_the_sources_staging_region_is_refused(
-    pair: tuple[Any, Any],
+    src_peer: tuple[dict[str, Any], Any],
 ) -> None:
-    src, _ = pair
-    meta = src.export_meta()
-    peer = _core.parse_peer_meta(meta, "nixl")
+    meta, peer = src_peer
     inc = meta["incarnation"]
     good = {"src_rank": 0, "incarnation": inc, "staged": True, "offset": 0, "nbytes": 4096}
     assert _core.check_staging_tickets_of([good], [peer])[0]["nbytes"] == 4096

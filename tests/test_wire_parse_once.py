@@ -28,11 +28,7 @@ CASE = Case("tp2_to_tp1", (Side(2, 0, global_rank=0), Side(2, 1, global_rank=1))
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[list[Worker]]:
-    workers = tw.start_workers("nixl", ["pre0", "pre1", "dec0"], "")
-    try:
-        yield workers
-    finally:
-        tw.stop_workers(workers)
+    yield from tw.worker_pool("nixl", ["pre0", "pre1", "dec0"])
 
 
 @pytest.mark.parametrize("mode", ["direct", "staged"])
@@ -57,25 +53,11 @@ def test_a_decode_handoff_parses_no_peer_metadata_after_registration(
             tickets = []
             if mode == "staged":
                 tickets = [
-                    pre[i](
-                        "call",
-                        key,
-                        "stage_blocks",
-                        dst_meta,
-                        tw.src_ids(CASE, s),
-                        src_metas=src_metas,
-                    )
+                    tw.stage(pre[i], key, dst_meta, tw.src_ids(CASE, s), src_metas=src_metas)
                     for i, s in enumerate(CASE.srcs)
                 ]
-            dec(
-                "call",
-                key,
-                "begin_pull_blocks",
-                src_metas,
-                src_ids,
-                tw.dst_ids(CASE, CASE.dsts[0]),
-                staged=tickets,
-            )
+            dst_ids = tw.dst_ids(CASE, CASE.dsts[0])
+            tw.pull(dec, key, src_metas, src_ids, dst_ids, staged=tickets)
             dec("wait", key)
         got = dec("buffer", key)
         assert np.array_equal(got, tw.expected_dst(CASE, CASE.dsts[0]).numpy())

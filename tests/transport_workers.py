@@ -16,7 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -698,6 +698,41 @@ def start_workers(transport: str, names: Sequence[str], store: str) -> list[Work
         stop_workers(workers)
         raise
     return workers
+
+
+def worker_pool(transport: str, names: Sequence[str], store: str = "") -> Iterator[list[Worker]]:
+    """A fixture's body: the workers of :func:`start_workers` while it yields, stopped after."""
+    workers = start_workers(transport, names, store)
+    try:
+        yield workers
+    finally:
+        stop_workers(workers)
+
+
+def pull(
+    call: Callable[..., Any], key: str, metas: Any, src: Any, dst: Any, how: str = "call", **kw: Any
+) -> Any:
+    """``begin_pull_blocks`` on a decode worker (``call``: the worker, or its ``send``;
+    ``how="timed"`` returns the result and the seconds it took)."""
+    return call(how, key, "begin_pull_blocks", metas, src, dst, **kw)
+
+
+def stage(
+    call: Callable[..., Any], key: str, dst_meta: Any, src: Any, how: str = "call", **kw: Any
+) -> Any:
+    """``stage_blocks`` on a prefill worker (``call`` and ``how``: as for :func:`pull`)."""
+    return call(how, key, "stage_blocks", dst_meta, src, **kw)
+
+
+def settle(parties: Sequence[Worker], key: str) -> None:
+    """Collect the replies of calls already sent to ``parties``, then wait on each one's
+    transfer ``key`` (two-sided transfers: every party posts before any waits)."""
+    for w in parties:
+        w.result()
+    for w in parties:
+        w.send("wait", key)
+    for w in parties:
+        w.result()
 
 
 def _loopback_ucx() -> None:

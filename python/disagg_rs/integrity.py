@@ -263,28 +263,32 @@ def _ssm_cells(
     return torch.stack([torch.as_strided(flat, size, strides, o) for o in offsets[:num_layers]])
 
 
-def _slot_index(slot: int, part: Mapping[str, Any]) -> int:
+def _slot_cells(
+    buffer: torch.Tensor, geometry: Any, layout: SSMShardLayout, slot: int, part_name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One SSM slot's ``part_name`` state on one rank: its cells (see :func:`_ssm_cells`), the
+    global layer numbers and the zero token key (SSM state has no token axis)."""
+    part = _geometry_dict(geometry)[part_name]
+    flat, base = _byte_view(buffer)
     if not 0 <= slot < int(part["num_slots"]):
         raise ArgumentError(
             f"integrity digest: ssm slot={slot} outside [0, {int(part['num_slots'])})", "ssm_slot"
         )
-    return slot
+    dev = buffer.device
+    _check_key_range("layer", layout.layer_end, _LAYER_BITS)
+    layers = torch.arange(layout.layer_start, layout.layer_end, dtype=torch.int64, device=dev)
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    return _ssm_cells(flat, base, part, layout.num_local_layers, slot), layers, zero
 
 
 def conv_pieces(
     buffer: torch.Tensor, geometry: Any, layout: SSMShardLayout, slot: int
 ) -> list[IntegrityPiece]:
     """Entries of one SSM slot's conv state on one rank, one piece per band (x, B, C)."""
-    part = _geometry_dict(geometry)["conv"]
-    flat, base = _byte_view(buffer)
-    slot = _slot_index(slot, part)
+    all_layers, layers, zero = _slot_cells(buffer, geometry, layout, slot, "conv")
     dims = layout.dims
     dev = buffer.device
-    _check_key_range("layer", layout.layer_end, _LAYER_BITS)
     _check_key_range("unit", dims.num_heads + 2 * dims.n_groups, _UNIT_BITS)
-    layers = torch.arange(layout.layer_start, layout.layer_end, dtype=torch.int64, device=dev)
-    zero = torch.zeros(1, dtype=torch.int64, device=dev)  # SSM state has no token axis
-    all_layers = _ssm_cells(flat, base, part, layout.num_local_layers, slot)
     pieces = []
     for band, per_unit, first_unit in (
         ("x", dims.head_dim, 0),
@@ -309,17 +313,10 @@ def recurrent_pieces(
     buffer: torch.Tensor, geometry: Any, layout: SSMShardLayout, slot: int
 ) -> list[IntegrityPiece]:
     """Entries of one SSM slot's recurrent state on one rank (one piece)."""
-    part = _geometry_dict(geometry)["recurrent"]
-    flat, base = _byte_view(buffer)
-    slot = _slot_index(slot, part)
-    dev = buffer.device
+    cells, layers, zero = _slot_cells(buffer, geometry, layout, slot, "recurrent")
     h_lo, h_hi = layout.heads
-    _check_key_range("layer", layout.layer_end, _LAYER_BITS)
     _check_key_range("head", h_hi, _UNIT_BITS)
-    heads = torch.arange(h_lo, h_hi, dtype=torch.int64, device=dev)
-    layers = torch.arange(layout.layer_start, layout.layer_end, dtype=torch.int64, device=dev)
-    cells = _ssm_cells(flat, base, part, layout.num_local_layers, slot)
-    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    heads = torch.arange(h_lo, h_hi, dtype=torch.int64, device=buffer.device)
     keys = _keys(_KIND_RECURRENT, layers, heads, zero)[:, 0]
     entries = cell_hashes(cells.contiguous(), keys)
     return [IntegrityPiece("recurrent", layout.layer_start, h_lo, _u64(entries))]

@@ -7,8 +7,10 @@ a test) builds exactly the same model from the same values. Layer windows are ha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from functools import partial
+from typing import Literal, TypeVar
 
 from disagg_rs._core import KVShardLayout, SSMShardLayout, SSMStateDims
 
@@ -26,6 +28,7 @@ __all__ = [
 ]
 
 LayerKind = Literal["attention", "ssm"]
+_L = TypeVar("_L")
 """What mixes tokens in one layer: GQA self-attention or a Mamba2-style SSM."""
 
 CacheLayoutName = Literal["megatron", "nhd", "hnd"]
@@ -241,19 +244,23 @@ class EngineConfig:
         return ranks
 
 
-def kv_layout_for(
-    model: ModelConfig, cfg: EngineConfig, tp_rank: int, pp_rank: int
-) -> KVShardLayout | None:
-    """The :class:`KVShardLayout` of one rank, or ``None`` when its stage has no attention."""
+def _layout_for(
+    model: ModelConfig,
+    cfg: EngineConfig,
+    tp_rank: int,
+    pp_rank: int,
+    kind: LayerKind,
+    make: Callable[..., _L],
+) -> _L | None:
+    """``make(tp_size, tp_rank, pp_size, pp_rank, global_rank, layer_start=...,
+    num_local_layers=...)`` for one rank, or ``None`` when its stage has no ``kind`` layer."""
     window = cfg.windows(model)[pp_rank]
-    lo, hi = model.kind_window((window.lo, window.hi), "attention")
+    lo, hi = model.kind_window((window.lo, window.hi), kind)
     if hi == lo:
         return None
     global_rank = cfg.engine_ranks()[pp_rank * cfg.tp + tp_rank]
     explicit = cfg.pp > 1
-    return KVShardLayout(
-        model.num_attention_layers,
-        model.num_kv_heads,
+    return make(
         cfg.tp,
         tp_rank,
         cfg.pp,
@@ -262,28 +269,20 @@ def kv_layout_for(
         layer_start=lo if explicit else None,
         num_local_layers=hi - lo if explicit else None,
     )
+
+
+def kv_layout_for(
+    model: ModelConfig, cfg: EngineConfig, tp_rank: int, pp_rank: int
+) -> KVShardLayout | None:
+    """The :class:`KVShardLayout` of one rank, or ``None`` when its stage has no attention."""
+    make = partial(KVShardLayout, model.num_attention_layers, model.num_kv_heads)
+    return _layout_for(model, cfg, tp_rank, pp_rank, "attention", make)
 
 
 def ssm_layout_for(
     model: ModelConfig, cfg: EngineConfig, tp_rank: int, pp_rank: int
 ) -> SSMShardLayout | None:
     """The :class:`SSMShardLayout` of one rank, or ``None`` when its stage has no SSM layer."""
-    window = cfg.windows(model)[pp_rank]
-    lo, hi = model.kind_window((window.lo, window.hi), "ssm")
-    if hi == lo:
-        return None
-    global_rank = cfg.engine_ranks()[pp_rank * cfg.tp + tp_rank]
-    explicit = cfg.pp > 1
-    return SSMShardLayout(
-        model.num_ssm_layers,
-        model.ssm_dims,
-        cfg.tp,
-        tp_rank,
-        cfg.pp,
-        pp_rank,
-        global_rank,
-        layer_start=lo if explicit else None,
-        num_local_layers=hi - lo if explicit else None,
-        # The reference mixer gives each rank a full copy of its B/C group when tp > groups.
-        replicate_groups=True,
-    )
+    # The reference mixer gives each rank a full copy of its B/C group when tp > groups.
+    make = partial(SSMShardLayout, model.num_ssm_layers, model.ssm_dims, replicate_groups=True)
+    return _layout_for(model, cfg, tp_rank, pp_rank, "ssm", make)

@@ -337,6 +337,32 @@ impl KvShardLayout {
     pub fn kv_shard_key(&self) -> (u32, u32) {
         (self.tp_rank, self.pp_rank)
     }
+
+    /// The layouts of one engine's `tp_size x pp_size` ranks (even layer split, no EP/ETP
+    /// replicas), pipeline-major: rank `(pp, tp)` has global rank `rank0 + pp * tp_size + tp`.
+    pub fn engine(
+        num_layers: u32,
+        num_kv_heads: u32,
+        tp_size: u32,
+        pp_size: u32,
+        rank0: u32,
+    ) -> DisaggResult<Vec<Self>> {
+        (0..pp_size)
+            .flat_map(|p| (0..tp_size).map(move |t| (p, t)))
+            .map(|(pp_rank, tp_rank)| {
+                Self::new(KvLayoutSpec {
+                    num_layers,
+                    num_kv_heads,
+                    tp_size,
+                    tp_rank,
+                    pp_size,
+                    pp_rank,
+                    global_rank: rank0 + pp_rank * tp_size + tp_rank,
+                    ..KvLayoutSpec::default()
+                })
+            })
+            .collect()
+    }
 }
 
 /// Global dimensions of one Mamba2-style SSM layer.
@@ -1059,6 +1085,19 @@ mod tests {
             num_local_layers: window.map(|w| w.1),
             replicate_groups: false,
         }
+    }
+
+    #[test]
+    fn an_engine_s_layouts_are_pipeline_major_and_numbered_from_its_first_rank() {
+        let ls = KvShardLayout::engine(8, 4, 2, 2, 10).unwrap();
+        let coords: Vec<_> = ls.iter().map(|l| (l.pp_rank, l.tp_rank, l.global_rank)).collect();
+        assert_eq!(coords, [(0, 0, 10), (0, 1, 11), (1, 0, 12), (1, 1, 13)]);
+        let mut first = kv(2, 0);
+        (first.pp_size, first.global_rank) = (2, 10);
+        assert_eq!(ls[0], KvShardLayout::new(first).unwrap());
+        assert_eq!(ls[3].layers, Span { lo: 4, hi: 8 });
+        let e = KvShardLayout::engine(8, 4, 2, 9, 0).unwrap_err();
+        assert!(matches!(&e, DisaggError::Layout { field, .. } if field == "pp_size"), "{e}");
     }
 
     #[test]

@@ -690,25 +690,9 @@ impl SsmReshardPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::KvLayoutSpec;
 
     fn kv_side(tp: u32, pp: u32, layers: u32, heads: u32, rank0: u32) -> Vec<KvShardLayout> {
-        (0..pp)
-            .flat_map(|p| (0..tp).map(move |t| (p, t)))
-            .map(|(p, t)| {
-                KvShardLayout::new(KvLayoutSpec {
-                    num_layers: layers,
-                    num_kv_heads: heads,
-                    tp_size: tp,
-                    tp_rank: t,
-                    pp_size: pp,
-                    pp_rank: p,
-                    global_rank: rank0 + p * tp + t,
-                    ..KvLayoutSpec::default()
-                })
-                .unwrap()
-            })
-            .collect()
+        KvShardLayout::engine(layers, heads, tp, pp, rank0).unwrap()
     }
 
     #[test]

@@ -10,8 +10,8 @@
 #![allow(clippy::unwrap_used, clippy::many_single_char_names)]
 
 use disagg_core::{
-    compile_kv_transfer, CostModel, KvGeometry, KvGeometrySpec, KvLayoutSpec, KvShardLayout,
-    KvTransferRequest, ModeChoice, SrcBlockIds,
+    compile_kv_transfer, CostModel, KvGeometry, KvGeometrySpec, KvShardLayout, KvTransferRequest,
+    ModeChoice, SrcBlockIds,
 };
 use proptest::prelude::*;
 
@@ -44,22 +44,7 @@ struct Case {
 }
 
 fn layouts(tp: u32, pp: u32, layers: u32, heads: u32, rank0: u32) -> Vec<KvShardLayout> {
-    (0..pp)
-        .flat_map(|p| (0..tp).map(move |t| (p, t)))
-        .map(|(p, t)| {
-            KvShardLayout::new(KvLayoutSpec {
-                num_layers: layers,
-                num_kv_heads: heads,
-                tp_size: tp,
-                tp_rank: t,
-                pp_size: pp,
-                pp_rank: p,
-                global_rank: rank0 + p * tp + t,
-                ..KvLayoutSpec::default()
-            })
-            .unwrap()
-        })
-        .collect()
+    KvShardLayout::engine(layers, heads, tp, pp, rank0).unwrap()
 }
 
 /// A Megatron-style geometry (NHD or HND inside a block) at `base`; returns it and its size.

@@ -14,9 +14,11 @@ use disagg_core::{
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
 
-const BLOCKS: u32 = 8;
+#[macro_use]
+mod common;
+use common::{assert_matches_model, by_epoch, BLOCKS, SLOTS};
+
 const BS: u32 = 4;
-const SLOTS: u32 = 2;
 const WORLD: u32 = 2;
 const HORIZON: u64 = 20;
 
@@ -135,6 +137,50 @@ struct Model {
     /// What the last transition must have produced.
     expect: Result<Vec<Act>, &'static str>,
 }
+
+reference_model!(
+    ImportRef,
+    Model {
+        now: 0,
+        free_blocks: BLOCKS,
+        free_slots: SLOTS,
+        next_epoch: 1,
+        live: BTreeMap::new(),
+        deferred: VecDeque::new(),
+        ready: VecDeque::new(),
+        quarantine: BTreeMap::new(),
+        engine: Vec::new(),
+        attempts: Vec::new(),
+        expect: Ok(Vec::new()),
+    },
+    {
+        let outcome = prop_oneof![
+            4 => Just(RankOutcome::Ok),
+            1 => Just(RankOutcome::Error),
+            1 => Just(RankOutcome::Timeout),
+            1 => Just(RankOutcome::MayStillWrite),
+        ];
+        let bad = prop_oneof![
+            6 => Just(None),
+            1 => Just(Some(Bad::SrcLen)),
+            1 => Just(Some(Bad::Deadline)),
+            1 => Just(Some(Bad::ZeroTokens)),
+        ];
+        prop_oneof![
+            4 => (1u64..6, 1u32..36, 0u32..4, any::<bool>(), prop::bool::weighted(0.2), 1u64..60, bad)
+                .prop_map(|(rid, n, resume, ssm, finished, ttl, bad)| Tr::Submit { rid, n, resume, ssm, finished, ttl, bad }),
+            6 => (any::<usize>(), prop::bool::weighted(0.1), 0..WORLD, outcome)
+                .prop_map(|(pick, stale, rank, outcome)| Tr::Report { pick, stale, rank, outcome }),
+            1 => any::<usize>().prop_map(|pick| Tr::Settle { pick }),
+            1 => (0u64..7).prop_map(|rid| Tr::Abort { rid }),
+            2 => (0u64..25).prop_map(|dt| Tr::Advance { dt }),
+            2 => (0u32..3).prop_map(|room| Tr::Admit { room }),
+            1 => any::<usize>().prop_map(|pick| Tr::Finish { pick }),
+            1 => (0u32..5).prop_map(|n| Tr::EngineAlloc { n }),
+            1 => Just(Tr::Reset),
+        ]
+    }
+);
 
 impl Model {
     fn drain(&mut self, out: &mut Vec<Act>) {
@@ -272,14 +318,8 @@ impl Model {
             }
             Tr::Advance { dt } => {
                 self.now += dt;
-                let mut due: Vec<(u64, u64)> = self
-                    .live
-                    .iter()
-                    .filter(|(_, r)| r.deadline <= self.now)
-                    .map(|(rid, r)| (r.epoch, *rid))
-                    .collect();
-                due.sort_unstable();
-                for (_, rid) in due {
+                let due = self.live.iter().filter(|(_, r)| r.deadline <= self.now);
+                for rid in by_epoch(due.map(|(rid, r)| (r.epoch, *rid))) {
                     self.fail(rid, "deadline", &mut out);
                 }
                 let drained: Vec<(u64, u64)> = self
@@ -331,79 +371,12 @@ impl Model {
                 if busy || !self.quarantine.is_empty() {
                     return Err("ResetRefused");
                 }
-                let mut all: Vec<(u64, u64)> =
-                    self.live.iter().map(|(rid, r)| (r.epoch, *rid)).collect();
-                all.sort_unstable();
-                for (_, rid) in all {
+                for rid in by_epoch(self.live.iter().map(|(rid, r)| (r.epoch, *rid))) {
                     self.fail(rid, "reset", &mut out);
                 }
             }
         }
         Ok(out)
-    }
-}
-
-struct ImportRef;
-
-impl ReferenceStateMachine for ImportRef {
-    type State = Model;
-    type Transition = Tr;
-
-    fn init_state() -> BoxedStrategy<Model> {
-        Just(Model {
-            now: 0,
-            free_blocks: BLOCKS,
-            free_slots: SLOTS,
-            next_epoch: 1,
-            live: BTreeMap::new(),
-            deferred: VecDeque::new(),
-            ready: VecDeque::new(),
-            quarantine: BTreeMap::new(),
-            engine: Vec::new(),
-            attempts: Vec::new(),
-            expect: Ok(Vec::new()),
-        })
-        .boxed()
-    }
-
-    fn transitions(_: &Model) -> BoxedStrategy<Tr> {
-        let outcome = prop_oneof![
-            4 => Just(RankOutcome::Ok),
-            1 => Just(RankOutcome::Error),
-            1 => Just(RankOutcome::Timeout),
-            1 => Just(RankOutcome::MayStillWrite),
-        ];
-        let bad = prop_oneof![
-            6 => Just(None),
-            1 => Just(Some(Bad::SrcLen)),
-            1 => Just(Some(Bad::Deadline)),
-            1 => Just(Some(Bad::ZeroTokens)),
-        ];
-        prop_oneof![
-            4 => (1u64..6, 1u32..36, 0u32..4, any::<bool>(), prop::bool::weighted(0.2), 1u64..60, bad)
-                .prop_map(|(rid, n, resume, ssm, finished, ttl, bad)| Tr::Submit { rid, n, resume, ssm, finished, ttl, bad }),
-            6 => (any::<usize>(), prop::bool::weighted(0.1), 0..WORLD, outcome)
-                .prop_map(|(pick, stale, rank, outcome)| Tr::Report { pick, stale, rank, outcome }),
-            1 => any::<usize>().prop_map(|pick| Tr::Settle { pick }),
-            1 => (0u64..7).prop_map(|rid| Tr::Abort { rid }),
-            2 => (0u64..25).prop_map(|dt| Tr::Advance { dt }),
-            2 => (0u32..3).prop_map(|room| Tr::Admit { room }),
-            1 => any::<usize>().prop_map(|pick| Tr::Finish { pick }),
-            1 => (0u32..5).prop_map(|n| Tr::EngineAlloc { n }),
-            1 => Just(Tr::Reset),
-        ]
-        .boxed()
-    }
-
-    fn apply(mut state: Model, t: &Tr) -> Model {
-        let before = state.clone();
-        let r = state.step(t);
-        if r.is_err() {
-            // A rejected event changes nothing.
-            state = before;
-        }
-        state.expect = r;
-        state
     }
 }
 
@@ -490,18 +463,11 @@ impl StateMachineTest for ImportTest {
 
     fn apply(mut s: Sut, m: &Model, t: Tr) -> Sut {
         let got = sut_step(&mut s, m, &t);
-        match (&got, &m.expect) {
-            (Ok(acts), Ok(want)) => {
-                let acts_c: Vec<Act> = acts.iter().map(compact).collect();
-                assert_eq!(&acts_c, want, "actions after {t:?}");
-                for a in acts {
-                    if let LedgerAction::Admit { block_ids, ssm_slot, .. } = a {
-                        s.engine.push((block_ids.clone(), *ssm_slot));
-                    }
-                }
+        assert_matches_model(&got, &m.expect, |acts| acts.iter().map(compact).collect(), &t);
+        for a in got.iter().flatten() {
+            if let LedgerAction::Admit { block_ids, ssm_slot, .. } = a {
+                s.engine.push((block_ids.clone(), *ssm_slot));
             }
-            (Err(e), Err(kind)) => assert_eq!(e.kind(), *kind, "error after {t:?}: {e}"),
-            _ => panic!("after {t:?}: ledger gave {got:?}, model expected {:?}", m.expect),
         }
         s
     }

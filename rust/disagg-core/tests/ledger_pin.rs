@@ -7,8 +7,9 @@ use disagg_core::{LedgerAction, PinLedger};
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
 
-const BLOCKS: u32 = 8;
-const SLOTS: u32 = 2;
+#[macro_use]
+mod common;
+use common::{assert_matches_model, by_epoch, BLOCKS, SLOTS};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum EpochArg {
@@ -62,6 +63,30 @@ struct Model {
     expect: Result<Vec<(u64, &'static str)>, &'static str>,
 }
 
+reference_model!(
+    PinRef,
+    Model {
+        now: 0,
+        next_epoch: 1,
+        pins: BTreeMap::new(),
+        free_blocks: BLOCKS,
+        free_slots: SLOTS,
+        expect: Ok(Vec::new()),
+    },
+    {
+        let epoch =
+            prop_oneof![Just(EpochArg::Omitted), Just(EpochArg::Current), Just(EpochArg::Stale)];
+        prop_oneof![
+            3 => (1u64..6, 0u32..5, any::<bool>(), 0u64..40).prop_map(|(rid, n, ssm, ttl)| Tr::Pin { rid, n, ssm, ttl }),
+            3 => (0u64..7, epoch).prop_map(|(rid, epoch)| Tr::Release { rid, epoch }),
+            2 => (0u64..20).prop_map(|dt| Tr::Advance { dt }),
+            1 => (0u64..7).prop_map(|rid| Tr::BeginPush { rid }),
+            1 => (0u64..7).prop_map(|rid| Tr::PushSettled { rid }),
+            1 => Just(Tr::Reset),
+        ]
+    }
+);
+
 impl Model {
     fn unpin_or_wait(&mut self, rid: u64, cause: &'static str, out: &mut Vec<(u64, &'static str)>) {
         let p = self.pins.get_mut(&rid).unwrap();
@@ -109,14 +134,8 @@ impl Model {
             }
             Tr::Advance { dt } => {
                 self.now += dt;
-                let mut due: Vec<(u64, u64)> = self
-                    .pins
-                    .iter()
-                    .filter(|(_, p)| p.lease <= self.now)
-                    .map(|(r, p)| (p.epoch, *r))
-                    .collect();
-                due.sort_unstable();
-                for (_, rid) in due {
+                let due = self.pins.iter().filter(|(_, p)| p.lease <= self.now);
+                for rid in by_epoch(due.map(|(r, p)| (p.epoch, *r))) {
                     self.unpin_or_wait(rid, "lease_expired", &mut out);
                 }
             }
@@ -142,58 +161,12 @@ impl Model {
                 if self.pins.values().any(|p| p.pushing) {
                     return Err("ResetRefused");
                 }
-                let mut all: Vec<(u64, u64)> =
-                    self.pins.iter().map(|(r, p)| (p.epoch, *r)).collect();
-                all.sort_unstable();
-                for (_, rid) in all {
+                for rid in by_epoch(self.pins.iter().map(|(r, p)| (p.epoch, *r))) {
                     self.unpin_or_wait(rid, "reset", &mut out);
                 }
             }
         }
         Ok(out)
-    }
-}
-
-struct PinRef;
-
-impl ReferenceStateMachine for PinRef {
-    type State = Model;
-    type Transition = Tr;
-
-    fn init_state() -> BoxedStrategy<Model> {
-        Just(Model {
-            now: 0,
-            next_epoch: 1,
-            pins: BTreeMap::new(),
-            free_blocks: BLOCKS,
-            free_slots: SLOTS,
-            expect: Ok(Vec::new()),
-        })
-        .boxed()
-    }
-
-    fn transitions(_: &Model) -> BoxedStrategy<Tr> {
-        let epoch =
-            prop_oneof![Just(EpochArg::Omitted), Just(EpochArg::Current), Just(EpochArg::Stale)];
-        prop_oneof![
-            3 => (1u64..6, 0u32..5, any::<bool>(), 0u64..40).prop_map(|(rid, n, ssm, ttl)| Tr::Pin { rid, n, ssm, ttl }),
-            3 => (0u64..7, epoch).prop_map(|(rid, epoch)| Tr::Release { rid, epoch }),
-            2 => (0u64..20).prop_map(|dt| Tr::Advance { dt }),
-            1 => (0u64..7).prop_map(|rid| Tr::BeginPush { rid }),
-            1 => (0u64..7).prop_map(|rid| Tr::PushSettled { rid }),
-            1 => Just(Tr::Reset),
-        ]
-        .boxed()
-    }
-
-    fn apply(mut state: Model, t: &Tr) -> Model {
-        let before = state.clone();
-        let r = state.step(t);
-        if r.is_err() {
-            state = before;
-        }
-        state.expect = r;
-        state
     }
 }
 
@@ -253,22 +226,15 @@ impl StateMachineTest for PinTest {
 
     fn apply(mut l: PinLedger, m: &Model, t: Tr) -> PinLedger {
         let got = sut_step(&mut l, m, &t);
-        match (&got, &m.expect) {
-            (Ok(acts), Ok(want)) => {
-                let acts_c: Vec<(u64, &'static str)> = acts
-                    .iter()
-                    .map(|a| match a {
-                        LedgerAction::Released { request_id, cause, .. } => {
-                            (*request_id, cause.name())
-                        }
-                        other => panic!("unexpected pin action {other:?}"),
-                    })
-                    .collect();
-                assert_eq!(&acts_c, want, "after {t:?}");
-            }
-            (Err(e), Err(kind)) => assert_eq!(e.kind(), *kind, "after {t:?}"),
-            _ => panic!("after {t:?}: ledger gave {got:?}, model expected {:?}", m.expect),
-        }
+        let compact = |acts: &[LedgerAction]| -> Vec<(u64, &'static str)> {
+            acts.iter()
+                .map(|a| match a {
+                    LedgerAction::Released { request_id, cause, .. } => (*request_id, cause.name()),
+                    other => panic!("unexpected pin action {other:?}"),
+                })
+                .collect()
+        };
+        assert_matches_model(&got, &m.expect, compact, &t);
         l
     }
 

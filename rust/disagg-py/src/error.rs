@@ -146,8 +146,39 @@ pub fn reject_unknown_keys(d: &Bound<'_, PyDict>, known: &[&str], what: &str) ->
 /// - `methods { .. }`: the hand-written methods.
 ///
 /// A leading `wire` adds `from_dict` (through the type's `from_wire`) and `__reduce__`
-/// (through its `to_dict`), so pickling and the wire share one decoder. Doc comments carry over.
+/// (through its `to_dict`), so pickling and the wire share one decoder. `wire_core $ty =>
+/// $core` also writes `from_wire`, `to_dict` and `__repr__` through the core type's own wire
+/// codec and `Display`. Doc comments carry over.
 macro_rules! py_methods {
+    (wire_core $ty:ty => $core:ty, get $g:tt span $s:tt range $r:tt methods { $($m:tt)* }) => {
+        impl $ty {
+            /// Decode a wire dict: `MetadataError` on a missing, unknown or mistyped field, the
+            /// core type's own errors on invalid values.
+            fn from_wire(
+                d: &::pyo3::Bound<'_, ::pyo3::types::PyDict>,
+            ) -> ::pyo3::PyResult<Self> {
+                use $crate::error::IntoPyResult;
+                let v = $crate::wire::to_wire(d.as_any(), "<dict>")?;
+                let obj = ::disagg_core::wire::value::Obj::of(&v, "").py()?;
+                Ok(Self { inner: <$core>::from_wire(&obj).py()? })
+            }
+        }
+
+        $crate::error::py_methods!(wire $ty, get $g span $s range $r methods {
+            $($m)*
+            /// Plain dict for the wire (JSON/msgpack safe); `from_dict(to_dict())` round-trips.
+            fn to_dict<'py>(
+                &self,
+                py: ::pyo3::Python<'py>,
+            ) -> ::pyo3::PyResult<::pyo3::Bound<'py, ::pyo3::types::PyDict>> {
+                $crate::args::wire_dict_to_py(py, &self.inner.to_wire())
+            }
+
+            fn __repr__(&self) -> String {
+                self.inner.to_string()
+            }
+        });
+    };
     (wire $ty:ty, get $g:tt span $s:tt range $r:tt methods { $($m:tt)* }) => {
         $crate::error::py_methods!($ty, get $g span $s range $r methods {
             $($m)*

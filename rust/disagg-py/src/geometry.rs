@@ -10,9 +10,9 @@ use disagg_core::{
     DisaggError, KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple, PyType};
+use pyo3::types::{PyTuple, PyType};
 
-use crate::args::{describe, retype, type_err, wire_dict_to_py, Int, IntList, Kind, Text};
+use crate::args::{describe, retype, type_err, Int, IntList, Kind, Text};
 use crate::error::{py_methods, to_pyerr, IntoPyResult};
 use crate::wire::to_wire;
 
@@ -105,7 +105,7 @@ pub struct PyKvGeometry {
     pub inner: KvGeometry,
 }
 
-py_methods!(wire PyKvGeometry,
+py_methods!(wire_core PyKvGeometry => KvGeometry,
 get {
     /// 2 (K and V) or 1 (MLA latent).
     num_kv: u32 = (spec().num_kv);
@@ -248,24 +248,7 @@ methods {
         Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
 
-    /// Plain dict for the wire (JSON/msgpack safe); `from_dict(to_dict())` round-trips.
-    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        wire_dict_to_py(py, &self.inner.to_wire())
-    }
-
-    fn __repr__(&self) -> String {
-        self.inner.to_string()
-    }
 });
-
-impl PyKvGeometry {
-    /// Decode a wire dict; `MetadataError` on a missing, unknown or mistyped field,
-    /// `GeometryMismatchError`/`AddressOverflowError` on invalid values.
-    fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
-        let v = to_wire(d.as_any(), "<dict>")?;
-        Ok(Self { inner: KvGeometry::from_wire(&Obj::of(&v, "").py()?).py()? })
-    }
-}
 
 /// Where one rank's SSM conv and recurrent state live.
 #[pyclass(name = "SSMGeometry", module = "disagg_rs", frozen, eq)]
@@ -292,7 +275,7 @@ fn part_arg(v: Option<Bound<'_, PyAny>>, key: &str) -> PyResult<Option<SsmStateP
     SsmStatePart::from_wire(&Obj::of(&map, "").py()?, key).py()
 }
 
-py_methods!(wire PySsmGeometry,
+py_methods!(wire_core PySsmGeometry => SsmGeometry,
 get {
     /// Local SSM layers.
     num_layers: usize = (num_layers());
@@ -361,23 +344,8 @@ methods {
         Self::from_tensors(cls, conv, recurrent, device_id)
     }
 
-    /// Plain dict for the wire; `from_dict(to_dict())` round-trips.
-    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        wire_dict_to_py(py, &self.inner.to_wire())
-    }
-
-    fn __repr__(&self) -> String {
-        self.inner.to_string()
-    }
 });
 
-impl PySsmGeometry {
-    /// Decode a wire dict.
-    fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
-        let v = to_wire(d.as_any(), "<dict>")?;
-        Ok(Self { inner: SsmGeometry::from_wire(&Obj::of(&v, "").py()?).py()? })
-    }
-}
 /// A `(K, V)` tuple of one layer's separate key and value tensors, if `t` is one.
 fn kv_pair<'a, 'py>(t: &'a Bound<'py, PyAny>) -> Option<&'a Bound<'py, PyTuple>> {
     t.cast::<PyTuple>().ok().filter(|p| p.len() == 2)

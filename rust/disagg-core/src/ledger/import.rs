@@ -350,26 +350,10 @@ impl ImportLedger {
         }
     }
 
-    /// The block pool (read-only).
-    pub fn pool(&self) -> &BlockPool {
-        &self.pool
-    }
-
-    /// The block pool, for the engine's own allocations (admitted requests, prompts it runs).
-    /// Releasing blocks the ledger holds through it is a bug that `check()` reports.
-    pub fn pool_mut(&mut self) -> &mut BlockPool {
-        &mut self.pool
-    }
-
-    /// The SSM slot pool (read-only).
-    pub fn slots(&self) -> &SlotPool {
-        &self.slots
-    }
-
-    /// The SSM slot pool, for the engine's own use.
-    pub fn slots_mut(&mut self) -> &mut SlotPool {
-        &mut self.slots
-    }
+    pool_accessors!(
+        "The block pool, for the engine's own allocations (admitted requests, prompts it runs). \
+         Releasing blocks the ledger holds through it is a bug that `check()` reports."
+    );
 
     /// Event counters.
     pub fn counters(&self) -> ImportCounters {

@@ -9,6 +9,32 @@
 //! Time is an opaque `u64` chosen by the caller (nanoseconds of a monotonic clock in the
 //! drivers, a virtual counter in tests); nothing here reads a clock.
 
+/// The pool accessors both ledgers offer over their `pool` and `slots` fields; `$pool_mut`
+/// documents `pool_mut` (what the engine may use it for).
+macro_rules! pool_accessors {
+    ($pool_mut:literal) => {
+        /// The block pool (read-only).
+        pub fn pool(&self) -> &BlockPool {
+            &self.pool
+        }
+
+        #[doc = $pool_mut]
+        pub fn pool_mut(&mut self) -> &mut BlockPool {
+            &mut self.pool
+        }
+
+        /// The SSM slot pool (read-only).
+        pub fn slots(&self) -> &SlotPool {
+            &self.slots
+        }
+
+        /// The SSM slot pool, for the engine's own use.
+        pub fn slots_mut(&mut self) -> &mut SlotPool {
+            &mut self.slots
+        }
+    };
+}
+
 pub mod admission;
 mod import;
 mod pin;

@@ -101,25 +101,7 @@ impl PinLedger {
         Self { pool, slots, pins: HashMap::new(), next_epoch: 1, counters: PinCounters::default() }
     }
 
-    /// The block pool (read-only).
-    pub fn pool(&self) -> &BlockPool {
-        &self.pool
-    }
-
-    /// The block pool, for the engine's own allocations.
-    pub fn pool_mut(&mut self) -> &mut BlockPool {
-        &mut self.pool
-    }
-
-    /// The SSM slot pool (read-only).
-    pub fn slots(&self) -> &SlotPool {
-        &self.slots
-    }
-
-    /// The SSM slot pool, for the engine's own use.
-    pub fn slots_mut(&mut self) -> &mut SlotPool {
-        &mut self.slots
-    }
+    pool_accessors!("The block pool, for the engine's own allocations.");
 
     /// Event counters.
     pub fn counters(&self) -> PinCounters {

@@ -8,6 +8,7 @@
 
 use crate::error::{DisaggError, DisaggResult};
 use crate::wire::msgpack::{self, Value};
+use crate::wire::value::clipped;
 
 /// Version of the control protocol (2 added `HEARTBEAT` and `FENCED`, 3 `HEARTBEAT_ACK`).
 pub const PROTOCOL_VERSION: i64 = 3;
@@ -253,16 +254,7 @@ impl ControlMessage {
 }
 
 fn short(v: &Value) -> String {
-    let mut s = format!("{v:?}");
-    if s.len() > 80 {
-        let mut cut = 80;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
-        s.push_str("...");
-    }
-    s
+    clipped(format!("{v:?}"), 80)
 }
 
 fn int(v: &Value) -> Option<i64> {
@@ -586,6 +578,12 @@ mod tests {
         Value::Str(x.into())
     }
 
+    /// A current-version frame of type `kind` with `fields`.
+    fn msg(kind: &str, fields: &[(&str, Value)]) -> Vec<u8> {
+        let head = [("type", s(kind)), ("v", Value::Int(PROTOCOL_VERSION))];
+        enc(&[&head[..], fields].concat())
+    }
+
     fn submit(extra: &[(&str, Value)]) -> Vec<u8> {
         let mut pairs = vec![
             ("type", s("SUBMIT")),
@@ -648,31 +646,17 @@ mod tests {
 
     #[test]
     fn a_missing_required_field_is_named_and_optional_ones_may_be_absent() {
-        let frame = enc(&[
-            ("type", s("KV_IMPORTED")),
-            ("v", Value::Int(PROTOCOL_VERSION)),
-            ("request_id", Value::Int(1)),
-            ("epoch", Value::Int(1)),
-        ]);
+        let ids = [("request_id", Value::Int(1)), ("epoch", Value::Int(1))];
+        let frame = msg("KV_IMPORTED", &ids);
         assert_eq!(field_of(decode_message(&frame, true)), "ok");
-        let frame = enc(&[
-            ("type", s("KV_IMPORTED")),
-            ("v", Value::Int(PROTOCOL_VERSION)),
-            ("request_id", Value::Int(1)),
-            ("epoch", Value::Int(1)),
-            ("ok", Value::Bool(true)),
-        ]);
+        let frame =
+            msg("KV_IMPORTED", &[ids[0].clone(), ids[1].clone(), ("ok", Value::Bool(true))]);
         assert!(decode_message(&frame, true).is_ok());
     }
 
     #[test]
     fn engine_bound_types_are_refused_only_on_the_coordinator_side() {
-        let frame = enc(&[
-            ("type", s("ABORT")),
-            ("v", Value::Int(PROTOCOL_VERSION)),
-            ("request_id", Value::Int(1)),
-            ("epoch", Value::Int(3)),
-        ]);
+        let frame = msg("ABORT", &[("request_id", Value::Int(1)), ("epoch", Value::Int(3))]);
         assert!(decode_message(&frame, false).is_ok());
         assert_eq!(field_of(decode_message(&frame, true)), "type");
     }

@@ -128,16 +128,9 @@ impl<'a> Reader<'a> {
             }
             0xcb => Value::Float(f64::from_bits(self.be(8)?)),
             0xa0..=0xbf => self.str(usize::from(tag & 0x1f))?,
-            0xd9 => {
-                let n = self.len(1)?;
-                self.str(n)?
-            }
-            0xda => {
-                let n = self.len(2)?;
-                self.str(n)?
-            }
-            0xdb => {
-                let n = self.len(4)?;
+            // str 8/16/32, bin 8/16/32, array 16/32, map 16/32: a 1-, 2- or 4-byte length first.
+            0xd9..=0xdb => {
+                let n = self.len(1 << (tag - 0xd9))?;
                 self.str(n)?
             }
             0xc4..=0xc6 => {
@@ -145,21 +138,13 @@ impl<'a> Reader<'a> {
                 Value::Bin(self.take(n)?.to_vec())
             }
             0x90..=0x9f => self.array(usize::from(tag & 0x0f), depth)?,
-            0xdc => {
-                let n = self.len(2)?;
-                self.array(n, depth)?
-            }
-            0xdd => {
-                let n = self.len(4)?;
+            0xdc | 0xdd => {
+                let n = self.len(2 << (tag - 0xdc))?;
                 self.array(n, depth)?
             }
             0x80..=0x8f => self.map(usize::from(tag & 0x0f), depth)?,
-            0xde => {
-                let n = self.len(2)?;
-                self.map(n, depth)?
-            }
-            0xdf => {
-                let n = self.len(4)?;
+            0xde | 0xdf => {
+                let n = self.len(2 << (tag - 0xde))?;
                 self.map(n, depth)?
             }
             _ => return Err(frame_err(format!("unsupported msgpack type 0x{tag:02x}"))),
@@ -266,6 +251,24 @@ mod tests {
             &[],
         ] {
             assert!(decode(frame).is_err(), "{frame:?}");
+        }
+    }
+
+    #[test]
+    fn every_length_width_of_str_array_and_map_decodes_the_same() {
+        let s = Value::Str("x".into());
+        for frame in
+            [&[0xa1, b'x'][..], &[0xd9, 1, b'x'], &[0xda, 0, 1, b'x'], &[0xdb, 0, 0, 0, 1, b'x']]
+        {
+            assert_eq!(decode(frame).unwrap(), s, "{frame:?}");
+        }
+        let a = Value::Array(vec![Value::Int(7)]);
+        for frame in [&[0x91, 7][..], &[0xdc, 0, 1, 7], &[0xdd, 0, 0, 0, 1, 7]] {
+            assert_eq!(decode(frame).unwrap(), a, "{frame:?}");
+        }
+        let m = Value::Map(vec![(Value::Int(1), Value::Int(2))]);
+        for frame in [&[0x81, 1, 2][..], &[0xde, 0, 1, 1, 2], &[0xdf, 0, 0, 0, 1, 1, 2]] {
+            assert_eq!(decode(frame).unwrap(), m, "{frame:?}");
         }
     }
 

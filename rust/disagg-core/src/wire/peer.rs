@@ -260,16 +260,7 @@ const BUFFER_REQUIRED: [&str; 8] =
     ["addr", "nbytes", "device_id", "mem_type", "shape", "strides", "element_size", "axes"];
 
 fn kv_layout(o: &Obj<'_>) -> DisaggResult<KvShardLayout> {
-    let heads = match (o.opt_u32("num_kv_heads")?, o.opt_u32("num_heads")?) {
-        (Some(a), Some(b)) if a != b => {
-            return Err(DisaggError::wire(
-                join(o.path(), "num_kv_heads"),
-                format!("num_kv_heads={a} disagrees with its alias num_heads={b}"),
-            ))
-        }
-        (Some(a), _) | (None, Some(a)) => a,
-        (None, None) => o.u32("num_kv_heads")?,
-    };
+    let heads = either(o, "num_kv_heads", "num_heads")?;
     KvShardLayout::new(KvLayoutSpec {
         num_layers: o.u32("num_layers")?,
         num_kv_heads: heads,

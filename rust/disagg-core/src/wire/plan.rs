@@ -10,6 +10,8 @@ use crate::compile::{
     KvTransferRequest, ModeChoice, SrcBlockIds, SrcSlots, SsmTransferRequest, TransferProgram,
 };
 use crate::error::{DisaggError, DisaggResult};
+use crate::geometry::{KvGeometry, SsmGeometry};
+use crate::layout::{KvShardLayout, SsmShardLayout};
 use crate::wire::peer::{check_transfer, LocalSide, PeerGeometry, PeerLayout, PeerMeta, SourceIds};
 
 /// What one transfer moves: the peers, the block ids and the token count.
@@ -31,37 +33,36 @@ pub struct TransferPlanRequest<'a> {
     pub mode: ModeChoice,
 }
 
-fn no_geometry(meta: &PeerMeta) -> DisaggError {
-    DisaggError::wire(
-        "geometry",
-        format!("peer {:?} exported no compiler geometry", meta.agent_name),
-    )
+/// The layout and geometry `pick` finds in a peer's metadata: `WireError` when it exported no
+/// geometry, `GeometryMismatchError` when it holds another kind of state than `what`.
+fn side<L, G>(
+    meta: &PeerMeta,
+    what: &str,
+    pick: impl FnOnce(&PeerLayout, &PeerGeometry) -> Option<(L, G)>,
+) -> DisaggResult<(L, G)> {
+    let Some(geometry) = &meta.geometry else {
+        return Err(DisaggError::wire(
+            "geometry",
+            format!("peer {:?} exported no compiler geometry", meta.agent_name),
+        ));
+    };
+    pick(&meta.layout, geometry).ok_or_else(|| {
+        DisaggError::geometry("state_kind", format!("peer {:?} is not {what}", meta.agent_name))
+    })
 }
 
-fn kv_side(
-    meta: &PeerMeta,
-) -> DisaggResult<(crate::layout::KvShardLayout, crate::geometry::KvGeometry)> {
-    match (&meta.layout, &meta.geometry) {
-        (PeerLayout::Kv(l), Some(PeerGeometry::Kv(g))) => Ok((*l, g.clone())),
-        (_, None) => Err(no_geometry(meta)),
-        _ => Err(DisaggError::geometry(
-            "state_kind",
-            format!("peer {:?} is not a KV cache", meta.agent_name),
-        )),
-    }
+fn kv_side(meta: &PeerMeta) -> DisaggResult<(KvShardLayout, KvGeometry)> {
+    side(meta, "a KV cache", |l, g| match (l, g) {
+        (PeerLayout::Kv(l), PeerGeometry::Kv(g)) => Some((*l, g.clone())),
+        _ => None,
+    })
 }
 
-fn ssm_side(
-    meta: &PeerMeta,
-) -> DisaggResult<(crate::layout::SsmShardLayout, crate::geometry::SsmGeometry)> {
-    match (&meta.layout, &meta.geometry) {
-        (PeerLayout::Ssm(l), Some(PeerGeometry::Ssm(g))) => Ok((*l, g.clone())),
-        (_, None) => Err(no_geometry(meta)),
-        _ => Err(DisaggError::geometry(
-            "state_kind",
-            format!("peer {:?} is not SSM state", meta.agent_name),
-        )),
-    }
+fn ssm_side(meta: &PeerMeta) -> DisaggResult<(SsmShardLayout, SsmGeometry)> {
+    side(meta, "SSM state", |l, g| match (l, g) {
+        (PeerLayout::Ssm(l), PeerGeometry::Ssm(g)) => Some((*l, g.clone())),
+        _ => None,
+    })
 }
 
 /// The one slot of an SSM handoff.

@@ -276,10 +276,11 @@ pub fn join(path: &str, key: &str) -> String {
     }
 }
 
-fn shown(v: &WireValue) -> String {
-    let mut s = v.canonical_json();
-    if s.len() > 60 {
-        let mut cut = 60;
+/// `s` cut to at most `max` bytes (on a character boundary) and marked `...` when cut: how
+/// error messages quote a value.
+pub(crate) fn clipped(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut cut = max;
         while !s.is_char_boundary(cut) {
             cut -= 1;
         }
@@ -287,6 +288,10 @@ fn shown(v: &WireValue) -> String {
         s.push_str("...");
     }
     s
+}
+
+fn shown(v: &WireValue) -> String {
+    clipped(v.canonical_json(), 60)
 }
 
 impl<'a> Obj<'a> {
@@ -453,6 +458,14 @@ pub fn as_uint(v: &WireValue, max: u64) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_quoted_value_is_clipped_on_a_character_boundary() {
+        assert_eq!(clipped("abc".into(), 3), "abc");
+        assert_eq!(clipped("abcd".into(), 3), "abc...");
+        // "é" is two bytes: a cut inside it moves back to before it.
+        assert_eq!(clipped("aé".into(), 2), "a...");
+    }
 
     fn map(entries: &[(&str, WireValue)]) -> WireValue {
         WireValue::Map(entries.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect())
