@@ -60,6 +60,11 @@ class PerBlockProgram:
     def packed_bytes(self, src_rank: int) -> int:
         return int(self._rows[src_rank][0][:, 1].sum())
 
+    @property
+    def stats(self) -> dict[str, int]:
+        """What the backends report: the bytes the rows move."""
+        return {"bytes": sum(self.packed_bytes(r) for r in self._rows)}
+
 
 def _planes(meta: dict[str, Any], ids: list[int]) -> list[tuple[int, int]]:
     """(byte offset, len) of each (block, kv, layer) plane (two-sided baseline)."""
