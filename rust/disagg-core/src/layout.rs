@@ -818,10 +818,11 @@ impl fmt::Display for SsmStateDims {
 }
 
 impl SsmLayoutSpec {
-    /// Keys an SSM layout's wire dict may carry (`num_layers` there is the model's total).
+    /// Keys an SSM layout's wire dict may carry (`num_layers` there is the model's total):
+    /// the integer keys first (see [`SsmLayoutSpec::int_wire_keys`]), then `dims` and
+    /// `replicate_groups`.
     pub const WIRE_KEYS: [&'static str; 12] = [
         "num_layers",
-        "dims",
         "tp_size",
         "tp_rank",
         "pp_size",
@@ -831,22 +832,15 @@ impl SsmLayoutSpec {
         "etp_rank",
         "layer_start",
         "num_local_layers",
+        "dims",
         "replicate_groups",
     ];
 
-    /// The integer keys among [`SsmLayoutSpec::WIRE_KEYS`].
-    pub const INT_WIRE_KEYS: [&'static str; 10] = [
-        "num_layers",
-        "tp_size",
-        "tp_rank",
-        "pp_size",
-        "pp_rank",
-        "global_rank",
-        "ep_rank",
-        "etp_rank",
-        "layer_start",
-        "num_local_layers",
-    ];
+    /// The integer keys among [`SsmLayoutSpec::WIRE_KEYS`] (its first ten), in wire order.
+    #[must_use]
+    pub fn int_wire_keys() -> &'static [&'static str] {
+        &Self::WIRE_KEYS[..10]
+    }
 
     /// Our integer wire fields, in wire order (`dims` and `replicate_groups` travel beside
     /// them).
@@ -1141,7 +1135,7 @@ mod tests {
             let l = SsmShardLayout::new(ssm_spec(w)).unwrap();
             let s = l.spec();
             let keys: Vec<&str> = s.wire_fields().iter().map(|f| f.0).collect();
-            assert_eq!(keys, SsmLayoutSpec::INT_WIRE_KEYS);
+            assert_eq!(keys, SsmLayoutSpec::int_wire_keys());
             assert!(keys.iter().all(|k| SsmLayoutSpec::WIRE_KEYS.contains(k)));
             let dims: Vec<_> = s.dims.wire_fields().iter().map(|&(k, v)| (k, Some(v))).collect();
             let back = SsmLayoutSpec::from_wire(

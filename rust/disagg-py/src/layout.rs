@@ -514,7 +514,7 @@ impl PySsmShardLayout {
             .cast::<PyDict>()
             .map_err(|_| wire_err("dims", format!("expected a dict, got {dims_obj}")))?;
         let dims = PySsmStateDims::from_wire(dims_dict)?.inner;
-        let fields = dict_u32s(d, &SsmLayoutSpec::INT_WIRE_KEYS)?;
+        let fields = dict_u32s(d, SsmLayoutSpec::int_wire_keys())?;
         let spec =
             SsmLayoutSpec::from_wire(&fields, dims, dict_bool(d, "replicate_groups")?).py()?;
         Ok(Self { inner: SsmShardLayout::new(spec).py()? })
