@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from test_transport_multiprocess import CASES
+import transport_workers as tw
+from test_transport_multiprocess import CASES, _assert_landed, _setup, _src_ids
 from test_transport_multiprocess import _pool as _workers
 from test_transport_multiprocess import _push_pull as _push_pull_case
 from transport_workers import Case, Worker
@@ -50,6 +51,37 @@ def test_gloo_moves_prompts_larger_than_the_staging_pool_in_chunks_byte_exact(
     gloo_small: dict[str, list[Worker]], case: Case
 ) -> None:
     _check_chunked(case, _push_pull(gloo_small, case))
+
+
+def test_concurrent_handoffs_started_in_opposite_orders_on_the_two_sides_all_complete(
+    gloo_small: dict[str, list[Worker]],
+) -> None:
+    """Three handoffs share one backend, and its two-slot staging pool, on each side; the
+    decode posts them in one order, the prefill in the reverse one. Each handoff's worker
+    thread moves its chunks through a buffer of its own, so none waits for a slot that another
+    holds while that one waits for its peer (which held both engines until the transfer timed
+    out)."""
+    case, key = CASES[0], "opposite-orders"
+    (side,) = case.dsts
+    dec, pre = gloo_small["dec"][0], gloo_small["pre"][0]
+    src_metas, dst_metas = _setup(gloo_small, case, key)
+    tags = [next(_tags) for _ in range(3)]
+    try:
+        for tag in tags:
+            dec("call_as", key, f"h{tag}", "begin_pull_blocks", src_metas, _src_ids(case),
+                tw.dst_ids(case, side), num_tokens=case.num_tokens, tag=tag)  # fmt: skip
+        for tag in reversed(tags):
+            pre("call_as", key, f"h{tag}", "begin_push_blocks", dst_metas,
+                tw.src_ids(case, case.srcs[0]), src_metas=src_metas, num_tokens=case.num_tokens,
+                tag=tag)  # fmt: skip
+        for worker in (dec, pre):
+            for tag in tags:
+                worker("wait", f"h{tag}")
+        _assert_landed(gloo_small, case, key)
+        assert int(dec("stats", f"h{tags[0]}")["chunks"]) > POOL // CHUNK
+    finally:
+        for worker in (dec, pre):
+            worker("close", key)
 
 
 TWO_GPU_CASES = [

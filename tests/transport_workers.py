@@ -529,6 +529,11 @@ class WorkerState:
             return None
         return out
 
+    def call_as(self, key: str, handle_key: str, method: str, *args: Any, **kwargs: Any) -> None:
+        """Call a backend method and keep its handle under ``handle_key`` (several handoffs
+        of one backend in flight at once)."""
+        self.handles[handle_key] = getattr(self.backends[key], method)(*args, **kwargs)
+
     def timed(self, key: str, method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:
         """Call a backend method, wait for its handle if it returns one; return (value, s)."""
         import time

@@ -378,7 +378,6 @@ class NcclTransferBackend(TransferBackendBase):
                 self.staging_pool,
                 self.group,
                 tag,
-                self.timeout_s if timeout_s is None else timeout_s,
             )
         except CapacityError:
             raise  # checked before anything is posted

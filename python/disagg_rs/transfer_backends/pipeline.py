@@ -15,8 +15,11 @@ exchange.
   there) and queues the scatter. A slot is reused only after the stream has waited for the
   message that last used it (:meth:`StagingPool.claim`). Completion is one CUDA event.
 - With gloo (host memory) messages complete on the host, so one worker thread per handoff
-  runs the same loop with blocking waits (slots locked while in use), off the serving
-  thread. Tags keep concurrent handoffs apart.
+  runs the same loop with blocking waits, off the serving thread, through a buffer of its
+  own (one chunk, at most ``chunk_bytes``). It never shares a slot: a thread blocked on its
+  peer while holding a slot another handoff needs lets two engines that start concurrent
+  handoffs in different orders wait on each other until the transfer times out. Tags keep
+  concurrent handoffs apart.
 
 Ranges are half-open ``[lo, hi)``.
 """
@@ -101,7 +104,6 @@ class StagingPool:
         )
         self._buf: torch.Tensor | None = None
         self._last: list[Any] = [None] * self.slots
-        self._locks = [threading.Lock() for _ in range(self.slots)]
         self._next = 0
         self._lock = threading.Lock()
 
@@ -134,10 +136,6 @@ class StagingPool:
     def release(self, index: int, work: Any) -> None:
         """Record the message now using slot ``index``."""
         self._last[index] = work
-
-    def lock(self, index: int) -> threading.Lock:
-        """The host lock of slot ``index`` (threaded, host-memory pipelines)."""
-        return self._locks[index]
 
 
 @dataclass
@@ -181,14 +179,14 @@ def post_chunks(
     pool: StagingPool,
     group: Any,
     tag: int,
-    timeout_s: float = 30.0,
 ) -> tuple[list[Any], Callable[[], bool], threading.Thread | None, list[str]]:
     """Move every pair's chunks through ``pool``.
 
     Returns ``(works, done, thread, errors)``: on CUDA, ``works`` are the NCCL works and
     ``done()`` queries the event recorded after the last scatter; on host memory a worker
-    thread runs the loop (``done()`` says it finished; ``errors`` holds its failures, e.g. a
-    slot still held ``timeout_s`` later by a transfer whose peer never answered).
+    thread runs the loop through its own one-chunk buffer (``done()`` says it finished;
+    ``errors`` holds its failures, e.g. the process group's timeout on a peer that never
+    answered).
     """
     for cp in pairs:
         item = int(cp.plan.planes[:, 3].max()) * cp.plan.tokens_per_block
@@ -226,17 +224,11 @@ def post_chunks(
 
     def run() -> None:
         try:
+            own = torch.empty(max((c[3] - c[2] for _, c in chunks), default=0), dtype=torch.uint8)
             for cp, chunk in chunks:
-                index = pool.next_index()
-                lock = pool.lock(index)
-                if not lock.acquire(timeout=timeout_s):
-                    raise TimeoutError(f"staging slot {index} still busy after {timeout_s} s")
-                try:
-                    post, land = _one_chunk(cp, buffer, pool.slot(index), chunk, group, tag)
-                    post().wait()
-                    land()
-                finally:
-                    lock.release()
+                post, land = _one_chunk(cp, buffer, own, chunk, group, tag)
+                post().wait()
+                land()
         except Exception as exc:
             errors.append(f"chunked transfer failed: {exc!r}")
         finally:
