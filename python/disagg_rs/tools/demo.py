@@ -889,141 +889,70 @@ def _progress(total: int, quiet: bool) -> Any:
     return tqdm(total=total, desc="tokens", unit="tok", leave=False)
 
 
-def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    """The demo's command-line options."""
-    d = DemoOptions()
-    p.add_argument(
-        "--backend",
-        choices=["nixl", "nccl"],
-        default=d.backend,
-        help="transport: nixl (one-sided reads) or nccl (torch.distributed; gloo on CPU)",
-    )
-    p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, help="prefill TP size")
-    p.add_argument("--prefill-pp", type=int, default=d.prefill_pp, help="prefill PP size")
-    p.add_argument("--decode-tp", type=int, default=d.decode_tp, help="decode TP size")
-    p.add_argument("--decode-pp", type=int, default=d.decode_pp, help="decode PP size")
-    p.add_argument(
-        "--prefill-block-size",
-        type=int,
-        default=d.prefill_block_size,
-        help="prefill KV block size in tokens",
-    )
-    p.add_argument(
-        "--decode-block-size",
-        type=int,
-        default=d.decode_block_size,
-        help="decode KV block size in tokens",
-    )
-    p.add_argument(
-        "--model",
-        choices=["hybrid", "attention"],
-        default=d.model,
-        help="reference model: hybrid (attention + Mamba2) or attention only",
-    )
-    p.add_argument("--requests", type=int, default=d.requests, help="number of prompts")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens per answer")
-    p.add_argument(
-        "--device", choices=["cpu", "cuda"], default=d.device, help="where caches and weights live"
-    )
-    p.add_argument(
-        "--cache-layout",
-        choices=["megatron", "nhd", "hnd"],
-        default=d.cache_layout,
-        help="paged KV cache memory layout",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=d.timeout_s,
-        dest="timeout_s",
-        help="seconds the whole run may take",
-    )
-    p.add_argument(
-        "--nixl-mode",
-        choices=["auto", "direct", "staged"],
-        default=d.nixl_mode,
-        help="NIXL reads: direct descriptors, one packed region per source (staged), or auto",
-    )
-    p.add_argument(
-        "--control-faults",
-        type=float,
-        default=d.control_faults,
-        help="share of coordinator -> engine messages to drop, duplicate or delay (fault test)",
-    )
-    p.add_argument(
-        "--lease",
-        type=float,
-        default=d.lease_s,
-        dest="lease_s",
-        help="prefill pin lease in seconds",
-    )
-    p.add_argument(
-        "--kill-engine",
-        choices=["prefill", "decode"],
-        default=None,
-        help="fault test: SIGKILL one rank of this engine once the first token streamed, "
-        "restart it as a new incarnation, then send the second half of the requests",
-    )
-    p.add_argument(
-        "--no-restart",
-        action="store_false",
-        dest="restart",
-        help="with --kill-engine: leave the killed engine dead (its requests fail on liveness)",
-    )
-    p.add_argument(
-        "--engine-timeout",
-        type=float,
-        default=d.engine_timeout_s,
-        dest="engine_timeout_s",
-        help="coordinator declares an engine silent this many seconds lost",
-    )
-    p.add_argument(
-        "--kill-rank",
-        type=int,
-        default=d.kill_rank,
-        help="which rank of the killed engine gets SIGKILL (-1: the last)",
-    )
-    p.add_argument(
-        "--corrupt",
-        type=_rank_and_request,
-        default=None,
-        metavar="RANK:REQUEST",
-        help="fault test (with --verify-integrity): flip a bit of REQUEST's KV as it lands on "
-        "decode rank RANK; the request must fail on every decode rank together",
-    )
-    p.add_argument(
-        "--verify-integrity",
-        action="store_true",
-        help="digest the handed-off state on prefill and verify it on decode before admission",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics of rank r on BIND_HOST:(PORT + r)",
-    )
-    p.add_argument(
-        "--insecure-plaintext",
-        action="store_true",
-        help="run the control plane as plain TCP without CURVE keys (logs a warning; by "
-        "default each run generates keys and admits only its own engines and client)",
-    )
-    p.add_argument(
-        "--bind-host",
-        default=d.bind_host,
-        metavar="ADDR",
-        help="address every socket of the demo binds to: coordinator, rendezvous store, "
-        "collectives, UCX (default: loopback; another address exposes unauthenticated "
-        "endpoints to that network)",
-    )
-
-
 def _rank_and_request(text: str) -> tuple[int, int]:
     try:
         rank, request = (int(x) for x in text.split(":"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected RANK:REQUEST, got {text!r}") from None
     return rank, request
+
+
+#: The demo's command-line options: (flag, argparse keywords besides the default, help). The
+#: default of each is the :class:`DemoOptions` field its ``dest`` names.
+_OPTIONS: tuple[tuple[str, dict[str, Any], str], ...] = (
+    ("--backend", {"choices": ["nixl", "nccl"]},
+     "transport: nixl (one-sided reads) or nccl (torch.distributed; gloo on CPU)"),
+    ("--prefill-tp", {"type": int}, "prefill TP size"),
+    ("--prefill-pp", {"type": int}, "prefill PP size"),
+    ("--decode-tp", {"type": int}, "decode TP size"),
+    ("--decode-pp", {"type": int}, "decode PP size"),
+    ("--prefill-block-size", {"type": int}, "prefill KV block size in tokens"),
+    ("--decode-block-size", {"type": int}, "decode KV block size in tokens"),
+    ("--model", {"choices": ["hybrid", "attention"]},
+     "reference model: hybrid (attention + Mamba2) or attention only"),
+    ("--requests", {"type": int}, "number of prompts"),
+    ("--max-new-tokens", {"type": int}, "tokens per answer"),
+    ("--device", {"choices": ["cpu", "cuda"]}, "where caches and weights live"),
+    ("--cache-layout", {"choices": ["megatron", "nhd", "hnd"]}, "paged KV cache memory layout"),
+    ("--timeout", {"type": float, "dest": "timeout_s"}, "seconds the whole run may take"),
+    ("--nixl-mode", {"choices": ["auto", "direct", "staged"]},
+     "NIXL reads: direct descriptors, one packed region per source (staged), or auto"),
+    ("--control-faults", {"type": float},
+     "share of coordinator -> engine messages to drop, duplicate or delay (fault test)"),
+    ("--lease", {"type": float, "dest": "lease_s"}, "prefill pin lease in seconds"),
+    ("--kill-engine", {"choices": ["prefill", "decode"]},
+     "fault test: SIGKILL one rank of this engine once the first token streamed, restart it "
+     "as a new incarnation, then send the second half of the requests"),
+    ("--no-restart", {"action": "store_false", "dest": "restart"},
+     "with --kill-engine: leave the killed engine dead (its requests fail on liveness)"),
+    ("--engine-timeout", {"type": float, "dest": "engine_timeout_s"},
+     "coordinator declares an engine silent this many seconds lost"),
+    ("--kill-rank", {"type": int},
+     "which rank of the killed engine gets SIGKILL (-1: the last)"),
+    ("--corrupt", {"type": _rank_and_request, "metavar": "RANK:REQUEST"},
+     "fault test (with --verify-integrity): flip a bit of REQUEST's KV as it lands on decode "
+     "rank RANK; the request must fail on every decode rank together"),
+    ("--verify-integrity", {"action": "store_true"},
+     "digest the handed-off state on prefill and verify it on decode before admission"),
+    ("--metrics-port", {"type": int},
+     "serve Prometheus metrics of rank r on BIND_HOST:(PORT + r)"),
+    ("--insecure-plaintext", {"action": "store_true"},
+     "run the control plane as plain TCP without CURVE keys (logs a warning; by default each "
+     "run generates keys and admits only its own engines and client)"),
+    ("--bind-host", {"metavar": "ADDR"},
+     "address every socket of the demo binds to: coordinator, rendezvous store, collectives, "
+     "UCX (default: loopback; another address exposes unauthenticated endpoints to that "
+     "network)"),
+)  # fmt: skip
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    """The demo's command-line options (:data:`_OPTIONS`)."""
+    d = DemoOptions()
+    for flag, kwargs, text in _OPTIONS:
+        kw = {**kwargs, "help": text}
+        kw.setdefault("dest", flag.removeprefix("--").replace("-", "_"))
+        p.add_argument(flag, default=getattr(d, kw["dest"]), **kw)
 
 
 def options_from_args(args: argparse.Namespace) -> DemoOptions:
