@@ -30,6 +30,22 @@ def _shape(blocks: int, heads: int) -> tuple[int, ...]:
     return (2, LAYERS, blocks, TPB, heads, DIM)
 
 
+def _cache(blocks: int, heads: int, fill_seed: int | None) -> Any:
+    """A bf16 KV cache on the current GPU: random bits from ``fill_seed``, or all ones
+    (``-1`` as int16) when ``None``."""
+    import torch
+
+    buf = torch.empty(_shape(blocks, heads), dtype=torch.bfloat16, device="cuda")
+    bits = buf.view(torch.int16)
+    if fill_seed is None:
+        bits.fill_(-1)
+    else:
+        g = torch.Generator(device="cuda").manual_seed(fill_seed)
+        bits.copy_(torch.randint(-(2**15), 2**15, buf.shape, generator=g, device="cuda",
+                                 dtype=torch.int16))  # fmt: skip
+    return buf
+
+
 def _worker(conn: Any, device: int, ipc: bool) -> None:
     os.environ.pop("UCX_TLS", None)
     os.environ["DISAGG_CUDA_IPC"] = "1" if ipc else "0"
@@ -66,22 +82,7 @@ def _worker(conn: Any, device: int, ipc: bool) -> None:
                 from disagg_rs.transfer_backends.nccl import NcclTransferBackend
 
                 key, blocks, tp, rank, grank, fill_seed = args
-                heads = HEADS // tp
-                buf = torch.empty(_shape(blocks, heads), dtype=torch.bfloat16, device="cuda")
-                if fill_seed is not None:
-                    g = torch.Generator(device="cuda").manual_seed(fill_seed)
-                    buf.view(torch.int16).copy_(
-                        torch.randint(
-                            -(2**15),
-                            2**15,
-                            buf.shape,
-                            generator=g,
-                            device="cuda",
-                            dtype=torch.int16,
-                        )
-                    )
-                else:
-                    buf.view(torch.int16).fill_(-1)
+                buf = _cache(blocks, HEADS // tp, fill_seed)
                 backends[key] = NcclTransferBackend(
                     name,
                     buf,
@@ -105,22 +106,7 @@ def _worker(conn: Any, device: int, ipc: bool) -> None:
                 conn.send((True, (time.perf_counter(), dict(handles[key].stats))))
             elif cmd == "make":
                 key, blocks, tp, rank, grank, fill_seed, staging, mode = args
-                heads = HEADS // tp
-                buf = torch.empty(_shape(blocks, heads), dtype=torch.bfloat16, device="cuda")
-                if fill_seed is not None:
-                    g = torch.Generator(device="cuda").manual_seed(fill_seed)
-                    buf.view(torch.int16).copy_(
-                        torch.randint(
-                            -(2**15),
-                            2**15,
-                            buf.shape,
-                            generator=g,
-                            device="cuda",
-                            dtype=torch.int16,
-                        )
-                    )
-                else:
-                    buf.view(torch.int16).fill_(-1)
+                buf = _cache(blocks, HEADS // tp, fill_seed)
                 kw = dict(
                     tp_size=tp,
                     tp_rank=rank,

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from disagg_rs import KVGeometry, KVShardLayout, compile_kv_transfer
 from disagg_rs.transfer_backends import device_plan as dp
 from disagg_rs.transfer_backends import staging
+from kernel_cases import source_caches
 
 pytest.importorskip("triton")
 
@@ -41,15 +42,9 @@ def _case(
     src_ids = [int(x) for x in rng.permutation(n_blk + 3)[:n_blk]]
     dst_ids = [int(x) for x in rng.permutation(n_blk + 2)[:n_blk]]
     gen = torch.Generator().manual_seed(seed)
-    bufs, srcs = {}, []
-    for r in range(src_tp):
-        t = torch.randint(
-            -(2**15), 2**15, (2, layers, n_blk + 3, tpb, heads // src_tp, dim),
-            dtype=torch.int16, generator=gen,
-        )  # fmt: skip
-        bufs[r] = t
-        lay = KVShardLayout(layers, heads, tp_size=src_tp, tp_rank=r, global_rank=r)
-        srcs.append((lay, KVGeometry.from_tensor(t)))
+    bufs, srcs = source_caches(
+        src_tp, (2, layers, n_blk + 3, tpb, heads // src_tp, dim), heads, gen
+    )
     dst = torch.zeros((2, layers, n_blk + 2, tpb, heads // dst_tp, dim), dtype=torch.int16)
     dst_layout = KVShardLayout(layers, heads, tp_size=dst_tp, tp_rank=0, global_rank=50)
     program = compile_kv_transfer(

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from disagg_rs import KVGeometry, KVShardLayout, compile_kv_transfer
 from disagg_rs.transfer_backends import kernels, staging
+from kernel_cases import fragments, source_caches
 
 pytest.importorskip("triton")
 
@@ -44,17 +45,8 @@ def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def fragment_lists(draw: st.DrawFn) -> tuple[int, np.ndarray, int]:
     """Buffer size, non-overlapping fragments ``(offset, len)`` in random order, and a byte
     offset for the staging region (exercises the unit falling back below 16 bytes)."""
-    unit = draw(st.sampled_from([1, 2, 4, 8, 16, 48, 256]))
-    n = draw(st.integers(0, 12))
-    lens = [unit * draw(st.integers(1, 4)) for _ in range(n)]
-    gaps = [unit * draw(st.integers(0, 3)) for _ in range(n)]
-    offsets, cursor = [], 0
-    for gap, length in zip(gaps, lens, strict=True):
-        offsets.append(cursor + gap)
-        cursor += gap + length
-    order = draw(st.permutations(list(range(n))))
-    frags = np.array([[offsets[i], lens[i]] for i in order], dtype=np.int64).reshape(-1, 2)
-    return cursor + 64, frags, draw(st.sampled_from([0, 0, 4, 8, 1]))
+    _, end, frags = fragments(draw, [1, 2, 4, 8, 16, 48, 256], 12, 4)
+    return end + 64, frags, draw(st.sampled_from([0, 0, 4, 8, 1]))
 
 
 def _gather_list(frags: np.ndarray, base: int) -> np.ndarray:
@@ -211,15 +203,8 @@ def test_kernel_runs_of_compiled_programs_land_the_same_bytes_as_the_flat_torch_
     src_ids = list(np.random.default_rng(src_tp).permutation(n_src + 2)[:n_src])
     dst_ids = list(np.random.default_rng(dst_tpb).permutation(n_dst + 1)[:n_dst])
     gen = torch.Generator().manual_seed(src_tp * 100 + src_tpb)
-    bufs, srcs = {}, []
-    for r in range(src_tp):
-        t = torch.randint(
-            -(2**15), 2**15, (2, layers, n_src + 2, src_tpb, heads // src_tp, dim),
-            dtype=torch.int16, generator=gen,
-        )  # fmt: skip
-        bufs[r] = t
-        lay = KVShardLayout(layers, heads, tp_size=src_tp, tp_rank=r, global_rank=r)
-        srcs.append((lay, KVGeometry.from_tensor(t)))
+    shape = (2, layers, n_src + 2, src_tpb, heads // src_tp, dim)
+    bufs, srcs = source_caches(src_tp, shape, heads, gen)
     dst = torch.zeros((2, layers, n_dst + 1, dst_tpb, heads, dim), dtype=torch.int16)
     want = torch.zeros_like(dst)
     dst_layout = KVShardLayout(layers, heads, global_rank=50)

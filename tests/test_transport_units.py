@@ -23,6 +23,7 @@ from disagg_rs.transfer_backends.nixl import (
     nixl_cuda_major_mismatch,
     ucx_tls_allows_cuda,
 )
+from kernel_cases import fragments
 from transport_workers import reference_compiler
 
 # -- staging -------------------------------------------------------------------------------
@@ -31,17 +32,8 @@ from transport_workers import reference_compiler
 @st.composite
 def fragment_lists(draw: st.DrawFn) -> tuple[int, np.ndarray]:
     """A buffer size and non-overlapping fragments ``(offset, len)`` in random order."""
-    unit = draw(st.sampled_from([1, 2, 4, 8, 16, 256]))
-    n = draw(st.integers(0, 24))
-    lens = [unit * draw(st.integers(1, 6)) for _ in range(n)]
-    gaps = [unit * draw(st.integers(0, 3)) for _ in range(n)]
-    offsets, cursor = [], 0
-    for gap, length in zip(gaps, lens, strict=True):
-        offsets.append(cursor + gap)
-        cursor += gap + length
-    order = draw(st.permutations(list(range(n))))
-    frags = np.array([[offsets[i], lens[i]] for i in order], dtype=np.int64).reshape(-1, 2)
-    return cursor + unit * 2, frags
+    unit, end, frags = fragments(draw, [1, 2, 4, 8, 16, 256], 24, 6)
+    return end + unit * 2, frags
 
 
 def _gather_list(frags: np.ndarray, base: int) -> np.ndarray:
