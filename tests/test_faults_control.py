@@ -14,28 +14,20 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg_rs.control import (
-    CoordinatorServer,
-    CoordinatorState,
-    EngineLink,
-    Msg,
-    Outgoing,
-    decode_message,
-    encode_message,
-)
+from disagg_rs import control as ctl
 
 CLIENT = b"client"
 TIMEOUT = 10.0
 
 
-def _msg(kind: Msg, **fields: Any) -> dict[str, Any]:
-    return decode_message(encode_message(kind, **fields))
+def _msg(kind: ctl.Msg, **fields: Any) -> dict[str, Any]:
+    return ctl.decode_message(ctl.encode_message(kind, **fields))
 
 
 class _Net:
     """Engines played by scripts; every message on the wire may be dropped, duplicated or held."""
 
-    def __init__(self, data: st.DataObject, state: CoordinatorState) -> None:
+    def __init__(self, data: st.DataObject, state: ctl.CoordinatorState) -> None:
         self.data = data
         self.state = state
         self.inflight: list[tuple[str, dict[str, Any]]] = []  # (engine id, message to it)
@@ -51,17 +43,21 @@ class _Net:
     def register(self, engine: str, now: float) -> None:
         role = "prefill" if engine == "p0" else "decode"
         msg = _msg(
-            Msg.REGISTER, engine_id=engine, role=role, incarnation=self.incarnation[engine], meta={}
+            ctl.Msg.REGISTER,
+            engine_id=engine,
+            role=role,
+            incarnation=self.incarnation[engine],
+            meta={},
         )
         self.deliver(self.state.handle(self.identity(engine), msg, now))
 
-    def deliver(self, out: list[Outgoing]) -> None:
+    def deliver(self, out: list[ctl.Outgoing]) -> None:
         for o in out:
             if o.to_client is not None:
-                if o.kind in (Msg.DONE, Msg.FAILED):
+                if o.kind in (ctl.Msg.DONE, ctl.Msg.FAILED):
                     self.client.setdefault(int(o.fields["request_id"]), []).append(o.kind.value)
                 continue
-            if o.kind in (Msg.RELEASE_KV, Msg.ABORT) and o.to_engine == "p0":
+            if o.kind in (ctl.Msg.RELEASE_KV, ctl.Msg.ABORT) and o.to_engine == "p0":
                 self.releases[int(o.fields["request_id"])] += 1
             fate = self.data.draw(st.sampled_from(["send", "send", "send", "drop", "dup"]))
             if fate == "drop":
@@ -77,23 +73,26 @@ class _Net:
         rid, epoch = msg.get("request_id"), msg.get("epoch")
         replies: list[dict[str, Any]] = []
         kind = msg["type"]
-        if kind is Msg.PREFILL:
+        if kind is ctl.Msg.PREFILL:
             outcome = self.data.draw(st.sampled_from(["done", "done", "done", "failed"]))
             if outcome == "done":
                 replies.append(
                     _msg(
-                        Msg.PREFILL_DONE, request_id=rid, epoch=epoch, ticket={"resume_tokens": [1]}
+                        ctl.Msg.PREFILL_DONE,
+                        request_id=rid,
+                        epoch=epoch,
+                        ticket={"resume_tokens": [1]},
                     )
                 )
                 self.pinned.add(int(rid))
             else:
-                replies.append(_msg(Msg.PREFILL_FAILED, request_id=rid, epoch=epoch, error="x"))
-        elif kind is Msg.SUBMIT_REQUEST_WITH_KV:
+                replies.append(_msg(ctl.Msg.PREFILL_FAILED, request_id=rid, epoch=epoch, error="x"))
+        elif kind is ctl.Msg.SUBMIT_REQUEST_WITH_KV:
             ok = self.data.draw(st.booleans()) or self.data.draw(st.booleans())
-            replies.append(_msg(Msg.KV_IMPORTED, request_id=rid, epoch=epoch, ok=ok, error=""))
+            replies.append(_msg(ctl.Msg.KV_IMPORTED, request_id=rid, epoch=epoch, ok=ok, error=""))
             if ok:
-                replies.append(_msg(Msg.TOKENS, request_id=rid, epoch=epoch, tokens=[2]))
-                replies.append(_msg(Msg.DONE, request_id=rid, epoch=epoch, tokens=[1, 2]))
+                replies.append(_msg(ctl.Msg.TOKENS, request_id=rid, epoch=epoch, tokens=[2]))
+                replies.append(_msg(ctl.Msg.DONE, request_id=rid, epoch=epoch, tokens=[1, 2]))
         for r in replies:
             fate = self.data.draw(st.sampled_from(["send", "send", "drop", "dup"]))
             if fate != "drop":
@@ -113,7 +112,9 @@ def test_dropped_duplicated_reordered_messages_and_restarts_end_each_request_exa
 ) -> None:
     # Half the runs also declare engines lost after 3 s of silence (heartbeats can be lost too).
     liveness = data.draw(st.booleans())
-    state = CoordinatorState(request_timeout_s=TIMEOUT, engine_timeout_s=3.0 if liveness else None)
+    state = ctl.CoordinatorState(
+        request_timeout_s=TIMEOUT, engine_timeout_s=3.0 if liveness else None
+    )
     net = _Net(data, state)
     net.register("p0", 0.0)
     net.register("d0", 0.0)
@@ -127,7 +128,9 @@ def test_dropped_duplicated_reordered_messages_and_restarts_end_each_request_exa
         )
         if action == "submit" and submitted < n:
             out = state.handle(
-                CLIENT, _msg(Msg.SUBMIT, request_id=submitted, prompt=[1], max_new_tokens=2), now
+                CLIENT,
+                _msg(ctl.Msg.SUBMIT, request_id=submitted, prompt=[1], max_new_tokens=2),
+                now,
             )
             submitted += 1
             net.deliver(out)
@@ -137,7 +140,7 @@ def test_dropped_duplicated_reordered_messages_and_restarts_end_each_request_exa
             net.coordinator_step(now)
         elif action == "beat":
             engine = data.draw(st.sampled_from(["p0", "d0"]))
-            beat = _msg(Msg.HEARTBEAT, engine_id=engine, incarnation=net.incarnation[engine])
+            beat = _msg(ctl.Msg.HEARTBEAT, engine_id=engine, incarnation=net.incarnation[engine])
             net.upstream.append((net.identity(engine), beat))
         elif action == "restart" and data.draw(st.integers(0, 4)) == 0:
             engine = data.draw(st.sampled_from(["p0", "d0"]))
@@ -163,21 +166,21 @@ def test_dropped_duplicated_reordered_messages_and_restarts_end_each_request_exa
 
 
 def test_shutdown_from_another_thread_is_sent_by_the_serving_thread(
-    served: tuple[CoordinatorServer, threading.Thread],
+    served: tuple[ctl.CoordinatorServer, threading.Thread],
 ) -> None:
     # Sending on the ROUTER socket from the main thread while serve() used it aborted the
     # whole process (ZeroMQ sockets are single-threaded); the serving thread now sends it.
     server = served[0]
-    link = EngineLink(server.endpoint, "p0", "prefill", incarnation=1, insecure=True)
+    link = ctl.EngineLink(server.endpoint, "p0", "prefill", incarnation=1, insecure=True)
     try:
         link.register({})
         for _ in range(20):
             server.shutdown_engines()
-        got: list[Msg] = []
+        got: list[ctl.Msg] = []
         for _ in range(200):
-            got += [m["type"] for m in link.poll(50) if m["type"] is Msg.SHUTDOWN]
+            got += [m["type"] for m in link.poll(50) if m["type"] is ctl.Msg.SHUTDOWN]
             if len(got) == 20:
                 break
-        assert got == [Msg.SHUTDOWN] * 20
+        assert got == [ctl.Msg.SHUTDOWN] * 20
     finally:
         link.close()

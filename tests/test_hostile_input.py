@@ -15,16 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from disagg_rs import BlockPool, ImportLedger, PinLedger, SlotPool
-from disagg_rs.control import (
-    PROTOCOL_VERSION,
-    ControlClient,
-    CoordinatorServer,
-    CoordinatorState,
-    EngineLink,
-    Msg,
-    decode_message,
-    encode_message,
-)
+from disagg_rs import control as ctl
 from disagg_rs.exceptions import ArgumentError, DisaggError
 from disagg_rs.inference_state_handoff import MAX_TWO_SIDED_REQUEST_ID, _tag
 from disagg_rs.reference import EngineConfig, ModelConfig, ReferenceEngine
@@ -34,13 +25,15 @@ PREFILL = b"prefill:p0:1"
 DECODE = b"decode:d0:1"
 
 
-def _registered() -> CoordinatorState:
-    state = CoordinatorState(request_timeout_s=10.0)
+def _registered() -> ctl.CoordinatorState:
+    state = ctl.CoordinatorState(request_timeout_s=10.0)
     for identity, engine, role in ((PREFILL, "p0", "prefill"), (DECODE, "d0", "decode")):
         state.handle(
             identity,
-            decode_message(
-                encode_message(Msg.REGISTER, engine_id=engine, role=role, incarnation=1, meta={})
+            ctl.decode_message(
+                ctl.encode_message(
+                    ctl.Msg.REGISTER, engine_id=engine, role=role, incarnation=1, meta={}
+                )
             ),
             0,
         )
@@ -50,42 +43,42 @@ def _registered() -> CoordinatorState:
 def _raw(**fields: Any) -> dict[str, Any]:
     """A message as a peer could send it (any field values), handed to ``handle`` as a dict
     (the server refuses such frames at decode already: tests/test_control_messages.py)."""
-    msg: dict[str, Any] = {"v": PROTOCOL_VERSION, **fields}
-    msg["type"] = Msg(msg["type"])
+    msg: dict[str, Any] = {"v": ctl.PROTOCOL_VERSION, **fields}
+    msg["type"] = ctl.Msg(msg["type"])
     return msg
 
 
-def _flows(state: CoordinatorState, rid: int = 99) -> None:
+def _flows(state: ctl.CoordinatorState, rid: int = 99) -> None:
     """A good request still reaches the prefill: the coordinator kept serving."""
     out = state.handle(CLIENT, _raw(type="SUBMIT", request_id=rid, prompt=[1], max_new_tokens=1), 1)
-    assert [(o.to_engine, o.kind) for o in out] == [("p0", Msg.PREFILL)]
+    assert [(o.to_engine, o.kind) for o in out] == [("p0", ctl.Msg.PREFILL)]
 
 
 def test_a_shutdown_frame_sent_to_the_coordinator_is_counted_not_fatal() -> None:
     # Before: the 18-byte frame {"type": "SHUTDOWN", "v": 2} raised KeyError out of handle().
-    frame = msgpack.packb({"type": "SHUTDOWN", "v": PROTOCOL_VERSION})
+    frame = msgpack.packb({"type": "SHUTDOWN", "v": ctl.PROTOCOL_VERSION})
     assert len(frame) == 18
     for identity in (CLIENT, PREFILL):
         state = _registered()
-        assert state.handle(identity, decode_message(frame), 1) == []
+        assert state.handle(identity, ctl.decode_message(frame), 1) == []
         assert state.malformed["SHUTDOWN"] == 1
         _flows(state)
 
 
 def test_the_real_server_survives_a_shutdown_frame_and_answers_the_next_client(
-    served: tuple[CoordinatorServer, threading.Thread], raw_dealer: zmq.Socket[bytes]
+    served: tuple[ctl.CoordinatorServer, threading.Thread], raw_dealer: zmq.Socket[bytes]
 ) -> None:
     server, thread = served
     sock = raw_dealer
-    client = ControlClient(server.endpoint, insecure=True)
+    client = ctl.ControlClient(server.endpoint, insecure=True)
     try:
-        sock.send(msgpack.packb({"type": "SHUTDOWN", "v": PROTOCOL_VERSION}))
+        sock.send(msgpack.packb({"type": "SHUTDOWN", "v": ctl.PROTOCOL_VERSION}))
         # Sent on the same socket, so it arrives after the SHUTDOWN frame. No engines: answered
         # FAILED, by a live coordinator.
-        sock.send(encode_message(Msg.SUBMIT, request_id=1, prompt=[1, 2], max_new_tokens=1))
+        sock.send(ctl.encode_message(ctl.Msg.SUBMIT, request_id=1, prompt=[1, 2], max_new_tokens=1))
         assert sock.poll(60_000)
-        event = decode_message(sock.recv())
-        assert event["type"] is Msg.FAILED and "no prefill engine" in event["error"]
+        event = ctl.decode_message(sock.recv())
+        assert event["type"] is ctl.Msg.FAILED and "no prefill engine" in event["error"]
         assert thread.is_alive() and server.state.malformed["SHUTDOWN"] == 1
     finally:
         client.close()
@@ -118,7 +111,7 @@ def test_a_submit_with_a_bad_field_fails_alone_and_changes_nothing(fields: dict[
     state = _registered()
     msg = {"type": "SUBMIT", "request_id": 5, "prompt": [1, 2], "max_new_tokens": 3, **fields}
     out = state.handle(CLIENT, _raw(**msg), 1)
-    assert all(o.kind is Msg.FAILED and o.to_client == CLIENT for o in out)
+    assert all(o.kind is ctl.Msg.FAILED and o.to_client == CLIENT for o in out)
     assert not state.requests and state.malformed["SUBMIT"] == 1
     _flows(state)
 
@@ -193,7 +186,7 @@ _FIELDS = sorted(
     steps=st.lists(
         st.tuples(
             st.sampled_from([CLIENT, PREFILL, DECODE, b"stranger"]),
-            st.sampled_from([m.value for m in Msg]),
+            st.sampled_from([m.value for m in ctl.Msg]),
             st.dictionaries(st.sampled_from(_FIELDS), _value, max_size=6),
             st.floats(min_value=0, max_value=100),
         ),
@@ -209,13 +202,16 @@ def test_arbitrary_messages_never_raise_out_of_the_coordinator(
         try:
             msg = _raw(type=kind, **fields)
         except DisaggError:
-            continue  # refused by decode_message (missing field): the server counts it
+            continue  # refused by ctl.decode_message (missing field): the server counts it
         state.handle(identity, msg, now)
         state.poll(now)
     assert all(type(r) is int for r in state.requests)
     # Still serving: a good request gets an answer (PREFILL, or FAILED if engines were lost).
     good = _raw(type="SUBMIT", request_id=2**40, prompt=[1], max_new_tokens=1)
-    assert [o.kind for o in state.handle(CLIENT, good, 200)] in ([Msg.PREFILL], [Msg.FAILED])
+    assert [o.kind for o in state.handle(CLIENT, good, 200)] in (
+        [ctl.Msg.PREFILL],
+        [ctl.Msg.FAILED],
+    )
 
 
 @given(frames=st.lists(st.one_of(st.binary(max_size=40), _value.map(msgpack.packb)), max_size=8))
@@ -225,21 +221,21 @@ def test_an_engine_link_drops_undecodable_frames_and_reads_the_next_good_one(
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind("tcp://127.0.0.1:0")
-    link = EngineLink(
+    link = ctl.EngineLink(
         router.getsockopt_string(zmq.LAST_ENDPOINT), "d0", "decode", incarnation=1, insecure=True
     )
     try:
-        link.send(Msg.HEARTBEAT, engine_id="d0", incarnation=1)
+        link.send(ctl.Msg.HEARTBEAT, engine_id="d0", incarnation=1)
         identity, _ = router.recv_multipart()
         for f in frames:
             router.send_multipart([identity, f])
-        router.send_multipart([identity, encode_message(Msg.ABORT, request_id=3, epoch=1)])
+        router.send_multipart([identity, ctl.encode_message(ctl.Msg.ABORT, request_id=3, epoch=1)])
         got: list[dict[str, Any]] = []
         for _ in range(100):
             got += link.poll(100)
-            if any(m["type"] is Msg.ABORT and m.get("request_id") == 3 for m in got):
+            if any(m["type"] is ctl.Msg.ABORT and m.get("request_id") == 3 for m in got):
                 break
-        assert any(m["type"] is Msg.ABORT and m.get("request_id") == 3 for m in got)
+        assert any(m["type"] is ctl.Msg.ABORT and m.get("request_id") == 3 for m in got)
     finally:
         link.close()
         router.close(0)

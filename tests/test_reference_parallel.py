@@ -10,51 +10,48 @@ from typing import Any
 import pytest
 
 from _reference_worker import GenerateCase, HandoffCase, SplitHandoffCase, run_world
-from disagg_rs.reference import (
-    EngineConfig,
-    ModelConfig,
-    ReferenceEngine,
-    attention_model,
-    encode_text,
-    hybrid_model,
-)
+from disagg_rs import reference as ref
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = {
-    0: encode_text("Prefill on two ranks, decode on one: the state must survive the trip. "),
-    1: encode_text("Short prompt."),
-    2: encode_text("Hybrid models carry conv and recurrent SSM state per request slot. " * 2),
+    0: ref.encode_text("Prefill on two ranks, decode on one: the state must survive the trip. "),
+    1: ref.encode_text("Short prompt."),
+    2: ref.encode_text("Hybrid models carry conv and recurrent SSM state per request slot. " * 2),
 }
 MAX_NEW = 10
-SHARED = encode_text("A shared prefix of several full blocks, reused by the second round. " * 2)
-PREFIX_PROMPTS = {0: SHARED + encode_text("one?"), 1: SHARED + encode_text("two!")}
+SHARED = ref.encode_text("A shared prefix of several full blocks, reused by the second round. " * 2)
+PREFIX_PROMPTS = {0: SHARED + ref.encode_text("one?"), 1: SHARED + ref.encode_text("two!")}
 # tp=2 > 1 KV head and > 1 SSM group: GQA and group replication.
-REPLICATED = hybrid_model(num_kv_heads=1, ssm_n_groups=1, seed=3)
+REPLICATED = ref.hybrid_model(num_kv_heads=1, ssm_n_groups=1, seed=3)
 # pp=2 splits it into an attention-only stage and an SSM-only stage (no KV cache at all).
-SSM_TAIL = hybrid_model(layer_kinds=("attention", "attention", "ssm", "ssm"), seed=5)
+SSM_TAIL = ref.hybrid_model(layer_kinds=("attention", "attention", "ssm", "ssm"), seed=5)
 
 CASES: dict[str, Any] = {
-    "tp2": GenerateCase(hybrid_model(), EngineConfig(tp=2), PROMPTS, MAX_NEW),
+    "tp2": GenerateCase(ref.hybrid_model(), ref.EngineConfig(tp=2), PROMPTS, MAX_NEW),
     "tp1pp2_uneven": GenerateCase(
-        hybrid_model(),
-        EngineConfig(pp=2, stage_layers=(1, 5), cache_layout="hnd"),
+        ref.hybrid_model(),
+        ref.EngineConfig(pp=2, stage_layers=(1, 5), cache_layout="hnd"),
         PROMPTS,
         MAX_NEW,
     ),
     "tp2_replicated": GenerateCase(
-        REPLICATED, EngineConfig(tp=2, cache_layout="nhd"), PROMPTS, MAX_NEW
+        REPLICATED, ref.EngineConfig(tp=2, cache_layout="nhd"), PROMPTS, MAX_NEW
     ),
     "pp2_stage_without_attention": GenerateCase(
-        SSM_TAIL, EngineConfig(pp=2, cache_layout="nhd"), PROMPTS, MAX_NEW
+        SSM_TAIL, ref.EngineConfig(pp=2, cache_layout="nhd"), PROMPTS, MAX_NEW
     ),
     "tp2_prefix": GenerateCase(
-        attention_model(), EngineConfig(tp=2, block_size_tokens=16), PREFIX_PROMPTS, MAX_NEW, 2
+        ref.attention_model(),
+        ref.EngineConfig(tp=2, block_size_tokens=16),
+        PREFIX_PROMPTS,
+        MAX_NEW,
+        2,
     ),
     "handoff_tp2_to_pp2": HandoffCase(
-        hybrid_model(),
-        EngineConfig(tp=2, role="prefill", cache_layout="megatron", block_size_tokens=16),
-        EngineConfig(
+        ref.hybrid_model(),
+        ref.EngineConfig(tp=2, role="prefill", cache_layout="megatron", block_size_tokens=16),
+        ref.EngineConfig(
             pp=2,
             stage_layers=(1, 5),
             role="decode",
@@ -66,11 +63,11 @@ CASES: dict[str, Any] = {
         MAX_NEW,
     ),
     "handoff_pp2_to_tp2": HandoffCase(
-        hybrid_model(),
-        EngineConfig(
+        ref.hybrid_model(),
+        ref.EngineConfig(
             pp=2, stage_layers=(4, 2), role="prefill", cache_layout="nhd", block_size_tokens=64
         ),
-        EngineConfig(tp=2, role="decode", cache_layout="megatron", block_size_tokens=16),
+        ref.EngineConfig(tp=2, role="decode", cache_layout="megatron", block_size_tokens=16),
         PROMPTS,
         MAX_NEW,
     ),
@@ -84,8 +81,8 @@ def world_results() -> dict[str, list[dict[str, Any]]]:
     return {n: [per_rank[r][i] for r in range(2)] for i, n in enumerate(names)}
 
 
-def single_process(model: ModelConfig, prompts: dict[int, list[int]]) -> dict[int, list[int]]:
-    e = ReferenceEngine(model, EngineConfig())
+def single_process(model: ref.ModelConfig, prompts: dict[int, list[int]]) -> dict[int, list[int]]:
+    e = ref.ReferenceEngine(model, ref.EngineConfig())
     return e.generate(dict(prompts), MAX_NEW)  # type: ignore[arg-type]
 
 
@@ -107,7 +104,7 @@ def assert_first_round_matches(results: list[dict[str, Any]], expected: Any) -> 
 def test_tp2_and_uneven_pp2_generate_the_same_tokens_as_tp1(
     world_results: dict[str, list[dict[str, Any]]], case: str
 ) -> None:
-    assert_first_round_matches(world_results[case], single_process(hybrid_model(), PROMPTS))
+    assert_first_round_matches(world_results[case], single_process(ref.hybrid_model(), PROMPTS))
 
 
 def test_gqa_and_ssm_group_replication_generate_the_same_tokens_as_tp1(
@@ -127,7 +124,7 @@ def test_a_pipeline_stage_without_attention_layers_holds_no_kv_and_agrees_with_t
 def test_prefix_cache_reuse_under_tp2_gives_identical_tokens(
     world_results: dict[str, list[dict[str, Any]]],
 ) -> None:
-    expected = single_process(attention_model(), PREFIX_PROMPTS)
+    expected = single_process(ref.attention_model(), PREFIX_PROMPTS)
     for rank_result in world_results["tp2_prefix"]:
         first, second = rank_result["rounds"]
         assert first == expected and second == expected
@@ -138,7 +135,7 @@ def test_prefix_cache_reuse_under_tp2_gives_identical_tokens(
 def test_manual_handoff_across_layouts_decodes_exactly_like_the_colocated_run(
     world_results: dict[str, list[dict[str, Any]]], case: str
 ) -> None:
-    expected = single_process(hybrid_model(), PROMPTS)
+    expected = single_process(ref.hybrid_model(), PROMPTS)
     for rank_result in world_results[case]:
         assert rank_result["tokens"] == expected
     assert_all_pools_free(world_results[case])
@@ -148,13 +145,13 @@ def test_prefill_tp2_and_decode_tp1_on_disjoint_ranks_match_the_colocated_run() 
     """Three processes: a TP2 prefill engine on ranks 0-1 (its own subgroup) and a TP1 decode
     engine on rank 2, as the disaggregated demo runs them."""
     case = SplitHandoffCase(
-        hybrid_model(),
-        EngineConfig(tp=2, ranks=(0, 1), role="prefill", cache_layout="nhd"),
-        EngineConfig(ranks=(2,), role="decode", cache_layout="megatron", block_size_tokens=64),
+        ref.hybrid_model(),
+        ref.EngineConfig(tp=2, ranks=(0, 1), role="prefill", cache_layout="nhd"),
+        ref.EngineConfig(ranks=(2,), role="decode", cache_layout="megatron", block_size_tokens=64),
         PROMPTS,
         MAX_NEW,
     )
     (rank0, rank1, rank2) = [r[0] for r in run_world(3, [case])]
     assert rank2["role"] == "decode" and rank0["role"] == rank1["role"] == "prefill"
-    assert rank2["tokens"] == single_process(hybrid_model(), PROMPTS)
+    assert rank2["tokens"] == single_process(ref.hybrid_model(), PROMPTS)
     assert_all_pools_free([rank0, rank1, rank2])
