@@ -111,6 +111,18 @@ def test_the_pool_is_cut_into_whole_chunks_and_never_less_than_one_slot() -> Non
         pipeline.StagingPool(torch.device("cpu"), 1 << 20, 1000)
 
 
+def test_receives_are_posted_ahead_of_the_previous_landing_when_the_pool_has_two_slots() -> None:
+    from disagg_rs import _core
+    from disagg_rs.exceptions import ArgumentError
+
+    # k posts chunk k, -(k + 1) lands it: receive 1 is posted before chunk 0 lands.
+    assert _core.chunk_steps([False, False, False], 2) == [0, 1, -1, 2, -2, -3]
+    assert _core.chunk_steps([False, False], 1) == [0, -1, 1, -2]
+    assert _core.chunk_steps([True, True], 2) == [0, 1]
+    with pytest.raises(ArgumentError, match="slots=0"):
+        _core.chunk_steps([False], 0)
+
+
 def test_a_block_larger_than_a_slot_is_refused_before_anything_is_posted() -> None:
     from disagg_rs import KVGeometry, KVShardLayout, compile_kv_transfer
     from disagg_rs.exceptions import CapacityError

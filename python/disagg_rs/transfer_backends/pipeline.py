@@ -11,9 +11,11 @@ exchange.
 - On CUDA with NCCL everything is queued, nothing waits on the host: the sender packs chunk
   ``i`` on the current stream and posts its send (NCCL's stream waits for the pack), so the
   send of chunk ``i`` runs while chunk ``i + 1`` packs; the receiver posts the receive of
-  chunk ``i``, makes the current stream wait for it (``work.wait()`` is a stream dependency
-  there) and queues the scatter. A slot is reused only after the stream has waited for the
-  message that last used it (:meth:`StagingPool.claim`). Completion is one CUDA event.
+  chunk ``i + 1`` before it makes the stream wait for chunk ``i`` (``work.wait()`` is a
+  stream dependency there) and queues its scatter, so a receive never waits for the
+  previous scatter (``_core.chunk_steps`` orders the steps). A slot is reused only after the
+  scatter that read it was queued and the stream has waited for the message that last used
+  it (:meth:`StagingPool.claim`). Completion is one CUDA event.
 - With gloo (host memory) messages complete on the host, so one worker thread per handoff
   runs the same loop with blocking waits, off the serving thread, through a buffer of its
   own (one chunk, at most ``chunk_bytes``). It never shares a slot: a thread blocked on its
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from disagg_rs import _core
 from disagg_rs.exceptions import CapacityError
 from disagg_rs.transfer_backends import device_plan as dp
 
@@ -205,17 +208,24 @@ def post_chunks(
         for cp in pairs:
             # The ids were copied on the engine's stream; keep them until this stream is done.
             cp.ids.record_stream(stream)
+        # Receives run ahead of their scatters by up to ``slots - 1`` chunks (a receive waits
+        # for everything queued on the stream when it is posted); the order is Rust's.
+        posted: dict[int, tuple[Any, Callable[[], None]]] = {}
         with torch.cuda.stream(stream):
-            for cp, chunk in chunks:
+            for step in _core.chunk_steps([cp.send for cp, _ in chunks], pool.slots):
+                if step < 0:
+                    work, land = posted.pop(-step - 1)
+                    work.wait()  # the stream waits for the message; the host does not
+                    land()
+                    continue
+                cp, chunk = chunks[step]
                 index = pool.next_index()
                 pool.claim(index)
                 post, land = _one_chunk(cp, buffer, pool.slot(index), chunk, group, tag)
                 work = post()
                 works.append(work)
-                if not cp.send:
-                    work.wait()  # the stream waits for the message; the host does not
-                    land()
                 pool.release(index, work)
+                posted[step] = (work, land)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         return works, lambda: bool(event.query()), None, []  # type: ignore[no-untyped-call]

@@ -1,5 +1,7 @@
-//! Bindings of the two-sided message tags (`disagg_core::tags`).
+//! Bindings of the two-sided transfers' decisions: message tags (`disagg_core::tags`) and
+//! the order of a chunked transfer's steps (`disagg_core::chunks`).
 
+use disagg_core::chunks::{self, ChunkStep};
 use disagg_core::error::DisaggError;
 use disagg_core::tags;
 use pyo3::prelude::*;
@@ -40,4 +42,21 @@ pub fn two_sided_tag_owner(tag: i64) -> PyResult<(i64, &'static str)> {
         tags::TagKind::Recurrent => "recurrent",
     };
     Ok((rid, name))
+}
+
+/// The steps of a chunked two-sided transfer whose chunk `k` is a send when `sends[k]`,
+/// through `slots` round-robin slots: `k` posts chunk `k`, `-(k + 1)` lands it (see
+/// `disagg_core::chunks::chunk_steps`).
+#[pyfunction]
+pub fn chunk_steps(sends: Vec<bool>, slots: usize) -> PyResult<Vec<i64>> {
+    let steps = chunks::chunk_steps(&sends, slots).py()?;
+    // A chunk index is below `sends.len()`, which fits an i64.
+    let index = |k: usize| i64::try_from(k).unwrap_or(i64::MAX);
+    Ok(steps
+        .into_iter()
+        .map(|s| match s {
+            ChunkStep::Post(k) => index(k),
+            ChunkStep::Land(k) => -index(k) - 1,
+        })
+        .collect())
 }

@@ -1,0 +1,129 @@
+//! The order of the steps of a chunked two-sided transfer through a staging pool.
+//!
+//! A handoff moves in chunks; chunk `k` travels through pool slot `(start + k) % slots`. The
+//! sender packs a chunk and posts its send; the receiver posts a receive and, later, lands the
+//! chunk (makes its stream wait for the message and queues the scatter out of the slot). On a
+//! GPU a message waits for everything queued on the stream when it was posted, so landing
+//! chunk `k` before posting the receive of chunk `k + 1` would serialise every receive behind
+//! the previous scatter. [`chunk_steps`] lets receives run ahead of their landings by up to
+//! `slots - 1` chunks, and never reuses a slot before the landing that reads it is queued.
+
+use std::collections::VecDeque;
+
+use crate::error::{DisaggError, DisaggResult};
+
+/// One step of a chunked transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkStep {
+    /// Claim the next slot, pack (a send) and post chunk `k`'s message.
+    Post(usize),
+    /// Wait for chunk `k`'s receive and scatter it out of its slot.
+    Land(usize),
+}
+
+/// The steps of a transfer whose chunk `k` is a send when `sends[k]` (a receive otherwise),
+/// through a pool of `slots` slots used round-robin: every chunk posted once in order, every
+/// receive landed once in order after its post, a slot's landing queued before the slot is
+/// posted into again, and before any send (a send packs into its slot when posted).
+pub fn chunk_steps(sends: &[bool], slots: usize) -> DisaggResult<Vec<ChunkStep>> {
+    if slots == 0 {
+        return Err(DisaggError::Argument {
+            field: "slots".into(),
+            detail: "slots=0: a staging pool has at least one slot".into(),
+        });
+    }
+    let mut steps = Vec::with_capacity(2 * sends.len());
+    let mut landing = VecDeque::new();
+    for (k, &send) in sends.iter().enumerate() {
+        while !landing.is_empty() && (send || landing.len() >= slots) {
+            steps.extend(landing.pop_front().map(ChunkStep::Land));
+        }
+        steps.push(ChunkStep::Post(k));
+        if !send {
+            landing.push_back(k);
+        }
+    }
+    steps.extend(landing.into_iter().map(ChunkStep::Land));
+    Ok(steps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Where each chunk's post and land stand in `steps`.
+    fn positions(steps: &[ChunkStep], n: usize) -> (Vec<Option<usize>>, Vec<Option<usize>>) {
+        let (mut post, mut land) = (vec![None; n], vec![None; n]);
+        for (i, s) in steps.iter().enumerate() {
+            let (slot, k) = match *s {
+                ChunkStep::Post(k) => (&mut post, k),
+                ChunkStep::Land(k) => (&mut land, k),
+            };
+            assert!(slot[k].is_none(), "step {s:?} twice");
+            slot[k] = Some(i);
+        }
+        (post, land)
+    }
+
+    #[test]
+    fn a_pool_without_slots_is_refused() {
+        assert!(matches!(
+            chunk_steps(&[false], 0),
+            Err(DisaggError::Argument { field, .. }) if field == "slots"
+        ));
+    }
+
+    #[test]
+    fn one_slot_lands_each_receive_before_the_next_is_posted() {
+        use ChunkStep::{Land, Post};
+        let steps = chunk_steps(&[false, false, false], 1).unwrap();
+        assert_eq!(steps, [Post(0), Land(0), Post(1), Land(1), Post(2), Land(2)]);
+    }
+
+    #[test]
+    fn two_slots_post_each_receive_before_landing_the_previous_one() {
+        use ChunkStep::{Land, Post};
+        let steps = chunk_steps(&[false, false, false], 2).unwrap();
+        assert_eq!(steps, [Post(0), Post(1), Land(0), Post(2), Land(1), Land(2)]);
+    }
+
+    proptest! {
+        #[test]
+        fn steps_are_complete_ordered_and_never_reuse_a_slot_early(
+            sends in proptest::collection::vec(any::<bool>(), 0..40), slots in 1usize..6
+        ) {
+            let n = sends.len();
+            let steps = chunk_steps(&sends, slots).unwrap();
+            let (post, land) = positions(&steps, n);
+            let posts: Vec<usize> = steps.iter().filter_map(|s| match s {
+                ChunkStep::Post(k) => Some(*k), ChunkStep::Land(_) => None }).collect();
+            prop_assert_eq!(posts, (0..n).collect::<Vec<_>>());
+            let lands: Vec<usize> = steps.iter().filter_map(|s| match s {
+                ChunkStep::Land(k) => Some(*k), ChunkStep::Post(_) => None }).collect();
+            let receives: Vec<usize> = (0..n).filter(|&k| !sends[k]).collect();
+            prop_assert_eq!(lands, receives);
+            for k in 0..n {
+                prop_assert!(land[k].is_none_or(|l| Some(l) > post[k]));
+                // Every earlier receive in k's slot, or any earlier receive before a send, is
+                // landed before k is posted.
+                for j in (0..k).filter(|&j| !sends[j] && (sends[k] || (k - j) % slots == 0)) {
+                    prop_assert!(land[j] < post[k], "chunk {} posted before {} landed", k, j);
+                }
+            }
+        }
+
+        #[test]
+        fn receives_run_as_far_ahead_as_the_slots_allow(
+            n in 1usize..40, slots in 1usize..6
+        ) {
+            let steps = chunk_steps(&vec![false; n], slots).unwrap();
+            let (post, land) = positions(&steps, n);
+            for (k, posted) in post.iter().enumerate() {
+                // Receive k is posted before receives k - (slots - 1) .. k - 1 land.
+                let ahead = k.saturating_sub(slots - 1)..k;
+                prop_assert!(land[ahead].iter().all(|l| posted < l), "receive {} waited", k);
+            }
+        }
+    }
+}
