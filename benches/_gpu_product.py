@@ -30,6 +30,17 @@ def _shape(blocks: int, heads: int) -> tuple[int, ...]:
     return (2, LAYERS, blocks, TPB, heads, DIM)
 
 
+def _handoff(tokens: int, src_tp: int) -> tuple[int, list[list[int]], list[int], int]:
+    """``(blocks per cache, each source's ids, the decode's ids, bytes)`` of a
+    ``tokens``-token handoff: ids a random permutation of each cache (8 blocks spare)."""
+    n_blk = tokens // TPB
+    blocks = n_blk + 8
+    rng = np.random.default_rng(tokens + src_tp)
+    src_ids = [[int(x) for x in rng.permutation(blocks)[:n_blk]] for _ in range(src_tp)]
+    dst_ids = [int(x) for x in rng.permutation(blocks)[:n_blk]]
+    return blocks, src_ids, dst_ids, 2 * LAYERS * tokens * HEADS * DIM * 2
+
+
 def _cache(blocks: int, heads: int, fill_seed: int | None) -> Any:
     """A bf16 KV cache on the current GPU: random bits from ``fill_seed``, or all ones
     (``-1`` as int16) when ``None``."""
@@ -222,12 +233,7 @@ def run_nccl_case(
     ``devices[1]``; post start (earliest of both sides) -> decode's scatter end."""
     import random
 
-    n_blk = tokens // TPB
-    blocks = n_blk + 8
-    rng = np.random.default_rng(tokens + src_tp)
-    src_ids = [[int(x) for x in rng.permutation(blocks)[:n_blk]] for _ in range(src_tp)]
-    dst_ids = [int(x) for x in rng.permutation(blocks)[:n_blk]]
-    nbytes = 2 * LAYERS * tokens * HEADS * DIM * 2
+    blocks, src_ids, dst_ids, nbytes = _handoff(tokens, src_tp)
     pres = [_Proc(devices[0], False) for _ in range(src_tp)]
     dec = _Proc(devices[1], False)
     procs = [*pres, dec]
@@ -310,12 +316,7 @@ def run_case(
     ipc = path == "ipc"
     mode = {"ipc": "staged", "staged": "staged", "chunked": "staged", "direct": "direct"}[path]
     staged = path in ("staged", "chunked")
-    n_blk = tokens // TPB
-    blocks = n_blk + 8
-    rng = np.random.default_rng(tokens + src_tp)
-    src_ids = [[int(x) for x in rng.permutation(blocks)[:n_blk]] for _ in range(src_tp)]
-    dst_ids = [int(x) for x in rng.permutation(blocks)[:n_blk]]
-    nbytes = 2 * LAYERS * tokens * HEADS * DIM * 2
+    blocks, src_ids, dst_ids, nbytes = _handoff(tokens, src_tp)
     staging = 0 if not staged else nbytes // src_tp + (1 << 20)
     # "chunked": the decode's pool is the default 256 MiB, far smaller than the packed copy.
     dst_staging = 0 if not staged else (256 << 20 if path == "chunked" else nbytes + (1 << 20))

@@ -92,16 +92,24 @@ def _pull(pool: dict[str, list[Worker]], case: Case, mode: str) -> list[dict[str
     return stats
 
 
+def _assert_ipc_where_planned(
+    case: Case, stats: list[dict[str, Any]], descriptors: int | None = None
+) -> None:
+    """Every decode read through CUDA IPC when the case has a device plan (with
+    ``descriptors`` NIXL descriptors, when given), and never otherwise."""
+    if _has_plan(case):
+        assert all(s["modes"] == {-1: "ipc"} for s in stats)
+        assert descriptors is None or all(s["descriptors"] == descriptors for s in stats)
+    else:
+        assert all("ipc" not in s["modes"].values() for s in stats)
+
+
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_processes_sharing_one_gpu_read_each_other_through_cuda_ipc_byte_exact(
     ipc_one_gpu: dict[str, list[Worker]], case: Case, mode: str
 ) -> None:
-    stats = _pull(ipc_one_gpu, case, mode)
-    if _has_plan(case):
-        assert all(s["modes"] == {-1: "ipc"} and s["descriptors"] == 0 for s in stats)
-    else:
-        assert all("ipc" not in s["modes"].values() for s in stats)
+    _assert_ipc_where_planned(case, _pull(ipc_one_gpu, case, mode), descriptors=0)
 
 
 @pytest.mark.parametrize("mode", ["direct", "staged"])
@@ -109,11 +117,7 @@ def test_processes_sharing_one_gpu_read_each_other_through_cuda_ipc_byte_exact(
 def test_a_decode_on_gpu1_reads_prefills_on_gpu0_through_cuda_ipc_byte_exact(
     ipc_two_gpus: dict[str, list[Worker]], case: Case, mode: str
 ) -> None:
-    stats = _pull(ipc_two_gpus, case, mode)
-    if _has_plan(case):
-        assert all(s["modes"] == {-1: "ipc"} for s in stats)
-    else:
-        assert all("ipc" not in s["modes"].values() for s in stats)
+    _assert_ipc_where_planned(case, _pull(ipc_two_gpus, case, mode))
 
 
 @pytest.mark.parametrize("mode", ["direct", "staged"])
