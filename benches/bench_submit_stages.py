@@ -135,6 +135,15 @@ def main() -> None:
         lambda: launch(tokens, dev[(first + 1) * stride :], dev, raw, a_set=stride),
     )
     dec._ids.settle(slot, None)
+    stage(
+        "one launch (all source ranks), after 0.5 ms idle",
+        lambda: launch(tokens, dev[(first + 1) * stride :], dev, raw, a_set=stride),
+        idle_s=0.0005,
+    )
+    small = torch.zeros(16, device=args.device)
+    stage("baseline: one trivial torch kernel launch", lambda: small.add_(1))
+    stage("baseline: one trivial torch kernel launch, after 0.5 ms idle", lambda: small.add_(1),
+          idle_s=0.0005)  # fmt: skip
     stage("new event + record", lambda: torch.cuda.Event().record())  # type: ignore[no-untyped-call]
     ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
     cur = torch.cuda.current_stream()
