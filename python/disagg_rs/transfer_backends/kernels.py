@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from disagg_rs import _core
 from disagg_rs.transfer_backends import torch_copy
 
 __all__ = [
@@ -137,33 +138,6 @@ def path_for(tensor: torch.Tensor) -> Path:
     return "triton" if tensor.is_cuda and triton_available() else "torch"
 
 
-def _columns(rows: _U64Array, form: ListForm, other_base: int) -> tuple[_I64Array, ...]:
-    """(packed, other, len, count, other_stride) as int64 columns, ``other`` made relative."""
-    a = np.ascontiguousarray(rows).astype(np.int64, copy=False)
-    n = a.shape[0]
-    if form == "gather":
-        packed, other, length = a[:, 2], a[:, 0] - other_base, a[:, 1]
-        count, stride, pstride = np.ones(n, np.int64), np.zeros(n, np.int64), a[:, 1]
-    elif form == "scatter":
-        packed, other, length = a[:, 0], a[:, 1] - other_base, a[:, 2]
-        count, stride, pstride = np.ones(n, np.int64), np.zeros(n, np.int64), a[:, 2]
-    elif form == "gather_runs":
-        packed, other, length, count = a[:, 1], a[:, 0] - other_base, a[:, 2], a[:, 3]
-        stride, pstride = a[:, 4], a[:, 5]
-    else:
-        packed, other, length, count = a[:, 0], a[:, 1] - other_base, a[:, 2], a[:, 3]
-        stride, pstride = a[:, 5], a[:, 4]
-    # Inside a run the packed side must advance by exactly one fragment (canonical packing).
-    keep = (length > 0) & (count > 0)
-    if bool(np.any(keep & (count > 1) & (pstride != length))):
-        raise _NotCanonical
-    return packed[keep], other[keep], length[keep], count[keep], stride[keep]
-
-
-class _NotCanonical(Exception):
-    """The packed side is not back to back from 0: the torch path handles it."""
-
-
 def build_run_table(
     rows: _U64Array,
     form: ListForm,
@@ -180,63 +154,16 @@ def build_run_table(
     address its scattered-side column is relative to. The scattered side must fit
     ``[0, other_limit)`` and the packed side ``[0, packed_limit)`` bytes (``ValueError``
     otherwise, before anything is copied). ``align`` are the buffers' addresses, folded into
-    the unit so that vector accesses stay aligned.
+    the unit so that vector accesses stay aligned. The table is computed by the core
+    (``disagg_core::runs``); this uploads it.
     """
-    try:
-        packed, other, length, count, stride = _columns(rows, form, other_base)
-    except _NotCanonical:
+    rows = np.ascontiguousarray(rows, dtype=np.uint64)
+    got = _core.run_table(rows, form, int(other_base), int(other_limit), int(packed_limit),
+                          [int(a) for a in align])  # fmt: skip
+    if got is None:
         return None
-    span = length * count
-    if packed.size and bool(np.any(packed[1:] < packed[:-1])):
-        order = np.argsort(packed, kind="stable")
-        packed, other, length, count, stride, span = (
-            c[order] for c in (packed, other, length, count, stride, span)
-        )
-    ends = np.cumsum(span)
-    total = int(ends[-1]) if ends.size else 0
-    if packed.size and (packed[0] != 0 or not np.array_equal(packed[1:], ends[:-1])):
-        return None
-    if packed.size:
-        if int(other.min()) < 0:
-            raise ValueError(
-                f"scattered side: fragment starts below the buffer (offset {int(other.min())})"
-            )
-        other_end = int((other + (count - 1) * stride + length).max())
-    else:
-        other_end = 0
-    if other_end > other_limit:
-        raise ValueError(
-            f"scattered side: fragment ends at byte {other_end}, past the buffer's "
-            f"{other_limit} bytes"
-        )
-    if total > packed_limit:
-        raise ValueError(
-            f"packed side: fragments end at byte {total}, past the staging region's "
-            f"{packed_limit} bytes"
-        )
-    # Largest power of two <= 16 dividing every offset, length, used stride and address.
-    bits = 16
-    for col in (packed, other, length, stride[count > 1]):
-        if col.size:
-            bits |= int(np.bitwise_or.reduce(col))
-    for addr in align:
-        bits |= int(addr)
-    unit = bits & -bits
-    n = packed.size
-    host = np.empty(4 * n + 1, dtype=np.int64)
-    host[:n] = packed // unit
-    host[n] = total // unit
-    host[n + 1 : 2 * n + 1] = other // unit
-    host[2 * n + 1 : 3 * n + 1] = length // unit
-    host[3 * n + 1 :] = stride // unit
+    host, n, unit, total, other_end, min_run_units, div_bits = got
     dev = torch.from_numpy(host).to(device, non_blocking=False)
-    runs_units = (span // unit) if n else np.zeros(1, np.int64)
-    if not n or int(count.max()) == 1:
-        div_bits = 0
-    elif int(runs_units.max()) < 2**31:
-        div_bits = 32
-    else:
-        div_bits = 64
     return RunTable(
         packed_start=dev[: n + 1],
         other_start=dev[n + 1 : 2 * n + 1],
@@ -246,7 +173,7 @@ def build_run_table(
         unit=unit,
         total_bytes=total,
         other_end_bytes=other_end,
-        min_run_units=int(runs_units.min()),
+        min_run_units=min_run_units,
         div_bits=div_bits,
     )
 

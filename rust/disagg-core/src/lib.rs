@@ -15,6 +15,7 @@ pub mod layout;
 pub mod ledger;
 pub mod pool;
 pub mod reshard;
+pub mod runs;
 pub mod staging;
 pub mod tags;
 pub mod wire;

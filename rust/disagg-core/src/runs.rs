@@ -1,0 +1,295 @@
+//! Run tables: what the GPU copy kernel takes to pack or scatter a compiler row list.
+//!
+//! A row list is one of the compiler's forms: per-fragment `gather` rows `(offset, len,
+//! packed)` or `scatter` rows `(packed, offset, len)`, or per-run `gather_runs` rows
+//! `(offset, packed, len, count, stride, packed_stride)` / `scatter_runs` rows `(packed,
+//! offset, len, count, packed_stride, stride)`. The kernel needs the runs sorted by packed
+//! offset and packed back to back from 0 (canonical); [`run_table`] checks that, the bounds of
+//! both sides, and picks the widest power-of-two unit (at most 16 bytes) dividing every
+//! offset, length, used stride and buffer address, so the kernel moves whole units.
+
+use crate::error::{DisaggError, DisaggResult};
+
+/// The form of a compiler row list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowForm {
+    /// `(offset, len, packed)` per fragment.
+    Gather,
+    /// `(packed, offset, len)` per fragment.
+    Scatter,
+    /// `(offset, packed, len, count, stride, packed_stride)` per run.
+    GatherRuns,
+    /// `(packed, offset, len, count, packed_stride, stride)` per run.
+    ScatterRuns,
+}
+
+impl RowForm {
+    /// The form called `name` (`"gather"`, `"scatter"`, `"gather_runs"`, `"scatter_runs"`).
+    pub fn from_name(name: &str) -> DisaggResult<RowForm> {
+        Ok(match name {
+            "gather" => RowForm::Gather,
+            "scatter" => RowForm::Scatter,
+            "gather_runs" => RowForm::GatherRuns,
+            "scatter_runs" => RowForm::ScatterRuns,
+            other => {
+                return Err(DisaggError::argument(
+                    "form",
+                    format!(
+                        "form={other:?} must be one of \"gather\", \"scatter\", \
+                         \"gather_runs\", \"scatter_runs\""
+                    ),
+                ))
+            }
+        })
+    }
+
+    /// Columns per row.
+    pub fn width(self) -> usize {
+        match self {
+            RowForm::Gather | RowForm::Scatter => 3,
+            RowForm::GatherRuns | RowForm::ScatterRuns => 6,
+        }
+    }
+}
+
+/// One run: `count` fragments of `len` bytes, `stride` apart on the scattered side, back to
+/// back from `packed` on the packed side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Run {
+    packed: i128,
+    other: i128,
+    len: i128,
+    count: i128,
+    stride: i128,
+}
+
+/// A run table in host memory, laid out as the kernel reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunTable {
+    /// `n_runs + 1` packed starts (the last is the total), then `n_runs` scattered starts,
+    /// fragment lengths and scattered strides, all in units.
+    pub host: Vec<i64>,
+    /// Runs.
+    pub n_runs: usize,
+    /// Bytes per unit (1, 2, 4, 8 or 16).
+    pub unit: u64,
+    /// Packed bytes.
+    pub total_bytes: u64,
+    /// One past the last scattered byte written or read.
+    pub other_end_bytes: u64,
+    /// Units of the shortest run (0 without runs).
+    pub min_run_units: u64,
+    /// Fragment-index arithmetic the kernel needs: 0 (one fragment per run), 32 or 64 bits.
+    pub div_bits: u32,
+}
+
+/// The runs of `rows` with scattered offsets relative to `base`, empty ones dropped; `None`
+/// when a run's packed side does not advance by exactly one fragment.
+fn runs_of(rows: &[u64], form: RowForm, base: u64) -> Option<Vec<Run>> {
+    let mut runs = Vec::with_capacity(rows.len() / form.width());
+    for r in rows.chunks_exact(form.width()) {
+        let c = |i: usize| i128::from(r[i]);
+        let (packed, other, len, count, stride, packed_stride) = match form {
+            RowForm::Gather => (c(2), c(0), c(1), 1, 0, c(1)),
+            RowForm::Scatter => (c(0), c(1), c(2), 1, 0, c(2)),
+            RowForm::GatherRuns => (c(1), c(0), c(2), c(3), c(4), c(5)),
+            RowForm::ScatterRuns => (c(0), c(1), c(2), c(3), c(5), c(4)),
+        };
+        if len > 0 && count > 0 {
+            if count > 1 && packed_stride != len {
+                return None;
+            }
+            runs.push(Run { packed, other: other - i128::from(base), len, count, stride });
+        }
+    }
+    Some(runs)
+}
+
+/// The run table of `rows` (`form`, flat row-major, `cols` columns), scattered offsets
+/// relative to `other_base`; `None` when the packed side is not canonical (the caller takes a
+/// path that needs no table). The scattered side must fit `[0, other_limit)` and the packed
+/// side `[0, packed_limit)` bytes; `align` are buffer addresses folded into the unit.
+pub fn run_table(
+    rows: &[u64],
+    cols: usize,
+    form: RowForm,
+    other_base: u64,
+    other_limit: u64,
+    packed_limit: u64,
+    align: &[u64],
+) -> DisaggResult<Option<RunTable>> {
+    let w = form.width();
+    if cols != w || !rows.len().is_multiple_of(w) {
+        return Err(DisaggError::argument(
+            "rows",
+            format!("{} values in rows of {cols} columns; {form:?} rows have {w}", rows.len()),
+        ));
+    }
+    let Some(mut runs) = runs_of(rows, form, other_base) else { return Ok(None) };
+    runs.sort_by_key(|r| r.packed); // stable: equal starts keep their order
+    let mut total: i128 = 0;
+    for r in &runs {
+        if r.packed != total {
+            return Ok(None);
+        }
+        total += r.len * r.count;
+    }
+    let other_end = match runs.iter().map(|r| r.other).min() {
+        Some(low) if low < 0 => {
+            return Err(DisaggError::argument(
+                "rows",
+                format!("scattered side: fragment starts below the buffer (offset {low})"),
+            ))
+        }
+        _ => runs.iter().map(|r| r.other + (r.count - 1) * r.stride + r.len).max().unwrap_or(0),
+    };
+    if other_end > i128::from(other_limit) {
+        return Err(DisaggError::argument(
+            "rows",
+            format!(
+                "scattered side: fragment ends at byte {other_end}, past the buffer's \
+                 {other_limit} bytes"
+            ),
+        ));
+    }
+    if total > i128::from(packed_limit) {
+        return Err(DisaggError::argument(
+            "rows",
+            format!(
+                "packed side: fragments end at byte {total}, past the staging region's \
+                 {packed_limit} bytes"
+            ),
+        ));
+    }
+    Ok(Some(table_of(&runs, total, other_end, align)))
+}
+
+/// The table of canonical, bounded `runs` (every value non-negative).
+fn table_of(runs: &[Run], total: i128, other_end: i128, align: &[u64]) -> RunTable {
+    let mut bits: i128 = 16;
+    for r in runs {
+        bits |= r.packed | r.other | r.len | if r.count > 1 { r.stride } else { 0 };
+    }
+    for &a in align {
+        bits |= i128::from(a);
+    }
+    let u = bits & -bits;
+    let n = runs.len();
+    let units = |v: i128| i64::try_from(v / u).unwrap_or(i64::MAX);
+    let mut host = Vec::with_capacity(4 * n + 1);
+    host.extend(runs.iter().map(|r| units(r.packed)));
+    host.push(units(total));
+    host.extend(runs.iter().map(|r| units(r.other)));
+    host.extend(runs.iter().map(|r| units(r.len)));
+    host.extend(runs.iter().map(|r| units(r.stride)));
+    let run_units = runs.iter().map(|r| r.len * r.count / u);
+    let div_bits = match (runs.iter().map(|r| r.count).max(), run_units.clone().max()) {
+        (None | Some(1), _) => 0,
+        (_, Some(m)) if m < 1 << 31 => 32,
+        _ => 64,
+    };
+    let to_u64 = |v: i128| u64::try_from(v).unwrap_or(u64::MAX);
+    RunTable {
+        host,
+        n_runs: n,
+        unit: to_u64(u),
+        total_bytes: to_u64(total),
+        other_end_bytes: to_u64(other_end),
+        min_run_units: to_u64(run_units.min().unwrap_or(0)),
+        div_bits,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn table(rows: &[u64], form: &str, base: u64, limits: (u64, u64)) -> Option<RunTable> {
+        run_table(
+            rows,
+            RowForm::from_name(form).unwrap().width(),
+            RowForm::from_name(form).unwrap(),
+            base,
+            limits.0,
+            limits.1,
+            &[],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn the_unit_is_the_widest_power_of_two_dividing_every_offset_and_address() {
+        let rows = [1024, 256, 0, 4096, 512, 256];
+        let t = table(&rows, "gather", 0, (8192, 768)).unwrap();
+        assert_eq!((t.unit, t.total_bytes, t.n_runs, t.div_bits), (16, 768, 2, 0));
+        assert_eq!(t.host, [0, 16, 48, 64, 256, 16, 32, 0, 0]);
+        let odd = run_table(&rows, 3, RowForm::Gather, 0, 8192, 768, &[4100]).unwrap().unwrap();
+        assert_eq!(odd.unit, 4);
+    }
+
+    #[test]
+    fn runs_are_sorted_by_packed_offset_and_holes_have_no_table() {
+        let t = table(&[256, 0, 256, 0, 4096, 256], "scatter", 0, (8192, 512)).unwrap();
+        assert_eq!(t.host[3..5], [256, 0]);
+        assert_eq!(table(&[0, 16, 32, 64, 16, 0], "gather", 0, (128, 48)), None);
+    }
+
+    #[test]
+    fn bounds_are_refused_naming_the_side() {
+        let err = |rows: &[u64], base, limits: (u64, u64)| {
+            run_table(rows, 3, RowForm::Gather, base, limits.0, limits.1, &[])
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(&[120, 16, 0], 0, (128, 16)).contains("past the buffer's 128 bytes"));
+        assert!(err(&[120, 16, 0], 200, (128, 16)).contains("below the buffer"));
+        assert!(err(&[0, 16, 0], 0, (128, 8)).contains("staging region's 8 bytes"));
+        assert!(RowForm::from_name("pack").is_err());
+        assert!(run_table(&[1, 2], 3, RowForm::Gather, 0, 8, 8, &[]).is_err());
+        assert!(run_table(&[0; 6], 3, RowForm::GatherRuns, 0, 8, 8, &[]).is_err());
+    }
+
+    #[test]
+    fn strided_runs_need_the_packed_side_to_advance_one_fragment() {
+        // 2 fragments of 32 bytes, 256 apart on the scattered side, packed back to back.
+        let t = table(&[0, 0, 32, 2, 256, 32], "gather_runs", 0, (4096, 64)).unwrap();
+        assert_eq!((t.unit, t.total_bytes, t.other_end_bytes, t.div_bits), (16, 64, 288, 32));
+        assert_eq!(table(&[0, 0, 32, 2, 256, 48], "gather_runs", 0, (4096, 96)), None);
+    }
+
+    proptest! {
+        #[test]
+        fn a_shuffled_canonical_list_gives_the_table_of_the_sorted_one(
+            lens in proptest::collection::vec(1u64..8, 0..24),
+            gaps in proptest::collection::vec(0u64..4, 24),
+            unit_exp in 0u32..6,
+            seed in any::<u64>(),
+        ) {
+            let unit = 1u64 << unit_exp;
+            let (mut rows, mut packed, mut other) = (Vec::new(), 0u64, 0u64);
+            for (len, gap) in lens.iter().zip(&gaps) {
+                other += gap * unit;
+                rows.push([other, len * unit, packed]);
+                packed += len * unit;
+                other += len * unit;
+            }
+            let sorted: Vec<u64> = rows.concat();
+            let n = rows.len();
+            if n > 1 {
+                let k = usize::try_from(seed % n as u64).unwrap();
+                rows.rotate_left(k);
+                rows.swap(0, n - 1);
+            }
+            let a = table(&sorted, "gather", 0, (other, packed)).unwrap();
+            let b = table(&rows.concat(), "gather", 0, (other, packed)).unwrap();
+            prop_assert_eq!(&a, &b);
+            prop_assert_eq!(a.total_bytes, packed);
+            prop_assert!(a.unit >= unit.min(16) && a.unit <= 16);
+            for (i, r) in sorted.chunks_exact(3).enumerate() {
+                prop_assert_eq!(u64::try_from(a.host[i]).unwrap() * a.unit, r[2]);
+                prop_assert_eq!(u64::try_from(a.host[n + 1 + i]).unwrap() * a.unit, r[0]);
+            }
+        }
+    }
+}

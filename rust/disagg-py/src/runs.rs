@@ -1,0 +1,37 @@
+//! Binding of the copy kernel's run tables (`disagg_core::runs`).
+
+use disagg_core::runs::{self, RowForm};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use crate::error::IntoPyResult;
+
+/// A run table: the host array the kernel reads and its sizes.
+type Table<'py> = (Bound<'py, PyArray1<i64>>, usize, u64, u64, u64, u64, u32);
+
+/// The run table of a compiler row list (`form`: `"gather"`, `"scatter"`, `"gather_runs"`,
+/// `"scatter_runs"`; `rows` a C-contiguous `uint64` array) as `(host, n_runs, unit,
+/// total_bytes, other_end_bytes, min_run_units, div_bits)`, or `None` when the packed side is
+/// not back to back from 0. `ArgumentError` for a fragment outside `[0, other_limit)` (offsets
+/// relative to `other_base`) or past `packed_limit`.
+#[pyfunction]
+pub fn run_table<'py>(
+    py: Python<'py>,
+    rows: PyReadonlyArray2<'py, u64>,
+    form: &str,
+    other_base: u64,
+    other_limit: u64,
+    packed_limit: u64,
+    align: Vec<u64>,
+) -> PyResult<Option<Table<'py>>> {
+    let form = RowForm::from_name(form).py()?;
+    let cols = rows.shape()[1];
+    let flat = rows.as_slice()?;
+    let table = py
+        .detach(|| runs::run_table(flat, cols, form, other_base, other_limit, packed_limit, &align))
+        .py()?;
+    Ok(table.map(|t| {
+        let host = t.host.into_pyarray(py);
+        (host, t.n_runs, t.unit, t.total_bytes, t.other_end_bytes, t.min_run_units, t.div_bits)
+    }))
+}
