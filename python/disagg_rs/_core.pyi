@@ -941,3 +941,6 @@ def run_table(
     packed_limit: int,
     align: list[int],
 ) -> tuple[_npt.NDArray[_np.int64], int, int, int, int, int, int] | None: ...
+def row_copy(
+    rows: _U64Array, form: str, base: int, side_limit: int, packed_limit: int
+) -> tuple[int, _npt.NDArray[_np.int64], _npt.NDArray[_np.int64] | None, int]: ...

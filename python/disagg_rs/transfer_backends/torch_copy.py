@@ -15,9 +15,9 @@ canonical, i.e. back to back in list order): Python never loops over fragments. 
 host path and the fallback of the Triton kernels (``kernels.py``), which import it; nothing
 here imports them.
 
-The index is built in units of the largest power of two (up to 8 bytes) that divides every
-offset and length, and rows of ``g`` bytes where ``g`` is their greatest common divisor, so a
-list of 256-byte head slices indexes 256-byte rows, not single bytes.
+The index is built by the core (``disagg_core::runs::row_copy``, which also checks both
+sides' bounds) in rows of ``g`` bytes, ``g`` the greatest common divisor of every offset and
+length, so a list of 256-byte head slices indexes 256-byte rows, not single bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from disagg_rs import _core
 
 __all__ = ["byte_view", "pack_torch", "scatter_torch"]
 
@@ -46,20 +48,6 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def _as_i64(column: _U64Array) -> npt.NDArray[np.int64]:
-    # Byte offsets inside one registered buffer fit in int64 (torch has no uint64 index type).
-    return np.ascontiguousarray(column).astype(np.int64, copy=False)
-
-
-def _row_bytes(*columns: npt.NDArray[np.int64]) -> int:
-    """Largest row size dividing every offset and length (1 when the lists are empty)."""
-    joined = np.concatenate([c for c in columns if c.size])
-    if joined.size == 0:
-        return 1
-    g = int(np.gcd.reduce(joined))
-    return g if g > 0 else 1
-
-
 def _rows(flat_u8: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """View ``flat_u8`` as ``[n, row_bytes / unit]`` of the widest unit the storage allows."""
     n = flat_u8.numel() // row_bytes
@@ -70,32 +58,12 @@ def _rows(flat_u8: torch.Tensor, row_bytes: int) -> torch.Tensor:
     raise AssertionError("unit 1 always divides")  # pragma: no cover
 
 
-def _row_index(
-    starts: npt.NDArray[np.int64], lens: npt.NDArray[np.int64], row_bytes: int, device: torch.device
-) -> torch.Tensor:
-    """Row numbers covered by fragments ``[start, start + len)``, fragment by fragment."""
-    counts = lens // row_bytes
-    # Exclusive prefix sum: row j of fragment i sits at position excl[i] + j of the output.
-    excl = np.cumsum(counts) - counts
-    index = np.repeat(starts // row_bytes - excl, counts) + np.arange(int(counts.sum()))
-    return torch.from_numpy(index).to(device, non_blocking=True)
+def _u64_rows(rows: _U64Array) -> _U64Array:
+    return np.ascontiguousarray(rows, dtype=np.uint64).reshape(-1, 3)
 
 
-def _is_dense(packed: npt.NDArray[np.int64], lens: npt.NDArray[np.int64]) -> bool:
-    """Whether the packed side is back to back from 0 in list order (the canonical packing)."""
-    return bool(packed[0] == 0 and np.array_equal(packed[1:], np.cumsum(lens)[:-1]))
-
-
-def _check_bounds(
-    name: str, starts: npt.NDArray[np.int64], lens: npt.NDArray[np.int64], limit: int
-) -> None:
-    if starts.size == 0:
-        return
-    if int(starts.min()) < 0:
-        raise ValueError(f"{name}: fragment starts below the buffer (offset {int(starts.min())})")
-    end = int((starts + lens).max())
-    if end > limit:
-        raise ValueError(f"{name}: fragment ends at byte {end}, past the buffer's {limit} bytes")
+def _index(rows: npt.NDArray[np.int64], device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(rows).to(device, non_blocking=True)
 
 
 def pack_torch(
@@ -108,25 +76,16 @@ def pack_torch(
     offset 0. The copy is queued on the current stream; the caller synchronises before it
     announces the region to a reader.
     """
-    src_u8 = byte_view(buffer)
-    out_u8 = byte_view(staging)
-    if gather.shape[0] == 0:
-        return 0
-    src = _as_i64(gather[:, 0]) - buffer_addr
-    lens = _as_i64(gather[:, 1])
-    packed = _as_i64(gather[:, 2])
-    _check_bounds("gather source", src, lens, src_u8.numel())
-    _check_bounds("gather packed", packed, lens, out_u8.numel())
-    g = _row_bytes(src, lens, packed)
-    src_rows = _rows(src_u8, g)
-    out_rows = _rows(out_u8, g)
-    take = _row_index(src, lens, g, src_u8.device)
-    total = int(lens.sum())
-    if _is_dense(packed, lens):
+    src_u8, out_u8 = byte_view(buffer), byte_view(staging)
+    rows = _u64_rows(gather)
+    g, take, at, total = _core.row_copy(rows, "gather", buffer_addr, src_u8.numel(), out_u8.numel())
+    src_rows, out_rows = _rows(src_u8, g), _rows(out_u8, g)
+    taken = _index(take, src_u8.device)
+    if at is None:
         # Canonical packing: select straight into the staging rows, one copy in all.
-        torch.index_select(src_rows, 0, take, out=out_rows[: total // g])
+        torch.index_select(src_rows, 0, taken, out=out_rows[: total // g])
     else:
-        out_rows.index_copy_(0, _row_index(packed, lens, g, out_u8.device), src_rows[take])
+        out_rows.index_copy_(0, _index(at, out_u8.device), src_rows[taken])
     return total
 
 
@@ -138,24 +97,12 @@ def scatter_torch(
     ``scatter_list`` rows are ``(packed_offset, dst_addr, len)``; ``buffer_addr`` is the
     address the ``dst_addr`` column is relative to. Returns the bytes written.
     """
-    in_u8 = byte_view(staging)
-    dst_u8 = byte_view(buffer)
-    if scatter_list.shape[0] == 0:
-        return 0
-    packed = _as_i64(scatter_list[:, 0])
-    dst = _as_i64(scatter_list[:, 1]) - buffer_addr
-    lens = _as_i64(scatter_list[:, 2])
-    _check_bounds("scatter packed", packed, lens, in_u8.numel())
-    _check_bounds("scatter destination", dst, lens, dst_u8.numel())
-    g = _row_bytes(packed, dst, lens)
-    in_rows = _rows(in_u8, g)
-    dst_rows = _rows(dst_u8, g)
-    put = _row_index(dst, lens, g, dst_u8.device)
-    total = int(lens.sum())
-    if _is_dense(packed, lens):
-        dst_rows.index_copy_(0, put, in_rows[: total // g])
-    else:
-        dst_rows.index_copy_(
-            0, put, in_rows.index_select(0, _row_index(packed, lens, g, in_u8.device))
-        )
+    in_u8, dst_u8 = byte_view(staging), byte_view(buffer)
+    rows = _u64_rows(scatter_list)
+    g, put, at, total = _core.row_copy(rows, "scatter", buffer_addr, dst_u8.numel(), in_u8.numel())
+    in_rows, dst_rows = _rows(in_u8, g), _rows(dst_u8, g)
+    moved = (
+        in_rows[: total // g] if at is None else in_rows.index_select(0, _index(at, in_u8.device))
+    )
+    dst_rows.index_copy_(0, _index(put, dst_u8.device), moved)
     return total

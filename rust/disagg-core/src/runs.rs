@@ -200,6 +200,108 @@ fn table_of(runs: &[Run], total: i128, other_end: i128, align: &[u64]) -> RunTab
     }
 }
 
+/// A fragment copy by whole rows: what a row-gather/row-scatter (index ops on `row_bytes`
+/// wide rows) needs to pack or scatter a `gather` or `scatter` list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowCopy {
+    /// Row width: the greatest common divisor of every offset and length (1 for none).
+    pub row_bytes: u64,
+    /// Scattered-side row of every row moved, fragment by fragment in list order.
+    pub side_rows: Vec<i64>,
+    /// Packed-side row of every row moved, or `None` when the packed side is back to back
+    /// from 0 in list order (row `j` of the copy is packed row `j`).
+    pub packed_rows: Option<Vec<i64>>,
+    /// Bytes moved.
+    pub total: u64,
+}
+
+/// Check that `[start, start + len)` fragments lie in `[0, limit)`; `name` says which side.
+fn check_side(name: &str, starts: &[i128], lens: &[i128], limit: u64) -> DisaggResult<()> {
+    if let Some(&low) = starts.iter().min().filter(|&&m| m < 0) {
+        return Err(DisaggError::argument(
+            "rows",
+            format!("{name}: fragment starts below the buffer (offset {low})"),
+        ));
+    }
+    let end = starts.iter().zip(lens).map(|(s, l)| s + l).max().unwrap_or(0);
+    if end > i128::from(limit) {
+        return Err(DisaggError::argument(
+            "rows",
+            format!("{name}: fragment ends at byte {end}, past the buffer's {limit} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+fn gcd(a: i128, b: i128) -> i128 {
+    if b == 0 {
+        a.abs()
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// The rows of fragments `[start, start + len)` in units of `g` bytes, in order.
+fn expand(starts: &[i128], lens: &[i128], g: i128) -> Vec<i64> {
+    let row = |v: i128| i64::try_from(v / g).unwrap_or(i64::MAX);
+    starts.iter().zip(lens).flat_map(|(&s, &l)| row(s)..row(s + l)).collect()
+}
+
+/// The row copy of a `gather` (`(addr, len, packed)`) or `scatter` (`(packed, addr, len)`)
+/// list whose addresses are relative to `base`: the scattered side must fit `[0, side_limit)`
+/// and the packed side `[0, packed_limit)` bytes (`ArgumentError` naming the side
+/// otherwise).
+pub fn row_copy(
+    rows: &[u64],
+    cols: usize,
+    form: RowForm,
+    base: u64,
+    side_limit: u64,
+    packed_limit: u64,
+) -> DisaggResult<RowCopy> {
+    let (side_at, len_at, packed_at, names) = match form {
+        RowForm::Gather => (0, 1, 2, ["gather source", "gather packed"]),
+        RowForm::Scatter => (1, 2, 0, ["scatter destination", "scatter packed"]),
+        other => {
+            return Err(DisaggError::argument(
+                "form",
+                format!(
+                    "{other:?} lists are run lists; a row copy takes \"gather\" or \"scatter\""
+                ),
+            ))
+        }
+    };
+    if cols != 3 || !rows.len().is_multiple_of(3) {
+        return Err(DisaggError::argument(
+            "rows",
+            format!("{} values in rows of {cols} columns; fragment rows have 3", rows.len()),
+        ));
+    }
+    let col =
+        |at: usize| -> Vec<i128> { rows.chunks_exact(3).map(|r| i128::from(r[at])).collect() };
+    let side: Vec<i128> = col(side_at).into_iter().map(|a| a - i128::from(base)).collect();
+    let (lens, packed) = (col(len_at), col(packed_at));
+    let checks = [(names[0], &side, side_limit), (names[1], &packed, packed_limit)];
+    let order = if form == RowForm::Gather { [0, 1] } else { [1, 0] };
+    for i in order {
+        let (name, starts, limit) = checks[i];
+        check_side(name, starts, &lens, limit)?;
+    }
+    let g = side.iter().chain(&lens).chain(&packed).fold(0, |g, &v| gcd(g, v)).max(1);
+    let mut at: i128 = 0;
+    let dense = packed.iter().zip(&lens).all(|(&p, &l)| {
+        let ok = p == at;
+        at += l;
+        ok
+    });
+    Ok(RowCopy {
+        row_bytes: u64::try_from(g).unwrap_or(1),
+        side_rows: expand(&side, &lens, g),
+        packed_rows: (!dense).then(|| expand(&packed, &lens, g)),
+        total: u64::try_from(at).unwrap_or(u64::MAX),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -256,6 +358,38 @@ mod tests {
         let t = table(&[0, 0, 32, 2, 256, 32], "gather_runs", 0, (4096, 64)).unwrap();
         assert_eq!((t.unit, t.total_bytes, t.other_end_bytes, t.div_bits), (16, 64, 288, 32));
         assert_eq!(table(&[0, 0, 32, 2, 256, 48], "gather_runs", 0, (4096, 96)), None);
+    }
+
+    #[test]
+    fn row_copies_use_the_widest_common_row_and_skip_the_packed_index_when_dense() {
+        // Two 256-byte fragments at 1024 and 4096, packed back to back.
+        let rc =
+            row_copy(&[1024, 256, 0, 4096, 256, 256], 3, RowForm::Gather, 0, 8192, 512).unwrap();
+        assert_eq!((rc.row_bytes, rc.total), (256, 512));
+        assert_eq!(rc.side_rows, [4, 16]);
+        assert_eq!(rc.packed_rows, None);
+        // Scatter rows (packed, addr, len), packed out of order: the packed index is kept.
+        let rc = row_copy(&[32, 0, 32, 0, 64, 32], 3, RowForm::Scatter, 0, 128, 64).unwrap();
+        assert_eq!(
+            (rc.row_bytes, rc.side_rows.clone(), rc.packed_rows),
+            (32, vec![0, 2], Some(vec![1, 0]))
+        );
+        let empty = row_copy(&[], 3, RowForm::Gather, 0, 0, 0).unwrap();
+        assert_eq!((empty.row_bytes, empty.total, empty.side_rows.len()), (1, 0, 0));
+    }
+
+    #[test]
+    fn row_copies_refuse_fragments_outside_either_side_naming_it() {
+        let err = |rows: &[u64], form, base, limits: (u64, u64)| {
+            row_copy(rows, 3, form, base, limits.0, limits.1).unwrap_err().to_string()
+        };
+        assert!(err(&[120, 16, 0], RowForm::Gather, 0, (128, 16))
+            .contains("gather source: fragment ends at byte 136, past the buffer's 128 bytes"));
+        assert!(err(&[120, 16, 0], RowForm::Gather, 200, (128, 16)).contains("below the buffer"));
+        assert!(err(&[0, 16, 0], RowForm::Gather, 0, (128, 8)).contains("gather packed"));
+        assert!(err(&[8, 0, 16], RowForm::Scatter, 0, (128, 16)).contains("scatter packed"));
+        assert!(err(&[0, 120, 16], RowForm::Scatter, 0, (128, 16)).contains("scatter destination"));
+        assert!(row_copy(&[0; 6], 6, RowForm::GatherRuns, 0, 8, 8).is_err());
     }
 
     proptest! {

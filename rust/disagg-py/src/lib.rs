@@ -52,7 +52,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ],
         functions: [
             error::_error_kinds, error::_raise_sample_error, control::decode_control_message,
-            tags::two_sided_tag, tags::two_sided_tag_owner, tags::chunk_steps, runs::run_table, regions::rows_by_region,
+            tags::two_sided_tag, tags::two_sided_tag_owner, tags::chunk_steps, runs::run_table, runs::row_copy, regions::rows_by_region,
             reshard::py_plan_kv_reshard, reshard::py_plan_ssm_reshard,
             peer_records::transfer_peer_records, peer_records::transfer_block_count,
             peer_records::drop_transfer_prefix_blocks, staging::write_pull_ids, staging::pull_ids_len,

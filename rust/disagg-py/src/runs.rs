@@ -1,10 +1,14 @@
-//! Binding of the copy kernel's run tables (`disagg_core::runs`).
+//! Bindings of the row-list copies (`disagg_core::runs`): the copy kernel's run tables and
+//! the torch path's row copies.
 
 use disagg_core::runs::{self, RowForm};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::error::IntoPyResult;
+
+/// A row copy: row width, scattered-side rows, packed-side rows (or none), bytes.
+type RowCopy<'py> = (u64, Bound<'py, PyArray1<i64>>, Option<Bound<'py, PyArray1<i64>>>, u64);
 
 /// A run table: the host array the kernel reads and its sizes.
 type Table<'py> = (Bound<'py, PyArray1<i64>>, usize, u64, u64, u64, u64, u32);
@@ -34,4 +38,25 @@ pub fn run_table<'py>(
         let host = t.host.into_pyarray(py);
         (host, t.n_runs, t.unit, t.total_bytes, t.other_end_bytes, t.min_run_units, t.div_bits)
     }))
+}
+
+/// A row copy of a `gather` or `scatter` fragment list (`rows` a C-contiguous `uint64` array,
+/// addresses relative to `base`) as `(row_bytes, side_rows, packed_rows or None when the
+/// packed side is back to back from 0, total_bytes)`. `ArgumentError` naming the side for a
+/// fragment outside `[0, side_limit)` or `[0, packed_limit)`.
+#[pyfunction]
+pub fn row_copy<'py>(
+    py: Python<'py>,
+    rows: PyReadonlyArray2<'py, u64>,
+    form: &str,
+    base: u64,
+    side_limit: u64,
+    packed_limit: u64,
+) -> PyResult<RowCopy<'py>> {
+    let form = RowForm::from_name(form).py()?;
+    let cols = rows.shape()[1];
+    let flat = rows.as_slice()?;
+    let rc = py.detach(|| runs::row_copy(flat, cols, form, base, side_limit, packed_limit)).py()?;
+    let packed = rc.packed_rows.map(|v| v.into_pyarray(py));
+    Ok((rc.row_bytes, rc.side_rows.into_pyarray(py), packed, rc.total))
 }
