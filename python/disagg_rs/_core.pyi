@@ -942,5 +942,5 @@ def run_table(
     align: list[int],
 ) -> tuple[_npt.NDArray[_np.int64], int, int, int, int, int, int] | None: ...
 def row_copy(
-    rows: _U64Array, form: str, base: int, side_limit: int, packed_limit: int
+    rows: _U64Array, form: str, base: int, limits: tuple[int, int]
 ) -> tuple[int, _npt.NDArray[_np.int64], _npt.NDArray[_np.int64] | None, int]: ...

@@ -78,7 +78,9 @@ def pack_torch(
     """
     src_u8, out_u8 = byte_view(buffer), byte_view(staging)
     rows = _u64_rows(gather)
-    g, take, at, total = _core.row_copy(rows, "gather", buffer_addr, src_u8.numel(), out_u8.numel())
+    g, take, at, total = _core.row_copy(
+        rows, "gather", buffer_addr, (src_u8.numel(), out_u8.numel())
+    )
     src_rows, out_rows = _rows(src_u8, g), _rows(out_u8, g)
     taken = _index(take, src_u8.device)
     if at is None:
@@ -99,7 +101,9 @@ def scatter_torch(
     """
     in_u8, dst_u8 = byte_view(staging), byte_view(buffer)
     rows = _u64_rows(scatter_list)
-    g, put, at, total = _core.row_copy(rows, "scatter", buffer_addr, dst_u8.numel(), in_u8.numel())
+    g, put, at, total = _core.row_copy(
+        rows, "scatter", buffer_addr, (dst_u8.numel(), in_u8.numel())
+    )
     in_rows, dst_rows = _rows(in_u8, g), _rows(dst_u8, g)
     moved = (
         in_rows[: total // g] if at is None else in_rows.index_select(0, _index(at, in_u8.device))

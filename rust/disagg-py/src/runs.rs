@@ -13,6 +13,14 @@ type RowCopy<'py> = (u64, Bound<'py, PyArray1<i64>>, Option<Bound<'py, PyArray1<
 /// A run table: the host array the kernel reads and its sizes.
 type Table<'py> = (Bound<'py, PyArray1<i64>>, usize, u64, u64, u64, u64, u32);
 
+/// A row list's values (row-major), its column count and its form.
+fn list<'a>(
+    rows: &'a PyReadonlyArray2<'_, u64>,
+    form: &str,
+) -> PyResult<(&'a [u64], usize, RowForm)> {
+    Ok((rows.as_slice()?, rows.shape()[1], RowForm::from_name(form).py()?))
+}
+
 /// The run table of a compiler row list (`form`: `"gather"`, `"scatter"`, `"gather_runs"`,
 /// `"scatter_runs"`; `rows` a C-contiguous `uint64` array) as `(host, n_runs, unit,
 /// total_bytes, other_end_bytes, min_run_units, div_bits)`, or `None` when the packed side is
@@ -28,9 +36,7 @@ pub fn run_table<'py>(
     packed_limit: u64,
     align: Vec<u64>,
 ) -> PyResult<Option<Table<'py>>> {
-    let form = RowForm::from_name(form).py()?;
-    let cols = rows.shape()[1];
-    let flat = rows.as_slice()?;
+    let (flat, cols, form) = list(&rows, form)?;
     let table = py
         .detach(|| runs::run_table(flat, cols, form, other_base, other_limit, packed_limit, &align))
         .py()?;
@@ -43,20 +49,17 @@ pub fn run_table<'py>(
 /// A row copy of a `gather` or `scatter` fragment list (`rows` a C-contiguous `uint64` array,
 /// addresses relative to `base`) as `(row_bytes, side_rows, packed_rows or None when the
 /// packed side is back to back from 0, total_bytes)`. `ArgumentError` naming the side for a
-/// fragment outside `[0, side_limit)` or `[0, packed_limit)`.
+/// fragment outside `[0, side_limit)` or `[0, packed_limit)` (`limits`).
 #[pyfunction]
 pub fn row_copy<'py>(
     py: Python<'py>,
     rows: PyReadonlyArray2<'py, u64>,
     form: &str,
     base: u64,
-    side_limit: u64,
-    packed_limit: u64,
+    limits: (u64, u64),
 ) -> PyResult<RowCopy<'py>> {
-    let form = RowForm::from_name(form).py()?;
-    let cols = rows.shape()[1];
-    let flat = rows.as_slice()?;
-    let rc = py.detach(|| runs::row_copy(flat, cols, form, base, side_limit, packed_limit)).py()?;
+    let (flat, cols, form) = list(&rows, form)?;
+    let rc = py.detach(|| runs::row_copy(flat, cols, form, base, limits.0, limits.1)).py()?;
     let packed = rc.packed_rows.map(|v| v.into_pyarray(py));
     Ok((rc.row_bytes, rc.side_rows.into_pyarray(py), packed, rc.total))
 }
