@@ -810,6 +810,31 @@ class Peer:
         self, src_rows: _U64Array, dst_rows: _U64Array, local: Peer
     ) -> tuple[_U64Array, _U64Array]: ...
 
+def plan_buffer(
+    tensor: Any,
+    layers: Any,
+    ssm_layout: SSMShardLayout | None,
+    *,
+    backend: str,
+    contiguous: bool,
+    expected_num_blocks: int,
+    tp_size: int | None = None,
+    tp_rank: int | None = None,
+    num_kv_heads_global: int | None = None,
+    heads_per_partition: int | None = None,
+    head_dim: int | None = None,
+    tokens_per_block: int | None = None,
+    global_rank: int | None = None,
+    pp_size: int | None = None,
+    pp_rank: int | None = None,
+    num_layers_global: int | None = None,
+    layer_start: int | None = None,
+    layer_end: int | None = None,
+    ssm_state_kind: str | None = None,
+    axes: str | None = None,
+    blocks_axis: int | None = None,
+    reference_only: bool = False,
+) -> dict[str, Any]: ...
 def rows_by_region(
     rows: _U64Array, form: Literal["gather", "scatter"], regions: Any
 ) -> list[tuple[int, _U64Array]]: ...

@@ -6,6 +6,7 @@
 //! `[lo, hi)`.
 #![forbid(unsafe_code)]
 
+pub mod buffer;
 pub mod compile;
 pub mod driver;
 pub mod error;
