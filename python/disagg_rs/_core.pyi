@@ -835,6 +835,9 @@ def plan_buffer(
     blocks_axis: int | None = None,
     reference_only: bool = False,
 ) -> dict[str, Any]: ...
+def meta_from_reference(
+    meta: Any, backend: str, state_kind: str, element_size: int, dtype: str
+) -> dict[str, Any]: ...
 def rows_by_region(
     rows: _U64Array, form: Literal["gather", "scatter"], regions: Any
 ) -> list[tuple[int, _U64Array]]: ...

@@ -47,7 +47,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-import disagg_rs
 from disagg_rs import _core
 from disagg_rs.exceptions import (
     GeometryMismatchError,
@@ -522,70 +521,6 @@ def transfer_peer_records(
     return records
 
 
-def reference_kv_geometry(meta: Mapping[str, Any], layout: _core.KVShardLayout | None) -> Any:
-    """The descriptor compiler's ``KVGeometry`` for a buffer the reference design describes.
-
-    With a KV layout the buffer is ``[2, L, B, T, H, d]``; without one it is the reference's
-    matched layout ``[outer..., B, slice]``, seen as ``num_outer`` one-token planes.
-    """
-    es = int(meta["element_size"])
-    bps = int(meta["bytes_per_slice"])
-    outer = int(meta["num_outer"])
-    bases = (
-        int(meta["base_addr"])
-        + np.arange(outer, dtype=np.uint64) * np.uint64(int(meta["outer_stride_bytes"]))
-    ).tolist()
-    device = int(meta.get("device_id") or 0)
-    # The compiler's dtype names drop torch's prefix ("float32", as KVGeometry.from_tensor).
-    dtype = None if meta.get("dtype") is None else str(meta["dtype"]).removeprefix("torch.")
-    if layout is None:
-        return disagg_rs.KVGeometry(
-            num_kv=1,
-            num_layers=outer,
-            num_blocks=int(meta["num_blocks"]),
-            tokens_per_block=1,
-            num_heads=1,
-            head_dim=bps // es,
-            element_size=es,
-            block_stride=bps,
-            token_stride=bps,
-            head_stride=bps,
-            plane_bases=bases,
-            device_id=device,
-            dtype=dtype,
-        )
-    heads = int(meta["heads_per_partition"])
-    dim = int(meta["head_dim"])
-    tokens = int(meta["tokens_per_block"])
-    if int(meta["blocks_axis"]) != 2 or outer != 2 * layout.num_local_layers:
-        raise GeometryMismatchError(
-            f"peer {meta.get('agent_name')!r}: blocks_axis={meta['blocks_axis']} and "
-            f"num_outer={outer} do not describe [2, {layout.num_local_layers}, B, T, H, d]",
-            field="num_outer",
-        )
-    if bps != tokens * heads * dim * es:
-        raise GeometryMismatchError(
-            f"peer {meta.get('agent_name')!r}: bytes_per_slice={bps} != tokens_per_block "
-            f"x heads_per_partition x head_dim x element_size = {tokens * heads * dim * es}",
-            field="bytes_per_slice",
-        )
-    return disagg_rs.KVGeometry(
-        num_kv=2,
-        num_layers=layout.num_local_layers,
-        num_blocks=int(meta["num_blocks"]),
-        tokens_per_block=tokens,
-        num_heads=heads,
-        head_dim=dim,
-        element_size=es,
-        block_stride=bps,
-        token_stride=heads * dim * es,
-        head_stride=dim * es,
-        plane_bases=bases,
-        device_id=device,
-        dtype=dtype,
-    )
-
-
 class TransferBackendBase:
     """State shared by both backends: the rank's buffer, its layout and its metadata.
 
@@ -919,10 +854,6 @@ class TransferBackendBase:
         )
         return program
 
-    def _backend_fields_from_reference(self, meta: Mapping[str, Any]) -> dict[str, Any]:
-        """This backend's own fields, translated from the reference design's names."""
-        return {}
-
     def _meta_from_reference(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         """This library's schema for a peer that exports the reference design's fields only.
 
@@ -931,81 +862,14 @@ class TransferBackendBase:
         registers GPU memory only). A peer with the KV layout fields is a ``[2, L, B, T, H,
         d]`` cache; without them it is a matched-layout buffer moved in whole slices.
         """
-        missing = [k for k in REFERENCE_ADDRESS_FIELDS if meta.get(k) is None]
-        if missing:
-            raise MetadataError(
-                f"peer metadata has no 'version' and lacks the reference design's fields {missing}",
-                field=missing[0],
-            )
-        for key in (*REFERENCE_ADDRESS_FIELDS, "device_id", "element_size"):
-            if meta.get(key) is not None:
-                _check_type(meta[key], (int,), key)
-        transport = meta.get("transport", self.name)
-        if transport != self.name:
-            raise MetadataError(
-                f"peer transport {transport!r} != this backend {self.name!r}", field="transport"
-            )
-        if meta.get("ssm_layout") is not None or self.state_kind != "kv":
-            raise MetadataError(
-                "SSM state metadata must be exported by this library (it has a 'version'); "
-                "the reference design's SSM fields alone are not read",
-                field="ssm_layout",
-            )
-        my_es = int(self.memory_buffer.element_size())
-        es = int(meta.get("element_size") or my_es)
-        ref = dict(meta)
-        ref["element_size"] = es
-        ref["dtype"] = str(self.memory_buffer.dtype) if es == my_es else f"{es}-byte elements"
-        has_layout = any(meta.get(k) is not None for k in REFERENCE_LAYOUT_FIELDS)
-        if has_layout:
-            layout = kv_layout_from_meta(meta)
-        else:
-            layout = _core.KVShardLayout(
-                num_layers=int(meta["num_outer"]),
-                num_kv_heads=1,
-                tp_size=1,
-                tp_rank=0,
-                pp_size=1,
-                pp_rank=0,
-                global_rank=int(meta.get("global_rank") or 0),
-            )
-        geometry = reference_kv_geometry(ref, layout if has_layout else None)
-        facts = {
-            "version": FORMAT_VERSION,
-            "state_kind": "kv",
-            "dtype": ref["dtype"],
-            "head_dim": geometry.head_dim,
-            "num_layers": layout.num_layers,
-            "num_kv_heads": layout.num_kv_heads,
-        }
-        nbytes = int(meta["num_outer"]) * int(meta["outer_stride_bytes"])
-        name = meta.get("agent_name") or f"rank{layout.global_rank}"
-        return {
-            **ref,
-            "version": FORMAT_VERSION,
-            "backend": self.name,
-            "agent_name": str(name),
-            "incarnation": 0,
-            "compat_hash": _core.compat_hash(facts),
-            "state_kind": "kv",
-            "layout": dict(layout.to_dict()),
-            "num_blocks": int(meta["num_blocks"]),
-            "tokens_per_block": geometry.tokens_per_block,
-            "head_dim": geometry.head_dim,
-            "buffer": {
-                "addr": int(meta["base_addr"]),
-                "nbytes": nbytes,
-                "device_id": int(meta.get("device_id") or 0),
-                "mem_type": str(meta.get("mem_type") or "VRAM"),
-                "shape": [],
-                "strides": [],
-                "element_size": es,
-                "axes": "reference",
-            },
-            "geometry": dict(geometry.to_dict()),
-            "reference_only": True,
-            **self._backend_fields_from_reference(meta),
-        }
+        converted: dict[str, Any] = _core.meta_from_reference(
+            meta,
+            self.name,
+            self.state_kind,
+            int(self.memory_buffer.element_size()),
+            str(self.memory_buffer.dtype),
+        )
+        return converted
 
     def _validate_peers(
         self,

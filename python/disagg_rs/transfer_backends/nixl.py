@@ -724,15 +724,6 @@ class NixlTransferBackend(TransferBackendBase):
             peer_meta = {**peer_meta, "incarnation": 0}
         return self._ctx.ensure_peer(peer_meta)
 
-    def _backend_fields_from_reference(self, meta: Mapping[str, Any]) -> dict[str, Any]:
-        blob = meta.get("agent_metadata_b64")
-        if not blob:
-            raise MetadataError(
-                f"peer metadata for {meta.get('agent_name')!r} lacks agent_metadata_b64",
-                field="agent_metadata_b64",
-            )
-        return {"agent_metadata": blob, "staging": None}
-
     # -- source side of a staged pull ----------------------------------------------------
 
     def stage_blocks(
