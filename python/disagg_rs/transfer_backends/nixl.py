@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import importlib.metadata as importlib_metadata
 import logging
@@ -292,7 +293,6 @@ class _PullPart:
     xfer: Any
     on_done: Callable[[], None] | None = None
     cleanup: Callable[[], None] | None = None
-    state: str = "PROC"
     context: str = ""
     descriptors: int = 0
     """Descriptors this read posted (1 for a staged read)."""
@@ -304,6 +304,10 @@ class _PullPart:
     step: Callable[[], str] | None = None
     """A part that drives its own reads (chunked staging): advances once, returns "PROC"
     or "DONE", raises on failure."""
+
+    def is_landed(self) -> bool:
+        """Whether the landing has completed (or there is none to wait for)."""
+        return self.landed is None or self.landed()
 
     def finish(self) -> None:
         if self.cleanup is not None:
@@ -332,6 +336,13 @@ class NixlPullHandle(TransferHandleBase):
         self.agent = agent
         self.parts = parts
         self.error = error
+        self.fold = _core.PullParts(
+            [
+                (p.step is not None, p.local, p.xfer is not None, p.on_done is not None, p.context)
+                for p in parts
+            ],
+            error,
+        )
 
     @property
     def xfers(self) -> list[Any]:
@@ -343,78 +354,49 @@ class NixlPullHandle(TransferHandleBase):
         """One label per part, for logs."""
         return [p.context for p in self.parts]
 
-    def _fail(self, part: _PullPart, message: str) -> None:
-        part.state = "ERR"
-        if self.error is None:
-            self.error = message
-
     def _progress(self) -> bool:
-        for part in self.parts:
-            if part.state == "LAND":
-                if part.landed is None or part.landed():
-                    part.state = "DONE"
-                    self._release(part)
-                continue
-            if part.state != "PROC":
-                continue
-            if part.step is not None:
-                try:
-                    if part.step() == "PROC":
-                        continue
-                    part.state = "DONE"
-                except Exception as exc:
-                    self._fail(part, f"chunked read of {part.context} failed: {exc!r}")
-                self._release(part)
-                continue
-            if part.local:
-                if part.landed is None or part.landed():
-                    part.state = "DONE"
-                    self._release(part)
-                continue
-            try:
-                state = self.agent.check_xfer_state(part.xfer)
-            except Exception as exc:
-                state = "ERR"
-                logger.debug("check_xfer_state failed: %r", exc)
-            if state not in ("DONE", "ERR"):  # "PROC" (NIXL 1.x) or any other pending state
-                continue
-            if state == "DONE":
-                part.state = "DONE"
-                if part.on_done is not None:
-                    try:
-                        part.on_done()
-                    except Exception as exc:
-                        self._fail(part, f"scatter of {part.context} failed: {exc!r}")
-                if part.state == "DONE" and part.landed is not None and not part.landed():
-                    part.state = "LAND"
-                    self._release_xfer(part)
-                    continue
-            else:
-                self._fail(part, f"NIXL reported {state} for {part.context}")
-            self._release(part)
-        return all(p.state not in ("PROC", "LAND") for p in self.parts)
+        # Rust folds the part states; Python only runs the calls it asks for.
+        parts, fold = self.parts, self.fold
+        landed, steps, xfers = fold.begin()
+        check = self.agent.check_xfer_state
+        on_done = fold.observe(
+            [parts[i].is_landed() for i in landed],
+            [_outcome(cast(Callable[[], Any], parts[i].step)) for i in steps],
+            [_outcome(functools.partial(check, parts[i].xfer)) for i in xfers],
+        )
+        settle = fold.after_on_done(
+            on_done, [_outcome(cast(Callable[[], Any], parts[i].on_done)) for i in on_done]
+        )
+        releases, terminal = fold.settle([parts[i].is_landed() for i in settle])
+        self._apply(releases)
+        return terminal
 
     def cancel(self) -> None:
         """Stop the parts still running: NIXL releases (aborts) each posted read, so nothing
         writes the destinations afterwards. The handle then counts as failed."""
-        for part in self.parts:
-            if part.state == "PROC":
-                self._fail(part, f"cancelled {part.context} at the quarantine drain horizon")
-                self._release(part)
+        self._apply(self.fold.cancel())
         self.done = True
 
-    def _release_xfer(self, part: _PullPart) -> None:
-        try:
-            if part.xfer is not None and not part.local:
-                self.agent.release_xfer_handle(part.xfer)
-        except Exception as exc:
-            logger.debug("release_xfer_handle: %r", exc)
-        part.xfer = None
+    def _apply(self, releases: tuple[list[int], list[int], list[int]]) -> None:
+        """Return the handles ``abort`` names to NIXL, forget those ``drop`` names and run
+        the cleanups ``finish`` names; take the fold's first error."""
+        abort, drop, finish = releases
+        for i in abort:
+            with contextlib.suppress(Exception):
+                self.agent.release_xfer_handle(self.parts[i].xfer)
+        for i in drop:
+            self.parts[i].xfer = None
+        for i in finish:
+            self.parts[i].finish()
+        self.error = self.fold.error
 
-    def _release(self, part: _PullPart) -> None:
-        self._release_xfer(part)
-        if part.state != "LAND":
-            part.finish()
+
+def _outcome(call: Callable[[], Any]) -> tuple[bool, str]:
+    """``(True, str(result))`` of ``call()``, or ``(False, repr(exception))``."""
+    try:
+        return True, str(call())
+    except Exception as exc:
+        return False, repr(exc)
 
 
 #: Slots of the decode's staging pool one chunked read cycles through: one landing while one

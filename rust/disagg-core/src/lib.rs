@@ -14,6 +14,7 @@ pub mod geometry;
 pub mod layout;
 pub mod ledger;
 pub mod pool;
+pub mod pull_parts;
 pub mod refmeta;
 pub mod reshard;
 pub mod staging;

@@ -44,7 +44,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             control::LinkLiveness, layout::PyKvShardLayout, layout::PySsmStateDims,
             layout::PySsmShardLayout, reshard::PyKvReshardTransfer, reshard::PyKvReshardPlan,
             reshard::PySsmReshardTransfer, reshard::PySsmReshardPlan, pool::PyBlockPool,
-            pool::PySlotPool, staging::PyStagingRanges, ledger::PyLedgerAction,
+            pool::PySlotPool, staging::PyStagingRanges, staging::PyPullParts, ledger::PyLedgerAction,
             ledger::PyImportLedger, ledger::PyPinLedger, ledger::PyCompletionQuorum,
             geometry::PyKvGeometry, geometry::PySsmGeometry, compile::PyTransferProgram,
             wire::PyPeer, wire::PyPeerTable, driver::PyEngineDriverState
