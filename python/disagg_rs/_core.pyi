@@ -860,6 +860,12 @@ def plan_buffer(
 def meta_from_reference(
     meta: Any, backend: str, state_kind: str, element_size: int, dtype: str
 ) -> dict[str, Any]: ...
+def pull_route(
+    sources: Sequence[tuple[int, bool, int]],
+    known: Sequence[int],
+    tickets: Sequence[tuple[int, bool, int]],
+    has_staging: bool,
+) -> list[tuple[int, bool, int]]: ...
 def rows_by_region(
     rows: _U64Array, form: Literal["gather", "scatter"], regions: Any
 ) -> list[tuple[int, _U64Array]]: ...

@@ -47,7 +47,6 @@ from disagg_rs.exceptions import (
     BlockIdError,
     CapacityError,
     GeometryMismatchError,
-    MetadataError,
     TransferError,
     TransferStartError,
 )
@@ -862,28 +861,13 @@ class NixlTransferBackend(TransferBackendBase):
             metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, self.mode
         )
         plans = self._pull_plans(metas, by_rank, program)
-        plan: list[tuple[int, str]] = []
-        for rank in program.src_ranks:
-            if rank not in by_rank:
-                raise MetadataError(
-                    f"the plan reads source rank {rank} but no metadata names it",
-                    field="peer_meta",
-                )
-            ticket = tickets.get(rank)
-            # Read the packed copy when the source made one and the compiler prefers staging
-            # for this rank; otherwise read the blocks directly (always possible).
-            if ticket is not None and ticket["staged"] and program.mode(rank) == "staged":
-                if int(ticket["nbytes"]) != int(program.packed_bytes(rank)):
-                    raise MetadataError(
-                        f"ticket of rank {rank} packs {ticket['nbytes']} bytes, the plan "
-                        f"{program.packed_bytes(rank)}",
-                        field="staged",
-                    )
-                plan.append((rank, "staged"))
-            else:
-                plan.append((rank, "direct"))
-        if any(kind == "staged" for _, kind in plan) and self.staging_buffer is None:
-            raise CapacityError("staged pull needs staging_bytes > 0", field="staging_bytes")
+        # Per source in plan order: its staged copy or its blocks (decided in Rust).
+        route = _core.pull_route(
+            [(r, program.mode(r) == "staged", program.packed_bytes(r)) for r in program.src_ranks],
+            list(by_rank),
+            [(r, bool(t["staged"]), int(t["nbytes"])) for r, t in tickets.items()],
+            self.staging_buffer is not None,
+        )
         # Every remote byte a descriptor names lies in the source's exported regions, every
         # local byte in this rank's; a range running across per-layer tensors is split.
         by_peer = {p.global_rank: p for p in peers}
@@ -892,14 +876,12 @@ class NixlTransferBackend(TransferBackendBase):
         def direct_rows(rank: int) -> tuple[Any, Any]:
             return by_peer[rank].split_descriptors(*program.direct_descriptors(rank), me)  # type: ignore[no-any-return]
 
-        rows = {rank: direct_rows(rank) for rank, kind in plan if kind == "direct"}
-        agents = {rank: self._ensure_peer_registered(by_rank[rank]) for rank, _ in plan}
+        rows = {rank: direct_rows(rank) for rank, packed, _ in route if not packed}
+        agents = {rank: self._ensure_peer_registered(by_rank[rank]) for rank, _, _ in route}
         parts: list[_PullPart] = []
         error: str | None = None
-        # Staged reads still to post: a chunked read takes its share of the free pool.
-        staged_left = sum(kind == "staged" for _, kind in plan)
-        for rank, kind in plan:
-            staged_left -= kind == "staged"
+        # A chunked read takes its share of the free pool (staged reads still to post).
+        for rank, packed, share in route:
             try:
                 part = (
                     self._post_staged(
@@ -910,10 +892,10 @@ class NixlTransferBackend(TransferBackendBase):
                         agents[rank],
                         (plans or {}).get(rank),
                         (src_block_ids, dst_block_ids, num_tokens),
-                        share=staged_left + 1,
+                        share=share,
                         direct=direct_rows,
                     )
-                    if kind == "staged"
+                    if packed
                     else self._post_direct(rows[rank], rank, by_rank[rank], agents[rank])
                 )
             except Exception as exc:
