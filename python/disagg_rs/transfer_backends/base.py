@@ -230,19 +230,6 @@ def check_meta_fields(meta: Any, backend: str) -> PeerMeta:
     return meta  # type: ignore[no-any-return]
 
 
-def _check_type(value: Any, types: tuple[type, ...], field: str) -> None:
-    """Reject a mistyped metadata field (a bool is not an int; ints are never negative)."""
-    ok = isinstance(value, types) and not isinstance(value, bool)
-    if ok and isinstance(value, int) and value < 0:
-        ok = False
-    if not ok:
-        names = " or ".join("None" if t is type(None) else t.__name__ for t in types)
-        raise MetadataError(
-            f"peer metadata field {field!r} must be a non-negative {names}, got {value!r:.60}",
-            field=field,
-        )
-
-
 # -- the reference design's registry, geometry and peer wrappers ------------------------------
 
 #: The reference design's name for "a transfer backend class" (its registry's return type).
@@ -352,32 +339,6 @@ def compute_buffer_geometry(
     return BufferGeometry(**fields)
 
 
-def _kv_layout(
-    *,
-    num_layers: Any,
-    num_kv_heads: Any,
-    tp_size: Any,
-    tp_rank: Any,
-    pp_size: Any,
-    pp_rank: Any,
-    global_rank: Any,
-    layer_start: Any,
-    layer_end: Any,
-) -> _core.KVShardLayout:
-    """A ``KVShardLayout`` with an explicit layer window ``[layer_start, layer_end)``."""
-    return _core.KVShardLayout(
-        num_layers=int(num_layers),
-        num_kv_heads=int(num_kv_heads),
-        tp_size=int(tp_size),
-        tp_rank=int(tp_rank),
-        pp_size=int(pp_size),
-        pp_rank=int(pp_rank),
-        global_rank=int(global_rank),
-        layer_start=int(layer_start),
-        num_local_layers=int(layer_end) - int(layer_start),
-    )
-
-
 #: The reference design's KV layout fields in peer metadata.
 REFERENCE_LAYOUT_FIELDS = (
     "global_rank",
@@ -407,22 +368,8 @@ def kv_layout_from_meta(meta: Mapping[str, Any]) -> _core.KVShardLayout:
 
     Raises ``MetadataError`` naming the missing fields, ``LayoutError`` on invalid values.
     """
-    missing = [k for k in REFERENCE_LAYOUT_FIELDS if meta.get(k) is None]
-    if missing:
-        raise MetadataError(f"peer metadata lacks KV layout fields {missing}", field=missing[0])
-    for key in REFERENCE_LAYOUT_FIELDS:
-        _check_type(meta[key], (int,), key)
-    return _kv_layout(
-        num_layers=meta["num_layers_global"],
-        num_kv_heads=meta["num_kv_heads_global"],
-        tp_size=meta["tp_size"],
-        tp_rank=meta["tp_rank"],
-        pp_size=meta["pp_size"],
-        pp_rank=meta["pp_rank"],
-        global_rank=meta["global_rank"],
-        layer_start=meta["layer_start"],
-        layer_end=meta["layer_end"],
-    )
+    layout: _core.KVShardLayout = _core.kv_layout_from_reference(meta)
+    return layout
 
 
 def _ssm_reference_dict(layout: _core.SSMShardLayout) -> dict[str, Any]:

@@ -3,12 +3,14 @@
 //! `(meta, block_ids)` records, count a handoff's blocks, and drop a cached prefix. Block id lists
 //! are parsed here, once, into `u32` (a negative or oversized id is a `BlockIdError`).
 
+use disagg_core::wire::value::Obj;
 use disagg_core::{refmeta, DisaggError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::args::wire_dict_to_py;
 use crate::error::{to_pyerr, IntoPyResult};
+use crate::layout::PyKvShardLayout;
 use crate::wire::to_wire;
 
 /// One record: a peer's metadata dict and the block ids to move from it.
@@ -168,4 +170,12 @@ pub fn meta_from_reference<'py>(
     let local = refmeta::LocalFacts { backend, state_kind, element_size, dtype };
     let out = refmeta::meta_from_reference(&to_wire(meta, "peer_meta")?, &local).py()?;
     wire_dict_to_py(meta.py(), &out)
+}
+
+/// The KV layout of the reference design's nine layout fields of a peer dict.
+#[pyfunction]
+pub fn kv_layout_from_reference(meta: &Bound<'_, PyAny>) -> PyResult<PyKvShardLayout> {
+    let wire = to_wire(meta, "peer_meta")?;
+    let inner = refmeta::kv_layout_from_reference(&Obj::of(&wire, "").py()?).py()?;
+    Ok(PyKvShardLayout { inner })
 }
