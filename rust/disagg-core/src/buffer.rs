@@ -128,6 +128,49 @@ pub struct BufferPlan {
     pub geometry: WireValue,
 }
 
+fn opt_int(v: Option<i128>) -> WireValue {
+    v.map_or(WireValue::Null, WireValue::Int)
+}
+
+impl RefGeometry {
+    /// The fields as a wire dict, `layout` left out (the bindings hand out the layout object).
+    pub fn to_wire(&self) -> WireValue {
+        let int = |v: u64| WireValue::Int(i128::from(v));
+        WireValue::Map(
+            [
+                ("buf_ptr", int(self.buf_ptr)),
+                ("element_size", int(self.element_size.into())),
+                ("device_id", int(self.device_id)),
+                ("blocks_axis", int(self.blocks_axis as u64)),
+                ("num_blocks", int(self.num_blocks)),
+                ("num_outer", int(self.num_outer)),
+                ("bytes_per_slice", int(self.bytes_per_slice)),
+                ("outer_stride_bytes", int(self.outer_stride_bytes)),
+                ("heads_per_partition", opt_int(self.heads_per_partition)),
+                ("head_dim", opt_int(self.head_dim)),
+                ("tokens_per_block", opt_int(self.tokens_per_block)),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect(),
+        )
+    }
+}
+
+impl BufferPlan {
+    /// The plan as a wire dict, the layouts left out (the bindings hand out the objects).
+    pub fn to_wire(&self) -> WireValue {
+        WireValue::Map(vec![
+            ("state_kind".into(), WireValue::Str(self.state_kind.into())),
+            ("axes".into(), WireValue::Str(self.axes.clone())),
+            ("head_dim".into(), WireValue::Int(self.head_dim.into())),
+            ("tokens_per_block".into(), opt_int(self.tokens_per_block.map(i128::from))),
+            ("geometry".into(), self.geometry.clone()),
+            ("reference".into(), self.reference.to_wire()),
+        ])
+    }
+}
+
 fn mismatch(field: &str, detail: String) -> DisaggError {
     DisaggError::geometry(field, detail)
 }

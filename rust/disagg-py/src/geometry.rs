@@ -4,7 +4,7 @@
 //! `shape`, `stride()`, `element_size()`, `dtype`, `device`; numpy: `__array_interface__`,
 //! `strides`, `itemsize`, `dtype`); nothing here imports torch.
 
-use disagg_core::buffer::{self, BufferArgs, LayoutArgs, RefGeometry};
+use disagg_core::buffer::{self, BufferArgs, LayoutArgs};
 use disagg_core::geometry::TensorView;
 use disagg_core::wire::value::{Obj, WireValue};
 use disagg_core::{
@@ -453,24 +453,11 @@ pub fn plan_buffer<'py>(
     let kv_obj = |l: Option<KvShardLayout>| -> PyResult<Option<Py<PyAny>>> {
         l.map(|inner| Py::new(py, PyKvShardLayout { inner }).map(Py::into_any)).transpose()
     };
-    let reference = |r: RefGeometry| -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("buf_ptr", r.buf_ptr)?;
-        d.set_item("element_size", r.element_size)?;
-        d.set_item("device_id", r.device_id)?;
-        d.set_item("blocks_axis", r.blocks_axis)?;
-        d.set_item("num_blocks", r.num_blocks)?;
-        d.set_item("num_outer", r.num_outer)?;
-        d.set_item("bytes_per_slice", r.bytes_per_slice)?;
-        d.set_item("outer_stride_bytes", r.outer_stride_bytes)?;
-        d.set_item("heads_per_partition", r.heads_per_partition)?;
-        d.set_item("head_dim", r.head_dim)?;
-        d.set_item("tokens_per_block", r.tokens_per_block)?;
-        d.set_item("layout", kv_obj(r.layout)?)?;
-        Ok(d)
-    };
     if reference_only {
-        return reference(buffer::reference_geometry(&a).py()?);
+        let r = buffer::reference_geometry(&a).py()?;
+        let d = wire_dict_to_py(py, &r.to_wire())?;
+        d.set_item("layout", kv_obj(r.layout)?)?;
+        return Ok(d);
     }
     buffer::check_buffer_args(&a).py()?;
     let layer = match &layers {
@@ -478,16 +465,13 @@ pub fn plan_buffer<'py>(
         None => None,
     };
     let p = buffer::plan_buffer(&a, layer.as_ref()).py()?;
-    let out = PyDict::new(py);
-    out.set_item("state_kind", p.state_kind)?;
-    out.set_item("axes", p.axes)?;
+    let out = wire_dict_to_py(py, &p.to_wire())?;
+    let reference = wire_dict_to_py(py, &p.reference.to_wire())?;
+    reference.set_item("layout", kv_obj(p.reference.layout)?)?;
+    out.set_item("reference", reference)?;
     match p.kv_layout {
         Some(l) => out.set_item("layout", kv_obj(Some(l))?)?,
         None => out.set_item("layout", ssm_layout)?,
     }
-    out.set_item("head_dim", p.head_dim)?;
-    out.set_item("tokens_per_block", p.tokens_per_block)?;
-    out.set_item("geometry", wire_dict_to_py(py, &p.geometry)?)?;
-    out.set_item("reference", reference(p.reference)?)?;
     Ok(out)
 }
