@@ -403,6 +403,28 @@ class BlockPool:
     def __len__(self) -> int: ...
 
 @final
+class PullParts:
+    def __new__(
+        cls, parts: Sequence[tuple[bool, bool, bool, bool, str]], error: str | None = None
+    ) -> PullParts: ...
+    @property
+    def error(self) -> str | None: ...
+    def begin(self) -> tuple[list[int], list[int], list[int]]: ...
+    def observe(
+        self,
+        landed: Sequence[bool],
+        steps: Sequence[tuple[bool, str]],
+        xfers: Sequence[tuple[bool, str]],
+    ) -> list[int]: ...
+    def after_on_done(
+        self, asked: Sequence[int], done: Sequence[tuple[bool, str]]
+    ) -> list[int]: ...
+    def settle(
+        self, landed: Sequence[bool]
+    ) -> tuple[tuple[list[int], list[int], list[int]], bool]: ...
+    def cancel(self) -> tuple[list[int], list[int], list[int]]: ...
+
+@final
 class StagingRanges:
     def __new__(cls, capacity: int, alignment: int = 256) -> StagingRanges: ...
     @property
@@ -811,6 +833,41 @@ class Peer:
         self, src_rows: _U64Array, dst_rows: _U64Array, local: Peer
     ) -> tuple[_U64Array, _U64Array]: ...
 
+def plan_buffer(
+    tensor: Any,
+    layers: Any,
+    ssm_layout: SSMShardLayout | None,
+    *,
+    backend: str,
+    contiguous: bool,
+    expected_num_blocks: int,
+    tp_size: int | None = None,
+    tp_rank: int | None = None,
+    num_kv_heads_global: int | None = None,
+    heads_per_partition: int | None = None,
+    head_dim: int | None = None,
+    tokens_per_block: int | None = None,
+    global_rank: int | None = None,
+    pp_size: int | None = None,
+    pp_rank: int | None = None,
+    num_layers_global: int | None = None,
+    layer_start: int | None = None,
+    layer_end: int | None = None,
+    ssm_state_kind: str | None = None,
+    axes: str | None = None,
+    blocks_axis: int | None = None,
+    reference_only: bool = False,
+) -> dict[str, Any]: ...
+def kv_layout_from_reference(meta: Any) -> KVShardLayout: ...
+def meta_from_reference(
+    meta: Any, backend: str, state_kind: str, element_size: int, dtype: str
+) -> dict[str, Any]: ...
+def pull_route(
+    sources: Sequence[tuple[int, bool, int]],
+    known: Sequence[int],
+    tickets: Sequence[tuple[int, bool, int]],
+    has_staging: bool,
+) -> list[tuple[int, bool, int]]: ...
 def rows_by_region(
     rows: _U64Array, form: Literal["gather", "scatter"], regions: Any
 ) -> list[tuple[int, _U64Array]]: ...

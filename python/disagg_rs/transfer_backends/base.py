@@ -47,11 +47,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-import disagg_rs
 from disagg_rs import _core
 from disagg_rs.exceptions import (
     GeometryMismatchError,
-    LayoutError,
     MetadataError,
     TransferError,
     TransferStartError,
@@ -87,18 +85,6 @@ FORMAT_VERSION = 1
 
 #: Default axis order of a KV buffer: Megatron's ``[2, L, B, T, H, d]``.
 KV_AXES = "kv layer block token head dim"
-
-#: Default axes of each per-layer KV tensor: NHD ``[2, B, T, H, d]``.
-LAYER_KV_AXES = "kv block token head dim"
-
-#: Compiler geometry field of each axis (the sizes of a per-layer cache).
-_GEOMETRY_AXES = {
-    "layer": "num_layers",
-    "block": "num_blocks",
-    "token": "tokens_per_block",
-    "head": "num_heads",
-    "dim": "head_dim",
-}
 
 #: Axis order of the SSM buffers: conv ``[L, slots, C, d_conv]``, recurrent ``[L, slots, H, p, n]``.
 SSM_AXES: dict[str, str] = {"conv": "layer slot channel conv", "recurrent": "layer slot head p n"}
@@ -237,44 +223,11 @@ def _buffer_info(
     }
 
 
-def _compiler_geometry(
-    tensor: torch.Tensor, kind: StateKind, axes: str, layers: Sequence[Any] | None = None
-) -> dict[str, Any] | None:
-    """The compiler's geometry dict for ``tensor`` (or the per-layer list ``layers``), or
-    ``None`` if this build has none."""
-    if kind != "kv":
-        ssm_cls = getattr(disagg_rs, "SSMGeometry", None)
-        if ssm_cls is None:
-            return None
-        device = tensor.device.index if tensor.is_cuda else None
-        return dict(ssm_cls.from_tensors(**{kind: tensor}, device_id=device).to_dict())
-    kv_cls = getattr(disagg_rs, "KVGeometry", None)
-    if kv_cls is None:
-        return None
-    device_id = tensor.device.index if tensor.is_cuda else None
-    if layers is not None:
-        return dict(kv_cls.from_layer_tensors(layers, axes=axes, device_id=device_id).to_dict())
-    return dict(kv_cls.from_tensor(tensor, axes=axes, device_id=device_id).to_dict())
-
-
 def check_meta_fields(meta: Any, backend: str) -> PeerMeta:
     """Reject metadata that is not a dict of this schema (missing or mistyped field, version,
     backend, size caps): ``MetadataError`` naming the field. Parsed in Rust."""
     _core.parse_peer_meta(meta, backend)
     return meta  # type: ignore[no-any-return]
-
-
-def _check_type(value: Any, types: tuple[type, ...], field: str) -> None:
-    """Reject a mistyped metadata field (a bool is not an int; ints are never negative)."""
-    ok = isinstance(value, types) and not isinstance(value, bool)
-    if ok and isinstance(value, int) and value < 0:
-        ok = False
-    if not ok:
-        names = " or ".join("None" if t is type(None) else t.__name__ for t in types)
-        raise MetadataError(
-            f"peer metadata field {field!r} must be a non-negative {names}, got {value!r:.60}",
-            field=field,
-        )
 
 
 # -- the reference design's registry, geometry and peer wrappers ------------------------------
@@ -360,125 +313,30 @@ def compute_buffer_geometry(
     against the buffer (``[2, L, B, T, H, d]``). Raises ``LayoutError`` /
     ``GeometryMismatchError`` (both ``ValueError``) naming the field.
     """
-    if ssm_state_kind not in (None, "conv", "recurrent"):
-        raise LayoutError(
-            f"{backend_name}: ssm_state_kind must be 'conv' or 'recurrent', got {ssm_state_kind!r}",
-            field="ssm_state_kind",
-        )
-    if (ssm_layout is None) != (ssm_state_kind is None):
-        raise LayoutError(
-            f"{backend_name}: ssm_layout and ssm_state_kind go together (got layout="
-            f"{ssm_layout!r}, kind={ssm_state_kind!r})",
-            field="ssm_state_kind",
-        )
-    shape = [int(d) for d in memory_buffer.shape]
-    if blocks_axis is None:
-        if ssm_layout is not None:
-            blocks_axis = 1
-        else:
-            axes = [i for i, d in enumerate(shape) if d == expected_num_blocks]
-            if len(axes) != 1:
-                raise GeometryMismatchError(
-                    f"{backend_name}: {len(axes)} axes of memory_buffer shape {shape} have "
-                    f"expected_num_blocks={expected_num_blocks} entries (need exactly one); "
-                    "pass axes=... to name them",
-                    field="expected_num_blocks",
-                )
-            blocks_axis = axes[0]
-    if not 0 <= blocks_axis < len(shape) or shape[blocks_axis] != expected_num_blocks:
-        raise GeometryMismatchError(
-            f"{backend_name}: memory_buffer shape {shape} has no {expected_num_blocks}-entry "
-            f"blocks axis at {blocks_axis}",
-            field="expected_num_blocks",
-        )
-    element_size = int(memory_buffer.element_size())
-    num_outer = int(np.prod(shape[:blocks_axis], dtype=np.int64))
-    bytes_per_slice = element_size * int(np.prod(shape[blocks_axis + 1 :], dtype=np.int64))
-    layout = None
-    full = (
-        global_rank,
-        tp_size,
-        tp_rank,
-        pp_size,
-        pp_rank,
-        num_layers_global,
-        num_kv_heads_global,
-        heads_per_partition,
-        head_dim,
-        tokens_per_block,
-        layer_start,
-        layer_end,
-    )
-    if ssm_layout is None and None not in full:
-        layout = _kv_layout(
-            num_layers=num_layers_global,
-            num_kv_heads=num_kv_heads_global,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            pp_size=pp_size,
-            pp_rank=pp_rank,
-            global_rank=global_rank,
-            layer_start=layer_start,
-            layer_end=layer_end,
-        )
-        if blocks_axis != 2 or len(shape) != 6:
-            raise GeometryMismatchError(
-                f"{backend_name}: a KV cache with a layout is [2, L, B, T, H, d]; shape "
-                f"{shape} has its blocks on axis {blocks_axis}",
-                field="memory_buffer",
-            )
-        if layout.heads_per_partition != heads_per_partition:
-            raise GeometryMismatchError(
-                f"{backend_name}: heads_per_partition={heads_per_partition} but the KV "
-                f"layout gives {layout.heads_per_partition}",
-                field="heads_per_partition",
-            )
-        if num_outer % layout.num_local_layers:
-            raise GeometryMismatchError(
-                f"{backend_name}: {num_outer} outer slices are not a multiple of the "
-                f"{layout.num_local_layers} local layers",
-                field="memory_buffer",
-            )
-    return BufferGeometry(
-        buf_ptr=int(memory_buffer.data_ptr()),
-        element_size=element_size,
-        device_id=int(memory_buffer.device.index or 0) if memory_buffer.is_cuda else 0,
-        blocks_axis=int(blocks_axis),
-        num_blocks=int(expected_num_blocks),
-        num_outer=num_outer,
-        bytes_per_slice=bytes_per_slice,
-        outer_stride_bytes=int(expected_num_blocks) * bytes_per_slice,
+    fields = _core.plan_buffer(
+        memory_buffer,
+        None,
+        ssm_layout,
+        backend=backend_name,
+        contiguous=True,
+        expected_num_blocks=expected_num_blocks,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        num_kv_heads_global=num_kv_heads_global,
         heads_per_partition=heads_per_partition,
         head_dim=head_dim,
         tokens_per_block=tokens_per_block,
-        layout=layout,
+        global_rank=global_rank,
+        pp_size=pp_size,
+        pp_rank=pp_rank,
+        num_layers_global=num_layers_global,
+        layer_start=layer_start,
+        layer_end=layer_end,
+        ssm_state_kind=ssm_state_kind,
+        blocks_axis=blocks_axis,
+        reference_only=True,
     )
-
-
-def _kv_layout(
-    *,
-    num_layers: Any,
-    num_kv_heads: Any,
-    tp_size: Any,
-    tp_rank: Any,
-    pp_size: Any,
-    pp_rank: Any,
-    global_rank: Any,
-    layer_start: Any,
-    layer_end: Any,
-) -> _core.KVShardLayout:
-    """A ``KVShardLayout`` with an explicit layer window ``[layer_start, layer_end)``."""
-    return _core.KVShardLayout(
-        num_layers=int(num_layers),
-        num_kv_heads=int(num_kv_heads),
-        tp_size=int(tp_size),
-        tp_rank=int(tp_rank),
-        pp_size=int(pp_size),
-        pp_rank=int(pp_rank),
-        global_rank=int(global_rank),
-        layer_start=int(layer_start),
-        num_local_layers=int(layer_end) - int(layer_start),
-    )
+    return BufferGeometry(**fields)
 
 
 #: The reference design's KV layout fields in peer metadata.
@@ -510,22 +368,8 @@ def kv_layout_from_meta(meta: Mapping[str, Any]) -> _core.KVShardLayout:
 
     Raises ``MetadataError`` naming the missing fields, ``LayoutError`` on invalid values.
     """
-    missing = [k for k in REFERENCE_LAYOUT_FIELDS if meta.get(k) is None]
-    if missing:
-        raise MetadataError(f"peer metadata lacks KV layout fields {missing}", field=missing[0])
-    for key in REFERENCE_LAYOUT_FIELDS:
-        _check_type(meta[key], (int,), key)
-    return _kv_layout(
-        num_layers=meta["num_layers_global"],
-        num_kv_heads=meta["num_kv_heads_global"],
-        tp_size=meta["tp_size"],
-        tp_rank=meta["tp_rank"],
-        pp_size=meta["pp_size"],
-        pp_rank=meta["pp_rank"],
-        global_rank=meta["global_rank"],
-        layer_start=meta["layer_start"],
-        layer_end=meta["layer_end"],
-    )
+    layout: _core.KVShardLayout = _core.kv_layout_from_reference(meta)
+    return layout
 
 
 def _ssm_reference_dict(layout: _core.SSMShardLayout) -> dict[str, Any]:
@@ -624,70 +468,6 @@ def transfer_peer_records(
     return records
 
 
-def reference_kv_geometry(meta: Mapping[str, Any], layout: _core.KVShardLayout | None) -> Any:
-    """The descriptor compiler's ``KVGeometry`` for a buffer the reference design describes.
-
-    With a KV layout the buffer is ``[2, L, B, T, H, d]``; without one it is the reference's
-    matched layout ``[outer..., B, slice]``, seen as ``num_outer`` one-token planes.
-    """
-    es = int(meta["element_size"])
-    bps = int(meta["bytes_per_slice"])
-    outer = int(meta["num_outer"])
-    bases = (
-        int(meta["base_addr"])
-        + np.arange(outer, dtype=np.uint64) * np.uint64(int(meta["outer_stride_bytes"]))
-    ).tolist()
-    device = int(meta.get("device_id") or 0)
-    # The compiler's dtype names drop torch's prefix ("float32", as KVGeometry.from_tensor).
-    dtype = None if meta.get("dtype") is None else str(meta["dtype"]).removeprefix("torch.")
-    if layout is None:
-        return disagg_rs.KVGeometry(
-            num_kv=1,
-            num_layers=outer,
-            num_blocks=int(meta["num_blocks"]),
-            tokens_per_block=1,
-            num_heads=1,
-            head_dim=bps // es,
-            element_size=es,
-            block_stride=bps,
-            token_stride=bps,
-            head_stride=bps,
-            plane_bases=bases,
-            device_id=device,
-            dtype=dtype,
-        )
-    heads = int(meta["heads_per_partition"])
-    dim = int(meta["head_dim"])
-    tokens = int(meta["tokens_per_block"])
-    if int(meta["blocks_axis"]) != 2 or outer != 2 * layout.num_local_layers:
-        raise GeometryMismatchError(
-            f"peer {meta.get('agent_name')!r}: blocks_axis={meta['blocks_axis']} and "
-            f"num_outer={outer} do not describe [2, {layout.num_local_layers}, B, T, H, d]",
-            field="num_outer",
-        )
-    if bps != tokens * heads * dim * es:
-        raise GeometryMismatchError(
-            f"peer {meta.get('agent_name')!r}: bytes_per_slice={bps} != tokens_per_block "
-            f"x heads_per_partition x head_dim x element_size = {tokens * heads * dim * es}",
-            field="bytes_per_slice",
-        )
-    return disagg_rs.KVGeometry(
-        num_kv=2,
-        num_layers=layout.num_local_layers,
-        num_blocks=int(meta["num_blocks"]),
-        tokens_per_block=tokens,
-        num_heads=heads,
-        head_dim=dim,
-        element_size=es,
-        block_stride=bps,
-        token_stride=heads * dim * es,
-        head_stride=dim * es,
-        plane_bases=bases,
-        device_id=device,
-        dtype=dtype,
-    )
-
-
 class TransferBackendBase:
     """State shared by both backends: the rank's buffer, its layout and its metadata.
 
@@ -729,20 +509,6 @@ class TransferBackendBase:
         #: as given), each one region of the exported ``buffer.regions``.
         self.region_tensors: list[torch.Tensor] = _region_tensors(memory_buffer)
         memory_buffer = self.region_tensors[0]
-        if not all(t.is_contiguous() for t in self.region_tensors):
-            raise GeometryMismatchError(
-                "memory_buffer must be contiguous (register the whole cache, not a view)",
-                field="memory_buffer",
-            )
-        self._layer_geometry: dict[str, Any] | None = None
-        if layers is not None:
-            if ssm_layout is not None or ssm_state_kind is not None:
-                raise LayoutError(
-                    "SSM state is one [L, slots, ...] tensor per kind, not a per-layer list",
-                    field="memory_buffer",
-                )
-            axes = axes or LAYER_KV_AXES
-            self._layer_geometry = _compiler_geometry(memory_buffer, "kv", axes, layers)
         self.agent_name = agent_name
         self.memory_buffer = memory_buffer
         self.expected_num_blocks = int(expected_num_blocks)
@@ -750,69 +516,39 @@ class TransferBackendBase:
         self.compiler: ProgramCompiler = compiler or rust_program_compiler
         self.clock = clock
         self.incarnation = int(incarnation if incarnation is not None else time.time_ns())
-        self.layout: _core.KVShardLayout | _core.SSMShardLayout
-        self.tokens_per_block: int | None
-        if ssm_layout is not None or ssm_state_kind is not None:
-            if ssm_layout is None or ssm_state_kind not in SSM_AXES:
-                raise LayoutError(
-                    "SSM state needs both ssm_layout and ssm_state_kind in ('conv', "
-                    f"'recurrent'); got layout={ssm_layout!r}, kind={ssm_state_kind!r}",
-                    field="ssm_state_kind",
-                )
-            self.state_kind: StateKind = "conv" if ssm_state_kind == "conv" else "recurrent"
-            self.layout = ssm_layout
-            self.axes = axes or SSM_AXES[self.state_kind]
-            self.tokens_per_block = None
-            self.head_dim = ssm_layout.dims.head_dim
-            self._check_ssm_shape(ssm_layout)
-        elif axes is None and memory_buffer.dim() != len(KV_AXES.split()):
-            # The reference design's matched layout: any [outer..., B, inner...] buffer, moved
-            # in whole (outer, block) slices between peers of one shape.
-            self.state_kind = "kv"
-            self.axes = "outer block slice"
-            self.layout = self._matched_layout(global_rank)
-        else:
-            self.state_kind = "kv"
-            self.axes = axes or KV_AXES
-            self.layout = self._kv_layout(
-                tp_size,
-                tp_rank,
-                num_kv_heads_global,
-                heads_per_partition,
-                head_dim,
-                tokens_per_block,
-                global_rank,
-                pp_size,
-                pp_rank,
-                num_layers_global,
-                layer_start,
-                layer_end,
-            )
-        self.buffer_info = _buffer_info(memory_buffer, self.axes, self.region_tensors)
-        # The reference design's description of the same buffer (exported beside ours).
-        self._geometry = compute_buffer_geometry(
+        # Kind, axes, layout and both geometries, inferred and checked in Rust.
+        plan = _core.plan_buffer(
             memory_buffer,
-            self.expected_num_blocks,
-            backend_name=type(self).__name__,
+            layers,
+            ssm_layout,
+            backend=type(self).__name__,
+            contiguous=all(t.is_contiguous() for t in self.region_tensors),
+            expected_num_blocks=self.expected_num_blocks,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            num_kv_heads_global=num_kv_heads_global,
             heads_per_partition=heads_per_partition,
-            head_dim=head_dim if self.state_kind == "kv" else None,
+            head_dim=head_dim,
             tokens_per_block=tokens_per_block,
-            ssm_layout=ssm_layout,
+            global_rank=global_rank,
+            pp_size=pp_size,
+            pp_rank=pp_rank,
+            num_layers_global=num_layers_global,
+            layer_start=layer_start,
+            layer_end=layer_end,
             ssm_state_kind=ssm_state_kind,
-            blocks_axis=self._blocks_axis_index(),
+            axes=axes,
         )
-        if isinstance(self.layout, _core.KVShardLayout) and self.axes != "outer block slice":
-            self._geometry.layout = self.layout
-            self._geometry.heads_per_partition = self.layout.heads_per_partition
-            self._geometry.head_dim = self.head_dim
-            self._geometry.tokens_per_block = self.tokens_per_block
-        self.geometry: dict[str, Any] | None
-        if self.axes == "outer block slice":
-            self.geometry = dict(reference_kv_geometry(self._reference_fields(), None).to_dict())
-        elif self._layer_geometry is not None:
-            self.geometry = self._layer_geometry
-        else:
-            self.geometry = _compiler_geometry(memory_buffer, self.state_kind, self.axes)
+        self.state_kind: StateKind = plan["state_kind"]
+        self.axes: str = plan["axes"]
+        self.layout: _core.KVShardLayout | _core.SSMShardLayout = plan["layout"]
+        self.head_dim: int = plan["head_dim"]
+        self.tokens_per_block: int | None = plan["tokens_per_block"]
+        self.buffer_info = _buffer_info(memory_buffer, self.axes, self.region_tensors)
+        #: The reference design's description of the same buffer (exported beside ours).
+        self._geometry = BufferGeometry(**plan["reference"])
+        #: The descriptor compiler's geometry dict.
+        self.geometry: dict[str, Any] | None = plan["geometry"]
         # The reference design's private attribute names, for code written against it.
         self._memory_buffer = memory_buffer
         self._buf_ptr = self._geometry.buf_ptr
@@ -832,37 +568,6 @@ class TransferBackendBase:
 
     # -- construction helpers ------------------------------------------------------------
 
-    def _blocks_axis_index(self) -> int | None:
-        """Index of the block (KV) or slot (SSM) axis; ``None``: find it by its size."""
-        if self.state_kind != "kv":
-            return 1
-        names = self.axes.split()
-        if self.axes == "outer block slice" or "block" not in names:
-            return None
-        return names.index("block")
-
-    def _matched_layout(self, global_rank: int | None) -> _core.KVShardLayout:
-        """Layout of a matched-layout buffer: one head, one token, ``num_outer`` layers."""
-        geo = compute_buffer_geometry(
-            self.memory_buffer, self.expected_num_blocks, backend_name=type(self).__name__
-        )
-        if geo.bytes_per_slice == 0 or geo.num_outer == 0:
-            raise GeometryMismatchError(
-                f"memory_buffer shape {list(self.memory_buffer.shape)} holds no bytes per block",
-                field="memory_buffer",
-            )
-        self.head_dim = geo.bytes_per_slice // geo.element_size
-        self.tokens_per_block = 1
-        return _core.KVShardLayout(
-            num_layers=geo.num_outer,
-            num_kv_heads=1,
-            tp_size=1,
-            tp_rank=0,
-            pp_size=1,
-            pp_rank=0,
-            global_rank=global_rank or 0,
-        )
-
     def _reference_fields(self) -> dict[str, Any]:
         """The reference design's metadata fields of this buffer (plus ``dtype``)."""
         meta = export_geometry_meta(
@@ -870,108 +575,6 @@ class TransferBackendBase:
         )
         meta["dtype"] = str(self.memory_buffer.dtype)
         return meta
-
-    def _axis_size(self, name: str) -> int:
-        if self._layer_geometry is not None:  # per-layer tensors: read off the geometry
-            return int(self._layer_geometry[_GEOMETRY_AXES[name]])
-        names = self.axes.split()
-        if len(names) != self.memory_buffer.dim():
-            raise GeometryMismatchError(
-                f"axes {self.axes!r} name {len(names)} axes but memory_buffer has "
-                f"{self.memory_buffer.dim()}",
-                field="axes",
-            )
-        if name not in names:
-            raise GeometryMismatchError(f"axes {self.axes!r} lack axis {name!r}", field="axes")
-        return int(self.memory_buffer.shape[names.index(name)])
-
-    def _kv_layout(
-        self,
-        tp_size: int | None,
-        tp_rank: int | None,
-        num_kv_heads_global: int | None,
-        heads_per_partition: int | None,
-        head_dim: int | None,
-        tokens_per_block: int | None,
-        global_rank: int | None,
-        pp_size: int | None,
-        pp_rank: int | None,
-        num_layers_global: int | None,
-        layer_start: int | None,
-        layer_end: int | None,
-    ) -> _core.KVShardLayout:
-        local_layers = self._axis_size("layer")
-        blocks = self._axis_size("block")
-        tokens = self._axis_size("token")
-        heads = self._axis_size("head")
-        dim = self._axis_size("dim")
-        for field, given, actual in (
-            ("expected_num_blocks", self.expected_num_blocks, blocks),
-            ("heads_per_partition", heads_per_partition, heads),
-            ("head_dim", head_dim, dim),
-            ("tokens_per_block", tokens_per_block, tokens),
-        ):
-            if given is not None and given != actual:
-                raise GeometryMismatchError(
-                    f"{field}={given} but memory_buffer axis holds {actual}", field=field
-                )
-        if (
-            layer_start is not None
-            and layer_end is not None
-            and layer_end - layer_start != (local_layers)
-        ):
-            raise GeometryMismatchError(
-                f"layer window [{layer_start}, {layer_end}) != {local_layers} buffer layers",
-                field="layer_end",
-            )
-        tp = tp_size or 1
-        pp = pp_size or 1
-        explicit = layer_start is not None
-        layout = _core.KVShardLayout(
-            num_layers=num_layers_global if num_layers_global is not None else local_layers * pp,
-            num_kv_heads=num_kv_heads_global if num_kv_heads_global is not None else heads * tp,
-            tp_size=tp,
-            tp_rank=tp_rank or 0,
-            pp_size=pp,
-            pp_rank=pp_rank or 0,
-            global_rank=global_rank,
-            layer_start=layer_start if explicit else None,
-            num_local_layers=local_layers if explicit else None,
-        )
-        if layout.heads_per_partition != heads or layout.num_local_layers != local_layers:
-            raise GeometryMismatchError(
-                f"layout holds {layout.heads_per_partition} heads x {layout.num_local_layers} "
-                f"layers but memory_buffer holds {heads} x {local_layers}",
-                field="memory_buffer",
-            )
-        self.head_dim = dim
-        self.tokens_per_block = tokens
-        return layout
-
-    def _check_ssm_shape(self, layout: _core.SSMShardLayout) -> None:
-        dims = layout.dims
-        if self.state_kind == "conv":
-            want = [
-                layout.num_local_layers,
-                self.expected_num_blocks,
-                layout.local_conv_channels,
-                dims.d_conv,
-            ]
-        else:
-            h_lo, h_hi = layout.heads
-            want = [
-                layout.num_local_layers,
-                self.expected_num_blocks,
-                h_hi - h_lo,
-                dims.head_dim,
-                dims.d_state,
-            ]
-        got = [int(s) for s in self.memory_buffer.shape]
-        if got != want:
-            raise GeometryMismatchError(
-                f"{self.state_kind} buffer shape {got} != {want} expected from ssm_layout",
-                field="memory_buffer",
-            )
 
     # -- pack and scatter over the registered tensors -----------------------------------
 
@@ -1198,10 +801,6 @@ class TransferBackendBase:
         )
         return program
 
-    def _backend_fields_from_reference(self, meta: Mapping[str, Any]) -> dict[str, Any]:
-        """This backend's own fields, translated from the reference design's names."""
-        return {}
-
     def _meta_from_reference(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         """This library's schema for a peer that exports the reference design's fields only.
 
@@ -1210,81 +809,14 @@ class TransferBackendBase:
         registers GPU memory only). A peer with the KV layout fields is a ``[2, L, B, T, H,
         d]`` cache; without them it is a matched-layout buffer moved in whole slices.
         """
-        missing = [k for k in REFERENCE_ADDRESS_FIELDS if meta.get(k) is None]
-        if missing:
-            raise MetadataError(
-                f"peer metadata has no 'version' and lacks the reference design's fields {missing}",
-                field=missing[0],
-            )
-        for key in (*REFERENCE_ADDRESS_FIELDS, "device_id", "element_size"):
-            if meta.get(key) is not None:
-                _check_type(meta[key], (int,), key)
-        transport = meta.get("transport", self.name)
-        if transport != self.name:
-            raise MetadataError(
-                f"peer transport {transport!r} != this backend {self.name!r}", field="transport"
-            )
-        if meta.get("ssm_layout") is not None or self.state_kind != "kv":
-            raise MetadataError(
-                "SSM state metadata must be exported by this library (it has a 'version'); "
-                "the reference design's SSM fields alone are not read",
-                field="ssm_layout",
-            )
-        my_es = int(self.memory_buffer.element_size())
-        es = int(meta.get("element_size") or my_es)
-        ref = dict(meta)
-        ref["element_size"] = es
-        ref["dtype"] = str(self.memory_buffer.dtype) if es == my_es else f"{es}-byte elements"
-        has_layout = any(meta.get(k) is not None for k in REFERENCE_LAYOUT_FIELDS)
-        if has_layout:
-            layout = kv_layout_from_meta(meta)
-        else:
-            layout = _core.KVShardLayout(
-                num_layers=int(meta["num_outer"]),
-                num_kv_heads=1,
-                tp_size=1,
-                tp_rank=0,
-                pp_size=1,
-                pp_rank=0,
-                global_rank=int(meta.get("global_rank") or 0),
-            )
-        geometry = reference_kv_geometry(ref, layout if has_layout else None)
-        facts = {
-            "version": FORMAT_VERSION,
-            "state_kind": "kv",
-            "dtype": ref["dtype"],
-            "head_dim": geometry.head_dim,
-            "num_layers": layout.num_layers,
-            "num_kv_heads": layout.num_kv_heads,
-        }
-        nbytes = int(meta["num_outer"]) * int(meta["outer_stride_bytes"])
-        name = meta.get("agent_name") or f"rank{layout.global_rank}"
-        return {
-            **ref,
-            "version": FORMAT_VERSION,
-            "backend": self.name,
-            "agent_name": str(name),
-            "incarnation": 0,
-            "compat_hash": _core.compat_hash(facts),
-            "state_kind": "kv",
-            "layout": dict(layout.to_dict()),
-            "num_blocks": int(meta["num_blocks"]),
-            "tokens_per_block": geometry.tokens_per_block,
-            "head_dim": geometry.head_dim,
-            "buffer": {
-                "addr": int(meta["base_addr"]),
-                "nbytes": nbytes,
-                "device_id": int(meta.get("device_id") or 0),
-                "mem_type": str(meta.get("mem_type") or "VRAM"),
-                "shape": [],
-                "strides": [],
-                "element_size": es,
-                "axes": "reference",
-            },
-            "geometry": dict(geometry.to_dict()),
-            "reference_only": True,
-            **self._backend_fields_from_reference(meta),
-        }
+        converted: dict[str, Any] = _core.meta_from_reference(
+            meta,
+            self.name,
+            self.state_kind,
+            int(self.memory_buffer.element_size()),
+            str(self.memory_buffer.dtype),
+        )
+        return converted
 
     def _validate_peers(
         self,

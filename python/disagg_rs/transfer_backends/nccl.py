@@ -241,14 +241,6 @@ class NcclTransferBackend(TransferBackendBase):
         meta["nccl_rank"] = self.dist_rank
         return meta
 
-    def _backend_fields_from_reference(self, meta: Mapping[str, Any]) -> dict[str, Any]:
-        if meta.get("nccl_rank") is None:
-            raise MetadataError(
-                f"peer metadata for {meta.get('agent_name')!r} lacks nccl_rank",
-                field="nccl_rank",
-            )
-        return {"dist_rank": meta["nccl_rank"]}
-
     def _device(self) -> torch.device:
         return self.memory_buffer.device
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import importlib.metadata as importlib_metadata
 import logging
@@ -46,7 +47,6 @@ from disagg_rs.exceptions import (
     BlockIdError,
     CapacityError,
     GeometryMismatchError,
-    MetadataError,
     TransferError,
     TransferStartError,
 )
@@ -292,7 +292,6 @@ class _PullPart:
     xfer: Any
     on_done: Callable[[], None] | None = None
     cleanup: Callable[[], None] | None = None
-    state: str = "PROC"
     context: str = ""
     descriptors: int = 0
     """Descriptors this read posted (1 for a staged read)."""
@@ -304,6 +303,10 @@ class _PullPart:
     step: Callable[[], str] | None = None
     """A part that drives its own reads (chunked staging): advances once, returns "PROC"
     or "DONE", raises on failure."""
+
+    def is_landed(self) -> bool:
+        """Whether the landing has completed (or there is none to wait for)."""
+        return self.landed is None or self.landed()
 
     def finish(self) -> None:
         if self.cleanup is not None:
@@ -332,6 +335,13 @@ class NixlPullHandle(TransferHandleBase):
         self.agent = agent
         self.parts = parts
         self.error = error
+        self.fold = _core.PullParts(
+            [
+                (p.step is not None, p.local, p.xfer is not None, p.on_done is not None, p.context)
+                for p in parts
+            ],
+            error,
+        )
 
     @property
     def xfers(self) -> list[Any]:
@@ -343,78 +353,49 @@ class NixlPullHandle(TransferHandleBase):
         """One label per part, for logs."""
         return [p.context for p in self.parts]
 
-    def _fail(self, part: _PullPart, message: str) -> None:
-        part.state = "ERR"
-        if self.error is None:
-            self.error = message
-
     def _progress(self) -> bool:
-        for part in self.parts:
-            if part.state == "LAND":
-                if part.landed is None or part.landed():
-                    part.state = "DONE"
-                    self._release(part)
-                continue
-            if part.state != "PROC":
-                continue
-            if part.step is not None:
-                try:
-                    if part.step() == "PROC":
-                        continue
-                    part.state = "DONE"
-                except Exception as exc:
-                    self._fail(part, f"chunked read of {part.context} failed: {exc!r}")
-                self._release(part)
-                continue
-            if part.local:
-                if part.landed is None or part.landed():
-                    part.state = "DONE"
-                    self._release(part)
-                continue
-            try:
-                state = self.agent.check_xfer_state(part.xfer)
-            except Exception as exc:
-                state = "ERR"
-                logger.debug("check_xfer_state failed: %r", exc)
-            if state not in ("DONE", "ERR"):  # "PROC" (NIXL 1.x) or any other pending state
-                continue
-            if state == "DONE":
-                part.state = "DONE"
-                if part.on_done is not None:
-                    try:
-                        part.on_done()
-                    except Exception as exc:
-                        self._fail(part, f"scatter of {part.context} failed: {exc!r}")
-                if part.state == "DONE" and part.landed is not None and not part.landed():
-                    part.state = "LAND"
-                    self._release_xfer(part)
-                    continue
-            else:
-                self._fail(part, f"NIXL reported {state} for {part.context}")
-            self._release(part)
-        return all(p.state not in ("PROC", "LAND") for p in self.parts)
+        # Rust folds the part states; Python only runs the calls it asks for.
+        parts, fold = self.parts, self.fold
+        landed, steps, xfers = fold.begin()
+        check = self.agent.check_xfer_state
+        on_done = fold.observe(
+            [parts[i].is_landed() for i in landed],
+            [_outcome(cast(Callable[[], Any], parts[i].step)) for i in steps],
+            [_outcome(functools.partial(check, parts[i].xfer)) for i in xfers],
+        )
+        settle = fold.after_on_done(
+            on_done, [_outcome(cast(Callable[[], Any], parts[i].on_done)) for i in on_done]
+        )
+        releases, terminal = fold.settle([parts[i].is_landed() for i in settle])
+        self._apply(releases)
+        return terminal
 
     def cancel(self) -> None:
         """Stop the parts still running: NIXL releases (aborts) each posted read, so nothing
         writes the destinations afterwards. The handle then counts as failed."""
-        for part in self.parts:
-            if part.state == "PROC":
-                self._fail(part, f"cancelled {part.context} at the quarantine drain horizon")
-                self._release(part)
+        self._apply(self.fold.cancel())
         self.done = True
 
-    def _release_xfer(self, part: _PullPart) -> None:
-        try:
-            if part.xfer is not None and not part.local:
-                self.agent.release_xfer_handle(part.xfer)
-        except Exception as exc:
-            logger.debug("release_xfer_handle: %r", exc)
-        part.xfer = None
+    def _apply(self, releases: tuple[list[int], list[int], list[int]]) -> None:
+        """Return the handles ``abort`` names to NIXL, forget those ``drop`` names and run
+        the cleanups ``finish`` names; take the fold's first error."""
+        abort, drop, finish = releases
+        for i in abort:
+            with contextlib.suppress(Exception):
+                self.agent.release_xfer_handle(self.parts[i].xfer)
+        for i in drop:
+            self.parts[i].xfer = None
+        for i in finish:
+            self.parts[i].finish()
+        self.error = self.fold.error
 
-    def _release(self, part: _PullPart) -> None:
-        self._release_xfer(part)
-        if part.state != "LAND":
-            part.finish()
+
+def _outcome(call: Callable[[], Any]) -> tuple[bool, str]:
+    """``(True, str(result))`` of ``call()``, or ``(False, repr(exception))``."""
+    try:
+        return True, str(call())
+    except Exception as exc:
+        return False, repr(exc)
 
 
 #: Slots of the decode's staging pool one chunked read cycles through: one landing while one
@@ -724,15 +705,6 @@ class NixlTransferBackend(TransferBackendBase):
             peer_meta = {**peer_meta, "incarnation": 0}
         return self._ctx.ensure_peer(peer_meta)
 
-    def _backend_fields_from_reference(self, meta: Mapping[str, Any]) -> dict[str, Any]:
-        blob = meta.get("agent_metadata_b64")
-        if not blob:
-            raise MetadataError(
-                f"peer metadata for {meta.get('agent_name')!r} lacks agent_metadata_b64",
-                field="agent_metadata_b64",
-            )
-        return {"agent_metadata": blob, "staging": None}
-
     # -- source side of a staged pull ----------------------------------------------------
 
     def stage_blocks(
@@ -889,28 +861,13 @@ class NixlTransferBackend(TransferBackendBase):
             metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, self.mode
         )
         plans = self._pull_plans(metas, by_rank, program)
-        plan: list[tuple[int, str]] = []
-        for rank in program.src_ranks:
-            if rank not in by_rank:
-                raise MetadataError(
-                    f"the plan reads source rank {rank} but no metadata names it",
-                    field="peer_meta",
-                )
-            ticket = tickets.get(rank)
-            # Read the packed copy when the source made one and the compiler prefers staging
-            # for this rank; otherwise read the blocks directly (always possible).
-            if ticket is not None and ticket["staged"] and program.mode(rank) == "staged":
-                if int(ticket["nbytes"]) != int(program.packed_bytes(rank)):
-                    raise MetadataError(
-                        f"ticket of rank {rank} packs {ticket['nbytes']} bytes, the plan "
-                        f"{program.packed_bytes(rank)}",
-                        field="staged",
-                    )
-                plan.append((rank, "staged"))
-            else:
-                plan.append((rank, "direct"))
-        if any(kind == "staged" for _, kind in plan) and self.staging_buffer is None:
-            raise CapacityError("staged pull needs staging_bytes > 0", field="staging_bytes")
+        # Per source in plan order: its staged copy or its blocks (decided in Rust).
+        route = _core.pull_route(
+            [(r, program.mode(r) == "staged", program.packed_bytes(r)) for r in program.src_ranks],
+            list(by_rank),
+            [(r, bool(t["staged"]), int(t["nbytes"])) for r, t in tickets.items()],
+            self.staging_buffer is not None,
+        )
         # Every remote byte a descriptor names lies in the source's exported regions, every
         # local byte in this rank's; a range running across per-layer tensors is split.
         by_peer = {p.global_rank: p for p in peers}
@@ -919,14 +876,12 @@ class NixlTransferBackend(TransferBackendBase):
         def direct_rows(rank: int) -> tuple[Any, Any]:
             return by_peer[rank].split_descriptors(*program.direct_descriptors(rank), me)  # type: ignore[no-any-return]
 
-        rows = {rank: direct_rows(rank) for rank, kind in plan if kind == "direct"}
-        agents = {rank: self._ensure_peer_registered(by_rank[rank]) for rank, _ in plan}
+        rows = {rank: direct_rows(rank) for rank, packed, _ in route if not packed}
+        agents = {rank: self._ensure_peer_registered(by_rank[rank]) for rank, _, _ in route}
         parts: list[_PullPart] = []
         error: str | None = None
-        # Staged reads still to post: a chunked read takes its share of the free pool.
-        staged_left = sum(kind == "staged" for _, kind in plan)
-        for rank, kind in plan:
-            staged_left -= kind == "staged"
+        # A chunked read takes its share of the free pool (staged reads still to post).
+        for rank, packed, share in route:
             try:
                 part = (
                     self._post_staged(
@@ -937,10 +892,10 @@ class NixlTransferBackend(TransferBackendBase):
                         agents[rank],
                         (plans or {}).get(rank),
                         (src_block_ids, dst_block_ids, num_tokens),
-                        share=staged_left + 1,
+                        share=share,
                         direct=direct_rows,
                     )
-                    if kind == "staged"
+                    if packed
                     else self._post_direct(rows[rank], rank, by_rank[rank], agents[rank])
                 )
             except Exception as exc:

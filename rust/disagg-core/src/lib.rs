@@ -6,6 +6,7 @@
 //! `[lo, hi)`.
 #![forbid(unsafe_code)]
 
+pub mod buffer;
 pub mod chunks;
 pub mod compile;
 pub mod driver;
@@ -14,6 +15,8 @@ pub mod geometry;
 pub mod layout;
 pub mod ledger;
 pub mod pool;
+pub mod pull_parts;
+pub mod refmeta;
 pub mod reshard;
 pub mod runs;
 pub mod staging;

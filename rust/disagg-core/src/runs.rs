@@ -10,9 +10,10 @@
 
 use crate::error::{DisaggError, DisaggResult};
 
-/// The form of a compiler row list.
+/// The form of a compiler row list (per fragment or per strided run; `compile::RowForm` names
+/// only the per-fragment forms).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RowForm {
+pub enum ListForm {
     /// `(offset, len, packed)` per fragment.
     Gather,
     /// `(packed, offset, len)` per fragment.
@@ -23,14 +24,14 @@ pub enum RowForm {
     ScatterRuns,
 }
 
-impl RowForm {
+impl ListForm {
     /// The form called `name` (`"gather"`, `"scatter"`, `"gather_runs"`, `"scatter_runs"`).
-    pub fn from_name(name: &str) -> DisaggResult<RowForm> {
+    pub fn from_name(name: &str) -> DisaggResult<ListForm> {
         Ok(match name {
-            "gather" => RowForm::Gather,
-            "scatter" => RowForm::Scatter,
-            "gather_runs" => RowForm::GatherRuns,
-            "scatter_runs" => RowForm::ScatterRuns,
+            "gather" => ListForm::Gather,
+            "scatter" => ListForm::Scatter,
+            "gather_runs" => ListForm::GatherRuns,
+            "scatter_runs" => ListForm::ScatterRuns,
             other => {
                 return Err(DisaggError::argument(
                     "form",
@@ -46,8 +47,8 @@ impl RowForm {
     /// Columns per row.
     pub fn width(self) -> usize {
         match self {
-            RowForm::Gather | RowForm::Scatter => 3,
-            RowForm::GatherRuns | RowForm::ScatterRuns => 6,
+            ListForm::Gather | ListForm::Scatter => 3,
+            ListForm::GatherRuns | ListForm::ScatterRuns => 6,
         }
     }
 }
@@ -85,15 +86,15 @@ pub struct RunTable {
 
 /// The runs of `rows` with scattered offsets relative to `base`, empty ones dropped; `None`
 /// when a run's packed side does not advance by exactly one fragment.
-fn runs_of(rows: &[u64], form: RowForm, base: u64) -> Option<Vec<Run>> {
+fn runs_of(rows: &[u64], form: ListForm, base: u64) -> Option<Vec<Run>> {
     let mut runs = Vec::with_capacity(rows.len() / form.width());
     for r in rows.chunks_exact(form.width()) {
         let c = |i: usize| i128::from(r[i]);
         let (packed, other, len, count, stride, packed_stride) = match form {
-            RowForm::Gather => (c(2), c(0), c(1), 1, 0, c(1)),
-            RowForm::Scatter => (c(0), c(1), c(2), 1, 0, c(2)),
-            RowForm::GatherRuns => (c(1), c(0), c(2), c(3), c(4), c(5)),
-            RowForm::ScatterRuns => (c(0), c(1), c(2), c(3), c(5), c(4)),
+            ListForm::Gather => (c(2), c(0), c(1), 1, 0, c(1)),
+            ListForm::Scatter => (c(0), c(1), c(2), 1, 0, c(2)),
+            ListForm::GatherRuns => (c(1), c(0), c(2), c(3), c(4), c(5)),
+            ListForm::ScatterRuns => (c(0), c(1), c(2), c(3), c(5), c(4)),
         };
         if len > 0 && count > 0 {
             if count > 1 && packed_stride != len {
@@ -112,7 +113,7 @@ fn runs_of(rows: &[u64], form: RowForm, base: u64) -> Option<Vec<Run>> {
 pub fn run_table(
     rows: &[u64],
     cols: usize,
-    form: RowForm,
+    form: ListForm,
     other_base: u64,
     other_limit: u64,
     packed_limit: u64,
@@ -254,14 +255,14 @@ fn expand(starts: &[i128], lens: &[i128], g: i128) -> Vec<i64> {
 pub fn row_copy(
     rows: &[u64],
     cols: usize,
-    form: RowForm,
+    form: ListForm,
     base: u64,
     side_limit: u64,
     packed_limit: u64,
 ) -> DisaggResult<RowCopy> {
     let (side_at, len_at, packed_at, names) = match form {
-        RowForm::Gather => (0, 1, 2, ["gather source", "gather packed"]),
-        RowForm::Scatter => (1, 2, 0, ["scatter destination", "scatter packed"]),
+        ListForm::Gather => (0, 1, 2, ["gather source", "gather packed"]),
+        ListForm::Scatter => (1, 2, 0, ["scatter destination", "scatter packed"]),
         other => {
             return Err(DisaggError::argument(
                 "form",
@@ -282,7 +283,7 @@ pub fn row_copy(
     let side: Vec<i128> = col(side_at).into_iter().map(|a| a - i128::from(base)).collect();
     let (lens, packed) = (col(len_at), col(packed_at));
     let checks = [(names[0], &side, side_limit), (names[1], &packed, packed_limit)];
-    let order = if form == RowForm::Gather { [0, 1] } else { [1, 0] };
+    let order = if form == ListForm::Gather { [0, 1] } else { [1, 0] };
     for i in order {
         let (name, starts, limit) = checks[i];
         check_side(name, starts, &lens, limit)?;
@@ -310,8 +311,8 @@ mod tests {
     fn table(rows: &[u64], form: &str, base: u64, limits: (u64, u64)) -> Option<RunTable> {
         run_table(
             rows,
-            RowForm::from_name(form).unwrap().width(),
-            RowForm::from_name(form).unwrap(),
+            ListForm::from_name(form).unwrap().width(),
+            ListForm::from_name(form).unwrap(),
             base,
             limits.0,
             limits.1,
@@ -326,7 +327,7 @@ mod tests {
         let t = table(&rows, "gather", 0, (8192, 768)).unwrap();
         assert_eq!((t.unit, t.total_bytes, t.n_runs, t.div_bits), (16, 768, 2, 0));
         assert_eq!(t.host, [0, 16, 48, 64, 256, 16, 32, 0, 0]);
-        let odd = run_table(&rows, 3, RowForm::Gather, 0, 8192, 768, &[4100]).unwrap().unwrap();
+        let odd = run_table(&rows, 3, ListForm::Gather, 0, 8192, 768, &[4100]).unwrap().unwrap();
         assert_eq!(odd.unit, 4);
     }
 
@@ -340,16 +341,16 @@ mod tests {
     #[test]
     fn bounds_are_refused_naming_the_side() {
         let err = |rows: &[u64], base, limits: (u64, u64)| {
-            run_table(rows, 3, RowForm::Gather, base, limits.0, limits.1, &[])
+            run_table(rows, 3, ListForm::Gather, base, limits.0, limits.1, &[])
                 .unwrap_err()
                 .to_string()
         };
         assert!(err(&[120, 16, 0], 0, (128, 16)).contains("past the buffer's 128 bytes"));
         assert!(err(&[120, 16, 0], 200, (128, 16)).contains("below the buffer"));
         assert!(err(&[0, 16, 0], 0, (128, 8)).contains("staging region's 8 bytes"));
-        assert!(RowForm::from_name("pack").is_err());
-        assert!(run_table(&[1, 2], 3, RowForm::Gather, 0, 8, 8, &[]).is_err());
-        assert!(run_table(&[0; 6], 3, RowForm::GatherRuns, 0, 8, 8, &[]).is_err());
+        assert!(ListForm::from_name("pack").is_err());
+        assert!(run_table(&[1, 2], 3, ListForm::Gather, 0, 8, 8, &[]).is_err());
+        assert!(run_table(&[0; 6], 3, ListForm::GatherRuns, 0, 8, 8, &[]).is_err());
     }
 
     #[test]
@@ -364,17 +365,17 @@ mod tests {
     fn row_copies_use_the_widest_common_row_and_skip_the_packed_index_when_dense() {
         // Two 256-byte fragments at 1024 and 4096, packed back to back.
         let rc =
-            row_copy(&[1024, 256, 0, 4096, 256, 256], 3, RowForm::Gather, 0, 8192, 512).unwrap();
+            row_copy(&[1024, 256, 0, 4096, 256, 256], 3, ListForm::Gather, 0, 8192, 512).unwrap();
         assert_eq!((rc.row_bytes, rc.total), (256, 512));
         assert_eq!(rc.side_rows, [4, 16]);
         assert_eq!(rc.packed_rows, None);
         // Scatter rows (packed, addr, len), packed out of order: the packed index is kept.
-        let rc = row_copy(&[32, 0, 32, 0, 64, 32], 3, RowForm::Scatter, 0, 128, 64).unwrap();
+        let rc = row_copy(&[32, 0, 32, 0, 64, 32], 3, ListForm::Scatter, 0, 128, 64).unwrap();
         assert_eq!(
             (rc.row_bytes, rc.side_rows.clone(), rc.packed_rows),
             (32, vec![0, 2], Some(vec![1, 0]))
         );
-        let empty = row_copy(&[], 3, RowForm::Gather, 0, 0, 0).unwrap();
+        let empty = row_copy(&[], 3, ListForm::Gather, 0, 0, 0).unwrap();
         assert_eq!((empty.row_bytes, empty.total, empty.side_rows.len()), (1, 0, 0));
     }
 
@@ -383,13 +384,13 @@ mod tests {
         let err = |rows: &[u64], form, base, limits: (u64, u64)| {
             row_copy(rows, 3, form, base, limits.0, limits.1).unwrap_err().to_string()
         };
-        assert!(err(&[120, 16, 0], RowForm::Gather, 0, (128, 16))
+        assert!(err(&[120, 16, 0], ListForm::Gather, 0, (128, 16))
             .contains("gather source: fragment ends at byte 136, past the buffer's 128 bytes"));
-        assert!(err(&[120, 16, 0], RowForm::Gather, 200, (128, 16)).contains("below the buffer"));
-        assert!(err(&[0, 16, 0], RowForm::Gather, 0, (128, 8)).contains("gather packed"));
-        assert!(err(&[8, 0, 16], RowForm::Scatter, 0, (128, 16)).contains("scatter packed"));
-        assert!(err(&[0, 120, 16], RowForm::Scatter, 0, (128, 16)).contains("scatter destination"));
-        assert!(row_copy(&[0; 6], 6, RowForm::GatherRuns, 0, 8, 8).is_err());
+        assert!(err(&[120, 16, 0], ListForm::Gather, 200, (128, 16)).contains("below the buffer"));
+        assert!(err(&[0, 16, 0], ListForm::Gather, 0, (128, 8)).contains("gather packed"));
+        assert!(err(&[8, 0, 16], ListForm::Scatter, 0, (128, 16)).contains("scatter packed"));
+        assert!(err(&[0, 120, 16], ListForm::Scatter, 0, (128, 16)).contains("scatter destination"));
+        assert!(row_copy(&[0; 6], 6, ListForm::GatherRuns, 0, 8, 8).is_err());
     }
 
     proptest! {

@@ -451,3 +451,15 @@ pub fn py_compile_ssm_transfer(
     let inner = py.detach(|| compile_ssm_transfer(&req)).py()?;
     Ok(PyTransferProgram { inner })
 }
+
+/// The reads of a pull, in program order: `(rank, staged, share of the staging pool)` per
+/// source (see `disagg_core::compile::route::pull_route`).
+#[pyfunction]
+pub fn pull_route(
+    sources: Vec<(u32, bool, u64)>,
+    known: Vec<u32>,
+    tickets: Vec<(u32, bool, u64)>,
+    has_staging: bool,
+) -> PyResult<Vec<(u32, bool, usize)>> {
+    disagg_core::compile::route::pull_route(&sources, &known, &tickets, has_staging).py()
+}

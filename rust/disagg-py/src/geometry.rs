@@ -4,16 +4,18 @@
 //! `shape`, `stride()`, `element_size()`, `dtype`, `device`; numpy: `__array_interface__`,
 //! `strides`, `itemsize`, `dtype`); nothing here imports torch.
 
+use disagg_core::buffer::{self, BufferArgs, LayoutArgs};
 use disagg_core::geometry::TensorView;
 use disagg_core::wire::value::{Obj, WireValue};
 use disagg_core::{
-    DisaggError, KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart,
+    DisaggError, KvGeometry, KvGeometrySpec, KvShardLayout, SsmGeometry, SsmStateKind, SsmStatePart,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyTuple, PyType};
+use pyo3::types::{PyDict, PyTuple, PyType};
 
-use crate::args::{describe, retype, type_err, Int, IntList, Kind, Text};
+use crate::args::{describe, retype, type_err, wire_dict_to_py, Int, IntList, Kind, Text};
 use crate::error::{py_methods, to_pyerr, IntoPyResult};
+use crate::layout::{PyKvShardLayout, PySsmShardLayout};
 use crate::wire::to_wire;
 
 fn geo_err(field: &str, detail: String) -> PyErr {
@@ -221,30 +223,7 @@ methods {
         axes: Text,
         device_id: Option<Int>,
     ) -> PyResult<Self> {
-        let not_a_list =
-            || geo_err("tensors", format!("expected a list of tensors, got {}", describe(tensors)));
-        let items = tensors
-            .try_iter()
-            .map_err(|e| retype(tensors.py(), e, not_a_list))?
-            .map(|t| t.map_err(|e| retype(tensors.py(), e, not_a_list)))
-            .collect::<PyResult<Vec<_>>>()?;
-        let (axes, device_id) = (axes.get("axes")?, device_u64(device_id)?);
-        // `(K, V)` pairs per layer: separate key and value tensors.
-        let pair = kv_pair;
-        let spec = if items.first().is_some_and(|t| pair(t).is_some()) {
-            let (mut keys, mut values) = (Vec::new(), Vec::new());
-            for (i, t) in items.iter().enumerate() {
-                let p = pair(t).ok_or_else(|| {
-                    geo_err("tensors", format!("tensors[{i}] is {}, not a (K, V) pair like tensors[0]", describe(t)))
-                })?;
-                keys.push(tensor_view(&p.get_item(0)?)?);
-                values.push(tensor_view(&p.get_item(1)?)?);
-            }
-            KvGeometrySpec::from_kv_layer_tensors(&keys, &values, axes, device_id).py()?
-        } else {
-            let views = items.iter().map(tensor_view).collect::<PyResult<Vec<_>>>()?;
-            KvGeometrySpec::from_layer_tensors(&views, axes, device_id).py()?
-        };
+        let spec = layer_spec(tensors, axes.get("axes")?, device_u64(device_id)?)?;
         Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
 
@@ -349,4 +328,150 @@ methods {
 /// A `(K, V)` tuple of one layer's separate key and value tensors, if `t` is one.
 fn kv_pair<'a, 'py>(t: &'a Bound<'py, PyAny>) -> Option<&'a Bound<'py, PyTuple>> {
     t.cast::<PyTuple>().ok().filter(|p| p.len() == 2)
+}
+
+/// The geometry spec of a per-layer list of tensors or of `(K, V)` pairs.
+fn layer_spec(
+    tensors: &Bound<'_, PyAny>,
+    axes: &str,
+    device_id: Option<u64>,
+) -> PyResult<KvGeometrySpec> {
+    let not_a_list =
+        || geo_err("tensors", format!("expected a list of tensors, got {}", describe(tensors)));
+    let items = tensors
+        .try_iter()
+        .map_err(|e| retype(tensors.py(), e, not_a_list))?
+        .map(|t| t.map_err(|e| retype(tensors.py(), e, not_a_list)))
+        .collect::<PyResult<Vec<_>>>()?;
+    // `(K, V)` pairs per layer: separate key and value tensors.
+    let pair = kv_pair;
+    if items.first().is_some_and(|t| pair(t).is_some()) {
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        for (i, t) in items.iter().enumerate() {
+            let p = pair(t).ok_or_else(|| {
+                geo_err(
+                    "tensors",
+                    format!("tensors[{i}] is {}, not a (K, V) pair like tensors[0]", describe(t)),
+                )
+            })?;
+            keys.push(tensor_view(&p.get_item(0)?)?);
+            values.push(tensor_view(&p.get_item(1)?)?);
+        }
+        KvGeometrySpec::from_kv_layer_tensors(&keys, &values, axes, device_id).py()
+    } else {
+        let views = items.iter().map(tensor_view).collect::<PyResult<Vec<_>>>()?;
+        KvGeometrySpec::from_layer_tensors(&views, axes, device_id).py()
+    }
+}
+
+fn int_of(v: Option<Int>, field: &str) -> PyResult<Option<i128>> {
+    v.map(|v| v.in_range(Kind::Layout, field, i128::MIN, i128::MAX, "2**127")).transpose()
+}
+
+/// What a transfer backend registers about its buffer (`buffer.rs` of the core decides):
+/// `tensor` is the (first) registered tensor, `layers` the per-layer list or `None`. Returns
+/// the reference design's `compute_buffer_geometry` fields alone with `reference_only`.
+#[pyfunction]
+#[pyo3(signature = (tensor, layers, ssm_layout, *, backend, contiguous, expected_num_blocks,
+    tp_size=None, tp_rank=None, num_kv_heads_global=None, heads_per_partition=None,
+    head_dim=None, tokens_per_block=None, global_rank=None, pp_size=None, pp_rank=None,
+    num_layers_global=None, layer_start=None, layer_end=None, ssm_state_kind=None, axes=None,
+    blocks_axis=None, reference_only=false))]
+#[allow(clippy::too_many_arguments)]
+pub fn plan_buffer<'py>(
+    tensor: &Bound<'py, PyAny>,
+    layers: Option<Bound<'py, PyAny>>,
+    ssm_layout: Option<Bound<'py, PyAny>>,
+    backend: Text,
+    contiguous: bool,
+    expected_num_blocks: Int,
+    tp_size: Option<Int>,
+    tp_rank: Option<Int>,
+    num_kv_heads_global: Option<Int>,
+    heads_per_partition: Option<Int>,
+    head_dim: Option<Int>,
+    tokens_per_block: Option<Int>,
+    global_rank: Option<Int>,
+    pp_size: Option<Int>,
+    pp_rank: Option<Int>,
+    num_layers_global: Option<Int>,
+    layer_start: Option<Int>,
+    layer_end: Option<Int>,
+    ssm_state_kind: Option<Text>,
+    axes: Option<Text>,
+    blocks_axis: Option<Int>,
+    reference_only: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    let py = tensor.py();
+    let ssm = match &ssm_layout {
+        Some(l) => Some(
+            l.cast::<PySsmShardLayout>()
+                .map_err(|_| {
+                    to_pyerr(DisaggError::layout(
+                        "ssm_layout",
+                        format!("expected an SSMShardLayout, got {}", describe(l)),
+                    ))
+                })?
+                .borrow()
+                .inner,
+        ),
+        None => None,
+    };
+    let a = BufferArgs {
+        backend: backend.get("backend")?.to_owned(),
+        view: tensor_view(tensor)?,
+        contiguous,
+        per_layer: layers.is_some(),
+        expected_num_blocks: expected_num_blocks.in_range(
+            Kind::Argument,
+            "expected_num_blocks",
+            i128::MIN,
+            i128::MAX,
+            "2**127",
+        )?,
+        kv: LayoutArgs {
+            tp_size: int_of(tp_size, "tp_size")?,
+            tp_rank: int_of(tp_rank, "tp_rank")?,
+            num_kv_heads_global: int_of(num_kv_heads_global, "num_kv_heads_global")?,
+            heads_per_partition: int_of(heads_per_partition, "heads_per_partition")?,
+            head_dim: int_of(head_dim, "head_dim")?,
+            tokens_per_block: int_of(tokens_per_block, "tokens_per_block")?,
+            global_rank: int_of(global_rank, "global_rank")?,
+            pp_size: int_of(pp_size, "pp_size")?,
+            pp_rank: int_of(pp_rank, "pp_rank")?,
+            num_layers_global: int_of(num_layers_global, "num_layers_global")?,
+            layer_start: int_of(layer_start, "layer_start")?,
+            layer_end: int_of(layer_end, "layer_end")?,
+        },
+        ssm_layout: ssm,
+        ssm_state_kind: ssm_state_kind
+            .map(|k| k.get("ssm_state_kind").map(str::to_owned))
+            .transpose()?,
+        axes: axes.map(|t| t.get("axes").map(str::to_owned)).transpose()?,
+        blocks_axis: int_of(blocks_axis, "blocks_axis")?,
+    };
+    let kv_obj = |l: Option<KvShardLayout>| -> PyResult<Option<Py<PyAny>>> {
+        l.map(|inner| Py::new(py, PyKvShardLayout { inner }).map(Py::into_any)).transpose()
+    };
+    if reference_only {
+        let r = buffer::reference_geometry(&a).py()?;
+        let d = wire_dict_to_py(py, &r.to_wire())?;
+        d.set_item("layout", kv_obj(r.layout)?)?;
+        return Ok(d);
+    }
+    buffer::check_buffer_args(&a).py()?;
+    let layer = match &layers {
+        Some(list) => Some(layer_spec(list, &buffer::layer_axes(&a), a.view.device)?),
+        None => None,
+    };
+    let p = buffer::plan_buffer(&a, layer.as_ref()).py()?;
+    let out = wire_dict_to_py(py, &p.to_wire())?;
+    let reference = wire_dict_to_py(py, &p.reference.to_wire())?;
+    reference.set_item("layout", kv_obj(p.reference.layout)?)?;
+    out.set_item("reference", reference)?;
+    match p.kv_layout {
+        Some(l) => out.set_item("layout", kv_obj(Some(l))?)?,
+        None => out.set_item("layout", ssm_layout)?,
+    }
+    Ok(out)
 }

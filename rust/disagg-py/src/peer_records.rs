@@ -3,11 +3,15 @@
 //! `(meta, block_ids)` records, count a handoff's blocks, and drop a cached prefix. Block id lists
 //! are parsed here, once, into `u32` (a negative or oversized id is a `BlockIdError`).
 
-use disagg_core::DisaggError;
+use disagg_core::wire::value::Obj;
+use disagg_core::{refmeta, DisaggError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::error::to_pyerr;
+use crate::args::wire_dict_to_py;
+use crate::error::{to_pyerr, IntoPyResult};
+use crate::layout::PyKvShardLayout;
+use crate::wire::to_wire;
 
 /// One record: a peer's metadata dict and the block ids to move from it.
 type Record<'py> = (Bound<'py, PyDict>, Vec<u32>);
@@ -150,4 +154,28 @@ pub fn drop_transfer_prefix_blocks<'py>(
     // than the prefix (even empty), and its suffix is simply what remains.
     let rest = ids.get(prefix..).unwrap_or_default().to_vec();
     Ok((trim(peer_meta, prefix)?, rest))
+}
+
+/// This library's schema for a peer dict of the reference design's fields only (see
+/// `disagg_core::refmeta`), as read by a rank of `backend` holding `state_kind` state of
+/// `element_size`-byte `dtype` elements.
+#[pyfunction]
+pub fn meta_from_reference<'py>(
+    meta: &Bound<'py, PyAny>,
+    backend: String,
+    state_kind: String,
+    element_size: u64,
+    dtype: String,
+) -> PyResult<Bound<'py, PyDict>> {
+    let local = refmeta::LocalFacts { backend, state_kind, element_size, dtype };
+    let out = refmeta::meta_from_reference(&to_wire(meta, "peer_meta")?, &local).py()?;
+    wire_dict_to_py(meta.py(), &out)
+}
+
+/// The KV layout of the reference design's nine layout fields of a peer dict.
+#[pyfunction]
+pub fn kv_layout_from_reference(meta: &Bound<'_, PyAny>) -> PyResult<PyKvShardLayout> {
+    let wire = to_wire(meta, "peer_meta")?;
+    let inner = refmeta::kv_layout_from_reference(&Obj::of(&wire, "").py()?).py()?;
+    Ok(PyKvShardLayout { inner })
 }

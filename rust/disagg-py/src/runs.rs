@@ -1,7 +1,7 @@
 //! Bindings of the row-list copies (`disagg_core::runs`): the copy kernel's run tables and
 //! the torch path's row copies.
 
-use disagg_core::runs::{self, RowForm};
+use disagg_core::runs::{self, ListForm};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
@@ -17,8 +17,8 @@ type Table<'py> = (Bound<'py, PyArray1<i64>>, usize, u64, u64, u64, u64, u32);
 fn list<'a>(
     rows: &'a PyReadonlyArray2<'_, u64>,
     form: &str,
-) -> PyResult<(&'a [u64], usize, RowForm)> {
-    Ok((rows.as_slice()?, rows.shape()[1], RowForm::from_name(form).py()?))
+) -> PyResult<(&'a [u64], usize, ListForm)> {
+    Ok((rows.as_slice()?, rows.shape()[1], ListForm::from_name(form).py()?))
 }
 
 /// The run table of a compiler row list (`form`: `"gather"`, `"scatter"`, `"gather_runs"`,

@@ -3,6 +3,7 @@
 
 use std::sync::Mutex;
 
+use disagg_core::pull_parts::{Outcome, PullParts, Releases};
 use disagg_core::wire::peer::{LocalSide, SourceIds};
 use disagg_core::StagingRanges;
 use numpy::{PyArray1, PyArrayMethods};
@@ -180,4 +181,67 @@ pub fn write_pull_ids(
     let peers = metas(&srcs);
     let got = disagg_core::write_pull_ids(&peers, &ranks, &src, &dst, n, local, tpb, slot).py()?;
     Ok(got.map(|g| (g.num_tokens, g.num_blocks, g.stride, g.len)))
+}
+
+/// An outcome from Python: `(True, value)` or `(False, repr of the exception)`.
+type PyOutcome = (bool, String);
+
+fn outcomes(v: Vec<PyOutcome>) -> Vec<Outcome> {
+    v.into_iter().map(|(ok, s)| if ok { Ok(s) } else { Err(s) }).collect()
+}
+
+/// `(abort, drop, finish)` part indices of a release.
+type PyReleases = (Vec<usize>, Vec<usize>, Vec<usize>);
+
+fn releases(r: Releases) -> PyReleases {
+    (r.abort, r.drop, r.finish)
+}
+
+/// The progress of one pull's parts (see `disagg_core::pull_parts`): each poll asks what to
+/// observe, folds the answers and says what to release.
+#[pyclass(name = "PullParts", module = "disagg_rs", frozen)]
+pub struct PyPullParts {
+    inner: Mutex<PullParts>,
+}
+
+#[pymethods]
+impl PyPullParts {
+    /// Parts `(drives itself, local copy, has a handle, has on_done, label)`.
+    #[new]
+    #[pyo3(signature = (parts, error=None))]
+    fn new(parts: Vec<(bool, bool, bool, bool, String)>, error: Option<String>) -> Self {
+        Self { inner: Mutex::new(PullParts::new(parts, error)) }
+    }
+    /// The first failure, if any.
+    #[getter]
+    fn error(&self) -> PyResult<Option<String>> {
+        Ok(lock(&self.inner)?.error().map(str::to_owned))
+    }
+    /// Start a poll: parts whose landing to test, whose step to run, whose state to read.
+    fn begin(&self) -> PyResult<(Vec<usize>, Vec<usize>, Vec<usize>)> {
+        let q = lock(&self.inner)?.begin();
+        Ok((q.landed, q.step, q.xfer))
+    }
+    /// Fold the answers to `begin`; return the parts whose `on_done` to run.
+    fn observe(
+        &self,
+        landed: Vec<bool>,
+        steps: Vec<PyOutcome>,
+        xfers: Vec<PyOutcome>,
+    ) -> PyResult<Vec<usize>> {
+        Ok(lock(&self.inner)?.observe(&landed, &outcomes(steps), &outcomes(xfers)))
+    }
+    /// Fold the `on_done` outcomes; return the finished reads whose landing to test.
+    fn after_on_done(&self, asked: Vec<usize>, done: Vec<PyOutcome>) -> PyResult<Vec<usize>> {
+        Ok(lock(&self.inner)?.after_on_done(&asked, &outcomes(done)))
+    }
+    /// Fold the landings; return `((abort, drop, finish), terminal)`.
+    fn settle(&self, landed: Vec<bool>) -> PyResult<(PyReleases, bool)> {
+        let (r, terminal) = lock(&self.inner)?.settle(&landed);
+        Ok((releases(r), terminal))
+    }
+    /// Fail every running part; return `(abort, drop, finish)`.
+    fn cancel(&self) -> PyResult<PyReleases> {
+        Ok(releases(lock(&self.inner)?.cancel()))
+    }
 }

@@ -34,6 +34,7 @@ mod kv;
 mod program;
 mod regions;
 mod request;
+pub mod route;
 mod sink;
 mod ssm;
 mod verify;
