@@ -1,5 +1,5 @@
 # Hand-written stub of the Rust extension; checked by `python -m mypy.stubtest disagg_rs._core`.
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Generic, Literal, TypeAlias, TypeVar, final, overload
 
 __version__: str
@@ -887,27 +887,10 @@ def check_handoff_ticket(
     has_ssm: bool = False,
     integrity: bool = False,
 ) -> None: ...
-def check_reference_ticket(
-    request_id: int,
-    ssm: Any,
-    *,
-    decode_has_ssm: bool,
-    resume_tokens: int,
-    num_speculative_tokens: int,
-    return_log_probs: bool,
-    top_n_logprobs: int | None,
-    src_blocks: int,
-    prompt_tokens: int,
-    block_size: int,
-) -> None: ...
-def check_reference_prefill(
-    requests: list[tuple[int, int, int]],
-    *,
-    kv_stages: int,
-    ssm_stages: int,
-    pp_size: int,
-    num_speculative_tokens: int,
-) -> None: ...
+def check_reference(stage: str, facts: Mapping[str, Any]) -> None: ...
+def check_integrity_wire(
+    wire: Any, shapes: Sequence[tuple[str, Sequence[int]]] | None = None
+) -> int | None: ...
 def compat_hash(facts: Any) -> str: ...
 def peer_meta_parses() -> int: ...
 def block_id_checks() -> int: ...

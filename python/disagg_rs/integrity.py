@@ -46,8 +46,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from disagg_rs._core import KVShardLayout, SSMShardLayout
-from disagg_rs.exceptions import ArgumentError, IntegrityError, LayoutError, MetadataError
+from disagg_rs._core import KVShardLayout, SSMShardLayout, check_integrity_wire
+from disagg_rs.exceptions import ArgumentError, IntegrityError, LayoutError
 
 __all__ = [
     "MAX_CHUNKS",
@@ -484,49 +484,21 @@ class IntegrityTable:
     @staticmethod
     def wire_chunk_tokens(wire: Any) -> int | None:
         """The ``chunk_tokens`` of a ticket's table (None when absent); MetadataError if bad."""
-        if not isinstance(wire, Mapping) or wire.get("chunk_tokens") is None:
-            return None
-        c = wire["chunk_tokens"]
-        if not isinstance(c, int) or isinstance(c, bool) or not 1 <= c < 1 << _TOKEN_BITS:
-            raise MetadataError(
-                f"ticket integrity.chunk_tokens={c!r} must be an int in [1, 2**{_TOKEN_BITS})",
-                "integrity.chunk_tokens",
-            )
-        return c
+        return check_integrity_wire(wire)
 
     @classmethod
     def from_wire(cls, wire: Any, shapes: Mapping[str, tuple[int, ...]]) -> IntegrityTable:
         """Decode and check a ticket's ``"integrity"`` value against this model's ``shapes``;
         raises :class:`~disagg_rs.exceptions.MetadataError` naming the bad field."""
-        if not isinstance(wire, Mapping):
-            raise MetadataError(
-                f"ticket integrity must be a map of tables, got {type(wire).__name__}",
-                "integrity",
-            )
-        tables = {}
-        for name, shape in shapes.items():
-            entry = wire.get(name)
-            if not isinstance(entry, Mapping):
-                raise MetadataError(f"ticket integrity has no {name!r} table", f"integrity.{name}")
-            got_shape = entry.get("shape")
-            data = entry.get("data")
-            if not isinstance(got_shape, (list, tuple)) or [
-                int(s) if isinstance(s, int) and not isinstance(s, bool) else -1 for s in got_shape
-            ] != list(shape):
-                raise MetadataError(
-                    f"ticket integrity.{name}.shape={got_shape!r} but this model needs "
-                    f"{list(shape)}",
-                    f"integrity.{name}.shape",
-                )
-            need = int(np.prod(shape)) * 8
-            if not isinstance(data, (bytes, bytearray)) or len(data) != need:
-                got = len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__
-                raise MetadataError(
-                    f"ticket integrity.{name}.data has {got} bytes, expected {need}",
-                    f"integrity.{name}.data",
-                )
-            tables[name] = np.frombuffer(bytes(data), dtype="<u8").astype(np.uint64).reshape(shape)
-        return cls(tables, cls.wire_chunk_tokens(wire))
+        # Every table's presence, shape and byte length, and chunk_tokens, in Rust.
+        chunk = check_integrity_wire(wire, [(n, list(s)) for n, s in shapes.items()])
+        tables = {
+            name: np.frombuffer(bytes(wire[name]["data"]), dtype="<u8")
+            .astype(np.uint64)
+            .reshape(shape)
+            for name, shape in shapes.items()
+        }
+        return cls(tables, chunk)
 
     def first_mismatch(
         self, pieces: Sequence[IntegrityPiece], first_chunk: int = 0

@@ -32,8 +32,7 @@ from disagg_rs._core import (
     BlockPool,
     SSMShardLayout,
     SSMStateDims,
-    check_reference_prefill,
-    check_reference_ticket,
+    check_reference,
     drop_transfer_prefix_blocks,
     transfer_block_count,
 )
@@ -99,26 +98,17 @@ class ReferenceDesignCompat(HandoffBase):
         ref = self._ref()
         ctx = ref.context
         hybrid = bool(ctx.is_hybrid_model)
-        if hybrid:
-            durable = ctx.mamba_slot_allocator
-            if role == "prefill" and durable is None:
-                raise HandoffStateError(
-                    "a hybrid prefill handoff needs an SSM state cache (mamba_slot_allocator is "
-                    "None): the pinned state is read from it",
-                    "mamba_slot_allocator",
-                )
-            if role == "decode" and durable is not None:
-                raise HandoffStateError(
-                    "a hybrid decode handoff writes directly into live SSM state; configure no "
-                    "SSM state cache (mamba_slot_allocator) on the decode engine",
-                    "mamba_slot_allocator",
-                )
         allocator = ctx.kv_block_allocator
-        if not allocator.enable_prefix_caching:
-            raise HandoffStateError(
-                "KV handoff needs prefix caching on both engines: enable_prefix_caching=False",
-                "enable_prefix_caching",
-            )
+        # The SSM state cache the role needs, and prefix caching, in Rust (HandoffStateError).
+        check_reference(
+            "setup",
+            {
+                "role": role,
+                "hybrid": hybrid,
+                "state_cache": ctx.mamba_slot_allocator is not None,
+                "prefix_caching": bool(allocator.enable_prefix_caching),
+            },
+        )
         self._kv_transfer_role = role
         backend_cls = construct_kv_transfer_backend_class(backend)
         # Only a prefill's finished blocks stay pinned until the decode has read them.
@@ -162,13 +152,9 @@ class ReferenceDesignCompat(HandoffBase):
         if distributed and tp_size > 1:
             gathered: list[Any] = [None] * tp_size
             dist.all_gather_object(gathered, local, group=groups.tp)
-            kinds = [set(g["ssm"]) for g in gathered]
-            if any(k != kinds[0] for k in kinds[1:]):
-                raise HandoffStateError(
-                    f"SSM handoff agents differ between TP ranks: {kinds}", "ssm_state_kind"
-                )
+            check_reference("tp_agents", {"kinds": [list(g["ssm"]) for g in gathered]})
             self._kv_peer_metas = [g["kv"] for g in gathered]
-            self._tp_ssm_peer_metas = {k: [g["ssm"][k] for g in gathered] for k in kinds[0]}
+            self._tp_ssm_peer_metas = {k: [g["ssm"][k] for g in gathered] for k in local["ssm"]}
         else:
             self._kv_peer_metas = local["kv"]
             self._tp_ssm_peer_metas = dict(local["ssm"])
@@ -195,12 +181,6 @@ class ReferenceDesignCompat(HandoffBase):
             num_slots = ctx.max_requests
         config = ref.controller.inference_wrapped_model.model.config
         heads = int(recurrent.shape[-3]) * tp_size
-        if config.mamba_num_heads is not None and config.mamba_num_heads != heads:
-            raise HandoffMetadataError(
-                f"SSM state shape implies {heads} heads but mamba_num_heads="
-                f"{config.mamba_num_heads}",
-                "mamba_num_heads",
-            )
         dims = SSMStateDims(
             heads,
             int(recurrent.shape[-2]),
@@ -218,12 +198,15 @@ class ReferenceDesignCompat(HandoffBase):
             layer_start=ssm_start,
             num_local_layers=n_local,
         )
-        if int(conv.shape[-2]) != layout.local_conv_channels:
-            raise HandoffMetadataError(
-                f"SSM conv state has {conv.shape[-2]} channels but the TP layout needs "
-                f"{layout.local_conv_channels}",
-                "mamba_conv_states",
-            )
+        check_reference(
+            "ssm_buffers",
+            {
+                "heads": heads,
+                "mamba_num_heads": config.mamba_num_heads,
+                "conv_channels": int(conv.shape[-2]),
+                "layout_conv_channels": layout.local_conv_channels,
+            },
+        )
         make = getattr(self._kv_transfer_agent, "new_registered_buffer", backend_cls)
         specs = {
             "conv": (conv, conv.shape[-2], conv.shape[-1]),
@@ -272,12 +255,18 @@ class ReferenceDesignCompat(HandoffBase):
             resumes = [list(decode_tokens_by_request.get(r.request_id, [])) for r, _ in handoffs]
             pairs = list(zip(handoffs, resumes, strict=True))
             # Every request checked before any is prepared, in Rust (HandoffMetadataError).
-            check_reference_prefill(
-                [(r.request_id, len(t), len(b)) for (r, b), t in pairs],
-                kv_stages=len(kv_stages),
-                ssm_stages=len(ssm_stages),
-                pp_size=pp_size,
-                num_speculative_tokens=int(ctx.num_speculative_tokens),
+            check_reference(
+                "prefill",
+                {
+                    "requests": [
+                        {"request_id": r.request_id, "resume_tokens": len(t), "blocks": len(b)}
+                        for (r, b), t in pairs
+                    ],
+                    "kv_stages": len(kv_stages),
+                    "ssm_stages": len(ssm_stages),
+                    "pp_size": pp_size,
+                    "num_speculative_tokens": int(ctx.num_speculative_tokens),
+                },
             )
             prepared: dict[int, _PreparedHandoffMetadata] = {}
             for (request, blocks), resume in pairs:
@@ -426,19 +415,16 @@ class ReferenceDesignCompat(HandoffBase):
         if not isinstance(pending, PendingKvImport):
             return
         ctx = self._ref().context
-        want = int(ctx.num_speculative_tokens) + 1
-        if len(pending.resume_tokens) != want:
-            raise HandoffMetadataError(
-                f"request {pending.request_id}: {len(pending.resume_tokens)} resume tokens, "
-                f"expected num_speculative_tokens+1={want}",
-                "resume_tokens",
-            )
-        if ctx.is_hybrid_model and pending.ssm is None:
-            raise HandoffStateError(
-                f"request {pending.request_id}: a hybrid decode-only handoff has no transferred "
-                "SSM state",
-                "ssm",
-            )
+        check_reference(
+            "decode_ready",
+            {
+                "request_id": pending.request_id,
+                "resume_tokens": len(pending.resume_tokens),
+                "num_speculative_tokens": int(ctx.num_speculative_tokens),
+                "hybrid": bool(ctx.is_hybrid_model),
+                "has_ssm": pending.ssm is not None,
+            },
+        )
 
     def _add_reference_request_with_kv_handoff(
         self,
@@ -450,39 +436,28 @@ class ReferenceDesignCompat(HandoffBase):
     ) -> asyncio.Future[Any]:
         ref = self._ref()
         ctx = ref.context
-        if not ctx.kv_block_allocator.enable_prefix_caching:
-            raise HandoffStateError(
-                "add_request_with_kv_handoff needs prefix caching on the decode engine "
-                "(enable_prefix_caching=False)",
-                "enable_prefix_caching",
-            )
-        has_ssm = bool(self._ssm_transfer_agents)
-        if ctx.is_hybrid_model and not has_ssm:
-            raise HandoffStateError(
-                f"request {request_id}: a hybrid decode received a handoff before SSM transfer "
-                "setup",
-                "setup_kv_transfer",
-            )
-        if self._kv_transfer_agent is None:
-            raise HandoffStateError(
-                f"request {request_id}: no transfer backend (setup_kv_transfer has not run)",
-                "setup_kv_transfer",
-            )
         bs = int(ctx.block_size_tokens)
         num_blocks = transfer_block_count(kv_meta, src_block_ids)
-        # The ticket against this decode, in Rust: SSM entry, first tokens, log probabilities,
-        # source block count (HandoffMetadataError naming the first bad field).
-        check_reference_ticket(
-            request_id,
-            kv_meta.get("ssm") if isinstance(kv_meta, dict) else None,
-            decode_has_ssm=has_ssm,
-            resume_tokens=len(kv_meta.get("resume_tokens", [])),
-            num_speculative_tokens=int(ctx.num_speculative_tokens),
-            return_log_probs=bool(getattr(sampling_params, "return_log_probs", False)),
-            top_n_logprobs=getattr(sampling_params, "top_n_logprobs", None),
-            src_blocks=num_blocks,
-            prompt_tokens=len(prompt),
-            block_size=bs,
+        # The engine's state, then the ticket against this decode, in Rust: prefix caching,
+        # transfer setup, SSM entry, first tokens, log probabilities, source block count
+        # (HandoffStateError / HandoffMetadataError naming the first bad field).
+        check_reference(
+            "ticket",
+            {
+                "prefix_caching": bool(ctx.kv_block_allocator.enable_prefix_caching),
+                "hybrid": bool(ctx.is_hybrid_model),
+                "has_backend": self._kv_transfer_agent is not None,
+                "request_id": request_id,
+                "ssm": kv_meta.get("ssm") if isinstance(kv_meta, dict) else None,
+                "decode_has_ssm": bool(self._ssm_transfer_agents),
+                "resume_tokens": len(kv_meta.get("resume_tokens", [])),
+                "num_speculative_tokens": int(ctx.num_speculative_tokens),
+                "return_log_probs": bool(getattr(sampling_params, "return_log_probs", False)),
+                "top_n_logprobs": getattr(sampling_params, "top_n_logprobs", None),
+                "src_blocks": num_blocks,
+                "prompt_tokens": len(prompt),
+                "block_size": bs,
+            },
         )
         hashes = compute_block_hashes_batched(torch.tensor(prompt, dtype=torch.int64), bs)
         handoff = DeferredKvHandoff(
