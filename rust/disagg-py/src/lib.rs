@@ -58,7 +58,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             compile::py_compile_kv_transfer,
             compile::py_compile_ssm_transfer, wire::plan_peer_transfer, wire::check_peer_transfer,
             wire::compile_peer_transfer, wire::parse_peer_meta, wire::check_staging_tickets_of,
-            wire::check_handoff_ticket, wire::check_reference, wire::check_integrity_wire, wire::py_compat_hash, wire::peer_meta_parses,
+            wire::check_handoff_ticket, wire::check_reference, wire::check_integrity_wire, wire::digest_plan, wire::py_compat_hash, wire::peer_meta_parses,
             wire::block_id_checks
         ]
     );

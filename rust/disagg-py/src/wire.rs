@@ -19,7 +19,7 @@ use numpy::PyReadonlyArray2;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
 
-use crate::args::{Int, IntList, Kind};
+use crate::args::{wire_to_py, Int, IntList, Kind};
 use crate::compile::PyTransferProgram;
 use crate::error::{in_handoff_metadata, wire_err, IntoPyResult};
 use crate::geometry::{PyKvGeometry, PySsmGeometry};
@@ -521,6 +521,13 @@ pub fn check_integrity_wire(
         Some(shapes) => disagg_core::integrity::check_table(&v, &shapes).py(),
         None => disagg_core::integrity::chunk_tokens(&v).py(),
     }
+}
+
+/// Check and plan one integrity digest (`kv` or `ssm` facts, see the core's `DigestPlan`).
+#[pyfunction]
+pub fn digest_plan<'py>(kind: &str, facts: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let plan = disagg_core::integrity::DigestPlan::parse(kind, &to_wire(facts, "facts")?).py()?;
+    wire_to_py(facts.py(), &plan.to_wire())
 }
 
 /// The compatibility hash of a facts dict: 16 hex digits.
