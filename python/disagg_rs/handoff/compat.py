@@ -41,18 +41,14 @@ from disagg_rs.decode_admission import (
     admit_prefilled_decode,
     can_admit_prefilled_decode,
 )
-from disagg_rs.exceptions import (
-    HandoffMetadataError,
-    HandoffStateError,
-    ResetRefusedError,
-    TransferError,
-)
+from disagg_rs.exceptions import HandoffMetadataError, HandoffStateError, TransferError
 from disagg_rs.handoff.base import (
     _SSM_STATE_KINDS,
     HandoffBase,
     _PreparedHandoffMetadata,
     logger,
 )
+from disagg_rs.handoff_completion_tracker import HandoffCompletionTracker
 from disagg_rs.pending_handoff_imports import DeferredKvHandoff, PendingKvImport, PendingSSMImport
 from disagg_rs.transfer_backends import construct_kv_transfer_backend_class
 
@@ -530,6 +526,8 @@ class ReferenceDesignCompat(HandoffBase):
                 self._whole()._start_ssm_handoff_import(handoff.request_id, ssm_meta, ssm_import)
         except Exception as e:  # this rank's failure: reported to the quorum like any other
             error = e
+        safe = error is None or bool(getattr(error, "transfer_destinations_safe", True))
+        self._reference_imports.start(handoff.request_id, safe)
         self._pending_kv_imports.append(
             PendingKvImport(
                 request_id=handoff.request_id,
@@ -544,8 +542,7 @@ class ReferenceDesignCompat(HandoffBase):
                 resume_tokens=resume,
                 continuation_blocks=fresh[n_import:],
                 local_error=error,
-                destinations_safe=error is None
-                or bool(getattr(error, "transfer_destinations_safe", True)),
+                destinations_safe=safe,
             )
         )
         loop = ref._loop
@@ -666,83 +663,71 @@ class ReferenceDesignCompat(HandoffBase):
             ctx.mamba_metadata.free_slot(pending.ssm.live_slot)
             pending.ssm = None
 
+    def _reference_local_outcome(self, pending: PendingKvImport) -> bool | None:
+        """Whether this rank's import failed, or None while its transfers run (an error a
+        poll raises is kept on the record as this rank's failure)."""
+        if pending.local_error is not None:
+            return True
+        try:
+            done = all(h.poll() for h in self._pending_transfer_handles(pending))
+        except Exception as e:  # a terminal transfer error of this rank
+            pending.local_error = e
+            return True
+        return False if done else None
+
     def _report_reference_imports(self) -> None:
+        """Report each import's terminal local outcome once: to the model-parallel tracker,
+        or, with one rank, as the decision itself (in Rust: ``ReferenceImports.report``)."""
+        book = self._reference_imports
+        records = {p.request_id: p for p in self._pending_kv_imports}
+        outcomes = [(rid, self._reference_local_outcome(records[rid])) for rid in book.unreported()]
         tracker = self._handoff_completion_tracker
-        for pending in self._pending_kv_imports:
-            if pending.terminal_state_reported:
-                continue
-            failed = pending.local_error is not None
-            if not failed:
-                try:
-                    if not all(h.poll() for h in self._pending_transfer_handles(pending)):
-                        continue
-                except Exception as e:  # a terminal transfer error of this rank
-                    pending.local_error = e
-                    failed = True
-            if tracker is None or tracker.world_size == 1:
-                mp = get_pg_size(self._ref().pg_collection.mp)
-                if mp != 1:
-                    raise HandoffStateError(
-                        f"model-parallel size {mp} needs a completion tracker "
-                        "(_setup_handoff_completion_tracking)",
-                        "_handoff_completion_tracker",
-                    )
-                self._handoff_completion_notifications[pending.request_id] = failed
-            else:
-                tracker.report(pending.request_id, failed)
-            pending.terminal_state_reported = True
+        shared = tracker is not None and tracker.world_size > 1
+        mp = get_pg_size(self._ref().pg_collection.mp)
+        for rid, failed in book.report(outcomes, shared, mp):
+            cast(HandoffCompletionTracker, tracker).report(rid, failed)
 
     def _admit_reference_imports(self) -> int:
+        """Admit decided imports in the order they started (``ReferenceImports``): a failed
+        one is released, or quarantined while a transfer may still write its storage; an ok
+        one waits only for room in the batch."""
         ref = self._ref()
-        decided = self._handoff_completion_notifications
+        book = self._reference_imports
+        records = {p.request_id: p for p in self._pending_kv_imports}
         admitted = 0
-        remaining: deque[PendingKvImport] = deque()
-        queue = self._pending_kv_imports
-        while queue:
-            pending = queue.popleft()
-            failed = decided.get(pending.request_id)
-            if failed is None:
-                remaining.append(pending)
-                continue
-            try:
-                if failed:
-                    raise pending.local_error or TransferError(
-                        f"KV import of request {pending.request_id} failed on a model-parallel "
-                        "peer",
-                        "request_id",
-                    )
-                self._validate_decode_ready_handoff(pending)
-                if not can_admit_prefilled_decode(ref.context, len(pending.resume_tokens)):
-                    remaining.append(pending)
-                    continue
-                decided.pop(pending.request_id)
-                self._whole()._finalize_kv_handoff_import(pending)
-                admitted += 1
-            except Exception as exc:
-                decided.pop(pending.request_id, None)
-                # A peer may fail before posting its half of a two-sided transfer: never wait
-                # on this rank's unmatched operation; quarantine unless it is already terminal.
-                safe = (
-                    pending.destinations_safe
-                    and pending.terminal_state_reported
-                    and self._wait_for_transfer_handles(*self._pending_transfer_handles(pending))
-                )
-                if safe:
-                    self._whole()._release_pending_kv_import(pending)
-                else:
-                    self._quarantined_kv_imports.append(pending)
-                    logger.error(
-                        "request %d: storage quarantined after an incomplete handoff",
-                        pending.request_id,
-                    )
-                if pending.future is not None and not pending.future.done():
-                    pending.future.set_exception(exc)
-                if failed:
-                    continue
-                remaining.extend(queue)
-                self._pending_kv_imports = remaining
-                raise
-        self._pending_kv_imports = remaining
+        try:
+            for rid, failed in book.decided_in_order():
+                pending = records[rid]
+                try:
+                    if failed:
+                        raise pending.local_error or TransferError(
+                            f"KV import of request {rid} failed on a model-parallel peer",
+                            "request_id",
+                        )
+                    self._validate_decode_ready_handoff(pending)
+                    if not can_admit_prefilled_decode(ref.context, len(pending.resume_tokens)):
+                        continue
+                    self._whole()._finalize_kv_handoff_import(pending)
+                    book.admitted(rid)
+                    admitted += 1
+                except Exception as exc:
+                    # A peer may fail before posting its half of a two-sided transfer: never
+                    # wait on this rank's unmatched operation; quarantine unless terminal.
+                    handles = self._pending_transfer_handles(pending)
+                    quiet = book.may_release(rid) and self._wait_for_transfer_handles(*handles)
+                    if book.failed(rid, quiet):
+                        self._whole()._release_pending_kv_import(pending)
+                    else:
+                        self._quarantined_kv_imports.append(pending)
+                        logger.error(
+                            "request %d: storage quarantined after an incomplete handoff", rid
+                        )
+                    if pending.future is not None and not pending.future.done():
+                        pending.future.set_exception(exc)
+                    if not failed:
+                        raise
+        finally:
+            self._pending_kv_imports = deque(records[rid] for rid in book.importing())
         if admitted:
             loop = ref._loop
             loop.call_soon_threadsafe(loop.create_task, ref._notify_cond_for_new_request())
@@ -750,32 +735,19 @@ class ReferenceDesignCompat(HandoffBase):
 
     def _reset_reference_imports(self) -> None:
         """All or nothing: refuse while blocks are pinned or a transfer may still touch cache
-        storage; otherwise cancel queued handoffs and release every import."""
-        if self._pinned_handoff_blocks:
-            raise ResetRefusedError(
-                f"cannot reset while KV handoff blocks remain pinned for requests "
-                f"{sorted(self._pinned_handoff_blocks)}: a decode may still be reading them; "
-                "wait for RELEASE_KV",
-                "request_id",
-            )
-        busy_pushes = [
-            rid for rid, hs in self._pending_kv_pushes if not self._wait_for_transfer_handles(*hs)
-        ]
+        storage (in Rust: ``ReferenceImports.reset``, ResetRefusedError); otherwise cancel
+        queued handoffs and release every import."""
+        pinned = sorted(self._pinned_handoff_blocks)
+        wait = self._wait_for_transfer_handles
         imports = list(self._pending_kv_imports) + list(self._quarantined_kv_imports)
-        busy = [
-            p.request_id
+        # Pinned blocks refuse before any wait; unsafe destinations are never waited on.
+        pushes = [] if pinned else [(rid, wait(*hs)) for rid, hs in self._pending_kv_pushes]
+        handles = self._pending_transfer_handles
+        quiet = [
+            (p.request_id, not pinned and p.destinations_safe and wait(*handles(p)))
             for p in imports
-            if not (
-                p.destinations_safe
-                and self._wait_for_transfer_handles(*self._pending_transfer_handles(p))
-            )
         ]
-        if busy_pushes or busy:
-            raise ResetRefusedError(
-                "cannot reset while KV handoff transfers may still access cache storage: "
-                f"pushes of requests {busy_pushes}, imports of requests {busy}",
-                "request_id",
-            )
+        self._reference_imports.reset(pinned, pushes, quiet)
         self._pending_kv_pushes = []
         while self._deferred_kv_handoffs:
             handoff = self._deferred_kv_handoffs.popleft()
@@ -787,4 +759,3 @@ class ReferenceDesignCompat(HandoffBase):
                 pending.future.cancel()
         self._pending_kv_imports = deque()
         self._quarantined_kv_imports = []
-        self._handoff_completion_notifications.clear()

@@ -157,11 +157,10 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         """Whether a completed import can be handled at the next admission point."""
         if not self._ledger_driven():
             context = self._ref().context
-            decided = self._handoff_completion_notifications
+            resume = {p.request_id: len(p.resume_tokens) for p in self._pending_kv_imports}
             return any(
-                decided[p.request_id] or can_admit_prefilled_decode(context, len(p.resume_tokens))
-                for p in self._pending_kv_imports
-                if p.request_id in decided
+                failed or can_admit_prefilled_decode(context, resume[rid])
+                for rid, failed in self._reference_imports.decided_in_order()
             )
         return self._import_ledger is not None and self._import_ledger.has_admittable_kv_import
 

@@ -264,18 +264,17 @@ impl DigestPlan {
         key_range("layer", int(o, "layer_end")?, LAYER_BITS)?;
         key_range("head", int(o, "head_end")?, UNIT_BITS)?;
         key_range("num_tokens", num_tokens, TOKEN_BITS)?;
-        let per_chunk = match o.some("chunk_tokens") {
-            None => num_tokens.max(1),
-            Some(_) => {
-                let c = int(o, "chunk_tokens")?;
-                if c < 1 {
-                    return Err(DisaggError::argument(
-                        "chunk",
-                        format!("integrity digest: chunk_tokens={c} must be >= 1"),
-                    ));
-                }
-                c
+        let per_chunk = if o.some("chunk_tokens").is_some() {
+            let c = int(o, "chunk_tokens")?;
+            if c < 1 {
+                return Err(DisaggError::argument(
+                    "chunk",
+                    format!("integrity digest: chunk_tokens={c} must be >= 1"),
+                ));
             }
+            c
+        } else {
+            num_tokens.max(1)
         };
         let chunks = ((num_tokens + per_chunk - 1) / per_chunk).max(1);
         let step = uniform_step(&ints(o, "plane_offsets")?);
@@ -401,7 +400,7 @@ mod tests {
     fn kv_plan(changes: &[(&str, WireValue)]) -> DisaggResult<KvDigestPlan> {
         match DigestPlan::parse("kv", &kv_facts(changes))? {
             DigestPlan::Kv(p) => Ok(p),
-            other => panic!("{other:?}"),
+            other @ DigestPlan::Ssm(_) => panic!("{other:?}"),
         }
     }
     fn arg_field<T: std::fmt::Debug>(r: DisaggResult<T>) -> String {

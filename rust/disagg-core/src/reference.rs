@@ -121,6 +121,37 @@ fn names(v: &WireValue, field: &str) -> DisaggResult<Vec<String>> {
         .collect()
 }
 
+/// See [`ReferenceCheck::Setup`].
+fn check_setup(
+    role: Role,
+    hybrid: bool,
+    state_cache: bool,
+    prefix_caching: bool,
+) -> DisaggResult<()> {
+    if hybrid && role == Role::Prefill && !state_cache {
+        return Err(DisaggError::handoff_state(
+            "mamba_slot_allocator",
+            "a hybrid prefill handoff needs an SSM state cache (mamba_slot_allocator \
+             is None): the pinned state is read from it",
+        ));
+    }
+    if hybrid && role == Role::Decode && state_cache {
+        return Err(DisaggError::handoff_state(
+            "mamba_slot_allocator",
+            "a hybrid decode handoff writes directly into live SSM state; configure \
+             no SSM state cache (mamba_slot_allocator) on the decode engine",
+        ));
+    }
+    if !prefix_caching {
+        return Err(DisaggError::handoff_state(
+            "enable_prefix_caching",
+            "KV handoff needs prefix caching on both engines: \
+             enable_prefix_caching=False",
+        ));
+    }
+    Ok(())
+}
+
 impl ReferenceCheck {
     /// The check named `stage` (`setup`, `ssm_buffers`, `tp_agents`, `prefill`, `ticket`,
     /// `decode_ready`) over its facts map; an `Argument` error for an unknown stage or a
@@ -218,28 +249,7 @@ impl ReferenceCheck {
     pub fn check(&self) -> DisaggResult<()> {
         match self {
             Self::Setup { role, hybrid, state_cache, prefix_caching } => {
-                if *hybrid && *role == Role::Prefill && !state_cache {
-                    return Err(DisaggError::handoff_state(
-                        "mamba_slot_allocator",
-                        "a hybrid prefill handoff needs an SSM state cache (mamba_slot_allocator \
-                         is None): the pinned state is read from it",
-                    ));
-                }
-                if *hybrid && *role == Role::Decode && *state_cache {
-                    return Err(DisaggError::handoff_state(
-                        "mamba_slot_allocator",
-                        "a hybrid decode handoff writes directly into live SSM state; configure \
-                         no SSM state cache (mamba_slot_allocator) on the decode engine",
-                    ));
-                }
-                if !prefix_caching {
-                    return Err(DisaggError::handoff_state(
-                        "enable_prefix_caching",
-                        "KV handoff needs prefix caching on both engines: \
-                         enable_prefix_caching=False",
-                    ));
-                }
-                Ok(())
+                check_setup(*role, *hybrid, *state_cache, *prefix_caching)
             }
             Self::SsmBuffers { heads, mamba_num_heads, conv_channels, layout_conv_channels } => {
                 if let Some(want) = mamba_num_heads.filter(|h| h != heads) {
@@ -342,6 +352,195 @@ impl ReferenceCheck {
 /// Parse and run the check named `stage` over `facts` (see [`ReferenceCheck`]).
 pub fn check_reference(stage: &str, facts: &WireValue) -> DisaggResult<()> {
     ReferenceCheck::parse(stage, facts)?.check()
+}
+
+/// One import of a reference-design engine, in admission order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RefImport {
+    request_id: u64,
+    /// No transfer of this rank can still write the destinations (a start that threw after
+    /// posting part of the import sets it false).
+    safe: bool,
+    /// This rank's terminal outcome was reported (to the tracker, or decided locally).
+    reported: bool,
+}
+
+/// What became of a failed import's storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailedStorage {
+    /// Back to the engine's allocator.
+    Release,
+    /// Kept out of the allocator: a transfer may still write it.
+    Quarantine,
+}
+
+/// The lifecycle of a reference-design engine's imports: the engine's own allocator holds the
+/// blocks, this book holds what to decide about them. Imports are admitted in the order they
+/// started (a failed one never holds the queue); every model-parallel rank reports its local
+/// outcome once, and a decision (all ok, or failed) arrives from the tracker or, with one
+/// rank, from this rank's own report. A reset is all or nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReferenceImports {
+    imports: Vec<RefImport>,
+    decided: std::collections::BTreeMap<u64, bool>,
+    quarantined: Vec<u64>,
+}
+
+impl ReferenceImports {
+    /// An empty book.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// An import was posted (or its start failed: `safe` false when a transfer may still
+    /// write its destinations). `DuplicateRequest` when the id is in the book.
+    pub fn start(&mut self, request_id: u64, safe: bool) -> DisaggResult<()> {
+        if self.position(request_id).is_some() {
+            return Err(DisaggError::DuplicateRequest { request_id });
+        }
+        self.imports.push(RefImport { request_id, safe, reported: false });
+        Ok(())
+    }
+
+    fn position(&self, request_id: u64) -> Option<usize> {
+        self.imports.iter().position(|i| i.request_id == request_id)
+    }
+
+    /// Imports in the book, in admission order.
+    pub fn importing(&self) -> Vec<u64> {
+        self.imports.iter().map(|i| i.request_id).collect()
+    }
+
+    /// Imports whose local outcome is not reported yet, in admission order.
+    pub fn unreported(&self) -> Vec<u64> {
+        self.imports.iter().filter(|i| !i.reported).map(|i| i.request_id).collect()
+    }
+
+    /// Report local outcomes (`Some(failed)`; `None`: still running, skipped). With a shared
+    /// tracker (`shared`) the reports are returned for it; otherwise this rank decides alone,
+    /// which needs `model_parallel == 1` (`HandoffState` error naming the tracker, nothing
+    /// changed, when a terminal outcome would be decided without one).
+    pub fn report(
+        &mut self,
+        outcomes: &[(u64, Option<bool>)],
+        shared: bool,
+        model_parallel: u64,
+    ) -> DisaggResult<Vec<(u64, bool)>> {
+        let terminal: Vec<(u64, bool)> = outcomes
+            .iter()
+            .filter_map(|&(rid, o)| o.map(|f| (rid, f)))
+            .filter(|&(rid, _)| self.position(rid).is_some_and(|p| !self.imports[p].reported))
+            .collect();
+        if !shared && model_parallel != 1 && !terminal.is_empty() {
+            return Err(DisaggError::handoff_state(
+                "_handoff_completion_tracker",
+                format!(
+                    "model-parallel size {model_parallel} needs a completion tracker \
+                     (_setup_handoff_completion_tracking)"
+                ),
+            ));
+        }
+        for &(rid, failed) in &terminal {
+            if let Some(p) = self.position(rid) {
+                self.imports[p].reported = true;
+            }
+            if !shared {
+                self.decided.insert(rid, failed);
+            }
+        }
+        Ok(if shared { terminal } else { Vec::new() })
+    }
+
+    /// Record a decision for `request_id` (every model-parallel rank records the same).
+    pub fn decide(&mut self, request_id: u64, failed: bool) {
+        self.decided.insert(request_id, failed);
+    }
+
+    /// Decided imports in admission order, with whether they failed.
+    pub fn decided_in_order(&self) -> Vec<(u64, bool)> {
+        self.imports
+            .iter()
+            .filter_map(|i| self.decided.get(&i.request_id).map(|&f| (i.request_id, f)))
+            .collect()
+    }
+
+    /// The import was admitted (or completed): it leaves the book.
+    pub fn admitted(&mut self, request_id: u64) -> DisaggResult<()> {
+        let p = self.position(request_id).ok_or(DisaggError::UnknownRequest { request_id })?;
+        self.imports.remove(p);
+        self.decided.remove(&request_id);
+        Ok(())
+    }
+
+    /// Whether a failed import's storage may go back once its transfers are quiet: its
+    /// destinations are safe and its terminal outcome was reported (a peer may fail before
+    /// posting its half of a two-sided transfer: never wait on an unmatched operation).
+    pub fn may_release(&self, request_id: u64) -> bool {
+        self.position(request_id).is_some_and(|p| self.imports[p].safe && self.imports[p].reported)
+    }
+
+    /// The import failed: it leaves the book; its storage is released when
+    /// [`Self::may_release`] and its transfers are `quiet`, else quarantined.
+    pub fn failed(&mut self, request_id: u64, quiet: bool) -> DisaggResult<FailedStorage> {
+        let release = self.may_release(request_id) && quiet;
+        self.admitted(request_id)?;
+        if release {
+            return Ok(FailedStorage::Release);
+        }
+        self.quarantined.push(request_id);
+        Ok(FailedStorage::Quarantine)
+    }
+
+    /// Imports in the book (started, not admitted or failed).
+    pub fn num_importing(&self) -> usize {
+        self.imports.len()
+    }
+
+    /// Failed imports whose storage is quarantined.
+    pub fn num_quarantined(&self) -> usize {
+        self.quarantined.len()
+    }
+
+    /// Reset, all or nothing: refused (`ResetRefused`, nothing changed) while blocks are
+    /// `pinned` for a decode to read, or while a push or an import (in the book or
+    /// quarantined) may still access cache storage (`pushes`, `imports`: each request with
+    /// whether its transfers are quiet; an import in the book also needs safe destinations).
+    /// Otherwise the book empties.
+    pub fn reset(
+        &mut self,
+        pinned: &[u64],
+        pushes: &[(u64, bool)],
+        imports: &[(u64, bool)],
+    ) -> DisaggResult<()> {
+        if !pinned.is_empty() {
+            return Err(DisaggError::ResetRefused {
+                detail: format!(
+                    "cannot reset while KV handoff blocks remain pinned for requests \
+                     {pinned:?}: a decode may still be reading them; wait for RELEASE_KV"
+                ),
+            });
+        }
+        let busy_pushes: Vec<u64> =
+            pushes.iter().filter(|(_, quiet)| !quiet).map(|&(rid, _)| rid).collect();
+        let busy: Vec<u64> = imports
+            .iter()
+            .filter(|&&(rid, quiet)| {
+                let safe = self.position(rid).is_none_or(|p| self.imports[p].safe);
+                !(safe && quiet)
+            })
+            .map(|&(rid, _)| rid)
+            .collect();
+        if !busy_pushes.is_empty() || !busy.is_empty() {
+            return Err(DisaggError::ResetRefused {
+                detail: format!(
+                    "cannot reset while KV handoff transfers may still access cache storage: \
+                     pushes of requests {busy_pushes:?}, imports of requests {busy:?}"
+                ),
+            });
+        }
+        *self = Self::default();
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -540,5 +739,72 @@ mod tests {
             ("prefix_caching", b(true)),
         ]);
         assert_eq!(field_of(check_reference("setup", &facts)), ("argument", "hybrid".into()));
+    }
+
+    /// Oracle of the admission pass: decided imports leave in start order; failed ones never
+    /// wait; ok ones wait only for decode room.
+    #[test]
+    fn imports_are_decided_by_their_reports_and_leave_in_start_order() {
+        let mut book = ReferenceImports::new();
+        for rid in [3, 1, 2] {
+            book.start(rid, rid != 2).unwrap();
+        }
+        assert!(matches!(book.start(1, true), Err(DisaggError::DuplicateRequest { .. })));
+        assert_eq!(book.unreported(), vec![3, 1, 2]);
+        // One rank: this rank's report decides; a running import is skipped.
+        let out = book.report(&[(3, None), (1, Some(false)), (2, Some(true))], false, 1).unwrap();
+        assert!(out.is_empty());
+        assert_eq!(book.unreported(), vec![3]);
+        assert_eq!(book.decided_in_order(), vec![(1, false), (2, true)]);
+        // A second report of a reported import is ignored.
+        book.report(&[(1, Some(true))], false, 1).unwrap();
+        assert_eq!(book.decided_in_order(), vec![(1, false), (2, true)]);
+        // Failed: storage back only when safe, reported and quiet.
+        assert!(!book.may_release(2));
+        assert_eq!(book.failed(2, true).unwrap(), FailedStorage::Quarantine);
+        book.admitted(1).unwrap();
+        assert_eq!((book.num_importing(), book.num_quarantined()), (1, 1));
+        book.decide(3, false);
+        assert_eq!(book.decided_in_order(), vec![(3, false)]);
+        assert!(book.admitted(9).is_err());
+    }
+
+    #[test]
+    fn model_parallel_ranks_report_through_the_tracker_or_are_refused() {
+        let mut book = ReferenceImports::new();
+        book.start(1, true).unwrap();
+        let before = book.clone();
+        let e = book.report(&[(1, Some(false))], false, 2).unwrap_err();
+        assert!(
+            matches!(e, DisaggError::HandoffState { ref field, .. } if field == "_handoff_completion_tracker")
+        );
+        assert_eq!(book, before);
+        // Nothing terminal: nothing to decide, no tracker needed.
+        assert!(book.report(&[(1, None)], false, 2).unwrap().is_empty());
+        assert_eq!(book.report(&[(1, Some(true))], true, 2).unwrap(), vec![(1, true)]);
+        assert!(book.decided_in_order().is_empty());
+        book.decide(1, true);
+        assert_eq!(book.failed(1, true).unwrap(), FailedStorage::Release);
+    }
+
+    #[test]
+    fn a_reset_is_refused_whole_while_anything_may_touch_storage() {
+        let mut book = ReferenceImports::new();
+        book.start(1, true).unwrap();
+        book.start(2, false).unwrap();
+        let before = book.clone();
+        let refused = |r: DisaggResult<()>, want: &str| match r {
+            Err(DisaggError::ResetRefused { detail }) => assert!(detail.contains(want), "{detail}"),
+            other => panic!("{other:?}"),
+        };
+        refused(book.reset(&[4], &[], &[(1, true)]), "remain pinned for requests [4]");
+        refused(book.reset(&[], &[(7, false)], &[(1, true)]), "pushes of requests [7]");
+        refused(book.reset(&[], &[], &[(1, true), (2, true)]), "imports of requests [2]");
+        refused(book.reset(&[], &[], &[(1, false)]), "imports of requests [1]");
+        assert_eq!(book, before);
+        let mut quiet = ReferenceImports::new();
+        quiet.start(1, true).unwrap();
+        quiet.reset(&[], &[(7, true)], &[(1, true)]).unwrap();
+        assert_eq!(quiet, ReferenceImports::new());
     }
 }

@@ -47,7 +47,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             pool::PySlotPool, staging::PyStagingRanges, ledger::PyLedgerAction,
             ledger::PyImportLedger, ledger::PyPinLedger, ledger::PyCompletionQuorum,
             geometry::PyKvGeometry, geometry::PySsmGeometry, compile::PyTransferProgram,
-            wire::PyPeer, wire::PyPeerTable, driver::PyEngineDriverState
+            wire::PyPeer, wire::PyPeerTable, driver::PyEngineDriverState,
+            ledger::PyReferenceImports
         ],
         functions: [
             error::_error_kinds, error::_raise_sample_error, control::decode_control_message,
