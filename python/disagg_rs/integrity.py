@@ -272,8 +272,8 @@ def conv_pieces(
 ) -> list[IntegrityPiece]:
     """Entries of one SSM slot's conv state on one rank, one piece per band (x, B, C)."""
     dims = layout.dims
-    units = ("unit", dims.num_heads + 2 * dims.n_groups)
-    all_layers, layers, zero = _slot_cells(buffer, geometry, layout, slot, "conv", units)
+    unit_end = ("unit", dims.num_heads + 2 * dims.n_groups)
+    all_layers, layers, zero = _slot_cells(buffer, geometry, layout, slot, "conv", unit_end)
     dev = buffer.device
     pieces = []
     for band, per_unit, first_unit in (

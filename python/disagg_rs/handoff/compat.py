@@ -267,12 +267,8 @@ class ReferenceDesignCompat(HandoffBase):
             prepared: dict[int, _PreparedHandoffMetadata] = {}
             for (request, blocks), resume in pairs:
                 rid = request.request_id
-                slot = -1 if ssm_cache is None else int(ssm_cache.get_slot(blocks[-1]))
-                if ssm_cache is not None and slot < 0:
-                    raise HandoffStateError(
-                        f"request {rid}: no SSM state cached for its final block {blocks[-1]}",
-                        "ssm_slot",
-                    )
+                slot = 0 if ssm_cache is None else int(ssm_cache.get_slot(blocks[-1]))
+                check_reference("ssm_slot", {"request_id": rid, "slot": slot, "block": blocks[-1]})
                 kv_meta: Any = (
                     {"pp_metas": [{"tp_metas": m, "block_ids": blocks} for m in kv_stages]}
                     if pp_size > 1
@@ -360,11 +356,8 @@ class ReferenceDesignCompat(HandoffBase):
         ssm_sends = []
         if self._ssm_transfer_agents:
             slot = int(self._ref().context.mamba_slot_allocator.get_slot(blocks[-1]))
-            if slot < 0:
-                raise HandoffStateError(
-                    f"request {request_id}: no pinned SSM state for its final block {blocks[-1]}",
-                    "ssm_slot",
-                )
+            facts = {"request_id": request_id, "slot": slot, "block": blocks[-1]}
+            check_reference("ssm_slot", facts)
             for kind in _SSM_STATE_KINDS:
                 try:
                     peers = [entry["ssm"][kind] for entry in decode_metas]
@@ -387,16 +380,8 @@ class ReferenceDesignCompat(HandoffBase):
     def _reserve_ssm_handoff_import(self) -> PendingSSMImport:
         """Reserve the live request slot that receives exact SSM state (reference-design
         engine; a ledger reserves the slot with the blocks, all or nothing, in ``submit``)."""
-        if self._ledger_driven():
-            raise HandoffStateError(
-                "SSM slots are reserved by ImportLedger.submit, not separately", "ssm_slot"
-            )
-        if not self._ssm_transfer_agents:
-            raise HandoffStateError(
-                "received SSM handoff state but this decode engine has no SSM transfer agents "
-                "(setup_kv_transfer on a hybrid decode engine)",
-                "setup_kv_transfer",
-            )
+        facts = {"ledger": self._ledger_driven(), "ssm_agents": bool(self._ssm_transfer_agents)}
+        check_reference("reserve_ssm", facts)
         slot = self._ref().context.mamba_metadata.allocate_slot()
         if slot is None:
             raise HandoffStateError(

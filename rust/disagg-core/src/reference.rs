@@ -25,7 +25,7 @@ impl Role {
             "decode" => Ok(Self::Decode),
             other => Err(DisaggError::handoff_state(
                 "role",
-                format!("role={other:?} must be 'prefill' or 'decode'"),
+                format!("role='{other}' must be 'prefill' or 'decode'"),
             )),
         }
     }
@@ -34,6 +34,8 @@ impl Role {
 /// One check of a reference-design engine, with the facts it needs.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ReferenceCheck {
+    /// `setup_kv_transfer`'s role (any engine): `prefill` or `decode`.
+    Role(Role),
     /// `setup_kv_transfer`: the SSM state cache matches the role and prefix caching is on.
     Setup {
         /// The engine's role.
@@ -73,6 +75,22 @@ pub enum ReferenceCheck {
         has_backend: bool,
         /// The ticket itself.
         ticket: ReferenceTicket,
+    },
+    /// A decode reserving a live SSM slot for an import outside any ledger.
+    ReserveSsm {
+        /// Whether a ledger drives the engine (it reserves slots with the blocks).
+        ledger: bool,
+        /// Whether SSM transfer agents are set up.
+        ssm_agents: bool,
+    },
+    /// The pinned SSM state a prefill hands off: the slot cached for the final block.
+    SsmSlot {
+        /// The request.
+        request_id: u64,
+        /// The slot the state cache returned for the final block (negative: none).
+        slot: i64,
+        /// The final block.
+        block: u64,
     },
     /// An import about to be admitted without a forward step.
     DecodeReady {
@@ -152,6 +170,57 @@ fn check_setup(
     Ok(())
 }
 
+/// See [`ReferenceCheck::Ticket`]: the decode's state, then the ticket.
+fn check_ticket(
+    prefix_caching: bool,
+    hybrid: bool,
+    has_backend: bool,
+    ticket: &ReferenceTicket,
+) -> DisaggResult<()> {
+    let rid = ticket.request_id;
+    if !prefix_caching {
+        return Err(DisaggError::handoff_state(
+            "enable_prefix_caching",
+            "add_request_with_kv_handoff needs prefix caching on the decode engine \
+                         (enable_prefix_caching=False)",
+        ));
+    }
+    if hybrid && !ticket.decode_has_ssm {
+        return Err(DisaggError::handoff_state(
+            "setup_kv_transfer",
+            format!(
+                "request {rid}: a hybrid decode received a handoff before SSM \
+                             transfer setup"
+            ),
+        ));
+    }
+    if !has_backend {
+        return Err(DisaggError::handoff_state(
+            "setup_kv_transfer",
+            format!("request {rid}: no transfer backend (setup_kv_transfer has not run)"),
+        ));
+    }
+    ticket.check()
+}
+
+/// See [`ReferenceCheck::ReserveSsm`].
+fn check_reserve_ssm(ledger: bool, ssm_agents: bool) -> DisaggResult<()> {
+    if ledger {
+        return Err(DisaggError::handoff_state(
+            "ssm_slot",
+            "SSM slots are reserved by ImportLedger.submit, not separately",
+        ));
+    }
+    if !ssm_agents {
+        return Err(DisaggError::handoff_state(
+            "setup_kv_transfer",
+            "received SSM handoff state but this decode engine has no SSM transfer \
+                         agents (setup_kv_transfer on a hybrid decode engine)",
+        ));
+    }
+    Ok(())
+}
+
 impl ReferenceCheck {
     /// The check named `stage` (`setup`, `ssm_buffers`, `tp_agents`, `prefill`, `ticket`,
     /// `decode_ready`) over its facts map; an `Argument` error for an unknown stage or a
@@ -160,6 +229,7 @@ impl ReferenceCheck {
         let o = Obj::of(facts, "facts")?;
         let n = |key: &str| o.u64(key);
         Ok(match stage {
+            "role" => Self::Role(Role::parse(o.name("role")?)?),
             "setup" => Self::Setup {
                 role: Role::parse(o.name("role")?)?,
                 hybrid: flag(&o, "hybrid")?,
@@ -199,31 +269,23 @@ impl ReferenceCheck {
                     requests,
                 })
             }
-            "ticket" => Self::Ticket {
-                prefix_caching: flag(&o, "prefix_caching")?,
-                hybrid: flag(&o, "hybrid")?,
-                has_backend: flag(&o, "has_backend")?,
-                ticket: ReferenceTicket {
-                    request_id: n("request_id")?,
-                    ssm: ssm_entry(o.get("ssm")),
-                    decode_has_ssm: flag(&o, "decode_has_ssm")?,
-                    resume_tokens: n("resume_tokens")?,
-                    num_speculative_tokens: n("num_speculative_tokens")?,
-                    return_log_probs: flag(&o, "return_log_probs")?,
-                    top_n_logprobs: match o.some("top_n_logprobs") {
-                        None => 0,
-                        Some(WireValue::Int(t)) => i64::try_from(*t).unwrap_or(i64::MAX),
-                        Some(other) => {
-                            return Err(DisaggError::argument(
-                                "top_n_logprobs",
-                                format!("must be an int or None, got {}", other.type_name()),
-                            ))
-                        }
-                    },
-                    src_blocks: n("src_blocks")?,
-                    prompt_tokens: n("prompt_tokens")?,
-                    block_size: n("block_size")?,
+            "ticket" => Self::parse_ticket(&o)?,
+            "reserve_ssm" => Self::ReserveSsm {
+                ledger: flag(&o, "ledger")?,
+                ssm_agents: flag(&o, "ssm_agents")?,
+            },
+            "ssm_slot" => Self::SsmSlot {
+                request_id: n("request_id")?,
+                slot: match o.req("slot")? {
+                    WireValue::Int(i) => i64::try_from(*i).unwrap_or(-1),
+                    other => {
+                        return Err(DisaggError::argument(
+                            "slot",
+                            format!("must be an int, got {}", other.type_name()),
+                        ))
+                    }
                 },
+                block: n("block")?,
             },
             "decode_ready" => Self::DecodeReady {
                 request_id: n("request_id")?,
@@ -236,11 +298,41 @@ impl ReferenceCheck {
                 return Err(DisaggError::argument(
                     "stage",
                     format!(
-                        "unknown check {other:?}; known: setup, ssm_buffers, tp_agents, \
-                         prefill, ticket, decode_ready"
+                        "unknown check {other:?}; known: role, setup, ssm_buffers, tp_agents, \
+                         prefill, ticket, reserve_ssm, ssm_slot, decode_ready"
                     ),
                 ))
             }
+        })
+    }
+
+    fn parse_ticket(o: &Obj<'_>) -> DisaggResult<Self> {
+        let n = |key: &str| o.u64(key);
+        Ok(Self::Ticket {
+            prefix_caching: flag(o, "prefix_caching")?,
+            hybrid: flag(o, "hybrid")?,
+            has_backend: flag(o, "has_backend")?,
+            ticket: ReferenceTicket {
+                request_id: n("request_id")?,
+                ssm: ssm_entry(o.get("ssm")),
+                decode_has_ssm: flag(o, "decode_has_ssm")?,
+                resume_tokens: n("resume_tokens")?,
+                num_speculative_tokens: n("num_speculative_tokens")?,
+                return_log_probs: flag(o, "return_log_probs")?,
+                top_n_logprobs: match o.some("top_n_logprobs") {
+                    None => 0,
+                    Some(WireValue::Int(t)) => i64::try_from(*t).unwrap_or(i64::MAX),
+                    Some(other) => {
+                        return Err(DisaggError::argument(
+                            "top_n_logprobs",
+                            format!("must be an int or None, got {}", other.type_name()),
+                        ))
+                    }
+                },
+                src_blocks: n("src_blocks")?,
+                prompt_tokens: n("prompt_tokens")?,
+                block_size: n("block_size")?,
+            },
         })
     }
 
@@ -288,34 +380,23 @@ impl ReferenceCheck {
                 }
                 Ok(())
             }
+            Self::Role(_) => Ok(()),
             Self::Prefill(batch) => batch.check(),
             Self::Ticket { prefix_caching, hybrid, has_backend, ticket } => {
-                let rid = ticket.request_id;
-                if !prefix_caching {
+                check_ticket(*prefix_caching, *hybrid, *has_backend, ticket)
+            }
+            Self::ReserveSsm { ledger, ssm_agents } => check_reserve_ssm(*ledger, *ssm_agents),
+            Self::SsmSlot { request_id, slot, block } => {
+                if *slot < 0 {
                     return Err(DisaggError::handoff_state(
-                        "enable_prefix_caching",
-                        "add_request_with_kv_handoff needs prefix caching on the decode engine \
-                         (enable_prefix_caching=False)",
-                    ));
-                }
-                if *hybrid && !ticket.decode_has_ssm {
-                    return Err(DisaggError::handoff_state(
-                        "setup_kv_transfer",
+                        "ssm_slot",
                         format!(
-                            "request {rid}: a hybrid decode received a handoff before SSM \
-                             transfer setup"
+                            "request {request_id}: no SSM state cached (pinned) for its final \
+                             block {block}"
                         ),
                     ));
                 }
-                if !has_backend {
-                    return Err(DisaggError::handoff_state(
-                        "setup_kv_transfer",
-                        format!(
-                            "request {rid}: no transfer backend (setup_kv_transfer has not run)"
-                        ),
-                    ));
-                }
-                ticket.check()
+                Ok(())
             }
             Self::DecodeReady {
                 request_id,
@@ -607,6 +688,10 @@ mod tests {
             }
         }
         assert_eq!(field_of(setup("both", false, false, true)), ("state", "role".into()));
+        let role = |r: &str| check_reference("role", &map(&[("role", s(r))]));
+        assert!(role("prefill").is_ok() && role("decode").is_ok());
+        let e = role("both").unwrap_err();
+        assert!(e.to_string().contains("role='both' must be 'prefill' or 'decode'"), "{e}");
     }
 
     #[test]
@@ -726,6 +811,27 @@ mod tests {
         assert_eq!(field_of(r), ("metadata", "resume_tokens".into()));
         let r = check_reference("decode_ready", &facts(3, true, false));
         assert_eq!(field_of(r), ("state", "ssm".into()));
+    }
+
+    #[test]
+    fn ssm_slots_are_reserved_outside_a_ledger_with_agents_and_pinned_slots_exist() {
+        let reserve = |ledger: bool, agents: bool| {
+            check_reference(
+                "reserve_ssm",
+                &map(&[("ledger", b(ledger)), ("ssm_agents", b(agents))]),
+            )
+        };
+        assert!(reserve(false, true).is_ok());
+        assert_eq!(field_of(reserve(true, true)), ("state", "ssm_slot".into()));
+        assert_eq!(field_of(reserve(false, false)), ("state", "setup_kv_transfer".into()));
+        let slot = |s: i128| {
+            check_reference(
+                "ssm_slot",
+                &map(&[("request_id", i(3)), ("slot", i(s)), ("block", i(9))]),
+            )
+        };
+        assert!(slot(0).is_ok());
+        assert_eq!(field_of(slot(-1)), ("state", "ssm_slot".into()));
     }
 
     #[test]
