@@ -250,3 +250,21 @@ def test_a_reference_design_prefill_batch_is_refused_before_any_request_is_prepa
         with pytest.raises(exceptions.HandoffMetadataError) as err:
             _core.check_reference("prefill", {"requests": rows(requests), **stages, **change})
         assert err.value.field == field, err.value
+
+
+def test_reference_design_engine_checks_name_the_setting_that_refuses() -> None:
+    for stage, facts, field in (
+        ("role", {"role": "both"}, "role"),
+        ("reserve_ssm", {"ledger": True, "ssm_agents": True}, "ssm_slot"),
+        ("reserve_ssm", {"ledger": False, "ssm_agents": False}, "setup_kv_transfer"),
+        ("ssm_slot", {"request_id": 3, "slot": -1, "block": 7}, "ssm_slot"),
+    ):
+        with pytest.raises(exceptions.HandoffStateError) as err:
+            _core.check_reference(stage, facts)
+        assert err.value.field == field, err.value
+        assert isinstance(err.value, RuntimeError)
+    _core.check_reference("role", {"role": "decode"})
+    _core.check_reference("ssm_slot", {"request_id": 3, "slot": 0, "block": 7})
+    with pytest.raises(exceptions.ArgumentError) as arg:
+        _core.check_reference("teardown", {})
+    assert arg.value.field == "stage"

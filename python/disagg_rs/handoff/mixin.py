@@ -38,6 +38,7 @@ from typing import Any
 from disagg_rs._core import (
     ImportLedger,
     PinLedger,
+    check_reference,
 )
 from disagg_rs.decode_admission import (
     can_admit_prefilled_decode,
@@ -209,8 +210,7 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         ``role`` is ``"prefill"`` or ``"decode"``; ``backend`` a registered transport
         (``"nixl"``; ``"nccl"`` selects the two-sided push family).
         """
-        if role not in ("prefill", "decode"):
-            raise HandoffStateError(f"role={role!r} must be 'prefill' or 'decode'", "role")
+        check_reference("role", {"role": role})  # HandoffStateError naming the role
         if self._ledger_driven():
             self._setup_ledger_kv_transfer(role, backend, **backend_kwargs)
         else:
