@@ -13,7 +13,8 @@ _KINDS_BY_BUILTIN = {
     "Capacity:CapacityError Argument:ArgumentError",
     OverflowError: "AddressOverflow:AddressOverflowError",
     LookupError: "UnknownRequest:UnknownRequestError",
-    RuntimeError: "State:HandoffStateError ResetRefused:ResetRefusedError "
+    RuntimeError: "State:HandoffStateError HandoffState:HandoffStateError "
+    "ResetRefused:ResetRefusedError "
     "Conservation:ConservationError HandoffMetadata:HandoffMetadataError",
 }
 EXPECTED: dict[str, tuple[type[BaseException], type[BaseException]]] = {

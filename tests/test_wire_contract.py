@@ -193,6 +193,10 @@ def test_any_mutation_of_an_export_parses_or_is_refused_with_a_typed_error(
 
 def test_a_reference_design_ticket_is_refused_naming_its_first_bad_field() -> None:
     ok: dict[str, Any] = {
+        "request_id": 9,
+        "prefix_caching": True,
+        "hybrid": True,
+        "has_backend": True,
         "decode_has_ssm": True,
         "resume_tokens": 1,
         "num_speculative_tokens": 0,
@@ -203,32 +207,64 @@ def test_a_reference_design_ticket_is_refused_naming_its_first_bad_field() -> No
         "block_size": 4,
     }
     ssm = {"conv": {}, "recurrent": {}}
-    _core.check_reference_ticket(9, ssm, **ok)
-    _core.check_reference_ticket(9, None, **{**ok, "decode_has_ssm": False})
+    _core.check_reference("ticket", {**ok, "ssm": ssm})
+    _core.check_reference("ticket", {**ok, "ssm": None, "decode_has_ssm": False, "hybrid": False})
     for meta, change, field in (
         ({"conv": {}}, {}, "ssm"),
         ([1], {}, "ssm"),
         (None, {}, "ssm"),
-        (ssm, {"decode_has_ssm": False}, "ssm"),
+        (ssm, {"decode_has_ssm": False, "hybrid": False}, "ssm"),
         (ssm, {"resume_tokens": 2}, "resume_tokens"),
         (ssm, {"top_n_logprobs": 3}, "return_log_probs"),
         (ssm, {"return_log_probs": True}, "return_log_probs"),
         (ssm, {"src_blocks": 1}, "src_block_ids"),
     ):
         with pytest.raises(exceptions.HandoffMetadataError) as err:
-            _core.check_reference_ticket(9, meta, **{**ok, **change})
+            _core.check_reference("ticket", {**ok, "ssm": meta, **change})
         assert err.value.field == field and "request 9" in str(err.value), err.value
         assert isinstance(err.value, RuntimeError)
+    # The decode's own state is checked first, naming the setting (HandoffStateError).
+    for change, field in (
+        ({"prefix_caching": False, "resume_tokens": 0}, "enable_prefix_caching"),
+        ({"decode_has_ssm": False}, "setup_kv_transfer"),
+        ({"has_backend": False}, "setup_kv_transfer"),
+    ):
+        with pytest.raises(exceptions.HandoffStateError) as state:
+            _core.check_reference("ticket", {**ok, "ssm": ssm, **change})
+        assert state.value.field == field, state.value
 
 
 def test_a_reference_design_prefill_batch_is_refused_before_any_request_is_prepared() -> None:
     stages = {"kv_stages": 1, "ssm_stages": 1, "pp_size": 1, "num_speculative_tokens": 1}
-    _core.check_reference_prefill([(1, 2, 3), (2, 2, 1)], **stages)
+
+    def rows(requests: list[tuple[int, int, int]]) -> list[dict[str, int]]:
+        keys = ("request_id", "resume_tokens", "blocks")
+        return [dict(zip(keys, r, strict=True)) for r in requests]
+
+    _core.check_reference("prefill", {"requests": rows([(1, 2, 3), (2, 2, 1)]), **stages})
     for requests, change, field in (
         ([(1, 2, 3)], {"pp_size": 2}, "pp_metas"),
         ([(1, 2, 3), (2, 1, 1)], {}, "resume_tokens"),
         ([(1, 2, 0)], {}, "block_ids"),
     ):
         with pytest.raises(exceptions.HandoffMetadataError) as err:
-            _core.check_reference_prefill(requests, **{**stages, **change})
+            _core.check_reference("prefill", {"requests": rows(requests), **stages, **change})
         assert err.value.field == field, err.value
+
+
+def test_reference_design_engine_checks_name_the_setting_that_refuses() -> None:
+    for stage, facts, field in (
+        ("role", {"role": "both"}, "role"),
+        ("reserve_ssm", {"ledger": True, "ssm_agents": True}, "ssm_slot"),
+        ("reserve_ssm", {"ledger": False, "ssm_agents": False}, "setup_kv_transfer"),
+        ("ssm_slot", {"request_id": 3, "slot": -1, "block": 7}, "ssm_slot"),
+    ):
+        with pytest.raises(exceptions.HandoffStateError) as err:
+            _core.check_reference(stage, facts)
+        assert err.value.field == field, err.value
+        assert isinstance(err.value, RuntimeError)
+    _core.check_reference("role", {"role": "decode"})
+    _core.check_reference("ssm_slot", {"request_id": 3, "slot": 0, "block": 7})
+    with pytest.raises(exceptions.ArgumentError) as arg:
+        _core.check_reference("teardown", {})
+    assert arg.value.field == "stage"

@@ -37,7 +37,6 @@ one (kv, layer) plane at a time. Only the small table of entries ever leaves the
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,8 +45,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from disagg_rs._core import KVShardLayout, SSMShardLayout
-from disagg_rs.exceptions import ArgumentError, IntegrityError, LayoutError, MetadataError
+from disagg_rs._core import KVShardLayout, SSMShardLayout, check_integrity_wire, digest_plan
+from disagg_rs.exceptions import ArgumentError, IntegrityError, LayoutError
 
 __all__ = [
     "MAX_CHUNKS",
@@ -113,15 +112,6 @@ def _keys(
     return _fmix64_(keys)
 
 
-def _uniform_step(offsets: Sequence[int]) -> int | None:
-    """The spacing of equally spaced, increasing ``offsets`` (0 for one), else None: such
-    planes are one strided view, digested in one batch of kernels."""
-    steps = {b - a for a, b in itertools.pairwise(offsets)}
-    if not steps:
-        return 0
-    return min(steps) if len(steps) == 1 and min(steps) > 0 else None
-
-
 def _word_dtype(row_bytes: int) -> torch.dtype:
     """The widest word that tiles a cell row: depends on the row size only (same both sides)."""
     for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
@@ -139,13 +129,6 @@ def cell_hashes(cells: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     # Out of place first: ``words`` may be the caller's memory (int64 rows need no widening).
     mixed = torch.bitwise_xor(words, keys.unsqueeze(-1) + offsets)
     return _fmix64_(mixed).sum(dim=-1)
-
-
-def _check_key_range(name: str, value: int, bits: int) -> None:
-    if value >= 1 << bits:
-        raise ArgumentError(
-            f"integrity digest: {name}={value} does not fit the position key ({bits} bits)", name
-        )
 
 
 def _byte_view(buffer: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -188,47 +171,43 @@ def kv_entries(
     flat, base = _byte_view(buffer)
     t_per_b, n_heads = int(g["tokens_per_block"]), int(g["num_heads"])
     row_bytes = int(g["head_dim"]) * int(g["element_size"])
-    num_layers, num_kv = int(g["num_layers"]), int(g["num_kv"])
-    if num_kv != 2:
-        raise ArgumentError(f"integrity digest: num_kv={num_kv} (MLA) is not supported", "num_kv")
-    if n_heads != layout.heads_per_partition or num_layers != layout.num_local_layers:
-        raise ArgumentError(
-            f"integrity digest: geometry holds {num_layers} layers x {n_heads} heads but the "
-            f"layout {layout.num_local_layers} x {layout.heads_per_partition}",
-            "geometry",
-        )
+    num_layers = int(g["num_layers"])
     ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=buffer.device)
-    needed = -(-num_tokens // t_per_b)
-    if int(ids.numel()) < needed:
-        raise ArgumentError(
-            f"integrity digest: {int(ids.numel())} block ids cover fewer than "
-            f"num_tokens={num_tokens} at {t_per_b} tokens per block",
-            "block_ids",
-        )
-    ids = ids[:needed]
-    _check_key_range("layer", layout.layer_end, _LAYER_BITS)
-    _check_key_range("head", layout.head_end, _UNIT_BITS)
-    _check_key_range("num_tokens", num_tokens, _TOKEN_BITS)
     dev = buffer.device
+    bases = [int(b) - base for b in g["plane_bases"]]  # plane p = kv * num_layers + local layer
+    # Checks (geometry against layout, block coverage, key ranges) and the plan, in Rust:
+    # planes equally spaced in memory (one [2, L, ...] tensor) are digested a batch of planes
+    # per batch of kernels (bounded temporaries); other geometries one plane at a time.
+    plan = digest_plan(
+        "kv",
+        {
+            "num_kv": int(g["num_kv"]),
+            "geometry_heads": n_heads,
+            "geometry_layers": num_layers,
+            "layout_heads": layout.heads_per_partition,
+            "layout_layers": layout.num_local_layers,
+            "block_ids": int(ids.numel()),
+            "tokens_per_block": t_per_b,
+            "num_tokens": num_tokens,
+            "layer_end": layout.layer_end,
+            "head_end": layout.head_end,
+            "chunk_tokens": chunk_tokens,
+            "plane_offsets": bases,
+            "row_bytes": row_bytes,
+            "batch_bytes": _CHUNK_BYTES.get(dev.type, _CHUNK_BYTES_DEFAULT),
+        },
+    )
+    ids = ids[: plan["blocks"]]
     heads = torch.arange(layout.head_start, layout.head_end, dtype=torch.int64, device=dev)
     tokens = torch.arange(num_tokens, dtype=torch.int64, device=dev)
     strides = (int(g["block_stride"]), int(g["token_stride"]), int(g["head_stride"]), 1)
     size = (int(g["num_blocks"]), t_per_b, n_heads, row_bytes)
-    if chunk_tokens is not None and chunk_tokens < 1:
-        raise ArgumentError(f"integrity digest: chunk_tokens={chunk_tokens} must be >= 1", "chunk")
-    per_chunk = chunk_tokens or max(1, num_tokens)
-    n_chunks = max(1, -(-num_tokens // per_chunk))
+    per_chunk, n_chunks, step = plan["per_chunk"], plan["chunks"], plan["step"]
     out = torch.empty((2 * num_layers, n_chunks, n_heads), dtype=torch.int64, device=dev)
-    bases = [int(b) - base for b in g["plane_bases"]]  # plane p = kv * num_layers + local layer
-    # Planes equally spaced in memory (one [2, L, ...] tensor) are digested a chunk of planes
-    # per batch of kernels (bounded temporaries); other geometries one plane at a time.
-    step = _uniform_step(bases)
-    plane_bytes = max(1, num_tokens * n_heads * row_bytes)
-    budget = _CHUNK_BYTES.get(dev.type, _CHUNK_BYTES_DEFAULT)
-    chunk = max(1, budget // plane_bytes) if step is not None else 1
+    chunk = plan["planes_per_batch"]
     for p0 in range(0, 2 * num_layers, chunk):
         n = min(chunk, 2 * num_layers - p0)
-        planes = torch.as_strided(flat, (n, *size), (step or 0, *strides), bases[p0])
+        planes = torch.as_strided(flat, (n, *size), (step, *strides), bases[p0])
         cells = planes.index_select(1, ids).reshape(n, -1, n_heads, row_bytes)[:, :num_tokens]
         p = torch.arange(p0, p0 + n, dtype=torch.int64, device=dev)
         kind = torch.where(p < num_layers, _KIND_KEY, _KIND_VALUE)
@@ -249,46 +228,53 @@ def kv_entries(
 
 
 def _ssm_cells(
-    flat: torch.Tensor, base: int, part: Mapping[str, Any], num_layers: int, slot: int
+    flat: torch.Tensor, offsets: list[int], part: Mapping[str, Any], step: int | None
 ) -> torch.Tensor:
-    """Units ``[layers, num_units, unit_bytes]`` of one slot in every local SSM layer, as bytes:
-    one strided view when the layers are equally spaced (one ``[L, slots, ...]`` tensor, one
-    batch of kernels after), else the layers stacked."""
+    """Units ``[layers, num_units, unit_bytes]`` of one slot in every local SSM layer (at
+    ``offsets``), as bytes: one strided view when the layers are equally spaced (``step``: one
+    ``[L, slots, ...]`` tensor, one batch of kernels after), else the layers stacked."""
     size = (int(part["num_units"]), int(part["unit_bytes"]))
     strides = (int(part["unit_stride"]), 1)
-    offsets = [int(b) - base + slot * int(part["slot_stride"]) for b in part["layer_bases"]]
-    step = _uniform_step(offsets[:num_layers])
+    num_layers = len(offsets)
     if step is not None:
         return torch.as_strided(flat, (num_layers, *size), (step, *strides), offsets[0])
     return torch.stack([torch.as_strided(flat, size, strides, o) for o in offsets[:num_layers]])
 
 
 def _slot_cells(
-    buffer: torch.Tensor, geometry: Any, layout: SSMShardLayout, slot: int, part_name: str
+    buffer: torch.Tensor,
+    geometry: Any,
+    layout: SSMShardLayout,
+    slot: int,
+    part_name: str,
+    units: tuple[str, int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One SSM slot's ``part_name`` state on one rank: its cells (see :func:`_ssm_cells`), the
-    global layer numbers and the zero token key (SSM state has no token axis)."""
+    global layer numbers and the zero token key (SSM state has no token axis). ``units``: the
+    unit axis's name and end, checked against the position key."""
     part = _geometry_dict(geometry)[part_name]
     flat, base = _byte_view(buffer)
-    if not 0 <= slot < int(part["num_slots"]):
-        raise ArgumentError(
-            f"integrity digest: ssm slot={slot} outside [0, {int(part['num_slots'])})", "ssm_slot"
-        )
+    offsets = [int(b) - base + slot * int(part["slot_stride"]) for b in part["layer_bases"]]
+    offsets = offsets[: layout.num_local_layers]
+    # The slot and key ranges checked, and the layers' spacing found, in Rust.
+    facts = {"slot": slot, "num_slots": int(part["num_slots"]), "layer_end": layout.layer_end}
+    plan = digest_plan(
+        "ssm", {**facts, "unit_name": units[0], "unit_end": units[1], "layer_offsets": offsets}
+    )
     dev = buffer.device
-    _check_key_range("layer", layout.layer_end, _LAYER_BITS)
     layers = torch.arange(layout.layer_start, layout.layer_end, dtype=torch.int64, device=dev)
     zero = torch.zeros(1, dtype=torch.int64, device=dev)
-    return _ssm_cells(flat, base, part, layout.num_local_layers, slot), layers, zero
+    return _ssm_cells(flat, offsets, part, plan["step"]), layers, zero
 
 
 def conv_pieces(
     buffer: torch.Tensor, geometry: Any, layout: SSMShardLayout, slot: int
 ) -> list[IntegrityPiece]:
     """Entries of one SSM slot's conv state on one rank, one piece per band (x, B, C)."""
-    all_layers, layers, zero = _slot_cells(buffer, geometry, layout, slot, "conv")
     dims = layout.dims
+    unit_end = ("unit", dims.num_heads + 2 * dims.n_groups)
+    all_layers, layers, zero = _slot_cells(buffer, geometry, layout, slot, "conv", unit_end)
     dev = buffer.device
-    _check_key_range("unit", dims.num_heads + 2 * dims.n_groups, _UNIT_BITS)
     pieces = []
     for band, per_unit, first_unit in (
         ("x", dims.head_dim, 0),
@@ -313,9 +299,8 @@ def recurrent_pieces(
     buffer: torch.Tensor, geometry: Any, layout: SSMShardLayout, slot: int
 ) -> list[IntegrityPiece]:
     """Entries of one SSM slot's recurrent state on one rank (one piece)."""
-    cells, layers, zero = _slot_cells(buffer, geometry, layout, slot, "recurrent")
     h_lo, h_hi = layout.heads
-    _check_key_range("head", h_hi, _UNIT_BITS)
+    cells, layers, zero = _slot_cells(buffer, geometry, layout, slot, "recurrent", ("head", h_hi))
     heads = torch.arange(h_lo, h_hi, dtype=torch.int64, device=buffer.device)
     keys = _keys(_KIND_RECURRENT, layers, heads, zero)[:, 0]
     entries = cell_hashes(cells.contiguous(), keys)
@@ -484,49 +469,21 @@ class IntegrityTable:
     @staticmethod
     def wire_chunk_tokens(wire: Any) -> int | None:
         """The ``chunk_tokens`` of a ticket's table (None when absent); MetadataError if bad."""
-        if not isinstance(wire, Mapping) or wire.get("chunk_tokens") is None:
-            return None
-        c = wire["chunk_tokens"]
-        if not isinstance(c, int) or isinstance(c, bool) or not 1 <= c < 1 << _TOKEN_BITS:
-            raise MetadataError(
-                f"ticket integrity.chunk_tokens={c!r} must be an int in [1, 2**{_TOKEN_BITS})",
-                "integrity.chunk_tokens",
-            )
-        return c
+        return check_integrity_wire(wire)
 
     @classmethod
     def from_wire(cls, wire: Any, shapes: Mapping[str, tuple[int, ...]]) -> IntegrityTable:
         """Decode and check a ticket's ``"integrity"`` value against this model's ``shapes``;
         raises :class:`~disagg_rs.exceptions.MetadataError` naming the bad field."""
-        if not isinstance(wire, Mapping):
-            raise MetadataError(
-                f"ticket integrity must be a map of tables, got {type(wire).__name__}",
-                "integrity",
-            )
-        tables = {}
-        for name, shape in shapes.items():
-            entry = wire.get(name)
-            if not isinstance(entry, Mapping):
-                raise MetadataError(f"ticket integrity has no {name!r} table", f"integrity.{name}")
-            got_shape = entry.get("shape")
-            data = entry.get("data")
-            if not isinstance(got_shape, (list, tuple)) or [
-                int(s) if isinstance(s, int) and not isinstance(s, bool) else -1 for s in got_shape
-            ] != list(shape):
-                raise MetadataError(
-                    f"ticket integrity.{name}.shape={got_shape!r} but this model needs "
-                    f"{list(shape)}",
-                    f"integrity.{name}.shape",
-                )
-            need = int(np.prod(shape)) * 8
-            if not isinstance(data, (bytes, bytearray)) or len(data) != need:
-                got = len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__
-                raise MetadataError(
-                    f"ticket integrity.{name}.data has {got} bytes, expected {need}",
-                    f"integrity.{name}.data",
-                )
-            tables[name] = np.frombuffer(bytes(data), dtype="<u8").astype(np.uint64).reshape(shape)
-        return cls(tables, cls.wire_chunk_tokens(wire))
+        # Every table's presence, shape and byte length, and chunk_tokens, in Rust.
+        chunk = check_integrity_wire(wire, [(n, list(s)) for n, s in shapes.items()])
+        tables = {
+            name: np.frombuffer(bytes(wire[name]["data"]), dtype="<u8")
+            .astype(np.uint64)
+            .reshape(shape)
+            for name, shape in shapes.items()
+        }
+        return cls(tables, chunk)
 
     def first_mismatch(
         self, pieces: Sequence[IntegrityPiece], first_chunk: int = 0

@@ -13,6 +13,7 @@ from disagg_rs._core import MAX_TWO_SIDED_REQUEST_ID as _MAX_TWO_SIDED_REQUEST_I
 from disagg_rs._core import (
     ImportLedger,
     PinLedger,
+    ReferenceImports,
     two_sided_tag,
 )
 from disagg_rs.exceptions import (
@@ -118,7 +119,7 @@ class HandoffBase:
         self._pending_kv_imports: deque[PendingKvImport] = deque()
         self._quarantined_kv_imports: list[PendingKvImport] = []
         self._handoff_completion_tracker: HandoffCompletionTracker | None = None
-        self._handoff_completion_notifications: dict[int, bool] = {}
+        self._reference_imports = ReferenceImports()
         self._pending_kv_pushes: list[tuple[int, list[Any]]] = []
         # Ledger-driven engines.
         self._backend_name: str | None = None
@@ -244,7 +245,7 @@ class HandoffBase:
     def _record_handoff_completion_notification(self, request_id: int, failed: bool) -> None:
         """Record a shared admission decision (every model-parallel rank records the same)."""
         if not self._ledger_driven():
-            self._handoff_completion_notifications[request_id] = failed
+            self._reference_imports.decide(request_id, failed)
             return
         self._completion_notifications.append((request_id, failed))
 

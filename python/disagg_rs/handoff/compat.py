@@ -32,8 +32,7 @@ from disagg_rs._core import (
     BlockPool,
     SSMShardLayout,
     SSMStateDims,
-    check_reference_prefill,
-    check_reference_ticket,
+    check_reference,
     drop_transfer_prefix_blocks,
     transfer_block_count,
 )
@@ -42,18 +41,14 @@ from disagg_rs.decode_admission import (
     admit_prefilled_decode,
     can_admit_prefilled_decode,
 )
-from disagg_rs.exceptions import (
-    HandoffMetadataError,
-    HandoffStateError,
-    ResetRefusedError,
-    TransferError,
-)
+from disagg_rs.exceptions import HandoffMetadataError, HandoffStateError, TransferError
 from disagg_rs.handoff.base import (
     _SSM_STATE_KINDS,
     HandoffBase,
     _PreparedHandoffMetadata,
     logger,
 )
+from disagg_rs.handoff_completion_tracker import HandoffCompletionTracker
 from disagg_rs.pending_handoff_imports import DeferredKvHandoff, PendingKvImport, PendingSSMImport
 from disagg_rs.transfer_backends import construct_kv_transfer_backend_class
 
@@ -99,26 +94,17 @@ class ReferenceDesignCompat(HandoffBase):
         ref = self._ref()
         ctx = ref.context
         hybrid = bool(ctx.is_hybrid_model)
-        if hybrid:
-            durable = ctx.mamba_slot_allocator
-            if role == "prefill" and durable is None:
-                raise HandoffStateError(
-                    "a hybrid prefill handoff needs an SSM state cache (mamba_slot_allocator is "
-                    "None): the pinned state is read from it",
-                    "mamba_slot_allocator",
-                )
-            if role == "decode" and durable is not None:
-                raise HandoffStateError(
-                    "a hybrid decode handoff writes directly into live SSM state; configure no "
-                    "SSM state cache (mamba_slot_allocator) on the decode engine",
-                    "mamba_slot_allocator",
-                )
         allocator = ctx.kv_block_allocator
-        if not allocator.enable_prefix_caching:
-            raise HandoffStateError(
-                "KV handoff needs prefix caching on both engines: enable_prefix_caching=False",
-                "enable_prefix_caching",
-            )
+        # The SSM state cache the role needs, and prefix caching, in Rust (HandoffStateError).
+        check_reference(
+            "setup",
+            {
+                "role": role,
+                "hybrid": hybrid,
+                "state_cache": ctx.mamba_slot_allocator is not None,
+                "prefix_caching": bool(allocator.enable_prefix_caching),
+            },
+        )
         self._kv_transfer_role = role
         backend_cls = construct_kv_transfer_backend_class(backend)
         # Only a prefill's finished blocks stay pinned until the decode has read them.
@@ -162,13 +148,9 @@ class ReferenceDesignCompat(HandoffBase):
         if distributed and tp_size > 1:
             gathered: list[Any] = [None] * tp_size
             dist.all_gather_object(gathered, local, group=groups.tp)
-            kinds = [set(g["ssm"]) for g in gathered]
-            if any(k != kinds[0] for k in kinds[1:]):
-                raise HandoffStateError(
-                    f"SSM handoff agents differ between TP ranks: {kinds}", "ssm_state_kind"
-                )
+            check_reference("tp_agents", {"kinds": [list(g["ssm"]) for g in gathered]})
             self._kv_peer_metas = [g["kv"] for g in gathered]
-            self._tp_ssm_peer_metas = {k: [g["ssm"][k] for g in gathered] for k in kinds[0]}
+            self._tp_ssm_peer_metas = {k: [g["ssm"][k] for g in gathered] for k in local["ssm"]}
         else:
             self._kv_peer_metas = local["kv"]
             self._tp_ssm_peer_metas = dict(local["ssm"])
@@ -195,12 +177,6 @@ class ReferenceDesignCompat(HandoffBase):
             num_slots = ctx.max_requests
         config = ref.controller.inference_wrapped_model.model.config
         heads = int(recurrent.shape[-3]) * tp_size
-        if config.mamba_num_heads is not None and config.mamba_num_heads != heads:
-            raise HandoffMetadataError(
-                f"SSM state shape implies {heads} heads but mamba_num_heads="
-                f"{config.mamba_num_heads}",
-                "mamba_num_heads",
-            )
         dims = SSMStateDims(
             heads,
             int(recurrent.shape[-2]),
@@ -218,12 +194,15 @@ class ReferenceDesignCompat(HandoffBase):
             layer_start=ssm_start,
             num_local_layers=n_local,
         )
-        if int(conv.shape[-2]) != layout.local_conv_channels:
-            raise HandoffMetadataError(
-                f"SSM conv state has {conv.shape[-2]} channels but the TP layout needs "
-                f"{layout.local_conv_channels}",
-                "mamba_conv_states",
-            )
+        check_reference(
+            "ssm_buffers",
+            {
+                "heads": heads,
+                "mamba_num_heads": config.mamba_num_heads,
+                "conv_channels": int(conv.shape[-2]),
+                "layout_conv_channels": layout.local_conv_channels,
+            },
+        )
         make = getattr(self._kv_transfer_agent, "new_registered_buffer", backend_cls)
         specs = {
             "conv": (conv, conv.shape[-2], conv.shape[-1]),
@@ -272,22 +251,24 @@ class ReferenceDesignCompat(HandoffBase):
             resumes = [list(decode_tokens_by_request.get(r.request_id, [])) for r, _ in handoffs]
             pairs = list(zip(handoffs, resumes, strict=True))
             # Every request checked before any is prepared, in Rust (HandoffMetadataError).
-            check_reference_prefill(
-                [(r.request_id, len(t), len(b)) for (r, b), t in pairs],
-                kv_stages=len(kv_stages),
-                ssm_stages=len(ssm_stages),
-                pp_size=pp_size,
-                num_speculative_tokens=int(ctx.num_speculative_tokens),
+            check_reference(
+                "prefill",
+                {
+                    "requests": [
+                        {"request_id": r.request_id, "resume_tokens": len(t), "blocks": len(b)}
+                        for (r, b), t in pairs
+                    ],
+                    "kv_stages": len(kv_stages),
+                    "ssm_stages": len(ssm_stages),
+                    "pp_size": pp_size,
+                    "num_speculative_tokens": int(ctx.num_speculative_tokens),
+                },
             )
             prepared: dict[int, _PreparedHandoffMetadata] = {}
             for (request, blocks), resume in pairs:
                 rid = request.request_id
-                slot = -1 if ssm_cache is None else int(ssm_cache.get_slot(blocks[-1]))
-                if ssm_cache is not None and slot < 0:
-                    raise HandoffStateError(
-                        f"request {rid}: no SSM state cached for its final block {blocks[-1]}",
-                        "ssm_slot",
-                    )
+                slot = 0 if ssm_cache is None else int(ssm_cache.get_slot(blocks[-1]))
+                check_reference("ssm_slot", {"request_id": rid, "slot": slot, "block": blocks[-1]})
                 kv_meta: Any = (
                     {"pp_metas": [{"tp_metas": m, "block_ids": blocks} for m in kv_stages]}
                     if pp_size > 1
@@ -375,11 +356,8 @@ class ReferenceDesignCompat(HandoffBase):
         ssm_sends = []
         if self._ssm_transfer_agents:
             slot = int(self._ref().context.mamba_slot_allocator.get_slot(blocks[-1]))
-            if slot < 0:
-                raise HandoffStateError(
-                    f"request {request_id}: no pinned SSM state for its final block {blocks[-1]}",
-                    "ssm_slot",
-                )
+            facts = {"request_id": request_id, "slot": slot, "block": blocks[-1]}
+            check_reference("ssm_slot", facts)
             for kind in _SSM_STATE_KINDS:
                 try:
                     peers = [entry["ssm"][kind] for entry in decode_metas]
@@ -402,16 +380,8 @@ class ReferenceDesignCompat(HandoffBase):
     def _reserve_ssm_handoff_import(self) -> PendingSSMImport:
         """Reserve the live request slot that receives exact SSM state (reference-design
         engine; a ledger reserves the slot with the blocks, all or nothing, in ``submit``)."""
-        if self._ledger_driven():
-            raise HandoffStateError(
-                "SSM slots are reserved by ImportLedger.submit, not separately", "ssm_slot"
-            )
-        if not self._ssm_transfer_agents:
-            raise HandoffStateError(
-                "received SSM handoff state but this decode engine has no SSM transfer agents "
-                "(setup_kv_transfer on a hybrid decode engine)",
-                "setup_kv_transfer",
-            )
+        facts = {"ledger": self._ledger_driven(), "ssm_agents": bool(self._ssm_transfer_agents)}
+        check_reference("reserve_ssm", facts)
         slot = self._ref().context.mamba_metadata.allocate_slot()
         if slot is None:
             raise HandoffStateError(
@@ -426,19 +396,16 @@ class ReferenceDesignCompat(HandoffBase):
         if not isinstance(pending, PendingKvImport):
             return
         ctx = self._ref().context
-        want = int(ctx.num_speculative_tokens) + 1
-        if len(pending.resume_tokens) != want:
-            raise HandoffMetadataError(
-                f"request {pending.request_id}: {len(pending.resume_tokens)} resume tokens, "
-                f"expected num_speculative_tokens+1={want}",
-                "resume_tokens",
-            )
-        if ctx.is_hybrid_model and pending.ssm is None:
-            raise HandoffStateError(
-                f"request {pending.request_id}: a hybrid decode-only handoff has no transferred "
-                "SSM state",
-                "ssm",
-            )
+        check_reference(
+            "decode_ready",
+            {
+                "request_id": pending.request_id,
+                "resume_tokens": len(pending.resume_tokens),
+                "num_speculative_tokens": int(ctx.num_speculative_tokens),
+                "hybrid": bool(ctx.is_hybrid_model),
+                "has_ssm": pending.ssm is not None,
+            },
+        )
 
     def _add_reference_request_with_kv_handoff(
         self,
@@ -450,39 +417,28 @@ class ReferenceDesignCompat(HandoffBase):
     ) -> asyncio.Future[Any]:
         ref = self._ref()
         ctx = ref.context
-        if not ctx.kv_block_allocator.enable_prefix_caching:
-            raise HandoffStateError(
-                "add_request_with_kv_handoff needs prefix caching on the decode engine "
-                "(enable_prefix_caching=False)",
-                "enable_prefix_caching",
-            )
-        has_ssm = bool(self._ssm_transfer_agents)
-        if ctx.is_hybrid_model and not has_ssm:
-            raise HandoffStateError(
-                f"request {request_id}: a hybrid decode received a handoff before SSM transfer "
-                "setup",
-                "setup_kv_transfer",
-            )
-        if self._kv_transfer_agent is None:
-            raise HandoffStateError(
-                f"request {request_id}: no transfer backend (setup_kv_transfer has not run)",
-                "setup_kv_transfer",
-            )
         bs = int(ctx.block_size_tokens)
         num_blocks = transfer_block_count(kv_meta, src_block_ids)
-        # The ticket against this decode, in Rust: SSM entry, first tokens, log probabilities,
-        # source block count (HandoffMetadataError naming the first bad field).
-        check_reference_ticket(
-            request_id,
-            kv_meta.get("ssm") if isinstance(kv_meta, dict) else None,
-            decode_has_ssm=has_ssm,
-            resume_tokens=len(kv_meta.get("resume_tokens", [])),
-            num_speculative_tokens=int(ctx.num_speculative_tokens),
-            return_log_probs=bool(getattr(sampling_params, "return_log_probs", False)),
-            top_n_logprobs=getattr(sampling_params, "top_n_logprobs", None),
-            src_blocks=num_blocks,
-            prompt_tokens=len(prompt),
-            block_size=bs,
+        # The engine's state, then the ticket against this decode, in Rust: prefix caching,
+        # transfer setup, SSM entry, first tokens, log probabilities, source block count
+        # (HandoffStateError / HandoffMetadataError naming the first bad field).
+        check_reference(
+            "ticket",
+            {
+                "prefix_caching": bool(ctx.kv_block_allocator.enable_prefix_caching),
+                "hybrid": bool(ctx.is_hybrid_model),
+                "has_backend": self._kv_transfer_agent is not None,
+                "request_id": request_id,
+                "ssm": kv_meta.get("ssm") if isinstance(kv_meta, dict) else None,
+                "decode_has_ssm": bool(self._ssm_transfer_agents),
+                "resume_tokens": len(kv_meta.get("resume_tokens", [])),
+                "num_speculative_tokens": int(ctx.num_speculative_tokens),
+                "return_log_probs": bool(getattr(sampling_params, "return_log_probs", False)),
+                "top_n_logprobs": getattr(sampling_params, "top_n_logprobs", None),
+                "src_blocks": num_blocks,
+                "prompt_tokens": len(prompt),
+                "block_size": bs,
+            },
         )
         hashes = compute_block_hashes_batched(torch.tensor(prompt, dtype=torch.int64), bs)
         handoff = DeferredKvHandoff(
@@ -555,6 +511,8 @@ class ReferenceDesignCompat(HandoffBase):
                 self._whole()._start_ssm_handoff_import(handoff.request_id, ssm_meta, ssm_import)
         except Exception as e:  # this rank's failure: reported to the quorum like any other
             error = e
+        safe = error is None or bool(getattr(error, "transfer_destinations_safe", True))
+        self._reference_imports.start(handoff.request_id, safe)
         self._pending_kv_imports.append(
             PendingKvImport(
                 request_id=handoff.request_id,
@@ -569,8 +527,7 @@ class ReferenceDesignCompat(HandoffBase):
                 resume_tokens=resume,
                 continuation_blocks=fresh[n_import:],
                 local_error=error,
-                destinations_safe=error is None
-                or bool(getattr(error, "transfer_destinations_safe", True)),
+                destinations_safe=safe,
             )
         )
         loop = ref._loop
@@ -691,83 +648,71 @@ class ReferenceDesignCompat(HandoffBase):
             ctx.mamba_metadata.free_slot(pending.ssm.live_slot)
             pending.ssm = None
 
+    def _reference_local_outcome(self, pending: PendingKvImport) -> bool | None:
+        """Whether this rank's import failed, or None while its transfers run (an error a
+        poll raises is kept on the record as this rank's failure)."""
+        if pending.local_error is not None:
+            return True
+        try:
+            done = all(h.poll() for h in self._pending_transfer_handles(pending))
+        except Exception as e:  # a terminal transfer error of this rank
+            pending.local_error = e
+            return True
+        return False if done else None
+
     def _report_reference_imports(self) -> None:
+        """Report each import's terminal local outcome once: to the model-parallel tracker,
+        or, with one rank, as the decision itself (in Rust: ``ReferenceImports.report``)."""
+        book = self._reference_imports
+        records = {p.request_id: p for p in self._pending_kv_imports}
+        outcomes = [(rid, self._reference_local_outcome(records[rid])) for rid in book.unreported()]
         tracker = self._handoff_completion_tracker
-        for pending in self._pending_kv_imports:
-            if pending.terminal_state_reported:
-                continue
-            failed = pending.local_error is not None
-            if not failed:
-                try:
-                    if not all(h.poll() for h in self._pending_transfer_handles(pending)):
-                        continue
-                except Exception as e:  # a terminal transfer error of this rank
-                    pending.local_error = e
-                    failed = True
-            if tracker is None or tracker.world_size == 1:
-                mp = get_pg_size(self._ref().pg_collection.mp)
-                if mp != 1:
-                    raise HandoffStateError(
-                        f"model-parallel size {mp} needs a completion tracker "
-                        "(_setup_handoff_completion_tracking)",
-                        "_handoff_completion_tracker",
-                    )
-                self._handoff_completion_notifications[pending.request_id] = failed
-            else:
-                tracker.report(pending.request_id, failed)
-            pending.terminal_state_reported = True
+        shared = tracker is not None and tracker.world_size > 1
+        mp = get_pg_size(self._ref().pg_collection.mp)
+        for rid, failed in book.report(outcomes, shared, mp):
+            cast(HandoffCompletionTracker, tracker).report(rid, failed)
 
     def _admit_reference_imports(self) -> int:
+        """Admit decided imports in the order they started (``ReferenceImports``): a failed
+        one is released, or quarantined while a transfer may still write its storage; an ok
+        one waits only for room in the batch."""
         ref = self._ref()
-        decided = self._handoff_completion_notifications
+        book = self._reference_imports
+        records = {p.request_id: p for p in self._pending_kv_imports}
         admitted = 0
-        remaining: deque[PendingKvImport] = deque()
-        queue = self._pending_kv_imports
-        while queue:
-            pending = queue.popleft()
-            failed = decided.get(pending.request_id)
-            if failed is None:
-                remaining.append(pending)
-                continue
-            try:
-                if failed:
-                    raise pending.local_error or TransferError(
-                        f"KV import of request {pending.request_id} failed on a model-parallel "
-                        "peer",
-                        "request_id",
-                    )
-                self._validate_decode_ready_handoff(pending)
-                if not can_admit_prefilled_decode(ref.context, len(pending.resume_tokens)):
-                    remaining.append(pending)
-                    continue
-                decided.pop(pending.request_id)
-                self._whole()._finalize_kv_handoff_import(pending)
-                admitted += 1
-            except Exception as exc:
-                decided.pop(pending.request_id, None)
-                # A peer may fail before posting its half of a two-sided transfer: never wait
-                # on this rank's unmatched operation; quarantine unless it is already terminal.
-                safe = (
-                    pending.destinations_safe
-                    and pending.terminal_state_reported
-                    and self._wait_for_transfer_handles(*self._pending_transfer_handles(pending))
-                )
-                if safe:
-                    self._whole()._release_pending_kv_import(pending)
-                else:
-                    self._quarantined_kv_imports.append(pending)
-                    logger.error(
-                        "request %d: storage quarantined after an incomplete handoff",
-                        pending.request_id,
-                    )
-                if pending.future is not None and not pending.future.done():
-                    pending.future.set_exception(exc)
-                if failed:
-                    continue
-                remaining.extend(queue)
-                self._pending_kv_imports = remaining
-                raise
-        self._pending_kv_imports = remaining
+        try:
+            for rid, failed in book.decided_in_order():
+                pending = records[rid]
+                try:
+                    if failed:
+                        raise pending.local_error or TransferError(
+                            f"KV import of request {rid} failed on a model-parallel peer",
+                            "request_id",
+                        )
+                    self._validate_decode_ready_handoff(pending)
+                    if not can_admit_prefilled_decode(ref.context, len(pending.resume_tokens)):
+                        continue
+                    self._whole()._finalize_kv_handoff_import(pending)
+                    book.admitted(rid)
+                    admitted += 1
+                except Exception as exc:
+                    # A peer may fail before posting its half of a two-sided transfer: never
+                    # wait on this rank's unmatched operation; quarantine unless terminal.
+                    handles = self._pending_transfer_handles(pending)
+                    quiet = book.may_release(rid) and self._wait_for_transfer_handles(*handles)
+                    if book.failed(rid, quiet):
+                        self._whole()._release_pending_kv_import(pending)
+                    else:
+                        self._quarantined_kv_imports.append(pending)
+                        logger.error(
+                            "request %d: storage quarantined after an incomplete handoff", rid
+                        )
+                    if pending.future is not None and not pending.future.done():
+                        pending.future.set_exception(exc)
+                    if not failed:
+                        raise
+        finally:
+            self._pending_kv_imports = deque(records[rid] for rid in book.importing())
         if admitted:
             loop = ref._loop
             loop.call_soon_threadsafe(loop.create_task, ref._notify_cond_for_new_request())
@@ -775,32 +720,19 @@ class ReferenceDesignCompat(HandoffBase):
 
     def _reset_reference_imports(self) -> None:
         """All or nothing: refuse while blocks are pinned or a transfer may still touch cache
-        storage; otherwise cancel queued handoffs and release every import."""
-        if self._pinned_handoff_blocks:
-            raise ResetRefusedError(
-                f"cannot reset while KV handoff blocks remain pinned for requests "
-                f"{sorted(self._pinned_handoff_blocks)}: a decode may still be reading them; "
-                "wait for RELEASE_KV",
-                "request_id",
-            )
-        busy_pushes = [
-            rid for rid, hs in self._pending_kv_pushes if not self._wait_for_transfer_handles(*hs)
-        ]
+        storage (in Rust: ``ReferenceImports.reset``, ResetRefusedError); otherwise cancel
+        queued handoffs and release every import."""
+        pinned = sorted(self._pinned_handoff_blocks)
+        wait = self._wait_for_transfer_handles
         imports = list(self._pending_kv_imports) + list(self._quarantined_kv_imports)
-        busy = [
-            p.request_id
+        # Pinned blocks refuse before any wait; unsafe destinations are never waited on.
+        pushes = [] if pinned else [(rid, wait(*hs)) for rid, hs in self._pending_kv_pushes]
+        handles = self._pending_transfer_handles
+        quiet = [
+            (p.request_id, not pinned and p.destinations_safe and wait(*handles(p)))
             for p in imports
-            if not (
-                p.destinations_safe
-                and self._wait_for_transfer_handles(*self._pending_transfer_handles(p))
-            )
         ]
-        if busy_pushes or busy:
-            raise ResetRefusedError(
-                "cannot reset while KV handoff transfers may still access cache storage: "
-                f"pushes of requests {busy_pushes}, imports of requests {busy}",
-                "request_id",
-            )
+        self._reference_imports.reset(pinned, pushes, quiet)
         self._pending_kv_pushes = []
         while self._deferred_kv_handoffs:
             handoff = self._deferred_kv_handoffs.popleft()
@@ -812,4 +744,3 @@ class ReferenceDesignCompat(HandoffBase):
                 pending.future.cancel()
         self._pending_kv_imports = deque()
         self._quarantined_kv_imports = []
-        self._handoff_completion_notifications.clear()

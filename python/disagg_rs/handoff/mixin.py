@@ -38,6 +38,7 @@ from typing import Any
 from disagg_rs._core import (
     ImportLedger,
     PinLedger,
+    check_reference,
 )
 from disagg_rs.decode_admission import (
     can_admit_prefilled_decode,
@@ -157,11 +158,10 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         """Whether a completed import can be handled at the next admission point."""
         if not self._ledger_driven():
             context = self._ref().context
-            decided = self._handoff_completion_notifications
+            resume = {p.request_id: len(p.resume_tokens) for p in self._pending_kv_imports}
             return any(
-                decided[p.request_id] or can_admit_prefilled_decode(context, len(p.resume_tokens))
-                for p in self._pending_kv_imports
-                if p.request_id in decided
+                failed or can_admit_prefilled_decode(context, resume[rid])
+                for rid, failed in self._reference_imports.decided_in_order()
             )
         return self._import_ledger is not None and self._import_ledger.has_admittable_kv_import
 
@@ -210,8 +210,7 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         ``role`` is ``"prefill"`` or ``"decode"``; ``backend`` a registered transport
         (``"nixl"``; ``"nccl"`` selects the two-sided push family).
         """
-        if role not in ("prefill", "decode"):
-            raise HandoffStateError(f"role={role!r} must be 'prefill' or 'decode'", "role")
+        check_reference("role", {"role": role})  # HandoffStateError naming the role
         if self._ledger_driven():
             self._setup_ledger_kv_transfer(role, backend, **backend_kwargs)
         else:

@@ -90,6 +90,14 @@ pub enum DisaggError {
         /// The current state and the event.
         detail: String,
     },
+    /// The engine is not in a state (or configuration) that allows the operation: a hybrid
+    /// prefill without an SSM state cache, a handoff before transfer setup.
+    HandoffState {
+        /// The setting or state that forbids it.
+        field: String,
+        /// What was found and what the operation needs.
+        detail: String,
+    },
     /// A reset was refused because something may still be written or read; nothing changed.
     ResetRefused {
         /// Itemized list of what blocks the reset.
@@ -126,6 +134,7 @@ impl DisaggError {
             Self::DuplicateRequest { .. } => "DuplicateRequest",
             Self::Capacity { .. } => "Capacity",
             Self::State { .. } => "State",
+            Self::HandoffState { .. } => "HandoffState",
             Self::ResetRefused { .. } => "ResetRefused",
             Self::Argument { .. } => "Argument",
             Self::Conservation { .. } => "Conservation",
@@ -147,12 +156,18 @@ impl DisaggError {
             Self::DuplicateRequest { request_id: 7 },
             Self::Capacity { resource: "blocks".into(), detail: "needs 9 > pool size 8".into() },
             Self::State { request_id: 7, detail: "rank 1 reported ok after error".into() },
+            Self::handoff_state("enable_prefix_caching", "enable_prefix_caching=False"),
             Self::ResetRefused { detail: "1 importing handoff may still write".into() },
             Self::argument("rank", "rank=4 must be < world_size=4"),
             Self::Conservation {
                 detail: "free 3 + owned 4 + quarantined 0 + pinned 0 != 8".into(),
             },
         ]
+    }
+
+    /// Shorthand for [`DisaggError::HandoffState`].
+    pub fn handoff_state(field: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self::HandoffState { field: field.into(), detail: detail.into() }
     }
 
     /// Shorthand for [`DisaggError::Layout`].
@@ -229,6 +244,9 @@ impl fmt::Display for DisaggError {
             Self::State { request_id, detail } => {
                 write!(f, "event not allowed for request {request_id}: {detail}")
             }
+            Self::HandoffState { field, detail } => {
+                write!(f, "handoff not possible in this state (`{field}`): {detail}")
+            }
             Self::ResetRefused { detail } => write!(f, "reset refused, nothing changed: {detail}"),
             Self::Argument { field, detail } => write!(f, "invalid argument `{field}`: {detail}"),
             Self::Conservation { detail } => write!(f, "conservation check failed: {detail}"),
@@ -248,7 +266,7 @@ mod tests {
         kinds.sort_unstable();
         kinds.dedup();
         // Bump this together with a new variant and its sample.
-        assert_eq!(kinds.len(), 14);
+        assert_eq!(kinds.len(), 15);
     }
 
     #[test]

@@ -37,6 +37,7 @@ pub fn to_pyerr(e: DisaggError) -> PyErr {
         DisaggError::DuplicateRequest { .. } => DuplicateRequestError::new_err((msg, "request_id")),
         DisaggError::Capacity { resource, .. } => CapacityError::new_err((msg, resource)),
         DisaggError::State { .. } => HandoffStateError::new_err((msg, None::<String>)),
+        DisaggError::HandoffState { field, .. } => HandoffStateError::new_err((msg, field)),
         DisaggError::ResetRefused { .. } => ResetRefusedError::new_err((msg, None::<String>)),
         DisaggError::Argument { field, .. } => ArgumentError::new_err((msg, field)),
         DisaggError::Conservation { .. } => ConservationError::new_err((msg, None::<String>)),

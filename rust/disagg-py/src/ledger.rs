@@ -686,3 +686,92 @@ methods {
         }))
     }
 });
+
+/// The import lifecycle of a reference-design engine (its own allocator holds the blocks):
+/// admission order, local reports, decisions, release or quarantine, and the all-or-nothing
+/// reset (`disagg_core::reference::ReferenceImports`).
+#[pyclass(name = "ReferenceImports", module = "disagg_rs", frozen)]
+pub struct PyReferenceImports(Mutex<disagg_core::reference::ReferenceImports>);
+
+fn rid_pairs(pairs: Vec<(Int, bool)>) -> PyResult<Vec<(u64, bool)>> {
+    pairs.into_iter().map(|(r, b)| Ok((u64_arg("request_id", r)?, b))).collect()
+}
+
+#[pymethods]
+impl PyReferenceImports {
+    #[new]
+    fn new() -> Self {
+        Self(Mutex::new(disagg_core::reference::ReferenceImports::new()))
+    }
+
+    fn start(&self, request_id: Int, safe: bool) -> PyResult<()> {
+        lock(&self.0)?.start(u64_arg("request_id", request_id)?, safe).py()
+    }
+
+    fn importing(&self) -> PyResult<Vec<u64>> {
+        Ok(lock(&self.0)?.importing())
+    }
+
+    fn unreported(&self) -> PyResult<Vec<u64>> {
+        Ok(lock(&self.0)?.unreported())
+    }
+
+    fn report(
+        &self,
+        outcomes: Vec<(Int, Option<bool>)>,
+        shared: bool,
+        model_parallel: Int,
+    ) -> PyResult<Vec<(u64, bool)>> {
+        let outcomes = outcomes
+            .into_iter()
+            .map(|(r, o)| Ok((u64_arg("request_id", r)?, o)))
+            .collect::<PyResult<Vec<_>>>()?;
+        let mp = u64_arg("model_parallel", model_parallel)?;
+        lock(&self.0)?.report(&outcomes, shared, mp).py()
+    }
+
+    fn decide(&self, request_id: Int, failed: bool) -> PyResult<()> {
+        lock(&self.0)?.decide(u64_arg("request_id", request_id)?, failed);
+        Ok(())
+    }
+
+    fn decided_in_order(&self) -> PyResult<Vec<(u64, bool)>> {
+        Ok(lock(&self.0)?.decided_in_order())
+    }
+
+    fn admitted(&self, request_id: Int) -> PyResult<()> {
+        lock(&self.0)?.admitted(u64_arg("request_id", request_id)?).py()
+    }
+
+    fn may_release(&self, request_id: Int) -> PyResult<bool> {
+        Ok(lock(&self.0)?.may_release(u64_arg("request_id", request_id)?))
+    }
+
+    /// True: release the storage; False: it was quarantined.
+    fn failed(&self, request_id: Int, quiet: bool) -> PyResult<bool> {
+        let rid = u64_arg("request_id", request_id)?;
+        let storage = lock(&self.0)?.failed(rid, quiet).py()?;
+        Ok(storage == disagg_core::reference::FailedStorage::Release)
+    }
+
+    fn reset(
+        &self,
+        pinned: Vec<Int>,
+        pushes: Vec<(Int, bool)>,
+        imports: Vec<(Int, bool)>,
+    ) -> PyResult<()> {
+        let pinned =
+            pinned.into_iter().map(|r| u64_arg("request_id", r)).collect::<PyResult<Vec<_>>>()?;
+        lock(&self.0)?.reset(&pinned, &rid_pairs(pushes)?, &rid_pairs(imports)?).py()
+    }
+
+    #[getter]
+    fn num_importing(&self) -> PyResult<usize> {
+        Ok(lock(&self.0)?.num_importing())
+    }
+
+    #[getter]
+    fn num_quarantined(&self) -> PyResult<usize> {
+        Ok(lock(&self.0)?.num_quarantined())
+    }
+}

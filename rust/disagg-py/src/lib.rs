@@ -48,7 +48,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             pool::PySlotPool, staging::PyStagingRanges, staging::PyPullParts, ledger::PyLedgerAction,
             ledger::PyImportLedger, ledger::PyPinLedger, ledger::PyCompletionQuorum,
             geometry::PyKvGeometry, geometry::PySsmGeometry, compile::PyTransferProgram,
-            wire::PyPeer, wire::PyPeerTable, driver::PyEngineDriverState
+            wire::PyPeer, wire::PyPeerTable, driver::PyEngineDriverState,
+            ledger::PyReferenceImports
         ],
         functions: [
             error::_error_kinds, error::_raise_sample_error, control::decode_control_message,
@@ -59,8 +60,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             compile::py_compile_kv_transfer, compile::pull_route, geometry::plan_buffer,
             compile::py_compile_ssm_transfer, wire::plan_peer_transfer, wire::check_peer_transfer,
             wire::compile_peer_transfer, wire::parse_peer_meta, wire::check_staging_tickets_of,
-            wire::check_handoff_ticket, wire::check_reference_ticket,
-            wire::check_reference_prefill, wire::py_compat_hash, wire::peer_meta_parses,
+            wire::check_handoff_ticket, wire::check_reference, wire::check_integrity_wire, wire::digest_plan, wire::py_compat_hash, wire::peer_meta_parses,
             wire::block_id_checks
         ]
     );

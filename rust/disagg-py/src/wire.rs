@@ -12,17 +12,14 @@ use disagg_core::wire::peer::{
 use disagg_core::wire::plan::{
     compile_checked, compile_unchecked, plan_transfer, TransferPlanRequest,
 };
-use disagg_core::wire::ticket::{
-    check_staging_tickets, DecodeNeeds, HandoffTicket, ReferencePrefillBatch, ReferenceSsm,
-    ReferenceTicket,
-};
+use disagg_core::wire::ticket::{check_staging_tickets, DecodeNeeds, HandoffTicket};
 use disagg_core::wire::value::{Budget, WireValue};
 use disagg_core::ModeChoice;
 use numpy::PyReadonlyArray2;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
 
-use crate::args::{Int, IntList, Kind};
+use crate::args::{wire_to_py, Int, IntList, Kind};
 use crate::compile::PyTransferProgram;
 use crate::error::{in_handoff_metadata, wire_err, IntoPyResult};
 use crate::geometry::{PyKvGeometry, PySsmGeometry};
@@ -503,82 +500,34 @@ pub fn check_handoff_ticket(
     Ok(())
 }
 
-/// Check a reference-design handoff before the decode reserves anything: the ticket's `ssm`
-/// entry against whether this decode moves SSM state, the first tokens against
-/// `num_speculative_tokens`, no log probabilities, and the source block count against the
-/// prompt. `HandoffMetadataError` naming the first bad field.
+/// Run one check of a reference-design engine (`setup`, `ssm_buffers`, `tp_agents`,
+/// `prefill`, `ticket`, `decode_ready`) over its facts dict; the typed error names the field.
 #[pyfunction]
-#[pyo3(signature = (request_id, ssm, *, decode_has_ssm, resume_tokens, num_speculative_tokens,
-    return_log_probs, top_n_logprobs, src_blocks, prompt_tokens, block_size))]
-#[allow(clippy::too_many_arguments)]
-pub fn check_reference_ticket(
-    request_id: Int,
-    ssm: &Bound<'_, PyAny>,
-    decode_has_ssm: bool,
-    resume_tokens: Int,
-    num_speculative_tokens: Int,
-    return_log_probs: bool,
-    top_n_logprobs: Option<Int>,
-    src_blocks: Int,
-    prompt_tokens: Int,
-    block_size: Int,
-) -> PyResult<()> {
-    let ssm = if ssm.is_none() {
-        ReferenceSsm::Absent
-    } else if let Ok(d) = ssm.cast::<PyDict>() {
-        ReferenceSsm::Kinds(d.keys().iter().map(|k| k.to_string()).collect())
-    } else {
-        ReferenceSsm::Other(
-            ssm.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string()),
-        )
-    };
-    let n = |v: Int, field: &str| v.to_u64(Kind::Argument, field);
-    ReferenceTicket {
-        request_id: n(request_id, "request_id")?,
-        ssm,
-        decode_has_ssm,
-        resume_tokens: n(resume_tokens, "resume_tokens")?,
-        num_speculative_tokens: n(num_speculative_tokens, "num_speculative_tokens")?,
-        return_log_probs,
-        top_n_logprobs: top_n_logprobs
-            .map(|t| t.to_i64(Kind::Argument, "top_n_logprobs"))
-            .transpose()?
-            .unwrap_or(0),
-        src_blocks: n(src_blocks, "src_blocks")?,
-        prompt_tokens: n(prompt_tokens, "prompt_tokens")?,
-        block_size: n(block_size, "block_size")?,
-    }
-    .check()
-    .py()
+pub fn check_reference(stage: &str, facts: &Bound<'_, PyAny>) -> PyResult<()> {
+    let v = to_wire(facts, "facts").map_err(|e| in_handoff_metadata(facts.py(), e))?;
+    disagg_core::reference::check_reference(stage, &v).py()
 }
 
-/// Check a reference-design prefill's finished handoffs before any is prepared: the static
-/// metadata covers `pp_size` stages, and each `(request_id, resume_tokens, prompt_blocks)`
-/// has `num_speculative_tokens + 1` first tokens and a block. `HandoffMetadataError` naming
-/// the field.
+/// Check a ticket's integrity table against the `shapes` this model needs and return its
+/// `chunk_tokens`; without `shapes`, only the `chunk_tokens` (None for a non-map).
 #[pyfunction]
-#[pyo3(signature = (requests, *, kv_stages, ssm_stages, pp_size, num_speculative_tokens))]
-pub fn check_reference_prefill(
-    requests: Vec<(Int, Int, Int)>,
-    kv_stages: Int,
-    ssm_stages: Int,
-    pp_size: Int,
-    num_speculative_tokens: Int,
-) -> PyResult<()> {
-    let n = |v: &Int, field: &str| v.to_u64(Kind::Argument, field);
-    let requests = requests
-        .iter()
-        .map(|(r, t, b)| Ok((n(r, "request_id")?, n(t, "resume_tokens")?, n(b, "block_ids")?)))
-        .collect::<PyResult<Vec<_>>>()?;
-    ReferencePrefillBatch {
-        kv_stages: n(&kv_stages, "kv_stages")?,
-        ssm_stages: n(&ssm_stages, "ssm_stages")?,
-        pp_size: n(&pp_size, "pp_size")?,
-        num_speculative_tokens: n(&num_speculative_tokens, "num_speculative_tokens")?,
-        requests,
+#[pyo3(signature = (wire, shapes=None))]
+pub fn check_integrity_wire(
+    wire: &Bound<'_, PyAny>,
+    shapes: Option<Vec<(String, Vec<u64>)>>,
+) -> PyResult<Option<u32>> {
+    let v = to_wire(wire, "integrity")?;
+    match shapes {
+        Some(shapes) => disagg_core::integrity::check_table(&v, &shapes).py(),
+        None => disagg_core::integrity::chunk_tokens(&v).py(),
     }
-    .check()
-    .py()
+}
+
+/// Check and plan one integrity digest (`kv` or `ssm` facts, see the core's `DigestPlan`).
+#[pyfunction]
+pub fn digest_plan<'py>(kind: &str, facts: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let plan = disagg_core::integrity::DigestPlan::parse(kind, &to_wire(facts, "facts")?).py()?;
+    wire_to_py(facts.py(), &plan.to_wire())
 }
 
 /// The compatibility hash of a facts dict: 16 hex digits.
