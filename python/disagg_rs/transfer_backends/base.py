@@ -340,17 +340,7 @@ def compute_buffer_geometry(
 
 
 #: The reference design's KV layout fields in peer metadata.
-REFERENCE_LAYOUT_FIELDS = (
-    "global_rank",
-    "tp_size",
-    "tp_rank",
-    "pp_size",
-    "pp_rank",
-    "num_layers_global",
-    "num_kv_heads_global",
-    "layer_start",
-    "layer_end",
-)
+REFERENCE_LAYOUT_FIELDS = tuple(_core.REFERENCE_LAYOUT_FIELDS)
 
 #: The reference design's address fields every exported buffer carries.
 REFERENCE_ADDRESS_FIELDS = (

@@ -364,6 +364,13 @@ fn layer_spec(
     }
 }
 
+/// `LayoutArgs` from the like-named optional int arguments, each read by [`int_of`].
+macro_rules! layout_args {
+    ($($f:ident),* $(,)?) => {
+        LayoutArgs { $($f: int_of($f, stringify!($f))?),* }
+    };
+}
+
 fn int_of(v: Option<Int>, field: &str) -> PyResult<Option<i128>> {
     v.map(|v| v.in_range(Kind::Layout, field, i128::MIN, i128::MAX, "2**127")).transpose()
 }
@@ -429,20 +436,20 @@ pub fn plan_buffer<'py>(
             i128::MAX,
             "2**127",
         )?,
-        kv: LayoutArgs {
-            tp_size: int_of(tp_size, "tp_size")?,
-            tp_rank: int_of(tp_rank, "tp_rank")?,
-            num_kv_heads_global: int_of(num_kv_heads_global, "num_kv_heads_global")?,
-            heads_per_partition: int_of(heads_per_partition, "heads_per_partition")?,
-            head_dim: int_of(head_dim, "head_dim")?,
-            tokens_per_block: int_of(tokens_per_block, "tokens_per_block")?,
-            global_rank: int_of(global_rank, "global_rank")?,
-            pp_size: int_of(pp_size, "pp_size")?,
-            pp_rank: int_of(pp_rank, "pp_rank")?,
-            num_layers_global: int_of(num_layers_global, "num_layers_global")?,
-            layer_start: int_of(layer_start, "layer_start")?,
-            layer_end: int_of(layer_end, "layer_end")?,
-        },
+        kv: layout_args!(
+            tp_size,
+            tp_rank,
+            num_kv_heads_global,
+            heads_per_partition,
+            head_dim,
+            tokens_per_block,
+            global_rank,
+            pp_size,
+            pp_rank,
+            num_layers_global,
+            layer_start,
+            layer_end
+        ),
         ssm_layout: ssm,
         ssm_state_kind: ssm_state_kind
             .map(|k| k.get("ssm_state_kind").map(str::to_owned))
