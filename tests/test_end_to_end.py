@@ -81,6 +81,20 @@ def test_decode_prefix_cache_reuse_pulls_only_the_suffix() -> None:
     assert 0 < second["bytes"] < first["bytes"]
 
 
+@pytest.mark.parametrize("backend", ["nccl", "nixl"], ids=["gloo", "nixl"])
+def test_a_decode_pool_that_holds_one_request_defers_the_others_and_serves_them_all(
+    backend: str,
+) -> None:
+    # Six blocks of 16 tokens hold any one of the demo's requests and never two: the tickets
+    # of a burst wait in the decode's deferred queue and start as blocks free up. On a
+    # two-sided transport the prefill pushes only once told the receives are posted, which for
+    # a deferred import is long after its ticket arrived.
+    result = _run(backend=backend, requests=8, decode_num_blocks=6)
+    (decode,) = [w for w in result.workers if w["role"] == "decode" and w.get("stats")]
+    assert decode["stats"]["imports_started"] == 8
+    assert decode["stats"]["imports_deferred"] >= 1, decode["stats"]
+
+
 def test_dropped_duplicated_and_delayed_control_messages_end_each_request_once() -> None:
     # 40 % of coordinator -> engine messages are dropped, duplicated or delayed (reordered).
     # Requests may fail by their deadline; none may answer wrongly, end twice or leak: lost

@@ -162,9 +162,13 @@ class HandoffDriver:
         e, ticket = self.engine, msg.get("ticket")
         src = ticket.get("src_block_ids") if isinstance(ticket, dict) else None
         args = (rid, msg.get("prompt"), msg.get("max_new_tokens"), ticket, src)
-        started = self._guard(Msg.FAILED, rid, e.add_request_with_kv_handoff, *args)
-        destination = e.kv_import_destination(rid) if started and e.handoff_two_sided else None
-        if destination is not None:  # two-sided: the prefill pushes once receives are posted
+        self._guard(Msg.FAILED, rid, e.add_request_with_kv_handoff, *args)
+
+    def _report_posted_receives(self) -> None:
+        # Two-sided: the prefill pushes once the decode's receives are posted, whether the
+        # import started on the ticket's arrival (this turn's tick follows the message) or
+        # later, out of the deferred queue. Always empty on a one-sided transport.
+        for rid, destination in self.engine.drain_posted_receives():
             self._send(Msg.KV_RECV_POSTED, rid, transfer=destination)
 
     def _on_send_kv(self, rid: int, msg: dict[str, Any]) -> None:
@@ -200,6 +204,7 @@ class HandoffDriver:
         e = self.engine
         e.admit_kv_imports()
         e.poll_kv_imports()
+        self._report_posted_receives()
         settled = e.drain_handoff_outcomes()
         quarantined = e.quarantined_kv_import_ids
         for rid, failed in settled:
@@ -223,6 +228,7 @@ class HandoffDriver:
             self._send(Msg.TOKENS, rid, tokens=[tok])
         for done in out.finished:
             self._send(Msg.DONE, done.request_id, tokens=done.tokens)
+        self._report_posted_receives()  # a finished request may have let a deferred one start
 
     @property
     def busy(self) -> bool:

@@ -150,6 +150,7 @@ class HandoffBase:
         self.handoff_lease_ns = DEFAULT_LEASE_NS
         self.handoff_stats: dict[str, int] = {
             "imports_started": 0,
+            "imports_deferred": 0,
             "imports_admitted": 0,
             "imports_failed": 0,
             "integrity_failures": 0,

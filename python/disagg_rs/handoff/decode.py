@@ -168,7 +168,16 @@ class DecodeHandoff(HandoffBase):
         )
         self._event(("submitted", request_id, f"{len(prompt)} tokens"))
         self._apply_import_actions(actions)
+        self.handoff_stats["imports_deferred"] = ledger.counters()["deferred"]
         return future
+
+    def drain_posted_receives(self) -> list[tuple[int, dict[str, Any] | None]]:
+        """Two-sided transports: ``(request_id, destination)`` of every import whose
+        receives were posted since the last drain — on the ticket's arrival or later, when a
+        deferred import started — so its prefill can be told to push. Imports that settled
+        in between are left out."""
+        ledger = self._ledger()
+        return [(rid, self.kv_import_destination(rid)) for rid in ledger.drain_started_pushes()]
 
     def kv_import_destination(self, request_id: int) -> dict[str, Any] | None:
         """Where this rank receives a started import (ledger-driven decode): its

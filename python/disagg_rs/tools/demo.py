@@ -55,6 +55,9 @@ class DemoOptions:
     cache_layout: str = "megatron"
     decode_cache_layout: str | None = None
     num_blocks: int = 96
+    decode_num_blocks: int | None = None
+    """KV blocks per decode rank (default ``num_blocks``). A small pool makes the decode defer
+    imports until running requests finish and free their blocks."""
     timeout_s: float = 90.0
     quiet: bool = False
     nixl_mode: str = "auto"
@@ -170,7 +173,7 @@ def _engine_config(opts: DemoOptions, role: str, ranks: tuple[int, ...]) -> Any:
         ranks=ranks,
         cache_layout=layout,  # type: ignore[arg-type]
         block_size_tokens=opts.prefill_block_size if prefill else opts.decode_block_size,
-        num_blocks=opts.num_blocks,
+        num_blocks=opts.num_blocks if prefill else (opts.decode_num_blocks or opts.num_blocks),
         num_ssm_slots=max(8, opts.requests),
         max_batch=8,
         role=role,  # type: ignore[arg-type]

@@ -464,6 +464,19 @@ impl StateMachineTest for ImportTest {
     fn apply(mut s: Sut, m: &Model, t: Tr) -> Sut {
         let got = sut_step(&mut s, m, &t);
         assert_matches_model(&got, &m.expect, |acts| acts.iter().map(compact).collect(), &t);
+        // A push ledger names every import this step started that is still in flight.
+        let in_flight =
+            |rid: &u64| m.live.get(rid).is_some_and(|r| matches!(r.phase, Phase::Importing { .. }));
+        let started: Vec<u64> = got
+            .iter()
+            .flatten()
+            .filter_map(|a| match a {
+                LedgerAction::StartImport(st) => Some(st.request_id),
+                _ => None,
+            })
+            .filter(in_flight)
+            .collect();
+        assert_eq!(s.ledger.drain_started_pushes(), started, "after {t:?}");
         for a in got.iter().flatten() {
             if let LedgerAction::Admit { block_ids, ssm_slot, .. } = a {
                 s.engine.push((block_ids.clone(), *ssm_slot));

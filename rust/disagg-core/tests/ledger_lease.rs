@@ -271,3 +271,26 @@ fn a_prompt_is_its_tokens_hashed_here_or_its_length_alone_never_both() {
         assert!(matches!(&e, DisaggError::Argument { field, .. } if field == "prompt_tokens"));
     }
 }
+
+#[test]
+fn a_pull_ledger_never_names_started_pushes_and_a_push_ledger_names_each_once() {
+    let mut pull = ledger(8);
+    epoch_of_start(&pull.submit(req(1, 8, 1_000, None), 0).unwrap());
+    assert_eq!(pull.drain_started_pushes(), Vec::<u64>::new());
+    // Push: the first import starts on arrival, the second waits for its blocks.
+    let cfg = ImportLedgerConfig { pull: false, ..ImportLedgerConfig::default() };
+    let mut push = ImportLedger::new(3, BS, 0, cfg).unwrap();
+    let first = epoch_of_start(&push.submit(req(1, 8, 1_000, None), 0).unwrap());
+    assert!(push.submit(req(2, 8, 1_000, None), 0).unwrap().is_empty());
+    assert_eq!(push.drain_started_pushes(), vec![1]);
+    assert_eq!(push.drain_started_pushes(), Vec::<u64>::new());
+    // The first one fails: its blocks free up and the deferred one starts.
+    push.abort(1, 1).unwrap();
+    push.settle(1, first).unwrap();
+    push.poll(2).unwrap();
+    assert_eq!(push.drain_started_pushes(), vec![2]);
+    // One that started and ended before the drain is not named.
+    push.abort(2, 3).unwrap();
+    assert_eq!(push.drain_started_pushes(), Vec::<u64>::new());
+    push.check().unwrap();
+}

@@ -218,6 +218,9 @@ calls {
     #[getter] fn num_deferred() -> usize = num_deferred;
     /// Deferred request ids, oldest first.
     fn deferred_ids() -> Vec<u64> = deferred_ids;
+    /// Two-sided transports: requests whose import started since the last call and is still
+    /// in flight (receives posted: the source may push), oldest first; empty when pulling.
+    fn drain_started_pushes() -> Vec<u64> = drain_started_pushes;
     /// Handoffs with transfers in flight.
     #[getter] fn num_importing() -> usize = num_importing;
     /// Complete handoffs waiting for admission.

@@ -274,6 +274,9 @@ pub struct ImportLedger {
     counters: ImportCounters,
     /// The latest `now` any call supplied: a lower bound of the current time.
     clock: u64,
+    /// Two-sided transports: requests whose import started since the last
+    /// [`drain_started_pushes`](Self::drain_started_pushes), oldest first.
+    started_pushes: Vec<u64>,
 }
 
 impl ImportLedger {
@@ -315,6 +318,7 @@ impl ImportLedger {
             next_epoch: 1,
             counters: ImportCounters::default(),
             clock: 0,
+            started_pushes: Vec::new(),
         })
     }
 
@@ -406,6 +410,20 @@ impl ImportLedger {
     /// Request ids in DEFERRED, oldest first.
     pub fn deferred_ids(&self) -> Vec<u64> {
         self.deferred.iter().copied().collect()
+    }
+
+    /// Two-sided transports (`pull == false`): the requests whose import started since the
+    /// last call and is still in flight, oldest first. Their receives are posted, so their
+    /// source may now be told to push: on the ticket's arrival or, for a deferred import,
+    /// whenever capacity let it start. Always empty for pull transports.
+    pub fn drain_started_pushes(&mut self) -> Vec<u64> {
+        let mut started = std::mem::take(&mut self.started_pushes);
+        started.retain(|rid| self.is_importing(*rid));
+        started
+    }
+
+    fn is_importing(&self, rid: u64) -> bool {
+        self.live.get(&rid).is_some_and(|h| matches!(h.phase, Phase::Importing(_)))
     }
 
     /// The current attempt epoch of a live request.
@@ -682,6 +700,15 @@ impl ImportLedger {
         };
         h.phase = Phase::Importing(Local::Running);
         h.hold = hold;
+        if !self.cfg.pull {
+            // Bounded for an engine that never drains: keep only imports still in flight.
+            if self.started_pushes.len() >= 2 * self.live.len() + 64 {
+                let mut kept = std::mem::take(&mut self.started_pushes);
+                kept.retain(|r| self.is_importing(*r));
+                self.started_pushes = kept;
+            }
+            self.started_pushes.push(rid);
+        }
         LedgerAction::StartImport(act)
     }
 
