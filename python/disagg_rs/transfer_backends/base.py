@@ -343,14 +343,7 @@ def compute_buffer_geometry(
 REFERENCE_LAYOUT_FIELDS = tuple(_core.REFERENCE_LAYOUT_FIELDS)
 
 #: The reference design's address fields every exported buffer carries.
-REFERENCE_ADDRESS_FIELDS = (
-    "base_addr",
-    "outer_stride_bytes",
-    "num_outer",
-    "bytes_per_slice",
-    "blocks_axis",
-    "num_blocks",
-)
+REFERENCE_ADDRESS_FIELDS = tuple(_core.REFERENCE_ADDRESS_FIELDS)
 
 
 def kv_layout_from_meta(meta: Mapping[str, Any]) -> _core.KVShardLayout:
