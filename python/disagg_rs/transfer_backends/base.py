@@ -76,6 +76,7 @@ __all__ = [
     "compute_buffer_geometry",
     "construct_kv_transfer_backend_class",
     "export_geometry_meta",
+    "reference_layout_fields",
     "rust_program_compiler",
     "transfer_peer_records",
 ]
@@ -346,6 +347,22 @@ REFERENCE_LAYOUT_FIELDS = tuple(_core.REFERENCE_LAYOUT_FIELDS)
 REFERENCE_ADDRESS_FIELDS = tuple(_core.REFERENCE_ADDRESS_FIELDS)
 
 
+def reference_layout_fields(layout: _core.KVShardLayout) -> dict[str, Any]:
+    """``layout`` in the reference design's KV layout fields (``REFERENCE_LAYOUT_FIELDS``), as
+    its metadata carries them and its backend constructors take them."""
+    return {
+        "global_rank": layout.global_rank,
+        "tp_size": layout.tp_size,
+        "tp_rank": layout.tp_rank,
+        "pp_size": layout.pp_size,
+        "pp_rank": layout.pp_rank,
+        "num_layers_global": layout.num_layers,
+        "num_kv_heads_global": layout.num_kv_heads,
+        "layer_start": layout.layer_start,
+        "layer_end": layout.layer_end,
+    }
+
+
 def kv_layout_from_meta(meta: Mapping[str, Any]) -> _core.KVShardLayout:
     """Rebuild a peer's ``KVShardLayout`` from the reference design's metadata fields.
 
@@ -394,19 +411,8 @@ def export_geometry_meta(
         "tokens_per_block": geometry.tokens_per_block,
         "element_size": geometry.element_size,
     }
-    layout = geometry.layout
-    if layout is not None:
-        meta.update(
-            global_rank=layout.global_rank,
-            tp_size=layout.tp_size,
-            tp_rank=layout.tp_rank,
-            pp_size=layout.pp_size,
-            pp_rank=layout.pp_rank,
-            num_layers_global=layout.num_layers,
-            num_kv_heads_global=layout.num_kv_heads,
-            layer_start=layout.layer_start,
-            layer_end=layout.layer_end,
-        )
+    if geometry.layout is not None:
+        meta.update(reference_layout_fields(geometry.layout))
     if ssm_layout is not None:
         meta["ssm_layout"] = _ssm_reference_dict(ssm_layout)
     return meta
