@@ -116,21 +116,7 @@ fn a_buffer_of_other_rank_is_a_matched_layout_of_whole_slices() {
 
 fn ssm_layout() -> SsmShardLayout {
     let dims = SsmStateDims::new(4, 2, 3, 2, 4).unwrap();
-    SsmShardLayout::new(SsmLayoutSpec {
-        num_layers: Some(2),
-        dims,
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        global_rank: 0,
-        ep_rank: 0,
-        etp_rank: 0,
-        layer_start: None,
-        num_local_layers: None,
-        replicate_groups: false,
-    })
-    .unwrap()
+    SsmShardLayout::new(SsmLayoutSpec::single_rank(2, dims)).unwrap()
 }
 
 #[test]
