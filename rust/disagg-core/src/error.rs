@@ -7,6 +7,8 @@
 
 use std::fmt;
 
+use crate::wire::value::join;
+
 /// Result alias used by every fallible function of the core.
 pub type DisaggResult<T> = Result<T, DisaggError>;
 
@@ -201,6 +203,16 @@ impl DisaggError {
     pub fn in_handoff_metadata(self) -> Self {
         match self {
             Self::Wire { field, detail } => Self::HandoffMetadata { field, detail },
+            other => other,
+        }
+    }
+
+    /// The same failure inside the wire record at `path`: a `Wire` error's field is named
+    /// from there (`layout.tp_size`); any other is kept.
+    #[must_use]
+    pub fn under(self, path: &str) -> Self {
+        match self {
+            Self::Wire { field, detail } => Self::Wire { field: join(path, &field), detail },
             other => other,
         }
     }
