@@ -25,6 +25,7 @@ the kernel itself).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -402,16 +403,9 @@ def pipelined_handoff(
         hi = min(lo + step, total)
         packed_ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
         moved_ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        copy_chunk = functools.partial(copy_runs, packed_lo=lo, packed_hi=hi, config=config)
         with torch.cuda.stream(s_pack):
-            copy_runs(
-                gather_table,
-                src,
-                src_region,
-                gather=True,
-                packed_lo=lo,
-                packed_hi=hi,
-                config=config,
-            )
+            copy_chunk(gather_table, src, src_region, gather=True)
             packed_ev.record(s_pack)
         with torch.cuda.stream(s_move):
             s_move.wait_event(packed_ev)
@@ -419,14 +413,6 @@ def pipelined_handoff(
             moved_ev.record(s_move)
         with torch.cuda.stream(s_land):
             s_land.wait_event(moved_ev)
-            copy_runs(
-                scatter_table,
-                dst,
-                dst_region,
-                gather=False,
-                packed_lo=lo,
-                packed_hi=hi,
-                config=config,
-            )
+            copy_chunk(scatter_table, dst, dst_region, gather=False)
     done.record(s_land)
     return done
