@@ -879,18 +879,6 @@ class PeerTable:
     def adopt(self, meta: Any, schema: Any = None) -> Peer: ...
     def __len__(self) -> int: ...
 
-def plan_peer_transfer(
-    srcs: Sequence[Peer],
-    dst: Peer,
-    src_block_ids: Any,
-    dst_block_ids: Any,
-    num_tokens: int | None,
-    mode: str,
-    *,
-    local_is_dst: bool,
-    local_num_blocks: int,
-    local_tokens_per_block: int | None,
-) -> tuple[int | None, TransferProgram]: ...
 def check_peer_transfer(
     srcs: Sequence[Peer],
     src_block_ids: Any,
