@@ -222,6 +222,15 @@ impl DisaggError {
         Self::Argument { field: field.into(), detail: detail.into() }
     }
 
+    /// `Ok` when an invariant `holds`, else a [`DisaggError::Conservation`] saying `detail()`.
+    pub fn conserved(holds: bool, detail: impl FnOnce() -> String) -> DisaggResult<()> {
+        if holds {
+            Ok(())
+        } else {
+            Err(Self::Conservation { detail: detail() })
+        }
+    }
+
     /// Shorthand for [`DisaggError::AddressOverflow`].
     pub fn overflow(detail: impl Into<String>) -> Self {
         Self::AddressOverflow { detail: detail.into() }
