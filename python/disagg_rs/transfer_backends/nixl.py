@@ -564,7 +564,7 @@ class NixlTransferBackend(TransferBackendBase):
                 field="nixl",
             )
         context = _shared_context or _NixlAgentContext(agent_name, incarnation=incarnation)
-        incarnation = context.incarnation  # a shared context's own
+        incarnation = context.incarnation  # the agent's (a shared context keeps its own)
         super().__init__(
             agent_name,
             memory_buffer,
