@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -37,25 +38,6 @@ def _seeds() -> list[bytes]:
     objects.append(
         IntegrityTable({n: np.zeros(s, dtype=np.uint64) for n, s in shapes.items()}).to_wire()
     )
-    frames = [msgpack.packb(o, use_bin_type=True) for o in objects]
-    frames.append(encode_message(Msg.SUBMIT, request_id=1, prompt=[1, 2], max_new_tokens=3))
-    frames.append(encode_message(Msg.KV_IMPORTED, request_id=1, epoch=2, ok=True))
-    frames.append(encode_message(Msg.PREFILL_DONE, request_id=1, epoch=1, ticket={"a": [1]}))
-    frames.append(encode_message(Msg.DONE, request_id=1, epoch=1, tokens=[4, 5]))
-    frames.append(encode_message(Msg.HEARTBEAT, engine_id="p0", incarnation=1))
-    frames.append(encode_message(Msg.FAILED, request_id=1, error="x", quiet=True))
-    # What the engine drivers act on: a prompt to prefill, a ticket to import (two blocks of
-    # 16 tokens from the prefill), a release, an abort, a shutdown.
-    frames.append(
-        encode_message(
-            Msg.PREFILL,
-            request_id=3,
-            epoch=1,
-            prompt=list(b"a prompt of thirty-three bytes..."),
-            max_new_tokens=2,
-            decode_engine_id="d0",
-        )
-    )
     ticket = handoff_ticket(
         src_block_ids=[0, 1],
         src_block_size_tokens=16,
@@ -64,20 +46,41 @@ def _seeds() -> list[bytes]:
         pin_epoch=1,
         lease_ns=10**9,
     )
-    frames.append(
-        encode_message(
+    # Coordinator traffic, then what the engine drivers act on: a prompt to prefill, a ticket
+    # to import (two blocks of 16 tokens from the prefill), a release, an abort, a shutdown.
+    messages: list[tuple[Msg, dict[str, Any]]] = [
+        (Msg.SUBMIT, {"request_id": 1, "prompt": [1, 2], "max_new_tokens": 3}),
+        (Msg.KV_IMPORTED, {"request_id": 1, "epoch": 2, "ok": True}),
+        (Msg.PREFILL_DONE, {"request_id": 1, "epoch": 1, "ticket": {"a": [1]}}),
+        (Msg.DONE, {"request_id": 1, "epoch": 1, "tokens": [4, 5]}),
+        (Msg.HEARTBEAT, {"engine_id": "p0", "incarnation": 1}),
+        (Msg.FAILED, {"request_id": 1, "error": "x", "quiet": True}),
+        (
+            Msg.PREFILL,
+            {
+                "request_id": 3,
+                "epoch": 1,
+                "prompt": list(b"a prompt of thirty-three bytes..."),
+                "max_new_tokens": 2,
+                "decode_engine_id": "d0",
+            },
+        ),
+        (
             Msg.SUBMIT_REQUEST_WITH_KV,
-            request_id=4,
-            epoch=1,
-            prompt=list(b"twenty bytes prompt."),
-            max_new_tokens=2,
-            ticket={**ticket, "prefill_engine_id": "p0", "prefill_incarnation": 1},
-        )
-    )
-    frames.append(encode_message(Msg.RELEASE_KV, request_id=3, epoch=1))
-    frames.append(encode_message(Msg.ABORT, request_id=4, epoch=1))
-    frames.append(encode_message(Msg.SHUTDOWN))
-    return frames
+            {
+                "request_id": 4,
+                "epoch": 1,
+                "prompt": list(b"twenty bytes prompt."),
+                "max_new_tokens": 2,
+                "ticket": {**ticket, "prefill_engine_id": "p0", "prefill_incarnation": 1},
+            },
+        ),
+        (Msg.RELEASE_KV, {"request_id": 3, "epoch": 1}),
+        (Msg.ABORT, {"request_id": 4, "epoch": 1}),
+        (Msg.SHUTDOWN, {}),
+    ]
+    frames = [msgpack.packb(o, use_bin_type=True) for o in objects]
+    return frames + [encode_message(kind, **fields) for kind, fields in messages]
 
 
 def test_atheris_finds_nothing_in_the_wire_decoders_the_coordinator_or_the_engine_drivers(

@@ -406,6 +406,19 @@ def test_an_ambiguous_blocks_axis_is_refused() -> None:
     assert info.value.field == "expected_num_blocks"
 
 
+def test_the_buffer_planner_reads_layout_arguments_by_name_and_refuses_other_names() -> None:
+    kw: dict[str, Any] = dict(backend="t", contiguous=True, expected_num_blocks=3)
+    tensor = torch.zeros(2, 3, 5)
+    plan = _core.plan_buffer(tensor, None, None, head_dim=5, tokens_per_block=1, **kw)
+    assert (plan["head_dim"], plan["tokens_per_block"]) == (5, 1)
+    with pytest.raises(exceptions.ArgumentTypeError) as info:
+        _core.plan_buffer(tensor, None, None, tp_sizes=2, **kw)
+    assert info.value.field == "tp_sizes"
+    with pytest.raises(exceptions.ArgumentTypeError) as bad:
+        _core.plan_buffer(tensor, None, None, layer_end="2", **kw)
+    assert bad.value.field == "layer_end"
+
+
 def test_peer_wrappers_unwrap_into_one_record_per_source_rank() -> None:
     a, b = {"agent_name": "a"}, {"agent_name": "b", "block_ids": [7]}
     assert base.transfer_peer_records({"tp_metas": [a, b]}, [1, 2]) == [(a, [1, 2]), (b, [7])]

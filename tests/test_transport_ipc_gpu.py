@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import transport_workers as tw
-from test_transport_multiprocess import CASES, _assert_landed, _close, _num_tokens, _setup
+from test_transport_multiprocess import CASES, _nixl_pull_case
 from transport_workers import Case, Worker
 
 pytestmark = pytest.mark.gpu
@@ -57,41 +57,6 @@ def nixl_two_gpus() -> Iterator[dict[str, list[Worker]]]:
     yield from _pool("nixl-2gpu", 2)
 
 
-def _pull(pool: dict[str, list[Worker]], case: Case, mode: str) -> list[dict[str, Any]]:
-    """Stage (staged mode), pull, wait; check the bytes; return each decode's handle stats."""
-    key = f"{case.name}-{mode}"
-    src_metas, dst_metas = _setup(pool, case, key, mode=mode)
-    stats = []
-    try:
-        for j, dst_meta in enumerate(dst_metas):
-            tickets = []
-            if mode == "staged":
-                tickets = [
-                    pool["pre"][i](
-                        "call",
-                        key,
-                        "stage_blocks",
-                        dst_meta,
-                        tw.src_ids(case, s),
-                        src_metas=src_metas,
-                        num_tokens=_num_tokens(case),
-                    )
-                    for i, s in enumerate(case.srcs)
-                ]
-            dec = pool["dec"][j]
-            dec(
-                "call", key, "begin_pull_blocks", src_metas,
-                {s.global_rank: tw.src_ids(case, s) for s in case.srcs},
-                tw.dst_ids(case, case.dsts[j]), num_tokens=_num_tokens(case), staged=tickets,
-            )  # fmt: skip
-            dec("wait", key)
-            stats.append(dec("stats", key))
-        _assert_landed(pool, case, key)
-    finally:
-        _close(pool, case, key)
-    return stats
-
-
 def _assert_ipc_where_planned(
     case: Case, stats: list[dict[str, Any]], descriptors: int | None = None
 ) -> None:
@@ -109,7 +74,7 @@ def _assert_ipc_where_planned(
 def test_processes_sharing_one_gpu_read_each_other_through_cuda_ipc_byte_exact(
     ipc_one_gpu: dict[str, list[Worker]], case: Case, mode: str
 ) -> None:
-    _assert_ipc_where_planned(case, _pull(ipc_one_gpu, case, mode), descriptors=0)
+    _assert_ipc_where_planned(case, _nixl_pull_case(ipc_one_gpu, case, mode), descriptors=0)
 
 
 @pytest.mark.parametrize("mode", ["direct", "staged"])
@@ -117,7 +82,7 @@ def test_processes_sharing_one_gpu_read_each_other_through_cuda_ipc_byte_exact(
 def test_a_decode_on_gpu1_reads_prefills_on_gpu0_through_cuda_ipc_byte_exact(
     ipc_two_gpus: dict[str, list[Worker]], case: Case, mode: str
 ) -> None:
-    _assert_ipc_where_planned(case, _pull(ipc_two_gpus, case, mode))
+    _assert_ipc_where_planned(case, _nixl_pull_case(ipc_two_gpus, case, mode))
 
 
 @pytest.mark.parametrize("mode", ["direct", "staged"])
@@ -125,7 +90,7 @@ def test_a_decode_on_gpu1_reads_prefills_on_gpu0_through_cuda_ipc_byte_exact(
 def test_nixl_between_two_gpus_stays_the_fallback_byte_exact(
     nixl_two_gpus: dict[str, list[Worker]], case: Case, mode: str
 ) -> None:
-    stats = _pull(nixl_two_gpus, case, mode)
+    stats = _nixl_pull_case(nixl_two_gpus, case, mode)
     assert all("ipc" not in s["modes"].values() for s in stats)
 
 

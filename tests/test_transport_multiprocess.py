@@ -136,9 +136,13 @@ def test_nixl_pull_lands_every_byte_where_the_oracle_says(
     _nixl_pull_case(request.getfixturevalue(pool_name), case, mode)
 
 
-def _nixl_pull_case(nixl_pool: dict[str, list[Worker]], case: Case, mode: str) -> None:
+def _nixl_pull_case(
+    nixl_pool: dict[str, list[Worker]], case: Case, mode: str
+) -> list[dict[str, Any]]:
+    """Stage (staged mode), pull, wait; check the bytes; return each decode's handle stats."""
     key = f"{case.name}-{mode}"
     src_metas, dst_metas = _setup(nixl_pool, case, key, mode=mode)
+    stats = []
     try:
         for j, dst_meta in enumerate(dst_metas):
             tickets = []
@@ -166,9 +170,11 @@ def _nixl_pull_case(nixl_pool: dict[str, list[Worker]], case: Case, mode: str) -
                 staged=tickets,
             )
             dec("wait", key)
+            stats.append(dec("stats", key))
         _assert_landed(nixl_pool, case, key)
     finally:
         _close(nixl_pool, case, key)
+    return stats
 
 
 def _push_pull(pool: dict[str, list[Worker]], case: Case, tag: int) -> list[dict[str, Any]]:

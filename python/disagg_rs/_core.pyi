@@ -15,6 +15,7 @@ def decode_control_message(data: bytes, to_coordinator: bool = False) -> dict[st
 
 MAX_TWO_SIDED_REQUEST_ID: int
 REFERENCE_LAYOUT_FIELDS: list[str]
+REFERENCE_ADDRESS_FIELDS: list[str]
 
 def two_sided_tag(request_id: int, kind: str) -> int: ...
 def two_sided_tag_owner(tag: int) -> tuple[int, str]: ...
@@ -843,22 +844,11 @@ def plan_buffer(
     backend: str,
     contiguous: bool,
     expected_num_blocks: int,
-    tp_size: int | None = None,
-    tp_rank: int | None = None,
-    num_kv_heads_global: int | None = None,
-    heads_per_partition: int | None = None,
-    head_dim: int | None = None,
-    tokens_per_block: int | None = None,
-    global_rank: int | None = None,
-    pp_size: int | None = None,
-    pp_rank: int | None = None,
-    num_layers_global: int | None = None,
-    layer_start: int | None = None,
-    layer_end: int | None = None,
     ssm_state_kind: str | None = None,
     axes: str | None = None,
     blocks_axis: int | None = None,
     reference_only: bool = False,
+    **layout: int | None,
 ) -> dict[str, Any]: ...
 def kv_layout_from_reference(meta: Any) -> KVShardLayout: ...
 def meta_from_reference(
@@ -890,18 +880,6 @@ class PeerTable:
     def adopt(self, meta: Any, schema: Any = None) -> Peer: ...
     def __len__(self) -> int: ...
 
-def plan_peer_transfer(
-    srcs: Sequence[Peer],
-    dst: Peer,
-    src_block_ids: Any,
-    dst_block_ids: Any,
-    num_tokens: int | None,
-    mode: str,
-    *,
-    local_is_dst: bool,
-    local_num_blocks: int,
-    local_tokens_per_block: int | None,
-) -> tuple[int | None, TransferProgram]: ...
 def check_peer_transfer(
     srcs: Sequence[Peer],
     src_block_ids: Any,

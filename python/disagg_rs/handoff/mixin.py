@@ -58,6 +58,7 @@ from disagg_rs.handoff.decode import DecodeHandoff
 from disagg_rs.handoff.prefill import PrefillHandoff, _PinnedBlocksView
 from disagg_rs.handoff_completion_tracker import HandoffCompletionTracker
 from disagg_rs.transfer_backends import construct_kv_transfer_backend_class
+from disagg_rs.transfer_backends.base import reference_layout_fields
 
 
 class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignCompat):
@@ -229,19 +230,11 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
                 agent,
                 engine.kv_cache,
                 engine.block_pool.num_blocks,
-                tp_size=kv_layout.tp_size,
-                tp_rank=kv_layout.tp_rank,
-                num_kv_heads_global=kv_layout.num_kv_heads,
                 heads_per_partition=kv_layout.heads_per_partition,
                 head_dim=engine.model.head_dim,
                 tokens_per_block=engine.block_size_tokens,
-                global_rank=kv_layout.global_rank,
-                pp_size=kv_layout.pp_size,
-                pp_rank=kv_layout.pp_rank,
-                num_layers_global=kv_layout.num_layers,
-                layer_start=kv_layout.layer_start,
-                layer_end=kv_layout.layer_end,
                 axes=_KV_AXES[engine.kv_cache_layout],
+                **reference_layout_fields(kv_layout),
                 **common,
             )
         ssm_layout = engine.ssm_layout

@@ -76,6 +76,7 @@ __all__ = [
     "compute_buffer_geometry",
     "construct_kv_transfer_backend_class",
     "export_geometry_meta",
+    "reference_layout_fields",
     "rust_program_compiler",
     "transfer_peer_records",
 ]
@@ -343,14 +344,23 @@ def compute_buffer_geometry(
 REFERENCE_LAYOUT_FIELDS = tuple(_core.REFERENCE_LAYOUT_FIELDS)
 
 #: The reference design's address fields every exported buffer carries.
-REFERENCE_ADDRESS_FIELDS = (
-    "base_addr",
-    "outer_stride_bytes",
-    "num_outer",
-    "bytes_per_slice",
-    "blocks_axis",
-    "num_blocks",
-)
+REFERENCE_ADDRESS_FIELDS = tuple(_core.REFERENCE_ADDRESS_FIELDS)
+
+
+def reference_layout_fields(layout: _core.KVShardLayout) -> dict[str, Any]:
+    """``layout`` in the reference design's KV layout fields (``REFERENCE_LAYOUT_FIELDS``), as
+    its metadata carries them and its backend constructors take them."""
+    return {
+        "global_rank": layout.global_rank,
+        "tp_size": layout.tp_size,
+        "tp_rank": layout.tp_rank,
+        "pp_size": layout.pp_size,
+        "pp_rank": layout.pp_rank,
+        "num_layers_global": layout.num_layers,
+        "num_kv_heads_global": layout.num_kv_heads,
+        "layer_start": layout.layer_start,
+        "layer_end": layout.layer_end,
+    }
 
 
 def kv_layout_from_meta(meta: Mapping[str, Any]) -> _core.KVShardLayout:
@@ -401,19 +411,8 @@ def export_geometry_meta(
         "tokens_per_block": geometry.tokens_per_block,
         "element_size": geometry.element_size,
     }
-    layout = geometry.layout
-    if layout is not None:
-        meta.update(
-            global_rank=layout.global_rank,
-            tp_size=layout.tp_size,
-            tp_rank=layout.tp_rank,
-            pp_size=layout.pp_size,
-            pp_rank=layout.pp_rank,
-            num_layers_global=layout.num_layers,
-            num_kv_heads_global=layout.num_kv_heads,
-            layer_start=layout.layer_start,
-            layer_end=layout.layer_end,
-        )
+    if geometry.layout is not None:
+        meta.update(reference_layout_fields(geometry.layout))
     if ssm_layout is not None:
         meta["ssm_layout"] = _ssm_reference_dict(ssm_layout)
     return meta
@@ -461,8 +460,10 @@ def transfer_peer_records(
 class TransferBackendBase:
     """State shared by both backends: the rank's buffer, its layout and its metadata.
 
-    Constructor parameters follow the reference design (``memory_buffer`` plus the layout
-    fields); omitted layout fields are derived from the buffer's shape (TP1, PP1 defaults).
+    Constructor parameters are the reference design's, the KV layout fields (``tp_size``,
+    ``tp_rank``, ... ``layer_end``) by name in ``layout``: each backend's constructor lists
+    them in the reference order. Omitted layout fields are derived from the buffer's shape
+    (TP1, PP1 defaults).
     """
 
     #: Backend name used in metadata and by ``construct_kv_transfer_backend_class``.
@@ -473,18 +474,6 @@ class TransferBackendBase:
         agent_name: str,
         memory_buffer: torch.Tensor | Sequence[Any],
         expected_num_blocks: int,
-        tp_size: int | None = None,
-        tp_rank: int | None = None,
-        num_kv_heads_global: int | None = None,
-        heads_per_partition: int | None = None,
-        head_dim: int | None = None,
-        tokens_per_block: int | None = None,
-        global_rank: int | None = None,
-        pp_size: int | None = None,
-        pp_rank: int | None = None,
-        num_layers_global: int | None = None,
-        layer_start: int | None = None,
-        layer_end: int | None = None,
         ssm_layout: _core.SSMShardLayout | None = None,
         ssm_state_kind: str | None = None,
         *,
@@ -493,6 +482,7 @@ class TransferBackendBase:
         timeout_s: float = 30.0,
         incarnation: int | None = None,
         clock: Clock = time.monotonic,
+        **layout: int | None,
     ) -> None:
         layers = None if isinstance(memory_buffer, torch.Tensor) else list(memory_buffer)
         #: Every registered tensor: the buffer, or the per-layer tensors (K and V of a layer
@@ -514,20 +504,10 @@ class TransferBackendBase:
             backend=type(self).__name__,
             contiguous=all(t.is_contiguous() for t in self.region_tensors),
             expected_num_blocks=self.expected_num_blocks,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            num_kv_heads_global=num_kv_heads_global,
-            heads_per_partition=heads_per_partition,
-            head_dim=head_dim,
-            tokens_per_block=tokens_per_block,
-            global_rank=global_rank,
-            pp_size=pp_size,
-            pp_rank=pp_rank,
-            num_layers_global=num_layers_global,
-            layer_start=layer_start,
-            layer_end=layer_end,
             ssm_state_kind=ssm_state_kind,
             axes=axes,
+            reference_only=False,
+            **layout,
         )
         self.state_kind: StateKind = plan["state_kind"]
         self.axes: str = plan["axes"]

@@ -41,6 +41,7 @@ import numpy.typing as npt
 import torch
 
 from disagg_rs.transfer_backends import torch_copy
+from disagg_rs.transfer_backends.kernels import _UNIT_LANES, launchable
 
 __all__ = [
     "DevicePlan",
@@ -56,14 +57,6 @@ __all__ = [
 SideKind = Literal["src", "dst", "packed"]
 _I64 = npt.NDArray[np.int64]
 
-# Element type and lanes per unit (bytes), as in kernels.py: 16-byte units are 4 x int32.
-_UNIT_LANES: dict[int, tuple[torch.dtype, int]] = {
-    16: (torch.int32, 4),
-    8: (torch.int32, 2),
-    4: (torch.int32, 1),
-    2: (torch.int16, 1),
-    1: (torch.uint8, 1),
-}
 #: Lanes per inner step of one program (each lane one unit).
 BLOCK = 1024
 
@@ -295,23 +288,11 @@ def _lanes(tensor: torch.Tensor, unit: int) -> torch.Tensor:
     return flat[: (flat.numel() // size) * size].view(dtype)
 
 
-_interpreted: Any = None
-
-
 def _kernel() -> Any:
-    """The jitted kernel, or its interpreted twin under ``TRITON_INTERPRET=1`` (CPU tests)."""
-    global _interpreted
-    from triton import knobs
-
+    """The block-copy kernel, or its interpreted twin under ``TRITON_INTERPRET=1`` (CPU tests)."""
     from disagg_rs.transfer_backends._triton_blocks import copy_blocks_kernel
 
-    if not knobs.runtime.interpret or not hasattr(copy_blocks_kernel, "fn"):
-        return copy_blocks_kernel
-    if _interpreted is None:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        _interpreted = InterpretedFunction(copy_blocks_kernel.fn)
-    return _interpreted
+    return launchable(copy_blocks_kernel)
 
 
 def _check_side(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) -> None:

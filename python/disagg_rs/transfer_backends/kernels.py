@@ -25,6 +25,7 @@ the kernel itself).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,6 +42,7 @@ __all__ = [
     "RunTable",
     "build_run_table",
     "copy_runs",
+    "launchable",
     "pack",
     "path_for",
     "pipelined_handoff",
@@ -186,27 +188,31 @@ def _lanes(tensor: torch.Tensor, unit: int) -> torch.Tensor:
     return flat[: (flat.numel() // size) * size].view(dtype)
 
 
-_interpreted: Any = None
+_interpreted: dict[int, Any] = {}
 
 
-def _kernel() -> Any:
-    """The jitted kernel, or its interpreted twin when ``TRITON_INTERPRET=1`` is set now.
+def launchable(kernel: Any) -> Any:
+    """``kernel``, or its interpreted twin when ``TRITON_INTERPRET=1`` is set now.
 
     ``triton.jit`` picks interpreter or compiler when the module is imported; looking at the
     flag per call lets the CPU tests run the real kernel body on host tensors in-process.
     """
-    global _interpreted
     from triton import knobs
 
-    from disagg_rs.transfer_backends._triton_copy import copy_runs_kernel
-
-    if not knobs.runtime.interpret or not hasattr(copy_runs_kernel, "fn"):
-        return copy_runs_kernel
-    if _interpreted is None:
+    if not knobs.runtime.interpret or not hasattr(kernel, "fn"):
+        return kernel
+    if id(kernel) not in _interpreted:
         from triton.runtime.interpreter import InterpretedFunction
 
-        _interpreted = InterpretedFunction(copy_runs_kernel.fn)
-    return _interpreted
+        _interpreted[id(kernel)] = InterpretedFunction(kernel.fn)
+    return _interpreted[id(kernel)]
+
+
+def _kernel() -> Any:
+    """The run-copy kernel, as ``launchable`` gives it."""
+    from disagg_rs.transfer_backends._triton_copy import copy_runs_kernel
+
+    return launchable(copy_runs_kernel)
 
 
 def copy_runs(
@@ -285,6 +291,31 @@ def _flat(rows: _U64Array, form: ListForm) -> _U64Array:
     return rows
 
 
+def _triton_table(
+    buffer: torch.Tensor,
+    buffer_addr: int,
+    rows: _U64Array,
+    region: torch.Tensor,
+    form: ListForm,
+    table: RunTable | None,
+) -> RunTable | None:
+    """On the Triton path, the prepared ``table`` or one built for ``rows`` between ``buffer``
+    and ``region``; ``None`` where the torch path copies (another device, or no table)."""
+    if path_for(buffer) != "triton":
+        return None
+    if table is not None:
+        return table
+    return build_run_table(
+        rows,
+        form,
+        buffer_addr,
+        device=buffer.device,
+        other_limit=torch_copy.byte_view(buffer).numel(),
+        packed_limit=torch_copy.byte_view(region).numel(),
+        align=(buffer.data_ptr(), region.data_ptr()),
+    )
+
+
 def pack(
     buffer: torch.Tensor,
     buffer_addr: int,
@@ -301,19 +332,9 @@ def pack(
     (``[n, 6]``); ``buffer_addr`` is the address the source column is relative to. On the
     Triton path a prepared ``table`` skips the host work. Queued on the current stream.
     """
-    if path_for(buffer) == "triton":
-        if table is None:
-            table = build_run_table(
-                rows,
-                form,
-                buffer_addr,
-                device=buffer.device,
-                other_limit=torch_copy.byte_view(buffer).numel(),
-                packed_limit=torch_copy.byte_view(region).numel(),
-                align=(buffer.data_ptr(), region.data_ptr()),
-            )
-        if table is not None:
-            return copy_runs(table, buffer, region, gather=True, config=config)
+    table = _triton_table(buffer, buffer_addr, rows, region, form, table)
+    if table is not None:
+        return copy_runs(table, buffer, region, gather=True, config=config)
     return torch_copy.pack_torch(buffer, buffer_addr, _flat(rows, form), region)
 
 
@@ -332,19 +353,9 @@ def scatter(
     ``form`` is "scatter" (``[m, 3]`` ``(packed_offset, dst_addr, len)``) or "scatter_runs"
     (``[n, 6]``); ``buffer_addr`` is the address the destination column is relative to.
     """
-    if path_for(buffer) == "triton":
-        if table is None:
-            table = build_run_table(
-                rows,
-                form,
-                buffer_addr,
-                device=buffer.device,
-                other_limit=torch_copy.byte_view(buffer).numel(),
-                packed_limit=torch_copy.byte_view(region).numel(),
-                align=(buffer.data_ptr(), region.data_ptr()),
-            )
-        if table is not None:
-            return copy_runs(table, buffer, region, gather=False, config=config)
+    table = _triton_table(buffer, buffer_addr, rows, region, form, table)
+    if table is not None:
+        return copy_runs(table, buffer, region, gather=False, config=config)
     return torch_copy.scatter_torch(region, buffer, buffer_addr, _flat(rows, form))
 
 
@@ -392,16 +403,9 @@ def pipelined_handoff(
         hi = min(lo + step, total)
         packed_ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
         moved_ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        copy_chunk = functools.partial(copy_runs, packed_lo=lo, packed_hi=hi, config=config)
         with torch.cuda.stream(s_pack):
-            copy_runs(
-                gather_table,
-                src,
-                src_region,
-                gather=True,
-                packed_lo=lo,
-                packed_hi=hi,
-                config=config,
-            )
+            copy_chunk(gather_table, src, src_region, gather=True)
             packed_ev.record(s_pack)
         with torch.cuda.stream(s_move):
             s_move.wait_event(packed_ev)
@@ -409,14 +413,6 @@ def pipelined_handoff(
             moved_ev.record(s_move)
         with torch.cuda.stream(s_land):
             s_land.wait_event(moved_ev)
-            copy_runs(
-                scatter_table,
-                dst,
-                dst_region,
-                gather=False,
-                packed_lo=lo,
-                packed_hi=hi,
-                config=config,
-            )
+            copy_chunk(scatter_table, dst, dst_region, gather=False)
     done.record(s_land)
     return done

@@ -52,16 +52,21 @@ fn a_megatron_kv_cache_infers_its_layout_from_the_shape() {
     assert_eq!((r.heads_per_partition, r.layout), (Some(2), Some(l)));
 }
 
+/// Layout arguments giving only the TP and PP coordinates.
+fn grid(tp_size: i128, tp_rank: i128, pp_size: i128, pp_rank: i128) -> LayoutArgs {
+    LayoutArgs {
+        tp_size: Some(tp_size),
+        tp_rank: Some(tp_rank),
+        pp_size: Some(pp_size),
+        pp_rank: Some(pp_rank),
+        ..LayoutArgs::default()
+    }
+}
+
 #[test]
 fn tp_and_pp_arguments_scale_the_model_totals() {
     let mut a = args(&[2, 3, 5, 4, 2, 8], 5);
-    a.kv = LayoutArgs {
-        tp_size: Some(2),
-        tp_rank: Some(1),
-        pp_size: Some(2),
-        pp_rank: Some(1),
-        ..LayoutArgs::default()
-    };
+    a.kv = grid(2, 1, 2, 1);
     let l = plan_buffer(&a, None).unwrap().kv_layout.unwrap();
     assert_eq!((l.num_layers, l.num_kv_heads, l.global_rank), (6, 4, 3));
     assert_eq!((l.layers.lo, l.heads.lo), (3, 2));
@@ -116,21 +121,7 @@ fn a_buffer_of_other_rank_is_a_matched_layout_of_whole_slices() {
 
 fn ssm_layout() -> SsmShardLayout {
     let dims = SsmStateDims::new(4, 2, 3, 2, 4).unwrap();
-    SsmShardLayout::new(SsmLayoutSpec {
-        num_layers: Some(2),
-        dims,
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        global_rank: 0,
-        ep_rank: 0,
-        etp_rank: 0,
-        layer_start: None,
-        num_local_layers: None,
-        replicate_groups: false,
-    })
-    .unwrap()
+    SsmShardLayout::new(SsmLayoutSpec::single_rank(2, dims)).unwrap()
 }
 
 #[test]
@@ -156,10 +147,6 @@ fn ssm_state_is_checked_against_the_shape_its_layout_gives() {
 fn a_full_reference_layout_is_checked_against_the_buffer() {
     let mut a = args(&[2, 3, 5, 4, 2, 8], 5);
     a.kv = LayoutArgs {
-        tp_size: Some(1),
-        tp_rank: Some(0),
-        pp_size: Some(1),
-        pp_rank: Some(0),
         global_rank: Some(0),
         num_layers_global: Some(3),
         num_kv_heads_global: Some(2),
@@ -168,6 +155,7 @@ fn a_full_reference_layout_is_checked_against_the_buffer() {
         tokens_per_block: Some(4),
         layer_start: Some(0),
         layer_end: Some(3),
+        ..grid(1, 0, 1, 0)
     };
     let r = reference_geometry(&a).unwrap();
     assert_eq!(r.layout.map(|l| l.layers.len()), Some(3));

@@ -7,6 +7,8 @@
 
 use std::fmt;
 
+use crate::wire::value::join;
+
 /// Result alias used by every fallible function of the core.
 pub type DisaggResult<T> = Result<T, DisaggError>;
 
@@ -205,9 +207,28 @@ impl DisaggError {
         }
     }
 
+    /// The same failure inside the wire record at `path`: a `Wire` error's field is named
+    /// from there (`layout.tp_size`); any other is kept.
+    #[must_use]
+    pub fn under(self, path: &str) -> Self {
+        match self {
+            Self::Wire { field, detail } => Self::Wire { field: join(path, &field), detail },
+            other => other,
+        }
+    }
+
     /// Shorthand for [`DisaggError::Argument`].
     pub fn argument(field: impl Into<String>, detail: impl Into<String>) -> Self {
         Self::Argument { field: field.into(), detail: detail.into() }
+    }
+
+    /// `Ok` when an invariant `holds`, else a [`DisaggError::Conservation`] saying `detail()`.
+    pub fn conserved(holds: bool, detail: impl FnOnce() -> String) -> DisaggResult<()> {
+        if holds {
+            Ok(())
+        } else {
+            Err(Self::Conservation { detail: detail() })
+        }
     }
 
     /// Shorthand for [`DisaggError::AddressOverflow`].

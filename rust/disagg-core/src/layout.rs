@@ -818,6 +818,26 @@ impl fmt::Display for SsmStateDims {
 }
 
 impl SsmLayoutSpec {
+    /// One rank holding every layer of a `num_layers`-layer model (TP1, PP1, rank 0, even
+    /// window, no group replication); set the parallel fields to shard it.
+    #[must_use]
+    pub fn single_rank(num_layers: u32, dims: SsmStateDims) -> Self {
+        Self {
+            num_layers: Some(num_layers),
+            dims,
+            tp_size: 1,
+            tp_rank: 0,
+            pp_size: 1,
+            pp_rank: 0,
+            global_rank: 0,
+            ep_rank: 0,
+            etp_rank: 0,
+            layer_start: None,
+            num_local_layers: None,
+            replicate_groups: false,
+        }
+    }
+
     /// Keys an SSM layout's wire dict may carry (`num_layers` there is the model's total):
     /// the integer keys first (see [`SsmLayoutSpec::int_wire_keys`]), then `dims` and
     /// `replicate_groups`.
@@ -1067,17 +1087,12 @@ mod tests {
     fn ssm_spec(window: Option<(u32, u32)>) -> SsmLayoutSpec {
         SsmLayoutSpec {
             num_layers: window.is_none().then_some(4),
-            dims: SsmStateDims::new(8, 4, 16, 2, 4).unwrap(),
             tp_size: 2,
             tp_rank: 1,
-            pp_size: 1,
-            pp_rank: 0,
             global_rank: 1,
-            ep_rank: 0,
-            etp_rank: 0,
             layer_start: window.map(|w| w.0),
             num_local_layers: window.map(|w| w.1),
-            replicate_groups: false,
+            ..SsmLayoutSpec::single_rank(4, SsmStateDims::new(8, 4, 16, 2, 4).unwrap())
         }
     }
 
@@ -1222,18 +1237,10 @@ mod tests {
     fn ssm_bands_pack_x_then_b_then_c() {
         let dims = SsmStateDims::new(8, 4, 16, 2, 4).unwrap();
         let l = SsmShardLayout::new(SsmLayoutSpec {
-            num_layers: Some(2),
-            dims,
             tp_size: 2,
             tp_rank: 1,
-            pp_size: 1,
-            pp_rank: 0,
             global_rank: 1,
-            ep_rank: 0,
-            etp_rank: 0,
-            layer_start: None,
-            num_local_layers: None,
-            replicate_groups: false,
+            ..SsmLayoutSpec::single_rank(2, dims)
         })
         .unwrap();
         assert_eq!(l.band(SsmBand::X).global, Span::new(16, 32));
@@ -1248,18 +1255,11 @@ mod tests {
 
     fn ssm(tp: u32, rank: u32, groups: u32, replicate: bool) -> SsmLayoutSpec {
         SsmLayoutSpec {
-            num_layers: Some(4),
-            dims: SsmStateDims::new(8, 4, 16, groups, 4).unwrap(),
             tp_size: tp,
             tp_rank: rank,
-            pp_size: 1,
-            pp_rank: 0,
             global_rank: rank,
-            ep_rank: 0,
-            etp_rank: 0,
-            layer_start: None,
-            num_local_layers: None,
             replicate_groups: replicate,
+            ..SsmLayoutSpec::single_rank(4, SsmStateDims::new(8, 4, 16, groups, 4).unwrap())
         }
     }
 

@@ -341,49 +341,34 @@ impl BlockPool {
         let mut seen = vec![0u8; n];
         for &b in &self.free {
             let i = b as usize;
-            if self.refcount[i] != 0 || self.hash_of[i].is_some() {
-                return Err(DisaggError::Conservation {
-                    detail: format!("free block {b} is referenced or cached"),
-                });
-            }
+            DisaggError::conserved(self.refcount[i] == 0 && self.hash_of[i].is_none(), || {
+                format!("free block {b} is referenced or cached")
+            })?;
             seen[i] += 1;
         }
         for (&t, &b) in &self.evictable {
             let i = b as usize;
-            if self.refcount[i] != 0 || self.hash_of[i].is_none() || self.evict_tick[i] != t {
-                return Err(DisaggError::Conservation {
-                    detail: format!("evictable block {b} is referenced, unpublished or mis-ticked"),
-                });
-            }
+            DisaggError::conserved(
+                self.refcount[i] == 0 && self.hash_of[i].is_some() && self.evict_tick[i] == t,
+                || format!("evictable block {b} is referenced, unpublished or mis-ticked"),
+            )?;
             seen[i] += 1;
         }
         for (i, &rc) in self.refcount.iter().enumerate() {
             let expect = u8::from(rc == 0);
-            if seen[i] != expect {
-                return Err(DisaggError::Conservation {
-                    detail: format!(
-                        "block {i} with refcount={rc} is listed {} time(s) as free",
-                        seen[i]
-                    ),
-                });
-            }
+            DisaggError::conserved(seen[i] == expect, || {
+                format!("block {i} with refcount={rc} is listed {} time(s) as free", seen[i])
+            })?;
         }
         for (&h, &b) in &self.cached {
-            if self.hash_of[b as usize] != Some(h) {
-                return Err(DisaggError::Conservation {
-                    detail: format!("cache entry {h:#x} -> block {b} disagrees"),
-                });
-            }
+            DisaggError::conserved(self.hash_of[b as usize] == Some(h), || {
+                format!("cache entry {h:#x} -> block {b} disagrees")
+            })?;
         }
         let published = self.hash_of.iter().filter(|h| h.is_some()).count();
-        if published != self.cached.len() {
-            return Err(DisaggError::Conservation {
-                detail: format!(
-                    "{published} published blocks but {} cache entries",
-                    self.cached.len()
-                ),
-            });
-        }
+        DisaggError::conserved(published == self.cached.len(), || {
+            format!("{published} published blocks but {} cache entries", self.cached.len())
+        })?;
         Ok(())
     }
 }
@@ -491,22 +476,16 @@ impl SlotPool {
         let mut seen = vec![false; self.state.len()];
         for &s in &self.free {
             let i = s as usize;
-            if self.state.get(i) != Some(&SlotState::Free) || seen[i] {
-                return Err(DisaggError::Conservation {
-                    detail: format!("free list holds slot {s} twice or in a non-free state"),
-                });
-            }
+            DisaggError::conserved(
+                self.state.get(i) == Some(&SlotState::Free) && !seen[i],
+                || format!("free list holds slot {s} twice or in a non-free state"),
+            )?;
             seen[i] = true;
         }
         let free_states = self.state.iter().filter(|s| **s == SlotState::Free).count();
-        if free_states != self.free.len() {
-            return Err(DisaggError::Conservation {
-                detail: format!(
-                    "{free_states} slots are Free but the free list holds {}",
-                    self.free.len()
-                ),
-            });
-        }
+        DisaggError::conserved(free_states == self.free.len(), || {
+            format!("{free_states} slots are Free but the free list holds {}", self.free.len())
+        })?;
         Ok(())
     }
 }

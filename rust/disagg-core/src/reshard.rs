@@ -745,18 +745,10 @@ mod tests {
             (0..tp)
                 .map(|t| {
                     SsmShardLayout::new(crate::layout::SsmLayoutSpec {
-                        num_layers: Some(3),
-                        dims,
                         tp_size: tp,
                         tp_rank: t,
-                        pp_size: 1,
-                        pp_rank: 0,
                         global_rank: rank0 + t,
-                        ep_rank: 0,
-                        etp_rank: 0,
-                        layer_start: None,
-                        num_local_layers: None,
-                        replicate_groups: false,
+                        ..crate::layout::SsmLayoutSpec::single_rank(3, dims)
                     })
                     .unwrap()
                 })

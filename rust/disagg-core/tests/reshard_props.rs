@@ -45,52 +45,107 @@ fn side_strategy(layers: u32, units: u32, rank_base: u32) -> impl Strategy<Value
         .prop_map(|(tp, pp, ep, split, ranks)| Side { tp, pp, ep, split, ranks })
 }
 
-fn kv_layouts(side: &Side, layers: u32, heads: u32) -> Vec<KvShardLayout> {
+/// One (ep, pp, tp) slot of a side, in rank-list order: its coordinates, global rank and
+/// explicit layer window.
+struct Slot {
+    ep: u32,
+    pp: u32,
+    tp: u32,
+    global_rank: u32,
+    layer_start: u32,
+    num_local_layers: u32,
+}
+
+fn slots(side: &Side) -> Vec<Slot> {
     let mut out = Vec::new();
-    let mut slot = 0;
     for ep in 0..side.ep {
         let mut start = 0;
         for pp in 0..side.pp {
+            let len = side.split[pp as usize];
             for tp in 0..side.tp {
-                out.push(
-                    KvShardLayout::new(KvLayoutSpec {
-                        num_layers: layers,
-                        num_kv_heads: heads,
-                        tp_size: side.tp,
-                        tp_rank: tp,
-                        pp_size: side.pp,
-                        pp_rank: pp,
-                        global_rank: side.ranks[slot],
-                        ep_size: side.ep,
-                        ep_rank: ep,
-                        etp_size: 1,
-                        etp_rank: 0,
-                        layer_start: Some(start),
-                        num_local_layers: Some(side.split[pp as usize]),
-                    })
-                    .unwrap(),
-                );
-                slot += 1;
+                let global_rank = side.ranks[out.len()];
+                out.push(Slot {
+                    ep,
+                    pp,
+                    tp,
+                    global_rank,
+                    layer_start: start,
+                    num_local_layers: len,
+                });
             }
-            start += side.split[pp as usize];
+            start += len;
         }
     }
     out
 }
 
+/// Source and destination layouts over one model: two sides drawn by `side` (the
+/// destination's rank ids from 1000), each slot made a layout by `layout`.
+fn two_sides<S: Strategy<Value = Side>, L: std::fmt::Debug>(
+    side: impl Fn(u32) -> S,
+    layout: impl Fn(&Side, &Slot) -> L,
+) -> impl Strategy<Value = (Vec<L>, Vec<L>)> {
+    let layouts = move |s: &Side| slots(s).iter().map(|slot| layout(s, slot)).collect::<Vec<_>>();
+    (side(0), side(1000)).prop_map(move |(s, d)| (layouts(&s), layouts(&d)))
+}
+
 fn kv_case() -> impl Strategy<Value = (Vec<KvShardLayout>, Vec<KvShardLayout>)> {
-    (4..=24u32, proptest::sample::select(vec![1u32, 2, 3, 4, 6, 8, 12, 16]))
-        .prop_flat_map(|(layers, heads)| {
-            (
-                Just(layers),
-                Just(heads),
-                side_strategy(layers, heads, 0),
-                side_strategy(layers, heads, 1000),
-            )
-        })
-        .prop_map(|(layers, heads, s, d)| {
-            (kv_layouts(&s, layers, heads), kv_layouts(&d, layers, heads))
-        })
+    (4..=24u32, proptest::sample::select(vec![1u32, 2, 3, 4, 6, 8, 12, 16])).prop_flat_map(
+        |(layers, heads)| {
+            let layout = move |side: &Side, s: &Slot| {
+                KvShardLayout::new(KvLayoutSpec {
+                    num_layers: layers,
+                    num_kv_heads: heads,
+                    tp_size: side.tp,
+                    tp_rank: s.tp,
+                    pp_size: side.pp,
+                    pp_rank: s.pp,
+                    global_rank: s.global_rank,
+                    ep_size: side.ep,
+                    ep_rank: s.ep,
+                    etp_size: 1,
+                    etp_rank: 0,
+                    layer_start: Some(s.layer_start),
+                    num_local_layers: Some(s.num_local_layers),
+                })
+                .unwrap()
+            };
+            two_sides(move |base| side_strategy(layers, heads, base), layout)
+        },
+    )
+}
+
+fn ssm_side(layers: u32, heads: u32, groups: u32, base: u32) -> impl Strategy<Value = Side> {
+    side_strategy(layers, heads, base).prop_filter("groups must split or replicate", move |s| {
+        heads.is_multiple_of(s.tp) && (groups.is_multiple_of(s.tp) || s.tp % groups == 0)
+    })
+}
+
+fn ssm_case() -> impl Strategy<Value = (Vec<SsmShardLayout>, Vec<SsmShardLayout>)> {
+    (2..=12u32, proptest::sample::select(vec![2u32, 4, 8, 16]), 0..=2u32).prop_flat_map(
+        |(layers, heads, g_exp)| {
+            let groups = (1u32 << g_exp).min(heads);
+            let dims = SsmStateDims::new(heads, 2, 3, groups, 4).unwrap();
+            let layout = move |side: &Side, s: &Slot| {
+                SsmShardLayout::new(SsmLayoutSpec {
+                    num_layers: Some(layers),
+                    dims,
+                    tp_size: side.tp,
+                    tp_rank: s.tp,
+                    pp_size: side.pp,
+                    pp_rank: s.pp,
+                    global_rank: s.global_rank,
+                    ep_rank: s.ep,
+                    etp_rank: 0,
+                    layer_start: Some(s.layer_start),
+                    num_local_layers: Some(s.num_local_layers),
+                    replicate_groups: true,
+                })
+                .unwrap()
+            };
+            two_sides(move |base| ssm_side(layers, heads, groups, base), layout)
+        },
+    )
 }
 
 proptest! {
@@ -149,65 +204,6 @@ proptest! {
             }
         }
     }
-}
-
-fn ssm_layouts(side: &Side, layers: u32, dims: SsmStateDims) -> Vec<SsmShardLayout> {
-    let mut out = Vec::new();
-    let mut slot = 0;
-    for ep in 0..side.ep {
-        let mut start = 0;
-        for pp in 0..side.pp {
-            for tp in 0..side.tp {
-                out.push(
-                    SsmShardLayout::new(SsmLayoutSpec {
-                        num_layers: Some(layers),
-                        dims,
-                        tp_size: side.tp,
-                        tp_rank: tp,
-                        pp_size: side.pp,
-                        pp_rank: pp,
-                        global_rank: side.ranks[slot],
-                        ep_rank: ep,
-                        etp_rank: 0,
-                        layer_start: Some(start),
-                        num_local_layers: Some(side.split[pp as usize]),
-                        replicate_groups: true,
-                    })
-                    .unwrap(),
-                );
-                slot += 1;
-            }
-            start += side.split[pp as usize];
-        }
-    }
-    out
-}
-
-fn ssm_side(layers: u32, heads: u32, groups: u32, base: u32) -> impl Strategy<Value = Side> {
-    side_strategy(layers, heads, base).prop_filter("groups must split or replicate", move |s| {
-        heads.is_multiple_of(s.tp) && (groups.is_multiple_of(s.tp) || s.tp % groups == 0)
-    })
-}
-
-fn ssm_case() -> impl Strategy<Value = (Vec<SsmShardLayout>, Vec<SsmShardLayout>)> {
-    (2..=12u32, proptest::sample::select(vec![2u32, 4, 8, 16]), 0..=2u32)
-        .prop_flat_map(|(layers, heads, g_exp)| {
-            let groups = (1u32 << g_exp).min(heads);
-            let dims = SsmStateDims::new(heads, 2, 3, groups, 4).unwrap();
-            (
-                Just(layers),
-                Just(dims),
-                ssm_side(layers, heads, groups, 0),
-                ssm_side(layers, heads, groups, 500),
-            )
-        })
-        .prop_map(|(layers, dims, s, d)| {
-            (ssm_layouts(&s, layers, dims), ssm_layouts(&d, layers, dims))
-        })
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
 
     #[test]
     fn ssm_plans_cover_every_band_exactly_once((srcs, dsts) in ssm_case()) {

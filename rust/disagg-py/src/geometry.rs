@@ -364,11 +364,30 @@ fn layer_spec(
     }
 }
 
-/// `LayoutArgs` from the like-named optional int arguments, each read by [`int_of`].
-macro_rules! layout_args {
-    ($($f:ident),* $(,)?) => {
-        LayoutArgs { $($f: int_of($f, stringify!($f))?),* }
-    };
+/// `LayoutArgs` from the layout keyword arguments (`tp_size=...`), each read by [`int_of`];
+/// a name that is not a layout argument is an `ArgumentTypeError` naming it.
+fn layout_args(layout: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutArgs> {
+    let mut a = LayoutArgs::default();
+    for (key, value) in layout.into_iter().flat_map(PyDictMethods::iter) {
+        let name: String = key.extract()?;
+        let slot = match name.as_str() {
+            "tp_size" => &mut a.tp_size,
+            "tp_rank" => &mut a.tp_rank,
+            "num_kv_heads_global" => &mut a.num_kv_heads_global,
+            "heads_per_partition" => &mut a.heads_per_partition,
+            "head_dim" => &mut a.head_dim,
+            "tokens_per_block" => &mut a.tokens_per_block,
+            "global_rank" => &mut a.global_rank,
+            "pp_size" => &mut a.pp_size,
+            "pp_rank" => &mut a.pp_rank,
+            "num_layers_global" => &mut a.num_layers_global,
+            "layer_start" => &mut a.layer_start,
+            "layer_end" => &mut a.layer_end,
+            _ => return Err(type_err(&name, format!("`{name}` is not a KV layout argument"))),
+        };
+        *slot = int_of(value.extract()?, &name)?;
+    }
+    Ok(a)
 }
 
 fn int_of(v: Option<Int>, field: &str) -> PyResult<Option<i128>> {
@@ -376,14 +395,12 @@ fn int_of(v: Option<Int>, field: &str) -> PyResult<Option<i128>> {
 }
 
 /// What a transfer backend registers about its buffer (`buffer.rs` of the core decides):
-/// `tensor` is the (first) registered tensor, `layers` the per-layer list or `None`. Returns
-/// the reference design's `compute_buffer_geometry` fields alone with `reference_only`.
+/// `tensor` is the (first) registered tensor, `layers` the per-layer list or `None`, `layout`
+/// the reference constructor's KV layout arguments by name (`tp_size=...`, each optional).
+/// Returns the reference design's `compute_buffer_geometry` fields alone with `reference_only`.
 #[pyfunction]
 #[pyo3(signature = (tensor, layers, ssm_layout, *, backend, contiguous, expected_num_blocks,
-    tp_size=None, tp_rank=None, num_kv_heads_global=None, heads_per_partition=None,
-    head_dim=None, tokens_per_block=None, global_rank=None, pp_size=None, pp_rank=None,
-    num_layers_global=None, layer_start=None, layer_end=None, ssm_state_kind=None, axes=None,
-    blocks_axis=None, reference_only=false))]
+    ssm_state_kind=None, axes=None, blocks_axis=None, reference_only=false, **layout))]
 #[allow(clippy::too_many_arguments)]
 pub fn plan_buffer<'py>(
     tensor: &Bound<'py, PyAny>,
@@ -392,22 +409,11 @@ pub fn plan_buffer<'py>(
     backend: Text,
     contiguous: bool,
     expected_num_blocks: Int,
-    tp_size: Option<Int>,
-    tp_rank: Option<Int>,
-    num_kv_heads_global: Option<Int>,
-    heads_per_partition: Option<Int>,
-    head_dim: Option<Int>,
-    tokens_per_block: Option<Int>,
-    global_rank: Option<Int>,
-    pp_size: Option<Int>,
-    pp_rank: Option<Int>,
-    num_layers_global: Option<Int>,
-    layer_start: Option<Int>,
-    layer_end: Option<Int>,
     ssm_state_kind: Option<Text>,
     axes: Option<Text>,
     blocks_axis: Option<Int>,
     reference_only: bool,
+    layout: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let py = tensor.py();
     let ssm = match &ssm_layout {
@@ -436,20 +442,7 @@ pub fn plan_buffer<'py>(
             i128::MAX,
             "2**127",
         )?,
-        kv: layout_args!(
-            tp_size,
-            tp_rank,
-            num_kv_heads_global,
-            heads_per_partition,
-            head_dim,
-            tokens_per_block,
-            global_rank,
-            pp_size,
-            pp_rank,
-            num_layers_global,
-            layer_start,
-            layer_end
-        ),
+        kv: layout_args(layout)?,
         ssm_layout: ssm,
         ssm_state_kind: ssm_state_kind
             .map(|k| k.get("ssm_state_kind").map(str::to_owned))

@@ -39,6 +39,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_TWO_SIDED_REQUEST_ID", disagg_core::tags::MAX_TWO_SIDED_REQUEST_ID)?;
     m.add("REFERENCE_LAYOUT_FIELDS", disagg_core::refmeta::REFERENCE_LAYOUT_FIELDS.to_vec())?;
+    m.add("REFERENCE_ADDRESS_FIELDS", disagg_core::refmeta::REFERENCE_ADDRESS_FIELDS.to_vec())?;
     #[rustfmt::skip]
     export!(
         m,
@@ -59,7 +60,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             peer_records::transfer_peer_records, peer_records::transfer_block_count,
             peer_records::drop_transfer_prefix_blocks, peer_records::meta_from_reference, peer_records::kv_layout_from_reference, staging::write_pull_ids, staging::pull_ids_len,
             compile::py_compile_kv_transfer, compile::pull_route, geometry::plan_buffer,
-            compile::py_compile_ssm_transfer, wire::plan_peer_transfer, wire::check_peer_transfer,
+            compile::py_compile_ssm_transfer, wire::check_peer_transfer,
             wire::compile_peer_transfer, wire::parse_peer_meta, wire::check_staging_tickets_of,
             wire::check_handoff_ticket, wire::check_reference, wire::check_integrity_wire, wire::digest_plan, wire::py_compat_hash, wire::peer_meta_parses,
             wire::block_id_checks

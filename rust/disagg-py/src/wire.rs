@@ -9,9 +9,7 @@ use disagg_core::wire::peer::{
     block_check_count, compat_hash, parse_count, LocalFacts, LocalSide, PeerGeometry, PeerLayout,
     PeerMeta, PeerTable, SourceIds, StateKind,
 };
-use disagg_core::wire::plan::{
-    compile_checked, compile_unchecked, plan_transfer, TransferPlanRequest,
-};
+use disagg_core::wire::plan::{compile_checked, compile_unchecked, TransferPlanRequest};
 use disagg_core::wire::ticket::{check_staging_tickets, DecodeNeeds, HandoffTicket};
 use disagg_core::wire::value::{Budget, WireValue};
 use disagg_core::ModeChoice;
@@ -353,34 +351,6 @@ fn local_side(
             .map(|t| t.to_u32(Kind::Argument, "local_tokens_per_block"))
             .transpose()?,
     })
-}
-
-/// Check peers and block ids once, then compile the transfer: returns `(num_tokens,
-/// TransferProgram)` (`num_tokens` is `None` for SSM state). `srcs` are the source ranks'
-/// peers, `dst` the destination's; `dst_block_ids` is `None` on the source side of a staged
-/// transfer. Raises `MetadataError`, `BlockIdError`, `GeometryMismatchError` before anything
-/// is posted.
-#[pyfunction]
-#[pyo3(signature = (srcs, dst, src_block_ids, dst_block_ids, num_tokens, mode, *,
-    local_is_dst, local_num_blocks, local_tokens_per_block))]
-#[allow(clippy::too_many_arguments)]
-pub fn plan_peer_transfer(
-    py: Python<'_>,
-    srcs: Vec<PyRef<'_, PyPeer>>,
-    dst: PyRef<'_, PyPeer>,
-    src_block_ids: &Bound<'_, PyAny>,
-    dst_block_ids: Option<&Bound<'_, PyAny>>,
-    num_tokens: Option<Int>,
-    mode: &str,
-    local_is_dst: bool,
-    local_num_blocks: Int,
-    local_tokens_per_block: Option<Int>,
-) -> PyResult<(Option<u64>, PyTransferProgram)> {
-    let local = local_side(local_is_dst, local_num_blocks, local_tokens_per_block)?;
-    let mut req = plan_request(&srcs, &dst, src_block_ids, dst_block_ids, mode, local)?;
-    req.num_tokens = num_tokens.map(|n| n.to_i64(Kind::Block, "num_tokens")).transpose()?;
-    let (n, inner) = py.detach(|| plan_transfer(&req)).py()?;
-    Ok((n, PyTransferProgram::new(inner)))
 }
 
 /// Compile a transfer of parsed peers. `checked`: its peers and source block ids are what

@@ -9,7 +9,7 @@ use crate::reshard::plan_kv_reshard;
 
 use super::cost::{check_mode_needs, choose_mode, TransferMode};
 use super::program::{SourceProgram, TransferProgram};
-use super::request::KvTransferRequest;
+use super::request::{source_geometry, KvTransferRequest};
 use super::verify::Expected;
 use super::walk::{segments, KvPlaneSet, KvWork, Work};
 
@@ -251,13 +251,7 @@ fn compile_kv(
     let n_tok = req.num_tokens - req.token_start;
     let mut by_src: BTreeMap<u32, Vec<KvPlaneSet>> = BTreeMap::new();
     for t in &plan.transfers {
-        let (_, g) =
-            req.srcs.iter().find(|(l, _)| l.global_rank == t.src_rank).ok_or_else(|| {
-                DisaggError::layout(
-                    "srcs",
-                    format!("plan names source rank {} not in srcs", t.src_rank),
-                )
-            })?;
+        let g = source_geometry(req.srcs.iter().map(|(l, g)| (l.global_rank, g)), t.src_rank)?;
         let sets = by_src.entry(t.src_rank).or_default();
         let region = u64::from(g.spec().num_kv)
             .checked_mul(u64::from(t.layers.len()))

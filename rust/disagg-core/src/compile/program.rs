@@ -4,7 +4,9 @@ use crate::error::{DisaggError, DisaggResult};
 
 use super::cost::TransferMode;
 use super::kv::KvDevicePlan;
-use super::sink::{Collect, CollectPairs, CollectRuns, Count, FragmentSink, ListKind, SliceRows};
+use super::sink::{
+    Collect, CollectPairs, CollectRuns, Count, FragmentSink, ListKind, RowBuf, SliceRows,
+};
 use super::verify::Expected;
 use super::walk::{emit_box, Purpose, Work};
 
@@ -154,14 +156,16 @@ impl TransferProgram {
         self.need_destination("direct descriptors")?;
         let s = self.source(src_rank)?;
         let cap = s.box_count(Purpose::Direct);
-        let mut c = CollectPairs {
-            src: Vec::with_capacity(cap),
-            dst: Vec::with_capacity(cap),
-            src_device: s.src_device,
-            dst_device: self.dst_device,
-        };
+        Ok(self.direct_pairs(s, Vec::with_capacity(cap), Vec::with_capacity(cap)))
+    }
+
+    /// Walk `s`'s direct pairs into the row buffers `src` and `dst` (rows `(addr, len,
+    /// device)`, merged where both sides continue), and return them.
+    fn direct_pairs<B: RowBuf>(&self, s: &SourceProgram, src: B, dst: B) -> (B, B) {
+        let mut c =
+            CollectPairs { src, dst, src_device: s.src_device, dst_device: self.dst_device };
         s.walk(Purpose::Direct, &mut c);
-        Ok((c.src, c.dst))
+        (c.src, c.dst)
     }
 
     /// What the transport moves for `src_rank`: the direct pairs, or (staged) one pair whose
@@ -276,16 +280,8 @@ impl TransferProgram {
         let s = self.source(src_rank)?;
         self.need_destination("direct descriptors")?;
         let cap = src_out.len().min(dst_out.len());
-        let mut c = CollectPairs {
-            src: SliceRows::new(src_out),
-            dst: SliceRows::new(dst_out),
-            src_device: s.src_device,
-            dst_device: self.dst_device,
-        };
-        s.walk(Purpose::Direct, &mut c);
-        finish_into(c.src.len(), c.dst.len().min(c.src.len()), cap, || {
-            Ok(s.count_direct(u64::MAX - 1))
-        })
+        let (src, dst) = self.direct_pairs(s, SliceRows::new(src_out), SliceRows::new(dst_out));
+        finish_into(src.len(), dst.len().min(src.len()), cap, || Ok(s.count_direct(u64::MAX - 1)))
     }
 
     /// [`TransferProgram::gather`] written into a caller buffer; returns the row count.

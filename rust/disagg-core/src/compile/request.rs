@@ -32,6 +32,16 @@ impl SrcBlockIds {
     }
 }
 
+/// The geometry of source rank `rank` among `srcs` (global rank and geometry of each source).
+pub(super) fn source_geometry<'a, G: 'a>(
+    mut srcs: impl Iterator<Item = (u32, &'a G)>,
+    rank: u32,
+) -> DisaggResult<&'a G> {
+    srcs.find(|(r, _)| *r == rank).map(|(_, g)| g).ok_or_else(|| {
+        DisaggError::layout("srcs", format!("plan names source rank {rank} not in srcs"))
+    })
+}
+
 /// Everything `compile_kv_transfer` needs; see the module docs for the packed order.
 #[derive(Debug, Clone)]
 pub struct KvTransferRequest {

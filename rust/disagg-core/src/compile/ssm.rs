@@ -10,7 +10,7 @@ use crate::reshard::plan_ssm_reshard;
 use super::cost::{check_mode_needs, choose_mode, TransferMode};
 use super::kv::{geometry_eq, overflow};
 use super::program::{SourceProgram, TransferProgram};
-use super::request::{SrcSlots, SsmTransferRequest};
+use super::request::{source_geometry, SrcSlots, SsmTransferRequest};
 use super::verify::Expected;
 use super::walk::{CopyBox, Work, PACKED};
 
@@ -77,13 +77,7 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
     // layer sit next to each other on both sides and merge.
     let mut by_src: BTreeMap<u32, Vec<(SsmPackKey, CopyBox)>> = BTreeMap::new();
     for t in plan.transfers.iter().filter(|t| moved(ssm_part_name(t.band))) {
-        let (_, g) =
-            req.srcs.iter().find(|(l, _)| l.global_rank == t.src_rank).ok_or_else(|| {
-                DisaggError::layout(
-                    "srcs",
-                    format!("plan names source rank {} not in srcs", t.src_rank),
-                )
-            })?;
+        let g = source_geometry(req.srcs.iter().map(|(l, g)| (l.global_rank, g)), t.src_rank)?;
         let kind = ssm_part_name(t.band);
         let part_of = |geo: &SsmGeometry, side: &str| {
             geo.part(kind).cloned().ok_or_else(|| {

@@ -259,60 +259,24 @@ pub const REQUIRED: [&str; 13] = [
 const BUFFER_REQUIRED: [&str; 8] =
     ["addr", "nbytes", "device_id", "mem_type", "shape", "strides", "element_size", "axes"];
 
-fn kv_layout(o: &Obj<'_>) -> DisaggResult<KvShardLayout> {
-    let heads = either(o, "num_kv_heads", "num_heads")?;
-    KvShardLayout::new(KvLayoutSpec {
-        num_layers: o.u32("num_layers")?,
-        num_kv_heads: heads,
-        tp_size: o.u32("tp_size")?,
-        tp_rank: o.u32("tp_rank")?,
-        pp_size: o.u32("pp_size")?,
-        pp_rank: o.u32("pp_rank")?,
-        global_rank: o.u32("global_rank")?,
-        ep_size: o.opt_u32("ep_size")?.unwrap_or(1),
-        ep_rank: o.opt_u32("ep_rank")?.unwrap_or(0),
-        etp_size: o.opt_u32("etp_size")?.unwrap_or(1),
-        etp_rank: o.opt_u32("etp_rank")?.unwrap_or(0),
-        layer_start: o.opt_u32("layer_start")?,
-        num_local_layers: o.opt_u32("num_local_layers")?,
-    })
+/// The integer fields `keys` of `o` as a layout's wire fields (absent or `None`: `None`).
+fn int_fields<'k>(o: &Obj<'_>, keys: &[&'k str]) -> DisaggResult<Vec<(&'k str, Option<u32>)>> {
+    keys.iter().map(|&k| Ok((k, o.opt_u32(k)?))).collect()
 }
 
-fn either(o: &Obj<'_>, ours: &str, theirs: &str) -> DisaggResult<u32> {
-    match (o.opt_u32(ours)?, o.opt_u32(theirs)?) {
-        (Some(a), Some(b)) if a != b => Err(DisaggError::wire(
-            join(o.path(), ours),
-            format!("{ours}={a} disagrees with its alias {theirs}={b}"),
-        )),
-        (Some(a), _) | (None, Some(a)) => Ok(a),
-        (None, None) => o.u32(ours),
-    }
+fn kv_layout(o: &Obj<'_>) -> DisaggResult<KvShardLayout> {
+    let spec = KvLayoutSpec::from_wire(&int_fields(o, &KvLayoutSpec::WIRE_KEYS)?);
+    KvShardLayout::new(spec.map_err(|e| e.under(o.path()))?)
 }
 
 fn ssm_layout(o: &Obj<'_>) -> DisaggResult<SsmShardLayout> {
     let path = join(o.path(), "dims");
     let d = o.obj("dims", &path)?;
-    let dims = SsmStateDims::new(
-        either(&d, "num_heads", "nheads")?,
-        either(&d, "head_dim", "headdim")?,
-        d.u32("d_state")?,
-        either(&d, "n_groups", "ngroups")?,
-        d.u32("d_conv")?,
-    )?;
-    SsmShardLayout::new(SsmLayoutSpec {
-        num_layers: o.opt_u32("num_layers")?,
-        dims,
-        tp_size: o.u32("tp_size")?,
-        tp_rank: o.u32("tp_rank")?,
-        pp_size: o.u32("pp_size")?,
-        pp_rank: o.u32("pp_rank")?,
-        global_rank: o.u32("global_rank")?,
-        ep_rank: o.opt_u32("ep_rank")?.unwrap_or(0),
-        etp_rank: o.opt_u32("etp_rank")?.unwrap_or(0),
-        layer_start: o.opt_u32("layer_start")?,
-        num_local_layers: o.opt_u32("num_local_layers")?,
-        replicate_groups: o.flag("replicate_groups")?,
-    })
+    let dims = SsmStateDims::from_wire(&int_fields(&d, &SsmStateDims::WIRE_KEYS)?)
+        .map_err(|e| e.under(&path))?;
+    let ints = int_fields(o, SsmLayoutSpec::int_wire_keys())?;
+    let spec = SsmLayoutSpec::from_wire(&ints, dims, o.flag("replicate_groups")?);
+    SsmShardLayout::new(spec.map_err(|e| e.under(o.path()))?)
 }
 
 fn geometry(o: &Obj<'_>) -> DisaggResult<PeerGeometry> {
@@ -1036,6 +1000,33 @@ pub(crate) mod tests {
             del(&mut v, key);
             let e = PeerMeta::parse(&v, "nixl").unwrap_err();
             assert_eq!(field_of(&e), *key, "{e}");
+        }
+    }
+
+    #[test]
+    fn layout_fields_are_named_under_layout() {
+        let Some(WireValue::Map(layout)) = Obj::of(&meta(), "").unwrap().get("layout").cloned()
+        else {
+            panic!("meta() has a layout dict");
+        };
+        let without = |key: &str| -> Vec<(String, WireValue)> {
+            layout.iter().filter(|(k, _)| k != key).cloned().collect()
+        };
+        let with = |key: &str, val: WireValue| {
+            let mut fields = without(key);
+            fields.push((key.to_owned(), val));
+            fields
+        };
+        for (fields, want) in [
+            (without("tp_size"), "layout.tp_size"),
+            (without("num_kv_heads"), "layout.num_kv_heads"),
+            (with("tp_size", s("x")), "layout.tp_size"),
+            (with("num_heads", i(2)), "layout.num_kv_heads"),
+        ] {
+            let mut v = meta();
+            set(&mut v, "layout", WireValue::Map(fields));
+            let e = PeerMeta::parse(&v, "nixl").unwrap_err();
+            assert_eq!(field_of(&e), want, "{e}");
         }
     }
 

@@ -211,45 +211,38 @@ impl Default for Budget {
     }
 }
 
+/// A `Wire` error under `field` saying `why()` when `over`, else `Ok`.
+fn refuse_if(over: bool, field: &str, why: impl FnOnce() -> String) -> DisaggResult<()> {
+    if over {
+        Err(DisaggError::wire(field, why()))
+    } else {
+        Ok(())
+    }
+}
+
 impl Budget {
     /// Account for one more value at `depth` (0 for the top level) under `field`.
     pub fn node(&mut self, field: &str, depth: usize) -> DisaggResult<()> {
-        if depth > MAX_DEPTH {
-            return Err(DisaggError::wire(
-                field,
-                format!("nesting depth {depth} exceeds the cap of {MAX_DEPTH}"),
-            ));
-        }
-        if self.nodes_left == 0 {
-            return Err(DisaggError::wire(
-                field,
-                format!("the value holds more than {MAX_NODES} items in all"),
-            ));
-        }
+        refuse_if(depth > MAX_DEPTH, field, || {
+            format!("nesting depth {depth} exceeds the cap of {MAX_DEPTH}")
+        })?;
+        refuse_if(self.nodes_left == 0, field, || {
+            format!("the value holds more than {MAX_NODES} items in all")
+        })?;
         self.nodes_left -= 1;
         Ok(())
     }
 
     /// Refuse a list or map of `len` entries under `field` when it exceeds [`MAX_ITEMS`].
     pub fn items(&self, field: &str, len: usize) -> DisaggResult<()> {
-        if len > MAX_ITEMS {
-            return Err(DisaggError::wire(
-                field,
-                format!("{len} entries exceed the cap of {MAX_ITEMS}"),
-            ));
-        }
-        Ok(())
+        refuse_if(len > MAX_ITEMS, field, || format!("{len} entries exceed the cap of {MAX_ITEMS}"))
     }
 
     /// Refuse a string of `len` bytes under `field` when it exceeds [`MAX_STR_BYTES`].
     pub fn string(&self, field: &str, len: usize) -> DisaggResult<()> {
-        if len > MAX_STR_BYTES {
-            return Err(DisaggError::wire(
-                field,
-                format!("a {len}-byte string exceeds the cap of {MAX_STR_BYTES} bytes"),
-            ));
-        }
-        Ok(())
+        refuse_if(len > MAX_STR_BYTES, field, || {
+            format!("a {len}-byte string exceeds the cap of {MAX_STR_BYTES} bytes")
+        })
     }
 
     /// Refuse an integer outside `[-2**63, 2**64)` (the converter passes the decimal text of
