@@ -341,7 +341,14 @@ class PrefillHandoff(HandoffBase):
         self.handoff_stats["pushes"] += 1
 
     def _poll_pending_kv_pushes(self) -> int:
-        """Reap completed push sends; unfinished ones stay pending. Returns how many ended."""
+        """Reap completed push sends; unfinished ones stay pending. Returns how many ended.
+
+        Also advances the streamed packed copies of a one-sided backend (``poll_streams``):
+        the decodes' acknowledgements free slots, the next chunks are packed and announced.
+        """
+        poll_streams = getattr(self._kv_backend, "poll_streams", None)
+        if poll_streams is not None:
+            poll_streams()
         if not self._ledger_driven():
             pushes = self._pending_kv_pushes
             done = [all(h.poll() for h in hs) for _, hs in pushes]

@@ -198,6 +198,10 @@ class _NixlAgentContext:
         self._refs = 0
         # Peer agent name -> (incarnation, digest of its metadata, id NIXL gave it).
         self.peers: dict[str, tuple[int, str, str]] = {}
+        #: Stream notifications waiting for their stream, by (peer agent name, stream id):
+        #: only streams open on this rank have a mailbox (see :meth:`mail`).
+        self._mailboxes: dict[tuple[str, int], list[bytes]] = {}
+        self._next_stream = 1
 
     @property
     def known_peers(self) -> dict[str, tuple[int, str, str]]:
@@ -247,6 +251,47 @@ class _NixlAgentContext:
     def refs(self) -> int:
         """Alias of ``ref_count``."""
         return self._refs
+
+    def new_stream_id(self) -> int:
+        """A stream id unique on this agent (named in the ticket and every notification)."""
+        sid = self._next_stream
+        self._next_stream += 1
+        return sid
+
+    def open_mailbox(self, peer: str, stream: int) -> None:
+        """Keep the notifications of ``stream`` from ``peer`` until :meth:`mail` takes them."""
+        self._mailboxes.setdefault((peer, int(stream)), [])
+
+    def close_mailbox(self, peer: str, stream: int) -> None:
+        """Stop keeping ``stream``'s notifications; later ones are dropped."""
+        self._mailboxes.pop((peer, int(stream)), None)
+
+    def mail(self, peer: str, stream: int) -> list[bytes]:
+        """Take the notifications of ``stream`` from ``peer`` received so far, in order.
+
+        NIXL hands every notification of the agent out at once: each is routed by the stream
+        named in it (parsed in Rust); one of a stream without a mailbox here (closed, or not
+        a stream notification at all) is dropped.
+        """
+        if self.agent is not None and self._mailboxes:
+            for name, msgs in self.agent.get_new_notifs().items():
+                for msg in msgs:
+                    try:
+                        _, sid = _core.stream_msg_route(bytes(msg))
+                    except Exception as exc:  # not a stream notification
+                        logger.debug("dropping a notification from %s: %r", name, exc)
+                        continue
+                    box = self._mailboxes.get((str(name), sid))
+                    if box is None:
+                        logger.debug("dropping a notification of closed stream %d", sid)
+                    else:
+                        box.append(bytes(msg))
+        box = self._mailboxes.get((peer, int(stream)))
+        if not box:
+            return []
+        out = list(box)
+        box.clear()
+        return out
 
     def _forget(self, name: str) -> None:
         known = self.peers.pop(name, None)
@@ -498,6 +543,215 @@ class _ChunkedRead:
         self.offsets = []
 
 
+#: Slots of the source's staging pool one streamed packed copy cycles through: one packed
+#: while one is read and one is acknowledged.
+_STREAM_SLOTS = 3
+#: A streamed copy takes at most ``1 / _STREAM_SHARE`` of the source's largest free range,
+#: so another request can stream beside it.
+_STREAM_SHARE = 2
+
+
+class _StreamOut:
+    """The source side of one streamed packed copy (a copy larger than the staging pool).
+
+    Chunk ``k`` (``_core.stream_chunks``: whole items of the device plan) is packed into
+    source slot ``k % slots`` once chunk ``k - slots`` is acknowledged (``_core.StreamSource``
+    decides); the first ``slots`` chunks are packed before the ticket leaves. Every later
+    chunk is announced to the decode with a NIXL notification once its pack has completed;
+    the decode's acknowledgements free the slots. :meth:`step` only polls: it is driven by
+    ``NixlTransferBackend.poll_streams``.
+    """
+
+    def __init__(
+        self,
+        backend: NixlTransferBackend,
+        plan: dp.DevicePlan,
+        ids: torch.Tensor,
+        n_tok: int,
+        peer: str,
+        chunk_bytes: int,
+        slot_bytes: int,
+        offsets: list[int],
+    ) -> None:
+        self.backend, self.plan, self.ids, self.n_tok, self.peer = backend, plan, ids, n_tok, peer
+        self.id = backend._ctx.new_stream_id()
+        self.chunks = plan.chunks(n_tok, chunk_bytes)
+        self.src = _core.StreamSource(self.id, self.chunks, offsets)
+        self.offsets, self.chunk_bytes, self.slot_bytes = offsets, chunk_bytes, slot_bytes
+        self.deadline = backend.clock() + backend.timeout_s
+        #: Chunks packed and not announced yet: (chunk, CUDA event or None).
+        self.pending: list[tuple[int, Any]] = []
+        self.closed = False
+        backend._ctx.open_mailbox(peer, self.id)
+
+    def ticket(self) -> dict[str, Any]:
+        """The ``stream`` field of the ticket."""
+        return {
+            "id": self.id,
+            "chunk_bytes": self.chunk_bytes,
+            "slot_bytes": self.slot_bytes,
+            "offsets": list(self.offsets),
+        }
+
+    def pack(self, *, announce: bool = True) -> None:
+        """Pack every chunk whose slot is free (one launch each, queued)."""
+        b = self.backend
+        assert b.staging_buffer is not None
+        for k, slot in self.src.packable():
+            k_lo, k_hi, lo, hi = self.chunks[k]
+            at = self.offsets[slot]
+            window = b.staging_buffer[at : at + hi - lo]
+            dp.copy(self.plan, dp.Side("src", b.memory_buffer, self.ids),
+                    dp.Side("packed", window, bias=lo), self.n_tok, items=(k_lo, k_hi))  # fmt: skip
+            event = None
+            if window.is_cuda:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record()
+            if announce:
+                self.pending.append((k, event))
+
+    def step(self) -> bool:
+        """Take the decode's notifications, pack what they freed, announce finished packs;
+        ``True`` once the stream is over (every chunk acknowledged, aborted or expired)."""
+        if self.closed:
+            return True
+        b = self.backend
+        for msg in b._ctx.mail(self.peer, self.id):
+            try:
+                self.src.receive(msg)
+            except Exception as exc:  # a malformed notification ends the stream
+                logger.warning("stream %d to %s: %s; giving it up", self.id, self.peer, exc)
+                self.close(notify=True)
+                return True
+        if self.src.aborted or self.src.done:
+            self.close(notify=False)
+            return True
+        if b.clock() > self.deadline:
+            logger.warning("stream %d to %s: no acknowledgement before the deadline", self.id,
+                           self.peer)  # fmt: skip
+            self.close(notify=True)
+            return True
+        self.pack()
+        while self.pending and (self.pending[0][1] is None or self.pending[0][1].query()):
+            k, _ = self.pending.pop(0)
+            b.agent.send_notif(self.peer, self.src.ready(k))
+        return False
+
+    def close(self, *, notify: bool) -> None:
+        """Give the slots back (idempotent); with ``notify``, tell the decode first."""
+        if self.closed:
+            return
+        self.closed = True
+        b = self.backend
+        if notify:
+            with contextlib.suppress(Exception):  # a decode that is gone cannot be told
+                b.agent.send_notif(self.peer, _core.stream_abort_msg(self.id))
+        if self.pending and self.pending[-1][1] is not None:
+            self.pending[-1][1].synchronize()  # a pack still queued writes the slots
+        self.pending.clear()
+        b._ctx.close_mailbox(self.peer, self.id)
+        for at in self.offsets:
+            b.arena.free(at)
+
+
+class _StreamedRead:
+    """The decode side of a streamed packed copy: each chunk the source announces is read
+    with one NIXL READ into a free slot of this rank's pool, scattered by the device plan,
+    and acknowledged once the scatter has completed (``_core.StreamSink`` checks every
+    announcement against the schedule and says what to read next, into which slot)."""
+
+    def __init__(
+        self,
+        backend: NixlTransferBackend,
+        plan: dp.DevicePlan,
+        meta: PeerMeta,
+        stream: Mapping[str, Any],
+        peer: str,
+        n_tok: int,
+        ids: torch.Tensor,
+        offsets: list[int],
+    ) -> None:
+        self.backend, self.plan, self.meta, self.peer, self.n_tok, self.ids = (
+            backend, plan, meta, peer, n_tok, ids
+        )  # fmt: skip
+        self.id = int(stream["id"])
+        self.chunks = plan.chunks(n_tok, int(stream["chunk_bytes"]))
+        self.sink = _core.StreamSink(self.id, self.chunks, list(stream["offsets"]), len(offsets))
+        self.src_name = str(meta["agent_name"])
+        self.remote = int(meta["staging"]["addr"])
+        self.offsets = offsets
+        #: Chunk -> ("read", xfer, slot) or ("scatter", event or None, slot).
+        self.busy: dict[int, tuple[str, Any, int]] = {}
+        backend._ctx.open_mailbox(self.src_name, self.id)
+
+    def step(self) -> str:
+        """Take the source's announcements, scatter landed reads, acknowledge finished
+        scatters, read the next announced chunks into free slots."""
+        b = self.backend
+        for msg in b._ctx.mail(self.src_name, self.id):
+            if self.sink.receive(msg) == "abort":
+                raise TransferError(f"the source gave stream {self.id} up", field="staged")
+        assert b.staging_buffer is not None
+        for k, (state, held, slot) in list(self.busy.items()):
+            if state == "read":
+                got = b.agent.check_xfer_state(held)
+                if got == "ERR":
+                    raise TransferError(f"NIXL reported ERR for streamed chunk {k}")
+                if got != "DONE":
+                    continue
+                b.agent.release_xfer_handle(held)
+                k_lo, k_hi, lo, hi = self.chunks[k]
+                at = self.offsets[slot]
+                window = b.staging_buffer[at : at + hi - lo]
+                dp.copy(self.plan, dp.Side("packed", window, bias=lo),
+                        dp.Side("dst", b.memory_buffer, self.ids), self.n_tok,
+                        items=(k_lo, k_hi))  # fmt: skip
+                held = None
+                if window.is_cuda:
+                    held = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    held.record()
+                self.busy[k] = ("scatter", held, slot)
+            if held is None or held.query():
+                del self.busy[k]
+                b.agent.send_notif(self.peer, self.sink.landed(k))
+        dev, src_dev = int(b.buffer_info["device_id"]), int(self.meta["buffer"]["device_id"])
+        for k, slot, src_off, (_, _, lo, hi) in self.sink.reads():
+            at = self.offsets[slot]
+            local = _np_u64([[int(b.staging_buffer[at:].data_ptr()), hi - lo, dev]])
+            remote = _np_u64([[self.remote + src_off, hi - lo, src_dev]])
+            label = f"streamed chunk {k} of {self.src_name}"
+            self.busy[k] = ("read", b._post(local, remote, self.meta, self.peer, label), slot)
+        return "DONE" if self.sink.done else "PROC"
+
+    def close(self) -> None:
+        """Abort reads still in flight, tell an unfinished source, give the slots back
+        (idempotent)."""
+        b = self.backend
+        for state, held, _ in self.busy.values():
+            if state == "read":
+                with contextlib.suppress(Exception):
+                    b.agent.release_xfer_handle(held)
+            elif held is not None:
+                held.synchronize()  # a scatter still queued reads the slot
+        self.busy = {}
+        if self.offsets and not self.sink.done and not self.sink.aborted:
+            with contextlib.suppress(Exception):  # a source that is gone cannot be told
+                b.agent.send_notif(self.peer, _core.stream_abort_msg(self.id))
+        b._ctx.close_mailbox(self.src_name, self.id)
+        for at in self.offsets:
+            b.arena.free(at)
+        self.offsets = []
+
+
+def _abort_stream(agent: Any, peer: str, ticket: Mapping[str, Any]) -> None:
+    """Tell a source that this rank will not read the stream of ``ticket`` (its slots are
+    free again); nothing when the ticket names none or the source is gone."""
+    stream = ticket.get("stream")
+    if stream is not None:
+        with contextlib.suppress(Exception):
+            agent.send_notif(peer, _core.stream_abort_msg(int(stream["id"])))
+
+
 def _peer_key(metas: Sequence[PeerMeta]) -> tuple[tuple[str, int, int], ...]:
     """What identifies a set of peers' buffers: names, incarnations and global ranks."""
     return tuple(
@@ -655,6 +909,9 @@ class NixlTransferBackend(TransferBackendBase):
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        for out in self._streams.values():
+            out.close(notify=True)
+        self._streams.clear()
         agent = self._ctx.agent
         self._agent = None
         for reg in self._regs if agent is not None else []:
@@ -706,6 +963,14 @@ class NixlTransferBackend(TransferBackendBase):
         return self._ctx.ensure_peer(peer_meta)
 
     # -- source side of a staged pull ----------------------------------------------------
+
+    @property
+    def _streams(self) -> dict[int, _StreamOut]:
+        """The streams this rank is sending, by id."""
+        streams: dict[int, _StreamOut] | None = self.__dict__.get("_stream_table")
+        if streams is None:
+            streams = self.__dict__["_stream_table"] = {}
+        return streams
 
     def stage_blocks(
         self,
@@ -774,11 +1039,18 @@ class NixlTransferBackend(TransferBackendBase):
                 program = self._compile(srcs, dst, src_block_ids, None, num_tokens, "staged")
             nbytes = int(program.packed_bytes(me))
         if nbytes > self.arena.largest_free:
-            # The staging region is a fixed pool whatever the prompt size: a part that does not
-            # fit now is not packed, and the decode reads this rank's blocks directly.
+            # The staging region is a fixed pool whatever the prompt size: a copy that does
+            # not fit now is streamed through a few slots of it, else (no device plan, or no
+            # slot holds one item) not packed, and the decode reads this rank's blocks.
+            stream = None
+            if plan is not None and num_tokens is not None:
+                stream = self._stream_out(plan, ids, num_tokens, dst, len(ranks))
+            if stream is not None:
+                ticket.update(staged=True, nbytes=nbytes, stream=stream.ticket())
+                return ticket
             logger.info(
                 "staging: %d bytes for decode rank %s do not fit (largest free range %d of "
-                "staging_bytes=%d); the decode reads directly",
+                "staging_bytes=%d) and cannot be streamed; the decode reads directly",
                 nbytes, dst["layout"].get("global_rank"), self.arena.largest_free,
                 self.arena.capacity,
             )  # fmt: skip
@@ -809,9 +1081,74 @@ class NixlTransferBackend(TransferBackendBase):
         """``build()`` once per ``key`` (device plans and the plan's source ranks)."""
         return self._plans.get(key, build)
 
+    def _stream_out(
+        self,
+        plan: dp.DevicePlan,
+        ids: npt.NDArray[np.int64],
+        num_tokens: int,
+        dst: PeerMeta,
+        sources: int,
+    ) -> _StreamOut | None:
+        """Start streaming this rank's packed copy to decode ``dst``: reserve up to
+        ``_STREAM_SLOTS`` slots of ``1 / _STREAM_SHARE`` of the largest free range, cut the copy
+        in chunks a slot and the decode's pool hold (the decode reads ``sources`` copies
+        through at least two slots each), pack the first chunks. ``None`` (nothing reserved)
+        when no slot holds one item of the plan."""
+        assert self.staging_buffer is not None
+        dst_pool = (dst.get("staging") or {}).get("nbytes", 0)
+        align = self.arena.alignment
+        cap = int(dst_pool) // (2 * max(sources, 1)) // align * align
+        item_max = int(plan.planes[:, 3].max()) * plan.tokens_per_block
+        if cap < item_max:
+            return None
+        slots = self.arena.alloc_slots(item_max, _STREAM_SHARE, _STREAM_SLOTS)
+        if slots is None:
+            return None
+        slot_bytes, offsets = slots
+        try:
+            peer = self._ensure_peer_registered(dst)
+            (dev_ids,) = self._ids.upload(ids)
+            out = _StreamOut(self, plan, dev_ids, num_tokens, peer, min(slot_bytes, cap),
+                             slot_bytes, offsets)  # fmt: skip
+            out.pack(announce=False)  # the ticket announces the first chunks
+            if self.staging_buffer.is_cuda:
+                torch.cuda.current_stream(self.staging_buffer.device).synchronize()
+        except Exception:
+            for at in offsets:
+                self.arena.free(at)
+            raise
+        self._streams[out.id] = out
+        return out
+
+    def poll_streams(self) -> int:
+        """Advance the streamed packed copies of this rank (source side): take the decodes'
+        acknowledgements, pack the chunks they freed, announce finished packs, end streams
+        that are done, aborted or past their deadline (their slots return to the pool).
+        Never blocks; returns how many streams are still running. A prefill calls it each
+        turn (``poll_kv_pushes``)."""
+        streams = self._streams
+        for sid in [sid for sid, st in streams.items() if st.step()]:
+            del streams[sid]
+        return len(streams)
+
+    def staging_stats(self) -> dict[str, int]:
+        """The staging pool now: bytes reserved, ranges reserved, streams running."""
+        return {
+            "in_use": int(self.arena.in_use),
+            "ranges": len(self.arena),
+            "streams": len(self._streams),
+        }
+
     def release_staged(self, ticket: Mapping[str, Any]) -> None:
-        """Free the staging region of a ticket (after RELEASE_KV); idempotent."""
-        if ticket.get("staged"):
+        """Free the staging region of a ticket (after RELEASE_KV or the lease's end): a
+        stream still running is given up (the decode is told) and its slots freed;
+        idempotent."""
+        stream = ticket.get("stream")
+        if stream is not None:
+            out = self._streams.pop(int(stream["id"]), None)
+            if out is not None:
+                out.close(notify=True)
+        elif ticket.get("staged"):
             self.arena.free(int(ticket["offset"]))
 
     # -- decode side -----------------------------------------------------------------------
@@ -878,6 +1215,9 @@ class NixlTransferBackend(TransferBackendBase):
 
         rows = {rank: direct_rows(rank) for rank, packed, _ in route if not packed}
         agents = {rank: self._ensure_peer_registered(by_rank[rank]) for rank, _, _ in route}
+        for rank, packed, _ in route:
+            if not packed and rank in tickets:  # a stream this rank will not read
+                _abort_stream(self.agent, agents[rank], tickets[rank])
         parts: list[_PullPart] = []
         error: str | None = None
         # A chunked read takes its share of the free pool (staged reads still to post).
@@ -1108,6 +1448,12 @@ class NixlTransferBackend(TransferBackendBase):
         if nbytes == 0:
             return None
         assert self.staging_buffer is not None  # checked before posting
+        if ticket.get("stream") is not None:
+            streamed = self._post_streamed(rank, meta, ticket, peer, plan, handoff, share)
+            if streamed is not None:
+                return streamed
+            _abort_stream(self.agent, peer, ticket)  # the source's slots are free again
+            return self._post_direct(direct(rank), rank, meta, peer)
         if nbytes > self.arena.largest_free:
             # This engine's staging pool cannot take the packed copy now: read it in chunks
             # through a few slots of the pool (a device plan scatters each chunk), else read
@@ -1204,6 +1550,52 @@ class NixlTransferBackend(TransferBackendBase):
             return None
         reader = _ChunkedRead(self, plan, meta, ticket, peer, n_tok, ids, *slots)
         label = f"chunked:{meta['agent_name']}:{rank}"
+        part = _PullPart(rank, None, cleanup=reader.close, context=label, step=reader.step)
+        part.descriptors = len(reader.chunks)
+        try:
+            reader.step()
+        except Exception:
+            reader.close()
+            raise
+        return part
+
+    def _post_streamed(
+        self,
+        rank: int,
+        meta: PeerMeta,
+        ticket: Mapping[str, Any],
+        peer: str,
+        plan: dp.DevicePlan | None,
+        handoff: tuple[BlockIds, BlockIds, int | None] | None,
+        share: int = 1,
+    ) -> _PullPart | None:
+        """Read a source's streamed packed copy chunk by chunk through at most
+        ``_CHUNK_SLOTS`` slots of this rank's pool, or ``None`` when no device plan covers it
+        or two slots of one chunk do not fit (the caller then reads the blocks directly)."""
+        if plan is None or handoff is None or handoff[2] is None:
+            return None
+        n_tok = int(handoff[2])
+        stream = ticket["stream"]
+        dst_ids = np.asarray(handoff[1], dtype=np.int64).reshape(-1)
+        if dst_ids.size != plan.num_blocks(n_tok) or plan.packed_bytes(n_tok) != int(
+            ticket["nbytes"]
+        ):
+            return None
+        # Every chunk holds at most chunk_bytes once one item fits in it: so do the slots.
+        chunk_bytes = int(stream["chunk_bytes"])
+        if int(plan.planes[:, 3].max()) * plan.tokens_per_block > chunk_bytes:
+            return None
+        slots = self.arena.alloc_slots(chunk_bytes, share, _CHUNK_SLOTS)
+        if slots is None:
+            return None
+        (ids,) = self._ids.upload(dst_ids)
+        try:
+            reader = _StreamedRead(self, plan, meta, stream, peer, n_tok, ids, slots[1])
+        except Exception:
+            for at in slots[1]:
+                self.arena.free(at)
+            raise
+        label = f"streamed:{meta['agent_name']}:{rank}"
         part = _PullPart(rank, None, cleanup=reader.close, context=label, step=reader.step)
         part.descriptors = len(reader.chunks)
         try:
