@@ -11,7 +11,13 @@ Two ways to move a source rank's bytes, chosen per source rank by the compiler:
 - direct: the compiled ``(addr, len, device)`` descriptor lists go to NIXL as one READ;
 - staged: the SOURCE packs its fragments into its registered staging region
   (``stage_blocks``, once per handoff, before the pull is announced), the decode reads the
-  packed region with one descriptor and scatters it (``staging.scatter``) on completion.
+  packed region with one descriptor and scatters it (``staging.scatter``) on completion;
+- streamed (a packed copy larger than the source's staging pool): the source packs it chunk
+  by chunk into a few slots of its pool and announces each with a NIXL notification; the
+  decode reads each into a few slots of its own pool, scatters it and acknowledges it, which
+  frees the source's slot for a later chunk (``_StreamOut`` / ``_StreamedRead``; the
+  schedule and the notifications are ``_core.StreamSource`` / ``_core.StreamSink``). The
+  source advances only when polled (``poll_streams``, from the prefill's turn).
 
 The ticket ``stage_blocks`` returns travels with the handoff to the decode's
 ``begin_pull_blocks(..., staged=[ticket, ...])``. In ``"auto"`` mode the source packs (it
@@ -775,7 +781,7 @@ class NixlTransferBackend(TransferBackendBase):
 
     Constructor parameters are the reference design's; keyword extensions: ``axes`` (cache
     layout), ``staging_bytes`` (registered staging region for staged pulls, 0 = none; a fixed
-    pool whatever the prompt size: a part that does not fit is read directly),
+    pool whatever the prompt size: a larger copy is streamed through a few slots of it),
     ``mode`` (``"auto"``/``"direct"``/``"staged"``, passed to the compiler), ``timeout_s``,
     ``compiler``, ``incarnation``, ``clock``.
     """
@@ -985,9 +991,11 @@ class NixlTransferBackend(TransferBackendBase):
         ``src_metas`` are all source ranks' metadata (default: this rank alone) so the plan
         picks the same representatives the decode will. Returns the ticket to send with the
         handoff; ``{"staged": False}`` in it means the compiler chose direct for this rank, or
-        the packed copy does not fit the staging pool now (the decode then reads this rank's
-        blocks directly). The pack finishes before this returns. Release the region with
-        ``release_staged``.
+        the packed copy can neither fit the staging pool now nor be streamed through it (the
+        decode then reads this rank's blocks directly). A copy larger than the free pool is
+        streamed: the ticket's ``stream`` names it, the first chunks are packed here and the
+        rest as ``poll_streams`` sees the decode's acknowledgements. The pack (or the first
+        chunks') finishes before this returns. Release the region with ``release_staged``.
         """
         dst = self._adopt_peer_meta(peer_meta)
         srcs = (
