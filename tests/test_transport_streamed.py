@@ -143,3 +143,26 @@ def test_releasing_a_stream_no_decode_reads_frees_the_prefill_pool(
         assert pre("call", key, "poll_streams") == 0
     finally:
         _close([pre], dst, key)
+
+
+def test_a_stream_no_decode_acknowledges_ends_at_the_prefills_deadline(
+    workers: list[Worker],
+) -> None:
+    """A decode that never acknowledges cannot hold the prefill's slots past ``timeout_s``
+    (0 here: the first poll is past it)."""
+    key = "stream-deadline"
+    pre, dst = workers[0], workers[2]
+    case = TP1
+    pool = POOL[case.name]
+    meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool,
+               timeout_s=0.0)  # fmt: skip
+    dst_meta = dst("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
+    try:
+        ticket = tw.stage(pre, key, dst_meta, tw.src_ids(case, case.srcs[0]), src_metas=[meta],
+                          num_tokens=case.num_tokens)  # fmt: skip
+        assert "stream" in ticket
+        assert pre("call", key, "staging_stats")["streams"] == 1
+        assert pre("call", key, "poll_streams") == 0
+        assert pre("call", key, "staging_stats") == {"in_use": 0, "ranges": 0, "streams": 0}
+    finally:
+        _close([pre], dst, key)

@@ -632,7 +632,7 @@ class _StreamOut:
         if self.src.aborted or self.src.done:
             self.close(notify=False)
             return True
-        if b.clock() > self.deadline:
+        if b.clock() >= self.deadline:
             logger.warning("stream %d to %s: no acknowledgement before the deadline", self.id,
                            self.peer)  # fmt: skip
             self.close(notify=True)
