@@ -58,6 +58,12 @@ def _setup(
     return pre, dec, tickets
 
 
+def _free(w: Worker, key: str) -> bool:
+    """Whether ``w``'s staging pool holds nothing and runs no stream."""
+    stats = w("call", key, "staging_stats")
+    return bool(stats["in_use"] == stats["ranges"] == stats["streams"] == 0)
+
+
 def _close(pre: list[Worker], dec: Worker, key: str) -> None:
     for w in pre:
         w("close", key)
@@ -88,7 +94,8 @@ def test_a_copy_larger_than_both_pools_streams_byte_exact(
         # Every chunk was acknowledged and every slot is back in both pools, before any
         # release: the streams ended by themselves.
         for w in [*pre, dec]:
-            assert w("call", key, "staging_stats") == {"in_use": 0, "ranges": 0, "streams": 0}
+            assert _free(w, key)
+        assert [w("call", key, "staging_stats")["streamed"] for w in pre] == [1] * len(pre)
         for i, t in enumerate(tickets):
             pre[i]("call", key, "release_staged", t)  # idempotent after the stream ended
             assert pre[i]("call", key, "staging_stats")["in_use"] == 0
@@ -109,13 +116,13 @@ def test_a_decode_that_gives_up_mid_stream_leaves_both_pools_free(
         assert all(w("call", key, "staging_stats")["streams"] == 1 for w in pre)
         assert dec("call", key, "staging_stats")["in_use"] > 0
         dec("cancel", key)
-        assert dec("call", key, "staging_stats") == {"in_use": 0, "ranges": 0, "streams": 0}
+        assert _free(dec, key)
         # The prefills learn it from the decode's abort notification on their next polls.
         for _ in range(tw.DRIVE_ROUNDS):
             if sum(int(w("call", key, "poll_streams")) for w in pre) == 0:
                 break
         for w in pre:
-            assert w("call", key, "staging_stats") == {"in_use": 0, "ranges": 0, "streams": 0}
+            assert _free(w, key)
         for i, t in enumerate(tickets):
             pre[i]("call", key, "release_staged", t)  # nothing left to free: harmless
     finally:
@@ -139,7 +146,7 @@ def test_releasing_a_stream_no_decode_reads_frees_the_prefill_pool(
         assert pre("call", key, "poll_streams") == 1  # no acknowledgement comes
         assert pre("call", key, "staging_stats")["in_use"] > 0
         pre("call", key, "release_staged", ticket)
-        assert pre("call", key, "staging_stats") == {"in_use": 0, "ranges": 0, "streams": 0}
+        assert _free(pre, key)
         assert pre("call", key, "poll_streams") == 0
     finally:
         _close([pre], dst, key)
@@ -163,6 +170,6 @@ def test_a_stream_no_decode_acknowledges_ends_at_the_prefills_deadline(
         assert "stream" in ticket
         assert pre("call", key, "staging_stats")["streams"] == 1
         assert pre("call", key, "poll_streams") == 0
-        assert pre("call", key, "staging_stats") == {"in_use": 0, "ranges": 0, "streams": 0}
+        assert _free(pre, key)
     finally:
         _close([pre], dst, key)

@@ -1126,6 +1126,7 @@ class NixlTransferBackend(TransferBackendBase):
                 self.arena.free(at)
             raise
         self._streams[out.id] = out
+        self.__dict__["_streams_started"] = self.__dict__.get("_streams_started", 0) + 1
         return out
 
     def poll_streams(self) -> int:
@@ -1140,11 +1141,13 @@ class NixlTransferBackend(TransferBackendBase):
         return len(streams)
 
     def staging_stats(self) -> dict[str, int]:
-        """The staging pool now: bytes reserved, ranges reserved, streams running."""
+        """The staging pool now: bytes reserved, ranges reserved, streams running, and the
+        streams this rank has started in all."""
         return {
             "in_use": int(self.arena.in_use),
             "ranges": len(self.arena),
             "streams": len(self._streams),
+            "streamed": int(self.__dict__.get("_streams_started", 0)),
         }
 
     def release_staged(self, ticket: Mapping[str, Any]) -> None:
