@@ -1136,8 +1136,15 @@ class NixlTransferBackend(TransferBackendBase):
         Never blocks; returns how many streams are still running. A prefill calls it each
         turn (``poll_kv_pushes``)."""
         streams = self._streams
-        for sid in [sid for sid, st in streams.items() if st.step()]:
-            del streams[sid]
+        for sid, st in list(streams.items()):
+            try:
+                over = st.step()
+            except Exception as exc:  # one failing stream must not stop the prefill's turn
+                logger.warning("stream %d to %s failed: %r; giving it up", sid, st.peer, exc)
+                st.close(notify=True)
+                over = True
+            if over:
+                del streams[sid]
         return len(streams)
 
     def staging_stats(self) -> dict[str, int]:
