@@ -31,7 +31,7 @@ def test_the_device_plan_cuts_chunks_with_the_cores_schedule() -> None:
 def test_a_stream_moves_every_chunk_through_its_slot_in_order() -> None:
     chunks = [(k, k + 1, 100 * k, 100 * k + 100) for k in range(5)]
     src = _core.StreamSource(4, chunks, [0, 4096])
-    sink = _core.StreamSink(4, chunks, [0, 4096], 2)
+    sink = _core.StreamSink(4, chunks, [0, 4096], 100, 2)
     assert src.packable() == [(0, 0), (1, 1)]  # what the ticket announces
     read = []
     while not (src.done and sink.done):
@@ -47,7 +47,7 @@ def test_a_stream_moves_every_chunk_through_its_slot_in_order() -> None:
 def test_notifications_off_the_schedule_name_the_field() -> None:
     chunks = [(k, k + 1, 100 * k, 100 * k + 100) for k in range(4)]
     src = _core.StreamSource(4, chunks, [0, 4096])
-    sink = _core.StreamSink(4, chunks, [0, 4096], 2)
+    sink = _core.StreamSink(4, chunks, [0, 4096], 100, 2)
     src.packable()
     sink.reads()
     with pytest.raises(MetadataError) as info:

@@ -78,6 +78,11 @@ def with_push_destination(
     return [{**m, "destination": dict(destination)} for m in decode_metas]
 
 
+def _no_streams() -> int:
+    """``poll_streams`` of a backend that streams nothing."""
+    return 0
+
+
 class _PinnedBlocksView(Mapping[int, list[int]]):
     """``_pinned_handoff_blocks`` of a ledger-driven prefill: request id -> pinned blocks,
     read from the :class:`~disagg_rs.PinLedger` (read-only)."""
@@ -346,9 +351,7 @@ class PrefillHandoff(HandoffBase):
         Also advances the streamed packed copies of a one-sided backend (``poll_streams``):
         the decodes' acknowledgements free slots, the next chunks are packed and announced.
         """
-        poll_streams = getattr(self._kv_backend, "poll_streams", None)
-        if poll_streams is not None:
-            poll_streams()
+        getattr(self._kv_backend, "poll_streams", _no_streams)()
         if not self._ledger_driven():
             pushes = self._pending_kv_pushes
             done = [all(h.poll() for h in hs) for _, hs in pushes]

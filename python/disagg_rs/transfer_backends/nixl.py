@@ -15,7 +15,7 @@ Two ways to move a source rank's bytes, chosen per source rank by the compiler:
 - streamed (a packed copy larger than the source's staging pool): the source packs it chunk
   by chunk into a few slots of its pool and announces each with a NIXL notification; the
   decode reads each into a few slots of its own pool, scatters it and acknowledges it, which
-  frees the source's slot for a later chunk (``_StreamOut`` / ``_StreamedRead``; the
+  frees the source's slot for a later chunk (``_StreamOut`` / ``_ChunkedRead``; the
   schedule and the notifications are ``_core.StreamSource`` / ``_core.StreamSink``). The
   source advances only when polled (``poll_streams``, from the prefill's turn).
 
@@ -206,7 +206,7 @@ class _NixlAgentContext:
         self.peers: dict[str, tuple[int, str, str]] = {}
         #: Stream notifications waiting for their stream, by (peer agent name, stream id):
         #: only streams open on this rank have a mailbox (see :meth:`mail`).
-        self._mailboxes: dict[tuple[str, int], list[bytes]] = {}
+        self.mailboxes = _core.StreamMailboxes()
         self._next_stream = 1
 
     @property
@@ -264,14 +264,6 @@ class _NixlAgentContext:
         self._next_stream += 1
         return sid
 
-    def open_mailbox(self, peer: str, stream: int) -> None:
-        """Keep the notifications of ``stream`` from ``peer`` until :meth:`mail` takes them."""
-        self._mailboxes.setdefault((peer, int(stream)), [])
-
-    def close_mailbox(self, peer: str, stream: int) -> None:
-        """Stop keeping ``stream``'s notifications; later ones are dropped."""
-        self._mailboxes.pop((peer, int(stream)), None)
-
     def mail(self, peer: str, stream: int) -> list[bytes]:
         """Take the notifications of ``stream`` from ``peer`` received so far, in order.
 
@@ -279,25 +271,8 @@ class _NixlAgentContext:
         named in it (parsed in Rust); one of a stream without a mailbox here (closed, or not
         a stream notification at all) is dropped.
         """
-        if self.agent is not None and self._mailboxes:
-            for name, msgs in self.agent.get_new_notifs().items():
-                for msg in msgs:
-                    try:
-                        _, sid = _core.stream_msg_route(bytes(msg))
-                    except Exception as exc:  # not a stream notification
-                        logger.debug("dropping a notification from %s: %r", name, exc)
-                        continue
-                    box = self._mailboxes.get((str(name), sid))
-                    if box is None:
-                        logger.debug("dropping a notification of closed stream %d", sid)
-                    else:
-                        box.append(bytes(msg))
-        box = self._mailboxes.get((peer, int(stream)))
-        if not box:
-            return []
-        out = list(box)
-        box.clear()
-        return out
+        self.mailboxes.route(list(self.live_agent().get_new_notifs().items()))
+        return self.mailboxes.take(peer, stream)
 
     def _forget(self, name: str) -> None:
         known = self.peers.pop(name, None)
@@ -457,15 +432,40 @@ _CHUNK_SLOTS = 3
 _CHUNK_POLL_INTERVAL_S = 0.00002
 
 
-class _ChunkedRead:
-    """One source's packed copy read through a few slots of this rank's staging pool.
+class _Landed:
+    """The completion of host work: done as soon as it is queued (no CUDA event)."""
 
-    The device plan cuts the packed region into item ranges of at most a slot
-    (``DevicePlan.chunks``); each chunk is one NIXL READ into a free slot, then one scatter of
-    its items from the slot (``device_plan.copy`` with the slot as a packed window), and the
-    slot is free again once the scatter's event has completed. So the READ of chunk ``i + 1``
-    runs while chunk ``i`` scatters, the pool holds ``slots x slot_bytes`` whatever the
-    prompt size, and nothing waits on the host: :meth:`step` only polls.
+    @staticmethod
+    def query() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize() -> None:
+        return None
+
+
+def _landed_event(window: torch.Tensor) -> Any:
+    """An event recorded after the work just queued on ``window``'s device (a host window's
+    work has completed already)."""
+    if not window.is_cuda:
+        return _Landed
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return event
+
+
+class _ChunkedRead:
+    """One source's packed copy read chunk by chunk through a few slots of this rank's
+    staging pool: the copy held whole in the source's region, or streamed through a few
+    slots of it (announced one by one, each acknowledged once scattered).
+
+    The device plan cuts the packed region into item ranges (``DevicePlan.chunks``); each
+    chunk is one NIXL READ into a free slot, then one scatter of its items from the slot
+    (``device_plan.copy`` with the slot as a packed window), and the slot is free again once
+    the scatter's event has completed. So the READ of chunk ``i + 1`` runs while chunk ``i``
+    scatters, the pool holds ``slots x slot_bytes`` whatever the prompt size, and nothing
+    waits on the host: :meth:`step` only polls. What to read next, into which slot, what has
+    landed and what to acknowledge is ``_core.StreamSink``'s.
     """
 
     def __init__(
@@ -484,14 +484,19 @@ class _ChunkedRead:
         self.backend, self.plan, self.meta, self.peer, self.n_tok = (
             backend, plan, meta, peer, n_tok
         )  # fmt: skip
-        self.chunks = plan.chunks(n_tok, slot_bytes)
-        self.remote = int(meta["staging"]["addr"]) + int(ticket["offset"])
+        # A stream's chunks are the source's; a whole copy is cut to this rank's slots.
+        chunk_bytes = (ticket.get("stream") or {}).get("chunk_bytes", slot_bytes)
+        self.chunks = plan.chunks(n_tok, int(chunk_bytes))
+        self.sink = _core.StreamSink.of_ticket(ticket, self.chunks, len(offsets))
+        self.id, self.src_name = int(self.sink.stream_id), str(meta["agent_name"])
+        self.remote = int(meta["staging"]["addr"])
         self.offsets = offsets
         self.slot_bytes = slot_bytes
-        #: Per slot: None (free), ("read", xfer, chunk) or ("scatter", event or None, chunk).
-        self.busy: list[tuple[str, Any, int] | None] = [None] * len(offsets)
-        self.next = 0
+        #: Reads in flight and scatters queued, by chunk.
+        self.xfers: dict[int, Any] = {}
+        self.events: dict[int, Any] = {}
         self.ids = ids
+        backend._ctx.mailboxes.open(self.src_name, self.id)
 
     def _window(self, slot: int, nbytes: int) -> torch.Tensor:
         assert self.backend.staging_buffer is not None
@@ -499,53 +504,47 @@ class _ChunkedRead:
         return self.backend.staging_buffer[at : at + nbytes]
 
     def step(self) -> str:
-        """Advance every slot once: land finished reads (queue their scatter), free slots
-        whose scatter has completed, read the next chunks into free slots."""
+        """Take the source's announcements, scatter the reads that landed, acknowledge the
+        scatters that completed (their slots are free again), read the next chunks."""
         b = self.backend
-        for slot, held in enumerate(self.busy):
-            if held is not None and held[0] == "read":
-                state = b.agent.check_xfer_state(held[1])
-                if state == "ERR":
-                    raise TransferError(f"NIXL reported ERR for chunk {held[2]}")
-                if state != "DONE":
-                    continue
-                b.agent.release_xfer_handle(held[1])
-                k_lo, k_hi, lo, hi = self.chunks[held[2]]
-                window = self._window(slot, hi - lo)
-                dp.copy(self.plan, dp.Side("packed", window, bias=lo),
-                        dp.Side("dst", b.memory_buffer, self.ids), self.n_tok,
-                        items=(k_lo, k_hi))  # fmt: skip
-                event = None
-                if window.is_cuda:
-                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    event.record()
-                held = self.busy[slot] = ("scatter", event, held[2])
-            if held is not None and (held[1] is None or held[1].query()):
-                held = self.busy[slot] = None
-            if held is None and self.next < len(self.chunks):
-                _, _, lo, hi = self.chunks[self.next]
-                window = self._window(slot, hi - lo)
-                dev = int(b.buffer_info["device_id"])
-                local = _np_u64([[int(window.data_ptr()), hi - lo, dev]])
-                remote = _np_u64(
-                    [[self.remote + lo, hi - lo, int(self.meta["buffer"]["device_id"])]]
-                )
-                label = f"chunk {self.next} of {self.meta['agent_name']}"
-                self.busy[slot] = ("read", b._post(local, remote, self.meta, self.peer, label),
-                                   self.next)  # fmt: skip
-                self.next += 1
-        done = self.next == len(self.chunks) and all(h is None for h in self.busy)
-        return "DONE" if done else "PROC"
+        gone = self.sink.take(b._ctx.mail(self.src_name, self.id))
+        states = [(k, str(b.agent.check_xfer_state(x))) for k, x in self.xfers.items()]
+        landed, error = self.sink.observe(states)
+        for k, slot in landed:
+            b.agent.release_xfer_handle(self.xfers.pop(k))
+            k_lo, k_hi, lo, hi = self.chunks[k]
+            window = self._window(slot, hi - lo)
+            dp.copy(self.plan, dp.Side("packed", window, bias=lo),
+                    dp.Side("dst", b.memory_buffer, self.ids), self.n_tok,
+                    items=(k_lo, k_hi))  # fmt: skip
+            self.events[k] = _landed_event(window)
+        if gone or error:
+            raise TransferError(f"{gone or error} (source {self.src_name})", field="staged")
+        done, acks = self.sink.scattered([(k, e.query()) for k, e in self.events.items()])
+        for k in done:
+            del self.events[k]
+        b._notify_all(self.peer, acks)
+        dev, src_dev = int(b.buffer_info["device_id"]), int(self.meta["buffer"]["device_id"])
+        for k, slot, at, (_, _, lo, hi) in self.sink.reads():
+            local = _np_u64([[int(self._window(slot, hi - lo).data_ptr()), hi - lo, dev]])
+            remote = _np_u64([[self.remote + at, hi - lo, src_dev]])
+            label = f"chunk {k} of {self.src_name}"
+            self.xfers[k] = b._post(local, remote, self.meta, self.peer, label)
+        return str(self.sink.status)
 
     def close(self) -> None:
-        """Abort reads still in flight and give the slots back (idempotent)."""
-        for held in self.busy:
-            if held is not None and held[0] == "read":
-                with contextlib.suppress(Exception):
-                    self.backend.agent.release_xfer_handle(held[1])
-        self.busy = [None] * len(self.busy)
-        for at in self.offsets:
-            self.backend.arena.free(at)
+        """Abort reads still in flight, tell the source of an unfinished stream, give the
+        slots back (idempotent)."""
+        b = self.backend
+        for xfer in self.xfers.values():
+            with contextlib.suppress(Exception):
+                b.agent.release_xfer_handle(xfer)
+        for event in self.events.values():
+            event.synchronize()  # a scatter still queued reads its slot
+        self.xfers, self.events = {}, {}
+        b._notify_all(self.peer, self.sink.close())
+        b._ctx.mailboxes.close(self.src_name, self.id)
+        b.arena.free_all(self.offsets)
         self.offsets = []
 
 
@@ -561,11 +560,11 @@ class _StreamOut:
     """The source side of one streamed packed copy (a copy larger than the staging pool).
 
     Chunk ``k`` (``_core.stream_chunks``: whole items of the device plan) is packed into
-    source slot ``k % slots`` once chunk ``k - slots`` is acknowledged (``_core.StreamSource``
-    decides); the first ``slots`` chunks are packed before the ticket leaves. Every later
-    chunk is announced to the decode with a NIXL notification once its pack has completed;
-    the decode's acknowledgements free the slots. :meth:`step` only polls: it is driven by
-    ``NixlTransferBackend.poll_streams``.
+    source slot ``k % slots`` once chunk ``k - slots`` is acknowledged; the first ``slots``
+    chunks are packed before the ticket leaves. Every later chunk is announced to the decode
+    with a NIXL notification once its pack has completed; the decode's acknowledgements free
+    the slots. ``_core.StreamSource`` decides all of it; :meth:`step` only polls and is
+    driven by ``NixlTransferBackend.poll_streams``.
     """
 
     def __init__(
@@ -585,10 +584,9 @@ class _StreamOut:
         self.src = _core.StreamSource(self.id, self.chunks, offsets)
         self.offsets, self.chunk_bytes, self.slot_bytes = offsets, chunk_bytes, slot_bytes
         self.deadline = backend.clock() + backend.timeout_s
-        #: Chunks packed and not announced yet: (chunk, CUDA event or None).
-        self.pending: list[tuple[int, Any]] = []
-        self.closed = False
-        backend._ctx.open_mailbox(peer, self.id)
+        #: Completion of each packed chunk not announced yet, in order.
+        self.events: list[Any] = []
+        backend._ctx.mailboxes.open(peer, self.id)
 
     def ticket(self) -> dict[str, Any]:
         """The ``stream`` field of the ticket."""
@@ -599,163 +597,66 @@ class _StreamOut:
             "offsets": list(self.offsets),
         }
 
-    def pack(self, *, announce: bool = True) -> None:
-        """Pack every chunk whose slot is free (one launch each, queued)."""
+    def pack(self, todo: list[tuple[int, int]]) -> list[Any]:
+        """Pack chunks ``[(chunk, slot)]`` (one launch each, queued); their completions."""
         b = self.backend
         assert b.staging_buffer is not None
-        for k, slot in self.src.packable():
+        done = []
+        for k, slot in todo:
             k_lo, k_hi, lo, hi = self.chunks[k]
             at = self.offsets[slot]
             window = b.staging_buffer[at : at + hi - lo]
             dp.copy(self.plan, dp.Side("src", b.memory_buffer, self.ids),
                     dp.Side("packed", window, bias=lo), self.n_tok, items=(k_lo, k_hi))  # fmt: skip
-            event = None
-            if window.is_cuda:
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record()
-            if announce:
-                self.pending.append((k, event))
+            done.append(_landed_event(window))
+        return done
 
     def step(self) -> bool:
         """Take the decode's notifications, pack what they freed, announce finished packs;
-        ``True`` once the stream is over (every chunk acknowledged, aborted or expired)."""
-        if self.closed:
-            return True
+        ``True`` once the stream is over (every chunk acknowledged, given up or expired: the
+        slots are free again)."""
         b = self.backend
-        for msg in b._ctx.mail(self.peer, self.id):
-            try:
-                self.src.receive(msg)
-            except Exception as exc:  # a malformed notification ends the stream
-                logger.warning("stream %d to %s: %s; giving it up", self.id, self.peer, exc)
-                self.close(notify=True)
-                return True
-        if self.src.aborted or self.src.done:
-            self.close(notify=False)
-            return True
-        if b.clock() >= self.deadline:
-            logger.warning("stream %d to %s: no acknowledgement before the deadline", self.id,
-                           self.peer)  # fmt: skip
-            self.close(notify=True)
-            return True
-        self.pack()
-        while self.pending and (self.pending[0][1] is None or self.pending[0][1].query()):
-            k, _ = self.pending.pop(0)
-            b.agent.send_notif(self.peer, self.src.ready(k))
-        return False
+        mail = b._ctx.mail(self.peer, self.id)
+        verdict, todo = self.src.poll(mail, b.clock() >= self.deadline)
+        self.events += self.pack(todo)
+        ready = self.src.announce([e.query() for e in self.events])
+        del self.events[: len(ready)]
+        b._notify_all(self.peer, ready)
+        if verdict == "run":
+            return False
+        self.close(give_up=verdict == "give_up")
+        return True
 
-    def close(self, *, notify: bool) -> None:
-        """Give the slots back (idempotent); with ``notify``, tell the decode first."""
-        if self.closed:
-            return
-        self.closed = True
+    def close(self, *, give_up: bool) -> None:
+        """Give the slots back (idempotent); with ``give_up``, tell a decode that may still
+        read first."""
         b = self.backend
-        if notify:
-            with contextlib.suppress(Exception):  # a decode that is gone cannot be told
-                b.agent.send_notif(self.peer, _core.stream_abort_msg(self.id))
-        if self.pending and self.pending[-1][1] is not None:
-            self.pending[-1][1].synchronize()  # a pack still queued writes the slots
-        self.pending.clear()
-        b._ctx.close_mailbox(self.peer, self.id)
-        for at in self.offsets:
-            b.arena.free(at)
-
-
-class _StreamedRead:
-    """The decode side of a streamed packed copy: each chunk the source announces is read
-    with one NIXL READ into a free slot of this rank's pool, scattered by the device plan,
-    and acknowledged once the scatter has completed (``_core.StreamSink`` checks every
-    announcement against the schedule and says what to read next, into which slot)."""
-
-    def __init__(
-        self,
-        backend: NixlTransferBackend,
-        plan: dp.DevicePlan,
-        meta: PeerMeta,
-        stream: Mapping[str, Any],
-        peer: str,
-        n_tok: int,
-        ids: torch.Tensor,
-        offsets: list[int],
-    ) -> None:
-        self.backend, self.plan, self.meta, self.peer, self.n_tok, self.ids = (
-            backend, plan, meta, peer, n_tok, ids
-        )  # fmt: skip
-        self.id = int(stream["id"])
-        self.chunks = plan.chunks(n_tok, int(stream["chunk_bytes"]))
-        self.sink = _core.StreamSink(self.id, self.chunks, list(stream["offsets"]), len(offsets))
-        self.src_name = str(meta["agent_name"])
-        self.remote = int(meta["staging"]["addr"])
-        self.offsets = offsets
-        #: Chunk -> ("read", xfer, slot) or ("scatter", event or None, slot).
-        self.busy: dict[int, tuple[str, Any, int]] = {}
-        backend._ctx.open_mailbox(self.src_name, self.id)
-
-    def step(self) -> str:
-        """Take the source's announcements, scatter landed reads, acknowledge finished
-        scatters, read the next announced chunks into free slots."""
-        b = self.backend
-        for msg in b._ctx.mail(self.src_name, self.id):
-            if self.sink.receive(msg) == "abort":
-                raise TransferError(f"the source gave stream {self.id} up", field="staged")
-        assert b.staging_buffer is not None
-        for k, (state, held, slot) in list(self.busy.items()):
-            if state == "read":
-                got = b.agent.check_xfer_state(held)
-                if got == "ERR":
-                    raise TransferError(f"NIXL reported ERR for streamed chunk {k}")
-                if got != "DONE":
-                    continue
-                b.agent.release_xfer_handle(held)
-                k_lo, k_hi, lo, hi = self.chunks[k]
-                at = self.offsets[slot]
-                window = b.staging_buffer[at : at + hi - lo]
-                dp.copy(self.plan, dp.Side("packed", window, bias=lo),
-                        dp.Side("dst", b.memory_buffer, self.ids), self.n_tok,
-                        items=(k_lo, k_hi))  # fmt: skip
-                held = None
-                if window.is_cuda:
-                    held = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    held.record()
-                self.busy[k] = ("scatter", held, slot)
-            if held is None or held.query():
-                del self.busy[k]
-                b.agent.send_notif(self.peer, self.sink.landed(k))
-        dev, src_dev = int(b.buffer_info["device_id"]), int(self.meta["buffer"]["device_id"])
-        for k, slot, src_off, (_, _, lo, hi) in self.sink.reads():
-            at = self.offsets[slot]
-            local = _np_u64([[int(b.staging_buffer[at:].data_ptr()), hi - lo, dev]])
-            remote = _np_u64([[self.remote + src_off, hi - lo, src_dev]])
-            label = f"streamed chunk {k} of {self.src_name}"
-            self.busy[k] = ("read", b._post(local, remote, self.meta, self.peer, label), slot)
-        return "DONE" if self.sink.done else "PROC"
-
-    def close(self) -> None:
-        """Abort reads still in flight, tell an unfinished source, give the slots back
-        (idempotent)."""
-        b = self.backend
-        for state, held, _ in self.busy.values():
-            if state == "read":
-                with contextlib.suppress(Exception):
-                    b.agent.release_xfer_handle(held)
-            elif held is not None:
-                held.synchronize()  # a scatter still queued reads the slot
-        self.busy = {}
-        if self.offsets and not self.sink.done and not self.sink.aborted:
-            with contextlib.suppress(Exception):  # a source that is gone cannot be told
-                b.agent.send_notif(self.peer, _core.stream_abort_msg(self.id))
-        b._ctx.close_mailbox(self.src_name, self.id)
-        for at in self.offsets:
-            b.arena.free(at)
+        b._notify_all(self.peer, self.src.close(give_up))
+        for event in self.events:
+            event.synchronize()  # a pack still queued writes its slot
+        self.events = []
+        b._ctx.mailboxes.close(self.peer, self.id)
+        b.arena.free_all(self.offsets)
         self.offsets = []
 
 
-def _abort_stream(agent: Any, peer: str, ticket: Mapping[str, Any]) -> None:
-    """Tell a source that this rank will not read the stream of ``ticket`` (its slots are
-    free again); nothing when the ticket names none or the source is gone."""
-    stream = ticket.get("stream")
-    if stream is not None:
-        with contextlib.suppress(Exception):
-            agent.send_notif(peer, _core.stream_abort_msg(int(stream["id"])))
+class _NoStream:
+    """What ``release_staged`` finds for a stream that has ended already."""
+
+    @staticmethod
+    def close(*, give_up: bool) -> None:
+        del give_up
+
+
+def _step_stream(out: _StreamOut) -> bool:
+    """Advance one stream; ``True`` once it is over. A stream that fails is given up (the
+    decode is told), so one bad stream never stops the prefill's turn."""
+    try:
+        return out.step()
+    except Exception as exc:
+        logger.warning("stream %d to %s failed: %r; giving it up", out.id, out.peer, exc)
+        out.close(give_up=True)
+        return True
 
 
 def _peer_key(metas: Sequence[PeerMeta]) -> tuple[tuple[str, int, int], ...]:
@@ -916,7 +817,7 @@ class NixlTransferBackend(TransferBackendBase):
             return
         self._closed = True
         for out in self._streams.values():
-            out.close(notify=True)
+            out.close(give_up=True)
         self._streams.clear()
         agent = self._ctx.agent
         self._agent = None
@@ -1050,9 +951,7 @@ class NixlTransferBackend(TransferBackendBase):
             # The staging region is a fixed pool whatever the prompt size: a copy that does
             # not fit now is streamed through a few slots of it, else (no device plan, or no
             # slot holds one item) not packed, and the decode reads this rank's blocks.
-            stream = None
-            if plan is not None and num_tokens is not None:
-                stream = self._stream_out(plan, ids, num_tokens, dst, len(ranks))
+            stream = self._stream_out(plan, ids, num_tokens, dst, len(ranks))
             if stream is not None:
                 ticket.update(staged=True, nbytes=nbytes, stream=stream.ticket())
                 return ticket
@@ -1091,39 +990,35 @@ class NixlTransferBackend(TransferBackendBase):
 
     def _stream_out(
         self,
-        plan: dp.DevicePlan,
+        plan: dp.DevicePlan | None,
         ids: npt.NDArray[np.int64],
-        num_tokens: int,
+        num_tokens: int | None,
         dst: PeerMeta,
         sources: int,
     ) -> _StreamOut | None:
         """Start streaming this rank's packed copy to decode ``dst``: reserve up to
         ``_STREAM_SLOTS`` slots of ``1 / _STREAM_SHARE`` of the largest free range, cut the copy
         in chunks a slot and the decode's pool hold (the decode reads ``sources`` copies
-        through at least two slots each), pack the first chunks. ``None`` (nothing reserved)
-        when no slot holds one item of the plan."""
-        assert self.staging_buffer is not None
-        dst_pool = (dst.get("staging") or {}).get("nbytes", 0)
-        align = self.arena.alignment
-        cap = int(dst_pool) // (2 * max(sources, 1)) // align * align
+        through two slots each at least), pack the first chunks. ``None`` (nothing reserved)
+        without a device plan, or when no slot holds one item of the plan."""
+        if plan is None:  # a plan exists only with a token count
+            return None
         item_max = int(plan.planes[:, 3].max()) * plan.tokens_per_block
-        if cap < item_max:
+        peer_pool = int((dst.get("staging") or {}).get("nbytes", 0))
+        got = self.arena.alloc_stream(item_max, peer_pool, sources, _STREAM_SHARE, _STREAM_SLOTS)
+        if got is None:
             return None
-        slots = self.arena.alloc_slots(item_max, _STREAM_SHARE, _STREAM_SLOTS)
-        if slots is None:
-            return None
-        slot_bytes, offsets = slots
+        slot_bytes, offsets = got
         try:
             peer = self._ensure_peer_registered(dst)
             (dev_ids,) = self._ids.upload(ids)
-            out = _StreamOut(self, plan, dev_ids, num_tokens, peer, min(slot_bytes, cap),
+            out = _StreamOut(self, plan, dev_ids, int(cast(int, num_tokens)), peer, slot_bytes,
                              slot_bytes, offsets)  # fmt: skip
-            out.pack(announce=False)  # the ticket announces the first chunks
-            if self.staging_buffer.is_cuda:
-                torch.cuda.current_stream(self.staging_buffer.device).synchronize()
+            # The ticket announces the first chunks: their packs complete before it leaves.
+            for event in out.pack(out.src.first()):
+                event.synchronize()
         except Exception:
-            for at in offsets:
-                self.arena.free(at)
+            self.arena.free_all(offsets)
             raise
         self._streams[out.id] = out
         self.__dict__["_streams_started"] = self.__dict__.get("_streams_started", 0) + 1
@@ -1132,20 +1027,23 @@ class NixlTransferBackend(TransferBackendBase):
     def poll_streams(self) -> int:
         """Advance the streamed packed copies of this rank (source side): take the decodes'
         acknowledgements, pack the chunks they freed, announce finished packs, end streams
-        that are done, aborted or past their deadline (their slots return to the pool).
+        that are done, given up or past their deadline (their slots return to the pool).
         Never blocks; returns how many streams are still running. A prefill calls it each
         turn (``poll_kv_pushes``)."""
         streams = self._streams
-        for sid, st in list(streams.items()):
-            try:
-                over = st.step()
-            except Exception as exc:  # one failing stream must not stop the prefill's turn
-                logger.warning("stream %d to %s failed: %r; giving it up", sid, st.peer, exc)
-                st.close(notify=True)
-                over = True
-            if over:
-                del streams[sid]
+        running = {sid: out for sid, out in streams.items() if not _step_stream(out)}
+        streams.clear()
+        streams.update(running)
         return len(streams)
+
+    def _notify_all(self, peer: str, msgs: Sequence[bytes]) -> None:
+        """Send NIXL notifications to ``peer`` in order; one that cannot be sent (a peer that
+        is gone) is logged: its stream then ends at its deadline or release."""
+        for msg in msgs:
+            try:
+                self.agent.send_notif(peer, msg)
+            except Exception as exc:
+                logger.warning("notification to %s not sent: %r", peer, exc)
 
     def staging_stats(self) -> dict[str, int]:
         """The staging pool now: bytes reserved, ranges reserved, streams running, and the
@@ -1163,9 +1061,7 @@ class NixlTransferBackend(TransferBackendBase):
         idempotent."""
         stream = ticket.get("stream")
         if stream is not None:
-            out = self._streams.pop(int(stream["id"]), None)
-            if out is not None:
-                out.close(notify=True)
+            self._streams.pop(int(stream["id"]), _NoStream).close(give_up=True)
         elif ticket.get("staged"):
             self.arena.free(int(ticket["offset"]))
 
@@ -1233,9 +1129,6 @@ class NixlTransferBackend(TransferBackendBase):
 
         rows = {rank: direct_rows(rank) for rank, packed, _ in route if not packed}
         agents = {rank: self._ensure_peer_registered(by_rank[rank]) for rank, _, _ in route}
-        for rank, packed, _ in route:
-            if not packed and rank in tickets:  # a stream this rank will not read
-                _abort_stream(self.agent, agents[rank], tickets[rank])
         parts: list[_PullPart] = []
         error: str | None = None
         # A chunked read takes its share of the free pool (staged reads still to post).
@@ -1466,20 +1359,15 @@ class NixlTransferBackend(TransferBackendBase):
         if nbytes == 0:
             return None
         assert self.staging_buffer is not None  # checked before posting
-        if ticket.get("stream") is not None:
-            streamed = self._post_streamed(rank, meta, ticket, peer, plan, handoff, share)
-            if streamed is not None:
-                return streamed
-            _abort_stream(self.agent, peer, ticket)  # the source's slots are free again
-            return self._post_direct(direct(rank), rank, meta, peer)
-        if nbytes > self.arena.largest_free:
-            # This engine's staging pool cannot take the packed copy now: read it in chunks
-            # through a few slots of the pool (a device plan scatters each chunk), else read
-            # the source's blocks directly (always possible; the packed copy is released as
-            # usual).
+        if nbytes > self.arena.largest_free or ticket.get("stream"):
+            # A streamed copy, or one this engine's staging pool cannot take now: read it in
+            # chunks through a few slots of the pool (a device plan scatters each chunk), else
+            # read the source's blocks directly (always possible; the packed copy is released
+            # as usual, a stream is told so its slots are free again).
             chunked = self._post_chunked(rank, meta, ticket, peer, plan, handoff, share)
             if chunked is not None:
                 return chunked
+            self._notify_all(peer, _core.stream_abort_msgs(ticket))
             return self._post_direct(direct(rank), rank, meta, peer)
         offset = self.arena.alloc(nbytes)
         region = self.staging_buffer[offset : offset + nbytes]
@@ -1562,58 +1450,19 @@ class NixlTransferBackend(TransferBackendBase):
         ):
             return None
         (ids,) = self._ids.upload(dst_ids)
+        # A slot holds one item, and a whole chunk of a stream.
         item_max = int(plan.planes[:, 3].max()) * plan.tokens_per_block
-        slots = self.arena.alloc_slots(item_max, share, _CHUNK_SLOTS)
+        need = max(item_max, int((ticket.get("stream") or {}).get("chunk_bytes", 0)))
+        slots = self.arena.alloc_slots(need, share, _CHUNK_SLOTS)
         if slots is None:
             return None
-        reader = _ChunkedRead(self, plan, meta, ticket, peer, n_tok, ids, *slots)
-        label = f"chunked:{meta['agent_name']}:{rank}"
-        part = _PullPart(rank, None, cleanup=reader.close, context=label, step=reader.step)
-        part.descriptors = len(reader.chunks)
         try:
-            reader.step()
+            reader = _ChunkedRead(self, plan, meta, ticket, peer, n_tok, ids, *slots)
         except Exception:
-            reader.close()
+            self.arena.free_all(slots[1])
             raise
-        return part
-
-    def _post_streamed(
-        self,
-        rank: int,
-        meta: PeerMeta,
-        ticket: Mapping[str, Any],
-        peer: str,
-        plan: dp.DevicePlan | None,
-        handoff: tuple[BlockIds, BlockIds, int | None] | None,
-        share: int = 1,
-    ) -> _PullPart | None:
-        """Read a source's streamed packed copy chunk by chunk through at most
-        ``_CHUNK_SLOTS`` slots of this rank's pool, or ``None`` when no device plan covers it
-        or two slots of one chunk do not fit (the caller then reads the blocks directly)."""
-        if plan is None or handoff is None or handoff[2] is None:
-            return None
-        n_tok = int(handoff[2])
-        stream = ticket["stream"]
-        dst_ids = np.asarray(handoff[1], dtype=np.int64).reshape(-1)
-        if dst_ids.size != plan.num_blocks(n_tok) or plan.packed_bytes(n_tok) != int(
-            ticket["nbytes"]
-        ):
-            return None
-        # Every chunk holds at most chunk_bytes once one item fits in it: so do the slots.
-        chunk_bytes = int(stream["chunk_bytes"])
-        if int(plan.planes[:, 3].max()) * plan.tokens_per_block > chunk_bytes:
-            return None
-        slots = self.arena.alloc_slots(chunk_bytes, share, _CHUNK_SLOTS)
-        if slots is None:
-            return None
-        (ids,) = self._ids.upload(dst_ids)
-        try:
-            reader = _StreamedRead(self, plan, meta, stream, peer, n_tok, ids, slots[1])
-        except Exception:
-            for at in slots[1]:
-                self.arena.free(at)
-            raise
-        label = f"streamed:{meta['agent_name']}:{rank}"
+        kind = "streamed" if reader.id else "chunked"
+        label = f"{kind}:{meta['agent_name']}:{rank}"
         part = _PullPart(rank, None, cleanup=reader.close, context=label, step=reader.step)
         part.descriptors = len(reader.chunks)
         try:

@@ -196,8 +196,19 @@ fn check_slots(offsets: &[u64]) -> DisaggResult<()> {
     Ok(())
 }
 
-/// The source side of one stream: which chunk to pack next, into which slot, and which
-/// acknowledgements are valid.
+/// What the source does with a stream after a poll ([`StreamSource::poll`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceVerdict {
+    /// Keep going: pack the chunks returned beside it.
+    Run,
+    /// Over, nothing to tell: every chunk acknowledged, or the decode gave it up.
+    Over,
+    /// Give it up and tell the decode: a notification off the schedule, or the deadline.
+    GiveUp,
+}
+
+/// The source side of one stream: which chunk to pack next, into which slot, which packed
+/// chunks to announce, and which acknowledgements are valid.
 #[derive(Debug, Clone)]
 pub struct StreamSource {
     stream: u64,
@@ -208,6 +219,9 @@ pub struct StreamSource {
     acked: Vec<bool>,
     acked_count: usize,
     aborted: bool,
+    /// Packed chunks not announced yet, in order.
+    queued: VecDeque<usize>,
+    closed: bool,
 }
 
 impl StreamSource {
@@ -226,6 +240,8 @@ impl StreamSource {
             acked: vec![false; n],
             acked_count: 0,
             aborted: false,
+            queued: VecDeque::new(),
+            closed: false,
         })
     }
 
@@ -241,12 +257,19 @@ impl StreamSource {
         self.chunks.is_empty()
     }
 
+    /// The chunks to pack before the ticket is sent (the ticket announces them): the first
+    /// `slots`, `(chunk, slot)`.
+    pub fn first(&mut self) -> Vec<(usize, usize)> {
+        self.packable()
+    }
+
     /// Claim every chunk whose slot is free now, in order: `(chunk, slot)`. Chunk `k` takes
     /// slot `k % slots` once chunk `k - slots` is acknowledged. Nothing after an abort.
     pub fn packable(&mut self) -> Vec<(usize, usize)> {
         let slots = self.offsets.len();
         let mut out = Vec::new();
         while !self.aborted
+            && !self.closed
             && self.next < self.chunks.len()
             && (self.next < slots || self.acked[self.next - slots])
         {
@@ -254,6 +277,50 @@ impl StreamSource {
             self.next += 1;
         }
         out
+    }
+
+    /// One poll: take the decode's notifications (`msgs`, in order) and say what to do;
+    /// with [`SourceVerdict::Run`], the chunks to pack now (announced by [`Self::announce`]
+    /// once packed). `expired`: the stream's deadline has passed.
+    pub fn poll(
+        &mut self,
+        msgs: &[Vec<u8>],
+        expired: bool,
+    ) -> (SourceVerdict, Vec<(usize, usize)>) {
+        for m in msgs {
+            if StreamMsg::decode(m).and_then(|m| self.receive(&m)).is_err() {
+                return (SourceVerdict::GiveUp, Vec::new());
+            }
+        }
+        if self.aborted || self.done() {
+            return (SourceVerdict::Over, Vec::new());
+        }
+        if expired {
+            return (SourceVerdict::GiveUp, Vec::new());
+        }
+        let todo = self.packable();
+        self.queued.extend(todo.iter().map(|&(k, _)| k));
+        (SourceVerdict::Run, todo)
+    }
+
+    /// The `Ready` messages of the queued chunks whose pack has completed: `landed[i]` says
+    /// whether the `i`-th queued chunk's pack has (in order; announcing stops at the first
+    /// that has not).
+    pub fn announce(&mut self, landed: &[bool]) -> Vec<StreamMsg> {
+        let n = landed.iter().take_while(|&&l| l).count().min(self.queued.len());
+        let ks: Vec<usize> = self.queued.drain(..n).collect();
+        ks.into_iter().filter_map(|k| self.ready(k).ok()).collect()
+    }
+
+    /// End the stream (idempotent): the `Abort` to send when `give_up` and the decode may
+    /// still be reading (not every chunk acknowledged, no abort from it); `None` otherwise
+    /// and on every later call.
+    pub fn close(&mut self, give_up: bool) -> Option<StreamMsg> {
+        let first = !self.closed;
+        self.closed = true;
+        self.queued.clear();
+        (first && give_up && !self.done() && !self.aborted)
+            .then(|| StreamMsg::bare(StreamKind::Abort, self.stream, 0))
     }
 
     /// The `Ready` message of claimed chunk `chunk`.
@@ -329,21 +396,37 @@ impl StreamSource {
     }
 }
 
-/// The decode side of one stream: which announcements are valid, which chunk to read next
-/// into which of the decode's slots, and what to acknowledge.
+/// Where a decode reads its chunks from.
+#[derive(Debug, Clone)]
+enum SinkSource {
+    /// A stream: chunk `k` in source slot `k % offsets.len()`, announced one by one.
+    Stream { id: u64, offsets: Vec<u64> },
+    /// A packed copy held whole at `offset` of the source's region: every chunk is there.
+    Whole { offset: u64 },
+}
+
+/// Where one chunk of a decode's read stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Held {
+    Reading(usize),
+    Scattering(usize),
+}
+
+/// The decode side of a chunked read: which announcements are valid (a stream), which chunk
+/// to read next into which of the decode's slots, which reads to scatter, which slots to
+/// free and what to acknowledge.
 #[derive(Debug, Clone)]
 pub struct StreamSink {
-    stream: u64,
+    src: SinkSource,
     chunks: Vec<ChunkRange>,
-    src_offsets: Vec<u64>,
     ready: Vec<bool>,
     /// Chunks handed out to read so far (`0..next`).
     next: usize,
     free: VecDeque<usize>,
-    /// Per chunk: the decode slot it was read into while it is held.
-    held: Vec<Option<usize>>,
+    held: Vec<Option<Held>>,
     landed: usize,
     aborted: bool,
+    closed: bool,
 }
 
 impl StreamSink {
@@ -354,35 +437,74 @@ impl StreamSink {
     ///
     /// # Errors
     /// `Argument` (field `slots`) for no source slot or more than [`MAX_STREAM_SLOTS`], or no
-    /// decode slot.
+    /// decode slot; `Wire` (field `stream.slot_bytes`) when a chunk is larger than a source slot.
     pub fn new(
         stream: u64,
         chunks: Vec<ChunkRange>,
         src_offsets: Vec<u64>,
+        slot_bytes: u64,
         dst_slots: usize,
     ) -> DisaggResult<Self> {
         check_slots(&src_offsets)?;
+        if let Some([k, _, lo, hi]) = chunks.iter().find(|c| c[3] - c[2] > slot_bytes) {
+            return Err(DisaggError::wire(
+                "stream.slot_bytes",
+                format!("chunk at item {k} has {} bytes, a source slot {slot_bytes}", hi - lo),
+            ));
+        }
+        let first = src_offsets.len();
+        Self::build(
+            SinkSource::Stream { id: stream, offsets: src_offsets },
+            chunks,
+            first,
+            dst_slots,
+        )
+    }
+
+    /// A read of a packed copy held whole at `offset` of the source's staging region, in
+    /// `chunks` through `dst_slots` decode slots: every chunk is ready, nothing is
+    /// acknowledged.
+    ///
+    /// # Errors
+    /// `Argument` (field `slots`) for no decode slot.
+    pub fn whole(chunks: Vec<ChunkRange>, offset: u64, dst_slots: usize) -> DisaggResult<Self> {
+        let n = chunks.len();
+        Self::build(SinkSource::Whole { offset }, chunks, n, dst_slots)
+    }
+
+    fn build(
+        src: SinkSource,
+        chunks: Vec<ChunkRange>,
+        first: usize,
+        dst_slots: usize,
+    ) -> DisaggResult<Self> {
         if dst_slots == 0 {
             return Err(DisaggError::argument(
                 "slots",
-                "dst_slots=0: a stream reads through one slot at least",
+                "dst_slots=0: a chunked read goes through one slot at least",
             ));
         }
         let n = chunks.len();
-        let first = src_offsets.len().min(n);
         let mut ready = vec![false; n];
-        ready[..first].fill(true);
+        ready[..first.min(n)].fill(true);
         Ok(Self {
-            stream,
+            src,
             chunks,
-            src_offsets,
             ready,
             next: 0,
             free: (0..dst_slots).collect(),
             held: vec![None; n],
             landed: 0,
             aborted: false,
+            closed: false,
         })
+    }
+
+    fn stream_id(&self) -> Option<u64> {
+        match self.src {
+            SinkSource::Stream { id, .. } => Some(id),
+            SinkSource::Whole { .. } => None,
+        }
     }
 
     /// Take one message from the source: a `Ready` that is exactly the schedule's (chunk in
@@ -390,9 +512,16 @@ impl StreamSink {
     /// size), or an `Abort`. Returns the kind.
     ///
     /// # Errors
-    /// `Wire` (field `stream_msg.*`, both values named) otherwise; nothing changes.
+    /// `Wire` (field `stream_msg.*`, both values named) otherwise, and for any message to a
+    /// read of a whole copy; nothing changes.
     pub fn receive(&mut self, msg: &StreamMsg) -> DisaggResult<StreamKind> {
-        check_stream("stream_msg.stream", self.stream, msg)?;
+        let SinkSource::Stream { id, offsets } = &self.src else {
+            return Err(DisaggError::wire(
+                "stream_msg.stream",
+                "a read of a whole copy has no stream",
+            ));
+        };
+        check_stream("stream_msg.stream", *id, msg)?;
         match msg.kind {
             StreamKind::Ack => {
                 Err(DisaggError::wire("stream_msg.kind", "a decode received an Ack message"))
@@ -416,9 +545,9 @@ impl StreamSink {
                         format!("chunk {k} announced twice"),
                     ));
                 }
-                let slot = k % self.src_offsets.len();
+                let slot = k % offsets.len();
                 let [_, _, lo, hi] = self.chunks[k];
-                let want = (slot as u64, self.src_offsets[slot], hi - lo);
+                let want = (slot as u64, offsets[slot], hi - lo);
                 let got = (u64::from(msg.slot), msg.offset, msg.nbytes);
                 for (field, w, g) in [
                     ("stream_msg.slot", want.0, got.0),
@@ -438,32 +567,118 @@ impl StreamSink {
         }
     }
 
-    /// Claim the next chunks to read, in order, while they are announced and a decode slot
-    /// is free: `(chunk, decode slot, source offset, [k_lo, k_hi, lo, hi])`. Nothing after an
-    /// abort.
+    /// Take the source's notifications in order; what to fail the read with when the source
+    /// gave the stream up.
+    ///
+    /// # Errors
+    /// The first [`Self::receive`] error (later messages are not taken).
+    pub fn take(&mut self, msgs: &[Vec<u8>]) -> DisaggResult<Option<String>> {
+        for m in msgs {
+            let m = StreamMsg::decode(m)?;
+            self.receive(&m)?;
+        }
+        let id = self.stream_id().unwrap_or(0);
+        Ok(self.aborted.then(|| format!("the source gave stream {id} up")))
+    }
+
+    /// Claim the next chunks to read, in order, while they are ready and a decode slot is
+    /// free: `(chunk, decode slot, source offset, [k_lo, k_hi, lo, hi])`. Nothing after an
+    /// abort or close.
     pub fn reads(&mut self) -> Vec<(usize, usize, u64, ChunkRange)> {
         let mut out = Vec::new();
-        while !self.aborted && self.next < self.chunks.len() && self.ready[self.next] {
+        while !self.aborted
+            && !self.closed
+            && self.next < self.chunks.len()
+            && self.ready[self.next]
+        {
             let Some(slot) = self.free.pop_front() else { break };
             let k = self.next;
-            self.held[k] = Some(slot);
-            out.push((k, slot, self.src_offsets[k % self.src_offsets.len()], self.chunks[k]));
+            let c = self.chunks[k];
+            let at = match &self.src {
+                SinkSource::Stream { offsets, .. } => offsets[k % offsets.len()],
+                SinkSource::Whole { offset } => offset.saturating_add(c[2]),
+            };
+            self.held[k] = Some(Held::Reading(slot));
+            out.push((k, slot, at, c));
             self.next += 1;
         }
         out
     }
 
-    /// Chunk `chunk` is scattered: free its decode slot; return the `Ack` to send.
+    /// Fold the states NIXL reports for reads in flight (`(chunk, state)`, `"DONE"`, `"ERR"`
+    /// or anything else for still running): the chunks to scatter now (each now
+    /// scattering), and the first failure.
+    pub fn observe(&mut self, states: &[(usize, String)]) -> (Vec<(usize, usize)>, Option<String>) {
+        let mut landed = Vec::new();
+        for (k, state) in states {
+            let Some(Some(Held::Reading(slot))) = self.held.get(*k).copied() else {
+                return (landed, Some(format!("chunk {k} is not being read")));
+            };
+            match state.as_str() {
+                "DONE" => {
+                    self.held[*k] = Some(Held::Scattering(slot));
+                    landed.push((*k, slot));
+                }
+                "ERR" => return (landed, Some(format!("NIXL reported ERR for chunk {k}"))),
+                _ => {}
+            }
+        }
+        (landed, None)
+    }
+
+    /// Fold which scatters have completed (`(chunk, completed)`): free their slots; return
+    /// the chunks done and, for a stream, their `Ack`s.
+    pub fn scattered(&mut self, done: &[(usize, bool)]) -> (Vec<usize>, Vec<StreamMsg>) {
+        let id = self.stream_id();
+        let (mut chunks, mut acks) = (Vec::new(), Vec::new());
+        for &(k, completed) in done {
+            if let (true, Some(Some(Held::Scattering(slot)))) = (completed, self.held.get(k)) {
+                self.free.push_back(*slot);
+                self.held[k] = None;
+                self.landed += 1;
+                chunks.push(k);
+                acks.extend(id.map(|id| StreamMsg::bare(StreamKind::Ack, id, k as u64)));
+            }
+        }
+        (chunks, acks)
+    }
+
+    /// The stream's id (0 for a read of a whole copy).
+    #[must_use]
+    pub fn id(&self) -> u64 {
+        self.stream_id().unwrap_or(0)
+    }
+
+    /// Chunk `chunk` is read and scattered (both at once): free its decode slot; return the
+    /// `Ack` to send.
     ///
     /// # Errors
     /// `Argument` (field `chunk`) for a chunk not being read.
     pub fn landed(&mut self, chunk: usize) -> DisaggResult<StreamMsg> {
-        let slot = self.held.get_mut(chunk).and_then(Option::take).ok_or_else(|| {
-            DisaggError::argument("chunk", format!("chunk {chunk} is not being read"))
-        })?;
-        self.free.push_back(slot);
-        self.landed += 1;
-        Ok(StreamMsg::bare(StreamKind::Ack, self.stream, chunk as u64))
+        match self.held.get(chunk).copied().flatten() {
+            Some(Held::Reading(s) | Held::Scattering(s)) => {
+                self.held[chunk] = Some(Held::Scattering(s));
+            }
+            None => {
+                return Err(DisaggError::argument(
+                    "chunk",
+                    format!("chunk {chunk} is not being read"),
+                ))
+            }
+        }
+        let id = self.stream_id().unwrap_or(0);
+        self.scattered(&[(chunk, true)]);
+        Ok(StreamMsg::bare(StreamKind::Ack, id, chunk as u64))
+    }
+
+    /// `"DONE"` once every chunk is scattered, else `"PROC"`.
+    #[must_use]
+    pub fn status(&self) -> &'static str {
+        if self.done() {
+            "DONE"
+        } else {
+            "PROC"
+        }
     }
 
     /// Whether every chunk is scattered.
@@ -476,6 +691,68 @@ impl StreamSink {
     #[must_use]
     pub fn aborted(&self) -> bool {
         self.aborted
+    }
+
+    /// End the read (idempotent): the `Abort` to send the source of an unfinished stream it
+    /// has not given up; `None` otherwise and on every later call.
+    pub fn close(&mut self) -> Option<StreamMsg> {
+        let first = !self.closed;
+        self.closed = true;
+        let id = self.stream_id()?;
+        (first && !self.done() && !self.aborted).then(|| StreamMsg::bare(StreamKind::Abort, id, 0))
+    }
+}
+
+/// Stream notifications waiting for their stream, by (peer agent name, stream id): NIXL
+/// hands out every notification of an agent at once, so they are routed here; only open
+/// streams have a mailbox, anything else is dropped (and counted).
+#[derive(Debug, Clone, Default)]
+pub struct StreamMailboxes {
+    boxes: std::collections::BTreeMap<(String, u64), Vec<Vec<u8>>>,
+    dropped: u64,
+}
+
+impl StreamMailboxes {
+    /// Keep the notifications of `stream` from `peer`.
+    pub fn open(&mut self, peer: &str, stream: u64) {
+        self.boxes.entry((peer.to_owned(), stream)).or_default();
+    }
+
+    /// Stop keeping them; later ones are dropped.
+    pub fn close(&mut self, peer: &str, stream: u64) {
+        self.boxes.remove(&(peer.to_owned(), stream));
+    }
+
+    /// Route notifications `(peer, messages)` to their mailboxes.
+    pub fn route(&mut self, notifs: Vec<(String, Vec<Vec<u8>>)>) {
+        for (peer, msgs) in notifs {
+            for m in msgs {
+                let target = StreamMsg::decode(&m)
+                    .ok()
+                    .and_then(|d| self.boxes.get_mut(&(peer.clone(), d.stream)));
+                match target {
+                    Some(b) => b.push(m),
+                    None => self.dropped += 1,
+                }
+            }
+        }
+    }
+
+    /// Take the notifications of `stream` from `peer` received so far, in order.
+    pub fn take(&mut self, peer: &str, stream: u64) -> Vec<Vec<u8>> {
+        self.boxes.get_mut(&(peer.to_owned(), stream)).map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Whether any stream is open.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.boxes.is_empty()
+    }
+
+    /// Notifications dropped so far (no open stream, or not a stream notification).
+    #[must_use]
+    pub fn dropped(&self) -> u64 {
+        self.dropped
     }
 }
 

@@ -79,7 +79,7 @@ fn stream_of(n: usize, slots: usize) -> (StreamSource, StreamSink) {
         (0..n as u64).map(|k| [k, k + 1, 100 * k, 100 * k + 100]).collect();
     let offsets: Vec<u64> = (0..slots as u64).map(|s| 1024 * s).collect();
     let src = StreamSource::new(5, chunks.clone(), offsets.clone()).unwrap();
-    let sink = StreamSink::new(5, chunks, offsets, 2).unwrap();
+    let sink = StreamSink::new(5, chunks, offsets, 100, 2).unwrap();
     (src, sink)
 }
 
@@ -149,7 +149,8 @@ fn the_sink_takes_only_the_schedules_announcements() {
 fn slot_counts_are_bounded() {
     assert!(StreamSource::new(1, vec![], vec![]).is_err());
     assert!(StreamSource::new(1, vec![], vec![0; MAX_STREAM_SLOTS + 1]).is_err());
-    assert!(StreamSink::new(1, vec![], vec![0], 0).is_err());
+    assert!(StreamSink::new(1, vec![], vec![0], 8, 0).is_err());
+    assert!(StreamSink::new(1, vec![[0, 1, 0, 9]], vec![0], 8, 1).is_err());
 }
 
 proptest! {
@@ -198,7 +199,7 @@ proptest! {
             (0..n as u64).map(|k| [k, k + 1, 10 * k, 10 * k + 10]).collect();
         let offsets: Vec<u64> = (0..slots as u64).map(|s| 64 * s).collect();
         let mut src = StreamSource::new(9, chunks.clone(), offsets.clone()).unwrap();
-        let mut sink = StreamSink::new(9, chunks, offsets, dst_slots).unwrap();
+        let mut sink = StreamSink::new(9, chunks, offsets, 10, dst_slots).unwrap();
         // What each source slot holds; the ticket's chunks are packed before it is sent.
         let mut holds: Vec<Option<usize>> = vec![None; slots];
         for (k, s) in src.packable() {

@@ -75,6 +75,28 @@ impl PyStagingRanges {
         let offset = offset.to_u64(Kind::Argument, "offset")?;
         Ok(lock(&self.inner)?.free(offset))
     }
+    /// Slots for streaming a packed copy to a peer with a `peer_pool`-byte pool reading
+    /// `sources` copies at once: as `alloc_slots`, each slot also at most `peer_pool / (2 *
+    /// sources)`. Returns `(slot_bytes, offsets)` (the slot size is the chunk size), or
+    /// `None` (nothing reserved).
+    fn alloc_stream(
+        &self,
+        item_bytes: u64,
+        peer_pool: u64,
+        sources: u64,
+        share: u64,
+        max_slots: u64,
+    ) -> PyResult<Option<(u64, Vec<u64>)>> {
+        Ok(lock(&self.inner)?.alloc_stream(item_bytes, peer_pool, sources, share, max_slots))
+    }
+    /// Return every range of `offsets` (as `free` each; unknown offsets are ignored).
+    fn free_all(&self, offsets: Vec<u64>) -> PyResult<()> {
+        let mut pool = lock(&self.inner)?;
+        for at in offsets {
+            pool.free(at);
+        }
+        Ok(())
+    }
     /// The reserved ranges `(offset, size)` in address order.
     fn ranges(&self) -> PyResult<Vec<(u64, u64)>> {
         Ok(lock(&self.inner)?.ranges())

@@ -3,12 +3,18 @@
 
 use std::sync::Mutex;
 
-use disagg_core::stream::{self, ChunkRange, StreamKind, StreamMsg, StreamSink, StreamSource};
+use disagg_core::stream::{
+    self, ChunkRange, SourceVerdict, StreamKind, StreamMailboxes, StreamMsg, StreamSink,
+    StreamSource,
+};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use disagg_core::wire::ticket::StagingTicket;
+
 use crate::error::IntoPyResult;
 use crate::pool::lock;
+use crate::wire::to_wire;
 
 fn kind_name(k: StreamKind) -> &'static str {
     match k {
@@ -43,6 +49,17 @@ pub fn stream_msg_route(msg: &[u8]) -> PyResult<(&'static str, u64)> {
     Ok((kind_name(m.kind), m.stream))
 }
 
+/// `[the Abort notification]` of the stream a staging ticket names, `[]` when it names none.
+/// `HandoffMetadataError` for a malformed ticket.
+#[pyfunction]
+pub fn stream_abort_msgs<'py>(
+    py: Python<'py>,
+    ticket: &Bound<'py, PyAny>,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let t = StagingTicket::parse(&to_wire(ticket, "ticket")?, "ticket").py()?;
+    Ok(t.stream.iter().map(|st| bytes(py, &StreamMsg::bare(StreamKind::Abort, st.id, 0))).collect())
+}
+
 /// The `Abort` notification of stream `stream`.
 #[pyfunction]
 pub fn stream_abort_msg(py: Python<'_>, stream: u64) -> Bound<'_, PyBytes> {
@@ -65,6 +82,40 @@ impl PyStreamSource {
     /// Claim the chunks whose slot is free now: `[(chunk, slot), ...]` in order.
     fn packable(&self) -> PyResult<Vec<(usize, usize)>> {
         Ok(lock(&self.inner)?.packable())
+    }
+    /// The chunks to pack before the ticket is sent (it announces them): `[(chunk, slot)]`.
+    fn first(&self) -> PyResult<Vec<(usize, usize)>> {
+        Ok(lock(&self.inner)?.first())
+    }
+    /// One poll: take the decode's notifications and say what to do: `("run", [(chunk,
+    /// slot), ...] to pack now)`, `("over", [])` (nothing to tell) or `("give_up", [])`
+    /// (close, telling the decode: a notification off the schedule, or `expired`).
+    fn poll(
+        &self,
+        msgs: Vec<Vec<u8>>,
+        expired: bool,
+    ) -> PyResult<(&'static str, Vec<(usize, usize)>)> {
+        let (verdict, todo) = lock(&self.inner)?.poll(&msgs, expired);
+        let name = match verdict {
+            SourceVerdict::Run => "run",
+            SourceVerdict::Over => "over",
+            SourceVerdict::GiveUp => "give_up",
+        };
+        Ok((name, todo))
+    }
+    /// The `Ready` notifications of the packed chunks to announce now (`landed[i]`: whether
+    /// the i-th queued chunk's pack has completed).
+    fn announce<'py>(
+        &self,
+        py: Python<'py>,
+        landed: Vec<bool>,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        Ok(lock(&self.inner)?.announce(&landed).iter().map(|m| bytes(py, m)).collect())
+    }
+    /// End the stream (idempotent): `[abort notification]` to send when `give_up` and the
+    /// decode may still read, else `[]`.
+    fn close<'py>(&self, py: Python<'py>, give_up: bool) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        Ok(lock(&self.inner)?.close(give_up).iter().map(|m| bytes(py, m)).collect())
     }
     /// The `Ready` notification of a claimed chunk.
     fn ready<'py>(&self, py: Python<'py>, chunk: usize) -> PyResult<Bound<'py, PyBytes>> {
@@ -108,11 +159,32 @@ impl PyStreamSink {
         stream: u64,
         chunks: Vec<ChunkRange>,
         src_offsets: Vec<u64>,
+        slot_bytes: u64,
         dst_slots: usize,
     ) -> PyResult<Self> {
-        Ok(Self {
-            inner: Mutex::new(StreamSink::new(stream, chunks, src_offsets, dst_slots).py()?),
-        })
+        let sink = StreamSink::new(stream, chunks, src_offsets, slot_bytes, dst_slots).py()?;
+        Ok(Self { inner: Mutex::new(sink) })
+    }
+    /// The read of a staging ticket's packed copy in `chunks` through `dst_slots` slots: its
+    /// stream when the ticket names one (chunks checked against the source's slots), else
+    /// the copy held whole. `HandoffMetadataError` for a malformed ticket.
+    #[staticmethod]
+    fn of_ticket(
+        ticket: &Bound<'_, PyAny>,
+        chunks: Vec<ChunkRange>,
+        dst_slots: usize,
+    ) -> PyResult<Self> {
+        let t = StagingTicket::parse(&to_wire(ticket, "ticket")?, "ticket").py()?;
+        let sink = match t.stream {
+            Some(st) => StreamSink::new(st.id, chunks, st.offsets, st.slot_bytes, dst_slots),
+            None => StreamSink::whole(chunks, t.offset, dst_slots),
+        };
+        Ok(Self { inner: Mutex::new(sink.py()?) })
+    }
+    /// The stream's id (0 for a read of a whole copy).
+    #[getter]
+    fn stream_id(&self) -> PyResult<u64> {
+        Ok(lock(&self.inner)?.id())
     }
     /// Take a notification from the source; return its kind (`"ready"` or `"abort"`).
     /// `MetadataError` naming the field when it is not the schedule's; nothing changes then.
@@ -120,9 +192,49 @@ impl PyStreamSink {
         let m = StreamMsg::decode(msg).py()?;
         Ok(kind_name(lock(&self.inner)?.receive(&m).py()?))
     }
+    /// A read of a packed copy held whole at `offset` of the source's region, in `chunks`
+    /// through `dst_slots` slots: every chunk ready, nothing acknowledged.
+    #[staticmethod]
+    fn whole(chunks: Vec<ChunkRange>, offset: u64, dst_slots: usize) -> PyResult<Self> {
+        Ok(Self { inner: Mutex::new(StreamSink::whole(chunks, offset, dst_slots).py()?) })
+    }
+    /// Take the source's notifications in order; what to fail the read with when the
+    /// source gave the stream up, else `None`. `MetadataError` naming the field for one off
+    /// the schedule.
+    fn take(&self, msgs: Vec<Vec<u8>>) -> PyResult<Option<String>> {
+        lock(&self.inner)?.take(&msgs).py()
+    }
     /// Claim the next reads: `[(chunk, decode slot, source offset, (k_lo, k_hi, lo, hi))]`.
     fn reads(&self) -> PyResult<Vec<Read>> {
         Ok(lock(&self.inner)?.reads())
+    }
+    /// Fold NIXL's states of the reads in flight (`[(chunk, state)]`): `([(chunk, slot) to
+    /// scatter now], first failure or None)`.
+    fn observe(
+        &self,
+        states: Vec<(usize, String)>,
+    ) -> PyResult<(Vec<(usize, usize)>, Option<String>)> {
+        Ok(lock(&self.inner)?.observe(&states))
+    }
+    /// Fold which scatters completed (`[(chunk, completed)]`): `(chunks done, their acks)`
+    /// (their slots are free again; no acks for a whole copy).
+    fn scattered<'py>(
+        &self,
+        py: Python<'py>,
+        done: Vec<(usize, bool)>,
+    ) -> PyResult<(Vec<usize>, Vec<Bound<'py, PyBytes>>)> {
+        let (chunks, acks) = lock(&self.inner)?.scattered(&done);
+        Ok((chunks, acks.iter().map(|m| bytes(py, m)).collect()))
+    }
+    /// `"DONE"` once every chunk is scattered, else `"PROC"`.
+    #[getter]
+    fn status(&self) -> PyResult<&'static str> {
+        Ok(lock(&self.inner)?.status())
+    }
+    /// End the read (idempotent): `[abort notification]` for the source of an unfinished
+    /// stream, else `[]`.
+    fn close<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        Ok(lock(&self.inner)?.close().iter().map(|m| bytes(py, m)).collect())
     }
     /// A chunk is scattered: free its decode slot; return the `Ack` notification.
     fn landed<'py>(&self, py: Python<'py>, chunk: usize) -> PyResult<Bound<'py, PyBytes>> {
@@ -137,5 +249,48 @@ impl PyStreamSink {
     #[getter]
     fn aborted(&self) -> PyResult<bool> {
         Ok(lock(&self.inner)?.aborted())
+    }
+}
+
+/// Stream notifications by (peer agent name, stream id), for open streams only.
+#[pyclass(name = "StreamMailboxes", module = "disagg_rs", frozen)]
+pub struct PyStreamMailboxes {
+    inner: Mutex<StreamMailboxes>,
+}
+
+#[pymethods]
+impl PyStreamMailboxes {
+    #[new]
+    fn new() -> Self {
+        Self { inner: Mutex::new(StreamMailboxes::default()) }
+    }
+    /// Keep the notifications of `stream` from `peer`.
+    fn open(&self, peer: &str, stream: u64) -> PyResult<()> {
+        lock(&self.inner)?.open(peer, stream);
+        Ok(())
+    }
+    /// Stop keeping them.
+    fn close(&self, peer: &str, stream: u64) -> PyResult<()> {
+        lock(&self.inner)?.close(peer, stream);
+        Ok(())
+    }
+    /// Route what NIXL's `get_new_notifs()` returned (`{peer: [bytes, ...]}`).
+    fn route(&self, notifs: Vec<(String, Vec<Vec<u8>>)>) -> PyResult<()> {
+        lock(&self.inner)?.route(notifs);
+        Ok(())
+    }
+    /// Take the notifications of `stream` from `peer` so far, in order.
+    fn take<'py>(
+        &self,
+        py: Python<'py>,
+        peer: &str,
+        stream: u64,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        Ok(lock(&self.inner)?.take(peer, stream).iter().map(|m| PyBytes::new(py, m)).collect())
+    }
+    /// Notifications dropped so far.
+    #[getter]
+    fn dropped(&self) -> PyResult<u64> {
+        Ok(lock(&self.inner)?.dropped())
     }
 }
