@@ -194,6 +194,16 @@ class DevicePlan:
         return coef * n_tok + min(i * self.tokens_per_block, n_tok) * row
 
     @property
+    def item_bytes(self) -> int:
+        """Bytes of the largest item (one block of one plane row)."""
+        return int(self.planes[:, 3].max()) * self.tokens_per_block
+
+    @property
+    def rows(self) -> list[tuple[int, int]]:
+        """``(packed coefficient, row bytes per token)`` of every plane row."""
+        return self._rows
+
+    @property
     def _rows(self) -> list[tuple[int, int]]:
         rows = self._cache.get("rows")
         if rows is None:

@@ -454,6 +454,12 @@ def _landed_event(window: torch.Tensor) -> Any:
     return event
 
 
+def _settle(events: Sequence[Any]) -> None:
+    """Wait for the work behind ``events`` (packs or scatters still queued on a slot)."""
+    for event in events:
+        event.synchronize()
+
+
 class _ChunkedRead:
     """One source's packed copy read chunk by chunk through a few slots of this rank's
     staging pool: the copy held whole in the source's region, or streamed through a few
@@ -471,32 +477,37 @@ class _ChunkedRead:
     def __init__(
         self,
         backend: NixlTransferBackend,
-        plan: dp.DevicePlan,
         meta: PeerMeta,
-        ticket: Mapping[str, Any],
         peer: str,
-        n_tok: int,
         ids: torch.Tensor,
         slot_bytes: int,
         offsets: list[int],
     ) -> None:
         assert backend.staging_buffer is not None
-        self.backend, self.plan, self.meta, self.peer, self.n_tok = (
-            backend, plan, meta, peer, n_tok
-        )  # fmt: skip
-        # A stream's chunks are the source's; a whole copy is cut to this rank's slots.
-        chunk_bytes = (ticket.get("stream") or {}).get("chunk_bytes", slot_bytes)
-        self.chunks = plan.chunks(n_tok, int(chunk_bytes))
-        self.sink = _core.StreamSink.of_ticket(ticket, self.chunks, len(offsets))
-        self.id, self.src_name = int(self.sink.stream_id), str(meta["agent_name"])
-        self.remote = int(meta["staging"]["addr"])
+        self.backend, self.meta, self.peer, self.ids = backend, meta, peer, ids
+        #: This rank's slots, owned from here on: :meth:`close` gives them back.
         self.offsets = offsets
         self.slot_bytes = slot_bytes
+        self.src_name = str(meta["agent_name"])
+        self.remote = int(meta["staging"]["addr"])
+        self.sink = _core.StreamSink.whole([], 0, 1)  # nothing to read until :meth:`start`
+        self.id = 0
+        self.chunks: list[tuple[int, ...]] = []
         #: Reads in flight and scatters queued, by chunk.
         self.xfers: dict[int, Any] = {}
-        self.events: dict[int, Any] = {}
-        self.ids = ids
-        backend._ctx.mailboxes.open(self.src_name, self.id)
+        #: Completion of each scatter queued and not finished, in queue order.
+        self.events: list[Any] = []
+
+    def start(self, plan: dp.DevicePlan, ticket: Mapping[str, Any], n_tok: int) -> None:
+        """Read ``ticket``'s copy of ``n_tok`` tokens scattered by ``plan``: its stream, cut
+        in the source's chunks, or the copy held whole, cut in this rank's slots."""
+        self.plan, self.n_tok = plan, n_tok
+        self.sink = _core.StreamSink.of_ticket(
+            ticket, plan.rows, plan.tokens_per_block, n_tok, self.slot_bytes, len(self.offsets)
+        )
+        self.chunks = [tuple(c) for c in self.sink.chunks]
+        self.id = int(self.sink.stream_id)
+        self.backend._ctx.mailboxes.open(self.src_name, self.id)
 
     def _window(self, slot: int, nbytes: int) -> torch.Tensor:
         assert self.backend.staging_buffer is not None
@@ -517,12 +528,11 @@ class _ChunkedRead:
             dp.copy(self.plan, dp.Side("packed", window, bias=lo),
                     dp.Side("dst", b.memory_buffer, self.ids), self.n_tok,
                     items=(k_lo, k_hi))  # fmt: skip
-            self.events[k] = _landed_event(window)
+            self.events.append(_landed_event(window))
         if gone or error:
             raise TransferError(f"{gone or error} (source {self.src_name})", field="staged")
-        done, acks = self.sink.scattered([(k, e.query()) for k, e in self.events.items()])
-        for k in done:
-            del self.events[k]
+        done, acks = self.sink.scattered([e.query() for e in self.events])
+        del self.events[:done]
         b._notify_all(self.peer, acks)
         dev, src_dev = int(b.buffer_info["device_id"]), int(self.meta["buffer"]["device_id"])
         for k, slot, at, (_, _, lo, hi) in self.sink.reads():
@@ -539,9 +549,8 @@ class _ChunkedRead:
         for xfer in self.xfers.values():
             with contextlib.suppress(Exception):
                 b.agent.release_xfer_handle(xfer)
-        for event in self.events.values():
-            event.synchronize()  # a scatter still queued reads its slot
-        self.xfers, self.events = {}, {}
+        _settle(self.events)  # a scatter still queued reads its slot
+        self.xfers, self.events = {}, []
         b._notify_all(self.peer, self.sink.close())
         b._ctx.mailboxes.close(self.src_name, self.id)
         b.arena.free_all(self.offsets)
@@ -584,6 +593,7 @@ class _StreamOut:
         self.src = _core.StreamSource(self.id, self.chunks, offsets)
         self.offsets, self.chunk_bytes, self.slot_bytes = offsets, chunk_bytes, slot_bytes
         self.deadline = backend.clock() + backend.timeout_s
+        self.staging = cast(torch.Tensor, backend.staging_buffer)
         #: Completion of each packed chunk not announced yet, in order.
         self.events: list[Any] = []
         backend._ctx.mailboxes.open(peer, self.id)
@@ -600,12 +610,11 @@ class _StreamOut:
     def pack(self, todo: list[tuple[int, int]]) -> list[Any]:
         """Pack chunks ``[(chunk, slot)]`` (one launch each, queued); their completions."""
         b = self.backend
-        assert b.staging_buffer is not None
         done = []
         for k, slot in todo:
             k_lo, k_hi, lo, hi = self.chunks[k]
             at = self.offsets[slot]
-            window = b.staging_buffer[at : at + hi - lo]
+            window = self.staging[at : at + hi - lo]
             dp.copy(self.plan, dp.Side("src", b.memory_buffer, self.ids),
                     dp.Side("packed", window, bias=lo), self.n_tok, items=(k_lo, k_hi))  # fmt: skip
             done.append(_landed_event(window))
@@ -617,14 +626,14 @@ class _StreamOut:
         slots are free again)."""
         b = self.backend
         mail = b._ctx.mail(self.peer, self.id)
-        verdict, todo = self.src.poll(mail, b.clock() >= self.deadline)
+        running, give_up, todo = self.src.poll(mail, b.clock(), self.deadline)
         self.events += self.pack(todo)
         ready = self.src.announce([e.query() for e in self.events])
         del self.events[: len(ready)]
         b._notify_all(self.peer, ready)
-        if verdict == "run":
+        if running:
             return False
-        self.close(give_up=verdict == "give_up")
+        self.close(give_up=give_up)
         return True
 
     def close(self, *, give_up: bool) -> None:
@@ -632,8 +641,7 @@ class _StreamOut:
         read first."""
         b = self.backend
         b._notify_all(self.peer, self.src.close(give_up))
-        for event in self.events:
-            event.synchronize()  # a pack still queued writes its slot
+        _settle(self.events)  # a pack still queued writes its slot
         self.events = []
         b._ctx.mailboxes.close(self.peer, self.id)
         b.arena.free_all(self.offsets)
@@ -874,9 +882,7 @@ class NixlTransferBackend(TransferBackendBase):
     @property
     def _streams(self) -> dict[int, _StreamOut]:
         """The streams this rank is sending, by id."""
-        streams: dict[int, _StreamOut] | None = self.__dict__.get("_stream_table")
-        if streams is None:
-            streams = self.__dict__["_stream_table"] = {}
+        streams: dict[int, _StreamOut] = self.__dict__.setdefault("_stream_table", {})
         return streams
 
     def stage_blocks(
@@ -951,16 +957,7 @@ class NixlTransferBackend(TransferBackendBase):
             # The staging region is a fixed pool whatever the prompt size: a copy that does
             # not fit now is streamed through a few slots of it, else (no device plan, or no
             # slot holds one item) not packed, and the decode reads this rank's blocks.
-            stream = self._stream_out(plan, ids, num_tokens, dst, len(ranks))
-            if stream is not None:
-                ticket.update(staged=True, nbytes=nbytes, stream=stream.ticket())
-                return ticket
-            logger.info(
-                "staging: %d bytes for decode rank %s do not fit (largest free range %d of "
-                "staging_bytes=%d) and cannot be streamed; the decode reads directly",
-                nbytes, dst["layout"].get("global_rank"), self.arena.largest_free,
-                self.arena.capacity,
-            )  # fmt: skip
+            ticket.update(self._stream_out(plan, ids, num_tokens, dst, len(ranks), nbytes))
             return ticket
         offset = self.arena.alloc(nbytes)
         try:
@@ -995,34 +992,38 @@ class NixlTransferBackend(TransferBackendBase):
         num_tokens: int | None,
         dst: PeerMeta,
         sources: int,
-    ) -> _StreamOut | None:
-        """Start streaming this rank's packed copy to decode ``dst``: reserve up to
-        ``_STREAM_SLOTS`` slots of ``1 / _STREAM_SHARE`` of the largest free range, cut the copy
-        in chunks a slot and the decode's pool hold (the decode reads ``sources`` copies
-        through two slots each at least), pack the first chunks. ``None`` (nothing reserved)
-        without a device plan, or when no slot holds one item of the plan."""
-        if plan is None:  # a plan exists only with a token count
-            return None
-        item_max = int(plan.planes[:, 3].max()) * plan.tokens_per_block
-        peer_pool = int((dst.get("staging") or {}).get("nbytes", 0))
-        got = self.arena.alloc_stream(item_max, peer_pool, sources, _STREAM_SHARE, _STREAM_SLOTS)
+        nbytes: int,
+    ) -> dict[str, Any]:
+        """Start streaming this rank's packed copy (``nbytes``) to decode ``dst``: reserve up
+        to ``_STREAM_SLOTS`` slots of ``1 / _STREAM_SHARE`` of the largest free range, each
+        holding a chunk the decode's pool holds too (it reads ``sources`` copies through two
+        slots each at least), pack the first chunks. Returns the ticket fields; none
+        (nothing reserved, the decode reads the blocks) without a device plan or when no
+        slot holds one item of the plan."""
+        peer = self._ensure_peer_registered(dst)
+        (dev_ids,) = self._ids.upload(ids)
+        # Without a device plan there is no item size: nothing is streamed.
+        item_bytes = getattr(plan, "item_bytes", None)
+        got = self.arena.alloc_stream(
+            item_bytes, dst.get("staging"), sources, _STREAM_SHARE, _STREAM_SLOTS
+        )
         if got is None:
-            return None
+            logger.info(
+                "staging: %d bytes for decode rank %s do not fit (largest free range %d of "
+                "staging_bytes=%d) and cannot be streamed; the decode reads directly",
+                nbytes, dst["layout"].get("global_rank"), self.arena.largest_free,
+                self.arena.capacity,
+            )  # fmt: skip
+            return {}
         slot_bytes, offsets = got
-        try:
-            peer = self._ensure_peer_registered(dst)
-            (dev_ids,) = self._ids.upload(ids)
-            out = _StreamOut(self, plan, dev_ids, int(cast(int, num_tokens)), peer, slot_bytes,
-                             slot_bytes, offsets)  # fmt: skip
-            # The ticket announces the first chunks: their packs complete before it leaves.
-            for event in out.pack(out.src.first()):
-                event.synchronize()
-        except Exception:
-            self.arena.free_all(offsets)
-            raise
+        out = _StreamOut(self, cast(dp.DevicePlan, plan), dev_ids, int(cast(int, num_tokens)),
+                         peer, slot_bytes, slot_bytes, offsets)  # fmt: skip
+        # Registered first: a pack that fails leaves the stream to its deadline or release.
         self._streams[out.id] = out
+        # The ticket announces the first chunks: their packs complete before it leaves.
+        _settle(out.pack(out.src.first()))
         self.__dict__["_streams_started"] = self.__dict__.get("_streams_started", 0) + 1
-        return out
+        return {"staged": True, "nbytes": nbytes, "stream": out.ticket()}
 
     def poll_streams(self) -> int:
         """Advance the streamed packed copies of this rank (source side): take the decodes'
@@ -1038,12 +1039,10 @@ class NixlTransferBackend(TransferBackendBase):
 
     def _notify_all(self, peer: str, msgs: Sequence[bytes]) -> None:
         """Send NIXL notifications to ``peer`` in order; one that cannot be sent (a peer that
-        is gone) is logged: its stream then ends at its deadline or release."""
+        is gone) is dropped: its stream then ends at its deadline or release."""
         for msg in msgs:
-            try:
+            with contextlib.suppress(Exception):
                 self.agent.send_notif(peer, msg)
-            except Exception as exc:
-                logger.warning("notification to %s not sent: %r", peer, exc)
 
     def staging_stats(self) -> dict[str, int]:
         """The staging pool now: bytes reserved, ranges reserved, streams running, and the
@@ -1059,11 +1058,9 @@ class NixlTransferBackend(TransferBackendBase):
         """Free the staging region of a ticket (after RELEASE_KV or the lease's end): a
         stream still running is given up (the decode is told) and its slots freed;
         idempotent."""
-        stream = ticket.get("stream")
-        if stream is not None:
-            self._streams.pop(int(stream["id"]), _NoStream).close(give_up=True)
-        elif ticket.get("staged"):
-            self.arena.free(int(ticket["offset"]))
+        stream, held = _core.staging_release(ticket)
+        self._streams.pop(stream, _NoStream).close(give_up=True)
+        self.arena.free_all(held)
 
     # -- decode side -----------------------------------------------------------------------
 
@@ -1451,25 +1448,20 @@ class NixlTransferBackend(TransferBackendBase):
             return None
         (ids,) = self._ids.upload(dst_ids)
         # A slot holds one item, and a whole chunk of a stream.
-        item_max = int(plan.planes[:, 3].max()) * plan.tokens_per_block
-        need = max(item_max, int((ticket.get("stream") or {}).get("chunk_bytes", 0)))
+        need = _core.chunk_read_slot_bytes(ticket, plan.item_bytes)
         slots = self.arena.alloc_slots(need, share, _CHUNK_SLOTS)
         if slots is None:
             return None
+        reader = _ChunkedRead(self, meta, peer, ids, *slots)
         try:
-            reader = _ChunkedRead(self, plan, meta, ticket, peer, n_tok, ids, *slots)
-        except Exception:
-            self.arena.free_all(slots[1])
-            raise
-        kind = "streamed" if reader.id else "chunked"
-        label = f"{kind}:{meta['agent_name']}:{rank}"
-        part = _PullPart(rank, None, cleanup=reader.close, context=label, step=reader.step)
-        part.descriptors = len(reader.chunks)
-        try:
+            reader.start(plan, ticket, n_tok)
             reader.step()
         except Exception:
             reader.close()
             raise
+        label = f"{reader.sink.kind}:{meta['agent_name']}:{rank}"
+        part = _PullPart(rank, None, cleanup=reader.close, context=label, step=reader.step)
+        part.descriptors = len(reader.chunks)
         return part
 
     # -- the reference design's primitives -------------------------------------------------

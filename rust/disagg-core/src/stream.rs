@@ -303,6 +303,19 @@ impl StreamSource {
         (SourceVerdict::Run, todo)
     }
 
+    /// [`Self::poll`] at time `now` of a stream whose deadline is `deadline` (seconds on
+    /// the caller's clock): `(running, give_up, chunks to pack)`; once not running, the
+    /// caller closes the stream ([`Self::close`] with `give_up`).
+    pub fn poll_at(
+        &mut self,
+        msgs: &[Vec<u8>],
+        now: f64,
+        deadline: f64,
+    ) -> (bool, bool, Vec<(usize, usize)>) {
+        let (verdict, todo) = self.poll(msgs, now >= deadline);
+        (verdict == SourceVerdict::Run, verdict == SourceVerdict::GiveUp, todo)
+    }
+
     /// The `Ready` messages of the queued chunks whose pack has completed: `landed[i]` says
     /// whether the `i`-th queued chunk's pack has (in order; announcing stops at the first
     /// that has not).
@@ -424,6 +437,8 @@ pub struct StreamSink {
     next: usize,
     free: VecDeque<usize>,
     held: Vec<Option<Held>>,
+    /// Chunks scattering, in the order their scatters were queued.
+    scattering: VecDeque<usize>,
     landed: usize,
     aborted: bool,
     closed: bool,
@@ -494,6 +509,7 @@ impl StreamSink {
             next: 0,
             free: (0..dst_slots).collect(),
             held: vec![None; n],
+            scattering: VecDeque::new(),
             landed: 0,
             aborted: false,
             closed: false,
@@ -617,6 +633,7 @@ impl StreamSink {
             match state.as_str() {
                 "DONE" => {
                     self.held[*k] = Some(Held::Scattering(slot));
+                    self.scattering.push_back(*k);
                     landed.push((*k, slot));
                 }
                 "ERR" => return (landed, Some(format!("NIXL reported ERR for chunk {k}"))),
@@ -626,21 +643,35 @@ impl StreamSink {
         (landed, None)
     }
 
-    /// Fold which scatters have completed (`(chunk, completed)`): free their slots; return
-    /// the chunks done and, for a stream, their `Ack`s.
-    pub fn scattered(&mut self, done: &[(usize, bool)]) -> (Vec<usize>, Vec<StreamMsg>) {
+    /// Fold which scatters have completed: `completed[i]` for the `i`-th scatter queued and
+    /// not finished yet (scatters complete in the order they were queued; folding stops at
+    /// the first that has not). Frees their slots; returns how many finished and, for a
+    /// stream, their `Ack`s.
+    pub fn scattered(&mut self, completed: &[bool]) -> (usize, Vec<StreamMsg>) {
+        let n = completed.iter().take_while(|&&c| c).count().min(self.scattering.len());
         let id = self.stream_id();
-        let (mut chunks, mut acks) = (Vec::new(), Vec::new());
-        for &(k, completed) in done {
-            if let (true, Some(Some(Held::Scattering(slot)))) = (completed, self.held.get(k)) {
-                self.free.push_back(*slot);
+        let mut acks = Vec::new();
+        for k in self.scattering.drain(..n).collect::<Vec<_>>() {
+            if let Some(Some(Held::Scattering(slot))) = self.held.get(k).copied() {
+                self.free.push_back(slot);
                 self.held[k] = None;
                 self.landed += 1;
-                chunks.push(k);
                 acks.extend(id.map(|id| StreamMsg::bare(StreamKind::Ack, id, k as u64)));
             }
         }
-        (chunks, acks)
+        (n, acks)
+    }
+
+    /// Every chunk, in order.
+    #[must_use]
+    pub fn chunks(&self) -> &[ChunkRange] {
+        &self.chunks
+    }
+
+    /// Whether this reads a stream (not a copy held whole).
+    #[must_use]
+    pub fn is_stream(&self) -> bool {
+        self.stream_id().is_some()
     }
 
     /// The stream's id (0 for a read of a whole copy).
@@ -667,7 +698,9 @@ impl StreamSink {
             }
         }
         let id = self.stream_id().unwrap_or(0);
-        self.scattered(&[(chunk, true)]);
+        self.scattering.retain(|&k| k != chunk);
+        self.scattering.push_front(chunk);
+        self.scattered(&[true]);
         Ok(StreamMsg::bare(StreamKind::Ack, id, chunk as u64))
     }
 

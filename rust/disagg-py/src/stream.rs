@@ -4,8 +4,7 @@
 use std::sync::Mutex;
 
 use disagg_core::stream::{
-    self, ChunkRange, SourceVerdict, StreamKind, StreamMailboxes, StreamMsg, StreamSink,
-    StreamSource,
+    self, ChunkRange, StreamKind, StreamMailboxes, StreamMsg, StreamSink, StreamSource,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -60,6 +59,30 @@ pub fn stream_abort_msgs<'py>(
     Ok(t.stream.iter().map(|st| bytes(py, &StreamMsg::bare(StreamKind::Abort, st.id, 0))).collect())
 }
 
+/// What `release_staged` frees for a staging ticket: `(stream id or -1, [offset of a packed
+/// copy held whole])`. `HandoffMetadataError` for a malformed ticket.
+#[pyfunction]
+pub fn staging_release(ticket: &Bound<'_, PyAny>) -> PyResult<(i64, Vec<u64>)> {
+    let t = StagingTicket::parse(&to_wire(ticket, "ticket")?, "ticket").py()?;
+    let held = (t.staged && t.stream.is_none()).then_some(t.offset);
+    let id = t.stream.map_or(-1, |st| i64::try_from(st.id).unwrap_or(i64::MAX));
+    Ok((id, held.into_iter().collect()))
+}
+
+/// Bytes each decode slot of a chunked read of a staging ticket's copy needs: one item
+/// (`item_bytes`), and a whole chunk of its stream; `2**64 - 1` (no slot fits: read the
+/// blocks) for a stream whose chunks cannot hold one item (a chunk could outgrow the
+/// source's slots). `HandoffMetadataError` for a malformed ticket.
+#[pyfunction]
+pub fn chunk_read_slot_bytes(ticket: &Bound<'_, PyAny>, item_bytes: u64) -> PyResult<u64> {
+    let t = StagingTicket::parse(&to_wire(ticket, "ticket")?, "ticket").py()?;
+    Ok(match t.stream {
+        Some(st) if st.chunk_bytes < item_bytes => u64::MAX,
+        Some(st) => st.chunk_bytes,
+        None => item_bytes,
+    })
+}
+
 /// The `Abort` notification of stream `stream`.
 #[pyfunction]
 pub fn stream_abort_msg(py: Python<'_>, stream: u64) -> Bound<'_, PyBytes> {
@@ -68,6 +91,11 @@ pub fn stream_abort_msg(py: Python<'_>, stream: u64) -> Bound<'_, PyBytes> {
 
 /// The source side of one stream: which chunk to pack next and into which slot, the
 /// `Ready` notifications, and the acknowledgements it accepts.
+/// `(running, give_up, [(chunk, slot)] to pack)` of one source poll.
+type SourcePoll = (bool, bool, Vec<(usize, usize)>);
+/// `([(chunk, slot)] to scatter, first failure)` of one observation of reads in flight.
+type Observed = (Vec<(usize, usize)>, Option<String>);
+
 #[pyclass(name = "StreamSource", module = "disagg_rs", frozen)]
 pub struct PyStreamSource {
     inner: Mutex<StreamSource>,
@@ -87,21 +115,13 @@ impl PyStreamSource {
     fn first(&self) -> PyResult<Vec<(usize, usize)>> {
         Ok(lock(&self.inner)?.first())
     }
-    /// One poll: take the decode's notifications and say what to do: `("run", [(chunk,
-    /// slot), ...] to pack now)`, `("over", [])` (nothing to tell) or `("give_up", [])`
-    /// (close, telling the decode: a notification off the schedule, or `expired`).
-    fn poll(
-        &self,
-        msgs: Vec<Vec<u8>>,
-        expired: bool,
-    ) -> PyResult<(&'static str, Vec<(usize, usize)>)> {
-        let (verdict, todo) = lock(&self.inner)?.poll(&msgs, expired);
-        let name = match verdict {
-            SourceVerdict::Run => "run",
-            SourceVerdict::Over => "over",
-            SourceVerdict::GiveUp => "give_up",
-        };
-        Ok((name, todo))
+    /// One poll at `now` (the stream's deadline is `deadline`, same clock): take the
+    /// decode's notifications; return `(running, give_up, [(chunk, slot)] to pack now)`.
+    /// Once not running, close the stream (`close(give_up)`): `give_up` for a notification
+    /// off the schedule or a passed deadline (the decode is told), not for a stream done or
+    /// given up by the decode.
+    fn poll(&self, msgs: Vec<Vec<u8>>, now: f64, deadline: f64) -> PyResult<SourcePoll> {
+        Ok(lock(&self.inner)?.poll_at(&msgs, now, deadline))
     }
     /// The `Ready` notifications of the packed chunks to announce now (`landed[i]`: whether
     /// the i-th queued chunk's pack has completed).
@@ -165,21 +185,38 @@ impl PyStreamSink {
         let sink = StreamSink::new(stream, chunks, src_offsets, slot_bytes, dst_slots).py()?;
         Ok(Self { inner: Mutex::new(sink) })
     }
-    /// The read of a staging ticket's packed copy in `chunks` through `dst_slots` slots: its
-    /// stream when the ticket names one (chunks checked against the source's slots), else
-    /// the copy held whole. `HandoffMetadataError` for a malformed ticket.
+    /// The read of a staging ticket's packed copy of `n_tok` tokens whose device plan rows
+    /// are `rows` (`(packed coefficient, row bytes per token)`) through `dst_slots` slots of
+    /// `slot_bytes`: the ticket's stream, cut in its chunk size (each checked against the
+    /// source's slots), else the copy held whole, cut in `slot_bytes`. Raises
+    /// `HandoffMetadataError` for a malformed ticket.
     #[staticmethod]
     fn of_ticket(
         ticket: &Bound<'_, PyAny>,
-        chunks: Vec<ChunkRange>,
+        rows: Vec<(u64, u64)>,
+        tokens_per_block: u64,
+        n_tok: u64,
+        slot_bytes: u64,
         dst_slots: usize,
     ) -> PyResult<Self> {
         let t = StagingTicket::parse(&to_wire(ticket, "ticket")?, "ticket").py()?;
+        let size = t.stream.as_ref().map_or(slot_bytes, |st| st.chunk_bytes);
+        let chunks = stream::chunk_ranges(&rows, tokens_per_block, n_tok, size).py()?;
         let sink = match t.stream {
             Some(st) => StreamSink::new(st.id, chunks, st.offsets, st.slot_bytes, dst_slots),
             None => StreamSink::whole(chunks, t.offset, dst_slots),
         };
         Ok(Self { inner: Mutex::new(sink.py()?) })
+    }
+    /// Every chunk `(k_lo, k_hi, byte_lo, byte_hi)`, in order.
+    #[getter]
+    fn chunks(&self) -> PyResult<Vec<ChunkRange>> {
+        Ok(lock(&self.inner)?.chunks().to_vec())
+    }
+    /// `"streamed"` for a stream, `"chunked"` for a copy held whole.
+    #[getter]
+    fn kind(&self) -> PyResult<&'static str> {
+        Ok(if lock(&self.inner)?.is_stream() { "streamed" } else { "chunked" })
     }
     /// The stream's id (0 for a read of a whole copy).
     #[getter]
@@ -210,21 +247,19 @@ impl PyStreamSink {
     }
     /// Fold NIXL's states of the reads in flight (`[(chunk, state)]`): `([(chunk, slot) to
     /// scatter now], first failure or None)`.
-    fn observe(
-        &self,
-        states: Vec<(usize, String)>,
-    ) -> PyResult<(Vec<(usize, usize)>, Option<String>)> {
+    fn observe(&self, states: Vec<(usize, String)>) -> PyResult<Observed> {
         Ok(lock(&self.inner)?.observe(&states))
     }
-    /// Fold which scatters completed (`[(chunk, completed)]`): `(chunks done, their acks)`
-    /// (their slots are free again; no acks for a whole copy).
+    /// Fold which queued scatters completed (`completed[i]`: the i-th queued and not
+    /// finished; they complete in order): `(how many finished, their acks)` (their slots are
+    /// free again; no acks for a whole copy).
     fn scattered<'py>(
         &self,
         py: Python<'py>,
-        done: Vec<(usize, bool)>,
-    ) -> PyResult<(Vec<usize>, Vec<Bound<'py, PyBytes>>)> {
-        let (chunks, acks) = lock(&self.inner)?.scattered(&done);
-        Ok((chunks, acks.iter().map(|m| bytes(py, m)).collect()))
+        completed: Vec<bool>,
+    ) -> PyResult<(usize, Vec<Bound<'py, PyBytes>>)> {
+        let (n, acks) = lock(&self.inner)?.scattered(&completed);
+        Ok((n, acks.iter().map(|m| bytes(py, m)).collect()))
     }
     /// `"DONE"` once every chunk is scattered, else `"PROC"`.
     #[getter]
