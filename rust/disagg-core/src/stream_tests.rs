@@ -242,3 +242,97 @@ proptest! {
         prop_assert!(src.done() && sink.done());
     }
 }
+
+#[test]
+fn a_source_poll_packs_what_acks_free_and_announces_packs_in_order() {
+    let (mut src, _) = stream_of(4, 2);
+    assert_eq!(src.first(), [(0, 0), (1, 1)]);
+    let ack0 = StreamMsg::bare(StreamKind::Ack, 5, 0).encode();
+    let (running, give_up, todo) = src.poll_at(&[ack0], 1.0, 9.0);
+    assert!(running && !give_up);
+    assert_eq!(todo, [(2, 0)]);
+    // The pack of chunk 2 has not completed: nothing is announced yet.
+    assert!(src.announce(&[false]).is_empty());
+    let ready = src.announce(&[true]);
+    assert_eq!(ready.iter().map(|m| (m.chunk, m.offset)).collect::<Vec<_>>(), [(2, 0)]);
+    assert!(src.announce(&[true]).is_empty(), "announced once");
+}
+
+#[test]
+fn a_source_gives_up_at_its_deadline_or_on_a_bad_message_and_tells_the_decode_once() {
+    let (mut src, _) = stream_of(4, 2);
+    src.first();
+    assert_eq!(src.poll_at(&[], 9.0, 9.0), (false, true, vec![]));
+    let abort = src.close(true).unwrap();
+    assert_eq!((abort.kind, abort.stream), (StreamKind::Abort, 5));
+    assert!(src.close(true).is_none(), "close is idempotent");
+
+    let (mut src, _) = stream_of(4, 2);
+    src.first();
+    assert_eq!(src.poll_at(&[b"junk".to_vec()], 0.0, 9.0), (false, true, vec![]));
+    let (mut src, _) = stream_of(4, 2);
+    src.first();
+    let abort = StreamMsg::bare(StreamKind::Abort, 5, 0).encode();
+    assert_eq!(src.poll_at(&[abort], 0.0, 9.0), (false, false, vec![]));
+    assert!(src.close(false).is_none(), "the decode gave it up: nothing to tell");
+}
+
+#[test]
+fn a_whole_copy_is_read_in_chunks_from_its_offset_without_acks() {
+    let chunks: Vec<ChunkRange> = (0..3u64).map(|k| [k, k + 1, 64 * k, 64 * k + 64]).collect();
+    let mut sink = StreamSink::whole(chunks, 4096, 2).unwrap();
+    let reads = sink.reads();
+    assert_eq!(
+        reads.iter().map(|r| (r.0, r.1, r.2)).collect::<Vec<_>>(),
+        [(0, 0, 4096), (1, 1, 4160)]
+    );
+    let (landed, err) = sink.observe(&[(0, "PROC".into()), (1, "DONE".into())]);
+    assert_eq!((landed, err), (vec![(1, 1)], None));
+    // Scatters complete in queue order: chunk 1's slot is free, no ack for a whole copy.
+    assert_eq!(sink.scattered(&[true]), (1, vec![]));
+    assert_eq!(sink.reads().iter().map(|r| (r.0, r.1)).collect::<Vec<_>>(), [(2, 1)]);
+    let (_, err) = sink.observe(&[(0, "ERR".into())]);
+    assert!(err.unwrap().contains("ERR for chunk 0"));
+    let (_, err) = sink.observe(&[(1, "DONE".into())]);
+    assert!(err.unwrap().contains("chunk 1 is not being read"));
+    assert!(sink.close().is_none() && sink.status() == "PROC");
+    let mut empty = StreamSink::whole(vec![], 0, 1).unwrap();
+    assert_eq!((empty.status(), empty.close()), ("DONE", None));
+}
+
+#[test]
+fn a_decode_acks_each_scatter_and_tells_an_unfinished_source_once() {
+    let (mut src, mut sink) = stream_of(3, 2);
+    src.first();
+    sink.reads();
+    assert_eq!(sink.take(&[]).unwrap(), None);
+    sink.observe(&[(0, "DONE".into()), (1, "DONE".into())]);
+    let (n, acks) = sink.scattered(&[true, false]);
+    assert_eq!(n, 1);
+    assert_eq!(acks.iter().map(|m| (m.kind, m.chunk)).collect::<Vec<_>>(), [(StreamKind::Ack, 0)]);
+    let abort = sink.close().unwrap();
+    assert_eq!((abort.kind, abort.stream), (StreamKind::Abort, 5));
+    assert!(sink.close().is_none() && sink.reads().is_empty());
+    let (_, mut gone) = stream_of(3, 2);
+    let msg = StreamMsg::bare(StreamKind::Abort, 5, 0).encode();
+    assert!(gone.take(&[msg]).unwrap().unwrap().contains("gave stream 5 up"));
+    assert!(gone.close().is_none(), "the source gave it up: nothing to tell");
+    assert!(gone.take(&[b"junk".to_vec()]).is_err());
+}
+
+#[test]
+fn mailboxes_keep_the_notifications_of_open_streams_only() {
+    let mut boxes = StreamMailboxes::default();
+    boxes.open("dec", 5);
+    let ack = StreamMsg::bare(StreamKind::Ack, 5, 0).encode();
+    let other = StreamMsg::bare(StreamKind::Ack, 6, 0).encode();
+    boxes.route(vec![
+        ("dec".into(), vec![ack.clone(), other, b"not a stream message".to_vec()]),
+        ("elsewhere".into(), vec![ack.clone()]),
+    ]);
+    assert_eq!(boxes.dropped(), 3);
+    assert_eq!(boxes.take("dec", 5), [ack]);
+    assert!(boxes.take("dec", 5).is_empty());
+    boxes.close("dec", 5);
+    assert!(boxes.is_empty());
+}
