@@ -93,6 +93,11 @@ def _handoff(workers: list[Worker], key: str, src_pool: int, dst_pool: int) -> d
             "src-tiny", TINY, LARGE, False, "direct", 0,
             id="prefill_pool_smaller_than_one_item_read_directly",
         ),
+        # A stream's chunk must fit two slots per source of the decode's pool too.
+        pytest.param(
+            "both-small", SMALL, TINY, False, "direct", 0,
+            id="decode_pool_too_small_for_a_stream_reads_the_blocks_directly",
+        ),
         # Each source's 20,480 packed bytes go through a 4,096-byte pool: many reads each.
         pytest.param(
             "dst-small", LARGE, SMALL, True, "chunked", 2 * (20480 // SMALL),
