@@ -1,6 +1,6 @@
 """Streamed staging over NIXL: a packed copy several times larger than BOTH staging pools
 moves chunk by chunk through a few slots of each (the prefill packs a chunk and announces it
-with a NIXL notification, the decode reads and scatters it and acknowledges it, the
+with a NIXL notification, the decode reads it, acknowledges it and scatters it, the
 acknowledgement frees the prefill's slot for the next chunk), byte-exact against the
 global-tensor oracle; a decode that gives the pull up mid-stream leaves both pools free.
 

@@ -14,9 +14,10 @@ Two ways to move a source rank's bytes, chosen per source rank by the compiler:
   packed region with one descriptor and scatters it (``staging.scatter``) on completion;
 - streamed (a packed copy larger than the source's staging pool): the source packs it chunk
   by chunk into a few slots of its pool and announces each with a NIXL notification; the
-  decode reads each into a few slots of its own pool, scatters it and acknowledges it, which
-  frees the source's slot for a later chunk (``_StreamOut`` / ``_ChunkedRead``; the
-  schedule and the notifications are ``_core.StreamSource`` / ``_core.StreamSink``). The
+  decode reads each into a few slots of its own pool, acknowledges it once read (which
+  frees the source's slot for a later chunk) and scatters it (``_StreamOut`` /
+  ``_ChunkedRead``; the schedule and the notifications are ``_core.StreamSource`` /
+  ``_core.StreamSink``). The
   source advances only when polled (``poll_streams``, from the prefill's turn).
 
 The ticket ``stage_blocks`` returns travels with the handoff to the decode's
@@ -463,7 +464,7 @@ def _settle(events: Sequence[Any]) -> None:
 class _ChunkedRead:
     """One source's packed copy read chunk by chunk through a few slots of this rank's
     staging pool: the copy held whole in the source's region, or streamed through a few
-    slots of it (announced one by one, each acknowledged once scattered).
+    slots of it (announced one by one, each acknowledged once its read has landed).
 
     The device plan cuts the packed region into item ranges (``DevicePlan.chunks``); each
     chunk is one NIXL READ into a free slot, then one scatter of its items from the slot
@@ -515,12 +516,13 @@ class _ChunkedRead:
         return self.backend.staging_buffer[at : at + nbytes]
 
     def step(self) -> str:
-        """Take the source's announcements, scatter the reads that landed, acknowledge the
-        scatters that completed (their slots are free again), read the next chunks."""
+        """Take the source's announcements, acknowledge and scatter the reads that landed,
+        free the slots whose scatter has completed, read the next chunks."""
         b = self.backend
         gone = self.sink.take(b._ctx.mail(self.src_name, self.id))
         states = [(k, str(b.agent.check_xfer_state(x))) for k, x in self.xfers.items()]
-        landed, error = self.sink.observe(states)
+        landed, acks, error = self.sink.observe(states)
+        b._notify_all(self.peer, acks)  # the source's slots are free once the reads landed
         for k, slot in landed:
             b.agent.release_xfer_handle(self.xfers.pop(k))
             k_lo, k_hi, lo, hi = self.chunks[k]
@@ -531,9 +533,7 @@ class _ChunkedRead:
             self.events.append(_landed_event(window))
         if gone or error:
             raise TransferError(f"{gone or error} (source {self.src_name})", field="staged")
-        done, acks = self.sink.scattered([e.query() for e in self.events])
-        del self.events[:done]
-        b._notify_all(self.peer, acks)
+        del self.events[: self.sink.scattered([e.query() for e in self.events])]
         dev, src_dev = int(b.buffer_info["device_id"]), int(self.meta["buffer"]["device_id"])
         for k, slot, at, (_, _, lo, hi) in self.sink.reads():
             local = _np_u64([[int(self._window(slot, hi - lo).data_ptr()), hi - lo, dev]])

@@ -2,8 +2,8 @@
 //!
 //! The source reserves a few slots of its pool; chunk `k` of the packed copy lives in source
 //! slot `k % slots`. The source packs a chunk into its slot and announces it (`Ready`); the
-//! decode reads it into one of its own slots, scatters it and acknowledges it (`Ack`); the
-//! acknowledgement frees the source slot for chunk `k + slots`. Either side may give the
+//! decode reads it into one of its own slots and acknowledges it (`Ack`) as it queues the
+//! scatter; the acknowledgement frees the source slot for chunk `k + slots`. Either side may give the
 //! stream up (`Abort`). Everything both sides must agree on is decided here:
 //!
 //! - [`chunk_ranges`]: the item and byte ranges of every chunk (a chunk is a run of whole
@@ -11,7 +11,8 @@
 //! - [`StreamSource`]: which chunk the source may pack next and into which slot, and whether
 //!   an acknowledgement is one it may receive;
 //! - [`StreamSink`]: whether an announcement is the one the schedule says, which chunk the
-//!   decode reads next and into which of its slots;
+//!   decode reads next and into which of its slots, what to acknowledge (a chunk is
+//!   acknowledged once its read has landed in the decode's slot, before its scatter);
 //! - [`StreamMsg`]: the notification each side sends, encoded and parsed here.
 //!
 //! The first `slots` chunks are packed before the ticket is sent: the ticket announces them.
@@ -418,6 +419,10 @@ enum SinkSource {
     Whole { offset: u64 },
 }
 
+/// `([(chunk, decode slot)] to scatter, acks to send, first failure)` of
+/// [`StreamSink::observe`].
+pub type Observed = (Vec<(usize, usize)>, Vec<StreamMsg>, Option<String>);
+
 /// Where one chunk of a decode's read stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Held {
@@ -623,43 +628,42 @@ impl StreamSink {
 
     /// Fold the states NIXL reports for reads in flight (`(chunk, state)`, `"DONE"`, `"ERR"`
     /// or anything else for still running): the chunks to scatter now (each now
-    /// scattering), and the first failure.
-    pub fn observe(&mut self, states: &[(usize, String)]) -> (Vec<(usize, usize)>, Option<String>) {
-        let mut landed = Vec::new();
+    /// scattering), for a stream the `Ack` of each (the source's slot is free once the read
+    /// has landed here), and the first failure.
+    pub fn observe(&mut self, states: &[(usize, String)]) -> Observed {
+        let id = self.stream_id();
+        let (mut landed, mut acks) = (Vec::new(), Vec::new());
         for (k, state) in states {
             let Some(Some(Held::Reading(slot))) = self.held.get(*k).copied() else {
-                return (landed, Some(format!("chunk {k} is not being read")));
+                return (landed, acks, Some(format!("chunk {k} is not being read")));
             };
             match state.as_str() {
                 "DONE" => {
                     self.held[*k] = Some(Held::Scattering(slot));
                     self.scattering.push_back(*k);
                     landed.push((*k, slot));
+                    acks.extend(id.map(|id| StreamMsg::bare(StreamKind::Ack, id, *k as u64)));
                 }
-                "ERR" => return (landed, Some(format!("NIXL reported ERR for chunk {k}"))),
+                "ERR" => return (landed, acks, Some(format!("NIXL reported ERR for chunk {k}"))),
                 _ => {}
             }
         }
-        (landed, None)
+        (landed, acks, None)
     }
 
     /// Fold which scatters have completed: `completed[i]` for the `i`-th scatter queued and
     /// not finished yet (scatters complete in the order they were queued; folding stops at
-    /// the first that has not). Frees their slots; returns how many finished and, for a
-    /// stream, their `Ack`s.
-    pub fn scattered(&mut self, completed: &[bool]) -> (usize, Vec<StreamMsg>) {
+    /// the first that has not). Frees their slots; returns how many finished.
+    pub fn scattered(&mut self, completed: &[bool]) -> usize {
         let n = completed.iter().take_while(|&&c| c).count().min(self.scattering.len());
-        let id = self.stream_id();
-        let mut acks = Vec::new();
         for k in self.scattering.drain(..n).collect::<Vec<_>>() {
             if let Some(Some(Held::Scattering(slot))) = self.held.get(k).copied() {
                 self.free.push_back(slot);
                 self.held[k] = None;
                 self.landed += 1;
-                acks.extend(id.map(|id| StreamMsg::bare(StreamKind::Ack, id, k as u64)));
             }
         }
-        (n, acks)
+        n
     }
 
     /// Every chunk, in order.

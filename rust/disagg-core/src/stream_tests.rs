@@ -286,14 +286,14 @@ fn a_whole_copy_is_read_in_chunks_from_its_offset_without_acks() {
         reads.iter().map(|r| (r.0, r.1, r.2)).collect::<Vec<_>>(),
         [(0, 0, 4096), (1, 1, 4160)]
     );
-    let (landed, err) = sink.observe(&[(0, "PROC".into()), (1, "DONE".into())]);
-    assert_eq!((landed, err), (vec![(1, 1)], None));
-    // Scatters complete in queue order: chunk 1's slot is free, no ack for a whole copy.
-    assert_eq!(sink.scattered(&[true]), (1, vec![]));
+    let (landed, acks, err) = sink.observe(&[(0, "PROC".into()), (1, "DONE".into())]);
+    assert_eq!((landed, acks, err), (vec![(1, 1)], vec![], None), "no ack for a whole copy");
+    // Scatters complete in queue order: chunk 1's slot is free.
+    assert_eq!(sink.scattered(&[true]), 1);
     assert_eq!(sink.reads().iter().map(|r| (r.0, r.1)).collect::<Vec<_>>(), [(2, 1)]);
-    let (_, err) = sink.observe(&[(0, "ERR".into())]);
+    let (_, _, err) = sink.observe(&[(0, "ERR".into())]);
     assert!(err.unwrap().contains("ERR for chunk 0"));
-    let (_, err) = sink.observe(&[(1, "DONE".into())]);
+    let (_, _, err) = sink.observe(&[(1, "DONE".into())]);
     assert!(err.unwrap().contains("chunk 1 is not being read"));
     assert!(sink.close().is_none() && sink.status() == "PROC");
     let mut empty = StreamSink::whole(vec![], 0, 1).unwrap();
@@ -301,15 +301,15 @@ fn a_whole_copy_is_read_in_chunks_from_its_offset_without_acks() {
 }
 
 #[test]
-fn a_decode_acks_each_scatter_and_tells_an_unfinished_source_once() {
+fn a_decode_acks_each_landed_read_and_tells_an_unfinished_source_once() {
     let (mut src, mut sink) = stream_of(3, 2);
     src.first();
     sink.reads();
     assert_eq!(sink.take(&[]).unwrap(), None);
-    sink.observe(&[(0, "DONE".into()), (1, "DONE".into())]);
-    let (n, acks) = sink.scattered(&[true, false]);
-    assert_eq!(n, 1);
+    // A read that landed is acknowledged at once: the source's slot is free.
+    let (_, acks, _) = sink.observe(&[(0, "DONE".into()), (1, "PROC".into())]);
     assert_eq!(acks.iter().map(|m| (m.kind, m.chunk)).collect::<Vec<_>>(), [(StreamKind::Ack, 0)]);
+    assert_eq!(sink.scattered(&[true, true]), 1, "one scatter queued");
     let abort = sink.close().unwrap();
     assert_eq!((abort.kind, abort.stream), (StreamKind::Abort, 5));
     assert!(sink.close().is_none() && sink.reads().is_empty());

@@ -93,8 +93,8 @@ pub fn stream_abort_msg(py: Python<'_>, stream: u64) -> Bound<'_, PyBytes> {
 /// `Ready` notifications, and the acknowledgements it accepts.
 /// `(running, give_up, [(chunk, slot)] to pack)` of one source poll.
 type SourcePoll = (bool, bool, Vec<(usize, usize)>);
-/// `([(chunk, slot)] to scatter, first failure)` of one observation of reads in flight.
-type Observed = (Vec<(usize, usize)>, Option<String>);
+/// `([(chunk, slot)] to scatter, acks, first failure)` of one observation of reads in flight.
+type PyObserved<'py> = (Vec<(usize, usize)>, Vec<Bound<'py, PyBytes>>, Option<String>);
 
 #[pyclass(name = "StreamSource", module = "disagg_rs", frozen)]
 pub struct PyStreamSource {
@@ -246,20 +246,20 @@ impl PyStreamSink {
         Ok(lock(&self.inner)?.reads())
     }
     /// Fold NIXL's states of the reads in flight (`[(chunk, state)]`): `([(chunk, slot) to
-    /// scatter now], first failure or None)`.
-    fn observe(&self, states: Vec<(usize, String)>) -> PyResult<Observed> {
-        Ok(lock(&self.inner)?.observe(&states))
-    }
-    /// Fold which queued scatters completed (`completed[i]`: the i-th queued and not
-    /// finished; they complete in order): `(how many finished, their acks)` (their slots are
-    /// free again; no acks for a whole copy).
-    fn scattered<'py>(
+    /// scatter now], acks to send (a stream's chunk is acknowledged once read), first
+    /// failure or None)`.
+    fn observe<'py>(
         &self,
         py: Python<'py>,
-        completed: Vec<bool>,
-    ) -> PyResult<(usize, Vec<Bound<'py, PyBytes>>)> {
-        let (n, acks) = lock(&self.inner)?.scattered(&completed);
-        Ok((n, acks.iter().map(|m| bytes(py, m)).collect()))
+        states: Vec<(usize, String)>,
+    ) -> PyResult<PyObserved<'py>> {
+        let (landed, acks, error) = lock(&self.inner)?.observe(&states);
+        Ok((landed, acks.iter().map(|m| bytes(py, m)).collect(), error))
+    }
+    /// Fold which queued scatters completed (`completed[i]`: the i-th queued and not
+    /// finished; they complete in order): how many finished (their slots are free again).
+    fn scattered(&self, completed: Vec<bool>) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.scattered(&completed))
     }
     /// `"DONE"` once every chunk is scattered, else `"PROC"`.
     #[getter]
