@@ -7,7 +7,10 @@ a decode process, three ways, in one run:
   (block, kv, layer) plane, built by a plain Python loop;
 - coalesced direct: the compiled program, adjacent planes merged into one descriptor;
 - staged: the source packs into its staging region, one descriptor moves it, the decode
-  scatters (NIXL); one packed message per peer pair (two-sided, what the backend does).
+  scatters (NIXL); one packed message per peer pair (two-sided, what the backend does);
+- streamed (NIXL): both staging pools an eighth of the prompt, the packed copy moves chunk by
+  chunk through a few slots of each; this process polls both sides in rounds (the decode's
+  handle, the prefill's ``poll_streams``), so the time includes a pipe round trip per poll.
 
 Geometry: Megatron ``[2, L, B, T, H, d]`` with L=32, T=16, H=8, d=64, int32 (a 32 KiB plane per
 block and layer; 2 MiB per block). Blocks are runs of 4 at shuffled positions on both sides.
@@ -253,6 +256,47 @@ def bench_nixl(case: tw.Case, nbytes: int, repeat: int, title: str) -> list[tupl
     return out
 
 
+def bench_nixl_streamed(
+    case: tw.Case, nbytes: int, repeat: int, title: str
+) -> list[tuple[str, int, float]]:
+    """The staged pull with both pools an eighth of the prompt: streamed."""
+    import time
+
+    dst = case.dsts[0]
+    pool = max(nbytes // 8 // len(case.srcs), 1 << 16)
+    names = [f"bench-pre{i}" for i in range(len(case.srcs))]
+    workers = tw.start_workers("nixl", [*names, "bench-dec"], "")
+    pres, dec = workers[:-1], workers[-1]
+    try:
+        ids_s, ids_d = tw.src_ids(case, case.srcs[0]), tw.dst_ids(case, dst)
+        extra = {"mode": "staged", "staging_bytes": pool, "compiler": cached_rust_compiler}
+        ms = [
+            p("setup", "b", case, s, "src", **extra) for p, s in zip(pres, case.srcs, strict=True)
+        ]
+        md = dec("setup", "b", case, dst, "dst", **extra)
+        times, chunks = [], 0
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            n = case.num_tokens
+            tickets = [tw.stage(p, "b", md, ids_s, src_metas=ms, num_tokens=n) for p in pres]
+            if not all("stream" in t for t in tickets):
+                raise AssertionError("NIXL streamed: a source did not stream")
+            tw.pull(dec, "b", ms, ids_s, ids_d, num_tokens=n, staged=tickets)
+            tw.drive(dec, pres, "b")
+            dec("wait", "b")
+            times.append(time.perf_counter() - t0)
+            chunks = int(dec("stats", "b")["descriptors"])
+        if not np.array_equal(dec("buffer", "b"), tw.expected_dst(case, dst).numpy()):
+            raise AssertionError("NIXL streamed: bytes differ from the oracle")
+        for p in pres:
+            p("close", "b")
+        dec("close", "b")
+    finally:
+        tw.stop_workers(workers)
+    label = f"NIXL DRAM, {title}, streamed (pools {pool >> 20} MiB, polled in rounds)"
+    return [(label, chunks, _best(times))]
+
+
 def bench_gloo(case: tw.Case, nbytes: int, repeat: int, store: str) -> list[tuple[str, int, float]]:
     src, dst = case.srcs[0], case.dsts[0]
     workers = tw.start_workers("gloo", ["bench-pre", "bench-dec"], store)
@@ -304,10 +348,12 @@ def main() -> None:
 
     case, nbytes = _case(args.mib)
     rows = bench_nixl(case, nbytes, args.repeat, "TP1->TP1")
+    rows += bench_nixl_streamed(case, nbytes, args.repeat, "TP1->TP1")
     with tempfile.TemporaryDirectory() as tmp:
         rows += bench_gloo(case, nbytes, args.repeat, f"{tmp}/store")
     tp2, _ = _tp2_case(args.mib)
     rows += bench_nixl(tp2, nbytes, args.repeat, "TP2->TP1 head reshard")
+    rows += bench_nixl_streamed(tp2, nbytes, args.repeat, "TP2->TP1 head reshard")
     lines = [
         "## Transfer backends, end to end (`benches/bench_transport.py`)",
         "",

@@ -31,6 +31,25 @@ def test_requests_served_by_two_drivers_answer_like_the_colocated_engine(world: 
         assert r["leaked_blocks"] == 0 and r["quarantined"] == 0 and r["pinned"] == 0
 
 
+def test_a_prompt_larger_than_both_staging_pools_streams_through_the_drivers() -> None:
+    """Staged pulls with 16 KiB pools: the first prompt's packed copy (about 51 KiB) is
+    streamed, advanced by the prefill driver's turns; every answer is the colocated one and
+    both pools end empty."""
+    world = World(staging_bytes=16 << 10, mode="staged")
+    for rid, prompt in PROMPTS.items():
+        world.client.submit(rid, prompt, MAX_NEW)
+    world.run(lambda: len(_done(world.events)) == len(PROMPTS))
+    expected = ReferenceEngine(MODEL, EngineConfig(num_blocks=64)).generate(PROMPTS, MAX_NEW)
+    assert _done(world.events) == expected
+    pools = {role: e._kv_backend.staging_stats() for role, e in world.engines.items()}
+    assert pools["prefill"]["streamed"] >= 1
+    for stats in pools.values():
+        assert stats["in_use"] == stats["streams"] == 0
+    reports = world.close()
+    for r in reports.values():
+        assert r["leaked_blocks"] == 0 and r["pinned"] == 0
+
+
 def test_a_duplicated_ticket_is_imported_once_and_counted(world: World) -> None:
     dec = world.drivers["decode"]
     original = dec.receive

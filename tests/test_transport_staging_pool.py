@@ -1,7 +1,8 @@
 """A NIXL staging region is a fixed pool whatever the prompt size: a packed copy that does not
-fit the prefill's pool is not made (the decode reads those blocks directly); one that does not
-fit the decode's pool is read through a few slots of it in chunks, each scattered while the
-next is read; and every byte still lands where the global-tensor oracle says.
+fit the prefill's pool is streamed through a few slots of it (or, when no slot holds one item,
+not made: the decode reads those blocks directly); one that does not fit the decode's pool is
+read through a few slots of it in chunks, each scattered while the next is read; and every
+byte still lands where the global-tensor oracle says.
 
 Real NIXL agents in spawned processes (UCX loopback), no mocks: host memory, and (marker
 ``gpu``) VRAM with every rank on GPU 0 and the same-host CUDA IPC path turned off, so the
@@ -66,6 +67,7 @@ def _handoff(workers: list[Worker], key: str, src_pool: int, dst_pool: int) -> d
         src_ids = {s.global_rank: tw.src_ids(CASE, s) for s in CASE.srcs}
         dst_ids = tw.dst_ids(CASE, CASE.dsts[0])
         tw.pull(dec, key, src_metas, src_ids, dst_ids, num_tokens=n, staged=tickets)
+        tw.drive(dec, pre, key)  # a streamed copy advances as the prefill polls
         dec("wait", key)
         stats = dec("stats", key)
         got = dec("buffer", key)
@@ -84,8 +86,17 @@ def _handoff(workers: list[Worker], key: str, src_pool: int, dst_pool: int) -> d
     [
         pytest.param("fits", LARGE, LARGE, True, "staged", 0, id="fits_both_pools_moves_packed"),
         pytest.param(
-            "src-small", SMALL, LARGE, False, "direct", 0,
-            id="larger_than_prefill_pool_read_directly",
+            "src-small", SMALL, LARGE, True, "streamed", 2 * (20480 // 1024),
+            id="larger_than_prefill_pool_streamed_through_its_slots",
+        ),
+        pytest.param(
+            "src-tiny", TINY, LARGE, False, "direct", 0,
+            id="prefill_pool_smaller_than_one_item_read_directly",
+        ),
+        # A stream's chunk must fit two slots per source of the decode's pool too.
+        pytest.param(
+            "both-small", SMALL, TINY, False, "direct", 0,
+            id="decode_pool_too_small_for_a_stream_reads_the_blocks_directly",
         ),
         # Each source's 20,480 packed bytes go through a 4,096-byte pool: many reads each.
         pytest.param(

@@ -573,6 +573,10 @@ class WorkerState:
     def poll(self, key: str) -> bool:
         return bool(self.handles[key].poll())
 
+    def cancel(self, key: str) -> None:
+        """Cancel the handle under ``key`` (a decode giving a pull up)."""
+        self.handles[key].cancel()
+
     def buffer(self, key: str) -> np.ndarray:
         return self.backends[key].memory_buffer.cpu().numpy().copy()
 
@@ -727,6 +731,22 @@ def stage(
 ) -> Any:
     """``stage_blocks`` on a prefill worker (``call`` and ``how``: as for :func:`pull`)."""
     return call(how, key, "stage_blocks", dst_meta, src, **kw)
+
+
+#: Most rounds :func:`drive` runs; a round is one poll of every party.
+DRIVE_ROUNDS = 20_000
+
+
+def drive(decode: Worker, sources: Sequence[Worker], key: str) -> int:
+    """Poll the decode's pull ``key`` and every source's streams (``poll_streams``, as a
+    prefill's turn does) in rounds until the pull is terminal, then until no source has a
+    stream left; returns the rounds. Raises ``AssertionError`` after ``DRIVE_ROUNDS``."""
+    for rounds in range(1, DRIVE_ROUNDS + 1):
+        done = bool(decode("poll", key))
+        running = sum(int(w("call", key, "poll_streams")) for w in sources)
+        if done and running == 0:
+            return rounds
+    raise AssertionError(f"transfer {key} did not finish in {DRIVE_ROUNDS} rounds")
 
 
 def settle(parties: Sequence[Worker], key: str) -> None:

@@ -299,8 +299,9 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         return self._drain_handoff_completion_notifications()
 
     def poll_kv_pushes(self) -> int:
-        """Prefill on a two-sided transport: settle finished pushes; returns how many are
-        still in flight."""
+        """Prefill, once per turn: settle finished pushes (two-sided transports) and advance
+        streamed staging (a one-sided backend's ``poll_streams``); returns how many pushes
+        ended."""
         return self._poll_pending_kv_pushes()
 
     def capture_handoff_ticket(

@@ -78,6 +78,11 @@ def with_push_destination(
     return [{**m, "destination": dict(destination)} for m in decode_metas]
 
 
+def _no_streams() -> int:
+    """``poll_streams`` of a backend that streams nothing."""
+    return 0
+
+
 class _PinnedBlocksView(Mapping[int, list[int]]):
     """``_pinned_handoff_blocks`` of a ledger-driven prefill: request id -> pinned blocks,
     read from the :class:`~disagg_rs.PinLedger` (read-only)."""
@@ -341,7 +346,12 @@ class PrefillHandoff(HandoffBase):
         self.handoff_stats["pushes"] += 1
 
     def _poll_pending_kv_pushes(self) -> int:
-        """Reap completed push sends; unfinished ones stay pending. Returns how many ended."""
+        """Reap completed push sends; unfinished ones stay pending. Returns how many ended.
+
+        Also advances the streamed packed copies of a one-sided backend (``poll_streams``):
+        the decodes' acknowledgements free slots, the next chunks are packed and announced.
+        """
+        getattr(self._kv_backend, "poll_streams", _no_streams)()
         if not self._ledger_driven():
             pushes = self._pending_kv_pushes
             done = [all(h.poll() for h in hs) for _, hs in pushes]

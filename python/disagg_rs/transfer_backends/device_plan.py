@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from disagg_rs import _core
 from disagg_rs.transfer_backends import torch_copy
 from disagg_rs.transfer_backends.kernels import _UNIT_LANES, launchable
 
@@ -186,6 +187,16 @@ class DevicePlan:
         return coef * n_tok + min(i * self.tokens_per_block, n_tok) * row
 
     @property
+    def item_bytes(self) -> int:
+        """Bytes of the largest item (one block of one plane row)."""
+        return int(self.planes[:, 3].max()) * self.tokens_per_block
+
+    @property
+    def rows(self) -> list[tuple[int, int]]:
+        """``(packed coefficient, row bytes per token)`` of every plane row."""
+        return self._rows
+
+    @property
     def _rows(self) -> list[tuple[int, int]]:
         rows = self._cache.get("rows")
         if rows is None:
@@ -196,15 +207,11 @@ class DevicePlan:
     def chunks(self, n_tok: int, max_bytes: int) -> list[tuple[int, int, int, int]]:
         """Item ranges of at most ``max_bytes`` packed bytes (one item at least):
         ``(k_lo, k_hi, byte_lo, byte_hi)`` in packed order, covering every item once."""
-        total = self.num_items(n_tok)
-        item_max = int(self.planes[:, 3].max()) * self.tokens_per_block
-        per = max(int(max_bytes) // max(item_max, 1), 1)
-        bounds = np.append(np.arange(0, total, per, dtype=np.int64), total)
-        offs = self.item_offsets(bounds, n_tok)
-        return [
-            (int(a), int(b), int(x), int(y))
-            for a, b, x, y in zip(bounds[:-1], bounds[1:], offs[:-1], offs[1:], strict=True)
-        ]
+        # Decided in Rust: the source and the decode of a streamed copy cut it alike.
+        chunks = _core.stream_chunks(
+            self._rows, self.tokens_per_block, int(n_tok), max(int(max_bytes), 0)
+        )
+        return [(int(a), int(b), int(x), int(y)) for a, b, x, y in chunks]
 
     # -- device tables -------------------------------------------------------------------
 

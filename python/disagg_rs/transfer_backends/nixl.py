@@ -11,7 +11,14 @@ Two ways to move a source rank's bytes, chosen per source rank by the compiler:
 - direct: the compiled ``(addr, len, device)`` descriptor lists go to NIXL as one READ;
 - staged: the SOURCE packs its fragments into its registered staging region
   (``stage_blocks``, once per handoff, before the pull is announced), the decode reads the
-  packed region with one descriptor and scatters it (``staging.scatter``) on completion.
+  packed region with one descriptor and scatters it (``staging.scatter``) on completion;
+- streamed (a packed copy larger than the source's staging pool): the source packs it chunk
+  by chunk into a few slots of its pool and announces each with a NIXL notification; the
+  decode reads each into a few slots of its own pool, acknowledges it once read (which
+  frees the source's slot for a later chunk) and scatters it (``_StreamOut`` /
+  ``_ChunkedRead``; the schedule and the notifications are ``_core.StreamSource`` /
+  ``_core.StreamSink``). The
+  source advances only when polled (``poll_streams``, from the prefill's turn).
 
 The ticket ``stage_blocks`` returns travels with the handoff to the decode's
 ``begin_pull_blocks(..., staged=[ticket, ...])``. In ``"auto"`` mode the source packs (it
@@ -198,6 +205,10 @@ class _NixlAgentContext:
         self._refs = 0
         # Peer agent name -> (incarnation, digest of its metadata, id NIXL gave it).
         self.peers: dict[str, tuple[int, str, str]] = {}
+        #: Stream notifications waiting for their stream, by (peer agent name, stream id):
+        #: only streams open on this rank have a mailbox (see :meth:`mail`).
+        self.mailboxes = _core.StreamMailboxes()
+        self._next_stream = 1
 
     @property
     def known_peers(self) -> dict[str, tuple[int, str, str]]:
@@ -247,6 +258,22 @@ class _NixlAgentContext:
     def refs(self) -> int:
         """Alias of ``ref_count``."""
         return self._refs
+
+    def new_stream_id(self) -> int:
+        """A stream id unique on this agent (named in the ticket and every notification)."""
+        sid = self._next_stream
+        self._next_stream += 1
+        return sid
+
+    def mail(self, peer: str, stream: int) -> list[bytes]:
+        """Take the notifications of ``stream`` from ``peer`` received so far, in order.
+
+        NIXL hands every notification of the agent out at once: each is routed by the stream
+        named in it (parsed in Rust); one of a stream without a mailbox here (closed, or not
+        a stream notification at all) is dropped.
+        """
+        self.mailboxes.route(list(self.live_agent().get_new_notifs().items()))
+        return self.mailboxes.take(peer, stream)
 
     def _forget(self, name: str) -> None:
         known = self.peers.pop(name, None)
@@ -406,41 +433,82 @@ _CHUNK_SLOTS = 3
 _CHUNK_POLL_INTERVAL_S = 0.00002
 
 
-class _ChunkedRead:
-    """One source's packed copy read through a few slots of this rank's staging pool.
+class _Landed:
+    """The completion of host work: done as soon as it is queued (no CUDA event)."""
 
-    The device plan cuts the packed region into item ranges of at most a slot
-    (``DevicePlan.chunks``); each chunk is one NIXL READ into a free slot, then one scatter of
-    its items from the slot (``device_plan.copy`` with the slot as a packed window), and the
-    slot is free again once the scatter's event has completed. So the READ of chunk ``i + 1``
-    runs while chunk ``i`` scatters, the pool holds ``slots x slot_bytes`` whatever the
-    prompt size, and nothing waits on the host: :meth:`step` only polls.
+    @staticmethod
+    def query() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize() -> None:
+        return None
+
+
+def _landed_event(window: torch.Tensor) -> Any:
+    """An event recorded after the work just queued on ``window``'s device (a host window's
+    work has completed already)."""
+    if not window.is_cuda:
+        return _Landed
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return event
+
+
+def _settle(events: Sequence[Any]) -> None:
+    """Wait for the work behind ``events`` (packs or scatters still queued on a slot)."""
+    for event in events:
+        event.synchronize()
+
+
+class _ChunkedRead:
+    """One source's packed copy read chunk by chunk through a few slots of this rank's
+    staging pool: the copy held whole in the source's region, or streamed through a few
+    slots of it (announced one by one, each acknowledged once its read has landed).
+
+    The device plan cuts the packed region into item ranges (``DevicePlan.chunks``); each
+    chunk is one NIXL READ into a free slot, then one scatter of its items from the slot
+    (``device_plan.copy`` with the slot as a packed window), and the slot is free again once
+    the scatter's event has completed. So the READ of chunk ``i + 1`` runs while chunk ``i``
+    scatters, the pool holds ``slots x slot_bytes`` whatever the prompt size, and nothing
+    waits on the host: :meth:`step` only polls. What to read next, into which slot, what has
+    landed and what to acknowledge is ``_core.StreamSink``'s.
     """
 
     def __init__(
         self,
         backend: NixlTransferBackend,
-        plan: dp.DevicePlan,
         meta: PeerMeta,
-        ticket: Mapping[str, Any],
         peer: str,
-        n_tok: int,
         ids: torch.Tensor,
         slot_bytes: int,
         offsets: list[int],
     ) -> None:
         assert backend.staging_buffer is not None
-        self.backend, self.plan, self.meta, self.peer, self.n_tok = (
-            backend, plan, meta, peer, n_tok
-        )  # fmt: skip
-        self.chunks = plan.chunks(n_tok, slot_bytes)
-        self.remote = int(meta["staging"]["addr"]) + int(ticket["offset"])
+        self.backend, self.meta, self.peer, self.ids = backend, meta, peer, ids
+        #: This rank's slots, owned from here on: :meth:`close` gives them back.
         self.offsets = offsets
         self.slot_bytes = slot_bytes
-        #: Per slot: None (free), ("read", xfer, chunk) or ("scatter", event or None, chunk).
-        self.busy: list[tuple[str, Any, int] | None] = [None] * len(offsets)
-        self.next = 0
-        self.ids = ids
+        self.src_name = str(meta["agent_name"])
+        self.remote = int(meta["staging"]["addr"])
+        self.sink = _core.StreamSink.whole([], 0, 1)  # nothing to read until :meth:`start`
+        self.id = 0
+        self.chunks: list[tuple[int, ...]] = []
+        #: Reads in flight and scatters queued, by chunk.
+        self.xfers: dict[int, Any] = {}
+        #: Completion of each scatter queued and not finished, in queue order.
+        self.events: list[Any] = []
+
+    def start(self, plan: dp.DevicePlan, ticket: Mapping[str, Any], n_tok: int) -> None:
+        """Read ``ticket``'s copy of ``n_tok`` tokens scattered by ``plan``: its stream, cut
+        in the source's chunks, or the copy held whole, cut in this rank's slots."""
+        self.plan, self.n_tok = plan, n_tok
+        self.sink = _core.StreamSink.of_ticket(
+            ticket, plan.rows, plan.tokens_per_block, n_tok, self.slot_bytes, len(self.offsets)
+        )
+        self.chunks = [tuple(c) for c in self.sink.chunks]
+        self.id = int(self.sink.stream_id)
+        self.backend._ctx.mailboxes.open(self.src_name, self.id)
 
     def _window(self, slot: int, nbytes: int) -> torch.Tensor:
         assert self.backend.staging_buffer is not None
@@ -448,54 +516,155 @@ class _ChunkedRead:
         return self.backend.staging_buffer[at : at + nbytes]
 
     def step(self) -> str:
-        """Advance every slot once: land finished reads (queue their scatter), free slots
-        whose scatter has completed, read the next chunks into free slots."""
+        """Take the source's announcements, acknowledge and scatter the reads that landed,
+        free the slots whose scatter has completed, read the next chunks."""
         b = self.backend
-        for slot, held in enumerate(self.busy):
-            if held is not None and held[0] == "read":
-                state = b.agent.check_xfer_state(held[1])
-                if state == "ERR":
-                    raise TransferError(f"NIXL reported ERR for chunk {held[2]}")
-                if state != "DONE":
-                    continue
-                b.agent.release_xfer_handle(held[1])
-                k_lo, k_hi, lo, hi = self.chunks[held[2]]
-                window = self._window(slot, hi - lo)
-                dp.copy(self.plan, dp.Side("packed", window, bias=lo),
-                        dp.Side("dst", b.memory_buffer, self.ids), self.n_tok,
-                        items=(k_lo, k_hi))  # fmt: skip
-                event = None
-                if window.is_cuda:
-                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    event.record()
-                held = self.busy[slot] = ("scatter", event, held[2])
-            if held is not None and (held[1] is None or held[1].query()):
-                held = self.busy[slot] = None
-            if held is None and self.next < len(self.chunks):
-                _, _, lo, hi = self.chunks[self.next]
-                window = self._window(slot, hi - lo)
-                dev = int(b.buffer_info["device_id"])
-                local = _np_u64([[int(window.data_ptr()), hi - lo, dev]])
-                remote = _np_u64(
-                    [[self.remote + lo, hi - lo, int(self.meta["buffer"]["device_id"])]]
-                )
-                label = f"chunk {self.next} of {self.meta['agent_name']}"
-                self.busy[slot] = ("read", b._post(local, remote, self.meta, self.peer, label),
-                                   self.next)  # fmt: skip
-                self.next += 1
-        done = self.next == len(self.chunks) and all(h is None for h in self.busy)
-        return "DONE" if done else "PROC"
+        gone = self.sink.take(b._ctx.mail(self.src_name, self.id))
+        states = [(k, str(b.agent.check_xfer_state(x))) for k, x in self.xfers.items()]
+        landed, acks, error = self.sink.observe(states)
+        b._notify_all(self.peer, acks)  # the source's slots are free once the reads landed
+        for k, slot in landed:
+            b.agent.release_xfer_handle(self.xfers.pop(k))
+            k_lo, k_hi, lo, hi = self.chunks[k]
+            window = self._window(slot, hi - lo)
+            dp.copy(self.plan, dp.Side("packed", window, bias=lo),
+                    dp.Side("dst", b.memory_buffer, self.ids), self.n_tok,
+                    items=(k_lo, k_hi))  # fmt: skip
+            self.events.append(_landed_event(window))
+        if gone or error:
+            raise TransferError(f"{gone or error} (source {self.src_name})", field="staged")
+        del self.events[: self.sink.scattered([e.query() for e in self.events])]
+        dev, src_dev = int(b.buffer_info["device_id"]), int(self.meta["buffer"]["device_id"])
+        for k, slot, at, (_, _, lo, hi) in self.sink.reads():
+            local = _np_u64([[int(self._window(slot, hi - lo).data_ptr()), hi - lo, dev]])
+            remote = _np_u64([[self.remote + at, hi - lo, src_dev]])
+            label = f"chunk {k} of {self.src_name}"
+            self.xfers[k] = b._post(local, remote, self.meta, self.peer, label)
+        return str(self.sink.status)
 
     def close(self) -> None:
-        """Abort reads still in flight and give the slots back (idempotent)."""
-        for held in self.busy:
-            if held is not None and held[0] == "read":
-                with contextlib.suppress(Exception):
-                    self.backend.agent.release_xfer_handle(held[1])
-        self.busy = [None] * len(self.busy)
-        for at in self.offsets:
-            self.backend.arena.free(at)
+        """Abort reads still in flight, tell the source of an unfinished stream, give the
+        slots back (idempotent)."""
+        b = self.backend
+        for xfer in self.xfers.values():
+            with contextlib.suppress(Exception):
+                b.agent.release_xfer_handle(xfer)
+        _settle(self.events)  # a scatter still queued reads its slot
+        self.xfers, self.events = {}, []
+        b._notify_all(self.peer, self.sink.close())
+        b._ctx.mailboxes.close(self.src_name, self.id)
+        b.arena.free_all(self.offsets)
         self.offsets = []
+
+
+#: Slots of the source's staging pool one streamed packed copy cycles through: one packed
+#: while one is read and one is acknowledged.
+_STREAM_SLOTS = 3
+#: A streamed copy takes at most ``1 / _STREAM_SHARE`` of the source's largest free range,
+#: so another request can stream beside it.
+_STREAM_SHARE = 2
+
+
+class _StreamOut:
+    """The source side of one streamed packed copy (a copy larger than the staging pool).
+
+    Chunk ``k`` (``_core.stream_chunks``: whole items of the device plan) is packed into
+    source slot ``k % slots`` once chunk ``k - slots`` is acknowledged; the first ``slots``
+    chunks are packed before the ticket leaves. Every later chunk is announced to the decode
+    with a NIXL notification once its pack has completed; the decode's acknowledgements free
+    the slots. ``_core.StreamSource`` decides all of it; :meth:`step` only polls and is
+    driven by ``NixlTransferBackend.poll_streams``.
+    """
+
+    def __init__(
+        self,
+        backend: NixlTransferBackend,
+        plan: dp.DevicePlan,
+        ids: torch.Tensor,
+        n_tok: int,
+        peer: str,
+        chunk_bytes: int,
+        slot_bytes: int,
+        offsets: list[int],
+    ) -> None:
+        self.backend, self.plan, self.ids, self.n_tok, self.peer = backend, plan, ids, n_tok, peer
+        self.id = backend._ctx.new_stream_id()
+        self.chunks = plan.chunks(n_tok, chunk_bytes)
+        self.src = _core.StreamSource(self.id, self.chunks, offsets)
+        self.offsets, self.chunk_bytes, self.slot_bytes = offsets, chunk_bytes, slot_bytes
+        self.deadline = backend.clock() + backend.timeout_s
+        self.staging = cast(torch.Tensor, backend.staging_buffer)
+        #: Completion of each packed chunk not announced yet, in order.
+        self.events: list[Any] = []
+        backend._ctx.mailboxes.open(peer, self.id)
+
+    def ticket(self) -> dict[str, Any]:
+        """The ``stream`` field of the ticket."""
+        return {
+            "id": self.id,
+            "chunk_bytes": self.chunk_bytes,
+            "slot_bytes": self.slot_bytes,
+            "offsets": list(self.offsets),
+        }
+
+    def pack(self, todo: list[tuple[int, int]]) -> list[Any]:
+        """Pack chunks ``[(chunk, slot)]`` (one launch each, queued); their completions."""
+        b = self.backend
+        done = []
+        for k, slot in todo:
+            k_lo, k_hi, lo, hi = self.chunks[k]
+            at = self.offsets[slot]
+            window = self.staging[at : at + hi - lo]
+            dp.copy(self.plan, dp.Side("src", b.memory_buffer, self.ids),
+                    dp.Side("packed", window, bias=lo), self.n_tok, items=(k_lo, k_hi))  # fmt: skip
+            done.append(_landed_event(window))
+        return done
+
+    def step(self) -> bool:
+        """Take the decode's notifications, pack what they freed, announce finished packs;
+        ``True`` once the stream is over (every chunk acknowledged, given up or expired: the
+        slots are free again)."""
+        b = self.backend
+        mail = b._ctx.mail(self.peer, self.id)
+        running, give_up, todo = self.src.poll(mail, b.clock(), self.deadline)
+        self.events += self.pack(todo)
+        ready = self.src.announce([e.query() for e in self.events])
+        del self.events[: len(ready)]
+        b._notify_all(self.peer, ready)
+        if running:
+            return False
+        self.close(give_up=give_up)
+        return True
+
+    def close(self, *, give_up: bool) -> None:
+        """Give the slots back (idempotent); with ``give_up``, tell a decode that may still
+        read first."""
+        b = self.backend
+        b._notify_all(self.peer, self.src.close(give_up))
+        _settle(self.events)  # a pack still queued writes its slot
+        self.events = []
+        b._ctx.mailboxes.close(self.peer, self.id)
+        b.arena.free_all(self.offsets)
+        self.offsets = []
+
+
+class _NoStream:
+    """What ``release_staged`` finds for a stream that has ended already."""
+
+    @staticmethod
+    def close(*, give_up: bool) -> None:
+        del give_up
+
+
+def _step_stream(out: _StreamOut) -> bool:
+    """Advance one stream; ``True`` once it is over. A stream that fails is given up (the
+    decode is told), so one bad stream never stops the prefill's turn."""
+    try:
+        return out.step()
+    except Exception as exc:
+        logger.warning("stream %d to %s failed: %r; giving it up", out.id, out.peer, exc)
+        out.close(give_up=True)
+        return True
 
 
 def _peer_key(metas: Sequence[PeerMeta]) -> tuple[tuple[str, int, int], ...]:
@@ -521,7 +690,7 @@ class NixlTransferBackend(TransferBackendBase):
 
     Constructor parameters are the reference design's; keyword extensions: ``axes`` (cache
     layout), ``staging_bytes`` (registered staging region for staged pulls, 0 = none; a fixed
-    pool whatever the prompt size: a part that does not fit is read directly),
+    pool whatever the prompt size: a larger copy is streamed through a few slots of it),
     ``mode`` (``"auto"``/``"direct"``/``"staged"``, passed to the compiler), ``timeout_s``,
     ``compiler``, ``incarnation``, ``clock``.
     """
@@ -656,6 +825,9 @@ class NixlTransferBackend(TransferBackendBase):
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        for out in self._streams.values():
+            out.close(give_up=True)
+        self._streams.clear()
         agent = self._ctx.agent
         self._agent = None
         for reg in self._regs if agent is not None else []:
@@ -708,6 +880,12 @@ class NixlTransferBackend(TransferBackendBase):
 
     # -- source side of a staged pull ----------------------------------------------------
 
+    @property
+    def _streams(self) -> dict[int, _StreamOut]:
+        """The streams this rank is sending, by id."""
+        streams: dict[int, _StreamOut] = self.__dict__.setdefault("_stream_table", {})
+        return streams
+
     def stage_blocks(
         self,
         peer_meta: PeerMeta,
@@ -721,9 +899,11 @@ class NixlTransferBackend(TransferBackendBase):
         ``src_metas`` are all source ranks' metadata (default: this rank alone) so the plan
         picks the same representatives the decode will. Returns the ticket to send with the
         handoff; ``{"staged": False}`` in it means the compiler chose direct for this rank, or
-        the packed copy does not fit the staging pool now (the decode then reads this rank's
-        blocks directly). The pack finishes before this returns. Release the region with
-        ``release_staged``.
+        the packed copy can neither fit the staging pool now nor be streamed through it (the
+        decode then reads this rank's blocks directly). A copy larger than the free pool is
+        streamed: the ticket's ``stream`` names it, the first chunks are packed here and the
+        rest as ``poll_streams`` sees the decode's acknowledgements. The pack (or the first
+        chunks') finishes before this returns. Release the region with ``release_staged``.
         """
         dst = self._adopt_peer_meta(peer_meta)
         srcs = (
@@ -775,14 +955,10 @@ class NixlTransferBackend(TransferBackendBase):
                 program = self._compile(srcs, dst, src_block_ids, None, num_tokens, "staged")
             nbytes = int(program.packed_bytes(me))
         if nbytes > self.arena.largest_free:
-            # The staging region is a fixed pool whatever the prompt size: a part that does not
-            # fit now is not packed, and the decode reads this rank's blocks directly.
-            logger.info(
-                "staging: %d bytes for decode rank %s do not fit (largest free range %d of "
-                "staging_bytes=%d); the decode reads directly",
-                nbytes, dst["layout"].get("global_rank"), self.arena.largest_free,
-                self.arena.capacity,
-            )  # fmt: skip
+            # The staging region is a fixed pool whatever the prompt size: a copy that does
+            # not fit now is streamed through a few slots of it, else (no device plan, or no
+            # slot holds one item) not packed, and the decode reads this rank's blocks.
+            ticket.update(self._stream_out(plan, ids, num_tokens, dst, len(ranks), nbytes))
             return ticket
         offset = self.arena.alloc(nbytes)
         try:
@@ -810,10 +986,82 @@ class NixlTransferBackend(TransferBackendBase):
         """``build()`` once per ``key`` (device plans and the plan's source ranks)."""
         return self._plans.get(key, build)
 
+    def _stream_out(
+        self,
+        plan: dp.DevicePlan | None,
+        ids: npt.NDArray[np.int64],
+        num_tokens: int | None,
+        dst: PeerMeta,
+        sources: int,
+        nbytes: int,
+    ) -> dict[str, Any]:
+        """Start streaming this rank's packed copy (``nbytes``) to decode ``dst``: reserve up
+        to ``_STREAM_SLOTS`` slots of ``1 / _STREAM_SHARE`` of the largest free range, each
+        holding a chunk the decode's pool holds too (it reads ``sources`` copies through two
+        slots each at least), pack the first chunks. Returns the ticket fields; none
+        (nothing reserved, the decode reads the blocks) without a device plan or when no
+        slot holds one item of the plan."""
+        peer = self._ensure_peer_registered(dst)
+        (dev_ids,) = self._ids.upload(ids)
+        # Without a device plan there is no item size: nothing is streamed.
+        item_bytes = getattr(plan, "item_bytes", None)
+        got = self.arena.alloc_stream(
+            item_bytes, dst.get("staging"), sources, _STREAM_SHARE, _STREAM_SLOTS
+        )
+        if got is None:
+            logger.info(
+                "staging: %d bytes for decode rank %s do not fit (largest free range %d of "
+                "staging_bytes=%d) and cannot be streamed; the decode reads directly",
+                nbytes, dst["layout"].get("global_rank"), self.arena.largest_free,
+                self.arena.capacity,
+            )  # fmt: skip
+            return {}
+        slot_bytes, offsets = got
+        out = _StreamOut(self, cast(dp.DevicePlan, plan), dev_ids, int(cast(int, num_tokens)),
+                         peer, slot_bytes, slot_bytes, offsets)  # fmt: skip
+        # Registered first: a pack that fails leaves the stream to its deadline or release.
+        self._streams[out.id] = out
+        # The ticket announces the first chunks: their packs complete before it leaves.
+        _settle(out.pack(out.src.first()))
+        self.__dict__["_streams_started"] = self.__dict__.get("_streams_started", 0) + 1
+        return {"staged": True, "nbytes": nbytes, "stream": out.ticket()}
+
+    def poll_streams(self) -> int:
+        """Advance the streamed packed copies of this rank (source side): take the decodes'
+        acknowledgements, pack the chunks they freed, announce finished packs, end streams
+        that are done, given up or past their deadline (their slots return to the pool).
+        Never blocks; returns how many streams are still running. A prefill calls it each
+        turn (``poll_kv_pushes``)."""
+        streams = self._streams
+        running = {sid: out for sid, out in streams.items() if not _step_stream(out)}
+        streams.clear()
+        streams.update(running)
+        return len(streams)
+
+    def _notify_all(self, peer: str, msgs: Sequence[bytes]) -> None:
+        """Send NIXL notifications to ``peer`` in order; one that cannot be sent (a peer that
+        is gone) is dropped: its stream then ends at its deadline or release."""
+        for msg in msgs:
+            with contextlib.suppress(Exception):
+                self.agent.send_notif(peer, msg)
+
+    def staging_stats(self) -> dict[str, int]:
+        """The staging pool now: bytes reserved, ranges reserved, streams running, and the
+        streams this rank has started in all."""
+        return {
+            "in_use": int(self.arena.in_use),
+            "ranges": len(self.arena),
+            "streams": len(self._streams),
+            "streamed": int(self.__dict__.get("_streams_started", 0)),
+        }
+
     def release_staged(self, ticket: Mapping[str, Any]) -> None:
-        """Free the staging region of a ticket (after RELEASE_KV); idempotent."""
-        if ticket.get("staged"):
-            self.arena.free(int(ticket["offset"]))
+        """Free the staging region of a ticket (after RELEASE_KV or the lease's end): a
+        stream still running is given up (the decode is told) and its slots freed;
+        idempotent."""
+        stream, held = _core.staging_release(ticket)
+        self._streams.pop(stream, _NoStream).close(give_up=True)
+        self.arena.free_all(held)
 
     # -- decode side -----------------------------------------------------------------------
 
@@ -1109,14 +1357,15 @@ class NixlTransferBackend(TransferBackendBase):
         if nbytes == 0:
             return None
         assert self.staging_buffer is not None  # checked before posting
-        if nbytes > self.arena.largest_free:
-            # This engine's staging pool cannot take the packed copy now: read it in chunks
-            # through a few slots of the pool (a device plan scatters each chunk), else read
-            # the source's blocks directly (always possible; the packed copy is released as
-            # usual).
+        if nbytes > self.arena.largest_free or ticket.get("stream"):
+            # A streamed copy, or one this engine's staging pool cannot take now: read it in
+            # chunks through a few slots of the pool (a device plan scatters each chunk), else
+            # read the source's blocks directly (always possible; the packed copy is released
+            # as usual, a stream is told so its slots are free again).
             chunked = self._post_chunked(rank, meta, ticket, peer, plan, handoff, share)
             if chunked is not None:
                 return chunked
+            self._notify_all(peer, _core.stream_abort_msgs(ticket))
             return self._post_direct(direct(rank), rank, meta, peer)
         offset = self.arena.alloc(nbytes)
         region = self.staging_buffer[offset : offset + nbytes]
@@ -1199,19 +1448,21 @@ class NixlTransferBackend(TransferBackendBase):
         ):
             return None
         (ids,) = self._ids.upload(dst_ids)
-        item_max = int(plan.planes[:, 3].max()) * plan.tokens_per_block
-        slots = self.arena.alloc_slots(item_max, share, _CHUNK_SLOTS)
+        # A slot holds one item, and a whole chunk of a stream.
+        need = _core.chunk_read_slot_bytes(ticket, plan.item_bytes)
+        slots = self.arena.alloc_slots(need, share, _CHUNK_SLOTS)
         if slots is None:
             return None
-        reader = _ChunkedRead(self, plan, meta, ticket, peer, n_tok, ids, *slots)
-        label = f"chunked:{meta['agent_name']}:{rank}"
-        part = _PullPart(rank, None, cleanup=reader.close, context=label, step=reader.step)
-        part.descriptors = len(reader.chunks)
+        reader = _ChunkedRead(self, meta, peer, ids, *slots)
         try:
+            reader.start(plan, ticket, n_tok)
             reader.step()
         except Exception:
             reader.close()
             raise
+        label = f"{reader.sink.kind}:{meta['agent_name']}:{rank}"
+        part = _PullPart(rank, None, cleanup=reader.close, context=label, step=reader.step)
+        part.descriptors = len(reader.chunks)
         return part
 
     # -- the reference design's primitives -------------------------------------------------

@@ -22,6 +22,7 @@ pub mod refmeta;
 pub mod reshard;
 pub mod runs;
 pub mod staging;
+pub mod stream;
 pub mod tags;
 pub mod wire;
 

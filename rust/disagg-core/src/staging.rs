@@ -139,6 +139,39 @@ impl StagingRanges {
             return None;
         }
         let slot_bytes = budget / slots / self.alignment * self.alignment;
+        self.take_slots(slot_bytes, slots, item_bytes)
+    }
+
+    /// Slots for streaming a packed copy to a peer whose pool has `peer_pool` bytes and reads
+    /// `sources` copies at once (two slots each at least): as [`Self::alloc_slots`], each
+    /// slot also at most `peer_pool / (2 * sources)`. Returns `(slot_bytes, offsets)`, the
+    /// slot size being the chunk size too, or `None` (nothing reserved) when two slots of
+    /// `item_bytes` do not fit either pool.
+    pub fn alloc_stream(
+        &mut self,
+        item_bytes: u64,
+        peer_pool: u64,
+        sources: u64,
+        share: u64,
+        max_slots: u64,
+    ) -> Option<(u64, Vec<u64>)> {
+        let cap = peer_pool / sources.max(1).saturating_mul(2) / self.alignment * self.alignment;
+        let budget = self.largest_free() / share.max(1);
+        let slots = max_slots.min(budget / item_bytes.max(1));
+        if slots < 2 {
+            return None;
+        }
+        let slot_bytes = (budget / slots / self.alignment * self.alignment).min(cap);
+        self.take_slots(slot_bytes, slots, item_bytes)
+    }
+
+    /// `slots` ranges of `slot_bytes` (at least `item_bytes`), all or none.
+    fn take_slots(
+        &mut self,
+        slot_bytes: u64,
+        slots: u64,
+        item_bytes: u64,
+    ) -> Option<(u64, Vec<u64>)> {
         if slot_bytes < item_bytes.max(1) {
             return None;
         }
@@ -267,6 +300,12 @@ mod tests {
         assert_eq!(pool.in_use(), 0);
         // Fewer than two items fit: nothing is reserved.
         assert!(pool.alloc_slots(3000, 1, 3).is_none());
+        // A stream's slots also fit two per source in the peer's pool.
+        let mut fresh = StagingRanges::new(8192, 256).unwrap();
+        let (bytes, offs) = fresh.alloc_stream(512, 4096, 2, 2, 3).unwrap();
+        assert_eq!((bytes, offs.len()), (1024, 3));
+        assert!(fresh.alloc_stream(512, 1024, 2, 1, 3).is_none(), "peer slots under an item");
+        assert_eq!(fresh.in_use(), 3072);
         assert!(pool.alloc_slots(0, 0, 3).is_some_and(|(b, o)| b >= 256 && o.len() == 3));
     }
 

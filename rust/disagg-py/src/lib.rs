@@ -21,6 +21,7 @@ mod reshard;
 mod rows;
 mod runs;
 mod staging;
+mod stream;
 mod tags;
 mod wire;
 
@@ -51,7 +52,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             ledger::PyImportLedger, ledger::PyPinLedger, ledger::PyCompletionQuorum,
             geometry::PyKvGeometry, geometry::PySsmGeometry, compile::PyTransferProgram,
             wire::PyPeer, wire::PyPeerTable, driver::PyEngineDriverState,
-            ledger::PyReferenceImports
+            ledger::PyReferenceImports, stream::PyStreamSource, stream::PyStreamSink,
+            stream::PyStreamMailboxes
         ],
         functions: [
             error::_error_kinds, error::_raise_sample_error, control::decode_control_message,
@@ -63,7 +65,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             compile::py_compile_ssm_transfer, wire::check_peer_transfer,
             wire::compile_peer_transfer, wire::parse_peer_meta, wire::check_staging_tickets_of,
             wire::check_handoff_ticket, wire::check_reference, wire::check_integrity_wire, wire::digest_plan, wire::py_compat_hash, wire::peer_meta_parses,
-            wire::block_id_checks
+            wire::block_id_checks, stream::stream_chunks, stream::stream_msg_route,
+            stream::stream_abort_msg, stream::stream_abort_msgs,
+            stream::staging_release, stream::chunk_read_slot_bytes
         ]
     );
     Ok(())

@@ -75,6 +75,32 @@ impl PyStagingRanges {
         let offset = offset.to_u64(Kind::Argument, "offset")?;
         Ok(lock(&self.inner)?.free(offset))
     }
+    /// Slots for streaming a packed copy to a peer whose staging region is `peer_staging`
+    /// (its metadata's `staging`, `None` for none) reading `sources` copies at once: as
+    /// `alloc_slots`, each slot also at most its `nbytes / (2 * sources)`; `None` without an
+    /// item size (no device plan). Returns `(slot_bytes, offsets)` (the slot size is the chunk size), or
+    /// `None` (nothing reserved).
+    #[pyo3(signature = (item_bytes, peer_staging, sources, share, max_slots))]
+    fn alloc_stream(
+        &self,
+        item_bytes: Option<u64>,
+        peer_staging: Option<std::collections::HashMap<String, u64>>,
+        sources: u64,
+        share: u64,
+        max_slots: u64,
+    ) -> PyResult<Option<(u64, Vec<u64>)>> {
+        let peer_pool = peer_staging.and_then(|m| m.get("nbytes").copied()).unwrap_or(0);
+        let Some(item_bytes) = item_bytes else { return Ok(None) };
+        Ok(lock(&self.inner)?.alloc_stream(item_bytes, peer_pool, sources, share, max_slots))
+    }
+    /// Return every range of `offsets` (as `free` each; unknown offsets are ignored).
+    fn free_all(&self, offsets: Vec<u64>) -> PyResult<()> {
+        let mut pool = lock(&self.inner)?;
+        for at in offsets {
+            pool.free(at);
+        }
+        Ok(())
+    }
     /// The reserved ranges `(offset, size)` in address order.
     fn ranges(&self) -> PyResult<Vec<(u64, u64)>> {
         Ok(lock(&self.inner)?.ranges())

@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 
 use crate::error::{DisaggError, DisaggResult};
+use crate::stream::MAX_STREAM_SLOTS;
 use crate::wire::peer::PeerMeta;
 use crate::wire::value::{as_uint, Obj, WireValue, MAX_ITEMS};
 
@@ -24,6 +25,54 @@ pub struct StagingTicket {
     pub offset: u64,
     /// Bytes of the packed copy.
     pub nbytes: u64,
+    /// Set when the packed copy is streamed through a few slots of the source's pool rather
+    /// than held whole (`offset` is then 0; see `crate::stream`).
+    pub stream: Option<StreamTicket>,
+}
+
+/// How a streamed packed copy moves: the stream's id, the chunk size both sides cut the
+/// copy with (`crate::stream::chunk_ranges`) and the source slots (offsets in its staging
+/// region; the first `offsets.len()` chunks are packed when the ticket is sent).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamTicket {
+    /// The stream's id on the source (named in every notification).
+    pub id: u64,
+    /// Most bytes of one chunk (a chunk holds one item at least).
+    pub chunk_bytes: u64,
+    /// Bytes of each source slot (at least every chunk's size).
+    pub slot_bytes: u64,
+    /// Where each source slot starts in the source's staging region.
+    pub offsets: Vec<u64>,
+}
+
+impl StreamTicket {
+    fn parse(o: &Obj<'_>, field: &str) -> DisaggResult<Option<Self>> {
+        let Some(v) = o.some("stream") else { return Ok(None) };
+        let path = format!("{field}.stream");
+        let s = Obj::of(v, &path)?;
+        let t = Self {
+            id: s.u64("id")?,
+            chunk_bytes: s.u64("chunk_bytes")?,
+            slot_bytes: s.u64("slot_bytes")?,
+            offsets: s.uints("offsets", u64::MAX)?,
+        };
+        if t.offsets.is_empty() || t.offsets.len() > MAX_STREAM_SLOTS {
+            return Err(DisaggError::wire(
+                format!("{path}.offsets"),
+                format!("{} slots, a stream holds 1 to {MAX_STREAM_SLOTS}", t.offsets.len()),
+            ));
+        }
+        if t.slot_bytes == 0 || t.chunk_bytes > t.slot_bytes {
+            return Err(DisaggError::wire(
+                format!("{path}.slot_bytes"),
+                format!(
+                    "slot_bytes={} must be positive and hold chunk_bytes={}",
+                    t.slot_bytes, t.chunk_bytes
+                ),
+            ));
+        }
+        Ok(Some(t))
+    }
 }
 
 impl StagingTicket {
@@ -48,7 +97,14 @@ impl StagingTicket {
             },
             offset: o.u64("offset")?,
             nbytes: o.u64("nbytes")?,
+            stream: StreamTicket::parse(&o, field)?,
         };
+        if t.stream.is_some() && !t.staged {
+            return Err(DisaggError::wire(
+                format!("{field}.stream"),
+                "a stream without a packed copy (staged=false)",
+            ));
+        }
         if t.offset.checked_add(t.nbytes).is_none() {
             return Err(DisaggError::wire(
                 format!("{field}.nbytes"),
@@ -78,7 +134,8 @@ impl StagingTicket {
                     format!("ticket of rank {rank} names a packed copy but the peer has no staging region"),
                 ));
             };
-            if self.offset.saturating_add(self.nbytes) > region.nbytes {
+            // A streamed copy lies in its slots only (checked below), never whole.
+            if self.stream.is_none() && self.offset.saturating_add(self.nbytes) > region.nbytes {
                 return Err(DisaggError::wire(
                     "staged",
                     format!(
@@ -89,6 +146,20 @@ impl StagingTicket {
                         region.nbytes
                     ),
                 ));
+            }
+            let slots = self.stream.iter().flat_map(|st| st.offsets.iter().map(move |&o| (o, st)));
+            for (at, st) in slots {
+                if at.saturating_add(st.slot_bytes) > region.nbytes {
+                    return Err(DisaggError::wire(
+                        "staged",
+                        format!(
+                            "ticket of rank {rank} names a stream slot [{at}, {}) outside the \
+                             peer's staging region of {} bytes",
+                            at.saturating_add(st.slot_bytes),
+                            region.nbytes
+                        ),
+                    ));
+                }
             }
         }
         Ok(())
@@ -558,6 +629,36 @@ mod tests {
         ])
     }
 
+    fn streamed(inc: i128, offsets: &[i128], slot: i128) -> WireValue {
+        let WireValue::Map(mut e) = ticket(0, inc, true, 0, 4096) else { unreachable!() };
+        let offs = WireValue::List(offsets.iter().map(|&o| i(o)).collect());
+        let st = map(vec![
+            ("id", i(3)),
+            ("chunk_bytes", i(slot)),
+            ("slot_bytes", i(slot)),
+            ("offsets", offs),
+        ]);
+        e.push(("stream".into(), st));
+        WireValue::Map(e)
+    }
+
+    #[test]
+    fn stream_tickets_are_parsed_and_bounded() {
+        let t = StagingTicket::parse(&streamed(1, &[0, 64], 32), "t").unwrap();
+        let st = t.stream.unwrap();
+        assert_eq!((st.id, st.chunk_bytes, st.offsets), (3, 32, vec![0, 64]));
+        let field = |v: WireValue| match StagingTicket::parse(&v, "t") {
+            Err(DisaggError::HandoffMetadata { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(streamed(1, &[], 32)), "t.stream.offsets");
+        assert_eq!(field(streamed(1, &[0; 17], 32)), "t.stream.offsets");
+        assert_eq!(field(streamed(1, &[0], 0)), "t.stream.slot_bytes");
+        let WireValue::Map(mut e) = streamed(1, &[0], 8) else { unreachable!() };
+        e[2].1 = WireValue::Bool(false);
+        assert_eq!(field(WireValue::Map(e)), "t.stream");
+    }
+
     #[test]
     fn negative_offsets_and_wrapping_ranges_are_refused_when_parsed() {
         let e = StagingTicket::parse(&ticket(0, 1, true, -8, 8), "t").unwrap_err();
@@ -723,11 +824,14 @@ mod tests {
         let peers = BTreeMap::from([(0u32, &peer)]);
         let inc = i128::from(peer.incarnation);
         assert!(check_staging_tickets(&[ticket(0, inc, true, 64, 64)], &peers).is_ok());
+        // A streamed copy of 4096 bytes through two 32-byte slots of the 128-byte region.
+        assert!(check_staging_tickets(&[streamed(inc, &[0, 96], 32)], &peers).is_ok());
         for bad in [
             vec![ticket(1, inc, true, 0, 8)],
             vec![ticket(0, inc + 1, true, 0, 8)],
             vec![ticket(0, inc, true, 100, 64)],
             vec![ticket(0, inc, false, 0, 0), ticket(0, inc, false, 0, 0)],
+            vec![streamed(inc, &[0, 112], 32)],
         ] {
             let e = check_staging_tickets(&bad, &peers).unwrap_err();
             assert!(

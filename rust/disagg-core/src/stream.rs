@@ -1,0 +1,798 @@
+//! Streamed staging: a packed copy larger than the source's staging pool moves chunk by chunk.
+//!
+//! The source reserves a few slots of its pool; chunk `k` of the packed copy lives in source
+//! slot `k % slots`. The source packs a chunk into its slot and announces it (`Ready`); the
+//! decode reads it into one of its own slots and acknowledges it (`Ack`) as it queues the
+//! scatter; the acknowledgement frees the source slot for chunk `k + slots`. Either side may give the
+//! stream up (`Abort`). Everything both sides must agree on is decided here:
+//!
+//! - [`chunk_ranges`]: the item and byte ranges of every chunk (a chunk is a run of whole
+//!   items of a device plan, at most `max_bytes` unless one item is larger);
+//! - [`StreamSource`]: which chunk the source may pack next and into which slot, and whether
+//!   an acknowledgement is one it may receive;
+//! - [`StreamSink`]: whether an announcement is the one the schedule says, which chunk the
+//!   decode reads next and into which of its slots, what to acknowledge (a chunk is
+//!   acknowledged once its read has landed in the decode's slot, before its scatter);
+//! - [`StreamMsg`]: the notification each side sends, encoded and parsed here.
+//!
+//! The first `slots` chunks are packed before the ticket is sent: the ticket announces them.
+//! Ranges are half-open `[lo, hi)`.
+
+use std::collections::VecDeque;
+
+use crate::error::{DisaggError, DisaggResult};
+
+/// Most slots a stream may hold in the source's pool.
+pub const MAX_STREAM_SLOTS: usize = 16;
+
+/// One chunk: items `[k_lo, k_hi)` of the device plan, packed bytes `[lo, hi)`.
+pub type ChunkRange = [u64; 4];
+
+fn overflow(what: &str) -> DisaggError {
+    DisaggError::AddressOverflow { detail: format!("streamed staging: {what} exceeds u64") }
+}
+
+/// The chunks of a packed copy of `n_tok` tokens whose plane rows are `rows` (`(packed
+/// coefficient, row bytes per token)`: plane `p` starts at `coefficient * n_tok` in the packed
+/// copy), cut in runs of whole items of at most `max_bytes` (one item at least). Item `k` is
+/// plane `k / n_blk`, block `k % n_blk`, with `n_blk = ceil(n_tok / tokens_per_block)`.
+///
+/// # Errors
+/// `Argument` for `tokens_per_block = 0`; `AddressOverflow` when an offset exceeds `u64`.
+pub fn chunk_ranges(
+    rows: &[(u64, u64)],
+    tokens_per_block: u64,
+    n_tok: u64,
+    max_bytes: u64,
+) -> DisaggResult<Vec<ChunkRange>> {
+    if tokens_per_block == 0 {
+        return Err(DisaggError::argument("tokens_per_block", "tokens_per_block=0"));
+    }
+    let n_blk = n_tok.div_ceil(tokens_per_block);
+    let planes = rows.len() as u64;
+    let total = planes.checked_mul(n_blk).ok_or_else(|| overflow("item count"))?;
+    let row_max = rows.iter().map(|r| r.1).max().unwrap_or(0);
+    let item_max = row_max.checked_mul(tokens_per_block).ok_or_else(|| overflow("item bytes"))?;
+    let per = (max_bytes / item_max.max(1)).max(1);
+    let row_sum = rows.iter().try_fold(0u64, |a, r| a.checked_add(r.1));
+    let packed =
+        row_sum.and_then(|s| s.checked_mul(n_tok)).ok_or_else(|| overflow("packed bytes"))?;
+    let offset = |k: u64| -> DisaggResult<u64> {
+        if k >= total {
+            return Ok(packed);
+        }
+        let (coef, row) = rows[usize::try_from(k / n_blk).map_err(|_| overflow("plane"))?];
+        let tok = ((k % n_blk) * tokens_per_block).min(n_tok);
+        coef.checked_mul(n_tok)
+            .zip(tok.checked_mul(row))
+            .and_then(|(a, b)| a.checked_add(b))
+            .ok_or_else(|| overflow("packed offset"))
+    };
+    let mut out = Vec::with_capacity(usize::try_from(total.div_ceil(per)).unwrap_or(0));
+    let mut k = 0;
+    while k < total {
+        let end = k.saturating_add(per).min(total);
+        out.push([k, end, offset(k)?, offset(end)?]);
+        k = end;
+    }
+    Ok(out)
+}
+
+/// What a stream notification says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamKind {
+    /// Source -> decode: chunk `chunk` is packed in source slot `slot`, `nbytes` bytes at
+    /// `offset` of the source's staging region.
+    Ready = 1,
+    /// Decode -> source: chunk `chunk` is read (and scattered); its slot may be reused.
+    Ack = 2,
+    /// Either way: the sender gave the stream up; the receiver frees its slots.
+    Abort = 3,
+}
+
+/// One notification of a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamMsg {
+    /// What it says.
+    pub kind: StreamKind,
+    /// The stream (the source's id, from its ticket).
+    pub stream: u64,
+    /// The chunk (0 for `Abort`).
+    pub chunk: u64,
+    /// The source slot (`Ready` only).
+    pub slot: u32,
+    /// Where the chunk lies in the source's staging region (`Ready` only).
+    pub offset: u64,
+    /// The chunk's bytes (`Ready` only).
+    pub nbytes: u64,
+}
+
+/// The first bytes of every stream notification (and its format version).
+pub const STREAM_MAGIC: [u8; 4] = *b"DRS1";
+/// Bytes of an encoded [`StreamMsg`].
+pub const STREAM_MSG_LEN: usize = 41;
+
+impl StreamMsg {
+    /// A message without a slot, offset or size (`Ack`, `Abort`).
+    #[must_use]
+    pub fn bare(kind: StreamKind, stream: u64, chunk: u64) -> Self {
+        Self { kind, stream, chunk, slot: 0, offset: 0, nbytes: 0 }
+    }
+
+    /// The fixed little-endian encoding: magic, kind, stream, chunk, slot, offset, nbytes.
+    #[must_use]
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(STREAM_MSG_LEN);
+        out.extend_from_slice(&STREAM_MAGIC);
+        out.push(self.kind as u8);
+        out.extend_from_slice(&self.stream.to_le_bytes());
+        out.extend_from_slice(&self.chunk.to_le_bytes());
+        out.extend_from_slice(&self.slot.to_le_bytes());
+        out.extend_from_slice(&self.offset.to_le_bytes());
+        out.extend_from_slice(&self.nbytes.to_le_bytes());
+        out
+    }
+
+    /// Parse a notification: `Wire` errors (field `stream_msg`) for another length, magic or
+    /// kind, or a bare message (`Ack`, `Abort`) carrying a slot, offset or size.
+    pub fn decode(b: &[u8]) -> DisaggResult<Self> {
+        let bad = |detail: String| DisaggError::wire("stream_msg", detail);
+        if b.len() != STREAM_MSG_LEN {
+            return Err(bad(format!("{} bytes, a stream message has {STREAM_MSG_LEN}", b.len())));
+        }
+        if b[..4] != STREAM_MAGIC {
+            return Err(bad(format!("magic {:?}, expected {:?}", &b[..4], STREAM_MAGIC)));
+        }
+        let u64_at = |at: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[at..at + 8]);
+            u64::from_le_bytes(w)
+        };
+        let mut w = [0u8; 4];
+        w.copy_from_slice(&b[21..25]);
+        let kind = match b[4] {
+            1 => StreamKind::Ready,
+            2 => StreamKind::Ack,
+            3 => StreamKind::Abort,
+            k => return Err(bad(format!("kind {k}, expected 1 (ready), 2 (ack) or 3 (abort)"))),
+        };
+        let msg = Self {
+            kind,
+            stream: u64_at(5),
+            chunk: u64_at(13),
+            slot: u32::from_le_bytes(w),
+            offset: u64_at(25),
+            nbytes: u64_at(33),
+        };
+        if kind != StreamKind::Ready && (msg.slot, msg.offset, msg.nbytes) != (0, 0, 0) {
+            return Err(bad(format!(
+                "a {kind:?} message carries slot={} offset={} nbytes={}, expected zeros",
+                msg.slot, msg.offset, msg.nbytes
+            )));
+        }
+        if kind == StreamKind::Abort && msg.chunk != 0 {
+            return Err(bad(format!("an Abort message carries chunk={}, expected 0", msg.chunk)));
+        }
+        Ok(msg)
+    }
+}
+
+fn check_stream(field: &str, want: u64, msg: &StreamMsg) -> DisaggResult<()> {
+    if msg.stream != want {
+        return Err(DisaggError::wire(
+            field,
+            format!("message of stream {} delivered to stream {want}", msg.stream),
+        ));
+    }
+    Ok(())
+}
+
+fn check_slots(offsets: &[u64]) -> DisaggResult<()> {
+    if offsets.is_empty() || offsets.len() > MAX_STREAM_SLOTS {
+        return Err(DisaggError::argument(
+            "slots",
+            format!("{} slots, a stream holds 1 to {MAX_STREAM_SLOTS}", offsets.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// What the source does with a stream after a poll ([`StreamSource::poll`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceVerdict {
+    /// Keep going: pack the chunks returned beside it.
+    Run,
+    /// Over, nothing to tell: every chunk acknowledged, or the decode gave it up.
+    Over,
+    /// Give it up and tell the decode: a notification off the schedule, or the deadline.
+    GiveUp,
+}
+
+/// The source side of one stream: which chunk to pack next, into which slot, which packed
+/// chunks to announce, and which acknowledgements are valid.
+#[derive(Debug, Clone)]
+pub struct StreamSource {
+    stream: u64,
+    chunks: Vec<ChunkRange>,
+    offsets: Vec<u64>,
+    /// Chunks handed out to pack so far (`0..next`).
+    next: usize,
+    acked: Vec<bool>,
+    acked_count: usize,
+    aborted: bool,
+    /// Packed chunks not announced yet, in order.
+    queued: VecDeque<usize>,
+    closed: bool,
+}
+
+impl StreamSource {
+    /// A stream `stream` of `chunks` through source slots at `offsets` of the staging region.
+    ///
+    /// # Errors
+    /// `Argument` (field `slots`) for no slot or more than [`MAX_STREAM_SLOTS`].
+    pub fn new(stream: u64, chunks: Vec<ChunkRange>, offsets: Vec<u64>) -> DisaggResult<Self> {
+        check_slots(&offsets)?;
+        let n = chunks.len();
+        Ok(Self {
+            stream,
+            chunks,
+            offsets,
+            next: 0,
+            acked: vec![false; n],
+            acked_count: 0,
+            aborted: false,
+            queued: VecDeque::new(),
+            closed: false,
+        })
+    }
+
+    /// Chunks of the stream.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// Whether the stream has no chunk.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    /// The chunks to pack before the ticket is sent (the ticket announces them): the first
+    /// `slots`, `(chunk, slot)`.
+    pub fn first(&mut self) -> Vec<(usize, usize)> {
+        self.packable()
+    }
+
+    /// Claim every chunk whose slot is free now, in order: `(chunk, slot)`. Chunk `k` takes
+    /// slot `k % slots` once chunk `k - slots` is acknowledged. Nothing after an abort.
+    pub fn packable(&mut self) -> Vec<(usize, usize)> {
+        let slots = self.offsets.len();
+        let mut out = Vec::new();
+        while !self.aborted
+            && !self.closed
+            && self.next < self.chunks.len()
+            && (self.next < slots || self.acked[self.next - slots])
+        {
+            out.push((self.next, self.next % slots));
+            self.next += 1;
+        }
+        out
+    }
+
+    /// One poll: take the decode's notifications (`msgs`, in order) and say what to do;
+    /// with [`SourceVerdict::Run`], the chunks to pack now (announced by [`Self::announce`]
+    /// once packed). `expired`: the stream's deadline has passed.
+    pub fn poll(
+        &mut self,
+        msgs: &[Vec<u8>],
+        expired: bool,
+    ) -> (SourceVerdict, Vec<(usize, usize)>) {
+        for m in msgs {
+            if StreamMsg::decode(m).and_then(|m| self.receive(&m)).is_err() {
+                return (SourceVerdict::GiveUp, Vec::new());
+            }
+        }
+        if self.aborted || self.done() {
+            return (SourceVerdict::Over, Vec::new());
+        }
+        if expired {
+            return (SourceVerdict::GiveUp, Vec::new());
+        }
+        let todo = self.packable();
+        self.queued.extend(todo.iter().map(|&(k, _)| k));
+        (SourceVerdict::Run, todo)
+    }
+
+    /// [`Self::poll`] at time `now` of a stream whose deadline is `deadline` (seconds on
+    /// the caller's clock): `(running, give_up, chunks to pack)`; once not running, the
+    /// caller closes the stream ([`Self::close`] with `give_up`).
+    pub fn poll_at(
+        &mut self,
+        msgs: &[Vec<u8>],
+        now: f64,
+        deadline: f64,
+    ) -> (bool, bool, Vec<(usize, usize)>) {
+        let (verdict, todo) = self.poll(msgs, now >= deadline);
+        (verdict == SourceVerdict::Run, verdict == SourceVerdict::GiveUp, todo)
+    }
+
+    /// The `Ready` messages of the queued chunks whose pack has completed: `landed[i]` says
+    /// whether the `i`-th queued chunk's pack has (in order; announcing stops at the first
+    /// that has not).
+    pub fn announce(&mut self, landed: &[bool]) -> Vec<StreamMsg> {
+        let n = landed.iter().take_while(|&&l| l).count().min(self.queued.len());
+        let ks: Vec<usize> = self.queued.drain(..n).collect();
+        ks.into_iter().filter_map(|k| self.ready(k).ok()).collect()
+    }
+
+    /// End the stream (idempotent): the `Abort` to send when `give_up` and the decode may
+    /// still be reading (not every chunk acknowledged, no abort from it); `None` otherwise
+    /// and on every later call.
+    pub fn close(&mut self, give_up: bool) -> Option<StreamMsg> {
+        let first = !self.closed;
+        self.closed = true;
+        self.queued.clear();
+        (first && give_up && !self.done() && !self.aborted)
+            .then(|| StreamMsg::bare(StreamKind::Abort, self.stream, 0))
+    }
+
+    /// The `Ready` message of claimed chunk `chunk`.
+    ///
+    /// # Errors
+    /// `Argument` (field `chunk`) for a chunk not claimed by [`Self::packable`].
+    pub fn ready(&self, chunk: usize) -> DisaggResult<StreamMsg> {
+        if chunk >= self.next {
+            return Err(DisaggError::argument(
+                "chunk",
+                format!("chunk {chunk} is not packed yet ({} claimed)", self.next),
+            ));
+        }
+        let [_, _, lo, hi] = self.chunks[chunk];
+        let slot = chunk % self.offsets.len();
+        Ok(StreamMsg {
+            kind: StreamKind::Ready,
+            stream: self.stream,
+            chunk: chunk as u64,
+            slot: u32::try_from(slot).unwrap_or(u32::MAX),
+            offset: self.offsets[slot],
+            nbytes: hi - lo,
+        })
+    }
+
+    /// Take one message from the decode: an `Ack` of a chunk announced and not acknowledged
+    /// yet, or an `Abort`. Returns the kind.
+    ///
+    /// # Errors
+    /// `Wire` (field `stream_msg.*`) for another stream, a `Ready`, or an `Ack` of a chunk
+    /// not announced or acknowledged twice; nothing changes.
+    pub fn receive(&mut self, msg: &StreamMsg) -> DisaggResult<StreamKind> {
+        check_stream("stream_msg.stream", self.stream, msg)?;
+        match msg.kind {
+            StreamKind::Ready => {
+                Err(DisaggError::wire("stream_msg.kind", "a source received a Ready message"))
+            }
+            StreamKind::Abort => {
+                self.aborted = true;
+                Ok(StreamKind::Abort)
+            }
+            StreamKind::Ack => {
+                let k = usize::try_from(msg.chunk).unwrap_or(usize::MAX);
+                if k >= self.next {
+                    return Err(DisaggError::wire(
+                        "stream_msg.chunk",
+                        format!("Ack of chunk {k}, only {} announced", self.next),
+                    ));
+                }
+                if self.acked[k] {
+                    return Err(DisaggError::wire(
+                        "stream_msg.chunk",
+                        format!("chunk {k} acknowledged twice"),
+                    ));
+                }
+                self.acked[k] = true;
+                self.acked_count += 1;
+                Ok(StreamKind::Ack)
+            }
+        }
+    }
+
+    /// Whether every chunk is acknowledged (the slots may be freed).
+    #[must_use]
+    pub fn done(&self) -> bool {
+        self.acked_count == self.chunks.len()
+    }
+
+    /// Whether the decode gave the stream up.
+    #[must_use]
+    pub fn aborted(&self) -> bool {
+        self.aborted
+    }
+}
+
+/// Where a decode reads its chunks from.
+#[derive(Debug, Clone)]
+enum SinkSource {
+    /// A stream: chunk `k` in source slot `k % offsets.len()`, announced one by one.
+    Stream { id: u64, offsets: Vec<u64> },
+    /// A packed copy held whole at `offset` of the source's region: every chunk is there.
+    Whole { offset: u64 },
+}
+
+/// `([(chunk, decode slot)] to scatter, acks to send, first failure)` of
+/// [`StreamSink::observe`].
+pub type Observed = (Vec<(usize, usize)>, Vec<StreamMsg>, Option<String>);
+
+/// Where one chunk of a decode's read stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Held {
+    Reading(usize),
+    Scattering(usize),
+}
+
+/// The decode side of a chunked read: which announcements are valid (a stream), which chunk
+/// to read next into which of the decode's slots, which reads to scatter, which slots to
+/// free and what to acknowledge.
+#[derive(Debug, Clone)]
+pub struct StreamSink {
+    src: SinkSource,
+    chunks: Vec<ChunkRange>,
+    ready: Vec<bool>,
+    /// Chunks handed out to read so far (`0..next`).
+    next: usize,
+    free: VecDeque<usize>,
+    held: Vec<Option<Held>>,
+    /// Chunks scattering, in the order their scatters were queued.
+    scattering: VecDeque<usize>,
+    landed: usize,
+    aborted: bool,
+    closed: bool,
+}
+
+impl StreamSink {
+    /// The decode side of stream `stream`: `chunks` (computed from the ticket's chunk size
+    /// with [`chunk_ranges`]), the source slots at `src_offsets`, `dst_slots` slots of the
+    /// decode's pool. The chunks the ticket announces (the first `src_offsets.len()`) are
+    /// ready.
+    ///
+    /// # Errors
+    /// `Argument` (field `slots`) for no source slot or more than [`MAX_STREAM_SLOTS`], or no
+    /// decode slot; `Wire` (field `stream.slot_bytes`) when a chunk is larger than a source slot.
+    pub fn new(
+        stream: u64,
+        chunks: Vec<ChunkRange>,
+        src_offsets: Vec<u64>,
+        slot_bytes: u64,
+        dst_slots: usize,
+    ) -> DisaggResult<Self> {
+        check_slots(&src_offsets)?;
+        if let Some([k, _, lo, hi]) = chunks.iter().find(|c| c[3] - c[2] > slot_bytes) {
+            return Err(DisaggError::wire(
+                "stream.slot_bytes",
+                format!("chunk at item {k} has {} bytes, a source slot {slot_bytes}", hi - lo),
+            ));
+        }
+        let first = src_offsets.len();
+        Self::build(
+            SinkSource::Stream { id: stream, offsets: src_offsets },
+            chunks,
+            first,
+            dst_slots,
+        )
+    }
+
+    /// A read of a packed copy held whole at `offset` of the source's staging region, in
+    /// `chunks` through `dst_slots` decode slots: every chunk is ready, nothing is
+    /// acknowledged.
+    ///
+    /// # Errors
+    /// `Argument` (field `slots`) for no decode slot.
+    pub fn whole(chunks: Vec<ChunkRange>, offset: u64, dst_slots: usize) -> DisaggResult<Self> {
+        let n = chunks.len();
+        Self::build(SinkSource::Whole { offset }, chunks, n, dst_slots)
+    }
+
+    fn build(
+        src: SinkSource,
+        chunks: Vec<ChunkRange>,
+        first: usize,
+        dst_slots: usize,
+    ) -> DisaggResult<Self> {
+        if dst_slots == 0 {
+            return Err(DisaggError::argument(
+                "slots",
+                "dst_slots=0: a chunked read goes through one slot at least",
+            ));
+        }
+        let n = chunks.len();
+        let mut ready = vec![false; n];
+        ready[..first.min(n)].fill(true);
+        Ok(Self {
+            src,
+            chunks,
+            ready,
+            next: 0,
+            free: (0..dst_slots).collect(),
+            held: vec![None; n],
+            scattering: VecDeque::new(),
+            landed: 0,
+            aborted: false,
+            closed: false,
+        })
+    }
+
+    fn stream_id(&self) -> Option<u64> {
+        match self.src {
+            SinkSource::Stream { id, .. } => Some(id),
+            SinkSource::Whole { .. } => None,
+        }
+    }
+
+    /// Take one message from the source: a `Ready` that is exactly the schedule's (chunk in
+    /// range and not announced yet, its slot `chunk % slots`, that slot's offset, the chunk's
+    /// size), or an `Abort`. Returns the kind.
+    ///
+    /// # Errors
+    /// `Wire` (field `stream_msg.*`, both values named) otherwise, and for any message to a
+    /// read of a whole copy; nothing changes.
+    pub fn receive(&mut self, msg: &StreamMsg) -> DisaggResult<StreamKind> {
+        let SinkSource::Stream { id, offsets } = &self.src else {
+            return Err(DisaggError::wire(
+                "stream_msg.stream",
+                "a read of a whole copy has no stream",
+            ));
+        };
+        check_stream("stream_msg.stream", *id, msg)?;
+        match msg.kind {
+            StreamKind::Ack => {
+                Err(DisaggError::wire("stream_msg.kind", "a decode received an Ack message"))
+            }
+            StreamKind::Abort => {
+                self.aborted = true;
+                Ok(StreamKind::Abort)
+            }
+            StreamKind::Ready => {
+                let n = self.chunks.len();
+                let k = usize::try_from(msg.chunk).unwrap_or(usize::MAX);
+                if k >= n {
+                    return Err(DisaggError::wire(
+                        "stream_msg.chunk",
+                        format!("Ready of chunk {k}, the stream has {n}"),
+                    ));
+                }
+                if self.ready[k] {
+                    return Err(DisaggError::wire(
+                        "stream_msg.chunk",
+                        format!("chunk {k} announced twice"),
+                    ));
+                }
+                let slot = k % offsets.len();
+                let [_, _, lo, hi] = self.chunks[k];
+                let want = (slot as u64, offsets[slot], hi - lo);
+                let got = (u64::from(msg.slot), msg.offset, msg.nbytes);
+                for (field, w, g) in [
+                    ("stream_msg.slot", want.0, got.0),
+                    ("stream_msg.offset", want.1, got.1),
+                    ("stream_msg.nbytes", want.2, got.2),
+                ] {
+                    if w != g {
+                        return Err(DisaggError::wire(
+                            field,
+                            format!("chunk {k}: the message says {g}, the schedule {w}"),
+                        ));
+                    }
+                }
+                self.ready[k] = true;
+                Ok(StreamKind::Ready)
+            }
+        }
+    }
+
+    /// Take the source's notifications in order; what to fail the read with when the source
+    /// gave the stream up.
+    ///
+    /// # Errors
+    /// The first [`Self::receive`] error (later messages are not taken).
+    pub fn take(&mut self, msgs: &[Vec<u8>]) -> DisaggResult<Option<String>> {
+        for m in msgs {
+            let m = StreamMsg::decode(m)?;
+            self.receive(&m)?;
+        }
+        let id = self.stream_id().unwrap_or(0);
+        Ok(self.aborted.then(|| format!("the source gave stream {id} up")))
+    }
+
+    /// Claim the next chunks to read, in order, while they are ready and a decode slot is
+    /// free: `(chunk, decode slot, source offset, [k_lo, k_hi, lo, hi])`. Nothing after an
+    /// abort or close.
+    pub fn reads(&mut self) -> Vec<(usize, usize, u64, ChunkRange)> {
+        let mut out = Vec::new();
+        while !self.aborted
+            && !self.closed
+            && self.next < self.chunks.len()
+            && self.ready[self.next]
+        {
+            let Some(slot) = self.free.pop_front() else { break };
+            let k = self.next;
+            let c = self.chunks[k];
+            let at = match &self.src {
+                SinkSource::Stream { offsets, .. } => offsets[k % offsets.len()],
+                SinkSource::Whole { offset } => offset.saturating_add(c[2]),
+            };
+            self.held[k] = Some(Held::Reading(slot));
+            out.push((k, slot, at, c));
+            self.next += 1;
+        }
+        out
+    }
+
+    /// Fold the states NIXL reports for reads in flight (`(chunk, state)`, `"DONE"`, `"ERR"`
+    /// or anything else for still running): the chunks to scatter now (each now
+    /// scattering), for a stream the `Ack` of each (the source's slot is free once the read
+    /// has landed here), and the first failure.
+    pub fn observe(&mut self, states: &[(usize, String)]) -> Observed {
+        let id = self.stream_id();
+        let (mut landed, mut acks) = (Vec::new(), Vec::new());
+        for (k, state) in states {
+            let Some(Some(Held::Reading(slot))) = self.held.get(*k).copied() else {
+                return (landed, acks, Some(format!("chunk {k} is not being read")));
+            };
+            match state.as_str() {
+                "DONE" => {
+                    self.held[*k] = Some(Held::Scattering(slot));
+                    self.scattering.push_back(*k);
+                    landed.push((*k, slot));
+                    acks.extend(id.map(|id| StreamMsg::bare(StreamKind::Ack, id, *k as u64)));
+                }
+                "ERR" => return (landed, acks, Some(format!("NIXL reported ERR for chunk {k}"))),
+                _ => {}
+            }
+        }
+        (landed, acks, None)
+    }
+
+    /// Fold which scatters have completed: `completed[i]` for the `i`-th scatter queued and
+    /// not finished yet (scatters complete in the order they were queued; folding stops at
+    /// the first that has not). Frees their slots; returns how many finished.
+    pub fn scattered(&mut self, completed: &[bool]) -> usize {
+        let n = completed.iter().take_while(|&&c| c).count().min(self.scattering.len());
+        for k in self.scattering.drain(..n).collect::<Vec<_>>() {
+            if let Some(Some(Held::Scattering(slot))) = self.held.get(k).copied() {
+                self.free.push_back(slot);
+                self.held[k] = None;
+                self.landed += 1;
+            }
+        }
+        n
+    }
+
+    /// Every chunk, in order.
+    #[must_use]
+    pub fn chunks(&self) -> &[ChunkRange] {
+        &self.chunks
+    }
+
+    /// Whether this reads a stream (not a copy held whole).
+    #[must_use]
+    pub fn is_stream(&self) -> bool {
+        self.stream_id().is_some()
+    }
+
+    /// The stream's id (0 for a read of a whole copy).
+    #[must_use]
+    pub fn id(&self) -> u64 {
+        self.stream_id().unwrap_or(0)
+    }
+
+    /// Chunk `chunk` is read and scattered (both at once): free its decode slot; return the
+    /// `Ack` to send.
+    ///
+    /// # Errors
+    /// `Argument` (field `chunk`) for a chunk not being read.
+    pub fn landed(&mut self, chunk: usize) -> DisaggResult<StreamMsg> {
+        match self.held.get(chunk).copied().flatten() {
+            Some(Held::Reading(s) | Held::Scattering(s)) => {
+                self.held[chunk] = Some(Held::Scattering(s));
+            }
+            None => {
+                return Err(DisaggError::argument(
+                    "chunk",
+                    format!("chunk {chunk} is not being read"),
+                ))
+            }
+        }
+        let id = self.stream_id().unwrap_or(0);
+        self.scattering.retain(|&k| k != chunk);
+        self.scattering.push_front(chunk);
+        self.scattered(&[true]);
+        Ok(StreamMsg::bare(StreamKind::Ack, id, chunk as u64))
+    }
+
+    /// `"DONE"` once every chunk is scattered, else `"PROC"`.
+    #[must_use]
+    pub fn status(&self) -> &'static str {
+        if self.done() {
+            "DONE"
+        } else {
+            "PROC"
+        }
+    }
+
+    /// Whether every chunk is scattered.
+    #[must_use]
+    pub fn done(&self) -> bool {
+        self.landed == self.chunks.len()
+    }
+
+    /// Whether the source gave the stream up.
+    #[must_use]
+    pub fn aborted(&self) -> bool {
+        self.aborted
+    }
+
+    /// End the read (idempotent): the `Abort` to send the source of an unfinished stream it
+    /// has not given up; `None` otherwise and on every later call.
+    pub fn close(&mut self) -> Option<StreamMsg> {
+        let first = !self.closed;
+        self.closed = true;
+        let id = self.stream_id()?;
+        (first && !self.done() && !self.aborted).then(|| StreamMsg::bare(StreamKind::Abort, id, 0))
+    }
+}
+
+/// Stream notifications waiting for their stream, by (peer agent name, stream id): NIXL
+/// hands out every notification of an agent at once, so they are routed here; only open
+/// streams have a mailbox, anything else is dropped (and counted).
+#[derive(Debug, Clone, Default)]
+pub struct StreamMailboxes {
+    boxes: std::collections::BTreeMap<(String, u64), Vec<Vec<u8>>>,
+    dropped: u64,
+}
+
+impl StreamMailboxes {
+    /// Keep the notifications of `stream` from `peer`.
+    pub fn open(&mut self, peer: &str, stream: u64) {
+        self.boxes.entry((peer.to_owned(), stream)).or_default();
+    }
+
+    /// Stop keeping them; later ones are dropped.
+    pub fn close(&mut self, peer: &str, stream: u64) {
+        self.boxes.remove(&(peer.to_owned(), stream));
+    }
+
+    /// Route notifications `(peer, messages)` to their mailboxes.
+    pub fn route(&mut self, notifs: Vec<(String, Vec<Vec<u8>>)>) {
+        for (peer, msgs) in notifs {
+            for m in msgs {
+                let target = StreamMsg::decode(&m)
+                    .ok()
+                    .and_then(|d| self.boxes.get_mut(&(peer.clone(), d.stream)));
+                match target {
+                    Some(b) => b.push(m),
+                    None => self.dropped += 1,
+                }
+            }
+        }
+    }
+
+    /// Take the notifications of `stream` from `peer` received so far, in order.
+    pub fn take(&mut self, peer: &str, stream: u64) -> Vec<Vec<u8>> {
+        self.boxes.get_mut(&(peer.to_owned(), stream)).map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Whether any stream is open.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.boxes.is_empty()
+    }
+
+    /// Notifications dropped so far (no open stream, or not a stream notification).
+    #[must_use]
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+}
+
+#[cfg(test)]
+#[path = "stream_tests.rs"]
+mod tests;

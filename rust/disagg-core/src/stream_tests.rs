@@ -1,0 +1,338 @@
+use super::*;
+use proptest::prelude::*;
+
+/// Plane rows `(coefficient, row)` with coefficients the running sums of the rows.
+fn rows_of(sizes: &[u64]) -> Vec<(u64, u64)> {
+    let mut at = 0;
+    sizes
+        .iter()
+        .map(|&r| {
+            let row = (at, r);
+            at += r;
+            row
+        })
+        .collect()
+}
+
+#[test]
+fn chunks_are_runs_of_whole_items() {
+    // Two planes of 4 and 8 bytes per token, 4 tokens per block, 10 tokens: 3 blocks each.
+    let rows = rows_of(&[4, 8]);
+    let got = chunk_ranges(&rows, 4, 10, 64).unwrap();
+    // Items of at most 32 bytes: 2 per chunk. Plane 0 starts at 0, plane 1 at 40.
+    assert_eq!(got, [[0, 2, 0, 32], [2, 4, 32, 72], [4, 6, 72, 120]]);
+}
+
+#[test]
+fn a_chunk_holds_one_item_when_an_item_exceeds_the_limit() {
+    let got = chunk_ranges(&rows_of(&[16]), 4, 8, 10).unwrap();
+    assert_eq!(got, [[0, 1, 0, 64], [1, 2, 64, 128]]);
+}
+
+#[test]
+fn chunk_ranges_refuse_zero_tokens_per_block() {
+    assert!(matches!(
+        chunk_ranges(&rows_of(&[4]), 0, 8, 64),
+        Err(DisaggError::Argument { field, .. }) if field == "tokens_per_block"
+    ));
+}
+
+#[test]
+fn no_tokens_no_chunks() {
+    assert!(chunk_ranges(&rows_of(&[4]), 4, 0, 64).unwrap().is_empty());
+}
+
+#[test]
+fn messages_round_trip_and_malformed_ones_name_the_field() {
+    let m = StreamMsg {
+        kind: StreamKind::Ready,
+        stream: 7,
+        chunk: 3,
+        slot: 1,
+        offset: 4096,
+        nbytes: 512,
+    };
+    let b = m.encode();
+    assert_eq!(b.len(), STREAM_MSG_LEN);
+    assert_eq!(StreamMsg::decode(&b).unwrap(), m);
+    let wire_err = |b: &[u8]| match StreamMsg::decode(b) {
+        Err(DisaggError::Wire { field, detail }) => (field, detail),
+        other => panic!("expected a Wire error, got {other:?}"),
+    };
+    assert!(wire_err(&b[..40]).1.contains("40 bytes"));
+    let mut bad = b.clone();
+    bad[0] = b'X';
+    assert!(wire_err(&bad).1.contains("magic"));
+    bad = b.clone();
+    bad[4] = 9;
+    assert!(wire_err(&bad).1.contains("kind 9"));
+    let mut ack = StreamMsg::bare(StreamKind::Ack, 7, 3).encode();
+    assert_eq!(StreamMsg::decode(&ack).unwrap().kind, StreamKind::Ack);
+    ack[33] = 1; // an Ack with a size
+    assert!(wire_err(&ack).1.contains("nbytes=1"));
+    let abort = StreamMsg::bare(StreamKind::Abort, 7, 2).encode();
+    assert!(wire_err(&abort).1.contains("chunk=2"));
+}
+
+fn stream_of(n: usize, slots: usize) -> (StreamSource, StreamSink) {
+    let chunks: Vec<ChunkRange> =
+        (0..n as u64).map(|k| [k, k + 1, 100 * k, 100 * k + 100]).collect();
+    let offsets: Vec<u64> = (0..slots as u64).map(|s| 1024 * s).collect();
+    let src = StreamSource::new(5, chunks.clone(), offsets.clone()).unwrap();
+    let sink = StreamSink::new(5, chunks, offsets, 100, 2).unwrap();
+    (src, sink)
+}
+
+#[test]
+fn the_source_reuses_a_slot_only_after_its_chunk_is_acknowledged() {
+    let (mut src, _) = stream_of(5, 2);
+    assert_eq!(src.packable(), [(0, 0), (1, 1)]);
+    assert!(src.packable().is_empty());
+    src.receive(&StreamMsg::bare(StreamKind::Ack, 5, 1)).unwrap();
+    assert!(src.packable().is_empty(), "chunk 2 waits for slot 0 (chunk 0)");
+    src.receive(&StreamMsg::bare(StreamKind::Ack, 5, 0)).unwrap();
+    assert_eq!(src.packable(), [(2, 0), (3, 1)]);
+    assert_eq!(src.ready(3).unwrap().offset, 1024);
+    assert!(src.ready(4).is_err());
+}
+
+#[test]
+fn the_source_refuses_acks_it_cannot_have_earned() {
+    let (mut src, _) = stream_of(5, 2);
+    src.packable();
+    let field = |r: DisaggResult<StreamKind>| match r {
+        Err(DisaggError::Wire { field, .. }) => field,
+        other => panic!("expected a Wire error, got {other:?}"),
+    };
+    assert_eq!(field(src.receive(&StreamMsg::bare(StreamKind::Ack, 5, 2))), "stream_msg.chunk");
+    assert_eq!(field(src.receive(&StreamMsg::bare(StreamKind::Ack, 6, 0))), "stream_msg.stream");
+    src.receive(&StreamMsg::bare(StreamKind::Ack, 5, 0)).unwrap();
+    assert_eq!(field(src.receive(&StreamMsg::bare(StreamKind::Ack, 5, 0))), "stream_msg.chunk");
+    let ready = src.ready(1).unwrap();
+    assert_eq!(field(src.receive(&ready)), "stream_msg.kind");
+    assert_eq!(src.receive(&StreamMsg::bare(StreamKind::Abort, 5, 0)).unwrap(), StreamKind::Abort);
+    assert!(src.aborted() && src.packable().is_empty() && !src.done());
+}
+
+#[test]
+fn the_sink_takes_only_the_schedules_announcements() {
+    let (mut src, mut sink) = stream_of(4, 2);
+    src.packable();
+    let reads = sink.reads();
+    assert_eq!(
+        reads.iter().map(|r| (r.0, r.1, r.2)).collect::<Vec<_>>(),
+        [(0, 0, 0), (1, 1, 1024)]
+    );
+    let ack = sink.landed(0).unwrap();
+    assert!(sink.landed(0).is_err());
+    src.receive(&ack).unwrap();
+    src.packable();
+    let good = src.ready(2).unwrap();
+    for (field, bad) in [
+        ("stream_msg.slot", StreamMsg { slot: 1, ..good }),
+        ("stream_msg.offset", StreamMsg { offset: 1024, ..good }),
+        ("stream_msg.nbytes", StreamMsg { nbytes: 99, ..good }),
+        ("stream_msg.chunk", StreamMsg { chunk: 9, ..good }),
+        ("stream_msg.chunk", StreamMsg { chunk: 1, slot: 1, offset: 1024, ..good }),
+        ("stream_msg.kind", ack),
+    ] {
+        match sink.receive(&bad) {
+            Err(DisaggError::Wire { field: f, .. }) => assert_eq!(f, field, "{bad:?}"),
+            other => panic!("{bad:?}: expected a Wire error, got {other:?}"),
+        }
+    }
+    assert_eq!(sink.receive(&good).unwrap(), StreamKind::Ready);
+    assert_eq!(sink.reads().iter().map(|r| r.0).collect::<Vec<_>>(), [2]);
+}
+
+#[test]
+fn slot_counts_are_bounded() {
+    assert!(StreamSource::new(1, vec![], vec![]).is_err());
+    assert!(StreamSource::new(1, vec![], vec![0; MAX_STREAM_SLOTS + 1]).is_err());
+    assert!(StreamSink::new(1, vec![], vec![0], 8, 0).is_err());
+    assert!(StreamSink::new(1, vec![[0, 1, 0, 9]], vec![0], 8, 1).is_err());
+}
+
+proptest! {
+    #[test]
+    fn chunks_cover_every_item_and_byte_once_within_the_limit(
+        sizes in proptest::collection::vec(1u64..64, 1..6),
+        tpb in 1u64..9, n_tok in 0u64..80, max_bytes in 0u64..2000,
+    ) {
+        let rows = rows_of(&sizes);
+        let chunks = chunk_ranges(&rows, tpb, n_tok, max_bytes).unwrap();
+        let n_blk = n_tok.div_ceil(tpb);
+        let total = rows.len() as u64 * n_blk;
+        let packed = sizes.iter().sum::<u64>() * n_tok;
+        let item_max = sizes.iter().max().unwrap() * tpb;
+        let (mut k, mut at) = (0, 0);
+        for &[k_lo, k_hi, lo, hi] in &chunks {
+            prop_assert_eq!((k_lo, lo), (k, at));
+            prop_assert!(k_hi > k_lo && hi >= lo);
+            prop_assert!(hi - lo <= max_bytes.max(item_max));
+            k = k_hi;
+            at = hi;
+        }
+        prop_assert_eq!((k, at), (total, if total == 0 { 0 } else { packed }));
+    }
+
+    #[test]
+    fn messages_round_trip(kind in 1u8..4, stream: u64, chunk: u64, slot: u32, offset: u64,
+                           nbytes: u64) {
+        let kind = [StreamKind::Ready, StreamKind::Ack, StreamKind::Abort][usize::from(kind) - 1];
+        let m = match kind {
+            StreamKind::Ready => StreamMsg { kind, stream, chunk, slot, offset, nbytes },
+            StreamKind::Ack => StreamMsg::bare(kind, stream, chunk),
+            StreamKind::Abort => StreamMsg::bare(kind, stream, 0),
+        };
+        prop_assert_eq!(StreamMsg::decode(&m.encode()).unwrap(), m);
+    }
+
+    /// Both sides driven in any interleaving: the decode reads a chunk only while the
+    /// source's slot still holds it, every chunk is read once in order, both sides finish.
+    #[test]
+    fn any_interleaving_moves_every_chunk_through_the_right_slot(
+        n in 0usize..30, slots in 1usize..5, dst_slots in 1usize..4,
+        order in proptest::collection::vec(0u8..4, 0..400),
+    ) {
+        let chunks: Vec<ChunkRange> =
+            (0..n as u64).map(|k| [k, k + 1, 10 * k, 10 * k + 10]).collect();
+        let offsets: Vec<u64> = (0..slots as u64).map(|s| 64 * s).collect();
+        let mut src = StreamSource::new(9, chunks.clone(), offsets.clone()).unwrap();
+        let mut sink = StreamSink::new(9, chunks, offsets, 10, dst_slots).unwrap();
+        // What each source slot holds; the ticket's chunks are packed before it is sent.
+        let mut holds: Vec<Option<usize>> = vec![None; slots];
+        for (k, s) in src.packable() {
+            holds[s] = Some(k);
+        }
+        let (mut to_sink, mut to_src): (VecDeque<StreamMsg>, VecDeque<StreamMsg>) =
+            (VecDeque::new(), VecDeque::new());
+        let mut reading: VecDeque<usize> = VecDeque::new();
+        let mut read_order = Vec::new();
+        let steps = order.iter().copied().chain((0..32 * n + 32).map(|i| (i % 4) as u8));
+        for step in steps {
+            match step % 4 {
+                0 => for (k, s) in src.packable() {
+                    prop_assert!(holds[s].is_none_or(|old| src.acked[old]));
+                    holds[s] = Some(k);
+                    to_sink.push_back(src.ready(k).unwrap());
+                },
+                1 => if let Some(m) = to_sink.pop_front() {
+                    sink.receive(&m).unwrap();
+                },
+                2 => {
+                    for (k, _, off, _) in sink.reads() {
+                        let s = k % slots;
+                        prop_assert_eq!(off, 64 * s as u64);
+                        prop_assert_eq!(holds[s], Some(k));
+                        reading.push_back(k);
+                        read_order.push(k);
+                    }
+                    if let Some(k) = reading.pop_front() {
+                        prop_assert_eq!(holds[k % slots], Some(k), "slot reused while read");
+                        to_src.push_back(sink.landed(k).unwrap());
+                    }
+                }
+                _ => if let Some(m) = to_src.pop_front() {
+                    src.receive(&m).unwrap();
+                },
+            }
+        }
+        prop_assert_eq!(read_order, (0..n).collect::<Vec<_>>());
+        prop_assert!(src.done() && sink.done());
+    }
+}
+
+#[test]
+fn a_source_poll_packs_what_acks_free_and_announces_packs_in_order() {
+    let (mut src, _) = stream_of(4, 2);
+    assert_eq!(src.first(), [(0, 0), (1, 1)]);
+    let ack0 = StreamMsg::bare(StreamKind::Ack, 5, 0).encode();
+    let (running, give_up, todo) = src.poll_at(&[ack0], 1.0, 9.0);
+    assert!(running && !give_up);
+    assert_eq!(todo, [(2, 0)]);
+    // The pack of chunk 2 has not completed: nothing is announced yet.
+    assert!(src.announce(&[false]).is_empty());
+    let ready = src.announce(&[true]);
+    assert_eq!(ready.iter().map(|m| (m.chunk, m.offset)).collect::<Vec<_>>(), [(2, 0)]);
+    assert!(src.announce(&[true]).is_empty(), "announced once");
+}
+
+#[test]
+fn a_source_gives_up_at_its_deadline_or_on_a_bad_message_and_tells_the_decode_once() {
+    let (mut src, _) = stream_of(4, 2);
+    src.first();
+    assert_eq!(src.poll_at(&[], 9.0, 9.0), (false, true, vec![]));
+    let abort = src.close(true).unwrap();
+    assert_eq!((abort.kind, abort.stream), (StreamKind::Abort, 5));
+    assert!(src.close(true).is_none(), "close is idempotent");
+
+    let (mut src, _) = stream_of(4, 2);
+    src.first();
+    assert_eq!(src.poll_at(&[b"junk".to_vec()], 0.0, 9.0), (false, true, vec![]));
+    let (mut src, _) = stream_of(4, 2);
+    src.first();
+    let abort = StreamMsg::bare(StreamKind::Abort, 5, 0).encode();
+    assert_eq!(src.poll_at(&[abort], 0.0, 9.0), (false, false, vec![]));
+    assert!(src.close(false).is_none(), "the decode gave it up: nothing to tell");
+}
+
+#[test]
+fn a_whole_copy_is_read_in_chunks_from_its_offset_without_acks() {
+    let chunks: Vec<ChunkRange> = (0..3u64).map(|k| [k, k + 1, 64 * k, 64 * k + 64]).collect();
+    let mut sink = StreamSink::whole(chunks, 4096, 2).unwrap();
+    let reads = sink.reads();
+    assert_eq!(
+        reads.iter().map(|r| (r.0, r.1, r.2)).collect::<Vec<_>>(),
+        [(0, 0, 4096), (1, 1, 4160)]
+    );
+    let (landed, acks, err) = sink.observe(&[(0, "PROC".into()), (1, "DONE".into())]);
+    assert_eq!((landed, acks, err), (vec![(1, 1)], vec![], None), "no ack for a whole copy");
+    // Scatters complete in queue order: chunk 1's slot is free.
+    assert_eq!(sink.scattered(&[true]), 1);
+    assert_eq!(sink.reads().iter().map(|r| (r.0, r.1)).collect::<Vec<_>>(), [(2, 1)]);
+    let (_, _, err) = sink.observe(&[(0, "ERR".into())]);
+    assert!(err.unwrap().contains("ERR for chunk 0"));
+    let (_, _, err) = sink.observe(&[(1, "DONE".into())]);
+    assert!(err.unwrap().contains("chunk 1 is not being read"));
+    assert!(sink.close().is_none() && sink.status() == "PROC");
+    let mut empty = StreamSink::whole(vec![], 0, 1).unwrap();
+    assert_eq!((empty.status(), empty.close()), ("DONE", None));
+}
+
+#[test]
+fn a_decode_acks_each_landed_read_and_tells_an_unfinished_source_once() {
+    let (mut src, mut sink) = stream_of(3, 2);
+    src.first();
+    sink.reads();
+    assert_eq!(sink.take(&[]).unwrap(), None);
+    // A read that landed is acknowledged at once: the source's slot is free.
+    let (_, acks, _) = sink.observe(&[(0, "DONE".into()), (1, "PROC".into())]);
+    assert_eq!(acks.iter().map(|m| (m.kind, m.chunk)).collect::<Vec<_>>(), [(StreamKind::Ack, 0)]);
+    assert_eq!(sink.scattered(&[true, true]), 1, "one scatter queued");
+    let abort = sink.close().unwrap();
+    assert_eq!((abort.kind, abort.stream), (StreamKind::Abort, 5));
+    assert!(sink.close().is_none() && sink.reads().is_empty());
+    let (_, mut gone) = stream_of(3, 2);
+    let msg = StreamMsg::bare(StreamKind::Abort, 5, 0).encode();
+    assert!(gone.take(&[msg]).unwrap().unwrap().contains("gave stream 5 up"));
+    assert!(gone.close().is_none(), "the source gave it up: nothing to tell");
+    assert!(gone.take(&[b"junk".to_vec()]).is_err());
+}
+
+#[test]
+fn mailboxes_keep_the_notifications_of_open_streams_only() {
+    let mut boxes = StreamMailboxes::default();
+    boxes.open("dec", 5);
+    let ack = StreamMsg::bare(StreamKind::Ack, 5, 0).encode();
+    let other = StreamMsg::bare(StreamKind::Ack, 6, 0).encode();
+    boxes.route(vec![
+        ("dec".into(), vec![ack.clone(), other, b"not a stream message".to_vec()]),
+        ("elsewhere".into(), vec![ack.clone()]),
+    ]);
+    assert_eq!(boxes.dropped(), 3);
+    assert_eq!(boxes.take("dec", 5), [ack]);
+    assert!(boxes.take("dec", 5).is_empty());
+    boxes.close("dec", 5);
+    assert!(boxes.is_empty());
+}

@@ -1,0 +1,175 @@
+"""Streamed staging over NIXL: a packed copy several times larger than BOTH staging pools
+moves chunk by chunk through a few slots of each (the prefill packs a chunk and announces it
+with a NIXL notification, the decode reads it, acknowledges it and scatters it, the
+acknowledgement frees the prefill's slot for the next chunk), byte-exact against the
+global-tensor oracle; a decode that gives the pull up mid-stream leaves both pools free.
+
+Real NIXL agents in spawned processes (UCX loopback), host memory, no mocks. The prefill's
+side advances only when it polls (``poll_streams``, what a prefill's turn calls): the tests
+poll both sides in rounds, no sleeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import transport_workers as tw
+from transport_workers import Case, Side, Worker
+
+pytestmark = pytest.mark.slow
+
+TP1 = Case("tp1_to_tp1", (Side(),), (Side(),))
+TP2 = Case("tp2_to_tp1", (Side(2, 0, global_rank=0), Side(2, 1, global_rank=1)), (Side(),))
+#: Packed bytes per source: 40 tokens x 4 layers x 2 x (4 / tp) heads x 8 x 4 bytes.
+PACKED = {"tp1_to_tp1": 40960, "tp2_to_tp1": 20480}
+#: Both pools of a case: the packed copy of every source is five times larger.
+POOL = {"tp1_to_tp1": 8192, "tp2_to_tp1": 4096}
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[list[Worker]]:
+    yield from tw.worker_pool("nixl", ["pre0", "pre1", "dec0"])
+
+
+def _setup(
+    workers: list[Worker], key: str, case: Case
+) -> tuple[list[Worker], Worker, list[dict[str, Any]]]:
+    """Backends of ``case`` with both pools ``POOL``; return the prefill workers, the decode
+    and the tickets of every source (staged for the decode)."""
+    pre, dec = workers[: len(case.srcs)], workers[2]
+    pool = POOL[case.name]
+    metas = [
+        pre[i]("setup", key, case, s, "src", mode="staged", staging_bytes=pool)
+        for i, s in enumerate(case.srcs)
+    ]
+    dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
+    n = case.num_tokens
+    tickets = [
+        tw.stage(pre[i], key, dst_meta, tw.src_ids(case, s), src_metas=metas, num_tokens=n)
+        for i, s in enumerate(case.srcs)
+    ]
+    src_ids = {s.global_rank: tw.src_ids(case, s) for s in case.srcs}
+    tw.pull(dec, key, metas, src_ids, tw.dst_ids(case, case.dsts[0]), num_tokens=n,
+            staged=tickets)  # fmt: skip
+    return pre, dec, tickets
+
+
+def _free(w: Worker, key: str) -> bool:
+    """Whether ``w``'s staging pool holds nothing and runs no stream."""
+    stats = w("call", key, "staging_stats")
+    return bool(stats["in_use"] == stats["ranges"] == stats["streams"] == 0)
+
+
+def _close(pre: list[Worker], dec: Worker, key: str) -> None:
+    for w in pre:
+        w("close", key)
+    dec("close", key)
+
+
+@pytest.mark.parametrize("case", [TP1, TP2], ids=lambda c: c.name)
+def test_a_copy_larger_than_both_pools_streams_byte_exact(
+    workers: list[Worker], case: Case
+) -> None:
+    key = f"stream-{case.name}"
+    pre, dec, tickets = _setup(workers, key, case)
+    try:
+        pool = POOL[case.name]
+        for t in tickets:
+            assert t["staged"] is True and t["nbytes"] == PACKED[case.name] >= 5 * pool
+            st = t["stream"]
+            # Slots of the prefill's own pool, at most half of it.
+            assert len(st["offsets"]) >= 2 and len(st["offsets"]) * st["slot_bytes"] <= pool // 2
+        tw.drive(dec, pre, key)
+        dec("wait", key)
+        stats = dec("stats", key)
+        assert set(stats["modes"].values()) == {"streamed"}
+        chunks = stats["descriptors"] // len(case.srcs)
+        assert chunks * pool >= PACKED[case.name]  # many chunks through the few slots
+        got = dec("buffer", key)
+        assert np.array_equal(got, tw.expected_dst(case, case.dsts[0]).numpy())
+        # Every chunk was acknowledged and every slot is back in both pools, before any
+        # release: the streams ended by themselves.
+        for w in [*pre, dec]:
+            assert _free(w, key)
+        assert [w("call", key, "staging_stats")["streamed"] for w in pre] == [1] * len(pre)
+        for i, t in enumerate(tickets):
+            pre[i]("call", key, "release_staged", t)  # idempotent after the stream ended
+            assert pre[i]("call", key, "staging_stats")["in_use"] == 0
+    finally:
+        _close(pre, dec, key)
+
+
+def test_a_decode_that_gives_up_mid_stream_leaves_both_pools_free(
+    workers: list[Worker],
+) -> None:
+    key = "stream-abort"
+    pre, dec, tickets = _setup(workers, key, TP2)
+    try:
+        for _ in range(3):  # a few chunks move, most do not
+            assert dec("poll", key) is False
+            for w in pre:
+                w("call", key, "poll_streams")
+        assert all(w("call", key, "staging_stats")["streams"] == 1 for w in pre)
+        assert dec("call", key, "staging_stats")["in_use"] > 0
+        dec("cancel", key)
+        assert _free(dec, key)
+        # The prefills learn it from the decode's abort notification on their next polls.
+        for _ in range(tw.DRIVE_ROUNDS):
+            if sum(int(w("call", key, "poll_streams")) for w in pre) == 0:
+                break
+        for w in pre:
+            assert _free(w, key)
+        for i, t in enumerate(tickets):
+            pre[i]("call", key, "release_staged", t)  # nothing left to free: harmless
+    finally:
+        _close(pre, dec, key)
+
+
+def test_releasing_a_stream_no_decode_reads_frees_the_prefill_pool(
+    workers: list[Worker],
+) -> None:
+    """The request's lease or RELEASE_KV ends a stream whose decode never acknowledges."""
+    key = "stream-release"
+    pre, dst = workers[0], workers[2]
+    case = TP1
+    pool = POOL[case.name]
+    meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
+    dst_meta = dst("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
+    try:
+        ticket = tw.stage(pre, key, dst_meta, tw.src_ids(case, case.srcs[0]), src_metas=[meta],
+                          num_tokens=case.num_tokens)  # fmt: skip
+        assert "stream" in ticket
+        assert pre("call", key, "poll_streams") == 1  # no acknowledgement comes
+        assert pre("call", key, "staging_stats")["in_use"] > 0
+        pre("call", key, "release_staged", ticket)
+        assert _free(pre, key)
+        assert pre("call", key, "poll_streams") == 0
+    finally:
+        _close([pre], dst, key)
+
+
+def test_a_stream_no_decode_acknowledges_ends_at_the_prefills_deadline(
+    workers: list[Worker],
+) -> None:
+    """A decode that never acknowledges cannot hold the prefill's slots past ``timeout_s``
+    (0 here: the first poll is past it)."""
+    key = "stream-deadline"
+    pre, dst = workers[0], workers[2]
+    case = TP1
+    pool = POOL[case.name]
+    meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool,
+               timeout_s=0.0)  # fmt: skip
+    dst_meta = dst("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
+    try:
+        ticket = tw.stage(pre, key, dst_meta, tw.src_ids(case, case.srcs[0]), src_metas=[meta],
+                          num_tokens=case.num_tokens)  # fmt: skip
+        assert "stream" in ticket
+        assert pre("call", key, "staging_stats")["streams"] == 1
+        assert pre("call", key, "poll_streams") == 0
+        assert _free(pre, key)
+    finally:
+        _close([pre], dst, key)
