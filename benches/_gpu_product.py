@@ -142,6 +142,14 @@ def _worker(conn: Any, device: int, ipc: bool) -> None:
                     dst_meta, ids, src_metas=src_metas, num_tokens=n
                 )
                 conn.send((True, (ticket, t0, time.perf_counter())))
+            elif cmd == "pump":
+                # The prefill's turn while a decode reads a streamed copy: poll until every
+                # stream of this backend ended (acknowledged, given up or expired).
+                key, limit_s = args
+                polls, until = 0, time.perf_counter() + limit_s
+                while backends[key].poll_streams() and time.perf_counter() < until:
+                    polls += 1
+                conn.send((True, (polls, backends[key].staging_stats())))
             elif cmd == "release":
                 key, ticket = args
                 backends[key].release_staged(ticket)
@@ -293,7 +301,13 @@ class _Proc:
         self.p.start()
 
     def __call__(self, cmd: str, *args: Any) -> Any:
+        self.send(cmd, *args)
+        return self.receive(cmd)
+
+    def send(self, cmd: str, *args: Any) -> None:
         self.conn.send((cmd, args))
+
+    def receive(self, cmd: str) -> Any:
         if not self.conn.poll(600):
             raise TimeoutError(cmd)
         ok, value = self.conn.recv()
@@ -314,12 +328,14 @@ def run_case(
 ) -> dict[str, Any]:
     """One row: ``src_tp`` prefill ranks on ``devices[0]``, the decode on ``devices[1]``."""
     ipc = path == "ipc"
-    mode = {"ipc": "staged", "staged": "staged", "chunked": "staged", "direct": "direct"}[path]
-    staged = path in ("staged", "chunked")
+    mode = {"ipc": "staged", "direct": "direct"}.get(path, "staged")
+    staged = path in ("staged", "chunked", "streamed")
     blocks, src_ids, dst_ids, nbytes = _handoff(tokens, src_tp)
-    staging = 0 if not staged else nbytes // src_tp + (1 << 20)
-    # "chunked": the decode's pool is the default 256 MiB, far smaller than the packed copy.
-    dst_staging = 0 if not staged else (256 << 20 if path == "chunked" else nbytes + (1 << 20))
+    pool = 256 << 20
+    # "streamed": both pools 256 MiB, far smaller than the packed copy: the prefill packs it
+    # chunk by chunk as the decode acknowledges. "chunked": only the decode's pool is.
+    staging = 0 if not staged else (pool if path == "streamed" else nbytes // src_tp + (1 << 20))
+    dst_staging = 0 if not staged else (pool if path != "staged" else nbytes + (1 << 20))
     pres = [_Proc(devices[0], ipc) for _ in range(src_tp)]
     dec = _Proc(devices[1], ipc)
     try:
@@ -341,7 +357,14 @@ def run_case(
                 ]
                 tickets = [o[0] for o in outs]
                 t_start = min(o[1] for o in outs)
+            if path == "streamed":
+                for p in pres:  # each prefill polls its streams while the decode reads
+                    p.send("pump", "kv", 120.0)
             t_call, _, t_end, stats = dec("pull", "kv", src_metas, sids, dst_ids, tokens, tickets)
+            if path == "streamed":
+                pumped = [p.receive("pump") for p in pres]
+                assert all(s["streams"] == 0 for _, s in pumped), pumped
+                assert set(stats["modes"].values()) == {"streamed"}, stats
             if not staged:
                 t_start = t_call
             times.append(t_end - t_start)
