@@ -93,8 +93,8 @@ def test_a_whole_copy_is_read_once_announced_and_an_early_announcement_waits() -
     assert sink.take(boxes.take("pre", 7)) is None
     assert [(k, slot, at) for k, slot, at, _ in sink.reads()] == [(0, 0, 256)]
     with pytest.raises(MetadataError) as info:
-        _core.StreamSink.one_piece({**ticket, "stream": {"id": 1, "chunk_bytes": 8,
-                                                         "slot_bytes": 8, "offsets": [0]}})  # fmt: skip
+        stream = {"id": 1, "chunk_bytes": 8, "slot_bytes": 8, "offsets": [0]}
+        _core.StreamSink.one_piece({**ticket, "stream": stream})
     assert info.value.field == "ticket.ready"
     # A decode that reads the source directly drops what the ticket's stream received.
     boxes.route([("pre", [ready])])
