@@ -189,6 +189,18 @@ def _worker(conn: Any, device: int, ipc: bool) -> None:
                     with open(os.path.join(prof_dir, "submit_profile.txt"), "w") as f:
                         f.write(text.getvalue())
                 conn.send((True, times))
+            elif cmd == "submit_queued":
+                # Host time of back-to-back calls, the GPU queue never drained between them
+                # (each handoff still copying when the next is queued); waited after.
+                key, metas, sids, dids, n, reps = args
+                times, queued = [], []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    queued.append(backends[key].begin_pull_blocks(metas, sids, dids, num_tokens=n))
+                    times.append(time.perf_counter() - t0)
+                for h in queued:
+                    h.wait()
+                conn.send((True, times))
             elif cmd == "check":
                 # dst blocks == the sources' blocks (regenerated from their seeds) head slices.
                 key, sources, dids, n = args
@@ -389,6 +401,8 @@ def run_case(
         if path == "ipc" and src_tp == 2:
             sub = dec("submit_only", "kv", src_metas, sids, dst_ids, tokens, 50)
             out["submit_us"] = statistics.median(sub) * 1e6
+            queued = dec("submit_queued", "kv", src_metas, sids, dst_ids, tokens, 50)
+            out["submit_queued_us"] = statistics.median(queued) * 1e6
         return out
     finally:
         for p in [*pres, dec]:

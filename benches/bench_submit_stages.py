@@ -126,8 +126,8 @@ def main() -> None:
     got = _core.write_pull_ids(host, peers, pr.ranks, ids, dids, tokens, **kw2)
     assert got is not None
     stride, n = got[2], got[3]
-    stage("one async copy of the slot", lambda: dec._ids.push(slot, host, n))
-    dev = dec._ids.push(slot, host, n)
+    stage("ids view of the pinned slot (no copy)", lambda: dec._ids.view(slot, host, n))
+    dev = dec._ids.view(slot, host, n)
     raw = torch._C._cuda_getCurrentRawStream(0)
     launch, first = pr.copies[0]
     stage(

@@ -195,7 +195,7 @@ def test_the_id_uploader_returns_each_array_in_order_on_the_host() -> None:
     assert a.tolist() == [3, 1, 2] and b.tolist() == [7, 8]
 
 
-def _prepared_matches_copy(device: str) -> None:
+def _prepared_matches_copy(device: str, in_place: bool = True) -> None:
     """Three handoffs through one PreparedCopy per source (ids cut at varying alignments from
     one uploader) land exactly what ``copy`` lands."""
     host_bufs, host_dst, src_ids, dst_ids, programs = _case(2, 1, 40, 8, seed=5)
@@ -203,6 +203,7 @@ def _prepared_matches_copy(device: str) -> None:
     bufs = {r: b.to(device) for r, b in host_bufs.items()}
     dst = host_dst.to(device)
     up = dp.IdUploader(torch.device(device))
+    up.in_place = in_place
     plans = {}
     for r, program in programs:
         # Plane offsets are relative to the buffers the program was compiled for.
@@ -231,6 +232,23 @@ def _prepared_matches_copy(device: str) -> None:
         up.settle(slot, None)
         assert torch.equal(got, want)
         assert bool((got != -1).any())
+        # The same ids read where they were written (a taken slot's view: on CUDA the
+        # pinned slot itself, or its copy on the device when in-place reads are off).
+        got.fill_(-1)
+        n = lead + 2 * len(d_ids)
+        slot, host = up.take(n)
+        host[lead:n] = d_ids + s_ids
+        view = up.view(slot, host, n)
+        assert view.device.type == ("cpu" if up.in_place else device)
+        for r in plans:
+            prepared[r](tokens, view[lead + len(d_ids) :], view[lead:])
+        if device == "cuda":
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record()
+            up.settle(slot, ev)
+        else:
+            up.settle(slot, None)
+        assert torch.equal(got, want)
 
 
 def test_a_prepared_copy_lands_what_copy_lands_on_the_host() -> None:
@@ -238,7 +256,25 @@ def test_a_prepared_copy_lands_what_copy_lands_on_the_host() -> None:
 
 
 @pytest.mark.gpu
-def test_a_prepared_copy_launched_again_and_again_lands_what_copy_lands_on_cuda() -> None:
+@pytest.mark.parametrize("in_place", [True, False], ids=["ids-in-pinned-memory", "ids-copied"])
+def test_a_prepared_copy_launched_again_and_again_lands_what_copy_lands_on_cuda(
+    in_place: bool,
+) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    _prepared_matches_copy("cuda")
+    _prepared_matches_copy("cuda", in_place)
+
+
+def test_pinned_ids_are_read_in_place_unless_torch_registers_its_pinned_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(key, raising=False)
+    assert dp.pinned_in_place()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert dp.pinned_in_place()
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(key, "expandable_segments:True, pinned_use_cuda_host_register:True")
+        assert not dp.pinned_in_place()
+        assert not dp.IdUploader(torch.device("cpu")).in_place
+        monkeypatch.delenv(key)

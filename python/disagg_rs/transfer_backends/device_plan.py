@@ -31,6 +31,7 @@ from the same plan (vectorised, no Python loop over blocks).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -348,8 +349,6 @@ def copy(
         return 0
     use = path
     if use == "auto":
-        import os
-
         interp = os.environ.get("TRITON_INTERPRET") == "1"
         use = "triton" if (a.buffer.is_cuda or interp) and _triton() else "torch"
     if use == "torch":
@@ -448,9 +447,10 @@ class PreparedCopy:
         a_set: int = 0,
     ) -> int:
         """Queue the copy of every item of an ``n_tok``-token handoff on the current stream
-        of the device (block ids already on it, one per block index; id set ``j`` of a merged
-        plan at ``j * a_set`` of ``a_ids``); return the bytes. ``stream``: that stream's raw
-        handle when the caller has it (CUDA, device current)."""
+        of the device (block ids on it or in pinned host memory, which the kernel reads in
+        place, one per block index; id set ``j`` of a merged plan at ``j * a_set`` of
+        ``a_ids``); return the bytes. ``stream``: that stream's raw handle when the caller
+        has it (CUDA, device current)."""
         plan = self.plan
         n_blk = plan.num_blocks(n_tok)
         need = (self._sets - 1) * a_set + n_blk
@@ -468,14 +468,15 @@ class PreparedCopy:
         key = (a_ptr % 16 == 0, b_ptr % 16 == 0)
         compiled = self._compiled.get(key)
         if compiled is None or not hasattr(compiled, "run"):
+            # Triton's JIT takes device tensors only: ids in pinned host memory go up once,
+            # for the launch that compiles (same alignment class, so the same kernel).
+            a_ids, b_ids = (x.to(self.device) for x in (a_ids, b_ids))
             self._compiled[key] = _kernel()[(grid,)](
                 self.a_lanes, self.b_lanes, self.table, a_ids, b_ids, n_blk, int(n_tok), tpb, 0,
                 *self._consts, a_set, 0, A_PACKED=False, B_PACKED=False, VEC=self._vec,
                 BLOCK=BLOCK,
             )  # fmt: skip
             return plan.packed_bytes(n_tok)
-        from triton import knobs
-
         # Raw addresses: Triton's launcher then skips a data_ptr() call and a pointer query
         # per tensor (the buffers are held by this object, the ids by the caller). The
         # buffers' alignment is fixed; the ids' is the key.
@@ -483,15 +484,25 @@ class PreparedCopy:
                 a_set, 0, False, False, self._vec, BLOCK)  # fmt: skip
         if stream is None:
             stream = torch.cuda.current_stream(self.device).cuda_stream
-        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-        meta = (
-            None
-            if hooks[0] is None and hooks[1] is None
-            else compiled.launch_metadata((grid, 1, 1), stream, *args)
-        )
+        enter, leave = _launch_hooks()
+        meta = None if enter is None else compiled.launch_metadata((grid, 1, 1), stream, *args)
         compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, meta,
-                     *hooks, *args)  # fmt: skip
+                     enter, leave, *args)  # fmt: skip
         return plan.packed_bytes(n_tok)
+
+
+def _launch_hooks() -> tuple[Any, Any]:
+    """Triton's launch hooks, or ``(None, None)`` when none is registered.
+
+    Triton 3.4 and later keep an empty hook chain rather than ``None``; passed on, an empty
+    chain makes every launch build its launch metadata and call two Python hooks that do
+    nothing (several times the launch itself on the host)."""
+    from triton import knobs
+
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
+        return enter, leave
+    return None, None
 
 
 def _triton() -> bool:
@@ -543,6 +554,17 @@ def copy_torch(plan: DevicePlan, a: Side, b: Side, n_tok: int, k_lo: int, k_hi: 
     torch_copy.scatter_torch(tmp, b.buffer, 0, scatter)
 
 
+def pinned_in_place() -> bool:
+    """Whether kernels may read torch's pinned host memory in place. Torch pins with
+    ``cudaHostAlloc`` by default, memory CUDA maps at the same address for every device; its
+    ``pinned_use_cuda_host_register`` allocator option registers ordinary memory instead,
+    whose device address may differ, and then the ids are copied up."""
+    conf = ",".join(
+        os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    )
+    return "pinned_use_cuda_host_register:true" not in conf.replace(" ", "").lower()
+
+
 class _Busy:
     """The event of a slot handed out and not yet settled: never finished."""
 
@@ -555,7 +577,9 @@ _BUSY = _Busy()
 
 
 class IdUploader:
-    """Block ids to the device through a ring of pinned buffers (one async copy per handoff).
+    """Block ids for the device through a ring of pinned buffers: one async copy per handoff
+    (:meth:`upload`, :meth:`begin`), or none (:meth:`take` + :meth:`view`: kernels read the
+    pinned slot in place, host memory that CUDA maps for every device at the same address).
 
     A slot is reused only once the work that last read it has finished (its event says so);
     a busy ring grows instead of waiting, so the host never blocks on the GPU.
@@ -568,6 +592,8 @@ class IdUploader:
         self._views: list[npt.NDArray[np.int64]] = []
         self._cuts: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor, list[Any]]] = {}
         self._pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: Whether :meth:`view` hands out the pinned slot itself (see :func:`pinned_in_place`).
+        self.in_place = pinned_in_place()
         #: One CUDA event per slot for readers that record their own (``PullRoute``).
         self.events: list[Any] = []
         self._next = 0
@@ -629,15 +655,20 @@ class IdUploader:
             self._slots[slot] = (host, dev, _BUSY)
             return slot, self._views[slot]
 
-    def push(self, slot: int, host: npt.NDArray[np.int64], n: int) -> torch.Tensor:
-        """Queue the copy of the first ``n`` ids of a taken slot (``host``: what
-        :meth:`take` returned) to the device on the current stream; return them there."""
+    def view(self, slot: int, host: npt.NDArray[np.int64], n: int) -> torch.Tensor:
+        """The first ``n`` ids of a taken slot (``host``: what :meth:`take` returned) as a
+        tensor the kernels read in place: the pinned slot itself (its address is valid on
+        every device: CUDA maps pinned allocations into the unified address space), no copy;
+        a copy on the device (queued on the current stream) when :attr:`in_place` is false.
+        The slot stays taken until :meth:`settle` names an event recorded after its readers."""
         if slot < 0:
             return torch.from_numpy(host[:n])
         pair = self._pairs.get(slot)
         if pair is None or pair[0].numel() != n:  # the slot's views of the last size
             h, d, _ = self._slots[slot]
             pair = self._pairs[slot] = (h[:n], cast(torch.Tensor, d)[:n])
+        if self.in_place:
+            return pair[0]
         pair[1].copy_(pair[0], non_blocking=True)
         return pair[1]
 
@@ -674,8 +705,8 @@ class PullRoute:
     lowest buffer address) when they share block size and strides, else each keeps its own
     launch. The merged kernel reads across buffers by address: host tensors need Triton's
     interpreter (the torch twin reads one buffer). Per handoff (:meth:`run`) Rust checks
-    the block ids and writes them straight into a pinned slot of ``uploader``; one async
-    copy and the launch follow.
+    the block ids and writes them straight into a pinned slot of ``uploader``; the launch
+    follows, its kernel reading the ids from that slot in place.
     """
 
     def __init__(
@@ -737,7 +768,7 @@ class PullRoute:
         n_tok, _, stride, n = got
         nbytes = 0
         with torch.cuda.device(self.index):
-            ids = up.push(slot, host, n)
+            ids = up.view(slot, host, n)
             raw = torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
             try:
                 for launch, first in self.copies:

@@ -1,0 +1,323 @@
+"""How to queue one same-host pull with the least host time: the ways of launching the
+device-plan copy of an 8K-token TP2 -> TP1 handoff (80 layers, 8 KV heads, head_dim 128,
+bf16, 64 tokens/block, random block ids), each timed on the host with
+``time.perf_counter_ns``, warm and after 0.5 ms idle, and the GPU time of the copy.
+
+Rows: the library's call (``PullRoute.run``: ids checked and written by Rust, upload,
+launch, event); Triton's launcher alone with prepared arguments; the upload + launch
+captured once in a CUDA graph and replayed; the kernel reading the block ids straight from
+the pinned host slot (no upload); a trivial torch launch as the host's floor. Every variant
+is checked byte-exact against the library's call. Needs a CUDA GPU and NIXL.
+
+Command: ``python benches/bench_launch_paths.py [--device cuda:0] [--repeat 200]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from disagg_rs import _core
+from disagg_rs.transfer_backends.device_plan import BLOCK
+from disagg_rs.transfer_backends.nixl import NixlTransferBackend
+
+LAYERS, HEADS, DIM, TPB = 80, 8, 128, 64
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--repeat", type=int, default=200)
+    args = ap.parse_args()
+    n_blk = 128
+    blocks = n_blk + 8
+    tokens = n_blk * TPB
+    dev_index = torch.device(args.device).index or 0
+
+    def cache(heads: int, fill: bool) -> torch.Tensor:
+        shape = (2, LAYERS, blocks, TPB, heads, DIM)
+        if not fill:
+            return torch.zeros(shape, dtype=torch.bfloat16, device=args.device)
+        return torch.randn(shape, dtype=torch.bfloat16, device=args.device)
+
+    kw: dict[str, Any] = {"num_kv_heads_global": HEADS, "mode": "staged"}
+    dst = cache(HEADS, False)
+    dec = NixlTransferBackend("dec", dst, blocks, **kw)
+    root = NixlTransferBackend(
+        "pre", cache(HEADS // 2, True), blocks, tp_size=2, tp_rank=0, global_rank=0, **kw
+    )
+    other = root.new_registered_buffer(
+        memory_buffer=cache(HEADS // 2, True),
+        expected_num_blocks=blocks,
+        tp_size=2,
+        tp_rank=1,
+        global_rank=1,
+        **kw,
+    )
+    metas = [b.export_meta() for b in (root, other)]
+    rng = np.random.default_rng(0)
+    sids = {r: [int(x) for x in rng.permutation(blocks)[:n_blk]] for r in range(2)}
+    dids = [int(x) for x in rng.permutation(blocks)[:n_blk]]
+    first = dec.begin_pull_blocks(metas, sids, dids, num_tokens=tokens)
+    first.wait()
+    print("modes", first.stats.get("modes"))
+    want = dst.clone()
+
+    def check(name: str) -> None:
+        torch.cuda.synchronize()
+        ok = bool(torch.equal(dst, want))
+        print(f"  {name}: byte-exact {ok}", flush=True)
+        dst.zero_()
+        torch.cuda.synchronize()
+
+    def stage(name: str, fn: Callable[[], Any], idle_s: float = 0.0) -> None:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.repeat):
+            if idle_s:
+                time.sleep(idle_s)
+            t0 = time.perf_counter_ns()
+            fn()
+            times.append(time.perf_counter_ns() - t0)
+            torch.cuda.synchronize()
+        print(f"| {name} | {statistics.median(times) / 1e3:,.1f} |", flush=True)
+
+    def gpu_ms(fn: Callable[[], Any]) -> float:
+        fn()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        out = []
+        for _ in range(10):
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        return statistics.median(out)
+
+    peers, ids = dec._resolve_peers(metas, sids)
+    route = dec._ipc_routes[tuple(map(id, peers))]
+    assert route.copy is not None
+    pr = route.copy
+    assert len(pr.copies) == 1, "the two source ranks' plans should merge"
+    launch, first_set = pr.copies[0]
+    kw2: dict[str, Any] = {
+        "local_num_blocks": dec.expected_num_blocks,
+        "local_tokens_per_block": dec.tokens_per_block,
+        "tokens_per_block": pr.tokens_per_block,
+    }
+    run_kw = {"local_num_blocks": dec.expected_num_blocks, "local_tokens_per_block": TPB}
+    print("| stage (host us, median) | us |\n|---|---:|")
+    stage(
+        "whole call, begin_pull_blocks",
+        lambda: dec.begin_pull_blocks(metas, sids, dids, num_tokens=tokens),
+    )
+    stage(
+        "whole call, after 0.5 ms idle",
+        lambda: dec.begin_pull_blocks(metas, sids, dids, num_tokens=tokens),
+        0.0005,
+    )
+    stage("PullRoute.run", lambda: pr.run(peers, ids, dids, tokens, **run_kw))
+    stage(
+        "PullRoute.run, after 0.5 ms idle",
+        lambda: pr.run(peers, ids, dids, tokens, **run_kw),
+        0.0005,
+    )
+    dst.zero_()
+    pr.run(peers, ids, dids, tokens, **run_kw)
+    check("PullRoute.run")
+
+    # PullRoute.run step by step (the same calls, a timestamp between each).
+    up = dec._ids
+    names = ["ids length", "take slot", "check + write ids (Rust)", "device guard", "ids view",
+             "raw stream", "launch (PreparedCopy)", "event record", "guard exit"]  # fmt: skip
+
+    def steps() -> list[int]:
+        t = [time.perf_counter_ns()]
+        n_ids = _core.pull_ids_len(dids, len(pr.ranks))
+        t.append(time.perf_counter_ns())
+        slot, host = up.take(n_ids)
+        t.append(time.perf_counter_ns())
+        got = _core.write_pull_ids(host, peers, pr.ranks, ids, dids, tokens, **kw2)
+        t.append(time.perf_counter_ns())
+        assert got is not None
+        n_tok, _, stride, n = got
+        with torch.cuda.device(pr.index):
+            t.append(time.perf_counter_ns())
+            dev_ids = up.view(slot, host, n)
+            t.append(time.perf_counter_ns())
+            raw_s = torch._C._cuda_getCurrentRawStream(pr.index)
+            t.append(time.perf_counter_ns())
+            launch(n_tok, dev_ids[(first_set + 1) * stride :], dev_ids, raw_s, a_set=stride)
+            t.append(time.perf_counter_ns())
+            pr._record(slot, raw_s)
+            t.append(time.perf_counter_ns())
+        t.append(time.perf_counter_ns())
+        return [b - a for a, b in itertools.pairwise(t)]
+
+    for idle in (0.0, 0.0005):
+        rows: list[list[int]] = []
+        for _ in range(args.repeat):
+            if idle:
+                time.sleep(idle)
+            rows.append(steps())
+            torch.cuda.synchronize()
+        med = [statistics.median(col) / 1e3 for col in zip(*rows, strict=False)]
+        label = "after 0.5 ms idle" if idle else "warm"
+        parts = ", ".join(f"{nm} {v:.1f}" for nm, v in zip(names, med, strict=False))
+        print(f"PullRoute.run steps ({label}): {parts}; sum {sum(med):.1f}")
+
+    # The ids of one handoff in a slot of the uploader, on the device.
+    n_ids = _core.pull_ids_len(dids, len(pr.ranks))
+    slot, host = dec._ids.take(n_ids)
+    got = _core.write_pull_ids(host, peers, pr.ranks, ids, dids, tokens, **kw2)
+    assert got is not None
+    stride, n = got[2], got[3]
+    hview = dec._ids.view(slot, host, n)
+    dev = hview.to(args.device)
+    raw = torch._C._cuda_getCurrentRawStream(dev_index)
+    stage("ids view of the slot (no copy)", lambda: dec._ids.view(slot, host, n))
+    stage(
+        "PreparedCopy call",
+        lambda: launch(tokens, dev[(first_set + 1) * stride :], dev, raw, a_set=stride),
+    )
+    stage(
+        "PreparedCopy call, after 0.5 ms idle",
+        lambda: launch(tokens, dev[(first_set + 1) * stride :], dev, raw, a_set=stride),
+        0.0005,
+    )
+    dst.zero_()
+    launch(tokens, dev[(first_set + 1) * stride :], dev, raw, a_set=stride)
+    check("PreparedCopy")
+
+    # Triton's launcher alone, arguments prepared once.
+    key = (dev[(first_set + 1) * stride :].data_ptr() % 16 == 0, dev.data_ptr() % 16 == 0)
+    compiled = launch._compiled[key]
+    grid = launch.plan.num_planes * launch.plan.num_blocks(tokens)
+
+    def raw_args_b(a_ptr: int, b_ptr: int) -> tuple[Any, ...]:
+        return (*launch._ptrs, a_ptr, b_ptr, launch.plan.num_blocks(tokens), tokens,
+                launch.plan.tokens_per_block, 0, *launch._consts, stride, 0, False, False,
+                launch._vec, BLOCK)  # fmt: skip
+
+    dev_args = raw_args_b(dev[(first_set + 1) * stride :].data_ptr(), dev.data_ptr())
+
+    def triton_raw(a: tuple[Any, ...] = dev_args) -> None:
+        compiled.run(grid, 1, 1, raw, compiled.function, compiled.packed_metadata, None, None,
+                     None, *a)  # fmt: skip
+
+    stage("Triton launcher alone (compiled.run, prepared arguments)", triton_raw)
+    stage("Triton launcher alone, after 0.5 ms idle", triton_raw, 0.0005)
+    dst.zero_()
+    triton_raw()
+    check("Triton launcher")
+    print(f"  GPU time, ids on the device: {gpu_ms(triton_raw):.3f} ms", flush=True)
+
+    # The kernel reading the ids from the pinned host slot (UVA: host pointer usable on device).
+    hslot = dec._ids._slots[slot][0]
+    host_args = raw_args_b(hslot[(first_set + 1) * stride :].data_ptr(), hslot.data_ptr())
+    stage("launch reading ids from pinned host memory (no upload)", lambda: triton_raw(host_args))
+    stage(
+        "launch reading ids from pinned host memory, after 0.5 ms idle",
+        lambda: triton_raw(host_args),
+        0.0005,
+    )
+    dst.zero_()
+    triton_raw(host_args)
+    check("ids from pinned host memory")
+    print(
+        f"  GPU time, ids in pinned host memory: {gpu_ms(lambda: triton_raw(host_args)):.3f} ms",
+        flush=True,
+    )
+
+    # Upload + launch captured once in a CUDA graph.
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            dev.copy_(hview, non_blocking=True)
+            launch(tokens, dev[(first_set + 1) * stride :], dev, side.cuda_stream, a_set=stride)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    try:
+        with torch.cuda.graph(g):
+            cap = torch.cuda.current_stream().cuda_stream
+            dev.copy_(hview, non_blocking=True)
+            launch(tokens, dev[(first_set + 1) * stride :], dev, cap, a_set=stride)
+        stage("CUDA graph replay (upload + launch)", g.replay)
+        stage("CUDA graph replay, after 0.5 ms idle", g.replay, 0.0005)
+        dst.zero_()
+        g.replay()
+        check("CUDA graph")
+    except Exception as exc:  # report and go on: the other rows stand
+        print(f"  CUDA graph capture failed: {exc!r}", flush=True)
+    dec._ids.settle(slot, None)
+
+    small = torch.zeros(16, device=args.device)
+    # The same variants interleaved (shuffled order each round), so that host drift during
+    # the run weighs on all of them alike: the fair comparison.
+    from triton import knobs
+
+    def triton_with_chains() -> None:  # how a launch with Triton's hook chains passed costs
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        meta = compiled.launch_metadata((grid, 1, 1), raw, *dev_args)
+        compiled.run(grid, 1, 1, raw, compiled.function, compiled.packed_metadata, meta, enter,
+                     leave, *dev_args)  # fmt: skip
+
+    hv = hslot[:n]
+    dev_a, hv_a = dev[(first_set + 1) * stride :], hv[(first_set + 1) * stride :]
+
+    def route_call() -> None:
+        pr.run(peers, ids, dids, tokens, **run_kw)
+
+    variants: dict[str, Callable[[], Any]] = {
+        "PullRoute.run (the library's route call)": route_call,
+        "PreparedCopy, ids on the device": lambda: launch(tokens, dev_a, dev, raw, a_set=stride),
+        "PreparedCopy, ids in the pinned slot": lambda: launch(tokens, hv_a, hv, raw, a_set=stride),
+        "Triton launcher, no hooks": triton_raw,
+        "Triton launcher, empty hook chains passed (as before)": triton_with_chains,
+        "trivial torch launch": lambda: small.add_(1),
+    }
+    order = list(variants)
+    shuffle = np.random.default_rng(1)
+    for idle in (0.0, 0.0005):
+        samples: dict[str, list[int]] = {k: [] for k in order}
+        for _ in range(args.repeat):
+            shuffle.shuffle(order)
+            for k in order:
+                torch.cuda.synchronize()
+                if idle:
+                    time.sleep(idle)
+                t0 = time.perf_counter_ns()
+                variants[k]()
+                samples[k].append(time.perf_counter_ns() - t0)
+        torch.cuda.synchronize()
+        label = "after 0.5 ms idle" if idle else "warm"
+        for k, v in samples.items():
+            q1, med, q3 = np.percentile(np.asarray(v) / 1e3, [25, 50, 75])
+            print(f"| interleaved, {label}: {k} | {med:,.1f} (p25 {q1:,.1f}, p75 {q3:,.1f}) |")
+    stage("baseline: one trivial torch kernel launch", lambda: small.add_(1))
+    stage("baseline: trivial torch launch, after 0.5 ms idle", lambda: small.add_(1), 0.0005)
+    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    cur = torch.cuda.current_stream()
+    stage("event record (kept event)", lambda: ev.record(cur))
+
+    def device_guard() -> None:
+        with torch.cuda.device(dev_index):
+            pass
+
+    stage("torch.cuda.device(i) enter + exit", device_guard)
+    for b in (other, root, dec):
+        b.close()
+
+
+if __name__ == "__main__":
+    main()
