@@ -278,3 +278,45 @@ def test_pinned_ids_are_read_in_place_unless_torch_registers_its_pinned_memory(
         assert not dp.pinned_in_place()
         assert not dp.IdUploader(torch.device("cpu")).in_place
         monkeypatch.delenv(key)
+
+
+class _CountingEvent:
+    """A CUDA event that counts how often it is asked whether it completed."""
+
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.event.record()
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return bool(self.event.query())  # type: ignore[no-untyped-call]
+
+
+@pytest.mark.gpu
+def test_the_id_ring_reuses_only_finished_slots_and_asks_one_event_per_take() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    up = dp.IdUploader(torch.device("cuda"))
+    torch.cuda._sleep(int(3e9))  # type: ignore[no-untyped-call]  # keeps the stream busy
+    taken, events = [], []
+    for _ in range(6):
+        slot, _ = up.take(10)
+        ev = _CountingEvent()
+        up.settle(slot, ev)
+        taken.append(slot)
+        events.append(ev)
+    # Nothing reused while the GPU still runs what read the slots; the oldest slot's event is
+    # the only one asked, once per take, however many are queued.
+    assert len(set(taken)) == 6
+    assert [e.queries for e in events] == [5, 0, 0, 0, 0, 0]
+    torch.cuda.synchronize()
+    slot, host = up.take(10)
+    assert slot in taken and host.size >= 10
+    # A request larger than every free slot gets a new, larger one.
+    big, host = up.take(up.capacity + 1)
+    assert big not in taken and host.size >= up.capacity + 1
+    up.settle(slot, None)
+    up.settle(big, None)
+    again, _ = up.take(up.capacity + 1)
+    assert again == big

@@ -33,9 +33,10 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -565,15 +566,15 @@ def pinned_in_place() -> bool:
     return "pinned_use_cuda_host_register:true" not in conf.replace(" ", "").lower()
 
 
-class _Busy:
-    """The event of a slot handed out and not yet settled: never finished."""
+class _Done:
+    """The event of a slot settled without one: finished."""
 
     @staticmethod
     def query() -> bool:
-        return False
+        return True
 
 
-_BUSY = _Busy()
+_DONE = _Done()
 
 
 class IdUploader:
@@ -582,13 +583,19 @@ class IdUploader:
     pinned slot in place, host memory that CUDA maps for every device at the same address).
 
     A slot is reused only once the work that last read it has finished (its event says so);
-    a busy ring grows instead of waiting, so the host never blocks on the GPU.
+    a busy ring grows instead of waiting, so the host never blocks on the GPU. Settled slots
+    wait in settle order and only the oldest one's event is asked, so taking a slot costs
+    the same however many handoffs are still queued on the GPU.
     """
 
     def __init__(self, device: torch.device, capacity: int = 4096) -> None:
         self.device = device
         self.capacity = int(capacity)
-        self._slots: list[tuple[torch.Tensor, torch.Tensor | None, Any]] = []
+        self._slots: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: Slots free now (their readers finished), and slots settled with an event not yet
+        #: seen complete, oldest first.
+        self._free: list[int] = []
+        self._pending: deque[tuple[int, Any]] = deque()
         self._views: list[npt.NDArray[np.int64]] = []
         self._cuts: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor, list[Any]]] = {}
         self._pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -596,7 +603,6 @@ class IdUploader:
         self.in_place = pinned_in_place()
         #: One CUDA event per slot for readers that record their own (``PullRoute``).
         self.events: list[Any] = []
-        self._next = 0
         self._lock = threading.Lock()
 
     def upload(self, *arrays: npt.ArrayLike) -> list[torch.Tensor]:
@@ -626,12 +632,11 @@ class IdUploader:
         n = starts[-1]
         with self._lock:
             slot = self._slot(n)
-            host, dev, _ = self._slots[slot]
-            self._slots[slot] = (host, dev, _BUSY)
-            view = self._views[slot]
+        host, dev = self._slots[slot]
+        view = self._views[slot]
         for p, at in zip(parts, starts, strict=False):
             view[at : at + p.size] = p
-        if fresh or dev is None:
+        if fresh:
             dev = host[:n].to(self.device, non_blocking=True)
             return [dev[at : at + p.size] for p, at in zip(parts, starts, strict=False)], slot
         # The slot's device views of the last cut, reused while the part sizes repeat.
@@ -651,9 +656,7 @@ class IdUploader:
             return -1, np.zeros(n, dtype=np.int64)
         with self._lock:
             slot = self._slot(n)
-            host, dev, _ = self._slots[slot]
-            self._slots[slot] = (host, dev, _BUSY)
-            return slot, self._views[slot]
+        return slot, self._views[slot]
 
     def view(self, slot: int, host: npt.NDArray[np.int64], n: int) -> torch.Tensor:
         """The first ``n`` ids of a taken slot (``host``: what :meth:`take` returned) as a
@@ -665,8 +668,8 @@ class IdUploader:
             return torch.from_numpy(host[:n])
         pair = self._pairs.get(slot)
         if pair is None or pair[0].numel() != n:  # the slot's views of the last size
-            h, d, _ = self._slots[slot]
-            pair = self._pairs[slot] = (h[:n], cast(torch.Tensor, d)[:n])
+            h, d = self._slots[slot]
+            pair = self._pairs[slot] = (h[:n], d[:n])
         if self.in_place:
             return pair[0]
         pair[1].copy_(pair[0], non_blocking=True)
@@ -676,23 +679,23 @@ class IdUploader:
         """Slot ``slot`` is free once ``event`` (recorded after its readers) has completed."""
         if slot >= 0:
             with self._lock:
-                host, dev, _ = self._slots[slot]
-                self._slots[slot] = (host, dev, event)
+                self._pending.append((slot, event if event is not None else _DONE))
 
     def _slot(self, n: int) -> int:
-        for _ in range(len(self._slots)):
-            idx = self._next % len(self._slots)
-            host, _, ev = self._slots[idx]
-            self._next = idx + 1
-            if host.numel() >= n and (ev is None or ev.query()):
-                return idx
+        """A free slot of at least ``n`` ids (the lock held): the last slot whose readers
+        finished (settled slots are asked oldest first, one event query while the oldest is
+        still running), else a new slot (also when that one is too small: slots hold
+        ``capacity`` ids, more only for the rare larger handoff)."""
+        while self._pending and self._pending[0][1].query():
+            self._free.append(self._pending.popleft()[0])
+        if self._free and self._views[self._free[-1]].size >= n:
+            return self._free.pop()
         size = max(n, self.capacity)
         host = torch.empty(size, dtype=torch.int64).pin_memory()
         dev = torch.empty(size, dtype=torch.int64, device=self.device)
-        self._slots.append((host, dev, None))
+        self._slots.append((host, dev))
         self._views.append(host.numpy())
         self.events.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
-        self._next = len(self._slots)
         return len(self._slots) - 1
 
 
