@@ -14,7 +14,7 @@ Command: ``python benches/bench_launch_paths.py [--device cuda:0] [--repeat 200]
 
 from __future__ import annotations
 
-import argparse
+import functools
 import itertools
 import statistics
 import time
@@ -24,51 +24,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from _ipc_case import TPB, build, options
+from _ipc_case import stage as timed
+from bench_gpu import cuda_ms as gpu_ms
 from disagg_rs import _core
 from disagg_rs.transfer_backends.device_plan import BLOCK
-from disagg_rs.transfer_backends.nixl import NixlTransferBackend
-
-LAYERS, HEADS, DIM, TPB = 80, 8, 128, 64
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--repeat", type=int, default=200)
-    args = ap.parse_args()
-    n_blk = 128
-    blocks = n_blk + 8
-    tokens = n_blk * TPB
+    args = options(__doc__)
     dev_index = torch.device(args.device).index or 0
-
-    def cache(heads: int, fill: bool) -> torch.Tensor:
-        shape = (2, LAYERS, blocks, TPB, heads, DIM)
-        if not fill:
-            return torch.zeros(shape, dtype=torch.bfloat16, device=args.device)
-        return torch.randn(shape, dtype=torch.bfloat16, device=args.device)
-
-    kw: dict[str, Any] = {"num_kv_heads_global": HEADS, "mode": "staged"}
-    dst = cache(HEADS, False)
-    dec = NixlTransferBackend("dec", dst, blocks, **kw)
-    root = NixlTransferBackend(
-        "pre", cache(HEADS // 2, True), blocks, tp_size=2, tp_rank=0, global_rank=0, **kw
-    )
-    other = root.new_registered_buffer(
-        memory_buffer=cache(HEADS // 2, True),
-        expected_num_blocks=blocks,
-        tp_size=2,
-        tp_rank=1,
-        global_rank=1,
-        **kw,
-    )
-    metas = [b.export_meta() for b in (root, other)]
-    rng = np.random.default_rng(0)
-    sids = {r: [int(x) for x in rng.permutation(blocks)[:n_blk]] for r in range(2)}
-    dids = [int(x) for x in rng.permutation(blocks)[:n_blk]]
-    first = dec.begin_pull_blocks(metas, sids, dids, num_tokens=tokens)
-    first.wait()
-    print("modes", first.stats.get("modes"))
+    case = build(args.device, random_sources=True)
+    dec, metas, sids, dids, tokens = case.dec, case.metas, case.sids, case.dids, case.tokens
+    dst = dec.memory_buffer
     want = dst.clone()
+    stage = functools.partial(timed, repeat=args.repeat)
 
     def check(name: str) -> None:
         torch.cuda.synchronize()
@@ -76,31 +46,6 @@ def main() -> None:
         print(f"  {name}: byte-exact {ok}", flush=True)
         dst.zero_()
         torch.cuda.synchronize()
-
-    def stage(name: str, fn: Callable[[], Any], idle_s: float = 0.0) -> None:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.repeat):
-            if idle_s:
-                time.sleep(idle_s)
-            t0 = time.perf_counter_ns()
-            fn()
-            times.append(time.perf_counter_ns() - t0)
-            torch.cuda.synchronize()
-        print(f"| {name} | {statistics.median(times) / 1e3:,.1f} |", flush=True)
-
-    def gpu_ms(fn: Callable[[], Any]) -> float:
-        fn()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        out = []
-        for _ in range(10):
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        return statistics.median(out)
 
     peers, ids = dec._resolve_peers(metas, sids)
     route = dec._ipc_routes[tuple(map(id, peers))]
@@ -122,13 +67,13 @@ def main() -> None:
     stage(
         "whole call, after 0.5 ms idle",
         lambda: dec.begin_pull_blocks(metas, sids, dids, num_tokens=tokens),
-        0.0005,
+        idle_s=0.0005,
     )
     stage("PullRoute.run", lambda: pr.run(peers, ids, dids, tokens, **run_kw))
     stage(
         "PullRoute.run, after 0.5 ms idle",
         lambda: pr.run(peers, ids, dids, tokens, **run_kw),
-        0.0005,
+        idle_s=0.0005,
     )
     dst.zero_()
     pr.run(peers, ids, dids, tokens, **run_kw)
@@ -191,7 +136,7 @@ def main() -> None:
     stage(
         "PreparedCopy call, after 0.5 ms idle",
         lambda: launch(tokens, dev[(first_set + 1) * stride :], dev, raw, a_set=stride),
-        0.0005,
+        idle_s=0.0005,
     )
     dst.zero_()
     launch(tokens, dev[(first_set + 1) * stride :], dev, raw, a_set=stride)
@@ -214,7 +159,7 @@ def main() -> None:
                      None, *a)  # fmt: skip
 
     stage("Triton launcher alone (compiled.run, prepared arguments)", triton_raw)
-    stage("Triton launcher alone, after 0.5 ms idle", triton_raw, 0.0005)
+    stage("Triton launcher alone, after 0.5 ms idle", triton_raw, idle_s=0.0005)
     dst.zero_()
     triton_raw()
     check("Triton launcher")
@@ -227,7 +172,7 @@ def main() -> None:
     stage(
         "launch reading ids from pinned host memory, after 0.5 ms idle",
         lambda: triton_raw(host_args),
-        0.0005,
+        idle_s=0.0005,
     )
     dst.zero_()
     triton_raw(host_args)
@@ -253,7 +198,7 @@ def main() -> None:
             dev.copy_(hview, non_blocking=True)
             launch(tokens, dev[(first_set + 1) * stride :], dev, cap, a_set=stride)
         stage("CUDA graph replay (upload + launch)", g.replay)
-        stage("CUDA graph replay, after 0.5 ms idle", g.replay, 0.0005)
+        stage("CUDA graph replay, after 0.5 ms idle", g.replay, idle_s=0.0005)
         dst.zero_()
         g.replay()
         check("CUDA graph")
@@ -305,7 +250,7 @@ def main() -> None:
             q1, med, q3 = np.percentile(np.asarray(v) / 1e3, [25, 50, 75])
             print(f"| interleaved, {label}: {k} | {med:,.1f} (p25 {q1:,.1f}, p75 {q3:,.1f}) |")
     stage("baseline: one trivial torch kernel launch", lambda: small.add_(1))
-    stage("baseline: trivial torch launch, after 0.5 ms idle", lambda: small.add_(1), 0.0005)
+    stage("baseline: trivial torch launch, after 0.5 ms idle", lambda: small.add_(1), idle_s=0.0005)
     ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
     cur = torch.cuda.current_stream()
     stage("event record (kept event)", lambda: ev.record(cur))
@@ -315,8 +260,7 @@ def main() -> None:
             pass
 
     stage("torch.cuda.device(i) enter + exit", device_guard)
-    for b in (other, root, dec):
-        b.close()
+    case.close()
 
 
 if __name__ == "__main__":

@@ -13,67 +13,22 @@ Command: ``python benches/bench_submit_stages.py [--device cuda:0] [--repeat 200
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-from collections.abc import Callable
+import functools
 from typing import Any
 
 import numpy as np
 import torch
 
+from _ipc_case import TPB, build, options
+from _ipc_case import stage as timed
 from disagg_rs import _core
-from disagg_rs.transfer_backends.nixl import NixlTransferBackend
-
-LAYERS, HEADS, DIM, TPB = 80, 8, 128, 64
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--repeat", type=int, default=200)
-    args = ap.parse_args()
-    n_blk = 128
-    blocks = n_blk + 8
-    tokens = n_blk * TPB
-
-    def cache(heads: int) -> torch.Tensor:
-        shape = (2, LAYERS, blocks, TPB, heads, DIM)
-        return torch.zeros(shape, dtype=torch.bfloat16, device=args.device)
-
-    kw: dict[str, Any] = {"num_kv_heads_global": HEADS, "mode": "staged"}
-    dec = NixlTransferBackend("dec", cache(HEADS), blocks, **kw)
-    root = NixlTransferBackend(
-        "pre", cache(HEADS // 2), blocks, tp_size=2, tp_rank=0, global_rank=0, **kw
-    )
-    other = root.new_registered_buffer(
-        memory_buffer=cache(HEADS // 2),
-        expected_num_blocks=blocks,
-        tp_size=2,
-        tp_rank=1,
-        global_rank=1,
-        **kw,
-    )
-    metas = [b.export_meta() for b in (root, other)]
-    rng = np.random.default_rng(0)
-    sids = {r: [int(x) for x in rng.permutation(blocks)[:n_blk]] for r in range(2)}
-    dids = [int(x) for x in rng.permutation(blocks)[:n_blk]]
-    first = dec.begin_pull_blocks(metas, sids, dids, num_tokens=tokens)
-    first.wait()
-    print("modes", first.stats.get("modes"))
-
-    def stage(name: str, fn: Callable[[], Any], idle_s: float = 0.0) -> None:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.repeat):
-            if idle_s:
-                time.sleep(idle_s)
-            t0 = time.perf_counter_ns()
-            fn()
-            times.append(time.perf_counter_ns() - t0)
-            torch.cuda.synchronize()
-        print(f"| {name} | {statistics.median(times) / 1e3:,.1f} |", flush=True)
+    args = options(__doc__)
+    case = build(args.device)
+    dec, metas, sids, dids, tokens = case.dec, case.metas, case.sids, case.dids, case.tokens
+    stage = functools.partial(timed, repeat=args.repeat)
 
     sa = {r: np.asarray(v) for r, v in sids.items()}
     da = np.asarray(dids)
@@ -150,8 +105,7 @@ def main() -> None:
     stage("record again on a kept event", lambda: ev.record(cur))
     stage("torch.cuda.current_stream()", torch.cuda.current_stream)
     stage("raw current stream", lambda: torch._C._cuda_getCurrentRawStream(0))
-    for b in (other, root, dec):
-        b.close()
+    case.close()
 
 
 if __name__ == "__main__":
