@@ -362,9 +362,10 @@ def run_case(
         dst_meta = dec("make", "kv", blocks, 1, 0, 100, None, dst_staging, mode)
         sids = {r: src_ids[r] for r in range(src_tp)}
         times, ok_all, stats = [], True, {}
+        calls: list[tuple[float, float]] = []  # host time of stage_blocks (slowest rank), pull
         for _ in range(repeat + 1):
             dec("reset", "kv")
-            tickets = []
+            tickets, outs = [], []
             t_start = time.perf_counter()
             if staged:
                 outs = [
@@ -376,7 +377,10 @@ def run_case(
             if path == "streamed":
                 for p in pres:  # each prefill polls its streams while the decode reads
                     p.send("pump", "kv", 120.0)
-            t_call, _, t_end, stats = dec("pull", "kv", src_metas, sids, dst_ids, tokens, tickets)
+            t_call, t_ret, t_end, stats = dec(
+                "pull", "kv", src_metas, sids, dst_ids, tokens, tickets
+            )
+            calls.append((max((o[2] - o[1] for o in outs), default=0.0), t_ret - t_call))
             if path == "streamed":
                 pumped = [p.receive("pump") for p in pres]
                 assert all(s["streams"] == 0 for _, s in pumped), pumped
@@ -402,6 +406,9 @@ def run_case(
             "exact": ok_all,
             "stats": stats,
         }
+        if staged:
+            out["stage_call_us"] = statistics.median(c[0] for c in calls[1:]) * 1e6
+            out["pull_call_us"] = statistics.median(c[1] for c in calls[1:]) * 1e6
         if path == "ipc" and src_tp == 2:
             sub = dec("submit_only", "kv", src_metas, sids, dst_ids, tokens, 50)
             out["submit_us"] = statistics.median(sub) * 1e6

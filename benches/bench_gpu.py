@@ -518,7 +518,8 @@ def product_main(write: str | None, rows: str) -> None:
         "IPC off, one descriptor per (block, plane); "
         "`nccl`: NcclTransferBackend push/pull, chunks through the 256 MiB staging pool.",
         "",
-        "| row | GB | path | GPUs | GB/s | byte-exact | host submit us (median of 50) |",
+        "| row | GB | path | GPUs | GB/s | byte-exact "
+        "| host submit us (ipc: median of 50; staged: median of the repeats) |",
         "|---|---|---|---|---|---|---|",
     ]
     results = {}
@@ -542,6 +543,8 @@ def product_main(write: str | None, rows: str) -> None:
             if "submit_us" in r
             else ""
         )
+        if "stage_call_us" in r:
+            sub = f"stage_blocks {r['stage_call_us']:,.0f} / pull {r['pull_call_us']:,.0f}"
         lines.append(
             f"| {name} | {r['bytes'] / 1e9:.1f} | {path} | GPU{devs[0]}->GPU{devs[1]} "
             f"| {r['gbps']:,.{0 if r['gbps'] >= 10 else 2}f} "
