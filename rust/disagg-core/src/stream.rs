@@ -15,7 +15,12 @@
 //!   acknowledged once its read has landed in the decode's slot, before its scatter);
 //! - [`StreamMsg`]: the notification each side sends, encoded and parsed here.
 //!
-//! The first `slots` chunks are packed before the ticket is sent: the ticket announces them.
+//! Every chunk, the first ones too, is announced by a `Ready` once its pack has completed on
+//! the source: the ticket leaves as soon as the first packs are queued, and the decode reads
+//! nothing before its announcement. A packed copy held whole is announced the same way, as a
+//! stream of one chunk in one slot (the copy's region) that is over once announced
+//! ([`StreamSource::whole`], [`StreamSink::gated`]). A notification may reach the decode
+//! before it has the ticket: [`StreamMailboxes`] keeps it until the stream is opened.
 //! Ranges are half-open `[lo, hi)`.
 
 use std::collections::VecDeque;
@@ -222,6 +227,9 @@ pub struct StreamSource {
     aborted: bool,
     /// Packed chunks not announced yet, in order.
     queued: VecDeque<usize>,
+    announced: usize,
+    /// A packed copy held whole: over once announced (nothing is acknowledged).
+    whole: bool,
     closed: bool,
 }
 
@@ -242,8 +250,31 @@ impl StreamSource {
             acked_count: 0,
             aborted: false,
             queued: VecDeque::new(),
+            announced: 0,
+            whole: false,
             closed: false,
         })
+    }
+
+    /// The announcement of a packed copy held whole (`nbytes` at `offset` of the staging
+    /// region), its pack queued already: one chunk in one slot, announced by
+    /// [`Self::announce`] once the pack has completed; over then (the region stays the
+    /// ticket's, freed when it is released).
+    #[must_use]
+    pub fn whole(stream: u64, offset: u64, nbytes: u64) -> Self {
+        Self {
+            stream,
+            chunks: vec![[0, 0, 0, nbytes]],
+            offsets: vec![offset],
+            next: 1,
+            acked: vec![false],
+            acked_count: 0,
+            aborted: false,
+            queued: VecDeque::from([0]),
+            announced: 0,
+            whole: true,
+            closed: false,
+        }
     }
 
     /// Chunks of the stream.
@@ -258,10 +289,12 @@ impl StreamSource {
         self.chunks.is_empty()
     }
 
-    /// The chunks to pack before the ticket is sent (the ticket announces them): the first
-    /// `slots`, `(chunk, slot)`.
+    /// The chunks to pack before the ticket is sent: the first `slots`, `(chunk, slot)`,
+    /// queued to be announced ([`Self::announce`]) once packed, like every later chunk.
     pub fn first(&mut self) -> Vec<(usize, usize)> {
-        self.packable()
+        let todo = self.packable();
+        self.queued.extend(todo.iter().map(|&(k, _)| k));
+        todo
     }
 
     /// Claim every chunk whose slot is free now, in order: `(chunk, slot)`. Chunk `k` takes
@@ -323,6 +356,7 @@ impl StreamSource {
     pub fn announce(&mut self, landed: &[bool]) -> Vec<StreamMsg> {
         let n = landed.iter().take_while(|&&l| l).count().min(self.queued.len());
         let ks: Vec<usize> = self.queued.drain(..n).collect();
+        self.announced += ks.len();
         ks.into_iter().filter_map(|k| self.ready(k).ok()).collect()
     }
 
@@ -335,6 +369,7 @@ impl StreamSource {
         self.queued.clear();
         (first && give_up && !self.done() && !self.aborted)
             .then(|| StreamMsg::bare(StreamKind::Abort, self.stream, 0))
+            .filter(|_| !self.whole || self.announced == 0)
     }
 
     /// The `Ready` message of claimed chunk `chunk`.
@@ -397,9 +432,13 @@ impl StreamSource {
         }
     }
 
-    /// Whether every chunk is acknowledged (the slots may be freed).
+    /// Whether every chunk is acknowledged (the slots may be freed); a copy held whole:
+    /// whether it is announced.
     #[must_use]
     pub fn done(&self) -> bool {
+        if self.whole {
+            return self.announced == 1;
+        }
         self.acked_count == self.chunks.len()
     }
 
@@ -415,8 +454,9 @@ impl StreamSource {
 enum SinkSource {
     /// A stream: chunk `k` in source slot `k % offsets.len()`, announced one by one.
     Stream { id: u64, offsets: Vec<u64> },
-    /// A packed copy held whole at `offset` of the source's region: every chunk is there.
-    Whole { offset: u64 },
+    /// A packed copy held whole at `offset` of the source's region: every chunk is there
+    /// once `gate`'s announcement `(stream, nbytes of the copy)` has come (at once without).
+    Whole { offset: u64, gate: Option<(u64, u64)> },
 }
 
 /// `([(chunk, decode slot)] to scatter, acks to send, first failure)` of
@@ -438,6 +478,8 @@ pub struct StreamSink {
     src: SinkSource,
     chunks: Vec<ChunkRange>,
     ready: Vec<bool>,
+    /// Announcements taken: by chunk of a stream, one for a copy held whole.
+    announced: Vec<bool>,
     /// Chunks handed out to read so far (`0..next`).
     next: usize,
     free: VecDeque<usize>,
@@ -452,8 +494,7 @@ pub struct StreamSink {
 impl StreamSink {
     /// The decode side of stream `stream`: `chunks` (computed from the ticket's chunk size
     /// with [`chunk_ranges`]), the source slots at `src_offsets`, `dst_slots` slots of the
-    /// decode's pool. The chunks the ticket announces (the first `src_offsets.len()`) are
-    /// ready.
+    /// decode's pool. No chunk is ready before the source announces it.
     ///
     /// # Errors
     /// `Argument` (field `slots`) for no source slot or more than [`MAX_STREAM_SLOTS`], or no
@@ -472,13 +513,7 @@ impl StreamSink {
                 format!("chunk at item {k} has {} bytes, a source slot {slot_bytes}", hi - lo),
             ));
         }
-        let first = src_offsets.len();
-        Self::build(
-            SinkSource::Stream { id: stream, offsets: src_offsets },
-            chunks,
-            first,
-            dst_slots,
-        )
+        Self::build(SinkSource::Stream { id: stream, offsets: src_offsets }, chunks, 0, dst_slots)
     }
 
     /// A read of a packed copy held whole at `offset` of the source's staging region, in
@@ -489,7 +524,31 @@ impl StreamSink {
     /// `Argument` (field `slots`) for no decode slot.
     pub fn whole(chunks: Vec<ChunkRange>, offset: u64, dst_slots: usize) -> DisaggResult<Self> {
         let n = chunks.len();
-        Self::build(SinkSource::Whole { offset }, chunks, n, dst_slots)
+        Self::build(SinkSource::Whole { offset, gate: None }, chunks, n, dst_slots)
+    }
+
+    /// This read of a copy held whole waits for the source's announcement of stream `stream`
+    /// (one `Ready` of chunk 0 in slot 0 at the copy's offset, `nbytes` the copy's size)
+    /// before its first read; a stream reads as before.
+    #[must_use]
+    pub fn gated(mut self, stream: u64, nbytes: u64) -> Self {
+        if let SinkSource::Whole { gate, .. } = &mut self.src {
+            *gate = Some((stream, nbytes));
+            self.ready.fill(false);
+        }
+        self
+    }
+
+    /// The stream whose notifications this read takes: the stream, or the announcement of
+    /// a copy held whole.
+    #[must_use]
+    pub fn mailbox(&self) -> Option<u64> {
+        match self.src {
+            SinkSource::Stream { id, .. } | SinkSource::Whole { gate: Some((id, _)), .. } => {
+                Some(id)
+            }
+            SinkSource::Whole { gate: None, .. } => None,
+        }
     }
 
     fn build(
@@ -511,6 +570,7 @@ impl StreamSink {
             src,
             chunks,
             ready,
+            announced: vec![false; n.max(1)],
             next: 0,
             free: (0..dst_slots).collect(),
             held: vec![None; n],
@@ -534,15 +594,15 @@ impl StreamSink {
     ///
     /// # Errors
     /// `Wire` (field `stream_msg.*`, both values named) otherwise, and for any message to a
-    /// read of a whole copy; nothing changes.
+    /// read of a whole copy that waits for no announcement; nothing changes.
     pub fn receive(&mut self, msg: &StreamMsg) -> DisaggResult<StreamKind> {
-        let SinkSource::Stream { id, offsets } = &self.src else {
+        let Some(id) = self.mailbox() else {
             return Err(DisaggError::wire(
                 "stream_msg.stream",
-                "a read of a whole copy has no stream",
+                "a read of a whole copy without an announcement has no stream",
             ));
         };
-        check_stream("stream_msg.stream", *id, msg)?;
+        check_stream("stream_msg.stream", id, msg)?;
         match msg.kind {
             StreamKind::Ack => {
                 Err(DisaggError::wire("stream_msg.kind", "a decode received an Ack message"))
@@ -552,23 +612,31 @@ impl StreamSink {
                 Ok(StreamKind::Abort)
             }
             StreamKind::Ready => {
-                let n = self.chunks.len();
                 let k = usize::try_from(msg.chunk).unwrap_or(usize::MAX);
+                // The chunk the message may announce, its slot, offset and size.
+                let (n, want) = match &self.src {
+                    SinkSource::Stream { offsets, .. } => {
+                        let n = self.chunks.len();
+                        let slot = k % offsets.len();
+                        let size = self.chunks.get(k).map_or(0, |c| c[3] - c[2]);
+                        (n, (slot as u64, offsets[slot], size))
+                    }
+                    SinkSource::Whole { offset, gate } => {
+                        (1, (0, *offset, gate.map_or(0, |g| g.1)))
+                    }
+                };
                 if k >= n {
                     return Err(DisaggError::wire(
                         "stream_msg.chunk",
                         format!("Ready of chunk {k}, the stream has {n}"),
                     ));
                 }
-                if self.ready[k] {
+                if self.announced[k] {
                     return Err(DisaggError::wire(
                         "stream_msg.chunk",
                         format!("chunk {k} announced twice"),
                     ));
                 }
-                let slot = k % offsets.len();
-                let [_, _, lo, hi] = self.chunks[k];
-                let want = (slot as u64, offsets[slot], hi - lo);
                 let got = (u64::from(msg.slot), msg.offset, msg.nbytes);
                 for (field, w, g) in [
                     ("stream_msg.slot", want.0, got.0),
@@ -582,7 +650,12 @@ impl StreamSink {
                         ));
                     }
                 }
-                self.ready[k] = true;
+                self.announced[k] = true;
+                // A whole copy's one announcement makes every chunk of the read ready.
+                match self.src {
+                    SinkSource::Stream { .. } => self.ready[k] = true,
+                    SinkSource::Whole { .. } => self.ready.fill(true),
+                }
                 Ok(StreamKind::Ready)
             }
         }
@@ -598,7 +671,7 @@ impl StreamSink {
             let m = StreamMsg::decode(m)?;
             self.receive(&m)?;
         }
-        let id = self.stream_id().unwrap_or(0);
+        let id = self.mailbox().unwrap_or(0);
         Ok(self.aborted.then(|| format!("the source gave stream {id} up")))
     }
 
@@ -617,7 +690,7 @@ impl StreamSink {
             let c = self.chunks[k];
             let at = match &self.src {
                 SinkSource::Stream { offsets, .. } => offsets[k % offsets.len()],
-                SinkSource::Whole { offset } => offset.saturating_add(c[2]),
+                SinkSource::Whole { offset, .. } => offset.saturating_add(c[2]),
             };
             self.held[k] = Some(Held::Reading(slot));
             out.push((k, slot, at, c));
@@ -740,37 +813,63 @@ impl StreamSink {
     }
 }
 
+/// Stream notifications kept before their stream is opened here, at most (the oldest goes
+/// first): an announcement may overtake the ticket that names its stream.
+pub const MAX_EARLY_NOTIFS: usize = 4096;
+
 /// Stream notifications waiting for their stream, by (peer agent name, stream id): NIXL
-/// hands out every notification of an agent at once, so they are routed here; only open
-/// streams have a mailbox, anything else is dropped (and counted).
+/// hands out every notification of an agent at once, so they are routed here. One of a
+/// stream not open (yet) is kept among the early ones (at most [`MAX_EARLY_NOTIFS`]) until
+/// the stream opens or closes; anything else is dropped (and counted).
 #[derive(Debug, Clone, Default)]
 pub struct StreamMailboxes {
     boxes: std::collections::BTreeMap<(String, u64), Vec<Vec<u8>>>,
+    early: VecDeque<((String, u64), Vec<u8>)>,
     dropped: u64,
 }
 
 impl StreamMailboxes {
-    /// Keep the notifications of `stream` from `peer`.
+    /// Keep the notifications of `stream` from `peer`, those received early first.
     pub fn open(&mut self, peer: &str, stream: u64) {
-        self.boxes.entry((peer.to_owned(), stream)).or_default();
+        let key = (peer.to_owned(), stream);
+        let (mine, rest): (VecDeque<_>, VecDeque<_>) =
+            std::mem::take(&mut self.early).into_iter().partition(|(k, _)| *k == key);
+        self.early = rest;
+        self.boxes.entry(key).or_default().extend(mine.into_iter().map(|(_, m)| m));
     }
 
-    /// Stop keeping them; later ones are dropped.
+    /// Stop keeping them (the early ones too); later ones wait among the early ones.
     pub fn close(&mut self, peer: &str, stream: u64) {
-        self.boxes.remove(&(peer.to_owned(), stream));
+        let key = (peer.to_owned(), stream);
+        self.boxes.remove(&key);
+        self.early.retain(|(k, _)| *k != key);
+    }
+
+    /// Drop every mailbox and early notification of `peer` (a peer forgotten or replaced:
+    /// its stream ids start over).
+    pub fn forget(&mut self, peer: &str) {
+        self.boxes.retain(|(p, _), _| p != peer);
+        self.early.retain(|((p, _), _)| p != peer);
     }
 
     /// Route notifications `(peer, messages)` to their mailboxes.
     pub fn route(&mut self, notifs: Vec<(String, Vec<Vec<u8>>)>) {
         for (peer, msgs) in notifs {
             for m in msgs {
-                let target = StreamMsg::decode(&m)
-                    .ok()
-                    .and_then(|d| self.boxes.get_mut(&(peer.clone(), d.stream)));
-                match target {
-                    Some(b) => b.push(m),
-                    None => self.dropped += 1,
+                let Ok(d) = StreamMsg::decode(&m) else {
+                    self.dropped += 1;
+                    continue;
+                };
+                let key = (peer.clone(), d.stream);
+                if let Some(b) = self.boxes.get_mut(&key) {
+                    b.push(m);
+                    continue;
                 }
+                if self.early.len() == MAX_EARLY_NOTIFS {
+                    self.early.pop_front();
+                    self.dropped += 1;
+                }
+                self.early.push_back((key, m));
             }
         }
     }
@@ -780,13 +879,20 @@ impl StreamMailboxes {
         self.boxes.get_mut(&(peer.to_owned(), stream)).map(std::mem::take).unwrap_or_default()
     }
 
-    /// Whether any stream is open.
+    /// Whether no stream is open and no notification waits.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.boxes.is_empty()
+        self.boxes.is_empty() && self.early.is_empty()
     }
 
-    /// Notifications dropped so far (no open stream, or not a stream notification).
+    /// Notifications waiting for a stream not open here.
+    #[must_use]
+    pub fn early(&self) -> usize {
+        self.early.len()
+    }
+
+    /// Notifications dropped so far (not a stream notification, or the oldest early one
+    /// past [`MAX_EARLY_NOTIFS`]).
     #[must_use]
     pub fn dropped(&self) -> u64 {
         self.dropped

@@ -118,6 +118,10 @@ fn the_source_refuses_acks_it_cannot_have_earned() {
 fn the_sink_takes_only_the_schedules_announcements() {
     let (mut src, mut sink) = stream_of(4, 2);
     src.packable();
+    assert!(sink.reads().is_empty(), "nothing is read before it is announced");
+    for k in 0..2 {
+        sink.receive(&src.ready(k).unwrap()).unwrap();
+    }
     let reads = sink.reads();
     assert_eq!(
         reads.iter().map(|r| (r.0, r.1, r.2)).collect::<Vec<_>>(),
@@ -200,13 +204,15 @@ proptest! {
         let offsets: Vec<u64> = (0..slots as u64).map(|s| 64 * s).collect();
         let mut src = StreamSource::new(9, chunks.clone(), offsets.clone()).unwrap();
         let mut sink = StreamSink::new(9, chunks, offsets, 10, dst_slots).unwrap();
-        // What each source slot holds; the ticket's chunks are packed before it is sent.
-        let mut holds: Vec<Option<usize>> = vec![None; slots];
-        for (k, s) in src.packable() {
-            holds[s] = Some(k);
-        }
         let (mut to_sink, mut to_src): (VecDeque<StreamMsg>, VecDeque<StreamMsg>) =
             (VecDeque::new(), VecDeque::new());
+        // What each source slot holds; the first chunks are packed as the ticket is sent
+        // and announced like every later one.
+        let mut holds: Vec<Option<usize>> = vec![None; slots];
+        for (k, s) in src.first() {
+            holds[s] = Some(k);
+            to_sink.push_back(src.ready(k).unwrap());
+        }
         let mut reading: VecDeque<usize> = VecDeque::new();
         let mut read_order = Vec::new();
         let steps = order.iter().copied().chain((0..32 * n + 32).map(|i| (i % 4) as u8));
@@ -247,6 +253,10 @@ proptest! {
 fn a_source_poll_packs_what_acks_free_and_announces_packs_in_order() {
     let (mut src, _) = stream_of(4, 2);
     assert_eq!(src.first(), [(0, 0), (1, 1)]);
+    // The first chunks are announced like the others: once their packs have completed.
+    assert!(src.announce(&[false, true]).is_empty(), "announced in order");
+    let ready = src.announce(&[true, true]);
+    assert_eq!(ready.iter().map(|m| (m.chunk, m.offset)).collect::<Vec<_>>(), [(0, 0), (1, 1024)]);
     let ack0 = StreamMsg::bare(StreamKind::Ack, 5, 0).encode();
     let (running, give_up, todo) = src.poll_at(&[ack0], 1.0, 9.0);
     assert!(running && !give_up);
@@ -304,6 +314,9 @@ fn a_whole_copy_is_read_in_chunks_from_its_offset_without_acks() {
 fn a_decode_acks_each_landed_read_and_tells_an_unfinished_source_once() {
     let (mut src, mut sink) = stream_of(3, 2);
     src.first();
+    for m in src.announce(&[true, true]) {
+        sink.receive(&m).unwrap();
+    }
     sink.reads();
     assert_eq!(sink.take(&[]).unwrap(), None);
     // A read that landed is acknowledged at once: the source's slot is free.
@@ -330,9 +343,78 @@ fn mailboxes_keep_the_notifications_of_open_streams_only() {
         ("dec".into(), vec![ack.clone(), other, b"not a stream message".to_vec()]),
         ("elsewhere".into(), vec![ack.clone()]),
     ]);
-    assert_eq!(boxes.dropped(), 3);
+    // Not a stream message: dropped; those of streams not open here wait for them.
+    assert_eq!((boxes.dropped(), boxes.early()), (1, 2));
     assert_eq!(boxes.take("dec", 5), [ack]);
     assert!(boxes.take("dec", 5).is_empty());
     boxes.close("dec", 5);
+    boxes.close("dec", 6);
+    assert_eq!(boxes.early(), 1, "closing a stream drops what came for it early");
+    boxes.forget("elsewhere");
     assert!(boxes.is_empty());
+}
+
+#[test]
+fn an_announcement_that_overtakes_its_ticket_waits_for_its_stream() {
+    let mut boxes = StreamMailboxes::default();
+    let (mut src, mut sink) = stream_of(3, 2);
+    src.first();
+    let ready: Vec<Vec<u8>> = src.announce(&[true, true]).iter().map(StreamMsg::encode).collect();
+    boxes.route(vec![("pre".into(), ready.clone())]);
+    boxes.open("pre", 5);
+    assert_eq!(boxes.take("pre", 5), ready);
+    assert_eq!(sink.take(&ready).unwrap(), None);
+    assert_eq!(sink.reads().len(), 2);
+    // Bounded: the oldest early notification goes first.
+    let mut full = StreamMailboxes::default();
+    let msgs = (0..=MAX_EARLY_NOTIFS as u64)
+        .map(|s| StreamMsg::bare(StreamKind::Abort, s, 0).encode())
+        .collect();
+    full.route(vec![("pre".into(), msgs)]);
+    assert_eq!((full.early(), full.dropped()), (MAX_EARLY_NOTIFS, 1));
+    full.open("pre", 0);
+    assert!(full.take("pre", 0).is_empty(), "stream 0's was the oldest");
+}
+
+#[test]
+fn a_whole_copy_is_read_only_once_announced_and_the_announcement_ends_the_source() {
+    let mut src = StreamSource::whole(7, 512, 192);
+    assert!(src.packable().is_empty() && !src.done());
+    // The pack has not completed: nothing announced, the stream runs.
+    assert!(src.announce(&[false]).is_empty());
+    assert_eq!(src.poll_at(&[], 0.0, 9.0), (true, false, vec![]));
+    let ready = src.announce(&[true]);
+    assert_eq!(
+        ready.iter().map(|m| (m.chunk, m.slot, m.offset, m.nbytes)).collect::<Vec<_>>(),
+        [(0, 0, 512, 192)]
+    );
+    assert!(src.done());
+    assert_eq!(src.poll_at(&[], 1.0, 9.0), (false, false, vec![]));
+    assert!(src.close(true).is_none(), "announced: nothing to tell");
+    // Given up (released) before its pack completed: the decode is told.
+    let mut early = StreamSource::whole(7, 512, 192);
+    assert_eq!(early.close(true).map(|m| m.kind), Some(StreamKind::Abort));
+
+    let chunks: Vec<ChunkRange> = (0..3u64).map(|k| [k, k + 1, 64 * k, 64 * k + 64]).collect();
+    let mut sink = StreamSink::whole(chunks, 512, 2).unwrap().gated(7, 192);
+    assert_eq!(sink.mailbox(), Some(7));
+    assert!(sink.reads().is_empty(), "nothing is read before the announcement");
+    for (field, bad) in [
+        ("stream_msg.offset", StreamMsg { offset: 0, ..ready[0] }),
+        ("stream_msg.nbytes", StreamMsg { nbytes: 64, ..ready[0] }),
+        ("stream_msg.chunk", StreamMsg { chunk: 1, ..ready[0] }),
+        ("stream_msg.stream", StreamMsg { stream: 8, ..ready[0] }),
+    ] {
+        match sink.receive(&bad) {
+            Err(DisaggError::Wire { field: f, .. }) => assert_eq!(f, field, "{bad:?}"),
+            other => panic!("{bad:?}: expected a Wire error, got {other:?}"),
+        }
+    }
+    assert_eq!(sink.receive(&ready[0]).unwrap(), StreamKind::Ready);
+    assert!(sink.receive(&ready[0]).is_err(), "announced twice");
+    assert_eq!(sink.reads().iter().map(|r| (r.0, r.2)).collect::<Vec<_>>(), [(0, 512), (1, 576)]);
+    let (_, acks, _) = sink.observe(&[(0, "DONE".into())]);
+    assert!(acks.is_empty() && sink.close().is_none(), "a whole copy is never acknowledged");
+    let mut plain = StreamSink::whole(vec![[0, 1, 0, 64]], 0, 1).unwrap();
+    assert!(plain.mailbox().is_none() && plain.receive(&ready[0]).is_err());
 }

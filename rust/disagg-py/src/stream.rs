@@ -23,6 +23,14 @@ fn kind_name(k: StreamKind) -> &'static str {
     }
 }
 
+/// `sink` waiting for the announcement `t` names, if any.
+fn gate(sink: StreamSink, t: &StagingTicket) -> StreamSink {
+    match t.ready {
+        Some(id) => sink.gated(id, t.nbytes),
+        None => sink,
+    }
+}
+
 fn bytes<'py>(py: Python<'py>, m: &StreamMsg) -> Bound<'py, PyBytes> {
     PyBytes::new(py, &m.encode())
 }
@@ -59,13 +67,15 @@ pub fn stream_abort_msgs<'py>(
     Ok(t.stream.iter().map(|st| bytes(py, &StreamMsg::bare(StreamKind::Abort, st.id, 0))).collect())
 }
 
-/// What `release_staged` frees for a staging ticket: `(stream id or -1, [offset of a packed
-/// copy held whole])`. `HandoffMetadataError` for a malformed ticket.
+/// What `release_staged` frees for a staging ticket: `(id of its stream or of its
+/// announcement, else -1; [offset of a packed copy held whole])`. `HandoffMetadataError` for
+/// a malformed ticket.
 #[pyfunction]
 pub fn staging_release(ticket: &Bound<'_, PyAny>) -> PyResult<(i64, Vec<u64>)> {
     let t = StagingTicket::parse(&to_wire(ticket, "ticket")?, "ticket").py()?;
     let held = (t.staged && t.stream.is_none()).then_some(t.offset);
-    let id = t.stream.map_or(-1, |st| i64::try_from(st.id).unwrap_or(i64::MAX));
+    let id = t.stream.map(|st| st.id).or(t.ready);
+    let id = id.map_or(-1, |id| i64::try_from(id).unwrap_or(i64::MAX));
     Ok((id, held.into_iter().collect()))
 }
 
@@ -111,7 +121,14 @@ impl PyStreamSource {
     fn packable(&self) -> PyResult<Vec<(usize, usize)>> {
         Ok(lock(&self.inner)?.packable())
     }
-    /// The chunks to pack before the ticket is sent (it announces them): `[(chunk, slot)]`.
+    /// The announcement of a packed copy held whole (`nbytes` at `offset`), its pack
+    /// queued: announced once that pack has completed (`announce([done])`), over then.
+    #[staticmethod]
+    fn whole(stream: u64, offset: u64, nbytes: u64) -> Self {
+        Self { inner: Mutex::new(StreamSource::whole(stream, offset, nbytes)) }
+    }
+    /// The chunks to pack before the ticket is sent, `[(chunk, slot)]`: announced, like
+    /// every later chunk, once their packs have completed (`announce`).
     fn first(&self) -> PyResult<Vec<(usize, usize)>> {
         Ok(lock(&self.inner)?.first())
     }
@@ -188,8 +205,9 @@ impl PyStreamSink {
     /// The read of a staging ticket's packed copy of `n_tok` tokens whose device plan rows
     /// are `rows` (`(packed coefficient, row bytes per token)`) through `dst_slots` slots of
     /// `slot_bytes`: the ticket's stream, cut in its chunk size (each checked against the
-    /// source's slots), else the copy held whole, cut in `slot_bytes`. Raises
-    /// `HandoffMetadataError` for a malformed ticket.
+    /// source's slots), else the copy held whole, cut in `slot_bytes` (read once the ticket's
+    /// announcement has come, when it names one). Raises `HandoffMetadataError` for a
+    /// malformed ticket.
     #[staticmethod]
     fn of_ticket(
         ticket: &Bound<'_, PyAny>,
@@ -204,9 +222,18 @@ impl PyStreamSink {
         let chunks = stream::chunk_ranges(&rows, tokens_per_block, n_tok, size).py()?;
         let sink = match t.stream {
             Some(st) => StreamSink::new(st.id, chunks, st.offsets, st.slot_bytes, dst_slots),
-            None => StreamSink::whole(chunks, t.offset, dst_slots),
+            None => StreamSink::whole(chunks, t.offset, dst_slots).map(|s| gate(s, &t)),
         };
         Ok(Self { inner: Mutex::new(sink.py()?) })
+    }
+    /// The read of a staging ticket's packed copy held whole in one piece, into one slot of
+    /// its size (read once the ticket's announcement has come, when it names one). Raises
+    /// `HandoffMetadataError` for a malformed ticket.
+    #[staticmethod]
+    fn one_piece(ticket: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let t = StagingTicket::parse(&to_wire(ticket, "ticket")?, "ticket").py()?;
+        let sink = StreamSink::whole(vec![[0, 0, 0, t.nbytes]], t.offset, 1).py()?;
+        Ok(Self { inner: Mutex::new(gate(sink, &t)) })
     }
     /// Every chunk `(k_lo, k_hi, byte_lo, byte_hi)`, in order.
     #[getter]
@@ -218,10 +245,11 @@ impl PyStreamSink {
     fn kind(&self) -> PyResult<&'static str> {
         Ok(if lock(&self.inner)?.is_stream() { "streamed" } else { "chunked" })
     }
-    /// The stream's id (0 for a read of a whole copy).
+    /// The stream whose notifications the read takes: its stream's or its announcement's
+    /// id (0 for a read of a whole copy that waits for none).
     #[getter]
     fn stream_id(&self) -> PyResult<u64> {
-        Ok(lock(&self.inner)?.id())
+        Ok(lock(&self.inner)?.mailbox().unwrap_or(0))
     }
     /// Take a notification from the source; return its kind (`"ready"` or `"abort"`).
     /// `MetadataError` naming the field when it is not the schedule's; nothing changes then.
@@ -287,7 +315,8 @@ impl PyStreamSink {
     }
 }
 
-/// Stream notifications by (peer agent name, stream id), for open streams only.
+/// Stream notifications by (peer agent name, stream id): those of open streams, and those
+/// received before their stream opened here.
 #[pyclass(name = "StreamMailboxes", module = "disagg_rs", frozen)]
 pub struct PyStreamMailboxes {
     inner: Mutex<StreamMailboxes>,
@@ -304,10 +333,30 @@ impl PyStreamMailboxes {
         lock(&self.inner)?.open(peer, stream);
         Ok(())
     }
-    /// Stop keeping them.
+    /// Stop keeping them (and drop those received early).
     fn close(&self, peer: &str, stream: u64) -> PyResult<()> {
         lock(&self.inner)?.close(peer, stream);
         Ok(())
+    }
+    /// Stop keeping the notifications of the stream or announcement a staging ticket of
+    /// `peer` names (those received early too); nothing for a ticket that names none.
+    /// `HandoffMetadataError` for a malformed ticket.
+    fn forget_ticket(&self, peer: &str, ticket: &Bound<'_, PyAny>) -> PyResult<()> {
+        let t = StagingTicket::parse(&to_wire(ticket, "ticket")?, "ticket").py()?;
+        if let Some(id) = t.stream.map(|st| st.id).or(t.ready) {
+            lock(&self.inner)?.close(peer, id);
+        }
+        Ok(())
+    }
+    /// Drop every mailbox and early notification of `peer`.
+    fn forget(&self, peer: &str) -> PyResult<()> {
+        lock(&self.inner)?.forget(peer);
+        Ok(())
+    }
+    /// Notifications waiting for a stream not open here.
+    #[getter]
+    fn early(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.early())
     }
     /// Route what NIXL's `get_new_notifs()` returned (`{peer: [bytes, ...]}`).
     fn route(&self, notifs: Vec<(String, Vec<Vec<u8>>)>) -> PyResult<()> {
