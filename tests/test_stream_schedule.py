@@ -89,8 +89,8 @@ def test_a_whole_copy_is_read_once_announced_and_an_early_announcement_waits() -
     boxes = _core.StreamMailboxes()
     boxes.route([("pre", [ready])])
     assert boxes.early == 1 and boxes.dropped == 0
-    boxes.open("pre", 7)
-    assert sink.take(boxes.take("pre", 7)) is None
+    box = boxes.open("pre", 7)
+    assert sink.take(*boxes.take(box)) is None
     assert [(k, slot, at) for k, slot, at, _ in sink.reads()] == [(0, 0, 256)]
     with pytest.raises(MetadataError) as info:
         stream = {"id": 1, "chunk_bytes": 8, "slot_bytes": 8, "offsets": [0]}
@@ -99,4 +99,4 @@ def test_a_whole_copy_is_read_once_announced_and_an_early_announcement_waits() -
     # A decode that reads the source directly drops what the ticket's stream received.
     boxes.route([("pre", [ready])])
     boxes.forget_ticket("pre", ticket)
-    assert boxes.take("pre", 7) == [] and boxes.early == 0
+    assert boxes.take(box) == ([], False) and boxes.early == 0

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import transport_workers as tw
-from transport_workers import Case, Side, Worker
+from transport_workers import Case, Side, Worker, WorkerError
 
 pytestmark = pytest.mark.slow
 
@@ -233,6 +233,74 @@ def test_a_decode_never_reads_a_whole_copy_before_its_announcement(
         dec("cancel", key)
         pre("call", key, "release_staged", ticket)
         assert _free(pre, key) and _free(dec, key)
+    finally:
+        _close([pre], dec, key)
+
+
+def test_a_read_waiting_for_an_announcement_fails_quietly_at_once_when_its_source_is_forgotten(
+    workers: list[Worker],
+) -> None:
+    """A ticket naming an announcement that never comes, then the control plane's peer table
+    no longer names the prefill (declared lost; a restart, a new incarnation, is the same):
+    the decode forgets it and its waiting read fails at its next poll with a ``TransferError``
+    (every part terminal: nothing was posted, nothing may still write; not a timeout that
+    would quarantine the destinations), its staging slot back in the pool at once, the
+    destination untouched."""
+    key = "announce-forgotten"
+    pre, dec = workers[0], workers[2]
+    case, pool = TP1, 1 << 20
+    meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
+    dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
+    n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
+    before = dec("buffer", key)
+    try:
+        ticket = tw.stage(pre, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
+        silent = {**ticket, "ready": ticket["ready"] + 1000}
+        tw.pull(dec, key, [meta], src, tw.dst_ids(case, case.dsts[0]), num_tokens=n,
+                staged=[silent])  # fmt: skip
+        assert dec("poll", key) is False
+        assert not _free(dec, key), "the read holds a slot while it waits"
+        # Still named with the same incarnation: nothing is forgotten.
+        assert meta["agent_name"] not in dec("call", key, "retain_peers", [meta, dst_meta])
+        assert dec("poll", key) is False
+        assert meta["agent_name"] in dec("call", key, "retain_peers", [dst_meta])
+        with pytest.raises(WorkerError) as info:
+            dec("poll", key)
+        assert info.value.kind == "TransferError", info.value
+        assert "is gone" in info.value.message
+        assert _free(dec, key)
+        assert np.array_equal(dec("buffer", key), before)
+        pre("call", key, "release_staged", ticket)
+        assert _free(pre, key)
+    finally:
+        _close([pre], dec, key)
+
+
+def test_a_read_whose_source_never_announces_fails_quietly_at_its_deadline(
+    workers: list[Worker],
+) -> None:
+    """Past the pull's deadline a read that posted nothing (still waiting for the
+    announcement) fails with a ``TransferError``, not a ``TransferTimeout``: it cannot write
+    anything, so its destinations need no quarantine; its slot is back in the pool."""
+    key = "announce-deadline"
+    pre, dec = workers[0], workers[2]
+    case, pool = TP1, 1 << 20
+    meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
+    dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
+    n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
+    try:
+        ticket = tw.stage(pre, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
+        silent = {**ticket, "ready": ticket["ready"] + 1000}
+        # A deadline already passed at the first poll.
+        tw.pull(dec, key, [meta], src, tw.dst_ids(case, case.dsts[0]), num_tokens=n,
+                staged=[silent], timeout_s=0.0)  # fmt: skip
+        with pytest.raises(WorkerError) as info:
+            dec("poll", key)
+        assert info.value.kind == "TransferError", info.value
+        assert "read nothing by the deadline" in info.value.message
+        assert _free(dec, key)
+        pre("call", key, "release_staged", ticket)
+        assert _free(pre, key)
     finally:
         _close([pre], dec, key)
 

@@ -212,7 +212,7 @@ class _NixlAgentContext:
         # Peer agent name -> (incarnation, digest of its metadata, id NIXL gave it).
         self.peers: dict[str, tuple[int, str, str]] = {}
         #: Stream notifications waiting for their stream, by (peer agent name, stream id):
-        #: only streams open on this rank have a mailbox (see :meth:`mail`).
+        #: each stream open on this rank has a mailbox (see :meth:`mail`).
         self.mailboxes = _core.StreamMailboxes()
         self._next_stream = 1
 
@@ -251,8 +251,7 @@ class _NixlAgentContext:
             return
         self._refs -= 1
         if self._refs == 0:
-            for name in list(self.peers):
-                self._forget(name)
+            self._forget(list(self.peers))
             self.agent = None
 
     @property
@@ -271,24 +270,27 @@ class _NixlAgentContext:
         self._next_stream += 1
         return sid
 
-    def mail(self, peer: str, stream: int) -> list[bytes]:
-        """Take the notifications of ``stream`` from ``peer`` received so far, in order.
+    def mail(self, box: int) -> tuple[list[bytes], bool]:
+        """Take what mailbox ``box`` (``mailboxes.open``) received so far, in order, and
+        whether its peer is gone (forgotten since: nothing more will come).
 
-        NIXL hands every notification of the agent out at once: each is routed by the stream
-        named in it (parsed in Rust); one of a stream without a mailbox here (closed, or not
-        a stream notification at all) is dropped.
+        NIXL hands every notification of the agent out at once: each is routed by the peer
+        and stream named in it (parsed in Rust); one of a stream not open here waits for it
+        (bounded), one that is not a stream notification is dropped.
         """
         self.mailboxes.route(list(self.live_agent().get_new_notifs().items()))
-        return self.mailboxes.take(peer, stream)
+        return self.mailboxes.take(box)
 
-    def _forget(self, name: str) -> None:
-        known = self.peers.pop(name, None)
-        self.mailboxes.forget(name)  # a new incarnation numbers its streams anew
-        try:
-            if known is not None and self.agent is not None:
-                self.agent.remove_remote_agent(known[2])
-        except Exception as exc:  # a peer that is gone cannot be disconnected cleanly
-            logger.debug("removing NIXL peer %s: %s", name, exc)
+    def _forget(self, names: Sequence[str]) -> None:
+        """Forget registered peers ``names``: their NIXL registrations, and their streams
+        (a new incarnation numbers its streams anew; those open with this one end)."""
+        for name in names:
+            loaded = self.peers.pop(name)[2]
+            self.mailboxes.forget(name)
+            try:
+                self.agent.remove_remote_agent(loaded)
+            except Exception as exc:  # a peer that is gone cannot be disconnected cleanly
+                logger.debug("removing NIXL peer %s: %s", name, exc)
 
     def ensure_peer(self, meta: PeerMeta) -> str:
         """Register the peer on first use, replacing a stale incarnation; return the id NIXL
@@ -301,7 +303,7 @@ class _NixlAgentContext:
             return known[2]
         if known is not None:
             logger.info("NIXL peer %s changed incarnation %s -> %s", name, known[0], key[0])
-            self._forget(name)
+            self._forget([name])
         try:
             raw = self.live_agent().add_remote_agent(blob)
         except Exception as exc:
@@ -387,8 +389,9 @@ class NixlPullHandle(TransferHandleBase):
         """One label per part, for logs."""
         return [p.context for p in self.parts]
 
-    def _progress(self) -> bool:
-        # Rust folds the part states; Python only runs the calls it asks for.
+    def _progress(self, now: float) -> bool:
+        # Rust folds the part states; Python only runs the calls it asks for. Past the
+        # deadline, a part with nothing in flight fails quietly (``PullParts.settle``).
         parts, fold = self.parts, self.fold
         landed, steps, xfers = fold.begin()
         check = self.agent.check_xfer_state
@@ -400,7 +403,7 @@ class NixlPullHandle(TransferHandleBase):
         settle = fold.after_on_done(
             on_done, [_outcome(cast(Callable[[], Any], parts[i].on_done)) for i in on_done]
         )
-        releases, terminal = fold.settle([parts[i].is_landed() for i in settle])
+        releases, terminal = fold.settle([parts[i].is_landed() for i in settle], now, self.deadline)
         self._apply(releases)
         return terminal
 
@@ -518,6 +521,8 @@ class _ChunkedRead:
         self.remote = int(meta["staging"]["addr"])
         self.sink = _core.StreamSink.whole([], 0, 1)  # nothing to read until :meth:`start`
         self.id = 0
+        #: This read's mailbox (``StreamMailboxes.open``; 0: none opened).
+        self.box = 0
         self.chunks: list[tuple[int, ...]] = []
         #: Reads in flight and scatters queued, by chunk.
         self.xfers: dict[int, Any] = {}
@@ -530,7 +535,7 @@ class _ChunkedRead:
         self.sink, self.land = sink, land
         self.chunks = [tuple(c) for c in self.sink.chunks]
         self.id = int(self.sink.stream_id)
-        self.backend._ctx.mailboxes.open(self.src_name, self.id)
+        self.box = self.backend._ctx.mailboxes.open(self.src_name, self.id)
 
     def _window(self, slot: int, nbytes: int) -> torch.Tensor:
         assert self.backend.staging_buffer is not None
@@ -539,9 +544,14 @@ class _ChunkedRead:
 
     def step(self) -> str:
         """Take the source's announcements, acknowledge and scatter the reads that landed,
-        free the slots whose scatter has completed, read the next chunks."""
+        free the slots whose scatter has completed, read the next chunks; the sink's status
+        (``"WAIT"`` while nothing is in flight). While it waits for an announcement, the source
+        is probed (a NIXL notification, which fails at once when its process is gone). Raises
+        once the source gave the stream up or is gone (its peer forgotten: restarted,
+        declared lost or replaced; or a probe refused)."""
         b = self.backend
-        gone = self.sink.take(b._ctx.mail(self.src_name, self.id))
+        probed = b._notify_all(self.peer, self.sink.probes(b.clock()))
+        gone = self.sink.take(*b._ctx.mail(self.box), probed)
         states = [(k, str(b.agent.check_xfer_state(x))) for k, x in self.xfers.items()]
         landed, acks, error = self.sink.observe(states)
         b._notify_all(self.peer, acks)  # the source's slots are free once the reads landed
@@ -570,7 +580,7 @@ class _ChunkedRead:
         _settle(self.events)  # a scatter still queued reads its slot
         self.xfers, self.events = {}, []
         b._notify_all(self.peer, self.sink.close())
-        b._ctx.mailboxes.close(self.src_name, self.id)
+        b._ctx.mailboxes.close(self.box)
         b.arena.free_all(self.offsets)
         self.offsets = []
 
@@ -612,7 +622,7 @@ class _StreamOut:
         self.deadline = backend.clock() + backend.timeout_s
         #: Completion of each packed chunk not announced yet, in order.
         self.events: list[Any] = []
-        backend._ctx.mailboxes.open(peer, self.id)
+        self.box = backend._ctx.mailboxes.open(peer, self.id)
 
     def announce(self) -> None:
         """Announce the queued chunks whose packs have completed (in order)."""
@@ -624,11 +634,11 @@ class _StreamOut:
 
     def step(self) -> bool:
         """Take the decode's notifications, pack what they freed, announce finished packs;
-        ``True`` once the stream is over (every chunk acknowledged, given up or expired: the
-        slots are free again)."""
+        ``True`` once the stream is over (every chunk acknowledged, given up, expired, or its
+        decode gone: the slots are free again)."""
         b = self.backend
-        mail = b._ctx.mail(self.peer, self.id)
-        running, give_up, todo = self.src.poll(mail, b.clock(), self.deadline)
+        mail, gone = b._ctx.mail(self.box)
+        running, give_up, todo = self.src.poll(mail, b.clock(), self.deadline, gone)
         self.events += self.pack(todo)
         self.announce()
         if running:
@@ -643,7 +653,7 @@ class _StreamOut:
         b._notify_all(self.peer, self.src.close(give_up))
         _settle(self.events)  # a pack still queued writes its slot
         self.events = []
-        b._ctx.mailboxes.close(self.peer, self.id)
+        b._ctx.mailboxes.close(self.box)
         b.arena.free_all(self.offsets)
         self.offsets = []
 
@@ -1079,12 +1089,22 @@ class NixlTransferBackend(TransferBackendBase):
         streams.update(running)
         return len(streams)
 
-    def _notify_all(self, peer: str, msgs: Sequence[bytes]) -> None:
-        """Send NIXL notifications to ``peer`` in order; one that cannot be sent (a peer that
-        is gone) is dropped: its stream then ends at its deadline or release."""
-        for msg in msgs:
-            with contextlib.suppress(Exception):
-                self.agent.send_notif(peer, msg)
+    def retain_peers(self, peer_meta: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Forget every NIXL peer registered here that ``peer_meta`` (every peer buffer the
+        control plane's peer table names now) no longer names (declared lost) or names with
+        another incarnation (restarted); return their agent names. A read waiting for a
+        forgotten peer's announcement fails at its next poll, quietly (it posted nothing);
+        one with reads in flight aborts them; a stream this rank serves it ends."""
+        named = {str(m.get("agent_name")): int(m.get("incarnation", 0)) for m in peer_meta}
+        stale = _core.stale_peers({n: k[0] for n, k in self._ctx.peers.items()}, named)
+        self._ctx._forget(stale)
+        return stale
+
+    def _notify_all(self, peer: str, msgs: Sequence[bytes]) -> list[tuple[bool, str]]:
+        """Send NIXL notifications to ``peer`` in order; ``(sent, error)`` of each. One that
+        cannot be sent (a peer that is gone) is dropped: its stream then ends at its deadline
+        or release (a probe's failure ends a read at once: ``StreamSink.take``)."""
+        return [_outcome(functools.partial(self.agent.send_notif, peer, m)) for m in msgs]
 
     def staging_stats(self) -> dict[str, int]:
         """The staging pool now: bytes reserved, ranges reserved, streams running (copies

@@ -117,6 +117,14 @@ pub const STREAM_MAGIC: [u8; 4] = *b"DRS1";
 /// Bytes of an encoded [`StreamMsg`].
 pub const STREAM_MSG_LEN: usize = 41;
 
+/// The liveness probe a decode sends the source it waits for ([`StreamSink::probes`]): not a
+/// stream message (the source's mailboxes drop it uncounted); sending it fails at once when
+/// the source's process is gone, which ends the wait then rather than at its deadline.
+pub const STREAM_PROBE: &[u8] = b"DRS1probe";
+
+/// Seconds between two probes of a read waiting for an announcement.
+pub const PROBE_INTERVAL_S: f64 = 0.1;
+
 impl StreamMsg {
     /// A message without a slot, offset or size (`Ack`, `Abort`).
     #[must_use]
@@ -315,12 +323,18 @@ impl StreamSource {
 
     /// One poll: take the decode's notifications (`msgs`, in order) and say what to do;
     /// with [`SourceVerdict::Run`], the chunks to pack now (announced by [`Self::announce`]
-    /// once packed). `expired`: the stream's deadline has passed.
+    /// once packed). `gone`: the decode's peer was forgotten (over, nothing to tell it);
+    /// `expired`: the stream's deadline has passed.
     pub fn poll(
         &mut self,
         msgs: &[Vec<u8>],
+        gone: bool,
         expired: bool,
     ) -> (SourceVerdict, Vec<(usize, usize)>) {
+        if gone {
+            self.aborted = true;
+            return (SourceVerdict::Over, Vec::new());
+        }
         for m in msgs {
             if StreamMsg::decode(m).and_then(|m| self.receive(&m)).is_err() {
                 return (SourceVerdict::GiveUp, Vec::new());
@@ -343,10 +357,11 @@ impl StreamSource {
     pub fn poll_at(
         &mut self,
         msgs: &[Vec<u8>],
+        gone: bool,
         now: f64,
         deadline: f64,
     ) -> (bool, bool, Vec<(usize, usize)>) {
-        let (verdict, todo) = self.poll(msgs, now >= deadline);
+        let (verdict, todo) = self.poll(msgs, gone, now >= deadline);
         (verdict == SourceVerdict::Run, verdict == SourceVerdict::GiveUp, todo)
     }
 
@@ -489,6 +504,8 @@ pub struct StreamSink {
     landed: usize,
     aborted: bool,
     closed: bool,
+    /// When the last probe went ([`Self::probes`]).
+    probed: Option<f64>,
 }
 
 impl StreamSink {
@@ -578,6 +595,7 @@ impl StreamSink {
             landed: 0,
             aborted: false,
             closed: false,
+            probed: None,
         })
     }
 
@@ -661,17 +679,31 @@ impl StreamSink {
         }
     }
 
-    /// Take the source's notifications in order; what to fail the read with when the source
-    /// gave the stream up.
+    /// Take the source's notifications in order ([`StreamMailboxes::take`]); what to fail
+    /// the read with when the source gave the stream up or is gone: its peer forgotten
+    /// (`gone`), or a probe to it refused (`probed`: the outcome of sending each of
+    /// [`Self::probes`], `(sent, error)`). Nothing more will come then; the read is over and
+    /// nothing is sent back.
     ///
     /// # Errors
     /// The first [`Self::receive`] error (later messages are not taken).
-    pub fn take(&mut self, msgs: &[Vec<u8>]) -> DisaggResult<Option<String>> {
+    pub fn take(
+        &mut self,
+        msgs: &[Vec<u8>],
+        gone: bool,
+        probed: &[(bool, String)],
+    ) -> DisaggResult<Option<String>> {
+        let id = self.mailbox().unwrap_or(0);
+        let refused = probed.iter().find(|(sent, _)| !sent).map(|(_, e)| e.as_str());
+        if (gone || refused.is_some()) && !self.done() {
+            self.aborted = true;
+            let why = refused.unwrap_or("restarted, declared lost or forgotten");
+            return Ok(Some(format!("the source of stream {id} is gone ({why})")));
+        }
         for m in msgs {
             let m = StreamMsg::decode(m)?;
             self.receive(&m)?;
         }
-        let id = self.mailbox().unwrap_or(0);
         Ok(self.aborted.then(|| format!("the source gave stream {id} up")))
     }
 
@@ -781,14 +813,41 @@ impl StreamSink {
         Ok(StreamMsg::bare(StreamKind::Ack, id, chunk as u64))
     }
 
-    /// `"DONE"` once every chunk is scattered, else `"PROC"`.
+    /// `"DONE"` once every chunk is scattered; `"WAIT"` while nothing is read or scattered
+    /// (no READ in flight, no scatter queued: waiting for an announcement, so nothing of this
+    /// read can write a destination or a slot now); else `"PROC"`.
     #[must_use]
     pub fn status(&self) -> &'static str {
         if self.done() {
             "DONE"
+        } else if self.quiet() {
+            "WAIT"
         } else {
             "PROC"
         }
+    }
+
+    /// The probes to send the source now: one while this read waits for an announcement
+    /// (nothing in flight, the next chunk not announced), at most every
+    /// [`PROBE_INTERVAL_S`] of the caller's clock (`now`), the first at once.
+    pub fn probes(&mut self, now: f64) -> Vec<Vec<u8>> {
+        let waiting = !self.aborted
+            && !self.closed
+            && self.quiet()
+            && self.ready.get(self.next).is_some_and(|&r| !r);
+        let due = self.probed.is_none_or(|at| now - at >= PROBE_INTERVAL_S);
+        if !(waiting && due) {
+            return Vec::new();
+        }
+        self.probed = Some(now);
+        vec![STREAM_PROBE.to_vec()]
+    }
+
+    /// Whether nothing of this read is in flight: no READ posted and not landed, no scatter
+    /// queued and not completed.
+    #[must_use]
+    pub fn quiet(&self) -> bool {
+        self.held.iter().all(Option::is_none)
     }
 
     /// Whether every chunk is scattered.
@@ -817,38 +876,98 @@ impl StreamSink {
 /// first): an announcement may overtake the ticket that names its stream.
 pub const MAX_EARLY_NOTIFS: usize = 4096;
 
+/// The peers of `known` (agent name to the incarnation registered here) that `current` (the
+/// control plane's peer table now, agent name to incarnation) no longer names, or names with
+/// another incarnation: declared lost, or restarted. They are to be forgotten (their streams
+/// end, [`StreamMailboxes::forget`]). In name order.
+#[must_use]
+pub fn stale_peers(
+    known: &std::collections::BTreeMap<String, u64>,
+    current: &std::collections::BTreeMap<String, u64>,
+) -> Vec<String> {
+    known
+        .iter()
+        .filter(|(name, inc)| current.get(*name) != Some(inc))
+        .map(|(n, _)| n.clone())
+        .collect()
+}
+
+/// One open mailbox: whose notifications it takes, what it holds, and whether its peer was
+/// forgotten since it opened.
+#[derive(Debug, Clone)]
+struct Mailbox {
+    key: (String, u64),
+    msgs: Vec<Vec<u8>>,
+    gone: bool,
+}
+
+/// What [`StreamMailboxes::take`] hands out: the notifications received so far, in order,
+/// and whether the peer was forgotten (restarted, declared lost or replaced by a new
+/// incarnation) since the mailbox opened: nothing more will come, the stream is over.
+pub type Mail = (Vec<Vec<u8>>, bool);
+
 /// Stream notifications waiting for their stream, by (peer agent name, stream id): NIXL
 /// hands out every notification of an agent at once, so they are routed here. One of a
 /// stream not open (yet) is kept among the early ones (at most [`MAX_EARLY_NOTIFS`]) until
 /// the stream opens or closes; anything else is dropped (and counted).
+///
+/// Each open stream has its own mailbox, named by the id [`Self::open`] returns: a peer
+/// forgotten ([`Self::forget`]) numbers its streams anew, so its open mailboxes stop taking
+/// notifications (a new incarnation's stream of the same id opens a mailbox of its own) and
+/// say the peer is gone.
 #[derive(Debug, Clone, Default)]
 pub struct StreamMailboxes {
-    boxes: std::collections::BTreeMap<(String, u64), Vec<Vec<u8>>>,
+    boxes: std::collections::BTreeMap<u64, Mailbox>,
+    /// The mailbox taking the notifications of each (peer, stream) now.
+    routes: std::collections::BTreeMap<(String, u64), u64>,
     early: VecDeque<((String, u64), Vec<u8>)>,
+    next: u64,
     dropped: u64,
 }
 
 impl StreamMailboxes {
-    /// Keep the notifications of `stream` from `peer`, those received early first.
-    pub fn open(&mut self, peer: &str, stream: u64) {
+    /// Open a mailbox for the notifications of `stream` from `peer`, those received early
+    /// first; its id. A later mailbox of the same stream takes its notifications from then on.
+    pub fn open(&mut self, peer: &str, stream: u64) -> u64 {
         let key = (peer.to_owned(), stream);
         let (mine, rest): (VecDeque<_>, VecDeque<_>) =
             std::mem::take(&mut self.early).into_iter().partition(|(k, _)| *k == key);
         self.early = rest;
-        self.boxes.entry(key).or_default().extend(mine.into_iter().map(|(_, m)| m));
+        self.next += 1;
+        let msgs = mine.into_iter().map(|(_, m)| m).collect();
+        self.routes.insert(key.clone(), self.next);
+        self.boxes.insert(self.next, Mailbox { key, msgs, gone: false });
+        self.next
     }
 
-    /// Stop keeping them (the early ones too); later ones wait among the early ones.
-    pub fn close(&mut self, peer: &str, stream: u64) {
+    /// Close mailbox `id` (unknown ids: nothing). Unless its peer was forgotten since, the
+    /// early notifications of its stream go too, and later ones wait among the early ones.
+    pub fn close(&mut self, id: u64) {
+        let Some(b) = self.boxes.remove(&id) else { return };
+        if self.routes.get(&b.key) == Some(&id) {
+            self.routes.remove(&b.key);
+            self.early.retain(|(k, _)| *k != b.key);
+        }
+    }
+
+    /// Stop keeping the notifications of `stream` from `peer` (its open mailbox and those
+    /// received early): a stream this rank will not read.
+    pub fn close_stream(&mut self, peer: &str, stream: u64) {
         let key = (peer.to_owned(), stream);
-        self.boxes.remove(&key);
+        if let Some(id) = self.routes.remove(&key) {
+            self.boxes.remove(&id);
+        }
         self.early.retain(|(k, _)| *k != key);
     }
 
-    /// Drop every mailbox and early notification of `peer` (a peer forgotten or replaced:
-    /// its stream ids start over).
+    /// Forget `peer` (forgotten, declared lost or replaced: its stream ids start over): its
+    /// early notifications are dropped and each of its open mailboxes is gone (it takes no
+    /// more notifications; [`Self::take`] says so until it is closed).
     pub fn forget(&mut self, peer: &str) {
-        self.boxes.retain(|(p, _), _| p != peer);
+        self.routes.retain(|(p, _), _| p != peer);
+        for b in self.boxes.values_mut().filter(|b| b.key.0 == peer) {
+            b.gone = true;
+        }
         self.early.retain(|((p, _), _)| p != peer);
     }
 
@@ -856,13 +975,16 @@ impl StreamMailboxes {
     pub fn route(&mut self, notifs: Vec<(String, Vec<Vec<u8>>)>) {
         for (peer, msgs) in notifs {
             for m in msgs {
+                if m == STREAM_PROBE {
+                    continue;
+                }
                 let Ok(d) = StreamMsg::decode(&m) else {
                     self.dropped += 1;
                     continue;
                 };
                 let key = (peer.clone(), d.stream);
-                if let Some(b) = self.boxes.get_mut(&key) {
-                    b.push(m);
+                if let Some(b) = self.routes.get(&key).and_then(|id| self.boxes.get_mut(id)) {
+                    b.msgs.push(m);
                     continue;
                 }
                 if self.early.len() == MAX_EARLY_NOTIFS {
@@ -874,12 +996,15 @@ impl StreamMailboxes {
         }
     }
 
-    /// Take the notifications of `stream` from `peer` received so far, in order.
-    pub fn take(&mut self, peer: &str, stream: u64) -> Vec<Vec<u8>> {
-        self.boxes.get_mut(&(peer.to_owned(), stream)).map(std::mem::take).unwrap_or_default()
+    /// Take what mailbox `id` received so far and whether its peer is gone (an unknown or
+    /// closed mailbox: nothing, not gone).
+    pub fn take(&mut self, id: u64) -> Mail {
+        self.boxes
+            .get_mut(&id)
+            .map_or((Vec::new(), false), |b| (std::mem::take(&mut b.msgs), b.gone))
     }
 
-    /// Whether no stream is open and no notification waits.
+    /// Whether no mailbox is open and no notification waits.
     #[must_use]
     pub fn is_empty(&self) -> bool {
         self.boxes.is_empty() && self.early.is_empty()

@@ -93,6 +93,17 @@ pub fn chunk_read_slot_bytes(ticket: &Bound<'_, PyAny>, item_bytes: u64) -> PyRe
     })
 }
 
+/// The agent names of `known` (`{agent name: incarnation registered here}`) that `current`
+/// (the peer table now, same form) no longer names or names with another incarnation: the
+/// peers to forget, in name order.
+#[pyfunction]
+pub fn stale_peers(
+    known: std::collections::BTreeMap<String, u64>,
+    current: std::collections::BTreeMap<String, u64>,
+) -> Vec<String> {
+    stream::stale_peers(&known, &current)
+}
+
 /// The `Abort` notification of stream `stream`.
 #[pyfunction]
 pub fn stream_abort_msg(py: Python<'_>, stream: u64) -> Bound<'_, PyBytes> {
@@ -136,9 +147,17 @@ impl PyStreamSource {
     /// decode's notifications; return `(running, give_up, [(chunk, slot)] to pack now)`.
     /// Once not running, close the stream (`close(give_up)`): `give_up` for a notification
     /// off the schedule or a passed deadline (the decode is told), not for a stream done or
-    /// given up by the decode.
-    fn poll(&self, msgs: Vec<Vec<u8>>, now: f64, deadline: f64) -> PyResult<SourcePoll> {
-        Ok(lock(&self.inner)?.poll_at(&msgs, now, deadline))
+    /// given up by the decode. `gone`: the decode's peer was forgotten (over, nothing to
+    /// tell it).
+    #[pyo3(signature = (msgs, now, deadline, gone=false))]
+    fn poll(
+        &self,
+        msgs: Vec<Vec<u8>>,
+        now: f64,
+        deadline: f64,
+        gone: bool,
+    ) -> PyResult<SourcePoll> {
+        Ok(lock(&self.inner)?.poll_at(&msgs, gone, now, deadline))
     }
     /// The `Ready` notifications of the packed chunks to announce now (`landed[i]`: whether
     /// the i-th queued chunk's pack has completed).
@@ -263,11 +282,23 @@ impl PyStreamSink {
     fn whole(chunks: Vec<ChunkRange>, offset: u64, dst_slots: usize) -> PyResult<Self> {
         Ok(Self { inner: Mutex::new(StreamSink::whole(chunks, offset, dst_slots).py()?) })
     }
-    /// Take the source's notifications in order; what to fail the read with when the
-    /// source gave the stream up, else `None`. `MetadataError` naming the field for one off
-    /// the schedule.
-    fn take(&self, msgs: Vec<Vec<u8>>) -> PyResult<Option<String>> {
-        lock(&self.inner)?.take(&msgs).py()
+    /// Take the source's notifications in order (`StreamMailboxes.take`); what to fail the
+    /// read with when the source gave the stream up or is gone (`gone`: its peer forgotten;
+    /// `probed`: `[(sent, error)]` of sending `probes()`, one refused), else `None`.
+    /// `MetadataError` naming the field for one off the schedule.
+    #[pyo3(signature = (msgs, gone=false, probed=Vec::new()))]
+    fn take(
+        &self,
+        msgs: Vec<Vec<u8>>,
+        gone: bool,
+        probed: Vec<(bool, String)>,
+    ) -> PyResult<Option<String>> {
+        lock(&self.inner)?.take(&msgs, gone, &probed).py()
+    }
+    /// The liveness probes to send the source now (`[bytes]`): one while the read waits
+    /// for an announcement, at most every `PROBE_INTERVAL_S` of clock value `now`.
+    fn probes<'py>(&self, py: Python<'py>, now: f64) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        Ok(lock(&self.inner)?.probes(now).iter().map(|m| PyBytes::new(py, m)).collect())
     }
     /// Claim the next reads: `[(chunk, decode slot, source offset, (k_lo, k_hi, lo, hi))]`.
     fn reads(&self) -> PyResult<Vec<Read>> {
@@ -289,7 +320,9 @@ impl PyStreamSink {
     fn scattered(&self, completed: Vec<bool>) -> PyResult<usize> {
         Ok(lock(&self.inner)?.scattered(&completed))
     }
-    /// `"DONE"` once every chunk is scattered, else `"PROC"`.
+    /// `"DONE"` once every chunk is scattered; `"WAIT"` while nothing is in flight (no read
+    /// posted, no scatter queued: waiting for an announcement, nothing can be written);
+    /// else `"PROC"`.
     #[getter]
     fn status(&self) -> PyResult<&'static str> {
         Ok(lock(&self.inner)?.status())
@@ -328,14 +361,15 @@ impl PyStreamMailboxes {
     fn new() -> Self {
         Self { inner: Mutex::new(StreamMailboxes::default()) }
     }
-    /// Keep the notifications of `stream` from `peer`.
-    fn open(&self, peer: &str, stream: u64) -> PyResult<()> {
-        lock(&self.inner)?.open(peer, stream);
-        Ok(())
+    /// Open a mailbox for the notifications of `stream` from `peer` (those received early
+    /// first); its id.
+    fn open(&self, peer: &str, stream: u64) -> PyResult<u64> {
+        Ok(lock(&self.inner)?.open(peer, stream))
     }
-    /// Stop keeping them (and drop those received early).
-    fn close(&self, peer: &str, stream: u64) -> PyResult<()> {
-        lock(&self.inner)?.close(peer, stream);
+    /// Close mailbox `id` (and drop what its stream received early, unless its peer was
+    /// forgotten since).
+    fn close(&self, id: u64) -> PyResult<()> {
+        lock(&self.inner)?.close(id);
         Ok(())
     }
     /// Stop keeping the notifications of the stream or announcement a staging ticket of
@@ -344,11 +378,12 @@ impl PyStreamMailboxes {
     fn forget_ticket(&self, peer: &str, ticket: &Bound<'_, PyAny>) -> PyResult<()> {
         let t = StagingTicket::parse(&to_wire(ticket, "ticket")?, "ticket").py()?;
         if let Some(id) = t.stream.map(|st| st.id).or(t.ready) {
-            lock(&self.inner)?.close(peer, id);
+            lock(&self.inner)?.close_stream(peer, id);
         }
         Ok(())
     }
-    /// Drop every mailbox and early notification of `peer`.
+    /// Forget `peer` (restarted, declared lost or replaced): drop its early notifications;
+    /// each of its open mailboxes takes nothing more and says it is gone.
     fn forget(&self, peer: &str) -> PyResult<()> {
         lock(&self.inner)?.forget(peer);
         Ok(())
@@ -363,14 +398,11 @@ impl PyStreamMailboxes {
         lock(&self.inner)?.route(notifs);
         Ok(())
     }
-    /// Take the notifications of `stream` from `peer` so far, in order.
-    fn take<'py>(
-        &self,
-        py: Python<'py>,
-        peer: &str,
-        stream: u64,
-    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        Ok(lock(&self.inner)?.take(peer, stream).iter().map(|m| PyBytes::new(py, m)).collect())
+    /// Take what mailbox `id` received so far, in order, and whether its peer is gone:
+    /// `([bytes, ...], gone)`.
+    fn take<'py>(&self, py: Python<'py>, id: u64) -> PyResult<(Vec<Bound<'py, PyBytes>>, bool)> {
+        let (msgs, gone) = lock(&self.inner)?.take(id);
+        Ok((msgs.iter().map(|m| PyBytes::new(py, m)).collect(), gone))
     }
     /// Notifications dropped so far.
     #[getter]
