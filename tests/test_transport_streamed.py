@@ -276,6 +276,40 @@ def test_a_read_waiting_for_an_announcement_fails_quietly_at_once_when_its_sourc
         _close([pre], dec, key)
 
 
+def test_a_read_waiting_for_an_announcement_fails_quietly_once_its_source_process_died(
+    workers: list[Worker],
+) -> None:
+    """The prefill's process dies before it announces its copy (and no control plane has
+    said so yet): the decode's waiting read probes it, NIXL refuses the probe once the peer
+    is disconnected, and the read fails with a ``TransferError`` (nothing posted, nothing
+    quarantined) long before its deadline, its slot back in the pool."""
+    key = "announce-dead"
+    dec = workers[2]
+    (doomed,) = tw.start_workers("nixl", ["pre-doomed"], "")
+    case, pool = TP1, 1 << 20
+    try:
+        meta = doomed("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
+        dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged",
+                       staging_bytes=pool)  # fmt: skip
+        n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
+        ticket = tw.stage(doomed, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
+        silent = {**ticket, "ready": ticket["ready"] + 1000}
+        tw.pull(dec, key, [meta], src, tw.dst_ids(case, case.dsts[0]), num_tokens=n,
+                staged=[silent], timeout_s=3600.0)  # fmt: skip
+        assert dec("poll", key) is False  # the source is alive: the probe went
+        doomed.proc.kill()
+        doomed.proc.join(10)
+        with pytest.raises(WorkerError) as info:
+            for _ in range(tw.DRIVE_ROUNDS):  # a poll probes at most every PROBE_INTERVAL_S
+                dec("poll", key)
+        assert info.value.kind == "TransferError", info.value
+        assert "is gone" in info.value.message and "DISCONNECT" in info.value.message
+        assert _free(dec, key)
+    finally:
+        dec("close", key)
+        tw.stop_workers([doomed])
+
+
 def test_a_read_whose_source_never_announces_fails_quietly_at_its_deadline(
     workers: list[Worker],
 ) -> None:

@@ -46,6 +46,7 @@ import hashlib
 import importlib.metadata as importlib_metadata
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -214,7 +215,10 @@ class _NixlAgentContext:
         #: Stream notifications waiting for their stream, by (peer agent name, stream id):
         #: each stream open on this rank has a mailbox (see :meth:`mail`).
         self.mailboxes = _core.StreamMailboxes()
-        self._next_stream = 1
+        #: Stream ids start at a random point below 2**62: a notification an earlier
+        #: incarnation of this agent (same name) sent late, after a decode forgot it, never
+        #: names a stream of this one.
+        self._next_stream = 1 + secrets.randbits(62)
 
     @property
     def known_peers(self) -> dict[str, tuple[int, str, str]]:
