@@ -32,7 +32,10 @@ def test_a_stream_moves_every_chunk_through_its_slot_in_order() -> None:
     chunks = [(k, k + 1, 100 * k, 100 * k + 100) for k in range(5)]
     src = _core.StreamSource(4, chunks, [0, 4096])
     sink = _core.StreamSink(4, chunks, [0, 4096], 100, 2)
-    assert src.packable() == [(0, 0), (1, 1)]  # what the ticket announces
+    assert src.first() == [(0, 0), (1, 1)]  # queued as the ticket leaves
+    assert sink.reads() == []  # nothing is read before it is announced
+    for msg in src.announce([True, True]):  # once their packs have completed
+        assert sink.receive(msg) == "ready"
     read = []
     while not (src.done and sink.done):
         for k, _slot, off, (_, _, lo, hi) in sink.reads():
@@ -49,12 +52,14 @@ def test_notifications_off_the_schedule_name_the_field() -> None:
     src = _core.StreamSource(4, chunks, [0, 4096])
     sink = _core.StreamSink(4, chunks, [0, 4096], 100, 2)
     src.packable()
+    for k in (0, 1):
+        sink.receive(src.ready(k))
     sink.reads()
     with pytest.raises(MetadataError) as info:
         src.receive(_core.stream_abort_msg(4)[:-1])  # truncated
     assert info.value.field == "stream_msg"
     with pytest.raises(MetadataError) as info:
-        sink.receive(src.ready(0))  # announced by the ticket already
+        sink.receive(src.ready(0))  # announced already
     assert info.value.field == "stream_msg.chunk"
     with pytest.raises(MetadataError) as info:
         src.receive(_core.stream_abort_msg(5))
@@ -69,3 +74,29 @@ def test_notifications_off_the_schedule_name_the_field() -> None:
     assert _core.stream_msg_route(ack) == ("ack", 4)
     assert sink.receive(_core.stream_abort_msg(4)) == "abort"
     assert sink.aborted and sink.reads() == []
+
+
+def test_a_whole_copy_is_read_once_announced_and_an_early_announcement_waits() -> None:
+    ticket = {"src_rank": 0, "incarnation": 1, "staged": True, "offset": 256, "nbytes": 96,
+              "ready": 7}  # fmt: skip
+    src = _core.StreamSource.whole(7, 256, 96)
+    sink = _core.StreamSink.one_piece(ticket)
+    assert sink.stream_id == 7 and sink.chunks == [[0, 0, 0, 96]]
+    assert src.announce([False]) == [] and sink.reads() == []  # the pack has not completed
+    (ready,) = src.announce([True])
+    assert src.done and _core.staging_release(ticket) == (7, [256])
+    # The announcement reaches the decode before the ticket: it waits for the read to open.
+    boxes = _core.StreamMailboxes()
+    boxes.route([("pre", [ready])])
+    assert boxes.early == 1 and boxes.dropped == 0
+    box = boxes.open("pre", 7)
+    assert sink.take(*boxes.take(box)) is None
+    assert [(k, slot, at) for k, slot, at, _ in sink.reads()] == [(0, 0, 256)]
+    with pytest.raises(MetadataError) as info:
+        stream = {"id": 1, "chunk_bytes": 8, "slot_bytes": 8, "offsets": [0]}
+        _core.StreamSink.one_piece({**ticket, "stream": stream})
+    assert info.value.field == "ticket.ready"
+    # A decode that reads the source directly drops what the ticket's stream received.
+    boxes.route([("pre", [ready])])
+    boxes.forget_ticket("pre", ticket)
+    assert boxes.take(box) == ([], False) and boxes.early == 0

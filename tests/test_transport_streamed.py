@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import transport_workers as tw
-from transport_workers import Case, Side, Worker
+from transport_workers import Case, Side, Worker, WorkerError
 
 pytestmark = pytest.mark.slow
 
@@ -173,3 +173,199 @@ def test_a_stream_no_decode_acknowledges_ends_at_the_prefills_deadline(
         assert _free(pre, key)
     finally:
         _close([pre], dst, key)
+
+
+def test_a_whole_copy_ticket_leaves_before_its_pack_is_known_complete_and_lands_byte_exact(
+    workers: list[Worker],
+) -> None:
+    """``stage_blocks`` never waits for its pack: the ticket names an announcement
+    (``ready``), the prefill sends it once the pack has completed (host memory: at once, on
+    the same notification path; it reaches the decode before the ticket does), and the decode
+    reads the region only after it."""
+    key = "announce-whole"
+    pre, dec = workers[0], workers[2]
+    case, pool = TP1, 1 << 20
+    meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
+    dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
+    n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
+    dst = tw.dst_ids(case, case.dsts[0])
+    try:
+        ticket = tw.stage(pre, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
+        assert ticket["staged"] is True and "stream" not in ticket
+        assert isinstance(ticket["ready"], int)
+        stats = pre("call", key, "staging_stats")
+        assert (stats["announced"], stats["streamed"]) == (1, 0)
+        tw.pull(dec, key, [meta], src, dst, num_tokens=n, staged=[ticket])
+        tw.drive(dec, [pre], key)
+        dec("wait", key)
+        assert set(dec("stats", key)["modes"].values()) == {"staged"}
+        assert np.array_equal(dec("buffer", key), tw.expected_dst(case, case.dsts[0]).numpy())
+        # The announcement is over; the region is the ticket's until it is released.
+        stats = pre("call", key, "staging_stats")
+        assert stats["streams"] == 0 and stats["in_use"] == PACKED[case.name]
+        pre("call", key, "release_staged", ticket)
+        assert _free(pre, key) and _free(dec, key)
+    finally:
+        _close([pre], dec, key)
+
+
+def test_a_decode_never_reads_a_whole_copy_before_its_announcement(
+    workers: list[Worker],
+) -> None:
+    """A ticket naming an announcement that never comes: the decode's read waits (nothing
+    is read, the pull stays running) until it is given up, and both pools end free."""
+    key = "announce-never"
+    pre, dec = workers[0], workers[2]
+    case, pool = TP1, 1 << 20
+    meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
+    dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
+    n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
+    try:
+        ticket = tw.stage(pre, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
+        silent = {**ticket, "ready": ticket["ready"] + 1000}
+        tw.pull(dec, key, [meta], src, tw.dst_ids(case, case.dsts[0]), num_tokens=n,
+                staged=[silent])  # fmt: skip
+        for _ in range(50):
+            assert dec("poll", key) is False
+            pre("call", key, "poll_streams")
+        # Nothing was read: the destination still holds what it was set up with.
+        assert not np.array_equal(dec("buffer", key), tw.expected_dst(case, case.dsts[0]).numpy())
+        dec("cancel", key)
+        pre("call", key, "release_staged", ticket)
+        assert _free(pre, key) and _free(dec, key)
+    finally:
+        _close([pre], dec, key)
+
+
+def test_a_read_waiting_for_an_announcement_fails_quietly_at_once_when_its_source_is_forgotten(
+    workers: list[Worker],
+) -> None:
+    """A ticket naming an announcement that never comes, then the control plane's peer table
+    no longer names the prefill (declared lost; a restart, a new incarnation, is the same):
+    the decode forgets it and its waiting read fails at its next poll with a ``TransferError``
+    (every part terminal: nothing was posted, nothing may still write; not a timeout that
+    would quarantine the destinations), its staging slot back in the pool at once, the
+    destination untouched."""
+    key = "announce-forgotten"
+    pre, dec = workers[0], workers[2]
+    case, pool = TP1, 1 << 20
+    meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
+    dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
+    n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
+    before = dec("buffer", key)
+    try:
+        ticket = tw.stage(pre, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
+        silent = {**ticket, "ready": ticket["ready"] + 1000}
+        tw.pull(dec, key, [meta], src, tw.dst_ids(case, case.dsts[0]), num_tokens=n,
+                staged=[silent])  # fmt: skip
+        assert dec("poll", key) is False
+        assert not _free(dec, key), "the read holds a slot while it waits"
+        # Still named with the same incarnation: nothing is forgotten.
+        assert meta["agent_name"] not in dec("call", key, "retain_peers", [meta, dst_meta])
+        assert dec("poll", key) is False
+        assert meta["agent_name"] in dec("call", key, "retain_peers", [dst_meta])
+        with pytest.raises(WorkerError) as info:
+            dec("poll", key)
+        assert info.value.kind == "TransferError", info.value
+        assert "is gone" in info.value.message
+        assert _free(dec, key)
+        assert np.array_equal(dec("buffer", key), before)
+        pre("call", key, "release_staged", ticket)
+        assert _free(pre, key)
+    finally:
+        _close([pre], dec, key)
+
+
+def test_a_read_waiting_for_an_announcement_fails_quietly_once_its_source_process_died(
+    workers: list[Worker],
+) -> None:
+    """The prefill's process dies before it announces its copy (and no control plane has
+    said so yet): the decode's waiting read probes it, NIXL refuses the probe once the peer
+    is disconnected, and the read fails with a ``TransferError`` (nothing posted, nothing
+    quarantined) long before its deadline, its slot back in the pool."""
+    key = "announce-dead"
+    dec = workers[2]
+    (doomed,) = tw.start_workers("nixl", ["pre-doomed"], "")
+    case, pool = TP1, 1 << 20
+    try:
+        meta = doomed("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
+        dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged",
+                       staging_bytes=pool)  # fmt: skip
+        n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
+        ticket = tw.stage(doomed, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
+        silent = {**ticket, "ready": ticket["ready"] + 1000}
+        tw.pull(dec, key, [meta], src, tw.dst_ids(case, case.dsts[0]), num_tokens=n,
+                staged=[silent], timeout_s=3600.0)  # fmt: skip
+        assert dec("poll", key) is False  # the source is alive: the probe went
+        doomed.proc.kill()
+        doomed.proc.join(10)
+        with pytest.raises(WorkerError) as info:
+            for _ in range(tw.DRIVE_ROUNDS):  # a poll probes at most every PROBE_INTERVAL_S
+                dec("poll", key)
+        assert info.value.kind == "TransferError", info.value
+        assert "is gone" in info.value.message and "DISCONNECT" in info.value.message
+        assert _free(dec, key)
+    finally:
+        dec("close", key)
+        tw.stop_workers([doomed])
+
+
+def test_a_read_whose_source_never_announces_fails_quietly_at_its_deadline(
+    workers: list[Worker],
+) -> None:
+    """Past the pull's deadline a read that posted nothing (still waiting for the
+    announcement) fails with a ``TransferError``, not a ``TransferTimeout``: it cannot write
+    anything, so its destinations need no quarantine; its slot is back in the pool."""
+    key = "announce-deadline"
+    pre, dec = workers[0], workers[2]
+    case, pool = TP1, 1 << 20
+    meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
+    dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
+    n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
+    try:
+        ticket = tw.stage(pre, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
+        silent = {**ticket, "ready": ticket["ready"] + 1000}
+        # A deadline already passed at the first poll.
+        tw.pull(dec, key, [meta], src, tw.dst_ids(case, case.dsts[0]), num_tokens=n,
+                staged=[silent], timeout_s=0.0)  # fmt: skip
+        with pytest.raises(WorkerError) as info:
+            dec("poll", key)
+        assert info.value.kind == "TransferError", info.value
+        assert "read nothing by the deadline" in info.value.message
+        assert _free(dec, key)
+        pre("call", key, "release_staged", ticket)
+        assert _free(pre, key)
+    finally:
+        _close([pre], dec, key)
+
+
+def test_a_decode_that_reads_a_streamed_source_directly_frees_its_slots_at_once(
+    workers: list[Worker],
+) -> None:
+    """The prefill streams (its pool is too small) but the decode reads the blocks directly:
+    it gives the stream up as it posts its reads, so the prefill's slots are free at its next
+    polls, before any release (not at the release, the lease or the deadline)."""
+    key = "stream-direct"
+    pre, dec = workers[0], workers[2]
+    case = TP1
+    meta = pre("setup", key, case, case.srcs[0], "src", mode="staged",
+               staging_bytes=POOL[case.name])  # fmt: skip
+    dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="direct",
+                   staging_bytes=1 << 20)  # fmt: skip
+    n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
+    try:
+        ticket = tw.stage(pre, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
+        assert "stream" in ticket
+        assert pre("call", key, "staging_stats")["in_use"] > 0
+        tw.pull(dec, key, [meta], src, tw.dst_ids(case, case.dsts[0]), num_tokens=n,
+                staged=[ticket])  # fmt: skip
+        dec("wait", key)  # a direct read needs no poll of the prefill
+        assert set(dec("stats", key)["modes"].values()) == {"direct"}
+        assert np.array_equal(dec("buffer", key), tw.expected_dst(case, case.dsts[0]).numpy())
+        # The prefill learns it from the decode's abort notification on its next polls.
+        for _ in range(tw.DRIVE_ROUNDS):
+            if pre("call", key, "poll_streams") == 0:
+                break
+        assert _free(pre, key)
+    finally:
+        _close([pre], dec, key)

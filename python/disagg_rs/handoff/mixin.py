@@ -388,10 +388,13 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         "meta"}}`` with ``meta`` an engine's ``handoff_static_meta`` (this engine's own
         entry included: a prefill plans its staged copies from its own ranks' metadata).
         Returns the engines whose metadata was refused, with the error (their handoffs fail
-        when they start); the others are registered.
+        when they start); the others are registered. A peer the table no longer names
+        (declared lost) or names with another incarnation (restarted) is forgotten by the
+        transports: a read waiting for it fails at once, quietly.
         """
         backends = {"kv": self._kv_backend, **self._ssm_backends}
         refused: dict[str, str] = {}
+        registered: list[Any] = []
         for engine_id, peer in peers.items():
             try:
                 ranks = peer["meta"]["ranks"]
@@ -399,8 +402,11 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
                     named = [r[kind] for r in ranks if r.get(kind) is not None]
                     if backend is not None and named:
                         backend.register_peers(named)
+                        registered += named
             except (DisaggError, KeyError, TypeError, AttributeError) as err:
                 refused[engine_id] = f"{type(err).__name__}: {err}"
+        for backend in filter(None, backends.values()):
+            backend.retain_peers(registered)
         return refused
 
     def close_kv_transfer(self) -> None:

@@ -727,6 +727,13 @@ class TransferBackendBase:
         self._local_peer()
         return len(self._resolve_peers(peer_meta, None)[0])
 
+    def retain_peers(self, peer_meta: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Forget the transport's registrations of peers that ``peer_meta`` (every peer
+        buffer the control plane's peer table names now) no longer names, or names with
+        another incarnation; return their names. This backend keeps none: nothing."""
+        del peer_meta
+        return []
+
     def _adopt_peer_meta(self, meta: Mapping[str, Any]) -> PeerMeta:
         """One peer's metadata, checked, in this library's schema."""
         return self._adopt_peer(meta).meta  # type: ignore[no-any-return]
@@ -853,23 +860,26 @@ class TransferHandleBase:
         """Clock value after which an unfinished transfer is timed out."""
         return self.submitted_at + self.timeout_s
 
-    def _progress(self) -> bool:
-        """Advance every non-terminal part once; True when all parts are terminal."""
+    def _progress(self, now: float) -> bool:
+        """Advance every non-terminal part once at clock value ``now``; True when all parts
+        are terminal (past the deadline, a part that posted nothing may fail quietly)."""
         raise NotImplementedError
 
     def poll(self) -> bool:
         """Return True once every part is terminal; never blocks.
 
-        Raises ``TransferError`` (all parts terminal, one failed) or ``TransferTimeout``
-        (deadline passed, some part may still write).
+        Raises ``TransferError`` (all parts terminal, one failed: also a part that had posted
+        nothing when the deadline passed) or ``TransferTimeout`` (deadline passed, some part
+        may still write).
         """
+        now = self.clock()
         if not self.done:
-            self.done = self._progress()
+            self.done = self._progress(now)
         if self.done:
             if self.error is not None:
                 raise TransferError(self.error)
             return True
-        if self.clock() > self.deadline:
+        if now > self.deadline:
             raise TransferTimeout(
                 f"transfer not finished {self.timeout_s:.3f} s after submission; "
                 "its destinations may still be written"

@@ -10,8 +10,9 @@ Two ways to move a source rank's bytes, chosen per source rank by the compiler:
 
 - direct: the compiled ``(addr, len, device)`` descriptor lists go to NIXL as one READ;
 - staged: the SOURCE packs its fragments into its registered staging region
-  (``stage_blocks``, once per handoff, before the pull is announced), the decode reads the
-  packed region with one descriptor and scatters it (``staging.scatter``) on completion;
+  (``stage_blocks``, once per handoff, before the pull is announced) and announces the copy
+  with a NIXL notification once its pack has completed; the decode reads the packed region
+  with one descriptor once announced and scatters it (``staging.scatter``) on completion;
 - streamed (a packed copy larger than the source's staging pool): the source packs it chunk
   by chunk into a few slots of its pool and announces each with a NIXL notification; the
   decode reads each into a few slots of its own pool, acknowledges it once read (which
@@ -19,6 +20,11 @@ Two ways to move a source rank's bytes, chosen per source rank by the compiler:
   ``_ChunkedRead``; the schedule and the notifications are ``_core.StreamSource`` /
   ``_core.StreamSink``). The
   source advances only when polled (``poll_streams``, from the prefill's turn).
+
+``stage_blocks`` returns as soon as the packs are queued (the serving thread never waits for
+the GPU): the decode reads a region, whole copy or chunk, only after the source announced
+it, which ``poll_streams`` does once the pack's CUDA event has completed (host memory: at
+once, on the same path).
 
 The ticket ``stage_blocks`` returns travels with the handoff to the decode's
 ``begin_pull_blocks(..., staged=[ticket, ...])``. In ``"auto"`` mode the source packs (it
@@ -40,6 +46,7 @@ import hashlib
 import importlib.metadata as importlib_metadata
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -206,9 +213,12 @@ class _NixlAgentContext:
         # Peer agent name -> (incarnation, digest of its metadata, id NIXL gave it).
         self.peers: dict[str, tuple[int, str, str]] = {}
         #: Stream notifications waiting for their stream, by (peer agent name, stream id):
-        #: only streams open on this rank have a mailbox (see :meth:`mail`).
+        #: each stream open on this rank has a mailbox (see :meth:`mail`).
         self.mailboxes = _core.StreamMailboxes()
-        self._next_stream = 1
+        #: Stream ids start at a random point below 2**62: a notification an earlier
+        #: incarnation of this agent (same name) sent late, after a decode forgot it, never
+        #: names a stream of this one.
+        self._next_stream = 1 + secrets.randbits(62)
 
     @property
     def known_peers(self) -> dict[str, tuple[int, str, str]]:
@@ -245,8 +255,7 @@ class _NixlAgentContext:
             return
         self._refs -= 1
         if self._refs == 0:
-            for name in list(self.peers):
-                self._forget(name)
+            self._forget(list(self.peers))
             self.agent = None
 
     @property
@@ -265,23 +274,27 @@ class _NixlAgentContext:
         self._next_stream += 1
         return sid
 
-    def mail(self, peer: str, stream: int) -> list[bytes]:
-        """Take the notifications of ``stream`` from ``peer`` received so far, in order.
+    def mail(self, box: int) -> tuple[list[bytes], bool]:
+        """Take what mailbox ``box`` (``mailboxes.open``) received so far, in order, and
+        whether its peer is gone (forgotten since: nothing more will come).
 
-        NIXL hands every notification of the agent out at once: each is routed by the stream
-        named in it (parsed in Rust); one of a stream without a mailbox here (closed, or not
-        a stream notification at all) is dropped.
+        NIXL hands every notification of the agent out at once: each is routed by the peer
+        and stream named in it (parsed in Rust); one of a stream not open here waits for it
+        (bounded), one that is not a stream notification is dropped.
         """
         self.mailboxes.route(list(self.live_agent().get_new_notifs().items()))
-        return self.mailboxes.take(peer, stream)
+        return self.mailboxes.take(box)
 
-    def _forget(self, name: str) -> None:
-        known = self.peers.pop(name, None)
-        try:
-            if known is not None and self.agent is not None:
-                self.agent.remove_remote_agent(known[2])
-        except Exception as exc:  # a peer that is gone cannot be disconnected cleanly
-            logger.debug("removing NIXL peer %s: %s", name, exc)
+    def _forget(self, names: Sequence[str]) -> None:
+        """Forget registered peers ``names``: their NIXL registrations, and their streams
+        (a new incarnation numbers its streams anew; those open with this one end)."""
+        for name in names:
+            loaded = self.peers.pop(name)[2]
+            self.mailboxes.forget(name)
+            try:
+                self.agent.remove_remote_agent(loaded)
+            except Exception as exc:  # a peer that is gone cannot be disconnected cleanly
+                logger.debug("removing NIXL peer %s: %s", name, exc)
 
     def ensure_peer(self, meta: PeerMeta) -> str:
         """Register the peer on first use, replacing a stale incarnation; return the id NIXL
@@ -294,7 +307,7 @@ class _NixlAgentContext:
             return known[2]
         if known is not None:
             logger.info("NIXL peer %s changed incarnation %s -> %s", name, known[0], key[0])
-            self._forget(name)
+            self._forget([name])
         try:
             raw = self.live_agent().add_remote_agent(blob)
         except Exception as exc:
@@ -380,8 +393,9 @@ class NixlPullHandle(TransferHandleBase):
         """One label per part, for logs."""
         return [p.context for p in self.parts]
 
-    def _progress(self) -> bool:
-        # Rust folds the part states; Python only runs the calls it asks for.
+    def _progress(self, now: float) -> bool:
+        # Rust folds the part states; Python only runs the calls it asks for. Past the
+        # deadline, a part with nothing in flight fails quietly (``PullParts.settle``).
         parts, fold = self.parts, self.fold
         landed, steps, xfers = fold.begin()
         check = self.agent.check_xfer_state
@@ -393,7 +407,7 @@ class NixlPullHandle(TransferHandleBase):
         settle = fold.after_on_done(
             on_done, [_outcome(cast(Callable[[], Any], parts[i].on_done)) for i in on_done]
         )
-        releases, terminal = fold.settle([parts[i].is_landed() for i in settle])
+        releases, terminal = fold.settle([parts[i].is_landed() for i in settle], now, self.deadline)
         self._apply(releases)
         return terminal
 
@@ -461,6 +475,23 @@ def _settle(events: Sequence[Any]) -> None:
         event.synchronize()
 
 
+def _scatter_chunk(
+    backend: NixlTransferBackend,
+    plan: dp.DevicePlan,
+    ids: torch.Tensor,
+    n_tok: int,
+    chunks: Sequence[Sequence[int]],
+    k: int,
+    window: torch.Tensor,
+) -> Any:
+    """Queue the scatter of chunk ``k`` of ``chunks`` (read into ``window``) into blocks
+    ``ids``; its completion."""
+    k_lo, k_hi, lo, _ = chunks[k]
+    dp.copy(plan, dp.Side("packed", window, bias=lo),
+            dp.Side("dst", backend.memory_buffer, ids), n_tok, items=(k_lo, k_hi))  # fmt: skip
+    return _landed_event(window)
+
+
 class _ChunkedRead:
     """One source's packed copy read chunk by chunk through a few slots of this rank's
     staging pool: the copy held whole in the source's region, or streamed through a few
@@ -472,7 +503,9 @@ class _ChunkedRead:
     the scatter's event has completed. So the READ of chunk ``i + 1`` runs while chunk ``i``
     scatters, the pool holds ``slots x slot_bytes`` whatever the prompt size, and nothing
     waits on the host: :meth:`step` only polls. What to read next, into which slot, what has
-    landed and what to acknowledge is ``_core.StreamSink``'s.
+    landed and what to acknowledge is ``_core.StreamSink``'s. A copy held whole read in one
+    piece is the same read of one chunk into one slot (``_core.StreamSink.one_piece``).
+    Nothing is read before the source announced it.
     """
 
     def __init__(
@@ -480,12 +513,11 @@ class _ChunkedRead:
         backend: NixlTransferBackend,
         meta: PeerMeta,
         peer: str,
-        ids: torch.Tensor,
         slot_bytes: int,
         offsets: list[int],
     ) -> None:
         assert backend.staging_buffer is not None
-        self.backend, self.meta, self.peer, self.ids = backend, meta, peer, ids
+        self.backend, self.meta, self.peer = backend, meta, peer
         #: This rank's slots, owned from here on: :meth:`close` gives them back.
         self.offsets = offsets
         self.slot_bytes = slot_bytes
@@ -493,22 +525,21 @@ class _ChunkedRead:
         self.remote = int(meta["staging"]["addr"])
         self.sink = _core.StreamSink.whole([], 0, 1)  # nothing to read until :meth:`start`
         self.id = 0
+        #: This read's mailbox (``StreamMailboxes.open``; 0: none opened).
+        self.box = 0
         self.chunks: list[tuple[int, ...]] = []
         #: Reads in flight and scatters queued, by chunk.
         self.xfers: dict[int, Any] = {}
         #: Completion of each scatter queued and not finished, in queue order.
         self.events: list[Any] = []
 
-    def start(self, plan: dp.DevicePlan, ticket: Mapping[str, Any], n_tok: int) -> None:
-        """Read ``ticket``'s copy of ``n_tok`` tokens scattered by ``plan``: its stream, cut
-        in the source's chunks, or the copy held whole, cut in this rank's slots."""
-        self.plan, self.n_tok = plan, n_tok
-        self.sink = _core.StreamSink.of_ticket(
-            ticket, plan.rows, plan.tokens_per_block, n_tok, self.slot_bytes, len(self.offsets)
-        )
+    def start(self, sink: _core.StreamSink, land: Callable[[int, torch.Tensor], Any]) -> None:
+        """Read what ``sink`` schedules; ``land(chunk, window)`` queues the scatter of a chunk
+        read into ``window`` and returns its completion."""
+        self.sink, self.land = sink, land
         self.chunks = [tuple(c) for c in self.sink.chunks]
         self.id = int(self.sink.stream_id)
-        self.backend._ctx.mailboxes.open(self.src_name, self.id)
+        self.box = self.backend._ctx.mailboxes.open(self.src_name, self.id)
 
     def _window(self, slot: int, nbytes: int) -> torch.Tensor:
         assert self.backend.staging_buffer is not None
@@ -517,20 +548,21 @@ class _ChunkedRead:
 
     def step(self) -> str:
         """Take the source's announcements, acknowledge and scatter the reads that landed,
-        free the slots whose scatter has completed, read the next chunks."""
+        free the slots whose scatter has completed, read the next chunks; the sink's status
+        (``"WAIT"`` while nothing is in flight). While it waits for an announcement, the source
+        is probed (a NIXL notification, which fails at once when its process is gone). Raises
+        once the source gave the stream up or is gone (its peer forgotten: restarted,
+        declared lost or replaced; or a probe refused)."""
         b = self.backend
-        gone = self.sink.take(b._ctx.mail(self.src_name, self.id))
+        probed = b._notify_all(self.peer, self.sink.probes(b.clock()))
+        gone = self.sink.take(*b._ctx.mail(self.box), probed)
         states = [(k, str(b.agent.check_xfer_state(x))) for k, x in self.xfers.items()]
         landed, acks, error = self.sink.observe(states)
         b._notify_all(self.peer, acks)  # the source's slots are free once the reads landed
         for k, slot in landed:
             b.agent.release_xfer_handle(self.xfers.pop(k))
-            k_lo, k_hi, lo, hi = self.chunks[k]
-            window = self._window(slot, hi - lo)
-            dp.copy(self.plan, dp.Side("packed", window, bias=lo),
-                    dp.Side("dst", b.memory_buffer, self.ids), self.n_tok,
-                    items=(k_lo, k_hi))  # fmt: skip
-            self.events.append(_landed_event(window))
+            _, _, lo, hi = self.chunks[k]
+            self.events.append(self.land(k, self._window(slot, hi - lo)))
         if gone or error:
             raise TransferError(f"{gone or error} (source {self.src_name})", field="staged")
         del self.events[: self.sink.scattered([e.query() for e in self.events])]
@@ -552,7 +584,7 @@ class _ChunkedRead:
         _settle(self.events)  # a scatter still queued reads its slot
         self.xfers, self.events = {}, []
         b._notify_all(self.peer, self.sink.close())
-        b._ctx.mailboxes.close(self.src_name, self.id)
+        b._ctx.mailboxes.close(self.box)
         b.arena.free_all(self.offsets)
         self.offsets = []
 
@@ -566,71 +598,53 @@ _STREAM_SHARE = 2
 
 
 class _StreamOut:
-    """The source side of one streamed packed copy (a copy larger than the staging pool).
+    """The source side of one announced packed copy: streamed (a copy larger than the
+    staging pool), or held whole in its region (announced as one chunk, ``ticket["ready"]``).
 
-    Chunk ``k`` (``_core.stream_chunks``: whole items of the device plan) is packed into
-    source slot ``k % slots`` once chunk ``k - slots`` is acknowledged; the first ``slots``
-    chunks are packed before the ticket leaves. Every later chunk is announced to the decode
-    with a NIXL notification once its pack has completed; the decode's acknowledgements free
-    the slots. ``_core.StreamSource`` decides all of it; :meth:`step` only polls and is
-    driven by ``NixlTransferBackend.poll_streams``.
+    Chunk ``k`` of a stream (``_core.stream_chunks``: whole items of the device plan) is
+    packed into source slot ``k % slots`` once chunk ``k - slots`` is acknowledged; the first
+    ``slots`` chunks are packed (queued) before the ticket leaves. Every chunk is announced to
+    the decode with a NIXL notification once its pack has completed; the decode's
+    acknowledgements free the slots. A copy held whole is over once announced (its region is
+    the ticket's until ``release_staged``). ``_core.StreamSource`` decides all of it;
+    :meth:`step` only polls and is driven by ``NixlTransferBackend.poll_streams``.
     """
 
     def __init__(
         self,
         backend: NixlTransferBackend,
-        plan: dp.DevicePlan,
-        ids: torch.Tensor,
-        n_tok: int,
         peer: str,
-        chunk_bytes: int,
-        slot_bytes: int,
+        sid: int,
+        src: _core.StreamSource,
         offsets: list[int],
+        pack: Callable[[list[tuple[int, int]]], list[Any]],
     ) -> None:
-        self.backend, self.plan, self.ids, self.n_tok, self.peer = backend, plan, ids, n_tok, peer
-        self.id = backend._ctx.new_stream_id()
-        self.chunks = plan.chunks(n_tok, chunk_bytes)
-        self.src = _core.StreamSource(self.id, self.chunks, offsets)
-        self.offsets, self.chunk_bytes, self.slot_bytes = offsets, chunk_bytes, slot_bytes
+        self.backend, self.peer, self.id, self.src = backend, peer, sid, src
+        #: The slots this stream owns (freed by :meth:`close`; none for a copy held whole).
+        self.offsets = offsets
+        self.pack = pack
         self.deadline = backend.clock() + backend.timeout_s
-        self.staging = cast(torch.Tensor, backend.staging_buffer)
         #: Completion of each packed chunk not announced yet, in order.
         self.events: list[Any] = []
-        backend._ctx.mailboxes.open(peer, self.id)
+        self.box = backend._ctx.mailboxes.open(peer, self.id)
 
-    def ticket(self) -> dict[str, Any]:
-        """The ``stream`` field of the ticket."""
-        return {
-            "id": self.id,
-            "chunk_bytes": self.chunk_bytes,
-            "slot_bytes": self.slot_bytes,
-            "offsets": list(self.offsets),
-        }
-
-    def pack(self, todo: list[tuple[int, int]]) -> list[Any]:
-        """Pack chunks ``[(chunk, slot)]`` (one launch each, queued); their completions."""
+    def announce(self) -> None:
+        """Announce the queued chunks whose packs have completed (in order)."""
         b = self.backend
-        done = []
-        for k, slot in todo:
-            k_lo, k_hi, lo, hi = self.chunks[k]
-            at = self.offsets[slot]
-            window = self.staging[at : at + hi - lo]
-            dp.copy(self.plan, dp.Side("src", b.memory_buffer, self.ids),
-                    dp.Side("packed", window, bias=lo), self.n_tok, items=(k_lo, k_hi))  # fmt: skip
-            done.append(_landed_event(window))
-        return done
-
-    def step(self) -> bool:
-        """Take the decode's notifications, pack what they freed, announce finished packs;
-        ``True`` once the stream is over (every chunk acknowledged, given up or expired: the
-        slots are free again)."""
-        b = self.backend
-        mail = b._ctx.mail(self.peer, self.id)
-        running, give_up, todo = self.src.poll(mail, b.clock(), self.deadline)
-        self.events += self.pack(todo)
         ready = self.src.announce([e.query() for e in self.events])
         del self.events[: len(ready)]
         b._notify_all(self.peer, ready)
+        b.__dict__["_announced"] = b.__dict__.get("_announced", 0) + len(ready)
+
+    def step(self) -> bool:
+        """Take the decode's notifications, pack what they freed, announce finished packs;
+        ``True`` once the stream is over (every chunk acknowledged, given up, expired, or its
+        decode gone: the slots are free again)."""
+        b = self.backend
+        mail, gone = b._ctx.mail(self.box)
+        running, give_up, todo = self.src.poll(mail, b.clock(), self.deadline, gone)
+        self.events += self.pack(todo)
+        self.announce()
         if running:
             return False
         self.close(give_up=give_up)
@@ -643,9 +657,15 @@ class _StreamOut:
         b._notify_all(self.peer, self.src.close(give_up))
         _settle(self.events)  # a pack still queued writes its slot
         self.events = []
-        b._ctx.mailboxes.close(self.peer, self.id)
+        b._ctx.mailboxes.close(self.box)
         b.arena.free_all(self.offsets)
         self.offsets = []
+
+
+def _no_packs(todo: list[tuple[int, int]]) -> list[Any]:
+    """What a copy held whole packs when polled: nothing (its pack is queued already)."""
+    del todo
+    return []
 
 
 class _NoStream:
@@ -654,6 +674,28 @@ class _NoStream:
     @staticmethod
     def close(*, give_up: bool) -> None:
         del give_up
+
+
+def _pack_chunks(
+    backend: NixlTransferBackend,
+    plan: dp.DevicePlan,
+    ids: torch.Tensor,
+    n_tok: int,
+    chunks: Sequence[Sequence[int]],
+    offsets: Sequence[int],
+    todo: list[tuple[int, int]],
+) -> list[Any]:
+    """Pack chunks ``[(chunk, slot)]`` of a stream into its slots at ``offsets`` (one launch
+    each, queued); their completions."""
+    staging = cast(torch.Tensor, backend.staging_buffer)
+    done = []
+    for k, slot in todo:
+        k_lo, k_hi, lo, hi = chunks[k]
+        window = staging[offsets[slot] : offsets[slot] + hi - lo]
+        dp.copy(plan, dp.Side("src", backend.memory_buffer, ids),
+                dp.Side("packed", window, bias=lo), n_tok, items=(k_lo, k_hi))  # fmt: skip
+        done.append(_landed_event(window))
+    return done
 
 
 def _step_stream(out: _StreamOut) -> bool:
@@ -902,8 +944,11 @@ class NixlTransferBackend(TransferBackendBase):
         the packed copy can neither fit the staging pool now nor be streamed through it (the
         decode then reads this rank's blocks directly). A copy larger than the free pool is
         streamed: the ticket's ``stream`` names it, the first chunks are packed here and the
-        rest as ``poll_streams`` sees the decode's acknowledgements. The pack (or the first
-        chunks') finishes before this returns. Release the region with ``release_staged``.
+        rest as ``poll_streams`` sees the decode's acknowledgements. Returns as soon as the
+        packs are queued: a copy held whole (its ticket's ``ready`` names its announcement)
+        and every chunk of a stream is announced to the decode with a NIXL notification once
+        its pack has completed, here or in a later ``poll_streams`` (host memory: here), and
+        the decode reads nothing before. Release the region with ``release_staged``.
         """
         dst = self._adopt_peer_meta(peer_meta)
         srcs = (
@@ -973,13 +1018,17 @@ class NixlTransferBackend(TransferBackendBase):
                 )
             else:
                 self.pack_rows(program.gather(me), region)
-            # The decode reads the region as soon as it has the ticket: the pack must be done.
-            if region.is_cuda:
-                torch.cuda.current_stream(region.device).synchronize()
         except Exception:
             self.arena.free(offset)
             raise
-        ticket.update(staged=True, offset=offset, nbytes=nbytes)
+        # The decode reads the region once announced: when the pack's event has completed.
+        sid = self._ctx.new_stream_id()
+        src = _core.StreamSource.whole(sid, offset, nbytes)
+        out = _StreamOut(self, self._ensure_peer_registered(dst), sid, src, [], _no_packs)
+        out.events.append(_landed_event(region))
+        self._streams[sid] = out
+        out.announce()
+        ticket.update(staged=True, offset=offset, nbytes=nbytes, ready=sid)
         return ticket
 
     def _cached(self, key: Any, build: Callable[[], Any]) -> Any:
@@ -1017,14 +1066,20 @@ class NixlTransferBackend(TransferBackendBase):
             )  # fmt: skip
             return {}
         slot_bytes, offsets = got
-        out = _StreamOut(self, cast(dp.DevicePlan, plan), dev_ids, int(cast(int, num_tokens)),
-                         peer, slot_bytes, slot_bytes, offsets)  # fmt: skip
+        sid, n_tok = self._ctx.new_stream_id(), int(cast(int, num_tokens))
+        plan = cast(dp.DevicePlan, plan)
+        chunks = plan.chunks(n_tok, slot_bytes)
+        pack = functools.partial(_pack_chunks, self, plan, dev_ids, n_tok, chunks, offsets)
+        out = _StreamOut(self, peer, sid, _core.StreamSource(sid, chunks, offsets), offsets, pack)
         # Registered first: a pack that fails leaves the stream to its deadline or release.
-        self._streams[out.id] = out
-        # The ticket announces the first chunks: their packs complete before it leaves.
-        _settle(out.pack(out.src.first()))
+        self._streams[sid] = out
+        # The first chunks are queued here and announced once packed (like the later ones).
+        out.events += out.pack(out.src.first())
+        out.announce()
         self.__dict__["_streams_started"] = self.__dict__.get("_streams_started", 0) + 1
-        return {"staged": True, "nbytes": nbytes, "stream": out.ticket()}
+        stream = {"id": sid, "chunk_bytes": slot_bytes, "slot_bytes": slot_bytes,
+                  "offsets": list(offsets)}  # fmt: skip
+        return {"staged": True, "nbytes": nbytes, "stream": stream}
 
     def poll_streams(self) -> int:
         """Advance the streamed packed copies of this rank (source side): take the decodes'
@@ -1038,21 +1093,33 @@ class NixlTransferBackend(TransferBackendBase):
         streams.update(running)
         return len(streams)
 
-    def _notify_all(self, peer: str, msgs: Sequence[bytes]) -> None:
-        """Send NIXL notifications to ``peer`` in order; one that cannot be sent (a peer that
-        is gone) is dropped: its stream then ends at its deadline or release."""
-        for msg in msgs:
-            with contextlib.suppress(Exception):
-                self.agent.send_notif(peer, msg)
+    def retain_peers(self, peer_meta: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Forget every NIXL peer registered here that ``peer_meta`` (every peer buffer the
+        control plane's peer table names now) no longer names (declared lost) or names with
+        another incarnation (restarted); return their agent names. A read waiting for a
+        forgotten peer's announcement fails at its next poll, quietly (it posted nothing);
+        one with reads in flight aborts them; a stream this rank serves it ends."""
+        named = {str(m.get("agent_name")): int(m.get("incarnation", 0)) for m in peer_meta}
+        stale = _core.stale_peers({n: k[0] for n, k in self._ctx.peers.items()}, named)
+        self._ctx._forget(stale)
+        return stale
+
+    def _notify_all(self, peer: str, msgs: Sequence[bytes]) -> list[tuple[bool, str]]:
+        """Send NIXL notifications to ``peer`` in order; ``(sent, error)`` of each. One that
+        cannot be sent (a peer that is gone) is dropped: its stream then ends at its deadline
+        or release (a probe's failure ends a read at once: ``StreamSink.take``)."""
+        return [_outcome(functools.partial(self.agent.send_notif, peer, m)) for m in msgs]
 
     def staging_stats(self) -> dict[str, int]:
-        """The staging pool now: bytes reserved, ranges reserved, streams running, and the
-        streams this rank has started in all."""
+        """The staging pool now: bytes reserved, ranges reserved, streams running (copies
+        held whole not announced yet among them), the streams this rank has started in all,
+        and the packed copies and chunks it has announced ready to the decodes in all."""
         return {
             "in_use": int(self.arena.in_use),
             "ranges": len(self.arena),
             "streams": len(self._streams),
             "streamed": int(self.__dict__.get("_streams_started", 0)),
+            "announced": int(self.__dict__.get("_announced", 0)),
         }
 
     def release_staged(self, ticket: Mapping[str, Any]) -> None:
@@ -1127,6 +1194,10 @@ class NixlTransferBackend(TransferBackendBase):
 
         rows = {rank: direct_rows(rank) for rank, packed, _ in route if not packed}
         agents = {rank: self._ensure_peer_registered(by_rank[rank]) for rank, _, _ in route}
+        # A source read directly although it sent a ticket: give its stream up now (its
+        # slots are free at once) and drop what it announced.
+        for rank in rows.keys() & tickets.keys():
+            self._give_up_ticket(agents[rank], by_rank[rank], tickets[rank])
         parts: list[_PullPart] = []
         error: str | None = None
         # A chunked read takes its share of the free pool (staged reads still to post).
@@ -1365,7 +1436,7 @@ class NixlTransferBackend(TransferBackendBase):
             chunked = self._post_chunked(rank, meta, ticket, peer, plan, handoff, share)
             if chunked is not None:
                 return chunked
-            self._notify_all(peer, _core.stream_abort_msgs(ticket))
+            self._give_up_ticket(peer, meta, ticket)
             return self._post_direct(direct(rank), rank, meta, peer)
         offset = self.arena.alloc(nbytes)
         region = self.staging_buffer[offset : offset + nbytes]
@@ -1377,53 +1448,41 @@ class NixlTransferBackend(TransferBackendBase):
             if n_tok is None or dst_ids.size != plan.num_blocks(n_tok):
                 on_gpu = False
         scatter_list = None if on_gpu else program.scatter(rank)
-        landed: list[Any] = []
-        remote = _np_u64(
-            [
-                [
-                    int(meta["staging"]["addr"]) + int(ticket["offset"]),
-                    nbytes,
-                    int(meta["buffer"]["device_id"]),
-                ]
-            ]
-        )
-        local = _np_u64([[int(region.data_ptr()), nbytes, int(self.buffer_info["device_id"])]])
-        label = f"staged:{meta['agent_name']}:{rank}"
 
-        def land() -> None:
+        def land(k: int, window: torch.Tensor) -> Any:
+            """Queue the landing of the copy read into ``window``; its completion (the part
+            settles on it: the serving thread never synchronises)."""
+            del k
             if on_gpu:
-                # One kernel from the cached plan; the part settles when its event has.
+                # One kernel from the cached plan.
                 assert plan is not None and handoff is not None and handoff[2] is not None
                 (ids,) = self._ids.upload(np.asarray(handoff[1], dtype=np.int64))
-                dp.copy(plan, dp.Side("packed", region), dp.Side("dst", self.memory_buffer, ids),
+                dp.copy(plan, dp.Side("packed", window), dp.Side("dst", self.memory_buffer, ids),
                         handoff[2])  # fmt: skip
-                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                done.record()
-                landed.append(done)
-                return
-            assert scatter_list is not None
-            self.scatter_rows(region, scatter_list)
-            if region.is_cuda:
-                torch.cuda.current_stream(region.device).synchronize()
+            else:
+                assert scatter_list is not None
+                self.scatter_rows(window, scatter_list)
+            return _landed_event(window)
 
-        def free() -> None:
-            self.arena.free(offset)
-
+        # One READ of the whole copy into one slot of its size, once the source announced it.
+        reader = _ChunkedRead(self, meta, peer, nbytes, [offset])
         try:
-            xfer = self._post(local, remote, meta, peer, label)
+            reader.start(_core.StreamSink.one_piece(ticket), land)
+            reader.step()
         except Exception:
-            free()
+            reader.close()
             raise
-        part = _PullPart(
-            rank,
-            xfer,
-            on_done=land,
-            cleanup=free,
-            context=label,
-            landed=lambda: all(bool(ev.query()) for ev in landed),
-        )
+        label = f"staged:{meta['agent_name']}:{rank}"
+        part = _PullPart(rank, None, cleanup=reader.close, context=label, step=reader.step)
         part.descriptors = 1
         return part
+
+    def _give_up_ticket(self, peer: str, meta: PeerMeta, ticket: Mapping[str, Any]) -> None:
+        """This rank reads the source of ``ticket`` directly: tell a stream's source (its
+        slots are free at its next poll, not at release) and drop the announcements of the
+        ticket received so far."""
+        self._notify_all(peer, _core.stream_abort_msgs(ticket))
+        self._ctx.mailboxes.forget_ticket(str(meta["agent_name"]), ticket)
 
     def _post_chunked(
         self,
@@ -1453,9 +1512,14 @@ class NixlTransferBackend(TransferBackendBase):
         slots = self.arena.alloc_slots(need, share, _CHUNK_SLOTS)
         if slots is None:
             return None
-        reader = _ChunkedRead(self, meta, peer, ids, *slots)
+        slot_bytes, offsets = slots
+        reader = _ChunkedRead(self, meta, peer, slot_bytes, offsets)
         try:
-            reader.start(plan, ticket, n_tok)
+            sink = _core.StreamSink.of_ticket(
+                ticket, plan.rows, plan.tokens_per_block, n_tok, slot_bytes, len(offsets)
+            )
+            reader.start(sink, functools.partial(_scatter_chunk, self, plan, ids, n_tok,
+                                                 sink.chunks))  # fmt: skip
             reader.step()
         except Exception:
             reader.close()

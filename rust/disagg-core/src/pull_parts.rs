@@ -7,6 +7,11 @@
 //! [`PullParts::after_on_done`]) and says what to release ([`PullParts::settle`]). A failed
 //! part keeps the first error; the pull is terminal once no part is running or landing, so a
 //! failed pull never leaves a part that may still write.
+//!
+//! A part that drives itself may report that it has nothing in flight (`"WAIT"`: no read
+//! posted, no landing queued; a staged read waiting for its source's announcement): past the
+//! pull's deadline such a part fails at once, quietly (it cannot write anything), rather than
+//! keep the pull running as one that may still write.
 
 /// What a part is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +43,8 @@ struct Part {
     state: PartState,
     has_xfer: bool,
     has_on_done: bool,
+    /// Its last step reported nothing in flight (`"WAIT"`).
+    quiet: bool,
     context: String,
 }
 
@@ -95,6 +102,7 @@ impl PullParts {
                 state: PartState::Proc,
                 has_xfer,
                 has_on_done,
+                quiet: false,
                 context,
             })
             .collect();
@@ -170,8 +178,13 @@ impl PullParts {
             }
         }
         for (k, &i) in asked.step.iter().enumerate() {
+            self.parts[i].quiet = false;
             match steps.get(k) {
                 Some(Ok(s)) if s == "PROC" => continue,
+                Some(Ok(s)) if s == "WAIT" => {
+                    self.parts[i].quiet = true;
+                    continue;
+                }
                 None => continue,
                 Some(Ok(_)) => self.parts[i].state = PartState::Done,
                 Some(Err(exc)) => {
@@ -229,9 +242,11 @@ impl PullParts {
     }
 
     /// Fold the landing answers for [`Self::after_on_done`]'s parts (a read whose landing is
-    /// still queued waits in `Land`, its handle released); return what to release and whether
-    /// every part is terminal.
-    pub fn settle(&mut self, landed: &[bool]) -> (Releases, bool) {
+    /// still queued waits in `Land`, its handle released); `expired`: the pull's deadline has
+    /// passed, so every running part whose last step had nothing in flight fails (quietly:
+    /// it posted nothing that may still write). Return what to release and whether every part
+    /// is terminal.
+    pub fn settle(&mut self, landed: &[bool], expired: bool) -> (Releases, bool) {
         let settling = std::mem::take(&mut self.settling);
         for (k, &i) in settling.iter().enumerate() {
             if !landed.get(k).copied().unwrap_or(true) {
@@ -239,7 +254,22 @@ impl PullParts {
             }
             self.release(i);
         }
+        for i in 0..self.parts.len() {
+            if expired && self.quiet(i) {
+                let msg = format!(
+                    "{} read nothing by the deadline (its source never announced the copy)",
+                    self.parts[i].context
+                );
+                self.fail(i, msg);
+                self.release(i);
+            }
+        }
         (std::mem::take(&mut self.releases), self.terminal())
+    }
+
+    /// Whether part `i` is running with nothing in flight (its last step said `"WAIT"`).
+    pub fn quiet(&self, i: usize) -> bool {
+        self.parts.get(i).is_some_and(|p| p.state == PartState::Proc && p.quiet)
     }
 
     /// Stop every running part (their reads are aborted); the pull counts as failed.

@@ -15,7 +15,12 @@
 //!   acknowledged once its read has landed in the decode's slot, before its scatter);
 //! - [`StreamMsg`]: the notification each side sends, encoded and parsed here.
 //!
-//! The first `slots` chunks are packed before the ticket is sent: the ticket announces them.
+//! Every chunk, the first ones too, is announced by a `Ready` once its pack has completed on
+//! the source: the ticket leaves as soon as the first packs are queued, and the decode reads
+//! nothing before its announcement. A packed copy held whole is announced the same way, as a
+//! stream of one chunk in one slot (the copy's region) that is over once announced
+//! ([`StreamSource::whole`], [`StreamSink::gated`]). A notification may reach the decode
+//! before it has the ticket: [`StreamMailboxes`] keeps it until the stream is opened.
 //! Ranges are half-open `[lo, hi)`.
 
 use std::collections::VecDeque;
@@ -111,6 +116,14 @@ pub struct StreamMsg {
 pub const STREAM_MAGIC: [u8; 4] = *b"DRS1";
 /// Bytes of an encoded [`StreamMsg`].
 pub const STREAM_MSG_LEN: usize = 41;
+
+/// The liveness probe a decode sends the source it waits for ([`StreamSink::probes`]): not a
+/// stream message (the source's mailboxes drop it uncounted); sending it fails at once when
+/// the source's process is gone, which ends the wait then rather than at its deadline.
+pub const STREAM_PROBE: &[u8] = b"DRS1probe";
+
+/// Seconds between two probes of a read waiting for an announcement.
+pub const PROBE_INTERVAL_S: f64 = 0.1;
 
 impl StreamMsg {
     /// A message without a slot, offset or size (`Ack`, `Abort`).
@@ -222,6 +235,9 @@ pub struct StreamSource {
     aborted: bool,
     /// Packed chunks not announced yet, in order.
     queued: VecDeque<usize>,
+    announced: usize,
+    /// A packed copy held whole: over once announced (nothing is acknowledged).
+    whole: bool,
     closed: bool,
 }
 
@@ -242,8 +258,31 @@ impl StreamSource {
             acked_count: 0,
             aborted: false,
             queued: VecDeque::new(),
+            announced: 0,
+            whole: false,
             closed: false,
         })
+    }
+
+    /// The announcement of a packed copy held whole (`nbytes` at `offset` of the staging
+    /// region), its pack queued already: one chunk in one slot, announced by
+    /// [`Self::announce`] once the pack has completed; over then (the region stays the
+    /// ticket's, freed when it is released).
+    #[must_use]
+    pub fn whole(stream: u64, offset: u64, nbytes: u64) -> Self {
+        Self {
+            stream,
+            chunks: vec![[0, 0, 0, nbytes]],
+            offsets: vec![offset],
+            next: 1,
+            acked: vec![false],
+            acked_count: 0,
+            aborted: false,
+            queued: VecDeque::from([0]),
+            announced: 0,
+            whole: true,
+            closed: false,
+        }
     }
 
     /// Chunks of the stream.
@@ -258,10 +297,12 @@ impl StreamSource {
         self.chunks.is_empty()
     }
 
-    /// The chunks to pack before the ticket is sent (the ticket announces them): the first
-    /// `slots`, `(chunk, slot)`.
+    /// The chunks to pack before the ticket is sent: the first `slots`, `(chunk, slot)`,
+    /// queued to be announced ([`Self::announce`]) once packed, like every later chunk.
     pub fn first(&mut self) -> Vec<(usize, usize)> {
-        self.packable()
+        let todo = self.packable();
+        self.queued.extend(todo.iter().map(|&(k, _)| k));
+        todo
     }
 
     /// Claim every chunk whose slot is free now, in order: `(chunk, slot)`. Chunk `k` takes
@@ -282,12 +323,18 @@ impl StreamSource {
 
     /// One poll: take the decode's notifications (`msgs`, in order) and say what to do;
     /// with [`SourceVerdict::Run`], the chunks to pack now (announced by [`Self::announce`]
-    /// once packed). `expired`: the stream's deadline has passed.
+    /// once packed). `gone`: the decode's peer was forgotten (over, nothing to tell it);
+    /// `expired`: the stream's deadline has passed.
     pub fn poll(
         &mut self,
         msgs: &[Vec<u8>],
+        gone: bool,
         expired: bool,
     ) -> (SourceVerdict, Vec<(usize, usize)>) {
+        if gone {
+            self.aborted = true;
+            return (SourceVerdict::Over, Vec::new());
+        }
         for m in msgs {
             if StreamMsg::decode(m).and_then(|m| self.receive(&m)).is_err() {
                 return (SourceVerdict::GiveUp, Vec::new());
@@ -310,10 +357,11 @@ impl StreamSource {
     pub fn poll_at(
         &mut self,
         msgs: &[Vec<u8>],
+        gone: bool,
         now: f64,
         deadline: f64,
     ) -> (bool, bool, Vec<(usize, usize)>) {
-        let (verdict, todo) = self.poll(msgs, now >= deadline);
+        let (verdict, todo) = self.poll(msgs, gone, now >= deadline);
         (verdict == SourceVerdict::Run, verdict == SourceVerdict::GiveUp, todo)
     }
 
@@ -323,6 +371,7 @@ impl StreamSource {
     pub fn announce(&mut self, landed: &[bool]) -> Vec<StreamMsg> {
         let n = landed.iter().take_while(|&&l| l).count().min(self.queued.len());
         let ks: Vec<usize> = self.queued.drain(..n).collect();
+        self.announced += ks.len();
         ks.into_iter().filter_map(|k| self.ready(k).ok()).collect()
     }
 
@@ -335,6 +384,7 @@ impl StreamSource {
         self.queued.clear();
         (first && give_up && !self.done() && !self.aborted)
             .then(|| StreamMsg::bare(StreamKind::Abort, self.stream, 0))
+            .filter(|_| !self.whole || self.announced == 0)
     }
 
     /// The `Ready` message of claimed chunk `chunk`.
@@ -397,9 +447,13 @@ impl StreamSource {
         }
     }
 
-    /// Whether every chunk is acknowledged (the slots may be freed).
+    /// Whether every chunk is acknowledged (the slots may be freed); a copy held whole:
+    /// whether it is announced.
     #[must_use]
     pub fn done(&self) -> bool {
+        if self.whole {
+            return self.announced == 1;
+        }
         self.acked_count == self.chunks.len()
     }
 
@@ -415,8 +469,9 @@ impl StreamSource {
 enum SinkSource {
     /// A stream: chunk `k` in source slot `k % offsets.len()`, announced one by one.
     Stream { id: u64, offsets: Vec<u64> },
-    /// A packed copy held whole at `offset` of the source's region: every chunk is there.
-    Whole { offset: u64 },
+    /// A packed copy held whole at `offset` of the source's region: every chunk is there
+    /// once `gate`'s announcement `(stream, nbytes of the copy)` has come (at once without).
+    Whole { offset: u64, gate: Option<(u64, u64)> },
 }
 
 /// `([(chunk, decode slot)] to scatter, acks to send, first failure)` of
@@ -438,6 +493,8 @@ pub struct StreamSink {
     src: SinkSource,
     chunks: Vec<ChunkRange>,
     ready: Vec<bool>,
+    /// Announcements taken: by chunk of a stream, one for a copy held whole.
+    announced: Vec<bool>,
     /// Chunks handed out to read so far (`0..next`).
     next: usize,
     free: VecDeque<usize>,
@@ -447,13 +504,14 @@ pub struct StreamSink {
     landed: usize,
     aborted: bool,
     closed: bool,
+    /// When the last probe went ([`Self::probes`]).
+    probed: Option<f64>,
 }
 
 impl StreamSink {
     /// The decode side of stream `stream`: `chunks` (computed from the ticket's chunk size
     /// with [`chunk_ranges`]), the source slots at `src_offsets`, `dst_slots` slots of the
-    /// decode's pool. The chunks the ticket announces (the first `src_offsets.len()`) are
-    /// ready.
+    /// decode's pool. No chunk is ready before the source announces it.
     ///
     /// # Errors
     /// `Argument` (field `slots`) for no source slot or more than [`MAX_STREAM_SLOTS`], or no
@@ -472,13 +530,7 @@ impl StreamSink {
                 format!("chunk at item {k} has {} bytes, a source slot {slot_bytes}", hi - lo),
             ));
         }
-        let first = src_offsets.len();
-        Self::build(
-            SinkSource::Stream { id: stream, offsets: src_offsets },
-            chunks,
-            first,
-            dst_slots,
-        )
+        Self::build(SinkSource::Stream { id: stream, offsets: src_offsets }, chunks, 0, dst_slots)
     }
 
     /// A read of a packed copy held whole at `offset` of the source's staging region, in
@@ -489,7 +541,31 @@ impl StreamSink {
     /// `Argument` (field `slots`) for no decode slot.
     pub fn whole(chunks: Vec<ChunkRange>, offset: u64, dst_slots: usize) -> DisaggResult<Self> {
         let n = chunks.len();
-        Self::build(SinkSource::Whole { offset }, chunks, n, dst_slots)
+        Self::build(SinkSource::Whole { offset, gate: None }, chunks, n, dst_slots)
+    }
+
+    /// This read of a copy held whole waits for the source's announcement of stream `stream`
+    /// (one `Ready` of chunk 0 in slot 0 at the copy's offset, `nbytes` the copy's size)
+    /// before its first read; a stream reads as before.
+    #[must_use]
+    pub fn gated(mut self, stream: u64, nbytes: u64) -> Self {
+        if let SinkSource::Whole { gate, .. } = &mut self.src {
+            *gate = Some((stream, nbytes));
+            self.ready.fill(false);
+        }
+        self
+    }
+
+    /// The stream whose notifications this read takes: the stream, or the announcement of
+    /// a copy held whole.
+    #[must_use]
+    pub fn mailbox(&self) -> Option<u64> {
+        match self.src {
+            SinkSource::Stream { id, .. } | SinkSource::Whole { gate: Some((id, _)), .. } => {
+                Some(id)
+            }
+            SinkSource::Whole { gate: None, .. } => None,
+        }
     }
 
     fn build(
@@ -511,6 +587,7 @@ impl StreamSink {
             src,
             chunks,
             ready,
+            announced: vec![false; n.max(1)],
             next: 0,
             free: (0..dst_slots).collect(),
             held: vec![None; n],
@@ -518,6 +595,7 @@ impl StreamSink {
             landed: 0,
             aborted: false,
             closed: false,
+            probed: None,
         })
     }
 
@@ -534,15 +612,15 @@ impl StreamSink {
     ///
     /// # Errors
     /// `Wire` (field `stream_msg.*`, both values named) otherwise, and for any message to a
-    /// read of a whole copy; nothing changes.
+    /// read of a whole copy that waits for no announcement; nothing changes.
     pub fn receive(&mut self, msg: &StreamMsg) -> DisaggResult<StreamKind> {
-        let SinkSource::Stream { id, offsets } = &self.src else {
+        let Some(id) = self.mailbox() else {
             return Err(DisaggError::wire(
                 "stream_msg.stream",
-                "a read of a whole copy has no stream",
+                "a read of a whole copy without an announcement has no stream",
             ));
         };
-        check_stream("stream_msg.stream", *id, msg)?;
+        check_stream("stream_msg.stream", id, msg)?;
         match msg.kind {
             StreamKind::Ack => {
                 Err(DisaggError::wire("stream_msg.kind", "a decode received an Ack message"))
@@ -552,23 +630,31 @@ impl StreamSink {
                 Ok(StreamKind::Abort)
             }
             StreamKind::Ready => {
-                let n = self.chunks.len();
                 let k = usize::try_from(msg.chunk).unwrap_or(usize::MAX);
+                // The chunk the message may announce, its slot, offset and size.
+                let (n, want) = match &self.src {
+                    SinkSource::Stream { offsets, .. } => {
+                        let n = self.chunks.len();
+                        let slot = k % offsets.len();
+                        let size = self.chunks.get(k).map_or(0, |c| c[3] - c[2]);
+                        (n, (slot as u64, offsets[slot], size))
+                    }
+                    SinkSource::Whole { offset, gate } => {
+                        (1, (0, *offset, gate.map_or(0, |g| g.1)))
+                    }
+                };
                 if k >= n {
                     return Err(DisaggError::wire(
                         "stream_msg.chunk",
                         format!("Ready of chunk {k}, the stream has {n}"),
                     ));
                 }
-                if self.ready[k] {
+                if self.announced[k] {
                     return Err(DisaggError::wire(
                         "stream_msg.chunk",
                         format!("chunk {k} announced twice"),
                     ));
                 }
-                let slot = k % offsets.len();
-                let [_, _, lo, hi] = self.chunks[k];
-                let want = (slot as u64, offsets[slot], hi - lo);
                 let got = (u64::from(msg.slot), msg.offset, msg.nbytes);
                 for (field, w, g) in [
                     ("stream_msg.slot", want.0, got.0),
@@ -582,23 +668,42 @@ impl StreamSink {
                         ));
                     }
                 }
-                self.ready[k] = true;
+                self.announced[k] = true;
+                // A whole copy's one announcement makes every chunk of the read ready.
+                match self.src {
+                    SinkSource::Stream { .. } => self.ready[k] = true,
+                    SinkSource::Whole { .. } => self.ready.fill(true),
+                }
                 Ok(StreamKind::Ready)
             }
         }
     }
 
-    /// Take the source's notifications in order; what to fail the read with when the source
-    /// gave the stream up.
+    /// Take the source's notifications in order ([`StreamMailboxes::take`]); what to fail
+    /// the read with when the source gave the stream up or is gone: its peer forgotten
+    /// (`gone`), or a probe to it refused (`probed`: the outcome of sending each of
+    /// [`Self::probes`], `(sent, error)`). Nothing more will come then; the read is over and
+    /// nothing is sent back.
     ///
     /// # Errors
     /// The first [`Self::receive`] error (later messages are not taken).
-    pub fn take(&mut self, msgs: &[Vec<u8>]) -> DisaggResult<Option<String>> {
+    pub fn take(
+        &mut self,
+        msgs: &[Vec<u8>],
+        gone: bool,
+        probed: &[(bool, String)],
+    ) -> DisaggResult<Option<String>> {
+        let id = self.mailbox().unwrap_or(0);
+        let refused = probed.iter().find(|(sent, _)| !sent).map(|(_, e)| e.as_str());
+        if (gone || refused.is_some()) && !self.done() {
+            self.aborted = true;
+            let why = refused.unwrap_or("restarted, declared lost or forgotten");
+            return Ok(Some(format!("the source of stream {id} is gone ({why})")));
+        }
         for m in msgs {
             let m = StreamMsg::decode(m)?;
             self.receive(&m)?;
         }
-        let id = self.stream_id().unwrap_or(0);
         Ok(self.aborted.then(|| format!("the source gave stream {id} up")))
     }
 
@@ -617,7 +722,7 @@ impl StreamSink {
             let c = self.chunks[k];
             let at = match &self.src {
                 SinkSource::Stream { offsets, .. } => offsets[k % offsets.len()],
-                SinkSource::Whole { offset } => offset.saturating_add(c[2]),
+                SinkSource::Whole { offset, .. } => offset.saturating_add(c[2]),
             };
             self.held[k] = Some(Held::Reading(slot));
             out.push((k, slot, at, c));
@@ -708,14 +813,41 @@ impl StreamSink {
         Ok(StreamMsg::bare(StreamKind::Ack, id, chunk as u64))
     }
 
-    /// `"DONE"` once every chunk is scattered, else `"PROC"`.
+    /// `"DONE"` once every chunk is scattered; `"WAIT"` while nothing is read or scattered
+    /// (no READ in flight, no scatter queued: waiting for an announcement, so nothing of this
+    /// read can write a destination or a slot now); else `"PROC"`.
     #[must_use]
     pub fn status(&self) -> &'static str {
         if self.done() {
             "DONE"
+        } else if self.quiet() {
+            "WAIT"
         } else {
             "PROC"
         }
+    }
+
+    /// The probes to send the source now: one while this read waits for an announcement
+    /// (nothing in flight, the next chunk not announced), at most every
+    /// [`PROBE_INTERVAL_S`] of the caller's clock (`now`), the first at once.
+    pub fn probes(&mut self, now: f64) -> Vec<Vec<u8>> {
+        let waiting = !self.aborted
+            && !self.closed
+            && self.quiet()
+            && self.ready.get(self.next).is_some_and(|&r| !r);
+        let due = self.probed.is_none_or(|at| now - at >= PROBE_INTERVAL_S);
+        if !(waiting && due) {
+            return Vec::new();
+        }
+        self.probed = Some(now);
+        vec![STREAM_PROBE.to_vec()]
+    }
+
+    /// Whether nothing of this read is in flight: no READ posted and not landed, no scatter
+    /// queued and not completed.
+    #[must_use]
+    pub fn quiet(&self) -> bool {
+        self.held.iter().all(Option::is_none)
     }
 
     /// Whether every chunk is scattered.
@@ -740,53 +872,152 @@ impl StreamSink {
     }
 }
 
+/// Stream notifications kept before their stream is opened here, at most (the oldest goes
+/// first): an announcement may overtake the ticket that names its stream.
+pub const MAX_EARLY_NOTIFS: usize = 4096;
+
+/// The peers of `known` (agent name to the incarnation registered here) that `current` (the
+/// control plane's peer table now, agent name to incarnation) no longer names, or names with
+/// another incarnation: declared lost, or restarted. They are to be forgotten (their streams
+/// end, [`StreamMailboxes::forget`]). In name order.
+#[must_use]
+pub fn stale_peers(
+    known: &std::collections::BTreeMap<String, u64>,
+    current: &std::collections::BTreeMap<String, u64>,
+) -> Vec<String> {
+    known
+        .iter()
+        .filter(|(name, inc)| current.get(*name) != Some(inc))
+        .map(|(n, _)| n.clone())
+        .collect()
+}
+
+/// One open mailbox: whose notifications it takes, what it holds, and whether its peer was
+/// forgotten since it opened.
+#[derive(Debug, Clone)]
+struct Mailbox {
+    key: (String, u64),
+    msgs: Vec<Vec<u8>>,
+    gone: bool,
+}
+
+/// What [`StreamMailboxes::take`] hands out: the notifications received so far, in order,
+/// and whether the peer was forgotten (restarted, declared lost or replaced by a new
+/// incarnation) since the mailbox opened: nothing more will come, the stream is over.
+pub type Mail = (Vec<Vec<u8>>, bool);
+
 /// Stream notifications waiting for their stream, by (peer agent name, stream id): NIXL
-/// hands out every notification of an agent at once, so they are routed here; only open
-/// streams have a mailbox, anything else is dropped (and counted).
+/// hands out every notification of an agent at once, so they are routed here. One of a
+/// stream not open (yet) is kept among the early ones (at most [`MAX_EARLY_NOTIFS`]) until
+/// the stream opens or closes; anything else is dropped (and counted).
+///
+/// Each open stream has its own mailbox, named by the id [`Self::open`] returns: a peer
+/// forgotten ([`Self::forget`]) numbers its streams anew, so its open mailboxes stop taking
+/// notifications (a new incarnation's stream of the same id opens a mailbox of its own) and
+/// say the peer is gone.
 #[derive(Debug, Clone, Default)]
 pub struct StreamMailboxes {
-    boxes: std::collections::BTreeMap<(String, u64), Vec<Vec<u8>>>,
+    boxes: std::collections::BTreeMap<u64, Mailbox>,
+    /// The mailbox taking the notifications of each (peer, stream) now.
+    routes: std::collections::BTreeMap<(String, u64), u64>,
+    early: VecDeque<((String, u64), Vec<u8>)>,
+    next: u64,
     dropped: u64,
 }
 
 impl StreamMailboxes {
-    /// Keep the notifications of `stream` from `peer`.
-    pub fn open(&mut self, peer: &str, stream: u64) {
-        self.boxes.entry((peer.to_owned(), stream)).or_default();
+    /// Open a mailbox for the notifications of `stream` from `peer`, those received early
+    /// first; its id. A later mailbox of the same stream takes its notifications from then on.
+    pub fn open(&mut self, peer: &str, stream: u64) -> u64 {
+        let key = (peer.to_owned(), stream);
+        let (mine, rest): (VecDeque<_>, VecDeque<_>) =
+            std::mem::take(&mut self.early).into_iter().partition(|(k, _)| *k == key);
+        self.early = rest;
+        self.next += 1;
+        let msgs = mine.into_iter().map(|(_, m)| m).collect();
+        self.routes.insert(key.clone(), self.next);
+        self.boxes.insert(self.next, Mailbox { key, msgs, gone: false });
+        self.next
     }
 
-    /// Stop keeping them; later ones are dropped.
-    pub fn close(&mut self, peer: &str, stream: u64) {
-        self.boxes.remove(&(peer.to_owned(), stream));
+    /// Close mailbox `id` (unknown ids: nothing). Unless its peer was forgotten since, the
+    /// early notifications of its stream go too, and later ones wait among the early ones.
+    pub fn close(&mut self, id: u64) {
+        let Some(b) = self.boxes.remove(&id) else { return };
+        if self.routes.get(&b.key) == Some(&id) {
+            self.routes.remove(&b.key);
+            self.early.retain(|(k, _)| *k != b.key);
+        }
+    }
+
+    /// Stop keeping the notifications of `stream` from `peer` (its open mailbox and those
+    /// received early): a stream this rank will not read.
+    pub fn close_stream(&mut self, peer: &str, stream: u64) {
+        let key = (peer.to_owned(), stream);
+        if let Some(id) = self.routes.remove(&key) {
+            self.boxes.remove(&id);
+        }
+        self.early.retain(|(k, _)| *k != key);
+    }
+
+    /// Forget `peer` (forgotten, declared lost or replaced: its stream ids start over): its
+    /// early notifications are dropped and each of its open mailboxes is gone (it takes no
+    /// more notifications; [`Self::take`] says so until it is closed).
+    pub fn forget(&mut self, peer: &str) {
+        self.routes.retain(|(p, _), _| p != peer);
+        for b in self.boxes.values_mut().filter(|b| b.key.0 == peer) {
+            b.gone = true;
+        }
+        self.early.retain(|((p, _), _)| p != peer);
     }
 
     /// Route notifications `(peer, messages)` to their mailboxes.
     pub fn route(&mut self, notifs: Vec<(String, Vec<Vec<u8>>)>) {
         for (peer, msgs) in notifs {
             for m in msgs {
-                let target = StreamMsg::decode(&m)
-                    .ok()
-                    .and_then(|d| self.boxes.get_mut(&(peer.clone(), d.stream)));
-                match target {
-                    Some(b) => b.push(m),
-                    None => self.dropped += 1,
+                if m == STREAM_PROBE {
+                    continue;
                 }
+                let Ok(d) = StreamMsg::decode(&m) else {
+                    self.dropped += 1;
+                    continue;
+                };
+                let key = (peer.clone(), d.stream);
+                if let Some(b) = self.routes.get(&key).and_then(|id| self.boxes.get_mut(id)) {
+                    b.msgs.push(m);
+                    continue;
+                }
+                if self.early.len() == MAX_EARLY_NOTIFS {
+                    self.early.pop_front();
+                    self.dropped += 1;
+                }
+                self.early.push_back((key, m));
             }
         }
     }
 
-    /// Take the notifications of `stream` from `peer` received so far, in order.
-    pub fn take(&mut self, peer: &str, stream: u64) -> Vec<Vec<u8>> {
-        self.boxes.get_mut(&(peer.to_owned(), stream)).map(std::mem::take).unwrap_or_default()
+    /// Take what mailbox `id` received so far and whether its peer is gone (an unknown or
+    /// closed mailbox: nothing, not gone).
+    pub fn take(&mut self, id: u64) -> Mail {
+        self.boxes
+            .get_mut(&id)
+            .map_or((Vec::new(), false), |b| (std::mem::take(&mut b.msgs), b.gone))
     }
 
-    /// Whether any stream is open.
+    /// Whether no mailbox is open and no notification waits.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.boxes.is_empty()
+        self.boxes.is_empty() && self.early.is_empty()
     }
 
-    /// Notifications dropped so far (no open stream, or not a stream notification).
+    /// Notifications waiting for a stream not open here.
+    #[must_use]
+    pub fn early(&self) -> usize {
+        self.early.len()
+    }
+
+    /// Notifications dropped so far (not a stream notification, or the oldest early one
+    /// past [`MAX_EARLY_NOTIFS`]).
     #[must_use]
     pub fn dropped(&self) -> u64 {
         self.dropped

@@ -118,6 +118,10 @@ fn the_source_refuses_acks_it_cannot_have_earned() {
 fn the_sink_takes_only_the_schedules_announcements() {
     let (mut src, mut sink) = stream_of(4, 2);
     src.packable();
+    assert!(sink.reads().is_empty(), "nothing is read before it is announced");
+    for k in 0..2 {
+        sink.receive(&src.ready(k).unwrap()).unwrap();
+    }
     let reads = sink.reads();
     assert_eq!(
         reads.iter().map(|r| (r.0, r.1, r.2)).collect::<Vec<_>>(),
@@ -200,13 +204,15 @@ proptest! {
         let offsets: Vec<u64> = (0..slots as u64).map(|s| 64 * s).collect();
         let mut src = StreamSource::new(9, chunks.clone(), offsets.clone()).unwrap();
         let mut sink = StreamSink::new(9, chunks, offsets, 10, dst_slots).unwrap();
-        // What each source slot holds; the ticket's chunks are packed before it is sent.
-        let mut holds: Vec<Option<usize>> = vec![None; slots];
-        for (k, s) in src.packable() {
-            holds[s] = Some(k);
-        }
         let (mut to_sink, mut to_src): (VecDeque<StreamMsg>, VecDeque<StreamMsg>) =
             (VecDeque::new(), VecDeque::new());
+        // What each source slot holds; the first chunks are packed as the ticket is sent
+        // and announced like every later one.
+        let mut holds: Vec<Option<usize>> = vec![None; slots];
+        for (k, s) in src.first() {
+            holds[s] = Some(k);
+            to_sink.push_back(src.ready(k).unwrap());
+        }
         let mut reading: VecDeque<usize> = VecDeque::new();
         let mut read_order = Vec::new();
         let steps = order.iter().copied().chain((0..32 * n + 32).map(|i| (i % 4) as u8));
@@ -237,6 +243,11 @@ proptest! {
                     src.receive(&m).unwrap();
                 },
             }
+            // Nothing in flight (no read posted and not landed, no scatter queued) is exactly
+            // when the read says it waits: then it cannot write anything.
+            prop_assert_eq!(sink.quiet(), reading.is_empty());
+            let want = if sink.done() { "DONE" } else if reading.is_empty() { "WAIT" } else { "PROC" };
+            prop_assert_eq!(sink.status(), want);
         }
         prop_assert_eq!(read_order, (0..n).collect::<Vec<_>>());
         prop_assert!(src.done() && sink.done());
@@ -247,8 +258,12 @@ proptest! {
 fn a_source_poll_packs_what_acks_free_and_announces_packs_in_order() {
     let (mut src, _) = stream_of(4, 2);
     assert_eq!(src.first(), [(0, 0), (1, 1)]);
+    // The first chunks are announced like the others: once their packs have completed.
+    assert!(src.announce(&[false, true]).is_empty(), "announced in order");
+    let ready = src.announce(&[true, true]);
+    assert_eq!(ready.iter().map(|m| (m.chunk, m.offset)).collect::<Vec<_>>(), [(0, 0), (1, 1024)]);
     let ack0 = StreamMsg::bare(StreamKind::Ack, 5, 0).encode();
-    let (running, give_up, todo) = src.poll_at(&[ack0], 1.0, 9.0);
+    let (running, give_up, todo) = src.poll_at(&[ack0], false, 1.0, 9.0);
     assert!(running && !give_up);
     assert_eq!(todo, [(2, 0)]);
     // The pack of chunk 2 has not completed: nothing is announced yet.
@@ -262,18 +277,18 @@ fn a_source_poll_packs_what_acks_free_and_announces_packs_in_order() {
 fn a_source_gives_up_at_its_deadline_or_on_a_bad_message_and_tells_the_decode_once() {
     let (mut src, _) = stream_of(4, 2);
     src.first();
-    assert_eq!(src.poll_at(&[], 9.0, 9.0), (false, true, vec![]));
+    assert_eq!(src.poll_at(&[], false, 9.0, 9.0), (false, true, vec![]));
     let abort = src.close(true).unwrap();
     assert_eq!((abort.kind, abort.stream), (StreamKind::Abort, 5));
     assert!(src.close(true).is_none(), "close is idempotent");
 
     let (mut src, _) = stream_of(4, 2);
     src.first();
-    assert_eq!(src.poll_at(&[b"junk".to_vec()], 0.0, 9.0), (false, true, vec![]));
+    assert_eq!(src.poll_at(&[b"junk".to_vec()], false, 0.0, 9.0), (false, true, vec![]));
     let (mut src, _) = stream_of(4, 2);
     src.first();
     let abort = StreamMsg::bare(StreamKind::Abort, 5, 0).encode();
-    assert_eq!(src.poll_at(&[abort], 0.0, 9.0), (false, false, vec![]));
+    assert_eq!(src.poll_at(&[abort], false, 0.0, 9.0), (false, false, vec![]));
     assert!(src.close(false).is_none(), "the decode gave it up: nothing to tell");
 }
 
@@ -304,8 +319,11 @@ fn a_whole_copy_is_read_in_chunks_from_its_offset_without_acks() {
 fn a_decode_acks_each_landed_read_and_tells_an_unfinished_source_once() {
     let (mut src, mut sink) = stream_of(3, 2);
     src.first();
+    for m in src.announce(&[true, true]) {
+        sink.receive(&m).unwrap();
+    }
     sink.reads();
-    assert_eq!(sink.take(&[]).unwrap(), None);
+    assert_eq!(sink.take(&[], false, &[]).unwrap(), None);
     // A read that landed is acknowledged at once: the source's slot is free.
     let (_, acks, _) = sink.observe(&[(0, "DONE".into()), (1, "PROC".into())]);
     assert_eq!(acks.iter().map(|m| (m.kind, m.chunk)).collect::<Vec<_>>(), [(StreamKind::Ack, 0)]);
@@ -315,24 +333,166 @@ fn a_decode_acks_each_landed_read_and_tells_an_unfinished_source_once() {
     assert!(sink.close().is_none() && sink.reads().is_empty());
     let (_, mut gone) = stream_of(3, 2);
     let msg = StreamMsg::bare(StreamKind::Abort, 5, 0).encode();
-    assert!(gone.take(&[msg]).unwrap().unwrap().contains("gave stream 5 up"));
+    assert!(gone.take(&[msg], false, &[]).unwrap().unwrap().contains("gave stream 5 up"));
     assert!(gone.close().is_none(), "the source gave it up: nothing to tell");
-    assert!(gone.take(&[b"junk".to_vec()]).is_err());
+    assert!(gone.take(&[b"junk".to_vec()], false, &[]).is_err());
 }
 
 #[test]
 fn mailboxes_keep_the_notifications_of_open_streams_only() {
     let mut boxes = StreamMailboxes::default();
-    boxes.open("dec", 5);
+    let id = boxes.open("dec", 5);
     let ack = StreamMsg::bare(StreamKind::Ack, 5, 0).encode();
     let other = StreamMsg::bare(StreamKind::Ack, 6, 0).encode();
     boxes.route(vec![
         ("dec".into(), vec![ack.clone(), other, b"not a stream message".to_vec()]),
         ("elsewhere".into(), vec![ack.clone()]),
     ]);
-    assert_eq!(boxes.dropped(), 3);
-    assert_eq!(boxes.take("dec", 5), [ack]);
-    assert!(boxes.take("dec", 5).is_empty());
-    boxes.close("dec", 5);
+    // Not a stream message: dropped; those of streams not open here wait for them.
+    assert_eq!((boxes.dropped(), boxes.early()), (1, 2));
+    assert_eq!(boxes.take(id), (vec![ack], false));
+    assert_eq!(boxes.take(id), (vec![], false));
+    boxes.close(id);
+    boxes.close_stream("dec", 6);
+    assert_eq!(boxes.early(), 1, "closing a stream drops what came for it early");
+    boxes.forget("elsewhere");
     assert!(boxes.is_empty());
+}
+
+#[test]
+fn an_announcement_that_overtakes_its_ticket_waits_for_its_stream() {
+    let mut boxes = StreamMailboxes::default();
+    let (mut src, mut sink) = stream_of(3, 2);
+    src.first();
+    let ready: Vec<Vec<u8>> = src.announce(&[true, true]).iter().map(StreamMsg::encode).collect();
+    boxes.route(vec![("pre".into(), ready.clone())]);
+    let id = boxes.open("pre", 5);
+    assert_eq!(boxes.take(id), (ready.clone(), false));
+    assert_eq!(sink.take(&ready, false, &[]).unwrap(), None);
+    assert_eq!(sink.reads().len(), 2);
+    // Bounded: the oldest early notification goes first.
+    let mut full = StreamMailboxes::default();
+    let msgs = (0..=MAX_EARLY_NOTIFS as u64)
+        .map(|s| StreamMsg::bare(StreamKind::Abort, s, 0).encode())
+        .collect();
+    full.route(vec![("pre".into(), msgs)]);
+    assert_eq!((full.early(), full.dropped()), (MAX_EARLY_NOTIFS, 1));
+    let id = full.open("pre", 0);
+    assert!(full.take(id).0.is_empty(), "stream 0's was the oldest");
+}
+
+#[test]
+fn a_whole_copy_is_read_only_once_announced_and_the_announcement_ends_the_source() {
+    let mut src = StreamSource::whole(7, 512, 192);
+    assert!(src.packable().is_empty() && !src.done());
+    // The pack has not completed: nothing announced, the stream runs.
+    assert!(src.announce(&[false]).is_empty());
+    assert_eq!(src.poll_at(&[], false, 0.0, 9.0), (true, false, vec![]));
+    let ready = src.announce(&[true]);
+    assert_eq!(
+        ready.iter().map(|m| (m.chunk, m.slot, m.offset, m.nbytes)).collect::<Vec<_>>(),
+        [(0, 0, 512, 192)]
+    );
+    assert!(src.done());
+    assert_eq!(src.poll_at(&[], false, 1.0, 9.0), (false, false, vec![]));
+    assert!(src.close(true).is_none(), "announced: nothing to tell");
+    // Given up (released) before its pack completed: the decode is told.
+    let mut early = StreamSource::whole(7, 512, 192);
+    assert_eq!(early.close(true).map(|m| m.kind), Some(StreamKind::Abort));
+
+    let chunks: Vec<ChunkRange> = (0..3u64).map(|k| [k, k + 1, 64 * k, 64 * k + 64]).collect();
+    let mut sink = StreamSink::whole(chunks, 512, 2).unwrap().gated(7, 192);
+    assert_eq!(sink.mailbox(), Some(7));
+    assert!(sink.reads().is_empty(), "nothing is read before the announcement");
+    for (field, bad) in [
+        ("stream_msg.offset", StreamMsg { offset: 0, ..ready[0] }),
+        ("stream_msg.nbytes", StreamMsg { nbytes: 64, ..ready[0] }),
+        ("stream_msg.chunk", StreamMsg { chunk: 1, ..ready[0] }),
+        ("stream_msg.stream", StreamMsg { stream: 8, ..ready[0] }),
+    ] {
+        match sink.receive(&bad) {
+            Err(DisaggError::Wire { field: f, .. }) => assert_eq!(f, field, "{bad:?}"),
+            other => panic!("{bad:?}: expected a Wire error, got {other:?}"),
+        }
+    }
+    assert_eq!(sink.receive(&ready[0]).unwrap(), StreamKind::Ready);
+    assert!(sink.receive(&ready[0]).is_err(), "announced twice");
+    assert_eq!(sink.reads().iter().map(|r| (r.0, r.2)).collect::<Vec<_>>(), [(0, 512), (1, 576)]);
+    let (_, acks, _) = sink.observe(&[(0, "DONE".into())]);
+    assert!(acks.is_empty() && sink.close().is_none(), "a whole copy is never acknowledged");
+    let mut plain = StreamSink::whole(vec![[0, 1, 0, 64]], 0, 1).unwrap();
+    assert!(plain.mailbox().is_none() && plain.receive(&ready[0]).is_err());
+}
+
+#[test]
+fn a_read_of_a_forgotten_peer_is_over_at_once_and_its_stream_id_is_free_again() {
+    let mut boxes = StreamMailboxes::default();
+    let old = boxes.open("pre", 7);
+    let out = boxes.open("dec", 3);
+    let msg = StreamMsg::bare(StreamKind::Abort, 7, 0).encode();
+    boxes.route(vec![("pre".into(), vec![msg.clone()])]);
+    boxes.forget("pre");
+    assert_eq!(boxes.take(old), (vec![msg.clone()], true), "gone until closed");
+    assert_eq!(boxes.take(out), (vec![], false), "another peer's mailbox is untouched");
+    // The new incarnation numbers its streams anew: its stream 7 opens a mailbox of its own,
+    // and closing the old one drops nothing of it.
+    let announce = StreamSource::whole(7, 0, 64).announce(&[true])[0].encode();
+    boxes.route(vec![("pre".into(), vec![announce.clone()])]);
+    assert_eq!(boxes.take(old), (vec![], true), "a gone mailbox takes nothing more");
+    let new = boxes.open("pre", 7);
+    boxes.close(old);
+    assert_eq!(boxes.take(new), (vec![announce], false));
+    boxes.close(new);
+    boxes.close(out);
+    assert!(boxes.is_empty());
+
+    // The read waiting for the announcement fails at once, quietly: nothing was posted, and
+    // nothing is sent back to a peer that is gone.
+    let mut sink = StreamSink::whole(vec![[0, 1, 0, 64]], 0, 1).unwrap().gated(7, 64);
+    assert_eq!(sink.status(), "WAIT");
+    let why = sink.take(&[msg], true, &[]).unwrap().unwrap();
+    assert!(why.contains("stream 7 is gone"), "{why}");
+    assert!(sink.reads().is_empty() && sink.quiet() && sink.close().is_none());
+    // A source whose decode is gone is over with nothing to tell.
+    let (mut src, _) = stream_of(3, 2);
+    src.first();
+    assert_eq!(src.poll_at(&[], true, 0.0, 9.0), (false, false, vec![]));
+    assert!(src.close(false).is_none());
+}
+
+#[test]
+fn a_peer_the_table_drops_or_names_with_another_incarnation_is_stale() {
+    let table = |v: &[(&str, u64)]| v.iter().map(|&(n, i)| (n.to_owned(), i)).collect();
+    let known = table(&[("dec", 1), ("pre0", 5), ("pre1", 5)]);
+    // pre0 restarted (incarnation 6), pre1 declared lost (gone from the table), dec unchanged.
+    let now = table(&[("dec", 1), ("pre0", 6), ("other", 2)]);
+    assert_eq!(stale_peers(&known, &now), ["pre0", "pre1"]);
+    assert!(stale_peers(&known, &known).is_empty());
+}
+
+#[test]
+fn a_read_waiting_for_an_announcement_probes_its_source_and_ends_when_a_probe_is_refused() {
+    let mut sink = StreamSink::whole(vec![[0, 1, 0, 64]], 0, 1).unwrap().gated(7, 64);
+    // The first probe goes at once, the next one an interval later.
+    assert_eq!(sink.probes(10.0), [STREAM_PROBE.to_vec()]);
+    assert!(sink.probes(10.0 + PROBE_INTERVAL_S / 2.0).is_empty());
+    assert_eq!(sink.probes(10.0 + 2.0 * PROBE_INTERVAL_S).len(), 1);
+    // A probe sent: the wait goes on.
+    assert_eq!(sink.take(&[], false, &[(true, String::new())]).unwrap(), None);
+    // A probe refused (the source's process is gone): over, nothing sent back.
+    let why = sink.take(&[], false, &[(false, "NIXL_ERR_REMOTE_DISCONNECT".into())]);
+    assert!(why.unwrap().unwrap().contains("NIXL_ERR_REMOTE_DISCONNECT"));
+    assert!(sink.probes(99.0).is_empty() && sink.close().is_none());
+    // Once announced and read, nothing is probed; a read with nothing to wait for neither.
+    let mut read = StreamSink::whole(vec![[0, 1, 0, 64]], 0, 1).unwrap().gated(7, 64);
+    read.receive(&StreamSource::whole(7, 0, 64).announce(&[true])[0]).unwrap();
+    assert!(read.probes(0.0).is_empty(), "announced: the next read goes out");
+    assert_eq!(read.reads().len(), 1);
+    assert!(read.probes(1.0).is_empty(), "a read in flight");
+    let mut plain = StreamSink::whole(vec![[0, 1, 0, 64]], 0, 1).unwrap();
+    assert!(plain.probes(0.0).is_empty());
+    // A source drops the probes uncounted.
+    let mut boxes = StreamMailboxes::default();
+    boxes.route(vec![("dec".into(), vec![STREAM_PROBE.to_vec()])]);
+    assert!(boxes.is_empty() && boxes.dropped() == 0);
 }

@@ -261,9 +261,12 @@ impl PyPullParts {
     fn after_on_done(&self, asked: Vec<usize>, done: Vec<PyOutcome>) -> PyResult<Vec<usize>> {
         Ok(lock(&self.inner)?.after_on_done(&asked, &outcomes(done)))
     }
-    /// Fold the landings; return `((abort, drop, finish), terminal)`.
-    fn settle(&self, landed: Vec<bool>) -> PyResult<(PyReleases, bool)> {
-        let (r, terminal) = lock(&self.inner)?.settle(&landed);
+    /// Fold the landings at clock value `now` of a pull whose deadline is `deadline` (past
+    /// it, a running part whose last step said `"WAIT"` fails, quietly). Return `((abort,
+    /// drop, finish), terminal)`.
+    #[pyo3(signature = (landed, now=0.0, deadline=f64::INFINITY))]
+    fn settle(&self, landed: Vec<bool>, now: f64, deadline: f64) -> PyResult<(PyReleases, bool)> {
+        let (r, terminal) = lock(&self.inner)?.settle(&landed, now > deadline);
         Ok((releases(r), terminal))
     }
     /// Fail every running part; return `(abort, drop, finish)`.

@@ -23,6 +23,14 @@ fn kind_name(k: StreamKind) -> &'static str {
     }
 }
 
+/// `sink` waiting for the announcement `t` names, if any.
+fn gate(sink: StreamSink, t: &StagingTicket) -> StreamSink {
+    match t.ready {
+        Some(id) => sink.gated(id, t.nbytes),
+        None => sink,
+    }
+}
+
 fn bytes<'py>(py: Python<'py>, m: &StreamMsg) -> Bound<'py, PyBytes> {
     PyBytes::new(py, &m.encode())
 }
@@ -59,13 +67,15 @@ pub fn stream_abort_msgs<'py>(
     Ok(t.stream.iter().map(|st| bytes(py, &StreamMsg::bare(StreamKind::Abort, st.id, 0))).collect())
 }
 
-/// What `release_staged` frees for a staging ticket: `(stream id or -1, [offset of a packed
-/// copy held whole])`. `HandoffMetadataError` for a malformed ticket.
+/// What `release_staged` frees for a staging ticket: `(id of its stream or of its
+/// announcement, else -1; [offset of a packed copy held whole])`. `HandoffMetadataError` for
+/// a malformed ticket.
 #[pyfunction]
 pub fn staging_release(ticket: &Bound<'_, PyAny>) -> PyResult<(i64, Vec<u64>)> {
     let t = StagingTicket::parse(&to_wire(ticket, "ticket")?, "ticket").py()?;
     let held = (t.staged && t.stream.is_none()).then_some(t.offset);
-    let id = t.stream.map_or(-1, |st| i64::try_from(st.id).unwrap_or(i64::MAX));
+    let id = t.stream.map(|st| st.id).or(t.ready);
+    let id = id.map_or(-1, |id| i64::try_from(id).unwrap_or(i64::MAX));
     Ok((id, held.into_iter().collect()))
 }
 
@@ -81,6 +91,17 @@ pub fn chunk_read_slot_bytes(ticket: &Bound<'_, PyAny>, item_bytes: u64) -> PyRe
         Some(st) => st.chunk_bytes,
         None => item_bytes,
     })
+}
+
+/// The agent names of `known` (`{agent name: incarnation registered here}`) that `current`
+/// (the peer table now, same form) no longer names or names with another incarnation: the
+/// peers to forget, in name order.
+#[pyfunction]
+pub fn stale_peers(
+    known: std::collections::BTreeMap<String, u64>,
+    current: std::collections::BTreeMap<String, u64>,
+) -> Vec<String> {
+    stream::stale_peers(&known, &current)
 }
 
 /// The `Abort` notification of stream `stream`.
@@ -111,7 +132,14 @@ impl PyStreamSource {
     fn packable(&self) -> PyResult<Vec<(usize, usize)>> {
         Ok(lock(&self.inner)?.packable())
     }
-    /// The chunks to pack before the ticket is sent (it announces them): `[(chunk, slot)]`.
+    /// The announcement of a packed copy held whole (`nbytes` at `offset`), its pack
+    /// queued: announced once that pack has completed (`announce([done])`), over then.
+    #[staticmethod]
+    fn whole(stream: u64, offset: u64, nbytes: u64) -> Self {
+        Self { inner: Mutex::new(StreamSource::whole(stream, offset, nbytes)) }
+    }
+    /// The chunks to pack before the ticket is sent, `[(chunk, slot)]`: announced, like
+    /// every later chunk, once their packs have completed (`announce`).
     fn first(&self) -> PyResult<Vec<(usize, usize)>> {
         Ok(lock(&self.inner)?.first())
     }
@@ -119,9 +147,17 @@ impl PyStreamSource {
     /// decode's notifications; return `(running, give_up, [(chunk, slot)] to pack now)`.
     /// Once not running, close the stream (`close(give_up)`): `give_up` for a notification
     /// off the schedule or a passed deadline (the decode is told), not for a stream done or
-    /// given up by the decode.
-    fn poll(&self, msgs: Vec<Vec<u8>>, now: f64, deadline: f64) -> PyResult<SourcePoll> {
-        Ok(lock(&self.inner)?.poll_at(&msgs, now, deadline))
+    /// given up by the decode. `gone`: the decode's peer was forgotten (over, nothing to
+    /// tell it).
+    #[pyo3(signature = (msgs, now, deadline, gone=false))]
+    fn poll(
+        &self,
+        msgs: Vec<Vec<u8>>,
+        now: f64,
+        deadline: f64,
+        gone: bool,
+    ) -> PyResult<SourcePoll> {
+        Ok(lock(&self.inner)?.poll_at(&msgs, gone, now, deadline))
     }
     /// The `Ready` notifications of the packed chunks to announce now (`landed[i]`: whether
     /// the i-th queued chunk's pack has completed).
@@ -188,8 +224,9 @@ impl PyStreamSink {
     /// The read of a staging ticket's packed copy of `n_tok` tokens whose device plan rows
     /// are `rows` (`(packed coefficient, row bytes per token)`) through `dst_slots` slots of
     /// `slot_bytes`: the ticket's stream, cut in its chunk size (each checked against the
-    /// source's slots), else the copy held whole, cut in `slot_bytes`. Raises
-    /// `HandoffMetadataError` for a malformed ticket.
+    /// source's slots), else the copy held whole, cut in `slot_bytes` (read once the ticket's
+    /// announcement has come, when it names one). Raises `HandoffMetadataError` for a
+    /// malformed ticket.
     #[staticmethod]
     fn of_ticket(
         ticket: &Bound<'_, PyAny>,
@@ -204,9 +241,18 @@ impl PyStreamSink {
         let chunks = stream::chunk_ranges(&rows, tokens_per_block, n_tok, size).py()?;
         let sink = match t.stream {
             Some(st) => StreamSink::new(st.id, chunks, st.offsets, st.slot_bytes, dst_slots),
-            None => StreamSink::whole(chunks, t.offset, dst_slots),
+            None => StreamSink::whole(chunks, t.offset, dst_slots).map(|s| gate(s, &t)),
         };
         Ok(Self { inner: Mutex::new(sink.py()?) })
+    }
+    /// The read of a staging ticket's packed copy held whole in one piece, into one slot of
+    /// its size (read once the ticket's announcement has come, when it names one). Raises
+    /// `HandoffMetadataError` for a malformed ticket.
+    #[staticmethod]
+    fn one_piece(ticket: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let t = StagingTicket::parse(&to_wire(ticket, "ticket")?, "ticket").py()?;
+        let sink = StreamSink::whole(vec![[0, 0, 0, t.nbytes]], t.offset, 1).py()?;
+        Ok(Self { inner: Mutex::new(gate(sink, &t)) })
     }
     /// Every chunk `(k_lo, k_hi, byte_lo, byte_hi)`, in order.
     #[getter]
@@ -218,10 +264,11 @@ impl PyStreamSink {
     fn kind(&self) -> PyResult<&'static str> {
         Ok(if lock(&self.inner)?.is_stream() { "streamed" } else { "chunked" })
     }
-    /// The stream's id (0 for a read of a whole copy).
+    /// The stream whose notifications the read takes: its stream's or its announcement's
+    /// id (0 for a read of a whole copy that waits for none).
     #[getter]
     fn stream_id(&self) -> PyResult<u64> {
-        Ok(lock(&self.inner)?.id())
+        Ok(lock(&self.inner)?.mailbox().unwrap_or(0))
     }
     /// Take a notification from the source; return its kind (`"ready"` or `"abort"`).
     /// `MetadataError` naming the field when it is not the schedule's; nothing changes then.
@@ -235,11 +282,23 @@ impl PyStreamSink {
     fn whole(chunks: Vec<ChunkRange>, offset: u64, dst_slots: usize) -> PyResult<Self> {
         Ok(Self { inner: Mutex::new(StreamSink::whole(chunks, offset, dst_slots).py()?) })
     }
-    /// Take the source's notifications in order; what to fail the read with when the
-    /// source gave the stream up, else `None`. `MetadataError` naming the field for one off
-    /// the schedule.
-    fn take(&self, msgs: Vec<Vec<u8>>) -> PyResult<Option<String>> {
-        lock(&self.inner)?.take(&msgs).py()
+    /// Take the source's notifications in order (`StreamMailboxes.take`); what to fail the
+    /// read with when the source gave the stream up or is gone (`gone`: its peer forgotten;
+    /// `probed`: `[(sent, error)]` of sending `probes()`, one refused), else `None`.
+    /// `MetadataError` naming the field for one off the schedule.
+    #[pyo3(signature = (msgs, gone=false, probed=Vec::new()))]
+    fn take(
+        &self,
+        msgs: Vec<Vec<u8>>,
+        gone: bool,
+        probed: Vec<(bool, String)>,
+    ) -> PyResult<Option<String>> {
+        lock(&self.inner)?.take(&msgs, gone, &probed).py()
+    }
+    /// The liveness probes to send the source now (`[bytes]`): one while the read waits
+    /// for an announcement, at most every `PROBE_INTERVAL_S` of clock value `now`.
+    fn probes<'py>(&self, py: Python<'py>, now: f64) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        Ok(lock(&self.inner)?.probes(now).iter().map(|m| PyBytes::new(py, m)).collect())
     }
     /// Claim the next reads: `[(chunk, decode slot, source offset, (k_lo, k_hi, lo, hi))]`.
     fn reads(&self) -> PyResult<Vec<Read>> {
@@ -261,7 +320,9 @@ impl PyStreamSink {
     fn scattered(&self, completed: Vec<bool>) -> PyResult<usize> {
         Ok(lock(&self.inner)?.scattered(&completed))
     }
-    /// `"DONE"` once every chunk is scattered, else `"PROC"`.
+    /// `"DONE"` once every chunk is scattered; `"WAIT"` while nothing is in flight (no read
+    /// posted, no scatter queued: waiting for an announcement, nothing can be written);
+    /// else `"PROC"`.
     #[getter]
     fn status(&self) -> PyResult<&'static str> {
         Ok(lock(&self.inner)?.status())
@@ -287,7 +348,8 @@ impl PyStreamSink {
     }
 }
 
-/// Stream notifications by (peer agent name, stream id), for open streams only.
+/// Stream notifications by (peer agent name, stream id): those of open streams, and those
+/// received before their stream opened here.
 #[pyclass(name = "StreamMailboxes", module = "disagg_rs", frozen)]
 pub struct PyStreamMailboxes {
     inner: Mutex<StreamMailboxes>,
@@ -299,29 +361,48 @@ impl PyStreamMailboxes {
     fn new() -> Self {
         Self { inner: Mutex::new(StreamMailboxes::default()) }
     }
-    /// Keep the notifications of `stream` from `peer`.
-    fn open(&self, peer: &str, stream: u64) -> PyResult<()> {
-        lock(&self.inner)?.open(peer, stream);
+    /// Open a mailbox for the notifications of `stream` from `peer` (those received early
+    /// first); its id.
+    fn open(&self, peer: &str, stream: u64) -> PyResult<u64> {
+        Ok(lock(&self.inner)?.open(peer, stream))
+    }
+    /// Close mailbox `id` (and drop what its stream received early, unless its peer was
+    /// forgotten since).
+    fn close(&self, id: u64) -> PyResult<()> {
+        lock(&self.inner)?.close(id);
         Ok(())
     }
-    /// Stop keeping them.
-    fn close(&self, peer: &str, stream: u64) -> PyResult<()> {
-        lock(&self.inner)?.close(peer, stream);
+    /// Stop keeping the notifications of the stream or announcement a staging ticket of
+    /// `peer` names (those received early too); nothing for a ticket that names none.
+    /// `HandoffMetadataError` for a malformed ticket.
+    fn forget_ticket(&self, peer: &str, ticket: &Bound<'_, PyAny>) -> PyResult<()> {
+        let t = StagingTicket::parse(&to_wire(ticket, "ticket")?, "ticket").py()?;
+        if let Some(id) = t.stream.map(|st| st.id).or(t.ready) {
+            lock(&self.inner)?.close_stream(peer, id);
+        }
         Ok(())
+    }
+    /// Forget `peer` (restarted, declared lost or replaced): drop its early notifications;
+    /// each of its open mailboxes takes nothing more and says it is gone.
+    fn forget(&self, peer: &str) -> PyResult<()> {
+        lock(&self.inner)?.forget(peer);
+        Ok(())
+    }
+    /// Notifications waiting for a stream not open here.
+    #[getter]
+    fn early(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.early())
     }
     /// Route what NIXL's `get_new_notifs()` returned (`{peer: [bytes, ...]}`).
     fn route(&self, notifs: Vec<(String, Vec<Vec<u8>>)>) -> PyResult<()> {
         lock(&self.inner)?.route(notifs);
         Ok(())
     }
-    /// Take the notifications of `stream` from `peer` so far, in order.
-    fn take<'py>(
-        &self,
-        py: Python<'py>,
-        peer: &str,
-        stream: u64,
-    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        Ok(lock(&self.inner)?.take(peer, stream).iter().map(|m| PyBytes::new(py, m)).collect())
+    /// Take what mailbox `id` received so far, in order, and whether its peer is gone:
+    /// `([bytes, ...], gone)`.
+    fn take<'py>(&self, py: Python<'py>, id: u64) -> PyResult<(Vec<Bound<'py, PyBytes>>, bool)> {
+        let (msgs, gone) = lock(&self.inner)?.take(id);
+        Ok((msgs.iter().map(|m| PyBytes::new(py, m)).collect(), gone))
     }
     /// Notifications dropped so far.
     #[getter]

@@ -450,6 +450,9 @@ pub fn check_staging_tickets_of<'py>(
             s.set_item("offsets", st.offsets.clone())?;
             d.set_item("stream", s)?;
         }
+        if let Some(id) = t.ready {
+            d.set_item("ready", id)?;
+        }
         out.set_item(rank, d)?;
     }
     Ok(out)

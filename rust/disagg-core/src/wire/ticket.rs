@@ -28,11 +28,14 @@ pub struct StagingTicket {
     /// Set when the packed copy is streamed through a few slots of the source's pool rather
     /// than held whole (`offset` is then 0; see `crate::stream`).
     pub stream: Option<StreamTicket>,
+    /// A packed copy held whole whose pack may not have completed when the ticket left: the
+    /// stream id whose one `Ready` notification announces it (the decode reads it only then).
+    pub ready: Option<u64>,
 }
 
 /// How a streamed packed copy moves: the stream's id, the chunk size both sides cut the
 /// copy with (`crate::stream::chunk_ranges`) and the source slots (offsets in its staging
-/// region; the first `offsets.len()` chunks are packed when the ticket is sent).
+/// region; every chunk is announced by a notification once packed).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamTicket {
     /// The stream's id on the source (named in every notification).
@@ -98,7 +101,18 @@ impl StagingTicket {
             offset: o.u64("offset")?,
             nbytes: o.u64("nbytes")?,
             stream: StreamTicket::parse(&o, field)?,
+            ready: o.opt_u64("ready")?,
         };
+        if t.ready.is_some() && (t.stream.is_some() || !t.staged) {
+            return Err(DisaggError::wire(
+                format!("{field}.ready"),
+                format!(
+                    "an announcement names a copy held whole, got staged={} with a stream={}",
+                    t.staged,
+                    t.stream.is_some()
+                ),
+            ));
+        }
         if t.stream.is_some() && !t.staged {
             return Err(DisaggError::wire(
                 format!("{field}.stream"),
