@@ -41,16 +41,24 @@ class IpcCase:
             b.close()
 
 
-def options(doc: str | None) -> argparse.Namespace:
-    """The command line the submit benches share: ``--device`` and ``--repeat``."""
+def options(
+    doc: str | None, extra: Callable[[argparse.ArgumentParser], Any] | None = None
+) -> argparse.Namespace:
+    """The command line the submit benches share: ``--device`` and ``--repeat`` (``extra``
+    adds a bench's own)."""
     ap = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--repeat", type=int, default=200)
+    if extra is not None:
+        extra(ap)
     return ap.parse_args()
 
 
-def build(device: str, *, random_sources: bool = False) -> IpcCase:
-    """The case on ``device``, its route opened by one pull that has landed."""
+def build(
+    device: str, *, random_sources: bool = False, staging_bytes: int | None = None
+) -> IpcCase:
+    """The case on ``device``; without ``staging_bytes`` its route opened by one pull that
+    has landed, with them every rank gets a staging pool of that size (staged pulls)."""
     blocks = N_BLK + 8
 
     def cache(heads: int, fill: bool) -> torch.Tensor:
@@ -60,6 +68,8 @@ def build(device: str, *, random_sources: bool = False) -> IpcCase:
         return torch.zeros(shape, dtype=torch.bfloat16, device=device)
 
     kw: dict[str, Any] = {"num_kv_heads_global": HEADS, "mode": "staged"}
+    if staging_bytes is not None:
+        kw["staging_bytes"] = staging_bytes
     dec = NixlTransferBackend("dec", cache(HEADS, False), blocks, **kw)
     root = NixlTransferBackend(
         "pre", cache(HEADS // 2, random_sources), blocks, tp_size=2, tp_rank=0, global_rank=0, **kw
@@ -81,9 +91,10 @@ def build(device: str, *, random_sources: bool = False) -> IpcCase:
         dids=[int(x) for x in rng.permutation(blocks)[:N_BLK]],
         tokens=N_BLK * TPB,
     )
-    first = case.pull()
-    first.wait()
-    print("modes", first.stats.get("modes"))
+    if staging_bytes is None:
+        first = case.pull()
+        first.wait()
+        print("modes", first.stats.get("modes"))
     return case
 
 

@@ -1,0 +1,67 @@
+"""Host time of ``stage_blocks`` (NIXL staged path, no CUDA IPC) for an 8K-token TP2 ->
+TP1 handoff (the geometry of ``_ipc_case``): each source rank stages its copy for the
+decode and releases it, the GPU queue drained between calls; ``--profile`` prints where the
+call spends its time (cProfile, by own time). ``--pool-mib 256``: a pool smaller than the
+copy, which is then streamed.
+
+Command: ``python benches/bench_stage_submit.py [--device cuda:0] [--repeat 50]
+[--pool-mib 4096] [--profile]``. Needs a CUDA GPU and NIXL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import time
+
+import torch
+
+os.environ["DISAGG_CUDA_IPC"] = "0"  # the network path: staged pack, READ, scatter
+
+from _ipc_case import build, options
+
+
+def main() -> None:
+    def extra(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--pool-mib", type=int, default=4096, help="staging pool per rank")
+        ap.add_argument("--profile", action="store_true", help="cProfile 20 more calls")
+
+    args = options(__doc__, extra)
+    case = build(args.device, staging_bytes=args.pool_mib << 20)
+    dec, (other, root) = case.dec, case.sources
+    dst_meta = dec.export_meta()
+    ranks = [(root, 0), (other, 1)]
+    stage_us: list[float] = []
+
+    def stage_only() -> None:
+        """Each rank stages its copy and releases it (no read: the host time of the call)."""
+        for b, r in ranks:
+            t0 = time.perf_counter_ns()
+            t = b.stage_blocks(dst_meta, case.sids[r], src_metas=case.metas,
+                               num_tokens=case.tokens)  # fmt: skip
+            stage_us.append((time.perf_counter_ns() - t0) / 1e3)
+            torch.cuda.synchronize()
+            b.poll_streams()
+            b.release_staged(t)
+
+    stage_only()
+    stage_us.clear()
+    for _ in range(args.repeat):
+        stage_only()
+    print(f"| stage_blocks, each source rank (median of {len(stage_us)}) | "
+          f"{statistics.median(stage_us):,.1f} us |")  # fmt: skip
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            stage_only()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    case.close()
+
+
+if __name__ == "__main__":
+    main()
