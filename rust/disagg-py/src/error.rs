@@ -20,6 +20,7 @@ pyo3::import_exception!(disagg_rs.exceptions, HandoffStateError);
 pyo3::import_exception!(disagg_rs.exceptions, ResetRefusedError);
 pyo3::import_exception!(disagg_rs.exceptions, ArgumentError);
 pyo3::import_exception!(disagg_rs.exceptions, ConservationError);
+pyo3::import_exception!(disagg_rs.exceptions, MessageOrderError);
 
 /// Convert a core error into its Python exception: exhaustive, so a new variant fails to
 /// compile until it is mapped. The exception gets `(message, field)` as arguments.
@@ -40,6 +41,7 @@ pub fn to_pyerr(e: DisaggError) -> PyErr {
         DisaggError::HandoffState { field, .. } => HandoffStateError::new_err((msg, field)),
         DisaggError::ResetRefused { .. } => ResetRefusedError::new_err((msg, None::<String>)),
         DisaggError::Argument { field, .. } => ArgumentError::new_err((msg, field)),
+        DisaggError::MessageOrder { field, .. } => MessageOrderError::new_err((msg, field)),
         DisaggError::Conservation { .. } => ConservationError::new_err((msg, None::<String>)),
     }
 }

@@ -1,10 +1,13 @@
 //! Bindings of the two-sided transfers' decisions: message tags (`disagg_core::tags`) and
-//! the order of a chunked transfer's steps (`disagg_core::chunks`).
+//! the order of a chunked transfer's steps (`disagg_core::chunks`) and the in-band header of
+//! every message (`disagg_core::p2p_header`).
 
 use disagg_core::chunks::{self, ChunkStep};
 use disagg_core::error::DisaggError;
+use disagg_core::p2p_header::{self, MessageKind};
 use disagg_core::tags;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
 use crate::error::IntoPyResult;
 
@@ -59,4 +62,35 @@ pub fn chunk_steps(sends: Vec<bool>, slots: usize) -> PyResult<Vec<i64>> {
             ChunkStep::Land(k) => -index(k) - 1,
         })
         .collect())
+}
+
+/// The headers of one pair's messages of a handoff, concatenated (`P2P_HEADER_BYTES` each):
+/// message `i` carries `nbytes[i]` payload bytes; `kind` is `"data"` or `"aborted"` (a
+/// filler). Raises `ArgumentError` naming a field beyond its cap.
+#[pyfunction]
+pub fn p2p_headers<'py>(
+    py: Python<'py>,
+    kind: &str,
+    tag: u64,
+    incarnation: u64,
+    nbytes: Vec<u64>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let kind = MessageKind::from_name(kind).py()?;
+    let bytes = p2p_header::encode_headers(kind, tag, incarnation, &nbytes).py()?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// Check the received headers of messages `first..` of a pair's `len(nbytes)` messages:
+/// `"data"` or `"aborted"` (every one a filler), else `MessageOrderError` naming the first
+/// field that is not what the receive was posted for, with both values.
+#[pyfunction]
+#[pyo3(signature = (got, tag, incarnation, nbytes, first = 0))]
+pub fn check_p2p_headers(
+    got: &[u8],
+    tag: u64,
+    incarnation: u64,
+    nbytes: Vec<u64>,
+    first: usize,
+) -> PyResult<&'static str> {
+    Ok(p2p_header::check_headers(got, tag, incarnation, &nbytes, first).py()?.name())
 }
