@@ -9,6 +9,17 @@ scatters the message into its paged buffer when the receive completes.
 
 Messages of concurrent handoffs between the same pair are matched by post order (NCCL) or
 by ``tag`` (gloo); the decode must post receives in the order the prefill posts sends.
+``match_by_order`` (default: on when the group is NCCL) sends every message on one tag, so
+gloo matches by post order too, as NCCL does.
+
+Every message starts with a fixed-size header built in Rust (``_core.p2p_headers``: the
+handoff's tag, the sender's incarnation, the chunk index and count, the payload size). The
+receiver checks it before the bytes count (``_core.check_p2p_headers``): a message meant for
+another receive (a receive that never got its send takes the next send on the pair) fails the
+import with ``MessageOrderError``'s text and marks the peer as out of step
+(``out_of_step``; later receives from it are refused). A sender that cannot send the real bytes
+of a posted receive sends a filler of the posted sizes (``begin_push_blocks(filler=True)``):
+the receive completes at once, its import fails as aborted, and the pair stays in step.
 """
 
 from __future__ import annotations
@@ -24,7 +35,13 @@ import torch
 import torch.distributed as dist
 
 from disagg_rs import _core
-from disagg_rs.exceptions import BlockIdError, CapacityError, MetadataError, TransferError
+from disagg_rs.exceptions import (
+    BlockIdError,
+    CapacityError,
+    MessageOrderError,
+    MetadataError,
+    TransferError,
+)
 from disagg_rs.transfer_backends import device_plan as dp
 from disagg_rs.transfer_backends import pipeline
 from disagg_rs.transfer_backends.base import (
@@ -71,6 +88,7 @@ class NcclTransferHandle(TransferHandleBase):
         use_waiter_thread: bool = False,
         ready: Callable[[], bool] | None = None,
         errors: list[str] | None = None,
+        checks: list[Callable[[], str | None]] | None = None,
     ) -> None:
         super().__init__(timeout_s, clock)
         # Chunked transfers (``pipeline.post_chunks``): settled once ``ready()`` says so;
@@ -80,6 +98,9 @@ class NcclTransferHandle(TransferHandleBase):
         self.works = works
         self.keepalive = keepalive
         self.scatters = scatters
+        # Header checks of the received messages, run before any scatter: each returns None
+        # or the failure.
+        self.checks = checks or []
         self.error = error
         self._settled = threading.Event()
         self._thread_error: str | None = None
@@ -120,6 +141,10 @@ class NcclTransferHandle(TransferHandleBase):
         self.error = self.error or self._thread_error
         if self._errors:
             self.error = self.error or self._errors[0]
+        for check in self.checks if self.error is None else []:
+            self.error = check()
+            if self.error is not None:
+                break
         if self.error is None:
             for land in self.scatters:
                 try:
@@ -127,7 +152,7 @@ class NcclTransferHandle(TransferHandleBase):
                 except Exception as exc:
                     self.error = f"scatter failed: {exc!r}"
                     break
-        self.works, self.scatters, self.keepalive = [], [], []
+        self.works, self.scatters, self.keepalive, self.checks = [], [], [], []
 
 
 def _make_copy(view: torch.Tensor, buf: torch.Tensor) -> Callable[[], None]:
@@ -149,7 +174,9 @@ class NcclTransferBackend(TransferBackendBase):
 
     Same constructor and metadata as ``NixlTransferBackend`` (plus ``dist_rank``, this
     process's rank in the default group), so the handoff layer treats both alike. Keyword
-    extensions: ``axes``, ``timeout_s``, ``compiler``, ``incarnation``, ``clock``, ``group``.
+    extensions: ``axes``, ``timeout_s``, ``compiler``, ``incarnation``, ``clock``, ``group``,
+    ``match_by_order`` (every message on one tag, so messages match by post order per peer
+    pair whatever the group; default: on for NCCL, which ignores tags, off otherwise).
     """
 
     name = "nccl"
@@ -182,6 +209,7 @@ class NcclTransferBackend(TransferBackendBase):
         incarnation: int | None = None,
         clock: Clock = time.monotonic,
         group: Any = None,
+        match_by_order: bool | None = None,
     ) -> None:
         super().__init__(
             agent_name,
@@ -212,6 +240,15 @@ class NcclTransferBackend(TransferBackendBase):
             raise TransferError("NcclTransferBackend needs torch.distributed initialised first")
         self.group = group
         self.dist_rank = dist.get_rank()
+        self.match_by_order = (
+            dist.get_backend(group) == "nccl" if match_by_order is None else bool(match_by_order)
+        )
+        # Gloo matching by post order: every transfer of the group on one thread, in order.
+        on_host = dist.get_backend(group) != "nccl"
+        self._lane = pipeline.lane_of(group) if self.match_by_order and on_host else None
+        #: Peers (process ranks) whose messages stopped matching this rank's receives, with
+        #: the first mismatch: receives from them are refused.
+        self.out_of_step: dict[int, str] = {}
         # Chunked transfers: a bounded staging pool, plans per peer set, ids to the device.
         self.staging_pool = pipeline.StagingPool(memory_buffer.device)
         self._plans = dp.PlanCache()
@@ -223,6 +260,7 @@ class NcclTransferBackend(TransferBackendBase):
             "clock": clock,
             "group": group,
             "incarnation": self.incarnation,
+            "match_by_order": self.match_by_order,
         }
 
     def new_registered_buffer(self, **kwargs: Any) -> NcclTransferBackend:
@@ -243,6 +281,42 @@ class NcclTransferBackend(TransferBackendBase):
 
     def _device(self) -> torch.device:
         return self.memory_buffer.device
+
+    def _wire_tag(self, tag: int) -> int:
+        """The tag messages travel on: the handoff's, or one for all (``match_by_order``)."""
+        return 0 if self.match_by_order else tag
+
+    def _mark_out_of_step(self, peer: int, why: str) -> None:
+        self.out_of_step.setdefault(peer, why)
+        logger.error("two-sided pair with rank %d is out of step: %s", peer, why)
+
+    def _refuse_out_of_step(self, peers: Sequence[int]) -> None:
+        for peer in peers:
+            if peer in self.out_of_step:
+                raise TransferError(
+                    f"rank {peer} is out of step with this rank (messages no longer match "
+                    f"their receives): {self.out_of_step[peer]}",
+                    field="peer_meta",
+                )
+
+    def _checker(
+        self, buf: torch.Tensor, peer: int, tag: int, incarnation: int, nbytes: int
+    ) -> Callable[[], str | None]:
+        """A check of one received whole message's header (None when it is the data)."""
+
+        def check() -> str | None:
+            got = buf[: pipeline.HEADER].cpu().numpy().tobytes()
+            try:
+                kind = _core.check_p2p_headers(got, tag, incarnation, [nbytes])
+            except MessageOrderError as exc:
+                why = f"peer rank {peer} is out of step: {exc}"
+                self._mark_out_of_step(peer, why)
+                return why
+            if kind != "data":
+                return f"source rank {peer} aborted the handoff (filler, tag {tag})"
+            return None
+
+        return check
 
     def begin_pull_blocks(
         self,
@@ -270,6 +344,7 @@ class NcclTransferBackend(TransferBackendBase):
         )
         metas = [p.meta for p in peers]
         by_rank = {int(m["layout"]["global_rank"]): m for m in metas}
+        self._refuse_out_of_step([int(m["dist_rank"]) for m in metas])
         me = self._base_meta()
         if num_tokens is not None and pipeline.chunkable([*metas, me]):
             return self._pull_chunked(
@@ -279,6 +354,8 @@ class NcclTransferBackend(TransferBackendBase):
         ops: list[dist.P2POp] = []
         keep: list[torch.Tensor] = []
         scatters: list[Callable[[], None]] = []
+        checks: list[Callable[[], str | None]] = []
+        head = pipeline.HEADER
         for rank in program.src_ranks:
             if rank not in by_rank:
                 raise MetadataError(
@@ -287,13 +364,14 @@ class NcclTransferBackend(TransferBackendBase):
             nbytes = int(program.packed_bytes(rank))
             if nbytes == 0:
                 continue
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device())
-            ops.append(
-                dist.P2POp(dist.irecv, buf, int(by_rank[rank]["dist_rank"]), self.group, tag)
-            )
+            peer = int(by_rank[rank]["dist_rank"])
+            buf = torch.empty(head + nbytes, dtype=torch.uint8, device=self._device())
+            ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, self._wire_tag(tag)))
             keep.append(buf)
-            scatters.append(self._lander(buf, program.scatter(rank)))
-        handle = self._submit(ops, keep, scatters, timeout_s)
+            inc = int(by_rank[rank]["incarnation"])
+            checks.append(self._checker(buf, peer, tag, inc, nbytes))
+            scatters.append(self._lander(buf[head:], program.scatter(rank)))
+        handle = self._submit(ops, keep, scatters, timeout_s, checks)
         handle.stats = dict(program.stats)
         return handle
 
@@ -342,7 +420,15 @@ class NcclTransferBackend(TransferBackendBase):
             )
         (dev_ids,) = self._ids.upload(ids)
         pairs = [
-            pipeline.ChunkPlan(plans[r], dev_ids, num_tokens, int(by_rank[r]["dist_rank"]), False)
+            pipeline.ChunkPlan(
+                plans[r],
+                dev_ids,
+                num_tokens,
+                int(by_rank[r]["dist_rank"]),
+                False,
+                tag=tag,
+                incarnation=int(by_rank[r]["incarnation"]),
+            )
             for r in ranks
         ]
         handle = self._submit_chunks(pairs, tag, timeout_s)
@@ -369,7 +455,9 @@ class NcclTransferBackend(TransferBackendBase):
                 self.memory_buffer,
                 self.staging_pool,
                 self.group,
-                tag,
+                self._wire_tag(tag),
+                self._mark_out_of_step,
+                self._lane,
             )
         except CapacityError:
             raise  # checked before anything is posted
@@ -402,6 +490,7 @@ class NcclTransferBackend(TransferBackendBase):
         num_tokens: int | None = None,
         tag: int = 0,
         timeout_s: float | None = None,
+        filler: bool = False,
     ) -> NcclTransferHandle:
         """Pack and send this prefill rank's part of a handoff to each decode rank named.
 
@@ -409,7 +498,10 @@ class NcclTransferBackend(TransferBackendBase):
         one message per decode rank that reads from this rank). ``src_metas``: every source
         rank's metadata, so the plan picks the same representatives the decode does (default:
         this rank's model-parallel group inferred from its layout, see ``_group_metas``).
-        Without ``num_tokens`` whole blocks move.
+        Without ``num_tokens`` whole blocks move. ``filler``: send messages of the sizes the
+        decode posted whose headers say ``aborted`` instead of the blocks' bytes (the handoff
+        cannot be sent; ``src_block_ids`` then only size the plan, any valid ids do), so the
+        decode's receives complete at once and the pair stays in step.
         """
         dsts = self._peer_list(peer_meta)
         if no_blocks(src_block_ids):  # nothing to move: a settled handle
@@ -418,7 +510,7 @@ class NcclTransferBackend(TransferBackendBase):
         num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens, local_is_dst=False)
         me = self.layout.global_rank
         if num_tokens is not None and all(pipeline.chunkable([*srcs, d]) for d in dsts):
-            return self._push_chunked(srcs, dsts, src_block_ids, num_tokens, tag, timeout_s)
+            return self._push_chunked(srcs, dsts, src_block_ids, num_tokens, tag, timeout_s, filler)
         programs: list[tuple[PeerMeta, TransferProgramLike]] = [
             (dst, self._compile(srcs, dst, src_block_ids, dst_block_ids, num_tokens, "staged"))
             for dst in dsts
@@ -431,9 +523,15 @@ class NcclTransferBackend(TransferBackendBase):
             nbytes = int(program.packed_bytes(me))
             if nbytes == 0:
                 continue
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device())
-            self.pack_rows(program.gather(me), buf)
-            ops.append(dist.P2POp(dist.isend, buf, int(dst["dist_rank"]), self.group, tag))
+            head = pipeline.HEADER
+            buf = torch.empty(head + nbytes, dtype=torch.uint8, device=self._device())
+            kind = "aborted" if filler else "data"
+            raw = bytearray(_core.p2p_headers(kind, tag, self.incarnation, [nbytes]))
+            buf[:head].copy_(torch.frombuffer(raw, dtype=torch.uint8))
+            if not filler:
+                self.pack_rows(program.gather(me), buf[head:])
+            wire_tag = self._wire_tag(tag)
+            ops.append(dist.P2POp(dist.isend, buf, int(dst["dist_rank"]), self.group, wire_tag))
             keep.append(buf)
         return self._submit(ops, keep, [], timeout_s)
 
@@ -445,6 +543,7 @@ class NcclTransferBackend(TransferBackendBase):
         num_tokens: int,
         tag: int,
         timeout_s: float | None,
+        filler: bool = False,
     ) -> NcclTransferHandle:
         """Pack and send this rank's part in chunks through the staging pool (see
         ``pipeline``); the decode cuts the same chunks from the same plan."""
@@ -473,7 +572,18 @@ class NcclTransferBackend(TransferBackendBase):
                     f"{plan.num_blocks(num_tokens)}",
                     field="src_block_ids",
                 )
-            pairs.append(pipeline.ChunkPlan(plan, dev_ids, num_tokens, int(dst["dist_rank"]), True))
+            pairs.append(
+                pipeline.ChunkPlan(
+                    plan,
+                    dev_ids,
+                    num_tokens,
+                    int(dst["dist_rank"]),
+                    True,
+                    tag=tag,
+                    incarnation=self.incarnation,
+                    filler=filler,
+                )
+            )
         return self._submit_chunks(pairs, tag, timeout_s)
 
     def _submit(
@@ -482,9 +592,22 @@ class NcclTransferBackend(TransferBackendBase):
         keep: list[torch.Tensor],
         scatters: list[Callable[[], None]],
         timeout_s: float | None,
+        checks: list[Callable[[], str | None]] | None = None,
     ) -> NcclTransferHandle:
         works: list[Any] = []
         error: str | None = None
+        if ops and self._lane is not None:
+            ready, errors = pipeline.run_ops(ops, self._lane)
+            return NcclTransferHandle(
+                [],
+                keep,
+                scatters,
+                self.timeout_s if timeout_s is None else timeout_s,
+                self.clock,
+                ready=ready,
+                errors=errors,
+                checks=checks,
+            )
         if ops:
             try:
                 if dist.get_backend(self.group) == "nccl":
@@ -503,6 +626,7 @@ class NcclTransferBackend(TransferBackendBase):
             self.clock,
             error,
             use_waiter_thread=dist.get_backend(self.group) == "gloo",
+            checks=checks,
         )
 
     def close(self) -> None:

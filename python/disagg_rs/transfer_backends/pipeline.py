@@ -21,7 +21,20 @@ exchange.
   own (one chunk, at most ``chunk_bytes``). It never shares a slot: a thread blocked on its
   peer while holding a slot another handoff needs lets two engines that start concurrent
   handoffs in different orders wait on each other until the transfer times out. Tags keep
-  concurrent handoffs apart.
+  concurrent handoffs apart. Where messages match by post order instead (``lane``: NCCL's
+  rule on gloo), every transfer of the process group runs on one :class:`Lane` thread in
+  the order the transfers were started, so each side posts in its serving thread's order.
+
+Every message starts with a ``_core.P2P_HEADER_BYTES`` header (``_core.p2p_headers``: the
+handoff's tag, the sender's incarnation, the chunk index and count, the payload size; a filler
+says ``aborted``), so a slot is that much larger than a chunk. The receiver checks it
+(``_core.check_p2p_headers``) before the bytes count: on host memory before each chunk's
+scatter; on CUDA, where nothing waits on the host, each chunk's header is copied aside on the
+stream and all of them are checked once the transfer's event completed, before the handle
+reports success (the scatters wrote only the import's own, not yet admitted, destination
+blocks). A receive whose message is a filler fails at once; one whose message was meant for
+another receive fails as out of step (``MessageOrderError``) and reports its peer to
+``on_mismatch``.
 
 Ranges are half-open ``[lo, hi)``.
 """
@@ -29,6 +42,7 @@ Ranges are half-open ``[lo, hi)``.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,10 +52,21 @@ import torch
 import torch.distributed as dist
 
 from disagg_rs import _core
-from disagg_rs.exceptions import CapacityError
+from disagg_rs.exceptions import CapacityError, MessageOrderError
 from disagg_rs.transfer_backends import device_plan as dp
 
-__all__ = ["DEFAULT_POOL_BYTES", "ChunkPlan", "StagingPool", "post_chunks"]
+__all__ = [
+    "DEFAULT_POOL_BYTES",
+    "ChunkPlan",
+    "Lane",
+    "StagingPool",
+    "lane_of",
+    "post_chunks",
+    "run_ops",
+]
+
+#: Bytes of the header in front of every message (``_core.p2p_headers``).
+HEADER = int(_core.P2P_HEADER_BYTES)
 
 #: Default staging pool per engine: 256 MiB (``DISAGG_STAGING_POOL_BYTES`` overrides).
 DEFAULT_POOL_BYTES = 256 << 20
@@ -111,16 +136,21 @@ class StagingPool:
         self._lock = threading.Lock()
 
     @property
+    def stride(self) -> int:
+        """Bytes of one slot: a chunk and its message header."""
+        return self.slot_bytes + HEADER
+
+    @property
     def nbytes(self) -> int:
         """Bytes the pool holds once allocated."""
-        return self.slots * self.slot_bytes
+        return self.slots * self.stride
 
     def slot(self, index: int) -> torch.Tensor:
-        """Slot ``index`` as a flat ``uint8`` tensor."""
+        """Slot ``index`` as a flat ``uint8`` tensor (header, then up to ``slot_bytes``)."""
         if self._buf is None:
             self._buf = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        lo = index * self.slot_bytes
-        return self._buf[lo : lo + self.slot_bytes]
+        lo = index * self.stride
+        return self._buf[lo : lo + self.stride]
 
     def next_index(self) -> int:
         """Round-robin slot for the next chunk of any handoff."""
@@ -141,16 +171,86 @@ class StagingPool:
         self._last[index] = work
 
 
+class Lane:
+    """One thread that runs jobs in submission order: the transfers of one process group
+    when messages match by post order, so a side's posts follow its serving thread's order
+    (per-handoff threads would race). A job blocked on its peer holds up the later ones, as
+    a receive that never gets its send holds up the pair on NCCL."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` after every job submitted before it (it must not raise)."""
+        self._jobs.put(job)
+
+
+_LANES: dict[int, Lane] = {}
+_LANES_LOCK = threading.Lock()
+
+
+def lane_of(group: Any) -> Lane:
+    """The lane of process group ``group`` (``None``: the default group) in this process."""
+    with _LANES_LOCK:
+        return _LANES.setdefault(id(group), Lane())
+
+
+def run_ops(ops: list[Any], lane: Lane) -> tuple[Callable[[], bool], list[str]]:
+    """Post point-to-point ``ops`` on ``lane`` and wait for them there; returns ``(done,
+    errors)`` as :func:`post_chunks` does."""
+    errors: list[str] = []
+    finished = threading.Event()
+
+    def job() -> None:
+        try:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        except Exception as exc:
+            errors.append(f"torch.distributed reported {exc!r}")
+        finally:
+            finished.set()
+
+    lane.submit(job)
+    return finished.is_set, errors
+
+
 @dataclass
 class ChunkPlan:
     """What one side of one (source, destination) pair moves: the device plan, the block ids
-    of the local cache (on its device), the token count and the peer's process rank."""
+    of the local cache (on its device), the token count and the peer's process rank; the
+    handoff's ``tag`` and the sender's ``incarnation`` (what the headers say); ``filler``: a
+    send of the posted sizes whose headers say ``aborted`` (nothing is packed)."""
 
     plan: dp.DevicePlan
     ids: torch.Tensor
     n_tok: int
     peer: int
     send: bool
+    tag: int = 0
+    incarnation: int = 0
+    filler: bool = False
+
+    def sizes(self, slot_bytes: int) -> list[int]:
+        """Payload bytes of each chunk."""
+        return [c[3] - c[2] for c in self.plan.chunks(self.n_tok, slot_bytes)]
+
+    def headers(self, slot_bytes: int) -> bytes:
+        """The headers this side sends (send) or expects (receive), concatenated."""
+        kind = "aborted" if self.filler else "data"
+        return _core.p2p_headers(kind, self.tag, self.incarnation, self.sizes(slot_bytes))
+
+    def check(self, got: bytes, slot_bytes: int, first: int = 0) -> str:
+        """``"data"`` or ``"aborted"`` for received headers of chunks ``first..``; raises
+        ``MessageOrderError``."""
+        return _core.check_p2p_headers(
+            got, self.tag, self.incarnation, self.sizes(slot_bytes), first
+        )
 
 
 def _one_chunk(
@@ -159,21 +259,26 @@ def _one_chunk(
     slot: torch.Tensor,
     chunk: tuple[int, int, int, int],
     group: Any,
-    tag: int,
+    wire_tag: int,
+    header: torch.Tensor | None,
 ) -> tuple[Callable[[], Any], Callable[[], None]]:
-    """(post the message, land it) for one chunk; the pack happens before the post."""
+    """(post the message, land it) for one chunk; the pack (and the header, ``header``)
+    happen before the post. The message is the slot's header and the chunk's bytes."""
     k_lo, k_hi, b_lo, b_hi = chunk
-    window = slot[: b_hi - b_lo]
+    window = slot[: HEADER + b_hi - b_lo]
     local = dp.Side("src" if cp.send else "dst", buffer, cp.ids)
-    packed = dp.Side("packed", window, bias=b_lo)
+    packed = dp.Side("packed", window[HEADER:], bias=b_lo)
     if cp.send:
-        dp.copy(cp.plan, local, packed, cp.n_tok, items=(k_lo, k_hi))
-        return (lambda: dist.isend(window, cp.peer, group, tag)), (lambda: None)
+        assert header is not None
+        window[:HEADER].copy_(header)
+        if not cp.filler:
+            dp.copy(cp.plan, local, packed, cp.n_tok, items=(k_lo, k_hi))
+        return (lambda: dist.isend(window, cp.peer, group, wire_tag)), (lambda: None)
 
     def land() -> None:
         dp.copy(cp.plan, packed, local, cp.n_tok, items=(k_lo, k_hi))
 
-    return (lambda: dist.irecv(window, cp.peer, group, tag)), land
+    return (lambda: dist.irecv(window, cp.peer, group, wire_tag)), land
 
 
 def post_chunks(
@@ -181,15 +286,20 @@ def post_chunks(
     buffer: torch.Tensor,
     pool: StagingPool,
     group: Any,
-    tag: int,
+    wire_tag: int,
+    on_mismatch: Callable[[int, str], None] | None = None,
+    lane: Lane | None = None,
 ) -> tuple[list[Any], Callable[[], bool], threading.Thread | None, list[str]]:
-    """Move every pair's chunks through ``pool``.
+    """Move every pair's chunks through ``pool``, every message on ``wire_tag`` (the
+    handoff's tag, or one tag for every handoff where messages match by post order).
 
     Returns ``(works, done, thread, errors)``: on CUDA, ``works`` are the NCCL works and
-    ``done()`` queries the event recorded after the last scatter; on host memory a worker
-    thread runs the loop through its own one-chunk buffer (``done()`` says it finished;
-    ``errors`` holds its failures, e.g. the process group's timeout on a peer that never
-    answered).
+    ``done()`` queries the event recorded after the last scatter (then checks the received
+    headers once); on host memory a worker thread runs the loop through its own one-chunk
+    buffer (``done()`` says it finished). ``errors`` holds the failures (e.g. the process
+    group's timeout on a peer that never answered, a filler, a message out of step; a
+    receive out of step also calls ``on_mismatch(peer, text)``). Host memory with ``lane``:
+    the loop runs there, after the transfers started before it (``thread`` is None).
     """
     for cp in pairs:
         item = int(cp.plan.planes[:, 3].max()) * cp.plan.tokens_per_block
@@ -199,51 +309,122 @@ def post_chunks(
                 f"chunk_bytes={pool.slot_bytes}",
                 field="chunk_bytes",
             )
-    chunks = [(cp, c) for cp in pairs for c in cp.plan.chunks(cp.n_tok, pool.slot_bytes)]
+    per_pair = [cp.plan.chunks(cp.n_tok, pool.slot_bytes) for cp in pairs]
+    chunks = [(p, i, c) for p, cs in enumerate(per_pair) for i, c in enumerate(cs)]
+    errors: list[str] = []
+
+    def verdict(p: int, got: bytes, first: int) -> str:
+        """Check pair ``p``'s received headers: ``"data"``, ``"aborted"`` (a filler) or
+        ``"order"`` (out of step); a failure is recorded in ``errors``."""
+        cp = pairs[p]
+        try:
+            kind = cp.check(got, pool.slot_bytes, first)
+        except MessageOrderError as exc:
+            why = f"peer rank {cp.peer} is out of step: {exc}"
+            if on_mismatch is not None:
+                on_mismatch(cp.peer, why)
+            errors.append(why)
+            return "order"
+        if kind != "data":
+            errors.append(f"source rank {cp.peer} aborted the handoff (filler, tag {cp.tag})")
+        return kind
+
     if buffer.is_cuda:
+        # Headers to send, uploaded once per pair before the pool's stream starts; received
+        # headers are copied aside per chunk and checked once the transfer completed.
+        hdrs: list[torch.Tensor] = []
+        for p, cp in enumerate(pairs):
+            if cp.send:
+                raw = bytearray(cp.headers(pool.slot_bytes))
+                hdrs.append(torch.frombuffer(raw, dtype=torch.uint8).to(buffer.device))
+            else:
+                hdrs.append(
+                    torch.empty(len(per_pair[p]) * HEADER, dtype=torch.uint8, device=buffer.device)
+                )
         works: list[Any] = []
         stream = pool.stream
         # The pool's stream starts after what the engine queued so far (the blocks' bytes).
         stream.wait_stream(torch.cuda.current_stream(buffer.device))
-        for cp in pairs:
-            # The ids were copied on the engine's stream; keep them until this stream is done.
+        for cp, h in zip(pairs, hdrs, strict=True):
+            # The ids (and headers) were copied on the engine's stream; keep them until this
+            # stream is done.
             cp.ids.record_stream(stream)
+            h.record_stream(stream)
         # Receives run ahead of their scatters by up to ``slots - 1`` chunks (a receive waits
         # for everything queued on the stream when it is posted); the order is Rust's.
-        posted: dict[int, tuple[Any, Callable[[], None]]] = {}
+        posted: dict[int, tuple[Any, Callable[[], None], torch.Tensor, torch.Tensor]] = {}
         with torch.cuda.stream(stream):
-            for step in _core.chunk_steps([cp.send for cp, _ in chunks], pool.slots):
+            for step in _core.chunk_steps([pairs[p].send for p, _, _ in chunks], pool.slots):
                 if step < 0:
-                    work, land = posted.pop(-step - 1)
+                    work, land, window, aside = posted.pop(-step - 1)
                     work.wait()  # the stream waits for the message; the host does not
+                    if not pairs[chunks[-step - 1][0]].send:
+                        aside.copy_(window[:HEADER])
                     land()
                     continue
-                cp, chunk = chunks[step]
+                p, i, chunk = chunks[step]
+                cp = pairs[p]
                 index = pool.next_index()
                 pool.claim(index)
-                post, land = _one_chunk(cp, buffer, pool.slot(index), chunk, group, tag)
+                own = hdrs[p][i * HEADER : (i + 1) * HEADER]
+                slot = pool.slot(index)
+                post, land = _one_chunk(
+                    cp, buffer, slot, chunk, group, wire_tag, own if cp.send else None
+                )
                 work = post()
                 works.append(work)
                 pool.release(index, work)
-                posted[step] = (work, land)
+                posted[step] = (work, land, slot, own)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
-        return works, lambda: bool(event.query()), None, []  # type: ignore[no-untyped-call]
-    errors: list[str] = []
+        checked: list[bool] = []
+
+        def done() -> bool:
+            if not event.query():  # type: ignore[no-untyped-call]
+                return False
+            if not checked:
+                checked.append(True)
+                for p, cp in enumerate(pairs):
+                    if not cp.send and verdict(p, hdrs[p].cpu().numpy().tobytes(), 0) != "data":
+                        break
+            return True
+
+        return works, done, None, errors
     finished = threading.Event()
 
     def run() -> None:
         try:
-            own = torch.empty(max((c[3] - c[2] for _, c in chunks), default=0), dtype=torch.uint8)
-            for cp, chunk in chunks:
-                post, land = _one_chunk(cp, buffer, own, chunk, group, tag)
+            own = torch.empty(
+                HEADER + max((c[3] - c[2] for _, _, c in chunks), default=0), dtype=torch.uint8
+            )
+            headers = [cp.headers(pool.slot_bytes) if cp.send else b"" for cp in pairs]
+            skip: set[int] = set()  # pairs whose messages are fillers: received, not landed
+            for p, i, chunk in chunks:
+                cp = pairs[p]
+                mine = None
+                if cp.send:
+                    mine = torch.frombuffer(
+                        bytearray(headers[p][i * HEADER : (i + 1) * HEADER]), dtype=torch.uint8
+                    )
+                post, land = _one_chunk(cp, buffer, own, chunk, group, wire_tag, mine)
                 post().wait()
-                land()
+                if cp.send or p in skip:
+                    continue
+                kind = verdict(p, own[:HEADER].numpy().tobytes(), i)
+                if kind == "data":
+                    land()
+                elif kind == "order":
+                    return  # nothing more on this pair can be trusted
+                else:
+                    skip.add(p)  # a filler: take the rest of it, keeping the pair in step
         except Exception as exc:
             errors.append(f"chunked transfer failed: {exc!r}")
         finally:
             finished.set()
 
+    if lane is not None:
+        lane.submit(run)
+        return [], finished.is_set, None, errors
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return [], finished.is_set, thread, errors
