@@ -16,7 +16,7 @@ _KINDS_BY_BUILTIN = {
     RuntimeError: "State:HandoffStateError HandoffState:HandoffStateError "
     "ResetRefused:ResetRefusedError "
     "Conservation:ConservationError HandoffMetadata:HandoffMetadataError "
-    "MessageOrder:MessageOrderError",
+    "MessageOrder:MessageOrderError PushAborted:PushAbortedError",
 }
 EXPECTED: dict[str, tuple[type[BaseException], type[BaseException]]] = {
     kind: (getattr(exceptions, name), builtin)

@@ -108,7 +108,7 @@ def test_a_receive_that_never_got_its_send_refuses_the_next_requests_bytes(
     assert list(marked) == [src_meta["dist_rank"]]
     with pytest.raises(WorkerError, match="out of step") as again:
         _post(dec, case, src_meta, "C", _other_dst_ids(case), 4 * 13)
-    assert again.value.kind == "TransferError"
+    assert again.value.kind == "HandoffStateError"
 
 
 @pytest.mark.parametrize("case", [KV, CONV], ids=lambda c: c.name)

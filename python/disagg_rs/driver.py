@@ -81,6 +81,7 @@ class HandoffDriver:
         self._wait_ms = 0
         self._messages = 0  # acted on this turn (the idle back-off)
         self._targets: dict[int, Any] = {}  # prefill: request -> the decode's rank metadata
+        self._sources: dict[int, str] = {}  # decode: request -> the prefill its ticket names
         self._announced: Any = None  # the link's peer table last registered
         #: Peer engines whose metadata the engine refused, with the error.
         self.refused_peers: dict[str, str] = {}
@@ -131,6 +132,9 @@ class HandoffDriver:
                 known = None if source is None else source.get("incarnation")
                 if self.state.ticket_source_ok(ticket.get("prefill_incarnation"), known):
                     ticket["prefill_meta"] = source["meta"]  # type: ignore[index]
+                # Named in KV_RECV_POSTED, so the prefill can answer the posted receives
+                # (with fillers) even once the coordinator has dropped the request.
+                self._sources[m["request_id"]] = str(ticket.get("prefill_engine_id"))
             if kind in (Msg.PREFILL, Msg.SEND_KV) and m.get("decode_engine_id") in peers:
                 m["decode_meta"] = peers[m["decode_engine_id"]]["meta"]["ranks"]
         return msgs
@@ -169,16 +173,22 @@ class HandoffDriver:
         # import started on the ticket's arrival (this turn's tick follows the message) or
         # later, out of the deferred queue. Always empty on a one-sided transport.
         for rid, destination in self.engine.drain_posted_receives():
-            self._send(Msg.KV_RECV_POSTED, rid, transfer=destination)
+            source = self._sources.get(rid)
+            self._send(Msg.KV_RECV_POSTED, rid, transfer=destination, prefill_engine_id=source)
 
     def _on_send_kv(self, rid: int, msg: dict[str, Any]) -> None:
-        self._guard(None, rid, _push, self.engine, rid, msg.get("decode_meta"), msg.get("transfer"))
+        args = (self.engine, rid, msg.get("decode_meta"), msg.get("transfer"))
+        if msg.get("abort") is True or not self._guard(None, rid, _push, *args):
+            # The decode posted its receives whatever happens here, and messages match by
+            # post order per pair: answer each with a filler, or the next push lands in them.
+            self._guard(None, rid, _filler, *args)
 
     def _on_release(self, rid: int, msg: dict[str, Any]) -> None:
         self.engine.release_handoff_blocks(rid)
 
     def _on_abort(self, rid: int, msg: dict[str, Any]) -> None:
         # Prefill: pins stay until RELEASE_KV or their lease (the decode may be reading).
+        self._sources.pop(rid, None)
         self._abort_import(rid)  # decode: any import stage
         self.engine.abort(rid)
 
@@ -208,6 +218,7 @@ class HandoffDriver:
         settled = e.drain_handoff_outcomes()
         quarantined = e.quarantined_kv_import_ids
         for rid, failed in settled:
+            self._sources.pop(rid, None)
             why = e.pop_handoff_failure_reason(rid) or ""
             report = self.state.import_settled(rid, failed, rid in quarantined)
             if report is not None:
@@ -297,6 +308,10 @@ def _nothing(request_id: int) -> None:
 
 def _push(engine: Any, request_id: int, decode_meta: Any, transfer: Any) -> None:
     engine.push_handoff_kv(request_id, with_push_destination(decode_meta, transfer))
+
+
+def _filler(engine: Any, request_id: int, decode_meta: Any, transfer: Any) -> None:
+    engine.push_handoff_filler(request_id, with_push_destination(decode_meta, transfer))
 
 
 class LoopbackCoordinator:

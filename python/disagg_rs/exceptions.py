@@ -27,6 +27,7 @@ __all__ = [
     "MessageOrderError",
     "MetadataError",
     "PlanCoverageError",
+    "PushAbortedError",
     "ResetRefusedError",
     "TransferError",
     "TransferStartError",
@@ -146,6 +147,12 @@ class MessageOrderError(TransferError):
     request's, incarnation's, chunk's or size's message): the bytes were not admitted and the
     peer pair is out of step. ``field`` names the header field that differs; the message
     gives both values."""
+
+
+class PushAbortedError(TransferError):
+    """A two-sided handoff's sender answered the posted receives with fillers (it will not
+    send the handoff: unknown or unpinned request, refused push, lease over). The import
+    failed at once; the peer pair is still in step."""
 
 
 class IntegrityError(TransferError):

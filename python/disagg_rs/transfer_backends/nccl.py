@@ -14,18 +14,18 @@ gloo matches by post order too, as NCCL does.
 
 Every message starts with a fixed-size header built in Rust (``_core.p2p_headers``: the
 handoff's tag, the sender's incarnation, the chunk index and count, the payload size). The
-receiver checks it before the bytes count (``_core.check_p2p_headers``): a message meant for
+receiver checks it before the bytes count (``_core.PeerSteps.check``): a message meant for
 another receive (a receive that never got its send takes the next send on the pair) fails the
-import with ``MessageOrderError``'s text and marks the peer as out of step
-(``out_of_step``; later receives from it are refused). A sender that cannot send the real bytes
-of a posted receive sends a filler of the posted sizes (``begin_push_blocks(filler=True)``):
-the receive completes at once, its import fails as aborted, and the pair stays in step.
+import with ``MessageOrderError``'s text and marks the peer as out of step (``steps``, a
+``_core.PeerSteps``; later receives from it are refused). A sender that cannot send the real
+bytes of a posted receive sends a filler of the posted sizes
+(``begin_push_blocks(filler=True)``): the receive completes at once, its import fails as
+aborted (``PushAbortedError``), and the pair stays in step.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -35,13 +35,7 @@ import torch
 import torch.distributed as dist
 
 from disagg_rs import _core
-from disagg_rs.exceptions import (
-    BlockIdError,
-    CapacityError,
-    MessageOrderError,
-    MetadataError,
-    TransferError,
-)
+from disagg_rs.exceptions import BlockIdError, CapacityError, MetadataError, TransferError
 from disagg_rs.transfer_backends import device_plan as dp
 from disagg_rs.transfer_backends import pipeline
 from disagg_rs.transfer_backends.base import (
@@ -85,66 +79,36 @@ class NcclTransferHandle(TransferHandleBase):
         clock: Clock = time.monotonic,
         error: str | None = None,
         *,
-        use_waiter_thread: bool = False,
-        ready: Callable[[], bool] | None = None,
+        ready: Callable[[], bool] = lambda: True,
         errors: list[str] | None = None,
-        checks: list[Callable[[], str | None]] | None = None,
     ) -> None:
         super().__init__(timeout_s, clock)
-        # Chunked transfers (``pipeline.post_chunks``): settled once ``ready()`` says so;
-        # their failures land in ``errors``.
+        # Transfers run by a thread (gloo: ``pipeline.run_ops``, ``pipeline.post_chunks``) or
+        # queued on a stream: settled once ``ready()`` says so; their failures land in
+        # ``errors``.
         self._ready = ready
         self._errors = errors if errors is not None else []
         self.works = works
         self.keepalive = keepalive
+        # Run in order once every part completed: header checks, then scatters (a failure
+        # stops the rest).
         self.scatters = scatters
-        # Header checks of the received messages, run before any scatter: each returns None
-        # or the failure.
-        self.checks = checks or []
         self.error = error
-        self._settled = threading.Event()
-        self._thread_error: str | None = None
-        self._waiter: threading.Thread | None = None
-        if use_waiter_thread and works:
-            # gloo's send/recv works never report completion to is_completed() and a timed
-            # wait() closes the connection, so one thread per handoff does the blocking wait.
-            self._waiter = threading.Thread(target=self._wait_all, daemon=True)
-            self._waiter.start()
 
     def _progress(self) -> bool:
-        if self._ready is not None and not self._ready():
-            return False
-        if self._waiter is not None:
-            if not self._settled.is_set():
-                return False
-        elif not all(w.is_completed() for w in self.works):
+        if not self._ready() or not all(w.is_completed() for w in self.works):
             return False
         self._finish()
         return True
 
-    def _wait_all(self) -> None:
-        """Waiter-thread body: block on each work once, record the first failure."""
+    def _finish(self) -> None:
         for work in self.works:
             try:
-                work.wait()
+                work.wait()  # complete already: returns at once, raises if it failed
             except Exception as exc:
-                self._thread_error = self._thread_error or f"torch.distributed reported {exc!r}"
-        self._settled.set()
-
-    def _finish(self) -> None:
-        if self._waiter is None:
-            for work in self.works:
-                try:
-                    work.wait()  # complete already: returns at once, raises if it failed
-                except Exception as exc:
-                    self.error = self.error or f"torch.distributed reported {exc!r}"
-        self.error = self.error or self._thread_error
+                self.error = self.error or f"torch.distributed reported {exc!r}"
         if self._errors:
             self.error = self.error or self._errors[0]
-        for check in self.checks if self.error is None else []:
-            self.error = check()
-            if self.error is not None:
-                break
         if self.error is None:
             for land in self.scatters:
                 try:
@@ -152,7 +116,7 @@ class NcclTransferHandle(TransferHandleBase):
                 except Exception as exc:
                     self.error = f"scatter failed: {exc!r}"
                     break
-        self.works, self.scatters, self.keepalive, self.checks = [], [], [], []
+        self.works, self.scatters, self.keepalive = [], [], []
 
 
 def _make_copy(view: torch.Tensor, buf: torch.Tensor) -> Callable[[], None]:
@@ -240,15 +204,16 @@ class NcclTransferBackend(TransferBackendBase):
             raise TransferError("NcclTransferBackend needs torch.distributed initialised first")
         self.group = group
         self.dist_rank = dist.get_rank()
-        self.match_by_order = (
-            dist.get_backend(group) == "nccl" if match_by_order is None else bool(match_by_order)
+        # NCCL posts from the serving thread; gloo's transfers run on threads (its works never
+        # report completion to is_completed() and a timed wait() closes the connection):
+        # one per transfer, or, matching by post order, one per group running them in order.
+        self._nccl, self.match_by_order, ordered = _core.p2p_matching(
+            dist.get_backend(group), match_by_order
         )
-        # Gloo matching by post order: every transfer of the group on one thread, in order.
-        on_host = dist.get_backend(group) != "nccl"
-        self._lane = pipeline.lane_of(group) if self.match_by_order and on_host else None
-        #: Peers (process ranks) whose messages stopped matching this rank's receives, with
-        #: the first mismatch: receives from them are refused.
-        self.out_of_step: dict[int, str] = {}
+        self._lane = pipeline.lane_of(group, ordered)
+        #: Which peers' messages still match this rank's receives (receives from one out of
+        #: step are refused); shared with the backends of this rank's other buffers.
+        self.steps = _core.PeerSteps()
         # Chunked transfers: a bounded staging pool, plans per peer set, ids to the device.
         self.staging_pool = pipeline.StagingPool(memory_buffer.device)
         self._plans = dp.PlanCache()
@@ -263,12 +228,20 @@ class NcclTransferBackend(TransferBackendBase):
             "match_by_order": self.match_by_order,
         }
 
+    @property
+    def out_of_step(self) -> dict[int, str]:
+        """Peers (process ranks) whose messages stopped matching this rank's receives, with
+        the first mismatch."""
+        return self.steps.out_of_step
+
     def new_registered_buffer(self, **kwargs: Any) -> NcclTransferBackend:
         """Another state buffer of this rank (SSM conv/recurrent) on the same process group."""
         kwargs.setdefault("agent_name", self.agent_name)
         for key, value in self._init_kwargs.items():
             kwargs.setdefault(key, value)
-        return NcclTransferBackend(**kwargs)
+        other = NcclTransferBackend(**kwargs)
+        other.steps = self.steps  # one rank's pairs: every buffer's messages share them
+        return other
 
     def export_meta(self) -> dict[str, Any]:
         """Plain metadata for a peer; adds ``dist_rank`` (and the reference design's
@@ -284,37 +257,28 @@ class NcclTransferBackend(TransferBackendBase):
 
     def _wire_tag(self, tag: int) -> int:
         """The tag messages travel on: the handoff's, or one for all (``match_by_order``)."""
-        return 0 if self.match_by_order else tag
+        return _core.p2p_wire_tag(tag, self.match_by_order)
 
-    def _mark_out_of_step(self, peer: int, why: str) -> None:
-        self.out_of_step.setdefault(peer, why)
-        logger.error("two-sided pair with rank %d is out of step: %s", peer, why)
+    @staticmethod
+    def _rank_meta(by_rank: Mapping[int, PeerMeta], rank: int) -> PeerMeta:
+        """The metadata of source rank ``rank`` the plan reads."""
+        if rank not in by_rank:
+            raise MetadataError(
+                f"the plan reads source rank {rank} but no metadata names it", field="peer_meta"
+            )
+        return by_rank[rank]
 
-    def _refuse_out_of_step(self, peers: Sequence[int]) -> None:
-        for peer in peers:
-            if peer in self.out_of_step:
-                raise TransferError(
-                    f"rank {peer} is out of step with this rank (messages no longer match "
-                    f"their receives): {self.out_of_step[peer]}",
-                    field="peer_meta",
-                )
+    def _timeout(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
 
     def _checker(
         self, buf: torch.Tensor, peer: int, tag: int, incarnation: int, nbytes: int
-    ) -> Callable[[], str | None]:
-        """A check of one received whole message's header (None when it is the data)."""
+    ) -> Callable[[], None]:
+        """A check of one received whole message's header, run before its scatter."""
 
-        def check() -> str | None:
+        def check() -> None:
             got = buf[: pipeline.HEADER].cpu().numpy().tobytes()
-            try:
-                kind = _core.check_p2p_headers(got, tag, incarnation, [nbytes])
-            except MessageOrderError as exc:
-                why = f"peer rank {peer} is out of step: {exc}"
-                self._mark_out_of_step(peer, why)
-                return why
-            if kind != "data":
-                return f"source rank {peer} aborted the handoff (filler, tag {tag})"
-            return None
+            self.steps.check(peer, got, tag, incarnation, [nbytes])
 
         return check
 
@@ -344,7 +308,7 @@ class NcclTransferBackend(TransferBackendBase):
         )
         metas = [p.meta for p in peers]
         by_rank = {int(m["layout"]["global_rank"]): m for m in metas}
-        self._refuse_out_of_step([int(m["dist_rank"]) for m in metas])
+        self.steps.refuse([int(m["dist_rank"]) for m in metas])
         me = self._base_meta()
         if num_tokens is not None and pipeline.chunkable([*metas, me]):
             return self._pull_chunked(
@@ -354,24 +318,22 @@ class NcclTransferBackend(TransferBackendBase):
         ops: list[dist.P2POp] = []
         keep: list[torch.Tensor] = []
         scatters: list[Callable[[], None]] = []
-        checks: list[Callable[[], str | None]] = []
+        checks: list[Callable[[], None]] = []
         head = pipeline.HEADER
         for rank in program.src_ranks:
-            if rank not in by_rank:
-                raise MetadataError(
-                    f"the plan reads source rank {rank} but no metadata names it", field="peer_meta"
-                )
+            meta = self._rank_meta(by_rank, rank)
             nbytes = int(program.packed_bytes(rank))
             if nbytes == 0:
                 continue
-            peer = int(by_rank[rank]["dist_rank"])
+            peer = int(meta["dist_rank"])
             buf = torch.empty(head + nbytes, dtype=torch.uint8, device=self._device())
             ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, self._wire_tag(tag)))
             keep.append(buf)
-            inc = int(by_rank[rank]["incarnation"])
+            inc = int(meta["incarnation"])
             checks.append(self._checker(buf, peer, tag, inc, nbytes))
             scatters.append(self._lander(buf[head:], program.scatter(rank)))
-        handle = self._submit(ops, keep, scatters, timeout_s, checks)
+        # Every header is checked before any scatter.
+        handle = self._submit(ops, keep, checks + scatters, timeout_s)
         handle.stats = dict(program.stats)
         return handle
 
@@ -394,15 +356,10 @@ class NcclTransferBackend(TransferBackendBase):
             )
             plans = {}
             for rank in program.src_ranks:
-                if rank not in by_rank:
-                    raise MetadataError(
-                        f"the plan reads source rank {rank} but no metadata names it",
-                        field="peer_meta",
-                    )
                 plan = dp.DevicePlan.from_program(
                     program,
                     rank,
-                    src_addr=int(by_rank[rank]["buffer"]["addr"]),
+                    src_addr=int(self._rank_meta(by_rank, rank)["buffer"]["addr"]),
                     dst_addr=int(self.buffer_info["addr"]),
                 )
                 if plan is None:
@@ -448,15 +405,16 @@ class NcclTransferBackend(TransferBackendBase):
         error: str | None = None
         works: list[Any] = []
         ready: Callable[[], bool] = lambda: True  # noqa: E731
+        checks: list[Callable[[], None]] = []
         errors: list[str] = []
         try:
-            works, ready, _, errors = pipeline.post_chunks(
+            works, ready, checks, errors = pipeline.post_chunks(
                 pairs,
                 self.memory_buffer,
                 self.staging_pool,
                 self.group,
                 self._wire_tag(tag),
-                self._mark_out_of_step,
+                self.steps,
                 self._lane,
             )
         except CapacityError:
@@ -466,8 +424,8 @@ class NcclTransferBackend(TransferBackendBase):
         return NcclTransferHandle(
             works,
             [],
-            [],
-            self.timeout_s if timeout_s is None else timeout_s,
+            checks,
+            self._timeout(timeout_s),
             self.clock,
             error,
             ready=ready,
@@ -525,8 +483,7 @@ class NcclTransferBackend(TransferBackendBase):
                 continue
             head = pipeline.HEADER
             buf = torch.empty(head + nbytes, dtype=torch.uint8, device=self._device())
-            kind = "aborted" if filler else "data"
-            raw = bytearray(_core.p2p_headers(kind, tag, self.incarnation, [nbytes]))
+            raw = bytearray(_core.p2p_headers(filler, tag, self.incarnation, [nbytes]))
             buf[:head].copy_(torch.frombuffer(raw, dtype=torch.uint8))
             if not filler:
                 self.pack_rows(program.gather(me), buf[head:])
@@ -592,41 +549,23 @@ class NcclTransferBackend(TransferBackendBase):
         keep: list[torch.Tensor],
         scatters: list[Callable[[], None]],
         timeout_s: float | None,
-        checks: list[Callable[[], str | None]] | None = None,
     ) -> NcclTransferHandle:
         works: list[Any] = []
         error: str | None = None
-        if ops and self._lane is not None:
+        ready: Callable[[], bool] = lambda: True  # noqa: E731
+        errors: list[str] = []
+        if ops and not self._nccl:
             ready, errors = pipeline.run_ops(ops, self._lane)
-            return NcclTransferHandle(
-                [],
-                keep,
-                scatters,
-                self.timeout_s if timeout_s is None else timeout_s,
-                self.clock,
-                ready=ready,
-                errors=errors,
-                checks=checks,
-            )
-        if ops:
+        elif ops:
             try:
-                if dist.get_backend(self.group) == "nccl":
-                    # One op at a time, in order: a batched call must be the group's first
-                    # call on EVERY rank, which a handoff between some ranks never is.
-                    works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
-                else:
-                    works = list(dist.batch_isend_irecv(ops))
+                # One op at a time, in order: a batched call must be the group's first call on
+                # EVERY rank, which a handoff between some ranks never is.
+                works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
             except Exception as exc:
                 error = f"posting {len(ops)} point-to-point ops failed: {exc!r}"
+        timeout = self._timeout(timeout_s)
         return NcclTransferHandle(
-            works,
-            keep,
-            scatters,
-            self.timeout_s if timeout_s is None else timeout_s,
-            self.clock,
-            error,
-            use_waiter_thread=dist.get_backend(self.group) == "gloo",
-            checks=checks,
+            works, keep, scatters, timeout, self.clock, error, ready=ready, errors=errors
         )
 
     def close(self) -> None:

@@ -124,6 +124,15 @@ pub enum DisaggError {
         /// The value the message carried.
         got: u64,
     },
+    /// A two-sided handoff's sender answered the posted receives with fillers: it will not
+    /// send the handoff (unknown or unpinned request, refused push, lease over). The peer pair
+    /// stays in step; the import fails at once.
+    PushAborted {
+        /// The sender's process rank.
+        peer: u64,
+        /// The handoff's message tag.
+        tag: u64,
+    },
     /// A pool or ledger consistency check found a leaked, doubly owned or miscounted block or
     /// slot. Always a bug (in the caller's use of the pool or in `disagg_rs`), never bad input.
     Conservation {
@@ -151,6 +160,7 @@ impl DisaggError {
             Self::ResetRefused { .. } => "ResetRefused",
             Self::Argument { .. } => "Argument",
             Self::MessageOrder { .. } => "MessageOrder",
+            Self::PushAborted { .. } => "PushAborted",
             Self::Conservation { .. } => "Conservation",
         }
     }
@@ -174,6 +184,7 @@ impl DisaggError {
             Self::ResetRefused { detail: "1 importing handoff may still write".into() },
             Self::argument("rank", "rank=4 must be < world_size=4"),
             Self::MessageOrder { field: "tag".into(), expected: 68, got: 72 },
+            Self::PushAborted { peer: 0, tag: 68 },
             Self::Conservation {
                 detail: "free 3 + owned 4 + quarantined 0 + pinned 0 != 8".into(),
             },
@@ -288,6 +299,9 @@ impl fmt::Display for DisaggError {
                 "two-sided message out of step: header field `{field}` is {got}, the receive \
                  was posted for {expected}"
             ),
+            Self::PushAborted { peer, tag } => {
+                write!(f, "rank {peer} aborted the handoff of tag {tag}: its messages are fillers")
+            }
             Self::Conservation { detail } => write!(f, "conservation check failed: {detail}"),
         }
     }
@@ -305,7 +319,7 @@ mod tests {
         kinds.sort_unstable();
         kinds.dedup();
         // Bump this together with a new variant and its sample.
-        assert_eq!(kinds.len(), 16);
+        assert_eq!(kinds.len(), 17);
     }
 
     #[test]

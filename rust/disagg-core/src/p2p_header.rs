@@ -16,6 +16,8 @@
 //! Layout (little-endian, [`HEADER_BYTES`] bytes): magic `u32`, version `u16`, kind `u16`,
 //! tag `u64`, incarnation `u64`, chunk `u32`, chunks `u32`, payload nbytes `u64`, then zeros.
 
+use std::collections::BTreeMap;
+
 use crate::error::{DisaggError, DisaggResult};
 
 /// Bytes of one header; the payload starts right after it (64 keeps 16-byte lanes aligned).
@@ -252,6 +254,59 @@ pub fn check_headers(
     Ok(kind.unwrap_or(MessageKind::Data))
 }
 
+/// The peers of one rank whose messages are still in step, decided from the headers it
+/// receives: a mismatch marks the peer out of step for good (every later message on the pair
+/// is shifted), and later receives from it are refused before anything is posted.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PeerSteps {
+    out_of_step: BTreeMap<u64, String>,
+}
+
+impl PeerSteps {
+    /// Check received headers from `peer` (see [`check_headers`]): `Ok` for data; a filler
+    /// is a [`DisaggError::PushAborted`] (the pair stays in step); a mismatch is the
+    /// [`DisaggError::MessageOrder`] and marks `peer` out of step.
+    pub fn check(
+        &mut self,
+        peer: u64,
+        got: &[u8],
+        tag: u64,
+        incarnation: u64,
+        nbytes: &[u64],
+        first: usize,
+    ) -> DisaggResult<()> {
+        match check_headers(got, tag, incarnation, nbytes, first) {
+            Ok(MessageKind::Data) => Ok(()),
+            Ok(MessageKind::Aborted) => Err(DisaggError::PushAborted { peer, tag }),
+            Err(e @ DisaggError::MessageOrder { .. }) => {
+                self.out_of_step.entry(peer).or_insert_with(|| e.to_string());
+                Err(e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Refuse receives from `peers` if one is out of step: a
+    /// [`DisaggError::HandoffState`] naming it and its first mismatch.
+    pub fn refuse(&self, peers: &[u64]) -> DisaggResult<()> {
+        match peers.iter().find_map(|p| self.out_of_step.get(p).map(|why| (p, why))) {
+            Some((peer, why)) => Err(DisaggError::handoff_state(
+                "peer_meta",
+                format!(
+                    "rank {peer} is out of step with this rank (its messages no longer match \
+                     their receives): {why}"
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Peers out of step, with their first mismatch.
+    pub fn out_of_step(&self) -> &BTreeMap<u64, String> {
+        &self.out_of_step
+    }
+}
+
 fn chunk_count(n: usize) -> DisaggResult<u32> {
     match u32::try_from(n) {
         Ok(c) if (1..=MAX_CHUNKS).contains(&c) => Ok(c),
@@ -356,6 +411,27 @@ mod tests {
         );
         assert!(check_headers(&data, 8, 1, &sizes, 1).is_err());
         assert_eq!(order(check_headers(&data, 9, 1, &sizes, 0).unwrap_err()), ("tag".into(), 9, 8));
+    }
+
+    #[test]
+    fn peer_steps_pass_data_abort_on_a_filler_and_mark_a_mismatch_out_of_step() {
+        let sizes = [256u64, 128];
+        let data = encode_headers(MessageKind::Data, 8, 1, &sizes).unwrap();
+        let filler = encode_headers(MessageKind::Aborted, 8, 1, &sizes).unwrap();
+        let other = encode_headers(MessageKind::Data, 12, 1, &sizes).unwrap();
+        let mut steps = PeerSteps::default();
+        steps.check(3, &data, 8, 1, &sizes, 0).unwrap();
+        let e = steps.check(3, &filler, 8, 1, &sizes, 0).unwrap_err();
+        assert_eq!(e, DisaggError::PushAborted { peer: 3, tag: 8 });
+        steps.refuse(&[3]).unwrap();
+        assert!(steps.out_of_step().is_empty());
+        let e = steps.check(3, &other[..HEADER_BYTES], 8, 1, &sizes, 0).unwrap_err();
+        assert_eq!(order(e), ("tag".into(), 8, 12));
+        let refused = steps.refuse(&[1, 3]).unwrap_err();
+        assert!(refused.to_string().contains("rank 3 is out of step"), "{refused}");
+        assert!(refused.to_string().contains("`tag` is 12"), "{refused}");
+        steps.refuse(&[1]).unwrap();
+        assert_eq!(steps.out_of_step().keys().copied().collect::<Vec<_>>(), vec![3]);
     }
 
     proptest! {
