@@ -132,9 +132,6 @@ class HandoffDriver:
                 known = None if source is None else source.get("incarnation")
                 if self.state.ticket_source_ok(ticket.get("prefill_incarnation"), known):
                     ticket["prefill_meta"] = source["meta"]  # type: ignore[index]
-                # Named in KV_RECV_POSTED, so the prefill can answer the posted receives
-                # (with fillers) even once the coordinator has dropped the request.
-                self._sources[m["request_id"]] = str(ticket.get("prefill_engine_id"))
             if kind in (Msg.PREFILL, Msg.SEND_KV) and m.get("decode_engine_id") in peers:
                 m["decode_meta"] = peers[m["decode_engine_id"]]["meta"]["ranks"]
         return msgs
@@ -164,9 +161,17 @@ class HandoffDriver:
 
     def _on_ticket(self, rid: int, msg: dict[str, Any]) -> None:
         e, ticket = self.engine, msg.get("ticket")
-        src = ticket.get("src_block_ids") if isinstance(ticket, dict) else None
+        src, source = (
+            (ticket.get("src_block_ids"), ticket.get("prefill_engine_id"))
+            if isinstance(ticket, dict)
+            else (None, None)
+        )
+        # Named in KV_RECV_POSTED, so the prefill can answer the posted receives (with
+        # fillers) even once the coordinator has dropped the request.
+        self._sources[rid] = str(source)
         args = (rid, msg.get("prompt"), msg.get("max_new_tokens"), ticket, src)
-        self._guard(Msg.FAILED, rid, e.add_request_with_kv_handoff, *args)
+        if not self._guard(Msg.FAILED, rid, e.add_request_with_kv_handoff, *args):
+            self._sources.pop(rid, None)  # refused: nothing was posted
 
     def _report_posted_receives(self) -> None:
         # Two-sided: the prefill pushes once the decode's receives are posted, whether the
@@ -188,7 +193,8 @@ class HandoffDriver:
 
     def _on_abort(self, rid: int, msg: dict[str, Any]) -> None:
         # Prefill: pins stay until RELEASE_KV or their lease (the decode may be reading).
-        self._sources.pop(rid, None)
+        # Decode: the prefill stays named until the import settled, as receives it posted this
+        # turn are still reported (KV_RECV_POSTED) and must be answered.
         self._abort_import(rid)  # decode: any import stage
         self.engine.abort(rid)
 
