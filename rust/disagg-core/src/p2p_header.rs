@@ -30,6 +30,9 @@ pub const VERSION: u16 = 1;
 pub const MAX_PAYLOAD_BYTES: u64 = 1 << 40;
 /// Most messages (chunks) one handoff may move between one pair.
 pub const MAX_CHUNKS: u32 = 1 << 24;
+/// The incarnation a receive expects when its sender's metadata carries none (the
+/// reference design exports no incarnation): the header's is then not compared.
+pub const UNKNOWN_INCARNATION: u64 = 0;
 
 /// What a message carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,13 +182,19 @@ impl MessageHeader {
     }
 
     /// Check received header bytes against what the receive was posted for (`self`; its
-    /// kind is ignored): returns the received kind, or the first field that differs as a
-    /// [`DisaggError::MessageOrder`] with both values.
+    /// kind is ignored, and its incarnation when [`UNKNOWN_INCARNATION`]): returns the
+    /// received kind, or the first field that differs as a [`DisaggError::MessageOrder`]
+    /// with both values.
     pub fn check(&self, bytes: &[u8]) -> DisaggResult<MessageKind> {
         let got = Self::decode(bytes)?;
+        let incarnation = if self.incarnation == UNKNOWN_INCARNATION {
+            got.incarnation
+        } else {
+            self.incarnation
+        };
         let fields = [
             ("tag", self.tag, got.tag),
-            ("incarnation", self.incarnation, got.incarnation),
+            ("incarnation", incarnation, got.incarnation),
             ("chunks", u64::from(self.chunks), u64::from(got.chunks)),
             ("chunk", u64::from(self.chunk), u64::from(got.chunk)),
             ("nbytes", self.nbytes, got.nbytes),
@@ -358,6 +367,14 @@ mod tests {
             assert!(e.to_string().contains(field), "{e}");
             assert_eq!(order(e), (field.to_string(), expected, got));
         }
+    }
+
+    #[test]
+    fn a_receive_that_does_not_know_its_senders_incarnation_checks_the_rest() {
+        let want = MessageHeader { incarnation: UNKNOWN_INCARNATION, ..header(MessageKind::Data) };
+        assert_eq!(want.check(&header(MessageKind::Data).encode()).unwrap(), MessageKind::Data);
+        let other = MessageHeader { tag: 4, ..header(MessageKind::Data) };
+        assert_eq!(order(want.check(&other.encode()).unwrap_err()), ("tag".into(), 68, 4));
     }
 
     #[test]
