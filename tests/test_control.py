@@ -80,6 +80,40 @@ def test_push_transport_sends_send_kv_after_the_decode_posted_receives() -> None
     assert out[0].fields["decode_engine_id"] == "d0"
 
 
+def test_receives_posted_for_a_request_the_prefill_will_not_push_are_answered_with_fillers() -> (
+    None
+):
+    # Messages match by post order per pair (NCCL): receives no send answers would take the
+    # prefill's next push to that decode, so the prefill is told to send fillers instead.
+    state = _registered(push=True)
+    epoch = _submit(state)
+    state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch, ticket={}), 1)
+    posted = {"request_id": 7, "epoch": epoch, "prefill_engine_id": "p0", "transfer": {"n": 1}}
+    out = state.handle(DECODE, _msg(Msg.KV_RECV_POSTED, **posted), 1)
+    assert _kinds(out) == [("p0", "SEND_KV")] and out[0].fields["abort"] is False
+    # The request fails (its deadline) while the decode's receives are posted: a late or
+    # repeated KV_RECV_POSTED still reaches the prefill it names, as a filler request.
+    state.poll(100.0)
+    assert not state.requests
+    out = state.handle(DECODE, _msg(Msg.KV_RECV_POSTED, **posted), 101)
+    assert _kinds(out) == [("p0", "SEND_KV")]
+    assert out[0].fields["abort"] is True and out[0].fields["transfer"] == {"n": 1}
+    assert out[0].fields["decode_engine_id"] == "d0" and state.aborted_pushes == 1
+    # Not heard: a name that is no registered prefill, or a sender that is no decode.
+    for identity, name in ((DECODE, "nobody"), (DECODE, "d0"), (PREFILL, "p0")):
+        named = {**posted, "prefill_engine_id": name}
+        assert state.handle(identity, _msg(Msg.KV_RECV_POSTED, **named), 102) == []
+    assert state.ignored["KV_RECV_POSTED"] == 3
+
+
+def test_a_one_sided_transport_ignores_posted_receives() -> None:
+    state = _registered(push=False)
+    epoch = _submit(state)
+    state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch, ticket={}), 1)
+    posted = {"request_id": 7, "epoch": epoch, "prefill_engine_id": "p0"}
+    assert state.handle(DECODE, _msg(Msg.KV_RECV_POSTED, **posted), 1) == []
+
+
 def test_a_late_message_with_an_old_epoch_is_ignored_and_counted() -> None:
     state = _registered()
     epoch = _submit(state)

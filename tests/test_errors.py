@@ -15,7 +15,8 @@ _KINDS_BY_BUILTIN = {
     LookupError: "UnknownRequest:UnknownRequestError",
     RuntimeError: "State:HandoffStateError HandoffState:HandoffStateError "
     "ResetRefused:ResetRefusedError "
-    "Conservation:ConservationError HandoffMetadata:HandoffMetadataError",
+    "Conservation:ConservationError HandoffMetadata:HandoffMetadataError "
+    "MessageOrder:MessageOrderError PushAborted:PushAbortedError",
 }
 EXPECTED: dict[str, tuple[type[BaseException], type[BaseException]]] = {
     kind: (getattr(exceptions, name), builtin)

@@ -104,7 +104,9 @@ def test_the_pool_is_cut_into_whole_chunks_and_never_less_than_one_slot() -> Non
     from disagg_rs.transfer_backends import pipeline
 
     pool = pipeline.StagingPool(torch.device("cpu"), pool_bytes=10 << 20, chunk_bytes=4 << 20)
-    assert (pool.slots, pool.slot_bytes, pool.nbytes) == (2, 4 << 20, 8 << 20)
+    # Each slot holds a chunk and its message header.
+    assert (pool.slots, pool.slot_bytes) == (2, 4 << 20)
+    assert pool.nbytes == 2 * ((4 << 20) + pipeline.HEADER)
     assert pipeline.StagingPool(torch.device("cpu"), 1024, 4096).slots == 1
     assert [pool.next_index() for _ in range(5)] == [0, 1, 0, 1, 0]
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -124,7 +126,7 @@ def test_receives_are_posted_ahead_of_the_previous_landing_when_the_pool_has_two
 
 
 def test_a_block_larger_than_a_slot_is_refused_before_anything_is_posted() -> None:
-    from disagg_rs import KVGeometry, KVShardLayout, compile_kv_transfer
+    from disagg_rs import KVGeometry, KVShardLayout, _core, compile_kv_transfer
     from disagg_rs.exceptions import CapacityError
     from disagg_rs.transfer_backends import device_plan as dp
     from disagg_rs.transfer_backends import pipeline
@@ -140,7 +142,7 @@ def test_a_block_larger_than_a_slot_is_refused_before_anything_is_posted() -> No
     pool = pipeline.StagingPool(torch.device("cpu"), 1024, 512)  # one block-plane is 1 KiB
     cp = pipeline.ChunkPlan(plan, torch.tensor([0, 1]), 32, peer=1, send=True)
     with pytest.raises(CapacityError, match="chunk_bytes=512"):
-        pipeline.post_chunks([cp], buf, pool, None, 0)
+        pipeline.post_chunks([cp], buf, pool, None, 0, _core.PeerSteps())
 
 
 def test_only_kv_caches_with_one_block_size_and_contiguous_heads_move_in_chunks() -> None:

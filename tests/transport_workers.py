@@ -566,6 +566,10 @@ class WorkerState:
     def wait(self, key: str) -> None:
         self.handles[key].wait()
 
+    def attr(self, key: str, name: str) -> Any:
+        """A backend attribute (e.g. ``out_of_step``)."""
+        return getattr(self.backends[key], name)
+
     def stats(self, key: str) -> dict[str, Any]:
         """The last handle's ``stats`` (which path moved the bytes)."""
         return dict(self.handles[key].stats)

@@ -81,6 +81,7 @@ class HandoffDriver:
         self._wait_ms = 0
         self._messages = 0  # acted on this turn (the idle back-off)
         self._targets: dict[int, Any] = {}  # prefill: request -> the decode's rank metadata
+        self._sources: dict[int, str] = {}  # decode: request -> the prefill its ticket names
         self._announced: Any = None  # the link's peer table last registered
         #: Peer engines whose metadata the engine refused, with the error.
         self.refused_peers: dict[str, str] = {}
@@ -160,25 +161,40 @@ class HandoffDriver:
 
     def _on_ticket(self, rid: int, msg: dict[str, Any]) -> None:
         e, ticket = self.engine, msg.get("ticket")
-        src = ticket.get("src_block_ids") if isinstance(ticket, dict) else None
+        src, source = (
+            (ticket.get("src_block_ids"), ticket.get("prefill_engine_id"))
+            if isinstance(ticket, dict)
+            else (None, None)
+        )
+        # Named in KV_RECV_POSTED, so the prefill can answer the posted receives (with
+        # fillers) even once the coordinator has dropped the request.
+        self._sources[rid] = str(source)
         args = (rid, msg.get("prompt"), msg.get("max_new_tokens"), ticket, src)
-        self._guard(Msg.FAILED, rid, e.add_request_with_kv_handoff, *args)
+        if not self._guard(Msg.FAILED, rid, e.add_request_with_kv_handoff, *args):
+            self._sources.pop(rid, None)  # refused: nothing was posted
 
     def _report_posted_receives(self) -> None:
         # Two-sided: the prefill pushes once the decode's receives are posted, whether the
         # import started on the ticket's arrival (this turn's tick follows the message) or
         # later, out of the deferred queue. Always empty on a one-sided transport.
         for rid, destination in self.engine.drain_posted_receives():
-            self._send(Msg.KV_RECV_POSTED, rid, transfer=destination)
+            source = self._sources.get(rid)
+            self._send(Msg.KV_RECV_POSTED, rid, transfer=destination, prefill_engine_id=source)
 
     def _on_send_kv(self, rid: int, msg: dict[str, Any]) -> None:
-        self._guard(None, rid, _push, self.engine, rid, msg.get("decode_meta"), msg.get("transfer"))
+        args = (self.engine, rid, msg.get("decode_meta"), msg.get("transfer"))
+        if msg.get("abort") is True or not self._guard(None, rid, _push, *args):
+            # The decode posted its receives whatever happens here, and messages match by
+            # post order per pair: answer each with a filler, or the next push lands in them.
+            self._guard(None, rid, _filler, *args)
 
     def _on_release(self, rid: int, msg: dict[str, Any]) -> None:
         self.engine.release_handoff_blocks(rid)
 
     def _on_abort(self, rid: int, msg: dict[str, Any]) -> None:
         # Prefill: pins stay until RELEASE_KV or their lease (the decode may be reading).
+        # Decode: the prefill stays named until the import settled, as receives it posted this
+        # turn are still reported (KV_RECV_POSTED) and must be answered.
         self._abort_import(rid)  # decode: any import stage
         self.engine.abort(rid)
 
@@ -208,6 +224,7 @@ class HandoffDriver:
         settled = e.drain_handoff_outcomes()
         quarantined = e.quarantined_kv_import_ids
         for rid, failed in settled:
+            self._sources.pop(rid, None)
             why = e.pop_handoff_failure_reason(rid) or ""
             report = self.state.import_settled(rid, failed, rid in quarantined)
             if report is not None:
@@ -297,6 +314,10 @@ def _nothing(request_id: int) -> None:
 
 def _push(engine: Any, request_id: int, decode_meta: Any, transfer: Any) -> None:
     engine.push_handoff_kv(request_id, with_push_destination(decode_meta, transfer))
+
+
+def _filler(engine: Any, request_id: int, decode_meta: Any, transfer: Any) -> None:
+    engine.push_handoff_filler(request_id, with_push_destination(decode_meta, transfer))
 
 
 class LoopbackCoordinator:

@@ -24,8 +24,10 @@ __all__ = [
     "HandoffStateError",
     "IntegrityError",
     "LayoutError",
+    "MessageOrderError",
     "MetadataError",
     "PlanCoverageError",
+    "PushAbortedError",
     "ResetRefusedError",
     "TransferError",
     "TransferStartError",
@@ -138,6 +140,19 @@ class TransferStartError(TransferError):
         return self._storage_safe or (
             bool(self.cleanup_handles) and all(bool(h.storage_safe) for h in self.cleanup_handles)
         )
+
+
+class MessageOrderError(TransferError):
+    """A two-sided message's header is not what its receive was posted for (another
+    request's, incarnation's, chunk's or size's message): the bytes were not admitted and the
+    peer pair is out of step. ``field`` names the header field that differs; the message
+    gives both values."""
+
+
+class PushAbortedError(TransferError):
+    """A two-sided handoff's sender answered the posted receives with fillers (it will not
+    send the handoff: unknown or unpinned request, refused push, lease over). The import
+    failed at once; the peer pair is still in step."""
 
 
 class IntegrityError(TransferError):

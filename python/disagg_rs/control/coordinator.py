@@ -6,11 +6,13 @@ import enum
 import itertools
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
+from disagg_rs._core import recv_posted_route
 from disagg_rs.control.messages import MAX_ID, Msg, check_fields, check_timeout
 from disagg_rs.exceptions import ArgumentError, MetadataError
 
@@ -88,6 +90,9 @@ class CoordinatorState:
         self.engine_timeout_s = engine_timeout_s
         self.lost: Counter[str] = Counter()
         """Engines declared lost by the liveness timeout, by engine id."""
+        self.aborted_pushes = 0
+        """KV_RECV_POSTED answered with SEND_KV ``abort`` (a filler): the decode's receives
+        were posted for a request the prefill will not push."""
         self.left_to_lease = 0
         """Failed requests whose prefill pins were left to their lease (the decode may still
         have been reading them), instead of released by RELEASE_KV."""
@@ -216,10 +221,14 @@ class CoordinatorState:
         sender = next((e.engine_id for e in self.engines.values() if e.identity == identity), None)
         if sender is not None:
             self.engines[sender].last_seen = now
-        if kind is Msg.REGISTER:
-            return self._on_register(identity, msg, now)
-        if kind is Msg.SUBMIT:
-            return self._on_submit(identity, msg, now)
+        no_request: dict[Msg, Callable[[bytes, dict[str, Any], float], list[Outgoing]]] = {
+            Msg.REGISTER: self._on_register,
+            Msg.SUBMIT: self._on_submit,
+            Msg.KV_RECV_POSTED: lambda _, m, __: self._on_recv_posted(sender, m),
+        }
+        unbound = no_request.get(kind)
+        if unbound is not None:  # no live request needed
+            return unbound(identity, msg, now)
         if kind is Msg.HEARTBEAT:
             if sender is not None:  # acknowledged: the engine's view of the coordinator's life
                 ids = {"engine_id": sender, "incarnation": self.engines[sender].incarnation}
@@ -235,7 +244,6 @@ class CoordinatorState:
         handler = {
             Msg.PREFILL_DONE: self._on_prefill_done,
             Msg.PREFILL_FAILED: self._on_failed,
-            Msg.KV_RECV_POSTED: self._on_recv_posted,
             Msg.KV_IMPORTED: self._on_imported,
             Msg.TOKENS: self._on_tokens,
             Msg.DONE: self._on_done,
@@ -390,24 +398,41 @@ class CoordinatorState:
             ),
         ]
 
-    def _on_recv_posted(self, req: _Request, msg: dict[str, Any]) -> list[Outgoing]:
-        if not self.push_transport or not req.pinned:
+    def _on_recv_posted(self, sender: str | None, msg: dict[str, Any]) -> list[Outgoing]:
+        """A decode posted receives: its request's prefill pushes them (SEND_KV), or, where
+        the request is gone, no longer pinned, of another epoch or of another decode, the
+        prefill the message names answers them with fillers (SEND_KV with ``abort``): the
+        receives are posted all the same and messages match by post order per pair (NCCL).
+        The routing is decided in Rust (``recv_posted_route``)."""
+        rid, epoch = msg["request_id"], msg["epoch"]
+        req = self.requests.get(rid)
+        named = str(msg.get("prefill_engine_id"))
+        route = recv_posted_route(
+            self.push_transport,
+            (str(sender), getattr(self.engines.get(str(sender)), "role", "")),
+            epoch,
+            (
+                getattr(req, "decode", None),
+                getattr(req, "epoch", 0),
+                getattr(req, "pinned", False),
+                getattr(req, "prefill", None),
+            ),
+            (named, getattr(self.engines.get(named), "role", "")),
+        )
+        if route is None:
             self.ignored["KV_RECV_POSTED"] += 1
             return []
-        return [
-            Outgoing(
-                req.prefill,
-                None,
-                Msg.SEND_KV,
-                {
-                    "request_id": req.request_id,
-                    "epoch": req.epoch,
-                    "decode_engine_id": req.decode,
-                    # Where the decode posted its receives (blocks, slot, token range).
-                    "transfer": msg.get("transfer", {}),
-                },
-            )
-        ]
+        target, abort = route
+        self.aborted_pushes += abort
+        fields = {
+            "request_id": rid,
+            "epoch": epoch,
+            "decode_engine_id": sender,
+            # Where the decode posted its receives (blocks, slot, token range).
+            "transfer": msg.get("transfer", {}),
+            "abort": abort,
+        }
+        return [Outgoing(target, None, Msg.SEND_KV, fields)]
 
     def _on_imported(self, req: _Request, msg: dict[str, Any]) -> list[Outgoing]:
         if not req.pinned:

@@ -130,6 +130,8 @@ class HandoffBase:
         self._quarantined: dict[tuple[int, int], RankImport] = {}
         self._decode_requests: dict[int, _DecodeRequest] = {}
         self._pending_pushes: dict[int, tuple[int, list[Any]]] = {}
+        #: Fillers in flight (two-sided): request id -> their send handles.
+        self._filler_pushes: list[tuple[int, list[Any]]] = []
         self._staged_by_request: dict[int, list[dict[str, Any]]] = {}
         self._completion_notifications: list[tuple[int, bool]] = []
         self.handoff_now_ns = 0
@@ -159,6 +161,7 @@ class HandoffBase:
             "bytes_pulled": 0,
             "descriptors": 0,
             "pushes": 0,
+            "push_fillers": 0,
             "post_ns": 0,
             "transfer_ns": 0,
         }

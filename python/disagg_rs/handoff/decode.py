@@ -174,10 +174,13 @@ class DecodeHandoff(HandoffBase):
     def drain_posted_receives(self) -> list[tuple[int, dict[str, Any] | None]]:
         """Two-sided transports: ``(request_id, destination)`` of every import whose
         receives were posted since the last drain — on the ticket's arrival or later, when a
-        deferred import started — so its prefill can be told to push. Imports that settled
-        in between are left out."""
-        ledger = self._ledger()
-        return [(rid, self.kv_import_destination(rid)) for rid in ledger.drain_started_pushes()]
+        deferred import started — so its prefill can be told to push. One that failed in
+        between is named while its receives may still be posted (quarantined): its prefill
+        must answer them (with a filler) or its next send on the pair lands in them. Imports
+        whose receives are quiet again are left out."""
+        posted = {(p.request_id, p.epoch): p.destination for p in self._pending_imports.values()}
+        posted.update((key, p.destination) for key, p in self._quarantined.items())
+        return [(rid, posted.get((rid, e))) for rid, e in self._ledger().drain_started_pushes()]
 
     def kv_import_destination(self, request_id: int) -> dict[str, Any] | None:
         """Where this rank receives a started import (ledger-driven decode): its
@@ -448,13 +451,19 @@ class DecodeHandoff(HandoffBase):
 
     def _cancel_due_quarantines(self) -> None:
         """Cancel through the transport the transfers of quarantines whose drain horizon
-        passed, before the ledger's poll returns their destinations to the pool."""
-        for key in self._ledger().quarantine_due(self.handoff_now_ns):
-            pending = self._quarantined.get(key)
-            for handle in pending.handles if pending is not None else []:
-                cancel = getattr(handle, "cancel", None)
-                if cancel is not None:
-                    cancel()
+        passed, before the ledger's poll returns their destinations to the pool. A transfer
+        that cannot be cancelled (a posted two-sided receive) and is still running keeps its
+        quarantine (``hold_quarantine``): it lands when its send (the data or a filler)
+        comes, and its blocks and buffers must not be reused before."""
+        ledger = self._ledger()
+        now = self.handoff_now_ns
+        for key in ledger.quarantine_due(now):
+            handles = getattr(self._quarantined.get(key), "handles", [])
+            cancels = [getattr(h, "cancel", None) for h in handles]
+            stuck = [self._quiet(h) for h, c in zip(handles, cancels, strict=True) if c is None]
+            for cancel in filter(None, cancels):
+                cancel()
+            ledger.hold_quarantine(*key, not all(stuck), now)
 
     def _poll_pending_kv_imports(self) -> int:
         """Progress imports without mutating the active decode batch: start queued handoffs

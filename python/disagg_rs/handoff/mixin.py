@@ -171,7 +171,7 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         """Number of prefill sends waiting for transport completion."""
         if not self._ledger_driven():
             return len(self._pending_kv_pushes)
-        return len(self._pending_pushes)
+        return len(self._pending_pushes) + len(self._filler_pushes)
 
     @property
     def num_quarantined_kv_imports(self) -> int:
@@ -427,6 +427,7 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
             if p.handles and not all(self._quiet(h) for h in p.handles)
         )
         live += sorted(self._pending_pushes)
+        live += sorted(rid for rid, _ in self._filler_pushes)
         if live:
             raise ResetRefusedError(
                 f"close_kv_transfer: transfers of requests {live} are still in flight; "

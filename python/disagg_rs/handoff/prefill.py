@@ -4,6 +4,7 @@ blocks (PinLedger), stage or push its state, release it on RELEASE_KV or lease e
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -313,9 +314,22 @@ class PrefillHandoff(HandoffBase):
             return
         _tag(request_id, "kv")  # an id that cannot be tagged is refused before the push starts
         # Validated (pin, destination, token range), then marked in flight: all in the ledger.
-        epoch, src_ids, dst_ids, num_tokens, src_slot, dst_slot = self._pins().start_push(
-            request_id, decode_metas
-        )
+        epoch, *plan = self._pins().start_push(request_id, decode_metas)
+        handles = self._post_push(request_id, decode_metas, tuple(plan), filler=False)
+        self._pending_pushes[request_id] = (epoch, handles)
+        self.handoff_stats["pushes"] += 1
+
+    def _post_push(
+        self,
+        request_id: int,
+        decode_metas: list[Any],
+        plan: tuple[Any, ...],
+        filler: bool,
+    ) -> list[Any]:
+        """Post the sends of one push (or its filler) as the pin ledger planned them
+        (``(src_block_ids, dst_block_ids, num_tokens, src_ssm_slot, dst_ssm_slot)``); returns
+        their handles."""
+        src_ids, dst_ids, num_tokens, src_slot, dst_slot = plan
         own = self.handoff_static_meta["ranks"]
         kv_metas = [r["kv"] for r in decode_metas if r.get("kv") is not None]
         handles = []
@@ -328,6 +342,7 @@ class PrefillHandoff(HandoffBase):
                     src_metas=[r["kv"] for r in own if r.get("kv") is not None],
                     num_tokens=num_tokens,
                     tag=_tag(request_id, "kv"),
+                    filler=filler,
                 )
             )
         if src_slot is not None:
@@ -340,10 +355,30 @@ class PrefillHandoff(HandoffBase):
                         [dst_slot],
                         src_metas=[r[kind] for r in own if r.get(kind) is not None],
                         tag=_tag(request_id, kind),
+                        filler=filler,
                     )
                 )
-        self._pending_pushes[request_id] = (epoch, handles)
-        self.handoff_stats["pushes"] += 1
+        return handles
+
+    def push_handoff_filler(self, request_id: int, decode_metas: list[Any]) -> None:
+        """Answer the receives a decode posted for a handoff this engine will not push (the
+        request is unknown or no longer pinned, its push was refused, its lease ended) with
+        fillers (two-sided transports, ledger-driven engines): the same messages a push
+        would send to the same ``destination``, their headers saying ``aborted``. The
+        decode's receives complete at once, its import fails without waiting for its
+        deadline, and the next send on the pair matches its own receive: messages match by
+        post order per pair (NCCL), so a receive left unanswered would take it.
+
+        ``decode_metas``: as for :meth:`push_handoff_kv`. Nothing is read from the cache; the
+        sizes come from the destination (checked in the pin ledger, with this pool's size
+        as the cap).
+        """
+        _tag(request_id, "kv")
+        _, *plan = self._pins().filler_push(request_id, decode_metas)
+        handles = self._post_push(request_id, decode_metas, tuple(plan), filler=True)
+        self._filler_pushes.append((request_id, handles))
+        self.handoff_stats["push_fillers"] += 1
+        self._event(("push_filler", request_id, f"{plan[2]} tokens"))
 
     def _poll_pending_kv_pushes(self) -> int:
         """Reap completed push sends; unfinished ones stay pending. Returns how many ended.
@@ -358,6 +393,9 @@ class PrefillHandoff(HandoffBase):
             self._pending_kv_pushes = [p for p, d in zip(pushes, done, strict=False) if not d]
             return sum(done)
         ended = 0
+        fillers = self._filler_pushes
+        settled = [self._wait_for_transfer_handles(*hs, block=False) for _, hs in fillers]
+        self._filler_pushes = list(itertools.compress(fillers, [not done for done in settled]))
         for rid, (epoch, handles) in list(self._pending_pushes.items()):
             if not self._wait_for_transfer_handles(*handles, block=False):
                 continue

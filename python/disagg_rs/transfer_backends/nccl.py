@@ -9,12 +9,23 @@ scatters the message into its paged buffer when the receive completes.
 
 Messages of concurrent handoffs between the same pair are matched by post order (NCCL) or
 by ``tag`` (gloo); the decode must post receives in the order the prefill posts sends.
+``match_by_order`` (default: on when the group is NCCL) sends every message on one tag, so
+gloo matches by post order too, as NCCL does.
+
+Every message starts with a fixed-size header built in Rust (``_core.p2p_headers``: the
+handoff's tag, the sender's incarnation, the chunk index and count, the payload size). The
+receiver checks it before the bytes count (``_core.PeerSteps.check``): a message meant for
+another receive (a receive that never got its send takes the next send on the pair) fails the
+import with ``MessageOrderError``'s text and marks the peer as out of step (``steps``, a
+``_core.PeerSteps``; later receives from it are refused). A sender that cannot send the real
+bytes of a posted receive sends a filler of the posted sizes
+(``begin_push_blocks(filler=True)``): the receive completes at once, its import fails as
+aborted (``PushAbortedError``), and the pair stays in step.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -68,57 +79,35 @@ class NcclTransferHandle(TransferHandleBase):
         clock: Clock = time.monotonic,
         error: str | None = None,
         *,
-        use_waiter_thread: bool = False,
-        ready: Callable[[], bool] | None = None,
+        ready: Callable[[], bool] = lambda: True,
         errors: list[str] | None = None,
     ) -> None:
         super().__init__(timeout_s, clock)
-        # Chunked transfers (``pipeline.post_chunks``): settled once ``ready()`` says so;
-        # their failures land in ``errors``.
+        # Transfers run by a thread (gloo: ``pipeline.run_ops``, ``pipeline.post_chunks``) or
+        # queued on a stream: settled once ``ready()`` says so; their failures land in
+        # ``errors``.
         self._ready = ready
         self._errors = errors if errors is not None else []
         self.works = works
         self.keepalive = keepalive
+        # Run in order once every part completed: header checks, then scatters (a failure
+        # stops the rest).
         self.scatters = scatters
         self.error = error
-        self._settled = threading.Event()
-        self._thread_error: str | None = None
-        self._waiter: threading.Thread | None = None
-        if use_waiter_thread and works:
-            # gloo's send/recv works never report completion to is_completed() and a timed
-            # wait() closes the connection, so one thread per handoff does the blocking wait.
-            self._waiter = threading.Thread(target=self._wait_all, daemon=True)
-            self._waiter.start()
 
     def _progress(self, now: float) -> bool:
         del now  # a posted receive may write until it completes: no quiet failure
-        if self._ready is not None and not self._ready():
-            return False
-        if self._waiter is not None:
-            if not self._settled.is_set():
-                return False
-        elif not all(w.is_completed() for w in self.works):
+        if not self._ready() or not all(w.is_completed() for w in self.works):
             return False
         self._finish()
         return True
 
-    def _wait_all(self) -> None:
-        """Waiter-thread body: block on each work once, record the first failure."""
+    def _finish(self) -> None:
         for work in self.works:
             try:
-                work.wait()
+                work.wait()  # complete already: returns at once, raises if it failed
             except Exception as exc:
-                self._thread_error = self._thread_error or f"torch.distributed reported {exc!r}"
-        self._settled.set()
-
-    def _finish(self) -> None:
-        if self._waiter is None:
-            for work in self.works:
-                try:
-                    work.wait()  # complete already: returns at once, raises if it failed
-                except Exception as exc:
-                    self.error = self.error or f"torch.distributed reported {exc!r}"
-        self.error = self.error or self._thread_error
+                self.error = self.error or f"torch.distributed reported {exc!r}"
         if self._errors:
             self.error = self.error or self._errors[0]
         if self.error is None:
@@ -150,7 +139,9 @@ class NcclTransferBackend(TransferBackendBase):
 
     Same constructor and metadata as ``NixlTransferBackend`` (plus ``dist_rank``, this
     process's rank in the default group), so the handoff layer treats both alike. Keyword
-    extensions: ``axes``, ``timeout_s``, ``compiler``, ``incarnation``, ``clock``, ``group``.
+    extensions: ``axes``, ``timeout_s``, ``compiler``, ``incarnation``, ``clock``, ``group``,
+    ``match_by_order`` (every message on one tag, so messages match by post order per peer
+    pair whatever the group; default: on for NCCL, which ignores tags, off otherwise).
     """
 
     name = "nccl"
@@ -183,6 +174,7 @@ class NcclTransferBackend(TransferBackendBase):
         incarnation: int | None = None,
         clock: Clock = time.monotonic,
         group: Any = None,
+        match_by_order: bool | None = None,
     ) -> None:
         super().__init__(
             agent_name,
@@ -213,6 +205,16 @@ class NcclTransferBackend(TransferBackendBase):
             raise TransferError("NcclTransferBackend needs torch.distributed initialised first")
         self.group = group
         self.dist_rank = dist.get_rank()
+        # NCCL posts from the serving thread; gloo's transfers run on threads (its works never
+        # report completion to is_completed() and a timed wait() closes the connection):
+        # one per transfer, or, matching by post order, one per group running them in order.
+        self._nccl, self.match_by_order, ordered = _core.p2p_matching(
+            dist.get_backend(group), match_by_order
+        )
+        self._lane = pipeline.lane_of(group, ordered)
+        #: Which peers' messages still match this rank's receives (receives from one out of
+        #: step are refused); shared with the backends of this rank's other buffers.
+        self.steps = _core.PeerSteps()
         # Chunked transfers: a bounded staging pool, plans per peer set, ids to the device.
         self.staging_pool = pipeline.StagingPool(memory_buffer.device)
         self._plans = dp.PlanCache()
@@ -224,14 +226,23 @@ class NcclTransferBackend(TransferBackendBase):
             "clock": clock,
             "group": group,
             "incarnation": self.incarnation,
+            "match_by_order": self.match_by_order,
         }
+
+    @property
+    def out_of_step(self) -> dict[int, str]:
+        """Peers (process ranks) whose messages stopped matching this rank's receives, with
+        the first mismatch."""
+        return self.steps.out_of_step
 
     def new_registered_buffer(self, **kwargs: Any) -> NcclTransferBackend:
         """Another state buffer of this rank (SSM conv/recurrent) on the same process group."""
         kwargs.setdefault("agent_name", self.agent_name)
         for key, value in self._init_kwargs.items():
             kwargs.setdefault(key, value)
-        return NcclTransferBackend(**kwargs)
+        other = NcclTransferBackend(**kwargs)
+        other.steps = self.steps  # one rank's pairs: every buffer's messages share them
+        return other
 
     def export_meta(self) -> dict[str, Any]:
         """Plain metadata for a peer; adds ``dist_rank`` (and the reference design's
@@ -244,6 +255,33 @@ class NcclTransferBackend(TransferBackendBase):
 
     def _device(self) -> torch.device:
         return self.memory_buffer.device
+
+    def _wire_tag(self, tag: int) -> int:
+        """The tag messages travel on: the handoff's, or one for all (``match_by_order``)."""
+        return _core.p2p_wire_tag(tag, self.match_by_order)
+
+    @staticmethod
+    def _rank_meta(by_rank: Mapping[int, PeerMeta], rank: int) -> PeerMeta:
+        """The metadata of source rank ``rank`` the plan reads."""
+        if rank not in by_rank:
+            raise MetadataError(
+                f"the plan reads source rank {rank} but no metadata names it", field="peer_meta"
+            )
+        return by_rank[rank]
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+    def _checker(
+        self, buf: torch.Tensor, peer: int, tag: int, incarnation: int, nbytes: int
+    ) -> Callable[[], None]:
+        """A check of one received whole message's header, run before its scatter."""
+
+        def check() -> None:
+            got = buf[: pipeline.HEADER].cpu().numpy().tobytes()
+            self.steps.check(peer, got, tag, incarnation, [nbytes])
+
+        return check
 
     def begin_pull_blocks(
         self,
@@ -271,6 +309,7 @@ class NcclTransferBackend(TransferBackendBase):
         )
         metas = [p.meta for p in peers]
         by_rank = {int(m["layout"]["global_rank"]): m for m in metas}
+        self.steps.refuse([int(m["dist_rank"]) for m in metas])
         me = self._base_meta()
         if num_tokens is not None and pipeline.chunkable([*metas, me]):
             return self._pull_chunked(
@@ -280,21 +319,22 @@ class NcclTransferBackend(TransferBackendBase):
         ops: list[dist.P2POp] = []
         keep: list[torch.Tensor] = []
         scatters: list[Callable[[], None]] = []
+        checks: list[Callable[[], None]] = []
+        head = pipeline.HEADER
         for rank in program.src_ranks:
-            if rank not in by_rank:
-                raise MetadataError(
-                    f"the plan reads source rank {rank} but no metadata names it", field="peer_meta"
-                )
+            meta = self._rank_meta(by_rank, rank)
             nbytes = int(program.packed_bytes(rank))
             if nbytes == 0:
                 continue
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device())
-            ops.append(
-                dist.P2POp(dist.irecv, buf, int(by_rank[rank]["dist_rank"]), self.group, tag)
-            )
+            peer = int(meta["dist_rank"])
+            buf = torch.empty(head + nbytes, dtype=torch.uint8, device=self._device())
+            ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, self._wire_tag(tag)))
             keep.append(buf)
-            scatters.append(self._lander(buf, program.scatter(rank)))
-        handle = self._submit(ops, keep, scatters, timeout_s)
+            inc = int(meta["incarnation"])
+            checks.append(self._checker(buf, peer, tag, inc, nbytes))
+            scatters.append(self._lander(buf[head:], program.scatter(rank)))
+        # Every header is checked before any scatter.
+        handle = self._submit(ops, keep, checks + scatters, timeout_s)
         handle.stats = dict(program.stats)
         return handle
 
@@ -317,15 +357,10 @@ class NcclTransferBackend(TransferBackendBase):
             )
             plans = {}
             for rank in program.src_ranks:
-                if rank not in by_rank:
-                    raise MetadataError(
-                        f"the plan reads source rank {rank} but no metadata names it",
-                        field="peer_meta",
-                    )
                 plan = dp.DevicePlan.from_program(
                     program,
                     rank,
-                    src_addr=int(by_rank[rank]["buffer"]["addr"]),
+                    src_addr=int(self._rank_meta(by_rank, rank)["buffer"]["addr"]),
                     dst_addr=int(self.buffer_info["addr"]),
                 )
                 if plan is None:
@@ -343,7 +378,15 @@ class NcclTransferBackend(TransferBackendBase):
             )
         (dev_ids,) = self._ids.upload(ids)
         pairs = [
-            pipeline.ChunkPlan(plans[r], dev_ids, num_tokens, int(by_rank[r]["dist_rank"]), False)
+            pipeline.ChunkPlan(
+                plans[r],
+                dev_ids,
+                num_tokens,
+                int(by_rank[r]["dist_rank"]),
+                False,
+                tag=tag,
+                incarnation=int(by_rank[r]["incarnation"]),
+            )
             for r in ranks
         ]
         handle = self._submit_chunks(pairs, tag, timeout_s)
@@ -363,14 +406,17 @@ class NcclTransferBackend(TransferBackendBase):
         error: str | None = None
         works: list[Any] = []
         ready: Callable[[], bool] = lambda: True  # noqa: E731
+        checks: list[Callable[[], None]] = []
         errors: list[str] = []
         try:
-            works, ready, _, errors = pipeline.post_chunks(
+            works, ready, checks, errors = pipeline.post_chunks(
                 pairs,
                 self.memory_buffer,
                 self.staging_pool,
                 self.group,
-                tag,
+                self._wire_tag(tag),
+                self.steps,
+                self._lane,
             )
         except CapacityError:
             raise  # checked before anything is posted
@@ -379,8 +425,8 @@ class NcclTransferBackend(TransferBackendBase):
         return NcclTransferHandle(
             works,
             [],
-            [],
-            self.timeout_s if timeout_s is None else timeout_s,
+            checks,
+            self._timeout(timeout_s),
             self.clock,
             error,
             ready=ready,
@@ -403,6 +449,7 @@ class NcclTransferBackend(TransferBackendBase):
         num_tokens: int | None = None,
         tag: int = 0,
         timeout_s: float | None = None,
+        filler: bool = False,
     ) -> NcclTransferHandle:
         """Pack and send this prefill rank's part of a handoff to each decode rank named.
 
@@ -410,7 +457,10 @@ class NcclTransferBackend(TransferBackendBase):
         one message per decode rank that reads from this rank). ``src_metas``: every source
         rank's metadata, so the plan picks the same representatives the decode does (default:
         this rank's model-parallel group inferred from its layout, see ``_group_metas``).
-        Without ``num_tokens`` whole blocks move.
+        Without ``num_tokens`` whole blocks move. ``filler``: send messages of the sizes the
+        decode posted whose headers say ``aborted`` instead of the blocks' bytes (the handoff
+        cannot be sent; ``src_block_ids`` then only size the plan, any valid ids do), so the
+        decode's receives complete at once and the pair stays in step.
         """
         dsts = self._peer_list(peer_meta)
         if no_blocks(src_block_ids):  # nothing to move: a settled handle
@@ -419,7 +469,7 @@ class NcclTransferBackend(TransferBackendBase):
         num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens, local_is_dst=False)
         me = self.layout.global_rank
         if num_tokens is not None and all(pipeline.chunkable([*srcs, d]) for d in dsts):
-            return self._push_chunked(srcs, dsts, src_block_ids, num_tokens, tag, timeout_s)
+            return self._push_chunked(srcs, dsts, src_block_ids, num_tokens, tag, timeout_s, filler)
         programs: list[tuple[PeerMeta, TransferProgramLike]] = [
             (dst, self._compile(srcs, dst, src_block_ids, dst_block_ids, num_tokens, "staged"))
             for dst in dsts
@@ -432,9 +482,14 @@ class NcclTransferBackend(TransferBackendBase):
             nbytes = int(program.packed_bytes(me))
             if nbytes == 0:
                 continue
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device())
-            self.pack_rows(program.gather(me), buf)
-            ops.append(dist.P2POp(dist.isend, buf, int(dst["dist_rank"]), self.group, tag))
+            head = pipeline.HEADER
+            buf = torch.empty(head + nbytes, dtype=torch.uint8, device=self._device())
+            raw = bytearray(_core.p2p_headers(filler, tag, self.incarnation, [nbytes]))
+            buf[:head].copy_(torch.frombuffer(raw, dtype=torch.uint8))
+            if not filler:
+                self.pack_rows(program.gather(me), buf[head:])
+            wire_tag = self._wire_tag(tag)
+            ops.append(dist.P2POp(dist.isend, buf, int(dst["dist_rank"]), self.group, wire_tag))
             keep.append(buf)
         return self._submit(ops, keep, [], timeout_s)
 
@@ -446,6 +501,7 @@ class NcclTransferBackend(TransferBackendBase):
         num_tokens: int,
         tag: int,
         timeout_s: float | None,
+        filler: bool = False,
     ) -> NcclTransferHandle:
         """Pack and send this rank's part in chunks through the staging pool (see
         ``pipeline``); the decode cuts the same chunks from the same plan."""
@@ -474,7 +530,18 @@ class NcclTransferBackend(TransferBackendBase):
                     f"{plan.num_blocks(num_tokens)}",
                     field="src_block_ids",
                 )
-            pairs.append(pipeline.ChunkPlan(plan, dev_ids, num_tokens, int(dst["dist_rank"]), True))
+            pairs.append(
+                pipeline.ChunkPlan(
+                    plan,
+                    dev_ids,
+                    num_tokens,
+                    int(dst["dist_rank"]),
+                    True,
+                    tag=tag,
+                    incarnation=self.incarnation,
+                    filler=filler,
+                )
+            )
         return self._submit_chunks(pairs, tag, timeout_s)
 
     def _submit(
@@ -486,24 +553,20 @@ class NcclTransferBackend(TransferBackendBase):
     ) -> NcclTransferHandle:
         works: list[Any] = []
         error: str | None = None
-        if ops:
+        ready: Callable[[], bool] = lambda: True  # noqa: E731
+        errors: list[str] = []
+        if ops and not self._nccl:
+            ready, errors = pipeline.run_ops(ops, self._lane)
+        elif ops:
             try:
-                if dist.get_backend(self.group) == "nccl":
-                    # One op at a time, in order: a batched call must be the group's first
-                    # call on EVERY rank, which a handoff between some ranks never is.
-                    works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
-                else:
-                    works = list(dist.batch_isend_irecv(ops))
+                # One op at a time, in order: a batched call must be the group's first call on
+                # EVERY rank, which a handoff between some ranks never is.
+                works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
             except Exception as exc:
                 error = f"posting {len(ops)} point-to-point ops failed: {exc!r}"
+        timeout = self._timeout(timeout_s)
         return NcclTransferHandle(
-            works,
-            keep,
-            scatters,
-            self.timeout_s if timeout_s is None else timeout_s,
-            self.clock,
-            error,
-            use_waiter_thread=dist.get_backend(self.group) == "gloo",
+            works, keep, scatters, timeout, self.clock, error, ready=ready, errors=errors
         )
 
     def close(self) -> None:

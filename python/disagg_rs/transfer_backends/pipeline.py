@@ -21,16 +21,33 @@ exchange.
   own (one chunk, at most ``chunk_bytes``). It never shares a slot: a thread blocked on its
   peer while holding a slot another handoff needs lets two engines that start concurrent
   handoffs in different orders wait on each other until the transfer times out. Tags keep
-  concurrent handoffs apart.
+  concurrent handoffs apart. Where messages match by post order instead (``lane``: NCCL's
+  rule on gloo), every transfer of the process group runs on one thread (:func:`lane_of`)
+  in the order the transfers were started, so each side posts in its serving thread's order.
+
+Every message starts with a ``_core.P2P_HEADER_BYTES`` header (``_core.p2p_headers``: the
+handoff's tag, the sender's incarnation, the chunk index and count, the payload size; a filler
+says ``aborted``), so a slot is that much larger than a chunk. The receiver checks it
+(``_core.PeerSteps.check``) before the bytes count: on host memory before each chunk's
+scatter; on CUDA, where nothing waits on the host, each chunk's header is copied aside on the
+stream and all of them are checked once the transfer's event completed, before the handle
+reports success (the scatters wrote only the import's own, not yet admitted, destination
+blocks). A receive whose message is a filler fails at once (``PushAbortedError``); one whose
+message was meant for another receive fails as out of step (``MessageOrderError``), and
+``PeerSteps`` marks its peer.
 
 Ranges are half-open ``[lo, hi)``.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import os
+import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,10 +55,21 @@ import torch
 import torch.distributed as dist
 
 from disagg_rs import _core
-from disagg_rs.exceptions import CapacityError
+from disagg_rs.exceptions import CapacityError, PushAbortedError
 from disagg_rs.transfer_backends import device_plan as dp
 
-__all__ = ["DEFAULT_POOL_BYTES", "ChunkPlan", "StagingPool", "post_chunks"]
+__all__ = [
+    "DEFAULT_POOL_BYTES",
+    "ChunkPlan",
+    "Lane",
+    "StagingPool",
+    "lane_of",
+    "post_chunks",
+    "run_ops",
+]
+
+#: Bytes of the header in front of every message (``_core.p2p_headers``).
+HEADER = int(_core.P2P_HEADER_BYTES)
 
 #: Default staging pool per engine: 256 MiB (``DISAGG_STAGING_POOL_BYTES`` overrides).
 DEFAULT_POOL_BYTES = 256 << 20
@@ -111,16 +139,21 @@ class StagingPool:
         self._lock = threading.Lock()
 
     @property
+    def stride(self) -> int:
+        """Bytes of one slot: a chunk and its message header."""
+        return self.slot_bytes + HEADER
+
+    @property
     def nbytes(self) -> int:
         """Bytes the pool holds once allocated."""
-        return self.slots * self.slot_bytes
+        return self.slots * self.stride
 
     def slot(self, index: int) -> torch.Tensor:
-        """Slot ``index`` as a flat ``uint8`` tensor."""
+        """Slot ``index`` as a flat ``uint8`` tensor (header, then up to ``slot_bytes``)."""
         if self._buf is None:
             self._buf = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        lo = index * self.slot_bytes
-        return self._buf[lo : lo + self.slot_bytes]
+        lo = index * self.stride
+        return self._buf[lo : lo + self.stride]
 
     def next_index(self) -> int:
         """Round-robin slot for the next chunk of any handoff."""
@@ -141,16 +174,130 @@ class StagingPool:
         self._last[index] = work
 
 
+def _settle(future: Future[Any], job: Callable[[], Any]) -> None:
+    """Run ``job`` into ``future``."""
+    future.set_running_or_notify_cancel()
+    try:
+        future.set_result(job())
+    except BaseException as exc:
+        future.set_exception(exc)
+
+
+class _Spawn:
+    """Runs each job on a daemon thread of its own."""
+
+    @staticmethod
+    def submit(job: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        threading.Thread(target=_settle, args=(future, job), daemon=True).start()
+        return future
+
+
+class _Ordered:
+    """Runs jobs on one daemon thread, in submission order."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        for future, job in iter(self._jobs.get, None):
+            _settle(future, job)
+
+    def submit(self, job: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._jobs.put((future, job))
+        return future
+
+
+#: Where host-memory transfers run (daemon threads: a receive blocked on its peer must not
+#: hold up the interpreter's exit).
+Lane = _Spawn | _Ordered
+_SPAWN = _Spawn()
+_LANES: collections.defaultdict[int, _Ordered] = collections.defaultdict(_Ordered)
+_LANES_LOCK = threading.Lock()
+
+
+def lane_of(group: Any, ordered: bool) -> Lane:
+    """Where this process runs host-memory transfers of process group ``group`` (``None``:
+    the default group). ``ordered`` (messages match by post order): one thread for the
+    group, running its transfers in the order they were started, so a side's posts follow
+    its serving thread's order (per-transfer threads would race); a transfer blocked on its
+    peer holds up the later ones, as a receive that never gets its send holds up the pair on
+    NCCL. Otherwise one thread per transfer: tags keep concurrent transfers apart, and one
+    waiting for its peer holds up nothing else."""
+    if not ordered:
+        return _SPAWN
+    with _LANES_LOCK:
+        return _LANES[id(group)]
+
+
+def run_ops(ops: list[Any], lane: Lane) -> tuple[Callable[[], bool], list[str]]:
+    """Post point-to-point ``ops`` on ``lane`` and wait for them there; returns ``(done,
+    errors)`` as :func:`post_chunks` does."""
+    errors: list[str] = []
+    job = lane.submit(lambda: [work.wait() for work in dist.batch_isend_irecv(ops)])
+    # The failure, if any, is recorded before ``done()`` says so (callbacks run first).
+    reported = "torch.distributed reported {!r}".format
+    job.add_done_callback(lambda f: errors.extend(map(reported, filter(None, [f.exception()]))))
+    return job.done, errors
+
+
 @dataclass
 class ChunkPlan:
     """What one side of one (source, destination) pair moves: the device plan, the block ids
-    of the local cache (on its device), the token count and the peer's process rank."""
+    of the local cache (on its device), the token count and the peer's process rank; the
+    handoff's ``tag`` and the sender's ``incarnation`` (what the headers say); ``filler``: a
+    send of the posted sizes whose headers say ``aborted`` (nothing is packed)."""
 
     plan: dp.DevicePlan
     ids: torch.Tensor
     n_tok: int
     peer: int
     send: bool
+    tag: int = 0
+    incarnation: int = 0
+    filler: bool = False
+
+    def sizes(self, slot_bytes: int) -> list[int]:
+        """Payload bytes of each chunk."""
+        return [c[3] - c[2] for c in self.plan.chunks(self.n_tok, slot_bytes)]
+
+    def headers(self, slot_bytes: int) -> torch.Tensor:
+        """The headers this side sends (send) or expects (receive), ``HEADER`` bytes each."""
+        raw = _core.p2p_headers(self.filler, self.tag, self.incarnation, self.sizes(slot_bytes))
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+    def check(self, steps: _core.PeerSteps, got: torch.Tensor, slot_bytes: int, first: int) -> None:
+        """Check received headers of chunks ``first..`` (``PushAbortedError`` for fillers,
+        ``MessageOrderError`` for another message, marking the peer in ``steps``)."""
+        raw = got.cpu().numpy().tobytes()
+        steps.check(self.peer, raw, self.tag, self.incarnation, self.sizes(slot_bytes), first)
+
+
+class _Receiver:
+    """Host memory: checks each received chunk's header before its scatter. After a filler
+    the pair's remaining chunks are still received (keeping the pair in step), not landed;
+    a message out of step raises (nothing more on the pair can be trusted)."""
+
+    def __init__(self, cp: ChunkPlan, steps: _core.PeerSteps, pool: StagingPool, errors: list[str]):
+        self.cp, self.steps, self.pool, self.errors = cp, steps, pool, errors
+        self.aborted = False
+
+    def __call__(self, got: torch.Tensor, index: int, land: Callable[[], None]) -> None:
+        if self.aborted:
+            return
+        try:
+            self.cp.check(self.steps, got, self.pool.slot_bytes, index)
+        except PushAbortedError as exc:
+            self.aborted = True
+            self.errors.append(str(exc))
+            return
+        land()
+
+
+def _sent(got: torch.Tensor, index: int, land: Callable[[], None]) -> None:
+    """Host memory, a send: nothing to check or land."""
 
 
 def _one_chunk(
@@ -159,21 +306,25 @@ def _one_chunk(
     slot: torch.Tensor,
     chunk: tuple[int, int, int, int],
     group: Any,
-    tag: int,
+    wire_tag: int,
+    header: torch.Tensor,
 ) -> tuple[Callable[[], Any], Callable[[], None]]:
-    """(post the message, land it) for one chunk; the pack happens before the post."""
+    """(post the message, land it) for one chunk; a send's header (``header``) and pack
+    happen before the post. The message is the slot's header and the chunk's bytes."""
     k_lo, k_hi, b_lo, b_hi = chunk
-    window = slot[: b_hi - b_lo]
+    window = slot[: HEADER + b_hi - b_lo]
     local = dp.Side("src" if cp.send else "dst", buffer, cp.ids)
-    packed = dp.Side("packed", window, bias=b_lo)
+    packed = dp.Side("packed", window[HEADER:], bias=b_lo)
     if cp.send:
-        dp.copy(cp.plan, local, packed, cp.n_tok, items=(k_lo, k_hi))
-        return (lambda: dist.isend(window, cp.peer, group, tag)), (lambda: None)
+        window[:HEADER].copy_(header)
+        if not cp.filler:
+            dp.copy(cp.plan, local, packed, cp.n_tok, items=(k_lo, k_hi))
+        return (lambda: dist.isend(window, cp.peer, group, wire_tag)), (lambda: None)
 
     def land() -> None:
         dp.copy(cp.plan, packed, local, cp.n_tok, items=(k_lo, k_hi))
 
-    return (lambda: dist.irecv(window, cp.peer, group, tag)), land
+    return (lambda: dist.irecv(window, cp.peer, group, wire_tag)), land
 
 
 def post_chunks(
@@ -181,15 +332,21 @@ def post_chunks(
     buffer: torch.Tensor,
     pool: StagingPool,
     group: Any,
-    tag: int,
-) -> tuple[list[Any], Callable[[], bool], threading.Thread | None, list[str]]:
-    """Move every pair's chunks through ``pool``.
+    wire_tag: int,
+    steps: _core.PeerSteps,
+    lane: Lane = _SPAWN,
+) -> tuple[list[Any], Callable[[], bool], list[Callable[[], None]], list[str]]:
+    """Move every pair's chunks through ``pool``, every message on ``wire_tag`` (the
+    handoff's tag, or one tag for every handoff where messages match by post order);
+    received headers are checked through ``steps``.
 
-    Returns ``(works, done, thread, errors)``: on CUDA, ``works`` are the NCCL works and
-    ``done()`` queries the event recorded after the last scatter; on host memory a worker
-    thread runs the loop through its own one-chunk buffer (``done()`` says it finished;
-    ``errors`` holds its failures, e.g. the process group's timeout on a peer that never
-    answered).
+    Returns ``(works, done, checks, errors)``: on CUDA, ``works`` are the NCCL works,
+    ``done()`` queries the event recorded after the last scatter and ``checks`` check each
+    receiving pair's headers (run once ``done()``, before the transfer counts as a success);
+    on host memory a thread of ``lane`` (:func:`lane_of`) runs the loop through its own
+    one-chunk buffer, checking each header before its scatter (``done()`` says it finished).
+    ``errors`` holds the failures (e.g. the process group's timeout on a peer that never
+    answered, a filler, a message out of step).
     """
     for cp in pairs:
         item = int(cp.plan.planes[:, 3].max()) * cp.plan.tokens_per_block
@@ -199,51 +356,70 @@ def post_chunks(
                 f"chunk_bytes={pool.slot_bytes}",
                 field="chunk_bytes",
             )
-    chunks = [(cp, c) for cp in pairs for c in cp.plan.chunks(cp.n_tok, pool.slot_bytes)]
+    chunks = [
+        (p, i, c)
+        for p, cp in enumerate(pairs)
+        for i, c in enumerate(cp.plan.chunks(cp.n_tok, pool.slot_bytes))
+    ]
+    # Each pair's headers: sent, or (receive) expected, then overwritten by what came.
+    heads = [cp.headers(pool.slot_bytes).to(buffer.device) for cp in pairs]
+    errors: list[str] = []
     if buffer.is_cuda:
         works: list[Any] = []
         stream = pool.stream
         # The pool's stream starts after what the engine queued so far (the blocks' bytes).
         stream.wait_stream(torch.cuda.current_stream(buffer.device))
-        for cp in pairs:
-            # The ids were copied on the engine's stream; keep them until this stream is done.
+        for cp, head in zip(pairs, heads, strict=True):
+            # The ids and headers were copied on the engine's stream; keep them until this
+            # stream is done.
             cp.ids.record_stream(stream)
+            head.record_stream(stream)
         # Receives run ahead of their scatters by up to ``slots - 1`` chunks (a receive waits
         # for everything queued on the stream when it is posted); the order is Rust's.
-        posted: dict[int, tuple[Any, Callable[[], None]]] = {}
+        posted: dict[int, tuple[Any, Callable[[], None], torch.Tensor, torch.Tensor]] = {}
         with torch.cuda.stream(stream):
-            for step in _core.chunk_steps([cp.send for cp, _ in chunks], pool.slots):
+            for step in _core.chunk_steps([pairs[p].send for p, _, _ in chunks], pool.slots):
                 if step < 0:
-                    work, land = posted.pop(-step - 1)
+                    work, land, window, aside = posted.pop(-step - 1)
                     work.wait()  # the stream waits for the message; the host does not
+                    aside.copy_(window[:HEADER])  # the header that came (a send's own)
                     land()
                     continue
-                cp, chunk = chunks[step]
+                p, i, chunk = chunks[step]
                 index = pool.next_index()
                 pool.claim(index)
-                post, land = _one_chunk(cp, buffer, pool.slot(index), chunk, group, tag)
+                own = heads[p][i * HEADER : (i + 1) * HEADER]
+                slot = pool.slot(index)
+                post, land = _one_chunk(pairs[p], buffer, slot, chunk, group, wire_tag, own)
                 work = post()
                 works.append(work)
                 pool.release(index, work)
-                posted[step] = (work, land)
+                posted[step] = (work, land, slot, own)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
-        return works, lambda: bool(event.query()), None, []  # type: ignore[no-untyped-call]
-    errors: list[str] = []
+        checks: list[Callable[[], None]] = [
+            functools.partial(cp.check, steps, head, pool.slot_bytes, 0)
+            for cp, head in zip(pairs, heads, strict=True)
+            if not cp.send
+        ]
+        return works, lambda: bool(event.query()), checks, errors  # type: ignore[no-untyped-call]
     finished = threading.Event()
+    receivers = [_sent if cp.send else _Receiver(cp, steps, pool, errors) for cp in pairs]
 
     def run() -> None:
         try:
-            own = torch.empty(max((c[3] - c[2] for _, c in chunks), default=0), dtype=torch.uint8)
-            for cp, chunk in chunks:
-                post, land = _one_chunk(cp, buffer, own, chunk, group, tag)
+            own = torch.empty(
+                HEADER + max((c[3] - c[2] for _, _, c in chunks), default=0), dtype=torch.uint8
+            )
+            for p, i, chunk in chunks:
+                head = heads[p][i * HEADER : (i + 1) * HEADER]
+                post, land = _one_chunk(pairs[p], buffer, own, chunk, group, wire_tag, head)
                 post().wait()
-                land()
+                receivers[p](own[:HEADER], i, land)
         except Exception as exc:
             errors.append(f"chunked transfer failed: {exc!r}")
         finally:
             finished.set()
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return [], finished.is_set, thread, errors
+    lane.submit(run)
+    return [], finished.is_set, [], errors

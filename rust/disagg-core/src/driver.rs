@@ -283,8 +283,66 @@ impl EngineDriver {
     }
 }
 
+/// What the coordinator knows when a decode says it posted receives (`KV_RECV_POSTED`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvPosted<'a> {
+    /// Whether the transport is two-sided (the prefill pushes).
+    pub push_transport: bool,
+    /// The sending engine's id and role (`""` for an unregistered identity).
+    pub sender: (&'a str, &'a str),
+    /// The message's attempt epoch.
+    pub epoch: u64,
+    /// The live request of that id: its decode, epoch, whether its blocks are pinned and its
+    /// prefill (`(None, 0, false, None)` when there is none).
+    pub request: (Option<&'a str>, u64, bool, Option<&'a str>),
+    /// The prefill engine the message names, and its role (`""` if unregistered).
+    pub named: (&'a str, &'a str),
+}
+
+/// Where a `KV_RECV_POSTED` goes: `(prefill, abort)` for a `SEND_KV`, or `None` (ignored).
+/// The request's own decode at its epoch, pinned: the request's prefill pushes. Otherwise the
+/// receives are posted all the same and messages match by post order per pair (NCCL): the
+/// prefill the message names answers them with fillers (`abort`), or its next push to that
+/// decode would land in them; only a registered decode naming a registered prefill is heard.
+pub fn recv_posted_route(m: &RecvPosted<'_>) -> Option<(String, bool)> {
+    let (decode, epoch, pinned, prefill) = m.request;
+    if !m.push_transport {
+        return None;
+    }
+    if pinned && decode == Some(m.sender.0) && epoch == m.epoch {
+        return prefill.map(|p| (p.to_owned(), false));
+    }
+    (m.sender.1 == "decode" && m.named.1 == "prefill").then(|| (m.named.0.to_owned(), true))
+}
+
 #[cfg(test)]
 mod tests {
+    use super::{recv_posted_route, RecvPosted};
+
+    #[test]
+    fn a_posted_receive_is_pushed_by_its_prefill_or_answered_with_fillers() {
+        let live = RecvPosted {
+            push_transport: true,
+            sender: ("d0", "decode"),
+            epoch: 3,
+            request: (Some("d0"), 3, true, Some("p0")),
+            named: ("p0", "prefill"),
+        };
+        assert_eq!(recv_posted_route(&live), Some(("p0".into(), false)));
+        // Gone, unpinned, another epoch or another decode: the named prefill sends fillers.
+        let gone = RecvPosted { request: (None, 0, false, None), ..live };
+        let unpinned = RecvPosted { request: (Some("d0"), 3, false, Some("p0")), ..live };
+        let stale = RecvPosted { epoch: 2, ..live };
+        let other = RecvPosted { sender: ("d1", "decode"), ..live };
+        for m in [gone, unpinned, stale, other] {
+            assert_eq!(recv_posted_route(&m), Some(("p0".into(), true)), "{m:?}");
+        }
+        // Ignored: a one-sided transport, an unregistered sender, a name that is no prefill.
+        assert_eq!(recv_posted_route(&RecvPosted { push_transport: false, ..live }), None);
+        assert_eq!(recv_posted_route(&RecvPosted { sender: ("x", ""), ..gone }), None);
+        assert_eq!(recv_posted_route(&RecvPosted { named: ("d1", "decode"), ..gone }), None);
+    }
+
     use super::*;
 
     #[test]

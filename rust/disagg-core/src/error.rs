@@ -113,6 +113,26 @@ pub enum DisaggError {
         /// The value given and the bound it violates.
         detail: String,
     },
+    /// A two-sided message's header disagrees with the receive it landed in (another
+    /// request's, incarnation's, chunk's or size's message, or no header at all): the peer
+    /// pair is out of step and the bytes must not be admitted.
+    MessageOrder {
+        /// The header field that differs (`tag`, `incarnation`, `chunk`, `nbytes`, `magic`..).
+        field: String,
+        /// The value the receive was posted for.
+        expected: u64,
+        /// The value the message carried.
+        got: u64,
+    },
+    /// A two-sided handoff's sender answered the posted receives with fillers: it will not
+    /// send the handoff (unknown or unpinned request, refused push, lease over). The peer pair
+    /// stays in step; the import fails at once.
+    PushAborted {
+        /// The sender's process rank.
+        peer: u64,
+        /// The handoff's message tag.
+        tag: u64,
+    },
     /// A pool or ledger consistency check found a leaked, doubly owned or miscounted block or
     /// slot. Always a bug (in the caller's use of the pool or in `disagg_rs`), never bad input.
     Conservation {
@@ -139,6 +159,8 @@ impl DisaggError {
             Self::HandoffState { .. } => "HandoffState",
             Self::ResetRefused { .. } => "ResetRefused",
             Self::Argument { .. } => "Argument",
+            Self::MessageOrder { .. } => "MessageOrder",
+            Self::PushAborted { .. } => "PushAborted",
             Self::Conservation { .. } => "Conservation",
         }
     }
@@ -161,6 +183,8 @@ impl DisaggError {
             Self::handoff_state("enable_prefix_caching", "enable_prefix_caching=False"),
             Self::ResetRefused { detail: "1 importing handoff may still write".into() },
             Self::argument("rank", "rank=4 must be < world_size=4"),
+            Self::MessageOrder { field: "tag".into(), expected: 68, got: 72 },
+            Self::PushAborted { peer: 0, tag: 68 },
             Self::Conservation {
                 detail: "free 3 + owned 4 + quarantined 0 + pinned 0 != 8".into(),
             },
@@ -270,6 +294,14 @@ impl fmt::Display for DisaggError {
             }
             Self::ResetRefused { detail } => write!(f, "reset refused, nothing changed: {detail}"),
             Self::Argument { field, detail } => write!(f, "invalid argument `{field}`: {detail}"),
+            Self::MessageOrder { field, expected, got } => write!(
+                f,
+                "two-sided message out of step: header field `{field}` is {got}, the receive \
+                 was posted for {expected}"
+            ),
+            Self::PushAborted { peer, tag } => {
+                write!(f, "rank {peer} aborted the handoff of tag {tag}: its messages are fillers")
+            }
             Self::Conservation { detail } => write!(f, "conservation check failed: {detail}"),
         }
     }
@@ -287,7 +319,7 @@ mod tests {
         kinds.sort_unstable();
         kinds.dedup();
         // Bump this together with a new variant and its sample.
-        assert_eq!(kinds.len(), 15);
+        assert_eq!(kinds.len(), 17);
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod geometry;
 pub mod integrity;
 pub mod layout;
 pub mod ledger;
+pub mod p2p_header;
 pub mod pool;
 pub mod pull_parts;
 pub mod reference;

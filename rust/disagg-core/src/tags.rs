@@ -74,10 +74,42 @@ pub fn tag_owner(tag: i64) -> DisaggResult<(i64, TagKind)> {
     }
 }
 
+/// How a two-sided backend on a process group of backend `group_backend` (`"nccl"`,
+/// `"gloo"`, ...) matches messages: `(nccl, match_by_order, ordered)`. NCCL ignores tags and
+/// matches point-to-point messages by post order per peer pair, so `match_by_order` defaults
+/// to on there and off elsewhere (`requested` overrides it: gloo run under NCCL's rule).
+/// `ordered`: host-memory transfers (every group but NCCL's) must then run one after the
+/// other, in the order they were started, so each side posts in its serving order.
+pub fn p2p_matching(group_backend: &str, requested: Option<bool>) -> (bool, bool, bool) {
+    let nccl = group_backend == "nccl";
+    let by_order = requested.unwrap_or(nccl);
+    (nccl, by_order, by_order && !nccl)
+}
+
+/// The tag a message of a handoff tagged `tag` travels on: its own, or one tag for every
+/// handoff where messages match by post order (the in-band header then names the handoff).
+pub fn p2p_wire_tag(tag: i64, match_by_order: bool) -> i64 {
+    if match_by_order {
+        0
+    } else {
+        tag
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn nccl_matches_by_order_by_default_and_gloo_can_be_told_to() {
+        assert_eq!(p2p_matching("nccl", None), (true, true, false));
+        assert_eq!(p2p_matching("gloo", None), (false, false, false));
+        assert_eq!(p2p_matching("gloo", Some(true)), (false, true, true));
+        assert_eq!(p2p_matching("nccl", Some(false)), (true, false, false));
+        assert_eq!(p2p_wire_tag(44, true), 0);
+        assert_eq!(p2p_wire_tag(44, false), 44);
+    }
     use std::collections::HashMap;
 
     #[test]

@@ -464,17 +464,22 @@ impl StateMachineTest for ImportTest {
     fn apply(mut s: Sut, m: &Model, t: Tr) -> Sut {
         let got = sut_step(&mut s, m, &t);
         assert_matches_model(&got, &m.expect, |acts| acts.iter().map(compact).collect(), &t);
-        // A push ledger names every import this step started that is still in flight.
-        let in_flight =
-            |rid: &u64| m.live.get(rid).is_some_and(|r| matches!(r.phase, Phase::Importing { .. }));
-        let started: Vec<u64> = got
+        // A push ledger names every import this step started whose receives are still
+        // posted: in flight, or failed into quarantine.
+        let posted = |key: &(u64, u64)| {
+            m.quarantine.contains_key(key)
+                || m.live
+                    .get(&key.0)
+                    .is_some_and(|r| r.epoch == key.1 && matches!(r.phase, Phase::Importing { .. }))
+        };
+        let started: Vec<(u64, u64)> = got
             .iter()
             .flatten()
             .filter_map(|a| match a {
-                LedgerAction::StartImport(st) => Some(st.request_id),
+                LedgerAction::StartImport(st) => Some((st.request_id, st.epoch)),
                 _ => None,
             })
-            .filter(in_flight)
+            .filter(posted)
             .collect();
         assert_eq!(s.ledger.drain_started_pushes(), started, "after {t:?}");
         for a in got.iter().flatten() {

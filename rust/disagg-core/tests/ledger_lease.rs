@@ -274,23 +274,56 @@ fn a_prompt_is_its_tokens_hashed_here_or_its_length_alone_never_both() {
 
 #[test]
 fn a_pull_ledger_never_names_started_pushes_and_a_push_ledger_names_each_once() {
+    let none = Vec::<(u64, u64)>::new();
     let mut pull = ledger(8);
     epoch_of_start(&pull.submit(req(1, 8, 1_000, None), 0).unwrap());
-    assert_eq!(pull.drain_started_pushes(), Vec::<u64>::new());
+    assert_eq!(pull.drain_started_pushes(), none);
     // Push: the first import starts on arrival, the second waits for its blocks.
     let cfg = ImportLedgerConfig { pull: false, ..ImportLedgerConfig::default() };
     let mut push = ImportLedger::new(3, BS, 0, cfg).unwrap();
     let first = epoch_of_start(&push.submit(req(1, 8, 1_000, None), 0).unwrap());
     assert!(push.submit(req(2, 8, 1_000, None), 0).unwrap().is_empty());
-    assert_eq!(push.drain_started_pushes(), vec![1]);
-    assert_eq!(push.drain_started_pushes(), Vec::<u64>::new());
+    assert_eq!(push.drain_started_pushes(), vec![(1, first)]);
+    assert_eq!(push.drain_started_pushes(), none);
     // The first one fails: its blocks free up and the deferred one starts.
     push.abort(1, 1).unwrap();
     push.settle(1, first).unwrap();
     push.poll(2).unwrap();
-    assert_eq!(push.drain_started_pushes(), vec![2]);
-    // One that started and ended before the drain is not named.
+    let second = push.epoch_of(2).unwrap();
+    assert_eq!(push.drain_started_pushes(), vec![(2, second)]);
     push.abort(2, 3).unwrap();
-    assert_eq!(push.drain_started_pushes(), Vec::<u64>::new());
+    push.settle(2, second).unwrap();
+    // One that started and failed before the drain is still named while its receives may be
+    // posted (quarantined): its source must answer them.
+    let third = epoch_of_start(&push.submit(req(3, 8, 1_000, None), 4).unwrap());
+    push.abort(3, 5).unwrap();
+    assert_eq!(push.drain_started_pushes(), vec![(3, third)]);
+    push.settle(3, third).unwrap();
+    // Once its receives are quiet again, it is not.
+    let fourth = epoch_of_start(&push.submit(req(4, 8, 1_000, None), 6).unwrap());
+    push.abort(4, 7).unwrap();
+    push.settle(4, fourth).unwrap();
+    assert_eq!(push.drain_started_pushes(), none);
+    push.check().unwrap();
+}
+
+#[test]
+fn a_quarantine_whose_receives_cannot_be_cancelled_is_held_past_its_horizon() {
+    let cfg =
+        ImportLedgerConfig { pull: false, drain_horizon: 10, ..ImportLedgerConfig::default() };
+    let mut push = ImportLedger::new(3, BS, 0, cfg).unwrap();
+    let epoch = epoch_of_start(&push.submit(req(1, 8, 1_000, None), 0).unwrap());
+    push.abort(1, 1).unwrap();
+    assert_eq!(push.quarantine_due(11), vec![(1, epoch)]);
+    // Held: the horizon poll keeps its blocks, until it settles.
+    assert!(!push.hold_quarantine(1, epoch, false, 11));
+    assert!(push.hold_quarantine(1, epoch, true, 11));
+    assert!(push.quarantine_due(12).is_empty());
+    assert!(push.poll(12).unwrap().is_empty());
+    assert_eq!(push.num_quarantined(), 1);
+    assert_eq!(push.counters().quarantine_held, 1);
+    push.settle(1, epoch).unwrap();
+    assert_eq!(push.num_quarantined(), 0);
+    assert!(!push.hold_quarantine(1, epoch, true, 13));
     push.check().unwrap();
 }

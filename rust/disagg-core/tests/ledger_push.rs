@@ -1,4 +1,5 @@
-//! proptest: `PinLedger::start_push` against an oracle of what a push destination must state.
+//! proptest: `PinLedger::start_push` against an oracle of what a push destination must state,
+//! and `filler_push` against the push it stands in for.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use disagg_core::ledger::{PinLedger, PushDestination};
@@ -78,6 +79,57 @@ proptest! {
             }
             (got, want) => prop_assert!(false, "got {:?}, expected {:?}", got, want),
         }
+        l.check().unwrap();
+    }
+
+    #[test]
+    fn a_filler_moves_what_the_push_would_and_changes_nothing(
+        tokens in 1u32..20, start in 0u32..24, ssm: bool, dst_slot in proptest::option::of(0u32..4),
+    ) {
+        // A prompt of `tokens` pinned in its blocks, and the destination the decode posted.
+        let n = tokens.div_ceil(BS);
+        let dest = PushDestination {
+            dst_block_ids: Some((0..n).collect()),
+            num_tokens: Some(tokens),
+            token_start: start,
+            dst_ssm_slot: if ssm { Some(dst_slot.unwrap_or(1)) } else { dst_slot },
+        };
+        let mut l = PinLedger::new(8, BS, 2).unwrap();
+        let blocks = l.pool_mut().allocate(n).unwrap();
+        let slot = if ssm { Some(l.slots_mut().allocate().unwrap()) } else { None };
+        let filler = l.filler_push(1, &[None, Some(dest.clone())]);
+        prop_assert_eq!(l.pending_kv_push_count(), 0);
+        l.pin(1, &blocks, slot, 100, 0).unwrap();
+        let push = l.start_push(1, &[None, Some(dest.clone())]);
+        match (filler, push) {
+            (Ok(f), Ok(p)) => {
+                prop_assert_eq!(f.src_block_ids.len(), p.src_block_ids.len());
+                prop_assert_eq!(f.num_tokens, p.num_tokens);
+                prop_assert_eq!(&f.dst_block_ids, &p.dst_block_ids);
+                if ssm {
+                    prop_assert_eq!(f.dst_ssm_slot, p.dst_ssm_slot);
+                    prop_assert!(f.src_ssm_slot.is_some());
+                }
+            }
+            (Err(f), Err(p)) => prop_assert_eq!(field(&f), field(&p)),
+            (f, p) => prop_assert!(false, "filler {:?}, push {:?}", f, p),
+        }
+    }
+
+    #[test]
+    fn a_filler_longer_than_the_pool_or_without_a_destination_is_refused(
+        tokens in 33u32..200,
+    ) {
+        let l = PinLedger::new(8, BS, 0).unwrap();
+        let dest = PushDestination {
+            dst_block_ids: Some(vec![0]),
+            num_tokens: Some(tokens),
+            token_start: 0,
+            dst_ssm_slot: None,
+        };
+        let e = l.filler_push(1, &[Some(dest)]).unwrap_err();
+        prop_assert_eq!(e.kind(), "Capacity");
+        prop_assert_eq!(field(&l.filler_push(1, &[None]).unwrap_err()), "destination");
         l.check().unwrap();
     }
 }

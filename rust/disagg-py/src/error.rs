@@ -20,6 +20,8 @@ pyo3::import_exception!(disagg_rs.exceptions, HandoffStateError);
 pyo3::import_exception!(disagg_rs.exceptions, ResetRefusedError);
 pyo3::import_exception!(disagg_rs.exceptions, ArgumentError);
 pyo3::import_exception!(disagg_rs.exceptions, ConservationError);
+pyo3::import_exception!(disagg_rs.exceptions, MessageOrderError);
+pyo3::import_exception!(disagg_rs.exceptions, PushAbortedError);
 
 /// Convert a core error into its Python exception: exhaustive, so a new variant fails to
 /// compile until it is mapped. The exception gets `(message, field)` as arguments.
@@ -40,6 +42,8 @@ pub fn to_pyerr(e: DisaggError) -> PyErr {
         DisaggError::HandoffState { field, .. } => HandoffStateError::new_err((msg, field)),
         DisaggError::ResetRefused { .. } => ResetRefusedError::new_err((msg, None::<String>)),
         DisaggError::Argument { field, .. } => ArgumentError::new_err((msg, field)),
+        DisaggError::MessageOrder { field, .. } => MessageOrderError::new_err((msg, field)),
+        DisaggError::PushAborted { .. } => PushAbortedError::new_err((msg, "tag")),
         DisaggError::Conservation { .. } => ConservationError::new_err((msg, None::<String>)),
     }
 }

@@ -218,9 +218,10 @@ calls {
     #[getter] fn num_deferred() -> usize = num_deferred;
     /// Deferred request ids, oldest first.
     fn deferred_ids() -> Vec<u64> = deferred_ids;
-    /// Two-sided transports: requests whose import started since the last call and is still
-    /// in flight (receives posted: the source may push), oldest first; empty when pulling.
-    fn drain_started_pushes() -> Vec<u64> = drain_started_pushes;
+    /// Two-sided transports: attempts `(request_id, epoch)` whose import started since the
+    /// last call and whose receives are still posted (importing, or failed into quarantine:
+    /// the source must answer them either way), oldest first; empty when pulling.
+    fn drain_started_pushes() -> Vec<(u64, u64)> = drain_started_pushes;
     /// Handoffs with transfers in flight.
     #[getter] fn num_importing() -> usize = num_importing;
     /// Complete handoffs waiting for admission.
@@ -235,6 +236,13 @@ calls {
     fn epoch_of(request_id: u64_arg) -> Option<u64> = epoch_of;
 }
 methods {
+    /// At a quarantine's horizon: keep it another horizon from `now` while a transfer that
+    /// cannot be cancelled is still `running` (it may still write). Returns whether it was kept.
+    fn hold_quarantine(&self, request_id: Int, epoch: Int, running: bool, now: Int) -> PyResult<bool> {
+        let (r, e, n) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?, u64_arg("now", now)?);
+        Ok(lock(&self.inner)?.hold_quarantine(r, e, running, n))
+    }
+
     #[new]
     #[pyo3(signature = (
         num_blocks, block_size_tokens, num_ssm_slots=Int::of(0), *, world_size=Int::of(1),
@@ -597,6 +605,24 @@ methods {
         let destinations =
             decode_metas.iter().map(push_destination).collect::<PyResult<Vec<_>>>()?;
         let p = lock(&self.inner)?.start_push(request_id, &destinations).py()?;
+        Ok((
+            p.epoch,
+            p.src_block_ids,
+            p.dst_block_ids,
+            p.num_tokens,
+            p.src_ssm_slot,
+            p.dst_ssm_slot,
+        ))
+    }
+
+    /// Plan a filler for receives a decode posted for a handoff this engine will not push
+    /// (see `PinLedger::filler_push` of the core): same tuple as `start_push`, epoch 0, source
+    /// blocks `0..n` that only size the messages; nothing changes.
+    fn filler_push(&self, request_id: Int, decode_metas: Vec<Bound<'_, PyAny>>) -> PyResult<PushTuple> {
+        let request_id = u64_arg("request_id", request_id)?;
+        let destinations =
+            decode_metas.iter().map(push_destination).collect::<PyResult<Vec<_>>>()?;
+        let p = lock(&self.inner)?.filler_push(request_id, &destinations).py()?;
         Ok((
             p.epoch,
             p.src_block_ids,

@@ -39,6 +39,7 @@ macro_rules! export {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_TWO_SIDED_REQUEST_ID", disagg_core::tags::MAX_TWO_SIDED_REQUEST_ID)?;
+    m.add("P2P_HEADER_BYTES", disagg_core::p2p_header::HEADER_BYTES)?;
     m.add("REFERENCE_LAYOUT_FIELDS", disagg_core::refmeta::REFERENCE_LAYOUT_FIELDS.to_vec())?;
     m.add("REFERENCE_ADDRESS_FIELDS", disagg_core::refmeta::REFERENCE_ADDRESS_FIELDS.to_vec())?;
     #[rustfmt::skip]
@@ -53,11 +54,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             geometry::PyKvGeometry, geometry::PySsmGeometry, compile::PyTransferProgram,
             wire::PyPeer, wire::PyPeerTable, driver::PyEngineDriverState,
             ledger::PyReferenceImports, stream::PyStreamSource, stream::PyStreamSink,
-            stream::PyStreamMailboxes
+            stream::PyStreamMailboxes, tags::PyPeerSteps
         ],
         functions: [
             error::_error_kinds, error::_raise_sample_error, control::decode_control_message,
-            tags::two_sided_tag, tags::two_sided_tag_owner, tags::chunk_steps, runs::run_table, runs::row_copy, regions::rows_by_region,
+            tags::two_sided_tag, tags::two_sided_tag_owner, tags::chunk_steps, tags::p2p_headers, tags::p2p_matching, tags::p2p_wire_tag, driver::recv_posted_route, runs::run_table, runs::row_copy, regions::rows_by_region,
             reshard::py_plan_kv_reshard, reshard::py_plan_ssm_reshard,
             peer_records::transfer_peer_records, peer_records::transfer_block_count,
             peer_records::drop_transfer_prefix_blocks, peer_records::meta_from_reference, peer_records::kv_layout_from_reference, staging::write_pull_ids, staging::pull_ids_len,

@@ -1,12 +1,19 @@
 //! Bindings of the two-sided transfers' decisions: message tags (`disagg_core::tags`) and
-//! the order of a chunked transfer's steps (`disagg_core::chunks`).
+//! the order of a chunked transfer's steps (`disagg_core::chunks`) and the in-band header of
+//! every message (`disagg_core::p2p_header`).
 
 use disagg_core::chunks::{self, ChunkStep};
 use disagg_core::error::DisaggError;
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use disagg_core::p2p_header::{self, MessageKind, PeerSteps};
 use disagg_core::tags;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
 use crate::error::IntoPyResult;
+use crate::pool::lock;
 
 /// The message tag of `request_id`'s `kind` state (`"kv"`, `"conv"`, `"recurrent"`) on a
 /// two-sided transport; injective. Raises `ArgumentError` naming `request_id` (outside
@@ -59,4 +66,79 @@ pub fn chunk_steps(sends: Vec<bool>, slots: usize) -> PyResult<Vec<i64>> {
             ChunkStep::Land(k) => -index(k) - 1,
         })
         .collect())
+}
+
+/// `(nccl, match_by_order, ordered)` of a two-sided backend on a process group of backend
+/// `group_backend` (see `disagg_core::tags::p2p_matching`).
+#[pyfunction]
+#[pyo3(signature = (group_backend, match_by_order = None))]
+pub fn p2p_matching(group_backend: &str, match_by_order: Option<bool>) -> (bool, bool, bool) {
+    tags::p2p_matching(group_backend, match_by_order)
+}
+
+/// The tag a message of a handoff tagged `tag` travels on (0 for all when matching by
+/// post order).
+#[pyfunction]
+pub fn p2p_wire_tag(tag: i64, match_by_order: bool) -> i64 {
+    tags::p2p_wire_tag(tag, match_by_order)
+}
+
+/// The headers of one pair's messages of a handoff, concatenated (`P2P_HEADER_BYTES` each):
+/// message `i` carries `nbytes[i]` payload bytes; `filler`: the headers say `aborted` (the
+/// payload means nothing). Raises `ArgumentError` naming a field beyond its cap.
+#[pyfunction]
+pub fn p2p_headers(
+    py: Python<'_>,
+    filler: bool,
+    tag: u64,
+    incarnation: u64,
+    nbytes: Vec<u64>,
+) -> PyResult<Bound<'_, PyBytes>> {
+    let kind = if filler { MessageKind::Aborted } else { MessageKind::Data };
+    let bytes = p2p_header::encode_headers(kind, tag, incarnation, &nbytes).py()?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// Which peers' messages are still in step with this rank's receives (see
+/// `disagg_core::p2p_header::PeerSteps`); shared by the transfer threads of a backend.
+#[pyclass(name = "PeerSteps", module = "disagg_rs", frozen)]
+#[derive(Default)]
+pub struct PyPeerSteps {
+    inner: Mutex<PeerSteps>,
+}
+
+#[pymethods]
+impl PyPeerSteps {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+
+    /// Check received headers (messages `first..` of the pair's `len(nbytes)`) from process
+    /// rank `peer`: returns for data; raises `PushAbortedError` for fillers (the pair stays
+    /// in step) or `MessageOrderError` naming the field and both values (the peer is marked
+    /// out of step).
+    #[pyo3(signature = (peer, got, tag, incarnation, nbytes, first = 0))]
+    fn check(
+        &self,
+        peer: u64,
+        got: &[u8],
+        tag: u64,
+        incarnation: u64,
+        nbytes: Vec<u64>,
+        first: usize,
+    ) -> PyResult<()> {
+        lock(&self.inner)?.check(peer, got, tag, incarnation, &nbytes, first).py()
+    }
+
+    /// Raise `HandoffStateError` naming the first of `peers` that is out of step.
+    fn refuse(&self, peers: Vec<u64>) -> PyResult<()> {
+        lock(&self.inner)?.refuse(&peers).py()
+    }
+
+    /// Peers out of step: process rank -> the first mismatch.
+    #[getter]
+    fn out_of_step(&self) -> PyResult<BTreeMap<u64, String>> {
+        Ok(lock(&self.inner)?.out_of_step().clone())
+    }
 }

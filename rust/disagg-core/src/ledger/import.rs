@@ -149,6 +149,9 @@ pub struct ImportCounters {
     pub drained_settled: u64,
     /// Quarantines drained because the horizon passed.
     pub drained_horizon: u64,
+    /// Quarantines kept past their horizon: transfers that cannot be cancelled may still
+    /// write their blocks (`hold_quarantine`).
+    pub quarantine_held: u64,
     /// Imports failed because the source lease may have ended (before start, completion or
     /// admission).
     pub lease_expired: u64,
@@ -181,6 +184,7 @@ named_counters!(ImportCounters {
     quarantined,
     drained_settled,
     drained_horizon,
+    quarantine_held,
     lease_expired,
     ignored_messages,
     prefix_blocks_reused,
@@ -274,9 +278,9 @@ pub struct ImportLedger {
     counters: ImportCounters,
     /// The latest `now` any call supplied: a lower bound of the current time.
     clock: u64,
-    /// Two-sided transports: requests whose import started since the last
-    /// [`drain_started_pushes`](Self::drain_started_pushes), oldest first.
-    started_pushes: Vec<u64>,
+    /// Two-sided transports: attempts `(request_id, epoch)` whose import started since the
+    /// last [`drain_started_pushes`](Self::drain_started_pushes), oldest first.
+    started_pushes: Vec<(u64, u64)>,
 }
 
 impl ImportLedger {
@@ -416,14 +420,45 @@ impl ImportLedger {
     /// last call and is still in flight, oldest first. Their receives are posted, so their
     /// source may now be told to push: on the ticket's arrival or, for a deferred import,
     /// whenever capacity let it start. Always empty for pull transports.
-    pub fn drain_started_pushes(&mut self) -> Vec<u64> {
+    pub fn drain_started_pushes(&mut self) -> Vec<(u64, u64)> {
         let mut started = std::mem::take(&mut self.started_pushes);
-        started.retain(|rid| self.is_importing(*rid));
+        started.retain(|key| self.receives_posted(*key));
         started
     }
 
-    fn is_importing(&self, rid: u64) -> bool {
-        self.live.get(&rid).is_some_and(|h| matches!(h.phase, Phase::Importing(_)))
+    /// Whether attempt `key`'s receives are (or may still be) posted: it is importing, or it
+    /// failed while they were and is quarantined. A quarantined one is drained too: its
+    /// source must still answer every posted receive (with a filler), or its next send on the
+    /// pair would land in them.
+    fn receives_posted(&self, key: (u64, u64)) -> bool {
+        self.quarantine.contains_key(&key)
+            || self
+                .live
+                .get(&key.0)
+                .is_some_and(|h| h.epoch == key.1 && matches!(h.phase, Phase::Importing(_)))
+    }
+
+    /// At quarantined attempt `(request_id, epoch)`'s drain horizon: when a transfer that
+    /// cannot be cancelled (a posted two-sided receive) is still `running`, it may still
+    /// write the attempt's blocks, so they must not go back to the pool: keep the quarantine
+    /// until `now` plus another horizon (or until it settles). Returns whether it was kept.
+    pub fn hold_quarantine(
+        &mut self,
+        request_id: u64,
+        epoch: u64,
+        running: bool,
+        now: u64,
+    ) -> bool {
+        self.clock = self.clock.max(now);
+        let horizon = self.cfg.drain_horizon;
+        match self.quarantine.get_mut(&(request_id, epoch)).filter(|_| running) {
+            Some(q) => {
+                q.drain_at = now.saturating_add(horizon);
+                self.counters.quarantine_held += 1;
+                true
+            }
+            None => false,
+        }
     }
 
     /// The current attempt epoch of a live request.
@@ -702,12 +737,12 @@ impl ImportLedger {
         h.hold = hold;
         if !self.cfg.pull {
             // Bounded for an engine that never drains: keep only imports still in flight.
-            if self.started_pushes.len() >= 2 * self.live.len() + 64 {
+            if self.started_pushes.len() >= 2 * (self.live.len() + self.quarantine.len()) + 64 {
                 let mut kept = std::mem::take(&mut self.started_pushes);
-                kept.retain(|r| self.is_importing(*r));
+                kept.retain(|key| self.receives_posted(*key));
                 self.started_pushes = kept;
             }
-            self.started_pushes.push(rid);
+            self.started_pushes.push((rid, act.epoch));
         }
         LedgerAction::StartImport(act)
     }

@@ -202,6 +202,67 @@ impl PinLedger {
         self.pins.get(&request_id).is_some_and(|p| epoch.is_none_or(|e| e == p.epoch))
     }
 
+    /// Plan a filler for receives a decode posted for `request_id` that this engine will not
+    /// push (unknown or unpinned request, refused push, lease over): the same messages the
+    /// push would send, sized by the first destination among `destinations`, so the decode's
+    /// receives complete and the next send on the pair matches its own receive. Nothing is
+    /// read or changed: the source blocks are `0..n` (any valid ids size the plan the same),
+    /// the source slot `0` when the destination names a slot and this engine has slots; the
+    /// epoch is 0. Refuses a destination without `dst_block_ids` or `num_tokens`, a
+    /// `token_start` past the prompt, and a prompt more blocks long than this pool holds
+    /// (no push of it could have been pinned here).
+    pub fn filler_push(
+        &self,
+        request_id: u64,
+        destinations: &[Option<PushDestination>],
+    ) -> DisaggResult<PushPlan> {
+        let bs = self.pool.block_size_tokens();
+        let Some(dest) = destinations.iter().flatten().next() else {
+            return Err(DisaggError::wire(
+                "destination",
+                format!("request {request_id}: decode_metas carry no 'destination'"),
+            ));
+        };
+        let missing = |key: &str| {
+            DisaggError::wire(
+                "destination",
+                format!("request {request_id}: push destination has no '{key}'"),
+            )
+        };
+        let dst_block_ids = dest.dst_block_ids.clone().ok_or_else(|| missing("dst_block_ids"))?;
+        let num_tokens = dest.num_tokens.ok_or_else(|| missing("num_tokens"))?;
+        if dest.token_start > num_tokens {
+            return Err(DisaggError::wire(
+                "token_start",
+                format!(
+                    "request {request_id}: push destination token_start={} is past \
+                     num_tokens={num_tokens}",
+                    dest.token_start
+                ),
+            ));
+        }
+        let blocks = num_tokens.div_ceil(bs) - dest.token_start / bs;
+        if blocks > self.pool.num_blocks() {
+            return Err(DisaggError::Capacity {
+                resource: "blocks".into(),
+                detail: format!(
+                    "request {request_id}: a filler of {blocks} blocks (num_tokens={num_tokens}) \
+                     > pool size {}",
+                    self.pool.num_blocks()
+                ),
+            });
+        }
+        let has_slot = dest.dst_ssm_slot.is_some() && self.slots.num_slots() > 0;
+        Ok(PushPlan {
+            epoch: 0,
+            src_block_ids: (0..blocks).collect(),
+            dst_block_ids,
+            num_tokens: num_tokens - dest.token_start,
+            src_ssm_slot: has_slot.then_some(0),
+            dst_ssm_slot: if has_slot { dest.dst_ssm_slot } else { None },
+        })
+    }
+
     /// Plan a push of `request_id`'s pin to the first destination among `destinations` (one
     /// entry per decode rank, `None` where a rank states none), then mark the push in flight.
     /// Refuses, changing nothing, an unpinned request, a push already in flight, no

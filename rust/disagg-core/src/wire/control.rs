@@ -210,10 +210,16 @@ impl Kind {
             Kind::SubmitRequestWithKv => {
                 vec![RID, EPOCH, PROMPT_MAX_NEW[0], PROMPT_MAX_NEW[1], req("ticket", T::Map)]
             }
-            Kind::KvRecvPosted => vec![RID, EPOCH, opt("transfer", T::Map)],
-            Kind::SendKv => {
-                vec![RID, EPOCH, req("decode_engine_id", T::TextOrNil), opt("transfer", T::Map)]
+            Kind::KvRecvPosted => {
+                vec![RID, EPOCH, opt("transfer", T::Map), opt("prefill_engine_id", T::TextOrNil)]
             }
+            Kind::SendKv => vec![
+                RID,
+                EPOCH,
+                req("decode_engine_id", T::TextOrNil),
+                opt("transfer", T::Map),
+                opt("abort", T::Bool),
+            ],
             Kind::KvImported => {
                 vec![RID, EPOCH, req("ok", T::Bool), opt("error", T::Text), opt("quiet", T::Bool)]
             }
