@@ -368,6 +368,10 @@ def copy(
     return int(hi - lo)
 
 
+#: Compiled block-copy kernels by (device, packed sides, lanes, pointer alignments).
+_COMPILED: dict[tuple[Any, ...], Any] = {}
+
+
 def _launch(
     table: torch.Tensor,
     a: Side,
@@ -380,33 +384,38 @@ def _launch(
     vec: int,
     dummy: torch.Tensor,
 ) -> None:
+    """Queue the kernel on the current stream. The first launch of each class (device,
+    packed sides, lanes, every pointer's element type and 16-byte alignment: what Triton
+    specialises on; the integers are never specialised) goes through Triton's JIT; the
+    later ones straight to the compiled kernel's launcher with raw addresses (no argument
+    binding, no specialisation: several times cheaper on the host)."""
     a_col, a_bs, a_ts = _strides(plan, a)
     b_col, b_bs, b_ts = _strides(plan, b)
-    _kernel()[(k_hi - k_lo,)](
-        _lanes(a.buffer, unit),
-        _lanes(b.buffer, unit),
-        table,
-        a.ids if a.ids is not None else dummy,
-        b.ids if b.ids is not None else dummy,
-        plan.num_blocks(n_tok),
-        int(n_tok),
-        plan.tokens_per_block,
-        k_lo,
-        a_col,
-        a_bs // unit,
-        a_ts // unit,
-        a.bias // unit,
-        b_col,
-        b_bs // unit,
-        b_ts // unit,
-        b.bias // unit,
-        a.set_stride,
-        b.set_stride,
-        A_PACKED=a.kind == "packed",
-        B_PACKED=b.kind == "packed",
-        VEC=vec,
-        BLOCK=BLOCK,
-    )
+    a_ids, b_ids = (dummy if s.ids is None else s.ids for s in (a, b))
+    ptrs = (_lanes(a.buffer, unit), _lanes(b.buffer, unit), table, a_ids, b_ids)
+    ints = (plan.num_blocks(n_tok), int(n_tok), plan.tokens_per_block, k_lo, a_col, a_bs // unit,
+            a_ts // unit, a.bias // unit, b_col, b_bs // unit, b_ts // unit, b.bias // unit,
+            a.set_stride, b.set_stride)  # fmt: skip
+    flags = (a.kind == "packed", b.kind == "packed", vec, BLOCK)
+    addrs = tuple(p.data_ptr() for p in ptrs)
+    key = (table.device, *flags, *(p.dtype for p in ptrs), *(x % 16 == 0 for x in addrs))
+    compiled = _COMPILED.get(key)
+    if compiled is None or not hasattr(compiled, "run"):
+        _COMPILED[key] = _kernel()[(k_hi - k_lo,)](
+            *ptrs, *ints, A_PACKED=flags[0], B_PACKED=flags[1], VEC=vec, BLOCK=BLOCK
+        )
+        return
+    stream = torch._C._cuda_getCurrentRawStream(table.device.index)
+    _run_compiled(compiled, k_hi - k_lo, stream, (*addrs, *ints, *flags))
+
+
+def _run_compiled(compiled: Any, grid: int, stream: int, args: tuple[Any, ...]) -> None:
+    """Launch a compiled Triton kernel on ``grid`` programs of the raw stream ``stream``
+    with its full argument list (constexprs included, pointers as raw addresses)."""
+    enter, leave = _launch_hooks()
+    meta = None if enter is None else compiled.launch_metadata((grid, 1, 1), stream, *args)
+    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, meta, enter,
+                 leave, *args)  # fmt: skip
 
 
 class PreparedCopy:
@@ -485,10 +494,7 @@ class PreparedCopy:
                 a_set, 0, False, False, self._vec, BLOCK)  # fmt: skip
         if stream is None:
             stream = torch.cuda.current_stream(self.device).cuda_stream
-        enter, leave = _launch_hooks()
-        meta = None if enter is None else compiled.launch_metadata((grid, 1, 1), stream, *args)
-        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, meta,
-                     enter, leave, *args)  # fmt: skip
+        _run_compiled(compiled, grid, stream, args)
         return plan.packed_bytes(n_tok)
 
 

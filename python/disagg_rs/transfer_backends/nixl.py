@@ -950,13 +950,16 @@ class NixlTransferBackend(TransferBackendBase):
         its pack has completed, here or in a later ``poll_streams`` (host memory: here), and
         the decode reads nothing before. Release the region with ``release_staged``.
         """
-        dst = self._adopt_peer_meta(peer_meta)
-        srcs = (
-            [self._adopt_peer_meta(m) for m in src_metas]
-            if src_metas is not None
-            else [self._base_meta()]
+        # Parsed peers travel on (a metadata dict seen before is found by identity; its
+        # parsed metadata would be looked up by content again, each time).
+        dst_peer = self._adopt_peer(peer_meta)
+        src_peers = (
+            [self._adopt_peer(m) for m in src_metas] if src_metas is not None else [self._own_peer]
         )
-        num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens, local_is_dst=False)
+        dst, srcs = dst_peer.meta, [p.meta for p in src_peers]
+        num_tokens = self._validate_peers(
+            src_peers, src_block_ids, None, num_tokens, local_is_dst=False
+        )
         me = self.layout.global_rank
         ticket: dict[str, Any] = {
             "src_rank": me,
@@ -979,7 +982,7 @@ class NixlTransferBackend(TransferBackendBase):
 
         def build() -> tuple[list[int], dp.DevicePlan | None]:
             nonlocal program
-            program = self._compile(srcs, dst, src_block_ids, None, num_tokens, "staged")
+            program = self._compile(src_peers, dst_peer, src_block_ids, None, num_tokens, "staged")
             plan = None
             if me in program.src_ranks:
                 addr = int(self.buffer_info["addr"])
@@ -997,7 +1000,9 @@ class NixlTransferBackend(TransferBackendBase):
         else:
             plan = None
             if program is None:
-                program = self._compile(srcs, dst, src_block_ids, None, num_tokens, "staged")
+                program = self._compile(
+                    src_peers, dst_peer, src_block_ids, None, num_tokens, "staged"
+                )
             nbytes = int(program.packed_bytes(me))
         if nbytes > self.arena.largest_free:
             # The staging region is a fixed pool whatever the prompt size: a copy that does
