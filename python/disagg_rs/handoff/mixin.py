@@ -52,6 +52,7 @@ from disagg_rs.handoff.base import (
     _KV_AXES,
     HandoffBase,
     RankImport,
+    _of_kind,
 )
 from disagg_rs.handoff.compat import ReferenceDesignCompat
 from disagg_rs.handoff.decode import DecodeHandoff
@@ -396,7 +397,7 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
             try:
                 ranks = peer["meta"]["ranks"]
                 for kind, backend in backends.items():
-                    named = [r[kind] for r in ranks if r.get(kind) is not None]
+                    named = _of_kind(ranks, kind)
                     if backend is not None and named:
                         backend.register_peers(named)
             except (DisaggError, KeyError, TypeError, AttributeError) as err:

@@ -19,6 +19,7 @@ pub mod pool;
 pub mod pull_parts;
 pub mod reference;
 pub mod refmeta;
+pub mod refticket;
 pub mod reshard;
 pub mod runs;
 pub mod staging;

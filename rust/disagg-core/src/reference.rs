@@ -116,6 +116,19 @@ fn flag(o: &Obj<'_>, key: &str) -> DisaggResult<bool> {
     }
 }
 
+/// A count given as an int, or as the list it counts; `None` (static metadata not gathered
+/// yet) is a `HandoffState` error naming `setup_kv_transfer`.
+fn count(o: &Obj<'_>, key: &str) -> DisaggResult<u64> {
+    match o.req(key)? {
+        WireValue::List(items) => Ok(items.len() as u64),
+        WireValue::Null => Err(DisaggError::handoff_state(
+            "setup_kv_transfer",
+            format!("a KV handoff was requested before setup_kv_transfer ({key} is None)"),
+        )),
+        _ => o.u64(key),
+    }
+}
+
 fn ssm_entry(v: Option<&WireValue>) -> ReferenceSsm {
     match v {
         None | Some(WireValue::Null) => ReferenceSsm::Absent,
@@ -258,12 +271,16 @@ impl ReferenceCheck {
                     .iter()
                     .map(|row| {
                         let r = Obj::of(row, "requests")?;
-                        Ok((r.u64("request_id")?, r.u64("resume_tokens")?, r.u64("blocks")?))
+                        Ok((
+                            r.u64("request_id")?,
+                            count(&r, "resume_tokens")?,
+                            count(&r, "blocks")?,
+                        ))
                     })
                     .collect::<DisaggResult<_>>()?;
                 Self::Prefill(ReferencePrefillBatch {
-                    kv_stages: n("kv_stages")?,
-                    ssm_stages: n("ssm_stages")?,
+                    kv_stages: count(&o, "kv_stages")?,
+                    ssm_stages: count(&o, "ssm_stages")?,
                     pp_size: n("pp_size")?,
                     num_speculative_tokens: n("num_speculative_tokens")?,
                     requests,
@@ -308,15 +325,27 @@ impl ReferenceCheck {
 
     fn parse_ticket(o: &Obj<'_>) -> DisaggResult<Self> {
         let n = |key: &str| o.u64(key);
+        // The ticket's own `kv_meta`, or its `ssm` entry and first-token count given apart.
+        let (ssm, resume_tokens) = match o.get("kv_meta") {
+            Some(meta) => {
+                let km = Obj::of(meta, "kv_meta")?;
+                let resume = match km.some("resume_tokens") {
+                    None => 0,
+                    Some(_) => count(&km, "resume_tokens")?,
+                };
+                (ssm_entry(km.get("ssm")), resume)
+            }
+            None => (ssm_entry(o.get("ssm")), n("resume_tokens")?),
+        };
         Ok(Self::Ticket {
             prefix_caching: flag(o, "prefix_caching")?,
             hybrid: flag(o, "hybrid")?,
             has_backend: flag(o, "has_backend")?,
             ticket: ReferenceTicket {
                 request_id: n("request_id")?,
-                ssm: ssm_entry(o.get("ssm")),
+                ssm,
                 decode_has_ssm: flag(o, "decode_has_ssm")?,
-                resume_tokens: n("resume_tokens")?,
+                resume_tokens,
                 num_speculative_tokens: n("num_speculative_tokens")?,
                 return_log_probs: flag(o, "return_log_probs")?,
                 top_n_logprobs: match o.some("top_n_logprobs") {

@@ -16,6 +16,7 @@ mod layout;
 mod ledger;
 mod peer_records;
 mod pool;
+mod refticket;
 mod regions;
 mod reshard;
 mod rows;
@@ -67,7 +68,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             wire::check_handoff_ticket, wire::check_reference, wire::check_integrity_wire, wire::digest_plan, wire::py_compat_hash, wire::peer_meta_parses,
             wire::block_id_checks, stream::stream_chunks, stream::stream_msg_route,
             stream::stream_abort_msg, stream::stream_abort_msgs,
-            stream::staging_release, stream::chunk_read_slot_bytes
+            stream::staging_release, stream::chunk_read_slot_bytes, refticket::reference_prefill_metas, refticket::reference_push_metas
         ]
     );
     Ok(())
