@@ -1017,6 +1017,27 @@ def check_handoff_ticket(
     integrity: bool = False,
 ) -> None: ...
 def check_reference(stage: str, facts: Mapping[str, Any]) -> None: ...
+def integrity_merge(
+    shapes: Sequence[tuple[str, Sequence[int]]],
+    pieces: Sequence[tuple[str, int, int, _U64Array]],
+) -> list[_U64Array]: ...
+def integrity_first_mismatch(
+    shapes: Sequence[tuple[str, Sequence[int]]],
+    tables: Sequence[_U64Array],
+    pieces: Sequence[tuple[str, int, int, _U64Array]],
+    first_chunk: int = 0,
+    chunk_tokens: int | None = None,
+) -> tuple[int, str, int, int, int, int, str | None, tuple[int, int] | None] | None: ...
+def integrity_mismatch_text(
+    table: str,
+    layer: int,
+    unit: int,
+    expected: int,
+    got: int,
+    kv: str | None = None,
+    band: str | None = None,
+    tokens: tuple[int, int] | None = None,
+) -> str: ...
 def reference_prefill_metas(
     facts: Mapping[str, Any], slots: Sequence[int] | None = None
 ) -> list[dict[str, Any]]: ...

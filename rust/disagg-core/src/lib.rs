@@ -13,6 +13,7 @@ pub mod driver;
 pub mod error;
 pub mod geometry;
 pub mod integrity;
+pub mod integrity_tables;
 pub mod layout;
 pub mod ledger;
 pub mod pool;
