@@ -1017,6 +1017,9 @@ def check_handoff_ticket(
     integrity: bool = False,
 ) -> None: ...
 def check_reference(stage: str, facts: Mapping[str, Any]) -> None: ...
+def integrity_shapes(
+    kv_layout: KVShardLayout | None, ssm_layout: SSMShardLayout | None, num_chunks: int = 1
+) -> list[tuple[str, list[int]]]: ...
 def integrity_merge(
     shapes: Sequence[tuple[str, Sequence[int]]],
     pieces: Sequence[tuple[str, int, int, _U64Array]],

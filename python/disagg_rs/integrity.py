@@ -53,8 +53,9 @@ from disagg_rs._core import (
     integrity_first_mismatch,
     integrity_merge,
     integrity_mismatch_text,
+    integrity_shapes,
 )
-from disagg_rs.exceptions import ArgumentError, IntegrityError, LayoutError
+from disagg_rs.exceptions import ArgumentError, IntegrityError
 
 __all__ = [
     "MAX_CHUNKS",
@@ -417,21 +418,8 @@ class IntegrityTable:
         kv_layout: KVShardLayout | None, ssm_layout: SSMShardLayout | None, num_chunks: int = 1
     ) -> dict[str, tuple[int, ...]]:
         """Table shapes of a model given any rank's layouts (and the KV chunk count)."""
-        out: dict[str, tuple[int, ...]] = {}
-        if kv_layout is not None:
-            out["kv"] = (num_chunks, 2, kv_layout.num_layers, kv_layout.num_kv_heads)
-        if ssm_layout is not None:
-            d = ssm_layout.dims
-            total = ssm_layout.total_layers
-            if total is None:
-                raise LayoutError(
-                    "integrity tables need the model's SSM layer count: build the "
-                    "SSMShardLayout with total_layers=",
-                    field="total_layers",
-                )
-            out["conv"] = (total, d.num_heads + 2 * d.n_groups)
-            out["recurrent"] = (total, d.num_heads)
-        return out
+        # In Rust (LayoutError naming total_layers when an SSM layout lacks it).
+        return {n: tuple(s) for n, s in integrity_shapes(kv_layout, ssm_layout, num_chunks)}
 
     @classmethod
     def merge(

@@ -7,6 +7,38 @@
 //! `[unit_start, unit_start + n_units)`.
 
 use crate::error::{DisaggError, DisaggResult};
+use crate::layout::{KvShardLayout, SsmShardLayout};
+
+/// The table shapes of a model given any rank's layouts, in order `kv`, `conv`, `recurrent`
+/// (those the model has): `kv` is `[num_chunks, 2, layers, kv heads]`, `conv` `[ssm layers,
+/// heads + 2 groups]`, `recurrent` `[ssm layers, heads]`. An SSM layout without the model's
+/// layer count is a `Layout` error naming `total_layers`.
+pub fn shapes(
+    kv: Option<&KvShardLayout>,
+    ssm: Option<&SsmShardLayout>,
+    num_chunks: u64,
+) -> DisaggResult<Vec<(String, Vec<u64>)>> {
+    let mut out = Vec::new();
+    if let Some(l) = kv {
+        out.push((
+            "kv".to_owned(),
+            vec![num_chunks, 2, l.num_layers.into(), l.num_kv_heads.into()],
+        ));
+    }
+    if let Some(l) = ssm {
+        let total = u64::from(l.num_layers.ok_or_else(|| {
+            DisaggError::layout(
+                "total_layers",
+                "integrity tables need the model's SSM layer count: build the SSMShardLayout \
+                 with total_layers=",
+            )
+        })?);
+        let (heads, groups) = (u64::from(l.dims.num_heads), u64::from(l.dims.n_groups));
+        out.push(("conv".to_owned(), vec![total, heads + 2 * groups]));
+        out.push(("recurrent".to_owned(), vec![total, heads]));
+    }
+    Ok(out)
+}
 
 /// One rank's block of one table.
 #[derive(Debug, Clone, Copy)]
@@ -367,5 +399,40 @@ mod tests {
             describe(&m, None),
             "kv=V layer=0 head=0 tokens=[64, 128): expected 0x0000000000000004, got 0x0000000000000008"
         );
+    }
+}
+
+#[cfg(test)]
+mod shape_tests {
+    use super::*;
+    use crate::layout::{KvLayoutSpec, SsmLayoutSpec, SsmStateDims};
+
+    #[test]
+    fn shapes_cover_the_parts_a_model_has_and_need_the_ssm_layer_count() {
+        let kv = KvShardLayout::new(KvLayoutSpec {
+            num_layers: 3,
+            num_kv_heads: 4,
+            tp_size: 1,
+            pp_size: 1,
+            ..KvLayoutSpec::default()
+        })
+        .unwrap();
+        let dims = SsmStateDims::new(4, 2, 3, 2, 4).unwrap();
+        let ssm = SsmShardLayout::new(SsmLayoutSpec::single_rank(5, dims)).unwrap();
+        let want_kv = ("kv".to_owned(), vec![2, 2, 3, 4]);
+        assert_eq!(shapes(Some(&kv), None, 2).unwrap(), vec![want_kv.clone()]);
+        let both = shapes(Some(&kv), Some(&ssm), 2).unwrap();
+        let heads = u64::from(dims.num_heads);
+        let conv = heads + 2 * u64::from(dims.n_groups);
+        assert_eq!(
+            both,
+            vec![want_kv, ("conv".into(), vec![5, conv]), ("recurrent".into(), vec![5, heads])]
+        );
+        let unknown = SsmShardLayout { num_layers: None, ..ssm };
+        match shapes(None, Some(&unknown), 1) {
+            Err(DisaggError::Layout { field, .. }) => assert_eq!(field, "total_layers"),
+            other => panic!("{other:?}"),
+        }
+        assert!(shapes(None, None, 1).unwrap().is_empty());
     }
 }

@@ -6,6 +6,21 @@ use numpy::{IntoPyArray, PyArray1, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::error::IntoPyResult;
+use crate::layout::{PyKvShardLayout, PySsmShardLayout};
+
+/// The digest table shapes of a model given any rank's layouts (and the KV chunk count):
+/// ``{"kv": ..., "conv": ..., "recurrent": ...}`` for the parts the model has.
+#[pyfunction]
+#[pyo3(signature = (kv_layout, ssm_layout, num_chunks=1))]
+pub fn integrity_shapes(
+    kv_layout: Option<PyRef<'_, PyKvShardLayout>>,
+    ssm_layout: Option<PyRef<'_, PySsmShardLayout>>,
+    num_chunks: u64,
+) -> PyResult<Vec<(String, Vec<u64>)>> {
+    let kv = kv_layout.as_ref().map(|l| &l.inner);
+    let ssm = ssm_layout.as_ref().map(|l| &l.inner);
+    disagg_core::integrity_tables::shapes(kv, ssm, num_chunks).py()
+}
 
 /// A piece as given: table name, first layer, first unit, entries (`uint64`, any shape).
 type PieceArg<'py> = (String, u64, u64, PyReadonlyArrayDyn<'py, u64>);

@@ -69,7 +69,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             wire::check_handoff_ticket, wire::check_reference, wire::check_integrity_wire, wire::digest_plan, wire::py_compat_hash, wire::peer_meta_parses,
             wire::block_id_checks, stream::stream_chunks, stream::stream_msg_route,
             stream::stream_abort_msg, stream::stream_abort_msgs,
-            stream::staging_release, stream::chunk_read_slot_bytes, refticket::reference_prefill_metas, refticket::reference_push_metas, integrity_tables::integrity_merge, integrity_tables::integrity_first_mismatch, integrity_tables::integrity_mismatch_text
+            stream::staging_release, stream::chunk_read_slot_bytes, refticket::reference_prefill_metas, refticket::reference_push_metas, integrity_tables::integrity_merge, integrity_tables::integrity_shapes, integrity_tables::integrity_first_mismatch, integrity_tables::integrity_mismatch_text
         ]
     );
     Ok(())
