@@ -9,6 +9,7 @@
 pub mod buffer;
 pub mod chunks;
 pub mod compile;
+pub mod completion_tracker;
 pub mod driver;
 pub mod error;
 pub mod geometry;

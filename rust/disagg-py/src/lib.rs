@@ -25,6 +25,7 @@ mod runs;
 mod staging;
 mod stream;
 mod tags;
+mod tracker;
 mod wire;
 
 use pyo3::prelude::*;
@@ -55,7 +56,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             geometry::PyKvGeometry, geometry::PySsmGeometry, compile::PyTransferProgram,
             wire::PyPeer, wire::PyPeerTable, driver::PyEngineDriverState,
             ledger::PyReferenceImports, stream::PyStreamSource, stream::PyStreamSink,
-            stream::PyStreamMailboxes
+            stream::PyStreamMailboxes, tracker::PyCompletionTracker
         ],
         functions: [
             error::_error_kinds, error::_raise_sample_error, control::decode_control_message,
