@@ -406,7 +406,7 @@ class ReferenceDesignCompat(HandoffBase):
             if getattr(self._kv_transfer_agent, "is_push", False)
             else self._whole()._find_cached_handoff_prefix(handoff.hashes, handoff.num_blocks)
         )
-        meta = handoff.kv_meta if isinstance(handoff.kv_meta, dict) else {}
+        meta = handoff.kv_meta  # a dict: the ticket check refused anything else
         resume = [int(t) for t in meta.get("resume_tokens", [])]
         ssm_meta: dict[str, Any] | None = meta.get("ssm")
         n_import = handoff.num_blocks - len(cached)
@@ -496,13 +496,8 @@ class ReferenceDesignCompat(HandoffBase):
             # add_request reported a validation failure through its own future.
             self._whole()._release_pending_kv_import(pending)
         else:
-            head = ref.waiting_request_ids[0]
-            if head != pending.request_id:
-                raise HandoffStateError(
-                    f"admission expected request {pending.request_id} at the waiting queue head, "
-                    f"found {head}",
-                    "waiting_request_ids",
-                )
+            facts = {"request_id": pending.request_id, "head": ref.waiting_request_ids[0]}
+            check_reference("queue_head", facts)  # HandoffStateError naming both ids
             ref.waiting_request_ids.popleft()
             self._validate_decode_ready_handoff(pending)
             first = pending.resume_tokens[0]
@@ -673,10 +668,9 @@ class ReferenceDesignCompat(HandoffBase):
         ]
         self._reference_imports.reset(pinned, pushes, quiet)
         self._pending_kv_pushes = []
-        while self._deferred_kv_handoffs:
-            handoff = self._deferred_kv_handoffs.popleft()
-            if not handoff.future.done():
-                handoff.future.cancel()
+        for handoff in self._deferred_kv_handoffs:
+            handoff.future.cancel()  # a no-op on a future already done
+        self._deferred_kv_handoffs.clear()
         for pending in imports:
             self._whole()._release_pending_kv_import(pending)
             if pending.future is not None and not pending.future.done():

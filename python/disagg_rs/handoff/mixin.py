@@ -135,14 +135,11 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         its ``lookahead_tokens`` must equal the engine's ``num_speculative_tokens``.
         """
         if isinstance(ledger, ImportLedger):
-            spec = self._host().num_speculative_tokens
-            if ledger.lookahead_tokens != spec:
-                raise HandoffStateError(
-                    f"ImportLedger lookahead_tokens={ledger.lookahead_tokens} but the engine's "
-                    f"num_speculative_tokens={spec}: pass the engine's num_speculative_tokens "
-                    "to make_handoff_ledger",
-                    "num_speculative_tokens",
-                )
+            facts = {
+                "lookahead_tokens": ledger.lookahead_tokens,
+                "num_speculative_tokens": int(self._host().num_speculative_tokens),
+            }
+            check_reference("lookahead", facts)  # HandoffStateError naming both values
             self._import_ledger = ledger
         else:
             self._pin_ledger = ledger
@@ -193,12 +190,7 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
                 if self._ledger_driven()
                 else len(self._ref().waiting_request_ids)
             )
-            if waiting:
-                raise HandoffStateError(
-                    f"a disaggregated decode engine cannot schedule prompt prefill requests: "
-                    f"{waiting} waiting; submit handoffs with add_request_with_kv_handoff",
-                    "role",
-                )
+            check_reference("no_waiting", {"waiting": int(waiting)})  # HandoffStateError
         parent = getattr(super(), "schedule_waiting_requests", None)
         if parent is not None:
             parent()
