@@ -155,6 +155,16 @@ fn count(o: &Obj<'_>, key: &str) -> DisaggResult<u64> {
     }
 }
 
+/// A signed int fact (`out_of_range` when it does not fit `i64`).
+fn signed(o: &Obj<'_>, key: &str, out_of_range: i64) -> DisaggResult<i64> {
+    match o.req(key)? {
+        WireValue::Int(i) => Ok(i64::try_from(*i).unwrap_or(out_of_range)),
+        other => {
+            Err(DisaggError::argument(key, format!("must be an int, got {}", other.type_name())))
+        }
+    }
+}
+
 fn ssm_entry(v: Option<&WireValue>) -> ReferenceSsm {
     match v {
         None | Some(WireValue::Null) => ReferenceSsm::Absent,
@@ -319,28 +329,12 @@ impl ReferenceCheck {
             },
             "ssm_slot" => Self::SsmSlot {
                 request_id: n("request_id")?,
-                slot: match o.req("slot")? {
-                    WireValue::Int(i) => i64::try_from(*i).unwrap_or(-1),
-                    other => {
-                        return Err(DisaggError::argument(
-                            "slot",
-                            format!("must be an int, got {}", other.type_name()),
-                        ))
-                    }
-                },
+                slot: signed(&o, "slot", -1)?,
                 block: n("block")?,
             },
             "decode_only" => Self::DecodeOnly {
                 num_prefill_requests: n("num_prefill_requests")?,
-                chunked_prefill_request_id: match o.req("chunked_prefill_request_id")? {
-                    WireValue::Int(i) => i64::try_from(*i).unwrap_or(i64::MAX),
-                    other => {
-                        return Err(DisaggError::argument(
-                            "chunked_prefill_request_id",
-                            format!("must be an int, got {}", other.type_name()),
-                        ))
-                    }
-                },
+                chunked_prefill_request_id: signed(&o, "chunked_prefill_request_id", i64::MAX)?,
             },
             "no_waiting" => Self::NoWaiting { waiting: n("waiting")? },
             "lookahead" => Self::Lookahead {
