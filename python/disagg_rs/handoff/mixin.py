@@ -45,7 +45,6 @@ from disagg_rs.decode_admission import (
 )
 from disagg_rs.exceptions import (
     DisaggError,
-    HandoffStateError,
     ResetRefusedError,
 )
 from disagg_rs.handoff.base import (
@@ -114,19 +113,18 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         ``num_speculative_tokens`` lookahead tokens (pass the engine's
         ``num_speculative_tokens``), all or nothing with the prompt's blocks.
         """
-        if role == "decode":
-            return ImportLedger(
-                num_blocks,
-                block_size_tokens,
-                num_ssm_slots,
-                world_size=world_size,
-                rank=rank,
-                pull=pull,
-                lookahead_tokens=num_speculative_tokens,
-            )
+        check_reference("role", {"role": role})  # HandoffStateError naming the role
         if role == "prefill":
             return PinLedger(num_blocks, block_size_tokens, num_ssm_slots)
-        raise HandoffStateError(f"role={role!r} has no handoff ledger; use 'prefill' or 'decode'")
+        return ImportLedger(
+            num_blocks,
+            block_size_tokens,
+            num_ssm_slots,
+            world_size=world_size,
+            rank=rank,
+            pull=pull,
+            lookahead_tokens=num_speculative_tokens,
+        )
 
     def attach_handoff_ledger(self, ledger: ImportLedger | PinLedger) -> None:
         """Use ``ledger`` (made by :meth:`make_handoff_ledger`) for this engine's handoffs.
