@@ -1042,7 +1042,9 @@ def integrity_mismatch_text(
     tokens: tuple[int, int] | None = None,
 ) -> str: ...
 def reference_prefill_metas(
-    facts: Mapping[str, Any], slots: Sequence[int] | None = None
+    facts: Mapping[str, Any],
+    blocks: Sequence[Sequence[int]],
+    slots: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]: ...
 def reference_push_metas(
     request_id: int, decode_metas: Sequence[Any], slot: int | None = None, block: int = 0

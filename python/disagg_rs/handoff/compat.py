@@ -242,7 +242,7 @@ class ReferenceDesignCompat(HandoffBase):
             return {}
         resume = decode_tokens_by_request
         rows = [
-            {"request_id": rid, "blocks": b, "resume_tokens": list(resume.get(rid, []))}
+            {"request_id": rid, "blocks": len(b), "resume_tokens": list(resume.get(rid, []))}
             for rid, b in handoffs
         ]
         facts = {
@@ -263,15 +263,16 @@ class ReferenceDesignCompat(HandoffBase):
                 if self._ssm_transfer_agents
                 else None
             )
-            metas = reference_prefill_metas(facts, slots)
+            block_lists = [b for _, b in handoffs]
+            metas = reference_prefill_metas(facts, block_lists, slots)
             return {
                 row["request_id"]: _PreparedHandoffMetadata(
-                    local_blocks=row["blocks"],
+                    local_blocks=b,
                     kv_meta=meta,
                     ssm_meta=meta.get("ssm"),
                     resume_tokens=row["resume_tokens"],
                 )
-                for row, meta in zip(rows, metas, strict=True)
+                for row, b, meta in zip(rows, block_lists, metas, strict=True)
             }
         except Exception:
             for _, blocks in handoffs:

@@ -31,6 +31,10 @@ fn with_key(v: &WireValue, key: &str, value: WireValue) -> DisaggResult<WireValu
     Ok(WireValue::Map(out))
 }
 
+fn ids(blocks: &[u64]) -> WireValue {
+    WireValue::List(blocks.iter().map(|&b| WireValue::Int(i128::from(b))).collect())
+}
+
 fn map(entries: Vec<(&str, WireValue)>) -> WireValue {
     WireValue::Map(entries.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
 }
@@ -90,19 +94,25 @@ fn per_pipeline(
 /// One request of a prefill batch.
 struct Finished<'a> {
     request_id: u64,
-    blocks: &'a WireValue,
+    blocks: &'a [u64],
     resume_tokens: &'a WireValue,
 }
 
 /// The ticket `kv_meta` of every finished prefill in `facts`, in order, after the whole batch
-/// is checked (see [`ReferenceCheck::Prefill`]); `slots` (a hybrid engine: per request, the
-/// SSM slot cached for its final block) adds the SSM descriptors.
+/// is checked (see [`ReferenceCheck::Prefill`]); `blocks` are the requests' prompt blocks and
+/// `slots` (a hybrid engine: per request, the SSM slot cached for its final block) adds the
+/// SSM descriptors.
 ///
-/// `facts`: `requests` (rows of `request_id`, `blocks`, `resume_tokens`), `kv_stages` and
+/// `facts`: `requests` (rows of `request_id`, `blocks` (their count), `resume_tokens`),
+/// `kv_stages` and
 /// `ssm_stages` (per pipeline stage, the static metadata gathered at setup; `None` before
 /// setup: a `HandoffState` error naming `setup_kv_transfer`), `pp_size`,
 /// `num_speculative_tokens`. An empty batch needs nothing and returns nothing.
-pub fn prefill_metas(facts: &WireValue, slots: Option<&[i64]>) -> DisaggResult<Vec<WireValue>> {
+pub fn prefill_metas(
+    facts: &WireValue,
+    blocks: &[Vec<u64>],
+    slots: Option<&[i64]>,
+) -> DisaggResult<Vec<WireValue>> {
     let o = Obj::of(facts, "facts")?;
     let rows = list_of(o.req("requests")?, "requests")?;
     if rows.is_empty() {
@@ -111,15 +121,25 @@ pub fn prefill_metas(facts: &WireValue, slots: Option<&[i64]>) -> DisaggResult<V
     ReferenceCheck::parse("prefill", facts)?.check()?;
     let pp_size = o.u64("pp_size")?;
     let kv_stages = list_of(o.req("kv_stages")?, "kv_stages")?;
+    if blocks.len() != rows.len() {
+        return Err(DisaggError::argument(
+            "blocks",
+            format!("{} block lists for {} requests", blocks.len(), rows.len()),
+        ));
+    }
     let finished = rows
         .iter()
-        .map(|row| {
+        .zip(blocks)
+        .map(|(row, ids)| {
             let r = Obj::of(row, "requests")?;
-            Ok(Finished {
-                request_id: r.u64("request_id")?,
-                blocks: r.req("blocks")?,
-                resume_tokens: r.req("resume_tokens")?,
-            })
+            let (request_id, count) = (r.u64("request_id")?, r.u64("blocks")?);
+            if count != ids.len() as u64 {
+                return Err(DisaggError::argument(
+                    "blocks",
+                    format!("request {request_id}: {count} blocks counted but {} given", ids.len()),
+                ));
+            }
+            Ok(Finished { request_id, blocks: ids, resume_tokens: r.req("resume_tokens")? })
         })
         .collect::<DisaggResult<Vec<_>>>()?;
     if let Some(s) = slots.filter(|s| s.len() != finished.len()) {
@@ -135,7 +155,7 @@ pub fn prefill_metas(facts: &WireValue, slots: Option<&[i64]>) -> DisaggResult<V
             let kv = if pp_size > 1 {
                 let stages = kv_stages
                     .iter()
-                    .map(|m| map(vec![("tp_metas", m.clone()), ("block_ids", req.blocks.clone())]))
+                    .map(|m| map(vec![("tp_metas", m.clone()), ("block_ids", ids(req.blocks))]))
                     .collect();
                 map(vec![("pp_metas", WireValue::List(stages))])
             } else {
@@ -171,13 +191,9 @@ fn ssm_meta(
     pp_size: u64,
     request_id: u64,
     slot: i64,
-    blocks: &WireValue,
+    blocks: &[u64],
 ) -> DisaggResult<WireValue> {
-    let block = match blocks {
-        WireValue::List(ids) => ids.last().and_then(|b| crate::wire::value::as_uint(b, u64::MAX)),
-        _ => None,
-    }
-    .unwrap_or(0);
+    let block = blocks.last().copied().unwrap_or(0);
     ReferenceCheck::SsmSlot { request_id, slot, block }.check()?;
     let stages = list_of(o.req("ssm_stages")?, "ssm_stages")?;
     let kinds = SSM_STATE_KINDS
@@ -292,7 +308,8 @@ mod tests {
         ])
     }
     fn row(rid: i128, blocks: &[i128], resume: &[i128]) -> WireValue {
-        map(vec![("request_id", i(rid)), ("blocks", ints(blocks)), ("resume_tokens", ints(resume))])
+        let n = i(blocks.len() as i128);
+        map(vec![("request_id", i(rid)), ("blocks", n), ("resume_tokens", ints(resume))])
     }
     fn field(e: DisaggError) -> String {
         match e {
@@ -306,7 +323,7 @@ mod tests {
     #[test]
     fn one_stage_tickets_carry_the_ranks_descriptors_and_first_tokens() {
         let f = facts(1, 2, None, vec![row(5, &[3, 4], &[9]), row(6, &[7], &[8])]);
-        let metas = prefill_metas(&f, None).unwrap();
+        let metas = prefill_metas(&f, &[vec![3, 4], vec![7]], None).unwrap();
         assert_eq!(metas.len(), 2);
         let tp = get(&metas[0], "tp_metas");
         assert_eq!(tp, &WireValue::List(vec![desc("kv00"), desc("kv01")]));
@@ -318,14 +335,15 @@ mod tests {
         let shared =
             WireValue::List(vec![map(vec![("agent", s("a")), ("resume_tokens", ints(&[]))])]);
         let metas =
-            prefill_metas(&facts(1, 1, Some(shared), vec![row(5, &[3], &[1])]), None).unwrap();
+            prefill_metas(&facts(1, 1, Some(shared), vec![row(5, &[3], &[1])]), &[vec![3]], None)
+                .unwrap();
         assert_eq!(metas[0], map(vec![("agent", s("a")), ("resume_tokens", ints(&[1]))]));
     }
 
     #[test]
     fn pipeline_tickets_name_each_stage_with_the_blocks_and_the_pinned_slot() {
         let f = facts(2, 1, None, vec![row(5, &[3, 4], &[9])]);
-        let metas = prefill_metas(&f, Some(&[11])).unwrap();
+        let metas = prefill_metas(&f, &[vec![3, 4]], Some(&[11])).unwrap();
         let WireValue::List(stages) = get(&metas[0], "pp_metas") else { panic!() };
         assert_eq!(stages.len(), 2);
         for (p, st) in stages.iter().enumerate() {
@@ -340,19 +358,27 @@ mod tests {
 
     #[test]
     fn a_batch_is_refused_whole_naming_the_field() {
-        assert!(prefill_metas(&facts(1, 1, None, vec![]), None).unwrap().is_empty());
+        assert!(prefill_metas(&facts(1, 1, None, vec![]), &[], None).unwrap().is_empty());
         let unset = facts(1, 1, Some(WireValue::Null), vec![row(1, &[1], &[1])]);
-        assert_eq!(field(prefill_metas(&unset, None).unwrap_err()), "setup_kv_transfer");
+        assert_eq!(
+            field(prefill_metas(&unset, &[vec![1]], None).unwrap_err()),
+            "setup_kv_transfer"
+        );
         let two = facts(1, 1, None, vec![row(1, &[1], &[1]), row(2, &[1], &[1, 2])]);
-        assert_eq!(field(prefill_metas(&two, None).unwrap_err()), "resume_tokens");
+        assert_eq!(
+            field(prefill_metas(&two, &[vec![1], vec![1]], None).unwrap_err()),
+            "resume_tokens"
+        );
         let one = facts(1, 1, None, vec![row(1, &[1], &[1])]);
-        assert_eq!(field(prefill_metas(&one, Some(&[-1])).unwrap_err()), "ssm_slot");
-        assert_eq!(field(prefill_metas(&one, Some(&[1, 2])).unwrap_err()), "slots");
+        assert_eq!(field(prefill_metas(&one, &[vec![1]], Some(&[-1])).unwrap_err()), "ssm_slot");
+        assert_eq!(field(prefill_metas(&one, &[vec![1]], Some(&[1, 2])).unwrap_err()), "slots");
+        assert_eq!(field(prefill_metas(&one, &[vec![1, 2]], None).unwrap_err()), "blocks");
+        assert_eq!(field(prefill_metas(&one, &[], None).unwrap_err()), "blocks");
         let mut no_conv = one.clone();
         if let WireValue::Map(e) = &mut no_conv {
             e[2].1 = WireValue::List(vec![map(vec![("recurrent", desc("r"))])]);
         }
-        assert_eq!(field(prefill_metas(&no_conv, Some(&[0])).unwrap_err()), "conv");
+        assert_eq!(field(prefill_metas(&no_conv, &[vec![1]], Some(&[0])).unwrap_err()), "conv");
     }
 
     #[test]

@@ -8,17 +8,19 @@ use crate::wire::to_wire;
 
 /// The ticket ``kv_meta`` of every finished prefill in ``facts`` (``requests``, ``kv_stages``,
 /// ``ssm_stages``, ``pp_size``, ``num_speculative_tokens``), after the whole batch is checked;
-/// ``slots`` (a hybrid engine: per request, the SSM slot cached for its final block) adds the
+/// ``blocks`` are the requests' prompt blocks (kept out of ``facts``: a batch of long prompts
+/// holds more ids than one wire value may), ``slots`` (a hybrid engine: per request, the SSM slot cached for its final block) adds the
 /// SSM descriptors.
 #[pyfunction]
-#[pyo3(signature = (facts, slots=None))]
+#[pyo3(signature = (facts, blocks, slots=None))]
 pub fn reference_prefill_metas<'py>(
     facts: &Bound<'py, PyAny>,
+    blocks: Vec<Vec<u64>>,
     slots: Option<Vec<i64>>,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let py = facts.py();
     let v = to_wire(facts, "facts").map_err(|e| in_handoff_metadata(py, e))?;
-    let metas = disagg_core::refticket::prefill_metas(&v, slots.as_deref()).py()?;
+    let metas = disagg_core::refticket::prefill_metas(&v, &blocks, slots.as_deref()).py()?;
     metas.iter().map(|m| wire_to_py(py, m)).collect()
 }
 
