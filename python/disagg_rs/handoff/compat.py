@@ -370,8 +370,9 @@ class ReferenceDesignCompat(HandoffBase):
                 "hybrid": bool(ctx.is_hybrid_model),
                 "has_backend": self._kv_transfer_agent is not None,
                 "request_id": request_id,
-                "kv_meta": kv_meta,
+                "ssm": kv_meta.get("ssm"),
                 "decode_has_ssm": bool(self._ssm_transfer_agents),
+                "resume_tokens": len(kv_meta.get("resume_tokens", [])),
                 "num_speculative_tokens": int(ctx.num_speculative_tokens),
                 "return_log_probs": bool(getattr(sampling_params, "return_log_probs", False)),
                 "top_n_logprobs": getattr(sampling_params, "top_n_logprobs", None),
@@ -407,7 +408,7 @@ class ReferenceDesignCompat(HandoffBase):
             if getattr(self._kv_transfer_agent, "is_push", False)
             else self._whole()._find_cached_handoff_prefix(handoff.hashes, handoff.num_blocks)
         )
-        meta = handoff.kv_meta  # a dict: the ticket check refused anything else
+        meta = handoff.kv_meta  # a dict: the ticket check read its entries
         resume = [int(t) for t in meta.get("resume_tokens", [])]
         ssm_meta: dict[str, Any] | None = meta.get("ssm")
         n_import = handoff.num_blocks - len(cached)

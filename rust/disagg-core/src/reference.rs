@@ -364,27 +364,15 @@ impl ReferenceCheck {
 
     fn parse_ticket(o: &Obj<'_>) -> DisaggResult<Self> {
         let n = |key: &str| o.u64(key);
-        // The ticket's own `kv_meta`, or its `ssm` entry and first-token count given apart.
-        let (ssm, resume_tokens) = match o.get("kv_meta") {
-            Some(meta) => {
-                let km = Obj::of(meta, "kv_meta")?;
-                let resume = match km.some("resume_tokens") {
-                    None => 0,
-                    Some(_) => count(&km, "resume_tokens")?,
-                };
-                (ssm_entry(km.get("ssm")), resume)
-            }
-            None => (ssm_entry(o.get("ssm")), n("resume_tokens")?),
-        };
         Ok(Self::Ticket {
             prefix_caching: flag(o, "prefix_caching")?,
             hybrid: flag(o, "hybrid")?,
             has_backend: flag(o, "has_backend")?,
             ticket: ReferenceTicket {
                 request_id: n("request_id")?,
-                ssm,
+                ssm: ssm_entry(o.get("ssm")),
                 decode_has_ssm: flag(o, "decode_has_ssm")?,
-                resume_tokens,
+                resume_tokens: n("resume_tokens")?,
                 num_speculative_tokens: n("num_speculative_tokens")?,
                 return_log_probs: flag(o, "return_log_probs")?,
                 top_n_logprobs: match o.some("top_n_logprobs") {
