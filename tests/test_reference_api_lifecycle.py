@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _reference_worker import spawn_gloo_world
-from disagg_rs import BlockPool, CompletionQuorum, PinLedger
+from disagg_rs import BlockPool, PinLedger
+from disagg_rs._core import CompletionTracker
 from disagg_rs.decode_admission import (
     additional_decode_blocks,
     admit_prefilled_decode,
@@ -290,7 +291,8 @@ def test_the_tracker_votes_in_the_rust_quorum() -> None:
     tracker = _tracker(2)
     tracker._record(5, 0, False)
     quorum = tracker.__dict__["_quorum"]
-    assert isinstance(quorum, CompletionQuorum) and quorum.num_open == 1
+    assert isinstance(quorum, CompletionTracker) and quorum.num_open == 1
+    assert quorum.world_size == 2 and quorum.open_ids() == [5]
     with pytest.raises(HandoffStateError, match="_reports"):
         tracker._reports = {1: "x"}
 

@@ -1060,6 +1060,38 @@ def check_handoff_ticket(
     integrity: bool = False,
 ) -> None: ...
 def check_reference(stage: str, facts: Mapping[str, Any]) -> None: ...
+def integrity_shapes(
+    kv_layout: KVShardLayout | None, ssm_layout: SSMShardLayout | None, num_chunks: int = 1
+) -> list[tuple[str, list[int]]]: ...
+def integrity_merge(
+    shapes: Sequence[tuple[str, Sequence[int]]],
+    pieces: Sequence[tuple[str, int, int, _U64Array]],
+) -> list[_U64Array]: ...
+def integrity_first_mismatch(
+    shapes: Sequence[tuple[str, Sequence[int]]],
+    tables: Sequence[_U64Array],
+    pieces: Sequence[tuple[str, int, int, _U64Array]],
+    first_chunk: int = 0,
+    chunk_tokens: int | None = None,
+) -> tuple[int, str, int, int, int, int, str | None, tuple[int, int] | None] | None: ...
+def integrity_mismatch_text(
+    table: str,
+    layer: int,
+    unit: int,
+    expected: int,
+    got: int,
+    kv: str | None = None,
+    band: str | None = None,
+    tokens: tuple[int, int] | None = None,
+) -> str: ...
+def reference_prefill_metas(
+    facts: Mapping[str, Any],
+    blocks: Sequence[Sequence[int]],
+    slots: Sequence[int] | None = None,
+) -> list[dict[str, Any]]: ...
+def reference_push_metas(
+    request_id: int, decode_metas: Sequence[Any], slot: int | None = None, block: int = 0
+) -> dict[str, Any]: ...
 def check_integrity_wire(
     wire: Any, shapes: Sequence[tuple[str, Sequence[int]]] | None = None
 ) -> int | None: ...
@@ -1099,6 +1131,20 @@ def run_table(
 def row_copy(
     rows: _U64Array, form: str, base: int, limits: tuple[int, int]
 ) -> tuple[int, _npt.NDArray[_np.int64], _npt.NDArray[_np.int64] | None, int]: ...
+
+# --- model-parallel completion reports (tracker.rs) ---
+@final
+class CompletionTracker:
+    def __new__(cls, world_size: int) -> CompletionTracker: ...
+    def record(self, request_id: int, rank: int, failed: bool) -> None: ...
+    def drain(self) -> list[tuple[int, bool]]: ...
+    def open_ids(self) -> list[int]: ...
+    def forget(self, request_id: int) -> None: ...
+    def reset(self) -> None: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def num_open(self) -> int: ...
 
 # --- reference-design engine imports (ledger.rs) ---
 @final

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from disagg_rs._core import ImportLedger
-from disagg_rs.exceptions import HandoffStateError, MetadataError
+from disagg_rs._core import ImportLedger, check_reference
+from disagg_rs.exceptions import MetadataError
 
 __all__ = ["additional_decode_blocks", "admit_prefilled_decode", "can_admit_prefilled_decode"]
 
@@ -37,13 +37,11 @@ def can_admit_prefilled_decode(context: Any, input_token_count: int) -> bool:
     Raises ``HandoffStateError`` when the context holds prefill work: a decode-only engine
     never runs prompts.
     """
-    if context.num_prefill_requests != 0 or context.chunked_prefill_request_id != -1:
-        raise HandoffStateError(
-            "a decode-only engine cannot run prefill requests: num_prefill_requests="
-            f"{context.num_prefill_requests}, chunked_prefill_request_id="
-            f"{context.chunked_prefill_request_id}",
-            "num_prefill_requests",
-        )
+    facts = {
+        "num_prefill_requests": int(context.num_prefill_requests),
+        "chunked_prefill_request_id": int(context.chunked_prefill_request_id),
+    }
+    check_reference("decode_only", facts)
     return ImportLedger.batch_fits(
         context.total_request_count,
         context.max_requests,

@@ -5,8 +5,9 @@ Every model-parallel rank of a decode engine moves its own share of a request's 
 request may start decoding only once every rank's transfer succeeded, and must fail as soon
 as one rank's failed. Ranks report once per request; the coordinator (rank 0 of the group)
 collects the reports and :meth:`HandoffCompletionTracker.drain_completed` returns the
-decisions, which the engine then distributes with its usual per-step broadcast. The votes and
-the decision live in :class:`~disagg_rs.CompletionQuorum` (Rust): success needs every rank,
+decisions, which the engine then distributes with its usual per-step broadcast. The votes, the
+decisions and the closed requests live in ``CompletionTracker`` (Rust, over the library's
+:class:`~disagg_rs.CompletionQuorum`): success needs every rank,
 the first failure decides at once, a late report of a decided request is absorbed, and a rank
 that contradicts itself is an error.
 
@@ -21,13 +22,10 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-from disagg_rs._core import CompletionQuorum
+from disagg_rs._core import CompletionTracker
 from disagg_rs.exceptions import HandoffStateError
 
 __all__ = ["HandoffCompletionTracker"]
-
-# All reports of one request share one attempt of the quorum.
-_EPOCH = 0
 
 
 class HandoffCompletionTracker:
@@ -42,7 +40,6 @@ class HandoffCompletionTracker:
         self.world_size = int(dist.get_world_size(process_group))
         self.is_coordinator = self.rank == 0
         self._reports = {}
-        self._failure_notified: set[int] = set()
         self._socket: Any = None
         self.sockets: list[Any] = []
         if self.world_size == 1:
@@ -62,11 +59,11 @@ class HandoffCompletionTracker:
             self._socket.connect(box[0])
         self.sockets.append(self._socket)
 
-    # -- state: a view over the Rust quorum ----------------------------------------------------
+    # -- state: a view over the Rust tracker -------------------------------------------------
     @property
     def _reports(self) -> dict[int, str]:
         """Requests with reports and no decision yet (read-only view)."""
-        return {rid: "open" for rid in sorted(self.__dict__.get("_open_ids", set()))}
+        return dict.fromkeys(self._votes().open_ids(), "open")
 
     @_reports.setter
     def _reports(self, value: Mapping[int, Any]) -> None:
@@ -74,18 +71,11 @@ class HandoffCompletionTracker:
             raise HandoffStateError(
                 f"_reports can only be reset to empty, got {len(value)} entries", "_reports"
             )
-        self.__dict__["_open_ids"] = set()
-        self.__dict__["_decided"] = []
-        self.__dict__["_quorum"] = None
+        self.__dict__["_quorum"] = CompletionTracker(int(self.world_size))
 
-    def _votes(self) -> CompletionQuorum:
-        quorum: CompletionQuorum | None = self.__dict__.get("_quorum")
-        if quorum is None:
-            quorum = CompletionQuorum(int(self.world_size))
-            self.__dict__["_quorum"] = quorum
-            self.__dict__.setdefault("_open_ids", set())
-            self.__dict__.setdefault("_decided", [])
-        return quorum
+    def _votes(self) -> CompletionTracker:
+        tracker: CompletionTracker = self.__dict__["_quorum"]
+        return tracker
 
     # -- API -----------------------------------------------------------------------------------
     def report(self, request_id: int, failed: bool) -> None:
@@ -110,32 +100,14 @@ class HandoffCompletionTracker:
                     break
                 rid, rank, failed = struct.unpack(self._REPORT_FORMAT, frame)
                 self._record(rid, rank, failed)
-        self._votes()
-        out: list[tuple[int, bool]] = self.__dict__["_decided"]
-        self.__dict__["_decided"] = []
-        return out
+        return self._votes().drain()
 
     def _record(self, request_id: int, rank: int, failed: bool) -> None:
-        """One rank's report; the quorum decides (a contradicting report raises
-        ``HandoffStateError`` naming the request and both outcomes)."""
-        quorum = self._votes()
-        if request_id in self._failure_notified:
-            # Decided as failed already: the attempt is closed, later reports are absorbed.
-            return
-        decision = quorum.report(request_id, _EPOCH, rank, "error" if failed else "ok")
-        open_ids: set[int] = self.__dict__["_open_ids"]
-        if decision is None:
-            open_ids.add(request_id)
-            return
-        open_ids.discard(request_id)
-        quorum.forget(request_id, _EPOCH)
-        is_failure = decision[0] == "failure"
-        if is_failure:
-            self._failure_notified.add(request_id)
-        self.__dict__["_decided"].append((request_id, is_failure))
+        """One rank's report; the Rust tracker decides, absorbing reports for a request
+        decided as failed (a contradicting report raises ``HandoffStateError`` naming the
+        request and both outcomes)."""
+        self._votes().record(request_id, rank, failed)
 
     def forget(self, request_id: int) -> None:
         """Drop everything known about a request that ended (its id may be reused)."""
-        self._votes().forget(request_id, _EPOCH)
-        self.__dict__["_open_ids"].discard(request_id)
-        self._failure_notified.discard(request_id)
+        self._votes().forget(request_id)

@@ -45,8 +45,17 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from disagg_rs._core import KVShardLayout, SSMShardLayout, check_integrity_wire, digest_plan
-from disagg_rs.exceptions import ArgumentError, IntegrityError, LayoutError
+from disagg_rs._core import (
+    KVShardLayout,
+    SSMShardLayout,
+    check_integrity_wire,
+    digest_plan,
+    integrity_first_mismatch,
+    integrity_merge,
+    integrity_mismatch_text,
+    integrity_shapes,
+)
+from disagg_rs.exceptions import ArgumentError, IntegrityError
 
 __all__ = [
     "MAX_CHUNKS",
@@ -380,15 +389,16 @@ class IntegrityMismatch:
 
     def describe(self) -> str:
         """A one-line description naming the cell and both values."""
-        if self.table == "kv":
-            cell = f"kv={self.kv} layer={self.layer} head={self.unit}"
-            if self.tokens is not None:
-                cell += f" tokens=[{self.tokens[0]}, {self.tokens[1]})"
-        elif self.table == "conv":
-            cell = f"conv layer={self.layer} unit={self.unit} (band {self.band})"
-        else:
-            cell = f"recurrent layer={self.layer} head={self.unit}"
-        return f"{cell}: expected 0x{self.expected:016x}, got 0x{self.got:016x}"
+        return integrity_mismatch_text(
+            self.table,
+            self.layer,
+            self.unit,
+            self.expected,
+            self.got,
+            self.kv,
+            self.band,
+            self.tokens,
+        )
 
 
 @dataclass
@@ -408,21 +418,8 @@ class IntegrityTable:
         kv_layout: KVShardLayout | None, ssm_layout: SSMShardLayout | None, num_chunks: int = 1
     ) -> dict[str, tuple[int, ...]]:
         """Table shapes of a model given any rank's layouts (and the KV chunk count)."""
-        out: dict[str, tuple[int, ...]] = {}
-        if kv_layout is not None:
-            out["kv"] = (num_chunks, 2, kv_layout.num_layers, kv_layout.num_kv_heads)
-        if ssm_layout is not None:
-            d = ssm_layout.dims
-            total = ssm_layout.total_layers
-            if total is None:
-                raise LayoutError(
-                    "integrity tables need the model's SSM layer count: build the "
-                    "SSMShardLayout with total_layers=",
-                    field="total_layers",
-                )
-            out["conv"] = (total, d.num_heads + 2 * d.n_groups)
-            out["recurrent"] = (total, d.num_heads)
-        return out
+        # In Rust (LayoutError naming total_layers when an SSM layout lacks it).
+        return {n: tuple(s) for n, s in integrity_shapes(kv_layout, ssm_layout, num_chunks)}
 
     @classmethod
     def merge(
@@ -430,31 +427,9 @@ class IntegrityTable:
     ) -> IntegrityTable:
         """Assemble the full tables from every rank's pieces (the first holder of a cell
         wins: replicas hold identical values). Raises if a cell has no holder."""
-        tables = {n: np.zeros(s, dtype=np.uint64) for n, s in shapes.items()}
-        filled = {n: np.zeros(s, dtype=bool) for n, s in shapes.items()}
-        for p in pieces:
-            if p.table not in tables:
-                raise ArgumentError(f"integrity piece for unknown table {p.table!r}", "table")
-            idx = p.index()
-            view = tables[p.table][idx]  # basic slicing: a view into the table
-            if view.shape != p.entries.shape:
-                raise ArgumentError(
-                    f"integrity piece {p.table!r} at layer {p.layer_start}, unit "
-                    f"{p.unit_start} of shape {p.entries.shape} overruns the table "
-                    f"{tables[p.table].shape}",
-                    "integrity",
-                )
-            fresh = ~filled[p.table][idx]
-            view[fresh] = p.entries[fresh]
-            filled[p.table][idx] = True
-        for name, f in filled.items():
-            if not f.all():
-                missing = tuple(int(i) for i in np.argwhere(~f)[0])
-                raise ArgumentError(
-                    f"integrity table {name!r}: cell {missing} has no holder among the ranks",
-                    "integrity",
-                )
-        return cls(tables)
+        # Placement, first-holder-wins and the every-cell-held check, in Rust (ArgumentError).
+        flat = integrity_merge([(n, list(s)) for n, s in shapes.items()], _piece_args(pieces))
+        return cls({n: t.reshape(s) for (n, s), t in zip(shapes.items(), flat, strict=True)})
 
     def to_wire(self) -> dict[str, Any]:
         """The compact, msgpack-able form carried in the ticket."""
@@ -491,26 +466,26 @@ class IntegrityTable:
         """The first cell of ``pieces`` (this rank's entries) whose entry differs; KV chunks
         before ``first_chunk`` (a prefix the decode reused from its own cache, not moved) are
         not compared."""
-        for p in pieces:
-            expected, got = self.tables[p.table][p.index()], p.entries
-            if p.table == "kv":
-                expected, got = expected[first_chunk:], got[first_chunk:]
-            diff = np.argwhere(expected != got)
-            if len(diff) == 0:
-                continue
-            at = tuple(int(i) for i in diff[0])
-            tokens = None
-            if p.table == "kv" and self.chunk_tokens is not None:
-                lo = (first_chunk + at[0]) * self.chunk_tokens
-                tokens = (lo, lo + self.chunk_tokens)
-            return IntegrityMismatch(
-                p.table,
-                p.layer_start + at[-2],
-                p.unit_start + at[-1],
-                expected=int(expected[at]),
-                got=int(got[at]),
-                kv=("K" if at[1] == 0 else "V") if p.table == "kv" else None,
-                band=p.band,
-                tokens=tokens,
-            )
-        return None
+        names = list(self.tables)
+        found = integrity_first_mismatch(
+            [(n, list(t.shape)) for n, t in self.tables.items()],
+            [self.tables[n] for n in names],
+            _piece_args(pieces),
+            first_chunk,
+            self.chunk_tokens,
+        )
+        if found is None:
+            return None
+        i, _, layer, unit, expected, got, kv, tokens = found
+        piece = pieces[i]
+        return IntegrityMismatch(
+            piece.table, layer, unit, expected, got, kv=kv, band=piece.band, tokens=tokens
+        )
+
+
+def _piece_args(pieces: Sequence[IntegrityPiece]) -> list[tuple[str, int, int, Any]]:
+    """The pieces as the core reads them: table, first layer, first unit, ``uint64`` entries."""
+    return [
+        (p.table, p.layer_start, p.unit_start, np.ascontiguousarray(p.entries, dtype=np.uint64))
+        for p in pieces
+    ]

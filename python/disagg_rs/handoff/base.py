@@ -40,6 +40,13 @@ logger = logging.getLogger("disagg_rs.handoff")
 
 _SSM_STATE_KINDS = ("conv", "recurrent")
 
+
+def _of_kind(ranks: Any, kind: str) -> list[Any]:
+    """Each rank's metadata of one state kind (``kv``, ``conv``, ``recurrent``), skipping
+    ranks without it."""
+    return [r[kind] for r in ranks if r.get(kind) is not None]
+
+
 #: Default deadline of one import (submit to admission) and lease of one prefill pin.
 DEFAULT_IMPORT_TIMEOUT_NS = 60_000_000_000
 DEFAULT_LEASE_NS = 120_000_000_000

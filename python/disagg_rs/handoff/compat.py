@@ -34,6 +34,8 @@ from disagg_rs._core import (
     SSMStateDims,
     check_reference,
     drop_transfer_prefix_blocks,
+    reference_prefill_metas,
+    reference_push_metas,
     transfer_block_count,
 )
 from disagg_rs.decode_admission import (
@@ -41,9 +43,8 @@ from disagg_rs.decode_admission import (
     admit_prefilled_decode,
     can_admit_prefilled_decode,
 )
-from disagg_rs.exceptions import HandoffMetadataError, HandoffStateError, TransferError
+from disagg_rs.exceptions import HandoffStateError, TransferError
 from disagg_rs.handoff.base import (
-    _SSM_STATE_KINDS,
     HandoffBase,
     _PreparedHandoffMetadata,
     logger,
@@ -233,88 +234,50 @@ class ReferenceDesignCompat(HandoffBase):
         ctx = self._ref().context
         bs = int(ctx.block_size_tokens)
         handoffs = [
-            (request, list(blocks)[: -(-len(request.prompt_tokens) // bs)])
+            (request.request_id, list(blocks)[: -(-len(request.prompt_tokens) // bs)])
             for request, blocks, *_ in requests_and_state
             if request.sampling_params.do_kv_handoff
         ]
         if not handoffs:
             return {}
-        if self._kv_peer_metas is None:
-            raise HandoffStateError(
-                "a KV handoff was requested before setup_kv_transfer", "setup_kv_transfer"
-            )
-        pp_size = get_pg_size(self._ref().pg_collection.pp)
+        resume = decode_tokens_by_request
+        rows = [
+            {"request_id": rid, "blocks": len(b), "resume_tokens": list(resume.get(rid, []))}
+            for rid, b in handoffs
+        ]
+        facts = {
+            "requests": rows,
+            "kv_stages": self._pp_kv_peer_metas,
+            "ssm_stages": self._pp_ssm_peer_metas,
+            "pp_size": get_pg_size(self._ref().pg_collection.pp),
+            "num_speculative_tokens": int(ctx.num_speculative_tokens),
+        }
         try:
-            ssm_cache = ctx.mamba_slot_allocator if self._ssm_transfer_agents else None
-            kv_stages = self._pp_kv_peer_metas or [self._kv_peer_metas]
-            ssm_stages = self._pp_ssm_peer_metas or [self._tp_ssm_peer_metas]
-            resumes = [list(decode_tokens_by_request.get(r.request_id, [])) for r, _ in handoffs]
-            pairs = list(zip(handoffs, resumes, strict=True))
-            # Every request checked before any is prepared, in Rust (HandoffMetadataError).
-            check_reference(
-                "prefill",
-                {
-                    "requests": [
-                        {"request_id": r.request_id, "resume_tokens": len(t), "blocks": len(b)}
-                        for (r, b), t in pairs
-                    ],
-                    "kv_stages": len(kv_stages),
-                    "ssm_stages": len(ssm_stages),
-                    "pp_size": pp_size,
-                    "num_speculative_tokens": int(ctx.num_speculative_tokens),
-                },
+            # Setup and every request checked before any slot is read or anything prepared;
+            # then every ticket's metadata built, in Rust (HandoffStateError /
+            # HandoffMetadataError naming the field).
+            check_reference("prefill", facts)
+            cache = ctx.mamba_slot_allocator
+            slots = (
+                [int(cache.get_slot(b[-1])) for _, b in handoffs]
+                if self._ssm_transfer_agents
+                else None
             )
-            prepared: dict[int, _PreparedHandoffMetadata] = {}
-            for (request, blocks), resume in pairs:
-                rid = request.request_id
-                slot = 0 if ssm_cache is None else int(ssm_cache.get_slot(blocks[-1]))
-                check_reference("ssm_slot", {"request_id": rid, "slot": slot, "block": blocks[-1]})
-                kv_meta: Any = (
-                    {"pp_metas": [{"tp_metas": m, "block_ids": blocks} for m in kv_stages]}
-                    if pp_size > 1
-                    else self._kv_peer_metas
+            block_lists = [b for _, b in handoffs]
+            metas = reference_prefill_metas(facts, block_lists, slots)
+            return {
+                row["request_id"]: _PreparedHandoffMetadata(
+                    local_blocks=b,
+                    kv_meta=meta,
+                    ssm_meta=meta.get("ssm"),
+                    resume_tokens=row["resume_tokens"],
                 )
-                ssm_meta = None
-                if self._ssm_transfer_agents:
-                    per_stage = [self._ssm_stage_transfer_meta(m, slot) for m in ssm_stages]
-                    ssm_meta = {
-                        kind: (
-                            {"pp_metas": [{"tp_metas": st[kind]} for st in per_stage]}
-                            if pp_size > 1
-                            else per_stage[0][kind]
-                        )
-                        for kind in _SSM_STATE_KINDS
-                    }
-                prepared[rid] = _PreparedHandoffMetadata(
-                    local_blocks=blocks,
-                    kv_meta=kv_meta,
-                    ssm_meta=ssm_meta,
-                    resume_tokens=resume,
-                    local_ssm_slot=None if ssm_cache is None else slot,
-                )
-            return prepared
+                for row, b, meta in zip(rows, block_lists, metas, strict=True)
+            }
         except Exception:
             for _, blocks in handoffs:
                 self._whole()._release_pinned_handoff_blocks(blocks)
             raise
-
-    @staticmethod
-    def _ssm_stage_transfer_meta(
-        static_metas: dict[str, Any], selected_slot: int
-    ) -> dict[str, Any]:
-        """Attach the final recurrent-state slot to one stage's descriptors (per state kind:
-        one descriptor, or a list with one per TP rank)."""
-        out: dict[str, Any] = {}
-        for kind in _SSM_STATE_KINDS:
-            metas = static_metas.get(kind)
-            if metas is None:
-                raise HandoffMetadataError(f"static {kind} SSM handoff metadata is missing", kind)
-            out[kind] = (
-                [{**m, "block_ids": [selected_slot]} for m in metas]
-                if isinstance(metas, list)
-                else {**metas, "block_ids": [selected_slot]}
-            )
-        return out
 
     def _capture_reference_handoff_meta(
         self, request: Any, prepared: _PreparedHandoffMetadata | None
@@ -326,23 +289,14 @@ class ReferenceDesignCompat(HandoffBase):
         rid = request.request_id
         blocks = prepared.local_blocks
         self._pinned_handoff_blocks[rid] = list(blocks)
-        # A list is one descriptor per TP rank; a dict is the engine's shared descriptor and
-        # is copied so request-specific entries stay out of it.
-        kv_meta = (
-            {"tp_metas": prepared.kv_meta}
-            if isinstance(prepared.kv_meta, list)
-            else dict(prepared.kv_meta)
-        )
-        kv_meta["resume_tokens"] = prepared.resume_tokens
-        if prepared.ssm_meta is not None:
-            kv_meta["ssm"] = prepared.ssm_meta
-        params = {"request_id": rid, "block_ids": blocks, "kv_meta": kv_meta}
+        # The ticket's metadata was built for this request alone (reference_prefill_metas).
+        params = {"request_id": rid, "block_ids": blocks, "kv_meta": prepared.kv_meta}
         request.disaggregated_params = params
         logger.info(
             "handoff event=pinned request_id=%d blocks=%d ssm=%d",
             rid,
             len(blocks),
-            int(prepared.ssm_meta is not None),
+            int(bool(prepared.ssm_meta)),
         )
         return params
 
@@ -353,28 +307,15 @@ class ReferenceDesignCompat(HandoffBase):
                 "SEND_KV for request %d with no pinned handoff blocks; skipped", request_id
             )
             return
-        ssm_sends = []
-        if self._ssm_transfer_agents:
-            slot = int(self._ref().context.mamba_slot_allocator.get_slot(blocks[-1]))
-            facts = {"request_id": request_id, "slot": slot, "block": blocks[-1]}
-            check_reference("ssm_slot", facts)
-            for kind in _SSM_STATE_KINDS:
-                try:
-                    peers = [entry["ssm"][kind] for entry in decode_metas]
-                except (KeyError, TypeError) as e:
-                    raise HandoffMetadataError(
-                        f"request {request_id}: decode metadata is missing {kind} SSM transfer "
-                        "state",
-                        kind,
-                    ) from e
-                ssm_sends.append((self._ssm_transfer_agents[kind], peers, slot))
-        handles = [
-            self._kv_transfer_agent.begin_push_blocks({"tp_metas": list(decode_metas)}, blocks)
-        ]
+        agents = self._ssm_transfer_agents
+        cache = self._ref().context.mamba_slot_allocator
+        slot = int(cache.get_slot(blocks[-1])) if agents else None
+        # The destinations, per state kind, in Rust (HandoffMetadataError naming the kind).
+        metas = reference_push_metas(request_id, list(decode_metas), slot, blocks[-1])
+        handles = [self._kv_transfer_agent.begin_push_blocks(metas["kv"], blocks)]
         # The final block stays pinned until RELEASE_KV, so its SSM slot is not reused while
         # these sends run.
-        for agent, peers, slot in ssm_sends:
-            handles.append(agent.begin_push_blocks({"tp_metas": peers}, [slot]))
+        handles += [agents[kind].begin_push_blocks(m, [slot]) for kind, m in metas["ssm"]]
         self._pending_kv_pushes.append((request_id, handles))
 
     def _reserve_ssm_handoff_import(self) -> PendingSSMImport:
@@ -429,7 +370,7 @@ class ReferenceDesignCompat(HandoffBase):
                 "hybrid": bool(ctx.is_hybrid_model),
                 "has_backend": self._kv_transfer_agent is not None,
                 "request_id": request_id,
-                "ssm": kv_meta.get("ssm") if isinstance(kv_meta, dict) else None,
+                "ssm": kv_meta.get("ssm"),
                 "decode_has_ssm": bool(self._ssm_transfer_agents),
                 "resume_tokens": len(kv_meta.get("resume_tokens", [])),
                 "num_speculative_tokens": int(ctx.num_speculative_tokens),
@@ -467,7 +408,7 @@ class ReferenceDesignCompat(HandoffBase):
             if getattr(self._kv_transfer_agent, "is_push", False)
             else self._whole()._find_cached_handoff_prefix(handoff.hashes, handoff.num_blocks)
         )
-        meta = handoff.kv_meta if isinstance(handoff.kv_meta, dict) else {}
+        meta = handoff.kv_meta  # a dict: the ticket check read its entries
         resume = [int(t) for t in meta.get("resume_tokens", [])]
         ssm_meta: dict[str, Any] | None = meta.get("ssm")
         n_import = handoff.num_blocks - len(cached)
@@ -557,13 +498,8 @@ class ReferenceDesignCompat(HandoffBase):
             # add_request reported a validation failure through its own future.
             self._whole()._release_pending_kv_import(pending)
         else:
-            head = ref.waiting_request_ids[0]
-            if head != pending.request_id:
-                raise HandoffStateError(
-                    f"admission expected request {pending.request_id} at the waiting queue head, "
-                    f"found {head}",
-                    "waiting_request_ids",
-                )
+            facts = {"request_id": pending.request_id, "head": ref.waiting_request_ids[0]}
+            check_reference("queue_head", facts)  # HandoffStateError naming both ids
             ref.waiting_request_ids.popleft()
             self._validate_decode_ready_handoff(pending)
             first = pending.resume_tokens[0]
@@ -734,10 +670,9 @@ class ReferenceDesignCompat(HandoffBase):
         ]
         self._reference_imports.reset(pinned, pushes, quiet)
         self._pending_kv_pushes = []
-        while self._deferred_kv_handoffs:
-            handoff = self._deferred_kv_handoffs.popleft()
-            if not handoff.future.done():
-                handoff.future.cancel()
+        for handoff in self._deferred_kv_handoffs:
+            handoff.future.cancel()  # a no-op on a future already done
+        self._deferred_kv_handoffs.clear()
         for pending in imports:
             self._whole()._release_pending_kv_import(pending)
             if pending.future is not None and not pending.future.done():

@@ -45,13 +45,13 @@ from disagg_rs.decode_admission import (
 )
 from disagg_rs.exceptions import (
     DisaggError,
-    HandoffStateError,
     ResetRefusedError,
 )
 from disagg_rs.handoff.base import (
     _KV_AXES,
     HandoffBase,
     RankImport,
+    _of_kind,
 )
 from disagg_rs.handoff.compat import ReferenceDesignCompat
 from disagg_rs.handoff.decode import DecodeHandoff
@@ -113,19 +113,18 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         ``num_speculative_tokens`` lookahead tokens (pass the engine's
         ``num_speculative_tokens``), all or nothing with the prompt's blocks.
         """
-        if role == "decode":
-            return ImportLedger(
-                num_blocks,
-                block_size_tokens,
-                num_ssm_slots,
-                world_size=world_size,
-                rank=rank,
-                pull=pull,
-                lookahead_tokens=num_speculative_tokens,
-            )
+        check_reference("role", {"role": role})  # HandoffStateError naming the role
         if role == "prefill":
             return PinLedger(num_blocks, block_size_tokens, num_ssm_slots)
-        raise HandoffStateError(f"role={role!r} has no handoff ledger; use 'prefill' or 'decode'")
+        return ImportLedger(
+            num_blocks,
+            block_size_tokens,
+            num_ssm_slots,
+            world_size=world_size,
+            rank=rank,
+            pull=pull,
+            lookahead_tokens=num_speculative_tokens,
+        )
 
     def attach_handoff_ledger(self, ledger: ImportLedger | PinLedger) -> None:
         """Use ``ledger`` (made by :meth:`make_handoff_ledger`) for this engine's handoffs.
@@ -134,14 +133,11 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         its ``lookahead_tokens`` must equal the engine's ``num_speculative_tokens``.
         """
         if isinstance(ledger, ImportLedger):
-            spec = self._host().num_speculative_tokens
-            if ledger.lookahead_tokens != spec:
-                raise HandoffStateError(
-                    f"ImportLedger lookahead_tokens={ledger.lookahead_tokens} but the engine's "
-                    f"num_speculative_tokens={spec}: pass the engine's num_speculative_tokens "
-                    "to make_handoff_ledger",
-                    "num_speculative_tokens",
-                )
+            facts = {
+                "lookahead_tokens": ledger.lookahead_tokens,
+                "num_speculative_tokens": int(self._host().num_speculative_tokens),
+            }
+            check_reference("lookahead", facts)  # HandoffStateError naming both values
             self._import_ledger = ledger
         else:
             self._pin_ledger = ledger
@@ -192,12 +188,7 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
                 if self._ledger_driven()
                 else len(self._ref().waiting_request_ids)
             )
-            if waiting:
-                raise HandoffStateError(
-                    f"a disaggregated decode engine cannot schedule prompt prefill requests: "
-                    f"{waiting} waiting; submit handoffs with add_request_with_kv_handoff",
-                    "role",
-                )
+            check_reference("no_waiting", {"waiting": int(waiting)})  # HandoffStateError
         parent = getattr(super(), "schedule_waiting_requests", None)
         if parent is not None:
             parent()
@@ -399,7 +390,7 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
             try:
                 ranks = peer["meta"]["ranks"]
                 for kind, backend in backends.items():
-                    named = [r[kind] for r in ranks if r.get(kind) is not None]
+                    named = _of_kind(ranks, kind)
                     if backend is not None and named:
                         backend.register_peers(named)
                         registered += named

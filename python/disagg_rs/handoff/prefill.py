@@ -20,6 +20,7 @@ from disagg_rs.exceptions import (
 )
 from disagg_rs.handoff.base import (
     HandoffBase,
+    _of_kind,
     _PreparedHandoffMetadata,
     _tag,
     logger,
@@ -227,7 +228,7 @@ class PrefillHandoff(HandoffBase):
         stage = getattr(backend, "stage_blocks", None)
         if not decode_metas or stage is None or getattr(backend, "mode", "direct") == "direct":
             return {}
-        own = [r["kv"] for r in self.handoff_static_meta["ranks"] if r.get("kv") is not None]
+        own = _of_kind(self.handoff_static_meta["ranks"], "kv")
         local: dict[int, dict[str, Any]] = {}
         for dm in decode_metas:
             kv = dm.get("kv")
@@ -331,7 +332,7 @@ class PrefillHandoff(HandoffBase):
         their handles."""
         src_ids, dst_ids, num_tokens, src_slot, dst_slot = plan
         own = self.handoff_static_meta["ranks"]
-        kv_metas = [r["kv"] for r in decode_metas if r.get("kv") is not None]
+        kv_metas = _of_kind(decode_metas, "kv")
         handles = []
         if self._kv_backend is not None and kv_metas:
             handles.append(
@@ -339,7 +340,7 @@ class PrefillHandoff(HandoffBase):
                     kv_metas,
                     src_ids,
                     dst_ids,
-                    src_metas=[r["kv"] for r in own if r.get("kv") is not None],
+                    src_metas=_of_kind(own, "kv"),
                     num_tokens=num_tokens,
                     tag=_tag(request_id, "kv"),
                     filler=filler,
@@ -347,13 +348,13 @@ class PrefillHandoff(HandoffBase):
             )
         if src_slot is not None:
             for kind, backend in self._ssm_backends.items():
-                metas = [r[kind] for r in decode_metas if r.get(kind) is not None]
+                metas = _of_kind(decode_metas, kind)
                 handles.append(
                     backend.begin_push_blocks(
                         metas,
                         [src_slot],
                         [dst_slot],
-                        src_metas=[r[kind] for r in own if r.get(kind) is not None],
+                        src_metas=_of_kind(own, kind),
                         tag=_tag(request_id, kind),
                         filler=filler,
                     )

@@ -92,6 +92,32 @@ pub enum ReferenceCheck {
         /// The final block.
         block: u64,
     },
+    /// A decode-only engine's context holds no prefill work.
+    DecodeOnly {
+        /// Prefill requests in the context.
+        num_prefill_requests: u64,
+        /// The chunked prefill in progress (`-1`: none).
+        chunked_prefill_request_id: i64,
+    },
+    /// A decode engine at its scheduling point has no prompts waiting.
+    NoWaiting {
+        /// Prompts waiting.
+        waiting: u64,
+    },
+    /// A decode ledger reserves the engine's speculative lookahead with every import.
+    Lookahead {
+        /// The ledger's lookahead.
+        lookahead_tokens: u64,
+        /// The engine's speculative tokens.
+        num_speculative_tokens: u64,
+    },
+    /// The request just added heads the engine's waiting queue.
+    QueueHead {
+        /// The request added.
+        request_id: u64,
+        /// The queue's head.
+        head: u64,
+    },
     /// An import about to be admitted without a forward step.
     DecodeReady {
         /// The request.
@@ -112,6 +138,29 @@ fn flag(o: &Obj<'_>, key: &str) -> DisaggResult<bool> {
         WireValue::Bool(b) => Ok(*b),
         other => {
             Err(DisaggError::argument(key, format!("must be a bool, got {}", other.type_name())))
+        }
+    }
+}
+
+/// A count given as an int, or as the list it counts; `None` (static metadata not gathered
+/// yet) is a `HandoffState` error naming `setup_kv_transfer`.
+fn count(o: &Obj<'_>, key: &str) -> DisaggResult<u64> {
+    match o.req(key)? {
+        WireValue::List(items) => Ok(items.len() as u64),
+        WireValue::Null => Err(DisaggError::handoff_state(
+            "setup_kv_transfer",
+            format!("a KV handoff was requested before setup_kv_transfer ({key} is None)"),
+        )),
+        _ => o.u64(key),
+    }
+}
+
+/// A signed int fact (`out_of_range` when it does not fit `i64`).
+fn signed(o: &Obj<'_>, key: &str, out_of_range: i64) -> DisaggResult<i64> {
+    match o.req(key)? {
+        WireValue::Int(i) => Ok(i64::try_from(*i).unwrap_or(out_of_range)),
+        other => {
+            Err(DisaggError::argument(key, format!("must be an int, got {}", other.type_name())))
         }
     }
 }
@@ -258,12 +307,16 @@ impl ReferenceCheck {
                     .iter()
                     .map(|row| {
                         let r = Obj::of(row, "requests")?;
-                        Ok((r.u64("request_id")?, r.u64("resume_tokens")?, r.u64("blocks")?))
+                        Ok((
+                            r.u64("request_id")?,
+                            count(&r, "resume_tokens")?,
+                            count(&r, "blocks")?,
+                        ))
                     })
                     .collect::<DisaggResult<_>>()?;
                 Self::Prefill(ReferencePrefillBatch {
-                    kv_stages: n("kv_stages")?,
-                    ssm_stages: n("ssm_stages")?,
+                    kv_stages: count(&o, "kv_stages")?,
+                    ssm_stages: count(&o, "ssm_stages")?,
                     pp_size: n("pp_size")?,
                     num_speculative_tokens: n("num_speculative_tokens")?,
                     requests,
@@ -276,17 +329,19 @@ impl ReferenceCheck {
             },
             "ssm_slot" => Self::SsmSlot {
                 request_id: n("request_id")?,
-                slot: match o.req("slot")? {
-                    WireValue::Int(i) => i64::try_from(*i).unwrap_or(-1),
-                    other => {
-                        return Err(DisaggError::argument(
-                            "slot",
-                            format!("must be an int, got {}", other.type_name()),
-                        ))
-                    }
-                },
+                slot: signed(&o, "slot", -1)?,
                 block: n("block")?,
             },
+            "decode_only" => Self::DecodeOnly {
+                num_prefill_requests: n("num_prefill_requests")?,
+                chunked_prefill_request_id: signed(&o, "chunked_prefill_request_id", i64::MAX)?,
+            },
+            "no_waiting" => Self::NoWaiting { waiting: n("waiting")? },
+            "lookahead" => Self::Lookahead {
+                lookahead_tokens: n("lookahead_tokens")?,
+                num_speculative_tokens: n("num_speculative_tokens")?,
+            },
+            "queue_head" => Self::QueueHead { request_id: n("request_id")?, head: n("head")? },
             "decode_ready" => Self::DecodeReady {
                 request_id: n("request_id")?,
                 resume_tokens: n("resume_tokens")?,
@@ -299,7 +354,8 @@ impl ReferenceCheck {
                     "stage",
                     format!(
                         "unknown check {other:?}; known: role, setup, ssm_buffers, tp_agents, \
-                         prefill, ticket, reserve_ssm, ssm_slot, decode_ready"
+                         prefill, ticket, reserve_ssm, ssm_slot, decode_only, no_waiting, \
+                         lookahead, queue_head, decode_ready"
                     ),
                 ))
             }
@@ -398,6 +454,10 @@ impl ReferenceCheck {
                 }
                 Ok(())
             }
+            Self::DecodeOnly { .. }
+            | Self::NoWaiting { .. }
+            | Self::Lookahead { .. }
+            | Self::QueueHead { .. } => self.check_engine(),
             Self::DecodeReady {
                 request_id,
                 resume_tokens,
@@ -426,6 +486,55 @@ impl ReferenceCheck {
                 }
                 Ok(())
             }
+        }
+    }
+}
+
+impl ReferenceCheck {
+    /// The checks of the engine's own state (`HandoffState` errors naming the field).
+    fn check_engine(&self) -> DisaggResult<()> {
+        match *self {
+            Self::DecodeOnly { num_prefill_requests, chunked_prefill_request_id }
+                if num_prefill_requests != 0 || chunked_prefill_request_id != -1 =>
+            {
+                Err(DisaggError::handoff_state(
+                    "num_prefill_requests",
+                    format!(
+                        "a decode-only engine cannot run prefill requests: \
+                         num_prefill_requests={num_prefill_requests}, \
+                         chunked_prefill_request_id={chunked_prefill_request_id}"
+                    ),
+                ))
+            }
+            Self::NoWaiting { waiting } if waiting > 0 => Err(DisaggError::handoff_state(
+                "role",
+                format!(
+                    "a disaggregated decode engine cannot schedule prompt prefill requests: \
+                     {waiting} waiting; submit handoffs with add_request_with_kv_handoff"
+                ),
+            )),
+            Self::Lookahead { lookahead_tokens, num_speculative_tokens }
+                if lookahead_tokens != num_speculative_tokens =>
+            {
+                Err(DisaggError::handoff_state(
+                    "num_speculative_tokens",
+                    format!(
+                        "ImportLedger lookahead_tokens={lookahead_tokens} but the engine's \
+                         num_speculative_tokens={num_speculative_tokens}: pass the engine's \
+                         num_speculative_tokens to make_handoff_ledger"
+                    ),
+                ))
+            }
+            Self::QueueHead { request_id, head } if request_id != head => {
+                Err(DisaggError::handoff_state(
+                    "waiting_request_ids",
+                    format!(
+                        "admission expected request {request_id} at the waiting queue head, \
+                         found {head}"
+                    ),
+                ))
+            }
+            _ => Ok(()),
         }
     }
 }
@@ -832,6 +941,41 @@ mod tests {
         };
         assert!(slot(0).is_ok());
         assert_eq!(field_of(slot(-1)), ("state", "ssm_slot".into()));
+    }
+
+    #[test]
+    fn engine_state_checks_name_the_field_and_both_values() {
+        let check = |stage: &str, e: &[(&str, WireValue)]| check_reference(stage, &map(e));
+        let only = |n: i128, c: i128| {
+            check(
+                "decode_only",
+                &[("num_prefill_requests", i(n)), ("chunked_prefill_request_id", i(c))],
+            )
+        };
+        assert!(only(0, -1).is_ok());
+        for (n, c) in [(1, -1), (0, 7)] {
+            let e = only(n, c).unwrap_err();
+            assert!(
+                e.to_string()
+                    .contains(&format!("num_prefill_requests={n}, chunked_prefill_request_id={c}")),
+                "{e}"
+            );
+            assert_eq!(field(&e), "num_prefill_requests");
+        }
+        assert!(check("no_waiting", &[("waiting", i(0))]).is_ok());
+        assert_eq!(field_of(check("no_waiting", &[("waiting", i(2))])), ("state", "role".into()));
+        let look = |a: i128, b: i128| {
+            check("lookahead", &[("lookahead_tokens", i(a)), ("num_speculative_tokens", i(b))])
+        };
+        assert!(look(2, 2).is_ok());
+        let e = look(1, 2).unwrap_err();
+        assert!(
+            e.to_string().contains("lookahead_tokens=1 but the engine's num_speculative_tokens=2"),
+            "{e}"
+        );
+        let head = |r: i128, h: i128| check("queue_head", &[("request_id", i(r)), ("head", i(h))]);
+        assert!(head(4, 4).is_ok());
+        assert_eq!(field_of(head(4, 5)), ("state", "waiting_request_ids".into()));
     }
 
     #[test]

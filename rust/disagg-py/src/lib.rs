@@ -12,10 +12,12 @@ mod control;
 mod driver;
 mod error;
 mod geometry;
+mod integrity_tables;
 mod layout;
 mod ledger;
 mod peer_records;
 mod pool;
+mod refticket;
 mod regions;
 mod reshard;
 mod rows;
@@ -23,6 +25,7 @@ mod runs;
 mod staging;
 mod stream;
 mod tags;
+mod tracker;
 mod wire;
 
 use pyo3::prelude::*;
@@ -54,7 +57,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             geometry::PyKvGeometry, geometry::PySsmGeometry, compile::PyTransferProgram,
             wire::PyPeer, wire::PyPeerTable, driver::PyEngineDriverState,
             ledger::PyReferenceImports, stream::PyStreamSource, stream::PyStreamSink,
-            stream::PyStreamMailboxes, tags::PyPeerSteps
+            stream::PyStreamMailboxes, tags::PyPeerSteps, tracker::PyCompletionTracker
         ],
         functions: [
             error::_error_kinds, error::_raise_sample_error, control::decode_control_message,
@@ -68,7 +71,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             wire::check_handoff_ticket, wire::check_reference, wire::check_integrity_wire, wire::digest_plan, wire::py_compat_hash, wire::peer_meta_parses,
             wire::block_id_checks, stream::stream_chunks, stream::stream_msg_route,
             stream::stream_abort_msg, stream::stream_abort_msgs,
-            stream::staging_release, stream::chunk_read_slot_bytes, stream::stale_peers
+            stream::staging_release, stream::chunk_read_slot_bytes, stream::stale_peers,
+            refticket::reference_prefill_metas, refticket::reference_push_metas,
+            integrity_tables::integrity_merge, integrity_tables::integrity_shapes,
+            integrity_tables::integrity_first_mismatch, integrity_tables::integrity_mismatch_text
         ]
     );
     Ok(())
