@@ -113,6 +113,14 @@ pub enum DisaggError {
         /// The value given and the bound it violates.
         detail: String,
     },
+    /// An argument of the wrong type (a float, a bool, `None` or a string where an int is
+    /// needed); raised as a `TypeError` too.
+    ArgumentType {
+        /// The argument that is wrong.
+        field: String,
+        /// What was needed and what was given.
+        detail: String,
+    },
     /// A pool or ledger consistency check found a leaked, doubly owned or miscounted block or
     /// slot. Always a bug (in the caller's use of the pool or in `disagg_rs`), never bad input.
     Conservation {
@@ -139,6 +147,7 @@ impl DisaggError {
             Self::HandoffState { .. } => "HandoffState",
             Self::ResetRefused { .. } => "ResetRefused",
             Self::Argument { .. } => "Argument",
+            Self::ArgumentType { .. } => "ArgumentType",
             Self::Conservation { .. } => "Conservation",
         }
     }
@@ -161,6 +170,7 @@ impl DisaggError {
             Self::handoff_state("enable_prefix_caching", "enable_prefix_caching=False"),
             Self::ResetRefused { detail: "1 importing handoff may still write".into() },
             Self::argument("rank", "rank=4 must be < world_size=4"),
+            Self::argument_type("rank", "rank must be an int, got a float (1.5)"),
             Self::Conservation {
                 detail: "free 3 + owned 4 + quarantined 0 + pinned 0 != 8".into(),
             },
@@ -222,6 +232,11 @@ impl DisaggError {
         Self::Argument { field: field.into(), detail: detail.into() }
     }
 
+    /// Shorthand for [`DisaggError::ArgumentType`].
+    pub fn argument_type(field: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self::ArgumentType { field: field.into(), detail: detail.into() }
+    }
+
     /// `Ok` when an invariant `holds`, else a [`DisaggError::Conservation`] saying `detail()`.
     pub fn conserved(holds: bool, detail: impl FnOnce() -> String) -> DisaggResult<()> {
         if holds {
@@ -269,7 +284,9 @@ impl fmt::Display for DisaggError {
                 write!(f, "handoff not possible in this state (`{field}`): {detail}")
             }
             Self::ResetRefused { detail } => write!(f, "reset refused, nothing changed: {detail}"),
-            Self::Argument { field, detail } => write!(f, "invalid argument `{field}`: {detail}"),
+            Self::Argument { field, detail } | Self::ArgumentType { field, detail } => {
+                write!(f, "invalid argument `{field}`: {detail}")
+            }
             Self::Conservation { detail } => write!(f, "conservation check failed: {detail}"),
         }
     }
@@ -287,7 +304,7 @@ mod tests {
         kinds.sort_unstable();
         kinds.dedup();
         // Bump this together with a new variant and its sample.
-        assert_eq!(kinds.len(), 15);
+        assert_eq!(kinds.len(), 16);
     }
 
     #[test]

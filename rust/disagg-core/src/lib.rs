@@ -6,6 +6,7 @@
 //! `[lo, hi)`.
 #![forbid(unsafe_code)]
 
+pub mod args;
 pub mod buffer;
 pub mod chunks;
 pub mod compile;

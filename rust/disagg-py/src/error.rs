@@ -19,6 +19,7 @@ pyo3::import_exception!(disagg_rs.exceptions, CapacityError);
 pyo3::import_exception!(disagg_rs.exceptions, HandoffStateError);
 pyo3::import_exception!(disagg_rs.exceptions, ResetRefusedError);
 pyo3::import_exception!(disagg_rs.exceptions, ArgumentError);
+pyo3::import_exception!(disagg_rs.exceptions, ArgumentTypeError);
 pyo3::import_exception!(disagg_rs.exceptions, ConservationError);
 
 /// Convert a core error into its Python exception: exhaustive, so a new variant fails to
@@ -40,6 +41,7 @@ pub fn to_pyerr(e: DisaggError) -> PyErr {
         DisaggError::HandoffState { field, .. } => HandoffStateError::new_err((msg, field)),
         DisaggError::ResetRefused { .. } => ResetRefusedError::new_err((msg, None::<String>)),
         DisaggError::Argument { field, .. } => ArgumentError::new_err((msg, field)),
+        DisaggError::ArgumentType { field, .. } => ArgumentTypeError::new_err((msg, field)),
         DisaggError::Conservation { .. } => ConservationError::new_err((msg, None::<String>)),
     }
 }

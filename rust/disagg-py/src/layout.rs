@@ -33,22 +33,12 @@ fn opt_u32(field: &str, v: Option<Int>) -> PyResult<Option<u32>> {
 }
 
 /// One argument given under the reference design's name or our alias (not both).
-fn one_of<T>(
-    name: &str,
-    value: Option<T>,
-    alias: &str,
-    alias_value: Option<T>,
-) -> PyResult<Option<T>> {
-    match (value, alias_value) {
-        (Some(_), Some(_)) => {
-            Err(type_err(name, format!("give {name} or its alias {alias}, not both")))
-        }
-        (v, None) | (None, v) => Ok(v),
-    }
+fn one_of<T>(name: &str, value: Option<T>, alias: &str, v: Option<T>) -> PyResult<Option<T>> {
+    disagg_core::args::one_of(name, value, alias, v).py()
 }
 
 fn required<T>(name: &str, v: Option<T>) -> PyResult<T> {
-    v.ok_or_else(|| type_err(name, format!("missing required argument {name}")))
+    disagg_core::args::required(name, v).py()
 }
 
 /// `__dataclass_fields__` of a frozen dataclass named `name` with `fields`, built by
