@@ -107,7 +107,7 @@ pub struct PyKvGeometry {
     pub inner: KvGeometry,
 }
 
-py_methods!(wire_core PyKvGeometry => KvGeometry,
+py_methods!(wire PyKvGeometry => KvGeometry,
 get {
     /// 2 (K and V) or 1 (MLA latent).
     num_kv: u32 = (spec().num_kv);
@@ -254,7 +254,7 @@ fn part_arg(v: Option<Bound<'_, PyAny>>, key: &str) -> PyResult<Option<SsmStateP
     SsmStatePart::from_wire(&Obj::of(&map, "").py()?, key).py()
 }
 
-py_methods!(wire_core PySsmGeometry => SsmGeometry,
+py_methods!(wire PySsmGeometry => SsmGeometry,
 get {
     /// Local SSM layers.
     num_layers: usize = (num_layers());
