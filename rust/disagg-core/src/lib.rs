@@ -25,6 +25,7 @@ pub mod runs;
 pub mod staging;
 pub mod stream;
 pub mod tags;
+pub mod tensor_args;
 pub mod wire;
 
 pub use compile::{
