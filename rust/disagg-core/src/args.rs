@@ -8,6 +8,7 @@
 //! the valid range.
 
 use crate::error::{DisaggError, DisaggResult};
+use crate::wire::value::WireValue;
 
 /// Which error a value out of range raises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,6 +239,32 @@ impl Flag {
     }
 }
 
+/// `a str ("x")`: a wire value's type and a short form of it, for error messages.
+pub fn describe_wire(v: &WireValue) -> String {
+    describe(v.type_name(), &v.canonical_json(), matches!(v, WireValue::Null))
+}
+
+impl Int {
+    /// A wire value as an integer argument (a bool is not one).
+    pub fn of_wire(v: &WireValue) -> Self {
+        match v {
+            WireValue::Int(i) => Self(Ok(*i)),
+            other => Self(Err(describe_wire(other))),
+        }
+    }
+}
+
+impl IntList {
+    /// A wire list of integers as a list argument.
+    pub fn of_wire(v: &WireValue) -> Self {
+        let WireValue::List(items) = v else {
+            return Self(Err(format!("{LIST_EXPECTED}, got {}", describe_wire(v))));
+        };
+        let one = |(i, x): (usize, &WireValue)| Int::of_wire(x).0.map_err(|w| bad_list_item(i, &w));
+        Self(items.iter().enumerate().map(one).collect())
+    }
+}
+
 /// One argument given under its name or an alias (not both): a type error naming `name`
 /// when both are given.
 pub fn one_of<T>(
@@ -339,6 +366,18 @@ mod tests {
         let e =
             Given::<u8>(Err("a str ('x')".into())).typed("srcs", "a list of layouts").unwrap_err();
         assert_eq!(field_detail(&e).2, "srcs must be a list of layouts, got a str ('x')");
+    }
+
+    #[test]
+    fn wire_values_read_as_int_arguments_like_python_values() {
+        assert_eq!(Int::of_wire(&WireValue::Int(-3)), Int::of(-3));
+        assert_eq!(Int::of_wire(&WireValue::Bool(true)).0, Err("a bool (true)".to_owned()));
+        assert_eq!(Int::of_wire(&WireValue::Null).0, Err("None".to_owned()));
+        let l = WireValue::List(vec![WireValue::Int(1), WireValue::Str("x".into())]);
+        assert_eq!(IntList::of_wire(&l).0, Err(bad_list_item(1, "a str (\"x\")")));
+        let ok = WireValue::List(vec![WireValue::Int(1), WireValue::Int(2)]);
+        assert_eq!(IntList::of_wire(&ok), Given(Ok(vec![1, 2])));
+        assert!(IntList::of_wire(&WireValue::Int(1)).0.unwrap_err().ends_with("got an int (1)"));
     }
 
     #[test]

@@ -134,7 +134,7 @@ fn int_of(obj: &Bound<'_, PyAny>) -> Result<i128, String> {
 
 /// Read a 1-D integer array (numpy, or torch through `.numpy()` on the host) without a Python
 /// object per element.
-fn array_of(obj: &Bound<'_, PyAny>) -> Result<Vec<i128>, String> {
+pub fn array_of(obj: &Bound<'_, PyAny>) -> Result<Vec<i128>, String> {
     let bad = || format!("{}, got {}", args::LIST_EXPECTED, describe(obj));
     let host = if obj.hasattr("data_ptr").unwrap_or(false) && obj.hasattr("numpy").unwrap_or(false)
     {

@@ -13,7 +13,7 @@ use disagg_core::wire::plan::{compile_checked, compile_unchecked, TransferPlanRe
 use disagg_core::wire::ticket::{check_staging_tickets, DecodeNeeds, HandoffTicket};
 use disagg_core::wire::value::{Budget, WireValue};
 use disagg_core::ModeChoice;
-use numpy::PyReadonlyArray2;
+use numpy::{PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
 
@@ -78,6 +78,14 @@ fn convert(
             out.push(convert(&v?, &format!("{field}[{i}]"), depth + 1, budget)?);
         }
         return Ok(WireValue::List(out));
+    }
+    if obj.cast::<numpy::PyUntypedArray>().is_ok_and(|a| a.ndim() == 1) {
+        let ints = crate::args::array_of(obj).map_err(|what| wire_err(field, what))?;
+        budget.items(field, ints.len()).py()?;
+        for _ in &ints {
+            budget.node(field, depth + 1).py()?;
+        }
+        return Ok(WireValue::List(ints.into_iter().map(WireValue::Int).collect()));
     }
     if let Ok(m) = obj.cast::<PyMapping>() {
         let d = PyDict::new(obj.py());
