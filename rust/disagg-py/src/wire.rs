@@ -444,21 +444,7 @@ pub fn check_staging_tickets_of<'py>(
     let checked = check_staging_tickets(&values, &by_rank).py()?;
     let out = PyDict::new(py);
     for (rank, t) in checked {
-        let d = PyDict::new(py);
-        d.set_item("src_rank", t.src_rank)?;
-        d.set_item("incarnation", t.incarnation)?;
-        d.set_item("staged", t.staged)?;
-        d.set_item("offset", t.offset)?;
-        d.set_item("nbytes", t.nbytes)?;
-        if let Some(st) = &t.stream {
-            let s = PyDict::new(py);
-            s.set_item("id", st.id)?;
-            s.set_item("chunk_bytes", st.chunk_bytes)?;
-            s.set_item("slot_bytes", st.slot_bytes)?;
-            s.set_item("offsets", st.offsets.clone())?;
-            d.set_item("stream", s)?;
-        }
-        out.set_item(rank, d)?;
+        out.set_item(rank, wire_to_py(py, &t.to_wire())?)?;
     }
     Ok(out)
 }
