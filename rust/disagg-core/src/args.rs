@@ -265,6 +265,37 @@ impl IntList {
     }
 }
 
+/// Item `index` of a `prompt_tokens` list: an int fitting `i64`, else an `Argument` error
+/// naming `prompt_tokens` and the item.
+pub fn token(index: usize, v: &Int) -> DisaggResult<i64> {
+    let what = match &v.0 {
+        Ok(t) => match i64::try_from(*t) {
+            Ok(t) => return Ok(t),
+            Err(_) => describe("int", &t.to_string(), false),
+        },
+        Err(what) => what.clone(),
+    };
+    Err(DisaggError::argument("prompt_tokens", format!("item {index} is {what}")))
+}
+
+/// A caller's `out` array for descriptor rows: `[m, 3]` and C-contiguous, else an
+/// `Argument` error naming `out`.
+pub fn out_rows(shape: &[usize], c_contiguous: bool) -> DisaggResult<()> {
+    if shape.len() == 2 && shape[1] == 3 && c_contiguous {
+        return Ok(());
+    }
+    let detail = format!("out arrays must be C-contiguous with shape [m, 3], got {shape:?}");
+    Err(DisaggError::argument("out", detail))
+}
+
+/// A pair of `out` arrays: the same array twice is an `Argument` error naming `out`.
+pub fn distinct_outs(same: bool) -> DisaggResult<()> {
+    if same {
+        return Err(DisaggError::argument("out", "out must be two distinct arrays"));
+    }
+    Ok(())
+}
+
 /// One argument given under its name or an alias (not both): a type error naming `name`
 /// when both are given.
 pub fn one_of<T>(
@@ -378,6 +409,27 @@ mod tests {
         let ok = WireValue::List(vec![WireValue::Int(1), WireValue::Int(2)]);
         assert_eq!(IntList::of_wire(&ok), Given(Ok(vec![1, 2])));
         assert!(IntList::of_wire(&WireValue::Int(1)).0.unwrap_err().ends_with("got an int (1)"));
+    }
+
+    #[test]
+    fn a_prompt_token_is_an_int_that_fits_64_bits() {
+        assert_eq!(token(0, &Int::of(-7)), Ok(-7));
+        let e = token(3, &Int::from(i128::from(i64::MAX) + 1)).unwrap_err();
+        let want = format!("item 3 is an int ({})", i128::from(i64::MAX) + 1);
+        assert_eq!(e, DisaggError::argument("prompt_tokens", want));
+        let e = token(1, &Given(Err("a float (1.5)".into()))).unwrap_err();
+        assert_eq!(e, DisaggError::argument("prompt_tokens", "item 1 is a float (1.5)"));
+    }
+
+    #[test]
+    fn out_arrays_are_distinct_c_contiguous_rows_of_three() {
+        assert_eq!(out_rows(&[8, 3], true), Ok(()));
+        let e = out_rows(&[8, 4], true).unwrap_err();
+        let want = "out arrays must be C-contiguous with shape [m, 3], got [8, 4]";
+        assert_eq!(e, DisaggError::argument("out", want));
+        assert!(out_rows(&[8, 3], false).is_err());
+        assert_eq!(distinct_outs(false), Ok(()));
+        assert_eq!(distinct_outs(true).unwrap_err().kind(), "Argument");
     }
 
     #[test]

@@ -97,6 +97,11 @@ pub fn any_int(v: Option<&Int>, field: &str) -> DisaggResult<Option<i128>> {
     v.map(|v| v.in_range(Kind::Layout, field, i128::MIN, i128::MAX, "2**127")).transpose()
 }
 
+/// The device of SSM state: `given`, else that of the first part naming one, else 0.
+pub fn state_device(given: Option<u64>, parts: [Option<u64>; 2]) -> u64 {
+    given.or(parts[0]).or(parts[1]).unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,6 +144,14 @@ mod tests {
         let mut r = raw(vec![i64::MAX, 1], true);
         r.element_size = 4;
         assert_eq!(TensorView::from_raw(&r).unwrap_err().kind(), "AddressOverflow");
+    }
+
+    #[test]
+    fn ssm_state_takes_the_given_device_else_its_first_parts() {
+        assert_eq!(state_device(Some(3), [Some(1), Some(2)]), 3);
+        assert_eq!(state_device(None, [None, Some(2)]), 2);
+        assert_eq!(state_device(None, [Some(1), Some(2)]), 1);
+        assert_eq!(state_device(None, [None, None]), 0);
     }
 
     #[test]

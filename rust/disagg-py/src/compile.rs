@@ -62,13 +62,7 @@ fn out_array<'py>(arr: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<u64>>
             ),
         )
     })?;
-    if a.shape()[1] != 3 || !a.is_c_contiguous() {
-        return Err(err(
-            Kind::Argument,
-            "out",
-            format!("out arrays must be C-contiguous with shape [m, 3], got {:?}", a.shape()),
-        ));
-    }
+    disagg_core::args::out_rows(a.shape(), a.is_c_contiguous()).py()?;
     Ok(a.clone())
 }
 
@@ -204,9 +198,7 @@ impl PyTransferProgram {
         let out = out.map(|o| o.get("out", "a pair of numpy arrays")).transpose()?;
         if let Some((src_o, dst_o)) = out {
             let (sa, da) = (out_array(&src_o)?, out_array(&dst_o)?);
-            if sa.is(&da) {
-                return Err(err(Kind::Argument, "out", "out must be two distinct arrays".into()));
-            }
+            disagg_core::args::distinct_outs(sa.is(&da)).py()?;
             let not_writable = |e: numpy::BorrowError| {
                 err(Kind::Argument, "out", format!("out array is not writable: {e}"))
             };

@@ -6,7 +6,7 @@
 
 use disagg_core::buffer::{self, BufferArgs, LayoutArgs};
 use disagg_core::geometry::TensorView;
-use disagg_core::tensor_args::{any_int, RawTensor};
+use disagg_core::tensor_args::{any_int, state_device, RawTensor};
 use disagg_core::wire::value::{Obj, WireValue};
 use disagg_core::{
     DisaggError, KvGeometry, KvGeometrySpec, KvShardLayout, SsmGeometry, SsmStateKind, SsmStatePart,
@@ -272,7 +272,7 @@ methods {
         recurrent: Option<Bound<'_, PyAny>>,
         device_id: Option<Int>,
     ) -> PyResult<Self> {
-        let mut dev = device_u64(device_id)?;
+        let dev = device_u64(device_id)?;
         let c = conv
             .filter(|t| !t.is_none())
             .map(|t| part_from_tensor(&t, SsmStateKind::Conv, 4))
@@ -281,10 +281,8 @@ methods {
             .filter(|t| !t.is_none())
             .map(|t| part_from_tensor(&t, SsmStateKind::Recurrent, 5))
             .transpose()?;
-        for found in [c.as_ref().and_then(|p| p.1), r.as_ref().and_then(|p| p.1)] {
-            dev = dev.or(found);
-        }
-        let inner = SsmGeometry::new(c.map(|p| p.0), r.map(|p| p.0), dev.unwrap_or(0)).py()?;
+        let dev = state_device(dev, [c.as_ref().and_then(|p| p.1), r.as_ref().and_then(|p| p.1)]);
+        let inner = SsmGeometry::new(c.map(|p| p.0), r.map(|p| p.0), dev).py()?;
         Ok(Self { inner })
     }
 
