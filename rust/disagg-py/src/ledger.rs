@@ -25,7 +25,7 @@ use crate::wire::to_wire;
 /// (ownership of `block_ids` and `ssm_slot` moved to the live request), `complete` (finished
 /// without a forward step), `fail` (`reason`, `quarantined`), `release` (`reason` is the cause).
 #[pyclass(name = "LedgerAction", module = "disagg_rs", frozen, get_all, eq)]
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, Default, PartialEq, Eq)]
 pub struct PyLedgerAction {
     kind: &'static str,
     request_id: u64,
@@ -43,20 +43,7 @@ pub struct PyLedgerAction {
 
 impl PyLedgerAction {
     fn empty(kind: &'static str, request_id: u64, epoch: u64) -> Self {
-        Self {
-            kind,
-            request_id,
-            epoch,
-            reason: None,
-            quarantined: false,
-            token_start: 0,
-            src_block_ids: Vec::new(),
-            dst_block_ids: Vec::new(),
-            cached_block_ids: Vec::new(),
-            continuation_block_ids: Vec::new(),
-            block_ids: Vec::new(),
-            ssm_slot: None,
-        }
+        Self { kind, request_id, epoch, ..Self::default() }
     }
 
     fn from_core(a: LedgerAction) -> Self {
