@@ -10,7 +10,7 @@ from disagg_rs import _core, exceptions
 _KINDS_BY_BUILTIN = {
     ValueError: "Layout:LayoutError Coverage:PlanCoverageError Block:BlockIdError "
     "Geometry:GeometryMismatchError Wire:MetadataError DuplicateRequest:DuplicateRequestError "
-    "Capacity:CapacityError Argument:ArgumentError",
+    "Capacity:CapacityError Argument:ArgumentError ArgumentType:ArgumentTypeError",
     OverflowError: "AddressOverflow:AddressOverflowError",
     LookupError: "UnknownRequest:UnknownRequestError",
     RuntimeError: "State:HandoffStateError HandoffState:HandoffStateError "

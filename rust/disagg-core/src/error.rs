@@ -133,6 +133,14 @@ pub enum DisaggError {
         /// The handoff's message tag.
         tag: u64,
     },
+    /// An argument of the wrong type (a float, a bool, `None` or a string where an int is
+    /// needed); raised as a `TypeError` too.
+    ArgumentType {
+        /// The argument that is wrong.
+        field: String,
+        /// What was needed and what was given.
+        detail: String,
+    },
     /// A pool or ledger consistency check found a leaked, doubly owned or miscounted block or
     /// slot. Always a bug (in the caller's use of the pool or in `disagg_rs`), never bad input.
     Conservation {
@@ -161,6 +169,7 @@ impl DisaggError {
             Self::Argument { .. } => "Argument",
             Self::MessageOrder { .. } => "MessageOrder",
             Self::PushAborted { .. } => "PushAborted",
+            Self::ArgumentType { .. } => "ArgumentType",
             Self::Conservation { .. } => "Conservation",
         }
     }
@@ -185,6 +194,7 @@ impl DisaggError {
             Self::argument("rank", "rank=4 must be < world_size=4"),
             Self::MessageOrder { field: "tag".into(), expected: 68, got: 72 },
             Self::PushAborted { peer: 0, tag: 68 },
+            Self::argument_type("rank", "rank must be an int, got a float (1.5)"),
             Self::Conservation {
                 detail: "free 3 + owned 4 + quarantined 0 + pinned 0 != 8".into(),
             },
@@ -246,6 +256,11 @@ impl DisaggError {
         Self::Argument { field: field.into(), detail: detail.into() }
     }
 
+    /// Shorthand for [`DisaggError::ArgumentType`].
+    pub fn argument_type(field: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self::ArgumentType { field: field.into(), detail: detail.into() }
+    }
+
     /// `Ok` when an invariant `holds`, else a [`DisaggError::Conservation`] saying `detail()`.
     pub fn conserved(holds: bool, detail: impl FnOnce() -> String) -> DisaggResult<()> {
         if holds {
@@ -293,7 +308,9 @@ impl fmt::Display for DisaggError {
                 write!(f, "handoff not possible in this state (`{field}`): {detail}")
             }
             Self::ResetRefused { detail } => write!(f, "reset refused, nothing changed: {detail}"),
-            Self::Argument { field, detail } => write!(f, "invalid argument `{field}`: {detail}"),
+            Self::Argument { field, detail } | Self::ArgumentType { field, detail } => {
+                write!(f, "invalid argument `{field}`: {detail}")
+            }
             Self::MessageOrder { field, expected, got } => write!(
                 f,
                 "two-sided message out of step: header field `{field}` is {got}, the receive \
@@ -319,7 +336,7 @@ mod tests {
         kinds.sort_unstable();
         kinds.dedup();
         // Bump this together with a new variant and its sample.
-        assert_eq!(kinds.len(), 17);
+        assert_eq!(kinds.len(), 18);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! `[lo, hi)`.
 #![forbid(unsafe_code)]
 
+pub mod args;
 pub mod buffer;
 pub mod chunks;
 pub mod compile;
@@ -28,6 +29,7 @@ pub mod runs;
 pub mod staging;
 pub mod stream;
 pub mod tags;
+pub mod tensor_args;
 pub mod wire;
 
 pub use compile::{

@@ -299,6 +299,14 @@ impl RankPair for SsmReshardTransfer {
     }
 }
 
+/// A sequence index as Python resolves it against `len` (a negative one counts from the
+/// end), or `None` when it is out of range.
+pub fn seq_index(index: isize, len: usize) -> Option<usize> {
+    let i =
+        if index < 0 { len.checked_sub(index.unsigned_abs()) } else { Some(index.unsigned_abs()) };
+    i.filter(|&i| i < len)
+}
+
 /// The transfers of `ts` that `rank` sends (`src`) or receives (`!src`), in their order.
 pub fn of_rank<T: RankPair>(ts: &[T], src: bool, rank: u32) -> Vec<T> {
     ts.iter()
@@ -690,6 +698,16 @@ impl SsmReshardPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_plan_index_resolves_like_a_python_sequence_index() {
+        assert_eq!(seq_index(0, 3), Some(0));
+        assert_eq!(seq_index(-1, 3), Some(2));
+        assert_eq!(seq_index(-3, 3), Some(0));
+        assert_eq!(seq_index(-4, 3), None);
+        assert_eq!(seq_index(3, 3), None);
+        assert_eq!(seq_index(0, 0), None);
+    }
 
     fn kv_side(tp: u32, pp: u32, layers: u32, heads: u32, rank0: u32) -> Vec<KvShardLayout> {
         KvShardLayout::engine(layers, heads, tp, pp, rank0).unwrap()

@@ -2,8 +2,6 @@
 //! and `TransferProgram`, whose lists come back as `[n, 3]` `uint64` numpy arrays built with
 //! the GIL released (no Python object per descriptor).
 
-use std::collections::BTreeMap;
-
 use disagg_core::{
     compile_kv_transfer, compile_ssm_transfer, CostModel, DisaggError, KvTransferRequest, ListKind,
     ModeChoice, SourceStats, SrcBlockIds, SrcSlots, SsmTransferRequest, TransferProgram,
@@ -24,16 +22,14 @@ fn block_list(field: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
 }
 
 fn parse_src_block_ids(obj: &Bound<'_, PyAny>) -> PyResult<SrcBlockIds> {
-    if let Ok(m) = obj.cast::<PyDict>() {
-        let mut out = BTreeMap::new();
-        for (k, v) in m.iter() {
-            let rank = k.extract::<Int>()?.to_u32(Kind::Block, "src_block_ids (dict key)")?;
-            out.insert(rank, block_list(&format!("src_block_ids[{rank}]"), &v)?);
-        }
-        Ok(SrcBlockIds::PerRank(out))
-    } else {
-        Ok(SrcBlockIds::Shared(block_list("src_block_ids", obj)?))
-    }
+    let Ok(m) = obj.cast::<PyDict>() else {
+        return SrcBlockIds::given(Some(&obj.extract::<IntList>()?.0), &[]).py();
+    };
+    let per_rank = m
+        .iter()
+        .map(|(k, v)| Ok((k.extract::<Int>()?.0, v.extract::<IntList>()?.0)))
+        .collect::<PyResult<Vec<_>>>()?;
+    SrcBlockIds::given(None, &per_rank).py()
 }
 
 fn rows_to_numpy(py: Python<'_>, rows: Vec<[u64; 3]>) -> PyResult<Bound<'_, PyArray2<u64>>> {
@@ -62,13 +58,7 @@ fn out_array<'py>(arr: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<u64>>
             ),
         )
     })?;
-    if a.shape()[1] != 3 || !a.is_c_contiguous() {
-        return Err(err(
-            Kind::Argument,
-            "out",
-            format!("out arrays must be C-contiguous with shape [m, 3], got {:?}", a.shape()),
-        ));
-    }
+    disagg_core::args::out_rows(a.shape(), a.is_c_contiguous()).py()?;
     Ok(a.clone())
 }
 
@@ -204,9 +194,7 @@ impl PyTransferProgram {
         let out = out.map(|o| o.get("out", "a pair of numpy arrays")).transpose()?;
         if let Some((src_o, dst_o)) = out {
             let (sa, da) = (out_array(&src_o)?, out_array(&dst_o)?);
-            if sa.is(&da) {
-                return Err(err(Kind::Argument, "out", "out must be two distinct arrays".into()));
-            }
+            disagg_core::args::distinct_outs(sa.is(&da)).py()?;
             let not_writable = |e: numpy::BorrowError| {
                 err(Kind::Argument, "out", format!("out array is not writable: {e}"))
             };
@@ -429,15 +417,14 @@ pub fn py_compile_ssm_transfer(
     let mode = mode.get("mode")?;
     let cost = cost(&per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
     let src_slots = if let Ok(m) = src_slot.cast::<PyMapping>() {
-        let mut out = BTreeMap::new();
+        let mut per_rank = Vec::new();
         for item in m.items()?.iter() {
-            let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
-            let rank = k.extract::<Int>()?.to_u32(Kind::Block, "src_slot (dict key)")?;
-            out.insert(rank, slot_of(&format!("src_slot[{rank}]"), &v)?);
+            let (k, v): (Int, Int) = item.extract()?;
+            per_rank.push((k.0, v.0));
         }
-        SrcSlots::PerRank(out)
+        SrcSlots::given(None, &per_rank).py()?
     } else {
-        SrcSlots::Shared(slot_of("src_slot", src_slot)?)
+        SrcSlots::given(Some(&src_slot.extract::<Int>()?.0), &[]).py()?
     };
     let req = SsmTransferRequest {
         srcs: src.iter().map(|(l, g)| (l.inner, g.inner.clone())).collect(),

@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3::IntoPyObjectExt;
 
+use crate::args::Int;
 use crate::error::IntoPyResult;
 
 fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
@@ -52,15 +53,6 @@ pub fn decode_control_message<'py>(
     Ok(dict)
 }
 
-fn kind(name: &str) -> Option<control::Kind> {
-    control::Kind::from_name(name)
-}
-
-/// An id field as an int, or `None` (absent, or not an int that fits: no request to track).
-fn id(v: Option<&Bound<'_, PyAny>>) -> Option<i64> {
-    v.and_then(|v| v.extract::<i64>().ok())
-}
-
 /// An engine's view of its coordinator (`disagg_core::wire::control::LinkLiveness`): liveness
 /// through acknowledged heartbeats, and the requests to abort when it is lost. Times are
 /// seconds on the caller's clock.
@@ -77,16 +69,8 @@ impl LinkLiveness {
 
     /// The engine sent (or dropped, `delivered` false) a `kind` message about `request_id`.
     #[pyo3(signature = (kind, request_id, delivered, now))]
-    fn sent(
-        &mut self,
-        kind: &str,
-        request_id: Option<&Bound<'_, PyAny>>,
-        delivered: bool,
-        now: f64,
-    ) {
-        if let Some(k) = self::kind(kind) {
-            self.0.sent(k, id(request_id), delivered, now);
-        }
+    fn sent(&mut self, kind: &str, request_id: Option<Int>, delivered: bool, now: f64) {
+        self.0.sent_named(kind, request_id.map(|r| r.0).as_ref(), delivered, now);
     }
 
     /// A message arrived; returns whether the coordinator was lost and is back.
@@ -94,14 +78,12 @@ impl LinkLiveness {
     fn received(
         &mut self,
         kind: &str,
-        request_id: Option<&Bound<'_, PyAny>>,
-        epoch: Option<&Bound<'_, PyAny>>,
+        request_id: Option<Int>,
+        epoch: Option<Int>,
         now: f64,
     ) -> bool {
-        match self::kind(kind) {
-            Some(k) => self.0.received(k, id(request_id), id(epoch), now),
-            None => false,
-        }
+        let (r, e) = (request_id.map(|r| r.0), epoch.map(|e| e.0));
+        self.0.received_named(kind, r.as_ref(), e.as_ref(), now)
     }
 
     /// Whether a heartbeat is due (taken as sent when it is).

@@ -4,8 +4,6 @@ use disagg_core::DisaggError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::args::{Int, Kind};
-
 pyo3::import_exception!(disagg_rs.exceptions, LayoutError);
 pyo3::import_exception!(disagg_rs.exceptions, PlanCoverageError);
 pyo3::import_exception!(disagg_rs.exceptions, BlockIdError);
@@ -19,6 +17,7 @@ pyo3::import_exception!(disagg_rs.exceptions, CapacityError);
 pyo3::import_exception!(disagg_rs.exceptions, HandoffStateError);
 pyo3::import_exception!(disagg_rs.exceptions, ResetRefusedError);
 pyo3::import_exception!(disagg_rs.exceptions, ArgumentError);
+pyo3::import_exception!(disagg_rs.exceptions, ArgumentTypeError);
 pyo3::import_exception!(disagg_rs.exceptions, ConservationError);
 pyo3::import_exception!(disagg_rs.exceptions, MessageOrderError);
 pyo3::import_exception!(disagg_rs.exceptions, PushAbortedError);
@@ -44,6 +43,7 @@ pub fn to_pyerr(e: DisaggError) -> PyErr {
         DisaggError::Argument { field, .. } => ArgumentError::new_err((msg, field)),
         DisaggError::MessageOrder { field, .. } => MessageOrderError::new_err((msg, field)),
         DisaggError::PushAborted { .. } => PushAbortedError::new_err((msg, "tag")),
+        DisaggError::ArgumentType { field, .. } => ArgumentTypeError::new_err((msg, field)),
         DisaggError::Conservation { .. } => ConservationError::new_err((msg, None::<String>)),
     }
 }
@@ -87,12 +87,6 @@ pub fn _raise_sample_error(kind: &str) -> PyResult<()> {
     }
 }
 
-/// A Python int field that must fit `u32`, as a typed layout error otherwise (any other type,
-/// a bool, a negative or huge int included: see [`crate::args`]).
-pub fn u32_field(field: &str, value: impl Into<Int>) -> PyResult<u32> {
-    value.into().to_u32(Kind::Layout, field)
-}
-
 /// A `MetadataError` naming `field`.
 pub fn wire_err(field: &str, detail: String) -> PyErr {
     to_pyerr(DisaggError::wire(field, detail))
@@ -109,39 +103,6 @@ pub fn wire_dict<'a, 'py>(
     })
 }
 
-/// The integer fields `keys` of a wire dict, type-checked: `None` for an absent or null one.
-pub fn dict_u32s<'k>(
-    d: &Bound<'_, PyDict>,
-    keys: &[&'k str],
-) -> PyResult<Vec<(&'k str, Option<u32>)>> {
-    keys.iter()
-        .map(|&key| {
-            let v = match d.get_item(key)? {
-                Some(v) if !v.is_none() => v,
-                _ => return Ok((key, None)),
-            };
-            let n: i64 =
-                v.extract().map_err(|_| wire_err(key, format!("expected an int, got {v}")))?;
-            let n = u32::try_from(n)
-                .map_err(|_| wire_err(key, format!("{key}={n} must be in [0, 2**32)")))?;
-            Ok((key, Some(n)))
-        })
-        .collect()
-}
-
-/// Reject keys a wire dict must not carry, so a typo never silently becomes a default.
-pub fn reject_unknown_keys(d: &Bound<'_, PyDict>, known: &[&str], what: &str) -> PyResult<()> {
-    for key in d.keys() {
-        let name: String = key
-            .extract()
-            .map_err(|_| wire_err("<key>", format!("{what} dict has a non-string key {key}")))?;
-        if !known.contains(&name.as_str()) {
-            return Err(wire_err(&name, format!("unknown field in {what} dict; known: {known:?}")));
-        }
-    }
-    Ok(())
-}
-
 /// One `#[pymethods]` block whose plain read-only accessors of `self.inner` are listed, not
 /// written out, so every record class reads its fields through one implementation:
 ///
@@ -150,41 +111,25 @@ pub fn reject_unknown_keys(d: &Bound<'_, PyDict>, known: &[&str], what: &str) ->
 /// - `range { name = (path); }`: method (not a getter) returning that span as `(lo, hi)`;
 /// - `methods { .. }`: the hand-written methods.
 ///
-/// A leading `wire` adds `from_dict` (through the type's `from_wire`) and `__reduce__`
-/// (through its `to_dict`), so pickling and the wire share one decoder. `wire_core $ty =>
-/// $core` also writes `from_wire`, `to_dict` and `__repr__` through the core type's own wire
-/// codec and `Display`. Doc comments carry over.
+/// A leading `wire $ty => $core` adds `from_dict`, `to_dict`, `__reduce__` (pickling and the
+/// wire share one codec: the core's [`WireRecord`](disagg_core::wire::layout::WireRecord))
+/// and `__repr__` (the core type's `Display`). Doc comments carry over.
 macro_rules! py_methods {
-    (wire_core $ty:ty => $core:ty, get $g:tt span $s:tt range $r:tt methods { $($m:tt)* }) => {
+    (wire $ty:ty => $core:ty, get $g:tt span $s:tt range $r:tt methods { $($m:tt)* }) => {
         impl $ty {
             /// Decode a wire dict: `MetadataError` on a missing, unknown or mistyped field, the
             /// core type's own errors on invalid values.
-            fn from_wire(
+            pub fn from_wire(
                 d: &::pyo3::Bound<'_, ::pyo3::types::PyDict>,
             ) -> ::pyo3::PyResult<Self> {
                 use $crate::error::IntoPyResult;
+                use ::disagg_core::wire::layout::WireRecord;
                 let v = $crate::wire::to_wire(d.as_any(), "<dict>")?;
                 let obj = ::disagg_core::wire::value::Obj::of(&v, "").py()?;
-                Ok(Self { inner: <$core>::from_wire(&obj).py()? })
+                Ok(Self { inner: <$core>::from_obj(&obj).py()? })
             }
         }
 
-        $crate::error::py_methods!(wire $ty, get $g span $s range $r methods {
-            $($m)*
-            /// Plain dict for the wire (JSON/msgpack safe); `from_dict(to_dict())` round-trips.
-            fn to_dict<'py>(
-                &self,
-                py: ::pyo3::Python<'py>,
-            ) -> ::pyo3::PyResult<::pyo3::Bound<'py, ::pyo3::types::PyDict>> {
-                $crate::args::wire_dict_to_py(py, &self.inner.to_wire())
-            }
-
-            fn __repr__(&self) -> String {
-                self.inner.to_string()
-            }
-        });
-    };
-    (wire $ty:ty, get $g:tt span $s:tt range $r:tt methods { $($m:tt)* }) => {
         $crate::error::py_methods!($ty, get $g span $s range $r methods {
             $($m)*
             /// Rebuild from `to_dict()` output (or the reference design's field dict).
@@ -204,6 +149,17 @@ macro_rules! py_methods {
                 use ::pyo3::types::PyAnyMethods;
                 let from_dict = slf.get_type().getattr("from_dict")?;
                 Ok((from_dict, (slf.get().to_dict(slf.py())?,)))
+            }
+            /// Plain dict for the wire (JSON/msgpack safe); `from_dict(to_dict())` round-trips.
+            fn to_dict<'py>(
+                &self,
+                py: ::pyo3::Python<'py>,
+            ) -> ::pyo3::PyResult<::pyo3::Bound<'py, ::pyo3::types::PyDict>> {
+                let wire = ::disagg_core::wire::layout::WireRecord::to_wire(&self.inner);
+                $crate::args::wire_dict_to_py(py, &wire)
+            }
+            fn __repr__(&self) -> String {
+                self.inner.to_string()
             }
         });
     };

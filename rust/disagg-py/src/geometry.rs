@@ -6,6 +6,7 @@
 
 use disagg_core::buffer::{self, BufferArgs, LayoutArgs};
 use disagg_core::geometry::TensorView;
+use disagg_core::tensor_args::{any_int, state_device, RawTensor};
 use disagg_core::wire::value::{Obj, WireValue};
 use disagg_core::{
     DisaggError, KvGeometry, KvGeometrySpec, KvShardLayout, SsmGeometry, SsmStateKind, SsmStatePart,
@@ -20,16 +21,6 @@ use crate::wire::to_wire;
 
 fn geo_err(field: &str, detail: String) -> PyErr {
     to_pyerr(DisaggError::geometry(field, detail))
-}
-
-fn nonneg(field: &str, v: Vec<i64>) -> PyResult<Vec<u64>> {
-    v.into_iter()
-        .map(|x| {
-            u64::try_from(x).map_err(|_| {
-                geo_err(field, format!("{field} has a negative entry {x}; not supported"))
-            })
-        })
-        .collect()
 }
 
 /// Read a torch tensor (anything with `data_ptr()`) or a numpy array; anything else (None, a
@@ -50,49 +41,35 @@ fn tensor_view(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
 }
 
 fn tensor_view_of(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
-    let shape: Vec<i64> = t.getattr("shape")?.extract()?;
-    let shape = nonneg("shape", shape)?;
     let dtype = t.getattr("dtype").ok().map(|d| d.str().map(|s| s.to_string())).transpose()?;
-    let dtype = dtype.map(|s| s.strip_prefix("torch.").unwrap_or(&s).to_string());
-    if t.hasattr("data_ptr")? {
-        let element_size: u32 = t.call_method0("element_size")?.extract()?;
-        let ptr: u64 = t.call_method0("data_ptr")?.extract()?;
-        let strides: Vec<i64> = t.call_method0("stride")?.extract()?;
-        let strides = nonneg("stride", strides)?
-            .into_iter()
-            .map(|s| s.checked_mul(u64::from(element_size)))
-            .collect::<Option<Vec<u64>>>()
-            .ok_or_else(|| to_pyerr(DisaggError::overflow("tensor stride in bytes exceeds u64")))?;
-        let device = match t.getattr("device") {
-            Ok(d) => {
-                d.getattr("index").ok().and_then(|i| i.extract::<Option<u64>>().ok()).flatten()
-            }
-            Err(_) => None,
-        };
-        Ok(TensorView { ptr, shape, strides, element_size, dtype, device })
-    } else if t.hasattr("__array_interface__")? {
-        let iface = t.getattr("__array_interface__")?;
-        let data = iface.get_item("data")?;
-        let ptr: u64 = data.get_item(0)?.extract()?;
-        let element_size: u32 = t.getattr("itemsize")?.extract()?;
-        let strides: Vec<i64> = t.getattr("strides")?.extract()?;
-        Ok(TensorView {
-            ptr,
+    let shape: Vec<i64> = t.getattr("shape")?.extract()?;
+    let raw = if t.hasattr("data_ptr")? {
+        let index = |d: Bound<'_, PyAny>| d.getattr("index").ok()?.extract::<Option<u64>>().ok();
+        RawTensor {
+            ptr: t.call_method0("data_ptr")?.extract()?,
             shape,
-            strides: nonneg("strides", strides)?,
-            element_size,
+            strides: t.call_method0("stride")?.extract()?,
+            strides_in_elements: true,
+            element_size: t.call_method0("element_size")?.extract()?,
+            dtype,
+            device: t.getattr("device").ok().and_then(index).flatten(),
+        }
+    } else if t.hasattr("__array_interface__")? {
+        RawTensor {
+            ptr: t.getattr("__array_interface__")?.get_item("data")?.get_item(0)?.extract()?,
+            shape,
+            strides: t.getattr("strides")?.extract()?,
+            strides_in_elements: false,
+            element_size: t.getattr("itemsize")?.extract()?,
             dtype,
             device: None,
-        })
+        }
     } else {
-        Err(geo_err(
-            "tensor",
-            format!(
-                "expected a torch tensor or numpy array (data_ptr() or __array_interface__), got {}",
-                t.get_type().name()?
-            ),
-        ))
-    }
+        let what = t.get_type().name()?;
+        let expected = "expected a torch tensor or numpy array (data_ptr() or __array_interface__)";
+        return Err(geo_err("tensor", format!("{expected}, got {what}")));
+    };
+    TensorView::from_raw(&raw).py()
 }
 
 fn device_u64(device_id: Option<Int>) -> PyResult<Option<u64>> {
@@ -107,7 +84,7 @@ pub struct PyKvGeometry {
     pub inner: KvGeometry,
 }
 
-py_methods!(wire_core PyKvGeometry => KvGeometry,
+py_methods!(wire PyKvGeometry => KvGeometry,
 get {
     /// 2 (K and V) or 1 (MLA latent).
     num_kv: u32 = (spec().num_kv);
@@ -254,7 +231,7 @@ fn part_arg(v: Option<Bound<'_, PyAny>>, key: &str) -> PyResult<Option<SsmStateP
     SsmStatePart::from_wire(&Obj::of(&map, "").py()?, key).py()
 }
 
-py_methods!(wire_core PySsmGeometry => SsmGeometry,
+py_methods!(wire PySsmGeometry => SsmGeometry,
 get {
     /// Local SSM layers.
     num_layers: usize = (num_layers());
@@ -295,7 +272,7 @@ methods {
         recurrent: Option<Bound<'_, PyAny>>,
         device_id: Option<Int>,
     ) -> PyResult<Self> {
-        let mut dev = device_u64(device_id)?;
+        let dev = device_u64(device_id)?;
         let c = conv
             .filter(|t| !t.is_none())
             .map(|t| part_from_tensor(&t, SsmStateKind::Conv, 4))
@@ -304,10 +281,8 @@ methods {
             .filter(|t| !t.is_none())
             .map(|t| part_from_tensor(&t, SsmStateKind::Recurrent, 5))
             .transpose()?;
-        for found in [c.as_ref().and_then(|p| p.1), r.as_ref().and_then(|p| p.1)] {
-            dev = dev.or(found);
-        }
-        let inner = SsmGeometry::new(c.map(|p| p.0), r.map(|p| p.0), dev.unwrap_or(0)).py()?;
+        let dev = state_device(dev, [c.as_ref().and_then(|p| p.1), r.as_ref().and_then(|p| p.1)]);
+        let inner = SsmGeometry::new(c.map(|p| p.0), r.map(|p| p.0), dev).py()?;
         Ok(Self { inner })
     }
 
@@ -364,34 +339,18 @@ fn layer_spec(
     }
 }
 
-/// `LayoutArgs` from the layout keyword arguments (`tp_size=...`), each read by [`int_of`];
-/// a name that is not a layout argument is an `ArgumentTypeError` naming it.
+/// `LayoutArgs` from the layout keyword arguments (`tp_size=...`).
 fn layout_args(layout: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutArgs> {
-    let mut a = LayoutArgs::default();
+    let mut named: Vec<(String, Option<Int>)> = Vec::new();
     for (key, value) in layout.into_iter().flat_map(PyDictMethods::iter) {
-        let name: String = key.extract()?;
-        let slot = match name.as_str() {
-            "tp_size" => &mut a.tp_size,
-            "tp_rank" => &mut a.tp_rank,
-            "num_kv_heads_global" => &mut a.num_kv_heads_global,
-            "heads_per_partition" => &mut a.heads_per_partition,
-            "head_dim" => &mut a.head_dim,
-            "tokens_per_block" => &mut a.tokens_per_block,
-            "global_rank" => &mut a.global_rank,
-            "pp_size" => &mut a.pp_size,
-            "pp_rank" => &mut a.pp_rank,
-            "num_layers_global" => &mut a.num_layers_global,
-            "layer_start" => &mut a.layer_start,
-            "layer_end" => &mut a.layer_end,
-            _ => return Err(type_err(&name, format!("`{name}` is not a KV layout argument"))),
-        };
-        *slot = int_of(value.extract()?, &name)?;
+        named.push((key.extract()?, value.extract()?));
     }
-    Ok(a)
+    let named: Vec<_> = named.iter().map(|(k, v)| (k.as_str(), v.as_ref().map(|x| &x.0))).collect();
+    LayoutArgs::from_named(&named).py()
 }
 
 fn int_of(v: Option<Int>, field: &str) -> PyResult<Option<i128>> {
-    v.map(|v| v.in_range(Kind::Layout, field, i128::MIN, i128::MAX, "2**127")).transpose()
+    any_int(v.as_ref().map(|x| &x.0), field).py()
 }
 
 /// What a transfer backend registers about its buffer (`buffer.rs` of the core decides):

@@ -5,50 +5,21 @@
 //! reference design's dataclass fields (`__dataclass_fields__`), so `dataclasses.asdict`,
 //! `astuple`, `fields` and `replace` work on them as on the reference dataclasses.
 
-use disagg_core::{
-    DisaggError, KvLayoutSpec, KvShardLayout, SsmBand, SsmLayoutSpec, SsmShardLayout, SsmStateDims,
-};
+use disagg_core::wire::layout::{dims_call, ssm_call_names, ssm_layout_call, KvLayoutCall};
+use disagg_core::{KvLayoutSpec, SsmBand, SsmLayoutSpec, SsmShardLayout, SsmStateDims};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyDict, PyList, PyTuple};
 
-use crate::args::{type_err, Int, Text};
-use crate::error::{
-    dict_u32s, py_methods, reject_unknown_keys, to_pyerr, u32_field, wire_err, IntoPyResult,
-};
+use crate::args::{type_err, Flag, Int, Text};
+use crate::error::{py_methods, IntoPyResult};
 
 /// Half-open range as a Python tuple.
 pub type PyRange = (u32, u32);
 
-/// Optional boolean field of a wire dict (absent: false).
-fn dict_bool(d: &Bound<'_, PyDict>, key: &str) -> PyResult<bool> {
-    match d.get_item(key)? {
-        None => Ok(false),
-        Some(v) => v.extract().map_err(|_| wire_err(key, format!("expected a bool, got {v}"))),
-    }
-}
-
-fn opt_u32(field: &str, v: Option<Int>) -> PyResult<Option<u32>> {
-    v.map(|x| u32_field(field, x)).transpose()
-}
-
-/// One argument given under the reference design's name or our alias (not both).
-fn one_of<T>(
-    name: &str,
-    value: Option<T>,
-    alias: &str,
-    alias_value: Option<T>,
-) -> PyResult<Option<T>> {
-    match (value, alias_value) {
-        (Some(_), Some(_)) => {
-            Err(type_err(name, format!("give {name} or its alias {alias}, not both")))
-        }
-        (v, None) | (None, v) => Ok(v),
-    }
-}
-
-fn required<T>(name: &str, v: Option<T>) -> PyResult<T> {
-    v.ok_or_else(|| type_err(name, format!("missing required argument {name}")))
+/// The core's argument of an optional one.
+fn core(v: Option<Int>) -> Option<disagg_core::args::Int> {
+    v.map(|a| a.0)
 }
 
 /// `__dataclass_fields__` of a frozen dataclass named `name` with `fields`, built by
@@ -69,10 +40,10 @@ fn dataclass_fields(py: Python<'_>, name: &str, fields: &[&str]) -> PyResult<Py<
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct PyKvShardLayout {
     /// The validated core layout.
-    pub inner: KvShardLayout,
+    pub inner: disagg_core::KvShardLayout,
 }
 
-py_methods!(wire PyKvShardLayout,
+py_methods!(wire PyKvShardLayout => disagg_core::KvShardLayout,
 get {
     /// Layers of the whole model.
     num_layers: u32 = (num_layers);
@@ -146,33 +117,17 @@ methods {
         num_local_layers: Option<Int>,
         num_kv_heads: Option<Int>,
     ) -> PyResult<Self> {
-        let heads = required(
-            "num_heads (or num_kv_heads)",
-            one_of("num_heads", num_heads, "num_kv_heads", num_kv_heads)?,
-        )?;
-        let tp_size_u = u32_field("tp_size", tp_size)?;
-        let tp_rank_u = u32_field("tp_rank", tp_rank)?;
-        let pp_rank_u = u32_field("pp_rank", pp_rank)?;
-        let default_rank = i128::from(pp_rank_u) * i128::from(tp_size_u) + i128::from(tp_rank_u);
-        let spec = KvLayoutSpec {
-            num_layers: u32_field("num_layers", num_layers)?,
-            num_kv_heads: u32_field("num_kv_heads", heads)?,
-            tp_size: tp_size_u,
-            tp_rank: tp_rank_u,
-            pp_size: u32_field("pp_size", pp_size)?,
-            pp_rank: pp_rank_u,
-            global_rank: u32_field(
-                "global_rank",
-                global_rank.unwrap_or_else(|| default_rank.into()),
-            )?,
-            ep_size: u32_field("ep_size", ep_size)?,
-            ep_rank: u32_field("ep_rank", ep_rank)?,
-            etp_size: u32_field("etp_size", etp_size)?,
-            etp_rank: u32_field("etp_rank", etp_rank)?,
-            layer_start: opt_u32("layer_start", layer_start)?,
-            num_local_layers: opt_u32("num_local_layers", num_local_layers)?,
+        let parallel = [tp_size, tp_rank, pp_size, pp_rank, ep_size, ep_rank, etp_size, etp_rank];
+        let call = KvLayoutCall {
+            num_layers: num_layers.0,
+            num_heads: core(num_heads),
+            num_kv_heads: core(num_kv_heads),
+            parallel: parallel.map(|a| a.0),
+            global_rank: core(global_rank),
+            layer_start: core(layer_start),
+            num_local_layers: core(num_local_layers),
         };
-        Ok(Self { inner: KvShardLayout::new(spec).py()? })
+        Ok(Self { inner: call.layout().py()? })
     }
 
     /// The reference design's dataclass fields (for `dataclasses.asdict` and friends).
@@ -192,23 +147,7 @@ methods {
     fn kv_shard_key(&self) -> (u32, u32) {
         self.inner.kv_shard_key()
     }
-    /// Plain dict for the wire (JSON/msgpack safe); `from_dict(to_dict())` round-trips.
-    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        PyDict::from_sequence(&PyList::new(py, self.inner.spec().wire_fields())?.into_any())
-    }
-    fn __repr__(&self) -> String {
-        self.inner.to_string()
-    }
 });
-
-impl PyKvShardLayout {
-    /// Decode a wire dict (ours or the reference design's field names).
-    pub fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
-        reject_unknown_keys(d, &KvLayoutSpec::WIRE_KEYS, "KVShardLayout")?;
-        let spec = KvLayoutSpec::from_wire(&dict_u32s(d, &KvLayoutSpec::WIRE_KEYS)?).py()?;
-        Ok(Self { inner: KvShardLayout::new(spec).py()? })
-    }
-}
 
 /// Global dimensions of one Mamba2-style SSM layer.
 #[pyclass(name = "SSMStateDims", module = "disagg_rs", frozen, eq, hash)]
@@ -221,7 +160,7 @@ pub struct PySsmStateDims {
 /// The reference design's dataclass fields of `SSMStateDims`, in its order.
 const DIMS_FIELDS: [&str; 5] = ["nheads", "headdim", "d_state", "ngroups", "d_conv"];
 
-py_methods!(wire PySsmStateDims,
+py_methods!(wire PySsmStateDims => SsmStateDims,
 get {
     /// SSM heads of the whole model (the reference design's name).
     nheads: u32 = (num_heads);
@@ -257,20 +196,9 @@ methods {
         head_dim: Option<Int>,
         n_groups: Option<Int>,
     ) -> PyResult<Self> {
-        let heads =
-            required("nheads (or num_heads)", one_of("nheads", nheads, "num_heads", num_heads)?)?;
-        let dim =
-            required("headdim (or head_dim)", one_of("headdim", headdim, "head_dim", head_dim)?)?;
-        let groups =
-            one_of("ngroups", ngroups, "n_groups", n_groups)?.unwrap_or_else(|| Int::of(1));
-        let inner = SsmStateDims::new(
-            u32_field("num_heads", heads)?,
-            u32_field("head_dim", dim)?,
-            u32_field("d_state", required("d_state", d_state)?)?,
-            u32_field("n_groups", groups)?,
-            u32_field("d_conv", d_conv)?,
-        )
-        .py()?;
+        let (heads, dim) = ([core(nheads), core(num_heads)], [core(headdim), core(head_dim)]);
+        let groups = [core(ngroups), core(n_groups)];
+        let inner = dims_call(heads, dim, groups, core(d_state), &d_conv.0).py()?;
         Ok(Self { inner })
     }
     /// The reference design's dataclass fields (for `dataclasses.asdict` and friends).
@@ -283,22 +211,9 @@ methods {
     fn conv_channels(&self) -> PyResult<u32> {
         self.inner.conv_channels().py()
     }
-    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.inner.wire_fields().into_py_dict(py)
-    }
-    fn __repr__(&self) -> String {
-        self.inner.to_string()
-    }
 });
 
 impl PySsmStateDims {
-    /// Decode a wire dict (ours or the reference design's field names).
-    pub fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
-        reject_unknown_keys(d, &SsmStateDims::WIRE_KEYS, "SSMStateDims")?;
-        let inner = SsmStateDims::from_wire(&dict_u32s(d, &SsmStateDims::WIRE_KEYS)?).py()?;
-        Ok(Self { inner })
-    }
-
     /// An `SSMStateDims` argument, or the dict a wire round trip (`dataclasses.asdict`) made of
     /// one.
     fn coerce(v: &Bound<'_, PyAny>) -> PyResult<SsmStateDims> {
@@ -322,62 +237,7 @@ pub struct PySsmShardLayout {
     pub inner: SsmShardLayout,
 }
 
-/// Constructor arguments by name, from either positional order.
-struct SsmArgs<'py> {
-    given: Vec<(&'static str, Bound<'py, PyAny>)>,
-}
-
-impl<'py> SsmArgs<'py> {
-    fn parse(args: &Bound<'py, PyTuple>, kwargs: Option<&Bound<'py, PyDict>>) -> PyResult<Self> {
-        let kw_has = |k: &str| kwargs.is_some_and(|d| d.contains(k).unwrap_or(false));
-        let second = args.get_item(1).ok();
-        let dims_second = second
-            .is_some_and(|v| v.cast::<PySsmStateDims>().is_ok() || v.cast::<PyDict>().is_ok());
-        let order = SsmLayoutSpec::call_order(args.len(), dims_second, kw_has("num_layers"));
-        if args.len() > order.len() {
-            return Err(PyTypeError::new_err(format!(
-                "SSMShardLayout takes at most {} positional arguments ({}), {} given",
-                order.len(),
-                order.join(", "),
-                args.len()
-            )));
-        }
-        let mut given: Vec<(&'static str, Bound<'py, PyAny>)> =
-            order.iter().copied().zip(args.iter()).collect();
-        if let Some(kw) = kwargs {
-            for (k, v) in kw.iter() {
-                let key: String = k.extract()?;
-                let Some(&name) = SsmLayoutSpec::CALL_KEYS.iter().find(|&&n| n == key) else {
-                    return Err(PyTypeError::new_err(format!(
-                        "SSMShardLayout got an unexpected keyword argument {key:?}"
-                    )));
-                };
-                if given.iter().any(|(n, _)| *n == name) {
-                    return Err(PyTypeError::new_err(format!(
-                        "SSMShardLayout got multiple values for argument {name:?}"
-                    )));
-                }
-                given.push((name, v));
-            }
-        }
-        Ok(Self { given })
-    }
-
-    fn get(&self, name: &str) -> Option<&Bound<'py, PyAny>> {
-        self.given.iter().find(|(n, _)| *n == name).map(|(_, v)| v).filter(|v| !v.is_none())
-    }
-
-    fn int(&self, name: &str) -> PyResult<Option<u32>> {
-        self.get(name)
-            .map(|v| {
-                let n: Int = v.extract()?;
-                u32_field(name, n)
-            })
-            .transpose()
-    }
-}
-
-py_methods!(wire PySsmShardLayout,
+py_methods!(wire PySsmShardLayout => SsmShardLayout,
 get {
     /// SSM layers held by this rank (the reference design's field; see `total_layers`).
     num_layers: u32 = (layers.len());
@@ -435,26 +295,28 @@ methods {
     #[new]
     #[pyo3(signature = (*args, **kwargs))]
     fn new(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
-        let a = SsmArgs::parse(args, kwargs)?;
-        let dims = PySsmStateDims::coerce(required("dims", a.get("dims"))?)?;
-        let replicate_groups = match a.get("replicate_groups") {
-            Some(v) => v.extract().map_err(|_| {
-                type_err("replicate_groups", format!("replicate_groups must be a bool, got {v}"))
-            })?,
-            None => false,
-        };
+        let mut keywords: Vec<(String, Bound<'_, PyAny>)> = Vec::new();
+        for (k, v) in kwargs.into_iter().flat_map(PyDictMethods::iter) {
+            keywords.push((k.extract()?, v));
+        }
+        let keys: Vec<&str> = keywords.iter().map(|(k, _)| k.as_str()).collect();
+        let second_is_dims = args
+            .get_item(1)
+            .is_ok_and(|v| v.cast::<PySsmStateDims>().is_ok() || v.cast::<PyDict>().is_ok());
+        let names = ssm_call_names(args.len(), second_is_dims, &keys).map_err(PyTypeError::new_err)?;
+        let values = args.iter().chain(keywords.into_iter().map(|(_, v)| v));
+        let given: Vec<_> = names.into_iter().zip(values).filter(|(_, v)| !v.is_none()).collect();
+        let get = |name: &str| given.iter().find(|(n, _)| *n == name).map(|(_, v)| v);
+        let dims = disagg_core::args::required("dims", get("dims")).py()?;
+        let replicate_groups = get("replicate_groups").map(PyAnyMethods::extract::<Flag>).transpose()?;
         let ints = SsmLayoutSpec::CALL_KEYS
             .iter()
             .filter(|&&k| k != "dims" && k != "replicate_groups")
-            .map(|&k| Ok((k, a.int(k)?)))
+            .map(|&k| Ok((k, get(k).map(PyAnyMethods::extract::<Int>).transpose()?)))
             .collect::<PyResult<Vec<_>>>()?;
-        let spec = SsmLayoutSpec::from_call(&ints, dims, replicate_groups).map_err(|e| match e {
-            DisaggError::Argument { field, .. } => {
-                type_err(&field, format!("missing required argument {field}"))
-            }
-            e => to_pyerr(e),
-        })?;
-        Ok(Self { inner: SsmShardLayout::new(spec).py()? })
+        let ints: Vec<_> = ints.iter().map(|(k, v)| (*k, v.as_ref().map(|x| &x.0))).collect();
+        let replicate = replicate_groups.map_or(Ok(false), |f| f.get("replicate_groups"))?;
+        Ok(Self { inner: ssm_layout_call(&ints, PySsmStateDims::coerce(dims)?, replicate).py()? })
     }
     /// The reference design's dataclass fields, then ours (for `dataclasses.asdict` and friends).
     #[classattr]
@@ -491,32 +353,4 @@ methods {
         let b = self.inner.band(SsmBand::parse(name.get("name")?).py()?);
         Ok(((b.global.lo, b.global.hi), (b.local.lo, b.local.hi)))
     }
-    /// Plain dict for the wire; `num_layers` there is the model's total (`None` if unknown).
-    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.spec();
-        let d = s.wire_fields().into_py_dict(py)?;
-        d.set_item("dims", s.dims.wire_fields().into_py_dict(py)?)?;
-        d.set_item("replicate_groups", s.replicate_groups)?;
-        Ok(d)
-    }
-    fn __repr__(&self) -> String {
-        self.inner.to_string()
-    }
 });
-
-impl PySsmShardLayout {
-    /// Decode a wire dict.
-    pub fn from_wire(d: &Bound<'_, PyDict>) -> PyResult<Self> {
-        reject_unknown_keys(d, &SsmLayoutSpec::WIRE_KEYS, "SSMShardLayout")?;
-        let dims_obj =
-            d.get_item("dims")?.ok_or_else(|| wire_err("dims", "missing required field".into()))?;
-        let dims_dict = dims_obj
-            .cast::<PyDict>()
-            .map_err(|_| wire_err("dims", format!("expected a dict, got {dims_obj}")))?;
-        let dims = PySsmStateDims::from_wire(dims_dict)?.inner;
-        let fields = dict_u32s(d, SsmLayoutSpec::int_wire_keys())?;
-        let spec =
-            SsmLayoutSpec::from_wire(&fields, dims, dict_bool(d, "replicate_groups")?).py()?;
-        Ok(Self { inner: SsmShardLayout::new(spec).py()? })
-    }
-}

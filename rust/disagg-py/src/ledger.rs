@@ -13,9 +13,10 @@ use disagg_core::{
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::args::{describe, Flag, Int, IntList, Kind, Text};
-use crate::error::{wire_err, IntoPyResult};
+use crate::args::{Flag, Int, IntList, Kind, Text};
+use crate::error::IntoPyResult;
 use crate::pool::{core_methods, ids_arg, lock, lock_with, tokens_arg, u32_arg, u64_arg, Out};
+use crate::wire::to_wire;
 
 /// One action of a ledger, tagged by `kind`; the fields a kind does not use are empty.
 ///
@@ -24,7 +25,7 @@ use crate::pool::{core_methods, ids_arg, lock, lock_with, tokens_arg, u32_arg, u
 /// (ownership of `block_ids` and `ssm_slot` moved to the live request), `complete` (finished
 /// without a forward step), `fail` (`reason`, `quarantined`), `release` (`reason` is the cause).
 #[pyclass(name = "LedgerAction", module = "disagg_rs", frozen, get_all, eq)]
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, Default, PartialEq, Eq)]
 pub struct PyLedgerAction {
     kind: &'static str,
     request_id: u64,
@@ -42,20 +43,7 @@ pub struct PyLedgerAction {
 
 impl PyLedgerAction {
     fn empty(kind: &'static str, request_id: u64, epoch: u64) -> Self {
-        Self {
-            kind,
-            request_id,
-            epoch,
-            reason: None,
-            quarantined: false,
-            token_start: 0,
-            src_block_ids: Vec::new(),
-            dst_block_ids: Vec::new(),
-            cached_block_ids: Vec::new(),
-            continuation_block_ids: Vec::new(),
-            block_ids: Vec::new(),
-            ssm_slot: None,
-        }
+        Self { kind, request_id, epoch, ..Self::default() }
     }
 
     fn from_core(a: LedgerAction) -> Self {
@@ -148,18 +136,6 @@ fn batch_room(total: Int, max_requests: Int, active: Int, max_tokens: Int) -> Py
     })
 }
 
-/// A ticket's integer field: anything else (a bool, a float, a string) is a `MetadataError`
-/// naming the field.
-fn ticket_int(request_id: u64, field: &str, v: &Bound<'_, PyAny>) -> PyResult<i128> {
-    let int = v.extract::<Int>()?;
-    int.in_range(Kind::Argument, field, i128::MIN, i128::MAX, "2**127").map_err(|_| {
-        wire_err(
-            field,
-            format!("request {request_id}: ticket {field}={} must be an int", describe(v)),
-        )
-    })
-}
-
 /// A push plan as Python receives it (see `PyPinLedger::start_push`).
 type PushTuple = (u64, Vec<u32>, Vec<u32>, u32, Option<u32>, Option<u32>);
 
@@ -167,25 +143,7 @@ type PushTuple = (u64, Vec<u32>, Vec<u32>, u32, Option<u32>, Option<u32>);
 fn push_destination(meta: &Bound<'_, PyAny>) -> PyResult<Option<PushDestination>> {
     let Ok(meta) = meta.cast::<PyDict>() else { return Ok(None) };
     let Some(dest) = meta.get_item("destination")? else { return Ok(None) };
-    let dest = dest
-        .cast_into::<PyDict>()
-        .map_err(|_| wire_err("destination", "a push destination must be a dict".to_owned()))?;
-    // A key holding None states nothing, like a missing key.
-    let get = |key: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
-        Ok(dest.get_item(key)?.filter(|v| !v.is_none()))
-    };
-    let int = |key: &str| -> PyResult<Option<u32>> {
-        get(key)?.map(|v| v.extract::<Int>()?.to_u32(Kind::Argument, key)).transpose()
-    };
-    let dst_block_ids = get("dst_block_ids")?
-        .map(|v| v.extract::<IntList>()?.to_u32s(Kind::Block, "dst_block_ids"))
-        .transpose()?;
-    Ok(Some(PushDestination {
-        dst_block_ids,
-        num_tokens: int("num_tokens")?,
-        token_start: int("token_start")?.unwrap_or(0),
-        dst_ssm_slot: int("dst_ssm_slot")?,
-    }))
+    PushDestination::from_wire(&to_wire(&dest, "destination")?).map(Some).py()
 }
 
 /// Decode-side import ledger over its own block and SSM slot pools.
@@ -371,10 +329,11 @@ methods {
         request_id: Int,
         now: Int,
         timeout: Int,
-        lease_ns: Option<&Bound<'_, PyAny>>,
+        lease_ns: Option<Int>,
     ) -> PyResult<u64> {
         let request_id = u64_arg("request_id", request_id)?;
-        let lease = lease_ns.map(|v| ticket_int(request_id, "lease_ns", v)).transpose()?;
+        let lease = lease_ns.map(|v| admission::ticket_int(request_id, "lease_ns", &v.0));
+        let lease = lease.transpose().py()?;
         admission::import_deadline(
             request_id,
             u64_arg("now", now)?,
@@ -390,16 +349,12 @@ methods {
     #[pyo3(signature = (request_id, lease_until_wall_ns=None, now_wall=None))]
     fn source_lease(
         request_id: Int,
-        lease_until_wall_ns: Option<&Bound<'_, PyAny>>,
+        lease_until_wall_ns: Option<Int>,
         now_wall: Option<Int>,
     ) -> PyResult<(Option<u64>, Option<u64>)> {
         let request_id = u64_arg("request_id", request_id)?;
-        let wall = now_wall.map(|w| w.to_i64(Kind::Argument, "now_wall")).transpose()?;
-        let end = match (lease_until_wall_ns, wall) {
-            (Some(v), Some(_)) => Some(ticket_int(request_id, "lease_until_wall_ns", v)?),
-            _ => None,
-        };
-        let lease = admission::source_lease_end(request_id, end, wall.map(i128::from)).py()?;
+        let (end, wall) = (lease_until_wall_ns.map(|v| v.0), now_wall.map(|v| v.0));
+        let lease = admission::source_lease_of(request_id, end.as_ref(), wall.as_ref()).py()?;
         Ok(lease.map_or((None, None), |(e, w)| (Some(e), Some(w))))
     }
 

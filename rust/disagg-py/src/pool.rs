@@ -11,7 +11,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::args::{describe, err, Int, IntList, Kind};
+use crate::args::{Int, IntList, Kind};
 use crate::error::IntoPyResult;
 
 /// Lock a shared core object; a poisoned lock (a panic elsewhere) becomes a Python error.
@@ -119,10 +119,7 @@ pub fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     if let Ok(list) = obj.cast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
         for (i, item) in list.iter().enumerate() {
-            let t = item.extract::<Int>()?.to_i64(Kind::Argument, "prompt_tokens");
-            out.push(t.map_err(|_| {
-                err(Kind::Argument, "prompt_tokens", format!("item {i} is {}", describe(&item)))
-            })?);
+            out.push(disagg_core::args::token(i, &item.extract::<Int>()?.0).py()?);
         }
         return Ok(out);
     }

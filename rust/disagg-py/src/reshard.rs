@@ -20,9 +20,7 @@ fn py_slice(py: Python<'_>, s: Span) -> PyResult<Bound<'_, PyAny>> {
 
 /// Resolve a Python sequence index (negative counts from the end) against `len`.
 fn seq_index(index: isize, len: usize) -> PyResult<usize> {
-    let resolved =
-        if index < 0 { len.checked_sub(index.unsigned_abs()) } else { Some(index.unsigned_abs()) };
-    resolved.filter(|&i| i < len).ok_or_else(|| {
+    disagg_core::reshard::seq_index(index, len).ok_or_else(|| {
         PyIndexError::new_err(format!("plan index {index} out of range for {len} transfers"))
     })
 }

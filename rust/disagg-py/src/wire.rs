@@ -13,7 +13,7 @@ use disagg_core::wire::plan::{compile_checked, compile_unchecked, TransferPlanRe
 use disagg_core::wire::ticket::{check_staging_tickets, DecodeNeeds, HandoffTicket};
 use disagg_core::wire::value::{Budget, WireValue};
 use disagg_core::ModeChoice;
-use numpy::PyReadonlyArray2;
+use numpy::{PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
 
@@ -78,6 +78,14 @@ fn convert(
             out.push(convert(&v?, &format!("{field}[{i}]"), depth + 1, budget)?);
         }
         return Ok(WireValue::List(out));
+    }
+    if obj.cast::<numpy::PyUntypedArray>().is_ok_and(|a| a.ndim() == 1) {
+        let ints = crate::args::array_of(obj).map_err(|what| wire_err(field, what))?;
+        budget.items(field, ints.len()).py()?;
+        for _ in &ints {
+            budget.node(field, depth + 1).py()?;
+        }
+        return Ok(WireValue::List(ints.into_iter().map(WireValue::Int).collect()));
     }
     if let Ok(m) = obj.cast::<PyMapping>() {
         let d = PyDict::new(obj.py());
@@ -436,24 +444,7 @@ pub fn check_staging_tickets_of<'py>(
     let checked = check_staging_tickets(&values, &by_rank).py()?;
     let out = PyDict::new(py);
     for (rank, t) in checked {
-        let d = PyDict::new(py);
-        d.set_item("src_rank", t.src_rank)?;
-        d.set_item("incarnation", t.incarnation)?;
-        d.set_item("staged", t.staged)?;
-        d.set_item("offset", t.offset)?;
-        d.set_item("nbytes", t.nbytes)?;
-        if let Some(st) = &t.stream {
-            let s = PyDict::new(py);
-            s.set_item("id", st.id)?;
-            s.set_item("chunk_bytes", st.chunk_bytes)?;
-            s.set_item("slot_bytes", st.slot_bytes)?;
-            s.set_item("offsets", st.offsets.clone())?;
-            d.set_item("stream", s)?;
-        }
-        if let Some(id) = t.ready {
-            d.set_item("ready", id)?;
-        }
-        out.set_item(rank, d)?;
+        out.set_item(rank, wire_to_py(py, &t.to_wire())?)?;
     }
     Ok(out)
 }

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::args::{Int, IntList, Kind};
 use crate::error::{DisaggError, DisaggResult};
 use crate::geometry::{KvGeometry, SsmGeometry};
 use crate::layout::{KvShardLayout, SsmShardLayout};
@@ -19,6 +20,20 @@ pub enum SrcBlockIds {
 }
 
 impl SrcBlockIds {
+    /// Source block ids as given: one list for every source, or (`per_rank`) one list per
+    /// source global rank; errors name the key or `src_block_ids[rank]`.
+    pub fn given(shared: Option<&IntList>, per_rank: &[(Int, IntList)]) -> DisaggResult<Self> {
+        if let Some(ids) = shared {
+            return Ok(Self::Shared(ids.to_u32s(Kind::Block, "src_block_ids")?));
+        }
+        let mut out = BTreeMap::new();
+        for (k, v) in per_rank {
+            let rank = k.to_u32(Kind::Block, "src_block_ids (dict key)")?;
+            out.insert(rank, v.to_u32s(Kind::Block, &format!("src_block_ids[{rank}]"))?);
+        }
+        Ok(Self::PerRank(out))
+    }
+
     pub(super) fn for_rank(&self, rank: u32, field: &str) -> DisaggResult<&[u32]> {
         match self {
             Self::Shared(v) => Ok(v),
@@ -91,4 +106,51 @@ pub enum SrcSlots {
     Shared(u32),
     /// Slot per source global rank.
     PerRank(BTreeMap<u32, u32>),
+}
+
+impl SrcSlots {
+    /// Source slots as given: one slot for every source, or (`per_rank`) one slot per source
+    /// global rank; errors name the key or `src_slot[rank]`.
+    pub fn given(shared: Option<&Int>, per_rank: &[(Int, Int)]) -> DisaggResult<Self> {
+        if let Some(slot) = shared {
+            return Ok(Self::Shared(slot.to_u32(Kind::Block, "src_slot")?));
+        }
+        let mut out = BTreeMap::new();
+        for (k, v) in per_rank {
+            let rank = k.to_u32(Kind::Block, "src_slot (dict key)")?;
+            out.insert(rank, v.to_u32(Kind::Block, &format!("src_slot[{rank}]"))?);
+        }
+        Ok(Self::PerRank(out))
+    }
+}
+
+#[cfg(test)]
+mod given_tests {
+    use super::*;
+    use crate::args::Given;
+
+    fn field(e: DisaggError) -> String {
+        match e {
+            DisaggError::Block { field, .. } | DisaggError::ArgumentType { field, .. } => field,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn source_ids_and_slots_are_shared_or_per_rank_and_errors_name_the_rank() {
+        let ids: IntList = Given(Ok(vec![1, 2]));
+        assert_eq!(SrcBlockIds::given(Some(&ids), &[]), Ok(SrcBlockIds::Shared(vec![1, 2])));
+        let per = [(Int::of(3), ids.clone())];
+        let want = SrcBlockIds::PerRank(BTreeMap::from([(3, vec![1, 2])]));
+        assert_eq!(SrcBlockIds::given(None, &per), Ok(want));
+        let bad = [(Int::of(3), Given(Ok(vec![-1])))];
+        assert_eq!(field(SrcBlockIds::given(None, &bad).unwrap_err()), "src_block_ids[3]");
+        let key = [(Int::of(-3), ids)];
+        assert_eq!(field(SrcBlockIds::given(None, &key).unwrap_err()), "src_block_ids (dict key)");
+        assert_eq!(SrcSlots::given(Some(&Int::of(5)), &[]), Ok(SrcSlots::Shared(5)));
+        let slots = [(Int::of(1), Int::of(-1))];
+        assert_eq!(field(SrcSlots::given(None, &slots).unwrap_err()), "src_slot[1]");
+        let slots = [(Given(Err("a str ('x')".into())), Int::of(1))];
+        assert_eq!(field(SrcSlots::given(None, &slots).unwrap_err()), "src_slot (dict key)");
+    }
 }

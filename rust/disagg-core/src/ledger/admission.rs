@@ -5,6 +5,7 @@
 //! Pure functions of plain numbers: the engine reads its context and the ticket, and decides
 //! nothing itself.
 
+use crate::args::{Int, Kind};
 use crate::error::{DisaggError, DisaggResult};
 
 /// Share of the source's pin lease (percent) a decode import may use, submit to admission, by
@@ -214,6 +215,30 @@ pub fn source_lease_end(
     Ok(Some((end, wall)))
 }
 
+/// A ticket's integer field `field` as given: anything but an int (a bool, a float, a string)
+/// is a `Wire` error naming the field.
+pub fn ticket_int(request_id: u64, field: &str, v: &Int) -> DisaggResult<i128> {
+    v.0.clone().map_err(|what| {
+        let detail = format!("request {request_id}: ticket {field}={what} must be an int");
+        DisaggError::wire(field, detail)
+    })
+}
+
+/// [`source_lease_end`] of a ticket's `lease_until_wall_ns` and this side's `now_wall` as
+/// given: the ticket's field is read only when this side reads a wall clock.
+pub fn source_lease_of(
+    request_id: u64,
+    lease_until_wall_ns: Option<&Int>,
+    now_wall: Option<&Int>,
+) -> DisaggResult<Option<(u64, u64)>> {
+    let wall = now_wall.map(|w| w.to_i64(Kind::Argument, "now_wall")).transpose()?;
+    let end = match (lease_until_wall_ns, wall) {
+        (Some(v), Some(_)) => Some(ticket_int(request_id, "lease_until_wall_ns", v)?),
+        _ => None,
+    };
+    source_lease_end(request_id, end, wall.map(i128::from))
+}
+
 /// Whether the handed-off `resume` tokens already finish the request: they reach its limit of
 /// `max_new_tokens`, end with its `termination` token, or end with one of its `stop_words`
 /// (empty stop words never match).
@@ -232,6 +257,22 @@ pub fn resume_finishes(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::args::Given;
+
+    #[test]
+    fn a_ticket_field_of_another_type_is_a_wire_error_and_a_lease_is_read_with_a_wall_clock() {
+        assert_eq!(ticket_int(7, "lease_ns", &Int::of(5)), Ok(5));
+        let e = ticket_int(7, "lease_ns", &Given(Err("a float (1.5)".into()))).unwrap_err();
+        let want = "request 7: ticket lease_ns=a float (1.5) must be an int";
+        assert_eq!(e, DisaggError::wire("lease_ns", want));
+        let bad: Int = Given(Err("a str ('x')".into()));
+        assert_eq!(source_lease_of(7, Some(&bad), None), Ok(None));
+        assert!(source_lease_of(7, Some(&bad), Some(&Int::of(3))).is_err());
+        assert_eq!(source_lease_of(7, Some(&Int::of(9)), Some(&Int::of(3))), Ok(Some((9, 3))));
+        assert_eq!(source_lease_of(7, None, Some(&Int::of(3))), Ok(None));
+        let e = source_lease_of(7, None, Some(&Given(Err("None".into())))).unwrap_err();
+        assert_eq!(e.kind(), "ArgumentType");
+    }
 
     #[test]
     fn continuation_blocks_cover_the_tokens_after_the_prompt() {

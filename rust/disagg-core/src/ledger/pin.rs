@@ -4,8 +4,10 @@
 use std::collections::HashMap;
 
 use super::{LedgerAction, ReleaseCause};
+use crate::args::{Int, IntList, Kind};
 use crate::error::{DisaggError, DisaggResult};
 use crate::pool::{BlockPool, SlotPool, SlotState};
+use crate::wire::value::{Obj, WireValue};
 
 /// Monotonic event counters of a [`PinLedger`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -53,6 +55,27 @@ pub struct PushDestination {
     pub token_start: u32,
     /// Decode SSM slot that receives the state (hybrid models).
     pub dst_ssm_slot: Option<u32>,
+}
+
+impl PushDestination {
+    /// The `destination` a decode rank's metadata states: a `Wire` error unless a map; a key
+    /// holding `None` states nothing, like a missing key; `token_start` defaults to 0.
+    pub fn from_wire(v: &WireValue) -> DisaggResult<Self> {
+        if !matches!(v, WireValue::Map(_)) {
+            return Err(DisaggError::wire("destination", "a push destination must be a dict"));
+        }
+        let o = Obj::of(v, "destination")?;
+        let int = |key: &str| {
+            o.some(key).map(|x| Int::of_wire(x).to_u32(Kind::Argument, key)).transpose()
+        };
+        let ids = |x| IntList::of_wire(x).to_u32s(Kind::Block, "dst_block_ids");
+        Ok(Self {
+            dst_block_ids: o.some("dst_block_ids").map(ids).transpose()?,
+            num_tokens: int("num_tokens")?,
+            token_start: int("token_start")?.unwrap_or(0),
+            dst_ssm_slot: int("dst_ssm_slot")?,
+        })
+    }
 }
 
 /// What one push of a pinned handoff sends: pinned blocks `src_block_ids` (from the block of
@@ -489,5 +512,45 @@ impl PinLedger {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod destination_tests {
+    use super::*;
+
+    fn map(entries: &[(&str, WireValue)]) -> WireValue {
+        WireValue::Map(entries.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect())
+    }
+
+    #[test]
+    fn a_destination_reads_its_fields_none_as_absent_and_names_a_bad_one() {
+        let ids = WireValue::List(vec![WireValue::Int(3), WireValue::Int(4)]);
+        let d = map(&[
+            ("dst_block_ids", ids),
+            ("num_tokens", WireValue::Int(9)),
+            ("dst_ssm_slot", WireValue::Null),
+        ]);
+        let want = PushDestination {
+            dst_block_ids: Some(vec![3, 4]),
+            num_tokens: Some(9),
+            token_start: 0,
+            dst_ssm_slot: None,
+        };
+        assert_eq!(PushDestination::from_wire(&d), Ok(want));
+        let e = PushDestination::from_wire(&WireValue::Str("x".into())).unwrap_err();
+        assert_eq!(e, DisaggError::wire("destination", "a push destination must be a dict"));
+        let neg = map(&[("dst_block_ids", WireValue::List(vec![WireValue::Int(-1)]))]);
+        let e = PushDestination::from_wire(&neg).unwrap_err();
+        assert!(
+            matches!(e, DisaggError::Block { ref field, .. } if field == "dst_block_ids"),
+            "{e:?}"
+        );
+        let e = PushDestination::from_wire(&map(&[("token_start", WireValue::Bool(true))]))
+            .unwrap_err();
+        assert!(
+            matches!(e, DisaggError::ArgumentType { ref field, .. } if field == "token_start"),
+            "{e:?}"
+        );
     }
 }

@@ -6,6 +6,7 @@
 //! some). Nested payloads (`meta`, `ticket`, `peers`, `transfer`) are only required to be maps
 //! here: their own parsers type them.
 
+use crate::args::Int;
 use crate::error::{DisaggError, DisaggResult};
 use crate::wire::msgpack::{self, Value};
 use crate::wire::value::clipped;
@@ -456,6 +457,27 @@ impl LinkLiveness {
         }
     }
 
+    /// [`LinkLiveness::sent`] of a message named `kind` with its ids as given: a name that is
+    /// not a message of the protocol is ignored, an id that is not an int is no id.
+    pub fn sent_named(&mut self, kind: &str, request_id: Option<&Int>, delivered: bool, now: f64) {
+        if let Some(k) = Kind::from_name(kind) {
+            self.sent(k, given_id(request_id), delivered, now);
+        }
+    }
+
+    /// [`LinkLiveness::received`] of a message named `kind` with its ids as given: a name that
+    /// is not a message of the protocol changes nothing (returns false).
+    pub fn received_named(
+        &mut self,
+        kind: &str,
+        request_id: Option<&Int>,
+        epoch: Option<&Int>,
+        now: f64,
+    ) -> bool {
+        Kind::from_name(kind)
+            .is_some_and(|k| self.received(k, given_id(request_id), given_id(epoch), now))
+    }
+
     /// A `kind` message arrived at `now`. Returns whether the coordinator was lost and is
     /// back (the engine then registers again).
     pub fn received(
@@ -524,9 +546,30 @@ impl LinkLiveness {
     }
 }
 
+/// An id as given: an int that fits `i64`, else none.
+fn given_id(v: Option<&Int>) -> Option<i64> {
+    v.and_then(|x| x.0.clone().ok()).and_then(|i| i64::try_from(i).ok())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::args::Given;
+
+    #[test]
+    fn a_message_by_name_ignores_unknown_names_and_reads_ids_that_are_ints() {
+        let mut l = LinkLiveness::new(Some(5.0), 0.0).unwrap();
+        assert!(!l.received_named("NO_SUCH_MESSAGE", None, None, 9.0));
+        assert!(l.last_heard() < 9.0);
+        let (rid, epoch) = (Int::of(4), Int::of(1));
+        assert!(!l.received_named(Kind::Prefill.name(), Some(&rid), Some(&epoch), 1.0));
+        assert!((l.last_heard() - 1.0).abs() < f64::EPSILON);
+        assert_eq!(given_id(Some(&Given(Err("a str ('4')".into())))), None);
+        assert_eq!(given_id(Some(&Int::from(i128::from(i64::MAX) + 1))), None);
+        assert_eq!(given_id(Some(&rid)), Some(4));
+        l.sent_named("NO_SUCH_MESSAGE", Some(&rid), true, 2.0);
+        l.sent_named(Kind::Done.name(), Some(&rid), true, 2.0);
+    }
 
     /// A tiny msgpack encoder for the tests: a map of str keys to simple values.
     fn enc(pairs: &[(&str, Value)]) -> Vec<u8> {

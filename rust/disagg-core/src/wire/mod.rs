@@ -6,8 +6,10 @@
 //! - [`ticket`]: handoff and staging tickets.
 //! - [`value`]: the decoded wire value, its size caps and typed field accessors.
 //! - [`control`]: control-plane messages, one schema per message type.
+//! - [`layout`]: layouts, SSM dims and geometries as wire maps, and their constructor calls.
 
 pub mod control;
+pub mod layout;
 pub mod msgpack;
 pub mod peer;
 pub mod plan;

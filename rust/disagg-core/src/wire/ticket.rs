@@ -79,6 +79,32 @@ impl StreamTicket {
 }
 
 impl StagingTicket {
+    /// The checked ticket as a wire map (`stream` only when streamed).
+    pub fn to_wire(&self) -> WireValue {
+        let int = |v: u64| WireValue::Int(i128::from(v));
+        let mut m = vec![
+            ("src_rank".to_owned(), int(u64::from(self.src_rank))),
+            ("incarnation".to_owned(), int(self.incarnation)),
+            ("staged".to_owned(), WireValue::Bool(self.staged)),
+            ("offset".to_owned(), int(self.offset)),
+            ("nbytes".to_owned(), int(self.nbytes)),
+        ];
+        if let Some(st) = &self.stream {
+            let offsets = WireValue::List(st.offsets.iter().map(|&o| int(o)).collect());
+            let s = vec![
+                ("id".to_owned(), int(st.id)),
+                ("chunk_bytes".to_owned(), int(st.chunk_bytes)),
+                ("slot_bytes".to_owned(), int(st.slot_bytes)),
+                ("offsets".to_owned(), offsets),
+            ];
+            m.push(("stream".to_owned(), WireValue::Map(s)));
+        }
+        if let Some(id) = self.ready {
+            m.push(("ready".to_owned(), int(id)));
+        }
+        WireValue::Map(m)
+    }
+
     /// Parse one ticket map (`field` names it in errors): `HandoffMetadata` errors.
     pub fn parse(v: &WireValue, field: &str) -> DisaggResult<Self> {
         Self::parse_fields(v, field).map_err(DisaggError::in_handoff_metadata)
@@ -839,7 +865,11 @@ mod tests {
         let inc = i128::from(peer.incarnation);
         assert!(check_staging_tickets(&[ticket(0, inc, true, 64, 64)], &peers).is_ok());
         // A streamed copy of 4096 bytes through two 32-byte slots of the 128-byte region.
-        assert!(check_staging_tickets(&[streamed(inc, &[0, 96], 32)], &peers).is_ok());
+        let checked = check_staging_tickets(&[streamed(inc, &[0, 96], 32)], &peers).unwrap();
+        // The checked ticket's wire map is the one it was read from.
+        assert_eq!(checked[&0].to_wire(), streamed(inc, &[0, 96], 32));
+        let plain = check_staging_tickets(&[ticket(0, inc, true, 64, 64)], &peers).unwrap();
+        assert_eq!(plain[&0].to_wire(), ticket(0, inc, true, 64, 64));
         for bad in [
             vec![ticket(1, inc, true, 0, 8)],
             vec![ticket(0, inc + 1, true, 0, 8)],
