@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use disagg_core::ledger::admission::{self, BatchRoom};
-use disagg_core::ledger::{HandleState, PushDestination};
+use disagg_core::ledger::{HandleState, PushDestination, PushPlan};
 use disagg_core::{
     CompletionQuorum, DisaggError, ImportLedger, ImportLedgerConfig, ImportRequest, LedgerAction,
     PinLedger, QuorumDecision, RankOutcome, SourceLease,
@@ -144,6 +144,20 @@ fn push_destination(meta: &Bound<'_, PyAny>) -> PyResult<Option<PushDestination>
     let Ok(meta) = meta.cast::<PyDict>() else { return Ok(None) };
     let Some(dest) = meta.get_item("destination")? else { return Ok(None) };
     PushDestination::from_wire(&to_wire(&dest, "destination")?).map(Some).py()
+}
+
+/// The request id and every decode rank's stated destination of a push call.
+fn push_args(
+    request_id: Int,
+    decode_metas: &[Bound<'_, PyAny>],
+) -> PyResult<(u64, Vec<Option<PushDestination>>)> {
+    let request_id = u64_arg("request_id", request_id)?;
+    Ok((request_id, decode_metas.iter().map(push_destination).collect::<PyResult<Vec<_>>>()?))
+}
+
+/// A core push plan as Python receives it.
+fn push_tuple(p: PushPlan) -> PushTuple {
+    (p.epoch, p.src_block_ids, p.dst_block_ids, p.num_tokens, p.src_ssm_slot, p.dst_ssm_slot)
 }
 
 /// Decode-side import ledger over its own block and SSM slot pools.
@@ -556,36 +570,16 @@ methods {
         request_id: Int,
         decode_metas: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<PushTuple> {
-        let request_id = u64_arg("request_id", request_id)?;
-        let destinations =
-            decode_metas.iter().map(push_destination).collect::<PyResult<Vec<_>>>()?;
-        let p = lock(&self.inner)?.start_push(request_id, &destinations).py()?;
-        Ok((
-            p.epoch,
-            p.src_block_ids,
-            p.dst_block_ids,
-            p.num_tokens,
-            p.src_ssm_slot,
-            p.dst_ssm_slot,
-        ))
+        let (request_id, destinations) = push_args(request_id, &decode_metas)?;
+        Ok(push_tuple(lock(&self.inner)?.start_push(request_id, &destinations).py()?))
     }
 
     /// Plan a filler for receives a decode posted for a handoff this engine will not push
     /// (see `PinLedger::filler_push` of the core): same tuple as `start_push`, epoch 0, source
     /// blocks `0..n` that only size the messages; nothing changes.
     fn filler_push(&self, request_id: Int, decode_metas: Vec<Bound<'_, PyAny>>) -> PyResult<PushTuple> {
-        let request_id = u64_arg("request_id", request_id)?;
-        let destinations =
-            decode_metas.iter().map(push_destination).collect::<PyResult<Vec<_>>>()?;
-        let p = lock(&self.inner)?.filler_push(request_id, &destinations).py()?;
-        Ok((
-            p.epoch,
-            p.src_block_ids,
-            p.dst_block_ids,
-            p.num_tokens,
-            p.src_ssm_slot,
-            p.dst_ssm_slot,
-        ))
+        let (request_id, destinations) = push_args(request_id, &decode_metas)?;
+        Ok(push_tuple(lock(&self.inner)?.filler_push(request_id, &destinations).py()?))
     }
 
     /// `RELEASE_KV`: idempotent; unknown ids and old epochs are counted no-ops.

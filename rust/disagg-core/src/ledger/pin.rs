@@ -58,6 +58,34 @@ pub struct PushDestination {
 }
 
 impl PushDestination {
+    /// The first destination among `destinations` (one entry per decode rank) and its block
+    /// ids and token count: a `Wire` error (naming `request_id`; `hint` ends the message of
+    /// no destination at all) when there is none or it lacks either.
+    fn first_of<'a>(
+        request_id: u64,
+        destinations: &'a [Option<Self>],
+        hint: &str,
+    ) -> DisaggResult<(&'a Self, Vec<u32>, u32)> {
+        let Some(dest) = destinations.iter().flatten().next() else {
+            return Err(DisaggError::wire(
+                "destination",
+                format!("request {request_id}: decode_metas carry no 'destination'{hint}"),
+            ));
+        };
+        let ids =
+            dest.dst_block_ids.clone().ok_or_else(|| Self::missing(request_id, "dst_block_ids"))?;
+        let num_tokens = dest.num_tokens.ok_or_else(|| Self::missing(request_id, "num_tokens"))?;
+        Ok((dest, ids, num_tokens))
+    }
+
+    /// The `Wire` error of a destination without `key`.
+    fn missing(request_id: u64, key: &str) -> DisaggError {
+        DisaggError::wire(
+            "destination",
+            format!("request {request_id}: push destination has no '{key}'"),
+        )
+    }
+
     /// The `destination` a decode rank's metadata states: a `Wire` error unless a map; a key
     /// holding `None` states nothing, like a missing key; `token_start` defaults to 0.
     pub fn from_wire(v: &WireValue) -> DisaggResult<Self> {
@@ -240,20 +268,8 @@ impl PinLedger {
         destinations: &[Option<PushDestination>],
     ) -> DisaggResult<PushPlan> {
         let bs = self.pool.block_size_tokens();
-        let Some(dest) = destinations.iter().flatten().next() else {
-            return Err(DisaggError::wire(
-                "destination",
-                format!("request {request_id}: decode_metas carry no 'destination'"),
-            ));
-        };
-        let missing = |key: &str| {
-            DisaggError::wire(
-                "destination",
-                format!("request {request_id}: push destination has no '{key}'"),
-            )
-        };
-        let dst_block_ids = dest.dst_block_ids.clone().ok_or_else(|| missing("dst_block_ids"))?;
-        let num_tokens = dest.num_tokens.ok_or_else(|| missing("num_tokens"))?;
+        let (dest, dst_block_ids, num_tokens) =
+            PushDestination::first_of(request_id, destinations, "")?;
         if dest.token_start > num_tokens {
             return Err(DisaggError::wire(
                 "token_start",
@@ -309,25 +325,16 @@ impl PinLedger {
                 detail: format!("epoch {}: a push is already in flight", pin.epoch),
             });
         }
-        let Some(dest) = destinations.iter().flatten().next() else {
-            return Err(DisaggError::wire(
-                "destination",
-                format!(
-                    "request {request_id}: decode_metas carry no 'destination' (attach the \
-                     decode's posted destination with with_push_destination)"
-                ),
-            ));
-        };
-        let missing = |key: &str| {
-            DisaggError::wire(
-                "destination",
-                format!("request {request_id}: push destination has no '{key}'"),
-            )
-        };
-        let dst_block_ids = dest.dst_block_ids.clone().ok_or_else(|| missing("dst_block_ids"))?;
-        let num_tokens = dest.num_tokens.ok_or_else(|| missing("num_tokens"))?;
+        let (dest, dst_block_ids, num_tokens) = PushDestination::first_of(
+            request_id,
+            destinations,
+            " (attach the decode's posted destination with with_push_destination)",
+        )?;
         let dst_ssm_slot = match pin.slot {
-            Some(_) => Some(dest.dst_ssm_slot.ok_or_else(|| missing("dst_ssm_slot"))?),
+            Some(_) => Some(
+                dest.dst_ssm_slot
+                    .ok_or_else(|| PushDestination::missing(request_id, "dst_ssm_slot"))?,
+            ),
             None => None,
         };
         let first = (dest.token_start / bs) as usize;
