@@ -64,6 +64,23 @@ def _free(w: Worker, key: str) -> bool:
     return bool(stats["in_use"] == stats["ranges"] == stats["streams"] == 0)
 
 
+def _silent_read(
+    pre: Worker, dec: Worker, key: str, **pull_kw: Any
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A TP1 source and decode with 1 MiB pools, the source's copy staged and the decode's
+    read of it started under a ticket naming an announcement that never comes; return the
+    source's and the decode's metadata and the real ticket."""
+    case, pool = TP1, 1 << 20
+    meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
+    dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
+    n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
+    ticket = tw.stage(pre, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
+    silent = {**ticket, "ready": ticket["ready"] + 1000}
+    tw.pull(dec, key, [meta], src, tw.dst_ids(case, case.dsts[0]), num_tokens=n,
+            staged=[silent], **pull_kw)  # fmt: skip
+    return meta, dst_meta, ticket
+
+
 def _close(pre: list[Worker], dec: Worker, key: str) -> None:
     for w in pre:
         w("close", key)
@@ -216,15 +233,9 @@ def test_a_decode_never_reads_a_whole_copy_before_its_announcement(
     is read, the pull stays running) until it is given up, and both pools end free."""
     key = "announce-never"
     pre, dec = workers[0], workers[2]
-    case, pool = TP1, 1 << 20
-    meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
-    dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
-    n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
+    _, _, ticket = _silent_read(pre, dec, key)
+    case = TP1
     try:
-        ticket = tw.stage(pre, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
-        silent = {**ticket, "ready": ticket["ready"] + 1000}
-        tw.pull(dec, key, [meta], src, tw.dst_ids(case, case.dsts[0]), num_tokens=n,
-                staged=[silent])  # fmt: skip
         for _ in range(50):
             assert dec("poll", key) is False
             pre("call", key, "poll_streams")
@@ -248,16 +259,9 @@ def test_a_read_waiting_for_an_announcement_fails_quietly_at_once_when_its_sourc
     destination untouched."""
     key = "announce-forgotten"
     pre, dec = workers[0], workers[2]
-    case, pool = TP1, 1 << 20
-    meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
-    dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
-    n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
-    before = dec("buffer", key)
+    meta, dst_meta, ticket = _silent_read(pre, dec, key)
+    before = dec("buffer", key)  # nothing was read: as set up
     try:
-        ticket = tw.stage(pre, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
-        silent = {**ticket, "ready": ticket["ready"] + 1000}
-        tw.pull(dec, key, [meta], src, tw.dst_ids(case, case.dsts[0]), num_tokens=n,
-                staged=[silent])  # fmt: skip
         assert dec("poll", key) is False
         assert not _free(dec, key), "the read holds a slot while it waits"
         # Still named with the same incarnation: nothing is forgotten.
@@ -286,16 +290,8 @@ def test_a_read_waiting_for_an_announcement_fails_quietly_once_its_source_proces
     key = "announce-dead"
     dec = workers[2]
     (doomed,) = tw.start_workers("nixl", ["pre-doomed"], "")
-    case, pool = TP1, 1 << 20
     try:
-        meta = doomed("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
-        dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged",
-                       staging_bytes=pool)  # fmt: skip
-        n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
-        ticket = tw.stage(doomed, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
-        silent = {**ticket, "ready": ticket["ready"] + 1000}
-        tw.pull(dec, key, [meta], src, tw.dst_ids(case, case.dsts[0]), num_tokens=n,
-                staged=[silent], timeout_s=3600.0)  # fmt: skip
+        _silent_read(doomed, dec, key, timeout_s=3600.0)
         assert dec("poll", key) is False  # the source is alive: the probe went
         doomed.proc.kill()
         doomed.proc.join(10)
@@ -318,16 +314,8 @@ def test_a_read_whose_source_never_announces_fails_quietly_at_its_deadline(
     anything, so its destinations need no quarantine; its slot is back in the pool."""
     key = "announce-deadline"
     pre, dec = workers[0], workers[2]
-    case, pool = TP1, 1 << 20
-    meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
-    dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
-    n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
+    _, _, ticket = _silent_read(pre, dec, key, timeout_s=0.0)  # a deadline already passed
     try:
-        ticket = tw.stage(pre, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
-        silent = {**ticket, "ready": ticket["ready"] + 1000}
-        # A deadline already passed at the first poll.
-        tw.pull(dec, key, [meta], src, tw.dst_ids(case, case.dsts[0]), num_tokens=n,
-                staged=[silent], timeout_s=0.0)  # fmt: skip
         with pytest.raises(WorkerError) as info:
             dec("poll", key)
         assert info.value.kind == "TransferError", info.value
