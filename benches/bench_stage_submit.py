@@ -2,10 +2,12 @@
 TP1 handoff (the geometry of ``_ipc_case``): each source rank stages its copy for the
 decode and releases it, the GPU queue drained between calls; ``--profile`` prints where the
 call spends its time (cProfile, by own time). ``--pool-mib 256``: a pool smaller than the
-copy, which is then streamed.
+copy, which is then streamed. ``--queued N``: also N calls back to back (the ranks by turns,
+the GPU queue not drained: each call finds the packs of the ones before still queued),
+then one drain and the releases; the median over every call but each round's first.
 
 Command: ``python benches/bench_stage_submit.py [--device cuda:0] [--repeat 50]
-[--pool-mib 4096] [--profile]``. Needs a CUDA GPU and NIXL.
+[--pool-mib 4096] [--queued 8 --pool-mib 16384] [--profile]``. Needs a CUDA GPU and NIXL.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> None:
     def extra(ap: argparse.ArgumentParser) -> None:
         ap.add_argument("--pool-mib", type=int, default=4096, help="staging pool per rank")
         ap.add_argument("--profile", action="store_true", help="cProfile 20 more calls")
+        ap.add_argument("--queued", type=int, default=0, help="calls back to back per round")
 
     args = options(__doc__, extra)
     case = build(args.device, staging_bytes=args.pool_mib << 20)
@@ -53,6 +56,24 @@ def main() -> None:
         stage_only()
     print(f"| stage_blocks, each source rank (median of {len(stage_us)}) | "
           f"{statistics.median(stage_us):,.1f} us |")  # fmt: skip
+    if args.queued > 1:
+        queued: list[float] = []
+        for _ in range(max(args.repeat // args.queued, 3)):
+            tickets = []
+            for k in range(args.queued):
+                b, r = ranks[k % 2]
+                t0 = time.perf_counter_ns()
+                tickets.append((b, b.stage_blocks(dst_meta, case.sids[r], src_metas=case.metas,
+                                                  num_tokens=case.tokens)))  # fmt: skip
+                queued.append((time.perf_counter_ns() - t0) / 1e3 if k else -1.0)
+                assert tickets[-1][1]["staged"] and "stream" not in tickets[-1][1], "pool too small"
+            torch.cuda.synchronize()
+            for b, t in tickets:
+                b.poll_streams()
+                b.release_staged(t)
+        kept = [q for q in queued if q >= 0]
+        print(f"| stage_blocks, {args.queued} back to back, GPU queue not drained (median of "
+              f"{len(kept)}) | {statistics.median(kept):,.1f} us |")  # fmt: skip
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()

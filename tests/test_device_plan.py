@@ -265,6 +265,56 @@ def test_a_prepared_copy_launched_again_and_again_lands_what_copy_lands_on_cuda(
     _prepared_matches_copy("cuda", in_place)
 
 
+def _prepared_pack_matches_copy(device: str, in_place: bool = True) -> None:
+    """A PreparedCopy into a packed staging buffer (ids read from an id slot, the copy at a
+    byte offset) packs what ``copy`` packs into a window: whole, and chunk by chunk into
+    slots; offsets that break alignment or pass the buffer's end are refused, nothing
+    written."""
+    host_bufs, _, src_ids, _, programs = _case(2, 1, 40, 8, seed=9)
+    tokens = 40
+    up = dp.IdUploader(torch.device(device))
+    up.in_place = in_place
+    for r, program in programs:
+        buf = host_bufs[r].to(device)
+        plan = dp.DevicePlan.from_program(program, r, src_addr=host_bufs[r].data_ptr(), dst_addr=0)
+        assert plan is not None
+        nbytes = plan.packed_bytes(tokens)
+        want = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        ids = torch.tensor(src_ids, device=device)
+        dp.copy(plan, dp.Side("src", buf, ids), dp.Side("packed", want), tokens)
+        staging = torch.zeros(nbytes + 512, dtype=torch.uint8, device=device)
+        pack = dp.PreparedCopy(plan, dp.Side("src", buf), dp.Side("packed", staging))
+        slot, host = up.take(len(src_ids) + 1)
+        host[1 : 1 + len(src_ids)] = src_ids  # an odd start: another pointer alignment
+        view = up.view(slot, host, 1 + len(src_ids))[1:]
+        for bad in (8, 512 + 16):
+            with pytest.raises(ValueError, match="packed bytes"):
+                pack(tokens, view, None, b_offset=bad)
+        assert not bool(staging.any())
+        assert pack(tokens, view, None, b_offset=256) == nbytes
+        assert torch.equal(staging[256 : 256 + nbytes], want)
+        # Chunks, each packed into the slot at 16 or 272 by turns.
+        for j, (a, b, x, y) in enumerate(plan.chunks(tokens, 200)):
+            at = (16, 272)[j % 2]
+            assert pack(tokens, view, None, b_offset=at, items=(a, b)) == y - x
+            assert torch.equal(staging[at : at + y - x], want[x:y])
+        up.settle(slot, None)
+        assert bool(want.any())
+
+
+def test_a_prepared_pack_lands_what_copy_packs_on_the_host() -> None:
+    _prepared_pack_matches_copy("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_place", [True, False], ids=["ids-in-pinned-memory", "ids-copied"])
+def test_a_prepared_pack_lands_what_copy_packs_on_cuda(in_place: bool) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _prepared_pack_matches_copy("cuda", in_place)
+    torch.cuda.synchronize()
+
+
 def test_pinned_ids_are_read_in_place_unless_torch_registers_its_pinned_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1024,7 +1024,7 @@ def check_peer_transfer(
     local_num_blocks: int,
     local_tokens_per_block: int | None,
 ) -> int | None: ...
-def pull_ids_len(dst_block_ids: Any, sources: int) -> int: ...
+def pull_ids_len(ids: Any, sources: int, rank: int | None = None) -> int: ...
 def write_pull_ids(
     out: _npt.NDArray[_np.int64],
     srcs: Sequence[Peer],
@@ -1036,6 +1036,7 @@ def write_pull_ids(
     local_num_blocks: int,
     local_tokens_per_block: int | None,
     tokens_per_block: int,
+    checked: bool = False,
 ) -> tuple[int, int, int, int] | None: ...
 def compile_peer_transfer(
     srcs: Sequence[Peer],

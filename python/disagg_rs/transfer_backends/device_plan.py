@@ -419,9 +419,11 @@ def _run_compiled(compiled: Any, grid: int, stream: int, args: tuple[Any, ...]) 
 
 
 class PreparedCopy:
-    """:func:`copy` between two fixed paged buffers, prepared once (a route's per-peer-pair
-    state): bounds, unit, lane views and the device table are settled at construction, so a
-    handoff costs the id checks of its caller and one launch.
+    """:func:`copy` from a fixed paged buffer ``a`` to a fixed paged buffer or packed staging
+    buffer ``b``, prepared once (a route's per-peer-pair state): bounds, unit, lane views and
+    the device table are settled at construction, so a handoff costs the id checks of its
+    caller and one launch. A packed ``b`` takes each handoff's copy at a byte offset that
+    keeps the unit's alignment (a staging region: 256-byte aligned starts).
 
     After the first launch of each pointer-alignment class the compiled kernel is launched
     directly (Triton's own launcher, without re-binding and re-hashing the arguments); the
@@ -429,12 +431,15 @@ class PreparedCopy:
     """
 
     def __init__(self, plan: DevicePlan, a: Side, b: Side) -> None:
-        if a.kind == "packed" or b.kind == "packed":
-            raise ValueError("PreparedCopy copies between two paged buffers")
+        if a.kind == "packed":
+            raise ValueError("PreparedCopy copies from a paged buffer")
         self.plan = plan
         self.unit = plan.unit(a.buffer.data_ptr(), b.buffer.data_ptr())
         self.device = (b if b.kind == "dst" else a).buffer.device
         self.a, self.b = a.buffer, b.buffer
+        #: Whether ``b`` is a packed staging buffer (no ids; a byte offset per handoff).
+        self.packed = b.kind == "packed"
+        self.b_bytes = torch_copy.byte_view(b.buffer).numel()
         self.a_lanes = _lanes(a.buffer, self.unit)
         self.b_lanes = _lanes(b.buffer, self.unit)
         self.table = plan.table(self.device, self.unit)
@@ -452,28 +457,42 @@ class PreparedCopy:
         self,
         n_tok: int,
         a_ids: torch.Tensor,
-        b_ids: torch.Tensor,
+        b_ids: torch.Tensor | None,
         stream: int | None = None,
         a_set: int = 0,
+        b_offset: int = 0,
+        items: tuple[int, int] | None = None,
     ) -> int:
-        """Queue the copy of every item of an ``n_tok``-token handoff on the current stream
-        of the device (block ids on it or in pinned host memory, which the kernel reads in
-        place, one per block index; id set ``j`` of a merged plan at ``j * a_set`` of
-        ``a_ids``); return the bytes. ``stream``: that stream's raw handle when the caller
-        has it (CUDA, device current)."""
+        """Queue the copy of items ``items`` (default: every item) of an ``n_tok``-token
+        handoff on the current stream of the device (block ids on it or in pinned host
+        memory, which the kernel reads in place, one per block index; id set ``j`` of a
+        merged plan at ``j * a_set`` of ``a_ids``; a packed ``b`` needs no ids and takes the
+        packed bytes of the items at byte ``b_offset``, a multiple of 16); return the bytes.
+        ``stream``: that stream's raw handle when the caller has it (CUDA, device current)."""
         plan = self.plan
         n_blk = plan.num_blocks(n_tok)
+        k_lo, k_hi = (0, plan.num_planes * n_blk) if items is None else items
+        lo, hi = plan.item_offset(k_lo, n_tok), plan.item_offset(k_hi, n_tok)
         need = (self._sets - 1) * a_set + n_blk
-        if a_ids.numel() < need or b_ids.numel() < n_blk or (self._sets > 1 and 0 < a_set < n_blk):
+        b_ids = self.table if b_ids is None else b_ids  # a packed side reads no ids
+        short = b_ids.numel() < n_blk
+        if self.packed:
+            short = b_offset % 16 != 0 or not 0 <= b_offset <= self.b_bytes - (hi - lo)
+        if a_ids.numel() < need or short or (self._sets > 1 and 0 < a_set < n_blk):
             raise ValueError(
                 f"{a_ids.numel()} / {b_ids.numel()} block ids (set stride {a_set}) for "
-                f"{self._sets} id sets of {n_blk} blocks"
+                f"{self._sets} id sets of {n_blk} blocks, or {hi - lo} packed bytes at "
+                f"{b_offset} of {self.b_bytes}"
             )
-        grid = plan.num_planes * n_blk
         if not self._fast:
             a = Side("src", self.a, a_ids, set_stride=a_set)
+            if self.packed:
+                window = torch_copy.byte_view(self.b)[b_offset : b_offset + hi - lo]
+                b = Side("packed", window, bias=lo)
+                return copy(plan, a, b, n_tok, items=(k_lo, k_hi))
             return copy(plan, a, Side("dst", self.b, b_ids), n_tok)
-        tpb = plan.tokens_per_block
+        tpb, grid = plan.tokens_per_block, k_hi - k_lo
+        consts = self._consts if not lo else (*self._consts[:7], lo // self.unit)
         a_ptr, b_ptr = a_ids.data_ptr(), b_ids.data_ptr()
         key = (a_ptr % 16 == 0, b_ptr % 16 == 0)
         compiled = self._compiled.get(key)
@@ -482,20 +501,21 @@ class PreparedCopy:
             # for the launch that compiles (same alignment class, so the same kernel).
             a_ids, b_ids = (x.to(self.device) for x in (a_ids, b_ids))
             self._compiled[key] = _kernel()[(grid,)](
-                self.a_lanes, self.b_lanes, self.table, a_ids, b_ids, n_blk, int(n_tok), tpb, 0,
-                *self._consts, a_set, 0, A_PACKED=False, B_PACKED=False, VEC=self._vec,
-                BLOCK=BLOCK,
+                self.a_lanes, self.b_lanes[b_offset // self.unit :], self.table, a_ids, b_ids,
+                n_blk, int(n_tok), tpb, k_lo, *consts, a_set, 0, A_PACKED=False,
+                B_PACKED=self.packed, VEC=self._vec, BLOCK=BLOCK,
             )  # fmt: skip
-            return plan.packed_bytes(n_tok)
+            return hi - lo
         # Raw addresses: Triton's launcher then skips a data_ptr() call and a pointer query
         # per tensor (the buffers are held by this object, the ids by the caller). The
-        # buffers' alignment is fixed; the ids' is the key.
-        args = (*self._ptrs, a_ptr, b_ptr, n_blk, int(n_tok), tpb, 0, *self._consts,
-                a_set, 0, False, False, self._vec, BLOCK)  # fmt: skip
+        # buffers' alignment is fixed (a packed side's offset keeps it); the ids' is the key.
+        a_lanes, b_lanes, table = self._ptrs
+        args = (a_lanes, b_lanes + b_offset, table, a_ptr, b_ptr, n_blk, int(n_tok), tpb, k_lo,
+                *consts, a_set, 0, False, self.packed, self._vec, BLOCK)  # fmt: skip
         if stream is None:
             stream = torch.cuda.current_stream(self.device).cuda_stream
         _run_compiled(compiled, grid, stream, args)
-        return plan.packed_bytes(n_tok)
+        return hi - lo
 
 
 def _launch_hooks() -> tuple[Any, Any]:
@@ -573,11 +593,15 @@ def pinned_in_place() -> bool:
 
 
 class _Done:
-    """The event of a slot settled without one: finished."""
+    """The event of a slot settled without one (or of work on host memory): finished."""
 
     @staticmethod
     def query() -> bool:
         return True
+
+    @staticmethod
+    def synchronize() -> None:
+        return None
 
 
 _DONE = _Done()
@@ -705,7 +729,34 @@ class IdUploader:
         return len(self._slots) - 1
 
 
-class PullRoute:
+class _SlotRoute:
+    """A route whose kernels read block ids in place from pinned slots of ``uploader``, on
+    ``buffer``'s device (index -1: host memory, where ``torch.cuda.device`` does nothing)."""
+
+    def __init__(self, uploader: IdUploader, buffer: torch.Tensor) -> None:
+        self.uploader = uploader
+        self.device = buffer.device
+        self.index = buffer.get_device()
+        self._cuda = buffer.is_cuda
+        self._streams: dict[int, Any] = {}
+
+    def _record(self, slot: int, raw: Any) -> Any:
+        """Record the event of id slot ``slot`` on the stream ``raw`` and settle the slot.
+
+        One event per slot, recorded again when the slot is reused: the slot is free only
+        once that event's last record completed, so a handle still holding it can only see
+        it complete later, never early. Stream objects are kept by raw handle (building one
+        costs more than the launch's other calls together)."""
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = torch.cuda.current_stream(self.device)
+        done = self.uploader.events[slot]
+        done.record(stream)
+        self.uploader.settle(slot, done)
+        return done
+
+
+class PullRoute(_SlotRoute):
     """Every source rank of one peer set copied into this rank's blocks by one launch.
 
     ``plans`` are the source ranks' plans (by global rank) and ``buffers`` their buffers as
@@ -725,10 +776,9 @@ class PullRoute:
         dst: torch.Tensor,
         uploader: IdUploader,
     ) -> None:
+        super().__init__(uploader, dst)
         self.ranks = sorted(plans)
         self.tokens_per_block = plans[self.ranks[0]].tokens_per_block
-        self.device = dst.device
-        self.uploader = uploader
         base = min(self.ranks, key=lambda r: buffers[r].data_ptr())
         shifts = [buffers[r].data_ptr() - buffers[base].data_ptr() for r in self.ranks]
         merged = DevicePlan.merge([plans[r] for r in self.ranks], shifts)
@@ -739,10 +789,6 @@ class PullRoute:
             (PreparedCopy(plan, Side("src", buffers[r]), Side("dst", dst)), j)
             for plan, r, j in groups
         ]
-        #: The device index (-1: host memory, where ``torch.cuda.device`` does nothing).
-        self.index = dst.get_device()
-        self._cuda = dst.is_cuda
-        self._streams: dict[int, Any] = {}
 
     def run(
         self,
@@ -786,20 +832,96 @@ class PullRoute:
                 done = self._record(slot, raw) if self._cuda else None
         return done, nbytes
 
-    def _record(self, slot: int, raw: Any) -> Any:
-        """Record the event of id slot ``slot`` on the stream ``raw`` and settle the slot.
 
-        One event per slot, recorded again when the slot is reused: the slot is free only
-        once that event's last record completed, so a handle still holding it can only see
-        it complete later, never early. Stream objects are kept by raw handle (building one
-        costs more than the launch's other calls together)."""
-        stream = self._streams.get(raw)
-        if stream is None:
-            stream = self._streams[raw] = torch.cuda.current_stream(self.device)
-        done = self.uploader.events[slot]
-        done.record(stream)
-        self.uploader.settle(slot, done)
+@dataclass(frozen=True)
+class PackIds:
+    """One handoff's block ids of a :class:`PackRoute`, checked, in id slot ``slot`` (taken
+    until the route records or releases it): ``ids`` as the kernels read them."""
+
+    slot: int
+    ids: torch.Tensor
+    num_tokens: int
+
+
+class PackRoute(_SlotRoute):
+    """This rank's blocks packed for one decode (the source side of a staged pull), prepared
+    once per (sources, decode) pair: ``plan`` (this rank's device plan) from ``src`` (this
+    rank's cache) into the packed staging buffer ``staging``.
+
+    Per handoff :meth:`begin` has Rust check the peers and ids (``check_peer_transfer``'s
+    errors) and write this rank's ids into a pinned slot of ``uploader``; :meth:`pack_whole`
+    queues one launch that reads them in place and packs the whole copy into a staging
+    region, and settles the slot; a streamed copy packs chunks with :meth:`pack_items` and
+    gives the slot back with :meth:`release` once its last pack has completed.
+    """
+
+    def __init__(
+        self,
+        plan: DevicePlan,
+        rank: int,
+        src: torch.Tensor,
+        staging: torch.Tensor,
+        uploader: IdUploader,
+    ) -> None:
+        super().__init__(uploader, src)
+        self.plan, self.rank = plan, rank
+        self.copy = PreparedCopy(plan, Side("src", src), Side("packed", staging))
+
+    def begin(
+        self,
+        peers: list[Any],
+        src_block_ids: Any,
+        num_tokens: int | None,
+        *,
+        local_num_blocks: int,
+        local_tokens_per_block: int | None,
+        checked: bool = False,
+    ) -> PackIds | None:
+        """Check and lay out this rank's ids of one handoff; ``None`` (nothing taken) when
+        they do not fit this route (SSM state, a block count other than the plan's).
+        ``checked``: the caller has checked them (``num_tokens`` is what the check returned)."""
+        up = self.uploader
+        slot, host = up.take(_core.pull_ids_len(src_block_ids, 0, rank=self.rank))
+        got = None
+        try:
+            got = _core.write_pull_ids(
+                host, peers, [self.rank], src_block_ids, None, num_tokens,
+                local_num_blocks=local_num_blocks, local_tokens_per_block=local_tokens_per_block,
+                tokens_per_block=self.plan.tokens_per_block, checked=checked,
+            )  # fmt: skip
+        finally:
+            if got is None:  # raised, or not this route's ids: the slot is free again
+                up.settle(slot, None)
+        if got is None:
+            return None
+        with torch.cuda.device(self.index):
+            return PackIds(slot, up.view(slot, host, got[3]), int(got[0]))
+
+    def pack_whole(self, got: PackIds, offset: int) -> Any:
+        """Queue the pack of the whole copy into the staging buffer at byte ``offset`` and
+        settle the slot; the event recorded after it (host memory: one that has completed)."""
+        with torch.cuda.device(self.index):
+            raw = torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
+            try:
+                self.copy(got.num_tokens, got.ids, None, raw, b_offset=offset)
+            finally:
+                done = self._record(got.slot, raw) if self._cuda else _DONE
         return done
+
+    def pack_items(self, got: PackIds, offset: int, items: tuple[int, int]) -> Any:
+        """Queue the pack of items ``items`` into the staging buffer at byte ``offset``;
+        return an event recorded after it on the same stream (host memory: completed)."""
+        with torch.cuda.device(self.index):
+            self.copy(got.num_tokens, got.ids, None, b_offset=offset, items=items)
+            if not self._cuda:
+                return _DONE
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            return event
+
+    def release(self, got: PackIds) -> None:
+        """Give the slot of a handoff whose packs have all completed back."""
+        self.uploader.settle(got.slot, None)
 
 
 class PlanCache:

@@ -597,6 +597,10 @@ _STREAM_SLOTS = 3
 _STREAM_SHARE = 2
 
 
+def _no_release() -> None:
+    """What a stream gives back once closed: nothing (more)."""
+
+
 class _StreamOut:
     """The source side of one announced packed copy: streamed (a copy larger than the
     staging pool), or held whole in its region (announced as one chunk, ``ticket["ready"]``).
@@ -618,11 +622,14 @@ class _StreamOut:
         src: _core.StreamSource,
         offsets: list[int],
         pack: Callable[[list[tuple[int, int]]], list[Any]],
+        release: Callable[[], None] = _no_release,
     ) -> None:
         self.backend, self.peer, self.id, self.src = backend, peer, sid, src
         #: The slots this stream owns (freed by :meth:`close`; none for a copy held whole).
         self.offsets = offsets
         self.pack = pack
+        #: Gives back what the packs read (the block ids' slot) once they have completed.
+        self.release = release
         self.deadline = backend.clock() + backend.timeout_s
         #: Completion of each packed chunk not announced yet, in order.
         self.events: list[Any] = []
@@ -657,6 +664,8 @@ class _StreamOut:
         b._notify_all(self.peer, self.src.close(give_up))
         _settle(self.events)  # a pack still queued writes its slot
         self.events = []
+        self.release()
+        self.release = _no_release
         b._ctx.mailboxes.close(self.box)
         b.arena.free_all(self.offsets)
         self.offsets = []
@@ -677,25 +686,15 @@ class _NoStream:
 
 
 def _pack_chunks(
-    backend: NixlTransferBackend,
-    plan: dp.DevicePlan,
-    ids: torch.Tensor,
-    n_tok: int,
+    route: dp.PackRoute,
+    got: dp.PackIds,
     chunks: Sequence[Sequence[int]],
     offsets: Sequence[int],
     todo: list[tuple[int, int]],
 ) -> list[Any]:
     """Pack chunks ``[(chunk, slot)]`` of a stream into its slots at ``offsets`` (one launch
     each, queued); their completions."""
-    staging = cast(torch.Tensor, backend.staging_buffer)
-    done = []
-    for k, slot in todo:
-        k_lo, k_hi, lo, hi = chunks[k]
-        window = staging[offsets[slot] : offsets[slot] + hi - lo]
-        dp.copy(plan, dp.Side("src", backend.memory_buffer, ids),
-                dp.Side("packed", window, bias=lo), n_tok, items=(k_lo, k_hi))  # fmt: skip
-        done.append(_landed_event(window))
-    return done
+    return [route.pack_items(got, offsets[slot], (chunks[k][0], chunks[k][1])) for k, slot in todo]
 
 
 def _step_stream(out: _StreamOut) -> bool:
@@ -715,12 +714,6 @@ def _peer_key(metas: Sequence[PeerMeta]) -> tuple[tuple[str, int, int], ...]:
         (str(m["agent_name"]), int(m["incarnation"]), int(m["layout"].get("global_rank", -1)))
         for m in metas
     )
-
-
-def _rank_ids(ids: BlockIds, rank: int) -> npt.NDArray[np.int64]:
-    """The block ids of source ``rank`` (one shared list or a per-rank mapping)."""
-    chosen = ids[rank] if isinstance(ids, Mapping) else ids
-    return np.asarray(chosen, dtype=np.int64).reshape(-1)
 
 
 def _np_u64(rows: Sequence[Sequence[int]]) -> npt.NDArray[np.uint64]:
@@ -957,9 +950,6 @@ class NixlTransferBackend(TransferBackendBase):
             [self._adopt_peer(m) for m in src_metas] if src_metas is not None else [self._own_peer]
         )
         dst, srcs = dst_peer.meta, [p.meta for p in src_peers]
-        num_tokens = self._validate_peers(
-            src_peers, src_block_ids, None, num_tokens, local_is_dst=False
-        )
         me = self.layout.global_rank
         ticket: dict[str, Any] = {
             "src_rank": me,
@@ -969,68 +959,112 @@ class NixlTransferBackend(TransferBackendBase):
             "offset": 0,
             "nbytes": 0,
         }
-        if self.mode == "direct":
-            return ticket
-        # A decode on this host reads this rank's blocks through CUDA IPC: nothing to pack.
-        if self.memory_buffer.is_cuda and ipc.same_host(self.ipc_meta, dst.get("ipc")):
-            return ticket
+        # Nothing is packed for a decode that reads this rank directly: mode "direct", or a
+        # decode on this host, which reads the blocks through CUDA IPC.
+        direct = self.mode == "direct" or (
+            self.memory_buffer.is_cuda and ipc.same_host(self.ipc_meta, dst.get("ipc"))
+        )
         # Without destination blocks only the gather side compiles (mode "staged"); in
         # "auto" the decode may still read this rank directly and ignore the packed copy.
-        # The compiled gather side is cached as a device plan per (sources, decode) pair.
-        key = ("stage", _peer_key(srcs), _peer_key([dst]), num_tokens is None)
-        program: Any = None
+        # The compiled gather side is cached per (sources, decode) pair: the source ranks
+        # and this rank's pack route (its device plan, prepared), if it packs.
+        key = ("stage", _peer_key(srcs), _peer_key([dst]))
+        checked: list[int | None] = []  # the token count, when a build checked the ids
 
-        def build() -> tuple[list[int], dp.DevicePlan | None]:
-            nonlocal program
-            program = self._compile(src_peers, dst_peer, src_block_ids, None, num_tokens, "staged")
-            plan = None
-            if me in program.src_ranks:
+        def build() -> tuple[list[int], dp.PackRoute | None]:
+            n = self._validate_peers(src_peers, src_block_ids, None, num_tokens, local_is_dst=False)
+            checked.append(n)
+            program = self._compile(src_peers, dst_peer, src_block_ids, None, n, "staged")
+            route, staging = None, self.staging_buffer
+            if me in program.src_ranks and staging is not None:
                 addr = int(self.buffer_info["addr"])
                 plan = dp.DevicePlan.from_program(program, me, src_addr=addr, dst_addr=0)
-            return list(program.src_ranks), plan
+                if plan is not None:
+                    route = dp.PackRoute(plan, me, self.memory_buffer, staging, self._ids)
+            return list(program.src_ranks), route
 
-        ranks, plan = self._cached(key, build)
+        # The route checks the peers and ids (in Rust, once) and lays this rank's ids out
+        # for its kernel; what it does not take (no route, SSM state, another block count)
+        # is checked and packed by the general path.
+        ranks, route = ((), None) if direct else self._cached(key, build)
+        got = None
+        if route is not None:
+            n_tok = checked[0] if checked else num_tokens
+            side = self._local_side
+            got = route.begin(src_peers, src_block_ids, n_tok, checked=bool(checked), **side)
+        if route is None or got is None:
+            args = (src_peers, dst_peer, src_block_ids, num_tokens, ranks, checked)
+            return self._stage_general(ticket, *args)
+        nbytes = route.plan.packed_bytes(got.num_tokens)
+        if nbytes > self.arena.largest_free:
+            # The staging region is a fixed pool whatever the prompt size: a copy that does
+            # not fit now is streamed through a few slots of it (else, when no slot holds
+            # one item, not packed: the decode reads this rank's blocks).
+            ticket.update(self._stream_out((route, got), dst, len(ranks), nbytes))
+            return ticket
+        offset = self.arena.alloc(nbytes)
+        try:
+            done = route.pack_whole(got, offset)
+        except Exception:
+            self.arena.free(offset)
+            raise
+        return self._announce_whole(ticket, dst, offset, nbytes, done)
+
+    @functools.cached_property
+    def _local_side(self) -> dict[str, Any]:
+        """This rank's side of the id checks (``check_peer_transfer``'s local arguments)."""
+        return {
+            "local_num_blocks": self.expected_num_blocks,
+            "local_tokens_per_block": self.tokens_per_block,
+        }
+
+    def _stage_general(
+        self,
+        ticket: dict[str, Any],
+        src_peers: list[Any],
+        dst_peer: Any,
+        src_block_ids: BlockIds,
+        num_tokens: int | None,
+        ranks: Sequence[int],
+        checked: list[int | None],
+    ) -> dict[str, Any]:
+        """``stage_blocks`` without a pack route: check the peers and ids (unless they were,
+        ``checked`` holding the token count), and pack this rank's rows of the compiled
+        program whole when it is one of the ``ranks`` that pack (a copy larger than the free
+        pool is not packed: the decode reads directly)."""
+        if not checked:
+            checked.append(
+                self._validate_peers(src_peers, src_block_ids, None, num_tokens, local_is_dst=False)
+            )
+        num_tokens = checked[0]
+        me = self.layout.global_rank
         if me not in ranks:
             return ticket
         if self.staging_buffer is None:
             raise CapacityError("staged pull needs staging_bytes > 0", field="staging_bytes")
-        ids = _rank_ids(src_block_ids, me)
-        if plan is not None and num_tokens is not None and ids.size == plan.num_blocks(num_tokens):
-            nbytes = plan.packed_bytes(num_tokens)
-        else:
-            plan = None
-            if program is None:
-                program = self._compile(
-                    src_peers, dst_peer, src_block_ids, None, num_tokens, "staged"
-                )
-            nbytes = int(program.packed_bytes(me))
+        program = self._compile(src_peers, dst_peer, src_block_ids, None, num_tokens, "staged")
+        nbytes = int(program.packed_bytes(me))
         if nbytes > self.arena.largest_free:
-            # The staging region is a fixed pool whatever the prompt size: a copy that does
-            # not fit now is streamed through a few slots of it, else (no device plan, or no
-            # slot holds one item) not packed, and the decode reads this rank's blocks.
-            ticket.update(self._stream_out(plan, ids, num_tokens, dst, len(ranks), nbytes))
-            return ticket
+            return {**ticket, **self._stream_out(None, dst_peer.meta, len(ranks), nbytes)}
         offset = self.arena.alloc(nbytes)
+        region = self.staging_buffer[offset : offset + nbytes]
         try:
-            region = self.staging_buffer[offset : offset + nbytes]
-            if plan is not None and num_tokens is not None:
-                (dev_ids,) = self._ids.upload(ids)
-                dp.copy(
-                    plan,
-                    dp.Side("src", self.memory_buffer, dev_ids),
-                    dp.Side("packed", region),
-                    num_tokens,
-                )
-            else:
-                self.pack_rows(program.gather(me), region)
+            self.pack_rows(program.gather(me), region)
         except Exception:
             self.arena.free(offset)
             raise
-        # The decode reads the region once announced: when the pack's event has completed.
+        return self._announce_whole(ticket, dst_peer.meta, offset, nbytes, _landed_event(region))
+
+    def _announce_whole(
+        self, ticket: dict[str, Any], dst: PeerMeta, offset: int, nbytes: int, done: Any
+    ) -> dict[str, Any]:
+        """Complete the ticket of a copy packed whole into ``[offset, offset + nbytes)``:
+        the decode reads the region once announced, when its pack (``done``) has completed
+        (here, or in a later ``poll_streams``)."""
         sid = self._ctx.new_stream_id()
         src = _core.StreamSource.whole(sid, offset, nbytes)
         out = _StreamOut(self, self._ensure_peer_registered(dst), sid, src, [], _no_packs)
-        out.events.append(_landed_event(region))
+        out.events.append(done)
         self._streams[sid] = out
         out.announce()
         ticket.update(staged=True, offset=offset, nbytes=nbytes, ready=sid)
@@ -1042,27 +1076,27 @@ class NixlTransferBackend(TransferBackendBase):
 
     def _stream_out(
         self,
-        plan: dp.DevicePlan | None,
-        ids: npt.NDArray[np.int64],
-        num_tokens: int | None,
+        packing: tuple[dp.PackRoute, dp.PackIds] | None,
         dst: PeerMeta,
         sources: int,
         nbytes: int,
     ) -> dict[str, Any]:
-        """Start streaming this rank's packed copy (``nbytes``) to decode ``dst``: reserve up
-        to ``_STREAM_SLOTS`` slots of ``1 / _STREAM_SHARE`` of the largest free range, each
-        holding a chunk the decode's pool holds too (it reads ``sources`` copies through two
-        slots each at least), pack the first chunks. Returns the ticket fields; none
-        (nothing reserved, the decode reads the blocks) without a device plan or when no
-        slot holds one item of the plan."""
-        peer = self._ensure_peer_registered(dst)
-        (dev_ids,) = self._ids.upload(ids)
-        # Without a device plan there is no item size: nothing is streamed.
-        item_bytes = getattr(plan, "item_bytes", None)
-        got = self.arena.alloc_stream(
-            item_bytes, dst.get("staging"), sources, _STREAM_SHARE, _STREAM_SLOTS
-        )
-        if got is None:
+        """Start streaming this rank's packed copy (``nbytes``; ``packing``: its pack route
+        and ids, laid out by the route) to decode ``dst``: reserve up to ``_STREAM_SLOTS``
+        slots of ``1 / _STREAM_SHARE`` of the largest free range, each holding a chunk the
+        decode's pool holds too (it reads ``sources`` copies through two slots each at
+        least), pack the first chunks. Returns the ticket fields; none (nothing reserved,
+        the decode reads the blocks) without a pack route or when no slot holds one item of
+        the plan."""
+        got_slots = None
+        if packing is not None:
+            got_slots = self.arena.alloc_stream(
+                packing[0].plan.item_bytes, dst.get("staging"), sources, _STREAM_SHARE,
+                _STREAM_SLOTS,
+            )  # fmt: skip
+        if got_slots is None:
+            if packing is not None:
+                packing[0].release(packing[1])
             logger.info(
                 "staging: %d bytes for decode rank %s do not fit (largest free range %d of "
                 "staging_bytes=%d) and cannot be streamed; the decode reads directly",
@@ -1070,12 +1104,15 @@ class NixlTransferBackend(TransferBackendBase):
                 self.arena.capacity,
             )  # fmt: skip
             return {}
-        slot_bytes, offsets = got
-        sid, n_tok = self._ctx.new_stream_id(), int(cast(int, num_tokens))
-        plan = cast(dp.DevicePlan, plan)
-        chunks = plan.chunks(n_tok, slot_bytes)
-        pack = functools.partial(_pack_chunks, self, plan, dev_ids, n_tok, chunks, offsets)
-        out = _StreamOut(self, peer, sid, _core.StreamSource(sid, chunks, offsets), offsets, pack)
+        route, got = cast(tuple[dp.PackRoute, dp.PackIds], packing)
+        slot_bytes, offsets = got_slots
+        peer = self._ensure_peer_registered(dst)
+        sid = self._ctx.new_stream_id()
+        chunks = route.plan.chunks(got.num_tokens, slot_bytes)
+        pack = functools.partial(_pack_chunks, route, got, chunks, offsets)
+        release = functools.partial(route.release, got)
+        src = _core.StreamSource(sid, chunks, offsets)
+        out = _StreamOut(self, peer, sid, src, offsets, pack, release)
         # Registered first: a pack that fails leaves the stream to its deadline or release.
         self._streams[sid] = out
         # The first chunks are queued here and announced once packed (like the later ones).

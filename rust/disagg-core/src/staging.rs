@@ -227,10 +227,12 @@ pub fn pull_ids_len(dst_len: usize, sources: usize) -> usize {
     (dst_len + (dst_len & 1)) * (sources + 1)
 }
 
-/// Check the peers and block ids of one KV pull ([`check_transfer`], same errors), then lay
-/// the ids out in `out` for a device plan launched once for all source ranks: destination
-/// ids at 0, the ids of `ranks[j]` at `(j + 1) * stride`, every part starting on an even
-/// index (16-byte aligned on the device).
+/// Check the peers and block ids of one KV transfer ([`check_transfer`], same errors), then
+/// lay the ids out in `out` for a device plan launched once for all source ranks: with `dst`
+/// (a pull into this rank) the destination ids at 0 and the ids of `ranks[j]` at `(j + 1) *
+/// stride`; without (this rank packs its own blocks: `local` is a source) the ids of
+/// `ranks[j]` at `j * stride`. Every part starts on an even index (16-byte aligned on the
+/// device).
 ///
 /// `tokens_per_block` is the plan's block size. `Ok(None)`: the ids do not fit this layout
 /// (SSM state, a side whose id count is not the plan's block count for the tokens moved, a
@@ -244,41 +246,49 @@ pub fn write_pull_ids(
     peers: &[&PeerMeta],
     ranks: &[u32],
     src: &SourceIds,
-    dst: &[i64],
+    dst: Option<&[i64]>,
     num_tokens: Option<i64>,
     local: LocalSide,
     tokens_per_block: u32,
     out: &mut [i64],
 ) -> DisaggResult<Option<PullIds>> {
-    let Some(n_tok) = check_transfer(peers, src, Some(dst), num_tokens, local)? else {
+    let Some(n_tok) = check_transfer(peers, src, dst, num_tokens, local)? else {
         return Ok(None);
     };
+    Ok(lay_out_ids(ranks, src, dst, n_tok, tokens_per_block, out))
+}
+
+/// [`write_pull_ids`] of ids the caller has checked already ([`check_transfer`] returned
+/// `n_tok` for them): the layout alone, `None` when the ids do not fit it.
+#[must_use]
+pub fn lay_out_ids(
+    ranks: &[u32],
+    src: &SourceIds,
+    dst: Option<&[i64]>,
+    n_tok: u64,
+    tokens_per_block: u32,
+    out: &mut [i64],
+) -> Option<PullIds> {
     if tokens_per_block == 0 {
-        return Ok(None);
+        return None;
     }
     let n_blk = usize::try_from(n_tok.div_ceil(u64::from(tokens_per_block))).unwrap_or(0);
     let stride = n_blk + (n_blk & 1);
-    let len = pull_ids_len(n_blk, ranks.len());
-    if dst.len() != n_blk || out.len() < len {
-        return Ok(None);
+    let mut parts: Vec<&[i64]> = dst.into_iter().collect();
+    let len = stride * (parts.len() + ranks.len());
+    if parts.iter().any(|d| d.len() != n_blk) || out.len() < len {
+        return None;
     }
-    let mut parts: Vec<&[i64]> = vec![dst];
     for &rank in ranks {
-        let ids = match src {
-            SourceIds::Shared(ids) => Some(ids.as_slice()),
-            SourceIds::PerRank(map) => {
-                map.iter().find(|(r, _)| *r == i64::from(rank)).map(|(_, ids)| ids.as_slice())
-            }
-        };
-        match ids {
+        match src.of_rank(i64::from(rank)) {
             Some(ids) if ids.len() == n_blk => parts.push(ids),
-            _ => return Ok(None),
+            _ => return None,
         }
     }
     for (j, ids) in parts.into_iter().enumerate() {
         out[j * stride..j * stride + n_blk].copy_from_slice(ids);
     }
-    Ok(Some(PullIds { num_tokens: n_tok, num_blocks: n_blk, stride, len }))
+    Some(PullIds { num_tokens: n_tok, num_blocks: n_blk, stride, len })
 }
 
 #[cfg(test)]
@@ -474,8 +484,9 @@ mod tests {
                 (SourceIds::Shared(vec![0, 1]), vec![3, 3]),
             ] {
                 let want = check_transfer(&[&a, &b], &src, Some(&dst), None, LOCAL).unwrap_err();
-                let got = write_pull_ids(&[&a, &b], &[0, 1], &src, &dst, None, LOCAL, 2, &mut out)
-                    .unwrap_err();
+                let got =
+                    write_pull_ids(&[&a, &b], &[0, 1], &src, Some(&dst), None, LOCAL, 2, &mut out)
+                        .unwrap_err();
                 assert_eq!(got.to_string(), want.to_string());
                 assert!(out.iter().all(|&x| x == -7));
             }
@@ -494,9 +505,17 @@ mod tests {
                 (per(vec![2, 3]), vec![0, 1], None, &[0, 1], 16),
             ];
             for (k, (src, dst, n, ranks, room)) in cases.into_iter().enumerate() {
-                let got =
-                    write_pull_ids(&[&a, &b], ranks, &src, &dst, n, LOCAL, 2, &mut out[..room])
-                        .unwrap();
+                let got = write_pull_ids(
+                    &[&a, &b],
+                    ranks,
+                    &src,
+                    Some(&dst),
+                    n,
+                    LOCAL,
+                    2,
+                    &mut out[..room],
+                )
+                .unwrap();
                 assert_eq!(got.is_some(), k == 3, "case {k}: {got:?}");
             }
         }
@@ -519,7 +538,7 @@ mod tests {
                     SourceIds::PerRank(vec![(1, s1.clone()), (0, s0.clone())])
                 };
                 let mut out = vec![-7_i64; 16];
-                let got = write_pull_ids(&[&a, &b], &[0, 1], &src, &dst, Some(n_tok), LOCAL, 2, &mut out)
+                let got = write_pull_ids(&[&a, &b], &[0, 1], &src, Some(&dst), Some(n_tok), LOCAL, 2, &mut out)
                     .unwrap()
                     .unwrap();
                 let stride = n_blk + n_blk % 2;
@@ -533,6 +552,42 @@ mod tests {
                     want[j * stride..j * stride + n_blk].copy_from_slice(ids);
                 }
                 prop_assert_eq!(out, want);
+            }
+
+            #[test]
+            fn a_source_packing_its_own_blocks_gets_its_ids_at_zero(
+                n_tok in 1_i64..=8,
+                perm in Just((0_i64..4).collect::<Vec<_>>()).prop_shuffle(),
+                rank in 0_u32..2,
+            ) {
+                let (a, b) = (peer(0), peer(1));
+                let n_blk = usize::try_from(n_tok).unwrap().div_ceil(2);
+                let s0: Vec<i64> = perm[..n_blk].to_vec();
+                let s1: Vec<i64> = perm[4 - n_blk..].to_vec();
+                let src = SourceIds::PerRank(vec![(0, s0.clone()), (1, s1.clone())]);
+                let local = LocalSide { is_dst: false, ..LOCAL };
+                // The same checks as the transfer's (a bad id raises alike) ...
+                let bad = SourceIds::PerRank(vec![(0, vec![9; n_blk]), (1, s1.clone())]);
+                let want = check_transfer(&[&a, &b], &bad, None, Some(n_tok), local).unwrap_err();
+                let mut out = vec![-7_i64; 8];
+                let got = write_pull_ids(&[&a, &b], &[rank], &bad, None, Some(n_tok), local, 2, &mut out);
+                prop_assert_eq!(got.unwrap_err().to_string(), want.to_string());
+                // ... and only this rank's ids are laid out, from index 0.
+                let got = write_pull_ids(&[&a, &b], &[rank], &src, None, Some(n_tok), local, 2, &mut out)
+                    .unwrap()
+                    .unwrap();
+                let stride = n_blk + n_blk % 2;
+                prop_assert_eq!(got, PullIds {
+                    num_tokens: u64::try_from(n_tok).unwrap(), num_blocks: n_blk, stride, len: stride,
+                });
+                let mut want = vec![-7_i64; 8];
+                want[..n_blk].copy_from_slice(if rank == 0 { &s0 } else { &s1 });
+                prop_assert_eq!(&out, &want);
+                // Ids checked before: the same layout without a second check.
+                let mut again = vec![-7_i64; 8];
+                let n = u64::try_from(n_tok).unwrap();
+                prop_assert_eq!(lay_out_ids(&[rank], &src, None, n, 2, &mut again), Some(got));
+                prop_assert_eq!(again, want);
             }
         }
     }

@@ -156,41 +156,49 @@ pub(crate) fn source_ids_of(obj: &Bound<'_, PyAny>) -> PyResult<SourceIds> {
     Ok(SourceIds::Shared(ids_of(obj, "src_block_ids")?))
 }
 
-/// Ids a device id slot needs for a pull into `dst_block_ids` from `sources` source ranks.
+/// Ids a device id slot needs for a pull into `ids` (destination ids) from `sources` source
+/// ranks; with `rank`, for `sources` more parts the size of the source ids `ids` (a list or
+/// a per-rank mapping) of source `rank` (a source packing its own blocks: 0).
 #[pyfunction]
-pub fn pull_ids_len(dst_block_ids: &Bound<'_, PyAny>, sources: usize) -> PyResult<usize> {
-    let n = match dst_block_ids.len() {
-        Ok(n) => n,
-        Err(_) => ids_of(dst_block_ids, "dst_block_ids")?.len(),
+#[pyo3(signature = (ids, sources, rank=None))]
+pub fn pull_ids_len(ids: &Bound<'_, PyAny>, sources: usize, rank: Option<i64>) -> PyResult<usize> {
+    let n = match (rank, ids.len()) {
+        (Some(r), _) => source_ids_of(ids)?.of_rank(r).map_or(0, <[i64]>::len),
+        (None, Ok(n)) => n,
+        (None, Err(_)) => ids_of(ids, "dst_block_ids")?.len(),
     };
     Ok(disagg_core::pull_ids_len(n, sources))
 }
 
-/// Check the peers (`srcs`, parsed) and block ids of one KV pull into this rank exactly as
+/// Check the peers (`srcs`, parsed) and block ids of one KV transfer exactly as
 /// `check_peer_transfer` does (same errors, raised before anything is written), then write
-/// the ids into `out` (a 1-D `int64` array, e.g. a pinned slot's numpy view): destination
-/// ids at 0, the ids of `ranks[j]` at `(j + 1) * stride`. Returns `(num_tokens, num_blocks,
-/// stride, written)`, or `None` when the ids do not fit that layout (the caller's general
-/// path then handles or names the mismatch).
+/// the ids into `out` (a 1-D `int64` array, e.g. a pinned slot's numpy view). A pull into
+/// this rank (`dst_block_ids` given): destination ids at 0, the ids of `ranks[j]` at `(j +
+/// 1) * stride`; this rank packing its own blocks (`dst_block_ids` `None`): the ids of
+/// `ranks[j]` at `j * stride`. Returns `(num_tokens, num_blocks, stride, written)`, or `None`
+/// when the ids do not fit that layout (the caller's general path then handles or names the
+/// mismatch). `checked`: the caller checked these peers and ids already and passes the token
+/// count `check_peer_transfer` returned; only the layout is written.
 #[pyfunction]
 #[pyo3(signature = (out, srcs, ranks, src_block_ids, dst_block_ids, num_tokens, *,
-    local_num_blocks, local_tokens_per_block, tokens_per_block))]
+    local_num_blocks, local_tokens_per_block, tokens_per_block, checked=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn write_pull_ids(
     out: &Bound<'_, PyArray1<i64>>,
     srcs: Vec<PyRef<'_, PyPeer>>,
     ranks: Vec<u32>,
     src_block_ids: &Bound<'_, PyAny>,
-    dst_block_ids: &Bound<'_, PyAny>,
+    dst_block_ids: Option<&Bound<'_, PyAny>>,
     num_tokens: Option<Int>,
     local_num_blocks: Int,
     local_tokens_per_block: Option<Int>,
     tokens_per_block: Int,
+    checked: bool,
 ) -> PyResult<Option<(u64, usize, usize, usize)>> {
     let src = source_ids_of(src_block_ids)?;
-    let dst = ids_of(dst_block_ids, "dst_block_ids")?;
+    let dst = dst_block_ids.map(|d| ids_of(d, "dst_block_ids")).transpose()?;
     let local = LocalSide {
-        is_dst: true,
+        is_dst: dst.is_some(),
         num_blocks: local_num_blocks.to_u32(Kind::Argument, "local_num_blocks")?,
         tokens_per_block: local_tokens_per_block
             .map(|t| t.to_u32(Kind::Argument, "local_tokens_per_block"))
@@ -204,8 +212,15 @@ pub fn write_pull_ids(
     let slot = view.as_slice_mut().map_err(|e| {
         pyo3::exceptions::PyValueError::new_err(format!("out is not contiguous: {e}"))
     })?;
-    let peers = metas(&srcs);
-    let got = disagg_core::write_pull_ids(&peers, &ranks, &src, &dst, n, local, tpb, slot).py()?;
+    let got = match (checked, n.map(u64::try_from)) {
+        (true, Some(Ok(n))) => disagg_core::lay_out_ids(&ranks, &src, dst.as_deref(), n, tpb, slot),
+        (true, _) => None,
+        (false, _) => {
+            let peers = metas(&srcs);
+            disagg_core::write_pull_ids(&peers, &ranks, &src, dst.as_deref(), n, local, tpb, slot)
+                .py()?
+        }
+    };
     Ok(got.map(|g| (g.num_tokens, g.num_blocks, g.stride, g.len)))
 }
 

@@ -581,6 +581,19 @@ pub enum SourceIds {
     PerRank(Vec<(i64, Vec<i64>)>),
 }
 
+impl SourceIds {
+    /// The ids of source global rank `rank` (`None`: a per-rank mapping without it).
+    #[must_use]
+    pub fn of_rank(&self, rank: i64) -> Option<&[i64]> {
+        match self {
+            Self::Shared(ids) => Some(ids),
+            Self::PerRank(map) => {
+                map.iter().find(|(r, _)| *r == rank).map(|(_, ids)| ids.as_slice())
+            }
+        }
+    }
+}
+
 fn check_ids(field: &str, ids: &[i64], num_blocks: u32, owner: &str) -> DisaggResult<()> {
     if ids.is_empty() {
         return Err(DisaggError::block(field, format!("{field} is empty")));
