@@ -173,8 +173,8 @@ pub fn pull_ids_len(ids: &Bound<'_, PyAny>, sources: usize, rank: Option<i64>) -
 /// Check the peers (`srcs`, parsed) and block ids of one KV transfer exactly as
 /// `check_peer_transfer` does (same errors, raised before anything is written), then write
 /// the ids into `out` (a 1-D `int64` array, e.g. a pinned slot's numpy view). A pull into
-/// this rank (`dst_block_ids` given): destination ids at 0, the ids of `ranks[j]` at `(j +
-/// 1) * stride`; this rank packing its own blocks (`dst_block_ids` `None`): the ids of
+/// this rank (`dst_block_ids` given): destination ids at 0, the ids of `ranks[j]` at
+/// `(j + 1) * stride`; this rank packing its own blocks (`dst_block_ids` `None`): the ids of
 /// `ranks[j]` at `j * stride`. Returns `(num_tokens, num_blocks, stride, written)`, or `None`
 /// when the ids do not fit that layout (the caller's general path then handles or names the
 /// mismatch). `checked`: the caller checked these peers and ids already and passes the token
