@@ -501,7 +501,8 @@ class PreparedCopy:
             # for the launch that compiles (same alignment class, so the same kernel).
             a_ids, b_ids = (x.to(self.device) for x in (a_ids, b_ids))
             self._compiled[key] = _kernel()[(grid,)](
-                self.a_lanes, self.b_lanes[b_offset // self.unit :], self.table, a_ids, b_ids,
+                self.a_lanes, self.b_lanes[b_offset // self.b_lanes.element_size() :],
+                self.table, a_ids, b_ids,
                 n_blk, int(n_tok), tpb, k_lo, *consts, a_set, 0, A_PACKED=False,
                 B_PACKED=self.packed, VEC=self._vec, BLOCK=BLOCK,
             )  # fmt: skip
