@@ -296,12 +296,24 @@ class _NixlAgentContext:
             except Exception as exc:  # a peer that is gone cannot be disconnected cleanly
                 logger.debug("removing NIXL peer %s: %s", name, exc)
 
+    def _decoded(self, text: str | bytes) -> tuple[bytes, str]:
+        """A peer's NIXL metadata (base64 ``text``) decoded, and its digest: once per text
+        object (kept while memoised, so its id names it alone)."""
+        memo: dict[int, tuple[Any, bytes, str]] = self.__dict__.setdefault("_metadata_memo", {})
+        seen = memo.get(id(text))
+        if seen is None or seen[0] is not text:
+            if len(memo) >= 1024:
+                memo.clear()
+            blob = base64.b64decode(text)
+            seen = memo[id(text)] = (text, blob, hashlib.sha256(blob).hexdigest())
+        return seen[1], seen[2]
+
     def ensure_peer(self, meta: PeerMeta) -> str:
         """Register the peer on first use, replacing a stale incarnation; return the id NIXL
         gave it (its agent name)."""
         name = str(meta["agent_name"])
-        blob = base64.b64decode(meta["agent_metadata"])
-        key = (int(meta["incarnation"]), hashlib.sha256(blob).hexdigest())
+        blob, digest = self._decoded(meta["agent_metadata"])
+        key = (int(meta["incarnation"]), digest)
         known = self.peers.get(name)
         if known is not None and known[:2] == key:
             return known[2]
