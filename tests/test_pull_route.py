@@ -163,3 +163,47 @@ def test_the_rust_id_writer_raises_what_the_id_check_raises_and_lays_out_what_it
         expect[j * stride : j * stride + n_blk] = ids
     assert (out == expect).all()
     assert _core.pull_ids_len(dids, 2) == 3 * stride
+
+
+def test_a_source_packs_through_its_route_byte_exact_whatever_its_id_ring_holds() -> None:
+    """``stage_blocks`` packs through the source's prepared route (ids checked once, in
+    Rust, and read from an id slot) what the compiler's own gather lists pack, also when
+    the handoff has more blocks than the id ring's slots hold (a slot of its size then)."""
+    gen = torch.Generator().manual_seed(5)
+    shape = (2, LAYERS, BLOCKS, TPB, HEADS // 2, DIM)
+    kw: dict[str, Any] = {"num_kv_heads_global": HEADS, "mode": "staged", "staging_bytes": 1 << 20}
+    dec = nixl.NixlTransferBackend(
+        "pack-dec", torch.zeros((2, LAYERS, BLOCKS, TPB, HEADS, DIM), dtype=torch.int16), BLOCKS,
+        **kw,
+    )  # fmt: skip
+    rank = [{"tp_size": 2, "tp_rank": r, "global_rank": r, **kw} for r in (0, 1)]
+    caches = [torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=gen) for _ in "ab"]
+    root = nixl.NixlTransferBackend("pack-pre", caches[0], BLOCKS, **rank[0])
+    other = root.new_registered_buffer(
+        memory_buffer=caches[1], expected_num_blocks=BLOCKS, **rank[1]
+    )
+    try:
+        metas, dst_meta = [s.export_meta() for s in (root, other)], dec.export_meta()
+        sids, _, n_tok = _ids(11, 30)
+        for src in (root, other):
+            me = src.layout.global_rank
+            program = src._compile(metas, dst_meta, sids, None, n_tok, "staged")
+            want = torch.zeros(int(program.packed_bytes(me)), dtype=torch.uint8)
+            src.pack_rows(program.gather(me), want)
+            for capacity in (4096, 4096, 1):
+                src._ids.capacity = capacity
+                checks = _core.block_id_checks()
+                ticket = src.stage_blocks(dst_meta, sids, src_metas=metas, num_tokens=n_tok)
+                if capacity > 1:  # the ids fit the ring's slot: checked once
+                    assert _core.block_id_checks() - checks == 1
+                at, nbytes = ticket["offset"], ticket["nbytes"]
+                assert ticket["staged"] and nbytes == want.numel()
+                assert src.staging_buffer is not None
+                assert torch.equal(src.staging_buffer[at : at + nbytes], want)
+                src.release_staged(ticket)
+            routes = [v[1] for v in src._plans._plans.values() if isinstance(v, tuple)]
+            assert any(isinstance(r, dp.PackRoute) for r in routes), "packed by the route"
+            assert bool(want.any())
+    finally:
+        for b in (other, root, dec):
+            b.close()

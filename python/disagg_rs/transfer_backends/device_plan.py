@@ -471,8 +471,10 @@ class PreparedCopy:
         ``stream``: that stream's raw handle when the caller has it (CUDA, device current)."""
         plan = self.plan
         n_blk = plan.num_blocks(n_tok)
-        k_lo, k_hi = (0, plan.num_planes * n_blk) if items is None else items
-        lo, hi = plan.item_offset(k_lo, n_tok), plan.item_offset(k_hi, n_tok)
+        k_lo, k_hi, lo, hi = 0, plan.num_planes * n_blk, 0, plan.packed_bytes(n_tok)
+        if items is not None:
+            k_lo, k_hi = items
+            lo, hi = plan.item_offset(k_lo, n_tok), plan.item_offset(k_hi, n_tok)
         need = (self._sets - 1) * a_set + n_blk
         b_ids = self.table if b_ids is None else b_ids  # a packed side reads no ids
         short = b_ids.numel() < n_blk
@@ -836,11 +838,12 @@ class PullRoute(_SlotRoute):
 
 @dataclass(frozen=True)
 class PackIds:
-    """One handoff's block ids of a :class:`PackRoute`, checked, in id slot ``slot`` (taken
-    until the route records or releases it): ``ids`` as the kernels read them."""
+    """One handoff's block ids of a :class:`PackRoute`, checked: the first ``n`` ids of id
+    slot ``slot`` (taken until the route records or releases it; ``host``: its memory)."""
 
     slot: int
-    ids: torch.Tensor
+    host: npt.NDArray[np.int64]
+    n: int
     num_tokens: int
 
 
@@ -882,21 +885,27 @@ class PackRoute(_SlotRoute):
         they do not fit this route (SSM state, a block count other than the plan's).
         ``checked``: the caller has checked them (``num_tokens`` is what the check returned)."""
         up = self.uploader
-        slot, host = up.take(_core.pull_ids_len(src_block_ids, 0, rank=self.rank))
-        got = None
-        try:
-            got = _core.write_pull_ids(
-                host, peers, [self.rank], src_block_ids, None, num_tokens,
-                local_num_blocks=local_num_blocks, local_tokens_per_block=local_tokens_per_block,
-                tokens_per_block=self.plan.tokens_per_block, checked=checked,
-            )  # fmt: skip
-        finally:
-            if got is None:  # raised, or not this route's ids: the slot is free again
-                up.settle(slot, None)
-        if got is None:
-            return None
-        with torch.cuda.device(self.index):
-            return PackIds(slot, up.view(slot, host, got[3]), int(got[0]))
+        # A slot of the ring's usual size first (one Rust call); one of the size these ids
+        # need when they did not fit it (a handoff of more blocks than the ring's slots
+        # hold: its ids are then checked twice).
+        for n in (up.capacity, None):
+            slot, host = up.take(
+                _core.pull_ids_len(src_block_ids, 0, rank=self.rank) if n is None else n
+            )
+            got = None
+            try:
+                got = _core.write_pull_ids(
+                    host, peers, [self.rank], src_block_ids, None, num_tokens,
+                    local_num_blocks=local_num_blocks,
+                    local_tokens_per_block=local_tokens_per_block,
+                    tokens_per_block=self.plan.tokens_per_block, checked=checked,
+                )  # fmt: skip
+            finally:
+                if got is None:  # raised, or not this route's ids: the slot is free again
+                    up.settle(slot, None)
+            if got is not None:
+                return PackIds(slot, host, got[3], int(got[0]))
+        return None
 
     def pack_whole(self, got: PackIds, offset: int) -> Any:
         """Queue the pack of the whole copy into the staging buffer at byte ``offset`` and
@@ -904,7 +913,8 @@ class PackRoute(_SlotRoute):
         with torch.cuda.device(self.index):
             raw = torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
             try:
-                self.copy(got.num_tokens, got.ids, None, raw, b_offset=offset)
+                ids = self.uploader.view(got.slot, got.host, got.n)
+                self.copy(got.num_tokens, ids, None, raw, b_offset=offset)
             finally:
                 done = self._record(got.slot, raw) if self._cuda else _DONE
         return done
@@ -913,7 +923,8 @@ class PackRoute(_SlotRoute):
         """Queue the pack of items ``items`` into the staging buffer at byte ``offset``;
         return an event recorded after it on the same stream (host memory: completed)."""
         with torch.cuda.device(self.index):
-            self.copy(got.num_tokens, got.ids, None, b_offset=offset, items=items)
+            ids = self.uploader.view(got.slot, got.host, got.n)
+            self.copy(got.num_tokens, ids, None, b_offset=offset, items=items)
             if not self._cuda:
                 return _DONE
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
