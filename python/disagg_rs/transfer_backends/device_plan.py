@@ -208,12 +208,20 @@ class DevicePlan:
 
     def chunks(self, n_tok: int, max_bytes: int) -> list[tuple[int, int, int, int]]:
         """Item ranges of at most ``max_bytes`` packed bytes (one item at least):
-        ``(k_lo, k_hi, byte_lo, byte_hi)`` in packed order, covering every item once."""
-        # Decided in Rust: the source and the decode of a streamed copy cut it alike.
-        chunks = _core.stream_chunks(
-            self._rows, self.tokens_per_block, int(n_tok), max(int(max_bytes), 0)
-        )
-        return [(int(a), int(b), int(x), int(y)) for a, b, x, y in chunks]
+        ``(k_lo, k_hi, byte_lo, byte_hi)`` in packed order, covering every item once (the
+        last few cuts are kept: handoffs of one size repeat)."""
+        key = ("chunks", int(n_tok), max(int(max_bytes), 0))
+        got = self._cache.get(key)
+        if got is None:
+            # Decided in Rust: the source and the decode of a streamed copy cut it alike.
+            cut = _core.stream_chunks(self._rows, self.tokens_per_block, key[1], key[2])
+            got = [(int(a), int(b), int(x), int(y)) for a, b, x, y in cut]
+            cuts = self._cache.setdefault("cuts", deque())
+            cuts.append(key)
+            while len(cuts) > 8:
+                self._cache.pop(cuts.popleft(), None)
+            self._cache[key] = got
+        return list(got)
 
     # -- device tables -------------------------------------------------------------------
 
@@ -919,17 +927,27 @@ class PackRoute(_SlotRoute):
                 done = self._record(got.slot, raw) if self._cuda else _DONE
         return done
 
-    def pack_items(self, got: PackIds, offset: int, items: tuple[int, int]) -> Any:
-        """Queue the pack of items ``items`` into the staging buffer at byte ``offset``;
-        return an event recorded after it on the same stream (host memory: completed)."""
+    def pack_items(self, got: PackIds, parts: list[tuple[int, int, int]]) -> list[Any]:
+        """Queue the packs of ``parts`` (``(byte offset in the staging buffer, first item,
+        end item)`` each) on the device's current stream; return an event recorded after
+        each (host memory: completed ones)."""
         with torch.cuda.device(self.index):
             ids = self.uploader.view(got.slot, got.host, got.n)
-            self.copy(got.num_tokens, ids, None, b_offset=offset, items=items)
-            if not self._cuda:
-                return _DONE
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-            return event
+            raw = torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
+            done = []
+            for offset, k_lo, k_hi in parts:
+                self.copy(got.num_tokens, ids, None, raw, b_offset=offset, items=(k_lo, k_hi))
+                done.append(self._event(raw) if self._cuda else _DONE)
+        return done
+
+    def _event(self, raw: Any) -> Any:
+        """A new event recorded on the stream ``raw`` (a stream object kept per handle)."""
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = torch.cuda.current_stream(self.device)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        return event
 
     def release(self, got: PackIds) -> None:
         """Give the slot of a handoff whose packs have all completed back."""

@@ -706,7 +706,7 @@ def _pack_chunks(
 ) -> list[Any]:
     """Pack chunks ``[(chunk, slot)]`` of a stream into its slots at ``offsets`` (one launch
     each, queued); their completions."""
-    return [route.pack_items(got, offsets[slot], (chunks[k][0], chunks[k][1])) for k, slot in todo]
+    return route.pack_items(got, [(offsets[slot], chunks[k][0], chunks[k][1]) for k, slot in todo])
 
 
 def _step_stream(out: _StreamOut) -> bool:
