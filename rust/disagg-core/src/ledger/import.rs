@@ -822,12 +822,7 @@ impl ImportLedger {
         outcome: RankOutcome,
         now: u64,
     ) -> DisaggResult<Vec<LedgerAction>> {
-        if rank >= self.cfg.world_size {
-            return Err(DisaggError::argument(
-                "rank",
-                format!("rank={rank} must be < world_size={}", self.cfg.world_size),
-            ));
-        }
+        self.quorum.check_rank(rank)?;
         self.tick(now);
         let mut out = Vec::new();
         let key = (request_id, epoch);
