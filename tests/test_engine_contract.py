@@ -214,6 +214,20 @@ def _exchange(obj: Any, src: int) -> Any:
     return box[0]
 
 
+def _prefill_and_share(
+    engine: ContractEngine, rank: int, rid: int, prompt: list[int], prefill_meta: Any
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """Rank 0 prefills ``prompt`` and shares its ticket and prompt KV; every rank returns them."""
+    payload = None
+    if rank == 0:
+        finished = engine.prefill(rid, prompt)
+        ticket = engine.capture_handoff_ticket(finished)
+        ticket["prefill_meta"] = prefill_meta
+        payload = (ticket, engine.prompt_kv(finished.block_ids, len(prompt)))
+    shared: tuple[dict[str, Any], torch.Tensor] = _exchange(payload, 0)
+    return shared
+
+
 def _run(rank: int, backend: str) -> dict[str, Any]:
     role = "prefill" if rank == 0 else "decode"
     loop = asyncio.new_event_loop()
@@ -228,13 +242,7 @@ def _run(rank: int, backend: str) -> dict[str, Any]:
     for rid, prompt, max_new, stops in PROMPTS:
         now += 1_000_000
         engine.handoff_now_ns = now
-        payload = None
-        if rank == 0:
-            finished = engine.prefill(rid, prompt)
-            ticket = engine.capture_handoff_ticket(finished)
-            ticket["prefill_meta"] = prefill_meta
-            payload = (ticket, engine.prompt_kv(finished.block_ids, len(prompt)))
-        ticket, prefill_kv = _exchange(payload, 0)
+        ticket, prefill_kv = _prefill_and_share(engine, rank, rid, prompt, prefill_meta)
         if rank == 1:
             engine.stop_words[rid] = stops
             sampling = Sampling(max_new, stop_word_ids=stops)

@@ -22,7 +22,15 @@ import torch
 from _reference_worker import spawn_gloo_world
 from disagg_rs.control import CoordinatorState, Msg
 from disagg_rs.driver import HandoffDriver, LoopbackCoordinator
-from test_engine_contract import NUM_BLOCKS, PROMPTS, TIMEOUT_S, ContractEngine, Sampling, _exchange
+from test_engine_contract import (
+    NUM_BLOCKS,
+    PROMPTS,
+    TIMEOUT_S,
+    ContractEngine,
+    Sampling,
+    _exchange,
+    _prefill_and_share,
+)
 
 A, B = PROMPTS[0], PROMPTS[1]
 
@@ -76,13 +84,7 @@ def _run(rank: int, via_coordinator: bool) -> dict[str, Any]:
     tickets: dict[int, Any] = {}
     kv: dict[int, torch.Tensor] = {}
     for rid, prompt, _, _ in (A, B):
-        payload = None
-        if rank == 0:
-            finished = engine.prefill(rid, prompt)
-            ticket = engine.capture_handoff_ticket(finished)
-            ticket["prefill_meta"] = prefill_meta
-            payload = (ticket, engine.prompt_kv(finished.block_ids, len(prompt)))
-        tickets[rid], kv[rid] = _exchange(payload, 0)
+        tickets[rid], kv[rid] = _prefill_and_share(engine, rank, rid, prompt, prefill_meta)
     sends: list[dict[str, Any]] | None = None
     if rank == 1 and via_coordinator:
         sends = _send_kv_through_a_coordinator(engine, prefill_meta, tickets)

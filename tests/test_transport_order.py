@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -37,10 +37,28 @@ def pair(tmp_path: Path) -> Iterator[tuple[Worker, Worker]]:
         yield workers[0], workers[1]
 
 
-def _setup(pre: Worker, dec: Worker, case: Case) -> tuple[Any, Any]:
+@pytest.fixture(params=[KV, CONV], ids=lambda c: c.name)
+def case(request: pytest.FixtureRequest) -> Case:
+    """Each test runs for a KV cache and for SSM conv state."""
+    param: Case = request.param
+    return param
+
+
+class Wired(NamedTuple):
+    """The pair with ``case`` set up on both sides, matching by order, and its metadata."""
+
+    pre: Worker
+    dec: Worker
+    src_meta: Any
+    dst_meta: Any
+
+
+@pytest.fixture
+def wired(pair: tuple[Worker, Worker], case: Case) -> Wired:
+    pre, dec = pair
     src = pre("setup", case.name, case, case.srcs[0], "src", match_by_order=True)
     dst = dec("setup", case.name, case, case.dsts[0], "dst", match_by_order=True)
-    return src, dst
+    return Wired(pre, dec, src, dst)
 
 
 def _other_dst_ids(case: Case) -> list[int]:
@@ -84,12 +102,10 @@ def _push(pre: Worker, case: Case, src_meta: Any, dst_meta: Any, tag: int, **kw:
     )
 
 
-@pytest.mark.parametrize("case", [KV, CONV], ids=lambda c: c.name)
 def test_a_receive_that_never_got_its_send_refuses_the_next_requests_bytes(
-    pair: tuple[Worker, Worker], case: Case
+    wired: Wired, case: Case
 ) -> None:
-    pre, dec = pair
-    src_meta, dst_meta = _setup(pre, dec, case)
+    pre, dec, src_meta, dst_meta = wired
     # The decode posts request A's receives; the prefill never sends A (its pin expired, the
     # coordinator dropped the request...) and pushes request B, of the same size, next.
     _post(dec, case, src_meta, "A", tw.dst_ids(case, case.dsts[0]), TAG_A)
@@ -111,12 +127,10 @@ def test_a_receive_that_never_got_its_send_refuses_the_next_requests_bytes(
     assert again.value.kind == "HandoffStateError"
 
 
-@pytest.mark.parametrize("case", [KV, CONV], ids=lambda c: c.name)
 def test_a_filler_for_an_unsendable_request_keeps_the_pair_in_step(
-    pair: tuple[Worker, Worker], case: Case
+    wired: Wired, case: Case
 ) -> None:
-    pre, dec = pair
-    src_meta, dst_meta = _setup(pre, dec, case)
+    pre, dec, src_meta, dst_meta = wired
     _post(dec, case, src_meta, "A", _other_dst_ids(case), TAG_A)
     _post(dec, case, src_meta, "B", tw.dst_ids(case, case.dsts[0]), TAG_B)
     # The prefill cannot send A: it answers A's receives with a filler of the posted sizes,

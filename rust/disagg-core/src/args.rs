@@ -19,6 +19,8 @@ pub enum Kind {
     Argument,
     /// [`DisaggError::Block`]: a block or slot id or id list.
     Block,
+    /// [`DisaggError::Geometry`]: a field of a buffer geometry.
+    Geometry,
 }
 
 impl Kind {
@@ -28,6 +30,16 @@ impl Kind {
             Self::Layout => DisaggError::layout(field, detail),
             Self::Argument => DisaggError::argument(field, detail),
             Self::Block => DisaggError::block(field, detail),
+            Self::Geometry => DisaggError::geometry(field, detail),
+        }
+    }
+
+    /// Every count in `fields` is at least 1, else the error of this kind naming the first
+    /// `(field, value)` that is 0 (checked in the order given).
+    pub fn at_least_one(self, fields: &[(&str, u32)]) -> DisaggResult<()> {
+        match fields.iter().find(|&&(_, value)| value == 0) {
+            Some(&(field, _)) => Err(self.error(field, format!("{field}=0 must be >= 1"))),
+            None => Ok(()),
         }
     }
 }
@@ -127,32 +139,51 @@ impl Int {
         }
     }
 
-    fn fit<T: TryFrom<i128>>(
-        &self,
-        kind: Kind,
-        field: &str,
-        lo: i128,
-        hi: i128,
-        hi_text: &str,
-    ) -> DisaggResult<T> {
-        let v = self.in_range(kind, field, lo, hi, hi_text)?;
+    fn fit<T: IntType>(&self, kind: Kind, field: &str) -> DisaggResult<T> {
+        let v = self.in_range(kind, field, T::LO, T::HI, T::HI_TEXT)?;
         T::try_from(v).map_err(|_| kind.error(field, format!("{field}={v} out of range")))
     }
 
     /// A value in `[0, 2**32)`.
     pub fn to_u32(&self, kind: Kind, field: &str) -> DisaggResult<u32> {
-        self.fit(kind, field, 0, i128::from(u32::MAX), "2**32")
+        self.fit(kind, field)
     }
 
     /// A value in `[-2**63, 2**63)`.
     pub fn to_i64(&self, kind: Kind, field: &str) -> DisaggResult<i64> {
-        self.fit(kind, field, i128::from(i64::MIN), i128::from(i64::MAX), "2**63")
+        self.fit(kind, field)
     }
 
     /// A value in `[0, 2**64)`.
     pub fn to_u64(&self, kind: Kind, field: &str) -> DisaggResult<u64> {
-        self.fit(kind, field, 0, i128::from(u64::MAX), "2**64")
+        self.fit(kind, field)
     }
+}
+
+/// An integer type an [`Int`] converts to: its closed range `[LO, HI]`, and the exclusive
+/// upper bound as messages spell it.
+trait IntType: TryFrom<i128> {
+    const LO: i128;
+    const HI: i128;
+    const HI_TEXT: &'static str;
+}
+
+impl IntType for u32 {
+    const LO: i128 = 0;
+    const HI: i128 = u32::MAX as i128;
+    const HI_TEXT: &'static str = "2**32";
+}
+
+impl IntType for i64 {
+    const LO: i128 = i64::MIN as i128;
+    const HI: i128 = i64::MAX as i128;
+    const HI_TEXT: &'static str = "2**63";
+}
+
+impl IntType for u64 {
+    const LO: i128 = 0;
+    const HI: i128 = u64::MAX as i128;
+    const HI_TEXT: &'static str = "2**64";
 }
 
 impl From<i64> for Int {
@@ -327,8 +358,19 @@ mod tests {
             DisaggError::Argument { field, detail } => ("argument", field.clone(), detail.clone()),
             DisaggError::Layout { field, detail } => ("layout", field.clone(), detail.clone()),
             DisaggError::Block { field, detail } => ("block", field.clone(), detail.clone()),
+            DisaggError::Geometry { field, detail } => ("geometry", field.clone(), detail.clone()),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn at_least_one_names_the_first_zero_count_with_the_error_of_its_kind() {
+        assert!(Kind::Layout.at_least_one(&[("a", 1), ("b", 7)]).is_ok());
+        assert!(Kind::Layout.at_least_one(&[]).is_ok());
+        let e = Kind::Geometry.at_least_one(&[("a", 2), ("b", 0), ("c", 0)]).unwrap_err();
+        assert_eq!(field_detail(&e), ("geometry", "b".to_owned(), "b=0 must be >= 1".to_owned()));
+        let e = Kind::Block.at_least_one(&[("c", 0)]).unwrap_err();
+        assert_eq!(field_detail(&e), ("block", "c".to_owned(), "c=0 must be >= 1".to_owned()));
     }
 
     #[test]

@@ -149,7 +149,29 @@ pub enum DisaggError {
     },
 }
 
+/// The shorthand constructors `name(field, detail)` of the variants that name a field: one
+/// line per variant, `name => Variant`.
+macro_rules! field_error_shorthands {
+    ($($name:ident => $variant:ident,)*) => {$(
+        #[doc = concat!("Shorthand for [`DisaggError::", stringify!($variant), "`].")]
+        pub fn $name(field: impl Into<String>, detail: impl Into<String>) -> Self {
+            Self::$variant { field: field.into(), detail: detail.into() }
+        }
+    )*};
+}
+
 impl DisaggError {
+    field_error_shorthands! {
+        handoff_state => HandoffState,
+        layout => Layout,
+        block => Block,
+        geometry => Geometry,
+        wire => Wire,
+        handoff_metadata => HandoffMetadata,
+        argument => Argument,
+        argument_type => ArgumentType,
+    }
+
     /// Stable name of the failure kind; the bindings map it to one exception class.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -201,36 +223,6 @@ impl DisaggError {
         ]
     }
 
-    /// Shorthand for [`DisaggError::HandoffState`].
-    pub fn handoff_state(field: impl Into<String>, detail: impl Into<String>) -> Self {
-        Self::HandoffState { field: field.into(), detail: detail.into() }
-    }
-
-    /// Shorthand for [`DisaggError::Layout`].
-    pub fn layout(field: impl Into<String>, detail: impl Into<String>) -> Self {
-        Self::Layout { field: field.into(), detail: detail.into() }
-    }
-
-    /// Shorthand for [`DisaggError::Block`].
-    pub fn block(field: impl Into<String>, detail: impl Into<String>) -> Self {
-        Self::Block { field: field.into(), detail: detail.into() }
-    }
-
-    /// Shorthand for [`DisaggError::Geometry`].
-    pub fn geometry(field: impl Into<String>, detail: impl Into<String>) -> Self {
-        Self::Geometry { field: field.into(), detail: detail.into() }
-    }
-
-    /// Shorthand for [`DisaggError::Wire`].
-    pub fn wire(field: impl Into<String>, detail: impl Into<String>) -> Self {
-        Self::Wire { field: field.into(), detail: detail.into() }
-    }
-
-    /// Shorthand for [`DisaggError::HandoffMetadata`].
-    pub fn handoff_metadata(field: impl Into<String>, detail: impl Into<String>) -> Self {
-        Self::HandoffMetadata { field: field.into(), detail: detail.into() }
-    }
-
     /// The same failure as a handoff-metadata error: a `Wire` error becomes
     /// [`DisaggError::HandoffMetadata`] with its field and detail; any other is kept.
     #[must_use]
@@ -249,16 +241,6 @@ impl DisaggError {
             Self::Wire { field, detail } => Self::Wire { field: join(path, &field), detail },
             other => other,
         }
-    }
-
-    /// Shorthand for [`DisaggError::Argument`].
-    pub fn argument(field: impl Into<String>, detail: impl Into<String>) -> Self {
-        Self::Argument { field: field.into(), detail: detail.into() }
-    }
-
-    /// Shorthand for [`DisaggError::ArgumentType`].
-    pub fn argument_type(field: impl Into<String>, detail: impl Into<String>) -> Self {
-        Self::ArgumentType { field: field.into(), detail: detail.into() }
     }
 
     /// `Ok` when an invariant `holds`, else a [`DisaggError::Conservation`] saying `detail()`.

@@ -9,6 +9,7 @@
 
 use std::fmt;
 
+use crate::args::Kind;
 use crate::error::{DisaggError, DisaggResult};
 use crate::wire::value::{join, Obj, WireValue};
 
@@ -57,13 +58,6 @@ pub struct KvGeometry {
     spec: KvGeometrySpec,
 }
 
-fn at_least_one(field: &str, value: u32) -> DisaggResult<()> {
-    if value == 0 {
-        return Err(DisaggError::geometry(field, format!("{field}=0 must be >= 1")));
-    }
-    Ok(())
-}
-
 /// Last byte offset (exclusive) of an axis walk `sum (count - 1) * stride + row`, checked.
 fn extent(axes: &[(u32, u64)], row: u64, what: &str) -> DisaggResult<u64> {
     let mut end = row;
@@ -98,12 +92,14 @@ impl KvGeometry {
                 format!("num_kv={} must be 1 (MLA latent) or 2 (K and V)", spec.num_kv),
             ));
         }
-        at_least_one("num_layers", spec.num_layers)?;
-        at_least_one("num_blocks", spec.num_blocks)?;
-        at_least_one("tokens_per_block", spec.tokens_per_block)?;
-        at_least_one("num_heads", spec.num_heads)?;
-        at_least_one("head_dim", spec.head_dim)?;
-        at_least_one("element_size", spec.element_size)?;
+        Kind::Geometry.at_least_one(&[
+            ("num_layers", spec.num_layers),
+            ("num_blocks", spec.num_blocks),
+            ("tokens_per_block", spec.tokens_per_block),
+            ("num_heads", spec.num_heads),
+            ("head_dim", spec.head_dim),
+            ("element_size", spec.element_size),
+        ])?;
         let planes = u64::from(spec.num_kv) * u64::from(spec.num_layers);
         if spec.plane_bases.len() as u64 != planes {
             return Err(DisaggError::geometry(
@@ -231,9 +227,11 @@ impl SsmGeometry {
                         "len(layer_bases)=0 must be >= 1",
                     ));
                 }
-                at_least_one(&format!("{n}.num_slots"), p.num_slots)?;
-                at_least_one(&format!("{n}.num_units"), p.num_units)?;
-                at_least_one(&format!("{n}.element_size"), p.element_size)?;
+                Kind::Geometry.at_least_one(&[
+                    (&format!("{n}.num_slots"), p.num_slots),
+                    (&format!("{n}.num_units"), p.num_units),
+                    (&format!("{n}.element_size"), p.element_size),
+                ])?;
                 if p.unit_bytes == 0 || p.unit_bytes % u64::from(p.element_size) != 0 {
                     return Err(DisaggError::geometry(
                         format!("{n}.unit_bytes"),

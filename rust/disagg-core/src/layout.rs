@@ -5,6 +5,7 @@
 
 use std::fmt;
 
+use crate::args::Kind;
 use crate::error::{DisaggError, DisaggResult};
 
 /// A half-open range `[lo, hi)` of layers, heads, groups or channels.
@@ -144,13 +145,6 @@ pub struct KvShardLayout {
     pub explicit_window: bool,
 }
 
-fn at_least_one(field: &str, value: u32) -> DisaggResult<()> {
-    if value == 0 {
-        return Err(DisaggError::layout(field, format!("{field}=0 must be >= 1")));
-    }
-    Ok(())
-}
-
 fn rank_below(rank_field: &str, rank: u32, size_field: &str, size: u32) -> DisaggResult<()> {
     if rank >= size {
         return Err(DisaggError::layout(
@@ -182,7 +176,7 @@ fn layer_window(
 ) -> DisaggResult<(Span, bool)> {
     match (layer_start, num_local_layers) {
         (Some(start), Some(count)) => {
-            at_least_one("num_local_layers", count)?;
+            Kind::Layout.at_least_one(&[("num_local_layers", count)])?;
             let end = start.checked_add(count).ok_or_else(|| {
                 DisaggError::layout(
                     "num_local_layers",
@@ -264,12 +258,14 @@ fn unit_share(units_field: &str, units: u32, tp_size: u32, tp_rank: u32) -> Disa
 impl KvShardLayout {
     /// Validate `spec` and build the layout.
     pub fn new(spec: KvLayoutSpec) -> DisaggResult<Self> {
-        at_least_one("num_layers", spec.num_layers)?;
-        at_least_one("num_kv_heads", spec.num_kv_heads)?;
-        at_least_one("tp_size", spec.tp_size)?;
-        at_least_one("pp_size", spec.pp_size)?;
-        at_least_one("ep_size", spec.ep_size)?;
-        at_least_one("etp_size", spec.etp_size)?;
+        Kind::Layout.at_least_one(&[
+            ("num_layers", spec.num_layers),
+            ("num_kv_heads", spec.num_kv_heads),
+            ("tp_size", spec.tp_size),
+            ("pp_size", spec.pp_size),
+            ("ep_size", spec.ep_size),
+            ("etp_size", spec.etp_size),
+        ])?;
         rank_below("tp_rank", spec.tp_rank, "tp_size", spec.tp_size)?;
         rank_below("pp_rank", spec.pp_rank, "pp_size", spec.pp_size)?;
         if spec.pp_size > spec.num_layers {
@@ -389,11 +385,13 @@ impl SsmStateDims {
         n_groups: u32,
         d_conv: u32,
     ) -> DisaggResult<Self> {
-        at_least_one("num_heads", num_heads)?;
-        at_least_one("head_dim", head_dim)?;
-        at_least_one("d_state", d_state)?;
-        at_least_one("n_groups", n_groups)?;
-        at_least_one("d_conv", d_conv)?;
+        Kind::Layout.at_least_one(&[
+            ("num_heads", num_heads),
+            ("head_dim", head_dim),
+            ("d_state", d_state),
+            ("n_groups", n_groups),
+            ("d_conv", d_conv),
+        ])?;
         if !num_heads.is_multiple_of(n_groups) {
             return Err(DisaggError::layout(
                 "n_groups",
@@ -556,10 +554,9 @@ impl SsmShardLayout {
     /// Validate `spec` and build the layout.
     pub fn new(spec: SsmLayoutSpec) -> DisaggResult<Self> {
         if let Some(total) = spec.num_layers {
-            at_least_one("num_layers", total)?;
+            Kind::Layout.at_least_one(&[("num_layers", total)])?;
         }
-        at_least_one("tp_size", spec.tp_size)?;
-        at_least_one("pp_size", spec.pp_size)?;
+        Kind::Layout.at_least_one(&[("tp_size", spec.tp_size), ("pp_size", spec.pp_size)])?;
         rank_below("tp_rank", spec.tp_rank, "tp_size", spec.tp_size)?;
         rank_below("pp_rank", spec.pp_rank, "pp_size", spec.pp_size)?;
         if let Some(total) = spec.num_layers.filter(|&n| spec.pp_size > n) {

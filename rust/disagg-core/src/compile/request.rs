@@ -9,29 +9,57 @@ use crate::layout::{KvShardLayout, SsmShardLayout};
 
 use super::cost::{CostModel, ModeChoice};
 
-/// Source block ids: one list for every source rank, or one list per source global rank
-/// (pipeline stages allocate independently).
+/// A value for every source rank, or one per source global rank (pipeline stages allocate
+/// independently).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SrcBlockIds {
-    /// The same ids on every source rank.
-    Shared(Vec<u32>),
-    /// Ids per source global rank.
-    PerRank(BTreeMap<u32, Vec<u32>>),
+pub enum PerSource<T> {
+    /// The same value on every source rank.
+    Shared(T),
+    /// A value per source global rank.
+    PerRank(BTreeMap<u32, T>),
+}
+
+/// Source block ids: one list for every source rank, or one list per source global rank.
+pub type SrcBlockIds = PerSource<Vec<u32>>;
+
+/// Source SSM slot ids: one slot for every source rank, or one per source global rank.
+pub type SrcSlots = PerSource<u32>;
+
+impl<T> PerSource<T> {
+    /// The values as given: `shared` for every source, else `per_rank` (global rank, value)
+    /// pairs; `read` converts a value, and errors name `field`, `field (dict key)` or
+    /// `field[rank]`.
+    fn read<G>(
+        shared: Option<&G>,
+        per_rank: &[(Int, G)],
+        field: &str,
+        read: impl Fn(&G, &str) -> DisaggResult<T>,
+    ) -> DisaggResult<Self> {
+        if let Some(value) = shared {
+            return Ok(Self::Shared(read(value, field)?));
+        }
+        let mut out = BTreeMap::new();
+        for (k, v) in per_rank {
+            let rank = k.to_u32(Kind::Block, &format!("{field} (dict key)"))?;
+            out.insert(rank, read(v, &format!("{field}[{rank}]"))?);
+        }
+        Ok(Self::PerRank(out))
+    }
+
+    /// The value of source `rank`; `None` when a per-rank map does not name it.
+    pub(super) fn of_rank(&self, rank: u32) -> Option<&T> {
+        match self {
+            Self::Shared(v) => Some(v),
+            Self::PerRank(m) => m.get(&rank),
+        }
+    }
 }
 
 impl SrcBlockIds {
     /// Source block ids as given: one list for every source, or (`per_rank`) one list per
     /// source global rank; errors name the key or `src_block_ids[rank]`.
     pub fn given(shared: Option<&IntList>, per_rank: &[(Int, IntList)]) -> DisaggResult<Self> {
-        if let Some(ids) = shared {
-            return Ok(Self::Shared(ids.to_u32s(Kind::Block, "src_block_ids")?));
-        }
-        let mut out = BTreeMap::new();
-        for (k, v) in per_rank {
-            let rank = k.to_u32(Kind::Block, "src_block_ids (dict key)")?;
-            out.insert(rank, v.to_u32s(Kind::Block, &format!("src_block_ids[{rank}]"))?);
-        }
-        Ok(Self::PerRank(out))
+        Self::read(shared, per_rank, "src_block_ids", |v, f| v.to_u32s(Kind::Block, f))
     }
 
     pub(super) fn for_rank(&self, rank: u32, field: &str) -> DisaggResult<&[u32]> {
@@ -44,6 +72,14 @@ impl SrcBlockIds {
                 )
             }),
         }
+    }
+}
+
+impl SrcSlots {
+    /// Source slots as given: one slot for every source, or (`per_rank`) one slot per source
+    /// global rank; errors name the key or `src_slot[rank]`.
+    pub fn given(shared: Option<&Int>, per_rank: &[(Int, Int)]) -> DisaggResult<Self> {
+        Self::read(shared, per_rank, "src_slot", |v, f| v.to_u32(Kind::Block, f))
     }
 }
 
@@ -97,31 +133,6 @@ pub struct SsmTransferRequest {
     pub mode: ModeChoice,
     /// Constants of the auto decision.
     pub cost: CostModel,
-}
-
-/// Source SSM slot ids.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SrcSlots {
-    /// The same slot on every source rank.
-    Shared(u32),
-    /// Slot per source global rank.
-    PerRank(BTreeMap<u32, u32>),
-}
-
-impl SrcSlots {
-    /// Source slots as given: one slot for every source, or (`per_rank`) one slot per source
-    /// global rank; errors name the key or `src_slot[rank]`.
-    pub fn given(shared: Option<&Int>, per_rank: &[(Int, Int)]) -> DisaggResult<Self> {
-        if let Some(slot) = shared {
-            return Ok(Self::Shared(slot.to_u32(Kind::Block, "src_slot")?));
-        }
-        let mut out = BTreeMap::new();
-        for (k, v) in per_rank {
-            let rank = k.to_u32(Kind::Block, "src_slot (dict key)")?;
-            out.insert(rank, v.to_u32(Kind::Block, &format!("src_slot[{rank}]"))?);
-        }
-        Ok(Self::PerRank(out))
-    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use crate::reshard::plan_ssm_reshard;
 use super::cost::{check_mode_needs, choose_mode, TransferMode};
 use super::kv::{geometry_eq, overflow};
 use super::program::{SourceProgram, TransferProgram};
-use super::request::{source_geometry, SrcSlots, SsmTransferRequest};
+use super::request::{source_geometry, SsmTransferRequest};
 use super::verify::Expected;
 use super::walk::{CopyBox, Work, PACKED};
 
@@ -106,15 +106,9 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
                 geometry_eq("dtype", a, b, &who)?;
             }
         }
-        let src_slot = match &req.src_slots {
-            SrcSlots::Shared(s) => *s,
-            SrcSlots::PerRank(m) => *m.get(&t.src_rank).ok_or_else(|| {
-                DisaggError::block(
-                    "src_slot",
-                    format!("no slot for source global_rank={}", t.src_rank),
-                )
-            })?,
-        };
+        let src_slot = *req.src_slots.of_rank(t.src_rank).ok_or_else(|| {
+            DisaggError::block("src_slot", format!("no slot for source global_rank={}", t.src_rank))
+        })?;
         check_slot("src_slot", src_slot, g)?;
         let boxes = by_src.entry(t.src_rank).or_default();
         let units = u64::from(t.src_local.len());

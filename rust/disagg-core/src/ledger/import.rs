@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
 
 use super::quorum::{CompletionQuorum, QuorumDecision, RankOutcome};
-use super::{FailReason, LedgerAction, ReleaseCause};
+use super::{Epochs, FailReason, LedgerAction, ReleaseCause};
 use crate::error::{DisaggError, DisaggResult};
 use crate::pool::{BlockPool, IdMap, SlotPool, SlotState};
 
@@ -274,7 +274,7 @@ pub struct ImportLedger {
     ready: VecDeque<u64>,
     quarantine: BTreeMap<(u64, u64), Quarantined>,
     quorum: CompletionQuorum,
-    next_epoch: u64,
+    epochs: Epochs,
     counters: ImportCounters,
     /// The latest `now` any call supplied: a lower bound of the current time.
     clock: u64,
@@ -319,7 +319,7 @@ impl ImportLedger {
             deferred: VecDeque::new(),
             ready: VecDeque::new(),
             quarantine: BTreeMap::new(),
-            next_epoch: 1,
+            epochs: Epochs::default(),
             counters: ImportCounters::default(),
             clock: 0,
             started_pushes: Vec::new(),
@@ -607,8 +607,7 @@ impl ImportLedger {
         let lease_deadline = self.lease_deadline(&req, now)?;
         self.tick(now);
         let rid = req.request_id;
-        let epoch = self.next_epoch;
-        self.next_epoch += 1;
+        let epoch = self.epochs.take();
         self.counters.submitted += 1;
         self.live.insert(
             rid,
@@ -822,12 +821,7 @@ impl ImportLedger {
         outcome: RankOutcome,
         now: u64,
     ) -> DisaggResult<Vec<LedgerAction>> {
-        if rank >= self.cfg.world_size {
-            return Err(DisaggError::argument(
-                "rank",
-                format!("rank={rank} must be < world_size={}", self.cfg.world_size),
-            ));
-        }
+        self.quorum.check_rank(rank)?;
         self.tick(now);
         let mut out = Vec::new();
         let key = (request_id, epoch);

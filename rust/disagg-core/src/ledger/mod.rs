@@ -35,6 +35,28 @@ macro_rules! pool_accessors {
     };
 }
 
+/// The attempt epochs a ledger hands out: 1, 2, 3, ..., each once, so a late message of an
+/// earlier attempt never matches a later one.
+#[derive(Debug, Clone)]
+struct Epochs {
+    next: u64,
+}
+
+impl Default for Epochs {
+    fn default() -> Self {
+        Self { next: 1 }
+    }
+}
+
+impl Epochs {
+    /// The next epoch, never handed out before.
+    fn take(&mut self) -> u64 {
+        let epoch = self.next;
+        self.next += 1;
+        epoch
+    }
+}
+
 pub mod admission;
 mod import;
 mod pin;

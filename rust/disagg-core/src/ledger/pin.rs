@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use super::{LedgerAction, ReleaseCause};
+use super::{Epochs, LedgerAction, ReleaseCause};
 use crate::args::{Int, IntList, Kind};
 use crate::error::{DisaggError, DisaggResult};
 use crate::pool::{BlockPool, SlotPool, SlotState};
@@ -134,7 +134,7 @@ pub struct PinLedger {
     pool: BlockPool,
     slots: SlotPool,
     pins: HashMap<u64, Pin>,
-    next_epoch: u64,
+    epochs: Epochs,
     counters: PinCounters,
 }
 
@@ -149,7 +149,13 @@ impl PinLedger {
 
     /// A ledger that takes ownership of existing pools.
     pub fn with_pools(pool: BlockPool, slots: SlotPool) -> Self {
-        Self { pool, slots, pins: HashMap::new(), next_epoch: 1, counters: PinCounters::default() }
+        Self {
+            pool,
+            slots,
+            pins: HashMap::new(),
+            epochs: Epochs::default(),
+            counters: PinCounters::default(),
+        }
     }
 
     pool_accessors!("The block pool, for the engine's own allocations.");
@@ -233,8 +239,7 @@ impl PinLedger {
             }
         }
         self.pool.retain(block_ids)?;
-        let epoch = self.next_epoch;
-        self.next_epoch += 1;
+        let epoch = self.epochs.take();
         self.counters.pinned += 1;
         self.pins.insert(
             request_id,

@@ -150,6 +150,17 @@ impl CompletionQuorum {
         self.votes.len()
     }
 
+    /// `rank` is one of the `world_size` ranks, else an `Argument` error naming it.
+    pub fn check_rank(&self, rank: u32) -> DisaggResult<()> {
+        if rank >= self.world_size {
+            return Err(DisaggError::argument(
+                "rank",
+                format!("rank={rank} must be < world_size={}", self.world_size),
+            ));
+        }
+        Ok(())
+    }
+
     /// Record `rank`'s report for one attempt; returns the decision if this report makes it.
     pub fn report(
         &mut self,
@@ -158,12 +169,7 @@ impl CompletionQuorum {
         rank: u32,
         outcome: RankOutcome,
     ) -> DisaggResult<Option<QuorumDecision>> {
-        if rank >= self.world_size {
-            return Err(DisaggError::argument(
-                "rank",
-                format!("rank={rank} must be < world_size={}", self.world_size),
-            ));
-        }
+        self.check_rank(rank)?;
         let n = self.world_size as usize;
         let v = self
             .votes
