@@ -401,9 +401,9 @@ class ReferenceDesignCompat(HandoffBase):
         self,
         request: Any,
         prepared: _PreparedHandoffMetadata | None,
-        decode_metas: list[dict[str, Any]] | None = None,
+        decode_metas: object = None,
     ) -> dict[str, Any]:
-        del decode_metas  # the reference design stages nothing
+        del decode_metas  # the reference design stages nothing for the decode
         if prepared is None:
             raise HandoffStateError(
                 f"request {request.request_id}: no handoff metadata was prepared", "prepared"
