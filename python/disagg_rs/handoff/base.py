@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -105,6 +106,48 @@ class _DecodeRequest:
     """The prefill's digest, when this decode verifies (``verify_integrity``)."""
 
 
+#: The arguments of one ``add_request_with_kv_handoff`` call, in its order: ``request_id``,
+#: ``prompt``, ``sampling_params``, ``kv_meta``, ``src_block_ids``.
+KvHandoffRequest = tuple[int, list[int], Any, dict[str, Any], list[int]]
+
+
+@dataclass(frozen=True)
+class HandoffPath:
+    """How this engine carries out each step the two engine kinds do differently, chosen once:
+    the reference design's records over the engine's own allocator (bound by
+    ``_initialize_disaggregation_state``) or the Rust ledgers (bound by
+    ``attach_handoff_ledger``). The shared entry points of the mixin call through it."""
+
+    ledger: bool
+    setup_transfer: Callable[..., None]
+    setup_tracking: Callable[[str | None], None]
+    drain_outcomes: Callable[[], list[tuple[int, bool]]]
+    record_outcome: Callable[[int, bool], None]
+    pending_imports: Callable[[], int]
+    has_admittable: Callable[[], bool]
+    pending_pushes: Callable[[], int]
+    num_quarantined: Callable[[], int]
+    num_waiting: Callable[[], int]
+    add_request: Callable[[KvHandoffRequest], asyncio.Future[Any] | None]
+    try_start: Callable[[Any], bool]  # a reference-design engine starts the given handoff
+    find_cached_prefix: Callable[[list[int], int], list[int]]
+    capacity_available: Callable[[int, list[int]], bool]
+    drain_deferred: Callable[[], int]
+    report_completed: Callable[[], None]
+    poll_imports: Callable[[], int]
+    admit: Callable[[], int]
+    finalize: Callable[[Any], None]
+    complete_without_forward: Callable[[int], None]
+    release_import: Callable[[Any], None]
+    reset_imports: Callable[[], None]
+    prepare_metadata: Callable[..., dict[int, _PreparedHandoffMetadata]]
+    capture_meta: Callable[..., dict[str, Any]]
+    release_handoff_blocks: Callable[[int], None]
+    release_pinned_blocks: Callable[[list[int]], int]
+    push_kv: Callable[[int, list[Any]], None]
+    poll_pushes: Callable[[], int]
+
+
 class HandoffBase:
     """The handoff state every part of the mixin reads (see the module docstring)."""
 
@@ -181,6 +224,8 @@ class HandoffBase:
         self.handoff_request_stats: dict[int, dict[str, int]] = {}
         #: Optional :class:`disagg_rs.metrics.HandoffMetrics` the mixin records into.
         self.handoff_metrics: Any = None
+        # Until a ledger is attached, the reference design's records drive the handoffs.
+        self._path = self._whole()._reference_path()
 
     def _host(self) -> HandoffHost:
         """This object as the disagg_rs engine protocol (every engine member used goes here)."""
@@ -198,8 +243,7 @@ class HandoffBase:
     def _ledger_driven(self) -> bool:
         """Whether a Rust ledger drives this engine's handoffs (else: a reference-design
         engine with its own allocator)."""
-        d = self.__dict__
-        return d.get("_import_ledger") is not None or d.get("_pin_ledger") is not None
+        return self._path.ledger
 
     @property
     def handoff_role(self) -> str | None:
@@ -255,9 +299,9 @@ class HandoffBase:
 
     def _record_handoff_completion_notification(self, request_id: int, failed: bool) -> None:
         """Record a shared admission decision (every model-parallel rank records the same)."""
-        if not self._ledger_driven():
-            self._reference_imports.decide(request_id, failed)
-            return
+        self._path.record_outcome(request_id, failed)
+
+    def _record_ledger_outcome(self, request_id: int, failed: bool) -> None:
         self._completion_notifications.append((request_id, failed))
 
     def _ledger(self) -> ImportLedger:

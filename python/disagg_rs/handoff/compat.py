@@ -10,8 +10,9 @@ swapping the reference design's package for ``disagg_rs`` is an import-path chan
   allocator and attaches no ledger (``_setup_reference_kv_transfer`` ...
   ``_reset_reference_imports``). The shared entry points of
   :class:`~disagg_rs.handoff.mixin.InferenceStateHandoffMixin` (``setup_kv_transfer``,
-  ``add_request_with_kv_handoff``, ``_admit_pending_kv_imports`` ...) dispatch here when no
-  ledger is attached;
+  ``add_request_with_kv_handoff``, ``_admit_pending_kv_imports`` ...) call them through the
+  :class:`~disagg_rs.handoff.base.HandoffPath` bound once, when the handoff state is
+  initialized (``_reference_path``), until a ledger is attached;
 * the reference design's private names kept as aliases of one implementation: the
   ``_kv_backend`` / ``_ssm_backends`` properties (``_kv_transfer_agent`` /
   ``_ssm_transfer_agents``) and ``_pinned_handoff_blocks`` (a read-only view of the
@@ -46,6 +47,8 @@ from disagg_rs.decode_admission import (
 from disagg_rs.exceptions import HandoffStateError, TransferError
 from disagg_rs.handoff.base import (
     HandoffBase,
+    HandoffPath,
+    KvHandoffRequest,
     _PreparedHandoffMetadata,
     logger,
 )
@@ -90,8 +93,123 @@ def compute_block_hashes_batched(prompt_tokens: Any, block_size_tokens: int) -> 
 class ReferenceDesignCompat(HandoffBase):
     """The mixin's methods for a reference-design engine (its own allocator, no ledger)."""
 
-    def _setup_reference_kv_transfer(self, role: str, backend: str) -> None:
-        """``setup_kv_transfer`` of a reference-design engine (its context's buffers)."""
+    def _reference_path(self) -> HandoffPath:
+        """The steps of a reference-design engine (see :class:`HandoffPath`)."""
+        return HandoffPath(
+            ledger=False,
+            setup_transfer=self._setup_reference_kv_transfer,
+            setup_tracking=self._setup_reference_completion_tracking,
+            drain_outcomes=self._drain_reference_outcomes,
+            record_outcome=self._reference_imports.decide,
+            pending_imports=self._reference_pending_imports,
+            has_admittable=self._reference_has_admittable,
+            pending_pushes=self._reference_pending_pushes,
+            num_quarantined=self._reference_num_quarantined,
+            num_waiting=self._reference_num_waiting,
+            add_request=self._add_reference_request_with_kv_handoff,
+            try_start=self._start_reference_import,
+            find_cached_prefix=self._reference_cached_prefix,
+            capacity_available=self._reference_capacity_available,
+            drain_deferred=self._drain_reference_deferred,
+            report_completed=self._report_reference_imports,
+            poll_imports=self._poll_reference_imports,
+            admit=self._admit_reference_imports,
+            finalize=self._finalize_reference_import,
+            complete_without_forward=self._complete_reference_request_without_forward,
+            release_import=self._release_reference_import,
+            reset_imports=self._reset_reference_imports,
+            prepare_metadata=self._prepare_reference_handoff_metadata,
+            capture_meta=self._capture_reference_handoff_meta,
+            release_handoff_blocks=self._release_reference_handoff_blocks,
+            release_pinned_blocks=self._release_reference_pinned_blocks,
+            push_kv=self._push_reference_handoff_kv,
+            poll_pushes=self._poll_reference_pushes,
+        )
+
+    def _setup_reference_completion_tracking(self, hostname: str | None) -> None:
+        """A :class:`HandoffCompletionTracker` over the engine's model-parallel group (ZeroMQ
+        from each rank to the group's first rank)."""
+        ref = self._ref()
+        tracker = HandoffCompletionTracker(ref.zmq_context, ref.pg_collection.mp, hostname)
+        self._handoff_completion_tracker = tracker
+        ref.zmq_sockets.extend(tracker.sockets)
+
+    def _drain_reference_outcomes(self) -> list[tuple[int, bool]]:
+        tracker = self._handoff_completion_tracker
+        return [] if tracker is None else tracker.drain_completed()
+
+    def _reference_pending_imports(self) -> int:
+        return len(self._deferred_kv_handoffs) + len(self._pending_kv_imports)
+
+    def _reference_has_admittable(self) -> bool:
+        context = self._ref().context
+        resume = {p.request_id: len(p.resume_tokens) for p in self._pending_kv_imports}
+        return any(
+            failed or can_admit_prefilled_decode(context, resume[rid])
+            for rid, failed in self._reference_imports.decided_in_order()
+        )
+
+    def _reference_pending_pushes(self) -> int:
+        return len(self._pending_kv_pushes)
+
+    def _reference_num_quarantined(self) -> int:
+        return len(self._quarantined_kv_imports)
+
+    def _reference_num_waiting(self) -> int:
+        return len(self._ref().waiting_request_ids)
+
+    def _reference_cached_prefix(self, hashes: list[int], num_blocks: int) -> list[int]:
+        table = self._ref().context.kv_block_allocator.kv_hash_to_block_id
+        found = list(map(table.get, hashes[:num_blocks]))
+        n = found.index(None) if None in found else len(found)
+        return [int(b) for b in found[:n]]
+
+    def _reference_capacity_available(self, num_blocks: int, cached_blocks: list[int]) -> bool:
+        allocator = self._ref().context.kv_block_allocator
+        unreferenced = 0
+        if cached_blocks:
+            ids = torch.tensor(cached_blocks, dtype=torch.int32)
+            unreferenced = int((allocator.block_ref_counts[ids] == 0).sum())
+        return bool(allocator.is_memory_available(num_blocks, potential_matched_count=unreferenced))
+
+    def _drain_reference_deferred(self) -> int:
+        started = 0
+        queue = self._deferred_kv_handoffs
+        while queue and self._whole()._try_start_kv_handoff_import(queue[0]):
+            queue.popleft()
+            started += 1
+        return started
+
+    def _poll_reference_imports(self) -> int:
+        self._whole()._drain_deferred_kv_handoffs()
+        if not self._pending_kv_imports:
+            return 0
+        self._whole()._report_completed_kv_imports()
+        return int(self._whole().has_admittable_kv_import)
+
+    def _release_reference_handoff_blocks(self, request_id: int) -> None:
+        blocks = self._pinned_handoff_blocks.pop(request_id, None)
+        if blocks:
+            released = self._whole()._release_pinned_handoff_blocks(blocks)
+            logger.info("handoff event=released request_id=%d blocks=%d", request_id, released)
+
+    def _release_reference_pinned_blocks(self, block_ids: list[int]) -> int:
+        """One allocator reference per block."""
+        if block_ids:
+            ids = torch.tensor(list(block_ids), dtype=torch.int32, device="cpu")
+            self._ref().context.kv_block_allocator.release_memory_blocks(ids)
+        return len(block_ids)
+
+    def _poll_reference_pushes(self) -> int:
+        pushes = self._pending_kv_pushes
+        done = [all(h.poll() for h in hs) for _, hs in pushes]
+        self._pending_kv_pushes = [p for p, d in zip(pushes, done, strict=False) if not d]
+        return sum(done)
+
+    def _setup_reference_kv_transfer(self, role: str, backend: str, **backend_kwargs: Any) -> None:
+        """``setup_kv_transfer`` of a reference-design engine (its context's buffers; the
+        backend's keyword arguments are not used)."""
+        del backend_kwargs
         ref = self._ref()
         ctx = ref.context
         hybrid = bool(ctx.is_hybrid_model)
@@ -280,8 +398,12 @@ class ReferenceDesignCompat(HandoffBase):
             raise
 
     def _capture_reference_handoff_meta(
-        self, request: Any, prepared: _PreparedHandoffMetadata | None
+        self,
+        request: Any,
+        prepared: _PreparedHandoffMetadata | None,
+        decode_metas: object = None,
     ) -> dict[str, Any]:
+        del decode_metas  # the reference design stages nothing for the decode
         if prepared is None:
             raise HandoffStateError(
                 f"request {request.request_id}: no handoff metadata was prepared", "prepared"
@@ -349,13 +471,9 @@ class ReferenceDesignCompat(HandoffBase):
         )
 
     def _add_reference_request_with_kv_handoff(
-        self,
-        request_id: int,
-        prompt: list[int],
-        sampling_params: Any,
-        kv_meta: dict[str, Any],
-        src_block_ids: list[int],
+        self, submission: KvHandoffRequest
     ) -> asyncio.Future[Any]:
+        request_id, prompt, sampling_params, kv_meta, src_block_ids = submission
         ref = self._ref()
         ctx = ref.context
         bs = int(ctx.block_size_tokens)

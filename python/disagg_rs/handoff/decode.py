@@ -10,19 +10,18 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
-import torch
 
 from disagg_rs._core import (
     CompletionQuorum,
     ImportLedger,
     LedgerAction,
     check_handoff_ticket,
+    import_failure,
+    import_limits,
 )
 from disagg_rs.exceptions import (
     DisaggError,
-    HandoffStateError,
     IntegrityError,
-    MetadataError,
     ResetRefusedError,
     TransferError,
     TransferTimeout,
@@ -30,8 +29,10 @@ from disagg_rs.exceptions import (
 from disagg_rs.handoff.base import (
     _SSM_STATE_KINDS,
     HandoffBase,
+    KvHandoffRequest,
     RankImport,
     _DecodeRequest,
+    _of_kind,
     _tag,
     logger,
 )
@@ -42,26 +43,6 @@ from disagg_rs.integrity import (
 from disagg_rs.pending_handoff_imports import DeferredKvHandoff, PendingKvImport, PendingSSMImport
 
 _HandleState = Literal["running", "done", "timeout", "error"]
-
-
-def _sampling_limits(sampling_params: Any) -> tuple[int, int | None, list[list[int]]]:
-    """(tokens to generate, termination token or None, stop-word token lists) of the
-    reference design's ``SamplingParams`` (or any object with its attributes; a bare int is
-    the number of tokens)."""
-    if isinstance(sampling_params, int) and not isinstance(sampling_params, bool):
-        return sampling_params, None, []
-    limit = getattr(sampling_params, "num_tokens_to_generate", None)
-    if limit is None:
-        limit = getattr(sampling_params, "max_new_tokens", None)
-    if limit is None:
-        raise MetadataError(
-            f"sampling_params={sampling_params!r} has neither num_tokens_to_generate nor "
-            "max_new_tokens",
-            "sampling_params",
-        )
-    term = getattr(sampling_params, "termination_id", None)
-    stops = getattr(sampling_params, "stop_word_ids", None) or []
-    return int(limit), (None if term is None or term < 0 else int(term)), [list(w) for w in stops]
 
 
 class DecodeHandoff(HandoffBase):
@@ -92,14 +73,16 @@ class DecodeHandoff(HandoffBase):
         On a reference-design engine ``kv_meta`` is the prefill's ``disaggregated_params``
         ``kv_meta`` and the future resolves with the finished request's record.
         """
-        if not self._ledger_driven():
-            return self._whole()._add_reference_request_with_kv_handoff(
-                request_id, prompt, sampling_params, kv_meta, src_block_ids
-            )
+        return self._path.add_request((request_id, prompt, sampling_params, kv_meta, src_block_ids))
+
+    def _submit_ledger_import(self, submission: KvHandoffRequest) -> asyncio.Future[Any] | None:
+        """``add_request_with_kv_handoff`` of a ledger-driven engine: submit to the ledger."""
+        request_id, prompt, sampling_params, kv_meta, src_block_ids = submission
         engine = self._host()
         ledger = self._ledger()
-        max_new, termination_id, stop_word_ids = _sampling_limits(sampling_params)
         resume = [int(t) for t in kv_meta.get("resume_tokens", [])]
+        # The token limit and whether the handed-off tokens already finish it, in Rust.
+        max_new, finished = import_limits(sampling_params, engine.config.eos_token, resume)
         has_ssm = engine.ssm_slot_pool is not None
         # Every field typed and range-checked once, in Rust, with what this rank needs of it:
         # the prefill's metadata names a source of every state it reads (else it would
@@ -119,9 +102,6 @@ class DecodeHandoff(HandoffBase):
             chunk = IntegrityTable.wire_chunk_tokens(wire)
             chunks = -(-len(prompt) // chunk) if chunk else 1
             integrity = IntegrityTable.from_wire(wire, self._integrity_shapes(chunks))
-        if termination_id is None:
-            termination_id = engine.config.eos_token
-        finished = ImportLedger.resume_finishes(resume, max_new, termination_id, stop_word_ids)
         now = self.handoff_now_ns
         # The prefill frees the source blocks when its lease ends: the import's deadline is at
         # most a share of the ticket's lease_ns by this clock, the rest absorbs the transit.
@@ -210,48 +190,34 @@ class DecodeHandoff(HandoffBase):
         On a ledger-driven engine starts happen inside the ledger (all or nothing) and this
         drains its queue; ``handoff`` is not needed there.
         """
-        if not self._ledger_driven():
-            if handoff is None:
-                raise HandoffStateError(
-                    "a reference-design engine starts a given handoff", "handoff"
-                )
-            return self._whole()._start_reference_import(handoff)
+        return self._path.try_start(handoff)
+
+    def _start_ledger_imports(self, handoff: DeferredKvHandoff | None) -> bool:
+        del handoff  # the ledger starts what fits, all or nothing, from its own queue
         return self._drain_deferred_kv_handoffs() > 0
 
     def _find_cached_handoff_prefix(self, hashes: list[int], num_blocks: int) -> list[int]:
         """The contiguous handoff prefix already cached on decode (pull transports only)."""
-        if not self._ledger_driven():
-            table = self._ref().context.kv_block_allocator.kv_hash_to_block_id
-            found = list(map(table.get, hashes[:num_blocks]))
-            n = found.index(None) if None in found else len(found)
-            return [int(b) for b in found[:n]]
+        return self._path.find_cached_prefix(hashes, num_blocks)
+
+    def _ledger_cached_prefix(self, hashes: list[int], num_blocks: int) -> list[int]:
         return list(self._host().block_pool.match_prefix(hashes[:num_blocks]))
 
     def _handoff_capacity_available(self, num_blocks: int, cached_blocks: list[int]) -> bool:
         """Whether ``num_blocks`` new blocks fit after retaining ``cached_blocks`` (cached
         blocks nobody references count against free capacity once retained)."""
-        if not self._ledger_driven():
-            allocator = self._ref().context.kv_block_allocator
-            unreferenced = 0
-            if cached_blocks:
-                ids = torch.tensor(cached_blocks, dtype=torch.int32)
-                unreferenced = int((allocator.block_ref_counts[ids] == 0).sum())
-            return bool(
-                allocator.is_memory_available(num_blocks, potential_matched_count=unreferenced)
-            )
+        return self._path.capacity_available(num_blocks, cached_blocks)
+
+    def _ledger_capacity_available(self, num_blocks: int, cached_blocks: list[int]) -> bool:
         pool = self._host().block_pool
         unreferenced = sum(map((0).__eq__, map(pool.refcount, cached_blocks)))
         return bool(pool.can_allocate(num_blocks + unreferenced))
 
     def _drain_deferred_kv_handoffs(self) -> int:
         """Start queued handoffs in FIFO order while the queue head fits."""
-        if not self._ledger_driven():
-            started = 0
-            queue = self._deferred_kv_handoffs
-            while queue and self._try_start_kv_handoff_import(queue[0]):
-                queue.popleft()
-                started += 1
-            return started
+        return self._path.drain_deferred()
+
+    def _drain_ledger_deferred(self) -> int:
         before = self._ledger().num_importing
         self._cancel_due_quarantines()
         self._apply_import_actions(self._ledger().poll(self.handoff_now_ns))
@@ -280,9 +246,8 @@ class DecodeHandoff(HandoffBase):
         posted_at = time.perf_counter_ns()
         try:
             if self._kv_backend is not None and num_tokens > token_start:
-                kv_metas = [r["kv"] for r in prefill_ranks if r.get("kv") is not None]
                 handle = self._kv_backend.begin_pull_blocks(
-                    kv_metas,
+                    _of_kind(prefill_ranks, "kv"),
                     src_ids,
                     list(action.dst_block_ids),
                     num_tokens=num_tokens - token_start,
@@ -317,10 +282,12 @@ class DecodeHandoff(HandoffBase):
         dst_slot = pending.destination["dst_ssm_slot"]
         src_slot = int(ssm_meta["src_ssm_slot"])
         for kind, backend in self._ssm_backends.items():
-            metas = [r[kind] for r in ssm_meta["prefill_meta"]["ranks"] if r.get(kind) is not None]
             pending.handles.append(
                 backend.begin_pull_blocks(
-                    metas, [src_slot], [dst_slot], **self._pull_kwargs(request_id, kind, {})
+                    _of_kind(ssm_meta["prefill_meta"]["ranks"], kind),
+                    [src_slot],
+                    [dst_slot],
+                    **self._pull_kwargs(request_id, kind, {}),
                 )
             )
 
@@ -374,9 +341,9 @@ class DecodeHandoff(HandoffBase):
         """Report locally terminal imports: a ledger-driven engine shares each rank's outcome
         with every model-parallel rank and feeds the ledger; a reference-design engine reports
         to its completion tracker (or, with one rank, records the decision directly)."""
-        if not self._ledger_driven():
-            self._whole()._report_reference_imports()
-            return
+        self._path.report_completed()
+
+    def _report_ledger_imports(self) -> None:
         engine = self._host()
         if not self._pending_imports and not self._quarantined:
             # Mirrored on every rank (same ledger actions), so all ranks skip the collective.
@@ -469,12 +436,9 @@ class DecodeHandoff(HandoffBase):
         """Progress imports without mutating the active decode batch: start queued handoffs
         that now fit and report transfers that became terminal. Returns the number ready to
         admit (a reference-design engine: whether one is, as 0 or 1)."""
-        if not self._ledger_driven():
-            self._drain_deferred_kv_handoffs()
-            if not self._pending_kv_imports:
-                return 0
-            self._report_completed_kv_imports()
-            return int(self._whole().has_admittable_kv_import)
+        return self._path.poll_imports()
+
+    def _poll_ledger_imports(self) -> int:
         if self._import_ledger is None:
             return 0
         self._report_completed_kv_imports()
@@ -485,8 +449,9 @@ class DecodeHandoff(HandoffBase):
 
     def _admit_pending_kv_imports(self) -> int:
         """Handle completed imports at an engine admission point; returns how many admitted."""
-        if not self._ledger_driven():
-            return self._whole()._admit_reference_imports()
+        return self._path.admit()
+
+    def _admit_ledger_imports(self) -> int:
         engine = self._host()
         ledger = self._ledger()
         if not ledger.has_admittable_kv_import:
@@ -507,9 +472,9 @@ class DecodeHandoff(HandoffBase):
         termination token or stop word) completes without a forward step, any other is
         admitted into the running batch by ``admit_prefilled_decode``.
         """
-        if isinstance(action, PendingKvImport):
-            self._whole()._finalize_reference_import(action)
-            return
+        self._path.finalize(action)
+
+    def _finalize_ledger_import(self, action: LedgerAction) -> None:
         engine = self._host()
         rid = action.request_id
         self._pending_imports.pop(rid, None)
@@ -523,9 +488,9 @@ class DecodeHandoff(HandoffBase):
 
     def _complete_handoff_request_without_forward(self, request_id: int) -> None:
         """Complete an imported request whose transferred token already satisfies it."""
-        if not self._ledger_driven():
-            self._whole()._complete_reference_request_without_forward(request_id)
-            return
+        self._path.complete_without_forward(request_id)
+
+    def _complete_ledger_request_without_forward(self, request_id: int) -> None:
         engine = self._host()
         self._pending_imports.pop(request_id, None)
         req = self._decode_requests.get(request_id)
@@ -548,47 +513,32 @@ class DecodeHandoff(HandoffBase):
         # The engine forgets the announced request (expect_import) that will never arrive.
         engine.abort(rid)
         mismatch = self._integrity_failures.pop(rid, None)
-        rank_error = self._rank_errors.pop(rid, None)
+        # What the failure is reported as (a mismatch wins over a rank's error), in Rust.
+        reason, detail, integrity, message = import_failure(
+            rid, str(action.reason), mismatch, self._rank_errors.pop(rid, None)
+        )
         self.handoff_stats["imports_failed"] += 1
-        reason = str(action.reason) if mismatch is None else "integrity"
-        if mismatch is not None:
-            self.handoff_stats["integrity_failures"] += 1
+        self.handoff_stats["integrity_failures"] += integrity
         if self.handoff_metrics is not None:
             self.handoff_metrics.failed(reason)
         self._record_handoff_completion_notification(rid, True)
-        detail = (
-            f" {mismatch.describe()}"
-            if mismatch is not None
-            else f" ({rank_error})"
-            if rank_error
-            else ""
-        )
         self._new_failure_reasons[rid] = f"{reason}{detail}"
         self.handoff_events.append(
             ("failed", rid, f"{reason} quarantined={action.quarantined}{detail}")
         )
-        if mismatch is not None:
-            logger.warning("request %d: integrity check failed: %s", rid, mismatch.describe())
-        error: TransferError = (
-            TransferError(
-                f"KV import of request {rid} failed: {action.reason}{detail}", "request_id"
-            )
-            if mismatch is None
-            else IntegrityError(
-                f"KV import of request {rid} failed the integrity check: {mismatch.describe()}",
-                "integrity",
-                mismatch,
-            )
-        )
+        error = TransferError(message, "request_id")
+        if integrity:
+            logger.warning("request %d: %s", rid, message)
+            error = IntegrityError(message, "integrity", mismatch)
         if req is not None and req.future is not None and not req.future.done():
             req.future.set_exception(error)
 
     def _release_pending_kv_import(self, pending: PendingKvImport | RankImport) -> None:
         """Release storage owned by an unadmitted decode import (a ledger-driven engine
         aborts it: the ledger releases or quarantines its storage)."""
-        if isinstance(pending, PendingKvImport):
-            self._whole()._release_reference_import(pending)
-            return
+        self._path.release_import(pending)
+
+    def _release_ledger_import(self, pending: RankImport) -> None:
         self._apply_import_actions(self._ledger().abort(pending.request_id, self.handoff_now_ns))
 
     def abort_kv_import(self, request_id: int) -> None:
@@ -603,9 +553,9 @@ class DecodeHandoff(HandoffBase):
         still be landing in them: they end with RELEASE_KV or lease expiry). Otherwise
         queued handoffs are cancelled (their futures too) and every import is released.
         """
-        if not self._ledger_driven():
-            self._whole()._reset_reference_imports()
-            return
+        self._path.reset_imports()
+
+    def _reset_ledger_imports(self) -> None:
         if self._pin_ledger is not None and self._pin_ledger.num_pinned:
             raise ResetRefusedError(
                 f"cannot reset while KV handoff blocks remain pinned for requests "

@@ -40,9 +40,6 @@ from disagg_rs._core import (
     PinLedger,
     check_reference,
 )
-from disagg_rs.decode_admission import (
-    can_admit_prefilled_decode,
-)
 from disagg_rs.exceptions import (
     DisaggError,
     ResetRefusedError,
@@ -50,13 +47,13 @@ from disagg_rs.exceptions import (
 from disagg_rs.handoff.base import (
     _KV_AXES,
     HandoffBase,
+    HandoffPath,
     RankImport,
     _of_kind,
 )
 from disagg_rs.handoff.compat import ReferenceDesignCompat
 from disagg_rs.handoff.decode import DecodeHandoff
 from disagg_rs.handoff.prefill import PrefillHandoff, _PinnedBlocksView
-from disagg_rs.handoff_completion_tracker import HandoffCompletionTracker
 from disagg_rs.transfer_backends import construct_kv_transfer_backend_class
 from disagg_rs.transfer_backends.base import reference_layout_fields
 
@@ -71,20 +68,18 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         reference-design engine gets a :class:`HandoffCompletionTracker` over its
         model-parallel group (ZeroMQ from each rank to the group's first rank).
         """
-        if self._ledger_driven():
-            self._completion_notifications = []
-            return
-        ref = self._ref()
-        tracker = HandoffCompletionTracker(ref.zmq_context, ref.pg_collection.mp, hostname)
-        self._handoff_completion_tracker = tracker
-        ref.zmq_sockets.extend(tracker.sockets)
+        self._path.setup_tracking(hostname)
+
+    def _setup_ledger_completion_tracking(self, hostname: str | None) -> None:
+        del hostname
+        self._completion_notifications = []
 
     def _drain_handoff_completion_notifications(self) -> list[tuple[int, bool]]:
         """Collect decisions that the engine's model-parallel schedule broadcast distributes:
         ``(request_id, failed)`` decided since the last drain."""
-        if not self._ledger_driven():
-            tracker = self.__dict__.get("_handoff_completion_tracker")
-            return [] if tracker is None else tracker.drain_completed()
+        return self._path.drain_outcomes()
+
+    def _drain_ledger_outcomes(self) -> list[tuple[int, bool]]:
         out, self._completion_notifications = self._completion_notifications, []
         self._failure_reasons, self._new_failure_reasons = self._new_failure_reasons, {}
         return out
@@ -142,39 +137,75 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         else:
             self._pin_ledger = ledger
             self._pinned_handoff_blocks = _PinnedBlocksView(ledger)
+        self._path = self._ledger_path()
+
+    def _ledger_path(self) -> HandoffPath:
+        """The steps of an engine driven by the Rust ledgers (see :class:`HandoffPath`)."""
+        return HandoffPath(
+            ledger=True,
+            setup_transfer=self._setup_ledger_kv_transfer,
+            setup_tracking=self._setup_ledger_completion_tracking,
+            drain_outcomes=self._drain_ledger_outcomes,
+            record_outcome=self._record_ledger_outcome,
+            pending_imports=self._ledger_pending_imports,
+            has_admittable=self._ledger_has_admittable,
+            pending_pushes=self._ledger_pending_pushes,
+            num_quarantined=self._ledger_num_quarantined,
+            num_waiting=self._ledger_num_waiting,
+            add_request=self._submit_ledger_import,
+            try_start=self._start_ledger_imports,
+            find_cached_prefix=self._ledger_cached_prefix,
+            capacity_available=self._ledger_capacity_available,
+            drain_deferred=self._drain_ledger_deferred,
+            report_completed=self._report_ledger_imports,
+            poll_imports=self._poll_ledger_imports,
+            admit=self._admit_ledger_imports,
+            finalize=self._finalize_ledger_import,
+            complete_without_forward=self._complete_ledger_request_without_forward,
+            release_import=self._release_ledger_import,
+            reset_imports=self._reset_ledger_imports,
+            prepare_metadata=self._prepare_ledger_handoff_metadata,
+            capture_meta=self._capture_ledger_handoff_meta,
+            release_handoff_blocks=self._release_ledger_handoff_blocks,
+            release_pinned_blocks=len,
+            push_kv=self._push_ledger_handoff_kv,
+            poll_pushes=self._poll_ledger_pushes,
+        )
 
     @property
     def pending_kv_import_count(self) -> int:
         """Number of decode requests waiting for capacity or transfer completion."""
-        if not self._ledger_driven():
-            return len(self._deferred_kv_handoffs) + len(self._pending_kv_imports)
+        return self._path.pending_imports()
+
+    def _ledger_pending_imports(self) -> int:
         return 0 if self._import_ledger is None else self._import_ledger.pending_kv_import_count
 
     @property
     def has_admittable_kv_import(self) -> bool:
         """Whether a completed import can be handled at the next admission point."""
-        if not self._ledger_driven():
-            context = self._ref().context
-            resume = {p.request_id: len(p.resume_tokens) for p in self._pending_kv_imports}
-            return any(
-                failed or can_admit_prefilled_decode(context, resume[rid])
-                for rid, failed in self._reference_imports.decided_in_order()
-            )
+        return self._path.has_admittable()
+
+    def _ledger_has_admittable(self) -> bool:
         return self._import_ledger is not None and self._import_ledger.has_admittable_kv_import
 
     @property
     def pending_kv_push_count(self) -> int:
         """Number of prefill sends waiting for transport completion."""
-        if not self._ledger_driven():
-            return len(self._pending_kv_pushes)
+        return self._path.pending_pushes()
+
+    def _ledger_pending_pushes(self) -> int:
         return len(self._pending_pushes) + len(self._filler_pushes)
 
     @property
     def num_quarantined_kv_imports(self) -> int:
         """Failed imports whose destinations may still be written."""
-        if not self._ledger_driven():
-            return len(self._quarantined_kv_imports)
+        return self._path.num_quarantined()
+
+    def _ledger_num_quarantined(self) -> int:
         return 0 if self._import_ledger is None else self._import_ledger.num_quarantined
+
+    def _ledger_num_waiting(self) -> int:
+        return int(self._host().num_waiting)
 
     def schedule_waiting_requests(self) -> None:
         """The engine's scheduling point: a decode engine first admits completed imports, and
@@ -183,12 +214,8 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         (``super().schedule_waiting_requests()``, when the engine has one)."""
         if self.handoff_role == "decode":
             self._admit_pending_kv_imports()
-            waiting = (
-                self._host().num_waiting
-                if self._ledger_driven()
-                else len(self._ref().waiting_request_ids)
-            )
-            check_reference("no_waiting", {"waiting": int(waiting)})  # HandoffStateError
+            waiting = self._path.num_waiting()
+            check_reference("no_waiting", {"waiting": waiting})  # HandoffStateError
         parent = getattr(super(), "schedule_waiting_requests", None)
         if parent is not None:
             parent()
@@ -203,10 +230,7 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         (``"nixl"``; ``"nccl"`` selects the two-sided push family).
         """
         check_reference("role", {"role": role})  # HandoffStateError naming the role
-        if self._ledger_driven():
-            self._setup_ledger_kv_transfer(role, backend, **backend_kwargs)
-        else:
-            self._setup_reference_kv_transfer(role, backend)
+        self._path.setup_transfer(role, backend, **backend_kwargs)
 
     def _setup_ledger_kv_transfer(self, role: str, backend: str, **backend_kwargs: Any) -> None:
         engine = self._host()

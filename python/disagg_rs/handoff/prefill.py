@@ -9,8 +9,6 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from disagg_rs._core import (
     PinLedger,
 )
@@ -23,7 +21,6 @@ from disagg_rs.handoff.base import (
     _of_kind,
     _PreparedHandoffMetadata,
     _tag,
-    logger,
 )
 from disagg_rs.integrity import (
     IntegrityPiece,
@@ -118,25 +115,28 @@ class PrefillHandoff(HandoffBase):
         Entries are ``(request, block_ids)`` or ``(request, block_ids, ssm_slot)``. No
         collective runs here: the static transport metadata was gathered at setup.
         """
-        if self._ledger_driven():
-            out = {}
-            for request, blocks, *rest in requests_and_state:
-                rid = int(request.request_id)
-                slot = rest[0] if rest else None
-                out[rid] = _PreparedHandoffMetadata(
-                    local_blocks=list(blocks),
-                    local_ssm_slot=slot,
-                    kv_meta={
-                        "src_block_ids": list(blocks),
-                        "src_block_size_tokens": self._host().block_size_tokens,
-                    },
-                    ssm_meta=None if slot is None else {"src_slot": slot},
-                    resume_tokens=list(decode_tokens_by_request.get(rid, [])),
-                )
-            return out
-        return self._whole()._prepare_reference_handoff_metadata(
-            requests_and_state, decode_tokens_by_request
-        )
+        return self._path.prepare_metadata(requests_and_state, decode_tokens_by_request)
+
+    def _prepare_ledger_handoff_metadata(
+        self,
+        requests_and_state: Iterable[tuple[Any, ...]],
+        decode_tokens_by_request: Mapping[int, list[int]],
+    ) -> dict[int, _PreparedHandoffMetadata]:
+        out = {}
+        for request, blocks, *rest in requests_and_state:
+            rid = int(request.request_id)
+            slot = rest[0] if rest else None
+            out[rid] = _PreparedHandoffMetadata(
+                local_blocks=list(blocks),
+                local_ssm_slot=slot,
+                kv_meta={
+                    "src_block_ids": list(blocks),
+                    "src_block_size_tokens": self._host().block_size_tokens,
+                },
+                ssm_meta=None if slot is None else {"src_slot": slot},
+                resume_tokens=list(decode_tokens_by_request.get(rid, [])),
+            )
+        return out
 
     def _capture_handoff_meta(
         self,
@@ -156,8 +156,14 @@ class PrefillHandoff(HandoffBase):
         pinned) are recorded for RELEASE_KV and ``request.disaggregated_params`` receives
         ``request_id``, ``block_ids`` and ``kv_meta``; returns that mapping.
         """
-        if not self._ledger_driven():
-            return self._whole()._capture_reference_handoff_meta(request, prepared)
+        return self._path.capture_meta(request, prepared, decode_metas)
+
+    def _capture_ledger_handoff_meta(
+        self,
+        request: Any,
+        prepared: _PreparedHandoffMetadata | None,
+        decode_metas: list[dict[str, Any]] | None,
+    ) -> dict[str, Any]:
         engine = self._host()
         rid = int(request.request_id)
         blocks = list(prepared.local_blocks if prepared else request.block_ids)
@@ -254,12 +260,9 @@ class PrefillHandoff(HandoffBase):
     def release_handoff_blocks(self, request_id: int) -> None:
         """Release blocks pinned by a finished handoff (RELEASE_KV); unknown ids and repeated
         releases are no-ops."""
-        if not self._ledger_driven():
-            blocks = self._pinned_handoff_blocks.pop(request_id, None)
-            if blocks:
-                released = self._release_pinned_handoff_blocks(blocks)
-                logger.info("handoff event=released request_id=%d blocks=%d", request_id, released)
-            return
+        self._path.release_handoff_blocks(request_id)
+
+    def _release_ledger_handoff_blocks(self, request_id: int) -> None:
         if request_id in self._pending_pushes:
             # The push may still read them: the ledger defers the release until it settles.
             self._event(("release_deferred", request_id, "push in flight"))
@@ -274,12 +277,7 @@ class PrefillHandoff(HandoffBase):
         Reference-design engine: one allocator reference per block. Ledger-driven engine: the
         PinLedger releases them with the pin (nothing to do here).
         """
-        if not block_ids:
-            return 0
-        if not self._ledger_driven():
-            ids = torch.tensor(list(block_ids), dtype=torch.int32, device="cpu")
-            self._ref().context.kv_block_allocator.release_memory_blocks(ids)
-        return len(block_ids)
+        return self._path.release_pinned_blocks(block_ids)
 
     def _release_pinned_handoff_ssm_slot(self, ssm_slot: int | None) -> None:
         """The slot's ownership ends with the pin (PinLedger, or the reference design's state
@@ -310,9 +308,9 @@ class PrefillHandoff(HandoffBase):
         :func:`with_push_destination`). On a reference-design engine each entry is the
         decode rank's KV descriptor with its SSM descriptors under ``"ssm"``.
         """
-        if not self._ledger_driven():
-            self._whole()._push_reference_handoff_kv(request_id, decode_metas)
-            return
+        self._path.push_kv(request_id, decode_metas)
+
+    def _push_ledger_handoff_kv(self, request_id: int, decode_metas: list[Any]) -> None:
         _tag(request_id, "kv")  # an id that cannot be tagged is refused before the push starts
         # Validated (pin, destination, token range), then marked in flight: all in the ledger.
         epoch, *plan = self._pins().start_push(request_id, decode_metas)
@@ -388,11 +386,9 @@ class PrefillHandoff(HandoffBase):
         the decodes' acknowledgements free slots, the next chunks are packed and announced.
         """
         getattr(self._kv_backend, "poll_streams", _no_streams)()
-        if not self._ledger_driven():
-            pushes = self._pending_kv_pushes
-            done = [all(h.poll() for h in hs) for _, hs in pushes]
-            self._pending_kv_pushes = [p for p, d in zip(pushes, done, strict=False) if not d]
-            return sum(done)
+        return self._path.poll_pushes()
+
+    def _poll_ledger_pushes(self) -> int:
         ended = 0
         fillers = self._filler_pushes
         settled = [self._wait_for_transfer_handles(*hs, block=False) for _, hs in fillers]

@@ -14,6 +14,7 @@ pub mod completion_tracker;
 pub mod driver;
 pub mod error;
 pub mod geometry;
+pub mod handoff;
 pub mod integrity;
 pub mod integrity_tables;
 pub mod layout;

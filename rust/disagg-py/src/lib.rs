@@ -12,6 +12,7 @@ mod control;
 mod driver;
 mod error;
 mod geometry;
+mod handoff;
 mod integrity_tables;
 mod layout;
 mod ledger;
@@ -60,6 +61,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             stream::PyStreamMailboxes, tags::PyPeerSteps, tracker::PyCompletionTracker
         ],
         functions: [
+            handoff::import_limits, handoff::import_failure,
             error::_error_kinds, error::_raise_sample_error, control::decode_control_message,
             tags::two_sided_tag, tags::two_sided_tag_owner, tags::chunk_steps, tags::p2p_headers, tags::p2p_matching, tags::p2p_wire_tag, driver::recv_posted_route, runs::run_table, runs::row_copy, regions::rows_by_region,
             reshard::py_plan_kv_reshard, reshard::py_plan_ssm_reshard,
