@@ -114,7 +114,7 @@ pub fn chunkable(ranks: &[ChunkFacts]) -> bool {
 /// `(slots, slot_bytes)` of a staging pool of `pool_bytes` cut in `chunk_bytes` slots (at
 /// least one slot). `chunk_bytes` must be a positive multiple of 256 (`Argument`).
 pub fn staging_slots(pool_bytes: i64, chunk_bytes: i64) -> DisaggResult<(u64, u64)> {
-    let chunk = u64::try_from(chunk_bytes).ok().filter(|c| *c >= 256 && c % 256 == 0);
+    let chunk = u64::try_from(chunk_bytes).ok().filter(|c| *c >= 256 && c.is_multiple_of(256));
     let chunk = chunk.ok_or_else(|| {
         DisaggError::argument(
             "chunk_bytes",
@@ -176,7 +176,7 @@ pub fn packed_window(
     }
     // Both bounds are in [0, total] now.
     let (lo, hi) = (lo.unsigned_abs(), hi.unsigned_abs());
-    if unit == 0 || lo % unit != 0 || hi % unit != 0 {
+    if unit == 0 || !lo.is_multiple_of(unit) || !hi.is_multiple_of(unit) {
         return Err(DisaggError::argument(
             "packed_lo",
             format!("packed range [{lo}, {hi}) is not in {unit}-byte units"),
@@ -245,7 +245,10 @@ pub fn same_host(mine: Option<&IpcHost>, theirs: Option<&IpcHost>) -> bool {
 /// The widest element (8, 4, 2 or 1 bytes) dividing both a row of `row_bytes` and a
 /// storage offset of `offset` bytes: the unit a host row copy views its rows in.
 pub fn row_unit(row_bytes: u64, offset: u64) -> u64 {
-    [8, 4, 2].into_iter().find(|u| row_bytes % u == 0 && offset % u == 0).unwrap_or(1)
+    [8, 4, 2]
+        .into_iter()
+        .find(|&u| row_bytes.is_multiple_of(u) && offset.is_multiple_of(u))
+        .unwrap_or(1)
 }
 
 /// The GPU whose kernels read a peer's buffer mapped through CUDA IPC: the local device where

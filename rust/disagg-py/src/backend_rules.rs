@@ -111,14 +111,15 @@ pub fn packed_window(
     rules::packed_window(range, table, chunk_units).py()
 }
 
-/// The packed windows of a pipelined handoff between two run tables, each `(total, unit)`.
+/// The packed windows of a pipelined handoff between two run tables, each `(total, unit)`
+/// (`chunk_bytes` below one unit: one unit).
 #[pyfunction]
 pub fn pipeline_windows(
     gather: (u64, u64),
     scatter: (u64, u64),
-    chunk_bytes: u64,
+    chunk_bytes: i64,
 ) -> PyResult<Vec<(u64, u64)>> {
-    rules::pipeline_windows(gather, scatter, chunk_bytes).py()
+    rules::pipeline_windows(gather, scatter, u64::try_from(chunk_bytes).unwrap_or(0)).py()
 }
 
 /// `"triton"` or `"torch"`: which implementation copies a tensor's fragments.
