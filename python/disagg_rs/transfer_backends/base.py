@@ -131,22 +131,14 @@ class TransferProgramLike(Protocol):
         """Size of the packed region from ``src_rank``."""
 
 
-class ProgramCompiler(Protocol):
-    """Turns peer metadata and block ids into a transfer program for one destination rank.
-
-    ``dst_block_ids`` is ``None`` on the source side of a staged or two-sided transfer: the
-    gather list and packed offsets must not depend on it.
-    """
-
-    def __call__(
-        self,
-        srcs: Sequence[PeerMeta],
-        dst: PeerMeta,
-        src_block_ids: BlockIds,
-        dst_block_ids: BlockIds | None,
-        num_tokens: int | None,
-        mode: str,
-    ) -> TransferProgramLike: ...
+#: Turns peer metadata and block ids into a transfer program for one destination rank:
+#: ``(srcs, dst, src_block_ids, dst_block_ids, num_tokens, mode)``, as
+#: ``rust_program_compiler``. ``dst_block_ids`` is ``None`` on the source side of a staged or
+#: two-sided transfer: the gather list and packed offsets must not depend on it.
+ProgramCompiler: TypeAlias = Callable[
+    [Sequence[PeerMeta], PeerMeta, BlockIds, "BlockIds | None", "int | None", str],
+    TransferProgramLike,
+]
 
 
 def rust_program_compiler(
@@ -290,29 +282,22 @@ def compute_buffer_geometry(
     expected_num_blocks: int,
     *,
     backend_name: str,
-    tp_size: int | None = None,
-    tp_rank: int | None = None,
-    num_kv_heads_global: int | None = None,
-    heads_per_partition: int | None = None,
-    head_dim: int | None = None,
-    tokens_per_block: int | None = None,
-    global_rank: int | None = None,
-    pp_size: int | None = None,
-    pp_rank: int | None = None,
-    num_layers_global: int | None = None,
-    layer_start: int | None = None,
-    layer_end: int | None = None,
     ssm_layout: _core.SSMShardLayout | None = None,
     ssm_state_kind: str | None = None,
     blocks_axis: int | None = None,
+    **layout: int | None,
 ) -> BufferGeometry:
     """Locate the blocks axis of ``memory_buffer`` and derive its slice strides.
 
-    ``blocks_axis`` (an extension) names the axis; without it the one axis whose size is
-    ``expected_num_blocks`` is the blocks axis (SSM state: axis 1, the slot axis), as in the
-    reference design. With every KV layout field given, the KV layout is built and checked
-    against the buffer (``[2, L, B, T, H, d]``). Raises ``LayoutError`` /
-    ``GeometryMismatchError`` (both ``ValueError``) naming the field.
+    ``layout``: the reference design's layout keywords (``tp_size``,
+    ``tp_rank``, ``num_kv_heads_global``, ``heads_per_partition``, ``head_dim``,
+    ``tokens_per_block``, ``global_rank``, ``pp_size``, ``pp_rank``, ``num_layers_global``,
+    ``layer_start``, ``layer_end``; ``ArgumentError`` names any other). ``blocks_axis`` (an
+    extension) names the axis; without it the one axis whose size is ``expected_num_blocks``
+    is the blocks axis (SSM state: axis 1, the slot axis), as in the reference design. With
+    every KV layout field given, the KV layout is built and checked against the buffer
+    (``[2, L, B, T, H, d]``). Raises ``LayoutError`` / ``GeometryMismatchError`` (both
+    ``ValueError``) naming the field.
     """
     fields = _core.plan_buffer(
         memory_buffer,
@@ -321,23 +306,43 @@ def compute_buffer_geometry(
         backend=backend_name,
         contiguous=True,
         expected_num_blocks=expected_num_blocks,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        num_kv_heads_global=num_kv_heads_global,
-        heads_per_partition=heads_per_partition,
-        head_dim=head_dim,
-        tokens_per_block=tokens_per_block,
-        global_rank=global_rank,
-        pp_size=pp_size,
-        pp_rank=pp_rank,
-        num_layers_global=num_layers_global,
-        layer_start=layer_start,
-        layer_end=layer_end,
         ssm_state_kind=ssm_state_kind,
+        axes=None,
         blocks_axis=blocks_axis,
         reference_only=True,
+        **layout,
     )
     return BufferGeometry(**fields)
+
+
+#: ``TransferBackendBase.__init__``'s keywords among a backend constructor's arguments: its
+#: own and the reference design's layout keywords (alphabetical).
+_BASE_ARGUMENTS = frozenset(
+    {
+        "agent_name",
+        "axes",
+        "clock",
+        "compiler",
+        "expected_num_blocks",
+        "global_rank",
+        "head_dim",
+        "heads_per_partition",
+        "incarnation",
+        "layer_end",
+        "layer_start",
+        "memory_buffer",
+        "num_kv_heads_global",
+        "num_layers_global",
+        "pp_rank",
+        "pp_size",
+        "ssm_layout",
+        "ssm_state_kind",
+        "timeout_s",
+        "tokens_per_block",
+        "tp_rank",
+        "tp_size",
+    }
+)
 
 
 #: The reference design's KV layout fields in peer metadata.
@@ -457,6 +462,13 @@ def transfer_peer_records(
     return records
 
 
+def _sibling_meta(me: PeerMeta, layout: _core.KVShardLayout | _core.SSMShardLayout) -> PeerMeta:
+    """A model-parallel sibling's metadata derived from this rank's ``me``: its layout, and
+    an agent name of its own."""
+    name = f"{me['agent_name']}/{layout.pp_rank}.{layout.tp_rank}"
+    return {**me, "layout": dict(layout.to_dict()), "agent_name": name}
+
+
 class TransferBackendBase:
     """State shared by both backends: the rank's buffer, its layout and its metadata.
 
@@ -538,6 +550,13 @@ class TransferBackendBase:
 
     # -- construction helpers ------------------------------------------------------------
 
+    @staticmethod
+    def _base_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """This class's constructor keywords picked from a backend constructor's arguments
+        (its ``locals()``): each backend's constructor keeps the reference design's signature
+        and forwards it whole, in one place."""
+        return {key: arguments[key] for key in _BASE_ARGUMENTS}
+
     def _reference_fields(self) -> dict[str, Any]:
         """The reference design's metadata fields of this buffer (plus ``dtype``)."""
         meta = export_geometry_meta(
@@ -616,39 +635,9 @@ class TransferBackendBase:
         unequal shards), ``MetadataError`` asks for ``src_metas``.
         """
         me = self._base_meta()
-        lay = self.layout
-        tp, pp = lay.tp_size, lay.pp_size
-        first = lay.global_rank - (lay.pp_rank * tp + lay.tp_rank)
-        layout_cls: Any = type(lay)
-        mine = dict(lay.to_dict())
-        metas: list[PeerMeta] = []
-        for stage in range(pp):
-            for rank in range(tp):
-                if (stage, rank) == (lay.pp_rank, lay.tp_rank):
-                    metas.append(me)
-                    continue
-                sib = {
-                    **mine,
-                    "tp_rank": rank,
-                    "pp_rank": stage,
-                    "global_rank": first + stage * tp + rank,
-                }
-                if first < 0 or (pp > 1 and mine.get("layer_start") is not None):
-                    sib = {}
-                other = layout_cls.from_dict(sib) if sib else None
-                if other is None or (other.num_local_layers, len(range(*other.heads))) != (
-                    lay.num_local_layers,
-                    len(range(*lay.heads)),
-                ):
-                    raise MetadataError(
-                        f"cannot infer the layout of source (tp_rank={rank}, pp_rank={stage}) "
-                        "from this rank's; pass src_metas=[every source rank's metadata]",
-                        field="src_metas",
-                    )
-                metas.append(
-                    {**me, "layout": sib, "agent_name": f"{me['agent_name']}/{stage}.{rank}"}
-                )
-        return metas
+        # The siblings' layouts (``None``: this rank), inferred and checked in Rust.
+        siblings = _core.group_layouts(self.layout)
+        return [me if sib is None else _sibling_meta(me, sib) for sib in siblings]
 
     def _peer_list(self, peer_meta: Any) -> list[PeerMeta]:
         """Peers' metadata in this library's schema (see ``_resolve_peers``)."""

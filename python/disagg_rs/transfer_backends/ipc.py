@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from disagg_rs import _core
+
 __all__ = ["IpcMapper", "export", "same_host"]
 
 logger = logging.getLogger(__name__)
@@ -89,19 +91,13 @@ def export(buffer: torch.Tensor) -> dict[str, Any] | None:
 
 def same_host(mine: Mapping[str, Any] | None, theirs: Mapping[str, Any] | None) -> bool:
     """Whether two ``ipc`` exports come from one host (host name and boot id agree)."""
-    if not mine or not theirs:
-        return False
-    return bool(
-        mine.get("hostname") == theirs.get("hostname")
-        and mine.get("boot_id") == theirs.get("boot_id")
-    )
+    return _core.ipc_same_host(mine, theirs)
 
 
 def _local_index(uuid: str) -> int | None:
-    for i in range(torch.cuda.device_count()):
-        if device_uuid(i) == uuid:
-            return i
-    return None
+    """The index of the local CUDA device with UUID ``uuid`` (``None``: not visible here)."""
+    uuids = [device_uuid(i) for i in range(torch.cuda.device_count())]
+    return uuids.index(uuid) if uuid in uuids else None
 
 
 class IpcMapper:
@@ -143,17 +139,17 @@ class IpcMapper:
             # peer access, which only an IPC mapping enables; the network path takes it.
             if same is None:
                 return None
-            if local is not None and local.type == "cuda":
-                here = local.index if local.index is not None else torch.cuda.current_device()
-                if same.device.index != here:
-                    return None
+            # Read on ``local``'s GPU (no index: the current one), else on the buffer's.
+            gpu = same.get_device()
+            if _core.ipc_reader_gpu(gpu, local, torch.cuda.current_device()) != gpu:
+                return None
             return same.reshape(-1).view(torch.uint8)[:nbytes]
         home = _local_index(str(ipc["device_uuid"]))
         if home is None:
             return None
         # Map into the context of the GPU whose kernels read it: CUDA enables peer access to
         # the buffer's GPU for that mapping (torch opens with cudaIpcMemLazyEnablePeerAccess).
-        index = home if local is None or local.type != "cuda" else int(local.index or 0)
+        index = _core.ipc_reader_gpu(home, local, 0)
         if index != home and not torch.cuda.can_device_access_peer(index, home):
             return None
         try:

@@ -133,11 +133,7 @@ def triton_available() -> bool:
 def path_for(tensor: torch.Tensor) -> Path:
     """Which implementation copies fragments of ``tensor``: "triton" or "torch"."""
     forced = os.environ.get("DISAGG_STAGING_KERNEL", "auto")
-    if forced == "torch":
-        return "torch"
-    if forced == "triton":
-        return "triton"
-    return "triton" if tensor.is_cuda and triton_available() else "torch"
+    return _core.staging_path(forced, tensor.is_cuda and triton_available())
 
 
 def build_run_table(
@@ -230,17 +226,14 @@ def copy_runs(
     ``gather``: ``scattered`` -> ``packed``; else ``packed`` -> ``scattered``. Bounds must be
     multiples of ``table.unit`` (``ValueError`` otherwise). Queued on the current stream.
     """
-    hi = table.total_bytes if packed_hi is None else packed_hi
-    if not 0 <= packed_lo <= hi <= table.total_bytes:
-        raise ValueError(f"packed range [{packed_lo}, {hi}) is not inside [0, {table.total_bytes})")
-    if packed_lo % table.unit or hi % table.unit:
-        raise ValueError(f"packed range [{packed_lo}, {hi}) is not in {table.unit}-byte units")
-    if hi == packed_lo:
+    lo_u, hi_u, programs = _core.packed_window(
+        (packed_lo, packed_hi), (table.total_bytes, table.unit), config.chunk_units
+    )
+    if hi_u == lo_u:
         return 0
     _, vec = _UNIT_LANES[table.unit]
-    lo_u, hi_u = packed_lo // table.unit, hi // table.unit
     src, dst = (scattered, packed) if gather else (packed, scattered)
-    grid = (-(-(hi_u - lo_u) // config.chunk_units),)
+    grid = (programs,)
     # Launch on the scattered buffer's GPU (the current device may be another one).
     guard = torch.cuda.device(scattered.device) if scattered.is_cuda else contextlib.nullcontext()
     with guard:
@@ -263,7 +256,7 @@ def copy_runs(
             DIV=table.div_bits,
             num_warps=config.num_warps,
         )
-    return hi - packed_lo
+    return (hi_u - lo_u) * table.unit
 
 
 def expand_runs(runs: _U64Array) -> _U64Array:
@@ -380,14 +373,13 @@ def pipelined_handoff(
     ``copy_``). Returns the event recorded after the last scatter; the caller waits on it.
     Both tables must describe the same packed total (one source, one destination).
     """
-    if gather_table.total_bytes != scatter_table.total_bytes:
-        raise ValueError(
-            f"gather packs {gather_table.total_bytes} bytes but scatter expects "
-            f"{scatter_table.total_bytes}"
-        )
-    unit = np.lcm(gather_table.unit, scatter_table.unit)
-    step = max(int(chunk_bytes) // int(unit), 1) * int(unit)
-    total = gather_table.total_bytes
+    # Both tables must pack the same total (``ArgumentError`` otherwise); chunks are
+    # ``chunk_bytes`` rounded to both tables' units.
+    windows = _core.pipeline_windows(
+        (gather_table.total_bytes, gather_table.unit),
+        (scatter_table.total_bytes, scatter_table.unit),
+        int(chunk_bytes),
+    )
     s_pack, s_move, s_land = streams or tuple(
         torch.cuda.Stream(src.device)  # type: ignore[no-untyped-call]
         for _ in range(3)
@@ -399,8 +391,7 @@ def pipelined_handoff(
     for s in (s_pack, s_move, s_land):
         s.wait_event(start)
     done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    for lo in range(0, total, step):  # chunks, not fragments: a handful per handoff
-        hi = min(lo + step, total)
+    for lo, hi in windows:  # chunks, not fragments: a handful per handoff
         packed_ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
         moved_ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
         copy_chunk = functools.partial(copy_runs, packed_lo=lo, packed_hi=hi, config=config)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from disagg_rs import _core
-from disagg_rs.exceptions import BlockIdError, CapacityError, MetadataError, TransferError
+from disagg_rs.exceptions import CapacityError, MetadataError, TransferError
 from disagg_rs.transfer_backends import device_plan as dp
 from disagg_rs.transfer_backends import pipeline
 from disagg_rs.transfer_backends.base import (
@@ -176,30 +176,7 @@ class NcclTransferBackend(TransferBackendBase):
         group: Any = None,
         match_by_order: bool | None = None,
     ) -> None:
-        super().__init__(
-            agent_name,
-            memory_buffer,
-            expected_num_blocks,
-            ssm_layout,
-            ssm_state_kind,
-            axes=axes,
-            compiler=compiler,
-            timeout_s=timeout_s,
-            incarnation=incarnation,
-            clock=clock,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            num_kv_heads_global=num_kv_heads_global,
-            heads_per_partition=heads_per_partition,
-            head_dim=head_dim,
-            tokens_per_block=tokens_per_block,
-            global_rank=global_rank,
-            pp_size=pp_size,
-            pp_rank=pp_rank,
-            num_layers_global=num_layers_global,
-            layer_start=layer_start,
-            layer_end=layer_end,
-        )
+        super().__init__(**self._base_arguments(locals()))  # the reference signature, whole
         memory_buffer = self.memory_buffer  # the first tensor of a per-layer list
         if not dist.is_initialized():
             raise TransferError("NcclTransferBackend needs torch.distributed initialised first")
@@ -237,10 +214,9 @@ class NcclTransferBackend(TransferBackendBase):
 
     def new_registered_buffer(self, **kwargs: Any) -> NcclTransferBackend:
         """Another state buffer of this rank (SSM conv/recurrent) on the same process group."""
-        kwargs.setdefault("agent_name", self.agent_name)
-        for key, value in self._init_kwargs.items():
-            kwargs.setdefault(key, value)
-        other = NcclTransferBackend(**kwargs)
+        other = NcclTransferBackend(
+            **{"agent_name": self.agent_name, **self._init_kwargs, **kwargs}
+        )
         other.steps = self.steps  # one rank's pairs: every buffer's messages share them
         return other
 
@@ -370,12 +346,8 @@ class NcclTransferBackend(TransferBackendBase):
 
         ranks, plans = self._plans.get(("pull", _peer_key(metas)), build)
         ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
-        need = plans[ranks[0]].num_blocks(num_tokens) if ranks else 0
-        if ids.size != need:
-            raise BlockIdError(
-                f"dst_block_ids holds {ids.size} blocks, {num_tokens} tokens need {need}",
-                field="dst_block_ids",
-            )
+        needs = [plans[r].num_blocks(num_tokens) for r in ranks]
+        _core.check_chunk_blocks("dst_block_ids", ids.size, num_tokens, needs)
         (dev_ids,) = self._ids.upload(ids)
         pairs = [
             pipeline.ChunkPlan(
@@ -524,12 +496,8 @@ class NcclTransferBackend(TransferBackendBase):
             plan = self._plans.get(("push", _peer_key(srcs), _peer_key([dst])), build)
             if plan is None:
                 continue
-            if ids.size != plan.num_blocks(num_tokens):
-                raise BlockIdError(
-                    f"src_block_ids holds {ids.size} blocks, {num_tokens} tokens need "
-                    f"{plan.num_blocks(num_tokens)}",
-                    field="src_block_ids",
-                )
+            need = [plan.num_blocks(num_tokens)]
+            _core.check_chunk_blocks("src_block_ids", ids.size, num_tokens, need)
             pairs.append(
                 pipeline.ChunkPlan(
                     plan,

@@ -781,30 +781,7 @@ class NixlTransferBackend(TransferBackendBase):
             )
         context = _shared_context or _NixlAgentContext(agent_name, incarnation=incarnation)
         incarnation = context.incarnation  # the agent's (a shared context keeps its own)
-        super().__init__(
-            agent_name,
-            memory_buffer,
-            expected_num_blocks,
-            ssm_layout,
-            ssm_state_kind,
-            axes=axes,
-            compiler=compiler,
-            timeout_s=timeout_s,
-            incarnation=incarnation,
-            clock=clock,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            num_kv_heads_global=num_kv_heads_global,
-            heads_per_partition=heads_per_partition,
-            head_dim=head_dim,
-            tokens_per_block=tokens_per_block,
-            global_rank=global_rank,
-            pp_size=pp_size,
-            pp_rank=pp_rank,
-            num_layers_global=num_layers_global,
-            layer_start=layer_start,
-            layer_end=layer_end,
-        )
+        super().__init__(**self._base_arguments(locals()))  # the reference signature, whole
         memory_buffer = self.memory_buffer  # the first tensor of a per-layer list
         if mode not in ("auto", "direct", "staged"):
             raise ValueError(f"mode must be 'auto', 'direct' or 'staged', got {mode!r}")

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from disagg_rs import _core
-from disagg_rs.exceptions import CapacityError, PushAbortedError
+from disagg_rs.exceptions import PushAbortedError
 from disagg_rs.transfer_backends import device_plan as dp
 
 __all__ = [
@@ -94,19 +94,9 @@ def chunk_bytes_from_env() -> int:
 def chunkable(metas: list[Any]) -> bool:
     """Whether a handoff between these ranks (sources and destination) moves in chunks: KV
     state, one block size everywhere, the heads of a token contiguous in every cache (what a
-    device plan needs). Both sides evaluate it on the same metadata, so they agree."""
-    geoms = [m.get("geometry") for m in metas]
-    if any(m.get("state_kind") != "kv" for m in metas) or any(g is None for g in geoms):
-        return False
-    if any(len((m.get("buffer") or {}).get("regions") or ()) > 1 for m in metas):
-        return False  # per-layer tensors: a device plan addresses one buffer
-    if len({int(g["tokens_per_block"]) for g in geoms}) != 1:
-        return False
-    return all(
-        int(g["num_heads"]) == 1
-        or int(g["head_stride"]) == int(g["head_dim"]) * int(g["element_size"])
-        for g in geoms
-    )
+    device plan needs), one registered buffer each. Both sides evaluate it on the same
+    metadata, so they agree. Decided in Rust."""
+    return _core.chunkable(metas)
 
 
 class StagingPool:
@@ -121,13 +111,11 @@ class StagingPool:
         pool_bytes: int | None = None,
         chunk_bytes: int | None = None,
     ) -> None:
-        total = pool_bytes_from_env() if pool_bytes is None else int(pool_bytes)
-        chunk = chunk_bytes_from_env() if chunk_bytes is None else int(chunk_bytes)
-        if chunk < 256 or chunk % 256:
-            raise ValueError(f"chunk_bytes={chunk} must be a positive multiple of 256")
+        # ``chunk_bytes`` must be a positive multiple of 256 (``ArgumentError``).
+        self.slots, self.slot_bytes = _core.staging_slots(
+            pool_bytes, chunk_bytes, pool_bytes_from_env(), chunk_bytes_from_env()
+        )
         self.device = device
-        self.slots = max(total // chunk, 1)
-        self.slot_bytes = chunk
         self.stream: Any = (
             torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             if device.type == "cuda"
@@ -348,14 +336,9 @@ def post_chunks(
     ``errors`` holds the failures (e.g. the process group's timeout on a peer that never
     answered, a filler, a message out of step).
     """
-    for cp in pairs:
-        item = int(cp.plan.planes[:, 3].max()) * cp.plan.tokens_per_block
-        if item > pool.slot_bytes:
-            raise CapacityError(
-                f"one block of one plane is {item} bytes but staging slots hold "
-                f"chunk_bytes={pool.slot_bytes}",
-                field="chunk_bytes",
-            )
+    # One block of one plane must fit a slot (``CapacityError`` before anything is posted).
+    items = [int(cp.plan.planes[:, 3].max()) * cp.plan.tokens_per_block for cp in pairs]
+    _core.check_slot_capacity(items, pool.slot_bytes)
     chunks = [
         (p, i, c)
         for p, cp in enumerate(pairs)

@@ -32,13 +32,13 @@ __all__ = ["byte_view", "pack_torch", "scatter_torch"]
 
 _U64Array = npt.NDArray[np.uint64]
 
-# Element types tried for the row view, widest first: wider elements copy faster.
-_UNIT_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
-    (8, torch.int64),
-    (4, torch.int32),
-    (2, torch.int16),
-    (1, torch.uint8),
-)
+# Element type of each row-view unit (``_core.row_unit`` picks the widest: wider copies faster).
+_UNIT_DTYPES: dict[int, torch.dtype] = {
+    8: torch.int64,
+    4: torch.int32,
+    2: torch.int16,
+    1: torch.uint8,
+}
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -52,10 +52,8 @@ def _rows(flat_u8: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """View ``flat_u8`` as ``[n, row_bytes / unit]`` of the widest unit the storage allows."""
     n = flat_u8.numel() // row_bytes
     head = flat_u8[: n * row_bytes]
-    for unit, dtype in _UNIT_DTYPES:
-        if row_bytes % unit == 0 and head.storage_offset() % unit == 0:
-            return head.view(dtype).view(n, row_bytes // unit)
-    raise AssertionError("unit 1 always divides")  # pragma: no cover
+    unit = _core.row_unit(row_bytes, int(head.storage_offset()))
+    return head.view(_UNIT_DTYPES[unit]).view(n, row_bytes // unit)
 
 
 def _u64_rows(rows: _U64Array) -> _U64Array:

@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod args;
+pub mod backend_rules;
 pub mod buffer;
 pub mod chunks;
 pub mod compile;

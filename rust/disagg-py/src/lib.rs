@@ -7,6 +7,7 @@
 #![allow(clippy::needless_pass_by_value)]
 
 mod args;
+mod backend_rules;
 mod compile;
 mod control;
 mod driver;
@@ -76,7 +77,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             stream::staging_release, stream::chunk_read_slot_bytes, stream::stale_peers,
             refticket::reference_prefill_metas, refticket::reference_push_metas,
             integrity_tables::integrity_merge, integrity_tables::integrity_shapes,
-            integrity_tables::integrity_first_mismatch, integrity_tables::integrity_mismatch_text
+            integrity_tables::integrity_first_mismatch, integrity_tables::integrity_mismatch_text,
+            backend_rules::group_layouts, backend_rules::chunkable, backend_rules::staging_slots,
+            backend_rules::check_slot_capacity, backend_rules::check_chunk_blocks,
+            backend_rules::packed_window, backend_rules::pipeline_windows,
+            backend_rules::staging_path, backend_rules::ipc_same_host, backend_rules::row_unit,
+            backend_rules::ipc_reader_gpu
         ]
     );
     Ok(())
