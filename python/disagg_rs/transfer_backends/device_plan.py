@@ -31,6 +31,7 @@ from the same plan (vectorised, no Python loop over blocks).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections import deque
@@ -210,18 +211,8 @@ class DevicePlan:
         """Item ranges of at most ``max_bytes`` packed bytes (one item at least):
         ``(k_lo, k_hi, byte_lo, byte_hi)`` in packed order, covering every item once (the
         last few cuts are kept: handoffs of one size repeat)."""
-        key = ("chunks", int(n_tok), max(int(max_bytes), 0))
-        got = self._cache.get(key)
-        if got is None:
-            # Decided in Rust: the source and the decode of a streamed copy cut it alike.
-            cut = _core.stream_chunks(self._rows, self.tokens_per_block, key[1], key[2])
-            got = [(int(a), int(b), int(x), int(y)) for a, b, x, y in cut]
-            cuts = self._cache.setdefault("cuts", deque())
-            cuts.append(key)
-            while len(cuts) > 8:
-                self._cache.pop(cuts.popleft(), None)
-            self._cache[key] = got
-        return list(got)
+        rows = tuple(self._rows)
+        return list(_chunks(rows, self.tokens_per_block, int(n_tok), max(int(max_bytes), 0)))
 
     # -- device tables -------------------------------------------------------------------
 
@@ -266,6 +257,16 @@ class DevicePlan:
             dev = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(device)
             self._dev[key] = dev
         return dev
+
+
+@functools.lru_cache(maxsize=64)
+def _chunks(
+    rows: tuple[tuple[int, int], ...], tokens_per_block: int, n_tok: int, max_bytes: int
+) -> tuple[tuple[int, int, int, int], ...]:
+    """:meth:`DevicePlan.chunks`, cached by the plan's rows (handoffs of one size repeat).
+    Decided in Rust: the source and the decode of a streamed copy cut it alike."""
+    cut = _core.stream_chunks(list(rows), tokens_per_block, n_tok, max_bytes)
+    return tuple((int(a), int(b), int(x), int(y)) for a, b, x, y in cut)
 
 
 @dataclass(frozen=True)
@@ -756,15 +757,19 @@ class _SlotRoute:
 
         One event per slot, recorded again when the slot is reused: the slot is free only
         once that event's last record completed, so a handle still holding it can only see
-        it complete later, never early. Stream objects are kept by raw handle (building one
-        costs more than the launch's other calls together)."""
+        it complete later, never early."""
+        done = self.uploader.events[slot]
+        done.record(self._stream(raw))
+        self.uploader.settle(slot, done)
+        return done
+
+    def _stream(self, raw: Any) -> Any:
+        """The device's current stream, whose raw handle is ``raw``: stream objects are kept
+        by raw handle (building one costs more than the launch's other calls together)."""
         stream = self._streams.get(raw)
         if stream is None:
             stream = self._streams[raw] = torch.cuda.current_stream(self.device)
-        done = self.uploader.events[slot]
-        done.record(stream)
-        self.uploader.settle(slot, done)
-        return done
+        return stream
 
 
 class PullRoute(_SlotRoute):
@@ -941,12 +946,9 @@ class PackRoute(_SlotRoute):
         return done
 
     def _event(self, raw: Any) -> Any:
-        """A new event recorded on the stream ``raw`` (a stream object kept per handle)."""
-        stream = self._streams.get(raw)
-        if stream is None:
-            stream = self._streams[raw] = torch.cuda.current_stream(self.device)
+        """A new event recorded on the stream ``raw``."""
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(stream)
+        event.record(self._stream(raw))
         return event
 
     def release(self, got: PackIds) -> None:
