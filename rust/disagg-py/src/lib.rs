@@ -15,6 +15,7 @@ mod geometry;
 mod integrity_tables;
 mod layout;
 mod ledger;
+mod nixl_route;
 mod peer_records;
 mod pool;
 mod refticket;
@@ -75,6 +76,17 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             refticket::reference_prefill_metas, refticket::reference_push_metas,
             integrity_tables::integrity_merge, integrity_tables::integrity_shapes,
             integrity_tables::integrity_first_mismatch, integrity_tables::integrity_mismatch_text
+        ]
+    );
+    #[rustfmt::skip]
+    export!(
+        m,
+        classes: [nixl_route::PyNixlAgentPeers],
+        functions: [
+            nixl_route::ucx_tls_allows_cuda, nixl_route::nixl_cuda_major_mismatch,
+            nixl_route::backend_supports_vram, nixl_route::check_ucx_tls,
+            nixl_route::check_nixl_cuda_support, nixl_route::nixl_source_read, nixl_route::nixl_pull_route,
+            nixl_route::slice_reads, nixl_route::ipc_bounds_hold, nixl_route::check_matched_slices
         ]
     );
     Ok(())
