@@ -680,6 +680,11 @@ def _np_u64(rows: Sequence[Sequence[int]]) -> npt.NDArray[np.uint64]:
     return np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
 
 
+#: One source's staged read: the pull, the source rank, its NIXL peer id and its device
+#: plan with the destination ids and tokens.
+_SourceRead = tuple["_Pull", int, str, tuple[dp.DevicePlan, npt.NDArray[np.int64], int]]
+
+
 @dataclass(frozen=True)
 class _Pull:
     """One pull on the NIXL path, as each source's read needs it."""
@@ -1387,25 +1392,18 @@ class NixlTransferBackend(TransferBackendBase):
             self._give_up_ticket(peer, meta, cast(Mapping[str, Any], ticket))
         if kind == "direct":
             return self._post_direct(pull.direct(rank), rank, meta, peer)
-        ticket = cast(Mapping[str, Any], ticket)
         plan_ids = (cast(dp.DevicePlan, plan), dst_ids, cast(int, n_tok))
+        read: _SourceRead = (pull, rank, peer, plan_ids)
         if kind == "chunked":
-            return [self._post_chunked(rank, meta, ticket, peer, plan_ids, slot_bytes, share)]
-        return [self._post_whole(pull.program, rank, meta, ticket, peer, plan_ids, kind)]
+            return [self._post_chunked(read, slot_bytes, share)]
+        return [self._post_whole(read, kind)]
 
-    def _post_whole(
-        self,
-        program: Any,
-        rank: int,
-        meta: PeerMeta,
-        ticket: Mapping[str, Any],
-        peer: str,
-        plan_ids: tuple[dp.DevicePlan, npt.NDArray[np.int64], int],
-        kind: str,
-    ) -> _PullPart:
+    def _post_whole(self, read: _SourceRead, kind: str) -> _PullPart:
         """One READ of the whole packed copy into one range of its size, once the source
         announced it; landed by one kernel of the device plan (``kind`` ``"whole"``) or by
         the program's scatter rows (``"rows"``)."""
+        pull, rank, peer, plan_ids = read
+        meta, ticket, program = pull.by_rank[rank], pull.tickets[rank], pull.program
         by_plan = functools.partial(self._land_by_plan, *plan_ids)
         by_rows = functools.partial(self._land_by_rows, program, rank)
         land = by_plan if kind == "whole" else by_rows
@@ -1459,20 +1457,12 @@ class NixlTransferBackend(TransferBackendBase):
         self._notify_all(peer, _core.stream_abort_msgs(ticket))
         self._ctx.mailboxes.forget_ticket(str(meta["agent_name"]), ticket)
 
-    def _post_chunked(
-        self,
-        rank: int,
-        meta: PeerMeta,
-        ticket: Mapping[str, Any],
-        peer: str,
-        plan_ids: tuple[dp.DevicePlan, npt.NDArray[np.int64], int],
-        slot_bytes: int,
-        share: int,
-    ) -> _PullPart:
+    def _post_chunked(self, read: _SourceRead, slot_bytes: int, share: int) -> _PullPart:
         """Read a source's packed copy through at most ``_CHUNK_SLOTS`` slots of at least
         ``slot_bytes`` of this rank's staging pool (``1 / share`` of its largest free range:
         the other staged sources of the pull read through the rest; Rust checked they fit)."""
-        plan, dst_ids, n_tok = plan_ids
+        pull, rank, peer, (plan, dst_ids, n_tok) = read
+        meta, ticket = pull.by_rank[rank], pull.tickets[rank]
         (ids,) = self._ids.upload(dst_ids)
         got = self.arena.alloc_slots(slot_bytes, share, _CHUNK_SLOTS)
         slot_bytes, offsets = cast(tuple[int, list[int]], got)
