@@ -58,9 +58,7 @@ import torch
 
 from disagg_rs import _core
 from disagg_rs.exceptions import (
-    BlockIdError,
     CapacityError,
-    GeometryMismatchError,
     TransferError,
     TransferStartError,
 )
@@ -85,8 +83,6 @@ logger = logging.getLogger(__name__)
 _POLL_INTERVAL_S = 0.0005
 #: Default deadline of a pull, from submission.
 _POLL_TIMEOUT_S = 30.0
-#: The UCX transports that move CUDA memory; ``UCX_TLS`` must leave one for VRAM buffers.
-_UCX_CUDA_TLS = frozenset({"cuda_copy", "cuda_ipc", "gdr_copy"})
 
 
 def _detect_nixl_variant(api_module_name: str) -> str | None:
@@ -117,37 +113,12 @@ except ImportError:  # the backend then refuses construction with an explanation
     _HAVE_NIXL = False
 
 
-def ucx_tls_allows_cuda(tls: str | None) -> bool:
-    """Whether a ``UCX_TLS`` value leaves UCX a transport that moves CUDA memory.
-
-    Unset or empty: UCX picks (yes). An inclusion list needs ``all``, ``cuda`` or one of
-    ``cuda_copy``/``cuda_ipc``/``gdr_copy`` (``rc`` alone moves host memory only). A ``^``
-    exclusion list fails when it removes ``cuda`` or all three CUDA transports.
-    """
-    if not tls:
-        return True
-    names = {t.strip().lower().lstrip("\\") for t in tls.lstrip("^").split(",") if t.strip()}
-    if tls.startswith("^"):
-        return "cuda" not in names and not names >= _UCX_CUDA_TLS
-    return bool({"all", "cuda"} & names or _UCX_CUDA_TLS & names)
-
-
-def nixl_cuda_major_mismatch(variant: str | None, torch_cuda: str | None) -> str | None:
-    """Explain a NIXL build (``nixl_cu12`` or ``nixl-cu12``) whose CUDA major differs from
-    torch's, or ``None`` when they agree or either is unknown."""
-    if variant is None or not torch_cuda:
-        return None
-    name = variant.replace("-", "_")
-    if not name.startswith("nixl_cu"):
-        return None
-    torch_major = torch_cuda.split(".", 1)[0]
-    if name != f"nixl_cu{torch_major}":
-        return (
-            f"PyTorch uses CUDA {torch_cuda}, but NIXL selected {variant}. Install the "
-            f"matching build with `pip install nixl-cu{torch_major}`: a mismatched NIXL "
-            "backend can make UCX classify GPU buffers as host memory"
-        )
-    return None
+#: Whether a ``UCX_TLS`` value leaves UCX a transport that moves CUDA memory (decided in Rust).
+ucx_tls_allows_cuda = _core.ucx_tls_allows_cuda
+#: Why a NIXL build's CUDA major differs from torch's, or ``None`` (decided in Rust).
+nixl_cuda_major_mismatch = _core.nixl_cuda_major_mismatch
+#: Whether a NIXL backend's memory types include GPU memory (decided in Rust).
+backend_supports_vram = _core.backend_supports_vram
 
 
 def _validate_ucx_transport_config(memory_buffer: torch.Tensor) -> None:
@@ -155,50 +126,31 @@ def _validate_ucx_transport_config(memory_buffer: torch.Tensor) -> None:
 
     Host-memory buffers are not checked: a CPU deployment may restrict UCX to ``tcp,self,sm``.
     """
-    if not memory_buffer.is_cuda:
-        return
-    # The UCX memory-type cache misclassifies CUDA allocations reused by torch's caching
-    # allocator; disabling it is the documented safe setting for registered VRAM.
-    os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
-    tls = os.environ.get("UCX_TLS")
-    if not ucx_tls_allows_cuda(tls):
-        raise TransferError(
-            f"UCX_TLS={tls!r} does not enable a CUDA transport for NIXL GPU buffers; unset "
-            "it to let UCX choose, or include cuda_copy or cuda_ipc",
-            field="UCX_TLS",
-        )
-
-
-def backend_supports_vram(mem_types: Any) -> bool:
-    """Whether a NIXL backend's memory types include GPU memory. NIXL 1.5 names them
-    ``"VRAM_SEG"`` (older builds ``"VRAM"``; some report ``"cuda"``)."""
-    return any("vram" in str(t).lower() or "cuda" in str(t).lower() for t in mem_types)
+    if memory_buffer.is_cuda:
+        # The UCX memory-type cache misclassifies CUDA allocations reused by torch's caching
+        # allocator; disabling it is the documented safe setting for registered VRAM.
+        os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
+        _core.check_ucx_tls(os.environ.get("UCX_TLS"))
 
 
 def _validate_nixl_cuda_support(agent: Any, memory_buffer: torch.Tensor) -> None:
-    """Reject a NIXL/UCX runtime that cannot safely register CUDA memory."""
-    if not memory_buffer.is_cuda:
-        return
-    mismatch = nixl_cuda_major_mismatch(_NIXL_VARIANT, torch.version.cuda)
-    if mismatch is not None:
-        raise TransferError(mismatch, field="nixl")
-    get_mem_types = getattr(agent, "get_backend_mem_types", None)
-    if get_mem_types is None:  # an older NIXL cannot say; registration will tell
-        return
-    mem_types = list(get_mem_types("UCX"))
-    if not backend_supports_vram(mem_types):
-        raise TransferError(
-            f"The NIXL UCX backend does not report CUDA/VRAM memory support (reported "
-            f"memory types: {mem_types}); install the NIXL build for this CUDA major or "
-            "rebuild UCX --with-cuda",
-            field="nixl",
-        )
+    """Reject a NIXL/UCX runtime that cannot safely register CUDA memory (host buffers are
+    not checked). An older NIXL that cannot list its memory types is left to registration."""
+    get_mem_types = getattr(agent, "get_backend_mem_types", _unknown_mem_types)
+    if memory_buffer.is_cuda:
+        _core.check_nixl_cuda_support(_NIXL_VARIANT, torch.version.cuda, get_mem_types("UCX"))
+
+
+def _unknown_mem_types(backend: str) -> None:
+    """What an older NIXL, which cannot list a backend's memory types, is taken to say."""
+    del backend
 
 
 class _NixlAgentContext:
     """NIXL resources shared by the state buffers on one rank: one agent, one peer table.
 
-    The agent is created by the first ``acquire()`` and dropped by the last ``release()``.
+    The agent is created by the first ``acquire()`` and dropped by the last ``release()``;
+    who holds it and which peers are registered on it is ``_core.NixlAgentPeers``'s.
     """
 
     def __init__(
@@ -209,9 +161,8 @@ class _NixlAgentContext:
         self.incarnation = int(incarnation if incarnation is not None else time.time_ns())
         #: The shared agent while a registration holds it, else ``None``.
         self.agent: Any = None
-        self._refs = 0
-        # Peer agent name -> (incarnation, digest of its metadata, id NIXL gave it).
-        self.peers: dict[str, tuple[int, str, str]] = {}
+        #: Registrations holding the agent, and the peers registered on it.
+        self.registrations = _core.NixlAgentPeers(agent_name)
         #: Stream notifications waiting for their stream, by (peer agent name, stream id):
         #: each stream open on this rank has a mailbox (see :meth:`mail`).
         self.mailboxes = _core.StreamMailboxes()
@@ -221,52 +172,43 @@ class _NixlAgentContext:
         self._next_stream = 1 + secrets.randbits(62)
 
     @property
+    def peers(self) -> dict[str, tuple[int, str, str]]:
+        """Peer agent name -> (incarnation, digest of its metadata, id NIXL gave it)."""
+        return self.registrations.peers()
+
+    @property
     def known_peers(self) -> dict[str, tuple[int, str, str]]:
         """The peer table (the reference design's name)."""
         return self.peers
 
     def live_agent(self) -> Any:
         """The agent; raises ``TransferError`` once every registration has been released."""
-        if self.agent is None:
-            raise TransferError(f"NIXL agent {self.agent_name!r} is closed", field="agent")
+        self.registrations.check_open()
         return self.agent
 
     def acquire(self) -> Any:
         """Retain the shared agent for one buffer registration (created on first use)."""
         if self.agent is None:
-            if not _HAVE_NIXL:
-                raise TransferError(
-                    "NixlTransferBackend needs the nixl Python package (pip install nixl)",
-                    field="nixl",
-                )
-            # One shared progress thread: one-sided reads need the passive peer to progress.
-            config = (
-                nixl_agent_config(enable_prog_thread=True)
-                if self.backends == ["UCX"]
-                else nixl_agent_config(enable_prog_thread=True, backends=self.backends)
-            )
-            self.agent = nixl_agent(self.agent_name, config)
-        self._refs += 1
+            options = _core.NixlAgentPeers.agent_options(_HAVE_NIXL, self.backends)
+            self.agent = nixl_agent(self.agent_name, nixl_agent_config(**options))
+        self.registrations.retain()
         return self.agent
 
     def release(self) -> None:
         """Release one registration; drop the agent after the last user closes."""
-        if self._refs <= 0:
-            return
-        self._refs -= 1
-        if self._refs == 0:
-            self._forget(list(self.peers))
+        self._forget(self.registrations.release())
+        if not self.registrations.refs:
             self.agent = None
 
     @property
     def ref_count(self) -> int:
         """Registrations still holding the agent."""
-        return self._refs
+        return int(self.registrations.refs)
 
     @property
     def refs(self) -> int:
         """Alias of ``ref_count``."""
-        return self._refs
+        return self.ref_count
 
     def new_stream_id(self) -> int:
         """A stream id unique on this agent (named in the ticket and every notification)."""
@@ -288,13 +230,15 @@ class _NixlAgentContext:
     def _forget(self, names: Sequence[str]) -> None:
         """Forget registered peers ``names``: their NIXL registrations, and their streams
         (a new incarnation numbers its streams anew; those open with this one end)."""
-        for name in names:
-            loaded = self.peers.pop(name)[2]
+        for name, loaded in self.registrations.forget(list(names)):
+            logger.info("forgetting NIXL peer %s", name)
             self.mailboxes.forget(name)
-            try:
-                self.agent.remove_remote_agent(loaded)
-            except Exception as exc:  # a peer that is gone cannot be disconnected cleanly
-                logger.debug("removing NIXL peer %s: %s", name, exc)
+            # A peer that is gone cannot be disconnected cleanly: the outcome is only logged.
+            removed = _outcome(functools.partial(self._remove_remote, loaded))
+            logger.debug("removing NIXL peer %s: %s", name, removed)
+
+    def _remove_remote(self, loaded: str) -> Any:
+        return self.agent.remove_remote_agent(loaded)
 
     def _decoded(self, text: str | bytes) -> tuple[bytes, str]:
         """A peer's NIXL metadata (base64 ``text``) decoded, and its digest: once per text
@@ -310,30 +254,36 @@ class _NixlAgentContext:
 
     def ensure_peer(self, meta: PeerMeta) -> str:
         """Register the peer on first use, replacing a stale incarnation; return the id NIXL
-        gave it (its agent name)."""
+        gave it (its agent name). Takes the reference design's ``agent_metadata_b64`` and a
+        missing incarnation (0) too."""
         name = str(meta["agent_name"])
-        blob, digest = self._decoded(meta["agent_metadata"])
-        key = (int(meta["incarnation"]), digest)
-        known = self.peers.get(name)
-        if known is not None and known[:2] == key:
-            return known[2]
+        blob, digest = self._decoded(meta.get("agent_metadata", meta.get("agent_metadata_b64")))
+        incarnation = int(meta.get("incarnation", 0))
+        known, stale = self.registrations.admit(name, incarnation, digest)
+        self._forget(stale)
         if known is not None:
-            logger.info("NIXL peer %s changed incarnation %s -> %s", name, known[0], key[0])
-            self._forget([name])
+            return str(known)
         try:
             raw = self.live_agent().add_remote_agent(blob)
         except Exception as exc:
             raise TransferError(
                 f"cannot register NIXL peer {name!r}: {exc!r}", field="agent_metadata"
             ) from exc
-        loaded = raw.decode() if isinstance(raw, bytes) else str(raw or name)
-        self.peers[name] = (*key, loaded)
-        return loaded
+        return str(self.registrations.register(name, incarnation, digest, raw))
 
 
 #: Byte ranges of the registered staging region (first fit, 256-byte aligned starts), kept
 #: in Rust: one entry per staged part in flight, never one per block.
 StagingArena = _core.StagingRanges
+
+
+def _settled() -> bool:
+    """The landing of a part with nothing to wait for."""
+    return True
+
+
+def _no_cleanup() -> None:
+    """The cleanup of a part with nothing to give back."""
 
 
 @dataclass
@@ -343,11 +293,11 @@ class _PullPart:
     src_rank: int
     xfer: Any
     on_done: Callable[[], None] | None = None
-    cleanup: Callable[[], None] | None = None
+    cleanup: Callable[[], None] = _no_cleanup
     context: str = ""
     descriptors: int = 0
     """Descriptors this read posted (1 for a staged read)."""
-    landed: Callable[[], bool] | None = None
+    landed: Callable[[], bool] = _settled
     """Set by ``on_done`` when the landing (scatter) is queued on the GPU: the part is DONE
     once it returns True (a CUDA event query; the serving thread never synchronises)."""
     local: bool = False
@@ -355,15 +305,18 @@ class _PullPart:
     step: Callable[[], str] | None = None
     """A part that drives its own reads (chunked staging): advances once, returns "PROC"
     or "DONE", raises on failure."""
+    poll_s: float = _POLL_INTERVAL_S
+    """How often the part wants its handle polled (a staged read posts its next chunk only
+    when polled)."""
 
     def is_landed(self) -> bool:
         """Whether the landing has completed (or there is none to wait for)."""
-        return self.landed is None or self.landed()
+        return self.landed()
 
     def finish(self) -> None:
-        if self.cleanup is not None:
-            self.cleanup()
-            self.cleanup = None
+        """Run the cleanup once."""
+        cleanup, self.cleanup = self.cleanup, _no_cleanup
+        cleanup()
 
 
 @dataclass(frozen=True)
@@ -528,8 +481,9 @@ class _ChunkedRead:
         slot_bytes: int,
         offsets: list[int],
     ) -> None:
-        assert backend.staging_buffer is not None
         self.backend, self.meta, self.peer = backend, meta, peer
+        #: This rank's staging pool (a staged read is routed only where there is one).
+        self.staging = cast(torch.Tensor, backend.staging_buffer)
         #: This rank's slots, owned from here on: :meth:`close` gives them back.
         self.offsets = offsets
         self.slot_bytes = slot_bytes
@@ -554,9 +508,8 @@ class _ChunkedRead:
         self.box = self.backend._ctx.mailboxes.open(self.src_name, self.id)
 
     def _window(self, slot: int, nbytes: int) -> torch.Tensor:
-        assert self.backend.staging_buffer is not None
         at = self.offsets[slot]
-        return self.backend.staging_buffer[at : at + nbytes]
+        return self.staging[at : at + nbytes]
 
     def step(self) -> str:
         """Take the source's announcements, acknowledge and scatter the reads that landed,
@@ -732,6 +685,27 @@ def _np_u64(rows: Sequence[Sequence[int]]) -> npt.NDArray[np.uint64]:
     return np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
 
 
+#: One source's staged read: the pull, the source rank, its NIXL peer id and its device
+#: plan with the destination ids and tokens.
+_SourceRead = tuple["_Pull", int, str, tuple[dp.DevicePlan, npt.NDArray[np.int64], int]]
+
+
+@dataclass(frozen=True)
+class _Pull:
+    """One pull on the NIXL path, as each source's read needs it."""
+
+    program: Any
+    by_rank: Mapping[int, PeerMeta]
+    tickets: Mapping[int, Mapping[str, Any]]
+    plans: Mapping[int, dp.DevicePlan]
+    facts: Mapping[int, tuple[int, int, int]]
+    """What Rust's read decision needs of each device plan."""
+    handoff: tuple[BlockIds, BlockIds, int | None]
+    """Source ids, destination ids and tokens of the handoff."""
+    direct: Callable[[int], tuple[Any, Any]]
+    """The direct descriptor rows of a source rank (cached)."""
+
+
 class NixlTransferBackend(TransferBackendBase):
     """Per-buffer registration on a rank's NIXL agent; the decode pulls with one-sided reads.
 
@@ -839,9 +813,7 @@ class NixlTransferBackend(TransferBackendBase):
         ``kwargs`` are constructor arguments; ``agent_name`` defaults to this backend's and the
         keyword extensions default to this backend's values.
         """
-        kwargs.setdefault("agent_name", self.agent_name)
-        for key, value in self._init_kwargs.items():
-            kwargs.setdefault(key, value)
+        kwargs = {"agent_name": self.agent_name, **self._init_kwargs, **kwargs}
         return NixlTransferBackend(_shared_context=self._ctx, **kwargs)
 
     def close(self) -> None:
@@ -877,15 +849,17 @@ class NixlTransferBackend(TransferBackendBase):
         meta["agent_metadata"] = blob
         meta["agent_metadata_b64"] = blob  # the reference design's name
         meta["ipc"] = self.ipc_meta
-        meta["staging"] = (
-            None
-            if self.staging_buffer is None
-            else {
-                "addr": int(self.staging_buffer.data_ptr()),
-                "nbytes": int(self.staging_buffer.numel()),
-            }
-        )
+        meta["staging"] = self._staging_meta()
         return meta
+
+    def _staging_meta(self) -> dict[str, int] | None:
+        """Where this rank's staging pool lies (``None``: no pool)."""
+        if self.staging_buffer is None:
+            return None
+        return {
+            "addr": int(self.staging_buffer.data_ptr()),
+            "nbytes": int(self.staging_buffer.numel()),
+        }
 
     def _base_meta(self) -> dict[str, Any]:
         meta = super()._base_meta()
@@ -896,10 +870,6 @@ class NixlTransferBackend(TransferBackendBase):
 
     def _ensure_peer_registered(self, peer_meta: PeerMeta) -> str:
         """Register the peer with NIXL on first use; return its agent id."""
-        if "agent_metadata" not in peer_meta and "agent_metadata_b64" in peer_meta:
-            peer_meta = {**peer_meta, "agent_metadata": peer_meta["agent_metadata_b64"]}
-        if "incarnation" not in peer_meta:
-            peer_meta = {**peer_meta, "incarnation": 0}
         return self._ctx.ensure_peer(peer_meta)
 
     # -- source side of a staged pull ----------------------------------------------------
@@ -1131,7 +1101,7 @@ class NixlTransferBackend(TransferBackendBase):
         forgotten peer's announcement fails at its next poll, quietly (it posted nothing);
         one with reads in flight aborts them; a stream this rank serves it ends."""
         named = {str(m.get("agent_name")): int(m.get("incarnation", 0)) for m in peer_meta}
-        stale = _core.stale_peers({n: k[0] for n, k in self._ctx.peers.items()}, named)
+        stale = self._ctx.registrations.stale(named)
         self._ctx._forget(stale)
         return stale
 
@@ -1181,17 +1151,16 @@ class NixlTransferBackend(TransferBackendBase):
         first read is posted.
         """
         peers, src_ids = self._resolve_peers(peer_meta, src_block_ids)
-        assert src_ids is not None  # given, so resolved to the given ids or a rank map
-        src_block_ids = src_ids
+        src_block_ids = cast(BlockIds, src_ids)  # given, so resolved to the ids or a rank map
         if no_blocks(src_block_ids, dst_block_ids):  # nothing to move: a settled handle
             return NixlPullHandle(self.agent, [], self.timeout_s, self.clock, None)
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        staged = list(staged or ())
         # A peer set seen before on the CUDA IPC path: Rust checks the ids while writing
         # them into the upload slot (the same checks as below), one launch follows.
         route = self._ipc_routes.get(tuple(map(id, peers)))
         if route is not None and route.copy is not None:
-            if staged:
-                _core.check_staging_tickets_of(list(staged), peers)
+            _core.check_staging_tickets_of(staged, peers)
             direct = self._pull_on_route(route, peers, src_block_ids, dst_block_ids, num_tokens)
             if direct is not None:
                 return self._ipc_handle(direct, timeout)
@@ -1200,65 +1169,55 @@ class NixlTransferBackend(TransferBackendBase):
         )
         metas = [p.meta for p in peers]
         by_rank = {p.global_rank: p.meta for p in peers}
-        tickets = _core.check_staging_tickets_of(list(staged or ()), peers)
+        tickets = _core.check_staging_tickets_of(staged, peers)
         direct = self._pull_by_ipc(peers, by_rank, src_block_ids, dst_block_ids, num_tokens)
         if direct is not None:
             return self._ipc_handle(direct, timeout)
         program = self._compile(
             metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, self.mode
         )
-        plans = self._pull_plans(metas, by_rank, program)
         # Per source in plan order: its staged copy or its blocks (decided in Rust).
-        route = _core.pull_route(
-            [(r, program.mode(r) == "staged", program.packed_bytes(r)) for r in program.src_ranks],
+        route, direct_ranks = _core.nixl_pull_route(
+            [(r, program.mode(r), program.packed_bytes(r)) for r in program.src_ranks],
             list(by_rank),
-            [(r, bool(t["staged"]), int(t["nbytes"])) for r, t in tickets.items()],
-            self.staging_buffer is not None,
+            tickets,
+            self.arena.capacity,
         )
         # Every remote byte a descriptor names lies in the source's exported regions, every
         # local byte in this rank's; a range running across per-layer tensors is split.
-        by_peer = {p.global_rank: p for p in peers}
-        me = self._own_peer
+        by_peer, me = {p.global_rank: p for p in peers}, self._own_peer
 
+        @functools.cache
         def direct_rows(rank: int) -> tuple[Any, Any]:
             return by_peer[rank].split_descriptors(*program.direct_descriptors(rank), me)  # type: ignore[no-any-return]
 
-        rows = {rank: direct_rows(rank) for rank, packed, _ in route if not packed}
+        plans = self._pull_plans(metas, by_rank, program)
+        # What Rust's read decision needs of each device plan (cached with the plans): tokens
+        # per block, packed bytes per token and the largest item's bytes.
+        facts = self._cached(
+            ("facts", _peer_key(metas)),
+            lambda: {
+                r: (p.tokens_per_block, p.packed_bytes(1), p.item_bytes) for r, p in plans.items()
+            },
+        )
+        pull = _Pull(program, by_rank, tickets, plans, facts,
+                     (src_block_ids, dst_block_ids, num_tokens), direct_rows)  # fmt: skip
+        # Checked before anything is posted: the direct reads' descriptors, every peer.
+        list(map(direct_rows, direct_ranks))
         agents = {rank: self._ensure_peer_registered(by_rank[rank]) for rank, _, _ in route}
-        # A source read directly although it sent a ticket: give its stream up now (its
-        # slots are free at once) and drop what it announced.
-        for rank in rows.keys() & tickets.keys():
-            self._give_up_ticket(agents[rank], by_rank[rank], tickets[rank])
         parts: list[_PullPart] = []
         error: str | None = None
         # A chunked read takes its share of the free pool (staged reads still to post).
         for rank, packed, share in route:
             try:
-                part = (
-                    self._post_staged(
-                        program,
-                        rank,
-                        by_rank[rank],
-                        tickets[rank],
-                        agents[rank],
-                        (plans or {}).get(rank),
-                        (src_block_ids, dst_block_ids, num_tokens),
-                        share=share,
-                        direct=direct_rows,
-                    )
-                    if packed
-                    else self._post_direct(rows[rank], rank, by_rank[rank], agents[rank])
-                )
+                parts += self._post_source(pull, rank, agents[rank], packed, share)
             except Exception as exc:
                 # Parts already posted keep running; the handle raises once they settle.
                 error = f"posting the read from rank {rank} failed: {exc!r}"
                 break
-            if part is not None:
-                parts.append(part)
         handle = NixlPullHandle(self.agent, parts, timeout, self.clock, error)
-        if any(p.step is not None for p in parts):
-            # A chunked read posts its next chunk only when polled: poll it often.
-            handle.poll_interval_s = _CHUNK_POLL_INTERVAL_S
+        # A chunked read posts its next chunk only when polled: it asks to be polled often.
+        handle.poll_interval_s = min([handle.poll_interval_s, *(p.poll_s for p in parts)])
         # What was actually posted (a source without a staged ticket is read directly).
         handle.stats = {
             "bytes": int(program.stats.get("bytes", 0)),
@@ -1269,25 +1228,21 @@ class NixlTransferBackend(TransferBackendBase):
 
     def _pull_plans(
         self, metas: Sequence[PeerMeta], by_rank: Mapping[int, PeerMeta], program: Any
-    ) -> dict[int, dp.DevicePlan] | None:
-        """Device plans of every source rank of this peer set (cached), or ``None`` when a
-        rank has none (SSM state, HND caches, block-size changes)."""
+    ) -> dict[int, dp.DevicePlan]:
+        """Device plans of every source rank of this peer set (cached), or none (``{}``) when
+        a rank has none (SSM state, HND caches, block-size changes)."""
 
-        def build() -> dict[int, dp.DevicePlan] | None:
-            plans = {}
-            for rank in program.src_ranks:
-                plan = dp.DevicePlan.from_program(
-                    program,
-                    rank,
-                    src_addr=int(by_rank[rank]["buffer"]["addr"]),
-                    dst_addr=int(self.buffer_info["addr"]),
+        def build() -> dict[int, dp.DevicePlan]:
+            dst_addr = int(self.buffer_info["addr"])
+            plans = {
+                rank: dp.DevicePlan.from_program(
+                    program, rank, src_addr=int(by_rank[rank]["buffer"]["addr"]), dst_addr=dst_addr
                 )
-                if plan is None:
-                    return None
-                plans[rank] = plan
-            return plans
+                for rank in program.src_ranks
+            }
+            return {} if None in plans.values() else cast(dict[int, dp.DevicePlan], plans)
 
-        plans: dict[int, dp.DevicePlan] | None = self._cached(("pull", _peer_key(metas)), build)
+        plans: dict[int, dp.DevicePlan] = self._cached(("pull", _peer_key(metas)), build)
         return plans
 
     def _ipc_handle(self, direct: tuple[_PullPart, int], timeout: float) -> NixlPullHandle:
@@ -1375,7 +1330,7 @@ class NixlTransferBackend(TransferBackendBase):
                 metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, "staged"
             )
             plans = self._pull_plans(metas, by_rank, program)
-            if plans is not None and self._ipc_bounds_hold(plans, by_rank, mapped):
+            if plans and self._ipc_bounds_hold(plans, by_rank, mapped):
                 copy = dp.PullRoute(
                     plans, {r: mapped[r] for r in plans}, self.memory_buffer, self._ids
                 )
@@ -1393,15 +1348,10 @@ class NixlTransferBackend(TransferBackendBase):
     ) -> bool:
         """Every byte the kernels may touch lies inside both buffers, and every source rank
         cuts the prompt into the same blocks."""
-        tpb = {plan.tokens_per_block for plan in plans.values()}
-        if len(tpb) != 1:
-            return False
-        for rank, plan in plans.items():
-            src_end = plan.paged_end("src", int(by_rank[rank]["num_blocks"]))
-            dst_end = plan.paged_end("dst", self.expected_num_blocks)
-            if src_end > mapped[rank].numel() or dst_end > self.buffer_info["nbytes"]:
-                return False
-        return True
+        ends = [(plan.tokens_per_block, plan.paged_end("src", int(by_rank[rank]["num_blocks"])),
+                 mapped[rank].numel(), plan.paged_end("dst", self.expected_num_blocks))
+                for rank, plan in plans.items()]  # fmt: skip
+        return bool(_core.ipc_bounds_hold(ends, int(self.buffer_info["nbytes"])))
 
     def _mem(self, meta: PeerMeta) -> str:
         return str(meta["buffer"]["mem_type"])
@@ -1433,80 +1383,98 @@ class NixlTransferBackend(TransferBackendBase):
 
     def _post_direct(
         self, rows: tuple[Any, Any], rank: int, meta: PeerMeta, peer: str
-    ) -> _PullPart | None:
+    ) -> list[_PullPart]:
         src, dst = rows
         if len(src) == 0:
-            return None
+            return []
         label = f"direct:{meta['agent_name']}:{rank}"
         part = _PullPart(rank, self._post(dst, src, meta, peer, label), context=label)
         part.descriptors = len(src)
-        return part
+        return [part]
 
-    def _post_staged(
-        self,
-        program: Any,
-        rank: int,
-        meta: PeerMeta,
-        ticket: Mapping[str, Any],
-        peer: str,
-        plan: dp.DevicePlan | None = None,
-        handoff: tuple[BlockIds, BlockIds, int | None] | None = None,
-        *,
-        share: int = 1,
-        direct: Callable[[int], tuple[Any, Any]],
-    ) -> _PullPart | None:
+    def _post_source(
+        self, pull: _Pull, rank: int, peer: str, packed: bool, share: int
+    ) -> list[_PullPart]:
+        """Post the read of source ``rank`` (``packed``: the route reads its staged copy,
+        taking ``1 / share`` of the free pool at most): its blocks directly, its packed copy
+        held whole, or in chunks through a few slots of the pool, as Rust decides from the
+        ticket, the device plan and the pool now. A source whose ticket is not read has its
+        stream given up (its slots are free at once) and what it announced dropped."""
+        meta, ticket = pull.by_rank[rank], pull.tickets.get(rank)
+        plan, n_tok = pull.plans.get(rank), pull.handoff[2]
+        dst_ids = np.asarray(pull.handoff[1], dtype=np.int64).reshape(-1)
+        kind, give_up, slot_bytes = _core.nixl_source_read(
+            packed,
+            ticket,
+            pull.facts.get(rank),
+            largest_free=self.arena.largest_free,
+            alignment=self.arena.alignment,
+            share=share,
+            on_gpu=self.memory_buffer.is_cuda,
+            num_tokens=n_tok,
+            dst_blocks=dst_ids.size,
+        )
+        if give_up:
+            self._give_up_ticket(peer, meta, cast(Mapping[str, Any], ticket))
+        if kind == "direct":
+            return self._post_direct(pull.direct(rank), rank, meta, peer)
+        plan_ids = (cast(dp.DevicePlan, plan), dst_ids, cast(int, n_tok))
+        read: _SourceRead = (pull, rank, peer, plan_ids)
+        if kind == "chunked":
+            return [self._post_chunked(read, slot_bytes, share)]
+        return [self._post_whole(read, kind)]
+
+    def _post_whole(self, read: _SourceRead, kind: str) -> _PullPart:
+        """One READ of the whole packed copy into one range of its size, once the source
+        announced it; landed by one kernel of the device plan (``kind`` ``"whole"``) or by
+        the program's scatter rows (``"rows"``)."""
+        pull, rank, peer, plan_ids = read
+        meta, ticket, program = pull.by_rank[rank], pull.tickets[rank], pull.program
+        by_plan = functools.partial(self._land_by_plan, *plan_ids)
+        by_rows = functools.partial(self._land_by_rows, program, rank)
+        land = by_plan if kind == "whole" else by_rows
         nbytes = int(ticket["nbytes"])
-        if nbytes == 0:
-            return None
-        assert self.staging_buffer is not None  # checked before posting
-        if nbytes > self.arena.largest_free or ticket.get("stream"):
-            # A streamed copy, or one this engine's staging pool cannot take now: read it in
-            # chunks through a few slots of the pool (a device plan scatters each chunk), else
-            # read the source's blocks directly (always possible; the packed copy is released
-            # as usual, a stream is told so its slots are free again).
-            chunked = self._post_chunked(rank, meta, ticket, peer, plan, handoff, share)
-            if chunked is not None:
-                return chunked
-            self._give_up_ticket(peer, meta, ticket)
-            return self._post_direct(direct(rank), rank, meta, peer)
-        offset = self.arena.alloc(nbytes)
-        region = self.staging_buffer[offset : offset + nbytes]
-        on_gpu = plan is not None and handoff is not None and region.is_cuda
-        if on_gpu:
-            assert plan is not None and handoff is not None
-            n_tok = handoff[2]
-            dst_ids = np.asarray(handoff[1], dtype=np.int64).reshape(-1)
-            if n_tok is None or dst_ids.size != plan.num_blocks(n_tok):
-                on_gpu = False
-        scatter_list = None if on_gpu else program.scatter(rank)
+        reader = _ChunkedRead(self, meta, peer, nbytes, [self.arena.alloc(nbytes)])
+        return self._start_read(
+            reader, lambda: (_core.StreamSink.one_piece(ticket), land, "staged"), rank
+        )
 
-        def land(k: int, window: torch.Tensor) -> Any:
-            """Queue the landing of the copy read into ``window``; its completion (the part
-            settles on it: the serving thread never synchronises)."""
-            del k
-            if on_gpu:
-                # One kernel from the cached plan.
-                assert plan is not None and handoff is not None and handoff[2] is not None
-                (ids,) = self._ids.upload(np.asarray(handoff[1], dtype=np.int64))
-                dp.copy(plan, dp.Side("packed", window), dp.Side("dst", self.memory_buffer, ids),
-                        handoff[2])  # fmt: skip
-            else:
-                assert scatter_list is not None
-                self.scatter_rows(window, scatter_list)
-            return _landed_event(window)
+    def _land_by_plan(
+        self, plan: dp.DevicePlan, dst_ids: npt.NDArray[np.int64], n_tok: int, k: int,
+        window: torch.Tensor,
+    ) -> Any:  # fmt: skip
+        """Queue the landing of a whole copy read into ``window`` (one kernel of the cached
+        plan); its completion (the part settles on it: the serving thread never waits)."""
+        del k
+        (ids,) = self._ids.upload(dst_ids)
+        dp.copy(plan, dp.Side("packed", window), dp.Side("dst", self.memory_buffer, ids), n_tok)
+        return _landed_event(window)
 
-        # One READ of the whole copy into one slot of its size, once the source announced it.
-        reader = _ChunkedRead(self, meta, peer, nbytes, [offset])
-        try:
-            reader.start(_core.StreamSink.one_piece(ticket), land)
+    def _land_by_rows(self, program: Any, rank: int, k: int, window: torch.Tensor) -> Any:
+        """Queue the landing of a whole copy read into ``window`` by the program's scatter
+        rows of source ``rank``."""
+        del k
+        self.scatter_rows(window, program.scatter(rank))
+        return _landed_event(window)
+
+    def _start_read(
+        self,
+        reader: _ChunkedRead,
+        make: Callable[[], tuple[_core.StreamSink, Callable[[int, torch.Tensor], Any], str]],
+        rank: int,
+    ) -> _PullPart:
+        """Start ``reader`` on the sink, landing and label kind ``make()`` returns (its first
+        step posts what the source announced already) and wrap it as a part; its slots go
+        back if starting fails."""
+        with contextlib.ExitStack() as rollback:
+            rollback.callback(reader.close)  # the slots go back unless the read starts
+            sink, land, kind = make()
+            reader.start(sink, land)
             reader.step()
-        except Exception:
-            reader.close()
-            raise
-        label = f"staged:{meta['agent_name']}:{rank}"
-        part = _PullPart(rank, None, cleanup=reader.close, context=label, step=reader.step)
-        part.descriptors = 1
-        return part
+            rollback.pop_all()
+        label = f"{kind}:{reader.meta['agent_name']}:{rank}"
+        return _PullPart(rank, None, cleanup=reader.close, context=label, step=reader.step,
+                         descriptors=len(reader.chunks), poll_s=_CHUNK_POLL_INTERVAL_S)  # fmt: skip
 
     def _give_up_ticket(self, peer: str, meta: PeerMeta, ticket: Mapping[str, Any]) -> None:
         """This rank reads the source of ``ticket`` directly: tell a stream's source (its
@@ -1515,50 +1483,25 @@ class NixlTransferBackend(TransferBackendBase):
         self._notify_all(peer, _core.stream_abort_msgs(ticket))
         self._ctx.mailboxes.forget_ticket(str(meta["agent_name"]), ticket)
 
-    def _post_chunked(
-        self,
-        rank: int,
-        meta: PeerMeta,
-        ticket: Mapping[str, Any],
-        peer: str,
-        plan: dp.DevicePlan | None,
-        handoff: tuple[BlockIds, BlockIds, int | None] | None,
-        share: int = 1,
-    ) -> _PullPart | None:
-        """Read a source's packed copy through at most ``_CHUNK_SLOTS`` slots of this rank's
-        staging pool (``1 / share`` of its largest free range: the other staged sources of
-        the pull read through the rest), or ``None`` when no device plan covers it or no
-        slot fits an item."""
-        if plan is None or handoff is None or handoff[2] is None:
-            return None
-        n_tok = int(handoff[2])
-        dst_ids = np.asarray(handoff[1], dtype=np.int64).reshape(-1)
-        if dst_ids.size != plan.num_blocks(n_tok) or plan.packed_bytes(n_tok) != int(
-            ticket["nbytes"]
-        ):
-            return None
+    def _post_chunked(self, read: _SourceRead, slot_bytes: int, share: int) -> _PullPart:
+        """Read a source's packed copy through at most ``_CHUNK_SLOTS`` slots of at least
+        ``slot_bytes`` of this rank's staging pool (``1 / share`` of its largest free range:
+        the other staged sources of the pull read through the rest; Rust checked they fit)."""
+        pull, rank, peer, (plan, dst_ids, n_tok) = read
+        meta, ticket = pull.by_rank[rank], pull.tickets[rank]
         (ids,) = self._ids.upload(dst_ids)
-        # A slot holds one item, and a whole chunk of a stream.
-        need = _core.chunk_read_slot_bytes(ticket, plan.item_bytes)
-        slots = self.arena.alloc_slots(need, share, _CHUNK_SLOTS)
-        if slots is None:
-            return None
-        slot_bytes, offsets = slots
+        got = self.arena.alloc_slots(slot_bytes, share, _CHUNK_SLOTS)
+        slot_bytes, offsets = cast(tuple[int, list[int]], got)
         reader = _ChunkedRead(self, meta, peer, slot_bytes, offsets)
-        try:
+
+        def make() -> tuple[_core.StreamSink, Callable[[int, torch.Tensor], Any], str]:
             sink = _core.StreamSink.of_ticket(
                 ticket, plan.rows, plan.tokens_per_block, n_tok, slot_bytes, len(offsets)
             )
-            reader.start(sink, functools.partial(_scatter_chunk, self, plan, ids, n_tok,
-                                                 sink.chunks))  # fmt: skip
-            reader.step()
-        except Exception:
-            reader.close()
-            raise
-        label = f"{reader.sink.kind}:{meta['agent_name']}:{rank}"
-        part = _PullPart(rank, None, cleanup=reader.close, context=label, step=reader.step)
-        part.descriptors = len(reader.chunks)
-        return part
+            land = functools.partial(_scatter_chunk, self, plan, ids, n_tok, sink.chunks)
+            return sink, land, str(sink.kind)
+
+        return self._start_read(reader, make, rank)
 
     # -- the reference design's primitives -------------------------------------------------
 
@@ -1585,13 +1528,12 @@ class NixlTransferBackend(TransferBackendBase):
         self._validate_peers([peer], src_block_ids, dst_block_ids, None, local_is_dst=True)
         if matched_layout:
             mine = self._reference_fields()
-            for key in ("num_outer", "bytes_per_slice", "blocks_axis", "heads_per_partition"):
-                if peer.get(key) is not None and mine[key] is not None and peer[key] != mine[key]:
-                    raise GeometryMismatchError(
-                        f"matched-layout peer {peer['agent_name']!r} has {key}={peer[key]}, "
-                        f"this rank {mine[key]}",
-                        field=key,
-                    )
+            keys = ("num_outer", "bytes_per_slice", "blocks_axis", "heads_per_partition")
+            _core.check_matched_slices(
+                str(peer["agent_name"]),
+                [(k, peer.get(k)) for k in keys],
+                [(k, mine[k]) for k in keys],
+            )
 
     def _begin_transfer(
         self,
@@ -1614,48 +1556,20 @@ class NixlTransferBackend(TransferBackendBase):
         """
         agent = self._agent
         peer_id = self._ensure_peer_registered(peer_meta)
-        src = np.asarray(src_block_ids, dtype=np.uint64).reshape(-1, 1)
-        dst = np.asarray(dst_block_ids, dtype=np.uint64).reshape(-1, 1)
-        if src.shape != dst.shape:
-            raise BlockIdError(
-                f"{src.shape[0]} source blocks but {dst.shape[0]} destination blocks",
-                field="dst_block_ids",
-            )
-        outer = np.arange(int(n_outer), dtype=np.uint64).reshape(1, -1)
-        peer_bps = np.uint64(int(peer_meta["bytes_per_slice"]))
-        bps = np.uint64(self._bytes_per_slice)
-        src_rows = (
-            np.uint64(int(peer_meta["base_addr"]))
-            + (np.uint64(src_o_start) + outer) * np.uint64(int(peer_meta["outer_stride_bytes"]))
-            + src * peer_bps
+        # The address rules and the id-count check are Rust's; NIXL takes the arrays as rows.
+        here = (self._buf_ptr, self._outer_stride_bytes, self._bytes_per_slice, self._device_id,
+                getattr(self, "_heads_per_partition", None), getattr(self, "_head_dim", None),
+                getattr(self, "_element_size", None), getattr(self, "_tokens_per_block", None),
+                getattr(self, "buffer_info", None))  # fmt: skip
+        local, remote, local_mem, remote_mem, ctx = _core.slice_reads(
+            peer_meta,
+            here,
+            np.asarray(src_block_ids, dtype=np.uint64).reshape(-1),
+            np.asarray(dst_block_ids, dtype=np.uint64).reshape(-1),
+            (src_o_start, dst_o_start, n_outer),
+            (src_h0, dst_h0, n_heads),
+            peer_id,
         )
-        dst_rows = (
-            np.uint64(self._buf_ptr)
-            + (np.uint64(dst_o_start) + outer) * np.uint64(self._outer_stride_bytes)
-            + dst * bps
-        )
-        if n_heads == 0:
-            src_len, dst_len = int(peer_bps), int(bps)
-            ctx = f"matched peer={peer_id} outer[{src_o_start}:+{n_outer}] blocks={src.shape[0]}"
-        else:
-            d_bytes = int(self._head_dim or 0) * self._element_size
-            tokens = np.arange(int(self._tokens_per_block or 0), dtype=np.uint64).reshape(1, 1, -1)
-            peer_token = np.uint64(int(peer_meta["heads_per_partition"]) * d_bytes)
-            token = np.uint64(int(self._heads_per_partition or 0) * d_bytes)
-            src_rows = src_rows[..., None] + np.uint64(src_h0 * d_bytes) + tokens * peer_token
-            dst_rows = dst_rows[..., None] + np.uint64(dst_h0 * d_bytes) + tokens * token
-            src_len = dst_len = int(n_heads) * d_bytes
-            ctx = (
-                f"reshard peer={peer_id} outer[{src_o_start}:+{n_outer}] "
-                f"heads[{src_h0}:+{n_heads}] blocks={src.shape[0]}"
-            )
-        peer_dev = int(peer_meta.get("device_id") or 0)
-        remote = _desc_rows(src_rows.reshape(-1), src_len, peer_dev)
-        local = _desc_rows(dst_rows.reshape(-1), dst_len, self._device_id)
-        buffer_info = getattr(self, "buffer_info", None)
-        local_mem = buffer_info["mem_type"] if buffer_info else "VRAM"
-        peer_buffer = peer_meta.get("buffer")
-        remote_mem = peer_buffer["mem_type"] if isinstance(peer_buffer, Mapping) else "VRAM"
         xfer = agent.initialize_xfer(
             "READ",
             agent.get_xfer_descs(local, mem_type=local_mem),
@@ -1683,12 +1597,3 @@ class NixlTransferBackend(TransferBackendBase):
                 cleanup_handles=[cleanup],
             ) from exc
         return xfer, ctx
-
-
-def _desc_rows(addrs: npt.NDArray[np.uint64], length: int, device: int) -> npt.NDArray[np.uint64]:
-    """``N x 3`` ``(addr, len, device)`` rows for NIXL."""
-    rows = np.empty((addrs.shape[0], 3), dtype=np.uint64)
-    rows[:, 0] = addrs
-    rows[:, 1] = length
-    rows[:, 2] = device
-    return rows

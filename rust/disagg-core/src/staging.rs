@@ -133,12 +133,8 @@ impl StagingRanges {
         share: u64,
         max_slots: u64,
     ) -> Option<(u64, Vec<u64>)> {
-        let budget = self.largest_free() / share.max(1);
-        let slots = max_slots.min(budget / item_bytes.max(1));
-        if slots < 2 {
-            return None;
-        }
-        let slot_bytes = budget / slots / self.alignment * self.alignment;
+        let (slot_bytes, slots) =
+            slot_plan(self.largest_free(), self.alignment, item_bytes, share, max_slots)?;
         self.take_slots(slot_bytes, slots, item_bytes)
     }
 
@@ -206,6 +202,26 @@ impl StagingRanges {
     pub fn ranges(&self) -> Vec<(u64, u64)> {
         self.used.iter().map(|(&o, &l)| (o, l)).collect()
     }
+}
+
+/// The slots [`StagingRanges::alloc_slots`] takes from a pool whose largest free range is
+/// `largest_free`: `(slot_bytes, slots)`, or `None` when two slots of `item_bytes` do not fit
+/// (so a caller can tell beforehand whether a chunked transfer gets its slots).
+#[must_use]
+pub fn slot_plan(
+    largest_free: u64,
+    alignment: u64,
+    item_bytes: u64,
+    share: u64,
+    max_slots: u64,
+) -> Option<(u64, u64)> {
+    let budget = largest_free / share.max(1);
+    let slots = max_slots.min(budget / item_bytes.max(1));
+    if slots < 2 {
+        return None;
+    }
+    let slot_bytes = budget / slots / alignment.max(1) * alignment.max(1);
+    (slot_bytes >= item_bytes.max(1)).then_some((slot_bytes, slots))
 }
 
 /// Where one pull's block ids went in a device id slot ([`write_pull_ids`]).

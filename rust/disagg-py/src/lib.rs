@@ -17,6 +17,7 @@ mod handoff;
 mod integrity_tables;
 mod layout;
 mod ledger;
+mod nixl_route;
 mod peer_records;
 mod pool;
 mod refticket;
@@ -83,6 +84,17 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             backend_rules::packed_window, backend_rules::pipeline_windows,
             backend_rules::staging_path, backend_rules::ipc_same_host, backend_rules::row_unit,
             backend_rules::ipc_reader_gpu
+        ]
+    );
+    #[rustfmt::skip]
+    export!(
+        m,
+        classes: [nixl_route::PyNixlAgentPeers],
+        functions: [
+            nixl_route::ucx_tls_allows_cuda, nixl_route::nixl_cuda_major_mismatch,
+            nixl_route::backend_supports_vram, nixl_route::check_ucx_tls,
+            nixl_route::check_nixl_cuda_support, nixl_route::nixl_source_read, nixl_route::nixl_pull_route,
+            nixl_route::slice_reads, nixl_route::ipc_bounds_hold, nixl_route::check_matched_slices
         ]
     );
     Ok(())

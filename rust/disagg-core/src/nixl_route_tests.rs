@@ -1,0 +1,252 @@
+use proptest::prelude::*;
+
+use super::*;
+use crate::staging::StagingRanges;
+use crate::wire::ticket::StreamTicket;
+
+#[test]
+fn a_ucx_tls_needs_a_cuda_transport_left() {
+    for (tls, ok) in [
+        (None, true),
+        (Some(""), true),
+        (Some("tcp,self,sm"), false),
+        (Some("tcp,cuda_copy,cuda_ipc"), true),
+        (Some("rc"), false),
+        (Some("all"), true),
+        (Some("CUDA"), true),
+        (Some("^cuda_copy,cuda_ipc,cuda"), false),
+        (Some("^cuda_copy,cuda_ipc,gdr_copy"), false),
+        (Some("^cuda_copy,cuda_ipc"), true),
+        (Some("^ib"), true),
+        (Some("rc, \\cuda_ipc"), true),
+    ] {
+        assert_eq!(ucx_tls_allows_cuda(tls), ok, "{tls:?}");
+        assert_eq!(ucx_tls_refusal(tls).is_none(), ok, "{tls:?}");
+    }
+    assert_eq!(ucx_tls_refusal(Some("rc")).map(|r| r.field), Some("UCX_TLS"));
+}
+
+#[test]
+fn a_nixl_build_for_another_cuda_major_or_without_vram_is_refused() {
+    assert!(nixl_cuda_major_mismatch(Some("nixl-cu12"), Some("13.0")).is_some());
+    assert!(nixl_cuda_major_mismatch(Some("nixl_cu13"), Some("13.0")).is_none());
+    assert!(nixl_cuda_major_mismatch(Some("nixl-cu13"), None).is_none());
+    assert!(nixl_cuda_major_mismatch(Some("nixl"), Some("12.4")).is_none());
+    let types = |t: &[&str]| t.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    assert!(backend_supports_vram(&types(&["DRAM_SEG", "VRAM_SEG"])));
+    assert!(!backend_supports_vram(&types(&["DRAM_SEG"])));
+    let dram = types(&["DRAM_SEG"]);
+    let r = cuda_support_refusal(None, Some("12.4"), Some(&dram)).unwrap();
+    assert!(r.detail.contains("['DRAM_SEG']"), "{}", r.detail);
+    assert!(cuda_support_refusal(None, Some("12.4"), None).is_none());
+    assert!(cuda_support_refusal(Some("nixl_cu12"), Some("13.0"), None).is_some());
+}
+
+fn ticket(nbytes: u64, chunk: Option<u64>) -> StagingTicket {
+    StagingTicket {
+        src_rank: 0,
+        incarnation: 1,
+        staged: true,
+        offset: 0,
+        nbytes,
+        stream: chunk.map(|c| StreamTicket {
+            id: 7,
+            chunk_bytes: c,
+            slot_bytes: c,
+            offsets: vec![0],
+        }),
+        ready: None,
+    }
+}
+
+const PLAN: PlanFacts = PlanFacts { tokens_per_block: 4, bytes_per_token: 64, item_bytes: 256 };
+
+fn pool(largest_free: u64) -> DecodePool {
+    DecodePool {
+        largest_free,
+        alignment: 256,
+        share: 1,
+        on_gpu: true,
+        num_tokens: Some(16),
+        dst_blocks: 4,
+    }
+}
+
+#[test]
+fn a_copy_that_fits_is_read_whole_else_in_chunks_else_directly() {
+    let t = ticket(1024, None);
+    assert_eq!(
+        source_read(true, Some(&t), Some(PLAN), &pool(4096)),
+        SourceRead::Whole { by_plan: true }
+    );
+    let host = DecodePool { on_gpu: false, ..pool(4096) };
+    assert_eq!(
+        source_read(true, Some(&t), Some(PLAN), &host),
+        SourceRead::Whole { by_plan: false }
+    );
+    let other_blocks = DecodePool { dst_blocks: 5, ..pool(4096) };
+    assert_eq!(
+        source_read(true, Some(&t), Some(PLAN), &other_blocks),
+        SourceRead::Whole { by_plan: false }
+    );
+    assert_eq!(
+        source_read(true, Some(&t), Some(PLAN), &pool(512)),
+        SourceRead::Chunked { slot_bytes_min: 256 }
+    );
+    assert_eq!(source_read(true, Some(&t), None, &pool(512)), SourceRead::Direct { give_up: true });
+    assert_eq!(
+        source_read(true, Some(&t), Some(PLAN), &pool(256)),
+        SourceRead::Direct { give_up: true }
+    );
+    let streamed = ticket(1024, Some(512));
+    assert_eq!(
+        source_read(true, Some(&streamed), Some(PLAN), &pool(4096)),
+        SourceRead::Chunked { slot_bytes_min: 512 }
+    );
+    let too_small = ticket(1024, Some(128));
+    assert_eq!(
+        source_read(true, Some(&too_small), Some(PLAN), &pool(4096)),
+        SourceRead::Direct { give_up: true }
+    );
+    assert_eq!(
+        source_read(true, Some(&ticket(0, None)), Some(PLAN), &pool(4096)),
+        SourceRead::Direct { give_up: false }
+    );
+    assert_eq!(
+        source_read(false, Some(&t), Some(PLAN), &pool(4096)),
+        SourceRead::Direct { give_up: true }
+    );
+    assert_eq!(
+        source_read(false, None, Some(PLAN), &pool(4096)),
+        SourceRead::Direct { give_up: false }
+    );
+}
+
+proptest! {
+    /// A chunked read is chosen only when the pool then gives it its slots.
+    #[test]
+    fn a_chunked_read_always_gets_its_slots(
+        cap in 0u64..1 << 16, held in proptest::collection::vec(1u64..4096, 0..6),
+        chunk in proptest::option::of(1u64..4096), share in 1u64..4,
+        tpb in 1u64..8, per_tok in 1u64..64, n_tok in 1u64..64,
+    ) {
+        let mut ranges = StagingRanges::new(cap, 256).unwrap();
+        for h in held { let _ = ranges.alloc(h); }
+        let plan = PlanFacts { tokens_per_block: tpb, bytes_per_token: per_tok, item_bytes: per_tok * tpb };
+        let t = ticket(per_tok * n_tok, chunk);
+        let p = DecodePool {
+            largest_free: ranges.largest_free(), alignment: 256, share, on_gpu: true,
+            num_tokens: Some(n_tok), dst_blocks: n_tok.div_ceil(tpb),
+        };
+        match source_read(true, Some(&t), Some(plan), &p) {
+            SourceRead::Chunked { slot_bytes_min } => {
+                let got = ranges.alloc_slots(slot_bytes_min, share, CHUNK_SLOTS);
+                prop_assert!(got.is_some_and(|(b, o)| b >= slot_bytes_min && o.len() >= 2));
+            }
+            SourceRead::Whole { .. } => prop_assert!(t.nbytes <= p.largest_free && chunk.is_none()),
+            SourceRead::Direct { give_up } => prop_assert!(give_up || t.nbytes == 0),
+        }
+    }
+
+    /// Slice reads match a direct computation of every address.
+    #[test]
+    fn slice_reads_match_the_address_formula(
+        ids in proptest::collection::vec((0u64..64, 0u64..64), 0..6), outer in 1u64..4,
+        heads in 0u64..3, o0 in 0u64..3, h0 in 0u64..2,
+    ) {
+        let src = SliceSide { base: 1 << 20, outer_stride: 1 << 12, bytes_per_slice: 64, outer_start: o0, head_start: h0, heads_per_partition: 4, device: 1 };
+        let dst = SliceSide { base: 1 << 24, outer_stride: 1 << 13, bytes_per_slice: 32, outer_start: 1, head_start: 0, heads_per_partition: 2, device: 0 };
+        let span = HeadSpan { heads, head_bytes: 8, tokens_per_block: 2 };
+        let (s, d): (Vec<u64>, Vec<u64>) = ids.iter().copied().unzip();
+        let (local, remote) = slice_read_rows(&src, &dst, &s, &d, outer, &span).unwrap();
+        let model = |side: &SliceSide, ids: &[u64]| {
+            let mut rows = Vec::new();
+            for &b in ids { for o in 0..outer {
+                let slice = side.base + (side.outer_start + o) * side.outer_stride + b * side.bytes_per_slice;
+                if heads == 0 { rows.push([slice, side.bytes_per_slice, side.device]); continue; }
+                for t in 0..2 {
+                    rows.push([slice + side.head_start * 8 + t * side.heads_per_partition * 8, heads * 8, side.device]);
+                }
+            } }
+            rows
+        };
+        prop_assert_eq!(local, model(&dst, &d));
+        prop_assert_eq!(remote, model(&src, &s));
+    }
+}
+
+#[test]
+fn slice_reads_of_unequal_id_lists_are_refused() {
+    let side = SliceSide::default();
+    let err = slice_read_rows(&side, &side, &[1, 2], &[1], 1, &HeadSpan::default()).unwrap_err();
+    assert!(matches!(err, DisaggError::Block { ref field, .. } if field == "dst_block_ids"));
+}
+
+#[test]
+fn ipc_bounds_need_one_block_size_and_every_byte_inside() {
+    assert!(ipc_bounds_hold(&[(16, 100, 100, 50), (16, 10, 20, 50)], 50));
+    assert!(!ipc_bounds_hold(&[(16, 100, 100, 50), (8, 10, 20, 50)], 50));
+    assert!(!ipc_bounds_hold(&[(16, 101, 100, 50)], 50));
+    assert!(!ipc_bounds_hold(&[(16, 100, 100, 51)], 50));
+    assert!(!ipc_bounds_hold(&[], 50));
+}
+
+#[test]
+fn a_matched_layout_peer_must_share_the_slice_geometry_it_states() {
+    let f = |v: &[(&str, Option<i64>)]| {
+        v.iter().map(|(k, x)| ((*k).to_owned(), *x)).collect::<Vec<_>>()
+    };
+    let mine = f(&[("num_outer", Some(4)), ("bytes_per_slice", Some(64))]);
+    assert!(check_matched_slices(
+        "p",
+        &f(&[("num_outer", Some(4)), ("bytes_per_slice", None)]),
+        &mine
+    )
+    .is_ok());
+    let err = check_matched_slices("p", &f(&[("bytes_per_slice", Some(32))]), &mine).unwrap_err();
+    assert!(matches!(err, DisaggError::Geometry { ref field, .. } if field == "bytes_per_slice"));
+}
+
+#[test]
+fn peers_are_registered_once_per_incarnation_and_forgotten_with_the_last_registration() {
+    let mut t = AgentPeers::default();
+    assert!(t.release().is_empty());
+    t.retain();
+    t.retain();
+    assert_eq!(t.admit("a", 1, "d"), Admission::Register { stale: false });
+    assert_eq!(t.register("a", 1, "d", None), "a");
+    assert_eq!(t.register("b", 1, "d", Some("id-b".into())), "id-b");
+    assert_eq!(t.admit("a", 1, "d"), Admission::Known("a".into()));
+    assert_eq!(t.admit("a", 2, "d"), Admission::Register { stale: true });
+    assert_eq!(t.admit("a", 1, "e"), Admission::Register { stale: true });
+    let now: BTreeMap<String, u64> = [("a".to_owned(), 1)].into();
+    assert_eq!(t.stale(&now), vec!["b".to_owned()]);
+    assert_eq!(t.forget(&["b".into(), "zz".into()]), vec![("b".to_owned(), "id-b".to_owned())]);
+    assert!(t.release().is_empty());
+    assert_eq!(t.release(), vec!["a".to_owned()]);
+    assert_eq!(t.refs(), 0);
+}
+
+#[test]
+fn slice_reads_are_labelled_and_typed_as_the_reference_design_does() {
+    assert_eq!(slice_read_label("p", 1, 2, (0, 0), 3), "matched peer=p outer[1:+2] blocks=3");
+    assert_eq!(
+        slice_read_label("p", 1, 2, (4, 2), 3),
+        "reshard peer=p outer[1:+2] heads[4:+2] blocks=3"
+    );
+    assert_eq!(slice_read_mem_type(None), "VRAM");
+    assert_eq!(slice_read_mem_type(Some("DRAM".into())), "DRAM");
+    assert_eq!(agent_backends(&["UCX".to_owned()]), None);
+    assert_eq!(agent_backends(&["GDS".to_owned()]).map(<[String]>::len), Some(1));
+}
+
+#[test]
+fn a_pull_reads_a_staged_copy_where_the_compiler_prefers_it_and_a_pool_exists() {
+    let sources = [(0, "staged".to_owned(), 1024), (1, "direct".to_owned(), 0)];
+    let tickets = [(0, ticket(1024, None))];
+    let (route, direct) = pull_reads(&sources, &[0, 1], &tickets, 4096).unwrap();
+    assert_eq!((route, direct), (vec![(0, true, 1), (1, false, 0)], vec![1]));
+    assert!(pull_reads(&sources, &[0, 1], &tickets, 0).is_err());
+    let (route, direct) = pull_reads(&sources, &[0, 1], &[], 0).unwrap();
+    assert_eq!((route, direct), (vec![(0, false, 0), (1, false, 0)], vec![0, 1]));
+}
