@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from disagg_rs._core import EngineDriverState
 from disagg_rs.control import CoordinatorState, Msg, Outgoing, decode_message, encode_message
 from disagg_rs.control.messages import MAX_FRAME_BYTES
-from disagg_rs.exceptions import DisaggError, MetadataError
+from disagg_rs.exceptions import DisaggError
 from disagg_rs.handoff.prefill import with_push_destination
 
 __all__ = ["HandoffDriver", "Link", "LoopbackClient", "LoopbackCoordinator", "LoopbackLink"]
@@ -352,11 +352,10 @@ class LoopbackCoordinator:
         if len(frame) > MAX_FRAME_BYTES:
             self.malformed += 1
             return
-        try:
-            msg = decode_message(frame)
-        except MetadataError as err:
+        msg, refused = self.state.decode_frame(identity, frame)
+        if msg is None:
             self.malformed += 1
-            self._route(self.state.refused(identity, frame, err))
+            self._route(refused)
             return
         self._route(self.state.handle(identity, msg, self.clock()))
 
@@ -365,9 +364,8 @@ class LoopbackCoordinator:
         self._route(self.state.poll(self.clock()))
 
     def _route(self, out: list[Outgoing]) -> None:
-        engines = {e.engine_id: e.identity for e in self.state.engines.values()}
         for o in out:
-            identity = o.to_client or engines.get(o.to_engine or "")
+            identity = self.state.address(o)
             if identity is None:  # an engine that is gone
                 self.undeliverable += 1
                 continue

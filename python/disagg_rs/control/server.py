@@ -19,10 +19,8 @@ from disagg_rs.control.messages import (
     DEFAULT_SEND_HWM,
     MAX_FRAME_BYTES,
     Msg,
-    decode_message,
     encode_message,
 )
-from disagg_rs.exceptions import MetadataError
 
 
 class CoordinatorServer:
@@ -127,14 +125,10 @@ class CoordinatorServer:
         pending = self._faulty(out)
         while pending:
             o = pending.pop(0)
-            if o.to_client is not None:
-                identity = o.to_client
-            else:
-                engine = self.state.engines.get(o.to_engine or "")
-                if engine is None:
-                    self.undeliverable += 1
-                    continue
-                identity = engine.identity
+            identity = self.state.address(o)
+            if identity is None:  # an engine that is gone
+                self.undeliverable += 1
+                continue
             try:
                 self._sock.send_multipart(
                     [identity, encode_message(o.kind, **o.fields)], zmq.NOBLOCK
@@ -168,12 +162,11 @@ class CoordinatorServer:
                 except ValueError:
                     self.malformed += 1
                     continue
-                identity, data = identity_frame.bytes, frame.bytes
-                try:
-                    msg = decode_message(data)
-                except MetadataError as e:
+                identity = identity_frame.bytes
+                msg, refused = self.state.decode_frame(identity, frame.bytes)
+                if msg is None:
                     self.malformed += 1
-                    self._send(self.state.refused(identity, data, e))
+                    self._send(refused)
                     continue
                 if not self._authentic(identity, frame, msg):
                     self.unauthenticated += 1
@@ -186,14 +179,7 @@ class CoordinatorServer:
         """Whether ``msg`` comes from the key its engine id is bound to (clients: SUBMIT only)."""
         if self._engine_keys is None:
             return True
-        if msg["type"] in (Msg.REGISTER, Msg.HEARTBEAT):
-            claimed: str | None = msg["engine_id"]
-        else:
-            engines = self.state.engines.values()
-            claimed = next((e.engine_id for e in engines if e.identity == identity), None)
-        if claimed is None:
-            return bool(msg["type"] is Msg.SUBMIT)
-        return self._engine_keys.get(claimed) == frame.get("User-Id")
+        return self.state.authentic(identity, msg, str(frame.get("User-Id")), self._engine_keys)
 
     def serve(self) -> None:
         """Run until :meth:`stop`."""

@@ -9,6 +9,7 @@
 mod args;
 mod compile;
 mod control;
+mod control_step;
 mod driver;
 mod error;
 mod geometry;
@@ -49,7 +50,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     export!(
         m,
         classes: [
-            control::LinkLiveness, layout::PyKvShardLayout, layout::PySsmStateDims,
+            control::LinkLiveness, control_step::CoordinatorCore, layout::PyKvShardLayout, layout::PySsmStateDims,
             layout::PySsmShardLayout, reshard::PyKvReshardTransfer, reshard::PyKvReshardPlan,
             reshard::PySsmReshardTransfer, reshard::PySsmReshardPlan, pool::PyBlockPool,
             pool::PySlotPool, staging::PyStagingRanges, staging::PyPullParts, ledger::PyLedgerAction,
