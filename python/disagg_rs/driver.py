@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from disagg_rs._core import EngineDriverState
 from disagg_rs.control import CoordinatorState, Msg, Outgoing, decode_message, encode_message
-from disagg_rs.control.messages import MAX_FRAME_BYTES
+from disagg_rs.control.messages import MAX_FRAME_BYTES, submit_frame
 from disagg_rs.exceptions import DisaggError
 from disagg_rs.handoff.prefill import with_push_destination
 
@@ -451,10 +451,7 @@ class LoopbackClient:
         timeout_s: float | None = None,
     ) -> None:
         """Send one request."""
-        extra = {} if timeout_s is None else {"timeout_s": timeout_s}
-        frame = encode_message(
-            Msg.SUBMIT, request_id=request_id, prompt=prompt, max_new_tokens=max_new_tokens, **extra
-        )
+        frame = submit_frame(request_id, prompt, max_new_tokens, timeout_s)
         self.hub.deliver(self.identity, frame)
 
     def events(self) -> list[dict[str, Any]]:

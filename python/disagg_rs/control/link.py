@@ -24,6 +24,7 @@ from disagg_rs.control.messages import (
     check_timeout,
     decode_message,
     encode_message,
+    submit_frame,
 )
 from disagg_rs.exceptions import TransferTimeout
 
@@ -221,16 +222,9 @@ class ControlClient:
         timeout_s: float | None = None,
     ) -> None:
         """Send one request (``timeout_s``: see :func:`check_timeout`); never blocks."""
-        extra = {} if timeout_s is None else {"timeout_s": check_timeout(timeout_s)}
-        budget = self.default_timeout_s if timeout_s is None else extra["timeout_s"]
+        budget = self.default_timeout_s if timeout_s is None else check_timeout(timeout_s)
         self._deadlines[request_id] = self._clock() + budget + self.grace_s
-        frame = encode_message(
-            Msg.SUBMIT,
-            request_id=request_id,
-            prompt=prompt,
-            max_new_tokens=max_new_tokens,
-            **extra,
-        )
+        frame = submit_frame(request_id, prompt, max_new_tokens, timeout_s)
         try:
             self._sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:

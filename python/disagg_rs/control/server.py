@@ -12,13 +12,13 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from disagg_rs._core import FaultPlan
 from disagg_rs.control.coordinator import CoordinatorState, Outgoing
 from disagg_rs.control.keys import CurveKeys, serve_with, use_curve
 from disagg_rs.control.messages import (
     DEFAULT_LIVENESS_TIMEOUT_S,
     DEFAULT_SEND_HWM,
     MAX_FRAME_BYTES,
-    Msg,
     encode_message,
 )
 
@@ -83,7 +83,7 @@ class CoordinatorServer:
         self.slow_engines: Counter[str] = Counter()
         """Engines fenced because their send queue was full (they do not read), by id."""
         self.malformed = 0
-        self.faults_injected = 0
+        self._faults = FaultPlan(0.0, 0, 1)
         self._stop = threading.Event()
         # A ZeroMQ socket must only be used by one thread: while serve() runs, other threads
         # hand their messages to it through this queue (sending directly aborted the process).
@@ -92,37 +92,19 @@ class CoordinatorServer:
 
     def inject_faults(self, rate: float, seed: int = 0, max_delay_rounds: int = 20) -> None:
         """Test hook: drop, duplicate, delay (reordering later traffic) a share ``rate`` of the
-        messages to engines (never to clients and never SHUTDOWN). Deterministic per seed."""
-        import random
+        messages to engines (never to clients and never SHUTDOWN). Deterministic per seed
+        (decided in Rust)."""
+        self._faults = FaultPlan(float(rate), seed, max_delay_rounds)
 
-        self._fault_rng = random.Random(seed)
-        self._fault_rate = float(rate)
-        self._fault_max_delay = max_delay_rounds
-
-    def _faulty(self, out: list[Outgoing]) -> list[Outgoing]:
-        rng = getattr(self, "_fault_rng", None)
-        delayed: list[tuple[int, Outgoing]] = getattr(self, "_delayed", [])
-        ready = [o for n, o in delayed if n <= 0]
-        self._delayed = [(n - 1, o) for n, o in delayed if n > 0]
-        if rng is None:
-            return ready + out
-        kept: list[Outgoing] = list(ready)
-        for o in out:
-            if o.to_engine is None or o.kind is Msg.SHUTDOWN or rng.random() >= self._fault_rate:
-                kept.append(o)
-                continue
-            self.faults_injected += 1
-            fault = rng.choice(("drop", "duplicate", "delay"))
-            if fault == "duplicate":
-                kept += [o, o]
-            elif fault == "delay":
-                self._delayed.append((rng.randint(1, self._fault_max_delay), o))
-        return kept
+    @property
+    def faults_injected(self) -> int:
+        """Messages dropped, duplicated or delayed by :meth:`inject_faults`."""
+        return self._faults.injected
 
     def _send(self, out: list[Outgoing]) -> None:
         """Send without ever blocking; an engine whose queue is full is fenced, and what
         fencing it produces (FAILED to clients, ABORT and PEERS to others) is sent in turn."""
-        pending = self._faulty(out)
+        pending: list[Outgoing] = self._faults.apply(out)
         while pending:
             o = pending.pop(0)
             identity = self.state.address(o)

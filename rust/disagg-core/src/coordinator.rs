@@ -14,6 +14,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::args::Given;
 use crate::driver::{recv_posted_route, RecvPosted};
 use crate::error::{DisaggError, DisaggResult};
 use crate::wire::control::{Kind, MAX_ID, MAX_TIMEOUT_S};
@@ -250,10 +251,40 @@ fn check_timeout(field: &str, t: f64) -> DisaggResult<f64> {
     if t > 0.0 && t <= MAX_TIMEOUT_S {
         return Ok(t);
     }
-    Err(DisaggError::argument(
-        field,
-        format!("{field}={t} must be in (0, {MAX_TIMEOUT_S}] seconds"),
-    ))
+    let detail = format!("{field}={t} must be in (0, {MAX_TIMEOUT_S}] seconds");
+    Err(DisaggError::argument(field, detail))
+}
+
+/// A timeout in seconds: a real number in `(0, MAX_TIMEOUT_S]`. NaN, inf, zero, negative, a
+/// bool and a non-number are refused naming `field` (a NaN deadline would never pass).
+pub fn timeout_seconds(field: &str, value: &Given<f64>) -> DisaggResult<f64> {
+    match &value.0 {
+        Ok(t) => check_timeout(field, *t),
+        Err(given) => Err(DisaggError::argument_type(
+            field,
+            format!("{field}={given} must be a number of seconds"),
+        )),
+    }
+}
+
+/// Whether an end of the control plane (`what`) runs CURVE: it must have its keys (`have`),
+/// or plain TCP must be asked for with `insecure`; neither, or both, are refused naming
+/// `keys` or `insecure`.
+pub fn curve_mode(what: &str, have: bool, insecure: bool) -> DisaggResult<bool> {
+    match (have, insecure) {
+        (true, true) => Err(DisaggError::argument(
+            "insecure",
+            format!("{what}: keys were given together with insecure=True"),
+        )),
+        (false, false) => Err(DisaggError::argument(
+            "keys",
+            format!(
+                "{what}: the control plane needs CURVE keys (keys= and the coordinator's public \
+                 key); pass insecure=True to run plain TCP on a trusted private network"
+            ),
+        )),
+        _ => Ok(have),
+    }
 }
 
 impl<P: Clone> Coordinator<P> {
@@ -799,6 +830,69 @@ impl<P: Clone> Coordinator<P> {
             out.extend(self.fail(req, &why, false));
         }
         out
+    }
+}
+
+/// A test hook of a coordinator's sends: drops, duplicates or delays (reordering later traffic)
+/// a share `rate` of the messages to engines (never to clients, never `SHUTDOWN`). The same
+/// seed gives the same faults for the same traffic.
+#[derive(Debug, Clone)]
+pub struct FaultPlan<T> {
+    rate: f64,
+    state: u64,
+    max_delay: u64,
+    delayed: Vec<(u64, T)>,
+    injected: u64,
+}
+
+impl<T: Clone> FaultPlan<T> {
+    /// Faults on a share `rate` of the eligible messages; a delayed one waits 1 to
+    /// `max_delay` rounds.
+    pub fn new(rate: f64, seed: u64, max_delay: u64) -> Self {
+        Self { rate, state: seed, max_delay: max_delay.max(1), delayed: Vec::new(), injected: 0 }
+    }
+
+    /// Faults injected so far.
+    pub fn injected(&self) -> u64 {
+        self.injected
+    }
+
+    /// `splitmix64`.
+    fn next(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// One round: the delayed messages whose time came, then `out` with faults. Each message
+    /// comes with whether it goes to an engine and its type.
+    pub fn pass(&mut self, out: Vec<(T, bool, Option<Kind>)>) -> Vec<T> {
+        let (ready, waiting): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.delayed).into_iter().partition(|(n, _)| *n == 0);
+        self.delayed = waiting.into_iter().map(|(n, o)| (n - 1, o)).collect();
+        let mut kept: Vec<T> = ready.into_iter().map(|(_, o)| o).collect();
+        for (o, to_engine, kind) in out {
+            #[allow(clippy::cast_precision_loss)] // 53 random bits as a fraction of 2^53
+            let hit = to_engine
+                && kind != Some(Kind::Shutdown)
+                && ((self.next() >> 11) as f64 / (1u64 << 53) as f64) < self.rate;
+            if !hit {
+                kept.push(o);
+                continue;
+            }
+            self.injected += 1;
+            match self.next() % 3 {
+                0 => {} // dropped
+                1 => kept.extend([o.clone(), o]),
+                _ => {
+                    let rounds = 1 + self.next() % self.max_delay;
+                    self.delayed.push((rounds, o));
+                }
+            }
+        }
+        kept
     }
 }
 

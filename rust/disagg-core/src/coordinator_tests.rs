@@ -3,6 +3,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use proptest::prelude::*;
 
 use super::*;
+use crate::args::Given;
+use crate::wire::control::MAX_TIMEOUT_S;
 
 /// Payloads are plain text here.
 type C = Coordinator<String>;
@@ -210,6 +212,47 @@ fn a_bad_engine_timeout_is_refused() {
         assert!(C::new(1.0, false, Some(t)).is_err());
     }
     assert!(C::new(0.0, false, None).is_err());
+}
+
+#[test]
+fn timeouts_and_curve_modes_are_checked() {
+    assert_eq!(timeout_seconds("t", &Given(Ok(2.5))), Ok(2.5));
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, MAX_TIMEOUT_S * 2.0] {
+        assert!(timeout_seconds("t", &Given(Ok(bad))).is_err(), "{bad}");
+    }
+    let e = timeout_seconds("t", &Given(Err("a bool (True)".into()))).unwrap_err();
+    assert!(e.to_string().contains("t=a bool (True) must be a number of seconds"), "{e}");
+    assert_eq!(curve_mode("x", true, false), Ok(true));
+    assert_eq!(curve_mode("x", false, true), Ok(false));
+    assert!(curve_mode("x", true, true).unwrap_err().to_string().contains("`insecure`"));
+    assert!(curve_mode("x", false, false).unwrap_err().to_string().contains("`keys`"));
+}
+
+#[test]
+fn faults_spare_clients_and_shutdowns_and_repeat_per_seed() {
+    let traffic = |n: u32| -> Vec<(u32, bool, Option<Kind>)> {
+        (0..n)
+            .map(|i| (i, i % 4 != 0, Some(if i % 8 == 1 { Kind::Shutdown } else { Kind::Abort })))
+            .collect()
+    };
+    let run = |seed: u64| {
+        let mut plan = FaultPlan::new(0.5, seed, 3);
+        let mut sent: Vec<u32> = (0..5).flat_map(|_| plan.pass(traffic(64))).collect();
+        sent.extend(plan.pass(Vec::new()));
+        sent.extend((0..4).flat_map(|_| plan.pass(Vec::new())));
+        (sent, plan.injected())
+    };
+    let (sent, injected) = run(7);
+    assert_eq!(run(7), (sent.clone(), injected));
+    assert!(injected > 0);
+    // Spared messages arrive every round, exactly once each.
+    for i in (0..64u32).filter(|i| i % 4 == 0 || i % 8 == 1) {
+        assert_eq!(sent.iter().filter(|s| **s == i).count(), 5, "{i}");
+    }
+    // Nothing is delayed forever, and without faults nothing changes.
+    let mut calm = FaultPlan::new(0.0, 1, 3);
+    assert_eq!(calm.pass(traffic(8)), (0..8).collect::<Vec<_>>());
+    assert_eq!(calm.injected(), 0);
 }
 
 /// One step of a random run: what arrives, from where.

@@ -4,12 +4,13 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use disagg_core::coordinator::{Coordinator, Event, Field, Outgoing};
+use disagg_core::coordinator::{self, Coordinator, Event, Field, Outgoing};
 use disagg_core::wire::control::Kind;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
 use pyo3::IntoPyObjectExt;
 
+use crate::args::Real;
 use crate::error::IntoPyResult;
 use crate::pool::lock;
 
@@ -352,5 +353,51 @@ impl CoordinatorCore {
         }
         dict.set_item("shutting_down", core.shutting_down())?;
         Ok(dict)
+    }
+}
+
+/// A timeout in seconds (`disagg_core::coordinator::timeout_seconds`): a real number in
+/// `(0, MAX_TIMEOUT_S]`; anything else raises `ArgumentError` naming `field`.
+#[pyfunction]
+#[pyo3(signature = (value, field = "timeout_s"))]
+pub fn timeout_seconds(value: Real, field: &str) -> PyResult<f64> {
+    coordinator::timeout_seconds(field, &value.0).py()
+}
+
+/// Whether `what` runs CURVE (`have`: its keys were given) or, with `insecure`, plain TCP;
+/// neither, or both, raise `ArgumentError` naming `keys` or `insecure`.
+#[pyfunction]
+pub fn curve_mode(what: &str, have: bool, insecure: bool) -> PyResult<bool> {
+    coordinator::curve_mode(what, have, insecure).py()
+}
+
+/// A coordinator's fault injection (`disagg_core::coordinator::FaultPlan`), over its
+/// outgoing messages (objects with `to_engine` and `kind`).
+#[pyclass(module = "disagg_rs._core", frozen)]
+pub struct FaultPlan(Mutex<coordinator::FaultPlan<Obj>>);
+
+#[pymethods]
+impl FaultPlan {
+    #[new]
+    fn new(rate: f64, seed: u64, max_delay_rounds: u64) -> Self {
+        Self(Mutex::new(coordinator::FaultPlan::new(rate, seed, max_delay_rounds)))
+    }
+
+    /// One round: the delayed messages due, then `out` with faults.
+    fn apply(&self, py: Python<'_>, out: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<Py<PyAny>>> {
+        let mut tagged = Vec::with_capacity(out.len());
+        for o in out {
+            let to_engine = !o.getattr("to_engine")?.is_none();
+            let kind = Kind::from_name(&o.getattr("kind")?.extract::<String>()?);
+            tagged.push((obj(o), to_engine, kind));
+        }
+        let kept = lock(&self.0)?.pass(tagged);
+        Ok(kept.into_iter().map(|o| o.0.clone_ref(py)).collect())
+    }
+
+    /// Faults injected so far.
+    #[getter]
+    fn injected(&self) -> PyResult<u64> {
+        Ok(lock(&self.0)?.injected())
     }
 }

@@ -50,7 +50,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     export!(
         m,
         classes: [
-            control::LinkLiveness, control_step::CoordinatorCore, layout::PyKvShardLayout, layout::PySsmStateDims,
+            control::LinkLiveness, control_step::CoordinatorCore, control_step::FaultPlan, layout::PyKvShardLayout, layout::PySsmStateDims,
             layout::PySsmShardLayout, reshard::PyKvReshardTransfer, reshard::PyKvReshardPlan,
             reshard::PySsmReshardTransfer, reshard::PySsmReshardPlan, pool::PyBlockPool,
             pool::PySlotPool, staging::PyStagingRanges, staging::PyPullParts, ledger::PyLedgerAction,
@@ -61,7 +61,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             stream::PyStreamMailboxes, tags::PyPeerSteps, tracker::PyCompletionTracker
         ],
         functions: [
-            error::_error_kinds, error::_raise_sample_error, control::decode_control_message,
+            error::_error_kinds, error::_raise_sample_error, control::decode_control_message, control_step::timeout_seconds, control_step::curve_mode,
             tags::two_sided_tag, tags::two_sided_tag_owner, tags::chunk_steps, tags::p2p_headers, tags::p2p_matching, tags::p2p_wire_tag, driver::recv_posted_route, runs::run_table, runs::row_copy, regions::rows_by_region,
             reshard::py_plan_kv_reshard, reshard::py_plan_ssm_reshard,
             peer_records::transfer_peer_records, peer_records::transfer_block_count,
