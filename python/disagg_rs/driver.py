@@ -85,25 +85,24 @@ class HandoffDriver:
         self._announced: Any = None  # the link's peer table last registered
         #: Peer engines whose metadata the engine refused, with the error.
         self.refused_peers: dict[str, str] = {}
-        decode = self.role == "decode"
-        # What this role acts on; a message meant for the other role is dropped unread.
-        role_handlers: dict[Any, Callable[[Any, dict[str, Any]], None]] = (
-            {Msg.SUBMIT_REQUEST_WITH_KV: self._on_ticket}
-            if decode
-            else {
-                Msg.PREFILL: self._on_prefill,
-                Msg.SEND_KV: self._on_send_kv,
-                Msg.RELEASE_KV: self._on_release,
-            }
-        )
         self._handlers: dict[Any, Callable[[Any, dict[str, Any]], None]] = {
             Msg.SHUTDOWN: self._on_shutdown,
             Msg.ABORT: self._on_abort,
         }
-        self._handlers.update(role_handlers)
-        self._abort_import = engine.abort_kv_import if decode else _nothing
-        self._advance = self._advance_imports if decode else self._advance_pushes
-        self._report_step = self._report_decode_step if decode else self._report_prefill_step
+        # What this role acts on (a message meant for the other role is dropped unread), and
+        # how it advances its transfers and reports its steps.
+        if self.role == "decode":
+            self._handlers[Msg.SUBMIT_REQUEST_WITH_KV] = self._on_ticket
+            self._abort_import: Callable[[int], None] = engine.abort_kv_import
+            self._advance = self._advance_imports
+            self._report_step = self._report_decode_step
+        else:
+            self._handlers[Msg.PREFILL] = self._on_prefill
+            self._handlers[Msg.SEND_KV] = self._on_send_kv
+            self._handlers[Msg.RELEASE_KV] = self._on_release
+            self._abort_import = _nothing
+            self._advance = self._advance_pushes
+            self._report_step = self._report_prefill_step
         if link is not None:
             link.register(engine.handoff_static_meta)
 

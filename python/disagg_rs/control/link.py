@@ -113,7 +113,7 @@ class EngineLink:
                     # as registered before this reply is read) is kept for the next poll().
                     self._backlog += msgs[:i] + msgs[i + 1 :]
                     return self.peers
-            self._backlog += [m for m in msgs if m["type"] is not Msg.REGISTERED]
+            self._backlog += msgs  # no REGISTERED among them
         raise TransferTimeout(
             f"coordinator did not answer REGISTER within {timeout_s} s", "timeout_s"
         )

@@ -54,21 +54,22 @@ class CoordinatorServer:
         that sends a larger frame is disconnected (ZeroMQ ``MAXMSGSIZE``)."""
         self.state = CoordinatorState(request_timeout_s, push_transport, engine_timeout_s)
         self._auth: ThreadAuthenticator | None = None
-        curve = use_curve(keys, "server end", insecure, "coordinator", endpoint)
-        self._engine_keys = (
-            {e: k.decode() for e, k in (engine_keys or {}).items()} if curve else None
-        )
+        # Refuses keys with insecure=True, and neither: CURVE exactly when keys are given.
+        use_curve(keys, "server end", insecure, "coordinator", endpoint)
+        self._engine_keys: dict[str, str] | None = None
         self.unauthenticated = 0
         if keys is None:
             self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+            self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
         else:
+            bound = dict(engine_keys or {})
+            self._engine_keys = {e: k.decode() for e, k in bound.items()}
             self._ctx = zmq.Context()  # one ZAP handler per context
-            allowed = {*(engine_keys or {}).values(), *client_keys}
             self._auth = ThreadAuthenticator(self._ctx)
             self._auth.start()
-            self._auth.configure_curve_callback("*", credentials_provider=_AllowList(allowed))
-        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
-        if keys is not None:
+            allowed = _AllowList({*bound.values(), *client_keys})
+            self._auth.configure_curve_callback("*", credentials_provider=allowed)
+            self._sock = self._ctx.socket(zmq.ROUTER)
             serve_with(self._sock, keys)
         self._sock.setsockopt(zmq.LINGER, 0)
         # Unroutable sends fail at once (counted) instead of vanishing; with NOBLOCK a full
