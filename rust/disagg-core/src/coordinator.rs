@@ -150,34 +150,32 @@ pub enum Phase {
     Decoding,
 }
 
-/// A live request.
+/// A live request (read through [`Request::state`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Request<P> {
-    /// Its id.
-    pub request_id: u64,
-    /// The client identity that submitted it.
-    pub client: Vec<u8>,
-    /// Its prompt.
-    pub prompt: P,
-    /// Its `max_new_tokens`.
-    pub max_new_tokens: u64,
-    /// When it fails unfinished.
-    pub deadline: f64,
+    id: u64,
+    client: Vec<u8>,
+    prompt: P,
+    max_new_tokens: u64,
+    deadline: f64,
     /// This attempt's epoch.
-    pub epoch: u64,
-    /// Where it is.
-    pub phase: Phase,
-    /// Its prefill engine.
-    pub prefill: Option<String>,
-    /// Its decode engine.
-    pub decode: Option<String>,
+    epoch: u64,
+    phase: Phase,
+    prefill: Option<String>,
+    decode: Option<String>,
     /// Whether its prefill holds pinned blocks for it.
-    pub pinned: bool,
+    pinned: bool,
     /// Whether the decode was sent the ticket: it may read the pinned blocks until quiet.
-    pub ticket_sent: bool,
+    ticket_sent: bool,
 }
 
 impl<P> Request<P> {
+    /// `(epoch, phase, prefill, decode, pinned, ticket_sent, deadline)`.
+    pub fn state(&self) -> (u64, Phase, Option<&str>, Option<&str>, bool, bool, f64) {
+        let (prefill, decode) = (self.prefill.as_deref(), self.decode.as_deref());
+        (self.epoch, self.phase, prefill, decode, self.pinned, self.ticket_sent, self.deadline)
+    }
+
     /// Whether a message of `kind` at `epoch` (`None`: the current one) from `sender` is heard:
     /// of this attempt, and from the engine that plays that part (not another engine, nor an
     /// identity that is no registered engine, such as a replaced incarnation still talking).
@@ -596,7 +594,7 @@ impl<P: Clone> Coordinator<P> {
         // that decode's layout before it announces the handoff.
         let decode = prefill.as_ref().and_then(|_| self.pick("decode"));
         let req = Request {
-            request_id,
+            id: request_id,
             client: client.to_vec(),
             prompt: prompt.clone(),
             max_new_tokens,
@@ -626,7 +624,7 @@ impl<P: Clone> Coordinator<P> {
         resume: (P, usize),
     ) -> Vec<Outgoing<P>> {
         if req.phase == Phase::Decoding {
-            self.requests.insert(req.request_id, req);
+            self.requests.insert(req.id, req);
             bump(&mut self.counters.ignored, Kind::PrefillDone.name());
             return Vec::new();
         }
@@ -647,7 +645,7 @@ impl<P: Clone> Coordinator<P> {
             ("prefill_incarnation".to_owned(), incarnation.map_or(Field::Nil, Field::Int)),
             ("epoch".to_owned(), Field::Int(req.epoch)),
         ];
-        let rid = req.request_id;
+        let rid = req.id;
         let mut out = Vec::new();
         if resume.1 > 0 {
             let fields =
@@ -709,7 +707,7 @@ impl<P: Clone> Coordinator<P> {
         quiet: bool,
     ) -> Vec<Outgoing<P>> {
         if !req.pinned {
-            self.requests.insert(req.request_id, req);
+            self.requests.insert(req.id, req);
             bump(&mut self.counters.ignored, Kind::KvImported.name());
             return Vec::new();
         }
@@ -719,7 +717,7 @@ impl<P: Clone> Coordinator<P> {
             return self.fail(req, &format!("KV import failed: {error}"), quiet);
         }
         let out = vec![Self::release(&mut req)];
-        self.requests.insert(req.request_id, req);
+        self.requests.insert(req.id, req);
         out
     }
 
@@ -742,18 +740,18 @@ impl<P: Clone> Coordinator<P> {
     fn release(req: &mut Request<P>) -> Outgoing<P> {
         req.pinned = false;
         let to = req.prefill.as_deref().unwrap_or_default();
-        Outgoing::engine(to, Kind::ReleaseKv, Self::ids(req.request_id, req.epoch))
+        Outgoing::engine(to, Kind::ReleaseKv, Self::ids(req.id, req.epoch))
     }
 
     /// End a request (taken out of the live ones) with one `FAILED` and abort it on its
     /// engines. Prefill pins are released only if no decode may read them (`decode_quiet`, or
     /// the ticket was never sent); otherwise they are left to the prefill's lease.
     fn fail(&mut self, mut req: Request<P>, error: &str, decode_quiet: bool) -> Vec<Outgoing<P>> {
-        let mut out = vec![Self::failed_to(&req.client, req.request_id, error)];
+        let mut out = vec![Self::failed_to(&req.client, req.id, error)];
         let mut engines = vec![req.prefill.as_deref(), req.decode.as_deref()];
         engines.dedup();
         for engine in engines.into_iter().flatten().filter(|e| self.engines.contains_key(*e)) {
-            out.push(Outgoing::engine(engine, Kind::Abort, Self::ids(req.request_id, req.epoch)));
+            out.push(Outgoing::engine(engine, Kind::Abort, Self::ids(req.id, req.epoch)));
         }
         let prefill_here = req.prefill.as_ref().is_some_and(|p| self.engines.contains_key(p));
         if req.pinned && prefill_here {
@@ -771,12 +769,8 @@ impl<P: Clone> Coordinator<P> {
     /// prefill died with it: no `RELEASE_KV` goes to it (a lost one is no longer an engine; a
     /// restarted one never had them).
     fn fail_dependents(&mut self, engine_id: &str, error: &str) -> Vec<Outgoing<P>> {
-        let ids: Vec<u64> = self
-            .requests
-            .values()
-            .filter(|r| r.lost_with(engine_id))
-            .map(|r| r.request_id)
-            .collect();
+        let ids: Vec<u64> =
+            self.requests.values().filter(|r| r.lost_with(engine_id)).map(|r| r.id).collect();
         let mut out = Vec::new();
         for mut req in ids.iter().filter_map(|rid| self.requests.remove(rid)).collect::<Vec<_>>() {
             req.pinned = req.pinned && req.prefill.as_deref() != Some(engine_id);
@@ -824,9 +818,9 @@ impl<P: Clone> Coordinator<P> {
             }
         }
         let late: Vec<u64> =
-            self.requests.values().filter(|r| now >= r.deadline).map(|r| r.request_id).collect();
+            self.requests.values().filter(|r| now >= r.deadline).map(|r| r.id).collect();
         for req in late.iter().filter_map(|rid| self.requests.remove(rid)).collect::<Vec<_>>() {
-            let why = format!("request {} passed its deadline", req.request_id);
+            let why = format!("request {} passed its deadline", req.id);
             out.extend(self.fail(req, &why, false));
         }
         out

@@ -182,8 +182,9 @@ fn a_refused_submit_with_a_usable_id_is_answered() {
     assert!(c.refused(CLIENT, Some(Kind::Submit), Some(1 << 63), "bad").is_empty());
     assert!(c.refused(CLIENT, Some(Kind::Tokens), Some(3), "bad").is_empty());
     submit(&mut c, 3, 0.0);
-    assert!(c.refused(CLIENT, Some(Kind::Submit), Some(3), "bad").is_empty()); // live
-                                                                               // A frame: {"type": "SUBMIT", "request_id": 4}; garbage gets nothing.
+    // A live id is not answered.
+    assert!(c.refused(CLIENT, Some(Kind::Submit), Some(3), "bad").is_empty());
+    // A frame: {"type": "SUBMIT", "request_id": 4}; garbage gets nothing.
     let frame =
         [0x82, 0xa4, b't', b'y', b'p', b'e', 0xa6, b'S', b'U', b'B', b'M', b'I', b'T', 0xaa]
             .into_iter()

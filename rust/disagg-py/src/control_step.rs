@@ -325,9 +325,9 @@ impl CoordinatorCore {
     fn requests(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         let dict = PyDict::new(py);
         for (rid, r) in lock(&self.0)?.requests() {
-            let phase = format!("{:?}", r.phase).to_lowercase();
-            let row = (r.epoch, phase, &r.prefill, &r.decode, r.pinned, r.ticket_sent, r.deadline);
-            dict.set_item(rid, row)?;
+            let (epoch, phase, prefill, decode, pinned, ticket_sent, deadline) = r.state();
+            let phase = format!("{phase:?}").to_lowercase();
+            dict.set_item(rid, (epoch, phase, prefill, decode, pinned, ticket_sent, deadline))?;
         }
         Ok(dict.unbind())
     }
