@@ -34,7 +34,8 @@ from typing import Any, Protocol
 
 from disagg_rs._core import EngineDriverState
 from disagg_rs.control import CoordinatorState, Msg, Outgoing, decode_message, encode_message
-from disagg_rs.control.messages import MAX_FRAME_BYTES, submit_frame
+from disagg_rs.control.link import SubmitClient
+from disagg_rs.control.messages import MAX_FRAME_BYTES
 from disagg_rs.exceptions import DisaggError
 from disagg_rs.handoff.prefill import with_push_destination
 
@@ -435,22 +436,14 @@ class LoopbackLink:
         """Nothing to close."""
 
 
-class LoopbackClient:
+class LoopbackClient(SubmitClient):
     """A client of a :class:`LoopbackCoordinator` (the interface of
     :class:`~disagg_rs.control.ControlClient`, without waiting)."""
 
     def __init__(self, hub: LoopbackCoordinator, identity: bytes) -> None:
         self.hub, self.identity = hub, identity
 
-    def submit(
-        self,
-        request_id: int,
-        prompt: list[int],
-        max_new_tokens: int,
-        timeout_s: float | None = None,
-    ) -> None:
-        """Send one request."""
-        frame = submit_frame(request_id, prompt, max_new_tokens, timeout_s)
+    def _deliver(self, request_id: int, timeout_s: float | None, frame: bytes) -> None:
         self.hub.deliver(self.identity, frame)
 
     def events(self) -> list[dict[str, Any]]:
