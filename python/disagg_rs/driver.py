@@ -34,8 +34,9 @@ from typing import Any, Protocol
 
 from disagg_rs._core import EngineDriverState
 from disagg_rs.control import CoordinatorState, Msg, Outgoing, decode_message, encode_message
+from disagg_rs.control.link import SubmitClient
 from disagg_rs.control.messages import MAX_FRAME_BYTES
-from disagg_rs.exceptions import DisaggError, MetadataError
+from disagg_rs.exceptions import DisaggError
 from disagg_rs.handoff.prefill import with_push_destination
 
 __all__ = ["HandoffDriver", "Link", "LoopbackClient", "LoopbackCoordinator", "LoopbackLink"]
@@ -85,25 +86,24 @@ class HandoffDriver:
         self._announced: Any = None  # the link's peer table last registered
         #: Peer engines whose metadata the engine refused, with the error.
         self.refused_peers: dict[str, str] = {}
-        decode = self.role == "decode"
-        # What this role acts on; a message meant for the other role is dropped unread.
-        role_handlers: dict[Any, Callable[[Any, dict[str, Any]], None]] = (
-            {Msg.SUBMIT_REQUEST_WITH_KV: self._on_ticket}
-            if decode
-            else {
-                Msg.PREFILL: self._on_prefill,
-                Msg.SEND_KV: self._on_send_kv,
-                Msg.RELEASE_KV: self._on_release,
-            }
-        )
         self._handlers: dict[Any, Callable[[Any, dict[str, Any]], None]] = {
             Msg.SHUTDOWN: self._on_shutdown,
             Msg.ABORT: self._on_abort,
         }
-        self._handlers.update(role_handlers)
-        self._abort_import = engine.abort_kv_import if decode else _nothing
-        self._advance = self._advance_imports if decode else self._advance_pushes
-        self._report_step = self._report_decode_step if decode else self._report_prefill_step
+        # What this role acts on (a message meant for the other role is dropped unread), and
+        # how it advances its transfers and reports its steps.
+        if self.role == "decode":
+            self._handlers[Msg.SUBMIT_REQUEST_WITH_KV] = self._on_ticket
+            self._abort_import: Callable[[int], None] = engine.abort_kv_import
+            self._advance = self._advance_imports
+            self._report_step = self._report_decode_step
+        else:
+            self._handlers[Msg.PREFILL] = self._on_prefill
+            self._handlers[Msg.SEND_KV] = self._on_send_kv
+            self._handlers[Msg.RELEASE_KV] = self._on_release
+            self._abort_import = _nothing
+            self._advance = self._advance_pushes
+            self._report_step = self._report_prefill_step
         if link is not None:
             link.register(engine.handoff_static_meta)
 
@@ -352,11 +352,10 @@ class LoopbackCoordinator:
         if len(frame) > MAX_FRAME_BYTES:
             self.malformed += 1
             return
-        try:
-            msg = decode_message(frame)
-        except MetadataError as err:
+        msg, refused = self.state.decode_frame(identity, frame)
+        if msg is None:
             self.malformed += 1
-            self._route(self.state.refused(identity, frame, err))
+            self._route(refused)
             return
         self._route(self.state.handle(identity, msg, self.clock()))
 
@@ -365,9 +364,8 @@ class LoopbackCoordinator:
         self._route(self.state.poll(self.clock()))
 
     def _route(self, out: list[Outgoing]) -> None:
-        engines = {e.engine_id: e.identity for e in self.state.engines.values()}
         for o in out:
-            identity = o.to_client or engines.get(o.to_engine or "")
+            identity = self.state.address(o)
             if identity is None:  # an engine that is gone
                 self.undeliverable += 1
                 continue
@@ -438,25 +436,14 @@ class LoopbackLink:
         """Nothing to close."""
 
 
-class LoopbackClient:
+class LoopbackClient(SubmitClient):
     """A client of a :class:`LoopbackCoordinator` (the interface of
     :class:`~disagg_rs.control.ControlClient`, without waiting)."""
 
     def __init__(self, hub: LoopbackCoordinator, identity: bytes) -> None:
         self.hub, self.identity = hub, identity
 
-    def submit(
-        self,
-        request_id: int,
-        prompt: list[int],
-        max_new_tokens: int,
-        timeout_s: float | None = None,
-    ) -> None:
-        """Send one request."""
-        extra = {} if timeout_s is None else {"timeout_s": timeout_s}
-        frame = encode_message(
-            Msg.SUBMIT, request_id=request_id, prompt=prompt, max_new_tokens=max_new_tokens, **extra
-        )
+    def _deliver(self, request_id: int, timeout_s: float | None, frame: bytes) -> None:
         self.hub.deliver(self.identity, frame)
 
     def events(self) -> list[dict[str, Any]]:

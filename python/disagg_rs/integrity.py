@@ -326,11 +326,8 @@ def kv_pieces(
 ) -> list[IntegrityPiece]:
     """:func:`kv_entries` as a table piece ``[chunks, 2, layers, heads]`` (one chunk without
     ``chunk_tokens``), copied to host: a few bytes per chunk, layer and head."""
-    entries = _u64(
-        kv_entries(buffer, geometry, layout, block_ids, num_tokens, chunk_tokens or None)
-    )
-    if chunk_tokens is None:
-        entries = entries[np.newaxis]
+    table = kv_entries(buffer, geometry, layout, block_ids, num_tokens, chunk_tokens or None)
+    entries = _u64(table).reshape(-1, *table.shape[-3:])  # one chunk: [1, 2, layers, heads]
     return [IntegrityPiece("kv", layout.layer_start, layout.head_start, entries)]
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from disagg_rs.exceptions import ArgumentError
+from disagg_rs._core import curve_mode
 
 logger = logging.getLogger("disagg_rs.control")
 
@@ -84,21 +84,14 @@ def use_curve(keys: object, peer_key: object, insecure: bool, what: str, where: 
     client end, ``peer_key``), or plain TCP must be asked for with ``insecure=True`` (one
     warning is logged). Neither, or both, raise :class:`ArgumentError` naming ``keys``."""
     have = keys is not None and peer_key is not None
-    if have and insecure:
-        raise ArgumentError(f"{what}: keys were given together with insecure=True", "insecure")
-    if not have and not insecure:
-        raise ArgumentError(
-            f"{what}: the control plane needs CURVE keys (keys= and the coordinator's public "
-            "key); pass insecure=True to run plain TCP on a trusted private network",
-            "keys",
-        )
+    curve = curve_mode(what, have, insecure)  # refuses neither and both, in Rust
     if insecure:
         logger.warning(
             "%s on %s runs plain TCP without CURVE keys: any process that reaches it is trusted",
             what,
             where,
         )
-    return have
+    return curve
 
 
 def serve_with(sock: zmq.Socket[bytes], keys: CurveKeys) -> None:

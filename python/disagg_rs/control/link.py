@@ -8,6 +8,7 @@ given, and a client reports FAILED for a request that got no answer by its deadl
 
 from __future__ import annotations
 
+import abc
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +25,7 @@ from disagg_rs.control.messages import (
     check_timeout,
     decode_message,
     encode_message,
+    submit_frame,
 )
 from disagg_rs.exceptions import TransferTimeout
 
@@ -112,7 +114,7 @@ class EngineLink:
                     # as registered before this reply is read) is kept for the next poll().
                     self._backlog += msgs[:i] + msgs[i + 1 :]
                     return self.peers
-            self._backlog += [m for m in msgs if m["type"] is not Msg.REGISTERED]
+            self._backlog += msgs  # no REGISTERED among them
         raise TransferTimeout(
             f"coordinator did not answer REGISTER within {timeout_s} s", "timeout_s"
         )
@@ -181,7 +183,28 @@ class EngineLink:
         self._sock.close(0)
 
 
-class ControlClient:
+class SubmitClient(abc.ABC):
+    """What both clients share: :meth:`submit` builds the frame, the client delivers it."""
+
+    def submit(
+        self,
+        request_id: int,
+        prompt: list[int],
+        max_new_tokens: int,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Send one request (``timeout_s``: its deadline, see :func:`check_timeout`; ``None``:
+        the default); never blocks."""
+        self._deliver(
+            request_id, timeout_s, submit_frame(request_id, prompt, max_new_tokens, timeout_s)
+        )
+
+    @abc.abstractmethod
+    def _deliver(self, request_id: int, timeout_s: float | None, frame: bytes) -> None:
+        """Send a SUBMIT ``frame`` for ``request_id`` (``timeout_s`` as given)."""
+
+
+class ControlClient(SubmitClient):
     """Submits requests and streams their tokens back.
 
     ``keys`` and ``server_key``: the client's CURVE key pair and the coordinator's public key
@@ -213,24 +236,11 @@ class ControlClient:
         """Requests whose SUBMIT the coordinator's queue could not take (they fail at their
         deadline)."""
 
-    def submit(
-        self,
-        request_id: int,
-        prompt: list[int],
-        max_new_tokens: int,
-        timeout_s: float | None = None,
-    ) -> None:
-        """Send one request (``timeout_s``: see :func:`check_timeout`); never blocks."""
-        extra = {} if timeout_s is None else {"timeout_s": check_timeout(timeout_s)}
-        budget = self.default_timeout_s if timeout_s is None else extra["timeout_s"]
+    def _deliver(self, request_id: int, timeout_s: float | None, frame: bytes) -> None:
+        """Send a SUBMIT without blocking, its deadline set (``timeout_s``: see
+        :func:`check_timeout`)."""
+        budget = self.default_timeout_s if timeout_s is None else check_timeout(timeout_s)
         self._deadlines[request_id] = self._clock() + budget + self.grace_s
-        frame = encode_message(
-            Msg.SUBMIT,
-            request_id=request_id,
-            prompt=prompt,
-            max_new_tokens=max_new_tokens,
-            **extra,
-        )
         try:
             self._sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:

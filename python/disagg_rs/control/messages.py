@@ -7,8 +7,8 @@ from typing import Any
 
 import msgpack
 
-from disagg_rs._core import decode_control_message
-from disagg_rs.exceptions import ArgumentError, MetadataError
+from disagg_rs._core import decode_control_message, timeout_seconds
+from disagg_rs.exceptions import MetadataError
 
 PROTOCOL_VERSION = 3
 """Version 2 added HEARTBEAT and FENCED (coordinator liveness), 3 HEARTBEAT_ACK (engines' view
@@ -21,13 +21,8 @@ MAX_TIMEOUT_S = 86_400.0
 def check_timeout(value: Any, field: str = "timeout_s") -> float:
     """``value`` as a timeout in seconds: a real number in ``(0, MAX_TIMEOUT_S]``. NaN, inf,
     zero, negative, bool and non-numbers raise :class:`ArgumentError` naming ``field`` (a NaN
-    deadline would never pass)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentError(f"{field}={value!r:.60} must be a number of seconds", field)
-    t = float(value)
-    if not 0.0 < t <= MAX_TIMEOUT_S:  # also False for NaN
-        raise ArgumentError(f"{field}={value!r} must be in (0, {MAX_TIMEOUT_S:g}] seconds", field)
-    return t
+    deadline would never pass). Checked in Rust."""
+    return timeout_seconds(value, field)
 
 
 class Msg(str, enum.Enum):
@@ -91,10 +86,24 @@ def decode_message(data: bytes) -> dict[str, Any]:
 
 def check_fields(msg: dict[str, Any]) -> None:
     """Check a message the coordinator accepts against its type's schema (the same check
-    :func:`decode_message` makes); raises :class:`MetadataError` naming the first bad field."""
+    :func:`decode_message` makes; its ``type`` must be a :class:`Msg`); raises
+    :class:`MetadataError` naming the first bad field."""
+    kind = msg.get("type")
+    if not isinstance(kind, Msg):
+        raise MetadataError(f"message type {kind!r:.40} is not a Msg", "type")
     fields = {k: v for k, v in msg.items() if k not in ("type", "v")}
     try:
-        frame = encode_message(Msg(msg.get("type")), **fields)
-    except (TypeError, ValueError, OverflowError) as e:  # not a Msg, or unpackable fields
+        frame = encode_message(kind, **fields)
+    except (TypeError, ValueError, OverflowError) as e:  # unpackable fields
         raise MetadataError(f"message cannot be encoded: {e}", "<frame>") from None
     decode_control_message(frame, True)
+
+
+def submit_frame(
+    request_id: int, prompt: list[int], max_new_tokens: int, timeout_s: float | None = None
+) -> bytes:
+    """A client's SUBMIT frame (``timeout_s``: ``None`` for the coordinator's default)."""
+    extra = {} if timeout_s is None else {"timeout_s": timeout_s}
+    return encode_message(
+        Msg.SUBMIT, request_id=request_id, prompt=prompt, max_new_tokens=max_new_tokens, **extra
+    )

@@ -12,17 +12,15 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from disagg_rs._core import FaultPlan
 from disagg_rs.control.coordinator import CoordinatorState, Outgoing
 from disagg_rs.control.keys import CurveKeys, serve_with, use_curve
 from disagg_rs.control.messages import (
     DEFAULT_LIVENESS_TIMEOUT_S,
     DEFAULT_SEND_HWM,
     MAX_FRAME_BYTES,
-    Msg,
-    decode_message,
     encode_message,
 )
-from disagg_rs.exceptions import MetadataError
 
 
 class CoordinatorServer:
@@ -56,21 +54,22 @@ class CoordinatorServer:
         that sends a larger frame is disconnected (ZeroMQ ``MAXMSGSIZE``)."""
         self.state = CoordinatorState(request_timeout_s, push_transport, engine_timeout_s)
         self._auth: ThreadAuthenticator | None = None
-        curve = use_curve(keys, "server end", insecure, "coordinator", endpoint)
-        self._engine_keys = (
-            {e: k.decode() for e, k in (engine_keys or {}).items()} if curve else None
-        )
+        # Refuses keys with insecure=True, and neither: CURVE exactly when keys are given.
+        use_curve(keys, "server end", insecure, "coordinator", endpoint)
+        self._engine_keys: dict[str, str] | None = None
         self.unauthenticated = 0
         if keys is None:
             self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+            self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
         else:
+            bound = dict(engine_keys or {})
+            self._engine_keys = {e: k.decode() for e, k in bound.items()}
             self._ctx = zmq.Context()  # one ZAP handler per context
-            allowed = {*(engine_keys or {}).values(), *client_keys}
             self._auth = ThreadAuthenticator(self._ctx)
             self._auth.start()
-            self._auth.configure_curve_callback("*", credentials_provider=_AllowList(allowed))
-        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
-        if keys is not None:
+            allowed = _AllowList({*bound.values(), *client_keys})
+            self._auth.configure_curve_callback("*", credentials_provider=allowed)
+            self._sock = self._ctx.socket(zmq.ROUTER)
             serve_with(self._sock, keys)
         self._sock.setsockopt(zmq.LINGER, 0)
         # Unroutable sends fail at once (counted) instead of vanishing; with NOBLOCK a full
@@ -85,7 +84,7 @@ class CoordinatorServer:
         self.slow_engines: Counter[str] = Counter()
         """Engines fenced because their send queue was full (they do not read), by id."""
         self.malformed = 0
-        self.faults_injected = 0
+        self._faults = FaultPlan(0.0, 0, 1)
         self._stop = threading.Event()
         # A ZeroMQ socket must only be used by one thread: while serve() runs, other threads
         # hand their messages to it through this queue (sending directly aborted the process).
@@ -94,47 +93,25 @@ class CoordinatorServer:
 
     def inject_faults(self, rate: float, seed: int = 0, max_delay_rounds: int = 20) -> None:
         """Test hook: drop, duplicate, delay (reordering later traffic) a share ``rate`` of the
-        messages to engines (never to clients and never SHUTDOWN). Deterministic per seed."""
-        import random
+        messages to engines (never to clients and never SHUTDOWN). Deterministic per seed
+        (decided in Rust)."""
+        self._faults = FaultPlan(float(rate), seed, max_delay_rounds)
 
-        self._fault_rng = random.Random(seed)
-        self._fault_rate = float(rate)
-        self._fault_max_delay = max_delay_rounds
-
-    def _faulty(self, out: list[Outgoing]) -> list[Outgoing]:
-        rng = getattr(self, "_fault_rng", None)
-        delayed: list[tuple[int, Outgoing]] = getattr(self, "_delayed", [])
-        ready = [o for n, o in delayed if n <= 0]
-        self._delayed = [(n - 1, o) for n, o in delayed if n > 0]
-        if rng is None:
-            return ready + out
-        kept: list[Outgoing] = list(ready)
-        for o in out:
-            if o.to_engine is None or o.kind is Msg.SHUTDOWN or rng.random() >= self._fault_rate:
-                kept.append(o)
-                continue
-            self.faults_injected += 1
-            fault = rng.choice(("drop", "duplicate", "delay"))
-            if fault == "duplicate":
-                kept += [o, o]
-            elif fault == "delay":
-                self._delayed.append((rng.randint(1, self._fault_max_delay), o))
-        return kept
+    @property
+    def faults_injected(self) -> int:
+        """Messages dropped, duplicated or delayed by :meth:`inject_faults`."""
+        return self._faults.injected
 
     def _send(self, out: list[Outgoing]) -> None:
         """Send without ever blocking; an engine whose queue is full is fenced, and what
         fencing it produces (FAILED to clients, ABORT and PEERS to others) is sent in turn."""
-        pending = self._faulty(out)
+        pending: list[Outgoing] = self._faults.apply(out)
         while pending:
             o = pending.pop(0)
-            if o.to_client is not None:
-                identity = o.to_client
-            else:
-                engine = self.state.engines.get(o.to_engine or "")
-                if engine is None:
-                    self.undeliverable += 1
-                    continue
-                identity = engine.identity
+            identity = self.state.address(o)
+            if identity is None:  # an engine that is gone
+                self.undeliverable += 1
+                continue
             try:
                 self._sock.send_multipart(
                     [identity, encode_message(o.kind, **o.fields)], zmq.NOBLOCK
@@ -168,12 +145,11 @@ class CoordinatorServer:
                 except ValueError:
                     self.malformed += 1
                     continue
-                identity, data = identity_frame.bytes, frame.bytes
-                try:
-                    msg = decode_message(data)
-                except MetadataError as e:
+                identity = identity_frame.bytes
+                msg, refused = self.state.decode_frame(identity, frame.bytes)
+                if msg is None:
                     self.malformed += 1
-                    self._send(self.state.refused(identity, data, e))
+                    self._send(refused)
                     continue
                 if not self._authentic(identity, frame, msg):
                     self.unauthenticated += 1
@@ -186,14 +162,7 @@ class CoordinatorServer:
         """Whether ``msg`` comes from the key its engine id is bound to (clients: SUBMIT only)."""
         if self._engine_keys is None:
             return True
-        if msg["type"] in (Msg.REGISTER, Msg.HEARTBEAT):
-            claimed: str | None = msg["engine_id"]
-        else:
-            engines = self.state.engines.values()
-            claimed = next((e.engine_id for e in engines if e.identity == identity), None)
-        if claimed is None:
-            return bool(msg["type"] is Msg.SUBMIT)
-        return self._engine_keys.get(claimed) == frame.get("User-Id")
+        return self.state.authentic(identity, msg, str(frame.get("User-Id")), self._engine_keys)
 
     def serve(self) -> None:
         """Run until :meth:`stop`."""

@@ -12,6 +12,7 @@ pub mod buffer;
 pub mod chunks;
 pub mod compile;
 pub mod completion_tracker;
+pub mod coordinator;
 pub mod driver;
 pub mod error;
 pub mod geometry;

@@ -10,6 +10,7 @@ mod args;
 mod backend_rules;
 mod compile;
 mod control;
+mod control_step;
 mod driver;
 mod error;
 mod geometry;
@@ -52,7 +53,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     export!(
         m,
         classes: [
-            control::LinkLiveness, layout::PyKvShardLayout, layout::PySsmStateDims,
+            control::LinkLiveness, control_step::CoordinatorCore, control_step::FaultPlan, layout::PyKvShardLayout, layout::PySsmStateDims,
             layout::PySsmShardLayout, reshard::PyKvReshardTransfer, reshard::PyKvReshardPlan,
             reshard::PySsmReshardTransfer, reshard::PySsmReshardPlan, pool::PyBlockPool,
             pool::PySlotPool, staging::PyStagingRanges, staging::PyPullParts, ledger::PyLedgerAction,
@@ -64,7 +65,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ],
         functions: [
             handoff::import_limits, handoff::import_failure,
-            error::_error_kinds, error::_raise_sample_error, control::decode_control_message,
+            error::_error_kinds, error::_raise_sample_error, control::decode_control_message, control_step::timeout_seconds, control_step::curve_mode,
             tags::two_sided_tag, tags::two_sided_tag_owner, tags::chunk_steps, tags::p2p_headers, tags::p2p_matching, tags::p2p_wire_tag, driver::recv_posted_route, runs::run_table, runs::row_copy, regions::rows_by_region,
             reshard::py_plan_kv_reshard, reshard::py_plan_ssm_reshard,
             peer_records::transfer_peer_records, peer_records::transfer_block_count,
