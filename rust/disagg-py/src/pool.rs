@@ -47,7 +47,13 @@ macro_rules! plain_out {
     )*};
 }
 plain_out!((), bool, u32, u64, Option<u64>, Option<&'static str>, Vec<u32>, Vec<u64>);
-plain_out!(Vec<(u64, u64)>, Vec<(u64, bool)>, String, usize);
+plain_out!(Vec<(u64, u64)>, Vec<(u64, bool)>, String, usize, &'static str, Option<String>);
+plain_out!(
+    Option<(u64, Vec<u64>)>,
+    Vec<(usize, usize)>,
+    (bool, bool, Vec<(usize, usize)>),
+    Vec<(usize, usize, u64, [u64; 4])>
+);
 
 impl Out for Result<SlotState, DisaggError> {
     type Py = &'static str;
