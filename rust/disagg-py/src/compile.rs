@@ -90,16 +90,20 @@ fn fill_one<'py>(
     head(&arr, n)
 }
 
-fn cost(
-    per_descriptor_s: &Real,
-    link_bytes_per_s: &Real,
-    gather_bytes_per_s: &Real,
-) -> PyResult<CostModel> {
-    Ok(CostModel {
-        per_descriptor_s: per_descriptor_s.positive("per_descriptor_s")?,
-        link_bytes_per_s: link_bytes_per_s.positive("link_bytes_per_s")?,
-        gather_bytes_per_s: gather_bytes_per_s.positive("gather_bytes_per_s")?,
-    })
+/// The `mode` and cost model arguments both compilers take.
+fn mode_cost(
+    mode: &Text,
+    per: &Real,
+    link: &Real,
+    gather: &Real,
+) -> PyResult<(ModeChoice, CostModel)> {
+    let mode = mode.get("mode")?;
+    let cost = CostModel {
+        per_descriptor_s: per.positive("per_descriptor_s")?,
+        link_bytes_per_s: link.positive("link_bytes_per_s")?,
+        gather_bytes_per_s: gather.positive("gather_bytes_per_s")?,
+    };
+    Ok((ModeChoice::parse(mode).py()?, cost))
 }
 
 /// The compiled transfer of one destination rank: per source rank, its mode and lists.
@@ -362,8 +366,7 @@ pub fn py_compile_kv_transfer(
     let src = src.get("src", "a list of (KVShardLayout, KVGeometry) pairs")?;
     let dst = dst.get("dst", "a (KVShardLayout, KVGeometry or None) pair")?;
     conv!(num_tokens: U64, token_start: U64);
-    let mode = mode.get("mode")?;
-    let cost = cost(&per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
+    let (mode, cost) = mode_cost(&mode, &per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
     let req = KvTransferRequest {
         srcs: src.iter().map(|(l, g)| (l.inner, g.inner.clone())).collect(),
         dst_layout: dst.0.inner,
@@ -375,7 +378,7 @@ pub fn py_compile_kv_transfer(
             .transpose()?,
         num_tokens,
         token_start,
-        mode: ModeChoice::parse(mode).py()?,
+        mode,
         cost,
     };
     let inner = py.detach(|| compile_kv_transfer(&req)).py()?;
@@ -407,8 +410,7 @@ pub fn py_compile_ssm_transfer(
 ) -> PyResult<PyTransferProgram> {
     let src = src.get("src", "a list of (SSMShardLayout, SSMGeometry) pairs")?;
     let dst = dst.get("dst", "a (SSMShardLayout, SSMGeometry or None) pair")?;
-    let mode = mode.get("mode")?;
-    let cost = cost(&per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
+    let (mode, cost) = mode_cost(&mode, &per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
     let src_slots = if let Ok(m) = src_slot.cast::<PyMapping>() {
         let mut per_rank = Vec::new();
         for item in m.items()?.iter() {
@@ -425,7 +427,7 @@ pub fn py_compile_ssm_transfer(
         dst_geometry: dst.1.as_ref().map(|g| g.inner.clone()),
         src_slots,
         dst_slot: dst_slot.filter(|o| !o.is_none()).map(|o| slot_of("dst_slot", o)).transpose()?,
-        mode: ModeChoice::parse(mode).py()?,
+        mode,
         cost,
     };
     let inner = py.detach(|| compile_ssm_transfer(&req)).py()?;
