@@ -40,11 +40,13 @@ methods {
     #[pyo3(signature = (capacity = Int::of(1 << 16)), text_signature = "(capacity=65536)")]
     fn new(capacity: Int) -> PyResult<Self> {
         conv!(capacity: U64);
-        Ok(Self { inner: Mutex::new(EngineDriver::new(usize::try_from(capacity).unwrap_or(usize::MAX))) })
+        let capacity = usize::try_from(capacity).unwrap_or(usize::MAX);
+        Ok(Self { inner: Mutex::new(EngineDriver::new(capacity)) })
     }
 
     /// `"act"`, `"duplicate"`, `"malformed"` or `"ignore"` for a message of type `kind`.
-    fn accept(&self, kind: &Bound<'_, PyAny>, request_id: Int, epoch: Int) -> PyResult<&'static str> {
+    fn accept(&self, kind: &Bound<'_, PyAny>, request_id: Int, epoch: Int)
+        -> PyResult<&'static str> {
         let name: String = kind.extract().unwrap_or_default();
         conv!(request_id: Lenient, epoch: Lenient);
         Ok(lock(&self.inner)?.accept(MsgKind::parse(&name), request_id, epoch).name())

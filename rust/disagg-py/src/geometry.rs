@@ -147,7 +147,8 @@ methods {
         device_id: Option<Int>) -> PyResult<Self> {
         let v = tensor_view(tensor)?;
         conv!(axes: Str, device_id: Opt<U64>);
-        Ok(Self { inner: KvGeometry::new(KvGeometrySpec::from_tensor(&v, &axes, device_id).py()?).py()? })
+        let spec = KvGeometrySpec::from_tensor(&v, &axes, device_id).py()?;
+        Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
 
     /// The MLA latent cache `[L, B, T, d]`: `from_tensor(tensor, "layer block token dim")`.
@@ -240,7 +241,8 @@ methods {
             .filter(|t| !t.is_none())
             .map(|t| part_from_tensor(&t, SsmStateKind::Recurrent, 5))
             .transpose()?;
-        let dev = state_device(device_id, [c.as_ref().and_then(|p| p.1), r.as_ref().and_then(|p| p.1)]);
+        let named = [c.as_ref().and_then(|p| p.1), r.as_ref().and_then(|p| p.1)];
+        let dev = state_device(device_id, named);
         let inner = SsmGeometry::new(c.map(|p| p.0), r.map(|p| p.0), dev).py()?;
         Ok(Self { inner })
     }

@@ -327,8 +327,8 @@ methods {
     fn resume_finishes(resume_tokens: IntList, max_new_tokens: Int, termination_id: Option<Int>,
         stop_word_ids: Vec<IntList>) -> PyResult<bool> {
         conv!(resume_tokens: I64s, max_new_tokens: I64, termination_id: Opt<I64>);
-        let stops =
-            stop_word_ids.into_iter().map(|w| I64s::conv("stop_word_ids", w)).collect::<PyResult<Vec<_>>>()?;
+        let stops = stop_word_ids.into_iter().map(|w| I64s::conv("stop_word_ids", w));
+        let stops = stops.collect::<PyResult<Vec<_>>>()?;
         Ok(admission::resume_finishes(&resume_tokens, max_new_tokens, termination_id, &stops))
     }
 
@@ -420,7 +420,8 @@ calls {
         = pin(request_id, &block_ids, ssm_slot, lease_until, now);
     /// `RELEASE_KV`: idempotent; unknown ids and old epochs are counted no-ops.
     #[pyo3(signature = (request_id, epoch=None))]
-    fn release(request_id: U64, epoch: Opt<U64>) -> Vec<PyLedgerAction> = release(request_id, epoch);
+    fn release(request_id: U64, epoch: Opt<U64>) -> Vec<PyLedgerAction>
+        = release(request_id, epoch);
 }
 methods {
     #[new]
@@ -436,7 +437,8 @@ methods {
     /// `decode_metas` (one per decode rank) that states one, and mark it in flight; refuses,
     /// changing nothing, what `PushDestination` lacks. Returns `(epoch, src_block_ids,
     /// dst_block_ids, num_tokens, src_ssm_slot, dst_ssm_slot)`: `num_tokens` tokens to send.
-    fn start_push(&self, request_id: Int, decode_metas: Vec<Bound<'_, PyAny>>) -> PyResult<PushTuple> {
+    fn start_push(&self, request_id: Int, decode_metas: Vec<Bound<'_, PyAny>>)
+        -> PyResult<PushTuple> {
         let (request_id, destinations) = push_args(request_id, &decode_metas)?;
         Ok(push_tuple(lock(&self.inner)?.start_push(request_id, &destinations).py()?))
     }
@@ -444,7 +446,8 @@ methods {
     /// Plan a filler for receives a decode posted for a handoff this engine will not push
     /// (see `PinLedger::filler_push` of the core): same tuple as `start_push`, epoch 0, source
     /// blocks `0..n` that only size the messages; nothing changes.
-    fn filler_push(&self, request_id: Int, decode_metas: Vec<Bound<'_, PyAny>>) -> PyResult<PushTuple> {
+    fn filler_push(&self, request_id: Int, decode_metas: Vec<Bound<'_, PyAny>>)
+        -> PyResult<PushTuple> {
         let (request_id, destinations) = push_args(request_id, &decode_metas)?;
         Ok(push_tuple(lock(&self.inner)?.filler_push(request_id, &destinations).py()?))
     }
@@ -512,7 +515,8 @@ methods {
     /// `"done"`, `"timeout"`, `"error"`): `None` while one runs, else `"may_still_write"`,
     /// `"error"` or `"ok"` (see `RankOutcome::fold_local`).
     #[staticmethod]
-    fn local_outcome(failed_locally: Flag, handle_states: Vec<Text>) -> PyResult<Option<&'static str>> {
+    fn local_outcome(failed_locally: Flag, handle_states: Vec<Text>)
+        -> PyResult<Option<&'static str>> {
         let states = handle_states
             .iter()
             .map(|t| HandleState::parse(t.get("handle_states")?).py())
@@ -569,7 +573,8 @@ methods {
 
     fn reset(&self, pinned: Vec<Int>, pushes: Vec<(Int, bool)>, imports: Vec<(Int, bool)>)
         -> PyResult<()> {
-        let pinned = pinned.into_iter().map(|r| U64::conv("request_id", r)).collect::<PyResult<Vec<_>>>()?;
+        let pinned = pinned.into_iter().map(|r| U64::conv("request_id", r));
+        let pinned = pinned.collect::<PyResult<Vec<_>>>()?;
         lock(&self.0)?.reset(&pinned, &rid_pairs(pushes)?, &rid_pairs(imports)?).py()
     }
 });

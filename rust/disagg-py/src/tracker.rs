@@ -18,7 +18,8 @@ pub struct PyCompletionTracker(Mutex<CompletionTracker>);
 core_methods!(PyCompletionTracker, lock_with, 0,
 calls {
     /// Record one rank's report (``HandoffStateError`` when it contradicts its own earlier one).
-    fn record(request_id: U64, rank: U32, failed: Raw<bool>) -> () = record(request_id, rank, failed);
+    fn record(request_id: U64, rank: U32, failed: Raw<bool>) -> ()
+        = record(request_id, rank, failed);
     /// Decisions since the last drain, ``(request_id, failed)`` in decision order.
     fn drain() -> Vec<(u64, bool)> = drain();
     /// Requests with reports and no decision yet, ascending.

@@ -130,7 +130,7 @@ get {
     state_kind: &'static str = (state_kind.name());
     /// The separately registered pieces of the peer's cache, `[(addr, nbytes), ...]` in
     /// registration order (one per per-layer tensor; one for a single buffer).
-    buffer_regions: Vec<(u64, u64)> = (buffer.regions.regions().iter().map(|r| (r.addr, r.nbytes)).collect());
+    buffer_regions: Vec<(u64, u64)> = (buffer.regions.pairs());
 }
 span {}
 range {}
