@@ -21,6 +21,19 @@ pub enum ChunkStep {
     Land(usize),
 }
 
+impl ChunkStep {
+    /// The step as one signed number: `k` posts chunk `k`, `-(k + 1)` lands it.
+    #[must_use]
+    pub fn signed(self) -> i64 {
+        // A chunk index is below the number of chunks, which fits an i64.
+        let index = |k: usize| i64::try_from(k).unwrap_or(i64::MAX);
+        match self {
+            ChunkStep::Post(k) => index(k),
+            ChunkStep::Land(k) => -index(k) - 1,
+        }
+    }
+}
+
 /// The steps of a transfer whose chunk `k` is a send when `sends[k]` (a receive otherwise),
 /// through a pool of `slots` slots used round-robin: every chunk posted once in order, every
 /// receive landed once in order after its post, a slot's landing queued before the slot is
@@ -49,6 +62,14 @@ pub fn chunk_steps(sends: &[bool], slots: usize) -> DisaggResult<Vec<ChunkStep>>
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn steps_sign_posts_and_lands() {
+        let signed =
+            [super::ChunkStep::Post(0), super::ChunkStep::Land(0), super::ChunkStep::Land(3)]
+                .map(super::ChunkStep::signed);
+        assert_eq!(signed, [0, -1, -4]);
+    }
+
     use super::*;
     use proptest::prelude::*;
 

@@ -384,6 +384,36 @@ pub enum SlotState {
     Detached,
 }
 
+impl SlotState {
+    /// `"free"`, `"allocated"` or `"detached"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Free => "free",
+            Self::Allocated => "allocated",
+            Self::Detached => "detached",
+        }
+    }
+}
+
+impl std::fmt::Display for BlockPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "BlockPool(num_blocks={}, block_size_tokens={}, num_free={}, num_evictable={})",
+            self.num_blocks(),
+            self.block_size_tokens(),
+            self.num_free(),
+            self.num_evictable()
+        )
+    }
+}
+
+impl std::fmt::Display for SlotPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SlotPool(num_slots={}, num_free={})", self.num_slots(), self.num_free())
+    }
+}
+
 /// Fixed pool of SSM state slots.
 ///
 /// `detach` records that ownership moved on (for example to a request admitted into the decode
@@ -492,6 +522,19 @@ impl SlotPool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn pools_print_their_counts() {
+        let mut p = super::BlockPool::new(4, 16).unwrap();
+        p.allocate(1).unwrap();
+        let text = "BlockPool(num_blocks=4, block_size_tokens=16, num_free=3, num_evictable=0)";
+        assert_eq!(p.to_string(), text);
+        let mut s = super::SlotPool::try_new(2).unwrap();
+        let slot = s.allocate().unwrap();
+        assert_eq!(s.to_string(), "SlotPool(num_slots=2, num_free=1)");
+        s.detach(slot).unwrap();
+        assert_eq!(s.state(slot).unwrap().name(), "detached");
+    }
+
     use super::*;
 
     #[test]

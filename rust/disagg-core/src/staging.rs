@@ -197,6 +197,13 @@ impl StagingRanges {
         }
     }
 
+    /// Return every range of `offsets` (as [`Self::free`] each; unknown offsets are ignored).
+    pub fn free_all(&mut self, offsets: &[u64]) {
+        for &at in offsets {
+            self.free(at);
+        }
+    }
+
     /// The reserved ranges `(offset, size)` in address order.
     #[must_use]
     pub fn ranges(&self) -> Vec<(u64, u64)> {
@@ -307,9 +314,30 @@ pub fn lay_out_ids(
     Some(PullIds { num_tokens: n_tok, num_blocks: n_blk, stride, len })
 }
 
+impl std::fmt::Display for StagingRanges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (cap, align, used) = (self.capacity(), self.alignment(), self.in_use());
+        write!(
+            f,
+            "StagingRanges(capacity={cap}, alignment={align}, in_use={used}, ranges={})",
+            self.len()
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
+
+    #[test]
+    fn free_all_returns_every_range_and_the_pool_prints_its_use() {
+        let mut pool = StagingRanges::new(4096, 256).unwrap();
+        let (a, b) = (pool.alloc(100).unwrap(), pool.alloc(300).unwrap());
+        let text = "StagingRanges(capacity=4096, alignment=256, in_use=768, ranges=2)";
+        assert_eq!(pool.to_string(), text);
+        pool.free_all(&[a, 12345, b]);
+        assert_eq!((pool.in_use(), pool.len()), (0, 0));
+    }
 
     #[test]
     fn chunk_slots_share_the_largest_free_range_and_each_hold_an_item() {

@@ -95,6 +95,18 @@ pub enum StreamKind {
     Abort = 3,
 }
 
+impl StreamKind {
+    /// `"ready"`, `"ack"` or `"abort"`.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ready => "ready",
+            Self::Ack => "ack",
+            Self::Abort => "abort",
+        }
+    }
+}
+
 /// One notification of a stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamMsg {
@@ -781,6 +793,16 @@ impl StreamSink {
     #[must_use]
     pub fn is_stream(&self) -> bool {
         self.stream_id().is_some()
+    }
+
+    /// `"streamed"` for a stream, `"chunked"` for a copy held whole.
+    #[must_use]
+    pub fn kind_name(&self) -> &'static str {
+        if self.is_stream() {
+            "streamed"
+        } else {
+            "chunked"
+        }
     }
 
     /// The stream's id (0 for a read of a whole copy).

@@ -496,3 +496,14 @@ fn a_read_waiting_for_an_announcement_probes_its_source_and_ends_when_a_probe_is
     boxes.route(vec![("dec".into(), vec![STREAM_PROBE.to_vec()])]);
     assert!(boxes.is_empty() && boxes.dropped() == 0);
 }
+
+#[test]
+fn kinds_and_reads_have_names() {
+    let names: Vec<_> =
+        [StreamKind::Ready, StreamKind::Ack, StreamKind::Abort].map(StreamKind::name).to_vec();
+    assert_eq!(names, ["ready", "ack", "abort"]);
+    let whole = StreamSink::whole(vec![[0, 1, 0, 8]], 0, 1).unwrap();
+    assert_eq!(whole.kind_name(), "chunked");
+    let streamed = StreamSink::new(5, vec![[0, 1, 0, 8]], vec![0], 8, 1).unwrap();
+    assert_eq!(streamed.kind_name(), "streamed");
+}

@@ -46,6 +46,16 @@ impl TagKind {
             }),
         }
     }
+
+    /// The name [`Self::from_name`] reads.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            TagKind::Kv => "kv",
+            TagKind::Conv => "conv",
+            TagKind::Recurrent => "recurrent",
+        }
+    }
 }
 
 /// The tag of `request_id`'s `kind` message: injective over every accepted id and kind.
@@ -98,6 +108,13 @@ pub fn p2p_wire_tag(tag: i64, match_by_order: bool) -> i64 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn kind_names_round_trip() {
+        for k in super::TagKind::ALL {
+            assert_eq!(super::TagKind::from_name(k.name()).unwrap(), k);
+        }
+    }
+
     use super::*;
     use proptest::prelude::*;
 

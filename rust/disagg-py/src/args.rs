@@ -105,6 +105,86 @@ impl IntList {
     }
 }
 
+/// How one Python argument (a `Py`, e.g. [`Int`]) becomes the value a core call takes
+/// (`Out`); a failure is the core's typed error naming the argument.
+pub trait Conv {
+    /// The parameter type Python's value is read into.
+    type Py;
+    /// The converted value.
+    type Out;
+    /// Convert `v`, naming `field` in an error.
+    fn conv(field: &str, v: Self::Py) -> PyResult<Self::Out>;
+}
+
+/// Marker types of the conversions (see [`Conv`]), each `Marker: Py => Out = |field, v| body`.
+macro_rules! convs {
+    ($($(#[$m:meta])* $name:ident: $py:ty => $out:ty = |$f:ident, $v:ident| $e:expr;)*) => {$(
+        $(#[$m])*
+        pub struct $name;
+        impl $crate::args::Conv for $name {
+            type Py = $py;
+            type Out = $out;
+            fn conv($f: &str, $v: $py) -> ::pyo3::PyResult<$out> {
+                $e
+            }
+        }
+    )*};
+}
+
+pub(crate) use convs;
+
+convs! {
+    /// A non-negative count, time or request id.
+    U64: Int => u64 = |f, v| v.to_u64(Kind::Argument, f);
+    /// A count that must fit `u32`.
+    U32: Int => u32 = |f, v| v.to_u32(Kind::Argument, f);
+    /// A signed 64-bit value.
+    I64: Int => i64 = |f, v| v.to_i64(Kind::Argument, f);
+    /// A block or slot id (`[0, 2**32)`, `BlockIdError`).
+    Id: Int => u32 = |f, v| v.to_u32(Kind::Block, f);
+    /// A list of block ids.
+    Ids: IntList => Vec<u32> = |f, v| v.to_u32s(Kind::Block, f);
+    /// A list of non-negative 64-bit values.
+    U64s: IntList => Vec<u64> = |f, v| v.to_u64s(Kind::Argument, f);
+    /// A list of signed 64-bit values.
+    I64s: IntList => Vec<i64> = |f, v| v.to_i64s(Kind::Argument, f);
+    /// A bool.
+    Bool: Flag => bool = |f, v| v.get(f);
+    /// A string.
+    Str: Text => String = |f, v| v.get(f).map(str::to_owned);
+}
+
+/// An optional argument: `None` stays `None`.
+pub struct Opt<C>(std::marker::PhantomData<C>);
+
+impl<C: Conv> Conv for Opt<C> {
+    type Py = Option<C::Py>;
+    type Out = Option<C::Out>;
+    fn conv(field: &str, v: Self::Py) -> PyResult<Self::Out> {
+        v.map(|v| C::conv(field, v)).transpose()
+    }
+}
+
+/// An argument `PyO3` converts itself (`T`), passed on as it is.
+pub struct Raw<T>(std::marker::PhantomData<T>);
+
+impl<T> Conv for Raw<T> {
+    type Py = T;
+    type Out = T;
+    fn conv(_: &str, v: T) -> PyResult<T> {
+        Ok(v)
+    }
+}
+
+/// Convert named arguments in place: `conv!(request_id: U64, rank: U32)` rebinds each name to
+/// its converted value, the error naming the argument.
+macro_rules! conv {
+    ($($a:ident: $c:ty),* $(,)?) => {
+        $(let $a = <$c as $crate::args::Conv>::conv(stringify!($a), $a)?;)*
+    };
+}
+pub(crate) use conv;
+
 macro_rules! int_from {
     ($($v:ty),*) => {$(
         impl From<$v> for Int {

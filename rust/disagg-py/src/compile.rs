@@ -7,11 +7,11 @@ use disagg_core::{
     ModeChoice, SourceStats, SrcBlockIds, SrcSlots, SsmTransferRequest, TransferProgram,
 };
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyMapping, PySlice};
 
-use crate::args::{describe, err, type_err, Int, IntList, Kind, Real, Text, Typed};
+use crate::args::{conv, describe, err, type_err, Int, IntList, Kind, Real, Text, Typed, U32, U64};
 use crate::error::IntoPyResult;
 use crate::geometry::{PyKvGeometry, PySsmGeometry};
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
@@ -32,17 +32,13 @@ fn parse_src_block_ids(obj: &Bound<'_, PyAny>) -> PyResult<SrcBlockIds> {
     SrcBlockIds::given(None, &per_rank).py()
 }
 
-fn rows_to_numpy(py: Python<'_>, rows: Vec<[u64; 3]>) -> PyResult<Bound<'_, PyArray2<u64>>> {
+/// `[n, N]` `uint64` rows as a numpy array.
+pub(crate) fn rows_to_numpy<const N: usize>(
+    py: Python<'_>,
+    rows: Vec<[u64; N]>,
+) -> PyResult<Bound<'_, PyArray2<u64>>> {
     let n = rows.len();
-    let flat: Vec<u64> = rows.into_flattened();
-    let arr = Array2::from_shape_vec((n, 3), flat)
-        .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
-    Ok(arr.into_pyarray(py))
-}
-
-fn runs_to_numpy(py: Python<'_>, rows: Vec<[u64; 6]>) -> PyResult<Bound<'_, PyArray2<u64>>> {
-    let n = rows.len();
-    let arr = Array2::from_shape_vec((n, 6), rows.into_flattened())
+    let arr = Array2::from_shape_vec((n, N), rows.into_flattened())
         .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
     Ok(arr.into_pyarray(py))
 }
@@ -68,6 +64,18 @@ fn head<'py>(arr: &Bound<'py, PyArray2<u64>>, n: usize) -> PyResult<Bound<'py, P
     arr.as_any().get_item(PySlice::new(arr.py(), 0, n, 1))
 }
 
+/// A caller's out array, writable.
+fn writable<'py>(arr: &Bound<'py, PyArray2<u64>>) -> PyResult<PyReadwriteArray2<'py, u64>> {
+    arr.try_readwrite()
+        .map_err(|e| err(Kind::Argument, "out", format!("out array is not writable: {e}")))
+}
+
+/// The `[m, 3]` rows of a writable out array.
+fn rows_mut<'a>(rw: &'a mut PyReadwriteArray2<'_, u64>) -> PyResult<&'a mut [[u64; 3]]> {
+    let flat = rw.as_slice_mut().map_err(|e| err(Kind::Argument, "out", e.to_string()))?;
+    Ok(flat.as_chunks_mut::<3>().0)
+}
+
 /// Fill one caller array with the GIL released.
 fn fill_one<'py>(
     py: Python<'py>,
@@ -75,26 +83,27 @@ fn fill_one<'py>(
     f: impl FnOnce(&mut [[u64; 3]]) -> Result<usize, DisaggError> + Send,
 ) -> PyResult<Bound<'py, PyAny>> {
     let arr = out_array(out)?;
-    let mut rw = arr
-        .try_readwrite()
-        .map_err(|e| err(Kind::Argument, "out", format!("out array is not writable: {e}")))?;
-    let flat = rw.as_slice_mut().map_err(|e| err(Kind::Argument, "out", e.to_string()))?;
-    let (rows, _) = flat.as_chunks_mut::<3>();
+    let mut rw = writable(&arr)?;
+    let rows = rows_mut(&mut rw)?;
     let n = py.detach(|| f(rows)).py()?;
     drop(rw);
     head(&arr, n)
 }
 
-fn cost(
-    per_descriptor_s: &Real,
-    link_bytes_per_s: &Real,
-    gather_bytes_per_s: &Real,
-) -> PyResult<CostModel> {
-    Ok(CostModel {
-        per_descriptor_s: per_descriptor_s.positive("per_descriptor_s")?,
-        link_bytes_per_s: link_bytes_per_s.positive("link_bytes_per_s")?,
-        gather_bytes_per_s: gather_bytes_per_s.positive("gather_bytes_per_s")?,
-    })
+/// The `mode` and cost model arguments both compilers take.
+fn mode_cost(
+    mode: &Text,
+    per: &Real,
+    link: &Real,
+    gather: &Real,
+) -> PyResult<(ModeChoice, CostModel)> {
+    let mode = mode.get("mode")?;
+    let cost = CostModel {
+        per_descriptor_s: per.positive("per_descriptor_s")?,
+        link_bytes_per_s: link.positive("link_bytes_per_s")?,
+        gather_bytes_per_s: gather.positive("gather_bytes_per_s")?,
+    };
+    Ok((ModeChoice::parse(mode).py()?, cost))
 }
 
 /// The compiled transfer of one destination rank: per source rank, its mode and lists.
@@ -122,7 +131,8 @@ impl PyTransferProgram {
         out: Option<Bound<'py, PyAny>>,
         scatter: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (p, src_rank) = (&self.inner, src_rank.to_u32(Kind::Argument, "src_rank")?);
+        let p = &self.inner;
+        conv!(src_rank: U32);
         if let Some(o) = out {
             return fill_one(py, &o, |rows| {
                 if scatter {
@@ -144,11 +154,12 @@ impl PyTransferProgram {
         src_rank: Int,
         scatter: bool,
     ) -> PyResult<Bound<'py, PyArray2<u64>>> {
-        let (p, src_rank) = (&self.inner, src_rank.to_u32(Kind::Argument, "src_rank")?);
+        let p = &self.inner;
+        conv!(src_rank: U32);
         let rows = py
             .detach(|| if scatter { p.scatter_runs(src_rank) } else { p.gather_runs(src_rank) })
             .py()?;
-        runs_to_numpy(py, rows)
+        rows_to_numpy(py, rows)
     }
 }
 
@@ -166,12 +177,12 @@ impl PyTransferProgram {
     }
     /// `"direct"` or `"staged"`.
     fn mode(&self, src_rank: Int) -> PyResult<&'static str> {
-        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
+        conv!(src_rank: U32);
         Ok(self.inner.source(src_rank).py()?.mode.name())
     }
     /// Bytes of the packed region `[0, packed_bytes)` of this (source, destination) pair.
     fn packed_bytes(&self, src_rank: Int) -> PyResult<u64> {
-        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
+        conv!(src_rank: U32);
         Ok(self.inner.source(src_rank).py()?.packed_bytes)
     }
     /// `(src, dst)` Nx3 `uint64` arrays `(addr, len, device_id)` for the transport; staged
@@ -188,26 +199,16 @@ impl PyTransferProgram {
         dst_staging: Int,
         out: Option<Typed<(Bound<'py, PyAny>, Bound<'py, PyAny>)>>,
     ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
-        let src_staging = src_staging.to_u64(Kind::Argument, "src_staging")?;
-        let dst_staging = dst_staging.to_u64(Kind::Argument, "dst_staging")?;
+        conv!(src_rank: U32, src_staging: U64, dst_staging: U64);
         let out = out.map(|o| o.get("out", "a pair of numpy arrays")).transpose()?;
         if let Some((src_o, dst_o)) = out {
             let (sa, da) = (out_array(&src_o)?, out_array(&dst_o)?);
             disagg_core::args::distinct_outs(sa.is(&da)).py()?;
-            let not_writable = |e: numpy::BorrowError| {
-                err(Kind::Argument, "out", format!("out array is not writable: {e}"))
-            };
-            let mut sw = sa.try_readwrite().map_err(not_writable)?;
-            let mut dw = da.try_readwrite().map_err(not_writable)?;
-            let sflat = sw.as_slice_mut().map_err(|e| err(Kind::Argument, "out", e.to_string()))?;
-            let dflat = dw.as_slice_mut().map_err(|e| err(Kind::Argument, "out", e.to_string()))?;
-            let (srows, _) = sflat.as_chunks_mut::<3>();
-            let (drows, _) = dflat.as_chunks_mut::<3>();
+            let (mut sw, mut dw) = (writable(&sa)?, writable(&da)?);
+            let (srows, drows) = (rows_mut(&mut sw)?, rows_mut(&mut dw)?);
+            let p = &self.inner;
             let n = py
-                .detach(|| {
-                    self.inner.descriptors_into(src_rank, src_staging, dst_staging, srows, drows)
-                })
+                .detach(|| p.descriptors_into(src_rank, src_staging, dst_staging, srows, drows))
                 .py()?;
             drop((sw, dw));
             return Ok((head(&sa, n)?, head(&da, n)?));
@@ -218,13 +219,13 @@ impl PyTransferProgram {
     }
     /// Exact rows of one list: `which` is "descriptors", "gather" or "scatter" (to size `out`).
     fn row_count(&self, py: Python<'_>, src_rank: Int, which: Text) -> PyResult<u64> {
-        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
+        conv!(src_rank: U32);
         let kind = ListKind::parse(which.get("which")?).py()?;
         py.detach(|| self.inner.row_count(src_rank, kind)).py()
     }
     /// The merged direct pairs of a source, whatever its mode.
     fn direct_descriptors<'py>(&self, py: Python<'py>, src_rank: Int) -> PyResult<DescPair<'py>> {
-        let src_rank = src_rank.to_u32(Kind::Argument, "src_rank")?;
+        conv!(src_rank: U32);
         let rows = |n: u64| {
             usize::try_from(n).map_err(|_| err(Kind::Argument, "src_rank", format!("{n} rows")))
         };
@@ -290,11 +291,8 @@ impl PyTransferProgram {
         let Some(plan) = self.inner.device_plan(src_rank).py()? else {
             return Ok(None);
         };
-        let n = plan.planes.len();
-        let planes = Array2::from_shape_vec((n, 4), plan.planes.into_flattened())
-            .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
         let d = PyDict::new(py);
-        d.set_item("planes", planes.into_pyarray(py))?;
+        d.set_item("planes", rows_to_numpy(py, plan.planes)?)?;
         d.set_item("tokens_per_block", plan.tokens_per_block)?;
         d.set_item("src_block_stride", plan.src_block_stride)?;
         d.set_item("src_token_stride", plan.src_token_stride)?;
@@ -367,10 +365,8 @@ pub fn py_compile_kv_transfer(
 ) -> PyResult<PyTransferProgram> {
     let src = src.get("src", "a list of (KVShardLayout, KVGeometry) pairs")?;
     let dst = dst.get("dst", "a (KVShardLayout, KVGeometry or None) pair")?;
-    let num_tokens = num_tokens.to_u64(Kind::Argument, "num_tokens")?;
-    let token_start = token_start.to_u64(Kind::Argument, "token_start")?;
-    let mode = mode.get("mode")?;
-    let cost = cost(&per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
+    conv!(num_tokens: U64, token_start: U64);
+    let (mode, cost) = mode_cost(&mode, &per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
     let req = KvTransferRequest {
         srcs: src.iter().map(|(l, g)| (l.inner, g.inner.clone())).collect(),
         dst_layout: dst.0.inner,
@@ -382,7 +378,7 @@ pub fn py_compile_kv_transfer(
             .transpose()?,
         num_tokens,
         token_start,
-        mode: ModeChoice::parse(mode).py()?,
+        mode,
         cost,
     };
     let inner = py.detach(|| compile_kv_transfer(&req)).py()?;
@@ -414,8 +410,7 @@ pub fn py_compile_ssm_transfer(
 ) -> PyResult<PyTransferProgram> {
     let src = src.get("src", "a list of (SSMShardLayout, SSMGeometry) pairs")?;
     let dst = dst.get("dst", "a (SSMShardLayout, SSMGeometry or None) pair")?;
-    let mode = mode.get("mode")?;
-    let cost = cost(&per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
+    let (mode, cost) = mode_cost(&mode, &per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
     let src_slots = if let Ok(m) = src_slot.cast::<PyMapping>() {
         let mut per_rank = Vec::new();
         for item in m.items()?.iter() {
@@ -432,7 +427,7 @@ pub fn py_compile_ssm_transfer(
         dst_geometry: dst.1.as_ref().map(|g| g.inner.clone()),
         src_slots,
         dst_slot: dst_slot.filter(|o| !o.is_none()).map(|o| slot_of("dst_slot", o)).transpose()?,
-        mode: ModeChoice::parse(mode).py()?,
+        mode,
         cost,
     };
     let inner = py.detach(|| compile_ssm_transfer(&req)).py()?;

@@ -4,23 +4,17 @@ use disagg_core::DisaggError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-pyo3::import_exception!(disagg_rs.exceptions, LayoutError);
-pyo3::import_exception!(disagg_rs.exceptions, PlanCoverageError);
-pyo3::import_exception!(disagg_rs.exceptions, BlockIdError);
-pyo3::import_exception!(disagg_rs.exceptions, GeometryMismatchError);
-pyo3::import_exception!(disagg_rs.exceptions, AddressOverflowError);
-pyo3::import_exception!(disagg_rs.exceptions, MetadataError);
-pyo3::import_exception!(disagg_rs.exceptions, HandoffMetadataError);
-pyo3::import_exception!(disagg_rs.exceptions, UnknownRequestError);
-pyo3::import_exception!(disagg_rs.exceptions, DuplicateRequestError);
-pyo3::import_exception!(disagg_rs.exceptions, CapacityError);
-pyo3::import_exception!(disagg_rs.exceptions, HandoffStateError);
-pyo3::import_exception!(disagg_rs.exceptions, ResetRefusedError);
-pyo3::import_exception!(disagg_rs.exceptions, ArgumentError);
-pyo3::import_exception!(disagg_rs.exceptions, ArgumentTypeError);
-pyo3::import_exception!(disagg_rs.exceptions, ConservationError);
-pyo3::import_exception!(disagg_rs.exceptions, MessageOrderError);
-pyo3::import_exception!(disagg_rs.exceptions, PushAbortedError);
+/// Import the exception classes of `disagg_rs.exceptions` this mapping raises.
+macro_rules! exceptions {
+    ($($name:ident),*) => {$(pyo3::import_exception!(disagg_rs.exceptions, $name);)*};
+}
+
+exceptions! {
+    LayoutError, PlanCoverageError, BlockIdError, GeometryMismatchError, AddressOverflowError,
+    MetadataError, HandoffMetadataError, UnknownRequestError, DuplicateRequestError,
+    CapacityError, HandoffStateError, ResetRefusedError, ArgumentError, ArgumentTypeError,
+    ConservationError, MessageOrderError, PushAbortedError
+}
 
 /// Convert a core error into its Python exception: exhaustive, so a new variant fails to
 /// compile until it is mapped. The exception gets `(message, field)` as arguments.

@@ -14,7 +14,10 @@ use disagg_core::{
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
-use crate::args::{describe, retype, type_err, wire_dict_to_py, Int, IntList, Kind, Text};
+use crate::args::{
+    conv, describe, retype, type_err, wire_dict_to_py, Conv, Int, IntList, Kind, Opt, Str, Text,
+    U64s, U32, U64,
+};
 use crate::error::{py_methods, to_pyerr, IntoPyResult};
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
 use crate::wire::to_wire;
@@ -72,10 +75,6 @@ fn tensor_view_of(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
     TensorView::from_raw(&raw).py()
 }
 
-fn device_u64(device_id: Option<Int>) -> PyResult<Option<u64>> {
-    device_id.map(|d| d.to_u64(Kind::Argument, "device_id")).transpose()
-}
-
 /// Where each byte `(kv, layer, block, token, head, dim)` of one rank's paged KV cache lives.
 #[pyclass(name = "KVGeometry", module = "disagg_rs", frozen, eq)]
 #[derive(Clone, PartialEq, Eq)]
@@ -125,36 +124,16 @@ methods {
     ), text_signature = "(*, num_layers, num_blocks, tokens_per_block, num_heads, head_dim, \
         element_size, block_stride, token_stride, head_stride, plane_bases, num_kv=2, \
         device_id=0, dtype=None)")]
-    fn new(
-        num_layers: Int,
-        num_blocks: Int,
-        tokens_per_block: Int,
-        num_heads: Int,
-        head_dim: Int,
-        element_size: Int,
-        block_stride: Int,
-        token_stride: Int,
-        head_stride: Int,
-        plane_bases: IntList,
-        num_kv: Int,
-        device_id: Int,
-        dtype: Option<Text>,
-    ) -> PyResult<Self> {
-        let a = Kind::Argument;
+    fn new(num_layers: Int, num_blocks: Int, tokens_per_block: Int, num_heads: Int,
+        head_dim: Int, element_size: Int, block_stride: Int, token_stride: Int, head_stride: Int,
+        plane_bases: IntList, num_kv: Int, device_id: Int, dtype: Option<Text>) -> PyResult<Self> {
+        conv!(num_kv: U32, num_layers: U32, num_blocks: U32, tokens_per_block: U32);
+        conv!(num_heads: U32, head_dim: U32, element_size: U32, block_stride: U64);
+        conv!(token_stride: U64, head_stride: U64, plane_bases: U64s, device_id: U64);
+        conv!(dtype: Opt<Str>);
         let spec = KvGeometrySpec {
-            num_kv: num_kv.to_u32(a, "num_kv")?,
-            num_layers: num_layers.to_u32(a, "num_layers")?,
-            num_blocks: num_blocks.to_u32(a, "num_blocks")?,
-            tokens_per_block: tokens_per_block.to_u32(a, "tokens_per_block")?,
-            num_heads: num_heads.to_u32(a, "num_heads")?,
-            head_dim: head_dim.to_u32(a, "head_dim")?,
-            element_size: element_size.to_u32(a, "element_size")?,
-            block_stride: block_stride.to_u64(a, "block_stride")?,
-            token_stride: token_stride.to_u64(a, "token_stride")?,
-            head_stride: head_stride.to_u64(a, "head_stride")?,
-            plane_bases: plane_bases.to_u64s(a, "plane_bases")?,
-            device_id: device_id.to_u64(a, "device_id")?,
-            dtype: dtype.map(|t| t.get("dtype").map(str::to_owned)).transpose()?,
+            num_kv, num_layers, num_blocks, tokens_per_block, num_heads, head_dim, element_size,
+            block_stride, token_stride, head_stride, plane_bases, device_id, dtype,
         };
         Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
@@ -164,26 +143,19 @@ methods {
     #[classmethod]
     #[pyo3(signature = (tensor, axes=Text::of("kv layer block token head dim"), device_id=None),
         text_signature = "(tensor, axes='kv layer block token head dim', device_id=None)")]
-    fn from_tensor(
-        _cls: &Bound<'_, PyType>,
-        tensor: &Bound<'_, PyAny>,
-        axes: Text,
-        device_id: Option<Int>,
-    ) -> PyResult<Self> {
+    fn from_tensor(_cls: &Bound<'_, PyType>, tensor: &Bound<'_, PyAny>, axes: Text,
+        device_id: Option<Int>) -> PyResult<Self> {
         let v = tensor_view(tensor)?;
-        let spec =
-            KvGeometrySpec::from_tensor(&v, axes.get("axes")?, device_u64(device_id)?).py()?;
+        conv!(axes: Str, device_id: Opt<U64>);
+        let spec = KvGeometrySpec::from_tensor(&v, &axes, device_id).py()?;
         Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
 
     /// The MLA latent cache `[L, B, T, d]`: `from_tensor(tensor, "layer block token dim")`.
     #[classmethod]
     #[pyo3(signature = (tensor, device_id=None))]
-    fn from_mla_tensor(
-        cls: &Bound<'_, PyType>,
-        tensor: &Bound<'_, PyAny>,
-        device_id: Option<Int>,
-    ) -> PyResult<Self> {
+    fn from_mla_tensor(cls: &Bound<'_, PyType>, tensor: &Bound<'_, PyAny>, device_id: Option<Int>)
+        -> PyResult<Self> {
         Self::from_tensor(cls, tensor, Text::of("layer block token dim"), device_id)
     }
 
@@ -194,14 +166,10 @@ methods {
     #[classmethod]
     #[pyo3(signature = (tensors, axes=Text::of("kv block token head dim"), device_id=None),
         text_signature = "(tensors, axes='kv block token head dim', device_id=None)")]
-    fn from_layer_tensors(
-        _cls: &Bound<'_, PyType>,
-        tensors: &Bound<'_, PyAny>,
-        axes: Text,
-        device_id: Option<Int>,
-    ) -> PyResult<Self> {
-        let spec = layer_spec(tensors, axes.get("axes")?, device_u64(device_id)?)?;
-        Ok(Self { inner: KvGeometry::new(spec).py()? })
+    fn from_layer_tensors(_cls: &Bound<'_, PyType>, tensors: &Bound<'_, PyAny>, axes: Text,
+        device_id: Option<Int>) -> PyResult<Self> {
+        conv!(axes: Str, device_id: Opt<U64>);
+        Ok(Self { inner: KvGeometry::new(layer_spec(tensors, &axes, device_id)?).py()? })
     }
 
 });
@@ -251,14 +219,10 @@ methods {
     #[new]
     #[pyo3(signature = (*, conv=None, recurrent=None, device_id=Int::of(0)),
         text_signature = "(*, conv=None, recurrent=None, device_id=0)")]
-    fn new(
-        conv: Option<Bound<'_, PyAny>>,
-        recurrent: Option<Bound<'_, PyAny>>,
-        device_id: Int,
-    ) -> PyResult<Self> {
-        let device_id = device_id.to_u64(Kind::Argument, "device_id")?;
-        let conv = part_arg(conv, "conv")?;
-        let recurrent = part_arg(recurrent, "recurrent")?;
+    fn new(conv: Option<Bound<'_, PyAny>>, recurrent: Option<Bound<'_, PyAny>>, device_id: Int)
+        -> PyResult<Self> {
+        conv!(device_id: U64);
+        let (conv, recurrent) = (part_arg(conv, "conv")?, part_arg(recurrent, "recurrent")?);
         Ok(Self { inner: SsmGeometry::new(conv, recurrent, device_id).py()? })
     }
 
@@ -266,13 +230,9 @@ methods {
     /// `[L, slots, H, p, n]` (either may be None; at least one is needed).
     #[classmethod]
     #[pyo3(signature = (conv=None, recurrent=None, device_id=None))]
-    fn from_tensors(
-        _cls: &Bound<'_, PyType>,
-        conv: Option<Bound<'_, PyAny>>,
-        recurrent: Option<Bound<'_, PyAny>>,
-        device_id: Option<Int>,
-    ) -> PyResult<Self> {
-        let dev = device_u64(device_id)?;
+    fn from_tensors(_cls: &Bound<'_, PyType>, conv: Option<Bound<'_, PyAny>>,
+        recurrent: Option<Bound<'_, PyAny>>, device_id: Option<Int>) -> PyResult<Self> {
+        conv!(device_id: Opt<U64>);
         let c = conv
             .filter(|t| !t.is_none())
             .map(|t| part_from_tensor(&t, SsmStateKind::Conv, 4))
@@ -281,7 +241,8 @@ methods {
             .filter(|t| !t.is_none())
             .map(|t| part_from_tensor(&t, SsmStateKind::Recurrent, 5))
             .transpose()?;
-        let dev = state_device(dev, [c.as_ref().and_then(|p| p.1), r.as_ref().and_then(|p| p.1)]);
+        let named = [c.as_ref().and_then(|p| p.1), r.as_ref().and_then(|p| p.1)];
+        let dev = state_device(device_id, named);
         let inner = SsmGeometry::new(c.map(|p| p.0), r.map(|p| p.0), dev).py()?;
         Ok(Self { inner })
     }
@@ -289,12 +250,8 @@ methods {
     /// Alias of `from_tensors` (the name `KVGeometry` uses).
     #[classmethod]
     #[pyo3(signature = (conv=None, recurrent=None, device_id=None))]
-    fn from_tensor(
-        cls: &Bound<'_, PyType>,
-        conv: Option<Bound<'_, PyAny>>,
-        recurrent: Option<Bound<'_, PyAny>>,
-        device_id: Option<Int>,
-    ) -> PyResult<Self> {
+    fn from_tensor(cls: &Bound<'_, PyType>, conv: Option<Bound<'_, PyAny>>,
+        recurrent: Option<Bound<'_, PyAny>>, device_id: Option<Int>) -> PyResult<Self> {
         Self::from_tensors(cls, conv, recurrent, device_id)
     }
 
@@ -403,10 +360,8 @@ pub fn plan_buffer<'py>(
         )?,
         kv: layout_args(layout)?,
         ssm_layout: ssm,
-        ssm_state_kind: ssm_state_kind
-            .map(|k| k.get("ssm_state_kind").map(str::to_owned))
-            .transpose()?,
-        axes: axes.map(|t| t.get("axes").map(str::to_owned)).transpose()?,
+        ssm_state_kind: Opt::<Str>::conv("ssm_state_kind", ssm_state_kind)?,
+        axes: Opt::<Str>::conv("axes", axes)?,
         blocks_axis: int_of(blocks_axis, "blocks_axis")?,
     };
     let kv_obj = |l: Option<KvShardLayout>| -> PyResult<Option<Py<PyAny>>> {

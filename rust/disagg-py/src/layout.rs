@@ -101,22 +101,10 @@ methods {
     ), text_signature = "(num_layers, num_heads=None, tp_size=1, tp_rank=0, pp_size=1, \
         pp_rank=0, global_rank=None, ep_size=1, ep_rank=0, etp_size=1, etp_rank=0, \
         layer_start=None, num_local_layers=None, *, num_kv_heads=None)")]
-    fn new(
-        num_layers: Int,
-        num_heads: Option<Int>,
-        tp_size: Int,
-        tp_rank: Int,
-        pp_size: Int,
-        pp_rank: Int,
-        global_rank: Option<Int>,
-        ep_size: Int,
-        ep_rank: Int,
-        etp_size: Int,
-        etp_rank: Int,
-        layer_start: Option<Int>,
-        num_local_layers: Option<Int>,
-        num_kv_heads: Option<Int>,
-    ) -> PyResult<Self> {
+    fn new(num_layers: Int, num_heads: Option<Int>, tp_size: Int, tp_rank: Int, pp_size: Int,
+        pp_rank: Int, global_rank: Option<Int>, ep_size: Int, ep_rank: Int, etp_size: Int,
+        etp_rank: Int, layer_start: Option<Int>, num_local_layers: Option<Int>,
+        num_kv_heads: Option<Int>) -> PyResult<Self> {
         let parallel = [tp_size, tp_rank, pp_size, pp_rank, ep_size, ep_rank, etp_size, etp_rank];
         let call = KvLayoutCall {
             num_layers: num_layers.0,
@@ -186,16 +174,9 @@ methods {
         *, num_heads=None, head_dim=None, n_groups=None
     ), text_signature = "(nheads=None, headdim=None, d_state=None, ngroups=None, d_conv=4, *, \
         num_heads=None, head_dim=None, n_groups=None)")]
-    fn new(
-        nheads: Option<Int>,
-        headdim: Option<Int>,
-        d_state: Option<Int>,
-        ngroups: Option<Int>,
-        d_conv: Int,
-        num_heads: Option<Int>,
-        head_dim: Option<Int>,
-        n_groups: Option<Int>,
-    ) -> PyResult<Self> {
+    fn new(nheads: Option<Int>, headdim: Option<Int>, d_state: Option<Int>, ngroups: Option<Int>,
+        d_conv: Int, num_heads: Option<Int>, head_dim: Option<Int>, n_groups: Option<Int>)
+        -> PyResult<Self> {
         let (heads, dim) = ([core(nheads), core(num_heads)], [core(headdim), core(head_dim)]);
         let groups = [core(ngroups), core(n_groups)];
         let inner = dims_call(heads, dim, groups, core(d_state), &d_conv.0).py()?;

@@ -13,9 +13,11 @@ use disagg_core::{
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::args::{Flag, Int, IntList, Kind, Text};
+use crate::args::{
+    conv, convs, Bool, Conv, Flag, I64s, Id, Ids, Int, IntList, Opt, Raw, Text, U64s, I64, U32, U64,
+};
 use crate::error::IntoPyResult;
-use crate::pool::{core_methods, ids_arg, lock, lock_with, tokens_arg, u32_arg, u64_arg, Out};
+use crate::pool::{core_methods, lock, lock_with, tokens_arg, Out};
 use crate::wire::to_wire;
 
 /// One action of a ledger, tagged by `kind`; the fields a kind does not use are empty.
@@ -104,12 +106,6 @@ impl PyLedgerAction {
 /// `("failure", first_failed_rank, its_outcome)`.
 type QuorumVerdict = (&'static str, Option<u32>, Option<&'static str>);
 
-/// What `CompletionQuorum.report` returns: `None` or a [`QuorumVerdict`].
-type Verdict = PyResult<Option<QuorumVerdict>>;
-
-/// What a ledger call that acts returns.
-type Acts = PyResult<Vec<PyLedgerAction>>;
-
 /// `Some(x)` as `x`, `None` as `None`, the way Python prints it.
 fn py_opt(v: Option<u32>) -> String {
     v.map_or_else(|| "None".to_string(), |x| x.to_string())
@@ -126,14 +122,17 @@ impl Out for Result<Vec<LedgerAction>, DisaggError> {
     }
 }
 
+convs! {
+    /// One rank's terminal outcome: `"ok"`, `"error"`, `"timeout"` or `"may_still_write"`.
+    Outcome: Text => RankOutcome = |f, v| RankOutcome::parse(v.get(f)?).py();
+}
+
 /// A decode batch's occupancy from its context's counts.
 fn batch_room(total: Int, max_requests: Int, active: Int, max_tokens: Int) -> PyResult<BatchRoom> {
-    Ok(BatchRoom {
-        total_requests: u64_arg("total_request_count", total)?,
-        max_requests: u64_arg("max_requests", max_requests)?,
-        active_tokens: u64_arg("active_token_count", active)?,
-        max_tokens: u64_arg("max_tokens", max_tokens)?,
-    })
+    conv!(max_requests: U64, max_tokens: U64);
+    let total_requests = U64::conv("total_request_count", total)?;
+    let active_tokens = U64::conv("active_token_count", active)?;
+    Ok(BatchRoom { total_requests, max_requests, active_tokens, max_tokens })
 }
 
 /// A push plan as Python receives it (see `PyPinLedger::start_push`).
@@ -151,7 +150,7 @@ fn push_args(
     request_id: Int,
     decode_metas: &[Bound<'_, PyAny>],
 ) -> PyResult<(u64, Vec<Option<PushDestination>>)> {
-    let request_id = u64_arg("request_id", request_id)?;
+    conv!(request_id: U64);
     Ok((request_id, decode_metas.iter().map(push_destination).collect::<PyResult<Vec<_>>>()?))
 }
 
@@ -169,52 +168,58 @@ pub struct PyImportLedger {
 core_methods!(PyImportLedger, lock_with, inner, pools Import,
 calls {
     /// The local handle of a quarantined attempt settled.
-    fn settle(request_id: u64_arg, epoch: u64_arg) -> Vec<PyLedgerAction> = settle;
+    fn settle(request_id: U64, epoch: U64) -> Vec<PyLedgerAction> = settle(request_id, epoch);
     /// Abort a request at any stage (unknown ids are counted no-ops).
-    fn abort(request_id: u64_arg, now: u64_arg) -> Vec<PyLedgerAction> = abort;
+    fn abort(request_id: U64, now: U64) -> Vec<PyLedgerAction> = abort(request_id, now);
     /// Quarantined `(request_id, epoch)` pairs whose drain horizon is `<= now` (cancel their
     /// transfers before the `poll(now)` that frees their blocks).
-    fn quarantine_due(now: u64_arg) -> Vec<(u64, u64)> = quarantine_due;
+    fn quarantine_due(now: U64) -> Vec<(u64, u64)> = quarantine_due(now);
     /// Expire deadlines, drain quarantines past their horizon, start what fits.
-    fn poll(now: u64_arg) -> Vec<PyLedgerAction> = poll;
+    fn poll(now: U64) -> Vec<PyLedgerAction> = poll(now);
     /// Engine reset; raises `ResetRefusedError` (nothing changed) while anything may still be
     /// written.
-    fn reset(now: u64_arg) -> Vec<PyLedgerAction> = reset;
+    fn reset(now: U64) -> Vec<PyLedgerAction> = reset(now);
     /// Verify conservation and ownership; raises `ConservationError`.
-    fn check() -> () = check;
+    fn check() -> () = check();
     /// Live handoffs (deferred + importing + ready).
-    #[getter] fn pending_kv_import_count() -> usize = pending_kv_import_count;
+    #[getter] fn pending_kv_import_count() -> usize = pending_kv_import_count();
     /// Whether an admission point has work.
-    #[getter] fn has_admittable_kv_import() -> bool = has_admittable_kv_import;
+    #[getter] fn has_admittable_kv_import() -> bool = has_admittable_kv_import();
     /// Handoffs waiting for capacity.
-    #[getter] fn num_deferred() -> usize = num_deferred;
+    #[getter] fn num_deferred() -> usize = num_deferred();
     /// Deferred request ids, oldest first.
-    fn deferred_ids() -> Vec<u64> = deferred_ids;
+    fn deferred_ids() -> Vec<u64> = deferred_ids();
     /// Two-sided transports: attempts `(request_id, epoch)` whose import started since the
     /// last call and whose receives are still posted (importing, or failed into quarantine:
     /// the source must answer them either way), oldest first; empty when pulling.
-    fn drain_started_pushes() -> Vec<(u64, u64)> = drain_started_pushes;
+    fn drain_started_pushes() -> Vec<(u64, u64)> = drain_started_pushes();
     /// Handoffs with transfers in flight.
-    #[getter] fn num_importing() -> usize = num_importing;
+    #[getter] fn num_importing() -> usize = num_importing();
     /// Complete handoffs waiting for admission.
-    #[getter] fn num_ready() -> usize = num_ready;
+    #[getter] fn num_ready() -> usize = num_ready();
     /// `"deferred"`, `"importing"`, `"ready"`, or `None` if not live.
-    fn state_of(request_id: u64_arg) -> Option<&'static str> = state_of;
+    fn state_of(request_id: U64) -> Option<&'static str> = state_of(request_id);
     /// Failed attempts whose destinations may still be written.
-    #[getter] fn num_quarantined() -> usize = num_quarantined;
+    #[getter] fn num_quarantined() -> usize = num_quarantined();
     /// Blocks held in quarantine.
-    #[getter] fn num_quarantined_blocks() -> usize = num_quarantined_blocks;
+    #[getter] fn num_quarantined_blocks() -> usize = num_quarantined_blocks();
     /// Current attempt epoch of a live request.
-    fn epoch_of(request_id: u64_arg) -> Option<u64> = epoch_of;
-}
-methods {
+    fn epoch_of(request_id: U64) -> Option<u64> = epoch_of(request_id);
     /// At a quarantine's horizon: keep it another horizon from `now` while a transfer that
     /// cannot be cancelled is still `running` (it may still write). Returns whether it was kept.
-    fn hold_quarantine(&self, request_id: Int, epoch: Int, running: bool, now: Int) -> PyResult<bool> {
-        let (r, e, n) = (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?, u64_arg("now", now)?);
-        Ok(lock(&self.inner)?.hold_quarantine(r, e, running, n))
-    }
-
+    fn hold_quarantine(request_id: U64, epoch: U64, running: Raw<bool>, now: U64) -> bool
+        = hold_quarantine(request_id, epoch, running, now);
+    /// One rank's terminal report: `outcome` is `"ok"`, `"error"`, `"timeout"` or
+    /// `"may_still_write"`.
+    fn report(request_id: U64, epoch: U64, rank: U32, outcome: Outcome, now: U64)
+        -> Vec<PyLedgerAction> = report(request_id, epoch, rank, outcome, now);
+    /// Admission point: admit ready imports while the batch has `batch_room` places. `now`
+    /// (read after the completions were observed) fails imports whose source lease passed;
+    /// without it, imports with a source lease wait.
+    #[pyo3(signature = (batch_room, now=None))]
+    fn admit(batch_room: U32, now: Opt<U64>) -> Vec<PyLedgerAction> = admit(batch_room, now);
+}
+methods {
     #[new]
     #[pyo3(signature = (
         num_blocks, block_size_tokens, num_ssm_slots=Int::of(0), *, world_size=Int::of(1),
@@ -224,32 +229,16 @@ methods {
         rank=0, pull=True, lookahead_tokens=0, drain_horizon=30000000000, \
         clock_offset_bound=1000000000)")]
     #[allow(clippy::too_many_arguments)]
-    fn new(
-        num_blocks: Int,
-        block_size_tokens: Int,
-        num_ssm_slots: Int,
-        world_size: Int,
-        rank: Int,
-        pull: Flag,
-        lookahead_tokens: Int,
-        drain_horizon: Int,
-        clock_offset_bound: Int,
-    ) -> PyResult<Self> {
+    fn new(num_blocks: Int, block_size_tokens: Int, num_ssm_slots: Int, world_size: Int,
+        rank: Int, pull: Flag, lookahead_tokens: Int, drain_horizon: Int,
+        clock_offset_bound: Int) -> PyResult<Self> {
+        conv!(world_size: U32, rank: U32, pull: Bool, lookahead_tokens: U32);
+        conv!(drain_horizon: U64, clock_offset_bound: U64);
+        conv!(num_blocks: U32, block_size_tokens: U32, num_ssm_slots: U32);
         let cfg = ImportLedgerConfig {
-            world_size: u32_arg("world_size", world_size)?,
-            rank: u32_arg("rank", rank)?,
-            pull: pull.get("pull")?,
-            lookahead_tokens: u32_arg("lookahead_tokens", lookahead_tokens)?,
-            drain_horizon: u64_arg("drain_horizon", drain_horizon)?,
-            clock_offset_bound: u64_arg("clock_offset_bound", clock_offset_bound)?,
+            world_size, rank, pull, lookahead_tokens, drain_horizon, clock_offset_bound
         };
-        let l = ImportLedger::new(
-            u32_arg("num_blocks", num_blocks)?,
-            u32_arg("block_size_tokens", block_size_tokens)?,
-            u32_arg("num_ssm_slots", num_ssm_slots)?,
-            cfg,
-        )
-        .py()?;
+        let l = ImportLedger::new(num_blocks, block_size_tokens, num_ssm_slots, cfg).py()?;
         Ok(Self { inner: Arc::new(Mutex::new(l)) })
     }
 
@@ -262,34 +251,21 @@ methods {
     #[staticmethod]
     #[pyo3(signature = (prompt_length, input_token_count, block_size, mtp_kv_cache=Flag::of(false)),
         text_signature = "(prompt_length, input_token_count, block_size, mtp_kv_cache=False)")]
-    fn continuation_blocks(
-        prompt_length: Int,
-        input_token_count: Int,
-        block_size: Int,
-        mtp_kv_cache: Flag,
-    ) -> PyResult<u64> {
-        admission::continuation_blocks(
-            u64_arg("prompt_length", prompt_length)?,
-            u64_arg("input_token_count", input_token_count)?,
-            u64_arg("block_size", block_size)?,
-            mtp_kv_cache.get("mtp_kv_cache")?,
-        )
-        .py()
+    fn continuation_blocks(prompt_length: Int, input_token_count: Int, block_size: Int,
+        mtp_kv_cache: Flag) -> PyResult<u64> {
+        conv!(prompt_length: U64, input_token_count: U64, block_size: U64, mtp_kv_cache: Bool);
+        admission::continuation_blocks(prompt_length, input_token_count, block_size, mtp_kv_cache)
+            .py()
     }
 
     /// Whether one more request with `input_tokens` query tokens fits a decode batch of
     /// `total_request_count` of `max_requests` requests and `active_token_count` of
     /// `max_tokens` tokens.
     #[staticmethod]
-    fn batch_fits(
-        total_request_count: Int,
-        max_requests: Int,
-        active_token_count: Int,
-        max_tokens: Int,
-        input_tokens: Int,
-    ) -> PyResult<bool> {
+    fn batch_fits(total_request_count: Int, max_requests: Int, active_token_count: Int,
+        max_tokens: Int, input_tokens: Int) -> PyResult<bool> {
         let room = batch_room(total_request_count, max_requests, active_token_count, max_tokens)?;
-        Ok(room.fits(u64_arg("input_tokens", input_tokens)?))
+        Ok(room.fits(U64::conv("input_tokens", input_tokens)?))
     }
 
     /// Check, before anything changes, that a prefilled request may enter the decode batch
@@ -301,36 +277,19 @@ methods {
         total_request_count, max_requests, active_token_count, max_tokens
     ))]
     #[allow(clippy::too_many_arguments)]
-    fn check_prefilled_admission(
-        request_id: Int,
-        prompt_length: Int,
-        prompt_blocks: Int,
-        continuation_blocks: Int,
-        input_tokens: Int,
-        has_ssm_slot: Flag,
-        block_size: Int,
-        num_speculative_tokens: Int,
-        mtp_kv_cache: Flag,
-        hybrid: Flag,
-        total_request_count: Int,
-        max_requests: Int,
-        active_token_count: Int,
-        max_tokens: Int,
-    ) -> PyResult<()> {
+    fn check_prefilled_admission(request_id: Int, prompt_length: Int, prompt_blocks: Int,
+        continuation_blocks: Int, input_tokens: Int, has_ssm_slot: Flag, block_size: Int,
+        num_speculative_tokens: Int, mtp_kv_cache: Flag, hybrid: Flag, total_request_count: Int,
+        max_requests: Int, active_token_count: Int, max_tokens: Int) -> PyResult<()> {
+        conv!(request_id: U64, prompt_length: U64, prompt_blocks: U64);
+        conv!(continuation_blocks: U64, input_tokens: U64, has_ssm_slot: Bool);
+        conv!(block_size: U64, num_speculative_tokens: U64, mtp_kv_cache: Bool, hybrid: Bool);
         let req = admission::PrefilledRequest {
-            request_id: u64_arg("request_id", request_id)?,
-            prompt_len: u64_arg("prompt_length", prompt_length)?,
-            prompt_blocks: u64_arg("prompt_blocks", prompt_blocks)?,
-            continuation_blocks: u64_arg("continuation_blocks", continuation_blocks)?,
-            input_tokens: u64_arg("input_tokens", input_tokens)?,
-            has_ssm_slot: has_ssm_slot.get("has_ssm_slot")?,
+            request_id, prompt_len: prompt_length, prompt_blocks, continuation_blocks,
+            input_tokens, has_ssm_slot,
         };
-        let settings = admission::DecodeSettings {
-            block_size: u64_arg("block_size", block_size)?,
-            num_speculative_tokens: u64_arg("num_speculative_tokens", num_speculative_tokens)?,
-            mtp_kv_cache: mtp_kv_cache.get("mtp_kv_cache")?,
-            hybrid: hybrid.get("hybrid")?,
-        };
+        let settings =
+            admission::DecodeSettings { block_size, num_speculative_tokens, mtp_kv_cache, hybrid };
         let room = batch_room(total_request_count, max_requests, active_token_count, max_tokens)?;
         admission::check_prefilled_admission(&req, &room, &settings).py()
     }
@@ -339,34 +298,22 @@ methods {
     /// ticket's source lease `lease_ns` (a `MetadataError` unless an int >= 2).
     #[staticmethod]
     #[pyo3(signature = (request_id, now, timeout, lease_ns=None))]
-    fn import_deadline(
-        request_id: Int,
-        now: Int,
-        timeout: Int,
-        lease_ns: Option<Int>,
-    ) -> PyResult<u64> {
-        let request_id = u64_arg("request_id", request_id)?;
+    fn import_deadline(request_id: Int, now: Int, timeout: Int, lease_ns: Option<Int>)
+        -> PyResult<u64> {
+        conv!(request_id: U64);
         let lease = lease_ns.map(|v| admission::ticket_int(request_id, "lease_ns", &v.0));
         let lease = lease.transpose().py()?;
-        admission::import_deadline(
-            request_id,
-            u64_arg("now", now)?,
-            u64_arg("timeout", timeout)?,
-            lease,
-        )
-        .py()
+        conv!(now: U64, timeout: U64);
+        admission::import_deadline(request_id, now, timeout, lease).py()
     }
 
     /// `(lease_until_wall, now_wall)` for `submit` from the ticket's `lease_until_wall_ns`
     /// and this side's wall clock: both, or `(None, None)` when either is missing.
     #[staticmethod]
     #[pyo3(signature = (request_id, lease_until_wall_ns=None, now_wall=None))]
-    fn source_lease(
-        request_id: Int,
-        lease_until_wall_ns: Option<Int>,
-        now_wall: Option<Int>,
-    ) -> PyResult<(Option<u64>, Option<u64>)> {
-        let request_id = u64_arg("request_id", request_id)?;
+    fn source_lease(request_id: Int, lease_until_wall_ns: Option<Int>, now_wall: Option<Int>)
+        -> PyResult<(Option<u64>, Option<u64>)> {
+        conv!(request_id: U64);
         let (end, wall) = (lease_until_wall_ns.map(|v| v.0), now_wall.map(|v| v.0));
         let lease = admission::source_lease_of(request_id, end.as_ref(), wall.as_ref()).py()?;
         Ok(lease.map_or((None, None), |(e, w)| (Some(e), Some(w))))
@@ -377,21 +324,12 @@ methods {
     #[staticmethod]
     #[pyo3(signature = (resume_tokens, max_new_tokens, termination_id=None, stop_word_ids=Vec::new()),
         text_signature = "(resume_tokens, max_new_tokens, termination_id=None, stop_word_ids=[])")]
-    fn resume_finishes(
-        resume_tokens: IntList,
-        max_new_tokens: Int,
-        termination_id: Option<Int>,
-        stop_word_ids: Vec<IntList>,
-    ) -> PyResult<bool> {
-        let resume = resume_tokens.to_i64s(Kind::Argument, "resume_tokens")?;
-        let limit = max_new_tokens.to_i64(Kind::Argument, "max_new_tokens")?;
-        let term =
-            termination_id.map(|t| t.to_i64(Kind::Argument, "termination_id")).transpose()?;
-        let stops = stop_word_ids
-            .iter()
-            .map(|w| w.to_i64s(Kind::Argument, "stop_word_ids"))
-            .collect::<PyResult<Vec<_>>>()?;
-        Ok(admission::resume_finishes(&resume, limit, term, &stops))
+    fn resume_finishes(resume_tokens: IntList, max_new_tokens: Int, termination_id: Option<Int>,
+        stop_word_ids: Vec<IntList>) -> PyResult<bool> {
+        conv!(resume_tokens: I64s, max_new_tokens: I64, termination_id: Opt<I64>);
+        let stops = stop_word_ids.into_iter().map(|w| I64s::conv("stop_word_ids", w));
+        let stops = stops.collect::<PyResult<Vec<_>>>()?;
+        Ok(admission::resume_finishes(&resume_tokens, max_new_tokens, termination_id, &stops))
     }
 
     /// Validate, then queue or start one handoff. Give `prompt_tokens` (hashed here) or
@@ -407,87 +345,33 @@ methods {
         prompt_hashes=None, src_block_ids, src_block_size_tokens=None, resume_tokens=0, \
         has_ssm=False, finished=False, deadline, now, reuse_align_tokens=1, \
         lease_until_wall=None, now_wall=None)")]
-    fn submit(
-        &self,
-        py: Python<'_>,
-        request_id: Int,
-        prompt_tokens: Option<&Bound<'_, PyAny>>,
-        num_prompt_tokens: Option<Int>,
-        prompt_hashes: Option<IntList>,
-        src_block_ids: IntList,
-        src_block_size_tokens: Option<Int>,
-        resume_tokens: Int,
-        has_ssm: Flag,
-        finished: Flag,
-        deadline: Int,
-        now: Int,
-        reuse_align_tokens: Int,
-        lease_until_wall: Option<Int>,
-        now_wall: Option<Int>,
-    ) -> PyResult<Vec<PyLedgerAction>> {
-        let request_id = u64_arg("request_id", request_id)?;
-        let (has_ssm, finished) = (has_ssm.get("has_ssm")?, finished.get("finished")?);
-        let prompt_hashes =
-            prompt_hashes.map(|h| h.to_u64s(Kind::Argument, "prompt_hashes")).transpose()?;
-        let source_lease = SourceLease::pair(
-            lease_until_wall.map(|u| u64_arg("lease_until_wall", u)).transpose()?,
-            now_wall.map(|w| u64_arg("now_wall", w)).transpose()?,
-        )
-        .py()?;
-        let reuse_align_tokens = u32_arg("reuse_align_tokens", reuse_align_tokens)?;
+    #[allow(clippy::too_many_arguments)]
+    fn submit(&self, py: Python<'_>, request_id: Int, prompt_tokens: Option<&Bound<'_, PyAny>>,
+        num_prompt_tokens: Option<Int>, prompt_hashes: Option<IntList>, src_block_ids: IntList,
+        src_block_size_tokens: Option<Int>, resume_tokens: Int, has_ssm: Flag, finished: Flag,
+        deadline: Int, now: Int, reuse_align_tokens: Int, lease_until_wall: Option<Int>,
+        now_wall: Option<Int>) -> PyResult<Vec<PyLedgerAction>> {
+        conv!(request_id: U64, has_ssm: Bool, finished: Bool, prompt_hashes: Opt<U64s>);
+        conv!(lease_until_wall: Opt<U64>, now_wall: Opt<U64>);
+        let source_lease = SourceLease::pair(lease_until_wall, now_wall).py()?;
+        conv!(reuse_align_tokens: U32);
         let prompt_tokens = prompt_tokens.map(tokens_arg).transpose()?;
-        let src_block_ids = ids_arg("src_block_ids", &src_block_ids)?;
-        let resume_tokens = u32_arg("resume_tokens", resume_tokens)?;
-        let deadline = u64_arg("deadline", deadline)?;
-        let now = u64_arg("now", now)?;
-        let src_bs =
-            src_block_size_tokens.map(|v| u32_arg("src_block_size_tokens", v)).transpose()?;
-        let n_given = num_prompt_tokens.map(|v| u32_arg("num_prompt_tokens", v)).transpose()?;
+        conv!(src_block_ids: Ids, resume_tokens: U32, deadline: U64, now: U64);
+        conv!(src_block_size_tokens: Opt<U32>, num_prompt_tokens: Opt<U32>);
         let inner = Arc::clone(&self.inner);
         let out = py.detach(move || -> PyResult<Vec<LedgerAction>> {
             let mut l = lock(&inner)?;
             let bs = l.pool().block_size_tokens();
             let (num_prompt_tokens, prompt_hashes) =
-                l.prompt_facts(prompt_tokens.as_deref(), n_given, prompt_hashes).py()?;
+                l.prompt_facts(prompt_tokens.as_deref(), num_prompt_tokens, prompt_hashes).py()?;
             let req = ImportRequest {
-                request_id,
-                num_prompt_tokens,
-                prompt_hashes,
-                src_block_ids,
-                src_block_size_tokens: src_bs.unwrap_or(bs),
-                resume_tokens,
-                has_ssm,
-                finished,
-                deadline,
-                reuse_align_tokens,
-                source_lease,
+                request_id, num_prompt_tokens, prompt_hashes, src_block_ids,
+                src_block_size_tokens: src_block_size_tokens.unwrap_or(bs), resume_tokens,
+                has_ssm, finished, deadline, reuse_align_tokens, source_lease,
             };
             l.submit(req, now).py()
         })?;
         Ok(actions(out))
-    }
-
-    /// One rank's terminal report: `outcome` is `"ok"`, `"error"`, `"timeout"` or
-    /// `"may_still_write"`.
-    fn report(&self, request_id: Int, epoch: Int, rank: Int, outcome: Text, now: Int) -> Acts {
-        let outcome = RankOutcome::parse(outcome.get("outcome")?).py()?;
-        let (r, e, k, n) = (
-            u64_arg("request_id", request_id)?,
-            u64_arg("epoch", epoch)?,
-            u32_arg("rank", rank)?,
-            u64_arg("now", now)?,
-        );
-        Ok(actions(lock(&self.inner)?.report(r, e, k, outcome, n).py()?))
-    }
-
-    /// Admission point: admit ready imports while the batch has `batch_room` places. `now`
-    /// (read after the completions were observed) fails imports whose source lease passed;
-    /// without it, imports with a source lease wait.
-    #[pyo3(signature = (batch_room, now=None))]
-    fn admit(&self, batch_room: Int, now: Option<Int>) -> PyResult<Vec<PyLedgerAction>> {
-        let room = u32_arg("batch_room", batch_room)?;
-        let now = now.map(|n| u64_arg("now", n)).transpose()?;
-        Ok(actions(lock(&self.inner)?.admit(room, now).py()?))
     }
 
     /// Speculative lookahead tokens reserved after the resume tokens of every import.
@@ -511,65 +395,50 @@ pub struct PyPinLedger {
 core_methods!(PyPinLedger, lock_with, inner, pools Pin,
 calls {
     /// A push send started reading the pin (two-sided transports).
-    fn begin_push(request_id: u64_arg, epoch: u64_arg) -> () = begin_push;
+    fn begin_push(request_id: U64, epoch: U64) -> () = begin_push(request_id, epoch);
     /// The push send settled; a release that waited for it happens now.
-    fn push_settled(request_id: u64_arg, epoch: u64_arg) -> Vec<PyLedgerAction> = push_settled;
+    fn push_settled(request_id: U64, epoch: U64) -> Vec<PyLedgerAction>
+        = push_settled(request_id, epoch);
     /// Release pins whose lease ended at `now`.
-    fn expire(now: u64_arg) -> Vec<PyLedgerAction> = expire;
+    fn expire(now: U64) -> Vec<PyLedgerAction> = expire(now);
     /// Release every pin; refused (nothing changed) while a push may still read.
-    fn reset() -> Vec<PyLedgerAction> = reset;
+    fn reset() -> Vec<PyLedgerAction> = reset();
     /// Verify conservation; raises `ConservationError`.
-    fn check() -> () = check;
+    fn check() -> () = check();
     /// Live pins.
-    #[getter] fn num_pinned() -> usize = num_pinned;
+    #[getter] fn num_pinned() -> usize = num_pinned();
     /// The reference design's `pending_kv_push_count`.
-    #[getter] fn pending_kv_push_count() -> usize = pending_kv_push_count;
+    #[getter] fn pending_kv_push_count() -> usize = pending_kv_push_count();
     /// Request ids of the live pins, ascending.
-    fn pinned_request_ids() -> Vec<u64> = pinned_request_ids;
+    fn pinned_request_ids() -> Vec<u64> = pinned_request_ids();
     /// Epoch of a live pin.
-    fn epoch_of(request_id: u64_arg) -> Option<u64> = epoch_of;
+    fn epoch_of(request_id: U64) -> Option<u64> = epoch_of(request_id);
+    /// Pin held blocks (one more reference each) and a handed-out SSM slot (taken over) until
+    /// `RELEASE_KV` or `lease_until`; returns the pin's epoch.
+    #[pyo3(signature = (request_id, block_ids, ssm_slot=None, *, lease_until, now))]
+    fn pin(request_id: U64, block_ids: Ids, ssm_slot: Opt<Id>, lease_until: U64, now: U64) -> u64
+        = pin(request_id, &block_ids, ssm_slot, lease_until, now);
+    /// `RELEASE_KV`: idempotent; unknown ids and old epochs are counted no-ops.
+    #[pyo3(signature = (request_id, epoch=None))]
+    fn release(request_id: U64, epoch: Opt<U64>) -> Vec<PyLedgerAction>
+        = release(request_id, epoch);
 }
 methods {
     #[new]
     #[pyo3(signature = (num_blocks, block_size_tokens, num_ssm_slots=Int::of(0)),
         text_signature = "(num_blocks, block_size_tokens, num_ssm_slots=0)")]
     fn new(num_blocks: Int, block_size_tokens: Int, num_ssm_slots: Int) -> PyResult<Self> {
-        let l = PinLedger::new(
-            u32_arg("num_blocks", num_blocks)?,
-            u32_arg("block_size_tokens", block_size_tokens)?,
-            u32_arg("num_ssm_slots", num_ssm_slots)?,
-        )
-        .py()?;
+        conv!(num_blocks: U32, block_size_tokens: U32, num_ssm_slots: U32);
+        let l = PinLedger::new(num_blocks, block_size_tokens, num_ssm_slots).py()?;
         Ok(Self { inner: Arc::new(Mutex::new(l)) })
-    }
-
-    /// Pin held blocks (one more reference each) and a handed-out SSM slot (taken over) until
-    /// `RELEASE_KV` or `lease_until`; returns the pin's epoch.
-    #[pyo3(signature = (request_id, block_ids, ssm_slot=None, *, lease_until, now))]
-    fn pin(
-        &self,
-        request_id: Int,
-        block_ids: IntList,
-        ssm_slot: Option<Int>,
-        lease_until: Int,
-        now: Int,
-    ) -> PyResult<u64> {
-        let r = u64_arg("request_id", request_id)?;
-        let ids = ids_arg("block_ids", &block_ids)?;
-        let slot = ssm_slot.map(|s| crate::pool::id_arg("ssm_slot", s)).transpose()?;
-        let (lease, n) = (u64_arg("lease_until", lease_until)?, u64_arg("now", now)?);
-        lock(&self.inner)?.pin(r, &ids, slot, lease, n).py()
     }
 
     /// Plan a push of a pinned handoff to the `destination` of the first entry of
     /// `decode_metas` (one per decode rank) that states one, and mark it in flight; refuses,
     /// changing nothing, what `PushDestination` lacks. Returns `(epoch, src_block_ids,
     /// dst_block_ids, num_tokens, src_ssm_slot, dst_ssm_slot)`: `num_tokens` tokens to send.
-    fn start_push(
-        &self,
-        request_id: Int,
-        decode_metas: Vec<Bound<'_, PyAny>>,
-    ) -> PyResult<PushTuple> {
+    fn start_push(&self, request_id: Int, decode_metas: Vec<Bound<'_, PyAny>>)
+        -> PyResult<PushTuple> {
         let (request_id, destinations) = push_args(request_id, &decode_metas)?;
         Ok(push_tuple(lock(&self.inner)?.start_push(request_id, &destinations).py()?))
     }
@@ -577,29 +446,22 @@ methods {
     /// Plan a filler for receives a decode posted for a handoff this engine will not push
     /// (see `PinLedger::filler_push` of the core): same tuple as `start_push`, epoch 0, source
     /// blocks `0..n` that only size the messages; nothing changes.
-    fn filler_push(&self, request_id: Int, decode_metas: Vec<Bound<'_, PyAny>>) -> PyResult<PushTuple> {
+    fn filler_push(&self, request_id: Int, decode_metas: Vec<Bound<'_, PyAny>>)
+        -> PyResult<PushTuple> {
         let (request_id, destinations) = push_args(request_id, &decode_metas)?;
         Ok(push_tuple(lock(&self.inner)?.filler_push(request_id, &destinations).py()?))
     }
 
-    /// `RELEASE_KV`: idempotent; unknown ids and old epochs are counted no-ops.
-    #[pyo3(signature = (request_id, epoch=None))]
-    fn release(&self, request_id: Int, epoch: Option<Int>) -> PyResult<Vec<PyLedgerAction>> {
-        let r = u64_arg("request_id", request_id)?;
-        let e = epoch.map(|e| u64_arg("epoch", e)).transpose()?;
-        Ok(actions(lock(&self.inner)?.release(r, e).py()?))
-    }
-
     /// Blocks of a live pin in pinned order (``None`` for an id with no pin).
     fn pinned_blocks(&self, request_id: Int) -> PyResult<Option<Vec<u32>>> {
-        let r = u64_arg("request_id", request_id)?;
-        Ok(lock(&self.inner)?.pinned(r).map(|(b, _)| b.to_vec()))
+        conv!(request_id: U64);
+        Ok(lock(&self.inner)?.pinned(request_id).map(|(b, _)| b.to_vec()))
     }
 
     /// SSM slot of a live pin (``None`` for an id with no pin or a pin without a slot).
     fn pinned_ssm_slot(&self, request_id: Int) -> PyResult<Option<u32>> {
-        let r = u64_arg("request_id", request_id)?;
-        Ok(lock(&self.inner)?.pinned(r).and_then(|(_, s)| s))
+        conv!(request_id: U64);
+        Ok(lock(&self.inner)?.pinned(request_id).and_then(|(_, s)| s))
     }
 
     /// Event counters by name.
@@ -615,53 +477,52 @@ pub struct PyCompletionQuorum {
     inner: Mutex<CompletionQuorum>,
 }
 
+impl Out for Result<Option<QuorumDecision>, DisaggError> {
+    type Py = Option<QuorumVerdict>;
+    fn out(self) -> PyResult<Self::Py> {
+        Ok(self.py()?.map(|d| match d {
+            QuorumDecision::Success => ("success", None, None),
+            QuorumDecision::Failure { rank, outcome } => {
+                ("failure", Some(rank), Some(outcome.name()))
+            }
+        }))
+    }
+}
+
 core_methods!(PyCompletionQuorum, lock_with, inner,
 calls {
     /// Number of ranks.
-    #[getter] fn world_size() -> u32 = world_size;
+    #[getter] fn world_size() -> u32 = world_size();
     /// Duplicate reports ignored so far.
-    #[getter] fn ignored() -> u64 = ignored;
+    #[getter] fn ignored() -> u64 = ignored();
     /// Attempts with votes not forgotten yet.
-    #[getter] fn num_open() -> usize = num_open;
+    #[getter] fn num_open() -> usize = num_open();
     /// Drop the votes of a finished attempt.
-    fn forget(request_id: u64_arg, epoch: u64_arg) -> () = forget;
+    fn forget(request_id: U64, epoch: U64) -> () = forget(request_id, epoch);
+    /// Record a report. Returns `None` (no decision yet or already decided),
+    /// `("success", None, None)` or `("failure", first_failed_rank, its_outcome)`.
+    fn report(request_id: U64, epoch: U64, rank: U32, outcome: Outcome) -> Option<QuorumVerdict>
+        = report(request_id, epoch, rank, outcome);
 }
 methods {
     #[new]
     fn new(world_size: Int) -> PyResult<Self> {
-        Ok(Self {
-            inner: Mutex::new(CompletionQuorum::new(u32_arg("world_size", world_size)?).py()?),
-        })
+        conv!(world_size: U32);
+        Ok(Self { inner: Mutex::new(CompletionQuorum::new(world_size).py()?) })
     }
 
     /// This rank's outcome of one import from its transfer handles' states (`"running"`,
     /// `"done"`, `"timeout"`, `"error"`): `None` while one runs, else `"may_still_write"`,
     /// `"error"` or `"ok"` (see `RankOutcome::fold_local`).
     #[staticmethod]
-    fn local_outcome(
-        failed_locally: Flag,
-        handle_states: Vec<Text>,
-    ) -> PyResult<Option<&'static str>> {
+    fn local_outcome(failed_locally: Flag, handle_states: Vec<Text>)
+        -> PyResult<Option<&'static str>> {
         let states = handle_states
             .iter()
             .map(|t| HandleState::parse(t.get("handle_states")?).py())
             .collect::<PyResult<Vec<_>>>()?;
-        let failed = failed_locally.get("failed_locally")?;
-        Ok(RankOutcome::fold_local(failed, &states).map(RankOutcome::name))
-    }
-
-    /// Record a report. Returns `None` (no decision yet or already decided),
-    /// `("success", None, None)` or `("failure", first_failed_rank, its_outcome)`.
-    fn report(&self, request_id: Int, epoch: Int, rank: Int, outcome: Text) -> Verdict {
-        let o = RankOutcome::parse(outcome.get("outcome")?).py()?;
-        let (r, e, k) =
-            (u64_arg("request_id", request_id)?, u64_arg("epoch", epoch)?, u32_arg("rank", rank)?);
-        Ok(lock(&self.inner)?.report(r, e, k, o).py()?.map(|d| match d {
-            QuorumDecision::Success => ("success", None, None),
-            QuorumDecision::Failure { rank, outcome } => {
-                ("failure", Some(rank), Some(outcome.name()))
-            }
-        }))
+        conv!(failed_locally: Bool);
+        Ok(RankOutcome::fold_local(failed_locally, &states).map(RankOutcome::name))
     }
 });
 
@@ -672,84 +533,48 @@ methods {
 pub struct PyReferenceImports(Mutex<disagg_core::reference::ReferenceImports>);
 
 fn rid_pairs(pairs: Vec<(Int, bool)>) -> PyResult<Vec<(u64, bool)>> {
-    pairs.into_iter().map(|(r, b)| Ok((u64_arg("request_id", r)?, b))).collect()
+    pairs.into_iter().map(|(r, b)| Ok((U64::conv("request_id", r)?, b))).collect()
 }
 
-#[pymethods]
-impl PyReferenceImports {
+core_methods!(PyReferenceImports, lock_with, 0,
+calls {
+    fn start(request_id: U64, safe: Raw<bool>) -> () = start(request_id, safe);
+    fn importing() -> Vec<u64> = importing();
+    fn unreported() -> Vec<u64> = unreported();
+    fn decide(request_id: U64, failed: Raw<bool>) -> () = decide(request_id, failed);
+    fn decided_in_order() -> Vec<(u64, bool)> = decided_in_order();
+    fn admitted(request_id: U64) -> () = admitted(request_id);
+    fn may_release(request_id: U64) -> bool = may_release(request_id);
+    #[getter] fn num_importing() -> usize = num_importing();
+    #[getter] fn num_quarantined() -> usize = num_quarantined();
+}
+methods {
     #[new]
     fn new() -> Self {
         Self(Mutex::new(disagg_core::reference::ReferenceImports::new()))
     }
 
-    fn start(&self, request_id: Int, safe: bool) -> PyResult<()> {
-        lock(&self.0)?.start(u64_arg("request_id", request_id)?, safe).py()
-    }
-
-    fn importing(&self) -> PyResult<Vec<u64>> {
-        Ok(lock(&self.0)?.importing())
-    }
-
-    fn unreported(&self) -> PyResult<Vec<u64>> {
-        Ok(lock(&self.0)?.unreported())
-    }
-
-    fn report(
-        &self,
-        outcomes: Vec<(Int, Option<bool>)>,
-        shared: bool,
-        model_parallel: Int,
-    ) -> PyResult<Vec<(u64, bool)>> {
+    fn report(&self, outcomes: Vec<(Int, Option<bool>)>, shared: bool, model_parallel: Int)
+        -> PyResult<Vec<(u64, bool)>> {
         let outcomes = outcomes
             .into_iter()
-            .map(|(r, o)| Ok((u64_arg("request_id", r)?, o)))
+            .map(|(r, o)| Ok((U64::conv("request_id", r)?, o)))
             .collect::<PyResult<Vec<_>>>()?;
-        let mp = u64_arg("model_parallel", model_parallel)?;
-        lock(&self.0)?.report(&outcomes, shared, mp).py()
-    }
-
-    fn decide(&self, request_id: Int, failed: bool) -> PyResult<()> {
-        lock(&self.0)?.decide(u64_arg("request_id", request_id)?, failed);
-        Ok(())
-    }
-
-    fn decided_in_order(&self) -> PyResult<Vec<(u64, bool)>> {
-        Ok(lock(&self.0)?.decided_in_order())
-    }
-
-    fn admitted(&self, request_id: Int) -> PyResult<()> {
-        lock(&self.0)?.admitted(u64_arg("request_id", request_id)?).py()
-    }
-
-    fn may_release(&self, request_id: Int) -> PyResult<bool> {
-        Ok(lock(&self.0)?.may_release(u64_arg("request_id", request_id)?))
+        conv!(model_parallel: U64);
+        lock(&self.0)?.report(&outcomes, shared, model_parallel).py()
     }
 
     /// True: release the storage; False: it was quarantined.
     fn failed(&self, request_id: Int, quiet: bool) -> PyResult<bool> {
-        let rid = u64_arg("request_id", request_id)?;
-        let storage = lock(&self.0)?.failed(rid, quiet).py()?;
+        conv!(request_id: U64);
+        let storage = lock(&self.0)?.failed(request_id, quiet).py()?;
         Ok(storage == disagg_core::reference::FailedStorage::Release)
     }
 
-    fn reset(
-        &self,
-        pinned: Vec<Int>,
-        pushes: Vec<(Int, bool)>,
-        imports: Vec<(Int, bool)>,
-    ) -> PyResult<()> {
-        let pinned =
-            pinned.into_iter().map(|r| u64_arg("request_id", r)).collect::<PyResult<Vec<_>>>()?;
+    fn reset(&self, pinned: Vec<Int>, pushes: Vec<(Int, bool)>, imports: Vec<(Int, bool)>)
+        -> PyResult<()> {
+        let pinned = pinned.into_iter().map(|r| U64::conv("request_id", r));
+        let pinned = pinned.collect::<PyResult<Vec<_>>>()?;
         lock(&self.0)?.reset(&pinned, &rid_pairs(pushes)?, &rid_pairs(imports)?).py()
     }
-
-    #[getter]
-    fn num_importing(&self) -> PyResult<usize> {
-        Ok(lock(&self.0)?.num_importing())
-    }
-
-    #[getter]
-    fn num_quarantined(&self) -> PyResult<usize> {
-        Ok(lock(&self.0)?.num_quarantined())
-    }
-}
+});

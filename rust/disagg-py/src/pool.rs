@@ -11,7 +11,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::args::{Int, IntList, Kind};
+use crate::args::{conv, Id, Ids, Int, IntList, Kind, U64s, U32};
 use crate::error::IntoPyResult;
 
 /// Lock a shared core object; a poisoned lock (a panic elsewhere) becomes a Python error.
@@ -46,26 +46,42 @@ macro_rules! plain_out {
         }
     )*};
 }
-plain_out!((), bool, u32, u64, usize, Option<u64>, Option<&'static str>, Vec<u32>, Vec<u64>);
-plain_out!(Vec<(u64, u64)>);
+plain_out!((), bool, u32, u64, Option<u64>, Option<&'static str>, Vec<u32>, Vec<u64>);
+plain_out!(Vec<(u64, u64)>, Vec<(u64, bool)>, String, usize, &'static str, Option<String>);
+plain_out!(
+    Option<(u64, Vec<u64>)>,
+    Vec<(usize, usize)>,
+    (bool, bool, Vec<(usize, usize)>),
+    Vec<(usize, usize, u64, [u64; 4])>
+);
+
+impl Out for Result<SlotState, DisaggError> {
+    type Py = &'static str;
+    fn out(self) -> PyResult<&'static str> {
+        self.py().map(SlotState::name)
+    }
+}
 
 /// One `#[pymethods]` block of a class that reaches its core object as `reach(&self.field, f)`
-/// (`lock_with` for a ledger's mutex, `PoolOwner::with` for a pool): each `calls` entry `fn name(arg: conv, ..) -> T = method;` converts every `Int` argument
-/// with `conv("arg", arg)` (before the core is locked), then returns `core.method(args..)` as
-/// Python receives it ([`Out`]). Attributes (doc comments, `#[getter]`) carry over;
-/// `methods { .. }` holds the hand-written ones; `pools Variant,` adds the `block_pool` and
-/// `slot_pool` views of a ledger's pools (`PoolOwner::Variant`).
+/// (`lock_with` for a mutex, `PoolOwner::with` for a pool): each `calls` entry
+/// `fn name(arg: Conv, ..) -> T = method(exprs..);` converts every argument with its
+/// [`Conv`](crate::args::Conv) marker (before the core is locked), then returns
+/// `core.method(exprs..)` as Python receives it ([`Out`]). Attributes (doc comments,
+/// `#[getter]`) carry over; `methods { .. }` holds the hand-written ones; `pools Variant,` adds
+/// the `block_pool` and `slot_pool` views of a ledger's pools (`PoolOwner::Variant`).
 macro_rules! core_methods {
     (
-        $ty:ty, $reach:path, $field:ident, $(pools $owner:ident,)?
-        calls { $($(#[$m:meta])* fn $name:ident($($a:ident: $conv:ident),*) -> $ret:ty = $call:ident;)* }
+        $ty:ty, $reach:path, $field:tt, $(pools $owner:ident,)?
+        calls { $($(#[$m:meta])* fn $name:ident($($a:ident: $c:ty),*) -> $ret:ty
+            = $call:ident($($x:expr),*);)* }
         methods { $($rest:tt)* }
     ) => {
         #[pymethods]
         impl $ty {
-            $($(#[$m])* fn $name(&self, $($a: $crate::args::Int),*) -> PyResult<$ret> {
-                $(let $a = $conv(stringify!($a), $a)?;)*
-                $crate::pool::Out::out($reach(&self.$field, |c| c.$call($($a),*))?)
+            $($(#[$m])*
+            fn $name(&self, $($a: <$c as $crate::args::Conv>::Py),*) -> PyResult<$ret> {
+                $crate::args::conv!($($a: $c),*);
+                $crate::pool::Out::out($reach(&self.$field, |c| c.$call($($x),*))?)
             })*
             $(
                 /// The ledger's block pool (shared, not a copy): the engine's allocator.
@@ -90,26 +106,6 @@ pub(crate) use core_methods;
 /// Run `f` on the core object behind `m`, locked.
 pub fn lock_with<T, R>(m: &Mutex<T>, f: impl FnOnce(&mut T) -> R) -> PyResult<R> {
     Ok(f(&mut *lock(m)?))
-}
-
-/// A Python int that must be a valid block or slot id (`[0, 2**32)`).
-pub fn id_arg(field: &str, v: impl Into<Int>) -> PyResult<u32> {
-    v.into().to_u32(Kind::Block, field)
-}
-
-/// A list of block ids, each checked like [`id_arg`].
-pub fn ids_arg(field: &str, v: &IntList) -> PyResult<Vec<u32>> {
-    v.to_u32s(Kind::Block, field)
-}
-
-/// A non-negative Python int argument (counts, times, request ids).
-pub fn u64_arg(field: &str, v: impl Into<Int>) -> PyResult<u64> {
-    v.into().to_u64(Kind::Argument, field)
-}
-
-/// A count argument that must fit `u32`.
-pub fn u32_arg(field: &str, v: impl Into<Int>) -> PyResult<u32> {
-    v.into().to_u32(Kind::Argument, field)
 }
 
 /// Token ids from a Python list (fast path), a 1-D integer numpy array, or any sequence.
@@ -196,43 +192,41 @@ pub struct PyBlockPool {
 core_methods!(PyBlockPool, PoolOwner::with, owner,
 calls {
     /// Total number of blocks.
-    #[getter] fn num_blocks() -> u32 = num_blocks;
+    #[getter] fn num_blocks() -> u32 = num_blocks();
     /// Tokens per block.
-    #[getter] fn block_size_tokens() -> u32 = block_size_tokens;
+    #[getter] fn block_size_tokens() -> u32 = block_size_tokens();
     /// Blocks `allocate` can hand out now (never-used plus evictable cached).
-    #[getter] fn num_free() -> u32 = num_free;
+    #[getter] fn num_free() -> u32 = num_free();
     /// Unreferenced blocks still published in the prefix cache.
-    #[getter] fn num_evictable() -> u32 = num_evictable;
+    #[getter] fn num_evictable() -> u32 = num_evictable();
     /// Whether `allocate(n)` would succeed now.
-    fn can_allocate(n: u32_arg) -> bool = can_allocate;
+    fn can_allocate(n: U32) -> bool = can_allocate(n);
     /// `n` blocks with refcount 1, all or nothing (evicts LRU cached blocks if needed).
-    fn allocate(n: u32_arg) -> Vec<u32> = allocate;
+    fn allocate(n: U32) -> Vec<u32> = allocate(n);
     /// Reference count of one block.
-    fn refcount(block_id: id_arg) -> u32 = refcount;
+    fn refcount(block_id: Id) -> u32 = refcount(block_id);
     /// Verify conservation; raises `ConservationError`.
-    fn check() -> () = check;
+    fn check() -> () = check();
+    /// One more reference per occurrence; claims evictable cached blocks.
+    fn retain(block_ids: Ids) -> () = retain(&block_ids);
+    /// One reference less per occurrence; all or nothing.
+    fn release(block_ids: Ids) -> () = release(&block_ids);
+    /// Publish held full blocks under their hashes.
+    fn register_cached(block_ids: Ids, hashes: U64s) -> () = register_cached(&block_ids, &hashes);
+    /// Blocks of the longest cached prefix of `hashes` (not retained).
+    fn match_prefix(hashes: U64s) -> Vec<u32> = match_prefix(&hashes);
+    fn __repr__() -> String = to_string();
 }
 methods {
+    fn __len__(&self) -> PyResult<usize> {
+        self.owner.with(|p| p.num_blocks() as usize)
+    }
+
     #[new]
     fn new(num_blocks: Int, block_size_tokens: Int) -> PyResult<Self> {
-        let pool = BlockPool::new(
-            u32_arg("num_blocks", num_blocks)?,
-            u32_arg("block_size_tokens", block_size_tokens)?,
-        )
-        .py()?;
+        conv!(num_blocks: U32, block_size_tokens: U32);
+        let pool = BlockPool::new(num_blocks, block_size_tokens).py()?;
         Ok(Self { owner: BlockPoolOwner::Own(Arc::new(Mutex::new(pool))) })
-    }
-
-    /// One more reference per occurrence; claims evictable cached blocks.
-    fn retain(&self, block_ids: IntList) -> PyResult<()> {
-        let ids = ids_arg("block_ids", &block_ids)?;
-        self.owner.with(|p| p.retain(&ids))?.py()
-    }
-
-    /// One reference less per occurrence; all or nothing.
-    fn release(&self, block_ids: IntList) -> PyResult<()> {
-        let ids = ids_arg("block_ids", &block_ids)?;
-        self.owner.with(|p| p.release(&ids))?.py()
     }
 
     /// Hash chain over the full blocks of `tokens` (deterministic across processes).
@@ -240,35 +234,6 @@ methods {
         let tokens = tokens_arg(tokens)?;
         let bs = self.owner.with(|p| p.block_size_tokens())?;
         py.detach(|| disagg_core::block_hashes(&tokens, bs)).py()
-    }
-
-    /// Publish held full blocks under their hashes.
-    fn register_cached(&self, block_ids: IntList, hashes: IntList) -> PyResult<()> {
-        let ids = ids_arg("block_ids", &block_ids)?;
-        let hashes = hashes.to_u64s(Kind::Argument, "hashes")?;
-        self.owner.with(|p| p.register_cached(&ids, &hashes))?.py()
-    }
-
-    /// Blocks of the longest cached prefix of `hashes` (not retained).
-    fn match_prefix(&self, hashes: IntList) -> PyResult<Vec<u32>> {
-        let hashes = hashes.to_u64s(Kind::Argument, "hashes")?;
-        self.owner.with(|p| p.match_prefix(&hashes))
-    }
-
-    fn __len__(&self) -> PyResult<usize> {
-        self.owner.with(|p| p.num_blocks() as usize)
-    }
-
-    fn __repr__(&self) -> PyResult<String> {
-        self.owner.with(|p| {
-            format!(
-                "BlockPool(num_blocks={}, block_size_tokens={}, num_free={}, num_evictable={})",
-                p.num_blocks(),
-                p.block_size_tokens(),
-                p.num_free(),
-                p.num_evictable()
-            )
-        })
     }
 });
 
@@ -282,44 +247,29 @@ pub struct PySlotPool {
 core_methods!(PySlotPool, PoolOwner::with, owner,
 calls {
     /// Total number of slots.
-    #[getter] fn num_slots() -> u32 = num_slots;
+    #[getter] fn num_slots() -> u32 = num_slots();
     /// Slots ready to hand out.
-    #[getter] fn num_free() -> u32 = num_free;
+    #[getter] fn num_free() -> u32 = num_free();
     /// Slots moved to live requests by `detach`.
-    #[getter] fn num_detached() -> u32 = num_detached;
+    #[getter] fn num_detached() -> u32 = num_detached();
     /// One free slot; `CapacityError` when none is free.
-    fn allocate() -> u32 = allocate;
+    fn allocate() -> u32 = allocate();
     /// Return an allocated or detached slot.
-    fn free(slot: id_arg) -> () = free;
+    fn free(slot: Id) -> () = free(slot);
     /// Move an allocated slot out of its allocator's accounting (to a live request); the
     /// request's owner later calls `free`.
-    fn detach(slot: id_arg) -> () = detach;
+    fn detach(slot: Id) -> () = detach(slot);
     /// Verify conservation; raises `ConservationError`.
-    fn check() -> () = check;
+    fn check() -> () = check();
+    /// `"free"`, `"allocated"` or `"detached"`.
+    fn state(slot: Id) -> &'static str = state(slot);
+    fn __repr__() -> String = to_string();
 }
 methods {
     #[new]
     fn new(num_slots: Int) -> PyResult<Self> {
-        Ok(Self {
-            owner: SlotPoolOwner::Own(Arc::new(Mutex::new(
-                SlotPool::try_new(u32_arg("num_slots", num_slots)?).py()?,
-            ))),
-        })
-    }
-
-    /// `"free"`, `"allocated"` or `"detached"`.
-    fn state(&self, slot: Int) -> PyResult<&'static str> {
-        let s = id_arg("slot", slot)?;
-        let st = self.owner.with(|p| p.state(s))?.py()?;
-        Ok(match st {
-            SlotState::Free => "free",
-            SlotState::Allocated => "allocated",
-            SlotState::Detached => "detached",
-        })
-    }
-
-    fn __repr__(&self) -> PyResult<String> {
-        self.owner
-            .with(|p| format!("SlotPool(num_slots={}, num_free={})", p.num_slots(), p.num_free()))
+        conv!(num_slots: U32);
+        let pool = SlotPool::try_new(num_slots).py()?;
+        Ok(Self { owner: SlotPoolOwner::Own(Arc::new(Mutex::new(pool))) })
     }
 });

@@ -4,8 +4,7 @@
 
 use disagg_core::wire::peer::Region;
 use disagg_core::{RegionTable, RowForm};
-use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
+use numpy::{PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
@@ -45,14 +44,6 @@ impl RowsArg<'_> {
             self.arr.as_slice().map_err(|e| err(Kind::Argument, self.field, e.to_string()))?;
         Ok(flat.as_chunks::<3>().0)
     }
-}
-
-/// Rows as a new `[n, 3]` `uint64` array.
-pub(crate) fn to_numpy(py: Python<'_>, rows: Vec<[u64; 3]>) -> PyResult<Bound<'_, PyArray2<u64>>> {
-    let n = rows.len();
-    let arr = Array2::from_shape_vec((n, 3), rows.into_flattened())
-        .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
-    Ok(arr.into_pyarray(py))
 }
 
 /// `[(addr, nbytes), ...]` as a validated table (`MetadataError` naming `regions`).
@@ -105,7 +96,7 @@ pub fn rows_by_region<'py>(
         return Ok(out);
     }
     for (i, g) in groups {
-        out.append((i, to_numpy(py, g)?))?;
+        out.append((i, crate::compile::rows_to_numpy(py, g)?))?;
     }
     Ok(out)
 }

@@ -10,7 +10,7 @@ use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyDict, PySlice};
 
-use crate::args::{Int, Kind, Typed};
+use crate::args::{conv, Int, Typed, U32, U64};
 use crate::error::{py_methods, IntoPyResult};
 
 /// A Python `slice(lo, hi)` (step None, like the reference design's helpers return).
@@ -25,12 +25,6 @@ fn seq_index(index: isize, len: usize) -> PyResult<usize> {
     })
 }
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
-
-/// `head_dim` and `element_size` arguments of `bytes_per_token`.
-fn row_args(head_dim: Int, element_size: Int) -> PyResult<(u64, u64)> {
-    let a = Kind::Argument;
-    Ok((head_dim.to_u64(a, "head_dim")?, element_size.to_u64(a, "element_size")?))
-}
 
 /// The `#[pymethods]` of a plan class `$plan` (a read-only sequence of `$tr` records held in
 /// `self.records()`, made from `$lay` layouts in `self.inner`), plus the hand-written `methods`.
@@ -62,13 +56,13 @@ macro_rules! plan_methods {
             }
             /// Transfers sent by one source rank, in plan order.
             fn for_src(&self, global_rank: Int) -> PyResult<Vec<$tr>> {
-                let rank = global_rank.to_u32(Kind::Argument, "global_rank")?;
-                Ok(of_rank(self.records(), true, rank).into_iter().map(|inner| $tr { inner }).collect())
+                conv!(global_rank: U32);
+                Ok(of_rank(self.records(), true, global_rank).into_iter().map(|inner| $tr { inner }).collect())
             }
             /// Transfers received by one destination rank, in plan order.
             fn for_dst(&self, global_rank: Int) -> PyResult<Vec<$tr>> {
-                let rank = global_rank.to_u32(Kind::Argument, "global_rank")?;
-                Ok(of_rank(self.records(), false, rank).into_iter().map(|inner| $tr { inner }).collect())
+                conv!(global_rank: U32);
+                Ok(of_rank(self.records(), false, global_rank).into_iter().map(|inner| $tr { inner }).collect())
             }
             /// Check that every destination cell is written exactly once by a source holding
             /// it; raises `PlanCoverageError` naming the first gap or overlap.
@@ -149,8 +143,8 @@ methods {
     #[pyo3(signature = (head_dim, element_size=Int::of(2)),
         text_signature = "($self, head_dim, element_size=2)")]
     fn bytes_per_token(&self, head_dim: Int, element_size: Int) -> PyResult<u64> {
-        let (h, e) = row_args(head_dim, element_size)?;
-        self.inner.bytes_per_token(h, e).py()
+        conv!(head_dim: U64, element_size: U64);
+        self.inner.bytes_per_token(head_dim, element_size).py()
     }
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let t = &self.inner;
@@ -189,8 +183,8 @@ methods {
     #[pyo3(signature = (head_dim, element_size=Int::of(2)),
         text_signature = "($self, head_dim, element_size=2)")]
     fn bytes_per_token(&self, head_dim: Int, element_size: Int) -> PyResult<u64> {
-        let (h, e) = row_args(head_dim, element_size)?;
-        self.inner.bytes_per_token(h, e).py()
+        conv!(head_dim: U64, element_size: U64);
+        self.inner.bytes_per_token(head_dim, element_size).py()
     }
     fn __repr__(&self) -> String {
         format!(

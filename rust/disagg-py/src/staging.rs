@@ -4,15 +4,15 @@
 use std::sync::Mutex;
 
 use disagg_core::pull_parts::{Outcome, PullParts, Releases};
-use disagg_core::wire::peer::{LocalSide, SourceIds};
+use disagg_core::wire::peer::SourceIds;
 use disagg_core::StagingRanges;
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PyMapping};
 
-use crate::args::{Int, IntList, Kind};
+use crate::args::{conv, Int, IntList, Kind, Raw, U32, U64};
 use crate::error::IntoPyResult;
-use crate::pool::lock;
+use crate::pool::{core_methods, lock, lock_with};
 use crate::wire::{metas, PyPeer};
 
 /// First-fit pool of aligned byte ranges `[offset, offset + size)` in a staging region.
@@ -21,59 +21,39 @@ pub struct PyStagingRanges {
     inner: Mutex<StagingRanges>,
 }
 
-#[pymethods]
-impl PyStagingRanges {
-    #[new]
-    #[pyo3(signature = (capacity, alignment = Int::from(256_i64)), text_signature = "(capacity, alignment=256)")]
-    fn new(capacity: Int, alignment: Int) -> PyResult<Self> {
-        let capacity = capacity.to_u64(Kind::Argument, "capacity")?;
-        let alignment = alignment.to_u64(Kind::Argument, "alignment")?;
-        Ok(Self { inner: Mutex::new(StagingRanges::new(capacity, alignment).py()?) })
-    }
+core_methods!(PyStagingRanges, lock_with, inner,
+calls {
     /// Bytes of the region.
-    #[getter]
-    fn capacity(&self) -> PyResult<u64> {
-        Ok(lock(&self.inner)?.capacity())
-    }
+    #[getter] fn capacity() -> u64 = capacity();
     /// Start alignment of every range.
-    #[getter]
-    fn alignment(&self) -> PyResult<u64> {
-        Ok(lock(&self.inner)?.alignment())
-    }
+    #[getter] fn alignment() -> u64 = alignment();
     /// Bytes reserved now (sizes rounded up to the alignment).
-    #[getter]
-    fn in_use(&self) -> PyResult<u64> {
-        Ok(lock(&self.inner)?.in_use())
-    }
+    #[getter] fn in_use() -> u64 = in_use();
     /// The largest free range.
-    #[getter]
-    fn largest_free(&self) -> PyResult<u64> {
-        Ok(lock(&self.inner)?.largest_free())
-    }
+    #[getter] fn largest_free() -> u64 = largest_free();
     /// Reserve `size` bytes; return the offset. `CapacityError` (field `staging_bytes`) when
     /// no free range holds them.
-    fn alloc(&self, size: Int) -> PyResult<u64> {
-        let size = size.to_u64(Kind::Argument, "size")?;
-        lock(&self.inner)?.alloc(size).py()
-    }
+    fn alloc(size: U64) -> u64 = alloc(size);
     /// Slots for a chunked transfer: at most `max_slots` equal ranges of the largest free
     /// range's `1 / share`, each aligned and at least `item_bytes`, two at least. Returns
     /// `(slot_bytes, offsets)`, or `None` (nothing reserved) when two do not fit.
-    fn alloc_slots(
-        &self,
-        item_bytes: Int,
-        share: Int,
-        max_slots: Int,
-    ) -> PyResult<Option<(u64, Vec<u64>)>> {
-        let item = item_bytes.to_u64(Kind::Argument, "item_bytes")?;
-        let share = share.to_u64(Kind::Argument, "share")?;
-        let max_slots = max_slots.to_u64(Kind::Argument, "max_slots")?;
-        Ok(lock(&self.inner)?.alloc_slots(item, share, max_slots))
-    }
+    fn alloc_slots(item_bytes: U64, share: U64, max_slots: U64) -> Option<(u64, Vec<u64>)>
+        = alloc_slots(item_bytes, share, max_slots);
     /// Return the range at `offset`; `False` when none starts there (idempotent release).
-    fn free(&self, offset: Int) -> PyResult<bool> {
-        let offset = offset.to_u64(Kind::Argument, "offset")?;
-        Ok(lock(&self.inner)?.free(offset))
+    fn free(offset: U64) -> bool = free(offset);
+    /// Return every range of `offsets` (as `free` each; unknown offsets are ignored).
+    fn free_all(offsets: Raw<Vec<u64>>) -> () = free_all(&offsets);
+    /// The reserved ranges `(offset, size)` in address order.
+    fn ranges() -> Vec<(u64, u64)> = ranges();
+    fn __len__() -> usize = len();
+    fn __repr__() -> String = to_string();
+}
+methods {
+    #[new]
+    #[pyo3(signature = (capacity, alignment = Int::from(256_i64)), text_signature = "(capacity, alignment=256)")]
+    fn new(capacity: Int, alignment: Int) -> PyResult<Self> {
+        conv!(capacity: U64, alignment: U64);
+        Ok(Self { inner: Mutex::new(StagingRanges::new(capacity, alignment).py()?) })
     }
     /// Slots for streaming a packed copy to a peer whose staging region is `peer_staging`
     /// (its metadata's `staging`, `None` for none) reading `sources` copies at once: as
@@ -81,44 +61,14 @@ impl PyStagingRanges {
     /// item size (no device plan). Returns `(slot_bytes, offsets)` (the slot size is the chunk size), or
     /// `None` (nothing reserved).
     #[pyo3(signature = (item_bytes, peer_staging, sources, share, max_slots))]
-    fn alloc_stream(
-        &self,
-        item_bytes: Option<u64>,
-        peer_staging: Option<std::collections::HashMap<String, u64>>,
-        sources: u64,
-        share: u64,
-        max_slots: u64,
-    ) -> PyResult<Option<(u64, Vec<u64>)>> {
+    fn alloc_stream(&self, item_bytes: Option<u64>,
+        peer_staging: Option<std::collections::HashMap<String, u64>>, sources: u64, share: u64,
+        max_slots: u64) -> PyResult<Option<(u64, Vec<u64>)>> {
         let peer_pool = peer_staging.and_then(|m| m.get("nbytes").copied()).unwrap_or(0);
         let Some(item_bytes) = item_bytes else { return Ok(None) };
         Ok(lock(&self.inner)?.alloc_stream(item_bytes, peer_pool, sources, share, max_slots))
     }
-    /// Return every range of `offsets` (as `free` each; unknown offsets are ignored).
-    fn free_all(&self, offsets: Vec<u64>) -> PyResult<()> {
-        let mut pool = lock(&self.inner)?;
-        for at in offsets {
-            pool.free(at);
-        }
-        Ok(())
-    }
-    /// The reserved ranges `(offset, size)` in address order.
-    fn ranges(&self) -> PyResult<Vec<(u64, u64)>> {
-        Ok(lock(&self.inner)?.ranges())
-    }
-    fn __len__(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.len())
-    }
-    fn __repr__(&self) -> PyResult<String> {
-        let p = lock(&self.inner)?;
-        Ok(format!(
-            "StagingRanges(capacity={}, alignment={}, in_use={}, ranges={})",
-            p.capacity(),
-            p.alignment(),
-            p.in_use(),
-            p.len()
-        ))
-    }
-}
+});
 
 /// Block ids of one side: a list of ints or a contiguous `int64` numpy array read directly,
 /// anything else through [`IntList`] (its errors).
@@ -197,14 +147,8 @@ pub fn write_pull_ids(
 ) -> PyResult<Option<(u64, usize, usize, usize)>> {
     let src = source_ids_of(src_block_ids)?;
     let dst = dst_block_ids.map(|d| ids_of(d, "dst_block_ids")).transpose()?;
-    let local = LocalSide {
-        is_dst: dst.is_some(),
-        num_blocks: local_num_blocks.to_u32(Kind::Argument, "local_num_blocks")?,
-        tokens_per_block: local_tokens_per_block
-            .map(|t| t.to_u32(Kind::Argument, "local_tokens_per_block"))
-            .transpose()?,
-    };
-    let tpb = tokens_per_block.to_u32(Kind::Argument, "tokens_per_block")?;
+    let local = crate::wire::local_side(dst.is_some(), local_num_blocks, local_tokens_per_block)?;
+    conv!(tokens_per_block: U32);
     let n = num_tokens.map(|n| n.to_i64(Kind::Block, "num_tokens")).transpose()?;
     let mut view = out.try_readwrite().map_err(|e| {
         pyo3::exceptions::PyValueError::new_err(format!("out is not writable: {e}"))
@@ -213,11 +157,14 @@ pub fn write_pull_ids(
         pyo3::exceptions::PyValueError::new_err(format!("out is not contiguous: {e}"))
     })?;
     let got = match (checked, n.map(u64::try_from)) {
-        (true, Some(Ok(n))) => disagg_core::lay_out_ids(&ranks, &src, dst.as_deref(), n, tpb, slot),
+        (true, Some(Ok(n))) => {
+            disagg_core::lay_out_ids(&ranks, &src, dst.as_deref(), n, tokens_per_block, slot)
+        }
         (true, _) => None,
         (false, _) => {
             let peers = metas(&srcs);
-            disagg_core::write_pull_ids(&peers, &ranks, &src, dst.as_deref(), n, local, tpb, slot)
+            let dst = dst.as_deref();
+            disagg_core::write_pull_ids(&peers, &ranks, &src, dst, n, local, tokens_per_block, slot)
                 .py()?
         }
     };

@@ -43,12 +43,7 @@ pub fn two_sided_tag(request_id: &Bound<'_, PyAny>, kind: &str) -> PyResult<i64>
 #[pyfunction]
 pub fn two_sided_tag_owner(tag: i64) -> PyResult<(i64, &'static str)> {
     let (rid, kind) = tags::tag_owner(tag).py()?;
-    let name = match kind {
-        tags::TagKind::Kv => "kv",
-        tags::TagKind::Conv => "conv",
-        tags::TagKind::Recurrent => "recurrent",
-    };
-    Ok((rid, name))
+    Ok((rid, kind.name()))
 }
 
 /// The steps of a chunked two-sided transfer whose chunk `k` is a send when `sends[k]`,
@@ -56,16 +51,7 @@ pub fn two_sided_tag_owner(tag: i64) -> PyResult<(i64, &'static str)> {
 /// `disagg_core::chunks::chunk_steps`).
 #[pyfunction]
 pub fn chunk_steps(sends: Vec<bool>, slots: usize) -> PyResult<Vec<i64>> {
-    let steps = chunks::chunk_steps(&sends, slots).py()?;
-    // A chunk index is below `sends.len()`, which fits an i64.
-    let index = |k: usize| i64::try_from(k).unwrap_or(i64::MAX);
-    Ok(steps
-        .into_iter()
-        .map(|s| match s {
-            ChunkStep::Post(k) => index(k),
-            ChunkStep::Land(k) => -index(k) - 1,
-        })
-        .collect())
+    Ok(chunks::chunk_steps(&sends, slots).py()?.into_iter().map(ChunkStep::signed).collect())
 }
 
 /// `(nccl, match_by_order, ordered)` of a two-sided backend on a process group of backend

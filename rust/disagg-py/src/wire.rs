@@ -17,9 +17,9 @@ use numpy::{PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
 
-use crate::args::{wire_to_py, Int, IntList, Kind};
+use crate::args::{conv, wire_to_py, Int, IntList, Kind, Opt, U32, U64};
 use crate::compile::PyTransferProgram;
-use crate::error::{in_handoff_metadata, wire_err, IntoPyResult};
+use crate::error::{in_handoff_metadata, py_methods, wire_err, IntoPyResult};
 use crate::geometry::{PyKvGeometry, PySsmGeometry};
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
 
@@ -114,48 +114,31 @@ pub struct PyPeer {
     meta: Py<PyAny>,
 }
 
-#[pymethods]
-impl PyPeer {
+py_methods!(PyPeer,
+get {
+    /// The transport agent name.
+    agent_name: String = (agent_name.clone());
+    /// The exporting process's incarnation.
+    incarnation: u64 = (incarnation);
+    /// The rank's global rank.
+    global_rank: u32 = (layout.global_rank());
+    /// Blocks (KV) or slots (SSM) of the buffer.
+    num_blocks: u32 = (num_blocks);
+    /// Tokens per KV block (`None` for SSM state).
+    tokens_per_block: Option<u32> = (tokens_per_block);
+    /// `"kv"`, `"conv"` or `"recurrent"`.
+    state_kind: &'static str = (state_kind.name());
+    /// The separately registered pieces of the peer's cache, `[(addr, nbytes), ...]` in
+    /// registration order (one per per-layer tensor; one for a single buffer).
+    buffer_regions: Vec<(u64, u64)> = (buffer.regions.pairs());
+}
+span {}
+range {}
+methods {
     /// The metadata dict in this library's schema (read-only by convention).
     #[getter]
     fn meta(&self, py: Python<'_>) -> Py<PyAny> {
         self.meta.clone_ref(py)
-    }
-
-    /// The transport agent name.
-    #[getter]
-    fn agent_name(&self) -> &str {
-        &self.inner.agent_name
-    }
-
-    /// The exporting process's incarnation.
-    #[getter]
-    fn incarnation(&self) -> u64 {
-        self.inner.incarnation
-    }
-
-    /// The rank's global rank.
-    #[getter]
-    fn global_rank(&self) -> u32 {
-        self.inner.layout.global_rank()
-    }
-
-    /// Blocks (KV) or slots (SSM) of the buffer.
-    #[getter]
-    fn num_blocks(&self) -> u32 {
-        self.inner.num_blocks
-    }
-
-    /// Tokens per KV block (`None` for SSM state).
-    #[getter]
-    fn tokens_per_block(&self) -> Option<u32> {
-        self.inner.tokens_per_block
-    }
-
-    /// `"kv"`, `"conv"` or `"recurrent"`.
-    #[getter]
-    fn state_kind(&self) -> &'static str {
-        self.inner.state_kind.name()
     }
 
     /// The rank's layout (`KVShardLayout` or `SSMShardLayout`).
@@ -192,13 +175,6 @@ impl PyPeer {
         self.inner.check_addresses(&rows, field).py()
     }
 
-    /// The separately registered pieces of the peer's cache, `[(addr, nbytes), ...]` in
-    /// registration order (one per per-layer tensor; one for a single buffer).
-    #[getter]
-    fn buffer_regions(&self) -> Vec<(u64, u64)> {
-        self.inner.buffer.regions.regions().iter().map(|r| (r.addr, r.nbytes)).collect()
-    }
-
     /// Direct descriptor pairs whose source side is this peer's memory and whose destination
     /// side is `local`'s, split so that every piece lies inside one registered region on each
     /// side (a merged range can run from one per-layer tensor into the next). Returns the
@@ -222,8 +198,8 @@ impl PyPeer {
         match split {
             None => Ok((src_rows, dst_rows)),
             Some((s, d)) => Ok((
-                crate::regions::to_numpy(py, s)?.into_any(),
-                crate::regions::to_numpy(py, d)?.into_any(),
+                crate::compile::rows_to_numpy(py, s)?.into_any(),
+                crate::compile::rows_to_numpy(py, d)?.into_any(),
             )),
         }
     }
@@ -237,7 +213,7 @@ impl PyPeer {
             self.inner.state_kind.name()
         )
     }
-}
+});
 
 /// Peers of one backend, each parsed once and found again by content.
 #[pyclass(name = "PeerTable", module = "disagg_rs")]
@@ -255,18 +231,14 @@ impl PyPeerTable {
     fn new(
         backend: &str,
         state_kind: &str,
-        dtype: &str,
+        dtype: String,
         head_dim: Int,
         num_layers: Option<Int>,
-        compat_hash: &str,
+        compat_hash: String,
     ) -> PyResult<Self> {
-        let local = LocalFacts {
-            state_kind: StateKind::parse("state_kind", state_kind).py()?,
-            dtype: dtype.to_owned(),
-            head_dim: head_dim.to_u32(Kind::Argument, "head_dim")?,
-            num_layers: num_layers.map(|n| n.to_u32(Kind::Argument, "num_layers")).transpose()?,
-            compat_hash: compat_hash.to_owned(),
-        };
+        let state_kind = StateKind::parse("state_kind", state_kind).py()?;
+        conv!(head_dim: U32, num_layers: Opt<U32>);
+        let local = LocalFacts { state_kind, dtype, head_dim, num_layers, compat_hash };
         Ok(Self { inner: PeerTable::new(backend, local) })
     }
 
@@ -347,18 +319,14 @@ fn plan_request<'a>(
     })
 }
 
-fn local_side(
-    local_is_dst: bool,
+/// The local side of a transfer check from its arguments.
+pub(crate) fn local_side(
+    is_dst: bool,
     local_num_blocks: Int,
     local_tokens_per_block: Option<Int>,
 ) -> PyResult<LocalSide> {
-    Ok(LocalSide {
-        is_dst: local_is_dst,
-        num_blocks: local_num_blocks.to_u32(Kind::Argument, "local_num_blocks")?,
-        tokens_per_block: local_tokens_per_block
-            .map(|t| t.to_u32(Kind::Argument, "local_tokens_per_block"))
-            .transpose()?,
-    })
+    conv!(local_num_blocks: U32, local_tokens_per_block: Opt<U32>);
+    Ok(LocalSide { is_dst, num_blocks: local_num_blocks, tokens_per_block: local_tokens_per_block })
 }
 
 /// Compile a transfer of parsed peers. `checked`: its peers and source block ids are what
@@ -464,8 +432,8 @@ pub fn check_handoff_ticket(
 ) -> PyResult<()> {
     let v = to_wire(ticket, "ticket").map_err(|e| in_handoff_metadata(ticket.py(), e))?;
     let parsed = HandoffTicket::parse(&v).py()?;
-    if let Some(rid) = request_id {
-        let request_id = rid.to_u64(Kind::Argument, "request_id")?;
+    conv!(request_id: Opt<U64>);
+    if let Some(request_id) = request_id {
         let needs = DecodeNeeds { request_id, sources, has_ssm, integrity };
         parsed.check_for_decode(&needs).py()?;
     }

@@ -115,6 +115,12 @@ impl RegionTable {
         &self.regions
     }
 
+    /// The regions as `(addr, nbytes)` pairs, in registration order.
+    #[must_use]
+    pub fn pairs(&self) -> Vec<(u64, u64)> {
+        self.regions.iter().map(|r| (r.addr, r.nbytes)).collect()
+    }
+
     /// Index of the region holding byte `addr`, if any.
     pub fn locate(&self, addr: u64) -> Option<usize> {
         let k = self.sorted.partition_point(|&i| self.regions[i].addr <= addr);
@@ -237,6 +243,11 @@ mod tests {
             rs.iter().map(|&(addr, nbytes)| Region { addr, nbytes }).collect(),
         )
         .unwrap()
+    }
+
+    #[test]
+    fn pairs_keep_registration_order() {
+        assert_eq!(table(&[(100, 50), (0, 100)]).pairs(), [(100, 50), (0, 100)]);
     }
 
     #[test]
