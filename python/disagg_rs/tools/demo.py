@@ -628,7 +628,9 @@ def run_demo(opts: DemoOptions) -> DemoResult:
                 worker_reports += _drain(results, timeout=0.2)
         server.shutdown_engines()
         # A crashed rank leaves its peers stuck in collectives: give them a moment, then kill.
-        grace = time.monotonic() + (3.0 if crashed() else max(5.0, deadline - time.monotonic()))
+        # Healthy ranks get at least 30 s to report (the loop ends as soon as they all have):
+        # on a loaded machine a rank that is still closing its transports is slow, not stuck.
+        grace = time.monotonic() + (3.0 if crashed() else max(30.0, deadline - time.monotonic()))
         world = sup.world
         while sum(1 for r in worker_reports if sup.current(r)) < world:
             if time.monotonic() > grace:
