@@ -25,13 +25,6 @@ def p2p_matching(
     group_backend: str, match_by_order: bool | None = None
 ) -> tuple[bool, bool, bool]: ...
 def p2p_wire_tag(tag: int, match_by_order: bool) -> int: ...
-def recv_posted_route(
-    push_transport: bool,
-    sender: tuple[str, str],
-    epoch: int,
-    request: tuple[str | None, int, bool, str | None],
-    named: tuple[str, str],
-) -> tuple[str, bool] | None: ...
 
 @final
 class PeerSteps:

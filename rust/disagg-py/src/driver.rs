@@ -81,24 +81,3 @@ methods {
         Ok(named.into_iter().chain([("unknown", c.unknown), ("forged", c.forged)]).collect())
     }
 });
-
-/// Where a coordinator sends a `KV_RECV_POSTED`: `(prefill, abort)` for a `SEND_KV`, or
-/// `None` (see `disagg_core::driver::recv_posted_route`). `sender` and `named`: `(engine id,
-/// role)`, role `""` when unregistered; `request`: `(decode, epoch, pinned, prefill)` of the
-/// live request, `(None, 0, False, None)` without one.
-#[pyfunction]
-pub fn recv_posted_route(
-    push_transport: bool,
-    sender: (String, String),
-    epoch: u64,
-    request: (Option<String>, u64, bool, Option<String>),
-    named: (String, String),
-) -> Option<(String, bool)> {
-    disagg_core::driver::recv_posted_route(&disagg_core::driver::RecvPosted {
-        push_transport,
-        sender: (&sender.0, &sender.1),
-        epoch,
-        request: (request.0.as_deref(), request.1, request.2, request.3.as_deref()),
-        named: (&named.0, &named.1),
-    })
-}
