@@ -5,9 +5,13 @@ call spends its time (cProfile, by own time). ``--pool-mib 256``: a pool smaller
 copy, which is then streamed. ``--queued N``: also N calls back to back (the ranks by turns,
 the GPU queue not drained: each call finds the packs of the ones before still queued),
 then one drain and the releases; the median over every call but each round's first.
+``--busy-ms T``: each call also with the GPU queue not drained, for a streamed copy too
+(a pool smaller than the copy): a kernel of about T ms is queued before the call, so the
+call's packs queue behind it; then one drain and the release.
 
 Command: ``python benches/bench_stage_submit.py [--device cuda:0] [--repeat 50]
-[--pool-mib 4096] [--queued 8 --pool-mib 16384] [--profile]``. Needs a CUDA GPU and NIXL.
+[--pool-mib 4096] [--queued 8 --pool-mib 16384] [--busy-ms 3 --pool-mib 256] [--profile]``.
+Needs a CUDA GPU and NIXL.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ def main() -> None:
         ap.add_argument("--pool-mib", type=int, default=4096, help="staging pool per rank")
         ap.add_argument("--profile", action="store_true", help="cProfile 20 more calls")
         ap.add_argument("--queued", type=int, default=0, help="calls back to back per round")
+        ap.add_argument("--busy-ms", type=float, default=0.0, help="GPU kept busy per call")
 
     args = options(__doc__, extra)
     case = build(args.device, staging_bytes=args.pool_mib << 20)
@@ -74,11 +79,32 @@ def main() -> None:
         kept = [q for q in queued if q >= 0]
         print(f"| stage_blocks, {args.queued} back to back, GPU queue not drained (median of "
               f"{len(kept)}) | {statistics.median(kept):,.1f} us |")  # fmt: skip
+    busy: list[float] = []
+    khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 1_980_000)  # SM clock
+    cycles = int(args.busy_ms * khz)
+
+    def stage_busy() -> None:
+        """Each rank stages its copy behind a busy GPU (its packs queue), then drains."""
+        for b, r in ranks:
+            torch.cuda._sleep(cycles)
+            t0 = time.perf_counter_ns()
+            t = b.stage_blocks(dst_meta, case.sids[r], src_metas=case.metas,
+                               num_tokens=case.tokens)  # fmt: skip
+            busy.append((time.perf_counter_ns() - t0) / 1e3)
+            torch.cuda.synchronize()
+            b.poll_streams()
+            b.release_staged(t)
+
+    if args.busy_ms > 0:
+        for _ in range(args.repeat):
+            stage_busy()
+        print(f"| stage_blocks, GPU busy {args.busy_ms:g} ms before each call (median of "
+              f"{len(busy)}) | {statistics.median(busy):,.1f} us |")  # fmt: skip
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(20):
-            stage_only()
+            stage_busy() if args.busy_ms > 0 else stage_only()
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     case.close()

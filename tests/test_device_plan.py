@@ -298,11 +298,31 @@ def _prepared_pack_matches_copy(device: str, in_place: bool = True) -> None:
             at = (16, 272)[j % 2]
             assert pack(tokens, view, None, b_offset=at, items=(a, b)) == y - x
             assert torch.equal(staging[at : at + y - x], want[x:y])
+        # Consecutive chunks packed together (three per launch), each into its own slot of
+        # 256 bytes, the slots taken last to first (each range's bias differs in sign).
+        cuts = plan.chunks(tokens, 200)
+        slots = [16 + 256 * j for j in range(3)][::-1]
+        parts = [(slots[j % 3], a, b) for j, (a, b, _, _) in enumerate(cuts)]
+        for first in range(0, len(parts), 3):
+            staging.zero_()
+            group, spans = parts[first : first + 3], cuts[first : first + 3]
+            assert pack.pack(tokens, view, group) == sum(y - x for _, _, x, y in spans)
+            for (at, _, _), (_, _, x, y) in zip(group, spans, strict=True):
+                assert torch.equal(staging[at : at + y - x], want[x:y])
+        gap = [(16, cuts[0][0], cuts[0][1]), (272, cuts[1][1], cuts[2][1])]
+        with pytest.raises(ValueError, match="starts at"):
+            pack.pack(tokens, view, gap)
         up.settle(slot, None)
         assert bool(want.any())
 
 
 def test_a_prepared_pack_lands_what_copy_packs_on_the_host() -> None:
+    _prepared_pack_matches_copy("cpu")
+
+
+@interpreter_warnings
+def test_a_prepared_pack_lands_what_copy_packs_in_the_kernel_on_the_host(interpreted: None) -> None:
+    """The same through the kernel itself (Triton's interpreter): several chunks per launch."""
     _prepared_pack_matches_copy("cpu")
 
 

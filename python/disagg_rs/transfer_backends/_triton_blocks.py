@@ -13,8 +13,9 @@ the plane's base from column ``col`` of the plane table, plus ``ids[set * set_st
 block_stride + token * token_stride``, so one launch can read several source ranks, each
 with its own block ids) or *packed* (the canonical
 packed region: ``plane[2] * n_tok + (i * tpb + token) * row``, minus ``bias`` so a chunk of
-the packed region can live in a smaller window). The block ids are read on the device: the
-host uploads only the two id arrays per handoff.
+the packed region can live in a smaller window; a packed destination may take up to three
+consecutive item ranges, each at its own place, in one launch). The block ids are read on
+the device: the host uploads only the two id arrays per handoff.
 
 Offsets are in units of ``VEC`` elements (16 bytes when alignment allows) and int64.
 """
@@ -60,6 +61,10 @@ def _side_base(
         "b_bias",
         "a_set",
         "b_set",
+        "b_cut1",
+        "b_bias1",
+        "b_cut2",
+        "b_bias2",
     ]
 )
 def copy_blocks_kernel(
@@ -82,13 +87,26 @@ def copy_blocks_kernel(
     b_bias,
     a_set,
     b_set,
+    b_cut1,
+    b_bias1,
+    b_cut2,
+    b_bias2,
     A_PACKED: tl.constexpr,
     B_PACKED: tl.constexpr,
     VEC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Copy item ``k_lo + program_id`` from side ``a`` to side ``b``."""
+    """Copy item ``k_lo + program_id`` from side ``a`` to side ``b``.
+
+    A packed ``b`` takes up to three consecutive item ranges at their own places: items from
+    ``b_cut1`` on use bias ``b_bias1``, from ``b_cut2`` on ``b_bias2`` (cuts past the last
+    item: one range, bias ``b_bias``)."""
     k = k_lo.to(tl.int64) + tl.program_id(0).to(tl.int64)
+    b_bias_k = tl.where(
+        k >= b_cut2.to(tl.int64),
+        b_bias2.to(tl.int64),
+        tl.where(k >= b_cut1.to(tl.int64), b_bias1.to(tl.int64), b_bias.to(tl.int64)),
+    )
     p = k // n_blk
     i = k - p * n_blk
     n_tok64 = n_tok.to(tl.int64)
@@ -120,7 +138,7 @@ def copy_blocks_kernel(
         row,
         b_col,
         b_bs,
-        b_bias,
+        b_bias_k,
         b_set.to(tl.int64),
         B_PACKED,
     )

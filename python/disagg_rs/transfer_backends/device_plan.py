@@ -35,7 +35,7 @@ import functools
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -182,12 +182,12 @@ class DevicePlan:
 
     def item_offset(self, k: int, n_tok: int) -> int:
         """:meth:`item_offsets` of one item, in plain integers (the per-launch path)."""
-        n_blk = self.num_blocks(n_tok)
-        if k >= self.num_planes * n_blk:
-            return self.packed_bytes(n_tok)
-        p, i = divmod(int(k), n_blk)
-        coef, row = self._rows[p]
-        return coef * n_tok + min(i * self.tokens_per_block, n_tok) * row
+        return self.packed.offset(int(k), int(n_tok))
+
+    @functools.cached_property
+    def packed(self) -> _core.PackedRows:
+        """The rows' packed order in Rust: item offsets, stream chunks, launch placement."""
+        return _core.PackedRows(self._rows, self.tokens_per_block)
 
     @property
     def item_bytes(self) -> int:
@@ -404,7 +404,7 @@ def _launch(
     ptrs = (_lanes(a.buffer, unit), _lanes(b.buffer, unit), table, a_ids, b_ids)
     ints = (plan.num_blocks(n_tok), int(n_tok), plan.tokens_per_block, k_lo, a_col, a_bs // unit,
             a_ts // unit, a.bias // unit, b_col, b_bs // unit, b_ts // unit, b.bias // unit,
-            a.set_stride, b.set_stride)  # fmt: skip
+            a.set_stride, b.set_stride, k_hi, 0, k_hi, 0)  # fmt: skip
     flags = (a.kind == "packed", b.kind == "packed", vec, BLOCK)
     addrs = tuple(p.data_ptr() for p in ptrs)
     key = (table.device, *flags, *(p.dtype for p in ptrs), *(x % 16 == 0 for x in addrs))
@@ -460,7 +460,9 @@ class PreparedCopy:
         self._sets = plan.num_sets
         self._compiled: dict[tuple[bool, ...], Any] = {}
         self._ptrs = (self.a_lanes.data_ptr(), self.b_lanes.data_ptr(), self.table.data_ptr())
-        self._fast = self.device.type == "cuda" and _triton()
+        #: The kernel itself (CUDA, or Triton's interpreter on the host), else ``copy``.
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        self._fast = (self.device.type == "cuda" or interp) and _triton()
 
     def __call__(
         self,
@@ -478,32 +480,52 @@ class PreparedCopy:
         merged plan at ``j * a_set`` of ``a_ids``; a packed ``b`` needs no ids and takes the
         packed bytes of the items at byte ``b_offset``, a multiple of 16); return the bytes.
         ``stream``: that stream's raw handle when the caller has it (CUDA, device current)."""
+        k_lo, k_hi = (0, self.plan.num_items(n_tok)) if items is None else items
+        return self._queue(n_tok, a_ids, b_ids, stream, a_set, [(b_offset, k_lo, k_hi)])
+
+    def pack(
+        self,
+        n_tok: int,
+        a_ids: torch.Tensor,
+        parts: Sequence[tuple[int, int, int]],
+        stream: int | None = None,
+    ) -> int:
+        """Queue the packs of ``parts`` into the packed ``b``: ``(byte offset, first item,
+        end item)`` each, consecutive item ranges of an ``n_tok``-token handoff, each at its
+        own offset (a multiple of 16): up to three in one launch. Returns the bytes."""
+        return sum(
+            self._queue(n_tok, a_ids, None, stream, 0, parts[j : j + _PARTS])
+            for j in range(0, len(parts), _PARTS)
+        )
+
+    def _queue(
+        self,
+        n_tok: int,
+        a_ids: torch.Tensor,
+        b_ids: torch.Tensor | None,
+        stream: int | None,
+        a_set: int,
+        parts: Sequence[tuple[int, int, int]],
+    ) -> int:
+        """One launch copying ``parts`` (three at most; a paged ``b``: one, at offset 0)."""
         plan = self.plan
         n_blk = plan.num_blocks(n_tok)
-        k_lo, k_hi, lo, hi = 0, plan.num_planes * n_blk, 0, plan.packed_bytes(n_tok)
-        if items is not None:
-            k_lo, k_hi = items
-            lo, hi = plan.item_offset(k_lo, n_tok), plan.item_offset(k_hi, n_tok)
-        need = (self._sets - 1) * a_set + n_blk
         b_ids = self.table if b_ids is None else b_ids  # a packed side reads no ids
-        short = b_ids.numel() < n_blk
-        if self.packed:
-            short = b_offset % 16 != 0 or not 0 <= b_offset <= self.b_bytes - (hi - lo)
-        if a_ids.numel() < need or short or (self._sets > 1 and 0 < a_set < n_blk):
-            raise ValueError(
-                f"{a_ids.numel()} / {b_ids.numel()} block ids (set stride {a_set}) for "
-                f"{self._sets} id sets of {n_blk} blocks, or {hi - lo} packed bytes at "
-                f"{b_offset} of {self.b_bytes}"
-            )
+        window, b_count = (self.b_bytes, None) if self.packed else (None, b_ids.numel())
+        ids = (a_ids.numel(), a_set, self._sets, b_count)
+        k_lo, k_hi, nbytes, biases = plan.packed.launch(int(n_tok), parts, window, self.unit, ids)
         if not self._fast:
             a = Side("src", self.a, a_ids, set_stride=a_set)
-            if self.packed:
-                window = torch_copy.byte_view(self.b)[b_offset : b_offset + hi - lo]
-                b = Side("packed", window, bias=lo)
-                return copy(plan, a, b, n_tok, items=(k_lo, k_hi))
-            return copy(plan, a, Side("dst", self.b, b_ids), n_tok)
-        tpb, grid = plan.tokens_per_block, k_hi - k_lo
-        consts = self._consts if not lo else (*self._consts[:7], lo // self.unit)
+            if not self.packed:
+                return copy(plan, a, Side("dst", self.b, b_ids), n_tok, items=(k_lo, k_hi))
+            for offset, lo, hi in parts:
+                size = plan.item_offset(hi, n_tok) - plan.item_offset(lo, n_tok)
+                region = torch_copy.byte_view(self.b)[offset : offset + size]
+                b = Side("packed", region, bias=plan.item_offset(lo, n_tok))
+                copy(plan, a, b, n_tok, items=(lo, hi))
+            return nbytes
+        tpb, grid, b_offset = plan.tokens_per_block, k_hi - k_lo, parts[0][0]
+        consts = (*self._consts[:7], biases[0])
         a_ptr, b_ptr = a_ids.data_ptr(), b_ids.data_ptr()
         key = (a_ptr % 16 == 0, b_ptr % 16 == 0)
         compiled = self._compiled.get(key)
@@ -514,20 +536,24 @@ class PreparedCopy:
             self._compiled[key] = _kernel()[(grid,)](
                 self.a_lanes, self.b_lanes[b_offset // self.b_lanes.element_size() :],
                 self.table, a_ids, b_ids,
-                n_blk, int(n_tok), tpb, k_lo, *consts, a_set, 0, A_PACKED=False,
-                B_PACKED=self.packed, VEC=self._vec, BLOCK=BLOCK,
+                n_blk, int(n_tok), tpb, k_lo, *consts, a_set, 0, *biases[1:],
+                A_PACKED=False, B_PACKED=self.packed, VEC=self._vec, BLOCK=BLOCK,
             )  # fmt: skip
-            return hi - lo
+            return nbytes
         # Raw addresses: Triton's launcher then skips a data_ptr() call and a pointer query
         # per tensor (the buffers are held by this object, the ids by the caller). The
         # buffers' alignment is fixed (a packed side's offset keeps it); the ids' is the key.
         a_lanes, b_lanes, table = self._ptrs
         args = (a_lanes, b_lanes + b_offset, table, a_ptr, b_ptr, n_blk, int(n_tok), tpb, k_lo,
-                *consts, a_set, 0, False, self.packed, self._vec, BLOCK)  # fmt: skip
+                *consts, a_set, 0, *biases[1:], False, self.packed, self._vec, BLOCK)  # fmt: skip
         if stream is None:
             stream = torch.cuda.current_stream(self.device).cuda_stream
         _run_compiled(compiled, grid, stream, args)
-        return hi - lo
+        return nbytes
+
+
+#: Item ranges one launch packs at their own offsets (the kernel's two cuts).
+_PARTS = 3
 
 
 def _launch_hooks() -> tuple[Any, Any]:
@@ -934,16 +960,17 @@ class PackRoute(_SlotRoute):
 
     def pack_items(self, got: PackIds, parts: list[tuple[int, int, int]]) -> list[Any]:
         """Queue the packs of ``parts`` (``(byte offset in the staging buffer, first item,
-        end item)`` each) on the device's current stream; return an event recorded after
-        each (host memory: completed ones)."""
+        end item)`` each, consecutive item ranges) on the device's current stream, up to
+        three in one launch; return each one's completion (one event recorded after them
+        all; host memory: completed ones)."""
+        if not parts:
+            return []
         with torch.cuda.device(self.index):
             ids = self.uploader.view(got.slot, got.host, got.n)
             raw = torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
-            done = []
-            for offset, k_lo, k_hi in parts:
-                self.copy(got.num_tokens, ids, None, raw, b_offset=offset, items=(k_lo, k_hi))
-                done.append(self._event(raw) if self._cuda else _DONE)
-        return done
+            self.copy.pack(got.num_tokens, ids, parts, raw)
+            done = self._event(raw) if self._cuda else _DONE
+        return [done] * len(parts)
 
     def _event(self, raw: Any) -> Any:
         """A new event recorded on the stream ``raw``."""

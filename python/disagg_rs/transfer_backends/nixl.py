@@ -657,8 +657,8 @@ def _pack_chunks(
     offsets: Sequence[int],
     todo: list[tuple[int, int]],
 ) -> list[Any]:
-    """Pack chunks ``[(chunk, slot)]`` of a stream into its slots at ``offsets`` (one launch
-    each, queued); their completions."""
+    """Pack chunks ``[(chunk, slot)]`` of a stream (consecutive chunks) into its slots at
+    ``offsets`` (queued, up to three chunks per launch); their completions."""
     return route.pack_items(got, [(offsets[slot], chunks[k][0], chunks[k][1]) for k, slot in todo])
 
 

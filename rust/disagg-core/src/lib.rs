@@ -23,6 +23,7 @@ pub mod layout;
 pub mod ledger;
 pub mod nixl_route;
 pub mod p2p_header;
+pub mod packed_items;
 pub mod pool;
 pub mod pull_parts;
 pub mod reference;

@@ -26,16 +26,13 @@
 use std::collections::VecDeque;
 
 use crate::error::{DisaggError, DisaggResult};
+use crate::packed_items::PackedItems;
 
 /// Most slots a stream may hold in the source's pool.
 pub const MAX_STREAM_SLOTS: usize = 16;
 
 /// One chunk: items `[k_lo, k_hi)` of the device plan, packed bytes `[lo, hi)`.
 pub type ChunkRange = [u64; 4];
-
-fn overflow(what: &str) -> DisaggError {
-    DisaggError::AddressOverflow { detail: format!("streamed staging: {what} exceeds u64") }
-}
 
 /// The chunks of a packed copy of `n_tok` tokens whose plane rows are `rows` (`(packed
 /// coefficient, row bytes per token)`: plane `p` starts at `coefficient * n_tok` in the packed
@@ -50,37 +47,7 @@ pub fn chunk_ranges(
     n_tok: u64,
     max_bytes: u64,
 ) -> DisaggResult<Vec<ChunkRange>> {
-    if tokens_per_block == 0 {
-        return Err(DisaggError::argument("tokens_per_block", "tokens_per_block=0"));
-    }
-    let n_blk = n_tok.div_ceil(tokens_per_block);
-    let planes = rows.len() as u64;
-    let total = planes.checked_mul(n_blk).ok_or_else(|| overflow("item count"))?;
-    let row_max = rows.iter().map(|r| r.1).max().unwrap_or(0);
-    let item_max = row_max.checked_mul(tokens_per_block).ok_or_else(|| overflow("item bytes"))?;
-    let per = (max_bytes / item_max.max(1)).max(1);
-    let row_sum = rows.iter().try_fold(0u64, |a, r| a.checked_add(r.1));
-    let packed =
-        row_sum.and_then(|s| s.checked_mul(n_tok)).ok_or_else(|| overflow("packed bytes"))?;
-    let offset = |k: u64| -> DisaggResult<u64> {
-        if k >= total {
-            return Ok(packed);
-        }
-        let (coef, row) = rows[usize::try_from(k / n_blk).map_err(|_| overflow("plane"))?];
-        let tok = ((k % n_blk) * tokens_per_block).min(n_tok);
-        coef.checked_mul(n_tok)
-            .zip(tok.checked_mul(row))
-            .and_then(|(a, b)| a.checked_add(b))
-            .ok_or_else(|| overflow("packed offset"))
-    };
-    let mut out = Vec::with_capacity(usize::try_from(total.div_ceil(per)).unwrap_or(0));
-    let mut k = 0;
-    while k < total {
-        let end = k.saturating_add(per).min(total);
-        out.push([k, end, offset(k)?, offset(end)?]);
-        k = end;
-    }
-    Ok(out)
+    PackedItems::new(rows, tokens_per_block, n_tok)?.chunks(max_bytes)
 }
 
 /// What a stream notification says.

@@ -19,6 +19,7 @@ mod integrity_tables;
 mod layout;
 mod ledger;
 mod nixl_route;
+mod packed_items;
 mod peer_records;
 mod pool;
 mod refticket;
@@ -90,7 +91,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[rustfmt::skip]
     export!(
         m,
-        classes: [nixl_route::PyNixlAgentPeers],
+        classes: [nixl_route::PyNixlAgentPeers, packed_items::PyPackedRows],
         functions: [
             nixl_route::ucx_tls_allows_cuda, nixl_route::nixl_cuda_major_mismatch,
             nixl_route::backend_supports_vram, nixl_route::check_ucx_tls,

@@ -1,0 +1,246 @@
+//! The packed order of a device plan's items, and where one launch puts them.
+//!
+//! A packed copy of `n_tok` tokens whose plane rows are `rows` (`(packed coefficient, row
+//! bytes per token)`: plane `p` starts at `coefficient * n_tok`) is cut into *items*: item
+//! `k` is plane `k / n_blk`, block index `k % n_blk`, `n_blk = ceil(n_tok / tokens_per_block)`,
+//! in packed order, so a range of items is a contiguous range of the packed copy.
+//!
+//! The block-copy kernel packs one item range per launch into a window at some byte offset,
+//! or up to [`MAX_PARTS`] consecutive item ranges at their own offsets (the first chunks of a
+//! stream, each into its staging slot): [`PackedItems::launch`] checks them and gives the
+//! launch's item range, bytes and per-range biases.
+
+use crate::error::{DisaggError, DisaggResult};
+
+/// Item ranges one launch places at their own offsets (the kernel has two cuts).
+pub const MAX_PARTS: usize = 3;
+
+/// Alignment (bytes) of a packed window's offset.
+pub const OFFSET_ALIGN: u64 = 16;
+
+fn overflow(what: &str) -> DisaggError {
+    DisaggError::AddressOverflow { detail: format!("packed copy: {what} exceeds u64") }
+}
+
+/// The items of one packed copy.
+#[derive(Debug, Clone, Copy)]
+pub struct PackedItems<'a> {
+    rows: &'a [(u64, u64)],
+    tokens_per_block: u64,
+    n_tok: u64,
+    n_blk: u64,
+    total: u64,
+    packed: u64,
+}
+
+/// One launch: items `[k_lo, k_hi)`, `nbytes` packed bytes, and the kernel's destination
+/// placement in `unit`-byte units: `[bias0, cut1, bias1, cut2, bias2]` (items from `cut1`
+/// on use `bias1`, from `cut2` on `bias2`; an absent range's cut is `k_hi`, its bias 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    /// First item of the launch.
+    pub k_lo: u64,
+    /// One past its last item.
+    pub k_hi: u64,
+    /// Packed bytes it copies.
+    pub nbytes: u64,
+    /// `[bias0, cut1, bias1, cut2, bias2]`, see above.
+    pub placement: [i64; 5],
+}
+
+impl<'a> PackedItems<'a> {
+    /// The items of `n_tok` tokens over `rows`.
+    ///
+    /// # Errors
+    /// `Argument` for `tokens_per_block = 0`; `AddressOverflow` when a size exceeds `u64`.
+    pub fn new(rows: &'a [(u64, u64)], tokens_per_block: u64, n_tok: u64) -> DisaggResult<Self> {
+        if tokens_per_block == 0 {
+            return Err(DisaggError::argument("tokens_per_block", "tokens_per_block=0"));
+        }
+        let n_blk = n_tok.div_ceil(tokens_per_block);
+        let total = (rows.len() as u64).checked_mul(n_blk).ok_or_else(|| overflow("item count"))?;
+        let row_sum = rows.iter().try_fold(0u64, |a, r| a.checked_add(r.1));
+        let packed =
+            row_sum.and_then(|s| s.checked_mul(n_tok)).ok_or_else(|| overflow("packed bytes"))?;
+        Ok(Self { rows, tokens_per_block, n_tok, n_blk, total, packed })
+    }
+
+    /// Items in all.
+    #[must_use]
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// Bytes of the whole packed copy.
+    #[must_use]
+    pub fn packed_bytes(&self) -> u64 {
+        self.packed
+    }
+
+    /// Bytes of the largest item (one block of the widest plane row).
+    ///
+    /// # Errors
+    /// `AddressOverflow` when it exceeds `u64`.
+    pub fn item_bytes(&self) -> DisaggResult<u64> {
+        let row_max = self.rows.iter().map(|r| r.1).max().unwrap_or(0);
+        row_max.checked_mul(self.tokens_per_block).ok_or_else(|| overflow("item bytes"))
+    }
+
+    /// Packed byte offset where item `k` starts (`k >= total`: the end of the copy).
+    ///
+    /// # Errors
+    /// `AddressOverflow` when it exceeds `u64`.
+    pub fn offset(&self, k: u64) -> DisaggResult<u64> {
+        if k >= self.total {
+            return Ok(self.packed);
+        }
+        let plane = usize::try_from(k / self.n_blk).map_err(|_| overflow("plane"))?;
+        let (coef, row) = self.rows[plane];
+        let tok = ((k % self.n_blk) * self.tokens_per_block).min(self.n_tok);
+        coef.checked_mul(self.n_tok)
+            .zip(tok.checked_mul(row))
+            .and_then(|(a, b)| a.checked_add(b))
+            .ok_or_else(|| overflow("packed offset"))
+    }
+
+    /// `[k_lo, k_hi, byte_lo, byte_hi]` of runs of whole items of at most `max_bytes` (one
+    /// item at least), covering every item once in order.
+    ///
+    /// # Errors
+    /// `AddressOverflow` when an offset exceeds `u64`.
+    pub fn chunks(&self, max_bytes: u64) -> DisaggResult<Vec<[u64; 4]>> {
+        let per = (max_bytes / self.item_bytes()?.max(1)).max(1);
+        let mut out = Vec::with_capacity(usize::try_from(self.total.div_ceil(per)).unwrap_or(0));
+        let mut k = 0;
+        while k < self.total {
+            let end = k.saturating_add(per).min(self.total);
+            out.push([k, end, self.offset(k)?, self.offset(end)?]);
+            k = end;
+        }
+        Ok(out)
+    }
+
+    /// Check the block ids a launch reads: `a_ids` ids on the paged source, id set `j` at
+    /// `j * a_set` of them (`sets` sets; a stride of 0 reads the same ids for every set,
+    /// else the sets must not overlap), and `b_ids` on a paged destination (`None`: packed).
+    ///
+    /// # Errors
+    /// `Argument` (field `block_ids`) naming the counts.
+    pub fn check_ids(
+        &self,
+        a_ids: u64,
+        a_set: u64,
+        sets: u64,
+        b_ids: Option<u64>,
+    ) -> DisaggResult<()> {
+        let n_blk = self.n_blk;
+        let need = sets.saturating_sub(1).saturating_mul(a_set).saturating_add(n_blk);
+        let overlap = sets > 1 && 0 < a_set && a_set < n_blk;
+        if a_ids < need || b_ids.is_some_and(|b| b < n_blk) || overlap {
+            let b = b_ids.map_or_else(|| "no".to_string(), |b| b.to_string());
+            return Err(DisaggError::argument(
+                "block_ids",
+                format!("{a_ids} / {b} block ids (set stride {a_set}) for {sets} id sets of {n_blk} blocks"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Check one launch of `parts` — `(byte offset, first item, end item)` each, consecutive
+    /// item ranges — into a packed window of `window` bytes (`None`: a paged destination,
+    /// which takes one range at offset 0), with kernel units of `unit` bytes.
+    ///
+    /// # Errors
+    /// `Argument` naming the field: `unit` not a power of two up to 16, no range or more than
+    /// [`MAX_PARTS`], an item range outside the copy or not following the previous one, an
+    /// offset not a multiple of 16 or not a multiple of the unit away from its bytes, a range
+    /// past the window; `AddressOverflow` for sizes beyond `u64`/`i64`.
+    pub fn launch(
+        &self,
+        parts: &[(u64, u64, u64)],
+        window: Option<u64>,
+        unit: u64,
+    ) -> DisaggResult<Launch> {
+        if !unit.is_power_of_two() || unit > 16 {
+            return Err(DisaggError::argument(
+                "unit",
+                format!("unit={unit}: a power of two <= 16"),
+            ));
+        }
+        let max = if window.is_some() { MAX_PARTS } else { 1 };
+        if parts.is_empty() || parts.len() > max {
+            return Err(DisaggError::argument(
+                "parts",
+                format!("{} item ranges for one launch: 1 to {max}", parts.len()),
+            ));
+        }
+        let (off0, k_lo, _) = parts[0];
+        let mut placement = [0i64, 0, 0, 0, 0];
+        let mut prev = k_lo;
+        let mut nbytes = 0u64;
+        for (j, &(offset, lo, hi)) in parts.iter().enumerate() {
+            if lo > hi || hi > self.total {
+                return Err(DisaggError::argument(
+                    "items",
+                    format!("items [{lo}, {hi}) are not inside [0, {})", self.total),
+                ));
+            }
+            if lo != prev {
+                return Err(DisaggError::argument(
+                    "items",
+                    format!(
+                        "item range {j} starts at {lo}, not at {prev} where range {} ends",
+                        j.max(1) - 1
+                    ),
+                ));
+            }
+            let (b_lo, b_hi) = (self.offset(lo)?, self.offset(hi)?);
+            let size = b_hi - b_lo;
+            let fits = window.is_none_or(|w| offset.checked_add(size).is_some_and(|end| end <= w));
+            let aligned = match window {
+                Some(_) => offset % OFFSET_ALIGN == 0,
+                None => offset == 0,
+            };
+            if !fits || !aligned {
+                let w = window.map_or_else(
+                    || "a paged destination (offset 0)".to_string(),
+                    |w| w.to_string(),
+                );
+                return Err(DisaggError::argument(
+                    "b_offset",
+                    format!("items [{lo}, {hi}): {size} packed bytes at {offset} of {w} (offsets are multiples of {OFFSET_ALIGN})"),
+                ));
+            }
+            // Where byte `x` of this range lands, relative to the first range's offset:
+            // `off0 + x - bias` with `bias = b_lo - (offset - off0)`.
+            let bias = i128::from(b_lo) - i128::from(offset) + i128::from(off0);
+            let unit_i = i128::from(unit);
+            if bias % unit_i != 0 {
+                return Err(DisaggError::argument(
+                    "b_offset",
+                    format!("items [{lo}, {hi}) at {offset}: not a multiple of unit={unit} away from packed byte {b_lo}"),
+                ));
+            }
+            let bias = i64::try_from(bias / unit_i).map_err(|_| overflow("bias"))?;
+            let cut = i64::try_from(lo).map_err(|_| overflow("item"))?;
+            if j == 0 {
+                placement[0] = bias;
+            } else {
+                placement[2 * j - 1] = cut;
+                placement[2 * j] = bias;
+            }
+            nbytes += size;
+            prev = hi;
+        }
+        let k_hi = prev;
+        let end = i64::try_from(k_hi).map_err(|_| overflow("item"))?;
+        for j in parts.len()..MAX_PARTS {
+            placement[2 * j - 1] = end;
+        }
+        Ok(Launch { k_lo, k_hi, nbytes, placement })
+    }
+}
+
+#[cfg(test)]
+#[path = "packed_items_tests.rs"]
+mod tests;

@@ -1,0 +1,63 @@
+//! Bindings of a device plan's packed item order (`disagg_core::packed_items`).
+
+use disagg_core::packed_items::PackedItems;
+use pyo3::prelude::*;
+
+use crate::error::IntoPyResult;
+
+/// One launch: ``(k_lo, k_hi, nbytes, (bias0, cut1, bias1, cut2, bias2))``.
+type LaunchTuple = (u64, u64, u64, [i64; 5]);
+
+/// The plane rows of a device plan, ``(packed coefficient, row bytes per token)`` each, and
+/// its block size: where each item of a packed copy starts, how a stream cuts it, and where
+/// one launch puts up to three consecutive item ranges.
+#[pyclass(name = "PackedRows", module = "disagg_rs", frozen)]
+pub struct PyPackedRows {
+    rows: Vec<(u64, u64)>,
+    tokens_per_block: u64,
+}
+
+impl PyPackedRows {
+    fn items(&self, n_tok: u64) -> PyResult<PackedItems<'_>> {
+        PackedItems::new(&self.rows, self.tokens_per_block, n_tok).py()
+    }
+}
+
+#[pymethods]
+impl PyPackedRows {
+    #[new]
+    fn new(rows: Vec<(u64, u64)>, tokens_per_block: u64) -> PyResult<Self> {
+        PackedItems::new(&rows, tokens_per_block, 0).py()?;
+        Ok(Self { rows, tokens_per_block })
+    }
+
+    /// Packed byte offset where item ``k`` of an ``n_tok``-token copy starts (past the
+    /// last item: the copy's size).
+    fn offset(&self, k: u64, n_tok: u64) -> PyResult<u64> {
+        self.items(n_tok)?.offset(k).py()
+    }
+
+    /// ``(k_lo, k_hi, byte_lo, byte_hi)`` of runs of whole items of at most ``max_bytes``.
+    fn chunks(&self, n_tok: u64, max_bytes: u64) -> PyResult<Vec<[u64; 4]>> {
+        self.items(n_tok)?.chunks(max_bytes).py()
+    }
+
+    /// Check one launch of ``parts`` (``(byte offset, first item, end item)`` each,
+    /// consecutive) into a packed window of ``window`` bytes (``None``: a paged destination,
+    /// one range at 0) with ``unit``-byte kernel units, and the block ids it reads: ``ids``
+    /// is ``(source ids, source set stride, id sets, destination ids or None)``;
+    /// ``ArgumentError`` naming the field.
+    fn launch(
+        &self,
+        n_tok: u64,
+        parts: Vec<(u64, u64, u64)>,
+        window: Option<u64>,
+        unit: u64,
+        ids: (u64, u64, u64, Option<u64>),
+    ) -> PyResult<LaunchTuple> {
+        let items = self.items(n_tok)?;
+        items.check_ids(ids.0, ids.1, ids.2, ids.3).py()?;
+        let l = items.launch(&parts, window, unit).py()?;
+        Ok((l.k_lo, l.k_hi, l.nbytes, l.placement))
+    }
+}
