@@ -1129,6 +1129,15 @@ class PackedRows:
     def __new__(cls, rows: Sequence[tuple[int, int]], tokens_per_block: int) -> PackedRows: ...
     def offset(self, k: int, n_tok: int) -> int: ...
     def chunks(self, n_tok: int, max_bytes: int) -> list[list[int]]: ...
+    def check_copy(
+        self,
+        n_tok: int,
+        items: tuple[int, int] | None,
+        a: tuple[str, int | None, int, int],
+        b: tuple[str, int | None, int, int],
+        sets: int,
+        paged_only: bool,
+    ) -> list[int]: ...
     def launch(
         self,
         n_tok: int,

@@ -313,28 +313,12 @@ def _kernel() -> Any:
     return launchable(copy_blocks_kernel)
 
 
-def _check_side(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) -> None:
-    """Bounds of one side, checked on the host before the launch (ValueError)."""
-    nbytes = torch_copy.byte_view(side.buffer).numel()
+def _spec(side: Side) -> tuple[str, int | None, int, int]:
+    """``side`` as the copy's checks take it (Rust): kind, its block ids (a packed side: the
+    bytes its buffer holds; ``None``: no ids), bias, id set stride."""
     if side.kind == "packed":
-        if plan.paged_only:
-            raise ValueError("a merged plan copies between paged sides only")
-        lo, hi = plan.item_offset(k_lo, n_tok), plan.item_offset(k_hi, n_tok)
-        if lo < side.bias or hi - side.bias > nbytes:
-            raise ValueError(
-                f"packed side: items [{k_lo}, {k_hi}) cover packed bytes [{lo}, {hi}) but the "
-                f"window holds [{side.bias}, {side.bias + nbytes})"
-            )
-        return
-    if side.ids is None:
-        raise ValueError(f"{side.kind} side needs block ids")
-    sets, n_blk = plan.num_sets, plan.num_blocks(n_tok)
-    # Stride 0: every id set reads the same ids; else sets must not overlap.
-    if side.ids.numel() < (sets - 1) * side.set_stride + n_blk or 0 < side.set_stride < n_blk:
-        raise ValueError(
-            f"{side.kind} side: {side.ids.numel()} block ids (set stride {side.set_stride}) "
-            f"for {sets} id sets of {plan.num_blocks(n_tok)} blocks"
-        )
+        return side.kind, torch_copy.byte_view(side.buffer).numel(), side.bias, 0
+    return side.kind, None if side.ids is None else side.ids.numel(), 0, side.set_stride
 
 
 def copy(
@@ -348,13 +332,10 @@ def copy(
 ) -> int:
     """Copy items ``items`` (default: all) of a handoff of ``n_tok`` tokens from ``a`` to
     ``b``; return the bytes copied. Queued on the current stream (one launch)."""
-    total = plan.num_items(n_tok)
-    k_lo, k_hi = items if items is not None else (0, total)
-    if not 0 <= k_lo <= k_hi <= total:
-        raise ValueError(f"items [{k_lo}, {k_hi}) are not inside [0, {total})")
-    for side in (a, b):
-        _check_side(plan, side, n_tok, k_lo, k_hi)
-    lo, hi = plan.item_offset(k_lo, n_tok), plan.item_offset(k_hi, n_tok)
+    sides = (_spec(a), _spec(b))
+    k_lo, k_hi, lo, hi = plan.packed.check_copy(
+        int(n_tok), items, *sides, plan.num_sets, plan.paged_only
+    )
     if k_hi == k_lo:
         return 0
     use = path

@@ -33,6 +33,35 @@ pub struct PackedItems<'a> {
     packed: u64,
 }
 
+/// One side of a copy by plan, as its checks see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopySide {
+    /// The packed region, of which the side's buffer holds bytes `[bias, bias + nbytes)`.
+    Packed {
+        /// First packed byte the buffer holds.
+        bias: u64,
+        /// Bytes the buffer holds.
+        nbytes: u64,
+    },
+    /// A paged cache (`"src"` or `"dst"`) read through `ids` block ids (`None`: none given),
+    /// id set `j` at `j * set_stride`.
+    Paged {
+        /// `"src"` or `"dst"`, for the message.
+        kind: &'static str,
+        /// Block ids given.
+        ids: Option<u64>,
+        /// Offset between id sets (0: every set reads the same ids).
+        set_stride: u64,
+    },
+}
+
+/// Whether `ids` block ids hold `sets` id sets of `n_blk` ids at stride `stride` (0: every
+/// set reads the same ids; else the sets must not overlap).
+fn ids_hold(ids: u64, stride: u64, sets: u64, n_blk: u64) -> bool {
+    let need = sets.saturating_sub(1).saturating_mul(stride).saturating_add(n_blk);
+    ids >= need && !(sets > 1 && 0 < stride && stride < n_blk)
+}
+
 /// One launch: items `[k_lo, k_hi)`, `nbytes` packed bytes, and the kernel's destination
 /// placement in `unit`-byte units: `[bias0, cut1, bias1, cut2, bias2]` (items from `cut1`
 /// on use `bias1`, from `cut2` on `bias2`; an absent range's cut is `k_hi`, its bias 0).
@@ -134,9 +163,7 @@ impl<'a> PackedItems<'a> {
         b_ids: Option<u64>,
     ) -> DisaggResult<()> {
         let n_blk = self.n_blk;
-        let need = sets.saturating_sub(1).saturating_mul(a_set).saturating_add(n_blk);
-        let overlap = sets > 1 && 0 < a_set && a_set < n_blk;
-        if a_ids < need || b_ids.is_some_and(|b| b < n_blk) || overlap {
+        if !ids_hold(a_ids, a_set, sets, n_blk) || b_ids.is_some_and(|b| b < n_blk) {
             let b = b_ids.map_or_else(|| "no".to_string(), |b| b.to_string());
             return Err(DisaggError::argument(
                 "block_ids",
@@ -144,6 +171,69 @@ impl<'a> PackedItems<'a> {
             ));
         }
         Ok(())
+    }
+
+    /// Check a copy of items `items` (`None`: all) from side `a` to side `b` of a plan with
+    /// `sets` id sets (`paged_only`: a merged plan, whose packed coefficients overlap);
+    /// `(k_lo, k_hi, byte_lo, byte_hi)` of the copy.
+    ///
+    /// # Errors
+    /// `Argument` naming the field: items outside the copy (`items`), a packed side of a
+    /// merged plan or a window that does not hold the items' bytes (`packed`), a paged side
+    /// without ids or with too few (`block_ids`).
+    pub fn check_copy(
+        &self,
+        items: Option<(u64, u64)>,
+        sides: [CopySide; 2],
+        sets: u64,
+        paged_only: bool,
+    ) -> DisaggResult<[u64; 4]> {
+        let (k_lo, k_hi) = items.unwrap_or((0, self.total));
+        if k_lo > k_hi || k_hi > self.total {
+            return Err(DisaggError::argument(
+                "items",
+                format!("items [{k_lo}, {k_hi}) are not inside [0, {})", self.total),
+            ));
+        }
+        let (lo, hi) = (self.offset(k_lo)?, self.offset(k_hi)?);
+        for side in sides {
+            match side {
+                CopySide::Packed { .. } if paged_only => {
+                    return Err(DisaggError::argument(
+                        "packed",
+                        "a merged plan copies between paged sides only",
+                    ));
+                }
+                CopySide::Packed { bias, nbytes } if lo < bias || hi - bias > nbytes => {
+                    return Err(DisaggError::argument(
+                        "packed",
+                        format!(
+                            "packed side: items [{k_lo}, {k_hi}) cover packed bytes [{lo}, {hi}) but the window holds [{bias}, {})",
+                            bias.saturating_add(nbytes)
+                        ),
+                    ));
+                }
+                CopySide::Paged { kind, ids: None, .. } => {
+                    return Err(DisaggError::argument(
+                        "block_ids",
+                        format!("{kind} side needs block ids"),
+                    ));
+                }
+                CopySide::Paged { kind, ids: Some(n), set_stride }
+                    if !ids_hold(n, set_stride, sets, self.n_blk) =>
+                {
+                    return Err(DisaggError::argument(
+                        "block_ids",
+                        format!(
+                            "{kind} side: {n} block ids (set stride {set_stride}) for {sets} id sets of {} blocks",
+                            self.n_blk
+                        ),
+                    ));
+                }
+                _ => {}
+            }
+        }
+        Ok([k_lo, k_hi, lo, hi])
     }
 
     /// Check one launch of `parts` — `(byte offset, first item, end item)` each, consecutive

@@ -63,6 +63,35 @@ fn id_counts_cover_every_set_without_overlap() {
 }
 
 #[test]
+fn a_copy_checks_its_items_and_both_sides() {
+    let items = PackedItems::new(&ROWS, 64, 100).unwrap();
+    let src = |ids| CopySide::Paged { kind: "src", ids, set_stride: 0 };
+    let window = |bias, nbytes| CopySide::Packed { bias, nbytes };
+    let whole = window(0, 102_400);
+    assert_eq!(
+        items.check_copy(None, [src(Some(2)), whole], 1, false).unwrap(),
+        [0, 6, 0, 102_400]
+    );
+    let mid = items.check_copy(Some((1, 3)), [src(Some(2)), window(16_384, 50_000)], 1, false);
+    assert_eq!(mid.unwrap(), [1, 3, 16_384, 25_600 + 32_768]);
+    let field = |r: DisaggResult<[u64; 4]>| match r {
+        Err(DisaggError::Argument { field, detail }) => (field, detail),
+        other => panic!("expected an argument error, got {other:?}"),
+    };
+    assert_eq!(field(items.check_copy(Some((2, 7)), [src(Some(2)), whole], 1, false)).0, "items");
+    assert_eq!(field(items.check_copy(None, [src(Some(2)), whole], 1, true)).0, "packed");
+    let (f, d) =
+        field(items.check_copy(Some((1, 3)), [src(Some(2)), window(16_385, 90_000)], 1, false));
+    assert_eq!(f, "packed");
+    assert!(d.contains("window holds [16385, 106385)"), "{d}");
+    let (f, d) = field(items.check_copy(None, [src(None), whole], 1, false));
+    assert_eq!((f.as_str(), d.as_str()), ("block_ids", "src side needs block ids"));
+    assert_eq!(field(items.check_copy(None, [src(Some(1)), whole], 1, false)).0, "block_ids");
+    let sets = CopySide::Paged { kind: "src", ids: Some(5), set_stride: 1 };
+    assert_eq!(field(items.check_copy(None, [sets, src(Some(2))], 3, false)).0, "block_ids");
+}
+
+#[test]
 fn chunks_cover_every_item_once() {
     let items = PackedItems::new(&ROWS, 64, 100).unwrap();
     let c = items.chunks(64 * 512).unwrap();

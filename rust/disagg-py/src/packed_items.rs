@@ -1,12 +1,23 @@
 //! Bindings of a device plan's packed item order (`disagg_core::packed_items`).
 
-use disagg_core::packed_items::PackedItems;
+use disagg_core::packed_items::{CopySide, PackedItems};
 use pyo3::prelude::*;
 
 use crate::error::IntoPyResult;
 
 /// One launch: ``(k_lo, k_hi, nbytes, (bias0, cut1, bias1, cut2, bias2))``.
 type LaunchTuple = (u64, u64, u64, [i64; 5]);
+
+/// One side of a copy as Python gives it: ``(kind, ids or window bytes, bias, set stride)``.
+type SideTuple = (String, Option<u64>, u64, u64);
+
+fn side(s: &SideTuple) -> CopySide {
+    match s.0.as_str() {
+        "packed" => CopySide::Packed { bias: s.2, nbytes: s.1.unwrap_or(0) },
+        "src" => CopySide::Paged { kind: "src", ids: s.1, set_stride: s.3 },
+        _ => CopySide::Paged { kind: "dst", ids: s.1, set_stride: s.3 },
+    }
+}
 
 /// The plane rows of a device plan, ``(packed coefficient, row bytes per token)`` each, and
 /// its block size: where each item of a packed copy starts, how a stream cuts it, and where
@@ -40,6 +51,22 @@ impl PyPackedRows {
     /// ``(k_lo, k_hi, byte_lo, byte_hi)`` of runs of whole items of at most ``max_bytes``.
     fn chunks(&self, n_tok: u64, max_bytes: u64) -> PyResult<Vec<[u64; 4]>> {
         self.items(n_tok)?.chunks(max_bytes).py()
+    }
+
+    /// Check a copy of items ``items`` (``None``: all) of an ``n_tok``-token handoff from
+    /// side ``a`` to side ``b`` (``(kind, block ids or, packed, window bytes, bias, set
+    /// stride)`` each) of a plan with ``sets`` id sets; ``(k_lo, k_hi, byte_lo, byte_hi)``.
+    #[pyo3(signature = (n_tok, items, a, b, sets, paged_only))]
+    fn check_copy(
+        &self,
+        n_tok: u64,
+        items: Option<(u64, u64)>,
+        a: SideTuple,
+        b: SideTuple,
+        sets: u64,
+        paged_only: bool,
+    ) -> PyResult<[u64; 4]> {
+        self.items(n_tok)?.check_copy(items, [side(&a), side(&b)], sets, paged_only).py()
     }
 
     /// Check one launch of ``parts`` (``(byte offset, first item, end item)`` each,
