@@ -426,14 +426,20 @@ class NixlPullHandle(TransferHandleBase):
         """Return the handles ``abort`` names to NIXL, forget those ``drop`` names and run
         the cleanups ``finish`` names; take the fold's first error."""
         abort, drop, finish = releases
-        for i in abort:
-            with contextlib.suppress(Exception):
-                self.agent.release_xfer_handle(self.parts[i].xfer)
+        _release_xfers(self.agent, [self.parts[i].xfer for i in abort])
         for i in drop:
             self.parts[i].xfer = None
         for i in finish:
             self.parts[i].finish()
         self.error = self.fold.error
+
+
+def _release_xfers(agent: Any, xfers: Sequence[Any]) -> None:
+    """Give NIXL back the handles of reads still held, aborting those in flight (so nothing
+    writes their destinations afterwards); one NIXL cannot release is left to it."""
+    for xfer in xfers:
+        with contextlib.suppress(Exception):
+            agent.release_xfer_handle(xfer)
 
 
 def _outcome(call: Callable[[], Any]) -> tuple[bool, str]:
@@ -583,9 +589,7 @@ class _ChunkedRead:
         """Abort reads still in flight, tell the source of an unfinished stream, give the
         slots back (idempotent)."""
         b = self.backend
-        for xfer in self.xfers.values():
-            with contextlib.suppress(Exception):
-                b.agent.release_xfer_handle(xfer)
+        _release_xfers(b._ctx.agent, list(self.xfers.values()))  # None once the agent is gone
         _settle(self.events)  # a scatter still queued reads its slot
         self.xfers, self.events = {}, []
         b._notify_all(self.peer, self.sink.close())
@@ -818,27 +822,28 @@ class NixlTransferBackend(TransferBackendBase):
         #: IPC routes by peer set (``_ipc_route``), and the agent names of each set.
         self._ipc_routes: dict[tuple[int, ...], _IpcRoute | _NoIpcRoute] = {}
         self._route_names: dict[Any, set[str]] = {}
-        agent = context.acquire()
-        #: The shared NIXL agent (``None`` once this registration is closed).
-        self._agent: Any = agent
-        self._closed = False
-        self._regs: list[Any] = []
+        self.arena = StagingArena(int(staging_bytes))
         #: This rank's staging pool and where it lies, exported to peers (``None``: no pool).
         self.staging_buffer: torch.Tensor | None = None
         self._staging: dict[str, int] | None = None
+        registered = list(self.region_tensors)
+        if staging_bytes > 0:
+            self.staging_buffer = torch.zeros(
+                int(staging_bytes), dtype=torch.uint8, device=memory_buffer.device
+            )
+            registered.append(self.staging_buffer)
+            self._staging = {"addr": int(self.staging_buffer.data_ptr()),
+                             "nbytes": int(staging_bytes)}  # fmt: skip
+        agent = context.acquire()
         with contextlib.ExitStack() as rollback:
-            rollback.callback(self.close)  # what was registered goes back unless all of it is
+            rollback.callback(context.release)  # the agent is let go unless registration holds
             _validate_nixl_cuda_support(agent, memory_buffer)
-            self._regs.append(agent.register_memory(self.region_tensors))
-            if staging_bytes > 0:
-                self.staging_buffer = torch.zeros(
-                    int(staging_bytes), dtype=torch.uint8, device=memory_buffer.device
-                )
-                self._regs.append(agent.register_memory(self.staging_buffer))
-                self._staging = {"addr": int(self.staging_buffer.data_ptr()),
-                                 "nbytes": int(staging_bytes)}  # fmt: skip
+            #: The buffer's (and staging pool's) NIXL registration, given back by ``close``.
+            self._reg = agent.register_memory(registered)
             rollback.pop_all()
-        self.arena = StagingArena(int(staging_bytes))
+        #: The shared NIXL agent (``None`` once this registration is closed).
+        self._agent: Any = agent
+        self._closed = False
         # Device plans per peer set, block ids through pinned memory, peers' buffers mapped
         # through CUDA IPC when they share this host (see device_plan.py and ipc.py).
         self._plans = dp.PlanCache()
@@ -877,14 +882,11 @@ class NixlTransferBackend(TransferBackendBase):
         for out in self._streams.values():
             out.close(give_up=True)
         self._streams.clear()
-        agent = self._ctx.agent  # held by this registration until ``release`` below
         self._agent = None
-        for reg in self._regs:
-            try:
-                agent.deregister_memory(reg)
-            except Exception as exc:
-                logger.warning("deregister_memory failed: %r", exc)
-        self._regs.clear()
+        try:  # the agent is held by this registration until ``release`` below
+            self._ctx.agent.deregister_memory(self._reg)
+        except Exception as exc:
+            logger.warning("deregister_memory failed: %r", exc)
         self._ipc.close()
         self._ipc_routes.clear()
         self._route_names.clear()
