@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import functools
 import hashlib
 import importlib.metadata as importlib_metadata
@@ -904,7 +905,7 @@ class NixlTransferBackend(TransferBackendBase):
         meta["agent_metadata"] = blob
         meta["agent_metadata_b64"] = blob  # the reference design's name
         meta["ipc"] = self.ipc_meta
-        meta["staging"] = self._staging
+        meta["staging"] = copy.copy(self._staging)  # the peer's own (``None``: no pool)
         return meta
 
     def _base_meta(self) -> dict[str, Any]:
@@ -1341,11 +1342,11 @@ class NixlTransferBackend(TransferBackendBase):
             program = self._compile(metas, self._base_meta(), *handoff, "staged")
             plans = self._pull_plans(metas, by_rank, program)
             if plans and self._ipc_bounds_hold(plans, by_rank, mapped):
-                copy = dp.PullRoute(
+                merged = dp.PullRoute(
                     plans, {r: mapped[r] for r in plans}, self.memory_buffer, self._ids
                 )
-                label = "ipc:" + ",".join(str(by_rank[r]["agent_name"]) for r in copy.ranks)
-                route = _IpcRoute(tuple(peers), copy, label)
+                label = "ipc:" + ",".join(str(by_rank[r]["agent_name"]) for r in merged.ranks)
+                route = _IpcRoute(tuple(peers), merged, label)
         self._ipc_routes[key] = route
         self._route_names[key] = names
         return route
@@ -1372,7 +1373,8 @@ class NixlTransferBackend(TransferBackendBase):
         label: str,
     ) -> Any:
         """Post one READ of ``remote`` rows of peer ``meta`` into ``local`` rows; its NIXL
-        handle. One NIXL refuses is given back before ``TransferError`` is raised."""
+        handle. A read NIXL refuses (``TransferError``) or fails to post is given back before
+        the error propagates."""
         agent = self.agent
         # A reference-only peer is read the reference's way (memory types decided in Rust).
         mems = _core.nixl_read_mem_types(meta, self.buffer_info["mem_type"])
