@@ -271,6 +271,18 @@ def test_export_meta_is_json_and_msgpack_safe_and_versioned(backend: Any) -> Non
     assert meta["incarnation"] == backend.incarnation
 
 
+def test_an_unknown_mode_is_refused_before_the_shared_agent_is_held(backend: Any) -> None:
+    with pytest.raises(exceptions.ArgumentError, match="got 'fast'") as info:
+        backend.new_registered_buffer(memory_buffer=_kv(), expected_num_blocks=4, mode="fast")
+    assert isinstance(info.value, ValueError) and info.value.field == "mode"
+    assert backend._ctx.refs == 1
+    staged = backend.new_registered_buffer(
+        memory_buffer=_kv(), expected_num_blocks=4, mode="staged"
+    )
+    assert staged.mode == "staged" and backend._ctx.refs == 2
+    staged.close()
+
+
 def test_a_head_dim_that_disagrees_with_the_buffer_is_refused_at_construction() -> None:
     with pytest.raises(exceptions.GeometryMismatchError) as info:
         NixlTransferBackend("bad", _kv(), 4, head_dim=64)

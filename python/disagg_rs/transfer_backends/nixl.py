@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import functools
 import hashlib
 import importlib.metadata as importlib_metadata
@@ -137,8 +138,9 @@ def _validate_nixl_cuda_support(agent: Any, memory_buffer: torch.Tensor) -> None
     """Reject a NIXL/UCX runtime that cannot safely register CUDA memory (host buffers are
     not checked). An older NIXL that cannot list its memory types is left to registration."""
     get_mem_types = getattr(agent, "get_backend_mem_types", _unknown_mem_types)
-    if memory_buffer.is_cuda:
-        _core.check_nixl_cuda_support(_NIXL_VARIANT, torch.version.cuda, get_mem_types("UCX"))
+    _core.check_nixl_cuda_support(
+        memory_buffer.is_cuda, _NIXL_VARIANT, torch.version.cuda, get_mem_types("UCX")
+    )
 
 
 def _unknown_mem_types(backend: str) -> None:
@@ -240,24 +242,12 @@ class _NixlAgentContext:
     def _remove_remote(self, loaded: str) -> Any:
         return self.agent.remove_remote_agent(loaded)
 
-    def _decoded(self, text: str | bytes) -> tuple[bytes, str]:
-        """A peer's NIXL metadata (base64 ``text``) decoded, and its digest: once per text
-        object (kept while memoised, so its id names it alone)."""
-        memo: dict[int, tuple[Any, bytes, str]] = self.__dict__.setdefault("_metadata_memo", {})
-        seen = memo.get(id(text))
-        if seen is None or seen[0] is not text:
-            if len(memo) >= 1024:
-                memo.clear()
-            blob = base64.b64decode(text)
-            seen = memo[id(text)] = (text, blob, hashlib.sha256(blob).hexdigest())
-        return seen[1], seen[2]
-
     def ensure_peer(self, meta: PeerMeta) -> str:
         """Register the peer on first use, replacing a stale incarnation; return the id NIXL
         gave it (its agent name). Takes the reference design's ``agent_metadata_b64`` and a
         missing incarnation (0) too."""
         name = str(meta["agent_name"])
-        blob, digest = self._decoded(meta.get("agent_metadata", meta.get("agent_metadata_b64")))
+        blob, digest = _decoded(meta.get("agent_metadata", meta.get("agent_metadata_b64")))
         incarnation = int(meta.get("incarnation", 0))
         known, stale = self.registrations.admit(name, incarnation, digest)
         self._forget(stale)
@@ -270,6 +260,14 @@ class _NixlAgentContext:
                 f"cannot register NIXL peer {name!r}: {exc!r}", field="agent_metadata"
             ) from exc
         return str(self.registrations.register(name, incarnation, digest, raw))
+
+
+@functools.lru_cache(maxsize=1024)
+def _decoded(text: str | bytes) -> tuple[bytes, str]:
+    """A peer's NIXL metadata (base64 ``text``) decoded, and its digest: once per text (a text
+    seen again, the same object or an equal one, is found by its cached hash)."""
+    blob = base64.b64decode(text)
+    return blob, hashlib.sha256(blob).hexdigest()
 
 
 #: Byte ranges of the registered staging region (first fit, 256-byte aligned starts), kept
@@ -319,14 +317,57 @@ class _PullPart:
         cleanup()
 
 
+#: One handoff: source ids, destination ids and tokens.
+_Handoff = tuple[BlockIds, BlockIds, int | None]
+
+
 @dataclass(frozen=True)
 class _IpcRoute:
     """A peer set on the CUDA IPC path: its parsed peers (held, so the identity key of the
     route stays theirs), the merged device copy and the part label."""
 
     peers: tuple[Any, ...]
-    copy: dp.PullRoute | None
+    copy: dp.PullRoute
     label: str
+
+    def pull(
+        self,
+        backend: NixlTransferBackend,
+        staged: list[Mapping[str, Any]],
+        handoff: _Handoff,
+        timeout: float,
+    ) -> NixlPullHandle | None:
+        """Queue one handoff on this route (tickets checked, ids checked and written by Rust,
+        one upload, one launch per merged plan); its handle, or ``None`` (nothing queued)
+        when its ids do not fit the route."""
+        peers = list(self.peers)
+        _core.check_staging_tickets_of(staged, peers)
+        got = self.copy.run(
+            peers,
+            *handoff,
+            local_num_blocks=backend.expected_num_blocks,
+            local_tokens_per_block=backend.tokens_per_block,
+        )
+        if got is None:
+            return None
+        done, nbytes = got  # a CUDA event: routes exist for GPU buffers only
+        part = _PullPart(-1, None, context=self.label, landed=done.query, local=True)
+        handle = NixlPullHandle(backend.agent, [part], timeout, backend.clock, None)
+        handle.stats = {"bytes": nbytes, "descriptors": 0, "modes": {-1: "ipc"}}
+        return handle
+
+
+@dataclass(frozen=True)
+class _NoIpcRoute:
+    """A peer set that cannot take the CUDA IPC path (its peers held like a route's): it is
+    read over NIXL."""
+
+    peers: tuple[Any, ...] = ()
+
+    @staticmethod
+    def pull(*args: Any) -> None:
+        """Nothing is queued here."""
+        del args
 
 
 class NixlPullHandle(TransferHandleBase):
@@ -386,14 +427,20 @@ class NixlPullHandle(TransferHandleBase):
         """Return the handles ``abort`` names to NIXL, forget those ``drop`` names and run
         the cleanups ``finish`` names; take the fold's first error."""
         abort, drop, finish = releases
-        for i in abort:
-            with contextlib.suppress(Exception):
-                self.agent.release_xfer_handle(self.parts[i].xfer)
+        _release_xfers(self.agent, [self.parts[i].xfer for i in abort])
         for i in drop:
             self.parts[i].xfer = None
         for i in finish:
             self.parts[i].finish()
         self.error = self.fold.error
+
+
+def _release_xfers(agent: Any, xfers: Sequence[Any]) -> None:
+    """Give NIXL back the handles of reads still held, aborting those in flight (so nothing
+    writes their destinations afterwards); one NIXL cannot release is left to it."""
+    for xfer in xfers:
+        with contextlib.suppress(Exception):
+            agent.release_xfer_handle(xfer)
 
 
 def _outcome(call: Callable[[], Any]) -> tuple[bool, str]:
@@ -543,9 +590,7 @@ class _ChunkedRead:
         """Abort reads still in flight, tell the source of an unfinished stream, give the
         slots back (idempotent)."""
         b = self.backend
-        for xfer in self.xfers.values():
-            with contextlib.suppress(Exception):
-                b.agent.release_xfer_handle(xfer)
+        _release_xfers(b._ctx.agent, list(self.xfers.values()))  # None once the agent is gone
         _settle(self.events)  # a scatter still queued reads its slot
         self.xfers, self.events = {}, []
         b._notify_all(self.peer, self.sink.close())
@@ -681,6 +726,22 @@ def _peer_key(metas: Sequence[PeerMeta]) -> tuple[tuple[str, int, int], ...]:
     )
 
 
+def _new_read(agent: Any, local: Any, remote: Any, mems: tuple[str, str], peer: str) -> Any:
+    """A NIXL READ of ``remote`` rows of ``peer`` into ``local`` rows (``mems``: their memory
+    types), not posted yet. NIXL's order is (op, local, remote, peer)."""
+    local_mem, remote_mem = mems
+    return agent.initialize_xfer(
+        "READ",
+        agent.get_xfer_descs(local, mem_type=local_mem),
+        agent.get_xfer_descs(remote, mem_type=remote_mem),
+        peer,
+    )
+
+
+#: The route of a peer set not seen on the IPC path yet (``begin_pull_blocks``' first look).
+_NO_IPC_ROUTE = _NoIpcRoute()
+
+
 def _np_u64(rows: Sequence[Sequence[int]]) -> npt.NDArray[np.uint64]:
     return np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
 
@@ -747,49 +808,47 @@ class NixlTransferBackend(TransferBackendBase):
         incarnation: int | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
-        if not _HAVE_NIXL:
-            raise TransferError(
-                "NixlTransferBackend needs the nixl Python package: install the NIXL runtime "
-                "(pip install nixl) before starting disaggregated workers",
-                field="nixl",
-            )
+        # The nixl package and the mode are checked (in Rust) before anything is built.
+        self.mode: str = _core.nixl_backend_mode(_HAVE_NIXL, mode)
         context = _shared_context or _NixlAgentContext(agent_name, incarnation=incarnation)
         incarnation = context.incarnation  # the agent's (a shared context keeps its own)
         super().__init__(**self._base_arguments(locals()))  # the reference signature, whole
         memory_buffer = self.memory_buffer  # the first tensor of a per-layer list
-        if mode not in ("auto", "direct", "staged"):
-            raise ValueError(f"mode must be 'auto', 'direct' or 'staged', got {mode!r}")
-        self.mode = mode
         _validate_ucx_transport_config(memory_buffer)
         self._ctx = context
         self._agent_context = context
         self._known_peers = context.peers
+        # Everything ``close`` gives back exists before the agent is held.
+        self._ipc = ipc.IpcMapper()
+        #: IPC routes by peer set (``_ipc_route``), and the agent names of each set.
+        self._ipc_routes: dict[tuple[int, ...], _IpcRoute | _NoIpcRoute] = {}
+        self._route_names: dict[Any, set[str]] = {}
+        self.arena = StagingArena(int(staging_bytes))
+        #: This rank's staging pool and where it lies, exported to peers (``None``: no pool).
+        self.staging_buffer: torch.Tensor | None = None
+        self._staging: dict[str, int] | None = None
+        registered = list(self.region_tensors)
+        if staging_bytes > 0:
+            self.staging_buffer = torch.zeros(
+                int(staging_bytes), dtype=torch.uint8, device=memory_buffer.device
+            )
+            registered.append(self.staging_buffer)
+            self._staging = {"addr": int(self.staging_buffer.data_ptr()),
+                             "nbytes": int(staging_bytes)}  # fmt: skip
         agent = context.acquire()
+        with contextlib.ExitStack() as rollback:
+            rollback.callback(context.release)  # the agent is let go unless registration holds
+            _validate_nixl_cuda_support(agent, memory_buffer)
+            #: The buffer's (and staging pool's) NIXL registration, given back by ``close``.
+            self._reg = agent.register_memory(registered)
+            rollback.pop_all()
         #: The shared NIXL agent (``None`` once this registration is closed).
         self._agent: Any = agent
         self._closed = False
-        self._regs: list[Any] = []
-        try:
-            _validate_nixl_cuda_support(agent, memory_buffer)
-            self._regs.append(agent.register_memory(self.region_tensors))
-            self.staging_buffer: torch.Tensor | None = None
-            if staging_bytes > 0:
-                self.staging_buffer = torch.zeros(
-                    int(staging_bytes), dtype=torch.uint8, device=memory_buffer.device
-                )
-                self._regs.append(agent.register_memory(self.staging_buffer))
-        except Exception:
-            self.close()
-            raise
-        self.arena = StagingArena(int(staging_bytes))
         # Device plans per peer set, block ids through pinned memory, peers' buffers mapped
         # through CUDA IPC when they share this host (see device_plan.py and ipc.py).
         self._plans = dp.PlanCache()
         self._ids = dp.IdUploader(memory_buffer.device)
-        self._ipc = ipc.IpcMapper()
-        #: IPC routes by peer set (``_ipc_route``), and the agent names of each set.
-        self._ipc_routes: dict[Any, Any] = {}
-        self._route_names: dict[Any, set[str]] = {}
         # CUDA IPC maps one buffer: per-layer tensors are read over NIXL.
         self.ipc_meta = ipc.export(memory_buffer) if len(self.region_tensors) == 1 else None
         self._init_kwargs: dict[str, Any] = {
@@ -824,17 +883,14 @@ class NixlTransferBackend(TransferBackendBase):
         for out in self._streams.values():
             out.close(give_up=True)
         self._streams.clear()
-        agent = self._ctx.agent
         self._agent = None
-        for reg in self._regs if agent is not None else []:
-            try:
-                agent.deregister_memory(reg)
-            except Exception as exc:
-                logger.warning("deregister_memory failed: %r", exc)
-        self._regs.clear()
+        try:  # the agent is held by this registration until ``release`` below
+            self._ctx.agent.deregister_memory(self._reg)
+        except Exception as exc:
+            logger.warning("deregister_memory failed: %r", exc)
         self._ipc.close()
-        getattr(self, "_ipc_routes", {}).clear()
-        getattr(self, "_route_names", {}).clear()
+        self._ipc_routes.clear()
+        self._route_names.clear()
         self._ctx.release()
 
     # -- metadata ------------------------------------------------------------------------
@@ -849,17 +905,8 @@ class NixlTransferBackend(TransferBackendBase):
         meta["agent_metadata"] = blob
         meta["agent_metadata_b64"] = blob  # the reference design's name
         meta["ipc"] = self.ipc_meta
-        meta["staging"] = self._staging_meta()
+        meta["staging"] = copy.copy(self._staging)  # the peer's own (``None``: no pool)
         return meta
-
-    def _staging_meta(self) -> dict[str, int] | None:
-        """Where this rank's staging pool lies (``None``: no pool)."""
-        if self.staging_buffer is None:
-            return None
-        return {
-            "addr": int(self.staging_buffer.data_ptr()),
-            "nbytes": int(self.staging_buffer.numel()),
-        }
 
     def _base_meta(self) -> dict[str, Any]:
         meta = super()._base_meta()
@@ -1158,21 +1205,21 @@ class NixlTransferBackend(TransferBackendBase):
         staged = list(staged or ())
         # A peer set seen before on the CUDA IPC path: Rust checks the ids while writing
         # them into the upload slot (the same checks as below), one launch follows.
-        route = self._ipc_routes.get(tuple(map(id, peers)))
-        if route is not None and route.copy is not None:
-            _core.check_staging_tickets_of(staged, peers)
-            direct = self._pull_on_route(route, peers, src_block_ids, dst_block_ids, num_tokens)
-            if direct is not None:
-                return self._ipc_handle(direct, timeout)
+        key = tuple(map(id, peers))
+        seen = self._ipc_routes.get(key, _NO_IPC_ROUTE)
+        ipc_pull = seen.pull(self, staged, (src_block_ids, dst_block_ids, num_tokens), timeout)
+        if ipc_pull is not None:
+            return ipc_pull
         num_tokens = self._validate_peers(
             peers, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
         )
         metas = [p.meta for p in peers]
         by_rank = {p.global_rank: p.meta for p in peers}
         tickets = _core.check_staging_tickets_of(staged, peers)
-        direct = self._pull_by_ipc(peers, by_rank, src_block_ids, dst_block_ids, num_tokens)
-        if direct is not None:
-            return self._ipc_handle(direct, timeout)
+        handoff = (src_block_ids, dst_block_ids, num_tokens)
+        ipc_pull = self._pull_by_ipc(key, peers, by_rank, staged, handoff, timeout)
+        if ipc_pull is not None:
+            return ipc_pull
         program = self._compile(
             metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, self.mode
         )
@@ -1245,71 +1292,37 @@ class NixlTransferBackend(TransferBackendBase):
         plans: dict[int, dp.DevicePlan] = self._cached(("pull", _peer_key(metas)), build)
         return plans
 
-    def _ipc_handle(self, direct: tuple[_PullPart, int], timeout: float) -> NixlPullHandle:
-        ipc_part, nbytes = direct
-        handle = NixlPullHandle(self.agent, [ipc_part], timeout, self.clock, None)
-        handle.stats = {"bytes": nbytes, "descriptors": 0, "modes": {-1: "ipc"}}
-        return handle
-
-    def _pull_on_route(
-        self,
-        route: _IpcRoute,
-        peers: list[Any],
-        src_block_ids: BlockIds,
-        dst_block_ids: BlockIds,
-        num_tokens: int | None,
-    ) -> tuple[_PullPart, int] | None:
-        """Queue one handoff on an IPC route (ids checked and written by Rust, one upload,
-        one launch per merged plan); ``None`` when its ids do not fit the route."""
-        got = cast(dp.PullRoute, route.copy).run(
-            peers,
-            src_block_ids,
-            dst_block_ids,
-            num_tokens,
-            local_num_blocks=self.expected_num_blocks,
-            local_tokens_per_block=self.tokens_per_block,
-        )
-        if got is None:
-            return None
-        done, nbytes = got  # a CUDA event: routes exist for GPU buffers only
-        return _PullPart(-1, None, context=route.label, landed=done.query, local=True), nbytes
-
     def _pull_by_ipc(
         self,
+        key: tuple[int, ...],
         peers: list[Any],
         by_rank: Mapping[int, PeerMeta],
-        src_block_ids: BlockIds,
-        dst_block_ids: BlockIds,
-        num_tokens: int | None,
-    ) -> tuple[_PullPart, int] | None:
+        staged: list[Mapping[str, Any]],
+        handoff: _Handoff,
+        timeout: float,
+    ) -> NixlPullHandle | None:
         """Copy every source rank's blocks straight from its CUDA IPC mapping (same host),
         one kernel for all source ranks, no staging; ``None`` when any rank cannot be mapped
         or has no device plan (the caller then takes the NIXL path).
 
         Everything that depends only on the peer set (mappings, plans, bounds, the merged
         plan and its prepared launch) is settled once per peer set (:meth:`_ipc_route`) and
-        found again by the parsed peers' identity at the top of ``begin_pull_blocks``."""
-        if not self.memory_buffer.is_cuda or num_tokens is None or self.ipc_meta is None:
+        found again by the parsed peers' identity (``key``) at the top of
+        ``begin_pull_blocks``. Host memory exports no IPC metadata."""
+        if handoff[2] is None or self.ipc_meta is None:
             return None
-        key = tuple(map(id, peers))
-        route: _IpcRoute | None = self._ipc_routes.get(key)
-        if route is None:
-            route = self._ipc_route(key, peers, by_rank, src_block_ids, dst_block_ids, num_tokens)
-        if route.copy is None:
-            return None
-        return self._pull_on_route(route, peers, src_block_ids, dst_block_ids, num_tokens)
+        route = self._ipc_routes.get(key) or self._ipc_route(key, peers, by_rank, handoff)
+        return route.pull(self, staged, handoff, timeout)
 
     def _ipc_route(
         self,
-        key: Any,
+        key: tuple[int, ...],
         peers: list[Any],
         by_rank: Mapping[int, PeerMeta],
-        src_block_ids: BlockIds,
-        dst_block_ids: BlockIds,
-        num_tokens: int,
-    ) -> _IpcRoute:
-        """The IPC route of one peer set (its ``copy`` is ``None`` when the set cannot take
-        the IPC path); cached either way by the parsed peers' identity (the route holds the
+        handoff: _Handoff,
+    ) -> _IpcRoute | _NoIpcRoute:
+        """The IPC route of one peer set (``_NoIpcRoute`` when the set cannot take the IPC
+        path); cached either way by the parsed peers' identity (the route holds the
         peers, so those ids stay theirs); a peer's new incarnation is a new peer set and
         drops the routes of its old one."""
         metas = [p.meta for p in peers]
@@ -1317,7 +1330,7 @@ class NixlTransferBackend(TransferBackendBase):
         for old in [k for k in self._ipc_routes if names & self._route_names[k]]:
             del self._ipc_routes[old]
             del self._route_names[old]
-        route = _IpcRoute(tuple(peers), None, "")
+        route: _IpcRoute | _NoIpcRoute = _NoIpcRoute(tuple(peers))
         mapped = {}
         for rank, meta in by_rank.items():
             view = self._ipc.open(meta, self.ipc_meta, self.memory_buffer.device)
@@ -1326,16 +1339,14 @@ class NixlTransferBackend(TransferBackendBase):
             mapped[rank] = view
         else:
             # First handoff of this peer set: compile once (raises the compiler's errors).
-            program = self._compile(
-                metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, "staged"
-            )
+            program = self._compile(metas, self._base_meta(), *handoff, "staged")
             plans = self._pull_plans(metas, by_rank, program)
             if plans and self._ipc_bounds_hold(plans, by_rank, mapped):
-                copy = dp.PullRoute(
+                merged = dp.PullRoute(
                     plans, {r: mapped[r] for r in plans}, self.memory_buffer, self._ids
                 )
-                label = "ipc:" + ",".join(str(by_rank[r]["agent_name"]) for r in copy.ranks)
-                route = _IpcRoute(tuple(peers), copy, label)
+                label = "ipc:" + ",".join(str(by_rank[r]["agent_name"]) for r in merged.ranks)
+                route = _IpcRoute(tuple(peers), merged, label)
         self._ipc_routes[key] = route
         self._route_names[key] = names
         return route
@@ -1353,9 +1364,6 @@ class NixlTransferBackend(TransferBackendBase):
                 for rank, plan in plans.items()]  # fmt: skip
         return bool(_core.ipc_bounds_hold(ends, int(self.buffer_info["nbytes"])))
 
-    def _mem(self, meta: PeerMeta) -> str:
-        return str(meta["buffer"]["mem_type"])
-
     def _post(
         self,
         local: npt.NDArray[np.uint64],
@@ -1364,21 +1372,17 @@ class NixlTransferBackend(TransferBackendBase):
         peer: str,
         label: str,
     ) -> Any:
+        """Post one READ of ``remote`` rows of peer ``meta`` into ``local`` rows; its NIXL
+        handle. A read NIXL refuses (``TransferError``) or fails to post is given back before
+        the error propagates."""
         agent = self.agent
-        # A peer that exported the reference design's fields only is read its way: the
-        # reference registers GPU memory only and names both lists VRAM.
-        local_mem = "VRAM" if meta.get("reference_only") else self.buffer_info["mem_type"]
-        # READ pulls remote -> local; NIXL's order is (op, local, remote, peer).
-        xfer = agent.initialize_xfer(
-            "READ",
-            agent.get_xfer_descs(local, mem_type=local_mem),
-            agent.get_xfer_descs(remote, mem_type=self._mem(meta)),
-            peer,
-        )
-        state = agent.transfer(xfer)
-        if state == "ERR":
-            agent.release_xfer_handle(xfer)
-            raise TransferError(f"NIXL refused to post {label}")
+        # A reference-only peer is read the reference's way (memory types decided in Rust).
+        mems = _core.nixl_read_mem_types(meta, self.buffer_info["mem_type"])
+        xfer = _new_read(agent, local, remote, mems, peer)
+        with contextlib.ExitStack() as refused:
+            refused.callback(agent.release_xfer_handle, xfer)
+            _core.check_xfer_posted(agent.transfer(xfer), label)
+            refused.pop_all()
         return xfer
 
     def _post_direct(
@@ -1570,16 +1574,9 @@ class NixlTransferBackend(TransferBackendBase):
             (src_h0, dst_h0, n_heads),
             peer_id,
         )
-        xfer = agent.initialize_xfer(
-            "READ",
-            agent.get_xfer_descs(local, mem_type=local_mem),
-            agent.get_xfer_descs(remote, mem_type=remote_mem),
-            peer_id,
-        )
+        xfer = _new_read(agent, local, remote, (local_mem, remote_mem), peer_id)
         try:
-            state = agent.transfer(xfer)
-            if state == "ERR":
-                raise TransferError(f"NIXL refused to post {ctx}")
+            _core.check_xfer_posted(agent.transfer(xfer), ctx)
         except Exception as exc:
             # NIXL may have taken the read before failing: its destination is not safe to
             # reuse until the handle below settles.

@@ -84,13 +84,18 @@ pub fn backend_supports_vram(mem_types: &[String]) -> bool {
 
 /// The refusal of a NIXL runtime that cannot safely register CUDA memory: a build for another
 /// CUDA major than torch's, or a UCX backend that reports no GPU memory type (`mem_types`,
-/// `None` when the NIXL build cannot say: registration will tell).
+/// `None` when the NIXL build cannot say: registration will tell). Host buffers (`on_gpu`
+/// false) are not checked.
 #[must_use]
 pub fn cuda_support_refusal(
+    on_gpu: bool,
     variant: Option<&str>,
     torch_cuda: Option<&str>,
     mem_types: Option<&[String]>,
 ) -> Option<Refusal> {
+    if !on_gpu {
+        return None;
+    }
     if let Some(detail) = nixl_cuda_major_mismatch(variant, torch_cuda) {
         return Some(Refusal { field: "nixl", detail });
     }
@@ -104,6 +109,80 @@ pub fn cuda_support_refusal(
             listed.join(", ")
         ),
     })
+}
+
+/// How a NIXL backend reads its sources (the constructor's `mode`, passed to the compiler).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransferMode {
+    /// The compiler's cost model picks, per source, its blocks or its packed copy.
+    Auto,
+    /// Every source's blocks, directly (nothing is packed).
+    Direct,
+    /// Every source's packed copy.
+    Staged,
+}
+
+impl TransferMode {
+    /// The mode's name, as the compiler takes it.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Direct => "direct",
+            Self::Staged => "staged",
+        }
+    }
+}
+
+/// Why a NIXL backend cannot be built as asked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unbuildable {
+    /// The runtime cannot serve it (no nixl package).
+    Runtime(Refusal),
+    /// An argument is out of range.
+    Argument(DisaggError),
+}
+
+/// The checked settings of a NIXL backend, decided before anything is registered: the nixl
+/// package must be installed (`have_nixl`) and `mode` one of `"auto"`, `"direct"`, `"staged"`.
+///
+/// # Errors
+/// `Runtime` (field `nixl`) without the nixl package; `Argument` (field `mode`) naming the
+/// mode given.
+pub fn backend_mode(have_nixl: bool, mode: &str) -> Result<TransferMode, Unbuildable> {
+    if !have_nixl {
+        return Err(Unbuildable::Runtime(Refusal {
+            field: "nixl",
+            detail: "NixlTransferBackend needs the nixl Python package: install the NIXL runtime \
+                     (pip install nixl) before starting disaggregated workers"
+                .to_owned(),
+        }));
+    }
+    [TransferMode::Auto, TransferMode::Direct, TransferMode::Staged]
+        .into_iter()
+        .find(|m| m.name() == mode)
+        .ok_or_else(|| {
+            Unbuildable::Argument(DisaggError::Argument {
+                field: "mode".to_owned(),
+                detail: format!("mode must be 'auto', 'direct' or 'staged', got '{mode}'"),
+            })
+        })
+}
+
+/// The refusal of a NIXL post: `state` is what NIXL's `transfer()` returned for the read
+/// `label` (`"ERR"`: NIXL did not take it; `None`: not a state name, taken as posted).
+#[must_use]
+pub fn post_refusal(state: Option<&str>, label: &str) -> Option<String> {
+    (state == Some("ERR")).then(|| format!("NIXL refused to post {label}"))
+}
+
+/// The NIXL memory types `(local, remote)` of a read from a peer whose buffer states
+/// `remote`: a peer that exported the reference design's fields only (`reference_only`) is
+/// read the reference's way, which registers GPU memory only and names the local list `VRAM`.
+#[must_use]
+pub fn read_mem_types(reference_only: bool, local: &str, remote: &str) -> (String, String) {
+    let local = if reference_only { "VRAM" } else { local };
+    (local.to_owned(), remote.to_owned())
 }
 
 /// A source's device plan as the decode's staged read needs it.

@@ -36,10 +36,52 @@ fn a_nixl_build_for_another_cuda_major_or_without_vram_is_refused() {
     assert!(backend_supports_vram(&types(&["DRAM_SEG", "VRAM_SEG"])));
     assert!(!backend_supports_vram(&types(&["DRAM_SEG"])));
     let dram = types(&["DRAM_SEG"]);
-    let r = cuda_support_refusal(None, Some("12.4"), Some(&dram)).unwrap();
+    let r = cuda_support_refusal(true, None, Some("12.4"), Some(&dram)).unwrap();
     assert!(r.detail.contains("['DRAM_SEG']"), "{}", r.detail);
-    assert!(cuda_support_refusal(None, Some("12.4"), None).is_none());
-    assert!(cuda_support_refusal(Some("nixl_cu12"), Some("13.0"), None).is_some());
+    assert!(cuda_support_refusal(true, None, Some("12.4"), None).is_none());
+    assert!(cuda_support_refusal(true, Some("nixl_cu12"), Some("13.0"), None).is_some());
+    // Host buffers are not checked, whatever the build and its memory types.
+    assert!(cuda_support_refusal(false, Some("nixl_cu12"), Some("13.0"), Some(&dram)).is_none());
+}
+
+#[test]
+fn a_backend_needs_the_nixl_package_and_a_known_mode() {
+    for m in [TransferMode::Auto, TransferMode::Direct, TransferMode::Staged] {
+        assert_eq!(backend_mode(true, m.name()), Ok(m));
+    }
+    match backend_mode(false, "auto") {
+        Err(Unbuildable::Runtime(r)) => {
+            assert_eq!(r.field, "nixl");
+            assert!(r.detail.contains("pip install nixl"), "{}", r.detail);
+        }
+        other => panic!("{other:?}"),
+    }
+    match backend_mode(true, "Auto") {
+        Err(Unbuildable::Argument(DisaggError::Argument { field, detail })) => {
+            assert_eq!(field, "mode");
+            assert!(detail.contains("got 'Auto'"), "{detail}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn only_an_err_state_refuses_a_post() {
+    assert_eq!(
+        post_refusal(Some("ERR"), "chunk 3").as_deref(),
+        Some("NIXL refused to post chunk 3")
+    );
+    for state in [Some("PROC"), Some("DONE"), Some("err"), None] {
+        assert_eq!(post_refusal(state, "x"), None, "{state:?}");
+    }
+}
+
+#[test]
+fn a_reference_only_peer_is_read_into_a_vram_list() {
+    let owned = |(a, b): (&str, &str)| (a.to_owned(), b.to_owned());
+    assert_eq!(read_mem_types(false, "DRAM", "DRAM"), owned(("DRAM", "DRAM")));
+    assert_eq!(read_mem_types(true, "DRAM", "VRAM"), owned(("VRAM", "VRAM")));
+    assert_eq!(read_mem_types(false, "VRAM", "DRAM"), owned(("VRAM", "DRAM")));
 }
 
 fn ticket(nbytes: u64, chunk: Option<u64>) -> StagingTicket {

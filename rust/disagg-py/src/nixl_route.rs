@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use disagg_core::nixl_route::{
     self as route, Admission, AgentPeers, DecodePool, HeadSpan, PlanFacts, Refusal, SliceSide,
-    SourceRead,
+    SourceRead, Unbuildable,
 };
 use disagg_core::wire::ticket::StagingTicket;
 use numpy::ndarray::Array2;
@@ -14,7 +14,7 @@ use numpy::{IntoPyArray, PyArray2, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyMapping};
 
-use crate::error::IntoPyResult;
+use crate::error::{to_pyerr, IntoPyResult};
 use crate::pool::lock;
 use crate::wire::to_wire;
 
@@ -61,18 +61,48 @@ pub fn check_ucx_tls(tls: Option<&str>) -> PyResult<()> {
     refuse(route::ucx_tls_refusal(tls))
 }
 
-/// Raise `TransferError` (field `nixl`) for a NIXL build of another CUDA major than torch's
-/// (`torch_cuda`) or a UCX backend whose memory types (`mem_types`, `None`: unknown) lack GPU
-/// memory.
+/// Raise `TransferError` (field `nixl`) for a GPU buffer (`on_gpu`) on a NIXL build of another
+/// CUDA major than torch's (`torch_cuda`) or a UCX backend whose memory types (`mem_types`,
+/// `None`: unknown) lack GPU memory.
 #[pyfunction]
-#[pyo3(signature = (variant, torch_cuda, mem_types))]
+#[pyo3(signature = (on_gpu, variant, torch_cuda, mem_types))]
 pub fn check_nixl_cuda_support(
+    on_gpu: bool,
     variant: Option<&str>,
     torch_cuda: Option<&str>,
     mem_types: Option<Vec<Bound<'_, PyAny>>>,
 ) -> PyResult<()> {
     let mem_types = mem_types.map(|m| names(&m)).transpose()?;
-    refuse(route::cuda_support_refusal(variant, torch_cuda, mem_types.as_deref()))
+    refuse(route::cuda_support_refusal(on_gpu, variant, torch_cuda, mem_types.as_deref()))
+}
+
+/// The checked `mode` of a NIXL backend: `TransferError` (field `nixl`) without the nixl
+/// package (`have_nixl`), `ArgumentError` (field `mode`) for a mode other than `"auto"`,
+/// `"direct"` or `"staged"`.
+#[pyfunction]
+pub fn nixl_backend_mode(have_nixl: bool, mode: &str) -> PyResult<&'static str> {
+    route::backend_mode(have_nixl, mode).map(route::TransferMode::name).map_err(|e| match e {
+        Unbuildable::Runtime(r) => TransferError::new_err((r.detail, r.field)),
+        Unbuildable::Argument(e) => to_pyerr(e),
+    })
+}
+
+/// Raise `TransferError` when NIXL refused to post the read `label` (`state`: what its
+/// `transfer()` returned).
+#[pyfunction]
+pub fn check_xfer_posted(state: &Bound<'_, PyAny>, label: &str) -> PyResult<()> {
+    let state: Option<String> = state.extract().ok();
+    route::post_refusal(state.as_deref(), label)
+        .map_or(Ok(()), |msg| Err(TransferError::new_err(msg)))
+}
+
+/// `(local, remote)` NIXL memory types of a read from the peer of metadata `meta` into this
+/// rank's buffer of `local_mem`.
+#[pyfunction]
+pub fn nixl_read_mem_types(meta: &Bound<'_, PyAny>, local_mem: &str) -> PyResult<(String, String)> {
+    let reference_only = given(meta, "reference_only")?.map(|v| v.is_truthy()).transpose()?;
+    let remote: String = meta.get_item("buffer")?.get_item("mem_type")?.str()?.to_string();
+    Ok(route::read_mem_types(reference_only.unwrap_or(false), local_mem, &remote))
 }
 
 /// How the decode reads one source: `(kind, give_up, slot_bytes_min)`, `kind` one of
