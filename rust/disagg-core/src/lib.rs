@@ -25,6 +25,7 @@ pub mod nixl_route;
 pub mod p2p_header;
 pub mod pool;
 pub mod pull_parts;
+pub mod refdecode;
 pub mod reference;
 pub mod refmeta;
 pub mod refticket;

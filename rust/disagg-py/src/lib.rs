@@ -8,6 +8,7 @@
 
 mod args;
 mod backend_rules;
+mod compat;
 mod compile;
 mod control;
 mod control_step;
@@ -95,7 +96,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             nixl_route::ucx_tls_allows_cuda, nixl_route::nixl_cuda_major_mismatch,
             nixl_route::backend_supports_vram, nixl_route::check_ucx_tls,
             nixl_route::check_nixl_cuda_support, nixl_route::nixl_source_read, nixl_route::nixl_pull_route,
-            nixl_route::slice_reads, nixl_route::ipc_bounds_hold, nixl_route::check_matched_slices
+            nixl_route::slice_reads, nixl_route::ipc_bounds_hold, nixl_route::check_matched_slices,
+            compat::reference_setup, compat::reference_hash_registration,
+            compat::reference_first_token_limit, compat::reference_live_slot
         ]
     );
     Ok(())
