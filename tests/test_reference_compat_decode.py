@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from disagg_rs.exceptions import ResetRefusedError, TransferError
+from disagg_rs.exceptions import HandoffStateError, ResetRefusedError, TransferError
 from test_reference_api_lifecycle import BS, RefEngine
 
 
@@ -242,3 +242,46 @@ def test_an_import_whose_destinations_may_still_be_written_is_quarantined_for_go
     with pytest.raises(ResetRefusedError, match=r"imports of requests \[4\]"):
         engine._reset_pending_kv_imports()
     assert engine.num_quarantined_kv_imports == 1 and sum(_refs(engine)) == 3
+
+
+def _setup_engine(loop: asyncio.AbstractEventLoop, prefix_caching: bool = True) -> DecodeEngine:
+    """A reference engine with the context and model config ``setup_kv_transfer`` reads."""
+    engine = DecodeEngine(loop, blocks=5)
+    ctx = engine.context
+    ctx.memory_buffer = torch.zeros(2, 2, 5, BS, 2, 8, dtype=torch.float32)
+    ctx.num_attention_layers, ctx.num_mamba_layers = 2, 0
+    ctx.num_attention_heads_per_partition, ctx.hidden_size_per_attention_head = 2, 8
+    ctx.kv_block_allocator.pool_size = 5
+    ctx.kv_block_allocator.enable_prefix_caching = prefix_caching
+    config = SimpleNamespace(num_query_groups=None, num_attention_heads=2)
+    engine.controller.inference_wrapped_model = SimpleNamespace(
+        model=SimpleNamespace(config=config)
+    )
+    return engine
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_setup_on_one_rank_keeps_its_own_metadata_as_the_only_stage(
+    loop: asyncio.AbstractEventLoop, role: str
+) -> None:
+    engine = _setup_engine(loop)
+    engine.setup_kv_transfer(role, "nixl")
+    try:
+        allocator = engine.context.kv_block_allocator
+        assert allocator.enable_handoff_pinning == (role == "prefill")
+        meta = engine._kv_peer_metas
+        assert isinstance(meta, dict) and meta["layer_start"] == 0
+        assert engine._pp_kv_peer_metas == [meta] and engine._pp_ssm_peer_metas == [{}]
+        assert engine._tp_ssm_peer_metas == {} and engine._kv_transfer_role == role
+    finally:
+        engine._kv_transfer_agent.close()
+
+
+def test_setup_without_prefix_caching_is_refused_before_any_agent_exists(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    engine = _setup_engine(loop, prefix_caching=False)
+    agent = engine._kv_transfer_agent
+    with pytest.raises(HandoffStateError, match="enable_prefix_caching"):
+        engine.setup_kv_transfer("decode", "nixl")
+    assert engine._kv_transfer_agent is agent
