@@ -562,7 +562,8 @@ class ReferenceDesignCompat(HandoffBase):
                 self._whole()._start_ssm_handoff_import(handoff.request_id, meta["ssm"], ssm_import)
         except Exception as e:  # this rank's failure: reported to the quorum like any other
             error = e
-        safe = error is None or bool(getattr(error, "transfer_destinations_safe", True))
+        # Without an error (None has no such attribute) nothing can still write them.
+        safe = bool(getattr(error, "transfer_destinations_safe", True))
         self._reference_imports.start(handoff.request_id, safe)
         self._pending_kv_imports.append(
             PendingKvImport(

@@ -25,20 +25,18 @@ type Items<'py> = Vec<Bound<'py, PyAny>>;
 /// precomputed hashes (None without any). Hashes pass through as given.
 #[pyfunction]
 pub fn reference_hash_registration<'py>(
+    py: Python<'py>,
     local_blocks: Items<'py>,
     hashes: Items<'py>,
     cached: usize,
-) -> PyResult<(Items<'py>, Items<'py>, Items<'py>, Option<Items<'py>>)> {
+) -> (Items<'py>, Items<'py>, Items<'py>, Option<Items<'py>>) {
     let span = refdecode::hash_span(local_blocks.len(), hashes.len(), cached);
-    let Some(first) = local_blocks.first().or(hashes.first()) else {
-        return Ok((vec![], vec![], vec![], None));
-    };
-    let zero = PyInt::new(first.py(), 0).into_any();
+    let (start, end) = (span.start, span.end);
+    let zero = PyInt::new(py, 0).into_any();
     let parents = std::iter::once(zero).chain(hashes.iter().cloned());
-    let parents = parents.skip(span.start).take(span.end - span.start).collect();
-    let precomputed = span.precomputed.then(|| hashes[..span.end].to_vec());
-    let blocks = local_blocks[span.start..span.end].to_vec();
-    Ok((blocks, hashes[span.start..span.end].to_vec(), parents, precomputed))
+    let parents = parents.skip(start).take(end - start).collect();
+    let precomputed = span.precomputed.then(|| hashes[..end].to_vec());
+    (local_blocks[start..end].to_vec(), hashes[start..end].to_vec(), parents, precomputed)
 }
 
 /// The request's token limit once the handed-off ``first`` token was appended
