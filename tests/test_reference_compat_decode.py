@@ -109,6 +109,13 @@ def _finish_transfers(engine: DecodeEngine) -> None:
         pending.handle.done = True
 
 
+def _land(engine: DecodeEngine) -> int:
+    """Finish every running transfer, poll, admit: how many were admitted."""
+    _finish_transfers(engine)
+    engine._poll_pending_kv_imports()
+    return engine._admit_pending_kv_imports()
+
+
 def _refs(engine: DecodeEngine) -> list[int]:
     return [int(r) for r in engine.context.kv_block_allocator.refs.tolist()]
 
@@ -148,9 +155,7 @@ def test_the_first_token_is_checked_against_termination_and_stop_words(
 ) -> None:
     engine = DecodeEngine(loop)
     fut = _submit(engine, 2, list(range(6)), params)
-    _finish_transfers(engine)
-    engine._poll_pending_kv_imports()
-    assert engine._admit_pending_kv_imports() == 1
+    assert _land(engine) == 1
     loop.run_until_complete(asyncio.sleep(0))
     assert fut.done() == finishes
     assert engine.context.total_request_count == int(not finishes)
@@ -176,9 +181,7 @@ def test_an_admitted_request_is_relayed_its_failure_and_cancellation(
 ) -> None:
     engine = DecodeEngine(loop)
     futs = [_submit(engine, rid, list(range(4)), Sampling(4)) for rid in (1, 2)]
-    _finish_transfers(engine)
-    engine._poll_pending_kv_imports()
-    assert engine._admit_pending_kv_imports() == 2
+    assert _land(engine) == 2
     engine.requests[1].future.set_exception(KeyError("gone"))
     engine.requests[2].future.cancel()
     loop.run_until_complete(asyncio.sleep(0))
@@ -190,18 +193,14 @@ def test_a_second_import_reuses_the_first_ones_cached_prefix(
 ) -> None:
     engine = DecodeEngine(loop)
     _submit(engine, 1, list(range(8)), Sampling(1))
-    _finish_transfers(engine)
-    engine._poll_pending_kv_imports()
-    engine._admit_pending_kv_imports()
+    assert _land(engine) == 1
     first_blocks = sorted(engine.context.kv_block_allocator.kv_hash_to_block_id.values())
     _submit(engine, 2, [*range(8), 9, 9, 9], Sampling(4))
     (pending,) = engine._pending_kv_imports
     assert pending.cached_prefix_block_count == 2 and pending.local_blocks[:2] == first_blocks
     # Pulled: only the third block; one more block for the first token.
     assert len(pending.local_blocks) == 3 and len(pending.continuation_blocks) == 0
-    _finish_transfers(engine)
-    engine._poll_pending_kv_imports()
-    assert engine._admit_pending_kv_imports() == 1
+    assert _land(engine) == 1
     assert len(engine.context.kv_block_allocator.kv_hash_to_block_id) == 2
     assert engine.context.total_request_count == 1
 
