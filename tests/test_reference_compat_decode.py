@@ -125,6 +125,7 @@ def test_an_import_whose_first_token_ends_it_completes_without_a_forward_step(
 ) -> None:
     engine = DecodeEngine(loop)
     fut = _submit(engine, 1, list(range(8)), Sampling(1))
+    assert engine._poll_pending_kv_imports() == 0  # its transfer still runs
     _finish_transfers(engine)
     assert engine._poll_pending_kv_imports() == 1
     assert engine._admit_pending_kv_imports() == 1
@@ -210,6 +211,7 @@ def test_an_import_failed_on_a_peer_fails_its_future_and_frees_its_blocks(
 ) -> None:
     engine = DecodeEngine(loop)
     fut = _submit(engine, 3, list(range(8)), Sampling(4))
+    # This rank's transfers finished; a peer's failed: the tracker decides a failure.
     _finish_transfers(engine)
     engine._report_completed_kv_imports()
     engine._reference_imports.decide(3, True)
