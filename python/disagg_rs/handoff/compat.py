@@ -35,8 +35,12 @@ from disagg_rs._core import (
     SSMStateDims,
     check_reference,
     drop_transfer_prefix_blocks,
+    reference_first_token_limit,
+    reference_hash_registration,
+    reference_live_slot,
     reference_prefill_metas,
     reference_push_metas,
+    reference_setup,
     transfer_block_count,
 )
 from disagg_rs.decode_admission import (
@@ -71,6 +75,14 @@ def get_pg_rank(group: Any) -> int:
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return 0
     return int(dist.get_rank(group))
+
+
+def _gather_object(obj: Any, group: Any) -> list[Any]:
+    """``obj`` of every rank of ``group``, in rank order (``[obj]`` for one rank)."""
+    gathered = [obj] * get_pg_size(group)
+    if len(gathered) > 1:
+        torch.distributed.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def compute_block_hashes_batched(prompt_tokens: Any, block_size_tokens: int) -> list[int]:
@@ -166,10 +178,8 @@ class ReferenceDesignCompat(HandoffBase):
 
     def _reference_capacity_available(self, num_blocks: int, cached_blocks: list[int]) -> bool:
         allocator = self._ref().context.kv_block_allocator
-        unreferenced = 0
-        if cached_blocks:
-            ids = torch.tensor(cached_blocks, dtype=torch.int32)
-            unreferenced = int((allocator.block_ref_counts[ids] == 0).sum())
+        ids = torch.tensor(cached_blocks, dtype=torch.int32)
+        unreferenced = int((allocator.block_ref_counts[ids] == 0).sum())
         return bool(allocator.is_memory_available(num_blocks, potential_matched_count=unreferenced))
 
     def _drain_reference_deferred(self) -> int:
@@ -182,8 +192,6 @@ class ReferenceDesignCompat(HandoffBase):
 
     def _poll_reference_imports(self) -> int:
         self._whole()._drain_deferred_kv_handoffs()
-        if not self._pending_kv_imports:
-            return 0
         self._whole()._report_completed_kv_imports()
         return int(self._whole().has_admittable_kv_import)
 
@@ -214,36 +222,34 @@ class ReferenceDesignCompat(HandoffBase):
         ctx = ref.context
         hybrid = bool(ctx.is_hybrid_model)
         allocator = ctx.kv_block_allocator
-        # The SSM state cache the role needs, and prefix caching, in Rust (HandoffStateError).
-        check_reference(
-            "setup",
+        config = ref.controller.inference_wrapped_model.model.config
+        # The SSM state cache the role needs and prefix caching checked, then whether the
+        # allocator pins finished blocks (a prefill, until the decode has read them) and the
+        # global KV heads, in Rust (HandoffStateError naming the field).
+        pinning, kv_heads = reference_setup(
             {
                 "role": role,
                 "hybrid": hybrid,
                 "state_cache": ctx.mamba_slot_allocator is not None,
                 "prefix_caching": bool(allocator.enable_prefix_caching),
-            },
+                "num_query_groups": config.num_query_groups,
+                "num_attention_heads": config.num_attention_heads,
+            }
         )
         self._kv_transfer_role = role
         backend_cls = construct_kv_transfer_backend_class(backend)
-        # Only a prefill's finished blocks stay pinned until the decode has read them.
-        allocator.enable_handoff_pinning = role == "prefill"
+        allocator.enable_handoff_pinning = pinning
         dist = torch.distributed
-        distributed = dist.is_available() and dist.is_initialized()
-        rank = int(dist.get_rank()) if distributed else 0
-        config = ref.controller.inference_wrapped_model.model.config
-        kv_heads = config.num_query_groups or config.num_attention_heads
+        rank = int(dist.get_rank()) if dist.is_available() and dist.is_initialized() else 0
         groups = ref.pg_collection
         tp_size, tp_rank = get_pg_size(groups.tp), get_pg_rank(groups.tp)
         pp_size, pp_rank = get_pg_size(groups.pp), get_pg_rank(groups.pp)
         n_attn, n_ssm = int(ctx.num_attention_layers), int(ctx.num_mamba_layers)
-        layer_start, n_attn_global, ssm_start = 0, n_attn, 0
-        if pp_size > 1 and distributed:
-            counts: list[Any] = [None] * pp_size
-            dist.all_gather_object(counts, (n_attn, n_ssm), group=groups.pp)
-            layer_start = sum(c[0] for c in counts[:pp_rank])
-            n_attn_global = sum(c[0] for c in counts)
-            ssm_start = sum(c[1] for c in counts[:pp_rank])
+        # Every pipeline stage's layer counts: this stage's layers start after the earlier ones.
+        counts = _gather_object((n_attn, n_ssm), groups.pp)
+        layer_start = sum(c[0] for c in counts[:pp_rank])
+        n_attn_global = sum(c[0] for c in counts)
+        ssm_start = sum(c[1] for c in counts[:pp_rank])
         self._kv_transfer_agent = backend_cls(
             agent_name=f"{role}-rank{rank}",
             memory_buffer=ctx.memory_buffer,
@@ -264,20 +270,17 @@ class ReferenceDesignCompat(HandoffBase):
         if hybrid:
             self._setup_reference_ssm_agents(role, backend_cls, rank, tp_size, tp_rank, ssm_start)
         local = {"kv": self._kv_transfer_agent.export_meta(), "ssm": self._ssm_peer_metas}
-        if distributed and tp_size > 1:
-            gathered: list[Any] = [None] * tp_size
-            dist.all_gather_object(gathered, local, group=groups.tp)
-            check_reference("tp_agents", {"kinds": [list(g["ssm"]) for g in gathered]})
+        gathered = _gather_object(local, groups.tp)
+        check_reference("tp_agents", {"kinds": [list(g["ssm"]) for g in gathered]})
+        # One TP rank keeps its own metadata; several keep one entry per rank.
+        if tp_size > 1:
             self._kv_peer_metas = [g["kv"] for g in gathered]
             self._tp_ssm_peer_metas = {k: [g["ssm"][k] for g in gathered] for k in local["ssm"]}
         else:
             self._kv_peer_metas = local["kv"]
             self._tp_ssm_peer_metas = dict(local["ssm"])
         stage = {"kv": self._kv_peer_metas, "ssm": self._tp_ssm_peer_metas}
-        stages: list[Any] = [stage]
-        if distributed and pp_size > 1:
-            stages = [None] * pp_size
-            dist.all_gather_object(stages, stage, group=groups.pp)
+        stages = _gather_object(stage, groups.pp)
         self._pp_kv_peer_metas = [st["kv"] for st in stages]
         self._pp_ssm_peer_metas = [st["ssm"] for st in stages]
 
@@ -446,12 +449,8 @@ class ReferenceDesignCompat(HandoffBase):
         facts = {"ledger": self._ledger_driven(), "ssm_agents": bool(self._ssm_transfer_agents)}
         check_reference("reserve_ssm", facts)
         slot = self._ref().context.mamba_metadata.allocate_slot()
-        if slot is None:
-            raise HandoffStateError(
-                "live SSM slot capacity changed between the check and the reservation",
-                "mamba_state_free_slot_count",
-            )
-        return PendingSSMImport(handles={}, live_slot=int(slot))
+        # None: the capacity changed after the check (HandoffStateError, in Rust).
+        return PendingSSMImport(handles={}, live_slot=reference_live_slot(slot))
 
     def _validate_decode_ready_handoff(self, pending: Any) -> None:
         """Validate that transferred state can start decode without prompt execution (a
@@ -517,7 +516,8 @@ class ReferenceDesignCompat(HandoffBase):
         return handoff.future
 
     def _start_reference_import(self, handoff: DeferredKvHandoff) -> bool:
-        """Reserve blocks (and a live SSM slot) and post the import, or change nothing."""
+        """Reserve a live SSM slot (when SSM state comes) and blocks, and post the import, or
+        change nothing."""
         ref = self._ref()
         ctx = ref.context
         allocator = ctx.kv_block_allocator
@@ -533,15 +533,15 @@ class ReferenceDesignCompat(HandoffBase):
         n_more = additional_decode_blocks(
             len(handoff.prompt), len(resume), int(ctx.block_size_tokens)
         )
-        if not self._whole()._handoff_capacity_available(n_import + n_more, cached):
+        fits = self._whole()._handoff_capacity_available(n_import + n_more, cached)
+        if not fits or (ssm_meta and ctx.mamba_metadata.mamba_state_free_slot_count < 1):
             return False
-        if ssm_meta and ctx.mamba_metadata.mamba_state_free_slot_count < 1:
-            return False
+        # The slot first: a refused reservation leaves every block where it was.
+        ssm_import = self._reserve_ssm_handoff_import() if ssm_meta else None
         allocator.retain_memory_blocks(cached)
         got = allocator.allocate_memory_blocks(n_import + n_more)
         if got is None:
-            if cached:
-                allocator.release_memory_blocks(torch.tensor(cached, dtype=torch.int32))
+            self._release_reference_storage(cached, ssm_import)
             raise HandoffStateError(
                 f"request {handoff.request_id}: allocator capacity changed between the check "
                 f"and the allocation of {n_import + n_more} blocks",
@@ -549,14 +549,6 @@ class ReferenceDesignCompat(HandoffBase):
             )
         fresh = [int(b) for b in got.tolist()]
         local = cached + fresh[:n_import]
-        owned = torch.tensor(local + fresh[n_import:], dtype=torch.int32)
-        ssm_import = None
-        if ssm_meta:
-            try:
-                ssm_import = self._reserve_ssm_handoff_import()
-            except Exception:
-                allocator.release_memory_blocks(owned)
-                raise
         handle = None
         error: BaseException | None = None
         try:
@@ -566,11 +558,12 @@ class ReferenceDesignCompat(HandoffBase):
             handle = self._kv_transfer_agent.begin_pull_blocks(
                 meta_left, src_left, fresh[:n_import]
             )
-            if ssm_import is not None and ssm_meta is not None:
-                self._whole()._start_ssm_handoff_import(handoff.request_id, ssm_meta, ssm_import)
+            if ssm_import is not None:
+                self._whole()._start_ssm_handoff_import(handoff.request_id, meta["ssm"], ssm_import)
         except Exception as e:  # this rank's failure: reported to the quorum like any other
             error = e
-        safe = error is None or bool(getattr(error, "transfer_destinations_safe", True))
+        # Without an error (None has no such attribute) nothing can still write them.
+        safe = bool(getattr(error, "transfer_destinations_safe", True))
         self._reference_imports.start(handoff.request_id, safe)
         self._pending_kv_imports.append(
             PendingKvImport(
@@ -596,20 +589,18 @@ class ReferenceDesignCompat(HandoffBase):
     def _finalize_reference_import(self, pending: PendingKvImport) -> None:
         ref = self._ref()
         ctx = ref.context
-        start = pending.cached_prefix_block_count
-        end = min(len(pending.local_blocks), len(pending.hashes))
-        if end > start:
-            # The imported suffix extends the reused prefix: keep each block's parent link.
-            ctx.kv_block_allocator.register_kv_block_hashes(
-                pending.local_blocks[start:end],
-                pending.hashes[start:end],
-                parent_hashes=([0, *pending.hashes])[start:end],
-            )
+        # The imported suffix extends the reused prefix (each block keeps its parent link),
+        # and the request's precomputed hashes, in Rust.
+        blocks, hashes, parents, precomputed = reference_hash_registration(
+            pending.local_blocks, pending.hashes, pending.cached_prefix_block_count
+        )
+        if blocks:
+            ctx.kv_block_allocator.register_kv_block_hashes(blocks, hashes, parent_hashes=parents)
         request_future = ref.add_request(
             pending.request_id,
             pending.prompt,
             pending.sampling_params,
-            precomputed_block_hashes=pending.hashes[:end] if end > 0 else None,
+            precomputed_block_hashes=precomputed,
         )
         request = ref.get_request(pending.request_id)
         if getattr(request.status, "name", None) == "FAILED":
@@ -632,8 +623,14 @@ class ReferenceDesignCompat(HandoffBase):
                 stop_hit = False
                 if request.stop_word_ids:
                     stop_hit, _ = ref._check_stop_words_for_request_post_append(request)
-                if first == params.termination_id or stop_hit:
-                    params.num_tokens_to_generate = len(request.generated_tokens)
+                # A termination token or a stop word ends the request there (in Rust).
+                params.num_tokens_to_generate = reference_first_token_limit(
+                    params.num_tokens_to_generate,
+                    len(request.generated_tokens),
+                    first,
+                    params.termination_id,
+                    stop_hit,
+                )
             request.num_cached_tokens = len(pending.prompt)
             if len(request.generated_tokens) >= params.num_tokens_to_generate:
                 self._whole()._release_pending_kv_import(pending)
@@ -692,15 +689,18 @@ class ReferenceDesignCompat(HandoffBase):
         entry.future.set_result(entry.record)
 
     def _release_reference_import(self, pending: PendingKvImport) -> None:
-        ctx = self._ref().context
-        owned = pending.local_blocks + pending.continuation_blocks
-        if owned:
-            ctx.kv_block_allocator.release_memory_blocks(torch.tensor(owned, dtype=torch.int32))
+        self._release_reference_storage(
+            pending.local_blocks + pending.continuation_blocks, pending.ssm
+        )
         pending.local_blocks = []
         pending.continuation_blocks = []
-        if pending.ssm is not None:
-            ctx.mamba_metadata.free_slot(pending.ssm.live_slot)
-            pending.ssm = None
+        pending.ssm = None
+
+    def _release_reference_storage(self, blocks: list[int], ssm: PendingSSMImport | None) -> None:
+        """Give an import's blocks (one allocator reference each) and live SSM slot back."""
+        self._release_reference_pinned_blocks(blocks)
+        if ssm is not None:
+            self._ref().context.mamba_metadata.free_slot(ssm.live_slot)
 
     def _reference_local_outcome(self, pending: PendingKvImport) -> bool | None:
         """Whether this rank's import failed, or None while its transfers run (an error a
@@ -737,12 +737,17 @@ class ReferenceDesignCompat(HandoffBase):
         try:
             for rid, failed in book.decided_in_order():
                 pending = records[rid]
-                try:
-                    if failed:
-                        raise pending.local_error or TransferError(
+                if failed:
+                    self._fail_reference_import(
+                        pending,
+                        pending.local_error
+                        or TransferError(
                             f"KV import of request {rid} failed on a model-parallel peer",
                             "request_id",
-                        )
+                        ),
+                    )
+                    continue
+                try:
                     self._validate_decode_ready_handoff(pending)
                     if not can_admit_prefilled_decode(ref.context, len(pending.resume_tokens)):
                         continue
@@ -750,27 +755,32 @@ class ReferenceDesignCompat(HandoffBase):
                     book.admitted(rid)
                     admitted += 1
                 except Exception as exc:
-                    # A peer may fail before posting its half of a two-sided transfer: never
-                    # wait on this rank's unmatched operation; quarantine unless terminal.
-                    handles = self._pending_transfer_handles(pending)
-                    quiet = book.may_release(rid) and self._wait_for_transfer_handles(*handles)
-                    if book.failed(rid, quiet):
-                        self._whole()._release_pending_kv_import(pending)
-                    else:
-                        self._quarantined_kv_imports.append(pending)
-                        logger.error(
-                            "request %d: storage quarantined after an incomplete handoff", rid
-                        )
-                    if pending.future is not None and not pending.future.done():
-                        pending.future.set_exception(exc)
-                    if not failed:
-                        raise
+                    self._fail_reference_import(pending, exc)
+                    raise
         finally:
             self._pending_kv_imports = deque(records[rid] for rid in book.importing())
         if admitted:
             loop = ref._loop
             loop.call_soon_threadsafe(loop.create_task, ref._notify_cond_for_new_request())
         return admitted
+
+    def _fail_reference_import(self, pending: PendingKvImport, error: BaseException) -> None:
+        """The import failed with ``error`` (its future's exception): its storage goes back,
+        or is quarantined while a transfer may still write it (``ReferenceImports.failed``)."""
+        book = self._reference_imports
+        rid = pending.request_id
+        # A peer may fail before posting its half of a two-sided transfer: never wait on this
+        # rank's unmatched operation; quarantine unless terminal.
+        handles = self._pending_transfer_handles(pending)
+        quiet = book.may_release(rid) and self._wait_for_transfer_handles(*handles)
+        if book.failed(rid, quiet):
+            self._whole()._release_pending_kv_import(pending)
+        else:
+            self._quarantined_kv_imports.append(pending)
+            logger.error("request %d: storage quarantined after an incomplete handoff", rid)
+        future = cast(asyncio.Future[Any], pending.future)  # every reference import has one
+        if not future.done():
+            future.set_exception(error)
 
     def _reset_reference_imports(self) -> None:
         """All or nothing: refuse while blocks are pinned or a transfer may still touch cache
@@ -788,12 +798,11 @@ class ReferenceDesignCompat(HandoffBase):
         ]
         self._reference_imports.reset(pinned, pushes, quiet)
         self._pending_kv_pushes = []
-        for handoff in self._deferred_kv_handoffs:
-            handoff.future.cancel()  # a no-op on a future already done
-        self._deferred_kv_handoffs.clear()
+        futures = [h.future for h in self._deferred_kv_handoffs] + [p.future for p in imports]
+        for future in futures:
+            cast(asyncio.Future[Any], future).cancel()  # a no-op on a future already done
         for pending in imports:
             self._whole()._release_pending_kv_import(pending)
-            if pending.future is not None and not pending.future.done():
-                pending.future.cancel()
+        self._deferred_kv_handoffs.clear()
         self._pending_kv_imports = deque()
         self._quarantined_kv_imports = []

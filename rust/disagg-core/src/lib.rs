@@ -26,6 +26,7 @@ pub mod p2p_header;
 pub mod packed_items;
 pub mod pool;
 pub mod pull_parts;
+pub mod refdecode;
 pub mod reference;
 pub mod refmeta;
 pub mod refticket;
