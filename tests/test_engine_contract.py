@@ -25,6 +25,7 @@ from _reference_worker import spawn_gloo_world
 from disagg_rs import KVShardLayout
 from disagg_rs.engine_protocol import HandoffEngine, HandoffHost
 from disagg_rs.inference_state_handoff import InferenceStateHandoffMixin, with_push_destination
+from toy_engine import ExpectingEngine
 
 os.environ.setdefault("UCX_LOG_LEVEL", "error")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -121,7 +122,7 @@ class Batch:
         self.engine.running[request_id] = (prompt, list(resume), max_new, list(block_ids))
 
 
-class ContractEngine(InferenceStateHandoffMixin):
+class ContractEngine(ExpectingEngine, InferenceStateHandoffMixin):
     """Attention-only toy engine providing exactly ``engine_protocol.HandoffHost``."""
 
     def __init__(self, role: str, backend: str, rank: int, loop: asyncio.AbstractEventLoop):
@@ -157,23 +158,8 @@ class ContractEngine(InferenceStateHandoffMixin):
         self.admitted_blocks: dict[int, int] = {}
         self.stop_words: dict[int, list[list[int]]] = {}
 
-    @property
-    def event_loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
-    def handoff_all_gather(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    # -- engine side of the protocol -------------------------------------------------------------
-    def expect_import(self, request_id: int, prompt: Any, resume_tokens: Any, max_new: int) -> None:
-        self.expected[request_id] = (list(prompt), list(resume_tokens), max_new)
-
-    def abort(self, request_id: int) -> bool:
-        return self.expected.pop(request_id, None) is not None
-
-    def complete_request_without_forward(self, request_id: int, result: Any) -> None:
-        self.expected.pop(request_id)
-        self.answers[request_id] = list(result)
+    def finish_without_forward(self, request_id: int, tokens: list[int]) -> None:
+        self.answers[request_id] = tokens
 
     # -- the toy model -----------------------------------------------------------------------------
     def _slots(self, blocks: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,7 @@ from disagg_rs.inference_state_handoff import (
     with_push_destination,
 )
 from disagg_rs.pending_handoff_imports import DeferredKvHandoff, PendingKvImport, PendingSSMImport
+from toy_engine import ExpectingEngine
 
 BS = 4
 
@@ -343,7 +344,7 @@ class _Scheduler:
         self.scheduled += 1  # type: ignore[attr-defined]
 
 
-class ToyHost(InferenceStateHandoffMixin, _Scheduler):
+class ToyHost(ExpectingEngine, InferenceStateHandoffMixin, _Scheduler):
     """The smallest engine providing ``engine_protocol.HandoffHost``."""
 
     def __init__(
@@ -382,25 +383,12 @@ class ToyHost(InferenceStateHandoffMixin, _Scheduler):
         self.aborted: list[int] = []
         self._kv_transfer_role = role
 
-    @property
-    def event_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            raise AttributeError("no event loop")
-        return self._loop
-
-    def handoff_all_gather(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    def expect_import(self, request_id: int, prompt: Any, resume: Any, max_new: int) -> None:
-        self.expected[request_id] = (list(prompt), list(resume), max_new)
-
     def abort(self, request_id: int) -> bool:
         self.aborted.append(request_id)
-        return self.expected.pop(request_id, None) is not None
+        return super().abort(request_id)
 
-    def complete_request_without_forward(self, request_id: int, result: Any) -> None:
-        self.expected.pop(request_id)
-        self.completed[request_id] = result
+    def finish_without_forward(self, request_id: int, tokens: list[int]) -> None:
+        self.completed[request_id] = tokens
 
     def submit(self, rid: int, prompt: list[int], sampling: Any, token: int = 9) -> Any:
         ticket = {"resume_tokens": [token], "prefill_meta": {"ranks": []}}

@@ -11,6 +11,7 @@ poll both sides in rounds, no sleeps.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -81,10 +82,15 @@ def _silent_read(
     return meta, dst_meta, ticket
 
 
-def _close(pre: list[Worker], dec: Worker, key: str) -> None:
-    for w in pre:
-        w("close", key)
-    dec("close", key)
+@contextlib.contextmanager
+def _closing(pre: list[Worker], dec: Worker, key: str) -> Iterator[None]:
+    """Close the backends of ``key`` on every worker of a test, however the test ends."""
+    try:
+        yield
+    finally:
+        for w in pre:
+            w("close", key)
+        dec("close", key)
 
 
 @pytest.mark.parametrize("case", [TP1, TP2], ids=lambda c: c.name)
@@ -93,7 +99,7 @@ def test_a_copy_larger_than_both_pools_streams_byte_exact(
 ) -> None:
     key = f"stream-{case.name}"
     pre, dec, tickets = _setup(workers, key, case)
-    try:
+    with _closing(pre, dec, key):
         pool = POOL[case.name]
         for t in tickets:
             assert t["staged"] is True and t["nbytes"] == PACKED[case.name] >= 5 * pool
@@ -116,8 +122,6 @@ def test_a_copy_larger_than_both_pools_streams_byte_exact(
         for i, t in enumerate(tickets):
             pre[i]("call", key, "release_staged", t)  # idempotent after the stream ended
             assert pre[i]("call", key, "staging_stats")["in_use"] == 0
-    finally:
-        _close(pre, dec, key)
 
 
 def test_a_decode_that_gives_up_mid_stream_leaves_both_pools_free(
@@ -125,7 +129,7 @@ def test_a_decode_that_gives_up_mid_stream_leaves_both_pools_free(
 ) -> None:
     key = "stream-abort"
     pre, dec, tickets = _setup(workers, key, TP2)
-    try:
+    with _closing(pre, dec, key):
         for _ in range(3):  # a few chunks move, most do not
             assert dec("poll", key) is False
             for w in pre:
@@ -142,8 +146,6 @@ def test_a_decode_that_gives_up_mid_stream_leaves_both_pools_free(
             assert _free(w, key)
         for i, t in enumerate(tickets):
             pre[i]("call", key, "release_staged", t)  # nothing left to free: harmless
-    finally:
-        _close(pre, dec, key)
 
 
 def test_releasing_a_stream_no_decode_reads_frees_the_prefill_pool(
@@ -156,7 +158,7 @@ def test_releasing_a_stream_no_decode_reads_frees_the_prefill_pool(
     pool = POOL[case.name]
     meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool)
     dst_meta = dst("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
-    try:
+    with _closing([pre], dst, key):
         ticket = tw.stage(pre, key, dst_meta, tw.src_ids(case, case.srcs[0]), src_metas=[meta],
                           num_tokens=case.num_tokens)  # fmt: skip
         assert "stream" in ticket
@@ -165,8 +167,6 @@ def test_releasing_a_stream_no_decode_reads_frees_the_prefill_pool(
         pre("call", key, "release_staged", ticket)
         assert _free(pre, key)
         assert pre("call", key, "poll_streams") == 0
-    finally:
-        _close([pre], dst, key)
 
 
 def test_a_stream_no_decode_acknowledges_ends_at_the_prefills_deadline(
@@ -181,15 +181,13 @@ def test_a_stream_no_decode_acknowledges_ends_at_the_prefills_deadline(
     meta = pre("setup", key, case, case.srcs[0], "src", mode="staged", staging_bytes=pool,
                timeout_s=0.0)  # fmt: skip
     dst_meta = dst("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
-    try:
+    with _closing([pre], dst, key):
         ticket = tw.stage(pre, key, dst_meta, tw.src_ids(case, case.srcs[0]), src_metas=[meta],
                           num_tokens=case.num_tokens)  # fmt: skip
         assert "stream" in ticket
         assert pre("call", key, "staging_stats")["streams"] == 1
         assert pre("call", key, "poll_streams") == 0
         assert _free(pre, key)
-    finally:
-        _close([pre], dst, key)
 
 
 def test_a_whole_copy_ticket_leaves_before_its_pack_is_known_complete_and_lands_byte_exact(
@@ -206,7 +204,7 @@ def test_a_whole_copy_ticket_leaves_before_its_pack_is_known_complete_and_lands_
     dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="staged", staging_bytes=pool)
     n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
     dst = tw.dst_ids(case, case.dsts[0])
-    try:
+    with _closing([pre], dec, key):
         ticket = tw.stage(pre, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
         assert ticket["staged"] is True and "stream" not in ticket
         assert isinstance(ticket["ready"], int)
@@ -222,8 +220,6 @@ def test_a_whole_copy_ticket_leaves_before_its_pack_is_known_complete_and_lands_
         assert stats["streams"] == 0 and stats["in_use"] == PACKED[case.name]
         pre("call", key, "release_staged", ticket)
         assert _free(pre, key) and _free(dec, key)
-    finally:
-        _close([pre], dec, key)
 
 
 def test_a_decode_never_reads_a_whole_copy_before_its_announcement(
@@ -235,7 +231,7 @@ def test_a_decode_never_reads_a_whole_copy_before_its_announcement(
     pre, dec = workers[0], workers[2]
     _, _, ticket = _silent_read(pre, dec, key)
     case = TP1
-    try:
+    with _closing([pre], dec, key):
         for _ in range(50):
             assert dec("poll", key) is False
             pre("call", key, "poll_streams")
@@ -244,8 +240,6 @@ def test_a_decode_never_reads_a_whole_copy_before_its_announcement(
         dec("cancel", key)
         pre("call", key, "release_staged", ticket)
         assert _free(pre, key) and _free(dec, key)
-    finally:
-        _close([pre], dec, key)
 
 
 def test_a_read_waiting_for_an_announcement_fails_quietly_at_once_when_its_source_is_forgotten(
@@ -261,7 +255,7 @@ def test_a_read_waiting_for_an_announcement_fails_quietly_at_once_when_its_sourc
     pre, dec = workers[0], workers[2]
     meta, dst_meta, ticket = _silent_read(pre, dec, key)
     before = dec("buffer", key)  # nothing was read: as set up
-    try:
+    with _closing([pre], dec, key):
         assert dec("poll", key) is False
         assert not _free(dec, key), "the read holds a slot while it waits"
         # Still named with the same incarnation: nothing is forgotten.
@@ -276,8 +270,6 @@ def test_a_read_waiting_for_an_announcement_fails_quietly_at_once_when_its_sourc
         assert np.array_equal(dec("buffer", key), before)
         pre("call", key, "release_staged", ticket)
         assert _free(pre, key)
-    finally:
-        _close([pre], dec, key)
 
 
 def test_a_read_waiting_for_an_announcement_fails_quietly_once_its_source_process_died(
@@ -315,7 +307,7 @@ def test_a_read_whose_source_never_announces_fails_quietly_at_its_deadline(
     key = "announce-deadline"
     pre, dec = workers[0], workers[2]
     _, _, ticket = _silent_read(pre, dec, key, timeout_s=0.0)  # a deadline already passed
-    try:
+    with _closing([pre], dec, key):
         with pytest.raises(WorkerError) as info:
             dec("poll", key)
         assert info.value.kind == "TransferError", info.value
@@ -323,8 +315,6 @@ def test_a_read_whose_source_never_announces_fails_quietly_at_its_deadline(
         assert _free(dec, key)
         pre("call", key, "release_staged", ticket)
         assert _free(pre, key)
-    finally:
-        _close([pre], dec, key)
 
 
 def test_a_decode_that_reads_a_streamed_source_directly_frees_its_slots_at_once(
@@ -341,7 +331,7 @@ def test_a_decode_that_reads_a_streamed_source_directly_frees_its_slots_at_once(
     dst_meta = dec("setup", key, case, case.dsts[0], "dst", mode="direct",
                    staging_bytes=1 << 20)  # fmt: skip
     n, src = case.num_tokens, {0: tw.src_ids(case, case.srcs[0])}
-    try:
+    with _closing([pre], dec, key):
         ticket = tw.stage(pre, key, dst_meta, src[0], src_metas=[meta], num_tokens=n)
         assert "stream" in ticket
         assert pre("call", key, "staging_stats")["in_use"] > 0
@@ -355,5 +345,3 @@ def test_a_decode_that_reads_a_streamed_source_directly_frees_its_slots_at_once(
             if pre("call", key, "poll_streams") == 0:
                 break
         assert _free(pre, key)
-    finally:
-        _close([pre], dec, key)

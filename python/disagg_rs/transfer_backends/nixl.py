@@ -459,23 +459,11 @@ _CHUNK_SLOTS = 3
 _CHUNK_POLL_INTERVAL_S = 0.00002
 
 
-class _Landed:
-    """The completion of host work: done as soon as it is queued (no CUDA event)."""
-
-    @staticmethod
-    def query() -> bool:
-        return True
-
-    @staticmethod
-    def synchronize() -> None:
-        return None
-
-
 def _landed_event(window: torch.Tensor) -> Any:
     """An event recorded after the work just queued on ``window``'s device (a host window's
     work has completed already)."""
     if not window.is_cuda:
-        return _Landed
+        return dp._DONE
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record()
     return event

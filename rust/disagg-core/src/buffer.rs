@@ -9,9 +9,10 @@
 //! naming the field and both values. [`reference_geometry`] is the reference design's
 //! `compute_buffer_geometry` alone. Nothing here touches memory.
 
+use crate::args::{Int, Kind};
 use crate::error::{DisaggError, DisaggResult};
 use crate::geometry::{
-    KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart, TensorView,
+    u32_of, KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart, TensorView,
 };
 use crate::layout::{KvLayoutSpec, KvShardLayout, SsmShardLayout};
 use crate::wire::value::WireValue;
@@ -177,8 +178,7 @@ fn mismatch(field: &str, detail: String) -> DisaggError {
 
 /// A value in `[0, 2**32)`, else a `Layout` error naming `field`.
 fn layout_u32(field: &str, v: i128) -> DisaggResult<u32> {
-    u32::try_from(v)
-        .map_err(|_| DisaggError::layout(field, format!("{field}={v} must be in [0, 2**32)")))
+    Int::from(v).to_u32(Kind::Layout, field)
 }
 
 /// Python's repr of an optional string.
@@ -403,8 +403,7 @@ pub fn layer_axes(a: &BufferArgs) -> String {
 /// `bytes_per_slice` bytes per block.
 pub fn matched_geometry(r: &RefGeometry, dtype: Option<String>) -> DisaggResult<KvGeometry> {
     let es = u64::from(r.element_size.max(1));
-    let too_big = |f: &str, v: u64| mismatch(f, format!("{f}={v} must be < 2**32"));
-    let outer = u32::try_from(r.num_outer).map_err(|_| too_big("num_layers", r.num_outer))?;
+    let outer = u32_of("num_layers", r.num_outer)?;
     let plane_bases = (0..r.num_outer)
         .map(|i| i.checked_mul(r.outer_stride_bytes).and_then(|o| o.checked_add(r.buf_ptr)))
         .collect::<Option<Vec<u64>>>()
@@ -412,11 +411,10 @@ pub fn matched_geometry(r: &RefGeometry, dtype: Option<String>) -> DisaggResult<
     KvGeometry::new(KvGeometrySpec {
         num_kv: 1,
         num_layers: outer,
-        num_blocks: u32::try_from(r.num_blocks).map_err(|_| too_big("num_blocks", r.num_blocks))?,
+        num_blocks: u32_of("num_blocks", r.num_blocks)?,
         tokens_per_block: 1,
         num_heads: 1,
-        head_dim: u32::try_from(r.bytes_per_slice / es)
-            .map_err(|_| too_big("head_dim", r.bytes_per_slice / es))?,
+        head_dim: u32_of("head_dim", r.bytes_per_slice / es)?,
         element_size: r.element_size,
         block_stride: r.bytes_per_slice,
         token_stride: r.bytes_per_slice,

@@ -363,7 +363,8 @@ fn parse_axes(axes: &str, v: &TensorView, allowed: &[&str]) -> DisaggResult<Axes
     Ok(a)
 }
 
-fn u32_of(field: &str, v: u64) -> DisaggResult<u32> {
+/// A size in `[0, 2**32)`, else a `Geometry` error naming `field`.
+pub(crate) fn u32_of(field: &str, v: u64) -> DisaggResult<u32> {
     u32::try_from(v)
         .map_err(|_| DisaggError::geometry(field, format!("{field}={v} must be < 2**32")))
 }

@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use crate::args::Kind;
+use crate::args::{Int, Kind};
 use crate::error::{DisaggError, DisaggResult};
 
 /// A half-open range `[lo, hi)` of layers, heads, groups or channels.
@@ -969,9 +969,7 @@ impl SsmLayoutSpec {
             (get("tp_size").unwrap_or(1), get("tp_rank").unwrap_or(0), get("pp_rank").unwrap_or(0));
         let default_rank = || {
             let r = u64::from(pp_rank) * u64::from(tp_size) + u64::from(tp_rank);
-            u32::try_from(r).map_err(|_| {
-                DisaggError::layout("global_rank", format!("global_rank={r} must be in [0, 2**32)"))
-            })
+            Int::from(r).to_u32(Kind::Layout, "global_rank")
         };
         let global_rank = get("global_rank").map_or_else(default_rank, Ok)?;
         Ok(Self {

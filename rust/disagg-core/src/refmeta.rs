@@ -8,9 +8,10 @@
 //! moved in whole slices. [`meta_from_reference`] checks every field once and writes the dict
 //! the peer parser reads.
 
+use crate::args::{Int, Kind};
 use crate::buffer::{kv_layout_with_window, LayoutArgs};
 use crate::error::{DisaggError, DisaggResult};
-use crate::geometry::{KvGeometry, KvGeometrySpec};
+use crate::geometry::{u32_of, KvGeometry, KvGeometrySpec};
 use crate::layout::{KvLayoutSpec, KvShardLayout};
 use crate::wire::peer::compat_hash;
 use crate::wire::value::{Obj, WireValue};
@@ -108,10 +109,6 @@ fn reference_geometry(
         .map(|i| i.checked_mul(stride).and_then(|o| o.checked_add(base)))
         .collect::<Option<Vec<u64>>>()
         .ok_or_else(|| DisaggError::overflow("reference plane base exceeds u64"))?;
-    let u32_of = |field: &str, v: u64| {
-        u32::try_from(v)
-            .map_err(|_| DisaggError::geometry(field, format!("{field}={v} must be < 2**32")))
-    };
     let spec = KvGeometrySpec {
         num_kv: 1,
         num_layers: u32_of("num_layers", outer)?,
@@ -270,9 +267,7 @@ pub fn meta_from_reference(meta: &WireValue, local: &LocalFacts) -> DisaggResult
             num_kv_heads: 1,
             tp_size: 1,
             pp_size: 1,
-            global_rank: u32::try_from(rank).map_err(|_| {
-                DisaggError::layout("global_rank", format!("global_rank={rank} must be < 2**32"))
-            })?,
+            global_rank: Int::from(rank).to_u32(Kind::Layout, "global_rank")?,
             ..KvLayoutSpec::default()
         })?
     };

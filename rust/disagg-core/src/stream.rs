@@ -179,6 +179,50 @@ fn check_stream(field: &str, want: u64, msg: &StreamMsg) -> DisaggResult<()> {
     Ok(())
 }
 
+/// Sort a message to one side of stream `want`: the chunk it names when it is of the kind
+/// this side takes (`taken`), `None` for an `Abort` (the stream is then marked `aborted`).
+///
+/// # Errors
+/// `Wire` for another stream's message, or `refused` for the other side's kind.
+fn take_kind(
+    msg: &StreamMsg,
+    want: u64,
+    taken: StreamKind,
+    refused: &str,
+    aborted: &mut bool,
+) -> DisaggResult<Option<usize>> {
+    check_stream("stream_msg.stream", want, msg)?;
+    match msg.kind {
+        StreamKind::Abort => {
+            *aborted = true;
+            Ok(None)
+        }
+        kind if kind == taken => Ok(Some(usize::try_from(msg.chunk).unwrap_or(usize::MAX))),
+        _ => Err(DisaggError::wire("stream_msg.kind", refused)),
+    }
+}
+
+/// `Ok` when chunk `k` is below `open` and not `seen` yet.
+///
+/// # Errors
+/// `Wire` on `stream_msg.chunk`: `beyond()` for a chunk past `open`, `chunk {k} {done} twice`
+/// for one seen already.
+fn check_fresh(
+    k: usize,
+    open: usize,
+    seen: &[bool],
+    beyond: impl FnOnce() -> String,
+    done: &str,
+) -> DisaggResult<()> {
+    if k >= open {
+        return Err(DisaggError::wire("stream_msg.chunk", beyond()));
+    }
+    if seen[k] {
+        return Err(DisaggError::wire("stream_msg.chunk", format!("chunk {k} {done} twice")));
+    }
+    Ok(())
+}
+
 fn check_slots(offsets: &[u64]) -> DisaggResult<()> {
     if offsets.is_empty() || offsets.len() > MAX_STREAM_SLOTS {
         return Err(DisaggError::argument(
@@ -396,34 +440,16 @@ impl StreamSource {
     /// `Wire` (field `stream_msg.*`) for another stream, a `Ready`, or an `Ack` of a chunk
     /// not announced or acknowledged twice; nothing changes.
     pub fn receive(&mut self, msg: &StreamMsg) -> DisaggResult<StreamKind> {
-        check_stream("stream_msg.stream", self.stream, msg)?;
-        match msg.kind {
-            StreamKind::Ready => {
-                Err(DisaggError::wire("stream_msg.kind", "a source received a Ready message"))
-            }
-            StreamKind::Abort => {
-                self.aborted = true;
-                Ok(StreamKind::Abort)
-            }
-            StreamKind::Ack => {
-                let k = usize::try_from(msg.chunk).unwrap_or(usize::MAX);
-                if k >= self.next {
-                    return Err(DisaggError::wire(
-                        "stream_msg.chunk",
-                        format!("Ack of chunk {k}, only {} announced", self.next),
-                    ));
-                }
-                if self.acked[k] {
-                    return Err(DisaggError::wire(
-                        "stream_msg.chunk",
-                        format!("chunk {k} acknowledged twice"),
-                    ));
-                }
-                self.acked[k] = true;
-                self.acked_count += 1;
-                Ok(StreamKind::Ack)
-            }
-        }
+        let refused = "a source received a Ready message";
+        let Some(k) = take_kind(msg, self.stream, StreamKind::Ack, refused, &mut self.aborted)?
+        else {
+            return Ok(StreamKind::Abort);
+        };
+        let beyond = || format!("Ack of chunk {k}, only {} announced", self.next);
+        check_fresh(k, self.next, &self.acked, beyond, "acknowledged")?;
+        self.acked[k] = true;
+        self.acked_count += 1;
+        Ok(StreamKind::Ack)
     }
 
     /// Whether every chunk is acknowledged (the slots may be freed); a copy held whole:
@@ -599,63 +625,42 @@ impl StreamSink {
                 "a read of a whole copy without an announcement has no stream",
             ));
         };
-        check_stream("stream_msg.stream", id, msg)?;
-        match msg.kind {
-            StreamKind::Ack => {
-                Err(DisaggError::wire("stream_msg.kind", "a decode received an Ack message"))
+        let refused = "a decode received an Ack message";
+        let Some(k) = take_kind(msg, id, StreamKind::Ready, refused, &mut self.aborted)? else {
+            return Ok(StreamKind::Abort);
+        };
+        // The chunk the message may announce, its slot, offset and size.
+        let (n, want) = match &self.src {
+            SinkSource::Stream { offsets, .. } => {
+                let n = self.chunks.len();
+                let slot = k % offsets.len();
+                let size = self.chunks.get(k).map_or(0, |c| c[3] - c[2]);
+                (n, (slot as u64, offsets[slot], size))
             }
-            StreamKind::Abort => {
-                self.aborted = true;
-                Ok(StreamKind::Abort)
-            }
-            StreamKind::Ready => {
-                let k = usize::try_from(msg.chunk).unwrap_or(usize::MAX);
-                // The chunk the message may announce, its slot, offset and size.
-                let (n, want) = match &self.src {
-                    SinkSource::Stream { offsets, .. } => {
-                        let n = self.chunks.len();
-                        let slot = k % offsets.len();
-                        let size = self.chunks.get(k).map_or(0, |c| c[3] - c[2]);
-                        (n, (slot as u64, offsets[slot], size))
-                    }
-                    SinkSource::Whole { offset, gate } => {
-                        (1, (0, *offset, gate.map_or(0, |g| g.1)))
-                    }
-                };
-                if k >= n {
-                    return Err(DisaggError::wire(
-                        "stream_msg.chunk",
-                        format!("Ready of chunk {k}, the stream has {n}"),
-                    ));
-                }
-                if self.announced[k] {
-                    return Err(DisaggError::wire(
-                        "stream_msg.chunk",
-                        format!("chunk {k} announced twice"),
-                    ));
-                }
-                let got = (u64::from(msg.slot), msg.offset, msg.nbytes);
-                for (field, w, g) in [
-                    ("stream_msg.slot", want.0, got.0),
-                    ("stream_msg.offset", want.1, got.1),
-                    ("stream_msg.nbytes", want.2, got.2),
-                ] {
-                    if w != g {
-                        return Err(DisaggError::wire(
-                            field,
-                            format!("chunk {k}: the message says {g}, the schedule {w}"),
-                        ));
-                    }
-                }
-                self.announced[k] = true;
-                // A whole copy's one announcement makes every chunk of the read ready.
-                match self.src {
-                    SinkSource::Stream { .. } => self.ready[k] = true,
-                    SinkSource::Whole { .. } => self.ready.fill(true),
-                }
-                Ok(StreamKind::Ready)
+            SinkSource::Whole { offset, gate } => (1, (0, *offset, gate.map_or(0, |g| g.1))),
+        };
+        let beyond = || format!("Ready of chunk {k}, the stream has {n}");
+        check_fresh(k, n, &self.announced, beyond, "announced")?;
+        let got = (u64::from(msg.slot), msg.offset, msg.nbytes);
+        for (field, w, g) in [
+            ("stream_msg.slot", want.0, got.0),
+            ("stream_msg.offset", want.1, got.1),
+            ("stream_msg.nbytes", want.2, got.2),
+        ] {
+            if w != g {
+                return Err(DisaggError::wire(
+                    field,
+                    format!("chunk {k}: the message says {g}, the schedule {w}"),
+                ));
             }
         }
+        self.announced[k] = true;
+        // A whole copy's one announcement makes every chunk of the read ready.
+        match self.src {
+            SinkSource::Stream { .. } => self.ready[k] = true,
+            SinkSource::Whole { .. } => self.ready.fill(true),
+        }
+        Ok(StreamKind::Ready)
     }
 
     /// Take the source's notifications in order ([`StreamMailboxes::take`]); what to fail

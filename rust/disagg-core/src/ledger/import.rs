@@ -304,14 +304,10 @@ impl ImportLedger {
         slots: SlotPool,
         cfg: ImportLedgerConfig,
     ) -> DisaggResult<Self> {
-        if cfg.rank >= cfg.world_size {
-            return Err(DisaggError::argument(
-                "rank",
-                format!("rank={} must be < world_size={}", cfg.rank, cfg.world_size),
-            ));
-        }
+        let quorum = CompletionQuorum::new(cfg.world_size)?;
+        quorum.check_rank(cfg.rank)?;
         Ok(Self {
-            quorum: CompletionQuorum::new(cfg.world_size)?,
+            quorum,
             cfg,
             pool,
             slots,
