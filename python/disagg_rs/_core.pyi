@@ -1149,6 +1149,7 @@ class PackedRows:
         unit: int,
         ids: tuple[int, int, int, int | None],
     ) -> tuple[int, int, int, list[int]]: ...
+
 # -- a reference-design engine's handoff steps (disagg_core::refdecode) ---------------------
 
 def reference_setup(facts: Mapping[str, Any]) -> tuple[bool, int]: ...
