@@ -6,6 +6,9 @@
 
 use crate::{DisaggError, DisaggResult, KvShardLayout, SsmShardLayout};
 
+#[path = "backend_peers.rs"]
+pub mod peers;
+
 /// A shard layout whose model-parallel siblings can be inferred from it: the KV layout and
 /// the SSM state layout.
 pub trait GroupLayout: Sized {
