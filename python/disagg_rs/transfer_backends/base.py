@@ -48,10 +48,7 @@ import torch
 
 from disagg_rs import _core
 from disagg_rs.exceptions import (
-    GeometryMismatchError,
-    TransferError,
     TransferStartError,
-    TransferTimeout,
 )
 from disagg_rs.transfer_backends import staging
 
@@ -167,32 +164,15 @@ def no_blocks(*block_ids: Any) -> bool:
     return empty
 
 
-def _region_tensors(memory_buffer: Any) -> list[torch.Tensor]:
-    """The tensors of a buffer argument: one tensor, or a per-layer list of tensors or of
-    ``(K, V)`` pairs, flattened in order."""
-    if isinstance(memory_buffer, torch.Tensor):
-        return [memory_buffer]
-    flat = [t for item in memory_buffer for t in (item if isinstance(item, tuple) else (item,))]
-    if not flat or not all(isinstance(t, torch.Tensor) for t in flat):
-        raise GeometryMismatchError(
-            "memory_buffer must be a tensor or a non-empty list of per-layer tensors (or of "
-            f"(K, V) tensor pairs), got {type(memory_buffer).__name__}",
-            field="memory_buffer",
-        )
-    return flat
-
-
 def _mem_type(tensor: torch.Tensor) -> Literal["DRAM", "VRAM"]:
     return "VRAM" if tensor.is_cuda else "DRAM"
 
 
-def _buffer_info(
-    tensor: torch.Tensor, axes: str, tensors: Sequence[torch.Tensor] | None = None
-) -> dict[str, Any]:
+def _buffer_info(tensor: torch.Tensor, axes: str, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
     """Plain description of a registered buffer (the part of the metadata every peer reads):
     ``tensor``'s fields plus ``regions``, ``[addr, nbytes]`` of every registered tensor
     (``tensors``, one per layer or per K/V plane, or ``tensor`` alone)."""
-    regions = [[int(t.data_ptr()), int(t.numel() * t.element_size())] for t in tensors or [tensor]]
+    regions = [[int(t.data_ptr()), int(t.numel() * t.element_size())] for t in tensors]
     return {
         "regions": regions,
         "addr": int(tensor.data_ptr()),
@@ -464,10 +444,11 @@ class TransferBackendBase:
         clock: Clock = time.monotonic,
         **layout: int | None,
     ) -> None:
-        layers = None if isinstance(memory_buffer, torch.Tensor) else list(memory_buffer)
         #: Every registered tensor: the buffer, or the per-layer tensors (K and V of a layer
-        #: as given), each one region of the exported ``buffer.regions``.
-        self.region_tensors: list[torch.Tensor] = _region_tensors(memory_buffer)
+        #: as given), each one region of the exported ``buffer.regions``. ``layers``: the
+        #: per-layer items of a list argument (``None`` for one tensor); checked in Rust.
+        self.region_tensors: list[torch.Tensor]
+        self.region_tensors, layers = _core.buffer_tensors(memory_buffer)
         memory_buffer = self.region_tensors[0]
         self.agent_name = agent_name
         self.memory_buffer = memory_buffer
@@ -801,16 +782,11 @@ class TransferHandleBase:
         now = self.clock()
         if not self.done:
             self.done = self._progress(now)
-        if self.done:
-            if self.error is not None:
-                raise TransferError(self.error)
-            return True
-        if now > self.deadline:
-            raise TransferTimeout(
-                f"transfer not finished {self.timeout_s:.3f} s after submission; "
-                "its destinations may still be written"
-            )
-        return False
+        # Settled, failed or timed out: decided (and raised) in Rust.
+        settled: bool = _core.poll_verdict(
+            self.done, self.error, now, self.deadline, self.timeout_s
+        )
+        return settled
 
     def wait(self) -> None:
         """Block until ``poll()`` returns True or raises (deadline ``submitted_at + timeout_s``)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -272,8 +272,7 @@ class NcclTransferBackend(TransferBackendBase):
         both block lists hold).
         """
         peers, src_ids = self._resolve_peers(peer_meta, src_block_ids)
-        assert src_ids is not None  # given, so resolved to the given ids or a rank map
-        src_block_ids = src_ids
+        src_block_ids = cast(BlockIds, src_ids)  # given, so resolved to the ids or a rank map
         if no_blocks(src_block_ids, dst_block_ids):  # nothing to move: a settled handle
             return self._submit([], [], [], timeout_s)
         num_tokens = self._validate_peers(

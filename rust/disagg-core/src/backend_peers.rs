@@ -197,6 +197,40 @@ pub fn p2p_outcome(
     posted.or_else(|| works.into_iter().flatten().next()).or_else(|| threads.into_iter().next())
 }
 
+/// Where a pollable transfer stands after one poll.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PollVerdict {
+    /// Parts are still running and the deadline has not passed.
+    Running,
+    /// Every part is terminal and none failed.
+    Done,
+    /// Every part is terminal and one failed: its error.
+    Failed(String),
+    /// The deadline passed with parts still running (they may still write).
+    TimedOut(String),
+}
+
+/// The verdict of one poll of a transfer submitted `timeout_s` before `deadline`: terminal
+/// (`done`) with or without an `error`, or running, timed out once `now` is past the
+/// deadline. A terminal transfer never times out.
+pub fn poll_verdict(
+    done: bool,
+    error: Option<String>,
+    now: f64,
+    deadline: f64,
+    timeout_s: f64,
+) -> PollVerdict {
+    match (done, error) {
+        (true, Some(e)) => PollVerdict::Failed(e),
+        (true, None) => PollVerdict::Done,
+        (false, _) if now > deadline => PollVerdict::TimedOut(format!(
+            "transfer not finished {timeout_s:.3} s after submission; its destinations may \
+             still be written"
+        )),
+        (false, _) => PollVerdict::Running,
+    }
+}
+
 /// A peer of a two-sided handoff as its messages need it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MessagePeer {

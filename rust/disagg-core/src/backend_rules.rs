@@ -114,6 +114,22 @@ pub fn chunkable(ranks: &[ChunkFacts]) -> bool {
     })
 }
 
+/// Check the tensors a per-layer buffer argument flattens into (`items`: `None` for a tensor,
+/// else the element's type name): at least one, every one a tensor (`Geometry` on
+/// `memory_buffer`, naming `given`, the argument's type).
+pub fn check_buffer_tensors(items: &[Option<String>], given: &str) -> DisaggResult<()> {
+    if items.is_empty() || items.iter().any(Option::is_some) {
+        return Err(DisaggError::geometry(
+            "memory_buffer",
+            format!(
+                "memory_buffer must be a tensor or a non-empty list of per-layer tensors (or \
+                 of (K, V) tensor pairs), got {given}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// `(slots, slot_bytes)` of a staging pool of `pool_bytes` cut in `chunk_bytes` slots (at
 /// least one slot). `chunk_bytes` must be a positive multiple of 256 (`Argument`).
 pub fn staging_slots(pool_bytes: i64, chunk_bytes: i64) -> DisaggResult<(u64, u64)> {

@@ -2,10 +2,10 @@
 //! conversion only.
 
 use disagg_core::backend_rules::peers::{self, IdentityMemo, MessagePeer, MetaNode};
-use disagg_core::backend_rules::peers::{NodeShape, ResolvedIds};
+use disagg_core::backend_rules::peers::{NodeShape, PollVerdict, ResolvedIds};
 use disagg_core::backend_rules::{self as rules, ChunkFacts, IpcHost};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyMapping, PyString};
+use pyo3::types::{PyBytes, PyDict, PyMapping, PyString, PyTuple};
 
 use crate::error::IntoPyResult;
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
@@ -68,6 +68,33 @@ fn chunk_facts(meta: &Bound<'_, PyAny>) -> PyResult<ChunkFacts> {
 pub fn chunkable(metas: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
     let facts = metas.iter().map(chunk_facts).collect::<PyResult<Vec<_>>>()?;
     Ok(rules::chunkable(&facts))
+}
+
+/// The tensors of a buffer argument, flattened in order, and its per-layer items: one tensor
+/// (`([tensor], None)`), or a list of per-layer tensors or `(K, V)` tuples; anything else
+/// raises `GeometryMismatchError` (`memory_buffer`).
+#[pyfunction]
+pub fn buffer_tensors<'py>(
+    memory_buffer: Bound<'py, PyAny>,
+) -> PyResult<(Vec<Bound<'py, PyAny>>, Option<Vec<Bound<'py, PyAny>>>)> {
+    let tensor = memory_buffer.py().import("torch")?.getattr("Tensor")?;
+    if memory_buffer.is_instance(&tensor)? {
+        return Ok((vec![memory_buffer], None));
+    }
+    let layers = memory_buffer.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+    let mut flat = Vec::new();
+    for item in &layers {
+        match item.cast::<PyTuple>() {
+            Ok(pair) => flat.extend(pair.iter()),
+            Err(_) => flat.push(item.clone()),
+        }
+    }
+    let kind = |t: &Bound<'_, PyAny>| -> PyResult<Option<String>> {
+        Ok((!t.is_instance(&tensor)?).then(|| Node(t.clone()).type_name()))
+    };
+    let items = flat.iter().map(kind).collect::<PyResult<Vec<_>>>()?;
+    rules::check_buffer_tensors(&items, &Node(memory_buffer).type_name()).py()?;
+    Ok((flat, Some(layers)))
 }
 
 /// `(slots, slot_bytes)` of a staging pool (`None`: the defaults); `ArgumentError` on a chunk
@@ -249,6 +276,27 @@ pub fn p2p_outcome(
     threads: Vec<String>,
 ) -> Option<String> {
     peers::p2p_outcome(posted, works, threads)
+}
+
+pyo3::import_exception!(disagg_rs.exceptions, TransferError);
+pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
+
+/// Whether a transfer is done after one poll (`done`: every part terminal): raises
+/// `TransferError` (terminal, with `error`) or `TransferTimeout` (running past `deadline`).
+#[pyfunction]
+pub fn poll_verdict(
+    done: bool,
+    error: Option<String>,
+    now: f64,
+    deadline: f64,
+    timeout_s: f64,
+) -> PyResult<bool> {
+    match peers::poll_verdict(done, error, now, deadline, timeout_s) {
+        PollVerdict::Running => Ok(false),
+        PollVerdict::Done => Ok(true),
+        PollVerdict::Failed(e) => Err(TransferError::new_err(e)),
+        PollVerdict::TimedOut(e) => Err(TransferTimeout::new_err(e)),
+    }
 }
 
 /// `(source rank, packed bytes)` of every source rank of a `TransferProgram`.

@@ -86,7 +86,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             backend_rules::staging_path, backend_rules::ipc_same_host, backend_rules::row_unit,
             backend_rules::ipc_reader_gpu, backend_rules::backend_peer_records,
             backend_rules::no_blocks, backend_rules::p2p_outcome, backend_rules::p2p_receives,
-            backend_rules::p2p_sends
+            backend_rules::p2p_sends, backend_rules::poll_verdict,
+            backend_rules::buffer_tensors
         ]
     );
     #[rustfmt::skip]
