@@ -168,7 +168,9 @@ def _mem_type(tensor: torch.Tensor) -> Literal["DRAM", "VRAM"]:
     return "VRAM" if tensor.is_cuda else "DRAM"
 
 
-def _buffer_info(tensor: torch.Tensor, axes: str, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+def _buffer_info(
+    tensor: torch.Tensor, axes: str, tensors: Sequence[torch.Tensor]
+) -> dict[str, Any]:
     """Plain description of a registered buffer (the part of the metadata every peer reads):
     ``tensor``'s fields plus ``regions``, ``[addr, nbytes]`` of every registered tensor
     (``tensors``, one per layer or per K/V plane, or ``tensor`` alone)."""

@@ -513,12 +513,12 @@ class NcclTransferBackend(TransferBackendBase):
         if ops and not self._nccl:
             ready, errors = pipeline.run_ops(ops, self._lane)
         elif ops:
-            try:
-                # One op at a time, in order: a batched call must be the group's first call on
-                # EVERY rank, which a handoff between some ranks never is.
-                works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
-            except Exception as exc:
-                error = f"posting {len(ops)} point-to-point ops failed: {exc!r}"
+            # One op at a time, in order: a batched call must be the group's first call on
+            # EVERY rank, which a handoff between some ranks never is. All or none are kept.
+            error = _failure(
+                lambda: works.extend([op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]),
+                f"posting {len(ops)} point-to-point ops failed:",
+            )
         timeout = self._timeout(timeout_s)
         return NcclTransferHandle(
             works, keep, scatters, timeout, self.clock, error, ready=ready, errors=errors

@@ -47,7 +47,11 @@ pub struct PeerRecord<N> {
     pub ids: Option<N>,
 }
 
-fn append<N: MetaNode>(raw: &N, stage_ids: Option<N>, out: &mut Vec<PeerRecord<N>>) -> DisaggResult<()> {
+fn append<N: MetaNode>(
+    raw: &N,
+    stage_ids: Option<&N>,
+    out: &mut Vec<PeerRecord<N>>,
+) -> DisaggResult<()> {
     let metas = match raw.shape() {
         NodeShape::Map => vec![raw.clone()],
         _ => raw.elements().ok_or_else(|| not_peers(raw))?,
@@ -59,7 +63,7 @@ fn append<N: MetaNode>(raw: &N, stage_ids: Option<N>, out: &mut Vec<PeerRecord<N
                 format!("peer metadata entries must be dicts, got {}", meta.type_name()),
             ));
         }
-        let ids = meta.field("block_ids").or_else(|| stage_ids.clone());
+        let ids = meta.field("block_ids").or_else(|| stage_ids.cloned());
         out.push(PeerRecord { meta, ids });
     }
     Ok(())
@@ -85,7 +89,7 @@ pub fn peer_records<N: MetaNode>(peer_meta: &N) -> DisaggResult<Vec<PeerRecord<N
                 return Err(DisaggError::wire("pp_metas", "pp_metas entries must be dicts"));
             }
             let ranks = stage.field("tp_metas").unwrap_or_else(|| stage.clone());
-            append(&ranks, stage.field("block_ids"), &mut out)?;
+            append(&ranks, stage.field("block_ids").as_ref(), &mut out)?;
         }
         return Ok(out);
     }

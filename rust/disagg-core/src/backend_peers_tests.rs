@@ -35,17 +35,16 @@ fn one_dict_a_list_and_a_tp_wrapper_give_one_record_per_dict() {
 fn pp_stages_lend_their_block_ids_to_their_ranks_unless_a_rank_has_its_own() {
     let (a, b, c) = (peer("a"), with_ids("b", &[7]), peer("c"));
     let stages = WireValue::List(vec![
-        map(vec![("tp_metas", WireValue::List(vec![a.clone(), b.clone()])), ("block_ids", ids(&[4]))]),
+        map(vec![
+            ("tp_metas", WireValue::List(vec![a.clone(), b.clone()])),
+            ("block_ids", ids(&[4])),
+        ]),
         map(vec![("tp_metas", c.clone())]),
         b.clone(),
     ]);
     let got = pairs(&peer_records(&map(vec![("pp_metas", stages)])).unwrap());
-    let want = [
-        (a, Some(ids(&[4]))),
-        (b.clone(), Some(ids(&[7]))),
-        (c, None),
-        (b, Some(ids(&[7]))),
-    ];
+    let want =
+        [(a, Some(ids(&[4]))), (b.clone(), Some(ids(&[7]))), (c, None), (b, Some(ids(&[7])))];
     assert_eq!(got, want);
 }
 
@@ -60,7 +59,10 @@ fn entries_that_are_not_dicts_are_refused_naming_the_field() {
     let bad_stage = map(vec![("pp_metas", WireValue::List(vec![i(1)]))]);
     assert_eq!(field(&bad_stage), "pp_metas: pp_metas entries must be dicts");
     for v in [WireValue::Null, WireValue::Str("x".into()), i(3)] {
-        assert!(field(&v).starts_with("peer_meta: peer metadata must be a dict or a list"), "{v:?}");
+        assert!(
+            field(&v).starts_with("peer_meta: peer metadata must be a dict or a list"),
+            "{v:?}"
+        );
     }
     assert!(field(&map(vec![("tp_metas", WireValue::Null)])).contains("got None"));
     let none = source_records(&WireValue::List(vec![])).unwrap_err();
@@ -72,7 +74,8 @@ fn the_call_s_ids_stay_as_given_unless_a_record_carries_its_own() {
     let default = ids(&[1, 2]);
     assert_eq!(ids_by_rank(&[(0, None), (1, None)], &default), ResolvedIds::Given);
     let per_rank = map(vec![("0", ids(&[5])), ("2", ids(&[6]))]);
-    let records = [(0, None), (1, Some(ids(&[9]))), (2, Some(per_rank.clone())), (3, Some(WireValue::Null))];
+    let records =
+        [(0, None), (1, Some(ids(&[9]))), (2, Some(per_rank.clone())), (3, Some(WireValue::Null))];
     let want = vec![(0, default.clone()), (1, ids(&[9])), (2, ids(&[6]))];
     assert_eq!(ids_by_rank(&records, &default), ResolvedIds::ByRank(want));
     // A per-rank default gives each rank its entry; a later record of a rank wins.

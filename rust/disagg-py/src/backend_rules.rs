@@ -70,13 +70,16 @@ pub fn chunkable(metas: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
     Ok(rules::chunkable(&facts))
 }
 
+/// Python objects, in order.
+type Objects<'py> = Vec<Bound<'py, PyAny>>;
+
 /// The tensors of a buffer argument, flattened in order, and its per-layer items: one tensor
 /// (`([tensor], None)`), or a list of per-layer tensors or `(K, V)` tuples; anything else
 /// raises `GeometryMismatchError` (`memory_buffer`).
 #[pyfunction]
-pub fn buffer_tensors<'py>(
-    memory_buffer: Bound<'py, PyAny>,
-) -> PyResult<(Vec<Bound<'py, PyAny>>, Option<Vec<Bound<'py, PyAny>>>)> {
+pub fn buffer_tensors(
+    memory_buffer: Bound<'_, PyAny>,
+) -> PyResult<(Objects<'_>, Option<Objects<'_>>)> {
     let tensor = memory_buffer.py().import("torch")?.getattr("Tensor")?;
     if memory_buffer.is_instance(&tensor)? {
         return Ok((vec![memory_buffer], None));
@@ -255,7 +258,8 @@ pub fn backend_peer_records<'py>(
 #[pyo3(signature = (*block_ids))]
 pub fn no_blocks(block_ids: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
     // An array's element count (numpy `size`), else its length.
-    let size = |x: &Bound<'_, PyAny>| x.getattr("size").and_then(|n| n.extract()).or_else(|_| x.len());
+    let size =
+        |x: &Bound<'_, PyAny>| x.getattr("size").and_then(|n| n.extract()).or_else(|_| x.len());
     let mut counts = Vec::new();
     for ids in block_ids.iter().filter(|i| !i.is_none()) {
         let lists: Vec<Bound<'_, PyAny>> = match ids.cast::<PyMapping>() {
@@ -302,7 +306,10 @@ pub fn poll_verdict(
 /// `(source rank, packed bytes)` of every source rank of a `TransferProgram`.
 fn program_sources(program: &Bound<'_, PyAny>) -> PyResult<Vec<(u32, u64)>> {
     let ranks: Vec<u32> = program.getattr("src_ranks")?.extract()?;
-    ranks.into_iter().map(|r| Ok((r, program.call_method1("packed_bytes", (r,))?.extract()?))).collect()
+    ranks
+        .into_iter()
+        .map(|r| Ok((r, program.call_method1("packed_bytes", (r,))?.extract()?)))
+        .collect()
 }
 
 /// The receives of a destination's `program` from `peers` (parsed `Peer`s of the sources):
@@ -396,7 +403,9 @@ impl PyPeerResolver {
             let reference = node.mapping().is_some() && node.field("version").is_none();
             let (backend, kind, size, dtype) = self.local.clone();
             let schema = reference
-                .then(|| crate::peer_records::meta_from_reference(&meta, backend, kind, size, dtype))
+                .then(|| {
+                    crate::peer_records::meta_from_reference(&meta, backend, kind, size, dtype)
+                })
                 .transpose()?;
             peer = table.call_method1("adopt", (&meta, schema))?;
         }
