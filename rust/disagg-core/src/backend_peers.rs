@@ -214,16 +214,11 @@ pub enum PollVerdict {
     TimedOut(String),
 }
 
-/// The verdict of one poll of a transfer submitted `timeout_s` before `deadline`: terminal
-/// (`done`) with or without an `error`, or running, timed out once `now` is past the
-/// deadline. A terminal transfer never times out.
-pub fn poll_verdict(
-    done: bool,
-    error: Option<String>,
-    now: f64,
-    deadline: f64,
-    timeout_s: f64,
-) -> PollVerdict {
+/// The verdict of one poll at `now` of a transfer due by `deadline`, `timeout_s` after its
+/// submission: terminal (`done`) with or without an `error`, or running, timed out once `now`
+/// is past the deadline. A terminal transfer never times out.
+pub fn poll_verdict(done: bool, error: Option<String>, now: f64, due: (f64, f64)) -> PollVerdict {
+    let (deadline, timeout_s) = due;
     match (done, error) {
         (true, Some(e)) => PollVerdict::Failed(e),
         (true, None) => PollVerdict::Done,

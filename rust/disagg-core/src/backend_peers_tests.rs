@@ -124,15 +124,15 @@ fn sends_go_to_destinations_that_read_bytes_from_this_rank() {
 
 #[test]
 fn a_poll_fails_only_once_terminal_and_times_out_only_while_running() {
-    assert_eq!(poll_verdict(false, None, 1.0, 2.0, 0.5), PollVerdict::Running);
-    assert_eq!(poll_verdict(true, None, 9.0, 2.0, 0.5), PollVerdict::Done);
-    let failed = poll_verdict(true, Some("x".into()), 9.0, 2.0, 0.5);
+    assert_eq!(poll_verdict(false, None, 1.0, (2.0, 0.5)), PollVerdict::Running);
+    assert_eq!(poll_verdict(true, None, 9.0, (2.0, 0.5)), PollVerdict::Done);
+    let failed = poll_verdict(true, Some("x".into()), 9.0, (2.0, 0.5));
     assert_eq!(failed, PollVerdict::Failed("x".into()));
-    let late = poll_verdict(false, Some("x".into()), 2.5, 2.0, 0.25);
+    let late = poll_verdict(false, Some("x".into()), 2.5, (2.0, 0.25));
     let want = "transfer not finished 0.250 s after submission; its destinations may still be \
                 written";
     assert_eq!(late, PollVerdict::TimedOut(want.into()));
-    assert_eq!(poll_verdict(false, None, 2.0, 2.0, 0.5), PollVerdict::Running);
+    assert_eq!(poll_verdict(false, None, 2.0, (2.0, 0.5)), PollVerdict::Running);
 }
 
 proptest! {

@@ -202,8 +202,7 @@ struct Node<'py>(Bound<'py, PyAny>);
 
 impl<'py> Node<'py> {
     fn mapping(&self) -> Option<&Bound<'py, PyMapping>> {
-        let text = self.0.is_instance_of::<PyString>() || self.0.is_instance_of::<PyBytes>();
-        (!text).then(|| self.0.cast::<PyMapping>().ok()).flatten()
+        self.0.cast::<PyMapping>().ok()
     }
     fn entry<K: IntoPyObject<'py> + Copy>(&self, key: K) -> Option<Self> {
         let m = self.mapping()?;
@@ -295,7 +294,7 @@ pub fn poll_verdict(
     deadline: f64,
     timeout_s: f64,
 ) -> PyResult<bool> {
-    match peers::poll_verdict(done, error, now, deadline, timeout_s) {
+    match peers::poll_verdict(done, error, now, (deadline, timeout_s)) {
         PollVerdict::Running => Ok(false),
         PollVerdict::Done => Ok(true),
         PollVerdict::Failed(e) => Err(TransferError::new_err(e)),
