@@ -35,7 +35,6 @@ All ranges are half-open ``[lo, hi)``.
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib
 import time
@@ -49,11 +48,7 @@ import torch
 
 from disagg_rs import _core
 from disagg_rs.exceptions import (
-    GeometryMismatchError,
-    MetadataError,
-    TransferError,
     TransferStartError,
-    TransferTimeout,
 )
 from disagg_rs.transfer_backends import staging
 
@@ -161,35 +156,12 @@ def rust_program_compiler(
     return program
 
 
-#: Peer dicts a backend remembers by identity (``_adopt_peer``); past it the memo restarts.
-_PEER_MEMO_LIMIT = 256
-
-
 def no_blocks(*block_ids: Any) -> bool:
     """Whether every given block id list is empty (a handoff with nothing left to move, e.g.
-    a prompt whole in the decode's prefix cache): the reference design's no-op transfer."""
-    for ids in block_ids:
-        if ids is None:
-            continue
-        lists = ids.values() if isinstance(ids, Mapping) else [ids]
-        if any(len(x) if isinstance(x, list | tuple) else np.asarray(x).size for x in lists):
-            return False
-    return True
-
-
-def _region_tensors(memory_buffer: Any) -> list[torch.Tensor]:
-    """The tensors of a buffer argument: one tensor, or a per-layer list of tensors or of
-    ``(K, V)`` pairs, flattened in order."""
-    if isinstance(memory_buffer, torch.Tensor):
-        return [memory_buffer]
-    flat = [t for item in memory_buffer for t in (item if isinstance(item, tuple) else (item,))]
-    if not flat or not all(isinstance(t, torch.Tensor) for t in flat):
-        raise GeometryMismatchError(
-            "memory_buffer must be a tensor or a non-empty list of per-layer tensors (or of "
-            f"(K, V) tensor pairs), got {type(memory_buffer).__name__}",
-            field="memory_buffer",
-        )
-    return flat
+    a prompt whole in the decode's prefix cache): the reference design's no-op transfer.
+    ``None`` is skipped; a ``{rank: ids}`` map counts each list. Decided in Rust."""
+    empty: bool = _core.no_blocks(*block_ids)
+    return empty
 
 
 def _mem_type(tensor: torch.Tensor) -> Literal["DRAM", "VRAM"]:
@@ -197,12 +169,12 @@ def _mem_type(tensor: torch.Tensor) -> Literal["DRAM", "VRAM"]:
 
 
 def _buffer_info(
-    tensor: torch.Tensor, axes: str, tensors: Sequence[torch.Tensor] | None = None
+    tensor: torch.Tensor, axes: str, tensors: Sequence[torch.Tensor]
 ) -> dict[str, Any]:
     """Plain description of a registered buffer (the part of the metadata every peer reads):
     ``tensor``'s fields plus ``regions``, ``[addr, nbytes]`` of every registered tensor
     (``tensors``, one per layer or per K/V plane, or ``tensor`` alone)."""
-    regions = [[int(t.data_ptr()), int(t.numel() * t.element_size())] for t in tensors or [tensor]]
+    regions = [[int(t.data_ptr()), int(t.numel() * t.element_size())] for t in tensors]
     return {
         "regions": regions,
         "addr": int(tensor.data_ptr()),
@@ -431,34 +403,12 @@ def transfer_peer_records(
     Accepts what the reference design's hand-off carries: one metadata dict, a list of them,
     ``{"tp_metas": [...]}`` and ``{"pp_metas": [{"tp_metas": [...], "block_ids": [...]},
     ...]}`` (each pipeline stage with its own block ids). A metadata dict with its own
-    ``block_ids`` uses those; the others use ``src_block_ids``.
+    ``block_ids`` uses those; the others use ``src_block_ids`` (as given). Unwrapped in Rust;
+    ``MetadataError`` names ``peer_meta`` or ``pp_metas`` for an entry that is not a dict.
     """
-    records: list[tuple[Mapping[str, Any], Any]] = []
-
-    def add(raw: Any, default: Any) -> None:
-        metas = [raw] if isinstance(raw, Mapping) else list(raw)
-        for meta in metas:
-            if not isinstance(meta, Mapping):
-                raise MetadataError(
-                    f"peer metadata entries must be dicts, got {type(meta).__name__}",
-                    field="peer_meta",
-                )
-            records.append((meta, meta.get("block_ids", default)))
-
-    if isinstance(peer_meta, Mapping) and "pp_metas" in peer_meta:
-        for stage in peer_meta["pp_metas"]:
-            if not isinstance(stage, Mapping):
-                raise MetadataError("pp_metas entries must be dicts", field="pp_metas")
-            add(stage.get("tp_metas", stage), stage.get("block_ids", src_block_ids))
-        return records
-    if isinstance(peer_meta, Mapping) and "tp_metas" in peer_meta:
-        peer_meta = peer_meta["tp_metas"]
-    if peer_meta is None or isinstance(peer_meta, (str, bytes)):
-        raise MetadataError(
-            f"peer metadata must be a dict or a list of dicts, got {type(peer_meta).__name__}",
-            field="peer_meta",
-        )
-    add(peer_meta, src_block_ids)
+    records: list[tuple[Mapping[str, Any], Any]] = _core.backend_peer_records(
+        peer_meta, src_block_ids
+    )
     return records
 
 
@@ -496,10 +446,11 @@ class TransferBackendBase:
         clock: Clock = time.monotonic,
         **layout: int | None,
     ) -> None:
-        layers = None if isinstance(memory_buffer, torch.Tensor) else list(memory_buffer)
         #: Every registered tensor: the buffer, or the per-layer tensors (K and V of a layer
-        #: as given), each one region of the exported ``buffer.regions``.
-        self.region_tensors: list[torch.Tensor] = _region_tensors(memory_buffer)
+        #: as given), each one region of the exported ``buffer.regions``. ``layers``: the
+        #: per-layer items of a list argument (``None`` for one tensor); checked in Rust.
+        self.region_tensors: list[torch.Tensor]
+        self.region_tensors, layers = _core.buffer_tensors(memory_buffer)
         memory_buffer = self.region_tensors[0]
         self.agent_name = agent_name
         self.memory_buffer = memory_buffer
@@ -654,66 +605,42 @@ class TransferBackendBase:
         schema or in the reference design's fields only. Where a wrapper or a dict carries
         its own ``block_ids``, the returned ids are ``{global_rank: ids}``.
         """
-        records = transfer_peer_records(peer_meta, src_block_ids)
-        if not records:
-            raise MetadataError("no peer metadata given", field="peer_meta")
-        peers = [self._adopt_peer(meta) for meta, _ in records]
-        if all(ids is src_block_ids for _, ids in records):
-            return peers, src_block_ids
-        by_rank: dict[int, Any] = {}
-        for peer, (_, ids) in zip(peers, records, strict=True):
-            if isinstance(ids, Mapping):
-                if peer.global_rank in ids:
-                    by_rank[peer.global_rank] = ids[peer.global_rank]
-            elif ids is not None:
-                by_rank[peer.global_rank] = ids
-        return peers, by_rank
+        resolved: tuple[list[Any], BlockIds | None] = self._peers.resolve(peer_meta, src_block_ids)
+        return resolved
+
+    @functools.cached_property
+    def _peers(self) -> Any:
+        """This backend's ``PeerResolver`` over its ``PeerTable``: every peer parsed once,
+        checked against this rank's model-level facts, found again by content (a dict seen
+        before, unchanged, by identity); reference-only dicts translated first."""
+        facts = self._compat_facts()
+        table = _core.PeerTable(
+            self.name,
+            state_kind=self.state_kind,
+            dtype=facts["dtype"],
+            head_dim=self.head_dim,
+            num_layers=dict(self.layout.to_dict()).get("num_layers"),
+            compat_hash=_core.compat_hash(facts),
+        )
+        size = int(self.memory_buffer.element_size())
+        return _core.PeerResolver(table, self.name, self.state_kind, size, facts["dtype"])
 
     def _peer_table(self) -> Any:
-        """This backend's ``PeerTable``: every peer parsed once, checked against this rank's
-        model-level facts; found again by content."""
-        table = self.__dict__.get("_peers")
-        if table is None:
-            facts = self._compat_facts()
-            table = self.__dict__["_peers"] = _core.PeerTable(
-                self.name,
-                state_kind=self.state_kind,
-                dtype=facts["dtype"],
-                head_dim=self.head_dim,
-                num_layers=dict(self.layout.to_dict()).get("num_layers"),
-                compat_hash=_core.compat_hash(facts),
-            )
-        return table
+        """This backend's ``PeerTable``."""
+        return self._peers.table
 
     def _adopt_peer(self, meta: Any) -> Any:
         """The parsed ``Peer`` of one metadata dict: a table lookup when seen before, else
         parsed once (the reference design's fields translated first). A dict's own
         ``block_ids`` (per handoff) are not part of the peer."""
-        if isinstance(meta, Mapping) and "block_ids" in meta:
-            meta = {k: v for k, v in meta.items() if k != "block_ids"}
-        # The same dict object as a previous handoff, still equal to a deep copy taken then
-        # (a C-level compare of mostly shared strings): its peer without converting it again.
-        memo: dict[int, tuple[Any, Any, Any]] = self.__dict__.setdefault("_peer_memo", {})
-        seen = memo.get(id(meta))
-        if seen is not None and seen[0] is meta and seen[1] == meta:
-            return seen[2]
-        table = self._peer_table()
-        peer = table.lookup(meta)
-        if peer is None:
-            reference = isinstance(meta, Mapping) and "version" not in meta
-            peer = table.adopt(meta, self._meta_from_reference(meta) if reference else None)
-        if isinstance(meta, dict):
-            if len(memo) >= _PEER_MEMO_LIMIT:
-                memo.clear()
-            memo[id(meta)] = (meta, copy.deepcopy(meta), peer)
-        return peer
+        return self._peers.adopt(meta)
 
     def register_peers(self, peer_meta: Any) -> int:
         """Parse and check peers' metadata now (when the control plane announces them:
         REGISTER/PEERS), so handoffs naming them only look them up. ``peer_meta`` as for a
         pull (this rank's own metadata, which plans read too, is parsed with them); returns
         how many peer buffers were named."""
-        self._local_peer()
+        self._as_peer(self._base_meta())
         return len(self._resolve_peers(peer_meta, None)[0])
 
     def retain_peers(self, peer_meta: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -727,24 +654,17 @@ class TransferBackendBase:
         """One peer's metadata, checked, in this library's schema."""
         return self._adopt_peer(meta).meta  # type: ignore[no-any-return]
 
-    def _local_peer(self, meta: Mapping[str, Any] | None = None) -> Any:
-        """This rank (or a sibling whose metadata ``meta`` derives from this rank's) as a
-        parsed ``Peer``; the backend's own transport fields are not needed to plan."""
-        base = self._base_meta() if meta is None else meta
-        return self._adopt_peer({"agent_metadata": "", "staging": None, "dist_rank": 0, **base})
-
     @functools.cached_property
     def _own_peer(self) -> Any:
         """This rank's own parsed ``Peer``, once (its metadata does not change while it
         lives): the destination side of ``Peer.split_descriptors``."""
-        return self._local_peer()
+        return self._as_peer(self._base_meta())
 
     def _as_peer(self, meta: Any) -> Any:
         """A ``Peer`` as is; a dict adopted before, found by content; else this rank's own
-        metadata or a sibling's derived from it (``_local_peer``)."""
-        if isinstance(meta, _core.Peer):
-            return meta
-        return self._peer_table().lookup(meta) or self._local_peer(meta)
+        metadata or a sibling's derived from it (the backend's own transport fields are not
+        needed to plan)."""
+        return self._peers.peer(meta)
 
     def _compile(
         self,
@@ -864,16 +784,11 @@ class TransferHandleBase:
         now = self.clock()
         if not self.done:
             self.done = self._progress(now)
-        if self.done:
-            if self.error is not None:
-                raise TransferError(self.error)
-            return True
-        if now > self.deadline:
-            raise TransferTimeout(
-                f"transfer not finished {self.timeout_s:.3f} s after submission; "
-                "its destinations may still be written"
-            )
-        return False
+        # Settled, failed or timed out: decided (and raised) in Rust.
+        settled: bool = _core.poll_verdict(
+            self.done, self.error, now, self.deadline, self.timeout_s
+        )
+        return settled
 
     def wait(self) -> None:
         """Block until ``poll()`` returns True or raises (deadline ``submitted_at + timeout_s``)."""

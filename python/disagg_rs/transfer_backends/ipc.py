@@ -70,7 +70,7 @@ def export(buffer: torch.Tensor) -> dict[str, Any] | None:
     b64 = base64.b64encode(bytes(handle)).decode()
     with _LOCAL_LOCK:
         _LOCAL[b64] = buffer
-    index = int(buffer.device.index or 0)
+    index = buffer.get_device()  # a CUDA tensor's device index
     return {
         "hostname": socket.gethostname(),
         "boot_id": _boot_id(),

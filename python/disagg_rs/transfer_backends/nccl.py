@@ -28,14 +28,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from disagg_rs import _core
-from disagg_rs.exceptions import CapacityError, MetadataError, TransferError
+from disagg_rs.exceptions import CapacityError, TransferError
 from disagg_rs.transfer_backends import device_plan as dp
 from disagg_rs.transfer_backends import pipeline
 from disagg_rs.transfer_backends.base import (
@@ -103,21 +103,26 @@ class NcclTransferHandle(TransferHandleBase):
         return True
 
     def _finish(self) -> None:
-        for work in self.works:
-            try:
-                work.wait()  # complete already: returns at once, raises if it failed
-            except Exception as exc:
-                self.error = self.error or f"torch.distributed reported {exc!r}"
-        if self._errors:
-            self.error = self.error or self._errors[0]
+        # Every work is complete already: ``wait()`` returns at once, raising if it failed.
+        failed = [_failure(work.wait, "torch.distributed reported") for work in self.works]
+        self.error = _core.p2p_outcome(self.error, failed, self._errors)
         if self.error is None:
-            for land in self.scatters:
-                try:
-                    land()
-                except Exception as exc:
-                    self.error = f"scatter failed: {exc!r}"
-                    break
+            self.error = _failure(self._land, "scatter failed:")
         self.works, self.scatters, self.keepalive = [], [], []
+
+    def _land(self) -> None:
+        """Run the header checks and scatters in order (the first failure stops the rest)."""
+        for land in self.scatters:
+            land()
+
+
+def _failure(call: Callable[[], Any], what: str) -> str | None:
+    """Run ``call``; its failure as ``what`` and the exception, or ``None``."""
+    try:
+        call()
+    except Exception as exc:
+        return f"{what} {exc!r}"
+    return None
 
 
 def _make_copy(view: torch.Tensor, buf: torch.Tensor) -> Callable[[], None]:
@@ -236,15 +241,6 @@ class NcclTransferBackend(TransferBackendBase):
         """The tag messages travel on: the handoff's, or one for all (``match_by_order``)."""
         return _core.p2p_wire_tag(tag, self.match_by_order)
 
-    @staticmethod
-    def _rank_meta(by_rank: Mapping[int, PeerMeta], rank: int) -> PeerMeta:
-        """The metadata of source rank ``rank`` the plan reads."""
-        if rank not in by_rank:
-            raise MetadataError(
-                f"the plan reads source rank {rank} but no metadata names it", field="peer_meta"
-            )
-        return by_rank[rank]
-
     def _timeout(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s
 
@@ -276,20 +272,18 @@ class NcclTransferBackend(TransferBackendBase):
         both block lists hold).
         """
         peers, src_ids = self._resolve_peers(peer_meta, src_block_ids)
-        assert src_ids is not None  # given, so resolved to the given ids or a rank map
-        src_block_ids = src_ids
+        src_block_ids = cast(BlockIds, src_ids)  # given, so resolved to the ids or a rank map
         if no_blocks(src_block_ids, dst_block_ids):  # nothing to move: a settled handle
             return self._submit([], [], [], timeout_s)
         num_tokens = self._validate_peers(
             peers, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
         )
         metas = [p.meta for p in peers]
-        by_rank = {int(m["layout"]["global_rank"]): m for m in metas}
         self.steps.refuse([int(m["dist_rank"]) for m in metas])
         me = self._base_meta()
         if num_tokens is not None and pipeline.chunkable([*metas, me]):
             return self._pull_chunked(
-                metas, by_rank, src_block_ids, dst_block_ids, num_tokens, tag, timeout_s
+                peers, src_block_ids, dst_block_ids, num_tokens, tag, timeout_s
             )
         program = self._compile(metas, me, src_block_ids, dst_block_ids, num_tokens, "staged")
         ops: list[dist.P2POp] = []
@@ -297,16 +291,12 @@ class NcclTransferBackend(TransferBackendBase):
         scatters: list[Callable[[], None]] = []
         checks: list[Callable[[], None]] = []
         head = pipeline.HEADER
-        for rank in program.src_ranks:
-            meta = self._rank_meta(by_rank, rank)
-            nbytes = int(program.packed_bytes(rank))
-            if nbytes == 0:
-                continue
-            peer = int(meta["dist_rank"])
+        # One message from each source rank that sends bytes (Rust: ``MetadataError`` for a
+        # source rank no metadata names).
+        for peer, inc, nbytes, rank in _core.p2p_receives(program, peers):
             buf = torch.empty(head + nbytes, dtype=torch.uint8, device=self._device())
             ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, self._wire_tag(tag)))
             keep.append(buf)
-            inc = int(meta["incarnation"])
             checks.append(self._checker(buf, peer, tag, inc, nbytes))
             scatters.append(self._lander(buf[head:], program.scatter(rank)))
         # Every header is checked before any scatter.
@@ -316,8 +306,7 @@ class NcclTransferBackend(TransferBackendBase):
 
     def _pull_chunked(
         self,
-        metas: Sequence[PeerMeta],
-        by_rank: dict[int, PeerMeta],
+        peers: Sequence[Any],
         src_block_ids: BlockIds,
         dst_block_ids: BlockIds,
         num_tokens: int,
@@ -326,6 +315,8 @@ class NcclTransferBackend(TransferBackendBase):
     ) -> NcclTransferHandle:
         """Receive every source's packed bytes in chunks through the staging pool and scatter
         each chunk from the cached device plan (see ``pipeline``)."""
+        metas = [p.meta for p in peers]
+        by_rank = {p.global_rank: p.meta for p in peers}
 
         def build() -> tuple[list[int], dict[int, dp.DevicePlan]]:
             program = self._compile(
@@ -336,7 +327,7 @@ class NcclTransferBackend(TransferBackendBase):
                 plan = dp.DevicePlan.from_program(
                     program,
                     rank,
-                    src_addr=int(self._rank_meta(by_rank, rank)["buffer"]["addr"]),
+                    src_addr=int(by_rank[rank]["buffer"]["addr"]),
                     dst_addr=int(self.buffer_info["addr"]),
                 )
                 if plan is None:
@@ -442,26 +433,22 @@ class NcclTransferBackend(TransferBackendBase):
         me = self.layout.global_rank
         if num_tokens is not None and all(pipeline.chunkable([*srcs, d]) for d in dsts):
             return self._push_chunked(srcs, dsts, src_block_ids, num_tokens, tag, timeout_s, filler)
-        programs: list[tuple[PeerMeta, TransferProgramLike]] = [
-            (dst, self._compile(srcs, dst, src_block_ids, dst_block_ids, num_tokens, "staged"))
+        programs: list[TransferProgramLike] = [
+            self._compile(srcs, dst, src_block_ids, dst_block_ids, num_tokens, "staged")
             for dst in dsts
         ]
         ops: list[dist.P2POp] = []
         keep: list[torch.Tensor] = []
-        for dst, program in programs:
-            if me not in program.src_ranks:
-                continue
-            nbytes = int(program.packed_bytes(me))
-            if nbytes == 0:
-                continue
-            head = pipeline.HEADER
+        head = pipeline.HEADER
+        # One message to each decode rank that reads bytes from this rank (Rust picks them).
+        for i, nbytes in _core.p2p_sends(me, programs):
             buf = torch.empty(head + nbytes, dtype=torch.uint8, device=self._device())
             raw = bytearray(_core.p2p_headers(filler, tag, self.incarnation, [nbytes]))
             buf[:head].copy_(torch.frombuffer(raw, dtype=torch.uint8))
             if not filler:
-                self.pack_rows(program.gather(me), buf[head:])
+                self.pack_rows(programs[i].gather(me), buf[head:])
             wire_tag = self._wire_tag(tag)
-            ops.append(dist.P2POp(dist.isend, buf, int(dst["dist_rank"]), self.group, wire_tag))
+            ops.append(dist.P2POp(dist.isend, buf, int(dsts[i]["dist_rank"]), self.group, wire_tag))
             keep.append(buf)
         return self._submit(ops, keep, [], timeout_s)
 
@@ -526,12 +513,12 @@ class NcclTransferBackend(TransferBackendBase):
         if ops and not self._nccl:
             ready, errors = pipeline.run_ops(ops, self._lane)
         elif ops:
-            try:
-                # One op at a time, in order: a batched call must be the group's first call on
-                # EVERY rank, which a handoff between some ranks never is.
-                works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
-            except Exception as exc:
-                error = f"posting {len(ops)} point-to-point ops failed: {exc!r}"
+            # One op at a time, in order: a batched call must be the group's first call on
+            # EVERY rank, which a handoff between some ranks never is. All or none are kept.
+            error = _failure(
+                lambda: works.extend([op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]),
+                f"posting {len(ops)} point-to-point ops failed:",
+            )
         timeout = self._timeout(timeout_s)
         return NcclTransferHandle(
             works, keep, scatters, timeout, self.clock, error, ready=ready, errors=errors

@@ -301,13 +301,14 @@ def _one_chunk(
     happen before the post. The message is the slot's header and the chunk's bytes."""
     k_lo, k_hi, b_lo, b_hi = chunk
     window = slot[: HEADER + b_hi - b_lo]
-    local = dp.Side("src" if cp.send else "dst", buffer, cp.ids)
     packed = dp.Side("packed", window[HEADER:], bias=b_lo)
     if cp.send:
         window[:HEADER].copy_(header)
         if not cp.filler:
-            dp.copy(cp.plan, local, packed, cp.n_tok, items=(k_lo, k_hi))
+            src = dp.Side("src", buffer, cp.ids)
+            dp.copy(cp.plan, src, packed, cp.n_tok, items=(k_lo, k_hi))
         return (lambda: dist.isend(window, cp.peer, group, wire_tag)), (lambda: None)
+    local = dp.Side("dst", buffer, cp.ids)
 
     def land() -> None:
         dp.copy(cp.plan, packed, local, cp.n_tok, items=(k_lo, k_hi))

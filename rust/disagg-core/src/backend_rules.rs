@@ -6,6 +6,9 @@
 
 use crate::{DisaggError, DisaggResult, KvShardLayout, SsmShardLayout};
 
+#[path = "backend_peers.rs"]
+pub mod peers;
+
 /// A shard layout whose model-parallel siblings can be inferred from it: the KV layout and
 /// the SSM state layout.
 pub trait GroupLayout: Sized {
@@ -109,6 +112,22 @@ pub fn chunkable(ranks: &[ChunkFacts]) -> bool {
         t == tpb
             && (heads == 1 || u128::from(head_stride) == u128::from(head_dim) * u128::from(elem))
     })
+}
+
+/// Check the tensors a per-layer buffer argument flattens into (`items`: `None` for a tensor,
+/// else the element's type name): at least one, every one a tensor (`Geometry` on
+/// `memory_buffer`, naming `given`, the argument's type).
+pub fn check_buffer_tensors(items: &[Option<String>], given: &str) -> DisaggResult<()> {
+    if items.is_empty() || items.iter().any(Option::is_some) {
+        return Err(DisaggError::geometry(
+            "memory_buffer",
+            format!(
+                "memory_buffer must be a tensor or a non-empty list of per-layer tensors (or \
+                 of (K, V) tensor pairs), got {given}"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// `(slots, slot_bytes)` of a staging pool of `pool_bytes` cut in `chunk_bytes` slots (at

@@ -183,3 +183,13 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_buffer_argument_flattens_into_at_least_one_tensor_and_nothing_else() {
+    assert!(check_buffer_tensors(&[None, None], "list").is_ok());
+    for items in [vec![], vec![None, Some("int".to_owned())]] {
+        let err = check_buffer_tensors(&items, "list").unwrap_err();
+        assert!(matches!(&err, DisaggError::Geometry { field, .. } if field == "memory_buffer"));
+        assert!(err.to_string().contains("got list"), "{err}");
+    }
+}

@@ -1,11 +1,15 @@
 //! Bindings of the transfer backends' host-side rules (`disagg_core::backend_rules`): argument
 //! conversion only.
 
+use disagg_core::backend_rules::peers::{self, IdentityMemo, MessagePeer, MetaNode};
+use disagg_core::backend_rules::peers::{NodeShape, PollVerdict, ResolvedIds};
 use disagg_core::backend_rules::{self as rules, ChunkFacts, IpcHost};
 use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyMapping, PyString, PyTuple};
 
 use crate::error::IntoPyResult;
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
+use crate::wire::PyPeer;
 
 /// `mapping.get(key)`, `None` when absent or `None`.
 fn get<'py>(mapping: &Bound<'py, PyAny>, key: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
@@ -64,6 +68,36 @@ fn chunk_facts(meta: &Bound<'_, PyAny>) -> PyResult<ChunkFacts> {
 pub fn chunkable(metas: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
     let facts = metas.iter().map(chunk_facts).collect::<PyResult<Vec<_>>>()?;
     Ok(rules::chunkable(&facts))
+}
+
+/// Python objects, in order.
+type Objects<'py> = Vec<Bound<'py, PyAny>>;
+
+/// The tensors of a buffer argument, flattened in order, and its per-layer items: one tensor
+/// (`([tensor], None)`), or a list of per-layer tensors or `(K, V)` tuples; anything else
+/// raises `GeometryMismatchError` (`memory_buffer`).
+#[pyfunction]
+pub fn buffer_tensors(
+    memory_buffer: Bound<'_, PyAny>,
+) -> PyResult<(Objects<'_>, Option<Objects<'_>>)> {
+    let tensor = memory_buffer.py().import("torch")?.getattr("Tensor")?;
+    if memory_buffer.is_instance(&tensor)? {
+        return Ok((vec![memory_buffer], None));
+    }
+    let layers = memory_buffer.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+    let mut flat = Vec::new();
+    for item in &layers {
+        match item.cast::<PyTuple>() {
+            Ok(pair) => flat.extend(pair.iter()),
+            Err(_) => flat.push(item.clone()),
+        }
+    }
+    let kind = |t: &Bound<'_, PyAny>| -> PyResult<Option<String>> {
+        Ok((!t.is_instance(&tensor)?).then(|| Node(t.clone()).type_name()))
+    };
+    let items = flat.iter().map(kind).collect::<PyResult<Vec<_>>>()?;
+    rules::check_buffer_tensors(&items, &Node(memory_buffer).type_name()).py()?;
+    Ok((flat, Some(layers)))
 }
 
 /// `(slots, slot_bytes)` of a staging pool (`None`: the defaults); `ArgumentError` on a chunk
@@ -160,4 +194,273 @@ pub fn ipc_reader_gpu(home: u32, local: Option<Bound<'_, PyAny>>, unset: u32) ->
         None => (false, None),
     };
     Ok(rules::reader_gpu(home, cuda, index, unset))
+}
+
+/// A Python object as a node of a peer-metadata argument.
+#[derive(Clone)]
+struct Node<'py>(Bound<'py, PyAny>);
+
+impl<'py> Node<'py> {
+    fn mapping(&self) -> Option<&Bound<'py, PyMapping>> {
+        self.0.cast::<PyMapping>().ok()
+    }
+    fn entry<K: IntoPyObject<'py> + Copy>(&self, key: K) -> Option<Self> {
+        let m = self.mapping()?;
+        m.contains(key).ok()?.then(|| m.get_item(key).ok().map(Node))?
+    }
+}
+
+impl MetaNode for Node<'_> {
+    fn shape(&self) -> NodeShape {
+        if self.0.is_none() {
+            NodeShape::Null
+        } else if self.0.is_instance_of::<PyString>() || self.0.is_instance_of::<PyBytes>() {
+            NodeShape::Text
+        } else if self.mapping().is_some() {
+            NodeShape::Map
+        } else {
+            NodeShape::Seq
+        }
+    }
+    fn field(&self, key: &str) -> Option<Self> {
+        self.entry(key)
+    }
+    fn rank_entry(&self, rank: u32) -> Option<Self> {
+        self.entry(rank)
+    }
+    fn elements(&self) -> Option<Vec<Self>> {
+        self.0.try_iter().ok()?.map(|v| v.ok().map(Node)).collect()
+    }
+    fn type_name(&self) -> String {
+        self.0.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string())
+    }
+}
+
+/// `(meta, block ids)` of every source rank a handoff's peer metadata names (one dict, a
+/// list, `{"tp_metas": [...]}` or `{"pp_metas": [...]}`); a rank without its own ids (or
+/// its stage's) gets `src_block_ids` as given.
+#[pyfunction]
+pub fn backend_peer_records<'py>(
+    peer_meta: Bound<'py, PyAny>,
+    src_block_ids: Bound<'py, PyAny>,
+) -> PyResult<Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
+    let records = peers::peer_records(&Node(peer_meta)).py()?;
+    Ok(records
+        .into_iter()
+        .map(|r| (r.meta.0, r.ids.map_or_else(|| src_block_ids.clone(), |n| n.0)))
+        .collect())
+}
+
+/// Whether every block id list given is empty (`None` skipped; a `{rank: ids}` map counts
+/// each list): a handoff with nothing left to move.
+#[pyfunction]
+#[pyo3(signature = (*block_ids))]
+pub fn no_blocks(block_ids: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
+    // An array's element count (numpy `size`), else its length.
+    let size =
+        |x: &Bound<'_, PyAny>| x.getattr("size").and_then(|n| n.extract()).or_else(|_| x.len());
+    let mut counts = Vec::new();
+    for ids in block_ids.iter().filter(|i| !i.is_none()) {
+        let lists: Vec<Bound<'_, PyAny>> = match ids.cast::<PyMapping>() {
+            Ok(m) => m.values()?.iter().collect(),
+            Err(_) => vec![ids.clone()],
+        };
+        counts.push(lists.iter().map(size).collect::<PyResult<Vec<usize>>>()?);
+    }
+    Ok(peers::nothing_to_move(&counts))
+}
+
+/// The first failure of a completed two-sided transfer (its posting's, a work's, a transfer
+/// thread's), or `None`.
+#[pyfunction]
+pub fn p2p_outcome(
+    posted: Option<String>,
+    works: Vec<Option<String>>,
+    threads: Vec<String>,
+) -> Option<String> {
+    peers::p2p_outcome(posted, works, threads)
+}
+
+pyo3::import_exception!(disagg_rs.exceptions, TransferError);
+pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
+
+/// Whether a transfer is done after one poll (`done`: every part terminal): raises
+/// `TransferError` (terminal, with `error`) or `TransferTimeout` (running past `deadline`).
+#[pyfunction]
+pub fn poll_verdict(
+    done: bool,
+    error: Option<String>,
+    now: f64,
+    deadline: f64,
+    timeout_s: f64,
+) -> PyResult<bool> {
+    match peers::poll_verdict(done, error, now, (deadline, timeout_s)) {
+        PollVerdict::Running => Ok(false),
+        PollVerdict::Done => Ok(true),
+        PollVerdict::Failed(e) => Err(TransferError::new_err(e)),
+        PollVerdict::TimedOut(e) => Err(TransferTimeout::new_err(e)),
+    }
+}
+
+/// `(source rank, packed bytes)` of every source rank of a `TransferProgram`.
+fn program_sources(program: &Bound<'_, PyAny>) -> PyResult<Vec<(u32, u64)>> {
+    let ranks: Vec<u32> = program.getattr("src_ranks")?.extract()?;
+    ranks
+        .into_iter()
+        .map(|r| Ok((r, program.call_method1("packed_bytes", (r,))?.extract()?)))
+        .collect()
+}
+
+/// The receives of a destination's `program` from `peers` (parsed `Peer`s of the sources):
+/// `(process rank, incarnation, packed bytes, source rank)` of every source that sends
+/// bytes; `MetadataError` for a source no peer names.
+#[pyfunction]
+pub fn p2p_receives(
+    program: Bound<'_, PyAny>,
+    peers: Vec<Bound<'_, PyAny>>,
+) -> PyResult<Vec<(u64, u64, u64, u32)>> {
+    let peer = |p: &Bound<'_, PyAny>| -> PyResult<MessagePeer> {
+        Ok(MessagePeer {
+            global_rank: p.getattr("global_rank")?.extract()?,
+            dist_rank: p.getattr("meta")?.get_item("dist_rank")?.extract()?,
+            incarnation: p.getattr("incarnation")?.extract()?,
+        })
+    };
+    let peers = peers.iter().map(peer).collect::<PyResult<Vec<_>>>()?;
+    let got = peers::p2p_receives(&program_sources(&program)?, &peers).py()?;
+    Ok(got.into_iter().map(|(p, n)| (p.dist_rank, p.incarnation, n, p.global_rank)).collect())
+}
+
+/// `(destination index, packed bytes)` of the messages source rank `me` sends, one per
+/// destination program that reads bytes from it.
+#[pyfunction]
+pub fn p2p_sends(me: u32, programs: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<(usize, u64)>> {
+    let sources = programs.iter().map(program_sources).collect::<PyResult<Vec<_>>>()?;
+    Ok(peers::p2p_sends(me, &sources))
+}
+
+/// Peer dicts a resolver remembers by identity; past it the memo restarts.
+const PEER_MEMO_LIMIT: usize = 256;
+
+/// A remembered dict, a deep copy taken then, and its parsed peer.
+type Memo = (Py<PyAny>, Py<PyAny>, Py<PyAny>);
+
+/// One backend's peers: metadata dicts (this library's schema, or the reference design's
+/// fields only) adopted into its `PeerTable`, a dict seen before found by identity while it
+/// is unchanged, and a handoff's peer argument resolved into parsed peers and block ids.
+#[pyclass(name = "PeerResolver", module = "disagg_rs")]
+pub struct PyPeerResolver {
+    table: Py<PyAny>,
+    local: (String, String, u64, String),
+    memo: IdentityMemo<Memo>,
+}
+
+#[pymethods]
+impl PyPeerResolver {
+    /// A resolver over `table` for a `backend` rank holding `state_kind` state of
+    /// `element_size`-byte `dtype` elements (what translating a reference-only dict needs).
+    #[new]
+    fn new(
+        table: Py<PyAny>,
+        backend: String,
+        state_kind: String,
+        element_size: u64,
+        dtype: String,
+    ) -> Self {
+        let local = (backend, state_kind, element_size, dtype);
+        Self { table, local, memo: IdentityMemo::new(PEER_MEMO_LIMIT) }
+    }
+
+    /// The backend's `PeerTable`.
+    #[getter]
+    fn table(&self, py: Python<'_>) -> Py<PyAny> {
+        self.table.clone_ref(py)
+    }
+
+    /// The parsed `Peer` of one metadata dict (its own `block_ids` are not part of it).
+    fn adopt<'py>(&mut self, meta: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let py = meta.py();
+        let node = Node(meta.clone());
+        let meta = match (node.mapping(), node.field("block_ids")) {
+            (Some(m), Some(_)) => {
+                let d = PyDict::new(py);
+                d.update(m)?;
+                d.del_item("block_ids")?;
+                d.into_any()
+            }
+            _ => meta,
+        };
+        let id = meta.as_ptr() as usize;
+        let same = |(m, copy, _): &Memo| m.is(&meta) && copy.bind(py).eq(&meta).unwrap_or(false);
+        if let Some((_, _, peer)) = self.memo.get(id, same) {
+            return Ok(peer.bind(py).clone());
+        }
+        let table = self.table.bind(py);
+        let mut peer = table.call_method1("lookup", (&meta,))?;
+        if peer.is_none() {
+            let node = Node(meta.clone());
+            let reference = node.mapping().is_some() && node.field("version").is_none();
+            let (backend, kind, size, dtype) = self.local.clone();
+            let schema = reference
+                .then(|| {
+                    crate::peer_records::meta_from_reference(&meta, backend, kind, size, dtype)
+                })
+                .transpose()?;
+            peer = table.call_method1("adopt", (&meta, schema))?;
+        }
+        if meta.is_instance_of::<PyDict>() {
+            let copy = py.import("copy")?.call_method1("deepcopy", (&meta,))?;
+            self.memo.insert(id, (meta.unbind(), copy.unbind(), peer.clone().unbind()));
+        }
+        Ok(peer)
+    }
+
+    /// A `Peer` as is; a dict adopted before, found by content; else one of this rank's own
+    /// metadata or a sibling's, adopted without the transport's own fields.
+    fn peer<'py>(&mut self, meta: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let py = meta.py();
+        if meta.is_instance_of::<PyPeer>() {
+            return Ok(meta);
+        }
+        let found = self.table.bind(py).call_method1("lookup", (&meta,))?;
+        if !found.is_none() {
+            return Ok(found);
+        }
+        let full = PyDict::new(py);
+        full.set_item("agent_metadata", "")?;
+        full.set_item("staging", py.None())?;
+        full.set_item("dist_rank", 0)?;
+        full.update(meta.cast::<PyMapping>()?)?;
+        self.adopt(full.into_any())
+    }
+
+    /// The parsed peers a handoff's `peer_meta` names (one dict, a list, `{"tp_metas":
+    /// [...]}` or `{"pp_metas": [...]}`) and their block ids: `src_block_ids` as given, or
+    /// `{global_rank: ids}` where a dict or a stage carries its own.
+    fn resolve<'py>(
+        &mut self,
+        peer_meta: Bound<'py, PyAny>,
+        src_block_ids: Bound<'py, PyAny>,
+    ) -> PyResult<(Vec<Bound<'py, PyAny>>, Bound<'py, PyAny>)> {
+        let py = peer_meta.py();
+        let records = peers::source_records(&Node(peer_meta)).py()?;
+        let mut found = Vec::with_capacity(records.len());
+        let mut ranks = Vec::with_capacity(records.len());
+        for r in records {
+            let peer = self.adopt(r.meta.0)?;
+            ranks.push((peer.getattr("global_rank")?.extract::<u32>()?, r.ids));
+            found.push(peer);
+        }
+        let ids = match peers::ids_by_rank(&ranks, &Node(src_block_ids.clone())) {
+            ResolvedIds::Given => src_block_ids,
+            ResolvedIds::ByRank(by_rank) => {
+                let d = PyDict::new(py);
+                for (rank, ids) in by_rank {
+                    d.set_item(rank, ids.0)?;
+                }
+                d.into_any()
+            }
+        };
+        Ok((found, ids))
+    }
 }

@@ -61,7 +61,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             pool::PySlotPool, staging::PyStagingRanges, staging::PyPullParts, ledger::PyLedgerAction,
             ledger::PyImportLedger, ledger::PyPinLedger, ledger::PyCompletionQuorum,
             geometry::PyKvGeometry, geometry::PySsmGeometry, compile::PyTransferProgram,
-            wire::PyPeer, wire::PyPeerTable, driver::PyEngineDriverState,
+            wire::PyPeer, wire::PyPeerTable, backend_rules::PyPeerResolver, driver::PyEngineDriverState,
             ledger::PyReferenceImports, stream::PyStreamSource, stream::PyStreamSink,
             stream::PyStreamMailboxes, tags::PyPeerSteps, tracker::PyCompletionTracker
         ],
@@ -86,7 +86,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             backend_rules::check_slot_capacity, backend_rules::check_chunk_blocks,
             backend_rules::packed_window, backend_rules::pipeline_windows,
             backend_rules::staging_path, backend_rules::ipc_same_host, backend_rules::row_unit,
-            backend_rules::ipc_reader_gpu
+            backend_rules::ipc_reader_gpu, backend_rules::backend_peer_records,
+            backend_rules::no_blocks, backend_rules::p2p_outcome, backend_rules::p2p_receives,
+            backend_rules::p2p_sends, backend_rules::poll_verdict,
+            backend_rules::buffer_tensors
         ]
     );
     #[rustfmt::skip]

@@ -1,0 +1,309 @@
+//! The transfer backends' rules over the peers a handoff names: how the peer-metadata argument
+//! (one dict, a list, `{"tp_metas": [...]}`, `{"pp_metas": [...]}`) unwraps into one record
+//! per source rank, which block ids each source rank gets, when a metadata object seen before
+//! is still the same peer, and what a two-sided handoff sends, receives and reports. Pure
+//! functions over a [`MetaNode`] view, so the bindings walk Python objects in place and the
+//! tests walk wire values.
+
+use std::collections::HashMap;
+
+use crate::wire::value::WireValue;
+use crate::{DisaggError, DisaggResult};
+
+/// What one node of a peer-metadata argument is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeShape {
+    /// A mapping (a dict).
+    Map,
+    /// `None`.
+    Null,
+    /// A text or byte string (never a list of peers).
+    Text,
+    /// Anything else: read as a sequence.
+    Seq,
+}
+
+/// A read-only view of one node of a peer-metadata argument.
+pub trait MetaNode: Clone {
+    /// What the node is.
+    fn shape(&self) -> NodeShape;
+    /// The value under text key `key` of a map (`None`: no such key, or not a map).
+    fn field(&self, key: &str) -> Option<Self>;
+    /// The value under integer key `rank` of a map (`None`: no such key, or not a map).
+    fn rank_entry(&self, rank: u32) -> Option<Self>;
+    /// The elements of a sequence (`None`: not iterable).
+    fn elements(&self) -> Option<Vec<Self>>;
+    /// The node's type name, for error messages.
+    fn type_name(&self) -> String;
+}
+
+/// One source rank of a handoff: its metadata node and its own block ids (`None`: the
+/// call's `src_block_ids`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PeerRecord<N> {
+    /// The rank's metadata.
+    pub meta: N,
+    /// The block ids the metadata (or its pipeline stage) carries.
+    pub ids: Option<N>,
+}
+
+fn append<N: MetaNode>(
+    raw: &N,
+    stage_ids: Option<&N>,
+    out: &mut Vec<PeerRecord<N>>,
+) -> DisaggResult<()> {
+    let metas = match raw.shape() {
+        NodeShape::Map => vec![raw.clone()],
+        _ => raw.elements().ok_or_else(|| not_peers(raw))?,
+    };
+    for meta in metas {
+        if meta.shape() != NodeShape::Map {
+            return Err(DisaggError::wire(
+                "peer_meta",
+                format!("peer metadata entries must be dicts, got {}", meta.type_name()),
+            ));
+        }
+        let ids = meta.field("block_ids").or_else(|| stage_ids.cloned());
+        out.push(PeerRecord { meta, ids });
+    }
+    Ok(())
+}
+
+fn not_peers<N: MetaNode>(raw: &N) -> DisaggError {
+    DisaggError::wire(
+        "peer_meta",
+        format!("peer metadata must be a dict or a list of dicts, got {}", raw.type_name()),
+    )
+}
+
+/// Unwrap a handoff's peer metadata into one record per source rank: one dict, a sequence
+/// of dicts, `{"tp_metas": ...}`, or `{"pp_metas": [stage, ...]}` whose stages are dicts
+/// (`{"tp_metas": ..., "block_ids": ...}`, or a rank's metadata itself) and lend their
+/// `block_ids` to their ranks. A dict's own `block_ids` win. `Wire` errors name `peer_meta`
+/// (no dict or sequence, an entry that is not a dict) or `pp_metas` (a stage that is not).
+pub fn peer_records<N: MetaNode>(peer_meta: &N) -> DisaggResult<Vec<PeerRecord<N>>> {
+    let mut out = Vec::new();
+    if let Some(stages) = peer_meta.field("pp_metas") {
+        for stage in stages.elements().ok_or_else(|| not_peers(&stages))? {
+            if stage.shape() != NodeShape::Map {
+                return Err(DisaggError::wire("pp_metas", "pp_metas entries must be dicts"));
+            }
+            let ranks = stage.field("tp_metas").unwrap_or_else(|| stage.clone());
+            append(&ranks, stage.field("block_ids").as_ref(), &mut out)?;
+        }
+        return Ok(out);
+    }
+    let ranks = peer_meta.field("tp_metas").unwrap_or_else(|| peer_meta.clone());
+    if matches!(ranks.shape(), NodeShape::Null | NodeShape::Text) {
+        return Err(not_peers(&ranks));
+    }
+    append(&ranks, None, &mut out)?;
+    Ok(out)
+}
+
+/// [`peer_records`] of a handoff, which must name at least one source rank (`Wire` on
+/// `peer_meta` otherwise).
+pub fn source_records<N: MetaNode>(peer_meta: &N) -> DisaggResult<Vec<PeerRecord<N>>> {
+    let records = peer_records(peer_meta)?;
+    if records.is_empty() {
+        return Err(DisaggError::wire("peer_meta", "no peer metadata given"));
+    }
+    Ok(records)
+}
+
+/// The source block ids of a resolved handoff.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ResolvedIds<N> {
+    /// Every source rank uses the call's `src_block_ids` as given.
+    Given,
+    /// One list per source global rank, in first-seen order.
+    ByRank(Vec<(u32, N)>),
+}
+
+/// The block ids of each source rank: the call's where no record carries its own; else, per
+/// record (its global rank, its own ids), those ids (`default` where it has none): a map
+/// gives its entry for the rank (none: the rank gets nothing from it), `None` gives nothing,
+/// a list is the rank's. A later record of a rank replaces an earlier one's ids.
+pub fn ids_by_rank<N: MetaNode>(records: &[(u32, Option<N>)], default: &N) -> ResolvedIds<N> {
+    if records.iter().all(|(_, ids)| ids.is_none()) {
+        return ResolvedIds::Given;
+    }
+    let mut out: Vec<(u32, N)> = Vec::new();
+    for (rank, ids) in records {
+        let ids = ids.as_ref().unwrap_or(default);
+        let pick = match ids.shape() {
+            NodeShape::Map => ids.rank_entry(*rank),
+            NodeShape::Null => None,
+            _ => Some(ids.clone()),
+        };
+        if let Some(pick) = pick {
+            match out.iter_mut().find(|(r, _)| r == rank) {
+                Some(slot) => slot.1 = pick,
+                None => out.push((*rank, pick)),
+            }
+        }
+    }
+    ResolvedIds::ByRank(out)
+}
+
+/// Whether a handoff has nothing to move: every block id list given (`None`s skipped; a
+/// per-rank map counts all its lists) is empty. `counts` holds each argument's list lengths.
+pub fn nothing_to_move(counts: &[Vec<usize>]) -> bool {
+    counts.iter().flatten().all(|&n| n == 0)
+}
+
+/// Objects remembered by identity (`id`) with what was derived from them, up to `limit`
+/// entries; past it the memo starts again.
+#[derive(Debug)]
+pub struct IdentityMemo<V> {
+    entries: HashMap<usize, V>,
+    limit: usize,
+}
+
+impl<V> IdentityMemo<V> {
+    /// An empty memo of at most `limit` entries.
+    pub fn new(limit: usize) -> Self {
+        Self { entries: HashMap::new(), limit }
+    }
+
+    /// The entry of `id` if `still` says it still describes the object now under that id.
+    pub fn get(&self, id: usize, still: impl FnOnce(&V) -> bool) -> Option<&V> {
+        self.entries.get(&id).filter(|v| still(v))
+    }
+
+    /// Remember `value` for `id` (a full memo is emptied first).
+    pub fn insert(&mut self, id: usize, value: V) {
+        if self.entries.len() >= self.limit {
+            self.entries.clear();
+        }
+        self.entries.insert(id, value);
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no entry is held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// The outcome of a two-sided transfer once every part completed: the first failure, in this
+/// order: the posting's own, a work's, a transfer thread's; `None` (the scatters may run)
+/// when there is none.
+pub fn p2p_outcome(
+    posted: Option<String>,
+    works: Vec<Option<String>>,
+    threads: Vec<String>,
+) -> Option<String> {
+    posted.or_else(|| works.into_iter().flatten().next()).or_else(|| threads.into_iter().next())
+}
+
+/// Where a pollable transfer stands after one poll.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PollVerdict {
+    /// Parts are still running and the deadline has not passed.
+    Running,
+    /// Every part is terminal and none failed.
+    Done,
+    /// Every part is terminal and one failed: its error.
+    Failed(String),
+    /// The deadline passed with parts still running (they may still write).
+    TimedOut(String),
+}
+
+/// The verdict of one poll at `now` of a transfer due by `deadline`, `timeout_s` after its
+/// submission: terminal (`done`) with or without an `error`, or running, timed out once `now`
+/// is past the deadline. A terminal transfer never times out.
+pub fn poll_verdict(done: bool, error: Option<String>, now: f64, due: (f64, f64)) -> PollVerdict {
+    let (deadline, timeout_s) = due;
+    match (done, error) {
+        (true, Some(e)) => PollVerdict::Failed(e),
+        (true, None) => PollVerdict::Done,
+        (false, _) if now > deadline => PollVerdict::TimedOut(format!(
+            "transfer not finished {timeout_s:.3} s after submission; its destinations may \
+             still be written"
+        )),
+        (false, _) => PollVerdict::Running,
+    }
+}
+
+/// A peer of a two-sided handoff as its messages need it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MessagePeer {
+    /// The peer's global rank.
+    pub global_rank: u32,
+    /// Its rank in the process group.
+    pub dist_rank: u64,
+    /// Its incarnation (what its headers say).
+    pub incarnation: u64,
+}
+
+/// The receives of a destination: one per source rank of its program (`(rank, packed bytes)`
+/// in plan order) that sends bytes, with that rank's peer. A source rank no peer names is a
+/// `Wire` error on `peer_meta`.
+pub fn p2p_receives(
+    sources: &[(u32, u64)],
+    peers: &[MessagePeer],
+) -> DisaggResult<Vec<(MessagePeer, u64)>> {
+    let mut out = Vec::new();
+    for &(rank, nbytes) in sources {
+        let peer = peers.iter().find(|p| p.global_rank == rank).ok_or_else(|| {
+            DisaggError::wire(
+                "peer_meta",
+                format!("the plan reads source rank {rank} but no metadata names it"),
+            )
+        })?;
+        if nbytes > 0 {
+            out.push((*peer, nbytes));
+        }
+    }
+    Ok(out)
+}
+
+/// The sends of source rank `me`: for each destination's program (its source ranks with
+/// their packed bytes), the destination's index and the bytes `me` sends it; destinations
+/// that read nothing from `me` get no message.
+pub fn p2p_sends(me: u32, programs: &[Vec<(u32, u64)>]) -> Vec<(usize, u64)> {
+    programs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, srcs)| srcs.iter().find(|(r, _)| *r == me).map(|&(_, n)| (i, n)))
+        .filter(|&(_, n)| n > 0)
+        .collect()
+}
+
+impl MetaNode for WireValue {
+    fn shape(&self) -> NodeShape {
+        match self {
+            Self::Map(_) => NodeShape::Map,
+            Self::Null => NodeShape::Null,
+            Self::Str(_) | Self::Bytes(_) => NodeShape::Text,
+            _ => NodeShape::Seq,
+        }
+    }
+    fn field(&self, key: &str) -> Option<Self> {
+        match self {
+            Self::Map(entries) => entries.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone()),
+            _ => None,
+        }
+    }
+    fn rank_entry(&self, rank: u32) -> Option<Self> {
+        self.field(&rank.to_string())
+    }
+    fn elements(&self) -> Option<Vec<Self>> {
+        match self {
+            Self::List(items) => Some(items.clone()),
+            _ => None,
+        }
+    }
+    fn type_name(&self) -> String {
+        WireValue::type_name(self).to_owned()
+    }
+}
+
+#[cfg(test)]
+#[path = "backend_peers_tests.rs"]
+mod tests;
