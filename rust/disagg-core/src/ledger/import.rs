@@ -461,6 +461,18 @@ impl ImportLedger {
         }
     }
 
+    /// Whether `rank`'s report of attempt `(request_id, epoch)` would contradict the one it
+    /// made before (checked without recording it: [`report`](Self::report) then fails).
+    pub fn would_conflict(
+        &self,
+        request_id: u64,
+        epoch: u64,
+        rank: u32,
+        outcome: RankOutcome,
+    ) -> bool {
+        self.quorum.would_conflict(request_id, epoch, rank, outcome)
+    }
+
     /// The current attempt epoch of a live request.
     pub fn epoch_of(&self, request_id: u64) -> Option<u64> {
         self.live.get(&request_id).map(|h| h.epoch)
