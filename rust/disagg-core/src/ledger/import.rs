@@ -461,16 +461,10 @@ impl ImportLedger {
         }
     }
 
-    /// Whether `rank`'s report of attempt `(request_id, epoch)` would contradict the one it
-    /// made before (checked without recording it: [`report`](Self::report) then fails).
-    pub fn would_conflict(
-        &self,
-        request_id: u64,
-        epoch: u64,
-        rank: u32,
-        outcome: RankOutcome,
-    ) -> bool {
-        self.quorum.would_conflict(request_id, epoch, rank, outcome)
+    /// The model-parallel ranks' reports of the started attempts (read-only: a report goes
+    /// through [`report`](Self::report)).
+    pub fn quorum(&self) -> &CompletionQuorum {
+        &self.quorum
     }
 
     /// The current attempt epoch of a live request.
