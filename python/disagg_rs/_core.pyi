@@ -1002,6 +1002,41 @@ def import_limits(
 def import_failure(
     request_id: int, reason: str, mismatch: Any = None, rank_error: str | None = None
 ) -> tuple[str, str, bool, str]: ...
+def import_prompt_args(prompt: Sequence[int], integrity: Any = None) -> dict[str, Any]: ...
+def pull_kwargs(
+    kind: str,
+    request_id: int,
+    *,
+    two_sided: bool,
+    token_start: int | None = None,
+    staged: Any = None,
+    global_rank: int | None = None,
+) -> dict[str, Any]: ...
+def import_pulls(
+    action: LedgerAction,
+    ticket: dict[str, Any],
+    *,
+    num_tokens: int,
+    kinds: list[str],
+    two_sided: bool,
+    kv_backend: Any = None,
+) -> list[tuple[str, list[int], list[int], dict[str, Any]]]: ...
+def import_local_outcome(
+    failed_locally: str | None, polled: Sequence[object]
+) -> tuple[str | None, str]: ...
+def fold_import_reports(
+    ledger: ImportLedger,
+    gathered: Sequence[Sequence[tuple[int, int, str, Any, str]]],
+    now: int,
+) -> tuple[list[LedgerAction], list[tuple[int, Any]], list[tuple[int, str]]]: ...
+def refuse_reset_while_pinned(pinned: Sequence[int]) -> None: ...
+def refuse_close_in_flight(
+    imports: Sequence[tuple[int, bool]],
+    quarantined: Sequence[tuple[int, bool]],
+    pushes: Sequence[int],
+    fillers: Sequence[int],
+) -> None: ...
+def gathered_integrity_pieces(gathered: Sequence[Any]) -> list[Any]: ...
 
 # -- transfer backends' host-side rules (disagg_core::backend_rules) ----------------------
 

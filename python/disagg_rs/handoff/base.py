@@ -8,7 +8,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from disagg_rs._core import MAX_TWO_SIDED_REQUEST_ID as _MAX_TWO_SIDED_REQUEST_ID
 from disagg_rs._core import (
@@ -40,6 +40,27 @@ if TYPE_CHECKING:
 logger = logging.getLogger("disagg_rs.handoff")
 
 _SSM_STATE_KINDS = ("conv", "recurrent")
+
+_T = TypeVar("_T")
+
+
+class _NoMetrics:
+    """What the mixin records into while no ``handoff_metrics`` is set: nothing."""
+
+    def posted(self, seconds: float) -> None:
+        del seconds
+
+    def transfer_done(self, moved: int, descriptors: int, seconds: float) -> None:
+        del moved, descriptors, seconds
+
+    def failed(self, reason: str) -> None:
+        del reason
+
+    def queue_depths(self, depths: dict[str, int]) -> None:
+        del depths
+
+
+_NO_METRICS = _NoMetrics()
 
 
 def _of_kind(ranks: Any, kind: str) -> list[Any]:
@@ -281,9 +302,17 @@ class HandoffBase:
             detail,
         )
 
+    @property
+    def _metrics(self) -> Any:
+        """``handoff_metrics``, or a recorder of nothing while it is unset."""
+        return self.handoff_metrics or _NO_METRICS
+
+    def _transfer_backends(self) -> dict[str, Any]:
+        """This engine's transfer backends by state kind (``kv`` first, then the SSM kinds)."""
+        backends = {"kv": self._kv_backend, **self._ssm_backends}
+        return {kind: b for kind, b in backends.items() if b is not None}
+
     def _update_queue_metrics(self) -> None:
-        if self.handoff_metrics is None:
-            return
         depths = {"pushing": len(self._pending_pushes)}
         if self._import_ledger is not None:
             ledger = self._import_ledger
@@ -295,7 +324,7 @@ class HandoffBase:
             )
         if self._pin_ledger is not None:
             depths["pinned"] = self._pin_ledger.num_pinned
-        self.handoff_metrics.queue_depths(depths)
+        self._metrics.queue_depths(depths)
 
     def _record_handoff_completion_notification(self, request_id: int, failed: bool) -> None:
         """Record a shared admission decision (every model-parallel rank records the same)."""
@@ -304,22 +333,26 @@ class HandoffBase:
     def _record_ledger_outcome(self, request_id: int, failed: bool) -> None:
         self._completion_notifications.append((request_id, failed))
 
+    @staticmethod
+    def _required(value: _T | None, missing: str) -> _T:
+        """``value``; ``HandoffStateError`` saying what is ``missing`` when it is None."""
+        if value is None:
+            raise HandoffStateError(missing)
+        return value
+
     def _ledger(self) -> ImportLedger:
-        if self._import_ledger is None:
-            raise HandoffStateError("this engine has no ImportLedger (not a decode engine)")
-        return self._import_ledger
+        missing = "this engine has no ImportLedger (not a decode engine)"
+        return self._required(self._import_ledger, missing)
 
     def _pins(self) -> PinLedger:
-        if self._pin_ledger is None:
-            raise HandoffStateError("this engine has no PinLedger (not a prefill engine)")
-        return self._pin_ledger
+        return self._required(
+            self._pin_ledger, "this engine has no PinLedger (not a prefill engine)"
+        )
 
     @property
     def handoff_static_meta(self) -> dict[str, Any]:
         """Static transfer metadata of every rank of this engine (published once)."""
-        if self._static_meta is None:
-            raise HandoffStateError("setup_kv_transfer has not run")
-        return self._static_meta
+        return self._required(self._static_meta, "setup_kv_transfer has not run")
 
     @property
     def _is_push(self) -> bool:
@@ -353,10 +386,8 @@ class HandoffBase:
         return pieces
 
     @staticmethod
-    def _pending_transfer_handles(pending: PendingKvImport | RankImport) -> list[Any]:
-        """This import's KV and SSM transfer handles."""
-        if isinstance(pending, RankImport):
-            return list(pending.handles)
+    def _pending_transfer_handles(pending: PendingKvImport) -> list[Any]:
+        """A reference-design import's KV and SSM transfer handles."""
         handles = [pending.handle]
         if pending.ssm is not None:
             handles += list(pending.ssm.handles.values())
@@ -370,21 +401,20 @@ class HandoffBase:
         still be active (False); one that ends in a transfer error is terminal. Without
         ``block``: poll once; an error also counts as terminal.
         """
-        done = True
-        for h in handles:
-            if h is None:
-                continue
-            try:
-                if block:
-                    h.wait()
-                elif not h.poll():
-                    done = False
-            except TimeoutError:
-                if block:
-                    done = False
-            except Exception:  # a terminal transfer error: nothing is moving any more
-                continue
-        return done
+        return all([HandoffBase._terminal(h, block) for h in handles if h is not None])
+
+    @staticmethod
+    def _terminal(handle: Any, block: bool) -> bool:
+        """One handle of :meth:`_wait_for_transfer_handles`: waited for, or polled once."""
+        try:
+            if block:
+                handle.wait()
+                return True
+            return bool(handle.poll())
+        except TimeoutError:  # a wait that timed out may still be active; a poll's is over
+            return not block
+        except Exception:  # a terminal transfer error: nothing is moving any more
+            return True
 
     @staticmethod
     def _quiet(handle: Any) -> bool:

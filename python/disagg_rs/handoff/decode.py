@@ -7,22 +7,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
-
-import numpy as np
+from typing import Any
 
 from disagg_rs._core import (
-    CompletionQuorum,
     ImportLedger,
     LedgerAction,
     check_handoff_ticket,
+    fold_import_reports,
     import_failure,
     import_limits,
+    import_local_outcome,
+    import_prompt_args,
+    import_pulls,
+    pull_kwargs,
+    refuse_reset_while_pinned,
 )
 from disagg_rs.exceptions import (
     DisaggError,
     IntegrityError,
-    ResetRefusedError,
     TransferError,
     TransferTimeout,
 )
@@ -33,7 +35,6 @@ from disagg_rs.handoff.base import (
     RankImport,
     _DecodeRequest,
     _of_kind,
-    _tag,
     logger,
 )
 from disagg_rs.integrity import (
@@ -41,8 +42,6 @@ from disagg_rs.integrity import (
     IntegrityTable,
 )
 from disagg_rs.pending_handoff_imports import DeferredKvHandoff, PendingKvImport, PendingSSMImport
-
-_HandleState = Literal["running", "done", "timeout", "error"]
 
 
 class DecodeHandoff(HandoffBase):
@@ -90,18 +89,13 @@ class DecodeHandoff(HandoffBase):
         check_handoff_ticket(
             kv_meta,
             request_id=request_id,
-            sources=(["kv"] if self._kv_backend is not None else []) + list(self._ssm_backends),
+            sources=list(self._transfer_backends()),
             has_ssm=has_ssm,
             integrity=self.verify_integrity,
         )
-        if self._is_push:
-            _tag(request_id, "kv")  # refuses an id whose tags would alias another request's
-        integrity = None
-        if self.verify_integrity:
-            wire = kv_meta["integrity"]
-            chunk = IntegrityTable.wire_chunk_tokens(wire)
-            chunks = -(-len(prompt) // chunk) if chunk else 1
-            integrity = IntegrityTable.from_wire(wire, self._integrity_shapes(chunks))
+        # A two-sided transport refuses an id whose tags would alias another request's.
+        pull_kwargs("kv", request_id, two_sided=self._is_push)
+        integrity = self._ticket_integrity(kv_meta, len(prompt)) if self.verify_integrity else None
         now = self.handoff_now_ns
         # The prefill frees the source blocks when its lease ends: the import's deadline is at
         # most a share of the ticket's lease_ns by this clock, the rest absorbs the transit.
@@ -111,17 +105,11 @@ class DecodeHandoff(HandoffBase):
         lease_end, now_wall = ImportLedger.source_lease(
             request_id, kv_meta.get("lease_until_wall_ns"), self.handoff_wall_now_ns
         )
-        # A verifying decode reuses its prefix cache in whole digest chunks only (their
-        # entries are then skipped); a table without chunks allows no reuse at all.
-        prompt_args: dict[str, Any] = {"prompt_tokens": np.asarray(prompt, dtype=np.int64)}
-        if integrity is not None:
-            if integrity.chunk_tokens is None:
-                prompt_args = {"num_prompt_tokens": len(prompt), "prompt_hashes": []}
-            else:
-                prompt_args["reuse_align_tokens"] = integrity.chunk_tokens
         actions = ledger.submit(
             request_id,
-            **prompt_args,
+            # A verifying decode reuses its prefix cache in whole digest chunks only (their
+            # entries are then skipped); a table without chunks allows no reuse at all.
+            **import_prompt_args(prompt, integrity),
             src_block_ids=list(src_block_ids),
             src_block_size_tokens=int(
                 kv_meta.get("src_block_size_tokens", engine.block_size_tokens)
@@ -136,13 +124,9 @@ class DecodeHandoff(HandoffBase):
         )
         # Validated by the ledger: now the engine learns of it (ledger and engine agree).
         engine.expect_import(request_id, prompt, resume, max_new)
-        future: asyncio.Future[Any] | None = None
-        try:
-            loop: asyncio.AbstractEventLoop | None = engine.event_loop
-        except AttributeError:  # the protocol's way of saying "this engine has no loop"
-            loop = None
-        if loop is not None:
-            future = loop.create_future()
+        # An engine without an event loop raises AttributeError for it (the protocol's way).
+        loop: asyncio.AbstractEventLoop | None = getattr(engine, "event_loop", None)
+        future = None if loop is None else loop.create_future()
         self._decode_requests[request_id] = _DecodeRequest(
             list(prompt), resume, max_new, dict(kv_meta), future, integrity
         )
@@ -150,6 +134,13 @@ class DecodeHandoff(HandoffBase):
         self._apply_import_actions(actions)
         self.handoff_stats["imports_deferred"] = ledger.counters()["deferred"]
         return future
+
+    def _ticket_integrity(self, kv_meta: dict[str, Any], num_tokens: int) -> IntegrityTable:
+        """The prefill's digest a ticket carries, checked against this model's tables."""
+        wire = kv_meta["integrity"]
+        chunk = IntegrityTable.wire_chunk_tokens(wire)
+        chunks = -(-num_tokens // chunk) if chunk else 1
+        return IntegrityTable.from_wire(wire, self._integrity_shapes(chunks))
 
     def drain_posted_receives(self) -> list[tuple[int, dict[str, Any] | None]]:
         """Two-sided transports: ``(request_id, destination)`` of every import whose
@@ -171,18 +162,18 @@ class DecodeHandoff(HandoffBase):
 
     def _apply_import_actions(self, actions: Sequence[LedgerAction]) -> None:
         for a in actions:
-            kind = a.kind
-            if kind == "start":
-                self._start_import(a)
-            elif kind == "admit":
-                self._finalize_kv_handoff_import(a)
-            elif kind == "complete":
-                self._complete_handoff_request_without_forward(a.request_id)
-            elif kind == "fail":
-                self._fail_import(a)
-            elif kind == "release":
-                self._quarantined.pop((a.request_id, a.epoch), None)
-                self._event(("quarantine_drained", a.request_id, str(a.reason)))
+            match a.kind:
+                case "start":
+                    self._start_import(a)
+                case "admit":
+                    self._finalize_kv_handoff_import(a)
+                case "complete":
+                    self._complete_handoff_request_without_forward(a.request_id)
+                case "fail":
+                    self._fail_import(a)
+                case "release":
+                    self._quarantined.pop((a.request_id, a.epoch), None)
+                    self._event(("quarantine_drained", a.request_id, str(a.reason)))
 
     def _try_start_kv_handoff_import(self, handoff: DeferredKvHandoff | None) -> bool:
         """Reserve cache state and start one import, or return False without mutation.
@@ -233,7 +224,6 @@ class DecodeHandoff(HandoffBase):
         num_tokens = len(req.prompt)
         token_start = int(action.token_start)
         src_bs = int(ticket.get("src_block_size_tokens", self._host().block_size_tokens))
-        src_ids = list(action.src_block_ids)
         pending.destination = {
             "dst_block_ids": list(action.dst_block_ids),
             # Every block of the prompt in token order, prefix-cached ones included.
@@ -243,67 +233,46 @@ class DecodeHandoff(HandoffBase):
             "token_start": token_start,
             "src_block_size_tokens": src_bs,
         }
+        backends = self._transfer_backends()
         posted_at = time.perf_counter_ns()
         try:
-            if self._kv_backend is not None and num_tokens > token_start:
-                handle = self._kv_backend.begin_pull_blocks(
-                    _of_kind(prefill_ranks, "kv"),
-                    src_ids,
-                    list(action.dst_block_ids),
-                    num_tokens=num_tokens - token_start,
-                    **self._pull_kwargs(action.request_id, "kv", ticket),
+            # What moves (KV past the cached prefix, each SSM kind into the slot) and how
+            # (tag, staged copy), in Rust.
+            pulls = import_pulls(
+                action,
+                ticket,
+                num_tokens=num_tokens,
+                kinds=list(backends),
+                two_sided=self._is_push,
+                kv_backend=self._kv_backend,
+            )
+            for kind, src, dst, kwargs in pulls:
+                handle = backends[kind].begin_pull_blocks(
+                    _of_kind(prefill_ranks, kind), src, dst, **kwargs
                 )
                 pending.handles.append(handle)
-            if action.ssm_slot is not None:
-                self._start_ssm_handoff_import(action.request_id, ticket, pending)
         except Exception as e:  # transfer start threw: local failure, quiet if nothing posted
             pending.failed_locally = f"{type(e).__name__}: {e}"
             logger.warning("request %d: transfer start failed: %s", action.request_id, e)
         pending.posted_ns = time.perf_counter_ns()
         self.handoff_stats["post_ns"] += pending.posted_ns - posted_at
-        if self.handoff_metrics is not None:
-            self.handoff_metrics.posted((pending.posted_ns - posted_at) / 1e9)
+        self._metrics.posted((pending.posted_ns - posted_at) / 1e9)
         self.handoff_stats["imports_started"] += 1
         self.handoff_request_stats[action.request_id] = {"token_start": token_start, "bytes": 0}
         self._event(("importing", action.request_id, f"token_start={token_start}"))
 
     def _start_ssm_handoff_import(
-        self, request_id: int, ssm_meta: dict[str, Any], pending: Any
+        self, request_id: int, ssm_meta: dict[str, Any], pending: PendingSSMImport
     ) -> None:
-        """Post transfers into the slot already reserved for one handoff."""
-        if isinstance(pending, PendingSSMImport):
-            pending.handles = {
-                kind: self._ssm_transfer_agents[kind].begin_pull_blocks(
-                    ssm_meta[kind], [], [pending.live_slot]
-                )
-                for kind in _SSM_STATE_KINDS
-            }
-            return
-        dst_slot = pending.destination["dst_ssm_slot"]
-        src_slot = int(ssm_meta["src_ssm_slot"])
-        for kind, backend in self._ssm_backends.items():
-            pending.handles.append(
-                backend.begin_pull_blocks(
-                    _of_kind(ssm_meta["prefill_meta"]["ranks"], kind),
-                    [src_slot],
-                    [dst_slot],
-                    **self._pull_kwargs(request_id, kind, {}),
-                )
+        """Post transfers into the slot already reserved for one handoff (a reference-design
+        engine; a ledger-driven one posts them with the import's KV in ``_start_import``)."""
+        del request_id
+        pending.handles = {
+            kind: self._ssm_transfer_agents[kind].begin_pull_blocks(
+                ssm_meta[kind], [], [pending.live_slot]
             )
-
-    def _pull_kwargs(self, request_id: int, kind: str, ticket: dict[str, Any]) -> dict[str, Any]:
-        """Backend-specific arguments of a pull: the tag of a two-sided receive, or the
-        staging tickets of a one-sided staged read."""
-        if self._is_push:
-            return {"tag": _tag(request_id, kind)}
-        staged = ticket.get("staged") or {}
-        pending = self._pending_imports.get(request_id)
-        if kind != "kv" or pending is None or pending.destination.get("token_start", 0) != 0:
-            # The packed layout covers the whole prompt: a prefix-trimmed pull reads directly.
-            return {}
-        me = self._kv_backend.layout.global_rank if self._kv_backend is not None else None
-        mine = staged.get(me) or staged.get(str(me))
-        return {"staged": mine} if mine else {}
+            for kind in _SSM_STATE_KINDS
+        }
 
     @staticmethod
     def _local_outcome(pending: RankImport) -> str | None:
@@ -316,26 +285,20 @@ class DecodeHandoff(HandoffBase):
         return DecodeHandoff._local_outcome_detail(pending)[0]
 
     @staticmethod
-    def _handle_state(handle: Any) -> tuple[_HandleState, str]:
-        """One poll of a transfer handle: ``running``, ``done``, ``timeout`` or ``error``, and
-        the error's text."""
+    def _poll(handle: Any) -> bool | TransferError | TransferTimeout:
+        """One poll of a transfer handle: whether it is done, or the transfer error it raised
+        (``TransferTimeout``: it timed out and may still write; ``TransferError``: it failed)."""
         try:
-            return ("done" if handle.poll() else "running"), ""
-        except TransferTimeout as e:
-            return "timeout", f"{type(e).__name__}: {e}"
-        except TransferError as e:
-            return "error", f"{type(e).__name__}: {e}"
+            return bool(handle.poll())
+        except (TransferTimeout, TransferError) as e:
+            return e
 
     @staticmethod
     def _local_outcome_detail(pending: RankImport) -> tuple[str | None, str]:
         """``_local_outcome`` and, for a failure, the first error this rank saw (the outcome
-        is folded by :meth:`disagg_rs.CompletionQuorum.local_outcome`)."""
-        polled = [DecodeHandoff._handle_state(h) for h in pending.handles]
-        outcome = CompletionQuorum.local_outcome(
-            pending.failed_locally is not None, [state for state, _ in polled]
-        )
-        errors = [pending.failed_locally or "", *(text for _, text in polled)]
-        return outcome, max(errors, key=bool)  # the first non-empty one (max keeps the first)
+        is folded in Rust, as :meth:`disagg_rs.CompletionQuorum.local_outcome` folds it)."""
+        polled = [DecodeHandoff._poll(h) for h in pending.handles]
+        return import_local_outcome(pending.failed_locally, polled)
 
     def _report_completed_kv_imports(self) -> None:
         """Report locally terminal imports: a ledger-driven engine shares each rank's outcome
@@ -344,46 +307,43 @@ class DecodeHandoff(HandoffBase):
         self._path.report_completed()
 
     def _report_ledger_imports(self) -> None:
-        engine = self._host()
         if not self._pending_imports and not self._quarantined:
             # Mirrored on every rank (same ledger actions), so all ranks skip the collective.
             return
-        local = []
-        for pending in self._pending_imports.values():
-            if pending.reported:
-                continue
-            outcome, detail = self._local_outcome_detail(pending)
-            if outcome is None:
-                continue
-            pending.reported = True
-            mismatch = None
-            if outcome == "ok":
-                self._record_transfer_done(pending)
-                # Every local transfer finished: the state is final, check it before the
-                # quorum can make the request admittable. A mismatch is this rank's error.
-                try:
-                    mismatch = self._verify_import_integrity(pending)
-                except DisaggError as e:  # this rank cannot check: its import fails
-                    logger.warning("request %d: integrity check raised: %s", pending.request_id, e)
-                    outcome = "error"
-                if mismatch is not None:
-                    outcome = "error"
-            local.append((pending.request_id, pending.epoch, outcome, mismatch, detail))
-        ledger = self._ledger()
-        for rank, rank_reports in enumerate(engine.handoff_all_gather(local)):
-            for rid, epoch, outcome, mismatch, detail in rank_reports:
-                if mismatch is not None and rid in self._pending_imports:
-                    # Every rank records the same first mismatch (same gathered order).
-                    self._integrity_failures.setdefault(rid, mismatch)
-                if outcome != "ok" and detail and rid in self._pending_imports:
-                    self._rank_errors.setdefault(rid, f"model-parallel rank {rank}: {detail}")
-                self._apply_import_actions(
-                    ledger.report(rid, epoch, rank, outcome, self.handoff_now_ns)
-                )
+        unreported = [p for p in self._pending_imports.values() if not p.reported]
+        polled = [(p, *self._local_outcome_detail(p)) for p in unreported]
+        local = [self._local_report(p, o, d) for p, o, d in polled if o is not None]
+        # Every rank's reports, in rank order, folded into the ledger (same on every rank):
+        # each failing import keeps the first mismatch and the first rank error reported.
+        gathered = self._host().handoff_all_gather(local)
+        actions, mismatches, rank_errors = fold_import_reports(
+            self._ledger(), gathered, self.handoff_now_ns
+        )
+        self._integrity_failures.update(mismatches)
+        self._rank_errors.update(rank_errors)
+        self._apply_import_actions(actions)
         # Quarantined destinations settle once every local handle is quiet again.
-        for key, pending in list(self._quarantined.items()):
-            if all(self._quiet(h) for h in pending.handles):
-                self._apply_import_actions(ledger.settle(*key))
+        quiet = [key for key, p in self._quarantined.items() if all(map(self._quiet, p.handles))]
+        for key in quiet:
+            self._apply_import_actions(self._ledger().settle(*key))
+
+    def _local_report(
+        self, pending: RankImport, outcome: str, detail: str
+    ) -> tuple[int, int, str, IntegrityMismatch | None, str]:
+        """This rank's report of an import whose transfers ended: ``(request_id, epoch,
+        outcome, mismatch, first_error)``. Once every local transfer finished the state is
+        final: it is checked before the quorum can make the request admittable (a mismatch
+        makes the report an error; a check that cannot run is this rank's error)."""
+        pending.reported = True
+        mismatch = None
+        if outcome == "ok":
+            self._record_transfer_done(pending)
+            try:
+                mismatch = self._verify_import_integrity(pending)
+            except DisaggError as e:  # this rank cannot check: its import fails
+                logger.warning("request %d: integrity check raised: %s", pending.request_id, e)
+                outcome = "error"
+        return pending.request_id, pending.epoch, outcome, mismatch, detail
 
     def _record_transfer_done(self, pending: RankImport) -> None:
         """Statistics and metrics of one import whose transfers completed on this rank."""
@@ -394,8 +354,7 @@ class DecodeHandoff(HandoffBase):
         self.handoff_stats["descriptors"] += descriptors
         self.handoff_stats["transfer_ns"] += elapsed
         self.handoff_request_stats.setdefault(pending.request_id, {})["bytes"] = moved
-        if self.handoff_metrics is not None:
-            self.handoff_metrics.transfer_done(moved, descriptors, elapsed / 1e9)
+        self._metrics.transfer_done(moved, descriptors, elapsed / 1e9)
 
     def _verify_import_integrity(self, pending: RankImport) -> IntegrityMismatch | None:
         """Check the state this rank holds for a finished import against the ticket's digest
@@ -426,11 +385,17 @@ class DecodeHandoff(HandoffBase):
         now = self.handoff_now_ns
         for key in ledger.quarantine_due(now):
             handles = getattr(self._quarantined.get(key), "handles", [])
-            cancels = [getattr(h, "cancel", None) for h in handles]
-            stuck = [self._quiet(h) for h, c in zip(handles, cancels, strict=True) if c is None]
-            for cancel in filter(None, cancels):
-                cancel()
-            ledger.hold_quarantine(*key, not all(stuck), now)
+            running = [self._cancel_or_poll(h) for h in handles]
+            ledger.hold_quarantine(*key, any(running), now)
+
+    def _cancel_or_poll(self, handle: Any) -> bool:
+        """Cancel a transfer through its transport, or, one that cannot be cancelled, poll it:
+        whether it is still running (then it may still write)."""
+        cancel = getattr(handle, "cancel", None)
+        if cancel is None:
+            return not self._quiet(handle)
+        cancel()
+        return False
 
     def _poll_pending_kv_imports(self) -> int:
         """Progress imports without mutating the active decode batch: start queued handoffs
@@ -519,8 +484,7 @@ class DecodeHandoff(HandoffBase):
         )
         self.handoff_stats["imports_failed"] += 1
         self.handoff_stats["integrity_failures"] += integrity
-        if self.handoff_metrics is not None:
-            self.handoff_metrics.failed(reason)
+        self._metrics.failed(reason)
         self._record_handoff_completion_notification(rid, True)
         self._new_failure_reasons[rid] = f"{reason}{detail}"
         self.handoff_events.append(
@@ -556,22 +520,13 @@ class DecodeHandoff(HandoffBase):
         self._path.reset_imports()
 
     def _reset_ledger_imports(self) -> None:
-        if self._pin_ledger is not None and self._pin_ledger.num_pinned:
-            raise ResetRefusedError(
-                f"cannot reset while KV handoff blocks remain pinned for requests "
-                f"{self._pin_ledger.pinned_request_ids()}: a decode may still be reading them; "
-                "wait for RELEASE_KV or lease expiry",
-                "request_id",
-            )
+        # A decode may still be reading pinned blocks (until RELEASE_KV or lease expiry).
+        refuse_reset_while_pinned(list(self._pinned_handoff_blocks))
         if self._import_ledger is not None:
-            deferred = set(self._import_ledger.deferred_ids())
-            cancelled = [
-                self._decode_requests[rid].future
-                for rid in deferred
-                if rid in self._decode_requests
-            ]
+            queued = map(self._decode_requests.get, self._import_ledger.deferred_ids())
+            futures = [r.future for r in queued if r is not None]
             actions = self._import_ledger.reset(self.handoff_now_ns)
-            for future in cancelled:
-                if future is not None and not future.done():
-                    future.cancel()
+            # Queued imports are cancelled; the reset fails the others.
+            for future in filter(None, futures):
+                future.cancel()
             self._apply_import_actions(actions)

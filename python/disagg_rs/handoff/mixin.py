@@ -39,11 +39,9 @@ from disagg_rs._core import (
     ImportLedger,
     PinLedger,
     check_reference,
+    refuse_close_in_flight,
 )
-from disagg_rs.exceptions import (
-    DisaggError,
-    ResetRefusedError,
-)
+from disagg_rs.exceptions import DisaggError
 from disagg_rs.handoff.base import (
     _KV_AXES,
     HandoffBase,
@@ -276,10 +274,8 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
                         ssm_state_kind=kind,
                         **common,
                     )
-        local = {
-            "kv": self._kv_backend.export_meta() if self._kv_backend is not None else None,
-            **{k: b.export_meta() for k, b in self._ssm_backends.items()},
-        }
+        # Every rank states each kind; "kv" is None on a rank without a KV cache.
+        local = {"kv": None, **{k: b.export_meta() for k, b in self._transfer_backends().items()}}
         ranks = engine.handoff_all_gather(local)
         self._static_meta = {
             "backend": backend,
@@ -385,7 +381,7 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         """Block until every transfer of a started import is terminal (each within its own
         deadline); returns whether all are (True also when none is pending)."""
         pending = self._pending_imports.get(request_id)
-        handles = [] if pending is None else self._pending_transfer_handles(pending)
+        handles = [] if pending is None else pending.handles
         return self._wait_for_transfer_handles(*handles)
 
     @staticmethod
@@ -431,27 +427,13 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         touch the registered memory: deregistering under a live transfer would let it write
         freed memory or fail in the transport instead of in the ledger.
         """
-        live = sorted(
-            rid
-            for rid, p in self._pending_imports.items()
-            if not all(self._quiet(h) for h in p.handles)
+        refuse_close_in_flight(
+            [(rid, all(map(self._quiet, p.handles))) for rid, p in self._pending_imports.items()],
+            [(rid, all(map(self._quiet, p.handles))) for (rid, _), p in self._quarantined.items()],
+            list(self._pending_pushes),
+            [rid for rid, _ in self._filler_pushes],
         )
-        live += sorted(
-            rid
-            for (rid, _), p in self._quarantined.items()
-            if p.handles and not all(self._quiet(h) for h in p.handles)
-        )
-        live += sorted(self._pending_pushes)
-        live += sorted(rid for rid, _ in self._filler_pushes)
-        if live:
-            raise ResetRefusedError(
-                f"close_kv_transfer: transfers of requests {live} are still in flight; "
-                "close after they settle",
-                "request_id",
-            )
-        for b in self._ssm_backends.values():
-            b.close()
-        if self._kv_backend is not None:
-            self._kv_backend.close()
+        for backend in filter(None, [*self._ssm_backends.values(), self._kv_backend]):
+            backend.close()
         self._ssm_backends = {}
         self._kv_backend = None

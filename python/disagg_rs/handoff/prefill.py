@@ -10,12 +10,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from disagg_rs._core import (
+    LedgerAction,
     PinLedger,
+    gathered_integrity_pieces,
 )
-from disagg_rs.exceptions import (
-    DisaggError,
-    HandoffStateError,
-)
+from disagg_rs.exceptions import DisaggError
 from disagg_rs.handoff.base import (
     HandoffBase,
     _of_kind,
@@ -122,21 +121,27 @@ class PrefillHandoff(HandoffBase):
         requests_and_state: Iterable[tuple[Any, ...]],
         decode_tokens_by_request: Mapping[int, list[int]],
     ) -> dict[int, _PreparedHandoffMetadata]:
-        out = {}
-        for request, blocks, *rest in requests_and_state:
-            rid = int(request.request_id)
-            slot = rest[0] if rest else None
-            out[rid] = _PreparedHandoffMetadata(
-                local_blocks=list(blocks),
-                local_ssm_slot=slot,
-                kv_meta={
-                    "src_block_ids": list(blocks),
-                    "src_block_size_tokens": self._host().block_size_tokens,
-                },
-                ssm_meta=None if slot is None else {"src_slot": slot},
-                resume_tokens=list(decode_tokens_by_request.get(rid, [])),
-            )
-        return out
+        tokens = decode_tokens_by_request
+        return {int(e[0].request_id): self._prepared_of(tokens, *e) for e in requests_and_state}
+
+    def _prepared_of(
+        self,
+        decode_tokens_by_request: Mapping[int, list[int]],
+        request: Any,
+        blocks: list[int],
+        slot: int | None = None,
+    ) -> _PreparedHandoffMetadata:
+        """One entry of :meth:`_prepare_ledger_handoff_metadata`."""
+        return _PreparedHandoffMetadata(
+            local_blocks=list(blocks),
+            local_ssm_slot=slot,
+            kv_meta={
+                "src_block_ids": list(blocks),
+                "src_block_size_tokens": self._host().block_size_tokens,
+            },
+            ssm_meta=None if slot is None else {"src_slot": slot},
+            resume_tokens=list(decode_tokens_by_request.get(int(request.request_id), [])),
+        )
 
     def _capture_handoff_meta(
         self,
@@ -166,14 +171,11 @@ class PrefillHandoff(HandoffBase):
     ) -> dict[str, Any]:
         engine = self._host()
         rid = int(request.request_id)
-        blocks = list(prepared.local_blocks if prepared else request.block_ids)
-        slot = prepared.local_ssm_slot if prepared else request.ssm_slot
+        prepared = prepared or self._prepared_of({}, request, request.block_ids, request.ssm_slot)
+        blocks, slot = list(prepared.local_blocks), prepared.local_ssm_slot
         # Digest before pinning (collective): a digest that raises leaves nothing pinned.
-        integrity = (
-            self._integrity_table_of(blocks, len(request.prompt), slot)
-            if self.verify_integrity
-            else None
-        )
+        n = len(request.prompt)
+        integrity = self._integrity_table_of(blocks, n, slot) if self.verify_integrity else None
         now = self.handoff_now_ns
         epoch = self._pins().pin(
             rid, blocks, slot, lease_until=now + self.handoff_lease_ns, now=now
@@ -189,15 +191,15 @@ class PrefillHandoff(HandoffBase):
             pin_epoch=epoch,
             lease_ns=self.handoff_lease_ns,
             lease_until_wall_ns=None if wall is None else wall + self.handoff_lease_ns,
-            integrity=None if integrity is None else integrity.to_wire(),
+            integrity=integrity,
             staged=self._stage_for_decode(rid, blocks, len(request.prompt), decode_metas),
         )
 
     def _integrity_table_of(
         self, block_ids: list[int], num_tokens: int, ssm_slot: int | None
-    ) -> IntegrityTable:
+    ) -> dict[str, Any]:
         """The full digest of one prefilled request, assembled over the model-parallel ranks
-        (collective: each rank contributes the cells it holds)."""
+        (collective: each rank contributes the cells it holds), in wire form."""
         engine = self._host()
         started = time.perf_counter_ns()
         chunk = chunk_tokens_for(num_tokens)
@@ -206,15 +208,12 @@ class PrefillHandoff(HandoffBase):
             local = self._local_integrity_pieces(block_ids, num_tokens, ssm_slot, chunk)
         except DisaggError as e:  # gathered, so every rank raises instead of one hanging
             local = f"{type(e).__name__}: {e}"
-        gathered = engine.handoff_all_gather(local)
-        errors = [g for g in gathered if isinstance(g, str)]
-        if errors:
-            raise HandoffStateError(f"integrity digest failed on a rank: {errors[0]}", "integrity")
-        pieces = [p for rank in gathered for p in rank]
+        # Every rank's pieces; a rank's failure raises on every rank alike (HandoffStateError).
+        pieces = gathered_integrity_pieces(engine.handoff_all_gather(local))
         table = IntegrityTable.merge(self._integrity_shapes(-(-num_tokens // chunk)), pieces)
         table.chunk_tokens = chunk
         self.handoff_stats["integrity_ns"] += time.perf_counter_ns() - started
-        return table
+        return table.to_wire()
 
     def _stage_for_decode(
         self,
@@ -235,19 +234,18 @@ class PrefillHandoff(HandoffBase):
         if not decode_metas or stage is None or getattr(backend, "mode", "direct") == "direct":
             return {}
         own = _of_kind(self.handoff_static_meta["ranks"], "kv")
-        local: dict[int, dict[str, Any]] = {}
-        for dm in decode_metas:
-            kv = dm.get("kv")
-            if kv is None:
-                continue
-            t = stage(kv, blocks, src_metas=own, num_tokens=num_tokens)
-            if t.get("staged"):
-                local[int(kv["layout"]["global_rank"])] = t
+        kvs = _of_kind(decode_metas, "kv")
+        tickets = [stage(kv, blocks, src_metas=own, num_tokens=num_tokens) for kv in kvs]
+        local = {
+            int(kv["layout"]["global_rank"]): t
+            for kv, t in zip(kvs, tickets, strict=True)
+            if t.get("staged")
+        }
         self._staged_by_request[request_id] = list(local.values())
         merged: dict[int, list[dict[str, Any]]] = {}
-        for per_rank in engine.handoff_all_gather(local):
-            for dst, t in per_rank.items():
-                merged.setdefault(int(dst), []).append(t)
+        gathered = engine.handoff_all_gather(local)
+        for dst, t in itertools.chain.from_iterable(per_rank.items() for per_rank in gathered):
+            merged.setdefault(int(dst), []).append(t)
         return merged
 
     def _release_staged(self, request_id: int) -> None:
@@ -268,6 +266,10 @@ class PrefillHandoff(HandoffBase):
             self._event(("release_deferred", request_id, "push in flight"))
         actions = self._pins().release(request_id)
         self._release_staged(request_id)
+        self._released(actions)
+
+    def _released(self, actions: Sequence[LedgerAction]) -> None:
+        """Record the pin ledger's releases."""
         for a in actions:
             self._event(("released", a.request_id, str(a.reason)))
 
@@ -398,6 +400,5 @@ class PrefillHandoff(HandoffBase):
                 continue
             del self._pending_pushes[rid]
             ended += 1
-            for a in self._pins().push_settled(rid, epoch):
-                self._event(("released", a.request_id, str(a.reason)))
+            self._released(self._pins().push_settled(rid, epoch))
         return ended

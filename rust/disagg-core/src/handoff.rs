@@ -1,11 +1,17 @@
-//! Decisions of the handoff mixin's decode side that need no ledger: the limits a request's
-//! sampling parameters set on an import, and how a failed import is reported.
+//! Decisions of the handoff mixin around its ledgers: the limits a request's sampling
+//! parameters set on an import, how a prompt may reuse the decode's prefix cache, the
+//! arguments of a pull, this rank's outcome of an import from its transfer handles, the
+//! model-parallel ranks' gathered reports folded into the import ledger, how a failed import
+//! is reported, and what refuses a reset or a close.
 //!
-//! Pure functions of plain values: the engine reads its request and its records, and carries
-//! the answer out (the ledger decides the import's lifecycle itself).
+//! Pure functions of plain values (and the ledger): the engine polls its transfer handles and
+//! reads its records, and carries the answer out.
+
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{DisaggError, DisaggResult};
 use crate::ledger::admission::resume_finishes;
+use crate::ledger::{HandleState, ImportLedger, LedgerAction, RankOutcome};
 
 /// A request's sampling parameters, as given: the reference design's `SamplingParams` (or any
 /// object with its attributes), or a bare number of tokens to generate (then only
@@ -99,10 +105,453 @@ pub fn import_failure(
     }
 }
 
+/// How an import's prompt may reuse blocks the decode already caches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptReuse {
+    /// Any cached prefix (the ledger hashes the prompt).
+    Any,
+    /// Only whole chunks of this many tokens: a verifying decode skips the digest entries of
+    /// the reused chunks, so reuse must end on a chunk boundary.
+    Chunks(u32),
+    /// None at all: a verifying decode whose digest has no chunks checks the whole prompt.
+    Nothing,
+}
+
+/// How a decode that does (`verifying`) or does not check the digest may reuse its prefix
+/// cache for a prompt whose digest is chunked by `chunk_tokens` (`None`: one chunk).
+pub fn prompt_reuse(verifying: bool, chunk_tokens: Option<u32>) -> PromptReuse {
+    match (verifying, chunk_tokens) {
+        (false, _) => PromptReuse::Any,
+        (true, Some(c)) => PromptReuse::Chunks(c),
+        (true, None) => PromptReuse::Nothing,
+    }
+}
+
+/// What a pull of one state kind passes its transport besides the blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PullArgs {
+    /// A two-sided receive: the message tag of the request's state kind.
+    Tagged,
+    /// A one-sided read of the packed copy the prefill staged for this rank.
+    Staged,
+    /// A direct one-sided read.
+    Direct,
+}
+
+/// The arguments of a pull of state `kind`: tagged on a two-sided transport; else staged when
+/// the prefill packed a copy for this rank (`has_staged`) and the pull reads the whole prompt
+/// (`token_start` is 0: the packed layout covers it all, a prefix-trimmed pull reads directly);
+/// only KV is staged.
+pub fn pull_args(
+    two_sided: bool,
+    kind: &str,
+    token_start: Option<u32>,
+    has_staged: bool,
+) -> PullArgs {
+    if two_sided {
+        PullArgs::Tagged
+    } else if kind == "kv" && token_start == Some(0) && has_staged {
+        PullArgs::Staged
+    } else {
+        PullArgs::Direct
+    }
+}
+
+/// One transfer a started import posts: state `kind` from the source's ids to this rank's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImportPull {
+    /// `kv`, `conv` or `recurrent`.
+    pub kind: String,
+    /// Source blocks (KV) or the source's SSM slot.
+    pub src: Vec<u32>,
+    /// Destination blocks (KV) or this rank's SSM slot.
+    pub dst: Vec<u32>,
+    /// KV: the prompt tokens moved (from `token_start` on); `None` for SSM state.
+    pub num_tokens: Option<u32>,
+}
+
+/// The transfers of a started import on a rank that moves state `kinds` (`kv` and/or SSM
+/// kinds, in posting order): KV when the prompt's `num_tokens` extend past the `token_start`
+/// the decode's prefix cache already holds, each SSM kind when the import reserved a slot
+/// (`ssm`: the source's slot and this rank's).
+pub fn import_pulls(
+    kinds: &[String],
+    num_tokens: u32,
+    token_start: u32,
+    src_block_ids: &[u32],
+    dst_block_ids: &[u32],
+    ssm: Option<(u32, u32)>,
+) -> Vec<ImportPull> {
+    let pull = |kind: &String| match (kind.as_str(), ssm) {
+        ("kv", _) if num_tokens > token_start => Some(ImportPull {
+            kind: kind.clone(),
+            src: src_block_ids.to_vec(),
+            dst: dst_block_ids.to_vec(),
+            num_tokens: Some(num_tokens - token_start),
+        }),
+        ("kv", _) | (_, None) => None,
+        (_, Some((src, dst))) => Some(ImportPull {
+            kind: kind.clone(),
+            src: vec![src],
+            dst: vec![dst],
+            num_tokens: None,
+        }),
+    };
+    kinds.iter().filter_map(pull).collect()
+}
+
+/// This rank's terminal outcome of one import from one poll of each of its transfer handles
+/// (its state and the error it raised, empty when none) and `failed_locally` (the error of a
+/// start that threw), as [`RankOutcome::fold_local`] decides it (`None` while one runs), with
+/// the first error seen: the start's, else the first handle's.
+pub fn local_outcome(
+    failed_locally: Option<&str>,
+    polled: &[(HandleState, String)],
+) -> (Option<RankOutcome>, String) {
+    let states: Vec<HandleState> = polled.iter().map(|(s, _)| *s).collect();
+    let outcome = RankOutcome::fold_local(failed_locally.is_some(), &states);
+    let first = std::iter::once(failed_locally.unwrap_or_default())
+        .chain(polled.iter().map(|(_, e)| e.as_str()))
+        .find(|e| !e.is_empty())
+        .unwrap_or_default();
+    (outcome, first.to_string())
+}
+
+/// One rank's terminal report of an import attempt, as every model-parallel rank gathers it.
+/// `mismatch` is the digest check's finding (any value the caller keeps for the failure):
+/// a rank whose written state fails the check reports an error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankReport<M> {
+    /// The request.
+    pub request_id: u64,
+    /// Its attempt.
+    pub epoch: u64,
+    /// What the rank's transfers ended in.
+    pub outcome: RankOutcome,
+    /// The first cell whose digest did not match, when the rank's state failed the check.
+    pub mismatch: Option<M>,
+    /// The first transport error the rank saw (empty when none).
+    pub detail: String,
+}
+
+/// The gathered reports folded into the import ledger: its actions, in report order, and
+/// for each request that fails, what its failure is reported with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FoldedReports<M> {
+    /// The ledger's actions.
+    pub actions: Vec<LedgerAction>,
+    /// Per started request: the first digest mismatch a rank reported.
+    pub mismatches: Vec<(u64, M)>,
+    /// Per started request: the first transport error a rank reported, naming the rank.
+    pub rank_errors: Vec<(u64, String)>,
+}
+
+/// Feed every model-parallel rank's reports (`gathered[rank]`, in rank order) into `ledger`
+/// at `now`, all or nothing: a rank outside the ledger's world or a rank contradicting a
+/// report it made before is an error and changes nothing. A request's first mismatch and
+/// first rank error are kept while its import is started (importing or ready); the failure
+/// they cause is among the actions.
+pub fn fold_reports<M>(
+    ledger: &mut ImportLedger,
+    gathered: Vec<Vec<RankReport<M>>>,
+    now: u64,
+) -> DisaggResult<FoldedReports<M>> {
+    let world = ledger.config().world_size;
+    if u32::try_from(gathered.len()).map_or(true, |n| n > world) {
+        let detail = format!("{} ranks reported, world_size={world}", gathered.len());
+        return Err(DisaggError::argument("rank", detail));
+    }
+    let mut seen = BTreeMap::new();
+    for (reports, rank) in gathered.iter().zip(0u32..) {
+        for r in reports {
+            let outcome = effective(r);
+            let earlier = seen.insert((r.request_id, r.epoch, rank), outcome);
+            if earlier.is_some_and(|e| e != outcome)
+                || ledger.quorum().would_conflict(r.request_id, r.epoch, rank, outcome)
+            {
+                return Err(DisaggError::State {
+                    request_id: r.request_id,
+                    detail: format!("epoch {}: rank {rank} contradicts its report", r.epoch),
+                });
+            }
+        }
+    }
+    let mut out =
+        FoldedReports { actions: Vec::new(), mismatches: Vec::new(), rank_errors: Vec::new() };
+    // (request, whether a mismatch) already kept: the first of each wins.
+    let mut kept: BTreeSet<(u64, bool)> = BTreeSet::new();
+    for (reports, rank) in gathered.into_iter().zip(0u32..) {
+        for r in reports {
+            let outcome = effective(&r);
+            let started = matches!(ledger.state_of(r.request_id), Some("importing" | "ready"));
+            if let Some(m) = r.mismatch.filter(|_| started && kept.insert((r.request_id, true))) {
+                out.mismatches.push((r.request_id, m));
+            }
+            let failed = outcome != RankOutcome::Ok && !r.detail.is_empty();
+            if failed && started && kept.insert((r.request_id, false)) {
+                let text = format!("model-parallel rank {rank}: {}", r.detail);
+                out.rank_errors.push((r.request_id, text));
+            }
+            out.actions.extend(ledger.report(r.request_id, r.epoch, rank, outcome, now)?);
+        }
+    }
+    Ok(out)
+}
+
+/// A report's outcome as the ledger takes it: a digest mismatch is an error.
+fn effective<M>(r: &RankReport<M>) -> RankOutcome {
+    if r.mismatch.is_some() {
+        RankOutcome::Error
+    } else {
+        r.outcome
+    }
+}
+
+/// Every model-parallel rank's digest pieces of one request, in rank order, or a
+/// `HandoffState` error naming `integrity` with the first rank's failure: each rank gathered
+/// the same list, so every rank raises alike instead of one waiting for the others.
+pub fn gathered_pieces<P>(gathered: Vec<Result<Vec<P>, String>>) -> DisaggResult<Vec<P>> {
+    let mut pieces = Vec::new();
+    for rank in gathered {
+        pieces.extend(rank.map_err(|e| DisaggError::HandoffState {
+            field: "integrity".into(),
+            detail: format!("integrity digest failed on a rank: {e}"),
+        })?);
+    }
+    Ok(pieces)
+}
+
+/// Why a reset must wait for the prefill's pins (`pinned` request ids, in order), or `None`
+/// when nothing is pinned.
+pub fn pinned_refusal(pinned: &[u64]) -> Option<String> {
+    (!pinned.is_empty()).then(|| {
+        format!(
+            "cannot reset while KV handoff blocks remain pinned for requests {pinned:?}: a \
+             decode may still be reading them; wait for RELEASE_KV or lease expiry"
+        )
+    })
+}
+
+/// Why closing the transports must wait, or `None`: started imports whose handles are not all
+/// quiet (`(request_id, quiet)`), quarantined ones likewise, pushes and fillers in flight;
+/// each group's request ids sorted, in that order.
+pub fn close_refusal(
+    imports: &[(u64, bool)],
+    quarantined: &[(u64, bool)],
+    pushes: &[u64],
+    fillers: &[u64],
+) -> Option<String> {
+    let loud = |group: &[(u64, bool)]| -> Vec<u64> {
+        let mut ids: Vec<u64> = group.iter().filter(|(_, quiet)| !quiet).map(|(r, _)| *r).collect();
+        ids.sort_unstable();
+        ids
+    };
+    let sorted = |ids: &[u64]| -> Vec<u64> {
+        let mut ids = ids.to_vec();
+        ids.sort_unstable();
+        ids
+    };
+    let live: Vec<u64> =
+        [loud(imports), loud(quarantined), sorted(pushes), sorted(fillers)].concat();
+    (!live.is_empty()).then(|| {
+        format!(
+            "close_kv_transfer: transfers of requests {live:?} are still in flight; close after \
+             they settle"
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ledger::{FailReason, ImportLedgerConfig, ImportRequest};
     use proptest::prelude::*;
+
+    /// A two-rank pull ledger with requests `rids` (4 prompt tokens each) started.
+    fn importing(rids: &[u64]) -> ImportLedger {
+        let cfg = ImportLedgerConfig { world_size: 2, ..ImportLedgerConfig::default() };
+        let mut l = ImportLedger::new(16, 4, 0, cfg).unwrap();
+        for &rid in rids {
+            let req = ImportRequest {
+                request_id: rid,
+                num_prompt_tokens: 4,
+                prompt_hashes: Vec::new(),
+                src_block_ids: vec![0],
+                src_block_size_tokens: 4,
+                resume_tokens: 1,
+                has_ssm: false,
+                finished: false,
+                deadline: 1_000,
+                reuse_align_tokens: 1,
+                source_lease: None,
+            };
+            let started = l.submit(req, 0).unwrap();
+            assert!(matches!(started[..], [LedgerAction::StartImport(_)]));
+            assert_eq!(l.epoch_of(rid), Some(rid), "the helpers' reports name epoch = request id");
+        }
+        l
+    }
+
+    fn report(
+        rid: u64,
+        outcome: RankOutcome,
+        mismatch: Option<&'static str>,
+        detail: &str,
+    ) -> RankReport<&'static str> {
+        RankReport { request_id: rid, epoch: rid, outcome, mismatch, detail: detail.into() }
+    }
+
+    #[test]
+    fn a_verifying_decode_reuses_whole_digest_chunks_only() {
+        assert_eq!(prompt_reuse(false, Some(8)), PromptReuse::Any);
+        assert_eq!(prompt_reuse(false, None), PromptReuse::Any);
+        assert_eq!(prompt_reuse(true, Some(8)), PromptReuse::Chunks(8));
+        assert_eq!(prompt_reuse(true, None), PromptReuse::Nothing);
+    }
+
+    #[test]
+    fn only_a_whole_prompt_kv_pull_reads_the_staged_copy() {
+        assert_eq!(pull_args(true, "kv", Some(0), true), PullArgs::Tagged);
+        assert_eq!(pull_args(true, "conv", None, false), PullArgs::Tagged);
+        assert_eq!(pull_args(false, "kv", Some(0), true), PullArgs::Staged);
+        assert_eq!(pull_args(false, "kv", Some(4), true), PullArgs::Direct);
+        assert_eq!(pull_args(false, "kv", None, true), PullArgs::Direct);
+        assert_eq!(pull_args(false, "kv", Some(0), false), PullArgs::Direct);
+        assert_eq!(pull_args(false, "recurrent", Some(0), true), PullArgs::Direct);
+    }
+
+    #[test]
+    fn an_import_pulls_the_kv_past_its_cached_prefix_and_each_ssm_kind_into_its_slot() {
+        let kinds: Vec<String> = ["kv", "conv", "recurrent"].map(String::from).to_vec();
+        let pulls = import_pulls(&kinds, 10, 4, &[7, 8], &[1, 2], Some((3, 5)));
+        let pull = |kind: &str, src: Vec<u32>, dst: Vec<u32>, num_tokens| ImportPull {
+            kind: kind.into(),
+            src,
+            dst,
+            num_tokens,
+        };
+        assert_eq!(
+            pulls,
+            vec![
+                pull("kv", vec![7, 8], vec![1, 2], Some(6)),
+                pull("conv", vec![3], vec![5], None),
+                pull("recurrent", vec![3], vec![5], None),
+            ]
+        );
+        // The whole prompt cached: no KV moves; no slot reserved: no SSM state moves.
+        assert!(import_pulls(&kinds, 4, 4, &[], &[], None).is_empty());
+        let ssm_only = import_pulls(&kinds[1..], 10, 0, &[7], &[1], Some((3, 5)));
+        assert_eq!(
+            ssm_only.iter().map(|p| p.kind.as_str()).collect::<Vec<_>>(),
+            ["conv", "recurrent"]
+        );
+    }
+
+    #[test]
+    fn the_local_outcome_names_the_first_error_seen() {
+        let polled = |v: &[(HandleState, &str)]| -> Vec<(HandleState, String)> {
+            v.iter().map(|(s, e)| (*s, (*e).to_string())).collect()
+        };
+        let running = polled(&[(HandleState::Running, ""), (HandleState::Failed, "E1")]);
+        assert_eq!(local_outcome(None, &running), (None, "E1".into()));
+        let failed = polled(&[(HandleState::Done, ""), (HandleState::Failed, "E1")]);
+        assert_eq!(local_outcome(None, &failed), (Some(RankOutcome::Error), "E1".into()));
+        assert_eq!(
+            local_outcome(Some("start"), &failed),
+            (Some(RankOutcome::Error), "start".into())
+        );
+        assert_eq!(local_outcome(Some(""), &[]), (Some(RankOutcome::Error), String::new()));
+        let timed = polled(&[(HandleState::TimedOut, "T"), (HandleState::Done, "")]);
+        assert_eq!(local_outcome(None, &timed), (Some(RankOutcome::MayStillWrite), "T".into()));
+        assert_eq!(local_outcome(None, &[]), (Some(RankOutcome::Ok), String::new()));
+    }
+
+    #[test]
+    fn gathered_reports_act_as_reported_one_by_one_and_keep_the_first_cause() {
+        let gathered = vec![
+            vec![report(1, RankOutcome::Ok, None, ""), report(2, RankOutcome::Ok, Some("M0"), "")],
+            vec![
+                report(1, RankOutcome::Ok, None, ""),
+                report(2, RankOutcome::Error, Some("M1"), "boom"),
+                report(3, RankOutcome::Error, None, "E3"),
+            ],
+        ];
+        let mut model = importing(&[1, 2, 3]);
+        let mut want = Vec::new();
+        for (rank, rid, outcome) in
+            [(0, 1, RankOutcome::Ok), (0, 2, RankOutcome::Error), (1, 1, RankOutcome::Ok)]
+                .into_iter()
+                .chain([(1, 2, RankOutcome::Error), (1, 3, RankOutcome::Error)])
+        {
+            want.extend(model.report(rid, rid, rank, outcome, 5).unwrap());
+        }
+        let mut l = importing(&[1, 2, 3]);
+        let got = fold_reports(&mut l, gathered, 5).unwrap();
+        assert_eq!(got.actions, want);
+        assert_eq!(l.state_of(1), Some("ready"));
+        assert_eq!(l.state_of(2), None, "a mismatch is an error");
+        // Request 2 failed at rank 0's mismatch: rank 1's reports of it come too late.
+        assert_eq!(got.mismatches, vec![(2, "M0")]);
+        assert_eq!(got.rank_errors, vec![(3, "model-parallel rank 1: E3".to_string())]);
+        assert!(matches!(
+            got.actions[..],
+            [
+                LedgerAction::Fail { request_id: 2, reason: FailReason::RankError, .. },
+                LedgerAction::Fail { request_id: 3, .. }
+            ]
+        ));
+    }
+
+    #[test]
+    fn a_bad_batch_of_reports_changes_nothing() {
+        let mut l = importing(&[1]);
+        let before = l.counters();
+        let three = vec![Vec::new(), Vec::new(), vec![report(1, RankOutcome::Ok, None, "")]];
+        assert!(matches!(fold_reports(&mut l, three, 5), Err(DisaggError::Argument { .. })));
+        let contradicting = vec![vec![
+            report(1, RankOutcome::Ok, None, ""),
+            report(1, RankOutcome::Error, None, ""),
+        ]];
+        assert!(matches!(fold_reports(&mut l, contradicting, 5), Err(DisaggError::State { .. })));
+        l.report(1, 1, 1, RankOutcome::Ok, 5).unwrap();
+        let against_earlier = vec![Vec::new(), vec![report(1, RankOutcome::Timeout, None, "")]];
+        let before_rank1 = l.counters();
+        assert!(fold_reports(&mut l, against_earlier, 5).is_err());
+        assert_eq!(l.counters(), before_rank1);
+        assert_eq!(before.ignored_messages, before_rank1.ignored_messages);
+        // Rank 0's refused reports were not recorded: it may still report an error.
+        let failed = fold_reports(&mut l, vec![vec![report(1, RankOutcome::Error, None, "")]], 6);
+        assert!(matches!(failed.unwrap().actions[..], [LedgerAction::Fail { request_id: 1, .. }]));
+    }
+
+    #[test]
+    fn a_ranks_digest_failure_fails_the_whole_digest() {
+        assert_eq!(
+            gathered_pieces(vec![Ok(vec![1, 2]), Ok(vec![]), Ok(vec![3])]),
+            Ok(vec![1, 2, 3])
+        );
+        let failed = gathered_pieces(vec![Ok(vec![1]), Err("E1".into()), Err("E2".into())]);
+        let want = "integrity digest failed on a rank: E1";
+        assert_eq!(
+            failed,
+            Err(DisaggError::HandoffState { field: "integrity".into(), detail: want.into() })
+        );
+    }
+
+    #[test]
+    fn a_reset_waits_for_pins_and_a_close_for_every_transfer_in_flight() {
+        assert_eq!(pinned_refusal(&[]), None);
+        let pinned = pinned_refusal(&[4, 2]).unwrap();
+        assert!(pinned.contains("remain pinned for requests [4, 2]"), "{pinned}");
+        assert_eq!(close_refusal(&[(1, true)], &[(2, true)], &[], &[]), None);
+        let live =
+            close_refusal(&[(9, false), (1, true), (3, false)], &[(2, false)], &[8, 5], &[7]);
+        assert_eq!(
+            live.unwrap(),
+            "close_kv_transfer: transfers of requests [3, 9, 2, 5, 8, 7] are still in flight; \
+             close after they settle"
+        );
+    }
 
     fn params(num: Option<i64>, max_new: Option<i64>, term: Option<i64>) -> SamplingGiven {
         SamplingGiven {

@@ -1,12 +1,17 @@
-//! Bindings of the handoff mixin's decode-side decisions (`disagg_core::handoff`): argument
-//! conversion only.
+//! Bindings of the handoff mixin's decisions (`disagg_core::handoff`): argument conversion
+//! only.
 
-use disagg_core::handoff::{self, SamplingGiven};
+use disagg_core::handoff::{self, PromptReuse, PullArgs, RankReport, SamplingGiven};
 use disagg_core::integrity_tables::{describe, Mismatch};
+use disagg_core::ledger::HandleState;
+use disagg_core::RankOutcome;
+use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyInt};
+use pyo3::types::{PyBool, PyDict, PyInt};
 
-use crate::error::IntoPyResult;
+use crate::error::{IntoPyResult, ResetRefusedError};
+use crate::ledger::{actions, PyImportLedger, PyLedgerAction};
+use crate::pool::lock;
 
 /// An ``IntegrityMismatch`` of ``disagg_rs.integrity``, read by its attributes.
 #[derive(FromPyObject)]
@@ -96,4 +101,228 @@ pub fn import_failure(
     let text = mismatch.map(MismatchArg::text);
     let f = handoff::import_failure(request_id, reason, text.as_deref(), rank_error.as_deref());
     (f.reason, f.detail, f.integrity, f.message)
+}
+
+/// The prompt arguments of `ImportLedger.submit` for `prompt`: the tokens, with the chunk
+/// alignment of a verifying decode's prefix reuse (``integrity``: the ticket's digest table,
+/// ``None`` when this decode does not verify), or, for a table without chunks, no reuse.
+#[pyfunction]
+#[pyo3(signature = (prompt, integrity=None))]
+pub fn import_prompt_args<'py>(
+    prompt: &Bound<'py, PyAny>,
+    integrity: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let chunk: Option<Option<u32>> =
+        integrity.map(|t| t.getattr("chunk_tokens")?.extract()).transpose()?;
+    let args = PyDict::new(prompt.py());
+    match handoff::prompt_reuse(integrity.is_some(), chunk.flatten()) {
+        PromptReuse::Any => args.set_item("prompt_tokens", prompt)?,
+        PromptReuse::Chunks(c) => {
+            args.set_item("prompt_tokens", prompt)?;
+            args.set_item("reuse_align_tokens", c)?;
+        }
+        PromptReuse::Nothing => {
+            args.set_item("num_prompt_tokens", prompt.len()?)?;
+            args.set_item("prompt_hashes", Vec::<u64>::new())?;
+        }
+    }
+    Ok(args)
+}
+
+/// The transport arguments of a pull of state ``kind`` (``kv``, ``conv``, ``recurrent``):
+/// ``{"tag": ...}`` on a two-sided transport (``ArgumentError`` for an id it cannot tag),
+/// ``{"staged": tickets}`` for a whole-prompt KV read (``token_start`` 0) of the copy a
+/// prefill staged for this rank (``staged``: the ticket's tickets by decode ``global_rank``),
+/// else ``{}``.
+#[pyfunction]
+#[pyo3(signature = (kind, request_id, *, two_sided, token_start=None, staged=None, global_rank=None))]
+pub fn pull_kwargs<'py>(
+    kind: &str,
+    request_id: &Bound<'py, PyAny>,
+    two_sided: bool,
+    token_start: Option<u32>,
+    staged: Option<&Bound<'py, PyAny>>,
+    global_rank: Option<i64>,
+) -> PyResult<Bound<'py, PyDict>> {
+    // The ticket's keys are ints, or their text once it crossed a text encoding.
+    let truthy = |t: &Bound<'py, PyAny>| t.is_truthy().unwrap_or(false);
+    let mine = match (staged.and_then(|s| s.cast::<PyDict>().ok()), global_rank) {
+        (Some(s), Some(me)) => match s.get_item(me)?.filter(truthy) {
+            Some(t) => Some(t),
+            None => s.get_item(me.to_string())?.filter(truthy),
+        },
+        _ => None,
+    };
+    let args = PyDict::new(request_id.py());
+    match handoff::pull_args(two_sided, kind, token_start, mine.is_some()) {
+        PullArgs::Tagged => args.set_item("tag", crate::tags::two_sided_tag(request_id, kind)?)?,
+        PullArgs::Staged => args.set_item("staged", mine)?,
+        PullArgs::Direct => {}
+    }
+    Ok(args)
+}
+
+/// The fields of a ledger's start action (a ``LedgerAction``) the transfers need.
+#[derive(FromPyObject)]
+pub struct StartArg {
+    #[pyo3(attribute)]
+    request_id: u64,
+    #[pyo3(attribute)]
+    token_start: u32,
+    #[pyo3(attribute)]
+    src_block_ids: Vec<u32>,
+    #[pyo3(attribute)]
+    dst_block_ids: Vec<u32>,
+    #[pyo3(attribute)]
+    ssm_slot: Option<u32>,
+}
+
+/// The transfers a started import posts, as ``(kind, src_ids, dst_ids, kwargs)`` in posting
+/// order (see ``disagg_core::handoff::import_pulls``): ``action`` is the ledger's start action,
+/// ``ticket`` the import's ticket (its ``src_ssm_slot`` and ``staged`` tickets), ``num_tokens``
+/// the prompt's length, ``kinds`` the states this rank moves; ``kwargs`` as
+/// :func:`pull_kwargs` gives them (plus KV's ``num_tokens``).
+#[pyfunction]
+#[pyo3(signature = (action, ticket, *, num_tokens, kinds, two_sided, kv_backend=None))]
+#[allow(clippy::type_complexity)]
+pub fn import_pulls<'py>(
+    action: StartArg,
+    ticket: &Bound<'py, PyDict>,
+    num_tokens: u32,
+    kinds: Vec<String>,
+    two_sided: bool,
+    kv_backend: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Vec<(String, Vec<u32>, Vec<u32>, Bound<'py, PyDict>)>> {
+    let a = action;
+    let ssm = match a.ssm_slot {
+        Some(dst) => Some((ticket.as_any().get_item("src_ssm_slot")?.extract()?, dst)),
+        None => None,
+    };
+    let request_id = a.request_id.into_pyobject(ticket.py())?.into_any();
+    let pulls = handoff::import_pulls(
+        &kinds,
+        num_tokens,
+        a.token_start,
+        &a.src_block_ids,
+        &a.dst_block_ids,
+        ssm,
+    );
+    pulls
+        .into_iter()
+        .map(|p| {
+            let kv = p.num_tokens.is_some();
+            let rank = match kv_backend.filter(|_| kv) {
+                Some(b) => Some(b.getattr("layout")?.getattr("global_rank")?.extract()?),
+                None => None,
+            };
+            let staged = ticket.get_item("staged")?;
+            let token_start = kv.then_some(a.token_start);
+            let args =
+                pull_kwargs(&p.kind, &request_id, two_sided, token_start, staged.as_ref(), rank)?;
+            if let Some(n) = p.num_tokens {
+                args.set_item("num_tokens", n)?;
+            }
+            Ok((p.kind, p.src, p.dst, args))
+        })
+        .collect()
+}
+
+pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
+
+/// One poll of a transfer handle as its state and error text: the poll's answer (whether it
+/// is done), or the ``TransferTimeout`` (timed out) or ``TransferError`` (failed) it raised.
+fn handle_state(polled: &Bound<'_, PyAny>) -> PyResult<(HandleState, String)> {
+    if !polled.is_instance_of::<PyException>() {
+        let done = polled.is_truthy()?;
+        return Ok((if done { HandleState::Done } else { HandleState::Running }, String::new()));
+    }
+    let text = format!("{}: {}", polled.get_type().name()?, polled.str()?);
+    let timed_out = polled.is_instance_of::<TransferTimeout>();
+    Ok((if timed_out { HandleState::TimedOut } else { HandleState::Failed }, text))
+}
+
+/// ``(outcome, first_error)`` of this rank's import: ``outcome`` is ``None`` while a handle
+/// runs, else ``"ok"``, ``"error"`` or ``"may_still_write"``; ``polled`` holds one poll of each
+/// handle (its answer, or the ``TransferTimeout`` or ``TransferError`` it raised),
+/// ``failed_locally`` the error of a start that threw.
+#[pyfunction]
+#[pyo3(signature = (failed_locally, polled))]
+pub fn import_local_outcome(
+    failed_locally: Option<String>,
+    polled: Vec<Bound<'_, PyAny>>,
+) -> PyResult<(Option<&'static str>, String)> {
+    let polled = polled.iter().map(handle_state).collect::<PyResult<Vec<_>>>()?;
+    let (outcome, first) = handoff::local_outcome(failed_locally.as_deref(), &polled);
+    Ok((outcome.map(RankOutcome::name), first))
+}
+
+/// One rank's report as gathered: ``(request_id, epoch, outcome, mismatch, error)``.
+type GatheredReport = (u64, u64, String, Option<Py<PyAny>>, String);
+
+/// Feed every model-parallel rank's gathered reports (``gathered[rank]``) into ``ledger`` at
+/// ``now``, all or nothing; returns its actions, the first integrity mismatch and the first
+/// rank error (``"model-parallel rank R: ..."``) of each started request, as
+/// ``(request_id, value)`` pairs.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+pub fn fold_import_reports(
+    ledger: &Bound<'_, PyImportLedger>,
+    gathered: Vec<Vec<GatheredReport>>,
+    now: u64,
+) -> PyResult<(Vec<PyLedgerAction>, Vec<(u64, Py<PyAny>)>, Vec<(u64, String)>)> {
+    let report = |(request_id, epoch, outcome, mismatch, detail): GatheredReport| {
+        let outcome = RankOutcome::parse(&outcome).py()?;
+        Ok(RankReport { request_id, epoch, outcome, mismatch, detail })
+    };
+    let gathered = gathered
+        .into_iter()
+        .map(|rank| rank.into_iter().map(report).collect::<PyResult<Vec<_>>>())
+        .collect::<PyResult<Vec<_>>>()?;
+    let folded = handoff::fold_reports(&mut *lock(&ledger.get().inner)?, gathered, now).py()?;
+    Ok((actions(folded.actions), folded.mismatches, folded.rank_errors))
+}
+
+/// A refusal as ``ResetRefusedError`` naming ``request_id``.
+fn refused(refusal: Option<String>) -> PyResult<()> {
+    refusal.map_or(Ok(()), |msg| Err(ResetRefusedError::new_err((msg, "request_id"))))
+}
+
+/// Raise ``ResetRefusedError`` (naming ``request_id``) while the prefill still pins the blocks
+/// of requests ``pinned``: a decode may still be reading them.
+#[pyfunction]
+pub fn refuse_reset_while_pinned(pinned: Vec<u64>) -> PyResult<()> {
+    refused(handoff::pinned_refusal(&pinned))
+}
+
+/// Raise ``ResetRefusedError`` (naming ``request_id``) while a transfer may still touch the
+/// registered memory: ``imports`` and ``quarantined`` as ``(request_id, quiet)`` (whether every
+/// handle of it is quiet), the request ids of ``pushes`` and ``fillers`` in flight.
+#[pyfunction]
+pub fn refuse_close_in_flight(
+    imports: Vec<(u64, bool)>,
+    quarantined: Vec<(u64, bool)>,
+    pushes: Vec<u64>,
+    fillers: Vec<u64>,
+) -> PyResult<()> {
+    refused(handoff::close_refusal(&imports, &quarantined, &pushes, &fillers))
+}
+
+/// One rank's gathered digest: the text of its failure, or its pieces.
+#[derive(FromPyObject)]
+pub enum RankPieces {
+    /// The rank could not digest its cells.
+    Failed(String),
+    /// The rank's pieces.
+    Pieces(Vec<Py<PyAny>>),
+}
+
+/// Every rank's gathered digest pieces (a list per rank, or the text of a rank's failure) as
+/// one list; ``HandoffStateError`` naming ``integrity`` with the first rank's failure.
+#[pyfunction]
+pub fn gathered_integrity_pieces(gathered: Vec<RankPieces>) -> PyResult<Vec<Py<PyAny>>> {
+    let gathered = gathered.into_iter().map(|g| match g {
+        RankPieces::Pieces(pieces) => Ok(pieces),
+        RankPieces::Failed(error) => Err(error),
+    });
+    handoff::gathered_pieces(gathered.collect()).py()
 }

@@ -111,7 +111,7 @@ fn py_opt(v: Option<u32>) -> String {
     v.map_or_else(|| "None".to_string(), |x| x.to_string())
 }
 
-fn actions(v: Vec<LedgerAction>) -> Vec<PyLedgerAction> {
+pub(crate) fn actions(v: Vec<LedgerAction>) -> Vec<PyLedgerAction> {
     v.into_iter().map(PyLedgerAction::from_core).collect()
 }
 
@@ -162,7 +162,7 @@ fn push_tuple(p: PushPlan) -> PushTuple {
 /// Decode-side import ledger over its own block and SSM slot pools.
 #[pyclass(name = "ImportLedger", module = "disagg_rs", frozen)]
 pub struct PyImportLedger {
-    inner: Arc<Mutex<ImportLedger>>,
+    pub(crate) inner: Arc<Mutex<ImportLedger>>,
 }
 
 core_methods!(PyImportLedger, lock_with, inner, pools Import,

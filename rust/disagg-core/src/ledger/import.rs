@@ -457,6 +457,12 @@ impl ImportLedger {
         }
     }
 
+    /// The model-parallel ranks' reports of the started attempts (read-only: a report goes
+    /// through [`report`](Self::report)).
+    pub fn quorum(&self) -> &CompletionQuorum {
+        &self.quorum
+    }
+
     /// The current attempt epoch of a live request.
     pub fn epoch_of(&self, request_id: u64) -> Option<u64> {
         self.live.get(&request_id).map(|h| h.epoch)
