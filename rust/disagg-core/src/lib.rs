@@ -41,7 +41,10 @@ pub use compile::{
     ListKind, ModeChoice, RegionTable, RowBuf, RowForm, SliceRows, SourceProgram, SourceStats,
     SrcBlockIds, SrcSlots, SsmTransferRequest, TransferMode, TransferProgram,
 };
-pub use driver::{DriverCounters, EngineDriver, ImportReport, MsgKind, Verdict};
+pub use driver::{
+    Action, DriverCounters, EngineDriver, ImportReport, Inbound, MsgKind, PeerIncarnations, Role,
+    Verdict,
+};
 pub use error::{DisaggError, DisaggResult};
 pub use geometry::{KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart};
 pub use layout::{
