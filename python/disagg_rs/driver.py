@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from disagg_rs._core import EngineDriverState
+from disagg_rs._core import EngineDriverState, LinkLiveness
 from disagg_rs.control import CoordinatorState, Msg, Outgoing, decode_message, encode_message
 from disagg_rs.control.link import SubmitClient
 from disagg_rs.control.messages import MAX_FRAME_BYTES
@@ -133,13 +133,14 @@ class HandoffDriver:
     def _on_prefill(self, rid: int, msg: dict[str, Any]) -> None:
         self._targets[rid] = msg.get("decode_meta")
         args = (rid, msg.get("prompt"), msg.get("max_new_tokens"))
-        self._guard(Msg.PREFILL_FAILED, rid, self.engine.add_request, *args)
+        self._guard(rid, self.engine.add_request, *args, failure=Msg.PREFILL_FAILED)
 
     def _on_ticket(self, rid: int, msg: dict[str, Any]) -> None:
         ticket = msg.get("ticket")
         src = ticket.get("src_block_ids") if isinstance(ticket, dict) else None
         args = (rid, msg.get("prompt"), msg.get("max_new_tokens"), ticket, src)
-        self._guard(Msg.FAILED, rid, self.engine.add_request_with_kv_handoff, *args)
+        call = self.engine.add_request_with_kv_handoff
+        self._guard(rid, call, *args, failure=Msg.FAILED, quiet=True)  # quiet: nothing was read
 
     def _report_posted_receives(self) -> None:
         # Two-sided: the prefill pushes once the decode's receives are posted, whether the
@@ -153,10 +154,10 @@ class HandoffDriver:
 
     def _on_send_kv(self, rid: int, msg: dict[str, Any]) -> None:
         args = (self.engine, rid, msg.get("decode_meta"), msg.get("transfer"))
-        if msg.get("abort") is True or not self._guard(None, rid, _push, *args):
+        if msg.get("abort") is True or not self._guard(rid, _push, *args):
             # The decode posted its receives whatever happens here, and messages match by
             # post order per pair: answer each with a filler, or the next push lands in them.
-            self._guard(None, rid, _filler, *args)
+            self._guard(rid, _filler, *args)
 
     def _on_release(self, rid: int, msg: dict[str, Any]) -> None:
         self.engine.release_handoff_blocks(rid)
@@ -258,15 +259,21 @@ class HandoffDriver:
         if epoch is not None:  # None: no attempt known, the coordinator's deadline ends it
             self.link.send(kind, request_id=rid, epoch=epoch, **fields)
 
-    def _guard(self, failure: Msg | None, rid: int, call: Callable[..., Any], *args: Any) -> bool:
+    def _guard(
+        self,
+        rid: int,
+        call: Callable[..., Any],
+        *args: Any,
+        failure: Msg | None = None,
+        **fields: Any,
+    ) -> bool:
         """Call ``call(*args)``; a refusal (bad input, a retried id) fails this request alone:
-        ``failure`` is reported (quiet: nothing was read) and the loop goes on."""
+        ``failure`` is reported with ``fields`` and the loop goes on."""
         try:
             call(*args)
         except (DisaggError, ValueError, TypeError, KeyError, IndexError) as err:
             if failure is not None:
-                extra = {"quiet": True} if failure is Msg.FAILED else {}
-                self._send(failure, rid, error=f"{type(err).__name__}: {err}", **extra)
+                self._send(failure, rid, error=f"{type(err).__name__}: {err}", **fields)
             return False
         return True
 
@@ -334,12 +341,16 @@ class LoopbackCoordinator:
                 continue
             self._inbox(identity).append(encode_message(o.kind, **o.fields))
 
-    def take(self, identity: bytes) -> list[dict[str, Any]]:
-        """Every message waiting for ``identity``, decoded."""
+    def frames(self, identity: bytes) -> list[bytes]:
+        """Every frame waiting for ``identity``."""
         box = self._inbox(identity)
-        out = [decode_message(f) for f in box]
+        out = list(box)
         box.clear()
         return out
+
+    def take(self, identity: bytes) -> list[dict[str, Any]]:
+        """Every message waiting for ``identity``, decoded."""
+        return [decode_message(f) for f in self.frames(identity)]
 
 
 class LoopbackLink:
@@ -352,9 +363,14 @@ class LoopbackLink:
         self.hub, self.engine_id, self.role, self.incarnation = hub, engine_id, role, incarnation
         self.identity = f"{role}:{engine_id}:{incarnation}".encode()
         self.peers: dict[str, dict[str, Any]] = {}
-        self.fenced = 0
+        self.liveness = LinkLiveness(None, hub.clock())  # registration and fencing
         self._meta: Any = None
         self._last_sent = hub.clock()
+
+    @property
+    def fenced(self) -> int:
+        """How many times the coordinator fenced this engine (it then registered again)."""
+        return self.liveness.fenced
 
     def register(self, meta: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """Publish static metadata; returns the peers known to the coordinator."""
@@ -370,6 +386,7 @@ class LoopbackLink:
     def send(self, kind: Msg, **fields: Any) -> None:
         """Send one message to the coordinator."""
         self._last_sent = self.hub.clock()
+        self.liveness.sent(kind.value, fields.get("request_id"), True, self._last_sent)
         self.hub.deliver(self.identity, encode_message(kind, **fields))
 
     def heartbeat(self, interval_s: float = 1.0) -> bool:
@@ -383,17 +400,11 @@ class LoopbackLink:
         """Messages waiting for this engine (peer updates applied; FENCED answered by
         registering again). Never waits: everything was delivered when it was sent."""
         del timeout_ms
-        out = []
-        for msg in self.hub.take(self.identity):
-            if msg["type"] in (Msg.REGISTERED, Msg.PEERS):
-                self.peers = dict(msg["peers"])
-            if msg["type"] is Msg.FENCED and self._meta is not None:
-                self.fenced += 1
-                self._register()
-                continue
-            if msg["type"] is not Msg.REGISTERED:
-                out.append(msg)
-        return out
+        frames = self.hub.frames(self.identity)
+        msgs, self.peers, register = self.liveness.receive(frames, self.peers, self.hub.clock())
+        if register:
+            self._register()
+        return msgs
 
     def close(self) -> None:
         """Nothing to close."""

@@ -21,6 +21,7 @@ pub mod integrity;
 pub mod integrity_tables;
 pub mod layout;
 pub mod ledger;
+pub mod link;
 pub mod nixl_route;
 pub mod p2p_header;
 pub mod pool;
