@@ -235,7 +235,7 @@ mod tests {
     fn a_fenced_or_lost_and_found_engine_registers_again_only_once_registered() {
         let fenced = frame("FENCED", &[("engine_id", Value::Str("p0".into()))]);
         let mut l = EngineInbox::new(Some(1.0), 0.0).unwrap_or_else(|e| panic!("{e}"));
-        let got = l.receive(&[fenced.clone()], 0.5);
+        let got = l.receive(std::slice::from_ref(&fenced), 0.5);
         assert!(!got.register && kinds(&got) == vec![Kind::Fenced] && l.fenced() == 0);
         l.sent(Kind::Register, None, true, 0.5);
         let got = l.receive(&[fenced], 0.6);
