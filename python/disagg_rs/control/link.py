@@ -102,11 +102,6 @@ class EngineLink:
         """How many times the coordinator fenced this engine (it then registered again)."""
         return self.liveness.fenced
 
-    @property
-    def malformed(self) -> int:
-        """Undecodable frames received (dropped)."""
-        return self.liveness.malformed
-
     def register(self, meta: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """Publish static metadata once; returns the peers known to the coordinator."""
         self._meta = meta
@@ -165,6 +160,11 @@ class EngineLink:
             self._send_register()
         abandoned = self.liveness.check(self._clock())
         return out + msgs + [{"type": Msg.ABORT, "request_id": r, "epoch": e} for r, e in abandoned]
+
+    @property
+    def malformed(self) -> int:
+        """Undecodable frames received (dropped; counted by :attr:`liveness`)."""
+        return self.liveness.malformed
 
     def close(self) -> None:
         """Close the socket."""
