@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from disagg_rs._core import EngineDriverState
+from disagg_rs._core import EngineDriverState, LinkLiveness
 from disagg_rs.control import CoordinatorState, Msg, Outgoing, decode_message, encode_message
 from disagg_rs.control.link import SubmitClient
 from disagg_rs.control.messages import MAX_FRAME_BYTES
@@ -80,27 +80,25 @@ class HandoffDriver:
         self.state = EngineDriverState()
         self.now_ns = int(engine.handoff_now_ns)
         self._wait_ms = 0
-        self._messages = 0  # acted on this turn (the idle back-off)
         self._targets: dict[int, Any] = {}  # prefill: request -> the decode's rank metadata
-        self._sources: dict[int, str] = {}  # decode: request -> the prefill its ticket names
-        self._announced: Any = None  # the link's peer table last registered
         #: Peer engines whose metadata the engine refused, with the error.
         self.refused_peers: dict[str, str] = {}
-        self._handlers: dict[Any, Callable[[Any, dict[str, Any]], None]] = {
-            Msg.SHUTDOWN: self._on_shutdown,
-            Msg.ABORT: self._on_abort,
+        # The actions the core's dispatch names; each role is only given its own.
+        self._handlers: dict[str, Callable[[Any, dict[str, Any]], None]] = {
+            "peers": self._on_peers,
+            "shutdown": self._on_shutdown,
+            "abort": self._on_abort,
+            "ticket": self._on_ticket,
+            "prefill": self._on_prefill,
+            "send_kv": self._on_send_kv,
+            "release": self._on_release,
         }
-        # What this role acts on (a message meant for the other role is dropped unread), and
-        # how it advances its transfers and reports its steps.
+        # How this role advances its transfers and reports its steps.
         if self.role == "decode":
-            self._handlers[Msg.SUBMIT_REQUEST_WITH_KV] = self._on_ticket
             self._abort_import: Callable[[int], None] = engine.abort_kv_import
             self._advance = self._advance_imports
             self._report_step = self._report_decode_step
         else:
-            self._handlers[Msg.PREFILL] = self._on_prefill
-            self._handlers[Msg.SEND_KV] = self._on_send_kv
-            self._handlers[Msg.RELEASE_KV] = self._on_release
             self._abort_import = _nothing
             self._advance = self._advance_pushes
             self._report_step = self._report_prefill_step
@@ -110,46 +108,24 @@ class HandoffDriver:
     # -- input ---------------------------------------------------------------------------
     def receive(self) -> list[dict[str, Any]]:
         """This rank's new messages (none without a link), with the peer metadata they name
-        attached from the link's peer table; sends a heartbeat when due."""
+        attached from the link's peer table (a ticket's source only at the incarnation it
+        names: otherwise it has no source and is refused unread), after a ``PEERS`` message
+        when the table changed (every rank registers it); sends a heartbeat when due."""
         if self.link is None:
             return []
         self.link.heartbeat(self.heartbeat_s)
-        msgs = self.link.poll(self._wait_ms)
-        peers = self.link.peers
-        if peers is not self._announced:  # REGISTERED or PEERS: every rank registers them
-            self._announced = peers
-            msgs = [{"type": Msg.PEERS, "peers": peers}] + [
-                m for m in msgs if m["type"] is not Msg.PEERS
-            ]
-        for m in msgs:
-            kind = m["type"]
-            if kind is Msg.SUBMIT_REQUEST_WITH_KV and isinstance(m.get("ticket"), dict):
-                # Where to read comes only from the peer table, and only for the incarnation
-                # the ticket names: otherwise the ticket has no source and is refused unread.
-                ticket = m["ticket"]
-                ticket.pop("prefill_meta", None)
-                source = peers.get(str(ticket.get("prefill_engine_id")))
-                known = None if source is None else source.get("incarnation")
-                if self.state.ticket_source_ok(ticket.get("prefill_incarnation"), known):
-                    ticket["prefill_meta"] = source["meta"]  # type: ignore[index]
-            if kind in (Msg.PREFILL, Msg.SEND_KV) and m.get("decode_engine_id") in peers:
-                m["decode_meta"] = peers[m["decode_engine_id"]]["meta"]["ranks"]
-        return msgs
+        return self.state.inbox(self.link.poll(self._wait_ms), self.link.peers, Msg.PEERS)
 
     def on_message(self, msg: dict[str, Any]) -> None:
-        """Act on one control message (a duplicate or malformed one is dropped and counted).
-        ``PEERS`` registers the peers' metadata with the engine, once per incarnation."""
-        kind = msg.get("type")
-        if kind is Msg.PEERS:
-            peers = msg.get("peers")
-            if isinstance(peers, dict):
-                self.refused_peers.update(self.engine.register_handoff_peers(peers))
-            return
-        verdict = self.state.accept(kind, msg.get("request_id"), msg.get("epoch"))
-        handler = self._handlers.get(kind) if verdict == "act" else None
-        if handler is not None:
-            self._messages += 1
-            handler(msg.get("request_id", -1), msg)
+        """Act on one control message (a duplicate or malformed one is dropped and counted;
+        one meant for the other role is dropped). ``PEERS`` registers the peers' metadata with
+        the engine, once per incarnation."""
+        action = self.state.dispatch(msg, self.role)
+        if action is not None:
+            self._handlers[action](msg.get("request_id", -1), msg)
+
+    def _on_peers(self, rid: int, msg: dict[str, Any]) -> None:
+        self.refused_peers.update(self.engine.register_handoff_peers(msg["peers"]))
 
     def _on_shutdown(self, rid: int, msg: dict[str, Any]) -> None:
         self.state.shutdown(self.now_ns, self.shutdown_grace_ns)
@@ -157,36 +133,31 @@ class HandoffDriver:
     def _on_prefill(self, rid: int, msg: dict[str, Any]) -> None:
         self._targets[rid] = msg.get("decode_meta")
         args = (rid, msg.get("prompt"), msg.get("max_new_tokens"))
-        self._guard(Msg.PREFILL_FAILED, rid, self.engine.add_request, *args)
+        self._guard(rid, self.engine.add_request, *args, failure=Msg.PREFILL_FAILED)
 
     def _on_ticket(self, rid: int, msg: dict[str, Any]) -> None:
-        e, ticket = self.engine, msg.get("ticket")
-        src, source = (
-            (ticket.get("src_block_ids"), ticket.get("prefill_engine_id"))
-            if isinstance(ticket, dict)
-            else (None, None)
-        )
-        # Named in KV_RECV_POSTED, so the prefill can answer the posted receives (with
-        # fillers) even once the coordinator has dropped the request.
-        self._sources[rid] = str(source)
+        ticket = msg.get("ticket")
+        src = ticket.get("src_block_ids") if isinstance(ticket, dict) else None
         args = (rid, msg.get("prompt"), msg.get("max_new_tokens"), ticket, src)
-        if not self._guard(Msg.FAILED, rid, e.add_request_with_kv_handoff, *args):
-            self._sources.pop(rid, None)  # refused: nothing was posted
+        call = self.engine.add_request_with_kv_handoff
+        self._guard(rid, call, *args, failure=Msg.FAILED, quiet=True)  # quiet: nothing was read
 
     def _report_posted_receives(self) -> None:
         # Two-sided: the prefill pushes once the decode's receives are posted, whether the
         # import started on the ticket's arrival (this turn's tick follows the message) or
-        # later, out of the deferred queue. Always empty on a one-sided transport.
+        # later, out of the deferred queue. Always empty on a one-sided transport. The ticket's
+        # prefill is named, so it can answer the posted receives (with fillers) even once the
+        # coordinator has dropped the request.
         for rid, destination in self.engine.drain_posted_receives():
-            source = self._sources.get(rid)
+            source = self.state.source_of(rid)
             self._send(Msg.KV_RECV_POSTED, rid, transfer=destination, prefill_engine_id=source)
 
     def _on_send_kv(self, rid: int, msg: dict[str, Any]) -> None:
         args = (self.engine, rid, msg.get("decode_meta"), msg.get("transfer"))
-        if msg.get("abort") is True or not self._guard(None, rid, _push, *args):
+        if msg.get("abort") is True or not self._guard(rid, _push, *args):
             # The decode posted its receives whatever happens here, and messages match by
             # post order per pair: answer each with a filler, or the next push lands in them.
-            self._guard(None, rid, _filler, *args)
+            self._guard(rid, _filler, *args)
 
     def _on_release(self, rid: int, msg: dict[str, Any]) -> None:
         self.engine.release_handoff_blocks(rid)
@@ -211,8 +182,7 @@ class HandoffDriver:
         self._advance()
         if e.has_work:
             self._report_step(e.step())
-        self._wait_ms = self.state.turn(self._messages > 0, self.busy)
-        self._messages = 0
+        self._wait_ms = self.state.turn(self.busy)
 
     def _advance_imports(self) -> None:
         # Admit first: this turn's clock was read after the last turn observed the
@@ -222,14 +192,10 @@ class HandoffDriver:
         e.poll_kv_imports()
         self._report_posted_receives()
         settled = e.drain_handoff_outcomes()
-        quarantined = e.quarantined_kv_import_ids
-        for rid, failed in settled:
-            self._sources.pop(rid, None)
-            why = e.pop_handoff_failure_reason(rid) or ""
-            report = self.state.import_settled(rid, failed, rid in quarantined)
-            if report is not None:
-                epoch, ok, quiet = report
-                self._send(Msg.KV_IMPORTED, rid, epoch, ok=ok, error=why, quiet=quiet)
+        why = {rid: e.pop_handoff_failure_reason(rid) for rid, _ in settled}
+        reports = self.state.imports_settled(settled, e.quarantined_kv_import_ids, why)
+        for rid, epoch, ok, quiet, error in reports:
+            self._send(Msg.KV_IMPORTED, rid, epoch, ok=ok, error=error, quiet=quiet)
 
     def _advance_pushes(self) -> None:
         self.engine.poll_kv_pushes()
@@ -289,21 +255,25 @@ class HandoffDriver:
     def _send(self, kind: Msg, rid: int, epoch: int | None = None, **fields: Any) -> None:
         if self.link is None:
             return
-        if epoch is None:
-            epoch = self.state.outcome_epoch(rid)
-            if epoch is None:  # no attempt known: the coordinator's deadline ends it
-                return
-        self.link.send(kind, request_id=rid, epoch=epoch, **fields)
+        epoch = self.state.stamp(rid, epoch)
+        if epoch is not None:  # None: no attempt known, the coordinator's deadline ends it
+            self.link.send(kind, request_id=rid, epoch=epoch, **fields)
 
-    def _guard(self, failure: Msg | None, rid: int, call: Callable[..., Any], *args: Any) -> bool:
+    def _guard(
+        self,
+        rid: int,
+        call: Callable[..., Any],
+        *args: Any,
+        failure: Msg | None = None,
+        **fields: Any,
+    ) -> bool:
         """Call ``call(*args)``; a refusal (bad input, a retried id) fails this request alone:
-        ``failure`` is reported (quiet: nothing was read) and the loop goes on."""
+        ``failure`` is reported with ``fields`` and the loop goes on."""
         try:
             call(*args)
         except (DisaggError, ValueError, TypeError, KeyError, IndexError) as err:
             if failure is not None:
-                extra = {"quiet": True} if failure is Msg.FAILED else {}
-                self._send(failure, rid, error=f"{type(err).__name__}: {err}", **extra)
+                self._send(failure, rid, error=f"{type(err).__name__}: {err}", **fields)
             return False
         return True
 
@@ -371,12 +341,16 @@ class LoopbackCoordinator:
                 continue
             self._inbox(identity).append(encode_message(o.kind, **o.fields))
 
-    def take(self, identity: bytes) -> list[dict[str, Any]]:
-        """Every message waiting for ``identity``, decoded."""
+    def frames(self, identity: bytes) -> list[bytes]:
+        """Every frame waiting for ``identity``."""
         box = self._inbox(identity)
-        out = [decode_message(f) for f in box]
+        out = list(box)
         box.clear()
         return out
+
+    def take(self, identity: bytes) -> list[dict[str, Any]]:
+        """Every message waiting for ``identity``, decoded."""
+        return [decode_message(f) for f in self.frames(identity)]
 
 
 class LoopbackLink:
@@ -389,9 +363,14 @@ class LoopbackLink:
         self.hub, self.engine_id, self.role, self.incarnation = hub, engine_id, role, incarnation
         self.identity = f"{role}:{engine_id}:{incarnation}".encode()
         self.peers: dict[str, dict[str, Any]] = {}
-        self.fenced = 0
+        self.liveness = LinkLiveness(None, hub.clock())  # registration and fencing
         self._meta: Any = None
         self._last_sent = hub.clock()
+
+    @property
+    def fenced(self) -> int:
+        """How many times the coordinator fenced this engine (it then registered again)."""
+        return self.liveness.fenced
 
     def register(self, meta: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """Publish static metadata; returns the peers known to the coordinator."""
@@ -407,6 +386,7 @@ class LoopbackLink:
     def send(self, kind: Msg, **fields: Any) -> None:
         """Send one message to the coordinator."""
         self._last_sent = self.hub.clock()
+        self.liveness.sent(kind.value, fields.get("request_id"), True, self._last_sent)
         self.hub.deliver(self.identity, encode_message(kind, **fields))
 
     def heartbeat(self, interval_s: float = 1.0) -> bool:
@@ -420,17 +400,11 @@ class LoopbackLink:
         """Messages waiting for this engine (peer updates applied; FENCED answered by
         registering again). Never waits: everything was delivered when it was sent."""
         del timeout_ms
-        out = []
-        for msg in self.hub.take(self.identity):
-            if msg["type"] in (Msg.REGISTERED, Msg.PEERS):
-                self.peers = dict(msg["peers"])
-            if msg["type"] is Msg.FENCED and self._meta is not None:
-                self.fenced += 1
-                self._register()
-                continue
-            if msg["type"] is not Msg.REGISTERED:
-                out.append(msg)
-        return out
+        frames = self.hub.frames(self.identity)
+        msgs, self.peers, register = self.liveness.receive(frames, self.peers, self.hub.clock())
+        if register:
+            self._register()
+        return msgs
 
     def close(self) -> None:
         """Nothing to close."""

@@ -88,18 +88,10 @@ class HandoffCompletionTracker:
     def drain_completed(self) -> list[tuple[int, bool]]:
         """Requests that every rank completed, or that some rank failed, since the last drain:
         ``(request_id, failed)`` in decision order. Empty on non-coordinator ranks."""
-        if not self.is_coordinator:
-            return []
-        if self._socket is not None:
-            import zmq
-
-            while True:
-                try:
-                    frame = self._socket.recv(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                rid, rank, failed = struct.unpack(self._REPORT_FORMAT, frame)
-                self._record(rid, rank, failed)
+        # A non-coordinator's socket only sends (never readable) and its tracker stays empty.
+        while self._socket is not None and self._socket.poll(0):
+            rid, rank, failed = struct.unpack(self._REPORT_FORMAT, self._socket.recv())
+            self._record(rid, rank, failed)
         return self._votes().drain()
 
     def _record(self, request_id: int, rank: int, failed: bool) -> None:

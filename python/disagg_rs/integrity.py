@@ -50,6 +50,7 @@ from disagg_rs._core import (
     SSMShardLayout,
     check_integrity_wire,
     digest_plan,
+    integrity_conv_bands,
     integrity_first_mismatch,
     integrity_merge,
     integrity_mismatch_text,
@@ -80,7 +81,6 @@ _KIND_KEY, _KIND_VALUE, _KIND_CONV, _KIND_RECURRENT = 0, 1, 2, 3
 #: Position key = kind << 58 | layer << 42 | unit << 26 | token.
 _LAYER_BITS, _UNIT_BITS, _TOKEN_BITS = 16, 16, 26
 
-_U64 = 1 << 64
 #: Cell bytes digested per batch of kernels, by device type (the int64 temporaries are a few
 #: times this): large on GPUs, where one plane is too little work per launch; on CPUs one
 #: cache-friendly plane at a time is fastest.
@@ -90,7 +90,7 @@ _CHUNK_BYTES_DEFAULT = 1
 
 def _signed(c: int) -> int:
     """A 64-bit constant as the int64 value with the same bits."""
-    return c - _U64 if c >= 1 << 63 else c
+    return int.from_bytes(c.to_bytes(8, "little"), "little", signed=True)
 
 
 _FMIX_M1 = _signed(0xFF51AFD7ED558CCD)
@@ -121,12 +121,14 @@ def _keys(
     return _fmix64_(keys)
 
 
+#: Word types by size in bytes.
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
 def _word_dtype(row_bytes: int) -> torch.dtype:
-    """The widest word that tiles a cell row: depends on the row size only (same both sides)."""
-    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
-        if row_bytes % size == 0:
-            return dtype
-    return torch.uint8
+    """The widest word that tiles a cell row: depends on the row size only (same both sides).
+    ``row_bytes & -row_bytes`` is the largest power of two dividing it."""
+    return _WORDS[min(row_bytes & -row_bytes, 8)]
 
 
 def cell_hashes(cells: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -219,7 +221,7 @@ def kv_entries(
         planes = torch.as_strided(flat, (n, *size), (step, *strides), bases[p0])
         cells = planes.index_select(1, ids).reshape(n, -1, n_heads, row_bytes)[:, :num_tokens]
         p = torch.arange(p0, p0 + n, dtype=torch.int64, device=dev)
-        kind = torch.where(p < num_layers, _KIND_KEY, _KIND_VALUE)
+        kind = _KIND_KEY + p // num_layers  # planes [0, L) keys, [L, 2L) values (_KIND_VALUE)
         layer = layout.layer_start + p % num_layers
         keys = _keys(kind, layer, heads, tokens)
         hashes = cell_hashes(cells, keys)  # [planes, tokens, heads]
@@ -285,20 +287,9 @@ def conv_pieces(
     all_layers, layers, zero = _slot_cells(buffer, geometry, layout, slot, "conv", unit_end)
     dev = buffer.device
     pieces = []
-    for band, per_unit, first_unit in (
-        ("x", dims.head_dim, 0),
-        ("B", dims.d_state, dims.num_heads),
-        ("C", dims.d_state, dims.num_heads + dims.n_groups),
-    ):
-        (g_lo, g_hi), (l_lo, l_hi) = layout.band_span(band)  # type: ignore[arg-type]
-        band_start = 0 if band == "x" else dims.num_heads * dims.head_dim
-        if band == "C":
-            band_start += dims.n_groups * dims.d_state
-        u_lo = first_unit + (g_lo - band_start) // per_unit
-        n_units = (g_hi - g_lo) // per_unit
-        units = torch.arange(u_lo, u_lo + n_units, dtype=torch.int64, device=dev)
-        rows = all_layers[:, l_lo:l_hi]
-        cells = rows.reshape(layers.numel(), n_units, -1)
+    for band, (u_lo, u_hi), (c_lo, c_hi) in integrity_conv_bands(layout):
+        units = torch.arange(u_lo, u_hi, dtype=torch.int64, device=dev)
+        cells = all_layers[:, c_lo:c_hi].reshape(layers.numel(), u_hi - u_lo, -1)
         entries = cell_hashes(cells, _keys(_KIND_CONV, layers, units, zero)[:, 0])
         pieces.append(IntegrityPiece("conv", layout.layer_start, u_lo, _u64(entries), band=band))
     return pieces

@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from disagg_rs._core import LinkLiveness
+from disagg_rs._core import ClientDeadlines, LinkLiveness
 from disagg_rs.control.keys import CurveKeys, connect_with, use_curve
 from disagg_rs.control.messages import (
     DEFAULT_LIVENESS_TIMEOUT_S,
@@ -88,10 +88,6 @@ class EngineLink:
         self.peers: dict[str, dict[str, Any]] = {}
         self._meta: Any = None
         self._backlog: list[dict[str, Any]] = []
-        self.fenced = 0
-        """How many times the coordinator fenced this engine (it then registered again)."""
-        self.malformed = 0
-        """Undecodable frames received (dropped)."""
         self.unsent = 0
         """Messages dropped because the coordinator's queue was full (it does not read)."""
 
@@ -101,23 +97,25 @@ class EngineLink:
         (``liveness.counters()``: ``losses``, and ``abandoned`` requests)."""
         return self.liveness.lost
 
+    @property
+    def fenced(self) -> int:
+        """How many times the coordinator fenced this engine (it then registered again)."""
+        return self.liveness.fenced
+
     def register(self, meta: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """Publish static metadata once; returns the peers known to the coordinator."""
         self._meta = meta
         self._send_register()
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            msgs = self.poll(100)
-            for i, msg in enumerate(msgs):
-                if msg["type"] is Msg.REGISTERED:
-                    # Work the coordinator sent right behind REGISTERED (it counts the engine
-                    # as registered before this reply is read) is kept for the next poll().
-                    self._backlog += msgs[:i] + msgs[i + 1 :]
-                    return self.peers
-            self._backlog += msgs  # no REGISTERED among them
-        raise TransferTimeout(
-            f"coordinator did not answer REGISTER within {timeout_s} s", "timeout_s"
-        )
+        while self.liveness.awaiting_registered:
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(
+                    f"coordinator did not answer REGISTER within {timeout_s} s", "timeout_s"
+                )
+            # Work the coordinator sent around REGISTERED (it counts the engine as registered
+            # before this reply is read) is kept for the next poll().
+            self._backlog += self.poll(100)
+        return self.peers
 
     def _send_register(self) -> None:
         self.send(
@@ -153,34 +151,29 @@ class EngineLink:
         any that arrived while :meth:`register` waited; when the coordinator has just been
         declared lost, an ABORT for each request this engine still holds."""
         out, self._backlog = self._backlog, []
-        if self._sock.poll(0 if out else timeout_ms):
-            while True:
-                try:
-                    msg = decode_message(self._sock.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                except Exception:  # any undecodable or invalid frame never stops the engine
-                    self.malformed += 1
-                    continue
-                back = self.liveness.received(
-                    msg["type"].value, msg.get("request_id"), msg.get("epoch"), self._clock()
-                )
-                if back and self._meta is not None:  # a coordinator again; it may not know us
-                    self._send_register()
-                if msg["type"] in (Msg.REGISTERED, Msg.PEERS):
-                    self.peers = dict(msg["peers"])
-                if msg["type"] is Msg.FENCED and self._meta is not None:
-                    self.fenced += 1  # declared lost while alive: come back, same incarnation
-                    self._send_register()
-                    continue
-                if msg["type"] is not Msg.HEARTBEAT_ACK:
-                    out.append(msg)
+        frames, wait = [], 0 if out else timeout_ms
+        while self._sock.poll(wait):  # everything that arrived: decoded and sorted in Rust
+            frames.append(self._sock.recv(zmq.NOBLOCK))
+            wait = 0
+        msgs, self.peers, register = self.liveness.receive(frames, self.peers, self._clock())
+        if register:  # fenced while alive, or a coordinator again (it may not know us)
+            self._send_register()
         abandoned = self.liveness.check(self._clock())
-        return out + [{"type": Msg.ABORT, "request_id": r, "epoch": e} for r, e in abandoned]
+        return out + msgs + [{"type": Msg.ABORT, "request_id": r, "epoch": e} for r, e in abandoned]
+
+    @property
+    def malformed(self) -> int:
+        """Undecodable frames received (dropped; counted by :attr:`liveness`)."""
+        return self.liveness.malformed
 
     def close(self) -> None:
         """Close the socket."""
         self._sock.close(0)
+
+
+def _no_answer(request_id: int) -> dict[str, Any]:
+    error = f"request {request_id}: no answer from the coordinator by its deadline"
+    return {"type": Msg.FAILED, "request_id": request_id, "error": error}
 
 
 class SubmitClient(abc.ABC):
@@ -231,7 +224,7 @@ class ControlClient(SubmitClient):
         self.default_timeout_s = check_timeout(default_timeout_s, "default_timeout_s")
         self.grace_s = grace_s
         self._clock = clock
-        self._deadlines: dict[int, float] = {}
+        self._deadlines = ClientDeadlines(self.default_timeout_s, grace_s)
         self.unsent = 0
         """Requests whose SUBMIT the coordinator's queue could not take (they fail at their
         deadline)."""
@@ -239,8 +232,7 @@ class ControlClient(SubmitClient):
     def _deliver(self, request_id: int, timeout_s: float | None, frame: bytes) -> None:
         """Send a SUBMIT without blocking, its deadline set (``timeout_s``: see
         :func:`check_timeout`)."""
-        budget = self.default_timeout_s if timeout_s is None else check_timeout(timeout_s)
-        self._deadlines[request_id] = self._clock() + budget + self.grace_s
+        self._deadlines.submit(request_id, timeout_s, self._clock())
         try:
             self._sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
@@ -252,18 +244,13 @@ class ControlClient(SubmitClient):
         while True:
             if self._sock.poll(int(timeout_s * 1000)):
                 msg = decode_message(self._sock.recv())
-                if msg["type"] in (Msg.DONE, Msg.FAILED):
-                    self._deadlines.pop(msg["request_id"], None)
+                self._deadlines.answered(msg["type"].value, msg.get("request_id"))
                 yield msg
                 continue
-            now = self._clock()
-            late = sorted(rid for rid, end in self._deadlines.items() if now >= end)
+            late = self._deadlines.expired(self._clock())
             if not late:
                 return
-            for rid in late:
-                del self._deadlines[rid]
-                error = f"request {rid}: no answer from the coordinator by its deadline"
-                yield {"type": Msg.FAILED, "request_id": rid, "error": error}
+            yield from [_no_answer(rid) for rid in late]
 
     def close(self) -> None:
         """Close the socket."""

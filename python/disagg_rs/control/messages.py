@@ -88,10 +88,11 @@ def check_fields(msg: dict[str, Any]) -> None:
     """Check a message the coordinator accepts against its type's schema (the same check
     :func:`decode_message` makes; its ``type`` must be a :class:`Msg`); raises
     :class:`MetadataError` naming the first bad field."""
-    kind = msg.get("type")
+    fields = dict(msg)
+    kind = fields.pop("type", None)
+    fields.pop("v", None)
     if not isinstance(kind, Msg):
         raise MetadataError(f"message type {kind!r:.40} is not a Msg", "type")
-    fields = {k: v for k, v in msg.items() if k not in ("type", "v")}
     try:
         frame = encode_message(kind, **fields)
     except (TypeError, ValueError, OverflowError) as e:  # unpackable fields

@@ -116,46 +116,41 @@ class CoordinatorServer:
                 self._sock.send_multipart(
                     [identity, encode_message(o.kind, **o.fields)], zmq.NOBLOCK
                 )
-            except zmq.Again:  # the peer's queue is full: it does not read
+            except zmq.ZMQError as err:
                 self.undeliverable += 1
-                if o.to_engine is not None:
+                # Again: the peer's queue is full, it does not read (an engine is fenced).
+                if isinstance(err, zmq.Again) and o.to_engine is not None:
                     self.slow_engines[o.to_engine] += 1
                     pending += self.state.fence(
                         o.to_engine, f"engine {o.to_engine} does not read its messages (fenced)"
                     )
-            except zmq.ZMQError:
-                self.undeliverable += 1
 
     def _flush_outbox(self) -> None:
-        while True:
-            try:
-                self._send(self._outbox.get_nowait()())
-            except queue.Empty:
-                return
+        while not self._outbox.empty():  # this thread is the only reader
+            self._send(self._outbox.get_nowait()())
 
     def run_once(self, timeout_ms: int = 10) -> None:
         """Handle the messages that arrive within ``timeout_ms``, then the deadlines."""
         self._flush_outbox()
-        if self._sock.poll(timeout_ms):
-            while True:
-                try:
-                    identity_frame, frame = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                except ValueError:
-                    self.malformed += 1
-                    continue
-                identity = identity_frame.bytes
-                msg, refused = self.state.decode_frame(identity, frame.bytes)
-                if msg is None:
-                    self.malformed += 1
-                    self._send(refused)
-                    continue
-                if not self._authentic(identity, frame, msg):
-                    self.unauthenticated += 1
-                    continue
-                # handle() never raises on input; it counts refused messages itself.
-                self._send(self.state.handle(identity, msg, time.monotonic()))
+        wait = timeout_ms
+        while self._sock.poll(wait):  # then everything that arrived meanwhile
+            wait = 0
+            try:
+                identity_frame, frame = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except ValueError:  # not [identity, frame]
+                self.malformed += 1
+                continue
+            identity = identity_frame.bytes
+            msg, refused = self.state.decode_frame(identity, frame.bytes)
+            if msg is None:
+                self.malformed += 1
+                self._send(refused)
+                continue
+            if not self._authentic(identity, frame, msg):
+                self.unauthenticated += 1
+                continue
+            # handle() never raises on input; it counts refused messages itself.
+            self._send(self.state.handle(identity, msg, time.monotonic()))
         self._send(self.state.poll(time.monotonic()))
 
     def _authentic(self, identity: bytes, frame: zmq.Frame, msg: dict[str, Any]) -> bool:

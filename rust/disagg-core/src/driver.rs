@@ -27,6 +27,8 @@ pub enum MsgKind {
     Abort,
     /// Drain and stop.
     Shutdown,
+    /// The peer table (registered with the engine; never de-duplicated).
+    Peers,
     /// Any other message type (not acted on by the driver).
     Other,
 }
@@ -41,6 +43,7 @@ impl MsgKind {
             "RELEASE_KV" => Self::ReleaseKv,
             "ABORT" => Self::Abort,
             "SHUTDOWN" => Self::Shutdown,
+            "PEERS" => Self::Peers,
             _ => Self::Other,
         }
     }
@@ -54,7 +57,97 @@ impl MsgKind {
     fn opens_attempt(self) -> bool {
         matches!(self, Self::Prefill | Self::SubmitWithKv)
     }
+
+    /// What an engine of `role` does with a message of this kind it accepted (`None`: the
+    /// message is meant for the other role, or for no engine).
+    fn action(self, role: Role) -> Option<Action> {
+        match (self, role) {
+            (Self::Prefill, Role::Prefill) => Some(Action::Prefill),
+            (Self::SendKv, Role::Prefill) => Some(Action::SendKv),
+            (Self::ReleaseKv, Role::Prefill) => Some(Action::Release),
+            (Self::SubmitWithKv, Role::Decode) => Some(Action::Ticket),
+            (Self::Abort, _) => Some(Action::Abort),
+            (Self::Shutdown, _) => Some(Action::Shutdown),
+            _ => None,
+        }
+    }
 }
+
+/// The engine's part in a handoff.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Runs prompts and hands their state over.
+    Prefill,
+    /// Imports handed-over state and decodes.
+    Decode,
+}
+
+impl Role {
+    /// `"decode"` is a decode engine; any other name a prefill engine.
+    pub fn parse(name: &str) -> Self {
+        if name == "decode" {
+            Self::Decode
+        } else {
+            Self::Prefill
+        }
+    }
+}
+
+/// What the driver does with a message it acts on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Register the peer table with the engine.
+    Peers,
+    /// Start a prompt (prefill).
+    Prefill,
+    /// Start an import from a ticket (decode).
+    Ticket,
+    /// Push the pinned state, or fillers (prefill, push transports).
+    SendKv,
+    /// Release pinned blocks (prefill).
+    Release,
+    /// Stop the request.
+    Abort,
+    /// Drain and stop.
+    Shutdown,
+}
+
+impl Action {
+    /// Stable name (`"peers"`, `"prefill"`, `"ticket"`, `"send_kv"`, `"release"`, `"abort"`,
+    /// `"shutdown"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Peers => "peers",
+            Self::Prefill => "prefill",
+            Self::Ticket => "ticket",
+            Self::SendKv => "send_kv",
+            Self::Release => "release",
+            Self::Abort => "abort",
+            Self::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// What the receiving end does with one message before every rank sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Inbound {
+    /// Pass it on as it is.
+    Keep,
+    /// Drop it (a `PEERS` replaced by the announcement of the current table).
+    Drop,
+    /// A ticket: remove any metadata it carries, and attach the metadata of `source` from the
+    /// peer table (`None`: its provenance failed, the ticket has no source).
+    Ticket {
+        /// The peer whose metadata the ticket reads from.
+        source: Option<String>,
+    },
+    /// Attach the metadata of this decode engine (named by the message, in the peer table).
+    DecodeMeta(String),
+}
+
+/// The peer table as the driver's rules read it: engine id -> incarnation (`None` when the
+/// entry has none that is a non-negative int).
+pub type PeerIncarnations = BTreeMap<String, Option<u64>>;
 
 /// What the driver does with one incoming message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,6 +215,10 @@ pub struct EngineDriver {
     epochs: BTreeMap<u64, u64>,
     epoch_order: VecDeque<u64>,
     reported: BTreeSet<(u64, u64)>,
+    sources: BTreeMap<u64, Option<String>>,
+    source_order: VecDeque<u64>,
+    announced: Option<PeerIncarnations>,
+    acted: u64,
     stop_by_ns: Option<u64>,
     idle: u32,
     counters: DriverCounters,
@@ -137,6 +234,10 @@ impl EngineDriver {
             epochs: BTreeMap::new(),
             epoch_order: VecDeque::new(),
             reported: BTreeSet::new(),
+            sources: BTreeMap::new(),
+            source_order: VecDeque::new(),
+            announced: None,
+            acted: 0,
             stop_by_ns: None,
             idle: 0,
             counters: DriverCounters::default(),
@@ -153,7 +254,7 @@ impl EngineDriver {
         epoch: Option<u64>,
     ) -> Verdict {
         match kind {
-            MsgKind::Other => return Verdict::Ignore,
+            MsgKind::Other | MsgKind::Peers => return Verdict::Ignore,
             MsgKind::Shutdown => return Verdict::Act,
             _ => {}
         }
@@ -191,6 +292,108 @@ impl EngineDriver {
             }
         }
         Verdict::Act
+    }
+
+    /// The peer table `table` as it is now: whether it differs from the one last announced
+    /// (the receiving end then announces it to every rank, as a `PEERS` message, and drops the
+    /// `PEERS` messages it received).
+    pub fn announce(&mut self, table: &PeerIncarnations) -> bool {
+        if self.announced.as_ref() == Some(table) {
+            return false;
+        }
+        self.announced = Some(table.clone());
+        true
+    }
+
+    /// What the receiving end does with a message of `kind` before every rank sees it.
+    /// `ticket`: the ticket's named source engine and incarnation, when the message carries a
+    /// ticket that is a map; `decode_engine`: the decode engine the message names; `peers`:
+    /// the peer table; `fresh`: the table is being announced this turn. A ticket reads only
+    /// from the peer table, at the incarnation it names ([`EngineDriver::ticket_source_ok`]).
+    pub fn inbound(
+        &mut self,
+        kind: MsgKind,
+        ticket: Option<(Option<&str>, Option<u64>)>,
+        decode_engine: Option<&str>,
+        peers: &PeerIncarnations,
+        fresh: bool,
+    ) -> Inbound {
+        match (kind, ticket, decode_engine) {
+            (MsgKind::Peers, _, _) if fresh => Inbound::Drop,
+            (MsgKind::SubmitWithKv, Some((engine, named)), _) => {
+                let known = engine.and_then(|e| peers.get(e).copied().flatten());
+                let ok = self.ticket_source_ok(named, known);
+                Inbound::Ticket { source: engine.filter(|_| ok).map(str::to_owned) }
+            }
+            (MsgKind::Prefill | MsgKind::SendKv, _, Some(d)) if peers.contains_key(d) => {
+                Inbound::DecodeMeta(d.to_owned())
+            }
+            _ => Inbound::Keep,
+        }
+    }
+
+    /// What an engine of `role` does with a message of `kind` ([`EngineDriver::accept`], then
+    /// the role's part; `PEERS` is registered when its table is a map, `peers_ok`). A ticket
+    /// acted on names its `source` until its import settles (see
+    /// [`EngineDriver::source_of`]). Counts the messages acted on for [`EngineDriver::turn`].
+    pub fn dispatch(
+        &mut self,
+        role: Role,
+        kind: MsgKind,
+        ids: (Option<u64>, Option<u64>),
+        peers_ok: bool,
+        source: Option<&str>,
+    ) -> Option<Action> {
+        if kind == MsgKind::Peers {
+            return peers_ok.then_some(Action::Peers);
+        }
+        if self.accept(kind, ids.0, ids.1) != Verdict::Act {
+            return None;
+        }
+        let action = kind.action(role)?;
+        self.acted += 1;
+        if let (Action::Ticket, Some(rid)) = (action, ids.0) {
+            if self.sources.insert(rid, source.map(str::to_owned)).is_none() {
+                self.source_order.push_back(rid);
+            }
+            while self.sources.len() > self.capacity {
+                if let Some(old) = self.source_order.pop_front() {
+                    self.sources.remove(&old);
+                }
+            }
+        }
+        Some(action)
+    }
+
+    /// The prefill engine the ticket of `request_id` named, until its import settled (a
+    /// decode names it when it reports posted receives).
+    pub fn source_of(&self, request_id: u64) -> Option<&str> {
+        self.sources.get(&request_id).and_then(Option::as_deref)
+    }
+
+    /// Imports that settled, `(request_id, failed)` in order (`quarantined`: those whose reads
+    /// may still run): the reports to send, once per attempt ([`EngineDriver::import_settled`]).
+    /// Each request's ticket source is forgotten.
+    pub fn imports_settled(
+        &mut self,
+        settled: &[(u64, bool)],
+        quarantined: &BTreeSet<u64>,
+    ) -> Vec<(u64, ImportReport)> {
+        let mut out = Vec::new();
+        for &(rid, failed) in settled {
+            if self.sources.remove(&rid).is_some() {
+                self.source_order.retain(|r| *r != rid);
+            }
+            let report = self.import_settled(rid, failed, quarantined.contains(&rid));
+            out.extend(report.map(|r| (rid, r)));
+        }
+        out
+    }
+
+    /// The epoch to stamp on an outcome of `request_id`: `epoch` when the caller has one, else
+    /// the request's attempt ([`EngineDriver::outcome_epoch`]; `None`: drop the outcome).
+    pub fn stamp(&mut self, request_id: u64, epoch: Option<u64>) -> Option<u64> {
+        epoch.or_else(|| self.outcome_epoch(request_id))
     }
 
     /// Whether a ticket's source may be read: the ticket names its source engine at
@@ -265,10 +468,11 @@ impl EngineDriver {
         }
     }
 
-    /// One serving turn ended (`had_messages`, engine `busy`); returns how long the next poll
-    /// may wait for a message, in milliseconds (0 while there is anything to do or the engine
-    /// was idle only briefly).
-    pub fn turn(&mut self, had_messages: bool, busy: bool) -> u32 {
+    /// One serving turn ended (engine `busy`; whether messages were acted on is counted by
+    /// [`EngineDriver::dispatch`]); returns how long the next poll may wait for a message, in
+    /// milliseconds (0 while there is anything to do or the engine was idle only briefly).
+    pub fn turn(&mut self, busy: bool) -> u32 {
+        let had_messages = std::mem::take(&mut self.acted) > 0;
         self.idle = if had_messages || busy { 0 } else { self.idle.saturating_add(1) };
         if busy || self.idle < IDLE_TURNS {
             0
@@ -416,11 +620,120 @@ mod tests {
     fn an_idle_driver_waits_only_after_many_idle_turns() {
         let mut d = EngineDriver::new(4);
         for _ in 0..IDLE_TURNS - 1 {
-            assert_eq!(d.turn(false, false), 0);
+            assert_eq!(d.turn(false), 0);
         }
-        assert_eq!(d.turn(false, false), IDLE_POLL_MS);
-        assert_eq!(d.turn(true, false), 0);
-        assert_eq!(d.turn(false, true), 0);
+        assert_eq!(d.turn(false), IDLE_POLL_MS);
+        d.dispatch(Role::Prefill, MsgKind::Shutdown, (None, None), false, None);
+        assert_eq!(d.turn(false), 0);
+        assert_eq!(d.turn(true), 0);
+    }
+
+    fn table(entries: &[(&str, Option<u64>)]) -> PeerIncarnations {
+        entries.iter().map(|(e, i)| ((*e).to_owned(), *i)).collect()
+    }
+
+    #[test]
+    fn a_changed_peer_table_is_announced_once() {
+        let mut d = EngineDriver::new(8);
+        let empty = table(&[]);
+        assert!(d.announce(&empty));
+        assert!(!d.announce(&empty));
+        let one = table(&[("p0", Some(1))]);
+        assert!(d.announce(&one));
+        assert!(!d.announce(&one));
+        assert!(d.announce(&table(&[("p0", Some(2))])));
+        // Announced this turn: the PEERS messages received are replaced; otherwise kept.
+        assert_eq!(d.inbound(MsgKind::Peers, None, None, &one, true), Inbound::Drop);
+        assert_eq!(d.inbound(MsgKind::Peers, None, None, &one, false), Inbound::Keep);
+    }
+
+    #[test]
+    fn a_ticket_reads_only_from_its_named_incarnation_and_work_names_its_decode() {
+        let mut d = EngineDriver::new(8);
+        let peers = table(&[("p0", Some(3)), ("d0", Some(1)), ("px", None)]);
+        let sub = MsgKind::SubmitWithKv;
+        let ok = d.inbound(sub, Some((Some("p0"), Some(3))), None, &peers, false);
+        assert_eq!(ok, Inbound::Ticket { source: Some("p0".into()) });
+        for named in [(Some("p0"), Some(2)), (Some("px"), Some(0)), (Some("zz"), Some(3))] {
+            let got = d.inbound(sub, Some(named), None, &peers, false);
+            assert_eq!(got, Inbound::Ticket { source: None }, "{named:?}");
+        }
+        assert_eq!(
+            d.inbound(sub, Some((None, Some(3))), None, &peers, false),
+            Inbound::Ticket { source: None }
+        );
+        assert_eq!(d.counters().forged, 4);
+        assert_eq!(d.inbound(sub, None, None, &peers, false), Inbound::Keep);
+        for kind in [MsgKind::Prefill, MsgKind::SendKv] {
+            let got = d.inbound(kind, None, Some("d0"), &peers, false);
+            assert_eq!(got, Inbound::DecodeMeta("d0".into()));
+            assert_eq!(d.inbound(kind, None, Some("d9"), &peers, false), Inbound::Keep);
+        }
+        assert_eq!(d.inbound(MsgKind::ReleaseKv, None, Some("d0"), &peers, false), Inbound::Keep);
+    }
+
+    #[test]
+    fn each_role_acts_only_on_its_own_messages() {
+        let all = [
+            MsgKind::Prefill,
+            MsgKind::SubmitWithKv,
+            MsgKind::SendKv,
+            MsgKind::ReleaseKv,
+            MsgKind::Abort,
+            MsgKind::Shutdown,
+            MsgKind::Other,
+        ];
+        for (role, acts) in [
+            (Role::Prefill, vec!["prefill", "send_kv", "release", "abort", "shutdown"]),
+            (Role::Decode, vec!["ticket", "abort", "shutdown"]),
+        ] {
+            let mut d = EngineDriver::new(8);
+            let got: Vec<_> = all
+                .iter()
+                .filter_map(|k| d.dispatch(role, *k, (Some(1), Some(1)), false, None))
+                .map(Action::name)
+                .collect();
+            assert_eq!(got, acts);
+            // A message meant for the other role is still recorded: its duplicate is dropped.
+            assert_eq!(d.counters().duplicates, 0);
+            assert_eq!(d.dispatch(role, MsgKind::Prefill, (Some(1), Some(1)), false, None), None);
+            assert_eq!(d.counters().duplicates, 1);
+        }
+        let mut d = EngineDriver::new(8);
+        assert_eq!(
+            d.dispatch(Role::Decode, MsgKind::Peers, (None, None), true, None),
+            Some(Action::Peers)
+        );
+        assert_eq!(d.dispatch(Role::Decode, MsgKind::Peers, (None, None), false, None), None);
+        assert_eq!(Role::parse("decode"), Role::Decode);
+        assert_eq!(Role::parse("anything"), Role::Prefill);
+    }
+
+    #[test]
+    fn a_ticket_names_its_source_until_its_import_settles_and_each_outcome_is_stamped() {
+        let mut d = EngineDriver::new(8);
+        let ticket = |d: &mut EngineDriver, rid, epoch, src| {
+            d.dispatch(Role::Decode, MsgKind::SubmitWithKv, (Some(rid), Some(epoch)), false, src)
+        };
+        assert_eq!(ticket(&mut d, 1, 2, Some("p0")), Some(Action::Ticket));
+        assert_eq!(ticket(&mut d, 2, 5, None), Some(Action::Ticket));
+        assert_eq!((d.source_of(1), d.source_of(2), d.source_of(3)), (Some("p0"), None, None));
+        assert_eq!(d.stamp(1, Some(9)), Some(9));
+        assert_eq!(d.stamp(1, None), Some(2));
+        assert_eq!(d.stamp(3, None), None);
+        assert_eq!(d.counters().unknown, 1);
+        let quarantined: BTreeSet<u64> = [2].into();
+        let reports =
+            d.imports_settled(&[(1, false), (2, true), (3, true), (1, false)], &quarantined);
+        assert_eq!(
+            reports,
+            vec![
+                (1, ImportReport { epoch: 2, ok: true, quiet: false }),
+                (2, ImportReport { epoch: 5, ok: false, quiet: false }),
+            ]
+        );
+        assert_eq!(d.source_of(1), None);
+        assert!(d.sources.is_empty() && d.source_order.is_empty());
     }
 
     #[test]
@@ -429,8 +742,10 @@ mod tests {
         for rid in 0..1000 {
             d.accept(MsgKind::Prefill, Some(rid), Some(0));
             d.import_settled(rid, false, false);
+            d.dispatch(Role::Decode, MsgKind::SubmitWithKv, (Some(rid), Some(0)), false, None);
         }
         assert!(d.seen.len() <= 8 && d.seen_order.len() <= 8);
+        assert!(d.sources.len() <= 8 && d.source_order.len() <= 8);
         assert!(d.epochs.len() <= 8 && d.reported.len() <= 8);
     }
 }

@@ -7,7 +7,7 @@
 //! `[unit_start, unit_start + n_units)`.
 
 use crate::error::{DisaggError, DisaggResult};
-use crate::layout::{KvShardLayout, SsmShardLayout};
+use crate::layout::{KvShardLayout, Span, SsmBand, SsmShardLayout};
 
 /// The table shapes of a model given any rank's layouts, in order `kv`, `conv`, `recurrent`
 /// (those the model has): `kv` is `[num_chunks, 2, layers, kv heads]`, `conv` `[ssm layers,
@@ -148,6 +148,19 @@ fn unravel(mut flat: u64, shape: &[u64]) -> Vec<u64> {
         flat /= d;
     }
     idx
+}
+
+/// One rank's part of the conv table, per band: `(band, units, local channels)`, the units
+/// global (x head `h` is unit `h`, B group `g` is `num_heads + g`, C group `g` is
+/// `num_heads + n_groups + g`) and the band's channels in this rank's local conv state.
+pub fn conv_bands(layout: &SsmShardLayout) -> [(&'static str, Span, Span); 3] {
+    let (d, heads, groups) = (layout.dims, layout.heads, layout.groups);
+    let shift = |s: Span, by: u32| Span::new(s.lo + by, s.hi + by);
+    [
+        ("x", heads, layout.band(SsmBand::X).local),
+        ("B", shift(groups, d.num_heads), layout.band(SsmBand::B).local),
+        ("C", shift(groups, d.num_heads + d.n_groups), layout.band(SsmBand::C).local),
+    ]
 }
 
 /// The full tables (per name of `shapes`, row-major) from every rank's `pieces`: the first
@@ -434,5 +447,18 @@ mod shape_tests {
             other => panic!("{other:?}"),
         }
         assert!(shapes(None, None, 1).unwrap().is_empty());
+    }
+
+    #[test]
+    fn conv_bands_name_each_band_by_its_global_units_and_local_channels() {
+        let dims = SsmStateDims::new(4, 2, 3, 2, 4).unwrap();
+        let spec = SsmLayoutSpec { tp_size: 2, tp_rank: 1, ..SsmLayoutSpec::single_rank(5, dims) };
+        let l = SsmShardLayout::new(spec).unwrap();
+        // heads [2, 4) (2 channels each), groups [1, 2) (3 channels each).
+        let s = Span::new;
+        assert_eq!(
+            conv_bands(&l),
+            [("x", s(2, 4), s(0, 4)), ("B", s(5, 6), s(4, 7)), ("C", s(7, 8), s(7, 10))]
+        );
     }
 }

@@ -21,6 +21,7 @@ pub mod integrity;
 pub mod integrity_tables;
 pub mod layout;
 pub mod ledger;
+pub mod link;
 pub mod nixl_route;
 pub mod p2p_header;
 pub mod packed_items;
@@ -43,7 +44,10 @@ pub use compile::{
     ListKind, ModeChoice, RegionTable, RowBuf, RowForm, SliceRows, SourceProgram, SourceStats,
     SrcBlockIds, SrcSlots, SsmTransferRequest, TransferMode, TransferProgram,
 };
-pub use driver::{DriverCounters, EngineDriver, ImportReport, MsgKind, Verdict};
+pub use driver::{
+    Action, DriverCounters, EngineDriver, ImportReport, Inbound, MsgKind, PeerIncarnations, Role,
+    Verdict,
+};
 pub use error::{DisaggError, DisaggResult};
 pub use geometry::{KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart};
 pub use layout::{

@@ -2,11 +2,12 @@
 
 use disagg_core::wire::control;
 use disagg_core::wire::msgpack::Value;
+use disagg_core::{coordinator, link};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3::IntoPyObjectExt;
 
-use crate::args::Int;
+use crate::args::{Int, Real};
 use crate::error::IntoPyResult;
 
 fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
@@ -35,6 +36,20 @@ fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
     })
 }
 
+/// A decoded message as a dict, `type` as given (its wire name or a `Msg`).
+fn message<'py>(
+    py: Python<'py>,
+    msg: &control::ControlMessage,
+    kind: Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let dict = PyDict::new(py);
+    dict.set_item("type", kind)?;
+    for (k, v) in &msg.fields {
+        dict.set_item(k, to_py(py, v)?)?;
+    }
+    Ok(dict)
+}
+
 /// Decode one control frame and check it against its type's schema; returns the message as a
 /// dict (`type` as its wire name). Raises `MetadataError` naming the bad field.
 #[pyfunction]
@@ -45,26 +60,83 @@ pub fn decode_control_message<'py>(
     to_coordinator: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let msg = control::decode_message(data, to_coordinator).py()?;
-    let dict = PyDict::new(py);
-    dict.set_item("type", msg.kind.name())?;
-    for (k, v) in &msg.fields {
-        dict.set_item(k, to_py(py, v)?)?;
+    message(py, &msg, msg.kind.name().into_pyobject(py)?.into_any())
+}
+
+/// A client's request deadlines (`disagg_core::link::ClientDeadlines`); seconds on the
+/// caller's clock.
+#[pyclass(module = "disagg_rs._core")]
+pub struct ClientDeadlines(link::ClientDeadlines);
+
+#[pymethods]
+impl ClientDeadlines {
+    #[new]
+    fn new(default_timeout_s: f64, grace_s: f64) -> Self {
+        Self(link::ClientDeadlines::new(default_timeout_s, grace_s))
     }
-    Ok(dict)
+
+    /// `request_id` submitted at `now` with `timeout_s` (`None`: the default; otherwise
+    /// checked as a timeout, `ArgumentError` naming `timeout_s`).
+    #[pyo3(signature = (request_id, timeout_s, now))]
+    fn submit(&mut self, request_id: i64, timeout_s: Option<Real>, now: f64) -> PyResult<()> {
+        let t = timeout_s.map(|t| coordinator::timeout_seconds("timeout_s", &t.0)).transpose();
+        self.0.submit(request_id, t.py()?, now);
+        Ok(())
+    }
+
+    /// A message named `kind` about `request_id` arrived (`DONE` and `FAILED` end it).
+    #[pyo3(signature = (kind, request_id))]
+    fn answered(&mut self, kind: &str, request_id: Option<i64>) {
+        if let Some(k) = control::Kind::from_name(kind) {
+            self.0.answered(k, request_id);
+        }
+    }
+
+    /// The requests past their deadline at `now`, in id order (each once).
+    fn expired(&mut self, now: f64) -> Vec<i64> {
+        self.0.expired(now)
+    }
 }
 
 /// An engine's view of its coordinator (`disagg_core::wire::control::LinkLiveness`): liveness
 /// through acknowledged heartbeats, and the requests to abort when it is lost. Times are
 /// seconds on the caller's clock.
 #[pyclass(module = "disagg_rs._core")]
-pub struct LinkLiveness(control::LinkLiveness);
+pub struct LinkLiveness(link::EngineInbox);
 
 #[pymethods]
 impl LinkLiveness {
     #[new]
     #[pyo3(signature = (timeout_s, now))]
     fn new(timeout_s: Option<f64>, now: f64) -> PyResult<Self> {
-        Ok(Self(control::LinkLiveness::new(timeout_s, now).py()?))
+        Ok(Self(link::EngineInbox::new(timeout_s, now).py()?))
+    }
+
+    /// The `frames` that arrived by `now`: `(messages, peers, register)`, the messages for
+    /// the engine (`type` a `Msg`), the newest peer table (`peers` when none came) and
+    /// whether to register again.
+    fn receive<'py>(
+        &mut self,
+        py: Python<'py>,
+        frames: Vec<Bound<'py, PyBytes>>,
+        peers: Bound<'py, PyAny>,
+        now: f64,
+    ) -> PyResult<(Vec<Bound<'py, PyDict>>, Bound<'py, PyAny>, bool)> {
+        let frames: Vec<&[u8]> = frames.iter().map(PyBytesMethods::as_bytes).collect();
+        let got = self.0.receive(&frames, now);
+        let msg_class = py.import("disagg_rs.control.messages")?.getattr("Msg")?;
+        let kind = |m: &control::ControlMessage| msg_class.call1((m.kind.name(),));
+        let msgs =
+            got.messages.iter().map(|m| message(py, m, kind(m)?)).collect::<PyResult<_>>()?;
+        let peers =
+            got.peers.map(|p| to_py(py, &p)).transpose()?.map_or(peers, |p| p.into_bound(py));
+        Ok((msgs, peers, got.register))
+    }
+
+    /// Whether a `REGISTER` was sent and its `REGISTERED` has not come yet.
+    #[getter]
+    fn awaiting_registered(&self) -> bool {
+        self.0.awaiting_registered()
     }
 
     /// The engine sent (or dropped, `delivered` false) a `kind` message about `request_id`.
@@ -73,45 +145,45 @@ impl LinkLiveness {
         self.0.sent_named(kind, request_id.map(|r| r.0).as_ref(), delivered, now);
     }
 
-    /// A message arrived; returns whether the coordinator was lost and is back.
-    #[pyo3(signature = (kind, request_id, epoch, now))]
-    fn received(
-        &mut self,
-        kind: &str,
-        request_id: Option<Int>,
-        epoch: Option<Int>,
-        now: f64,
-    ) -> bool {
-        let (r, e) = (request_id.map(|r| r.0), epoch.map(|e| e.0));
-        self.0.received_named(kind, r.as_ref(), e.as_ref(), now)
-    }
-
     /// Whether a heartbeat is due (taken as sent when it is).
     fn heartbeat_due(&mut self, interval_s: f64, now: f64) -> bool {
-        self.0.heartbeat_due(interval_s, now)
+        self.0.liveness.heartbeat_due(interval_s, now)
     }
 
     /// The `(request_id, epoch)` pairs to abort when the coordinator has just been declared
     /// lost at `now`; empty otherwise.
     fn check(&mut self, now: f64) -> Vec<(i64, i64)> {
-        self.0.check(now)
+        self.0.liveness.check(now)
     }
 
     /// Whether the coordinator is declared lost now.
     #[getter]
     fn lost(&self) -> bool {
-        self.0.lost()
+        self.0.liveness.lost()
     }
 
     /// When the coordinator was last heard from.
     #[getter]
     fn last_heard(&self) -> f64 {
-        self.0.last_heard()
+        self.0.liveness.last_heard()
     }
 
     /// `losses` (times the coordinator was declared lost) and `abandoned` (requests handed
     /// back to abort).
     fn counters(&self) -> std::collections::HashMap<&'static str, u64> {
-        [("losses", self.0.losses()), ("abandoned", self.0.abandoned())].into()
+        let live = &self.0.liveness;
+        [("losses", live.losses()), ("abandoned", live.abandoned())].into()
+    }
+
+    /// Times the coordinator fenced this engine (it then registered again).
+    #[getter]
+    fn fenced(&self) -> u64 {
+        self.0.fenced()
+    }
+
+    /// Undecodable frames dropped.
+    #[getter]
+    fn malformed(&self) -> u64 {
+        self.0.malformed()
     }
 }

@@ -22,6 +22,16 @@ pub fn integrity_shapes(
     disagg_core::integrity_tables::shapes(kv, ssm, num_chunks).py()
 }
 
+/// A conv band: `(band, global units [lo, hi), local channels [lo, hi))`.
+type Band = (&'static str, (u32, u32), (u32, u32));
+
+/// One rank's part of the conv table per band, bands `x`, `B`, `C` in order.
+#[pyfunction]
+pub fn integrity_conv_bands(layout: PyRef<'_, PySsmShardLayout>) -> Vec<Band> {
+    let bands = disagg_core::integrity_tables::conv_bands(&layout.inner);
+    bands.into_iter().map(|(b, u, c)| (b, (u.lo, u.hi), (c.lo, c.hi))).collect()
+}
+
 /// A piece as given: table name, first layer, first unit, entries (`uint64`, any shape).
 type PieceArg<'py> = (String, u64, u64, PyReadonlyArrayDyn<'py, u64>);
 

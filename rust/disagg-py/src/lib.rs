@@ -55,7 +55,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     export!(
         m,
         classes: [
-            control::LinkLiveness, control_step::CoordinatorCore, control_step::FaultPlan, layout::PyKvShardLayout, layout::PySsmStateDims,
+            control::LinkLiveness, control::ClientDeadlines, control_step::CoordinatorCore, control_step::FaultPlan, layout::PyKvShardLayout, layout::PySsmStateDims,
             layout::PySsmShardLayout, reshard::PyKvReshardTransfer, reshard::PyKvReshardPlan,
             reshard::PySsmReshardTransfer, reshard::PySsmReshardPlan, pool::PyBlockPool,
             pool::PySlotPool, staging::PyStagingRanges, staging::PyPullParts, ledger::PyLedgerAction,
@@ -82,7 +82,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             stream::stream_abort_msg, stream::stream_abort_msgs,
             stream::staging_release, stream::chunk_read_slot_bytes, stream::stale_peers,
             refticket::reference_prefill_metas, refticket::reference_push_metas,
-            integrity_tables::integrity_merge, integrity_tables::integrity_shapes,
+            integrity_tables::integrity_merge, integrity_tables::integrity_shapes, integrity_tables::integrity_conv_bands,
             integrity_tables::integrity_first_mismatch, integrity_tables::integrity_mismatch_text,
             backend_rules::group_layouts, backend_rules::chunkable, backend_rules::staging_slots,
             backend_rules::check_slot_capacity, backend_rules::check_chunk_blocks,
