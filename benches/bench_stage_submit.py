@@ -43,14 +43,20 @@ def main() -> None:
     dst_meta = dec.export_meta()
     ranks = [(root, 0), (other, 1)]
     stage_us: list[float] = []
+    busy: list[float] = []
+    khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 1_980_000)  # SM clock
+    cycles = int(args.busy_ms * khz)
 
-    def stage_only() -> None:
-        """Each rank stages its copy and releases it (no read: the host time of the call)."""
+    def stage_only(times: list[float] = stage_us, sleep: int = 0) -> None:
+        """Each rank stages its copy and releases it (no read: the host time of the call);
+        with ``sleep``, behind a kernel of that many GPU cycles (its packs queue)."""
         for b, r in ranks:
+            if sleep:
+                torch.cuda._sleep(sleep)
             t0 = time.perf_counter_ns()
             t = b.stage_blocks(dst_meta, case.sids[r], src_metas=case.metas,
                                num_tokens=case.tokens)  # fmt: skip
-            stage_us.append((time.perf_counter_ns() - t0) / 1e3)
+            times.append((time.perf_counter_ns() - t0) / 1e3)
             torch.cuda.synchronize()
             b.poll_streams()
             b.release_staged(t)
@@ -79,32 +85,16 @@ def main() -> None:
         kept = [q for q in queued if q >= 0]
         print(f"| stage_blocks, {args.queued} back to back, GPU queue not drained (median of "
               f"{len(kept)}) | {statistics.median(kept):,.1f} us |")  # fmt: skip
-    busy: list[float] = []
-    khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 1_980_000)  # SM clock
-    cycles = int(args.busy_ms * khz)
-
-    def stage_busy() -> None:
-        """Each rank stages its copy behind a busy GPU (its packs queue), then drains."""
-        for b, r in ranks:
-            torch.cuda._sleep(cycles)
-            t0 = time.perf_counter_ns()
-            t = b.stage_blocks(dst_meta, case.sids[r], src_metas=case.metas,
-                               num_tokens=case.tokens)  # fmt: skip
-            busy.append((time.perf_counter_ns() - t0) / 1e3)
-            torch.cuda.synchronize()
-            b.poll_streams()
-            b.release_staged(t)
-
     if args.busy_ms > 0:
         for _ in range(args.repeat):
-            stage_busy()
+            stage_only(busy, cycles)
         print(f"| stage_blocks, GPU busy {args.busy_ms:g} ms before each call (median of "
               f"{len(busy)}) | {statistics.median(busy):,.1f} us |")  # fmt: skip
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(20):
-            stage_busy() if args.busy_ms > 0 else stage_only()
+            stage_only(busy, cycles)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     case.close()
