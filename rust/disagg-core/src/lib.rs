@@ -23,6 +23,7 @@ pub mod layout;
 pub mod ledger;
 pub mod nixl_route;
 pub mod p2p_header;
+pub mod peer_records;
 pub mod pool;
 pub mod pull_parts;
 pub mod reference;
@@ -57,4 +58,4 @@ pub use reshard::{
     local_range, plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer,
     SsmReshardPlan, SsmReshardTransfer,
 };
-pub use staging::{lay_out_ids, pull_ids_len, write_pull_ids, PullIds, StagingRanges};
+pub use staging::{lay_out_ids, pull_ids, pull_ids_len, write_pull_ids, PullIds, StagingRanges};

@@ -281,6 +281,26 @@ pub fn write_pull_ids(
     Ok(lay_out_ids(ranks, src, dst, n_tok, tokens_per_block, out))
 }
 
+/// [`write_pull_ids`]; for peers and ids the caller checked already (`checked`: `num_tokens`
+/// is the count [`check_transfer`] returned), only [`lay_out_ids`] (`None` without a count).
+pub fn pull_ids(
+    checked: bool,
+    peers: &[&PeerMeta],
+    ranks: &[u32],
+    src: &SourceIds,
+    dst: Option<&[i64]>,
+    num_tokens: Option<i64>,
+    local: LocalSide,
+    tokens_per_block: u32,
+    out: &mut [i64],
+) -> DisaggResult<Option<PullIds>> {
+    if !checked {
+        return write_pull_ids(peers, ranks, src, dst, num_tokens, local, tokens_per_block, out);
+    }
+    let n_tok = num_tokens.and_then(|n| u64::try_from(n).ok());
+    Ok(n_tok.and_then(|n| lay_out_ids(ranks, src, dst, n, tokens_per_block, out)))
+}
+
 /// [`write_pull_ids`] of ids the caller has checked already ([`check_transfer`] returned
 /// `n_tok` for them): the layout alone, `None` when the ids do not fit it.
 #[must_use]
@@ -595,7 +615,14 @@ mod tests {
                 for (j, ids) in [&dst, &s0, &s1].into_iter().enumerate() {
                     want[j * stride..j * stride + n_blk].copy_from_slice(ids);
                 }
-                prop_assert_eq!(out, want);
+                prop_assert_eq!(&out, &want);
+                // Checked already: the same layout, no second check.
+                let mut again = vec![-7_i64; 16];
+                let got = pull_ids(true, &[], &[0, 1], &src, Some(&dst), Some(n_tok), LOCAL, 2, &mut again);
+                prop_assert_eq!(got.unwrap().map(|g| g.len), Some(3 * stride));
+                prop_assert_eq!(&again, &want);
+                let none = pull_ids(true, &[], &[0, 1], &src, Some(&dst), None, LOCAL, 2, &mut again);
+                prop_assert_eq!(none.unwrap(), None);
             }
 
             #[test]

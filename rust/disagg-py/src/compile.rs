@@ -116,7 +116,8 @@ fn put(d: &Bound<'_, PyDict>, figures: &[(&str, u64)]) -> PyResult<()> {
     figures.iter().try_for_each(|(k, v)| d.set_item(k, v))
 }
 
-type DescPair<'py> = (Bound<'py, PyArray2<u64>>, Bound<'py, PyArray2<u64>>);
+type Rows2<'py> = Bound<'py, PyArray2<u64>>;
+type DescPair<'py> = (Rows2<'py>, Rows2<'py>);
 type Any<'py> = Bound<'py, PyAny>;
 
 impl PyTransferProgram {
@@ -172,7 +173,8 @@ methods {
     #[pyo3(signature = (src_rank, src_staging=Int::of(0), dst_staging=Int::of(0), *, out=None),
         text_signature = "($self, src_rank, src_staging=0, dst_staging=0, *, out=None)")]
     fn descriptors<'py>(&self, py: Python<'py>, src_rank: Int, src_staging: Int,
-        dst_staging: Int, out: Option<Typed<(Any<'py>, Any<'py>)>>) -> PyResult<(Any<'py>, Any<'py>)> {
+        dst_staging: Int, out: Option<Typed<(Any<'py>, Any<'py>)>>)
+        -> PyResult<(Any<'py>, Any<'py>)> {
         conv!(src_rank: U32, src_staging: U64, dst_staging: U64);
         let (p, (src, dst)) = (&self.inner, (src_staging, dst_staging));
         let Some(out) = out else {
@@ -225,12 +227,12 @@ methods {
     }
     /// Nx6 `uint64` strided gather runs `(src_addr, packed_offset, len, count, src_stride,
     /// packed_stride)`; fragment `k < count` starts at `addr + k * stride` on each side.
-    fn gather_runs<'py>(&self, py: Python<'py>, src_rank: Int) -> PyResult<Bound<'py, PyArray2<u64>>> {
+    fn gather_runs<'py>(&self, py: Python<'py>, src_rank: Int) -> PyResult<Rows2<'py>> {
         self.runs(py, src_rank, false)
     }
     /// Nx6 `uint64` strided scatter runs `(packed_offset, dst_addr, len, count,
     /// packed_stride, dst_stride)`.
-    fn scatter_runs<'py>(&self, py: Python<'py>, src_rank: Int) -> PyResult<Bound<'py, PyArray2<u64>>> {
+    fn scatter_runs<'py>(&self, py: Python<'py>, src_rank: Int) -> PyResult<Rows2<'py>> {
         self.runs(py, src_rank, true)
     }
     /// The block-id-free table a device kernel walks (see `disagg_rs.transfer_backends.
@@ -238,7 +240,8 @@ methods {
     /// packed_coef, row_bytes)`) and the scalars `tokens_per_block`, `src_block_stride`,
     /// `src_token_stride`, `dst_block_stride`, `dst_token_stride`; `None` for SSM state and
     /// for KV transfers of another shape (HND caches, block-size changes, `token_start > 0`).
-    fn device_plan<'py>(&self, py: Python<'py>, src_rank: u32) -> PyResult<Option<Bound<'py, PyDict>>> {
+    fn device_plan<'py>(&self, py: Python<'py>, src_rank: u32)
+        -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(plan) = self.inner.device_plan(src_rank).py()? else { return Ok(None) };
         let d = [("planes", rows_to_numpy(py, plan.planes.clone())?)].into_py_dict(py)?;
         put(&d, &plan.scalars())?;
@@ -332,12 +335,9 @@ pub fn py_compile_ssm_transfer(
     let (mode, cost) = mode_cost(&mode, &per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
     conv!(dst_slot: Opt<Id>);
     let src_slots = if let Ok(m) = src_slot.cast::<PyMapping>() {
-        let mut per_rank = Vec::new();
-        for item in m.items()?.iter() {
-            let (k, v): (Int, Int) = item.extract()?;
-            per_rank.push((k.0, v.0));
-        }
-        SrcSlots::given(None, &per_rank).py()?
+        let per_rank: Vec<(Int, Int)> = m.items()?.extract()?;
+        SrcSlots::given(None, &per_rank.into_iter().map(|(k, v)| (k.0, v.0)).collect::<Vec<_>>())
+            .py()?
     } else {
         SrcSlots::given(Some(&src_slot.extract::<Int>()?.0), &[]).py()?
     };

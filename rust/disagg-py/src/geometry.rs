@@ -270,11 +270,10 @@ fn layer_spec(
         .map(|t| t.map_err(|e| retype(tensors.py(), e, not_a_list)))
         .collect::<PyResult<Vec<_>>>()?;
     // `(K, V)` pairs per layer: separate key and value tensors.
-    let pair = kv_pair;
-    if items.first().is_some_and(|t| pair(t).is_some()) {
+    if items.first().is_some_and(|t| kv_pair(t).is_some()) {
         let (mut keys, mut values) = (Vec::new(), Vec::new());
         for (i, t) in items.iter().enumerate() {
-            let p = pair(t).ok_or_else(|| {
+            let p = kv_pair(t).ok_or_else(|| {
                 geo_err(
                     "tensors",
                     format!("tensors[{i}] is {}, not a (K, V) pair like tensors[0]", describe(t)),
@@ -292,10 +291,8 @@ fn layer_spec(
 
 /// `LayoutArgs` from the layout keyword arguments (`tp_size=...`).
 fn layout_args(layout: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutArgs> {
-    let mut named: Vec<(String, Option<Int>)> = Vec::new();
-    for (key, value) in layout.into_iter().flat_map(PyDictMethods::iter) {
-        named.push((key.extract()?, value.extract()?));
-    }
+    let named: Vec<(String, Option<Int>)> =
+        layout.map_or(Ok(Vec::new()), |d| d.items().extract())?;
     let named: Vec<_> = named.iter().map(|(k, v)| (k.as_str(), v.as_ref().map(|x| &x.0))).collect();
     LayoutArgs::from_named(&named).py()
 }

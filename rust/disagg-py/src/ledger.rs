@@ -77,7 +77,8 @@ convs! {
     Destinations: Vec<Py<PyAny>> => Vec<Option<PushDestination>>
         = |_f, v| Python::attach(|py| v.iter().map(|m| push_destination(m.bind(py))).collect());
     /// Request ids.
-    Rids: Vec<Int> => Vec<u64> = |_f, v| v.into_iter().map(|r| U64::conv("request_id", r)).collect();
+    Rids: Vec<Int> => Vec<u64>
+        = |_f, v| v.into_iter().map(|r| U64::conv("request_id", r)).collect();
     /// `(request_id, flag)` pairs.
     RidPairs: Vec<(Int, bool)> => Vec<(u64, bool)>
         = |_f, v| v.into_iter().map(|(r, b)| Ok((U64::conv("request_id", r)?, b))).collect();

@@ -149,25 +149,25 @@ pub fn write_pull_ids(
     let dst = dst_block_ids.map(|d| ids_of(d, "dst_block_ids")).transpose()?;
     let local = crate::wire::local_side(dst.is_some(), local_num_blocks, local_tokens_per_block)?;
     conv!(tokens_per_block: U32, num_tokens: Opt<BlockI64>);
-    let n = num_tokens;
     let mut view = out.try_readwrite().map_err(|e| {
         pyo3::exceptions::PyValueError::new_err(format!("out is not writable: {e}"))
     })?;
     let slot = view.as_slice_mut().map_err(|e| {
         pyo3::exceptions::PyValueError::new_err(format!("out is not contiguous: {e}"))
     })?;
-    let got = match (checked, n.map(u64::try_from)) {
-        (true, Some(Ok(n))) => {
-            disagg_core::lay_out_ids(&ranks, &src, dst.as_deref(), n, tokens_per_block, slot)
-        }
-        (true, _) => None,
-        (false, _) => {
-            let peers = metas(&srcs);
-            let dst = dst.as_deref();
-            disagg_core::write_pull_ids(&peers, &ranks, &src, dst, n, local, tokens_per_block, slot)
-                .py()?
-        }
-    };
+    let (peers, dst) = (metas(&srcs), dst.as_deref());
+    let got = disagg_core::pull_ids(
+        checked,
+        &peers,
+        &ranks,
+        &src,
+        dst,
+        num_tokens,
+        local,
+        tokens_per_block,
+        slot,
+    )
+    .py()?;
     Ok(got.map(|g| (g.num_tokens, g.num_blocks, g.stride, g.len)))
 }
 
