@@ -58,4 +58,4 @@ pub use reshard::{
     local_range, plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer,
     SsmReshardPlan, SsmReshardTransfer,
 };
-pub use staging::{lay_out_ids, pull_ids, pull_ids_len, write_pull_ids, PullIds, StagingRanges};
+pub use staging::{lay_out_ids, pull_ids_len, write_pull_ids, PullIds, StagingRanges};

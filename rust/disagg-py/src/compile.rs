@@ -243,8 +243,12 @@ methods {
     fn device_plan<'py>(&self, py: Python<'py>, src_rank: u32)
         -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(plan) = self.inner.device_plan(src_rank).py()? else { return Ok(None) };
-        let d = [("planes", rows_to_numpy(py, plan.planes.clone())?)].into_py_dict(py)?;
-        put(&d, &plan.scalars())?;
+        let d = [("planes", rows_to_numpy(py, plan.planes)?)].into_py_dict(py)?;
+        d.set_item("tokens_per_block", plan.tokens_per_block)?;
+        d.set_item("src_block_stride", plan.src_block_stride)?;
+        d.set_item("src_token_stride", plan.src_token_stride)?;
+        d.set_item("dst_block_stride", plan.dst_block_stride)?;
+        d.set_item("dst_token_stride", plan.dst_token_stride)?;
         Ok(Some(d))
     }
     /// Figures: totals plus `sources[src_rank]` = mode, descriptors, fragments, bytes.

@@ -35,17 +35,17 @@ pub struct PyLedgerAction {
 py_methods!(PyLedgerAction,
 get {
     kind: &'static str = (kind);
-    request_id: u64 = (request_id);
-    epoch: u64 = (epoch);
+    request_id: u64 = (start.request_id);
+    epoch: u64 = (start.epoch);
     reason: Option<&'static str> = (reason);
     quarantined: bool = (quarantined);
-    token_start: u32 = (token_start);
-    src_block_ids: Vec<u32> = (src_block_ids.clone());
-    dst_block_ids: Vec<u32> = (dst_block_ids.clone());
-    cached_block_ids: Vec<u32> = (cached_block_ids.clone());
-    continuation_block_ids: Vec<u32> = (continuation_block_ids.clone());
+    token_start: u32 = (start.token_start);
+    src_block_ids: Vec<u32> = (start.src_block_ids.clone());
+    dst_block_ids: Vec<u32> = (start.dst_block_ids.clone());
+    cached_block_ids: Vec<u32> = (start.cached_block_ids.clone());
+    continuation_block_ids: Vec<u32> = (start.continuation_block_ids.clone());
     block_ids: Vec<u32> = (block_ids.clone());
-    ssm_slot: Option<u32> = (ssm_slot);
+    ssm_slot: Option<u32> = (start.ssm_slot);
 }
 span {}
 range {}

@@ -156,7 +156,7 @@ pub fn write_pull_ids(
         pyo3::exceptions::PyValueError::new_err(format!("out is not contiguous: {e}"))
     })?;
     let (peers, dst) = (metas(&srcs), dst.as_deref());
-    let got = disagg_core::pull_ids(
+    let got = disagg_core::write_pull_ids(
         checked,
         &peers,
         &ranks,

@@ -41,19 +41,6 @@ pub struct KvDevicePlan {
     pub dst_token_stride: u64,
 }
 
-impl KvDevicePlan {
-    /// The scalars by name, in declaration order.
-    pub fn scalars(&self) -> [(&'static str, u64); 5] {
-        [
-            ("tokens_per_block", self.tokens_per_block),
-            ("src_block_stride", self.src_block_stride),
-            ("src_token_stride", self.src_token_stride),
-            ("dst_block_stride", self.dst_block_stride),
-            ("dst_token_stride", self.dst_token_stride),
-        ]
-    }
-}
-
 impl KvWork {
     /// The plan, or `None` when the transfer does not have its shape: a first moved token that
     /// is not 0, different `tokens_per_block` on the two sides, or the heads of one token not

@@ -10,53 +10,32 @@ use super::{FailReason, LedgerAction, ReleaseCause, StartImport};
 pub struct ActionRecord {
     /// `start`, `admit`, `complete`, `fail` or `release`.
     pub kind: &'static str,
-    /// The request.
-    pub request_id: u64,
-    /// The attempt (or pin) epoch.
-    pub epoch: u64,
+    /// The request and epoch of every kind; the transfers of `start` (empty otherwise); the
+    /// SSM slot of `start` and `admit`.
+    pub start: StartImport,
     /// A failure's reason or a release's cause, by name.
     pub reason: Option<&'static str>,
     /// Whether a failed attempt's destinations went to quarantine.
     pub quarantined: bool,
-    /// `start`: the first prompt token transferred.
-    pub token_start: u32,
-    /// `start`: source blocks to read.
-    pub src_block_ids: Vec<u32>,
-    /// `start`: local blocks that receive them.
-    pub dst_block_ids: Vec<u32>,
-    /// `start`: cached prefix blocks reused.
-    pub cached_block_ids: Vec<u32>,
-    /// `start`: blocks reserved for the resume tokens and lookahead.
-    pub continuation_block_ids: Vec<u32>,
     /// `admit`: every block of the request in token order.
     pub block_ids: Vec<u32>,
-    /// `start` and `admit`: the SSM slot.
-    pub ssm_slot: Option<u32>,
 }
 
 impl ActionRecord {
     fn empty(kind: &'static str, request_id: u64, epoch: u64) -> Self {
-        Self { kind, request_id, epoch, ..Self::default() }
+        let start = StartImport { request_id, epoch, ..StartImport::default() };
+        Self { kind, start, ..Self::default() }
     }
 }
 
 impl From<LedgerAction> for ActionRecord {
     fn from(a: LedgerAction) -> Self {
         match a {
-            LedgerAction::StartImport(s) => {
-                let StartImport { request_id, epoch, token_start, ssm_slot, .. } = s;
-                Self {
-                    token_start,
-                    src_block_ids: s.src_block_ids,
-                    dst_block_ids: s.dst_block_ids,
-                    cached_block_ids: s.cached_block_ids,
-                    continuation_block_ids: s.continuation_block_ids,
-                    ssm_slot,
-                    ..Self::empty("start", request_id, epoch)
-                }
-            }
+            LedgerAction::StartImport(start) => Self { kind: "start", start, ..Self::default() },
             LedgerAction::Admit { request_id, epoch, block_ids, ssm_slot } => {
-                Self { block_ids, ssm_slot, ..Self::empty("admit", request_id, epoch) }
+                let mut r = Self { block_ids, ..Self::empty("admit", request_id, epoch) };
+                r.start.ssm_slot = ssm_slot;
+                r
             }
             LedgerAction::CompleteWithoutForward { request_id, epoch } => {
                 Self::empty("complete", request_id, epoch)
@@ -89,22 +68,21 @@ impl<T: fmt::Display> fmt::Display for PyOpt<T> {
 /// The Python repr: `LedgerAction(admit, request_id=1, epoch=2, block_ids=[3], ssm_slot=None)`.
 impl fmt::Display for ActionRecord {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let (rid, epoch) = (self.request_id, self.epoch);
+        let s = &self.start;
+        let (rid, epoch) = (s.request_id, s.epoch);
         write!(f, "LedgerAction({}, request_id={rid}, epoch={epoch}, ", self.kind)?;
         match self.kind {
             "start" => write!(
                 f,
                 "token_start={}, src={:?}, dst={:?}, cached={:?}, continuation={:?}, ssm_slot={})",
-                self.token_start,
-                self.src_block_ids,
-                self.dst_block_ids,
-                self.cached_block_ids,
-                self.continuation_block_ids,
-                PyOpt(self.ssm_slot)
+                s.token_start,
+                s.src_block_ids,
+                s.dst_block_ids,
+                s.cached_block_ids,
+                s.continuation_block_ids,
+                PyOpt(s.ssm_slot)
             ),
-            "admit" => {
-                write!(f, "block_ids={:?}, ssm_slot={})", self.block_ids, PyOpt(self.ssm_slot))
-            }
+            "admit" => write!(f, "block_ids={:?}, ssm_slot={})", self.block_ids, PyOpt(s.ssm_slot)),
             _ => {
                 let reason = PyOpt(self.reason.map(|r| format!("'{r}'")));
                 let quarantined = if self.quarantined { "True" } else { "False" };
@@ -132,7 +110,7 @@ mod tests {
         });
         let r = ActionRecord::from(start);
         assert_eq!(
-            (r.kind, r.token_start, r.ssm_slot, r.block_ids.len()),
+            (r.kind, r.start.token_start, r.start.ssm_slot, r.block_ids.len()),
             ("start", 16, Some(7), 0)
         );
         assert_eq!(
