@@ -25,6 +25,7 @@ pub mod link;
 pub mod nixl_route;
 pub mod p2p_header;
 pub mod packed_items;
+pub mod peer_records;
 pub mod pool;
 pub mod pull_parts;
 pub mod refdecode;

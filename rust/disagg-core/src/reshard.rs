@@ -265,6 +265,17 @@ impl KvReshardTransfer {
     pub fn dst_local_heads(&self) -> Span {
         self.heads.relative_to(self.dst_head_start)
     }
+    /// Every span by name: global `layers` and `heads`, then the local ones of each side.
+    pub fn named_spans(&self) -> [(&'static str, Span); 6] {
+        [
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("src_local_layers", self.src_local_layers()),
+            ("src_local_heads", self.src_local_heads()),
+            ("dst_local_layers", self.dst_local_layers()),
+            ("dst_local_heads", self.dst_local_heads()),
+        ]
+    }
     /// Bytes this transfer moves per token (K and V); `AddressOverflow` past `u64`.
     pub fn bytes_per_token(&self, head_dim: u64, element_size: u64) -> DisaggResult<u64> {
         [u64::from(self.layers.len()), u64::from(self.heads.len()), head_dim, element_size]
@@ -514,6 +525,24 @@ impl fmt::Display for SsmReshardTransfer {
     }
 }
 
+/// `KVReshardPlan(3 transfers, 2 sources -> 1 destinations)`.
+impl fmt::Display for KvReshardPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (n, s, d) = (self.transfers.len(), self.srcs.len(), self.dsts.len());
+        write!(f, "KVReshardPlan({n} transfers, {s} sources -> {d} destinations)")
+    }
+}
+
+/// `SSMReshardPlan(12 single-layer transfers in 4 ranges, 2 sources -> 1 destinations)`.
+impl fmt::Display for SsmReshardPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let cut: u64 = self.transfers.iter().map(|t| u64::from(t.layers.len())).sum();
+        let (n, s, d) = (self.transfers.len(), self.srcs.len(), self.dsts.len());
+        write!(f, "SSMReshardPlan({cut} single-layer transfers in {n} ranges, ")?;
+        write!(f, "{s} sources -> {d} destinations)")
+    }
+}
+
 impl fmt::Display for KvReshardTransfer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -717,6 +746,11 @@ mod tests {
     fn matched_layouts_give_one_transfer_per_rank() {
         let p = plan_kv_reshard(&kv_side(2, 1, 4, 8, 0), &kv_side(2, 1, 4, 8, 0)).unwrap();
         assert_eq!(p.transfers.len(), 2);
+        assert_eq!(p.to_string(), "KVReshardPlan(2 transfers, 2 sources -> 2 destinations)");
+        let spans = p.transfers[1].named_spans();
+        assert_eq!(spans[1], ("heads", Span::new(4, 8)));
+        assert_eq!(spans[3], ("src_local_heads", Span::new(0, 4)));
+        assert_eq!(spans[5].0, "dst_local_heads");
         assert_eq!(p.transfers[0].heads, Span::new(0, 4));
         p.verify().unwrap();
     }
@@ -775,6 +809,12 @@ mod tests {
         let p = plan_ssm_reshard(&side(2, 0), &side(1, 5)).unwrap();
         let cut = p.per_layer();
         assert_eq!(cut.len(), 3 * p.transfers.len());
+        let shown = format!(
+            "SSMReshardPlan({} single-layer transfers in {} ranges, 2 sources -> 1 destinations)",
+            cut.len(),
+            p.transfers.len()
+        );
+        assert_eq!(p.to_string(), shown);
         assert!(cut.iter().all(|t| t.layers.len() == 1));
         assert_eq!(cut[0].layers, Span::new(0, 1));
         assert_eq!(cut.last().unwrap().layers, Span::new(2, 3));

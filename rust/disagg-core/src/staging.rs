@@ -257,6 +257,8 @@ pub fn pull_ids_len(dst_len: usize, sources: usize) -> usize {
 /// `ranks[j]` at `j * stride`. Every part starts on an even index (16-byte aligned on the
 /// device).
 ///
+/// `checked`: the caller checked these peers and ids already and `num_tokens` is the count
+/// [`check_transfer`] returned; only the layout is written (`None` without a count).
 /// `tokens_per_block` is the plan's block size. `Ok(None)`: the ids do not fit this layout
 /// (SSM state, a side whose id count is not the plan's block count for the tokens moved, a
 /// rank without ids, `out` too short); the caller takes its general path, which names the
@@ -266,6 +268,7 @@ pub fn pull_ids_len(dst_len: usize, sources: usize) -> usize {
 /// What [`check_transfer`] raises (`MetadataError`, `BlockIdError`).
 #[allow(clippy::too_many_arguments)]
 pub fn write_pull_ids(
+    checked: bool,
     peers: &[&PeerMeta],
     ranks: &[u32],
     src: &SourceIds,
@@ -275,6 +278,10 @@ pub fn write_pull_ids(
     tokens_per_block: u32,
     out: &mut [i64],
 ) -> DisaggResult<Option<PullIds>> {
+    if checked {
+        let n_tok = num_tokens.and_then(|n| u64::try_from(n).ok());
+        return Ok(n_tok.and_then(|n| lay_out_ids(ranks, src, dst, n, tokens_per_block, out)));
+    }
     let Some(n_tok) = check_transfer(peers, src, dst, num_tokens, local)? else {
         return Ok(None);
     };
@@ -528,9 +535,18 @@ mod tests {
                 (SourceIds::Shared(vec![0, 1]), vec![3, 3]),
             ] {
                 let want = check_transfer(&[&a, &b], &src, Some(&dst), None, LOCAL).unwrap_err();
-                let got =
-                    write_pull_ids(&[&a, &b], &[0, 1], &src, Some(&dst), None, LOCAL, 2, &mut out)
-                        .unwrap_err();
+                let got = write_pull_ids(
+                    false,
+                    &[&a, &b],
+                    &[0, 1],
+                    &src,
+                    Some(&dst),
+                    None,
+                    LOCAL,
+                    2,
+                    &mut out,
+                )
+                .unwrap_err();
                 assert_eq!(got.to_string(), want.to_string());
                 assert!(out.iter().all(|&x| x == -7));
             }
@@ -550,6 +566,7 @@ mod tests {
             ];
             for (k, (src, dst, n, ranks, room)) in cases.into_iter().enumerate() {
                 let got = write_pull_ids(
+                    false,
                     &[&a, &b],
                     ranks,
                     &src,
@@ -582,7 +599,7 @@ mod tests {
                     SourceIds::PerRank(vec![(1, s1.clone()), (0, s0.clone())])
                 };
                 let mut out = vec![-7_i64; 16];
-                let got = write_pull_ids(&[&a, &b], &[0, 1], &src, Some(&dst), Some(n_tok), LOCAL, 2, &mut out)
+                let got = write_pull_ids(false, &[&a, &b], &[0, 1], &src, Some(&dst), Some(n_tok), LOCAL, 2, &mut out)
                     .unwrap()
                     .unwrap();
                 let stride = n_blk + n_blk % 2;
@@ -595,7 +612,14 @@ mod tests {
                 for (j, ids) in [&dst, &s0, &s1].into_iter().enumerate() {
                     want[j * stride..j * stride + n_blk].copy_from_slice(ids);
                 }
-                prop_assert_eq!(out, want);
+                prop_assert_eq!(&out, &want);
+                // Checked already: the same layout, no second check.
+                let mut again = vec![-7_i64; 16];
+                let got = write_pull_ids(true, &[], &[0, 1], &src, Some(&dst), Some(n_tok), LOCAL, 2, &mut again);
+                prop_assert_eq!(got.unwrap().map(|g| g.len), Some(3 * stride));
+                prop_assert_eq!(&again, &want);
+                let none = write_pull_ids(true, &[], &[0, 1], &src, Some(&dst), None, LOCAL, 2, &mut again);
+                prop_assert_eq!(none.unwrap(), None);
             }
 
             #[test]
@@ -614,10 +638,10 @@ mod tests {
                 let bad = SourceIds::PerRank(vec![(0, vec![9; n_blk]), (1, s1.clone())]);
                 let want = check_transfer(&[&a, &b], &bad, None, Some(n_tok), local).unwrap_err();
                 let mut out = vec![-7_i64; 8];
-                let got = write_pull_ids(&[&a, &b], &[rank], &bad, None, Some(n_tok), local, 2, &mut out);
+                let got = write_pull_ids(false, &[&a, &b], &[rank], &bad, None, Some(n_tok), local, 2, &mut out);
                 prop_assert_eq!(got.unwrap_err().to_string(), want.to_string());
                 // ... and only this rank's ids are laid out, from index 0.
-                let got = write_pull_ids(&[&a, &b], &[rank], &src, None, Some(n_tok), local, 2, &mut out)
+                let got = write_pull_ids(false, &[&a, &b], &[rank], &src, None, Some(n_tok), local, 2, &mut out)
                     .unwrap()
                     .unwrap();
                 let stride = n_blk + n_blk % 2;

@@ -27,6 +27,7 @@ use std::collections::VecDeque;
 
 use crate::error::{DisaggError, DisaggResult};
 use crate::packed_items::PackedItems;
+use crate::wire::ticket::StagingTicket;
 
 /// Most slots a stream may hold in the source's pool.
 pub const MAX_STREAM_SLOTS: usize = 16;
@@ -559,6 +560,41 @@ impl StreamSink {
             self.ready.fill(false);
         }
         self
+    }
+
+    /// The read of staging ticket `t`'s packed copy of `n_tok` tokens whose device plan rows
+    /// are `rows` (see [`chunk_ranges`]), through `dst_slots` decode slots of `slot_bytes`:
+    /// the ticket's stream cut in its chunk size (each chunk checked against the source's
+    /// slots), else the copy held whole cut in `slot_bytes`, read once the ticket's
+    /// announcement has come when it names one.
+    pub fn of_ticket(
+        t: &StagingTicket,
+        rows: &[(u64, u64)],
+        tokens_per_block: u64,
+        n_tok: u64,
+        slot_bytes: u64,
+        dst_slots: usize,
+    ) -> DisaggResult<Self> {
+        let size = t.stream.as_ref().map_or(slot_bytes, |st| st.chunk_bytes);
+        let chunks = chunk_ranges(rows, tokens_per_block, n_tok, size)?;
+        match &t.stream {
+            Some(st) => Self::new(st.id, chunks, st.offsets.clone(), st.slot_bytes, dst_slots),
+            None => Self::whole(chunks, t.offset, dst_slots).map(|s| s.gated_by(t)),
+        }
+    }
+
+    /// The read of staging ticket `t`'s packed copy held whole, in one piece into one slot of
+    /// its size (once the ticket's announcement has come, when it names one).
+    pub fn one_piece(t: &StagingTicket) -> DisaggResult<Self> {
+        Self::whole(vec![[0, 0, 0, t.nbytes]], t.offset, 1).map(|s| s.gated_by(t))
+    }
+
+    /// Gated by the announcement `t` names, if any.
+    fn gated_by(self, t: &StagingTicket) -> Self {
+        match t.ready {
+            Some(id) => self.gated(id, t.nbytes),
+            None => self,
+        }
     }
 
     /// The stream whose notifications this read takes: the stream, or the announcement of

@@ -507,3 +507,33 @@ fn kinds_and_reads_have_names() {
     let streamed = StreamSink::new(5, vec![[0, 1, 0, 8]], vec![0], 8, 1).unwrap();
     assert_eq!(streamed.kind_name(), "streamed");
 }
+
+#[test]
+fn a_ticket_read_follows_its_stream_or_waits_for_its_announcement() {
+    use crate::wire::ticket::{StagingTicket, StreamTicket};
+    let whole = StagingTicket {
+        src_rank: 0,
+        incarnation: 1,
+        staged: true,
+        offset: 4096,
+        nbytes: 192,
+        stream: None,
+        ready: None,
+    };
+    let rows = rows_of(&[4, 8]);
+    // Held whole, cut in 64-byte slots: every chunk ready at once, no mailbox.
+    let mut sink = StreamSink::of_ticket(&whole, &rows, 4, 16, 64, 2).unwrap();
+    assert_eq!((sink.mailbox(), sink.reads().len()), (None, 2));
+    // Announced: nothing is read before the announcement.
+    let announced = StagingTicket { ready: Some(7), ..whole.clone() };
+    let mut sink = StreamSink::of_ticket(&announced, &rows, 4, 16, 64, 2).unwrap();
+    assert_eq!((sink.mailbox(), sink.reads().len()), (Some(7), 0));
+    let mut one = StreamSink::one_piece(&announced).unwrap();
+    assert_eq!((one.chunks().to_vec(), one.reads().len()), (vec![[0, 0, 0, 192]], 0));
+    // Streamed: the stream's chunk size and slots.
+    let st = StreamTicket { id: 3, chunk_bytes: 96, slot_bytes: 96, offsets: vec![0, 96] };
+    let streamed = StagingTicket { stream: Some(st), offset: 0, ..whole };
+    let sink = StreamSink::of_ticket(&streamed, &rows, 4, 16, 64, 2).unwrap();
+    assert_eq!(sink.mailbox(), Some(3));
+    assert!(sink.chunks().iter().all(|c| c[3] - c[2] <= 96));
+}

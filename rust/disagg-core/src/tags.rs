@@ -72,6 +72,33 @@ pub fn two_sided_tag(request_id: i64, kind: TagKind) -> DisaggResult<i64> {
     Ok(request_id * KINDS + kind as i64)
 }
 
+/// [`two_sided_tag`] of the kind called `kind` for a request id read as `Some(i64)`, or
+/// `None` for a value that is not a 64-bit int (`repr` shows it in the error).
+pub fn two_sided_tag_named(
+    request_id: Option<i64>,
+    repr: impl FnOnce() -> String,
+    kind: &str,
+) -> DisaggResult<i64> {
+    let kind = TagKind::from_name(kind)?;
+    let rid = request_id.unwrap_or(-1);
+    match two_sided_tag(rid, kind) {
+        Err(_) if rid == -1 => Err(DisaggError::Argument {
+            field: "request_id".into(),
+            detail: format!(
+                "request_id={} must be an int in [0, {MAX_TWO_SIDED_REQUEST_ID}] on a two-sided \
+                 transport (its message tags are 31-bit)",
+                repr()
+            ),
+        }),
+        r => r,
+    }
+}
+
+/// [`tag_owner`] with the kind by name.
+pub fn tag_owner_named(tag: i64) -> DisaggResult<(i64, &'static str)> {
+    tag_owner(tag).map(|(rid, kind)| (rid, kind.name()))
+}
+
 /// The request and kind a tag was made from (the inverse of [`two_sided_tag`]).
 pub fn tag_owner(tag: i64) -> DisaggResult<(i64, TagKind)> {
     let kind = TagKind::ALL.into_iter().find(|k| *k as i64 == tag.rem_euclid(KINDS));
@@ -149,6 +176,15 @@ mod tests {
                 other => panic!("{rid}: {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_request_id_that_is_not_a_64_bit_int_is_refused_showing_what_was_given() {
+        assert_eq!(two_sided_tag_named(Some(5), String::new, "conv").unwrap(), 5 * KINDS + 1);
+        let e = two_sided_tag_named(None, || "2**70".into(), "kv").unwrap_err();
+        assert!(e.to_string().contains("request_id=2**70 must be an int in [0, "), "{e}");
+        assert!(two_sided_tag_named(Some(5), String::new, "ssm").is_err());
+        assert_eq!(tag_owner_named(5 * KINDS + 2).unwrap(), (5, "recurrent"));
     }
 
     #[test]

@@ -299,3 +299,23 @@ fn duplicate_destination_blocks_and_missing_destinations_are_block_errors() {
     let p = compile_kv_transfer(&request(None, ModeChoice::Staged, false)).unwrap();
     assert_eq!(p.scatter(0).unwrap_err().kind(), "Block");
 }
+
+#[test]
+fn packed_lists_pick_gather_or_scatter_and_the_display_names_each_source() {
+    let p = compile_kv_transfer(&request(Some(vec![5, 2]), ModeChoice::Staged, false)).unwrap();
+    assert_eq!(p.src_ranks(), vec![0, 1]);
+    for s in &p.sources {
+        let r = s.src_rank;
+        assert_eq!(p.packed(r, false).unwrap(), p.gather(r).unwrap());
+        assert_eq!(p.packed(r, true).unwrap(), p.scatter(r).unwrap());
+        assert_eq!(p.packed_runs(r, false).unwrap(), p.gather_runs(r).unwrap());
+        assert_eq!(p.packed_runs(r, true).unwrap(), p.scatter_runs(r).unwrap());
+        let mut out = vec![[0_u64; 3]; p.scatter(r).unwrap().len()];
+        let n = p.packed_into(r, true, &mut out).unwrap();
+        assert_eq!(out[..n], p.scatter(r).unwrap()[..]);
+    }
+    let b = p.source(0).unwrap().packed_bytes;
+    let want =
+        format!("TransferProgram(dst_rank=10, sources={{0: staged {b} B, 1: staged {b} B}})");
+    assert_eq!(p.to_string(), want);
+}

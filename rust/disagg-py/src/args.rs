@@ -63,12 +63,12 @@ pub type Flag = Arg<bool>;
 
 /// The core's checks of an argument, as Python errors.
 macro_rules! checks {
-    ($($t:ty { of($o:ty); $(fn $name:ident($($a:ident: $at:ty),*) -> $ret:ty;)* })*) => {$(
+    ($($t:ty { $(of($o:ty);)? $(fn $name:ident($($a:ident: $at:ty),*) -> $ret:ty;)* })*) => {$(
         impl Arg<$t> {
-            /// A default value in a `#[pyo3(signature)]`.
+            $(/// A default value in a `#[pyo3(signature)]`.
             pub fn of(v: $o) -> Self {
                 Self(Given::<$t>::of(v))
-            }
+            })?
             $(#[allow(missing_docs)]
             pub fn $name(&self, $($a: $at),*) -> PyResult<$ret> {
                 self.0.$name($($a),*).py()
@@ -88,20 +88,10 @@ checks! {
     String { of(&str); fn get(field: &str) -> &str; }
     f64 { of(f64); fn positive(field: &str) -> f64; }
     bool { of(bool); fn get(field: &str) -> bool; }
-}
-
-impl IntList {
-    /// Every value in `[0, 2**32)`; errors name `field[i]`.
-    pub fn to_u32s(&self, kind: Kind, field: &str) -> PyResult<Vec<u32>> {
-        self.0.to_u32s(kind, field).py()
-    }
-    /// Every value in `[0, 2**64)`; errors name `field[i]`.
-    pub fn to_u64s(&self, kind: Kind, field: &str) -> PyResult<Vec<u64>> {
-        self.0.to_u64s(kind, field).py()
-    }
-    /// Every value in `[-2**63, 2**63)`; errors name `field[i]`.
-    pub fn to_i64s(&self, kind: Kind, field: &str) -> PyResult<Vec<i64>> {
-        self.0.to_i64s(kind, field).py()
+    Vec<i128> {
+        fn to_u32s(kind: Kind, field: &str) -> Vec<u32>;
+        fn to_u64s(kind: Kind, field: &str) -> Vec<u64>;
+        fn to_i64s(kind: Kind, field: &str) -> Vec<i64>;
     }
 }
 
@@ -184,17 +174,6 @@ macro_rules! conv {
     };
 }
 pub(crate) use conv;
-
-macro_rules! int_from {
-    ($($v:ty),*) => {$(
-        impl From<$v> for Int {
-            fn from(v: $v) -> Self {
-                Self(Given(Ok(i128::from(v))))
-            }
-        }
-    )*};
-}
-int_from!(i64, u64, i128, u32);
 
 /// Read one Python value as an integer: ints and objects with `__index__` (numpy and torch
 /// integer scalars); never a bool, a float or a string.

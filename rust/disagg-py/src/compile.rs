@@ -9,17 +9,15 @@ use disagg_core::{
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyMapping, PySlice};
+use pyo3::types::{IntoPyDict, PyDict, PyMapping, PySlice};
 
-use crate::args::{conv, describe, err, type_err, Int, IntList, Kind, Real, Text, Typed, U32, U64};
-use crate::error::IntoPyResult;
+use crate::args::{
+    conv, describe, err, type_err, Conv, Id, Ids, Int, IntList, Kind, Opt, Real, Text, Typed, U32,
+    U64,
+};
+use crate::error::{py_methods, IntoPyResult};
 use crate::geometry::{PyKvGeometry, PySsmGeometry};
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
-
-/// A list of ints or a 1-D integer numpy array or torch tensor, as `u32` block ids.
-fn block_list(field: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    obj.extract::<IntList>()?.to_u32s(Kind::Block, field)
-}
 
 fn parse_src_block_ids(obj: &Bound<'_, PyAny>) -> PyResult<SrcBlockIds> {
     let Ok(m) = obj.cast::<PyDict>() else {
@@ -110,80 +108,63 @@ fn mode_cost(
 /// `packed_bytes(src_rank)` and the packed offsets are per (source rank, this destination).
 #[pyclass(name = "TransferProgram", module = "disagg_rs", frozen)]
 pub struct PyTransferProgram {
-    inner: TransferProgram,
+    pub(crate) inner: TransferProgram,
 }
 
-impl PyTransferProgram {
-    /// Wrap a compiled program.
-    pub(crate) fn new(inner: TransferProgram) -> Self {
-        Self { inner }
-    }
+/// Set `figures` in `d`, in order.
+fn put(d: &Bound<'_, PyDict>, figures: &[(&str, u64)]) -> PyResult<()> {
+    figures.iter().try_for_each(|(k, v)| d.set_item(k, v))
 }
 
-type DescPair<'py> = (Bound<'py, PyArray2<u64>>, Bound<'py, PyArray2<u64>>);
+type Rows2<'py> = Bound<'py, PyArray2<u64>>;
+type DescPair<'py> = (Rows2<'py>, Rows2<'py>);
+type Any<'py> = Bound<'py, PyAny>;
 
 impl PyTransferProgram {
     /// `gather` and `scatter` (`scatter` picks the list): one implementation.
-    fn packed_list<'py>(
+    fn packed<'py>(
         &self,
         py: Python<'py>,
-        src_rank: Int,
-        out: Option<Bound<'py, PyAny>>,
+        src: Int,
+        out: Option<Any<'py>>,
         scatter: bool,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let p = &self.inner;
-        conv!(src_rank: U32);
-        if let Some(o) = out {
-            return fill_one(py, &o, |rows| {
-                if scatter {
-                    p.scatter_into(src_rank, rows)
-                } else {
-                    p.gather_into(src_rank, rows)
-                }
-            });
+    ) -> PyResult<Any<'py>> {
+        let (p, src) = (&self.inner, U32::conv("src_rank", src)?);
+        match out {
+            Some(o) => fill_one(py, &o, |rows| p.packed_into(src, scatter, rows)),
+            None => Ok(rows_to_numpy(py, py.detach(|| p.packed(src, scatter)).py()?)?.into_any()),
         }
-        let rows =
-            py.detach(|| if scatter { p.scatter(src_rank) } else { p.gather(src_rank) }).py()?;
-        Ok(rows_to_numpy(py, rows)?.into_any())
     }
 
     /// `gather_runs` and `scatter_runs`: one implementation.
-    fn packed_runs<'py>(
+    fn runs<'py>(
         &self,
         py: Python<'py>,
-        src_rank: Int,
+        src: Int,
         scatter: bool,
     ) -> PyResult<Bound<'py, PyArray2<u64>>> {
-        let p = &self.inner;
-        conv!(src_rank: U32);
-        let rows = py
-            .detach(|| if scatter { p.scatter_runs(src_rank) } else { p.gather_runs(src_rank) })
-            .py()?;
-        rows_to_numpy(py, rows)
+        let src = U32::conv("src_rank", src)?;
+        rows_to_numpy(py, py.detach(|| self.inner.packed_runs(src, scatter)).py()?)
     }
 }
 
-#[pymethods]
-impl PyTransferProgram {
+py_methods!(PyTransferProgram,
+get {
     /// Global rank of the destination this program is for.
-    #[getter]
-    fn dst_rank(&self) -> u32 {
-        self.inner.dst_rank
-    }
+    dst_rank: u32 = (dst_rank);
     /// Source ranks that send something, ascending.
-    #[getter]
-    fn src_ranks(&self) -> Vec<u32> {
-        self.inner.sources.iter().map(|s| s.src_rank).collect()
-    }
+    src_ranks: Vec<u32> = (src_ranks());
+}
+span {}
+range {}
+methods {
     /// `"direct"` or `"staged"`.
     fn mode(&self, src_rank: Int) -> PyResult<&'static str> {
-        conv!(src_rank: U32);
-        Ok(self.inner.source(src_rank).py()?.mode.name())
+        Ok(self.inner.source(U32::conv("src_rank", src_rank)?).py()?.mode.name())
     }
     /// Bytes of the packed region `[0, packed_bytes)` of this (source, destination) pair.
     fn packed_bytes(&self, src_rank: Int) -> PyResult<u64> {
-        conv!(src_rank: U32);
-        Ok(self.inner.source(src_rank).py()?.packed_bytes)
+        Ok(self.inner.source(U32::conv("src_rank", src_rank)?).py()?.packed_bytes)
     }
     /// `(src, dst)` Nx3 `uint64` arrays `(addr, len, device_id)` for the transport; staged
     /// sources give one row at the packed regions' addresses `src_staging` / `dst_staging`.
@@ -191,31 +172,23 @@ impl PyTransferProgram {
     /// are written there and views of the first rows come back.
     #[pyo3(signature = (src_rank, src_staging=Int::of(0), dst_staging=Int::of(0), *, out=None),
         text_signature = "($self, src_rank, src_staging=0, dst_staging=0, *, out=None)")]
-    fn descriptors<'py>(
-        &self,
-        py: Python<'py>,
-        src_rank: Int,
-        src_staging: Int,
-        dst_staging: Int,
-        out: Option<Typed<(Bound<'py, PyAny>, Bound<'py, PyAny>)>>,
-    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    fn descriptors<'py>(&self, py: Python<'py>, src_rank: Int, src_staging: Int,
+        dst_staging: Int, out: Option<Typed<(Any<'py>, Any<'py>)>>)
+        -> PyResult<(Any<'py>, Any<'py>)> {
         conv!(src_rank: U32, src_staging: U64, dst_staging: U64);
-        let out = out.map(|o| o.get("out", "a pair of numpy arrays")).transpose()?;
-        if let Some((src_o, dst_o)) = out {
-            let (sa, da) = (out_array(&src_o)?, out_array(&dst_o)?);
-            disagg_core::args::distinct_outs(sa.is(&da)).py()?;
-            let (mut sw, mut dw) = (writable(&sa)?, writable(&da)?);
-            let (srows, drows) = (rows_mut(&mut sw)?, rows_mut(&mut dw)?);
-            let p = &self.inner;
-            let n = py
-                .detach(|| p.descriptors_into(src_rank, src_staging, dst_staging, srows, drows))
-                .py()?;
-            drop((sw, dw));
-            return Ok((head(&sa, n)?, head(&da, n)?));
-        }
-        let (s, d) =
-            py.detach(|| self.inner.descriptors(src_rank, src_staging, dst_staging)).py()?;
-        Ok((rows_to_numpy(py, s)?.into_any(), rows_to_numpy(py, d)?.into_any()))
+        let (p, (src, dst)) = (&self.inner, (src_staging, dst_staging));
+        let Some(out) = out else {
+            let (s, d) = py.detach(|| p.descriptors(src_rank, src, dst)).py()?;
+            return Ok((rows_to_numpy(py, s)?.into_any(), rows_to_numpy(py, d)?.into_any()));
+        };
+        let (src_o, dst_o) = out.get("out", "a pair of numpy arrays")?;
+        let (sa, da) = (out_array(&src_o)?, out_array(&dst_o)?);
+        disagg_core::args::distinct_outs(sa.is(&da)).py()?;
+        let (mut sw, mut dw) = (writable(&sa)?, writable(&da)?);
+        let (srows, drows) = (rows_mut(&mut sw)?, rows_mut(&mut dw)?);
+        let n = py.detach(|| p.descriptors_into(src_rank, src, dst, srows, drows)).py()?;
+        drop((sw, dw));
+        Ok((head(&sa, n)?, head(&da, n)?))
     }
     /// Exact rows of one list: `which` is "descriptors", "gather" or "scatter" (to size `out`).
     fn row_count(&self, py: Python<'_>, src_rank: Int, which: Text) -> PyResult<u64> {
@@ -242,57 +215,35 @@ impl PyTransferProgram {
     }
     /// Mx3 `uint64` `(src_addr, len, packed_offset)`; needs no destination blocks.
     #[pyo3(signature = (src_rank, *, out=None))]
-    fn gather<'py>(
-        &self,
-        py: Python<'py>,
-        src_rank: Int,
-        out: Option<Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        self.packed_list(py, src_rank, out, false)
+    fn gather<'py>(&self, py: Python<'py>, src_rank: Int, out: Option<Any<'py>>)
+        -> PyResult<Any<'py>> {
+        self.packed(py, src_rank, out, false)
     }
     /// Mx3 `uint64` `(packed_offset, dst_addr, len)`.
     #[pyo3(signature = (src_rank, *, out=None))]
-    fn scatter<'py>(
-        &self,
-        py: Python<'py>,
-        src_rank: Int,
-        out: Option<Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        self.packed_list(py, src_rank, out, true)
+    fn scatter<'py>(&self, py: Python<'py>, src_rank: Int, out: Option<Any<'py>>)
+        -> PyResult<Any<'py>> {
+        self.packed(py, src_rank, out, true)
     }
     /// Nx6 `uint64` strided gather runs `(src_addr, packed_offset, len, count, src_stride,
     /// packed_stride)`; fragment `k < count` starts at `addr + k * stride` on each side.
-    fn gather_runs<'py>(
-        &self,
-        py: Python<'py>,
-        src_rank: Int,
-    ) -> PyResult<Bound<'py, PyArray2<u64>>> {
-        self.packed_runs(py, src_rank, false)
+    fn gather_runs<'py>(&self, py: Python<'py>, src_rank: Int) -> PyResult<Rows2<'py>> {
+        self.runs(py, src_rank, false)
     }
     /// Nx6 `uint64` strided scatter runs `(packed_offset, dst_addr, len, count,
     /// packed_stride, dst_stride)`.
-    fn scatter_runs<'py>(
-        &self,
-        py: Python<'py>,
-        src_rank: Int,
-    ) -> PyResult<Bound<'py, PyArray2<u64>>> {
-        self.packed_runs(py, src_rank, true)
+    fn scatter_runs<'py>(&self, py: Python<'py>, src_rank: Int) -> PyResult<Rows2<'py>> {
+        self.runs(py, src_rank, true)
     }
     /// The block-id-free table a device kernel walks (see `disagg_rs.transfer_backends.
     /// device_plan`): a dict with `planes` (`[p, 4]` `uint64` rows `(src_plane, dst_plane,
     /// packed_coef, row_bytes)`) and the scalars `tokens_per_block`, `src_block_stride`,
     /// `src_token_stride`, `dst_block_stride`, `dst_token_stride`; `None` for SSM state and
     /// for KV transfers of another shape (HND caches, block-size changes, `token_start > 0`).
-    fn device_plan<'py>(
-        &self,
-        py: Python<'py>,
-        src_rank: u32,
-    ) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let Some(plan) = self.inner.device_plan(src_rank).py()? else {
-            return Ok(None);
-        };
-        let d = PyDict::new(py);
-        d.set_item("planes", rows_to_numpy(py, plan.planes)?)?;
+    fn device_plan<'py>(&self, py: Python<'py>, src_rank: u32)
+        -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(plan) = self.inner.device_plan(src_rank).py()? else { return Ok(None) };
+        let d = [("planes", rows_to_numpy(py, plan.planes)?)].into_py_dict(py)?;
         d.set_item("tokens_per_block", plan.tokens_per_block)?;
         d.set_item("src_block_stride", plan.src_block_stride)?;
         d.set_item("src_token_stride", plan.src_token_stride)?;
@@ -304,21 +255,13 @@ impl PyTransferProgram {
     #[getter]
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let stats = py.detach(|| self.inner.stats());
-        let d = PyDict::new(py);
-        let per = PyDict::new(py);
+        let (per, d) = (PyDict::new(py), [("dst_rank", self.inner.dst_rank)].into_py_dict(py)?);
         for s in &stats {
-            let e = PyDict::new(py);
-            e.set_item("mode", s.mode.name())?;
-            e.set_item("descriptors", s.descriptors)?;
-            e.set_item("fragments", s.fragments)?;
-            e.set_item("bytes", s.bytes)?;
+            let e = [("mode", s.mode.name())].into_py_dict(py)?;
+            put(&e, &s.figures())?;
             per.set_item(s.src_rank, e)?;
         }
-        let (desc, frags, bytes) = SourceStats::totals(&stats);
-        d.set_item("dst_rank", self.inner.dst_rank)?;
-        d.set_item("descriptors", desc)?;
-        d.set_item("fragments", frags)?;
-        d.set_item("bytes", bytes)?;
+        put(&d, &SourceStats::total_figures(&stats))?;
         d.set_item("sources", per)?;
         Ok(d)
     }
@@ -327,19 +270,9 @@ impl PyTransferProgram {
         py.detach(|| self.inner.verify()).py()
     }
     fn __repr__(&self) -> String {
-        let modes: Vec<String> = self
-            .inner
-            .sources
-            .iter()
-            .map(|s| format!("{}: {} {} B", s.src_rank, s.mode.name(), s.packed_bytes))
-            .collect();
-        format!(
-            "TransferProgram(dst_rank={}, sources={{{}}})",
-            self.inner.dst_rank,
-            modes.join(", ")
-        )
+        self.inner.to_string()
     }
-}
+});
 
 /// Compile the KV transfer of ONE destination rank from every source rank that sends to it.
 #[pyfunction(name = "compile_kv_transfer")]
@@ -355,7 +288,7 @@ pub fn py_compile_kv_transfer(
     src: Typed<Vec<(PyRef<'_, PyKvShardLayout>, PyRef<'_, PyKvGeometry>)>>,
     dst: Typed<(PyRef<'_, PyKvShardLayout>, Option<PyRef<'_, PyKvGeometry>>)>,
     src_block_ids: &Bound<'_, PyAny>,
-    dst_block_ids: Option<&Bound<'_, PyAny>>,
+    dst_block_ids: Option<IntList>,
     num_tokens: Int,
     mode: Text,
     token_start: Int,
@@ -365,17 +298,14 @@ pub fn py_compile_kv_transfer(
 ) -> PyResult<PyTransferProgram> {
     let src = src.get("src", "a list of (KVShardLayout, KVGeometry) pairs")?;
     let dst = dst.get("dst", "a (KVShardLayout, KVGeometry or None) pair")?;
-    conv!(num_tokens: U64, token_start: U64);
+    conv!(num_tokens: U64, token_start: U64, dst_block_ids: Opt<Ids>);
     let (mode, cost) = mode_cost(&mode, &per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
     let req = KvTransferRequest {
         srcs: src.iter().map(|(l, g)| (l.inner, g.inner.clone())).collect(),
         dst_layout: dst.0.inner,
         dst_geometry: dst.1.as_ref().map(|g| g.inner.clone()),
         src_block_ids: parse_src_block_ids(src_block_ids)?,
-        dst_block_ids: dst_block_ids
-            .filter(|o| !o.is_none())
-            .map(|o| block_list("dst_block_ids", o))
-            .transpose()?,
+        dst_block_ids,
         num_tokens,
         token_start,
         mode,
@@ -383,10 +313,6 @@ pub fn py_compile_kv_transfer(
     };
     let inner = py.detach(|| compile_kv_transfer(&req)).py()?;
     Ok(PyTransferProgram { inner })
-}
-
-fn slot_of(field: &str, v: &Bound<'_, PyAny>) -> PyResult<u32> {
-    v.extract::<Int>()?.to_u32(Kind::Block, field)
 }
 
 /// Compile the SSM state transfer (conv bands and recurrent state) of ONE destination rank.
@@ -402,7 +328,7 @@ pub fn py_compile_ssm_transfer(
     src: Typed<Vec<(PyRef<'_, PySsmShardLayout>, PyRef<'_, PySsmGeometry>)>>,
     dst: Typed<(PyRef<'_, PySsmShardLayout>, Option<PyRef<'_, PySsmGeometry>>)>,
     src_slot: &Bound<'_, PyAny>,
-    dst_slot: Option<&Bound<'_, PyAny>>,
+    dst_slot: Option<Int>,
     mode: Text,
     per_descriptor_s: Real,
     link_bytes_per_s: Real,
@@ -411,13 +337,11 @@ pub fn py_compile_ssm_transfer(
     let src = src.get("src", "a list of (SSMShardLayout, SSMGeometry) pairs")?;
     let dst = dst.get("dst", "a (SSMShardLayout, SSMGeometry or None) pair")?;
     let (mode, cost) = mode_cost(&mode, &per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
+    conv!(dst_slot: Opt<Id>);
     let src_slots = if let Ok(m) = src_slot.cast::<PyMapping>() {
-        let mut per_rank = Vec::new();
-        for item in m.items()?.iter() {
-            let (k, v): (Int, Int) = item.extract()?;
-            per_rank.push((k.0, v.0));
-        }
-        SrcSlots::given(None, &per_rank).py()?
+        let per_rank: Vec<(Int, Int)> = m.items()?.extract()?;
+        SrcSlots::given(None, &per_rank.into_iter().map(|(k, v)| (k.0, v.0)).collect::<Vec<_>>())
+            .py()?
     } else {
         SrcSlots::given(Some(&src_slot.extract::<Int>()?.0), &[]).py()?
     };
@@ -426,22 +350,10 @@ pub fn py_compile_ssm_transfer(
         dst_layout: dst.0.inner,
         dst_geometry: dst.1.as_ref().map(|g| g.inner.clone()),
         src_slots,
-        dst_slot: dst_slot.filter(|o| !o.is_none()).map(|o| slot_of("dst_slot", o)).transpose()?,
+        dst_slot,
         mode,
         cost,
     };
     let inner = py.detach(|| compile_ssm_transfer(&req)).py()?;
     Ok(PyTransferProgram { inner })
-}
-
-/// The reads of a pull, in program order: `(rank, staged, share of the staging pool)` per
-/// source (see `disagg_core::compile::route::pull_route`).
-#[pyfunction]
-pub fn pull_route(
-    sources: Vec<(u32, bool, u64)>,
-    known: Vec<u32>,
-    tickets: Vec<(u32, bool, u64)>,
-    has_staging: bool,
-) -> PyResult<Vec<(u32, bool, usize)>> {
-    disagg_core::compile::route::pull_route(&sources, &known, &tickets, has_staging).py()
 }

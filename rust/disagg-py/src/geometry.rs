@@ -233,14 +233,8 @@ methods {
     fn from_tensors(_cls: &Bound<'_, PyType>, conv: Option<Bound<'_, PyAny>>,
         recurrent: Option<Bound<'_, PyAny>>, device_id: Option<Int>) -> PyResult<Self> {
         conv!(device_id: Opt<U64>);
-        let c = conv
-            .filter(|t| !t.is_none())
-            .map(|t| part_from_tensor(&t, SsmStateKind::Conv, 4))
-            .transpose()?;
-        let r = recurrent
-            .filter(|t| !t.is_none())
-            .map(|t| part_from_tensor(&t, SsmStateKind::Recurrent, 5))
-            .transpose()?;
+        let c = conv.map(|t| part_from_tensor(&t, SsmStateKind::Conv, 4)).transpose()?;
+        let r = recurrent.map(|t| part_from_tensor(&t, SsmStateKind::Recurrent, 5)).transpose()?;
         let named = [c.as_ref().and_then(|p| p.1), r.as_ref().and_then(|p| p.1)];
         let dev = state_device(device_id, named);
         let inner = SsmGeometry::new(c.map(|p| p.0), r.map(|p| p.0), dev).py()?;
@@ -276,11 +270,10 @@ fn layer_spec(
         .map(|t| t.map_err(|e| retype(tensors.py(), e, not_a_list)))
         .collect::<PyResult<Vec<_>>>()?;
     // `(K, V)` pairs per layer: separate key and value tensors.
-    let pair = kv_pair;
-    if items.first().is_some_and(|t| pair(t).is_some()) {
+    if items.first().is_some_and(|t| kv_pair(t).is_some()) {
         let (mut keys, mut values) = (Vec::new(), Vec::new());
         for (i, t) in items.iter().enumerate() {
-            let p = pair(t).ok_or_else(|| {
+            let p = kv_pair(t).ok_or_else(|| {
                 geo_err(
                     "tensors",
                     format!("tensors[{i}] is {}, not a (K, V) pair like tensors[0]", describe(t)),
@@ -298,10 +291,8 @@ fn layer_spec(
 
 /// `LayoutArgs` from the layout keyword arguments (`tp_size=...`).
 fn layout_args(layout: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutArgs> {
-    let mut named: Vec<(String, Option<Int>)> = Vec::new();
-    for (key, value) in layout.into_iter().flat_map(PyDictMethods::iter) {
-        named.push((key.extract()?, value.extract()?));
-    }
+    let named: Vec<(String, Option<Int>)> =
+        layout.map_or(Ok(Vec::new()), |d| d.items().extract())?;
     let named: Vec<_> = named.iter().map(|(k, v)| (k.as_str(), v.as_ref().map(|x| &x.0))).collect();
     LayoutArgs::from_named(&named).py()
 }
@@ -332,20 +323,11 @@ pub fn plan_buffer<'py>(
     layout: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let py = tensor.py();
-    let ssm = match &ssm_layout {
-        Some(l) => Some(
-            l.cast::<PySsmShardLayout>()
-                .map_err(|_| {
-                    to_pyerr(DisaggError::layout(
-                        "ssm_layout",
-                        format!("expected an SSMShardLayout, got {}", describe(l)),
-                    ))
-                })?
-                .borrow()
-                .inner,
-        ),
-        None => None,
-    };
+    let ssm = ssm_layout.as_ref().map(|l| {
+        let what = || format!("expected an SSMShardLayout, got {}", describe(l));
+        let l = l.cast::<PySsmShardLayout>();
+        l.map(|l| l.get().inner).map_err(|_| to_pyerr(DisaggError::layout("ssm_layout", what())))
+    });
     let a = BufferArgs {
         backend: backend.get("backend")?.to_owned(),
         view: tensor_view(tensor)?,
@@ -359,7 +341,7 @@ pub fn plan_buffer<'py>(
             "2**127",
         )?,
         kv: layout_args(layout)?,
-        ssm_layout: ssm,
+        ssm_layout: ssm.transpose()?,
         ssm_state_kind: Opt::<Str>::conv("ssm_state_kind", ssm_state_kind)?,
         axes: Opt::<Str>::conv("axes", axes)?,
         blocks_axis: int_of(blocks_axis, "blocks_axis")?,

@@ -276,10 +276,8 @@ methods {
     #[new]
     #[pyo3(signature = (*args, **kwargs))]
     fn new(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
-        let mut keywords: Vec<(String, Bound<'_, PyAny>)> = Vec::new();
-        for (k, v) in kwargs.into_iter().flat_map(PyDictMethods::iter) {
-            keywords.push((k.extract()?, v));
-        }
+        let keywords: Vec<(String, Bound<'_, PyAny>)> =
+            kwargs.map_or(Ok(Vec::new()), |d| d.items().extract())?;
         let keys: Vec<&str> = keywords.iter().map(|(k, _)| k.as_str()).collect();
         let second_is_dims = args
             .get_item(1)

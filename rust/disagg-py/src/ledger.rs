@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use disagg_core::ledger::admission::{self, BatchRoom};
-use disagg_core::ledger::{HandleState, PushDestination, PushPlan};
+use disagg_core::ledger::{ActionRecord, HandleState, PushDestination, PushPlan};
 use disagg_core::{
     CompletionQuorum, DisaggError, ImportLedger, ImportLedgerConfig, ImportRequest, LedgerAction,
     PinLedger, QuorumDecision, RankOutcome, SourceLease,
@@ -16,7 +16,7 @@ use pyo3::types::PyDict;
 use crate::args::{
     conv, convs, Bool, Conv, Flag, I64s, Id, Ids, Int, IntList, Opt, Raw, Text, U64s, I64, U32, U64,
 };
-use crate::error::IntoPyResult;
+use crate::error::{py_methods, IntoPyResult};
 use crate::pool::{core_methods, lock, lock_with, tokens_arg, Out};
 use crate::wire::to_wire;
 
@@ -26,93 +26,41 @@ use crate::wire::to_wire;
 /// `[token_start, n)`, plus `cached_block_ids`, `continuation_block_ids`, `ssm_slot`), `admit`
 /// (ownership of `block_ids` and `ssm_slot` moved to the live request), `complete` (finished
 /// without a forward step), `fail` (`reason`, `quarantined`), `release` (`reason` is the cause).
-#[pyclass(name = "LedgerAction", module = "disagg_rs", frozen, get_all, eq)]
-#[derive(Clone, Default, PartialEq, Eq)]
+#[pyclass(name = "LedgerAction", module = "disagg_rs", frozen, eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct PyLedgerAction {
-    kind: &'static str,
-    request_id: u64,
-    epoch: u64,
-    reason: Option<&'static str>,
-    quarantined: bool,
-    token_start: u32,
-    src_block_ids: Vec<u32>,
-    dst_block_ids: Vec<u32>,
-    cached_block_ids: Vec<u32>,
-    continuation_block_ids: Vec<u32>,
-    block_ids: Vec<u32>,
-    ssm_slot: Option<u32>,
+    inner: ActionRecord,
 }
 
-impl PyLedgerAction {
-    fn empty(kind: &'static str, request_id: u64, epoch: u64) -> Self {
-        Self { kind, request_id, epoch, ..Self::default() }
-    }
-
-    fn from_core(a: LedgerAction) -> Self {
-        match a {
-            LedgerAction::StartImport(s) => Self {
-                token_start: s.token_start,
-                src_block_ids: s.src_block_ids,
-                dst_block_ids: s.dst_block_ids,
-                cached_block_ids: s.cached_block_ids,
-                continuation_block_ids: s.continuation_block_ids,
-                ssm_slot: s.ssm_slot,
-                ..Self::empty("start", s.request_id, s.epoch)
-            },
-            LedgerAction::Admit { request_id, epoch, block_ids, ssm_slot } => {
-                Self { block_ids, ssm_slot, ..Self::empty("admit", request_id, epoch) }
-            }
-            LedgerAction::CompleteWithoutForward { request_id, epoch } => {
-                Self::empty("complete", request_id, epoch)
-            }
-            LedgerAction::Fail { request_id, epoch, reason, quarantined } => Self {
-                reason: Some(reason.name()),
-                quarantined,
-                ..Self::empty("fail", request_id, epoch)
-            },
-            LedgerAction::Released { request_id, epoch, cause } => {
-                Self { reason: Some(cause.name()), ..Self::empty("release", request_id, epoch) }
-            }
-        }
-    }
+py_methods!(PyLedgerAction,
+get {
+    kind: &'static str = (kind);
+    request_id: u64 = (start.request_id);
+    epoch: u64 = (start.epoch);
+    reason: Option<&'static str> = (reason);
+    quarantined: bool = (quarantined);
+    token_start: u32 = (start.token_start);
+    src_block_ids: Vec<u32> = (start.src_block_ids.clone());
+    dst_block_ids: Vec<u32> = (start.dst_block_ids.clone());
+    cached_block_ids: Vec<u32> = (start.cached_block_ids.clone());
+    continuation_block_ids: Vec<u32> = (start.continuation_block_ids.clone());
+    block_ids: Vec<u32> = (block_ids.clone());
+    ssm_slot: Option<u32> = (start.ssm_slot);
 }
-
-#[pymethods]
-impl PyLedgerAction {
+span {}
+range {}
+methods {
     fn __repr__(&self) -> String {
-        match self.kind {
-            "start" => format!(
-                "LedgerAction(start, request_id={}, epoch={}, token_start={}, src={:?}, dst={:?}, cached={:?}, continuation={:?}, ssm_slot={})",
-                self.request_id, self.epoch, self.token_start, self.src_block_ids, self.dst_block_ids,
-                self.cached_block_ids, self.continuation_block_ids, py_opt(self.ssm_slot)
-            ),
-            "admit" => format!(
-                "LedgerAction(admit, request_id={}, epoch={}, block_ids={:?}, ssm_slot={})",
-                self.request_id, self.epoch, self.block_ids, py_opt(self.ssm_slot)
-            ),
-            _ => format!(
-                "LedgerAction({}, request_id={}, epoch={}, reason={}, quarantined={})",
-                self.kind,
-                self.request_id,
-                self.epoch,
-                self.reason.map_or_else(|| "None".to_string(), |r| format!("'{r}'")),
-                if self.quarantined { "True" } else { "False" }
-            ),
-        }
+        self.inner.to_string()
     }
-}
+});
 
 /// A quorum decision as Python sees it: `("success", None, None)` or
 /// `("failure", first_failed_rank, its_outcome)`.
 type QuorumVerdict = (&'static str, Option<u32>, Option<&'static str>);
 
-/// `Some(x)` as `x`, `None` as `None`, the way Python prints it.
-fn py_opt(v: Option<u32>) -> String {
-    v.map_or_else(|| "None".to_string(), |x| x.to_string())
-}
-
 pub(crate) fn actions(v: Vec<LedgerAction>) -> Vec<PyLedgerAction> {
-    v.into_iter().map(PyLedgerAction::from_core).collect()
+    v.into_iter().map(|a| PyLedgerAction { inner: a.into() }).collect()
 }
 
 impl Out for Result<Vec<LedgerAction>, DisaggError> {
@@ -125,6 +73,18 @@ impl Out for Result<Vec<LedgerAction>, DisaggError> {
 convs! {
     /// One rank's terminal outcome: `"ok"`, `"error"`, `"timeout"` or `"may_still_write"`.
     Outcome: Text => RankOutcome = |f, v| RankOutcome::parse(v.get(f)?).py();
+    /// The `destination` each decode rank's metadata states (`None` when it states none).
+    Destinations: Vec<Py<PyAny>> => Vec<Option<PushDestination>>
+        = |_f, v| Python::attach(|py| v.iter().map(|m| push_destination(m.bind(py))).collect());
+    /// Request ids.
+    Rids: Vec<Int> => Vec<u64>
+        = |_f, v| v.into_iter().map(|r| U64::conv("request_id", r)).collect();
+    /// `(request_id, flag)` pairs.
+    RidPairs: Vec<(Int, bool)> => Vec<(u64, bool)>
+        = |_f, v| v.into_iter().map(|(r, b)| Ok((U64::conv("request_id", r)?, b))).collect();
+    /// `(request_id, outcome or None)` pairs.
+    RidOutcomes: Vec<(Int, Option<bool>)> => Vec<(u64, Option<bool>)>
+        = |_f, v| v.into_iter().map(|(r, o)| Ok((U64::conv("request_id", r)?, o))).collect();
 }
 
 /// A decode batch's occupancy from its context's counts.
@@ -145,18 +105,19 @@ fn push_destination(meta: &Bound<'_, PyAny>) -> PyResult<Option<PushDestination>
     PushDestination::from_wire(&to_wire(&dest, "destination")?).map(Some).py()
 }
 
-/// The request id and every decode rank's stated destination of a push call.
-fn push_args(
-    request_id: Int,
-    decode_metas: &[Bound<'_, PyAny>],
-) -> PyResult<(u64, Vec<Option<PushDestination>>)> {
-    conv!(request_id: U64);
-    Ok((request_id, decode_metas.iter().map(push_destination).collect::<PyResult<Vec<_>>>()?))
-}
-
-/// A core push plan as Python receives it.
-fn push_tuple(p: PushPlan) -> PushTuple {
-    (p.epoch, p.src_block_ids, p.dst_block_ids, p.num_tokens, p.src_ssm_slot, p.dst_ssm_slot)
+impl Out for Result<PushPlan, DisaggError> {
+    type Py = PushTuple;
+    fn out(self) -> PyResult<PushTuple> {
+        let p = self.py()?;
+        Ok((
+            p.epoch,
+            p.src_block_ids,
+            p.dst_block_ids,
+            p.num_tokens,
+            p.src_ssm_slot,
+            p.dst_ssm_slot,
+        ))
+    }
 }
 
 /// Decode-side import ledger over its own block and SSM slot pools.
@@ -422,6 +383,22 @@ calls {
     #[pyo3(signature = (request_id, epoch=None))]
     fn release(request_id: U64, epoch: Opt<U64>) -> Vec<PyLedgerAction>
         = release(request_id, epoch);
+    /// Plan a push of a pinned handoff to the `destination` of the first entry of
+    /// `decode_metas` (one per decode rank) that states one, and mark it in flight; refuses,
+    /// changing nothing, what `PushDestination` lacks. Returns `(epoch, src_block_ids,
+    /// dst_block_ids, num_tokens, src_ssm_slot, dst_ssm_slot)`: `num_tokens` tokens to send.
+    fn start_push(request_id: U64, decode_metas: Destinations) -> PushTuple
+        = start_push(request_id, &decode_metas);
+    /// Plan a filler for receives a decode posted for a handoff this engine will not push
+    /// (see `PinLedger::filler_push` of the core): same tuple as `start_push`, epoch 0, source
+    /// blocks `0..n` that only size the messages; nothing changes.
+    fn filler_push(request_id: U64, decode_metas: Destinations) -> PushTuple
+        = filler_push(request_id, &decode_metas);
+    /// Blocks of a live pin in pinned order (``None`` for an id with no pin).
+    fn pinned_blocks(request_id: U64) -> Option<Vec<u32>>
+        = pinned(request_id).map(|(b, _)| b.to_vec());
+    /// SSM slot of a live pin (``None`` for an id with no pin or a pin without a slot).
+    fn pinned_ssm_slot(request_id: U64) -> Option<u32> = pinned(request_id).and_then(|(_, s)| s);
 }
 methods {
     #[new]
@@ -431,37 +408,6 @@ methods {
         conv!(num_blocks: U32, block_size_tokens: U32, num_ssm_slots: U32);
         let l = PinLedger::new(num_blocks, block_size_tokens, num_ssm_slots).py()?;
         Ok(Self { inner: Arc::new(Mutex::new(l)) })
-    }
-
-    /// Plan a push of a pinned handoff to the `destination` of the first entry of
-    /// `decode_metas` (one per decode rank) that states one, and mark it in flight; refuses,
-    /// changing nothing, what `PushDestination` lacks. Returns `(epoch, src_block_ids,
-    /// dst_block_ids, num_tokens, src_ssm_slot, dst_ssm_slot)`: `num_tokens` tokens to send.
-    fn start_push(&self, request_id: Int, decode_metas: Vec<Bound<'_, PyAny>>)
-        -> PyResult<PushTuple> {
-        let (request_id, destinations) = push_args(request_id, &decode_metas)?;
-        Ok(push_tuple(lock(&self.inner)?.start_push(request_id, &destinations).py()?))
-    }
-
-    /// Plan a filler for receives a decode posted for a handoff this engine will not push
-    /// (see `PinLedger::filler_push` of the core): same tuple as `start_push`, epoch 0, source
-    /// blocks `0..n` that only size the messages; nothing changes.
-    fn filler_push(&self, request_id: Int, decode_metas: Vec<Bound<'_, PyAny>>)
-        -> PyResult<PushTuple> {
-        let (request_id, destinations) = push_args(request_id, &decode_metas)?;
-        Ok(push_tuple(lock(&self.inner)?.filler_push(request_id, &destinations).py()?))
-    }
-
-    /// Blocks of a live pin in pinned order (``None`` for an id with no pin).
-    fn pinned_blocks(&self, request_id: Int) -> PyResult<Option<Vec<u32>>> {
-        conv!(request_id: U64);
-        Ok(lock(&self.inner)?.pinned(request_id).map(|(b, _)| b.to_vec()))
-    }
-
-    /// SSM slot of a live pin (``None`` for an id with no pin or a pin without a slot).
-    fn pinned_ssm_slot(&self, request_id: Int) -> PyResult<Option<u32>> {
-        conv!(request_id: U64);
-        Ok(lock(&self.inner)?.pinned(request_id).and_then(|(_, s)| s))
     }
 
     /// Event counters by name.
@@ -532,10 +478,6 @@ methods {
 #[pyclass(name = "ReferenceImports", module = "disagg_rs", frozen)]
 pub struct PyReferenceImports(Mutex<disagg_core::reference::ReferenceImports>);
 
-fn rid_pairs(pairs: Vec<(Int, bool)>) -> PyResult<Vec<(u64, bool)>> {
-    pairs.into_iter().map(|(r, b)| Ok((U64::conv("request_id", r)?, b))).collect()
-}
-
 core_methods!(PyReferenceImports, lock_with, 0,
 calls {
     fn start(request_id: U64, safe: Raw<bool>) -> () = start(request_id, safe);
@@ -547,34 +489,17 @@ calls {
     fn may_release(request_id: U64) -> bool = may_release(request_id);
     #[getter] fn num_importing() -> usize = num_importing();
     #[getter] fn num_quarantined() -> usize = num_quarantined();
+    fn report(outcomes: RidOutcomes, shared: Raw<bool>, model_parallel: U64) -> Vec<(u64, bool)>
+        = report(&outcomes, shared, model_parallel);
+    /// True: release the storage; False: it was quarantined.
+    fn failed(request_id: U64, quiet: Raw<bool>) -> bool
+        = failed(request_id, quiet).map(|s| s == disagg_core::reference::FailedStorage::Release);
+    fn reset(pinned: Rids, pushes: RidPairs, imports: RidPairs) -> ()
+        = reset(&pinned, &pushes, &imports);
 }
 methods {
     #[new]
     fn new() -> Self {
         Self(Mutex::new(disagg_core::reference::ReferenceImports::new()))
-    }
-
-    fn report(&self, outcomes: Vec<(Int, Option<bool>)>, shared: bool, model_parallel: Int)
-        -> PyResult<Vec<(u64, bool)>> {
-        let outcomes = outcomes
-            .into_iter()
-            .map(|(r, o)| Ok((U64::conv("request_id", r)?, o)))
-            .collect::<PyResult<Vec<_>>>()?;
-        conv!(model_parallel: U64);
-        lock(&self.0)?.report(&outcomes, shared, model_parallel).py()
-    }
-
-    /// True: release the storage; False: it was quarantined.
-    fn failed(&self, request_id: Int, quiet: bool) -> PyResult<bool> {
-        conv!(request_id: U64);
-        let storage = lock(&self.0)?.failed(request_id, quiet).py()?;
-        Ok(storage == disagg_core::reference::FailedStorage::Release)
-    }
-
-    fn reset(&self, pinned: Vec<Int>, pushes: Vec<(Int, bool)>, imports: Vec<(Int, bool)>)
-        -> PyResult<()> {
-        let pinned = pinned.into_iter().map(|r| U64::conv("request_id", r));
-        let pinned = pinned.collect::<PyResult<Vec<_>>>()?;
-        lock(&self.0)?.reset(&pinned, &rid_pairs(pushes)?, &rid_pairs(imports)?).py()
     }
 });

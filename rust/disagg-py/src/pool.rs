@@ -52,7 +52,15 @@ plain_out!(
     Option<(u64, Vec<u64>)>,
     Vec<(usize, usize)>,
     (bool, bool, Vec<(usize, usize)>),
-    Vec<(usize, usize, u64, [u64; 4])>
+    Vec<(usize, usize, u64, [u64; 4])>,
+    Vec<usize>,
+    std::collections::BTreeMap<u64, String>,
+    i64,
+    (i64, &'static str),
+    (bool, bool, bool),
+    Vec<[u64; 4]>,
+    Option<Vec<u32>>,
+    Option<u32>
 );
 
 impl Out for Result<SlotState, DisaggError> {
@@ -64,16 +72,17 @@ impl Out for Result<SlotState, DisaggError> {
 
 /// One `#[pymethods]` block of a class that reaches its core object as `reach(&self.field, f)`
 /// (`lock_with` for a mutex, `PoolOwner::with` for a pool): each `calls` entry
-/// `fn name(arg: Conv, ..) -> T = method(exprs..);` converts every argument with its
-/// [`Conv`](crate::args::Conv) marker (before the core is locked), then returns
-/// `core.method(exprs..)` as Python receives it ([`Out`]). Attributes (doc comments,
+/// `fn name(arg: Conv, ..) -> T = method(exprs..);` (optionally followed by
+/// `.then(exprs..)` calls) converts every argument with its [`Conv`](crate::args::Conv) marker
+/// (before the core is locked), then returns `core.method(exprs..)` as Python receives it
+/// ([`Out`]). Attributes (doc comments,
 /// `#[getter]`) carry over; `methods { .. }` holds the hand-written ones; `pools Variant,` adds
 /// the `block_pool` and `slot_pool` views of a ledger's pools (`PoolOwner::Variant`).
 macro_rules! core_methods {
     (
         $ty:ty, $reach:path, $field:tt, $(pools $owner:ident,)?
         calls { $($(#[$m:meta])* fn $name:ident($($a:ident: $c:ty),*) -> $ret:ty
-            = $call:ident($($x:expr),*);)* }
+            = $call:ident($($x:expr),*) $(.$then:ident($($y:expr),*))*;)* }
         methods { $($rest:tt)* }
     ) => {
         #[pymethods]
@@ -81,7 +90,7 @@ macro_rules! core_methods {
             $($(#[$m])*
             fn $name(&self, $($a: <$c as $crate::args::Conv>::Py),*) -> PyResult<$ret> {
                 $crate::args::conv!($($a: $c),*);
-                $crate::pool::Out::out($reach(&self.$field, |c| c.$call($($x),*))?)
+                $crate::pool::Out::out($reach(&self.$field, |c| c.$call($($x),*)$(.$then($($y),*))*)?)
             })*
             $(
                 /// The ledger's block pool (shared, not a copy): the engine's allocator.
@@ -102,6 +111,21 @@ macro_rules! core_methods {
     };
 }
 pub(crate) use core_methods;
+
+/// `#[pyfunction]`s forwarding to the core: each `fn name(arg: Conv, ..) -> T = expr;`
+/// converts every argument with its [`Conv`](crate::args::Conv) marker, then returns `expr`
+/// as Python receives it ([`Out`]). Attributes (doc comments, `#[pyo3(..)]`) carry over.
+macro_rules! core_fns {
+    ($($(#[$m:meta])* fn $name:ident($($a:ident: $c:ty),*) -> $ret:ty = $e:expr;)*) => {$(
+        #[::pyo3::pyfunction]
+        $(#[$m])*
+        pub fn $name($($a: <$c as $crate::args::Conv>::Py),*) -> ::pyo3::PyResult<$ret> {
+            $crate::args::conv!($($a: $c),*);
+            $crate::pool::Out::out($e)
+        }
+    )*};
+}
+pub(crate) use core_fns;
 
 /// Run `f` on the core object behind `m`, locked.
 pub fn lock_with<T, R>(m: &Mutex<T>, f: impl FnOnce(&mut T) -> R) -> PyResult<R> {
@@ -147,23 +171,16 @@ pub trait LedgerPool: Sized {
     fn of_pin(l: &mut PinLedger) -> &mut Self;
 }
 
-impl LedgerPool for BlockPool {
-    fn of_import(l: &mut ImportLedger) -> &mut Self {
-        l.pool_mut()
-    }
-    fn of_pin(l: &mut PinLedger) -> &mut Self {
-        l.pool_mut()
-    }
+/// `LedgerPool` for each pool type, reached through the ledgers' accessor of that name.
+macro_rules! ledger_pool {
+    ($($pool:ty => $get:ident),*) => {$(
+        impl LedgerPool for $pool {
+            fn of_import(l: &mut ImportLedger) -> &mut Self { l.$get() }
+            fn of_pin(l: &mut PinLedger) -> &mut Self { l.$get() }
+        }
+    )*};
 }
-
-impl LedgerPool for SlotPool {
-    fn of_import(l: &mut ImportLedger) -> &mut Self {
-        l.slots_mut()
-    }
-    fn of_pin(l: &mut PinLedger) -> &mut Self {
-        l.slots_mut()
-    }
-}
+ledger_pool!(BlockPool => pool_mut, SlotPool => slots_mut);
 
 impl<P: LedgerPool> PoolOwner<P> {
     /// Run `f` on the pool, locked.
@@ -176,17 +193,11 @@ impl<P: LedgerPool> PoolOwner<P> {
     }
 }
 
-/// Who owns the block pool a Python `BlockPool` object talks to.
-pub type BlockPoolOwner = PoolOwner<BlockPool>;
-
-/// Who owns the slot pool a Python `SlotPool` object talks to.
-pub type SlotPoolOwner = PoolOwner<SlotPool>;
-
 /// Fixed pool of KV blocks: refcounts, prefix cache by block hash, LRU eviction.
 #[pyclass(name = "BlockPool", module = "disagg_rs", frozen)]
 pub struct PyBlockPool {
     /// The pool, standalone or a ledger's.
-    pub owner: BlockPoolOwner,
+    pub owner: PoolOwner<BlockPool>,
 }
 
 core_methods!(PyBlockPool, PoolOwner::with, owner,
@@ -226,7 +237,7 @@ methods {
     fn new(num_blocks: Int, block_size_tokens: Int) -> PyResult<Self> {
         conv!(num_blocks: U32, block_size_tokens: U32);
         let pool = BlockPool::new(num_blocks, block_size_tokens).py()?;
-        Ok(Self { owner: BlockPoolOwner::Own(Arc::new(Mutex::new(pool))) })
+        Ok(Self { owner: PoolOwner::Own(Arc::new(Mutex::new(pool))) })
     }
 
     /// Hash chain over the full blocks of `tokens` (deterministic across processes).
@@ -241,7 +252,7 @@ methods {
 #[pyclass(name = "SlotPool", module = "disagg_rs", frozen)]
 pub struct PySlotPool {
     /// The pool, standalone or a ledger's.
-    pub owner: SlotPoolOwner,
+    pub owner: PoolOwner<SlotPool>,
 }
 
 core_methods!(PySlotPool, PoolOwner::with, owner,
@@ -270,6 +281,6 @@ methods {
     fn new(num_slots: Int) -> PyResult<Self> {
         conv!(num_slots: U32);
         let pool = SlotPool::try_new(num_slots).py()?;
-        Ok(Self { owner: SlotPoolOwner::Own(Arc::new(Mutex::new(pool))) })
+        Ok(Self { owner: PoolOwner::Own(Arc::new(Mutex::new(pool))) })
     }
 });

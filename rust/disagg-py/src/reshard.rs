@@ -69,6 +69,9 @@ macro_rules! plan_methods {
             fn verify(&self, py: Python<'_>) -> PyResult<()> {
                 py.detach(|| self.inner.verify()).py()
             }
+            fn __repr__(&self) -> String {
+                self.inner.to_string()
+            }
             $($m)*
         }
     };
@@ -149,16 +152,7 @@ methods {
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let t = &self.inner;
         let d = [("src_rank", t.src_rank), ("dst_rank", t.dst_rank)].into_py_dict(py)?;
-        for (k, s) in [
-            ("layers", t.layers),
-            ("heads", t.heads),
-            ("src_local_layers", t.src_local_layers()),
-            ("src_local_heads", t.src_local_heads()),
-            ("dst_local_layers", t.dst_local_layers()),
-            ("dst_local_heads", t.dst_local_heads()),
-        ] {
-            d.set_item(k, (s.lo, s.hi))?;
-        }
+        t.named_spans().iter().try_for_each(|(k, s)| d.set_item(k, (s.lo, s.hi)))?;
         Ok(d)
     }
     fn __repr__(&self) -> String {
@@ -186,19 +180,7 @@ methods {
         conv!(head_dim: U64, element_size: U64);
         self.inner.bytes_per_token(head_dim, element_size).py()
     }
-    fn __repr__(&self) -> String {
-        format!(
-            "KVReshardPlan({} transfers, {} sources -> {} destinations)",
-            self.inner.transfers.len(),
-            self.inner.srcs().len(),
-            self.inner.dsts().len()
-        )
-    }
 });
-
-fn kv_layouts(ls: &[PyRef<'_, PyKvShardLayout>]) -> Vec<KvShardLayout> {
-    ls.iter().map(|l| l.inner).collect()
-}
 
 impl PyKvReshardPlan {
     fn records(&self) -> &[KvReshardTransfer] {
@@ -223,7 +205,8 @@ pub fn py_plan_kv_reshard(
 ) -> PyResult<PyKvReshardPlan> {
     let srcs = srcs.get("srcs", "a list of KVShardLayout")?;
     let dsts = dsts.get("dsts", "a list of KVShardLayout")?;
-    let (s, d) = (kv_layouts(&srcs), kv_layouts(&dsts));
+    let s: Vec<KvShardLayout> = srcs.iter().map(|l| l.inner).collect();
+    let d: Vec<KvShardLayout> = dsts.iter().map(|l| l.inner).collect();
     let inner = py.detach(|| plan_kv_reshard(&s, &d)).py()?;
     Ok(PyKvReshardPlan { inner })
 }
@@ -311,15 +294,6 @@ methods {
     fn ranges(&self) -> Vec<PySsmReshardTransfer> {
         self.inner.transfers.iter().map(|&inner| PySsmReshardTransfer { inner }).collect()
     }
-    fn __repr__(&self) -> String {
-        format!(
-            "SSMReshardPlan({} single-layer transfers in {} ranges, {} sources -> {} destinations)",
-            self.per_layer.len(),
-            self.inner.transfers.len(),
-            self.inner.srcs().len(),
-            self.inner.dsts().len()
-        )
-    }
 });
 
 /// Plan the SSM reshard (conv bands x, B, C and the recurrent state) between layout lists.
@@ -333,9 +307,6 @@ pub fn py_plan_ssm_reshard(
     let dst_layouts = dst_layouts.get("dst_layouts", "a list of SSMShardLayout")?;
     let s: Vec<SsmShardLayout> = src_layouts.iter().map(|l| l.inner).collect();
     let d: Vec<SsmShardLayout> = dst_layouts.iter().map(|l| l.inner).collect();
-    let (inner, per_layer) = py
-        .detach(|| plan_ssm_reshard(&s, &d).map(|p| (p.per_layer(), p)))
-        .map(|(cut, p)| (p, cut))
-        .py()?;
-    Ok(PySsmReshardPlan { inner, per_layer })
+    let inner = py.detach(|| plan_ssm_reshard(&s, &d)).py()?;
+    Ok(PySsmReshardPlan { per_layer: inner.per_layer(), inner })
 }

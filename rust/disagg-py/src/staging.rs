@@ -3,17 +3,17 @@
 
 use std::sync::Mutex;
 
-use disagg_core::pull_parts::{Outcome, PullParts, Releases};
+use disagg_core::pull_parts::{Outcome, PullParts, Queries, Releases};
 use disagg_core::wire::peer::SourceIds;
 use disagg_core::StagingRanges;
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PyMapping};
 
-use crate::args::{conv, Int, IntList, Kind, Raw, U32, U64};
+use crate::args::{conv, convs, Int, IntList, Kind, Opt, Raw, U32, U64};
 use crate::error::IntoPyResult;
-use crate::pool::{core_methods, lock, lock_with};
-use crate::wire::{metas, PyPeer};
+use crate::pool::{core_methods, lock, lock_with, Out};
+use crate::wire::{metas, BlockI64, PyPeer};
 
 /// First-fit pool of aligned byte ranges `[offset, offset + size)` in a staging region.
 #[pyclass(name = "StagingRanges", module = "disagg_rs", frozen)]
@@ -50,7 +50,7 @@ calls {
 }
 methods {
     #[new]
-    #[pyo3(signature = (capacity, alignment = Int::from(256_i64)), text_signature = "(capacity, alignment=256)")]
+    #[pyo3(signature = (capacity, alignment = Int::of(256)), text_signature = "(capacity, alignment=256)")]
     fn new(capacity: Int, alignment: Int) -> PyResult<Self> {
         conv!(capacity: U64, alignment: U64);
         Ok(Self { inner: Mutex::new(StagingRanges::new(capacity, alignment).py()?) })
@@ -148,41 +148,57 @@ pub fn write_pull_ids(
     let src = source_ids_of(src_block_ids)?;
     let dst = dst_block_ids.map(|d| ids_of(d, "dst_block_ids")).transpose()?;
     let local = crate::wire::local_side(dst.is_some(), local_num_blocks, local_tokens_per_block)?;
-    conv!(tokens_per_block: U32);
-    let n = num_tokens.map(|n| n.to_i64(Kind::Block, "num_tokens")).transpose()?;
+    conv!(tokens_per_block: U32, num_tokens: Opt<BlockI64>);
     let mut view = out.try_readwrite().map_err(|e| {
         pyo3::exceptions::PyValueError::new_err(format!("out is not writable: {e}"))
     })?;
     let slot = view.as_slice_mut().map_err(|e| {
         pyo3::exceptions::PyValueError::new_err(format!("out is not contiguous: {e}"))
     })?;
-    let got = match (checked, n.map(u64::try_from)) {
-        (true, Some(Ok(n))) => {
-            disagg_core::lay_out_ids(&ranks, &src, dst.as_deref(), n, tokens_per_block, slot)
-        }
-        (true, _) => None,
-        (false, _) => {
-            let peers = metas(&srcs);
-            let dst = dst.as_deref();
-            disagg_core::write_pull_ids(&peers, &ranks, &src, dst, n, local, tokens_per_block, slot)
-                .py()?
-        }
-    };
+    let (peers, dst) = (metas(&srcs), dst.as_deref());
+    let got = disagg_core::write_pull_ids(
+        checked,
+        &peers,
+        &ranks,
+        &src,
+        dst,
+        num_tokens,
+        local,
+        tokens_per_block,
+        slot,
+    )
+    .py()?;
     Ok(got.map(|g| (g.num_tokens, g.num_blocks, g.stride, g.len)))
 }
 
-/// An outcome from Python: `(True, value)` or `(False, repr of the exception)`.
-type PyOutcome = (bool, String);
-
-fn outcomes(v: Vec<PyOutcome>) -> Vec<Outcome> {
-    v.into_iter().map(|(ok, s)| if ok { Ok(s) } else { Err(s) }).collect()
+convs! {
+    /// Outcomes from Python: `(True, value)` or `(False, repr of the exception)` each.
+    Outcomes: Vec<(bool, String)> => Vec<Outcome>
+        = |_f, v| Ok(v.into_iter().map(|(ok, s)| if ok { Ok(s) } else { Err(s) }).collect());
 }
 
 /// `(abort, drop, finish)` part indices of a release.
 type PyReleases = (Vec<usize>, Vec<usize>, Vec<usize>);
 
-fn releases(r: Releases) -> PyReleases {
-    (r.abort, r.drop, r.finish)
+impl Out for Releases {
+    type Py = PyReleases;
+    fn out(self) -> PyResult<PyReleases> {
+        Ok((self.abort, self.drop, self.finish))
+    }
+}
+
+impl Out for (Releases, bool) {
+    type Py = (PyReleases, bool);
+    fn out(self) -> PyResult<Self::Py> {
+        Ok((self.0.out()?, self.1))
+    }
+}
+
+impl Out for Queries {
+    type Py = (Vec<usize>, Vec<usize>, Vec<usize>);
+    fn out(self) -> PyResult<Self::Py> {
+        Ok((self.landed, self.step, self.xfer))
+    }
 }
 
 /// The progress of one pull's parts (see `disagg_core::pull_parts`): each poll asks what to
@@ -192,47 +208,32 @@ pub struct PyPullParts {
     inner: Mutex<PullParts>,
 }
 
-#[pymethods]
-impl PyPullParts {
+core_methods!(PyPullParts, lock_with, inner,
+calls {
+    /// The first failure, if any.
+    #[getter] fn error() -> Option<String> = error().map(str::to_owned);
+    /// Start a poll: parts whose landing to test, whose step to run, whose state to read.
+    fn begin() -> (Vec<usize>, Vec<usize>, Vec<usize>) = begin();
+    /// Fold the answers to `begin`; return the parts whose `on_done` to run.
+    fn observe(landed: Raw<Vec<bool>>, steps: Outcomes, xfers: Outcomes) -> Vec<usize>
+        = observe(&landed, &steps, &xfers);
+    /// Fold the `on_done` outcomes; return the finished reads whose landing to test.
+    fn after_on_done(asked: Raw<Vec<usize>>, done: Outcomes) -> Vec<usize>
+        = after_on_done(&asked, &done);
+    /// Fold the landings at clock value `now` of a pull whose deadline is `deadline` (past
+    /// it, a running part whose last step said `"WAIT"` fails, quietly). Return `((abort,
+    /// drop, finish), terminal)`.
+    #[pyo3(signature = (landed, now=0.0, deadline=f64::INFINITY))]
+    fn settle(landed: Raw<Vec<bool>>, now: Raw<f64>, deadline: Raw<f64>)
+        -> (PyReleases, bool) = settle(&landed, now > deadline);
+    /// Fail every running part; return `(abort, drop, finish)`.
+    fn cancel() -> PyReleases = cancel();
+}
+methods {
     /// Parts `(drives itself, local copy, has a handle, has on_done, label)`.
     #[new]
     #[pyo3(signature = (parts, error=None))]
     fn new(parts: Vec<(bool, bool, bool, bool, String)>, error: Option<String>) -> Self {
         Self { inner: Mutex::new(PullParts::new(parts, error)) }
     }
-    /// The first failure, if any.
-    #[getter]
-    fn error(&self) -> PyResult<Option<String>> {
-        Ok(lock(&self.inner)?.error().map(str::to_owned))
-    }
-    /// Start a poll: parts whose landing to test, whose step to run, whose state to read.
-    fn begin(&self) -> PyResult<(Vec<usize>, Vec<usize>, Vec<usize>)> {
-        let q = lock(&self.inner)?.begin();
-        Ok((q.landed, q.step, q.xfer))
-    }
-    /// Fold the answers to `begin`; return the parts whose `on_done` to run.
-    fn observe(
-        &self,
-        landed: Vec<bool>,
-        steps: Vec<PyOutcome>,
-        xfers: Vec<PyOutcome>,
-    ) -> PyResult<Vec<usize>> {
-        Ok(lock(&self.inner)?.observe(&landed, &outcomes(steps), &outcomes(xfers)))
-    }
-    /// Fold the `on_done` outcomes; return the finished reads whose landing to test.
-    fn after_on_done(&self, asked: Vec<usize>, done: Vec<PyOutcome>) -> PyResult<Vec<usize>> {
-        Ok(lock(&self.inner)?.after_on_done(&asked, &outcomes(done)))
-    }
-    /// Fold the landings at clock value `now` of a pull whose deadline is `deadline` (past
-    /// it, a running part whose last step said `"WAIT"` fails, quietly). Return `((abort,
-    /// drop, finish), terminal)`.
-    #[pyo3(signature = (landed, now=0.0, deadline=f64::INFINITY))]
-    fn settle(&self, landed: Vec<bool>, now: f64, deadline: f64) -> PyResult<(PyReleases, bool)> {
-        let (r, terminal) = lock(&self.inner)?.settle(&landed, now > deadline);
-        Ok((releases(r), terminal))
-    }
-    /// Fail every running part; return `(abort, drop, finish)`.
-    fn cancel(&self) -> PyResult<PyReleases> {
-        Ok(releases(lock(&self.inner)?.cancel()))
-    }
-}
+});

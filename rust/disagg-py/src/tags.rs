@@ -2,48 +2,41 @@
 //! the order of a chunked transfer's steps (`disagg_core::chunks`) and the in-band header of
 //! every message (`disagg_core::p2p_header`).
 
-use disagg_core::chunks::{self, ChunkStep};
-use disagg_core::error::DisaggError;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
+use disagg_core::chunks::{self, ChunkStep};
 use disagg_core::p2p_header::{self, MessageKind, PeerSteps};
 use disagg_core::tags;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::args::Raw;
 use crate::error::IntoPyResult;
-use crate::pool::lock;
+use crate::pool::{core_fns, core_methods, lock_with};
 
 /// The message tag of `request_id`'s `kind` state (`"kv"`, `"conv"`, `"recurrent"`) on a
 /// two-sided transport; injective. Raises `ArgumentError` naming `request_id` (outside
 /// `[0, MAX_TWO_SIDED_REQUEST_ID]`) or `kind`.
 #[pyfunction]
 pub fn two_sided_tag(request_id: &Bound<'_, PyAny>, kind: &str) -> PyResult<i64> {
-    let kind = tags::TagKind::from_name(kind).py()?;
-    // An int beyond 64 bits is out of range like any other, not an OverflowError.
-    let rid = request_id.extract::<i64>().unwrap_or(-1);
-    match tags::two_sided_tag(rid, kind) {
-        Err(_) if rid == -1 => Err(DisaggError::Argument {
-            field: "request_id".into(),
-            detail: format!(
-                "request_id={} must be an int in [0, {}] on a two-sided transport (its \
-                 message tags are 31-bit)",
-                request_id.repr().map(|r| r.to_string()).unwrap_or_default(),
-                tags::MAX_TWO_SIDED_REQUEST_ID
-            ),
-        })
-        .py(),
-        r => r.py(),
-    }
+    let repr = || request_id.repr().map(|r| r.to_string()).unwrap_or_default();
+    tags::two_sided_tag_named(request_id.extract().ok(), repr, kind).py()
 }
 
-/// The `(request_id, kind)` a two-sided tag was made from; raises `ArgumentError` for a tag
-/// no request has.
-#[pyfunction]
-pub fn two_sided_tag_owner(tag: i64) -> PyResult<(i64, &'static str)> {
-    let (rid, kind) = tags::tag_owner(tag).py()?;
-    Ok((rid, kind.name()))
+core_fns! {
+    /// The `(request_id, kind)` a two-sided tag was made from; raises `ArgumentError` for a
+    /// tag no request has.
+    fn two_sided_tag_owner(tag: Raw<i64>) -> (i64, &'static str) = tags::tag_owner_named(tag);
+    /// `(nccl, match_by_order, ordered)` of a two-sided backend on a process group of backend
+    /// `group_backend` (see `disagg_core::tags::p2p_matching`).
+    #[pyo3(signature = (group_backend, match_by_order = None))]
+    fn p2p_matching(group_backend: Raw<String>, match_by_order: Raw<Option<bool>>)
+        -> (bool, bool, bool) = tags::p2p_matching(&group_backend, match_by_order);
+    /// The tag a message of a handoff tagged `tag` travels on (0 for all when matching by
+    /// post order).
+    fn p2p_wire_tag(tag: Raw<i64>, match_by_order: Raw<bool>) -> i64
+        = tags::p2p_wire_tag(tag, match_by_order);
 }
 
 /// The steps of a chunked two-sided transfer whose chunk `k` is a send when `sends[k]`,
@@ -52,21 +45,6 @@ pub fn two_sided_tag_owner(tag: i64) -> PyResult<(i64, &'static str)> {
 #[pyfunction]
 pub fn chunk_steps(sends: Vec<bool>, slots: usize) -> PyResult<Vec<i64>> {
     Ok(chunks::chunk_steps(&sends, slots).py()?.into_iter().map(ChunkStep::signed).collect())
-}
-
-/// `(nccl, match_by_order, ordered)` of a two-sided backend on a process group of backend
-/// `group_backend` (see `disagg_core::tags::p2p_matching`).
-#[pyfunction]
-#[pyo3(signature = (group_backend, match_by_order = None))]
-pub fn p2p_matching(group_backend: &str, match_by_order: Option<bool>) -> (bool, bool, bool) {
-    tags::p2p_matching(group_backend, match_by_order)
-}
-
-/// The tag a message of a handoff tagged `tag` travels on (0 for all when matching by
-/// post order).
-#[pyfunction]
-pub fn p2p_wire_tag(tag: i64, match_by_order: bool) -> i64 {
-    tags::p2p_wire_tag(tag, match_by_order)
 }
 
 /// The headers of one pair's messages of a handoff, concatenated (`P2P_HEADER_BYTES` each):
@@ -93,38 +71,24 @@ pub struct PyPeerSteps {
     inner: Mutex<PeerSteps>,
 }
 
-#[pymethods]
-impl PyPeerSteps {
-    #[new]
-    fn new() -> Self {
-        Self::default()
-    }
-
+core_methods!(PyPeerSteps, lock_with, inner,
+calls {
     /// Check received headers (messages `first..` of the pair's `len(nbytes)`) from process
     /// rank `peer`: returns for data; raises `PushAbortedError` for fillers (the pair stays
     /// in step) or `MessageOrderError` naming the field and both values (the peer is marked
     /// out of step).
     #[pyo3(signature = (peer, got, tag, incarnation, nbytes, first = 0))]
-    fn check(
-        &self,
-        peer: u64,
-        got: &[u8],
-        tag: u64,
-        incarnation: u64,
-        nbytes: Vec<u64>,
-        first: usize,
-    ) -> PyResult<()> {
-        lock(&self.inner)?.check(peer, got, tag, incarnation, &nbytes, first).py()
-    }
-
+    fn check(peer: Raw<u64>, got: Raw<Vec<u8>>, tag: Raw<u64>, incarnation: Raw<u64>,
+        nbytes: Raw<Vec<u64>>, first: Raw<usize>) -> ()
+        = check(peer, &got, tag, incarnation, &nbytes, first);
     /// Raise `HandoffStateError` naming the first of `peers` that is out of step.
-    fn refuse(&self, peers: Vec<u64>) -> PyResult<()> {
-        lock(&self.inner)?.refuse(&peers).py()
-    }
-
+    fn refuse(peers: Raw<Vec<u64>>) -> () = refuse(&peers);
     /// Peers out of step: process rank -> the first mismatch.
-    #[getter]
-    fn out_of_step(&self) -> PyResult<BTreeMap<u64, String>> {
-        Ok(lock(&self.inner)?.out_of_step().clone())
-    }
+    #[getter] fn out_of_step() -> BTreeMap<u64, String> = out_of_step().clone();
 }
+methods {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+});

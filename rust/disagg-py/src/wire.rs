@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use disagg_core::wire::peer::{
-    block_check_count, compat_hash, parse_count, LocalFacts, LocalSide, PeerGeometry, PeerLayout,
-    PeerMeta, PeerTable, SourceIds, StateKind,
+    block_check_count, check_transfer, compat_hash, parse_count, LocalFacts, LocalSide,
+    PeerGeometry, PeerLayout, PeerMeta, PeerTable, StateKind,
 };
 use disagg_core::wire::plan::{compile_checked, compile_unchecked, TransferPlanRequest};
 use disagg_core::wire::ticket::{check_staging_tickets, DecodeNeeds, HandoffTicket};
@@ -16,12 +16,24 @@ use disagg_core::ModeChoice;
 use numpy::{PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
+use pyo3::IntoPyObjectExt;
 
-use crate::args::{conv, wire_to_py, Int, IntList, Kind, Opt, U32, U64};
+use crate::args::{conv, convs, wire_to_py, Int, IntList, Kind, Opt, U32, U64};
 use crate::compile::PyTransferProgram;
 use crate::error::{in_handoff_metadata, py_methods, wire_err, IntoPyResult};
 use crate::geometry::{PyKvGeometry, PySsmGeometry};
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
+use crate::pool::core_fns;
+use crate::staging::source_ids_of;
+
+convs! {
+    /// A token count checked like the block ids (`BlockIdError`).
+    BlockU64: Int => u64 = |f, v| v.to_u64(Kind::Block, f);
+    /// A signed count checked like the block ids.
+    BlockI64: Int => i64 = |f, v| v.to_i64(Kind::Block, f);
+    /// Block ids checked by the core later (any 64-bit value).
+    BlockI64s: IntList => Vec<i64> = |f, v| v.to_i64s(Kind::Block, f);
+}
 
 fn convert(
     obj: &Bound<'_, PyAny>,
@@ -144,24 +156,20 @@ methods {
     /// The rank's layout (`KVShardLayout` or `SSMShardLayout`).
     #[getter]
     fn layout(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        Ok(match &self.inner.layout {
-            PeerLayout::Kv(l) => Py::new(py, PyKvShardLayout { inner: *l })?.into_any(),
-            PeerLayout::Ssm(l) => Py::new(py, PySsmShardLayout { inner: *l })?.into_any(),
-        })
+        match &self.inner.layout {
+            PeerLayout::Kv(l) => PyKvShardLayout { inner: *l }.into_py_any(py),
+            PeerLayout::Ssm(l) => PySsmShardLayout { inner: *l }.into_py_any(py),
+        }
     }
 
     /// The compiler geometry (`KVGeometry`, `SSMGeometry` or `None`).
     #[getter]
-    fn geometry(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        Ok(match &self.inner.geometry {
-            None => None,
-            Some(PeerGeometry::Kv(g)) => {
-                Some(Py::new(py, PyKvGeometry { inner: g.clone() })?.into_any())
-            }
-            Some(PeerGeometry::Ssm(g)) => {
-                Some(Py::new(py, PySsmGeometry { inner: g.clone() })?.into_any())
-            }
-        })
+    fn geometry(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        match self.inner.geometry.clone() {
+            None => Ok(py.None()),
+            Some(PeerGeometry::Kv(inner)) => PyKvGeometry { inner }.into_py_any(py),
+            Some(PeerGeometry::Ssm(inner)) => PySsmGeometry { inner }.into_py_any(py),
+        }
     }
 
     /// Raise `MetadataError` naming `field` unless every `(addr, len, ...)` row of `rows`
@@ -205,13 +213,7 @@ methods {
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "Peer(agent_name={:?}, global_rank={}, incarnation={}, state_kind={:?})",
-            self.inner.agent_name,
-            self.inner.layout.global_rank(),
-            self.inner.incarnation,
-            self.inner.state_kind.name()
-        )
+        self.inner.to_string()
     }
 });
 
@@ -263,25 +265,17 @@ impl PyPeerTable {
         if let Some((_, p)) = self.inner.lookup(&raw) {
             return Ok(p.clone_ref(py));
         }
-        let schema_obj = schema.unwrap_or(meta);
-        let schema_val = match schema {
-            Some(s) => to_wire(s, "peer_meta")?,
-            None => raw.clone(),
-        };
-        let mut made: Option<PyErr> = None;
+        let schema_val = schema.map(|s| to_wire(s, "peer_meta")).transpose()?;
+        let schema_val = schema_val.unwrap_or_else(|| raw.clone());
+        let mut made = None;
         let out = self.inner.adopt(raw, &schema_val, |m| {
-            match Py::new(py, PyPeer { inner: Arc::clone(m), meta: schema_obj.clone().unbind() }) {
-                Ok(p) => Ok(Arc::new(p)),
-                Err(e) => {
-                    made = Some(e);
-                    Err(disagg_core::DisaggError::wire("peer_meta", "could not build the peer"))
-                }
-            }
+            let meta = schema.unwrap_or(meta).clone().unbind();
+            Py::new(py, PyPeer { inner: Arc::clone(m), meta }).map(Arc::new).map_err(|e| {
+                made = Some(e);
+                disagg_core::DisaggError::wire("peer_meta", "could not build the peer")
+            })
         });
-        match (out, made) {
-            (_, Some(e)) => Err(e),
-            (r, None) => Ok(r.py()?.1.clone_ref(py)),
-        }
+        made.map_or_else(|| Ok(out.py()?.1.clone_ref(py)), Err)
     }
 
     fn __len__(&self) -> usize {
@@ -293,26 +287,21 @@ pub(crate) fn metas<'a>(peers: &'a [PyRef<'_, PyPeer>]) -> Vec<&'a PeerMeta> {
     peers.iter().map(|p| p.inner.as_ref()).collect()
 }
 
-fn source_ids(obj: &Bound<'_, PyAny>) -> PyResult<SourceIds> {
-    crate::staging::source_ids_of(obj)
-}
-
 /// The plan request of Python arguments (peers borrowed from `srcs` and `dst`).
 fn plan_request<'a>(
     srcs: &'a [PyRef<'_, PyPeer>],
     dst: &'a PyRef<'_, PyPeer>,
     src_block_ids: &Bound<'_, PyAny>,
-    dst_block_ids: Option<&Bound<'_, PyAny>>,
+    dst_block_ids: Option<IntList>,
     mode: &str,
     local: LocalSide,
 ) -> PyResult<TransferPlanRequest<'a>> {
+    conv!(dst_block_ids: Opt<BlockI64s>);
     Ok(TransferPlanRequest {
         srcs: metas(srcs),
         dst: dst.inner.as_ref(),
-        src_ids: source_ids(src_block_ids)?,
-        dst_ids: dst_block_ids
-            .map(|o| o.extract::<IntList>()?.to_i64s(Kind::Block, "dst_block_ids"))
-            .transpose()?,
+        src_ids: source_ids_of(src_block_ids)?,
+        dst_ids: dst_block_ids,
         num_tokens: None,
         local,
         mode: ModeChoice::parse(mode).py()?,
@@ -340,17 +329,16 @@ pub fn compile_peer_transfer(
     srcs: Vec<PyRef<'_, PyPeer>>,
     dst: PyRef<'_, PyPeer>,
     src_block_ids: &Bound<'_, PyAny>,
-    dst_block_ids: Option<&Bound<'_, PyAny>>,
+    dst_block_ids: Option<IntList>,
     num_tokens: Option<Int>,
     mode: &str,
     checked: bool,
 ) -> PyResult<PyTransferProgram> {
-    let n = num_tokens.map(|n| n.to_u64(Kind::Block, "num_tokens")).transpose()?;
+    conv!(num_tokens: Opt<BlockU64>);
     let local = LocalSide { is_dst: false, num_blocks: 0, tokens_per_block: None };
     let req = plan_request(&srcs, &dst, src_block_ids, dst_block_ids, mode, local)?;
     let compile = if checked { compile_checked } else { compile_unchecked };
-    let inner = py.detach(|| compile(&req, n)).py()?;
-    Ok(PyTransferProgram::new(inner))
+    Ok(PyTransferProgram { inner: py.detach(|| compile(&req, num_tokens)).py()? })
 }
 
 /// Parse one peer's metadata exported by a `backend` backend (no table, no compatibility
@@ -373,23 +361,16 @@ pub fn parse_peer_meta(
 pub fn check_peer_transfer(
     srcs: Vec<PyRef<'_, PyPeer>>,
     src_block_ids: &Bound<'_, PyAny>,
-    dst_block_ids: Option<&Bound<'_, PyAny>>,
+    dst_block_ids: Option<IntList>,
     num_tokens: Option<Int>,
     local_is_dst: bool,
     local_num_blocks: Int,
     local_tokens_per_block: Option<Int>,
 ) -> PyResult<Option<u64>> {
-    let dst = dst_block_ids
-        .map(|o| o.extract::<IntList>()?.to_i64s(Kind::Block, "dst_block_ids"))
-        .transpose()?;
-    disagg_core::wire::peer::check_transfer(
-        &metas(&srcs),
-        &source_ids(src_block_ids)?,
-        dst.as_deref(),
-        num_tokens.map(|n| n.to_i64(Kind::Block, "num_tokens")).transpose()?,
-        local_side(local_is_dst, local_num_blocks, local_tokens_per_block)?,
-    )
-    .py()
+    conv!(dst_block_ids: Opt<BlockI64s>, num_tokens: Opt<BlockI64>);
+    let src = source_ids_of(src_block_ids)?;
+    let local = local_side(local_is_dst, local_num_blocks, local_tokens_per_block)?;
+    check_transfer(&metas(&srcs), &src, dst_block_ids.as_deref(), num_tokens, local).py()
 }
 
 /// Check the staging tickets of one pull against the source peers; return them by source
@@ -476,16 +457,11 @@ pub fn py_compat_hash(facts: &Bound<'_, PyAny>) -> PyResult<String> {
     Ok(compat_hash(&to_wire(facts, "facts")?))
 }
 
-/// How many peer metadata dicts this process has parsed (lookups of a parsed peer do not
-/// count).
-#[pyfunction]
-pub fn peer_meta_parses() -> u64 {
-    parse_count()
-}
-
-/// How many times this process has validated a transfer's KV block ids against the buffers
-/// (once per transfer on the hot path).
-#[pyfunction]
-pub fn block_id_checks() -> u64 {
-    block_check_count()
+core_fns! {
+    /// How many peer metadata dicts this process has parsed (lookups of a parsed peer do not
+    /// count).
+    fn peer_meta_parses() -> u64 = parse_count();
+    /// How many times this process has validated a transfer's KV block ids against the
+    /// buffers (once per transfer on the hot path).
+    fn block_id_checks() -> u64 = block_check_count();
 }

@@ -91,6 +91,17 @@ pub struct SourceStats {
 }
 
 impl SourceStats {
+    /// `descriptors`, `fragments` and `bytes` by name, in that order.
+    pub fn figures(&self) -> [(&'static str, u64); 3] {
+        [("descriptors", self.descriptors), ("fragments", self.fragments), ("bytes", self.bytes)]
+    }
+
+    /// [`SourceStats::totals`] by name, as [`SourceStats::figures`] names them.
+    pub fn total_figures(stats: &[SourceStats]) -> [(&'static str, u64); 3] {
+        let (descriptors, fragments, bytes) = Self::totals(stats);
+        Self { src_rank: 0, mode: TransferMode::Direct, descriptors, fragments, bytes }.figures()
+    }
+
     /// Totals over sources `(descriptors, fragments, bytes)`, saturating.
     pub fn totals(stats: &[SourceStats]) -> (u64, u64, u64) {
         stats.iter().fold((0, 0, 0), |(d, f, b), s| {
@@ -214,6 +225,43 @@ impl TransferProgram {
         let mut c = CollectRuns::default();
         self.source(src_rank)?.walk(Purpose::Scatter, &mut c);
         Ok(c.out)
+    }
+
+    /// Source ranks that send something, ascending.
+    pub fn src_ranks(&self) -> Vec<u32> {
+        self.sources.iter().map(|s| s.src_rank).collect()
+    }
+
+    /// [`TransferProgram::scatter`] when `scatter`, else [`TransferProgram::gather`].
+    pub fn packed(&self, src_rank: u32, scatter: bool) -> DisaggResult<Rows> {
+        if scatter {
+            self.scatter(src_rank)
+        } else {
+            self.gather(src_rank)
+        }
+    }
+
+    /// [`TransferProgram::scatter_into`] when `scatter`, else [`TransferProgram::gather_into`].
+    pub fn packed_into(
+        &self,
+        src_rank: u32,
+        scatter: bool,
+        out: &mut [[u64; 3]],
+    ) -> DisaggResult<usize> {
+        if scatter {
+            self.scatter_into(src_rank, out)
+        } else {
+            self.gather_into(src_rank, out)
+        }
+    }
+
+    /// [`TransferProgram::scatter_runs`] when `scatter`, else [`TransferProgram::gather_runs`].
+    pub fn packed_runs(&self, src_rank: u32, scatter: bool) -> DisaggResult<Vec<[u64; 6]>> {
+        if scatter {
+            self.scatter_runs(src_rank)
+        } else {
+            self.gather_runs(src_rank)
+        }
     }
 
     /// Exact number of rows of one list of `src_rank` (walks it without writing).
@@ -342,6 +390,18 @@ impl TransferProgram {
     }
 }
 
+/// `TransferProgram(dst_rank=1, sources={0: direct 4096 B, 2: staged 512 B})`.
+impl std::fmt::Display for TransferProgram {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TransferProgram(dst_rank={}, sources={{", self.dst_rank)?;
+        for (i, s) in self.sources.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{}: {} {} B", s.src_rank, s.mode.name(), s.packed_bytes)?;
+        }
+        write!(f, "}})")
+    }
+}
+
 pub(super) fn too_small(field: &str, have: usize, need: u64) -> DisaggError {
     DisaggError::layout(field, format!("{field} has {have} rows but the list needs {need}"))
 }
@@ -378,5 +438,21 @@ mod tests {
         assert_eq!(SourceStats::totals(&[]), (0, 0, 0));
         assert_eq!(SourceStats::totals(&[s(3, 10), s(4, 20)]), (7, 4, 30));
         assert_eq!(SourceStats::totals(&[s(1, u64::MAX), s(1, 1)]), (2, 4, u64::MAX));
+        let named = [("descriptors", 7), ("fragments", 4), ("bytes", 30)];
+        assert_eq!(SourceStats::total_figures(&[s(3, 10), s(4, 20)]), named);
+        assert_eq!(s(3, 10).figures(), [("descriptors", 3), ("fragments", 2), ("bytes", 10)]);
+    }
+
+    #[test]
+    fn display_names_every_source_in_order() {
+        let program = |sources| TransferProgram {
+            dst_rank: 1,
+            dst_device: 0,
+            sources,
+            has_destination: false,
+            device_plans: false,
+            expected: Expected::None,
+        };
+        assert_eq!(program(Vec::new()).to_string(), "TransferProgram(dst_rank=1, sources={})");
     }
 }

@@ -108,7 +108,7 @@ impl SourceLease {
 /// The reads (or receives) to post for one import, all in token order. Source blocks
 /// `src_block_ids` hold tokens `[token_start, num_prompt_tokens)`, destination blocks
 /// `dst_block_ids` receive them; `cached_block_ids` already hold `[0, token_start)`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StartImport {
     /// The request.
     pub request_id: u64,

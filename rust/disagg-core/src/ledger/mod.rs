@@ -61,12 +61,14 @@ pub mod admission;
 mod import;
 mod pin;
 mod quorum;
+mod record;
 
 pub use import::{
     ImportCounters, ImportLedger, ImportLedgerConfig, ImportRequest, SourceLease, StartImport,
 };
 pub use pin::{PinCounters, PinLedger, PushDestination, PushPlan};
 pub use quorum::{CompletionQuorum, HandleState, QuorumDecision, RankOutcome};
+pub use record::ActionRecord;
 
 /// Why a handoff failed (the reason of a [`LedgerAction::Fail`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

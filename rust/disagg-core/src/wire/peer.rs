@@ -347,6 +347,19 @@ fn buffer(o: &Obj<'_>) -> DisaggResult<BufferInfo> {
     })
 }
 
+/// `Peer(agent_name="p0", global_rank=0, incarnation=7, state_kind="kv")`.
+impl std::fmt::Display for PeerMeta {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (name, rank, kind) = (&self.agent_name, self.layout.global_rank(), self.state_kind);
+        write!(
+            f,
+            "Peer(agent_name={name:?}, global_rank={rank}, incarnation={}, ",
+            self.incarnation
+        )?;
+        write!(f, "state_kind={:?})", kind.name())
+    }
+}
+
 impl PeerMeta {
     /// Parse and validate one metadata map exported by a `backend` backend (`"nixl"` or
     /// `"nccl"`). Every error is a [`DisaggError`] naming the field (`Wire` for a missing,
@@ -1004,6 +1017,8 @@ pub(crate) mod tests {
         assert_eq!(m.staging(), Some(Region { addr: 0x10_0000, nbytes: 4096 }));
         assert!(matches!(m.geometry, Some(PeerGeometry::Kv(_))));
         m.check_compat(&local()).unwrap();
+        let shown = r#"Peer(agent_name="p0", global_rank=0, incarnation=7, state_kind="kv")"#;
+        assert_eq!(m.to_string(), shown);
     }
 
     #[test]

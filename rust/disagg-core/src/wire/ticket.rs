@@ -79,6 +79,16 @@ impl StreamTicket {
 }
 
 impl StagingTicket {
+    /// The id of the stream or of the announcement whose notifications concern this copy.
+    pub fn notice_id(&self) -> Option<u64> {
+        self.stream.as_ref().map(|st| st.id).or(self.ready)
+    }
+
+    /// Offset of a packed copy held whole: the range releasing the ticket frees.
+    pub fn held_offset(&self) -> Option<u64> {
+        (self.staged && self.stream.is_none()).then_some(self.offset)
+    }
+
     /// The checked ticket as a wire map (`stream` only when streamed).
     pub fn to_wire(&self) -> WireValue {
         let int = |v: u64| WireValue::Int(i128::from(v));
@@ -680,6 +690,18 @@ mod tests {
         ]);
         e.push(("stream".into(), st));
         WireValue::Map(e)
+    }
+
+    #[test]
+    fn a_ticket_names_its_notices_and_the_range_its_release_frees() {
+        let whole = StagingTicket::parse(&ticket(0, 1, true, 64, 8), "t").unwrap();
+        assert_eq!((whole.notice_id(), whole.held_offset()), (None, Some(64)));
+        let announced = StagingTicket { ready: Some(9), ..whole.clone() };
+        assert_eq!((announced.notice_id(), announced.held_offset()), (Some(9), Some(64)));
+        let direct = StagingTicket { staged: false, ..whole };
+        assert_eq!((direct.notice_id(), direct.held_offset()), (None, None));
+        let streamed = StagingTicket::parse(&streamed(1, &[0, 64], 32), "t").unwrap();
+        assert_eq!((streamed.notice_id(), streamed.held_offset()), (Some(3), None));
     }
 
     #[test]
