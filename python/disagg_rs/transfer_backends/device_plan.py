@@ -186,7 +186,7 @@ class DevicePlan:
 
     @functools.cached_property
     def packed(self) -> _core.PackedRows:
-        """The rows' packed order in Rust: item offsets, stream chunks, launch placement."""
+        """The rows' packed order in Rust: item offsets, copy checks, launch placement."""
         return _core.PackedRows(self._rows, self.tokens_per_block)
 
     @property

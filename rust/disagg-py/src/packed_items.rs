@@ -20,8 +20,9 @@ fn side(s: &SideTuple) -> CopySide {
 }
 
 /// The plane rows of a device plan, ``(packed coefficient, row bytes per token)`` each, and
-/// its block size: where each item of a packed copy starts, how a stream cuts it, and where
-/// one launch puts up to three consecutive item ranges.
+/// its block size: where each item of a packed copy starts, the checks of a copy by plan, and
+/// where one launch puts up to three consecutive item ranges (stream chunks are cut by
+/// ``stream_chunks``, from the same rule).
 #[pyclass(name = "PackedRows", module = "disagg_rs", frozen)]
 pub struct PyPackedRows {
     rows: Vec<(u64, u64)>,
@@ -46,11 +47,6 @@ impl PyPackedRows {
     /// last item: the copy's size).
     fn offset(&self, k: u64, n_tok: u64) -> PyResult<u64> {
         self.items(n_tok)?.offset(k).py()
-    }
-
-    /// ``(k_lo, k_hi, byte_lo, byte_hi)`` of runs of whole items of at most ``max_bytes``.
-    fn chunks(&self, n_tok: u64, max_bytes: u64) -> PyResult<Vec<[u64; 4]>> {
-        self.items(n_tok)?.chunks(max_bytes).py()
     }
 
     /// Check a copy of items ``items`` (``None``: all) of an ``n_tok``-token handoff from
