@@ -209,10 +209,9 @@ class DevicePlan:
 
     def chunks(self, n_tok: int, max_bytes: int) -> list[tuple[int, int, int, int]]:
         """Item ranges of at most ``max_bytes`` packed bytes (one item at least):
-        ``(k_lo, k_hi, byte_lo, byte_hi)`` in packed order, covering every item once (the
-        last few cuts are kept: handoffs of one size repeat)."""
-        rows = tuple(self._rows)
-        return list(_chunks(rows, self.tokens_per_block, int(n_tok), max(int(max_bytes), 0)))
+        ``(k_lo, k_hi, byte_lo, byte_hi)`` in packed order, covering every item once.
+        Decided in Rust: the source and the decode of a streamed copy cut it alike."""
+        return self.packed.chunks(int(n_tok), max(int(max_bytes), 0))
 
     # -- device tables -------------------------------------------------------------------
 
@@ -257,16 +256,6 @@ class DevicePlan:
             dev = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(device)
             self._dev[key] = dev
         return dev
-
-
-@functools.lru_cache(maxsize=64)
-def _chunks(
-    rows: tuple[tuple[int, int], ...], tokens_per_block: int, n_tok: int, max_bytes: int
-) -> tuple[tuple[int, int, int, int], ...]:
-    """:meth:`DevicePlan.chunks`, cached by the plan's rows (handoffs of one size repeat).
-    Decided in Rust: the source and the decode of a streamed copy cut it alike."""
-    cut = _core.stream_chunks(list(rows), tokens_per_block, n_tok, max_bytes)
-    return tuple((int(a), int(b), int(x), int(y)) for a, b, x, y in cut)
 
 
 @dataclass(frozen=True)

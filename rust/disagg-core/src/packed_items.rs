@@ -55,6 +55,32 @@ pub enum CopySide {
     },
 }
 
+impl CopySide {
+    /// The side named `kind` (`"packed"`, `"src"` or `"dst"`): `ids_or_bytes` is a packed
+    /// side's window bytes (`None`: 0) or a paged side's block ids.
+    ///
+    /// # Errors
+    /// `Argument` (`side`) for any other kind.
+    pub fn parse(
+        kind: &str,
+        ids_or_bytes: Option<u64>,
+        bias: u64,
+        set_stride: u64,
+    ) -> DisaggResult<Self> {
+        Ok(match kind {
+            "packed" => Self::Packed { bias, nbytes: ids_or_bytes.unwrap_or(0) },
+            "src" => Self::Paged { kind: "src", ids: ids_or_bytes, set_stride },
+            "dst" => Self::Paged { kind: "dst", ids: ids_or_bytes, set_stride },
+            other => {
+                return Err(DisaggError::argument(
+                    "side",
+                    format!("side kind {other:?} is not \"src\", \"dst\" or \"packed\""),
+                ))
+            }
+        })
+    }
+}
+
 /// Whether `ids` block ids hold `sets` id sets of `n_blk` ids at stride `stride` (0: every
 /// set reads the same ids; else the sets must not overlap).
 fn ids_hold(ids: u64, stride: u64, sets: u64, n_blk: u64) -> bool {

@@ -149,3 +149,18 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_side_kind_is_parsed_once_and_an_unknown_one_is_refused_on_side() {
+    assert_eq!(
+        CopySide::parse("packed", None, 16, 0).unwrap(),
+        CopySide::Packed { bias: 16, nbytes: 0 }
+    );
+    assert_eq!(
+        CopySide::parse("dst", Some(4), 0, 8).unwrap(),
+        CopySide::Paged { kind: "dst", ids: Some(4), set_stride: 8 }
+    );
+    let err = CopySide::parse("Dst", Some(4), 0, 8).unwrap_err();
+    assert_eq!(err.kind(), "Argument");
+    assert!(err.to_string().contains("side") && err.to_string().contains("\"Dst\""), "{err}");
+}

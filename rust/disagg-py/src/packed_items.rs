@@ -11,18 +11,14 @@ type LaunchTuple = (u64, u64, u64, [i64; 5]);
 /// One side of a copy as Python gives it: ``(kind, ids or window bytes, bias, set stride)``.
 type SideTuple = (String, Option<u64>, u64, u64);
 
-fn side(s: &SideTuple) -> CopySide {
-    match s.0.as_str() {
-        "packed" => CopySide::Packed { bias: s.2, nbytes: s.1.unwrap_or(0) },
-        "src" => CopySide::Paged { kind: "src", ids: s.1, set_stride: s.3 },
-        _ => CopySide::Paged { kind: "dst", ids: s.1, set_stride: s.3 },
-    }
+fn side(s: &SideTuple) -> PyResult<CopySide> {
+    CopySide::parse(&s.0, s.1, s.2, s.3).py()
 }
 
 /// The plane rows of a device plan, ``(packed coefficient, row bytes per token)`` each, and
 /// its block size: where each item of a packed copy starts, the checks of a copy by plan, and
-/// where one launch puts up to three consecutive item ranges (stream chunks are cut by
-/// ``stream_chunks``, from the same rule).
+/// where one launch puts up to three consecutive item ranges and the chunks a stream cuts it
+/// into.
 #[pyclass(name = "PackedRows", module = "disagg_rs", frozen)]
 pub struct PyPackedRows {
     rows: Vec<(u64, u64)>,
@@ -49,6 +45,13 @@ impl PyPackedRows {
         self.items(n_tok)?.offset(k).py()
     }
 
+    /// ``(k_lo, k_hi, byte_lo, byte_hi)`` of every chunk of an ``n_tok``-token copy, each
+    /// whole items of at most ``max_bytes`` (one item at least).
+    fn chunks(&self, n_tok: u64, max_bytes: u64) -> PyResult<Vec<(u64, u64, u64, u64)>> {
+        let cut = self.items(n_tok)?.chunks(max_bytes).py()?;
+        Ok(cut.into_iter().map(|[a, b, x, y]| (a, b, x, y)).collect())
+    }
+
     /// Check a copy of items ``items`` (``None``: all) of an ``n_tok``-token handoff from
     /// side ``a`` to side ``b`` (``(kind, block ids or, packed, window bytes, bias, set
     /// stride)`` each) of a plan with ``sets`` id sets; ``(k_lo, k_hi, byte_lo, byte_hi)``.
@@ -62,7 +65,7 @@ impl PyPackedRows {
         sets: u64,
         paged_only: bool,
     ) -> PyResult<[u64; 4]> {
-        self.items(n_tok)?.check_copy(items, [side(&a), side(&b)], sets, paged_only).py()
+        self.items(n_tok)?.check_copy(items, [side(&a)?, side(&b)?], sets, paged_only).py()
     }
 
     /// Check one launch of ``parts`` (``(byte offset, first item, end item)`` each,

@@ -5,8 +5,7 @@ use std::borrow::Cow;
 use std::sync::Mutex;
 
 use disagg_core::stream::{
-    self, ChunkRange, Mail, Observed, StreamKind, StreamMailboxes, StreamMsg, StreamSink,
-    StreamSource,
+    ChunkRange, Mail, Observed, StreamKind, StreamMailboxes, StreamMsg, StreamSink, StreamSource,
 };
 use disagg_core::wire::ticket::StagingTicket;
 use disagg_core::DisaggError;
@@ -54,12 +53,6 @@ fn ticket_of(ticket: &Bound<'_, PyAny>) -> PyResult<StagingTicket> {
 }
 
 core_fns! {
-    /// `(k_lo, k_hi, byte_lo, byte_hi)` of every chunk of a packed copy of `n_tok` tokens
-    /// whose plane rows are `rows` (`(packed coefficient, row bytes per token)`), each chunk
-    /// whole items of at most `max_bytes` (one item at least).
-    fn stream_chunks(rows: Raw<Vec<(u64, u64)>>, tokens_per_block: Raw<u64>, n_tok: Raw<u64>,
-        max_bytes: Raw<u64>) -> Vec<ChunkRange>
-        = stream::chunk_ranges(&rows, tokens_per_block, n_tok, max_bytes);
     /// The `Abort` notification of stream `stream`.
     fn stream_abort_msg(stream: Raw<u64>) -> Bytes = StreamMsg::bare(StreamKind::Abort, stream, 0);
 }
