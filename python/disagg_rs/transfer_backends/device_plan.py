@@ -209,9 +209,9 @@ class DevicePlan:
 
     def chunks(self, n_tok: int, max_bytes: int) -> list[tuple[int, int, int, int]]:
         """Item ranges of at most ``max_bytes`` packed bytes (one item at least):
-        ``(k_lo, k_hi, byte_lo, byte_hi)`` in packed order, covering every item once.
-        Decided in Rust: the source and the decode of a streamed copy cut it alike."""
-        return self.packed.chunks(int(n_tok), max(int(max_bytes), 0))
+        ``(k_lo, k_hi, byte_lo, byte_hi)`` in packed order, covering every item once
+        (the last few cuts are kept: handoffs of one size repeat)."""
+        return list(_chunks(self.packed, int(n_tok), max(int(max_bytes), 0)))
 
     # -- device tables -------------------------------------------------------------------
 
@@ -256,6 +256,15 @@ class DevicePlan:
             dev = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(device)
             self._dev[key] = dev
         return dev
+
+
+@functools.lru_cache(maxsize=64)
+def _chunks(
+    packed: _core.PackedRows, n_tok: int, max_bytes: int
+) -> tuple[tuple[int, int, int, int], ...]:
+    """:meth:`DevicePlan.chunks`, cached by the plan's rows object (found by identity).
+    Decided in Rust: the source and the decode of a streamed copy cut it alike."""
+    return tuple(packed.chunks(n_tok, max_bytes))
 
 
 @dataclass(frozen=True)
