@@ -3,13 +3,30 @@ random source caches of a TP group."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import strategies as st
 
 from disagg_rs import KVGeometry, KVShardLayout
+
+
+def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the Triton kernels on host tensors through Triton's interpreter from now on; skip
+    the test where the interpreter cannot run them: it turns its 1-element scalar arrays into
+    loop bounds with ``int()``, which numpy 2.4 and later refuse (an interpreted launch that
+    fails there also leaves the interpreter's patches on ``triton.language`` in place, which
+    breaks the compiled kernels of later tests in the process)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            int(np.zeros(1, dtype=np.int64))  # type: ignore[arg-type]
+        except TypeError:
+            pytest.skip(f"Triton's interpreter cannot run under numpy {np.__version__}")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def fragments(

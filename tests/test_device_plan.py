@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from disagg_rs import KVGeometry, KVShardLayout, compile_kv_transfer
 from disagg_rs.transfer_backends import device_plan as dp
 from disagg_rs.transfer_backends import staging
-from kernel_cases import source_caches
+from kernel_cases import interpret, source_caches
 
 pytest.importorskip("triton")
 
@@ -27,7 +27,7 @@ interpreter_warnings = pytest.mark.filterwarnings(
 
 @pytest.fixture
 def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpret(monkeypatch)
     yield
 
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from disagg_rs import KVGeometry, KVShardLayout, compile_kv_transfer
 from disagg_rs.transfer_backends import kernels, staging
-from kernel_cases import fragments, source_caches
+from kernel_cases import fragments, interpret, source_caches
 
 pytest.importorskip("triton")
 
@@ -36,7 +36,7 @@ TINY = kernels.KernelConfig(block=64, sub=2, num_warps=1)
 @pytest.fixture
 def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Run the Triton kernel on host tensors through the interpreter."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpret(monkeypatch)
     monkeypatch.setenv("DISAGG_STAGING_KERNEL", "triton")
     yield
 
@@ -171,7 +171,7 @@ def test_kernel_pack_and_scatter_match_the_torch_path_byte_exact(
 ) -> None:
     size, frags, region_offset = spec
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
+        interpret(mp)
         mp.setenv("DISAGG_STAGING_KERNEL", "triton")
         gen = torch.Generator().manual_seed(size)
         buf = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)

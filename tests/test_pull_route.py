@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from disagg_rs import _core, exceptions
 from disagg_rs.transfer_backends import device_plan as dp
 from disagg_rs.transfer_backends import nixl
+from kernel_cases import interpret
 
 pytest.importorskip("triton")
 
@@ -76,7 +77,7 @@ def test_one_merged_launch_lands_what_each_ranks_own_plan_lands(
 ) -> None:
     dec, srcs, metas = tp2
     # Host tensors: the merged kernel reads across the two buffers under the interpreter.
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpret(monkeypatch)
     ids = _ids(0, 37)
     route = _route(dec, srcs, metas, ids)
     assert len(route.copies) == 1  # both ranks share strides: one plan, one launch
