@@ -48,7 +48,8 @@ TARGET = 100.0
 
 
 def geometry(base: int) -> KVGeometry:
-    return megatron_geometry(LAYERS, POOL, TPB, HEADS, HEAD_DIM, base, ELEM)
+    geo: KVGeometry = megatron_geometry(LAYERS, POOL, TPB, HEADS, HEAD_DIM, base, ELEM)
+    return geo
 
 
 def scattered_ids(n: int, seed: int) -> list[int]:

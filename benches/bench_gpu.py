@@ -59,9 +59,10 @@ def cuda_ms(fn: Callable[[], Any], repeat: int = 10, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    times: list[float] = []
     for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        b = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         a.record()
         fn()
         b.record()
@@ -172,7 +173,8 @@ def bench_handoff(total: int, frag: int) -> dict[str, float]:
         dst_region.copy_(src_region)
         kernels.copy_runs(st_, dst, dst_region, gather=False)
 
-    streams = tuple(torch.cuda.Stream() for _ in range(3))
+    new_stream = torch.cuda.Stream
+    streams = (new_stream(), new_stream(), new_stream())  # type: ignore[no-untyped-call]
 
     def pipelined(chunk: int) -> Callable[[], None]:
         def run() -> None:
@@ -242,6 +244,8 @@ def bench_head_reshard(tokens: int) -> dict[str, Any]:
     for form in ("runs", "flat"):
         tables = {}
         frags = 0
+        gf: kernels.ListForm
+        sf: kernels.ListForm
         for r in program.src_ranks:
             src_reg, dst_reg = regions[r]
             if form == "runs":

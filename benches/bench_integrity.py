@@ -12,6 +12,7 @@ Usage: python benches/bench_integrity.py [--write benches/RESULTS.md]
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -112,10 +113,10 @@ def main() -> None:
     if torch.cuda.is_available():
         ssm_runs += [("cuda", c) for c in SSM_CUDA_CASES]
     cases = [
-        (d, f"KV {a} x {b} x {c}", lambda d=d, x=(a, b, c): measure(*x, d)) for d, (a, b, c) in runs
+        (d, f"KV {a} x {b} x {c}", functools.partial(measure, a, b, c, d)) for d, (a, b, c) in runs
     ]
     cases += [
-        (d, f"SSM {a} x {b} heads, 1 slot", lambda d=d, x=(a, b): measure_ssm(*x, d))
+        (d, f"SSM {a} x {b} heads, 1 slot", functools.partial(measure_ssm, a, b, d))
         for d, (a, b) in ssm_runs
     ]
     for device, what, run in cases:

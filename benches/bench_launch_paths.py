@@ -28,6 +28,7 @@ from _ipc_case import TPB, build, options
 from _ipc_case import stage as timed
 from bench_gpu import cuda_ms as gpu_ms
 from disagg_rs import _core
+from disagg_rs.transfer_backends import nixl
 from disagg_rs.transfer_backends.device_plan import BLOCK
 
 
@@ -49,7 +50,7 @@ def main() -> None:
 
     peers, ids = dec._resolve_peers(metas, sids)
     route = dec._ipc_routes[tuple(map(id, peers))]
-    assert route.copy is not None
+    assert isinstance(route, nixl._IpcRoute) and route.copy is not None
     pr = route.copy
     assert len(pr.copies) == 1, "the two source ranks' plans should merge"
     launch, first_set = pr.copies[0]
@@ -184,7 +185,7 @@ def main() -> None:
 
     # Upload + launch captured once in a CUDA graph.
     g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from _results import machine_line, publish
 from disagg_rs import ImportLedger
@@ -33,7 +34,7 @@ def prompts(n: int) -> list[list[int]]:
     return [shared + [100_000 + i * PROMPT + j for j in range(PROMPT - SHARED)] for i in range(n)]
 
 
-def run_disagg(tokens: Sequence[Sequence[int]]) -> tuple[float, int]:
+def run_disagg(tokens: Sequence[Sequence[int] | npt.NDArray[np.int64]]) -> tuple[float, int]:
     ledger = ImportLedger(POOL, BLOCK)
     pool = ledger.block_pool
     src = list(range(PROMPT // BLOCK))

@@ -6,6 +6,7 @@ Usage: python benches/bench_planner.py [--write benches/RESULTS.md]
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -30,7 +31,7 @@ SCENARIOS = [
 
 
 def _median_seconds(fn: Callable[[], object], min_time: float = 0.2, max_reps: int = 2000) -> float:
-    samples = []
+    samples: list[float] = []
     start = time.perf_counter()
     while len(samples) < max_reps and (time.perf_counter() - start < min_time or len(samples) < 3):
         t0 = time.perf_counter()
@@ -51,8 +52,8 @@ def main() -> None:
         hd = [Holding(d.global_rank, *d.layers, *d.heads) for d in dsts]
         plan = dr.plan_kv_reshard(srcs, dsts)
         assert len(plan) == len(plan_rects(hs, hd)), "planners disagree"
-        rust = _median_seconds(lambda s=srcs, d=dsts: dr.plan_kv_reshard(s, d))
-        python = _median_seconds(lambda s=hs, d=hd: plan_rects(s, d), max_reps=20)
+        rust = _median_seconds(functools.partial(dr.plan_kv_reshard, srcs, dsts))
+        python = _median_seconds(functools.partial(plan_rects, hs, hd), max_reps=20)
         rows.append((name, len(plan), rust, python))
         print(
             f"{name:40s} {len(plan):5d} transfers  rust {rust * 1e6:9.1f} us  "

@@ -15,18 +15,26 @@ import time
 import torch
 
 from _results import publish, table_section
-from disagg_rs.reference import EngineConfig, ReferenceEngine, encode_text, hybrid_model
+from disagg_rs.reference import (
+    CacheLayoutName,
+    EngineConfig,
+    ReferenceEngine,
+    encode_text,
+    hybrid_model,
+)
 
 TEXT = "Disaggregated serving moves a finished prompt's state to a decode engine. "
 
 
-def run(layout: str, block_size: int, requests: int, max_new: int) -> tuple[float, float]:
+def run(
+    layout: CacheLayoutName, block_size: int, requests: int, max_new: int
+) -> tuple[float, float]:
     """(prompt tokens/s, decode tokens/s) of one engine serving ``requests`` prompts."""
     e = ReferenceEngine(
         hybrid_model(),
         EngineConfig(
             cache_layout=layout,
-            block_size_tokens=block_size,  # type: ignore[arg-type]
+            block_size_tokens=block_size,
             num_blocks=256,
             num_ssm_slots=requests,
             max_batch=requests,
@@ -53,7 +61,8 @@ def main() -> None:
     run("megatron", 16, 2, 2)  # warm-up
     rows = []
     base: tuple[float, float] | None = None
-    for layout in ("megatron", "nhd", "hnd"):
+    layouts: tuple[CacheLayoutName, ...] = ("megatron", "nhd", "hnd")
+    for layout in layouts:
         for bs in (16, 64):
             # Best of three: the machine is shared, the minimum is the least disturbed run.
             runs = [run(layout, bs, args.requests, args.max_new) for _ in range(3)]

@@ -52,7 +52,7 @@ def main() -> None:
         with ``sleep``, behind a kernel of that many GPU cycles (its packs queue)."""
         for b, r in ranks:
             if sleep:
-                torch.cuda._sleep(sleep)
+                torch.cuda._sleep(sleep)  # type: ignore[no-untyped-call]
             t0 = time.perf_counter_ns()
             t = b.stage_blocks(dst_meta, case.sids[r], src_metas=case.metas,
                                num_tokens=case.tokens)  # fmt: skip

@@ -22,6 +22,7 @@ import torch
 from _ipc_case import TPB, build, options
 from _ipc_case import stage as timed
 from disagg_rs import _core
+from disagg_rs.transfer_backends import nixl
 
 
 def main() -> None:
@@ -47,6 +48,7 @@ def main() -> None:
     )
     stage("resolve peers", lambda: dec._resolve_peers(metas, sids))
     peers, ids = dec._resolve_peers(metas, sids)
+    assert ids is not None
     stage(
         "check ids, lists", lambda: dec._validate_peers(peers, ids, dids, tokens, local_is_dst=True)
     )
@@ -54,7 +56,7 @@ def main() -> None:
         "check ids, arrays", lambda: dec._validate_peers(peers, sa, da, tokens, local_is_dst=True)
     )
     route = dec._ipc_routes[tuple(map(id, peers))]
-    assert route.copy is not None
+    assert isinstance(route, nixl._IpcRoute) and route.copy is not None
     pr = route.copy
     print("launches per call", len(pr.copies))
     kw2: dict[str, Any] = {

@@ -87,8 +87,10 @@ SSM_AXES: dict[str, str] = {"conv": "layer slot channel conv", "recurrent": "lay
 
 #: Peer metadata as produced by ``export_meta()``.
 PeerMeta: TypeAlias = Mapping[str, Any]
-#: Block ids: one list for every source rank, or ``{source global_rank: list}``.
-BlockIds: TypeAlias = "Sequence[int] | npt.NDArray[np.integer[Any]] | Mapping[int, Sequence[int]]"
+#: An integer array of block ids.
+_IdArray: TypeAlias = "npt.NDArray[np.integer[Any]]"
+#: Block ids: one list (or array) for every source rank, or ``{source global_rank: list}``.
+BlockIds: TypeAlias = "Sequence[int] | _IdArray | Mapping[int, Sequence[int] | _IdArray]"
 #: Which state a buffer holds.
 StateKind: TypeAlias = Literal["kv", "conv", "recurrent"]
 #: Monotonic seconds; injected so tests drive deadlines with a virtual clock.
