@@ -57,6 +57,11 @@ def _cache(blocks: int, heads: int, fill_seed: int | None) -> Any:
     return buf
 
 
+def _layout(tp: int, rank: int, grank: int) -> dict[str, int]:
+    """A backend's layout keywords for rank ``rank`` (global ``grank``) of a TP ``tp`` engine."""
+    return {"tp_size": tp, "tp_rank": rank, "global_rank": grank, "num_kv_heads_global": HEADS}
+
+
 def _worker(conn: Any, device: int, ipc: bool) -> None:
     os.environ.pop("UCX_TLS", None)
     os.environ["DISAGG_CUDA_IPC"] = "1" if ipc else "0"
@@ -94,15 +99,7 @@ def _worker(conn: Any, device: int, ipc: bool) -> None:
 
                 key, blocks, tp, rank, grank, fill_seed = args
                 buf = _cache(blocks, HEADS // tp, fill_seed)
-                backends[key] = NcclTransferBackend(
-                    name,
-                    buf,
-                    blocks,
-                    tp_size=tp,
-                    tp_rank=rank,
-                    global_rank=grank,
-                    num_kv_heads_global=HEADS,
-                )
+                backends[key] = NcclTransferBackend(name, buf, blocks, **_layout(tp, rank, grank))
                 torch.cuda.synchronize()
                 conn.send((True, backends[key].export_meta()))
             elif cmd == "post":
@@ -118,14 +115,7 @@ def _worker(conn: Any, device: int, ipc: bool) -> None:
             elif cmd == "make":
                 key, blocks, tp, rank, grank, fill_seed, staging, mode = args
                 buf = _cache(blocks, HEADS // tp, fill_seed)
-                kw = dict(
-                    tp_size=tp,
-                    tp_rank=rank,
-                    global_rank=grank,
-                    num_kv_heads_global=HEADS,
-                    staging_bytes=staging,
-                    mode=mode,
-                )
+                kw = {**_layout(tp, rank, grank), "staging_bytes": staging, "mode": mode}
                 if root is None:
                     root = NixlTransferBackend(name, buf, blocks, **kw)
                     backends[key] = root

@@ -17,6 +17,7 @@ import disagg_rs as dr
 from disagg_rs.control import Msg, encode_message
 from disagg_rs.handoff.prefill import handoff_ticket
 from disagg_rs.integrity import IntegrityTable
+from ticket_samples import TICKET_FIELDS
 
 HARNESS = Path(__file__).with_name("fuzz_atheris.py")
 RUNS = int(os.environ.get("DISAGG_FUZZ_RUNS", "4000"))
@@ -38,14 +39,7 @@ def _seeds() -> list[bytes]:
     objects.append(
         IntegrityTable({n: np.zeros(s, dtype=np.uint64) for n, s in shapes.items()}).to_wire()
     )
-    ticket = handoff_ticket(
-        src_block_ids=[0, 1],
-        src_block_size_tokens=16,
-        src_ssm_slot=None,
-        resume_tokens=[7],
-        pin_epoch=1,
-        lease_ns=10**9,
-    )
+    ticket = handoff_ticket(**TICKET_FIELDS)
     # Coordinator traffic, then what the engine drivers act on: a prompt to prefill, a ticket
     # to import (two blocks of 16 tokens from the prefill), a release, an abort, a shutdown.
     messages: list[tuple[Msg, dict[str, Any]]] = [

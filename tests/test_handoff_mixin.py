@@ -16,6 +16,7 @@ from disagg_rs.exceptions import HandoffStateError, MetadataError, ResetRefusedE
 from disagg_rs.handoff.prefill import handoff_ticket
 from disagg_rs.reference import EngineConfig, ReferenceEngine, hybrid_model
 from disagg_rs.reference.handoff import HandoffReferenceEngine
+from ticket_samples import TICKET_FIELDS
 
 os.environ.setdefault("UCX_LOG_LEVEL", "error")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -258,18 +259,10 @@ def test_metrics_record_bytes_latency_and_queue_depths_and_serve_over_http(pair:
 
 # -- the ticket and the decisions the decode side takes from the ledger ----------------------------
 def test_the_prefill_ticket_is_assembled_in_one_place_with_optional_fields_only_when_set() -> None:
-    base = dict(
-        src_block_ids=[4, 9],
-        src_block_size_tokens=16,
-        src_ssm_slot=None,
-        resume_tokens=[7],
-        pin_epoch=3,
-        lease_ns=10,
-    )
-    plain = handoff_ticket(**base, staged={})
-    assert plain == {**base, "src_block_ids": [4, 9], "resume_tokens": [7]}
+    plain = handoff_ticket(**TICKET_FIELDS, staged={})
+    assert plain == TICKET_FIELDS
     full = handoff_ticket(
-        **base, lease_until_wall_ns=0, integrity={"v": 1}, staged={1: [{"staged": True}]}
+        **TICKET_FIELDS, lease_until_wall_ns=0, integrity={"v": 1}, staged={1: [{"staged": True}]}
     )
     assert full["lease_until_wall_ns"] == 0 and full["integrity"] == {"v": 1}
     assert full["staged"] == {1: [{"staged": True}]}

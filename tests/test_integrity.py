@@ -480,6 +480,7 @@ def test_a_corrupted_source_fails_the_import_naming_the_cell_and_frees_everythin
     m = err.mismatch
     assert (m.table, m.kv, m.layer, m.unit) == want
     assert m.expected != m.got and f"0x{m.expected:016x}" in str(err)
+    assert m.describe() in str(err)  # the error's message names the cell as ``describe`` does
     assert not pair.dec.has_work  # never admitted
     assert pair.dec.handoff_stats["imports_admitted"] == 0
     assert pair.dec.handoff_stats["integrity_failures"] == 1

@@ -26,6 +26,24 @@ from oracle_planner import Holding, plan_rects
 
 SENTINEL = -1
 DIMS = ssm_reshard.SSMStateDims(8, 4, 2, 2, 3)  # nheads, headdim, d_state, ngroups, d_conv
+#: The reference design's ``KVShardLayout`` dataclass fields in its (positional) order, each
+#: with a sample value (no explicit layer window: derived from the PP split).
+KV_FIELD_SAMPLES: tuple[tuple[str, int | None], ...] = (
+    ("num_layers", 12),
+    ("num_heads", 8),
+    ("tp_size", 2),
+    ("tp_rank", 1),
+    ("pp_size", 3),
+    ("pp_rank", 2),
+    ("global_rank", 7),
+    ("ep_size", 2),
+    ("ep_rank", 1),
+    ("etp_size", 3),
+    ("etp_rank", 2),
+    ("layer_start", None),
+    ("num_local_layers", None),
+)
+KV_LAYOUT_FIELDS = [name for name, _ in KV_FIELD_SAMPLES]
 
 
 def test_the_reference_modules_export_the_package_classes() -> None:
@@ -42,11 +60,11 @@ def test_the_reference_modules_export_the_package_classes() -> None:
 
 
 def test_kv_layout_takes_every_reference_field_positionally_and_by_keyword() -> None:
-    values = (12, 8, 2, 1, 3, 2, 7, 2, 1, 3, 2, None, None)
     names = list(kv_reshard.KVShardLayout.__dataclass_fields__)
-    assert names[:2] == ["num_layers", "num_heads"] and len(names) == len(values)
-    positional = kv_reshard.KVShardLayout(*values)
-    keywords = kv_reshard.KVShardLayout(**dict(zip(names, values, strict=True)))
+    assert names == KV_LAYOUT_FIELDS
+    values = [value for _, value in KV_FIELD_SAMPLES]
+    positional = kv_reshard.KVShardLayout(*values)  # type: ignore[arg-type]
+    keywords = kv_reshard.KVShardLayout(**dict(KV_FIELD_SAMPLES))  # type: ignore[arg-type]
     assert positional == keywords
     assert [getattr(keywords, n) for n in names[2:11]] == list(values[2:11])
     assert (keywords.ep_size, keywords.ep_rank, keywords.etp_size, keywords.etp_rank) == (
@@ -92,24 +110,7 @@ def test_an_explicit_window_equal_to_the_even_split_is_the_same_layout() -> None
 
 def test_kv_layout_is_a_dataclass_that_round_trips_through_asdict_and_replace() -> None:
     lay = dr.KVShardLayout(12, 8, 2, 1, 3, 2, 7, ep_size=2, ep_rank=1)
-    fields = [f.name for f in dataclasses.fields(lay)]
-    assert fields[:7] == [
-        "num_layers",
-        "num_heads",
-        "tp_size",
-        "tp_rank",
-        "pp_size",
-        "pp_rank",
-        "global_rank",
-    ]
-    assert fields[7:] == [
-        "ep_size",
-        "ep_rank",
-        "etp_size",
-        "etp_rank",
-        "layer_start",
-        "num_local_layers",
-    ]
+    assert [f.name for f in dataclasses.fields(lay)] == KV_LAYOUT_FIELDS
     assert dataclasses.is_dataclass(lay)
     assert dr.KVShardLayout(**dataclasses.asdict(lay)) == lay
     moved = dataclasses.replace(lay, tp_rank=0)

@@ -396,6 +396,9 @@ def test_a_buffer_registered_the_reference_way_exports_its_slices(
         assert b._geometry == base.compute_buffer_geometry(
             b.memory_buffer, 3, backend_name="NixlTransferBackend"
         )
+        # The reference design's private names of the same fields (``_buf_ptr``, ...).
+        assert {f: getattr(b, f"_{f}") for f in vars(b._geometry)} == vars(b._geometry)
+        assert (b._bytes_per_slice, b._outer_stride_bytes, b._device_id) == (20, 60, 0)
     finally:
         b.close()
 

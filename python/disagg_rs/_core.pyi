@@ -1,6 +1,6 @@
 # Hand-written stub of the Rust extension; checked by `python -m mypy.stubtest disagg_rs._core`.
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar, Final, Generic, Literal, TypeAlias, TypeVar, final, overload
+from typing import Any, ClassVar, Final, Generic, Literal, Self, TypeAlias, TypeVar, final, overload
 
 __version__: str
 
@@ -60,12 +60,30 @@ class LinkLiveness:
     last_heard: Final[float]
     def counters(self) -> dict[str, int]: ...
 
+_D = TypeVar("_D")
+
+class _Record(Generic[_D]):
+    """Plain data that round-trips through its dict (``to_dict`` / ``from_dict``), and pickles
+    through it: the layouts, the SSM dims and the geometries."""
+
+    def to_dict(self) -> _D: ...
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self: ...
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]: ...
+    def __eq__(self, value: object, /) -> bool: ...
+
+class _DataRecord(_Record[_D]):
+    """A hashable record that is also a dataclass to ``dataclasses`` (fields, ``asdict``,
+    ``replace``): the layouts and the SSM dims."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+    def __hash__(self) -> int: ...
+
 @final
-class KVShardLayout:
+class KVShardLayout(_DataRecord[dict[str, int | None]]):
     """One rank's KV slice. The reference design's positional order and keywords; ``num_kv_heads``
     is an alias of ``num_heads`` (give one)."""
 
-    __dataclass_fields__: ClassVar[dict[str, Any]]
     def __new__(
         cls,
         num_layers: int,
@@ -111,19 +129,12 @@ class KVShardLayout:
     def kv_shard_key(self) -> tuple[int, int]: ...
     gqa_replication: Final[int]
     explicit_window: Final[bool]
-    def to_dict(self) -> dict[str, int | None]: ...
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> KVShardLayout: ...
-    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]: ...
-    def __eq__(self, value: object, /) -> bool: ...
-    def __hash__(self) -> int: ...
 
 @final
-class SSMStateDims:
+class SSMStateDims(_DataRecord[dict[str, int]]):
     """Global SSM dims. The reference design's names (``nheads``, ``headdim``, ``ngroups``);
     ``num_heads``, ``head_dim``, ``n_groups`` are keyword aliases (give one of each pair)."""
 
-    __dataclass_fields__: ClassVar[dict[str, Any]]
     def __new__(
         cls,
         nheads: int | None = None,
@@ -145,20 +156,13 @@ class SSMStateDims:
     n_groups: Final[int]
     d_conv: Final[int]
     conv_channels: Final[int]
-    def to_dict(self) -> dict[str, int]: ...
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SSMStateDims: ...
-    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]: ...
-    def __eq__(self, value: object, /) -> bool: ...
-    def __hash__(self) -> int: ...
 
 @final
-class SSMShardLayout:
+class SSMShardLayout(_DataRecord[dict[str, Any]]):
     """One rank's SSM state. Two call forms: the reference design's (``num_layers`` counts the
     stage's layers, ``layer_start`` required) and ours (``num_layers`` is the model's total).
     ``replicate_groups=True`` opts in to ``tp_size > ngroups``."""
 
-    __dataclass_fields__: ClassVar[dict[str, Any]]
     conv_bands: ClassVar[tuple[str, str, str]]
     @overload
     def __new__(
@@ -223,12 +227,6 @@ class SSMShardLayout:
     def shard_key(self) -> tuple[int, int]: ...
     def band(self, name: _Band) -> tuple[int, int, int]: ...
     def band_span(self, name: _Band) -> tuple[_Range, _Range]: ...
-    def to_dict(self) -> dict[str, Any]: ...
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SSMShardLayout: ...
-    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]: ...
-    def __eq__(self, value: object, /) -> bool: ...
-    def __hash__(self) -> int: ...
 
 @final
 class KVReshardTransfer:
@@ -660,7 +658,7 @@ _U64Array: TypeAlias = _npt.NDArray[_np.uint64]
 _BlockIds: TypeAlias = Sequence[int] | _npt.NDArray[_np.integer[Any]]
 
 @final
-class KVGeometry:
+class KVGeometry(_Record[dict[str, Any]]):
     def __new__(
         cls,
         *,
@@ -699,14 +697,9 @@ class KVGeometry:
     plane_bases: Final[list[int]]
     device_id: Final[int]
     dtype: Final[str | None]
-    def to_dict(self) -> dict[str, Any]: ...
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> KVGeometry: ...
-    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]: ...
-    def __eq__(self, value: object, /) -> bool: ...
 
 @final
-class SSMGeometry:
+class SSMGeometry(_Record[dict[str, Any]]):
     def __new__(
         cls,
         *,
@@ -727,11 +720,6 @@ class SSMGeometry:
     device_id: Final[int]
     has_conv: Final[bool]
     has_recurrent: Final[bool]
-    def to_dict(self) -> dict[str, Any]: ...
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SSMGeometry: ...
-    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]: ...
-    def __eq__(self, value: object, /) -> bool: ...
 
 @final
 class TransferProgram:

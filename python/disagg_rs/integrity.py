@@ -38,7 +38,7 @@ one (kv, layer) plane at a time. Only the small table of entries ever leaves the
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -377,16 +377,7 @@ class IntegrityMismatch:
 
     def describe(self) -> str:
         """A one-line description naming the cell and both values."""
-        return integrity_mismatch_text(
-            self.table,
-            self.layer,
-            self.unit,
-            self.expected,
-            self.got,
-            self.kv,
-            self.band,
-            self.tokens,
-        )
+        return integrity_mismatch_text(**asdict(self))  # the fields are its parameters
 
 
 @dataclass

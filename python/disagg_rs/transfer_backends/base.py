@@ -432,6 +432,11 @@ class TransferBackendBase:
 
     #: Backend name used in metadata and by ``construct_kv_transfer_backend_class``.
     name: str = "base"
+    # The reference design's address fields under its private names (set from ``_geometry``).
+    _buf_ptr: int
+    _device_id: int
+    _bytes_per_slice: int
+    _outer_stride_bytes: int
 
     def __init__(
         self,
@@ -484,20 +489,10 @@ class TransferBackendBase:
         self._geometry = BufferGeometry(**plan["reference"])
         #: The descriptor compiler's geometry dict.
         self.geometry: dict[str, Any] | None = plan["geometry"]
-        # The reference design's private attribute names, for code written against it.
+        # The reference design's private attribute names, for code written against it: each
+        # ``BufferGeometry`` field as ``_<field>`` (``_buf_ptr`` ... ``_layout``).
+        vars(self).update({f"_{name}": value for name, value in vars(self._geometry).items()})
         self._memory_buffer = memory_buffer
-        self._buf_ptr = self._geometry.buf_ptr
-        self._element_size = self._geometry.element_size
-        self._device_id = self._geometry.device_id
-        self._outer_stride_bytes = self._geometry.outer_stride_bytes
-        self._num_outer = self._geometry.num_outer
-        self._bytes_per_slice = self._geometry.bytes_per_slice
-        self._blocks_axis = self._geometry.blocks_axis
-        self._num_blocks = self._geometry.num_blocks
-        self._heads_per_partition = self._geometry.heads_per_partition
-        self._head_dim = self._geometry.head_dim
-        self._tokens_per_block = self._geometry.tokens_per_block
-        self._layout = self._geometry.layout
         self._ssm_layout = ssm_layout
         self._ssm_state_kind = ssm_state_kind
 
