@@ -30,14 +30,14 @@ from the same plan (vectorised, no Python loop over blocks).
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import itertools
 import os
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -86,7 +86,6 @@ class DevicePlan:
     sets: _I64
     paged_only: bool = False
     _dev: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
-    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_program(
@@ -163,10 +162,11 @@ class DevicePlan:
 
     def packed_bytes(self, n_tok: int) -> int:
         """Size of the packed region of ``n_tok`` tokens."""
-        per = self._cache.get("tok_bytes")
-        if per is None:
-            per = self._cache["tok_bytes"] = int(self.planes[:, 3].sum())
-        return int(per) * int(n_tok)
+        return self._token_bytes * int(n_tok)
+
+    @functools.cached_property
+    def _token_bytes(self) -> int:
+        return int(self.planes[:, 3].sum())
 
     def item_offsets(self, items: _I64, n_tok: int) -> _I64:
         """Packed byte offset where each item of ``items`` starts (``num_items`` -> the end)."""
@@ -186,64 +186,37 @@ class DevicePlan:
 
     @functools.cached_property
     def packed(self) -> _core.PackedRows:
-        """The rows' packed order in Rust: item offsets, copy checks, launch placement."""
-        return _core.PackedRows(self._rows, self.tokens_per_block)
+        """The plan's table in Rust: item offsets, copy checks, the kernel's unit and side
+        arguments, launch placement."""
+        strides = self.strides[1:]
+        return _core.PackedRows(self.planes.tolist(), self.tokens_per_block, strides)
 
     @property
     def item_bytes(self) -> int:
         """Bytes of the largest item (one block of one plane row)."""
         return int(self.planes[:, 3].max()) * self.tokens_per_block
 
-    @property
+    @functools.cached_property
     def rows(self) -> list[tuple[int, int]]:
         """``(packed coefficient, row bytes per token)`` of every plane row."""
-        return self._rows
-
-    @property
-    def _rows(self) -> list[tuple[int, int]]:
-        rows = self._cache.get("rows")
-        if rows is None:
-            rows = [(int(c), int(r)) for c, r in self.planes[:, 2:4].tolist()]
-            self._cache["rows"] = rows
-        return rows
+        return [(int(c), int(r)) for c, r in self.planes[:, 2:4].tolist()]
 
     def chunks(self, n_tok: int, max_bytes: int) -> list[tuple[int, int, int, int]]:
         """Item ranges of at most ``max_bytes`` packed bytes (one item at least):
         ``(k_lo, k_hi, byte_lo, byte_hi)`` in packed order, covering every item once (the
         last few cuts are kept: handoffs of one size repeat)."""
-        rows = tuple(self._rows)
+        rows = tuple(self.rows)
         return list(_chunks(rows, self.tokens_per_block, int(n_tok), max(int(max_bytes), 0)))
 
     # -- device tables -------------------------------------------------------------------
 
     def paged_end(self, kind: Literal["src", "dst"], num_blocks: int) -> int:
         """One past the last byte a paged side can touch with block ids < ``num_blocks``."""
-        key = ("end", kind, int(num_blocks))
-        if key in self._cache:
-            return int(self._cache[key])
-        col, bs, ts = (0, self.src_block_stride, self.src_token_stride) if kind == "src" else (
-            1, self.dst_block_stride, self.dst_token_stride)  # fmt: skip
-        ends = self.planes[:, col] + (num_blocks - 1) * bs + (self.tokens_per_block - 1) * ts
-        end = self._cache[key] = int((ends + self.planes[:, 3]).max())
-        return end
+        return self.packed.paged_end(kind, int(num_blocks))
 
     def unit(self, *addresses: int) -> int:
         """Largest power of two <= 16 dividing every offset, stride, row and address."""
-        base = self._cache.get("bits")
-        if base is None:
-            base = self._cache["bits"] = 16 | int(
-                np.bitwise_or.reduce(self.planes[:, [0, 1, 3]].reshape(-1))
-            )
-        bits = int(base)
-        for v in (
-            self.src_block_stride,
-            self.src_token_stride,
-            self.dst_block_stride,
-            self.dst_token_stride,
-            *addresses,
-        ):
-            bits |= int(v)
-        return bits & -bits
+        return self.packed.unit([int(a) for a in addresses])
 
     def table(self, device: torch.device, unit: int) -> torch.Tensor:
         """The plane table in ``unit``-byte units on ``device`` (copied once, then cached).
@@ -287,13 +260,11 @@ class Side:
     set_stride: int = 0
 
 
-def _strides(plan: DevicePlan, side: Side) -> tuple[int, int, int]:
-    """(plane column, block stride, token stride) in bytes."""
-    if side.kind == "src":
-        return 0, plan.src_block_stride, plan.src_token_stride
-    if side.kind == "dst":
-        return 1, plan.dst_block_stride, plan.dst_token_stride
-    return 2, 0, 0
+#: How the kernel addresses one side (Rust decides it): ``(plane column, block stride, token
+#: stride, packed)``, strides in bytes.
+_SideArgs = tuple[int, int, int, bool]
+#: A launch's ``(unit, a side, b side)``.
+_Sides = tuple[int, _SideArgs, _SideArgs]
 
 
 _ELEMENT_BYTES = {torch.int32: 4, torch.int16: 2, torch.uint8: 1}
@@ -313,12 +284,35 @@ def _kernel() -> Any:
     return launchable(copy_blocks_kernel)
 
 
-def _spec(side: Side) -> tuple[str, int | None, int, int]:
+def _spec(side: Side) -> tuple[str, int | None, int, int, int]:
     """``side`` as the copy's checks take it (Rust): kind, its block ids (a packed side: the
-    bytes its buffer holds; ``None``: no ids), bias, id set stride."""
+    bytes its buffer holds; ``None``: no ids), bias, id set stride, buffer address."""
     if side.kind == "packed":
-        return side.kind, torch_copy.byte_view(side.buffer).numel(), side.bias, 0
-    return side.kind, None if side.ids is None else side.ids.numel(), 0, side.set_stride
+        nbytes = torch_copy.byte_view(side.buffer).numel()
+        return side.kind, nbytes, side.bias, 0, side.buffer.data_ptr()
+    count = None if side.ids is None else side.ids.numel()
+    return side.kind, count, 0, side.set_stride, side.buffer.data_ptr()
+
+
+def _check(
+    plan: DevicePlan, a: Side, b: Side, n_tok: int, items: tuple[int, int] | None
+) -> tuple[list[int], _Sides]:
+    """Rust's checks of a copy by ``plan``: ``([k_lo, k_hi, byte_lo, byte_hi], sides)``."""
+    return plan.packed.check_copy(
+        int(n_tok), items, _spec(a), _spec(b), plan.num_sets, plan.paged_only
+    )
+
+
+def _home(a: Side, b: Side) -> torch.Tensor:
+    """The buffer whose device runs the kernel: the local cache, i.e. the destination of a
+    pull (its source may be a peer's buffer mapped from another GPU), else the source."""
+    return (b if b.kind == "dst" else a).buffer
+
+
+def _kernel_runs(device: torch.device) -> bool:
+    """Whether the kernel runs for buffers on ``device``: CUDA, or host memory under Triton's
+    interpreter (``TRITON_INTERPRET=1``, the CPU tests); else the torch twin copies."""
+    return (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and _triton()
 
 
 def copy(
@@ -332,29 +326,16 @@ def copy(
 ) -> int:
     """Copy items ``items`` (default: all) of a handoff of ``n_tok`` tokens from ``a`` to
     ``b``; return the bytes copied. Queued on the current stream (one launch)."""
-    sides = (_spec(a), _spec(b))
-    k_lo, k_hi, lo, hi = plan.packed.check_copy(
-        int(n_tok), items, *sides, plan.num_sets, plan.paged_only
-    )
+    (k_lo, k_hi, lo, hi), sides = _check(plan, a, b, n_tok, items)
     if k_hi == k_lo:
         return 0
-    use = path
-    if use == "auto":
-        interp = os.environ.get("TRITON_INTERPRET") == "1"
-        use = "triton" if (a.buffer.is_cuda or interp) and _triton() else "torch"
-    if use == "torch":
+    if path == "torch" or (path == "auto" and not _kernel_runs(a.buffer.device)):
         copy_torch(plan, a, b, n_tok, k_lo, k_hi)
         return int(hi - lo)
-    unit = plan.unit(a.buffer.data_ptr(), b.buffer.data_ptr(), a.bias, b.bias)
-    # The kernel runs where the local cache is: the destination of a pull (its source may be
-    # a peer's buffer mapped from another GPU), else the source of a pack.
-    device = (b if b.kind == "dst" else a).buffer.device
-    table = plan.table(device, unit)
-    _, vec = _UNIT_LANES[unit]
-    dummy = table
-    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with guard:
-        _launch(table, a, b, n_tok, k_lo, k_hi, plan, unit, vec, dummy)
+    home = _home(a, b)
+    table = plan.table(home.device, sides[0])
+    with torch.cuda.device(home.get_device()):  # index -1 (host memory): does nothing
+        _launch(table, a, b, n_tok, k_lo, k_hi, plan, sides)
     return int(hi - lo)
 
 
@@ -370,23 +351,21 @@ def _launch(
     k_lo: int,
     k_hi: int,
     plan: DevicePlan,
-    unit: int,
-    vec: int,
-    dummy: torch.Tensor,
+    sides: _Sides,
 ) -> None:
     """Queue the kernel on the current stream. The first launch of each class (device,
     packed sides, lanes, every pointer's element type and 16-byte alignment: what Triton
     specialises on; the integers are never specialised) goes through Triton's JIT; the
     later ones straight to the compiled kernel's launcher with raw addresses (no argument
     binding, no specialisation: several times cheaper on the host)."""
-    a_col, a_bs, a_ts = _strides(plan, a)
-    b_col, b_bs, b_ts = _strides(plan, b)
-    a_ids, b_ids = (dummy if s.ids is None else s.ids for s in (a, b))
+    unit, (a_col, a_bs, a_ts, a_packed), (b_col, b_bs, b_ts, b_packed) = sides
+    _, vec = _UNIT_LANES[unit]
+    a_ids, b_ids = (table if s.ids is None else s.ids for s in (a, b))  # packed: no ids read
     ptrs = (_lanes(a.buffer, unit), _lanes(b.buffer, unit), table, a_ids, b_ids)
     ints = (plan.num_blocks(n_tok), int(n_tok), plan.tokens_per_block, k_lo, a_col, a_bs // unit,
             a_ts // unit, a.bias // unit, b_col, b_bs // unit, b_ts // unit, b.bias // unit,
             a.set_stride, b.set_stride, k_hi, 0, k_hi, 0)  # fmt: skip
-    flags = (a.kind == "packed", b.kind == "packed", vec, BLOCK)
+    flags = (a_packed, b_packed, vec, BLOCK)
     addrs = tuple(p.data_ptr() for p in ptrs)
     key = (table.device, *flags, *(p.dtype for p in ptrs), *(x % 16 == 0 for x in addrs))
     compiled = _COMPILED.get(key)
@@ -421,29 +400,29 @@ class PreparedCopy:
     """
 
     def __init__(self, plan: DevicePlan, a: Side, b: Side) -> None:
-        if a.kind == "packed":
-            raise ValueError("PreparedCopy copies from a paged buffer")
         self.plan = plan
-        self.unit = plan.unit(a.buffer.data_ptr(), b.buffer.data_ptr())
-        self.device = (b if b.kind == "dst" else a).buffer.device
+        self.device = _home(a, b).device
         self.a, self.b = a.buffer, b.buffer
-        #: Whether ``b`` is a packed staging buffer (no ids; a byte offset per handoff).
-        self.packed = b.kind == "packed"
         self.b_bytes = torch_copy.byte_view(b.buffer).numel()
-        self.a_lanes = _lanes(a.buffer, self.unit)
-        self.b_lanes = _lanes(b.buffer, self.unit)
-        self.table = plan.table(self.device, self.unit)
-        a_col, a_bs, a_ts = _strides(plan, a)
-        b_col, b_bs, b_ts = _strides(plan, b)
-        u = self.unit
+        # Rust refuses a packed ``a`` (ArgumentError) and gives the packed window of ``b``
+        # (``None``: a paged ``b``, read through its ids).
+        sides, self._window = plan.packed.prepare(
+            (a.kind, a.buffer.data_ptr()), (b.kind, b.buffer.data_ptr(), self.b_bytes)
+        )
+        u, (a_col, a_bs, a_ts, _), (b_col, b_bs, b_ts, self.packed) = sides
+        #: ``self.packed``: whether ``b`` is a packed staging buffer (no ids; a byte offset
+        #: per handoff).
+        self.unit = u
+        self.a_lanes = _lanes(a.buffer, u)
+        self.b_lanes = _lanes(b.buffer, u)
+        self.table = plan.table(self.device, u)
         self._consts = (a_col, a_bs // u, a_ts // u, 0, b_col, b_bs // u, b_ts // u, 0)
-        self._vec = _UNIT_LANES[self.unit][1]
+        self._vec = _UNIT_LANES[u][1]
         self._sets = plan.num_sets
         self._compiled: dict[tuple[bool, ...], Any] = {}
         self._ptrs = (self.a_lanes.data_ptr(), self.b_lanes.data_ptr(), self.table.data_ptr())
         #: The kernel itself (CUDA, or Triton's interpreter on the host), else ``copy``.
-        interp = os.environ.get("TRITON_INTERPRET") == "1"
-        self._fast = (self.device.type == "cuda" or interp) and _triton()
+        self._fast = _kernel_runs(self.device)
 
     def __call__(
         self,
@@ -492,9 +471,10 @@ class PreparedCopy:
         plan = self.plan
         n_blk = plan.num_blocks(n_tok)
         b_ids = self.table if b_ids is None else b_ids  # a packed side reads no ids
-        window, b_count = (self.b_bytes, None) if self.packed else (None, b_ids.numel())
-        ids = (a_ids.numel(), a_set, self._sets, b_count)
-        k_lo, k_hi, nbytes, biases = plan.packed.launch(int(n_tok), parts, window, self.unit, ids)
+        ids = (a_ids.numel(), a_set, self._sets, b_ids.numel())
+        k_lo, k_hi, nbytes, biases = plan.packed.launch(
+            int(n_tok), parts, self._window, self.unit, ids
+        )
         if not self._fast:
             a = Side("src", self.a, a_ids, set_stride=a_set)
             if not self.packed:
@@ -559,8 +539,11 @@ def _triton() -> bool:
     return True
 
 
-def _side_rows(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) -> _I64:
-    """Byte offset of every (item, token) row of items ``[k_lo, k_hi)``, numpy, vectorised."""
+def _side_rows(
+    plan: DevicePlan, side: Side, args: _SideArgs, n_tok: int, k_lo: int, k_hi: int
+) -> _I64:
+    """Byte offset of every (item, token) row of items ``[k_lo, k_hi)``, numpy, vectorised
+    (``args``: how the kernel addresses ``side``)."""
     n_blk = plan.num_blocks(n_tok)
     tpb = plan.tokens_per_block
     k = np.arange(k_lo, k_hi, dtype=np.int64)
@@ -570,12 +553,12 @@ def _side_rows(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) -
     t = np.arange(int(ntok.sum()), dtype=np.int64) - np.repeat(np.cumsum(ntok) - ntok, ntok)
     pp, ii = p[item], i[item]
     row = plan.planes[pp, 3]
-    if side.kind == "packed":
+    col, bs, ts, packed = args
+    if packed:
         out: _I64 = plan.planes[pp, 2] * n_tok + (ii * tpb + t) * row - side.bias
         return out
-    col, bs, ts = _strides(plan, side)
-    assert side.ids is not None
-    ids = side.ids.cpu().numpy().astype(np.int64)
+    # A paged side has ids: Rust's copy check refused one without.
+    ids = cast(torch.Tensor, side.ids).cpu().numpy().astype(np.int64)
     at = plan.sets[pp] * side.set_stride + ii
     out = plan.planes[pp, col] + ids[at] * bs + t * ts
     return out
@@ -583,9 +566,11 @@ def _side_rows(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) -
 
 def copy_torch(plan: DevicePlan, a: Side, b: Side, n_tok: int, k_lo: int, k_hi: int) -> None:
     """The torch twin of the kernel (host tensors without the interpreter): row offsets by
-    numpy, one ``torch_copy`` gather/scatter pass through a dense temporary."""
-    src_rows = _side_rows(plan, a, n_tok, k_lo, k_hi)
-    dst_rows = _side_rows(plan, b, n_tok, k_lo, k_hi)
+    numpy, one ``torch_copy`` gather/scatter pass through a dense temporary. Checked by Rust
+    like :func:`copy`."""
+    _, (_, a_args, b_args) = _check(plan, a, b, n_tok, (k_lo, k_hi))
+    src_rows = _side_rows(plan, a, a_args, n_tok, k_lo, k_hi)
+    dst_rows = _side_rows(plan, b, b_args, n_tok, k_lo, k_hi)
     n_blk = plan.num_blocks(n_tok)
     k = np.arange(k_lo, k_hi, dtype=np.int64)
     p, i = k // n_blk, k % n_blk
@@ -675,9 +660,7 @@ class IdUploader:
             return list(torch.split(flat, [p.size for p in parts])), -1
         # Every part starts 16-byte aligned (an even element offset), so the kernels that read
         # them see the same pointer alignment from one handoff to the next.
-        starts = [0]
-        for p in parts:
-            starts.append(starts[-1] + p.size + (p.size & 1))
+        starts = [0, *itertools.accumulate(p.size + (p.size & 1) for p in parts)]
         n = starts[-1]
         with self._lock:
             slot = self._slot(n)
@@ -759,12 +742,19 @@ class _SlotRoute:
         self._cuda = buffer.is_cuda
         self._streams: dict[int, Any] = {}
 
+    def _raw(self) -> int | None:
+        """The raw handle of the device's current stream (``None``: host memory)."""
+        return torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
+
     def _record(self, slot: int, raw: Any) -> Any:
-        """Record the event of id slot ``slot`` on the stream ``raw`` and settle the slot.
+        """Record the event of id slot ``slot`` on the stream ``raw`` and settle the slot
+        (host memory: a completed event, nothing to settle).
 
         One event per slot, recorded again when the slot is reused: the slot is free only
         once that event's last record completed, so a handle still holding it can only see
         it complete later, never early."""
+        if not self._cuda:
+            return _DONE
         done = self.uploader.events[slot]
         done.record(self._stream(raw))
         self.uploader.settle(slot, done)
@@ -844,15 +834,16 @@ class PullRoute(_SlotRoute):
         if got is None:
             return None
         n_tok, _, stride, n = got
-        nbytes = 0
         with torch.cuda.device(self.index):
             ids = up.view(slot, host, n)
-            raw = torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
+            raw = self._raw()
             try:
-                for launch, first in self.copies:
-                    nbytes += launch(n_tok, ids[(first + 1) * stride :], ids, raw, a_set=stride)
+                nbytes = sum(
+                    launch(n_tok, ids[(first + 1) * stride :], ids, raw, a_set=stride)
+                    for launch, first in self.copies
+                )
             finally:
-                done = self._record(slot, raw) if self._cuda else None
+                done = self._record(slot, raw)
         return done, nbytes
 
 
@@ -931,12 +922,12 @@ class PackRoute(_SlotRoute):
         """Queue the pack of the whole copy into the staging buffer at byte ``offset`` and
         settle the slot; the event recorded after it (host memory: one that has completed)."""
         with torch.cuda.device(self.index):
-            raw = torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
+            raw = self._raw()
             try:
                 ids = self.uploader.view(got.slot, got.host, got.n)
                 self.copy(got.num_tokens, ids, None, raw, b_offset=offset)
             finally:
-                done = self._record(got.slot, raw) if self._cuda else _DONE
+                done = self._record(got.slot, raw)
         return done
 
     def pack_items(self, got: PackIds, parts: list[tuple[int, int, int]]) -> list[Any]:
@@ -948,13 +939,15 @@ class PackRoute(_SlotRoute):
             return []
         with torch.cuda.device(self.index):
             ids = self.uploader.view(got.slot, got.host, got.n)
-            raw = torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
+            raw = self._raw()
             self.copy.pack(got.num_tokens, ids, parts, raw)
-            done = self._event(raw) if self._cuda else _DONE
+            done = self._event(raw)
         return [done] * len(parts)
 
     def _event(self, raw: Any) -> Any:
-        """A new event recorded on the stream ``raw``."""
+        """A new event recorded on the stream ``raw`` (host memory: a completed one)."""
+        if not self._cuda:
+            return _DONE
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(self._stream(raw))
         return event
