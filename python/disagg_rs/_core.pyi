@@ -1214,8 +1214,8 @@ class PackedRows:
         self,
         n_tok: int,
         items: tuple[int, int] | None,
-        a: tuple[str, int | None, int, int, int],
-        b: tuple[str, int | None, int, int, int],
+        a: tuple[str, int | None, int, int, int, int],
+        b: tuple[str, int | None, int, int, int, int],
         sets: int,
         paged_only: bool,
     ) -> tuple[list[int], tuple[int, tuple[int, int, int, bool], tuple[int, int, int, bool]]]: ...

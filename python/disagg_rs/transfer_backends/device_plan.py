@@ -284,14 +284,12 @@ def _kernel() -> Any:
     return launchable(copy_blocks_kernel)
 
 
-def _spec(side: Side) -> tuple[str, int | None, int, int, int]:
-    """``side`` as the copy's checks take it (Rust): kind, its block ids (a packed side: the
-    bytes its buffer holds; ``None``: no ids), bias, id set stride, buffer address."""
-    if side.kind == "packed":
-        nbytes = torch_copy.byte_view(side.buffer).numel()
-        return side.kind, nbytes, side.bias, 0, side.buffer.data_ptr()
-    count = None if side.ids is None else side.ids.numel()
-    return side.kind, count, 0, side.set_stride, side.buffer.data_ptr()
+def _spec(side: Side) -> tuple[str, int | None, int, int, int, int]:
+    """``side`` as the copy's checks take it (Rust): kind, its block ids (``None``: none),
+    buffer bytes (a packed side's window), bias, id set stride, buffer address."""
+    ids = None if side.ids is None else side.ids.numel()
+    buf = side.buffer
+    return side.kind, ids, buf.nbytes, side.bias, side.set_stride, buf.data_ptr()
 
 
 def _check(
@@ -477,14 +475,10 @@ class PreparedCopy:
         )
         if not self._fast:
             a = Side("src", self.a, a_ids, set_stride=a_set)
-            if not self.packed:
-                return copy(plan, a, Side("dst", self.b, b_ids), n_tok, items=(k_lo, k_hi))
-            for offset, lo, hi in parts:
-                size = plan.item_offset(hi, n_tok) - plan.item_offset(lo, n_tok)
-                region = torch_copy.byte_view(self.b)[offset : offset + size]
-                b = Side("packed", region, bias=plan.item_offset(lo, n_tok))
-                copy(plan, a, b, n_tok, items=(lo, hi))
-            return nbytes
+            return sum(
+                copy(plan, a, self._b_side(b_ids, offset, lo, n_tok), n_tok, items=(lo, hi))
+                for offset, lo, hi in parts
+            )
         tpb, grid, b_offset = plan.tokens_per_block, k_hi - k_lo, parts[0][0]
         consts = (*self._consts[:7], biases[0])
         a_ptr, b_ptr = a_ids.data_ptr(), b_ids.data_ptr()
@@ -511,6 +505,14 @@ class PreparedCopy:
             stream = torch.cuda.current_stream(self.device).cuda_stream
         _run_compiled(compiled, grid, stream, args)
         return nbytes
+
+    def _b_side(self, b_ids: torch.Tensor, offset: int, lo: int, n_tok: int) -> Side:
+        """``b`` as :func:`copy` takes it for the item range from ``lo`` on placed at byte
+        ``offset`` (a paged ``b``: the whole cache, its ids)."""
+        if not self.packed:
+            return Side("dst", self.b, b_ids)
+        region = torch_copy.byte_view(self.b)[offset:]
+        return Side("packed", region, bias=self.plan.item_offset(lo, n_tok))
 
 
 #: Item ranges one launch packs at their own offsets (the kernel's two cuts).
@@ -742,6 +744,21 @@ class _SlotRoute:
         self._cuda = buffer.is_cuda
         self._streams: dict[int, Any] = {}
 
+    def _write(
+        self, n: int, *args: Any, **kw: Any
+    ) -> tuple[int, npt.NDArray[np.int64], tuple[int, int, int, int]] | None:
+        """Take an id slot of at least ``n`` ids and have Rust check the peers and ids and
+        write them into it (``_core.write_pull_ids`` with ``args`` and ``kw``): ``(slot, its
+        memory, what Rust returned)``, or ``None`` when the ids do not fit this route."""
+        slot, host = self.uploader.take(n)
+        got = None
+        try:
+            got = _core.write_pull_ids(host, *args, **kw)
+        finally:
+            if got is None:  # raised, or not this route's ids: the slot is free again
+                self.uploader.settle(slot, None)
+        return None if got is None else (slot, host, got)
+
     def _raw(self) -> int | None:
         """The raw handle of the device's current stream (``None``: host memory)."""
         return torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
@@ -817,25 +834,17 @@ class PullRoute(_SlotRoute):
         on the device's current stream; return ``(event recorded after it, bytes)``, or
         ``None`` (nothing queued) when the ids do not fit this route (block counts other
         than the plan's)."""
-        from disagg_rs import _core
-
-        up = self.uploader
-        slot, host = up.take(_core.pull_ids_len(dst_block_ids, len(self.ranks)))
-        got = None
-        try:
-            got = _core.write_pull_ids(
-                host, peers, self.ranks, src_block_ids, dst_block_ids, num_tokens,
-                local_num_blocks=local_num_blocks, local_tokens_per_block=local_tokens_per_block,
-                tokens_per_block=self.tokens_per_block,
-            )  # fmt: skip
-        finally:
-            if got is None:  # raised, or not this route's ids: the slot is free again
-                up.settle(slot, None)
+        got = self._write(
+            _core.pull_ids_len(dst_block_ids, len(self.ranks)),
+            peers, self.ranks, src_block_ids, dst_block_ids, num_tokens,
+            local_num_blocks=local_num_blocks, local_tokens_per_block=local_tokens_per_block,
+            tokens_per_block=self.tokens_per_block,
+        )  # fmt: skip
         if got is None:
             return None
-        n_tok, _, stride, n = got
+        slot, host, (n_tok, _, stride, n) = got
         with torch.cuda.device(self.index):
-            ids = up.view(slot, host, n)
+            ids = self.uploader.view(slot, host, n)
             raw = self._raw()
             try:
                 nbytes = sum(
@@ -895,28 +904,17 @@ class PackRoute(_SlotRoute):
         """Check and lay out this rank's ids of one handoff; ``None`` (nothing taken) when
         they do not fit this route (SSM state, a block count other than the plan's).
         ``checked``: the caller has checked them (``num_tokens`` is what the check returned)."""
-        up = self.uploader
+        args = (peers, [self.rank], src_block_ids, None, num_tokens)
+        kw = {"local_num_blocks": local_num_blocks, "checked": checked,
+              "local_tokens_per_block": local_tokens_per_block,
+              "tokens_per_block": self.plan.tokens_per_block}  # fmt: skip
         # A slot of the ring's usual size first (one Rust call); one of the size these ids
         # need when they did not fit it (a handoff of more blocks than the ring's slots
         # hold: its ids are then checked twice).
-        for n in (up.capacity, None):
-            slot, host = up.take(
-                _core.pull_ids_len(src_block_ids, 0, rank=self.rank) if n is None else n
-            )
-            got = None
-            try:
-                got = _core.write_pull_ids(
-                    host, peers, [self.rank], src_block_ids, None, num_tokens,
-                    local_num_blocks=local_num_blocks,
-                    local_tokens_per_block=local_tokens_per_block,
-                    tokens_per_block=self.plan.tokens_per_block, checked=checked,
-                )  # fmt: skip
-            finally:
-                if got is None:  # raised, or not this route's ids: the slot is free again
-                    up.settle(slot, None)
-            if got is not None:
-                return PackIds(slot, host, got[3], int(got[0]))
-        return None
+        got = self._write(self.uploader.capacity, *args, **kw)
+        if got is None:
+            got = self._write(_core.pull_ids_len(src_block_ids, 0, rank=self.rank), *args, **kw)
+        return None if got is None else PackIds(got[0], got[1], got[2][3], int(got[2][0]))
 
     def pack_whole(self, got: PackIds, offset: int) -> Any:
         """Queue the pack of the whole copy into the staging buffer at byte ``offset`` and

@@ -416,15 +416,18 @@ pub struct KernelSides {
     pub b: SideArgs,
 }
 
-/// One side of a copy by plan as its caller gives it: its kind, its block ids (the packed
-/// region: the bytes its buffer holds; `None`: none given), the first packed byte its buffer
-/// holds (packed), the offset between id sets (paged) and its buffer's address.
+/// One side of a copy by plan as its caller gives it: its kind, its block ids (`None`: none
+/// given), the bytes its buffer holds, the first packed byte its buffer holds (a packed
+/// window), the offset between id sets (a paged side) and its buffer's address. What the
+/// kind does not use is ignored by the checks; the unit covers both biases.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CopySpec {
     /// Which buffer.
     pub kind: SideKind,
-    /// Block ids, or the packed window's bytes.
-    pub count: Option<u64>,
+    /// Block ids given.
+    pub ids: Option<u64>,
+    /// Bytes of the side's buffer.
+    pub nbytes: u64,
     /// First packed byte of a packed window.
     pub bias: u64,
     /// Offset between id sets of a paged side.
@@ -438,11 +441,9 @@ impl CopySpec {
     #[must_use]
     pub fn side(&self) -> CopySide {
         match self.kind {
-            SideKind::Packed => {
-                CopySide::Packed { bias: self.bias, nbytes: self.count.unwrap_or(0) }
-            }
+            SideKind::Packed => CopySide::Packed { bias: self.bias, nbytes: self.nbytes },
             kind => {
-                CopySide::Paged { kind: kind.name(), ids: self.count, set_stride: self.set_stride }
+                CopySide::Paged { kind: kind.name(), ids: self.ids, set_stride: self.set_stride }
             }
         }
     }

@@ -8,9 +8,9 @@ use crate::error::IntoPyResult;
 /// One launch: ``(k_lo, k_hi, nbytes, (bias0, cut1, bias1, cut2, bias2))``.
 type LaunchTuple = (u64, u64, u64, [i64; 5]);
 
-/// One side of a copy as Python gives it: ``(kind, ids or window bytes, bias, set stride,
-/// buffer address)``.
-type SideTuple = (String, Option<u64>, u64, u64, u64);
+/// One side of a copy as Python gives it: ``(kind, block ids or None, buffer bytes, bias,
+/// set stride, buffer address)``.
+type SideTuple = (String, Option<u64>, u64, u64, u64, u64);
 
 /// One side of a launch: ``(plane column, block stride, token stride, packed)`` in bytes.
 type ArgsTuple = (u64, u64, u64, bool);
@@ -23,7 +23,8 @@ fn kind(name: &str) -> PyResult<SideKind> {
 }
 
 fn spec(s: &SideTuple) -> PyResult<CopySpec> {
-    Ok(CopySpec { kind: kind(&s.0)?, count: s.1, bias: s.2, set_stride: s.3, addr: s.4 })
+    let (kind, ids, nbytes, bias, set_stride, addr) = (kind(&s.0)?, s.1, s.2, s.3, s.4, s.5);
+    Ok(CopySpec { kind, ids, nbytes, bias, set_stride, addr })
 }
 
 fn args(s: SideArgs) -> ArgsTuple {
@@ -80,8 +81,8 @@ impl PyPackedRows {
     }
 
     /// Check a copy of items ``items`` (``None``: all) of an ``n_tok``-token handoff from
-    /// side ``a`` to side ``b`` (``(kind, block ids or, packed, window bytes, bias, set
-    /// stride, buffer address)`` each) of a plan with ``sets`` id sets: ``((k_lo, k_hi,
+    /// side ``a`` to side ``b`` (``(kind, block ids or None, buffer bytes, bias, set stride,
+    /// buffer address)`` each; a packed side's window is its buffer) of a plan with ``sets`` id sets: ``((k_lo, k_hi,
     /// byte_lo, byte_hi), (unit, a side, b side))``.
     #[pyo3(signature = (n_tok, items, a, b, sets, paged_only))]
     fn check_copy(
