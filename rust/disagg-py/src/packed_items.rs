@@ -12,26 +12,21 @@ type LaunchTuple = (u64, u64, u64, [i64; 5]);
 /// set stride, buffer address)``.
 type SideTuple = (String, Option<u64>, u64, u64, u64, u64);
 
-/// One side of a launch: ``(plane column, block stride, token stride, packed)`` in bytes.
-type ArgsTuple = (u64, u64, u64, bool);
-
-/// A launch's ``(unit, a side, b side)``.
-type SidesTuple = (u64, ArgsTuple, ArgsTuple);
+/// A launch's ``(unit, a side, b side)``, each side ``(plane column, block stride, token
+/// stride, packed)`` in bytes.
+type SidesTuple = (u64, (u64, u64, u64, bool), (u64, u64, u64, bool));
 
 fn kind(name: &str) -> PyResult<SideKind> {
     SideKind::parse(name).py()
 }
 
 fn spec(s: &SideTuple) -> PyResult<CopySpec> {
-    let (kind, ids, nbytes, bias, set_stride, addr) = (kind(&s.0)?, s.1, s.2, s.3, s.4, s.5);
-    Ok(CopySpec { kind, ids, nbytes, bias, set_stride, addr })
-}
-
-fn args(s: SideArgs) -> ArgsTuple {
-    (s.col, s.block_stride, s.token_stride, s.packed)
+    let kind = kind(&s.0)?;
+    Ok(CopySpec { kind, ids: s.1, nbytes: s.2, bias: s.3, set_stride: s.4, addr: s.5 })
 }
 
 fn sides(s: KernelSides) -> SidesTuple {
+    let args = |a: SideArgs| (a.col, a.block_stride, a.token_stride, a.packed);
     (s.unit, args(s.a), args(s.b))
 }
 
