@@ -24,15 +24,8 @@ def test_the_device_plan_cuts_chunks_with_the_cores_schedule() -> None:
     plan = _plan()
     got = plan.chunks(10, 64)
     assert got == [(0, 2, 0, 32), (2, 4, 32, 72), (4, 6, 72, 120)]
-    assert _core.PackedRows([(0, 4), (4, 8)], 4).chunks(10, 64) == got
+    assert plan.packed.chunks(10, 64) == got
     assert got[-1][3] == plan.packed_bytes(10)
-
-
-def test_a_copy_side_of_an_unknown_kind_is_refused_on_side() -> None:
-    rows = _core.PackedRows([(0, 4), (4, 8)], 4)
-    with pytest.raises(ArgumentError, match="side") as err:
-        rows.check_copy(10, None, ("source", 3, 0, 0), ("packed", 120, 0, 0), 1, False)
-    assert err.value.field == "side"
 
 
 def test_a_stream_moves_every_chunk_through_its_slot_in_order() -> None:

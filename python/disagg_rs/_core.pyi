@@ -1183,25 +1183,35 @@ class FaultPlan:
 
 @final
 class PackedRows:
-    def __new__(cls, rows: Sequence[tuple[int, int]], tokens_per_block: int) -> PackedRows: ...
+    def __new__(
+        cls,
+        planes: Sequence[Sequence[int]],
+        tokens_per_block: int,
+        strides: tuple[int, int, int, int],
+    ) -> PackedRows: ...
     def offset(self, k: int, n_tok: int) -> int: ...
     def chunks(self, n_tok: int, max_bytes: int) -> list[tuple[int, int, int, int]]: ...
+    def unit(self, addresses: Sequence[int]) -> int: ...
+    def paged_end(self, kind_name: str, num_blocks: int) -> int: ...
+    def prepare(
+        self, a: tuple[str, int], b: tuple[str, int, int]
+    ) -> tuple[tuple[int, tuple[int, int, int, bool], tuple[int, int, int, bool]], int | None]: ...
     def check_copy(
         self,
         n_tok: int,
         items: tuple[int, int] | None,
-        a: tuple[str, int | None, int, int],
-        b: tuple[str, int | None, int, int],
+        a: tuple[str, int | None, int, int, int, int],
+        b: tuple[str, int | None, int, int, int, int],
         sets: int,
         paged_only: bool,
-    ) -> list[int]: ...
+    ) -> tuple[list[int], tuple[int, tuple[int, int, int, bool], tuple[int, int, int, bool]]]: ...
     def launch(
         self,
         n_tok: int,
         parts: Sequence[tuple[int, int, int]],
         window: int | None,
         unit: int,
-        ids: tuple[int, int, int, int | None],
+        ids: tuple[int, int, int, int],
     ) -> tuple[int, int, int, list[int]]: ...
 
 # -- a reference-design engine's handoff steps (disagg_core::refdecode) ---------------------

@@ -30,14 +30,14 @@ from the same plan (vectorised, no Python loop over blocks).
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import itertools
 import os
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -86,7 +86,6 @@ class DevicePlan:
     sets: _I64
     paged_only: bool = False
     _dev: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
-    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_program(
@@ -163,10 +162,11 @@ class DevicePlan:
 
     def packed_bytes(self, n_tok: int) -> int:
         """Size of the packed region of ``n_tok`` tokens."""
-        per = self._cache.get("tok_bytes")
-        if per is None:
-            per = self._cache["tok_bytes"] = int(self.planes[:, 3].sum())
-        return int(per) * int(n_tok)
+        return self._token_bytes * int(n_tok)
+
+    @functools.cached_property
+    def _token_bytes(self) -> int:
+        return int(self.planes[:, 3].sum())
 
     def item_offsets(self, items: _I64, n_tok: int) -> _I64:
         """Packed byte offset where each item of ``items`` starts (``num_items`` -> the end)."""
@@ -186,26 +186,20 @@ class DevicePlan:
 
     @functools.cached_property
     def packed(self) -> _core.PackedRows:
-        """The rows' packed order in Rust: item offsets, copy checks, launch placement."""
-        return _core.PackedRows(self._rows, self.tokens_per_block)
+        """The plan's table in Rust: item offsets, copy checks, the kernel's unit and side
+        arguments, launch placement."""
+        strides = self.strides[1:]
+        return _core.PackedRows(self.planes.tolist(), self.tokens_per_block, strides)
 
     @property
     def item_bytes(self) -> int:
         """Bytes of the largest item (one block of one plane row)."""
         return int(self.planes[:, 3].max()) * self.tokens_per_block
 
-    @property
+    @functools.cached_property
     def rows(self) -> list[tuple[int, int]]:
         """``(packed coefficient, row bytes per token)`` of every plane row."""
-        return self._rows
-
-    @property
-    def _rows(self) -> list[tuple[int, int]]:
-        rows = self._cache.get("rows")
-        if rows is None:
-            rows = [(int(c), int(r)) for c, r in self.planes[:, 2:4].tolist()]
-            self._cache["rows"] = rows
-        return rows
+        return [(int(c), int(r)) for c, r in self.planes[:, 2:4].tolist()]
 
     def chunks(self, n_tok: int, max_bytes: int) -> list[tuple[int, int, int, int]]:
         """Item ranges of at most ``max_bytes`` packed bytes (one item at least):
@@ -217,32 +211,11 @@ class DevicePlan:
 
     def paged_end(self, kind: Literal["src", "dst"], num_blocks: int) -> int:
         """One past the last byte a paged side can touch with block ids < ``num_blocks``."""
-        key = ("end", kind, int(num_blocks))
-        if key in self._cache:
-            return int(self._cache[key])
-        col, bs, ts = (0, self.src_block_stride, self.src_token_stride) if kind == "src" else (
-            1, self.dst_block_stride, self.dst_token_stride)  # fmt: skip
-        ends = self.planes[:, col] + (num_blocks - 1) * bs + (self.tokens_per_block - 1) * ts
-        end = self._cache[key] = int((ends + self.planes[:, 3]).max())
-        return end
+        return self.packed.paged_end(kind, int(num_blocks))
 
     def unit(self, *addresses: int) -> int:
         """Largest power of two <= 16 dividing every offset, stride, row and address."""
-        base = self._cache.get("bits")
-        if base is None:
-            base = self._cache["bits"] = 16 | int(
-                np.bitwise_or.reduce(self.planes[:, [0, 1, 3]].reshape(-1))
-            )
-        bits = int(base)
-        for v in (
-            self.src_block_stride,
-            self.src_token_stride,
-            self.dst_block_stride,
-            self.dst_token_stride,
-            *addresses,
-        ):
-            bits |= int(v)
-        return bits & -bits
+        return self.packed.unit([int(a) for a in addresses])
 
     def table(self, device: torch.device, unit: int) -> torch.Tensor:
         """The plane table in ``unit``-byte units on ``device`` (copied once, then cached).
@@ -285,13 +258,11 @@ class Side:
     set_stride: int = 0
 
 
-def _strides(plan: DevicePlan, side: Side) -> tuple[int, int, int]:
-    """(plane column, block stride, token stride) in bytes."""
-    if side.kind == "src":
-        return 0, plan.src_block_stride, plan.src_token_stride
-    if side.kind == "dst":
-        return 1, plan.dst_block_stride, plan.dst_token_stride
-    return 2, 0, 0
+#: How the kernel addresses one side (Rust decides it): ``(plane column, block stride, token
+#: stride, packed)``, strides in bytes.
+_SideArgs = tuple[int, int, int, bool]
+#: A launch's ``(unit, a side, b side)``.
+_Sides = tuple[int, _SideArgs, _SideArgs]
 
 
 _ELEMENT_BYTES = {torch.int32: 4, torch.int16: 2, torch.uint8: 1}
@@ -311,12 +282,33 @@ def _kernel() -> Any:
     return launchable(copy_blocks_kernel)
 
 
-def _spec(side: Side) -> tuple[str, int | None, int, int]:
-    """``side`` as the copy's checks take it (Rust): kind, its block ids (a packed side: the
-    bytes its buffer holds; ``None``: no ids), bias, id set stride."""
-    if side.kind == "packed":
-        return side.kind, torch_copy.byte_view(side.buffer).numel(), side.bias, 0
-    return side.kind, None if side.ids is None else side.ids.numel(), 0, side.set_stride
+def _spec(side: Side) -> tuple[str, int | None, int, int, int, int]:
+    """``side`` as the copy's checks take it (Rust): kind, its block ids (``None``: none),
+    buffer bytes (a packed side's window), bias, id set stride, buffer address."""
+    ids = None if side.ids is None else side.ids.numel()
+    buf = side.buffer
+    return side.kind, ids, buf.nbytes, side.bias, side.set_stride, buf.data_ptr()
+
+
+def _check(
+    plan: DevicePlan, a: Side, b: Side, n_tok: int, items: tuple[int, int] | None
+) -> tuple[list[int], _Sides]:
+    """Rust's checks of a copy by ``plan``: ``([k_lo, k_hi, byte_lo, byte_hi], sides)``."""
+    return plan.packed.check_copy(
+        int(n_tok), items, _spec(a), _spec(b), plan.num_sets, plan.paged_only
+    )
+
+
+def _home(a: Side, b: Side) -> torch.Tensor:
+    """The buffer whose device runs the kernel: the local cache, i.e. the destination of a
+    pull (its source may be a peer's buffer mapped from another GPU), else the source."""
+    return (b if b.kind == "dst" else a).buffer
+
+
+def _kernel_runs(device: torch.device) -> bool:
+    """Whether the kernel runs for buffers on ``device``: CUDA, or host memory under Triton's
+    interpreter (``TRITON_INTERPRET=1``, the CPU tests); else the torch twin copies."""
+    return (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and _triton()
 
 
 def copy(
@@ -330,29 +322,16 @@ def copy(
 ) -> int:
     """Copy items ``items`` (default: all) of a handoff of ``n_tok`` tokens from ``a`` to
     ``b``; return the bytes copied. Queued on the current stream (one launch)."""
-    sides = (_spec(a), _spec(b))
-    k_lo, k_hi, lo, hi = plan.packed.check_copy(
-        int(n_tok), items, *sides, plan.num_sets, plan.paged_only
-    )
+    (k_lo, k_hi, lo, hi), sides = _check(plan, a, b, n_tok, items)
     if k_hi == k_lo:
         return 0
-    use = path
-    if use == "auto":
-        interp = os.environ.get("TRITON_INTERPRET") == "1"
-        use = "triton" if (a.buffer.is_cuda or interp) and _triton() else "torch"
-    if use == "torch":
+    if path == "torch" or (path == "auto" and not _kernel_runs(a.buffer.device)):
         copy_torch(plan, a, b, n_tok, k_lo, k_hi)
         return int(hi - lo)
-    unit = plan.unit(a.buffer.data_ptr(), b.buffer.data_ptr(), a.bias, b.bias)
-    # The kernel runs where the local cache is: the destination of a pull (its source may be
-    # a peer's buffer mapped from another GPU), else the source of a pack.
-    device = (b if b.kind == "dst" else a).buffer.device
-    table = plan.table(device, unit)
-    _, vec = _UNIT_LANES[unit]
-    dummy = table
-    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with guard:
-        _launch(table, a, b, n_tok, k_lo, k_hi, plan, unit, vec, dummy)
+    home = _home(a, b)
+    table = plan.table(home.device, sides[0])
+    with torch.cuda.device(home.get_device()):  # index -1 (host memory): does nothing
+        _launch(table, a, b, n_tok, k_lo, k_hi, plan, sides)
     return int(hi - lo)
 
 
@@ -368,23 +347,21 @@ def _launch(
     k_lo: int,
     k_hi: int,
     plan: DevicePlan,
-    unit: int,
-    vec: int,
-    dummy: torch.Tensor,
+    sides: _Sides,
 ) -> None:
     """Queue the kernel on the current stream. The first launch of each class (device,
     packed sides, lanes, every pointer's element type and 16-byte alignment: what Triton
     specialises on; the integers are never specialised) goes through Triton's JIT; the
     later ones straight to the compiled kernel's launcher with raw addresses (no argument
     binding, no specialisation: several times cheaper on the host)."""
-    a_col, a_bs, a_ts = _strides(plan, a)
-    b_col, b_bs, b_ts = _strides(plan, b)
-    a_ids, b_ids = (dummy if s.ids is None else s.ids for s in (a, b))
+    unit, (a_col, a_bs, a_ts, a_packed), (b_col, b_bs, b_ts, b_packed) = sides
+    _, vec = _UNIT_LANES[unit]
+    a_ids, b_ids = (table if s.ids is None else s.ids for s in (a, b))  # packed: no ids read
     ptrs = (_lanes(a.buffer, unit), _lanes(b.buffer, unit), table, a_ids, b_ids)
     ints = (plan.num_blocks(n_tok), int(n_tok), plan.tokens_per_block, k_lo, a_col, a_bs // unit,
             a_ts // unit, a.bias // unit, b_col, b_bs // unit, b_ts // unit, b.bias // unit,
             a.set_stride, b.set_stride, k_hi, 0, k_hi, 0)  # fmt: skip
-    flags = (a.kind == "packed", b.kind == "packed", vec, BLOCK)
+    flags = (a_packed, b_packed, vec, BLOCK)
     addrs = tuple(p.data_ptr() for p in ptrs)
     key = (table.device, *flags, *(p.dtype for p in ptrs), *(x % 16 == 0 for x in addrs))
     compiled = _COMPILED.get(key)
@@ -419,29 +396,29 @@ class PreparedCopy:
     """
 
     def __init__(self, plan: DevicePlan, a: Side, b: Side) -> None:
-        if a.kind == "packed":
-            raise ValueError("PreparedCopy copies from a paged buffer")
         self.plan = plan
-        self.unit = plan.unit(a.buffer.data_ptr(), b.buffer.data_ptr())
-        self.device = (b if b.kind == "dst" else a).buffer.device
+        self.device = _home(a, b).device
         self.a, self.b = a.buffer, b.buffer
-        #: Whether ``b`` is a packed staging buffer (no ids; a byte offset per handoff).
-        self.packed = b.kind == "packed"
         self.b_bytes = torch_copy.byte_view(b.buffer).numel()
-        self.a_lanes = _lanes(a.buffer, self.unit)
-        self.b_lanes = _lanes(b.buffer, self.unit)
-        self.table = plan.table(self.device, self.unit)
-        a_col, a_bs, a_ts = _strides(plan, a)
-        b_col, b_bs, b_ts = _strides(plan, b)
-        u = self.unit
+        # Rust refuses a packed ``a`` (ArgumentError) and gives the packed window of ``b``
+        # (``None``: a paged ``b``, read through its ids).
+        sides, self._window = plan.packed.prepare(
+            (a.kind, a.buffer.data_ptr()), (b.kind, b.buffer.data_ptr(), self.b_bytes)
+        )
+        u, (a_col, a_bs, a_ts, _), (b_col, b_bs, b_ts, self.packed) = sides
+        #: ``self.packed``: whether ``b`` is a packed staging buffer (no ids; a byte offset
+        #: per handoff).
+        self.unit = u
+        self.a_lanes = _lanes(a.buffer, u)
+        self.b_lanes = _lanes(b.buffer, u)
+        self.table = plan.table(self.device, u)
         self._consts = (a_col, a_bs // u, a_ts // u, 0, b_col, b_bs // u, b_ts // u, 0)
-        self._vec = _UNIT_LANES[self.unit][1]
+        self._vec = _UNIT_LANES[u][1]
         self._sets = plan.num_sets
         self._compiled: dict[tuple[bool, ...], Any] = {}
         self._ptrs = (self.a_lanes.data_ptr(), self.b_lanes.data_ptr(), self.table.data_ptr())
         #: The kernel itself (CUDA, or Triton's interpreter on the host), else ``copy``.
-        interp = os.environ.get("TRITON_INTERPRET") == "1"
-        self._fast = (self.device.type == "cuda" or interp) and _triton()
+        self._fast = _kernel_runs(self.device)
 
     def __call__(
         self,
@@ -490,19 +467,16 @@ class PreparedCopy:
         plan = self.plan
         n_blk = plan.num_blocks(n_tok)
         b_ids = self.table if b_ids is None else b_ids  # a packed side reads no ids
-        window, b_count = (self.b_bytes, None) if self.packed else (None, b_ids.numel())
-        ids = (a_ids.numel(), a_set, self._sets, b_count)
-        k_lo, k_hi, nbytes, biases = plan.packed.launch(int(n_tok), parts, window, self.unit, ids)
+        ids = (a_ids.numel(), a_set, self._sets, b_ids.numel())
+        k_lo, k_hi, nbytes, biases = plan.packed.launch(
+            int(n_tok), parts, self._window, self.unit, ids
+        )
         if not self._fast:
             a = Side("src", self.a, a_ids, set_stride=a_set)
-            if not self.packed:
-                return copy(plan, a, Side("dst", self.b, b_ids), n_tok, items=(k_lo, k_hi))
-            for offset, lo, hi in parts:
-                size = plan.item_offset(hi, n_tok) - plan.item_offset(lo, n_tok)
-                region = torch_copy.byte_view(self.b)[offset : offset + size]
-                b = Side("packed", region, bias=plan.item_offset(lo, n_tok))
-                copy(plan, a, b, n_tok, items=(lo, hi))
-            return nbytes
+            return sum(
+                copy(plan, a, self._b_side(b_ids, offset, lo, n_tok), n_tok, items=(lo, hi))
+                for offset, lo, hi in parts
+            )
         tpb, grid, b_offset = plan.tokens_per_block, k_hi - k_lo, parts[0][0]
         consts = (*self._consts[:7], biases[0])
         a_ptr, b_ptr = a_ids.data_ptr(), b_ids.data_ptr()
@@ -529,6 +503,14 @@ class PreparedCopy:
             stream = torch.cuda.current_stream(self.device).cuda_stream
         _run_compiled(compiled, grid, stream, args)
         return nbytes
+
+    def _b_side(self, b_ids: torch.Tensor, offset: int, lo: int, n_tok: int) -> Side:
+        """``b`` as :func:`copy` takes it for the item range from ``lo`` on placed at byte
+        ``offset`` (a paged ``b``: the whole cache, its ids)."""
+        if not self.packed:
+            return Side("dst", self.b, b_ids)
+        region = torch_copy.byte_view(self.b)[offset:]
+        return Side("packed", region, bias=self.plan.item_offset(lo, n_tok))
 
 
 #: Item ranges one launch packs at their own offsets (the kernel's two cuts).
@@ -557,8 +539,11 @@ def _triton() -> bool:
     return True
 
 
-def _side_rows(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) -> _I64:
-    """Byte offset of every (item, token) row of items ``[k_lo, k_hi)``, numpy, vectorised."""
+def _side_rows(
+    plan: DevicePlan, side: Side, args: _SideArgs, n_tok: int, k_lo: int, k_hi: int
+) -> _I64:
+    """Byte offset of every (item, token) row of items ``[k_lo, k_hi)``, numpy, vectorised
+    (``args``: how the kernel addresses ``side``)."""
     n_blk = plan.num_blocks(n_tok)
     tpb = plan.tokens_per_block
     k = np.arange(k_lo, k_hi, dtype=np.int64)
@@ -568,12 +553,12 @@ def _side_rows(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) -
     t = np.arange(int(ntok.sum()), dtype=np.int64) - np.repeat(np.cumsum(ntok) - ntok, ntok)
     pp, ii = p[item], i[item]
     row = plan.planes[pp, 3]
-    if side.kind == "packed":
+    col, bs, ts, packed = args
+    if packed:
         out: _I64 = plan.planes[pp, 2] * n_tok + (ii * tpb + t) * row - side.bias
         return out
-    col, bs, ts = _strides(plan, side)
-    assert side.ids is not None
-    ids = side.ids.cpu().numpy().astype(np.int64)
+    # A paged side has ids: Rust's copy check refused one without.
+    ids = cast(torch.Tensor, side.ids).cpu().numpy().astype(np.int64)
     at = plan.sets[pp] * side.set_stride + ii
     out = plan.planes[pp, col] + ids[at] * bs + t * ts
     return out
@@ -581,9 +566,11 @@ def _side_rows(plan: DevicePlan, side: Side, n_tok: int, k_lo: int, k_hi: int) -
 
 def copy_torch(plan: DevicePlan, a: Side, b: Side, n_tok: int, k_lo: int, k_hi: int) -> None:
     """The torch twin of the kernel (host tensors without the interpreter): row offsets by
-    numpy, one ``torch_copy`` gather/scatter pass through a dense temporary."""
-    src_rows = _side_rows(plan, a, n_tok, k_lo, k_hi)
-    dst_rows = _side_rows(plan, b, n_tok, k_lo, k_hi)
+    numpy, one ``torch_copy`` gather/scatter pass through a dense temporary. Checked by Rust
+    like :func:`copy`."""
+    _, (_, a_args, b_args) = _check(plan, a, b, n_tok, (k_lo, k_hi))
+    src_rows = _side_rows(plan, a, a_args, n_tok, k_lo, k_hi)
+    dst_rows = _side_rows(plan, b, b_args, n_tok, k_lo, k_hi)
     n_blk = plan.num_blocks(n_tok)
     k = np.arange(k_lo, k_hi, dtype=np.int64)
     p, i = k // n_blk, k % n_blk
@@ -673,9 +660,7 @@ class IdUploader:
             return list(torch.split(flat, [p.size for p in parts])), -1
         # Every part starts 16-byte aligned (an even element offset), so the kernels that read
         # them see the same pointer alignment from one handoff to the next.
-        starts = [0]
-        for p in parts:
-            starts.append(starts[-1] + p.size + (p.size & 1))
+        starts = [0, *itertools.accumulate(p.size + (p.size & 1) for p in parts)]
         n = starts[-1]
         with self._lock:
             slot = self._slot(n)
@@ -757,12 +742,34 @@ class _SlotRoute:
         self._cuda = buffer.is_cuda
         self._streams: dict[int, Any] = {}
 
+    def _write(
+        self, n: int, *args: Any, **kw: Any
+    ) -> tuple[int, npt.NDArray[np.int64], tuple[int, int, int, int]] | None:
+        """Take an id slot of at least ``n`` ids and have Rust check the peers and ids and
+        write them into it (``_core.write_pull_ids`` with ``args`` and ``kw``): ``(slot, its
+        memory, what Rust returned)``, or ``None`` when the ids do not fit this route."""
+        slot, host = self.uploader.take(n)
+        got = None
+        try:
+            got = _core.write_pull_ids(host, *args, **kw)
+        finally:
+            if got is None:  # raised, or not this route's ids: the slot is free again
+                self.uploader.settle(slot, None)
+        return None if got is None else (slot, host, got)
+
+    def _raw(self) -> int | None:
+        """The raw handle of the device's current stream (``None``: host memory)."""
+        return torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
+
     def _record(self, slot: int, raw: Any) -> Any:
-        """Record the event of id slot ``slot`` on the stream ``raw`` and settle the slot.
+        """Record the event of id slot ``slot`` on the stream ``raw`` and settle the slot
+        (host memory: a completed event, nothing to settle).
 
         One event per slot, recorded again when the slot is reused: the slot is free only
         once that event's last record completed, so a handle still holding it can only see
         it complete later, never early."""
+        if not self._cuda:
+            return _DONE
         done = self.uploader.events[slot]
         done.record(self._stream(raw))
         self.uploader.settle(slot, done)
@@ -825,32 +832,25 @@ class PullRoute(_SlotRoute):
         on the device's current stream; return ``(event recorded after it, bytes)``, or
         ``None`` (nothing queued) when the ids do not fit this route (block counts other
         than the plan's)."""
-        from disagg_rs import _core
-
-        up = self.uploader
-        slot, host = up.take(_core.pull_ids_len(dst_block_ids, len(self.ranks)))
-        got = None
-        try:
-            got = _core.write_pull_ids(
-                host, peers, self.ranks, src_block_ids, dst_block_ids, num_tokens,
-                local_num_blocks=local_num_blocks, local_tokens_per_block=local_tokens_per_block,
-                tokens_per_block=self.tokens_per_block,
-            )  # fmt: skip
-        finally:
-            if got is None:  # raised, or not this route's ids: the slot is free again
-                up.settle(slot, None)
+        got = self._write(
+            _core.pull_ids_len(dst_block_ids, len(self.ranks)),
+            peers, self.ranks, src_block_ids, dst_block_ids, num_tokens,
+            local_num_blocks=local_num_blocks, local_tokens_per_block=local_tokens_per_block,
+            tokens_per_block=self.tokens_per_block,
+        )  # fmt: skip
         if got is None:
             return None
-        n_tok, _, stride, n = got
-        nbytes = 0
+        slot, host, (n_tok, _, stride, n) = got
         with torch.cuda.device(self.index):
-            ids = up.view(slot, host, n)
-            raw = torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
+            ids = self.uploader.view(slot, host, n)
+            raw = self._raw()
             try:
-                for launch, first in self.copies:
-                    nbytes += launch(n_tok, ids[(first + 1) * stride :], ids, raw, a_set=stride)
+                nbytes = sum(
+                    launch(n_tok, ids[(first + 1) * stride :], ids, raw, a_set=stride)
+                    for launch, first in self.copies
+                )
             finally:
-                done = self._record(slot, raw) if self._cuda else None
+                done = self._record(slot, raw)
         return done, nbytes
 
 
@@ -902,39 +902,28 @@ class PackRoute(_SlotRoute):
         """Check and lay out this rank's ids of one handoff; ``None`` (nothing taken) when
         they do not fit this route (SSM state, a block count other than the plan's).
         ``checked``: the caller has checked them (``num_tokens`` is what the check returned)."""
-        up = self.uploader
+        args = (peers, [self.rank], src_block_ids, None, num_tokens)
+        kw = {"local_num_blocks": local_num_blocks, "checked": checked,
+              "local_tokens_per_block": local_tokens_per_block,
+              "tokens_per_block": self.plan.tokens_per_block}  # fmt: skip
         # A slot of the ring's usual size first (one Rust call); one of the size these ids
         # need when they did not fit it (a handoff of more blocks than the ring's slots
         # hold: its ids are then checked twice).
-        for n in (up.capacity, None):
-            slot, host = up.take(
-                _core.pull_ids_len(src_block_ids, 0, rank=self.rank) if n is None else n
-            )
-            got = None
-            try:
-                got = _core.write_pull_ids(
-                    host, peers, [self.rank], src_block_ids, None, num_tokens,
-                    local_num_blocks=local_num_blocks,
-                    local_tokens_per_block=local_tokens_per_block,
-                    tokens_per_block=self.plan.tokens_per_block, checked=checked,
-                )  # fmt: skip
-            finally:
-                if got is None:  # raised, or not this route's ids: the slot is free again
-                    up.settle(slot, None)
-            if got is not None:
-                return PackIds(slot, host, got[3], int(got[0]))
-        return None
+        got = self._write(self.uploader.capacity, *args, **kw)
+        if got is None:
+            got = self._write(_core.pull_ids_len(src_block_ids, 0, rank=self.rank), *args, **kw)
+        return None if got is None else PackIds(got[0], got[1], got[2][3], int(got[2][0]))
 
     def pack_whole(self, got: PackIds, offset: int) -> Any:
         """Queue the pack of the whole copy into the staging buffer at byte ``offset`` and
         settle the slot; the event recorded after it (host memory: one that has completed)."""
         with torch.cuda.device(self.index):
-            raw = torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
+            raw = self._raw()
             try:
                 ids = self.uploader.view(got.slot, got.host, got.n)
                 self.copy(got.num_tokens, ids, None, raw, b_offset=offset)
             finally:
-                done = self._record(got.slot, raw) if self._cuda else _DONE
+                done = self._record(got.slot, raw)
         return done
 
     def pack_items(self, got: PackIds, parts: list[tuple[int, int, int]]) -> list[Any]:
@@ -946,13 +935,15 @@ class PackRoute(_SlotRoute):
             return []
         with torch.cuda.device(self.index):
             ids = self.uploader.view(got.slot, got.host, got.n)
-            raw = torch._C._cuda_getCurrentRawStream(self.index) if self._cuda else None
+            raw = self._raw()
             self.copy.pack(got.num_tokens, ids, parts, raw)
-            done = self._event(raw) if self._cuda else _DONE
+            done = self._event(raw)
         return [done] * len(parts)
 
     def _event(self, raw: Any) -> Any:
-        """A new event recorded on the stream ``raw``."""
+        """A new event recorded on the stream ``raw`` (host memory: a completed one)."""
+        if not self._cuda:
+            return _DONE
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(self._stream(raw))
         return event

@@ -603,7 +603,7 @@ class _StreamOut:
     """The source side of one announced packed copy: streamed (a copy larger than the
     staging pool), or held whole in its region (announced as one chunk, ``ticket["ready"]``).
 
-    Chunk ``k`` of a stream (``_core.stream_chunks``: whole items of the device plan) is
+    Chunk ``k`` of a stream (``DevicePlan.chunks``: whole items of the device plan) is
     packed into source slot ``k % slots`` once chunk ``k - slots`` is acknowledged; the first
     ``slots`` chunks are packed (queued) before the ticket leaves. Every chunk is announced to
     the decode with a NIXL notification once its pack has completed; the decode's

@@ -55,32 +55,6 @@ pub enum CopySide {
     },
 }
 
-impl CopySide {
-    /// The side named `kind` (`"packed"`, `"src"` or `"dst"`): `ids_or_bytes` is a packed
-    /// side's window bytes (`None`: 0) or a paged side's block ids.
-    ///
-    /// # Errors
-    /// `Argument` (`side`) for any other kind.
-    pub fn parse(
-        kind: &str,
-        ids_or_bytes: Option<u64>,
-        bias: u64,
-        set_stride: u64,
-    ) -> DisaggResult<Self> {
-        Ok(match kind {
-            "packed" => Self::Packed { bias, nbytes: ids_or_bytes.unwrap_or(0) },
-            "src" => Self::Paged { kind: "src", ids: ids_or_bytes, set_stride },
-            "dst" => Self::Paged { kind: "dst", ids: ids_or_bytes, set_stride },
-            other => {
-                return Err(DisaggError::argument(
-                    "side",
-                    format!("side kind {other:?} is not \"src\", \"dst\" or \"packed\""),
-                ))
-            }
-        })
-    }
-}
-
 /// Whether `ids` block ids hold `sets` id sets of `n_blk` ids at stride `stride` (0: every
 /// set reads the same ids; else the sets must not overlap).
 fn ids_hold(ids: u64, stride: u64, sets: u64, n_blk: u64) -> bool {
@@ -354,6 +328,284 @@ impl<'a> PackedItems<'a> {
             placement[2 * j - 1] = end;
         }
         Ok(Launch { k_lo, k_hi, nbytes, placement })
+    }
+}
+
+impl PackedItems<'_> {
+    /// [`Self::check_ids`] then [`Self::launch`]: `ids` is `[source ids, source set stride,
+    /// id sets, destination ids]`; a packed window (`window` given) reads no destination ids,
+    /// so its count is not looked at.
+    ///
+    /// # Errors
+    /// Those of [`Self::check_ids`] and [`Self::launch`].
+    pub fn checked_launch(
+        &self,
+        parts: &[(u64, u64, u64)],
+        window: Option<u64>,
+        unit: u64,
+        ids: [u64; 4],
+    ) -> DisaggResult<Launch> {
+        self.check_ids(ids[0], ids[1], ids[2], window.is_none().then_some(ids[3]))?;
+        self.launch(parts, window, unit)
+    }
+}
+
+/// Which buffer a side of a copy is: a paged cache (source or destination) or the packed
+/// region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SideKind {
+    /// The source's paged cache.
+    Src,
+    /// The destination's paged cache.
+    Dst,
+    /// The packed region (or a window of it).
+    Packed,
+}
+
+impl SideKind {
+    /// `"src"`, `"dst"` or `"packed"`.
+    ///
+    /// # Errors
+    /// `Argument` (field `kind`) for any other name.
+    pub fn parse(name: &str) -> DisaggResult<Self> {
+        match name {
+            "src" => Ok(Self::Src),
+            "dst" => Ok(Self::Dst),
+            "packed" => Ok(Self::Packed),
+            other => Err(DisaggError::argument(
+                "kind",
+                format!("side kind {other:?}: one of \"src\", \"dst\", \"packed\""),
+            )),
+        }
+    }
+
+    /// The name [`Self::parse`] takes.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Src => "src",
+            Self::Dst => "dst",
+            Self::Packed => "packed",
+        }
+    }
+}
+
+/// How the block-copy kernel addresses one side: the plane column it reads (0 source, 1
+/// destination, 2 packed coefficient), block and token strides in bytes (0 for the packed
+/// region), and whether the side is the packed region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SideArgs {
+    /// Plane column.
+    pub col: u64,
+    /// Bytes between blocks.
+    pub block_stride: u64,
+    /// Bytes between tokens.
+    pub token_stride: u64,
+    /// Whether the side is the packed region.
+    pub packed: bool,
+}
+
+/// Both sides of one kernel launch and its unit (bytes per kernel lane element).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelSides {
+    /// Largest power of two <= 16 dividing every offset, stride, row and address.
+    pub unit: u64,
+    /// The side read.
+    pub a: SideArgs,
+    /// The side written.
+    pub b: SideArgs,
+}
+
+/// One side of a copy by plan as its caller gives it: its kind, its block ids (`None`: none
+/// given), the bytes its buffer holds, the first packed byte its buffer holds (a packed
+/// window), the offset between id sets (a paged side) and its buffer's address. What the
+/// kind does not use is ignored by the checks; the unit covers both biases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopySpec {
+    /// Which buffer.
+    pub kind: SideKind,
+    /// Block ids given.
+    pub ids: Option<u64>,
+    /// Bytes of the side's buffer.
+    pub nbytes: u64,
+    /// First packed byte of a packed window.
+    pub bias: u64,
+    /// Offset between id sets of a paged side.
+    pub set_stride: u64,
+    /// Address of the side's buffer.
+    pub addr: u64,
+}
+
+impl CopySpec {
+    /// The side as [`PackedItems::check_copy`] checks it.
+    #[must_use]
+    pub fn side(&self) -> CopySide {
+        match self.kind {
+            SideKind::Packed => CopySide::Packed { bias: self.bias, nbytes: self.nbytes },
+            kind => {
+                CopySide::Paged { kind: kind.name(), ids: self.ids, set_stride: self.set_stride }
+            }
+        }
+    }
+}
+
+/// A device plan's table: plane rows `[src offset, dst offset, packed coefficient, row
+/// bytes]` (offsets relative to the two buffers' bases), its block size and the strides
+/// `[src block, src token, dst block, dst token]` in bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlaneTable {
+    offsets: Vec<[i64; 2]>,
+    rows: Vec<(u64, u64)>,
+    tokens_per_block: u64,
+    strides: [u64; 4],
+}
+
+impl PlaneTable {
+    /// The table of `planes`.
+    ///
+    /// # Errors
+    /// `Argument`: `tokens_per_block = 0` (field `tokens_per_block`), a negative packed
+    /// coefficient or row size (field `planes`).
+    pub fn new(
+        planes: &[[i64; 4]],
+        tokens_per_block: u64,
+        strides: [u64; 4],
+    ) -> DisaggResult<Self> {
+        let rows = planes
+            .iter()
+            .enumerate()
+            .map(|(p, r)| match (u64::try_from(r[2]), u64::try_from(r[3])) {
+                (Ok(coef), Ok(row)) => Ok((coef, row)),
+                _ => Err(DisaggError::argument(
+                    "planes",
+                    format!(
+                        "plane row {p}: packed coefficient {} and row bytes {} must be >= 0",
+                        r[2], r[3]
+                    ),
+                )),
+            })
+            .collect::<DisaggResult<Vec<_>>>()?;
+        PackedItems::new(&rows, tokens_per_block, 0)?;
+        let offsets = planes.iter().map(|r| [r[0], r[1]]).collect();
+        Ok(Self { offsets, rows, tokens_per_block, strides })
+    }
+
+    /// `(packed coefficient, row bytes per token)` of every plane row.
+    #[must_use]
+    pub fn rows(&self) -> &[(u64, u64)] {
+        &self.rows
+    }
+
+    /// The items of an `n_tok`-token copy.
+    ///
+    /// # Errors
+    /// Those of [`PackedItems::new`].
+    pub fn items(&self, n_tok: u64) -> DisaggResult<PackedItems<'_>> {
+        PackedItems::new(&self.rows, self.tokens_per_block, n_tok)
+    }
+
+    /// Largest power of two <= 16 dividing every plane offset and row size, every stride and
+    /// every one of `addresses` (buffer addresses, packed biases).
+    #[must_use]
+    pub fn unit(&self, addresses: &[u64]) -> u64 {
+        let planes = self
+            .offsets
+            .iter()
+            .zip(&self.rows)
+            .flat_map(|(o, r)| [i128::from(o[0]), i128::from(o[1]), i128::from(r.1)]);
+        let rest = self.strides.iter().chain(addresses).map(|&v| i128::from(v));
+        let bits = planes.chain(rest).fold(16i128, |acc, v| acc | v);
+        u64::try_from(bits & -bits).unwrap_or(1)
+    }
+
+    /// How the kernel addresses a side of kind `kind`.
+    #[must_use]
+    pub fn side(&self, kind: SideKind) -> SideArgs {
+        let [sb, st, db, dt] = self.strides;
+        let (col, block_stride, token_stride) = match kind {
+            SideKind::Src => (0, sb, st),
+            SideKind::Dst => (1, db, dt),
+            SideKind::Packed => (2, 0, 0),
+        };
+        SideArgs { col, block_stride, token_stride, packed: kind == SideKind::Packed }
+    }
+
+    /// Both sides of a launch from `a` to `b`, its unit taken over `addresses`.
+    #[must_use]
+    pub fn sides(&self, a: SideKind, b: SideKind, addresses: &[u64]) -> KernelSides {
+        KernelSides { unit: self.unit(addresses), a: self.side(a), b: self.side(b) }
+    }
+
+    /// A copy prepared once from a paged buffer `a` (at `a_addr`) into `b` (at `b_addr`,
+    /// `b_bytes` bytes): its sides, and the window its packs write (`b` packed: its bytes;
+    /// a paged `b`: none).
+    ///
+    /// # Errors
+    /// `Argument` (field `a`) when `a` is the packed region.
+    pub fn prepare(
+        &self,
+        a: SideKind,
+        b: SideKind,
+        a_addr: u64,
+        b_addr: u64,
+        b_bytes: u64,
+    ) -> DisaggResult<(KernelSides, Option<u64>)> {
+        if a == SideKind::Packed {
+            return Err(DisaggError::argument(
+                "a",
+                "a prepared copy reads a paged buffer, not the packed region",
+            ));
+        }
+        let window = (b == SideKind::Packed).then_some(b_bytes);
+        Ok((self.sides(a, b, &[a_addr, b_addr]), window))
+    }
+
+    /// Check a copy of items `items` (`None`: all) of an `n_tok`-token handoff from `a` to
+    /// `b` ([`PackedItems::check_copy`]); its `[k_lo, k_hi, byte_lo, byte_hi]` and the
+    /// sides of its launch (unit over both buffers' addresses and biases).
+    ///
+    /// # Errors
+    /// Those of [`PackedItems::check_copy`].
+    pub fn check_copy(
+        &self,
+        n_tok: u64,
+        items: Option<(u64, u64)>,
+        a: &CopySpec,
+        b: &CopySpec,
+        sets: u64,
+        paged_only: bool,
+    ) -> DisaggResult<([u64; 4], KernelSides)> {
+        let span = self.items(n_tok)?.check_copy(items, [a.side(), b.side()], sets, paged_only)?;
+        Ok((span, self.sides(a.kind, b.kind, &[a.addr, b.addr, a.bias, b.bias])))
+    }
+
+    /// One past the last byte a paged side of kind `kind` can touch with block ids below
+    /// `num_blocks`, relative to its buffer's base.
+    ///
+    /// # Errors
+    /// `Argument`: the packed region (field `kind`), a table without plane rows (field
+    /// `planes`); `AddressOverflow` beyond `i64`.
+    pub fn paged_end(&self, kind: SideKind, num_blocks: u64) -> DisaggResult<i64> {
+        let s = self.side(kind);
+        if s.packed {
+            return Err(DisaggError::argument("kind", "the packed region has no paged end"));
+        }
+        let col = usize::try_from(s.col).map_err(|_| overflow("column"))?;
+        let last = i128::from(num_blocks) - 1;
+        let tok = i128::from(self.tokens_per_block) - 1;
+        let end = self
+            .offsets
+            .iter()
+            .zip(&self.rows)
+            .map(|(o, r)| {
+                i128::from(o[col])
+                    + last * i128::from(s.block_stride)
+                    + tok * i128::from(s.token_stride)
+                    + i128::from(r.1)
+            })
+            .max()
+            .ok_or_else(|| DisaggError::argument("planes", "a plan without plane rows"))?;
+        i64::try_from(end).map_err(|_| overflow("paged end"))
     }
 }
 

@@ -150,17 +150,162 @@ proptest! {
     }
 }
 
+/// Planes `[src offset, dst offset, packed coefficient, row bytes]` of [`ROWS`].
+const PLANES: [[i64; 4]; 3] = [[4096, 0, 0, 256], [8192, 512, 256, 512], [12_288, 1024, 768, 256]];
+/// Strides `[src block, src token, dst block, dst token]`.
+const STRIDES: [u64; 4] = [1 << 16, 1024, 1 << 15, 512];
+
+fn table() -> PlaneTable {
+    PlaneTable::new(&PLANES, 64, STRIDES).unwrap()
+}
+
 #[test]
-fn a_side_kind_is_parsed_once_and_an_unknown_one_is_refused_on_side() {
+fn a_table_keeps_the_rows_in_packed_order_and_refuses_negative_sizes() {
+    let t = table();
+    assert_eq!(t.rows(), ROWS);
+    assert_eq!(t.items(100).unwrap().offset(2).unwrap(), 25_600);
+    let bad = [[0, 0, 0, -4]];
+    let err = PlaneTable::new(&bad, 64, STRIDES).unwrap_err();
+    assert!(matches!(&err, DisaggError::Argument { field, .. } if field == "planes"), "{err}");
+    assert!(PlaneTable::new(&PLANES, 0, STRIDES).is_err());
+}
+
+#[test]
+fn each_side_kind_reads_its_column_and_strides() {
+    let t = table();
+    let side = |k| t.side(k);
     assert_eq!(
-        CopySide::parse("packed", None, 16, 0).unwrap(),
-        CopySide::Packed { bias: 16, nbytes: 0 }
+        side(SideKind::Src),
+        SideArgs { col: 0, block_stride: 1 << 16, token_stride: 1024, packed: false }
     );
     assert_eq!(
-        CopySide::parse("dst", Some(4), 0, 8).unwrap(),
-        CopySide::Paged { kind: "dst", ids: Some(4), set_stride: 8 }
+        side(SideKind::Dst),
+        SideArgs { col: 1, block_stride: 1 << 15, token_stride: 512, packed: false }
     );
-    let err = CopySide::parse("Dst", Some(4), 0, 8).unwrap_err();
-    assert_eq!(err.kind(), "Argument");
-    assert!(err.to_string().contains("side") && err.to_string().contains("\"Dst\""), "{err}");
+    assert_eq!(
+        side(SideKind::Packed),
+        SideArgs { col: 2, block_stride: 0, token_stride: 0, packed: true }
+    );
+    for k in [SideKind::Src, SideKind::Dst, SideKind::Packed] {
+        assert_eq!(SideKind::parse(k.name()).unwrap(), k);
+    }
+    let err = SideKind::parse("peer").unwrap_err();
+    assert!(matches!(&err, DisaggError::Argument { field, .. } if field == "kind"), "{err}");
+}
+
+#[test]
+fn the_unit_is_the_widest_power_of_two_dividing_everything() {
+    let t = table();
+    assert_eq!(t.unit(&[]), 16);
+    assert_eq!(t.unit(&[1 << 20, 8]), 8);
+    assert_eq!(t.unit(&[6]), 2);
+    let odd = PlaneTable::new(&[[0, 0, 0, 12]], 4, [48, 12, 0, 0]).unwrap();
+    assert_eq!(odd.unit(&[]), 4);
+}
+
+#[test]
+fn a_paged_end_is_the_last_byte_of_the_last_block_plus_one() {
+    let t = table();
+    // src: plane 2 at 12288 + 3 blocks * 65536 + 63 tokens * 1024 + 256 bytes.
+    assert_eq!(t.paged_end(SideKind::Src, 4).unwrap(), 12_288 + 3 * 65_536 + 63 * 1024 + 256);
+    // dst: plane 1 (512 + 512 row) or plane 2 (1024 + 256): plane 2 ends last.
+    assert_eq!(t.paged_end(SideKind::Dst, 1).unwrap(), 1024 + 63 * 512 + 256);
+    let err = t.paged_end(SideKind::Packed, 1).unwrap_err();
+    assert!(matches!(&err, DisaggError::Argument { field, .. } if field == "kind"), "{err}");
+    let empty = PlaneTable::new(&[], 64, STRIDES).unwrap();
+    assert!(empty.paged_end(SideKind::Src, 1).is_err());
+}
+
+#[test]
+fn a_prepared_copy_reads_a_paged_source_and_packs_into_its_window() {
+    let t = table();
+    let (s, window) = t.prepare(SideKind::Src, SideKind::Packed, 1 << 20, 4104, 777).unwrap();
+    assert_eq!((s.unit, s.a.col, s.b.packed, window), (8, 0, true, Some(777)));
+    let (s, window) = t.prepare(SideKind::Src, SideKind::Dst, 1 << 20, 1 << 21, 777).unwrap();
+    assert_eq!((s.unit, s.b.col, s.b.packed, window), (16, 1, false, None));
+    let err = t.prepare(SideKind::Packed, SideKind::Dst, 0, 0, 0).unwrap_err();
+    assert!(matches!(&err, DisaggError::Argument { field, .. } if field == "a"), "{err}");
+}
+
+#[test]
+fn a_checked_copy_gives_its_span_and_its_launch_sides() {
+    let t = table();
+    let src = CopySpec {
+        kind: SideKind::Src,
+        ids: Some(2),
+        nbytes: 0,
+        bias: 0,
+        set_stride: 0,
+        addr: 1 << 20,
+    };
+    let window = CopySpec {
+        kind: SideKind::Packed,
+        ids: None,
+        nbytes: 102_400,
+        bias: 0,
+        set_stride: 0,
+        addr: 1 << 21,
+    };
+    let (span, s) = t.check_copy(100, None, &src, &window, 1, false).unwrap();
+    assert_eq!(span, [0, 6, 0, 102_400]);
+    assert_eq!((s.unit, s.a, s.b), (16, t.side(SideKind::Src), t.side(SideKind::Packed)));
+    // A window starting at packed byte 16 384 (a multiple of 4 only in the unit's terms).
+    let biased = CopySpec { bias: 16_388, ..window };
+    let (_, s) = t.check_copy(100, Some((2, 3)), &src, &biased, 1, false).unwrap();
+    assert_eq!(s.unit, 4);
+    let no_ids = CopySpec { ids: None, ..src };
+    let err = t.check_copy(100, None, &no_ids, &window, 1, false).unwrap_err();
+    assert!(matches!(&err, DisaggError::Argument { field, .. } if field == "block_ids"), "{err}");
+}
+
+#[test]
+fn a_packed_launch_ignores_destination_ids_and_a_paged_one_checks_them() {
+    let items = PackedItems::new(&ROWS, 64, 100).unwrap();
+    assert!(items.checked_launch(&[(0, 0, 6)], Some(1 << 20), 16, [2, 0, 1, 0]).is_ok());
+    assert!(items.checked_launch(&[(0, 0, 6)], None, 16, [2, 0, 1, 2]).is_ok());
+    let err = items.checked_launch(&[(0, 0, 6)], None, 16, [2, 0, 1, 1]).unwrap_err();
+    assert!(matches!(&err, DisaggError::Argument { field, .. } if field == "block_ids"), "{err}");
+}
+
+proptest! {
+    /// The unit divides every plane offset, row, stride and address, and twice the unit
+    /// (up to 16) does not divide all of them: the model checks each value one by one.
+    #[test]
+    fn the_unit_matches_a_value_by_value_model(
+        planes in proptest::collection::vec((0i64..1 << 20, 0i64..1 << 20, 0i64..64, 0i64..4096), 0..5),
+        strides in proptest::array::uniform4(0u64..1 << 20),
+        addresses in proptest::collection::vec(0u64..1 << 40, 0..4),
+    ) {
+        let planes: Vec<[i64; 4]> = planes.iter().map(|&(s, d, c, r)| [s, d, c * 16, r]).collect();
+        let t = PlaneTable::new(&planes, 8, strides).unwrap();
+        let mut values: Vec<u64> = planes.iter().flat_map(|p| [p[0], p[1], p[3]]).map(|v| u64::try_from(v).unwrap()).collect();
+        values.extend(strides);
+        values.extend(&addresses);
+        let want = [16u64, 8, 4, 2, 1].into_iter().find(|u| values.iter().all(|v| v % u == 0)).unwrap();
+        prop_assert_eq!(t.unit(&addresses), want);
+    }
+
+    /// A paged end is one past the largest byte any (plane, block, token) row can touch.
+    #[test]
+    fn a_paged_end_matches_every_row_it_bounds(
+        planes in proptest::collection::vec((0i64..1 << 16, 0i64..1 << 16, 1i64..64), 1..4),
+        tpb in 1u64..5,
+        num_blocks in 1u64..5,
+        strides in proptest::array::uniform4(0u64..4096),
+    ) {
+        let planes: Vec<[i64; 4]> = planes.iter().map(|&(s, d, r)| [s, d, 0, r]).collect();
+        let t = PlaneTable::new(&planes, tpb, strides).unwrap();
+        for (kind, col, bs, ts) in [(SideKind::Src, 0, strides[0], strides[1]), (SideKind::Dst, 1, strides[2], strides[3])] {
+            let mut last = i64::MIN;
+            for p in &planes {
+                for b in 0..num_blocks {
+                    for tok in 0..tpb {
+                        let end = p[col] + i64::try_from(b * bs + tok * ts).unwrap() + p[3];
+                        last = last.max(end);
+                    }
+                }
+            }
+            prop_assert_eq!(t.paged_end(kind, num_blocks).unwrap(), last);
+        }
+    }
 }
