@@ -7,9 +7,9 @@ use crate::geometry::KvGeometry;
 use crate::layout::KvShardLayout;
 use crate::reshard::plan_kv_reshard;
 
-use super::cost::{check_mode_needs, choose_mode, TransferMode};
+use super::cost::{choose_mode, TransferMode};
 use super::program::{SourceProgram, TransferProgram};
-use super::request::{source_geometry, KvTransferRequest};
+use super::request::{check_sides, source_geometry, KvTransferRequest};
 use super::verify::Expected;
 use super::walk::{segments, KvPlaneSet, KvWork, Work};
 
@@ -204,19 +204,19 @@ fn compile_kv(
     let dst_l = &req.dst_layout;
     let dst_g = req.dst_geometry.as_ref();
     let has_destination = dst_g.is_some() && req.dst_block_ids.is_some();
-    check_mode_needs(req.mode, has_destination)?;
-    for (l, g) in &req.srcs {
-        check_kv_geometry(l, g, "source")?;
-        if let Some(d) = dst_g {
-            check_same_kv(
-                g,
-                d,
-                &format!("source rank {} vs destination rank {}", l.global_rank, dst_l.global_rank),
-            )?;
-        }
-    }
+    check_sides(
+        req.mode,
+        has_destination,
+        &req.srcs,
+        dst_g.map(|g| (dst_l, g)),
+        check_kv_geometry,
+    )?;
     if let Some(d) = dst_g {
-        check_kv_geometry(dst_l, d, "destination")?;
+        for (l, g) in &req.srcs {
+            let who =
+                format!("source rank {} vs destination rank {}", l.global_rank, dst_l.global_rank);
+            check_same_kv(g, d, &who)?;
+        }
     }
     if let Some((first, rest)) = req.srcs.split_first() {
         for (l, g) in rest {

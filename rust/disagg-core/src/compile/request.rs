@@ -7,7 +7,7 @@ use crate::error::{DisaggError, DisaggResult};
 use crate::geometry::{KvGeometry, SsmGeometry};
 use crate::layout::{KvShardLayout, SsmShardLayout};
 
-use super::cost::{CostModel, ModeChoice};
+use super::cost::{check_mode_needs, CostModel, ModeChoice};
 
 /// A value for every source rank, or one per source global rank (pipeline stages allocate
 /// independently).
@@ -91,6 +91,23 @@ pub(super) fn source_geometry<'a, G: 'a>(
     srcs.find(|(r, _)| *r == rank).map(|(_, g)| g).ok_or_else(|| {
         DisaggError::layout("srcs", format!("plan names source rank {rank} not in srcs"))
     })
+}
+
+/// The checks both compilers open with, in the order their errors are reported: without a
+/// destination (`has_destination`: its geometry and its blocks or slot) only `mode='staged'`
+/// compiles; then every source geometry, and `dst`'s when given, must fit its layout (`fits`).
+pub(super) fn check_sides<L, G>(
+    mode: ModeChoice,
+    has_destination: bool,
+    srcs: &[(L, G)],
+    dst: Option<(&L, &G)>,
+    fits: impl Fn(&L, &G, &str) -> DisaggResult<()>,
+) -> DisaggResult<()> {
+    check_mode_needs(mode, has_destination)?;
+    for (l, g) in srcs {
+        fits(l, g, "source")?;
+    }
+    dst.map_or(Ok(()), |(l, g)| fits(l, g, "destination"))
 }
 
 /// Everything `compile_kv_transfer` needs; see the module docs for the packed order.

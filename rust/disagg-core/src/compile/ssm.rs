@@ -7,10 +7,10 @@ use crate::geometry::{SsmGeometry, SsmStateKind};
 use crate::layout::{SsmBand, SsmShardLayout};
 use crate::reshard::plan_ssm_reshard;
 
-use super::cost::{check_mode_needs, choose_mode, TransferMode};
+use super::cost::{choose_mode, TransferMode};
 use super::kv::{geometry_eq, overflow};
 use super::program::{SourceProgram, TransferProgram};
-use super::request::{source_geometry, SsmTransferRequest};
+use super::request::{check_sides, source_geometry, SsmTransferRequest};
 use super::verify::Expected;
 use super::walk::{CopyBox, Work, PACKED};
 
@@ -57,13 +57,16 @@ pub(super) fn check_slot(field: &str, slot: u32, g: &SsmGeometry) -> DisaggResul
 pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferProgram> {
     let dst_l = &req.dst_layout;
     let dst_g = req.dst_geometry.as_ref();
-    let has_destination = dst_g.is_some() && req.dst_slot.is_some();
-    check_mode_needs(req.mode, has_destination)?;
-    for (l, g) in &req.srcs {
-        check_ssm_geometry(l, g, "source")?;
-    }
-    if let (Some(d), Some(slot)) = (dst_g, req.dst_slot) {
-        check_ssm_geometry(dst_l, d, "destination")?;
+    let dst = dst_g.zip(req.dst_slot);
+    let has_destination = dst.is_some();
+    check_sides(
+        req.mode,
+        has_destination,
+        &req.srcs,
+        dst.map(|(g, _)| (dst_l, g)),
+        check_ssm_geometry,
+    )?;
+    if let Some((d, slot)) = dst {
         check_slot("dst_slot", slot, d)?;
     }
     let layouts: Vec<SsmShardLayout> = req.srcs.iter().map(|(l, _)| *l).collect();

@@ -766,7 +766,7 @@ impl ImportLedger {
         out: &mut Vec<LedgerAction>,
     ) -> DisaggResult<()> {
         let Some(h) = self.live.remove(&rid) else { return Ok(()) };
-        self.quorum.forget(rid, h.epoch);
+        self.quorum.forget((rid, h.epoch));
         match h.phase {
             Phase::Deferred => self.deferred.retain(|&r| r != rid),
             Phase::Ready => self.ready.retain(|&r| r != rid),
@@ -847,7 +847,7 @@ impl ImportLedger {
             }
         };
         let before = self.quorum.ignored();
-        let decision = self.quorum.report(request_id, epoch, rank, outcome)?;
+        let decision = self.quorum.report(key, rank, outcome)?;
         if self.quorum.ignored() != before {
             self.counters.ignored_messages += 1;
             return Ok(out);
@@ -986,7 +986,7 @@ impl ImportLedger {
             }
             self.ready.pop_front();
             let Some(h) = self.live.remove(&rid) else { continue };
-            self.quorum.forget(rid, h.epoch);
+            self.quorum.forget((rid, h.epoch));
             let prompt: Vec<u32> = h.hold.cached.iter().chain(&h.hold.dst).copied().collect();
             let n = h.req.prompt_hashes.len().min(prompt.len());
             self.pool.register_cached(&prompt[..n], &h.req.prompt_hashes[..n])?;

@@ -401,18 +401,19 @@ impl PinLedger {
             }
         };
         if let Some(cause) = pending {
-            self.unpin(request_id, cause, &mut out)?;
+            out.extend(self.unpin(request_id, cause)?);
         }
         Ok(out)
     }
 
+    /// Drop the pin of `request_id` (if any), freeing its blocks and slot; returns the
+    /// `Released` action to report.
     fn unpin(
         &mut self,
         request_id: u64,
         cause: ReleaseCause,
-        out: &mut Vec<LedgerAction>,
-    ) -> DisaggResult<()> {
-        let Some(p) = self.pins.remove(&request_id) else { return Ok(()) };
+    ) -> DisaggResult<Option<LedgerAction>> {
+        let Some(p) = self.pins.remove(&request_id) else { return Ok(None) };
         self.pool.release(&p.blocks)?;
         if let Some(s) = p.slot {
             self.slots.free(s)?;
@@ -421,8 +422,7 @@ impl PinLedger {
             ReleaseCause::LeaseExpired => self.counters.expired += 1,
             _ => self.counters.released += 1,
         }
-        out.push(LedgerAction::Released { request_id, epoch: p.epoch, cause });
-        Ok(())
+        Ok(Some(LedgerAction::Released { request_id, epoch: p.epoch, cause }))
     }
 
     fn release_or_defer(
@@ -438,7 +438,8 @@ impl PinLedger {
                 return Ok(());
             }
         }
-        self.unpin(request_id, cause, out)
+        out.extend(self.unpin(request_id, cause)?);
+        Ok(())
     }
 
     /// `RELEASE_KV`: idempotent; an unknown id or an old epoch is a counted no-op. While a push
@@ -491,7 +492,7 @@ impl PinLedger {
         all.sort_unstable();
         let mut out = Vec::new();
         for (_, rid) in all {
-            self.unpin(rid, ReleaseCause::Reset, &mut out)?;
+            out.extend(self.unpin(rid, ReleaseCause::Reset)?);
         }
         Ok(out)
     }

@@ -161,19 +161,20 @@ impl CompletionQuorum {
         Ok(())
     }
 
-    /// Record `rank`'s report for one attempt; returns the decision if this report makes it.
+    /// Record `rank`'s report for the attempt `(request_id, epoch)`; returns the decision if
+    /// this report makes it.
     pub fn report(
         &mut self,
-        request_id: u64,
-        epoch: u64,
+        attempt: (u64, u64),
         rank: u32,
         outcome: RankOutcome,
     ) -> DisaggResult<Option<QuorumDecision>> {
         self.check_rank(rank)?;
+        let (request_id, epoch) = attempt;
         let n = self.world_size as usize;
         let v = self
             .votes
-            .entry((request_id, epoch))
+            .entry(attempt)
             .or_insert_with(|| Votes { reports: vec![None; n], decided: false });
         match v.reports[rank as usize] {
             Some(prev) if prev == outcome => {
@@ -207,23 +208,18 @@ impl CompletionQuorum {
         Ok(None)
     }
 
-    /// Whether `rank`'s report would contradict what it reported before (without recording it).
-    pub fn would_conflict(
-        &self,
-        request_id: u64,
-        epoch: u64,
-        rank: u32,
-        outcome: RankOutcome,
-    ) -> bool {
+    /// Whether `rank`'s report for the attempt `(request_id, epoch)` would contradict what it
+    /// reported before (without recording it).
+    pub fn would_conflict(&self, attempt: (u64, u64), rank: u32, outcome: RankOutcome) -> bool {
         self.votes
-            .get(&(request_id, epoch))
+            .get(&attempt)
             .and_then(|v| v.reports.get(rank as usize).copied().flatten())
             .is_some_and(|prev| prev != outcome)
     }
 
-    /// Drop the votes of a finished attempt.
-    pub fn forget(&mut self, request_id: u64, epoch: u64) {
-        self.votes.remove(&(request_id, epoch));
+    /// Drop the votes of the finished attempt `(request_id, epoch)`.
+    pub fn forget(&mut self, attempt: (u64, u64)) {
+        self.votes.remove(&attempt);
     }
 
     /// Drop every open attempt (engine reset).
@@ -239,15 +235,15 @@ mod tests {
     #[test]
     fn success_needs_every_rank_and_failure_is_decided_once() {
         let mut q = CompletionQuorum::new(3).unwrap();
-        assert_eq!(q.report(1, 0, 0, RankOutcome::Ok).unwrap(), None);
-        assert_eq!(q.report(1, 0, 1, RankOutcome::Ok).unwrap(), None);
-        assert_eq!(q.report(1, 0, 2, RankOutcome::Ok).unwrap(), Some(QuorumDecision::Success));
-        let f = q.report(2, 0, 1, RankOutcome::Timeout).unwrap();
+        assert_eq!(q.report((1, 0), 0, RankOutcome::Ok).unwrap(), None);
+        assert_eq!(q.report((1, 0), 1, RankOutcome::Ok).unwrap(), None);
+        assert_eq!(q.report((1, 0), 2, RankOutcome::Ok).unwrap(), Some(QuorumDecision::Success));
+        let f = q.report((2, 0), 1, RankOutcome::Timeout).unwrap();
         assert_eq!(f, Some(QuorumDecision::Failure { rank: 1, outcome: RankOutcome::Timeout }));
-        assert_eq!(q.report(2, 0, 0, RankOutcome::Error).unwrap(), None);
-        assert_eq!(q.report(2, 0, 0, RankOutcome::Error).unwrap(), None);
+        assert_eq!(q.report((2, 0), 0, RankOutcome::Error).unwrap(), None);
+        assert_eq!(q.report((2, 0), 0, RankOutcome::Error).unwrap(), None);
         assert_eq!(q.ignored(), 1);
-        assert!(q.report(2, 0, 0, RankOutcome::Ok).is_err());
-        assert!(q.report(2, 0, 3, RankOutcome::Ok).is_err());
+        assert!(q.report((2, 0), 0, RankOutcome::Ok).is_err());
+        assert!(q.report((2, 0), 3, RankOutcome::Ok).is_err());
     }
 }
