@@ -114,8 +114,8 @@ impl Out for Result<PushPlan, DisaggError> {
             p.src_block_ids,
             p.dst_block_ids,
             p.num_tokens,
-            p.src_ssm_slot,
-            p.dst_ssm_slot,
+            p.ssm_slots.map(|(src, _)| src),
+            p.ssm_slots.map(|(_, dst)| dst),
         ))
     }
 }

@@ -10,7 +10,7 @@ use crate::reshard::plan_ssm_reshard;
 use super::cost::{choose_mode, TransferMode};
 use super::kv::{geometry_eq, overflow};
 use super::program::{SourceProgram, TransferProgram};
-use super::request::{check_sides, source_geometry, SsmTransferRequest};
+use super::request::{source_geometry, SsmTransferRequest};
 use super::verify::Expected;
 use super::walk::{CopyBox, Work, PACKED};
 
@@ -57,15 +57,9 @@ pub(super) fn check_slot(field: &str, slot: u32, g: &SsmGeometry) -> DisaggResul
 pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferProgram> {
     let dst_l = &req.dst_layout;
     let dst_g = req.dst_geometry.as_ref();
-    let dst = dst_g.zip(req.dst_slot);
+    let dst = dst_g.zip(req.moved.dst_slot);
     let has_destination = dst.is_some();
-    check_sides(
-        req.mode,
-        has_destination,
-        &req.srcs,
-        dst.map(|(g, _)| (dst_l, g)),
-        check_ssm_geometry,
-    )?;
+    req.check_sides(has_destination, dst.map(|(g, _)| g), check_ssm_geometry)?;
     if let Some((d, slot)) = dst {
         check_slot("dst_slot", slot, d)?;
     }
@@ -109,7 +103,7 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
                 geometry_eq("dtype", a, b, &who)?;
             }
         }
-        let src_slot = *req.src_slots.of_rank(t.src_rank).ok_or_else(|| {
+        let src_slot = *req.moved.src_slots.of_rank(t.src_rank).ok_or_else(|| {
             DisaggError::block("src_slot", format!("no slot for source global_rank={}", t.src_rank))
         })?;
         check_slot("src_slot", src_slot, g)?;
@@ -121,7 +115,7 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
             let src_addr = sp.layer_bases[sl]
                 + u64::from(src_slot) * sp.slot_stride
                 + u64::from(t.src_local.lo) * sp.unit_stride;
-            let dst_addr = match (&dp, req.dst_slot) {
+            let dst_addr = match (&dp, req.moved.dst_slot) {
                 (Some(dp), Some(slot)) => {
                     dp.layer_bases[dl]
                         + u64::from(slot) * dp.slot_stride
@@ -166,7 +160,7 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
         sp.mode = choose_mode(req.mode, &req.cost, &sp);
         sources.push(sp);
     }
-    let expected = match (dst_g, req.dst_slot) {
+    let expected = match (dst_g, req.moved.dst_slot) {
         (Some(d), Some(slot)) => Expected::Ssm { geometry: d.clone(), layout: *dst_l, slot },
         _ => Expected::None,
     };

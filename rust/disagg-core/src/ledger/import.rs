@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 
 use super::quorum::{CompletionQuorum, QuorumDecision, RankOutcome};
 use super::{Epochs, FailReason, LedgerAction, ReleaseCause};
+use crate::args::{named, Kind};
 use crate::error::{DisaggError, DisaggResult};
 use crate::pool::{BlockPool, IdMap, SlotPool, SlotState};
 
@@ -494,24 +495,9 @@ impl ImportLedger {
         if self.live.contains_key(&req.request_id) {
             return Err(DisaggError::DuplicateRequest { request_id: req.request_id });
         }
-        if req.num_prompt_tokens == 0 {
-            return Err(DisaggError::argument(
-                "num_prompt_tokens",
-                "num_prompt_tokens=0 must be >= 1",
-            ));
-        }
-        if req.src_block_size_tokens == 0 {
-            return Err(DisaggError::argument(
-                "src_block_size_tokens",
-                "src_block_size_tokens=0 must be >= 1",
-            ));
-        }
-        if req.reuse_align_tokens == 0 {
-            return Err(DisaggError::argument(
-                "reuse_align_tokens",
-                "reuse_align_tokens=0 must be >= 1",
-            ));
-        }
+        Kind::Argument.at_least_one(&named!(req;
+            num_prompt_tokens, src_block_size_tokens, reuse_align_tokens
+        ))?;
         if req.deadline <= now {
             return Err(DisaggError::argument(
                 "deadline",

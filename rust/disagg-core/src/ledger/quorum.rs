@@ -1,5 +1,6 @@
 //! Model-parallel agreement on the outcome of one handoff attempt.
 
+use crate::args::{named, Kind};
 use crate::error::{DisaggError, DisaggResult};
 use crate::pool::IdMap;
 
@@ -129,9 +130,7 @@ pub struct CompletionQuorum {
 impl CompletionQuorum {
     /// A quorum over `world_size` model-parallel ranks.
     pub fn new(world_size: u32) -> DisaggResult<Self> {
-        if world_size == 0 {
-            return Err(DisaggError::argument("world_size", "world_size=0 must be >= 1"));
-        }
+        Kind::Argument.at_least_one(&named!(world_size))?;
         Ok(Self { world_size, votes: IdMap::default(), ignored: 0 })
     }
 
