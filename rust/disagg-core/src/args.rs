@@ -44,6 +44,19 @@ impl Kind {
     }
 }
 
+/// `[("a", s.a), ("b", s.b)]` (or `[("a", a), ("b", b)]` for locals): values under the names
+/// they are spelled with, for [`Kind::at_least_one`], so a field and its name in the error
+/// cannot drift apart.
+macro_rules! named {
+    ($s:ident; $($field:ident),+ $(,)?) => {
+        [$((stringify!($field), $s.$field)),+]
+    };
+    ($($local:ident),+ $(,)?) => {
+        [$((stringify!($local), $local)),+]
+    };
+}
+pub(crate) use named;
+
 /// `a float (1.5)`: a value's type name and a repr cut to 40 characters, for error messages;
 /// `None` for Python's `None`.
 pub fn describe(type_name: &str, repr: &str, is_none: bool) -> String {

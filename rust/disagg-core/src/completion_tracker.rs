@@ -43,13 +43,13 @@ impl CompletionTracker {
             return Ok(());
         }
         let outcome = if failed { RankOutcome::Error } else { RankOutcome::Ok };
-        match self.quorum.report(request_id, EPOCH, rank, outcome)? {
+        match self.quorum.report((request_id, EPOCH), rank, outcome)? {
             None => {
                 self.open.insert(request_id);
             }
             Some(decision) => {
                 self.open.remove(&request_id);
-                self.quorum.forget(request_id, EPOCH);
+                self.quorum.forget((request_id, EPOCH));
                 let failure = matches!(decision, QuorumDecision::Failure { .. });
                 if failure {
                     self.failed.insert(request_id);
@@ -77,7 +77,7 @@ impl CompletionTracker {
 
     /// Drop everything known about a request that ended (its id may be reused).
     pub fn forget(&mut self, request_id: u64) {
-        self.quorum.forget(request_id, EPOCH);
+        self.quorum.forget((request_id, EPOCH));
         self.open.remove(&request_id);
         self.failed.remove(&request_id);
     }

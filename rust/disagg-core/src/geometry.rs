@@ -9,7 +9,7 @@
 
 use std::fmt;
 
-use crate::args::Kind;
+use crate::args::{named, Kind};
 use crate::error::{DisaggError, DisaggResult};
 use crate::wire::value::{join, Obj, WireValue};
 
@@ -92,14 +92,9 @@ impl KvGeometry {
                 format!("num_kv={} must be 1 (MLA latent) or 2 (K and V)", spec.num_kv),
             ));
         }
-        Kind::Geometry.at_least_one(&[
-            ("num_layers", spec.num_layers),
-            ("num_blocks", spec.num_blocks),
-            ("tokens_per_block", spec.tokens_per_block),
-            ("num_heads", spec.num_heads),
-            ("head_dim", spec.head_dim),
-            ("element_size", spec.element_size),
-        ])?;
+        Kind::Geometry.at_least_one(&named!(spec;
+            num_layers, num_blocks, tokens_per_block, num_heads, head_dim, element_size
+        ))?;
         let planes = u64::from(spec.num_kv) * u64::from(spec.num_layers);
         if spec.plane_bases.len() as u64 != planes {
             return Err(DisaggError::geometry(

@@ -267,7 +267,7 @@ pub fn fold_reports<M>(
             let outcome = effective(r);
             let earlier = seen.insert((r.request_id, r.epoch, rank), outcome);
             if earlier.is_some_and(|e| e != outcome)
-                || ledger.quorum().would_conflict(r.request_id, r.epoch, rank, outcome)
+                || ledger.quorum().would_conflict((r.request_id, r.epoch), rank, outcome)
             {
                 return Err(DisaggError::State {
                     request_id: r.request_id,

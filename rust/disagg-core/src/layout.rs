@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use crate::args::{Int, Kind};
+use crate::args::{named, Int, Kind};
 use crate::error::{DisaggError, DisaggResult};
 
 /// A half-open range `[lo, hi)` of layers, heads, groups or channels.
@@ -258,14 +258,9 @@ fn unit_share(units_field: &str, units: u32, tp_size: u32, tp_rank: u32) -> Disa
 impl KvShardLayout {
     /// Validate `spec` and build the layout.
     pub fn new(spec: KvLayoutSpec) -> DisaggResult<Self> {
-        Kind::Layout.at_least_one(&[
-            ("num_layers", spec.num_layers),
-            ("num_kv_heads", spec.num_kv_heads),
-            ("tp_size", spec.tp_size),
-            ("pp_size", spec.pp_size),
-            ("ep_size", spec.ep_size),
-            ("etp_size", spec.etp_size),
-        ])?;
+        Kind::Layout.at_least_one(&named!(spec;
+            num_layers, num_kv_heads, tp_size, pp_size, ep_size, etp_size
+        ))?;
         rank_below("tp_rank", spec.tp_rank, "tp_size", spec.tp_size)?;
         rank_below("pp_rank", spec.pp_rank, "pp_size", spec.pp_size)?;
         if spec.pp_size > spec.num_layers {
@@ -385,13 +380,7 @@ impl SsmStateDims {
         n_groups: u32,
         d_conv: u32,
     ) -> DisaggResult<Self> {
-        Kind::Layout.at_least_one(&[
-            ("num_heads", num_heads),
-            ("head_dim", head_dim),
-            ("d_state", d_state),
-            ("n_groups", n_groups),
-            ("d_conv", d_conv),
-        ])?;
+        Kind::Layout.at_least_one(&named!(num_heads, head_dim, d_state, n_groups, d_conv))?;
         if !num_heads.is_multiple_of(n_groups) {
             return Err(DisaggError::layout(
                 "n_groups",
@@ -556,7 +545,7 @@ impl SsmShardLayout {
         if let Some(total) = spec.num_layers {
             Kind::Layout.at_least_one(&[("num_layers", total)])?;
         }
-        Kind::Layout.at_least_one(&[("tp_size", spec.tp_size), ("pp_size", spec.pp_size)])?;
+        Kind::Layout.at_least_one(&named!(spec; tp_size, pp_size))?;
         rank_below("tp_rank", spec.tp_rank, "tp_size", spec.tp_size)?;
         rank_below("pp_rank", spec.pp_rank, "pp_size", spec.pp_size)?;
         if let Some(total) = spec.num_layers.filter(|&n| spec.pp_size > n) {

@@ -41,9 +41,10 @@ pub mod tensor_args;
 pub mod wire;
 
 pub use compile::{
-    compile_kv_transfer, compile_ssm_transfer, CostModel, KvDevicePlan, KvTransferRequest,
-    ListKind, ModeChoice, RegionTable, RowBuf, RowForm, SliceRows, SourceProgram, SourceStats,
-    SrcBlockIds, SrcSlots, SsmTransferRequest, TransferMode, TransferProgram,
+    compile_kv_transfer, compile_ssm_transfer, CostModel, KvDevicePlan, KvTokens,
+    KvTransferRequest, ListKind, ModeChoice, RegionTable, RowBuf, RowForm, SliceRows,
+    SourceProgram, SourceStats, SrcBlockIds, SrcSlots, SsmSlots, SsmTransferRequest, TransferMode,
+    TransferProgram, TransferRequest,
 };
 pub use driver::{
     Action, DriverCounters, EngineDriver, ImportReport, Inbound, MsgKind, PeerIncarnations, Role,

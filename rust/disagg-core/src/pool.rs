@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 
+use crate::args::{named, Kind};
 use crate::error::{DisaggError, DisaggResult};
 
 /// Seed of the hash chain; the parent of the first block.
@@ -63,9 +64,7 @@ fn lane_step(h: u64, t: i64) -> u64 {
 /// block keep the multiply chain short (about 1 ns per token); the lanes and the parent are
 /// folded through a full finaliser.
 pub fn block_hashes(tokens: &[i64], block_size_tokens: u32) -> DisaggResult<Vec<u64>> {
-    if block_size_tokens == 0 {
-        return Err(DisaggError::argument("block_size_tokens", "block_size_tokens=0 must be >= 1"));
-    }
+    Kind::Argument.at_least_one(&named!(block_size_tokens))?;
     let bs = block_size_tokens as usize;
     let mut parent = HASH_SEED;
     let mut out = Vec::with_capacity(tokens.len() / bs);
@@ -120,12 +119,7 @@ impl BlockPool {
     /// A pool of `num_blocks` blocks of `block_size_tokens` tokens each, all free.
     /// `num_blocks` is at most [`MAX_POOL_BLOCKS`].
     pub fn new(num_blocks: u32, block_size_tokens: u32) -> DisaggResult<Self> {
-        if block_size_tokens == 0 {
-            return Err(DisaggError::argument(
-                "block_size_tokens",
-                "block_size_tokens=0 must be >= 1",
-            ));
-        }
+        Kind::Argument.at_least_one(&named!(block_size_tokens))?;
         if num_blocks > MAX_POOL_BLOCKS {
             return Err(DisaggError::argument(
                 "num_blocks",

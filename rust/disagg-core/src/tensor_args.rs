@@ -62,29 +62,29 @@ impl TensorView {
     }
 }
 
+/// `Some(&mut a.<name>)` for the listed field spelled `name`, `None` for any other name.
+macro_rules! field_named {
+    ($a:ident, $name:expr; $($field:ident),+ $(,)?) => {
+        match $name {
+            $(stringify!($field) => Some(&mut $a.$field),)+
+            _ => None,
+        }
+    };
+}
+
 impl LayoutArgs {
     /// The layout arguments given by name (`tp_size=...`), each an int of any size; a name
     /// that is not a layout argument is a type error naming it.
     pub fn from_named(named: &[(&str, Option<&Int>)]) -> DisaggResult<Self> {
         let mut a = Self::default();
         for &(name, value) in named {
-            let slot = match name {
-                "tp_size" => &mut a.tp_size,
-                "tp_rank" => &mut a.tp_rank,
-                "num_kv_heads_global" => &mut a.num_kv_heads_global,
-                "heads_per_partition" => &mut a.heads_per_partition,
-                "head_dim" => &mut a.head_dim,
-                "tokens_per_block" => &mut a.tokens_per_block,
-                "global_rank" => &mut a.global_rank,
-                "pp_size" => &mut a.pp_size,
-                "pp_rank" => &mut a.pp_rank,
-                "num_layers_global" => &mut a.num_layers_global,
-                "layer_start" => &mut a.layer_start,
-                "layer_end" => &mut a.layer_end,
-                _ => {
-                    let detail = format!("`{name}` is not a KV layout argument");
-                    return Err(DisaggError::argument_type(name, detail));
-                }
+            let Some(slot) = field_named!(a, name;
+                tp_size, tp_rank, num_kv_heads_global, heads_per_partition, head_dim,
+                tokens_per_block, global_rank, pp_size, pp_rank, num_layers_global,
+                layer_start, layer_end
+            ) else {
+                let detail = format!("`{name}` is not a KV layout argument");
+                return Err(DisaggError::argument_type(name, detail));
             };
             *slot = any_int(value, name)?;
         }

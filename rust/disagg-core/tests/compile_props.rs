@@ -10,8 +10,8 @@
 #![allow(clippy::unwrap_used, clippy::many_single_char_names)]
 
 use disagg_core::{
-    compile_kv_transfer, CostModel, KvGeometry, KvGeometrySpec, KvShardLayout, KvTransferRequest,
-    ModeChoice, SrcBlockIds,
+    compile_kv_transfer, CostModel, KvGeometry, KvGeometrySpec, KvShardLayout, KvTokens,
+    KvTransferRequest, ModeChoice, SrcBlockIds,
 };
 use proptest::prelude::*;
 
@@ -194,10 +194,12 @@ fn apply(mode: ModeChoice, c: &Case) -> Result<(), TestCaseError> {
             srcs: srcs.clone(),
             dst_layout: *dl,
             dst_geometry: Some(dg),
-            src_block_ids: SrcBlockIds::Shared(c.src_ids.clone()),
-            dst_block_ids: Some(c.dst_ids.clone()),
-            num_tokens: c.num_tokens,
-            token_start: c.token_start,
+            moved: KvTokens {
+                src_block_ids: SrcBlockIds::Shared(c.src_ids.clone()),
+                dst_block_ids: Some(c.dst_ids.clone()),
+                num_tokens: c.num_tokens,
+                token_start: c.token_start,
+            },
             mode,
             cost: CostModel::default(),
         };
@@ -267,10 +269,12 @@ fn request(dst_ids: Option<Vec<u32>>, mode: ModeChoice, dst_hnd: bool) -> KvTran
         srcs,
         dst_layout: dst,
         dst_geometry: Some(geometry(&dst, 8, 16, 2, dst_hnd, 1 << 30).0),
-        src_block_ids: SrcBlockIds::Shared(vec![3, 1, 6, 0, 2]),
-        dst_block_ids: dst_ids,
-        num_tokens: 18,
-        token_start: 0,
+        moved: KvTokens {
+            src_block_ids: SrcBlockIds::Shared(vec![3, 1, 6, 0, 2]),
+            dst_block_ids: dst_ids,
+            num_tokens: 18,
+            token_start: 0,
+        },
         mode,
         cost: CostModel::default(),
     }

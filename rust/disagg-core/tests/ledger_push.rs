@@ -62,8 +62,8 @@ proptest! {
                 prop_assert_eq!(&plan.src_block_ids, &blocks[from..].to_vec());
                 prop_assert_eq!(&plan.dst_block_ids, d.dst_block_ids.as_ref().unwrap());
                 prop_assert_eq!(plan.num_tokens, d.num_tokens.unwrap() - d.token_start);
-                prop_assert_eq!(plan.src_ssm_slot, slot);
-                prop_assert_eq!(plan.dst_ssm_slot, if ssm { d.dst_ssm_slot } else { None });
+                prop_assert_eq!(plan.ssm_slots.map(|(src, _)| src), slot);
+                prop_assert_eq!(plan.ssm_slots.map(|(_, dst)| dst), if ssm { d.dst_ssm_slot } else { None });
                 prop_assert_eq!(Some(plan.epoch), l.epoch_of(1));
                 prop_assert_eq!(l.pending_kv_push_count(), 1);
                 // One push at a time: a second start is refused while the first is in flight.
@@ -107,8 +107,8 @@ proptest! {
                 prop_assert_eq!(f.num_tokens, p.num_tokens);
                 prop_assert_eq!(&f.dst_block_ids, &p.dst_block_ids);
                 if ssm {
-                    prop_assert_eq!(f.dst_ssm_slot, p.dst_ssm_slot);
-                    prop_assert!(f.src_ssm_slot.is_some());
+                    prop_assert_eq!(f.ssm_slots.map(|(_, d)| d), p.ssm_slots.map(|(_, d)| d));
+                    prop_assert!(f.ssm_slots.is_some());
                 }
             }
             (Err(f), Err(p)) => prop_assert_eq!(field(&f), field(&p)),

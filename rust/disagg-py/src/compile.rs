@@ -3,8 +3,9 @@
 //! the GIL released (no Python object per descriptor).
 
 use disagg_core::{
-    compile_kv_transfer, compile_ssm_transfer, CostModel, DisaggError, KvTransferRequest, ListKind,
-    ModeChoice, SourceStats, SrcBlockIds, SrcSlots, SsmTransferRequest, TransferProgram,
+    compile_kv_transfer, compile_ssm_transfer, CostModel, DisaggError, KvTokens, KvTransferRequest,
+    ListKind, ModeChoice, SourceStats, SrcBlockIds, SrcSlots, SsmSlots, SsmTransferRequest,
+    TransferProgram,
 };
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods};
@@ -304,10 +305,12 @@ pub fn py_compile_kv_transfer(
         srcs: src.iter().map(|(l, g)| (l.inner, g.inner.clone())).collect(),
         dst_layout: dst.0.inner,
         dst_geometry: dst.1.as_ref().map(|g| g.inner.clone()),
-        src_block_ids: parse_src_block_ids(src_block_ids)?,
-        dst_block_ids,
-        num_tokens,
-        token_start,
+        moved: KvTokens {
+            src_block_ids: parse_src_block_ids(src_block_ids)?,
+            dst_block_ids,
+            num_tokens,
+            token_start,
+        },
         mode,
         cost,
     };
@@ -349,8 +352,7 @@ pub fn py_compile_ssm_transfer(
         srcs: src.iter().map(|(l, g)| (l.inner, g.inner.clone())).collect(),
         dst_layout: dst.0.inner,
         dst_geometry: dst.1.as_ref().map(|g| g.inner.clone()),
-        src_slots,
-        dst_slot,
+        moved: SsmSlots { src_slots, dst_slot },
         mode,
         cost,
     };

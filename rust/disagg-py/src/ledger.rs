@@ -114,8 +114,8 @@ impl Out for Result<PushPlan, DisaggError> {
             p.src_block_ids,
             p.dst_block_ids,
             p.num_tokens,
-            p.src_ssm_slot,
-            p.dst_ssm_slot,
+            p.ssm_slots.map(|(src, _)| src),
+            p.ssm_slots.map(|(_, dst)| dst),
         ))
     }
 }
@@ -444,11 +444,11 @@ calls {
     /// Attempts with votes not forgotten yet.
     #[getter] fn num_open() -> usize = num_open();
     /// Drop the votes of a finished attempt.
-    fn forget(request_id: U64, epoch: U64) -> () = forget(request_id, epoch);
+    fn forget(request_id: U64, epoch: U64) -> () = forget((request_id, epoch));
     /// Record a report. Returns `None` (no decision yet or already decided),
     /// `("success", None, None)` or `("failure", first_failed_rank, its_outcome)`.
     fn report(request_id: U64, epoch: U64, rank: U32, outcome: Outcome) -> Option<QuorumVerdict>
-        = report(request_id, epoch, rank, outcome);
+        = report((request_id, epoch), rank, outcome);
 }
 methods {
     #[new]

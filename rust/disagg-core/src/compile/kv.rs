@@ -7,7 +7,7 @@ use crate::geometry::KvGeometry;
 use crate::layout::KvShardLayout;
 use crate::reshard::plan_kv_reshard;
 
-use super::cost::{check_mode_needs, choose_mode, TransferMode};
+use super::cost::{choose_mode, TransferMode};
 use super::program::{SourceProgram, TransferProgram};
 use super::request::{source_geometry, KvTransferRequest};
 use super::verify::Expected;
@@ -203,20 +203,14 @@ fn compile_kv(
 ) -> DisaggResult<TransferProgram> {
     let dst_l = &req.dst_layout;
     let dst_g = req.dst_geometry.as_ref();
-    let has_destination = dst_g.is_some() && req.dst_block_ids.is_some();
-    check_mode_needs(req.mode, has_destination)?;
-    for (l, g) in &req.srcs {
-        check_kv_geometry(l, g, "source")?;
-        if let Some(d) = dst_g {
-            check_same_kv(
-                g,
-                d,
-                &format!("source rank {} vs destination rank {}", l.global_rank, dst_l.global_rank),
-            )?;
-        }
-    }
+    let has_destination = dst_g.is_some() && req.moved.dst_block_ids.is_some();
+    req.check_sides(has_destination, dst_g, check_kv_geometry)?;
     if let Some(d) = dst_g {
-        check_kv_geometry(dst_l, d, "destination")?;
+        for (l, g) in &req.srcs {
+            let who =
+                format!("source rank {} vs destination rank {}", l.global_rank, dst_l.global_rank);
+            check_same_kv(g, d, &who)?;
+        }
     }
     if let Some((first, rest)) = req.srcs.split_first() {
         for (l, g) in rest {
@@ -227,20 +221,23 @@ fn compile_kv(
             )?;
         }
     }
-    if req.token_start > req.num_tokens {
+    if req.moved.token_start > req.moved.num_tokens {
         return Err(DisaggError::block(
             "token_start",
-            format!("token_start={} must be <= num_tokens={}", req.token_start, req.num_tokens),
+            format!(
+                "token_start={} must be <= num_tokens={}",
+                req.moved.token_start, req.moved.num_tokens
+            ),
         ));
     }
     let layouts: Vec<KvShardLayout> = req.srcs.iter().map(|(l, _)| *l).collect();
     let plan = plan_kv_reshard(&layouts, std::slice::from_ref(dst_l))?;
-    if let (Some(ids), Some(g)) = (&req.dst_block_ids, dst_g) {
+    if let (Some(ids), Some(g)) = (&req.moved.dst_block_ids, dst_g) {
         check_blocks(
             "dst_block_ids",
             &format!("destination rank {}", dst_l.global_rank),
             ids,
-            req.num_tokens,
+            req.moved.num_tokens,
             g,
             scan_dst,
         )?;
@@ -248,7 +245,7 @@ fn compile_kv(
             reject_duplicates("dst_block_ids", ids)?;
         }
     }
-    let n_tok = req.num_tokens - req.token_start;
+    let n_tok = req.moved.num_tokens - req.moved.token_start;
     let mut by_src: BTreeMap<u32, Vec<KvPlaneSet>> = BTreeMap::new();
     for t in &plan.transfers {
         let g = source_geometry(req.srcs.iter().map(|(l, g)| (l.global_rank, g)), t.src_rank)?;
@@ -284,11 +281,11 @@ fn compile_kv(
         let Some((_, g)) = req.srcs.iter().find(|(l, _)| l.global_rank == src_rank) else {
             continue;
         };
-        let ids = req.src_block_ids.for_rank(src_rank, "src_block_ids")?;
+        let ids = req.moved.src_block_ids.for_rank(src_rank, "src_block_ids")?;
         let who = format!("source rank {src_rank}");
-        check_blocks("src_block_ids", &who, ids, req.num_tokens, g, scan_src)?;
+        check_blocks("src_block_ids", &who, ids, req.moved.num_tokens, g, scan_src)?;
         let src_side = Some((u64::from(g.spec().tokens_per_block), ids));
-        let dst_side = match (dst_g, &req.dst_block_ids) {
+        let dst_side = match (dst_g, &req.moved.dst_block_ids) {
             (Some(d), Some(ids)) if has_destination => {
                 Some((u64::from(d.spec().tokens_per_block), ids.as_slice()))
             }
@@ -307,18 +304,18 @@ fn compile_kv(
             dst: if has_destination { dst_g.cloned() } else { None },
             sets,
             seg_direct: if dst_side.is_some() {
-                segments(req.token_start, req.num_tokens, src_side, dst_side)
+                segments(req.moved.token_start, req.moved.num_tokens, src_side, dst_side)
             } else {
                 Vec::new()
             },
-            seg_src: segments(req.token_start, req.num_tokens, src_side, None),
+            seg_src: segments(req.moved.token_start, req.moved.num_tokens, src_side, None),
             seg_dst: if dst_side.is_some() {
-                segments(req.token_start, req.num_tokens, None, dst_side)
+                segments(req.moved.token_start, req.moved.num_tokens, None, dst_side)
             } else {
                 Vec::new()
             },
-            token_start: req.token_start,
-            num_tokens: req.num_tokens,
+            token_start: req.moved.token_start,
+            num_tokens: req.moved.num_tokens,
         };
         let mut sp = SourceProgram {
             src_rank,
@@ -330,12 +327,12 @@ fn compile_kv(
         sp.mode = choose_mode(req.mode, &req.cost, &sp);
         sources.push(sp);
     }
-    let expected = match (dst_g, &req.dst_block_ids) {
+    let expected = match (dst_g, &req.moved.dst_block_ids) {
         (Some(d), Some(ids)) => Expected::Kv {
             geometry: d.clone(),
             block_ids: ids.clone(),
-            lo: req.token_start,
-            hi: req.num_tokens,
+            lo: req.moved.token_start,
+            hi: req.moved.num_tokens,
         },
         _ => Expected::None,
     };

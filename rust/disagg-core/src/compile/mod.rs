@@ -44,6 +44,9 @@ pub use cost::{CostModel, ModeChoice, TransferMode};
 pub use kv::{compile_kv_transfer, compile_kv_transfer_checked, KvDevicePlan};
 pub use program::{Rows, SourceProgram, SourceStats, TransferProgram};
 pub use regions::{RegionTable, RowForm};
-pub use request::{KvTransferRequest, PerSource, SrcBlockIds, SrcSlots, SsmTransferRequest};
+pub use request::{
+    KvTokens, KvTransferRequest, PerSource, SrcBlockIds, SrcSlots, SsmSlots, SsmTransferRequest,
+    TransferRequest,
+};
 pub use sink::{ListKind, RowBuf, SliceRows};
 pub use ssm::compile_ssm_transfer;

@@ -7,7 +7,7 @@ use crate::error::{DisaggError, DisaggResult};
 use crate::geometry::{KvGeometry, SsmGeometry};
 use crate::layout::{KvShardLayout, SsmShardLayout};
 
-use super::cost::{CostModel, ModeChoice};
+use super::cost::{check_mode_needs, CostModel, ModeChoice};
 
 /// A value for every source rank, or one per source global rank (pipeline stages allocate
 /// independently).
@@ -93,15 +93,46 @@ pub(super) fn source_geometry<'a, G: 'a>(
     })
 }
 
-/// Everything `compile_kv_transfer` needs; see the module docs for the packed order.
+/// What a compiler is asked, for either kind of state: the source ranks and the destination
+/// rank (layouts `L`, geometries `G`), what moves between them (`M`) and how.
 #[derive(Debug, Clone)]
-pub struct KvTransferRequest {
+pub struct TransferRequest<L, G, M> {
     /// Source ranks with their geometries (any order; ranks that send nothing are ignored).
-    pub srcs: Vec<(KvShardLayout, KvGeometry)>,
+    pub srcs: Vec<(L, G)>,
     /// The destination rank this program is for.
-    pub dst_layout: KvShardLayout,
+    pub dst_layout: L,
     /// Its geometry; `None` allows only the gather side (what a prefill needs to pack).
-    pub dst_geometry: Option<KvGeometry>,
+    pub dst_geometry: Option<G>,
+    /// The KV blocks and token range, or the SSM slots, that move.
+    pub moved: M,
+    /// Direct, staged or auto.
+    pub mode: ModeChoice,
+    /// Constants of the auto decision.
+    pub cost: CostModel,
+}
+
+impl<L, G, M> TransferRequest<L, G, M> {
+    /// The checks both compilers open with, in the order their errors are reported: without a
+    /// destination (`has_destination`: its geometry and its blocks or slot) only
+    /// `mode='staged'` compiles; then every source geometry, and the destination's `dst_geometry`
+    /// when given, must fit its layout (`fits`).
+    pub(super) fn check_sides(
+        &self,
+        has_destination: bool,
+        dst_geometry: Option<&G>,
+        fits: impl Fn(&L, &G, &str) -> DisaggResult<()>,
+    ) -> DisaggResult<()> {
+        check_mode_needs(self.mode, has_destination)?;
+        for (l, g) in &self.srcs {
+            fits(l, g, "source")?;
+        }
+        dst_geometry.map_or(Ok(()), |g| fits(&self.dst_layout, g, "destination"))
+    }
+}
+
+/// The KV blocks and tokens a [`KvTransferRequest`] moves.
+#[derive(Debug, Clone)]
+pub struct KvTokens {
     /// Source block ids covering token positions `[0, num_tokens)`.
     pub src_block_ids: SrcBlockIds,
     /// Destination block ids covering `[0, num_tokens)`; `None` allows only the gather side.
@@ -110,30 +141,22 @@ pub struct KvTransferRequest {
     pub num_tokens: u64,
     /// First token position moved (a cached prefix on the destination is skipped).
     pub token_start: u64,
-    /// Direct, staged or auto.
-    pub mode: ModeChoice,
-    /// Constants of the auto decision.
-    pub cost: CostModel,
 }
 
-/// Everything `compile_ssm_transfer` needs.
+/// The SSM slots an [`SsmTransferRequest`] moves.
 #[derive(Debug, Clone)]
-pub struct SsmTransferRequest {
-    /// Source ranks with their geometries.
-    pub srcs: Vec<(SsmShardLayout, SsmGeometry)>,
-    /// The destination rank this program is for.
-    pub dst_layout: SsmShardLayout,
-    /// Its geometry; `None` allows only the gather side.
-    pub dst_geometry: Option<SsmGeometry>,
+pub struct SsmSlots {
     /// Source slot: one for every source rank, or one per source global rank.
     pub src_slots: SrcSlots,
     /// Destination slot; `None` allows only the gather side.
     pub dst_slot: Option<u32>,
-    /// Direct, staged or auto.
-    pub mode: ModeChoice,
-    /// Constants of the auto decision.
-    pub cost: CostModel,
 }
+
+/// Everything `compile_kv_transfer` needs; see the module docs for the packed order.
+pub type KvTransferRequest = TransferRequest<KvShardLayout, KvGeometry, KvTokens>;
+
+/// Everything `compile_ssm_transfer` needs.
+pub type SsmTransferRequest = TransferRequest<SsmShardLayout, SsmGeometry, SsmSlots>;
 
 #[cfg(test)]
 mod given_tests {

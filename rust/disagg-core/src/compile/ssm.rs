@@ -7,7 +7,7 @@ use crate::geometry::{SsmGeometry, SsmStateKind};
 use crate::layout::{SsmBand, SsmShardLayout};
 use crate::reshard::plan_ssm_reshard;
 
-use super::cost::{check_mode_needs, choose_mode, TransferMode};
+use super::cost::{choose_mode, TransferMode};
 use super::kv::{geometry_eq, overflow};
 use super::program::{SourceProgram, TransferProgram};
 use super::request::{source_geometry, SsmTransferRequest};
@@ -57,13 +57,10 @@ pub(super) fn check_slot(field: &str, slot: u32, g: &SsmGeometry) -> DisaggResul
 pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferProgram> {
     let dst_l = &req.dst_layout;
     let dst_g = req.dst_geometry.as_ref();
-    let has_destination = dst_g.is_some() && req.dst_slot.is_some();
-    check_mode_needs(req.mode, has_destination)?;
-    for (l, g) in &req.srcs {
-        check_ssm_geometry(l, g, "source")?;
-    }
-    if let (Some(d), Some(slot)) = (dst_g, req.dst_slot) {
-        check_ssm_geometry(dst_l, d, "destination")?;
+    let dst = dst_g.zip(req.moved.dst_slot);
+    let has_destination = dst.is_some();
+    req.check_sides(has_destination, dst.map(|(g, _)| g), check_ssm_geometry)?;
+    if let Some((d, slot)) = dst {
         check_slot("dst_slot", slot, d)?;
     }
     let layouts: Vec<SsmShardLayout> = req.srcs.iter().map(|(l, _)| *l).collect();
@@ -106,7 +103,7 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
                 geometry_eq("dtype", a, b, &who)?;
             }
         }
-        let src_slot = *req.src_slots.of_rank(t.src_rank).ok_or_else(|| {
+        let src_slot = *req.moved.src_slots.of_rank(t.src_rank).ok_or_else(|| {
             DisaggError::block("src_slot", format!("no slot for source global_rank={}", t.src_rank))
         })?;
         check_slot("src_slot", src_slot, g)?;
@@ -118,7 +115,7 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
             let src_addr = sp.layer_bases[sl]
                 + u64::from(src_slot) * sp.slot_stride
                 + u64::from(t.src_local.lo) * sp.unit_stride;
-            let dst_addr = match (&dp, req.dst_slot) {
+            let dst_addr = match (&dp, req.moved.dst_slot) {
                 (Some(dp), Some(slot)) => {
                     dp.layer_bases[dl]
                         + u64::from(slot) * dp.slot_stride
@@ -163,7 +160,7 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
         sp.mode = choose_mode(req.mode, &req.cost, &sp);
         sources.push(sp);
     }
-    let expected = match (dst_g, req.dst_slot) {
+    let expected = match (dst_g, req.moved.dst_slot) {
         (Some(d), Some(slot)) => Expected::Ssm { geometry: d.clone(), layout: *dst_l, slot },
         _ => Expected::None,
     };

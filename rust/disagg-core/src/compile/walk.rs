@@ -18,15 +18,28 @@ pub(super) const SRC: usize = 0;
 pub(super) const DST: usize = 1;
 pub(super) const PACKED: usize = 2;
 
-/// A run of token positions inside one block of each side that matters.
+/// A run of `n` token positions from `t_lo` inside one block of each side that matters:
+/// `at[SRC]` and `at[DST]` are that side's block id and the first token's offset in it
+/// (`(0, 0)` for a side not given).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Segment {
     pub(super) t_lo: u64,
     pub(super) n: u64,
-    pub(super) src_block: u64,
-    pub(super) src_off: u64,
-    pub(super) dst_block: u64,
-    pub(super) dst_off: u64,
+    pub(super) at: [(u64, u64); 2],
+}
+
+impl Segment {
+    /// Byte offset of the first token inside one plane of each side (`[SRC, DST, PACKED]`),
+    /// from the sides' block and token strides; the packed copy starts at `token_start`.
+    fn plane_offsets(
+        &self,
+        block_stride: [u64; 2],
+        token_stride: [u64; 3],
+        token_start: u64,
+    ) -> [u64; 3] {
+        let side = |i: usize| self.at[i].0 * block_stride[i] + self.at[i].1 * token_stride[i];
+        [side(SRC), side(DST), (self.t_lo - token_start) * token_stride[PACKED]]
+    }
 }
 
 /// Cut `[lo, hi)` at every block boundary of the sides given.
@@ -40,19 +53,14 @@ pub(super) fn segments(
     let mut t = lo;
     while t < hi {
         let mut end = hi;
-        let mut seg = Segment { t_lo: t, n: 0, src_block: 0, src_off: 0, dst_block: 0, dst_off: 0 };
-        if let Some((tpb, ids)) = src {
-            end = end.min((t / tpb + 1) * tpb);
-            seg.src_block = u64::from(ids[(t / tpb) as usize]);
-            seg.src_off = t % tpb;
+        let mut at = [(0, 0); 2];
+        for (side, given) in [(SRC, src), (DST, dst)] {
+            if let Some((tpb, ids)) = given {
+                end = end.min((t / tpb + 1) * tpb);
+                at[side] = (u64::from(ids[(t / tpb) as usize]), t % tpb);
+            }
         }
-        if let Some((tpb, ids)) = dst {
-            end = end.min((t / tpb + 1) * tpb);
-            seg.dst_block = u64::from(ids[(t / tpb) as usize]);
-            seg.dst_off = t % tpb;
-        }
-        seg.n = end - t;
-        out.push(seg);
+        out.push(Segment { t_lo: t, n: end - t, at });
         t = end;
     }
     out
@@ -124,6 +132,7 @@ impl KvWork {
             let ds = d.spec();
             (ds.block_stride, ds.token_stride, ds.head_stride)
         });
+        let bs = [s.block_stride, d_bs];
         for set in &self.sets {
             let nh = set.num_heads;
             let tok_bytes = nh * row;
@@ -141,11 +150,7 @@ impl KvWork {
             let runs: Vec<[u64; 3]> = if whole {
                 let mut c = Collect::<Vec<[u64; 3]>, false> { out: Vec::with_capacity(segs.len()) };
                 for seg in segs {
-                    let off = [
-                        seg.src_block * s.block_stride + seg.src_off * s.token_stride,
-                        seg.dst_block * d_bs + seg.dst_off * d_ts,
-                        (seg.t_lo - self.token_start) * p_ts,
-                    ];
+                    let off = seg.plane_offsets(bs, ts, self.token_start);
                     c.push(off[ia], off[ib], seg.n * tok_bytes);
                 }
                 c.out
@@ -172,11 +177,8 @@ impl KvWork {
                         continue;
                     }
                     for seg in segs {
-                        let base = [
-                            sp + seg.src_block * s.block_stride + seg.src_off * s.token_stride,
-                            dp + seg.dst_block * d_bs + seg.dst_off * d_ts,
-                            pp + (seg.t_lo - self.token_start) * p_ts,
-                        ];
+                        let off = seg.plane_offsets(bs, ts, self.token_start);
+                        let base = [sp + off[SRC], dp + off[DST], pp + off[PACKED]];
                         let b = CopyBox {
                             base,
                             row,

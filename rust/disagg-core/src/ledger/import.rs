@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 
 use super::quorum::{CompletionQuorum, QuorumDecision, RankOutcome};
 use super::{Epochs, FailReason, LedgerAction, ReleaseCause};
+use crate::args::{named, Kind};
 use crate::error::{DisaggError, DisaggResult};
 use crate::pool::{BlockPool, IdMap, SlotPool, SlotState};
 
@@ -494,24 +495,9 @@ impl ImportLedger {
         if self.live.contains_key(&req.request_id) {
             return Err(DisaggError::DuplicateRequest { request_id: req.request_id });
         }
-        if req.num_prompt_tokens == 0 {
-            return Err(DisaggError::argument(
-                "num_prompt_tokens",
-                "num_prompt_tokens=0 must be >= 1",
-            ));
-        }
-        if req.src_block_size_tokens == 0 {
-            return Err(DisaggError::argument(
-                "src_block_size_tokens",
-                "src_block_size_tokens=0 must be >= 1",
-            ));
-        }
-        if req.reuse_align_tokens == 0 {
-            return Err(DisaggError::argument(
-                "reuse_align_tokens",
-                "reuse_align_tokens=0 must be >= 1",
-            ));
-        }
+        Kind::Argument.at_least_one(&named!(req;
+            num_prompt_tokens, src_block_size_tokens, reuse_align_tokens
+        ))?;
         if req.deadline <= now {
             return Err(DisaggError::argument(
                 "deadline",
@@ -766,7 +752,7 @@ impl ImportLedger {
         out: &mut Vec<LedgerAction>,
     ) -> DisaggResult<()> {
         let Some(h) = self.live.remove(&rid) else { return Ok(()) };
-        self.quorum.forget(rid, h.epoch);
+        self.quorum.forget((rid, h.epoch));
         match h.phase {
             Phase::Deferred => self.deferred.retain(|&r| r != rid),
             Phase::Ready => self.ready.retain(|&r| r != rid),
@@ -847,7 +833,7 @@ impl ImportLedger {
             }
         };
         let before = self.quorum.ignored();
-        let decision = self.quorum.report(request_id, epoch, rank, outcome)?;
+        let decision = self.quorum.report(key, rank, outcome)?;
         if self.quorum.ignored() != before {
             self.counters.ignored_messages += 1;
             return Ok(out);
@@ -986,7 +972,7 @@ impl ImportLedger {
             }
             self.ready.pop_front();
             let Some(h) = self.live.remove(&rid) else { continue };
-            self.quorum.forget(rid, h.epoch);
+            self.quorum.forget((rid, h.epoch));
             let prompt: Vec<u32> = h.hold.cached.iter().chain(&h.hold.dst).copied().collect();
             let n = h.req.prompt_hashes.len().min(prompt.len());
             self.pool.register_cached(&prompt[..n], &h.req.prompt_hashes[..n])?;

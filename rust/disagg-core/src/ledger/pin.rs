@@ -108,7 +108,7 @@ impl PushDestination {
 
 /// What one push of a pinned handoff sends: pinned blocks `src_block_ids` (from the block of
 /// the destination's `token_start` on) into `dst_block_ids`, `num_tokens` tokens in all, and the
-/// pinned SSM slot into `dst_ssm_slot`.
+/// pinned SSM slot, if any, into the destination's slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PushPlan {
     /// The pin's epoch (its `push_settled` must carry it).
@@ -119,10 +119,8 @@ pub struct PushPlan {
     pub dst_block_ids: Vec<u32>,
     /// Tokens to send (the destination's `num_tokens - token_start`).
     pub num_tokens: u32,
-    /// The pinned SSM slot, if any.
-    pub src_ssm_slot: Option<u32>,
-    /// The decode slot that receives it (given exactly when the pin has a slot).
-    pub dst_ssm_slot: Option<u32>,
+    /// The pinned SSM slot and the decode slot that receives it, when the pin has a slot.
+    pub ssm_slots: Option<(u32, u32)>,
 }
 
 /// Pins of finished prefill handoffs over the prefill engine's own pools.
@@ -296,14 +294,12 @@ impl PinLedger {
                 ),
             });
         }
-        let has_slot = dest.dst_ssm_slot.is_some() && self.slots.num_slots() > 0;
         Ok(PushPlan {
             epoch: 0,
             src_block_ids: (0..blocks).collect(),
             dst_block_ids,
             num_tokens: num_tokens - dest.token_start,
-            src_ssm_slot: has_slot.then_some(0),
-            dst_ssm_slot: if has_slot { dest.dst_ssm_slot } else { None },
+            ssm_slots: dest.dst_ssm_slot.filter(|_| self.slots.num_slots() > 0).map(|d| (0, d)),
         })
     }
 
@@ -335,11 +331,12 @@ impl PinLedger {
             destinations,
             " (attach the decode's posted destination with with_push_destination)",
         )?;
-        let dst_ssm_slot = match pin.slot {
-            Some(_) => Some(
+        let ssm_slots = match pin.slot {
+            Some(src) => Some((
+                src,
                 dest.dst_ssm_slot
                     .ok_or_else(|| PushDestination::missing(request_id, "dst_ssm_slot"))?,
-            ),
+            )),
             None => None,
         };
         let first = (dest.token_start / bs) as usize;
@@ -359,8 +356,7 @@ impl PinLedger {
             src_block_ids: pin.blocks[first..].to_vec(),
             dst_block_ids,
             num_tokens: num_tokens - dest.token_start,
-            src_ssm_slot: pin.slot,
-            dst_ssm_slot,
+            ssm_slots,
         };
         self.begin_push(request_id, plan.epoch)?;
         Ok(plan)
@@ -401,18 +397,19 @@ impl PinLedger {
             }
         };
         if let Some(cause) = pending {
-            self.unpin(request_id, cause, &mut out)?;
+            out.extend(self.unpin(request_id, cause)?);
         }
         Ok(out)
     }
 
+    /// Drop the pin of `request_id` (if any), freeing its blocks and slot; returns the
+    /// `Released` action to report.
     fn unpin(
         &mut self,
         request_id: u64,
         cause: ReleaseCause,
-        out: &mut Vec<LedgerAction>,
-    ) -> DisaggResult<()> {
-        let Some(p) = self.pins.remove(&request_id) else { return Ok(()) };
+    ) -> DisaggResult<Option<LedgerAction>> {
+        let Some(p) = self.pins.remove(&request_id) else { return Ok(None) };
         self.pool.release(&p.blocks)?;
         if let Some(s) = p.slot {
             self.slots.free(s)?;
@@ -421,8 +418,7 @@ impl PinLedger {
             ReleaseCause::LeaseExpired => self.counters.expired += 1,
             _ => self.counters.released += 1,
         }
-        out.push(LedgerAction::Released { request_id, epoch: p.epoch, cause });
-        Ok(())
+        Ok(Some(LedgerAction::Released { request_id, epoch: p.epoch, cause }))
     }
 
     fn release_or_defer(
@@ -438,7 +434,8 @@ impl PinLedger {
                 return Ok(());
             }
         }
-        self.unpin(request_id, cause, out)
+        out.extend(self.unpin(request_id, cause)?);
+        Ok(())
     }
 
     /// `RELEASE_KV`: idempotent; an unknown id or an old epoch is a counted no-op. While a push
@@ -491,7 +488,7 @@ impl PinLedger {
         all.sort_unstable();
         let mut out = Vec::new();
         for (_, rid) in all {
-            self.unpin(rid, ReleaseCause::Reset, &mut out)?;
+            out.extend(self.unpin(rid, ReleaseCause::Reset)?);
         }
         Ok(out)
     }

@@ -1,5 +1,6 @@
 //! Model-parallel agreement on the outcome of one handoff attempt.
 
+use crate::args::{named, Kind};
 use crate::error::{DisaggError, DisaggResult};
 use crate::pool::IdMap;
 
@@ -129,9 +130,7 @@ pub struct CompletionQuorum {
 impl CompletionQuorum {
     /// A quorum over `world_size` model-parallel ranks.
     pub fn new(world_size: u32) -> DisaggResult<Self> {
-        if world_size == 0 {
-            return Err(DisaggError::argument("world_size", "world_size=0 must be >= 1"));
-        }
+        Kind::Argument.at_least_one(&named!(world_size))?;
         Ok(Self { world_size, votes: IdMap::default(), ignored: 0 })
     }
 
@@ -161,19 +160,20 @@ impl CompletionQuorum {
         Ok(())
     }
 
-    /// Record `rank`'s report for one attempt; returns the decision if this report makes it.
+    /// Record `rank`'s report for the attempt `(request_id, epoch)`; returns the decision if
+    /// this report makes it.
     pub fn report(
         &mut self,
-        request_id: u64,
-        epoch: u64,
+        attempt: (u64, u64),
         rank: u32,
         outcome: RankOutcome,
     ) -> DisaggResult<Option<QuorumDecision>> {
         self.check_rank(rank)?;
+        let (request_id, epoch) = attempt;
         let n = self.world_size as usize;
         let v = self
             .votes
-            .entry((request_id, epoch))
+            .entry(attempt)
             .or_insert_with(|| Votes { reports: vec![None; n], decided: false });
         match v.reports[rank as usize] {
             Some(prev) if prev == outcome => {
@@ -207,23 +207,18 @@ impl CompletionQuorum {
         Ok(None)
     }
 
-    /// Whether `rank`'s report would contradict what it reported before (without recording it).
-    pub fn would_conflict(
-        &self,
-        request_id: u64,
-        epoch: u64,
-        rank: u32,
-        outcome: RankOutcome,
-    ) -> bool {
+    /// Whether `rank`'s report for the attempt `(request_id, epoch)` would contradict what it
+    /// reported before (without recording it).
+    pub fn would_conflict(&self, attempt: (u64, u64), rank: u32, outcome: RankOutcome) -> bool {
         self.votes
-            .get(&(request_id, epoch))
+            .get(&attempt)
             .and_then(|v| v.reports.get(rank as usize).copied().flatten())
             .is_some_and(|prev| prev != outcome)
     }
 
-    /// Drop the votes of a finished attempt.
-    pub fn forget(&mut self, request_id: u64, epoch: u64) {
-        self.votes.remove(&(request_id, epoch));
+    /// Drop the votes of the finished attempt `(request_id, epoch)`.
+    pub fn forget(&mut self, attempt: (u64, u64)) {
+        self.votes.remove(&attempt);
     }
 
     /// Drop every open attempt (engine reset).
@@ -239,15 +234,15 @@ mod tests {
     #[test]
     fn success_needs_every_rank_and_failure_is_decided_once() {
         let mut q = CompletionQuorum::new(3).unwrap();
-        assert_eq!(q.report(1, 0, 0, RankOutcome::Ok).unwrap(), None);
-        assert_eq!(q.report(1, 0, 1, RankOutcome::Ok).unwrap(), None);
-        assert_eq!(q.report(1, 0, 2, RankOutcome::Ok).unwrap(), Some(QuorumDecision::Success));
-        let f = q.report(2, 0, 1, RankOutcome::Timeout).unwrap();
+        assert_eq!(q.report((1, 0), 0, RankOutcome::Ok).unwrap(), None);
+        assert_eq!(q.report((1, 0), 1, RankOutcome::Ok).unwrap(), None);
+        assert_eq!(q.report((1, 0), 2, RankOutcome::Ok).unwrap(), Some(QuorumDecision::Success));
+        let f = q.report((2, 0), 1, RankOutcome::Timeout).unwrap();
         assert_eq!(f, Some(QuorumDecision::Failure { rank: 1, outcome: RankOutcome::Timeout }));
-        assert_eq!(q.report(2, 0, 0, RankOutcome::Error).unwrap(), None);
-        assert_eq!(q.report(2, 0, 0, RankOutcome::Error).unwrap(), None);
+        assert_eq!(q.report((2, 0), 0, RankOutcome::Error).unwrap(), None);
+        assert_eq!(q.report((2, 0), 0, RankOutcome::Error).unwrap(), None);
         assert_eq!(q.ignored(), 1);
-        assert!(q.report(2, 0, 0, RankOutcome::Ok).is_err());
-        assert!(q.report(2, 0, 3, RankOutcome::Ok).is_err());
+        assert!(q.report((2, 0), 0, RankOutcome::Ok).is_err());
+        assert!(q.report((2, 0), 3, RankOutcome::Ok).is_err());
     }
 }

@@ -6,8 +6,9 @@
 use std::collections::BTreeMap;
 
 use crate::compile::{
-    compile_kv_transfer, compile_kv_transfer_checked, compile_ssm_transfer, CostModel,
-    KvTransferRequest, ModeChoice, SrcBlockIds, SrcSlots, SsmTransferRequest, TransferProgram,
+    compile_kv_transfer, compile_kv_transfer_checked, compile_ssm_transfer, CostModel, KvTokens,
+    KvTransferRequest, ModeChoice, SrcBlockIds, SrcSlots, SsmSlots, SsmTransferRequest,
+    TransferProgram,
 };
 use crate::error::{DisaggError, DisaggResult};
 use crate::geometry::{KvGeometry, SsmGeometry};
@@ -137,10 +138,12 @@ fn compile_program(
                 srcs,
                 dst_layout,
                 dst_geometry: Some(dst_geometry),
-                src_block_ids,
-                dst_block_ids: req.dst_ids.as_deref().map(u32s),
-                num_tokens: n,
-                token_start: 0,
+                moved: KvTokens {
+                    src_block_ids,
+                    dst_block_ids: req.dst_ids.as_deref().map(u32s),
+                    num_tokens: n,
+                    token_start: 0,
+                },
                 mode: req.mode,
                 cost,
             };
@@ -172,8 +175,7 @@ fn compile_program(
                 srcs,
                 dst_layout,
                 dst_geometry: Some(dst_geometry),
-                src_slots,
-                dst_slot,
+                moved: SsmSlots { src_slots, dst_slot },
                 mode: req.mode,
                 cost,
             })?
