@@ -1,8 +1,5 @@
-//! Python classes for memory geometries: `KVGeometry` and `SSMGeometry`.
-//!
-//! Tensors are read through the attributes every framework exposes (torch: `data_ptr()`,
-//! `shape`, `stride()`, `element_size()`, `dtype`, `device`; numpy: `__array_interface__`,
-//! `strides`, `itemsize`, `dtype`); nothing here imports torch.
+//! Python classes `KVGeometry` and `SSMGeometry`; tensors are read through the attributes
+//! torch and numpy expose (`data_ptr()` or `__array_interface__`), without importing torch.
 
 use disagg_core::buffer::{self, BufferArgs, LayoutArgs};
 use disagg_core::geometry::TensorView;
@@ -26,8 +23,7 @@ fn geo_err(field: &str, detail: String) -> PyErr {
     to_pyerr(DisaggError::geometry(field, detail))
 }
 
-/// Read a torch tensor (anything with `data_ptr()`) or a numpy array; anything else (None, a
-/// list, an object lacking the attributes) is a `GeometryMismatchError` naming `tensor`.
+/// Read a torch tensor or a numpy array; anything else is a `GeometryMismatchError` (`tensor`).
 fn tensor_view(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
     tensor_view_of(t).map_err(|e| {
         retype(t.py(), e, || {
@@ -89,21 +85,15 @@ get {
     num_kv: u32 = (spec().num_kv);
     /// Local layers.
     num_layers: u32 = (spec().num_layers);
-    /// Blocks in the cache.
     num_blocks: u32 = (spec().num_blocks);
-    /// Tokens per block.
     tokens_per_block: u32 = (spec().tokens_per_block);
     /// Local KV heads.
     num_heads: u32 = (spec().num_heads);
-    /// Elements per head row.
     head_dim: u32 = (spec().head_dim);
-    /// Bytes per element.
     element_size: u32 = (spec().element_size);
     /// Plane base addresses, index `kv * num_layers + layer`.
     plane_bases: Vec<u64> = (spec().plane_bases.clone());
-    /// Device id.
     device_id: u64 = (spec().device_id);
-    /// Element type name, if known.
     dtype: Option<String> = (spec().dtype.clone());
 }
 span {}
@@ -138,8 +128,7 @@ methods {
         Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
 
-    /// From one tensor whose axes are named by `axes` (any order; `kv`, `layer` and `head`
-    /// may be absent: MLA latent is `"layer block token dim"`).
+    /// `KvGeometrySpec::from_tensor` of one tensor whose axes `axes` names.
     #[classmethod]
     #[pyo3(signature = (tensor, axes=Text::of("kv layer block token head dim"), device_id=None),
         text_signature = "(tensor, axes='kv layer block token head dim', device_id=None)")]
@@ -159,10 +148,8 @@ methods {
         Self::from_tensor(cls, tensor, Text::of("layer block token dim"), device_id)
     }
 
-    /// From one tensor per local layer, all of one shape and strides: `[2, B, T, H, d]` (NHD,
-    /// the default axes) or `[2, B, H, T, d]` (HND: `axes="kv block head token dim"`), an MLA
-    /// latent `[B, T, d]` (`axes="block token dim"`), or one `(K, V)` tuple per layer of
-    /// separate key and value tensors (axes without `kv`, e.g. `"block token head dim"`).
+    /// From one tensor per local layer, or one `(K, V)` tuple per layer (axes without `kv`):
+    /// `KvGeometrySpec::from_layer_tensors` and `from_kv_layer_tensors`.
     #[classmethod]
     #[pyo3(signature = (tensors, axes=Text::of("kv block token head dim"), device_id=None),
         text_signature = "(tensors, axes='kv block token head dim', device_id=None)")]
@@ -205,11 +192,8 @@ get {
     num_layers: usize = (num_layers());
     /// Slots per layer.
     num_slots: u32 = (num_slots());
-    /// Device id.
     device_id: u64 = (device_id);
-    /// Whether the conv part is registered.
     has_conv: bool = (conv.is_some());
-    /// Whether the recurrent part is registered.
     has_recurrent: bool = (recurrent.is_some());
 }
 span {}
@@ -301,14 +285,12 @@ fn int_of(v: Option<Int>, field: &str) -> PyResult<Option<i128>> {
     any_int(v.as_ref().map(|x| &x.0), field).py()
 }
 
-/// What a transfer backend registers about its buffer (`buffer.rs` of the core decides):
-/// `tensor` is the (first) registered tensor, `layers` the per-layer list or `None`, `layout`
-/// the reference constructor's KV layout arguments by name (`tp_size=...`, each optional).
-/// Returns the reference design's `compute_buffer_geometry` fields alone with `reference_only`.
+/// `disagg_core::buffer::plan_buffer` of a registered buffer (`tensor`: the first tensor,
+/// `layers`: the per-layer list, `layout`: KV layout arguments by name); with
+/// `reference_only`, `buffer::reference_geometry`.
 #[pyfunction]
 #[pyo3(signature = (tensor, layers, ssm_layout, *, backend, contiguous, expected_num_blocks,
     ssm_state_kind=None, axes=None, blocks_axis=None, reference_only=false, **layout))]
-#[allow(clippy::too_many_arguments)]
 pub fn plan_buffer<'py>(
     tensor: &Bound<'py, PyAny>,
     layers: Option<Bound<'py, PyAny>>,

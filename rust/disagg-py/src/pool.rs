@@ -1,7 +1,5 @@
-//! Python classes `BlockPool` and `SlotPool`.
-//!
-//! A pool object is either standalone or a view of the pool a ledger owns (`ledger.block_pool`),
-//! so an engine allocates from the very pool whose conservation the ledger checks.
+//! Python classes `BlockPool` and `SlotPool` (standalone, or a view of a ledger's pool), and the
+//! macros that forward a binding to the core.
 
 use std::sync::{Arc, Mutex};
 
@@ -60,7 +58,12 @@ plain_out!(
     (bool, bool, bool),
     Vec<[u64; 4]>,
     Option<Vec<u32>>,
-    Option<u32>
+    Option<u32>,
+    Vec<(String, Vec<u64>)>,
+    Vec<(&'static str, (u32, u32), (u32, u32))>,
+    (&'static str, u64),
+    (i64, Vec<u64>),
+    Vec<i64>
 );
 
 impl Out for Result<SlotState, DisaggError> {
@@ -70,14 +73,11 @@ impl Out for Result<SlotState, DisaggError> {
     }
 }
 
-/// One `#[pymethods]` block of a class that reaches its core object as `reach(&self.field, f)`
-/// (`lock_with` for a mutex, `PoolOwner::with` for a pool): each `calls` entry
-/// `fn name(arg: Conv, ..) -> T = method(exprs..);` (optionally followed by
-/// `.then(exprs..)` calls) converts every argument with its [`Conv`](crate::args::Conv) marker
-/// (before the core is locked), then returns `core.method(exprs..)` as Python receives it
-/// ([`Out`]). Attributes (doc comments,
-/// `#[getter]`) carry over; `methods { .. }` holds the hand-written ones; `pools Variant,` adds
-/// the `block_pool` and `slot_pool` views of a ledger's pools (`PoolOwner::Variant`).
+/// One `#[pymethods]` block of a class reaching its core object as `reach(&self.field, f)`:
+/// each `calls` entry `fn name(arg: Conv, ..) -> T = method(exprs..)` converts its arguments
+/// ([`Conv`](crate::args::Conv)) before the lock, then returns `core.method(..)` through
+/// [`Out`]; `methods { .. }` holds the hand-written ones; `pools Variant,` adds the
+/// `block_pool` and `slot_pool` views of a ledger's pools.
 macro_rules! core_methods {
     (
         $ty:ty, $reach:path, $field:tt, $(pools $owner:ident,)?
@@ -112,9 +112,8 @@ macro_rules! core_methods {
 }
 pub(crate) use core_methods;
 
-/// `#[pyfunction]`s forwarding to the core: each `fn name(arg: Conv, ..) -> T = expr;`
-/// converts every argument with its [`Conv`](crate::args::Conv) marker, then returns `expr`
-/// as Python receives it ([`Out`]). Attributes (doc comments, `#[pyo3(..)]`) carry over.
+/// `#[pyfunction]`s forwarding to the core: `fn name(arg: Conv, ..) -> T = expr;` converts
+/// the arguments ([`Conv`](crate::args::Conv)), then returns `expr` through [`Out`].
 macro_rules! core_fns {
     ($($(#[$m:meta])* fn $name:ident($($a:ident: $c:ty),*) -> $ret:ty = $e:expr;)*) => {$(
         #[::pyo3::pyfunction]
@@ -132,9 +131,8 @@ pub fn lock_with<T, R>(m: &Mutex<T>, f: impl FnOnce(&mut T) -> R) -> PyResult<R>
     Ok(f(&mut *lock(m)?))
 }
 
-/// Token ids from a Python list (fast path), a 1-D integer numpy array, or any sequence.
-/// Converting 1,024 tokens through the generic sequence path costs more than hashing them, so
-/// lists and arrays are read directly.
+/// Token ids from a list or a 1-D integer numpy array read directly (the generic sequence path
+/// costs more than hashing them), or any sequence.
 pub fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     if let Ok(list) = obj.cast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
@@ -152,8 +150,7 @@ pub fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     obj.extract::<IntList>()?.to_i64s(Kind::Argument, "prompt_tokens")
 }
 
-/// Who owns the pool a Python `BlockPool` or `SlotPool` object talks to: itself, or a ledger
-/// whose conservation covers it.
+/// Who owns the pool a `BlockPool` or `SlotPool` object talks to: itself, or a ledger.
 pub enum PoolOwner<P> {
     /// A standalone pool.
     Own(Arc<Mutex<P>>),
@@ -267,8 +264,7 @@ calls {
     fn allocate() -> u32 = allocate();
     /// Return an allocated or detached slot.
     fn free(slot: Id) -> () = free(slot);
-    /// Move an allocated slot out of its allocator's accounting (to a live request); the
-    /// request's owner later calls `free`.
+    /// Move an allocated slot to a live request, whose owner later calls `free`.
     fn detach(slot: Id) -> () = detach(slot);
     /// Verify conservation; raises `ConservationError`.
     fn check() -> () = check();
