@@ -19,10 +19,8 @@ fn side(s: &SideTuple) -> CopySide {
     }
 }
 
-/// The plane rows of a device plan, ``(packed coefficient, row bytes per token)`` each, and
-/// its block size: where each item of a packed copy starts, the checks of a copy by plan, and
-/// where one launch puts up to three consecutive item ranges (stream chunks are cut by
-/// ``stream_chunks``, from the same rule).
+/// A device plan's packed item order (`disagg_core::packed_items`): item offsets, the checks
+/// of a copy and where one launch puts up to three item ranges.
 #[pyclass(name = "PackedRows", module = "disagg_rs", frozen)]
 pub struct PyPackedRows {
     rows: Vec<(u64, u64)>,
@@ -43,15 +41,13 @@ impl PyPackedRows {
         Ok(Self { rows, tokens_per_block })
     }
 
-    /// Packed byte offset where item ``k`` of an ``n_tok``-token copy starts (past the
-    /// last item: the copy's size).
+    /// Packed byte offset where item ``k`` of an ``n_tok``-token copy starts.
     fn offset(&self, k: u64, n_tok: u64) -> PyResult<u64> {
         self.items(n_tok)?.offset(k).py()
     }
 
-    /// Check a copy of items ``items`` (``None``: all) of an ``n_tok``-token handoff from
-    /// side ``a`` to side ``b`` (``(kind, block ids or, packed, window bytes, bias, set
-    /// stride)`` each) of a plan with ``sets`` id sets; ``(k_lo, k_hi, byte_lo, byte_hi)``.
+    /// Check a copy of ``items`` (``None``: all) from side ``a`` to side ``b``; ``(k_lo, k_hi,
+    /// byte_lo, byte_hi)``.
     #[pyo3(signature = (n_tok, items, a, b, sets, paged_only))]
     fn check_copy(
         &self,
@@ -65,11 +61,8 @@ impl PyPackedRows {
         self.items(n_tok)?.check_copy(items, [side(&a), side(&b)], sets, paged_only).py()
     }
 
-    /// Check one launch of ``parts`` (``(byte offset, first item, end item)`` each,
-    /// consecutive) into a packed window of ``window`` bytes (``None``: a paged destination,
-    /// one range at 0) with ``unit``-byte kernel units, and the block ids it reads: ``ids``
-    /// is ``(source ids, source set stride, id sets, destination ids or None)``;
-    /// ``ArgumentError`` naming the field.
+    /// Check one launch of ``parts`` into a packed window of ``window`` bytes and the block ids
+    /// it reads; ``ArgumentError`` naming the field.
     fn launch(
         &self,
         n_tok: u64,

@@ -12,7 +12,7 @@ use pyo3::types::PyList;
 use crate::args::{conv, Id, Ids, Int, IntList, Kind, U64s, U32};
 use crate::error::IntoPyResult;
 
-/// Lock a shared core object; a poisoned lock (a panic elsewhere) becomes a Python error.
+/// Lock a shared core object; a poisoned lock becomes a Python error.
 pub fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
     m.lock().map_err(|_| {
         PyRuntimeError::new_err("disagg_rs internal lock poisoned by an earlier panic")
@@ -21,7 +21,6 @@ pub fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
 
 /// What a core call returns, as Python receives it.
 pub trait Out {
-    /// The Python-side value.
     type Py;
     /// Convert, mapping a core error through the one error mapping.
     fn out(self) -> PyResult<Self::Py>;
@@ -152,23 +151,17 @@ pub fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
 
 /// Who owns the pool a `BlockPool` or `SlotPool` object talks to: itself, or a ledger.
 pub enum PoolOwner<P> {
-    /// A standalone pool.
     Own(Arc<Mutex<P>>),
-    /// The pool of an import ledger.
     Import(Arc<Mutex<ImportLedger>>),
-    /// The pool of a pin ledger.
     Pin(Arc<Mutex<PinLedger>>),
 }
 
 /// A pool a ledger owns, reached the same way through either ledger.
 pub trait LedgerPool: Sized {
-    /// This pool inside an import ledger.
     fn of_import(l: &mut ImportLedger) -> &mut Self;
-    /// This pool inside a pin ledger.
     fn of_pin(l: &mut PinLedger) -> &mut Self;
 }
 
-/// `LedgerPool` for each pool type, reached through the ledgers' accessor of that name.
 macro_rules! ledger_pool {
     ($($pool:ty => $get:ident),*) => {$(
         impl LedgerPool for $pool {
@@ -193,15 +186,12 @@ impl<P: LedgerPool> PoolOwner<P> {
 /// Fixed pool of KV blocks: refcounts, prefix cache by block hash, LRU eviction.
 #[pyclass(name = "BlockPool", module = "disagg_rs", frozen)]
 pub struct PyBlockPool {
-    /// The pool, standalone or a ledger's.
     pub owner: PoolOwner<BlockPool>,
 }
 
 core_methods!(PyBlockPool, PoolOwner::with, owner,
 calls {
-    /// Total number of blocks.
     #[getter] fn num_blocks() -> u32 = num_blocks();
-    /// Tokens per block.
     #[getter] fn block_size_tokens() -> u32 = block_size_tokens();
     /// Blocks `allocate` can hand out now (never-used plus evictable cached).
     #[getter] fn num_free() -> u32 = num_free();
@@ -211,7 +201,6 @@ calls {
     fn can_allocate(n: U32) -> bool = can_allocate(n);
     /// `n` blocks with refcount 1, all or nothing (evicts LRU cached blocks if needed).
     fn allocate(n: U32) -> Vec<u32> = allocate(n);
-    /// Reference count of one block.
     fn refcount(block_id: Id) -> u32 = refcount(block_id);
     /// Verify conservation; raises `ConservationError`.
     fn check() -> () = check();
@@ -248,13 +237,11 @@ methods {
 /// Fixed pool of SSM state slots.
 #[pyclass(name = "SlotPool", module = "disagg_rs", frozen)]
 pub struct PySlotPool {
-    /// The pool, standalone or a ledger's.
     pub owner: PoolOwner<SlotPool>,
 }
 
 core_methods!(PySlotPool, PoolOwner::with, owner,
 calls {
-    /// Total number of slots.
     #[getter] fn num_slots() -> u32 = num_slots();
     /// Slots ready to hand out.
     #[getter] fn num_free() -> u32 = num_free();
@@ -262,7 +249,6 @@ calls {
     #[getter] fn num_detached() -> u32 = num_detached();
     /// One free slot; `CapacityError` when none is free.
     fn allocate() -> u32 = allocate();
-    /// Return an allocated or detached slot.
     fn free(slot: Id) -> () = free(slot);
     /// Move an allocated slot to a live request, whose owner later calls `free`.
     fn detach(slot: Id) -> () = detach(slot);
