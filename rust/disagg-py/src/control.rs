@@ -89,7 +89,6 @@ impl ClientDeadlines {
         }
     }
 
-    /// The requests past their deadline at `now`, in id order (each once).
     fn expired(&mut self, now: f64) -> Vec<i64> {
         self.0.expired(now)
     }
@@ -126,7 +125,6 @@ impl LinkLiveness {
         Ok((msgs, peers, got.register))
     }
 
-    /// Whether a `REGISTER` was sent and its `REGISTERED` has not come yet.
     #[getter]
     fn awaiting_registered(&self) -> bool {
         self.0.awaiting_registered()
@@ -138,7 +136,6 @@ impl LinkLiveness {
         self.0.sent_named(kind, request_id.map(|r| r.0).as_ref(), delivered, now);
     }
 
-    /// Whether a heartbeat is due (taken as sent when it is).
     fn heartbeat_due(&mut self, interval_s: f64, now: f64) -> bool {
         self.0.liveness.heartbeat_due(interval_s, now)
     }
@@ -148,13 +145,11 @@ impl LinkLiveness {
         self.0.liveness.check(now)
     }
 
-    /// Whether the coordinator is declared lost now.
     #[getter]
     fn lost(&self) -> bool {
         self.0.liveness.lost()
     }
 
-    /// When the coordinator was last heard from.
     #[getter]
     fn last_heard(&self) -> f64 {
         self.0.liveness.last_heard()
@@ -172,7 +167,6 @@ impl LinkLiveness {
         self.0.fenced()
     }
 
-    /// Undecodable frames dropped.
     #[getter]
     fn malformed(&self) -> u64 {
         self.0.malformed()

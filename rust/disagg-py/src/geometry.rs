@@ -12,8 +12,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
 use crate::args::{
-    conv, describe, retype, type_err, wire_dict_to_py, Conv, Int, IntList, Kind, Opt, Str, Text,
-    U64s, U32, U64,
+    conv, convs, describe, retype, type_err, wire_dict_to_py, Conv, Int, IntList, Kind, Opt, Str,
+    Text, U64s, U32, U64,
 };
 use crate::error::{py_methods, to_pyerr, IntoPyResult};
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
@@ -281,8 +281,11 @@ fn layout_args(layout: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutArgs> {
     LayoutArgs::from_named(&named).py()
 }
 
-fn int_of(v: Option<Int>, field: &str) -> PyResult<Option<i128>> {
-    any_int(v.as_ref().map(|x| &x.0), field).py()
+convs! {
+    /// An integer of any size (`ArgumentError` beyond 128 bits).
+    AnyInt: Int => i128 = |f, v| v.in_range(Kind::Argument, f, i128::MIN, i128::MAX, "2**127");
+    /// An optional layout integer of any size (`tensor_args::any_int`).
+    LayoutInt: Option<Int> => Option<i128> = |f, v| any_int(v.as_ref().map(|x| &x.0), f).py();
 }
 
 /// `disagg_core::buffer::plan_buffer` of a registered buffer (`tensor`: the first tensor,
@@ -315,18 +318,12 @@ pub fn plan_buffer<'py>(
         view: tensor_view(tensor)?,
         contiguous,
         per_layer: layers.is_some(),
-        expected_num_blocks: expected_num_blocks.in_range(
-            Kind::Argument,
-            "expected_num_blocks",
-            i128::MIN,
-            i128::MAX,
-            "2**127",
-        )?,
+        expected_num_blocks: AnyInt::conv("expected_num_blocks", expected_num_blocks)?,
         kv: layout_args(layout)?,
         ssm_layout: ssm.transpose()?,
         ssm_state_kind: Opt::<Str>::conv("ssm_state_kind", ssm_state_kind)?,
         axes: Opt::<Str>::conv("axes", axes)?,
-        blocks_axis: int_of(blocks_axis, "blocks_axis")?,
+        blocks_axis: LayoutInt::conv("blocks_axis", blocks_axis)?,
     };
     let kv_obj = |l: Option<KvShardLayout>| -> PyResult<Option<Py<PyAny>>> {
         l.map(|inner| Py::new(py, PyKvShardLayout { inner }).map(Py::into_any)).transpose()

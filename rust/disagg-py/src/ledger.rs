@@ -63,6 +63,13 @@ pub(crate) fn actions(v: Vec<LedgerAction>) -> Vec<PyLedgerAction> {
     v.into_iter().map(|a| PyLedgerAction { inner: a.into() }).collect()
 }
 
+impl<const N: usize> Out for [(&'static str, u64); N] {
+    type Py = BTreeMap<&'static str, u64>;
+    fn out(self) -> PyResult<Self::Py> {
+        Ok(BTreeMap::from(self))
+    }
+}
+
 impl Out for Result<Vec<LedgerAction>, DisaggError> {
     type Py = Vec<PyLedgerAction>;
     fn out(self) -> PyResult<Self::Py> {
@@ -137,6 +144,8 @@ calls {
     fn reset(now: U64) -> Vec<PyLedgerAction> = reset(now);
     /// Verify conservation and ownership; raises `ConservationError`.
     fn check() -> () = check();
+    /// Event counters by name.
+    fn counters() -> BTreeMap<&'static str, u64> = counters().named();
     /// Live handoffs (deferred + importing + ready).
     #[getter] fn pending_kv_import_count() -> usize = pending_kv_import_count();
     /// Whether an admission point has work.
@@ -317,11 +326,6 @@ methods {
     fn lookahead_tokens(&self) -> PyResult<u32> {
         Ok(lock(&self.inner)?.config().lookahead_tokens)
     }
-
-    /// Event counters by name.
-    fn counters(&self) -> PyResult<BTreeMap<&'static str, u64>> {
-        Ok(BTreeMap::from(lock(&self.inner)?.counters().named()))
-    }
 });
 
 /// Prefill-side pin ledger over its own block and SSM slot pools.
@@ -343,6 +347,8 @@ calls {
     fn reset() -> Vec<PyLedgerAction> = reset();
     /// Verify conservation; raises `ConservationError`.
     fn check() -> () = check();
+    /// Event counters by name.
+    fn counters() -> BTreeMap<&'static str, u64> = counters().named();
     /// Live pins.
     #[getter] fn num_pinned() -> usize = num_pinned();
     /// The reference design's `pending_kv_push_count`.
@@ -380,11 +386,6 @@ methods {
         conv!(num_blocks: U32, block_size_tokens: U32, num_ssm_slots: U32);
         let l = PinLedger::new(num_blocks, block_size_tokens, num_ssm_slots).py()?;
         Ok(Self { inner: Arc::new(Mutex::new(l)) })
-    }
-
-    /// Event counters by name.
-    fn counters(&self) -> PyResult<BTreeMap<&'static str, u64>> {
-        Ok(BTreeMap::from(lock(&self.inner)?.counters().named()))
     }
 });
 
