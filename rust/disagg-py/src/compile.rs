@@ -40,17 +40,13 @@ pub(crate) fn rows_to_numpy<const N: usize>(
     Ok(arr.into_pyarray(py))
 }
 
+/// What an out array must be.
+const OUT: &str = "out arrays must be numpy uint64 arrays of shape [m, 3]";
+
 /// A caller's `[m, 3]` C-contiguous `uint64` array to write rows into.
 fn out_array<'py>(arr: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<u64>>> {
-    let a = arr.cast::<PyArray2<u64>>().map_err(|_| {
-        type_err(
-            "out",
-            format!(
-                "out arrays must be numpy uint64 arrays of shape [m, 3], got {}",
-                describe(arr)
-            ),
-        )
-    })?;
+    let bad = |_| type_err("out", format!("{OUT}, got {}", describe(arr)));
+    let a = arr.cast::<PyArray2<u64>>().map_err(bad)?;
     disagg_core::args::out_rows(a.shape(), a.is_c_contiguous()).py()?;
     Ok(a.clone())
 }

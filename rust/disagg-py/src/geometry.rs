@@ -23,20 +23,13 @@ fn geo_err(field: &str, detail: String) -> PyErr {
     to_pyerr(DisaggError::geometry(field, detail))
 }
 
+/// What a tensor argument must be.
+const TENSOR: &str = "expected a torch tensor or numpy array (data_ptr() or __array_interface__)";
+
 /// Read a torch tensor or a numpy array; anything else is a `GeometryMismatchError` (`tensor`).
 fn tensor_view(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
-    tensor_view_of(t).map_err(|e| {
-        retype(t.py(), e, || {
-            type_err(
-                "tensor",
-                format!(
-                    "expected a torch tensor or numpy array (data_ptr() or \
-                     __array_interface__), got {}",
-                    describe(t)
-                ),
-            )
-        })
-    })
+    let typed = || type_err("tensor", format!("{TENSOR}, got {}", describe(t)));
+    tensor_view_of(t).map_err(|e| retype(t.py(), e, typed))
 }
 
 fn tensor_view_of(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
@@ -64,9 +57,7 @@ fn tensor_view_of(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
             device: None,
         }
     } else {
-        let what = t.get_type().name()?;
-        let expected = "expected a torch tensor or numpy array (data_ptr() or __array_interface__)";
-        return Err(geo_err("tensor", format!("{expected}, got {what}")));
+        return Err(geo_err("tensor", format!("{TENSOR}, got {}", t.get_type().name()?)));
     };
     TensorView::from_raw(&raw).py()
 }

@@ -45,14 +45,12 @@ impl RowsArg<'_> {
     }
 }
 
+/// What a region table argument must be.
+const PAIRS: &str = "regions must be a list of (addr, nbytes) pairs";
+
 /// `[(addr, nbytes), ...]` as a validated table (`MetadataError` naming `regions`).
 fn table(regions: &Bound<'_, PyAny>) -> PyResult<RegionTable> {
-    let not_pairs = || {
-        type_err(
-            "regions",
-            format!("regions must be a list of (addr, nbytes) pairs, got {}", describe(regions)),
-        )
-    };
+    let not_pairs = || type_err("regions", format!("{PAIRS}, got {}", describe(regions)));
     let items = regions.try_iter().map_err(|_| not_pairs())?;
     let mut out = Vec::new();
     for item in items {
