@@ -1,9 +1,6 @@
-//! Reading Python arguments into the core's [`disagg_core::args`] values.
-//!
-//! `PyO3`'s own conversions raise bare `TypeError` / `OverflowError` and accept `True` as 1. A
-//! parameter typed [`Int`], [`Text`], [`Real`], [`Flag`], [`IntList`] or [`Typed`] never fails
-//! to extract: it keeps what was given (the value, or a description of it), and the core
-//! decides, when the value is needed, which typed error names the field.
+//! Reading Python arguments into the core's [`disagg_core::args`] values: an [`Arg`] or
+//! [`Typed`] parameter never fails to extract (`PyO3` would raise a bare `TypeError`); it keeps
+//! what was given and the core decides which typed error names the field.
 
 pub use disagg_core::args::Kind;
 use disagg_core::args::{self, Given};
@@ -27,9 +24,7 @@ pub fn type_err(field: &str, detail: String) -> PyErr {
 
 pyo3::import_exception!(disagg_rs.exceptions, DisaggError);
 
-/// `e` if it is already a `DisaggError`, else the typed error `typed()` builds: a failure of
-/// Python code the bindings call (an attribute lookup on a caller's object) never escapes as
-/// a bare `AttributeError` or `TypeError`.
+/// `e` if it is already a `DisaggError`, else the typed error `typed()` builds (caused by `e`).
 pub fn retype(py: Python<'_>, e: PyErr, typed: impl FnOnce() -> PyErr) -> PyErr {
     if e.is_instance_of::<DisaggError>(py) {
         return e;
@@ -95,8 +90,7 @@ checks! {
     }
 }
 
-/// How one Python argument (a `Py`, e.g. [`Int`]) becomes the value a core call takes
-/// (`Out`); a failure is the core's typed error naming the argument.
+/// How one Python argument (`Py`) becomes the value a core call takes (`Out`).
 pub trait Conv {
     /// The parameter type Python's value is read into.
     type Py;
@@ -166,8 +160,7 @@ impl<T> Conv for Raw<T> {
     }
 }
 
-/// Convert named arguments in place: `conv!(request_id: U64, rank: U32)` rebinds each name to
-/// its converted value, the error naming the argument.
+/// `conv!(request_id: U64, rank: U32)` rebinds each name to its converted value.
 macro_rules! conv {
     ($($a:ident: $c:ty),* $(,)?) => {
         $(let $a = <$c as $crate::args::Conv>::conv(stringify!($a), $a)?;)*
@@ -191,8 +184,7 @@ fn int_of(obj: &Bound<'_, PyAny>) -> Result<i128, String> {
     })
 }
 
-/// Read a 1-D integer array (numpy, or torch through `.numpy()` on the host) without a Python
-/// object per element.
+/// Read a 1-D integer array (numpy, or torch on the host) without a Python object per element.
 pub fn array_of(obj: &Bound<'_, PyAny>) -> Result<Vec<i128>, String> {
     let bad = || format!("{}, got {}", args::LIST_EXPECTED, describe(obj));
     let host = if obj.hasattr("data_ptr").unwrap_or(false) && obj.hasattr("numpy").unwrap_or(false)
@@ -262,8 +254,7 @@ extract! {
     bool => |obj| obj.extract::<bool>().map_err(|_| describe(&obj));
 }
 
-/// Any other argument as given (a layout, a list of layouts, a `(layout, geometry)` pair):
-/// `PyO3`'s conversion, with its `TypeError` turned into the typed error naming the field.
+/// Any other argument as given: `PyO3`'s conversion, its `TypeError` kept for [`Typed::get`].
 #[derive(Debug, Clone)]
 pub struct Typed<T>(Given<T>);
 

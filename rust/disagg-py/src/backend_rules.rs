@@ -17,8 +17,7 @@ fn get<'py>(mapping: &Bound<'py, PyAny>, key: &str) -> PyResult<Option<Bound<'py
     Ok((!v.is_none()).then_some(v))
 }
 
-/// The layouts of `layout`'s model-parallel group (TP fastest, then PP), `None` at its own
-/// place; raises `MetadataError` (`src_metas`) where a sibling cannot be inferred.
+/// `backend_rules::group_siblings` of `layout` (`MetadataError`, `src_metas`).
 #[pyfunction]
 pub fn group_layouts(
     py: Python<'_>,
@@ -73,9 +72,8 @@ pub fn chunkable(metas: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
 /// Python objects, in order.
 type Objects<'py> = Vec<Bound<'py, PyAny>>;
 
-/// The tensors of a buffer argument, flattened in order, and its per-layer items: one tensor
-/// (`([tensor], None)`), or a list of per-layer tensors or `(K, V)` tuples; anything else
-/// raises `GeometryMismatchError` (`memory_buffer`).
+/// The tensors of a buffer argument, flattened, and its per-layer items (`([tensor], None)` for
+/// one tensor); `GeometryMismatchError` (`memory_buffer`) for anything else.
 #[pyfunction]
 pub fn buffer_tensors(
     memory_buffer: Bound<'_, PyAny>,
@@ -100,8 +98,7 @@ pub fn buffer_tensors(
     Ok((flat, Some(layers)))
 }
 
-/// `(slots, slot_bytes)` of a staging pool (`None`: the defaults); `ArgumentError` on a chunk
-/// size that is not a positive multiple of 256.
+/// `backend_rules::staging_slots` (`None`: the defaults).
 #[pyfunction]
 #[pyo3(signature = (pool_bytes, chunk_bytes, default_pool_bytes, default_chunk_bytes))]
 pub fn staging_slots(
@@ -134,8 +131,7 @@ pub fn check_chunk_blocks(
     rules::check_chunk_blocks(field, held, num_tokens, &needs).py()
 }
 
-/// `(lo, hi, programs)` of one kernel launch over packed bytes `range` of a run table
-/// `(total, unit)`, in units.
+/// `backend_rules::packed_window`: `(lo, hi, programs)` of one kernel launch, in units.
 #[pyfunction]
 pub fn packed_window(
     range: (i64, Option<i64>),
@@ -145,8 +141,7 @@ pub fn packed_window(
     rules::packed_window(range, table, chunk_units).py()
 }
 
-/// The packed windows of a pipelined handoff between two run tables, each `(total, unit)`
-/// (`chunk_bytes` below one unit: one unit).
+/// `backend_rules::pipeline_windows` between two run tables, each `(total, unit)`.
 #[pyfunction]
 pub fn pipeline_windows(
     gather: (u64, u64),
@@ -185,8 +180,7 @@ pub fn row_unit(row_bytes: u64, offset: u64) -> u64 {
     rules::row_unit(row_bytes, offset)
 }
 
-/// The GPU index whose kernels read a buffer of GPU `home` mapped through CUDA IPC, for a
-/// reader on `local` (a `torch.device` or `None`); `unset` where `local` names no index.
+/// `backend_rules::reader_gpu` for a reader on `local` (a `torch.device` or `None`).
 #[pyfunction]
 pub fn ipc_reader_gpu(home: u32, local: Option<Bound<'_, PyAny>>, unset: u32) -> PyResult<u32> {
     let (cuda, index) = match local {
@@ -236,9 +230,8 @@ impl MetaNode for Node<'_> {
     }
 }
 
-/// `(meta, block ids)` of every source rank a handoff's peer metadata names (one dict, a
-/// list, `{"tp_metas": [...]}` or `{"pp_metas": [...]}`); a rank without its own ids (or
-/// its stage's) gets `src_block_ids` as given.
+/// `peers::peer_records`: `(meta, block ids)` of every source rank (`src_block_ids` as given
+/// for a rank without its own).
 #[pyfunction]
 pub fn backend_peer_records<'py>(
     peer_meta: Bound<'py, PyAny>,
@@ -251,8 +244,7 @@ pub fn backend_peer_records<'py>(
         .collect())
 }
 
-/// Whether every block id list given is empty (`None` skipped; a `{rank: ids}` map counts
-/// each list): a handoff with nothing left to move.
+/// `peers::nothing_to_move` of the block id lists (`None` skipped; a map counts each list).
 #[pyfunction]
 #[pyo3(signature = (*block_ids))]
 pub fn no_blocks(block_ids: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
@@ -270,8 +262,7 @@ pub fn no_blocks(block_ids: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
     Ok(peers::nothing_to_move(&counts))
 }
 
-/// The first failure of a completed two-sided transfer (its posting's, a work's, a transfer
-/// thread's), or `None`.
+/// `peers::p2p_outcome`: the first failure of a completed two-sided transfer, or `None`.
 #[pyfunction]
 pub fn p2p_outcome(
     posted: Option<String>,
@@ -284,8 +275,7 @@ pub fn p2p_outcome(
 pyo3::import_exception!(disagg_rs.exceptions, TransferError);
 pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
 
-/// Whether a transfer is done after one poll (`done`: every part terminal): raises
-/// `TransferError` (terminal, with `error`) or `TransferTimeout` (running past `deadline`).
+/// `peers::poll_verdict`: raises `TransferError` (failed) or `TransferTimeout` (past `deadline`).
 #[pyfunction]
 pub fn poll_verdict(
     done: bool,
@@ -311,9 +301,7 @@ fn program_sources(program: &Bound<'_, PyAny>) -> PyResult<Vec<(u32, u64)>> {
         .collect()
 }
 
-/// The receives of a destination's `program` from `peers` (parsed `Peer`s of the sources):
-/// `(process rank, incarnation, packed bytes, source rank)` of every source that sends
-/// bytes; `MetadataError` for a source no peer names.
+/// `peers::p2p_receives`: `(process rank, incarnation, packed bytes, source rank)` per sender.
 #[pyfunction]
 pub fn p2p_receives(
     program: Bound<'_, PyAny>,
@@ -331,8 +319,7 @@ pub fn p2p_receives(
     Ok(got.into_iter().map(|(p, n)| (p.dist_rank, p.incarnation, n, p.global_rank)).collect())
 }
 
-/// `(destination index, packed bytes)` of the messages source rank `me` sends, one per
-/// destination program that reads bytes from it.
+/// `peers::p2p_sends`: `(destination index, packed bytes)` of the messages rank `me` sends.
 #[pyfunction]
 pub fn p2p_sends(me: u32, programs: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<(usize, u64)>> {
     let sources = programs.iter().map(program_sources).collect::<PyResult<Vec<_>>>()?;
@@ -345,9 +332,8 @@ const PEER_MEMO_LIMIT: usize = 256;
 /// A remembered dict, a deep copy taken then, and its parsed peer.
 type Memo = (Py<PyAny>, Py<PyAny>, Py<PyAny>);
 
-/// One backend's peers: metadata dicts (this library's schema, or the reference design's
-/// fields only) adopted into its `PeerTable`, a dict seen before found by identity while it
-/// is unchanged, and a handoff's peer argument resolved into parsed peers and block ids.
+/// One backend's peers: metadata dicts adopted into its `PeerTable` (found again by identity
+/// while unchanged), and a handoff's peer argument resolved into parsed peers and block ids.
 #[pyclass(name = "PeerResolver", module = "disagg_rs")]
 pub struct PyPeerResolver {
     table: Py<PyAny>,
@@ -357,8 +343,7 @@ pub struct PyPeerResolver {
 
 #[pymethods]
 impl PyPeerResolver {
-    /// A resolver over `table` for a `backend` rank holding `state_kind` state of
-    /// `element_size`-byte `dtype` elements (what translating a reference-only dict needs).
+    /// A resolver over `table` for this rank (what translating a reference-only dict needs).
     #[new]
     fn new(
         table: Py<PyAny>,
@@ -415,8 +400,8 @@ impl PyPeerResolver {
         Ok(peer)
     }
 
-    /// A `Peer` as is; a dict adopted before, found by content; else one of this rank's own
-    /// metadata or a sibling's, adopted without the transport's own fields.
+    /// A `Peer` as is; a dict adopted before, found by content; else adopted without the
+    /// transport's own fields.
     fn peer<'py>(&mut self, meta: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let py = meta.py();
         if meta.is_instance_of::<PyPeer>() {
@@ -434,9 +419,8 @@ impl PyPeerResolver {
         self.adopt(full.into_any())
     }
 
-    /// The parsed peers a handoff's `peer_meta` names (one dict, a list, `{"tp_metas":
-    /// [...]}` or `{"pp_metas": [...]}`) and their block ids: `src_block_ids` as given, or
-    /// `{global_rank: ids}` where a dict or a stage carries its own.
+    /// The parsed peers a handoff's `peer_meta` names (`peers::source_records`) and their block
+    /// ids (`src_block_ids`, or `{global_rank: ids}` where a dict or a stage carries its own).
     fn resolve<'py>(
         &mut self,
         peer_meta: Bound<'py, PyAny>,

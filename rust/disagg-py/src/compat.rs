@@ -1,5 +1,4 @@
-//! Bindings of a reference-design engine's handoff steps (`disagg_core::refdecode`):
-//! argument conversion only.
+//! Bindings of a reference-design engine's handoff steps (`disagg_core::refdecode`).
 
 use disagg_core::refdecode;
 use pyo3::prelude::*;
@@ -21,8 +20,7 @@ pub fn reference_setup(facts: &Bound<'_, PyAny>) -> PyResult<(bool, u64)> {
 type Items<'py> = Vec<Bound<'py, PyAny>>;
 
 /// What an admitted import registers in the prefix cache, ``(blocks, hashes, parent_hashes,
-/// precomputed)``: its imported suffix (after the ``cached`` reused blocks) and the request's
-/// precomputed hashes (None without any). Hashes pass through as given.
+/// precomputed)``.
 #[pyfunction]
 pub fn reference_hash_registration<'py>(
     py: Python<'py>,
@@ -39,8 +37,7 @@ pub fn reference_hash_registration<'py>(
     (local_blocks[start..end].to_vec(), hashes[start..end].to_vec(), parents, precomputed)
 }
 
-/// The request's token limit once the handed-off ``first`` token was appended
-/// (``generated`` tokens): a termination token or a stop word ends it there.
+/// The request's token limit once the handed-off ``first`` token was appended.
 #[pyfunction]
 #[pyo3(signature = (limit, generated, first, termination_id, stop_hit))]
 pub fn reference_first_token_limit(

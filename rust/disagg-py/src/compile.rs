@@ -1,6 +1,5 @@
-//! Python surface of the descriptor compiler: `compile_kv_transfer`, `compile_ssm_transfer`
-//! and `TransferProgram`, whose lists come back as `[n, 3]` `uint64` numpy arrays built with
-//! the GIL released (no Python object per descriptor).
+//! `compile_kv_transfer`, `compile_ssm_transfer` and `TransferProgram`, whose lists come back
+//! as `uint64` numpy arrays built with the GIL released (no Python object per descriptor).
 
 use disagg_core::{
     compile_kv_transfer, compile_ssm_transfer, CostModel, DisaggError, KvTokens, KvTransferRequest,
@@ -42,17 +41,13 @@ pub(crate) fn rows_to_numpy<const N: usize>(
     Ok(arr.into_pyarray(py))
 }
 
+/// What an out array must be.
+const OUT: &str = "out arrays must be numpy uint64 arrays of shape [m, 3]";
+
 /// A caller's `[m, 3]` C-contiguous `uint64` array to write rows into.
 fn out_array<'py>(arr: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<u64>>> {
-    let a = arr.cast::<PyArray2<u64>>().map_err(|_| {
-        type_err(
-            "out",
-            format!(
-                "out arrays must be numpy uint64 arrays of shape [m, 3], got {}",
-                describe(arr)
-            ),
-        )
-    })?;
+    let bad = |_| type_err("out", format!("{OUT}, got {}", describe(arr)));
+    let a = arr.cast::<PyArray2<u64>>().map_err(bad)?;
     disagg_core::args::out_rows(a.shape(), a.is_c_contiguous()).py()?;
     Ok(a.clone())
 }
@@ -105,8 +100,8 @@ fn mode_cost(
     Ok((ModeChoice::parse(mode).py()?, cost))
 }
 
-/// The compiled transfer of one destination rank: per source rank, its mode and lists.
-/// `packed_bytes(src_rank)` and the packed offsets are per (source rank, this destination).
+/// The compiled transfer of one destination rank: per source rank, its mode and lists
+/// (`disagg_core::TransferProgram`).
 #[pyclass(name = "TransferProgram", module = "disagg_rs", frozen)]
 pub struct PyTransferProgram {
     pub(crate) inner: TransferProgram,
@@ -151,7 +146,6 @@ impl PyTransferProgram {
 
 py_methods!(PyTransferProgram,
 get {
-    /// Global rank of the destination this program is for.
     dst_rank: u32 = (dst_rank);
     /// Source ranks that send something, ascending.
     src_ranks: Vec<u32> = (src_ranks());
@@ -167,10 +161,8 @@ methods {
     fn packed_bytes(&self, src_rank: Int) -> PyResult<u64> {
         Ok(self.inner.source(U32::conv("src_rank", src_rank)?).py()?.packed_bytes)
     }
-    /// `(src, dst)` Nx3 `uint64` arrays `(addr, len, device_id)` for the transport; staged
-    /// sources give one row at the packed regions' addresses `src_staging` / `dst_staging`.
-    /// With `out=(src_arr, dst_arr)` (uint64 `[m, 3]`, e.g. reused between handoffs) the rows
-    /// are written there and views of the first rows come back.
+    /// `(src, dst)` Nx3 `uint64` arrays `(addr, len, device_id)`; with `out=(src_arr, dst_arr)`
+    /// the rows are written there and views of the first rows come back.
     #[pyo3(signature = (src_rank, src_staging=Int::of(0), dst_staging=Int::of(0), *, out=None),
         text_signature = "($self, src_rank, src_staging=0, dst_staging=0, *, out=None)")]
     fn descriptors<'py>(&self, py: Python<'py>, src_rank: Int, src_staging: Int,
@@ -227,7 +219,7 @@ methods {
         self.packed(py, src_rank, out, true)
     }
     /// Nx6 `uint64` strided gather runs `(src_addr, packed_offset, len, count, src_stride,
-    /// packed_stride)`; fragment `k < count` starts at `addr + k * stride` on each side.
+    /// packed_stride)`.
     fn gather_runs<'py>(&self, py: Python<'py>, src_rank: Int) -> PyResult<Rows2<'py>> {
         self.runs(py, src_rank, false)
     }
@@ -236,11 +228,7 @@ methods {
     fn scatter_runs<'py>(&self, py: Python<'py>, src_rank: Int) -> PyResult<Rows2<'py>> {
         self.runs(py, src_rank, true)
     }
-    /// The block-id-free table a device kernel walks (see `disagg_rs.transfer_backends.
-    /// device_plan`): a dict with `planes` (`[p, 4]` `uint64` rows `(src_plane, dst_plane,
-    /// packed_coef, row_bytes)`) and the scalars `tokens_per_block`, `src_block_stride`,
-    /// `src_token_stride`, `dst_block_stride`, `dst_token_stride`; `None` for SSM state and
-    /// for KV transfers of another shape (HND caches, block-size changes, `token_start > 0`).
+    /// `TransferProgram::device_plan` as a dict (`planes` a `[p, 4]` `uint64` array), or `None`.
     fn device_plan<'py>(&self, py: Python<'py>, src_rank: u32)
         -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(plan) = self.inner.device_plan(src_rank).py()? else { return Ok(None) };
@@ -275,7 +263,7 @@ methods {
     }
 });
 
-/// Compile the KV transfer of ONE destination rank from every source rank that sends to it.
+/// `disagg_core::compile_kv_transfer` of ONE destination rank from its source ranks.
 #[pyfunction(name = "compile_kv_transfer")]
 #[pyo3(signature = (
     src, dst, src_block_ids, dst_block_ids, num_tokens, mode=Text::of("auto"), *,
@@ -318,7 +306,7 @@ pub fn py_compile_kv_transfer(
     Ok(PyTransferProgram { inner })
 }
 
-/// Compile the SSM state transfer (conv bands and recurrent state) of ONE destination rank.
+/// `disagg_core::compile_ssm_transfer` of ONE destination rank.
 #[pyfunction(name = "compile_ssm_transfer")]
 #[pyo3(signature = (
     src, dst, src_slot, dst_slot, mode=Text::of("auto"), *,

@@ -50,8 +50,7 @@ fn message<'py>(
     Ok(dict)
 }
 
-/// Decode one control frame and check it against its type's schema; returns the message as a
-/// dict (`type` as its wire name). Raises `MetadataError` naming the bad field.
+/// Decode one control frame and check its schema (`MetadataError` naming the bad field).
 #[pyfunction]
 #[pyo3(signature = (data, to_coordinator = false))]
 pub fn decode_control_message<'py>(
@@ -63,8 +62,7 @@ pub fn decode_control_message<'py>(
     message(py, &msg, msg.kind.name().into_pyobject(py)?.into_any())
 }
 
-/// A client's request deadlines (`disagg_core::link::ClientDeadlines`); seconds on the
-/// caller's clock.
+/// A client's request deadlines (`disagg_core::link::ClientDeadlines`), in seconds.
 #[pyclass(module = "disagg_rs._core")]
 pub struct ClientDeadlines(link::ClientDeadlines);
 
@@ -75,8 +73,7 @@ impl ClientDeadlines {
         Self(link::ClientDeadlines::new(default_timeout_s, grace_s))
     }
 
-    /// `request_id` submitted at `now` with `timeout_s` (`None`: the default; otherwise
-    /// checked as a timeout, `ArgumentError` naming `timeout_s`).
+    /// `request_id` submitted at `now` (`timeout_s` `None`: the default; else `ArgumentError`).
     #[pyo3(signature = (request_id, timeout_s, now))]
     fn submit(&mut self, request_id: i64, timeout_s: Option<Real>, now: f64) -> PyResult<()> {
         let t = timeout_s.map(|t| coordinator::timeout_seconds("timeout_s", &t.0)).transpose();
@@ -92,15 +89,12 @@ impl ClientDeadlines {
         }
     }
 
-    /// The requests past their deadline at `now`, in id order (each once).
     fn expired(&mut self, now: f64) -> Vec<i64> {
         self.0.expired(now)
     }
 }
 
-/// An engine's view of its coordinator (`disagg_core::wire::control::LinkLiveness`): liveness
-/// through acknowledged heartbeats, and the requests to abort when it is lost. Times are
-/// seconds on the caller's clock.
+/// An engine's view of its coordinator (`disagg_core::wire::control::LinkLiveness`), in seconds.
 #[pyclass(module = "disagg_rs._core")]
 pub struct LinkLiveness(link::EngineInbox);
 
@@ -112,9 +106,7 @@ impl LinkLiveness {
         Ok(Self(link::EngineInbox::new(timeout_s, now).py()?))
     }
 
-    /// The `frames` that arrived by `now`: `(messages, peers, register)`, the messages for
-    /// the engine (`type` a `Msg`), the newest peer table (`peers` when none came) and
-    /// whether to register again.
+    /// The `frames` that arrived by `now`: `(messages, newest peer table, register again)`.
     fn receive<'py>(
         &mut self,
         py: Python<'py>,
@@ -133,7 +125,6 @@ impl LinkLiveness {
         Ok((msgs, peers, got.register))
     }
 
-    /// Whether a `REGISTER` was sent and its `REGISTERED` has not come yet.
     #[getter]
     fn awaiting_registered(&self) -> bool {
         self.0.awaiting_registered()
@@ -145,31 +136,26 @@ impl LinkLiveness {
         self.0.sent_named(kind, request_id.map(|r| r.0).as_ref(), delivered, now);
     }
 
-    /// Whether a heartbeat is due (taken as sent when it is).
     fn heartbeat_due(&mut self, interval_s: f64, now: f64) -> bool {
         self.0.liveness.heartbeat_due(interval_s, now)
     }
 
-    /// The `(request_id, epoch)` pairs to abort when the coordinator has just been declared
-    /// lost at `now`; empty otherwise.
+    /// The `(request_id, epoch)` pairs to abort when the coordinator was just declared lost.
     fn check(&mut self, now: f64) -> Vec<(i64, i64)> {
         self.0.liveness.check(now)
     }
 
-    /// Whether the coordinator is declared lost now.
     #[getter]
     fn lost(&self) -> bool {
         self.0.liveness.lost()
     }
 
-    /// When the coordinator was last heard from.
     #[getter]
     fn last_heard(&self) -> f64 {
         self.0.liveness.last_heard()
     }
 
-    /// `losses` (times the coordinator was declared lost) and `abandoned` (requests handed
-    /// back to abort).
+    /// `losses` and `abandoned` (requests handed back to abort).
     fn counters(&self) -> std::collections::HashMap<&'static str, u64> {
         let live = &self.0.liveness;
         [("losses", live.losses()), ("abandoned", live.abandoned())].into()
@@ -181,7 +167,6 @@ impl LinkLiveness {
         self.0.fenced()
     }
 
-    /// Undecodable frames dropped.
     #[getter]
     fn malformed(&self) -> u64 {
         self.0.malformed()

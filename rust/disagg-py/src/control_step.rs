@@ -1,5 +1,4 @@
-//! Python class `CoordinatorCore`: the coordinator's state machine
-//! (`disagg_core::coordinator`), with the Python objects it forwards as its payloads.
+//! Python class `CoordinatorCore`: the coordinator's state machine (`disagg_core::coordinator`).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -181,8 +180,7 @@ fn event<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Event<Obj>> {
     })
 }
 
-/// The coordinator's routing and bookkeeping (see `disagg_rs.control.CoordinatorState`, which
-/// wraps it): messages and the caller's `now` in, `(to_engine, to_client, type, fields)` out.
+/// The coordinator's routing and bookkeeping (wrapped by `disagg_rs.control.CoordinatorState`).
 #[pyclass(module = "disagg_rs._core", frozen)]
 pub struct CoordinatorCore(Mutex<Coordinator<Obj>>);
 
@@ -212,8 +210,7 @@ impl CoordinatorCore {
         outs(py, out)
     }
 
-    /// Count a message its schema refused (`msg`: anything, `error`: why) as malformed, by
-    /// type; a `SUBMIT` with a usable request id is answered `FAILED`.
+    /// Count a message its schema refused as malformed; a usable `SUBMIT` is answered `FAILED`.
     fn refused(
         &self,
         py: Python<'_>,
@@ -280,8 +277,7 @@ impl CoordinatorCore {
         Ok(core.address(to_engine, to_client).map(|a| PyBytes::new(py, a).unbind()))
     }
 
-    /// Whether `msg` from `identity` with CURVE key `user_key` speaks for the engine it claims
-    /// (`keys`: engine id -> bound key; a peer that claims none may only `SUBMIT`).
+    /// Whether `msg` from `identity` with CURVE key `user_key` speaks for the engine it claims.
     fn authentic(
         &self,
         identity: &[u8],
@@ -332,8 +328,7 @@ impl CoordinatorCore {
         Ok(dict.unbind())
     }
 
-    /// `ignored`, `malformed` and `lost` (by type or engine id), `completed`, `failed`,
-    /// `aborted_pushes`, `left_to_lease` and `shutting_down`.
+    /// The coordinator's counters by name.
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let core = lock(&self.0)?;
         let c = core.counters();
@@ -356,23 +351,20 @@ impl CoordinatorCore {
     }
 }
 
-/// A timeout in seconds (`disagg_core::coordinator::timeout_seconds`): a real number in
-/// `(0, MAX_TIMEOUT_S]`; anything else raises `ArgumentError` naming `field`.
+/// `disagg_core::coordinator::timeout_seconds` (`ArgumentError` naming `field`).
 #[pyfunction]
 #[pyo3(signature = (value, field = "timeout_s"))]
 pub fn timeout_seconds(value: Real, field: &str) -> PyResult<f64> {
     coordinator::timeout_seconds(field, &value.0).py()
 }
 
-/// Whether `what` runs CURVE (`have`: its keys were given) or, with `insecure`, plain TCP;
-/// neither, or both, raise `ArgumentError` naming `keys` or `insecure`.
+/// Whether `what` runs CURVE or, with `insecure`, plain TCP (`ArgumentError` for neither or both).
 #[pyfunction]
 pub fn curve_mode(what: &str, have: bool, insecure: bool) -> PyResult<bool> {
     coordinator::curve_mode(what, have, insecure).py()
 }
 
-/// A coordinator's fault injection (`disagg_core::coordinator::FaultPlan`), over its
-/// outgoing messages (objects with `to_engine` and `kind`).
+/// A coordinator's fault injection (`disagg_core::coordinator::FaultPlan`).
 #[pyclass(module = "disagg_rs._core", frozen)]
 pub struct FaultPlan(Mutex<coordinator::FaultPlan<Obj>>);
 

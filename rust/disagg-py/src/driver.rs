@@ -44,8 +44,7 @@ fn ticket<'py>(msg: &Bound<'py, PyAny>) -> Option<Bound<'py, PyDict>> {
 /// One import report: `(request_id, epoch, ok, quiet, error)`.
 type Report = (u64, u64, bool, bool, String);
 
-/// De-duplication by (kind, request, epoch), attempt epochs, once-only import reports, the
-/// shutdown horizon and the idle back-off of one engine's handoff driver.
+/// One engine's handoff driver state (`disagg_core::driver`).
 #[pyclass(name = "EngineDriverState", module = "disagg_rs", frozen)]
 pub struct PyEngineDriverState {
     inner: Mutex<EngineDriver>,
@@ -71,9 +70,7 @@ methods {
         Ok(Self { inner: Mutex::new(EngineDriver::new(capacity)) })
     }
 
-    /// The messages every rank acts on: the link's `msgs`, with the peer metadata they name
-    /// attached from `peers` (a ticket's source only at the incarnation it names), after a
-    /// `{"type": peers_type, "peers": peers}` announcement when the table changed.
+    /// The messages every rank acts on, with the peer metadata they name attached from `peers`.
     fn inbox<'py>(&self, msgs: Vec<Bound<'py, PyAny>>, peers: &Bound<'py, PyDict>,
         peers_type: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
         let py = peers.py();
@@ -108,9 +105,7 @@ methods {
         Ok(out)
     }
 
-    /// What an engine of `role` does with `msg`: `"peers"`, `"prefill"`, `"ticket"`,
-    /// `"send_kv"`, `"release"`, `"abort"`, `"shutdown"`, or `None` (a duplicate, malformed,
-    /// or meant for the other role: dropped, counted).
+    /// What an engine of `role` does with `msg` (`None`: dropped, counted).
     fn dispatch(&self, msg: &Bound<'_, PyAny>, role: &str) -> PyResult<Option<&'static str>> {
         let ids = (lenient(item(msg, "request_id")), lenient(item(msg, "epoch")));
         let peers_ok = item(msg, "peers").is_some_and(|p| p.is_instance_of::<PyDict>());
@@ -127,8 +122,7 @@ methods {
         Ok(request_id.and_then(|r| d.source_of(r)).map(str::to_owned))
     }
 
-    /// The epoch to stamp on an outcome of `request_id`: `epoch` if given, else its attempt's
-    /// (`None`: unknown, counted; the outcome is dropped).
+    /// The epoch to stamp on an outcome of `request_id` (`None`: unknown, counted).
     #[pyo3(signature = (request_id, epoch = None))]
     fn stamp(&self, request_id: Int, epoch: Option<u64>) -> PyResult<Option<u64>> {
         conv!(request_id: Lenient);
@@ -136,9 +130,8 @@ methods {
         Ok(request_id.and_then(|r| d.stamp(r, epoch)))
     }
 
-    /// `(request_id, epoch, ok, quiet, error)` of each report of the `settled` imports
-    /// (`(request_id, failed)`; `quarantined`: ids whose reads may still run; `reasons`: each
-    /// failure's text, `None` for none), once per attempt.
+    /// `(request_id, epoch, ok, quiet, error)` of each report of the `settled` imports, once per
+    /// attempt.
     fn imports_settled(&self, settled: Vec<(u64, bool)>, quarantined: &Bound<'_, PyAny>,
         reasons: std::collections::HashMap<u64, Option<String>>)
         -> PyResult<Vec<Report>> {

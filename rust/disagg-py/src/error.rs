@@ -16,8 +16,7 @@ exceptions! {
     ConservationError, MessageOrderError, PushAbortedError
 }
 
-/// Convert a core error into its Python exception: exhaustive, so a new variant fails to
-/// compile until it is mapped. The exception gets `(message, field)` as arguments.
+/// A core error as its Python exception `(message, field)`; exhaustive over the variants.
 pub fn to_pyerr(e: DisaggError) -> PyErr {
     let msg = e.to_string();
     match e {
@@ -97,22 +96,15 @@ pub fn wire_dict<'a, 'py>(
     })
 }
 
-/// One `#[pymethods]` block whose plain read-only accessors of `self.inner` are listed, not
-/// written out, so every record class reads its fields through one implementation:
-///
-/// - `get { name: Type = (path); }`: getter returning `self.inner.path`;
-/// - `span { name = (path); }`: getter returning the span `self.inner.path` as `(lo, hi)`;
-/// - `range { name = (path); }`: method (not a getter) returning that span as `(lo, hi)`;
-/// - `methods { .. }`: the hand-written methods.
-///
-/// A leading `wire $ty => $core` adds `from_dict`, `to_dict`, `__reduce__` (pickling and the
-/// wire share one codec: the core's [`WireRecord`](disagg_core::wire::layout::WireRecord))
-/// and `__repr__` (the core type's `Display`). Doc comments carry over.
+/// One `#[pymethods]` block listing the read-only accessors of `self.inner`: `get { name: T =
+/// (path); }` getters, `span`/`range` `{ name = (path); }` spans as `(lo, hi)` (getter /
+/// method), then the hand-written `methods`. A leading `wire $ty => $core` adds `from_dict`,
+/// `to_dict`, `__reduce__` (the core's [`WireRecord`](disagg_core::wire::layout::WireRecord))
+/// and `__repr__`.
 macro_rules! py_methods {
     (wire $ty:ty => $core:ty, get $g:tt span $s:tt range $r:tt methods { $($m:tt)* }) => {
         impl $ty {
-            /// Decode a wire dict: `MetadataError` on a missing, unknown or mistyped field, the
-            /// core type's own errors on invalid values.
+            /// Decode a wire dict (`MetadataError` on a missing, unknown or mistyped field).
             pub fn from_wire(
                 d: &::pyo3::Bound<'_, ::pyo3::types::PyDict>,
             ) -> ::pyo3::PyResult<Self> {

@@ -1,8 +1,5 @@
-//! Python classes for memory geometries: `KVGeometry` and `SSMGeometry`.
-//!
-//! Tensors are read through the attributes every framework exposes (torch: `data_ptr()`,
-//! `shape`, `stride()`, `element_size()`, `dtype`, `device`; numpy: `__array_interface__`,
-//! `strides`, `itemsize`, `dtype`); nothing here imports torch.
+//! Python classes `KVGeometry` and `SSMGeometry`; tensors are read through the attributes
+//! torch and numpy expose (`data_ptr()` or `__array_interface__`), without importing torch.
 
 use disagg_core::buffer::{self, BufferArgs, LayoutArgs};
 use disagg_core::geometry::TensorView;
@@ -15,8 +12,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
 use crate::args::{
-    conv, describe, retype, type_err, wire_dict_to_py, Conv, Int, IntList, Kind, Opt, Str, Text,
-    U64s, U32, U64,
+    conv, convs, describe, retype, type_err, wire_dict_to_py, Conv, Int, IntList, Kind, Opt, Str,
+    Text, U64s, U32, U64,
 };
 use crate::error::{py_methods, to_pyerr, IntoPyResult};
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
@@ -26,21 +23,13 @@ fn geo_err(field: &str, detail: String) -> PyErr {
     to_pyerr(DisaggError::geometry(field, detail))
 }
 
-/// Read a torch tensor (anything with `data_ptr()`) or a numpy array; anything else (None, a
-/// list, an object lacking the attributes) is a `GeometryMismatchError` naming `tensor`.
+/// What a tensor argument must be.
+const TENSOR: &str = "expected a torch tensor or numpy array (data_ptr() or __array_interface__)";
+
+/// Read a torch tensor or a numpy array; anything else is a `GeometryMismatchError` (`tensor`).
 fn tensor_view(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
-    tensor_view_of(t).map_err(|e| {
-        retype(t.py(), e, || {
-            type_err(
-                "tensor",
-                format!(
-                    "expected a torch tensor or numpy array (data_ptr() or \
-                     __array_interface__), got {}",
-                    describe(t)
-                ),
-            )
-        })
-    })
+    let typed = || type_err("tensor", format!("{TENSOR}, got {}", describe(t)));
+    tensor_view_of(t).map_err(|e| retype(t.py(), e, typed))
 }
 
 fn tensor_view_of(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
@@ -68,9 +57,7 @@ fn tensor_view_of(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
             device: None,
         }
     } else {
-        let what = t.get_type().name()?;
-        let expected = "expected a torch tensor or numpy array (data_ptr() or __array_interface__)";
-        return Err(geo_err("tensor", format!("{expected}, got {what}")));
+        return Err(geo_err("tensor", format!("{TENSOR}, got {}", t.get_type().name()?)));
     };
     TensorView::from_raw(&raw).py()
 }
@@ -89,21 +76,15 @@ get {
     num_kv: u32 = (spec().num_kv);
     /// Local layers.
     num_layers: u32 = (spec().num_layers);
-    /// Blocks in the cache.
     num_blocks: u32 = (spec().num_blocks);
-    /// Tokens per block.
     tokens_per_block: u32 = (spec().tokens_per_block);
     /// Local KV heads.
     num_heads: u32 = (spec().num_heads);
-    /// Elements per head row.
     head_dim: u32 = (spec().head_dim);
-    /// Bytes per element.
     element_size: u32 = (spec().element_size);
     /// Plane base addresses, index `kv * num_layers + layer`.
     plane_bases: Vec<u64> = (spec().plane_bases.clone());
-    /// Device id.
     device_id: u64 = (spec().device_id);
-    /// Element type name, if known.
     dtype: Option<String> = (spec().dtype.clone());
 }
 span {}
@@ -138,8 +119,7 @@ methods {
         Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
 
-    /// From one tensor whose axes are named by `axes` (any order; `kv`, `layer` and `head`
-    /// may be absent: MLA latent is `"layer block token dim"`).
+    /// `KvGeometrySpec::from_tensor` of one tensor whose axes `axes` names.
     #[classmethod]
     #[pyo3(signature = (tensor, axes=Text::of("kv layer block token head dim"), device_id=None),
         text_signature = "(tensor, axes='kv layer block token head dim', device_id=None)")]
@@ -159,10 +139,8 @@ methods {
         Self::from_tensor(cls, tensor, Text::of("layer block token dim"), device_id)
     }
 
-    /// From one tensor per local layer, all of one shape and strides: `[2, B, T, H, d]` (NHD,
-    /// the default axes) or `[2, B, H, T, d]` (HND: `axes="kv block head token dim"`), an MLA
-    /// latent `[B, T, d]` (`axes="block token dim"`), or one `(K, V)` tuple per layer of
-    /// separate key and value tensors (axes without `kv`, e.g. `"block token head dim"`).
+    /// From one tensor per local layer, or one `(K, V)` tuple per layer (axes without `kv`):
+    /// `KvGeometrySpec::from_layer_tensors` and `from_kv_layer_tensors`.
     #[classmethod]
     #[pyo3(signature = (tensors, axes=Text::of("kv block token head dim"), device_id=None),
         text_signature = "(tensors, axes='kv block token head dim', device_id=None)")]
@@ -205,11 +183,8 @@ get {
     num_layers: usize = (num_layers());
     /// Slots per layer.
     num_slots: u32 = (num_slots());
-    /// Device id.
     device_id: u64 = (device_id);
-    /// Whether the conv part is registered.
     has_conv: bool = (conv.is_some());
-    /// Whether the recurrent part is registered.
     has_recurrent: bool = (recurrent.is_some());
 }
 span {}
@@ -297,18 +272,19 @@ fn layout_args(layout: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutArgs> {
     LayoutArgs::from_named(&named).py()
 }
 
-fn int_of(v: Option<Int>, field: &str) -> PyResult<Option<i128>> {
-    any_int(v.as_ref().map(|x| &x.0), field).py()
+convs! {
+    /// An integer of any size (`ArgumentError` beyond 128 bits).
+    AnyInt: Int => i128 = |f, v| v.in_range(Kind::Argument, f, i128::MIN, i128::MAX, "2**127");
+    /// An optional layout integer of any size (`tensor_args::any_int`).
+    LayoutInt: Option<Int> => Option<i128> = |f, v| any_int(v.as_ref().map(|x| &x.0), f).py();
 }
 
-/// What a transfer backend registers about its buffer (`buffer.rs` of the core decides):
-/// `tensor` is the (first) registered tensor, `layers` the per-layer list or `None`, `layout`
-/// the reference constructor's KV layout arguments by name (`tp_size=...`, each optional).
-/// Returns the reference design's `compute_buffer_geometry` fields alone with `reference_only`.
+/// `disagg_core::buffer::plan_buffer` of a registered buffer (`tensor`: the first tensor,
+/// `layers`: the per-layer list, `layout`: KV layout arguments by name); with
+/// `reference_only`, `buffer::reference_geometry`.
 #[pyfunction]
 #[pyo3(signature = (tensor, layers, ssm_layout, *, backend, contiguous, expected_num_blocks,
     ssm_state_kind=None, axes=None, blocks_axis=None, reference_only=false, **layout))]
-#[allow(clippy::too_many_arguments)]
 pub fn plan_buffer<'py>(
     tensor: &Bound<'py, PyAny>,
     layers: Option<Bound<'py, PyAny>>,
@@ -333,18 +309,12 @@ pub fn plan_buffer<'py>(
         view: tensor_view(tensor)?,
         contiguous,
         per_layer: layers.is_some(),
-        expected_num_blocks: expected_num_blocks.in_range(
-            Kind::Argument,
-            "expected_num_blocks",
-            i128::MIN,
-            i128::MAX,
-            "2**127",
-        )?,
+        expected_num_blocks: AnyInt::conv("expected_num_blocks", expected_num_blocks)?,
         kv: layout_args(layout)?,
         ssm_layout: ssm.transpose()?,
         ssm_state_kind: Opt::<Str>::conv("ssm_state_kind", ssm_state_kind)?,
         axes: Opt::<Str>::conv("axes", axes)?,
-        blocks_axis: int_of(blocks_axis, "blocks_axis")?,
+        blocks_axis: LayoutInt::conv("blocks_axis", blocks_axis)?,
     };
     let kv_obj = |l: Option<KvShardLayout>| -> PyResult<Option<Py<PyAny>>> {
         l.map(|inner| Py::new(py, PyKvShardLayout { inner }).map(Py::into_any)).transpose()

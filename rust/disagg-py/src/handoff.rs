@@ -49,8 +49,7 @@ fn attr<'py>(obj: &Bound<'py, PyAny>, name: &str) -> Option<Bound<'py, PyAny>> {
     obj.getattr(name).ok().filter(|v| !v.is_none())
 }
 
-/// `sampling_params` as given: a bare int (not a bool) is the number of tokens to generate,
-/// anything else is read by its attributes.
+/// `sampling_params` as given: a bare int is the number of tokens, else read by attributes.
 fn sampling_given(sp: &Bound<'_, PyAny>) -> PyResult<SamplingGiven> {
     if sp.is_instance_of::<PyInt>() && !sp.is_instance_of::<PyBool>() {
         return Ok(SamplingGiven {
@@ -71,10 +70,8 @@ fn sampling_given(sp: &Bound<'_, PyAny>) -> PyResult<SamplingGiven> {
     })
 }
 
-/// ``(max_new_tokens, finished)`` of an import: the token limit its ``sampling_params`` set
-/// (``MetadataError`` naming ``sampling_params`` without one) and whether the handed-off
-/// ``resume_tokens`` already finish it (the limit, the termination token, the engine's
-/// ``eos_token`` when the request has none, or a stop word).
+/// ``(max_new_tokens, finished)`` of an import (``disagg_core::handoff::import_limits``;
+/// ``MetadataError`` naming ``sampling_params`` without a limit).
 #[pyfunction]
 pub fn import_limits(
     sampling_params: &Bound<'_, PyAny>,
@@ -87,9 +84,8 @@ pub fn import_limits(
     Ok((limits.max_new_tokens, limits.finished))
 }
 
-/// ``(reason, detail, integrity, message)`` reporting a failed import: the ledger's
-/// ``reason``, the first integrity ``mismatch`` (an ``IntegrityMismatch``, which wins) or
-/// ``rank_error`` (the first transport error a rank reported).
+/// ``(reason, detail, integrity, message)`` reporting a failed import
+/// (``disagg_core::handoff::import_failure``).
 #[pyfunction]
 #[pyo3(signature = (request_id, reason, mismatch=None, rank_error=None))]
 pub fn import_failure(
@@ -103,9 +99,8 @@ pub fn import_failure(
     (f.reason, f.detail, f.integrity, f.message)
 }
 
-/// The prompt arguments of `ImportLedger.submit` for `prompt`: the tokens, with the chunk
-/// alignment of a verifying decode's prefix reuse (``integrity``: the ticket's digest table,
-/// ``None`` when this decode does not verify), or, for a table without chunks, no reuse.
+/// The prompt arguments of `ImportLedger.submit` for `prompt` (``integrity``: the ticket's
+/// digest table, ``None`` when this decode does not verify).
 #[pyfunction]
 #[pyo3(signature = (prompt, integrity=None))]
 pub fn import_prompt_args<'py>(
@@ -129,11 +124,8 @@ pub fn import_prompt_args<'py>(
     Ok(args)
 }
 
-/// The transport arguments of a pull of state ``kind`` (``kv``, ``conv``, ``recurrent``):
-/// ``{"tag": ...}`` on a two-sided transport (``ArgumentError`` for an id it cannot tag),
-/// ``{"staged": tickets}`` for a whole-prompt KV read (``token_start`` 0) of the copy a
-/// prefill staged for this rank (``staged``: the ticket's tickets by decode ``global_rank``),
-/// else ``{}``.
+/// The transport arguments of a pull of state ``kind``: ``{"tag": ...}`` (two-sided;
+/// ``ArgumentError`` for an id it cannot tag), ``{"staged": tickets}`` or ``{}``.
 #[pyfunction]
 #[pyo3(signature = (kind, request_id, *, two_sided, token_start=None, staged=None, global_rank=None))]
 pub fn pull_kwargs<'py>(
@@ -177,11 +169,8 @@ pub struct StartArg {
     ssm_slot: Option<u32>,
 }
 
-/// The transfers a started import posts, as ``(kind, src_ids, dst_ids, kwargs)`` in posting
-/// order (see ``disagg_core::handoff::import_pulls``): ``action`` is the ledger's start action,
-/// ``ticket`` the import's ticket (its ``src_ssm_slot`` and ``staged`` tickets), ``num_tokens``
-/// the prompt's length, ``kinds`` the states this rank moves; ``kwargs`` as
-/// :func:`pull_kwargs` gives them (plus KV's ``num_tokens``).
+/// ``disagg_core::handoff::import_pulls``: ``(kind, src_ids, dst_ids, kwargs)`` in posting
+/// order, ``kwargs`` as :func:`pull_kwargs` gives them (plus KV's ``num_tokens``).
 #[pyfunction]
 #[pyo3(signature = (action, ticket, *, num_tokens, kinds, two_sided, kv_backend=None))]
 #[allow(clippy::type_complexity)]
@@ -229,8 +218,7 @@ pub fn import_pulls<'py>(
 
 pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
 
-/// One poll of a transfer handle as its state and error text: the poll's answer (whether it
-/// is done), or the ``TransferTimeout`` (timed out) or ``TransferError`` (failed) it raised.
+/// One poll of a transfer handle: its answer, or the ``TransferTimeout`` or ``TransferError``.
 fn handle_state(polled: &Bound<'_, PyAny>) -> PyResult<(HandleState, String)> {
     if !polled.is_instance_of::<PyException>() {
         let done = polled.is_truthy()?;
@@ -241,10 +229,8 @@ fn handle_state(polled: &Bound<'_, PyAny>) -> PyResult<(HandleState, String)> {
     Ok((if timed_out { HandleState::TimedOut } else { HandleState::Failed }, text))
 }
 
-/// ``(outcome, first_error)`` of this rank's import: ``outcome`` is ``None`` while a handle
-/// runs, else ``"ok"``, ``"error"`` or ``"may_still_write"``; ``polled`` holds one poll of each
-/// handle (its answer, or the ``TransferTimeout`` or ``TransferError`` it raised),
-/// ``failed_locally`` the error of a start that threw.
+/// ``(outcome, first_error)`` of this rank's import (``disagg_core::handoff::local_outcome``);
+/// ``polled`` holds one poll of each handle, ``failed_locally`` the error of a start that threw.
 #[pyfunction]
 #[pyo3(signature = (failed_locally, polled))]
 pub fn import_local_outcome(
@@ -259,10 +245,8 @@ pub fn import_local_outcome(
 /// One rank's report as gathered: ``(request_id, epoch, outcome, mismatch, error)``.
 type GatheredReport = (u64, u64, String, Option<Py<PyAny>>, String);
 
-/// Feed every model-parallel rank's gathered reports (``gathered[rank]``) into ``ledger`` at
-/// ``now``, all or nothing; returns its actions, the first integrity mismatch and the first
-/// rank error (``"model-parallel rank R: ..."``) of each started request, as
-/// ``(request_id, value)`` pairs.
+/// Feed every rank's gathered reports into ``ledger`` at ``now``, all or nothing: its actions,
+/// the first integrity mismatch and the first rank error of each request, by request id.
 #[pyfunction]
 #[allow(clippy::type_complexity)]
 pub fn fold_import_reports(
@@ -287,16 +271,14 @@ fn refused(refusal: Option<String>) -> PyResult<()> {
     refusal.map_or(Ok(()), |msg| Err(ResetRefusedError::new_err((msg, "request_id"))))
 }
 
-/// Raise ``ResetRefusedError`` (naming ``request_id``) while the prefill still pins the blocks
-/// of requests ``pinned``: a decode may still be reading them.
+/// Raise ``ResetRefusedError`` (naming ``request_id``) while the prefill pins ``pinned``.
 #[pyfunction]
 pub fn refuse_reset_while_pinned(pinned: Vec<u64>) -> PyResult<()> {
     refused(handoff::pinned_refusal(&pinned))
 }
 
 /// Raise ``ResetRefusedError`` (naming ``request_id``) while a transfer may still touch the
-/// registered memory: ``imports`` and ``quarantined`` as ``(request_id, quiet)`` (whether every
-/// handle of it is quiet), the request ids of ``pushes`` and ``fillers`` in flight.
+/// registered memory (``disagg_core::handoff::close_refusal``).
 #[pyfunction]
 pub fn refuse_close_in_flight(
     imports: Vec<(u64, bool)>,
@@ -316,8 +298,8 @@ pub enum RankPieces {
     Pieces(Vec<Py<PyAny>>),
 }
 
-/// Every rank's gathered digest pieces (a list per rank, or the text of a rank's failure) as
-/// one list; ``HandoffStateError`` naming ``integrity`` with the first rank's failure.
+/// Every rank's gathered digest pieces as one list; ``HandoffStateError`` (``integrity``) with
+/// the first rank's failure.
 #[pyfunction]
 pub fn gathered_integrity_pieces(gathered: Vec<RankPieces>) -> PyResult<Vec<Py<PyAny>>> {
     let gathered = gathered.into_iter().map(|g| match g {

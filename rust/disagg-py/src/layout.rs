@@ -1,9 +1,5 @@
-//! Python classes for the shard layouts: `KVShardLayout`, `SSMStateDims`, `SSMShardLayout`.
-//!
-//! Each class accepts the reference design's (Megatron-LM's disaggregation package) positional
-//! order and keywords, and ours as aliases of the same constructor. Each also carries the
-//! reference design's dataclass fields (`__dataclass_fields__`), so `dataclasses.asdict`,
-//! `astuple`, `fields` and `replace` work on them as on the reference dataclasses.
+//! Python classes `KVShardLayout`, `SSMStateDims`, `SSMShardLayout`: the reference design's
+//! constructor order and keywords (ours as aliases) and its `__dataclass_fields__`.
 
 use disagg_core::wire::layout::{dims_call, ssm_call_names, ssm_layout_call, KvLayoutCall};
 use disagg_core::{KvLayoutSpec, SsmBand, SsmLayoutSpec, SsmShardLayout, SsmStateDims};
@@ -22,8 +18,7 @@ fn core(v: Option<Int>) -> Option<disagg_core::args::Int> {
     v.map(|a| a.0)
 }
 
-/// `__dataclass_fields__` of a frozen dataclass named `name` with `fields`, built by
-/// `dataclasses.make_dataclass` so the `Field` objects are the standard library's own.
+/// `__dataclass_fields__` of a frozen `dataclasses.make_dataclass(name, fields)`.
 fn dataclass_fields(py: Python<'_>, name: &str, fields: &[&str]) -> PyResult<Py<PyAny>> {
     let kwargs = PyDict::new(py);
     kwargs.set_item("frozen", true)?;
@@ -36,7 +31,7 @@ fn dataclass_fields(py: Python<'_>, name: &str, fields: &[&str]) -> PyResult<Py<
 }
 
 /// The KV cache slice one rank holds: a PP layer window and a KV head range (half-open).
-#[pyclass(name = "KVShardLayout", module = "disagg_rs", frozen, eq, hash)]
+#[pyclass(name = "KVShardLayout", module = "disagg_rs", frozen, eq, hash, from_py_object)]
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct PyKvShardLayout {
     /// The validated core layout.
@@ -47,32 +42,25 @@ py_methods!(wire PyKvShardLayout => disagg_core::KvShardLayout,
 get {
     /// Layers of the whole model.
     num_layers: u32 = (num_layers);
-    /// KV heads of the whole model (the reference design's name).
+    /// KV heads of the whole model (`num_kv_heads` is an alias).
     num_heads: u32 = (num_kv_heads);
-    /// KV heads of the whole model (alias of `num_heads`).
     num_kv_heads: u32 = (num_kv_heads);
     tp_size: u32 = (tp_size);
     tp_rank: u32 = (tp_rank);
     pp_size: u32 = (pp_size);
     pp_rank: u32 = (pp_rank);
     global_rank: u32 = (global_rank);
-    /// Expert-parallel size (a replica dimension: KV is identical across EP ranks).
+    /// Expert-parallel size (a replica dimension, like `etp_size`).
     ep_size: u32 = (ep_size);
     ep_rank: u32 = (ep_rank);
-    /// Expert-tensor-parallel size (a replica dimension, like EP).
     etp_size: u32 = (etp_size);
     etp_rank: u32 = (etp_rank);
-    /// First global layer held.
     layer_start: u32 = (layers.lo);
-    /// One past the last global layer held.
     layer_end: u32 = (layers.hi);
-    /// Layers held by this rank.
     num_local_layers: u32 = (layers.len());
-    /// First global KV head held.
     head_start: u32 = (heads.lo);
-    /// One past the last global KV head held.
     head_end: u32 = (heads.hi);
-    /// KV heads held by this rank (the backends' `heads_per_partition`).
+    /// KV heads held by this rank.
     heads_per_partition: u32 = (heads.len());
     /// Ranks holding the same KV head (GQA replication factor; 1 when `tp_size` <= heads).
     gqa_replication: u32 = (gqa_replication());
@@ -86,9 +74,9 @@ span {
     heads = (heads);
 }
 range {
-    /// Global layers held, `[lo, hi)` (the reference design's method).
+    /// Global layers held (the reference design's method).
     layer_range = (layers);
-    /// Global KV heads held, `[lo, hi)` (the reference design's method).
+    /// Global KV heads held (the reference design's method).
     head_range = (heads);
 }
 methods {
@@ -118,16 +106,13 @@ methods {
         Ok(Self { inner: call.layout().py()? })
     }
 
-    /// The reference design's dataclass fields (for `dataclasses.asdict` and friends).
     #[classattr]
     fn __dataclass_fields__(py: Python<'_>) -> PyResult<Py<PyAny>> {
         dataclass_fields(py, "KVShardLayout", &KvLayoutSpec::WIRE_KEYS[..13])
     }
-    /// Layers held by this rank (the reference design's method).
     fn local_num_layers(&self) -> u32 {
         self.inner.layers.len()
     }
-    /// KV heads held by this rank (the reference design's method).
     fn local_num_heads(&self) -> u32 {
         self.inner.heads.len()
     }
@@ -150,18 +135,15 @@ const DIMS_FIELDS: [&str; 5] = ["nheads", "headdim", "d_state", "ngroups", "d_co
 
 py_methods!(wire PySsmStateDims => SsmStateDims,
 get {
-    /// SSM heads of the whole model (the reference design's name).
+    /// SSM heads of the whole model (`num_heads` is an alias).
     nheads: u32 = (num_heads);
-    /// SSM heads of the whole model (alias of `nheads`).
     num_heads: u32 = (num_heads);
-    /// Channels per head (the reference design's name).
+    /// Channels per head (`head_dim` is an alias).
     headdim: u32 = (head_dim);
-    /// Channels per head (alias of `headdim`).
     head_dim: u32 = (head_dim);
     d_state: u32 = (d_state);
-    /// B/C groups of the whole model (the reference design's name).
+    /// B/C groups of the whole model (`n_groups` is an alias).
     ngroups: u32 = (n_groups);
-    /// B/C groups of the whole model (alias of `ngroups`).
     n_groups: u32 = (n_groups);
     d_conv: u32 = (d_conv);
 }
@@ -182,7 +164,6 @@ methods {
         let inner = dims_call(heads, dim, groups, core(d_state), &d_conv.0).py()?;
         Ok(Self { inner })
     }
-    /// The reference design's dataclass fields (for `dataclasses.asdict` and friends).
     #[classattr]
     fn __dataclass_fields__(py: Python<'_>) -> PyResult<Py<PyAny>> {
         dataclass_fields(py, "SSMStateDims", &DIMS_FIELDS)
@@ -195,8 +176,7 @@ methods {
 });
 
 impl PySsmStateDims {
-    /// An `SSMStateDims` argument, or the dict a wire round trip (`dataclasses.asdict`) made of
-    /// one.
+    /// An `SSMStateDims` argument, or the dict `dataclasses.asdict` made of one.
     fn coerce(v: &Bound<'_, PyAny>) -> PyResult<SsmStateDims> {
         if let Ok(dims) = v.cast::<PySsmStateDims>() {
             return Ok(dims.get().inner);
@@ -211,7 +191,7 @@ impl PySsmStateDims {
 
 /// The SSM state one rank holds: layer window, head range (x band, recurrent) and group range
 /// (B, C bands). Local conv channels are packed `[x | B | C]`.
-#[pyclass(name = "SSMShardLayout", module = "disagg_rs", frozen, eq, hash)]
+#[pyclass(name = "SSMShardLayout", module = "disagg_rs", frozen, eq, hash, from_py_object)]
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct PySsmShardLayout {
     /// The validated core layout.
@@ -244,9 +224,8 @@ get {
     d_inner_local: u32 = (band_extent(SsmBand::X).1);
     /// B/C groups held by this rank.
     ngroups_local: u32 = (groups.len());
-    /// Local conv channels `[x_local | B_local | C_local]`.
+    /// Local conv channels `[x_local | B_local | C_local]` (`conv_dim_local` is an alias).
     local_conv_channels: u32 = (local_conv_channels());
-    /// Local conv channels (the reference design's name of `local_conv_channels`).
     conv_dim_local: u32 = (local_conv_channels());
 }
 span {
@@ -258,21 +237,11 @@ span {
     groups = (groups);
 }
 range {
-    /// Global SSM layers held, `[lo, hi)` (the reference design's method).
+    /// Global SSM layers held (the reference design's method).
     layer_range = (layers);
 }
 methods {
-    /// Two call forms, one layout:
-    ///
-    /// - the reference design's: `SSMShardLayout(global_rank, tp_size, tp_rank, layer_start,
-    ///   num_layers, dims)` where `num_layers` counts this stage's layers; the model's total
-    ///   may be given as `total_layers=`;
-    /// - ours: `SSMShardLayout(num_layers, dims, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0,
-    ///   global_rank=None, *, layer_start=None, num_local_layers=None)` where `num_layers` is
-    ///   the model's total and the window is the even split unless given.
-    ///
-    /// `num_layers` means the stage's count exactly when `layer_start` is given without
-    /// `num_local_layers`. `replicate_groups=True` opts in to `tp_size > ngroups`.
+    /// The reference design's call form or ours (both documented in `_core.pyi`).
     #[new]
     #[pyo3(signature = (*args, **kwargs))]
     fn new(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
@@ -297,7 +266,6 @@ methods {
         let replicate = replicate_groups.map_or(Ok(false), |f| f.get("replicate_groups"))?;
         Ok(Self { inner: ssm_layout_call(&ints, PySsmStateDims::coerce(dims)?, replicate).py()? })
     }
-    /// The reference design's dataclass fields, then ours (for `dataclasses.asdict` and friends).
     #[classattr]
     fn __dataclass_fields__(py: Python<'_>) -> PyResult<Py<PyAny>> {
         dataclass_fields(py, "SSMShardLayout", &SsmLayoutSpec::DATACLASS_FIELDS)
@@ -321,13 +289,11 @@ methods {
     fn shard_key(&self) -> (u32, u32) {
         self.inner.shard_key()
     }
-    /// The reference design's `(global_total, local_size, local_offset)` of a band: channels
-    /// for "x", "B", "C", heads for "recurrent" (whose offset is always 0).
+    /// The reference design's `(global_total, local_size, local_offset)` of a band.
     fn band(&self, name: Text) -> PyResult<(u32, u32, u32)> {
         Ok(self.inner.band_extent(SsmBand::parse(name.get("name")?).py()?))
     }
-    /// `(global [lo, hi), local [lo, hi))` of a band: channels for "x", "B", "C", heads for
-    /// "recurrent".
+    /// `(global [lo, hi), local [lo, hi))` of a band.
     fn band_span(&self, name: Text) -> PyResult<(PyRange, PyRange)> {
         let b = self.inner.band(SsmBand::parse(name.get("name")?).py()?);
         Ok(((b.global.lo, b.global.hi), (b.local.lo, b.local.hi)))

@@ -63,6 +63,13 @@ pub(crate) fn actions(v: Vec<LedgerAction>) -> Vec<PyLedgerAction> {
     v.into_iter().map(|a| PyLedgerAction { inner: a.into() }).collect()
 }
 
+impl<const N: usize> Out for [(&'static str, u64); N] {
+    type Py = BTreeMap<&'static str, u64>;
+    fn out(self) -> PyResult<Self::Py> {
+        Ok(BTreeMap::from(self))
+    }
+}
+
 impl Out for Result<Vec<LedgerAction>, DisaggError> {
     type Py = Vec<PyLedgerAction>;
     fn out(self) -> PyResult<Self::Py> {
@@ -87,7 +94,6 @@ convs! {
         = |_f, v| v.into_iter().map(|(r, o)| Ok((U64::conv("request_id", r)?, o))).collect();
 }
 
-/// A decode batch's occupancy from its context's counts.
 fn batch_room(total: Int, max_requests: Int, active: Int, max_tokens: Int) -> PyResult<BatchRoom> {
     conv!(max_requests: U64, max_tokens: U64);
     let total_requests = U64::conv("total_request_count", total)?;
@@ -95,10 +101,8 @@ fn batch_room(total: Int, max_requests: Int, active: Int, max_tokens: Int) -> Py
     Ok(BatchRoom { total_requests, max_requests, active_tokens, max_tokens })
 }
 
-/// A push plan as Python receives it (see `PyPinLedger::start_push`).
 type PushTuple = (u64, Vec<u32>, Vec<u32>, u32, Option<u32>, Option<u32>);
 
-/// The `destination` one decode rank's metadata states (`None` when it states none).
 fn push_destination(meta: &Bound<'_, PyAny>) -> PyResult<Option<PushDestination>> {
     let Ok(meta) = meta.cast::<PyDict>() else { return Ok(None) };
     let Some(dest) = meta.get_item("destination")? else { return Ok(None) };
@@ -132,16 +136,16 @@ calls {
     fn settle(request_id: U64, epoch: U64) -> Vec<PyLedgerAction> = settle(request_id, epoch);
     /// Abort a request at any stage (unknown ids are counted no-ops).
     fn abort(request_id: U64, now: U64) -> Vec<PyLedgerAction> = abort(request_id, now);
-    /// Quarantined `(request_id, epoch)` pairs whose drain horizon is `<= now` (cancel their
-    /// transfers before the `poll(now)` that frees their blocks).
+    /// Quarantined `(request_id, epoch)` pairs due at `now` (see `ImportLedger::quarantine_due`).
     fn quarantine_due(now: U64) -> Vec<(u64, u64)> = quarantine_due(now);
     /// Expire deadlines, drain quarantines past their horizon, start what fits.
     fn poll(now: U64) -> Vec<PyLedgerAction> = poll(now);
-    /// Engine reset; raises `ResetRefusedError` (nothing changed) while anything may still be
-    /// written.
+    /// Engine reset; `ResetRefusedError` (nothing changed) while anything may still be written.
     fn reset(now: U64) -> Vec<PyLedgerAction> = reset(now);
     /// Verify conservation and ownership; raises `ConservationError`.
     fn check() -> () = check();
+    /// Event counters by name.
+    fn counters() -> BTreeMap<&'static str, u64> = counters().named();
     /// Live handoffs (deferred + importing + ready).
     #[getter] fn pending_kv_import_count() -> usize = pending_kv_import_count();
     /// Whether an admission point has work.
@@ -150,9 +154,7 @@ calls {
     #[getter] fn num_deferred() -> usize = num_deferred();
     /// Deferred request ids, oldest first.
     fn deferred_ids() -> Vec<u64> = deferred_ids();
-    /// Two-sided transports: attempts `(request_id, epoch)` whose import started since the
-    /// last call and whose receives are still posted (importing, or failed into quarantine:
-    /// the source must answer them either way), oldest first; empty when pulling.
+    /// Two-sided transports: see `ImportLedger::drain_started_pushes`.
     fn drain_started_pushes() -> Vec<(u64, u64)> = drain_started_pushes();
     /// Handoffs with transfers in flight.
     #[getter] fn num_importing() -> usize = num_importing();
@@ -166,17 +168,13 @@ calls {
     #[getter] fn num_quarantined_blocks() -> usize = num_quarantined_blocks();
     /// Current attempt epoch of a live request.
     fn epoch_of(request_id: U64) -> Option<u64> = epoch_of(request_id);
-    /// At a quarantine's horizon: keep it another horizon from `now` while a transfer that
-    /// cannot be cancelled is still `running` (it may still write). Returns whether it was kept.
+    /// See `ImportLedger::hold_quarantine`; returns whether the quarantine was kept.
     fn hold_quarantine(request_id: U64, epoch: U64, running: Raw<bool>, now: U64) -> bool
         = hold_quarantine(request_id, epoch, running, now);
-    /// One rank's terminal report: `outcome` is `"ok"`, `"error"`, `"timeout"` or
-    /// `"may_still_write"`.
+    /// One rank's terminal report (`outcome`: `"ok"`, `"error"`, `"timeout"`, `"may_still_write"`).
     fn report(request_id: U64, epoch: U64, rank: U32, outcome: Outcome, now: U64)
         -> Vec<PyLedgerAction> = report(request_id, epoch, rank, outcome, now);
-    /// Admission point: admit ready imports while the batch has `batch_room` places. `now`
-    /// (read after the completions were observed) fails imports whose source lease passed;
-    /// without it, imports with a source lease wait.
+    /// Admission point (see `ImportLedger::admit`; `now` as read after the completions).
     #[pyo3(signature = (batch_room, now=None))]
     fn admit(batch_room: U32, now: Opt<U64>) -> Vec<PyLedgerAction> = admit(batch_room, now);
 }
@@ -189,7 +187,6 @@ methods {
     ), text_signature = "(num_blocks, block_size_tokens, num_ssm_slots=0, *, world_size=1, \
         rank=0, pull=True, lookahead_tokens=0, drain_horizon=30000000000, \
         clock_offset_bound=1000000000)")]
-    #[allow(clippy::too_many_arguments)]
     fn new(num_blocks: Int, block_size_tokens: Int, num_ssm_slots: Int, world_size: Int,
         rank: Int, pull: Flag, lookahead_tokens: Int, drain_horizon: Int,
         clock_offset_bound: Int) -> PyResult<Self> {
@@ -207,8 +204,7 @@ methods {
     #[classattr]
     const LEASE_READ_PERCENT: u64 = admission::LEASE_READ_PERCENT;
 
-    /// Blocks an imported request needs beyond its prompt blocks (its `input_token_count`
-    /// query tokens, plus the drafts of a speculative KV cache).
+    /// `admission::continuation_blocks`: blocks needed beyond the prompt blocks.
     #[staticmethod]
     #[pyo3(signature = (prompt_length, input_token_count, block_size, mtp_kv_cache=Flag::of(false)),
         text_signature = "(prompt_length, input_token_count, block_size, mtp_kv_cache=False)")]
@@ -219,9 +215,7 @@ methods {
             .py()
     }
 
-    /// Whether one more request with `input_tokens` query tokens fits a decode batch of
-    /// `total_request_count` of `max_requests` requests and `active_token_count` of
-    /// `max_tokens` tokens.
+    /// `admission::BatchRoom::fits`: whether one more request of `input_tokens` fits.
     #[staticmethod]
     fn batch_fits(total_request_count: Int, max_requests: Int, active_token_count: Int,
         max_tokens: Int, input_tokens: Int) -> PyResult<bool> {
@@ -229,15 +223,13 @@ methods {
         Ok(room.fits(U64::conv("input_tokens", input_tokens)?))
     }
 
-    /// Check, before anything changes, that a prefilled request may enter the decode batch
-    /// now (see `disagg_rs.decode_admission.admit_prefilled_decode`).
+    /// `admission::check_prefilled_admission` (see `disagg_rs.decode_admission`).
     #[staticmethod]
     #[pyo3(signature = (
         request_id, prompt_length, prompt_blocks, continuation_blocks, input_tokens, *,
         has_ssm_slot, block_size, num_speculative_tokens, mtp_kv_cache, hybrid,
         total_request_count, max_requests, active_token_count, max_tokens
     ))]
-    #[allow(clippy::too_many_arguments)]
     fn check_prefilled_admission(request_id: Int, prompt_length: Int, prompt_blocks: Int,
         continuation_blocks: Int, input_tokens: Int, has_ssm_slot: Flag, block_size: Int,
         num_speculative_tokens: Int, mtp_kv_cache: Flag, hybrid: Flag, total_request_count: Int,
@@ -255,8 +247,7 @@ methods {
         admission::check_prefilled_admission(&req, &room, &settings).py()
     }
 
-    /// The deadline of an import submitted at `now`: `timeout` after it, or sooner under the
-    /// ticket's source lease `lease_ns` (a `MetadataError` unless an int >= 2).
+    /// `admission::import_deadline` (`MetadataError` unless `lease_ns` is an int >= 2).
     #[staticmethod]
     #[pyo3(signature = (request_id, now, timeout, lease_ns=None))]
     fn import_deadline(request_id: Int, now: Int, timeout: Int, lease_ns: Option<Int>)
@@ -268,8 +259,7 @@ methods {
         admission::import_deadline(request_id, now, timeout, lease).py()
     }
 
-    /// `(lease_until_wall, now_wall)` for `submit` from the ticket's `lease_until_wall_ns`
-    /// and this side's wall clock: both, or `(None, None)` when either is missing.
+    /// `admission::source_lease_of`: `(lease_until_wall, now_wall)` for `submit`, or `None`s.
     #[staticmethod]
     #[pyo3(signature = (request_id, lease_until_wall_ns=None, now_wall=None))]
     fn source_lease(request_id: Int, lease_until_wall_ns: Option<Int>, now_wall: Option<Int>)
@@ -280,8 +270,7 @@ methods {
         Ok(lease.map_or((None, None), |(e, w)| (Some(e), Some(w))))
     }
 
-    /// Whether the handed-off `resume_tokens` already finish a request: its limit
-    /// `max_new_tokens`, its `termination_id` or one of its `stop_word_ids`.
+    /// `admission::resume_finishes`: whether the handed-off tokens already finish a request.
     #[staticmethod]
     #[pyo3(signature = (resume_tokens, max_new_tokens, termination_id=None, stop_word_ids=Vec::new()),
         text_signature = "(resume_tokens, max_new_tokens, termination_id=None, stop_word_ids=[])")]
@@ -293,10 +282,8 @@ methods {
         Ok(admission::resume_finishes(&resume_tokens, max_new_tokens, termination_id, &stops))
     }
 
-    /// Validate, then queue or start one handoff. Give `prompt_tokens` (hashed here) or
-    /// `num_prompt_tokens` with optional `prompt_hashes` at the decode block size. A source
-    /// lease is `lease_until_wall` (the source's wall clock) with `now_wall` (ours, read with
-    /// `now`); give both or neither.
+    /// `ImportLedger::submit`: `prompt_tokens` (hashed here) or `num_prompt_tokens` with
+    /// optional `prompt_hashes`; a source lease is `lease_until_wall` with `now_wall`.
     #[pyo3(signature = (
         request_id, prompt_tokens=None, *, num_prompt_tokens=None, prompt_hashes=None,
         src_block_ids, src_block_size_tokens=None, resume_tokens=Int::of(0), has_ssm=Flag::of(false),
@@ -306,7 +293,6 @@ methods {
         prompt_hashes=None, src_block_ids, src_block_size_tokens=None, resume_tokens=0, \
         has_ssm=False, finished=False, deadline, now, reuse_align_tokens=1, \
         lease_until_wall=None, now_wall=None)")]
-    #[allow(clippy::too_many_arguments)]
     fn submit(&self, py: Python<'_>, request_id: Int, prompt_tokens: Option<&Bound<'_, PyAny>>,
         num_prompt_tokens: Option<Int>, prompt_hashes: Option<IntList>, src_block_ids: IntList,
         src_block_size_tokens: Option<Int>, resume_tokens: Int, has_ssm: Flag, finished: Flag,
@@ -340,11 +326,6 @@ methods {
     fn lookahead_tokens(&self) -> PyResult<u32> {
         Ok(lock(&self.inner)?.config().lookahead_tokens)
     }
-
-    /// Event counters by name.
-    fn counters(&self) -> PyResult<BTreeMap<&'static str, u64>> {
-        Ok(BTreeMap::from(lock(&self.inner)?.counters().named()))
-    }
 });
 
 /// Prefill-side pin ledger over its own block and SSM slot pools.
@@ -366,6 +347,8 @@ calls {
     fn reset() -> Vec<PyLedgerAction> = reset();
     /// Verify conservation; raises `ConservationError`.
     fn check() -> () = check();
+    /// Event counters by name.
+    fn counters() -> BTreeMap<&'static str, u64> = counters().named();
     /// Live pins.
     #[getter] fn num_pinned() -> usize = num_pinned();
     /// The reference design's `pending_kv_push_count`.
@@ -374,8 +357,7 @@ calls {
     fn pinned_request_ids() -> Vec<u64> = pinned_request_ids();
     /// Epoch of a live pin.
     fn epoch_of(request_id: U64) -> Option<u64> = epoch_of(request_id);
-    /// Pin held blocks (one more reference each) and a handed-out SSM slot (taken over) until
-    /// `RELEASE_KV` or `lease_until`; returns the pin's epoch.
+    /// `PinLedger::pin` until `RELEASE_KV` or `lease_until`; returns the pin's epoch.
     #[pyo3(signature = (request_id, block_ids, ssm_slot=None, *, lease_until, now))]
     fn pin(request_id: U64, block_ids: Ids, ssm_slot: Opt<Id>, lease_until: U64, now: U64) -> u64
         = pin(request_id, &block_ids, ssm_slot, lease_until, now);
@@ -383,15 +365,11 @@ calls {
     #[pyo3(signature = (request_id, epoch=None))]
     fn release(request_id: U64, epoch: Opt<U64>) -> Vec<PyLedgerAction>
         = release(request_id, epoch);
-    /// Plan a push of a pinned handoff to the `destination` of the first entry of
-    /// `decode_metas` (one per decode rank) that states one, and mark it in flight; refuses,
-    /// changing nothing, what `PushDestination` lacks. Returns `(epoch, src_block_ids,
-    /// dst_block_ids, num_tokens, src_ssm_slot, dst_ssm_slot)`: `num_tokens` tokens to send.
+    /// `PinLedger::start_push` to the first `destination` of `decode_metas`: `(epoch,
+    /// src_block_ids, dst_block_ids, num_tokens, src_ssm_slot, dst_ssm_slot)`.
     fn start_push(request_id: U64, decode_metas: Destinations) -> PushTuple
         = start_push(request_id, &decode_metas);
-    /// Plan a filler for receives a decode posted for a handoff this engine will not push
-    /// (see `PinLedger::filler_push` of the core): same tuple as `start_push`, epoch 0, source
-    /// blocks `0..n` that only size the messages; nothing changes.
+    /// `PinLedger::filler_push`: the `start_push` tuple of a filler; nothing changes.
     fn filler_push(request_id: U64, decode_metas: Destinations) -> PushTuple
         = filler_push(request_id, &decode_metas);
     /// Blocks of a live pin in pinned order (``None`` for an id with no pin).
@@ -408,11 +386,6 @@ methods {
         conv!(num_blocks: U32, block_size_tokens: U32, num_ssm_slots: U32);
         let l = PinLedger::new(num_blocks, block_size_tokens, num_ssm_slots).py()?;
         Ok(Self { inner: Arc::new(Mutex::new(l)) })
-    }
-
-    /// Event counters by name.
-    fn counters(&self) -> PyResult<BTreeMap<&'static str, u64>> {
-        Ok(BTreeMap::from(lock(&self.inner)?.counters().named()))
     }
 });
 
@@ -445,8 +418,7 @@ calls {
     #[getter] fn num_open() -> usize = num_open();
     /// Drop the votes of a finished attempt.
     fn forget(request_id: U64, epoch: U64) -> () = forget((request_id, epoch));
-    /// Record a report. Returns `None` (no decision yet or already decided),
-    /// `("success", None, None)` or `("failure", first_failed_rank, its_outcome)`.
+    /// Record a report: `None` (no decision yet or already decided) or the decision.
     fn report(request_id: U64, epoch: U64, rank: U32, outcome: Outcome) -> Option<QuorumVerdict>
         = report((request_id, epoch), rank, outcome);
 }
@@ -457,9 +429,7 @@ methods {
         Ok(Self { inner: Mutex::new(CompletionQuorum::new(world_size).py()?) })
     }
 
-    /// This rank's outcome of one import from its transfer handles' states (`"running"`,
-    /// `"done"`, `"timeout"`, `"error"`): `None` while one runs, else `"may_still_write"`,
-    /// `"error"` or `"ok"` (see `RankOutcome::fold_local`).
+    /// `RankOutcome::fold_local` of the handles' states: `None` while one runs.
     #[staticmethod]
     fn local_outcome(failed_locally: Flag, handle_states: Vec<Text>)
         -> PyResult<Option<&'static str>> {
@@ -472,9 +442,7 @@ methods {
     }
 });
 
-/// The import lifecycle of a reference-design engine (its own allocator holds the blocks):
-/// admission order, local reports, decisions, release or quarantine, and the all-or-nothing
-/// reset (`disagg_core::reference::ReferenceImports`).
+/// `disagg_core::reference::ReferenceImports`: a reference-design engine's imports.
 #[pyclass(name = "ReferenceImports", module = "disagg_rs", frozen)]
 pub struct PyReferenceImports(Mutex<disagg_core::reference::ReferenceImports>);
 

@@ -24,19 +24,14 @@ fn refuse(r: Option<Refusal>) -> PyResult<()> {
     r.map_or(Ok(()), |r| Err(TransferError::new_err((r.detail, r.field))))
 }
 
-/// Whether a `UCX_TLS` value leaves UCX a transport that moves CUDA memory.
-///
-/// Unset or empty: UCX picks (yes). An inclusion list needs `all`, `cuda` or one of
-/// `cuda_copy`/`cuda_ipc`/`gdr_copy` (`rc` alone moves host memory only). A `^` exclusion
-/// list fails when it removes `cuda` or all three CUDA transports.
+/// `nixl_route::ucx_tls_allows_cuda`: whether UCX keeps a transport that moves CUDA memory.
 #[pyfunction]
 #[pyo3(signature = (tls))]
 pub fn ucx_tls_allows_cuda(tls: Option<&str>) -> bool {
     route::ucx_tls_allows_cuda(tls)
 }
 
-/// Explain a NIXL build (`nixl_cu12` or `nixl-cu12`) whose CUDA major differs from torch's,
-/// or `None` when they agree or either is unknown.
+/// `nixl_route::nixl_cuda_major_mismatch`: why a NIXL build's CUDA major is not torch's.
 #[pyfunction]
 #[pyo3(signature = (variant, torch_cuda))]
 pub fn nixl_cuda_major_mismatch(variant: Option<&str>, torch_cuda: Option<&str>) -> Option<String> {
@@ -47,8 +42,7 @@ fn names(types: &[Bound<'_, PyAny>]) -> PyResult<Vec<String>> {
     types.iter().map(|t| Ok(t.str()?.to_string())).collect()
 }
 
-/// Whether a NIXL backend's memory types include GPU memory. NIXL 1.5 names them
-/// `"VRAM_SEG"` (older builds `"VRAM"`; some report `"cuda"`).
+/// `nixl_route::backend_supports_vram`: whether the memory types include GPU memory.
 #[pyfunction]
 pub fn backend_supports_vram(mem_types: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
     Ok(route::backend_supports_vram(&names(&mem_types)?))
@@ -61,9 +55,7 @@ pub fn check_ucx_tls(tls: Option<&str>) -> PyResult<()> {
     refuse(route::ucx_tls_refusal(tls))
 }
 
-/// Raise `TransferError` (field `nixl`) for a GPU buffer (`on_gpu`) on a NIXL build of another
-/// CUDA major than torch's (`torch_cuda`) or a UCX backend whose memory types (`mem_types`,
-/// `None`: unknown) lack GPU memory.
+/// Raise `TransferError` (field `nixl`) for `nixl_route::cuda_support_refusal`.
 #[pyfunction]
 #[pyo3(signature = (on_gpu, variant, torch_cuda, mem_types))]
 pub fn check_nixl_cuda_support(
@@ -76,9 +68,8 @@ pub fn check_nixl_cuda_support(
     refuse(route::cuda_support_refusal(on_gpu, variant, torch_cuda, mem_types.as_deref()))
 }
 
-/// The checked `mode` of a NIXL backend: `TransferError` (field `nixl`) without the nixl
-/// package (`have_nixl`), `ArgumentError` (field `mode`) for a mode other than `"auto"`,
-/// `"direct"` or `"staged"`.
+/// `nixl_route::backend_mode`: `TransferError` (field `nixl`) without the nixl package,
+/// `ArgumentError` (field `mode`) for an unknown mode.
 #[pyfunction]
 pub fn nixl_backend_mode(have_nixl: bool, mode: &str) -> PyResult<&'static str> {
     route::backend_mode(have_nixl, mode).map(route::TransferMode::name).map_err(|e| match e {
@@ -87,8 +78,7 @@ pub fn nixl_backend_mode(have_nixl: bool, mode: &str) -> PyResult<&'static str> 
     })
 }
 
-/// Raise `TransferError` when NIXL refused to post the read `label` (`state`: what its
-/// `transfer()` returned).
+/// Raise `TransferError` when NIXL refused to post the read `label` (`nixl_route::post_refusal`).
 #[pyfunction]
 pub fn check_xfer_posted(state: &Bound<'_, PyAny>, label: &str) -> PyResult<()> {
     let state: Option<String> = state.extract().ok();
@@ -96,8 +86,7 @@ pub fn check_xfer_posted(state: &Bound<'_, PyAny>, label: &str) -> PyResult<()> 
         .map_or(Ok(()), |msg| Err(TransferError::new_err(msg)))
 }
 
-/// `(local, remote)` NIXL memory types of a read from the peer of metadata `meta` into this
-/// rank's buffer of `local_mem`.
+/// `nixl_route::read_mem_types`: `(local, remote)` NIXL memory types of a read from `meta`.
 #[pyfunction]
 pub fn nixl_read_mem_types(meta: &Bound<'_, PyAny>, local_mem: &str) -> PyResult<(String, String)> {
     let reference_only = given(meta, "reference_only")?.map(|v| v.is_truthy()).transpose()?;
@@ -105,11 +94,8 @@ pub fn nixl_read_mem_types(meta: &Bound<'_, PyAny>, local_mem: &str) -> PyResult
     Ok(route::read_mem_types(reference_only.unwrap_or(false), local_mem, &remote))
 }
 
-/// How the decode reads one source: `(kind, give_up, slot_bytes_min)`, `kind` one of
-/// `"direct"`, `"whole"` (scattered by the device plan), `"rows"` (held whole,
-/// scattered by the program's rows) or `"chunked"` (through slots of at least
-/// `slot_bytes_min`); `give_up`: the source's ticket is not read (tell its stream). `plan`:
-/// `(tokens_per_block, packed bytes per token, item_bytes)` of its device plan.
+/// `nixl_route::source_read` as `(kind, give_up, slot_bytes_min)`, `kind` one of `"direct"`,
+/// `"whole"` (by the device plan), `"rows"` (by the program's rows) or `"chunked"`.
 #[pyfunction]
 #[pyo3(signature = (staged, ticket, plan, *, largest_free, alignment, share, on_gpu,
     num_tokens, dst_blocks))]
@@ -143,11 +129,8 @@ pub fn nixl_source_read(
 /// `(route, ranks read directly)` of a pull.
 type PullReads = (Vec<(u32, bool, usize)>, Vec<u32>);
 
-/// The reads of a pull: `([(rank, reads its staged copy, staged reads left including this
-/// one)] in program order, [ranks read directly])`, from each source's `(rank, compiled mode, packed bytes)`, the
-/// ranks whose metadata was given, the checked staging tickets by rank and this rank's
-/// staging pool size (0: none). `MetadataError` for a source no metadata names or a ticket
-/// whose size is not the plan's, `CapacityError` for a staged read without a pool.
+/// `nixl_route::pull_reads`: `([(rank, reads its staged copy, staged reads left)], [ranks read
+/// directly])`.
 #[pyfunction]
 pub fn nixl_pull_route(
     sources: Vec<(u32, String, u64)>,
@@ -190,13 +173,10 @@ fn stated_mem(buffer: Option<&Bound<'_, PyAny>>) -> PyResult<Option<String>> {
     }
 }
 
-/// `(local_rows, remote_rows, local_mem, remote_mem, label)` of the reference design's read
-/// of `outer = (src_start, dst_start, count)` outer slices of each block pair, whole slices
-/// (`heads[2] == 0`) or heads `[h0, h0 + n)` of each token (`heads = (src_h0, dst_h0, n)`).
-/// `peer` is the peer's reference metadata; `local` is `(base_addr, outer_stride_bytes,
+/// `(local_rows, remote_rows, local_mem, remote_mem, label)` of the reference design's slice
+/// read (`nixl_route::slice_reads`); `local` is `(base_addr, outer_stride_bytes,
 /// bytes_per_slice, device_id, heads_per_partition, head_dim, element_size,
-/// tokens_per_block, buffer_info)` of this buffer. `BlockIdError` for id lists of unequal
-/// length.
+/// tokens_per_block, buffer_info)`.
 #[pyfunction]
 #[allow(clippy::type_complexity)]
 pub fn slice_reads<'py>(
@@ -256,16 +236,13 @@ pub fn slice_reads<'py>(
     ))
 }
 
-/// Whether the kernels of a CUDA IPC route stay inside both buffers: `plans` holds
-/// `(tokens_per_block, source end, source buffer bytes, destination end)` of each source
-/// rank's plan, `dst_bytes` the destination buffer's size.
+/// `nixl_route::ipc_bounds_hold`: whether a CUDA IPC route's kernels stay inside both buffers.
 #[pyfunction]
 pub fn ipc_bounds_hold(plans: Vec<(u64, u64, u64, u64)>, dst_bytes: u64) -> bool {
     route::ipc_bounds_hold(&plans, dst_bytes)
 }
 
-/// Raise `GeometryMismatchError` naming the first slice-geometry field (`(name, value)`,
-/// `None`: not given) a matched-layout peer states otherwise than this rank.
+/// Raise `GeometryMismatchError` naming the first slice-geometry field a peer states otherwise.
 #[pyfunction]
 pub fn check_matched_slices(
     peer_name: &str,
@@ -275,8 +252,7 @@ pub fn check_matched_slices(
     route::check_matched_slices(peer_name, &peer, &mine).py()
 }
 
-/// The rank's NIXL agent as its buffer registrations share it: how many hold it, and the
-/// peers registered on it (once per incarnation and metadata digest).
+/// `nixl_route::NixlAgentPeers`: the rank's shared NIXL agent and its registered peers.
 #[pyclass(name = "NixlAgentPeers", module = "disagg_rs", frozen)]
 pub struct PyNixlAgentPeers {
     name: String,
@@ -294,9 +270,7 @@ impl PyNixlAgentPeers {
     fn refs(&self) -> PyResult<u64> {
         Ok(lock(&self.inner)?.refs())
     }
-    /// The keyword arguments of `nixl_agent_config` for an agent of `backends` (one progress
-    /// thread: one-sided reads need the passive peer to progress). `TransferError` (field
-    /// `nixl`) without the nixl package (`have_nixl`).
+    /// The keyword arguments of `nixl_agent_config`; `TransferError` (field `nixl`) without nixl.
     #[staticmethod]
     fn agent_options(
         py: Python<'_>,
@@ -335,8 +309,7 @@ impl PyNixlAgentPeers {
         }
         Ok(())
     }
-    /// `(its NIXL id, [])` for a peer registered with this incarnation and metadata digest,
-    /// else `(None, [name])` when an old registration must be forgotten first, or `(None, [])`.
+    /// `(NIXL id, [])` of a registered peer, else `(None, [name to forget first])` or `(None, [])`.
     fn admit(
         &self,
         name: &str,
@@ -350,8 +323,7 @@ impl PyNixlAgentPeers {
             }
         })
     }
-    /// Record a peer NIXL registered (`loaded`: what `add_remote_agent` returned, bytes or
-    /// text; its name when empty); its NIXL id.
+    /// Record a peer NIXL registered (`loaded`: what `add_remote_agent` returned); its NIXL id.
     fn register(
         &self,
         name: &str,
@@ -380,8 +352,7 @@ impl PyNixlAgentPeers {
             .map(|(n, r)| (n.clone(), (r.incarnation, r.digest.clone(), r.id.clone())))
             .collect())
     }
-    /// The registered peers that `current` (`{agent name: incarnation}` of every peer the
-    /// control plane names now) no longer names or names with another incarnation.
+    /// The registered peers `current` (`{agent name: incarnation}`) no longer names as they are.
     fn stale(&self, current: BTreeMap<String, u64>) -> PyResult<Vec<String>> {
         Ok(lock(&self.inner)?.stale(&current))
     }

@@ -30,11 +30,9 @@ fn sides(s: KernelSides) -> SidesTuple {
     (s.unit, args(s.a), args(s.b))
 }
 
-/// A device plan's table: plane rows ``(src offset, dst offset, packed coefficient, row
-/// bytes)``, block size and strides ``(src block, src token, dst block, dst token)``. Where
-/// each item of a packed copy starts, the checks of a copy by plan, the kernel's unit and side
-/// arguments, where one launch puts up to three consecutive item ranges, and the chunks a stream cuts a
-/// copy into.
+/// A device plan's table (`disagg_core::packed_items::PlaneTable`): plane rows ``(src offset,
+/// dst offset, packed coefficient, row bytes)``, block size and strides ``(src block, src
+/// token, dst block, dst token)``.
 #[pyclass(name = "PackedRows", module = "disagg_rs", frozen)]
 pub struct PyPackedRows {
     table: PlaneTable,
@@ -47,8 +45,7 @@ impl PyPackedRows {
         Ok(Self { table: PlaneTable::new(&planes, tokens_per_block, strides).py()? })
     }
 
-    /// Packed byte offset where item ``k`` of an ``n_tok``-token copy starts (past the
-    /// last item: the copy's size).
+    /// Packed byte offset where item ``k`` of an ``n_tok``-token copy starts.
     fn offset(&self, k: u64, n_tok: u64) -> PyResult<u64> {
         self.table.items(n_tok).py()?.offset(k).py()
     }

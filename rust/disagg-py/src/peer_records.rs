@@ -53,8 +53,7 @@ impl MetaNode for Node<'_> {
     }
 }
 
-/// Normalize flat, TP-wrapped or PP-wrapped peer metadata into `(meta, block_ids)` records,
-/// one per source rank. A PP entry's own `block_ids` (or its ranks') override `src_block_ids`.
+/// `peer_records::records`: `(meta, block_ids)` of every source rank.
 #[pyfunction]
 pub fn transfer_peer_records<'py>(
     peer_meta: Bound<'py, PyAny>,
@@ -64,7 +63,7 @@ pub fn transfer_peer_records<'py>(
     Ok(records.into_iter().map(|(m, b)| (m.0, b)).collect())
 }
 
-/// The number of sequence blocks the metadata describes (the first record's; 0 if none).
+/// The block count of the first of `peer_records::records` (0 if none).
 #[pyfunction]
 pub fn transfer_block_count(
     peer_meta: Bound<'_, PyAny>,
@@ -74,10 +73,7 @@ pub fn transfer_block_count(
     Ok(records.first().map_or(0, |(_, b)| b.len()))
 }
 
-/// Remove a cached sequence prefix of `prefix_count` blocks from peer metadata and from
-/// `src_block_ids` (the decode reuses its cached prefix and pulls only the suffix). Raises
-/// before returning anything if a `block_ids` list is shorter than the prefix; the inputs are
-/// never modified.
+/// `peer_records::drop_prefix` (the inputs are never modified).
 #[pyfunction]
 pub fn drop_transfer_prefix_blocks<'py>(
     peer_meta: Bound<'py, PyAny>,
@@ -89,9 +85,7 @@ pub fn drop_transfer_prefix_blocks<'py>(
     Ok((meta.0, rest))
 }
 
-/// This library's schema for a peer dict of the reference design's fields only (see
-/// `disagg_core::refmeta`), as read by a rank of `backend` holding `state_kind` state of
-/// `element_size`-byte `dtype` elements.
+/// `refmeta::meta_from_reference` as read by this rank.
 #[pyfunction]
 pub fn meta_from_reference<'py>(
     meta: &Bound<'py, PyAny>,
@@ -105,7 +99,7 @@ pub fn meta_from_reference<'py>(
     wire_dict_to_py(meta.py(), &out)
 }
 
-/// The KV layout of the reference design's nine layout fields of a peer dict.
+/// `refmeta::kv_layout_from_reference`.
 #[pyfunction]
 pub fn kv_layout_from_reference(meta: &Bound<'_, PyAny>) -> PyResult<PyKvShardLayout> {
     let wire = to_wire(meta, "peer_meta")?;

@@ -1,7 +1,5 @@
-//! Python classes `BlockPool` and `SlotPool`.
-//!
-//! A pool object is either standalone or a view of the pool a ledger owns (`ledger.block_pool`),
-//! so an engine allocates from the very pool whose conservation the ledger checks.
+//! Python classes `BlockPool` and `SlotPool` (standalone, or a view of a ledger's pool), and the
+//! macros that forward a binding to the core.
 
 use std::sync::{Arc, Mutex};
 
@@ -14,7 +12,7 @@ use pyo3::types::PyList;
 use crate::args::{conv, Id, Ids, Int, IntList, Kind, U64s, U32};
 use crate::error::IntoPyResult;
 
-/// Lock a shared core object; a poisoned lock (a panic elsewhere) becomes a Python error.
+/// Lock a shared core object; a poisoned lock becomes a Python error.
 pub fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
     m.lock().map_err(|_| {
         PyRuntimeError::new_err("disagg_rs internal lock poisoned by an earlier panic")
@@ -23,7 +21,6 @@ pub fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
 
 /// What a core call returns, as Python receives it.
 pub trait Out {
-    /// The Python-side value.
     type Py;
     /// Convert, mapping a core error through the one error mapping.
     fn out(self) -> PyResult<Self::Py>;
@@ -60,7 +57,12 @@ plain_out!(
     (bool, bool, bool),
     Vec<[u64; 4]>,
     Option<Vec<u32>>,
-    Option<u32>
+    Option<u32>,
+    Vec<(String, Vec<u64>)>,
+    Vec<(&'static str, (u32, u32), (u32, u32))>,
+    (&'static str, u64),
+    (i64, Vec<u64>),
+    Vec<i64>
 );
 
 impl Out for Result<SlotState, DisaggError> {
@@ -70,14 +72,11 @@ impl Out for Result<SlotState, DisaggError> {
     }
 }
 
-/// One `#[pymethods]` block of a class that reaches its core object as `reach(&self.field, f)`
-/// (`lock_with` for a mutex, `PoolOwner::with` for a pool): each `calls` entry
-/// `fn name(arg: Conv, ..) -> T = method(exprs..);` (optionally followed by
-/// `.then(exprs..)` calls) converts every argument with its [`Conv`](crate::args::Conv) marker
-/// (before the core is locked), then returns `core.method(exprs..)` as Python receives it
-/// ([`Out`]). Attributes (doc comments,
-/// `#[getter]`) carry over; `methods { .. }` holds the hand-written ones; `pools Variant,` adds
-/// the `block_pool` and `slot_pool` views of a ledger's pools (`PoolOwner::Variant`).
+/// One `#[pymethods]` block of a class reaching its core object as `reach(&self.field, f)`:
+/// each `calls` entry `fn name(arg: Conv, ..) -> T = method(exprs..)` converts its arguments
+/// ([`Conv`](crate::args::Conv)) before the lock, then returns `core.method(..)` through
+/// [`Out`]; `methods { .. }` holds the hand-written ones; `pools Variant,` adds the
+/// `block_pool` and `slot_pool` views of a ledger's pools.
 macro_rules! core_methods {
     (
         $ty:ty, $reach:path, $field:tt, $(pools $owner:ident,)?
@@ -112,9 +111,8 @@ macro_rules! core_methods {
 }
 pub(crate) use core_methods;
 
-/// `#[pyfunction]`s forwarding to the core: each `fn name(arg: Conv, ..) -> T = expr;`
-/// converts every argument with its [`Conv`](crate::args::Conv) marker, then returns `expr`
-/// as Python receives it ([`Out`]). Attributes (doc comments, `#[pyo3(..)]`) carry over.
+/// `#[pyfunction]`s forwarding to the core: `fn name(arg: Conv, ..) -> T = expr;` converts
+/// the arguments ([`Conv`](crate::args::Conv)), then returns `expr` through [`Out`].
 macro_rules! core_fns {
     ($($(#[$m:meta])* fn $name:ident($($a:ident: $c:ty),*) -> $ret:ty = $e:expr;)*) => {$(
         #[::pyo3::pyfunction]
@@ -132,9 +130,8 @@ pub fn lock_with<T, R>(m: &Mutex<T>, f: impl FnOnce(&mut T) -> R) -> PyResult<R>
     Ok(f(&mut *lock(m)?))
 }
 
-/// Token ids from a Python list (fast path), a 1-D integer numpy array, or any sequence.
-/// Converting 1,024 tokens through the generic sequence path costs more than hashing them, so
-/// lists and arrays are read directly.
+/// Token ids from a list or a 1-D integer numpy array read directly (the generic sequence path
+/// costs more than hashing them), or any sequence.
 pub fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     if let Ok(list) = obj.cast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
@@ -152,26 +149,19 @@ pub fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     obj.extract::<IntList>()?.to_i64s(Kind::Argument, "prompt_tokens")
 }
 
-/// Who owns the pool a Python `BlockPool` or `SlotPool` object talks to: itself, or a ledger
-/// whose conservation covers it.
+/// Who owns the pool a `BlockPool` or `SlotPool` object talks to: itself, or a ledger.
 pub enum PoolOwner<P> {
-    /// A standalone pool.
     Own(Arc<Mutex<P>>),
-    /// The pool of an import ledger.
     Import(Arc<Mutex<ImportLedger>>),
-    /// The pool of a pin ledger.
     Pin(Arc<Mutex<PinLedger>>),
 }
 
 /// A pool a ledger owns, reached the same way through either ledger.
 pub trait LedgerPool: Sized {
-    /// This pool inside an import ledger.
     fn of_import(l: &mut ImportLedger) -> &mut Self;
-    /// This pool inside a pin ledger.
     fn of_pin(l: &mut PinLedger) -> &mut Self;
 }
 
-/// `LedgerPool` for each pool type, reached through the ledgers' accessor of that name.
 macro_rules! ledger_pool {
     ($($pool:ty => $get:ident),*) => {$(
         impl LedgerPool for $pool {
@@ -196,15 +186,12 @@ impl<P: LedgerPool> PoolOwner<P> {
 /// Fixed pool of KV blocks: refcounts, prefix cache by block hash, LRU eviction.
 #[pyclass(name = "BlockPool", module = "disagg_rs", frozen)]
 pub struct PyBlockPool {
-    /// The pool, standalone or a ledger's.
     pub owner: PoolOwner<BlockPool>,
 }
 
 core_methods!(PyBlockPool, PoolOwner::with, owner,
 calls {
-    /// Total number of blocks.
     #[getter] fn num_blocks() -> u32 = num_blocks();
-    /// Tokens per block.
     #[getter] fn block_size_tokens() -> u32 = block_size_tokens();
     /// Blocks `allocate` can hand out now (never-used plus evictable cached).
     #[getter] fn num_free() -> u32 = num_free();
@@ -214,7 +201,6 @@ calls {
     fn can_allocate(n: U32) -> bool = can_allocate(n);
     /// `n` blocks with refcount 1, all or nothing (evicts LRU cached blocks if needed).
     fn allocate(n: U32) -> Vec<u32> = allocate(n);
-    /// Reference count of one block.
     fn refcount(block_id: Id) -> u32 = refcount(block_id);
     /// Verify conservation; raises `ConservationError`.
     fn check() -> () = check();
@@ -251,13 +237,11 @@ methods {
 /// Fixed pool of SSM state slots.
 #[pyclass(name = "SlotPool", module = "disagg_rs", frozen)]
 pub struct PySlotPool {
-    /// The pool, standalone or a ledger's.
     pub owner: PoolOwner<SlotPool>,
 }
 
 core_methods!(PySlotPool, PoolOwner::with, owner,
 calls {
-    /// Total number of slots.
     #[getter] fn num_slots() -> u32 = num_slots();
     /// Slots ready to hand out.
     #[getter] fn num_free() -> u32 = num_free();
@@ -265,10 +249,8 @@ calls {
     #[getter] fn num_detached() -> u32 = num_detached();
     /// One free slot; `CapacityError` when none is free.
     fn allocate() -> u32 = allocate();
-    /// Return an allocated or detached slot.
     fn free(slot: Id) -> () = free(slot);
-    /// Move an allocated slot out of its allocator's accounting (to a live request); the
-    /// request's owner later calls `free`.
+    /// Move an allocated slot to a live request, whose owner later calls `free`.
     fn detach(slot: Id) -> () = detach(slot);
     /// Verify conservation; raises `ConservationError`.
     fn check() -> () = check();

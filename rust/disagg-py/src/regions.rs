@@ -1,6 +1,5 @@
-//! Region tables of per-layer caches: `rows_by_region` and the row-array helpers the peer's
-//! `split_descriptors` uses. The splitting and the checks are the core's
-//! (`disagg_core::RegionTable`).
+//! Region tables of per-layer caches (`disagg_core::RegionTable`): `rows_by_region` and the
+//! row-array argument `split_descriptors` uses.
 
 use disagg_core::wire::peer::Region;
 use disagg_core::{RegionTable, RowForm};
@@ -46,14 +45,12 @@ impl RowsArg<'_> {
     }
 }
 
+/// What a region table argument must be.
+const PAIRS: &str = "regions must be a list of (addr, nbytes) pairs";
+
 /// `[(addr, nbytes), ...]` as a validated table (`MetadataError` naming `regions`).
 fn table(regions: &Bound<'_, PyAny>) -> PyResult<RegionTable> {
-    let not_pairs = || {
-        type_err(
-            "regions",
-            format!("regions must be a list of (addr, nbytes) pairs, got {}", describe(regions)),
-        )
-    };
+    let not_pairs = || type_err("regions", format!("{PAIRS}, got {}", describe(regions)));
     let items = regions.try_iter().map_err(|_| not_pairs())?;
     let mut out = Vec::new();
     for item in items {
@@ -68,12 +65,8 @@ fn table(regions: &Bound<'_, PyAny>) -> PyResult<RegionTable> {
     RegionTable::new("regions", out).py()
 }
 
-/// Gather rows `(src_addr, len, packed_offset)` (`form="gather"`) or scatter rows
-/// `(packed_offset, dst_addr, len)` (`form="scatter"`) grouped by the region of `regions`
-/// (`[(addr, nbytes), ...]`, one per registered tensor) their buffer-side bytes lie in:
-/// `[(region_index, rows), ...]` in ascending region order, a row running into the next
-/// region split at the boundary. With one region the rows come back as they are (checked).
-/// Raises `MetadataError` (field `rows`) for a byte outside every region.
+/// `RegionTable::group` of gather or scatter rows: `[(region_index, rows), ...]`; with one
+/// region the rows come back as they are (checked).
 #[pyfunction]
 pub fn rows_by_region<'py>(
     py: Python<'py>,

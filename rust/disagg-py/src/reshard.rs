@@ -1,5 +1,4 @@
-//! Python classes for reshard plans: `KVReshardTransfer`, `KVReshardPlan`, `plan_kv_reshard`,
-//! and their SSM counterparts. Planning runs with the GIL released.
+//! Python classes of the reshard plans (`disagg_core::reshard`), planned with the GIL released.
 
 use disagg_core::reshard::of_rank;
 use disagg_core::{
@@ -26,8 +25,8 @@ fn seq_index(index: isize, len: usize) -> PyResult<usize> {
 }
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
 
-/// The `#[pymethods]` of a plan class `$plan` (a read-only sequence of `$tr` records held in
-/// `self.records()`, made from `$lay` layouts in `self.inner`), plus the hand-written `methods`.
+/// The `#[pymethods]` of a plan class: a sequence of `$tr` records (`self.records()`) made
+/// from `$lay` layouts, plus the hand-written `methods`.
 macro_rules! plan_methods {
     ($plan:ty, $tr:ident, $lay:ident, methods { $($m:tt)* }) => {
         #[pymethods]
@@ -64,8 +63,7 @@ macro_rules! plan_methods {
                 conv!(global_rank: U32);
                 Ok(of_rank(self.records(), false, global_rank).into_iter().map(|inner| $tr { inner }).collect())
             }
-            /// Check that every destination cell is written exactly once by a source holding
-            /// it; raises `PlanCoverageError` naming the first gap or overlap.
+            /// Check exact-once coverage of every destination cell (`PlanCoverageError`).
             fn verify(&self, py: Python<'_>) -> PyResult<()> {
                 py.detach(|| self.inner.verify()).py()
             }
@@ -88,21 +86,15 @@ pub struct PyKvReshardTransfer {
 
 py_methods!(PyKvReshardTransfer,
 get {
-    /// Global rank of the source.
     src_rank: u32 = (src_rank);
-    /// Global rank of the destination.
     dst_rank: u32 = (dst_rank);
-    /// First global layer moved (the reference design's field).
+    /// Global layers moved, `[global_layer_lo, global_layer_hi)` (the reference design's fields).
     global_layer_lo: u32 = (layers.lo);
-    /// One past the last global layer moved (the reference design's field).
     global_layer_hi: u32 = (layers.hi);
-    /// First global KV head moved (the reference design's field).
+    /// Global KV heads moved, `[global_head_lo, global_head_hi)`.
     global_head_lo: u32 = (heads.lo);
-    /// One past the last global KV head moved (the reference design's field).
     global_head_hi: u32 = (heads.hi);
-    /// Number of layers moved.
     num_layers: u32 = (layers.len());
-    /// Number of heads moved.
     num_heads: u32 = (heads.len());
 }
 span {
@@ -112,33 +104,27 @@ span {
     heads = (heads);
 }
 range {
-    /// Layers in the source's local indexing, `[lo, hi)`.
+    /// Layers in the source's local indexing.
     src_local_layers = (src_local_layers());
-    /// Heads in the source's local indexing, `[lo, hi)`.
     src_local_heads = (src_local_heads());
-    /// Layers in the destination's local indexing, `[lo, hi)`.
+    /// Layers in the destination's local indexing.
     dst_local_layers = (dst_local_layers());
-    /// Heads in the destination's local indexing, `[lo, hi)`.
     dst_local_heads = (dst_local_heads());
 }
 methods {
-    /// The moved layers as a slice of `src`'s local layer axis; `LayoutError` if `src` does
-    /// not hold them.
+    /// The moved layers as a slice of `src`'s local layer axis (`LayoutError` if `src` lacks them).
     fn src_layer_slice<'py>(&self, py: Python<'py>, src: Kv<'py>) -> PyResult<Bound<'py, PyAny>> {
         py_slice(py, self.inner.layers_in(&src.inner).py()?)
     }
-    /// The moved heads as a slice of `src`'s local head axis; `LayoutError` if `src` does not
-    /// hold them.
+    /// The moved heads as a slice of `src`'s local head axis.
     fn src_head_slice<'py>(&self, py: Python<'py>, src: Kv<'py>) -> PyResult<Bound<'py, PyAny>> {
         py_slice(py, self.inner.heads_in(&src.inner).py()?)
     }
-    /// The moved layers as a slice of `dst`'s local layer axis; `LayoutError` if `dst` does
-    /// not hold them.
+    /// The moved layers as a slice of `dst`'s local layer axis.
     fn dst_layer_slice<'py>(&self, py: Python<'py>, dst: Kv<'py>) -> PyResult<Bound<'py, PyAny>> {
         py_slice(py, self.inner.layers_in(&dst.inner).py()?)
     }
-    /// The moved heads as a slice of `dst`'s local head axis; `LayoutError` if `dst` does not
-    /// hold them.
+    /// The moved heads as a slice of `dst`'s local head axis.
     fn dst_head_slice<'py>(&self, py: Python<'py>, dst: Kv<'py>) -> PyResult<Bound<'py, PyAny>> {
         py_slice(py, self.inner.heads_in(&dst.inner).py()?)
     }
@@ -163,8 +149,7 @@ methods {
 /// A KV layout argument.
 type Kv<'py> = PyRef<'py, PyKvShardLayout>;
 
-/// A KV reshard plan: a read-only sequence of `KVReshardTransfer` ordered by destination rank,
-/// layer, head. Both sides compute the same plan from the same layouts.
+/// A KV reshard plan: a read-only sequence of `KVReshardTransfer` (`disagg_core::KvReshardPlan`).
 #[pyclass(name = "KVReshardPlan", module = "disagg_rs", frozen, sequence)]
 pub struct PyKvReshardPlan {
     /// The core plan.
@@ -194,9 +179,7 @@ impl PySsmReshardPlan {
     }
 }
 
-/// Plan the KV reshard between two layout lists (any TP ratio, PP mismatch including uneven
-/// windows, EP/ETP and GQA replicas; each cell read from the replica with the smallest global
-/// rank). Deterministic and independent of list order.
+/// `disagg_core::plan_kv_reshard` between two layout lists.
 #[pyfunction(name = "plan_kv_reshard")]
 pub fn py_plan_kv_reshard(
     py: Python<'_>,
@@ -211,8 +194,8 @@ pub fn py_plan_kv_reshard(
     Ok(PyKvReshardPlan { inner })
 }
 
-/// One SSM transfer of one band over a layer range. `global`, `src_local`, `dst_local` are
-/// channels (conv bands "x", "B", "C") or heads ("recurrent"), all `[lo, hi)`.
+/// One SSM transfer of one band over a layer range: channels (bands "x", "B", "C") or heads
+/// ("recurrent").
 #[pyclass(name = "SSMReshardTransfer", module = "disagg_rs", frozen, eq, hash)]
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct PySsmReshardTransfer {
@@ -226,48 +209,36 @@ get {
     dst_rank: u32 = (dst_rank);
     /// "x", "B", "C" or "recurrent".
     band: &'static str = (band.name());
-    /// Whether the transfer moves conv state (bands x, B, C) rather than recurrent state.
     is_conv: bool = (band.is_conv());
-    /// First local channel (conv) or head (recurrent) read on the source.
+    /// Local channels or heads read on the source, `[src_lo, src_hi)`.
     src_lo: u32 = (src_local.lo);
-    /// One past the last local channel or head read on the source.
     src_hi: u32 = (src_local.hi);
-    /// First local channel (conv) or head (recurrent) written on the destination.
+    /// Local channels or heads written on the destination, `[dst_lo, dst_hi)`.
     dst_lo: u32 = (dst_local.lo);
-    /// One past the last local channel or head written on the destination.
     dst_hi: u32 = (dst_local.hi);
     /// "conv" for x/B/C, "recurrent" for the recurrent state.
     state_kind: &'static str = (state_kind());
 }
 span {
-    /// Global SSM layers moved, `[lo, hi)`.
     layers = (layers);
-    /// Global channels or heads, `[lo, hi)`.
     global_range = (global);
-    /// The source's local channels or heads, `[lo, hi)`.
     src_local = (src_local);
-    /// The destination's local channels or heads, `[lo, hi)`.
     dst_local = (dst_local);
 }
 range {
-    /// Layers in the source's local indexing.
     src_local_layers = (src_local_layers());
-    /// Layers in the destination's local indexing.
     dst_local_layers = (dst_local_layers());
 }
 methods {
-    /// The one global layer moved (the reference design's per-layer field); `LayoutError` on
-    /// a transfer spanning several layers (from `SSMReshardPlan.ranges`).
+    /// The one global layer moved; `LayoutError` for a transfer of several layers (`ranges`).
     #[getter]
     fn global_layer(&self) -> PyResult<u32> {
         self.inner.single_layer("global_layer").py()
     }
-    /// The one layer moved, in the source's local indexing.
     #[getter]
     fn src_layer(&self) -> PyResult<u32> {
         self.inner.src_layer().py()
     }
-    /// The one layer moved, in the destination's local indexing.
     #[getter]
     fn dst_layer(&self) -> PyResult<u32> {
         self.inner.dst_layer().py()
@@ -277,8 +248,8 @@ methods {
     }
 });
 
-/// An SSM reshard plan: a read-only sequence of single-layer `SSMReshardTransfer` records (the
-/// reference design's granularity); `ranges` holds the same moves merged over layer ranges.
+/// An SSM reshard plan: a read-only sequence of single-layer `SSMReshardTransfer` records;
+/// `ranges` holds the same moves merged over layer ranges.
 #[pyclass(name = "SSMReshardPlan", module = "disagg_rs", frozen, sequence)]
 pub struct PySsmReshardPlan {
     /// The core plan (layer-range transfers).
@@ -289,14 +260,14 @@ pub struct PySsmReshardPlan {
 
 plan_methods!(PySsmReshardPlan, PySsmReshardTransfer, PySsmShardLayout,
 methods {
-    /// The transfers merged over layer ranges (fewer records; `layers` spans several layers).
+    /// The transfers merged over layer ranges.
     #[getter]
     fn ranges(&self) -> Vec<PySsmReshardTransfer> {
         self.inner.transfers.iter().map(|&inner| PySsmReshardTransfer { inner }).collect()
     }
 });
 
-/// Plan the SSM reshard (conv bands x, B, C and the recurrent state) between layout lists.
+/// `disagg_core::plan_ssm_reshard` between two layout lists.
 #[pyfunction(name = "plan_ssm_reshard")]
 pub fn py_plan_ssm_reshard(
     py: Python<'_>,

@@ -21,11 +21,8 @@ fn list<'a>(
     Ok((rows.as_slice()?, rows.shape()[1], ListForm::from_name(form).py()?))
 }
 
-/// The run table of a compiler row list (`form`: `"gather"`, `"scatter"`, `"gather_runs"`,
-/// `"scatter_runs"`; `rows` a C-contiguous `uint64` array) as `(host, n_runs, unit,
-/// total_bytes, other_end_bytes, min_run_units, div_bits)`, or `None` when the packed side is
-/// not back to back from 0. `ArgumentError` for a fragment outside `[0, other_limit)` (offsets
-/// relative to `other_base`) or past `packed_limit`.
+/// `runs::run_table` of a compiler row list as `(host, n_runs, unit, total_bytes,
+/// other_end_bytes, min_run_units, div_bits)`, or `None`.
 #[pyfunction]
 pub fn run_table<'py>(
     py: Python<'py>,
@@ -46,10 +43,8 @@ pub fn run_table<'py>(
     }))
 }
 
-/// A row copy of a `gather` or `scatter` fragment list (`rows` a C-contiguous `uint64` array,
-/// addresses relative to `base`) as `(row_bytes, side_rows, packed_rows or None when the
-/// packed side is back to back from 0, total_bytes)`. `ArgumentError` naming the side for a
-/// fragment outside `[0, side_limit)` or `[0, packed_limit)` (`limits`).
+/// `runs::row_copy` of a `gather` or `scatter` list as `(row_bytes, side_rows, packed_rows or
+/// None, total_bytes)`.
 #[pyfunction]
 pub fn row_copy<'py>(
     py: Python<'py>,

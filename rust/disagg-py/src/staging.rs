@@ -1,5 +1,5 @@
-//! Python class `StagingRanges`: the byte-range pool of a transport's staging region; and
-//! `write_pull_ids`: one pull's block ids checked and laid out in a device id slot.
+//! Bindings of `StagingRanges`, `PullParts` and `write_pull_ids` (one pull's block ids checked
+//! and laid out in a device id slot).
 
 use std::sync::Mutex;
 
@@ -15,7 +15,7 @@ use crate::error::IntoPyResult;
 use crate::pool::{core_methods, lock, lock_with, Out};
 use crate::wire::{metas, BlockI64, PyPeer};
 
-/// First-fit pool of aligned byte ranges `[offset, offset + size)` in a staging region.
+/// `disagg_core::StagingRanges`: first-fit pool of aligned byte ranges of a staging region.
 #[pyclass(name = "StagingRanges", module = "disagg_rs", frozen)]
 pub struct PyStagingRanges {
     inner: Mutex<StagingRanges>,
@@ -23,27 +23,16 @@ pub struct PyStagingRanges {
 
 core_methods!(PyStagingRanges, lock_with, inner,
 calls {
-    /// Bytes of the region.
     #[getter] fn capacity() -> u64 = capacity();
-    /// Start alignment of every range.
     #[getter] fn alignment() -> u64 = alignment();
-    /// Bytes reserved now (sizes rounded up to the alignment).
     #[getter] fn in_use() -> u64 = in_use();
-    /// The largest free range.
     #[getter] fn largest_free() -> u64 = largest_free();
-    /// Reserve `size` bytes; return the offset. `CapacityError` (field `staging_bytes`) when
-    /// no free range holds them.
+    /// Reserve `size` bytes; `CapacityError` (field `staging_bytes`) when no free range holds them.
     fn alloc(size: U64) -> u64 = alloc(size);
-    /// Slots for a chunked transfer: at most `max_slots` equal ranges of the largest free
-    /// range's `1 / share`, each aligned and at least `item_bytes`, two at least. Returns
-    /// `(slot_bytes, offsets)`, or `None` (nothing reserved) when two do not fit.
     fn alloc_slots(item_bytes: U64, share: U64, max_slots: U64) -> Option<(u64, Vec<u64>)>
         = alloc_slots(item_bytes, share, max_slots);
-    /// Return the range at `offset`; `False` when none starts there (idempotent release).
     fn free(offset: U64) -> bool = free(offset);
-    /// Return every range of `offsets` (as `free` each; unknown offsets are ignored).
     fn free_all(offsets: Raw<Vec<u64>>) -> () = free_all(&offsets);
-    /// The reserved ranges `(offset, size)` in address order.
     fn ranges() -> Vec<(u64, u64)> = ranges();
     fn __len__() -> usize = len();
     fn __repr__() -> String = to_string();
@@ -55,11 +44,8 @@ methods {
         conv!(capacity: U64, alignment: U64);
         Ok(Self { inner: Mutex::new(StagingRanges::new(capacity, alignment).py()?) })
     }
-    /// Slots for streaming a packed copy to a peer whose staging region is `peer_staging`
-    /// (its metadata's `staging`, `None` for none) reading `sources` copies at once: as
-    /// `alloc_slots`, each slot also at most its `nbytes / (2 * sources)`; `None` without an
-    /// item size (no device plan). Returns `(slot_bytes, offsets)` (the slot size is the chunk size), or
-    /// `None` (nothing reserved).
+    /// `StagingRanges::alloc_stream` for a peer whose metadata's `staging` is `peer_staging`;
+    /// `None` without an item size (no device plan).
     #[pyo3(signature = (item_bytes, peer_staging, sources, share, max_slots))]
     fn alloc_stream(&self, item_bytes: Option<u64>,
         peer_staging: Option<std::collections::HashMap<String, u64>>, sources: u64, share: u64,
@@ -70,8 +56,7 @@ methods {
     }
 });
 
-/// Block ids of one side: a list of ints or a contiguous `int64` numpy array read directly,
-/// anything else through [`IntList`] (its errors).
+/// Block ids of one side: a list of ints or an `int64` array read directly, else an [`IntList`].
 fn ids_of(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<i64>> {
     if let Ok(arr) = obj.cast::<PyArray1<i64>>() {
         if let Ok(view) = arr.try_readonly() {
@@ -106,9 +91,7 @@ pub(crate) fn source_ids_of(obj: &Bound<'_, PyAny>) -> PyResult<SourceIds> {
     Ok(SourceIds::Shared(ids_of(obj, "src_block_ids")?))
 }
 
-/// Ids a device id slot needs for a pull into `ids` (destination ids) from `sources` source
-/// ranks; with `rank`, for `sources` more parts the size of the source ids `ids` (a list or
-/// a per-rank mapping) of source `rank` (a source packing its own blocks: 0).
+/// `disagg_core::pull_ids_len` of `ids` (with `rank`: the source ids of source `rank`).
 #[pyfunction]
 #[pyo3(signature = (ids, sources, rank=None))]
 pub fn pull_ids_len(ids: &Bound<'_, PyAny>, sources: usize, rank: Option<i64>) -> PyResult<usize> {
@@ -120,19 +103,12 @@ pub fn pull_ids_len(ids: &Bound<'_, PyAny>, sources: usize, rank: Option<i64>) -
     Ok(disagg_core::pull_ids_len(n, sources))
 }
 
-/// Check the peers (`srcs`, parsed) and block ids of one KV transfer exactly as
-/// `check_peer_transfer` does (same errors, raised before anything is written), then write
-/// the ids into `out` (a 1-D `int64` array, e.g. a pinned slot's numpy view). A pull into
-/// this rank (`dst_block_ids` given): destination ids at 0, the ids of `ranks[j]` at
-/// `(j + 1) * stride`; this rank packing its own blocks (`dst_block_ids` `None`): the ids of
-/// `ranks[j]` at `j * stride`. Returns `(num_tokens, num_blocks, stride, written)`, or `None`
-/// when the ids do not fit that layout (the caller's general path then handles or names the
-/// mismatch). `checked`: the caller checked these peers and ids already and passes the token
-/// count `check_peer_transfer` returned; only the layout is written.
+/// `disagg_core::write_pull_ids` into `out` (a 1-D `int64` array): `(num_tokens, num_blocks,
+/// stride, written)`, or `None` when the ids do not fit the slot layout. `ValueError` for an
+/// `out` that is not writable and contiguous.
 #[pyfunction]
 #[pyo3(signature = (out, srcs, ranks, src_block_ids, dst_block_ids, num_tokens, *,
     local_num_blocks, local_tokens_per_block, tokens_per_block, checked=false))]
-#[allow(clippy::too_many_arguments)]
 pub fn write_pull_ids(
     out: &Bound<'_, PyArray1<i64>>,
     srcs: Vec<PyRef<'_, PyPeer>>,
@@ -201,8 +177,7 @@ impl Out for Queries {
     }
 }
 
-/// The progress of one pull's parts (see `disagg_core::pull_parts`): each poll asks what to
-/// observe, folds the answers and says what to release.
+/// `disagg_core::pull_parts::PullParts`: the progress of one pull's parts.
 #[pyclass(name = "PullParts", module = "disagg_rs", frozen)]
 pub struct PyPullParts {
     inner: Mutex<PullParts>,
@@ -210,23 +185,16 @@ pub struct PyPullParts {
 
 core_methods!(PyPullParts, lock_with, inner,
 calls {
-    /// The first failure, if any.
     #[getter] fn error() -> Option<String> = error().map(str::to_owned);
-    /// Start a poll: parts whose landing to test, whose step to run, whose state to read.
     fn begin() -> (Vec<usize>, Vec<usize>, Vec<usize>) = begin();
-    /// Fold the answers to `begin`; return the parts whose `on_done` to run.
     fn observe(landed: Raw<Vec<bool>>, steps: Outcomes, xfers: Outcomes) -> Vec<usize>
         = observe(&landed, &steps, &xfers);
-    /// Fold the `on_done` outcomes; return the finished reads whose landing to test.
     fn after_on_done(asked: Raw<Vec<usize>>, done: Outcomes) -> Vec<usize>
         = after_on_done(&asked, &done);
-    /// Fold the landings at clock value `now` of a pull whose deadline is `deadline` (past
-    /// it, a running part whose last step said `"WAIT"` fails, quietly). Return `((abort,
-    /// drop, finish), terminal)`.
+    /// `PullParts::settle` of the landings, past `deadline` when `now > deadline`.
     #[pyo3(signature = (landed, now=0.0, deadline=f64::INFINITY))]
     fn settle(landed: Raw<Vec<bool>>, now: Raw<f64>, deadline: Raw<f64>)
         -> (PyReleases, bool) = settle(&landed, now > deadline);
-    /// Fail every running part; return `(abort, drop, finish)`.
     fn cancel() -> PyReleases = cancel();
 }
 methods {

@@ -10,8 +10,7 @@ use crate::args::{conv, Int, Raw, U32, U64};
 use crate::error::IntoPyResult;
 use crate::pool::{core_methods, lock_with};
 
-/// Terminal transfer reports of every model-parallel rank, decided by the completion quorum
-/// (all ok, or the first failure); a request decided as failed absorbs later reports.
+/// `disagg_core::completion_tracker::CompletionTracker`: every rank's terminal reports.
 #[pyclass(name = "CompletionTracker", module = "disagg_rs", frozen)]
 pub struct PyCompletionTracker(Mutex<CompletionTracker>);
 
@@ -22,11 +21,8 @@ calls {
         = record(request_id, rank, failed);
     /// Decisions since the last drain, ``(request_id, failed)`` in decision order.
     fn drain() -> Vec<(u64, bool)> = drain();
-    /// Requests with reports and no decision yet, ascending.
     fn open_ids() -> Vec<u64> = open_ids();
-    /// Drop everything known about a request that ended.
     fn forget(request_id: U64) -> () = forget(request_id);
-    /// Drop every open report and undrained decision; failed requests stay closed.
     fn reset() -> () = reset();
     #[getter] fn world_size() -> u32 = world_size();
     #[getter] fn num_open() -> usize = num_open();

@@ -12,18 +12,18 @@ use disagg_core::wire::peer::{
 use disagg_core::wire::plan::{compile_checked, compile_unchecked, TransferPlanRequest};
 use disagg_core::wire::ticket::{check_staging_tickets, DecodeNeeds, HandoffTicket};
 use disagg_core::wire::value::{Budget, WireValue};
-use disagg_core::ModeChoice;
+use disagg_core::{DisaggError, ModeChoice};
 use numpy::{PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
-use crate::args::{conv, convs, wire_to_py, Int, IntList, Kind, Opt, U32, U64};
+use crate::args::{conv, convs, wire_to_py, Conv, Int, IntList, Kind, Opt, Raw, U32, U64};
 use crate::compile::PyTransferProgram;
 use crate::error::{in_handoff_metadata, py_methods, wire_err, IntoPyResult};
 use crate::geometry::{PyKvGeometry, PySsmGeometry};
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
-use crate::pool::core_fns;
+use crate::pool::{core_fns, Out};
 use crate::staging::source_ids_of;
 
 convs! {
@@ -128,32 +128,24 @@ pub struct PyPeer {
 
 py_methods!(PyPeer,
 get {
-    /// The transport agent name.
     agent_name: String = (agent_name.clone());
-    /// The exporting process's incarnation.
     incarnation: u64 = (incarnation);
-    /// The rank's global rank.
     global_rank: u32 = (layout.global_rank());
-    /// Blocks (KV) or slots (SSM) of the buffer.
     num_blocks: u32 = (num_blocks);
-    /// Tokens per KV block (`None` for SSM state).
     tokens_per_block: Option<u32> = (tokens_per_block);
-    /// `"kv"`, `"conv"` or `"recurrent"`.
     state_kind: &'static str = (state_kind.name());
-    /// The separately registered pieces of the peer's cache, `[(addr, nbytes), ...]` in
-    /// registration order (one per per-layer tensor; one for a single buffer).
+    /// `[(addr, nbytes), ...]` of the registered pieces of the cache, in registration order.
     buffer_regions: Vec<(u64, u64)> = (buffer.regions.pairs());
 }
 span {}
 range {}
 methods {
-    /// The metadata dict in this library's schema (read-only by convention).
+    /// The metadata dict in this library's schema.
     #[getter]
     fn meta(&self, py: Python<'_>) -> Py<PyAny> {
         self.meta.clone_ref(py)
     }
 
-    /// The rank's layout (`KVShardLayout` or `SSMShardLayout`).
     #[getter]
     fn layout(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         match &self.inner.layout {
@@ -162,7 +154,6 @@ methods {
         }
     }
 
-    /// The compiler geometry (`KVGeometry`, `SSMGeometry` or `None`).
     #[getter]
     fn geometry(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         match self.inner.geometry.clone() {
@@ -172,8 +163,7 @@ methods {
         }
     }
 
-    /// Raise `MetadataError` naming `field` unless every `(addr, len, ...)` row of `rows`
-    /// lies inside the peer's exported regions (its buffer and its staging region).
+    /// `PeerMeta::check_addresses` of the `(addr, len, ...)` rows.
     fn check_addresses(&self, rows: PyReadonlyArray2<'_, u64>, field: &str) -> PyResult<()> {
         let view = rows.as_array();
         if view.ncols() < 2 {
@@ -183,12 +173,8 @@ methods {
         self.inner.check_addresses(&rows, field).py()
     }
 
-    /// Direct descriptor pairs whose source side is this peer's memory and whose destination
-    /// side is `local`'s, split so that every piece lies inside one registered region on each
-    /// side (a merged range can run from one per-layer tensor into the next). Returns the
-    /// `(src_rows, dst_rows)` arrays themselves when no row needs splitting. Raises
-    /// `MetadataError` (field `src_descriptors` / `dst_descriptors`) for a byte outside
-    /// every region.
+    /// `RegionTable::split_pairs` of rows from this peer into `local` (the arrays themselves
+    /// when no row needs splitting).
     fn split_descriptors<'py>(
         &self,
         py: Python<'py>,
@@ -217,7 +203,7 @@ methods {
     }
 });
 
-/// Peers of one backend, each parsed once and found again by content.
+/// `disagg_core::wire::peer::PeerTable` of parsed `Peer` objects.
 #[pyclass(name = "PeerTable", module = "disagg_rs")]
 pub struct PyPeerTable {
     inner: PeerTable<Arc<Py<PyPeer>>>,
@@ -225,9 +211,6 @@ pub struct PyPeerTable {
 
 #[pymethods]
 impl PyPeerTable {
-    /// A table of a `backend` (`"nixl"` or `"nccl"`) backend whose peers must share this
-    /// rank's facts: state kind, dtype, head dim, the layout's layer count and the
-    /// compatibility hash.
     #[new]
     #[pyo3(signature = (backend, *, state_kind, dtype, head_dim, num_layers, compat_hash))]
     fn new(
@@ -244,16 +227,13 @@ impl PyPeerTable {
         Ok(Self { inner: PeerTable::new(backend, local) })
     }
 
-    /// The peer parsed from metadata equal to `meta`, or `None` (never parses).
+    /// The peer parsed from metadata equal to `meta`, or `None`.
     fn lookup(&self, py: Python<'_>, meta: &Bound<'_, PyAny>) -> PyResult<Option<Py<PyPeer>>> {
         let raw = to_wire(meta, "peer_meta")?;
         Ok(self.inner.lookup(&raw).map(|(_, p)| p.clone_ref(py)))
     }
 
-    /// The peer of `meta`, parsed now if the table has not seen metadata equal to it.
-    /// `schema` is `meta` in this library's schema when `meta` carries the reference
-    /// design's fields only (default: `meta` itself). Raises `MetadataError`,
-    /// `LayoutError` or `GeometryMismatchError` naming the field.
+    /// `PeerTable::adopt`; `schema` is `meta` in this library's schema (default: `meta`).
     #[pyo3(signature = (meta, schema=None))]
     fn adopt(
         &mut self,
@@ -287,7 +267,6 @@ pub(crate) fn metas<'a>(peers: &'a [PyRef<'_, PyPeer>]) -> Vec<&'a PeerMeta> {
     peers.iter().map(|p| p.inner.as_ref()).collect()
 }
 
-/// The plan request of Python arguments (peers borrowed from `srcs` and `dst`).
 fn plan_request<'a>(
     srcs: &'a [PyRef<'_, PyPeer>],
     dst: &'a PyRef<'_, PyPeer>,
@@ -308,7 +287,6 @@ fn plan_request<'a>(
     })
 }
 
-/// The local side of a transfer check from its arguments.
 pub(crate) fn local_side(
     is_dst: bool,
     local_num_blocks: Int,
@@ -318,12 +296,10 @@ pub(crate) fn local_side(
     Ok(LocalSide { is_dst, num_blocks: local_num_blocks, tokens_per_block: local_tokens_per_block })
 }
 
-/// Compile a transfer of parsed peers. `checked`: its peers and source block ids are what
-/// `check_peer_transfer` accepted (`num_tokens` is its result), so they are not scanned again;
-/// otherwise the compiler validates every block id.
+/// `disagg_core::wire::plan::compile_checked` (`checked`: the ids passed
+/// `check_peer_transfer`, whose token count is `num_tokens`), else `compile_unchecked`.
 #[pyfunction]
 #[pyo3(signature = (srcs, dst, src_block_ids, dst_block_ids, num_tokens, mode, *, checked=false))]
-#[allow(clippy::too_many_arguments)]
 pub fn compile_peer_transfer(
     py: Python<'_>,
     srcs: Vec<PyRef<'_, PyPeer>>,
@@ -341,8 +317,7 @@ pub fn compile_peer_transfer(
     Ok(PyTransferProgram { inner: py.detach(|| compile(&req, num_tokens)).py()? })
 }
 
-/// Parse one peer's metadata exported by a `backend` backend (no table, no compatibility
-/// check): `MetadataError`, `LayoutError` or `GeometryMismatchError` naming the field.
+/// `PeerMeta::parse` of one peer's metadata (no table, no compatibility check).
 #[pyfunction]
 pub fn parse_peer_meta(
     py: Python<'_>,
@@ -353,8 +328,7 @@ pub fn parse_peer_meta(
     Py::new(py, PyPeer { inner, meta: meta.clone().unbind() })
 }
 
-/// Check the peer set and block ids of one transfer (no compile); return the token count
-/// (`None` for SSM state).
+/// `disagg_core::wire::peer::check_transfer`: the token count (`None` for SSM state).
 #[pyfunction]
 #[pyo3(signature = (srcs, src_block_ids, dst_block_ids, num_tokens, *,
     local_is_dst, local_num_blocks, local_tokens_per_block))]
@@ -373,10 +347,7 @@ pub fn check_peer_transfer(
     check_transfer(&metas(&srcs), &src, dst_block_ids.as_deref(), num_tokens, local).py()
 }
 
-/// Check the staging tickets of one pull against the source peers; return them by source
-/// global rank. Raises `MetadataError` (field `staged`) for an unknown source, another
-/// incarnation, a second ticket of one source, a negative offset or bytes outside the
-/// source's staging region.
+/// `disagg_core::wire::ticket::check_staging_tickets`: the tickets by source global rank.
 #[pyfunction]
 pub fn check_staging_tickets_of<'py>(
     py: Python<'py>,
@@ -398,70 +369,65 @@ pub fn check_staging_tickets_of<'py>(
     Ok(out)
 }
 
-/// Check a handoff ticket once, when the decode receives it: `HandoffMetadataError` naming
-/// the field (block ids, first tokens, lease, staging tickets and their offsets). With
-/// `request_id`, also against what this decode rank needs: the state kinds it reads
-/// (`sources`), whether it holds SSM state and whether it verifies integrity.
-#[pyfunction]
-#[pyo3(signature = (ticket, *, request_id=None, sources=Vec::new(), has_ssm=false, integrity=false))]
-pub fn check_handoff_ticket(
-    ticket: &Bound<'_, PyAny>,
-    request_id: Option<Int>,
-    sources: Vec<String>,
-    has_ssm: bool,
-    integrity: bool,
-) -> PyResult<()> {
-    let v = to_wire(ticket, "ticket").map_err(|e| in_handoff_metadata(ticket.py(), e))?;
-    let parsed = HandoffTicket::parse(&v).py()?;
-    conv!(request_id: Opt<U64>);
-    if let Some(request_id) = request_id {
-        let needs = DecodeNeeds { request_id, sources, has_ssm, integrity };
-        parsed.check_for_decode(&needs).py()?;
-    }
-    Ok(())
+convs! {
+    /// A Python value as a wire value (`MetadataError` naming the argument).
+    Wire: Py<PyAny> => WireValue = |f, v| Python::attach(|py| to_wire(v.bind(py), f));
+    /// A handoff's own metadata as a wire value (`HandoffMetadataError` naming the argument).
+    HandoffWire: Py<PyAny> => WireValue = |f, v| Python::attach(|py| {
+        to_wire(v.bind(py), f).map_err(|e| in_handoff_metadata(py, e))
+    });
+    /// A ticket's integrity table as a wire value (`MetadataError` naming `integrity`).
+    IntegrityWire: Py<PyAny> => WireValue = |_f, v| Wire::conv("integrity", v);
 }
 
-/// Run one check of a reference-design engine (`setup`, `ssm_buffers`, `tp_agents`,
-/// `prefill`, `ticket`, `decode_ready`) over its facts dict; the typed error names the field.
-#[pyfunction]
-pub fn check_reference(stage: &str, facts: &Bound<'_, PyAny>) -> PyResult<()> {
-    let v = to_wire(facts, "facts").map_err(|e| in_handoff_metadata(facts.py(), e))?;
-    disagg_core::reference::check_reference(stage, &v).py()
-}
-
-/// Check a ticket's integrity table against the `shapes` this model needs and return its
-/// `chunk_tokens`; without `shapes`, only the `chunk_tokens` (None for a non-map).
-#[pyfunction]
-#[pyo3(signature = (wire, shapes=None))]
-pub fn check_integrity_wire(
-    wire: &Bound<'_, PyAny>,
-    shapes: Option<Vec<(String, Vec<u64>)>>,
-) -> PyResult<Option<u32>> {
-    let v = to_wire(wire, "integrity")?;
-    match shapes {
-        Some(shapes) => disagg_core::integrity::check_table(&v, &shapes).py(),
-        None => disagg_core::integrity::chunk_tokens(&v).py(),
+impl Out for Result<WireValue, DisaggError> {
+    type Py = Py<PyAny>;
+    fn out(self) -> PyResult<Py<PyAny>> {
+        let v = self.py()?;
+        Python::attach(|py| Ok(wire_to_py(py, &v)?.unbind()))
     }
 }
 
-/// Check and plan one integrity digest (`kv` or `ssm` facts, see the core's `DigestPlan`).
-#[pyfunction]
-pub fn digest_plan<'py>(kind: &str, facts: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-    let plan = disagg_core::integrity::DigestPlan::parse(kind, &to_wire(facts, "facts")?).py()?;
-    wire_to_py(facts.py(), &plan.to_wire())
-}
-
-/// The compatibility hash of a facts dict: 16 hex digits.
-#[pyfunction(name = "compat_hash")]
-pub fn py_compat_hash(facts: &Bound<'_, PyAny>) -> PyResult<String> {
-    Ok(compat_hash(&to_wire(facts, "facts")?))
+impl Out for Result<Vec<WireValue>, DisaggError> {
+    type Py = Vec<Py<PyAny>>;
+    fn out(self) -> PyResult<Vec<Py<PyAny>>> {
+        self.py()?.into_iter().map(|v| Ok::<_, DisaggError>(v).out()).collect()
+    }
 }
 
 core_fns! {
-    /// How many peer metadata dicts this process has parsed (lookups of a parsed peer do not
-    /// count).
+    /// `HandoffTicket::parse`, then with `request_id` `check_for_decode` against this rank's
+    /// `sources`, `has_ssm` and `integrity`.
+    #[pyo3(signature = (ticket, *, request_id=None, sources=Vec::new(), has_ssm=false,
+        integrity=false))]
+    fn check_handoff_ticket(ticket: HandoffWire, request_id: Raw<Option<Int>>,
+        sources: Raw<Vec<String>>, has_ssm: Raw<bool>, integrity: Raw<bool>) -> () = {
+        let parsed = HandoffTicket::parse(&ticket).py()?;
+        match Opt::<U64>::conv("request_id", request_id)? {
+            Some(request_id) => {
+                parsed.check_for_decode(&DecodeNeeds { request_id, sources, has_ssm, integrity })
+            }
+            None => Ok(()),
+        }
+    };
+    /// `disagg_core::reference::check_reference` of one `stage` over its facts dict.
+    fn check_reference(stage: Raw<String>, facts: HandoffWire) -> ()
+        = disagg_core::reference::check_reference(&stage, &facts);
+    /// `integrity::check_table` against `shapes`, else `integrity::chunk_tokens`.
+    #[pyo3(signature = (wire, shapes=None))]
+    fn check_integrity_wire(wire: IntegrityWire, shapes: Raw<Option<Vec<(String, Vec<u64>)>>>)
+        -> Option<u32> = match shapes {
+            Some(shapes) => disagg_core::integrity::check_table(&wire, &shapes),
+            None => disagg_core::integrity::chunk_tokens(&wire),
+        };
+    /// `disagg_core::integrity::DigestPlan::parse` of `kv` or `ssm` facts.
+    fn digest_plan(kind: Raw<String>, facts: Wire) -> Py<PyAny>
+        = disagg_core::integrity::DigestPlan::parse(&kind, &facts).map(|p| p.to_wire());
+    /// `disagg_core::wire::peer::compat_hash`: 16 hex digits.
+    #[pyo3(name = "compat_hash")]
+    fn py_compat_hash(facts: Wire) -> String = compat_hash(&facts);
+    /// Peer metadata dicts parsed by this process (lookups of a parsed peer do not count).
     fn peer_meta_parses() -> u64 = parse_count();
-    /// How many times this process has validated a transfer's KV block ids against the
-    /// buffers (once per transfer on the hot path).
+    /// Transfers whose KV block ids this process validated against the buffers.
     fn block_id_checks() -> u64 = block_check_count();
 }
