@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -57,7 +57,14 @@ def _cache(blocks: int, heads: int, fill_seed: int | None) -> Any:
     return buf
 
 
-def _layout(tp: int, rank: int, grank: int) -> dict[str, int]:
+class _LayoutKw(TypedDict):
+    tp_size: int
+    tp_rank: int
+    global_rank: int
+    num_kv_heads_global: int
+
+
+def _layout(tp: int, rank: int, grank: int) -> _LayoutKw:
     """A backend's layout keywords for rank ``rank`` (global ``grank``) of a TP ``tp`` engine."""
     return {"tp_size": tp, "tp_rank": rank, "global_rank": grank, "num_kv_heads_global": HEADS}
 
