@@ -71,6 +71,7 @@ from disagg_rs.transfer_backends.base import (
     ProgramCompiler,
     TransferBackendBase,
     TransferHandleBase,
+    incarnation_of,
     kv_layout_from_meta,
     no_blocks,
 )
@@ -85,16 +86,23 @@ _POLL_INTERVAL_S = 0.0005
 _POLL_TIMEOUT_S = 30.0
 
 
+def _attempt(call: Callable[[], Any]) -> tuple[bool, Any]:
+    """``(True, result)`` of ``call()``, or ``(False, repr(exception))``."""
+    try:
+        return True, call()
+    except Exception as exc:
+        return False, repr(exc)
+
+
 def _detect_nixl_variant(api_module_name: str) -> str | None:
     """Return the installed distribution's package (``nixl_cu12``, ``nixl_cu13``, ...) that
-    provides the active NIXL API module ``api_module_name``; ``None`` if none is installed."""
+    provides the active NIXL API module ``api_module_name``; ``None`` if none is installed
+    (or the installed distributions cannot be listed: a broken site-packages must not stop
+    the import)."""
     top = api_module_name.split(".", 1)[0]
-    try:
-        provided = importlib_metadata.packages_distributions()
-    except Exception as exc:  # a broken site-packages must not stop the import
-        logger.debug("packages_distributions failed: %r", exc)
-        return None
-    return top if provided.get(top) else None
+    listed, provided = _attempt(importlib_metadata.packages_distributions)
+    logger.debug("installed distributions listed: %s", listed)
+    return top if listed and provided.get(top) else None
 
 
 try:
@@ -159,7 +167,7 @@ class _NixlAgentContext:
     ) -> None:
         self.agent_name = agent_name
         self.backends = list(backends)
-        self.incarnation = int(incarnation if incarnation is not None else time.time_ns())
+        self.incarnation = incarnation_of(incarnation)
         #: The shared agent while a registration holds it, else ``None``.
         self.agent: Any = None
         #: Registrations holding the agent, and the peers registered on it.
@@ -439,14 +447,6 @@ def _release_xfers(agent: Any, xfers: Sequence[Any]) -> None:
     for xfer in xfers:
         with contextlib.suppress(Exception):
             agent.release_xfer_handle(xfer)
-
-
-def _attempt(call: Callable[[], Any]) -> tuple[bool, Any]:
-    """``(True, result)`` of ``call()``, or ``(False, repr(exception))``."""
-    try:
-        return True, call()
-    except Exception as exc:
-        return False, repr(exc)
 
 
 def _outcome(call: Callable[[], Any]) -> tuple[bool, str]:
@@ -746,6 +746,52 @@ class _HandoffCheck:
         self.num_tokens, self.done = self._run(), True
         return self.num_tokens
 
+    def run(self) -> int | None:
+        """Run the check unless it has run; the token count."""
+        return self.checked
+
+
+def _stage_checked(
+    backend: NixlTransferBackend,
+    ticket: dict[str, Any],
+    src_peers: list[Any],
+    dst_peer: Any,
+    src_block_ids: BlockIds,
+    check: _HandoffCheck,
+) -> dict[str, Any]:
+    """``stage_blocks`` of a rank that packs nothing for the pair: the peers and ids
+    checked (unless ``check`` has run), the ticket as it is (the decode reads directly)."""
+    del backend, src_peers, dst_peer, src_block_ids
+    check.run()
+    return ticket
+
+
+def _stage_rows(
+    backend: NixlTransferBackend,
+    ticket: dict[str, Any],
+    src_peers: list[Any],
+    dst_peer: Any,
+    src_block_ids: BlockIds,
+    check: _HandoffCheck,
+) -> dict[str, Any]:
+    """``stage_blocks`` without a pack route taking the ids: the peers and ids checked
+    (unless ``check`` has run), this rank's rows of the compiled program packed whole (a
+    copy larger than the free pool is not packed: the decode reads directly)."""
+    n = check.checked
+    program = backend._compile(src_peers, dst_peer, src_block_ids, None, n, "staged")
+    me = backend.layout.global_rank
+    nbytes = int(program.packed_bytes(me))
+    pack = functools.partial(backend._pack_rows_at, program, me, nbytes)
+    stream = functools.partial(backend._not_streamed, dst_peer.meta, nbytes)
+    return backend._place(ticket, dst_peer.meta, nbytes, pack, stream)
+
+
+#: What stages a handoff's ids when the pair's pack route does not take them.
+_OtherStage = Callable[
+    ["NixlTransferBackend", dict[str, Any], list[Any], Any, BlockIds, _HandoffCheck],
+    dict[str, Any],
+]
+
 
 class _NoPackRoute:
     """The pack route of a rank without one for a (sources, decode) pair: it takes no ids
@@ -988,18 +1034,19 @@ class NixlTransferBackend(TransferBackendBase):
         # What this rank packs for a (sources, decode) pair is settled on its first handoff
         # (``_pack_route``, cached). The pack route checks the peers and ids (in Rust, once)
         # and lays this rank's ids out for its kernel; what it does not take (no route, SSM
-        # state, another block count) is checked and packed by the general path.
+        # state, another block count) is checked, and packed where the rank packs, by the
+        # pair's other path (``_stage_checked`` or ``_stage_rows``).
         key = ("stage", _peer_key([p.meta for p in src_peers]), _peer_key([dst_peer.meta]))
         check = _HandoffCheck(functools.partial(
             self._validate_peers, src_peers, src_block_ids, None, num_tokens, local_is_dst=False
         ), num_tokens)  # fmt: skip
         build = functools.partial(self._pack_route, src_peers, dst_peer, src_block_ids, check)
-        sources, route, packs = self._cached(key, build)
+        sources, route, other = self._cached(key, build)
         side = self._local_side
         got = route.begin(src_peers, src_block_ids, check.num_tokens, checked=check.done, **side)
         if got is None:
-            args = (src_peers, dst_peer, src_block_ids, check, packs)
-            return self._stage_general(ticket, *args)
+            staged: dict[str, Any] = other(self, ticket, src_peers, dst_peer, src_block_ids, check)
+            return staged
         nbytes = route.plan.packed_bytes(got.num_tokens)
         stream = functools.partial(self._stream_out, route, got, dst_peer.meta, sources, nbytes)
         pack = functools.partial(route.pack_whole, got)
@@ -1007,10 +1054,11 @@ class NixlTransferBackend(TransferBackendBase):
 
     def _pack_route(
         self, src_peers: list[Any], dst_peer: Any, src_block_ids: BlockIds, check: _HandoffCheck
-    ) -> tuple[int, dp.PackRoute | _NoPackRoute, bool]:
+    ) -> tuple[int, dp.PackRoute | _NoPackRoute, _OtherStage]:
         """What this rank packs for one (sources, decode) pair, from its first handoff:
-        ``(source ranks of the plan, its pack route, whether this rank packs)``, the route a
-        null one where it has none (it packs nothing, or the program's rows: SSM state).
+        ``(source ranks of the plan, its pack route, what stages the ids the route does not
+        take)``, the route a null one where it has none: the rank packs nothing (the ids are
+        only checked), or the program's rows (SSM state).
 
         The peers and ids are checked first. Nothing is packed (nor compiled) for a decode
         that reads this rank directly: mode ``"direct"``, or a decode on this host, which
@@ -1019,16 +1067,17 @@ class NixlTransferBackend(TransferBackendBase):
         n = check.checked
         mine, theirs = self.ipc_meta, dst_peer.meta.get("ipc")
         if not _core.nixl_source_packs(self.mode, self.memory_buffer.is_cuda, mine, theirs):
-            return 0, _NO_PACK_ROUTE, False
+            return 0, _NO_PACK_ROUTE, _stage_checked
         program = self._compile(src_peers, dst_peer, src_block_ids, None, n, "staged")
         me, ranks = self.layout.global_rank, list(program.src_ranks)
-        packs = _core.nixl_source_stages(me, ranks, self.arena.capacity)
-        addr = int(self.buffer_info["addr"])
-        plan = dp.DevicePlan.from_program(program, me, src_addr=addr, dst_addr=0) if packs else None
-        if plan is None:
-            return len(ranks), _NO_PACK_ROUTE, packs
-        staging = cast(torch.Tensor, self.staging_buffer)
-        return len(ranks), dp.PackRoute(plan, me, self.memory_buffer, staging, self._ids), packs
+        if not _core.nixl_source_stages(me, ranks, self.arena.capacity):
+            return len(ranks), _NO_PACK_ROUTE, _stage_checked
+        addr, staging = int(self.buffer_info["addr"]), cast(torch.Tensor, self.staging_buffer)
+        plan = dp.DevicePlan.from_program(program, me, src_addr=addr, dst_addr=0)
+        route = _NO_PACK_ROUTE if plan is None else dp.PackRoute(
+            plan, me, self.memory_buffer, staging, self._ids
+        )  # fmt: skip
+        return len(ranks), route, _stage_rows
 
     @functools.cached_property
     def _local_side(self) -> dict[str, Any]:
@@ -1037,29 +1086,6 @@ class NixlTransferBackend(TransferBackendBase):
             "local_num_blocks": self.expected_num_blocks,
             "local_tokens_per_block": self.tokens_per_block,
         }
-
-    def _stage_general(
-        self,
-        ticket: dict[str, Any],
-        src_peers: list[Any],
-        dst_peer: Any,
-        src_block_ids: BlockIds,
-        check: _HandoffCheck,
-        packs: bool,
-    ) -> dict[str, Any]:
-        """``stage_blocks`` without a pack route: check the peers and ids (unless ``check``
-        has run), and pack this rank's rows of the compiled program whole where it
-        ``packs`` (a copy larger than the free pool is not packed: the decode reads
-        directly)."""
-        n = check.checked
-        if not packs:
-            return ticket
-        program = self._compile(src_peers, dst_peer, src_block_ids, None, n, "staged")
-        me = self.layout.global_rank
-        nbytes = int(program.packed_bytes(me))
-        pack = functools.partial(self._pack_rows_at, program, me, nbytes)
-        stream = functools.partial(self._not_streamed, dst_peer.meta, nbytes)
-        return self._place(ticket, dst_peer.meta, nbytes, pack, stream)
 
     def _pack_rows_at(self, program: Any, me: int, nbytes: int, offset: int) -> Any:
         """Pack this rank's rows of ``program`` into the staging region at ``offset``; the
@@ -1225,7 +1251,7 @@ class NixlTransferBackend(TransferBackendBase):
         src_block_ids = cast(BlockIds, src_ids)  # given, so resolved to the ids or a rank map
         if no_blocks(src_block_ids, dst_block_ids):  # nothing to move: a settled handle
             return NixlPullHandle(self.agent, [], self.timeout_s, self.clock, None)
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        timeout = self._timeout(timeout_s)
         staged = list(staged or ())
         # A peer set seen before on the CUDA IPC path: Rust checks the ids while writing
         # them into the upload slot (the same checks as below), one launch follows.
@@ -1332,11 +1358,12 @@ class NixlTransferBackend(TransferBackendBase):
         Everything that depends only on the peer set (mappings, plans, bounds, the merged
         plan and its prepared launch) is settled once per peer set (:meth:`_ipc_route`) and
         found again by the parsed peers' identity (``key``) at the top of
-        ``begin_pull_blocks``. Host memory exports no IPC metadata."""
-        if handoff[2] is None or self.ipc_meta is None:
+        ``begin_pull_blocks``, which has tried a route settled before already (its ids, the
+        same checks in Rust, did not fit it: they do not now). Host memory exports no IPC
+        metadata."""
+        if key in self._ipc_routes or handoff[2] is None or self.ipc_meta is None:
             return None
-        route = self._ipc_routes.get(key) or self._ipc_route(key, peers, by_rank, handoff)
-        return route.pull(self, staged, handoff, timeout)
+        return self._ipc_route(key, peers, by_rank, handoff).pull(self, staged, handoff, timeout)
 
     def _ipc_route(
         self,
