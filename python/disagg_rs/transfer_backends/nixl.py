@@ -281,6 +281,24 @@ def _decoded(text: str | bytes) -> tuple[bytes, str]:
 StagingArena = _core.StagingRanges
 
 
+class _Reserved:
+    """``nbytes`` of the staging pool reserved for a pack (``with``, the range's offset):
+    given back when queuing the pack raises. Lighter than an ``ExitStack`` on the
+    host-submit path."""
+
+    __slots__ = ("arena", "offset")
+
+    def __init__(self, arena: StagingArena, nbytes: int) -> None:
+        self.arena, self.offset = arena, int(arena.alloc(nbytes))
+
+    def __enter__(self) -> int:
+        return self.offset
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is not None:
+            self.arena.free(self.offset)
+
+
 def _settled() -> bool:
     """The landing of a part with nothing to wait for."""
     return True
@@ -751,32 +769,27 @@ class _HandoffCheck:
         return self.checked
 
 
+#: A stage's source peers, decode peer and source block ids.
+_StagePeers = tuple[list[Any], Any, BlockIds]
+
+
 def _stage_checked(
-    backend: NixlTransferBackend,
-    ticket: dict[str, Any],
-    src_peers: list[Any],
-    dst_peer: Any,
-    src_block_ids: BlockIds,
-    check: _HandoffCheck,
+    backend: NixlTransferBackend, ticket: dict[str, Any], peers: _StagePeers, check: _HandoffCheck
 ) -> dict[str, Any]:
     """``stage_blocks`` of a rank that packs nothing for the pair: the peers and ids
     checked (unless ``check`` has run), the ticket as it is (the decode reads directly)."""
-    del backend, src_peers, dst_peer, src_block_ids
+    del backend, peers
     check.run()
     return ticket
 
 
 def _stage_rows(
-    backend: NixlTransferBackend,
-    ticket: dict[str, Any],
-    src_peers: list[Any],
-    dst_peer: Any,
-    src_block_ids: BlockIds,
-    check: _HandoffCheck,
+    backend: NixlTransferBackend, ticket: dict[str, Any], peers: _StagePeers, check: _HandoffCheck
 ) -> dict[str, Any]:
     """``stage_blocks`` without a pack route taking the ids: the peers and ids checked
     (unless ``check`` has run), this rank's rows of the compiled program packed whole (a
     copy larger than the free pool is not packed: the decode reads directly)."""
+    src_peers, dst_peer, src_block_ids = peers
     n = check.checked
     program = backend._compile(src_peers, dst_peer, src_block_ids, None, n, "staged")
     me = backend.layout.global_rank
@@ -788,8 +801,7 @@ def _stage_rows(
 
 #: What stages a handoff's ids when the pair's pack route does not take them.
 _OtherStage = Callable[
-    ["NixlTransferBackend", dict[str, Any], list[Any], Any, BlockIds, _HandoffCheck],
-    dict[str, Any],
+    ["NixlTransferBackend", dict[str, Any], _StagePeers, _HandoffCheck], dict[str, Any]
 ]
 
 
@@ -1045,7 +1057,8 @@ class NixlTransferBackend(TransferBackendBase):
         side = self._local_side
         got = route.begin(src_peers, src_block_ids, check.num_tokens, checked=check.done, **side)
         if got is None:
-            staged: dict[str, Any] = other(self, ticket, src_peers, dst_peer, src_block_ids, check)
+            peers = (src_peers, dst_peer, src_block_ids)
+            staged: dict[str, Any] = other(self, ticket, peers, check)
             return staged
         nbytes = route.plan.packed_bytes(got.num_tokens)
         stream = functools.partial(self._stream_out, route, got, dst_peer.meta, sources, nbytes)
@@ -1109,11 +1122,8 @@ class NixlTransferBackend(TransferBackendBase):
         cannot be: the decode reads this rank's blocks)."""
         if nbytes > self.arena.largest_free:
             return {**ticket, **stream()}
-        offset = self.arena.alloc(nbytes)
-        with contextlib.ExitStack() as rollback:
-            rollback.callback(self.arena.free, offset)  # the range goes back unless packed
+        with _Reserved(self.arena, nbytes) as offset:  # the range goes back unless queued
             done = pack(offset)
-            rollback.pop_all()
         return self._announce_whole(ticket, dst, offset, nbytes, done)
 
     def _announce_whole(
