@@ -158,6 +158,12 @@ def rust_program_compiler(
     return program
 
 
+def incarnation_of(incarnation: int | None) -> int:
+    """A buffer's incarnation: the one given, else now in nanoseconds (a restarted process
+    registers under a new one)."""
+    return int(incarnation if incarnation is not None else time.time_ns())
+
+
 def no_blocks(*block_ids: Any) -> bool:
     """Whether every given block id list is empty (a handoff with nothing left to move, e.g.
     a prompt whole in the decode's prefix cache): the reference design's no-op transfer.
@@ -465,7 +471,7 @@ class TransferBackendBase:
         self.timeout_s = float(timeout_s)
         self.compiler: ProgramCompiler = compiler or rust_program_compiler
         self.clock = clock
-        self.incarnation = int(incarnation if incarnation is not None else time.time_ns())
+        self.incarnation = incarnation_of(incarnation)
         # Kind, axes, layout and both geometries, inferred and checked in Rust.
         plan = _core.plan_buffer(
             memory_buffer,
@@ -590,6 +596,10 @@ class TransferBackendBase:
     def _peer_list(self, peer_meta: Any) -> list[PeerMeta]:
         """Peers' metadata in this library's schema (see ``_resolve_peers``)."""
         return [p.meta for p in self._resolve_peers(peer_meta, None)[0]]
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        """A call's time limit: ``timeout_s``, else the backend's ``timeout_s``."""
+        return self.timeout_s if timeout_s is None else timeout_s
 
     def _resolve_peers(
         self, peer_meta: Any, src_block_ids: BlockIds | None

@@ -241,9 +241,6 @@ class NcclTransferBackend(TransferBackendBase):
         """The tag messages travel on: the handoff's, or one for all (``match_by_order``)."""
         return _core.p2p_wire_tag(tag, self.match_by_order)
 
-    def _timeout(self, timeout_s: float | None) -> float:
-        return self.timeout_s if timeout_s is None else timeout_s
-
     def _checker(
         self, buf: torch.Tensor, peer: int, tag: int, incarnation: int, nbytes: int
     ) -> Callable[[], None]:

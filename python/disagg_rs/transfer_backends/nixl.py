@@ -59,7 +59,6 @@ import torch
 
 from disagg_rs import _core
 from disagg_rs.exceptions import (
-    CapacityError,
     TransferError,
     TransferStartError,
 )
@@ -72,6 +71,7 @@ from disagg_rs.transfer_backends.base import (
     ProgramCompiler,
     TransferBackendBase,
     TransferHandleBase,
+    incarnation_of,
     kv_layout_from_meta,
     no_blocks,
 )
@@ -86,16 +86,23 @@ _POLL_INTERVAL_S = 0.0005
 _POLL_TIMEOUT_S = 30.0
 
 
+def _attempt(call: Callable[[], Any]) -> tuple[bool, Any]:
+    """``(True, result)`` of ``call()``, or ``(False, repr(exception))``."""
+    try:
+        return True, call()
+    except Exception as exc:
+        return False, repr(exc)
+
+
 def _detect_nixl_variant(api_module_name: str) -> str | None:
     """Return the installed distribution's package (``nixl_cu12``, ``nixl_cu13``, ...) that
-    provides the active NIXL API module ``api_module_name``; ``None`` if none is installed."""
+    provides the active NIXL API module ``api_module_name``; ``None`` if none is installed
+    (or the installed distributions cannot be listed: a broken site-packages must not stop
+    the import)."""
     top = api_module_name.split(".", 1)[0]
-    try:
-        provided = importlib_metadata.packages_distributions()
-    except Exception as exc:  # a broken site-packages must not stop the import
-        logger.debug("packages_distributions failed: %r", exc)
-        return None
-    return top if provided.get(top) else None
+    listed, provided = _attempt(importlib_metadata.packages_distributions)
+    logger.debug("installed distributions listed: %s", listed)
+    return top if listed and provided.get(top) else None
 
 
 try:
@@ -126,12 +133,12 @@ def _validate_ucx_transport_config(memory_buffer: torch.Tensor) -> None:
     """Configure safe UCX memory detection and reject host-only transports for GPU buffers.
 
     Host-memory buffers are not checked: a CPU deployment may restrict UCX to ``tcp,self,sm``.
+    The UCX memory-type cache misclassifies CUDA allocations reused by torch's caching
+    allocator; disabling it (unless set) is the documented safe setting for registered VRAM.
+    What to set is decided in Rust, after the check.
     """
-    if memory_buffer.is_cuda:
-        # The UCX memory-type cache misclassifies CUDA allocations reused by torch's caching
-        # allocator; disabling it is the documented safe setting for registered VRAM.
-        os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
-        _core.check_ucx_tls(os.environ.get("UCX_TLS"))
+    tls, cache = os.environ.get("UCX_TLS"), os.environ.get("UCX_MEMTYPE_CACHE")
+    os.environ.update(_core.nixl_ucx_env(memory_buffer.is_cuda, tls, cache))
 
 
 def _validate_nixl_cuda_support(agent: Any, memory_buffer: torch.Tensor) -> None:
@@ -160,7 +167,7 @@ class _NixlAgentContext:
     ) -> None:
         self.agent_name = agent_name
         self.backends = list(backends)
-        self.incarnation = int(incarnation if incarnation is not None else time.time_ns())
+        self.incarnation = incarnation_of(incarnation)
         #: The shared agent while a registration holds it, else ``None``.
         self.agent: Any = None
         #: Registrations holding the agent, and the peers registered on it.
@@ -253,13 +260,12 @@ class _NixlAgentContext:
         self._forget(stale)
         if known is not None:
             return str(known)
-        try:
-            raw = self.live_agent().add_remote_agent(blob)
-        except Exception as exc:
-            raise TransferError(
-                f"cannot register NIXL peer {name!r}: {exc!r}", field="agent_metadata"
-            ) from exc
-        return str(self.registrations.register(name, incarnation, digest, raw))
+        # A registration NIXL refuses raises ``TransferError`` (field ``agent_metadata``).
+        added = _attempt(functools.partial(self._add_remote, blob))
+        return str(self.registrations.register(name, incarnation, digest, *added))
+
+    def _add_remote(self, blob: bytes) -> Any:
+        return self.live_agent().add_remote_agent(blob)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -273,6 +279,24 @@ def _decoded(text: str | bytes) -> tuple[bytes, str]:
 #: Byte ranges of the registered staging region (first fit, 256-byte aligned starts), kept
 #: in Rust: one entry per staged part in flight, never one per block.
 StagingArena = _core.StagingRanges
+
+
+class _Reserved:
+    """``nbytes`` of the staging pool reserved for a pack (``with``, the range's offset):
+    given back when queuing the pack raises. Lighter than an ``ExitStack`` on the
+    host-submit path."""
+
+    __slots__ = ("arena", "offset")
+
+    def __init__(self, arena: StagingArena, nbytes: int) -> None:
+        self.arena, self.offset = arena, int(arena.alloc(nbytes))
+
+    def __enter__(self) -> int:
+        return self.offset
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is not None:
+            self.arena.free(self.offset)
 
 
 def _settled() -> bool:
@@ -445,10 +469,8 @@ def _release_xfers(agent: Any, xfers: Sequence[Any]) -> None:
 
 def _outcome(call: Callable[[], Any]) -> tuple[bool, str]:
     """``(True, str(result))`` of ``call()``, or ``(False, repr(exception))``."""
-    try:
-        return True, str(call())
-    except Exception as exc:
-        return False, repr(exc)
+    ok, got = _attempt(call)
+    return ok, str(got)
 
 
 #: Slots of the decode's staging pool one chunked read cycles through: one landing while one
@@ -726,6 +748,76 @@ def _new_read(agent: Any, local: Any, remote: Any, mems: tuple[str, str], peer: 
     )
 
 
+class _HandoffCheck:
+    """The check of one handoff's peers and ids (``run``), run at most once whoever asks
+    first: ``num_tokens`` is the caller's until it has run (``done``), the checked count
+    after (a pack route given them then skips its own check)."""
+
+    def __init__(self, run: Callable[[], int | None], num_tokens: int | None) -> None:
+        self._run = run
+        self.num_tokens = num_tokens
+        self.done = False
+
+    @functools.cached_property
+    def checked(self) -> int | None:
+        """The token count the check returns (run on first use)."""
+        self.num_tokens, self.done = self._run(), True
+        return self.num_tokens
+
+    def run(self) -> int | None:
+        """Run the check unless it has run; the token count."""
+        return self.checked
+
+
+#: A stage's source peers, decode peer and source block ids.
+_StagePeers = tuple[list[Any], Any, BlockIds]
+
+
+def _stage_checked(
+    backend: NixlTransferBackend, ticket: dict[str, Any], peers: _StagePeers, check: _HandoffCheck
+) -> dict[str, Any]:
+    """``stage_blocks`` of a rank that packs nothing for the pair: the peers and ids
+    checked (unless ``check`` has run), the ticket as it is (the decode reads directly)."""
+    del backend, peers
+    check.run()
+    return ticket
+
+
+def _stage_rows(
+    backend: NixlTransferBackend, ticket: dict[str, Any], peers: _StagePeers, check: _HandoffCheck
+) -> dict[str, Any]:
+    """``stage_blocks`` without a pack route taking the ids: the peers and ids checked
+    (unless ``check`` has run), this rank's rows of the compiled program packed whole (a
+    copy larger than the free pool is not packed: the decode reads directly)."""
+    src_peers, dst_peer, src_block_ids = peers
+    n = check.checked
+    program = backend._compile(src_peers, dst_peer, src_block_ids, None, n, "staged")
+    me = backend.layout.global_rank
+    nbytes = int(program.packed_bytes(me))
+    pack = functools.partial(backend._pack_rows_at, program, me, nbytes)
+    stream = functools.partial(backend._not_streamed, dst_peer.meta, nbytes)
+    return backend._place(ticket, dst_peer.meta, nbytes, pack, stream)
+
+
+#: What stages a handoff's ids when the pair's pack route does not take them.
+_OtherStage = Callable[
+    ["NixlTransferBackend", dict[str, Any], _StagePeers, _HandoffCheck], dict[str, Any]
+]
+
+
+class _NoPackRoute:
+    """The pack route of a rank without one for a (sources, decode) pair: it takes no ids
+    (``stage_blocks`` then checks them and packs the program's rows, if anything)."""
+
+    @staticmethod
+    def begin(*args: Any, **kwargs: Any) -> None:
+        """Nothing is taken here."""
+        del args, kwargs
+
+
+#: The pack route of a pair whose rank has none.
+_NO_PACK_ROUTE = _NoPackRoute()
+
 #: The route of a peer set not seen on the IPC path yet (``begin_pull_blocks``' first look).
 _NO_IPC_ROUTE = _NoIpcRoute()
 
@@ -943,66 +1035,62 @@ class NixlTransferBackend(TransferBackendBase):
         src_peers = (
             [self._adopt_peer(m) for m in src_metas] if src_metas is not None else [self._own_peer]
         )
-        dst, srcs = dst_peer.meta, [p.meta for p in src_peers]
-        me = self.layout.global_rank
         ticket: dict[str, Any] = {
-            "src_rank": me,
+            "src_rank": self.layout.global_rank,
             "agent_name": self.agent_name,
             "incarnation": self.incarnation,
             "staged": False,
             "offset": 0,
             "nbytes": 0,
         }
-        # Nothing is packed for a decode that reads this rank directly: mode "direct", or a
-        # decode on this host, which reads the blocks through CUDA IPC.
-        direct = self.mode == "direct" or (
-            self.memory_buffer.is_cuda and ipc.same_host(self.ipc_meta, dst.get("ipc"))
-        )
-        # Without destination blocks only the gather side compiles (mode "staged"); in
-        # "auto" the decode may still read this rank directly and ignore the packed copy.
-        # The compiled gather side is cached per (sources, decode) pair: the source ranks
-        # and this rank's pack route (its device plan, prepared), if it packs.
-        key = ("stage", _peer_key(srcs), _peer_key([dst]))
-        checked: list[int | None] = []  # the token count, when a build checked the ids
-
-        def build() -> tuple[list[int], dp.PackRoute | None]:
-            n = self._validate_peers(src_peers, src_block_ids, None, num_tokens, local_is_dst=False)
-            checked.append(n)
-            program = self._compile(src_peers, dst_peer, src_block_ids, None, n, "staged")
-            route, staging = None, self.staging_buffer
-            if me in program.src_ranks and staging is not None:
-                addr = int(self.buffer_info["addr"])
-                plan = dp.DevicePlan.from_program(program, me, src_addr=addr, dst_addr=0)
-                if plan is not None:
-                    route = dp.PackRoute(plan, me, self.memory_buffer, staging, self._ids)
-            return list(program.src_ranks), route
-
-        # The route checks the peers and ids (in Rust, once) and lays this rank's ids out
-        # for its kernel; what it does not take (no route, SSM state, another block count)
-        # is checked and packed by the general path.
-        ranks, route = ((), None) if direct else self._cached(key, build)
-        got = None
-        if route is not None:
-            n_tok = checked[0] if checked else num_tokens
-            side = self._local_side
-            got = route.begin(src_peers, src_block_ids, n_tok, checked=bool(checked), **side)
-        if route is None or got is None:
-            args = (src_peers, dst_peer, src_block_ids, num_tokens, ranks, checked)
-            return self._stage_general(ticket, *args)
+        # What this rank packs for a (sources, decode) pair is settled on its first handoff
+        # (``_pack_route``, cached). The pack route checks the peers and ids (in Rust, once)
+        # and lays this rank's ids out for its kernel; what it does not take (no route, SSM
+        # state, another block count) is checked, and packed where the rank packs, by the
+        # pair's other path (``_stage_checked`` or ``_stage_rows``).
+        key = ("stage", _peer_key([p.meta for p in src_peers]), _peer_key([dst_peer.meta]))
+        check = _HandoffCheck(functools.partial(
+            self._validate_peers, src_peers, src_block_ids, None, num_tokens, local_is_dst=False
+        ), num_tokens)  # fmt: skip
+        build = functools.partial(self._pack_route, src_peers, dst_peer, src_block_ids, check)
+        sources, route, other = self._cached(key, build)
+        side = self._local_side
+        got = route.begin(src_peers, src_block_ids, check.num_tokens, checked=check.done, **side)
+        if got is None:
+            peers = (src_peers, dst_peer, src_block_ids)
+            staged: dict[str, Any] = other(self, ticket, peers, check)
+            return staged
         nbytes = route.plan.packed_bytes(got.num_tokens)
-        if nbytes > self.arena.largest_free:
-            # The staging region is a fixed pool whatever the prompt size: a copy that does
-            # not fit now is streamed through a few slots of it (else, when no slot holds
-            # one item, not packed: the decode reads this rank's blocks).
-            ticket.update(self._stream_out((route, got), dst, len(ranks), nbytes))
-            return ticket
-        offset = self.arena.alloc(nbytes)
-        try:
-            done = route.pack_whole(got, offset)
-        except Exception:
-            self.arena.free(offset)
-            raise
-        return self._announce_whole(ticket, dst, offset, nbytes, done)
+        stream = functools.partial(self._stream_out, route, got, dst_peer.meta, sources, nbytes)
+        pack = functools.partial(route.pack_whole, got)
+        return self._place(ticket, dst_peer.meta, nbytes, pack, stream)
+
+    def _pack_route(
+        self, src_peers: list[Any], dst_peer: Any, src_block_ids: BlockIds, check: _HandoffCheck
+    ) -> tuple[int, dp.PackRoute | _NoPackRoute, _OtherStage]:
+        """What this rank packs for one (sources, decode) pair, from its first handoff:
+        ``(source ranks of the plan, its pack route, what stages the ids the route does not
+        take)``, the route a null one where it has none: the rank packs nothing (the ids are
+        only checked), or the program's rows (SSM state).
+
+        The peers and ids are checked first. Nothing is packed (nor compiled) for a decode
+        that reads this rank directly: mode ``"direct"``, or a decode on this host, which
+        reads the blocks through CUDA IPC. A rank of the plan without a staging pool raises
+        ``CapacityError`` (Rust decides both)."""
+        n = check.checked
+        mine, theirs = self.ipc_meta, dst_peer.meta.get("ipc")
+        if not _core.nixl_source_packs(self.mode, self.memory_buffer.is_cuda, mine, theirs):
+            return 0, _NO_PACK_ROUTE, _stage_checked
+        program = self._compile(src_peers, dst_peer, src_block_ids, None, n, "staged")
+        me, ranks = self.layout.global_rank, list(program.src_ranks)
+        if not _core.nixl_source_stages(me, ranks, self.arena.capacity):
+            return len(ranks), _NO_PACK_ROUTE, _stage_checked
+        addr, staging = int(self.buffer_info["addr"]), cast(torch.Tensor, self.staging_buffer)
+        plan = dp.DevicePlan.from_program(program, me, src_addr=addr, dst_addr=0)
+        route = _NO_PACK_ROUTE if plan is None else dp.PackRoute(
+            plan, me, self.memory_buffer, staging, self._ids
+        )  # fmt: skip
+        return len(ranks), route, _stage_rows
 
     @functools.cached_property
     def _local_side(self) -> dict[str, Any]:
@@ -1012,42 +1100,31 @@ class NixlTransferBackend(TransferBackendBase):
             "local_tokens_per_block": self.tokens_per_block,
         }
 
-    def _stage_general(
+    def _pack_rows_at(self, program: Any, me: int, nbytes: int, offset: int) -> Any:
+        """Pack this rank's rows of ``program`` into the staging region at ``offset``; the
+        completion of the pack."""
+        region = cast(torch.Tensor, self.staging_buffer)[offset : offset + nbytes]
+        self.pack_rows(program.gather(me), region)
+        return _landed_event(region)
+
+    def _place(
         self,
         ticket: dict[str, Any],
-        src_peers: list[Any],
-        dst_peer: Any,
-        src_block_ids: BlockIds,
-        num_tokens: int | None,
-        ranks: Sequence[int],
-        checked: list[int | None],
+        dst: PeerMeta,
+        nbytes: int,
+        pack: Callable[[int], Any],
+        stream: Callable[[], dict[str, Any]],
     ) -> dict[str, Any]:
-        """``stage_blocks`` without a pack route: check the peers and ids (unless they were,
-        ``checked`` holding the token count), and pack this rank's rows of the compiled
-        program whole when it is one of the ``ranks`` that pack (a copy larger than the free
-        pool is not packed: the decode reads directly)."""
-        if not checked:
-            checked.append(
-                self._validate_peers(src_peers, src_block_ids, None, num_tokens, local_is_dst=False)
-            )
-        num_tokens = checked[0]
-        me = self.layout.global_rank
-        if me not in ranks:
-            return ticket
-        if self.staging_buffer is None:
-            raise CapacityError("staged pull needs staging_bytes > 0", field="staging_bytes")
-        program = self._compile(src_peers, dst_peer, src_block_ids, None, num_tokens, "staged")
-        nbytes = int(program.packed_bytes(me))
+        """Pack this rank's copy (``nbytes``) whole into a free range of the staging pool
+        (``pack(offset)`` queues it and returns its completion) and announce it once packed.
+        The pool is fixed whatever the prompt size: a copy that does not fit now is streamed
+        through a few slots of it (``stream()`` returns the ticket's fields; none when it
+        cannot be: the decode reads this rank's blocks)."""
         if nbytes > self.arena.largest_free:
-            return {**ticket, **self._stream_out(None, dst_peer.meta, len(ranks), nbytes)}
-        offset = self.arena.alloc(nbytes)
-        region = self.staging_buffer[offset : offset + nbytes]
-        try:
-            self.pack_rows(program.gather(me), region)
-        except Exception:
-            self.arena.free(offset)
-            raise
-        return self._announce_whole(ticket, dst_peer.meta, offset, nbytes, _landed_event(region))
+            return {**ticket, **stream()}
+        with _Reserved(self.arena, nbytes) as offset:  # the range goes back unless queued
+            done = pack(offset)
+        return self._announce_whole(ticket, dst, offset, nbytes, done)
 
     def _announce_whole(
         self, ticket: dict[str, Any], dst: PeerMeta, offset: int, nbytes: int, done: Any
@@ -1069,36 +1146,20 @@ class NixlTransferBackend(TransferBackendBase):
         return self._plans.get(key, build)
 
     def _stream_out(
-        self,
-        packing: tuple[dp.PackRoute, dp.PackIds] | None,
-        dst: PeerMeta,
-        sources: int,
-        nbytes: int,
+        self, route: dp.PackRoute, got: dp.PackIds, dst: PeerMeta, sources: int, nbytes: int
     ) -> dict[str, Any]:
-        """Start streaming this rank's packed copy (``nbytes``; ``packing``: its pack route
-        and ids, laid out by the route) to decode ``dst``: reserve up to ``_STREAM_SLOTS``
-        slots of ``1 / _STREAM_SHARE`` of the largest free range, each holding a chunk the
-        decode's pool holds too (it reads ``sources`` copies through two slots each at
-        least), pack the first chunks. Returns the ticket fields; none (nothing reserved,
-        the decode reads the blocks) without a pack route or when no slot holds one item of
-        the plan."""
-        got_slots = None
-        if packing is not None:
-            got_slots = self.arena.alloc_stream(
-                packing[0].plan.item_bytes, dst.get("staging"), sources, _STREAM_SHARE,
-                _STREAM_SLOTS,
-            )  # fmt: skip
+        """Start streaming this rank's packed copy (``nbytes``; ``got``: its ids, laid out by
+        its pack ``route``) to decode ``dst``: reserve up to ``_STREAM_SLOTS`` slots of
+        ``1 / _STREAM_SHARE`` of the largest free range, each holding a chunk the decode's
+        pool holds too (it reads ``sources`` copies through two slots each at least), pack the
+        first chunks. Returns the ticket fields; none (nothing reserved, the decode reads the
+        blocks) when no slot holds one item of the plan."""
+        got_slots = self.arena.alloc_stream(
+            route.plan.item_bytes, dst.get("staging"), sources, _STREAM_SHARE, _STREAM_SLOTS
+        )
         if got_slots is None:
-            if packing is not None:
-                packing[0].release(packing[1])
-            logger.info(
-                "staging: %d bytes for decode rank %s do not fit (largest free range %d of "
-                "staging_bytes=%d) and cannot be streamed; the decode reads directly",
-                nbytes, dst["layout"].get("global_rank"), self.arena.largest_free,
-                self.arena.capacity,
-            )  # fmt: skip
-            return {}
-        route, got = cast(tuple[dp.PackRoute, dp.PackIds], packing)
+            route.release(got)
+            return self._not_streamed(dst, nbytes)
         slot_bytes, offsets = got_slots
         peer = self._ensure_peer_registered(dst)
         sid = self._ctx.new_stream_id()
@@ -1116,6 +1177,17 @@ class NixlTransferBackend(TransferBackendBase):
         stream = {"id": sid, "chunk_bytes": slot_bytes, "slot_bytes": slot_bytes,
                   "offsets": list(offsets)}  # fmt: skip
         return {"staged": True, "nbytes": nbytes, "stream": stream}
+
+    def _not_streamed(self, dst: PeerMeta, nbytes: int) -> dict[str, Any]:
+        """The ticket fields of a copy that neither fits the pool now nor can be streamed
+        through it: none (the decode reads this rank's blocks directly)."""
+        logger.info(
+            "staging: %d bytes for decode rank %s do not fit (largest free range %d of "
+            "staging_bytes=%d) and cannot be streamed; the decode reads directly",
+            nbytes, dst["layout"].get("global_rank"), self.arena.largest_free,
+            self.arena.capacity,
+        )  # fmt: skip
+        return {}
 
     def poll_streams(self) -> int:
         """Advance the streamed packed copies of this rank (source side): take the decodes'
@@ -1189,7 +1261,7 @@ class NixlTransferBackend(TransferBackendBase):
         src_block_ids = cast(BlockIds, src_ids)  # given, so resolved to the ids or a rank map
         if no_blocks(src_block_ids, dst_block_ids):  # nothing to move: a settled handle
             return NixlPullHandle(self.agent, [], self.timeout_s, self.clock, None)
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        timeout = self._timeout(timeout_s)
         staged = list(staged or ())
         # A peer set seen before on the CUDA IPC path: Rust checks the ids while writing
         # them into the upload slot (the same checks as below), one launch follows.
@@ -1296,11 +1368,12 @@ class NixlTransferBackend(TransferBackendBase):
         Everything that depends only on the peer set (mappings, plans, bounds, the merged
         plan and its prepared launch) is settled once per peer set (:meth:`_ipc_route`) and
         found again by the parsed peers' identity (``key``) at the top of
-        ``begin_pull_blocks``. Host memory exports no IPC metadata."""
-        if handoff[2] is None or self.ipc_meta is None:
+        ``begin_pull_blocks``, which has tried a route settled before already (its ids, the
+        same checks in Rust, did not fit it: they do not now). Host memory exports no IPC
+        metadata."""
+        if key in self._ipc_routes or handoff[2] is None or self.ipc_meta is None:
             return None
-        route = self._ipc_routes.get(key) or self._ipc_route(key, peers, by_rank, handoff)
-        return route.pull(self, staged, handoff, timeout)
+        return self._ipc_route(key, peers, by_rank, handoff).pull(self, staged, handoff, timeout)
 
     def _ipc_route(
         self,

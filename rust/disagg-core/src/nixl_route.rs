@@ -59,6 +59,28 @@ pub fn ucx_tls_refusal(tls: Option<&str>) -> Option<Refusal> {
     })
 }
 
+/// The UCX settings a rank's buffer needs, as `(variable, value)` pairs to set: for GPU
+/// memory (`on_gpu`), UCX's memory-type cache turned off unless `memtype_cache` (its value
+/// now) is set (it misclassifies CUDA allocations that torch's caching allocator reuses);
+/// none for host memory, which may use any transports.
+///
+/// # Errors
+/// The refusal of a `UCX_TLS` value (`tls`) that leaves a GPU buffer no CUDA transport
+/// (checked before any setting is made).
+pub fn ucx_env(
+    on_gpu: bool,
+    tls: Option<&str>,
+    memtype_cache: Option<&str>,
+) -> Result<Vec<(&'static str, &'static str)>, Refusal> {
+    if !on_gpu {
+        return Ok(Vec::new());
+    }
+    if let Some(refused) = ucx_tls_refusal(tls) {
+        return Err(refused);
+    }
+    Ok(memtype_cache.is_none().then_some(("UCX_MEMTYPE_CACHE", "n")).into_iter().collect())
+}
+
 /// Explain a NIXL build (`nixl_cu12` or `nixl-cu12`) whose CUDA major differs from torch's
 /// (`torch_cuda`, e.g. `"13.0"`), or `None` when they agree or either is unknown.
 #[must_use]
@@ -183,6 +205,31 @@ pub fn post_refusal(state: Option<&str>, label: &str) -> Option<String> {
 pub fn read_mem_types(reference_only: bool, local: &str, remote: &str) -> (String, String) {
     let local = if reference_only { "VRAM" } else { local };
     (local.to_owned(), remote.to_owned())
+}
+
+/// Whether a source packs anything for a decode (`stage_blocks`): nothing in mode
+/// `direct`, nor for a decode that reads this rank's GPU buffer (`on_gpu`) through CUDA IPC
+/// (`same_host`: both on one host).
+#[must_use]
+pub fn source_packs(mode: TransferMode, on_gpu: bool, same_host: bool) -> bool {
+    mode != TransferMode::Direct && !(on_gpu && same_host)
+}
+
+/// Whether rank `me` packs its copy for a staged pull whose program reads the source ranks
+/// `sources`: it does when it is one of them.
+///
+/// # Errors
+/// `Capacity` (`staging_bytes`) when it is one of them but has no staging pool
+/// (`staging_bytes` 0).
+pub fn source_stages(me: u32, sources: &[u32], staging_bytes: u64) -> DisaggResult<bool> {
+    let packs = sources.contains(&me);
+    if packs && staging_bytes == 0 {
+        return Err(DisaggError::Capacity {
+            resource: "staging_bytes".into(),
+            detail: format!("staged pull needs staging_bytes > 0 on source rank {me}"),
+        });
+    }
+    Ok(packs)
 }
 
 /// A source's device plan as the decode's staged read needs it.
@@ -531,18 +578,28 @@ impl AgentPeers {
         }
     }
 
-    /// Record peer `name` registered under NIXL id `id` (its name when NIXL gave none); the id.
+    /// Record peer `name` as NIXL's registration of its metadata went (`added`: the id NIXL
+    /// gave it, `None` for none, in which case its name is used; or why NIXL refused it);
+    /// the id.
+    ///
+    /// # Errors
+    /// The refusal (field `agent_metadata`) of a registration NIXL refused: nothing is
+    /// recorded.
     pub fn register(
         &mut self,
         name: &str,
         incarnation: u64,
         digest: &str,
-        id: Option<String>,
-    ) -> String {
+        added: Result<Option<String>, String>,
+    ) -> Result<String, Refusal> {
+        let id = added.map_err(|why| Refusal {
+            field: "agent_metadata",
+            detail: format!("cannot register NIXL peer '{name}': {why}"),
+        })?;
         let id = id.filter(|i| !i.is_empty()).unwrap_or_else(|| name.to_owned());
         let entry = Registered { incarnation, digest: digest.to_owned(), id: id.clone() };
         self.peers.insert(name.to_owned(), entry);
-        id
+        Ok(id)
     }
 
     /// Forget the peers `names` that are registered: `(name, NIXL id)` of each, to remove.

@@ -256,8 +256,13 @@ fn peers_are_registered_once_per_incarnation_and_forgotten_with_the_last_registr
     t.retain();
     t.retain();
     assert_eq!(t.admit("a", 1, "d"), Admission::Register { stale: false });
-    assert_eq!(t.register("a", 1, "d", None), "a");
-    assert_eq!(t.register("b", 1, "d", Some("id-b".into())), "id-b");
+    assert_eq!(t.register("a", 1, "d", Ok(None)), Ok("a".into()));
+    assert_eq!(t.register("b", 1, "d", Ok(Some("id-b".into()))), Ok("id-b".into()));
+    // A registration NIXL refused is named and records nothing.
+    let refused = t.register("c", 1, "d", Err("RuntimeError('bad blob')".into())).unwrap_err();
+    assert_eq!(refused.field, "agent_metadata");
+    assert_eq!(refused.detail, "cannot register NIXL peer 'c': RuntimeError('bad blob')");
+    assert_eq!(t.admit("c", 1, "d"), Admission::Register { stale: false });
     assert_eq!(t.admit("a", 1, "d"), Admission::Known("a".into()));
     assert_eq!(t.admit("a", 2, "d"), Admission::Register { stale: true });
     assert_eq!(t.admit("a", 1, "e"), Admission::Register { stale: true });
@@ -291,4 +296,41 @@ fn a_pull_reads_a_staged_copy_where_the_compiler_prefers_it_and_a_pool_exists() 
     assert!(pull_reads(&sources, &[0, 1], &tickets, 0).is_err());
     let (route, direct) = pull_reads(&sources, &[0, 1], &[], 0).unwrap();
     assert_eq!((route, direct), (vec![(0, false, 0), (1, false, 0)], vec![0, 1]));
+}
+
+#[test]
+fn gpu_buffers_turn_the_memtype_cache_off_unless_set_and_need_a_cuda_transport() {
+    let set = |on_gpu, tls, cache| ucx_env(on_gpu, tls, cache);
+    assert_eq!(set(true, None, None), Ok(vec![("UCX_MEMTYPE_CACHE", "n")]));
+    assert_eq!(set(true, Some("cuda_copy"), Some("y")), Ok(vec![]));
+    // Host memory may use any transports and keeps UCX's defaults.
+    assert_eq!(set(false, Some("tcp,self,sm"), None), Ok(vec![]));
+    let refused = set(true, Some("tcp,self,sm"), None).unwrap_err();
+    assert_eq!(refused, ucx_tls_refusal(Some("tcp,self,sm")).unwrap());
+}
+
+#[test]
+fn a_source_packs_unless_read_directly_and_needs_a_pool_when_it_does() {
+    use TransferMode::{Auto, Direct, Staged};
+    for (mode, on_gpu, same_host, packs) in [
+        (Auto, false, false, true),
+        (Staged, true, false, true),
+        (Direct, false, false, false),
+        (Auto, true, true, false),
+        (Staged, true, true, false),
+        // Host memory exports no CUDA IPC mapping: one host changes nothing.
+        (Auto, false, true, true),
+    ] {
+        assert_eq!(source_packs(mode, on_gpu, same_host), packs, "{mode:?} {on_gpu} {same_host}");
+    }
+    assert_eq!(source_stages(1, &[0, 1], 4096), Ok(true));
+    assert_eq!(source_stages(2, &[0, 1], 4096), Ok(false));
+    assert_eq!(source_stages(2, &[0, 1], 0), Ok(false));
+    match source_stages(1, &[0, 1], 0) {
+        Err(DisaggError::Capacity { resource, detail }) => {
+            assert_eq!(resource, "staging_bytes");
+            assert!(detail.contains("staging_bytes > 0"), "{detail}");
+        }
+        other => panic!("{other:?}"),
+    }
 }

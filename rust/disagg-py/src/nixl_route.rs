@@ -14,14 +14,26 @@ use numpy::{IntoPyArray, PyArray2, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyMapping};
 
+use crate::backend_rules::ipc_same_host;
 use crate::error::{to_pyerr, IntoPyResult};
 use crate::pool::lock;
 use crate::wire::to_wire;
 
 pyo3::import_exception!(disagg_rs.exceptions, TransferError);
 
+fn refused(r: Refusal) -> PyErr {
+    TransferError::new_err((r.detail, r.field))
+}
+
 fn refuse(r: Option<Refusal>) -> PyResult<()> {
-    r.map_or(Ok(()), |r| Err(TransferError::new_err((r.detail, r.field))))
+    r.map_or(Ok(()), |r| Err(refused(r)))
+}
+
+fn unbuildable(e: Unbuildable) -> PyErr {
+    match e {
+        Unbuildable::Runtime(r) => refused(r),
+        Unbuildable::Argument(e) => to_pyerr(e),
+    }
 }
 
 /// `nixl_route::ucx_tls_allows_cuda`: whether UCX keeps a transport that moves CUDA memory.
@@ -48,11 +60,17 @@ pub fn backend_supports_vram(mem_types: Vec<Bound<'_, PyAny>>) -> PyResult<bool>
     Ok(route::backend_supports_vram(&names(&mem_types)?))
 }
 
-/// Raise `TransferError` (field `UCX_TLS`) for a `UCX_TLS` value without a CUDA transport.
+/// `[(variable, value)]` of the UCX settings a buffer (`on_gpu`: GPU memory) needs, given
+/// `UCX_TLS` and `UCX_MEMTYPE_CACHE` now; `TransferError` (field `UCX_TLS`) for a GPU buffer
+/// when `tls` leaves no CUDA transport.
 #[pyfunction]
-#[pyo3(signature = (tls))]
-pub fn check_ucx_tls(tls: Option<&str>) -> PyResult<()> {
-    refuse(route::ucx_tls_refusal(tls))
+#[pyo3(signature = (on_gpu, tls, memtype_cache))]
+pub fn nixl_ucx_env(
+    on_gpu: bool,
+    tls: Option<&str>,
+    memtype_cache: Option<&str>,
+) -> PyResult<Vec<(&'static str, &'static str)>> {
+    route::ucx_env(on_gpu, tls, memtype_cache).map_err(refused)
 }
 
 /// Raise `TransferError` (field `nixl`) for `nixl_route::cuda_support_refusal`.
@@ -72,10 +90,7 @@ pub fn check_nixl_cuda_support(
 /// `ArgumentError` (field `mode`) for an unknown mode.
 #[pyfunction]
 pub fn nixl_backend_mode(have_nixl: bool, mode: &str) -> PyResult<&'static str> {
-    route::backend_mode(have_nixl, mode).map(route::TransferMode::name).map_err(|e| match e {
-        Unbuildable::Runtime(r) => TransferError::new_err((r.detail, r.field)),
-        Unbuildable::Argument(e) => to_pyerr(e),
-    })
+    route::backend_mode(have_nixl, mode).map(route::TransferMode::name).map_err(unbuildable)
 }
 
 /// Raise `TransferError` when NIXL refused to post the read `label` (`nixl_route::post_refusal`).
@@ -124,6 +139,26 @@ pub fn nixl_source_read(
         SourceRead::Whole { by_plan: false } => ("rows", false, 0),
         SourceRead::Chunked { slot_bytes_min } => ("chunked", false, slot_bytes_min),
     })
+}
+
+/// Whether this rank (`on_gpu`: its buffer is GPU memory; `mine`: its CUDA IPC export) packs
+/// anything for the decode of IPC export `theirs` in `mode`.
+#[pyfunction]
+pub fn nixl_source_packs(
+    mode: &str,
+    on_gpu: bool,
+    mine: Option<Bound<'_, PyAny>>,
+    theirs: Option<Bound<'_, PyAny>>,
+) -> PyResult<bool> {
+    let mode = route::backend_mode(true, mode).map_err(unbuildable)?;
+    Ok(route::source_packs(mode, on_gpu, ipc_same_host(mine, theirs)?))
+}
+
+/// Whether rank `me` packs its copy for a staged pull of source ranks `sources`;
+/// `CapacityError` (field `staging_bytes`) when it does without a pool (`staging_bytes` 0).
+#[pyfunction]
+pub fn nixl_source_stages(me: u32, sources: Vec<u32>, staging_bytes: u64) -> PyResult<bool> {
+    route::source_stages(me, &sources, staging_bytes).py()
 }
 
 /// `(route, ranks read directly)` of a pull.
@@ -323,22 +358,26 @@ impl PyNixlAgentPeers {
             }
         })
     }
-    /// Record a peer NIXL registered (`loaded`: what `add_remote_agent` returned); its NIXL id.
+    /// Record a peer as NIXL's registration went: `added` and `loaded` as `(True, what
+    /// add_remote_agent returned: bytes or text, its name when empty)` or `(False, why it
+    /// failed)`; its NIXL id. `TransferError` (field `agent_metadata`) when it failed.
     fn register(
         &self,
         name: &str,
         incarnation: u64,
         digest: &str,
+        added: bool,
         loaded: &Bound<'_, PyAny>,
     ) -> PyResult<String> {
-        let id = if let Ok(b) = loaded.cast::<PyBytes>() {
+        let text = if let Ok(b) = loaded.cast::<PyBytes>() {
             Some(String::from_utf8_lossy(b.as_bytes()).into_owned())
         } else if loaded.is_none() {
             None
         } else {
             Some(loaded.str()?.to_string())
         };
-        Ok(lock(&self.inner)?.register(name, incarnation, digest, id))
+        let added = if added { Ok(text) } else { Err(text.unwrap_or_default()) };
+        lock(&self.inner)?.register(name, incarnation, digest, added).map_err(refused)
     }
     /// Forget the registered peers among `names`: `[(name, NIXL id)]` to remove from NIXL.
     fn forget(&self, names: Vec<String>) -> PyResult<Vec<(String, String)>> {
