@@ -118,6 +118,18 @@ pub enum ReferenceCheck {
         /// The queue's head.
         head: u64,
     },
+    /// A prefill capturing a handoff's ticket prepared its metadata first.
+    Prepared {
+        /// The request.
+        request_id: u64,
+        /// Whether its metadata was prepared.
+        prepared: bool,
+    },
+    /// A reset, before any transfer is waited for: no blocks remain pinned for a decode.
+    ResetPinned {
+        /// Requests whose blocks are pinned.
+        pinned: Vec<u64>,
+    },
     /// An import about to be admitted without a forward step.
     DecodeReady {
         /// The request.
@@ -252,6 +264,17 @@ fn check_ticket(
     ticket.check()
 }
 
+/// See [`ReferenceCheck::Prepared`].
+fn check_prepared(request_id: u64, prepared: bool) -> DisaggResult<()> {
+    if prepared {
+        return Ok(());
+    }
+    Err(DisaggError::handoff_state(
+        "prepared",
+        format!("request {request_id}: no handoff metadata was prepared"),
+    ))
+}
+
 /// See [`ReferenceCheck::ReserveSsm`].
 fn check_reserve_ssm(ledger: bool, ssm_agents: bool) -> DisaggResult<()> {
     if ledger {
@@ -272,8 +295,8 @@ fn check_reserve_ssm(ledger: bool, ssm_agents: bool) -> DisaggResult<()> {
 
 impl ReferenceCheck {
     /// The check named `stage` (`setup`, `ssm_buffers`, `tp_agents`, `prefill`, `ticket`,
-    /// `decode_ready`) over its facts map; an `Argument` error for an unknown stage or a
-    /// missing or mistyped fact.
+    /// `prepared`, `reset`, `decode_ready` ...) over its facts map; an `Argument` error for an
+    /// unknown stage or a missing or mistyped fact.
     pub fn parse(stage: &str, facts: &WireValue) -> DisaggResult<Self> {
         let o = Obj::of(facts, "facts")?;
         let n = |key: &str| o.u64(key);
@@ -342,6 +365,10 @@ impl ReferenceCheck {
                 num_speculative_tokens: n("num_speculative_tokens")?,
             },
             "queue_head" => Self::QueueHead { request_id: n("request_id")?, head: n("head")? },
+            "prepared" => {
+                Self::Prepared { request_id: n("request_id")?, prepared: flag(&o, "prepared")? }
+            }
+            "reset" => Self::ResetPinned { pinned: o.uints("pinned", u64::MAX)? },
             "decode_ready" => Self::DecodeReady {
                 request_id: n("request_id")?,
                 resume_tokens: n("resume_tokens")?,
@@ -454,6 +481,8 @@ impl ReferenceCheck {
                 }
                 Ok(())
             }
+            Self::Prepared { request_id, prepared } => check_prepared(*request_id, *prepared),
+            Self::ResetPinned { pinned } => refuse_pinned(pinned),
             Self::DecodeOnly { .. }
             | Self::NoWaiting { .. }
             | Self::Lookahead { .. }
@@ -542,6 +571,19 @@ impl ReferenceCheck {
 /// Parse and run the check named `stage` over `facts` (see [`ReferenceCheck`]).
 pub fn check_reference(stage: &str, facts: &WireValue) -> DisaggResult<()> {
     ReferenceCheck::parse(stage, facts)?.check()
+}
+
+/// A reset refused (`ResetRefused`) while blocks are `pinned` for a decode to read.
+fn refuse_pinned(pinned: &[u64]) -> DisaggResult<()> {
+    if pinned.is_empty() {
+        return Ok(());
+    }
+    Err(DisaggError::ResetRefused {
+        detail: format!(
+            "cannot reset while KV handoff blocks remain pinned for requests {pinned:?}: a \
+             decode may still be reading them; wait for RELEASE_KV"
+        ),
+    })
 }
 
 /// One import of a reference-design engine, in admission order.
@@ -702,14 +744,7 @@ impl ReferenceImports {
         pushes: &[(u64, bool)],
         imports: &[(u64, bool)],
     ) -> DisaggResult<()> {
-        if !pinned.is_empty() {
-            return Err(DisaggError::ResetRefused {
-                detail: format!(
-                    "cannot reset while KV handoff blocks remain pinned for requests \
-                     {pinned:?}: a decode may still be reading them; wait for RELEASE_KV"
-                ),
-            });
-        }
+        refuse_pinned(pinned)?;
         let busy_pushes: Vec<u64> =
             pushes.iter().filter(|(_, quiet)| !quiet).map(|&(rid, _)| rid).collect();
         let busy: Vec<u64> = imports
@@ -1056,5 +1091,23 @@ mod tests {
         quiet.start(1, true).unwrap();
         quiet.reset(&[], &[(7, true)], &[(1, true)]).unwrap();
         assert_eq!(quiet, ReferenceImports::new());
+        // The reset check refuses pinned blocks alone, with the book's own words.
+        let pinned = |ids: &[i128]| {
+            let list = WireValue::List(ids.iter().map(|&x| i(x)).collect());
+            check_reference("reset", &map(&[("pinned", list)]))
+        };
+        assert!(pinned(&[]).is_ok());
+        refused(pinned(&[4, 5]), "remain pinned for requests [4, 5]");
+    }
+
+    #[test]
+    fn a_ticket_is_captured_only_with_prepared_metadata() {
+        let prepared = |p: bool| {
+            check_reference("prepared", &map(&[("request_id", i(3)), ("prepared", b(p))]))
+        };
+        assert!(prepared(true).is_ok());
+        assert_eq!(field_of(prepared(false)), ("state", "prepared".into()));
+        let e = prepared(false).unwrap_err();
+        assert!(e.to_string().contains("request 3: no handoff metadata was prepared"), "{e}");
     }
 }
