@@ -44,6 +44,7 @@ from disagg_rs._core import (
     reference_push_metas,
     reference_record_sink,
     reference_setup,
+    refuse_reset_while_pinned,
     transfer_block_count,
 )
 from disagg_rs.decode_admission import (
@@ -794,7 +795,7 @@ class ReferenceDesignCompat(HandoffBase):
         queued handoffs and release every import."""
         pinned = sorted(self._pinned_handoff_blocks)
         # Pinned blocks refuse before any wait (ResetRefusedError, in Rust).
-        check_reference("reset", {"pinned": pinned})
+        refuse_reset_while_pinned(pinned)
         wait = self._wait_for_transfer_handles
         imports = list(self._pending_kv_imports) + list(self._quarantined_kv_imports)
         pushes = [(rid, wait(*hs)) for rid, hs in self._pending_kv_pushes]

@@ -125,11 +125,6 @@ pub enum ReferenceCheck {
         /// Whether its metadata was prepared.
         prepared: bool,
     },
-    /// A reset, before any transfer is waited for: no blocks remain pinned for a decode.
-    ResetPinned {
-        /// Requests whose blocks are pinned.
-        pinned: Vec<u64>,
-    },
     /// An import about to be admitted without a forward step.
     DecodeReady {
         /// The request.
@@ -295,7 +290,7 @@ fn check_reserve_ssm(ledger: bool, ssm_agents: bool) -> DisaggResult<()> {
 
 impl ReferenceCheck {
     /// The check named `stage` (`setup`, `ssm_buffers`, `tp_agents`, `prefill`, `ticket`,
-    /// `prepared`, `reset`, `decode_ready` ...) over its facts map; an `Argument` error for an
+    /// `prepared`, `decode_ready` ...) over its facts map; an `Argument` error for an
     /// unknown stage or a missing or mistyped fact.
     pub fn parse(stage: &str, facts: &WireValue) -> DisaggResult<Self> {
         let o = Obj::of(facts, "facts")?;
@@ -368,7 +363,6 @@ impl ReferenceCheck {
             "prepared" => {
                 Self::Prepared { request_id: n("request_id")?, prepared: flag(&o, "prepared")? }
             }
-            "reset" => Self::ResetPinned { pinned: o.uints("pinned", u64::MAX)? },
             "decode_ready" => Self::DecodeReady {
                 request_id: n("request_id")?,
                 resume_tokens: n("resume_tokens")?,
@@ -482,7 +476,6 @@ impl ReferenceCheck {
                 Ok(())
             }
             Self::Prepared { request_id, prepared } => check_prepared(*request_id, *prepared),
-            Self::ResetPinned { pinned } => refuse_pinned(pinned),
             Self::DecodeOnly { .. }
             | Self::NoWaiting { .. }
             | Self::Lookahead { .. }
@@ -571,19 +564,6 @@ impl ReferenceCheck {
 /// Parse and run the check named `stage` over `facts` (see [`ReferenceCheck`]).
 pub fn check_reference(stage: &str, facts: &WireValue) -> DisaggResult<()> {
     ReferenceCheck::parse(stage, facts)?.check()
-}
-
-/// A reset refused (`ResetRefused`) while blocks are `pinned` for a decode to read.
-fn refuse_pinned(pinned: &[u64]) -> DisaggResult<()> {
-    if pinned.is_empty() {
-        return Ok(());
-    }
-    Err(DisaggError::ResetRefused {
-        detail: format!(
-            "cannot reset while KV handoff blocks remain pinned for requests {pinned:?}: a \
-             decode may still be reading them; wait for RELEASE_KV"
-        ),
-    })
 }
 
 /// One import of a reference-design engine, in admission order.
@@ -744,7 +724,14 @@ impl ReferenceImports {
         pushes: &[(u64, bool)],
         imports: &[(u64, bool)],
     ) -> DisaggResult<()> {
-        refuse_pinned(pinned)?;
+        if !pinned.is_empty() {
+            return Err(DisaggError::ResetRefused {
+                detail: format!(
+                    "cannot reset while KV handoff blocks remain pinned for requests \
+                     {pinned:?}: a decode may still be reading them; wait for RELEASE_KV"
+                ),
+            });
+        }
         let busy_pushes: Vec<u64> =
             pushes.iter().filter(|(_, quiet)| !quiet).map(|&(rid, _)| rid).collect();
         let busy: Vec<u64> = imports
@@ -1091,13 +1078,6 @@ mod tests {
         quiet.start(1, true).unwrap();
         quiet.reset(&[], &[(7, true)], &[(1, true)]).unwrap();
         assert_eq!(quiet, ReferenceImports::new());
-        // The reset check refuses pinned blocks alone, with the book's own words.
-        let pinned = |ids: &[i128]| {
-            let list = WireValue::List(ids.iter().map(|&x| i(x)).collect());
-            check_reference("reset", &map(&[("pinned", list)]))
-        };
-        assert!(pinned(&[]).is_ok());
-        refused(pinned(&[4, 5]), "remain pinned for requests [4, 5]");
     }
 
     #[test]
