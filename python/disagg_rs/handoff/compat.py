@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import torch
@@ -35,16 +35,19 @@ from disagg_rs._core import (
     SSMStateDims,
     check_reference,
     drop_transfer_prefix_blocks,
-    reference_first_token_limit,
+    reference_cached_prefix,
+    reference_first_token,
     reference_hash_registration,
+    reference_import_sizes,
     reference_live_slot,
     reference_prefill_metas,
     reference_push_metas,
+    reference_record_sink,
     reference_setup,
+    refuse_reset_while_pinned,
     transfer_block_count,
 )
 from disagg_rs.decode_admission import (
-    additional_decode_blocks,
     admit_prefilled_decode,
     can_admit_prefilled_decode,
 )
@@ -61,20 +64,22 @@ from disagg_rs.pending_handoff_imports import DeferredKvHandoff, PendingKvImport
 from disagg_rs.transfer_backends import construct_kv_transfer_backend_class
 
 
-def get_pg_size(group: Any) -> int:
-    """Number of ranks of a process group (1 without one or without torch.distributed)."""
+def _group_query(group: Any, query: Callable[[Any], int], alone: int) -> int:
+    """``query(group)``, or ``alone`` without a group or without torch.distributed."""
     dist = torch.distributed
     if group is None or not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return int(dist.get_world_size(group))
+        return alone
+    return int(query(group))
+
+
+def get_pg_size(group: Any) -> int:
+    """Number of ranks of a process group (1 without one or without torch.distributed)."""
+    return _group_query(group, lambda g: torch.distributed.get_world_size(g), 1)
 
 
 def get_pg_rank(group: Any) -> int:
     """This process's rank in a process group (0 without one or without torch.distributed)."""
-    dist = torch.distributed
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return int(dist.get_rank(group))
+    return _group_query(group, lambda g: torch.distributed.get_rank(g), 0)
 
 
 def _gather_object(obj: Any, group: Any) -> list[Any]:
@@ -172,9 +177,8 @@ class ReferenceDesignCompat(HandoffBase):
 
     def _reference_cached_prefix(self, hashes: list[int], num_blocks: int) -> list[int]:
         table = self._ref().context.kv_block_allocator.kv_hash_to_block_id
-        found = list(map(table.get, hashes[:num_blocks]))
-        n = found.index(None) if None in found else len(found)
-        return [int(b) for b in found[:n]]
+        # The cached blocks as far as they run unbroken from the first one, in Rust.
+        return reference_cached_prefix(list(map(table.get, hashes[:num_blocks])))
 
     def _reference_capacity_available(self, num_blocks: int, cached_blocks: list[int]) -> bool:
         allocator = self._ref().context.kv_block_allocator
@@ -407,11 +411,9 @@ class ReferenceDesignCompat(HandoffBase):
         decode_metas: object = None,
     ) -> dict[str, Any]:
         del decode_metas  # the reference design stages nothing for the decode
-        if prepared is None:
-            raise HandoffStateError(
-                f"request {request.request_id}: no handoff metadata was prepared", "prepared"
-            )
         rid = request.request_id
+        check_reference("prepared", {"request_id": rid, "prepared": prepared is not None})
+        prepared = cast(_PreparedHandoffMetadata, prepared)
         blocks = prepared.local_blocks
         self._pinned_handoff_blocks[rid] = list(blocks)
         # The ticket's metadata was built for this request alone (reference_prefill_metas).
@@ -452,11 +454,9 @@ class ReferenceDesignCompat(HandoffBase):
         # None: the capacity changed after the check (HandoffStateError, in Rust).
         return PendingSSMImport(handles={}, live_slot=reference_live_slot(slot))
 
-    def _validate_decode_ready_handoff(self, pending: Any) -> None:
+    def _validate_decode_ready_handoff(self, pending: PendingKvImport) -> None:
         """Validate that transferred state can start decode without prompt execution (a
-        ledger admits only imports whose quorum succeeded: nothing else to check there)."""
-        if not isinstance(pending, PendingKvImport):
-            return
+        ledger admits only imports whose quorum succeeded: it never calls this)."""
         ctx = self._ref().context
         check_reference(
             "decode_ready",
@@ -521,18 +521,20 @@ class ReferenceDesignCompat(HandoffBase):
         ref = self._ref()
         ctx = ref.context
         allocator = ctx.kv_block_allocator
-        cached = (
-            []
-            if getattr(self._kv_transfer_agent, "is_push", False)
-            else self._whole()._find_cached_handoff_prefix(handoff.hashes, handoff.num_blocks)
-        )
         meta = handoff.kv_meta  # a dict: the ticket check read its entries
         resume = [int(t) for t in meta.get("resume_tokens", [])]
         ssm_meta: dict[str, Any] | None = meta.get("ssm")
-        n_import = handoff.num_blocks - len(cached)
-        n_more = additional_decode_blocks(
-            len(handoff.prompt), len(resume), int(ctx.block_size_tokens)
+        # The hashes to look up in the prefix cache (none on a push transport: the prefill
+        # writes every block) and the blocks the resume tokens need, in Rust.
+        lookup, n_more = reference_import_sizes(
+            bool(getattr(self._kv_transfer_agent, "is_push", False)),
+            handoff.num_blocks,
+            len(handoff.prompt),
+            len(resume),
+            int(ctx.block_size_tokens),
         )
+        cached = self._whole()._find_cached_handoff_prefix(handoff.hashes, lookup)
+        n_import = handoff.num_blocks - len(cached)
         fits = self._whole()._handoff_capacity_available(n_import + n_more, cached)
         if not fits or (ssm_meta and ctx.mamba_metadata.mamba_state_free_slot_count < 1):
             return False
@@ -590,12 +592,12 @@ class ReferenceDesignCompat(HandoffBase):
         ref = self._ref()
         ctx = ref.context
         # The imported suffix extends the reused prefix (each block keeps its parent link),
-        # and the request's precomputed hashes, in Rust.
+        # and the request's precomputed hashes, in Rust (the allocator registers an empty
+        # suffix as nothing).
         blocks, hashes, parents, precomputed = reference_hash_registration(
             pending.local_blocks, pending.hashes, pending.cached_prefix_block_count
         )
-        if blocks:
-            ctx.kv_block_allocator.register_kv_block_hashes(blocks, hashes, parent_hashes=parents)
+        ctx.kv_block_allocator.register_kv_block_hashes(blocks, hashes, parent_hashes=parents)
         request_future = ref.add_request(
             pending.request_id,
             pending.prompt,
@@ -613,6 +615,7 @@ class ReferenceDesignCompat(HandoffBase):
             self._validate_decode_ready_handoff(pending)
             first = pending.resume_tokens[0]
             params = request.sampling_params
+            stop_hit = False
             if params.num_tokens_to_generate > 0:
                 request.generated_tokens.append(first)
                 if ref.track_generated_token_events:
@@ -620,19 +623,19 @@ class ReferenceDesignCompat(HandoffBase):
                 added = getattr(request, "event_add_engine", None)
                 if added is not None:
                     request.ttft = time.time() - added.timestamp
-                stop_hit = False
-                if request.stop_word_ids:
-                    stop_hit, _ = ref._check_stop_words_for_request_post_append(request)
-                # A termination token or a stop word ends the request there (in Rust).
-                params.num_tokens_to_generate = reference_first_token_limit(
-                    params.num_tokens_to_generate,
-                    len(request.generated_tokens),
-                    first,
-                    params.termination_id,
-                    stop_hit,
-                )
+                # The engine's check answers False for a request without stop words.
+                stop_hit = bool(ref._check_stop_words_for_request_post_append(request)[0])
+            # A termination token or a stop word ends the request there; whether it has
+            # generated every token already (in Rust).
+            params.num_tokens_to_generate, done = reference_first_token(
+                params.num_tokens_to_generate,
+                len(request.generated_tokens),
+                first,
+                params.termination_id,
+                stop_hit,
+            )
             request.num_cached_tokens = len(pending.prompt)
-            if len(request.generated_tokens) >= params.num_tokens_to_generate:
+            if done:
                 self._whole()._release_pending_kv_import(pending)
                 self._whole()._complete_handoff_request_without_forward(pending.request_id)
             else:
@@ -647,7 +650,8 @@ class ReferenceDesignCompat(HandoffBase):
                 pending.ssm = None
                 pending.local_blocks = []
                 pending.continuation_blocks = []
-                if ref.use_coordinator and ref.is_mp_coordinator:
+                sink = reference_record_sink(ref.use_coordinator, ref.is_mp_coordinator)
+                if sink == "coordinator":
                     ref._try_send_streaming_partials()
 
         def relay(src: asyncio.Future[Any]) -> None:
@@ -672,20 +676,23 @@ class ReferenceDesignCompat(HandoffBase):
         request.status = type(request.status)["COMPLETED"]
         request.add_event_finish()
         ref.finished_request_count += 1
-        if ref.use_coordinator and ref.is_mp_coordinator:
-            ref._send_request_records_to_coordinator([entry.record])
-            ref._partial_emit_lengths.pop(request_id, None)
-        elif not ref.use_coordinator:
-            controller = ref.controller
-            if request.prompt is None:
-                request.prompt = controller.detokenize(
-                    controller.tokenizer, request.prompt_tokens.tolist(), remove_EOD=False
+        # The record goes to the coordinator, to the caller detokenized, or is another
+        # rank's to send (in Rust).
+        match reference_record_sink(ref.use_coordinator, ref.is_mp_coordinator):
+            case "coordinator":
+                ref._send_request_records_to_coordinator([entry.record])
+                ref._partial_emit_lengths.pop(request_id, None)
+            case "caller":
+                controller = ref.controller
+                if request.prompt is None:
+                    request.prompt = controller.detokenize(
+                        controller.tokenizer, request.prompt_tokens.tolist(), remove_EOD=False
+                    )
+                request.generated_text = controller.detokenize(
+                    controller.tokenizer,
+                    request.generated_tokens,
+                    remove_EOD=not request.sampling_params.detokenize_stop_sequence,
                 )
-            request.generated_text = controller.detokenize(
-                controller.tokenizer,
-                request.generated_tokens,
-                remove_EOD=not request.sampling_params.detokenize_stop_sequence,
-            )
         entry.future.set_result(entry.record)
 
     def _release_reference_import(self, pending: PendingKvImport) -> None:
@@ -787,15 +794,14 @@ class ReferenceDesignCompat(HandoffBase):
         storage (in Rust: ``ReferenceImports.reset``, ResetRefusedError); otherwise cancel
         queued handoffs and release every import."""
         pinned = sorted(self._pinned_handoff_blocks)
+        # Pinned blocks refuse before any wait (ResetRefusedError, in Rust).
+        refuse_reset_while_pinned(pinned)
         wait = self._wait_for_transfer_handles
         imports = list(self._pending_kv_imports) + list(self._quarantined_kv_imports)
-        # Pinned blocks refuse before any wait; unsafe destinations are never waited on.
-        pushes = [] if pinned else [(rid, wait(*hs)) for rid, hs in self._pending_kv_pushes]
+        pushes = [(rid, wait(*hs)) for rid, hs in self._pending_kv_pushes]
         handles = self._pending_transfer_handles
-        quiet = [
-            (p.request_id, not pinned and p.destinations_safe and wait(*handles(p)))
-            for p in imports
-        ]
+        # Unsafe destinations are never waited on.
+        quiet = [(p.request_id, p.destinations_safe and wait(*handles(p))) for p in imports]
         self._reference_imports.reset(pinned, pushes, quiet)
         self._pending_kv_pushes = []
         futures = [h.future for h in self._deferred_kv_handoffs] + [p.future for p in imports]

@@ -1,10 +1,12 @@
 //! Decisions of a reference-design engine's handoff steps (the engine brings its own block
 //! allocator and attaches no ledger): what `setup_kv_transfer` configures, which blocks of an
-//! admitted import enter the prefix cache, what the handed-off first token does to the
-//! request's token limit, and the live SSM slot an import reserves. The engine-side Python
-//! gathers the facts, calls one of these per step and carries the result out.
+//! admitted import enter the prefix cache, what an import looks up and reserves, what the
+//! handed-off first token does to the request, and the live SSM slot an import reserves.
+//! The engine-side Python gathers the facts, calls one of these per step and carries the
+//! result out.
 
 use crate::error::{DisaggError, DisaggResult};
+use crate::ledger::admission::continuation_blocks;
 use crate::reference::{ReferenceCheck, Role};
 use crate::wire::value::{Obj, WireValue};
 
@@ -55,20 +57,83 @@ pub fn hash_span(local_blocks: usize, hashes: usize, cached: usize) -> HashSpan 
     HashSpan { start: cached.min(end), end, precomputed: end > 0 }
 }
 
-/// The token limit of a request once the handed-off `first` token was appended (`generated`
-/// tokens now): a termination token or a stop word (`stop_hit`) ends it at the tokens it has;
-/// a request that generates nothing (`limit` <= 0) appended nothing and keeps its limit.
-pub fn first_token_limit(
+/// What an import needs before anything is reserved: how many of its `num_blocks` prompt
+/// blocks to look up in the engine's prefix cache (none on a push transport: the prefill
+/// writes every block) and the continuation blocks beyond the prompt for its
+/// `resume_tokens` (see [`crate::ledger::admission::continuation_blocks`]).
+pub fn import_sizes(
+    is_push: bool,
+    num_blocks: u64,
+    prompt_len: u64,
+    resume_tokens: u64,
+    block_size: u64,
+) -> DisaggResult<(u64, u64)> {
+    let more = continuation_blocks(prompt_len, resume_tokens, block_size, false)?;
+    Ok((if is_push { 0 } else { num_blocks }, more))
+}
+
+/// The reusable prefix of an import: the cached block of each looked-up hash (`None`: not
+/// cached), as far as they run unbroken from the first block.
+pub fn cached_prefix(found: &[Option<u64>]) -> Vec<u64> {
+    found.iter().map_while(|b| *b).collect()
+}
+
+/// A request after the handed-off first token: its token limit and whether it is already
+/// finished (a forward step would generate nothing more).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FirstToken {
+    /// The token limit: a termination token or a stop word ends it at the tokens it has.
+    pub limit: i64,
+    /// The request has generated as many tokens as its limit.
+    pub done: bool,
+}
+
+/// See [`FirstToken`]: `limit` the request's token limit, `generated` its tokens once the
+/// `first` token was appended (a request that generates nothing, `limit` <= 0, appended
+/// nothing and keeps its limit), `stop_hit` whether that token completed a stop word.
+pub fn first_token(
     limit: i64,
     generated: u64,
     first: i64,
     termination_id: Option<i64>,
     stop_hit: bool,
-) -> i64 {
-    if limit > 0 && (termination_id == Some(first) || stop_hit) {
-        return i64::try_from(generated).unwrap_or(i64::MAX);
+) -> FirstToken {
+    let generated = i64::try_from(generated).unwrap_or(i64::MAX);
+    let ends = limit > 0 && (termination_id == Some(first) || stop_hit);
+    let limit = if ends { generated } else { limit };
+    FirstToken { limit, done: generated >= limit }
+}
+
+/// Where a finished request's record goes on a reference-design engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordSink {
+    /// This rank coordinates its model-parallel group: the record goes to the coordinator
+    /// (streamed partial outputs too).
+    Coordinator,
+    /// No coordinator: the caller's future gets the record, detokenized here.
+    Caller,
+    /// Another rank of the group sends it to the coordinator.
+    Elsewhere,
+}
+
+impl RecordSink {
+    /// The name the engine-side Python matches on.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Coordinator => "coordinator",
+            Self::Caller => "caller",
+            Self::Elsewhere => "elsewhere",
+        }
     }
-    limit
+}
+
+/// See [`RecordSink`].
+pub fn record_sink(use_coordinator: bool, is_mp_coordinator: bool) -> RecordSink {
+    match (use_coordinator, is_mp_coordinator) {
+        (false, _) => RecordSink::Caller,
+        (true, true) => RecordSink::Coordinator,
+        (true, false) => RecordSink::Elsewhere,
+    }
 }
 
 /// The live SSM slot the engine reserved for an import, or a `HandoffState` error when it
@@ -128,13 +193,62 @@ mod tests {
 
     #[test]
     fn a_termination_token_or_stop_word_ends_the_request_at_its_tokens() {
-        assert_eq!(first_token_limit(4, 1, 9, Some(9), false), 1);
-        assert_eq!(first_token_limit(4, 1, 9, None, true), 1);
-        assert_eq!(first_token_limit(4, 1, 9, Some(8), false), 4);
-        assert_eq!(first_token_limit(4, 1, 9, None, false), 4);
-        // Nothing to generate: no token was appended, the limit stays.
-        assert_eq!(first_token_limit(0, 0, 9, Some(9), true), 0);
-        assert_eq!(first_token_limit(-1, 0, 9, Some(9), false), -1);
+        let ft = |limit, done| FirstToken { limit, done };
+        assert_eq!(first_token(4, 1, 9, Some(9), false), ft(1, true));
+        assert_eq!(first_token(4, 1, 9, None, true), ft(1, true));
+        assert_eq!(first_token(4, 1, 9, Some(8), false), ft(4, false));
+        assert_eq!(first_token(4, 1, 9, None, false), ft(4, false));
+        // A limit of one token is reached by the handed-off token alone.
+        assert_eq!(first_token(1, 1, 9, None, false), ft(1, true));
+        // Nothing to generate: no token was appended, the limit stays and the request is done.
+        assert_eq!(first_token(0, 0, 9, Some(9), true), ft(0, true));
+        assert_eq!(first_token(-1, 0, 9, Some(9), false), ft(-1, true));
+    }
+
+    #[test]
+    fn first_token_matches_a_direct_model() {
+        // Oracle: the request's rule written out step by step.
+        for limit in -1..4_i64 {
+            for generated in 0..4_u8 {
+                let (generated, as_count) = (i64::from(generated), u64::from(generated));
+                for stop_hit in [false, true] {
+                    for termination_id in [None, Some(7), Some(9)] {
+                        let mut want = limit;
+                        if limit > 0 && (termination_id == Some(9) || stop_hit) {
+                            want = generated;
+                        }
+                        let got = first_token(limit, as_count, 9, termination_id, stop_hit);
+                        assert_eq!(got, FirstToken { limit: want, done: generated >= want });
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_push_looks_nothing_up_and_the_resume_tokens_get_continuation_blocks() {
+        assert_eq!(import_sizes(false, 3, 12, 1, 4).unwrap(), (3, 1));
+        assert_eq!(import_sizes(true, 3, 12, 1, 4).unwrap(), (0, 1));
+        assert_eq!(import_sizes(false, 3, 11, 1, 4).unwrap(), (3, 0));
+        assert_eq!(import_sizes(false, 3, 11, 2, 4).unwrap(), (3, 1));
+        assert!(import_sizes(false, 1, 1, 1, 0).is_err());
+    }
+
+    #[test]
+    fn the_cached_prefix_stops_at_the_first_miss() {
+        assert_eq!(cached_prefix(&[Some(4), Some(2), None, Some(7)]), vec![4, 2]);
+        assert_eq!(cached_prefix(&[None, Some(2)]), Vec::<u64>::new());
+        assert_eq!(cached_prefix(&[Some(1), Some(3)]), vec![1, 3]);
+        assert_eq!(cached_prefix(&[]), Vec::<u64>::new());
+    }
+
+    #[test]
+    fn only_the_coordinating_rank_sends_records_and_without_a_coordinator_the_caller_gets_them() {
+        assert_eq!(record_sink(true, true), RecordSink::Coordinator);
+        assert_eq!(record_sink(true, false), RecordSink::Elsewhere);
+        assert_eq!(record_sink(false, true), RecordSink::Caller);
+        assert_eq!(record_sink(false, false), RecordSink::Caller);
+        assert_eq!(RecordSink::Coordinator.name(), "coordinator");
     }
 
     #[test]

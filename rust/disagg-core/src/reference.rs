@@ -118,6 +118,13 @@ pub enum ReferenceCheck {
         /// The queue's head.
         head: u64,
     },
+    /// A prefill capturing a handoff's ticket prepared its metadata first.
+    Prepared {
+        /// The request.
+        request_id: u64,
+        /// Whether its metadata was prepared.
+        prepared: bool,
+    },
     /// An import about to be admitted without a forward step.
     DecodeReady {
         /// The request.
@@ -252,6 +259,17 @@ fn check_ticket(
     ticket.check()
 }
 
+/// See [`ReferenceCheck::Prepared`].
+fn check_prepared(request_id: u64, prepared: bool) -> DisaggResult<()> {
+    if prepared {
+        return Ok(());
+    }
+    Err(DisaggError::handoff_state(
+        "prepared",
+        format!("request {request_id}: no handoff metadata was prepared"),
+    ))
+}
+
 /// See [`ReferenceCheck::ReserveSsm`].
 fn check_reserve_ssm(ledger: bool, ssm_agents: bool) -> DisaggResult<()> {
     if ledger {
@@ -272,8 +290,8 @@ fn check_reserve_ssm(ledger: bool, ssm_agents: bool) -> DisaggResult<()> {
 
 impl ReferenceCheck {
     /// The check named `stage` (`setup`, `ssm_buffers`, `tp_agents`, `prefill`, `ticket`,
-    /// `decode_ready`) over its facts map; an `Argument` error for an unknown stage or a
-    /// missing or mistyped fact.
+    /// `prepared`, `decode_ready` ...) over its facts map; an `Argument` error for an
+    /// unknown stage or a missing or mistyped fact.
     pub fn parse(stage: &str, facts: &WireValue) -> DisaggResult<Self> {
         let o = Obj::of(facts, "facts")?;
         let n = |key: &str| o.u64(key);
@@ -342,6 +360,9 @@ impl ReferenceCheck {
                 num_speculative_tokens: n("num_speculative_tokens")?,
             },
             "queue_head" => Self::QueueHead { request_id: n("request_id")?, head: n("head")? },
+            "prepared" => {
+                Self::Prepared { request_id: n("request_id")?, prepared: flag(&o, "prepared")? }
+            }
             "decode_ready" => Self::DecodeReady {
                 request_id: n("request_id")?,
                 resume_tokens: n("resume_tokens")?,
@@ -454,6 +475,7 @@ impl ReferenceCheck {
                 }
                 Ok(())
             }
+            Self::Prepared { request_id, prepared } => check_prepared(*request_id, *prepared),
             Self::DecodeOnly { .. }
             | Self::NoWaiting { .. }
             | Self::Lookahead { .. }
@@ -1056,5 +1078,16 @@ mod tests {
         quiet.start(1, true).unwrap();
         quiet.reset(&[], &[(7, true)], &[(1, true)]).unwrap();
         assert_eq!(quiet, ReferenceImports::new());
+    }
+
+    #[test]
+    fn a_ticket_is_captured_only_with_prepared_metadata() {
+        let prepared = |p: bool| {
+            check_reference("prepared", &map(&[("request_id", i(3)), ("prepared", b(p))]))
+        };
+        assert!(prepared(true).is_ok());
+        assert_eq!(field_of(prepared(false)), ("state", "prepared".into()));
+        let e = prepared(false).unwrap_err();
+        assert!(e.to_string().contains("request 3: no handoff metadata was prepared"), "{e}");
     }
 }

@@ -107,7 +107,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             nixl_route::nixl_backend_mode, nixl_route::check_xfer_posted,
             nixl_route::nixl_read_mem_types,
             compat::reference_setup, compat::reference_hash_registration,
-            compat::reference_first_token_limit, compat::reference_live_slot
+            compat::reference_first_token, compat::reference_live_slot,
+            compat::reference_import_sizes, compat::reference_cached_prefix,
+            compat::reference_record_sink
         ]
     );
     Ok(())
