@@ -1032,7 +1032,19 @@ def import_pulls(
     kinds: list[str],
     two_sided: bool,
     kv_backend: Any = None,
-) -> list[tuple[str, list[int], list[int], dict[str, Any]]]: ...
+) -> list[tuple[str, list[Any], list[int], list[int], dict[str, Any]]]: ...
+def push_sends(
+    request_id: int,
+    plan: tuple[list[int], list[int], int, int | None, int | None],
+    decode_metas: Sequence[Any],
+    own: Sequence[Any],
+    kinds: list[str],
+    *,
+    filler: bool,
+) -> list[tuple[str, list[Any], list[int], list[int], dict[str, Any]]]: ...
+def handoff_peer_plan(
+    peers: Mapping[str, Any], kinds: list[str]
+) -> tuple[list[tuple[str, str, list[Any]]], dict[str, str]]: ...
 def import_local_outcome(
     failed_locally: str | None, polled: Sequence[object]
 ) -> tuple[str | None, str]: ...

@@ -200,6 +200,62 @@ pub fn import_pulls(
     kinds.iter().filter_map(pull).collect()
 }
 
+/// The sends of a push (or its filler) from a prefill rank that moves state `kinds` (`kv`
+/// and/or SSM kinds, in posting order), as [`ImportPull`]s from this rank's ids to the
+/// decode's: KV when the decode has KV ranks (`kv_peers`), the planned `num_tokens` of it;
+/// each SSM kind when the pin holds a slot (`ssm`: this rank's slot and the decode's).
+pub fn push_sends(
+    kinds: &[String],
+    kv_peers: bool,
+    src_block_ids: &[u32],
+    dst_block_ids: &[u32],
+    num_tokens: u32,
+    ssm: Option<(u32, u32)>,
+) -> Vec<ImportPull> {
+    let send = |kind: &String| match (kind.as_str(), ssm) {
+        ("kv", _) => kv_peers.then(|| ImportPull {
+            kind: kind.clone(),
+            src: src_block_ids.to_vec(),
+            dst: dst_block_ids.to_vec(),
+            num_tokens: Some(num_tokens),
+        }),
+        (_, None) => None,
+        (_, Some((src, dst))) => Some(ImportPull {
+            kind: kind.clone(),
+            src: vec![src],
+            dst: vec![dst],
+            num_tokens: None,
+        }),
+    };
+    kinds.iter().filter_map(send).collect()
+}
+
+/// What a rank registers of a peer table: for each engine (in table order) whose metadata
+/// could be read (`engines`: per engine, its ranks' metadata of each of this rank's state
+/// `kinds`, in `kinds` order, or why it could not be read), `(engine, kind, metas)` for each
+/// kind its ranks state; the engines that could not be read are refused with their error.
+#[allow(clippy::type_complexity)]
+pub fn peer_registrations<M>(
+    engines: Vec<(String, Result<Vec<Vec<M>>, String>)>,
+    kinds: &[String],
+) -> (Vec<(String, String, Vec<M>)>, Vec<(String, String)>) {
+    let mut plan = Vec::new();
+    let mut refused = Vec::new();
+    for (engine, named) in engines {
+        match named {
+            Ok(per_kind) => plan.extend(
+                kinds
+                    .iter()
+                    .zip(per_kind)
+                    .filter(|(_, metas)| !metas.is_empty())
+                    .map(|(kind, metas)| (engine.clone(), kind.clone(), metas)),
+            ),
+            Err(why) => refused.push((engine, why)),
+        }
+    }
+    (plan, refused)
+}
+
 /// This rank's terminal outcome of one import from one poll of each of its transfer handles
 /// (its state and the error it raised, empty when none) and `failed_locally` (the error of a
 /// start that threw), as [`RankOutcome::fold_local`] decides it (`None` while one runs), with
@@ -399,6 +455,52 @@ mod tests {
         detail: &str,
     ) -> RankReport<&'static str> {
         RankReport { request_id: rid, epoch: rid, outcome, mismatch, detail: detail.into() }
+    }
+
+    #[test]
+    fn a_push_sends_kv_to_kv_peers_and_each_ssm_kind_with_a_slot() {
+        let kinds: Vec<String> = ["kv", "conv", "recurrent"].map(String::from).to_vec();
+        let sends = push_sends(&kinds, true, &[1, 2], &[7, 8], 5, Some((3, 9)));
+        let got: Vec<_> =
+            sends.iter().map(|s| (s.kind.as_str(), &s.src[..], &s.dst[..], s.num_tokens)).collect();
+        assert_eq!(
+            got,
+            [
+                ("kv", &[1, 2][..], &[7, 8][..], Some(5)),
+                ("conv", &[3][..], &[9][..], None),
+                ("recurrent", &[3][..], &[9][..], None)
+            ]
+        );
+        // No KV ranks on the decode: no KV send; no slot: no SSM send; no kinds: nothing.
+        assert!(push_sends(&kinds, false, &[1], &[7], 5, None).is_empty());
+        let ssm_only = push_sends(&kinds[1..], true, &[1], &[7], 5, Some((0, 4)));
+        assert_eq!(
+            ssm_only.iter().map(|s| s.kind.as_str()).collect::<Vec<_>>(),
+            ["conv", "recurrent"]
+        );
+        assert!(push_sends(&[], true, &[1], &[7], 5, Some((0, 4))).is_empty());
+    }
+
+    #[test]
+    fn peers_register_each_stated_kind_and_unreadable_ones_are_refused() {
+        let kinds: Vec<String> = ["kv", "conv"].map(String::from).to_vec();
+        let engines = vec![
+            ("p0".to_string(), Ok(vec![vec![1, 2], vec![3]])),
+            ("bad".to_string(), Err("KeyError: 'meta'".to_string())),
+            ("p1".to_string(), Ok(vec![vec![], vec![4]])),
+            ("p2".to_string(), Ok(vec![vec![], vec![]])),
+        ];
+        let (plan, refused) = peer_registrations(engines, &kinds);
+        let s = |x: &str| x.to_string();
+        assert_eq!(
+            plan,
+            [
+                (s("p0"), s("kv"), vec![1, 2]),
+                (s("p0"), s("conv"), vec![3]),
+                (s("p1"), s("conv"), vec![4])
+            ]
+        );
+        assert_eq!(refused, [(s("bad"), s("KeyError: 'meta'"))]);
     }
 
     #[test]
