@@ -21,6 +21,7 @@ from disagg_rs._core import (
     import_pulls,
     pull_kwargs,
     refuse_reset_while_pinned,
+    settle_quiet_quarantines,
 )
 from disagg_rs.exceptions import (
     DisaggError,
@@ -318,9 +319,8 @@ class DecodeHandoff(HandoffBase):
         self._rank_errors.update(rank_errors)
         self._apply_import_actions(actions)
         # Quarantined destinations settle once every local handle is quiet again.
-        quiet = [key for key, p in self._quarantined.items() if all(map(self._quiet, p.handles))]
-        for key in quiet:
-            self._apply_import_actions(self._ledger().settle(*key))
+        quiet = [(*key, all(map(self._quiet, p.handles))) for key, p in self._quarantined.items()]
+        self._apply_import_actions(settle_quiet_quarantines(self._ledger(), quiet))
 
     def _local_report(
         self, pending: RankImport, outcome: str, detail: str

@@ -339,8 +339,9 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
 
     def check_handoff_ledgers(self) -> None:
         """Check the attached ledgers' conservation invariants (``ConservationError``)."""
-        for ledger in filter(None, (self._import_ledger, self._pin_ledger)):
-            ledger.check()
+        for ledger in (self._import_ledger, self._pin_ledger):
+            if ledger is not None:
+                ledger.check()
 
     @property
     def num_pinned_handoffs(self) -> int:

@@ -256,6 +256,21 @@ pub fn peer_registrations<M>(
     (plan, refused)
 }
 
+/// Settle, in order, each quarantined attempt `(request_id, epoch, quiet)` whose local
+/// transfers are all quiet again (the others stay quarantined): the ledger's actions.
+pub fn settle_quiet(
+    ledger: &mut ImportLedger,
+    quarantines: &[(u64, u64, bool)],
+) -> DisaggResult<Vec<LedgerAction>> {
+    let mut out = Vec::new();
+    for &(request_id, epoch, quiet) in quarantines {
+        if quiet {
+            out.extend(ledger.settle(request_id, epoch)?);
+        }
+    }
+    Ok(out)
+}
+
 /// This rank's terminal outcome of one import from one poll of each of its transfer handles
 /// (its state and the error it raised, empty when none) and `failed_locally` (the error of a
 /// start that threw), as [`RankOutcome::fold_local`] decides it (`None` while one runs), with
@@ -501,6 +516,25 @@ mod tests {
             ]
         );
         assert_eq!(refused, [(s("bad"), s("KeyError: 'meta'"))]);
+    }
+
+    #[test]
+    fn only_quiet_quarantines_settle() {
+        let quarantine = |l: &mut ImportLedger| {
+            for rid in [1, 2] {
+                l.abort(rid, 5).unwrap();
+            }
+            assert_eq!(l.num_quarantined(), 2, "an aborted started import is quarantined");
+        };
+        let (mut l, mut model) = (importing(&[1, 2]), importing(&[1, 2]));
+        quarantine(&mut l);
+        quarantine(&mut model);
+        let got = settle_quiet(&mut l, &[(1, 1, false), (2, 2, true)]).unwrap();
+        assert_eq!(got, model.settle(2, 2).unwrap());
+        assert!(!got.is_empty());
+        assert_eq!(l.num_quarantined(), 1);
+        assert_eq!(settle_quiet(&mut l, &[(1, 1, true)]).unwrap(), model.settle(1, 1).unwrap());
+        assert_eq!(l.num_quarantined(), 0);
     }
 
     #[test]

@@ -376,6 +376,17 @@ pub fn fold_import_reports(
     Ok((actions(folded.actions), folded.mismatches, folded.rank_errors))
 }
 
+/// Settle each quarantined ``(request_id, epoch, quiet)`` whose local transfers are all quiet
+/// again (see ``disagg_core::handoff::settle_quiet``): the ledger's actions.
+#[pyfunction]
+pub fn settle_quiet_quarantines(
+    ledger: &Bound<'_, PyImportLedger>,
+    quarantines: Vec<(u64, u64, bool)>,
+) -> PyResult<Vec<PyLedgerAction>> {
+    let settled = handoff::settle_quiet(&mut *lock(&ledger.get().inner)?, &quarantines).py()?;
+    Ok(actions(settled))
+}
+
 /// A refusal as ``ResetRefusedError`` naming ``request_id``.
 fn refused(refusal: Option<String>) -> PyResult<()> {
     refusal.map_or(Ok(()), |msg| Err(ResetRefusedError::new_err((msg, "request_id"))))
