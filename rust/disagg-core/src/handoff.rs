@@ -182,22 +182,8 @@ pub fn import_pulls(
     dst_block_ids: &[u32],
     ssm: Option<(u32, u32)>,
 ) -> Vec<ImportPull> {
-    let pull = |kind: &String| match (kind.as_str(), ssm) {
-        ("kv", _) if num_tokens > token_start => Some(ImportPull {
-            kind: kind.clone(),
-            src: src_block_ids.to_vec(),
-            dst: dst_block_ids.to_vec(),
-            num_tokens: Some(num_tokens - token_start),
-        }),
-        ("kv", _) | (_, None) => None,
-        (_, Some((src, dst))) => Some(ImportPull {
-            kind: kind.clone(),
-            src: vec![src],
-            dst: vec![dst],
-            num_tokens: None,
-        }),
-    };
-    kinds.iter().filter_map(pull).collect()
+    let kv_tokens = (num_tokens > token_start).then(|| num_tokens - token_start);
+    state_transfers(kinds, kv_tokens, src_block_ids, dst_block_ids, ssm)
 }
 
 /// The sends of a push (or its filler) from a prefill rank that moves state `kinds` (`kv`
@@ -212,12 +198,24 @@ pub fn push_sends(
     num_tokens: u32,
     ssm: Option<(u32, u32)>,
 ) -> Vec<ImportPull> {
-    let send = |kind: &String| match (kind.as_str(), ssm) {
-        ("kv", _) => kv_peers.then(|| ImportPull {
+    state_transfers(kinds, kv_peers.then_some(num_tokens), src_block_ids, dst_block_ids, ssm)
+}
+
+/// One transfer per state kind, in `kinds` order: KV's blocks with `kv_tokens` tokens (none
+/// when `None`), each SSM kind's slot (none without `ssm`).
+fn state_transfers(
+    kinds: &[String],
+    kv_tokens: Option<u32>,
+    src_block_ids: &[u32],
+    dst_block_ids: &[u32],
+    ssm: Option<(u32, u32)>,
+) -> Vec<ImportPull> {
+    let transfer = |kind: &String| match (kind.as_str(), ssm) {
+        ("kv", _) => kv_tokens.map(|n| ImportPull {
             kind: kind.clone(),
             src: src_block_ids.to_vec(),
             dst: dst_block_ids.to_vec(),
-            num_tokens: Some(num_tokens),
+            num_tokens: Some(n),
         }),
         (_, None) => None,
         (_, Some((src, dst))) => Some(ImportPull {
@@ -227,7 +225,7 @@ pub fn push_sends(
             num_tokens: None,
         }),
     };
-    kinds.iter().filter_map(send).collect()
+    kinds.iter().filter_map(transfer).collect()
 }
 
 /// What a rank registers of a peer table: for each engine (in table order) whose metadata
