@@ -52,6 +52,7 @@ class LinkLiveness:
         self, frames: list[bytes], peers: dict[str, Any], now: float
     ) -> tuple[list[dict[str, Any]], dict[str, Any], bool]: ...
     awaiting_registered: Final[bool]
+    def awaiting_registration(self, since: float, timeout_s: float, now: float) -> bool: ...
     fenced: Final[int]
     malformed: Final[int]
     def heartbeat_due(self, interval_s: float, now: float) -> bool: ...
@@ -1017,7 +1018,19 @@ def import_pulls(
     kinds: list[str],
     two_sided: bool,
     kv_backend: Any = None,
-) -> list[tuple[str, list[int], list[int], dict[str, Any]]]: ...
+) -> list[tuple[str, list[Any], list[int], list[int], dict[str, Any]]]: ...
+def push_sends(
+    request_id: int,
+    plan: tuple[list[int], list[int], int, int | None, int | None],
+    decode_metas: Sequence[Any],
+    own: Sequence[Any],
+    kinds: list[str],
+    *,
+    filler: bool,
+) -> list[tuple[str, list[Any], list[int], list[int], dict[str, Any]]]: ...
+def handoff_peer_plan(
+    peers: Mapping[str, Any], kinds: list[str]
+) -> tuple[list[tuple[str, str, list[Any]]], dict[str, str]]: ...
 def import_local_outcome(
     failed_locally: str | None, polled: Sequence[object]
 ) -> tuple[str | None, str]: ...
@@ -1026,6 +1039,9 @@ def fold_import_reports(
     gathered: Sequence[Sequence[tuple[int, int, str, Any, str]]],
     now: int,
 ) -> tuple[list[LedgerAction], list[tuple[int, Any]], list[tuple[int, str]]]: ...
+def settle_quiet_quarantines(
+    ledger: ImportLedger, quarantines: Sequence[tuple[int, int, bool]]
+) -> list[LedgerAction]: ...
 def refuse_reset_while_pinned(pinned: Sequence[int]) -> None: ...
 def refuse_close_in_flight(
     imports: Sequence[tuple[int, bool]],

@@ -27,7 +27,6 @@ from disagg_rs.control.messages import (
     encode_message,
     submit_frame,
 )
-from disagg_rs.exceptions import TransferTimeout
 
 
 def _dealer(
@@ -106,12 +105,9 @@ class EngineLink:
         """Publish static metadata once; returns the peers known to the coordinator."""
         self._meta = meta
         self._send_register()
-        deadline = time.monotonic() + timeout_s
-        while self.liveness.awaiting_registered:
-            if time.monotonic() >= deadline:
-                raise TransferTimeout(
-                    f"coordinator did not answer REGISTER within {timeout_s} s", "timeout_s"
-                )
+        since = time.monotonic()
+        # Until REGISTERED comes; TransferTimeout once timeout_s passed without it (in Rust).
+        while self.liveness.awaiting_registration(since, timeout_s, time.monotonic()):
             # Work the coordinator sent around REGISTERED (it counts the engine as registered
             # before this reply is read) is kept for the next poll().
             self._backlog += self.poll(100)

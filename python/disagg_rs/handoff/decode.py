@@ -21,6 +21,7 @@ from disagg_rs._core import (
     import_pulls,
     pull_kwargs,
     refuse_reset_while_pinned,
+    settle_quiet_quarantines,
 )
 from disagg_rs.exceptions import (
     DisaggError,
@@ -34,7 +35,6 @@ from disagg_rs.handoff.base import (
     KvHandoffRequest,
     RankImport,
     _DecodeRequest,
-    _of_kind,
     logger,
 )
 from disagg_rs.integrity import (
@@ -220,7 +220,6 @@ class DecodeHandoff(HandoffBase):
         pending = RankImport(action.request_id, action.epoch)
         self._pending_imports[action.request_id] = pending
         ticket = req.kv_meta
-        prefill_ranks = ticket["prefill_meta"]["ranks"]
         num_tokens = len(req.prompt)
         token_start = int(action.token_start)
         src_bs = int(ticket.get("src_block_size_tokens", self._host().block_size_tokens))
@@ -236,8 +235,8 @@ class DecodeHandoff(HandoffBase):
         backends = self._transfer_backends()
         posted_at = time.perf_counter_ns()
         try:
-            # What moves (KV past the cached prefix, each SSM kind into the slot) and how
-            # (tag, staged copy), in Rust.
+            # What moves (KV past the cached prefix, each SSM kind into the slot), from which
+            # prefill ranks and how (tag, staged copy), in Rust.
             pulls = import_pulls(
                 action,
                 ticket,
@@ -246,11 +245,8 @@ class DecodeHandoff(HandoffBase):
                 two_sided=self._is_push,
                 kv_backend=self._kv_backend,
             )
-            for kind, src, dst, kwargs in pulls:
-                handle = backends[kind].begin_pull_blocks(
-                    _of_kind(prefill_ranks, kind), src, dst, **kwargs
-                )
-                pending.handles.append(handle)
+            for kind, metas, src, dst, kwargs in pulls:
+                pending.handles.append(backends[kind].begin_pull_blocks(metas, src, dst, **kwargs))
         except Exception as e:  # transfer start threw: local failure, quiet if nothing posted
             pending.failed_locally = f"{type(e).__name__}: {e}"
             logger.warning("request %d: transfer start failed: %s", action.request_id, e)
@@ -323,9 +319,8 @@ class DecodeHandoff(HandoffBase):
         self._rank_errors.update(rank_errors)
         self._apply_import_actions(actions)
         # Quarantined destinations settle once every local handle is quiet again.
-        quiet = [key for key, p in self._quarantined.items() if all(map(self._quiet, p.handles))]
-        for key in quiet:
-            self._apply_import_actions(self._ledger().settle(*key))
+        quiet = [(*key, all(map(self._quiet, p.handles))) for key, p in self._quarantined.items()]
+        self._apply_import_actions(settle_quiet_quarantines(self._ledger(), quiet))
 
     def _local_report(
         self, pending: RankImport, outcome: str, detail: str
@@ -444,12 +439,10 @@ class DecodeHandoff(HandoffBase):
         rid = action.request_id
         self._pending_imports.pop(rid, None)
         engine.decode_batch.admit(rid, list(action.block_ids), action.ssm_slot)
-        req = self._decode_requests.pop(rid, None)
         self.handoff_stats["imports_admitted"] += 1
         self._record_handoff_completion_notification(rid, False)
         self._event(("admitted", rid, f"{len(action.block_ids)} blocks"))
-        if req is not None and req.future is not None and not req.future.done():
-            req.future.set_result(rid)
+        self._settle(rid)
 
     def _complete_handoff_request_without_forward(self, request_id: int) -> None:
         """Complete an imported request whose transferred token already satisfies it."""
@@ -462,11 +455,20 @@ class DecodeHandoff(HandoffBase):
         engine.complete_request_without_forward(
             request_id, None if req is None else list(req.resume_tokens)
         )
-        req = self._decode_requests.pop(request_id, None)
         self.handoff_stats["imports_completed_without_forward"] += 1
         self._record_handoff_completion_notification(request_id, False)
-        if req is not None and req.future is not None and not req.future.done():
+        self._settle(request_id)
+
+    def _settle(self, request_id: int, error: DisaggError | None = None) -> None:
+        """Stop tracking a request that was admitted, completed or (``error``) failed, and
+        resolve its completion future, if it has one still open."""
+        req = self._decode_requests.pop(request_id, None)
+        if req is None or req.future is None or req.future.done():
+            return
+        if error is None:
             req.future.set_result(request_id)
+        else:
+            req.future.set_exception(error)
 
     def _fail_import(self, action: Any) -> None:
         engine = self._host()
@@ -474,7 +476,6 @@ class DecodeHandoff(HandoffBase):
         pending = self._pending_imports.pop(rid, None)
         if action.quarantined and pending is not None:
             self._quarantined[(rid, action.epoch)] = pending
-        req = self._decode_requests.pop(rid, None)
         # The engine forgets the announced request (expect_import) that will never arrive.
         engine.abort(rid)
         mismatch = self._integrity_failures.pop(rid, None)
@@ -494,8 +495,7 @@ class DecodeHandoff(HandoffBase):
         if integrity:
             logger.warning("request %d: %s", rid, message)
             error = IntegrityError(message, "integrity", mismatch)
-        if req is not None and req.future is not None and not req.future.done():
-            req.future.set_exception(error)
+        self._settle(rid, error)
 
     def _release_pending_kv_import(self, pending: PendingKvImport | RankImport) -> None:
         """Release storage owned by an unadmitted decode import (a ledger-driven engine

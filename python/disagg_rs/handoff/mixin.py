@@ -39,6 +39,7 @@ from disagg_rs._core import (
     ImportLedger,
     PinLedger,
     check_reference,
+    handoff_peer_plan,
     refuse_close_in_flight,
 )
 from disagg_rs.exceptions import DisaggError
@@ -47,7 +48,6 @@ from disagg_rs.handoff.base import (
     HandoffBase,
     HandoffPath,
     RankImport,
-    _of_kind,
 )
 from disagg_rs.handoff.compat import ReferenceDesignCompat
 from disagg_rs.handoff.decode import DecodeHandoff
@@ -403,20 +403,18 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         (declared lost) or names with another incarnation (restarted) is forgotten by the
         transports: a read waiting for it fails at once, quietly.
         """
-        backends = {"kv": self._kv_backend, **self._ssm_backends}
-        refused: dict[str, str] = {}
+        backends = self._transfer_backends()
+        # Each engine's ranks' metadata of each state this rank moves, read in Rust (a table
+        # entry that cannot be read refuses its engine).
+        plan, refused = handoff_peer_plan(peers, list(backends))
         registered: list[Any] = []
-        for engine_id, peer in peers.items():
+        for engine_id, kind, named in plan:
             try:
-                ranks = peer["meta"]["ranks"]
-                for kind, backend in backends.items():
-                    named = _of_kind(ranks, kind)
-                    if backend is not None and named:
-                        backend.register_peers(named)
-                        registered += named
+                backends[kind].register_peers(named)
+                registered += named
             except (DisaggError, KeyError, TypeError, AttributeError) as err:
-                refused[engine_id] = f"{type(err).__name__}: {err}"
-        for backend in filter(None, backends.values()):
+                refused.setdefault(engine_id, f"{type(err).__name__}: {err}")
+        for backend in backends.values():
             backend.retain_peers(registered)
         return refused
 

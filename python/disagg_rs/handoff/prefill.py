@@ -13,6 +13,7 @@ from disagg_rs._core import (
     LedgerAction,
     PinLedger,
     gathered_integrity_pieces,
+    push_sends,
 )
 from disagg_rs.exceptions import DisaggError
 from disagg_rs.handoff.base import (
@@ -330,36 +331,21 @@ class PrefillHandoff(HandoffBase):
         """Post the sends of one push (or its filler) as the pin ledger planned them
         (``(src_block_ids, dst_block_ids, num_tokens, src_ssm_slot, dst_ssm_slot)``); returns
         their handles."""
-        src_ids, dst_ids, num_tokens, src_slot, dst_slot = plan
-        own = self.handoff_static_meta["ranks"]
-        kv_metas = _of_kind(decode_metas, "kv")
-        handles = []
-        if self._kv_backend is not None and kv_metas:
-            handles.append(
-                self._kv_backend.begin_push_blocks(
-                    kv_metas,
-                    src_ids,
-                    dst_ids,
-                    src_metas=_of_kind(own, "kv"),
-                    num_tokens=num_tokens,
-                    tag=_tag(request_id, "kv"),
-                    filler=filler,
-                )
-            )
-        if src_slot is not None:
-            for kind, backend in self._ssm_backends.items():
-                metas = _of_kind(decode_metas, kind)
-                handles.append(
-                    backend.begin_push_blocks(
-                        metas,
-                        [src_slot],
-                        [dst_slot],
-                        src_metas=_of_kind(own, kind),
-                        tag=_tag(request_id, kind),
-                        filler=filler,
-                    )
-                )
-        return handles
+        backends = self._transfer_backends()
+        # Which states go (KV to the decode's KV ranks, each SSM kind with the slot), with
+        # their tags, in Rust.
+        sends = push_sends(
+            request_id,
+            plan,
+            decode_metas,
+            self.handoff_static_meta["ranks"],
+            list(backends),
+            filler=filler,
+        )
+        return [
+            backends[kind].begin_push_blocks(metas, src, dst, **kwargs)
+            for kind, metas, src, dst, kwargs in sends
+        ]
 
     def push_handoff_filler(self, request_id: int, decode_metas: list[Any]) -> None:
         """Answer the receives a decode posted for a handoff this engine will not push (the

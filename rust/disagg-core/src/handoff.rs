@@ -182,14 +182,42 @@ pub fn import_pulls(
     dst_block_ids: &[u32],
     ssm: Option<(u32, u32)>,
 ) -> Vec<ImportPull> {
-    let pull = |kind: &String| match (kind.as_str(), ssm) {
-        ("kv", _) if num_tokens > token_start => Some(ImportPull {
+    let kv_tokens = (num_tokens > token_start).then(|| num_tokens - token_start);
+    state_transfers(kinds, kv_tokens, src_block_ids, dst_block_ids, ssm)
+}
+
+/// The sends of a push (or its filler) from a prefill rank that moves state `kinds` (`kv`
+/// and/or SSM kinds, in posting order), as [`ImportPull`]s from this rank's ids to the
+/// decode's: KV when the decode has KV ranks (`kv_peers`), the planned `num_tokens` of it;
+/// each SSM kind when the pin holds a slot (`ssm`: this rank's slot and the decode's).
+pub fn push_sends(
+    kinds: &[String],
+    kv_peers: bool,
+    src_block_ids: &[u32],
+    dst_block_ids: &[u32],
+    num_tokens: u32,
+    ssm: Option<(u32, u32)>,
+) -> Vec<ImportPull> {
+    state_transfers(kinds, kv_peers.then_some(num_tokens), src_block_ids, dst_block_ids, ssm)
+}
+
+/// One transfer per state kind, in `kinds` order: KV's blocks with `kv_tokens` tokens (none
+/// when `None`), each SSM kind's slot (none without `ssm`).
+fn state_transfers(
+    kinds: &[String],
+    kv_tokens: Option<u32>,
+    src_block_ids: &[u32],
+    dst_block_ids: &[u32],
+    ssm: Option<(u32, u32)>,
+) -> Vec<ImportPull> {
+    let transfer = |kind: &String| match (kind.as_str(), ssm) {
+        ("kv", _) => kv_tokens.map(|n| ImportPull {
             kind: kind.clone(),
             src: src_block_ids.to_vec(),
             dst: dst_block_ids.to_vec(),
-            num_tokens: Some(num_tokens - token_start),
+            num_tokens: Some(n),
         }),
-        ("kv", _) | (_, None) => None,
+        (_, None) => None,
         (_, Some((src, dst))) => Some(ImportPull {
             kind: kind.clone(),
             src: vec![src],
@@ -197,7 +225,48 @@ pub fn import_pulls(
             num_tokens: None,
         }),
     };
-    kinds.iter().filter_map(pull).collect()
+    kinds.iter().filter_map(transfer).collect()
+}
+
+/// What a rank registers of a peer table: for each engine (in table order) whose metadata
+/// could be read (`engines`: per engine, its ranks' metadata of each of this rank's state
+/// `kinds`, in `kinds` order, or why it could not be read), `(engine, kind, metas)` for each
+/// kind its ranks state; the engines that could not be read are refused with their error.
+#[allow(clippy::type_complexity)]
+pub fn peer_registrations<M>(
+    engines: Vec<(String, Result<Vec<Vec<M>>, String>)>,
+    kinds: &[String],
+) -> (Vec<(String, String, Vec<M>)>, Vec<(String, String)>) {
+    let mut plan = Vec::new();
+    let mut refused = Vec::new();
+    for (engine, named) in engines {
+        match named {
+            Ok(per_kind) => plan.extend(
+                kinds
+                    .iter()
+                    .zip(per_kind)
+                    .filter(|(_, metas)| !metas.is_empty())
+                    .map(|(kind, metas)| (engine.clone(), kind.clone(), metas)),
+            ),
+            Err(why) => refused.push((engine, why)),
+        }
+    }
+    (plan, refused)
+}
+
+/// Settle, in order, each quarantined attempt `(request_id, epoch, quiet)` whose local
+/// transfers are all quiet again (the others stay quarantined): the ledger's actions.
+pub fn settle_quiet(
+    ledger: &mut ImportLedger,
+    quarantines: &[(u64, u64, bool)],
+) -> DisaggResult<Vec<LedgerAction>> {
+    let mut out = Vec::new();
+    for &(request_id, epoch, quiet) in quarantines {
+        if quiet {
+            out.extend(ledger.settle(request_id, epoch)?);
+        }
+    }
+    Ok(out)
 }
 
 /// This rank's terminal outcome of one import from one poll of each of its transfer handles
@@ -399,6 +468,71 @@ mod tests {
         detail: &str,
     ) -> RankReport<&'static str> {
         RankReport { request_id: rid, epoch: rid, outcome, mismatch, detail: detail.into() }
+    }
+
+    #[test]
+    fn a_push_sends_kv_to_kv_peers_and_each_ssm_kind_with_a_slot() {
+        let kinds: Vec<String> = ["kv", "conv", "recurrent"].map(String::from).to_vec();
+        let sends = push_sends(&kinds, true, &[1, 2], &[7, 8], 5, Some((3, 9)));
+        let got: Vec<_> =
+            sends.iter().map(|s| (s.kind.as_str(), &s.src[..], &s.dst[..], s.num_tokens)).collect();
+        assert_eq!(
+            got,
+            [
+                ("kv", &[1, 2][..], &[7, 8][..], Some(5)),
+                ("conv", &[3][..], &[9][..], None),
+                ("recurrent", &[3][..], &[9][..], None)
+            ]
+        );
+        // No KV ranks on the decode: no KV send; no slot: no SSM send; no kinds: nothing.
+        assert!(push_sends(&kinds, false, &[1], &[7], 5, None).is_empty());
+        let ssm_only = push_sends(&kinds[1..], true, &[1], &[7], 5, Some((0, 4)));
+        assert_eq!(
+            ssm_only.iter().map(|s| s.kind.as_str()).collect::<Vec<_>>(),
+            ["conv", "recurrent"]
+        );
+        assert!(push_sends(&[], true, &[1], &[7], 5, Some((0, 4))).is_empty());
+    }
+
+    #[test]
+    fn peers_register_each_stated_kind_and_unreadable_ones_are_refused() {
+        let kinds: Vec<String> = ["kv", "conv"].map(String::from).to_vec();
+        let engines = vec![
+            ("p0".to_string(), Ok(vec![vec![1, 2], vec![3]])),
+            ("bad".to_string(), Err("KeyError: 'meta'".to_string())),
+            ("p1".to_string(), Ok(vec![vec![], vec![4]])),
+            ("p2".to_string(), Ok(vec![vec![], vec![]])),
+        ];
+        let (plan, refused) = peer_registrations(engines, &kinds);
+        let s = |x: &str| x.to_string();
+        assert_eq!(
+            plan,
+            [
+                (s("p0"), s("kv"), vec![1, 2]),
+                (s("p0"), s("conv"), vec![3]),
+                (s("p1"), s("conv"), vec![4])
+            ]
+        );
+        assert_eq!(refused, [(s("bad"), s("KeyError: 'meta'"))]);
+    }
+
+    #[test]
+    fn only_quiet_quarantines_settle() {
+        let quarantine = |l: &mut ImportLedger| {
+            for rid in [1, 2] {
+                l.abort(rid, 5).unwrap();
+            }
+            assert_eq!(l.num_quarantined(), 2, "an aborted started import is quarantined");
+        };
+        let (mut l, mut model) = (importing(&[1, 2]), importing(&[1, 2]));
+        quarantine(&mut l);
+        quarantine(&mut model);
+        let got = settle_quiet(&mut l, &[(1, 1, false), (2, 2, true)]).unwrap();
+        assert_eq!(got, model.settle(2, 2).unwrap());
+        assert!(!got.is_empty());
+        assert_eq!(l.num_quarantined(), 1);
+        assert_eq!(settle_quiet(&mut l, &[(1, 1, true)]).unwrap(), model.settle(1, 1).unwrap());
+        assert_eq!(l.num_quarantined(), 0);
     }
 
     #[test]

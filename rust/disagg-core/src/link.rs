@@ -26,6 +26,17 @@ pub struct Received {
     pub register: bool,
 }
 
+/// Where an engine's registration stands ([`EngineInbox::registration`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Registration {
+    /// `REGISTERED` came (or no `REGISTER` was sent).
+    Answered,
+    /// Sent, unanswered, before its deadline.
+    Awaited,
+    /// Sent and unanswered at its deadline: the coordinator did not answer.
+    Overdue,
+}
+
 /// An engine's link: the coordinator's liveness, registration and what was dropped.
 #[derive(Debug, Clone)]
 pub struct EngineInbox {
@@ -101,6 +112,16 @@ impl EngineInbox {
     /// Whether a `REGISTER` was sent and its `REGISTERED` has not come yet.
     pub fn awaiting_registered(&self) -> bool {
         self.awaiting
+    }
+
+    /// Where registration stands at `now` for a `REGISTER` that must be answered by
+    /// `deadline`.
+    pub fn registration(&self, deadline: f64, now: f64) -> Registration {
+        match (self.awaiting, now >= deadline) {
+            (false, _) => Registration::Answered,
+            (true, false) => Registration::Awaited,
+            (true, true) => Registration::Overdue,
+        }
     }
 
     /// Times the coordinator fenced this engine (it then registered again).
@@ -262,5 +283,24 @@ mod tests {
         d.submit(4, None, 0.0);
         d.answered(Kind::Failed, Some(4));
         assert!(d.expired(100.0).is_empty());
+    }
+
+    #[test]
+    fn registration_is_awaited_until_registered_or_overdue_at_its_deadline() {
+        let mut l = EngineInbox::new(None, 0.0).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(l.registration(1.0, 5.0), Registration::Answered, "nothing sent");
+        l.sent(Kind::Register, None, true, 0.0);
+        assert_eq!(l.registration(1.0, 0.5), Registration::Awaited);
+        assert_eq!(l.registration(1.0, 1.0), Registration::Overdue);
+        let registered = frame(
+            "REGISTERED",
+            &[
+                ("engine_id", Value::Str("p0".into())),
+                ("incarnation", Value::Int(1)),
+                ("peers", peers(1)),
+            ],
+        );
+        l.receive(&[registered], 0.6);
+        assert_eq!(l.registration(1.0, 2.0), Registration::Answered);
     }
 }

@@ -10,6 +10,8 @@ use pyo3::IntoPyObjectExt;
 use crate::args::{Int, Real};
 use crate::error::IntoPyResult;
 
+pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
+
 fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
     Ok(match v {
         Value::Nil => py.None(),
@@ -128,6 +130,20 @@ impl LinkLiveness {
     #[getter]
     fn awaiting_registered(&self) -> bool {
         self.0.awaiting_registered()
+    }
+
+    /// Whether the `REGISTER` sent at `since` is still unanswered at `now` (``False`` once
+    /// `REGISTERED` came); ``TransferTimeout`` naming ``timeout_s`` when it is unanswered
+    /// `timeout_s` after `since`.
+    fn awaiting_registration(&self, since: f64, timeout_s: f64, now: f64) -> PyResult<bool> {
+        match self.0.registration(since + timeout_s, now) {
+            link::Registration::Answered => Ok(false),
+            link::Registration::Awaited => Ok(true),
+            link::Registration::Overdue => Err(TransferTimeout::new_err((
+                format!("coordinator did not answer REGISTER within {timeout_s} s"),
+                "timeout_s",
+            ))),
+        }
     }
 
     /// The engine sent (or dropped, `delivered` false) a `kind` message about `request_id`.

@@ -7,7 +7,7 @@ use disagg_core::ledger::HandleState;
 use disagg_core::RankOutcome;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyInt};
+use pyo3::types::{PyBool, PyDict, PyInt, PyList};
 
 use crate::error::{IntoPyResult, ResetRefusedError};
 use crate::ledger::{actions, PyImportLedger, PyLedgerAction};
@@ -169,8 +169,9 @@ pub struct StartArg {
     ssm_slot: Option<u32>,
 }
 
-/// ``disagg_core::handoff::import_pulls``: ``(kind, src_ids, dst_ids, kwargs)`` in posting
-/// order, ``kwargs`` as :func:`pull_kwargs` gives them (plus KV's ``num_tokens``).
+/// ``disagg_core::handoff::import_pulls``: ``(kind, prefill_metas_of_kind, src_ids, dst_ids,
+/// kwargs)`` in posting order, ``kwargs`` as :func:`pull_kwargs` gives them (plus KV's
+/// ``num_tokens``).
 #[pyfunction]
 #[pyo3(signature = (action, ticket, *, num_tokens, kinds, two_sided, kv_backend=None))]
 #[allow(clippy::type_complexity)]
@@ -181,7 +182,7 @@ pub fn import_pulls<'py>(
     kinds: Vec<String>,
     two_sided: bool,
     kv_backend: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Vec<(String, Vec<u32>, Vec<u32>, Bound<'py, PyDict>)>> {
+) -> PyResult<Vec<(String, Bound<'py, PyList>, Vec<u32>, Vec<u32>, Bound<'py, PyDict>)>> {
     let a = action;
     let ssm = match a.ssm_slot {
         Some(dst) => Some((ticket.as_any().get_item("src_ssm_slot")?.extract()?, dst)),
@@ -211,9 +212,102 @@ pub fn import_pulls<'py>(
             if let Some(n) = p.num_tokens {
                 args.set_item("num_tokens", n)?;
             }
-            Ok((p.kind, p.src, p.dst, args))
+            let ranks = ticket.as_any().get_item("prefill_meta")?.get_item("ranks")?;
+            Ok((p.kind.clone(), of_kind(&ranks, &p.kind)?, p.src, p.dst, args))
         })
         .collect()
+}
+
+/// Each rank's metadata of one state `kind` in `ranks`, skipping ranks without it.
+fn of_kind<'py>(ranks: &Bound<'py, PyAny>, kind: &str) -> PyResult<Bound<'py, PyList>> {
+    let out = PyList::empty(ranks.py());
+    for r in ranks.try_iter()? {
+        let meta = r?.call_method1("get", (kind,))?;
+        if !meta.is_none() {
+            out.append(meta)?;
+        }
+    }
+    Ok(out)
+}
+
+/// The sends of a push (or its filler, ``filler=True``) as ``(kind, decode_metas_of_kind,
+/// src_ids, dst_ids, kwargs)`` in posting order (see ``disagg_core::handoff::push_sends``):
+/// ``plan`` is the pin ledger's ``(src_block_ids, dst_block_ids, num_tokens, src_ssm_slot,
+/// dst_ssm_slot)``, ``decode_metas`` the decode's ranks, ``own`` this engine's, ``kinds`` the
+/// states this rank moves; ``kwargs`` carry ``src_metas``, the two-sided ``tag``, ``filler``
+/// and KV's ``num_tokens``.
+#[pyfunction]
+#[pyo3(signature = (request_id, plan, decode_metas, own, kinds, *, filler))]
+#[allow(clippy::type_complexity)]
+pub fn push_sends<'py>(
+    request_id: &Bound<'py, PyAny>,
+    plan: (Vec<u32>, Vec<u32>, u32, Option<u32>, Option<u32>),
+    decode_metas: &Bound<'py, PyAny>,
+    own: &Bound<'py, PyAny>,
+    kinds: Vec<String>,
+    filler: bool,
+) -> PyResult<Vec<(String, Bound<'py, PyList>, Vec<u32>, Vec<u32>, Bound<'py, PyDict>)>> {
+    let (src_ids, dst_ids, num_tokens, src_slot, dst_slot) = plan;
+    let kv_peers = !of_kind(decode_metas, "kv")?.is_empty();
+    let sends = handoff::push_sends(
+        &kinds,
+        kv_peers,
+        &src_ids,
+        &dst_ids,
+        num_tokens,
+        src_slot.zip(dst_slot),
+    );
+    sends
+        .into_iter()
+        .map(|s| {
+            let args = PyDict::new(request_id.py());
+            args.set_item("src_metas", of_kind(own, &s.kind)?)?;
+            if let Some(n) = s.num_tokens {
+                args.set_item("num_tokens", n)?;
+            }
+            args.set_item("tag", crate::tags::two_sided_tag(request_id, &s.kind)?)?;
+            args.set_item("filler", filler)?;
+            Ok((s.kind.clone(), of_kind(decode_metas, &s.kind)?, s.src, s.dst, args))
+        })
+        .collect()
+}
+
+/// One peer's ranks' metadata of each of `kinds` (`peer["meta"]["ranks"]`), or the error
+/// reading it raised, as ``"{type}: {error}"``.
+fn peer_kinds<'py>(
+    peer: &Bound<'py, PyAny>,
+    kinds: &[String],
+) -> Result<Vec<Vec<Bound<'py, PyAny>>>, String> {
+    let read = || -> PyResult<Vec<Vec<Bound<'py, PyAny>>>> {
+        let ranks = peer.get_item("meta")?.get_item("ranks")?;
+        kinds.iter().map(|k| Ok(of_kind(&ranks, k)?.iter().collect())).collect()
+    };
+    read().map_err(|e| {
+        let py = peer.py();
+        let name = e.get_type(py).name().map_or_else(|_| "Exception".into(), |n| n.to_string());
+        format!("{name}: {}", e.value(py))
+    })
+}
+
+/// The registrations of the control plane's peer table ``{engine_id: {"meta": {"ranks":
+/// [...]}, ...}}`` on a rank that moves state ``kinds``: ``([(engine_id, kind, metas)],
+/// {engine_id: error})`` (see ``disagg_core::handoff::peer_registrations``).
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+pub fn handoff_peer_plan<'py>(
+    peers: &Bound<'py, PyDict>,
+    kinds: Vec<String>,
+) -> PyResult<(Vec<(String, String, Vec<Bound<'py, PyAny>>)>, Bound<'py, PyDict>)> {
+    let engines = peers
+        .iter()
+        .map(|(id, peer)| Ok((id.extract::<String>()?, peer_kinds(&peer, &kinds))))
+        .collect::<PyResult<Vec<_>>>()?;
+    let (plan, refused) = handoff::peer_registrations(engines, &kinds);
+    let refused_dict = PyDict::new(peers.py());
+    for (engine, why) in refused {
+        refused_dict.set_item(engine, why)?;
+    }
+    Ok((plan, refused_dict))
 }
 
 pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
@@ -264,6 +358,17 @@ pub fn fold_import_reports(
         .collect::<PyResult<Vec<_>>>()?;
     let folded = handoff::fold_reports(&mut *lock(&ledger.get().inner)?, gathered, now).py()?;
     Ok((actions(folded.actions), folded.mismatches, folded.rank_errors))
+}
+
+/// Settle each quarantined ``(request_id, epoch, quiet)`` whose local transfers are all quiet
+/// again (see ``disagg_core::handoff::settle_quiet``): the ledger's actions.
+#[pyfunction]
+pub fn settle_quiet_quarantines(
+    ledger: &Bound<'_, PyImportLedger>,
+    quarantines: Vec<(u64, u64, bool)>,
+) -> PyResult<Vec<PyLedgerAction>> {
+    let settled = handoff::settle_quiet(&mut *lock(&ledger.get().inner)?, &quarantines).py()?;
+    Ok(actions(settled))
 }
 
 /// A refusal as ``ResetRefusedError`` naming ``request_id``.
