@@ -15,6 +15,7 @@ def decode_control_message(data: bytes, to_coordinator: bool = False) -> dict[st
 
 MAX_TWO_SIDED_REQUEST_ID: int
 P2P_HEADER_BYTES: int
+PACK_PARTS: int
 REFERENCE_LAYOUT_FIELDS: list[str]
 REFERENCE_ADDRESS_FIELDS: list[str]
 

@@ -513,8 +513,8 @@ class PreparedCopy:
         return Side("packed", region, bias=self.plan.item_offset(lo, n_tok))
 
 
-#: Item ranges one launch packs at their own offsets (the kernel's two cuts).
-_PARTS = 3
+#: Item ranges one launch packs at their own offsets (the kernel's two cuts; the core's rule).
+_PARTS = _core.PACK_PARTS
 
 
 def _launch_hooks() -> tuple[Any, Any]:

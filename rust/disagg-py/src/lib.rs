@@ -49,6 +49,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_TWO_SIDED_REQUEST_ID", disagg_core::tags::MAX_TWO_SIDED_REQUEST_ID)?;
     m.add("P2P_HEADER_BYTES", disagg_core::p2p_header::HEADER_BYTES)?;
+    m.add("PACK_PARTS", disagg_core::packed_items::MAX_PARTS)?;
     m.add("REFERENCE_LAYOUT_FIELDS", disagg_core::refmeta::REFERENCE_LAYOUT_FIELDS.to_vec())?;
     m.add("REFERENCE_ADDRESS_FIELDS", disagg_core::refmeta::REFERENCE_ADDRESS_FIELDS.to_vec())?;
     #[rustfmt::skip]
