@@ -87,7 +87,7 @@ def test_a_whole_copy_is_read_once_announced_and_an_early_announcement_waits() -
     assert src.done and _core.staging_release(ticket) == (7, [256])
     # The announcement reaches the decode before the ticket: it waits for the read to open.
     boxes = _core.StreamMailboxes()
-    boxes.route([("pre", [ready])])
+    boxes.route([("pre", [ready])], 0.0, 30.0)
     assert boxes.early == 1 and boxes.dropped == 0
     box = boxes.open("pre", 7)
     assert sink.take(*boxes.take(box)) is None
@@ -97,6 +97,10 @@ def test_a_whole_copy_is_read_once_announced_and_an_early_announcement_waits() -
         _core.StreamSink.one_piece({**ticket, "stream": stream})
     assert info.value.field == "ticket.ready"
     # A decode that reads the source directly drops what the ticket's stream received.
-    boxes.route([("pre", [ready])])
+    boxes.route([("pre", [ready])], 1.0, 30.0)
     boxes.forget_ticket("pre", ticket)
     assert boxes.take(box) == ([], False) and boxes.early == 0
+    # One whose stream never opens here waits no longer than a stream could run.
+    boxes.route([("gone", [ready])], 2.0, 30.0)
+    boxes.route([], 32.5, 30.0)
+    assert boxes.early == 0 and boxes.dropped == 1

@@ -225,15 +225,18 @@ class _NixlAgentContext:
         self._next_stream += 1
         return sid
 
-    def mail(self, box: int) -> tuple[list[bytes], bool]:
+    def mail(self, box: int, now: float, timeout_s: float) -> tuple[list[bytes], bool]:
         """Take what mailbox ``box`` (``mailboxes.open``) received so far, in order, and
         whether its peer is gone (forgotten since: nothing more will come).
 
         NIXL hands every notification of the agent out at once: each is routed by the peer
         and stream named in it (parsed in Rust); one of a stream not open here waits for it
-        (bounded), one that is not a stream notification is dropped.
+        (bounded, and at most ``timeout_s`` from ``now``, the asking backend's clock and
+        stream timeout: a stream opened later could not run anyway), one that is not a
+        stream notification is dropped.
         """
-        self.mailboxes.route(list(self.live_agent().get_new_notifs().items()))
+        notifs = list(self.live_agent().get_new_notifs().items())
+        self.mailboxes.route(notifs, now, timeout_s)
         return self.mailboxes.take(box)
 
     def _forget(self, names: Sequence[str]) -> None:
@@ -577,7 +580,7 @@ class _ChunkedRead:
         declared lost or replaced; or a probe refused)."""
         b = self.backend
         probed = b._notify_all(self.peer, self.sink.probes(b.clock()))
-        gone = self.sink.take(*b._ctx.mail(self.box), probed)
+        gone = self.sink.take(*b._ctx.mail(self.box, b.clock(), b.timeout_s), probed)
         states = [(k, str(b.agent.check_xfer_state(x))) for k, x in self.xfers.items()]
         landed, acks, error = self.sink.observe(states)
         b._notify_all(self.peer, acks)  # the source's slots are free once the reads landed
@@ -668,7 +671,7 @@ class _StreamOut:
         ``True`` once the stream is over (every chunk acknowledged, given up, expired, or its
         decode gone: the slots are free again)."""
         b = self.backend
-        mail, gone = b._ctx.mail(self.box)
+        mail, gone = b._ctx.mail(self.box, b.clock(), b.timeout_s)
         running, give_up, todo = self.src.poll(mail, b.clock(), self.deadline, gone)
         self.events += self.pack(todo)
         self.announce()

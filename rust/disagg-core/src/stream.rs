@@ -939,7 +939,9 @@ pub type Mail = (Vec<Vec<u8>>, bool);
 /// Stream notifications waiting for their stream, by (peer agent name, stream id): NIXL
 /// hands out every notification of an agent at once, so they are routed here. One of a
 /// stream not open (yet) is kept among the early ones (at most [`MAX_EARLY_NOTIFS`]) until
-/// the stream opens or closes; anything else is dropped (and counted).
+/// the stream opens or closes, or until it has waited longer than the stream could run (one
+/// of a stream that never opens here: its ticket lost, or its sender forgotten before the
+/// notification arrived); anything else is dropped (and counted).
 ///
 /// Each open stream has its own mailbox, named by the id [`Self::open`] returns: a peer
 /// forgotten ([`Self::forget`]) numbers its streams anew, so its open mailboxes stop taking
@@ -950,7 +952,8 @@ pub struct StreamMailboxes {
     boxes: std::collections::BTreeMap<u64, Mailbox>,
     /// The mailbox taking the notifications of each (peer, stream) now.
     routes: std::collections::BTreeMap<(String, u64), u64>,
-    early: VecDeque<((String, u64), Vec<u8>)>,
+    /// `((peer, stream), notification, arrival time)`, oldest first.
+    early: VecDeque<((String, u64), Vec<u8>, f64)>,
     next: u64,
     dropped: u64,
 }
@@ -961,10 +964,10 @@ impl StreamMailboxes {
     pub fn open(&mut self, peer: &str, stream: u64) -> u64 {
         let key = (peer.to_owned(), stream);
         let (mine, rest): (VecDeque<_>, VecDeque<_>) =
-            std::mem::take(&mut self.early).into_iter().partition(|(k, _)| *k == key);
+            std::mem::take(&mut self.early).into_iter().partition(|(k, ..)| *k == key);
         self.early = rest;
         self.next += 1;
-        let msgs = mine.into_iter().map(|(_, m)| m).collect();
+        let msgs = mine.into_iter().map(|(_, m, _)| m).collect();
         self.routes.insert(key.clone(), self.next);
         self.boxes.insert(self.next, Mailbox { key, msgs, gone: false });
         self.next
@@ -976,7 +979,7 @@ impl StreamMailboxes {
         let Some(b) = self.boxes.remove(&id) else { return };
         if self.routes.get(&b.key) == Some(&id) {
             self.routes.remove(&b.key);
-            self.early.retain(|(k, _)| *k != b.key);
+            self.early.retain(|(k, ..)| *k != b.key);
         }
     }
 
@@ -987,7 +990,7 @@ impl StreamMailboxes {
         if let Some(id) = self.routes.remove(&key) {
             self.boxes.remove(&id);
         }
-        self.early.retain(|(k, _)| *k != key);
+        self.early.retain(|(k, ..)| *k != key);
     }
 
     /// Forget `peer` (forgotten, declared lost or replaced: its stream ids start over): its
@@ -998,11 +1001,16 @@ impl StreamMailboxes {
         for b in self.boxes.values_mut().filter(|b| b.key.0 == peer) {
             b.gone = true;
         }
-        self.early.retain(|((p, _), _)| p != peer);
+        self.early.retain(|((p, _), ..)| p != peer);
     }
 
-    /// Route notifications `(peer, messages)` to their mailboxes.
-    pub fn route(&mut self, notifs: Vec<(String, Vec<Vec<u8>>)>) {
+    /// Route notifications `(peer, messages)`, received at `now` (seconds), to their
+    /// mailboxes; early ones that have waited more than `early_ttl_s` go first (dropped).
+    pub fn route(&mut self, notifs: Vec<(String, Vec<Vec<u8>>)>, now: f64, early_ttl_s: f64) {
+        while self.early.front().is_some_and(|(_, _, at)| now - at > early_ttl_s) {
+            self.early.pop_front();
+            self.dropped += 1;
+        }
         for (peer, msgs) in notifs {
             for m in msgs {
                 if m == STREAM_PROBE {
@@ -1021,7 +1029,7 @@ impl StreamMailboxes {
                     self.early.pop_front();
                     self.dropped += 1;
                 }
-                self.early.push_back((key, m));
+                self.early.push_back((key, m, now));
             }
         }
     }
@@ -1046,8 +1054,8 @@ impl StreamMailboxes {
         self.early.len()
     }
 
-    /// Notifications dropped so far (not a stream notification, or the oldest early one
-    /// past [`MAX_EARLY_NOTIFS`]).
+    /// Notifications dropped so far (not a stream notification, the oldest early one past
+    /// [`MAX_EARLY_NOTIFS`], or an early one that waited too long).
     #[must_use]
     pub fn dropped(&self) -> u64 {
         self.dropped

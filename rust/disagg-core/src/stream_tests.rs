@@ -344,10 +344,14 @@ fn mailboxes_keep_the_notifications_of_open_streams_only() {
     let id = boxes.open("dec", 5);
     let ack = StreamMsg::bare(StreamKind::Ack, 5, 0).encode();
     let other = StreamMsg::bare(StreamKind::Ack, 6, 0).encode();
-    boxes.route(vec![
-        ("dec".into(), vec![ack.clone(), other, b"not a stream message".to_vec()]),
-        ("elsewhere".into(), vec![ack.clone()]),
-    ]);
+    boxes.route(
+        vec![
+            ("dec".into(), vec![ack.clone(), other, b"not a stream message".to_vec()]),
+            ("elsewhere".into(), vec![ack.clone()]),
+        ],
+        0.0,
+        TTL,
+    );
     // Not a stream message: dropped; those of streams not open here wait for them.
     assert_eq!((boxes.dropped(), boxes.early()), (1, 2));
     assert_eq!(boxes.take(id), (vec![ack], false));
@@ -359,13 +363,34 @@ fn mailboxes_keep_the_notifications_of_open_streams_only() {
     assert!(boxes.is_empty());
 }
 
+/// How long an early notification waits for its stream in these tests (seconds).
+const TTL: f64 = 30.0;
+
+#[test]
+fn an_early_notification_waits_for_its_stream_no_longer_than_a_stream_can_run() {
+    let mut boxes = StreamMailboxes::default();
+    let late = StreamMsg::bare(StreamKind::Ready, 7, 0).encode();
+    let next = StreamMsg::bare(StreamKind::Ready, 8, 0).encode();
+    // A notification of a stream that never opens here (its sender was forgotten before it
+    // arrived, or its ticket was lost), then one whose ticket comes in time.
+    boxes.route(vec![("pre".into(), vec![late])], 100.0, TTL);
+    boxes.route(vec![("pre".into(), vec![next.clone()])], 120.0, TTL);
+    boxes.route(vec![], 130.5, TTL);
+    assert_eq!((boxes.early(), boxes.dropped()), (1, 1), "the first waited more than 30 s");
+    let id = boxes.open("pre", 8);
+    assert_eq!(boxes.take(id), (vec![next], false));
+    boxes.route(vec![], 1e9, TTL);
+    assert_eq!(boxes.dropped(), 1, "an open stream's notifications never expire");
+    assert!(boxes.open("pre", 7) > id && boxes.early() == 0);
+}
+
 #[test]
 fn an_announcement_that_overtakes_its_ticket_waits_for_its_stream() {
     let mut boxes = StreamMailboxes::default();
     let (mut src, mut sink) = stream_of(3, 2);
     src.first();
     let ready: Vec<Vec<u8>> = src.announce(&[true, true]).iter().map(StreamMsg::encode).collect();
-    boxes.route(vec![("pre".into(), ready.clone())]);
+    boxes.route(vec![("pre".into(), ready.clone())], 0.0, TTL);
     let id = boxes.open("pre", 5);
     assert_eq!(boxes.take(id), (ready.clone(), false));
     assert_eq!(sink.take(&ready, false, &[]).unwrap(), None);
@@ -375,7 +400,7 @@ fn an_announcement_that_overtakes_its_ticket_waits_for_its_stream() {
     let msgs = (0..=MAX_EARLY_NOTIFS as u64)
         .map(|s| StreamMsg::bare(StreamKind::Abort, s, 0).encode())
         .collect();
-    full.route(vec![("pre".into(), msgs)]);
+    full.route(vec![("pre".into(), msgs)], 0.0, TTL);
     assert_eq!((full.early(), full.dropped()), (MAX_EARLY_NOTIFS, 1));
     let id = full.open("pre", 0);
     assert!(full.take(id).0.is_empty(), "stream 0's was the oldest");
@@ -430,14 +455,14 @@ fn a_read_of_a_forgotten_peer_is_over_at_once_and_its_stream_id_is_free_again() 
     let old = boxes.open("pre", 7);
     let out = boxes.open("dec", 3);
     let msg = StreamMsg::bare(StreamKind::Abort, 7, 0).encode();
-    boxes.route(vec![("pre".into(), vec![msg.clone()])]);
+    boxes.route(vec![("pre".into(), vec![msg.clone()])], 0.0, TTL);
     boxes.forget("pre");
     assert_eq!(boxes.take(old), (vec![msg.clone()], true), "gone until closed");
     assert_eq!(boxes.take(out), (vec![], false), "another peer's mailbox is untouched");
     // The new incarnation numbers its streams anew: its stream 7 opens a mailbox of its own,
     // and closing the old one drops nothing of it.
     let announce = StreamSource::whole(7, 0, 64).announce(&[true])[0].encode();
-    boxes.route(vec![("pre".into(), vec![announce.clone()])]);
+    boxes.route(vec![("pre".into(), vec![announce.clone()])], 0.0, TTL);
     assert_eq!(boxes.take(old), (vec![], true), "a gone mailbox takes nothing more");
     let new = boxes.open("pre", 7);
     boxes.close(old);
@@ -493,7 +518,7 @@ fn a_read_waiting_for_an_announcement_probes_its_source_and_ends_when_a_probe_is
     assert!(plain.probes(0.0).is_empty());
     // A source drops the probes uncounted.
     let mut boxes = StreamMailboxes::default();
-    boxes.route(vec![("dec".into(), vec![STREAM_PROBE.to_vec()])]);
+    boxes.route(vec![("dec".into(), vec![STREAM_PROBE.to_vec()])], 0.0, TTL);
     assert!(boxes.is_empty() && boxes.dropped() == 0);
 }
 

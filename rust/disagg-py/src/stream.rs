@@ -177,8 +177,9 @@ calls {
     fn close(id: Raw<u64>) -> () = close(id);
     fn forget(peer: Raw<String>) -> () = forget(&peer);
     #[getter] fn early() -> usize = early();
-    /// Route what NIXL's `get_new_notifs()` returned (`{peer: [bytes, ...]}`).
-    fn route(notifs: Raw<Vec<(String, Vec<Vec<u8>>)>>) -> () = route(notifs);
+    /// Route what NIXL's `get_new_notifs()` returned (`{peer: [bytes, ...]}`) at `now`.
+    fn route(notifs: Raw<Vec<(String, Vec<Vec<u8>>)>>, now: Raw<f64>, early_ttl_s: Raw<f64>)
+        -> () = route(notifs, now, early_ttl_s);
     fn take(id: Raw<u64>) -> (Vec<Bytes>, bool) = take(id);
     #[getter] fn dropped() -> u64 = dropped();
 }
