@@ -997,22 +997,19 @@ class ReferenceImports:
     num_importing: Final[int]
     num_quarantined: Final[int]
 
-def import_limits(
-    sampling_params: Any, eos_token: int | None, resume_tokens: list[int]
-) -> tuple[int, bool]: ...
+def import_submission(
+    request_id: int,
+    prompt: Sequence[int],
+    sampling_params: Any,
+    eos_token: int | None,
+    resume_tokens: list[int],
+    integrity: Any,
+    *,
+    two_sided: bool,
+) -> tuple[int, bool, dict[str, Any]]: ...
 def import_failure(
     request_id: int, reason: str, mismatch: Any = None, rank_error: str | None = None
 ) -> tuple[str, str, bool, str]: ...
-def import_prompt_args(prompt: Sequence[int], integrity: Any = None) -> dict[str, Any]: ...
-def pull_kwargs(
-    kind: str,
-    request_id: int,
-    *,
-    two_sided: bool,
-    token_start: int | None = None,
-    staged: Any = None,
-    global_rank: int | None = None,
-) -> dict[str, Any]: ...
 def import_pulls(
     action: LedgerAction,
     ticket: dict[str, Any],

@@ -15,11 +15,9 @@ from disagg_rs._core import (
     check_handoff_ticket,
     fold_import_reports,
     import_failure,
-    import_limits,
     import_local_outcome,
-    import_prompt_args,
     import_pulls,
-    pull_kwargs,
+    import_submission,
     refuse_reset_while_pinned,
     settle_quiet_quarantines,
 )
@@ -80,8 +78,6 @@ class DecodeHandoff(HandoffBase):
         engine = self._host()
         ledger = self._ledger()
         resume = [int(t) for t in kv_meta.get("resume_tokens", [])]
-        # The token limit and whether the handed-off tokens already finish it, in Rust.
-        max_new, finished = import_limits(sampling_params, engine.config.eos_token, resume)
         has_ssm = engine.ssm_slot_pool is not None
         # Every field typed and range-checked once, in Rust, with what this rank needs of it:
         # the prefill's metadata names a source of every state it reads (else it would
@@ -93,9 +89,20 @@ class DecodeHandoff(HandoffBase):
             has_ssm=has_ssm,
             integrity=self.verify_integrity,
         )
-        # A two-sided transport refuses an id whose tags would alias another request's.
-        pull_kwargs("kv", request_id, two_sided=self._is_push)
         integrity = self._ticket_integrity(kv_meta, len(prompt)) if self.verify_integrity else None
+        # In Rust: the token limit and whether the handed-off tokens already finish it; an id
+        # a two-sided transport cannot tag (its tags would alias another request's) refused;
+        # the prompt's arguments: a verifying decode reuses its prefix cache in whole digest
+        # chunks only (their entries are then skipped), a table without chunks allows none.
+        max_new, finished, prompt_args = import_submission(
+            request_id,
+            prompt,
+            sampling_params,
+            engine.config.eos_token,
+            resume,
+            integrity,
+            two_sided=self._is_push,
+        )
         now = self.handoff_now_ns
         # The prefill frees the source blocks when its lease ends: the import's deadline is at
         # most a share of the ticket's lease_ns by this clock, the rest absorbs the transit.
@@ -107,9 +114,7 @@ class DecodeHandoff(HandoffBase):
         )
         actions = ledger.submit(
             request_id,
-            # A verifying decode reuses its prefix cache in whole digest chunks only (their
-            # entries are then skipped); a table without chunks allows no reuse at all.
-            **import_prompt_args(prompt, integrity),
+            **prompt_args,
             src_block_ids=list(src_block_ids),
             src_block_size_tokens=int(
                 kv_meta.get("src_block_size_tokens", engine.block_size_tokens)

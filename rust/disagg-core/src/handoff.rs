@@ -11,21 +11,24 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{DisaggError, DisaggResult};
 use crate::ledger::admission::resume_finishes;
-use crate::ledger::{HandleState, ImportLedger, LedgerAction, RankOutcome};
+use crate::ledger::{HandleState, ImportLedger, LedgerAction, RankOutcome, StartImport};
+use crate::tags;
 
 /// A request's sampling parameters, as given: the reference design's `SamplingParams` (or any
 /// object with its attributes), or a bare number of tokens to generate (then only
 /// `num_tokens_to_generate` is set).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SamplingGiven {
+    /// How the parameters print, for an error naming them.
+    pub described: String,
     /// `num_tokens_to_generate`, when the object has it.
     pub num_tokens_to_generate: Option<i64>,
     /// `max_new_tokens`, read when `num_tokens_to_generate` is missing.
     pub max_new_tokens: Option<i64>,
     /// `termination_id`; a negative one means none.
     pub termination_id: Option<i64>,
-    /// `stop_word_ids`: token sequences that end the request.
-    pub stop_word_ids: Vec<Vec<i64>>,
+    /// `stop_word_ids`: token sequences that end the request (none when not given).
+    pub stop_word_ids: Option<Vec<Vec<i64>>>,
 }
 
 /// What an import's sampling parameters decide before it is submitted.
@@ -38,27 +41,24 @@ pub struct ImportLimits {
 }
 
 /// The limits of an import whose prefill handed off `resume`: the token limit
-/// (`num_tokens_to_generate`, else `max_new_tokens`; a `Wire` error naming `sampling_params`,
-/// described by `described`, without either), and whether `resume` already reaches it, ends
-/// with the termination token (the request's own when >= 0, else the engine's `eos`) or with
-/// a stop word.
+/// (`num_tokens_to_generate`, else `max_new_tokens`; a `Wire` error naming `sampling_params`
+/// without either), and whether `resume` already reaches it, ends with the termination token
+/// (the request's own when >= 0, else the engine's `eos`) or with a stop word.
 pub fn import_limits(
     given: &SamplingGiven,
-    described: &str,
     eos: Option<i64>,
     resume: &[i64],
 ) -> DisaggResult<ImportLimits> {
     let limit = given.num_tokens_to_generate.or(given.max_new_tokens).ok_or_else(|| {
-        DisaggError::wire(
-            "sampling_params",
-            format!(
-                "sampling_params={described} has neither num_tokens_to_generate nor \
-                 max_new_tokens"
-            ),
-        )
+        let detail = format!(
+            "sampling_params={} has neither num_tokens_to_generate nor max_new_tokens",
+            given.described
+        );
+        DisaggError::wire("sampling_params", detail)
     })?;
     let termination = given.termination_id.filter(|&t| t >= 0).or(eos);
-    let finished = resume_finishes(resume, limit, termination, &given.stop_word_ids);
+    let stops = given.stop_word_ids.as_deref().unwrap_or_default();
+    let finished = resume_finishes(resume, limit, termination, stops);
     Ok(ImportLimits { max_new_tokens: limit, finished })
 }
 
@@ -125,6 +125,36 @@ pub fn prompt_reuse(verifying: bool, chunk_tokens: Option<u32>) -> PromptReuse {
         (true, Some(c)) => PromptReuse::Chunks(c),
         (true, None) => PromptReuse::Nothing,
     }
+}
+
+/// What an import's request decides before its submission to the ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImportSubmission {
+    /// Its token limit and whether the handed-off tokens already finish it.
+    pub limits: ImportLimits,
+    /// How its prompt may reuse the decode's prefix cache.
+    pub reuse: PromptReuse,
+}
+
+/// The submission of the import of `request_id` (`None`: not a 64-bit int; `repr` describes
+/// it): its [`import_limits`], then, on a `two_sided` transport, an `Argument` error for an
+/// id its state cannot be tagged with (see [`tags::two_sided_tag_named`]), and its
+/// [`prompt_reuse`] (`integrity`: the digest's chunk tokens when this decode verifies).
+pub fn import_submission(
+    given: &SamplingGiven,
+    eos: Option<i64>,
+    resume: &[i64],
+    request_id: Option<i64>,
+    repr: impl FnOnce() -> String,
+    two_sided: bool,
+    integrity: Option<Option<u32>>,
+) -> DisaggResult<ImportSubmission> {
+    let limits = import_limits(given, eos, resume)?;
+    if two_sided {
+        tags::two_sided_tag_named(request_id, repr, "kv")?;
+    }
+    let reuse = prompt_reuse(integrity.is_some(), integrity.flatten());
+    Ok(ImportSubmission { limits, reuse })
 }
 
 /// What a pull of one state kind passes its transport besides the blocks.
@@ -228,25 +258,161 @@ fn state_transfers(
     kinds.iter().filter_map(transfer).collect()
 }
 
-/// What a rank registers of a peer table: for each engine (in table order) whose metadata
-/// could be read (`engines`: per engine, its ranks' metadata of each of this rank's state
-/// `kinds`, in `kinds` order, or why it could not be read), `(engine, kind, metas)` for each
-/// kind its ranks state; the engines that could not be read are refused with their error.
+/// An engine's ranks' metadata (its `handoff_static_meta` `ranks`): per rank, its metadata
+/// of each state kind (`kv`, `conv`, `recurrent`), `None` where it has none.
+pub type RankMetas<M> = [BTreeMap<String, Option<M>>];
+
+/// Each rank's metadata of state `kind`, in rank order, skipping ranks without it.
+pub fn of_kind<M: Clone>(ranks: &RankMetas<M>, kind: &str) -> Vec<M> {
+    ranks.iter().filter_map(|r| r.get(kind).cloned().flatten()).collect()
+}
+
+/// How a ticket names a decode rank among its staged copies: by number, or by the number's
+/// text once the ticket crossed a text encoding.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RankKey {
+    /// The rank as a number.
+    Int(i64),
+    /// The rank's decimal text.
+    Text(String),
+}
+
+/// What an import's transfers read of its ticket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TicketSources<M, S> {
+    /// The prefill's ranks' metadata (`prefill_meta` `ranks`).
+    pub ranks: Vec<BTreeMap<String, Option<M>>>,
+    /// The packed copies the prefill staged (`staged`), per decode rank: its key, whether it
+    /// holds any ticket, and the tickets.
+    pub staged: Vec<(RankKey, bool, S)>,
+    /// The prefill's SSM slot (`src_ssm_slot`).
+    pub src_ssm_slot: Option<u32>,
+}
+
+/// One transfer as the engine posts it to the transport of state `kind`: between the peer
+/// ranks' `metas` and the ids, with the transport's keyword arguments (`None`: not passed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Posting<M, S> {
+    /// `kv`, `conv` or `recurrent`.
+    pub kind: String,
+    /// The other engine's ranks' metadata of `kind`.
+    pub metas: Vec<M>,
+    /// Source blocks (KV) or the source's SSM slot.
+    pub src: Vec<u32>,
+    /// Destination blocks (KV) or the destination's SSM slot.
+    pub dst: Vec<u32>,
+    /// A push's own ranks' metadata of `kind` (`src_metas`).
+    pub src_metas: Option<Vec<M>>,
+    /// KV: the tokens moved (`num_tokens`).
+    pub num_tokens: Option<u32>,
+    /// A two-sided transfer's message tag (`tag`).
+    pub tag: Option<i64>,
+    /// The packed copies a one-sided KV pull reads (`staged`).
+    pub staged: Option<S>,
+}
+
+/// The message tag of `request_id`'s state `kind`, refused (`Argument`) for an id a two-sided
+/// transport cannot tag.
+fn tag_of(request_id: u64, kind: &str) -> DisaggResult<i64> {
+    let rid = i64::try_from(request_id).ok();
+    tags::two_sided_tag_named(rid, || request_id.to_string(), kind)
+}
+
+/// The tickets staged for decode rank `rank` that hold any: those keyed by its number, else
+/// by its text.
+fn staged_for<S: Clone>(staged: &[(RankKey, bool, S)], rank: i64) -> Option<S> {
+    let find = |key: RankKey| staged.iter().find(|(k, any, _)| *any && *k == key);
+    let found = find(RankKey::Int(rank)).or_else(|| find(RankKey::Text(rank.to_string())));
+    found.map(|(_, _, s)| s.clone())
+}
+
+/// The transfers a started import posts on a rank that moves state `kinds` (see
+/// [`import_pulls`]), from the `ticket`'s prefill ranks: tagged on a `two_sided` transport;
+/// else a KV pull of the whole prompt reads the copy staged for this rank (`kv_rank`, its
+/// global rank; see [`pull_args`]). A slot reserved without the ticket's source slot is a
+/// `HandoffMetadata` error naming `src_ssm_slot`.
+pub fn import_postings<M: Clone, S: Clone>(
+    kinds: &[String],
+    start: &StartImport,
+    num_tokens: u32,
+    ticket: &TicketSources<M, S>,
+    two_sided: bool,
+    kv_rank: Option<i64>,
+) -> DisaggResult<Vec<Posting<M, S>>> {
+    let ssm = match (ticket.src_ssm_slot, start.ssm_slot) {
+        (_, None) => None,
+        (Some(src), Some(dst)) => Some((src, dst)),
+        (None, Some(_)) => {
+            let detail = "the import reserved an SSM slot but the ticket names no source slot";
+            return Err(DisaggError::handoff_metadata("src_ssm_slot", detail));
+        }
+    };
+    let (src, dst, token_start) = (&start.src_block_ids, &start.dst_block_ids, start.token_start);
+    let pulls = import_pulls(kinds, num_tokens, token_start, src, dst, ssm);
+    let post = |p: ImportPull| {
+        let staged = kv_rank.filter(|_| p.num_tokens.is_some());
+        let staged = staged.and_then(|rank| staged_for(&ticket.staged, rank));
+        let token_start = p.num_tokens.map(|_| token_start);
+        let mut posting = Posting::of(of_kind(&ticket.ranks, &p.kind), p, None);
+        match pull_args(two_sided, &posting.kind, token_start, staged.is_some()) {
+            PullArgs::Tagged => posting.tag = Some(tag_of(start.request_id, &posting.kind)?),
+            PullArgs::Staged => posting.staged = staged,
+            PullArgs::Direct => {}
+        }
+        Ok(posting)
+    };
+    pulls.into_iter().map(post).collect()
+}
+
+/// The sends of `request_id`'s push (or its filler) from a prefill rank that moves state
+/// `kinds` (see [`push_sends`]) as the pin ledger planned them (`plan`: source and
+/// destination blocks, KV tokens, source and destination SSM slots): to the `decode` ranks
+/// of each kind (KV only when it has KV ranks), with this engine's `own` ranks' metadata and
+/// the message tag.
+pub fn push_postings<M: Clone>(
+    kinds: &[String],
+    request_id: u64,
+    plan: &(Vec<u32>, Vec<u32>, u32, Option<u32>, Option<u32>),
+    decode: &RankMetas<M>,
+    own: &RankMetas<M>,
+) -> DisaggResult<Vec<Posting<M, ()>>> {
+    let (src, dst, num_tokens, src_slot, dst_slot) = plan;
+    let kv_peers = !of_kind(decode, "kv").is_empty();
+    let sends = push_sends(kinds, kv_peers, src, dst, *num_tokens, src_slot.zip(*dst_slot));
+    let post = |s: ImportPull| {
+        let (tag, src_metas) = (tag_of(request_id, &s.kind)?, of_kind(own, &s.kind));
+        let posting = Posting::of(of_kind(decode, &s.kind), s, Some(tag));
+        Ok(Posting { src_metas: Some(src_metas), ..posting })
+    };
+    sends.into_iter().map(post).collect()
+}
+
+impl<M, S> Posting<M, S> {
+    /// The posting of transfer `t` to `metas`, tagged `tag`, with nothing else passed.
+    fn of(metas: Vec<M>, t: ImportPull, tag: Option<i64>) -> Self {
+        let ImportPull { kind, src, dst, num_tokens } = t;
+        Self { kind, metas, src, dst, src_metas: None, num_tokens, tag, staged: None }
+    }
+}
+
+/// What a rank registers of a peer table: for each engine (in table order) whose ranks'
+/// metadata could be read (`engines`: each engine's, or why it could not be read),
+/// `(engine, kind, metas)` for each of this rank's state `kinds` its ranks state; the engines
+/// that could not be read are refused with their error.
 #[allow(clippy::type_complexity)]
-pub fn peer_registrations<M>(
-    engines: Vec<(String, Result<Vec<Vec<M>>, String>)>,
+pub fn peer_registrations<M: Clone>(
+    engines: Vec<(String, Result<Vec<BTreeMap<String, Option<M>>>, String>)>,
     kinds: &[String],
 ) -> (Vec<(String, String, Vec<M>)>, Vec<(String, String)>) {
     let mut plan = Vec::new();
     let mut refused = Vec::new();
-    for (engine, named) in engines {
-        match named {
-            Ok(per_kind) => plan.extend(
+    for (engine, ranks) in engines {
+        match ranks {
+            Ok(ranks) => plan.extend(
                 kinds
                     .iter()
-                    .zip(per_kind)
-                    .filter(|(_, metas)| !metas.is_empty())
-                    .map(|(kind, metas)| (engine.clone(), kind.clone(), metas)),
+                    .map(|kind| (engine.clone(), kind.clone(), of_kind(&ranks, kind)))
+                    .filter(|(_, _, metas)| !metas.is_empty()),
             ),
             Err(why) => refused.push((engine, why)),
         }
@@ -498,10 +664,13 @@ mod tests {
     fn peers_register_each_stated_kind_and_unreadable_ones_are_refused() {
         let kinds: Vec<String> = ["kv", "conv"].map(String::from).to_vec();
         let engines = vec![
-            ("p0".to_string(), Ok(vec![vec![1, 2], vec![3]])),
+            (
+                "p0".to_string(),
+                Ok(ranks(&[&[("kv", Some(1)), ("conv", Some(3))], &[("kv", Some(2))]])),
+            ),
             ("bad".to_string(), Err("KeyError: 'meta'".to_string())),
-            ("p1".to_string(), Ok(vec![vec![], vec![4]])),
-            ("p2".to_string(), Ok(vec![vec![], vec![]])),
+            ("p1".to_string(), Ok(ranks(&[&[("kv", None), ("conv", Some(4))]]))),
+            ("p2".to_string(), Ok(ranks(&[&[("recurrent", Some(5))]]))),
         ];
         let (plan, refused) = peer_registrations(engines, &kinds);
         let s = |x: &str| x.to_string();
@@ -689,17 +858,17 @@ mod tests {
 
     fn params(num: Option<i64>, max_new: Option<i64>, term: Option<i64>) -> SamplingGiven {
         SamplingGiven {
+            described: "P".into(),
             num_tokens_to_generate: num,
             max_new_tokens: max_new,
             termination_id: term,
-            stop_word_ids: vec![vec![5, 6], vec![]],
+            stop_word_ids: Some(vec![vec![5, 6], vec![]]),
         }
     }
 
     #[test]
     fn the_limit_is_num_tokens_to_generate_else_max_new_tokens_else_an_error() {
-        let limits =
-            |p: &SamplingGiven| import_limits(p, "P", None, &[1]).map(|l| l.max_new_tokens);
+        let limits = |p: &SamplingGiven| import_limits(p, None, &[1]).map(|l| l.max_new_tokens);
         assert_eq!(limits(&params(Some(4), Some(9), None)), Ok(4));
         assert_eq!(limits(&params(None, Some(9), None)), Ok(9));
         let e = limits(&params(None, None, None)).unwrap_err();
@@ -710,7 +879,7 @@ mod tests {
     #[test]
     fn a_negative_termination_id_falls_back_to_the_engines_eos_token() {
         let finished = |term, eos, resume: &[i64]| {
-            import_limits(&params(Some(8), None, term), "P", eos, resume).unwrap().finished
+            import_limits(&params(Some(8), None, term), eos, resume).unwrap().finished
         };
         assert!(finished(Some(3), Some(9), &[3]));
         assert!(!finished(Some(3), Some(9), &[9]));
@@ -719,6 +888,133 @@ mod tests {
         assert!(!finished(None, None, &[9]));
         assert!(finished(None, None, &[5, 6]), "a stop word ends it");
         assert!(!finished(None, None, &[]), "empty stop words never match");
+        let no_stops = SamplingGiven { stop_word_ids: None, ..params(Some(8), None, None) };
+        assert!(!import_limits(&no_stops, None, &[5, 6]).unwrap().finished, "none given");
+    }
+
+    #[test]
+    fn a_submission_checks_the_limits_then_the_tag_and_plans_the_prompts_reuse() {
+        let given = params(Some(4), None, None);
+        let submit = |rid, two_sided, integrity| {
+            import_submission(&given, None, &[1], rid, || "R".into(), two_sided, integrity)
+        };
+        let s = submit(Some(3), true, Some(Some(8))).unwrap();
+        assert_eq!(s.limits, import_limits(&given, None, &[1]).unwrap());
+        assert_eq!(s.reuse, PromptReuse::Chunks(8));
+        assert_eq!(submit(None, false, None).unwrap().reuse, PromptReuse::Any);
+        assert_eq!(submit(Some(3), false, Some(None)).unwrap().reuse, PromptReuse::Nothing);
+        let untaggable = submit(None, true, None).unwrap_err();
+        assert_eq!(untaggable, tags::two_sided_tag_named(None, || "R".into(), "kv").unwrap_err());
+        let no_limit = SamplingGiven::default();
+        let e = import_submission(&no_limit, None, &[], None, || "R".into(), true, None);
+        assert!(matches!(e, Err(DisaggError::Wire { .. })), "the limits are checked first");
+    }
+
+    /// Ranks' metadata: per rank, `(kind, meta)` pairs; a `None` meta is stated as absent.
+    fn ranks(r: &[&[(&str, Option<u32>)]]) -> Vec<BTreeMap<String, Option<u32>>> {
+        r.iter().map(|rank| rank.iter().map(|(k, m)| ((*k).to_string(), *m)).collect()).collect()
+    }
+
+    #[test]
+    fn of_kind_skips_ranks_without_the_kind() {
+        let r =
+            ranks(&[&[("kv", Some(1)), ("conv", None)], &[("conv", Some(2))], &[("kv", Some(3))]]);
+        assert_eq!(of_kind(&r, "kv"), [1, 3]);
+        assert_eq!(of_kind(&r, "conv"), [2]);
+        assert!(of_kind(&r, "recurrent").is_empty());
+    }
+
+    #[test]
+    fn a_staged_copy_is_found_by_number_then_by_text_and_only_when_it_holds_tickets() {
+        let text = |r: &str| RankKey::Text(r.into());
+        let staged = vec![(RankKey::Int(1), false, "empty"), (text("1"), true, "t1")];
+        assert_eq!(staged_for(&staged, 1), Some("t1"));
+        let both = vec![(text("2"), true, "text"), (RankKey::Int(2), true, "int")];
+        assert_eq!(staged_for(&both, 2), Some("int"));
+        assert_eq!(staged_for(&both, 3), None);
+    }
+
+    fn start(token_start: u32, ssm_slot: Option<u32>) -> StartImport {
+        StartImport {
+            request_id: 5,
+            token_start,
+            src_block_ids: vec![7, 8],
+            dst_block_ids: vec![1, 2],
+            ssm_slot,
+            ..StartImport::default()
+        }
+    }
+
+    #[test]
+    fn an_imports_postings_read_each_kinds_prefill_ranks_tagged_staged_or_direct() {
+        let kinds: Vec<String> = ["kv", "conv"].map(String::from).to_vec();
+        let ticket = TicketSources {
+            ranks: ranks(&[&[("kv", Some(10)), ("conv", Some(20))], &[("kv", Some(11))]]),
+            staged: vec![(RankKey::Int(0), true, "s0")],
+            src_ssm_slot: Some(3),
+        };
+        let got = import_postings(&kinds, &start(0, Some(4)), 8, &ticket, false, Some(0)).unwrap();
+        let want_kv = Posting {
+            kind: "kv".into(),
+            metas: vec![10, 11],
+            src: vec![7, 8],
+            dst: vec![1, 2],
+            src_metas: None,
+            num_tokens: Some(8),
+            tag: None,
+            staged: Some("s0"),
+        };
+        assert_eq!(got[0], want_kv);
+        let conv = Posting {
+            kind: "conv".into(),
+            metas: vec![20],
+            src: vec![3],
+            dst: vec![4],
+            ..want_kv.clone()
+        };
+        assert_eq!(got[1], Posting { num_tokens: None, staged: None, ..conv });
+        // A prefix-trimmed pull or another rank reads directly; a two-sided one is tagged.
+        let trimmed = import_postings(&kinds, &start(4, None), 8, &ticket, false, Some(0)).unwrap();
+        assert_eq!((trimmed.len(), trimmed[0].staged, trimmed[0].num_tokens), (1, None, Some(4)));
+        let other = import_postings(&kinds, &start(0, None), 8, &ticket, false, Some(1)).unwrap();
+        assert_eq!(other[0].staged, None);
+        let tagged =
+            import_postings(&kinds, &start(0, Some(4)), 8, &ticket, true, Some(0)).unwrap();
+        let tags: Vec<_> = tagged.iter().map(|p| (p.tag, p.staged)).collect();
+        assert_eq!(
+            tags,
+            [(Some(tag_of(5, "kv").unwrap()), None), (Some(tag_of(5, "conv").unwrap()), None)]
+        );
+        let no_src = TicketSources { src_ssm_slot: None, ..ticket };
+        let e = import_postings(&kinds, &start(0, Some(4)), 8, &no_src, false, None).unwrap_err();
+        assert!(
+            matches!(e, DisaggError::HandoffMetadata { ref field, .. } if field == "src_ssm_slot")
+        );
+    }
+
+    #[test]
+    fn a_push_posts_to_the_decodes_ranks_of_each_kind_with_its_own_and_the_tag() {
+        let kinds: Vec<String> = ["kv", "recurrent"].map(String::from).to_vec();
+        let decode = ranks(&[&[("kv", Some(1)), ("recurrent", Some(2))]]);
+        let own = ranks(&[&[("kv", Some(8))], &[("recurrent", Some(9))]]);
+        let plan = (vec![4], vec![6], 16, Some(0), Some(3));
+        let got = push_postings(&kinds, 5, &plan, &decode, &own).unwrap();
+        let summary: Vec<_> = got
+            .iter()
+            .map(|p| (p.kind.as_str(), p.metas.clone(), p.src_metas.clone(), p.num_tokens, p.tag))
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                ("kv", vec![1], Some(vec![8]), Some(16), Some(tag_of(5, "kv").unwrap())),
+                ("recurrent", vec![2], Some(vec![9]), None, Some(tag_of(5, "recurrent").unwrap())),
+            ]
+        );
+        let ssm_decode = ranks(&[&[("recurrent", Some(2))]]);
+        let got = push_postings(&kinds, 5, &plan, &ssm_decode, &own).unwrap();
+        assert_eq!(got.iter().map(|p| p.kind.as_str()).collect::<Vec<_>>(), ["recurrent"]);
+        let untaggable = push_postings(&kinds, u64::MAX, &plan, &decode, &own);
+        assert!(matches!(untaggable, Err(DisaggError::Argument { .. })));
     }
 
     #[test]
@@ -754,12 +1050,13 @@ mod tests {
             resume in proptest::collection::vec(0i64..4, 0..4),
         ) {
             let given = SamplingGiven {
+                described: "P".into(),
                 num_tokens_to_generate: num,
                 max_new_tokens: max_new,
                 termination_id: term,
-                stop_word_ids: vec![],
+                stop_word_ids: None,
             };
-            let got = import_limits(&given, "P", eos, &resume);
+            let got = import_limits(&given, eos, &resume);
             match num.or(max_new) {
                 None => prop_assert!(got.is_err()),
                 Some(limit) => {

@@ -57,6 +57,23 @@ pub fn hash_span(local_blocks: usize, hashes: usize, cached: usize) -> HashSpan 
     HashSpan { start: cached.min(end), end, precomputed: end > 0 }
 }
 
+/// What an admitted import registers in the prefix cache, as [`HashSpan`] spans it:
+/// `(blocks, hashes, parent_hashes, precomputed)`, each block's parent the hash before its
+/// own (`zero` before the first), and the request's first `end` hashes (none when `end` is 0).
+#[allow(clippy::type_complexity)]
+pub fn hash_registration<T: Clone>(
+    local_blocks: &[T],
+    hashes: &[T],
+    zero: T,
+    cached: usize,
+) -> (Vec<T>, Vec<T>, Vec<T>, Option<Vec<T>>) {
+    let HashSpan { start, end, precomputed } = hash_span(local_blocks.len(), hashes.len(), cached);
+    let parents = std::iter::once(zero).chain(hashes.iter().cloned());
+    let parents = parents.skip(start).take(end - start).collect();
+    let precomputed = precomputed.then(|| hashes[..end].to_vec());
+    (local_blocks[start..end].to_vec(), hashes[start..end].to_vec(), parents, precomputed)
+}
+
 /// What an import needs before anything is reserved: how many of its `num_blocks` prompt
 /// blocks to look up in the engine's prefix cache (none on a push transport: the prefill
 /// writes every block) and the continuation blocks beyond the prompt for its
@@ -189,6 +206,17 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_registered_suffix_links_each_block_to_the_hash_before_it() {
+        let got = hash_registration(&[10, 11, 12, 13], &[1, 2, 3], 0, 1);
+        assert_eq!(got, (vec![11, 12], vec![2, 3], vec![1, 2], Some(vec![1, 2, 3])));
+        assert_eq!(
+            hash_registration(&[10], &[1], 0, 0),
+            (vec![10], vec![1], vec![0], Some(vec![1]))
+        );
+        assert_eq!(hash_registration::<u8>(&[10], &[], 0, 0), (vec![], vec![], vec![], None));
     }
 
     #[test]

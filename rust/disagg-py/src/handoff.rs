@@ -1,36 +1,31 @@
 //! Bindings of the handoff mixin's decisions (`disagg_core::handoff`): argument conversion
 //! only.
 
-use disagg_core::handoff::{self, PromptReuse, PullArgs, RankReport, SamplingGiven};
+use std::collections::BTreeMap;
+
+use disagg_core::handoff::{self, Posting, PromptReuse, RankKey, RankReport, SamplingGiven};
 use disagg_core::integrity_tables::{describe, Mismatch};
-use disagg_core::ledger::HandleState;
+use disagg_core::ledger::{HandleState, StartImport};
 use disagg_core::RankOutcome;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyInt, PyList};
+use pyo3::types::{IntoPyDict, PyBool, PyDict, PyInt};
 
+use crate::args::Raw;
 use crate::error::{IntoPyResult, ResetRefusedError};
 use crate::ledger::{actions, PyImportLedger, PyLedgerAction};
-use crate::pool::lock;
+use crate::pool::{core_fns, lock};
 
 /// An ``IntegrityMismatch`` of ``disagg_rs.integrity``, read by its attributes.
 #[derive(FromPyObject)]
 pub struct MismatchArg {
-    #[pyo3(attribute)]
     table: String,
-    #[pyo3(attribute)]
     layer: u64,
-    #[pyo3(attribute)]
     unit: u64,
-    #[pyo3(attribute)]
     expected: u64,
-    #[pyo3(attribute)]
     got: u64,
-    #[pyo3(attribute)]
     kv: Option<String>,
-    #[pyo3(attribute)]
     band: Option<String>,
-    #[pyo3(attribute)]
     tokens: Option<(u64, u64)>,
 }
 
@@ -51,37 +46,66 @@ fn attr<'py>(obj: &Bound<'py, PyAny>, name: &str) -> Option<Bound<'py, PyAny>> {
 
 /// `sampling_params` as given: a bare int is the number of tokens, else read by attributes.
 fn sampling_given(sp: &Bound<'_, PyAny>) -> PyResult<SamplingGiven> {
+    let described = sp.repr()?.to_string();
     if sp.is_instance_of::<PyInt>() && !sp.is_instance_of::<PyBool>() {
+        let tokens = Some(sp.extract()?);
         return Ok(SamplingGiven {
-            num_tokens_to_generate: Some(sp.extract()?),
+            described,
+            num_tokens_to_generate: tokens,
             ..Default::default()
         });
     }
     Ok(SamplingGiven {
+        described,
         num_tokens_to_generate: attr(sp, "num_tokens_to_generate")
             .map(|v| v.extract())
             .transpose()?,
         max_new_tokens: attr(sp, "max_new_tokens").map(|v| v.extract()).transpose()?,
         termination_id: attr(sp, "termination_id").map(|v| v.extract()).transpose()?,
-        stop_word_ids: attr(sp, "stop_word_ids")
-            .map(|v| v.extract())
-            .transpose()?
-            .unwrap_or_default(),
+        stop_word_ids: attr(sp, "stop_word_ids").map(|v| v.extract()).transpose()?,
     })
 }
 
-/// ``(max_new_tokens, finished)`` of an import (``disagg_core::handoff::import_limits``;
-/// ``MetadataError`` naming ``sampling_params`` without a limit).
+/// A ticket's digest table, read for its chunking.
+#[derive(FromPyObject)]
+pub struct ChunkedArg {
+    chunk_tokens: Option<u32>,
+}
+
+/// ``disagg_core::handoff::import_submission``: ``(max_new_tokens, finished, prompt_kwargs)``,
+/// ``prompt_kwargs`` the prompt's arguments of ``ImportLedger.submit``.
 #[pyfunction]
-pub fn import_limits(
-    sampling_params: &Bound<'_, PyAny>,
+#[pyo3(signature = (request_id, prompt, sampling_params, eos_token, resume_tokens, integrity,
+    *, two_sided))]
+pub fn import_submission<'py>(
+    request_id: &Bound<'py, PyAny>,
+    prompt: &Bound<'py, PyAny>,
+    sampling_params: &Bound<'py, PyAny>,
     eos_token: Option<i64>,
     resume_tokens: Vec<i64>,
-) -> PyResult<(i64, bool)> {
+    integrity: Option<ChunkedArg>,
+    two_sided: bool,
+) -> PyResult<(i64, bool, Bound<'py, PyDict>)> {
     let given = sampling_given(sampling_params)?;
-    let described = sampling_params.repr()?.to_string();
-    let limits = handoff::import_limits(&given, &described, eos_token, &resume_tokens).py()?;
-    Ok((limits.max_new_tokens, limits.finished))
+    let (rid, repr) = (request_id.extract().ok(), || request_id.repr().map(|r| r.to_string()));
+    let chunks = integrity.map(|t| t.chunk_tokens);
+    let repr = || repr().unwrap_or_default();
+    let s =
+        handoff::import_submission(&given, eos_token, &resume_tokens, rid, repr, two_sided, chunks);
+    let s = s.py()?;
+    let args = PyDict::new(prompt.py());
+    match s.reuse {
+        PromptReuse::Any => args.set_item("prompt_tokens", prompt)?,
+        PromptReuse::Chunks(c) => {
+            args.set_item("prompt_tokens", prompt)?;
+            args.set_item("reuse_align_tokens", c)?;
+        }
+        PromptReuse::Nothing => {
+            args.set_item("num_prompt_tokens", prompt.len()?)?;
+            args.set_item("prompt_hashes", Vec::<u64>::new())?;
+        }
+    }
+    Ok((s.limits.max_new_tokens, s.limits.finished, args))
 }
 
 /// ``(reason, detail, integrity, message)`` reporting a failed import
@@ -99,215 +123,155 @@ pub fn import_failure(
     (f.reason, f.detail, f.integrity, f.message)
 }
 
-/// The prompt arguments of `ImportLedger.submit` for `prompt` (``integrity``: the ticket's
-/// digest table, ``None`` when this decode does not verify).
-#[pyfunction]
-#[pyo3(signature = (prompt, integrity=None))]
-pub fn import_prompt_args<'py>(
-    prompt: &Bound<'py, PyAny>,
-    integrity: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Bound<'py, PyDict>> {
-    let chunk: Option<Option<u32>> =
-        integrity.map(|t| t.getattr("chunk_tokens")?.extract()).transpose()?;
-    let args = PyDict::new(prompt.py());
-    match handoff::prompt_reuse(integrity.is_some(), chunk.flatten()) {
-        PromptReuse::Any => args.set_item("prompt_tokens", prompt)?,
-        PromptReuse::Chunks(c) => {
-            args.set_item("prompt_tokens", prompt)?;
-            args.set_item("reuse_align_tokens", c)?;
-        }
-        PromptReuse::Nothing => {
-            args.set_item("num_prompt_tokens", prompt.len()?)?;
-            args.set_item("prompt_hashes", Vec::<u64>::new())?;
-        }
-    }
-    Ok(args)
-}
-
-/// The transport arguments of a pull of state ``kind``: ``{"tag": ...}`` (two-sided;
-/// ``ArgumentError`` for an id it cannot tag), ``{"staged": tickets}`` or ``{}``.
-#[pyfunction]
-#[pyo3(signature = (kind, request_id, *, two_sided, token_start=None, staged=None, global_rank=None))]
-pub fn pull_kwargs<'py>(
-    kind: &str,
-    request_id: &Bound<'py, PyAny>,
-    two_sided: bool,
-    token_start: Option<u32>,
-    staged: Option<&Bound<'py, PyAny>>,
-    global_rank: Option<i64>,
-) -> PyResult<Bound<'py, PyDict>> {
-    // The ticket's keys are ints, or their text once it crossed a text encoding.
-    let truthy = |t: &Bound<'py, PyAny>| t.is_truthy().unwrap_or(false);
-    let mine = match (staged.and_then(|s| s.cast::<PyDict>().ok()), global_rank) {
-        (Some(s), Some(me)) => match s.get_item(me)?.filter(truthy) {
-            Some(t) => Some(t),
-            None => s.get_item(me.to_string())?.filter(truthy),
-        },
-        _ => None,
-    };
-    let args = PyDict::new(request_id.py());
-    match handoff::pull_args(two_sided, kind, token_start, mine.is_some()) {
-        PullArgs::Tagged => args.set_item("tag", crate::tags::two_sided_tag(request_id, kind)?)?,
-        PullArgs::Staged => args.set_item("staged", mine)?,
-        PullArgs::Direct => {}
-    }
-    Ok(args)
-}
+/// An engine's ranks' metadata (``handoff::RankMetas``).
+type Ranks<'py> = Vec<BTreeMap<String, Option<Bound<'py, PyAny>>>>;
 
 /// The fields of a ledger's start action (a ``LedgerAction``) the transfers need.
 #[derive(FromPyObject)]
 pub struct StartArg {
-    #[pyo3(attribute)]
     request_id: u64,
-    #[pyo3(attribute)]
     token_start: u32,
-    #[pyo3(attribute)]
     src_block_ids: Vec<u32>,
-    #[pyo3(attribute)]
     dst_block_ids: Vec<u32>,
-    #[pyo3(attribute)]
     ssm_slot: Option<u32>,
 }
 
-/// ``disagg_core::handoff::import_pulls``: ``(kind, prefill_metas_of_kind, src_ids, dst_ids,
-/// kwargs)`` in posting order, ``kwargs`` as :func:`pull_kwargs` gives them (plus KV's
-/// ``num_tokens``).
+/// A ticket's ``prefill_meta``.
+#[derive(FromPyObject)]
+pub struct PrefillMetaArg<'py> {
+    #[pyo3(item)]
+    ranks: Ranks<'py>,
+}
+
+/// What the pulls read of a ticket (``handoff::TicketSources``).
+#[derive(FromPyObject)]
+pub struct TicketArg<'py> {
+    #[pyo3(item)]
+    prefill_meta: PrefillMetaArg<'py>,
+    #[pyo3(item, default, from_py_with = staged_of)]
+    staged: Vec<(RankKey, bool, Bound<'py, PyAny>)>,
+    #[pyo3(item, default)]
+    src_ssm_slot: Option<u32>,
+}
+
+/// A ticket's staged copies (none unless a dict), each keyed by its rank (an int, else the
+/// key's text), with whether it holds any ticket.
+fn staged_of<'py>(staged: &Bound<'py, PyAny>) -> PyResult<Vec<(RankKey, bool, Bound<'py, PyAny>)>> {
+    let entries = staged.cast::<PyDict>().map(PyDictMethods::iter).into_iter().flatten();
+    let entry = |(k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>)| {
+        let key = match k.extract() {
+            Ok(rank) => RankKey::Int(rank),
+            Err(_) => RankKey::Text(k.str()?.to_string()),
+        };
+        Ok((key, v.is_truthy()?, v))
+    };
+    entries.map(entry).collect()
+}
+
+/// A transfer as the transport takes it: ``(kind, metas, src_ids, dst_ids, kwargs)``.
+type Post<'py> = (String, Vec<Bound<'py, PyAny>>, Vec<u32>, Vec<u32>, Bound<'py, PyDict>);
+
+/// Set `kwargs[key]` to `v`, unless `v` is None (the argument is not passed).
+fn pass<'py, T: IntoPyObject<'py>>(
+    kwargs: &Bound<'py, PyDict>,
+    key: &str,
+    v: Option<T>,
+) -> PyResult<()> {
+    v.map_or(Ok(()), |v| kwargs.set_item(key, v))
+}
+
+/// A core posting as the transport call takes it.
+fn post<'py, S: IntoPyObject<'py>>(
+    py: Python<'py>,
+    p: Posting<Bound<'py, PyAny>, S>,
+) -> PyResult<Post<'py>> {
+    let kwargs = PyDict::new(py);
+    pass(&kwargs, "src_metas", p.src_metas)?;
+    pass(&kwargs, "num_tokens", p.num_tokens)?;
+    pass(&kwargs, "tag", p.tag)?;
+    pass(&kwargs, "staged", p.staged)?;
+    Ok((p.kind, p.metas, p.src, p.dst, kwargs))
+}
+
+/// ``disagg_core::handoff::import_postings`` of a start ``action`` (``kv_backend``: this
+/// rank's KV transport, whose layout names its global rank).
 #[pyfunction]
 #[pyo3(signature = (action, ticket, *, num_tokens, kinds, two_sided, kv_backend=None))]
-#[allow(clippy::type_complexity)]
 pub fn import_pulls<'py>(
+    py: Python<'py>,
     action: StartArg,
-    ticket: &Bound<'py, PyDict>,
+    ticket: TicketArg<'py>,
     num_tokens: u32,
     kinds: Vec<String>,
     two_sided: bool,
     kv_backend: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Vec<(String, Bound<'py, PyList>, Vec<u32>, Vec<u32>, Bound<'py, PyDict>)>> {
-    let a = action;
-    let ssm = match a.ssm_slot {
-        Some(dst) => Some((ticket.as_any().get_item("src_ssm_slot")?.extract()?, dst)),
-        None => None,
+) -> PyResult<Vec<Post<'py>>> {
+    let global_rank =
+        |b: &Bound<'py, PyAny>| b.getattr("layout")?.getattr("global_rank")?.extract();
+    let rank = kv_backend.map(global_rank).transpose()?;
+    let StartArg { request_id, token_start, src_block_ids, dst_block_ids, ssm_slot } = action;
+    let start = StartImport {
+        request_id,
+        token_start,
+        src_block_ids,
+        dst_block_ids,
+        ssm_slot,
+        ..StartImport::default()
     };
-    let request_id = a.request_id.into_pyobject(ticket.py())?.into_any();
-    let pulls = handoff::import_pulls(
-        &kinds,
-        num_tokens,
-        a.token_start,
-        &a.src_block_ids,
-        &a.dst_block_ids,
-        ssm,
-    );
-    pulls
-        .into_iter()
-        .map(|p| {
-            let kv = p.num_tokens.is_some();
-            let rank = match kv_backend.filter(|_| kv) {
-                Some(b) => Some(b.getattr("layout")?.getattr("global_rank")?.extract()?),
-                None => None,
-            };
-            let staged = ticket.get_item("staged")?;
-            let token_start = kv.then_some(a.token_start);
-            let args =
-                pull_kwargs(&p.kind, &request_id, two_sided, token_start, staged.as_ref(), rank)?;
-            if let Some(n) = p.num_tokens {
-                args.set_item("num_tokens", n)?;
-            }
-            let ranks = ticket.as_any().get_item("prefill_meta")?.get_item("ranks")?;
-            Ok((p.kind.clone(), of_kind(&ranks, &p.kind)?, p.src, p.dst, args))
-        })
-        .collect()
+    let ranks = ticket.prefill_meta.ranks;
+    let sources =
+        handoff::TicketSources { ranks, staged: ticket.staged, src_ssm_slot: ticket.src_ssm_slot };
+    let posts = handoff::import_postings(&kinds, &start, num_tokens, &sources, two_sided, rank);
+    posts.py()?.into_iter().map(|p| post(py, p)).collect()
 }
 
-/// Each rank's metadata of one state `kind` in `ranks`, skipping ranks without it.
-fn of_kind<'py>(ranks: &Bound<'py, PyAny>, kind: &str) -> PyResult<Bound<'py, PyList>> {
-    let out = PyList::empty(ranks.py());
-    for r in ranks.try_iter()? {
-        let meta = r?.call_method1("get", (kind,))?;
-        if !meta.is_none() {
-            out.append(meta)?;
-        }
-    }
-    Ok(out)
-}
-
-/// The sends of a push (or its filler, ``filler=True``) as ``(kind, decode_metas_of_kind,
-/// src_ids, dst_ids, kwargs)`` in posting order (see ``disagg_core::handoff::push_sends``):
-/// ``plan`` is the pin ledger's ``(src_block_ids, dst_block_ids, num_tokens, src_ssm_slot,
-/// dst_ssm_slot)``, ``decode_metas`` the decode's ranks, ``own`` this engine's, ``kinds`` the
-/// states this rank moves; ``kwargs`` carry ``src_metas``, the two-sided ``tag``, ``filler``
-/// and KV's ``num_tokens``.
+/// ``disagg_core::handoff::push_postings``, each transfer's ``kwargs`` also carrying
+/// ``filler``.
 #[pyfunction]
 #[pyo3(signature = (request_id, plan, decode_metas, own, kinds, *, filler))]
-#[allow(clippy::type_complexity)]
 pub fn push_sends<'py>(
-    request_id: &Bound<'py, PyAny>,
+    py: Python<'py>,
+    request_id: u64,
     plan: (Vec<u32>, Vec<u32>, u32, Option<u32>, Option<u32>),
-    decode_metas: &Bound<'py, PyAny>,
-    own: &Bound<'py, PyAny>,
+    decode_metas: Ranks<'py>,
+    own: Ranks<'py>,
     kinds: Vec<String>,
     filler: bool,
-) -> PyResult<Vec<(String, Bound<'py, PyList>, Vec<u32>, Vec<u32>, Bound<'py, PyDict>)>> {
-    let (src_ids, dst_ids, num_tokens, src_slot, dst_slot) = plan;
-    let kv_peers = !of_kind(decode_metas, "kv")?.is_empty();
-    let sends = handoff::push_sends(
-        &kinds,
-        kv_peers,
-        &src_ids,
-        &dst_ids,
-        num_tokens,
-        src_slot.zip(dst_slot),
-    );
-    sends
-        .into_iter()
-        .map(|s| {
-            let args = PyDict::new(request_id.py());
-            args.set_item("src_metas", of_kind(own, &s.kind)?)?;
-            if let Some(n) = s.num_tokens {
-                args.set_item("num_tokens", n)?;
-            }
-            args.set_item("tag", crate::tags::two_sided_tag(request_id, &s.kind)?)?;
-            args.set_item("filler", filler)?;
-            Ok((s.kind.clone(), of_kind(decode_metas, &s.kind)?, s.src, s.dst, args))
-        })
-        .collect()
-}
-
-/// One peer's ranks' metadata of each of `kinds` (`peer["meta"]["ranks"]`), or the error
-/// reading it raised, as ``"{type}: {error}"``.
-fn peer_kinds<'py>(
-    peer: &Bound<'py, PyAny>,
-    kinds: &[String],
-) -> Result<Vec<Vec<Bound<'py, PyAny>>>, String> {
-    let read = || -> PyResult<Vec<Vec<Bound<'py, PyAny>>>> {
-        let ranks = peer.get_item("meta")?.get_item("ranks")?;
-        kinds.iter().map(|k| Ok(of_kind(&ranks, k)?.iter().collect())).collect()
+) -> PyResult<Vec<Post<'py>>> {
+    let posts = handoff::push_postings(&kinds, request_id, &plan, &decode_metas, &own).py()?;
+    let post = |p| {
+        let p: Post<'py> = post(py, p)?;
+        p.4.set_item("filler", filler)?;
+        Ok(p)
     };
-    read().map_err(|e| {
-        let py = peer.py();
-        let name = e.get_type(py).name().map_or_else(|_| "Exception".into(), |n| n.to_string());
-        format!("{name}: {}", e.value(py))
-    })
+    posts.into_iter().map(post).collect()
 }
 
-/// The registrations of the control plane's peer table ``{engine_id: {"meta": {"ranks":
-/// [...]}, ...}}`` on a rank that moves state ``kinds``: ``([(engine_id, kind, metas)],
-/// {engine_id: error})`` (see ``disagg_core::handoff::peer_registrations``).
+/// ``"{type}: {error}"`` of a Python error.
+fn error_text(py: Python<'_>, e: &PyErr) -> String {
+    let name = e.get_type(py).name().map_or_else(|_| "Exception".into(), |n| n.to_string());
+    format!("{name}: {}", e.value(py))
+}
+
+/// ``disagg_core::handoff::peer_registrations`` of the control plane's peer table
+/// ``{engine_id: {"meta": {"ranks": [...]}, ...}}``: ``([(engine_id, kind, metas)],
+/// {engine_id: error})``.
 #[pyfunction]
 #[allow(clippy::type_complexity)]
 pub fn handoff_peer_plan<'py>(
     peers: &Bound<'py, PyDict>,
     kinds: Vec<String>,
 ) -> PyResult<(Vec<(String, String, Vec<Bound<'py, PyAny>>)>, Bound<'py, PyDict>)> {
-    let engines = peers
-        .iter()
-        .map(|(id, peer)| Ok((id.extract::<String>()?, peer_kinds(&peer, &kinds))))
-        .collect::<PyResult<Vec<_>>>()?;
+    let py = peers.py();
+    let ranks = |peer: Bound<'py, PyAny>| -> PyResult<Ranks<'py>> {
+        peer.get_item("meta")?.get_item("ranks")?.extract()
+    };
+    let engine = |(id, peer): (Bound<'py, PyAny>, _)| -> PyResult<_> {
+        Ok((id.extract()?, ranks(peer).map_err(|e| error_text(py, &e))))
+    };
+    let engines = peers.iter().map(engine).collect::<PyResult<Vec<_>>>()?;
     let (plan, refused) = handoff::peer_registrations(engines, &kinds);
-    let refused_dict = PyDict::new(peers.py());
-    for (engine, why) in refused {
-        refused_dict.set_item(engine, why)?;
-    }
-    Ok((plan, refused_dict))
+    Ok((plan, refused.into_py_dict(py)?))
 }
 
 pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
@@ -326,7 +290,6 @@ fn handle_state(polled: &Bound<'_, PyAny>) -> PyResult<(HandleState, String)> {
 /// ``(outcome, first_error)`` of this rank's import (``disagg_core::handoff::local_outcome``);
 /// ``polled`` holds one poll of each handle, ``failed_locally`` the error of a start that threw.
 #[pyfunction]
-#[pyo3(signature = (failed_locally, polled))]
 pub fn import_local_outcome(
     failed_locally: Option<String>,
     polled: Vec<Bound<'_, PyAny>>,
@@ -360,38 +323,26 @@ pub fn fold_import_reports(
     Ok((actions(folded.actions), folded.mismatches, folded.rank_errors))
 }
 
-/// Settle each quarantined ``(request_id, epoch, quiet)`` whose local transfers are all quiet
-/// again (see ``disagg_core::handoff::settle_quiet``): the ledger's actions.
-#[pyfunction]
-pub fn settle_quiet_quarantines(
-    ledger: &Bound<'_, PyImportLedger>,
-    quarantines: Vec<(u64, u64, bool)>,
-) -> PyResult<Vec<PyLedgerAction>> {
-    let settled = handoff::settle_quiet(&mut *lock(&ledger.get().inner)?, &quarantines).py()?;
-    Ok(actions(settled))
-}
-
 /// A refusal as ``ResetRefusedError`` naming ``request_id``.
 fn refused(refusal: Option<String>) -> PyResult<()> {
     refusal.map_or(Ok(()), |msg| Err(ResetRefusedError::new_err((msg, "request_id"))))
 }
 
-/// Raise ``ResetRefusedError`` (naming ``request_id``) while the prefill pins ``pinned``.
-#[pyfunction]
-pub fn refuse_reset_while_pinned(pinned: Vec<u64>) -> PyResult<()> {
-    refused(handoff::pinned_refusal(&pinned))
-}
-
-/// Raise ``ResetRefusedError`` (naming ``request_id``) while a transfer may still touch the
-/// registered memory (``disagg_core::handoff::close_refusal``).
-#[pyfunction]
-pub fn refuse_close_in_flight(
-    imports: Vec<(u64, bool)>,
-    quarantined: Vec<(u64, bool)>,
-    pushes: Vec<u64>,
-    fillers: Vec<u64>,
-) -> PyResult<()> {
-    refused(handoff::close_refusal(&imports, &quarantined, &pushes, &fillers))
+core_fns! {
+    /// ``handoff::settle_quiet`` of each quarantined ``(request_id, epoch, quiet)``.
+    fn settle_quiet_quarantines(ledger: Raw<Py<PyImportLedger>>,
+        quarantines: Raw<Vec<(u64, u64, bool)>>) -> Vec<PyLedgerAction>
+        = {
+            let mut ledger = lock(&ledger.get().inner)?;
+            handoff::settle_quiet(&mut ledger, &quarantines)
+        };
+    /// ``handoff::pinned_refusal``, raised.
+    fn refuse_reset_while_pinned(pinned: Raw<Vec<u64>>) -> ()
+        = refused(handoff::pinned_refusal(&pinned))?;
+    /// ``handoff::close_refusal``, raised.
+    fn refuse_close_in_flight(imports: Raw<Vec<(u64, bool)>>, quarantined: Raw<Vec<(u64, bool)>>,
+        pushes: Raw<Vec<u64>>, fillers: Raw<Vec<u64>>) -> ()
+        = refused(handoff::close_refusal(&imports, &quarantined, &pushes, &fillers))?;
 }
 
 /// One rank's gathered digest: the text of its failure, or its pieces.
