@@ -1008,7 +1008,7 @@ def import_submission(
     two_sided: bool,
 ) -> tuple[int, bool, dict[str, Any]]: ...
 def import_failure(
-    request_id: int, reason: str, mismatch: Any = None, rank_error: str | None = None
+    request_id: int, reason: str, mismatch: Any, rank_error: str | None
 ) -> tuple[str, str, bool, str]: ...
 def import_pulls(
     action: LedgerAction,

@@ -29,7 +29,7 @@ use crate::wire::to_wire;
 #[pyclass(name = "LedgerAction", module = "disagg_rs", frozen, eq)]
 #[derive(Clone, PartialEq, Eq)]
 pub struct PyLedgerAction {
-    inner: ActionRecord,
+    pub(crate) inner: ActionRecord,
 }
 
 py_methods!(PyLedgerAction,
