@@ -9,7 +9,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::args::{conv, Id, Ids, Int, IntList, Kind, U64s, U32};
+use crate::args::{Id, Ids, Int, IntList, Kind, U64s, U32};
 use crate::error::IntoPyResult;
 
 /// Lock a shared core object; a poisoned lock becomes a Python error.
@@ -26,19 +26,21 @@ pub trait Out {
     fn out(self) -> PyResult<Self::Py>;
 }
 
-/// `Out` for values Python receives as they are, bare or in a core `Result`.
+/// A core error goes through the one error mapping; the value converts as it does bare.
+impl<T: Out> Out for Result<T, DisaggError> {
+    type Py = T::Py;
+    fn out(self) -> PyResult<T::Py> {
+        self.py()?.out()
+    }
+}
+
+/// `Out` for values Python receives as they are.
 macro_rules! plain_out {
     ($($t:ty),*) => {$(
         impl Out for $t {
             type Py = $t;
             fn out(self) -> PyResult<$t> {
                 Ok(self)
-            }
-        }
-        impl Out for Result<$t, DisaggError> {
-            type Py = $t;
-            fn out(self) -> PyResult<$t> {
-                self.py()
             }
         }
     )*};
@@ -62,35 +64,109 @@ plain_out!(
     Vec<(&'static str, (u32, u32), (u32, u32))>,
     (&'static str, u64),
     (i64, Vec<u64>),
-    Vec<i64>
+    Vec<i64>,
+    (Option<u64>, Option<u64>)
 );
 
-impl Out for Result<SlotState, DisaggError> {
-    type Py = &'static str;
-    fn out(self) -> PyResult<&'static str> {
-        self.py().map(SlotState::name)
+/// `Out` converting a core value: `CoreType => PyType = |v| expr;` (`expr` may use `?`).
+macro_rules! outs {
+    ($($t:ty => $py:ty = |$v:ident| $e:expr;)*) => {$(
+        impl $crate::pool::Out for $t {
+            type Py = $py;
+            fn out(self) -> ::pyo3::PyResult<$py> {
+                let $v = self;
+                Ok($e)
+            }
+        }
+    )*};
+}
+pub(crate) use outs;
+
+outs! {
+    SlotState => &'static str = |v| v.name();
+}
+
+/// How a class holds its core object (see `ctors` of [`core_methods`]).
+pub trait Shared {
+    type Core;
+    fn of(core: Self::Core) -> Self;
+}
+
+impl<T> Shared for Mutex<T> {
+    type Core = T;
+    fn of(core: T) -> Self {
+        Mutex::new(core)
+    }
+}
+
+impl<T> Shared for Arc<Mutex<T>> {
+    type Core = T;
+    fn of(core: T) -> Self {
+        Arc::new(Mutex::new(core))
+    }
+}
+
+impl<P> Shared for PoolOwner<P> {
+    type Core = P;
+    fn of(core: P) -> Self {
+        Self::Own(Arc::new(Mutex::new(core)))
+    }
+}
+
+/// A constructed core object, bare or in a core `Result`.
+pub trait Made<T> {
+    fn made(self) -> PyResult<T>;
+}
+
+impl<T> Made<T> for T {
+    fn made(self) -> PyResult<T> {
+        Ok(self)
+    }
+}
+
+impl<T> Made<T> for Result<T, DisaggError> {
+    fn made(self) -> PyResult<T> {
+        self.py()
     }
 }
 
 /// One `#[pymethods]` block of a class reaching its core object as `reach(&self.field, f)`:
 /// each `calls` entry `fn name(arg: Conv, ..) -> T = method(exprs..)` converts its arguments
 /// ([`Conv`](crate::args::Conv)) before the lock, then returns `core.method(..)` through
-/// [`Out`]; `methods { .. }` holds the hand-written ones; `pools Variant,` adds the
-/// `block_pool` and `slot_pool` views of a ledger's pools.
+/// [`Out`]; `ctors { #[new] fn name(arg: Conv, ..) = expr; }` build the class around the core
+/// object `expr` makes ([`Made`], held as [`Shared`]); `statics { fn name(..) -> T = expr; }`
+/// are static methods returning `expr` through [`Out`]; `methods { .. }` holds the
+/// hand-written ones; `pools Variant,` adds the `block_pool` and `slot_pool` views of a
+/// ledger's pools.
 macro_rules! core_methods {
     (
         $ty:ty, $reach:path, $field:tt, $(pools $owner:ident,)?
+        $(ctors { $($(#[$cm:meta])* fn $cn:ident($($ca:ident: $cc:ty),*) = $ce:expr;)* })?
         calls { $($(#[$m:meta])* fn $name:ident($($a:ident: $c:ty),*) -> $ret:ty
             = $call:ident($($x:expr),*) $(.$then:ident($($y:expr),*))*;)* }
+        $(statics { $($(#[$sm:meta])* fn $sn:ident($($sa:ident: $sc:ty),*) -> $sr:ty
+            = $se:expr;)* })?
         methods { $($rest:tt)* }
     ) => {
         #[pymethods]
         impl $ty {
+            $($($(#[$cm])*
+            fn $cn($($ca: <$cc as $crate::args::Conv>::Py),*) -> PyResult<Self> {
+                $crate::args::conv!($($ca: $cc),*);
+                let core = $crate::pool::Made::made($ce)?;
+                Ok(Self { $field: $crate::pool::Shared::of(core) })
+            })*)?
             $($(#[$m])*
             fn $name(&self, $($a: <$c as $crate::args::Conv>::Py),*) -> PyResult<$ret> {
                 $crate::args::conv!($($a: $c),*);
                 $crate::pool::Out::out($reach(&self.$field, |c| c.$call($($x),*)$(.$then($($y),*))*)?)
             })*
+            $($($(#[$sm])*
+            #[staticmethod]
+            fn $sn($($sa: <$sc as $crate::args::Conv>::Py),*) -> PyResult<$sr> {
+                $crate::args::conv!($($sa: $sc),*);
+                $crate::pool::Out::out($se)
+            })*)?
             $(
                 /// The ledger's block pool (shared, not a copy): the engine's allocator.
                 #[getter]
@@ -190,6 +266,10 @@ pub struct PyBlockPool {
 }
 
 core_methods!(PyBlockPool, PoolOwner::with, owner,
+ctors {
+    #[new]
+    fn new(num_blocks: U32, block_size_tokens: U32) = BlockPool::new(num_blocks, block_size_tokens);
+}
 calls {
     #[getter] fn num_blocks() -> u32 = num_blocks();
     #[getter] fn block_size_tokens() -> u32 = block_size_tokens();
@@ -219,13 +299,6 @@ methods {
         self.owner.with(|p| p.num_blocks() as usize)
     }
 
-    #[new]
-    fn new(num_blocks: Int, block_size_tokens: Int) -> PyResult<Self> {
-        conv!(num_blocks: U32, block_size_tokens: U32);
-        let pool = BlockPool::new(num_blocks, block_size_tokens).py()?;
-        Ok(Self { owner: PoolOwner::Own(Arc::new(Mutex::new(pool))) })
-    }
-
     /// Hash chain over the full blocks of `tokens` (deterministic across processes).
     fn block_hashes(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         let tokens = tokens_arg(tokens)?;
@@ -241,6 +314,10 @@ pub struct PySlotPool {
 }
 
 core_methods!(PySlotPool, PoolOwner::with, owner,
+ctors {
+    #[new]
+    fn new(num_slots: U32) = SlotPool::try_new(num_slots);
+}
 calls {
     #[getter] fn num_slots() -> u32 = num_slots();
     /// Slots ready to hand out.
@@ -258,11 +335,4 @@ calls {
     fn state(slot: Id) -> &'static str = state(slot);
     fn __repr__() -> String = to_string();
 }
-methods {
-    #[new]
-    fn new(num_slots: Int) -> PyResult<Self> {
-        conv!(num_slots: U32);
-        let pool = SlotPool::try_new(num_slots).py()?;
-        Ok(Self { owner: PoolOwner::Own(Arc::new(Mutex::new(pool))) })
-    }
-});
+methods {});

@@ -12,7 +12,7 @@ use pyo3::types::{PyInt, PyList, PyMapping};
 
 use crate::args::{conv, convs, Int, IntList, Kind, Opt, Raw, U32, U64};
 use crate::error::IntoPyResult;
-use crate::pool::{core_methods, lock, lock_with, Out};
+use crate::pool::{core_methods, lock, lock_with, outs};
 use crate::wire::{metas, BlockI64, PyPeer};
 
 /// `disagg_core::StagingRanges`: first-fit pool of aligned byte ranges of a staging region.
@@ -22,6 +22,11 @@ pub struct PyStagingRanges {
 }
 
 core_methods!(PyStagingRanges, lock_with, inner,
+ctors {
+    #[new]
+    #[pyo3(signature = (capacity, alignment = Int::of(256)), text_signature = "(capacity, alignment=256)")]
+    fn new(capacity: U64, alignment: U64) = StagingRanges::new(capacity, alignment);
+}
 calls {
     #[getter] fn capacity() -> u64 = capacity();
     #[getter] fn alignment() -> u64 = alignment();
@@ -38,12 +43,6 @@ calls {
     fn __repr__() -> String = to_string();
 }
 methods {
-    #[new]
-    #[pyo3(signature = (capacity, alignment = Int::of(256)), text_signature = "(capacity, alignment=256)")]
-    fn new(capacity: Int, alignment: Int) -> PyResult<Self> {
-        conv!(capacity: U64, alignment: U64);
-        Ok(Self { inner: Mutex::new(StagingRanges::new(capacity, alignment).py()?) })
-    }
     /// `StagingRanges::alloc_stream` for a peer whose metadata's `staging` is `peer_staging`;
     /// `None` without an item size (no device plan).
     #[pyo3(signature = (item_bytes, peer_staging, sources, share, max_slots))]
@@ -156,25 +155,10 @@ convs! {
 /// `(abort, drop, finish)` part indices of a release.
 type PyReleases = (Vec<usize>, Vec<usize>, Vec<usize>);
 
-impl Out for Releases {
-    type Py = PyReleases;
-    fn out(self) -> PyResult<PyReleases> {
-        Ok((self.abort, self.drop, self.finish))
-    }
-}
-
-impl Out for (Releases, bool) {
-    type Py = (PyReleases, bool);
-    fn out(self) -> PyResult<Self::Py> {
-        Ok((self.0.out()?, self.1))
-    }
-}
-
-impl Out for Queries {
-    type Py = (Vec<usize>, Vec<usize>, Vec<usize>);
-    fn out(self) -> PyResult<Self::Py> {
-        Ok((self.landed, self.step, self.xfer))
-    }
+outs! {
+    Releases => PyReleases = |r| (r.abort, r.drop, r.finish);
+    (Releases, bool) => (PyReleases, bool) = |v| (v.0.out()?, v.1);
+    Queries => (Vec<usize>, Vec<usize>, Vec<usize>) = |q| (q.landed, q.step, q.xfer);
 }
 
 /// `disagg_core::pull_parts::PullParts`: the progress of one pull's parts.
@@ -184,6 +168,13 @@ pub struct PyPullParts {
 }
 
 core_methods!(PyPullParts, lock_with, inner,
+ctors {
+    /// Parts `(drives itself, local copy, has a handle, has on_done, label)`.
+    #[new]
+    #[pyo3(signature = (parts, error=None))]
+    fn new(parts: Raw<Vec<(bool, bool, bool, bool, String)>>, error: Raw<Option<String>>)
+        = PullParts::new(parts, error);
+}
 calls {
     #[getter] fn error() -> Option<String> = error().map(str::to_owned);
     fn begin() -> (Vec<usize>, Vec<usize>, Vec<usize>) = begin();
@@ -197,11 +188,4 @@ calls {
         -> (PyReleases, bool) = settle(&landed, now > deadline);
     fn cancel() -> PyReleases = cancel();
 }
-methods {
-    /// Parts `(drives itself, local copy, has a handle, has on_done, label)`.
-    #[new]
-    #[pyo3(signature = (parts, error=None))]
-    fn new(parts: Vec<(bool, bool, bool, bool, String)>, error: Option<String>) -> Self {
-        Self { inner: Mutex::new(PullParts::new(parts, error)) }
-    }
-});
+methods {});
