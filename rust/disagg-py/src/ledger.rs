@@ -47,8 +47,6 @@ get {
     block_ids: Vec<u32> = (block_ids.clone());
     ssm_slot: Option<u32> = (start.ssm_slot);
 }
-span {}
-range {}
 methods {
     fn __repr__(&self) -> String {
         self.inner.to_string()
@@ -127,9 +125,11 @@ ctors {
         clock_offset_bound=1000000000)")]
     fn new(num_blocks: U32, block_size_tokens: U32, num_ssm_slots: U32, world_size: U32,
         rank: U32, pull: Bool, lookahead_tokens: U32, drain_horizon: U64, clock_offset_bound: U64)
-        = ImportLedger::new(num_blocks, block_size_tokens, num_ssm_slots, ImportLedgerConfig {
-            world_size, rank, pull, lookahead_tokens, drain_horizon, clock_offset_bound,
-        });
+        = Arc::new(ImportLedger::new(num_blocks, block_size_tokens, num_ssm_slots,
+            ImportLedgerConfig {
+                world_size, rank, pull, lookahead_tokens, drain_horizon, clock_offset_bound,
+            },
+        ).py()?.into());
 }
 calls {
     /// The local handle of a quarantined attempt settled.
@@ -177,6 +177,8 @@ calls {
     /// Admission point (see `ImportLedger::admit`; `now` as read after the completions).
     #[pyo3(signature = (batch_room, now=None))]
     fn admit(batch_room: U32, now: Opt<U64>) -> Vec<PyLedgerAction> = admit(batch_room, now);
+    /// Speculative lookahead tokens reserved after the resume tokens of every import.
+    #[getter] fn lookahead_tokens() -> u32 = config().lookahead_tokens;
 }
 statics {
     /// `admission::continuation_blocks`: blocks needed beyond the prompt blocks.
@@ -226,7 +228,8 @@ statics {
         text_signature = "(resume_tokens, max_new_tokens, termination_id=None, stop_word_ids=[])")]
     fn resume_finishes(resume_tokens: I64s, max_new_tokens: I64, termination_id: Opt<I64>,
         stop_word_ids: Each<I64s>) -> bool
-        = admission::resume_finishes(&resume_tokens, max_new_tokens, termination_id, &stop_word_ids);
+        = admission::resume_finishes(
+            &resume_tokens, max_new_tokens, termination_id, &stop_word_ids);
 }
 methods {
     /// Share of the source's pin lease (percent) an import may use, submit to admission.
@@ -272,11 +275,6 @@ methods {
         Ok(actions(out))
     }
 
-    /// Speculative lookahead tokens reserved after the resume tokens of every import.
-    #[getter]
-    fn lookahead_tokens(&self) -> PyResult<u32> {
-        Ok(lock(&self.inner)?.config().lookahead_tokens)
-    }
 });
 
 /// Prefill-side pin ledger over its own block and SSM slot pools.
@@ -291,7 +289,7 @@ ctors {
     #[pyo3(signature = (num_blocks, block_size_tokens, num_ssm_slots=Int::of(0)),
         text_signature = "(num_blocks, block_size_tokens, num_ssm_slots=0)")]
     fn new(num_blocks: U32, block_size_tokens: U32, num_ssm_slots: U32)
-        = PinLedger::new(num_blocks, block_size_tokens, num_ssm_slots);
+        = Arc::new(PinLedger::new(num_blocks, block_size_tokens, num_ssm_slots).py()?.into());
 }
 calls {
     /// A push send started reading the pin (two-sided transports).
@@ -348,7 +346,7 @@ pub struct PyCompletionQuorum {
 core_methods!(PyCompletionQuorum, lock_with, inner,
 ctors {
     #[new]
-    fn new(world_size: U32) = CompletionQuorum::new(world_size);
+    fn new(world_size: U32) = CompletionQuorum::new(world_size).py()?.into();
 }
 calls {
     /// Number of ranks.
@@ -377,7 +375,7 @@ pub struct PyReferenceImports(Mutex<disagg_core::reference::ReferenceImports>);
 core_methods!(PyReferenceImports, lock_with, 0,
 ctors {
     #[new]
-    fn new() = disagg_core::reference::ReferenceImports::new();
+    fn new() = disagg_core::reference::ReferenceImports::new().into();
 }
 calls {
     fn start(request_id: U64, safe: Raw<bool>) -> () = start(request_id, safe);

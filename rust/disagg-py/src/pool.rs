@@ -86,56 +86,13 @@ outs! {
     SlotState => &'static str = |v| v.name();
 }
 
-/// How a class holds its core object (see `ctors` of [`core_methods`]).
-pub trait Shared {
-    type Core;
-    fn of(core: Self::Core) -> Self;
-}
-
-impl<T> Shared for Mutex<T> {
-    type Core = T;
-    fn of(core: T) -> Self {
-        Mutex::new(core)
-    }
-}
-
-impl<T> Shared for Arc<Mutex<T>> {
-    type Core = T;
-    fn of(core: T) -> Self {
-        Arc::new(Mutex::new(core))
-    }
-}
-
-impl<P> Shared for PoolOwner<P> {
-    type Core = P;
-    fn of(core: P) -> Self {
-        Self::Own(Arc::new(Mutex::new(core)))
-    }
-}
-
-/// A constructed core object, bare or in a core `Result`.
-pub trait Made<T> {
-    fn made(self) -> PyResult<T>;
-}
-
-impl<T> Made<T> for T {
-    fn made(self) -> PyResult<T> {
-        Ok(self)
-    }
-}
-
-impl<T> Made<T> for Result<T, DisaggError> {
-    fn made(self) -> PyResult<T> {
-        self.py()
-    }
-}
-
 /// One `#[pymethods]` block of a class reaching its core object as `reach(&self.field, f)`:
-/// each `calls` entry `fn name(arg: Conv, ..) -> T = method(exprs..)` converts its arguments
-/// ([`Conv`](crate::args::Conv)) before the lock, then returns `core.method(..)` through
-/// [`Out`]; `ctors { #[new] fn name(arg: Conv, ..) = expr; }` build the class around the core
-/// object `expr` makes ([`Made`], held as [`Shared`]); `statics { fn name(..) -> T = expr; }`
-/// are static methods returning `expr` through [`Out`]; `methods { .. }` holds the
+/// each `calls` entry `fn name(arg: Conv, ..) -> T = method(exprs..).then..` converts its
+/// arguments ([`Conv`](crate::args::Conv)) before the lock, then returns `core.method(..)`
+/// (followed by `.then` method calls or fields) through
+/// [`Out`]; `ctors { #[new] fn name(arg: Conv, ..) = expr; }` build the class with `expr` as
+/// its `field`; `statics { fn name(..) -> T = expr; }` are static methods returning `expr`
+/// through [`Out`]; `methods { .. }` holds the
 /// hand-written ones; `pools Variant,` adds the `block_pool` and `slot_pool` views of a
 /// ledger's pools.
 macro_rules! core_methods {
@@ -143,7 +100,7 @@ macro_rules! core_methods {
         $ty:ty, $reach:path, $field:tt, $(pools $owner:ident,)?
         $(ctors { $($(#[$cm:meta])* fn $cn:ident($($ca:ident: $cc:ty),*) = $ce:expr;)* })?
         calls { $($(#[$m:meta])* fn $name:ident($($a:ident: $c:ty),*) -> $ret:ty
-            = $call:ident($($x:expr),*) $(.$then:ident($($y:expr),*))*;)* }
+            = $call:ident($($x:expr),*) $(.$then:ident $(($($y:expr),*))?)*;)* }
         $(statics { $($(#[$sm:meta])* fn $sn:ident($($sa:ident: $sc:ty),*) -> $sr:ty
             = $se:expr;)* })?
         methods { $($rest:tt)* }
@@ -153,13 +110,13 @@ macro_rules! core_methods {
             $($($(#[$cm])*
             fn $cn($($ca: <$cc as $crate::args::Conv>::Py),*) -> PyResult<Self> {
                 $crate::args::conv!($($ca: $cc),*);
-                let core = $crate::pool::Made::made($ce)?;
-                Ok(Self { $field: $crate::pool::Shared::of(core) })
+                Ok(Self { $field: $ce })
             })*)?
             $($(#[$m])*
             fn $name(&self, $($a: <$c as $crate::args::Conv>::Py),*) -> PyResult<$ret> {
                 $crate::args::conv!($($a: $c),*);
-                $crate::pool::Out::out($reach(&self.$field, |c| c.$call($($x),*)$(.$then($($y),*))*)?)
+                let r = $reach(&self.$field, |c| c.$call($($x),*)$(.$then $(($($y),*))?)*)?;
+                $crate::pool::Out::out(r)
             })*
             $($($(#[$sm])*
             #[staticmethod]
@@ -248,6 +205,12 @@ macro_rules! ledger_pool {
 }
 ledger_pool!(BlockPool => pool_mut, SlotPool => slots_mut);
 
+impl<P> From<P> for PoolOwner<P> {
+    fn from(pool: P) -> Self {
+        Self::Own(Arc::new(Mutex::new(pool)))
+    }
+}
+
 impl<P: LedgerPool> PoolOwner<P> {
     /// Run `f` on the pool, locked.
     pub fn with<R>(&self, f: impl FnOnce(&mut P) -> R) -> PyResult<R> {
@@ -268,7 +231,8 @@ pub struct PyBlockPool {
 core_methods!(PyBlockPool, PoolOwner::with, owner,
 ctors {
     #[new]
-    fn new(num_blocks: U32, block_size_tokens: U32) = BlockPool::new(num_blocks, block_size_tokens);
+    fn new(num_blocks: U32, block_size_tokens: U32)
+        = BlockPool::new(num_blocks, block_size_tokens).py()?.into();
 }
 calls {
     #[getter] fn num_blocks() -> u32 = num_blocks();
@@ -316,7 +280,7 @@ pub struct PySlotPool {
 core_methods!(PySlotPool, PoolOwner::with, owner,
 ctors {
     #[new]
-    fn new(num_slots: U32) = SlotPool::try_new(num_slots);
+    fn new(num_slots: U32) = SlotPool::try_new(num_slots).py()?.into();
 }
 calls {
     #[getter] fn num_slots() -> u32 = num_slots();

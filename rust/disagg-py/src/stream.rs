@@ -78,10 +78,10 @@ core_methods!(PyStreamSource, lock_with, inner,
 ctors {
     #[new]
     fn new(stream: Raw<u64>, chunks: Raw<Vec<ChunkRange>>, offsets: Raw<Vec<u64>>)
-        = StreamSource::new(stream, chunks, offsets);
+        = StreamSource::new(stream, chunks, offsets).py()?.into();
     #[staticmethod]
     fn whole(stream: Raw<u64>, offset: Raw<u64>, nbytes: Raw<u64>)
-        = StreamSource::whole(stream, offset, nbytes);
+        = StreamSource::whole(stream, offset, nbytes).into();
 }
 calls {
     fn packable() -> Vec<(usize, usize)> = packable();
@@ -110,16 +110,17 @@ ctors {
     #[new]
     fn new(stream: Raw<u64>, chunks: Raw<Vec<ChunkRange>>, src_offsets: Raw<Vec<u64>>,
         slot_bytes: Raw<u64>, dst_slots: Raw<usize>)
-        = StreamSink::new(stream, chunks, src_offsets, slot_bytes, dst_slots);
+        = StreamSink::new(stream, chunks, src_offsets, slot_bytes, dst_slots).py()?.into();
     #[staticmethod]
     fn of_ticket(ticket: Ticket, rows: Raw<Vec<(u64, u64)>>, tokens_per_block: Raw<u64>,
         n_tok: Raw<u64>, slot_bytes: Raw<u64>, dst_slots: Raw<usize>)
-        = StreamSink::of_ticket(&ticket, &rows, tokens_per_block, n_tok, slot_bytes, dst_slots);
+        = StreamSink::of_ticket(&ticket, &rows, tokens_per_block, n_tok, slot_bytes, dst_slots)
+            .py()?.into();
     #[staticmethod]
-    fn one_piece(ticket: Ticket) = StreamSink::one_piece(&ticket);
+    fn one_piece(ticket: Ticket) = StreamSink::one_piece(&ticket).py()?.into();
     #[staticmethod]
     fn whole(chunks: Raw<Vec<ChunkRange>>, offset: Raw<u64>, dst_slots: Raw<usize>)
-        = StreamSink::whole(chunks, offset, dst_slots);
+        = StreamSink::whole(chunks, offset, dst_slots).py()?.into();
 }
 calls {
     #[getter] fn kind() -> &'static str = kind_name();
@@ -151,7 +152,7 @@ pub struct PyStreamMailboxes {
 core_methods!(PyStreamMailboxes, lock_with, inner,
 ctors {
     #[new]
-    fn new() = StreamMailboxes::default();
+    fn new() = StreamMailboxes::default().into();
 }
 calls {
     fn open(peer: Raw<String>, stream: Raw<u64>) -> u64 = open(&peer, stream);

@@ -7,6 +7,7 @@ use disagg_core::completion_tracker::CompletionTracker;
 use pyo3::prelude::*;
 
 use crate::args::{Raw, U32, U64};
+use crate::error::IntoPyResult;
 use crate::pool::{core_methods, lock_with};
 
 /// `disagg_core::completion_tracker::CompletionTracker`: every rank's terminal reports.
@@ -16,7 +17,7 @@ pub struct PyCompletionTracker(Mutex<CompletionTracker>);
 core_methods!(PyCompletionTracker, lock_with, 0,
 ctors {
     #[new]
-    fn new(world_size: U32) = CompletionTracker::new(world_size);
+    fn new(world_size: U32) = CompletionTracker::new(world_size).py()?.into();
 }
 calls {
     /// Record one rank's report (``HandoffStateError`` when it contradicts its own earlier one).
