@@ -89,11 +89,10 @@ outs! {
 /// One `#[pymethods]` block of a class reaching its core object as `reach(&self.field, f)`:
 /// each `calls` entry `fn name(arg: Conv, ..) -> T = method(exprs..).then..` converts its
 /// arguments ([`Conv`](crate::args::Conv)) before the lock, then returns `core.method(..)`
-/// (followed by `.then` method calls or fields) through
-/// [`Out`]; `ctors { #[new] fn name(arg: Conv, ..) = expr; }` build the class with `expr` as
-/// its `field`; `statics { fn name(..) -> T = expr; }` are static methods returning `expr`
-/// through [`Out`]; `methods { .. }` holds the
-/// hand-written ones; `pools Variant,` adds the `block_pool` and `slot_pool` views of a
+/// (followed by `.then` method calls or fields) through [`Out`]; `ctors { #[new] fn name(arg:
+/// Conv, ..) = expr; }` build the class with `expr` as its `field`; `statics { fn name(..) ->
+/// T = expr; }` are static methods returning `expr` through [`Out`]; `methods { .. }` holds
+/// the hand-written ones; `pools Variant,` adds the `block_pool` and `slot_pool` views of a
 /// ledger's pools.
 macro_rules! core_methods {
     (
@@ -128,13 +127,13 @@ macro_rules! core_methods {
                 /// The ledger's block pool (shared, not a copy): the engine's allocator.
                 #[getter]
                 fn block_pool(&self) -> $crate::pool::PyBlockPool {
-                    let owner = $crate::pool::PoolOwner::$owner(::std::sync::Arc::clone(&self.$field));
+                    let owner = $crate::pool::PoolOwner::$owner(self.$field.clone());
                     $crate::pool::PyBlockPool { owner }
                 }
                 /// The ledger's SSM slot pool (shared, not a copy).
                 #[getter]
                 fn slot_pool(&self) -> $crate::pool::PySlotPool {
-                    let owner = $crate::pool::PoolOwner::$owner(::std::sync::Arc::clone(&self.$field));
+                    let owner = $crate::pool::PoolOwner::$owner(self.$field.clone());
                     $crate::pool::PySlotPool { owner }
                 }
             )?
@@ -222,18 +221,36 @@ impl<P: LedgerPool> PoolOwner<P> {
     }
 }
 
-/// Fixed pool of KV blocks: refcounts, prefix cache by block hash, LRU eviction.
-#[pyclass(name = "BlockPool", module = "disagg_rs", frozen)]
-pub struct PyBlockPool {
-    pub owner: PoolOwner<BlockPool>,
+/// The pool classes, each over a [`PoolOwner`] (standalone, or a view of a ledger's pool):
+/// `"Name" PyName = Pool::make(arg: Conv, ..)` then the `calls` and `methods` of
+/// [`core_methods`] beyond those every pool has (constructor, `check`, `__repr__`).
+macro_rules! pool_classes {
+    ($($(#[$doc:meta])* $name:literal $py:ident = $pool:ident::$make:ident($($a:ident: $c:ty),*)
+        calls { $($calls:tt)* } methods { $($methods:tt)* })*) => {$(
+        $(#[$doc])*
+        #[pyclass(name = $name, module = "disagg_rs", frozen)]
+        pub struct $py {
+            pub owner: PoolOwner<$pool>,
+        }
+
+        core_methods!($py, PoolOwner::with, owner,
+        ctors {
+            #[new]
+            fn new($($a: $c),*) = $pool::$make($($a),*).py()?.into();
+        }
+        calls {
+            /// Verify conservation; raises `ConservationError`.
+            fn check() -> () = check();
+            fn __repr__() -> String = to_string();
+            $($calls)*
+        }
+        methods { $($methods)* });
+    )*};
 }
 
-core_methods!(PyBlockPool, PoolOwner::with, owner,
-ctors {
-    #[new]
-    fn new(num_blocks: U32, block_size_tokens: U32)
-        = BlockPool::new(num_blocks, block_size_tokens).py()?.into();
-}
+pool_classes! {
+/// Fixed pool of KV blocks: refcounts, prefix cache by block hash, LRU eviction.
+"BlockPool" PyBlockPool = BlockPool::new(num_blocks: U32, block_size_tokens: U32)
 calls {
     #[getter] fn num_blocks() -> u32 = num_blocks();
     #[getter] fn block_size_tokens() -> u32 = block_size_tokens();
@@ -246,8 +263,6 @@ calls {
     /// `n` blocks with refcount 1, all or nothing (evicts LRU cached blocks if needed).
     fn allocate(n: U32) -> Vec<u32> = allocate(n);
     fn refcount(block_id: Id) -> u32 = refcount(block_id);
-    /// Verify conservation; raises `ConservationError`.
-    fn check() -> () = check();
     /// One more reference per occurrence; claims evictable cached blocks.
     fn retain(block_ids: Ids) -> () = retain(&block_ids);
     /// One reference less per occurrence; all or nothing.
@@ -256,7 +271,6 @@ calls {
     fn register_cached(block_ids: Ids, hashes: U64s) -> () = register_cached(&block_ids, &hashes);
     /// Blocks of the longest cached prefix of `hashes` (not retained).
     fn match_prefix(hashes: U64s) -> Vec<u32> = match_prefix(&hashes);
-    fn __repr__() -> String = to_string();
 }
 methods {
     fn __len__(&self) -> PyResult<usize> {
@@ -269,19 +283,10 @@ methods {
         let bs = self.owner.with(|p| p.block_size_tokens())?;
         py.detach(|| disagg_core::block_hashes(&tokens, bs)).py()
     }
-});
+}
 
 /// Fixed pool of SSM state slots.
-#[pyclass(name = "SlotPool", module = "disagg_rs", frozen)]
-pub struct PySlotPool {
-    pub owner: PoolOwner<SlotPool>,
-}
-
-core_methods!(PySlotPool, PoolOwner::with, owner,
-ctors {
-    #[new]
-    fn new(num_slots: U32) = SlotPool::try_new(num_slots).py()?.into();
-}
+"SlotPool" PySlotPool = SlotPool::try_new(num_slots: U32)
 calls {
     #[getter] fn num_slots() -> u32 = num_slots();
     /// Slots ready to hand out.
@@ -293,10 +298,8 @@ calls {
     fn free(slot: Id) -> () = free(slot);
     /// Move an allocated slot to a live request, whose owner later calls `free`.
     fn detach(slot: Id) -> () = detach(slot);
-    /// Verify conservation; raises `ConservationError`.
-    fn check() -> () = check();
     /// `"free"`, `"allocated"` or `"detached"`.
     fn state(slot: Id) -> &'static str = state(slot);
-    fn __repr__() -> String = to_string();
 }
-methods {});
+methods {}
+}
