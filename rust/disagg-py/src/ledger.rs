@@ -83,6 +83,8 @@ outs! {
 convs! {
     /// One rank's terminal outcome: `"ok"`, `"error"`, `"timeout"` or `"may_still_write"`.
     Outcome: Text => RankOutcome = |f, v| RankOutcome::parse(v.get(f)?).py();
+    /// An int as given, for the core to check.
+    Given: Int => disagg_core::args::Int = |_f, v| Ok(v.0);
     /// A transfer handle's state: `"running"`, `"done"`, `"timeout"` or `"error"`.
     State: Text => HandleState = |f, v| HandleState::parse(v.get(f)?).py();
     /// The `destination` each decode rank's metadata states (`None` when it states none).
@@ -213,16 +215,15 @@ statics {
         );
     /// `admission::import_deadline` (`MetadataError` unless `lease_ns` is an int >= 2).
     #[pyo3(signature = (request_id, now, timeout, lease_ns=None))]
-    fn import_deadline(request_id: U64, now: U64, timeout: U64, lease_ns: Raw<Option<Int>>) -> u64
-        = lease_ns.map(|v| admission::ticket_int(request_id, "lease_ns", &v.0)).transpose()
+    fn import_deadline(request_id: U64, now: U64, timeout: U64, lease_ns: Opt<Given>) -> u64
+        = lease_ns.map(|v| admission::ticket_int(request_id, "lease_ns", &v)).transpose()
             .and_then(|lease| admission::import_deadline(request_id, now, timeout, lease));
     /// `admission::source_lease_of`: `(lease_until_wall, now_wall)` for `submit`, or `None`s.
     #[pyo3(signature = (request_id, lease_until_wall_ns=None, now_wall=None))]
-    fn source_lease(request_id: U64, lease_until_wall_ns: Raw<Option<Int>>,
-        now_wall: Raw<Option<Int>>) -> (Option<u64>, Option<u64>)
-        = admission::source_lease_of(
-            request_id, lease_until_wall_ns.map(|v| v.0).as_ref(), now_wall.map(|v| v.0).as_ref(),
-        ).map(Option::unzip);
+    fn source_lease(request_id: U64, lease_until_wall_ns: Opt<Given>, now_wall: Opt<Given>)
+        -> (Option<u64>, Option<u64>)
+        = admission::source_lease_of(request_id, lease_until_wall_ns.as_ref(), now_wall.as_ref())
+            .map(Option::unzip);
     /// `admission::resume_finishes`: whether the handed-off tokens already finish a request.
     #[pyo3(signature = (resume_tokens, max_new_tokens, termination_id=None, stop_word_ids=Vec::new()),
         text_signature = "(resume_tokens, max_new_tokens, termination_id=None, stop_word_ids=[])")]
