@@ -142,15 +142,17 @@ impl StagingRanges {
     /// `sources` copies at once (two slots each at least): as [`Self::alloc_slots`], each
     /// slot also at most `peer_pool / (2 * sources)`. Returns `(slot_bytes, offsets)`, the
     /// slot size being the chunk size too, or `None` (nothing reserved) when two slots of
-    /// `item_bytes` do not fit either pool.
+    /// `item_bytes` do not fit either pool, without an item size (no device plan) or without
+    /// a peer pool.
     pub fn alloc_stream(
         &mut self,
-        item_bytes: u64,
-        peer_pool: u64,
+        item_bytes: Option<u64>,
+        peer_pool: Option<u64>,
         sources: u64,
         share: u64,
         max_slots: u64,
     ) -> Option<(u64, Vec<u64>)> {
+        let (item_bytes, peer_pool) = (item_bytes?, peer_pool?);
         let cap = peer_pool / sources.max(1).saturating_mul(2) / self.alignment * self.alignment;
         let budget = self.largest_free() / share.max(1);
         let slots = max_slots.min(budget / item_bytes.max(1));
@@ -363,9 +365,13 @@ mod tests {
         assert!(pool.alloc_slots(3000, 1, 3).is_none());
         // A stream's slots also fit two per source in the peer's pool.
         let mut fresh = StagingRanges::new(8192, 256).unwrap();
-        let (bytes, offs) = fresh.alloc_stream(512, 4096, 2, 2, 3).unwrap();
+        let (bytes, offs) = fresh.alloc_stream(Some(512), Some(4096), 2, 2, 3).unwrap();
         assert_eq!((bytes, offs.len()), (1024, 3));
-        assert!(fresh.alloc_stream(512, 1024, 2, 1, 3).is_none(), "peer slots under an item");
+        let under = fresh.alloc_stream(Some(512), Some(1024), 2, 1, 3);
+        assert!(under.is_none(), "peer slots under an item");
+        // No item size (no device plan) or no peer pool: nothing is reserved.
+        assert!(fresh.alloc_stream(None, Some(4096), 2, 1, 3).is_none());
+        assert!(fresh.alloc_stream(Some(512), None, 2, 1, 3).is_none());
         assert_eq!(fresh.in_use(), 3072);
         assert!(pool.alloc_slots(0, 0, 3).is_some_and(|(b, o)| b >= 256 && o.len() == 3));
     }

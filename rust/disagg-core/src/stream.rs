@@ -993,6 +993,14 @@ impl StreamMailboxes {
         self.early.retain(|(k, ..)| *k != key);
     }
 
+    /// [`Self::close_stream`] of the stream or announcement a staging ticket of `peer` names
+    /// (nothing for a ticket that names none).
+    pub fn forget_ticket(&mut self, peer: &str, ticket: &StagingTicket) {
+        if let Some(id) = ticket.notice_id() {
+            self.close_stream(peer, id);
+        }
+    }
+
     /// Forget `peer` (forgotten, declared lost or replaced: its stream ids start over): its
     /// early notifications are dropped and each of its open mailboxes is gone (it takes no
     /// more notifications; [`Self::take`] says so until it is closed).

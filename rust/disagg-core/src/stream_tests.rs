@@ -363,6 +363,31 @@ fn mailboxes_keep_the_notifications_of_open_streams_only() {
     assert!(boxes.is_empty());
 }
 
+#[test]
+fn forgetting_a_ticket_closes_the_stream_or_announcement_it_names_only() {
+    use crate::wire::ticket::StagingTicket;
+    let whole = StagingTicket {
+        src_rank: 0,
+        incarnation: 1,
+        staged: true,
+        offset: 0,
+        nbytes: 64,
+        stream: None,
+        ready: None,
+    };
+    let early =
+        |id| vec![("dec".to_owned(), vec![StreamMsg::bare(StreamKind::Ack, id, 0).encode()])];
+    let mut boxes = StreamMailboxes::default();
+    boxes.route(early(7), 0.0, TTL);
+    boxes.route(early(8), 0.0, TTL);
+    boxes.forget_ticket("dec", &whole);
+    assert_eq!(boxes.early(), 2, "a ticket naming no notifications closes nothing");
+    boxes.forget_ticket("dec", &StagingTicket { ready: Some(7), ..whole.clone() });
+    assert_eq!(boxes.early(), 1);
+    boxes.forget_ticket("other", &StagingTicket { ready: Some(8), ..whole });
+    assert_eq!(boxes.early(), 1, "another peer's stream 8 stays");
+}
+
 /// How long an early notification waits for its stream in these tests (seconds).
 const TTL: f64 = 30.0;
 

@@ -149,6 +149,17 @@ impl<C: Conv> Conv for Opt<C> {
     }
 }
 
+/// A list of arguments, each converted as `C`.
+pub struct Each<C>(std::marker::PhantomData<C>);
+
+impl<C: Conv> Conv for Each<C> {
+    type Py = Vec<C::Py>;
+    type Out = Vec<C::Out>;
+    fn conv(field: &str, v: Self::Py) -> PyResult<Self::Out> {
+        v.into_iter().map(|v| C::conv(field, v)).collect()
+    }
+}
+
 /// An argument `PyO3` converts itself (`T`), passed on as it is.
 pub struct Raw<T>(std::marker::PhantomData<T>);
 

@@ -97,12 +97,12 @@ pub fn wire_dict<'a, 'py>(
 }
 
 /// One `#[pymethods]` block listing the read-only accessors of `self.inner`: `get { name: T =
-/// (path); }` getters, `span`/`range` `{ name = (path); }` spans as `(lo, hi)` (getter /
-/// method), then the hand-written `methods`. A leading `wire $ty => $core` adds `from_dict`,
+/// (path); }` getters, optional `span`/`range` `{ name = (path); }` spans as `(lo, hi)` (getter
+/// / method), then the hand-written `methods`. A leading `wire $ty => $core` adds `from_dict`,
 /// `to_dict`, `__reduce__` (the core's [`WireRecord`](disagg_core::wire::layout::WireRecord))
 /// and `__repr__`.
 macro_rules! py_methods {
-    (wire $ty:ty => $core:ty, get $g:tt span $s:tt range $r:tt methods { $($m:tt)* }) => {
+    (wire $ty:ty => $core:ty, get $g:tt $(span $s:tt)? $(range $r:tt)? methods { $($m:tt)* }) => {
         impl $ty {
             /// Decode a wire dict (`MetadataError` on a missing, unknown or mistyped field).
             pub fn from_wire(
@@ -116,7 +116,7 @@ macro_rules! py_methods {
             }
         }
 
-        $crate::error::py_methods!($ty, get $g span $s range $r methods {
+        $crate::error::py_methods!($ty, get $g $(span $s)? $(range $r)? methods {
             $($m)*
             /// Rebuild from `to_dict()` output (or the reference design's field dict).
             #[classmethod]
@@ -152,21 +152,21 @@ macro_rules! py_methods {
     (
         $ty:ty,
         get { $($(#[$gm:meta])* $g:ident: $gt:ty = ($($gp:tt)+);)* }
-        span { $($(#[$sm:meta])* $s:ident = ($($sp:tt)+);)* }
-        range { $($(#[$rm:meta])* $r:ident = ($($rp:tt)+);)* }
+        $(span { $($(#[$sm:meta])* $s:ident = ($($sp:tt)+);)* })?
+        $(range { $($(#[$rm:meta])* $r:ident = ($($rp:tt)+);)* })?
         methods { $($m:tt)* }
     ) => {
         #[::pyo3::pymethods]
         impl $ty {
             $($(#[$gm])* #[getter] fn $g(&self) -> $gt { self.inner.$($gp)+ })*
-            $($(#[$sm])* #[getter] fn $s(&self) -> (u32, u32) {
+            $($($(#[$sm])* #[getter] fn $s(&self) -> (u32, u32) {
                 let s = self.inner.$($sp)+;
                 (s.lo, s.hi)
-            })*
-            $($(#[$rm])* fn $r(&self) -> (u32, u32) {
+            })*)?
+            $($($(#[$rm])* fn $r(&self) -> (u32, u32) {
                 let s = self.inner.$($rp)+;
                 (s.lo, s.hi)
-            })*
+            })*)?
             $($m)*
         }
     };

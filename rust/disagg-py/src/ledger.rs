@@ -7,17 +7,17 @@ use std::sync::{Arc, Mutex};
 use disagg_core::ledger::admission::{self, BatchRoom};
 use disagg_core::ledger::{ActionRecord, HandleState, PushDestination, PushPlan};
 use disagg_core::{
-    CompletionQuorum, DisaggError, ImportLedger, ImportLedgerConfig, ImportRequest, LedgerAction,
-    PinLedger, QuorumDecision, RankOutcome, SourceLease,
+    CompletionQuorum, ImportLedger, ImportLedgerConfig, ImportRequest, LedgerAction, PinLedger,
+    QuorumDecision, RankOutcome, SourceLease,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::args::{
-    conv, convs, Bool, Conv, Flag, I64s, Id, Ids, Int, IntList, Opt, Raw, Text, U64s, I64, U32, U64,
+    conv, convs, Bool, Each, Flag, I64s, Id, Ids, Int, IntList, Opt, Raw, Text, U64s, I64, U32, U64,
 };
 use crate::error::{py_methods, IntoPyResult};
-use crate::pool::{core_methods, lock, lock_with, tokens_arg, Out};
+use crate::pool::{core_methods, lock, lock_with, outs, tokens_arg, Out};
 use crate::wire::to_wire;
 
 /// One action of a ledger, tagged by `kind`; the fields a kind does not use are empty.
@@ -47,8 +47,6 @@ get {
     block_ids: Vec<u32> = (block_ids.clone());
     ssm_slot: Option<u32> = (start.ssm_slot);
 }
-span {}
-range {}
 methods {
     fn __repr__(&self) -> String {
         self.inner.to_string()
@@ -70,16 +68,25 @@ impl<const N: usize> Out for [(&'static str, u64); N] {
     }
 }
 
-impl Out for Result<Vec<LedgerAction>, DisaggError> {
-    type Py = Vec<PyLedgerAction>;
-    fn out(self) -> PyResult<Self::Py> {
-        Ok(actions(self.py()?))
-    }
+outs! {
+    Vec<LedgerAction> => Vec<PyLedgerAction> = |v| actions(v);
+    PushPlan => PushTuple = |p| {
+        let (src_ssm, dst_ssm) = (p.ssm_slots.map(|(s, _)| s), p.ssm_slots.map(|(_, d)| d));
+        (p.epoch, p.src_block_ids, p.dst_block_ids, p.num_tokens, src_ssm, dst_ssm)
+    };
+    Option<QuorumDecision> => Option<QuorumVerdict> = |v| v.map(|d| match d {
+        QuorumDecision::Success => ("success", None, None),
+        QuorumDecision::Failure { rank, outcome } => ("failure", Some(rank), Some(outcome.name())),
+    });
 }
 
 convs! {
     /// One rank's terminal outcome: `"ok"`, `"error"`, `"timeout"` or `"may_still_write"`.
     Outcome: Text => RankOutcome = |f, v| RankOutcome::parse(v.get(f)?).py();
+    /// An int as given, for the core to check.
+    Given: Int => disagg_core::args::Int = |_f, v| Ok(v.0);
+    /// A transfer handle's state: `"running"`, `"done"`, `"timeout"` or `"error"`.
+    State: Text => HandleState = |f, v| HandleState::parse(v.get(f)?).py();
     /// The `destination` each decode rank's metadata states (`None` when it states none).
     Destinations: Vec<Py<PyAny>> => Vec<Option<PushDestination>>
         = |_f, v| Python::attach(|py| v.iter().map(|m| push_destination(m.bind(py))).collect());
@@ -94,34 +101,12 @@ convs! {
         = |_f, v| v.into_iter().map(|(r, o)| Ok((U64::conv("request_id", r)?, o))).collect();
 }
 
-fn batch_room(total: Int, max_requests: Int, active: Int, max_tokens: Int) -> PyResult<BatchRoom> {
-    conv!(max_requests: U64, max_tokens: U64);
-    let total_requests = U64::conv("total_request_count", total)?;
-    let active_tokens = U64::conv("active_token_count", active)?;
-    Ok(BatchRoom { total_requests, max_requests, active_tokens, max_tokens })
-}
-
 type PushTuple = (u64, Vec<u32>, Vec<u32>, u32, Option<u32>, Option<u32>);
 
 fn push_destination(meta: &Bound<'_, PyAny>) -> PyResult<Option<PushDestination>> {
     let Ok(meta) = meta.cast::<PyDict>() else { return Ok(None) };
     let Some(dest) = meta.get_item("destination")? else { return Ok(None) };
     PushDestination::from_wire(&to_wire(&dest, "destination")?).map(Some).py()
-}
-
-impl Out for Result<PushPlan, DisaggError> {
-    type Py = PushTuple;
-    fn out(self) -> PyResult<PushTuple> {
-        let p = self.py()?;
-        Ok((
-            p.epoch,
-            p.src_block_ids,
-            p.dst_block_ids,
-            p.num_tokens,
-            p.ssm_slots.map(|(src, _)| src),
-            p.ssm_slots.map(|(_, dst)| dst),
-        ))
-    }
 }
 
 /// Decode-side import ledger over its own block and SSM slot pools.
@@ -131,6 +116,23 @@ pub struct PyImportLedger {
 }
 
 core_methods!(PyImportLedger, lock_with, inner, pools Import,
+ctors {
+    #[new]
+    #[pyo3(signature = (
+        num_blocks, block_size_tokens, num_ssm_slots=Int::of(0), *, world_size=Int::of(1),
+        rank=Int::of(0), pull=Flag::of(true), lookahead_tokens=Int::of(0),
+        drain_horizon=Int::of(30_000_000_000), clock_offset_bound=Int::of(1_000_000_000)
+    ), text_signature = "(num_blocks, block_size_tokens, num_ssm_slots=0, *, world_size=1, \
+        rank=0, pull=True, lookahead_tokens=0, drain_horizon=30000000000, \
+        clock_offset_bound=1000000000)")]
+    fn new(num_blocks: U32, block_size_tokens: U32, num_ssm_slots: U32, world_size: U32,
+        rank: U32, pull: Bool, lookahead_tokens: U32, drain_horizon: U64, clock_offset_bound: U64)
+        = Arc::new(ImportLedger::new(num_blocks, block_size_tokens, num_ssm_slots,
+            ImportLedgerConfig {
+                world_size, rank, pull, lookahead_tokens, drain_horizon, clock_offset_bound,
+            },
+        ).py()?.into());
+}
 calls {
     /// The local handle of a quarantined attempt settled.
     fn settle(request_id: U64, epoch: U64) -> Vec<PyLedgerAction> = settle(request_id, epoch);
@@ -177,110 +179,63 @@ calls {
     /// Admission point (see `ImportLedger::admit`; `now` as read after the completions).
     #[pyo3(signature = (batch_room, now=None))]
     fn admit(batch_room: U32, now: Opt<U64>) -> Vec<PyLedgerAction> = admit(batch_room, now);
+    /// Speculative lookahead tokens reserved after the resume tokens of every import.
+    #[getter] fn lookahead_tokens() -> u32 = config().lookahead_tokens;
 }
-methods {
-    #[new]
-    #[pyo3(signature = (
-        num_blocks, block_size_tokens, num_ssm_slots=Int::of(0), *, world_size=Int::of(1),
-        rank=Int::of(0), pull=Flag::of(true), lookahead_tokens=Int::of(0),
-        drain_horizon=Int::of(30_000_000_000), clock_offset_bound=Int::of(1_000_000_000)
-    ), text_signature = "(num_blocks, block_size_tokens, num_ssm_slots=0, *, world_size=1, \
-        rank=0, pull=True, lookahead_tokens=0, drain_horizon=30000000000, \
-        clock_offset_bound=1000000000)")]
-    fn new(num_blocks: Int, block_size_tokens: Int, num_ssm_slots: Int, world_size: Int,
-        rank: Int, pull: Flag, lookahead_tokens: Int, drain_horizon: Int,
-        clock_offset_bound: Int) -> PyResult<Self> {
-        conv!(world_size: U32, rank: U32, pull: Bool, lookahead_tokens: U32);
-        conv!(drain_horizon: U64, clock_offset_bound: U64);
-        conv!(num_blocks: U32, block_size_tokens: U32, num_ssm_slots: U32);
-        let cfg = ImportLedgerConfig {
-            world_size, rank, pull, lookahead_tokens, drain_horizon, clock_offset_bound
-        };
-        let l = ImportLedger::new(num_blocks, block_size_tokens, num_ssm_slots, cfg).py()?;
-        Ok(Self { inner: Arc::new(Mutex::new(l)) })
-    }
-
-    /// Share of the source's pin lease (percent) an import may use, submit to admission.
-    #[classattr]
-    const LEASE_READ_PERCENT: u64 = admission::LEASE_READ_PERCENT;
-
+statics {
     /// `admission::continuation_blocks`: blocks needed beyond the prompt blocks.
-    #[staticmethod]
     #[pyo3(signature = (prompt_length, input_token_count, block_size, mtp_kv_cache=Flag::of(false)),
         text_signature = "(prompt_length, input_token_count, block_size, mtp_kv_cache=False)")]
-    fn continuation_blocks(prompt_length: Int, input_token_count: Int, block_size: Int,
-        mtp_kv_cache: Flag) -> PyResult<u64> {
-        conv!(prompt_length: U64, input_token_count: U64, block_size: U64, mtp_kv_cache: Bool);
-        admission::continuation_blocks(prompt_length, input_token_count, block_size, mtp_kv_cache)
-            .py()
-    }
-
+    fn continuation_blocks(prompt_length: U64, input_token_count: U64, block_size: U64,
+        mtp_kv_cache: Bool) -> u64 = admission::continuation_blocks(
+            prompt_length, input_token_count, block_size, mtp_kv_cache);
     /// `admission::BatchRoom::fits`: whether one more request of `input_tokens` fits.
-    #[staticmethod]
-    fn batch_fits(total_request_count: Int, max_requests: Int, active_token_count: Int,
-        max_tokens: Int, input_tokens: Int) -> PyResult<bool> {
-        let room = batch_room(total_request_count, max_requests, active_token_count, max_tokens)?;
-        Ok(room.fits(U64::conv("input_tokens", input_tokens)?))
-    }
-
+    fn batch_fits(total_request_count: U64, max_requests: U64, active_token_count: U64,
+        max_tokens: U64, input_tokens: U64) -> bool
+        = BatchRoom { total_requests: total_request_count, max_requests,
+            active_tokens: active_token_count, max_tokens }.fits(input_tokens);
     /// `admission::check_prefilled_admission` (see `disagg_rs.decode_admission`).
-    #[staticmethod]
     #[pyo3(signature = (
         request_id, prompt_length, prompt_blocks, continuation_blocks, input_tokens, *,
         has_ssm_slot, block_size, num_speculative_tokens, mtp_kv_cache, hybrid,
         total_request_count, max_requests, active_token_count, max_tokens
     ))]
-    fn check_prefilled_admission(request_id: Int, prompt_length: Int, prompt_blocks: Int,
-        continuation_blocks: Int, input_tokens: Int, has_ssm_slot: Flag, block_size: Int,
-        num_speculative_tokens: Int, mtp_kv_cache: Flag, hybrid: Flag, total_request_count: Int,
-        max_requests: Int, active_token_count: Int, max_tokens: Int) -> PyResult<()> {
-        conv!(request_id: U64, prompt_length: U64, prompt_blocks: U64);
-        conv!(continuation_blocks: U64, input_tokens: U64, has_ssm_slot: Bool);
-        conv!(block_size: U64, num_speculative_tokens: U64, mtp_kv_cache: Bool, hybrid: Bool);
-        let req = admission::PrefilledRequest {
-            request_id, prompt_len: prompt_length, prompt_blocks, continuation_blocks,
-            input_tokens, has_ssm_slot,
-        };
-        let settings =
-            admission::DecodeSettings { block_size, num_speculative_tokens, mtp_kv_cache, hybrid };
-        let room = batch_room(total_request_count, max_requests, active_token_count, max_tokens)?;
-        admission::check_prefilled_admission(&req, &room, &settings).py()
-    }
-
+    fn check_prefilled_admission(request_id: U64, prompt_length: U64, prompt_blocks: U64,
+        continuation_blocks: U64, input_tokens: U64, has_ssm_slot: Bool, block_size: U64,
+        num_speculative_tokens: U64, mtp_kv_cache: Bool, hybrid: Bool, total_request_count: U64,
+        max_requests: U64, active_token_count: U64, max_tokens: U64) -> ()
+        = admission::check_prefilled_admission(
+            &admission::PrefilledRequest {
+                request_id, prompt_len: prompt_length, prompt_blocks, continuation_blocks,
+                input_tokens, has_ssm_slot,
+            },
+            &BatchRoom { total_requests: total_request_count, max_requests,
+                active_tokens: active_token_count, max_tokens },
+            &admission::DecodeSettings { block_size, num_speculative_tokens, mtp_kv_cache, hybrid },
+        );
     /// `admission::import_deadline` (`MetadataError` unless `lease_ns` is an int >= 2).
-    #[staticmethod]
     #[pyo3(signature = (request_id, now, timeout, lease_ns=None))]
-    fn import_deadline(request_id: Int, now: Int, timeout: Int, lease_ns: Option<Int>)
-        -> PyResult<u64> {
-        conv!(request_id: U64);
-        let lease = lease_ns.map(|v| admission::ticket_int(request_id, "lease_ns", &v.0));
-        let lease = lease.transpose().py()?;
-        conv!(now: U64, timeout: U64);
-        admission::import_deadline(request_id, now, timeout, lease).py()
-    }
-
+    fn import_deadline(request_id: U64, now: U64, timeout: U64, lease_ns: Opt<Given>) -> u64
+        = lease_ns.map(|v| admission::ticket_int(request_id, "lease_ns", &v)).transpose()
+            .and_then(|lease| admission::import_deadline(request_id, now, timeout, lease));
     /// `admission::source_lease_of`: `(lease_until_wall, now_wall)` for `submit`, or `None`s.
-    #[staticmethod]
     #[pyo3(signature = (request_id, lease_until_wall_ns=None, now_wall=None))]
-    fn source_lease(request_id: Int, lease_until_wall_ns: Option<Int>, now_wall: Option<Int>)
-        -> PyResult<(Option<u64>, Option<u64>)> {
-        conv!(request_id: U64);
-        let (end, wall) = (lease_until_wall_ns.map(|v| v.0), now_wall.map(|v| v.0));
-        let lease = admission::source_lease_of(request_id, end.as_ref(), wall.as_ref()).py()?;
-        Ok(lease.map_or((None, None), |(e, w)| (Some(e), Some(w))))
-    }
-
+    fn source_lease(request_id: U64, lease_until_wall_ns: Opt<Given>, now_wall: Opt<Given>)
+        -> (Option<u64>, Option<u64>)
+        = admission::source_lease_of(request_id, lease_until_wall_ns.as_ref(), now_wall.as_ref())
+            .map(Option::unzip);
     /// `admission::resume_finishes`: whether the handed-off tokens already finish a request.
-    #[staticmethod]
     #[pyo3(signature = (resume_tokens, max_new_tokens, termination_id=None, stop_word_ids=Vec::new()),
         text_signature = "(resume_tokens, max_new_tokens, termination_id=None, stop_word_ids=[])")]
-    fn resume_finishes(resume_tokens: IntList, max_new_tokens: Int, termination_id: Option<Int>,
-        stop_word_ids: Vec<IntList>) -> PyResult<bool> {
-        conv!(resume_tokens: I64s, max_new_tokens: I64, termination_id: Opt<I64>);
-        let stops = stop_word_ids.into_iter().map(|w| I64s::conv("stop_word_ids", w));
-        let stops = stops.collect::<PyResult<Vec<_>>>()?;
-        Ok(admission::resume_finishes(&resume_tokens, max_new_tokens, termination_id, &stops))
-    }
+    fn resume_finishes(resume_tokens: I64s, max_new_tokens: I64, termination_id: Opt<I64>,
+        stop_word_ids: Each<I64s>) -> bool
+        = admission::resume_finishes(
+            &resume_tokens, max_new_tokens, termination_id, &stop_word_ids);
+}
+methods {
+    /// Share of the source's pin lease (percent) an import may use, submit to admission.
+    #[classattr]
+    const LEASE_READ_PERCENT: u64 = admission::LEASE_READ_PERCENT;
 
     /// `ImportLedger::submit`: `prompt_tokens` (hashed here) or `num_prompt_tokens` with
     /// optional `prompt_hashes`; a source lease is `lease_until_wall` with `now_wall`.
@@ -321,11 +276,6 @@ methods {
         Ok(actions(out))
     }
 
-    /// Speculative lookahead tokens reserved after the resume tokens of every import.
-    #[getter]
-    fn lookahead_tokens(&self) -> PyResult<u32> {
-        Ok(lock(&self.inner)?.config().lookahead_tokens)
-    }
 });
 
 /// Prefill-side pin ledger over its own block and SSM slot pools.
@@ -335,6 +285,13 @@ pub struct PyPinLedger {
 }
 
 core_methods!(PyPinLedger, lock_with, inner, pools Pin,
+ctors {
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size_tokens, num_ssm_slots=Int::of(0)),
+        text_signature = "(num_blocks, block_size_tokens, num_ssm_slots=0)")]
+    fn new(num_blocks: U32, block_size_tokens: U32, num_ssm_slots: U32)
+        = Arc::new(PinLedger::new(num_blocks, block_size_tokens, num_ssm_slots).py()?.into());
+}
 calls {
     /// A push send started reading the pin (two-sided transports).
     fn begin_push(request_id: U64, epoch: U64) -> () = begin_push(request_id, epoch);
@@ -378,16 +335,7 @@ calls {
     /// SSM slot of a live pin (``None`` for an id with no pin or a pin without a slot).
     fn pinned_ssm_slot(request_id: U64) -> Option<u32> = pinned(request_id).and_then(|(_, s)| s);
 }
-methods {
-    #[new]
-    #[pyo3(signature = (num_blocks, block_size_tokens, num_ssm_slots=Int::of(0)),
-        text_signature = "(num_blocks, block_size_tokens, num_ssm_slots=0)")]
-    fn new(num_blocks: Int, block_size_tokens: Int, num_ssm_slots: Int) -> PyResult<Self> {
-        conv!(num_blocks: U32, block_size_tokens: U32, num_ssm_slots: U32);
-        let l = PinLedger::new(num_blocks, block_size_tokens, num_ssm_slots).py()?;
-        Ok(Self { inner: Arc::new(Mutex::new(l)) })
-    }
-});
+methods {});
 
 /// Model-parallel agreement: success when all ranks report ok, failure at the first non-ok
 /// report (once); a rank contradicting itself raises `HandoffStateError`.
@@ -396,19 +344,11 @@ pub struct PyCompletionQuorum {
     inner: Mutex<CompletionQuorum>,
 }
 
-impl Out for Result<Option<QuorumDecision>, DisaggError> {
-    type Py = Option<QuorumVerdict>;
-    fn out(self) -> PyResult<Self::Py> {
-        Ok(self.py()?.map(|d| match d {
-            QuorumDecision::Success => ("success", None, None),
-            QuorumDecision::Failure { rank, outcome } => {
-                ("failure", Some(rank), Some(outcome.name()))
-            }
-        }))
-    }
-}
-
 core_methods!(PyCompletionQuorum, lock_with, inner,
+ctors {
+    #[new]
+    fn new(world_size: U32) = CompletionQuorum::new(world_size).py()?.into();
+}
 calls {
     /// Number of ranks.
     #[getter] fn world_size() -> u32 = world_size();
@@ -422,31 +362,22 @@ calls {
     fn report(request_id: U64, epoch: U64, rank: U32, outcome: Outcome) -> Option<QuorumVerdict>
         = report((request_id, epoch), rank, outcome);
 }
-methods {
-    #[new]
-    fn new(world_size: Int) -> PyResult<Self> {
-        conv!(world_size: U32);
-        Ok(Self { inner: Mutex::new(CompletionQuorum::new(world_size).py()?) })
-    }
-
+statics {
     /// `RankOutcome::fold_local` of the handles' states: `None` while one runs.
-    #[staticmethod]
-    fn local_outcome(failed_locally: Flag, handle_states: Vec<Text>)
-        -> PyResult<Option<&'static str>> {
-        let states = handle_states
-            .iter()
-            .map(|t| HandleState::parse(t.get("handle_states")?).py())
-            .collect::<PyResult<Vec<_>>>()?;
-        conv!(failed_locally: Bool);
-        Ok(RankOutcome::fold_local(failed_locally, &states).map(RankOutcome::name))
-    }
-});
+    fn local_outcome(failed_locally: Bool, handle_states: Each<State>) -> Option<&'static str>
+        = RankOutcome::fold_local(failed_locally, &handle_states).map(RankOutcome::name);
+}
+methods {});
 
 /// `disagg_core::reference::ReferenceImports`: a reference-design engine's imports.
 #[pyclass(name = "ReferenceImports", module = "disagg_rs", frozen)]
 pub struct PyReferenceImports(Mutex<disagg_core::reference::ReferenceImports>);
 
 core_methods!(PyReferenceImports, lock_with, 0,
+ctors {
+    #[new]
+    fn new() = disagg_core::reference::ReferenceImports::new().into();
+}
 calls {
     fn start(request_id: U64, safe: Raw<bool>) -> () = start(request_id, safe);
     fn importing() -> Vec<u64> = importing();
@@ -465,9 +396,4 @@ calls {
     fn reset(pinned: Rids, pushes: RidPairs, imports: RidPairs) -> ()
         = reset(&pinned, &pushes, &imports);
 }
-methods {
-    #[new]
-    fn new() -> Self {
-        Self(Mutex::new(disagg_core::reference::ReferenceImports::new()))
-    }
-});
+methods {});

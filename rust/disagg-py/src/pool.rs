@@ -9,7 +9,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::args::{conv, Id, Ids, Int, IntList, Kind, U64s, U32};
+use crate::args::{Id, Ids, Int, IntList, Kind, U64s, U32};
 use crate::error::IntoPyResult;
 
 /// Lock a shared core object; a poisoned lock becomes a Python error.
@@ -26,19 +26,21 @@ pub trait Out {
     fn out(self) -> PyResult<Self::Py>;
 }
 
-/// `Out` for values Python receives as they are, bare or in a core `Result`.
+/// A core error goes through the one error mapping; the value converts as it does bare.
+impl<T: Out> Out for Result<T, DisaggError> {
+    type Py = T::Py;
+    fn out(self) -> PyResult<T::Py> {
+        self.py()?.out()
+    }
+}
+
+/// `Out` for values Python receives as they are.
 macro_rules! plain_out {
     ($($t:ty),*) => {$(
         impl Out for $t {
             type Py = $t;
             fn out(self) -> PyResult<$t> {
                 Ok(self)
-            }
-        }
-        impl Out for Result<$t, DisaggError> {
-            type Py = $t;
-            fn out(self) -> PyResult<$t> {
-                self.py()
             }
         }
     )*};
@@ -62,47 +64,77 @@ plain_out!(
     Vec<(&'static str, (u32, u32), (u32, u32))>,
     (&'static str, u64),
     (i64, Vec<u64>),
-    Vec<i64>
+    Vec<i64>,
+    (Option<u64>, Option<u64>)
 );
 plain_out!((bool, u64), (u64, u64), (i64, bool));
 
-impl Out for Result<SlotState, DisaggError> {
-    type Py = &'static str;
-    fn out(self) -> PyResult<&'static str> {
-        self.py().map(SlotState::name)
-    }
+/// `Out` converting a core value: `CoreType => PyType = |v| expr;` (`expr` may use `?`).
+macro_rules! outs {
+    ($($t:ty => $py:ty = |$v:ident| $e:expr;)*) => {$(
+        impl $crate::pool::Out for $t {
+            type Py = $py;
+            fn out(self) -> ::pyo3::PyResult<$py> {
+                let $v = self;
+                Ok($e)
+            }
+        }
+    )*};
+}
+pub(crate) use outs;
+
+outs! {
+    SlotState => &'static str = |v| v.name();
 }
 
 /// One `#[pymethods]` block of a class reaching its core object as `reach(&self.field, f)`:
-/// each `calls` entry `fn name(arg: Conv, ..) -> T = method(exprs..)` converts its arguments
-/// ([`Conv`](crate::args::Conv)) before the lock, then returns `core.method(..)` through
-/// [`Out`]; `methods { .. }` holds the hand-written ones; `pools Variant,` adds the
-/// `block_pool` and `slot_pool` views of a ledger's pools.
+/// each `calls` entry `fn name(arg: Conv, ..) -> T = method(exprs..).then..` converts its
+/// arguments ([`Conv`](crate::args::Conv)) before the lock, then returns `core.method(..)`
+/// (followed by `.then` method calls or fields) through [`Out`]; `ctors { #[new] fn name(arg:
+/// Conv, ..) = expr; }` build the class with `expr` as its `field`; `statics { fn name(..) ->
+/// T = expr; }` are static methods returning `expr` through [`Out`]; `methods { .. }` holds
+/// the hand-written ones; `pools Variant,` adds the `block_pool` and `slot_pool` views of a
+/// ledger's pools.
 macro_rules! core_methods {
     (
         $ty:ty, $reach:path, $field:tt, $(pools $owner:ident,)?
+        $(ctors { $($(#[$cm:meta])* fn $cn:ident($($ca:ident: $cc:ty),*) = $ce:expr;)* })?
         calls { $($(#[$m:meta])* fn $name:ident($($a:ident: $c:ty),*) -> $ret:ty
-            = $call:ident($($x:expr),*) $(.$then:ident($($y:expr),*))*;)* }
+            = $call:ident($($x:expr),*) $(.$then:ident $(($($y:expr),*))?)*;)* }
+        $(statics { $($(#[$sm:meta])* fn $sn:ident($($sa:ident: $sc:ty),*) -> $sr:ty
+            = $se:expr;)* })?
         methods { $($rest:tt)* }
     ) => {
         #[pymethods]
         impl $ty {
+            $($($(#[$cm])*
+            fn $cn($($ca: <$cc as $crate::args::Conv>::Py),*) -> PyResult<Self> {
+                $crate::args::conv!($($ca: $cc),*);
+                Ok(Self { $field: $ce })
+            })*)?
             $($(#[$m])*
             fn $name(&self, $($a: <$c as $crate::args::Conv>::Py),*) -> PyResult<$ret> {
                 $crate::args::conv!($($a: $c),*);
-                $crate::pool::Out::out($reach(&self.$field, |c| c.$call($($x),*)$(.$then($($y),*))*)?)
+                let r = $reach(&self.$field, |c| c.$call($($x),*)$(.$then $(($($y),*))?)*)?;
+                $crate::pool::Out::out(r)
             })*
+            $($($(#[$sm])*
+            #[staticmethod]
+            fn $sn($($sa: <$sc as $crate::args::Conv>::Py),*) -> PyResult<$sr> {
+                $crate::args::conv!($($sa: $sc),*);
+                $crate::pool::Out::out($se)
+            })*)?
             $(
                 /// The ledger's block pool (shared, not a copy): the engine's allocator.
                 #[getter]
                 fn block_pool(&self) -> $crate::pool::PyBlockPool {
-                    let owner = $crate::pool::PoolOwner::$owner(::std::sync::Arc::clone(&self.$field));
+                    let owner = $crate::pool::PoolOwner::$owner(self.$field.clone());
                     $crate::pool::PyBlockPool { owner }
                 }
                 /// The ledger's SSM slot pool (shared, not a copy).
                 #[getter]
                 fn slot_pool(&self) -> $crate::pool::PySlotPool {
-                    let owner = $crate::pool::PoolOwner::$owner(::std::sync::Arc::clone(&self.$field));
+                    let owner = $crate::pool::PoolOwner::$owner(self.$field.clone());
                     $crate::pool::PySlotPool { owner }
                 }
             )?
@@ -173,6 +205,12 @@ macro_rules! ledger_pool {
 }
 ledger_pool!(BlockPool => pool_mut, SlotPool => slots_mut);
 
+impl<P> From<P> for PoolOwner<P> {
+    fn from(pool: P) -> Self {
+        Self::Own(Arc::new(Mutex::new(pool)))
+    }
+}
+
 impl<P: LedgerPool> PoolOwner<P> {
     /// Run `f` on the pool, locked.
     pub fn with<R>(&self, f: impl FnOnce(&mut P) -> R) -> PyResult<R> {
@@ -184,13 +222,36 @@ impl<P: LedgerPool> PoolOwner<P> {
     }
 }
 
-/// Fixed pool of KV blocks: refcounts, prefix cache by block hash, LRU eviction.
-#[pyclass(name = "BlockPool", module = "disagg_rs", frozen)]
-pub struct PyBlockPool {
-    pub owner: PoolOwner<BlockPool>,
+/// The pool classes, each over a [`PoolOwner`] (standalone, or a view of a ledger's pool):
+/// `"Name" PyName = Pool::make(arg: Conv, ..)` then the `calls` and `methods` of
+/// [`core_methods`] beyond those every pool has (constructor, `check`, `__repr__`).
+macro_rules! pool_classes {
+    ($($(#[$doc:meta])* $name:literal $py:ident = $pool:ident::$make:ident($($a:ident: $c:ty),*)
+        calls { $($calls:tt)* } methods { $($methods:tt)* })*) => {$(
+        $(#[$doc])*
+        #[pyclass(name = $name, module = "disagg_rs", frozen)]
+        pub struct $py {
+            pub owner: PoolOwner<$pool>,
+        }
+
+        core_methods!($py, PoolOwner::with, owner,
+        ctors {
+            #[new]
+            fn new($($a: $c),*) = $pool::$make($($a),*).py()?.into();
+        }
+        calls {
+            /// Verify conservation; raises `ConservationError`.
+            fn check() -> () = check();
+            fn __repr__() -> String = to_string();
+            $($calls)*
+        }
+        methods { $($methods)* });
+    )*};
 }
 
-core_methods!(PyBlockPool, PoolOwner::with, owner,
+pool_classes! {
+/// Fixed pool of KV blocks: refcounts, prefix cache by block hash, LRU eviction.
+"BlockPool" PyBlockPool = BlockPool::new(num_blocks: U32, block_size_tokens: U32)
 calls {
     #[getter] fn num_blocks() -> u32 = num_blocks();
     #[getter] fn block_size_tokens() -> u32 = block_size_tokens();
@@ -203,8 +264,6 @@ calls {
     /// `n` blocks with refcount 1, all or nothing (evicts LRU cached blocks if needed).
     fn allocate(n: U32) -> Vec<u32> = allocate(n);
     fn refcount(block_id: Id) -> u32 = refcount(block_id);
-    /// Verify conservation; raises `ConservationError`.
-    fn check() -> () = check();
     /// One more reference per occurrence; claims evictable cached blocks.
     fn retain(block_ids: Ids) -> () = retain(&block_ids);
     /// One reference less per occurrence; all or nothing.
@@ -213,18 +272,10 @@ calls {
     fn register_cached(block_ids: Ids, hashes: U64s) -> () = register_cached(&block_ids, &hashes);
     /// Blocks of the longest cached prefix of `hashes` (not retained).
     fn match_prefix(hashes: U64s) -> Vec<u32> = match_prefix(&hashes);
-    fn __repr__() -> String = to_string();
 }
 methods {
     fn __len__(&self) -> PyResult<usize> {
         self.owner.with(|p| p.num_blocks() as usize)
-    }
-
-    #[new]
-    fn new(num_blocks: Int, block_size_tokens: Int) -> PyResult<Self> {
-        conv!(num_blocks: U32, block_size_tokens: U32);
-        let pool = BlockPool::new(num_blocks, block_size_tokens).py()?;
-        Ok(Self { owner: PoolOwner::Own(Arc::new(Mutex::new(pool))) })
     }
 
     /// Hash chain over the full blocks of `tokens` (deterministic across processes).
@@ -233,15 +284,10 @@ methods {
         let bs = self.owner.with(|p| p.block_size_tokens())?;
         py.detach(|| disagg_core::block_hashes(&tokens, bs)).py()
     }
-});
-
-/// Fixed pool of SSM state slots.
-#[pyclass(name = "SlotPool", module = "disagg_rs", frozen)]
-pub struct PySlotPool {
-    pub owner: PoolOwner<SlotPool>,
 }
 
-core_methods!(PySlotPool, PoolOwner::with, owner,
+/// Fixed pool of SSM state slots.
+"SlotPool" PySlotPool = SlotPool::try_new(num_slots: U32)
 calls {
     #[getter] fn num_slots() -> u32 = num_slots();
     /// Slots ready to hand out.
@@ -253,17 +299,8 @@ calls {
     fn free(slot: Id) -> () = free(slot);
     /// Move an allocated slot to a live request, whose owner later calls `free`.
     fn detach(slot: Id) -> () = detach(slot);
-    /// Verify conservation; raises `ConservationError`.
-    fn check() -> () = check();
     /// `"free"`, `"allocated"` or `"detached"`.
     fn state(slot: Id) -> &'static str = state(slot);
-    fn __repr__() -> String = to_string();
 }
-methods {
-    #[new]
-    fn new(num_slots: Int) -> PyResult<Self> {
-        conv!(num_slots: U32);
-        let pool = SlotPool::try_new(num_slots).py()?;
-        Ok(Self { owner: PoolOwner::Own(Arc::new(Mutex::new(pool))) })
-    }
-});
+methods {}
+}

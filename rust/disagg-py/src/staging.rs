@@ -1,6 +1,7 @@
 //! Bindings of `StagingRanges`, `PullParts` and `write_pull_ids` (one pull's block ids checked
 //! and laid out in a device id slot).
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 
 use disagg_core::pull_parts::{Outcome, PullParts, Queries, Releases};
@@ -12,7 +13,7 @@ use pyo3::types::{PyInt, PyList, PyMapping};
 
 use crate::args::{conv, convs, Int, IntList, Kind, Opt, Raw, U32, U64};
 use crate::error::IntoPyResult;
-use crate::pool::{core_methods, lock, lock_with, Out};
+use crate::pool::{core_methods, lock_with, outs};
 use crate::wire::{metas, BlockI64, PyPeer};
 
 /// `disagg_core::StagingRanges`: first-fit pool of aligned byte ranges of a staging region.
@@ -22,6 +23,11 @@ pub struct PyStagingRanges {
 }
 
 core_methods!(PyStagingRanges, lock_with, inner,
+ctors {
+    #[new]
+    #[pyo3(signature = (capacity, alignment = Int::of(256)), text_signature = "(capacity, alignment=256)")]
+    fn new(capacity: U64, alignment: U64) = StagingRanges::new(capacity, alignment).py()?.into();
+}
 calls {
     #[getter] fn capacity() -> u64 = capacity();
     #[getter] fn alignment() -> u64 = alignment();
@@ -34,27 +40,15 @@ calls {
     fn free(offset: U64) -> bool = free(offset);
     fn free_all(offsets: Raw<Vec<u64>>) -> () = free_all(&offsets);
     fn ranges() -> Vec<(u64, u64)> = ranges();
+    /// `StagingRanges::alloc_stream` for a peer whose metadata's `staging` is `peer_staging`.
+    #[pyo3(signature = (item_bytes, peer_staging, sources, share, max_slots))]
+    fn alloc_stream(item_bytes: Raw<Option<u64>>, peer_staging: PeerPool, sources: Raw<u64>,
+        share: Raw<u64>, max_slots: Raw<u64>) -> Option<(u64, Vec<u64>)>
+        = alloc_stream(item_bytes, peer_staging, sources, share, max_slots);
     fn __len__() -> usize = len();
     fn __repr__() -> String = to_string();
 }
-methods {
-    #[new]
-    #[pyo3(signature = (capacity, alignment = Int::of(256)), text_signature = "(capacity, alignment=256)")]
-    fn new(capacity: Int, alignment: Int) -> PyResult<Self> {
-        conv!(capacity: U64, alignment: U64);
-        Ok(Self { inner: Mutex::new(StagingRanges::new(capacity, alignment).py()?) })
-    }
-    /// `StagingRanges::alloc_stream` for a peer whose metadata's `staging` is `peer_staging`;
-    /// `None` without an item size (no device plan).
-    #[pyo3(signature = (item_bytes, peer_staging, sources, share, max_slots))]
-    fn alloc_stream(&self, item_bytes: Option<u64>,
-        peer_staging: Option<std::collections::HashMap<String, u64>>, sources: u64, share: u64,
-        max_slots: u64) -> PyResult<Option<(u64, Vec<u64>)>> {
-        let peer_pool = peer_staging.and_then(|m| m.get("nbytes").copied()).unwrap_or(0);
-        let Some(item_bytes) = item_bytes else { return Ok(None) };
-        Ok(lock(&self.inner)?.alloc_stream(item_bytes, peer_pool, sources, share, max_slots))
-    }
-});
+methods {});
 
 /// Block ids of one side: a list of ints or an `int64` array read directly, else an [`IntList`].
 fn ids_of(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<i64>> {
@@ -148,6 +142,9 @@ pub fn write_pull_ids(
 }
 
 convs! {
+    /// The `nbytes` of a peer's `staging` pool, if it states one.
+    PeerPool: Option<HashMap<String, u64>> => Option<u64>
+        = |_f, v| Ok(v.and_then(|m| m.get("nbytes").copied()));
     /// Outcomes from Python: `(True, value)` or `(False, repr of the exception)` each.
     Outcomes: Vec<(bool, String)> => Vec<Outcome>
         = |_f, v| Ok(v.into_iter().map(|(ok, s)| if ok { Ok(s) } else { Err(s) }).collect());
@@ -156,25 +153,10 @@ convs! {
 /// `(abort, drop, finish)` part indices of a release.
 type PyReleases = (Vec<usize>, Vec<usize>, Vec<usize>);
 
-impl Out for Releases {
-    type Py = PyReleases;
-    fn out(self) -> PyResult<PyReleases> {
-        Ok((self.abort, self.drop, self.finish))
-    }
-}
-
-impl Out for (Releases, bool) {
-    type Py = (PyReleases, bool);
-    fn out(self) -> PyResult<Self::Py> {
-        Ok((self.0.out()?, self.1))
-    }
-}
-
-impl Out for Queries {
-    type Py = (Vec<usize>, Vec<usize>, Vec<usize>);
-    fn out(self) -> PyResult<Self::Py> {
-        Ok((self.landed, self.step, self.xfer))
-    }
+outs! {
+    Releases => PyReleases = |r| (r.abort, r.drop, r.finish);
+    (Releases, bool) => (PyReleases, bool) = |v| (v.0.out()?, v.1);
+    Queries => (Vec<usize>, Vec<usize>, Vec<usize>) = |q| (q.landed, q.step, q.xfer);
 }
 
 /// `disagg_core::pull_parts::PullParts`: the progress of one pull's parts.
@@ -184,6 +166,13 @@ pub struct PyPullParts {
 }
 
 core_methods!(PyPullParts, lock_with, inner,
+ctors {
+    /// Parts `(drives itself, local copy, has a handle, has on_done, label)`.
+    #[new]
+    #[pyo3(signature = (parts, error=None))]
+    fn new(parts: Raw<Vec<(bool, bool, bool, bool, String)>>, error: Raw<Option<String>>)
+        = PullParts::new(parts, error).into();
+}
 calls {
     #[getter] fn error() -> Option<String> = error().map(str::to_owned);
     fn begin() -> (Vec<usize>, Vec<usize>, Vec<usize>) = begin();
@@ -197,11 +186,4 @@ calls {
         -> (PyReleases, bool) = settle(&landed, now > deadline);
     fn cancel() -> PyReleases = cancel();
 }
-methods {
-    /// Parts `(drives itself, local copy, has a handle, has on_done, label)`.
-    #[new]
-    #[pyo3(signature = (parts, error=None))]
-    fn new(parts: Vec<(bool, bool, bool, bool, String)>, error: Option<String>) -> Self {
-        Self { inner: Mutex::new(PullParts::new(parts, error)) }
-    }
-});
+methods {});

@@ -8,13 +8,12 @@ use disagg_core::stream::{
     ChunkRange, Mail, Observed, StreamKind, StreamMailboxes, StreamMsg, StreamSink, StreamSource,
 };
 use disagg_core::wire::ticket::StagingTicket;
-use disagg_core::DisaggError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::args::{convs, Conv, Raw};
+use crate::args::{convs, Raw};
 use crate::error::IntoPyResult;
-use crate::pool::{core_fns, core_methods, lock, lock_with, Out};
+use crate::pool::{core_fns, core_methods, lock_with, outs};
 use crate::wire::to_wire;
 
 /// A notification as Python `bytes`.
@@ -24,26 +23,13 @@ fn bytes(m: &StreamMsg) -> Bytes {
     Cow::Owned(m.encode())
 }
 
-/// Notifications as a list of `bytes`, whatever holds them.
-macro_rules! bytes_out {
-    ($($t:ty => $py:ty = |$v:ident| $e:expr;)*) => {$(
-        impl Out for $t {
-            type Py = $py;
-            fn out(self) -> PyResult<$py> {
-                let $v = self;
-                Ok($e)
-            }
-        }
-    )*};
-}
-
-bytes_out! {
+// Notifications as `bytes`, whatever holds them.
+outs! {
     StreamMsg => Bytes = |v| bytes(&v);
     Vec<StreamMsg> => Vec<Bytes> = |v| v.iter().map(bytes).collect();
     Option<StreamMsg> => Vec<Bytes> = |v| v.iter().map(bytes).collect();
-    Result<StreamMsg, DisaggError> => Bytes = |v| bytes(&v.py()?);
-    Result<Vec<u8>, DisaggError> => Bytes = |v| Cow::Owned(v.py()?);
-    Result<StreamKind, DisaggError> => &'static str = |v| v.py()?.name();
+    Vec<u8> => Bytes = |v| Cow::Owned(v);
+    StreamKind => &'static str = |v| v.name();
     Vec<Vec<u8>> => Vec<Bytes> = |v| v.into_iter().map(Cow::Owned).collect();
     Observed => PyObserved = |v| (v.0, v.1.iter().map(bytes).collect(), v.2);
     Mail => (Vec<Bytes>, bool) = |v| (v.0.into_iter().map(Cow::Owned).collect(), v.1);
@@ -89,6 +75,14 @@ pub struct PyStreamSource {
 }
 
 core_methods!(PyStreamSource, lock_with, inner,
+ctors {
+    #[new]
+    fn new(stream: Raw<u64>, chunks: Raw<Vec<ChunkRange>>, offsets: Raw<Vec<u64>>)
+        = StreamSource::new(stream, chunks, offsets).py()?.into();
+    #[staticmethod]
+    fn whole(stream: Raw<u64>, offset: Raw<u64>, nbytes: Raw<u64>)
+        = StreamSource::whole(stream, offset, nbytes).into();
+}
 calls {
     fn packable() -> Vec<(usize, usize)> = packable();
     fn first() -> Vec<(usize, usize)> = first();
@@ -103,16 +97,7 @@ calls {
     #[getter] fn aborted() -> bool = aborted();
     fn __len__() -> usize = len();
 }
-methods {
-    #[new]
-    fn new(stream: u64, chunks: Vec<ChunkRange>, offsets: Vec<u64>) -> PyResult<Self> {
-        Ok(Self { inner: Mutex::new(StreamSource::new(stream, chunks, offsets).py()?) })
-    }
-    #[staticmethod]
-    fn whole(stream: u64, offset: u64, nbytes: u64) -> Self {
-        Self { inner: Mutex::new(StreamSource::whole(stream, offset, nbytes)) }
-    }
-});
+methods {});
 
 /// `disagg_core::stream::StreamSink`: the decode side of one stream.
 #[pyclass(name = "StreamSink", module = "disagg_rs", frozen)]
@@ -121,6 +106,22 @@ pub struct PyStreamSink {
 }
 
 core_methods!(PyStreamSink, lock_with, inner,
+ctors {
+    #[new]
+    fn new(stream: Raw<u64>, chunks: Raw<Vec<ChunkRange>>, src_offsets: Raw<Vec<u64>>,
+        slot_bytes: Raw<u64>, dst_slots: Raw<usize>)
+        = StreamSink::new(stream, chunks, src_offsets, slot_bytes, dst_slots).py()?.into();
+    #[staticmethod]
+    fn of_ticket(ticket: Ticket, rows: Raw<Vec<(u64, u64)>>, tokens_per_block: Raw<u64>,
+        n_tok: Raw<u64>, slot_bytes: Raw<u64>, dst_slots: Raw<usize>)
+        = StreamSink::of_ticket(&ticket, &rows, tokens_per_block, n_tok, slot_bytes, dst_slots)
+            .py()?.into();
+    #[staticmethod]
+    fn one_piece(ticket: Ticket) = StreamSink::one_piece(&ticket).py()?.into();
+    #[staticmethod]
+    fn whole(chunks: Raw<Vec<ChunkRange>>, offset: Raw<u64>, dst_slots: Raw<usize>)
+        = StreamSink::whole(chunks, offset, dst_slots).py()?.into();
+}
 calls {
     #[getter] fn kind() -> &'static str = kind_name();
     #[pyo3(signature = (msgs, gone=false, probed=Vec::new()))]
@@ -140,30 +141,7 @@ calls {
     /// The id whose notifications the read takes (0 for none).
     #[getter] fn stream_id() -> u64 = mailbox().unwrap_or(0);
 }
-methods {
-    #[new]
-    fn new(stream: u64, chunks: Vec<ChunkRange>, src_offsets: Vec<u64>, slot_bytes: u64,
-        dst_slots: usize) -> PyResult<Self> {
-        let sink = StreamSink::new(stream, chunks, src_offsets, slot_bytes, dst_slots).py()?;
-        Ok(Self { inner: Mutex::new(sink) })
-    }
-    #[staticmethod]
-    fn of_ticket(ticket: Py<PyAny>, rows: Vec<(u64, u64)>, tokens_per_block: u64, n_tok: u64,
-        slot_bytes: u64, dst_slots: usize) -> PyResult<Self> {
-        let t = Ticket::conv("ticket", ticket)?;
-        let sink = StreamSink::of_ticket(&t, &rows, tokens_per_block, n_tok, slot_bytes, dst_slots);
-        Ok(Self { inner: Mutex::new(sink.py()?) })
-    }
-    #[staticmethod]
-    fn one_piece(ticket: Py<PyAny>) -> PyResult<Self> {
-        let sink = StreamSink::one_piece(&Ticket::conv("ticket", ticket)?);
-        Ok(Self { inner: Mutex::new(sink.py()?) })
-    }
-    #[staticmethod]
-    fn whole(chunks: Vec<ChunkRange>, offset: u64, dst_slots: usize) -> PyResult<Self> {
-        Ok(Self { inner: Mutex::new(StreamSink::whole(chunks, offset, dst_slots).py()?) })
-    }
-});
+methods {});
 
 /// `disagg_core::stream::StreamMailboxes`: notifications by (peer agent name, stream id).
 #[pyclass(name = "StreamMailboxes", module = "disagg_rs", frozen)]
@@ -172,6 +150,10 @@ pub struct PyStreamMailboxes {
 }
 
 core_methods!(PyStreamMailboxes, lock_with, inner,
+ctors {
+    #[new]
+    fn new() = StreamMailboxes::default().into();
+}
 calls {
     fn open(peer: Raw<String>, stream: Raw<u64>) -> u64 = open(&peer, stream);
     fn close(id: Raw<u64>) -> () = close(id);
@@ -181,18 +163,8 @@ calls {
     fn route(notifs: Raw<Vec<(String, Vec<Vec<u8>>)>>, now: Raw<f64>, early_ttl_s: Raw<f64>)
         -> () = route(notifs, now, early_ttl_s);
     fn take(id: Raw<u64>) -> (Vec<Bytes>, bool) = take(id);
+    /// Stop keeping the notifications of the stream a staging ticket of `peer` names.
+    fn forget_ticket(peer: Raw<String>, ticket: Ticket) -> () = forget_ticket(&peer, &ticket);
     #[getter] fn dropped() -> u64 = dropped();
 }
-methods {
-    #[new]
-    fn new() -> Self {
-        Self { inner: Mutex::new(StreamMailboxes::default()) }
-    }
-    /// Stop keeping the notifications of the stream a staging ticket of `peer` names.
-    fn forget_ticket(&self, peer: &str, ticket: Py<PyAny>) -> PyResult<()> {
-        if let Some(id) = Ticket::conv("ticket", ticket)?.notice_id() {
-            lock(&self.inner)?.close_stream(peer, id);
-        }
-        Ok(())
-    }
-});
+methods {});

@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use disagg_core::completion_tracker::CompletionTracker;
 use pyo3::prelude::*;
 
-use crate::args::{conv, Int, Raw, U32, U64};
+use crate::args::{Raw, U32, U64};
 use crate::error::IntoPyResult;
 use crate::pool::{core_methods, lock_with};
 
@@ -15,6 +15,10 @@ use crate::pool::{core_methods, lock_with};
 pub struct PyCompletionTracker(Mutex<CompletionTracker>);
 
 core_methods!(PyCompletionTracker, lock_with, 0,
+ctors {
+    #[new]
+    fn new(world_size: U32) = CompletionTracker::new(world_size).py()?.into();
+}
 calls {
     /// Record one rank's report (``HandoffStateError`` when it contradicts its own earlier one).
     fn record(request_id: U64, rank: U32, failed: Raw<bool>) -> ()
@@ -27,10 +31,4 @@ calls {
     #[getter] fn world_size() -> u32 = world_size();
     #[getter] fn num_open() -> usize = num_open();
 }
-methods {
-    #[new]
-    fn new(world_size: Int) -> PyResult<Self> {
-        conv!(world_size: U32);
-        Ok(Self(Mutex::new(CompletionTracker::new(world_size).py()?)))
-    }
-});
+methods {});
