@@ -172,30 +172,6 @@ impl DisaggError {
         argument_type => ArgumentType,
     }
 
-    /// Stable name of the failure kind; the bindings map it to one exception class.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::Layout { .. } => "Layout",
-            Self::Coverage { .. } => "Coverage",
-            Self::Block { .. } => "Block",
-            Self::Geometry { .. } => "Geometry",
-            Self::AddressOverflow { .. } => "AddressOverflow",
-            Self::Wire { .. } => "Wire",
-            Self::HandoffMetadata { .. } => "HandoffMetadata",
-            Self::UnknownRequest { .. } => "UnknownRequest",
-            Self::DuplicateRequest { .. } => "DuplicateRequest",
-            Self::Capacity { .. } => "Capacity",
-            Self::State { .. } => "State",
-            Self::HandoffState { .. } => "HandoffState",
-            Self::ResetRefused { .. } => "ResetRefused",
-            Self::Argument { .. } => "Argument",
-            Self::MessageOrder { .. } => "MessageOrder",
-            Self::PushAborted { .. } => "PushAborted",
-            Self::ArgumentType { .. } => "ArgumentType",
-            Self::Conservation { .. } => "Conservation",
-        }
-    }
-
     /// One example of every variant, so tests can prove that the mapping to Python classes is
     /// exhaustive (a new variant without an example fails `every_variant_has_a_sample`).
     pub fn samples() -> Vec<Self> {
@@ -258,52 +234,50 @@ impl DisaggError {
     }
 }
 
-impl fmt::Display for DisaggError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Layout { field, detail } => write!(f, "invalid layout field `{field}`: {detail}"),
-            Self::Coverage { detail } => write!(f, "reshard plan coverage broken: {detail}"),
-            Self::Block { field, detail } => write!(f, "invalid `{field}`: {detail}"),
-            Self::Geometry { field, detail } => {
-                write!(f, "geometry mismatch on `{field}`: {detail}")
+/// [`DisaggError::kind`] and the `Display` message of every variant from one line each:
+/// `Variant { fields.. } => "message naming {every} {field}"`.
+macro_rules! kinds_and_messages {
+    ($($variant:ident { $($field:ident),+ } => $msg:literal,)*) => {
+        impl DisaggError {
+            /// Stable name of the failure kind; the bindings map it to one exception class.
+            pub fn kind(&self) -> &'static str {
+                match self {
+                    $(Self::$variant { .. } => stringify!($variant),)*
+                }
             }
-            Self::AddressOverflow { detail } => {
-                write!(f, "address arithmetic overflows u64: {detail}")
-            }
-            Self::Wire { field, detail } => {
-                write!(f, "bad handoff metadata field `{field}`: {detail}")
-            }
-            Self::HandoffMetadata { field, detail } => {
-                write!(f, "malformed handoff metadata field `{field}`: {detail}")
-            }
-            Self::UnknownRequest { request_id } => write!(f, "unknown request id {request_id}"),
-            Self::DuplicateRequest { request_id } => {
-                write!(f, "request id {request_id} is already in flight")
-            }
-            Self::Capacity { resource, detail } => {
-                write!(f, "request can never fit in the {resource} pool: {detail}")
-            }
-            Self::State { request_id, detail } => {
-                write!(f, "event not allowed for request {request_id}: {detail}")
-            }
-            Self::HandoffState { field, detail } => {
-                write!(f, "handoff not possible in this state (`{field}`): {detail}")
-            }
-            Self::ResetRefused { detail } => write!(f, "reset refused, nothing changed: {detail}"),
-            Self::Argument { field, detail } | Self::ArgumentType { field, detail } => {
-                write!(f, "invalid argument `{field}`: {detail}")
-            }
-            Self::MessageOrder { field, expected, got } => write!(
-                f,
-                "two-sided message out of step: header field `{field}` is {got}, the receive \
-                 was posted for {expected}"
-            ),
-            Self::PushAborted { peer, tag } => {
-                write!(f, "rank {peer} aborted the handoff of tag {tag}: its messages are fillers")
-            }
-            Self::Conservation { detail } => write!(f, "conservation check failed: {detail}"),
         }
-    }
+
+        impl fmt::Display for DisaggError {
+            fn fmt(&self, out: &mut fmt::Formatter<'_>) -> fmt::Result {
+                match self {
+                    $(Self::$variant { $($field),+ } => write!(out, $msg, $($field = $field),+),)*
+                }
+            }
+        }
+    };
+}
+
+kinds_and_messages! {
+    Layout { field, detail } => "invalid layout field `{field}`: {detail}",
+    Coverage { detail } => "reshard plan coverage broken: {detail}",
+    Block { field, detail } => "invalid `{field}`: {detail}",
+    Geometry { field, detail } => "geometry mismatch on `{field}`: {detail}",
+    AddressOverflow { detail } => "address arithmetic overflows u64: {detail}",
+    Wire { field, detail } => "bad handoff metadata field `{field}`: {detail}",
+    HandoffMetadata { field, detail } => "malformed handoff metadata field `{field}`: {detail}",
+    UnknownRequest { request_id } => "unknown request id {request_id}",
+    DuplicateRequest { request_id } => "request id {request_id} is already in flight",
+    Capacity { resource, detail } => "request can never fit in the {resource} pool: {detail}",
+    State { request_id, detail } => "event not allowed for request {request_id}: {detail}",
+    HandoffState { field, detail } => "handoff not possible in this state (`{field}`): {detail}",
+    ResetRefused { detail } => "reset refused, nothing changed: {detail}",
+    Argument { field, detail } => "invalid argument `{field}`: {detail}",
+    MessageOrder { field, expected, got } => "two-sided message out of step: header field \
+        `{field}` is {got}, the receive was posted for {expected}",
+    PushAborted { peer, tag } => "rank {peer} aborted the handoff of tag {tag}: its messages \
+        are fillers",
+    ArgumentType { field, detail } => "invalid argument `{field}`: {detail}",
+    Conservation { detail } => "conservation check failed: {detail}",
 }
 
 impl std::error::Error for DisaggError {}
@@ -319,6 +293,36 @@ mod tests {
         kinds.dedup();
         // Bump this together with a new variant and its sample.
         assert_eq!(kinds.len(), 18);
+    }
+
+    #[test]
+    fn every_variant_has_its_kind_and_message() {
+        let kinds: Vec<&str> = DisaggError::samples().iter().map(DisaggError::kind).collect();
+        assert_eq!(kinds[..3], ["Layout", "Coverage", "Block"]);
+        assert_eq!(kinds[17], "Conservation");
+        let all: Vec<String> = DisaggError::samples().iter().map(ToString::to_string).collect();
+        assert_eq!(
+            all.join("\n"),
+            "\
+invalid layout field `tp_rank`: tp_rank=4 must be < tp_size=4
+reshard plan coverage broken: dst rank 0 layer 3 head 1 is never written
+invalid `src_block_ids`: block id 9 >= num_blocks=8
+geometry mismatch on `head_dim`: src head_dim=128 != dst head_dim=64
+address arithmetic overflows u64: base 0xffff_ffff_ffff_fff0 + 64
+bad handoff metadata field `version`: got 7, expected 1
+malformed handoff metadata field `lease_ns`: lease_ns=1 must be >= 2
+unknown request id 7
+request id 7 is already in flight
+request can never fit in the blocks pool: needs 9 > pool size 8
+event not allowed for request 7: rank 1 reported ok after error
+handoff not possible in this state (`enable_prefix_caching`): enable_prefix_caching=False
+reset refused, nothing changed: 1 importing handoff may still write
+invalid argument `rank`: rank=4 must be < world_size=4
+two-sided message out of step: header field `tag` is 72, the receive was posted for 68
+rank 0 aborted the handoff of tag 68: its messages are fillers
+invalid argument `rank`: rank must be an int, got a float (1.5)
+conservation check failed: free 3 + owned 4 + quarantined 0 + pinned 0 != 8"
+        );
     }
 
     #[test]

@@ -245,15 +245,14 @@ impl SsmGeometry {
             }
         }
         if let (Some(c), Some(r)) = (&conv, &recurrent) {
-            if c.layer_bases.len() != r.layer_bases.len() || c.num_slots != r.num_slots {
+            let ((cl, cs), (rl, rs)) =
+                ((c.layer_bases.len(), c.num_slots), (r.layer_bases.len(), r.num_slots));
+            if (cl, cs) != (rl, rs) {
                 return Err(DisaggError::geometry(
                     "num_layers",
                     format!(
-                        "conv has {} layers x {} slots but recurrent has {} layers x {} slots",
-                        c.layer_bases.len(),
-                        c.num_slots,
-                        r.layer_bases.len(),
-                        r.num_slots
+                        "conv has {cl} layers x {cs} slots but recurrent has {rl} layers x \
+                         {rs} slots"
                     ),
                 ));
             }
@@ -523,48 +522,90 @@ impl SsmStatePart {
     }
 }
 
-/// Keys of a KV geometry's wire dict, in `to_wire` order.
-pub const KV_GEOMETRY_KEYS: [&str; 14] = [
-    "kind",
-    "num_kv",
-    "num_layers",
-    "num_blocks",
-    "tokens_per_block",
-    "num_heads",
-    "head_dim",
-    "element_size",
-    "block_stride",
-    "token_stride",
-    "head_stride",
-    "plane_bases",
-    "device_id",
-    "dtype",
-];
+/// How one geometry field is read from and written to its wire dict.
+trait WireField: Sized {
+    fn read(o: &Obj<'_>, key: &str) -> DisaggResult<Self>;
+    fn write(&self) -> WireValue;
+}
+
+impl WireField for u32 {
+    fn read(o: &Obj<'_>, key: &str) -> DisaggResult<Self> {
+        o.u32(key)
+    }
+    fn write(&self) -> WireValue {
+        WireValue::Int(i128::from(*self))
+    }
+}
+
+impl WireField for u64 {
+    fn read(o: &Obj<'_>, key: &str) -> DisaggResult<Self> {
+        o.u64(key)
+    }
+    fn write(&self) -> WireValue {
+        WireValue::Int(i128::from(*self))
+    }
+}
+
+/// Base addresses.
+impl WireField for Vec<u64> {
+    fn read(o: &Obj<'_>, key: &str) -> DisaggResult<Self> {
+        o.uints(key, u64::MAX)
+    }
+    fn write(&self) -> WireValue {
+        WireValue::List(self.iter().map(WireField::write).collect())
+    }
+}
+
+/// The dtype name, `None` when unknown.
+impl WireField for Option<String> {
+    fn read(o: &Obj<'_>, key: &str) -> DisaggResult<Self> {
+        Ok(o.opt_name(key)?.map(str::to_owned))
+    }
+    fn write(&self) -> WireValue {
+        self.as_ref().map_or(WireValue::Null, |s| WireValue::Str(s.clone()))
+    }
+}
+
+/// A record's wire keys (`$keys`: the `$lead` keys, then one per field, in field order) and
+/// its field-wise `read_fields` / `write_fields`, from one list of its fields.
+macro_rules! wire_record {
+    ($(#[$doc:meta])* $ty:ty, $keys:ident, [$($lead:literal),*], $($field:ident),+ $(,)?) => {
+        $(#[$doc])*
+        pub const $keys: [&str; [$($lead,)* $(stringify!($field)),+].len()] =
+            [$($lead,)* $(stringify!($field)),+];
+
+        impl $ty {
+            /// Every field, read from `o` under its own name.
+            fn read_fields(o: &Obj<'_>) -> DisaggResult<Self> {
+                Ok(Self { $($field: WireField::read(o, stringify!($field))?),+ })
+            }
+
+            /// Every field's wire value, in field order.
+            fn write_fields(&self) -> impl Iterator<Item = WireValue> {
+                [$(self.$field.write()),+].into_iter()
+            }
+        }
+    };
+}
+
+wire_record!(
+    /// Keys of a KV geometry's wire dict, in `to_wire` order.
+    KvGeometrySpec, KV_GEOMETRY_KEYS, ["kind"],
+    num_kv, num_layers, num_blocks, tokens_per_block, num_heads, head_dim, element_size,
+    block_stride, token_stride, head_stride, plane_bases, device_id, dtype,
+);
+
+wire_record!(
+    /// Keys of one SSM state part's wire dict, in `to_wire` order.
+    SsmStatePart, SSM_PART_KEYS, [],
+    layer_bases, num_slots, slot_stride, num_units, unit_stride, unit_bytes, element_size, dtype,
+);
 
 /// Keys of an SSM geometry's wire dict.
 pub const SSM_GEOMETRY_KEYS: [&str; 4] = ["kind", "conv", "recurrent", "device_id"];
 
-/// Keys of one SSM state part's wire dict, in `to_wire` order.
-pub const SSM_PART_KEYS: [&str; 8] = [
-    "layer_bases",
-    "num_slots",
-    "slot_stride",
-    "num_units",
-    "unit_stride",
-    "unit_bytes",
-    "element_size",
-    "dtype",
-];
-
-fn w_uints(v: &[u64]) -> WireValue {
-    WireValue::List(v.iter().map(|&x| WireValue::Int(i128::from(x))).collect())
-}
-
-fn w_dtype(d: Option<&String>) -> WireValue {
-    d.map_or(WireValue::Null, |s| WireValue::Str(s.clone()))
-}
-
-fn w_map<const N: usize>(keys: [&str; N], values: [WireValue; N]) -> WireValue {
+/// The wire map of `keys` and `values`, paired in order.
+fn w_map(keys: &[&str], values: impl IntoIterator<Item = WireValue>) -> WireValue {
     WireValue::Map(keys.iter().map(|k| (*k).to_owned()).zip(values).collect())
 }
 
@@ -584,46 +625,13 @@ impl KvGeometry {
     pub fn from_wire(o: &Obj<'_>) -> DisaggResult<Self> {
         o.only(&KV_GEOMETRY_KEYS, "KVGeometry dict")?;
         check_kind(o, "kv")?;
-        Self::new(KvGeometrySpec {
-            num_kv: o.u32("num_kv")?,
-            num_layers: o.u32("num_layers")?,
-            num_blocks: o.u32("num_blocks")?,
-            tokens_per_block: o.u32("tokens_per_block")?,
-            num_heads: o.u32("num_heads")?,
-            head_dim: o.u32("head_dim")?,
-            element_size: o.u32("element_size")?,
-            block_stride: o.u64("block_stride")?,
-            token_stride: o.u64("token_stride")?,
-            head_stride: o.u64("head_stride")?,
-            plane_bases: o.uints("plane_bases", u64::MAX)?,
-            device_id: o.u64("device_id")?,
-            dtype: o.opt_name("dtype")?.map(str::to_owned),
-        })
+        Self::new(KvGeometrySpec::read_fields(o)?)
     }
 
     /// The wire dict (every key of [`KV_GEOMETRY_KEYS`]).
     pub fn to_wire(&self) -> WireValue {
-        let s = &self.spec;
-        let int = |v: u64| WireValue::Int(i128::from(v));
-        w_map(
-            KV_GEOMETRY_KEYS,
-            [
-                WireValue::Str("kv".to_owned()),
-                int(s.num_kv.into()),
-                int(s.num_layers.into()),
-                int(s.num_blocks.into()),
-                int(s.tokens_per_block.into()),
-                int(s.num_heads.into()),
-                int(s.head_dim.into()),
-                int(s.element_size.into()),
-                int(s.block_stride),
-                int(s.token_stride),
-                int(s.head_stride),
-                w_uints(&s.plane_bases),
-                int(s.device_id),
-                w_dtype(s.dtype.as_ref()),
-            ],
-        )
+        let kind = WireValue::Str("kv".to_owned());
+        w_map(&KV_GEOMETRY_KEYS, std::iter::once(kind).chain(self.spec.write_fields()))
     }
 }
 
@@ -634,34 +642,12 @@ impl SsmStatePart {
         let path = join(o.path(), key);
         let p = Obj::of(v, &path)?;
         p.only(&SSM_PART_KEYS, &path)?;
-        Ok(Some(Self {
-            layer_bases: p.uints("layer_bases", u64::MAX)?,
-            num_slots: p.u32("num_slots")?,
-            slot_stride: p.u64("slot_stride")?,
-            num_units: p.u32("num_units")?,
-            unit_stride: p.u64("unit_stride")?,
-            unit_bytes: p.u64("unit_bytes")?,
-            element_size: p.u32("element_size")?,
-            dtype: p.opt_name("dtype")?.map(str::to_owned),
-        }))
+        Self::read_fields(&p).map(Some)
     }
 
     /// The wire dict (every key of [`SSM_PART_KEYS`]).
     pub fn to_wire(&self) -> WireValue {
-        let int = |v: u64| WireValue::Int(i128::from(v));
-        w_map(
-            SSM_PART_KEYS,
-            [
-                w_uints(&self.layer_bases),
-                int(self.num_slots.into()),
-                int(self.slot_stride),
-                int(self.num_units.into()),
-                int(self.unit_stride),
-                int(self.unit_bytes),
-                int(self.element_size.into()),
-                w_dtype(self.dtype.as_ref()),
-            ],
-        )
+        w_map(&SSM_PART_KEYS, self.write_fields())
     }
 }
 
@@ -678,12 +664,12 @@ impl SsmGeometry {
     pub fn to_wire(&self) -> WireValue {
         let part = |p: Option<&SsmStatePart>| p.map_or(WireValue::Null, SsmStatePart::to_wire);
         w_map(
-            SSM_GEOMETRY_KEYS,
+            &SSM_GEOMETRY_KEYS,
             [
                 WireValue::Str("ssm".to_owned()),
                 part(self.conv.as_ref()),
                 part(self.recurrent.as_ref()),
-                WireValue::Int(i128::from(self.device_id)),
+                self.device_id.write(),
             ],
         )
     }
@@ -837,6 +823,30 @@ mod tests {
             element_size: 2,
             dtype: dtype.map(str::to_owned),
         }
+    }
+
+    #[test]
+    fn conv_and_recurrent_parts_must_agree_on_layers_and_slots() {
+        let mut conv = recurrent_part(None);
+        assert!(SsmGeometry::new(Some(conv.clone()), Some(recurrent_part(None)), 0).is_ok());
+        conv.num_slots = 3;
+        let e = SsmGeometry::new(Some(conv), Some(recurrent_part(None)), 0).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "geometry mismatch on `num_layers`: conv has 2 layers x 3 slots but recurrent has 2 \
+             layers x 4 slots"
+        );
+    }
+
+    #[test]
+    fn wire_keys_follow_the_record_fields() {
+        assert_eq!(KV_GEOMETRY_KEYS[..2], ["kind", "num_kv"]);
+        assert_eq!(KV_GEOMETRY_KEYS[13], "dtype");
+        assert_eq!((SSM_PART_KEYS.len(), SSM_PART_KEYS[0]), (8, "layer_bases"));
+        let w = recurrent_part(Some("float16")).to_wire();
+        let WireValue::Map(pairs) = &w else { panic!("not a map: {w:?}") };
+        assert_eq!(pairs[1], ("num_slots".to_owned(), WireValue::Int(4)));
+        assert_eq!(pairs[7], ("dtype".to_owned(), WireValue::Str("float16".into())));
     }
 
     #[test]

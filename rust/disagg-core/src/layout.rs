@@ -155,6 +155,26 @@ fn rank_below(rank_field: &str, rank: u32, size_field: &str, size: u32) -> Disag
     Ok(())
 }
 
+/// The checks every shard layout makes of its place in the TP x PP grid: both ranks below
+/// their sizes and no more pipeline stages than layers (when the layer total is known).
+fn check_grid(
+    num_layers: Option<u32>,
+    tp_size: u32,
+    tp_rank: u32,
+    pp_size: u32,
+    pp_rank: u32,
+) -> DisaggResult<()> {
+    rank_below("tp_rank", tp_rank, "tp_size", tp_size)?;
+    rank_below("pp_rank", pp_rank, "pp_size", pp_size)?;
+    match num_layers {
+        Some(total) if pp_size > total => Err(DisaggError::layout(
+            "pp_size",
+            format!("pp_size={pp_size} exceeds num_layers={total}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The even split of `num_layers` for `pp_rank`, if `pp_size` divides it.
 fn even_window(num_layers: u32, pp_size: u32, pp_rank: u32) -> Option<Span> {
     if pp_size == 0 || !num_layers.is_multiple_of(pp_size) {
@@ -261,14 +281,7 @@ impl KvShardLayout {
         Kind::Layout.at_least_one(&named!(spec;
             num_layers, num_kv_heads, tp_size, pp_size, ep_size, etp_size
         ))?;
-        rank_below("tp_rank", spec.tp_rank, "tp_size", spec.tp_size)?;
-        rank_below("pp_rank", spec.pp_rank, "pp_size", spec.pp_size)?;
-        if spec.pp_size > spec.num_layers {
-            return Err(DisaggError::layout(
-                "pp_size",
-                format!("pp_size={} exceeds num_layers={}", spec.pp_size, spec.num_layers),
-            ));
-        }
+        check_grid(Some(spec.num_layers), spec.tp_size, spec.tp_rank, spec.pp_size, spec.pp_rank)?;
         let heads = unit_share("num_kv_heads", spec.num_kv_heads, spec.tp_size, spec.tp_rank)?;
         let (layers, explicit_window) = layer_window(
             Some(spec.num_layers),
@@ -546,14 +559,7 @@ impl SsmShardLayout {
             Kind::Layout.at_least_one(&[("num_layers", total)])?;
         }
         Kind::Layout.at_least_one(&named!(spec; tp_size, pp_size))?;
-        rank_below("tp_rank", spec.tp_rank, "tp_size", spec.tp_size)?;
-        rank_below("pp_rank", spec.pp_rank, "pp_size", spec.pp_size)?;
-        if let Some(total) = spec.num_layers.filter(|&n| spec.pp_size > n) {
-            return Err(DisaggError::layout(
-                "pp_size",
-                format!("pp_size={} exceeds num_layers={total}", spec.pp_size),
-            ));
-        }
+        check_grid(spec.num_layers, spec.tp_size, spec.tp_rank, spec.pp_size, spec.pp_rank)?;
         let dims = spec.dims;
         if !dims.num_heads.is_multiple_of(spec.tp_size) {
             return Err(DisaggError::layout(
@@ -1078,6 +1084,27 @@ mod tests {
             num_local_layers: window.map(|w| w.1),
             ..SsmLayoutSpec::single_rank(4, SsmStateDims::new(8, 4, 16, 2, 4).unwrap())
         }
+    }
+
+    #[test]
+    fn kv_and_ssm_layouts_check_their_grid_place_alike() {
+        let msg = |e: DisaggError| e.to_string();
+        let mut k = kv(2, 1);
+        (k.pp_size, k.pp_rank) = (9, 0);
+        let want = "invalid layout field `pp_size`: pp_size=9 exceeds num_layers=8";
+        assert_eq!(msg(KvShardLayout::new(k).unwrap_err()), want);
+        let mut s = ssm_spec(None);
+        (s.num_layers, s.pp_size) = (Some(8), 9);
+        assert_eq!(msg(SsmShardLayout::new(s).unwrap_err()), want);
+        // Without a layer total only the ranks are checked; the explicit window decides.
+        let mut s = ssm_spec(Some((2, 1)));
+        s.pp_size = 9;
+        assert_eq!(SsmShardLayout::new(s).unwrap().layers, Span::new(2, 3));
+        s.tp_rank = 2;
+        let want = "invalid layout field `tp_rank`: tp_rank=2 must be < tp_size=2";
+        assert_eq!(msg(SsmShardLayout::new(s).unwrap_err()), want);
+        k = kv(2, 2);
+        assert_eq!(msg(KvShardLayout::new(k).unwrap_err()), want);
     }
 
     #[test]
