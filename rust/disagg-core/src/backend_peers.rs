@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 
+use crate::p2p_header::{encode_headers, MessageKind};
 use crate::wire::value::WireValue;
 use crate::{DisaggError, DisaggResult};
 
@@ -272,6 +273,20 @@ pub fn p2p_sends(me: u32, programs: &[Vec<(u32, u64)>]) -> Vec<(usize, u64)> {
         .enumerate()
         .filter_map(|(i, srcs)| srcs.iter().find(|(r, _)| *r == me).map(|&(_, n)| (i, n)))
         .filter(|&(_, n)| n > 0)
+        .collect()
+}
+
+/// [`p2p_sends`] with each message's header (`p2p_header::encode_headers` of one message of
+/// `kind`): `(destination index, packed bytes, header)`.
+pub fn p2p_send_messages(
+    me: u32,
+    programs: &[Vec<(u32, u64)>],
+    kind: MessageKind,
+    (tag, incarnation): (u64, u64),
+) -> DisaggResult<Vec<(usize, u64, Vec<u8>)>> {
+    p2p_sends(me, programs)
+        .into_iter()
+        .map(|(i, n)| Ok((i, n, encode_headers(kind, tag, incarnation, &[n])?)))
         .collect()
 }
 

@@ -1,5 +1,6 @@
 use super::*;
 use proptest::prelude::*;
+use crate::p2p_header::HEADER_BYTES;
 
 fn i(v: i128) -> WireValue {
     WireValue::Int(v)
@@ -120,6 +121,23 @@ fn sends_go_to_destinations_that_read_bytes_from_this_rank() {
     let programs = [vec![(0, 10), (1, 20)], vec![(0, 5)], vec![(1, 0)], vec![(1, 7)]];
     assert_eq!(p2p_sends(1, &programs), [(0, 20), (3, 7)]);
     assert!(p2p_sends(2, &programs).is_empty());
+}
+
+#[test]
+fn each_send_carries_the_header_of_its_one_message() {
+    let programs = vec![vec![(1, 20)], vec![(0, 5)], vec![(1, 7)]];
+    for filler in [false, true] {
+        let kind = MessageKind::sent(filler);
+        let got = p2p_send_messages(1, &programs, kind, (9, 4)).unwrap();
+        let ids: Vec<_> = got.iter().map(|(i, n, _)| (*i, *n)).collect();
+        assert_eq!(ids, p2p_sends(1, &programs));
+        for (_, n, head) in &got {
+            assert_eq!(head.len(), HEADER_BYTES);
+            assert_eq!(*head, encode_headers(kind, 9, 4, &[*n]).unwrap());
+        }
+    }
+    assert_eq!(MessageKind::sent(true), MessageKind::Aborted);
+    assert_eq!(MessageKind::sent(false), MessageKind::Data);
 }
 
 #[test]

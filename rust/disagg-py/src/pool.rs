@@ -64,6 +64,7 @@ plain_out!(
     (i64, Vec<u64>),
     Vec<i64>
 );
+plain_out!((u64, u64), (u64, u64, u64));
 
 impl Out for Result<SlotState, DisaggError> {
     type Py = &'static str;
