@@ -147,6 +147,14 @@ pub fn ids_by_rank<N: MetaNode>(records: &[(u32, Option<N>)], default: &N) -> Re
     ResolvedIds::ByRank(out)
 }
 
+/// How a metadata object joins a peer table: `(strip_ids, reference)`: a dict carrying its
+/// own `block_ids` (per handoff) is adopted without them, and a dict without a `version` holds
+/// the reference design's fields only (translated first).
+pub fn adoption<N: MetaNode>(meta: &N) -> (bool, bool) {
+    let dict = meta.shape() == NodeShape::Map;
+    (dict && meta.field("block_ids").is_some(), dict && meta.field("version").is_none())
+}
+
 /// Whether a handoff has nothing to move: every block id list given (`None`s skipped; a
 /// per-rank map counts all its lists) is empty. `counts` holds each argument's list lengths.
 pub fn nothing_to_move(counts: &[Vec<usize>]) -> bool {

@@ -1,6 +1,6 @@
 use super::*;
-use proptest::prelude::*;
 use crate::p2p_header::HEADER_BYTES;
+use proptest::prelude::*;
 
 fn i(v: i128) -> WireValue {
     WireValue::Int(v)
@@ -82,6 +82,15 @@ fn the_call_s_ids_stay_as_given_unless_a_record_carries_its_own() {
     // A per-rank default gives each rank its entry; a later record of a rank wins.
     let got = ids_by_rank(&[(0, None), (2, Some(ids(&[8]))), (0, Some(ids(&[3])))], &per_rank);
     assert_eq!(got, ResolvedIds::ByRank(vec![(0, ids(&[3])), (2, ids(&[8]))]));
+}
+
+#[test]
+fn a_dict_is_adopted_without_its_block_ids_and_translated_without_a_version() {
+    assert_eq!(adoption(&with_ids("a", &[1])), (true, true));
+    assert_eq!(adoption(&map(vec![("version", i(1))])), (false, false));
+    assert_eq!(adoption(&map(vec![("version", i(1)), ("block_ids", ids(&[]))])), (true, false));
+    assert_eq!(adoption(&ids(&[1])), (false, false));
+    assert_eq!(adoption(&WireValue::Null), (false, false));
 }
 
 #[test]

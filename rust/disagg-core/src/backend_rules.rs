@@ -176,7 +176,8 @@ pub fn staging_slots(
     chunk_bytes: Option<i64>,
     defaults: (i64, i64),
 ) -> DisaggResult<(u64, u64)> {
-    let (pool_bytes, chunk_bytes) = (pool_bytes.unwrap_or(defaults.0), chunk_bytes.unwrap_or(defaults.1));
+    let (pool_bytes, chunk_bytes) =
+        (pool_bytes.unwrap_or(defaults.0), chunk_bytes.unwrap_or(defaults.1));
     let chunk = u64::try_from(chunk_bytes).ok().filter(|c| *c >= 256 && c.is_multiple_of(256));
     let chunk = chunk.ok_or_else(|| {
         DisaggError::argument(

@@ -1,11 +1,11 @@
 //! Bindings of the transfer backends' host-side rules (`disagg_core::backend_rules`): argument
 //! conversion only.
 
-use disagg_core::backend_rules::peers::{self, IdentityMemo, MessagePeer, MetaNode};
-use disagg_core::backend_rules::peers::{NodeShape, PollVerdict, ResolvedIds};
 use std::borrow::Cow;
 
 use disagg_core::backend_rules as rules;
+use disagg_core::backend_rules::peers::{self, IdentityMemo, MessagePeer, MetaNode};
+use disagg_core::backend_rules::peers::{NodeShape, PollVerdict, ResolvedIds};
 use disagg_core::p2p_header::MessageKind;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyMapping, PyString, PyTuple};
@@ -299,15 +299,14 @@ impl PyPeerResolver {
     /// The parsed `Peer` of one metadata dict (its own `block_ids` are not part of it).
     fn adopt<'py>(&mut self, meta: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let py = meta.py();
-        let node = Node(meta.clone());
-        let meta = match (node.mapping(), node.field("block_ids")) {
-            (Some(m), Some(_)) => {
-                let d = PyDict::new(py);
-                d.update(m)?;
-                d.del_item("block_ids")?;
-                d.into_any()
-            }
-            _ => meta,
+        let (strip_ids, reference) = peers::adoption(&Node(meta.clone()));
+        let meta = if strip_ids {
+            let d = PyDict::new(py);
+            d.update(meta.cast::<PyMapping>()?)?;
+            d.del_item("block_ids")?;
+            d.into_any()
+        } else {
+            meta
         };
         let id = meta.as_ptr() as usize;
         let same = |(m, copy, _): &Memo| m.is(&meta) && copy.bind(py).eq(&meta).unwrap_or(false);
@@ -317,8 +316,6 @@ impl PyPeerResolver {
         let table = self.table.bind(py);
         let mut peer = table.call_method1("lookup", (&meta,))?;
         if peer.is_none() {
-            let node = Node(meta.clone());
-            let reference = node.mapping().is_some() && node.field("version").is_none();
             let (backend, kind, size, dtype) = self.local.clone();
             let schema = reference
                 .then(|| {
