@@ -155,6 +155,17 @@ pub fn adoption<N: MetaNode>(meta: &N) -> (bool, bool) {
     (dict && meta.field("block_ids").is_some(), dict && meta.field("version").is_none())
 }
 
+/// The transport fields a metadata dict is planned with where it carries none of its own (a
+/// sibling's or this rank's metadata, derived without the transport's registration): no agent
+/// blob, no staging pool, process rank 0.
+pub fn planning_defaults() -> WireValue {
+    WireValue::Map(vec![
+        ("agent_metadata".to_owned(), WireValue::Str(String::new())),
+        ("staging".to_owned(), WireValue::Null),
+        ("dist_rank".to_owned(), WireValue::Int(0)),
+    ])
+}
+
 /// Whether a handoff has nothing to move: every block id list given (`None`s skipped; a
 /// per-rank map counts all its lists) is empty. `counts` holds each argument's list lengths.
 pub fn nothing_to_move(counts: &[Vec<usize>]) -> bool {

@@ -94,6 +94,16 @@ fn a_dict_is_adopted_without_its_block_ids_and_translated_without_a_version() {
 }
 
 #[test]
+fn a_dict_without_transport_fields_is_planned_with_none_and_rank_0() {
+    let want = map(vec![
+        ("agent_metadata", WireValue::Str(String::new())),
+        ("staging", WireValue::Null),
+        ("dist_rank", i(0)),
+    ]);
+    assert_eq!(planning_defaults(), want);
+}
+
+#[test]
 fn the_memo_finds_an_unchanged_object_and_restarts_when_full() {
     let mut memo = IdentityMemo::new(2);
     memo.insert(10, "a");

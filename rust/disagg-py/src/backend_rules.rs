@@ -8,11 +8,12 @@ use disagg_core::backend_rules::peers::{self, IdentityMemo, MessagePeer, MetaNod
 use disagg_core::backend_rules::peers::{NodeShape, PollVerdict, ResolvedIds};
 use disagg_core::p2p_header::MessageKind;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyMapping, PyString, PyTuple};
+use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyMapping, PyString, PyTuple};
 
-use crate::args::Raw;
+use crate::args::{wire_dict_to_py, Raw};
 use crate::error::IntoPyResult;
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
+use crate::peer_records::Node;
 use crate::pool::core_fns;
 use crate::stream::Bytes;
 use crate::wire::{to_wire, PyPeer};
@@ -124,10 +125,6 @@ pub fn ipc_same_host(
     let wire = |e: Option<Bound<'_, PyAny>>| e.map(|e| to_wire(&e, "ipc")).transpose();
     Ok(rules::same_host_exports(wire(mine)?.as_ref(), wire(theirs)?.as_ref()))
 }
-
-/// A Python object as a node of a peer-metadata argument.
-#[derive(Clone)]
-struct Node<'py>(Bound<'py, PyAny>);
 
 impl<'py> Node<'py> {
     fn mapping(&self) -> Option<&Bound<'py, PyMapping>> {
@@ -342,10 +339,7 @@ impl PyPeerResolver {
         if !found.is_none() {
             return Ok(found);
         }
-        let full = PyDict::new(py);
-        full.set_item("agent_metadata", "")?;
-        full.set_item("staging", py.None())?;
-        full.set_item("dist_rank", 0)?;
+        let full = wire_dict_to_py(py, &peers::planning_defaults())?;
         full.update(meta.cast::<PyMapping>()?)?;
         self.adopt(full.into_any())
     }
@@ -369,11 +363,7 @@ impl PyPeerResolver {
         let ids = match peers::ids_by_rank(&ranks, &Node(src_block_ids.clone())) {
             ResolvedIds::Given => src_block_ids,
             ResolvedIds::ByRank(by_rank) => {
-                let d = PyDict::new(py);
-                for (rank, ids) in by_rank {
-                    d.set_item(rank, ids.0)?;
-                }
-                d.into_any()
+                by_rank.into_iter().map(|(rank, ids)| (rank, ids.0)).into_py_dict(py)?.into_any()
             }
         };
         Ok((found, ids))
