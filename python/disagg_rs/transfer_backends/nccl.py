@@ -437,11 +437,11 @@ class NcclTransferBackend(TransferBackendBase):
         ops: list[dist.P2POp] = []
         keep: list[torch.Tensor] = []
         head = pipeline.HEADER
-        # One message to each decode rank that reads bytes from this rank (Rust picks them).
-        for i, nbytes in _core.p2p_sends(me, programs):
+        # One message to each decode rank that reads bytes from this rank, with its header
+        # (Rust picks them and builds the headers).
+        for i, nbytes, raw in _core.p2p_sends(me, programs, filler, tag, self.incarnation):
             buf = torch.empty(head + nbytes, dtype=torch.uint8, device=self._device())
-            raw = bytearray(_core.p2p_headers(filler, tag, self.incarnation, [nbytes]))
-            buf[:head].copy_(torch.frombuffer(raw, dtype=torch.uint8))
+            buf[:head].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
             if not filler:
                 self.pack_rows(programs[i].gather(me), buf[head:])
             wire_tag = self._wire_tag(tag)

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 
+use crate::p2p_header::{encode_headers, MessageKind};
 use crate::wire::value::WireValue;
 use crate::{DisaggError, DisaggResult};
 
@@ -146,6 +147,25 @@ pub fn ids_by_rank<N: MetaNode>(records: &[(u32, Option<N>)], default: &N) -> Re
     ResolvedIds::ByRank(out)
 }
 
+/// How a metadata object joins a peer table: `(strip_ids, reference)`: a dict carrying its
+/// own `block_ids` (per handoff) is adopted without them, and a dict without a `version` holds
+/// the reference design's fields only (translated first).
+pub fn adoption<N: MetaNode>(meta: &N) -> (bool, bool) {
+    let dict = meta.shape() == NodeShape::Map;
+    (dict && meta.field("block_ids").is_some(), dict && meta.field("version").is_none())
+}
+
+/// The transport fields a metadata dict is planned with where it carries none of its own (a
+/// sibling's or this rank's metadata, derived without the transport's registration): no agent
+/// blob, no staging pool, process rank 0.
+pub fn planning_defaults() -> WireValue {
+    WireValue::Map(vec![
+        ("agent_metadata".to_owned(), WireValue::Str(String::new())),
+        ("staging".to_owned(), WireValue::Null),
+        ("dist_rank".to_owned(), WireValue::Int(0)),
+    ])
+}
+
 /// Whether a handoff has nothing to move: every block id list given (`None`s skipped; a
 /// per-rank map counts all its lists) is empty. `counts` holds each argument's list lengths.
 pub fn nothing_to_move(counts: &[Vec<usize>]) -> bool {
@@ -272,6 +292,20 @@ pub fn p2p_sends(me: u32, programs: &[Vec<(u32, u64)>]) -> Vec<(usize, u64)> {
         .enumerate()
         .filter_map(|(i, srcs)| srcs.iter().find(|(r, _)| *r == me).map(|&(_, n)| (i, n)))
         .filter(|&(_, n)| n > 0)
+        .collect()
+}
+
+/// [`p2p_sends`] with each message's header (`p2p_header::encode_headers` of one message of
+/// `kind`): `(destination index, packed bytes, header)`.
+pub fn p2p_send_messages(
+    me: u32,
+    programs: &[Vec<(u32, u64)>],
+    kind: MessageKind,
+    (tag, incarnation): (u64, u64),
+) -> DisaggResult<Vec<(usize, u64, Vec<u8>)>> {
+    p2p_sends(me, programs)
+        .into_iter()
+        .map(|(i, n)| Ok((i, n, encode_headers(kind, tag, incarnation, &[n])?)))
         .collect()
 }
 

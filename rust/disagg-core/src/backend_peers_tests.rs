@@ -1,4 +1,5 @@
 use super::*;
+use crate::p2p_header::HEADER_BYTES;
 use proptest::prelude::*;
 
 fn i(v: i128) -> WireValue {
@@ -84,6 +85,25 @@ fn the_call_s_ids_stay_as_given_unless_a_record_carries_its_own() {
 }
 
 #[test]
+fn a_dict_is_adopted_without_its_block_ids_and_translated_without_a_version() {
+    assert_eq!(adoption(&with_ids("a", &[1])), (true, true));
+    assert_eq!(adoption(&map(vec![("version", i(1))])), (false, false));
+    assert_eq!(adoption(&map(vec![("version", i(1)), ("block_ids", ids(&[]))])), (true, false));
+    assert_eq!(adoption(&ids(&[1])), (false, false));
+    assert_eq!(adoption(&WireValue::Null), (false, false));
+}
+
+#[test]
+fn a_dict_without_transport_fields_is_planned_with_none_and_rank_0() {
+    let want = map(vec![
+        ("agent_metadata", WireValue::Str(String::new())),
+        ("staging", WireValue::Null),
+        ("dist_rank", i(0)),
+    ]);
+    assert_eq!(planning_defaults(), want);
+}
+
+#[test]
 fn the_memo_finds_an_unchanged_object_and_restarts_when_full() {
     let mut memo = IdentityMemo::new(2);
     memo.insert(10, "a");
@@ -120,6 +140,23 @@ fn sends_go_to_destinations_that_read_bytes_from_this_rank() {
     let programs = [vec![(0, 10), (1, 20)], vec![(0, 5)], vec![(1, 0)], vec![(1, 7)]];
     assert_eq!(p2p_sends(1, &programs), [(0, 20), (3, 7)]);
     assert!(p2p_sends(2, &programs).is_empty());
+}
+
+#[test]
+fn each_send_carries_the_header_of_its_one_message() {
+    let programs = vec![vec![(1, 20)], vec![(0, 5)], vec![(1, 7)]];
+    for filler in [false, true] {
+        let kind = MessageKind::sent(filler);
+        let got = p2p_send_messages(1, &programs, kind, (9, 4)).unwrap();
+        let ids: Vec<_> = got.iter().map(|(i, n, _)| (*i, *n)).collect();
+        assert_eq!(ids, p2p_sends(1, &programs));
+        for (_, n, head) in &got {
+            assert_eq!(head.len(), HEADER_BYTES);
+            assert_eq!(*head, encode_headers(kind, 9, 4, &[*n]).unwrap());
+        }
+    }
+    assert_eq!(MessageKind::sent(true), MessageKind::Aborted);
+    assert_eq!(MessageKind::sent(false), MessageKind::Data);
 }
 
 #[test]

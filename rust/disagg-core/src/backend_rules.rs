@@ -4,6 +4,7 @@
 //! handoff covers, and whether two CUDA IPC exports share a host. Pure functions; the
 //! backends carry the answers out. Ranges are half-open `[lo, hi)`.
 
+use crate::wire::value::{Obj, WireValue};
 use crate::{DisaggError, DisaggResult, KvShardLayout, SsmShardLayout};
 
 #[path = "backend_peers.rs"]
@@ -114,6 +115,43 @@ pub fn chunkable(ranks: &[ChunkFacts]) -> bool {
     })
 }
 
+impl ChunkFacts {
+    /// The facts of one rank's metadata dict: `state_kind`, the length of `buffer.regions`
+    /// and the `geometry` fields (a geometry missing one, or not an int: `Wire`).
+    pub fn of_meta(meta: &WireValue) -> DisaggResult<Self> {
+        let meta = Obj::of(meta, "")?;
+        let kv = matches!(meta.some("state_kind"), Some(WireValue::Str(k)) if k == "kv");
+        let regions = match meta.some("buffer") {
+            Some(b @ WireValue::Map(_)) => match Obj::of(b, "buffer")?.some("regions") {
+                Some(WireValue::List(r)) => r.len(),
+                Some(WireValue::Map(r)) => r.len(),
+                _ => 0,
+            },
+            _ => 0,
+        };
+        let geometry = match meta.some("geometry") {
+            Some(g) => {
+                let g = Obj::of(g, "geometry")?;
+                let keys =
+                    ["tokens_per_block", "num_heads", "head_stride", "head_dim", "element_size"];
+                let mut out = [0u64; 5];
+                for (slot, key) in out.iter_mut().zip(keys) {
+                    *slot = g.u64(key)?;
+                }
+                Some(out)
+            }
+            None => None,
+        };
+        Ok(Self { kv, regions, geometry })
+    }
+}
+
+/// [`chunkable`] of the ranks' metadata dicts ([`ChunkFacts::of_meta`]).
+pub fn chunkable_metas(metas: &[WireValue]) -> DisaggResult<bool> {
+    let facts = metas.iter().map(ChunkFacts::of_meta).collect::<DisaggResult<Vec<_>>>()?;
+    Ok(chunkable(&facts))
+}
+
 /// Check the tensors a per-layer buffer argument flattens into (`items`: `None` for a tensor,
 /// else the element's type name): at least one, every one a tensor (`Geometry` on
 /// `memory_buffer`, naming `given`, the argument's type).
@@ -131,8 +169,15 @@ pub fn check_buffer_tensors(items: &[Option<String>], given: &str) -> DisaggResu
 }
 
 /// `(slots, slot_bytes)` of a staging pool of `pool_bytes` cut in `chunk_bytes` slots (at
-/// least one slot). `chunk_bytes` must be a positive multiple of 256 (`Argument`).
-pub fn staging_slots(pool_bytes: i64, chunk_bytes: i64) -> DisaggResult<(u64, u64)> {
+/// least one slot; `None`: the `(pool, chunk)` `defaults`). `chunk_bytes` must be a positive
+/// multiple of 256 (`Argument`).
+pub fn staging_slots(
+    pool_bytes: Option<i64>,
+    chunk_bytes: Option<i64>,
+    defaults: (i64, i64),
+) -> DisaggResult<(u64, u64)> {
+    let (pool_bytes, chunk_bytes) =
+        (pool_bytes.unwrap_or(defaults.0), chunk_bytes.unwrap_or(defaults.1));
     let chunk = u64::try_from(chunk_bytes).ok().filter(|c| *c >= 256 && c.is_multiple_of(256));
     let chunk = chunk.ok_or_else(|| {
         DisaggError::argument(
@@ -215,12 +260,14 @@ fn gcd(a: u64, b: u64) -> u64 {
 
 /// The packed windows `[lo, hi)` of a pipelined handoff between a gather and a scatter table,
 /// each `(total bytes, unit)`: both must describe the same packed total (`Argument` otherwise); windows are `chunk_bytes` rounded
-/// down to both tables' units (at least one unit) and cover the total in order.
+/// down to both tables' units (at least one unit; a negative `chunk_bytes` counts as 0) and
+/// cover the total in order.
 pub fn pipeline_windows(
     gather: (u64, u64),
     scatter: (u64, u64),
-    chunk_bytes: u64,
+    chunk_bytes: i64,
 ) -> DisaggResult<Vec<(u64, u64)>> {
+    let chunk_bytes = u64::try_from(chunk_bytes).unwrap_or(0);
     let ((total, g), (scatter_total, s)) = (gather, scatter);
     if total != scatter_total {
         return Err(DisaggError::argument(
@@ -261,6 +308,28 @@ pub fn same_host(mine: Option<&IpcHost>, theirs: Option<&IpcHost>) -> bool {
     matches!((mine, theirs), (Some(a), Some(b)) if a == b)
 }
 
+impl IpcHost {
+    /// The host identity of an export dict (`hostname`, `boot_id`); `None` (or an empty
+    /// export): none.
+    pub fn of_export(export: &WireValue) -> Option<Self> {
+        let WireValue::Map(entries) = export else { return None };
+        let text = |key: &str| {
+            let v = entries.iter().find(|(k, _)| k == key).map(|(_, v)| v);
+            v.filter(|v| !matches!(v, WireValue::Null)).map(|v| match v {
+                WireValue::Str(s) => s.clone(),
+                other => other.canonical_json(),
+            })
+        };
+        (!entries.is_empty()).then(|| Self { hostname: text("hostname"), boot_id: text("boot_id") })
+    }
+}
+
+/// [`same_host`] of two export dicts ([`IpcHost::of_export`]).
+pub fn same_host_exports(mine: Option<&WireValue>, theirs: Option<&WireValue>) -> bool {
+    let host = |e: Option<&WireValue>| e.and_then(IpcHost::of_export);
+    same_host(host(mine).as_ref(), host(theirs).as_ref())
+}
+
 /// The widest element (8, 4, 2 or 1 bytes) dividing both a row of `row_bytes` and a
 /// storage offset of `offset` bytes: the unit a host row copy views its rows in.
 pub fn row_unit(row_bytes: u64, offset: u64) -> u64 {
@@ -271,13 +340,12 @@ pub fn row_unit(row_bytes: u64, offset: u64) -> u64 {
 }
 
 /// The GPU whose kernels read a peer's buffer mapped through CUDA IPC: the local device where
-/// one is given on CUDA (`local_index`, `unset` when it names no index), else the buffer's
-/// own GPU `home`.
-pub fn reader_gpu(home: u32, local_cuda: bool, local_index: Option<u32>, unset: u32) -> u32 {
-    if local_cuda {
-        local_index.unwrap_or(unset)
-    } else {
-        home
+/// one is given on CUDA (`local`: its type and index; `unset` when it names no index), else
+/// the buffer's own GPU `home`.
+pub fn reader_gpu(home: u32, local: Option<(&str, Option<u32>)>, unset: u32) -> u32 {
+    match local {
+        Some(("cuda", index)) => index.unwrap_or(unset),
+        _ => home,
     }
 }
 

@@ -82,11 +82,11 @@ fn only_kv_caches_with_one_block_size_and_contiguous_heads_move_in_chunks() {
 
 #[test]
 fn staging_slots_need_a_multiple_of_256_and_give_at_least_one_slot() {
-    assert_eq!(staging_slots(1024, 512).unwrap(), (2, 512));
-    assert_eq!(staging_slots(100, 512).unwrap(), (1, 512));
-    assert_eq!(staging_slots(-5, 256).unwrap(), (1, 256));
+    assert_eq!(staging_slots(Some(1024), Some(512), (0, 0)).unwrap(), (2, 512));
+    assert_eq!(staging_slots(None, Some(512), (100, 0)).unwrap(), (1, 512));
+    assert_eq!(staging_slots(Some(-5), None, (1 << 20, 256)).unwrap(), (1, 256));
     for bad in [0, 128, 300, -256] {
-        let err = staging_slots(1024, bad).unwrap_err();
+        let err = staging_slots(Some(1024), Some(bad), (0, 0)).unwrap_err();
         assert!(matches!(&err, DisaggError::Argument { field, .. } if field == "chunk_bytes"));
     }
 }
@@ -144,6 +144,57 @@ fn two_exports_share_a_host_when_both_exist_and_agree() {
     assert!(!same_host(Some(&h("h", "b")), None));
 }
 
+fn map(entries: &[(&str, WireValue)]) -> WireValue {
+    WireValue::Map(entries.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect())
+}
+
+#[test]
+fn export_dicts_share_a_host_when_both_name_it_alike() {
+    let s = |t: &str| WireValue::Str(t.to_owned());
+    let a = map(&[("hostname", s("h")), ("boot_id", s("b")), ("pid", WireValue::Int(3))]);
+    let b = map(&[("hostname", s("h")), ("boot_id", s("b"))]);
+    let other = map(&[("hostname", s("h")), ("boot_id", s("r"))]);
+    assert!(same_host_exports(Some(&a), Some(&b)));
+    assert!(!same_host_exports(Some(&a), Some(&other)));
+    assert!(!same_host_exports(Some(&a), None));
+    assert!(!same_host_exports(Some(&map(&[])), Some(&map(&[]))));
+    assert!(!same_host_exports(Some(&WireValue::Null), Some(&WireValue::Null)));
+    // Neither names a host: both exports still agree (the same absent identity).
+    let bare = map(&[("pid", WireValue::Int(1))]);
+    assert!(same_host_exports(Some(&bare), Some(&bare)));
+}
+
+#[test]
+fn chunk_facts_are_read_from_a_metadata_dict() {
+    let int = |v: i128| WireValue::Int(v);
+    let geometry = map(&[
+        ("tokens_per_block", int(16)),
+        ("num_heads", int(4)),
+        ("head_stride", int(16)),
+        ("head_dim", int(8)),
+        ("element_size", int(2)),
+    ]);
+    let regions = WireValue::List(vec![WireValue::Null, WireValue::Null]);
+    let meta = |kind: &str, regions: WireValue| {
+        map(&[
+            ("state_kind", WireValue::Str(kind.to_owned())),
+            ("buffer", map(&[("regions", regions)])),
+            ("geometry", geometry.clone()),
+        ])
+    };
+    let one = meta("kv", WireValue::List(vec![WireValue::Null]));
+    assert_eq!(ChunkFacts::of_meta(&one).unwrap(), facts(16, 4, 16));
+    assert_eq!(ChunkFacts::of_meta(&meta("kv", regions)).unwrap().regions, 2);
+    assert!(!ChunkFacts::of_meta(&meta("ssm", WireValue::Null)).unwrap().kv);
+    let bare = ChunkFacts::of_meta(&map(&[])).unwrap();
+    assert_eq!(bare, ChunkFacts { kv: false, regions: 0, geometry: None });
+    assert!(chunkable_metas(&[one.clone(), one.clone()]).unwrap());
+    assert!(!chunkable_metas(&[one.clone(), map(&[])]).unwrap());
+    let short = map(&[("geometry", map(&[("tokens_per_block", int(16))]))]);
+    let err = ChunkFacts::of_meta(&short).unwrap_err();
+    assert!(matches!(&err, DisaggError::Wire { field, .. } if field == "geometry.num_heads"));
+}
+
 #[test]
 fn rows_are_viewed_in_the_widest_unit_dividing_row_and_offset() {
     assert_eq!(row_unit(16, 0), 8);
@@ -154,20 +205,21 @@ fn rows_are_viewed_in_the_widest_unit_dividing_row_and_offset() {
 
 #[test]
 fn a_mapped_buffer_is_read_from_the_local_gpu_when_one_is_given() {
-    assert_eq!(reader_gpu(2, false, Some(5), 0), 2);
-    assert_eq!(reader_gpu(2, true, Some(5), 0), 5);
-    assert_eq!(reader_gpu(2, true, None, 7), 7);
+    assert_eq!(reader_gpu(2, None, 0), 2);
+    assert_eq!(reader_gpu(2, Some(("cpu", Some(5))), 0), 2);
+    assert_eq!(reader_gpu(2, Some(("cuda", Some(5))), 0), 5);
+    assert_eq!(reader_gpu(2, Some(("cuda", None)), 7), 7);
 }
 
 proptest! {
     /// The windows against a simple model: consecutive, unit-aligned steps covering the total.
     #[test]
     fn pipeline_windows_cover_the_total_in_aligned_steps(
-        total in 0u64..5000, gu in 1u64..40, su in 1u64..40, chunk in 0u64..3000,
+        total in 0u64..5000, gu in 1u64..40, su in 1u64..40, chunk in -100i64..3000,
     ) {
         let w = pipeline_windows((total, gu), (total, su), chunk).unwrap();
         let unit = (1..=gu * su).find(|u| u % gu == 0 && u % su == 0).unwrap();
-        let step = std::cmp::max(chunk / unit, 1) * unit;
+        let step = std::cmp::max(chunk.max(0).cast_unsigned() / unit, 1) * unit;
         let model: Vec<_> = (0..total).step_by(step as usize).map(|lo| (lo, (lo + step).min(total))).collect();
         prop_assert_eq!(w, model);
     }
@@ -175,7 +227,7 @@ proptest! {
     /// The slot cut against the Python rule it replaces.
     #[test]
     fn staging_slots_match_floor_division(pool in -5000i64..100_000, chunk in -600i64..5000) {
-        let got = staging_slots(pool, chunk);
+        let got = staging_slots(Some(pool), Some(chunk), (0, 0));
         if chunk >= 256 && chunk % 256 == 0 {
             prop_assert_eq!(got.unwrap(), (pool.div_euclid(chunk).max(1).cast_unsigned(), chunk.cast_unsigned()));
         } else {

@@ -52,6 +52,15 @@ impl MessageKind {
         }
     }
 
+    /// What a sender posts: `Aborted` fillers when it gave the handoff up, else `Data`.
+    pub fn sent(filler: bool) -> Self {
+        if filler {
+            Self::Aborted
+        } else {
+            Self::Data
+        }
+    }
+
     /// The kind called `name`.
     pub fn from_name(name: &str) -> DisaggResult<Self> {
         match name {

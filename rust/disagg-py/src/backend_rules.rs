@@ -1,72 +1,50 @@
 //! Bindings of the transfer backends' host-side rules (`disagg_core::backend_rules`): argument
 //! conversion only.
 
+use std::borrow::Cow;
+
+use disagg_core::backend_rules as rules;
 use disagg_core::backend_rules::peers::{self, IdentityMemo, MessagePeer, MetaNode};
 use disagg_core::backend_rules::peers::{NodeShape, PollVerdict, ResolvedIds};
-use disagg_core::backend_rules::{self as rules, ChunkFacts, IpcHost};
+use disagg_core::p2p_header::MessageKind;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyMapping, PyString, PyTuple};
+use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyMapping, PyString, PyTuple};
 
+use crate::args::{wire_dict_to_py, Raw};
 use crate::error::IntoPyResult;
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
-use crate::wire::PyPeer;
+use crate::peer_records::Node;
+use crate::pool::core_fns;
+use crate::stream::Bytes;
+use crate::wire::{to_wire, PyPeer};
 
-/// `mapping.get(key)`, `None` when absent or `None`.
-fn get<'py>(mapping: &Bound<'py, PyAny>, key: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
-    let v = mapping.call_method1("get", (key,))?;
-    Ok((!v.is_none()).then_some(v))
+/// The siblings `backend_rules::group_siblings` finds, as the layout class given.
+#[derive(IntoPyObject)]
+pub enum Siblings {
+    Kv(Vec<Option<PyKvShardLayout>>),
+    Ssm(Vec<Option<PySsmShardLayout>>),
 }
 
 /// `backend_rules::group_siblings` of `layout` (`MetadataError`, `src_metas`).
 #[pyfunction]
-pub fn group_layouts(
-    py: Python<'_>,
-    layout: &Bound<'_, PyAny>,
-) -> PyResult<Vec<Option<Py<PyAny>>>> {
+pub fn group_layouts(layout: &Bound<'_, PyAny>) -> PyResult<Siblings> {
+    fn wrap<L, P>(sibs: Vec<Option<L>>, class: fn(L) -> P) -> Vec<Option<P>> {
+        sibs.into_iter().map(|s| s.map(class)).collect()
+    }
     if let Ok(kv) = layout.cast::<PyKvShardLayout>() {
         let sibs = rules::group_siblings(&kv.get().inner).py()?;
-        to_py(py, sibs.into_iter().map(|s| s.map(|inner| PyKvShardLayout { inner })))
-    } else {
-        let sibs = rules::group_siblings(&layout.cast::<PySsmShardLayout>()?.get().inner).py()?;
-        to_py(py, sibs.into_iter().map(|s| s.map(|inner| PySsmShardLayout { inner })))
+        return Ok(Siblings::Kv(wrap(sibs, |inner| PyKvShardLayout { inner })));
     }
+    let sibs = rules::group_siblings(&layout.cast::<PySsmShardLayout>()?.get().inner).py()?;
+    Ok(Siblings::Ssm(wrap(sibs, |inner| PySsmShardLayout { inner })))
 }
 
-fn to_py<T>(
-    py: Python<'_>,
-    items: impl Iterator<Item = Option<T>>,
-) -> PyResult<Vec<Option<Py<PyAny>>>>
-where
-    T: pyo3::PyClass + Into<PyClassInitializer<T>>,
-{
-    items.map(|s| s.map(|v| Ok(Py::new(py, v)?.into_any())).transpose()).collect()
-}
-
-fn chunk_facts(meta: &Bound<'_, PyAny>) -> PyResult<ChunkFacts> {
-    let kind = get(meta, "state_kind")?;
-    let regions = match get(meta, "buffer")?.map(|b| get(&b, "regions")).transpose()?.flatten() {
-        Some(r) => r.len()?,
-        None => 0,
-    };
-    let geometry = match get(meta, "geometry")? {
-        Some(g) => {
-            let keys = ["tokens_per_block", "num_heads", "head_stride", "head_dim", "element_size"];
-            let mut out = [0u64; 5];
-            for (slot, key) in out.iter_mut().zip(keys) {
-                *slot = g.get_item(key)?.extract()?;
-            }
-            Some(out)
-        }
-        None => None,
-    };
-    Ok(ChunkFacts { kv: kind.is_some_and(|k| k.eq("kv").unwrap_or(false)), regions, geometry })
-}
-
-/// Whether a two-sided handoff between ranks of these metadata dicts moves in chunks.
+/// Whether a two-sided handoff between ranks of these metadata dicts moves in chunks
+/// (`backend_rules::chunkable_metas`).
 #[pyfunction]
 pub fn chunkable(metas: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
-    let facts = metas.iter().map(chunk_facts).collect::<PyResult<Vec<_>>>()?;
-    Ok(rules::chunkable(&facts))
+    let metas = metas.iter().map(|m| to_wire(m, "peer_meta")).collect::<PyResult<Vec<_>>>()?;
+    rules::chunkable_metas(&metas).py()
 }
 
 /// Python objects, in order.
@@ -98,101 +76,55 @@ pub fn buffer_tensors(
     Ok((flat, Some(layers)))
 }
 
-/// `backend_rules::staging_slots` (`None`: the defaults).
-#[pyfunction]
-#[pyo3(signature = (pool_bytes, chunk_bytes, default_pool_bytes, default_chunk_bytes))]
-pub fn staging_slots(
-    pool_bytes: Option<i64>,
-    chunk_bytes: Option<i64>,
-    default_pool_bytes: i64,
-    default_chunk_bytes: i64,
-) -> PyResult<(u64, u64)> {
-    rules::staging_slots(
-        pool_bytes.unwrap_or(default_pool_bytes),
-        chunk_bytes.unwrap_or(default_chunk_bytes),
-    )
-    .py()
+core_fns! {
+    /// `backend_rules::staging_slots`.
+    fn staging_slots(pool_bytes: Raw<Option<i64>>, chunk_bytes: Raw<Option<i64>>,
+        default_pool_bytes: Raw<i64>, default_chunk_bytes: Raw<i64>) -> (u64, u64)
+        = rules::staging_slots(pool_bytes, chunk_bytes, (default_pool_bytes, default_chunk_bytes));
+    /// `backend_rules::check_slot_capacity`.
+    fn check_slot_capacity(items: Raw<Vec<u64>>, slot_bytes: Raw<u64>) -> ()
+        = rules::check_slot_capacity(&items, slot_bytes);
+    /// `backend_rules::check_chunk_blocks`.
+    fn check_chunk_blocks(field: Raw<String>, held: Raw<u64>, num_tokens: Raw<u64>,
+        needs: Raw<Vec<u64>>) -> () = rules::check_chunk_blocks(&field, held, num_tokens, &needs);
+    /// `backend_rules::packed_window`.
+    fn packed_window(range: Raw<(i64, Option<i64>)>, table: Raw<(u64, u64)>,
+        chunk_units: Raw<u64>) -> (u64, u64, u64) = rules::packed_window(range, table, chunk_units);
+    /// `backend_rules::pipeline_windows`.
+    fn pipeline_windows(gather: Raw<(u64, u64)>, scatter: Raw<(u64, u64)>, chunk_bytes: Raw<i64>)
+        -> Vec<(u64, u64)> = rules::pipeline_windows(gather, scatter, chunk_bytes);
+    /// `backend_rules::staging_path`.
+    fn staging_path(forced: Raw<String>, cuda_with_triton: Raw<bool>) -> &'static str
+        = rules::staging_path(&forced, cuda_with_triton);
+    /// `backend_rules::row_unit`.
+    fn row_unit(row_bytes: Raw<u64>, offset: Raw<u64>) -> u64 = rules::row_unit(row_bytes, offset);
+    /// `backend_rules::reader_gpu` for a reader on `local` (a `torch.device` or `None`).
+    fn ipc_reader_gpu(home: Raw<u32>, local: Raw<Option<Device>>, unset: Raw<u32>) -> u32
+        = rules::reader_gpu(home, local.as_ref().map(|d| (d.kind.as_str(), d.index)), unset);
+    /// `peers::p2p_outcome`.
+    fn p2p_outcome(posted: Raw<Option<String>>, works: Raw<Vec<Option<String>>>,
+        threads: Raw<Vec<String>>) -> Option<String> = peers::p2p_outcome(posted, works, threads);
 }
 
-/// Raise `CapacityError` (`chunk_bytes`) when an item does not fit a staging slot.
-#[pyfunction]
-pub fn check_slot_capacity(items: Vec<u64>, slot_bytes: u64) -> PyResult<()> {
-    rules::check_slot_capacity(&items, slot_bytes).py()
+/// A `torch.device`: its type and index.
+#[derive(FromPyObject)]
+pub struct Device {
+    #[pyo3(attribute("type"))]
+    kind: String,
+    #[pyo3(attribute)]
+    index: Option<u32>,
 }
 
-/// Raise `BlockIdError` (`field`) when `held` block ids are not what the plans need.
-#[pyfunction]
-pub fn check_chunk_blocks(
-    field: &str,
-    held: u64,
-    num_tokens: u64,
-    needs: Vec<u64>,
-) -> PyResult<()> {
-    rules::check_chunk_blocks(field, held, num_tokens, &needs).py()
-}
-
-/// `backend_rules::packed_window`: `(lo, hi, programs)` of one kernel launch, in units.
-#[pyfunction]
-pub fn packed_window(
-    range: (i64, Option<i64>),
-    table: (u64, u64),
-    chunk_units: u64,
-) -> PyResult<(u64, u64, u64)> {
-    rules::packed_window(range, table, chunk_units).py()
-}
-
-/// `backend_rules::pipeline_windows` between two run tables, each `(total, unit)`.
-#[pyfunction]
-pub fn pipeline_windows(
-    gather: (u64, u64),
-    scatter: (u64, u64),
-    chunk_bytes: i64,
-) -> PyResult<Vec<(u64, u64)>> {
-    rules::pipeline_windows(gather, scatter, u64::try_from(chunk_bytes).unwrap_or(0)).py()
-}
-
-/// `"triton"` or `"torch"`: which implementation copies a tensor's fragments.
-#[pyfunction]
-pub fn staging_path(forced: &str, cuda_with_triton: bool) -> &'static str {
-    rules::staging_path(forced, cuda_with_triton)
-}
-
-fn ipc_host(export: Option<Bound<'_, PyAny>>) -> PyResult<Option<IpcHost>> {
-    let Some(e) = export.filter(|e| e.is_truthy().unwrap_or(false)) else { return Ok(None) };
-    let text = |key| -> PyResult<Option<String>> {
-        get(&e, key)?.map(|v| Ok(v.str()?.to_string())).transpose()
-    };
-    Ok(Some(IpcHost { hostname: text("hostname")?, boot_id: text("boot_id")? }))
-}
-
-/// Whether two CUDA IPC exports (dicts, or `None`) come from one host.
+/// Whether two CUDA IPC exports (dicts, or `None`) come from one host
+/// (`backend_rules::same_host_exports`).
 #[pyfunction]
 pub fn ipc_same_host(
     mine: Option<Bound<'_, PyAny>>,
     theirs: Option<Bound<'_, PyAny>>,
 ) -> PyResult<bool> {
-    Ok(rules::same_host(ipc_host(mine)?.as_ref(), ipc_host(theirs)?.as_ref()))
+    let wire = |e: Option<Bound<'_, PyAny>>| e.map(|e| to_wire(&e, "ipc")).transpose();
+    Ok(rules::same_host_exports(wire(mine)?.as_ref(), wire(theirs)?.as_ref()))
 }
-
-/// The widest unit (8, 4, 2 or 1 bytes) dividing a row and a storage offset.
-#[pyfunction]
-pub fn row_unit(row_bytes: u64, offset: u64) -> u64 {
-    rules::row_unit(row_bytes, offset)
-}
-
-/// `backend_rules::reader_gpu` for a reader on `local` (a `torch.device` or `None`).
-#[pyfunction]
-pub fn ipc_reader_gpu(home: u32, local: Option<Bound<'_, PyAny>>, unset: u32) -> PyResult<u32> {
-    let (cuda, index) = match local {
-        Some(d) => (d.getattr("type")?.eq("cuda")?, d.getattr("index")?.extract::<Option<u32>>()?),
-        None => (false, None),
-    };
-    Ok(rules::reader_gpu(home, cuda, index, unset))
-}
-
-/// A Python object as a node of a peer-metadata argument.
-#[derive(Clone)]
-struct Node<'py>(Bound<'py, PyAny>);
 
 impl<'py> Node<'py> {
     fn mapping(&self) -> Option<&Bound<'py, PyMapping>> {
@@ -262,16 +194,6 @@ pub fn no_blocks(block_ids: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
     Ok(peers::nothing_to_move(&counts))
 }
 
-/// `peers::p2p_outcome`: the first failure of a completed two-sided transfer, or `None`.
-#[pyfunction]
-pub fn p2p_outcome(
-    posted: Option<String>,
-    works: Vec<Option<String>>,
-    threads: Vec<String>,
-) -> Option<String> {
-    peers::p2p_outcome(posted, works, threads)
-}
-
 pyo3::import_exception!(disagg_rs.exceptions, TransferError);
 pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
 
@@ -319,11 +241,20 @@ pub fn p2p_receives(
     Ok(got.into_iter().map(|(p, n)| (p.dist_rank, p.incarnation, n, p.global_rank)).collect())
 }
 
-/// `peers::p2p_sends`: `(destination index, packed bytes)` of the messages rank `me` sends.
+/// `peers::p2p_send_messages`: `(destination index, packed bytes, header)` of the messages
+/// rank `me` sends (`filler`: aborted ones).
 #[pyfunction]
-pub fn p2p_sends(me: u32, programs: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<(usize, u64)>> {
+pub fn p2p_sends(
+    me: u32,
+    programs: Vec<Bound<'_, PyAny>>,
+    filler: bool,
+    tag: u64,
+    incarnation: u64,
+) -> PyResult<Vec<(usize, u64, Bytes)>> {
     let sources = programs.iter().map(program_sources).collect::<PyResult<Vec<_>>>()?;
-    Ok(peers::p2p_sends(me, &sources))
+    let kind = MessageKind::sent(filler);
+    let sends = peers::p2p_send_messages(me, &sources, kind, (tag, incarnation)).py()?;
+    Ok(sends.into_iter().map(|(i, n, head)| (i, n, Cow::Owned(head))).collect())
 }
 
 /// Peer dicts a resolver remembers by identity; past it the memo restarts.
@@ -365,15 +296,14 @@ impl PyPeerResolver {
     /// The parsed `Peer` of one metadata dict (its own `block_ids` are not part of it).
     fn adopt<'py>(&mut self, meta: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let py = meta.py();
-        let node = Node(meta.clone());
-        let meta = match (node.mapping(), node.field("block_ids")) {
-            (Some(m), Some(_)) => {
-                let d = PyDict::new(py);
-                d.update(m)?;
-                d.del_item("block_ids")?;
-                d.into_any()
-            }
-            _ => meta,
+        let (strip_ids, reference) = peers::adoption(&Node(meta.clone()));
+        let meta = if strip_ids {
+            let d = PyDict::new(py);
+            d.update(meta.cast::<PyMapping>()?)?;
+            d.del_item("block_ids")?;
+            d.into_any()
+        } else {
+            meta
         };
         let id = meta.as_ptr() as usize;
         let same = |(m, copy, _): &Memo| m.is(&meta) && copy.bind(py).eq(&meta).unwrap_or(false);
@@ -383,8 +313,6 @@ impl PyPeerResolver {
         let table = self.table.bind(py);
         let mut peer = table.call_method1("lookup", (&meta,))?;
         if peer.is_none() {
-            let node = Node(meta.clone());
-            let reference = node.mapping().is_some() && node.field("version").is_none();
             let (backend, kind, size, dtype) = self.local.clone();
             let schema = reference
                 .then(|| {
@@ -411,10 +339,7 @@ impl PyPeerResolver {
         if !found.is_none() {
             return Ok(found);
         }
-        let full = PyDict::new(py);
-        full.set_item("agent_metadata", "")?;
-        full.set_item("staging", py.None())?;
-        full.set_item("dist_rank", 0)?;
+        let full = wire_dict_to_py(py, &peers::planning_defaults())?;
         full.update(meta.cast::<PyMapping>()?)?;
         self.adopt(full.into_any())
     }
@@ -438,11 +363,7 @@ impl PyPeerResolver {
         let ids = match peers::ids_by_rank(&ranks, &Node(src_block_ids.clone())) {
             ResolvedIds::Given => src_block_ids,
             ResolvedIds::ByRank(by_rank) => {
-                let d = PyDict::new(py);
-                for (rank, ids) in by_rank {
-                    d.set_item(rank, ids.0)?;
-                }
-                d.into_any()
+                by_rank.into_iter().map(|(rank, ids)| (rank, ids.0)).into_py_dict(py)?.into_any()
             }
         };
         Ok((found, ids))

@@ -12,9 +12,10 @@ use crate::error::{to_pyerr, IntoPyResult};
 use crate::layout::PyKvShardLayout;
 use crate::wire::to_wire;
 
-/// A Python metadata value, walked by the core's rules (`disagg_core::peer_records`).
+/// A Python metadata value, walked by the core's rules (`disagg_core::peer_records`,
+/// `disagg_core::backend_rules::peers`).
 #[derive(Clone)]
-struct Node<'py>(Bound<'py, PyAny>);
+pub(crate) struct Node<'py>(pub(crate) Bound<'py, PyAny>);
 
 impl MetaNode for Node<'_> {
     type Err = PyErr;

@@ -67,7 +67,7 @@ plain_out!(
     Vec<i64>,
     (Option<u64>, Option<u64>)
 );
-plain_out!((bool, u64), (u64, u64), (i64, bool));
+plain_out!((bool, u64), (u64, u64), (i64, bool), (u64, u64, u64));
 
 /// `Out` converting a core value: `CoreType => PyType = |v| expr;` (`expr` may use `?`).
 macro_rules! outs {

@@ -51,18 +51,13 @@ const PAIRS: &str = "regions must be a list of (addr, nbytes) pairs";
 /// `[(addr, nbytes), ...]` as a validated table (`MetadataError` naming `regions`).
 fn table(regions: &Bound<'_, PyAny>) -> PyResult<RegionTable> {
     let not_pairs = || type_err("regions", format!("{PAIRS}, got {}", describe(regions)));
-    let items = regions.try_iter().map_err(|_| not_pairs())?;
-    let mut out = Vec::new();
-    for item in items {
-        let item = item?;
-        let pair: Vec<Int> = item.extract().map_err(|_| not_pairs())?;
-        let [addr, nbytes] = <[Int; 2]>::try_from(pair).map_err(|_| not_pairs())?;
-        out.push(Region {
-            addr: addr.to_u64(Kind::Argument, "regions")?,
-            nbytes: nbytes.to_u64(Kind::Argument, "regions")?,
-        });
-    }
-    RegionTable::new("regions", out).py()
+    let pairs: Vec<[Int; 2]> = regions.extract().map_err(|_| not_pairs())?;
+    let region = |[addr, nbytes]: [Int; 2]| -> PyResult<Region> {
+        let (addr, nbytes) =
+            (addr.to_u64(Kind::Argument, "regions")?, nbytes.to_u64(Kind::Argument, "regions")?);
+        Ok(Region { addr, nbytes })
+    };
+    RegionTable::new("regions", pairs.into_iter().map(region).collect::<PyResult<_>>()?).py()
 }
 
 /// `RegionTable::group` of gather or scatter rows: `[(region_index, rows), ...]`; with one

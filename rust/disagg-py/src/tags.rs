@@ -37,9 +37,8 @@ core_fns! {
         &sends, slots).map(|s| s.into_iter().map(ChunkStep::signed).collect::<Vec<_>>());
     /// `p2p_header::encode_headers` of one pair's messages (`filler`: aborted ones).
     fn p2p_headers(filler: Raw<bool>, tag: Raw<u64>, incarnation: Raw<u64>,
-        nbytes: Raw<Vec<u64>>) -> Bytes = p2p_header::encode_headers(
-            if filler { MessageKind::Aborted } else { MessageKind::Data }, tag, incarnation,
-            &nbytes);
+        nbytes: Raw<Vec<u64>>) -> Bytes
+        = p2p_header::encode_headers(MessageKind::sent(filler), tag, incarnation, &nbytes);
 }
 
 /// `disagg_core::p2p_header::PeerSteps`, shared by the transfer threads of a backend.
