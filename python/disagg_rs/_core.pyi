@@ -1142,7 +1142,9 @@ def slice_reads(
     heads: tuple[int, int, int],
     peer_id: str,
 ) -> tuple[_U64Array, _U64Array, str, str, str]: ...
-def ipc_bounds_hold(plans: Sequence[tuple[int, int, int, int]], dst_bytes: int) -> bool: ...
+def ipc_bounds_hold(
+    plans: Sequence[tuple[PackedRows, int, int]], dst_blocks: int, dst_bytes: int
+) -> bool: ...
 def check_matched_slices(
     peer_name: str,
     peer: Sequence[tuple[str, int | None]],

@@ -1422,11 +1422,12 @@ class NixlTransferBackend(TransferBackendBase):
         mapped: Mapping[int, torch.Tensor],
     ) -> bool:
         """Every byte the kernels may touch lies inside both buffers, and every source rank
-        cuts the prompt into the same blocks."""
-        ends = [(plan.tokens_per_block, plan.paged_end("src", int(by_rank[rank]["num_blocks"])),
-                 mapped[rank].numel(), plan.paged_end("dst", self.expected_num_blocks))
-                for rank, plan in plans.items()]  # fmt: skip
-        return bool(_core.ipc_bounds_hold(ends, int(self.buffer_info["nbytes"])))
+        cuts the prompt into the same blocks (decided in Rust from each plan's table with its
+        source buffer's blocks and bytes)."""
+        tables = [(plan.packed, int(by_rank[rank]["num_blocks"]), mapped[rank].numel())
+                  for rank, plan in plans.items()]  # fmt: skip
+        dst = (self.expected_num_blocks, int(self.buffer_info["nbytes"]))
+        return bool(_core.ipc_bounds_hold(tables, *dst))
 
     def _post(
         self,

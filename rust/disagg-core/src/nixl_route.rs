@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 
 use crate::error::{DisaggError, DisaggResult};
+use crate::packed_items::{PlaneTable, SideKind};
 use crate::staging::slot_plan;
 use crate::wire::ticket::StagingTicket;
 
@@ -386,8 +387,9 @@ pub type DescRows = Vec<[u64; 3]>;
 /// (destination) and remote (source) rows, block-major then outer slice then token.
 ///
 /// # Errors
-/// `Block` (field `dst_block_ids`) when the two id lists differ in length; `AddressOverflow`
-/// when an address leaves `u64`.
+/// `Block` (field `dst_block_ids`) when the two id lists differ in length; `Wire` (field
+/// `heads_per_partition`) for a head fragment of a peer (`src`) stating no heads per
+/// partition; `AddressOverflow` when an address leaves `u64`.
 pub fn slice_read_rows(
     src: &SliceSide,
     dst: &SliceSide,
@@ -400,6 +402,12 @@ pub fn slice_read_rows(
         return Err(DisaggError::block(
             "dst_block_ids",
             format!("{} source blocks but {} destination blocks", src_ids.len(), dst_ids.len()),
+        ));
+    }
+    if heads.heads > 0 && src.heads_per_partition == 0 {
+        return Err(DisaggError::wire(
+            "heads_per_partition",
+            "a head fragment needs the peer's heads_per_partition".to_owned(),
         ));
     }
     let tokens = if heads.heads == 0 { 1 } else { heads.tokens_per_block };
@@ -465,9 +473,38 @@ pub fn slice_read_mem_type(stated: Option<String>) -> String {
 
 /// The backends a rank's NIXL agent is configured with, `None` for the default (`UCX` alone,
 /// which every NIXL build's configuration takes without naming it).
-#[must_use]
-pub fn agent_backends(backends: &[String]) -> Option<&[String]> {
-    (backends != ["UCX"]).then_some(backends)
+///
+/// # Errors
+/// The refusal (field `nixl`) of an agent without the nixl package (`have_nixl` false).
+pub fn agent_backends(have_nixl: bool, backends: &[String]) -> Result<Option<&[String]>, Refusal> {
+    if !have_nixl {
+        return Err(Refusal {
+            field: "nixl",
+            detail: "NixlTransferBackend needs the nixl Python package (pip install nixl)".into(),
+        });
+    }
+    Ok((backends != ["UCX"]).then_some(backends))
+}
+
+/// [`ipc_bounds_hold`] of the device plans of a CUDA IPC route: each source rank's table
+/// with its buffer's blocks and bytes, and the destination buffer's blocks and bytes.
+///
+/// # Errors
+/// Those of [`PlaneTable::paged_end`].
+pub fn ipc_plans_hold(
+    plans: &[(&PlaneTable, u64, u64)],
+    dst_blocks: u64,
+    dst_bytes: u64,
+) -> DisaggResult<bool> {
+    let ends = plans
+        .iter()
+        .map(|&(t, src_blocks, src_bytes)| {
+            let end = |kind, n| t.paged_end(kind, n).map(|e| u64::try_from(e).unwrap_or(0));
+            let src_end = end(SideKind::Src, src_blocks)?;
+            Ok((t.tokens_per_block(), src_end, src_bytes, end(SideKind::Dst, dst_blocks)?))
+        })
+        .collect::<DisaggResult<Vec<_>>>()?;
+    Ok(ipc_bounds_hold(&ends, dst_bytes))
 }
 
 /// Whether the kernels of a CUDA IPC route stay inside both buffers: every source rank cuts
@@ -526,6 +563,7 @@ pub struct Registered {
 /// new one replaces the old registration, which is forgotten first.
 #[derive(Debug, Clone, Default)]
 pub struct AgentPeers {
+    agent: String,
     refs: u64,
     peers: BTreeMap<String, Registered>,
 }
@@ -543,10 +581,28 @@ pub enum Admission {
 }
 
 impl AgentPeers {
+    /// The table of the agent named `agent`, held by no registration yet.
+    #[must_use]
+    pub fn named(agent: &str) -> Self {
+        Self { agent: agent.to_owned(), ..Self::default() }
+    }
+
     /// Buffer registrations holding the agent.
     #[must_use]
     pub fn refs(&self) -> u64 {
         self.refs
+    }
+
+    /// Nothing while a registration holds the agent.
+    ///
+    /// # Errors
+    /// The refusal (field `agent`) of an agent no registration holds: it is closed.
+    pub fn check_open(&self) -> Result<(), Refusal> {
+        if self.refs == 0 {
+            let detail = format!("NIXL agent '{}' is closed", self.agent);
+            return Err(Refusal { field: "agent", detail });
+        }
+        Ok(())
     }
 
     /// One more registration holds the agent.

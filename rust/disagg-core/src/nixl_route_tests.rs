@@ -283,8 +283,58 @@ fn slice_reads_are_labelled_and_typed_as_the_reference_design_does() {
     );
     assert_eq!(slice_read_mem_type(None), "VRAM");
     assert_eq!(slice_read_mem_type(Some("DRAM".into())), "DRAM");
-    assert_eq!(agent_backends(&["UCX".to_owned()]), None);
-    assert_eq!(agent_backends(&["GDS".to_owned()]).map(<[String]>::len), Some(1));
+    assert_eq!(agent_backends(true, &["UCX".to_owned()]), Ok(None));
+    assert_eq!(agent_backends(true, &["GDS".to_owned()]).map(|b| b.map(<[String]>::len)), Ok(Some(1)));
+    let refused = agent_backends(false, &["UCX".to_owned()]).unwrap_err();
+    assert_eq!(refused.field, "nixl");
+    assert!(refused.detail.contains("pip install nixl"), "{}", refused.detail);
+}
+
+#[test]
+fn an_agent_is_open_while_a_registration_holds_it() {
+    let mut t = AgentPeers::named("rank0");
+    let closed = t.check_open().unwrap_err();
+    assert_eq!((closed.field, closed.detail.as_str()), ("agent", "NIXL agent 'rank0' is closed"));
+    t.retain();
+    assert_eq!(t.check_open(), Ok(()));
+    assert!(t.release().is_empty());
+    assert!(t.check_open().is_err());
+}
+
+#[test]
+fn a_head_fragment_needs_the_peers_heads_per_partition() {
+    let side = SliceSide { bytes_per_slice: 64, heads_per_partition: 2, ..SliceSide::default() };
+    let span = HeadSpan { heads: 1, head_bytes: 8, tokens_per_block: 2 };
+    let peer = SliceSide { heads_per_partition: 0, ..side };
+    let err = slice_read_rows(&peer, &side, &[1], &[1], 1, &span).unwrap_err();
+    assert!(matches!(err, DisaggError::Wire { ref field, .. } if field == "heads_per_partition"));
+    assert!(slice_read_rows(&side, &side, &[1], &[1], 1, &span).is_ok());
+    // Whole slices need no heads.
+    assert!(slice_read_rows(&peer, &side, &[1], &[1], 1, &HeadSpan::default()).is_ok());
+}
+
+#[test]
+fn an_ipc_route_holds_when_every_plans_paged_ends_fit_both_buffers() {
+    // One plane row of 16 bytes per token, 4 tokens per block; block strides 64 both sides.
+    let table = |tpb| PlaneTable::new(&[[0, 0, 0, 16]], tpb, [64, 16, 64, 16]).unwrap();
+    let (a, b) = (table(4), table(2));
+    // Last byte + 1 of `n` blocks: (n - 1) * 64 + (tpb - 1) * 16 + 16.
+    let end = |t: &PlaneTable, n: u64| {
+        let src = t.paged_end(crate::packed_items::SideKind::Src, n).unwrap();
+        u64::try_from(src).unwrap()
+    };
+    assert_eq!(end(&a, 4), 3 * 64 + 64);
+    for (src_blocks, src_bytes, dst_blocks, dst_bytes) in
+        [(4, 256, 4, 256), (4, 255, 4, 256), (4, 256, 5, 256), (1, 64, 1, 64), (2, 64, 1, 64)]
+    {
+        let got = ipc_plans_hold(&[(&a, src_blocks, src_bytes)], dst_blocks, dst_bytes).unwrap();
+        let model = (end(&a, src_blocks), end(&a, dst_blocks));
+        assert_eq!(got, model.0 <= src_bytes && model.1 <= dst_bytes);
+        assert_eq!(got, ipc_bounds_hold(&[(4, model.0, src_bytes, model.1)], dst_bytes));
+    }
+    // Source ranks cutting the prompt into other blocks never share a route.
+    assert_eq!(ipc_plans_hold(&[(&a, 1, 1 << 20), (&b, 1, 1 << 20)], 1, 1 << 20), Ok(false));
+    assert_eq!(ipc_plans_hold(&[], 1, 1 << 20), Ok(false));
 }
 
 #[test]

@@ -35,7 +35,7 @@ fn sides(s: KernelSides) -> SidesTuple {
 /// token, dst block, dst token)``.
 #[pyclass(name = "PackedRows", module = "disagg_rs", frozen)]
 pub struct PyPackedRows {
-    table: PlaneTable,
+    pub table: PlaneTable,
 }
 
 #[pymethods]

@@ -75,7 +75,8 @@ pub fn pair_with(
     Ok((to_numpy(py, a, m)?, to_numpy(py, b, m)?))
 }
 
-fn to_numpy(py: Python<'_>, v: Vec<u64>, rows: usize) -> PyResult<Bound<'_, PyArray2<u64>>> {
+/// `rows` rows of `v` (three values each) as an `[n, 3]` array whose memory is recycled.
+pub fn to_numpy(py: Python<'_>, v: Vec<u64>, rows: usize) -> PyResult<Bound<'_, PyArray2<u64>>> {
     let rows = Array2::from_shape_vec((rows, 3), v)
         .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
     let owner = Bound::new(py, RowBuffer { rows })?;
