@@ -244,6 +244,21 @@ pub struct PlanFacts {
     pub item_bytes: u64,
 }
 
+impl PlanFacts {
+    /// The facts of a device plan's table: its block size, the sum of its row bytes per
+    /// token, and its largest row's bytes over a block.
+    #[must_use]
+    pub fn of(table: &PlaneTable) -> Self {
+        let rows = table.rows().iter().map(|r| r.1);
+        let tokens_per_block = table.tokens_per_block();
+        Self {
+            tokens_per_block,
+            bytes_per_token: rows.clone().fold(0, u64::saturating_add),
+            item_bytes: rows.max().unwrap_or(0).saturating_mul(tokens_per_block),
+        }
+    }
+}
+
 /// How the decode reads one source of a pull.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SourceRead {
@@ -573,10 +588,10 @@ pub struct AgentPeers {
 pub enum Admission {
     /// Registered with this incarnation and metadata: its NIXL id.
     Known(String),
-    /// To register; `stale`: its old registration, to forget first.
+    /// To register; `stale`: its old registration, forgotten here, to remove from NIXL first.
     Register {
-        /// Whether an old registration of the name must be forgotten first.
-        stale: bool,
+        /// `(name, NIXL id)` of the old registration of the name, if any.
+        stale: Vec<(String, String)>,
     },
 }
 
@@ -610,9 +625,10 @@ impl AgentPeers {
         self.refs += 1;
     }
 
-    /// One registration lets go (nothing when none holds it); the names of every peer to
-    /// forget once the last has (the agent goes with it).
-    pub fn release(&mut self) -> Vec<String> {
+    /// One registration lets go (nothing when none holds it); once the last has, every
+    /// registered peer is forgotten (the agent goes with it): `(name, NIXL id)` of each, to
+    /// remove from NIXL.
+    pub fn release(&mut self) -> Vec<(String, String)> {
         if self.refs == 0 {
             return Vec::new();
         }
@@ -620,17 +636,17 @@ impl AgentPeers {
         if self.refs > 0 {
             return Vec::new();
         }
-        self.peers.keys().cloned().collect()
+        std::mem::take(&mut self.peers).into_iter().map(|(n, r)| (n, r.id)).collect()
     }
 
-    /// Whether peer `name` is registered with `incarnation` and `digest`.
-    #[must_use]
-    pub fn admit(&self, name: &str, incarnation: u64, digest: &str) -> Admission {
+    /// Whether peer `name` is registered with `incarnation` and `digest`; a registration of
+    /// the name with another incarnation or metadata is forgotten (to register anew).
+    pub fn admit(&mut self, name: &str, incarnation: u64, digest: &str) -> Admission {
         match self.peers.get(name) {
             Some(r) if r.incarnation == incarnation && r.digest == digest => {
                 Admission::Known(r.id.clone())
             }
-            known => Admission::Register { stale: known.is_some() },
+            _ => Admission::Register { stale: self.forget(&[name.to_owned()]) },
         }
     }
 
@@ -675,6 +691,12 @@ impl AgentPeers {
     pub fn stale(&self, current: &BTreeMap<String, u64>) -> Vec<String> {
         let known = self.peers.iter().map(|(n, r)| (n.clone(), r.incarnation)).collect();
         crate::stream::stale_peers(&known, current)
+    }
+
+    /// Forget the [`Self::stale`] peers: `(name, NIXL id)` of each, to remove from NIXL.
+    pub fn forget_stale(&mut self, current: &BTreeMap<String, u64>) -> Vec<(String, String)> {
+        let stale = self.stale(current);
+        self.forget(&stale)
     }
 }
 

@@ -251,26 +251,37 @@ fn a_matched_layout_peer_must_share_the_slice_geometry_it_states() {
 
 #[test]
 fn peers_are_registered_once_per_incarnation_and_forgotten_with_the_last_registration() {
+    let pair = |n: &str, id: &str| (n.to_owned(), id.to_owned());
+    let fresh = || Admission::Register { stale: vec![] };
     let mut t = AgentPeers::default();
     assert!(t.release().is_empty());
     t.retain();
     t.retain();
-    assert_eq!(t.admit("a", 1, "d"), Admission::Register { stale: false });
+    assert_eq!(t.admit("a", 1, "d"), fresh());
     assert_eq!(t.register("a", 1, "d", Ok(None)), Ok("a".into()));
     assert_eq!(t.register("b", 1, "d", Ok(Some("id-b".into()))), Ok("id-b".into()));
     // A registration NIXL refused is named and records nothing.
     let refused = t.register("c", 1, "d", Err("RuntimeError('bad blob')".into())).unwrap_err();
     assert_eq!(refused.field, "agent_metadata");
     assert_eq!(refused.detail, "cannot register NIXL peer 'c': RuntimeError('bad blob')");
-    assert_eq!(t.admit("c", 1, "d"), Admission::Register { stale: false });
+    assert_eq!(t.admit("c", 1, "d"), fresh());
     assert_eq!(t.admit("a", 1, "d"), Admission::Known("a".into()));
-    assert_eq!(t.admit("a", 2, "d"), Admission::Register { stale: true });
-    assert_eq!(t.admit("a", 1, "e"), Admission::Register { stale: true });
-    let now: BTreeMap<String, u64> = [("a".to_owned(), 1)].into();
-    assert_eq!(t.stale(&now), vec!["b".to_owned()]);
-    assert_eq!(t.forget(&["b".into(), "zz".into()]), vec![("b".to_owned(), "id-b".to_owned())]);
+    // Another incarnation or metadata forgets the old registration, to remove from NIXL.
+    assert_eq!(t.admit("a", 2, "d"), Admission::Register { stale: vec![pair("a", "a")] });
+    assert_eq!(t.admit("a", 2, "d"), fresh());
+    assert_eq!(t.register("a", 2, "d", Ok(None)), Ok("a".into()));
+    assert_eq!(t.admit("a", 2, "e"), Admission::Register { stale: vec![pair("a", "a")] });
+    assert_eq!(t.register("a", 1, "d", Ok(Some("id-a".into()))), Ok("id-a".into()));
+    t.register("x", 1, "d", Ok(None)).unwrap();
+    let now: BTreeMap<String, u64> = [("a".to_owned(), 1), ("x".to_owned(), 2)].into();
+    assert_eq!(t.stale(&now), vec!["b".to_owned(), "x".to_owned()]);
+    assert_eq!(t.forget_stale(&now), vec![pair("b", "id-b"), pair("x", "x")]);
+    assert!(t.forget_stale(&now).is_empty());
+    assert_eq!(t.forget(&["zz".into()]), vec![]);
     assert!(t.release().is_empty());
-    assert_eq!(t.release(), vec!["a".to_owned()]);
+    assert_eq!(t.release(), vec![pair("a", "id-a")]);
+    assert!(t.peers().is_empty());
+    assert!(t.release().is_empty());
     assert_eq!(t.refs(), 0);
 }
 
@@ -284,7 +295,10 @@ fn slice_reads_are_labelled_and_typed_as_the_reference_design_does() {
     assert_eq!(slice_read_mem_type(None), "VRAM");
     assert_eq!(slice_read_mem_type(Some("DRAM".into())), "DRAM");
     assert_eq!(agent_backends(true, &["UCX".to_owned()]), Ok(None));
-    assert_eq!(agent_backends(true, &["GDS".to_owned()]).map(|b| b.map(<[String]>::len)), Ok(Some(1)));
+    assert_eq!(
+        agent_backends(true, &["GDS".to_owned()]).map(|b| b.map(<[String]>::len)),
+        Ok(Some(1))
+    );
     let refused = agent_backends(false, &["UCX".to_owned()]).unwrap_err();
     assert_eq!(refused.field, "nixl");
     assert!(refused.detail.contains("pip install nixl"), "{}", refused.detail);
@@ -383,4 +397,12 @@ fn a_source_packs_unless_read_directly_and_needs_a_pool_when_it_does() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn a_plans_facts_are_its_block_size_token_bytes_and_largest_item() {
+    let table = PlaneTable::new(&[[0, 0, 0, 16], [64, 64, 64, 48], [8, 8, 256, 8]], 4, [0; 4]);
+    let facts = PlanFacts::of(&table.unwrap());
+    let want = PlanFacts { tokens_per_block: 4, bytes_per_token: 72, item_bytes: 48 * 4 };
+    assert_eq!(facts, want);
 }

@@ -66,14 +66,15 @@ core_fns! {
     /// `nixl_route::nixl_cuda_major_mismatch`.
     #[pyo3(signature = (variant, torch_cuda))]
     fn nixl_cuda_major_mismatch(variant: Raw<Option<String>>, torch_cuda: Raw<Option<String>>)
-        -> Option<String> = route::nixl_cuda_major_mismatch(variant.as_deref(), torch_cuda.as_deref());
+        -> Option<String>
+        = route::nixl_cuda_major_mismatch(variant.as_deref(), torch_cuda.as_deref());
     /// `nixl_route::backend_supports_vram`.
     fn backend_supports_vram(mem_types: Raw<Names>) -> bool
         = route::backend_supports_vram(&mem_types.0);
     /// `nixl_route::ucx_env`: `[(variable, value)]` to set, `TransferError` (field `UCX_TLS`).
     #[pyo3(signature = (on_gpu, tls, memtype_cache))]
-    fn nixl_ucx_env(on_gpu: Raw<bool>, tls: Raw<Option<String>>, memtype_cache: Raw<Option<String>>)
-        -> Vec<(&'static str, &'static str)>
+    fn nixl_ucx_env(on_gpu: Raw<bool>, tls: Raw<Option<String>>,
+        memtype_cache: Raw<Option<String>>) -> Vec<(&'static str, &'static str)>
         = route::ucx_env(on_gpu, tls.as_deref(), memtype_cache.as_deref());
     /// `nixl_route::cuda_support_refusal` raised as `TransferError` (field `nixl`).
     #[pyo3(signature = (on_gpu, variant, torch_cuda, mem_types))]
@@ -108,15 +109,16 @@ pub fn nixl_read_mem_types(meta: &Bound<'_, PyAny>, local_mem: &str) -> PyResult
     Ok(route::read_mem_types(reference_only, local_mem, &remote))
 }
 
-/// `nixl_route::source_read` as `(kind, give_up, slot_bytes_min)`, `kind` one of `"direct"`,
-/// `"whole"` (by the device plan), `"rows"` (by the program's rows) or `"chunked"`.
+/// `nixl_route::source_read` (`plan`: the device plan's table) as `(kind, give_up,
+/// slot_bytes_min)`, `kind` one of `"direct"`, `"whole"` (by the device plan), `"rows"` (by
+/// the program's rows) or `"chunked"`.
 #[pyfunction]
 #[pyo3(signature = (staged, ticket, plan, *, largest_free, alignment, share, on_gpu,
     num_tokens, dst_blocks))]
 pub fn nixl_source_read(
     staged: bool,
     ticket: Option<&Bound<'_, PyAny>>,
-    plan: Option<(u64, u64, u64)>,
+    plan: Option<Bound<'_, PyPackedRows>>,
     largest_free: u64,
     alignment: u64,
     share: u64,
@@ -125,11 +127,7 @@ pub fn nixl_source_read(
     dst_blocks: u64,
 ) -> PyResult<(&'static str, bool, u64)> {
     let ticket = ticket.map(self::ticket).transpose()?;
-    let plan = plan.map(|(tokens_per_block, bytes_per_token, item_bytes)| PlanFacts {
-        tokens_per_block,
-        bytes_per_token,
-        item_bytes,
-    });
+    let plan = plan.map(|t| PlanFacts::of(&t.get().table));
     let pool = DecodePool { largest_free, alignment, share, on_gpu, num_tokens, dst_blocks };
     Ok(match route::source_read(staged, ticket.as_ref(), plan, &pool) {
         SourceRead::Direct { give_up } => ("direct", give_up, 0),
@@ -173,7 +171,8 @@ pub fn ipc_bounds_hold(
     dst_blocks: u64,
     dst_bytes: u64,
 ) -> PyResult<bool> {
-    let plans: Vec<_> = plans.iter().map(|(t, blocks, bytes)| (&t.get().table, *blocks, *bytes)).collect();
+    let plans: Vec<_> =
+        plans.iter().map(|(t, blocks, bytes)| (&t.get().table, *blocks, *bytes)).collect();
     route::ipc_plans_hold(&plans, dst_blocks, dst_bytes).py()
 }
 
@@ -293,18 +292,16 @@ methods {
         }
         Ok(options)
     }
-    /// One registration lets go; the names of every peer to forget once the last has.
-    fn release(&self) -> PyResult<Vec<String>> {
+    /// `AgentPeers::release`: `[(name, NIXL id)]` of the peers forgotten.
+    fn release(&self) -> PyResult<Vec<(String, String)>> {
         Ok(lock(&self.inner)?.release())
     }
-    /// `(NIXL id, [])` of a registered peer, else `(None, [name to forget first])` or `(None, [])`.
+    /// `(NIXL id, [])` of a registered peer, else `(None, [(name, NIXL id) forgotten])`.
     fn admit(&self, name: &str, incarnation: u64, digest: &str)
-        -> PyResult<(Option<String>, Vec<String>)> {
+        -> PyResult<(Option<String>, Vec<(String, String)>)> {
         Ok(match lock(&self.inner)?.admit(name, incarnation, digest) {
             Admission::Known(id) => (Some(id), Vec::new()),
-            Admission::Register { stale } => {
-                (None, stale.then(|| name.to_owned()).into_iter().collect())
-            }
+            Admission::Register { stale } => (None, stale),
         })
     }
     /// Record a peer as NIXL's registration went: `added` and `loaded` as `(True, what
@@ -322,10 +319,6 @@ methods {
         let added = if added { Ok(text) } else { Err(text.unwrap_or_default()) };
         lock(&self.inner)?.register(name, incarnation, digest, added).out()
     }
-    /// Forget the registered peers among `names`: `[(name, NIXL id)]` to remove from NIXL.
-    fn forget(&self, names: Vec<String>) -> PyResult<Vec<(String, String)>> {
-        Ok(lock(&self.inner)?.forget(&names))
-    }
     /// `{name: (incarnation, metadata digest, NIXL id)}` of the registered peers.
     fn peers(&self) -> PyResult<BTreeMap<String, (u64, String, String)>> {
         let t = lock(&self.inner)?;
@@ -334,8 +327,8 @@ methods {
             .map(|(n, r)| (n.clone(), (r.incarnation, r.digest.clone(), r.id.clone())))
             .collect())
     }
-    /// The registered peers `current` (`{agent name: incarnation}`) no longer names as they are.
-    fn stale(&self, current: BTreeMap<String, u64>) -> PyResult<Vec<String>> {
-        Ok(lock(&self.inner)?.stale(&current))
+    /// `AgentPeers::forget_stale` of `current` (`{agent name: incarnation}`).
+    fn forget_stale(&self, current: BTreeMap<String, u64>) -> PyResult<Vec<(String, String)>> {
+        Ok(lock(&self.inner)?.forget_stale(&current))
     }
 });
