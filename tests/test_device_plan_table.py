@@ -51,7 +51,8 @@ def test_the_unit_and_paged_ends_match_a_numpy_model_of_the_planes() -> None:
 def test_the_ipc_bounds_hold_where_the_paged_ends_of_every_plan_fit_both_buffers() -> None:
     plan, _, _, _ = _plan()
     src_end, dst_end = plan.paged_end("src", 5), plan.paged_end("dst", 3)
-    for src_bytes, dst_bytes in [(src_end, dst_end), (src_end - 1, dst_end), (src_end, dst_end - 1)]:
+    sizes = [(src_end, dst_end), (src_end - 1, dst_end), (src_end, dst_end - 1)]
+    for src_bytes, dst_bytes in sizes:
         want = src_end <= src_bytes and dst_end <= dst_bytes
         assert _core.ipc_bounds_hold([(plan.packed, 5, src_bytes)], 3, dst_bytes) is want
     # Source ranks that cut the prompt into other blocks never share one IPC route.

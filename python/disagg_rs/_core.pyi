@@ -1133,9 +1133,7 @@ def nixl_source_read(
 ) -> tuple[Literal["direct", "whole", "rows", "chunked"], bool, int]: ...
 def slice_reads(
     peer: Mapping[str, Any],
-    local: tuple[
-        int, int, int, int, int | None, int | None, int | None, int | None, Mapping[str, Any] | None
-    ],
+    local: Mapping[str, Any],
     src_block_ids: _U64Array,
     dst_block_ids: _U64Array,
     outer: tuple[int, int, int],

@@ -1621,10 +1621,12 @@ class NixlTransferBackend(TransferBackendBase):
         agent = self._agent
         peer_id = self._ensure_peer_registered(peer_meta)
         # The address rules and the id-count check are Rust's; NIXL takes the arrays as rows.
-        here = (self._buf_ptr, self._outer_stride_bytes, self._bytes_per_slice, self._device_id,
-                getattr(self, "_heads_per_partition", None), getattr(self, "_head_dim", None),
-                getattr(self, "_element_size", None), getattr(self, "_tokens_per_block", None),
-                getattr(self, "buffer_info", None))  # fmt: skip
+        # This side's fields by the reference design's metadata names (read as the peer's).
+        optional = ("heads_per_partition", "head_dim", "element_size", "tokens_per_block")
+        here = {"base_addr": self._buf_ptr, "outer_stride_bytes": self._outer_stride_bytes,
+                "bytes_per_slice": self._bytes_per_slice, "device_id": self._device_id,
+                "buffer": getattr(self, "buffer_info", None),
+                **{name: getattr(self, f"_{name}", None) for name in optional}}  # fmt: skip
         local, remote, local_mem, remote_mem, ctx = _core.slice_reads(
             peer_meta,
             here,

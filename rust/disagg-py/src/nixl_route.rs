@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
+use disagg_core::compile::route::RouteStep;
 use disagg_core::nixl_route::{
     self as route, Admission, AgentPeers, DecodePool, HeadSpan, PlanFacts, Refusal, SliceSide,
     SourceRead, Unbuildable,
@@ -158,7 +159,7 @@ pub fn nixl_pull_route(
     known: Vec<u32>,
     tickets: BTreeMap<u32, Bound<'_, PyAny>>,
     staging_bytes: u64,
-) -> PyResult<(Vec<(u32, bool, usize)>, Vec<u32>)> {
+) -> PyResult<(Vec<RouteStep>, Vec<u32>)> {
     let tickets: Vec<_> =
         tickets.iter().map(|(r, t)| Ok((*r, ticket(t)?))).collect::<PyResult<_>>()?;
     route::pull_reads(&sources, &known, &tickets, staging_bytes).py()
@@ -176,90 +177,85 @@ pub fn ipc_bounds_hold(
     route::ipc_plans_hold(&plans, dst_blocks, dst_bytes).py()
 }
 
-/// The peer fields a reference slice read takes.
+/// The reference design's fields of one side of a slice read (a missing optional: `None`).
 #[derive(FromPyObject)]
 #[pyo3(from_item_all)]
-pub struct SlicePeer<'py> {
+pub struct SliceFields<'py> {
     base_addr: u64,
     outer_stride_bytes: u64,
     bytes_per_slice: u64,
     #[pyo3(default)]
+    device_id: Option<u64>,
+    #[pyo3(default)]
     heads_per_partition: Option<u64>,
     #[pyo3(default)]
-    device_id: Option<u64>,
+    head_dim: Option<u64>,
+    #[pyo3(default)]
+    element_size: Option<u64>,
+    #[pyo3(default)]
+    tokens_per_block: Option<u64>,
     #[pyo3(default)]
     buffer: Option<Bound<'py, PyAny>>,
 }
 
-/// A side's stated NIXL memory type: its `buffer`'s `mem_type` when it is a mapping.
-fn stated_mem(buffer: Option<&Bound<'_, PyAny>>) -> PyResult<Option<String>> {
-    match buffer.and_then(|b| b.cast::<PyMapping>().ok()) {
-        Some(b) => Ok(Some(b.get_item("mem_type")?.extract()?)),
-        None => Ok(None),
+impl SliceFields<'_> {
+    /// This side from outer slice `outer_start` and head `head_start` on.
+    fn side(&self, outer_start: u64, head_start: u64) -> SliceSide {
+        SliceSide {
+            base: self.base_addr,
+            outer_stride: self.outer_stride_bytes,
+            bytes_per_slice: self.bytes_per_slice,
+            outer_start,
+            head_start,
+            heads_per_partition: self.heads_per_partition.unwrap_or(0),
+            device: self.device_id.unwrap_or(0),
+        }
+    }
+
+    /// `nixl_route::slice_read_mem_type` of the `mem_type` its `buffer` states, if a mapping.
+    fn mem_type(&self) -> PyResult<String> {
+        let stated = match self.buffer.as_ref().and_then(|b| b.cast::<PyMapping>().ok()) {
+            Some(b) => Some(b.get_item("mem_type")?.extract()?),
+            None => None,
+        };
+        Ok(route::slice_read_mem_type(stated))
     }
 }
 
 /// `(local_rows, remote_rows, local_mem, remote_mem, label)` of the reference design's slice
-/// read (`nixl_route::slice_reads`); `local` is `(base_addr, outer_stride_bytes,
-/// bytes_per_slice, device_id, heads_per_partition, head_dim, element_size,
-/// tokens_per_block, buffer_info)`.
+/// read (`nixl_route::slice_read_rows`, its label); the head fragment's geometry is `local`'s.
 #[pyfunction]
 #[allow(clippy::type_complexity)]
 pub fn slice_reads<'py>(
     py: Python<'py>,
-    peer: SlicePeer<'py>,
-    local: (
-        u64,
-        u64,
-        u64,
-        u64,
-        Option<u64>,
-        Option<u64>,
-        Option<u64>,
-        Option<u64>,
-        Option<Bound<'py, PyAny>>,
-    ),
+    peer: SliceFields<'py>,
+    local: SliceFields<'py>,
     src_block_ids: PyReadonlyArray1<'py, u64>,
     dst_block_ids: PyReadonlyArray1<'py, u64>,
     outer: (u64, u64, u64),
     heads: (u64, u64, u64),
     peer_id: &str,
 ) -> PyResult<(Bound<'py, PyArray2<u64>>, Bound<'py, PyArray2<u64>>, String, String, String)> {
-    let (base, stride, bps, device, hpp, head_dim, elem, tpb, buffer) = local;
     let span = HeadSpan {
         heads: heads.2,
-        head_bytes: head_dim.unwrap_or(0).saturating_mul(elem.unwrap_or(0)),
-        tokens_per_block: tpb.unwrap_or(0),
+        head_bytes: local.head_dim.unwrap_or(0).saturating_mul(local.element_size.unwrap_or(0)),
+        tokens_per_block: local.tokens_per_block.unwrap_or(0),
     };
-    let src = SliceSide {
-        base: peer.base_addr,
-        outer_stride: peer.outer_stride_bytes,
-        bytes_per_slice: peer.bytes_per_slice,
-        outer_start: outer.0,
-        head_start: heads.0,
-        heads_per_partition: peer.heads_per_partition.unwrap_or(0),
-        device: peer.device_id.unwrap_or(0),
-    };
-    let dst = SliceSide {
-        base,
-        outer_stride: stride,
-        bytes_per_slice: bps,
-        outer_start: outer.1,
-        head_start: heads.1,
-        heads_per_partition: hpp.unwrap_or(0),
-        device,
-    };
+    let (src, dst) = (peer.side(outer.0, heads.0), local.side(outer.1, heads.1));
     let (src_ids, dst_ids) = (src_block_ids.as_slice()?, dst_block_ids.as_slice()?);
     let (l, r) = route::slice_read_rows(&src, &dst, src_ids, dst_ids, outer.2, &span).py()?;
     let (nl, nr) = (l.len(), r.len());
     Ok((
         to_numpy(py, l.into_flattened(), nl)?,
         to_numpy(py, r.into_flattened(), nr)?,
-        route::slice_read_mem_type(stated_mem(buffer.as_ref())?),
-        route::slice_read_mem_type(stated_mem(peer.buffer.as_ref())?),
+        local.mem_type()?,
+        peer.mem_type()?,
         route::slice_read_label(peer_id, outer.0, outer.2, (heads.0, heads.2), src_ids.len()),
     ))
 }
+
+/// `(name, NIXL id)` of each peer the table forgot, to remove from NIXL.
+type Forgotten = Vec<(String, String)>;
 
 /// `nixl_route::AgentPeers`: the rank's shared NIXL agent and its registered peers.
 #[pyclass(name = "NixlAgentPeers", module = "disagg_rs", frozen)]
@@ -293,12 +289,12 @@ methods {
         Ok(options)
     }
     /// `AgentPeers::release`: `[(name, NIXL id)]` of the peers forgotten.
-    fn release(&self) -> PyResult<Vec<(String, String)>> {
+    fn release(&self) -> PyResult<Forgotten> {
         Ok(lock(&self.inner)?.release())
     }
     /// `(NIXL id, [])` of a registered peer, else `(None, [(name, NIXL id) forgotten])`.
     fn admit(&self, name: &str, incarnation: u64, digest: &str)
-        -> PyResult<(Option<String>, Vec<(String, String)>)> {
+        -> PyResult<(Option<String>, Forgotten)> {
         Ok(match lock(&self.inner)?.admit(name, incarnation, digest) {
             Admission::Known(id) => (Some(id), Vec::new()),
             Admission::Register { stale } => (None, stale),
@@ -328,7 +324,7 @@ methods {
             .collect())
     }
     /// `AgentPeers::forget_stale` of `current` (`{agent name: incarnation}`).
-    fn forget_stale(&self, current: BTreeMap<String, u64>) -> PyResult<Vec<(String, String)>> {
+    fn forget_stale(&self, current: BTreeMap<String, u64>) -> PyResult<Forgotten> {
         Ok(lock(&self.inner)?.forget_stale(&current))
     }
 });
