@@ -514,7 +514,8 @@ pub fn ipc_plans_hold(
     let ends = plans
         .iter()
         .map(|&(t, src_blocks, src_bytes)| {
-            let end = |kind, n| t.paged_end(kind, n).map(|e| u64::try_from(e).unwrap_or(0));
+            // An end below the buffer's base (negative) lies outside it: it never holds.
+            let end = |kind, n| t.paged_end(kind, n).map(|e| u64::try_from(e).unwrap_or(u64::MAX));
             let src_end = end(SideKind::Src, src_blocks)?;
             Ok((t.tokens_per_block(), src_end, src_bytes, end(SideKind::Dst, dst_blocks)?))
         })

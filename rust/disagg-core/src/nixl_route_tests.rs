@@ -349,6 +349,9 @@ fn an_ipc_route_holds_when_every_plans_paged_ends_fit_both_buffers() {
     // Source ranks cutting the prompt into other blocks never share a route.
     assert_eq!(ipc_plans_hold(&[(&a, 1, 1 << 20), (&b, 1, 1 << 20)], 1, 1 << 20), Ok(false));
     assert_eq!(ipc_plans_hold(&[], 1, 1 << 20), Ok(false));
+    // A plan whose bytes all lie below the source buffer's base is outside it.
+    let below = PlaneTable::new(&[[-4096, 0, 0, 16]], 4, [64, 16, 64, 16]).unwrap();
+    assert_eq!(ipc_plans_hold(&[(&below, 1, 1 << 20)], 1, 1 << 20), Ok(false));
 }
 
 #[test]
