@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from disagg_rs import _core
 from disagg_rs.exceptions import ArgumentError
 from disagg_rs.transfer_backends import device_plan as dp
 from disagg_rs.transfer_backends import staging
@@ -45,6 +46,21 @@ def test_the_unit_and_paged_ends_match_a_numpy_model_of_the_planes() -> None:
     with pytest.raises(ArgumentError) as err:
         plan.paged_end("packed", 1)  # type: ignore[arg-type]
     assert err.value.field == "kind"
+
+
+def test_the_ipc_bounds_hold_where_the_paged_ends_of_every_plan_fit_both_buffers() -> None:
+    plan, _, _, _ = _plan()
+    src_end, dst_end = plan.paged_end("src", 5), plan.paged_end("dst", 3)
+    sizes = [(src_end, dst_end), (src_end - 1, dst_end), (src_end, dst_end - 1)]
+    for src_bytes, dst_bytes in sizes:
+        want = src_end <= src_bytes and dst_end <= dst_bytes
+        assert _core.ipc_bounds_hold([(plan.packed, 5, src_bytes)], 3, dst_bytes) is want
+    # Source ranks that cut the prompt into other blocks never share one IPC route.
+    other = dp.DevicePlan(plan.planes, plan.tokens_per_block * 2, *plan.strides[1:], plan.sets)
+    big = 1 << 40
+    assert _core.ipc_bounds_hold([(plan.packed, 1, big), (plan.packed, 1, big)], 1, big)
+    assert not _core.ipc_bounds_hold([(plan.packed, 1, big), (other.packed, 1, big)], 1, big)
+    assert not _core.ipc_bounds_hold([], 1, big)
 
 
 def test_a_prepared_copy_from_the_packed_region_is_refused_naming_the_side() -> None:

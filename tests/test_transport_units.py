@@ -323,3 +323,26 @@ def test_vram_support_is_recognised_under_both_nixl_spellings() -> None:
     assert backend_supports_vram(["DRAM_SEG", "VRAM_SEG"])  # NIXL 1.5.1 on an H200
     assert backend_supports_vram(["DRAM", "VRAM"])
     assert not backend_supports_vram(["DRAM_SEG"])
+
+
+def test_a_head_fragment_slice_read_reads_each_token_and_needs_the_peers_heads() -> None:
+    from disagg_rs import _core
+
+    peer: dict[str, Any] = {"base_addr": 4096, "outer_stride_bytes": 1024, "device_id": 1,
+                            "bytes_per_slice": 256, "heads_per_partition": 4}  # fmt: skip
+    local = {"base_addr": 0, "outer_stride_bytes": 512, "bytes_per_slice": 128, "device_id": 0,
+             "heads_per_partition": 2, "head_dim": 8, "element_size": 2, "tokens_per_block": 4,
+             "buffer": {"mem_type": "DRAM"}}  # fmt: skip
+    ids = np.asarray([1], dtype=np.uint64)
+    args = (ids, ids, (0, 0, 1), (2, 0, 2), "p")
+    local_rows, remote_rows, local_mem, remote_mem, label = _core.slice_reads(peer, local, *args)
+    # Heads 2..4 of each token of the peer's block 1 (16 bytes a head, 4 heads a token) into
+    # heads 0..2 of the same token here (2 heads a token).
+    assert remote_rows.tolist() == [[4096 + 256 + 32 + 64 * t, 32, 1] for t in range(4)]
+    assert local_rows.tolist() == [[128 + 32 * t, 32, 0] for t in range(4)]
+    assert (local_mem, remote_mem) == ("DRAM", "VRAM")
+    assert label == "reshard peer=p outer[0:+1] heads[2:+2] blocks=1"
+    del peer["heads_per_partition"]
+    with pytest.raises(exceptions.MetadataError) as err:
+        _core.slice_reads(peer, local, *args)
+    assert err.value.field == "heads_per_partition"

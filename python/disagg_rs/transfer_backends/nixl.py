@@ -239,10 +239,11 @@ class _NixlAgentContext:
         self.mailboxes.route(notifs, now, timeout_s)
         return self.mailboxes.take(box)
 
-    def _forget(self, names: Sequence[str]) -> None:
-        """Forget registered peers ``names``: their NIXL registrations, and their streams
-        (a new incarnation numbers its streams anew; those open with this one end)."""
-        for name, loaded in self.registrations.forget(list(names)):
+    def _forget(self, peers: Sequence[tuple[str, str]]) -> None:
+        """Remove the peers the table forgot (``(name, NIXL id)`` each) from NIXL, and end
+        their streams (a new incarnation numbers its streams anew; those open with this one
+        end)."""
+        for name, loaded in peers:
             logger.info("forgetting NIXL peer %s", name)
             self.mailboxes.forget(name)
             # A peer that is gone cannot be disconnected cleanly: the outcome is only logged.
@@ -842,8 +843,8 @@ class _Pull:
     by_rank: Mapping[int, PeerMeta]
     tickets: Mapping[int, Mapping[str, Any]]
     plans: Mapping[int, dp.DevicePlan]
-    facts: Mapping[int, tuple[int, int, int]]
-    """What Rust's read decision needs of each device plan."""
+    tables: Mapping[int, _core.PackedRows]
+    """Each device plan's table, as Rust's read decision takes it."""
     handoff: tuple[BlockIds, BlockIds, int | None]
     """Source ids, destination ids and tokens of the handoff."""
     direct: Callable[[int], tuple[Any, Any]]
@@ -1211,9 +1212,9 @@ class NixlTransferBackend(TransferBackendBase):
         forgotten peer's announcement fails at its next poll, quietly (it posted nothing);
         one with reads in flight aborts them; a stream this rank serves it ends."""
         named = {str(m.get("agent_name")): int(m.get("incarnation", 0)) for m in peer_meta}
-        stale = self._ctx.registrations.stale(named)
+        stale = self._ctx.registrations.forget_stale(named)
         self._ctx._forget(stale)
-        return stale
+        return [name for name, _ in stale]
 
     def _notify_all(self, peer: str, msgs: Sequence[bytes]) -> list[tuple[bool, str]]:
         """Send NIXL notifications to ``peer`` in order; ``(sent, error)`` of each. One that
@@ -1302,15 +1303,9 @@ class NixlTransferBackend(TransferBackendBase):
             return by_peer[rank].split_descriptors(*program.direct_descriptors(rank), me)  # type: ignore[no-any-return]
 
         plans = self._pull_plans(metas, by_rank, program)
-        # What Rust's read decision needs of each device plan (cached with the plans): tokens
-        # per block, packed bytes per token and the largest item's bytes.
-        facts = self._cached(
-            ("facts", _peer_key(metas)),
-            lambda: {
-                r: (p.tokens_per_block, p.packed_bytes(1), p.item_bytes) for r, p in plans.items()
-            },
-        )
-        pull = _Pull(program, by_rank, tickets, plans, facts,
+        # Rust's read decision takes each device plan's table.
+        tables = {r: p.packed for r, p in plans.items()}
+        pull = _Pull(program, by_rank, tickets, plans, tables,
                      (src_block_ids, dst_block_ids, num_tokens), direct_rows)  # fmt: skip
         # Checked before anything is posted: the direct reads' descriptors, every peer.
         list(map(direct_rows, direct_ranks))
@@ -1422,11 +1417,12 @@ class NixlTransferBackend(TransferBackendBase):
         mapped: Mapping[int, torch.Tensor],
     ) -> bool:
         """Every byte the kernels may touch lies inside both buffers, and every source rank
-        cuts the prompt into the same blocks."""
-        ends = [(plan.tokens_per_block, plan.paged_end("src", int(by_rank[rank]["num_blocks"])),
-                 mapped[rank].numel(), plan.paged_end("dst", self.expected_num_blocks))
-                for rank, plan in plans.items()]  # fmt: skip
-        return bool(_core.ipc_bounds_hold(ends, int(self.buffer_info["nbytes"])))
+        cuts the prompt into the same blocks (decided in Rust from each plan's table with its
+        source buffer's blocks and bytes)."""
+        tables = [(plan.packed, int(by_rank[rank]["num_blocks"]), mapped[rank].numel())
+                  for rank, plan in plans.items()]  # fmt: skip
+        dst = (self.expected_num_blocks, int(self.buffer_info["nbytes"]))
+        return bool(_core.ipc_bounds_hold(tables, *dst))
 
     def _post(
         self,
@@ -1474,7 +1470,7 @@ class NixlTransferBackend(TransferBackendBase):
         kind, give_up, slot_bytes = _core.nixl_source_read(
             packed,
             ticket,
-            pull.facts.get(rank),
+            pull.tables.get(rank),
             largest_free=self.arena.largest_free,
             alignment=self.arena.alignment,
             share=share,
@@ -1625,10 +1621,12 @@ class NixlTransferBackend(TransferBackendBase):
         agent = self._agent
         peer_id = self._ensure_peer_registered(peer_meta)
         # The address rules and the id-count check are Rust's; NIXL takes the arrays as rows.
-        here = (self._buf_ptr, self._outer_stride_bytes, self._bytes_per_slice, self._device_id,
-                getattr(self, "_heads_per_partition", None), getattr(self, "_head_dim", None),
-                getattr(self, "_element_size", None), getattr(self, "_tokens_per_block", None),
-                getattr(self, "buffer_info", None))  # fmt: skip
+        # This side's fields by the reference design's metadata names (read as the peer's).
+        optional = ("heads_per_partition", "head_dim", "element_size", "tokens_per_block")
+        here = {"base_addr": self._buf_ptr, "outer_stride_bytes": self._outer_stride_bytes,
+                "bytes_per_slice": self._bytes_per_slice, "device_id": self._device_id,
+                "buffer": getattr(self, "buffer_info", None),
+                **{name: getattr(self, f"_{name}", None) for name in optional}}  # fmt: skip
         local, remote, local_mem, remote_mem, ctx = _core.slice_reads(
             peer_meta,
             here,

@@ -33,6 +33,7 @@ pub mod reference;
 pub mod refmeta;
 pub mod refticket;
 pub mod reshard;
+pub mod row_pool;
 pub mod runs;
 pub mod staging;
 pub mod stream;

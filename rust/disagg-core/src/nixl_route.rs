@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 
 use crate::error::{DisaggError, DisaggResult};
+use crate::packed_items::{PlaneTable, SideKind};
 use crate::staging::slot_plan;
 use crate::wire::ticket::StagingTicket;
 
@@ -243,6 +244,21 @@ pub struct PlanFacts {
     pub item_bytes: u64,
 }
 
+impl PlanFacts {
+    /// The facts of a device plan's table: its block size, the sum of its row bytes per
+    /// token, and its largest row's bytes over a block.
+    #[must_use]
+    pub fn of(table: &PlaneTable) -> Self {
+        let rows = table.rows().iter().map(|r| r.1);
+        let tokens_per_block = table.tokens_per_block();
+        Self {
+            tokens_per_block,
+            bytes_per_token: rows.clone().fold(0, u64::saturating_add),
+            item_bytes: rows.max().unwrap_or(0).saturating_mul(tokens_per_block),
+        }
+    }
+}
+
 /// How the decode reads one source of a pull.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SourceRead {
@@ -386,8 +402,9 @@ pub type DescRows = Vec<[u64; 3]>;
 /// (destination) and remote (source) rows, block-major then outer slice then token.
 ///
 /// # Errors
-/// `Block` (field `dst_block_ids`) when the two id lists differ in length; `AddressOverflow`
-/// when an address leaves `u64`.
+/// `Block` (field `dst_block_ids`) when the two id lists differ in length; `Wire` (field
+/// `heads_per_partition`) for a head fragment of a peer (`src`) stating no heads per
+/// partition; `AddressOverflow` when an address leaves `u64`.
 pub fn slice_read_rows(
     src: &SliceSide,
     dst: &SliceSide,
@@ -400,6 +417,12 @@ pub fn slice_read_rows(
         return Err(DisaggError::block(
             "dst_block_ids",
             format!("{} source blocks but {} destination blocks", src_ids.len(), dst_ids.len()),
+        ));
+    }
+    if heads.heads > 0 && src.heads_per_partition == 0 {
+        return Err(DisaggError::wire(
+            "heads_per_partition",
+            "a head fragment needs the peer's heads_per_partition".to_owned(),
         ));
     }
     let tokens = if heads.heads == 0 { 1 } else { heads.tokens_per_block };
@@ -465,9 +488,39 @@ pub fn slice_read_mem_type(stated: Option<String>) -> String {
 
 /// The backends a rank's NIXL agent is configured with, `None` for the default (`UCX` alone,
 /// which every NIXL build's configuration takes without naming it).
-#[must_use]
-pub fn agent_backends(backends: &[String]) -> Option<&[String]> {
-    (backends != ["UCX"]).then_some(backends)
+///
+/// # Errors
+/// The refusal (field `nixl`) of an agent without the nixl package (`have_nixl` false).
+pub fn agent_backends(have_nixl: bool, backends: &[String]) -> Result<Option<&[String]>, Refusal> {
+    if !have_nixl {
+        return Err(Refusal {
+            field: "nixl",
+            detail: "NixlTransferBackend needs the nixl Python package (pip install nixl)".into(),
+        });
+    }
+    Ok((backends != ["UCX"]).then_some(backends))
+}
+
+/// [`ipc_bounds_hold`] of the device plans of a CUDA IPC route: each source rank's table
+/// with its buffer's blocks and bytes, and the destination buffer's blocks and bytes.
+///
+/// # Errors
+/// Those of [`PlaneTable::paged_end`].
+pub fn ipc_plans_hold(
+    plans: &[(&PlaneTable, u64, u64)],
+    dst_blocks: u64,
+    dst_bytes: u64,
+) -> DisaggResult<bool> {
+    let ends = plans
+        .iter()
+        .map(|&(t, src_blocks, src_bytes)| {
+            // An end below the buffer's base (negative) lies outside it: it never holds.
+            let end = |kind, n| t.paged_end(kind, n).map(|e| u64::try_from(e).unwrap_or(u64::MAX));
+            let src_end = end(SideKind::Src, src_blocks)?;
+            Ok((t.tokens_per_block(), src_end, src_bytes, end(SideKind::Dst, dst_blocks)?))
+        })
+        .collect::<DisaggResult<Vec<_>>>()?;
+    Ok(ipc_bounds_hold(&ends, dst_bytes))
 }
 
 /// Whether the kernels of a CUDA IPC route stay inside both buffers: every source rank cuts
@@ -526,6 +579,7 @@ pub struct Registered {
 /// new one replaces the old registration, which is forgotten first.
 #[derive(Debug, Clone, Default)]
 pub struct AgentPeers {
+    agent: String,
     refs: u64,
     peers: BTreeMap<String, Registered>,
 }
@@ -535,18 +589,36 @@ pub struct AgentPeers {
 pub enum Admission {
     /// Registered with this incarnation and metadata: its NIXL id.
     Known(String),
-    /// To register; `stale`: its old registration, to forget first.
+    /// To register; `stale`: its old registration, forgotten here, to remove from NIXL first.
     Register {
-        /// Whether an old registration of the name must be forgotten first.
-        stale: bool,
+        /// `(name, NIXL id)` of the old registration of the name, if any.
+        stale: Vec<(String, String)>,
     },
 }
 
 impl AgentPeers {
+    /// The table of the agent named `agent`, held by no registration yet.
+    #[must_use]
+    pub fn named(agent: &str) -> Self {
+        Self { agent: agent.to_owned(), ..Self::default() }
+    }
+
     /// Buffer registrations holding the agent.
     #[must_use]
     pub fn refs(&self) -> u64 {
         self.refs
+    }
+
+    /// Nothing while a registration holds the agent.
+    ///
+    /// # Errors
+    /// The refusal (field `agent`) of an agent no registration holds: it is closed.
+    pub fn check_open(&self) -> Result<(), Refusal> {
+        if self.refs == 0 {
+            let detail = format!("NIXL agent '{}' is closed", self.agent);
+            return Err(Refusal { field: "agent", detail });
+        }
+        Ok(())
     }
 
     /// One more registration holds the agent.
@@ -554,9 +626,10 @@ impl AgentPeers {
         self.refs += 1;
     }
 
-    /// One registration lets go (nothing when none holds it); the names of every peer to
-    /// forget once the last has (the agent goes with it).
-    pub fn release(&mut self) -> Vec<String> {
+    /// One registration lets go (nothing when none holds it); once the last has, every
+    /// registered peer is forgotten (the agent goes with it): `(name, NIXL id)` of each, to
+    /// remove from NIXL.
+    pub fn release(&mut self) -> Vec<(String, String)> {
         if self.refs == 0 {
             return Vec::new();
         }
@@ -564,17 +637,17 @@ impl AgentPeers {
         if self.refs > 0 {
             return Vec::new();
         }
-        self.peers.keys().cloned().collect()
+        std::mem::take(&mut self.peers).into_iter().map(|(n, r)| (n, r.id)).collect()
     }
 
-    /// Whether peer `name` is registered with `incarnation` and `digest`.
-    #[must_use]
-    pub fn admit(&self, name: &str, incarnation: u64, digest: &str) -> Admission {
+    /// Whether peer `name` is registered with `incarnation` and `digest`; a registration of
+    /// the name with another incarnation or metadata is forgotten (to register anew).
+    pub fn admit(&mut self, name: &str, incarnation: u64, digest: &str) -> Admission {
         match self.peers.get(name) {
             Some(r) if r.incarnation == incarnation && r.digest == digest => {
                 Admission::Known(r.id.clone())
             }
-            known => Admission::Register { stale: known.is_some() },
+            _ => Admission::Register { stale: self.forget(&[name.to_owned()]) },
         }
     }
 
@@ -619,6 +692,12 @@ impl AgentPeers {
     pub fn stale(&self, current: &BTreeMap<String, u64>) -> Vec<String> {
         let known = self.peers.iter().map(|(n, r)| (n.clone(), r.incarnation)).collect();
         crate::stream::stale_peers(&known, current)
+    }
+
+    /// Forget the [`Self::stale`] peers: `(name, NIXL id)` of each, to remove from NIXL.
+    pub fn forget_stale(&mut self, current: &BTreeMap<String, u64>) -> Vec<(String, String)> {
+        let stale = self.stale(current);
+        self.forget(&stale)
     }
 }
 

@@ -251,26 +251,37 @@ fn a_matched_layout_peer_must_share_the_slice_geometry_it_states() {
 
 #[test]
 fn peers_are_registered_once_per_incarnation_and_forgotten_with_the_last_registration() {
+    let pair = |n: &str, id: &str| (n.to_owned(), id.to_owned());
+    let fresh = || Admission::Register { stale: vec![] };
     let mut t = AgentPeers::default();
     assert!(t.release().is_empty());
     t.retain();
     t.retain();
-    assert_eq!(t.admit("a", 1, "d"), Admission::Register { stale: false });
+    assert_eq!(t.admit("a", 1, "d"), fresh());
     assert_eq!(t.register("a", 1, "d", Ok(None)), Ok("a".into()));
     assert_eq!(t.register("b", 1, "d", Ok(Some("id-b".into()))), Ok("id-b".into()));
     // A registration NIXL refused is named and records nothing.
     let refused = t.register("c", 1, "d", Err("RuntimeError('bad blob')".into())).unwrap_err();
     assert_eq!(refused.field, "agent_metadata");
     assert_eq!(refused.detail, "cannot register NIXL peer 'c': RuntimeError('bad blob')");
-    assert_eq!(t.admit("c", 1, "d"), Admission::Register { stale: false });
+    assert_eq!(t.admit("c", 1, "d"), fresh());
     assert_eq!(t.admit("a", 1, "d"), Admission::Known("a".into()));
-    assert_eq!(t.admit("a", 2, "d"), Admission::Register { stale: true });
-    assert_eq!(t.admit("a", 1, "e"), Admission::Register { stale: true });
-    let now: BTreeMap<String, u64> = [("a".to_owned(), 1)].into();
-    assert_eq!(t.stale(&now), vec!["b".to_owned()]);
-    assert_eq!(t.forget(&["b".into(), "zz".into()]), vec![("b".to_owned(), "id-b".to_owned())]);
+    // Another incarnation or metadata forgets the old registration, to remove from NIXL.
+    assert_eq!(t.admit("a", 2, "d"), Admission::Register { stale: vec![pair("a", "a")] });
+    assert_eq!(t.admit("a", 2, "d"), fresh());
+    assert_eq!(t.register("a", 2, "d", Ok(None)), Ok("a".into()));
+    assert_eq!(t.admit("a", 2, "e"), Admission::Register { stale: vec![pair("a", "a")] });
+    assert_eq!(t.register("a", 1, "d", Ok(Some("id-a".into()))), Ok("id-a".into()));
+    t.register("x", 1, "d", Ok(None)).unwrap();
+    let now: BTreeMap<String, u64> = [("a".to_owned(), 1), ("x".to_owned(), 2)].into();
+    assert_eq!(t.stale(&now), vec!["b".to_owned(), "x".to_owned()]);
+    assert_eq!(t.forget_stale(&now), vec![pair("b", "id-b"), pair("x", "x")]);
+    assert!(t.forget_stale(&now).is_empty());
+    assert_eq!(t.forget(&["zz".into()]), vec![]);
     assert!(t.release().is_empty());
-    assert_eq!(t.release(), vec!["a".to_owned()]);
+    assert_eq!(t.release(), vec![pair("a", "id-a")]);
+    assert!(t.peers().is_empty());
+    assert!(t.release().is_empty());
     assert_eq!(t.refs(), 0);
 }
 
@@ -283,8 +294,64 @@ fn slice_reads_are_labelled_and_typed_as_the_reference_design_does() {
     );
     assert_eq!(slice_read_mem_type(None), "VRAM");
     assert_eq!(slice_read_mem_type(Some("DRAM".into())), "DRAM");
-    assert_eq!(agent_backends(&["UCX".to_owned()]), None);
-    assert_eq!(agent_backends(&["GDS".to_owned()]).map(<[String]>::len), Some(1));
+    assert_eq!(agent_backends(true, &["UCX".to_owned()]), Ok(None));
+    assert_eq!(
+        agent_backends(true, &["GDS".to_owned()]).map(|b| b.map(<[String]>::len)),
+        Ok(Some(1))
+    );
+    let refused = agent_backends(false, &["UCX".to_owned()]).unwrap_err();
+    assert_eq!(refused.field, "nixl");
+    assert!(refused.detail.contains("pip install nixl"), "{}", refused.detail);
+}
+
+#[test]
+fn an_agent_is_open_while_a_registration_holds_it() {
+    let mut t = AgentPeers::named("rank0");
+    let closed = t.check_open().unwrap_err();
+    assert_eq!((closed.field, closed.detail.as_str()), ("agent", "NIXL agent 'rank0' is closed"));
+    t.retain();
+    assert_eq!(t.check_open(), Ok(()));
+    assert!(t.release().is_empty());
+    assert!(t.check_open().is_err());
+}
+
+#[test]
+fn a_head_fragment_needs_the_peers_heads_per_partition() {
+    let side = SliceSide { bytes_per_slice: 64, heads_per_partition: 2, ..SliceSide::default() };
+    let span = HeadSpan { heads: 1, head_bytes: 8, tokens_per_block: 2 };
+    let peer = SliceSide { heads_per_partition: 0, ..side };
+    let err = slice_read_rows(&peer, &side, &[1], &[1], 1, &span).unwrap_err();
+    assert!(matches!(err, DisaggError::Wire { ref field, .. } if field == "heads_per_partition"));
+    assert!(slice_read_rows(&side, &side, &[1], &[1], 1, &span).is_ok());
+    // Whole slices need no heads.
+    assert!(slice_read_rows(&peer, &side, &[1], &[1], 1, &HeadSpan::default()).is_ok());
+}
+
+#[test]
+fn an_ipc_route_holds_when_every_plans_paged_ends_fit_both_buffers() {
+    // One plane row of 16 bytes per token, 4 tokens per block; block strides 64 both sides.
+    let table = |tpb| PlaneTable::new(&[[0, 0, 0, 16]], tpb, [64, 16, 64, 16]).unwrap();
+    let (a, b) = (table(4), table(2));
+    // Last byte + 1 of `n` blocks: (n - 1) * 64 + (tpb - 1) * 16 + 16.
+    let end = |t: &PlaneTable, n: u64| {
+        let src = t.paged_end(crate::packed_items::SideKind::Src, n).unwrap();
+        u64::try_from(src).unwrap()
+    };
+    assert_eq!(end(&a, 4), 3 * 64 + 64);
+    for (src_blocks, src_bytes, dst_blocks, dst_bytes) in
+        [(4, 256, 4, 256), (4, 255, 4, 256), (4, 256, 5, 256), (1, 64, 1, 64), (2, 64, 1, 64)]
+    {
+        let got = ipc_plans_hold(&[(&a, src_blocks, src_bytes)], dst_blocks, dst_bytes).unwrap();
+        let model = (end(&a, src_blocks), end(&a, dst_blocks));
+        assert_eq!(got, model.0 <= src_bytes && model.1 <= dst_bytes);
+        assert_eq!(got, ipc_bounds_hold(&[(4, model.0, src_bytes, model.1)], dst_bytes));
+    }
+    // Source ranks cutting the prompt into other blocks never share a route.
+    assert_eq!(ipc_plans_hold(&[(&a, 1, 1 << 20), (&b, 1, 1 << 20)], 1, 1 << 20), Ok(false));
+    assert_eq!(ipc_plans_hold(&[], 1, 1 << 20), Ok(false));
+    // A plan whose bytes all lie below the source buffer's base is outside it.
+    let below = PlaneTable::new(&[[-4096, 0, 0, 16]], 4, [64, 16, 64, 16]).unwrap();
+    assert_eq!(ipc_plans_hold(&[(&below, 1, 1 << 20)], 1, 1 << 20), Ok(false));
 }
 
 #[test]
@@ -333,4 +400,12 @@ fn a_source_packs_unless_read_directly_and_needs_a_pool_when_it_does() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn a_plans_facts_are_its_block_size_token_bytes_and_largest_item() {
+    let table = PlaneTable::new(&[[0, 0, 0, 16], [64, 64, 64, 48], [8, 8, 256, 8]], 4, [0; 4]);
+    let facts = PlanFacts::of(&table.unwrap());
+    let want = PlanFacts { tokens_per_block: 4, bytes_per_token: 72, item_bytes: 48 * 4 };
+    assert_eq!(facts, want);
 }

@@ -496,6 +496,12 @@ impl PlaneTable {
         &self.rows
     }
 
+    /// Tokens per block of the plan.
+    #[must_use]
+    pub fn tokens_per_block(&self) -> u64 {
+        self.tokens_per_block
+    }
+
     /// The items of an `n_tok`-token copy.
     ///
     /// # Errors

@@ -4,19 +4,22 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
+use disagg_core::compile::route::RouteStep;
 use disagg_core::nixl_route::{
     self as route, Admission, AgentPeers, DecodePool, HeadSpan, PlanFacts, Refusal, SliceSide,
     SourceRead, Unbuildable,
 };
 use disagg_core::wire::ticket::StagingTicket;
-use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray2, PyReadonlyArray1};
+use numpy::{PyArray2, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyMapping};
 
+use crate::args::Raw;
 use crate::backend_rules::ipc_same_host;
 use crate::error::{to_pyerr, IntoPyResult};
-use crate::pool::lock;
+use crate::packed_items::PyPackedRows;
+use crate::pool::{core_fns, core_methods, lock, lock_with, Out};
+use crate::rows::to_numpy;
 use crate::wire::to_wire;
 
 pyo3::import_exception!(disagg_rs.exceptions, TransferError);
@@ -25,99 +28,98 @@ fn refused(r: Refusal) -> PyErr {
     TransferError::new_err((r.detail, r.field))
 }
 
-fn refuse(r: Option<Refusal>) -> PyResult<()> {
-    r.map_or(Ok(()), |r| Err(refused(r)))
-}
-
-fn unbuildable(e: Unbuildable) -> PyErr {
-    match e {
-        Unbuildable::Runtime(r) => refused(r),
-        Unbuildable::Argument(e) => to_pyerr(e),
+impl<T> Out for Result<T, Refusal> {
+    type Py = T;
+    fn out(self) -> PyResult<T> {
+        self.map_err(refused)
     }
 }
 
-/// `nixl_route::ucx_tls_allows_cuda`: whether UCX keeps a transport that moves CUDA memory.
-#[pyfunction]
-#[pyo3(signature = (tls))]
-pub fn ucx_tls_allows_cuda(tls: Option<&str>) -> bool {
-    route::ucx_tls_allows_cuda(tls)
+impl<T> Out for Result<T, Unbuildable> {
+    type Py = T;
+    fn out(self) -> PyResult<T> {
+        self.map_err(|e| match e {
+            Unbuildable::Runtime(r) => refused(r),
+            Unbuildable::Argument(e) => to_pyerr(e),
+        })
+    }
 }
 
-/// `nixl_route::nixl_cuda_major_mismatch`: why a NIXL build's CUDA major is not torch's.
-#[pyfunction]
-#[pyo3(signature = (variant, torch_cuda))]
-pub fn nixl_cuda_major_mismatch(variant: Option<&str>, torch_cuda: Option<&str>) -> Option<String> {
-    route::nixl_cuda_major_mismatch(variant, torch_cuda)
+/// Names of memory types (NIXL's, each read as `str()` gives it).
+pub struct Names(Vec<String>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Names {
+    type Error = PyErr;
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        obj.try_iter()?.map(|t| Ok(t?.str()?.to_string())).collect::<PyResult<_>>().map(Self)
+    }
 }
 
-fn names(types: &[Bound<'_, PyAny>]) -> PyResult<Vec<String>> {
-    types.iter().map(|t| Ok(t.str()?.to_string())).collect()
+fn ticket(t: &Bound<'_, PyAny>) -> PyResult<StagingTicket> {
+    StagingTicket::parse(&to_wire(t, "ticket")?, "ticket").py()
 }
 
-/// `nixl_route::backend_supports_vram`: whether the memory types include GPU memory.
-#[pyfunction]
-pub fn backend_supports_vram(mem_types: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
-    Ok(route::backend_supports_vram(&names(&mem_types)?))
-}
-
-/// `[(variable, value)]` of the UCX settings a buffer (`on_gpu`: GPU memory) needs, given
-/// `UCX_TLS` and `UCX_MEMTYPE_CACHE` now; `TransferError` (field `UCX_TLS`) for a GPU buffer
-/// when `tls` leaves no CUDA transport.
-#[pyfunction]
-#[pyo3(signature = (on_gpu, tls, memtype_cache))]
-pub fn nixl_ucx_env(
-    on_gpu: bool,
-    tls: Option<&str>,
-    memtype_cache: Option<&str>,
-) -> PyResult<Vec<(&'static str, &'static str)>> {
-    route::ucx_env(on_gpu, tls, memtype_cache).map_err(refused)
-}
-
-/// Raise `TransferError` (field `nixl`) for `nixl_route::cuda_support_refusal`.
-#[pyfunction]
-#[pyo3(signature = (on_gpu, variant, torch_cuda, mem_types))]
-pub fn check_nixl_cuda_support(
-    on_gpu: bool,
-    variant: Option<&str>,
-    torch_cuda: Option<&str>,
-    mem_types: Option<Vec<Bound<'_, PyAny>>>,
-) -> PyResult<()> {
-    let mem_types = mem_types.map(|m| names(&m)).transpose()?;
-    refuse(route::cuda_support_refusal(on_gpu, variant, torch_cuda, mem_types.as_deref()))
-}
-
-/// `nixl_route::backend_mode`: `TransferError` (field `nixl`) without the nixl package,
-/// `ArgumentError` (field `mode`) for an unknown mode.
-#[pyfunction]
-pub fn nixl_backend_mode(have_nixl: bool, mode: &str) -> PyResult<&'static str> {
-    route::backend_mode(have_nixl, mode).map(route::TransferMode::name).map_err(unbuildable)
+core_fns! {
+    /// `nixl_route::ucx_tls_allows_cuda`.
+    #[pyo3(signature = (tls))]
+    fn ucx_tls_allows_cuda(tls: Raw<Option<String>>) -> bool
+        = route::ucx_tls_allows_cuda(tls.as_deref());
+    /// `nixl_route::nixl_cuda_major_mismatch`.
+    #[pyo3(signature = (variant, torch_cuda))]
+    fn nixl_cuda_major_mismatch(variant: Raw<Option<String>>, torch_cuda: Raw<Option<String>>)
+        -> Option<String>
+        = route::nixl_cuda_major_mismatch(variant.as_deref(), torch_cuda.as_deref());
+    /// `nixl_route::backend_supports_vram`.
+    fn backend_supports_vram(mem_types: Raw<Names>) -> bool
+        = route::backend_supports_vram(&mem_types.0);
+    /// `nixl_route::ucx_env`: `[(variable, value)]` to set, `TransferError` (field `UCX_TLS`).
+    #[pyo3(signature = (on_gpu, tls, memtype_cache))]
+    fn nixl_ucx_env(on_gpu: Raw<bool>, tls: Raw<Option<String>>,
+        memtype_cache: Raw<Option<String>>) -> Vec<(&'static str, &'static str)>
+        = route::ucx_env(on_gpu, tls.as_deref(), memtype_cache.as_deref());
+    /// `nixl_route::cuda_support_refusal` raised as `TransferError` (field `nixl`).
+    #[pyo3(signature = (on_gpu, variant, torch_cuda, mem_types))]
+    fn check_nixl_cuda_support(on_gpu: Raw<bool>, variant: Raw<Option<String>>,
+        torch_cuda: Raw<Option<String>>, mem_types: Raw<Option<Names>>) -> ()
+        = route::cuda_support_refusal(on_gpu, variant.as_deref(), torch_cuda.as_deref(),
+            mem_types.as_ref().map(|m| m.0.as_slice())).map_or(Ok(()), Err);
+    /// `nixl_route::backend_mode`'s name: `TransferError` (`nixl`), `ArgumentError` (`mode`).
+    fn nixl_backend_mode(have_nixl: Raw<bool>, mode: Raw<String>) -> &'static str
+        = route::backend_mode(have_nixl, &mode).map(route::TransferMode::name);
+    /// `nixl_route::source_stages`: `CapacityError` (field `staging_bytes`).
+    fn nixl_source_stages(me: Raw<u32>, sources: Raw<Vec<u32>>, staging_bytes: Raw<u64>) -> bool
+        = route::source_stages(me, &sources, staging_bytes);
+    /// `nixl_route::check_matched_slices`: `GeometryMismatchError` naming the field.
+    fn check_matched_slices(peer_name: Raw<String>, peer: Raw<Vec<(String, Option<i64>)>>,
+        mine: Raw<Vec<(String, Option<i64>)>>) -> ()
+        = route::check_matched_slices(&peer_name, &peer, &mine);
 }
 
 /// Raise `TransferError` when NIXL refused to post the read `label` (`nixl_route::post_refusal`).
 #[pyfunction]
 pub fn check_xfer_posted(state: &Bound<'_, PyAny>, label: &str) -> PyResult<()> {
     let state: Option<String> = state.extract().ok();
-    route::post_refusal(state.as_deref(), label)
-        .map_or(Ok(()), |msg| Err(TransferError::new_err(msg)))
+    route::post_refusal(state.as_deref(), label).map_or(Ok(()), |m| Err(TransferError::new_err(m)))
 }
 
 /// `nixl_route::read_mem_types`: `(local, remote)` NIXL memory types of a read from `meta`.
 #[pyfunction]
 pub fn nixl_read_mem_types(meta: &Bound<'_, PyAny>, local_mem: &str) -> PyResult<(String, String)> {
-    let reference_only = given(meta, "reference_only")?.map(|v| v.is_truthy()).transpose()?;
-    let remote: String = meta.get_item("buffer")?.get_item("mem_type")?.str()?.to_string();
-    Ok(route::read_mem_types(reference_only.unwrap_or(false), local_mem, &remote))
+    let reference_only = meta.get_item("reference_only").map_or(Ok(false), |v| v.is_truthy())?;
+    let remote = meta.get_item("buffer")?.get_item("mem_type")?.str()?.to_string();
+    Ok(route::read_mem_types(reference_only, local_mem, &remote))
 }
 
-/// `nixl_route::source_read` as `(kind, give_up, slot_bytes_min)`, `kind` one of `"direct"`,
-/// `"whole"` (by the device plan), `"rows"` (by the program's rows) or `"chunked"`.
+/// `nixl_route::source_read` (`plan`: the device plan's table) as `(kind, give_up,
+/// slot_bytes_min)`, `kind` one of `"direct"`, `"whole"` (by the device plan), `"rows"` (by
+/// the program's rows) or `"chunked"`.
 #[pyfunction]
 #[pyo3(signature = (staged, ticket, plan, *, largest_free, alignment, share, on_gpu,
     num_tokens, dst_blocks))]
 pub fn nixl_source_read(
     staged: bool,
     ticket: Option<&Bound<'_, PyAny>>,
-    plan: Option<(u64, u64, u64)>,
+    plan: Option<Bound<'_, PyPackedRows>>,
     largest_free: u64,
     alignment: u64,
     share: u64,
@@ -125,13 +127,8 @@ pub fn nixl_source_read(
     num_tokens: Option<u64>,
     dst_blocks: u64,
 ) -> PyResult<(&'static str, bool, u64)> {
-    let ticket =
-        ticket.map(|t| StagingTicket::parse(&to_wire(t, "ticket")?, "ticket").py()).transpose()?;
-    let plan = plan.map(|(tokens_per_block, bytes_per_token, item_bytes)| PlanFacts {
-        tokens_per_block,
-        bytes_per_token,
-        item_bytes,
-    });
+    let ticket = ticket.map(self::ticket).transpose()?;
+    let plan = plan.map(|t| PlanFacts::of(&t.get().table));
     let pool = DecodePool { largest_free, alignment, share, on_gpu, num_tokens, dst_blocks };
     Ok(match route::source_read(staged, ticket.as_ref(), plan, &pool) {
         SourceRead::Direct { give_up } => ("direct", give_up, 0),
@@ -142,7 +139,7 @@ pub fn nixl_source_read(
 }
 
 /// Whether this rank (`on_gpu`: its buffer is GPU memory; `mine`: its CUDA IPC export) packs
-/// anything for the decode of IPC export `theirs` in `mode`.
+/// anything for the decode of IPC export `theirs` in `mode` (`nixl_route::source_packs`).
 #[pyfunction]
 pub fn nixl_source_packs(
     mode: &str,
@@ -150,19 +147,9 @@ pub fn nixl_source_packs(
     mine: Option<Bound<'_, PyAny>>,
     theirs: Option<Bound<'_, PyAny>>,
 ) -> PyResult<bool> {
-    let mode = route::backend_mode(true, mode).map_err(unbuildable)?;
+    let mode = route::backend_mode(true, mode).out()?;
     Ok(route::source_packs(mode, on_gpu, ipc_same_host(mine, theirs)?))
 }
-
-/// Whether rank `me` packs its copy for a staged pull of source ranks `sources`;
-/// `CapacityError` (field `staging_bytes`) when it does without a pool (`staging_bytes` 0).
-#[pyfunction]
-pub fn nixl_source_stages(me: u32, sources: Vec<u32>, staging_bytes: u64) -> PyResult<bool> {
-    route::source_stages(me, &sources, staging_bytes).py()
-}
-
-/// `(route, ranks read directly)` of a pull.
-type PullReads = (Vec<(u32, bool, usize)>, Vec<u32>);
 
 /// `nixl_route::pull_reads`: `([(rank, reads its staged copy, staged reads left)], [ranks read
 /// directly])`.
@@ -172,203 +159,152 @@ pub fn nixl_pull_route(
     known: Vec<u32>,
     tickets: BTreeMap<u32, Bound<'_, PyAny>>,
     staging_bytes: u64,
-) -> PyResult<PullReads> {
-    let tickets = tickets
-        .iter()
-        .map(|(r, t)| Ok((*r, StagingTicket::parse(&to_wire(t, "ticket")?, "ticket").py()?)))
-        .collect::<PyResult<Vec<_>>>()?;
+) -> PyResult<(Vec<RouteStep>, Vec<u32>)> {
+    let tickets: Vec<_> =
+        tickets.iter().map(|(r, t)| Ok((*r, ticket(t)?))).collect::<PyResult<_>>()?;
     route::pull_reads(&sources, &known, &tickets, staging_bytes).py()
 }
 
-fn field(m: &Bound<'_, PyAny>, key: &str) -> PyResult<u64> {
-    m.get_item(key)?.extract()
+/// `nixl_route::ipc_plans_hold` of `[(a plan's table, source blocks, source buffer bytes)]`.
+#[pyfunction]
+pub fn ipc_bounds_hold(
+    plans: Vec<(Bound<'_, PyPackedRows>, u64, u64)>,
+    dst_blocks: u64,
+    dst_bytes: u64,
+) -> PyResult<bool> {
+    let plans: Vec<_> =
+        plans.iter().map(|(t, blocks, bytes)| (&t.get().table, *blocks, *bytes)).collect();
+    route::ipc_plans_hold(&plans, dst_blocks, dst_bytes).py()
 }
 
-/// Field `key` of mapping `m` unless it is missing or `None`.
-fn given<'py>(m: &Bound<'py, PyAny>, key: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
-    match m.cast::<PyMapping>()?.get_item(key) {
-        Ok(v) if !v.is_none() => Ok(Some(v)),
-        _ => Ok(None),
+/// The reference design's fields of one side of a slice read (a missing optional: `None`).
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+pub struct SliceFields<'py> {
+    base_addr: u64,
+    outer_stride_bytes: u64,
+    bytes_per_slice: u64,
+    #[pyo3(default)]
+    device_id: Option<u64>,
+    #[pyo3(default)]
+    heads_per_partition: Option<u64>,
+    #[pyo3(default)]
+    head_dim: Option<u64>,
+    #[pyo3(default)]
+    element_size: Option<u64>,
+    #[pyo3(default)]
+    tokens_per_block: Option<u64>,
+    #[pyo3(default)]
+    buffer: Option<Bound<'py, PyAny>>,
+}
+
+impl SliceFields<'_> {
+    /// This side from outer slice `outer_start` and head `head_start` on.
+    fn side(&self, outer_start: u64, head_start: u64) -> SliceSide {
+        SliceSide {
+            base: self.base_addr,
+            outer_stride: self.outer_stride_bytes,
+            bytes_per_slice: self.bytes_per_slice,
+            outer_start,
+            head_start,
+            heads_per_partition: self.heads_per_partition.unwrap_or(0),
+            device: self.device_id.unwrap_or(0),
+        }
     }
-}
 
-fn rows_array(py: Python<'_>, rows: Vec<[u64; 3]>) -> PyResult<Bound<'_, PyArray2<u64>>> {
-    let n = rows.len();
-    let flat: Vec<u64> = rows.into_iter().flatten().collect();
-    let arr = Array2::from_shape_vec((n, 3), flat)
-        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
-    Ok(arr.into_pyarray(py))
-}
-
-/// A side's stated NIXL memory type: its `buffer`'s `mem_type` when it is a mapping.
-fn stated_mem(buffer: Option<&Bound<'_, PyAny>>) -> PyResult<Option<String>> {
-    match buffer.and_then(|b| b.cast::<PyMapping>().ok()) {
-        Some(b) => Ok(Some(b.get_item("mem_type")?.extract()?)),
-        None => Ok(None),
+    /// `nixl_route::slice_read_mem_type` of the `mem_type` its `buffer` states, if a mapping.
+    fn mem_type(&self) -> PyResult<String> {
+        let stated = match self.buffer.as_ref().and_then(|b| b.cast::<PyMapping>().ok()) {
+            Some(b) => Some(b.get_item("mem_type")?.extract()?),
+            None => None,
+        };
+        Ok(route::slice_read_mem_type(stated))
     }
 }
 
 /// `(local_rows, remote_rows, local_mem, remote_mem, label)` of the reference design's slice
-/// read (`nixl_route::slice_reads`); `local` is `(base_addr, outer_stride_bytes,
-/// bytes_per_slice, device_id, heads_per_partition, head_dim, element_size,
-/// tokens_per_block, buffer_info)`.
+/// read (`nixl_route::slice_read_rows`, its label); the head fragment's geometry is `local`'s.
 #[pyfunction]
 #[allow(clippy::type_complexity)]
 pub fn slice_reads<'py>(
     py: Python<'py>,
-    peer: &Bound<'py, PyAny>,
-    local: (
-        u64,
-        u64,
-        u64,
-        u64,
-        Option<u64>,
-        Option<u64>,
-        Option<u64>,
-        Option<u64>,
-        Option<Bound<'py, PyAny>>,
-    ),
+    peer: SliceFields<'py>,
+    local: SliceFields<'py>,
     src_block_ids: PyReadonlyArray1<'py, u64>,
     dst_block_ids: PyReadonlyArray1<'py, u64>,
     outer: (u64, u64, u64),
     heads: (u64, u64, u64),
     peer_id: &str,
 ) -> PyResult<(Bound<'py, PyArray2<u64>>, Bound<'py, PyArray2<u64>>, String, String, String)> {
-    let (base, stride, bps, device, hpp, head_dim, elem, tpb, buffer) = local;
     let span = HeadSpan {
         heads: heads.2,
-        head_bytes: head_dim.unwrap_or(0).saturating_mul(elem.unwrap_or(0)),
-        tokens_per_block: tpb.unwrap_or(0),
+        head_bytes: local.head_dim.unwrap_or(0).saturating_mul(local.element_size.unwrap_or(0)),
+        tokens_per_block: local.tokens_per_block.unwrap_or(0),
     };
-    let peer_heads = if heads.2 == 0 { 0 } else { field(peer, "heads_per_partition")? };
-    let src = SliceSide {
-        base: field(peer, "base_addr")?,
-        outer_stride: field(peer, "outer_stride_bytes")?,
-        bytes_per_slice: field(peer, "bytes_per_slice")?,
-        outer_start: outer.0,
-        head_start: heads.0,
-        heads_per_partition: peer_heads,
-        device: given(peer, "device_id")?.map(|d| d.extract()).transpose()?.unwrap_or(0),
-    };
-    let dst = SliceSide {
-        base,
-        outer_stride: stride,
-        bytes_per_slice: bps,
-        outer_start: outer.1,
-        head_start: heads.1,
-        heads_per_partition: hpp.unwrap_or(0),
-        device,
-    };
+    let (src, dst) = (peer.side(outer.0, heads.0), local.side(outer.1, heads.1));
     let (src_ids, dst_ids) = (src_block_ids.as_slice()?, dst_block_ids.as_slice()?);
     let (l, r) = route::slice_read_rows(&src, &dst, src_ids, dst_ids, outer.2, &span).py()?;
-    let peer_buffer = given(peer, "buffer")?;
+    let (nl, nr) = (l.len(), r.len());
     Ok((
-        rows_array(py, l)?,
-        rows_array(py, r)?,
-        route::slice_read_mem_type(stated_mem(buffer.as_ref())?),
-        route::slice_read_mem_type(stated_mem(peer_buffer.as_ref())?),
+        to_numpy(py, l.into_flattened(), nl)?,
+        to_numpy(py, r.into_flattened(), nr)?,
+        local.mem_type()?,
+        peer.mem_type()?,
         route::slice_read_label(peer_id, outer.0, outer.2, (heads.0, heads.2), src_ids.len()),
     ))
 }
 
-/// `nixl_route::ipc_bounds_hold`: whether a CUDA IPC route's kernels stay inside both buffers.
-#[pyfunction]
-pub fn ipc_bounds_hold(plans: Vec<(u64, u64, u64, u64)>, dst_bytes: u64) -> bool {
-    route::ipc_bounds_hold(&plans, dst_bytes)
-}
+/// `(name, NIXL id)` of each peer the table forgot, to remove from NIXL.
+type Forgotten = Vec<(String, String)>;
 
-/// Raise `GeometryMismatchError` naming the first slice-geometry field a peer states otherwise.
-#[pyfunction]
-pub fn check_matched_slices(
-    peer_name: &str,
-    peer: Vec<(String, Option<i64>)>,
-    mine: Vec<(String, Option<i64>)>,
-) -> PyResult<()> {
-    route::check_matched_slices(peer_name, &peer, &mine).py()
-}
-
-/// `nixl_route::NixlAgentPeers`: the rank's shared NIXL agent and its registered peers.
+/// `nixl_route::AgentPeers`: the rank's shared NIXL agent and its registered peers.
 #[pyclass(name = "NixlAgentPeers", module = "disagg_rs", frozen)]
 pub struct PyNixlAgentPeers {
-    name: String,
     inner: Mutex<AgentPeers>,
 }
 
-#[pymethods]
-impl PyNixlAgentPeers {
-    #[new]
-    fn new(agent_name: String) -> Self {
-        Self { name: agent_name, inner: Mutex::new(AgentPeers::default()) }
-    }
+core_methods!(PyNixlAgentPeers, lock_with, inner,
+calls {
     /// Registrations holding the agent.
-    #[getter]
-    fn refs(&self) -> PyResult<u64> {
-        Ok(lock(&self.inner)?.refs())
+    #[getter] fn refs() -> u64 = refs();
+    /// One more registration holds the agent.
+    fn retain() -> () = retain();
+    /// Raise `TransferError` (field `agent`) once no registration holds the agent.
+    fn check_open() -> () = check_open();
+}
+methods {
+    #[new]
+    fn new(agent_name: &str) -> Self {
+        Self { inner: Mutex::new(AgentPeers::named(agent_name)) }
     }
     /// The keyword arguments of `nixl_agent_config`; `TransferError` (field `nixl`) without nixl.
     #[staticmethod]
-    fn agent_options(
-        py: Python<'_>,
-        have_nixl: bool,
-        backends: Vec<String>,
-    ) -> PyResult<Bound<'_, PyDict>> {
-        if !have_nixl {
-            return Err(TransferError::new_err((
-                "NixlTransferBackend needs the nixl Python package (pip install nixl)",
-                "nixl",
-            )));
-        }
+    fn agent_options(py: Python<'_>, have_nixl: bool, backends: Vec<String>)
+        -> PyResult<Bound<'_, PyDict>> {
         let options = PyDict::new(py);
         options.set_item("enable_prog_thread", true)?;
-        if let Some(b) = route::agent_backends(&backends) {
+        if let Some(b) = route::agent_backends(have_nixl, &backends).out()? {
             options.set_item("backends", b.to_vec())?;
         }
         Ok(options)
     }
-    /// One more registration holds the agent.
-    fn retain(&self) -> PyResult<()> {
-        lock(&self.inner)?.retain();
-        Ok(())
-    }
-    /// One registration lets go; the names of every peer to forget once the last has.
-    fn release(&self) -> PyResult<Vec<String>> {
+    /// `AgentPeers::release`: `[(name, NIXL id)]` of the peers forgotten.
+    fn release(&self) -> PyResult<Forgotten> {
         Ok(lock(&self.inner)?.release())
     }
-    /// Raise `TransferError` (field `agent`) once no registration holds the agent.
-    fn check_open(&self) -> PyResult<()> {
-        if lock(&self.inner)?.refs() == 0 {
-            return Err(TransferError::new_err((
-                format!("NIXL agent '{}' is closed", self.name),
-                "agent",
-            )));
-        }
-        Ok(())
-    }
-    /// `(NIXL id, [])` of a registered peer, else `(None, [name to forget first])` or `(None, [])`.
-    fn admit(
-        &self,
-        name: &str,
-        incarnation: u64,
-        digest: &str,
-    ) -> PyResult<(Option<String>, Vec<String>)> {
+    /// `(NIXL id, [])` of a registered peer, else `(None, [(name, NIXL id) forgotten])`.
+    fn admit(&self, name: &str, incarnation: u64, digest: &str)
+        -> PyResult<(Option<String>, Forgotten)> {
         Ok(match lock(&self.inner)?.admit(name, incarnation, digest) {
             Admission::Known(id) => (Some(id), Vec::new()),
-            Admission::Register { stale } => {
-                (None, stale.then(|| name.to_owned()).into_iter().collect())
-            }
+            Admission::Register { stale } => (None, stale),
         })
     }
     /// Record a peer as NIXL's registration went: `added` and `loaded` as `(True, what
     /// add_remote_agent returned: bytes or text, its name when empty)` or `(False, why it
     /// failed)`; its NIXL id. `TransferError` (field `agent_metadata`) when it failed.
-    fn register(
-        &self,
-        name: &str,
-        incarnation: u64,
-        digest: &str,
-        added: bool,
-        loaded: &Bound<'_, PyAny>,
-    ) -> PyResult<String> {
+    fn register(&self, name: &str, incarnation: u64, digest: &str, added: bool,
+        loaded: &Bound<'_, PyAny>) -> PyResult<String> {
         let text = if let Ok(b) = loaded.cast::<PyBytes>() {
             Some(String::from_utf8_lossy(b.as_bytes()).into_owned())
         } else if loaded.is_none() {
@@ -377,11 +313,7 @@ impl PyNixlAgentPeers {
             Some(loaded.str()?.to_string())
         };
         let added = if added { Ok(text) } else { Err(text.unwrap_or_default()) };
-        lock(&self.inner)?.register(name, incarnation, digest, added).map_err(refused)
-    }
-    /// Forget the registered peers among `names`: `[(name, NIXL id)]` to remove from NIXL.
-    fn forget(&self, names: Vec<String>) -> PyResult<Vec<(String, String)>> {
-        Ok(lock(&self.inner)?.forget(&names))
+        lock(&self.inner)?.register(name, incarnation, digest, added).out()
     }
     /// `{name: (incarnation, metadata digest, NIXL id)}` of the registered peers.
     fn peers(&self) -> PyResult<BTreeMap<String, (u64, String, String)>> {
@@ -391,8 +323,8 @@ impl PyNixlAgentPeers {
             .map(|(n, r)| (n.clone(), (r.incarnation, r.digest.clone(), r.id.clone())))
             .collect())
     }
-    /// The registered peers `current` (`{agent name: incarnation}`) no longer names as they are.
-    fn stale(&self, current: BTreeMap<String, u64>) -> PyResult<Vec<String>> {
-        Ok(lock(&self.inner)?.stale(&current))
+    /// `AgentPeers::forget_stale` of `current` (`{agent name: incarnation}`).
+    fn forget_stale(&self, current: BTreeMap<String, u64>) -> PyResult<Forgotten> {
+        Ok(lock(&self.inner)?.forget_stale(&current))
     }
-}
+});

@@ -5,15 +5,13 @@ use pyo3::prelude::*;
 
 use crate::error::IntoPyResult;
 
-/// One launch: ``(k_lo, k_hi, nbytes, (bias0, cut1, bias1, cut2, bias2))``.
+/// One launch: `Launch`'s ``(k_lo, k_hi, nbytes, placement)``.
 type LaunchTuple = (u64, u64, u64, [i64; 5]);
 
-/// One side of a copy as Python gives it: ``(kind, block ids or None, buffer bytes, bias,
-/// set stride, buffer address)``.
+/// One side of a copy: `CopySpec`'s fields, the kind by name.
 type SideTuple = (String, Option<u64>, u64, u64, u64, u64);
 
-/// A launch's ``(unit, a side, b side)``, each side ``(plane column, block stride, token
-/// stride, packed)`` in bytes.
+/// `KernelSides` as ``(unit, a side, b side)``, each side `SideArgs`'s fields.
 type SidesTuple = (u64, (u64, u64, u64, bool), (u64, u64, u64, bool));
 
 fn kind(name: &str) -> PyResult<SideKind> {
@@ -30,12 +28,10 @@ fn sides(s: KernelSides) -> SidesTuple {
     (s.unit, args(s.a), args(s.b))
 }
 
-/// A device plan's table (`disagg_core::packed_items::PlaneTable`): plane rows ``(src offset,
-/// dst offset, packed coefficient, row bytes)``, block size and strides ``(src block, src
-/// token, dst block, dst token)``.
+/// `disagg_core::packed_items::PlaneTable`: a device plan's table.
 #[pyclass(name = "PackedRows", module = "disagg_rs", frozen)]
 pub struct PyPackedRows {
-    table: PlaneTable,
+    pub table: PlaneTable,
 }
 
 #[pymethods]
@@ -45,24 +41,22 @@ impl PyPackedRows {
         Ok(Self { table: PlaneTable::new(&planes, tokens_per_block, strides).py()? })
     }
 
-    /// Packed byte offset where item ``k`` of an ``n_tok``-token copy starts.
+    /// `PackedItems::offset` of an ``n_tok``-token copy.
     fn offset(&self, k: u64, n_tok: u64) -> PyResult<u64> {
         self.table.items(n_tok).py()?.offset(k).py()
     }
 
-    /// Largest power of two <= 16 dividing every plane offset, row, stride and address.
+    /// `PlaneTable::unit`.
     fn unit(&self, addresses: Vec<u64>) -> u64 {
         self.table.unit(&addresses)
     }
 
-    /// One past the last byte a paged side (``"src"`` / ``"dst"``) can touch with block
-    /// ids below ``num_blocks``.
+    /// `PlaneTable::paged_end` of side ``"src"`` or ``"dst"``.
     fn paged_end(&self, kind_name: &str, num_blocks: u64) -> PyResult<i64> {
         self.table.paged_end(kind(kind_name)?, num_blocks).py()
     }
 
-    /// A copy from the paged buffer ``a`` (``(kind, address)``) into ``b`` (``(kind,
-    /// address, bytes)``), prepared once: ``((unit, a side, b side), packed window or None)``.
+    /// `PlaneTable::prepare` of ``a`` ``(kind, address)`` and ``b`` ``(kind, address, bytes)``.
     fn prepare(
         &self,
         a: (String, u64),
@@ -72,17 +66,13 @@ impl PyPackedRows {
         Ok((sides(s), window))
     }
 
-    /// ``(k_lo, k_hi, byte_lo, byte_hi)`` of every chunk of an ``n_tok``-token copy, each
-    /// whole items of at most ``max_bytes`` (one item at least).
+    /// `PackedItems::chunks` of an ``n_tok``-token copy.
     fn chunks(&self, n_tok: u64, max_bytes: u64) -> PyResult<Vec<(u64, u64, u64, u64)>> {
         let cut = self.table.items(n_tok).py()?.chunks(max_bytes).py()?;
         Ok(cut.into_iter().map(|[a, b, x, y]| (a, b, x, y)).collect())
     }
 
-    /// Check a copy of items ``items`` (``None``: all) of an ``n_tok``-token handoff from
-    /// side ``a`` to side ``b`` (``(kind, block ids or None, buffer bytes, bias, set stride,
-    /// buffer address)`` each; a packed side's window is its buffer) of a plan with ``sets`` id sets: ``((k_lo, k_hi,
-    /// byte_lo, byte_hi), (unit, a side, b side))``.
+    /// `PlaneTable::check_copy`.
     #[pyo3(signature = (n_tok, items, a, b, sets, paged_only))]
     fn check_copy(
         &self,
@@ -98,11 +88,7 @@ impl PyPackedRows {
         Ok((span, sides(s)))
     }
 
-    /// Check one launch of ``parts`` (``(byte offset, first item, end item)`` each,
-    /// consecutive) into a packed window of ``window`` bytes (``None``: a paged destination,
-    /// one range at 0) with ``unit``-byte kernel units, and the block ids it reads: ``ids``
-    /// is ``(source ids, source set stride, id sets, destination ids)`` (a packed window
-    /// reads no destination ids); ``ArgumentError`` naming the field.
+    /// `PackedItems::checked_launch` of an ``n_tok``-token copy.
     fn launch(
         &self,
         n_tok: u64,

@@ -1,6 +1,5 @@
 //! Descriptor arrays whose memory is recycled: a [`RowBuffer`] owns an array's rows and
-//! returns them to a small process-wide pool when Python drops the array, so a 32K-token
-//! handoff's 3.9 MB of rows does not pay fresh page faults every call (7 ms against 0.5 ms).
+//! returns them to the process-wide `disagg_core::row_pool::RowPool` when Python drops it.
 
 use std::sync::Mutex;
 
@@ -8,34 +7,16 @@ use numpy::ndarray::{Array2, ArrayView2};
 use numpy::PyArray2;
 use pyo3::prelude::*;
 
+use disagg_core::row_pool::RowPool;
 use disagg_core::DisaggResult;
 
 use crate::error::IntoPyResult;
 
-/// Buffers kept for reuse, and the most bytes they may hold together.
-const POOL_BUFFERS: usize = 8;
-const POOL_BYTES: usize = 256 << 20;
+static POOL: Mutex<RowPool> = Mutex::new(RowPool::new());
 
-static POOL: Mutex<Vec<Vec<u64>>> = Mutex::new(Vec::new());
-
-/// A `Vec` of `n` initialised elements, from the pool when one fits (at most 4x too large).
+/// `RowPool::take` of the process-wide pool (a fresh buffer if its lock is poisoned).
 fn take(n: usize) -> Vec<u64> {
-    let reused = POOL.lock().ok().and_then(|mut pool| {
-        let i = pool.iter().position(|v| v.capacity() >= n && v.capacity() <= 4 * n.max(1))?;
-        Some(pool.swap_remove(i))
-    });
-    let mut v = reused.unwrap_or_default();
-    v.resize(n, 0);
-    v
-}
-
-fn give_back(v: Vec<u64>) {
-    if let Ok(mut pool) = POOL.lock() {
-        let held: usize = pool.iter().map(|b| b.capacity() * 8).sum();
-        if pool.len() < POOL_BUFFERS && held + v.capacity() * 8 <= POOL_BYTES {
-            pool.push(v);
-        }
-    }
+    POOL.lock().map_or_else(|_| vec![0; n], |mut pool| pool.take(n))
 }
 
 /// Owner of one array's rows; returns them to the pool when Python drops the array.
@@ -48,7 +29,9 @@ impl Drop for RowBuffer {
     fn drop(&mut self) {
         let rows = std::mem::replace(&mut self.rows, Array2::zeros((0, 3)));
         let (v, _) = rows.into_raw_vec_and_offset();
-        give_back(v);
+        if let Ok(mut pool) = POOL.lock() {
+            pool.give_back(v);
+        }
     }
 }
 
@@ -75,7 +58,8 @@ pub fn pair_with(
     Ok((to_numpy(py, a, m)?, to_numpy(py, b, m)?))
 }
 
-fn to_numpy(py: Python<'_>, v: Vec<u64>, rows: usize) -> PyResult<Bound<'_, PyArray2<u64>>> {
+/// `rows` rows of `v` (three values each) as an `[n, 3]` array whose memory is recycled.
+pub fn to_numpy(py: Python<'_>, v: Vec<u64>, rows: usize) -> PyResult<Bound<'_, PyArray2<u64>>> {
     let rows = Array2::from_shape_vec((rows, 3), v)
         .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
     let owner = Bound::new(py, RowBuffer { rows })?;
