@@ -16,8 +16,10 @@ use crate::args::{
     Text, U64s, U32, U64,
 };
 use crate::error::{py_methods, to_pyerr, IntoPyResult};
-use crate::layout::{PyKvShardLayout, PySsmShardLayout};
+use crate::layout::{wraps, PyKvShardLayout, PySsmShardLayout};
 use crate::wire::to_wire;
+
+wraps!(PyKvGeometry => KvGeometry, PySsmGeometry => SsmGeometry);
 
 fn geo_err(field: &str, detail: String) -> PyErr {
     to_pyerr(DisaggError::geometry(field, detail))

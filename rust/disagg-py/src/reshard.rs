@@ -2,8 +2,8 @@
 
 use disagg_core::reshard::of_rank;
 use disagg_core::{
-    plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer, KvShardLayout, Span,
-    SsmReshardPlan, SsmReshardTransfer, SsmShardLayout,
+    plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer, Span, SsmReshardPlan,
+    SsmReshardTransfer,
 };
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
@@ -23,7 +23,10 @@ fn seq_index(index: isize, len: usize) -> PyResult<usize> {
         PyIndexError::new_err(format!("plan index {index} out of range for {len} transfers"))
     })
 }
-use crate::layout::{PyKvShardLayout, PySsmShardLayout};
+use crate::layout::{cores, PyKvShardLayout, PySsmShardLayout};
+
+/// A list argument of layouts.
+type Layouts<'py, T> = Typed<Vec<PyRef<'py, T>>>;
 
 /// The `#[pymethods]` of a plan class: a sequence of `$tr` records (`self.records()`) made
 /// from `$lay` layouts, plus the hand-written `methods`.
@@ -183,15 +186,11 @@ impl PySsmReshardPlan {
 #[pyfunction(name = "plan_kv_reshard")]
 pub fn py_plan_kv_reshard(
     py: Python<'_>,
-    srcs: Typed<Vec<PyRef<'_, PyKvShardLayout>>>,
-    dsts: Typed<Vec<PyRef<'_, PyKvShardLayout>>>,
+    srcs: Layouts<'_, PyKvShardLayout>,
+    dsts: Layouts<'_, PyKvShardLayout>,
 ) -> PyResult<PyKvReshardPlan> {
-    let srcs = srcs.get("srcs", "a list of KVShardLayout")?;
-    let dsts = dsts.get("dsts", "a list of KVShardLayout")?;
-    let s: Vec<KvShardLayout> = srcs.iter().map(|l| l.inner).collect();
-    let d: Vec<KvShardLayout> = dsts.iter().map(|l| l.inner).collect();
-    let inner = py.detach(|| plan_kv_reshard(&s, &d)).py()?;
-    Ok(PyKvReshardPlan { inner })
+    let (s, d) = (cores(srcs, "srcs")?, cores(dsts, "dsts")?);
+    Ok(PyKvReshardPlan { inner: py.detach(|| plan_kv_reshard(&s, &d)).py()? })
 }
 
 /// One SSM transfer of one band over a layer range: channels (bands "x", "B", "C") or heads
@@ -271,13 +270,10 @@ methods {
 #[pyfunction(name = "plan_ssm_reshard")]
 pub fn py_plan_ssm_reshard(
     py: Python<'_>,
-    src_layouts: Typed<Vec<PyRef<'_, PySsmShardLayout>>>,
-    dst_layouts: Typed<Vec<PyRef<'_, PySsmShardLayout>>>,
+    src_layouts: Layouts<'_, PySsmShardLayout>,
+    dst_layouts: Layouts<'_, PySsmShardLayout>,
 ) -> PyResult<PySsmReshardPlan> {
-    let src_layouts = src_layouts.get("src_layouts", "a list of SSMShardLayout")?;
-    let dst_layouts = dst_layouts.get("dst_layouts", "a list of SSMShardLayout")?;
-    let s: Vec<SsmShardLayout> = src_layouts.iter().map(|l| l.inner).collect();
-    let d: Vec<SsmShardLayout> = dst_layouts.iter().map(|l| l.inner).collect();
+    let (s, d) = (cores(src_layouts, "src_layouts")?, cores(dst_layouts, "dst_layouts")?);
     let inner = py.detach(|| plan_ssm_reshard(&s, &d)).py()?;
     Ok(PySsmReshardPlan { per_layer: inner.per_layer(), inner })
 }
