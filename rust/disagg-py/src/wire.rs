@@ -267,26 +267,6 @@ pub(crate) fn metas<'a>(peers: &'a [PyRef<'_, PyPeer>]) -> Vec<&'a PeerMeta> {
     peers.iter().map(|p| p.inner.as_ref()).collect()
 }
 
-fn plan_request<'a>(
-    srcs: &'a [PyRef<'_, PyPeer>],
-    dst: &'a PyRef<'_, PyPeer>,
-    src_block_ids: &Bound<'_, PyAny>,
-    dst_block_ids: Option<IntList>,
-    mode: &str,
-    local: LocalSide,
-) -> PyResult<TransferPlanRequest<'a>> {
-    conv!(dst_block_ids: Opt<BlockI64s>);
-    Ok(TransferPlanRequest {
-        srcs: metas(srcs),
-        dst: dst.inner.as_ref(),
-        src_ids: source_ids_of(src_block_ids)?,
-        dst_ids: dst_block_ids,
-        num_tokens: None,
-        local,
-        mode: ModeChoice::parse(mode).py()?,
-    })
-}
-
 pub(crate) fn local_side(
     is_dst: bool,
     local_num_blocks: Int,
@@ -310,9 +290,16 @@ pub fn compile_peer_transfer(
     mode: &str,
     checked: bool,
 ) -> PyResult<PyTransferProgram> {
-    conv!(num_tokens: Opt<BlockU64>);
-    let local = LocalSide { is_dst: false, num_blocks: 0, tokens_per_block: None };
-    let req = plan_request(&srcs, &dst, src_block_ids, dst_block_ids, mode, local)?;
+    conv!(num_tokens: Opt<BlockU64>, dst_block_ids: Opt<BlockI64s>);
+    let req = TransferPlanRequest {
+        srcs: metas(&srcs),
+        dst: dst.inner.as_ref(),
+        src_ids: source_ids_of(src_block_ids)?,
+        dst_ids: dst_block_ids,
+        num_tokens: None,
+        local: LocalSide { is_dst: false, num_blocks: 0, tokens_per_block: None },
+        mode: ModeChoice::parse(mode).py()?,
+    };
     let compile = if checked { compile_checked } else { compile_unchecked };
     Ok(PyTransferProgram { inner: py.detach(|| compile(&req, num_tokens)).py()? })
 }
