@@ -250,6 +250,8 @@ methods {
 /// A list argument of `(layout, geometry)` pairs, and a `(layout, geometry or None)` one.
 type Srcs<'py, L, G> = Typed<Vec<(PyRef<'py, L>, PyRef<'py, G>)>>;
 type Dst<'py, L, G> = Typed<(PyRef<'py, L>, Option<PyRef<'py, G>>)>;
+/// The core request made from them.
+type Request<L, G, M> = TransferRequest<<L as Wraps>::Core, <G as Wraps>::Core, M>;
 
 /// The request of either compiler from its arguments (`moved` read after the others), compiled
 /// by `compile` with the GIL released.
@@ -259,7 +261,7 @@ fn compile_with<L: Wraps, G: Wraps, M: Sync>(
     moved: impl FnOnce() -> PyResult<M>,
     mode: &Text,
     [per, link, gather]: [Real; 3],
-    compile: fn(&TransferRequest<L::Core, G::Core, M>) -> DisaggResult<TransferProgram>,
+    compile: fn(&Request<L, G, M>) -> DisaggResult<TransferProgram>,
 ) -> PyResult<PyTransferProgram> {
     let (l, g) = (L::NAME, G::NAME);
     let src = src.get("src", &format!("a list of ({l}, {g}) pairs"))?;
