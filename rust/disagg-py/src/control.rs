@@ -22,11 +22,8 @@ fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
         Value::Str(s) => s.into_py_any(py)?,
         Value::Bin(b) => PyBytes::new(py, b).into_any().unbind(),
         Value::Array(items) => {
-            let list = PyList::empty(py);
-            for item in items {
-                list.append(to_py(py, item)?)?;
-            }
-            list.into_any().unbind()
+            let items = items.iter().map(|x| to_py(py, x)).collect::<PyResult<Vec<_>>>()?;
+            PyList::new(py, items)?.into_any().unbind()
         }
         Value::Map(pairs) => {
             let dict = PyDict::new(py);
