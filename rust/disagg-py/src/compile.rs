@@ -279,69 +279,59 @@ fn compile_with<L: Wraps, G: Wraps, M: Sync>(
     Ok(PyTransferProgram { inner: py.detach(|| compile(&req)).py()? })
 }
 
-/// `disagg_core::compile_kv_transfer` of ONE destination rank from its source ranks.
-#[pyfunction(name = "compile_kv_transfer")]
-#[pyo3(signature = (
-    src, dst, src_block_ids, dst_block_ids, num_tokens, mode=Text::of("auto"), *,
-    token_start=Int::of(0), per_descriptor_s=Real::of(8e-6), link_bytes_per_s=Real::of(388e9),
-    gather_bytes_per_s=Real::of(1.6e12)
-), text_signature = "(src, dst, src_block_ids, dst_block_ids, num_tokens, mode='auto', *, \
-token_start=0, per_descriptor_s=8e-06, link_bytes_per_s=388000000000.0, \
-gather_bytes_per_s=1600000000000.0)")]
-pub fn py_compile_kv_transfer(
-    py: Python<'_>,
-    src: Srcs<'_, PyKvShardLayout, PyKvGeometry>,
-    dst: Dst<'_, PyKvShardLayout, PyKvGeometry>,
-    src_block_ids: &Bound<'_, PyAny>,
-    dst_block_ids: Option<IntList>,
-    num_tokens: Int,
-    mode: Text,
-    token_start: Int,
-    per_descriptor_s: Real,
-    link_bytes_per_s: Real,
-    gather_bytes_per_s: Real,
-) -> PyResult<PyTransferProgram> {
-    let moved = || {
+/// A compiler `#[pyfunction]`: `src`, `dst`, the `moved` arguments, `mode`, the `keywords`,
+/// then the cost model; `moved` is read by `read` after the others, then compiled by `$compile`.
+macro_rules! compiler {
+    ($(#[$m:meta])* fn $name:ident($l:ty, $g:ty, moved($($a:ident: $at:ty),*),
+        keywords($($k:ident: $kt:ty),*)) = $compile:path, read $read:block) => {
+        $(#[$m])*
+        pub fn $name(py: Python<'_>, src: Srcs<'_, $l, $g>, dst: Dst<'_, $l, $g>, $($a: $at,)*
+            mode: Text, $($k: $kt,)* per_descriptor_s: Real, link_bytes_per_s: Real,
+            gather_bytes_per_s: Real) -> PyResult<PyTransferProgram> {
+            let cost = [per_descriptor_s, link_bytes_per_s, gather_bytes_per_s];
+            compile_with(py, (src, dst), || $read, &mode, cost, $compile)
+        }
+    };
+}
+
+compiler! {
+    /// `disagg_core::compile_kv_transfer` of ONE destination rank from its source ranks.
+    #[pyfunction(name = "compile_kv_transfer")]
+    #[pyo3(signature = (
+        src, dst, src_block_ids, dst_block_ids, num_tokens, mode=Text::of("auto"), *,
+        token_start=Int::of(0), per_descriptor_s=Real::of(8e-6),
+        link_bytes_per_s=Real::of(388e9), gather_bytes_per_s=Real::of(1.6e12)
+    ), text_signature = "(src, dst, src_block_ids, dst_block_ids, num_tokens, mode='auto', *, \
+    token_start=0, per_descriptor_s=8e-06, link_bytes_per_s=388000000000.0, \
+    gather_bytes_per_s=1600000000000.0)")]
+    fn py_compile_kv_transfer(PyKvShardLayout, PyKvGeometry,
+        moved(src_block_ids: &Bound<'_, PyAny>, dst_block_ids: Option<IntList>, num_tokens: Int),
+        keywords(token_start: Int)) = compile_kv_transfer, read {
         conv!(num_tokens: U64, token_start: U64, dst_block_ids: Opt<Ids>);
         let src_block_ids = parse_src_block_ids(src_block_ids)?;
         Ok(KvTokens { src_block_ids, dst_block_ids, num_tokens, token_start })
-    };
-    let cost = [per_descriptor_s, link_bytes_per_s, gather_bytes_per_s];
-    compile_with(py, (src, dst), moved, &mode, cost, compile_kv_transfer)
+    }
 }
 
-/// `disagg_core::compile_ssm_transfer` of ONE destination rank.
-#[pyfunction(name = "compile_ssm_transfer")]
-#[pyo3(signature = (
-    src, dst, src_slot, dst_slot, mode=Text::of("auto"), *,
-    per_descriptor_s=Real::of(8e-6), link_bytes_per_s=Real::of(388e9),
-    gather_bytes_per_s=Real::of(1.6e12)
-), text_signature = "(src, dst, src_slot, dst_slot, mode='auto', *, per_descriptor_s=8e-06, \
-link_bytes_per_s=388000000000.0, gather_bytes_per_s=1600000000000.0)")]
-pub fn py_compile_ssm_transfer(
-    py: Python<'_>,
-    src: Srcs<'_, PySsmShardLayout, PySsmGeometry>,
-    dst: Dst<'_, PySsmShardLayout, PySsmGeometry>,
-    src_slot: &Bound<'_, PyAny>,
-    dst_slot: Option<Int>,
-    mode: Text,
-    per_descriptor_s: Real,
-    link_bytes_per_s: Real,
-    gather_bytes_per_s: Real,
-) -> PyResult<PyTransferProgram> {
-    let moved = || {
+compiler! {
+    /// `disagg_core::compile_ssm_transfer` of ONE destination rank.
+    #[pyfunction(name = "compile_ssm_transfer")]
+    #[pyo3(signature = (
+        src, dst, src_slot, dst_slot, mode=Text::of("auto"), *,
+        per_descriptor_s=Real::of(8e-6), link_bytes_per_s=Real::of(388e9),
+        gather_bytes_per_s=Real::of(1.6e12)
+    ), text_signature = "(src, dst, src_slot, dst_slot, mode='auto', *, per_descriptor_s=8e-06, \
+    link_bytes_per_s=388000000000.0, gather_bytes_per_s=1600000000000.0)")]
+    fn py_compile_ssm_transfer(PySsmShardLayout, PySsmGeometry,
+        moved(src_slot: &Bound<'_, PyAny>, dst_slot: Option<Int>), keywords())
+        = compile_ssm_transfer, read {
         conv!(dst_slot: Opt<Id>);
         let src_slots = if let Ok(m) = src_slot.cast::<PyMapping>() {
             let per_rank: Vec<(Int, Int)> = m.items()?.extract()?;
-            SrcSlots::given(
-                None,
-                &per_rank.into_iter().map(|(k, v)| (k.0, v.0)).collect::<Vec<_>>(),
-            )
+            SrcSlots::given(None, &per_rank.into_iter().map(|(k, v)| (k.0, v.0)).collect::<Vec<_>>())
         } else {
             SrcSlots::given(Some(&src_slot.extract::<Int>()?.0), &[])
         };
         Ok(SsmSlots { src_slots: src_slots.py()?, dst_slot })
-    };
-    let cost = [per_descriptor_s, link_bytes_per_s, gather_bytes_per_s];
-    compile_with(py, (src, dst), moved, &mode, cost, compile_ssm_transfer)
+    }
 }
