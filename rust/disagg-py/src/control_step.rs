@@ -83,6 +83,13 @@ fn done_fields<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyAny>> {
     Ok(fields.into_any())
 }
 
+/// The message type a message dict names (`ValueError` for none).
+fn kind_of(msg: &Bound<'_, PyDict>) -> PyResult<Kind> {
+    let name: String = msg.get_item("type")?.map_or(Ok(String::new()), |k| k.extract())?;
+    let no_type = || pyo3::exceptions::PyValueError::new_err(format!("no message type {name}"));
+    Kind::from_name(&name).ok_or_else(no_type)
+}
+
 /// The event a schema-checked message dict carries.
 fn event<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Event<Obj>> {
     let py = msg.py();
@@ -101,10 +108,7 @@ fn event<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Event<Obj>> {
     // `quiet` counts only when it is `True`.
     let quiet =
         || -> PyResult<bool> { Ok(opt("quiet")?.is_some_and(|q| q.extract().unwrap_or(false))) };
-    let kind_name: String = item("type")?.extract()?;
-    let kind = Kind::from_name(&kind_name).ok_or_else(|| {
-        pyo3::exceptions::PyValueError::new_err(format!("no message type {kind_name}"))
-    })?;
+    let kind = kind_of(msg)?;
     let request_id = || id("request_id");
     Ok(match kind {
         Kind::Register => Event::Register {
@@ -277,17 +281,10 @@ impl CoordinatorCore {
         user_key: &str,
         keys: BTreeMap<String, String>,
     ) -> PyResult<bool> {
-        let name: String = msg.get_item("type")?.map_or(Ok(String::new()), |k| k.extract())?;
-        let kind = Kind::from_name(&name).ok_or_else(|| {
-            pyo3::exceptions::PyValueError::new_err(format!("no message type {name}"))
-        })?;
-        // Only REGISTER and HEARTBEAT claim an engine id (a checked text field of theirs).
-        let claims = matches!(kind, Kind::Register | Kind::Heartbeat);
-        let claimed: Option<String> = if claims {
-            msg.get_item("engine_id")?.map(|e| e.extract()).transpose()?
-        } else {
-            None
-        };
+        let kind = kind_of(msg)?;
+        // The core reads the claim of the kinds that make one (a checked text field of theirs).
+        let claimed: Option<String> =
+            msg.get_item("engine_id")?.map(|e| e.extract()).transpose()?;
         Ok(lock(&self.0)?.authentic(identity, kind, claimed.as_deref(), user_key, &keys))
     }
 
