@@ -50,13 +50,9 @@ fn core(v: Option<Int>) -> Option<disagg_core::args::Int> {
 
 /// `__dataclass_fields__` of a frozen `dataclasses.make_dataclass(name, fields)`.
 fn dataclass_fields(py: Python<'_>, name: &str, fields: &[&str]) -> PyResult<Py<PyAny>> {
-    let kwargs = PyDict::new(py);
-    kwargs.set_item("frozen", true)?;
-    let cls = py.import("dataclasses")?.call_method(
-        "make_dataclass",
-        (name, PyList::new(py, fields)?),
-        Some(&kwargs),
-    )?;
+    let make = py.import("dataclasses")?.getattr("make_dataclass")?;
+    let frozen = [("frozen", true)].into_py_dict(py)?;
+    let cls = make.call((name, PyList::new(py, fields)?), Some(&frozen))?;
     Ok(cls.getattr("__dataclass_fields__")?.unbind())
 }
 
