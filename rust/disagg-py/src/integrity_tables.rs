@@ -62,11 +62,11 @@ fn views(pieces: &[PieceArg]) -> Vec<Piece<'_>> {
 
 /// `integrity_tables::merge`: the full tables, flat, per name of ``shapes``.
 #[pyfunction]
-pub fn integrity_merge<'py>(
-    py: Python<'py>,
+pub fn integrity_merge(
+    py: Python<'_>,
     shapes: Vec<(String, Vec<u64>)>,
     pieces: Vec<PieceArg>,
-) -> PyResult<Vec<Bound<'py, PyArray1<u64>>>> {
+) -> PyResult<Vec<Bound<'_, PyArray1<u64>>>> {
     let tables = merge(&shapes, &views(&pieces)).py()?;
     Ok(tables.into_iter().map(|t| t.into_pyarray(py)).collect())
 }
