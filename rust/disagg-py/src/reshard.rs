@@ -28,23 +28,23 @@ use crate::layout::{cores, PyKvShardLayout, PySsmShardLayout};
 /// A list argument of layouts.
 type Layouts<'py, T> = Typed<Vec<PyRef<'py, T>>>;
 
-/// The `#[pymethods]` of a plan class: a sequence of `$tr` records (`self.records()`) made
+/// The `#[pymethods]` of a plan class: a sequence of `$tr` records (`self.$records`) made
 /// from `$lay` layouts, plus the hand-written `methods`.
 macro_rules! plan_methods {
-    ($plan:ty, $tr:ident, $lay:ident, methods { $($m:tt)* }) => {
+    ($plan:ty, $tr:ident, $lay:ident, records ($($records:tt)+), methods { $($m:tt)* }) => {
         #[pymethods]
         impl $plan {
             fn __len__(&self) -> usize {
-                self.records().len()
+                self.$($records)+.len()
             }
             fn __getitem__(&self, index: isize) -> PyResult<$tr> {
-                let records = self.records();
+                let records = &self.$($records)+;
                 Ok($tr { inner: records[seq_index(index, records.len())?] })
             }
             /// All transfers as a list, in plan order.
             #[getter]
             fn transfers(&self) -> Vec<$tr> {
-                self.records().iter().map(|&inner| $tr { inner }).collect()
+                self.$($records)+.iter().map(|&inner| $tr { inner }).collect()
             }
             /// Source layouts the plan was made from.
             #[getter]
@@ -59,12 +59,12 @@ macro_rules! plan_methods {
             /// Transfers sent by one source rank, in plan order.
             fn for_src(&self, global_rank: Int) -> PyResult<Vec<$tr>> {
                 conv!(global_rank: U32);
-                Ok(of_rank(self.records(), true, global_rank).into_iter().map(|inner| $tr { inner }).collect())
+                Ok(of_rank(&self.$($records)+, true, global_rank).into_iter().map(|inner| $tr { inner }).collect())
             }
             /// Transfers received by one destination rank, in plan order.
             fn for_dst(&self, global_rank: Int) -> PyResult<Vec<$tr>> {
                 conv!(global_rank: U32);
-                Ok(of_rank(self.records(), false, global_rank).into_iter().map(|inner| $tr { inner }).collect())
+                Ok(of_rank(&self.$($records)+, false, global_rank).into_iter().map(|inner| $tr { inner }).collect())
             }
             /// Check exact-once coverage of every destination cell (`PlanCoverageError`).
             fn verify(&self, py: Python<'_>) -> PyResult<()> {
@@ -159,7 +159,7 @@ pub struct PyKvReshardPlan {
     pub inner: KvReshardPlan,
 }
 
-plan_methods!(PyKvReshardPlan, PyKvReshardTransfer, PyKvShardLayout,
+plan_methods!(PyKvReshardPlan, PyKvReshardTransfer, PyKvShardLayout, records (inner.transfers),
 methods {
     /// Bytes moved per token over the whole plan, K and V.
     #[pyo3(signature = (head_dim, element_size=Int::of(2)),
@@ -169,18 +169,6 @@ methods {
         self.inner.bytes_per_token(head_dim, element_size).py()
     }
 });
-
-impl PyKvReshardPlan {
-    fn records(&self) -> &[KvReshardTransfer] {
-        &self.inner.transfers
-    }
-}
-
-impl PySsmReshardPlan {
-    fn records(&self) -> &[SsmReshardTransfer] {
-        &self.per_layer
-    }
-}
 
 /// `disagg_core::plan_kv_reshard` between two layout lists.
 #[pyfunction(name = "plan_kv_reshard")]
@@ -257,7 +245,7 @@ pub struct PySsmReshardPlan {
     per_layer: Vec<SsmReshardTransfer>,
 }
 
-plan_methods!(PySsmReshardPlan, PySsmReshardTransfer, PySsmShardLayout,
+plan_methods!(PySsmReshardPlan, PySsmReshardTransfer, PySsmShardLayout, records (per_layer),
 methods {
     /// The transfers merged over layer ranges.
     #[getter]
