@@ -2,9 +2,9 @@
 //! as `uint64` numpy arrays built with the GIL released (no Python object per descriptor).
 
 use disagg_core::{
-    compile_kv_transfer, compile_ssm_transfer, CostModel, DisaggError, KvTokens, KvTransferRequest,
-    ListKind, ModeChoice, SourceStats, SrcBlockIds, SrcSlots, SsmSlots, SsmTransferRequest,
-    TransferProgram,
+    compile_kv_transfer, compile_ssm_transfer, CostModel, DisaggError, DisaggResult, KvTokens,
+    ListKind, ModeChoice, SourceStats, SrcBlockIds, SrcSlots, SsmSlots, TransferProgram,
+    TransferRequest,
 };
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods};
@@ -17,7 +17,7 @@ use crate::args::{
 };
 use crate::error::{py_methods, IntoPyResult};
 use crate::geometry::{PyKvGeometry, PySsmGeometry};
-use crate::layout::{PyKvShardLayout, PySsmShardLayout};
+use crate::layout::{PyKvShardLayout, PySsmShardLayout, Wraps};
 
 fn parse_src_block_ids(obj: &Bound<'_, PyAny>) -> PyResult<SrcBlockIds> {
     let Ok(m) = obj.cast::<PyDict>() else {
@@ -82,22 +82,6 @@ fn fill_one<'py>(
     let n = py.detach(|| f(rows)).py()?;
     drop(rw);
     head(&arr, n)
-}
-
-/// The `mode` and cost model arguments both compilers take.
-fn mode_cost(
-    mode: &Text,
-    per: &Real,
-    link: &Real,
-    gather: &Real,
-) -> PyResult<(ModeChoice, CostModel)> {
-    let mode = mode.get("mode")?;
-    let cost = CostModel {
-        per_descriptor_s: per.positive("per_descriptor_s")?,
-        link_bytes_per_s: link.positive("link_bytes_per_s")?,
-        gather_bytes_per_s: gather.positive("gather_bytes_per_s")?,
-    };
-    Ok((ModeChoice::parse(mode).py()?, cost))
 }
 
 /// The compiled transfer of one destination rank: per source rank, its mode and lists
@@ -263,87 +247,91 @@ methods {
     }
 });
 
-/// `disagg_core::compile_kv_transfer` of ONE destination rank from its source ranks.
-#[pyfunction(name = "compile_kv_transfer")]
-#[pyo3(signature = (
-    src, dst, src_block_ids, dst_block_ids, num_tokens, mode=Text::of("auto"), *,
-    token_start=Int::of(0), per_descriptor_s=Real::of(8e-6), link_bytes_per_s=Real::of(388e9),
-    gather_bytes_per_s=Real::of(1.6e12)
-), text_signature = "(src, dst, src_block_ids, dst_block_ids, num_tokens, mode='auto', *, \
-token_start=0, per_descriptor_s=8e-06, link_bytes_per_s=388000000000.0, \
-gather_bytes_per_s=1600000000000.0)")]
-pub fn py_compile_kv_transfer(
+/// A list argument of `(layout, geometry)` pairs, and a `(layout, geometry or None)` one.
+type Srcs<'py, L, G> = Typed<Vec<(PyRef<'py, L>, PyRef<'py, G>)>>;
+type Dst<'py, L, G> = Typed<(PyRef<'py, L>, Option<PyRef<'py, G>>)>;
+/// The core request made from them.
+type Request<L, G, M> = TransferRequest<<L as Wraps>::Core, <G as Wraps>::Core, M>;
+
+/// The request of either compiler from its arguments (`moved` read after the others), compiled
+/// by `compile` with the GIL released.
+fn compile_with<L: Wraps, G: Wraps, M: Sync>(
     py: Python<'_>,
-    src: Typed<Vec<(PyRef<'_, PyKvShardLayout>, PyRef<'_, PyKvGeometry>)>>,
-    dst: Typed<(PyRef<'_, PyKvShardLayout>, Option<PyRef<'_, PyKvGeometry>>)>,
-    src_block_ids: &Bound<'_, PyAny>,
-    dst_block_ids: Option<IntList>,
-    num_tokens: Int,
-    mode: Text,
-    token_start: Int,
-    per_descriptor_s: Real,
-    link_bytes_per_s: Real,
-    gather_bytes_per_s: Real,
+    (src, dst): (Srcs<'_, L, G>, Dst<'_, L, G>),
+    moved: impl FnOnce() -> PyResult<M>,
+    mode: &Text,
+    [per, link, gather]: [Real; 3],
+    compile: fn(&Request<L, G, M>) -> DisaggResult<TransferProgram>,
 ) -> PyResult<PyTransferProgram> {
-    let src = src.get("src", "a list of (KVShardLayout, KVGeometry) pairs")?;
-    let dst = dst.get("dst", "a (KVShardLayout, KVGeometry or None) pair")?;
-    conv!(num_tokens: U64, token_start: U64, dst_block_ids: Opt<Ids>);
-    let (mode, cost) = mode_cost(&mode, &per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
-    let req = KvTransferRequest {
-        srcs: src.iter().map(|(l, g)| (l.inner, g.inner.clone())).collect(),
-        dst_layout: dst.0.inner,
-        dst_geometry: dst.1.as_ref().map(|g| g.inner.clone()),
-        moved: KvTokens {
-            src_block_ids: parse_src_block_ids(src_block_ids)?,
-            dst_block_ids,
-            num_tokens,
-            token_start,
-        },
-        mode,
-        cost,
+    let (l, g) = (L::NAME, G::NAME);
+    let src = src.get("src", &format!("a list of ({l}, {g}) pairs"))?;
+    let dst = dst.get("dst", &format!("a ({l}, {g} or None) pair"))?;
+    let mode = mode.get("mode")?;
+    let cost = CostModel {
+        per_descriptor_s: per.positive("per_descriptor_s")?,
+        link_bytes_per_s: link.positive("link_bytes_per_s")?,
+        gather_bytes_per_s: gather.positive("gather_bytes_per_s")?,
     };
-    let inner = py.detach(|| compile_kv_transfer(&req)).py()?;
-    Ok(PyTransferProgram { inner })
+    let mode = ModeChoice::parse(mode).py()?;
+    let srcs = src.iter().map(|(l, g)| (l.core(), g.core())).collect();
+    let (dst_layout, dst_geometry) = (dst.0.core(), dst.1.as_ref().map(|g| g.core()));
+    let req = TransferRequest { srcs, dst_layout, dst_geometry, moved: moved()?, mode, cost };
+    Ok(PyTransferProgram { inner: py.detach(|| compile(&req)).py()? })
 }
 
-/// `disagg_core::compile_ssm_transfer` of ONE destination rank.
-#[pyfunction(name = "compile_ssm_transfer")]
-#[pyo3(signature = (
-    src, dst, src_slot, dst_slot, mode=Text::of("auto"), *,
-    per_descriptor_s=Real::of(8e-6), link_bytes_per_s=Real::of(388e9),
-    gather_bytes_per_s=Real::of(1.6e12)
-), text_signature = "(src, dst, src_slot, dst_slot, mode='auto', *, per_descriptor_s=8e-06, \
-link_bytes_per_s=388000000000.0, gather_bytes_per_s=1600000000000.0)")]
-pub fn py_compile_ssm_transfer(
-    py: Python<'_>,
-    src: Typed<Vec<(PyRef<'_, PySsmShardLayout>, PyRef<'_, PySsmGeometry>)>>,
-    dst: Typed<(PyRef<'_, PySsmShardLayout>, Option<PyRef<'_, PySsmGeometry>>)>,
-    src_slot: &Bound<'_, PyAny>,
-    dst_slot: Option<Int>,
-    mode: Text,
-    per_descriptor_s: Real,
-    link_bytes_per_s: Real,
-    gather_bytes_per_s: Real,
-) -> PyResult<PyTransferProgram> {
-    let src = src.get("src", "a list of (SSMShardLayout, SSMGeometry) pairs")?;
-    let dst = dst.get("dst", "a (SSMShardLayout, SSMGeometry or None) pair")?;
-    let (mode, cost) = mode_cost(&mode, &per_descriptor_s, &link_bytes_per_s, &gather_bytes_per_s)?;
-    conv!(dst_slot: Opt<Id>);
-    let src_slots = if let Ok(m) = src_slot.cast::<PyMapping>() {
-        let per_rank: Vec<(Int, Int)> = m.items()?.extract()?;
-        SrcSlots::given(None, &per_rank.into_iter().map(|(k, v)| (k.0, v.0)).collect::<Vec<_>>())
-            .py()?
-    } else {
-        SrcSlots::given(Some(&src_slot.extract::<Int>()?.0), &[]).py()?
+/// A compiler `#[pyfunction]`: `src`, `dst`, the `moved` arguments, `mode`, the `keywords`,
+/// then the cost model; `moved` is read by `read` after the others, then compiled by `$compile`.
+macro_rules! compiler {
+    ($(#[$m:meta])* fn $name:ident($l:ty, $g:ty, moved($($a:ident: $at:ty),*),
+        keywords($($k:ident: $kt:ty),*)) = $compile:path, read $read:block) => {
+        $(#[$m])*
+        pub fn $name(py: Python<'_>, src: Srcs<'_, $l, $g>, dst: Dst<'_, $l, $g>, $($a: $at,)*
+            mode: Text, $($k: $kt,)* per_descriptor_s: Real, link_bytes_per_s: Real,
+            gather_bytes_per_s: Real) -> PyResult<PyTransferProgram> {
+            let cost = [per_descriptor_s, link_bytes_per_s, gather_bytes_per_s];
+            compile_with(py, (src, dst), || $read, &mode, cost, $compile)
+        }
     };
-    let req = SsmTransferRequest {
-        srcs: src.iter().map(|(l, g)| (l.inner, g.inner.clone())).collect(),
-        dst_layout: dst.0.inner,
-        dst_geometry: dst.1.as_ref().map(|g| g.inner.clone()),
-        moved: SsmSlots { src_slots, dst_slot },
-        mode,
-        cost,
-    };
-    let inner = py.detach(|| compile_ssm_transfer(&req)).py()?;
-    Ok(PyTransferProgram { inner })
+}
+
+compiler! {
+    /// `disagg_core::compile_kv_transfer` of ONE destination rank from its source ranks.
+    #[pyfunction(name = "compile_kv_transfer")]
+    #[pyo3(signature = (
+        src, dst, src_block_ids, dst_block_ids, num_tokens, mode=Text::of("auto"), *,
+        token_start=Int::of(0), per_descriptor_s=Real::of(8e-6),
+        link_bytes_per_s=Real::of(388e9), gather_bytes_per_s=Real::of(1.6e12)
+    ), text_signature = "(src, dst, src_block_ids, dst_block_ids, num_tokens, mode='auto', *, \
+    token_start=0, per_descriptor_s=8e-06, link_bytes_per_s=388000000000.0, \
+    gather_bytes_per_s=1600000000000.0)")]
+    fn py_compile_kv_transfer(PyKvShardLayout, PyKvGeometry,
+        moved(src_block_ids: &Bound<'_, PyAny>, dst_block_ids: Option<IntList>, num_tokens: Int),
+        keywords(token_start: Int)) = compile_kv_transfer, read {
+        conv!(num_tokens: U64, token_start: U64, dst_block_ids: Opt<Ids>);
+        let src_block_ids = parse_src_block_ids(src_block_ids)?;
+        Ok(KvTokens { src_block_ids, dst_block_ids, num_tokens, token_start })
+    }
+}
+
+compiler! {
+    /// `disagg_core::compile_ssm_transfer` of ONE destination rank.
+    #[pyfunction(name = "compile_ssm_transfer")]
+    #[pyo3(signature = (
+        src, dst, src_slot, dst_slot, mode=Text::of("auto"), *,
+        per_descriptor_s=Real::of(8e-6), link_bytes_per_s=Real::of(388e9),
+        gather_bytes_per_s=Real::of(1.6e12)
+    ), text_signature = "(src, dst, src_slot, dst_slot, mode='auto', *, per_descriptor_s=8e-06, \
+    link_bytes_per_s=388000000000.0, gather_bytes_per_s=1600000000000.0)")]
+    fn py_compile_ssm_transfer(PySsmShardLayout, PySsmGeometry,
+        moved(src_slot: &Bound<'_, PyAny>, dst_slot: Option<Int>), keywords())
+        = compile_ssm_transfer, read {
+        conv!(dst_slot: Opt<Id>);
+        let src_slots = if let Ok(m) = src_slot.cast::<PyMapping>() {
+            let per_rank: Vec<(Int, Int)> = m.items()?.extract()?;
+            SrcSlots::given(None, &per_rank.into_iter().map(|(k, v)| (k.0, v.0)).collect::<Vec<_>>())
+        } else {
+            SrcSlots::given(Some(&src_slot.extract::<Int>()?.0), &[])
+        };
+        Ok(SsmSlots { src_slots: src_slots.py()?, dst_slot })
+    }
 }

@@ -1,5 +1,7 @@
 //! Bindings of the control-message decoder (`disagg_core::wire::control`).
 
+use std::sync::Mutex;
+
 use disagg_core::wire::control;
 use disagg_core::wire::msgpack::Value;
 use disagg_core::{coordinator, link};
@@ -9,6 +11,7 @@ use pyo3::IntoPyObjectExt;
 
 use crate::args::{Int, Real};
 use crate::error::IntoPyResult;
+use crate::pool::{core_methods, lock, lock_with};
 
 pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
 
@@ -22,11 +25,8 @@ fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
         Value::Str(s) => s.into_py_any(py)?,
         Value::Bin(b) => PyBytes::new(py, b).into_any().unbind(),
         Value::Array(items) => {
-            let list = PyList::empty(py);
-            for item in items {
-                list.append(to_py(py, item)?)?;
-            }
-            list.into_any().unbind()
+            let items = items.iter().map(|x| to_py(py, x)).collect::<PyResult<Vec<_>>>()?;
+            PyList::new(py, items)?.into_any().unbind()
         }
         Value::Map(pairs) => {
             let dict = PyDict::new(py);
@@ -97,27 +97,29 @@ impl ClientDeadlines {
 }
 
 /// An engine's view of its coordinator (`disagg_core::wire::control::LinkLiveness`), in seconds.
-#[pyclass(module = "disagg_rs._core")]
-pub struct LinkLiveness(link::EngineInbox);
+#[pyclass(module = "disagg_rs._core", frozen)]
+pub struct LinkLiveness(Mutex<link::EngineInbox>);
 
-#[pymethods]
-impl LinkLiveness {
+core_methods!(LinkLiveness, lock_with, 0,
+calls {
+    #[getter] fn awaiting_registered() -> bool = awaiting_registered();
+    /// Times the coordinator fenced this engine (it then registered again).
+    #[getter] fn fenced() -> u64 = fenced();
+    #[getter] fn malformed() -> u64 = malformed();
+}
+methods {
     #[new]
     #[pyo3(signature = (timeout_s, now))]
     fn new(timeout_s: Option<f64>, now: f64) -> PyResult<Self> {
-        Ok(Self(link::EngineInbox::new(timeout_s, now).py()?))
+        Ok(Self(Mutex::new(link::EngineInbox::new(timeout_s, now).py()?)))
     }
 
     /// The `frames` that arrived by `now`: `(messages, newest peer table, register again)`.
-    fn receive<'py>(
-        &mut self,
-        py: Python<'py>,
-        frames: Vec<Bound<'py, PyBytes>>,
-        peers: Bound<'py, PyAny>,
-        now: f64,
-    ) -> PyResult<(Vec<Bound<'py, PyDict>>, Bound<'py, PyAny>, bool)> {
+    fn receive<'py>(&self, py: Python<'py>, frames: Vec<Bound<'py, PyBytes>>,
+        peers: Bound<'py, PyAny>, now: f64)
+        -> PyResult<(Vec<Bound<'py, PyDict>>, Bound<'py, PyAny>, bool)> {
         let frames: Vec<&[u8]> = frames.iter().map(PyBytesMethods::as_bytes).collect();
-        let got = self.0.receive(&frames, now);
+        let got = lock(&self.0)?.receive(&frames, now);
         let msg_class = py.import("disagg_rs.control.messages")?.getattr("Msg")?;
         let kind = |m: &control::ControlMessage| msg_class.call1((m.kind.name(),));
         let msgs =
@@ -127,16 +129,11 @@ impl LinkLiveness {
         Ok((msgs, peers, got.register))
     }
 
-    #[getter]
-    fn awaiting_registered(&self) -> bool {
-        self.0.awaiting_registered()
-    }
-
     /// Whether the `REGISTER` sent at `since` is still unanswered at `now` (``False`` once
     /// `REGISTERED` came); ``TransferTimeout`` naming ``timeout_s`` when it is unanswered
     /// `timeout_s` after `since`.
     fn awaiting_registration(&self, since: f64, timeout_s: f64, now: f64) -> PyResult<bool> {
-        match self.0.registration(since + timeout_s, now) {
+        match lock(&self.0)?.registration(since + timeout_s, now) {
             link::Registration::Answered => Ok(false),
             link::Registration::Awaited => Ok(true),
             link::Registration::Overdue => Err(TransferTimeout::new_err((
@@ -148,43 +145,33 @@ impl LinkLiveness {
 
     /// The engine sent (or dropped, `delivered` false) a `kind` message about `request_id`.
     #[pyo3(signature = (kind, request_id, delivered, now))]
-    fn sent(&mut self, kind: &str, request_id: Option<Int>, delivered: bool, now: f64) {
-        self.0.sent_named(kind, request_id.map(|r| r.0).as_ref(), delivered, now);
+    fn sent(&self, kind: &str, request_id: Option<Int>, delivered: bool, now: f64) -> PyResult<()> {
+        lock(&self.0)?.sent_named(kind, request_id.map(|r| r.0).as_ref(), delivered, now);
+        Ok(())
     }
 
-    fn heartbeat_due(&mut self, interval_s: f64, now: f64) -> bool {
-        self.0.liveness.heartbeat_due(interval_s, now)
+    fn heartbeat_due(&self, interval_s: f64, now: f64) -> PyResult<bool> {
+        Ok(lock(&self.0)?.liveness.heartbeat_due(interval_s, now))
     }
 
     /// The `(request_id, epoch)` pairs to abort when the coordinator was just declared lost.
-    fn check(&mut self, now: f64) -> Vec<(i64, i64)> {
-        self.0.liveness.check(now)
+    fn check(&self, now: f64) -> PyResult<Vec<(i64, i64)>> {
+        Ok(lock(&self.0)?.liveness.check(now))
     }
 
     #[getter]
-    fn lost(&self) -> bool {
-        self.0.liveness.lost()
+    fn lost(&self) -> PyResult<bool> {
+        Ok(lock(&self.0)?.liveness.lost())
     }
 
     #[getter]
-    fn last_heard(&self) -> f64 {
-        self.0.liveness.last_heard()
+    fn last_heard(&self) -> PyResult<f64> {
+        Ok(lock(&self.0)?.liveness.last_heard())
     }
 
     /// `losses` and `abandoned` (requests handed back to abort).
-    fn counters(&self) -> std::collections::HashMap<&'static str, u64> {
-        let live = &self.0.liveness;
-        [("losses", live.losses()), ("abandoned", live.abandoned())].into()
+    fn counters(&self) -> PyResult<std::collections::HashMap<&'static str, u64>> {
+        let live = &lock(&self.0)?.liveness;
+        Ok([("losses", live.losses()), ("abandoned", live.abandoned())].into())
     }
-
-    /// Times the coordinator fenced this engine (it then registered again).
-    #[getter]
-    fn fenced(&self) -> u64 {
-        self.0.fenced()
-    }
-
-    #[getter]
-    fn malformed(&self) -> u64 {
-        self.0.malformed()
-    }
-}
+});

@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use disagg_core::coordinator::{self, Coordinator, Event, Field, Outgoing};
 use disagg_core::wire::control::Kind;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
+use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyInt, PyList};
 use pyo3::IntoPyObjectExt;
 
 use crate::args::Real;
@@ -78,11 +78,16 @@ fn resume_tokens(ticket: &Bound<'_, PyAny>) -> PyResult<(Obj, usize)> {
 fn done_fields<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyAny>> {
     let fields = msg.copy()?;
     for k in ["type", "v", "epoch"] {
-        if fields.contains(k)? {
-            fields.del_item(k)?;
-        }
+        fields.call_method1("pop", (k, msg.py().None()))?;
     }
     Ok(fields.into_any())
+}
+
+/// The message type a message dict names (`ValueError` for none).
+fn kind_of(msg: &Bound<'_, PyDict>) -> PyResult<Kind> {
+    let name: String = msg.get_item("type")?.map_or(Ok(String::new()), |k| k.extract())?;
+    let no_type = || pyo3::exceptions::PyValueError::new_err(format!("no message type {name}"));
+    Kind::from_name(&name).ok_or_else(no_type)
 }
 
 /// The event a schema-checked message dict carries.
@@ -95,15 +100,15 @@ fn event<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Event<Obj>> {
         Ok(msg.get_item(k)?.filter(|v| !v.is_none()))
     };
     let text = |k: &str| -> PyResult<String> { Ok(item(k)?.str()?.to_string()) };
+    let opt_text = |k: &str| -> PyResult<Option<String>> {
+        opt(k)?.map(|v| Ok(v.str()?.to_string())).transpose()
+    };
     let id = |k: &str| -> PyResult<u64> { item(k)?.extract() };
     let epoch = || -> PyResult<Option<u64>> { opt("epoch")?.map(|e| e.extract()).transpose() };
     // `quiet` counts only when it is `True`.
     let quiet =
         || -> PyResult<bool> { Ok(opt("quiet")?.is_some_and(|q| q.extract().unwrap_or(false))) };
-    let kind_name: String = item("type")?.extract()?;
-    let kind = Kind::from_name(&kind_name).ok_or_else(|| {
-        pyo3::exceptions::PyValueError::new_err(format!("no message type {kind_name}"))
-    })?;
+    let kind = kind_of(msg)?;
     let request_id = || id("request_id");
     Ok(match kind {
         Kind::Register => Event::Register {
@@ -114,11 +119,7 @@ fn event<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Event<Obj>> {
         },
         Kind::Submit => Event::Submit {
             request_id: request_id()?,
-            prompt: obj(PyList::new(
-                py,
-                item("prompt")?.try_iter()?.collect::<PyResult<Vec<_>>>()?,
-            )?
-            .into_any()),
+            prompt: obj(py.get_type::<PyList>().call1((item("prompt")?,))?),
             max_new_tokens: id("max_new_tokens")?,
             timeout_s: opt("timeout_s")?.map(|t| t.extract()).transpose()?,
         },
@@ -126,9 +127,7 @@ fn event<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Event<Obj>> {
         Kind::KvRecvPosted => Event::KvRecvPosted {
             request_id: request_id()?,
             epoch: id("epoch")?,
-            prefill: opt("prefill_engine_id")?
-                .map(|p| p.str().map(|s| s.to_string()))
-                .transpose()?,
+            prefill: opt_text("prefill_engine_id")?,
             transfer: obj(opt("transfer")?.unwrap_or_else(|| PyDict::new(py).into_any())),
         },
         Kind::PrefillDone => {
@@ -149,10 +148,7 @@ fn event<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Event<Obj>> {
             request_id: request_id()?,
             epoch: id("epoch")?,
             ok: item("ok")?.is_truthy()?,
-            error: opt("error")?.map_or_else(
-                || Ok("unknown error".to_owned()),
-                |e| Ok::<_, PyErr>(e.str()?.to_string()),
-            )?,
+            error: opt_text("error")?.unwrap_or_else(|| "unknown error".to_owned()),
             quiet: quiet()?,
         },
         Kind::Tokens => Event::Tokens {
@@ -285,67 +281,47 @@ impl CoordinatorCore {
         user_key: &str,
         keys: BTreeMap<String, String>,
     ) -> PyResult<bool> {
-        let name: String = msg.get_item("type")?.map_or(Ok(String::new()), |k| k.extract())?;
-        let kind = Kind::from_name(&name).ok_or_else(|| {
-            pyo3::exceptions::PyValueError::new_err(format!("no message type {name}"))
-        })?;
-        // Only REGISTER and HEARTBEAT claim an engine id (a checked text field of theirs).
-        let claims = matches!(kind, Kind::Register | Kind::Heartbeat);
-        let claimed: Option<String> = if claims {
-            msg.get_item("engine_id")?.map(|e| e.extract()).transpose()?
-        } else {
-            None
-        };
+        let kind = kind_of(msg)?;
+        // The core reads the claim of the kinds that make one (a checked text field of theirs).
+        let claimed: Option<String> =
+            msg.get_item("engine_id")?.map(|e| e.extract()).transpose()?;
         Ok(lock(&self.0)?.authentic(identity, kind, claimed.as_deref(), user_key, &keys))
     }
 
     /// `{engine id: (engine_id, role, incarnation, meta, identity, last_seen)}`.
-    fn engines(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
-        let dict = PyDict::new(py);
-        for (id, e) in lock(&self.0)?.engines() {
-            let identity = PyBytes::new(py, &e.identity);
-            let row = (
-                &e.engine_id,
-                &e.role,
-                e.incarnation,
-                e.meta.0.clone_ref(py),
-                identity,
-                e.last_seen,
-            );
-            dict.set_item(id, row)?;
-        }
-        Ok(dict.unbind())
+    fn engines<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let core = lock(&self.0)?;
+        let rows = core.engines().iter().map(|(id, e)| {
+            let (meta, identity) = (e.meta.0.clone_ref(py), PyBytes::new(py, &e.identity));
+            (id, (&e.engine_id, &e.role, e.incarnation, meta, identity, e.last_seen))
+        });
+        rows.into_py_dict(py)
     }
 
     /// `{request id: (epoch, phase, prefill, decode, pinned, ticket_sent, deadline)}`.
-    fn requests(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
-        let dict = PyDict::new(py);
-        for (rid, r) in lock(&self.0)?.requests() {
+    fn requests<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let core = lock(&self.0)?;
+        let rows = core.requests().iter().map(|(rid, r)| {
             let (epoch, phase, prefill, decode, pinned, ticket_sent, deadline) = r.state();
             let phase = format!("{phase:?}").to_lowercase();
-            dict.set_item(rid, (epoch, phase, prefill, decode, pinned, ticket_sent, deadline))?;
-        }
-        Ok(dict.unbind())
+            (rid, (epoch, phase, prefill, decode, pinned, ticket_sent, deadline))
+        });
+        rows.into_py_dict(py)
     }
 
     /// The coordinator's counters by name.
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let core = lock(&self.0)?;
         let c = core.counters();
-        let dict = PyDict::new(py);
-        for (name, by) in [("ignored", &c.ignored), ("malformed", &c.malformed), ("lost", &c.lost)]
-        {
-            dict.set_item(name, by)?;
-        }
+        let dict = [("ignored", &c.ignored), ("malformed", &c.malformed), ("lost", &c.lost)]
+            .into_py_dict(py)?;
         let totals = [
             ("completed", c.completed),
             ("failed", c.failed),
             ("aborted_pushes", c.aborted_pushes),
             ("left_to_lease", c.left_to_lease),
         ];
-        for (name, n) in totals {
-            dict.set_item(name, n)?;
-        }
+        totals.iter().try_for_each(|(name, n)| dict.set_item(name, n))?;
         dict.set_item("shutting_down", core.shutting_down())?;
         Ok(dict)
     }

@@ -16,8 +16,10 @@ use crate::args::{
     Text, U64s, U32, U64,
 };
 use crate::error::{py_methods, to_pyerr, IntoPyResult};
-use crate::layout::{PyKvShardLayout, PySsmShardLayout};
+use crate::layout::{wraps, PyKvShardLayout, PySsmShardLayout};
 use crate::wire::to_wire;
+
+wraps!(PyKvGeometry => KvGeometry, PySsmGeometry => SsmGeometry);
 
 fn geo_err(field: &str, detail: String) -> PyErr {
     to_pyerr(DisaggError::geometry(field, detail))
@@ -326,10 +328,8 @@ pub fn plan_buffer<'py>(
         return Ok(d);
     }
     buffer::check_buffer_args(&a).py()?;
-    let layer = match &layers {
-        Some(list) => Some(layer_spec(list, &buffer::layer_axes(&a), a.view.device)?),
-        None => None,
-    };
+    let axes = buffer::layer_axes(&a);
+    let layer = layers.as_ref().map(|l| layer_spec(l, &axes, a.view.device)).transpose()?;
     let p = buffer::plan_buffer(&a, layer.as_ref()).py()?;
     let out = wire_dict_to_py(py, &p.to_wire())?;
     let reference = wire_dict_to_py(py, &p.reference.to_wire())?;

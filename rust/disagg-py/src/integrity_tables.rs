@@ -35,25 +35,22 @@ core_fns! {
             band.as_deref());
 }
 
-/// A piece as given: table name, first layer, first unit, entries (`uint64`, any shape).
-type PieceArg<'py> = (String, u64, u64, PyReadonlyArrayDyn<'py, u64>);
+/// A piece as given: table name, first layer, first unit, entries (`uint64`, any shape),
+/// read into the entries' shape and row-major values.
+#[derive(FromPyObject)]
+pub struct PieceArg(String, u64, u64, #[pyo3(from_py_with = owned)] (Vec<u64>, Vec<u64>));
 
-/// Shapes and row-major entries of the pieces, owned for the core's borrowed view.
-fn owned(pieces: &[PieceArg<'_>]) -> Vec<(Vec<u64>, Vec<u64>)> {
-    pieces
-        .iter()
-        .map(|(_, _, _, a)| {
-            let shape = a.shape().iter().map(|&d| d as u64).collect();
-            (shape, a.as_array().iter().copied().collect())
-        })
-        .collect()
+/// The shape and row-major entries of a `uint64` array.
+fn owned(a: &Bound<'_, PyAny>) -> PyResult<(Vec<u64>, Vec<u64>)> {
+    let a = a.extract::<PyReadonlyArrayDyn<'_, u64>>()?;
+    Ok((a.shape().iter().map(|&d| d as u64).collect(), a.as_array().iter().copied().collect()))
 }
 
-fn views<'a>(pieces: &'a [PieceArg<'_>], data: &'a [(Vec<u64>, Vec<u64>)]) -> Vec<Piece<'a>> {
+/// The core's borrowed view of the pieces.
+fn views(pieces: &[PieceArg]) -> Vec<Piece<'_>> {
     pieces
         .iter()
-        .zip(data)
-        .map(|((table, layer_start, unit_start, _), (shape, entries))| Piece {
+        .map(|PieceArg(table, layer_start, unit_start, (shape, entries))| Piece {
             table,
             layer_start: *layer_start,
             unit_start: *unit_start,
@@ -65,13 +62,12 @@ fn views<'a>(pieces: &'a [PieceArg<'_>], data: &'a [(Vec<u64>, Vec<u64>)]) -> Ve
 
 /// `integrity_tables::merge`: the full tables, flat, per name of ``shapes``.
 #[pyfunction]
-pub fn integrity_merge<'py>(
-    py: Python<'py>,
+pub fn integrity_merge(
+    py: Python<'_>,
     shapes: Vec<(String, Vec<u64>)>,
-    pieces: Vec<PieceArg<'py>>,
-) -> PyResult<Vec<Bound<'py, PyArray1<u64>>>> {
-    let data = owned(&pieces);
-    let tables = merge(&shapes, &views(&pieces, &data)).py()?;
+    pieces: Vec<PieceArg>,
+) -> PyResult<Vec<Bound<'_, PyArray1<u64>>>> {
+    let tables = merge(&shapes, &views(&pieces)).py()?;
     Ok(tables.into_iter().map(|t| t.into_pyarray(py)).collect())
 }
 
@@ -82,15 +78,13 @@ pub fn integrity_merge<'py>(
 pub fn integrity_first_mismatch(
     shapes: Vec<(String, Vec<u64>)>,
     tables: Vec<PyReadonlyArrayDyn<'_, u64>>,
-    pieces: Vec<PieceArg<'_>>,
+    pieces: Vec<PieceArg>,
     first_chunk: u64,
     chunk_tokens: Option<u64>,
 ) -> PyResult<Option<(usize, String, u64, u64, u64, u64, Option<String>, Option<(u64, u64)>)>> {
     let flat: Vec<Vec<u64>> =
         tables.iter().map(|t| t.as_array().iter().copied().collect()).collect();
     let refs: Vec<&[u64]> = flat.iter().map(Vec::as_slice).collect();
-    let data = owned(&pieces);
-    let found =
-        first_mismatch(&shapes, &refs, &views(&pieces, &data), first_chunk, chunk_tokens).py()?;
+    let found = first_mismatch(&shapes, &refs, &views(&pieces), first_chunk, chunk_tokens).py()?;
     Ok(found.map(|m| (m.piece, m.table, m.layer, m.unit, m.expected, m.got, m.kv, m.tokens)))
 }

@@ -6,9 +6,39 @@ use disagg_core::{KvLayoutSpec, SsmBand, SsmLayoutSpec, SsmShardLayout, SsmState
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyDict, PyList, PyTuple};
+use pyo3::PyClass;
 
-use crate::args::{type_err, Flag, Int, Text};
+use crate::args::{type_err, Flag, Int, Text, Typed};
 use crate::error::{py_methods, IntoPyResult};
+
+/// A Python class around one core value, its `inner`.
+pub trait Wraps: PyClass {
+    /// The core value.
+    type Core: Clone + Send + Sync;
+    /// A copy of the core value.
+    fn core(&self) -> Self::Core;
+}
+
+/// `Wraps` of classes whose `inner` is the core value.
+macro_rules! wraps {
+    ($($ty:ty => $core:ty),*) => {$(
+        impl $crate::layout::Wraps for $ty {
+            type Core = $core;
+            fn core(&self) -> $core {
+                self.inner.clone()
+            }
+        }
+    )*};
+}
+pub(crate) use wraps;
+
+wraps!(PyKvShardLayout => disagg_core::KvShardLayout, PySsmShardLayout => SsmShardLayout);
+
+/// A list argument of `T` objects as their core values (`ArgumentTypeError` naming `field`).
+pub fn cores<T: Wraps>(v: Typed<Vec<PyRef<'_, T>>>, field: &str) -> PyResult<Vec<T::Core>> {
+    let list = v.get(field, &format!("a list of {}", T::NAME))?;
+    Ok(list.iter().map(|x| x.core()).collect())
+}
 
 /// Half-open range as a Python tuple.
 pub type PyRange = (u32, u32);
@@ -20,13 +50,9 @@ fn core(v: Option<Int>) -> Option<disagg_core::args::Int> {
 
 /// `__dataclass_fields__` of a frozen `dataclasses.make_dataclass(name, fields)`.
 fn dataclass_fields(py: Python<'_>, name: &str, fields: &[&str]) -> PyResult<Py<PyAny>> {
-    let kwargs = PyDict::new(py);
-    kwargs.set_item("frozen", true)?;
-    let cls = py.import("dataclasses")?.call_method(
-        "make_dataclass",
-        (name, PyList::new(py, fields)?),
-        Some(&kwargs),
-    )?;
+    let make = py.import("dataclasses")?.getattr("make_dataclass")?;
+    let frozen = [("frozen", true)].into_py_dict(py)?;
+    let cls = make.call((name, PyList::new(py, fields)?), Some(&frozen))?;
     Ok(cls.getattr("__dataclass_fields__")?.unbind())
 }
 

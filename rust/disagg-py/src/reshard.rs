@@ -2,8 +2,8 @@
 
 use disagg_core::reshard::of_rank;
 use disagg_core::{
-    plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer, KvShardLayout, Span,
-    SsmReshardPlan, SsmReshardTransfer, SsmShardLayout,
+    plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer, Span, SsmReshardPlan,
+    SsmReshardTransfer,
 };
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
@@ -23,25 +23,28 @@ fn seq_index(index: isize, len: usize) -> PyResult<usize> {
         PyIndexError::new_err(format!("plan index {index} out of range for {len} transfers"))
     })
 }
-use crate::layout::{PyKvShardLayout, PySsmShardLayout};
+use crate::layout::{cores, PyKvShardLayout, PySsmShardLayout};
 
-/// The `#[pymethods]` of a plan class: a sequence of `$tr` records (`self.records()`) made
+/// A list argument of layouts.
+type Layouts<'py, T> = Typed<Vec<PyRef<'py, T>>>;
+
+/// The `#[pymethods]` of a plan class: a sequence of `$tr` records (`self.$records`) made
 /// from `$lay` layouts, plus the hand-written `methods`.
 macro_rules! plan_methods {
-    ($plan:ty, $tr:ident, $lay:ident, methods { $($m:tt)* }) => {
+    ($plan:ty, $tr:ident, $lay:ident, records ($($records:tt)+), methods { $($m:tt)* }) => {
         #[pymethods]
         impl $plan {
             fn __len__(&self) -> usize {
-                self.records().len()
+                self.$($records)+.len()
             }
             fn __getitem__(&self, index: isize) -> PyResult<$tr> {
-                let records = self.records();
+                let records = &self.$($records)+;
                 Ok($tr { inner: records[seq_index(index, records.len())?] })
             }
             /// All transfers as a list, in plan order.
             #[getter]
             fn transfers(&self) -> Vec<$tr> {
-                self.records().iter().map(|&inner| $tr { inner }).collect()
+                self.$($records)+.iter().map(|&inner| $tr { inner }).collect()
             }
             /// Source layouts the plan was made from.
             #[getter]
@@ -56,12 +59,12 @@ macro_rules! plan_methods {
             /// Transfers sent by one source rank, in plan order.
             fn for_src(&self, global_rank: Int) -> PyResult<Vec<$tr>> {
                 conv!(global_rank: U32);
-                Ok(of_rank(self.records(), true, global_rank).into_iter().map(|inner| $tr { inner }).collect())
+                Ok(of_rank(&self.$($records)+, true, global_rank).into_iter().map(|inner| $tr { inner }).collect())
             }
             /// Transfers received by one destination rank, in plan order.
             fn for_dst(&self, global_rank: Int) -> PyResult<Vec<$tr>> {
                 conv!(global_rank: U32);
-                Ok(of_rank(self.records(), false, global_rank).into_iter().map(|inner| $tr { inner }).collect())
+                Ok(of_rank(&self.$($records)+, false, global_rank).into_iter().map(|inner| $tr { inner }).collect())
             }
             /// Check exact-once coverage of every destination cell (`PlanCoverageError`).
             fn verify(&self, py: Python<'_>) -> PyResult<()> {
@@ -156,7 +159,7 @@ pub struct PyKvReshardPlan {
     pub inner: KvReshardPlan,
 }
 
-plan_methods!(PyKvReshardPlan, PyKvReshardTransfer, PyKvShardLayout,
+plan_methods!(PyKvReshardPlan, PyKvReshardTransfer, PyKvShardLayout, records (inner.transfers),
 methods {
     /// Bytes moved per token over the whole plan, K and V.
     #[pyo3(signature = (head_dim, element_size=Int::of(2)),
@@ -167,31 +170,15 @@ methods {
     }
 });
 
-impl PyKvReshardPlan {
-    fn records(&self) -> &[KvReshardTransfer] {
-        &self.inner.transfers
-    }
-}
-
-impl PySsmReshardPlan {
-    fn records(&self) -> &[SsmReshardTransfer] {
-        &self.per_layer
-    }
-}
-
 /// `disagg_core::plan_kv_reshard` between two layout lists.
 #[pyfunction(name = "plan_kv_reshard")]
 pub fn py_plan_kv_reshard(
     py: Python<'_>,
-    srcs: Typed<Vec<PyRef<'_, PyKvShardLayout>>>,
-    dsts: Typed<Vec<PyRef<'_, PyKvShardLayout>>>,
+    srcs: Layouts<'_, PyKvShardLayout>,
+    dsts: Layouts<'_, PyKvShardLayout>,
 ) -> PyResult<PyKvReshardPlan> {
-    let srcs = srcs.get("srcs", "a list of KVShardLayout")?;
-    let dsts = dsts.get("dsts", "a list of KVShardLayout")?;
-    let s: Vec<KvShardLayout> = srcs.iter().map(|l| l.inner).collect();
-    let d: Vec<KvShardLayout> = dsts.iter().map(|l| l.inner).collect();
-    let inner = py.detach(|| plan_kv_reshard(&s, &d)).py()?;
-    Ok(PyKvReshardPlan { inner })
+    let (s, d) = (cores(srcs, "srcs")?, cores(dsts, "dsts")?);
+    Ok(PyKvReshardPlan { inner: py.detach(|| plan_kv_reshard(&s, &d)).py()? })
 }
 
 /// One SSM transfer of one band over a layer range: channels (bands "x", "B", "C") or heads
@@ -258,7 +245,7 @@ pub struct PySsmReshardPlan {
     per_layer: Vec<SsmReshardTransfer>,
 }
 
-plan_methods!(PySsmReshardPlan, PySsmReshardTransfer, PySsmShardLayout,
+plan_methods!(PySsmReshardPlan, PySsmReshardTransfer, PySsmShardLayout, records (per_layer),
 methods {
     /// The transfers merged over layer ranges.
     #[getter]
@@ -271,13 +258,10 @@ methods {
 #[pyfunction(name = "plan_ssm_reshard")]
 pub fn py_plan_ssm_reshard(
     py: Python<'_>,
-    src_layouts: Typed<Vec<PyRef<'_, PySsmShardLayout>>>,
-    dst_layouts: Typed<Vec<PyRef<'_, PySsmShardLayout>>>,
+    src_layouts: Layouts<'_, PySsmShardLayout>,
+    dst_layouts: Layouts<'_, PySsmShardLayout>,
 ) -> PyResult<PySsmReshardPlan> {
-    let src_layouts = src_layouts.get("src_layouts", "a list of SSMShardLayout")?;
-    let dst_layouts = dst_layouts.get("dst_layouts", "a list of SSMShardLayout")?;
-    let s: Vec<SsmShardLayout> = src_layouts.iter().map(|l| l.inner).collect();
-    let d: Vec<SsmShardLayout> = dst_layouts.iter().map(|l| l.inner).collect();
+    let (s, d) = (cores(src_layouts, "src_layouts")?, cores(dst_layouts, "dst_layouts")?);
     let inner = py.detach(|| plan_ssm_reshard(&s, &d)).py()?;
     Ok(PySsmReshardPlan { per_layer: inner.per_layer(), inner })
 }

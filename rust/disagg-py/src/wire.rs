@@ -10,12 +10,14 @@ use disagg_core::wire::peer::{
     PeerGeometry, PeerLayout, PeerMeta, PeerTable, StateKind,
 };
 use disagg_core::wire::plan::{compile_checked, compile_unchecked, TransferPlanRequest};
-use disagg_core::wire::ticket::{check_staging_tickets, DecodeNeeds, HandoffTicket};
+use disagg_core::wire::ticket::{check_staging_tickets, DecodeNeeds, HandoffTicket, StagingTicket};
 use disagg_core::wire::value::{Budget, WireValue};
 use disagg_core::{DisaggError, ModeChoice};
 use numpy::{PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
+use pyo3::types::{
+    IntoPyDict, PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple,
+};
 use pyo3::IntoPyObjectExt;
 
 use crate::args::{conv, convs, wire_to_py, Conv, Int, IntList, Kind, Opt, Raw, U32, U64};
@@ -101,10 +103,7 @@ fn convert(
     }
     if let Ok(m) = obj.cast::<PyMapping>() {
         let d = PyDict::new(obj.py());
-        for item in m.items()?.iter() {
-            let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
-            d.set_item(k, v)?;
-        }
+        d.update(m)?;
         return convert(d.as_any(), field, depth, budget);
     }
     if let Ok(i) = obj.extract::<i128>() {
@@ -267,26 +266,6 @@ pub(crate) fn metas<'a>(peers: &'a [PyRef<'_, PyPeer>]) -> Vec<&'a PeerMeta> {
     peers.iter().map(|p| p.inner.as_ref()).collect()
 }
 
-fn plan_request<'a>(
-    srcs: &'a [PyRef<'_, PyPeer>],
-    dst: &'a PyRef<'_, PyPeer>,
-    src_block_ids: &Bound<'_, PyAny>,
-    dst_block_ids: Option<IntList>,
-    mode: &str,
-    local: LocalSide,
-) -> PyResult<TransferPlanRequest<'a>> {
-    conv!(dst_block_ids: Opt<BlockI64s>);
-    Ok(TransferPlanRequest {
-        srcs: metas(srcs),
-        dst: dst.inner.as_ref(),
-        src_ids: source_ids_of(src_block_ids)?,
-        dst_ids: dst_block_ids,
-        num_tokens: None,
-        local,
-        mode: ModeChoice::parse(mode).py()?,
-    })
-}
-
 pub(crate) fn local_side(
     is_dst: bool,
     local_num_blocks: Int,
@@ -310,9 +289,16 @@ pub fn compile_peer_transfer(
     mode: &str,
     checked: bool,
 ) -> PyResult<PyTransferProgram> {
-    conv!(num_tokens: Opt<BlockU64>);
-    let local = LocalSide { is_dst: false, num_blocks: 0, tokens_per_block: None };
-    let req = plan_request(&srcs, &dst, src_block_ids, dst_block_ids, mode, local)?;
+    conv!(num_tokens: Opt<BlockU64>, dst_block_ids: Opt<BlockI64s>);
+    let req = TransferPlanRequest {
+        srcs: metas(&srcs),
+        dst: dst.inner.as_ref(),
+        src_ids: source_ids_of(src_block_ids)?,
+        dst_ids: dst_block_ids,
+        num_tokens: None,
+        local: LocalSide { is_dst: false, num_blocks: 0, tokens_per_block: None },
+        mode: ModeChoice::parse(mode).py()?,
+    };
     let compile = if checked { compile_checked } else { compile_unchecked };
     Ok(PyTransferProgram { inner: py.detach(|| compile(&req, num_tokens)).py()? })
 }
@@ -362,11 +348,8 @@ pub fn check_staging_tickets_of<'py>(
     let by_rank: BTreeMap<u32, &PeerMeta> =
         peers.iter().map(|p| (p.inner.layout.global_rank(), p.inner.as_ref())).collect();
     let checked = check_staging_tickets(&values, &by_rank).py()?;
-    let out = PyDict::new(py);
-    for (rank, t) in checked {
-        out.set_item(rank, wire_to_py(py, &t.to_wire())?)?;
-    }
-    Ok(out)
+    let py_ticket = |(rank, t): (u32, StagingTicket)| Ok((rank, wire_to_py(py, &t.to_wire())?));
+    checked.into_iter().map(py_ticket).collect::<PyResult<Vec<_>>>()?.into_py_dict(py)
 }
 
 convs! {
