@@ -93,7 +93,28 @@ pub enum Event<P> {
     Failed { request_id: u64, epoch: Option<u64>, error: String, quiet: bool },
 }
 
+/// The fields of a `DONE` its client is not told: the frame's `type` and `v`, and the epoch.
+pub const DONE_WITHHELD: [&str; 3] = ["type", "v", "epoch"];
+
 impl<P> Event<P> {
+    /// A `KV_IMPORTED`: a failure without a reason reads `unknown error`, and `quiet` counts
+    /// only when it is `true`.
+    pub fn kv_imported(
+        request_id: u64,
+        epoch: u64,
+        ok: bool,
+        error: Option<String>,
+        quiet: Option<bool>,
+    ) -> Self {
+        let error = error.unwrap_or_else(|| "unknown error".to_owned());
+        Self::KvImported { request_id, epoch, ok, error, quiet: quiet == Some(true) }
+    }
+
+    /// A `FAILED`: `quiet` counts only when it is `true`.
+    pub fn failed(request_id: u64, epoch: Option<u64>, error: String, quiet: Option<bool>) -> Self {
+        Self::Failed { request_id, epoch, error, quiet: quiet == Some(true) }
+    }
+
     /// The message type.
     pub fn kind(&self) -> Kind {
         match self {

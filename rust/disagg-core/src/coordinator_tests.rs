@@ -364,3 +364,30 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn an_import_event_defaults_its_error_and_counts_quiet_only_when_true() {
+    let ev = |error: Option<&str>, quiet| {
+        Event::<String>::kv_imported(7, 1, false, error.map(Into::into), quiet)
+    };
+    let got = |e: Event<String>| match e {
+        Event::KvImported { error, quiet, .. } => (error, quiet),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(got(ev(None, None)), ("unknown error".into(), false));
+    assert_eq!(got(ev(Some("x"), Some(false))), ("x".into(), false));
+    assert_eq!(got(ev(Some("x"), Some(true))), ("x".into(), true));
+    for (quiet, want) in [(None, false), (Some(false), false), (Some(true), true)] {
+        let e = Event::<String>::failed(7, None, "e".into(), quiet);
+        assert_eq!(e, Event::Failed { request_id: 7, epoch: None, error: "e".into(), quiet: want });
+    }
+}
+
+#[test]
+fn a_done_tells_its_client_the_request_and_tokens_but_not_the_epoch() {
+    let schema = Kind::Done.schema();
+    for f in &schema {
+        assert_eq!(DONE_WITHHELD.contains(&f.name), f.name == "epoch", "{}", f.name);
+    }
+    assert!(DONE_WITHHELD.contains(&"type") && DONE_WITHHELD.contains(&"v"));
+}

@@ -542,3 +542,10 @@ prop_state_machine! {
     #[test]
     fn import_ledger_matches_its_reference_model(sequential 1..300 => ImportTest);
 }
+
+#[test]
+fn a_source_without_a_block_size_shares_the_ledger_s() {
+    let ledger = ImportLedger::new(BLOCKS, BS, SLOTS, ImportLedgerConfig::default()).unwrap();
+    assert_eq!(ledger.src_block_size(None), BS);
+    assert_eq!(ledger.src_block_size(Some(BS * 4)), BS * 4);
+}

@@ -77,7 +77,7 @@ fn resume_tokens(ticket: &Bound<'_, PyAny>) -> PyResult<(Obj, usize)> {
 /// What a client is told of a `DONE`: the message without `type`, `v` and `epoch`.
 fn done_fields<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyAny>> {
     let fields = msg.copy()?;
-    for k in ["type", "v", "epoch"] {
+    for k in coordinator::DONE_WITHHELD {
         fields.call_method1("pop", (k, msg.py().None()))?;
     }
     Ok(fields.into_any())
@@ -105,9 +105,7 @@ fn event<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Event<Obj>> {
     };
     let id = |k: &str| -> PyResult<u64> { item(k)?.extract() };
     let epoch = || -> PyResult<Option<u64>> { opt("epoch")?.map(|e| e.extract()).transpose() };
-    // `quiet` counts only when it is `True`.
-    let quiet =
-        || -> PyResult<bool> { Ok(opt("quiet")?.is_some_and(|q| q.extract().unwrap_or(false))) };
+    let quiet = || -> PyResult<Option<bool>> { Ok(opt("quiet")?.and_then(|q| q.extract().ok())) };
     let kind = kind_of(msg)?;
     let request_id = || id("request_id");
     Ok(match kind {
@@ -144,13 +142,10 @@ fn event<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Event<Obj>> {
             epoch: id("epoch")?,
             error: text("error")?,
         },
-        Kind::KvImported => Event::KvImported {
-            request_id: request_id()?,
-            epoch: id("epoch")?,
-            ok: item("ok")?.is_truthy()?,
-            error: opt_text("error")?.unwrap_or_else(|| "unknown error".to_owned()),
-            quiet: quiet()?,
-        },
+        Kind::KvImported => {
+            let ok = item("ok")?.is_truthy()?;
+            Event::kv_imported(request_id()?, id("epoch")?, ok, opt_text("error")?, quiet()?)
+        }
         Kind::Tokens => Event::Tokens {
             request_id: request_id()?,
             epoch: epoch()?,
@@ -161,12 +156,7 @@ fn event<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Event<Obj>> {
             epoch: epoch()?,
             fields: obj(done_fields(msg)?),
         },
-        Kind::Failed => Event::Failed {
-            request_id: request_id()?,
-            epoch: epoch()?,
-            error: text("error")?,
-            quiet: quiet()?,
-        },
+        Kind::Failed => Event::failed(request_id()?, epoch()?, text("error")?, quiet()?),
         other => {
             return Err(pyo3::exceptions::PyValueError::new_err(format!(
                 "the coordinator takes no {} message",

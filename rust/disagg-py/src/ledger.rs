@@ -263,12 +263,11 @@ methods {
         let inner = Arc::clone(&self.inner);
         let out = py.detach(move || -> PyResult<Vec<LedgerAction>> {
             let mut l = lock(&inner)?;
-            let bs = l.pool().block_size_tokens();
             let (num_prompt_tokens, prompt_hashes) =
                 l.prompt_facts(prompt_tokens.as_deref(), num_prompt_tokens, prompt_hashes).py()?;
             let req = ImportRequest {
                 request_id, num_prompt_tokens, prompt_hashes, src_block_ids,
-                src_block_size_tokens: src_block_size_tokens.unwrap_or(bs), resume_tokens,
+                src_block_size_tokens: l.src_block_size(src_block_size_tokens), resume_tokens,
                 has_ssm, finished, deadline, reuse_align_tokens, source_lease,
             };
             l.submit(req, now).py()

@@ -90,7 +90,7 @@ pub(crate) fn source_ids_of(obj: &Bound<'_, PyAny>) -> PyResult<SourceIds> {
 #[pyo3(signature = (ids, sources, rank=None))]
 pub fn pull_ids_len(ids: &Bound<'_, PyAny>, sources: usize, rank: Option<i64>) -> PyResult<usize> {
     let n = match (rank, ids.len()) {
-        (Some(r), _) => source_ids_of(ids)?.of_rank(r).map_or(0, <[i64]>::len),
+        (Some(r), _) => source_ids_of(ids)?.rank_len(r),
         (None, Ok(n)) => n,
         (None, Err(_)) => ids_of(ids, "dst_block_ids")?.len(),
     };

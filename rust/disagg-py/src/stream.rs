@@ -55,10 +55,7 @@ core_fns! {
     fn stream_abort_msgs(ticket: Ticket) -> Vec<Bytes>
         = ticket.stream.map(|st| StreamMsg::bare(StreamKind::Abort, st.id, 0));
     /// What `release_staged` frees: `(notice id or -1, [offset of a copy held whole])`.
-    fn staging_release(ticket: Ticket) -> (i64, Vec<u64>) = (
-        ticket.notice_id().map_or(-1, |id| i64::try_from(id).unwrap_or(i64::MAX)),
-        ticket.held_offset().into_iter().collect::<Vec<_>>(),
-    );
+    fn staging_release(ticket: Ticket) -> (i64, Vec<u64>) = ticket.release_plan();
 }
 
 /// `(running, give_up, [(chunk, slot)] to pack)` of one source poll.

@@ -355,6 +355,12 @@ impl ImportLedger {
         }
     }
 
+    /// The block size of a submit's source: `given`, or this ledger's own when the source
+    /// names none.
+    pub fn src_block_size(&self, given: Option<u32>) -> u32 {
+        given.unwrap_or_else(|| self.pool.block_size_tokens())
+    }
+
     pool_accessors!(
         "The block pool, for the engine's own allocations (admitted requests, prompts it runs). \
          Releasing blocks the ledger holds through it is a bug that `check()` reports."

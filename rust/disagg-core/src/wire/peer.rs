@@ -605,6 +605,12 @@ impl SourceIds {
             }
         }
     }
+
+    /// How many ids source global rank `rank` has (0: a per-rank mapping without it).
+    #[must_use]
+    pub fn rank_len(&self, rank: i64) -> usize {
+        self.of_rank(rank).map_or(0, <[i64]>::len)
+    }
 }
 
 fn check_ids(field: &str, ids: &[i64], num_blocks: u32, owner: &str) -> DisaggResult<()> {
@@ -851,6 +857,13 @@ impl<A: Clone> PeerTable<A> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    #[test]
+    fn a_rank_missing_from_per_rank_ids_has_none() {
+        let per_rank = SourceIds::PerRank(vec![(0, vec![1, 2, 3]), (2, vec![4])]);
+        assert_eq!((per_rank.rank_len(0), per_rank.rank_len(2), per_rank.rank_len(1)), (3, 1, 0));
+        assert_eq!(SourceIds::Shared(vec![5, 6]).rank_len(7), 2);
+    }
 
     fn s(v: &str) -> WireValue {
         WireValue::Str(v.into())

@@ -89,6 +89,13 @@ impl StagingTicket {
         (self.staged && self.stream.is_none()).then_some(self.offset)
     }
 
+    /// What releasing the ticket frees: `(notice id, or -1 without one; [offset of a copy
+    /// held whole])`.
+    pub fn release_plan(&self) -> (i64, Vec<u64>) {
+        let notice = self.notice_id().map_or(-1, |id| i64::try_from(id).unwrap_or(i64::MAX));
+        (notice, self.held_offset().into_iter().collect())
+    }
+
     /// The checked ticket as a wire map (`stream` only when streamed).
     pub fn to_wire(&self) -> WireValue {
         let int = |v: u64| WireValue::Int(i128::from(v));
@@ -702,6 +709,16 @@ mod tests {
         assert_eq!((direct.notice_id(), direct.held_offset()), (None, None));
         let streamed = StagingTicket::parse(&streamed(1, &[0, 64], 32), "t").unwrap();
         assert_eq!((streamed.notice_id(), streamed.held_offset()), (Some(3), None));
+    }
+
+    #[test]
+    fn a_release_plan_marks_a_ticket_without_notices_by_minus_one() {
+        let whole = StagingTicket::parse(&ticket(0, 1, true, 64, 8), "t").unwrap();
+        assert_eq!(whole.release_plan(), (-1, vec![64]));
+        let announced = StagingTicket { ready: Some(9), staged: false, ..whole.clone() };
+        assert_eq!(announced.release_plan(), (9, vec![]));
+        let huge = StagingTicket { ready: Some(u64::MAX), ..whole };
+        assert_eq!(huge.release_plan(), (i64::MAX, vec![64]));
     }
 
     #[test]
