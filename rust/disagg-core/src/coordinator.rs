@@ -77,8 +77,9 @@ pub enum Event<P> {
     Submit { request_id: u64, prompt: P, max_new_tokens: u64, timeout_s: Option<f64> },
     /// An engine is alive (its claimed id).
     Heartbeat { engine_id: String },
-    /// A decode posted receives (two-sided transports); `prefill`: the prefill it names.
-    KvRecvPosted { request_id: u64, epoch: u64, prefill: Option<String>, transfer: P },
+    /// A decode posted receives (two-sided transports); `prefill`: the prefill it names;
+    /// `transfer`: where (none: the prefill is told an empty map).
+    KvRecvPosted { request_id: u64, epoch: u64, prefill: Option<String>, transfer: Option<P> },
     /// The prefill pinned the state; `resume`: the ticket's resume tokens and their count.
     PrefillDone { request_id: u64, epoch: u64, ticket: P, resume: (P, usize) },
     /// The prefill failed the request.
@@ -692,7 +693,7 @@ impl<P: Clone> Coordinator<P> {
         request_id: u64,
         epoch: u64,
         named: Option<&str>,
-        transfer: P,
+        transfer: Option<P>,
     ) -> Vec<Outgoing<P>> {
         let role = |id: Option<&str>| id.and_then(|i| self.engines.get(i)).map_or("", |e| &e.role);
         let req = self.requests.get(&request_id);
@@ -715,7 +716,7 @@ impl<P: Clone> Coordinator<P> {
         let mut fields = Self::ids(request_id, epoch);
         fields.push(("decode_engine_id", opt_text(sender)));
         // Where the decode posted its receives (blocks, slot, token range).
-        fields.push(("transfer", Field::Payload(transfer)));
+        fields.push(("transfer", transfer.map_or(Field::Map(Vec::new()), Field::Payload)));
         fields.push(("abort", Field::Bool(abort)));
         vec![Outgoing::engine(&target, Kind::SendKv, fields)]
     }

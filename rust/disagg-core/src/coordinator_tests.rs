@@ -391,3 +391,21 @@ fn a_done_tells_its_client_the_request_and_tokens_but_not_the_epoch() {
     }
     assert!(DONE_WITHHELD.contains(&"type") && DONE_WITHHELD.contains(&"v"));
 }
+
+#[test]
+fn a_push_is_told_where_the_decode_posted_or_an_empty_map() {
+    for (transfer, want) in
+        [(Some("t".to_owned()), Field::Payload("t".into())), (None, Field::Map(Vec::new()))]
+    {
+        let mut c = C::new(10.0, true, Some(5.0)).unwrap_or_else(|e| panic!("{e}"));
+        register(&mut c, "p0", "prefill", 1, 0.0);
+        register(&mut c, "d0", "decode", 1, 0.0);
+        submit(&mut c, 7, 1.0);
+        c.handle(&identity("p0", 1), prefill_done(7, 1, 0), 1.0);
+        let posted =
+            Event::KvRecvPosted { request_id: 7, epoch: 1, prefill: Some("p0".into()), transfer };
+        let out = c.handle(&identity("d0", 1), posted, 2.0);
+        assert_eq!(kinds(&out), [("p0".into(), Kind::SendKv)]);
+        assert_eq!(get(&out[0], "transfer"), Some(&want));
+    }
+}

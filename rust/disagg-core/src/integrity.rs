@@ -70,6 +70,14 @@ pub fn chunk_tokens(wire: &WireValue) -> DisaggResult<Option<u32>> {
     }
 }
 
+/// [`check_table`] against `shapes` when the caller gives them, else only [`chunk_tokens`].
+pub fn check_wire(
+    wire: &WireValue,
+    shapes: Option<&[(String, Vec<u64>)]>,
+) -> DisaggResult<Option<u32>> {
+    shapes.map_or_else(|| chunk_tokens(wire), |s| check_table(wire, s))
+}
+
 /// Check a ticket's table against the `shapes` this model needs (per table name, in order):
 /// a map holding, per name, a `shape` equal to the needed one and `data` of exactly
 /// `8 * prod(shape)` bytes. Returns its `chunk_tokens`. `Wire` errors name the field
@@ -344,6 +352,16 @@ mod tests {
         assert_eq!(check_table(&ok, &shapes[..1]).unwrap(), Some(16));
         let no_chunk = map(vec![("kv", table(&[1, 2, 3, 2], 96))]);
         assert_eq!(check_table(&no_chunk, &shapes[..1]).unwrap(), None);
+    }
+
+    #[test]
+    fn without_shapes_only_the_chunk_size_is_read() {
+        let shapes = vec![("kv".to_owned(), vec![2, 3])];
+        let no_table = map(vec![("chunk_tokens", WireValue::Int(8))]);
+        assert_eq!(check_wire(&no_table, None).unwrap(), Some(8));
+        assert_eq!(field(check_wire(&no_table, Some(&shapes))), "integrity.kv");
+        let ok = map(vec![("kv", table(&[2, 3], 48))]);
+        assert_eq!(check_wire(&ok, Some(&shapes)).unwrap(), None);
     }
 
     #[test]

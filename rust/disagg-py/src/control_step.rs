@@ -126,7 +126,7 @@ fn event<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Event<Obj>> {
             request_id: request_id()?,
             epoch: id("epoch")?,
             prefill: opt_text("prefill_engine_id")?,
-            transfer: obj(opt("transfer")?.unwrap_or_else(|| PyDict::new(py).into_any())),
+            transfer: opt("transfer")?.map(obj),
         },
         Kind::PrefillDone => {
             let ticket = item("ticket")?;

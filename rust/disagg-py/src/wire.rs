@@ -386,12 +386,9 @@ core_fns! {
     fn check_handoff_ticket(ticket: HandoffWire, request_id: Raw<Option<Int>>,
         sources: Raw<Vec<String>>, has_ssm: Raw<bool>, integrity: Raw<bool>) -> () = {
         let parsed = HandoffTicket::parse(&ticket).py()?;
-        match Opt::<U64>::conv("request_id", request_id)? {
-            Some(request_id) => {
-                parsed.check_for_decode(&DecodeNeeds { request_id, sources, has_ssm, integrity })
-            }
-            None => Ok(()),
-        }
+        let needs = Opt::<U64>::conv("request_id", request_id)?
+            .map(|request_id| DecodeNeeds { request_id, sources, has_ssm, integrity });
+        parsed.check_needs(needs.as_ref())
     };
     /// `disagg_core::reference::check_reference` of one `stage` over its facts dict.
     fn check_reference(stage: Raw<String>, facts: HandoffWire) -> ()
@@ -399,10 +396,7 @@ core_fns! {
     /// `integrity::check_table` against `shapes`, else `integrity::chunk_tokens`.
     #[pyo3(signature = (wire, shapes=None))]
     fn check_integrity_wire(wire: IntegrityWire, shapes: Raw<Option<Vec<(String, Vec<u64>)>>>)
-        -> Option<u32> = match shapes {
-            Some(shapes) => disagg_core::integrity::check_table(&wire, &shapes),
-            None => disagg_core::integrity::chunk_tokens(&wire),
-        };
+        -> Option<u32> = disagg_core::integrity::check_wire(&wire, shapes.as_deref());
     /// `disagg_core::integrity::DigestPlan::parse` of `kv` or `ssm` facts.
     fn digest_plan(kind: Raw<String>, facts: Wire) -> Py<PyAny>
         = disagg_core::integrity::DigestPlan::parse(&kind, &facts).map(|p| p.to_wire());

@@ -489,6 +489,12 @@ impl HandoffTicket {
         }
         Ok(())
     }
+
+    /// [`Self::check_for_decode`] for a decode rank's `needs`; a parsed ticket without them
+    /// (a caller that is no decode rank) passes.
+    pub fn check_needs(&self, needs: Option<&DecodeNeeds>) -> DisaggResult<()> {
+        needs.map_or(Ok(()), |n| self.check_for_decode(n))
+    }
 }
 
 /// The `ssm` entry of a reference-design ticket (`kv_meta["ssm"]`).
@@ -818,6 +824,10 @@ mod tests {
         let with_slot = ticket(vec![("prefill_meta", prefill), ("src_ssm_slot", i(1))]);
         assert_eq!(field(&with_slot, &kv), "src_ssm_slot");
         assert!(with_slot.check_for_decode(&ssm).is_ok());
+        // Without a decode's needs only the parse is checked.
+        assert!(ticket(vec![]).check_needs(None).is_ok());
+        assert!(ticket(vec![]).check_needs(Some(&kv)).is_err());
+        assert!(ok.check_needs(Some(&kv)).is_ok());
         // A decode that reads nothing needs no sources, but still the metadata.
         let none = DecodeNeeds { sources: vec![], ..kv };
         assert!(bad.check_for_decode(&none).is_ok());
