@@ -77,14 +77,13 @@ pub fn rows_by_region<'py>(
         py.detach(|| t.group(view, form)).py()?
     };
     let out = PyList::empty(py);
-    if t.regions().len() == 1 {
-        if !groups.is_empty() {
-            out.append((0usize, rows))?;
+    match groups {
+        None => out.append((0usize, rows))?,
+        Some(groups) => {
+            for (i, g) in groups {
+                out.append((i, crate::compile::rows_to_numpy(py, g)?))?;
+            }
         }
-        return Ok(out);
-    }
-    for (i, g) in groups {
-        out.append((i, crate::compile::rows_to_numpy(py, g)?))?;
     }
     Ok(out)
 }

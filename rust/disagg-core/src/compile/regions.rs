@@ -205,9 +205,14 @@ impl RegionTable {
 
     /// Gather or scatter rows grouped by the region their buffer-side address lies in:
     /// `(region index, rows)` in ascending region order, rows in list order within a region;
-    /// a row that runs into the next region is split at the boundary. Errors: `Wire` (field
-    /// `rows`) for a byte outside every region.
-    pub fn group(&self, rows: &[[u64; 3]], form: RowForm) -> DisaggResult<Vec<(usize, Rows)>> {
+    /// a row that runs into the next region is split at the boundary; `None` for a table of
+    /// one region, which holds the rows as they are. Errors: `Wire` (field `rows`) for a byte
+    /// outside every region.
+    pub fn group(
+        &self,
+        rows: &[[u64; 3]],
+        form: RowForm,
+    ) -> DisaggResult<Option<Vec<(usize, Rows)>>> {
         if self.regions.len() == 1 {
             if let Some(k) = rows.iter().position(|r| {
                 let (a, len, _) = form.parts(r);
@@ -216,7 +221,7 @@ impl RegionTable {
                 let (a, len, _) = form.parts(&rows[k]);
                 return Err(self.outside("rows", k, a, len));
             }
-            return Ok(vec![(0, rows.to_vec())]);
+            return Ok(None);
         }
         let mut groups: Vec<Rows> = vec![Vec::new(); self.regions.len()];
         for (k, r) in rows.iter().enumerate() {
@@ -228,7 +233,7 @@ impl RegionTable {
                 (a, left, other) = (a + piece, left - piece, other.saturating_add(piece));
             }
         }
-        Ok(groups.into_iter().enumerate().filter(|(_, g)| !g.is_empty()).collect())
+        Ok(Some(groups.into_iter().enumerate().filter(|(_, g)| !g.is_empty()).collect()))
     }
 }
 
@@ -297,7 +302,7 @@ mod tests {
     fn grouping_keeps_list_order_and_splits_at_boundaries() {
         let t = table(&[(100, 10), (110, 10), (0, 50)]);
         let rows = [[0, 8, 0], [105, 10, 8], [40, 10, 18]];
-        let g = t.group(&rows, RowForm::Gather).unwrap();
+        let g = t.group(&rows, RowForm::Gather).unwrap().unwrap();
         assert_eq!(
             g,
             vec![
@@ -307,8 +312,13 @@ mod tests {
             ]
         );
         let sc = t.group(&[[3, 112, 4]], RowForm::Scatter).unwrap();
-        assert_eq!(sc, vec![(1, vec![[3, 112, 4]])]);
+        assert_eq!(sc, Some(vec![(1, vec![[3, 112, 4]])]));
         assert!(t.group(&[[60, 4, 0]], RowForm::Gather).is_err());
+        // One region holds the rows as they are, once each lies inside it.
+        let one = table(&[(100, 50)]);
+        assert_eq!(one.group(&[[100, 8, 0], [140, 10, 8]], RowForm::Gather).unwrap(), None);
+        assert_eq!(one.group(&[], RowForm::Gather).unwrap(), None);
+        assert!(one.group(&[[145, 10, 0]], RowForm::Gather).is_err());
     }
 
     proptest! {
@@ -348,7 +358,8 @@ mod tests {
                         src.iter().map(|r| { let row = [r[0], r[1], p]; p += r[1]; row }).collect()
                     };
                     let mut pairs: Vec<(u64, u64)> = Vec::new();
-                    for (i, g) in t.group(&gathered, RowForm::Gather).unwrap() {
+                    let groups = t.group(&gathered, RowForm::Gather).unwrap();
+                    for (i, g) in groups.unwrap_or_else(|| vec![(0, gathered.clone())]) {
                         for r in g {
                             prop_assert!(t.regions[i].contains(r[0], r[1]));
                             pairs.extend((0..r[1]).map(|k| (r[2] + k, r[0] + k)));
