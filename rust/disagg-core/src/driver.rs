@@ -10,7 +10,7 @@
 //! Memory is bounded: at most `capacity` (kind, request, epoch) keys and request epochs are
 //! remembered, the oldest forgotten first.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 /// Control-message kinds the engine side acts on; everything else is [`MsgKind::Other`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -372,20 +372,23 @@ impl EngineDriver {
     }
 
     /// Imports that settled, `(request_id, failed)` in order (`quarantined`: those whose reads
-    /// may still run): the reports to send, once per attempt ([`EngineDriver::import_settled`]).
-    /// Each request's ticket source is forgotten.
+    /// may still run): the reports to send, once per attempt ([`EngineDriver::import_settled`]),
+    /// each with its request's text in `reasons` (empty without one). Each request's ticket
+    /// source is forgotten.
     pub fn imports_settled(
         &mut self,
         settled: &[(u64, bool)],
         quarantined: &BTreeSet<u64>,
-    ) -> Vec<(u64, ImportReport)> {
+        reasons: &HashMap<u64, Option<String>>,
+    ) -> Vec<(u64, ImportReport, String)> {
         let mut out = Vec::new();
         for &(rid, failed) in settled {
             if self.sources.remove(&rid).is_some() {
                 self.source_order.retain(|r| *r != rid);
             }
             let report = self.import_settled(rid, failed, quarantined.contains(&rid));
-            out.extend(report.map(|r| (rid, r)));
+            let why = || reasons.get(&rid).cloned().flatten().unwrap_or_default();
+            out.extend(report.map(|r| (rid, r, why())));
         }
         out
     }
@@ -723,13 +726,14 @@ mod tests {
         assert_eq!(d.stamp(3, None), None);
         assert_eq!(d.counters().unknown, 1);
         let quarantined: BTreeSet<u64> = [2].into();
-        let reports =
-            d.imports_settled(&[(1, false), (2, true), (3, true), (1, false)], &quarantined);
+        let reasons: HashMap<u64, Option<String>> = [(2, Some("gone".into())), (1, None)].into();
+        let settled = [(1, false), (2, true), (3, true), (1, false)];
+        let reports = d.imports_settled(&settled, &quarantined, &reasons);
         assert_eq!(
             reports,
             vec![
-                (1, ImportReport { epoch: 2, ok: true, quiet: false }),
-                (2, ImportReport { epoch: 5, ok: false, quiet: false }),
+                (1, ImportReport { epoch: 2, ok: true, quiet: false }, String::new()),
+                (2, ImportReport { epoch: 5, ok: false, quiet: false }, "gone".into()),
             ]
         );
         assert_eq!(d.source_of(1), None);

@@ -137,9 +137,8 @@ methods {
         -> PyResult<Vec<Report>> {
         let quarantined: BTreeSet<u64> =
             quarantined.try_iter()?.map(|r| r?.extract()).collect::<PyResult<_>>()?;
-        let reports = lock(&self.inner)?.imports_settled(&settled, &quarantined);
-        let why = |r: u64| reasons.get(&r).cloned().flatten().unwrap_or_default();
-        Ok(reports.into_iter().map(|(r, x)| (r, x.epoch, x.ok, x.quiet, why(r))).collect())
+        let reports = lock(&self.inner)?.imports_settled(&settled, &quarantined, &reasons);
+        Ok(reports.into_iter().map(|(r, x, why)| (r, x.epoch, x.ok, x.quiet, why)).collect())
     }
 
     /// `{"duplicates": n, "malformed": n, "unknown": n, "forged": n}`.
