@@ -394,6 +394,44 @@ pub struct HeadSpan {
     pub tokens_per_block: u64,
 }
 
+impl SliceSide {
+    /// This side from outer slice `start.0` and head `start.1` on, as the reference design
+    /// states it: a side stating no heads per partition or no device has 0 of them.
+    #[must_use]
+    pub fn stated(
+        (base, outer_stride, bytes_per_slice): (u64, u64, u64),
+        (outer_start, head_start): (u64, u64),
+        heads_per_partition: Option<u64>,
+        device: Option<u64>,
+    ) -> Self {
+        let (heads_per_partition, device) = (heads_per_partition.unwrap_or(0), device.unwrap_or(0));
+        Self {
+            base,
+            outer_stride,
+            bytes_per_slice,
+            outer_start,
+            head_start,
+            heads_per_partition,
+            device,
+        }
+    }
+}
+
+impl HeadSpan {
+    /// Fragments of `heads` heads of a side stating `head_dim`, `element_size` and
+    /// `tokens_per_block` (each 0 where unstated): a head's row is `head_dim * element_size`.
+    #[must_use]
+    pub fn stated(
+        heads: u64,
+        head_dim: Option<u64>,
+        element_size: Option<u64>,
+        tokens_per_block: Option<u64>,
+    ) -> Self {
+        let head_bytes = head_dim.unwrap_or(0).saturating_mul(element_size.unwrap_or(0));
+        Self { heads, head_bytes, tokens_per_block: tokens_per_block.unwrap_or(0) }
+    }
+}
+
 /// `(addr, len, device)` descriptor rows.
 pub type DescRows = Vec<[u64; 3]>;
 

@@ -218,6 +218,36 @@ proptest! {
 }
 
 #[test]
+fn a_slice_side_and_head_span_read_unstated_fields_as_zero() {
+    let side = SliceSide::stated((1 << 20, 4096, 64), (2, 3), None, None);
+    let want = SliceSide {
+        base: 1 << 20,
+        outer_stride: 4096,
+        bytes_per_slice: 64,
+        outer_start: 2,
+        head_start: 3,
+        heads_per_partition: 0,
+        device: 0,
+    };
+    assert_eq!(side, want);
+    let side = SliceSide::stated((1, 2, 3), (0, 0), Some(8), Some(5));
+    assert_eq!((side.heads_per_partition, side.device), (8, 5));
+    assert_eq!(
+        HeadSpan::stated(4, Some(128), Some(2), Some(16)),
+        HeadSpan { heads: 4, head_bytes: 256, tokens_per_block: 16 }
+    );
+    assert_eq!(
+        HeadSpan::stated(4, Some(128), None, None),
+        HeadSpan { heads: 4, head_bytes: 0, tokens_per_block: 0 }
+    );
+    assert_eq!(
+        HeadSpan::stated(0, Some(u64::MAX), Some(2), Some(1)).head_bytes,
+        u64::MAX,
+        "saturates"
+    );
+}
+
+#[test]
 fn slice_reads_of_unequal_id_lists_are_refused() {
     let side = SliceSide::default();
     let err = slice_read_rows(&side, &side, &[1, 2], &[1], 1, &HeadSpan::default()).unwrap_err();
