@@ -689,9 +689,9 @@ impl AgentPeers {
         }
     }
 
-    /// Record peer `name` as NIXL's registration of its metadata went (`added`: the id NIXL
-    /// gave it, `None` for none, in which case its name is used; or why NIXL refused it);
-    /// the id.
+    /// Record peer `name` as NIXL's registration of its metadata went (`added`: whether NIXL
+    /// took it; `answer`: the id NIXL gave it, `None` or empty for none, in which case its name
+    /// is used; or why NIXL refused it, `None` for no reason); the id.
     ///
     /// # Errors
     /// The refusal (field `agent_metadata`) of a registration NIXL refused: nothing is
@@ -699,14 +699,17 @@ impl AgentPeers {
     pub fn register(
         &mut self,
         name: &str,
-        incarnation: u64,
-        digest: &str,
-        added: Result<Option<String>, String>,
+        (incarnation, digest): (u64, &str),
+        added: bool,
+        answer: Option<String>,
     ) -> Result<String, Refusal> {
-        let id = added.map_err(|why| Refusal {
-            field: "agent_metadata",
-            detail: format!("cannot register NIXL peer '{name}': {why}"),
-        })?;
+        let id = if added {
+            answer
+        } else {
+            let why = answer.unwrap_or_default();
+            let detail = format!("cannot register NIXL peer '{name}': {why}");
+            return Err(Refusal { field: "agent_metadata", detail });
+        };
         let id = id.filter(|i| !i.is_empty()).unwrap_or_else(|| name.to_owned());
         let entry = Registered { incarnation, digest: digest.to_owned(), id: id.clone() };
         self.peers.insert(name.to_owned(), entry);

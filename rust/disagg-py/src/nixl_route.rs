@@ -303,8 +303,7 @@ methods {
         } else {
             Some(loaded.str()?.to_string())
         };
-        let added = if added { Ok(text) } else { Err(text.unwrap_or_default()) };
-        lock(&self.inner)?.register(name, incarnation, digest, added).out()
+        lock(&self.inner)?.register(name, (incarnation, digest), added, text).out()
     }
     /// `{name: (incarnation, metadata digest, NIXL id)}` of the registered peers.
     fn peers(&self) -> PyResult<BTreeMap<String, (u64, String, String)>> {
