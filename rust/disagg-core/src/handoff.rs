@@ -31,6 +31,14 @@ pub struct SamplingGiven {
     pub stop_word_ids: Option<Vec<Vec<i64>>>,
 }
 
+impl SamplingGiven {
+    /// Parameters given as a bare number of tokens to generate: only that is set.
+    #[must_use]
+    pub fn tokens(described: String, num_tokens_to_generate: i64) -> Self {
+        Self { described, num_tokens_to_generate: Some(num_tokens_to_generate), ..Self::default() }
+    }
+}
+
 /// What an import's sampling parameters decide before it is submitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ImportLimits {
@@ -435,6 +443,37 @@ pub fn settle_quiet(
     Ok(out)
 }
 
+/// What one poll of a transfer handle gave: its answer, or the exception it raised.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Polled {
+    /// It answered whether it is done.
+    Answered(bool),
+    /// It raised: whether as a timeout, the exception's type name and its message.
+    Raised {
+        /// Whether the exception is a transfer timeout.
+        timed_out: bool,
+        /// The exception's type name.
+        kind: String,
+        /// Its message.
+        message: String,
+    },
+}
+
+impl Polled {
+    /// The handle's state, with the error text `"{kind}: {message}"` of a raise (else empty).
+    #[must_use]
+    pub fn state(&self) -> (HandleState, String) {
+        match self {
+            Self::Answered(true) => (HandleState::Done, String::new()),
+            Self::Answered(false) => (HandleState::Running, String::new()),
+            Self::Raised { timed_out, kind, message } => {
+                let state = if *timed_out { HandleState::TimedOut } else { HandleState::Failed };
+                (state, format!("{kind}: {message}"))
+            }
+        }
+    }
+}
+
 /// This rank's terminal outcome of one import from one poll of each of its transfer handles
 /// (its state and the error it raised, empty when none) and `failed_locally` (the error of a
 /// start that threw), as [`RankOutcome::fold_local`] decides it (`None` while one runs), with
@@ -748,6 +787,27 @@ mod tests {
             ssm_only.iter().map(|p| p.kind.as_str()).collect::<Vec<_>>(),
             ["conv", "recurrent"]
         );
+    }
+
+    #[test]
+    fn a_poll_answer_or_raise_gives_the_handle_state_and_its_error_text() {
+        assert_eq!(Polled::Answered(true).state(), (HandleState::Done, String::new()));
+        assert_eq!(Polled::Answered(false).state(), (HandleState::Running, String::new()));
+        let raised =
+            |timed_out| Polled::Raised { timed_out, kind: "E".into(), message: "m".into() };
+        assert_eq!(raised(true).state(), (HandleState::TimedOut, "E: m".into()));
+        assert_eq!(raised(false).state(), (HandleState::Failed, "E: m".into()));
+    }
+
+    #[test]
+    fn bare_tokens_set_only_the_number_to_generate() {
+        let given = SamplingGiven::tokens("7".into(), 7);
+        let want = SamplingGiven {
+            described: "7".into(),
+            num_tokens_to_generate: Some(7),
+            ..SamplingGiven::default()
+        };
+        assert_eq!(given, want);
     }
 
     #[test]

@@ -50,6 +50,11 @@ impl Span {
     pub const fn relative_to(self, origin: u32) -> Span {
         Span { lo: self.lo - origin, hi: self.hi - origin }
     }
+
+    /// `(global, local)` of each index held, the first held being local 0.
+    pub fn local_map(self) -> impl Iterator<Item = (u32, u32)> {
+        (self.lo..self.hi).map(move |g| (g, g - self.lo))
+    }
 }
 
 /// Everything needed to build a [`KvShardLayout`]; `layer_start` and `num_local_layers` are set
@@ -1084,6 +1089,12 @@ mod tests {
             num_local_layers: window.map(|w| w.1),
             ..SsmLayoutSpec::single_rank(4, SsmStateDims::new(8, 4, 16, 2, 4).unwrap())
         }
+    }
+
+    #[test]
+    fn a_span_maps_each_global_index_to_its_local_one() {
+        assert_eq!(Span::new(3, 6).local_map().collect::<Vec<_>>(), vec![(3, 0), (4, 1), (5, 2)]);
+        assert_eq!(Span::new(2, 2).local_map().count(), 0);
     }
 
     #[test]

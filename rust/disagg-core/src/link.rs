@@ -114,10 +114,10 @@ impl EngineInbox {
         self.awaiting
     }
 
-    /// Where registration stands at `now` for a `REGISTER` that must be answered by
-    /// `deadline`.
-    pub fn registration(&self, deadline: f64, now: f64) -> Registration {
-        match (self.awaiting, now >= deadline) {
+    /// Where registration stands at `now` for a `REGISTER` sent at `since` that must be
+    /// answered within `timeout_s`.
+    pub fn registration(&self, since: f64, timeout_s: f64, now: f64) -> Registration {
+        match (self.awaiting, now >= since + timeout_s) {
             (false, _) => Registration::Answered,
             (true, false) => Registration::Awaited,
             (true, true) => Registration::Overdue,
@@ -156,9 +156,10 @@ impl ClientDeadlines {
         self.due.insert(request_id, now + budget + self.grace_s);
     }
 
-    /// A `kind` message about `request_id` arrived: `DONE` and `FAILED` end its deadline.
-    pub fn answered(&mut self, kind: Kind, request_id: Option<i64>) {
-        if let (Kind::Done | Kind::Failed, Some(rid)) = (kind, request_id) {
+    /// A message named `kind` about `request_id` arrived: `DONE` and `FAILED` end its deadline
+    /// (a name of no message type ends nothing).
+    pub fn answered(&mut self, kind: &str, request_id: Option<i64>) {
+        if let (Some(Kind::Done | Kind::Failed), Some(rid)) = (Kind::from_name(kind), request_id) {
             self.due.remove(&rid);
         }
     }
@@ -273,25 +274,28 @@ mod tests {
         d.submit(2, None, 0.0);
         d.submit(1, Some(2.0), 0.0);
         d.submit(3, Some(2.0), 0.0);
-        d.answered(Kind::Tokens, Some(1));
-        d.answered(Kind::Done, Some(3));
+        d.answered("TOKENS", Some(1));
+        d.answered("NOT_A_KIND", Some(2));
+        d.answered("DONE", Some(3));
         assert!(d.expired(2.9).is_empty());
         assert_eq!(d.expired(3.0), vec![1]);
         assert!(d.expired(10.9).is_empty());
         assert_eq!(d.expired(11.0), vec![2]);
         assert!(d.expired(100.0).is_empty());
         d.submit(4, None, 0.0);
-        d.answered(Kind::Failed, Some(4));
+        d.answered("FAILED", Some(4));
         assert!(d.expired(100.0).is_empty());
     }
 
     #[test]
     fn registration_is_awaited_until_registered_or_overdue_at_its_deadline() {
         let mut l = EngineInbox::new(None, 0.0).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(l.registration(1.0, 5.0), Registration::Answered, "nothing sent");
+        assert_eq!(l.registration(0.0, 1.0, 5.0), Registration::Answered, "nothing sent");
         l.sent(Kind::Register, None, true, 0.0);
-        assert_eq!(l.registration(1.0, 0.5), Registration::Awaited);
-        assert_eq!(l.registration(1.0, 1.0), Registration::Overdue);
+        assert_eq!(l.registration(0.0, 1.0, 0.5), Registration::Awaited);
+        assert_eq!(l.registration(0.0, 1.0, 1.0), Registration::Overdue);
+        assert_eq!(l.registration(0.5, 0.75, 1.0), Registration::Awaited, "since + timeout");
+        assert_eq!(l.registration(0.5, 0.75, 1.25), Registration::Overdue);
         let registered = frame(
             "REGISTERED",
             &[
@@ -301,6 +305,6 @@ mod tests {
             ],
         );
         l.receive(&[registered], 0.6);
-        assert_eq!(l.registration(1.0, 2.0), Registration::Answered);
+        assert_eq!(l.registration(0.0, 1.0, 2.0), Registration::Answered);
     }
 }

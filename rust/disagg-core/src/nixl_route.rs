@@ -394,6 +394,44 @@ pub struct HeadSpan {
     pub tokens_per_block: u64,
 }
 
+impl SliceSide {
+    /// This side from outer slice `start.0` and head `start.1` on, as the reference design
+    /// states it: a side stating no heads per partition or no device has 0 of them.
+    #[must_use]
+    pub fn stated(
+        (base, outer_stride, bytes_per_slice): (u64, u64, u64),
+        (outer_start, head_start): (u64, u64),
+        heads_per_partition: Option<u64>,
+        device: Option<u64>,
+    ) -> Self {
+        let (heads_per_partition, device) = (heads_per_partition.unwrap_or(0), device.unwrap_or(0));
+        Self {
+            base,
+            outer_stride,
+            bytes_per_slice,
+            outer_start,
+            head_start,
+            heads_per_partition,
+            device,
+        }
+    }
+}
+
+impl HeadSpan {
+    /// Fragments of `heads` heads of a side stating `head_dim`, `element_size` and
+    /// `tokens_per_block` (each 0 where unstated): a head's row is `head_dim * element_size`.
+    #[must_use]
+    pub fn stated(
+        heads: u64,
+        head_dim: Option<u64>,
+        element_size: Option<u64>,
+        tokens_per_block: Option<u64>,
+    ) -> Self {
+        let head_bytes = head_dim.unwrap_or(0).saturating_mul(element_size.unwrap_or(0));
+        Self { heads, head_bytes, tokens_per_block: tokens_per_block.unwrap_or(0) }
+    }
+}
+
 /// `(addr, len, device)` descriptor rows.
 pub type DescRows = Vec<[u64; 3]>;
 
@@ -651,9 +689,9 @@ impl AgentPeers {
         }
     }
 
-    /// Record peer `name` as NIXL's registration of its metadata went (`added`: the id NIXL
-    /// gave it, `None` for none, in which case its name is used; or why NIXL refused it);
-    /// the id.
+    /// Record peer `name` as NIXL's registration of its metadata went (`added`: whether NIXL
+    /// took it; `answer`: the id NIXL gave it, `None` or empty for none, in which case its name
+    /// is used; or why NIXL refused it, `None` for no reason); the id.
     ///
     /// # Errors
     /// The refusal (field `agent_metadata`) of a registration NIXL refused: nothing is
@@ -661,14 +699,17 @@ impl AgentPeers {
     pub fn register(
         &mut self,
         name: &str,
-        incarnation: u64,
-        digest: &str,
-        added: Result<Option<String>, String>,
+        (incarnation, digest): (u64, &str),
+        added: bool,
+        answer: Option<String>,
     ) -> Result<String, Refusal> {
-        let id = added.map_err(|why| Refusal {
-            field: "agent_metadata",
-            detail: format!("cannot register NIXL peer '{name}': {why}"),
-        })?;
+        let id = if added {
+            answer
+        } else {
+            let why = answer.unwrap_or_default();
+            let detail = format!("cannot register NIXL peer '{name}': {why}");
+            return Err(Refusal { field: "agent_metadata", detail });
+        };
         let id = id.filter(|i| !i.is_empty()).unwrap_or_else(|| name.to_owned());
         let entry = Registered { incarnation, digest: digest.to_owned(), id: id.clone() };
         self.peers.insert(name.to_owned(), entry);

@@ -218,6 +218,36 @@ proptest! {
 }
 
 #[test]
+fn a_slice_side_and_head_span_read_unstated_fields_as_zero() {
+    let side = SliceSide::stated((1 << 20, 4096, 64), (2, 3), None, None);
+    let want = SliceSide {
+        base: 1 << 20,
+        outer_stride: 4096,
+        bytes_per_slice: 64,
+        outer_start: 2,
+        head_start: 3,
+        heads_per_partition: 0,
+        device: 0,
+    };
+    assert_eq!(side, want);
+    let side = SliceSide::stated((1, 2, 3), (0, 0), Some(8), Some(5));
+    assert_eq!((side.heads_per_partition, side.device), (8, 5));
+    assert_eq!(
+        HeadSpan::stated(4, Some(128), Some(2), Some(16)),
+        HeadSpan { heads: 4, head_bytes: 256, tokens_per_block: 16 }
+    );
+    assert_eq!(
+        HeadSpan::stated(4, Some(128), None, None),
+        HeadSpan { heads: 4, head_bytes: 0, tokens_per_block: 0 }
+    );
+    assert_eq!(
+        HeadSpan::stated(0, Some(u64::MAX), Some(2), Some(1)).head_bytes,
+        u64::MAX,
+        "saturates"
+    );
+}
+
+#[test]
 fn slice_reads_of_unequal_id_lists_are_refused() {
     let side = SliceSide::default();
     let err = slice_read_rows(&side, &side, &[1, 2], &[1], 1, &HeadSpan::default()).unwrap_err();
@@ -258,21 +288,26 @@ fn peers_are_registered_once_per_incarnation_and_forgotten_with_the_last_registr
     t.retain();
     t.retain();
     assert_eq!(t.admit("a", 1, "d"), fresh());
-    assert_eq!(t.register("a", 1, "d", Ok(None)), Ok("a".into()));
-    assert_eq!(t.register("b", 1, "d", Ok(Some("id-b".into()))), Ok("id-b".into()));
+    assert_eq!(t.register("a", (1, "d"), true, None), Ok("a".into()));
+    assert_eq!(t.register("b", (1, "d"), true, Some("id-b".into())), Ok("id-b".into()));
     // A registration NIXL refused is named and records nothing.
-    let refused = t.register("c", 1, "d", Err("RuntimeError('bad blob')".into())).unwrap_err();
+    let refused =
+        t.register("c", (1, "d"), false, Some("RuntimeError('bad blob')".into())).unwrap_err();
     assert_eq!(refused.field, "agent_metadata");
     assert_eq!(refused.detail, "cannot register NIXL peer 'c': RuntimeError('bad blob')");
+    let refused = t.register("c", (1, "d"), false, None).unwrap_err();
+    assert_eq!(refused.detail, "cannot register NIXL peer 'c': ");
+    let id = AgentPeers::default().register("e", (1, "d"), true, Some(String::new()));
+    assert_eq!(id, Ok("e".into()), "an empty id is the peer's name");
     assert_eq!(t.admit("c", 1, "d"), fresh());
     assert_eq!(t.admit("a", 1, "d"), Admission::Known("a".into()));
     // Another incarnation or metadata forgets the old registration, to remove from NIXL.
     assert_eq!(t.admit("a", 2, "d"), Admission::Register { stale: vec![pair("a", "a")] });
     assert_eq!(t.admit("a", 2, "d"), fresh());
-    assert_eq!(t.register("a", 2, "d", Ok(None)), Ok("a".into()));
+    assert_eq!(t.register("a", (2, "d"), true, None), Ok("a".into()));
     assert_eq!(t.admit("a", 2, "e"), Admission::Register { stale: vec![pair("a", "a")] });
-    assert_eq!(t.register("a", 1, "d", Ok(Some("id-a".into()))), Ok("id-a".into()));
-    t.register("x", 1, "d", Ok(None)).unwrap();
+    assert_eq!(t.register("a", (1, "d"), true, Some("id-a".into())), Ok("id-a".into()));
+    t.register("x", (1, "d"), true, None).unwrap();
     let now: BTreeMap<String, u64> = [("a".to_owned(), 1), ("x".to_owned(), 2)].into();
     assert_eq!(t.stale(&now), vec!["b".to_owned(), "x".to_owned()]);
     assert_eq!(t.forget_stale(&now), vec![pair("b", "id-b"), pair("x", "x")]);

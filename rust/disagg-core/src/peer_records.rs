@@ -124,6 +124,11 @@ fn trim<N: MetaNode>(value: &N, prefix: usize) -> Result<N, N::Err> {
     value.copy_with(sets)
 }
 
+/// The block count of a transfer: that of the first of [`records`] (0 when there is none).
+pub fn block_count<N: MetaNode>(peer_meta: &N, src_block_ids: &N) -> Result<usize, N::Err> {
+    Ok(records(peer_meta, src_block_ids)?.first().map_or(0, |(_, b)| b.len()))
+}
+
 /// Peer metadata and `src_block_ids` without a cached prefix of `prefix_count` blocks (the
 /// decode reuses its cached prefix and pulls only the suffix). Fails before returning anything
 /// when a `block_ids` list is shorter than the prefix; the inputs are never modified.
@@ -232,6 +237,20 @@ mod tests {
         let e = records(&a, &ids_of(&[0, -1])).unwrap_err();
         assert!(e.to_string().contains("src_block_ids holds -1"), "{e}");
         assert!(records(&a, &V::Text("x")).unwrap_err().to_string().contains("sequence of ints"));
+    }
+
+    #[test]
+    fn a_transfer_counts_the_blocks_of_its_first_record() {
+        let a = map(vec![("agent", V::Text("a")), ("block_ids", ids_of(&[7, 8, 9]))]);
+        let b = map(vec![("agent", V::Text("b"))]);
+        let tp = map(vec![("tp_metas", V::List(vec![b.clone(), a.clone()]))]);
+        assert_eq!(block_count(&tp, &ids_of(&[1])).unwrap(), 1);
+        let tp = map(vec![("tp_metas", V::List(vec![a, b]))]);
+        assert_eq!(block_count(&tp, &ids_of(&[1])).unwrap(), 3);
+        assert_eq!(
+            block_count(&map(vec![("tp_metas", V::List(vec![]))]), &ids_of(&[1])).unwrap(),
+            0
+        );
     }
 
     #[test]

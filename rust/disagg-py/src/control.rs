@@ -86,9 +86,7 @@ impl ClientDeadlines {
     /// A message named `kind` about `request_id` arrived (`DONE` and `FAILED` end it).
     #[pyo3(signature = (kind, request_id))]
     fn answered(&mut self, kind: &str, request_id: Option<i64>) {
-        if let Some(k) = control::Kind::from_name(kind) {
-            self.0.answered(k, request_id);
-        }
+        self.0.answered(kind, request_id);
     }
 
     fn expired(&mut self, now: f64) -> Vec<i64> {
@@ -133,7 +131,7 @@ methods {
     /// `REGISTERED` came); ``TransferTimeout`` naming ``timeout_s`` when it is unanswered
     /// `timeout_s` after `since`.
     fn awaiting_registration(&self, since: f64, timeout_s: f64, now: f64) -> PyResult<bool> {
-        match lock(&self.0)?.registration(since + timeout_s, now) {
+        match lock(&self.0)?.registration(since, timeout_s, now) {
             link::Registration::Answered => Ok(false),
             link::Registration::Awaited => Ok(true),
             link::Registration::Overdue => Err(TransferTimeout::new_err((

@@ -3,7 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use disagg_core::handoff::{self, Posting, PromptReuse, RankKey, RankReport, SamplingGiven};
+use disagg_core::handoff::SamplingGiven;
+use disagg_core::handoff::{self, Polled, Posting, PromptReuse, RankKey, RankReport};
 use disagg_core::ledger::HandleState;
 use disagg_core::RankOutcome;
 use pyo3::exceptions::PyException;
@@ -28,8 +29,7 @@ fn attr<'py, T: FromPyObjectOwned<'py>>(
 fn sampling_given(sp: &Bound<'_, PyAny>) -> PyResult<SamplingGiven> {
     let described = sp.repr()?.to_string();
     if sp.is_instance_of::<PyInt>() && !sp.is_instance_of::<PyBool>() {
-        let num_tokens_to_generate = Some(sp.extract()?);
-        return Ok(SamplingGiven { described, num_tokens_to_generate, ..Default::default() });
+        return Ok(SamplingGiven::tokens(described, sp.extract()?));
     }
     Ok(SamplingGiven {
         described,
@@ -213,15 +213,14 @@ pub fn handoff_peer_plan<'py>(
 
 pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
 
-/// One poll of a transfer handle: its answer, or the ``TransferTimeout`` or ``TransferError``.
+/// `handoff::Polled::state` of one poll of a transfer handle: its answer, or the exception.
 fn handle_state(polled: &Bound<'_, PyAny>) -> PyResult<(HandleState, String)> {
     if !polled.is_instance_of::<PyException>() {
-        let done = polled.is_truthy()?;
-        return Ok((if done { HandleState::Done } else { HandleState::Running }, String::new()));
+        return Ok(Polled::Answered(polled.is_truthy()?).state());
     }
-    let text = format!("{}: {}", polled.get_type().name()?, polled.str()?);
-    let timed_out = polled.is_instance_of::<TransferTimeout>();
-    Ok((if timed_out { HandleState::TimedOut } else { HandleState::Failed }, text))
+    let (kind, message) = (polled.get_type().name()?.to_string(), polled.str()?.to_string());
+    Ok(Polled::Raised { timed_out: polled.is_instance_of::<TransferTimeout>(), kind, message }
+        .state())
 }
 
 /// ``handoff::local_outcome`` of one poll of each handle: ``(outcome, first_error)``.

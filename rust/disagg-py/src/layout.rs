@@ -308,8 +308,7 @@ methods {
     /// `{global layer: local layer}` for the layers held.
     #[getter]
     fn layer_map<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let l = self.inner.layers;
-        (l.lo..l.hi).map(|g| (g, g - l.lo)).into_py_dict(py)
+        self.inner.layers.local_map().into_py_dict(py)
     }
     /// The SSM shard held, `(tp_rank, layer_start)`: ranks sharing it hold identical state.
     fn shard_key(&self) -> (u32, u32) {

@@ -201,15 +201,9 @@ pub struct SliceFields<'py> {
 impl SliceFields<'_> {
     /// This side from outer slice `outer_start` and head `head_start` on.
     fn side(&self, outer_start: u64, head_start: u64) -> SliceSide {
-        SliceSide {
-            base: self.base_addr,
-            outer_stride: self.outer_stride_bytes,
-            bytes_per_slice: self.bytes_per_slice,
-            outer_start,
-            head_start,
-            heads_per_partition: self.heads_per_partition.unwrap_or(0),
-            device: self.device_id.unwrap_or(0),
-        }
+        let buffer = (self.base_addr, self.outer_stride_bytes, self.bytes_per_slice);
+        let start = (outer_start, head_start);
+        SliceSide::stated(buffer, start, self.heads_per_partition, self.device_id)
     }
 
     /// `nixl_route::slice_read_mem_type` of the `mem_type` its `buffer` states, if a mapping.
@@ -236,11 +230,8 @@ pub fn slice_reads<'py>(
     heads: (u64, u64, u64),
     peer_id: &str,
 ) -> PyResult<(Bound<'py, PyArray2<u64>>, Bound<'py, PyArray2<u64>>, String, String, String)> {
-    let span = HeadSpan {
-        heads: heads.2,
-        head_bytes: local.head_dim.unwrap_or(0).saturating_mul(local.element_size.unwrap_or(0)),
-        tokens_per_block: local.tokens_per_block.unwrap_or(0),
-    };
+    let span =
+        HeadSpan::stated(heads.2, local.head_dim, local.element_size, local.tokens_per_block);
     let (src, dst) = (peer.side(outer.0, heads.0), local.side(outer.1, heads.1));
     let (src_ids, dst_ids) = (src_block_ids.as_slice()?, dst_block_ids.as_slice()?);
     let (l, r) = route::slice_read_rows(&src, &dst, src_ids, dst_ids, outer.2, &span).py()?;
@@ -312,8 +303,7 @@ methods {
         } else {
             Some(loaded.str()?.to_string())
         };
-        let added = if added { Ok(text) } else { Err(text.unwrap_or_default()) };
-        lock(&self.inner)?.register(name, incarnation, digest, added).out()
+        lock(&self.inner)?.register(name, (incarnation, digest), added, text).out()
     }
     /// `{name: (incarnation, metadata digest, NIXL id)}` of the registered peers.
     fn peers(&self) -> PyResult<BTreeMap<String, (u64, String, String)>> {

@@ -64,14 +64,13 @@ pub fn transfer_peer_records<'py>(
     Ok(records.into_iter().map(|(m, b)| (m.0, b)).collect())
 }
 
-/// The block count of the first of `peer_records::records` (0 if none).
+/// `peer_records::block_count`.
 #[pyfunction]
 pub fn transfer_block_count(
     peer_meta: Bound<'_, PyAny>,
     src_block_ids: Bound<'_, PyAny>,
 ) -> PyResult<usize> {
-    let records = peer_records::records(&Node(peer_meta), &Node(src_block_ids))?;
-    Ok(records.first().map_or(0, |(_, b)| b.len()))
+    peer_records::block_count(&Node(peer_meta), &Node(src_block_ids))
 }
 
 /// `peer_records::drop_prefix` (the inputs are never modified).
