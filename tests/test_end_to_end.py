@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from disagg_rs.tools.demo import DemoOptions, DemoResult, run_demo
 
@@ -157,6 +158,13 @@ def test_an_engine_killed_mid_run_and_restarted_ends_each_request_once_and_leaks
         ({"engine_timeout_s": 0.0}, "engine_timeout_s"),
         ({"corrupt": (0, 0)}, "needs verify_integrity"),
         ({"corrupt": (2, 0), "verify_integrity": True}, "decode rank must be in"),
+        pytest.param(
+            {"backend": "nccl", "device": "cuda"},
+            "needs two GPUs",
+            marks=pytest.mark.skipif(
+                torch.cuda.device_count() >= 2, reason="two GPUs: the demo runs this"
+            ),
+        ),
     ],
 )
 def test_kill_options_the_demo_cannot_run_are_refused_before_anything_starts(

@@ -184,13 +184,16 @@ def _engine_config(opts: DemoOptions, role: str, ranks: tuple[int, ...]) -> Any:
 def engine_device(device: str, role: str) -> str:
     """Where an engine runs: with ``--device cuda`` and two or more GPUs visible, the
     prefill on GPU 0 and the decode on GPU 1 (their handoffs cross NVLink); else ``device``."""
-    if device != "cuda":
-        return device
-    import torch
-
-    if torch.cuda.device_count() < 2:
+    if device != "cuda" or _gpu_count() < 2:
         return device
     return "cuda:0" if role == "prefill" else "cuda:1"
+
+
+def _gpu_count() -> int:
+    """CUDA GPUs visible to this process."""
+    import torch
+
+    return int(torch.cuda.device_count())
 
 
 @dataclass(frozen=True)
@@ -819,6 +822,13 @@ def _check_options(opts: DemoOptions) -> None:
     """Refuse option combinations the demo cannot run, before anything starts."""
     if not opts.engine_timeout_s > 0:
         raise ValueError(f"engine_timeout_s={opts.engine_timeout_s!r} must be > 0")
+    gpus = _gpu_count() if opts.device == "cuda" else 0
+    if opts.backend == "nccl" and opts.device == "cuda" and gpus < 2:
+        raise ValueError(
+            f"backend='nccl' on device='cuda' needs two GPUs (the prefill on one, the decode on "
+            f"another: NCCL joins no two ranks of one GPU), {gpus} visible; use backend='nixl' "
+            "(CUDA IPC on one GPU) or device='cpu'"
+        )
     if opts.corrupt is not None:
         rank, rid = opts.corrupt
         n = opts.decode_tp * opts.decode_pp
