@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import disagg_rs
 from disagg_rs.cli import ParallelSpec, build_parser, main, parse_parallel_spec
@@ -193,6 +194,13 @@ def _demo_error(
         (
             ["--verify-integrity", "--cache-layout", "hnd"],
             "--verify-integrity digests one contiguous cache per rank",
+        ),
+        pytest.param(
+            ["--backend", "nccl", "--device", "cuda"],
+            "backend='nccl' on device='cuda' needs two GPUs",
+            marks=pytest.mark.skipif(
+                torch.cuda.device_count() >= 2, reason="two GPUs: the demo runs this"
+            ),
         ),
     ],
 )

@@ -327,9 +327,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if bad is not None:
         print(f"disagg-rs demo: error: {bad}", file=sys.stderr)
         return 2
-    from disagg_rs.tools.demo import options_from_args, run_demo
+    from disagg_rs.tools.demo import check_options, options_from_args, run_demo
 
-    return run_demo(options_from_args(args)).exit_code
+    opts = options_from_args(args)
+    try:
+        check_options(opts)  # what only the machine can refuse (e.g. too few GPUs)
+    except ValueError as e:
+        print(f"disagg-rs demo: error: {e}", file=sys.stderr)
+        return 2
+    return run_demo(opts).exit_code
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -454,7 +454,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     from disagg_rs.control.keys import INSECURE
 
     say = (lambda *a: None) if opts.quiet else print
-    _check_options(opts)
+    check_options(opts)
     if not _loopback(opts.bind_host):
         print(
             f"disagg-rs demo: warning: binding to {opts.bind_host}: the coordinator, the "
@@ -818,12 +818,12 @@ class _Stall:
         return lines
 
 
-def _check_options(opts: DemoOptions) -> None:
-    """Refuse option combinations the demo cannot run, before anything starts."""
+def check_options(opts: DemoOptions) -> None:
+    """Refuse option combinations the demo cannot run (``ValueError`` naming the options),
+    before anything starts; :func:`run_demo` calls it first."""
     if not opts.engine_timeout_s > 0:
         raise ValueError(f"engine_timeout_s={opts.engine_timeout_s!r} must be > 0")
-    gpus = _gpu_count() if opts.device == "cuda" else 0
-    if opts.backend == "nccl" and opts.device == "cuda" and gpus < 2:
+    if opts.backend == "nccl" and opts.device == "cuda" and (gpus := _gpu_count()) < 2:
         raise ValueError(
             f"backend='nccl' on device='cuda' needs two GPUs (the prefill on one, the decode on "
             f"another: NCCL joins no two ranks of one GPU), {gpus} visible; use backend='nixl' "
