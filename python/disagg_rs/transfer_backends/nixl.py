@@ -129,16 +129,21 @@ nixl_cuda_major_mismatch = _core.nixl_cuda_major_mismatch
 backend_supports_vram = _core.backend_supports_vram
 
 
-def _validate_ucx_transport_config(memory_buffer: torch.Tensor) -> None:
-    """Configure safe UCX memory detection and reject host-only transports for GPU buffers.
+def _validate_ucx_transport_config(
+    memory_buffer: torch.Tensor, have_nixl: bool = True, mode: str = "auto"
+) -> str:
+    """Configure safe UCX memory detection and reject host-only transports for GPU buffers;
+    return ``mode`` checked (the nixl package, ``have_nixl``, and the mode are checked first).
 
     Host-memory buffers are not checked: a CPU deployment may restrict UCX to ``tcp,self,sm``.
     The UCX memory-type cache misclassifies CUDA allocations reused by torch's caching
     allocator; disabling it (unless set) is the documented safe setting for registered VRAM.
-    What to set is decided in Rust, after the check.
+    What to set is decided in Rust, after the checks.
     """
     tls, cache = os.environ.get("UCX_TLS"), os.environ.get("UCX_MEMTYPE_CACHE")
-    os.environ.update(_core.nixl_ucx_env(memory_buffer.is_cuda, tls, cache))
+    checked, env = _core.nixl_setup(have_nixl, mode, memory_buffer.is_cuda, tls, cache)
+    os.environ.update(env)
+    return checked
 
 
 def _validate_nixl_cuda_support(agent: Any, memory_buffer: torch.Tensor) -> None:
@@ -892,13 +897,13 @@ class NixlTransferBackend(TransferBackendBase):
         incarnation: int | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
-        # The nixl package and the mode are checked (in Rust) before anything is built.
-        self.mode: str = _core.nixl_backend_mode(_HAVE_NIXL, mode)
         context = _shared_context or _NixlAgentContext(agent_name, incarnation=incarnation)
         incarnation = context.incarnation  # the agent's (a shared context keeps its own)
         super().__init__(**self._base_arguments(locals()))  # the reference signature, whole
         memory_buffer = self.memory_buffer  # the first tensor of a per-layer list
-        _validate_ucx_transport_config(memory_buffer)
+        # The nixl package, the mode and UCX's transports are checked (in Rust) before the
+        # agent is held or anything registered.
+        self.mode: str = _validate_ucx_transport_config(memory_buffer, _HAVE_NIXL, mode)
         self._ctx = context
         self._agent_context = context
         self._known_peers = context.peers

@@ -192,6 +192,24 @@ pub fn backend_mode(have_nixl: bool, mode: &str) -> Result<TransferMode, Unbuild
         })
 }
 
+/// A NIXL backend's checked mode and the UCX settings its buffer needs, decided before its
+/// agent exists: [`backend_mode`] of `have_nixl` and `mode`, then [`ucx_env`] of `on_gpu`,
+/// `tls` and `memtype_cache`.
+///
+/// # Errors
+/// Those of [`backend_mode`], then the refusal of [`ucx_env`] (as `Runtime`).
+pub fn setup(
+    have_nixl: bool,
+    mode: &str,
+    on_gpu: bool,
+    tls: Option<&str>,
+    memtype_cache: Option<&str>,
+) -> Result<(TransferMode, Vec<(&'static str, &'static str)>), Unbuildable> {
+    let mode = backend_mode(have_nixl, mode)?;
+    let env = ucx_env(on_gpu, tls, memtype_cache).map_err(Unbuildable::Runtime)?;
+    Ok((mode, env))
+}
+
 /// The refusal of a NIXL post: `state` is what NIXL's `transfer()` returned for the read
 /// `label` (`"ERR"`: NIXL did not take it; `None`: not a state name, taken as posted).
 #[must_use]

@@ -412,6 +412,20 @@ fn gpu_buffers_turn_the_memtype_cache_off_unless_set_and_need_a_cuda_transport()
 }
 
 #[test]
+fn a_setup_checks_the_package_and_mode_before_the_ucx_transports() {
+    let gpu_env = vec![("UCX_MEMTYPE_CACHE", "n")];
+    assert_eq!(setup(true, "staged", true, None, None), Ok((TransferMode::Staged, gpu_env)));
+    assert_eq!(setup(true, "direct", false, Some("tcp"), None), Ok((TransferMode::Direct, vec![])));
+    // The package and the mode come first: a bad UCX_TLS is not reached.
+    for (have, mode) in [(false, "auto"), (true, "fast")] {
+        let want = backend_mode(have, mode).unwrap_err();
+        assert_eq!(setup(have, mode, true, Some("tcp"), None), Err(want));
+    }
+    let refused = ucx_tls_refusal(Some("tcp")).unwrap();
+    assert_eq!(setup(true, "auto", true, Some("tcp"), None), Err(Unbuildable::Runtime(refused)));
+}
+
+#[test]
 fn a_source_packs_unless_read_directly_and_needs_a_pool_when_it_does() {
     use TransferMode::{Auto, Direct, Staged};
     for (mode, on_gpu, same_host, packs) in [

@@ -99,11 +99,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         classes: [nixl_route::PyNixlAgentPeers, packed_items::PyPackedRows],
         functions: [
             nixl_route::ucx_tls_allows_cuda, nixl_route::nixl_cuda_major_mismatch,
-            nixl_route::backend_supports_vram, nixl_route::nixl_ucx_env,
+            nixl_route::backend_supports_vram, nixl_route::nixl_setup,
             nixl_route::nixl_source_packs, nixl_route::nixl_source_stages,
             nixl_route::check_nixl_cuda_support, nixl_route::nixl_source_read, nixl_route::nixl_pull_route,
             nixl_route::slice_reads, nixl_route::ipc_bounds_hold, nixl_route::check_matched_slices,
-            nixl_route::nixl_backend_mode, nixl_route::check_xfer_posted,
+            nixl_route::check_xfer_posted,
             nixl_route::nixl_read_mem_types,
             compat::reference_setup, compat::reference_hash_registration,
             compat::reference_first_token, compat::reference_live_slot,
