@@ -1116,11 +1116,11 @@ def check_nixl_cuda_support(
     on_gpu: bool, variant: str | None, torch_cuda: str | None, mem_types: Sequence[Any] | None
 ) -> None: ...
 def check_xfer_posted(state: object, label: str) -> None: ...
-def nixl_read_mem_types(meta: Mapping[str, Any], local_mem: str) -> tuple[str, str]: ...
 def nixl_source_read(
     staged: bool,
     ticket: Mapping[str, Any] | None,
     plan: PackedRows | None,
+    peer: Mapping[str, Any],
     *,
     largest_free: int,
     alignment: int,
@@ -1128,7 +1128,8 @@ def nixl_source_read(
     on_gpu: bool,
     num_tokens: int | None,
     dst_blocks: int,
-) -> tuple[Literal["direct", "whole", "rows", "chunked"], bool, int]: ...
+    local_mem: str,
+) -> tuple[Literal["direct", "whole", "rows", "chunked"], bool, int, tuple[str, str]]: ...
 def slice_reads(
     peer: Mapping[str, Any],
     local: Mapping[str, Any],

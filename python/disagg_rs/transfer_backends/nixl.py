@@ -543,11 +543,12 @@ class _ChunkedRead:
         self,
         backend: NixlTransferBackend,
         meta: PeerMeta,
-        peer: str,
+        peer: tuple[str, tuple[str, str]],
         slot_bytes: int,
         offsets: list[int],
     ) -> None:
-        self.backend, self.meta, self.peer = backend, meta, peer
+        #: ``peer``: the source's NIXL peer id and the memory types of its reads.
+        self.backend, self.meta, (self.peer, self.mems) = backend, meta, peer
         #: This rank's staging pool (a staged read is routed only where there is one).
         self.staging = cast(torch.Tensor, backend.staging_buffer)
         #: This rank's slots, owned from here on: :meth:`close` gives them back.
@@ -602,7 +603,7 @@ class _ChunkedRead:
             local = _np_u64([[int(self._window(slot, hi - lo).data_ptr()), hi - lo, dev]])
             remote = _np_u64([[self.remote + at, hi - lo, src_dev]])
             label = f"chunk {k} of {self.src_name}"
-            self.xfers[k] = b._post(local, remote, self.meta, self.peer, label)
+            self.xfers[k] = b._post(local, remote, self.mems, self.peer, label)
         return str(self.sink.status)
 
     def close(self) -> None:
@@ -835,9 +836,11 @@ def _np_u64(rows: Sequence[Sequence[int]]) -> npt.NDArray[np.uint64]:
     return np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
 
 
-#: One source's staged read: the pull, the source rank, its NIXL peer id and its device
-#: plan with the destination ids and tokens.
-_SourceRead = tuple["_Pull", int, str, tuple[dp.DevicePlan, npt.NDArray[np.int64], int]]
+#: One source's staged read: the pull, the source rank, its NIXL peer id with the memory
+#: types of its reads, and its device plan with the destination ids and tokens.
+_SourceRead = tuple[
+    "_Pull", int, tuple[str, tuple[str, str]], tuple[dp.DevicePlan, npt.NDArray[np.int64], int]
+]
 
 
 @dataclass(frozen=True)
@@ -1433,16 +1436,15 @@ class NixlTransferBackend(TransferBackendBase):
         self,
         local: npt.NDArray[np.uint64],
         remote: npt.NDArray[np.uint64],
-        meta: PeerMeta,
+        mems: tuple[str, str],
         peer: str,
         label: str,
     ) -> Any:
-        """Post one READ of ``remote`` rows of peer ``meta`` into ``local`` rows; its NIXL
-        handle. A read NIXL refuses (``TransferError``) or fails to post is given back before
-        the error propagates."""
+        """Post one READ of ``remote`` rows of ``peer`` into ``local`` rows (``mems``: their
+        NIXL memory types, decided in Rust with the source's read); its NIXL handle. A read
+        NIXL refuses (``TransferError``) or fails to post is given back before the error
+        propagates."""
         agent = self.agent
-        # A reference-only peer is read the reference's way (memory types decided in Rust).
-        mems = _core.nixl_read_mem_types(meta, self.buffer_info["mem_type"])
         xfer = _new_read(agent, local, remote, mems, peer)
         with contextlib.ExitStack() as refused:
             refused.callback(agent.release_xfer_handle, xfer)
@@ -1451,13 +1453,13 @@ class NixlTransferBackend(TransferBackendBase):
         return xfer
 
     def _post_direct(
-        self, rows: tuple[Any, Any], rank: int, meta: PeerMeta, peer: str
+        self, rows: tuple[Any, Any], rank: int, meta: PeerMeta, peer: str, mems: tuple[str, str]
     ) -> list[_PullPart]:
         src, dst = rows
         if len(src) == 0:
             return []
         label = f"direct:{meta['agent_name']}:{rank}"
-        part = _PullPart(rank, self._post(dst, src, meta, peer, label), context=label)
+        part = _PullPart(rank, self._post(dst, src, mems, peer, label), context=label)
         part.descriptors = len(src)
         return [part]
 
@@ -1467,28 +1469,31 @@ class NixlTransferBackend(TransferBackendBase):
         """Post the read of source ``rank`` (``packed``: the route reads its staged copy,
         taking ``1 / share`` of the free pool at most): its blocks directly, its packed copy
         held whole, or in chunks through a few slots of the pool, as Rust decides from the
-        ticket, the device plan and the pool now. A source whose ticket is not read has its
-        stream given up (its slots are free at once) and what it announced dropped."""
+        ticket, the device plan and the pool now, with the memory types of its reads. A source
+        whose ticket is not read has its stream given up (its slots are free at once) and
+        what it announced dropped."""
         meta, ticket = pull.by_rank[rank], pull.tickets.get(rank)
         plan, n_tok = pull.plans.get(rank), pull.handoff[2]
         dst_ids = np.asarray(pull.handoff[1], dtype=np.int64).reshape(-1)
-        kind, give_up, slot_bytes = _core.nixl_source_read(
+        kind, give_up, slot_bytes, mems = _core.nixl_source_read(
             packed,
             ticket,
             pull.tables.get(rank),
+            meta,
             largest_free=self.arena.largest_free,
             alignment=self.arena.alignment,
             share=share,
             on_gpu=self.memory_buffer.is_cuda,
             num_tokens=n_tok,
             dst_blocks=dst_ids.size,
+            local_mem=self.buffer_info["mem_type"],
         )
         if give_up:
             self._give_up_ticket(peer, meta, cast(Mapping[str, Any], ticket))
         if kind == "direct":
-            return self._post_direct(pull.direct(rank), rank, meta, peer)
+            return self._post_direct(pull.direct(rank), rank, meta, peer, mems)
         plan_ids = (cast(dp.DevicePlan, plan), dst_ids, cast(int, n_tok))
-        read: _SourceRead = (pull, rank, peer, plan_ids)
+        read: _SourceRead = (pull, rank, (peer, mems), plan_ids)
         if kind == "chunked":
             return [self._post_chunked(read, slot_bytes, share)]
         return [self._post_whole(read, kind)]

@@ -360,6 +360,21 @@ pub fn source_read(
     }
 }
 
+/// How the decode reads one source ([`source_read`]) and the NIXL memory types `(local,
+/// remote)` of its reads ([`read_mem_types`] of `peer`: whether it exported the reference
+/// design's fields only, and its buffer's memory type; `local`: this rank's).
+#[must_use]
+pub fn source_plan(
+    staged: bool,
+    ticket: Option<&StagingTicket>,
+    plan: Option<PlanFacts>,
+    pool: &DecodePool,
+    (reference_only, remote): (bool, &str),
+    local: &str,
+) -> (SourceRead, (String, String)) {
+    (source_read(staged, ticket, plan, pool), read_mem_types(reference_only, local, remote))
+}
+
 /// The reads of a pull as [`crate::compile::route::pull_route`] decides them, from what the
 /// NIXL driver holds: each source's `(rank, compiled mode, packed bytes)` (mode `"staged"`:
 /// the compiler prefers its packed copy), the staging tickets received by rank and the size

@@ -104,7 +104,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             nixl_route::check_nixl_cuda_support, nixl_route::nixl_source_read, nixl_route::nixl_pull_route,
             nixl_route::slice_reads, nixl_route::ipc_bounds_hold, nixl_route::check_matched_slices,
             nixl_route::check_xfer_posted,
-            nixl_route::nixl_read_mem_types,
             compat::reference_setup, compat::reference_hash_registration,
             compat::reference_first_token, compat::reference_live_slot,
             compat::reference_import_sizes, compat::reference_cached_prefix,

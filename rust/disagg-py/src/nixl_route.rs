@@ -7,14 +7,14 @@ use std::sync::Mutex;
 use disagg_core::compile::route::RouteStep;
 use disagg_core::nixl_route::{
     self as route, Admission, AgentPeers, DecodePool, HeadSpan, PlanFacts, Refusal, Registered,
-    SliceSide, SourceRead, Unbuildable,
+    SliceSide, SourceRead, TransferMode, Unbuildable,
 };
 use disagg_core::wire::ticket::StagingTicket;
 use numpy::{PyArray2, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::args::Raw;
+use crate::args::{convs, Raw};
 use crate::backend_rules::ipc_same_host;
 use crate::error::{to_pyerr, IntoPyResult};
 use crate::packed_items::PyPackedRows;
@@ -55,6 +55,11 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Names {
     }
 }
 
+convs! {
+    /// A backend's mode by name (`ArgumentError` naming `mode`).
+    Mode: String => TransferMode = |_f, v| route::backend_mode(true, &v).out();
+}
+
 /// A staging ticket, parsed by the core.
 #[derive(FromPyObject)]
 pub struct Ticket(#[pyo3(from_py_with = ticket)] StagingTicket);
@@ -63,12 +68,27 @@ fn ticket(t: &Bound<'_, PyAny>) -> PyResult<StagingTicket> {
     StagingTicket::parse(&to_wire(t, "ticket")?, "ticket").py()
 }
 
+/// The `(local, remote)` NIXL memory types of a read.
+type Mems = (String, String);
+
+/// What the decode's read of a source needs of the source's metadata.
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+pub struct PeerMem {
+    #[pyo3(default)]
+    reference_only: bool,
+    buffer: Stated,
+}
+
 outs! {
-    SourceRead => (&'static str, bool, u64) = |r| match r {
-        SourceRead::Direct { give_up } => ("direct", give_up, 0),
-        SourceRead::Whole { by_plan: true } => ("whole", false, 0),
-        SourceRead::Whole { by_plan: false } => ("rows", false, 0),
-        SourceRead::Chunked { slot_bytes_min } => ("chunked", false, slot_bytes_min),
+    (SourceRead, Mems) => (&'static str, bool, u64, Mems) = |v| {
+        let (kind, give_up, slot_bytes_min) = match v.0 {
+            SourceRead::Direct { give_up } => ("direct", give_up, 0),
+            SourceRead::Whole { by_plan: true } => ("whole", false, 0),
+            SourceRead::Whole { by_plan: false } => ("rows", false, 0),
+            SourceRead::Chunked { slot_bytes_min } => ("chunked", false, slot_bytes_min),
+        };
+        (kind, give_up, slot_bytes_min, v.1)
     };
     (Vec<RouteStep>, Vec<u32>) => (Vec<RouteStep>, Vec<u32>) = |v| v;
 }
@@ -102,18 +122,20 @@ core_fns! {
     /// `nixl_route::source_stages`: `CapacityError` (field `staging_bytes`).
     fn nixl_source_stages(me: Raw<u32>, sources: Raw<Vec<u32>>, staging_bytes: Raw<u64>) -> bool
         = route::source_stages(me, &sources, staging_bytes);
-    /// `nixl_route::source_read` (`plan`: the device plan's table) as `(kind, give_up,
-    /// slot_bytes_min)`, `kind` one of `"direct"`, `"whole"` (by the device plan), `"rows"`
-    /// (by the program's rows) or `"chunked"`.
-    #[pyo3(signature = (staged, ticket, plan, *, largest_free, alignment, share, on_gpu,
-        num_tokens, dst_blocks))]
+    /// `nixl_route::source_plan` (`plan`: the device plan's table; `peer`: its metadata) as
+    /// `(kind, give_up, slot_bytes_min, (local, remote) memory types)`, `kind` one of
+    /// `"direct"`, `"whole"` (by the device plan), `"rows"` (by the program's rows) or
+    /// `"chunked"`.
+    #[pyo3(signature = (staged, ticket, plan, peer, *, largest_free, alignment, share, on_gpu,
+        num_tokens, dst_blocks, local_mem))]
     fn nixl_source_read(staged: Raw<bool>, ticket: Raw<Option<Ticket>>,
-        plan: Raw<Option<Bound<'_, PyPackedRows>>>, largest_free: Raw<u64>, alignment: Raw<u64>,
-        share: Raw<u64>, on_gpu: Raw<bool>, num_tokens: Raw<Option<u64>>, dst_blocks: Raw<u64>)
-        -> (&'static str, bool, u64)
-        = route::source_read(staged, ticket.map(|t| t.0).as_ref(),
+        plan: Raw<Option<Bound<'_, PyPackedRows>>>, peer: Raw<PeerMem>, largest_free: Raw<u64>,
+        alignment: Raw<u64>, share: Raw<u64>, on_gpu: Raw<bool>, num_tokens: Raw<Option<u64>>,
+        dst_blocks: Raw<u64>, local_mem: Raw<String>) -> (&'static str, bool, u64, Mems)
+        = route::source_plan(staged, ticket.map(|t| t.0).as_ref(),
             plan.map(|t| PlanFacts::of(&t.get().table)),
-            &DecodePool { largest_free, alignment, share, on_gpu, num_tokens, dst_blocks });
+            &DecodePool { largest_free, alignment, share, on_gpu, num_tokens, dst_blocks },
+            (peer.reference_only, &peer.buffer.mem_type), &local_mem);
     /// `nixl_route::pull_reads`: `([(rank, reads its staged copy, staged reads left)], [ranks
     /// read directly])`.
     fn nixl_pull_route(sources: Raw<Vec<(u32, String, u64)>>, known: Raw<Vec<u32>>,
@@ -125,38 +147,19 @@ core_fns! {
         dst_bytes: Raw<u64>) -> bool
         = route::ipc_plans_hold(&plans.iter().map(|(t, n, b)| (&t.get().table, *n, *b))
             .collect::<Vec<_>>(), dst_blocks, dst_bytes);
+    /// Whether this rank (`on_gpu`: its buffer is GPU memory; `mine`: its CUDA IPC export)
+    /// packs anything for the decode of IPC export `theirs` in `mode` (`nixl_route::source_packs`).
+    fn nixl_source_packs(mode: Mode, on_gpu: Raw<bool>, mine: Raw<Option<Bound<'_, PyAny>>>,
+        theirs: Raw<Option<Bound<'_, PyAny>>>) -> bool
+        = route::source_packs(mode, on_gpu, ipc_same_host(mine, theirs)?);
+    /// Raise `TransferError` when NIXL refused to post the read `label` (`post_refusal`).
+    fn check_xfer_posted(state: Raw<Bound<'_, PyAny>>, label: Raw<String>) -> ()
+        = route::post_refusal(state.extract::<String>().ok().as_deref(), &label)
+            .map_or(Ok(()), |m| Err(TransferError::new_err(m)))?;
     /// `nixl_route::check_matched_slices`: `GeometryMismatchError` naming the field.
     fn check_matched_slices(peer_name: Raw<String>, peer: Raw<Vec<(String, Option<i64>)>>,
         mine: Raw<Vec<(String, Option<i64>)>>) -> ()
         = route::check_matched_slices(&peer_name, &peer, &mine);
-}
-
-/// Raise `TransferError` when NIXL refused to post the read `label` (`nixl_route::post_refusal`).
-#[pyfunction]
-pub fn check_xfer_posted(state: &Bound<'_, PyAny>, label: &str) -> PyResult<()> {
-    let state: Option<String> = state.extract().ok();
-    route::post_refusal(state.as_deref(), label).map_or(Ok(()), |m| Err(TransferError::new_err(m)))
-}
-
-/// `nixl_route::read_mem_types`: `(local, remote)` NIXL memory types of a read from `meta`.
-#[pyfunction]
-pub fn nixl_read_mem_types(meta: &Bound<'_, PyAny>, local_mem: &str) -> PyResult<(String, String)> {
-    let reference_only = meta.get_item("reference_only").map_or(Ok(false), |v| v.is_truthy())?;
-    let remote = meta.get_item("buffer")?.get_item("mem_type")?.str()?.to_string();
-    Ok(route::read_mem_types(reference_only, local_mem, &remote))
-}
-
-/// Whether this rank (`on_gpu`: its buffer is GPU memory; `mine`: its CUDA IPC export) packs
-/// anything for the decode of IPC export `theirs` in `mode` (`nixl_route::source_packs`).
-#[pyfunction]
-pub fn nixl_source_packs(
-    mode: &str,
-    on_gpu: bool,
-    mine: Option<Bound<'_, PyAny>>,
-    theirs: Option<Bound<'_, PyAny>>,
-) -> PyResult<bool> {
-    let mode = route::backend_mode(true, mode).out()?;
-    Ok(route::source_packs(mode, on_gpu, ipc_same_host(mine, theirs)?))
 }
 
 /// The reference design's fields of one side of a slice read (a missing optional: `None`).
