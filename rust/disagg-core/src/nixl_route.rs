@@ -60,6 +60,9 @@ pub fn ucx_tls_refusal(tls: Option<&str>) -> Option<Refusal> {
     })
 }
 
+/// UCX settings to make, as `(variable, value)` pairs.
+pub type UcxEnv = Vec<(&'static str, &'static str)>;
+
 /// The UCX settings a rank's buffer needs, as `(variable, value)` pairs to set: for GPU
 /// memory (`on_gpu`), UCX's memory-type cache turned off unless `memtype_cache` (its value
 /// now) is set (it misclassifies CUDA allocations that torch's caching allocator reuses);
@@ -72,7 +75,7 @@ pub fn ucx_env(
     on_gpu: bool,
     tls: Option<&str>,
     memtype_cache: Option<&str>,
-) -> Result<Vec<(&'static str, &'static str)>, Refusal> {
+) -> Result<UcxEnv, Refusal> {
     if !on_gpu {
         return Ok(Vec::new());
     }
@@ -204,7 +207,7 @@ pub fn setup(
     on_gpu: bool,
     tls: Option<&str>,
     memtype_cache: Option<&str>,
-) -> Result<(TransferMode, Vec<(&'static str, &'static str)>), Unbuildable> {
+) -> Result<(TransferMode, UcxEnv), Unbuildable> {
     let mode = backend_mode(have_nixl, mode)?;
     let env = ucx_env(on_gpu, tls, memtype_cache).map_err(Unbuildable::Runtime)?;
     Ok((mode, env))
