@@ -197,11 +197,6 @@ impl SliceFields {
         let start = (outer_start, head_start);
         SliceSide::stated(buffer, start, self.heads_per_partition, self.device_id)
     }
-
-    /// `nixl_route::slice_read_mem_type` of the `mem_type` its `buffer` states.
-    fn mem_type(self) -> String {
-        route::slice_read_mem_type(self.buffer.map(|b| b.mem_type))
-    }
 }
 
 /// `(local_rows, remote_rows, local_mem, remote_mem, label)` of the reference design's slice
@@ -227,8 +222,8 @@ pub fn slice_reads<'py>(
     Ok((
         to_numpy(py, l.into_flattened(), nl)?,
         to_numpy(py, r.into_flattened(), nr)?,
-        local.mem_type(),
-        peer.mem_type(),
+        route::slice_read_mem_type(local.buffer.map(|b| b.mem_type)),
+        route::slice_read_mem_type(peer.buffer.map(|b| b.mem_type)),
         route::slice_read_label(peer_id, outer.0, outer.2, (heads.0, heads.2), src_ids.len()),
     ))
 }
