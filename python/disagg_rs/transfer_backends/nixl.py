@@ -129,16 +129,21 @@ nixl_cuda_major_mismatch = _core.nixl_cuda_major_mismatch
 backend_supports_vram = _core.backend_supports_vram
 
 
-def _validate_ucx_transport_config(memory_buffer: torch.Tensor) -> None:
-    """Configure safe UCX memory detection and reject host-only transports for GPU buffers.
+def _validate_ucx_transport_config(
+    memory_buffer: torch.Tensor, have_nixl: bool = True, mode: str = "auto"
+) -> str:
+    """Configure safe UCX memory detection and reject host-only transports for GPU buffers;
+    return ``mode`` checked (the nixl package, ``have_nixl``, and the mode are checked first).
 
     Host-memory buffers are not checked: a CPU deployment may restrict UCX to ``tcp,self,sm``.
     The UCX memory-type cache misclassifies CUDA allocations reused by torch's caching
     allocator; disabling it (unless set) is the documented safe setting for registered VRAM.
-    What to set is decided in Rust, after the check.
+    What to set is decided in Rust, after the checks.
     """
     tls, cache = os.environ.get("UCX_TLS"), os.environ.get("UCX_MEMTYPE_CACHE")
-    os.environ.update(_core.nixl_ucx_env(memory_buffer.is_cuda, tls, cache))
+    checked, env = _core.nixl_setup(have_nixl, mode, memory_buffer.is_cuda, tls, cache)
+    os.environ.update(env)
+    return checked
 
 
 def _validate_nixl_cuda_support(agent: Any, memory_buffer: torch.Tensor) -> None:
@@ -538,11 +543,12 @@ class _ChunkedRead:
         self,
         backend: NixlTransferBackend,
         meta: PeerMeta,
-        peer: str,
+        peer: tuple[str, tuple[str, str]],
         slot_bytes: int,
         offsets: list[int],
     ) -> None:
-        self.backend, self.meta, self.peer = backend, meta, peer
+        #: ``peer``: the source's NIXL peer id and the memory types of its reads.
+        self.backend, self.meta, (self.peer, self.mems) = backend, meta, peer
         #: This rank's staging pool (a staged read is routed only where there is one).
         self.staging = cast(torch.Tensor, backend.staging_buffer)
         #: This rank's slots, owned from here on: :meth:`close` gives them back.
@@ -597,7 +603,7 @@ class _ChunkedRead:
             local = _np_u64([[int(self._window(slot, hi - lo).data_ptr()), hi - lo, dev]])
             remote = _np_u64([[self.remote + at, hi - lo, src_dev]])
             label = f"chunk {k} of {self.src_name}"
-            self.xfers[k] = b._post(local, remote, self.meta, self.peer, label)
+            self.xfers[k] = b._post(local, remote, self.mems, self.peer, label)
         return str(self.sink.status)
 
     def close(self) -> None:
@@ -830,9 +836,11 @@ def _np_u64(rows: Sequence[Sequence[int]]) -> npt.NDArray[np.uint64]:
     return np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
 
 
-#: One source's staged read: the pull, the source rank, its NIXL peer id and its device
-#: plan with the destination ids and tokens.
-_SourceRead = tuple["_Pull", int, str, tuple[dp.DevicePlan, npt.NDArray[np.int64], int]]
+#: One source's staged read: the pull, the source rank, its NIXL peer id with the memory
+#: types of its reads, and its device plan with the destination ids and tokens.
+_SourceRead = tuple[
+    "_Pull", int, tuple[str, tuple[str, str]], tuple[dp.DevicePlan, npt.NDArray[np.int64], int]
+]
 
 
 @dataclass(frozen=True)
@@ -892,13 +900,13 @@ class NixlTransferBackend(TransferBackendBase):
         incarnation: int | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
-        # The nixl package and the mode are checked (in Rust) before anything is built.
-        self.mode: str = _core.nixl_backend_mode(_HAVE_NIXL, mode)
         context = _shared_context or _NixlAgentContext(agent_name, incarnation=incarnation)
         incarnation = context.incarnation  # the agent's (a shared context keeps its own)
         super().__init__(**self._base_arguments(locals()))  # the reference signature, whole
         memory_buffer = self.memory_buffer  # the first tensor of a per-layer list
-        _validate_ucx_transport_config(memory_buffer)
+        # The nixl package, the mode and UCX's transports are checked (in Rust) before the
+        # agent is held or anything registered.
+        self.mode: str = _validate_ucx_transport_config(memory_buffer, _HAVE_NIXL, mode)
         self._ctx = context
         self._agent_context = context
         self._known_peers = context.peers
@@ -1428,16 +1436,15 @@ class NixlTransferBackend(TransferBackendBase):
         self,
         local: npt.NDArray[np.uint64],
         remote: npt.NDArray[np.uint64],
-        meta: PeerMeta,
+        mems: tuple[str, str],
         peer: str,
         label: str,
     ) -> Any:
-        """Post one READ of ``remote`` rows of peer ``meta`` into ``local`` rows; its NIXL
-        handle. A read NIXL refuses (``TransferError``) or fails to post is given back before
-        the error propagates."""
+        """Post one READ of ``remote`` rows of ``peer`` into ``local`` rows (``mems``: their
+        NIXL memory types, decided in Rust with the source's read); its NIXL handle. A read
+        NIXL refuses (``TransferError``) or fails to post is given back before the error
+        propagates."""
         agent = self.agent
-        # A reference-only peer is read the reference's way (memory types decided in Rust).
-        mems = _core.nixl_read_mem_types(meta, self.buffer_info["mem_type"])
         xfer = _new_read(agent, local, remote, mems, peer)
         with contextlib.ExitStack() as refused:
             refused.callback(agent.release_xfer_handle, xfer)
@@ -1446,13 +1453,13 @@ class NixlTransferBackend(TransferBackendBase):
         return xfer
 
     def _post_direct(
-        self, rows: tuple[Any, Any], rank: int, meta: PeerMeta, peer: str
+        self, rows: tuple[Any, Any], rank: int, meta: PeerMeta, peer: str, mems: tuple[str, str]
     ) -> list[_PullPart]:
         src, dst = rows
         if len(src) == 0:
             return []
         label = f"direct:{meta['agent_name']}:{rank}"
-        part = _PullPart(rank, self._post(dst, src, meta, peer, label), context=label)
+        part = _PullPart(rank, self._post(dst, src, mems, peer, label), context=label)
         part.descriptors = len(src)
         return [part]
 
@@ -1462,28 +1469,31 @@ class NixlTransferBackend(TransferBackendBase):
         """Post the read of source ``rank`` (``packed``: the route reads its staged copy,
         taking ``1 / share`` of the free pool at most): its blocks directly, its packed copy
         held whole, or in chunks through a few slots of the pool, as Rust decides from the
-        ticket, the device plan and the pool now. A source whose ticket is not read has its
-        stream given up (its slots are free at once) and what it announced dropped."""
+        ticket, the device plan and the pool now, with the memory types of its reads. A source
+        whose ticket is not read has its stream given up (its slots are free at once) and
+        what it announced dropped."""
         meta, ticket = pull.by_rank[rank], pull.tickets.get(rank)
         plan, n_tok = pull.plans.get(rank), pull.handoff[2]
         dst_ids = np.asarray(pull.handoff[1], dtype=np.int64).reshape(-1)
-        kind, give_up, slot_bytes = _core.nixl_source_read(
+        kind, give_up, slot_bytes, mems = _core.nixl_source_read(
             packed,
             ticket,
             pull.tables.get(rank),
+            meta,
             largest_free=self.arena.largest_free,
             alignment=self.arena.alignment,
             share=share,
             on_gpu=self.memory_buffer.is_cuda,
             num_tokens=n_tok,
             dst_blocks=dst_ids.size,
+            local_mem=self.buffer_info["mem_type"],
         )
         if give_up:
             self._give_up_ticket(peer, meta, cast(Mapping[str, Any], ticket))
         if kind == "direct":
-            return self._post_direct(pull.direct(rank), rank, meta, peer)
+            return self._post_direct(pull.direct(rank), rank, meta, peer, mems)
         plan_ids = (cast(dp.DevicePlan, plan), dst_ids, cast(int, n_tok))
-        read: _SourceRead = (pull, rank, peer, plan_ids)
+        read: _SourceRead = (pull, rank, (peer, mems), plan_ids)
         if kind == "chunked":
             return [self._post_chunked(read, slot_bytes, share)]
         return [self._post_whole(read, kind)]

@@ -60,6 +60,9 @@ pub fn ucx_tls_refusal(tls: Option<&str>) -> Option<Refusal> {
     })
 }
 
+/// UCX settings to make, as `(variable, value)` pairs.
+pub type UcxEnv = Vec<(&'static str, &'static str)>;
+
 /// The UCX settings a rank's buffer needs, as `(variable, value)` pairs to set: for GPU
 /// memory (`on_gpu`), UCX's memory-type cache turned off unless `memtype_cache` (its value
 /// now) is set (it misclassifies CUDA allocations that torch's caching allocator reuses);
@@ -72,7 +75,7 @@ pub fn ucx_env(
     on_gpu: bool,
     tls: Option<&str>,
     memtype_cache: Option<&str>,
-) -> Result<Vec<(&'static str, &'static str)>, Refusal> {
+) -> Result<UcxEnv, Refusal> {
     if !on_gpu {
         return Ok(Vec::new());
     }
@@ -190,6 +193,24 @@ pub fn backend_mode(have_nixl: bool, mode: &str) -> Result<TransferMode, Unbuild
                 detail: format!("mode must be 'auto', 'direct' or 'staged', got '{mode}'"),
             })
         })
+}
+
+/// A NIXL backend's checked mode and the UCX settings its buffer needs, decided before its
+/// agent exists: [`backend_mode`] of `have_nixl` and `mode`, then [`ucx_env`] of `on_gpu`,
+/// `tls` and `memtype_cache`.
+///
+/// # Errors
+/// Those of [`backend_mode`], then the refusal of [`ucx_env`] (as `Runtime`).
+pub fn setup(
+    have_nixl: bool,
+    mode: &str,
+    on_gpu: bool,
+    tls: Option<&str>,
+    memtype_cache: Option<&str>,
+) -> Result<(TransferMode, UcxEnv), Unbuildable> {
+    let mode = backend_mode(have_nixl, mode)?;
+    let env = ucx_env(on_gpu, tls, memtype_cache).map_err(Unbuildable::Runtime)?;
+    Ok((mode, env))
 }
 
 /// The refusal of a NIXL post: `state` is what NIXL's `transfer()` returned for the read
@@ -340,6 +361,21 @@ pub fn source_read(
         Some(slot_bytes_min) => SourceRead::Chunked { slot_bytes_min },
         None => SourceRead::Direct { give_up: true },
     }
+}
+
+/// How the decode reads one source ([`source_read`]) and the NIXL memory types `(local,
+/// remote)` of its reads ([`read_mem_types`] of `peer`: whether it exported the reference
+/// design's fields only, and its buffer's memory type; `local`: this rank's).
+#[must_use]
+pub fn source_plan(
+    staged: bool,
+    ticket: Option<&StagingTicket>,
+    plan: Option<PlanFacts>,
+    pool: &DecodePool,
+    (reference_only, remote): (bool, &str),
+    local: &str,
+) -> (SourceRead, (String, String)) {
+    (source_read(staged, ticket, plan, pool), read_mem_types(reference_only, local, remote))
 }
 
 /// The reads of a pull as [`crate::compile::route::pull_route`] decides them, from what the

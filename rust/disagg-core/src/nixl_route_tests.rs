@@ -412,6 +412,33 @@ fn gpu_buffers_turn_the_memtype_cache_off_unless_set_and_need_a_cuda_transport()
 }
 
 #[test]
+fn a_source_plan_is_the_read_and_the_memory_types_of_its_reads() {
+    let t = ticket(1024, None);
+    for (staged, plan, free, reference_only) in
+        [(false, None, 4096, false), (true, Some(PLAN), 4096, true), (true, Some(PLAN), 512, false)]
+    {
+        let peer = (reference_only, "DRAM");
+        let (read, mems) = source_plan(staged, Some(&t), plan, &pool(free), peer, "DRAM");
+        assert_eq!(read, source_read(staged, Some(&t), plan, &pool(free)));
+        assert_eq!(mems, read_mem_types(reference_only, "DRAM", "DRAM"));
+    }
+}
+
+#[test]
+fn a_setup_checks_the_package_and_mode_before_the_ucx_transports() {
+    let gpu_env = vec![("UCX_MEMTYPE_CACHE", "n")];
+    assert_eq!(setup(true, "staged", true, None, None), Ok((TransferMode::Staged, gpu_env)));
+    assert_eq!(setup(true, "direct", false, Some("tcp"), None), Ok((TransferMode::Direct, vec![])));
+    // The package and the mode come first: a bad UCX_TLS is not reached.
+    for (have, mode) in [(false, "auto"), (true, "fast")] {
+        let want = backend_mode(have, mode).unwrap_err();
+        assert_eq!(setup(have, mode, true, Some("tcp"), None), Err(want));
+    }
+    let refused = ucx_tls_refusal(Some("tcp")).unwrap();
+    assert_eq!(setup(true, "auto", true, Some("tcp"), None), Err(Unbuildable::Runtime(refused)));
+}
+
+#[test]
 fn a_source_packs_unless_read_directly_and_needs_a_pool_when_it_does() {
     use TransferMode::{Auto, Direct, Staged};
     for (mode, on_gpu, same_host, packs) in [

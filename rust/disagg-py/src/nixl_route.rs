@@ -6,19 +6,19 @@ use std::sync::Mutex;
 
 use disagg_core::compile::route::RouteStep;
 use disagg_core::nixl_route::{
-    self as route, Admission, AgentPeers, DecodePool, HeadSpan, PlanFacts, Refusal, SliceSide,
-    SourceRead, Unbuildable,
+    self as route, Admission, AgentPeers, DecodePool, HeadSpan, PlanFacts, Refusal, Registered,
+    SliceSide, SourceRead, TransferMode, Unbuildable,
 };
 use disagg_core::wire::ticket::StagingTicket;
 use numpy::{PyArray2, PyReadonlyArray1};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyMapping};
+use pyo3::types::{PyBytes, PyDict};
 
-use crate::args::Raw;
+use crate::args::{convs, Raw};
 use crate::backend_rules::ipc_same_host;
 use crate::error::{to_pyerr, IntoPyResult};
 use crate::packed_items::PyPackedRows;
-use crate::pool::{core_fns, core_methods, lock, lock_with, Out};
+use crate::pool::{core_fns, core_methods, lock, lock_with, outs, Out};
 use crate::rows::to_numpy;
 use crate::wire::to_wire;
 
@@ -55,8 +55,42 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Names {
     }
 }
 
+convs! {
+    /// A backend's mode by name (`ArgumentError` naming `mode`).
+    Mode: String => TransferMode = |_f, v| route::backend_mode(true, &v).out();
+}
+
+/// A staging ticket, parsed by the core.
+#[derive(FromPyObject)]
+pub struct Ticket(#[pyo3(from_py_with = ticket)] StagingTicket);
+
 fn ticket(t: &Bound<'_, PyAny>) -> PyResult<StagingTicket> {
     StagingTicket::parse(&to_wire(t, "ticket")?, "ticket").py()
+}
+
+/// The `(local, remote)` NIXL memory types of a read.
+type Mems = (String, String);
+
+/// What the decode's read of a source needs of the source's metadata.
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+pub struct PeerMem {
+    #[pyo3(default)]
+    reference_only: bool,
+    buffer: Stated,
+}
+
+outs! {
+    (SourceRead, Mems) => (&'static str, bool, u64, Mems) = |v| {
+        let (kind, give_up, slot_bytes_min) = match v.0 {
+            SourceRead::Direct { give_up } => ("direct", give_up, 0),
+            SourceRead::Whole { by_plan: true } => ("whole", false, 0),
+            SourceRead::Whole { by_plan: false } => ("rows", false, 0),
+            SourceRead::Chunked { slot_bytes_min } => ("chunked", false, slot_bytes_min),
+        };
+        (kind, give_up, slot_bytes_min, v.1)
+    };
+    (Vec<RouteStep>, Vec<u32>) => (Vec<RouteStep>, Vec<u32>) = |v| v;
 }
 
 core_fns! {
@@ -72,115 +106,66 @@ core_fns! {
     /// `nixl_route::backend_supports_vram`.
     fn backend_supports_vram(mem_types: Raw<Names>) -> bool
         = route::backend_supports_vram(&mem_types.0);
-    /// `nixl_route::ucx_env`: `[(variable, value)]` to set, `TransferError` (field `UCX_TLS`).
-    #[pyo3(signature = (on_gpu, tls, memtype_cache))]
-    fn nixl_ucx_env(on_gpu: Raw<bool>, tls: Raw<Option<String>>,
-        memtype_cache: Raw<Option<String>>) -> Vec<(&'static str, &'static str)>
-        = route::ucx_env(on_gpu, tls.as_deref(), memtype_cache.as_deref());
+    /// `nixl_route::setup`: `(mode name, [(variable, value)] to set)`.
+    #[pyo3(signature = (have_nixl, mode, on_gpu, tls, memtype_cache))]
+    fn nixl_setup(have_nixl: Raw<bool>, mode: Raw<String>, on_gpu: Raw<bool>,
+        tls: Raw<Option<String>>, memtype_cache: Raw<Option<String>>)
+        -> (&'static str, Vec<(&'static str, &'static str)>)
+        = route::setup(have_nixl, &mode, on_gpu, tls.as_deref(), memtype_cache.as_deref())
+            .map(|(m, env)| (m.name(), env));
     /// `nixl_route::cuda_support_refusal` raised as `TransferError` (field `nixl`).
     #[pyo3(signature = (on_gpu, variant, torch_cuda, mem_types))]
     fn check_nixl_cuda_support(on_gpu: Raw<bool>, variant: Raw<Option<String>>,
         torch_cuda: Raw<Option<String>>, mem_types: Raw<Option<Names>>) -> ()
         = route::cuda_support_refusal(on_gpu, variant.as_deref(), torch_cuda.as_deref(),
             mem_types.as_ref().map(|m| m.0.as_slice())).map_or(Ok(()), Err);
-    /// `nixl_route::backend_mode`'s name: `TransferError` (`nixl`), `ArgumentError` (`mode`).
-    fn nixl_backend_mode(have_nixl: Raw<bool>, mode: Raw<String>) -> &'static str
-        = route::backend_mode(have_nixl, &mode).map(route::TransferMode::name);
     /// `nixl_route::source_stages`: `CapacityError` (field `staging_bytes`).
     fn nixl_source_stages(me: Raw<u32>, sources: Raw<Vec<u32>>, staging_bytes: Raw<u64>) -> bool
         = route::source_stages(me, &sources, staging_bytes);
+    /// `nixl_route::source_plan` (`plan`: the device plan's table; `peer`: its metadata) as
+    /// `(kind, give_up, slot_bytes_min, (local, remote) memory types)`, `kind` one of
+    /// `"direct"`, `"whole"` (by the device plan), `"rows"` (by the program's rows) or
+    /// `"chunked"`.
+    #[pyo3(signature = (staged, ticket, plan, peer, *, largest_free, alignment, share, on_gpu,
+        num_tokens, dst_blocks, local_mem))]
+    fn nixl_source_read(staged: Raw<bool>, ticket: Raw<Option<Ticket>>,
+        plan: Raw<Option<Bound<'_, PyPackedRows>>>, peer: Raw<PeerMem>, largest_free: Raw<u64>,
+        alignment: Raw<u64>, share: Raw<u64>, on_gpu: Raw<bool>, num_tokens: Raw<Option<u64>>,
+        dst_blocks: Raw<u64>, local_mem: Raw<String>) -> (&'static str, bool, u64, Mems)
+        = route::source_plan(staged, ticket.map(|t| t.0).as_ref(),
+            plan.map(|t| PlanFacts::of(&t.get().table)),
+            &DecodePool { largest_free, alignment, share, on_gpu, num_tokens, dst_blocks },
+            (peer.reference_only, &peer.buffer.mem_type), &local_mem);
+    /// `nixl_route::pull_reads`: `([(rank, reads its staged copy, staged reads left)], [ranks
+    /// read directly])`.
+    fn nixl_pull_route(sources: Raw<Vec<(u32, String, u64)>>, known: Raw<Vec<u32>>,
+        tickets: Raw<BTreeMap<u32, Ticket>>, staging_bytes: Raw<u64>) -> (Vec<RouteStep>, Vec<u32>)
+        = route::pull_reads(&sources, &known,
+            &tickets.into_iter().map(|(r, t)| (r, t.0)).collect::<Vec<_>>(), staging_bytes);
+    /// `nixl_route::ipc_plans_hold` of `[(a plan's table, source blocks, source buffer bytes)]`.
+    fn ipc_bounds_hold(plans: Raw<Vec<(Bound<'_, PyPackedRows>, u64, u64)>>, dst_blocks: Raw<u64>,
+        dst_bytes: Raw<u64>) -> bool
+        = route::ipc_plans_hold(&plans.iter().map(|(t, n, b)| (&t.get().table, *n, *b))
+            .collect::<Vec<_>>(), dst_blocks, dst_bytes);
+    /// Whether this rank (`on_gpu`: its buffer is GPU memory; `mine`: its CUDA IPC export)
+    /// packs anything for the decode of IPC export `theirs` in `mode` (`nixl_route::source_packs`).
+    fn nixl_source_packs(mode: Mode, on_gpu: Raw<bool>, mine: Raw<Option<Bound<'_, PyAny>>>,
+        theirs: Raw<Option<Bound<'_, PyAny>>>) -> bool
+        = route::source_packs(mode, on_gpu, ipc_same_host(mine, theirs)?);
+    /// Raise `TransferError` when NIXL refused to post the read `label` (`post_refusal`).
+    fn check_xfer_posted(state: Raw<Bound<'_, PyAny>>, label: Raw<String>) -> ()
+        = route::post_refusal(state.extract::<String>().ok().as_deref(), &label)
+            .map_or(Ok(()), |m| Err(TransferError::new_err(m)))?;
     /// `nixl_route::check_matched_slices`: `GeometryMismatchError` naming the field.
     fn check_matched_slices(peer_name: Raw<String>, peer: Raw<Vec<(String, Option<i64>)>>,
         mine: Raw<Vec<(String, Option<i64>)>>) -> ()
         = route::check_matched_slices(&peer_name, &peer, &mine);
 }
 
-/// Raise `TransferError` when NIXL refused to post the read `label` (`nixl_route::post_refusal`).
-#[pyfunction]
-pub fn check_xfer_posted(state: &Bound<'_, PyAny>, label: &str) -> PyResult<()> {
-    let state: Option<String> = state.extract().ok();
-    route::post_refusal(state.as_deref(), label).map_or(Ok(()), |m| Err(TransferError::new_err(m)))
-}
-
-/// `nixl_route::read_mem_types`: `(local, remote)` NIXL memory types of a read from `meta`.
-#[pyfunction]
-pub fn nixl_read_mem_types(meta: &Bound<'_, PyAny>, local_mem: &str) -> PyResult<(String, String)> {
-    let reference_only = meta.get_item("reference_only").map_or(Ok(false), |v| v.is_truthy())?;
-    let remote = meta.get_item("buffer")?.get_item("mem_type")?.str()?.to_string();
-    Ok(route::read_mem_types(reference_only, local_mem, &remote))
-}
-
-/// `nixl_route::source_read` (`plan`: the device plan's table) as `(kind, give_up,
-/// slot_bytes_min)`, `kind` one of `"direct"`, `"whole"` (by the device plan), `"rows"` (by
-/// the program's rows) or `"chunked"`.
-#[pyfunction]
-#[pyo3(signature = (staged, ticket, plan, *, largest_free, alignment, share, on_gpu,
-    num_tokens, dst_blocks))]
-pub fn nixl_source_read(
-    staged: bool,
-    ticket: Option<&Bound<'_, PyAny>>,
-    plan: Option<Bound<'_, PyPackedRows>>,
-    largest_free: u64,
-    alignment: u64,
-    share: u64,
-    on_gpu: bool,
-    num_tokens: Option<u64>,
-    dst_blocks: u64,
-) -> PyResult<(&'static str, bool, u64)> {
-    let ticket = ticket.map(self::ticket).transpose()?;
-    let plan = plan.map(|t| PlanFacts::of(&t.get().table));
-    let pool = DecodePool { largest_free, alignment, share, on_gpu, num_tokens, dst_blocks };
-    Ok(match route::source_read(staged, ticket.as_ref(), plan, &pool) {
-        SourceRead::Direct { give_up } => ("direct", give_up, 0),
-        SourceRead::Whole { by_plan: true } => ("whole", false, 0),
-        SourceRead::Whole { by_plan: false } => ("rows", false, 0),
-        SourceRead::Chunked { slot_bytes_min } => ("chunked", false, slot_bytes_min),
-    })
-}
-
-/// Whether this rank (`on_gpu`: its buffer is GPU memory; `mine`: its CUDA IPC export) packs
-/// anything for the decode of IPC export `theirs` in `mode` (`nixl_route::source_packs`).
-#[pyfunction]
-pub fn nixl_source_packs(
-    mode: &str,
-    on_gpu: bool,
-    mine: Option<Bound<'_, PyAny>>,
-    theirs: Option<Bound<'_, PyAny>>,
-) -> PyResult<bool> {
-    let mode = route::backend_mode(true, mode).out()?;
-    Ok(route::source_packs(mode, on_gpu, ipc_same_host(mine, theirs)?))
-}
-
-/// `nixl_route::pull_reads`: `([(rank, reads its staged copy, staged reads left)], [ranks read
-/// directly])`.
-#[pyfunction]
-pub fn nixl_pull_route(
-    sources: Vec<(u32, String, u64)>,
-    known: Vec<u32>,
-    tickets: BTreeMap<u32, Bound<'_, PyAny>>,
-    staging_bytes: u64,
-) -> PyResult<(Vec<RouteStep>, Vec<u32>)> {
-    let tickets: Vec<_> =
-        tickets.iter().map(|(r, t)| Ok((*r, ticket(t)?))).collect::<PyResult<_>>()?;
-    route::pull_reads(&sources, &known, &tickets, staging_bytes).py()
-}
-
-/// `nixl_route::ipc_plans_hold` of `[(a plan's table, source blocks, source buffer bytes)]`.
-#[pyfunction]
-pub fn ipc_bounds_hold(
-    plans: Vec<(Bound<'_, PyPackedRows>, u64, u64)>,
-    dst_blocks: u64,
-    dst_bytes: u64,
-) -> PyResult<bool> {
-    let plans: Vec<_> =
-        plans.iter().map(|(t, blocks, bytes)| (&t.get().table, *blocks, *bytes)).collect();
-    route::ipc_plans_hold(&plans, dst_blocks, dst_bytes).py()
-}
-
 /// The reference design's fields of one side of a slice read (a missing optional: `None`).
 #[derive(FromPyObject)]
 #[pyo3(from_item_all)]
-pub struct SliceFields<'py> {
+pub struct SliceFields {
     base_addr: u64,
     outer_stride_bytes: u64,
     bytes_per_slice: u64,
@@ -195,24 +180,22 @@ pub struct SliceFields<'py> {
     #[pyo3(default)]
     tokens_per_block: Option<u64>,
     #[pyo3(default)]
-    buffer: Option<Bound<'py, PyAny>>,
+    buffer: Option<Stated>,
 }
 
-impl SliceFields<'_> {
+/// What a side's `buffer` states.
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+pub struct Stated {
+    mem_type: String,
+}
+
+impl SliceFields {
     /// This side from outer slice `outer_start` and head `head_start` on.
     fn side(&self, outer_start: u64, head_start: u64) -> SliceSide {
         let buffer = (self.base_addr, self.outer_stride_bytes, self.bytes_per_slice);
         let start = (outer_start, head_start);
         SliceSide::stated(buffer, start, self.heads_per_partition, self.device_id)
-    }
-
-    /// `nixl_route::slice_read_mem_type` of the `mem_type` its `buffer` states, if a mapping.
-    fn mem_type(&self) -> PyResult<String> {
-        let stated = match self.buffer.as_ref().and_then(|b| b.cast::<PyMapping>().ok()) {
-            Some(b) => Some(b.get_item("mem_type")?.extract()?),
-            None => None,
-        };
-        Ok(route::slice_read_mem_type(stated))
     }
 }
 
@@ -222,8 +205,8 @@ impl SliceFields<'_> {
 #[allow(clippy::type_complexity)]
 pub fn slice_reads<'py>(
     py: Python<'py>,
-    peer: SliceFields<'py>,
-    local: SliceFields<'py>,
+    peer: SliceFields,
+    local: SliceFields,
     src_block_ids: PyReadonlyArray1<'py, u64>,
     dst_block_ids: PyReadonlyArray1<'py, u64>,
     outer: (u64, u64, u64),
@@ -239,14 +222,24 @@ pub fn slice_reads<'py>(
     Ok((
         to_numpy(py, l.into_flattened(), nl)?,
         to_numpy(py, r.into_flattened(), nr)?,
-        local.mem_type()?,
-        peer.mem_type()?,
+        route::slice_read_mem_type(local.buffer.map(|b| b.mem_type)),
+        route::slice_read_mem_type(peer.buffer.map(|b| b.mem_type)),
         route::slice_read_label(peer_id, outer.0, outer.2, (heads.0, heads.2), src_ids.len()),
     ))
 }
 
 /// `(name, NIXL id)` of each peer the table forgot, to remove from NIXL.
 type Forgotten = Vec<(String, String)>;
+
+outs! {
+    Forgotten => Forgotten = |v| v;
+    Admission => (Option<String>, Forgotten) = |a| match a {
+        Admission::Known(id) => (Some(id), Vec::new()),
+        Admission::Register { stale } => (None, stale),
+    };
+    BTreeMap<String, Registered> => BTreeMap<String, (u64, String, String)>
+        = |t| t.into_iter().map(|(n, r)| (n, (r.incarnation, r.digest, r.id))).collect();
+}
 
 /// `nixl_route::AgentPeers`: the rank's shared NIXL agent and its registered peers.
 #[pyclass(name = "NixlAgentPeers", module = "disagg_rs", frozen)]
@@ -255,6 +248,10 @@ pub struct PyNixlAgentPeers {
 }
 
 core_methods!(PyNixlAgentPeers, lock_with, inner,
+ctors {
+    #[new]
+    fn new(agent_name: Raw<String>) = Mutex::new(AgentPeers::named(&agent_name));
+}
 calls {
     /// Registrations holding the agent.
     #[getter] fn refs() -> u64 = refs();
@@ -262,12 +259,17 @@ calls {
     fn retain() -> () = retain();
     /// Raise `TransferError` (field `agent`) once no registration holds the agent.
     fn check_open() -> () = check_open();
+    /// `AgentPeers::release`: `[(name, NIXL id)]` of the peers forgotten.
+    fn release() -> Forgotten = release();
+    /// `(NIXL id, [])` of a registered peer, else `(None, [(name, NIXL id) forgotten])`.
+    fn admit(name: Raw<String>, incarnation: Raw<u64>, digest: Raw<String>)
+        -> (Option<String>, Forgotten) = admit(&name, incarnation, &digest);
+    /// `{name: (incarnation, metadata digest, NIXL id)}` of the registered peers.
+    fn peers() -> BTreeMap<String, (u64, String, String)> = peers().clone();
+    /// `AgentPeers::forget_stale` of `current` (`{agent name: incarnation}`).
+    fn forget_stale(current: Raw<BTreeMap<String, u64>>) -> Forgotten = forget_stale(&current);
 }
 methods {
-    #[new]
-    fn new(agent_name: &str) -> Self {
-        Self { inner: Mutex::new(AgentPeers::named(agent_name)) }
-    }
     /// The keyword arguments of `nixl_agent_config`; `TransferError` (field `nixl`) without nixl.
     #[staticmethod]
     fn agent_options(py: Python<'_>, have_nixl: bool, backends: Vec<String>)
@@ -278,18 +280,6 @@ methods {
             options.set_item("backends", b.to_vec())?;
         }
         Ok(options)
-    }
-    /// `AgentPeers::release`: `[(name, NIXL id)]` of the peers forgotten.
-    fn release(&self) -> PyResult<Forgotten> {
-        Ok(lock(&self.inner)?.release())
-    }
-    /// `(NIXL id, [])` of a registered peer, else `(None, [(name, NIXL id) forgotten])`.
-    fn admit(&self, name: &str, incarnation: u64, digest: &str)
-        -> PyResult<(Option<String>, Forgotten)> {
-        Ok(match lock(&self.inner)?.admit(name, incarnation, digest) {
-            Admission::Known(id) => (Some(id), Vec::new()),
-            Admission::Register { stale } => (None, stale),
-        })
     }
     /// Record a peer as NIXL's registration went: `added` and `loaded` as `(True, what
     /// add_remote_agent returned: bytes or text, its name when empty)` or `(False, why it
@@ -304,17 +294,5 @@ methods {
             Some(loaded.str()?.to_string())
         };
         lock(&self.inner)?.register(name, (incarnation, digest), added, text).out()
-    }
-    /// `{name: (incarnation, metadata digest, NIXL id)}` of the registered peers.
-    fn peers(&self) -> PyResult<BTreeMap<String, (u64, String, String)>> {
-        let t = lock(&self.inner)?;
-        Ok(t.peers()
-            .iter()
-            .map(|(n, r)| (n.clone(), (r.incarnation, r.digest.clone(), r.id.clone())))
-            .collect())
-    }
-    /// `AgentPeers::forget_stale` of `current` (`{agent name: incarnation}`).
-    fn forget_stale(&self, current: BTreeMap<String, u64>) -> PyResult<Forgotten> {
-        Ok(lock(&self.inner)?.forget_stale(&current))
     }
 });

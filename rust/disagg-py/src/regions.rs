@@ -5,9 +5,8 @@ use disagg_core::wire::peer::Region;
 use disagg_core::{RegionTable, RowForm};
 use numpy::{PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
 
-use crate::args::{describe, err, type_err, Int, Kind, Text};
+use crate::args::{describe, err, type_err, Kind, Text};
 use crate::error::IntoPyResult;
 
 /// A caller's `[n, 3]` C-contiguous `uint64` row array, read in place.
@@ -45,19 +44,14 @@ impl RowsArg<'_> {
     }
 }
 
-/// What a region table argument must be.
-const PAIRS: &str = "regions must be a list of (addr, nbytes) pairs";
-
 /// `[(addr, nbytes), ...]` as a validated table (`MetadataError` naming `regions`).
 fn table(regions: &Bound<'_, PyAny>) -> PyResult<RegionTable> {
-    let not_pairs = || type_err("regions", format!("{PAIRS}, got {}", describe(regions)));
-    let pairs: Vec<[Int; 2]> = regions.extract().map_err(|_| not_pairs())?;
-    let region = |[addr, nbytes]: [Int; 2]| -> PyResult<Region> {
-        let (addr, nbytes) =
-            (addr.to_u64(Kind::Argument, "regions")?, nbytes.to_u64(Kind::Argument, "regions")?);
-        Ok(Region { addr, nbytes })
-    };
-    RegionTable::new("regions", pairs.into_iter().map(region).collect::<PyResult<_>>()?).py()
+    let pairs: Vec<[u64; 2]> = regions.extract().map_err(|_| {
+        let got = describe(regions);
+        type_err("regions", format!("regions must be a list of (addr, nbytes) pairs, got {got}"))
+    })?;
+    let regions = pairs.into_iter().map(|[addr, nbytes]| Region { addr, nbytes }).collect();
+    RegionTable::new("regions", regions).py()
 }
 
 /// `RegionTable::group` of gather or scatter rows: `[(region_index, rows), ...]`; with one
@@ -68,7 +62,7 @@ pub fn rows_by_region<'py>(
     rows: Bound<'py, PyAny>,
     form: Text,
     regions: &Bound<'py, PyAny>,
-) -> PyResult<Bound<'py, PyList>> {
+) -> PyResult<Vec<(usize, Bound<'py, PyAny>)>> {
     let form = RowForm::parse(form.get("form")?).py()?;
     let t = table(regions)?;
     let groups = {
@@ -76,14 +70,7 @@ pub fn rows_by_region<'py>(
         let view = r.rows()?;
         py.detach(|| t.group(view, form)).py()?
     };
-    let out = PyList::empty(py);
-    match groups {
-        None => out.append((0usize, rows))?,
-        Some(groups) => {
-            for (i, g) in groups {
-                out.append((i, crate::compile::rows_to_numpy(py, g)?))?;
-            }
-        }
-    }
-    Ok(out)
+    let Some(groups) = groups else { return Ok(vec![(0, rows)]) };
+    let part = |(i, g)| Ok((i, crate::compile::rows_to_numpy(py, g)?.into_any()));
+    groups.into_iter().map(part).collect()
 }

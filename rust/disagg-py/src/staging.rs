@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use disagg_core::pull_parts::{Outcome, PullParts, Queries, Releases};
 use disagg_core::wire::peer::SourceIds;
 use disagg_core::StagingRanges;
-use numpy::{PyArray1, PyArrayMethods};
+use numpy::{PyArray1, PyArrayMethods, PyReadwriteArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PyMapping};
 
@@ -99,12 +99,12 @@ pub fn pull_ids_len(ids: &Bound<'_, PyAny>, sources: usize, rank: Option<i64>) -
 
 /// `disagg_core::write_pull_ids` into `out` (a 1-D `int64` array): `(num_tokens, num_blocks,
 /// stride, written)`, or `None` when the ids do not fit the slot layout. `ValueError` for an
-/// `out` that is not writable and contiguous.
+/// `out` that is not contiguous.
 #[pyfunction]
 #[pyo3(signature = (out, srcs, ranks, src_block_ids, dst_block_ids, num_tokens, *,
     local_num_blocks, local_tokens_per_block, tokens_per_block, checked=false))]
 pub fn write_pull_ids(
-    out: &Bound<'_, PyArray1<i64>>,
+    mut out: PyReadwriteArray1<'_, i64>,
     srcs: Vec<PyRef<'_, PyPeer>>,
     ranks: Vec<u32>,
     src_block_ids: &Bound<'_, PyAny>,
@@ -119,10 +119,7 @@ pub fn write_pull_ids(
     let dst = dst_block_ids.map(|d| ids_of(d, "dst_block_ids")).transpose()?;
     let local = crate::wire::local_side(dst.is_some(), local_num_blocks, local_tokens_per_block)?;
     conv!(tokens_per_block: U32, num_tokens: Opt<BlockI64>);
-    let mut view = out.try_readwrite().map_err(|e| {
-        pyo3::exceptions::PyValueError::new_err(format!("out is not writable: {e}"))
-    })?;
-    let slot = view.as_slice_mut().map_err(|e| {
+    let slot = out.as_slice_mut().map_err(|e| {
         pyo3::exceptions::PyValueError::new_err(format!("out is not contiguous: {e}"))
     })?;
     let (peers, dst) = (metas(&srcs), dst.as_deref());
