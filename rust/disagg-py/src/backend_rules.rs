@@ -2,10 +2,9 @@
 //! conversion only.
 
 use std::borrow::Cow;
-
-use disagg_core::backend_rules::{self as rules, WindowLaunches};
 use std::sync::Arc;
 
+use disagg_core::backend_rules::{self as rules, WindowLaunches};
 use disagg_core::backend_rules::peers::{self, MessagePeer, MetaNode};
 use disagg_core::backend_rules::peers::{NodeShape, PollVerdict, ResolvedIds};
 use disagg_core::p2p_header::MessageKind;
