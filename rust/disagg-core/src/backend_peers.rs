@@ -150,17 +150,30 @@ pub fn ids_by_rank<N: MetaNode>(records: &[(u32, Option<N>)], default: &N) -> Re
     ResolvedIds::ByRank(out)
 }
 
+/// What [`adopt_peer`] builds beside a new peer from it and its schema.
+pub type Attach<'a, A> = &'a mut dyn FnMut(&Arc<PeerMeta>, &WireValue) -> DisaggResult<A>;
+
 /// The table entry of one metadata value a backend is handed: kept without the `block_ids` a
 /// dict carries for one handoff and found again by content; else parsed and adopted with
 /// `attach(peer, schema)` beside it, where `schema` is the value in this library's schema (a
 /// dict without `version` holds the reference design's fields only: translated with `local`
-/// first). Errors: the table's, the translation's, `attach`'s.
+/// first). `to_plan`: a value to plan with, found by content as given, else adopted over
+/// [`planning_defaults`] (its own fields win; not a dict: `Wire` on `peer_meta`). Errors: the
+/// table's, the translation's, `attach`'s.
 pub fn adopt_peer<A: Clone>(
     table: &mut PeerTable<A>,
-    meta: WireValue,
+    (meta, to_plan): (WireValue, bool),
     local: &refmeta::LocalFacts,
-    attach: &mut dyn FnMut(&Arc<PeerMeta>, &WireValue) -> DisaggResult<A>,
+    attach: Attach<'_, A>,
 ) -> DisaggResult<(Arc<PeerMeta>, A)> {
+    let meta = if to_plan {
+        if let Some(hit) = table.lookup(&meta) {
+            return Ok(hit);
+        }
+        over_planning_defaults(meta)?
+    } else {
+        meta
+    };
     let reference = meta.shape() == NodeShape::Map && meta.field("version").is_none();
     let raw = match meta {
         WireValue::Map(mut entries) => {
@@ -176,18 +189,8 @@ pub fn adopt_peer<A: Clone>(
     table.adopt(raw, &schema, |m| attach(m, &schema))
 }
 
-/// The table entry of a metadata value to plan with: found by content as given; else
-/// [`adopt_peer`] of it over [`planning_defaults`] (its own fields win). A value that is not
-/// a dict is a `Wire` error on `peer_meta`.
-pub fn planning_peer<A: Clone>(
-    table: &mut PeerTable<A>,
-    meta: WireValue,
-    local: &refmeta::LocalFacts,
-    attach: &mut dyn FnMut(&Arc<PeerMeta>, &WireValue) -> DisaggResult<A>,
-) -> DisaggResult<(Arc<PeerMeta>, A)> {
-    if let Some(hit) = table.lookup(&meta) {
-        return Ok(hit);
-    }
+/// `meta` (a dict) over [`planning_defaults`]: its own fields win.
+fn over_planning_defaults(meta: WireValue) -> DisaggResult<WireValue> {
     let WireValue::Map(given) = meta else {
         let got = meta.type_name();
         return Err(DisaggError::wire(
@@ -202,7 +205,7 @@ pub fn planning_peer<A: Clone>(
             None => full.push((k, v)),
         }
     }
-    adopt_peer(table, WireValue::Map(full), local, attach)
+    Ok(WireValue::Map(full))
 }
 
 /// The transport fields a metadata dict is planned with where it carries none of its own (a

@@ -135,15 +135,17 @@ fn a_peer_is_adopted_once_without_its_block_ids_and_found_again_by_content() {
         made += 1;
         Ok(made)
     };
-    let first = adopt_peer(&mut t, plus(&valid(), "block_ids", ids(&[1, 2])), &local, &mut attach);
+    let first =
+        adopt_peer(&mut t, (plus(&valid(), "block_ids", ids(&[1, 2])), false), &local, &mut attach);
     assert_eq!(first.unwrap().1, 1);
     // The same peer with other handoff ids, or none, is the entry adopted first.
-    let again = adopt_peer(&mut t, plus(&valid(), "block_ids", ids(&[3])), &local, &mut attach);
+    let again =
+        adopt_peer(&mut t, (plus(&valid(), "block_ids", ids(&[3])), false), &local, &mut attach);
     assert_eq!(again.unwrap().1, 1);
-    assert_eq!(adopt_peer(&mut t, valid(), &local, &mut attach).unwrap().1, 1);
+    assert_eq!(adopt_peer(&mut t, (valid(), false), &local, &mut attach).unwrap().1, 1);
     // Changed content is another peer.
     let other = plus(&valid(), "incarnation", i(8));
-    assert_eq!(adopt_peer(&mut t, other, &local, &mut attach).unwrap().1, 2);
+    assert_eq!(adopt_peer(&mut t, (other, false), &local, &mut attach).unwrap().1, 2);
     assert_eq!((made, t.len()), (2, 2));
 }
 
@@ -152,7 +154,7 @@ fn a_dict_without_a_version_is_translated_from_the_reference_fields_first() {
     let (mut t, local) = (table(), reference_local());
     let mut attach = |_: &Arc<PeerMeta>, _: &WireValue| -> DisaggResult<usize> { Ok(0) };
     let mut kind = |meta: WireValue, t: &mut PeerTable<usize>| {
-        let e = adopt_peer(t, meta, &local, &mut attach).unwrap_err();
+        let e = adopt_peer(t, (meta, false), &local, &mut attach).unwrap_err();
         (e.kind(), e.to_string())
     };
     let mut bare = valid();
@@ -180,11 +182,11 @@ fn a_dict_to_plan_with_gets_the_transport_defaults_under_its_own_fields() {
         e.retain(|(k, _)| k != "agent_metadata" && k != "staging");
     }
     let bare = plus(&bare, "dist_rank", i(3));
-    assert_eq!(planning_peer(&mut t, bare.clone(), &local, &mut attach).unwrap().1, 1);
-    assert_eq!(planning_peer(&mut t, bare, &local, &mut attach).unwrap().1, 1);
+    assert_eq!(adopt_peer(&mut t, (bare.clone(), true), &local, &mut attach).unwrap().1, 1);
+    assert_eq!(adopt_peer(&mut t, (bare, true), &local, &mut attach).unwrap().1, 1);
     // Found as given: a full dict adopted before is not widened.
-    assert_eq!(planning_peer(&mut t, valid(), &local, &mut attach).unwrap().1, 2);
-    let err = planning_peer(&mut t, ids(&[1]), &local, &mut attach).unwrap_err();
+    assert_eq!(adopt_peer(&mut t, (valid(), true), &local, &mut attach).unwrap().1, 2);
+    let err = adopt_peer(&mut t, (ids(&[1]), true), &local, &mut attach).unwrap_err();
     assert!(err.to_string().contains("must be a dict, got list"), "{err}");
     let got = &schemas[0];
     assert_eq!(got.field("agent_metadata"), Some(WireValue::Str(String::new())));

@@ -80,16 +80,10 @@ pub struct ChunkPair {
     pub sizes: Vec<u64>,
 }
 
-/// What a chunked transfer posts, pair by pair.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ChunkSchedule {
-    /// [`chunk_steps`] of every pair's chunks in turn, signed ([`ChunkStep::signed`]).
-    pub steps: Vec<i64>,
-    /// Each pair's headers, one per chunk: sent, or (a receive) expected.
-    pub headers: Vec<Vec<u8>>,
-    /// The tag each pair's messages travel on (`tags::p2p_wire_tag`).
-    pub wire_tags: Vec<i64>,
-}
+/// What a chunked transfer posts, pair by pair: [`chunk_steps`] of every pair's chunks in
+/// turn, signed ([`ChunkStep::signed`]); each pair's headers, one per chunk (sent, or for a
+/// receive expected); the tag each pair's messages travel on ([`wire_tag`]).
+pub type ChunkSchedule = (Vec<i64>, Vec<Vec<u8>>, Vec<i64>);
 
 /// The schedule of a chunked transfer of `pairs` through `slots` staging slots of
 /// `slot_bytes`: refused (`Capacity` on `chunk_bytes`) before anything is posted when a pair's
@@ -105,14 +99,14 @@ pub fn chunk_schedule(
     check_slot_capacity(&pairs.iter().map(|p| p.item_bytes).collect::<Vec<_>>(), slot_bytes)?;
     let sends: Vec<bool> =
         pairs.iter().flat_map(|p| std::iter::repeat_n(p.send, p.sizes.len())).collect();
-    let steps = chunk_steps(&sends, slots)?.into_iter().map(ChunkStep::signed).collect();
+    let steps: Vec<i64> = chunk_steps(&sends, slots)?.into_iter().map(ChunkStep::signed).collect();
     let mut headers = Vec::with_capacity(pairs.len());
     let mut wire_tags = Vec::with_capacity(pairs.len());
     for p in pairs {
         headers.push(encode_headers(MessageKind::sent(p.filler), p.tag, p.incarnation, &p.sizes)?);
         wire_tags.push(wire_tag(p.tag, match_by_order)?);
     }
-    Ok(ChunkSchedule { steps, headers, wire_tags })
+    Ok((steps, headers, wire_tags))
 }
 
 /// `tags::p2p_wire_tag` of a handoff's `tag` (`Argument` on `tag` past `i64`).
@@ -185,14 +179,14 @@ mod tests {
             .into_iter()
             .map(ChunkStep::signed)
             .collect();
-        assert_eq!(got.steps, want);
+        assert_eq!(got.0, want);
         let heads = [
             encode_headers(MessageKind::Data, 9, 2, &[256, 128]).unwrap(),
             encode_headers(MessageKind::Aborted, 9, 2, &[256]).unwrap(),
         ];
-        assert_eq!(got.headers, heads);
-        assert_eq!(got.wire_tags, [9, 9]);
-        assert_eq!(chunk_schedule(&pairs, 256, 2, true).unwrap().wire_tags, [0, 0]);
+        assert_eq!(got.1, heads);
+        assert_eq!(got.2, [9, 9]);
+        assert_eq!(chunk_schedule(&pairs, 256, 2, true).unwrap().2, [0, 0]);
     }
 
     #[test]

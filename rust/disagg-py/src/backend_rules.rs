@@ -4,14 +4,14 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use disagg_core::backend_rules::{self as rules, WindowLaunches};
 use disagg_core::backend_rules::peers::{self, MessagePeer, MetaNode};
 use disagg_core::backend_rules::peers::{NodeShape, PollVerdict, ResolvedIds};
+use disagg_core::backend_rules::{self as rules, WindowLaunches};
 use disagg_core::p2p_header::MessageKind;
 use disagg_core::refmeta;
-use disagg_core::wire::peer::{PeerMeta, PeerTable};
+use disagg_core::wire::peer::PeerMeta;
 use disagg_core::wire::value::WireValue;
-use disagg_core::{DisaggError, DisaggResult};
+use disagg_core::DisaggError;
 use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyBytes, PyMapping, PyString, PyTuple};
 
@@ -205,21 +205,22 @@ pub fn no_blocks(block_ids: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
 pyo3::import_exception!(disagg_rs.exceptions, TransferError);
 pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
 
-/// `peers::poll_verdict`: raises `TransferError` (failed) or `TransferTimeout` (past `deadline`).
-#[pyfunction]
-pub fn poll_verdict(
-    done: bool,
-    error: Option<String>,
-    now: f64,
-    deadline: f64,
-    timeout_s: f64,
-) -> PyResult<bool> {
-    match peers::poll_verdict(done, error, now, (deadline, timeout_s)) {
-        PollVerdict::Running => Ok(false),
-        PollVerdict::Done => Ok(true),
-        PollVerdict::Failed(e) => Err(TransferError::new_err(e)),
-        PollVerdict::TimedOut(e) => Err(TransferTimeout::new_err(e)),
-    }
+// A settled poll as Python sees it: `TransferError` (failed), `TransferTimeout` (past its
+// deadline), else whether it is done.
+outs! {
+    PollVerdict => bool = |v| match v {
+        PollVerdict::Running => false,
+        PollVerdict::Done => true,
+        PollVerdict::Failed(e) => return Err(TransferError::new_err(e)),
+        PollVerdict::TimedOut(e) => return Err(TransferTimeout::new_err(e)),
+    };
+}
+
+core_fns! {
+    /// `peers::poll_verdict`.
+    fn poll_verdict(done: Raw<bool>, error: Raw<Option<String>>, now: Raw<f64>,
+        deadline: Raw<f64>, timeout_s: Raw<f64>) -> bool
+        = peers::poll_verdict(done, error, now, (deadline, timeout_s));
 }
 
 /// `(source rank, packed bytes)` of every source rank of a `TransferProgram`.
@@ -286,17 +287,9 @@ pub struct PyPeerResolver {
     local: refmeta::LocalFacts,
 }
 
-/// `peers::adopt_peer` or `peers::planning_peer`.
-type Entry<A> = fn(
-    &mut PeerTable<A>,
-    WireValue,
-    &refmeta::LocalFacts,
-    &mut dyn FnMut(&Arc<PeerMeta>, &WireValue) -> DisaggResult<A>,
-) -> DisaggResult<(Arc<PeerMeta>, A)>;
-
 impl PyPeerResolver {
-    /// `how` of `meta` over the table, a new entry's `Peer` carrying its schema as a dict.
-    fn entry(&self, meta: &Bound<'_, PyAny>, how: Entry<Arc<Py<PyPeer>>>) -> PyResult<Py<PyPeer>> {
+    /// `peers::adopt_peer` of `meta`, a new entry's `Peer` carrying its schema as a dict.
+    fn entry(&self, meta: &Bound<'_, PyAny>, to_plan: bool) -> PyResult<Py<PyPeer>> {
         let py = meta.py();
         let raw = to_wire(meta, "peer_meta")?;
         let mut made = None;
@@ -309,7 +302,8 @@ impl PyPeerResolver {
                 DisaggError::wire("peer_meta", "could not build the peer")
             })
         };
-        let out = how(&mut self.table.borrow_mut(py).inner, raw, &self.local, &mut attach);
+        let mut table = self.table.borrow_mut(py);
+        let out = peers::adopt_peer(&mut table.inner, (raw, to_plan), &self.local, &mut attach);
         made.map_or_else(|| Ok(out.py()?.1.clone_ref(py)), Err)
     }
 }
@@ -336,14 +330,14 @@ impl PyPeerResolver {
 
     /// `peers::adopt_peer`: the parsed `Peer` of one metadata dict.
     fn adopt(&self, meta: &Bound<'_, PyAny>) -> PyResult<Py<PyPeer>> {
-        self.entry(meta, peers::adopt_peer)
+        self.entry(meta, false)
     }
 
-    /// A `Peer` as is, else `peers::planning_peer` of a metadata dict.
+    /// A `Peer` as is, else `peers::adopt_peer` of a metadata dict to plan with.
     fn peer(&self, meta: &Bound<'_, PyAny>) -> PyResult<Py<PyPeer>> {
         match meta.cast::<PyPeer>() {
             Ok(peer) => Ok(peer.clone().unbind()),
-            Err(_) => self.entry(meta, peers::planning_peer),
+            Err(_) => self.entry(meta, true),
         }
     }
 

@@ -28,7 +28,7 @@ type PairArg = (bool, bool, u64, u64, u64, Vec<u64>);
 
 outs! {
     ChunkSchedule => (Vec<i64>, Vec<Bytes>, Vec<i64>)
-        = |v| (v.steps, v.headers.into_iter().map(Cow::Owned).collect(), v.wire_tags);
+        = |v| (v.0, v.1.into_iter().map(Cow::Owned).collect(), v.2);
 }
 
 convs! {
