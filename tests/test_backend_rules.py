@@ -52,7 +52,7 @@ def test_a_staging_pool_refuses_a_chunk_that_is_not_a_multiple_of_256() -> None:
 def test_rows_are_viewed_in_the_widest_unit_dividing_row_and_offset() -> None:
     def units(row: int, offsets: tuple[int, int]) -> tuple[int, int]:
         rows = np.array([[0, row, 0]], dtype=np.uint64)  # one fragment of one row
-        got = _core.row_copy((rows, "gather"), 0, (row, row), offsets)
+        got = _core.row_copy((rows, "gather", 0, (row, row)), offsets)
         assert got[0] == row
         return tuple(got[1])
 

@@ -950,14 +950,13 @@ class EngineDriverState:
     def turn(self, busy: bool) -> int: ...
     def counters(self) -> dict[str, int]: ...
 
+_RowList = tuple[_U64Array, str, int, tuple[int, int]]
+
 def run_table(
-    list: tuple[_U64Array, str],
-    other_base: int,
-    limits: tuple[int, int],
-    align: list[int],
+    list: _RowList, align: list[int]
 ) -> tuple[_npt.NDArray[_np.int64], int, int, int, int, int, int] | None: ...
 def row_copy(
-    list: tuple[_U64Array, str], base: int, limits: tuple[int, int], offsets: tuple[int, int]
+    list: _RowList, offsets: tuple[int, int]
 ) -> tuple[int, tuple[int, int], _npt.NDArray[_np.int64], _npt.NDArray[_np.int64] | None, int]: ...
 
 # --- model-parallel completion reports (tracker.rs) ---

@@ -156,7 +156,7 @@ def build_run_table(
     """
     rows = np.ascontiguousarray(rows, dtype=np.uint64)
     limits = (int(other_limit), int(packed_limit))
-    got = _core.run_table((rows, form), int(other_base), limits, [int(a) for a in align])
+    got = _core.run_table((rows, form, int(other_base), limits), [int(a) for a in align])
     if got is None:
         return None
     host, n, unit, total, other_end, min_run_units, div_bits = got

@@ -60,10 +60,9 @@ def _row_copy(
     """Rust's row copy of a fragment list between the byte views ``side`` and ``packed``:
     both viewed as rows of the widest unit their storage allows, the scattered-side rows,
     the packed-side rows (``None``: back to back from 0) and the bytes moved."""
-    g, (su, pu), side_rows, packed_rows, total = _core.row_copy(
-        (_u64_rows(rows), form), base, (side.numel(), packed.numel()),
-        (int(side.storage_offset()), int(packed.storage_offset())),
-    )  # fmt: skip
+    row_list = (_u64_rows(rows), form, base, (side.numel(), packed.numel()))
+    offsets = (int(side.storage_offset()), int(packed.storage_offset()))
+    g, (su, pu), side_rows, packed_rows, total = _core.row_copy(row_list, offsets)
     return _rows(side, g, su), _rows(packed, g, pu), side_rows, packed_rows, total
 
 

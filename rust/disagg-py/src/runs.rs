@@ -15,9 +15,10 @@ type RowCopy<'py> =
 /// A run table: the host array the kernel reads and its sizes.
 type Table<'py> = (Bound<'py, PyArray1<i64>>, usize, u64, u64, u64, u64, u32);
 
-/// A compiler row list as Python passes it: `(rows, form name)`.
+/// A compiler row list as Python passes it: `(rows, form name, base, (scattered-side limit,
+/// packed-side limit))`, the scattered side's addresses relative to `base`.
 #[derive(FromPyObject)]
-pub struct RowList<'py>(PyReadonlyArray2<'py, u64>, String);
+pub struct RowList<'py>(PyReadonlyArray2<'py, u64>, String, u64, (u64, u64));
 
 impl RowList<'_> {
     /// The list's values (row-major), its column count and its form.
@@ -26,21 +27,14 @@ impl RowList<'_> {
     }
 }
 
-/// `runs::run_table` of a row list whose scattered side is relative to `other_base`, within
-/// `(other_limit, packed_limit)`: `(host, n_runs, unit, total_bytes, other_end_bytes,
+/// `runs::run_table` of a row list: `(host, n_runs, unit, total_bytes, other_end_bytes,
 /// min_run_units, div_bits)`, or `None`.
 #[pyfunction]
-pub fn run_table<'py>(
-    py: Python<'py>,
-    list: RowList<'py>,
-    other_base: u64,
-    limits: (u64, u64),
-    align: Vec<u64>,
-) -> PyResult<Option<Table<'py>>> {
-    let (flat, cols, form) = list.parts()?;
-    let (other, packed) = limits;
+pub fn run_table(list: RowList<'_>, align: Vec<u64>) -> PyResult<Option<Table<'_>>> {
+    let py = list.0.py();
+    let ((flat, cols, form), base, (other, packed)) = (list.parts()?, list.2, list.3);
     let table =
-        py.detach(|| runs::run_table(flat, cols, form, other_base, other, packed, &align)).py()?;
+        py.detach(|| runs::run_table(flat, cols, form, base, other, packed, &align)).py()?;
     Ok(table.map(|t| {
         let host = t.host.into_pyarray(py);
         (host, t.n_runs, t.unit, t.total_bytes, t.other_end_bytes, t.min_run_units, t.div_bits)
@@ -50,14 +44,9 @@ pub fn run_table<'py>(
 /// `runs::row_copy_units` of a `gather` or `scatter` list between byte views at `offsets`:
 /// `(row_bytes, units, side_rows, packed_rows or None, total_bytes)`.
 #[pyfunction]
-pub fn row_copy<'py>(
-    py: Python<'py>,
-    list: RowList<'py>,
-    base: u64,
-    limits: (u64, u64),
-    offsets: (u64, u64),
-) -> PyResult<RowCopy<'py>> {
-    let (flat, cols, form) = list.parts()?;
+pub fn row_copy(list: RowList<'_>, offsets: (u64, u64)) -> PyResult<RowCopy<'_>> {
+    let py = list.0.py();
+    let ((flat, cols, form), base, limits) = (list.parts()?, list.2, list.3);
     let (rc, units) =
         py.detach(|| runs::row_copy_units(flat, cols, (form, base), limits, offsets)).py()?;
     let packed = rc.packed_rows.map(|v| v.into_pyarray(py));
