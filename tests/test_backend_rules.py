@@ -4,6 +4,7 @@ launch windows, row units, and the CUDA IPC host and reader choices."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,7 +50,15 @@ def test_a_staging_pool_refuses_a_chunk_that_is_not_a_multiple_of_256() -> None:
 
 
 def test_rows_are_viewed_in_the_widest_unit_dividing_row_and_offset() -> None:
-    assert [_core.row_unit(r, o) for r, o in [(16, 0), (16, 4), (6, 0), (16, 3)]] == [8, 4, 2, 1]
+    def units(row: int, offsets: tuple[int, int]) -> tuple[int, int]:
+        rows = np.array([[0, row, 0]], dtype=np.uint64)  # one fragment of one row
+        got = _core.row_copy((rows, "gather", 0, (row, row)), offsets)
+        assert got[0] == row
+        return tuple(got[1])
+
+    assert units(16, (0, 4)) == (8, 4)
+    assert units(6, (0, 0)) == (2, 2)
+    assert units(16, (3, 8)) == (1, 8)
 
 
 def test_a_mapped_buffer_is_read_from_the_local_gpu_when_one_is_given() -> None:
@@ -65,7 +74,8 @@ def test_exports_without_a_host_name_or_empty_share_no_host() -> None:
 
 
 def test_pipeline_windows_round_chunks_to_both_units() -> None:
-    assert _core.pipeline_windows((30, 4), (30, 6), 25) == [(0, 24), (24, 30)]
-    assert _core.pipeline_windows((30, 4), (30, 6), -1)[0] == (0, 12)
+    windows = _core.pipeline_launches((48, 4), (48, 6), 25, 2)
+    assert windows == [((0, 24), (0, 6, 3), (0, 4, 2)), ((24, 48), (6, 12, 3), (4, 8, 2))]
+    assert _core.pipeline_launches((48, 4), (48, 6), -1, 2)[0][0] == (0, 12)
     with pytest.raises(ValueError, match="gather packs 30 bytes but scatter expects 24"):
-        _core.pipeline_windows((30, 4), (24, 4), 16)
+        _core.pipeline_launches((30, 4), (24, 4), 16, 2)

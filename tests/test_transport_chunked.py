@@ -117,12 +117,18 @@ def test_receives_are_posted_ahead_of_the_previous_landing_when_the_pool_has_two
     from disagg_rs import _core
     from disagg_rs.exceptions import ArgumentError
 
+    def steps(sends: list[bool], slots: int) -> list[int]:
+        pairs = [(send, False, 3, 1, 8, [16]) for send in sends]  # one chunk each
+        order, heads, tags = _core.chunk_schedule(pairs, 256, slots, False)
+        assert len(heads) == len(sends) and tags == [3] * len(sends)
+        return list(order)
+
     # k posts chunk k, -(k + 1) lands it: receive 1 is posted before chunk 0 lands.
-    assert _core.chunk_steps([False, False, False], 2) == [0, 1, -1, 2, -2, -3]
-    assert _core.chunk_steps([False, False], 1) == [0, -1, 1, -2]
-    assert _core.chunk_steps([True, True], 2) == [0, 1]
+    assert steps([False, False, False], 2) == [0, 1, -1, 2, -2, -3]
+    assert steps([False, False], 1) == [0, -1, 1, -2]
+    assert steps([True, True], 2) == [0, 1]
     with pytest.raises(ArgumentError, match="slots=0"):
-        _core.chunk_steps([False], 0)
+        steps([False], 0)
 
 
 def test_a_block_larger_than_a_slot_is_refused_before_anything_is_posted() -> None:
@@ -142,7 +148,7 @@ def test_a_block_larger_than_a_slot_is_refused_before_anything_is_posted() -> No
     pool = pipeline.StagingPool(torch.device("cpu"), 1024, 512)  # one block-plane is 1 KiB
     cp = pipeline.ChunkPlan(plan, torch.tensor([0, 1]), 32, peer=1, send=True)
     with pytest.raises(CapacityError, match="chunk_bytes=512"):
-        pipeline.post_chunks([cp], buf, pool, None, 0, _core.PeerSteps())
+        pipeline.post_chunks([cp], buf, pool, None, False, _core.PeerSteps())
 
 
 def test_only_kv_caches_with_one_block_size_and_contiguous_heads_move_in_chunks() -> None:

@@ -618,8 +618,8 @@ class TransferBackendBase:
     @functools.cached_property
     def _peers(self) -> Any:
         """This backend's ``PeerResolver`` over its ``PeerTable``: every peer parsed once,
-        checked against this rank's model-level facts, found again by content (a dict seen
-        before, unchanged, by identity); reference-only dicts translated first."""
+        checked against this rank's model-level facts, found again by content;
+        reference-only dicts translated first."""
         facts = self._compat_facts()
         table = _core.PeerTable(
             self.name,

@@ -25,7 +25,6 @@ the kernel itself).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -156,8 +155,8 @@ def build_run_table(
     (``disagg_core::runs``); this uploads it.
     """
     rows = np.ascontiguousarray(rows, dtype=np.uint64)
-    got = _core.run_table(rows, form, int(other_base), int(other_limit), int(packed_limit),
-                          [int(a) for a in align])  # fmt: skip
+    limits = (int(other_limit), int(packed_limit))
+    got = _core.run_table((rows, form, int(other_base), limits), [int(a) for a in align])
     if got is None:
         return None
     host, n, unit, total, other_end, min_run_units, div_bits = got
@@ -226,9 +225,23 @@ def copy_runs(
     ``gather``: ``scattered`` -> ``packed``; else ``packed`` -> ``scattered``. Bounds must be
     multiples of ``table.unit`` (``ValueError`` otherwise). Queued on the current stream.
     """
-    lo_u, hi_u, programs = _core.packed_window(
+    window = _core.packed_window(
         (packed_lo, packed_hi), (table.total_bytes, table.unit), config.chunk_units
     )
+    return _launch(table, scattered, packed, gather, window, config)
+
+
+def _launch(
+    table: RunTable,
+    scattered: torch.Tensor,
+    packed: torch.Tensor,
+    gather: bool,
+    window: tuple[int, int, int],
+    config: KernelConfig,
+) -> int:
+    """Launch the kernel over ``window`` (``_core.packed_window``: units ``[lo, hi)`` and the
+    programs); return the bytes."""
+    lo_u, hi_u, programs = window
     if hi_u == lo_u:
         return 0
     _, vec = _UNIT_LANES[table.unit]
@@ -375,10 +388,12 @@ def pipelined_handoff(
     """
     # Both tables must pack the same total (``ArgumentError`` otherwise); chunks are
     # ``chunk_bytes`` rounded to both tables' units.
-    windows = _core.pipeline_windows(
+    # Rust cuts the windows and each table's launch over them.
+    windows = _core.pipeline_launches(
         (gather_table.total_bytes, gather_table.unit),
         (scatter_table.total_bytes, scatter_table.unit),
         int(chunk_bytes),
+        config.chunk_units,
     )
     s_pack, s_move, s_land = streams or tuple(
         torch.cuda.Stream(src.device)  # type: ignore[no-untyped-call]
@@ -391,12 +406,11 @@ def pipelined_handoff(
     for s in (s_pack, s_move, s_land):
         s.wait_event(start)
     done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    for lo, hi in windows:  # chunks, not fragments: a handful per handoff
+    for (lo, hi), packs, lands in windows:  # chunks, not fragments: a handful per handoff
         packed_ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
         moved_ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        copy_chunk = functools.partial(copy_runs, packed_lo=lo, packed_hi=hi, config=config)
         with torch.cuda.stream(s_pack):
-            copy_chunk(gather_table, src, src_region, gather=True)
+            _launch(gather_table, src, src_region, True, packs, config)
             packed_ev.record(s_pack)
         with torch.cuda.stream(s_move):
             s_move.wait_event(packed_ev)
@@ -404,6 +418,6 @@ def pipelined_handoff(
             moved_ev.record(s_move)
         with torch.cuda.stream(s_land):
             s_land.wait_event(moved_ev)
-            copy_chunk(scatter_table, dst, dst_region, gather=False)
+            _launch(scatter_table, dst, dst_region, False, lands, config)
     done.record(s_land)
     return done

@@ -12,7 +12,7 @@ by ``tag`` (gloo); the decode must post receives in the order the prefill posts 
 ``match_by_order`` (default: on when the group is NCCL) sends every message on one tag, so
 gloo matches by post order too, as NCCL does.
 
-Every message starts with a fixed-size header built in Rust (``_core.p2p_headers``: the
+Every message starts with a fixed-size header built in Rust (``_core.p2p_sends``: the
 handoff's tag, the sender's incarnation, the chunk index and count, the payload size). The
 receiver checks it before the bytes count (``_core.PeerSteps.check``): a message meant for
 another receive (a receive that never got its send takes the next send on the pair) fails the
@@ -237,10 +237,6 @@ class NcclTransferBackend(TransferBackendBase):
     def _device(self) -> torch.device:
         return self.memory_buffer.device
 
-    def _wire_tag(self, tag: int) -> int:
-        """The tag messages travel on: the handoff's, or one for all (``match_by_order``)."""
-        return _core.p2p_wire_tag(tag, self.match_by_order)
-
     def _checker(
         self, buf: torch.Tensor, peer: int, tag: int, incarnation: int, nbytes: int
     ) -> Callable[[], None]:
@@ -289,10 +285,12 @@ class NcclTransferBackend(TransferBackendBase):
         checks: list[Callable[[], None]] = []
         head = pipeline.HEADER
         # One message from each source rank that sends bytes (Rust: ``MetadataError`` for a
-        # source rank no metadata names).
-        for peer, inc, nbytes, rank in _core.p2p_receives(program, peers):
+        # source rank no metadata names), on the handoff's tag or, matching by post order, one
+        # tag for all.
+        wire_tag, receives = _core.p2p_receives(program, peers, tag, self.match_by_order)
+        for peer, inc, nbytes, rank in receives:
             buf = torch.empty(head + nbytes, dtype=torch.uint8, device=self._device())
-            ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, self._wire_tag(tag)))
+            ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, wire_tag))
             keep.append(buf)
             checks.append(self._checker(buf, peer, tag, inc, nbytes))
             scatters.append(self._lander(buf[head:], program.scatter(rank)))
@@ -349,7 +347,7 @@ class NcclTransferBackend(TransferBackendBase):
             )
             for r in ranks
         ]
-        handle = self._submit_chunks(pairs, tag, timeout_s)
+        handle = self._submit_chunks(pairs, timeout_s)
         chunks = sum(len(p.plan.chunks(num_tokens, self.staging_pool.slot_bytes)) for p in pairs)
         handle.stats = {
             "descriptors": chunks,
@@ -361,7 +359,7 @@ class NcclTransferBackend(TransferBackendBase):
         return handle
 
     def _submit_chunks(
-        self, pairs: list[pipeline.ChunkPlan], tag: int, timeout_s: float | None
+        self, pairs: list[pipeline.ChunkPlan], timeout_s: float | None
     ) -> NcclTransferHandle:
         error: str | None = None
         works: list[Any] = []
@@ -374,7 +372,7 @@ class NcclTransferBackend(TransferBackendBase):
                 self.memory_buffer,
                 self.staging_pool,
                 self.group,
-                self._wire_tag(tag),
+                self.match_by_order,
                 self.steps,
                 self._lane,
             )
@@ -438,13 +436,14 @@ class NcclTransferBackend(TransferBackendBase):
         keep: list[torch.Tensor] = []
         head = pipeline.HEADER
         # One message to each decode rank that reads bytes from this rank, with its header
-        # (Rust picks them and builds the headers).
-        for i, nbytes, raw in _core.p2p_sends(me, programs, filler, tag, self.incarnation):
+        # (Rust picks them, builds the headers and the tag they travel on).
+        wire = (tag, self.incarnation, self.match_by_order)
+        wire_tag, sends = _core.p2p_sends(me, programs, filler, wire)
+        for i, nbytes, raw in sends:
             buf = torch.empty(head + nbytes, dtype=torch.uint8, device=self._device())
             buf[:head].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
             if not filler:
                 self.pack_rows(programs[i].gather(me), buf[head:])
-            wire_tag = self._wire_tag(tag)
             ops.append(dist.P2POp(dist.isend, buf, int(dsts[i]["dist_rank"]), self.group, wire_tag))
             keep.append(buf)
         return self._submit(ops, keep, [], timeout_s)
@@ -494,7 +493,7 @@ class NcclTransferBackend(TransferBackendBase):
                     filler=filler,
                 )
             )
-        return self._submit_chunks(pairs, tag, timeout_s)
+        return self._submit_chunks(pairs, timeout_s)
 
     def _submit(
         self,

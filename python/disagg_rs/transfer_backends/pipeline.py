@@ -13,7 +13,7 @@ exchange.
   send of chunk ``i`` runs while chunk ``i + 1`` packs; the receiver posts the receive of
   chunk ``i + 1`` before it makes the stream wait for chunk ``i`` (``work.wait()`` is a
   stream dependency there) and queues its scatter, so a receive never waits for the
-  previous scatter (``_core.chunk_steps`` orders the steps). A slot is reused only after the
+  previous scatter (``_core.chunk_schedule`` orders the steps). A slot is reused only after the
   scatter that read it was queued and the stream has waited for the message that last used
   it (:meth:`StagingPool.claim`). Completion is one CUDA event.
 - With gloo (host memory) messages complete on the host, so one worker thread per handoff
@@ -25,7 +25,7 @@ exchange.
   rule on gloo), every transfer of the process group runs on one thread (:func:`lane_of`)
   in the order the transfers were started, so each side posts in its serving thread's order.
 
-Every message starts with a ``_core.P2P_HEADER_BYTES`` header (``_core.p2p_headers``: the
+Every message starts with a ``_core.P2P_HEADER_BYTES`` header (``_core.chunk_schedule``: the
 handoff's tag, the sender's incarnation, the chunk index and count, the payload size; a filler
 says ``aborted``), so a slot is that much larger than a chunk. The receiver checks it
 (``_core.PeerSteps.check``) before the bytes count: on host memory before each chunk's
@@ -68,7 +68,7 @@ __all__ = [
     "run_ops",
 ]
 
-#: Bytes of the header in front of every message (``_core.p2p_headers``).
+#: Bytes of the header in front of every message (``_core.chunk_schedule``).
 HEADER = int(_core.P2P_HEADER_BYTES)
 
 #: Default staging pool per engine: 256 MiB (``DISAGG_STAGING_POOL_BYTES`` overrides).
@@ -251,10 +251,12 @@ class ChunkPlan:
         """Payload bytes of each chunk."""
         return [c[3] - c[2] for c in self.plan.chunks(self.n_tok, slot_bytes)]
 
-    def headers(self, slot_bytes: int) -> torch.Tensor:
-        """The headers this side sends (send) or expects (receive), ``HEADER`` bytes each."""
-        raw = _core.p2p_headers(self.filler, self.tag, self.incarnation, self.sizes(slot_bytes))
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    def schedule_args(self, slot_bytes: int) -> tuple[bool, bool, int, int, int, list[int]]:
+        """What ``_core.chunk_schedule`` needs of this pair: the bytes of one block of its
+        largest plane (one slot must hold it) and each chunk's payload bytes."""
+        item = int(self.plan.planes[:, 3].max()) * self.plan.tokens_per_block
+        sizes = self.sizes(slot_bytes)
+        return self.send, self.filler, self.tag, self.incarnation, item, sizes
 
     def check(self, steps: _core.PeerSteps, got: torch.Tensor, slot_bytes: int, first: int) -> None:
         """Check received headers of chunks ``first..`` (``PushAbortedError`` for fillers,
@@ -321,13 +323,13 @@ def post_chunks(
     buffer: torch.Tensor,
     pool: StagingPool,
     group: Any,
-    wire_tag: int,
+    match_by_order: bool,
     steps: _core.PeerSteps,
     lane: Lane = _SPAWN,
 ) -> tuple[list[Any], Callable[[], bool], list[Callable[[], None]], list[str]]:
-    """Move every pair's chunks through ``pool``, every message on ``wire_tag`` (the
-    handoff's tag, or one tag for every handoff where messages match by post order);
-    received headers are checked through ``steps``.
+    """Move every pair's chunks through ``pool``, every message on its pair's tag (or, where
+    messages ``match_by_order``, one tag for every handoff); received headers are checked
+    through ``steps``.
 
     Returns ``(works, done, checks, errors)``: on CUDA, ``works`` are the NCCL works,
     ``done()`` queries the event recorded after the last scatter and ``checks`` check each
@@ -337,16 +339,21 @@ def post_chunks(
     ``errors`` holds the failures (e.g. the process group's timeout on a peer that never
     answered, a filler, a message out of step).
     """
-    # One block of one plane must fit a slot (``CapacityError`` before anything is posted).
-    items = [int(cp.plan.planes[:, 3].max()) * cp.plan.tokens_per_block for cp in pairs]
-    _core.check_slot_capacity(items, pool.slot_bytes)
+    # One block of one plane must fit a slot (``CapacityError`` before anything is posted);
+    # Rust orders the steps, builds each pair's headers (sent, or (receive) expected, then
+    # overwritten by what came) and picks the tag each pair's messages travel on.
+    order, raw_heads, wire_tags = _core.chunk_schedule(
+        [cp.schedule_args(pool.slot_bytes) for cp in pairs],
+        pool.slot_bytes,
+        pool.slots,
+        match_by_order,
+    )
     chunks = [
         (p, i, c)
         for p, cp in enumerate(pairs)
         for i, c in enumerate(cp.plan.chunks(cp.n_tok, pool.slot_bytes))
     ]
-    # Each pair's headers: sent, or (receive) expected, then overwritten by what came.
-    heads = [cp.headers(pool.slot_bytes).to(buffer.device) for cp in pairs]
+    heads = [torch.frombuffer(bytearray(h), dtype=torch.uint8).to(buffer.device) for h in raw_heads]
     errors: list[str] = []
     if buffer.is_cuda:
         works: list[Any] = []
@@ -362,7 +369,7 @@ def post_chunks(
         # for everything queued on the stream when it is posted); the order is Rust's.
         posted: dict[int, tuple[Any, Callable[[], None], torch.Tensor, torch.Tensor]] = {}
         with torch.cuda.stream(stream):
-            for step in _core.chunk_steps([pairs[p].send for p, _, _ in chunks], pool.slots):
+            for step in order:
                 if step < 0:
                     work, land, window, aside = posted.pop(-step - 1)
                     work.wait()  # the stream waits for the message; the host does not
@@ -374,7 +381,7 @@ def post_chunks(
                 pool.claim(index)
                 own = heads[p][i * HEADER : (i + 1) * HEADER]
                 slot = pool.slot(index)
-                post, land = _one_chunk(pairs[p], buffer, slot, chunk, group, wire_tag, own)
+                post, land = _one_chunk(pairs[p], buffer, slot, chunk, group, wire_tags[p], own)
                 work = post()
                 works.append(work)
                 pool.release(index, work)
@@ -397,7 +404,7 @@ def post_chunks(
             )
             for p, i, chunk in chunks:
                 head = heads[p][i * HEADER : (i + 1) * HEADER]
-                post, land = _one_chunk(pairs[p], buffer, own, chunk, group, wire_tag, head)
+                post, land = _one_chunk(pairs[p], buffer, own, chunk, group, wire_tags[p], head)
                 post().wait()
                 receivers[p](own[:HEADER], i, land)
         except Exception as exc:

@@ -32,7 +32,7 @@ __all__ = ["byte_view", "pack_torch", "scatter_torch"]
 
 _U64Array = npt.NDArray[np.uint64]
 
-# Element type of each row-view unit (``_core.row_unit`` picks the widest: wider copies faster).
+# Element type of each row-view unit (``_core.row_copy`` picks the widest: wider copies faster).
 _UNIT_DTYPES: dict[int, torch.dtype] = {
     8: torch.int64,
     4: torch.int32,
@@ -48,12 +48,22 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def _rows(flat_u8: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    """View ``flat_u8`` as ``[n, row_bytes / unit]`` of the widest unit the storage allows."""
+def _rows(flat_u8: torch.Tensor, row_bytes: int, unit: int) -> torch.Tensor:
+    """View ``flat_u8`` as ``[n, row_bytes / unit]`` of ``unit``-byte elements."""
     n = flat_u8.numel() // row_bytes
-    head = flat_u8[: n * row_bytes]
-    unit = _core.row_unit(row_bytes, int(head.storage_offset()))
-    return head.view(_UNIT_DTYPES[unit]).view(n, row_bytes // unit)
+    return flat_u8[: n * row_bytes].view(_UNIT_DTYPES[unit]).view(n, row_bytes // unit)
+
+
+def _row_copy(
+    rows: _U64Array, form: str, base: int, side: torch.Tensor, packed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, npt.NDArray[np.int64], npt.NDArray[np.int64] | None, int]:
+    """Rust's row copy of a fragment list between the byte views ``side`` and ``packed``:
+    both viewed as rows of the widest unit their storage allows, the scattered-side rows,
+    the packed-side rows (``None``: back to back from 0) and the bytes moved."""
+    row_list = (_u64_rows(rows), form, base, (side.numel(), packed.numel()))
+    offsets = (int(side.storage_offset()), int(packed.storage_offset()))
+    g, (su, pu), side_rows, packed_rows, total = _core.row_copy(row_list, offsets)
+    return _rows(side, g, su), _rows(packed, g, pu), side_rows, packed_rows, total
 
 
 def _u64_rows(rows: _U64Array) -> _U64Array:
@@ -75,15 +85,11 @@ def pack_torch(
     announces the region to a reader.
     """
     src_u8, out_u8 = byte_view(buffer), byte_view(staging)
-    rows = _u64_rows(gather)
-    g, take, at, total = _core.row_copy(
-        rows, "gather", buffer_addr, (src_u8.numel(), out_u8.numel())
-    )
-    src_rows, out_rows = _rows(src_u8, g), _rows(out_u8, g)
+    src_rows, out_rows, take, at, total = _row_copy(gather, "gather", buffer_addr, src_u8, out_u8)
     taken = _index(take, src_u8.device)
     if at is None:
         # Canonical packing: select straight into the staging rows, one copy in all.
-        torch.index_select(src_rows, 0, taken, out=out_rows[: total // g])
+        torch.index_select(src_rows, 0, taken, out=out_rows[: len(take)])
     else:
         out_rows.index_copy_(0, _index(at, out_u8.device), src_rows[taken])
     return total
@@ -98,13 +104,9 @@ def scatter_torch(
     address the ``dst_addr`` column is relative to. Returns the bytes written.
     """
     in_u8, dst_u8 = byte_view(staging), byte_view(buffer)
-    rows = _u64_rows(scatter_list)
-    g, put, at, total = _core.row_copy(
-        rows, "scatter", buffer_addr, (dst_u8.numel(), in_u8.numel())
+    dst_rows, in_rows, put, at, total = _row_copy(
+        scatter_list, "scatter", buffer_addr, dst_u8, in_u8
     )
-    in_rows, dst_rows = _rows(in_u8, g), _rows(dst_u8, g)
-    moved = (
-        in_rows[: total // g] if at is None else in_rows.index_select(0, _index(at, in_u8.device))
-    )
+    moved = in_rows[: len(put)] if at is None else in_rows.index_select(0, _index(at, in_u8.device))
     dst_rows.index_copy_(0, _index(put, dst_u8.device), moved)
     return total

@@ -5,9 +5,12 @@
 //! functions over a [`MetaNode`] view, so the bindings walk Python objects in place and the
 //! tests walk wire values.
 
-use std::collections::HashMap;
+use std::sync::Arc;
 
+use crate::chunks::wire_tag;
 use crate::p2p_header::{encode_headers, MessageKind};
+use crate::refmeta;
+use crate::wire::peer::{PeerMeta, PeerTable};
 use crate::wire::value::WireValue;
 use crate::{DisaggError, DisaggResult};
 
@@ -147,67 +150,83 @@ pub fn ids_by_rank<N: MetaNode>(records: &[(u32, Option<N>)], default: &N) -> Re
     ResolvedIds::ByRank(out)
 }
 
-/// How a metadata object joins a peer table: `(strip_ids, reference)`: a dict carrying its
-/// own `block_ids` (per handoff) is adopted without them, and a dict without a `version` holds
-/// the reference design's fields only (translated first).
-pub fn adoption<N: MetaNode>(meta: &N) -> (bool, bool) {
-    let dict = meta.shape() == NodeShape::Map;
-    (dict && meta.field("block_ids").is_some(), dict && meta.field("version").is_none())
+/// What [`adopt_peer`] builds beside a new peer from it and its schema.
+pub type Attach<'a, A> = &'a mut dyn FnMut(&Arc<PeerMeta>, &WireValue) -> DisaggResult<A>;
+
+/// The table entry of one metadata value a backend is handed: kept without the `block_ids` a
+/// dict carries for one handoff and found again by content; else parsed and adopted with
+/// `attach(peer, schema)` beside it, where `schema` is the value in this library's schema (a
+/// dict without `version` holds the reference design's fields only: translated with `local`
+/// first). `to_plan`: a value to plan with, found by content as given, else adopted over
+/// [`planning_defaults`] (its own fields win; not a dict: `Wire` on `peer_meta`). Errors: the
+/// table's, the translation's, `attach`'s.
+pub fn adopt_peer<A: Clone>(
+    table: &mut PeerTable<A>,
+    (meta, to_plan): (WireValue, bool),
+    local: &refmeta::LocalFacts,
+    attach: Attach<'_, A>,
+) -> DisaggResult<(Arc<PeerMeta>, A)> {
+    let meta = if to_plan {
+        if let Some(hit) = table.lookup(&meta) {
+            return Ok(hit);
+        }
+        over_planning_defaults(meta)?
+    } else {
+        meta
+    };
+    let reference = meta.shape() == NodeShape::Map && meta.field("version").is_none();
+    let raw = match meta {
+        WireValue::Map(mut entries) => {
+            entries.retain(|(k, _)| k != "block_ids");
+            WireValue::Map(entries)
+        }
+        other => other,
+    };
+    if let Some(hit) = table.lookup(&raw) {
+        return Ok(hit);
+    }
+    let schema = if reference { refmeta::meta_from_reference(&raw, local)? } else { raw.clone() };
+    table.adopt(raw, &schema, |m| attach(m, &schema))
+}
+
+/// `meta` (a dict) over [`planning_defaults`]: its own fields win.
+fn over_planning_defaults(meta: WireValue) -> DisaggResult<WireValue> {
+    let WireValue::Map(given) = meta else {
+        let got = meta.type_name();
+        return Err(DisaggError::wire(
+            "peer_meta",
+            format!("peer metadata must be a dict, got {got}"),
+        ));
+    };
+    let mut full = planning_entries();
+    for (k, v) in given {
+        match full.iter_mut().find(|(have, _)| *have == k) {
+            Some(slot) => slot.1 = v,
+            None => full.push((k, v)),
+        }
+    }
+    Ok(WireValue::Map(full))
 }
 
 /// The transport fields a metadata dict is planned with where it carries none of its own (a
 /// sibling's or this rank's metadata, derived without the transport's registration): no agent
 /// blob, no staging pool, process rank 0.
 pub fn planning_defaults() -> WireValue {
-    WireValue::Map(vec![
+    WireValue::Map(planning_entries())
+}
+
+fn planning_entries() -> Vec<(String, WireValue)> {
+    vec![
         ("agent_metadata".to_owned(), WireValue::Str(String::new())),
         ("staging".to_owned(), WireValue::Null),
         ("dist_rank".to_owned(), WireValue::Int(0)),
-    ])
+    ]
 }
 
 /// Whether a handoff has nothing to move: every block id list given (`None`s skipped; a
 /// per-rank map counts all its lists) is empty. `counts` holds each argument's list lengths.
 pub fn nothing_to_move(counts: &[Vec<usize>]) -> bool {
     counts.iter().flatten().all(|&n| n == 0)
-}
-
-/// Objects remembered by identity (`id`) with what was derived from them, up to `limit`
-/// entries; past it the memo starts again.
-#[derive(Debug)]
-pub struct IdentityMemo<V> {
-    entries: HashMap<usize, V>,
-    limit: usize,
-}
-
-impl<V> IdentityMemo<V> {
-    /// An empty memo of at most `limit` entries.
-    pub fn new(limit: usize) -> Self {
-        Self { entries: HashMap::new(), limit }
-    }
-
-    /// The entry of `id` if `still` says it still describes the object now under that id.
-    pub fn get(&self, id: usize, still: impl FnOnce(&V) -> bool) -> Option<&V> {
-        self.entries.get(&id).filter(|v| still(v))
-    }
-
-    /// Remember `value` for `id` (a full memo is emptied first).
-    pub fn insert(&mut self, id: usize, value: V) {
-        if self.entries.len() >= self.limit {
-            self.entries.clear();
-        }
-        self.entries.insert(id, value);
-    }
-
-    /// Entries held.
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    /// Whether no entry is held.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
 }
 
 /// The outcome of a two-sided transfer once every part completed: the first failure, in this
@@ -262,12 +281,14 @@ pub struct MessagePeer {
 }
 
 /// The receives of a destination: one per source rank of its program (`(rank, packed bytes)`
-/// in plan order) that sends bytes, with that rank's peer. A source rank no peer names is a
-/// `Wire` error on `peer_meta`.
+/// in plan order) that sends bytes, with that rank's peer, and the tag they travel on
+/// ([`wire_tag`] of the handoff's `tag`). A source rank no peer names is a `Wire` error on
+/// `peer_meta`.
 pub fn p2p_receives(
     sources: &[(u32, u64)],
     peers: &[MessagePeer],
-) -> DisaggResult<Vec<(MessagePeer, u64)>> {
+    (tag, match_by_order): (u64, bool),
+) -> DisaggResult<(i64, Vec<(MessagePeer, u64)>)> {
     let mut out = Vec::new();
     for &(rank, nbytes) in sources {
         let peer = peers.iter().find(|p| p.global_rank == rank).ok_or_else(|| {
@@ -280,7 +301,7 @@ pub fn p2p_receives(
             out.push((*peer, nbytes));
         }
     }
-    Ok(out)
+    Ok((wire_tag(tag, match_by_order)?, out))
 }
 
 /// The sends of source rank `me`: for each destination's program (its source ranks with
@@ -295,18 +316,24 @@ pub fn p2p_sends(me: u32, programs: &[Vec<(u32, u64)>]) -> Vec<(usize, u64)> {
         .collect()
 }
 
+/// One message a source sends: `(destination index, packed bytes, header)`.
+pub type SendMessage = (usize, u64, Vec<u8>);
+
 /// [`p2p_sends`] with each message's header (`p2p_header::encode_headers` of one message of
-/// `kind`): `(destination index, packed bytes, header)`.
+/// `kind`): `(destination index, packed bytes, header)`, and the tag they travel on
+/// ([`wire_tag`]).
 pub fn p2p_send_messages(
     me: u32,
     programs: &[Vec<(u32, u64)>],
     kind: MessageKind,
     (tag, incarnation): (u64, u64),
-) -> DisaggResult<Vec<(usize, u64, Vec<u8>)>> {
-    p2p_sends(me, programs)
+    match_by_order: bool,
+) -> DisaggResult<(i64, Vec<SendMessage>)> {
+    let sends = p2p_sends(me, programs)
         .into_iter()
         .map(|(i, n)| Ok((i, n, encode_headers(kind, tag, incarnation, &[n])?)))
-        .collect()
+        .collect::<DisaggResult<_>>()?;
+    Ok((wire_tag(tag, match_by_order)?, sends))
 }
 
 impl MetaNode for WireValue {

@@ -85,15 +85,6 @@ fn the_call_s_ids_stay_as_given_unless_a_record_carries_its_own() {
 }
 
 #[test]
-fn a_dict_is_adopted_without_its_block_ids_and_translated_without_a_version() {
-    assert_eq!(adoption(&with_ids("a", &[1])), (true, true));
-    assert_eq!(adoption(&map(vec![("version", i(1))])), (false, false));
-    assert_eq!(adoption(&map(vec![("version", i(1)), ("block_ids", ids(&[]))])), (true, false));
-    assert_eq!(adoption(&ids(&[1])), (false, false));
-    assert_eq!(adoption(&WireValue::Null), (false, false));
-}
-
-#[test]
 fn a_dict_without_transport_fields_is_planned_with_none_and_rank_0() {
     let want = map(vec![
         ("agent_metadata", WireValue::Str(String::new())),
@@ -103,16 +94,103 @@ fn a_dict_without_transport_fields_is_planned_with_none_and_rank_0() {
     assert_eq!(planning_defaults(), want);
 }
 
+fn table() -> PeerTable<usize> {
+    let local = crate::wire::peer::LocalFacts {
+        state_kind: crate::wire::peer::StateKind::Kv,
+        dtype: "torch.float32".into(),
+        head_dim: 4,
+        num_layers: Some(2),
+        compat_hash: "0123456789abcdef".into(),
+    };
+    PeerTable::new("nixl", local)
+}
+
+fn reference_local() -> refmeta::LocalFacts {
+    refmeta::LocalFacts {
+        backend: "nixl".into(),
+        state_kind: "kv".into(),
+        element_size: 4,
+        dtype: "torch.float32".into(),
+    }
+}
+
+fn valid() -> WireValue {
+    use crate::wire::peer::{tests::meta_with_staging, Region};
+    meta_with_staging(Region { addr: 1 << 20, nbytes: 4096 })
+}
+
+fn plus(meta: &WireValue, key: &str, v: WireValue) -> WireValue {
+    let WireValue::Map(mut e) = meta.clone() else { panic!("a map") };
+    e.retain(|(k, _)| k != key);
+    e.push((key.to_owned(), v));
+    WireValue::Map(e)
+}
+
 #[test]
-fn the_memo_finds_an_unchanged_object_and_restarts_when_full() {
-    let mut memo = IdentityMemo::new(2);
-    memo.insert(10, "a");
-    memo.insert(11, "b");
-    assert_eq!(memo.get(10, |_| true), Some(&"a"));
-    assert_eq!(memo.get(10, |v| *v == "changed"), None);
-    memo.insert(12, "c");
-    assert_eq!((memo.len(), memo.get(10, |_| true)), (1, None));
-    assert!(!memo.is_empty());
+fn a_peer_is_adopted_once_without_its_block_ids_and_found_again_by_content() {
+    let (mut t, local) = (table(), reference_local());
+    let mut made = 0;
+    let mut attach = |_: &Arc<PeerMeta>, schema: &WireValue| {
+        assert_eq!(schema.field("block_ids"), None);
+        made += 1;
+        Ok(made)
+    };
+    let first =
+        adopt_peer(&mut t, (plus(&valid(), "block_ids", ids(&[1, 2])), false), &local, &mut attach);
+    assert_eq!(first.unwrap().1, 1);
+    // The same peer with other handoff ids, or none, is the entry adopted first.
+    let again =
+        adopt_peer(&mut t, (plus(&valid(), "block_ids", ids(&[3])), false), &local, &mut attach);
+    assert_eq!(again.unwrap().1, 1);
+    assert_eq!(adopt_peer(&mut t, (valid(), false), &local, &mut attach).unwrap().1, 1);
+    // Changed content is another peer.
+    let other = plus(&valid(), "incarnation", i(8));
+    assert_eq!(adopt_peer(&mut t, (other, false), &local, &mut attach).unwrap().1, 2);
+    assert_eq!((made, t.len()), (2, 2));
+}
+
+#[test]
+fn a_dict_without_a_version_is_translated_from_the_reference_fields_first() {
+    let (mut t, local) = (table(), reference_local());
+    let mut attach = |_: &Arc<PeerMeta>, _: &WireValue| -> DisaggResult<usize> { Ok(0) };
+    let mut kind = |meta: WireValue, t: &mut PeerTable<usize>| {
+        let e = adopt_peer(t, (meta, false), &local, &mut attach).unwrap_err();
+        (e.kind(), e.to_string())
+    };
+    let mut bare = valid();
+    if let WireValue::Map(e) = &mut bare {
+        e.retain(|(k, _)| k != "version");
+    }
+    let translated = refmeta::meta_from_reference(&bare, &local).unwrap_err();
+    assert_eq!(kind(bare, &mut t), (translated.kind(), translated.to_string()));
+    // With a version it is parsed as given: the parse's error, not the translation's.
+    let parsed = kind(plus(&valid(), "head_dim", i(8)), &mut t);
+    assert_ne!(parsed.1, translated.to_string());
+    assert_eq!(t.len(), 0);
+}
+
+#[test]
+fn a_dict_to_plan_with_gets_the_transport_defaults_under_its_own_fields() {
+    let (mut t, local) = (table(), reference_local());
+    let mut schemas = Vec::new();
+    let mut attach = |_: &Arc<PeerMeta>, schema: &WireValue| {
+        schemas.push(schema.clone());
+        Ok(schemas.len())
+    };
+    let mut bare = valid();
+    if let WireValue::Map(e) = &mut bare {
+        e.retain(|(k, _)| k != "agent_metadata" && k != "staging");
+    }
+    let bare = plus(&bare, "dist_rank", i(3));
+    assert_eq!(adopt_peer(&mut t, (bare.clone(), true), &local, &mut attach).unwrap().1, 1);
+    assert_eq!(adopt_peer(&mut t, (bare, true), &local, &mut attach).unwrap().1, 1);
+    // Found as given: a full dict adopted before is not widened.
+    assert_eq!(adopt_peer(&mut t, (valid(), true), &local, &mut attach).unwrap().1, 2);
+    let err = adopt_peer(&mut t, (ids(&[1]), true), &local, &mut attach).unwrap_err();
+    assert!(err.to_string().contains("must be a dict, got list"), "{err}");
+    let got = &schemas[0];
+    assert_eq!(got.field("agent_metadata"), Some(WireValue::Str(String::new())));
+    assert_eq!((got.field("staging"), got.field("dist_rank")), (Some(WireValue::Null), Some(i(3))));
 }
 
 #[test]
@@ -128,9 +206,10 @@ fn the_first_failure_wins_posting_then_works_then_threads() {
 fn receives_skip_empty_sources_and_refuse_a_source_no_peer_names() {
     let p = |g, d| MessagePeer { global_rank: g, dist_rank: d, incarnation: 9 };
     let peers = [p(0, 4), p(1, 5)];
-    let got = p2p_receives(&[(1, 64), (0, 0)], &peers).unwrap();
-    assert_eq!(got, [(p(1, 5), 64)]);
-    let err = p2p_receives(&[(0, 8), (3, 8)], &peers).unwrap_err();
+    let got = p2p_receives(&[(1, 64), (0, 0)], &peers, (6, false)).unwrap();
+    assert_eq!(got, (6, vec![(p(1, 5), 64)]));
+    assert_eq!(p2p_receives(&[(1, 64)], &peers, (6, true)).unwrap().0, 0);
+    let err = p2p_receives(&[(0, 8), (3, 8)], &peers, (6, false)).unwrap_err();
     assert!(matches!(&err, DisaggError::Wire { field, .. } if field == "peer_meta"));
     assert!(err.to_string().contains("source rank 3"), "{err}");
 }
@@ -147,7 +226,8 @@ fn each_send_carries_the_header_of_its_one_message() {
     let programs = vec![vec![(1, 20)], vec![(0, 5)], vec![(1, 7)]];
     for filler in [false, true] {
         let kind = MessageKind::sent(filler);
-        let got = p2p_send_messages(1, &programs, kind, (9, 4)).unwrap();
+        let (tag, got) = p2p_send_messages(1, &programs, kind, (9, 4), filler).unwrap();
+        assert_eq!(tag, if filler { 0 } else { 9 });
         let ids: Vec<_> = got.iter().map(|(i, n, _)| (*i, *n)).collect();
         assert_eq!(ids, p2p_sends(1, &programs));
         for (_, n, head) in &got {

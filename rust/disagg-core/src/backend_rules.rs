@@ -282,6 +282,33 @@ pub fn pipeline_windows(
     Ok(starts.map(|lo| (lo, (lo + step).min(total))).collect())
 }
 
+/// One launch of the copy kernel: `(lo, hi, programs)` in its table's units
+/// ([`packed_window`]).
+pub type Launch = (u64, u64, u64);
+
+/// One window `[lo, hi)` of a pipelined handoff with its gather and scatter launches.
+pub type WindowLaunches = ((u64, u64), Launch, Launch);
+
+/// The launches of a pipelined handoff: per [`pipeline_windows`] window `[lo, hi)` of packed
+/// bytes, the gather table's and the scatter table's [`packed_window`] (at most `chunk_units`
+/// units per program). Errors: theirs.
+pub fn pipeline_launches(
+    gather: (u64, u64),
+    scatter: (u64, u64),
+    chunk_bytes: i64,
+    chunk_units: u64,
+) -> DisaggResult<Vec<WindowLaunches>> {
+    let at = |b: u64| i64::try_from(b).unwrap_or(i64::MAX);
+    pipeline_windows(gather, scatter, chunk_bytes)?
+        .into_iter()
+        .map(|(lo, hi)| {
+            let range = (at(lo), Some(at(hi)));
+            let launch = |table| packed_window(range, table, chunk_units);
+            Ok(((lo, hi), launch(gather)?, launch(scatter)?))
+        })
+        .collect()
+}
+
 /// Which implementation copies fragments of a tensor: `forced` (`DISAGG_STAGING_KERNEL`)
 /// `"torch"` or `"triton"` wins; otherwise Triton exactly when the tensor is on CUDA and
 /// Triton imports (`cuda_with_triton`).

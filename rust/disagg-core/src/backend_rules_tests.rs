@@ -126,6 +126,24 @@ fn tables_of_different_totals_cannot_be_pipelined() {
 }
 
 #[test]
+fn each_pipeline_window_launches_both_tables_over_its_units() {
+    let got = pipeline_launches((48, 4), (48, 6), 25, 2).unwrap();
+    let want = [((0, 24), (0, 6, 3), (0, 4, 2)), ((24, 48), (6, 12, 3), (4, 8, 2))];
+    assert_eq!(got, want);
+    for ((lo, hi), g, s) in got {
+        let range = (i64::try_from(lo).unwrap(), Some(i64::try_from(hi).unwrap()));
+        assert_eq!(
+            (g, s),
+            (packed_window(range, (48, 4), 2).unwrap(), packed_window(range, (48, 6), 2).unwrap())
+        );
+    }
+    assert!(pipeline_launches((48, 4), (40, 4), 16, 2).is_err());
+    // A window off a table's units is refused as a single launch would be.
+    let err = pipeline_launches((30, 4), (30, 6), 25, 1).unwrap_err();
+    assert!(err.to_string().contains("4-byte units"), "{err}");
+}
+
+#[test]
 fn the_staging_path_honours_the_override_then_the_device() {
     assert_eq!(staging_path("torch", true), "torch");
     assert_eq!(staging_path("triton", false), "triton");

@@ -10,7 +10,10 @@
 
 use std::collections::VecDeque;
 
+use crate::backend_rules::check_slot_capacity;
 use crate::error::{DisaggError, DisaggResult};
+use crate::p2p_header::{encode_headers, MessageKind};
+use crate::tags::p2p_wire_tag;
 
 /// One step of a chunked transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +63,59 @@ pub fn chunk_steps(sends: &[bool], slots: usize) -> DisaggResult<Vec<ChunkStep>>
     Ok(steps)
 }
 
+/// One peer pair of a chunked transfer, as its schedule needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkPair {
+    /// Whether this side sends (else it receives).
+    pub send: bool,
+    /// Whether the messages say `aborted` (a send that cannot send the blocks' bytes).
+    pub filler: bool,
+    /// The handoff's tag.
+    pub tag: u64,
+    /// The sender's incarnation.
+    pub incarnation: u64,
+    /// Bytes of one block of the pair's largest plane: one slot must hold it.
+    pub item_bytes: u64,
+    /// Payload bytes of each chunk, in order.
+    pub sizes: Vec<u64>,
+}
+
+/// What a chunked transfer posts, pair by pair: [`chunk_steps`] of every pair's chunks in
+/// turn, signed ([`ChunkStep::signed`]); each pair's headers, one per chunk (sent, or for a
+/// receive expected); the tag each pair's messages travel on ([`wire_tag`]).
+pub type ChunkSchedule = (Vec<i64>, Vec<Vec<u8>>, Vec<i64>);
+
+/// The schedule of a chunked transfer of `pairs` through `slots` staging slots of
+/// `slot_bytes`: refused (`Capacity` on `chunk_bytes`) before anything is posted when a pair's
+/// block does not fit a slot; else the steps, headers and wire tags of every pair (messages
+/// matched by post order when `match_by_order`). `Argument` on `slots` for an empty pool,
+/// `Argument` on `tag` for a tag past `i64`.
+pub fn chunk_schedule(
+    pairs: &[ChunkPair],
+    slot_bytes: u64,
+    slots: usize,
+    match_by_order: bool,
+) -> DisaggResult<ChunkSchedule> {
+    check_slot_capacity(&pairs.iter().map(|p| p.item_bytes).collect::<Vec<_>>(), slot_bytes)?;
+    let sends: Vec<bool> =
+        pairs.iter().flat_map(|p| std::iter::repeat_n(p.send, p.sizes.len())).collect();
+    let steps: Vec<i64> = chunk_steps(&sends, slots)?.into_iter().map(ChunkStep::signed).collect();
+    let mut headers = Vec::with_capacity(pairs.len());
+    let mut wire_tags = Vec::with_capacity(pairs.len());
+    for p in pairs {
+        headers.push(encode_headers(MessageKind::sent(p.filler), p.tag, p.incarnation, &p.sizes)?);
+        wire_tags.push(wire_tag(p.tag, match_by_order)?);
+    }
+    Ok((steps, headers, wire_tags))
+}
+
+/// `tags::p2p_wire_tag` of a handoff's `tag` (`Argument` on `tag` past `i64`).
+pub fn wire_tag(tag: u64, match_by_order: bool) -> DisaggResult<i64> {
+    let tag = i64::try_from(tag)
+        .map_err(|_| DisaggError::argument("tag", format!("tag={tag} is past 2**63")))?;
+    Ok(p2p_wire_tag(tag, match_by_order))
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -107,6 +163,45 @@ mod tests {
         use ChunkStep::{Land, Post};
         let steps = chunk_steps(&[false, false, false], 2).unwrap();
         assert_eq!(steps, [Post(0), Post(1), Land(0), Post(2), Land(1), Land(2)]);
+    }
+
+    fn pair(send: bool, item_bytes: u64, sizes: &[u64]) -> ChunkPair {
+        ChunkPair { send, filler: false, tag: 9, incarnation: 2, item_bytes, sizes: sizes.to_vec() }
+    }
+
+    #[test]
+    fn a_schedule_orders_every_pair_s_chunks_and_heads_them() {
+        let pairs =
+            [pair(false, 64, &[256, 128]), ChunkPair { filler: true, ..pair(true, 64, &[256]) }];
+        let got = chunk_schedule(&pairs, 256, 2, false).unwrap();
+        let want: Vec<i64> = chunk_steps(&[false, false, true], 2)
+            .unwrap()
+            .into_iter()
+            .map(ChunkStep::signed)
+            .collect();
+        assert_eq!(got.0, want);
+        let heads = [
+            encode_headers(MessageKind::Data, 9, 2, &[256, 128]).unwrap(),
+            encode_headers(MessageKind::Aborted, 9, 2, &[256]).unwrap(),
+        ];
+        assert_eq!(got.1, heads);
+        assert_eq!(got.2, [9, 9]);
+        assert_eq!(chunk_schedule(&pairs, 256, 2, true).unwrap().2, [0, 0]);
+    }
+
+    #[test]
+    fn a_block_past_a_slot_is_refused_before_the_pool_or_the_tag() {
+        let big = [pair(false, 64, &[64]), pair(true, 300, &[300])];
+        let err = chunk_schedule(&big, 256, 0, false).unwrap_err();
+        assert!(
+            matches!(&err, DisaggError::Capacity { resource, .. } if resource == "chunk_bytes")
+        );
+        assert!(err.to_string().contains("300 bytes"), "{err}");
+        let empty_pool = chunk_schedule(&big[..1], 256, 0, false).unwrap_err();
+        assert!(matches!(empty_pool, DisaggError::Argument { field, .. } if field == "slots"));
+        let far = [ChunkPair { tag: u64::MAX, ..pair(false, 64, &[64]) }];
+        let tag = chunk_schedule(&far, 256, 1, false).unwrap_err();
+        assert!(matches!(tag, DisaggError::Argument { field, .. } if field == "tag"));
     }
 
     proptest! {

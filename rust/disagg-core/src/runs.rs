@@ -303,6 +303,21 @@ pub fn row_copy(
     })
 }
 
+/// [`row_copy`] between two byte views at storage offsets `offsets` (scattered side, packed
+/// side) and the unit each is read in (`backend_rules::row_unit` of the row width there).
+pub fn row_copy_units(
+    rows: &[u64],
+    cols: usize,
+    (form, base): (ListForm, u64),
+    (side_limit, packed_limit): (u64, u64),
+    (side_offset, packed_offset): (u64, u64),
+) -> DisaggResult<(RowCopy, (u64, u64))> {
+    let rc = row_copy(rows, cols, form, base, side_limit, packed_limit)?;
+    let unit = |offset| crate::backend_rules::row_unit(rc.row_bytes, offset);
+    let units = (unit(side_offset), unit(packed_offset));
+    Ok((rc, units))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -372,9 +387,13 @@ mod tests {
         // Scatter rows (packed, addr, len), packed out of order: the packed index is kept.
         let rc = row_copy(&[32, 0, 32, 0, 64, 32], 3, ListForm::Scatter, 0, 128, 64).unwrap();
         assert_eq!(
-            (rc.row_bytes, rc.side_rows.clone(), rc.packed_rows),
+            (rc.row_bytes, rc.side_rows.clone(), rc.packed_rows.clone()),
             (32, vec![0, 2], Some(vec![1, 0]))
         );
+        let (same, units) =
+            row_copy_units(&[32, 0, 32, 0, 64, 32], 3, (ListForm::Scatter, 0), (128, 64), (4, 3))
+                .unwrap();
+        assert_eq!((same, units), (rc, (4, 1)));
         let empty = row_copy(&[], 3, ListForm::Gather, 0, 0, 0).unwrap();
         assert_eq!((empty.row_bytes, empty.total, empty.side_rows.len()), (1, 0, 0));
     }

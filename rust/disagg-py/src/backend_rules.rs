@@ -2,21 +2,26 @@
 //! conversion only.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
-use disagg_core::backend_rules as rules;
-use disagg_core::backend_rules::peers::{self, IdentityMemo, MessagePeer, MetaNode};
+use disagg_core::backend_rules::peers::{self, MessagePeer, MetaNode};
 use disagg_core::backend_rules::peers::{NodeShape, PollVerdict, ResolvedIds};
+use disagg_core::backend_rules::{self as rules, WindowLaunches};
 use disagg_core::p2p_header::MessageKind;
+use disagg_core::refmeta;
+use disagg_core::wire::peer::PeerMeta;
+use disagg_core::wire::value::WireValue;
+use disagg_core::DisaggError;
 use pyo3::prelude::*;
-use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyMapping, PyString, PyTuple};
+use pyo3::types::{IntoPyDict, PyBytes, PyMapping, PyString, PyTuple};
 
 use crate::args::{wire_dict_to_py, Raw};
 use crate::error::IntoPyResult;
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
 use crate::peer_records::Node;
-use crate::pool::core_fns;
+use crate::pool::{core_fns, outs};
 use crate::stream::Bytes;
-use crate::wire::{to_wire, PyPeer};
+use crate::wire::{to_wire, PyPeer, PyPeerTable};
 
 /// The siblings `backend_rules::group_siblings` finds, as the layout class given.
 #[derive(IntoPyObject)]
@@ -81,29 +86,32 @@ core_fns! {
     fn staging_slots(pool_bytes: Raw<Option<i64>>, chunk_bytes: Raw<Option<i64>>,
         default_pool_bytes: Raw<i64>, default_chunk_bytes: Raw<i64>) -> (u64, u64)
         = rules::staging_slots(pool_bytes, chunk_bytes, (default_pool_bytes, default_chunk_bytes));
-    /// `backend_rules::check_slot_capacity`.
-    fn check_slot_capacity(items: Raw<Vec<u64>>, slot_bytes: Raw<u64>) -> ()
-        = rules::check_slot_capacity(&items, slot_bytes);
     /// `backend_rules::check_chunk_blocks`.
     fn check_chunk_blocks(field: Raw<String>, held: Raw<u64>, num_tokens: Raw<u64>,
         needs: Raw<Vec<u64>>) -> () = rules::check_chunk_blocks(&field, held, num_tokens, &needs);
     /// `backend_rules::packed_window`.
     fn packed_window(range: Raw<(i64, Option<i64>)>, table: Raw<(u64, u64)>,
         chunk_units: Raw<u64>) -> (u64, u64, u64) = rules::packed_window(range, table, chunk_units);
-    /// `backend_rules::pipeline_windows`.
-    fn pipeline_windows(gather: Raw<(u64, u64)>, scatter: Raw<(u64, u64)>, chunk_bytes: Raw<i64>)
-        -> Vec<(u64, u64)> = rules::pipeline_windows(gather, scatter, chunk_bytes);
+    /// `backend_rules::pipeline_launches`.
+    fn pipeline_launches(gather: Raw<(u64, u64)>, scatter: Raw<(u64, u64)>,
+        chunk_bytes: Raw<i64>, chunk_units: Raw<u64>) -> Launches
+        = rules::pipeline_launches(gather, scatter, chunk_bytes, chunk_units);
     /// `backend_rules::staging_path`.
     fn staging_path(forced: Raw<String>, cuda_with_triton: Raw<bool>) -> &'static str
         = rules::staging_path(&forced, cuda_with_triton);
-    /// `backend_rules::row_unit`.
-    fn row_unit(row_bytes: Raw<u64>, offset: Raw<u64>) -> u64 = rules::row_unit(row_bytes, offset);
     /// `backend_rules::reader_gpu` for a reader on `local` (a `torch.device` or `None`).
     fn ipc_reader_gpu(home: Raw<u32>, local: Raw<Option<Device>>, unset: Raw<u32>) -> u32
         = rules::reader_gpu(home, local.as_ref().map(|d| (d.kind.as_str(), d.index)), unset);
     /// `peers::p2p_outcome`.
     fn p2p_outcome(posted: Raw<Option<String>>, works: Raw<Vec<Option<String>>>,
         threads: Raw<Vec<String>>) -> Option<String> = peers::p2p_outcome(posted, works, threads);
+}
+
+/// Launch windows, as they are.
+type Launches = Vec<WindowLaunches>;
+
+outs! {
+    Launches => Launches = |v| v;
 }
 
 /// A `torch.device`: its type and index.
@@ -197,21 +205,22 @@ pub fn no_blocks(block_ids: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
 pyo3::import_exception!(disagg_rs.exceptions, TransferError);
 pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
 
-/// `peers::poll_verdict`: raises `TransferError` (failed) or `TransferTimeout` (past `deadline`).
-#[pyfunction]
-pub fn poll_verdict(
-    done: bool,
-    error: Option<String>,
-    now: f64,
-    deadline: f64,
-    timeout_s: f64,
-) -> PyResult<bool> {
-    match peers::poll_verdict(done, error, now, (deadline, timeout_s)) {
-        PollVerdict::Running => Ok(false),
-        PollVerdict::Done => Ok(true),
-        PollVerdict::Failed(e) => Err(TransferError::new_err(e)),
-        PollVerdict::TimedOut(e) => Err(TransferTimeout::new_err(e)),
-    }
+// A settled poll as Python sees it: `TransferError` (failed), `TransferTimeout` (past its
+// deadline), else whether it is done.
+outs! {
+    PollVerdict => bool = |v| match v {
+        PollVerdict::Running => false,
+        PollVerdict::Done => true,
+        PollVerdict::Failed(e) => return Err(TransferError::new_err(e)),
+        PollVerdict::TimedOut(e) => return Err(TransferTimeout::new_err(e)),
+    };
+}
+
+core_fns! {
+    /// `peers::poll_verdict`.
+    fn poll_verdict(done: Raw<bool>, error: Raw<Option<String>>, now: Raw<f64>,
+        deadline: Raw<f64>, timeout_s: Raw<f64>) -> bool
+        = peers::poll_verdict(done, error, now, (deadline, timeout_s));
 }
 
 /// `(source rank, packed bytes)` of every source rank of a `TransferProgram`.
@@ -223,12 +232,20 @@ fn program_sources(program: &Bound<'_, PyAny>) -> PyResult<Vec<(u32, u64)>> {
         .collect()
 }
 
-/// `peers::p2p_receives`: `(process rank, incarnation, packed bytes, source rank)` per sender.
+/// One receive: `(process rank, incarnation, packed bytes, source rank)`.
+type Receive = (u64, u64, u64, u32);
+/// One send: `(destination index, packed bytes, header)`.
+type Send = (usize, u64, Bytes);
+
+/// `peers::p2p_receives`: the wire tag and `(process rank, incarnation, packed bytes, source
+/// rank)` per sender.
 #[pyfunction]
 pub fn p2p_receives(
     program: Bound<'_, PyAny>,
     peers: Vec<Bound<'_, PyAny>>,
-) -> PyResult<Vec<(u64, u64, u64, u32)>> {
+    tag: u64,
+    match_by_order: bool,
+) -> PyResult<(i64, Vec<Receive>)> {
     let peer = |p: &Bound<'_, PyAny>| -> PyResult<MessagePeer> {
         Ok(MessagePeer {
             global_rank: p.getattr("global_rank")?.extract()?,
@@ -237,39 +254,58 @@ pub fn p2p_receives(
         })
     };
     let peers = peers.iter().map(peer).collect::<PyResult<Vec<_>>>()?;
-    let got = peers::p2p_receives(&program_sources(&program)?, &peers).py()?;
-    Ok(got.into_iter().map(|(p, n)| (p.dist_rank, p.incarnation, n, p.global_rank)).collect())
+    let wire = (tag, match_by_order);
+    let (tag, got) = peers::p2p_receives(&program_sources(&program)?, &peers, wire).py()?;
+    Ok((
+        tag,
+        got.into_iter().map(|(p, n)| (p.dist_rank, p.incarnation, n, p.global_rank)).collect(),
+    ))
 }
 
-/// `peers::p2p_send_messages`: `(destination index, packed bytes, header)` of the messages
-/// rank `me` sends (`filler`: aborted ones).
+/// `peers::p2p_send_messages`: the wire tag and `(destination index, packed bytes, header)` of
+/// the messages rank `me` sends (`filler`: aborted ones).
 #[pyfunction]
 pub fn p2p_sends(
     me: u32,
     programs: Vec<Bound<'_, PyAny>>,
     filler: bool,
-    tag: u64,
-    incarnation: u64,
-) -> PyResult<Vec<(usize, u64, Bytes)>> {
+    wire: (u64, u64, bool),
+) -> PyResult<(i64, Vec<Send>)> {
     let sources = programs.iter().map(program_sources).collect::<PyResult<Vec<_>>>()?;
+    let (tag, incarnation, by_order) = wire;
     let kind = MessageKind::sent(filler);
-    let sends = peers::p2p_send_messages(me, &sources, kind, (tag, incarnation)).py()?;
-    Ok(sends.into_iter().map(|(i, n, head)| (i, n, Cow::Owned(head))).collect())
+    let (tag, sends) =
+        peers::p2p_send_messages(me, &sources, kind, (tag, incarnation), by_order).py()?;
+    Ok((tag, sends.into_iter().map(|(i, n, head)| (i, n, Cow::Owned(head))).collect()))
 }
 
-/// Peer dicts a resolver remembers by identity; past it the memo restarts.
-const PEER_MEMO_LIMIT: usize = 256;
-
-/// A remembered dict, a deep copy taken then, and its parsed peer.
-type Memo = (Py<PyAny>, Py<PyAny>, Py<PyAny>);
-
-/// One backend's peers: metadata dicts adopted into its `PeerTable` (found again by identity
-/// while unchanged), and a handoff's peer argument resolved into parsed peers and block ids.
+/// One backend's peers (`peers::adopt_peer` over its `PeerTable`), and a handoff's peer
+/// argument resolved into parsed peers and block ids.
 #[pyclass(name = "PeerResolver", module = "disagg_rs")]
 pub struct PyPeerResolver {
-    table: Py<PyAny>,
-    local: (String, String, u64, String),
-    memo: IdentityMemo<Memo>,
+    table: Py<PyPeerTable>,
+    local: refmeta::LocalFacts,
+}
+
+impl PyPeerResolver {
+    /// `peers::adopt_peer` of `meta`, a new entry's `Peer` carrying its schema as a dict.
+    fn entry(&self, meta: &Bound<'_, PyAny>, to_plan: bool) -> PyResult<Py<PyPeer>> {
+        let py = meta.py();
+        let raw = to_wire(meta, "peer_meta")?;
+        let mut made = None;
+        let mut attach = |m: &Arc<PeerMeta>, schema: &WireValue| {
+            let peer = wire_dict_to_py(py, schema).and_then(|d| {
+                Py::new(py, PyPeer { inner: Arc::clone(m), meta: d.into_any().unbind() })
+            });
+            peer.map(Arc::new).map_err(|e| {
+                made = Some(e);
+                DisaggError::wire("peer_meta", "could not build the peer")
+            })
+        };
+        let mut table = self.table.borrow_mut(py);
+        let out = peers::adopt_peer(&mut table.inner, (raw, to_plan), &self.local, &mut attach);
+        made.map_or_else(|| Ok(out.py()?.1.clone_ref(py)), Err)
+    }
 }
 
 #[pymethods]
@@ -277,87 +313,48 @@ impl PyPeerResolver {
     /// A resolver over `table` for this rank (what translating a reference-only dict needs).
     #[new]
     fn new(
-        table: Py<PyAny>,
+        table: Py<PyPeerTable>,
         backend: String,
         state_kind: String,
         element_size: u64,
         dtype: String,
     ) -> Self {
-        let local = (backend, state_kind, element_size, dtype);
-        Self { table, local, memo: IdentityMemo::new(PEER_MEMO_LIMIT) }
+        Self { table, local: refmeta::LocalFacts { backend, state_kind, element_size, dtype } }
     }
 
     /// The backend's `PeerTable`.
     #[getter]
-    fn table(&self, py: Python<'_>) -> Py<PyAny> {
+    fn table(&self, py: Python<'_>) -> Py<PyPeerTable> {
         self.table.clone_ref(py)
     }
 
-    /// The parsed `Peer` of one metadata dict (its own `block_ids` are not part of it).
-    fn adopt<'py>(&mut self, meta: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        let py = meta.py();
-        let (strip_ids, reference) = peers::adoption(&Node(meta.clone()));
-        let meta = if strip_ids {
-            let d = PyDict::new(py);
-            d.update(meta.cast::<PyMapping>()?)?;
-            d.del_item("block_ids")?;
-            d.into_any()
-        } else {
-            meta
-        };
-        let id = meta.as_ptr() as usize;
-        let same = |(m, copy, _): &Memo| m.is(&meta) && copy.bind(py).eq(&meta).unwrap_or(false);
-        if let Some((_, _, peer)) = self.memo.get(id, same) {
-            return Ok(peer.bind(py).clone());
-        }
-        let table = self.table.bind(py);
-        let mut peer = table.call_method1("lookup", (&meta,))?;
-        if peer.is_none() {
-            let (backend, kind, size, dtype) = self.local.clone();
-            let schema = reference
-                .then(|| {
-                    crate::peer_records::meta_from_reference(&meta, backend, kind, size, dtype)
-                })
-                .transpose()?;
-            peer = table.call_method1("adopt", (&meta, schema))?;
-        }
-        if meta.is_instance_of::<PyDict>() {
-            let copy = py.import("copy")?.call_method1("deepcopy", (&meta,))?;
-            self.memo.insert(id, (meta.unbind(), copy.unbind(), peer.clone().unbind()));
-        }
-        Ok(peer)
+    /// `peers::adopt_peer`: the parsed `Peer` of one metadata dict.
+    fn adopt(&self, meta: &Bound<'_, PyAny>) -> PyResult<Py<PyPeer>> {
+        self.entry(meta, false)
     }
 
-    /// A `Peer` as is; a dict adopted before, found by content; else adopted without the
-    /// transport's own fields.
-    fn peer<'py>(&mut self, meta: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        let py = meta.py();
-        if meta.is_instance_of::<PyPeer>() {
-            return Ok(meta);
+    /// A `Peer` as is, else `peers::adopt_peer` of a metadata dict to plan with.
+    fn peer(&self, meta: &Bound<'_, PyAny>) -> PyResult<Py<PyPeer>> {
+        match meta.cast::<PyPeer>() {
+            Ok(peer) => Ok(peer.clone().unbind()),
+            Err(_) => self.entry(meta, true),
         }
-        let found = self.table.bind(py).call_method1("lookup", (&meta,))?;
-        if !found.is_none() {
-            return Ok(found);
-        }
-        let full = wire_dict_to_py(py, &peers::planning_defaults())?;
-        full.update(meta.cast::<PyMapping>()?)?;
-        self.adopt(full.into_any())
     }
 
     /// The parsed peers a handoff's `peer_meta` names (`peers::source_records`) and their block
     /// ids (`src_block_ids`, or `{global_rank: ids}` where a dict or a stage carries its own).
     fn resolve<'py>(
-        &mut self,
+        &self,
         peer_meta: Bound<'py, PyAny>,
         src_block_ids: Bound<'py, PyAny>,
-    ) -> PyResult<(Vec<Bound<'py, PyAny>>, Bound<'py, PyAny>)> {
+    ) -> PyResult<(Vec<Py<PyPeer>>, Bound<'py, PyAny>)> {
         let py = peer_meta.py();
         let records = peers::source_records(&Node(peer_meta)).py()?;
         let mut found = Vec::with_capacity(records.len());
         let mut ranks = Vec::with_capacity(records.len());
         for r in records {
-            let peer = self.adopt(r.meta.0)?;
-            ranks.push((peer.getattr("global_rank")?.extract::<u32>()?, r.ids));
+            let peer = self.adopt(&r.meta.0)?;
+            ranks.push((peer.get().inner.layout.global_rank(), r.ids));
             found.push(peer);
         }
         let ids = match peers::ids_by_rank(&ranks, &Node(src_block_ids.clone())) {

@@ -47,10 +47,6 @@ convs! {
 }
 
 core_fns! {
-    /// The `Abort` notification of stream `stream`.
-    fn stream_abort_msg(stream: Raw<u64>) -> Bytes = StreamMsg::bare(StreamKind::Abort, stream, 0);
-    /// `(kind, stream)` of a stream notification.
-    fn stream_msg_route(msg: Msg) -> (&'static str, u64) = (msg.kind.name(), msg.stream);
     /// `[the Abort notification]` of the stream a staging ticket names, `[]` when none.
     fn stream_abort_msgs(ticket: Ticket) -> Vec<Bytes>
         = ticket.stream.map(|st| StreamMsg::bare(StreamKind::Abort, st.id, 0));

@@ -121,8 +121,8 @@ pub fn to_wire(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<WireValue> {
 /// One peer buffer's metadata, parsed and validated once (see `PeerTable`).
 #[pyclass(name = "Peer", module = "disagg_rs", frozen)]
 pub struct PyPeer {
-    inner: Arc<PeerMeta>,
-    meta: Py<PyAny>,
+    pub(crate) inner: Arc<PeerMeta>,
+    pub(crate) meta: Py<PyAny>,
 }
 
 py_methods!(PyPeer,
@@ -205,7 +205,7 @@ methods {
 /// `disagg_core::wire::peer::PeerTable` of parsed `Peer` objects.
 #[pyclass(name = "PeerTable", module = "disagg_rs")]
 pub struct PyPeerTable {
-    inner: PeerTable<Arc<Py<PyPeer>>>,
+    pub(crate) inner: PeerTable<Arc<Py<PyPeer>>>,
 }
 
 #[pymethods]
