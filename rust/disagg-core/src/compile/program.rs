@@ -332,6 +332,28 @@ impl TransferProgram {
         finish_into(src.len(), dst.len().min(src.len()), cap, || Ok(s.count_direct(u64::MAX - 1)))
     }
 
+    /// The direct pairs of `src_rank` through `fill(rows)`, which writes them (with
+    /// [`TransferProgram::direct_descriptors_into`]) into buffers of `rows` rows: sized at the
+    /// cheap [`TransferProgram::direct_row_hint`] first, and only when that fill fails at the
+    /// exact [`TransferProgram::direct_row_count`], which `exact` runs (a binding releases the
+    /// GIL there); a second failure is returned. `err` maps this function's own errors.
+    pub fn fill_direct<R, E>(
+        &self,
+        src_rank: u32,
+        err: impl Fn(DisaggError) -> E,
+        exact: impl FnOnce(&(dyn Fn() -> DisaggResult<u64> + Sync)) -> DisaggResult<u64>,
+        mut fill: impl FnMut(usize) -> Result<R, E>,
+    ) -> Result<R, E> {
+        let rows = |n: u64| {
+            usize::try_from(n).map_err(|_| DisaggError::argument("src_rank", format!("{n} rows")))
+        };
+        if let Ok(r) = fill(self.direct_row_hint(src_rank).and_then(rows).map_err(&err)?) {
+            return Ok(r);
+        }
+        let n = exact(&|| self.direct_row_count(src_rank));
+        fill(n.and_then(rows).map_err(err)?)
+    }
+
     /// [`TransferProgram::gather`] written into a caller buffer; returns the row count.
     pub fn gather_into(&self, src_rank: u32, out: &mut [[u64; 3]]) -> DisaggResult<usize> {
         let s = self.source(src_rank)?;
