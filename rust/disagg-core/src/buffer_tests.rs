@@ -182,26 +182,27 @@ fn register_answers_the_reference_alone_or_the_plan_with_the_state_layout() {
 
 #[test]
 fn a_per_layer_list_is_read_as_tensors_or_as_k_v_pairs_like_its_first_entry() {
-    let t = view(&[2, 5, 4, 2, 8], 4);
+    let layer = view(&[2, 5, 4, 2, 8], 4);
     let mut a = args(&[2, 5, 4, 2, 8], 5);
     a.per_layer = true;
     let at = |v: &TensorView, i: u64| TensorView { ptr: v.ptr + (i << 20), ..v.clone() };
-    let ones: Vec<_> = (0..3).map(|i| LayerTensors::One(at(&t, i))).collect();
+    let ones: Vec<_> = (0..3).map(|i| LayerTensors::One(at(&layer, i))).collect();
     let Registration::Plan(p) = register(&a, Some(&ones), false).unwrap() else { panic!() };
     assert_eq!(p.axes, LAYER_KV_AXES);
-    let StateLayout::Kv(l) = p.layout else { panic!("a KV layout") };
-    assert_eq!((l.layers.len(), l.heads.len()), (3, 2));
-    let k = view(&[5, 4, 2, 8], 4);
-    let pairs: Vec<_> = (0..2).map(|i| LayerTensors::Pair(at(&k, i), at(&k, i + 2))).collect();
+    let StateLayout::Kv(layout) = p.layout else { panic!("a KV layout") };
+    assert_eq!((layout.layers.len(), layout.heads.len()), (3, 2));
+    let half = view(&[5, 4, 2, 8], 4);
+    let pairs: Vec<_> =
+        (0..2).map(|i| LayerTensors::Pair(at(&half, i), at(&half, i + 2))).collect();
     let spec = KvGeometrySpec::from_layers(&pairs, "block token head dim", None).unwrap();
     assert_eq!((spec.num_kv, spec.num_layers), (2, 2));
-    let (keys, values) = ([at(&k, 0), at(&k, 1)], [at(&k, 2), at(&k, 3)]);
+    let (keys, values) = ([at(&half, 0), at(&half, 1)], [at(&half, 2), at(&half, 3)]);
     let want = KvGeometrySpec::from_kv_layer_tensors(&keys, &values, "block token head dim", None);
     assert_eq!(spec, want.unwrap());
-    let mixed = [pairs[0].clone(), LayerTensors::One(k.clone())];
+    let mixed = [pairs[0].clone(), LayerTensors::One(half.clone())];
     let e = KvGeometrySpec::from_layers(&mixed, "block token head dim", None).unwrap_err();
     assert!(e.to_string().contains("tensors[1] is a tensor, not a (K, V) pair"), "{e}");
-    let mixed = [LayerTensors::One(k.clone()), pairs[0].clone()];
+    let mixed = [LayerTensors::One(half.clone()), pairs[0].clone()];
     let e = KvGeometrySpec::from_layers(&mixed, "block token head dim", None).unwrap_err();
     assert_eq!(field(&e), ("Geometry", "tensors".into()));
 }
