@@ -311,8 +311,8 @@ impl TransferProgram {
     }
 
     /// A cheap row count for [`TransferProgram::direct_descriptors`] of `src_rank` (no walk):
-    /// enough for every program the KV compiler emits, but a caller must still handle a
-    /// too-small buffer (see [`TransferProgram::direct_row_count`]).
+    /// enough for most programs, but not for one whose destination splits source rows (an HND
+    /// destination), so a caller must handle a too-small buffer ([`TransferProgram::fill_direct`]).
     pub fn direct_row_hint(&self, src_rank: u32) -> DisaggResult<u64> {
         Ok(self.source(src_rank)?.box_count(Purpose::Direct) as u64)
     }
