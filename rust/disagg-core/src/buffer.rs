@@ -12,7 +12,8 @@
 use crate::args::{Int, Kind};
 use crate::error::{DisaggError, DisaggResult};
 use crate::geometry::{
-    u32_of, KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart, TensorView,
+    u32_of, KvGeometry, KvGeometrySpec, LayerTensors, SsmGeometry, SsmStateKind, SsmStatePart,
+    TensorView,
 };
 use crate::layout::{KvLayoutSpec, KvShardLayout, SsmShardLayout};
 use crate::wire::value::WireValue;
@@ -110,6 +111,24 @@ pub struct RefGeometry {
     pub layout: Option<KvShardLayout>,
 }
 
+/// The layout of a registered buffer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StateLayout {
+    /// A KV cache's.
+    Kv(KvShardLayout),
+    /// SSM state's.
+    Ssm(SsmShardLayout),
+}
+
+/// What [`register`] answers.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Registration {
+    /// The reference design's geometry alone.
+    Reference(RefGeometry),
+    /// Everything a backend registers.
+    Plan(BufferPlan),
+}
+
 /// What a backend registers: see [`plan_buffer`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct BufferPlan {
@@ -117,8 +136,8 @@ pub struct BufferPlan {
     pub state_kind: &'static str,
     /// The axis names (`"outer block slice"` for a matched-layout buffer).
     pub axes: String,
-    /// The KV layout (`None` for SSM state, whose layout is the caller's).
-    pub kv_layout: Option<KvShardLayout>,
+    /// The layout: the KV layout inferred, or the caller's SSM layout.
+    pub layout: StateLayout,
     /// Elements per head row (a matched-layout buffer: elements per slice).
     pub head_dim: u64,
     /// Tokens per block (`None` for SSM state).
@@ -425,6 +444,23 @@ pub fn matched_geometry(r: &RefGeometry, dtype: Option<String>) -> DisaggResult<
     })
 }
 
+/// A backend's buffer: with `reference_only` the reference design's geometry alone
+/// ([`reference_geometry`]), else the [`check_buffer_args`] checks, then the per-layer list
+/// `layers` read with [`layer_axes`] and [`plan_buffer`].
+pub fn register(
+    a: &BufferArgs,
+    layers: Option<&[LayerTensors]>,
+    reference_only: bool,
+) -> DisaggResult<Registration> {
+    if reference_only {
+        return reference_geometry(a).map(Registration::Reference);
+    }
+    check_buffer_args(a)?;
+    let axes = layer_axes(a);
+    let layer = layers.map(|l| KvGeometrySpec::from_layers(l, &axes, a.view.device)).transpose()?;
+    plan_buffer(a, layer.as_ref()).map(Registration::Plan)
+}
+
 /// Infer everything a backend registers about its buffer, in the order the checks are
 /// documented: SSM state (shape from `ssm_layout`), a matched-layout buffer (no `axes` and not
 /// six axes), or a KV cache whose named axes give the layout (arguments that disagree with the
@@ -497,7 +533,7 @@ fn plan_ssm(a: &BufferArgs, given_axes: Option<&str>) -> DisaggResult<BufferPlan
     Ok(BufferPlan {
         state_kind: kind.name(),
         axes: axes_or(given_axes, ssm_axes(kind)),
-        kv_layout: None,
+        layout: StateLayout::Ssm(*layout),
         head_dim: layout.dims.head_dim.into(),
         tokens_per_block: None,
         reference,
@@ -540,7 +576,7 @@ fn plan_matched(a: &BufferArgs) -> DisaggResult<BufferPlan> {
     Ok(BufferPlan {
         state_kind: "kv",
         axes: MATCHED_AXES.to_owned(),
-        kv_layout: Some(layout),
+        layout: StateLayout::Kv(layout),
         head_dim,
         tokens_per_block: Some(1),
         reference,
@@ -642,7 +678,7 @@ fn plan_kv(a: &BufferArgs, axes: &str, layer: Option<&KvGeometrySpec>) -> Disagg
     Ok(BufferPlan {
         state_kind: "kv",
         axes: axes.to_owned(),
-        kv_layout: Some(layout),
+        layout: StateLayout::Kv(layout),
         head_dim: dim,
         tokens_per_block: Some(tokens),
         reference,

@@ -11,6 +11,7 @@ use std::fmt;
 
 use crate::args::{named, Kind};
 use crate::error::{DisaggError, DisaggResult};
+use crate::tensor_args::state_device;
 use crate::wire::value::{join, Obj, WireValue};
 
 /// Everything needed to build a [`KvGeometry`]; see the field docs there.
@@ -478,6 +479,72 @@ impl KvGeometrySpec {
         spec.num_kv = 2;
         spec.num_layers = u32_of("num_layers", keys.len() as u64)?;
         Ok(spec)
+    }
+}
+
+/// One entry of a per-layer list of KV tensors: one tensor, or a `(K, V)` pair of separate key
+/// and value tensors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LayerTensors {
+    /// The layer's tensor.
+    One(TensorView),
+    /// The layer's key and value tensors.
+    Pair(TensorView, TensorView),
+}
+
+impl KvGeometrySpec {
+    /// The spec of a per-layer list: one `(K, V)` pair per layer when the first entry is one
+    /// ([`KvGeometrySpec::from_kv_layer_tensors`]), else one tensor per layer
+    /// ([`KvGeometrySpec::from_layer_tensors`]); an entry unlike the first fails naming it.
+    pub fn from_layers(
+        layers: &[LayerTensors],
+        axes: &str,
+        device_id: Option<u64>,
+    ) -> DisaggResult<Self> {
+        let pairs = matches!(layers.first(), Some(LayerTensors::Pair(..)));
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        for (i, layer) in layers.iter().enumerate() {
+            match (layer, pairs) {
+                (LayerTensors::Pair(k, v), true) => {
+                    keys.push(k.clone());
+                    values.push(v.clone());
+                }
+                (LayerTensors::One(t), false) => keys.push(t.clone()),
+                (_, true) => {
+                    let detail =
+                        format!("tensors[{i}] is a tensor, not a (K, V) pair like tensors[0]");
+                    return Err(DisaggError::geometry("tensors", detail));
+                }
+                (_, false) => {
+                    let detail =
+                        format!("tensors[{i}] is a (K, V) pair, not a tensor like tensors[0]");
+                    return Err(DisaggError::geometry("tensors", detail));
+                }
+            }
+        }
+        if pairs {
+            Self::from_kv_layer_tensors(&keys, &values, axes, device_id)
+        } else {
+            Self::from_layer_tensors(&keys, axes, device_id)
+        }
+    }
+}
+
+impl SsmGeometry {
+    /// From the conv state `[L, slots, C, d_conv]` and/or the recurrent state `[L, slots, H,
+    /// p, n]` tensors; on `device_id`, else the device the first of them names, else 0.
+    pub fn from_tensors(
+        conv: Option<&TensorView>,
+        recurrent: Option<&TensorView>,
+        device_id: Option<u64>,
+    ) -> DisaggResult<Self> {
+        let part = |v: Option<&TensorView>, kind, ndim| {
+            v.map(|v| SsmStatePart::from_tensor(v, kind, ndim)).transpose()
+        };
+        let c = part(conv, SsmStateKind::Conv, 4)?;
+        let r = part(recurrent, SsmStateKind::Recurrent, 5)?;
+        let device = state_device(device_id, [conv, recurrent].map(|v| v.and_then(|v| v.device)));
+        Self::new(c, r, device)
     }
 }
 

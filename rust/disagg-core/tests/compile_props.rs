@@ -10,8 +10,8 @@
 #![allow(clippy::unwrap_used, clippy::many_single_char_names)]
 
 use disagg_core::{
-    compile_kv_transfer, CostModel, KvGeometry, KvGeometrySpec, KvShardLayout, KvTokens,
-    KvTransferRequest, ModeChoice, SrcBlockIds,
+    compile_kv_transfer, CostModel, DisaggError, KvGeometry, KvGeometrySpec, KvShardLayout,
+    KvTokens, KvTransferRequest, ModeChoice, SrcBlockIds, TransferProgram,
 };
 use proptest::prelude::*;
 
@@ -322,4 +322,56 @@ fn packed_lists_pick_gather_or_scatter_and_the_display_names_each_source() {
     let want =
         format!("TransferProgram(dst_rank=10, sources={{0: staged {b} B, 1: staged {b} B}})");
     assert_eq!(p.to_string(), want);
+}
+
+type Rows = Vec<[u64; 3]>;
+
+/// `fill_direct` of source `r` of `p` with a fill that fails while `fail(call)` holds: the
+/// rows it returns and the sizes it was asked for.
+fn fill_direct_logged(
+    p: &TransferProgram,
+    r: u32,
+    fail: impl Fn(usize) -> bool,
+) -> (Result<(Rows, Rows), DisaggError>, Vec<usize>) {
+    let mut sizes = Vec::new();
+    let fill = |n: usize| {
+        sizes.push(n);
+        let n = if fail(sizes.len()) { 0 } else { n };
+        let (mut a, mut b) = (vec![[0_u64; 3]; n], vec![[0_u64; 3]; n]);
+        let m = p.direct_descriptors_into(r, &mut a, &mut b)?;
+        a.truncate(m);
+        b.truncate(m);
+        Ok((a, b))
+    };
+    let got = p.fill_direct(r, |e| e, |count| count(), fill);
+    (got, sizes)
+}
+
+#[test]
+fn direct_fills_retry_once_at_the_exact_count_when_the_hint_fill_fails() {
+    for hnd in [false, true] {
+        let p = compile_kv_transfer(&request(Some(vec![5, 2]), ModeChoice::Direct, hnd)).unwrap();
+        for s in &p.sources {
+            let r = s.src_rank;
+            let want = p.direct_descriptors(r).unwrap();
+            let exact = usize::try_from(p.direct_row_count(r).unwrap()).unwrap();
+            let hint = usize::try_from(p.direct_row_hint(r).unwrap()).unwrap();
+            assert_eq!(want.0.len(), exact);
+            // Filled at the hint, and again at the exact count only when the hint is short
+            // (an HND destination splits each source row).
+            let (got, sizes) = fill_direct_logged(&p, r, |_| false);
+            let asked = if hint >= exact { vec![hint] } else { vec![hint, exact] };
+            assert_eq!((got.unwrap(), sizes), (want.clone(), asked));
+            assert!(hint < exact || !hnd, "an HND destination needs more rows than the hint");
+            // A fill that fails for another reason is retried once too.
+            let (got, sizes) = fill_direct_logged(&p, r, |call| call == 1);
+            assert_eq!((got.unwrap(), sizes), (want, vec![hint, exact]));
+            // A second failure is the caller's error.
+            let (got, sizes) = fill_direct_logged(&p, r, |_| true);
+            assert!(got.unwrap_err().to_string().contains("out has 0 rows"));
+            assert_eq!(sizes.len(), 2);
+        }
+        let e = p.fill_direct(99, |e| e.kind(), |c| c(), |_| Ok::<_, &str>(())).unwrap_err();
+        assert_eq!(e, "Block");
+    }
 }

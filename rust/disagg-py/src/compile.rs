@@ -1,6 +1,7 @@
 //! `compile_kv_transfer`, `compile_ssm_transfer` and `TransferProgram`, whose lists come back
 //! as `uint64` numpy arrays built with the GIL released (no Python object per descriptor).
 
+use disagg_core::args::Given;
 use disagg_core::{
     compile_kv_transfer, compile_ssm_transfer, CostModel, DisaggError, DisaggResult, KvTokens,
     ListKind, ModeChoice, SourceStats, SrcBlockIds, SrcSlots, SsmSlots, TransferProgram,
@@ -12,22 +13,26 @@ use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyDict, PyMapping, PySlice};
 
 use crate::args::{
-    conv, describe, err, type_err, Conv, Id, Ids, Int, IntList, Kind, Opt, Real, Text, Typed, U32,
-    U64,
+    conv, describe, err, type_err, Arg, Conv, Id, Ids, Int, IntList, Kind, Opt, Real, Text, Typed,
+    U32, U64,
 };
-use crate::error::{py_methods, IntoPyResult};
+use crate::error::{py_methods, to_pyerr, IntoPyResult};
 use crate::geometry::{PyKvGeometry, PySsmGeometry};
 use crate::layout::{PyKvShardLayout, PySsmShardLayout, Wraps};
 
-fn parse_src_block_ids(obj: &Bound<'_, PyAny>) -> PyResult<SrcBlockIds> {
-    let Ok(m) = obj.cast::<PyDict>() else {
-        return SrcBlockIds::given(Some(&obj.extract::<IntList>()?.0), &[]).py();
+/// A per-rank argument as the core's `given` reads it: one value for every rank, or a mapping
+/// `{rank: value}`.
+type PerRank<T> = (Option<Given<T>>, Vec<(Given<i128>, Given<T>)>);
+
+fn per_rank<'py, T>(obj: &Bound<'py, PyAny>) -> PyResult<PerRank<T>>
+where
+    Arg<T>: for<'a> FromPyObject<'a, 'py, Error = PyErr>,
+{
+    let Ok(m) = obj.cast::<PyMapping>() else {
+        return Ok((Some(obj.extract::<Arg<T>>()?.0), vec![]));
     };
-    let per_rank = m
-        .iter()
-        .map(|(k, v)| Ok((k.extract::<Int>()?.0, v.extract::<IntList>()?.0)))
-        .collect::<PyResult<Vec<_>>>()?;
-    SrcBlockIds::given(None, &per_rank).py()
+    let items: Vec<(Int, Arg<T>)> = m.items()?.extract()?;
+    Ok((None, items.into_iter().map(|(k, v)| (k.0, v.0)).collect()))
 }
 
 /// `[n, N]` `uint64` rows as a numpy array.
@@ -44,30 +49,32 @@ pub(crate) fn rows_to_numpy<const N: usize>(
 /// What an out array must be.
 const OUT: &str = "out arrays must be numpy uint64 arrays of shape [m, 3]";
 
-/// A caller's `[m, 3]` C-contiguous `uint64` array to write rows into.
-fn out_array<'py>(arr: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<u64>>> {
-    let bad = |_| type_err("out", format!("{OUT}, got {}", describe(arr)));
-    let a = arr.cast::<PyArray2<u64>>().map_err(bad)?;
-    disagg_core::args::out_rows(a.shape(), a.is_c_contiguous()).py()?;
-    Ok(a.clone())
-}
+/// A caller's `[m, 3]` C-contiguous writable `uint64` array, borrowed to write rows into.
+struct Out<'py>(Bound<'py, PyArray2<u64>>, PyReadwriteArray2<'py, u64>);
 
-/// `arr[:n]`, a view.
-fn head<'py>(arr: &Bound<'py, PyArray2<u64>>, n: usize) -> PyResult<Bound<'py, PyAny>> {
-    let n = isize::try_from(n).map_err(|_| err(Kind::Argument, "out", format!("{n} rows")))?;
-    arr.as_any().get_item(PySlice::new(arr.py(), 0, n, 1))
-}
+impl<'py> Out<'py> {
+    fn of(arr: &Bound<'py, PyAny>) -> PyResult<Self> {
+        let bad = |_| type_err("out", format!("{OUT}, got {}", describe(arr)));
+        let a = arr.cast::<PyArray2<u64>>().map_err(bad)?;
+        disagg_core::args::out_rows(a.shape(), a.is_c_contiguous()).py()?;
+        let not_writable =
+            |e| err(Kind::Argument, "out", format!("out array is not writable: {e}"));
+        Ok(Self(a.clone(), a.try_readwrite().map_err(not_writable)?))
+    }
 
-/// A caller's out array, writable.
-fn writable<'py>(arr: &Bound<'py, PyArray2<u64>>) -> PyResult<PyReadwriteArray2<'py, u64>> {
-    arr.try_readwrite()
-        .map_err(|e| err(Kind::Argument, "out", format!("out array is not writable: {e}")))
-}
+    /// The array's `[m, 3]` rows.
+    fn rows(&mut self) -> PyResult<&mut [[u64; 3]]> {
+        let flat = self.1.as_slice_mut().map_err(|e| err(Kind::Argument, "out", e.to_string()))?;
+        Ok(flat.as_chunks_mut::<3>().0)
+    }
 
-/// The `[m, 3]` rows of a writable out array.
-fn rows_mut<'a>(rw: &'a mut PyReadwriteArray2<'_, u64>) -> PyResult<&'a mut [[u64; 3]]> {
-    let flat = rw.as_slice_mut().map_err(|e| err(Kind::Argument, "out", e.to_string()))?;
-    Ok(flat.as_chunks_mut::<3>().0)
+    /// `arr[:n]`, a view, once the borrow is released.
+    fn head(self, n: usize) -> PyResult<Bound<'py, PyAny>> {
+        let Self(arr, rw) = self;
+        drop(rw);
+        let n = isize::try_from(n).map_err(|_| err(Kind::Argument, "out", format!("{n} rows")))?;
+        arr.as_any().get_item(PySlice::new(arr.py(), 0, n, 1))
+    }
 }
 
 /// Fill one caller array with the GIL released.
@@ -76,12 +83,10 @@ fn fill_one<'py>(
     out: &Bound<'py, PyAny>,
     f: impl FnOnce(&mut [[u64; 3]]) -> Result<usize, DisaggError> + Send,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let arr = out_array(out)?;
-    let mut rw = writable(&arr)?;
-    let rows = rows_mut(&mut rw)?;
+    let mut o = Out::of(out)?;
+    let rows = o.rows()?;
     let n = py.detach(|| f(rows)).py()?;
-    drop(rw);
-    head(&arr, n)
+    o.head(n)
 }
 
 /// The compiled transfer of one destination rank: per source rank, its mode and lists
@@ -159,13 +164,12 @@ methods {
             return Ok((rows_to_numpy(py, s)?.into_any(), rows_to_numpy(py, d)?.into_any()));
         };
         let (src_o, dst_o) = out.get("out", "a pair of numpy arrays")?;
-        let (sa, da) = (out_array(&src_o)?, out_array(&dst_o)?);
-        disagg_core::args::distinct_outs(sa.is(&da)).py()?;
-        let (mut sw, mut dw) = (writable(&sa)?, writable(&da)?);
-        let (srows, drows) = (rows_mut(&mut sw)?, rows_mut(&mut dw)?);
+        let mut so = Out::of(&src_o)?;
+        disagg_core::args::distinct_outs(so.0.is(&dst_o)).py()?;
+        let mut dout = Out::of(&dst_o)?;
+        let (srows, drows) = (so.rows()?, dout.rows()?);
         let n = py.detach(|| p.descriptors_into(src_rank, src, dst, srows, drows)).py()?;
-        drop((sw, dw));
-        Ok((head(&sa, n)?, head(&da, n)?))
+        Ok((so.head(n)?, dout.head(n)?))
     }
     /// Exact rows of one list: `which` is "descriptors", "gather" or "scatter" (to size `out`).
     fn row_count(&self, py: Python<'_>, src_rank: Int, which: Text) -> PyResult<u64> {
@@ -173,22 +177,14 @@ methods {
         let kind = ListKind::parse(which.get("which")?).py()?;
         py.detach(|| self.inner.row_count(src_rank, kind)).py()
     }
-    /// The merged direct pairs of a source, whatever its mode.
+    /// The merged direct pairs of a source, whatever its mode (`TransferProgram::fill_direct`).
     fn direct_descriptors<'py>(&self, py: Python<'py>, src_rank: Int) -> PyResult<DescPair<'py>> {
         conv!(src_rank: U32);
-        let rows = |n: u64| {
-            usize::try_from(n).map_err(|_| err(Kind::Argument, "src_rank", format!("{n} rows")))
-        };
-        // Fill at the cheap bound; only a program it underestimates pays the exact count.
-        let hint = rows(self.inner.direct_row_hint(src_rank).py()?)?;
         let fill = |s: &mut [[u64; 3]], d: &mut [[u64; 3]]| {
             self.inner.direct_descriptors_into(src_rank, s, d)
         };
-        if let Ok(pair) = crate::rows::pair_with(py, hint, fill) {
-            return Ok(pair);
-        }
-        let n = rows(py.detach(|| self.inner.direct_row_count(src_rank)).py()?)?;
-        crate::rows::pair_with(py, n, fill)
+        let pair = |n| crate::rows::pair_with(py, n, fill);
+        self.inner.fill_direct(src_rank, to_pyerr, |count| py.detach(count), pair)
     }
     /// Mx3 `uint64` `(src_addr, len, packed_offset)`; needs no destination blocks.
     #[pyo3(signature = (src_rank, *, out=None))]
@@ -308,7 +304,8 @@ compiler! {
         moved(src_block_ids: &Bound<'_, PyAny>, dst_block_ids: Option<IntList>, num_tokens: Int),
         keywords(token_start: Int)) = compile_kv_transfer, read {
         conv!(num_tokens: U64, token_start: U64, dst_block_ids: Opt<Ids>);
-        let src_block_ids = parse_src_block_ids(src_block_ids)?;
+        let (shared, ranks) = per_rank(src_block_ids)?;
+        let src_block_ids = SrcBlockIds::given(shared.as_ref(), &ranks).py()?;
         Ok(KvTokens { src_block_ids, dst_block_ids, num_tokens, token_start })
     }
 }
@@ -326,12 +323,7 @@ compiler! {
         moved(src_slot: &Bound<'_, PyAny>, dst_slot: Option<Int>), keywords())
         = compile_ssm_transfer, read {
         conv!(dst_slot: Opt<Id>);
-        let src_slots = if let Ok(m) = src_slot.cast::<PyMapping>() {
-            let per_rank: Vec<(Int, Int)> = m.items()?.extract()?;
-            SrcSlots::given(None, &per_rank.into_iter().map(|(k, v)| (k.0, v.0)).collect::<Vec<_>>())
-        } else {
-            SrcSlots::given(Some(&src_slot.extract::<Int>()?.0), &[])
-        };
-        Ok(SsmSlots { src_slots: src_slots.py()?, dst_slot })
+        let (shared, ranks) = per_rank(src_slot)?;
+        Ok(SsmSlots { src_slots: SrcSlots::given(shared.as_ref(), &ranks).py()?, dst_slot })
     }
 }

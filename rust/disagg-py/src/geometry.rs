@@ -1,15 +1,14 @@
 //! Python classes `KVGeometry` and `SSMGeometry`; tensors are read through the attributes
 //! torch and numpy expose (`data_ptr()` or `__array_interface__`), without importing torch.
 
-use disagg_core::buffer::{self, BufferArgs, LayoutArgs};
-use disagg_core::geometry::TensorView;
-use disagg_core::tensor_args::{any_int, state_device, RawTensor};
+use disagg_core::buffer::{self, BufferArgs, LayoutArgs, RefGeometry, Registration, StateLayout};
+use disagg_core::geometry::{LayerTensors, TensorView};
+use disagg_core::tensor_args::{any_int, RawTensor};
 use disagg_core::wire::value::{Obj, WireValue};
-use disagg_core::{
-    DisaggError, KvGeometry, KvGeometrySpec, KvShardLayout, SsmGeometry, SsmStateKind, SsmStatePart,
-};
+use disagg_core::{DisaggError, KvGeometry, KvGeometrySpec, SsmGeometry, SsmStatePart};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple, PyType};
+use pyo3::IntoPyObjectExt;
 
 use crate::args::{
     conv, convs, describe, retype, type_err, wire_dict_to_py, Conv, Int, IntList, Kind, Opt, Str,
@@ -28,13 +27,20 @@ fn geo_err(field: &str, detail: String) -> PyErr {
 /// What a tensor argument must be.
 const TENSOR: &str = "expected a torch tensor or numpy array (data_ptr() or __array_interface__)";
 
-/// Read a torch tensor or a numpy array; anything else is a `GeometryMismatchError` (`tensor`).
-fn tensor_view(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
-    let typed = || type_err("tensor", format!("{TENSOR}, got {}", describe(t)));
-    tensor_view_of(t).map_err(|e| retype(t.py(), e, typed))
+/// A torch tensor or numpy array argument; anything else is a `GeometryMismatchError`
+/// (`tensor`).
+pub struct Tensor(TensorView);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Tensor {
+    type Error = PyErr;
+    fn extract(t: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let t = t.to_owned();
+        let typed = || type_err("tensor", format!("{TENSOR}, got {}", describe(&t)));
+        tensor_view(&t).map(Self).map_err(|e| retype(t.py(), e, typed))
+    }
 }
 
-fn tensor_view_of(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
+fn tensor_view(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
     let dtype = t.getattr("dtype").ok().map(|d| d.str().map(|s| s.to_string())).transpose()?;
     let shape: Vec<i64> = t.getattr("shape")?.extract()?;
     let raw = if t.hasattr("data_ptr")? {
@@ -62,6 +68,31 @@ fn tensor_view_of(t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
         return Err(geo_err("tensor", format!("{TENSOR}, got {}", t.get_type().name()?)));
     };
     TensorView::from_raw(&raw).py()
+}
+
+/// A per-layer list of tensors or of `(K, V)` tuples (`KvGeometrySpec::from_layers`).
+pub struct Layers(Vec<LayerTensors>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Layers {
+    type Error = PyErr;
+    fn extract(ts: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let not_a_list = |e| {
+            let what = format!("expected a list of tensors, got {}", describe(&ts));
+            retype(ts.py(), e, || geo_err("tensors", what))
+        };
+        let layer = |t: Bound<'py, PyAny>| match t.cast::<PyTuple>() {
+            Ok(p) if p.len() == 2 => Ok(LayerTensors::Pair(
+                p.get_item(0)?.extract::<Tensor>()?.0,
+                p.get_item(1)?.extract::<Tensor>()?.0,
+            )),
+            _ => Ok(LayerTensors::One(t.extract::<Tensor>()?.0)),
+        };
+        ts.try_iter()
+            .map_err(not_a_list)?
+            .map(|t| layer(t.map_err(not_a_list)?))
+            .collect::<PyResult<_>>()
+            .map(Self)
+    }
 }
 
 /// Where each byte `(kv, layer, block, token, head, dim)` of one rank's paged KV cache lives.
@@ -125,33 +156,32 @@ methods {
     #[classmethod]
     #[pyo3(signature = (tensor, axes=Text::of("kv layer block token head dim"), device_id=None),
         text_signature = "(tensor, axes='kv layer block token head dim', device_id=None)")]
-    fn from_tensor(_cls: &Bound<'_, PyType>, tensor: &Bound<'_, PyAny>, axes: Text,
-        device_id: Option<Int>) -> PyResult<Self> {
-        let v = tensor_view(tensor)?;
+    fn from_tensor(_cls: &Bound<'_, PyType>, tensor: Tensor, axes: Text, device_id: Option<Int>)
+        -> PyResult<Self> {
         conv!(axes: Str, device_id: Opt<U64>);
-        let spec = KvGeometrySpec::from_tensor(&v, &axes, device_id).py()?;
+        let spec = KvGeometrySpec::from_tensor(&tensor.0, &axes, device_id).py()?;
         Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
 
     /// The MLA latent cache `[L, B, T, d]`: `from_tensor(tensor, "layer block token dim")`.
     #[classmethod]
     #[pyo3(signature = (tensor, device_id=None))]
-    fn from_mla_tensor(cls: &Bound<'_, PyType>, tensor: &Bound<'_, PyAny>, device_id: Option<Int>)
+    fn from_mla_tensor(cls: &Bound<'_, PyType>, tensor: Tensor, device_id: Option<Int>)
         -> PyResult<Self> {
         Self::from_tensor(cls, tensor, Text::of("layer block token dim"), device_id)
     }
 
     /// From one tensor per local layer, or one `(K, V)` tuple per layer (axes without `kv`):
-    /// `KvGeometrySpec::from_layer_tensors` and `from_kv_layer_tensors`.
+    /// `KvGeometrySpec::from_layers`.
     #[classmethod]
     #[pyo3(signature = (tensors, axes=Text::of("kv block token head dim"), device_id=None),
         text_signature = "(tensors, axes='kv block token head dim', device_id=None)")]
-    fn from_layer_tensors(_cls: &Bound<'_, PyType>, tensors: &Bound<'_, PyAny>, axes: Text,
+    fn from_layer_tensors(_cls: &Bound<'_, PyType>, tensors: Layers, axes: Text,
         device_id: Option<Int>) -> PyResult<Self> {
         conv!(axes: Str, device_id: Opt<U64>);
-        Ok(Self { inner: KvGeometry::new(layer_spec(tensors, &axes, device_id)?).py()? })
+        let spec = KvGeometrySpec::from_layers(&tensors.0, &axes, device_id).py()?;
+        Ok(Self { inner: KvGeometry::new(spec).py()? })
     }
-
 });
 
 /// Where one rank's SSM conv and recurrent state live.
@@ -160,16 +190,6 @@ methods {
 pub struct PySsmGeometry {
     /// The validated core geometry.
     pub inner: SsmGeometry,
-}
-
-/// One SSM state tensor: its part, and the device it names.
-fn part_from_tensor(
-    t: &Bound<'_, PyAny>,
-    kind: SsmStateKind,
-    ndim: usize,
-) -> PyResult<(SsmStatePart, Option<u64>)> {
-    let v = tensor_view(t)?;
-    Ok((SsmStatePart::from_tensor(&v, kind, ndim).py()?, v.device))
 }
 
 /// An SSM state part argument: a dict with the keys of `to_dict()["conv"]`, or `None`.
@@ -207,64 +227,21 @@ methods {
     /// `[L, slots, H, p, n]` (either may be None; at least one is needed).
     #[classmethod]
     #[pyo3(signature = (conv=None, recurrent=None, device_id=None))]
-    fn from_tensors(_cls: &Bound<'_, PyType>, conv: Option<Bound<'_, PyAny>>,
-        recurrent: Option<Bound<'_, PyAny>>, device_id: Option<Int>) -> PyResult<Self> {
+    fn from_tensors(_cls: &Bound<'_, PyType>, conv: Option<Tensor>, recurrent: Option<Tensor>,
+        device_id: Option<Int>) -> PyResult<Self> {
         conv!(device_id: Opt<U64>);
-        let c = conv.map(|t| part_from_tensor(&t, SsmStateKind::Conv, 4)).transpose()?;
-        let r = recurrent.map(|t| part_from_tensor(&t, SsmStateKind::Recurrent, 5)).transpose()?;
-        let named = [c.as_ref().and_then(|p| p.1), r.as_ref().and_then(|p| p.1)];
-        let dev = state_device(device_id, named);
-        let inner = SsmGeometry::new(c.map(|p| p.0), r.map(|p| p.0), dev).py()?;
-        Ok(Self { inner })
+        let (c, r) = (conv.as_ref().map(|t| &t.0), recurrent.as_ref().map(|t| &t.0));
+        Ok(Self { inner: SsmGeometry::from_tensors(c, r, device_id).py()? })
     }
 
     /// Alias of `from_tensors` (the name `KVGeometry` uses).
     #[classmethod]
     #[pyo3(signature = (conv=None, recurrent=None, device_id=None))]
-    fn from_tensor(cls: &Bound<'_, PyType>, conv: Option<Bound<'_, PyAny>>,
-        recurrent: Option<Bound<'_, PyAny>>, device_id: Option<Int>) -> PyResult<Self> {
+    fn from_tensor(cls: &Bound<'_, PyType>, conv: Option<Tensor>, recurrent: Option<Tensor>,
+        device_id: Option<Int>) -> PyResult<Self> {
         Self::from_tensors(cls, conv, recurrent, device_id)
     }
-
 });
-
-/// A `(K, V)` tuple of one layer's separate key and value tensors, if `t` is one.
-fn kv_pair<'a, 'py>(t: &'a Bound<'py, PyAny>) -> Option<&'a Bound<'py, PyTuple>> {
-    t.cast::<PyTuple>().ok().filter(|p| p.len() == 2)
-}
-
-/// The geometry spec of a per-layer list of tensors or of `(K, V)` pairs.
-fn layer_spec(
-    tensors: &Bound<'_, PyAny>,
-    axes: &str,
-    device_id: Option<u64>,
-) -> PyResult<KvGeometrySpec> {
-    let not_a_list =
-        || geo_err("tensors", format!("expected a list of tensors, got {}", describe(tensors)));
-    let items = tensors
-        .try_iter()
-        .map_err(|e| retype(tensors.py(), e, not_a_list))?
-        .map(|t| t.map_err(|e| retype(tensors.py(), e, not_a_list)))
-        .collect::<PyResult<Vec<_>>>()?;
-    // `(K, V)` pairs per layer: separate key and value tensors.
-    if items.first().is_some_and(|t| kv_pair(t).is_some()) {
-        let (mut keys, mut values) = (Vec::new(), Vec::new());
-        for (i, t) in items.iter().enumerate() {
-            let p = kv_pair(t).ok_or_else(|| {
-                geo_err(
-                    "tensors",
-                    format!("tensors[{i}] is {}, not a (K, V) pair like tensors[0]", describe(t)),
-                )
-            })?;
-            keys.push(tensor_view(&p.get_item(0)?)?);
-            values.push(tensor_view(&p.get_item(1)?)?);
-        }
-        KvGeometrySpec::from_kv_layer_tensors(&keys, &values, axes, device_id).py()
-    } else {
-        let views = items.iter().map(tensor_view).collect::<PyResult<Vec<_>>>()?;
-        KvGeometrySpec::from_layer_tensors(&views, axes, device_id).py()
-    }
-}
 
 /// `LayoutArgs` from the layout keyword arguments (`tp_size=...`).
 fn layout_args(layout: Option<&Bound<'_, PyDict>>) -> PyResult<LayoutArgs> {
@@ -281,15 +258,22 @@ convs! {
     LayoutInt: Option<Int> => Option<i128> = |f, v| any_int(v.as_ref().map(|x| &x.0), f).py();
 }
 
-/// `disagg_core::buffer::plan_buffer` of a registered buffer (`tensor`: the first tensor,
-/// `layers`: the per-layer list, `layout`: KV layout arguments by name); with
-/// `reference_only`, `buffer::reference_geometry`.
+/// The reference design's geometry as a dict, its layout a `KVShardLayout` or `None`.
+fn reference_dict(py: Python<'_>, r: RefGeometry) -> PyResult<Bound<'_, PyDict>> {
+    let d = wire_dict_to_py(py, &r.to_wire())?;
+    d.set_item("layout", r.layout.map(|inner| PyKvShardLayout { inner }))?;
+    Ok(d)
+}
+
+/// `disagg_core::buffer::register` of a backend's buffer (`tensor`: the first tensor, `layers`:
+/// the per-layer list, `layout`: KV layout arguments by name), as a dict.
 #[pyfunction]
 #[pyo3(signature = (tensor, layers, ssm_layout, *, backend, contiguous, expected_num_blocks,
     ssm_state_kind=None, axes=None, blocks_axis=None, reference_only=false, **layout))]
 pub fn plan_buffer<'py>(
-    tensor: &Bound<'py, PyAny>,
-    layers: Option<Bound<'py, PyAny>>,
+    py: Python<'py>,
+    tensor: Tensor,
+    layers: Option<Layers>,
     ssm_layout: Option<Bound<'py, PyAny>>,
     backend: Text,
     contiguous: bool,
@@ -300,44 +284,36 @@ pub fn plan_buffer<'py>(
     reference_only: bool,
     layout: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let py = tensor.py();
-    let ssm = ssm_layout.as_ref().map(|l| {
-        let what = || format!("expected an SSMShardLayout, got {}", describe(l));
-        let l = l.cast::<PySsmShardLayout>();
-        l.map(|l| l.get().inner).map_err(|_| to_pyerr(DisaggError::layout("ssm_layout", what())))
+    let ssm_layout = ssm_layout.map(|l| match l.cast::<PySsmShardLayout>() {
+        Ok(l) => Ok(l.get().inner),
+        Err(_) => Err(to_pyerr(DisaggError::layout(
+            "ssm_layout",
+            format!("expected an SSMShardLayout, got {}", describe(&l)),
+        ))),
     });
     let a = BufferArgs {
         backend: backend.get("backend")?.to_owned(),
-        view: tensor_view(tensor)?,
+        view: tensor.0,
         contiguous,
         per_layer: layers.is_some(),
         expected_num_blocks: AnyInt::conv("expected_num_blocks", expected_num_blocks)?,
         kv: layout_args(layout)?,
-        ssm_layout: ssm.transpose()?,
+        ssm_layout: ssm_layout.transpose()?,
         ssm_state_kind: Opt::<Str>::conv("ssm_state_kind", ssm_state_kind)?,
         axes: Opt::<Str>::conv("axes", axes)?,
         blocks_axis: LayoutInt::conv("blocks_axis", blocks_axis)?,
     };
-    let kv_obj = |l: Option<KvShardLayout>| -> PyResult<Option<Py<PyAny>>> {
-        l.map(|inner| Py::new(py, PyKvShardLayout { inner }).map(Py::into_any)).transpose()
+    let layers = layers.as_ref().map(|l| l.0.as_slice());
+    let p = match buffer::register(&a, layers, reference_only).py()? {
+        Registration::Reference(r) => return reference_dict(py, r),
+        Registration::Plan(p) => p,
     };
-    if reference_only {
-        let r = buffer::reference_geometry(&a).py()?;
-        let d = wire_dict_to_py(py, &r.to_wire())?;
-        d.set_item("layout", kv_obj(r.layout)?)?;
-        return Ok(d);
-    }
-    buffer::check_buffer_args(&a).py()?;
-    let axes = buffer::layer_axes(&a);
-    let layer = layers.as_ref().map(|l| layer_spec(l, &axes, a.view.device)).transpose()?;
-    let p = buffer::plan_buffer(&a, layer.as_ref()).py()?;
     let out = wire_dict_to_py(py, &p.to_wire())?;
-    let reference = wire_dict_to_py(py, &p.reference.to_wire())?;
-    reference.set_item("layout", kv_obj(p.reference.layout)?)?;
-    out.set_item("reference", reference)?;
-    match p.kv_layout {
-        Some(l) => out.set_item("layout", kv_obj(Some(l))?)?,
-        None => out.set_item("layout", ssm_layout)?,
-    }
+    out.set_item("reference", reference_dict(py, p.reference)?)?;
+    let layout = match p.layout {
+        StateLayout::Kv(inner) => PyKvShardLayout { inner }.into_py_any(py)?,
+        StateLayout::Ssm(inner) => PySsmShardLayout { inner }.into_py_any(py)?,
+    };
+    out.set_item("layout", layout)?;
     Ok(out)
 }

@@ -311,8 +311,8 @@ impl TransferProgram {
     }
 
     /// A cheap row count for [`TransferProgram::direct_descriptors`] of `src_rank` (no walk):
-    /// enough for every program the KV compiler emits, but a caller must still handle a
-    /// too-small buffer (see [`TransferProgram::direct_row_count`]).
+    /// enough for most programs, but not for one whose destination splits source rows (an HND
+    /// destination), so a caller must handle a too-small buffer ([`TransferProgram::fill_direct`]).
     pub fn direct_row_hint(&self, src_rank: u32) -> DisaggResult<u64> {
         Ok(self.source(src_rank)?.box_count(Purpose::Direct) as u64)
     }
@@ -330,6 +330,28 @@ impl TransferProgram {
         let cap = src_out.len().min(dst_out.len());
         let (src, dst) = self.direct_pairs(s, SliceRows::new(src_out), SliceRows::new(dst_out));
         finish_into(src.len(), dst.len().min(src.len()), cap, || Ok(s.count_direct(u64::MAX - 1)))
+    }
+
+    /// The direct pairs of `src_rank` through `fill(rows)`, which writes them (with
+    /// [`TransferProgram::direct_descriptors_into`]) into buffers of `rows` rows: sized at the
+    /// cheap [`TransferProgram::direct_row_hint`] first, and only when that fill fails at the
+    /// exact [`TransferProgram::direct_row_count`], which `exact` runs (a binding releases the
+    /// GIL there); a second failure is returned. `err` maps this function's own errors.
+    pub fn fill_direct<R, E>(
+        &self,
+        src_rank: u32,
+        err: impl Fn(DisaggError) -> E,
+        exact: impl FnOnce(&(dyn Fn() -> DisaggResult<u64> + Sync)) -> DisaggResult<u64>,
+        mut fill: impl FnMut(usize) -> Result<R, E>,
+    ) -> Result<R, E> {
+        let rows = |n: u64| {
+            usize::try_from(n).map_err(|_| DisaggError::argument("src_rank", format!("{n} rows")))
+        };
+        if let Ok(r) = fill(self.direct_row_hint(src_rank).and_then(rows).map_err(&err)?) {
+            return Ok(r);
+        }
+        let n = exact(&|| self.direct_row_count(src_rank));
+        fill(n.and_then(rows).map_err(err)?)
     }
 
     /// [`TransferProgram::gather`] written into a caller buffer; returns the row count.
