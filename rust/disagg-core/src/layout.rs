@@ -930,15 +930,13 @@ impl SsmLayoutSpec {
             num_layers: total,
             dims,
             ranks: RankCoords {
+                tp_size,
+                tp_rank,
+                pp_size: get("pp_size").unwrap_or(1),
+                pp_rank,
+                global_rank,
                 ep_rank: get("ep_rank").unwrap_or(0),
                 etp_rank: get("etp_rank").unwrap_or(0),
-                ..RankCoords::grid(
-                    tp_size,
-                    tp_rank,
-                    get("pp_size").unwrap_or(1),
-                    pp_rank,
-                    global_rank,
-                )
             },
             layer_start,
             num_local_layers: local,
