@@ -27,7 +27,8 @@ macro_rules! group_layout {
     ($layout:ty, $spec:ident) => {
         impl GroupLayout for $layout {
             fn group(&self) -> (u32, u32, u32, u32, u32) {
-                (self.tp_size, self.pp_size, self.tp_rank, self.pp_rank, self.global_rank)
+                let r = self.ranks;
+                (r.tp_size, r.pp_size, r.tp_rank, r.pp_rank, r.global_rank)
             }
             fn explicit_window(&self) -> bool {
                 self.explicit_window
@@ -36,7 +37,8 @@ macro_rules! group_layout {
                 (self.layers.len(), self.heads.len())
             }
             fn sibling(&self, tp_rank: u32, pp_rank: u32, global_rank: u32) -> DisaggResult<Self> {
-                Self::new(crate::$spec { tp_rank, pp_rank, global_rank, ..self.spec() })
+                let ranks = crate::RankCoords { tp_rank, pp_rank, global_rank, ..self.ranks };
+                Self::new(crate::$spec { ranks, ..self.spec() })
             }
         }
     };

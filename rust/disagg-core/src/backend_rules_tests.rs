@@ -1,16 +1,12 @@
 use super::*;
-use crate::{KvLayoutSpec, SsmLayoutSpec, SsmStateDims};
+use crate::{KvLayoutSpec, RankCoords, SsmLayoutSpec, SsmStateDims};
 use proptest::prelude::*;
 
 fn kv(tp: u32, pp: u32, tp_rank: u32, pp_rank: u32, global_rank: u32) -> KvShardLayout {
     KvShardLayout::new(KvLayoutSpec {
         num_layers: 8,
         num_kv_heads: 4,
-        tp_size: tp,
-        tp_rank,
-        pp_size: pp,
-        pp_rank,
-        global_rank,
+        ranks: RankCoords::grid(tp, tp_rank, pp, pp_rank, global_rank),
         ..KvLayoutSpec::default()
     })
     .unwrap()
@@ -22,8 +18,11 @@ fn a_kv_group_is_numbered_tp_fastest_from_its_first_rank() {
     let sibs = group_siblings(&me).unwrap();
     assert_eq!(sibs.len(), 4);
     assert!(sibs[3].is_none());
-    let got: Vec<_> =
-        sibs.iter().flatten().map(|l| (l.pp_rank, l.tp_rank, l.global_rank)).collect();
+    let got: Vec<_> = sibs
+        .iter()
+        .flatten()
+        .map(|l| (l.ranks.pp_rank, l.ranks.tp_rank, l.ranks.global_rank))
+        .collect();
     assert_eq!(got, [(0, 0, 10), (0, 1, 11), (1, 0, 12)]);
     assert_eq!(sibs[0].as_ref().unwrap().spec(), kv(2, 2, 0, 0, 10).spec());
 }
@@ -54,15 +53,13 @@ fn a_group_starting_below_rank_zero_or_with_explicit_stage_windows_is_refused() 
 fn an_ssm_group_is_inferred_like_a_kv_group() {
     let dims = SsmStateDims::new(8, 4, 16, 2, 4).unwrap();
     let spec = SsmLayoutSpec {
-        tp_size: 2,
-        tp_rank: 1,
-        global_rank: 5,
+        ranks: RankCoords::grid(2, 1, 1, 0, 5),
         ..SsmLayoutSpec::single_rank(4, dims)
     };
     let sibs = group_siblings(&SsmShardLayout::new(spec).unwrap()).unwrap();
     assert!(sibs[1].is_none());
     let first = sibs[0].as_ref().unwrap();
-    assert_eq!((first.tp_rank, first.global_rank), (0, 4));
+    assert_eq!((first.ranks.tp_rank, first.ranks.global_rank), (0, 4));
 }
 
 fn facts(tpb: u64, heads: u64, head_stride: u64) -> ChunkFacts {

@@ -15,7 +15,7 @@ use crate::geometry::{
     u32_of, KvGeometry, KvGeometrySpec, LayerTensors, SsmGeometry, SsmStateKind, SsmStatePart,
     TensorView,
 };
-use crate::layout::{KvLayoutSpec, KvShardLayout, SsmShardLayout};
+use crate::layout::{KvLayoutSpec, KvShardLayout, RankCoords, SsmShardLayout};
 use crate::wire::value::WireValue;
 
 /// Default axes of one KV cache tensor: Megatron's `[2, L, B, T, H, d]`.
@@ -233,11 +233,13 @@ pub fn kv_layout_with_window(a: &LayoutArgs) -> DisaggResult<KvShardLayout> {
             "num_kv_heads",
             need("num_kv_heads_global", a.num_kv_heads_global)?,
         )?,
-        tp_size: layout_u32("tp_size", need("tp_size", a.tp_size)?)?,
-        tp_rank: layout_u32("tp_rank", need("tp_rank", a.tp_rank)?)?,
-        pp_size: layout_u32("pp_size", need("pp_size", a.pp_size)?)?,
-        pp_rank: layout_u32("pp_rank", need("pp_rank", a.pp_rank)?)?,
-        global_rank: layout_u32("global_rank", need("global_rank", a.global_rank)?)?,
+        ranks: RankCoords::grid(
+            layout_u32("tp_size", need("tp_size", a.tp_size)?)?,
+            layout_u32("tp_rank", need("tp_rank", a.tp_rank)?)?,
+            layout_u32("pp_size", need("pp_size", a.pp_size)?)?,
+            layout_u32("pp_rank", need("pp_rank", a.pp_rank)?)?,
+            layout_u32("global_rank", need("global_rank", a.global_rank)?)?,
+        ),
         layer_start: Some(layout_u32("layer_start", start)?),
         num_local_layers: Some(layout_u32("num_local_layers", end - start)?),
         ..KvLayoutSpec::default()
@@ -560,9 +562,10 @@ fn plan_matched(a: &BufferArgs) -> DisaggResult<BufferPlan> {
     let layout = KvShardLayout::new(KvLayoutSpec {
         num_layers: layout_u32("num_layers", i128::from(reference.num_outer))?,
         num_kv_heads: 1,
-        tp_size: 1,
-        pp_size: 1,
-        global_rank: layout_u32("global_rank", a.kv.global_rank.unwrap_or(0))?,
+        ranks: RankCoords {
+            global_rank: layout_u32("global_rank", a.kv.global_rank.unwrap_or(0))?,
+            ..RankCoords::single()
+        },
         ..KvLayoutSpec::default()
     })?;
     let reference = RefGeometry {
@@ -631,11 +634,13 @@ fn plan_kv(a: &BufferArgs, axes: &str, layer: Option<&KvGeometrySpec>) -> Disagg
             "num_kv_heads",
             k.num_kv_heads_global.unwrap_or(i128::from(heads) * tp),
         )?,
-        tp_size: tp_u,
-        tp_rank,
-        pp_size: layout_u32("pp_size", pp)?,
-        pp_rank,
-        global_rank: layout_u32("global_rank", k.global_rank.unwrap_or(default_rank))?,
+        ranks: RankCoords::grid(
+            tp_u,
+            tp_rank,
+            layout_u32("pp_size", pp)?,
+            pp_rank,
+            layout_u32("global_rank", k.global_rank.unwrap_or(default_rank))?,
+        ),
         layer_start: k.layer_start.map(|s| layout_u32("layer_start", s)).transpose()?,
         num_local_layers: k
             .layer_start

@@ -68,7 +68,7 @@ fn tp_and_pp_arguments_scale_the_model_totals() {
     let mut a = args(&[2, 3, 5, 4, 2, 8], 5);
     a.kv = grid(2, 1, 2, 1);
     let StateLayout::Kv(l) = plan_buffer(&a, None).unwrap().layout else { panic!("KV") };
-    assert_eq!((l.num_layers, l.num_kv_heads, l.global_rank), (6, 4, 3));
+    assert_eq!((l.num_layers, l.num_kv_heads, l.ranks.global_rank), (6, 4, 3));
     assert_eq!((l.layers.lo, l.heads.lo), (3, 2));
 }
 

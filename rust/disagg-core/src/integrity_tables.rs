@@ -418,15 +418,14 @@ mod tests {
 #[cfg(test)]
 mod shape_tests {
     use super::*;
-    use crate::layout::{KvLayoutSpec, SsmLayoutSpec, SsmStateDims};
+    use crate::layout::{KvLayoutSpec, RankCoords, SsmLayoutSpec, SsmStateDims};
 
     #[test]
     fn shapes_cover_the_parts_a_model_has_and_need_the_ssm_layer_count() {
         let kv = KvShardLayout::new(KvLayoutSpec {
             num_layers: 3,
             num_kv_heads: 4,
-            tp_size: 1,
-            pp_size: 1,
+            ranks: RankCoords::single(),
             ..KvLayoutSpec::default()
         })
         .unwrap();
@@ -452,7 +451,8 @@ mod shape_tests {
     #[test]
     fn conv_bands_name_each_band_by_its_global_units_and_local_channels() {
         let dims = SsmStateDims::new(4, 2, 3, 2, 4).unwrap();
-        let spec = SsmLayoutSpec { tp_size: 2, tp_rank: 1, ..SsmLayoutSpec::single_rank(5, dims) };
+        let ranks = RankCoords::grid(2, 1, 1, 0, 0);
+        let spec = SsmLayoutSpec { ranks, ..SsmLayoutSpec::single_rank(5, dims) };
         let l = SsmShardLayout::new(spec).unwrap();
         // heads [2, 4) (2 channels each), groups [1, 2) (3 channels each).
         let s = Span::new;

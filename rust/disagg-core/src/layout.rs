@@ -57,14 +57,12 @@ impl Span {
     }
 }
 
-/// Everything needed to build a [`KvShardLayout`]; `layer_start` and `num_local_layers` are set
-/// together (an explicit, possibly uneven pipeline window) or not at all (even split).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvLayoutSpec {
-    /// Layers of the whole model that hold KV cache.
-    pub num_layers: u32,
-    /// KV heads of the whole model.
-    pub num_kv_heads: u32,
+/// Where one rank sits in its engine: its tensor- and pipeline-parallel coordinates (which
+/// shard it holds), its global rank (the tie-breaker that picks one replica as the source) and
+/// its expert- and expert-tensor-parallel coordinates (replicas of one shard hold identical
+/// state). KV and SSM layouts carry the same coordinates and check them alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RankCoords {
     /// Tensor-parallel size.
     pub tp_size: u32,
     /// Tensor-parallel rank, `< tp_size`.
@@ -73,16 +71,141 @@ pub struct KvLayoutSpec {
     pub pp_size: u32,
     /// Pipeline-parallel rank, `< pp_size`.
     pub pp_rank: u32,
-    /// Rank in the engine's world; the tie-breaker that picks one replica as the source.
+    /// Rank in the engine's world.
     pub global_rank: u32,
-    /// Expert-parallel size (attention KV is replicated, never split, across EP ranks).
-    pub ep_size: u32,
-    /// Expert-parallel coordinate of this replica (attention KV is identical across EP ranks).
+    /// Expert-parallel coordinate of this replica.
     pub ep_rank: u32,
-    /// Expert-tensor-parallel size (a replica dimension for attention KV, like EP).
-    pub etp_size: u32,
     /// Expert-tensor-parallel coordinate of this replica.
     pub etp_rank: u32,
+}
+
+impl RankCoords {
+    /// Rank `(tp_rank, pp_rank)` of a `tp_size x pp_size` grid, EP/ETP replica 0.
+    #[must_use]
+    pub const fn grid(
+        tp_size: u32,
+        tp_rank: u32,
+        pp_size: u32,
+        pp_rank: u32,
+        global_rank: u32,
+    ) -> Self {
+        Self { tp_size, tp_rank, pp_size, pp_rank, global_rank, ep_rank: 0, etp_rank: 0 }
+    }
+
+    /// The only rank of an engine with one rank (TP1, PP1, rank 0).
+    #[must_use]
+    pub const fn single() -> Self {
+        Self::grid(1, 0, 1, 0, 0)
+    }
+
+    /// The checks every shard layout makes of its place in the TP x PP grid: both ranks below
+    /// their sizes and no more pipeline stages than layers (when the layer total is known).
+    fn check(&self, num_layers: Option<u32>) -> DisaggResult<()> {
+        rank_below("tp_rank", self.tp_rank, "tp_size", self.tp_size)?;
+        rank_below("pp_rank", self.pp_rank, "pp_size", self.pp_size)?;
+        match num_layers {
+            Some(total) if self.pp_size > total => Err(DisaggError::layout(
+                "pp_size",
+                format!("pp_size={} exceeds num_layers={total}", self.pp_size),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The pipeline window of this rank's stage: explicit, or an even split of `num_layers`.
+    /// `num_layers` is `None` when the model's total is unknown (only an explicit window is
+    /// possible then). Returns the window and whether it differs from the even split.
+    fn layer_window(
+        &self,
+        num_layers: Option<u32>,
+        layer_start: Option<u32>,
+        num_local_layers: Option<u32>,
+    ) -> DisaggResult<(Span, bool)> {
+        let (pp_size, pp_rank) = (self.pp_size, self.pp_rank);
+        match (layer_start, num_local_layers) {
+            (Some(start), Some(count)) => {
+                Kind::Layout.at_least_one(&[("num_local_layers", count)])?;
+                let end = start.checked_add(count).ok_or_else(|| {
+                    DisaggError::layout(
+                        "num_local_layers",
+                        format!("layer_start={start} + num_local_layers={count} exceeds 2**32"),
+                    )
+                })?;
+                let Some(total) = num_layers else {
+                    return Ok((Span::new(start, end), true));
+                };
+                if end > total {
+                    return Err(DisaggError::layout(
+                        "num_local_layers",
+                        format!(
+                            "layer_start={start} + num_local_layers={count} exceeds \
+                             num_layers={total}"
+                        ),
+                    ));
+                }
+                let window = Span::new(start, end);
+                Ok((window, even_window(total, pp_size, pp_rank) != Some(window)))
+            }
+            (None, None) => {
+                let Some(num_layers) = num_layers else {
+                    return Err(DisaggError::layout(
+                        "layer_start",
+                        "layer_start=None and num_layers=None: give the model's layer count or an \
+                         explicit layer window",
+                    ));
+                };
+                if !num_layers.is_multiple_of(pp_size) {
+                    return Err(DisaggError::layout(
+                        "num_layers",
+                        format!(
+                            "num_layers={num_layers} is not divisible by pp_size={pp_size}; \
+                             give layer_start and num_local_layers for an uneven window"
+                        ),
+                    ));
+                }
+                let per = num_layers / pp_size;
+                Ok((Span::new(pp_rank * per, (pp_rank + 1) * per), false))
+            }
+            (Some(start), None) => Err(DisaggError::layout(
+                "num_local_layers",
+                format!("layer_start={start} given but num_local_layers=None; set both or neither"),
+            )),
+            (None, Some(count)) => Err(DisaggError::layout(
+                "layer_start",
+                format!("num_local_layers={count} given but layer_start=None; set both or neither"),
+            )),
+        }
+    }
+
+    /// Decode the wire fields: the TP/PP fields and `global_rank` are required, the EP/ETP
+    /// coordinates default to 0.
+    pub fn from_wire(f: &WireFields<'_>) -> DisaggResult<Self> {
+        Ok(Self {
+            tp_size: wire_need(f, "tp_size")?,
+            tp_rank: wire_need(f, "tp_rank")?,
+            pp_size: wire_need(f, "pp_size")?,
+            pp_rank: wire_need(f, "pp_rank")?,
+            global_rank: wire_need(f, "global_rank")?,
+            ep_rank: wire_get(f, "ep_rank").unwrap_or(0),
+            etp_rank: wire_get(f, "etp_rank").unwrap_or(0),
+        })
+    }
+}
+
+/// Everything needed to build a [`KvShardLayout`]; `layer_start` and `num_local_layers` are set
+/// together (an explicit, possibly uneven pipeline window) or not at all (even split).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayoutSpec {
+    /// Layers of the whole model that hold KV cache.
+    pub num_layers: u32,
+    /// KV heads of the whole model.
+    pub num_kv_heads: u32,
+    /// This rank's coordinates.
+    pub ranks: RankCoords,
+    /// Expert-parallel size (attention KV is replicated, never split, across EP ranks).
+    pub ep_size: u32,
+    /// Expert-tensor-parallel size (a replica dimension for attention KV, like EP).
+    pub etp_size: u32,
     /// First global layer of this stage (explicit window).
     pub layer_start: Option<u32>,
     /// Number of layers of this stage (explicit window).
@@ -95,15 +218,9 @@ impl Default for KvLayoutSpec {
         Self {
             num_layers: 0,
             num_kv_heads: 0,
-            tp_size: 0,
-            tp_rank: 0,
-            pp_size: 0,
-            pp_rank: 0,
-            global_rank: 0,
+            ranks: RankCoords::grid(0, 0, 0, 0, 0),
             ep_size: 1,
-            ep_rank: 0,
             etp_size: 1,
-            etp_rank: 0,
             layer_start: None,
             num_local_layers: None,
         }
@@ -122,24 +239,12 @@ pub struct KvShardLayout {
     pub num_layers: u32,
     /// KV heads of the whole model.
     pub num_kv_heads: u32,
-    /// Tensor-parallel size.
-    pub tp_size: u32,
-    /// Tensor-parallel rank.
-    pub tp_rank: u32,
-    /// Pipeline-parallel size.
-    pub pp_size: u32,
-    /// Pipeline-parallel rank.
-    pub pp_rank: u32,
-    /// Rank in the engine's world.
-    pub global_rank: u32,
+    /// This rank's coordinates.
+    pub ranks: RankCoords,
     /// Expert-parallel size.
     pub ep_size: u32,
-    /// Expert-parallel replica coordinate.
-    pub ep_rank: u32,
     /// Expert-tensor-parallel size.
     pub etp_size: u32,
-    /// Expert-tensor-parallel replica coordinate.
-    pub etp_rank: u32,
     /// Global layers held, `[lo, hi)`.
     pub layers: Span,
     /// Global KV heads held, `[lo, hi)`.
@@ -160,26 +265,6 @@ fn rank_below(rank_field: &str, rank: u32, size_field: &str, size: u32) -> Disag
     Ok(())
 }
 
-/// The checks every shard layout makes of its place in the TP x PP grid: both ranks below
-/// their sizes and no more pipeline stages than layers (when the layer total is known).
-fn check_grid(
-    num_layers: Option<u32>,
-    tp_size: u32,
-    tp_rank: u32,
-    pp_size: u32,
-    pp_rank: u32,
-) -> DisaggResult<()> {
-    rank_below("tp_rank", tp_rank, "tp_size", tp_size)?;
-    rank_below("pp_rank", pp_rank, "pp_size", pp_size)?;
-    match num_layers {
-        Some(total) if pp_size > total => Err(DisaggError::layout(
-            "pp_size",
-            format!("pp_size={pp_size} exceeds num_layers={total}"),
-        )),
-        _ => Ok(()),
-    }
-}
-
 /// The even split of `num_layers` for `pp_rank`, if `pp_size` divides it.
 fn even_window(num_layers: u32, pp_size: u32, pp_rank: u32) -> Option<Span> {
     if pp_size == 0 || !num_layers.is_multiple_of(pp_size) {
@@ -187,70 +272,6 @@ fn even_window(num_layers: u32, pp_size: u32, pp_rank: u32) -> Option<Span> {
     }
     let per = num_layers / pp_size;
     Some(Span::new(pp_rank * per, (pp_rank + 1) * per))
-}
-
-/// The pipeline window of one stage: explicit, or an even split of `num_layers`. `num_layers`
-/// is `None` when the model's total is unknown (only an explicit window is possible then).
-/// Returns the window and whether it differs from the even split.
-fn layer_window(
-    num_layers: Option<u32>,
-    pp_size: u32,
-    pp_rank: u32,
-    layer_start: Option<u32>,
-    num_local_layers: Option<u32>,
-) -> DisaggResult<(Span, bool)> {
-    match (layer_start, num_local_layers) {
-        (Some(start), Some(count)) => {
-            Kind::Layout.at_least_one(&[("num_local_layers", count)])?;
-            let end = start.checked_add(count).ok_or_else(|| {
-                DisaggError::layout(
-                    "num_local_layers",
-                    format!("layer_start={start} + num_local_layers={count} exceeds 2**32"),
-                )
-            })?;
-            let Some(total) = num_layers else {
-                return Ok((Span::new(start, end), true));
-            };
-            if end > total {
-                return Err(DisaggError::layout(
-                    "num_local_layers",
-                    format!(
-                        "layer_start={start} + num_local_layers={count} exceeds num_layers={total}"
-                    ),
-                ));
-            }
-            let window = Span::new(start, end);
-            Ok((window, even_window(total, pp_size, pp_rank) != Some(window)))
-        }
-        (None, None) => {
-            let Some(num_layers) = num_layers else {
-                return Err(DisaggError::layout(
-                    "layer_start",
-                    "layer_start=None and num_layers=None: give the model's layer count or an \
-                     explicit layer window",
-                ));
-            };
-            if !num_layers.is_multiple_of(pp_size) {
-                return Err(DisaggError::layout(
-                    "num_layers",
-                    format!(
-                        "num_layers={num_layers} is not divisible by pp_size={pp_size}; \
-                         give layer_start and num_local_layers for an uneven window"
-                    ),
-                ));
-            }
-            let per = num_layers / pp_size;
-            Ok((Span::new(pp_rank * per, (pp_rank + 1) * per), false))
-        }
-        (Some(start), None) => Err(DisaggError::layout(
-            "num_local_layers",
-            format!("layer_start={start} given but num_local_layers=None; set both or neither"),
-        )),
-        (None, Some(count)) => Err(DisaggError::layout(
-            "layer_start",
-            format!("num_local_layers={count} given but layer_start=None; set both or neither"),
-        )),
-    }
 }
 
 /// The units (heads or groups) rank `tp_rank` of `tp_size` holds out of `units`: an even split
@@ -283,30 +304,25 @@ fn unit_share(units_field: &str, units: u32, tp_size: u32, tp_rank: u32) -> Disa
 impl KvShardLayout {
     /// Validate `spec` and build the layout.
     pub fn new(spec: KvLayoutSpec) -> DisaggResult<Self> {
-        Kind::Layout.at_least_one(&named!(spec;
-            num_layers, num_kv_heads, tp_size, pp_size, ep_size, etp_size
-        ))?;
-        check_grid(Some(spec.num_layers), spec.tp_size, spec.tp_rank, spec.pp_size, spec.pp_rank)?;
-        let heads = unit_share("num_kv_heads", spec.num_kv_heads, spec.tp_size, spec.tp_rank)?;
-        let (layers, explicit_window) = layer_window(
-            Some(spec.num_layers),
-            spec.pp_size,
-            spec.pp_rank,
-            spec.layer_start,
-            spec.num_local_layers,
-        )?;
+        let r = spec.ranks;
+        Kind::Layout.at_least_one(&[
+            ("num_layers", spec.num_layers),
+            ("num_kv_heads", spec.num_kv_heads),
+            ("tp_size", r.tp_size),
+            ("pp_size", r.pp_size),
+            ("ep_size", spec.ep_size),
+            ("etp_size", spec.etp_size),
+        ])?;
+        r.check(Some(spec.num_layers))?;
+        let heads = unit_share("num_kv_heads", spec.num_kv_heads, r.tp_size, r.tp_rank)?;
+        let (layers, explicit_window) =
+            r.layer_window(Some(spec.num_layers), spec.layer_start, spec.num_local_layers)?;
         Ok(Self {
             num_layers: spec.num_layers,
             num_kv_heads: spec.num_kv_heads,
-            tp_size: spec.tp_size,
-            tp_rank: spec.tp_rank,
-            pp_size: spec.pp_size,
-            pp_rank: spec.pp_rank,
-            global_rank: spec.global_rank,
+            ranks: r,
             ep_size: spec.ep_size,
-            ep_rank: spec.ep_rank,
             etp_size: spec.etp_size,
-            etp_rank: spec.etp_rank,
             layers,
             heads,
             explicit_window,
@@ -318,15 +334,9 @@ impl KvShardLayout {
         KvLayoutSpec {
             num_layers: self.num_layers,
             num_kv_heads: self.num_kv_heads,
-            tp_size: self.tp_size,
-            tp_rank: self.tp_rank,
-            pp_size: self.pp_size,
-            pp_rank: self.pp_rank,
-            global_rank: self.global_rank,
+            ranks: self.ranks,
             ep_size: self.ep_size,
-            ep_rank: self.ep_rank,
             etp_size: self.etp_size,
-            etp_rank: self.etp_rank,
             layer_start: self.explicit_window.then_some(self.layers.lo),
             num_local_layers: self.explicit_window.then_some(self.layers.len()),
         }
@@ -334,8 +344,8 @@ impl KvShardLayout {
 
     /// Ranks holding the same head (1 unless `tp_size > num_kv_heads`).
     pub fn gqa_replication(&self) -> u32 {
-        if self.tp_size > self.num_kv_heads {
-            self.tp_size / self.num_kv_heads
+        if self.ranks.tp_size > self.num_kv_heads {
+            self.ranks.tp_size / self.num_kv_heads
         } else {
             1
         }
@@ -344,7 +354,7 @@ impl KvShardLayout {
     /// The attention shard this rank holds, `(tp_rank, pp_rank)`: ranks sharing it are EP/ETP
     /// replicas holding identical KV (the reference design's `kv_shard_key`).
     pub fn kv_shard_key(&self) -> (u32, u32) {
-        (self.tp_rank, self.pp_rank)
+        (self.ranks.tp_rank, self.ranks.pp_rank)
     }
 
     /// The layouts of one engine's `tp_size x pp_size` ranks (even layer split, no EP/ETP
@@ -362,11 +372,13 @@ impl KvShardLayout {
                 Self::new(KvLayoutSpec {
                     num_layers,
                     num_kv_heads,
-                    tp_size,
-                    tp_rank,
-                    pp_size,
-                    pp_rank,
-                    global_rank: rank0 + pp_rank * tp_size + tp_rank,
+                    ranks: RankCoords::grid(
+                        tp_size,
+                        tp_rank,
+                        pp_size,
+                        pp_rank,
+                        rank0 + pp_rank * tp_size + tp_rank,
+                    ),
                     ..KvLayoutSpec::default()
                 })
             })
@@ -499,20 +511,8 @@ pub struct SsmLayoutSpec {
     pub num_layers: Option<u32>,
     /// Global per-layer dimensions.
     pub dims: SsmStateDims,
-    /// Tensor-parallel size.
-    pub tp_size: u32,
-    /// Tensor-parallel rank.
-    pub tp_rank: u32,
-    /// Pipeline-parallel size.
-    pub pp_size: u32,
-    /// Pipeline-parallel rank.
-    pub pp_rank: u32,
-    /// Rank in the engine's world.
-    pub global_rank: u32,
-    /// Expert-parallel replica coordinate.
-    pub ep_rank: u32,
-    /// Expert-tensor-parallel replica coordinate.
-    pub etp_rank: u32,
+    /// This rank's coordinates.
+    pub ranks: RankCoords,
     /// First global SSM layer of this stage (explicit window).
     pub layer_start: Option<u32>,
     /// Number of SSM layers of this stage (explicit window).
@@ -531,20 +531,8 @@ pub struct SsmShardLayout {
     pub num_layers: Option<u32>,
     /// Global per-layer dimensions.
     pub dims: SsmStateDims,
-    /// Tensor-parallel size.
-    pub tp_size: u32,
-    /// Tensor-parallel rank.
-    pub tp_rank: u32,
-    /// Pipeline-parallel size.
-    pub pp_size: u32,
-    /// Pipeline-parallel rank.
-    pub pp_rank: u32,
-    /// Rank in the engine's world.
-    pub global_rank: u32,
-    /// Expert-parallel replica coordinate.
-    pub ep_rank: u32,
-    /// Expert-tensor-parallel replica coordinate.
-    pub etp_rank: u32,
+    /// This rank's coordinates.
+    pub ranks: RankCoords,
     /// Global SSM layers held.
     pub layers: Span,
     /// Global SSM heads held.
@@ -563,47 +551,37 @@ impl SsmShardLayout {
         if let Some(total) = spec.num_layers {
             Kind::Layout.at_least_one(&[("num_layers", total)])?;
         }
-        Kind::Layout.at_least_one(&named!(spec; tp_size, pp_size))?;
-        check_grid(spec.num_layers, spec.tp_size, spec.tp_rank, spec.pp_size, spec.pp_rank)?;
+        let r = spec.ranks;
+        Kind::Layout.at_least_one(&named!(r; tp_size, pp_size))?;
+        r.check(spec.num_layers)?;
         let dims = spec.dims;
-        if !dims.num_heads.is_multiple_of(spec.tp_size) {
+        if !dims.num_heads.is_multiple_of(r.tp_size) {
             return Err(DisaggError::layout(
                 "num_heads",
                 format!(
                     "SSM num_heads={} is not divisible by tp_size={}",
-                    dims.num_heads, spec.tp_size
+                    dims.num_heads, r.tp_size
                 ),
             ));
         }
-        if dims.n_groups < spec.tp_size && !spec.replicate_groups {
+        if dims.n_groups < r.tp_size && !spec.replicate_groups {
             return Err(DisaggError::layout(
                 "n_groups",
                 format!(
                     "ngroups={} < tp_size={}: Mamba mixers split the B/C groups across TP ranks; \
                      pass replicate_groups=True if each rank holds a full copy of its group",
-                    dims.n_groups, spec.tp_size
+                    dims.n_groups, r.tp_size
                 ),
             ));
         }
-        let heads = unit_share("num_heads", dims.num_heads, spec.tp_size, spec.tp_rank)?;
-        let groups = unit_share("n_groups", dims.n_groups, spec.tp_size, spec.tp_rank)?;
-        let (layers, explicit_window) = layer_window(
-            spec.num_layers,
-            spec.pp_size,
-            spec.pp_rank,
-            spec.layer_start,
-            spec.num_local_layers,
-        )?;
+        let heads = unit_share("num_heads", dims.num_heads, r.tp_size, r.tp_rank)?;
+        let groups = unit_share("n_groups", dims.n_groups, r.tp_size, r.tp_rank)?;
+        let (layers, explicit_window) =
+            r.layer_window(spec.num_layers, spec.layer_start, spec.num_local_layers)?;
         Ok(Self {
             num_layers: spec.num_layers,
             dims,
-            tp_size: spec.tp_size,
-            tp_rank: spec.tp_rank,
-            pp_size: spec.pp_size,
-            pp_rank: spec.pp_rank,
-            global_rank: spec.global_rank,
-            ep_rank: spec.ep_rank,
-            etp_rank: spec.etp_rank,
+            ranks: r,
             layers,
             heads,
             groups,
@@ -617,13 +595,7 @@ impl SsmShardLayout {
         SsmLayoutSpec {
             num_layers: self.num_layers,
             dims: self.dims,
-            tp_size: self.tp_size,
-            tp_rank: self.tp_rank,
-            pp_size: self.pp_size,
-            pp_rank: self.pp_rank,
-            global_rank: self.global_rank,
-            ep_rank: self.ep_rank,
-            etp_rank: self.etp_rank,
+            ranks: self.ranks,
             layer_start: self.explicit_window.then_some(self.layers.lo),
             num_local_layers: self.explicit_window.then_some(self.layers.len()),
             replicate_groups: self.replicate_groups,
@@ -633,7 +605,7 @@ impl SsmShardLayout {
     /// The SSM shard this rank holds, `(tp_rank, first layer)`: ranks sharing it hold
     /// identical state (the reference design's `shard_key`).
     pub fn shard_key(&self) -> (u32, u32) {
-        (self.tp_rank, self.layers.lo)
+        (self.ranks.tp_rank, self.layers.lo)
     }
 
     /// The reference design's band triple `(global_total, local_size, local_offset)`: the
@@ -741,15 +713,15 @@ impl KvLayoutSpec {
         [
             ("num_layers", Some(self.num_layers)),
             ("num_kv_heads", Some(self.num_kv_heads)),
-            ("tp_size", Some(self.tp_size)),
-            ("tp_rank", Some(self.tp_rank)),
-            ("pp_size", Some(self.pp_size)),
-            ("pp_rank", Some(self.pp_rank)),
-            ("global_rank", Some(self.global_rank)),
+            ("tp_size", Some(self.ranks.tp_size)),
+            ("tp_rank", Some(self.ranks.tp_rank)),
+            ("pp_size", Some(self.ranks.pp_size)),
+            ("pp_rank", Some(self.ranks.pp_rank)),
+            ("global_rank", Some(self.ranks.global_rank)),
             ("ep_size", Some(self.ep_size)),
-            ("ep_rank", Some(self.ep_rank)),
+            ("ep_rank", Some(self.ranks.ep_rank)),
             ("etp_size", Some(self.etp_size)),
-            ("etp_rank", Some(self.etp_rank)),
+            ("etp_rank", Some(self.ranks.etp_rank)),
             ("layer_start", self.layer_start),
             ("num_local_layers", self.num_local_layers),
         ]
@@ -761,15 +733,9 @@ impl KvLayoutSpec {
         Ok(Self {
             num_layers: wire_need(f, "num_layers")?,
             num_kv_heads: wire_either(f, "num_kv_heads", "num_heads")?,
-            tp_size: wire_need(f, "tp_size")?,
-            tp_rank: wire_need(f, "tp_rank")?,
-            pp_size: wire_need(f, "pp_size")?,
-            pp_rank: wire_need(f, "pp_rank")?,
-            global_rank: wire_need(f, "global_rank")?,
+            ranks: RankCoords::from_wire(f)?,
             ep_size: wire_get(f, "ep_size").unwrap_or(1),
-            ep_rank: wire_get(f, "ep_rank").unwrap_or(0),
             etp_size: wire_get(f, "etp_size").unwrap_or(1),
-            etp_rank: wire_get(f, "etp_rank").unwrap_or(0),
             layer_start: wire_get(f, "layer_start"),
             num_local_layers: wire_get(f, "num_local_layers"),
         })
@@ -822,13 +788,7 @@ impl SsmLayoutSpec {
         Self {
             num_layers: Some(num_layers),
             dims,
-            tp_size: 1,
-            tp_rank: 0,
-            pp_size: 1,
-            pp_rank: 0,
-            global_rank: 0,
-            ep_rank: 0,
-            etp_rank: 0,
+            ranks: RankCoords::single(),
             layer_start: None,
             num_local_layers: None,
             replicate_groups: false,
@@ -864,34 +824,28 @@ impl SsmLayoutSpec {
     pub fn wire_fields(&self) -> [(&'static str, Option<u32>); 10] {
         [
             ("num_layers", self.num_layers),
-            ("tp_size", Some(self.tp_size)),
-            ("tp_rank", Some(self.tp_rank)),
-            ("pp_size", Some(self.pp_size)),
-            ("pp_rank", Some(self.pp_rank)),
-            ("global_rank", Some(self.global_rank)),
-            ("ep_rank", Some(self.ep_rank)),
-            ("etp_rank", Some(self.etp_rank)),
+            ("tp_size", Some(self.ranks.tp_size)),
+            ("tp_rank", Some(self.ranks.tp_rank)),
+            ("pp_size", Some(self.ranks.pp_size)),
+            ("pp_rank", Some(self.ranks.pp_rank)),
+            ("global_rank", Some(self.ranks.global_rank)),
+            ("ep_rank", Some(self.ranks.ep_rank)),
+            ("etp_rank", Some(self.ranks.etp_rank)),
             ("layer_start", self.layer_start),
             ("num_local_layers", self.num_local_layers),
         ]
     }
 
-    /// Every keyword of the `SSMShardLayout` constructor.
-    pub const CALL_KEYS: [&'static str; 13] = [
-        "num_layers",
-        "dims",
-        "tp_size",
-        "tp_rank",
-        "pp_size",
-        "pp_rank",
-        "global_rank",
-        "ep_rank",
-        "etp_rank",
-        "layer_start",
-        "num_local_layers",
-        "total_layers",
-        "replicate_groups",
-    ];
+    /// Every keyword of the `SSMShardLayout` constructor: the wire keys, then `total_layers`.
+    pub const CALL_KEYS: [&'static str; 13] = {
+        let mut keys = ["total_layers"; 13];
+        let mut i = 0;
+        while i < Self::WIRE_KEYS.len() {
+            keys[i] = Self::WIRE_KEYS[i];
+            i += 1;
+        }
+        keys
+    };
 
     /// The reference design's dataclass fields, then ours (so `asdict` round-trips a layout);
     /// the first six are the reference design's positional order.
@@ -975,13 +929,15 @@ impl SsmLayoutSpec {
         Ok(Self {
             num_layers: total,
             dims,
-            tp_size,
-            tp_rank,
-            pp_size: get("pp_size").unwrap_or(1),
-            pp_rank,
-            global_rank,
-            ep_rank: get("ep_rank").unwrap_or(0),
-            etp_rank: get("etp_rank").unwrap_or(0),
+            ranks: RankCoords {
+                tp_size,
+                tp_rank,
+                pp_size: get("pp_size").unwrap_or(1),
+                pp_rank,
+                global_rank,
+                ep_rank: get("ep_rank").unwrap_or(0),
+                etp_rank: get("etp_rank").unwrap_or(0),
+            },
             layer_start,
             num_local_layers: local,
             replicate_groups,
@@ -997,13 +953,7 @@ impl SsmLayoutSpec {
         Ok(Self {
             num_layers: wire_get(f, "num_layers"),
             dims,
-            tp_size: wire_need(f, "tp_size")?,
-            tp_rank: wire_need(f, "tp_rank")?,
-            pp_size: wire_need(f, "pp_size")?,
-            pp_rank: wire_need(f, "pp_rank")?,
-            global_rank: wire_need(f, "global_rank")?,
-            ep_rank: wire_get(f, "ep_rank").unwrap_or(0),
-            etp_rank: wire_get(f, "etp_rank").unwrap_or(0),
+            ranks: RankCoords::from_wire(f)?,
             layer_start: wire_get(f, "layer_start"),
             num_local_layers: wire_get(f, "num_local_layers"),
             replicate_groups,
@@ -1011,17 +961,23 @@ impl SsmLayoutSpec {
     }
 }
 
+impl fmt::Display for RankCoords {
+    /// `global_rank=G, tp=RANK/SIZE, pp=RANK/SIZE`, as the layouts' reprs show it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "global_rank={}, tp={}/{}, pp={}/{}",
+            self.global_rank, self.tp_rank, self.tp_size, self.pp_rank, self.pp_size
+        )
+    }
+}
+
 impl fmt::Display for KvShardLayout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "KVShardLayout(global_rank={}, tp={}/{}, pp={}/{}, layers=[{}, {}) of {}, \
-             heads=[{}, {}) of {}",
-            self.global_rank,
-            self.tp_rank,
-            self.tp_size,
-            self.pp_rank,
-            self.pp_size,
+            "KVShardLayout({}, layers=[{}, {}) of {}, heads=[{}, {}) of {}",
+            self.ranks,
             self.layers.lo,
             self.layers.hi,
             self.num_layers,
@@ -1029,12 +985,9 @@ impl fmt::Display for KvShardLayout {
             self.heads.hi,
             self.num_kv_heads,
         )?;
-        if self.ep_size != 1 || self.etp_size != 1 || self.ep_rank != 0 || self.etp_rank != 0 {
-            write!(
-                f,
-                ", ep={}/{}, etp={}/{}",
-                self.ep_rank, self.ep_size, self.etp_rank, self.etp_size
-            )?;
+        let (ep_rank, etp_rank) = (self.ranks.ep_rank, self.ranks.etp_rank);
+        if self.ep_size != 1 || self.etp_size != 1 || ep_rank != 0 || etp_rank != 0 {
+            write!(f, ", ep={ep_rank}/{}, etp={etp_rank}/{}", self.ep_size, self.etp_size)?;
         }
         f.write_str(")")
     }
@@ -1045,13 +998,9 @@ impl fmt::Display for SsmShardLayout {
         let total = self.num_layers.map_or_else(|| "?".to_owned(), |n| n.to_string());
         write!(
             f,
-            "SSMShardLayout(global_rank={}, tp={}/{}, pp={}/{}, layers=[{}, {}) of {total}, \
-             heads=[{}, {}), groups=[{}, {}), dims={})",
-            self.global_rank,
-            self.tp_rank,
-            self.tp_size,
-            self.pp_rank,
-            self.pp_size,
+            "SSMShardLayout({}, layers=[{}, {}) of {total}, heads=[{}, {}), groups=[{}, {}), \
+             dims={})",
+            self.ranks,
             self.layers.lo,
             self.layers.hi,
             self.heads.lo,
@@ -1071,10 +1020,7 @@ mod tests {
         KvLayoutSpec {
             num_layers: 8,
             num_kv_heads: 4,
-            tp_size: tp,
-            tp_rank: rank,
-            pp_size: 1,
-            global_rank: rank,
+            ranks: RankCoords::grid(tp, rank, 1, 0, rank),
             ..KvLayoutSpec::default()
         }
     }
@@ -1082,9 +1028,7 @@ mod tests {
     fn ssm_spec(window: Option<(u32, u32)>) -> SsmLayoutSpec {
         SsmLayoutSpec {
             num_layers: window.is_none().then_some(4),
-            tp_size: 2,
-            tp_rank: 1,
-            global_rank: 1,
+            ranks: RankCoords::grid(2, 1, 1, 0, 1),
             layer_start: window.map(|w| w.0),
             num_local_layers: window.map(|w| w.1),
             ..SsmLayoutSpec::single_rank(4, SsmStateDims::new(8, 4, 16, 2, 4).unwrap())
@@ -1101,17 +1045,17 @@ mod tests {
     fn kv_and_ssm_layouts_check_their_grid_place_alike() {
         let msg = |e: DisaggError| e.to_string();
         let mut k = kv(2, 1);
-        (k.pp_size, k.pp_rank) = (9, 0);
+        (k.ranks.pp_size, k.ranks.pp_rank) = (9, 0);
         let want = "invalid layout field `pp_size`: pp_size=9 exceeds num_layers=8";
         assert_eq!(msg(KvShardLayout::new(k).unwrap_err()), want);
         let mut s = ssm_spec(None);
-        (s.num_layers, s.pp_size) = (Some(8), 9);
+        (s.num_layers, s.ranks.pp_size) = (Some(8), 9);
         assert_eq!(msg(SsmShardLayout::new(s).unwrap_err()), want);
         // Without a layer total only the ranks are checked; the explicit window decides.
         let mut s = ssm_spec(Some((2, 1)));
-        s.pp_size = 9;
+        s.ranks.pp_size = 9;
         assert_eq!(SsmShardLayout::new(s).unwrap().layers, Span::new(2, 3));
-        s.tp_rank = 2;
+        s.ranks.tp_rank = 2;
         let want = "invalid layout field `tp_rank`: tp_rank=2 must be < tp_size=2";
         assert_eq!(msg(SsmShardLayout::new(s).unwrap_err()), want);
         k = kv(2, 2);
@@ -1121,10 +1065,11 @@ mod tests {
     #[test]
     fn an_engine_s_layouts_are_pipeline_major_and_numbered_from_its_first_rank() {
         let ls = KvShardLayout::engine(8, 4, 2, 2, 10).unwrap();
-        let coords: Vec<_> = ls.iter().map(|l| (l.pp_rank, l.tp_rank, l.global_rank)).collect();
+        let coords: Vec<_> =
+            ls.iter().map(|l| (l.ranks.pp_rank, l.ranks.tp_rank, l.ranks.global_rank)).collect();
         assert_eq!(coords, [(0, 0, 10), (0, 1, 11), (1, 0, 12), (1, 1, 13)]);
         let mut first = kv(2, 0);
-        (first.pp_size, first.global_rank) = (2, 10);
+        (first.ranks.pp_size, first.ranks.global_rank) = (2, 10);
         assert_eq!(ls[0], KvShardLayout::new(first).unwrap());
         assert_eq!(ls[3].layers, Span { lo: 4, hi: 8 });
         let e = KvShardLayout::engine(8, 4, 2, 9, 0).unwrap_err();
@@ -1134,7 +1079,7 @@ mod tests {
     #[test]
     fn kv_wire_fields_round_trip_with_window_and_replicas() {
         let mut s = kv(2, 1);
-        (s.layer_start, s.num_local_layers, s.ep_size, s.ep_rank) = (Some(2), Some(6), 2, 1);
+        (s.layer_start, s.num_local_layers, s.ep_size, s.ranks.ep_rank) = (Some(2), Some(6), 2, 1);
         let l = KvShardLayout::new(s).unwrap();
         let f = l.spec().wire_fields();
         assert!(f.iter().all(|(k, _)| KvLayoutSpec::WIRE_KEYS.contains(k)));
@@ -1209,7 +1154,7 @@ mod tests {
             KvShardLayout::new(s).unwrap().to_string(),
             "KVShardLayout(global_rank=1, tp=1/2, pp=0/1, layers=[0, 8) of 8, heads=[2, 4) of 4)"
         );
-        (s.ep_size, s.ep_rank) = (2, 1);
+        (s.ep_size, s.ranks.ep_rank) = (2, 1);
         assert!(KvShardLayout::new(s).unwrap().to_string().ends_with("of 4, ep=1/2, etp=0/1)"));
         let l = SsmShardLayout::new(ssm_spec(Some((1, 2)))).unwrap();
         assert_eq!(
@@ -1242,26 +1187,37 @@ mod tests {
     }
 
     #[test]
-    fn window_fields_come_together() {
-        let mut s = kv(1, 0);
-        s.layer_start = Some(2);
-        let e = KvShardLayout::new(s).unwrap_err();
-        assert!(e.to_string().contains("num_local_layers"), "{e}");
-        s.num_local_layers = Some(7);
-        assert!(KvShardLayout::new(s).unwrap_err().to_string().contains("num_layers=8"));
-        s.num_local_layers = Some(6);
-        let l = KvShardLayout::new(s).unwrap();
-        assert_eq!(l.layers, Span::new(2, 8));
-        assert_eq!(KvShardLayout::new(l.spec()).unwrap(), l);
+    fn a_stage_window_is_explicit_with_both_fields_or_the_even_split() {
+        let r = RankCoords::grid(1, 0, 2, 1, 1);
+        let err = |total, start, count| r.layer_window(total, start, count).unwrap_err();
+        assert!(err(Some(8), Some(2), None).to_string().contains("num_local_layers"));
+        assert!(err(Some(8), Some(2), Some(7)).to_string().contains("num_layers=8"));
+        assert!(err(None, None, None).to_string().contains("num_layers=None"));
+        assert_eq!(r.layer_window(Some(8), None, None).unwrap(), (Span::new(4, 8), false));
+        assert_eq!(r.layer_window(Some(8), Some(2), Some(6)).unwrap(), (Span::new(2, 8), true));
+        // Without the model's total only an explicit window works.
+        assert_eq!(r.layer_window(None, Some(6), Some(2)).unwrap(), (Span::new(6, 8), true));
+    }
+
+    #[test]
+    fn layouts_keep_their_explicit_window_through_their_spec() {
+        let mut k = kv(1, 0);
+        (k.layer_start, k.num_local_layers) = (Some(2), Some(6));
+        let l = KvShardLayout::new(k).unwrap();
+        assert_eq!((l.layers, KvShardLayout::new(l.spec()).unwrap()), (Span::new(2, 8), l));
+        let mut s = ssm(1, 0, 2, false);
+        s.num_layers = None;
+        assert!(SsmShardLayout::new(s).unwrap_err().to_string().contains("num_layers=None"));
+        (s.layer_start, s.num_local_layers) = (Some(6), Some(2));
+        let l = SsmShardLayout::new(s).unwrap();
+        assert_eq!((l.layers, SsmShardLayout::new(l.spec()).unwrap()), (Span::new(6, 8), l));
     }
 
     #[test]
     fn ssm_bands_pack_x_then_b_then_c() {
         let dims = SsmStateDims::new(8, 4, 16, 2, 4).unwrap();
         let l = SsmShardLayout::new(SsmLayoutSpec {
-            tp_size: 2,
-            tp_rank: 1,
-            global_rank: 1,
+            ranks: RankCoords::grid(2, 1, 1, 0, 1),
             ..SsmLayoutSpec::single_rank(2, dims)
         })
         .unwrap();
@@ -1277,9 +1233,7 @@ mod tests {
 
     fn ssm(tp: u32, rank: u32, groups: u32, replicate: bool) -> SsmLayoutSpec {
         SsmLayoutSpec {
-            tp_size: tp,
-            tp_rank: rank,
-            global_rank: rank,
+            ranks: RankCoords::grid(tp, rank, 1, 0, rank),
             replicate_groups: replicate,
             ..SsmLayoutSpec::single_rank(4, SsmStateDims::new(8, 4, 16, groups, 4).unwrap())
         }
@@ -1288,8 +1242,7 @@ mod tests {
     #[test]
     fn an_explicit_window_equal_to_the_even_split_is_the_even_split() {
         let mut s = kv(1, 0);
-        s.pp_size = 2;
-        s.pp_rank = 1;
+        (s.ranks.pp_size, s.ranks.pp_rank) = (2, 1);
         let even = KvShardLayout::new(s).unwrap();
         s.layer_start = Some(4);
         s.num_local_layers = Some(4);
@@ -1309,18 +1262,6 @@ mod tests {
     }
 
     #[test]
-    fn an_ssm_layout_without_a_total_needs_an_explicit_window() {
-        let mut s = ssm(1, 0, 2, false);
-        s.num_layers = None;
-        assert!(SsmShardLayout::new(s).unwrap_err().to_string().contains("num_layers=None"));
-        s.layer_start = Some(6);
-        s.num_local_layers = Some(2);
-        let l = SsmShardLayout::new(s).unwrap();
-        assert_eq!(l.layers, Span::new(6, 8));
-        assert_eq!(SsmShardLayout::new(l.spec()).unwrap(), l);
-    }
-
-    #[test]
     fn band_extent_is_total_local_size_and_local_offset() {
         let l = SsmShardLayout::new(ssm(2, 1, 2, false)).unwrap();
         assert_eq!(l.band_extent(SsmBand::X), (32, 16, 0));
@@ -1337,7 +1278,7 @@ mod tests {
         // Ours: num_layers is the model's total, the window the even split.
         let s =
             call(&[("num_layers", Some(8)), ("pp_size", Some(2)), ("pp_rank", Some(1))]).unwrap();
-        assert_eq!((s.num_layers, s.num_local_layers, s.global_rank), (Some(8), None, 1));
+        assert_eq!((s.num_layers, s.num_local_layers, s.ranks.global_rank), (Some(8), None, 1));
         // The reference design's: layer_start alone makes num_layers the stage's count.
         let f = [("num_layers", Some(3)), ("layer_start", Some(5)), ("total_layers", Some(8))];
         let s = call(&f).unwrap();
@@ -1348,7 +1289,10 @@ mod tests {
         assert!(matches!(e, DisaggError::Layout { ref field, .. } if field == "total_layers"));
         // The default global rank is pp_rank * tp_size + tp_rank, refused past u32.
         let f = [("num_layers", Some(8)), ("tp_size", Some(4)), ("tp_rank", Some(3))];
-        assert_eq!(call(&[&f[..], &[("pp_rank", Some(2))]].concat()).unwrap().global_rank, 11);
+        assert_eq!(
+            call(&[&f[..], &[("pp_rank", Some(2))]].concat()).unwrap().ranks.global_rank,
+            11
+        );
         let f = [("tp_size", Some(u32::MAX)), ("pp_rank", Some(2)), ("num_layers", Some(8))];
         assert!(
             matches!(call(&f).unwrap_err(), DisaggError::Layout { ref field, .. } if field == "global_rank")

@@ -54,8 +54,8 @@ pub use driver::{
 pub use error::{DisaggError, DisaggResult};
 pub use geometry::{KvGeometry, KvGeometrySpec, SsmGeometry, SsmStateKind, SsmStatePart};
 pub use layout::{
-    BandSpan, KvLayoutSpec, KvShardLayout, Span, SsmBand, SsmLayoutSpec, SsmShardLayout,
-    SsmStateDims,
+    BandSpan, KvLayoutSpec, KvShardLayout, RankCoords, Span, SsmBand, SsmLayoutSpec,
+    SsmShardLayout, SsmStateDims,
 };
 pub use ledger::{
     CompletionQuorum, FailReason, ImportLedger, ImportLedgerConfig, ImportRequest, LedgerAction,

@@ -12,7 +12,7 @@ use crate::args::{Int, Kind};
 use crate::buffer::{kv_layout_with_window, LayoutArgs};
 use crate::error::{DisaggError, DisaggResult};
 use crate::geometry::{u32_of, KvGeometry, KvGeometrySpec};
-use crate::layout::{KvLayoutSpec, KvShardLayout};
+use crate::layout::{KvLayoutSpec, KvShardLayout, RankCoords};
 use crate::wire::peer::compat_hash;
 use crate::wire::value::{Obj, WireValue};
 
@@ -265,9 +265,10 @@ pub fn meta_from_reference(meta: &WireValue, local: &LocalFacts) -> DisaggResult
         KvShardLayout::new(KvLayoutSpec {
             num_layers: o.u32("num_outer")?,
             num_kv_heads: 1,
-            tp_size: 1,
-            pp_size: 1,
-            global_rank: Int::from(rank).to_u32(Kind::Layout, "global_rank")?,
+            ranks: RankCoords {
+                global_rank: Int::from(rank).to_u32(Kind::Layout, "global_rank")?,
+                ..RankCoords::single()
+            },
             ..KvLayoutSpec::default()
         })?
     };
@@ -284,7 +285,7 @@ pub fn meta_from_reference(meta: &WireValue, local: &LocalFacts) -> DisaggResult
     let extra = backend_fields(&o, &local.backend)?;
     let name = match o.some("agent_name") {
         Some(WireValue::Str(s)) if !s.is_empty() => s.clone(),
-        _ => format!("rank{}", layout.global_rank),
+        _ => format!("rank{}", layout.ranks.global_rank),
     };
     let mut out = match meta {
         WireValue::Map(entries) => entries.clone(),

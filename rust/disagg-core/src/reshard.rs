@@ -364,7 +364,7 @@ impl<L, T: RankPair> ReshardPlan<L, T> {
 pub type KvReshardPlan = ReshardPlan<KvShardLayout, KvReshardTransfer>;
 
 fn kv_holding(l: &KvShardLayout) -> Holding {
-    Holding { rank: l.global_rank, rows: l.layers, cols: l.heads }
+    Holding { rank: l.ranks.global_rank, rows: l.layers, cols: l.heads }
 }
 
 /// Plan the KV reshard from `srcs` to `dsts` (any TP ratio either way, PP mismatch with uneven
@@ -379,8 +379,10 @@ pub fn plan_kv_reshard(
     let s: Vec<Holding> = srcs.iter().map(kv_holding).collect();
     let d: Vec<Holding> = dsts.iter().map(kv_holding).collect();
     let rects = plan_rects(&s, &d, "head")?;
-    let src_of: HashMap<u32, &KvShardLayout> = srcs.iter().map(|l| (l.global_rank, l)).collect();
-    let dst_of: HashMap<u32, &KvShardLayout> = dsts.iter().map(|l| (l.global_rank, l)).collect();
+    let src_of: HashMap<u32, &KvShardLayout> =
+        srcs.iter().map(|l| (l.ranks.global_rank, l)).collect();
+    let dst_of: HashMap<u32, &KvShardLayout> =
+        dsts.iter().map(|l| (l.ranks.global_rank, l)).collect();
     let transfers = rects
         .iter()
         .filter_map(|r| {
@@ -562,12 +564,12 @@ impl KvReshardTransfer {
     /// The moved layers in `layout`'s local layer axis; `LayoutError` if it does not hold
     /// them.
     pub fn layers_in(&self, layout: &KvShardLayout) -> DisaggResult<Span> {
-        local_range(self.layers, layout.layers, "layers", layout.global_rank)
+        local_range(self.layers, layout.layers, "layers", layout.ranks.global_rank)
     }
 
     /// The moved heads in `layout`'s local head axis; `LayoutError` if it does not hold them.
     pub fn heads_in(&self, layout: &KvShardLayout) -> DisaggResult<Span> {
-        local_range(self.heads, layout.heads, "heads", layout.global_rank)
+        local_range(self.heads, layout.heads, "heads", layout.ranks.global_rank)
     }
 }
 
@@ -577,7 +579,7 @@ pub type SsmReshardPlan = ReshardPlan<SsmShardLayout, SsmReshardTransfer>;
 fn ssm_holdings(ls: &[SsmShardLayout], by_groups: bool) -> Vec<Holding> {
     ls.iter()
         .map(|l| Holding {
-            rank: l.global_rank,
+            rank: l.ranks.global_rank,
             rows: l.layers,
             cols: if by_groups { l.groups } else { l.heads },
         })
@@ -623,8 +625,10 @@ pub fn plan_ssm_reshard(
     same_model("d_conv", all().map(|l| l.dims.d_conv))?;
     let head_rects = plan_rects(&ssm_holdings(srcs, false), &ssm_holdings(dsts, false), "head")?;
     let group_rects = plan_rects(&ssm_holdings(srcs, true), &ssm_holdings(dsts, true), "group")?;
-    let src_of: HashMap<u32, &SsmShardLayout> = srcs.iter().map(|l| (l.global_rank, l)).collect();
-    let dst_of: HashMap<u32, &SsmShardLayout> = dsts.iter().map(|l| (l.global_rank, l)).collect();
+    let src_of: HashMap<u32, &SsmShardLayout> =
+        srcs.iter().map(|l| (l.ranks.global_rank, l)).collect();
+    let dst_of: HashMap<u32, &SsmShardLayout> =
+        dsts.iter().map(|l| (l.ranks.global_rank, l)).collect();
     let mut transfers = Vec::new();
     for (band, rects) in [
         (SsmBand::X, &head_rects),
@@ -671,14 +675,14 @@ impl SsmReshardPlan {
     /// (layer, head) recurrent cell, and that local ranges agree with the global ones.
     pub fn verify(&self) -> DisaggResult<()> {
         let dst_of: HashMap<u32, &SsmShardLayout> =
-            self.dsts.iter().map(|l| (l.global_rank, l)).collect();
+            self.dsts.iter().map(|l| (l.ranks.global_rank, l)).collect();
         let src_of: HashMap<u32, &SsmShardLayout> =
-            self.srcs.iter().map(|l| (l.global_rank, l)).collect();
+            self.srcs.iter().map(|l| (l.ranks.global_rank, l)).collect();
         // Conv channels as the unit axis: holdings are the union of the three bands, so a
         // transfer is checked band by band against the band's own global range.
         for band in SsmBand::ALL {
             let hold = |l: &SsmShardLayout| Holding {
-                rank: l.global_rank,
+                rank: l.ranks.global_rank,
                 rows: l.layers,
                 cols: l.band(band).global,
             };
@@ -797,9 +801,7 @@ mod tests {
             (0..tp)
                 .map(|t| {
                     SsmShardLayout::new(crate::layout::SsmLayoutSpec {
-                        tp_size: tp,
-                        tp_rank: t,
-                        global_rank: rank0 + t,
+                        ranks: crate::RankCoords::grid(tp, t, 1, 0, rank0 + t),
                         ..crate::layout::SsmLayoutSpec::single_rank(3, dims)
                     })
                     .unwrap()

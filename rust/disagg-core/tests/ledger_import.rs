@@ -1,12 +1,13 @@
 //! proptest-state-machine: `ImportLedger` against an independent reference model.
 //!
-//! The reference model keeps only counts (free blocks, free slots), per-request phases, the
-//! FIFO queues and the quarantine, and predicts the exact action list (or error kind) of every
-//! event. Push mode (no prefix trimming) keeps the block arithmetic of the model exact.
+//! The reference model keeps only counts (free blocks, free slots), per-request phases and the
+//! quarantine (the ledger's FIFO queues are views of the phases: deferred requests in
+//! submission order, ready ones in the order they became ready), and predicts the exact action
+//! list (or error kind) of every event. Push mode (no prefix trimming) keeps the block arithmetic of the model exact.
 // The model mirrors the whole event table in one match on purpose: it reads as a spec.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::too_many_lines, missing_docs)]
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 
 use disagg_core::{
     DisaggError, ImportLedger, ImportLedgerConfig, ImportRequest, LedgerAction, RankOutcome,
@@ -100,8 +101,12 @@ enum Local {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Phase {
     Deferred,
-    Importing { local: Local, reports: Vec<Option<RankOutcome>> },
-    Ready,
+    Importing {
+        local: Local,
+        reports: Vec<Option<RankOutcome>>,
+    },
+    /// Every rank reported ok, as the `n`-th request to get there.
+    Ready(u64),
 }
 
 #[derive(Debug, Clone)]
@@ -129,11 +134,11 @@ struct Model {
     free_slots: u32,
     next_epoch: u64,
     live: BTreeMap<u64, Req>,
-    deferred: VecDeque<u64>,
-    ready: VecDeque<u64>,
     quarantine: BTreeMap<(u64, u64), Quar>,
     engine: Vec<(u32, bool)>,
     attempts: Vec<(u64, u64)>,
+    /// How many requests have become ready so far.
+    readied: u64,
     /// What the last transition must have produced.
     expect: Result<Vec<Act>, &'static str>,
 }
@@ -146,11 +151,10 @@ reference_model!(
         free_slots: SLOTS,
         next_epoch: 1,
         live: BTreeMap::new(),
-        deferred: VecDeque::new(),
-        ready: VecDeque::new(),
         quarantine: BTreeMap::new(),
         engine: Vec::new(),
         attempts: Vec::new(),
+        readied: 0,
         expect: Ok(Vec::new()),
     },
     {
@@ -183,13 +187,32 @@ reference_model!(
 );
 
 impl Model {
+    /// The deferred requests, first submitted (smallest epoch) first.
+    fn deferred(&self) -> Vec<u64> {
+        let deferred = self.live.iter().filter(|(_, r)| r.phase == Phase::Deferred);
+        by_epoch(deferred.map(|(rid, r)| (r.epoch, *rid)))
+    }
+
+    /// The ready requests, first to become ready first.
+    fn ready(&self) -> Vec<u64> {
+        let mut ready: Vec<(u64, u64)> = self
+            .live
+            .iter()
+            .filter_map(|(rid, r)| match r.phase {
+                Phase::Ready(n) => Some((n, *rid)),
+                _ => None,
+            })
+            .collect();
+        ready.sort_unstable();
+        ready.into_iter().map(|(_, rid)| rid).collect()
+    }
+
     fn drain(&mut self, out: &mut Vec<Act>) {
-        while let Some(&rid) = self.deferred.front() {
+        for rid in self.deferred() {
             let r = &self.live[&rid];
             if r.need > self.free_blocks || (r.ssm && self.free_slots == 0) {
                 break;
             }
-            self.deferred.pop_front();
             self.free_blocks -= r.need;
             self.free_slots -= u32::from(r.ssm);
             let r = self.live.get_mut(&rid).unwrap();
@@ -206,11 +229,9 @@ impl Model {
 
     fn fail(&mut self, rid: u64, reason: &'static str, out: &mut Vec<Act>) {
         let r = self.live.remove(&rid).unwrap();
-        self.deferred.retain(|&x| x != rid);
-        self.ready.retain(|&x| x != rid);
         let (held, may_write, local_reported) = match &r.phase {
             Phase::Deferred => (false, false, false),
-            Phase::Ready => (true, false, false),
+            Phase::Ready(_) => (true, false, false),
             Phase::Importing { local, .. } => {
                 (true, *local != Local::Quiet, *local == Local::MayWrite)
             }
@@ -254,7 +275,6 @@ impl Model {
                     rid,
                     Req { epoch, need, ssm, finished, deadline, phase: Phase::Deferred },
                 );
-                self.deferred.push_back(rid);
                 self.drain(&mut out);
             }
             Tr::Report { pick, stale, rank, outcome } => {
@@ -278,7 +298,7 @@ impl Model {
                 }
                 let Phase::Importing { local, reports } = &mut r.phase else {
                     // Ready: every rank already reported ok; Deferred: not started.
-                    if r.phase == Phase::Ready && outcome != RankOutcome::Ok {
+                    if matches!(r.phase, Phase::Ready(_)) && outcome != RankOutcome::Ok {
                         return Err("State");
                     }
                     return Ok(out);
@@ -298,8 +318,8 @@ impl Model {
                     self.fail(rid, reason, &mut out);
                     self.drain(&mut out);
                 } else if reports.iter().all(|x| *x == Some(RankOutcome::Ok)) {
-                    r.phase = Phase::Ready;
-                    self.ready.push_back(rid);
+                    r.phase = Phase::Ready(self.readied);
+                    self.readied += 1;
                 }
             }
             Tr::Settle { pick } => {
@@ -335,12 +355,11 @@ impl Model {
             }
             Tr::Admit { room } => {
                 let mut room = room;
-                while let Some(&rid) = self.ready.front() {
+                for rid in self.ready() {
                     let r = &self.live[&rid];
                     if !r.finished && room == 0 {
                         break;
                     }
-                    self.ready.pop_front();
                     let r = self.live.remove(&rid).unwrap();
                     if r.finished {
                         self.give_back(r.need, r.ssm);
@@ -499,14 +518,14 @@ impl StateMachineTest for ImportTest {
         let quarantined: u32 = m.quarantine.values().map(|q| q.need).sum();
         assert_eq!(l.num_quarantined_blocks() as u32, quarantined);
         assert_eq!(l.num_quarantined(), m.quarantine.len());
-        assert_eq!(l.deferred_ids(), m.deferred.iter().copied().collect::<Vec<_>>());
+        assert_eq!(l.deferred_ids(), m.deferred());
         assert_eq!(l.pending_kv_import_count(), m.live.len());
-        assert_eq!(l.num_ready(), m.ready.len());
+        assert_eq!(l.num_ready(), m.ready().len());
         for (rid, r) in &m.live {
             let want = match r.phase {
                 Phase::Deferred => "deferred",
                 Phase::Importing { .. } => "importing",
-                Phase::Ready => "ready",
+                Phase::Ready(_) => "ready",
             };
             assert_eq!(l.state_of(*rid), Some(want));
             assert_eq!(l.epoch_of(*rid), Some(r.epoch));

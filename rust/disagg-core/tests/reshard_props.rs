@@ -5,8 +5,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use disagg_core::{
-    plan_kv_reshard, plan_ssm_reshard, KvLayoutSpec, KvShardLayout, SsmLayoutSpec, SsmShardLayout,
-    SsmStateDims,
+    plan_kv_reshard, plan_ssm_reshard, KvLayoutSpec, KvShardLayout, RankCoords, SsmLayoutSpec,
+    SsmShardLayout, SsmStateDims,
 };
 use proptest::prelude::*;
 
@@ -56,6 +56,16 @@ struct Slot {
     num_local_layers: u32,
 }
 
+impl Slot {
+    /// The slot's coordinates on `side` (ETP replica 0).
+    fn ranks(&self, side: &Side) -> RankCoords {
+        RankCoords {
+            ep_rank: self.ep,
+            ..RankCoords::grid(side.tp, self.tp, side.pp, self.pp, self.global_rank)
+        }
+    }
+}
+
 fn slots(side: &Side) -> Vec<Slot> {
     let mut out = Vec::new();
     for ep in 0..side.ep {
@@ -96,15 +106,9 @@ fn kv_case() -> impl Strategy<Value = (Vec<KvShardLayout>, Vec<KvShardLayout>)> 
                 KvShardLayout::new(KvLayoutSpec {
                     num_layers: layers,
                     num_kv_heads: heads,
-                    tp_size: side.tp,
-                    tp_rank: s.tp,
-                    pp_size: side.pp,
-                    pp_rank: s.pp,
-                    global_rank: s.global_rank,
+                    ranks: s.ranks(side),
                     ep_size: side.ep,
-                    ep_rank: s.ep,
                     etp_size: 1,
-                    etp_rank: 0,
                     layer_start: Some(s.layer_start),
                     num_local_layers: Some(s.num_local_layers),
                 })
@@ -130,13 +134,7 @@ fn ssm_case() -> impl Strategy<Value = (Vec<SsmShardLayout>, Vec<SsmShardLayout>
                 SsmShardLayout::new(SsmLayoutSpec {
                     num_layers: Some(layers),
                     dims,
-                    tp_size: side.tp,
-                    tp_rank: s.tp,
-                    pp_size: side.pp,
-                    pp_rank: s.pp,
-                    global_rank: s.global_rank,
-                    ep_rank: s.ep,
-                    etp_rank: 0,
+                    ranks: s.ranks(side),
                     layer_start: Some(s.layer_start),
                     num_local_layers: Some(s.num_local_layers),
                     replicate_groups: true,
@@ -183,8 +181,8 @@ proptest! {
     #[test]
     fn kv_src_and_dst_filters_partition_the_plan((srcs, dsts) in kv_case()) {
         let plan = plan_kv_reshard(&srcs, &dsts).unwrap();
-        let mut by_src: Vec<_> = srcs.iter().flat_map(|l| plan.for_src(l.global_rank)).collect();
-        let mut by_dst: Vec<_> = dsts.iter().flat_map(|l| plan.for_dst(l.global_rank)).collect();
+        let mut by_src: Vec<_> = srcs.iter().flat_map(|l| plan.for_src(l.ranks.global_rank)).collect();
+        let mut by_dst: Vec<_> = dsts.iter().flat_map(|l| plan.for_dst(l.ranks.global_rank)).collect();
         let mut all = plan.transfers.clone();
         let key = |t: &disagg_core::KvReshardTransfer| (t.dst_rank, t.layers.lo, t.heads.lo, t.src_rank);
         all.sort_by_key(key);
@@ -198,9 +196,9 @@ proptest! {
     fn kv_cells_are_read_from_the_smallest_rank_holding_them((srcs, dsts) in kv_case()) {
         let plan = plan_kv_reshard(&srcs, &dsts).unwrap();
         for t in &plan.transfers {
-            for s in srcs.iter().filter(|s| s.global_rank < t.src_rank) {
+            for s in srcs.iter().filter(|s| s.ranks.global_rank < t.src_rank) {
                 let overlap = s.layers.intersect(t.layers).is_some() && s.heads.intersect(t.heads).is_some();
-                prop_assert!(!overlap, "rank {} also holds part of {:?}", s.global_rank, t);
+                prop_assert!(!overlap, "rank {} also holds part of {:?}", s.ranks.global_rank, t);
             }
         }
     }

@@ -71,16 +71,16 @@ get {
     /// KV heads of the whole model (`num_kv_heads` is an alias).
     num_heads: u32 = (num_kv_heads);
     num_kv_heads: u32 = (num_kv_heads);
-    tp_size: u32 = (tp_size);
-    tp_rank: u32 = (tp_rank);
-    pp_size: u32 = (pp_size);
-    pp_rank: u32 = (pp_rank);
-    global_rank: u32 = (global_rank);
+    tp_size: u32 = (ranks.tp_size);
+    tp_rank: u32 = (ranks.tp_rank);
+    pp_size: u32 = (ranks.pp_size);
+    pp_rank: u32 = (ranks.pp_rank);
+    global_rank: u32 = (ranks.global_rank);
     /// Expert-parallel size (a replica dimension, like `etp_size`).
     ep_size: u32 = (ep_size);
-    ep_rank: u32 = (ep_rank);
+    ep_rank: u32 = (ranks.ep_rank);
     etp_size: u32 = (etp_size);
-    etp_rank: u32 = (etp_rank);
+    etp_rank: u32 = (ranks.etp_rank);
     layer_start: u32 = (layers.lo);
     layer_end: u32 = (layers.hi);
     num_local_layers: u32 = (layers.len());
@@ -230,13 +230,13 @@ get {
     num_layers: u32 = (layers.len());
     /// SSM layers of the whole model, `None` when the layout was built from its window alone.
     total_layers: Option<u32> = (num_layers);
-    tp_size: u32 = (tp_size);
-    tp_rank: u32 = (tp_rank);
-    pp_size: u32 = (pp_size);
-    pp_rank: u32 = (pp_rank);
-    global_rank: u32 = (global_rank);
-    ep_rank: u32 = (ep_rank);
-    etp_rank: u32 = (etp_rank);
+    tp_size: u32 = (ranks.tp_size);
+    tp_rank: u32 = (ranks.tp_rank);
+    pp_size: u32 = (ranks.pp_size);
+    pp_rank: u32 = (ranks.pp_rank);
+    global_rank: u32 = (ranks.global_rank);
+    ep_rank: u32 = (ranks.ep_rank);
+    etp_rank: u32 = (ranks.etp_rank);
     /// Whether B/C groups may be replicated across TP ranks (`tp_size > ngroups`).
     replicate_groups: bool = (replicate_groups);
     layer_start: u32 = (layers.lo);

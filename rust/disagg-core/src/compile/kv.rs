@@ -106,7 +106,7 @@ pub(super) fn geometry_eq<T: PartialEq + std::fmt::Debug>(
 
 pub(super) fn check_kv_geometry(l: &KvShardLayout, g: &KvGeometry, side: &str) -> DisaggResult<()> {
     let s = g.spec();
-    let who = format!("{side} rank {} geometry vs layout", l.global_rank);
+    let who = format!("{side} rank {} geometry vs layout", l.ranks.global_rank);
     geometry_eq("num_layers", &s.num_layers, &l.layers.len(), &who)?;
     geometry_eq("num_heads", &s.num_heads, &l.heads.len(), &who)
 }
@@ -207,8 +207,10 @@ fn compile_kv(
     req.check_sides(has_destination, dst_g, check_kv_geometry)?;
     if let Some(d) = dst_g {
         for (l, g) in &req.srcs {
-            let who =
-                format!("source rank {} vs destination rank {}", l.global_rank, dst_l.global_rank);
+            let who = format!(
+                "source rank {} vs destination rank {}",
+                l.ranks.global_rank, dst_l.ranks.global_rank
+            );
             check_same_kv(g, d, &who)?;
         }
     }
@@ -217,7 +219,10 @@ fn compile_kv(
             check_same_kv(
                 &first.1,
                 g,
-                &format!("source rank {} vs source rank {}", first.0.global_rank, l.global_rank),
+                &format!(
+                    "source rank {} vs source rank {}",
+                    first.0.ranks.global_rank, l.ranks.global_rank
+                ),
             )?;
         }
     }
@@ -235,7 +240,7 @@ fn compile_kv(
     if let (Some(ids), Some(g)) = (&req.moved.dst_block_ids, dst_g) {
         check_blocks(
             "dst_block_ids",
-            &format!("destination rank {}", dst_l.global_rank),
+            &format!("destination rank {}", dst_l.ranks.global_rank),
             ids,
             req.moved.num_tokens,
             g,
@@ -248,7 +253,8 @@ fn compile_kv(
     let n_tok = req.moved.num_tokens - req.moved.token_start;
     let mut by_src: BTreeMap<u32, Vec<KvPlaneSet>> = BTreeMap::new();
     for t in &plan.transfers {
-        let g = source_geometry(req.srcs.iter().map(|(l, g)| (l.global_rank, g)), t.src_rank)?;
+        let g =
+            source_geometry(req.srcs.iter().map(|(l, g)| (l.ranks.global_rank, g)), t.src_rank)?;
         let sets = by_src.entry(t.src_rank).or_default();
         let region = u64::from(g.spec().num_kv)
             .checked_mul(u64::from(t.layers.len()))
@@ -278,7 +284,7 @@ fn compile_kv(
     }
     let mut sources = Vec::with_capacity(by_src.len());
     for (src_rank, sets) in by_src {
-        let Some((_, g)) = req.srcs.iter().find(|(l, _)| l.global_rank == src_rank) else {
+        let Some((_, g)) = req.srcs.iter().find(|(l, _)| l.ranks.global_rank == src_rank) else {
             continue;
         };
         let ids = req.moved.src_block_ids.for_rank(src_rank, "src_block_ids")?;
@@ -337,7 +343,7 @@ fn compile_kv(
         _ => Expected::None,
     };
     Ok(TransferProgram {
-        dst_rank: dst_l.global_rank,
+        dst_rank: dst_l.ranks.global_rank,
         dst_device: dst_g.map_or(0, |d| d.spec().device_id),
         sources,
         has_destination,

@@ -30,7 +30,7 @@ pub(super) fn check_ssm_geometry(
     g: &SsmGeometry,
     side: &str,
 ) -> DisaggResult<()> {
-    let who = format!("{side} rank {} geometry vs layout", l.global_rank);
+    let who = format!("{side} rank {} geometry vs layout", l.ranks.global_rank);
     geometry_eq("num_layers", &(g.num_layers() as u64), &u64::from(l.layers.len()), &who)?;
     if let Some(c) = &g.conv {
         geometry_eq("conv.num_units", &c.num_units, &l.local_conv_channels(), &who)?;
@@ -74,7 +74,8 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
     // layer sit next to each other on both sides and merge.
     let mut by_src: BTreeMap<u32, Vec<(SsmPackKey, CopyBox)>> = BTreeMap::new();
     for t in plan.transfers.iter().filter(|t| moved(ssm_part_name(t.band))) {
-        let g = source_geometry(req.srcs.iter().map(|(l, g)| (l.global_rank, g)), t.src_rank)?;
+        let g =
+            source_geometry(req.srcs.iter().map(|(l, g)| (l.ranks.global_rank, g)), t.src_rank)?;
         let kind = ssm_part_name(t.band);
         let part_of = |geo: &SsmGeometry, side: &str| {
             geo.part(kind).cloned().ok_or_else(|| {
@@ -95,7 +96,7 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
                 "{} part, source rank {} vs destination rank {}",
                 kind.name(),
                 t.src_rank,
-                dst_l.global_rank
+                dst_l.ranks.global_rank
             );
             geometry_eq("unit_bytes", &sp.unit_bytes, &dp.unit_bytes, &who)?;
             geometry_eq("element_size", &sp.element_size, &dp.element_size, &who)?;
@@ -147,7 +148,7 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
                 packed_bytes.checked_add(size).ok_or_else(|| overflow("packed offset"))?;
             boxes.push(b);
         }
-        let Some((_, g)) = req.srcs.iter().find(|(l, _)| l.global_rank == src_rank) else {
+        let Some((_, g)) = req.srcs.iter().find(|(l, _)| l.ranks.global_rank == src_rank) else {
             continue;
         };
         let mut sp = SourceProgram {
@@ -165,7 +166,7 @@ pub fn compile_ssm_transfer(req: &SsmTransferRequest) -> DisaggResult<TransferPr
         _ => Expected::None,
     };
     Ok(TransferProgram {
-        dst_rank: dst_l.global_rank,
+        dst_rank: dst_l.ranks.global_rank,
         dst_device: dst_g.map_or(0, |d| d.device_id),
         sources,
         has_destination,

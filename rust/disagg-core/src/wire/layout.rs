@@ -6,8 +6,8 @@ use crate::args::{one_of, required, Int, Kind};
 use crate::error::{DisaggError, DisaggResult};
 use crate::wire::value::{Obj, WireValue};
 use crate::{
-    KvGeometry, KvLayoutSpec, KvShardLayout, SsmGeometry, SsmLayoutSpec, SsmShardLayout,
-    SsmStateDims,
+    KvGeometry, KvLayoutSpec, KvShardLayout, RankCoords, SsmGeometry, SsmLayoutSpec,
+    SsmShardLayout, SsmStateDims,
 };
 
 /// A record with a wire map form: `from_obj(to_wire())` round-trips.
@@ -150,19 +150,22 @@ impl KvLayoutCall {
         }
         let [tp_size, tp_rank, pp_size, pp_rank, ep_size, ep_rank, etp_size, etp_rank] = p;
         let default_rank = Int::from(u64::from(pp_rank) * u64::from(tp_size) + u64::from(tp_rank));
+        let global_rank = self.global_rank.as_ref().unwrap_or(&default_rank);
         let opt = |name: &str, v: &Option<Int>| v.as_ref().map(|x| field(name, x)).transpose();
         KvShardLayout::new(KvLayoutSpec {
             num_layers: field("num_layers", &self.num_layers)?,
             num_kv_heads: field("num_kv_heads", heads)?,
-            tp_size,
-            tp_rank,
-            pp_size,
-            pp_rank,
-            global_rank: field("global_rank", self.global_rank.as_ref().unwrap_or(&default_rank))?,
+            ranks: RankCoords {
+                tp_size,
+                tp_rank,
+                pp_size,
+                pp_rank,
+                global_rank: field("global_rank", global_rank)?,
+                ep_rank,
+                etp_rank,
+            },
             ep_size,
-            ep_rank,
             etp_size,
-            etp_rank,
             layer_start: opt("layer_start", &self.layer_start)?,
             num_local_layers: opt("num_local_layers", &self.num_local_layers)?,
         })
@@ -280,7 +283,7 @@ mod tests {
         call.parallel[0] = Int::of(2);
         call.parallel[1] = Int::of(1);
         let kv = call.layout().unwrap();
-        assert_eq!(kv.global_rank, 1);
+        assert_eq!(kv.ranks.global_rank, 1);
         assert_eq!(KvShardLayout::from_obj(&obj_of(&kv.to_wire())).unwrap(), kv);
         let dims = SsmStateDims::new(8, 4, 16, 2, 4).unwrap();
         assert_eq!(SsmStateDims::from_obj(&obj_of(&dims.to_wire())).unwrap(), dims);

@@ -93,8 +93,8 @@ impl PeerLayout {
     /// The rank's global rank.
     pub fn global_rank(&self) -> u32 {
         match self {
-            Self::Kv(l) => l.global_rank,
-            Self::Ssm(l) => l.global_rank,
+            Self::Kv(l) => l.ranks.global_rank,
+            Self::Ssm(l) => l.ranks.global_rank,
         }
     }
 }
