@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyDict, PySlice};
 
 use crate::args::{conv, Int, Typed, U32, U64};
-use crate::error::{py_methods, IntoPyResult};
+use crate::error::{py_methods, record_class, IntoPyResult};
 
 /// A Python `slice(lo, hi)` (step None, like the reference design's helpers return).
 fn py_slice(py: Python<'_>, s: Span) -> PyResult<Bound<'_, PyAny>> {
@@ -78,14 +78,11 @@ macro_rules! plan_methods {
     };
 }
 
-/// One KV transfer: `src_rank` sends global `layers` x `heads` (half-open) to `dst_rank` for
-/// every token of the handoff.
-#[pyclass(name = "KVReshardTransfer", module = "disagg_rs", frozen, eq, hash)]
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct PyKvReshardTransfer {
-    /// The core record.
-    pub inner: KvReshardTransfer,
-}
+record_class!(
+    /// One KV transfer: `src_rank` sends global `layers` x `heads` (half-open) to `dst_rank`
+    /// for every token of the handoff.
+    "KVReshardTransfer" PyKvReshardTransfer(KvReshardTransfer)
+);
 
 py_methods!(PyKvReshardTransfer,
 get {
@@ -181,14 +178,11 @@ pub fn py_plan_kv_reshard(
     Ok(PyKvReshardPlan { inner: py.detach(|| plan_kv_reshard(&s, &d)).py()? })
 }
 
-/// One SSM transfer of one band over a layer range: channels (bands "x", "B", "C") or heads
-/// ("recurrent").
-#[pyclass(name = "SSMReshardTransfer", module = "disagg_rs", frozen, eq, hash)]
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct PySsmReshardTransfer {
-    /// The core record.
-    pub inner: SsmReshardTransfer,
-}
+record_class!(
+    /// One SSM transfer of one band over a layer range: channels (bands "x", "B", "C") or
+    /// heads ("recurrent").
+    "SSMReshardTransfer" PySsmReshardTransfer(SsmReshardTransfer)
+);
 
 py_methods!(PySsmReshardTransfer,
 get {
