@@ -78,16 +78,27 @@ macro_rules! plan_methods {
     };
 }
 
-record_class!(
-    /// One KV transfer: `src_rank` sends global `layers` x `heads` (half-open) to `dst_rank`
-    /// for every token of the handoff.
-    "KVReshardTransfer" PyKvReshardTransfer(KvReshardTransfer)
-);
+/// The transfer record classes: each a `record_class` header, then the `py_methods` sections
+/// of its own accessors; every one also has `src_rank`, `dst_rank` and `__repr__`.
+macro_rules! transfer_classes {
+    ($($(#[$doc:meta])* $name:literal $ty:ident($core:ty) get { $($g:tt)* }
+        span $s:tt range $r:tt methods { $($m:tt)* })*) => {$(
+        record_class!($(#[$doc])* $name $ty($core));
+        py_methods!($ty, get { src_rank: u32 = (src_rank); dst_rank: u32 = (dst_rank); $($g)* }
+        span $s range $r methods {
+            $($m)*
+            fn __repr__(&self) -> String {
+                self.inner.to_string()
+            }
+        });
+    )*};
+}
 
-py_methods!(PyKvReshardTransfer,
+transfer_classes! {
+/// One KV transfer: `src_rank` sends global `layers` x `heads` (half-open) to `dst_rank` for
+/// every token of the handoff.
+"KVReshardTransfer" PyKvReshardTransfer(KvReshardTransfer)
 get {
-    src_rank: u32 = (src_rank);
-    dst_rank: u32 = (dst_rank);
     /// Global layers moved, `[global_layer_lo, global_layer_hi)` (the reference design's fields).
     global_layer_lo: u32 = (layers.lo);
     global_layer_hi: u32 = (layers.hi);
@@ -141,53 +152,12 @@ methods {
         t.named_spans().iter().try_for_each(|(k, s)| d.set_item(k, (s.lo, s.hi)))?;
         Ok(d)
     }
-    fn __repr__(&self) -> String {
-        self.inner.to_string()
-    }
-});
-
-/// A KV layout argument.
-type Kv<'py> = PyRef<'py, PyKvShardLayout>;
-
-/// A KV reshard plan: a read-only sequence of `KVReshardTransfer` (`disagg_core::KvReshardPlan`).
-#[pyclass(name = "KVReshardPlan", module = "disagg_rs", frozen, sequence)]
-pub struct PyKvReshardPlan {
-    /// The core plan.
-    pub inner: KvReshardPlan,
 }
 
-plan_methods!(PyKvReshardPlan, PyKvReshardTransfer, PyKvShardLayout, records (inner.transfers),
-methods {
-    /// Bytes moved per token over the whole plan, K and V.
-    #[pyo3(signature = (head_dim, element_size=Int::of(2)),
-        text_signature = "($self, head_dim, element_size=2)")]
-    fn bytes_per_token(&self, head_dim: Int, element_size: Int) -> PyResult<u64> {
-        conv!(head_dim: U64, element_size: U64);
-        self.inner.bytes_per_token(head_dim, element_size).py()
-    }
-});
-
-/// `disagg_core::plan_kv_reshard` between two layout lists.
-#[pyfunction(name = "plan_kv_reshard")]
-pub fn py_plan_kv_reshard(
-    py: Python<'_>,
-    srcs: Layouts<'_, PyKvShardLayout>,
-    dsts: Layouts<'_, PyKvShardLayout>,
-) -> PyResult<PyKvReshardPlan> {
-    let (s, d) = (cores(srcs, "srcs")?, cores(dsts, "dsts")?);
-    Ok(PyKvReshardPlan { inner: py.detach(|| plan_kv_reshard(&s, &d)).py()? })
-}
-
-record_class!(
-    /// One SSM transfer of one band over a layer range: channels (bands "x", "B", "C") or
-    /// heads ("recurrent").
-    "SSMReshardTransfer" PySsmReshardTransfer(SsmReshardTransfer)
-);
-
-py_methods!(PySsmReshardTransfer,
+/// One SSM transfer of one band over a layer range: channels (bands "x", "B", "C") or heads
+/// ("recurrent").
+"SSMReshardTransfer" PySsmReshardTransfer(SsmReshardTransfer)
 get {
-    src_rank: u32 = (src_rank);
-    dst_rank: u32 = (dst_rank);
     /// "x", "B", "C" or "recurrent".
     band: &'static str = (band.name());
     is_conv: bool = (band.is_conv());
@@ -224,10 +194,40 @@ methods {
     fn dst_layer(&self) -> PyResult<u32> {
         self.inner.dst_layer().py()
     }
-    fn __repr__(&self) -> String {
-        self.inner.to_string()
+}
+}
+
+/// A KV layout argument.
+type Kv<'py> = PyRef<'py, PyKvShardLayout>;
+
+/// A KV reshard plan: a read-only sequence of `KVReshardTransfer` (`disagg_core::KvReshardPlan`).
+#[pyclass(name = "KVReshardPlan", module = "disagg_rs", frozen, sequence)]
+pub struct PyKvReshardPlan {
+    /// The core plan.
+    pub inner: KvReshardPlan,
+}
+
+plan_methods!(PyKvReshardPlan, PyKvReshardTransfer, PyKvShardLayout, records (inner.transfers),
+methods {
+    /// Bytes moved per token over the whole plan, K and V.
+    #[pyo3(signature = (head_dim, element_size=Int::of(2)),
+        text_signature = "($self, head_dim, element_size=2)")]
+    fn bytes_per_token(&self, head_dim: Int, element_size: Int) -> PyResult<u64> {
+        conv!(head_dim: U64, element_size: U64);
+        self.inner.bytes_per_token(head_dim, element_size).py()
     }
 });
+
+/// `disagg_core::plan_kv_reshard` between two layout lists.
+#[pyfunction(name = "plan_kv_reshard")]
+pub fn py_plan_kv_reshard(
+    py: Python<'_>,
+    srcs: Layouts<'_, PyKvShardLayout>,
+    dsts: Layouts<'_, PyKvShardLayout>,
+) -> PyResult<PyKvReshardPlan> {
+    let (s, d) = (cores(srcs, "srcs")?, cores(dsts, "dsts")?);
+    Ok(PyKvReshardPlan { inner: py.detach(|| plan_kv_reshard(&s, &d)).py()? })
+}
 
 /// An SSM reshard plan: a read-only sequence of single-layer `SSMReshardTransfer` records;
 /// `ranges` holds the same moves merged over layer ranges.
