@@ -1,10 +1,7 @@
 //! Python classes of the reshard plans (`disagg_core::reshard`), planned with the GIL released.
 
 use disagg_core::reshard::of_rank;
-use disagg_core::{
-    plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer, Span, SsmReshardPlan,
-    SsmReshardTransfer,
-};
+use disagg_core::{KvReshardPlan, KvReshardTransfer, Span, SsmReshardPlan, SsmReshardTransfer};
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyDict, PySlice};
@@ -218,17 +215,6 @@ methods {
     }
 });
 
-/// `disagg_core::plan_kv_reshard` between two layout lists.
-#[pyfunction(name = "plan_kv_reshard")]
-pub fn py_plan_kv_reshard(
-    py: Python<'_>,
-    srcs: Layouts<'_, PyKvShardLayout>,
-    dsts: Layouts<'_, PyKvShardLayout>,
-) -> PyResult<PyKvReshardPlan> {
-    let (s, d) = (cores(srcs, "srcs")?, cores(dsts, "dsts")?);
-    Ok(PyKvReshardPlan { inner: py.detach(|| plan_kv_reshard(&s, &d)).py()? })
-}
-
 /// An SSM reshard plan: a read-only sequence of single-layer `SSMReshardTransfer` records;
 /// `ranges` holds the same moves merged over layer ranges.
 #[pyclass(name = "SSMReshardPlan", module = "disagg_rs", frozen, sequence)]
@@ -248,14 +234,26 @@ methods {
     }
 });
 
-/// `disagg_core::plan_ssm_reshard` between two layout lists.
-#[pyfunction(name = "plan_ssm_reshard")]
-pub fn py_plan_ssm_reshard(
-    py: Python<'_>,
-    src_layouts: Layouts<'_, PySsmShardLayout>,
-    dst_layouts: Layouts<'_, PySsmShardLayout>,
-) -> PyResult<PySsmReshardPlan> {
-    let (s, d) = (cores(src_layouts, "src_layouts")?, cores(dst_layouts, "dst_layouts")?);
-    let inner = py.detach(|| plan_ssm_reshard(&s, &d)).py()?;
-    Ok(PySsmReshardPlan { per_layer: inner.per_layer(), inner })
+/// The planning functions: `fn name(srcs, dsts: Layout) -> Class = |plan| class`, each the
+/// core's function of the same name between two layout lists, with the GIL released.
+macro_rules! plan_fns {
+    ($($(#[$doc:meta])* fn $f:ident($s:ident, $d:ident: $lay:ty)
+        -> $class:ty = |$p:ident| $make:expr;)*) => {$(
+        $(#[$doc])*
+        #[pyfunction]
+        pub fn $f(py: Python<'_>, $s: Layouts<'_, $lay>, $d: Layouts<'_, $lay>) -> PyResult<$class> {
+            let (s, d) = (cores($s, stringify!($s))?, cores($d, stringify!($d))?);
+            let $p = py.detach(|| disagg_core::$f(&s, &d)).py()?;
+            Ok($make)
+        }
+    )*};
+}
+
+plan_fns! {
+    /// `disagg_core::plan_kv_reshard` between two layout lists.
+    fn plan_kv_reshard(srcs, dsts: PyKvShardLayout) -> PyKvReshardPlan
+        = |inner| PyKvReshardPlan { inner };
+    /// `disagg_core::plan_ssm_reshard` between two layout lists.
+    fn plan_ssm_reshard(src_layouts, dst_layouts: PySsmShardLayout)
+        -> PySsmReshardPlan = |inner| PySsmReshardPlan { per_layer: inner.per_layer(), inner };
 }
