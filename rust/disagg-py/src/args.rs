@@ -181,7 +181,7 @@ pub(crate) use conv;
 
 /// Read one Python value as an integer: ints and objects with `__index__` (numpy and torch
 /// integer scalars); never a bool, a float or a string.
-fn int_of(obj: &Bound<'_, PyAny>) -> Result<i128, String> {
+pub fn int_of(obj: &Bound<'_, PyAny>) -> Result<i128, String> {
     if obj.is_instance_of::<PyBool>() {
         return Err(describe(obj));
     }

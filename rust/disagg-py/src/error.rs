@@ -96,13 +96,31 @@ pub fn wire_dict<'a, 'py>(
     })
 }
 
+/// A frozen Python class `$name` around its core value `inner`, compared and hashed by it.
+macro_rules! record_class {
+    ($(#[$doc:meta])* $name:literal $ty:ident($core:ty) $(, $opt:ident)?) => {
+        $(#[$doc])*
+        #[::pyo3::pyclass(name = $name, module = "disagg_rs", frozen, eq, hash $(, $opt)?)]
+        #[derive(Clone, PartialEq, Eq, Hash)]
+        pub struct $ty {
+            /// The core value.
+            pub inner: $core,
+        }
+    };
+}
+pub(crate) use record_class;
+
 /// One `#[pymethods]` block listing the read-only accessors of `self.inner`: `get { name: T =
-/// (path); }` getters, optional `span`/`range` `{ name = (path); }` spans as `(lo, hi)` (getter
-/// / method), then the hand-written `methods`. A leading `wire $ty => $core` adds `from_dict`,
+/// (path); }` getters, optional `fields { name, .. }` getters of the `u32` fields of the same
+/// name (`ranks { name, .. }`: of the same name in `ranks`, the rank coordinates), optional `span`/`range` `{ name = (path); }` spans as `(lo, hi)` (getter / method),
+/// then the hand-written `methods`. A leading `wire $ty => $core` adds `from_dict`,
 /// `to_dict`, `__reduce__` (the core's [`WireRecord`](disagg_core::wire::layout::WireRecord))
 /// and `__repr__`.
 macro_rules! py_methods {
-    (wire $ty:ty => $core:ty, get $g:tt $(span $s:tt)? $(range $r:tt)? methods { $($m:tt)* }) => {
+    (
+        wire $ty:ty => $core:ty,
+        get $g:tt $(fields $f:tt)? $(ranks $k:tt)? $(span $s:tt)? $(range $r:tt)? methods { $($m:tt)* }
+    ) => {
         impl $ty {
             /// Decode a wire dict (`MetadataError` on a missing, unknown or mistyped field).
             pub fn from_wire(
@@ -116,7 +134,7 @@ macro_rules! py_methods {
             }
         }
 
-        $crate::error::py_methods!($ty, get $g $(span $s)? $(range $r)? methods {
+        $crate::error::py_methods!($ty, get $g $(fields $f)? $(ranks $k)? $(span $s)? $(range $r)? methods {
             $($m)*
             /// Rebuild from `to_dict()` output (or the reference design's field dict).
             #[classmethod]
@@ -152,6 +170,8 @@ macro_rules! py_methods {
     (
         $ty:ty,
         get { $($(#[$gm:meta])* $g:ident: $gt:ty = ($($gp:tt)+);)* }
+        $(fields { $($(#[$fm:meta])* $f:ident),* })?
+        $(ranks { $($(#[$km:meta])* $k:ident),* })?
         $(span { $($(#[$sm:meta])* $s:ident = ($($sp:tt)+);)* })?
         $(range { $($(#[$rm:meta])* $r:ident = ($($rp:tt)+);)* })?
         methods { $($m:tt)* }
@@ -159,6 +179,8 @@ macro_rules! py_methods {
         #[::pyo3::pymethods]
         impl $ty {
             $($(#[$gm])* #[getter] fn $g(&self) -> $gt { self.inner.$($gp)+ })*
+            $($($(#[$fm])* #[getter] fn $f(&self) -> u32 { self.inner.$f })*)?
+            $($($(#[$km])* #[getter] fn $k(&self) -> u32 { self.inner.ranks.$k })*)?
             $($($(#[$sm])* #[getter] fn $s(&self) -> (u32, u32) {
                 let s = self.inner.$($sp)+;
                 (s.lo, s.hi)

@@ -1,15 +1,18 @@
 //! Python classes `KVShardLayout`, `SSMStateDims`, `SSMShardLayout`: the reference design's
 //! constructor order and keywords (ours as aliases) and its `__dataclass_fields__`.
 
-use disagg_core::wire::layout::{dims_call, ssm_call_names, ssm_layout_call, KvLayoutCall};
-use disagg_core::{KvLayoutSpec, SsmBand, SsmLayoutSpec, SsmShardLayout, SsmStateDims};
+use disagg_core::args::Given;
+use disagg_core::wire::layout::{dims_call, ssm_layout_call, KvLayoutCall, SsmCallArg};
+use disagg_core::{
+    DisaggError, KvLayoutSpec, SsmBand, SsmLayoutSpec, SsmShardLayout, SsmStateDims,
+};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{IntoPyDict, PyDict, PyList, PyTuple};
+use pyo3::types::{IntoPyDict, PyDict, PyList};
 use pyo3::PyClass;
 
-use crate::args::{type_err, Flag, Int, Text, Typed};
-use crate::error::{py_methods, IntoPyResult};
+use crate::args::{describe, int_of, type_err, Int, Text, Typed};
+use crate::error::{py_methods, record_class, to_pyerr, IntoPyResult};
 
 /// A Python class around one core value, its `inner`.
 pub trait Wraps: PyClass {
@@ -56,13 +59,10 @@ fn dataclass_fields(py: Python<'_>, name: &str, fields: &[&str]) -> PyResult<Py<
     Ok(cls.getattr("__dataclass_fields__")?.unbind())
 }
 
-/// The KV cache slice one rank holds: a PP layer window and a KV head range (half-open).
-#[pyclass(name = "KVShardLayout", module = "disagg_rs", frozen, eq, hash, from_py_object)]
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct PyKvShardLayout {
-    /// The validated core layout.
-    pub inner: disagg_core::KvShardLayout,
-}
+record_class!(
+    /// The KV cache slice one rank holds: a PP layer window and a KV head range (half-open).
+    "KVShardLayout" PyKvShardLayout(disagg_core::KvShardLayout), from_py_object
+);
 
 py_methods!(wire PyKvShardLayout => disagg_core::KvShardLayout,
 get {
@@ -71,16 +71,6 @@ get {
     /// KV heads of the whole model (`num_kv_heads` is an alias).
     num_heads: u32 = (num_kv_heads);
     num_kv_heads: u32 = (num_kv_heads);
-    tp_size: u32 = (ranks.tp_size);
-    tp_rank: u32 = (ranks.tp_rank);
-    pp_size: u32 = (ranks.pp_size);
-    pp_rank: u32 = (ranks.pp_rank);
-    global_rank: u32 = (ranks.global_rank);
-    /// Expert-parallel size (a replica dimension, like `etp_size`).
-    ep_size: u32 = (ep_size);
-    ep_rank: u32 = (ranks.ep_rank);
-    etp_size: u32 = (etp_size);
-    etp_rank: u32 = (ranks.etp_rank);
     layer_start: u32 = (layers.lo);
     layer_end: u32 = (layers.hi);
     num_local_layers: u32 = (layers.len());
@@ -93,6 +83,11 @@ get {
     /// Whether the layer window differs from the even split of the model's layers.
     explicit_window: bool = (explicit_window);
 }
+fields {
+    /// Expert-parallel size (a replica dimension, like `etp_size`).
+    ep_size, etp_size
+}
+ranks { tp_size, tp_rank, pp_size, pp_rank, global_rank, ep_rank, etp_rank }
 span {
     /// Global layers held, `[lo, hi)`.
     layers = (layers);
@@ -148,13 +143,10 @@ methods {
     }
 });
 
-/// Global dimensions of one Mamba2-style SSM layer.
-#[pyclass(name = "SSMStateDims", module = "disagg_rs", frozen, eq, hash)]
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct PySsmStateDims {
-    /// The validated core dims.
-    pub inner: SsmStateDims,
-}
+record_class!(
+    /// Global dimensions of one Mamba2-style SSM layer.
+    "SSMStateDims" PySsmStateDims(SsmStateDims)
+);
 
 /// The reference design's dataclass fields of `SSMStateDims`, in its order.
 const DIMS_FIELDS: [&str; 5] = ["nheads", "headdim", "d_state", "ngroups", "d_conv"];
@@ -215,14 +207,37 @@ impl PySsmStateDims {
     }
 }
 
-/// The SSM state one rank holds: layer window, head range (x band, recurrent) and group range
-/// (B, C bands). Local conv channels are packed `[x | B | C]`.
-#[pyclass(name = "SSMShardLayout", module = "disagg_rs", frozen, eq, hash, from_py_object)]
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct PySsmShardLayout {
-    /// The validated core layout.
-    pub inner: SsmShardLayout,
+/// An `SSMShardLayout(...)` argument, read as the core's call rules ask.
+#[derive(FromPyObject)]
+struct CallArg<'py>(Bound<'py, PyAny>);
+
+impl SsmCallArg for CallArg<'_> {
+    type Error = PyErr;
+    fn error(e: DisaggError) -> PyErr {
+        to_pyerr(e)
+    }
+    fn call_error(message: String) -> PyErr {
+        PyTypeError::new_err(message)
+    }
+    fn is_dims(&self) -> bool {
+        self.0.cast::<PySsmStateDims>().is_ok() || self.0.cast::<PyDict>().is_ok()
+    }
+    fn int(&self) -> Given<i128> {
+        Given(int_of(&self.0))
+    }
+    fn flag(&self) -> Given<bool> {
+        Given(self.0.extract().map_err(|_| describe(&self.0)))
+    }
+    fn dims(&self) -> PyResult<SsmStateDims> {
+        PySsmStateDims::coerce(&self.0)
+    }
 }
+
+record_class!(
+    /// The SSM state one rank holds: layer window, head range (x band, recurrent) and group
+    /// range (B, C bands). Local conv channels are packed `[x | B | C]`.
+    "SSMShardLayout" PySsmShardLayout(SsmShardLayout), from_py_object
+);
 
 py_methods!(wire PySsmShardLayout => SsmShardLayout,
 get {
@@ -230,13 +245,6 @@ get {
     num_layers: u32 = (layers.len());
     /// SSM layers of the whole model, `None` when the layout was built from its window alone.
     total_layers: Option<u32> = (num_layers);
-    tp_size: u32 = (ranks.tp_size);
-    tp_rank: u32 = (ranks.tp_rank);
-    pp_size: u32 = (ranks.pp_size);
-    pp_rank: u32 = (ranks.pp_rank);
-    global_rank: u32 = (ranks.global_rank);
-    ep_rank: u32 = (ranks.ep_rank);
-    etp_rank: u32 = (ranks.etp_rank);
     /// Whether B/C groups may be replicated across TP ranks (`tp_size > ngroups`).
     replicate_groups: bool = (replicate_groups);
     layer_start: u32 = (layers.lo);
@@ -254,6 +262,7 @@ get {
     local_conv_channels: u32 = (local_conv_channels());
     conv_dim_local: u32 = (local_conv_channels());
 }
+ranks { tp_size, tp_rank, pp_size, pp_rank, global_rank, ep_rank, etp_rank }
 span {
     /// Global SSM layers held, `[lo, hi)`.
     layers = (layers);
@@ -270,27 +279,9 @@ methods {
     /// The reference design's call form or ours (both documented in `_core.pyi`).
     #[new]
     #[pyo3(signature = (*args, **kwargs))]
-    fn new(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
-        let keywords: Vec<(String, Bound<'_, PyAny>)> =
-            kwargs.map_or(Ok(Vec::new()), |d| d.items().extract())?;
-        let keys: Vec<&str> = keywords.iter().map(|(k, _)| k.as_str()).collect();
-        let second_is_dims = args
-            .get_item(1)
-            .is_ok_and(|v| v.cast::<PySsmStateDims>().is_ok() || v.cast::<PyDict>().is_ok());
-        let names = ssm_call_names(args.len(), second_is_dims, &keys).map_err(PyTypeError::new_err)?;
-        let values = args.iter().chain(keywords.into_iter().map(|(_, v)| v));
-        let given: Vec<_> = names.into_iter().zip(values).filter(|(_, v)| !v.is_none()).collect();
-        let get = |name: &str| given.iter().find(|(n, _)| *n == name).map(|(_, v)| v);
-        let dims = disagg_core::args::required("dims", get("dims")).py()?;
-        let replicate_groups = get("replicate_groups").map(PyAnyMethods::extract::<Flag>).transpose()?;
-        let ints = SsmLayoutSpec::CALL_KEYS
-            .iter()
-            .filter(|&&k| k != "dims" && k != "replicate_groups")
-            .map(|&k| Ok((k, get(k).map(PyAnyMethods::extract::<Int>).transpose()?)))
-            .collect::<PyResult<Vec<_>>>()?;
-        let ints: Vec<_> = ints.iter().map(|(k, v)| (*k, v.as_ref().map(|x| &x.0))).collect();
-        let replicate = replicate_groups.map_or(Ok(false), |f| f.get("replicate_groups"))?;
-        Ok(Self { inner: ssm_layout_call(&ints, PySsmStateDims::coerce(dims)?, replicate).py()? })
+    fn new(args: Vec<Option<CallArg<'_>>>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let keywords = kwargs.map_or(Ok(Vec::new()), |d| d.items().extract())?;
+        Ok(Self { inner: ssm_layout_call(args, keywords)? })
     }
     #[classattr]
     fn __dataclass_fields__(py: Python<'_>) -> PyResult<Py<PyAny>> {

@@ -70,7 +70,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             handoff::refuse_reset_while_pinned, handoff::refuse_close_in_flight, handoff::gathered_integrity_pieces,
             error::_error_kinds, error::_raise_sample_error, control::decode_control_message, control_step::timeout_seconds, control_step::curve_mode,
             tags::two_sided_tag, tags::two_sided_tag_owner, tags::chunk_schedule, tags::p2p_matching, runs::run_table, runs::row_copy, regions::rows_by_region,
-            reshard::py_plan_kv_reshard, reshard::py_plan_ssm_reshard,
+            reshard::plan_kv_reshard, reshard::plan_ssm_reshard,
             peer_records::transfer_peer_records, peer_records::transfer_block_count,
             peer_records::drop_transfer_prefix_blocks, peer_records::meta_from_reference, peer_records::kv_layout_from_reference, staging::write_pull_ids, staging::pull_ids_len,
             compile::py_compile_kv_transfer, geometry::plan_buffer,

@@ -1,16 +1,13 @@
 //! Python classes of the reshard plans (`disagg_core::reshard`), planned with the GIL released.
 
 use disagg_core::reshard::of_rank;
-use disagg_core::{
-    plan_kv_reshard, plan_ssm_reshard, KvReshardPlan, KvReshardTransfer, Span, SsmReshardPlan,
-    SsmReshardTransfer,
-};
+use disagg_core::{KvReshardPlan, KvReshardTransfer, Span, SsmReshardPlan, SsmReshardTransfer};
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyDict, PySlice};
 
 use crate::args::{conv, Int, Typed, U32, U64};
-use crate::error::{py_methods, IntoPyResult};
+use crate::error::{py_methods, record_class, IntoPyResult};
 
 /// A Python `slice(lo, hi)` (step None, like the reference design's helpers return).
 fn py_slice(py: Python<'_>, s: Span) -> PyResult<Bound<'_, PyAny>> {
@@ -78,19 +75,27 @@ macro_rules! plan_methods {
     };
 }
 
-/// One KV transfer: `src_rank` sends global `layers` x `heads` (half-open) to `dst_rank` for
-/// every token of the handoff.
-#[pyclass(name = "KVReshardTransfer", module = "disagg_rs", frozen, eq, hash)]
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct PyKvReshardTransfer {
-    /// The core record.
-    pub inner: KvReshardTransfer,
+/// The transfer record classes: each a `record_class` header, then the `py_methods` sections
+/// of its own accessors; every one also has `src_rank`, `dst_rank` and `__repr__`.
+macro_rules! transfer_classes {
+    ($($(#[$doc:meta])* $name:literal $ty:ident($core:ty) get { $($g:tt)* }
+        span $s:tt range $r:tt methods { $($m:tt)* })*) => {$(
+        record_class!($(#[$doc])* $name $ty($core));
+        py_methods!($ty, get { src_rank: u32 = (src_rank); dst_rank: u32 = (dst_rank); $($g)* }
+        span $s range $r methods {
+            $($m)*
+            fn __repr__(&self) -> String {
+                self.inner.to_string()
+            }
+        });
+    )*};
 }
 
-py_methods!(PyKvReshardTransfer,
+transfer_classes! {
+/// One KV transfer: `src_rank` sends global `layers` x `heads` (half-open) to `dst_rank` for
+/// every token of the handoff.
+"KVReshardTransfer" PyKvReshardTransfer(KvReshardTransfer)
 get {
-    src_rank: u32 = (src_rank);
-    dst_rank: u32 = (dst_rank);
     /// Global layers moved, `[global_layer_lo, global_layer_hi)` (the reference design's fields).
     global_layer_lo: u32 = (layers.lo);
     global_layer_hi: u32 = (layers.hi);
@@ -144,56 +149,12 @@ methods {
         t.named_spans().iter().try_for_each(|(k, s)| d.set_item(k, (s.lo, s.hi)))?;
         Ok(d)
     }
-    fn __repr__(&self) -> String {
-        self.inner.to_string()
-    }
-});
-
-/// A KV layout argument.
-type Kv<'py> = PyRef<'py, PyKvShardLayout>;
-
-/// A KV reshard plan: a read-only sequence of `KVReshardTransfer` (`disagg_core::KvReshardPlan`).
-#[pyclass(name = "KVReshardPlan", module = "disagg_rs", frozen, sequence)]
-pub struct PyKvReshardPlan {
-    /// The core plan.
-    pub inner: KvReshardPlan,
-}
-
-plan_methods!(PyKvReshardPlan, PyKvReshardTransfer, PyKvShardLayout, records (inner.transfers),
-methods {
-    /// Bytes moved per token over the whole plan, K and V.
-    #[pyo3(signature = (head_dim, element_size=Int::of(2)),
-        text_signature = "($self, head_dim, element_size=2)")]
-    fn bytes_per_token(&self, head_dim: Int, element_size: Int) -> PyResult<u64> {
-        conv!(head_dim: U64, element_size: U64);
-        self.inner.bytes_per_token(head_dim, element_size).py()
-    }
-});
-
-/// `disagg_core::plan_kv_reshard` between two layout lists.
-#[pyfunction(name = "plan_kv_reshard")]
-pub fn py_plan_kv_reshard(
-    py: Python<'_>,
-    srcs: Layouts<'_, PyKvShardLayout>,
-    dsts: Layouts<'_, PyKvShardLayout>,
-) -> PyResult<PyKvReshardPlan> {
-    let (s, d) = (cores(srcs, "srcs")?, cores(dsts, "dsts")?);
-    Ok(PyKvReshardPlan { inner: py.detach(|| plan_kv_reshard(&s, &d)).py()? })
 }
 
 /// One SSM transfer of one band over a layer range: channels (bands "x", "B", "C") or heads
 /// ("recurrent").
-#[pyclass(name = "SSMReshardTransfer", module = "disagg_rs", frozen, eq, hash)]
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct PySsmReshardTransfer {
-    /// The core record.
-    pub inner: SsmReshardTransfer,
-}
-
-py_methods!(PySsmReshardTransfer,
+"SSMReshardTransfer" PySsmReshardTransfer(SsmReshardTransfer)
 get {
-    src_rank: u32 = (src_rank);
-    dst_rank: u32 = (dst_rank);
     /// "x", "B", "C" or "recurrent".
     band: &'static str = (band.name());
     is_conv: bool = (band.is_conv());
@@ -230,8 +191,27 @@ methods {
     fn dst_layer(&self) -> PyResult<u32> {
         self.inner.dst_layer().py()
     }
-    fn __repr__(&self) -> String {
-        self.inner.to_string()
+}
+}
+
+/// A KV layout argument.
+type Kv<'py> = PyRef<'py, PyKvShardLayout>;
+
+/// A KV reshard plan: a read-only sequence of `KVReshardTransfer` (`disagg_core::KvReshardPlan`).
+#[pyclass(name = "KVReshardPlan", module = "disagg_rs", frozen, sequence)]
+pub struct PyKvReshardPlan {
+    /// The core plan.
+    pub inner: KvReshardPlan,
+}
+
+plan_methods!(PyKvReshardPlan, PyKvReshardTransfer, PyKvShardLayout, records (inner.transfers),
+methods {
+    /// Bytes moved per token over the whole plan, K and V.
+    #[pyo3(signature = (head_dim, element_size=Int::of(2)),
+        text_signature = "($self, head_dim, element_size=2)")]
+    fn bytes_per_token(&self, head_dim: Int, element_size: Int) -> PyResult<u64> {
+        conv!(head_dim: U64, element_size: U64);
+        self.inner.bytes_per_token(head_dim, element_size).py()
     }
 });
 
@@ -254,14 +234,26 @@ methods {
     }
 });
 
-/// `disagg_core::plan_ssm_reshard` between two layout lists.
-#[pyfunction(name = "plan_ssm_reshard")]
-pub fn py_plan_ssm_reshard(
-    py: Python<'_>,
-    src_layouts: Layouts<'_, PySsmShardLayout>,
-    dst_layouts: Layouts<'_, PySsmShardLayout>,
-) -> PyResult<PySsmReshardPlan> {
-    let (s, d) = (cores(src_layouts, "src_layouts")?, cores(dst_layouts, "dst_layouts")?);
-    let inner = py.detach(|| plan_ssm_reshard(&s, &d)).py()?;
-    Ok(PySsmReshardPlan { per_layer: inner.per_layer(), inner })
+/// The planning functions: `fn name(srcs, dsts: Layout) -> Class = |plan| class`, each the
+/// core's function of the same name between two layout lists, with the GIL released.
+macro_rules! plan_fns {
+    ($($(#[$doc:meta])* fn $f:ident($s:ident, $d:ident: $lay:ty)
+        -> $class:ty = |$p:ident| $make:expr;)*) => {$(
+        $(#[$doc])*
+        #[pyfunction]
+        pub fn $f(py: Python<'_>, $s: Layouts<'_, $lay>, $d: Layouts<'_, $lay>) -> PyResult<$class> {
+            let (s, d) = (cores($s, stringify!($s))?, cores($d, stringify!($d))?);
+            let $p = py.detach(|| disagg_core::$f(&s, &d)).py()?;
+            Ok($make)
+        }
+    )*};
+}
+
+plan_fns! {
+    /// `disagg_core::plan_kv_reshard` between two layout lists.
+    fn plan_kv_reshard(srcs, dsts: PyKvShardLayout) -> PyKvReshardPlan
+        = |inner| PyKvReshardPlan { inner };
+    /// `disagg_core::plan_ssm_reshard` between two layout lists.
+    fn plan_ssm_reshard(src_layouts, dst_layouts: PySsmShardLayout)
+        -> PySsmReshardPlan = |inner| PySsmReshardPlan { per_layer: inner.per_layer(), inner };
 }

@@ -2,7 +2,7 @@
 //! KV layout and SSM dims constructor calls: every field check, alias and default the
 //! bindings' constructors and `from_dict` apply.
 
-use crate::args::{one_of, required, Int, Kind};
+use crate::args::{one_of, required, Flag, Int, Kind};
 use crate::error::{DisaggError, DisaggResult};
 use crate::wire::value::{Obj, WireValue};
 use crate::{
@@ -198,7 +198,7 @@ pub fn dims_call(
 /// The parameter name of each argument of an `SSMShardLayout(*args, **kwargs)` call: the
 /// positional ones in the call form's order (see [`SsmLayoutSpec::call_order`]), then the
 /// `keywords` in order; else the `TypeError` message Python gives for the call.
-pub fn ssm_call_names(
+fn ssm_call_names(
     n_positional: usize,
     second_is_dims: bool,
     keywords: &[&str],
@@ -224,26 +224,58 @@ pub fn ssm_call_names(
     Ok(names)
 }
 
-/// The layout of an `SSMShardLayout(...)` call from its integer arguments by name (`None`:
-/// not given), its dims and `replicate_groups` (see [`SsmLayoutSpec::from_call`]); a missing
-/// stage count is a type error, as Python reports a missing argument.
-pub fn ssm_layout_call(
-    ints: &[(&str, Option<&Int>)],
-    dims: SsmStateDims,
-    replicate_groups: bool,
-) -> DisaggResult<SsmShardLayout> {
-    let fields = ints
+/// One argument of an `SSMShardLayout(*args, **kwargs)` call as a binding holds it, read as
+/// the parameter it binds to needs (see [`ssm_layout_call`]).
+pub trait SsmCallArg: Sized {
+    /// The binding's error.
+    type Error;
+    /// A core error as the binding's.
+    fn error(e: DisaggError) -> Self::Error;
+    /// The `TypeError` Python gives for arguments that bind to no parameters.
+    fn call_error(message: String) -> Self::Error;
+    /// Whether the argument is dims (an `SSMStateDims` or a dict): picks the call form.
+    fn is_dims(&self) -> bool;
+    /// The argument as an integer.
+    fn int(&self) -> Int;
+    /// The argument as a bool.
+    fn flag(&self) -> Flag;
+    /// The argument as dims.
+    fn dims(&self) -> Result<SsmStateDims, Self::Error>;
+}
+
+/// The layout of an `SSMShardLayout(*positional, **keywords)` call: the arguments bound to
+/// their parameters (an argument `None` counts as not given), `dims` read as dims, `replicate_groups` as
+/// a bool (default false), every other parameter as an integer field (see
+/// [`SsmLayoutSpec::from_call`]); a missing `dims` or stage count is a type error, as Python
+/// reports a missing argument.
+pub fn ssm_layout_call<A: SsmCallArg>(
+    positional: Vec<Option<A>>,
+    keywords: Vec<(String, Option<A>)>,
+) -> Result<SsmShardLayout, A::Error> {
+    let keys: Vec<&str> = keywords.iter().map(|(k, _)| k.as_str()).collect();
+    let second_is_dims = positional.get(1).is_some_and(|v| v.as_ref().is_some_and(A::is_dims));
+    let names = ssm_call_names(positional.len(), second_is_dims, &keys).map_err(A::call_error)?;
+    let values = positional.into_iter().chain(keywords.into_iter().map(|(_, v)| v));
+    let given: Vec<_> = names.into_iter().zip(values).filter_map(|(n, v)| Some((n, v?))).collect();
+    let get = |name: &str| given.iter().find(|(n, _)| *n == name).map(|(_, v)| v);
+    let dims = required("dims", get("dims")).map_err(A::error)?;
+    let flag = get("replicate_groups").map(A::flag);
+    let replicate = flag.map_or(Ok(false), |f| f.get("replicate_groups")).map_err(A::error)?;
+    let dims = dims.dims()?;
+    let ints = SsmLayoutSpec::CALL_KEYS
         .iter()
-        .map(|&(k, v)| Ok((k, v.map(|x| field(k, x)).transpose()?)))
-        .collect::<DisaggResult<Vec<_>>>()?;
-    let spec = SsmLayoutSpec::from_call(&fields, dims, replicate_groups).map_err(|e| match e {
+        .filter(|&&k| k != "dims" && k != "replicate_groups")
+        .map(|&k| Ok((k, get(k).map(|v| field(k, &v.int())).transpose()?)))
+        .collect::<DisaggResult<Vec<_>>>()
+        .map_err(A::error)?;
+    let spec = SsmLayoutSpec::from_call(&ints, dims, replicate).map_err(|e| match e {
         DisaggError::Argument { field, .. } => {
             let detail = format!("missing required argument {field}");
             DisaggError::argument_type(field, detail)
         }
         e => e,
-    })?;
-    SsmShardLayout::new(spec)
+    });
+    spec.and_then(SsmShardLayout::new).map_err(A::error)
 }
 
 #[cfg(test)]
@@ -387,19 +419,87 @@ mod tests {
         assert!(ssm_call_names(0, false, &["tp_szie"]).unwrap_err().contains("unexpected keyword"));
         let twice = ssm_call_names(1, false, &["num_layers", "num_layers"]);
         assert!(twice.unwrap_err().contains("multiple values"));
-        let dims = SsmStateDims::new(8, 4, 16, 2, 4).unwrap();
-        let four = Int::of(4);
-        let l = ssm_layout_call(&[("num_layers", Some(&four))], dims, false).unwrap();
-        assert_eq!(l.layers.len(), 4);
-        let start = Int::of(0);
-        let e = ssm_layout_call(&[("layer_start", Some(&start))], dims, false).unwrap_err();
+    }
+
+    /// An argument of a test call.
+    #[derive(Debug, Clone, Copy)]
+    enum Arg {
+        N(i64),
+        B(bool),
+        D(SsmStateDims),
+        None,
+    }
+
+    impl SsmCallArg for Arg {
+        type Error = DisaggError;
+        fn error(e: DisaggError) -> DisaggError {
+            e
+        }
+        fn call_error(message: String) -> DisaggError {
+            DisaggError::argument_type("call", message)
+        }
+        fn is_dims(&self) -> bool {
+            matches!(self, Self::D(_))
+        }
+        fn int(&self) -> Int {
+            match *self {
+                Self::N(n) => Int::of(n),
+                _ => Given(Err(format!("{self:?}"))),
+            }
+        }
+        fn flag(&self) -> Flag {
+            match *self {
+                Self::B(b) => Flag::of(b),
+                _ => Given(Err(format!("{self:?}"))),
+            }
+        }
+        fn dims(&self) -> DisaggResult<SsmStateDims> {
+            match *self {
+                Self::D(d) => Ok(d),
+                _ => Err(DisaggError::argument_type("dims", format!("{self:?}"))),
+            }
+        }
+    }
+
+    /// A call with `Arg::None` as Python's `None`.
+    fn call(positional: &[Arg], keywords: &[(&str, Arg)]) -> DisaggResult<SsmShardLayout> {
+        let some = |v: Arg| (!matches!(v, Arg::None)).then_some(v);
+        let keywords = keywords.iter().map(|&(k, v)| (k.to_owned(), some(v))).collect();
+        ssm_layout_call(positional.iter().map(|&v| some(v)).collect(), keywords)
+    }
+
+    #[test]
+    fn an_ssm_call_reads_dims_the_flag_and_every_other_parameter_as_an_int() {
+        let dims = Arg::D(SsmStateDims::new(8, 4, 16, 2, 4).unwrap());
+        let l = call(&[Arg::N(4), dims], &[("tp_size", Arg::N(2)), ("tp_rank", Arg::N(1))]);
+        let l = l.unwrap();
+        assert_eq!((l.layers.len(), l.tp_size, l.tp_rank, l.replicate_groups), (4, 2, 1, false));
+        // The reference design's form: global_rank, tp_size, tp_rank, layer_start, num_layers, dims.
+        let r = [Arg::N(1), Arg::N(2), Arg::N(1), Arg::N(0), Arg::N(4), dims];
+        let r = call(&r, &[]).unwrap();
+        assert_eq!((r.layers, r.tp_rank, r.global_rank), (l.layers, l.tp_rank, l.global_rank));
+        let flagged = call(&[Arg::N(4), dims], &[("replicate_groups", Arg::B(true))]);
+        assert!(flagged.unwrap().replicate_groups);
+        // None is as if not given; a missing dims or stage count is a type error naming it.
+        let e = call(&[Arg::N(4), Arg::None], &[]).unwrap_err();
+        assert_eq!(
+            fields(e),
+            ("ArgumentType", "dims".into(), "missing required argument dims".into())
+        );
+        let e = call(&[], &[("dims", dims), ("layer_start", Arg::N(0))]).unwrap_err();
         assert_eq!(
             fields(e),
             ("ArgumentType", "num_layers".into(), "missing required argument num_layers".into())
         );
-        let neg = Int::of(-1);
-        let e =
-            ssm_layout_call(&[("num_layers", Some(&four)), ("tp_size", Some(&neg))], dims, false);
-        assert_eq!(fields(e.unwrap_err()).0, "Layout");
+        // Each parameter is read as its type: a flag is no int, an int no flag or dims.
+        let e = call(&[Arg::N(4), dims], &[("tp_size", Arg::B(true))]).unwrap_err();
+        assert_eq!(fields(e).0, "ArgumentType");
+        let e = call(&[Arg::N(4), dims], &[("replicate_groups", Arg::N(1))]).unwrap_err();
+        assert_eq!(fields(e).1, "replicate_groups");
+        assert_eq!(fields(call(&[Arg::N(4), Arg::N(2)], &[]).unwrap_err()).1, "dims");
+        let e = call(&[Arg::N(4), dims], &[("tp_size", Arg::N(-1))]).unwrap_err();
+        assert_eq!(fields(e).0, "Layout");
+        let e = call(&[Arg::N(4), dims], &[("tp_szie", Arg::N(2))]).unwrap_err();
+        assert!(fields(e).2.contains("unexpected keyword argument"));
     }
 }
