@@ -15,7 +15,7 @@ use crate::pool::{core_methods, lock, lock_with};
 
 pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
 
-fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
+pub fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
     Ok(match v {
         Value::Nil => py.None(),
         Value::Bool(b) => b.into_py_any(py)?,

@@ -3,13 +3,14 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use disagg_core::coordinator::{self, Coordinator, Event, Field, Outgoing};
+use disagg_core::coordinator::{self, Coordinator, Outgoing};
 use disagg_core::wire::control::Kind;
+use disagg_core::wire::msgpack::Value;
 use pyo3::prelude::*;
-use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyInt, PyList};
-use pyo3::IntoPyObjectExt;
+use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyInt};
 
 use crate::args::Real;
+use crate::control::to_py;
 use crate::error::IntoPyResult;
 use crate::pool::lock;
 
@@ -23,152 +24,21 @@ impl Clone for Obj {
     }
 }
 
-fn obj(v: Bound<'_, PyAny>) -> Obj {
-    Obj(v.unbind())
-}
-
 /// One outgoing message as Python receives it: `(to_engine, to_client, type, fields)`.
 type Out = (Option<String>, Option<Py<PyBytes>>, &'static str, Py<PyAny>);
 
-fn field(py: Python<'_>, f: &Field<Obj>) -> PyResult<Py<PyAny>> {
-    let entries = |dict: &Bound<'_, PyDict>, pairs: &[(String, Field<Obj>)]| -> PyResult<()> {
-        pairs.iter().try_for_each(|(k, v)| dict.set_item(k, field(py, v)?))
-    };
-    Ok(match f {
-        Field::Nil => py.None(),
-        Field::Int(i) => i.into_py_any(py)?,
-        Field::Text(s) => s.into_py_any(py)?,
-        Field::Bool(b) => b.into_py_any(py)?,
-        Field::Payload(o) => o.0.clone_ref(py),
-        Field::Map(pairs) => {
-            let dict = PyDict::new(py);
-            entries(&dict, pairs)?;
-            dict.into_any().unbind()
-        }
-        Field::Amended(base, pairs) => {
-            let dict = PyDict::new(py);
-            dict.update(base.0.bind(py).cast::<pyo3::types::PyMapping>()?)?;
-            entries(&dict, pairs)?;
-            dict.into_any().unbind()
-        }
-    })
-}
-
-fn outs(py: Python<'_>, out: Vec<Outgoing<Obj>>) -> PyResult<Vec<Out>> {
+fn outs(py: Python<'_>, out: Vec<Outgoing<Value>>) -> PyResult<Vec<Out>> {
     out.into_iter()
         .map(|o| {
             let client = o.to_client.map(|c| PyBytes::new(py, &c).unbind());
-            Ok((o.to_engine, client, o.kind.name(), field(py, &o.fields)?))
+            Ok((o.to_engine, client, o.kind.name(), to_py(py, &o.fields.into_value())?))
         })
         .collect()
 }
 
-/// A ticket's resume tokens as a new list (empty without them), and their count.
-fn resume_tokens(ticket: &Bound<'_, PyAny>) -> PyResult<(Obj, usize)> {
-    let tokens = PyList::empty(ticket.py());
-    let resume = ticket.cast::<PyDict>()?.get_item("resume_tokens")?;
-    for t in resume.map(|r| r.try_iter()).transpose()?.into_iter().flatten() {
-        tokens.append(t?)?;
-    }
-    let n = tokens.len();
-    Ok((obj(tokens.into_any()), n))
-}
-
-/// What a client is told of a `DONE`: the message without `type`, `v` and `epoch`.
-fn done_fields<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyAny>> {
-    let fields = msg.copy()?;
-    for k in coordinator::DONE_WITHHELD {
-        fields.call_method1("pop", (k, msg.py().None()))?;
-    }
-    Ok(fields.into_any())
-}
-
-/// The message type a message dict names (`ValueError` for none).
-fn kind_of(msg: &Bound<'_, PyDict>) -> PyResult<Kind> {
-    let name: String = msg.get_item("type")?.map_or(Ok(String::new()), |k| k.extract())?;
-    let no_type = || pyo3::exceptions::PyValueError::new_err(format!("no message type {name}"));
-    Kind::from_name(&name).ok_or_else(no_type)
-}
-
-/// The event a schema-checked message dict carries.
-fn event<'py>(msg: &Bound<'py, PyDict>) -> PyResult<Event<Obj>> {
-    let py = msg.py();
-    let item = |k: &str| -> PyResult<Bound<'py, PyAny>> {
-        msg.get_item(k)?.ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(k.to_owned()))
-    };
-    let opt = |k: &str| -> PyResult<Option<Bound<'py, PyAny>>> {
-        Ok(msg.get_item(k)?.filter(|v| !v.is_none()))
-    };
-    let text = |k: &str| -> PyResult<String> { Ok(item(k)?.str()?.to_string()) };
-    let opt_text = |k: &str| -> PyResult<Option<String>> {
-        opt(k)?.map(|v| Ok(v.str()?.to_string())).transpose()
-    };
-    let id = |k: &str| -> PyResult<u64> { item(k)?.extract() };
-    let epoch = || -> PyResult<Option<u64>> { opt("epoch")?.map(|e| e.extract()).transpose() };
-    let quiet = || -> PyResult<Option<bool>> { Ok(opt("quiet")?.and_then(|q| q.extract().ok())) };
-    let kind = kind_of(msg)?;
-    let request_id = || id("request_id");
-    Ok(match kind {
-        Kind::Register => Event::Register {
-            engine_id: text("engine_id")?,
-            role: text("role")?,
-            incarnation: id("incarnation")?,
-            meta: obj(item("meta")?),
-        },
-        Kind::Submit => Event::Submit {
-            request_id: request_id()?,
-            prompt: obj(py.get_type::<PyList>().call1((item("prompt")?,))?),
-            max_new_tokens: id("max_new_tokens")?,
-            timeout_s: opt("timeout_s")?.map(|t| t.extract()).transpose()?,
-        },
-        Kind::Heartbeat => Event::Heartbeat { engine_id: text("engine_id")? },
-        Kind::KvRecvPosted => Event::KvRecvPosted {
-            request_id: request_id()?,
-            epoch: id("epoch")?,
-            prefill: opt_text("prefill_engine_id")?,
-            transfer: opt("transfer")?.map(obj),
-        },
-        Kind::PrefillDone => {
-            let ticket = item("ticket")?;
-            Event::PrefillDone {
-                request_id: request_id()?,
-                epoch: id("epoch")?,
-                resume: resume_tokens(&ticket)?,
-                ticket: obj(ticket),
-            }
-        }
-        Kind::PrefillFailed => Event::PrefillFailed {
-            request_id: request_id()?,
-            epoch: id("epoch")?,
-            error: text("error")?,
-        },
-        Kind::KvImported => {
-            let ok = item("ok")?.is_truthy()?;
-            Event::kv_imported(request_id()?, id("epoch")?, ok, opt_text("error")?, quiet()?)
-        }
-        Kind::Tokens => Event::Tokens {
-            request_id: request_id()?,
-            epoch: epoch()?,
-            tokens: obj(item("tokens")?),
-        },
-        Kind::Done => Event::Done {
-            request_id: request_id()?,
-            epoch: epoch()?,
-            fields: obj(done_fields(msg)?),
-        },
-        Kind::Failed => Event::failed(request_id()?, epoch()?, text("error")?, quiet()?),
-        other => {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "the coordinator takes no {} message",
-                other.name()
-            )))
-        }
-    })
-}
-
 /// The coordinator's routing and bookkeeping (wrapped by `disagg_rs.control.CoordinatorState`).
 #[pyclass(module = "disagg_rs._core", frozen)]
-pub struct CoordinatorCore(Mutex<Coordinator<Obj>>);
+pub struct CoordinatorCore(Mutex<Coordinator<Value>>);
 
 #[pymethods]
 impl CoordinatorCore {
@@ -183,20 +53,30 @@ impl CoordinatorCore {
         Ok(Self(Mutex::new(core)))
     }
 
-    /// Apply one schema-checked message (a dict whose `type` is a `Msg`) from `identity`.
-    fn handle(
-        &self,
-        py: Python<'_>,
-        identity: &[u8],
-        msg: &Bound<'_, PyDict>,
-        now: f64,
-    ) -> PyResult<Vec<Out>> {
-        let ev = event(msg)?;
-        let out = lock(&self.0)?.handle(identity, ev, now);
+    /// `Coordinator::handle_frame`: a frame standing for a message handed over directly.
+    fn handle(&self, py: Python<'_>, identity: &[u8], frame: &[u8], now: f64) -> PyResult<Vec<Out>> {
+        let out = lock(&self.0)?.handle_frame(identity, frame, now);
         outs(py, out)
     }
 
-    /// Count a message its schema refused as malformed; a usable `SUBMIT` is answered `FAILED`.
+    /// `Coordinator::receive`: a frame off the socket; `(receipt name, outgoing)`.
+    #[pyo3(signature = (identity, frame, now, user_key = None, keys = None))]
+    fn receive(
+        &self,
+        py: Python<'_>,
+        identity: &[u8],
+        frame: &[u8],
+        now: f64,
+        user_key: Option<&str>,
+        keys: Option<BTreeMap<String, String>>,
+    ) -> PyResult<(&'static str, Vec<Out>)> {
+        let auth = user_key.zip(keys.as_ref());
+        let (receipt, out) = lock(&self.0)?.receive(identity, frame, now, auth);
+        Ok((receipt.name(), outs(py, out)?))
+    }
+
+    /// Count a message dict that cannot be encoded as malformed; a usable `SUBMIT` is answered
+    /// `FAILED`.
     fn refused(
         &self,
         py: Python<'_>,
@@ -216,7 +96,7 @@ impl CoordinatorCore {
         outs(py, core.refused(identity, kind, rid, error))
     }
 
-    /// The answer to a frame refused at decode (a `SUBMIT` whose id can be read: `FAILED`).
+    /// `Coordinator::refused_frame`.
     fn refused_frame(
         &self,
         py: Python<'_>,
@@ -226,12 +106,6 @@ impl CoordinatorCore {
     ) -> PyResult<Vec<Out>> {
         let out = lock(&self.0)?.refused_frame(identity, data, error);
         outs(py, out)
-    }
-
-    /// Count a message of type `name` that failed to apply as malformed.
-    fn count_malformed(&self, name: &str) -> PyResult<()> {
-        lock(&self.0)?.count_malformed(name);
-        Ok(())
     }
 
     /// Liveness and deadlines at `now`.
@@ -263,18 +137,17 @@ impl CoordinatorCore {
         Ok(core.address(to_engine, to_client).map(|a| PyBytes::new(py, a).unbind()))
     }
 
-    /// Whether `msg` from `identity` with CURVE key `user_key` speaks for the engine it claims.
+    /// `Coordinator::authentic` of a message of type `kind` claiming engine id `claimed`.
     fn authentic(
         &self,
         identity: &[u8],
-        msg: &Bound<'_, PyDict>,
+        kind: &str,
+        claimed: Option<String>,
         user_key: &str,
         keys: BTreeMap<String, String>,
     ) -> PyResult<bool> {
-        let kind = kind_of(msg)?;
-        // The core reads the claim of the kinds that make one (a checked text field of theirs).
-        let claimed: Option<String> =
-            msg.get_item("engine_id")?.map(|e| e.extract()).transpose()?;
+        let no_type = || pyo3::exceptions::PyValueError::new_err(format!("no message type {kind}"));
+        let kind = Kind::from_name(kind).ok_or_else(no_type)?;
         Ok(lock(&self.0)?.authentic(identity, kind, claimed.as_deref(), user_key, &keys))
     }
 
@@ -282,10 +155,10 @@ impl CoordinatorCore {
     fn engines<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let core = lock(&self.0)?;
         let rows = core.engines().iter().map(|(id, e)| {
-            let (meta, identity) = (e.meta.0.clone_ref(py), PyBytes::new(py, &e.identity));
-            (id, (&e.engine_id, &e.role, e.incarnation, meta, identity, e.last_seen))
+            let (meta, identity) = (to_py(py, &e.meta)?, PyBytes::new(py, &e.identity));
+            Ok((id, (&e.engine_id, &e.role, e.incarnation, meta, identity, e.last_seen)))
         });
-        rows.into_py_dict(py)
+        rows.collect::<PyResult<Vec<_>>>()?.into_py_dict(py)
     }
 
     /// `{request id: (epoch, phase, prefill, decode, pinned, ticket_sent, deadline)}`.
@@ -347,7 +220,7 @@ impl FaultPlan {
         for o in out {
             let to_engine = !o.getattr("to_engine")?.is_none();
             let kind = Kind::from_name(&o.getattr("kind")?.extract::<String>()?);
-            tagged.push((obj(o), to_engine, kind));
+            tagged.push((Obj(o.unbind()), to_engine, kind));
         }
         let kept = lock(&self.0)?.pass(tagged);
         Ok(kept.into_iter().map(|o| o.0.clone_ref(py)).collect())
