@@ -7,12 +7,12 @@ use disagg_core::coordinator::{self, Coordinator, Outgoing};
 use disagg_core::wire::control::Kind;
 use disagg_core::wire::msgpack::Value;
 use pyo3::prelude::*;
-use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyInt};
+use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyInt, PyList};
 
-use crate::args::Real;
+use crate::args::{Raw, Real};
 use crate::control::to_py;
 use crate::error::IntoPyResult;
-use crate::pool::lock;
+use crate::pool::{core_methods, lock, lock_with, outs};
 
 /// A Python object the coordinator forwards unread.
 #[derive(Debug)]
@@ -24,67 +24,66 @@ impl Clone for Obj {
     }
 }
 
-/// One outgoing message as Python receives it: `(to_engine, to_client, type, fields)`.
-type Out = (Option<String>, Option<Py<PyBytes>>, &'static str, Py<PyAny>);
+/// Outgoing messages as Python receives them: `(to_engine, to_client, type, fields)` each.
+pub struct Outs(Vec<Outgoing<Value>>);
 
-fn outs(py: Python<'_>, out: Vec<Outgoing<Value>>) -> PyResult<Vec<Out>> {
-    out.into_iter()
-        .map(|o| {
-            let client = o.to_client.map(|c| PyBytes::new(py, &c).unbind());
+outs! {
+    Vec<Outgoing<Value>> => Outs = |v| Outs(v);
+}
+
+impl<'py> IntoPyObject<'py> for Outs {
+    type Target = PyList;
+    type Output = Bound<'py, PyList>;
+    type Error = PyErr;
+
+    fn into_pyobject(self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let row = |o: Outgoing<Value>| {
+            let client = o.to_client.map(|c| PyBytes::new(py, &c));
             Ok((o.to_engine, client, o.kind.name(), to_py(py, &o.fields.into_value())?))
-        })
-        .collect()
+        };
+        PyList::new(py, self.0.into_iter().map(row).collect::<PyResult<Vec<_>>>()?)
+    }
 }
 
 /// The coordinator's routing and bookkeeping (wrapped by `disagg_rs.control.CoordinatorState`).
 #[pyclass(module = "disagg_rs._core", frozen)]
 pub struct CoordinatorCore(Mutex<Coordinator<Value>>);
 
-#[pymethods]
-impl CoordinatorCore {
+core_methods!(CoordinatorCore, lock_with, 0,
+ctors {
     #[new]
     #[pyo3(signature = (request_timeout_s, push_transport, engine_timeout_s))]
-    fn new(
-        request_timeout_s: f64,
-        push_transport: bool,
-        engine_timeout_s: Option<f64>,
-    ) -> PyResult<Self> {
-        let core = Coordinator::new(request_timeout_s, push_transport, engine_timeout_s).py()?;
-        Ok(Self(Mutex::new(core)))
-    }
-
+    fn new(request_timeout_s: Raw<f64>, push_transport: Raw<bool>,
+        engine_timeout_s: Raw<Option<f64>>)
+        = Coordinator::new(request_timeout_s, push_transport, engine_timeout_s).py()?.into();
+}
+calls {
+    /// Liveness and deadlines at `now`.
+    fn poll(now: Raw<f64>) -> Outs = poll(now);
+    /// Declare `engine_id` lost (`why`).
+    fn fence(engine_id: Raw<String>, why: Raw<String>) -> Outs = fence(&engine_id, &why);
+    /// Tell every engine to stop.
+    fn shutdown() -> Outs = shutdown();
+}
+methods {
     /// `Coordinator::handle_frame`: a frame standing for a message handed over directly.
-    fn handle(&self, py: Python<'_>, identity: &[u8], frame: &[u8], now: f64) -> PyResult<Vec<Out>> {
-        let out = lock(&self.0)?.handle_frame(identity, frame, now);
-        outs(py, out)
+    fn handle(&self, identity: &[u8], frame: &[u8], now: f64) -> PyResult<Outs> {
+        Ok(Outs(lock(&self.0)?.handle_frame(identity, frame, now)))
     }
 
     /// `Coordinator::receive`: a frame off the socket; `(receipt name, outgoing)`.
     #[pyo3(signature = (identity, frame, now, user_key = None, keys = None))]
-    fn receive(
-        &self,
-        py: Python<'_>,
-        identity: &[u8],
-        frame: &[u8],
-        now: f64,
-        user_key: Option<&str>,
-        keys: Option<BTreeMap<String, String>>,
-    ) -> PyResult<(&'static str, Vec<Out>)> {
+    fn receive(&self, identity: &[u8], frame: &[u8], now: f64, user_key: Option<&str>,
+        keys: Option<BTreeMap<String, String>>) -> PyResult<(&'static str, Outs)> {
         let auth = user_key.zip(keys.as_ref());
         let (receipt, out) = lock(&self.0)?.receive(identity, frame, now, auth);
-        Ok((receipt.name(), outs(py, out)?))
+        Ok((receipt.name(), Outs(out)))
     }
 
     /// Count a message dict that cannot be encoded as malformed; a usable `SUBMIT` is answered
     /// `FAILED`.
-    fn refused(
-        &self,
-        py: Python<'_>,
-        identity: &[u8],
-        msg: &Bound<'_, PyAny>,
-        error: &str,
-    ) -> PyResult<Vec<Out>> {
-        let msg_class = py.import("disagg_rs.control.messages")?.getattr("Msg")?;
+    fn refused(&self, identity: &[u8], msg: &Bound<'_, PyAny>, error: &str) -> PyResult<Outs> {
+        let msg_class = msg.py().import("disagg_rs.control.messages")?.getattr("Msg")?;
         let dict = msg.cast::<PyDict>().ok();
         let get = |k: &str| dict.and_then(|d| d.get_item(k).ok().flatten());
         let kind = get("type").filter(|k| k.is_instance(&msg_class).unwrap_or(false));
@@ -93,59 +92,24 @@ impl CoordinatorCore {
         let rid = rid.and_then(|r| r.extract::<i128>().ok());
         let mut core = lock(&self.0)?;
         core.count_malformed(kind.map_or("<unknown>", Kind::name));
-        outs(py, core.refused(identity, kind, rid, error))
+        Ok(Outs(core.refused(identity, kind, rid, error)))
     }
 
     /// `Coordinator::refused_frame`.
-    fn refused_frame(
-        &self,
-        py: Python<'_>,
-        identity: &[u8],
-        data: &[u8],
-        error: &str,
-    ) -> PyResult<Vec<Out>> {
-        let out = lock(&self.0)?.refused_frame(identity, data, error);
-        outs(py, out)
-    }
-
-    /// Liveness and deadlines at `now`.
-    fn poll(&self, py: Python<'_>, now: f64) -> PyResult<Vec<Out>> {
-        let out = lock(&self.0)?.poll(now);
-        outs(py, out)
-    }
-
-    /// Declare `engine_id` lost (`why`).
-    fn fence(&self, py: Python<'_>, engine_id: &str, why: &str) -> PyResult<Vec<Out>> {
-        let out = lock(&self.0)?.fence(engine_id, why);
-        outs(py, out)
-    }
-
-    /// Tell every engine to stop.
-    fn shutdown(&self, py: Python<'_>) -> PyResult<Vec<Out>> {
-        let out = lock(&self.0)?.shutdown();
-        outs(py, out)
+    fn refused_frame(&self, identity: &[u8], data: &[u8], error: &str) -> PyResult<Outs> {
+        Ok(Outs(lock(&self.0)?.refused_frame(identity, data, error)))
     }
 
     /// The identity a message goes to (`None`: its engine is gone).
-    fn address(
-        &self,
-        py: Python<'_>,
-        to_engine: Option<&str>,
-        to_client: Option<&[u8]>,
-    ) -> PyResult<Option<Py<PyBytes>>> {
+    fn address<'py>(&self, py: Python<'py>, to_engine: Option<&str>, to_client: Option<&[u8]>)
+        -> PyResult<Option<Bound<'py, PyBytes>>> {
         let core = lock(&self.0)?;
-        Ok(core.address(to_engine, to_client).map(|a| PyBytes::new(py, a).unbind()))
+        Ok(core.address(to_engine, to_client).map(|a| PyBytes::new(py, a)))
     }
 
     /// `Coordinator::authentic` of a message of type `kind` claiming engine id `claimed`.
-    fn authentic(
-        &self,
-        identity: &[u8],
-        kind: &str,
-        claimed: Option<String>,
-        user_key: &str,
-        keys: BTreeMap<String, String>,
-    ) -> PyResult<bool> {
+    fn authentic(&self, identity: &[u8], kind: &str, claimed: Option<String>, user_key: &str,
+        keys: BTreeMap<String, String>) -> PyResult<bool> {
         let no_type = || pyo3::exceptions::PyValueError::new_err(format!("no message type {kind}"));
         let kind = Kind::from_name(kind).ok_or_else(no_type)?;
         Ok(lock(&self.0)?.authentic(identity, kind, claimed.as_deref(), user_key, &keys))
@@ -188,7 +152,7 @@ impl CoordinatorCore {
         dict.set_item("shutting_down", core.shutting_down())?;
         Ok(dict)
     }
-}
+});
 
 /// `disagg_core::coordinator::timeout_seconds` (`ArgumentError` naming `field`).
 #[pyfunction]
@@ -207,13 +171,17 @@ pub fn curve_mode(what: &str, have: bool, insecure: bool) -> PyResult<bool> {
 #[pyclass(module = "disagg_rs._core", frozen)]
 pub struct FaultPlan(Mutex<coordinator::FaultPlan<Obj>>);
 
-#[pymethods]
-impl FaultPlan {
+core_methods!(FaultPlan, lock_with, 0,
+ctors {
     #[new]
-    fn new(rate: f64, seed: u64, max_delay_rounds: u64) -> Self {
-        Self(Mutex::new(coordinator::FaultPlan::new(rate, seed, max_delay_rounds)))
-    }
-
+    fn new(rate: Raw<f64>, seed: Raw<u64>, max_delay_rounds: Raw<u64>)
+        = coordinator::FaultPlan::new(rate, seed, max_delay_rounds).into();
+}
+calls {
+    /// Faults injected so far.
+    #[getter] fn injected() -> u64 = injected();
+}
+methods {
     /// One round: the delayed messages due, then `out` with faults.
     fn apply(&self, py: Python<'_>, out: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<Py<PyAny>>> {
         let mut tagged = Vec::with_capacity(out.len());
@@ -225,10 +193,4 @@ impl FaultPlan {
         let kept = lock(&self.0)?.pass(tagged);
         Ok(kept.into_iter().map(|o| o.0.clone_ref(py)).collect())
     }
-
-    /// Faults injected so far.
-    #[getter]
-    fn injected(&self) -> PyResult<u64> {
-        Ok(lock(&self.0)?.injected())
-    }
-}
+});
