@@ -7,6 +7,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
+
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 

@@ -207,7 +207,9 @@ impl Field<Value> {
     pub fn into_value(self) -> Value {
         let entries = |base: Vec<(Value, Value)>, pairs: Vec<(String, Self)>| {
             let mut out = base;
-            pairs.into_iter().for_each(|(k, v)| set(&mut out, k, v.into_value()));
+            for (k, v) in pairs {
+                set(&mut out, k, v.into_value());
+            }
             Value::Map(out)
         };
         match self {
@@ -216,9 +218,8 @@ impl Field<Value> {
             Self::Text(s) => Value::Str(s),
             Self::Bool(b) => Value::Bool(b),
             Self::Payload(v) => v,
-            Self::Map(pairs) => entries(Vec::new(), pairs),
             Self::Amended(Value::Map(base), pairs) => entries(base, pairs),
-            Self::Amended(_, pairs) => entries(Vec::new(), pairs),
+            Self::Map(pairs) | Self::Amended(_, pairs) => entries(Vec::new(), pairs),
         }
     }
 }
@@ -243,13 +244,11 @@ impl Coordinator<Value> {
     /// Apply a decoded message: one the coordinator does not take, or whose fields it cannot
     /// use, is counted malformed by type and changes nothing.
     fn apply(&mut self, identity: &[u8], msg: &ControlMessage, now: f64) -> Vec<Outgoing<Value>> {
-        match Event::from_message(msg) {
-            Ok(event) => self.handle(identity, event, now),
-            Err(_) => {
-                self.count_malformed(msg.kind.name());
-                Vec::new()
-            }
+        if let Ok(event) = Event::from_message(msg) {
+            return self.handle(identity, event, now);
         }
+        self.count_malformed(msg.kind.name());
+        Vec::new()
     }
 
     /// Apply one frame from `identity` at `now`, as it came off the socket. A frame refused at
