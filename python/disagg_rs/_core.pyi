@@ -1175,6 +1175,7 @@ def nixl_pull_route(
 ) -> tuple[list[tuple[int, bool, int]], list[int]]: ...
 
 _Out: TypeAlias = tuple[str | None, bytes | None, str, dict[str, Any]]
+_Auth: TypeAlias = tuple[str, Mapping[str, str]]
 
 @final
 class CoordinatorCore:
@@ -1183,12 +1184,7 @@ class CoordinatorCore:
     ) -> CoordinatorCore: ...
     def handle(self, identity: bytes, frame: bytes, now: float) -> list[_Out]: ...
     def receive(
-        self,
-        identity: bytes,
-        frame: bytes,
-        now: float,
-        user_key: str | None = None,
-        keys: Mapping[str, str] | None = None,
+        self, identity: bytes, frame: bytes, now: float, auth: _Auth | None = None
     ) -> tuple[str, list[_Out]]: ...
     def refused(self, identity: bytes, msg: Any, error: str) -> list[_Out]: ...
     def refused_frame(self, identity: bytes, data: bytes, error: str) -> list[_Out]: ...

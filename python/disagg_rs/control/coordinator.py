@@ -161,15 +161,15 @@ class CoordinatorState:
         identity: bytes,
         frame: bytes,
         now: float,
-        user_key: str | None = None,
-        keys: dict[str, str] | None = None,
+        auth: tuple[str, dict[str, str]] | None = None,
     ) -> tuple[str, list[Outgoing]]:
         """Apply one frame from ``identity`` as it came off the socket, decoded, checked and
         applied in Rust: ``("refused", answer)`` for a frame refused at decode (see
-        :meth:`refused`), ``("unauthenticated", [])`` with ``user_key`` and ``keys`` for one
-        that does not come with the key ``keys`` binds to the engine id it speaks for (see
-        :meth:`authentic`), else ``("applied", outgoing)`` as :meth:`handle` answers."""
-        receipt, out = self._core.receive(identity, frame, now, user_key, keys)
+        :meth:`refused`); with ``auth`` (the sender's CURVE key, and the keys bound to engine
+        ids) ``("unauthenticated", [])`` for one that does not come with the key bound to the
+        engine id it speaks for (see :meth:`authentic`); else ``("applied", outgoing)`` as
+        :meth:`handle` answers."""
+        receipt, out = self._core.receive(identity, frame, now, auth)
         return receipt, _outgoing(out)
 
     def refused(self, identity: bytes, data: bytes, error: MetadataError) -> list[Outgoing]:

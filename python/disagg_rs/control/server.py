@@ -141,9 +141,8 @@ class CoordinatorServer:
                 continue
             identity = identity_frame.bytes
             # Decoded, authenticated and applied in Rust; refusals answered, never raised.
-            receipt, out = self.state.receive(
-                identity, frame.bytes, time.monotonic(), self._user_key(frame), self._engine_keys
-            )
+            now = time.monotonic()
+            receipt, out = self.state.receive(identity, frame.bytes, now, self._auth(frame))
             if receipt == "refused":
                 self.malformed += 1
             elif receipt == "unauthenticated":
@@ -151,11 +150,12 @@ class CoordinatorServer:
             self._send(out)
         self._send(self.state.poll(time.monotonic()))
 
-    def _user_key(self, frame: zmq.Frame) -> str | None:
-        """The CURVE key ``frame`` came with (``None`` without CURVE)."""
+    def _auth(self, frame: zmq.Frame) -> tuple[str, dict[str, str]] | None:
+        """The CURVE key ``frame`` came with and the keys bound to engine ids (``None``
+        without CURVE)."""
         if self._engine_keys is None:
             return None
-        return str(frame.get("User-Id"))
+        return str(frame.get("User-Id")), self._engine_keys
 
     def serve(self) -> None:
         """Run until :meth:`stop`."""

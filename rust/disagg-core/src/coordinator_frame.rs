@@ -42,19 +42,31 @@ impl Fields<'_> {
         self.0.get(name).filter(|v| !matches!(v, Value::Nil))
     }
 
+    /// Field `name` read by `pick` (`None`: absent); a value `pick` refuses must be `what`.
+    fn read<T>(
+        &self,
+        name: &str,
+        what: &str,
+        pick: fn(&Value) -> Option<T>,
+    ) -> DisaggResult<Option<T>> {
+        let refused = || unusable(self.0.kind, name, &format!("must be {what}"));
+        self.opt(name).map(|v| pick(v).ok_or_else(refused)).transpose()
+    }
+
+    /// A required field, read as [`Fields::read`] does.
+    fn need<T>(&self, name: &str, what: &str, pick: fn(&Value) -> Option<T>) -> DisaggResult<T> {
+        self.read(name, what, pick)?.ok_or_else(|| unusable(self.0.kind, name, "is missing"))
+    }
+
     fn any(&self, name: &str) -> DisaggResult<Value> {
-        let missing = || unusable(self.0.kind, name, "is missing");
-        self.opt(name).cloned().ok_or_else(missing)
+        self.need(name, "a value", |v| Some(v.clone()))
     }
 
     fn opt_id(&self, name: &str) -> DisaggResult<Option<u64>> {
-        self.opt(name)
-            .map(|v| match v {
-                Value::Int(i) => u64::try_from(*i).ok(),
-                _ => None,
-            })
-            .map(|i| i.ok_or_else(|| unusable(self.0.kind, name, "must be an id")))
-            .transpose()
+        self.read(name, "an id", |v| match v {
+            Value::Int(i) => u64::try_from(*i).ok(),
+            _ => None,
+        })
     }
 
     fn id(&self, name: &str) -> DisaggResult<u64> {
@@ -62,12 +74,10 @@ impl Fields<'_> {
     }
 
     fn opt_text(&self, name: &str) -> DisaggResult<Option<String>> {
-        self.opt(name)
-            .map(|v| match v {
-                Value::Str(s) => Ok(s.clone()),
-                _ => Err(unusable(self.0.kind, name, "must be a string")),
-            })
-            .transpose()
+        self.read(name, "a string", |v| match v {
+            Value::Str(s) => Some(s.clone()),
+            _ => None,
+        })
     }
 
     fn text(&self, name: &str) -> DisaggResult<String> {
@@ -75,23 +85,19 @@ impl Fields<'_> {
     }
 
     fn opt_flag(&self, name: &str) -> DisaggResult<Option<bool>> {
-        self.opt(name)
-            .map(|v| match v {
-                Value::Bool(b) => Ok(*b),
-                _ => Err(unusable(self.0.kind, name, "must be a bool")),
-            })
-            .transpose()
+        self.read(name, "a bool", |v| match v {
+            Value::Bool(b) => Some(*b),
+            _ => None,
+        })
     }
 
     fn opt_seconds(&self, name: &str) -> DisaggResult<Option<f64>> {
-        self.opt(name)
-            .map(|v| match v {
-                #[allow(clippy::cast_precision_loss)] // checked <= MAX_TIMEOUT_S by the schema
-                Value::Int(i) => Ok(*i as f64),
-                Value::Float(f) => Ok(*f),
-                _ => Err(unusable(self.0.kind, name, "must be a number of seconds")),
-            })
-            .transpose()
+        #[allow(clippy::cast_precision_loss)] // checked <= MAX_TIMEOUT_S by the schema
+        self.read(name, "a number of seconds", |v| match v {
+            Value::Int(i) => Some(*i as f64),
+            Value::Float(f) => Some(*f),
+            _ => None,
+        })
     }
 }
 

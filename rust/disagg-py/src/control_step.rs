@@ -72,10 +72,10 @@ methods {
     }
 
     /// `Coordinator::receive`: a frame off the socket; `(receipt name, outgoing)`.
-    #[pyo3(signature = (identity, frame, now, user_key = None, keys = None))]
-    fn receive(&self, identity: &[u8], frame: &[u8], now: f64, user_key: Option<&str>,
-        keys: Option<BTreeMap<String, String>>) -> PyResult<(&'static str, Outs)> {
-        let auth = user_key.zip(keys.as_ref());
+    #[pyo3(signature = (identity, frame, now, auth = None))]
+    fn receive(&self, identity: &[u8], frame: &[u8], now: f64,
+        auth: Option<(String, BTreeMap<String, String>)>) -> PyResult<(&'static str, Outs)> {
+        let auth = auth.as_ref().map(|(key, keys)| (key.as_str(), keys));
         let (receipt, out) = lock(&self.0)?.receive(identity, frame, now, auth);
         Ok((receipt.name(), Outs(out)))
     }
