@@ -142,7 +142,7 @@ class CoordinatorServer:
             identity = identity_frame.bytes
             # Decoded, authenticated and applied in Rust; refusals answered, never raised.
             now = time.monotonic()
-            receipt, out = self.state.receive(identity, frame.bytes, now, self._auth(frame))
+            receipt, out = self.state.receive(identity, frame.bytes, now, self._auth_of(frame))
             if receipt == "refused":
                 self.malformed += 1
             elif receipt == "unauthenticated":
@@ -150,7 +150,7 @@ class CoordinatorServer:
             self._send(out)
         self._send(self.state.poll(time.monotonic()))
 
-    def _auth(self, frame: zmq.Frame) -> tuple[str, dict[str, str]] | None:
+    def _auth_of(self, frame: zmq.Frame) -> tuple[str, dict[str, str]] | None:
         """The CURVE key ``frame`` came with and the keys bound to engine ids (``None``
         without CURVE)."""
         if self._engine_keys is None:
