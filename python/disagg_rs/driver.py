@@ -322,12 +322,10 @@ class LoopbackCoordinator:
         if len(frame) > MAX_FRAME_BYTES:
             self.malformed += 1
             return
-        msg, refused = self.state.decode_frame(identity, frame)
-        if msg is None:
+        receipt, out = self.state.receive(identity, frame, self.clock())
+        if receipt == "refused":
             self.malformed += 1
-            self._route(refused)
-            return
-        self._route(self.state.handle(identity, msg, self.clock()))
+        self._route(out)
 
     def pump(self) -> None:
         """Run the coordinator's deadlines and liveness at the clock's time."""

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from disagg_rs._core import CoordinatorCore
-from disagg_rs.control.messages import Msg, check_fields, check_timeout, decode_message
+from disagg_rs.control.messages import Msg, check_timeout, decode_message, message_frame
 from disagg_rs.exceptions import MetadataError
-
-logger = logging.getLogger("disagg_rs.control")
 
 
 @dataclass(frozen=True)
@@ -60,7 +57,7 @@ class CoordinatorState:
 
     ``handle(identity, msg, now)`` and ``poll(now)`` return the :class:`Outgoing` messages to
     send. Time is the caller's ``now`` (seconds, any monotonic origin). The routing and the
-    bookkeeping are decided in Rust (``CoordinatorCore``); this class checks and converts.
+    bookkeeping are decided in Rust (``CoordinatorCore``); this class converts.
 
     Liveness (on by default in :class:`~disagg_rs.control.CoordinatorServer`): with
     ``engine_timeout_s``, an engine heard from (any message; idle engines send HEARTBEAT) less
@@ -150,19 +147,30 @@ class CoordinatorState:
     # -- events --------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: dict[str, Any], now: float) -> list[Outgoing]:
         """Apply one incoming message from ``identity``. Never raises on input: a message that
-        fails :func:`check_fields` (or, defensively, any error while applying it) is counted in
+        fails :func:`check_fields` (or whose fields the coordinator cannot use) is counted in
         ``malformed`` by type and changes nothing; a malformed SUBMIT with a usable request id
         gets FAILED naming the bad field."""
         try:
-            check_fields(msg)
+            frame = message_frame(msg)
         except Exception as e:  # any input problem: MetadataError, or a dict that is no message
             return _outgoing(self._core.refused(identity, msg, str(e)))
-        try:
-            return _outgoing(self._core.handle(identity, msg, now))
-        except Exception:  # a bug, not input: count it, keep serving
-            logger.exception("coordinator failed to apply a %s message", msg["type"].value)
-            self._core.count_malformed(msg["type"].value)
-            return []
+        return _outgoing(self._core.handle(identity, frame, now))
+
+    def receive(
+        self,
+        identity: bytes,
+        frame: bytes,
+        now: float,
+        auth: tuple[str, dict[str, str]] | None = None,
+    ) -> tuple[str, list[Outgoing]]:
+        """Apply one frame from ``identity`` as it came off the socket, decoded, checked and
+        applied in Rust: ``("refused", answer)`` for a frame refused at decode (see
+        :meth:`refused`); with ``auth`` (the sender's CURVE key, and the keys bound to engine
+        ids) ``("unauthenticated", [])`` for one that does not come with the key bound to the
+        engine id it speaks for (see :meth:`authentic`); else ``("applied", outgoing)`` as
+        :meth:`handle` answers."""
+        receipt, out = self._core.receive(identity, frame, now, auth)
+        return receipt, _outgoing(out)
 
     def refused(self, identity: bytes, data: bytes, error: MetadataError) -> list[Outgoing]:
         """A frame refused at decode (``error``): a SUBMIT whose request id can be read gets
@@ -190,7 +198,8 @@ class CoordinatorState:
         """Whether ``msg`` comes with the key ``keys`` binds to the engine id it speaks for
         (REGISTER and HEARTBEAT: the id they name; otherwise the engine registered from
         ``identity``); a peer that speaks for no engine may only SUBMIT (a client)."""
-        return bool(self._core.authentic(identity, msg, user_key, keys))
+        claimed = msg.get("engine_id")
+        return self._core.authentic(identity, msg.get("type", ""), claimed, user_key, keys)
 
     def fence(self, engine_id: str, why: str) -> list[Outgoing]:
         """Declare ``engine_id`` lost (``why``: silent, or not reading its messages): the

@@ -84,20 +84,26 @@ def decode_message(data: bytes) -> dict[str, Any]:
     return msg
 
 
-def check_fields(msg: dict[str, Any]) -> None:
-    """Check a message the coordinator accepts against its type's schema (the same check
-    :func:`decode_message` makes; its ``type`` must be a :class:`Msg`); raises
-    :class:`MetadataError` naming the first bad field."""
+def message_frame(msg: dict[str, Any]) -> bytes:
+    """The frame of a message the coordinator accepts, given as a dict (its ``type`` must be a
+    :class:`Msg`; its ``v`` is replaced by this version's); raises :class:`MetadataError` when
+    it has no such type or cannot be encoded."""
     fields = dict(msg)
     kind = fields.pop("type", None)
     fields.pop("v", None)
     if not isinstance(kind, Msg):
         raise MetadataError(f"message type {kind!r:.40} is not a Msg", "type")
     try:
-        frame = encode_message(kind, **fields)
+        return encode_message(kind, **fields)
     except (TypeError, ValueError, OverflowError) as e:  # unpackable fields
         raise MetadataError(f"message cannot be encoded: {e}", "<frame>") from None
-    decode_control_message(frame, True)
+
+
+def check_fields(msg: dict[str, Any]) -> None:
+    """Check a message the coordinator accepts against its type's schema (the same check
+    :func:`decode_message` makes; its ``type`` must be a :class:`Msg`); raises
+    :class:`MetadataError` naming the first bad field."""
+    decode_control_message(message_frame(msg), True)
 
 
 def submit_frame(

@@ -7,7 +7,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -141,23 +140,22 @@ class CoordinatorServer:
                 self.malformed += 1
                 continue
             identity = identity_frame.bytes
-            msg, refused = self.state.decode_frame(identity, frame.bytes)
-            if msg is None:
+            # Decoded, authenticated and applied in Rust; refusals answered, never raised.
+            now = time.monotonic()
+            receipt, out = self.state.receive(identity, frame.bytes, now, self._auth_of(frame))
+            if receipt == "refused":
                 self.malformed += 1
-                self._send(refused)
-                continue
-            if not self._authentic(identity, frame, msg):
+            elif receipt == "unauthenticated":
                 self.unauthenticated += 1
-                continue
-            # handle() never raises on input; it counts refused messages itself.
-            self._send(self.state.handle(identity, msg, time.monotonic()))
+            self._send(out)
         self._send(self.state.poll(time.monotonic()))
 
-    def _authentic(self, identity: bytes, frame: zmq.Frame, msg: dict[str, Any]) -> bool:
-        """Whether ``msg`` comes from the key its engine id is bound to (clients: SUBMIT only)."""
+    def _auth_of(self, frame: zmq.Frame) -> tuple[str, dict[str, str]] | None:
+        """The CURVE key ``frame`` came with and the keys bound to engine ids (``None``
+        without CURVE)."""
         if self._engine_keys is None:
-            return True
-        return self.state.authentic(identity, msg, str(frame.get("User-Id")), self._engine_keys)
+            return None
+        return str(frame.get("User-Id")), self._engine_keys
 
     def serve(self) -> None:
         """Run until :meth:`stop`."""

@@ -18,7 +18,6 @@ use crate::args::Given;
 use crate::driver::{recv_posted_route, RecvPosted};
 use crate::error::{DisaggError, DisaggResult};
 use crate::wire::control::{Kind, MAX_ID, MAX_TIMEOUT_S};
-use crate::wire::msgpack::{self, Value};
 
 /// A field of an outgoing message.
 #[derive(Debug, Clone, PartialEq)]
@@ -417,20 +416,7 @@ impl<P: Clone> Coordinator<P> {
     /// [`Coordinator::refused`] for a frame refused at decode: its `type` and `request_id` are
     /// read if the frame is a msgpack map that has them.
     pub fn refused_frame(&self, identity: &[u8], data: &[u8], error: &str) -> Vec<Outgoing<P>> {
-        let Ok(Value::Map(pairs)) = msgpack::decode(data) else {
-            return Vec::new();
-        };
-        let get = |name: &str| {
-            pairs.iter().rev().find(|(k, _)| matches!(k, Value::Str(s) if s == name)).map(|p| &p.1)
-        };
-        let kind = match get("type") {
-            Some(Value::Str(s)) => Kind::from_name(s),
-            _ => None,
-        };
-        let rid = match get("request_id") {
-            Some(Value::Int(i)) => Some(i128::from(*i)),
-            _ => None,
-        };
+        let (kind, rid) = frame::frame_head(data);
         self.refused(identity, kind, rid, error)
     }
 
@@ -911,6 +897,10 @@ impl<T: Clone> FaultPlan<T> {
         kept
     }
 }
+
+#[path = "coordinator_frame.rs"]
+mod frame;
+pub use frame::Receipt;
 
 #[cfg(test)]
 #[path = "coordinator_tests.rs"]

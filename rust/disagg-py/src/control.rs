@@ -9,13 +9,13 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3::IntoPyObjectExt;
 
-use crate::args::{Int, Real};
+use crate::args::{convs, Int, Raw, Real};
 use crate::error::IntoPyResult;
 use crate::pool::{core_methods, lock, lock_with};
 
 pyo3::import_exception!(disagg_rs.exceptions, TransferTimeout);
 
-fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
+pub fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
     Ok(match v {
         Value::Nil => py.None(),
         Value::Bool(b) => b.into_py_any(py)?,
@@ -64,35 +64,34 @@ pub fn decode_control_message<'py>(
     message(py, &msg, msg.kind.name().into_pyobject(py)?.into_any())
 }
 
+convs! {
+    /// A request's timeout in seconds (`None`: the default; else `ArgumentError`).
+    Timeout: Option<Real> => Option<f64> =
+        |f, v| v.map(|t| coordinator::timeout_seconds(f, &t.0)).transpose().py();
+}
+
 /// A client's request deadlines (`disagg_core::link::ClientDeadlines`), in seconds.
-#[pyclass(module = "disagg_rs._core")]
-pub struct ClientDeadlines(link::ClientDeadlines);
+#[pyclass(module = "disagg_rs._core", frozen)]
+pub struct ClientDeadlines(Mutex<link::ClientDeadlines>);
 
-#[pymethods]
-impl ClientDeadlines {
+core_methods!(ClientDeadlines, lock_with, 0,
+ctors {
     #[new]
-    fn new(default_timeout_s: f64, grace_s: f64) -> Self {
-        Self(link::ClientDeadlines::new(default_timeout_s, grace_s))
-    }
-
-    /// `request_id` submitted at `now` (`timeout_s` `None`: the default; else `ArgumentError`).
+    fn new(default_timeout_s: Raw<f64>, grace_s: Raw<f64>)
+        = link::ClientDeadlines::new(default_timeout_s, grace_s).into();
+}
+calls {
+    /// `request_id` submitted at `now` (`timeout_s` `None`: the default).
     #[pyo3(signature = (request_id, timeout_s, now))]
-    fn submit(&mut self, request_id: i64, timeout_s: Option<Real>, now: f64) -> PyResult<()> {
-        let t = timeout_s.map(|t| coordinator::timeout_seconds("timeout_s", &t.0)).transpose();
-        self.0.submit(request_id, t.py()?, now);
-        Ok(())
-    }
-
+    fn submit(request_id: Raw<i64>, timeout_s: Timeout, now: Raw<f64>) -> ()
+        = submit(request_id, timeout_s, now);
     /// A message named `kind` about `request_id` arrived (`DONE` and `FAILED` end it).
     #[pyo3(signature = (kind, request_id))]
-    fn answered(&mut self, kind: &str, request_id: Option<i64>) {
-        self.0.answered(kind, request_id);
-    }
-
-    fn expired(&mut self, now: f64) -> Vec<i64> {
-        self.0.expired(now)
-    }
+    fn answered(kind: Raw<String>, request_id: Raw<Option<i64>>) -> ()
+        = answered(&kind, request_id);
+    fn expired(now: Raw<f64>) -> Vec<i64> = expired(now);
 }
+methods {});
 
 /// An engine's view of its coordinator (`disagg_core::wire::control::LinkLiveness`), in seconds.
 #[pyclass(module = "disagg_rs._core", frozen)]

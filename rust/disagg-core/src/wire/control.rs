@@ -552,7 +552,7 @@ fn given_id(v: Option<&Int>) -> Option<i64> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::args::Given;
 
@@ -628,7 +628,7 @@ mod tests {
     }
 
     /// A current-version frame of type `kind` with `fields`.
-    fn msg(kind: &str, fields: &[(&str, Value)]) -> Vec<u8> {
+    pub(crate) fn msg(kind: &str, fields: &[(&str, Value)]) -> Vec<u8> {
         let head = [("type", s(kind)), ("v", Value::Int(PROTOCOL_VERSION))];
         enc(&[&head[..], fields].concat())
     }
