@@ -997,16 +997,21 @@ class ReferenceImports:
     num_importing: Final[int]
     num_quarantined: Final[int]
 
-def import_submission(
+def ticket_import(
     request_id: int,
     prompt: Sequence[int],
     sampling_params: Any,
-    eos_token: int | None,
-    resume_tokens: list[int],
-    integrity: Any,
+    ticket: Any,
     *,
+    eos_token: int | None,
+    sources: list[str],
+    has_ssm: bool,
+    integrity: bool,
     two_sided: bool,
-) -> tuple[int, bool, dict[str, Any]]: ...
+    now: int,
+    timeout: int,
+    wall_now: int | None,
+) -> tuple[int, list[int], dict[str, Any]]: ...
 def import_failure(
     request_id: int, reason: str, mismatch: Any, rank_error: str | None
 ) -> tuple[str, str, bool, str]: ...

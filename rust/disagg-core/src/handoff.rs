@@ -10,9 +10,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{DisaggError, DisaggResult};
-use crate::ledger::admission::resume_finishes;
+use crate::integrity;
+use crate::ledger::admission::{import_deadline, resume_finishes, source_lease_end};
 use crate::ledger::{HandleState, ImportLedger, LedgerAction, RankOutcome, StartImport};
 use crate::tags;
+use crate::wire::ticket::{DecodeNeeds, HandoffTicket};
+use crate::wire::value::{Obj, WireValue};
 
 /// A request's sampling parameters, as given: the reference design's `SamplingParams` (or any
 /// object with its attributes), or a bare number of tokens to generate (then only
@@ -163,6 +166,72 @@ pub fn import_submission(
     }
     let reuse = prompt_reuse(integrity.is_some(), integrity.flatten());
     Ok(ImportSubmission { limits, reuse })
+}
+
+/// This decode rank's side of a ticket's import: what it needs of the ticket, how it reads
+/// the request, and its clocks.
+#[derive(Debug, Clone, Default)]
+pub struct DecodeSide {
+    /// What this rank reads of the ticket (its request id, sources, SSM state, digest).
+    pub needs: DecodeNeeds,
+    /// The engine's end-of-sequence token.
+    pub eos: Option<i64>,
+    /// Whether the KV transport is two-sided (its ids must be taggable).
+    pub two_sided: bool,
+    /// The import deadline's clock now, in ns.
+    pub now: u64,
+    /// How long an import may take, in ns.
+    pub timeout: u64,
+    /// This side's wall clock, when it reads one (the source's lease end is read then).
+    pub wall_now: Option<i64>,
+}
+
+/// What a decode decides of a ticket before it submits the import to its ledger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TicketImport {
+    /// The request's limits and how its prompt may reuse the prefix cache.
+    pub submission: ImportSubmission,
+    /// The tokens the prefill already generated.
+    pub resume: Vec<i64>,
+    /// Tokens per prefill block, when the ticket states it.
+    pub src_block_size_tokens: Option<u32>,
+    /// The import's deadline (see [`import_deadline`]).
+    pub deadline: u64,
+    /// `(lease_until_wall, now_wall)` of the source's lease (see [`source_lease_end`]).
+    pub source_lease: Option<(u64, u64)>,
+}
+
+/// A decode's reading of `ticket` for an import with sampling parameters `given`: the ticket
+/// parsed and checked against what this rank needs ([`HandoffTicket::check_for_decode`]),
+/// the digest's chunking read when it verifies, then the [`import_submission`], the
+/// [`import_deadline`] by the ticket's lease and the source's lease end, in that order.
+pub fn ticket_import(
+    ticket: &WireValue,
+    given: &SamplingGiven,
+    side: &DecodeSide,
+) -> DisaggResult<TicketImport> {
+    let rid = side.needs.request_id;
+    let t = HandoffTicket::parse(ticket)?;
+    t.check_for_decode(&side.needs)?;
+    let chunks = if side.needs.integrity {
+        let table = Obj::of(ticket, "")?.get("integrity").unwrap_or(&WireValue::Null);
+        Some(integrity::check_wire(table, None)?)
+    } else {
+        None
+    };
+    let (id, repr) = (i64::try_from(rid).ok(), || rid.to_string());
+    let submission =
+        import_submission(given, side.eos, &t.resume_tokens, id, repr, side.two_sided, chunks)?;
+    let deadline = import_deadline(rid, side.now, side.timeout, t.lease_ns.map(i128::from))?;
+    let wall = side.wall_now.map(i128::from);
+    let source_lease = source_lease_end(rid, t.lease_until_wall_ns.map(i128::from), wall)?;
+    Ok(TicketImport {
+        submission,
+        resume: t.resume_tokens,
+        src_block_size_tokens: t.src_block_size_tokens,
+        deadline,
+        source_lease,
+    })
 }
 
 /// What a pull of one state kind passes its transport besides the blocks.
@@ -968,6 +1037,67 @@ mod tests {
         let no_limit = SamplingGiven::default();
         let e = import_submission(&no_limit, None, &[], None, || "R".into(), true, None);
         assert!(matches!(e, Err(DisaggError::Wire { .. })), "the limits are checked first");
+    }
+
+    /// A ticket of one KV prefill rank handing off `[7]`, with `extra` entries.
+    fn wire_ticket(extra: Vec<(&str, WireValue)>) -> WireValue {
+        let list = |v: Vec<WireValue>| WireValue::List(v);
+        let map = |e: Vec<(&str, WireValue)>| {
+            WireValue::Map(e.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
+        };
+        let rank = map(vec![("kv", map(vec![]))]);
+        let mut e = vec![
+            ("src_block_ids", list(vec![WireValue::Int(0)])),
+            ("resume_tokens", list(vec![WireValue::Int(7)])),
+            ("prefill_meta", map(vec![("ranks", list(vec![rank]))])),
+        ];
+        e.extend(extra);
+        map(e)
+    }
+
+    #[test]
+    fn a_ticket_import_checks_the_ticket_then_composes_submission_deadline_and_lease() {
+        let needs = DecodeNeeds { request_id: 3, sources: vec!["kv".into()], ..Default::default() };
+        let side = DecodeSide { needs, now: 100, timeout: 1_000, ..DecodeSide::default() };
+        let given = params(Some(4), None, None);
+        let plain = ticket_import(&wire_ticket(vec![]), &given, &side).unwrap();
+        let submission = import_submission(&given, None, &[7], Some(3), String::new, false, None);
+        assert_eq!(plain.submission, submission.unwrap());
+        assert_eq!((plain.resume, plain.deadline, plain.source_lease), (vec![7], 1_100, None));
+        // The ticket's lease caps the deadline; its wall-clock end is read with this side's.
+        let leased = wire_ticket(vec![
+            ("lease_ns", WireValue::Int(200)),
+            ("lease_until_wall_ns", WireValue::Int(900)),
+            ("src_block_size_tokens", WireValue::Int(16)),
+        ]);
+        let wall = DecodeSide { wall_now: Some(50), ..side.clone() };
+        let t = ticket_import(&leased, &given, &wall).unwrap();
+        assert_eq!(t.deadline, import_deadline(3, 100, 1_000, Some(200)).unwrap());
+        assert_eq!((t.source_lease, t.src_block_size_tokens), (Some((900, 50)), Some(16)));
+        assert_eq!(ticket_import(&leased, &given, &side).unwrap().source_lease, None);
+        // A verifying decode reuses whole digest chunks only.
+        let chunked = WireValue::Map(vec![("chunk_tokens".into(), WireValue::Int(8))]);
+        let verifying = DecodeSide {
+            needs: DecodeNeeds { integrity: true, ..side.needs.clone() },
+            ..side.clone()
+        };
+        let t = ticket_import(&wire_ticket(vec![("integrity", chunked)]), &given, &verifying);
+        assert_eq!(t.unwrap().submission.reuse, PromptReuse::Chunks(8));
+        // The ticket first (no digest to verify), then the sampling parameters.
+        let e = ticket_import(&wire_ticket(vec![]), &SamplingGiven::default(), &verifying);
+        assert!(matches!(e, Err(DisaggError::HandoffMetadata { .. })), "{e:?}");
+        let e = ticket_import(&wire_ticket(vec![]), &SamplingGiven::default(), &side);
+        assert!(
+            matches!(e, Err(DisaggError::Wire { ref field, .. }) if field == "sampling_params")
+        );
+        let untaggable = DecodeSide {
+            needs: DecodeNeeds { request_id: u64::MAX, ..side.needs.clone() },
+            two_sided: true,
+            ..side.clone()
+        };
+        let e = ticket_import(&wire_ticket(vec![]), &given, &untaggable).unwrap_err();
+        let rid = u64::MAX.to_string();
+        assert_eq!(e, tags::two_sided_tag_named(None, || rid, "kv").unwrap_err());
     }
 
     /// Ranks' metadata: per rank, `(kind, meta)` pairs; a `None` meta is stated as absent.

@@ -4,17 +4,19 @@
 use std::collections::BTreeMap;
 
 use disagg_core::handoff::SamplingGiven;
-use disagg_core::handoff::{self, Polled, Posting, PromptReuse, RankKey, RankReport};
+use disagg_core::handoff::{self, DecodeSide, Polled, Posting, PromptReuse, RankKey, RankReport};
 use disagg_core::ledger::HandleState;
+use disagg_core::wire::ticket::DecodeNeeds;
 use disagg_core::RankOutcome;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyBool, PyDict, PyInt};
 
-use crate::args::Raw;
+use crate::args::{conv, Int, Raw, U64};
 use crate::error::{IntoPyResult, ResetRefusedError};
 use crate::ledger::{actions, PyImportLedger, PyLedgerAction};
 use crate::pool::{core_fns, lock, lock_with};
+use crate::wire::HandoffWire;
 
 /// `obj.name`, or None when `obj` has no such attribute or it is None.
 fn attr<'py, T: FromPyObjectOwned<'py>>(
@@ -40,33 +42,32 @@ fn sampling_given(sp: &Bound<'_, PyAny>) -> PyResult<SamplingGiven> {
     })
 }
 
-/// A ticket's digest table, read for its chunking.
-#[derive(FromPyObject)]
-pub struct ChunkedArg {
-    chunk_tokens: Option<u32>,
-}
-
-/// ``handoff::import_submission``: ``(max_new_tokens, finished, prompt_kwargs)`` (of ``submit``).
+/// ``handoff::ticket_import``: ``(max_new_tokens, resume_tokens, kwargs)``, the keyword
+/// arguments of ``ImportLedger.submit`` besides ``src_block_ids``.
 #[pyfunction]
-#[pyo3(signature = (request_id, prompt, sampling_params, eos_token, resume_tokens, integrity,
-    *, two_sided))]
-pub fn import_submission<'py>(
-    request_id: &Bound<'py, PyAny>,
+#[pyo3(signature = (request_id, prompt, sampling_params, ticket, *, eos_token, sources, has_ssm,
+    integrity, two_sided, now, timeout, wall_now))]
+#[allow(clippy::too_many_arguments)]
+pub fn ticket_import<'py>(
+    request_id: Int,
     prompt: &Bound<'py, PyAny>,
     sampling_params: &Bound<'py, PyAny>,
+    ticket: Py<PyAny>,
     eos_token: Option<i64>,
-    resume_tokens: Vec<i64>,
-    integrity: Option<ChunkedArg>,
+    sources: Vec<String>,
+    has_ssm: bool,
+    integrity: bool,
     two_sided: bool,
-) -> PyResult<(i64, bool, Bound<'py, PyDict>)> {
-    let given = sampling_given(sampling_params)?;
-    let repr = || request_id.repr().map_or_else(|_| String::new(), |r| r.to_string());
-    let (rid, chunks) = (request_id.extract().ok(), integrity.map(|t| t.chunk_tokens));
-    let s =
-        handoff::import_submission(&given, eos_token, &resume_tokens, rid, repr, two_sided, chunks);
-    let s = s.py()?;
+    now: u64,
+    timeout: u64,
+    wall_now: Option<i64>,
+) -> PyResult<(i64, Vec<i64>, Bound<'py, PyDict>)> {
+    conv!(ticket: HandoffWire, request_id: U64);
+    let needs = DecodeNeeds { request_id, sources, has_ssm, integrity };
+    let side = DecodeSide { needs, eos: eos_token, two_sided, now, timeout, wall_now };
+    let t = handoff::ticket_import(&ticket, &sampling_given(sampling_params)?, &side).py()?;
     let args = PyDict::new(prompt.py());
-    match s.reuse {
+    match t.submission.reuse {
         PromptReuse::Any => args.set_item("prompt_tokens", prompt)?,
         PromptReuse::Chunks(c) => {
             args.set_item("prompt_tokens", prompt)?;
@@ -77,7 +78,21 @@ pub fn import_submission<'py>(
             args.set_item("prompt_hashes", Vec::<u64>::new())?;
         }
     }
-    Ok((s.limits.max_new_tokens, s.limits.finished, args))
+    let (lease_until_wall, now_wall) = t.source_lease.unzip();
+    let limits = t.submission.limits;
+    for (key, v) in [
+        ("src_block_size_tokens", t.src_block_size_tokens.map(u64::from)),
+        ("resume_tokens", Some(t.resume.len() as u64)),
+        ("deadline", Some(t.deadline)),
+        ("lease_until_wall", lease_until_wall),
+        ("now_wall", now_wall),
+        ("now", Some(now)),
+    ] {
+        args.set_item(key, v)?;
+    }
+    args.set_item("has_ssm", has_ssm)?;
+    args.set_item("finished", limits.finished)?;
+    Ok((limits.max_new_tokens, t.resume, args))
 }
 
 /// ``handoff::import_failure``: ``(reason, detail, integrity, message)`` (``mismatch``: an
