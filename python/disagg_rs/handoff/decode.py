@@ -13,7 +13,7 @@ from disagg_rs._core import (
     LedgerAction,
     fold_import_reports,
     import_failure,
-    import_local_outcome,
+    import_local_outcomes,
     import_pulls,
     refuse_reset_while_pinned,
     settle_quiet_quarantines,
@@ -273,8 +273,13 @@ class DecodeHandoff(HandoffBase):
     def _local_outcome_detail(pending: RankImport) -> tuple[str | None, str]:
         """``_local_outcome`` and, for a failure, the first error this rank saw (the outcome
         is folded in Rust, as :meth:`disagg_rs.CompletionQuorum.local_outcome` folds it)."""
-        polled = [DecodeHandoff._poll(h) for h in pending.handles]
-        return import_local_outcome(pending.failed_locally, polled)
+        return DecodeHandoff._local_outcomes([pending])[0]
+
+    @staticmethod
+    def _local_outcomes(pending: Sequence[RankImport]) -> list[tuple[str | None, str]]:
+        """``_local_outcome_detail`` of each import, folded in one call."""
+        polled = [(p.failed_locally, [DecodeHandoff._poll(h) for h in p.handles]) for p in pending]
+        return import_local_outcomes(polled)
 
     def _report_completed_kv_imports(self) -> None:
         """Report locally terminal imports: a ledger-driven engine shares each rank's outcome
@@ -287,8 +292,8 @@ class DecodeHandoff(HandoffBase):
             # Mirrored on every rank (same ledger actions), so all ranks skip the collective.
             return
         unreported = [p for p in self._pending_imports.values() if not p.reported]
-        polled = [(p, *self._local_outcome_detail(p)) for p in unreported]
-        local = [self._local_report(p, o, d) for p, o, d in polled if o is not None]
+        polled = zip(unreported, self._local_outcomes(unreported), strict=True)
+        local = [self._local_report(p, o, d) for p, (o, d) in polled if o is not None]
         # Every rank's reports, in rank order, folded into the ledger (same on every rank):
         # each failing import keeps the first mismatch and the first rank error reported.
         gathered = self._host().handoff_all_gather(local)

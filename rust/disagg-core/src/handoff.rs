@@ -12,7 +12,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::error::{DisaggError, DisaggResult};
 use crate::integrity;
 use crate::ledger::admission::{import_deadline, resume_finishes, source_lease_end};
-use crate::ledger::{HandleState, ImportLedger, LedgerAction, RankOutcome, StartImport};
+use crate::ledger::{
+    HandleState, ImportLedger, LedgerAction, PinLedger, PushDestination, RankOutcome, StartImport,
+};
 use crate::tags;
 use crate::wire::ticket::{DecodeNeeds, HandoffTicket};
 use crate::wire::value::{Obj, WireValue};
@@ -462,6 +464,32 @@ pub fn push_postings<M: Clone>(
         Ok(Posting { src_metas: Some(src_metas), ..posting })
     };
     sends.into_iter().map(post).collect()
+}
+
+/// `request_id`'s push (or, `filler`, its filler, which changes nothing) to the decode ranks
+/// whose metadata `decode` states `destinations`, as the pin ledger plans it
+/// ([`PinLedger::start_push`], [`PinLedger::filler_push`]): an id a two-sided transport
+/// cannot tag is refused first, nothing changed. Returns the pin's epoch, the KV tokens sent
+/// and the [`push_postings`] of a rank moving state `kinds` with its `own` ranks' metadata.
+#[allow(clippy::type_complexity)]
+pub fn plan_push<M: Clone>(
+    pins: &mut PinLedger,
+    request_id: u64,
+    destinations: &[Option<PushDestination>],
+    decode: &RankMetas<M>,
+    own: &RankMetas<M>,
+    kinds: &[String],
+    filler: bool,
+) -> DisaggResult<(u64, u32, Vec<Posting<M, ()>>)> {
+    tag_of(request_id, "kv")?;
+    let plan = if filler {
+        pins.filler_push(request_id, destinations)?
+    } else {
+        pins.start_push(request_id, destinations)?
+    };
+    let (src, dst) = plan.ssm_slots.unzip();
+    let p = (plan.src_block_ids, plan.dst_block_ids, plan.num_tokens, src, dst);
+    Ok((plan.epoch, plan.num_tokens, push_postings(kinds, request_id, &p, decode, own)?))
 }
 
 impl<M, S> Posting<M, S> {
@@ -1098,6 +1126,33 @@ mod tests {
         let e = ticket_import(&wire_ticket(vec![]), &given, &untaggable).unwrap_err();
         let rid = u64::MAX.to_string();
         assert_eq!(e, tags::two_sided_tag_named(None, || rid, "kv").unwrap_err());
+    }
+
+    #[test]
+    fn a_push_is_tagged_then_planned_by_the_pins_and_posted_to_each_kinds_ranks() {
+        let mut pins = PinLedger::new(8, 4, 2).unwrap();
+        let blocks = pins.pool_mut().allocate(2).unwrap();
+        let epoch = pins.pin(5, &blocks, None, 1_000, 0).unwrap();
+        let dest = PushDestination {
+            dst_block_ids: Some(vec![6, 7]),
+            num_tokens: Some(8),
+            ..PushDestination::default()
+        };
+        let (decode, own) = (ranks(&[&[("kv", Some(10))]]), ranks(&[&[("kv", Some(20))]]));
+        let kinds = vec!["kv".to_string()];
+        let plan = |pins: &mut PinLedger, rid, filler| {
+            plan_push(pins, rid, &[None, Some(dest.clone())], &decode, &own, &kinds, filler)
+        };
+        let (_, n, posts) = plan(&mut pins, 5, true).unwrap();
+        assert_eq!(n, 8);
+        let (e, n, pushed) = plan(&mut pins, 5, false).unwrap();
+        assert_eq!((e, n, &pushed), (epoch, 8, &posts), "a filler sends what the push sends");
+        let p = (blocks, vec![6, 7], 8, None, None);
+        assert_eq!(pushed, push_postings(&kinds, 5, &p, &decode, &own).unwrap());
+        assert!(plan(&mut pins, 5, false).is_err(), "the push is in flight: a second refused");
+        // An untaggable id is refused before the ledger is asked (it has no pin either).
+        let untaggable = plan(&mut pins, u64::MAX, false).unwrap_err();
+        assert_eq!(untaggable, tag_of(u64::MAX, "kv").unwrap_err());
     }
 
     /// Ranks' metadata: per rank, `(kind, meta)` pairs; a `None` meta is stated as absent.

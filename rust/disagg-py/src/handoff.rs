@@ -14,7 +14,7 @@ use pyo3::types::{IntoPyDict, PyBool, PyDict, PyInt};
 
 use crate::args::{conv, Int, Raw, U64};
 use crate::error::{IntoPyResult, ResetRefusedError};
-use crate::ledger::{actions, PyImportLedger, PyLedgerAction};
+use crate::ledger::{actions, Destinations, PyImportLedger, PyLedgerAction, PyPinLedger};
 use crate::pool::{core_fns, lock, lock_with};
 use crate::wire::HandoffWire;
 
@@ -191,20 +191,25 @@ pub fn import_pulls<'py>(
     posts.py()?.into_iter().map(|p| post(py, p, None)).collect()
 }
 
-/// ``handoff::push_postings``.
+/// ``handoff::plan_push`` by ``pins``: ``(epoch, num_tokens, sends)``.
 #[pyfunction]
-#[pyo3(signature = (request_id, plan, decode_metas, own, kinds, *, filler))]
+#[pyo3(signature = (pins, request_id, decode_metas, own, kinds, *, filler))]
 pub fn push_sends<'py>(
     py: Python<'py>,
-    request_id: u64,
-    plan: (Vec<u32>, Vec<u32>, u32, Option<u32>, Option<u32>),
-    decode_metas: Ranks<'py>,
+    pins: &Bound<'py, PyPinLedger>,
+    request_id: Int,
+    decode_metas: Vec<Py<PyAny>>,
     own: Ranks<'py>,
     kinds: Vec<String>,
     filler: bool,
-) -> PyResult<Vec<Post<'py>>> {
-    let posts = handoff::push_postings(&kinds, request_id, &plan, &decode_metas, &own).py()?;
-    posts.into_iter().map(|p| post(py, p, Some(filler))).collect()
+) -> PyResult<(u64, u32, Vec<Post<'py>>)> {
+    let decode = decode_metas.iter().map(|m| m.bind(py).extract()).collect::<PyResult<Ranks>>()?;
+    conv!(request_id: U64, decode_metas: Destinations);
+    let mut l = lock(&pins.get().inner)?;
+    let plan = handoff::plan_push(&mut l, request_id, &decode_metas, &decode, &own, &kinds, filler);
+    let (epoch, num_tokens, posts) = plan.py()?;
+    let posts = posts.into_iter().map(|p| post(py, p, Some(filler))).collect::<PyResult<_>>()?;
+    Ok((epoch, num_tokens, posts))
 }
 
 /// ``handoff::peer_registrations`` of the control plane's ``{engine_id: {"meta": ...}}``.
@@ -238,15 +243,17 @@ fn handle_state(polled: &Bound<'_, PyAny>) -> PyResult<(HandleState, String)> {
         .state())
 }
 
-/// ``handoff::local_outcome`` of one poll of each handle: ``(outcome, first_error)``.
+/// ``handoff::local_outcome`` of each import's ``(failed_locally, one poll of each handle)``.
 #[pyfunction]
-pub fn import_local_outcome(
-    failed_locally: Option<String>,
-    polled: Vec<Bound<'_, PyAny>>,
-) -> PyResult<(Option<&'static str>, String)> {
-    let polled = polled.iter().map(handle_state).collect::<PyResult<Vec<_>>>()?;
-    let (outcome, first) = handoff::local_outcome(failed_locally.as_deref(), &polled);
-    Ok((outcome.map(RankOutcome::name), first))
+pub fn import_local_outcomes(
+    imports: Vec<(Option<String>, Vec<Bound<'_, PyAny>>)>,
+) -> PyResult<Vec<(Option<&'static str>, String)>> {
+    let outcome = |(failed, polled): (Option<String>, Vec<Bound<'_, PyAny>>)| {
+        let polled = polled.iter().map(handle_state).collect::<PyResult<Vec<_>>>()?;
+        let (outcome, first) = handoff::local_outcome(failed.as_deref(), &polled);
+        Ok((outcome.map(RankOutcome::name), first))
+    };
+    imports.into_iter().map(outcome).collect()
 }
 
 /// One rank's report as gathered: ``(request_id, epoch, outcome, mismatch, error)``.
