@@ -170,70 +170,38 @@ pub fn import_submission(
     Ok(ImportSubmission { limits, reuse })
 }
 
-/// This decode rank's side of a ticket's import: what it needs of the ticket, how it reads
-/// the request, and its clocks.
-#[derive(Debug, Clone, Default)]
-pub struct DecodeSide {
-    /// What this rank reads of the ticket (its request id, sources, SSM state, digest).
-    pub needs: DecodeNeeds,
-    /// The engine's end-of-sequence token.
-    pub eos: Option<i64>,
-    /// Whether the KV transport is two-sided (its ids must be taggable).
-    pub two_sided: bool,
-    /// The import deadline's clock now, in ns.
-    pub now: u64,
-    /// How long an import may take, in ns.
-    pub timeout: u64,
-    /// This side's wall clock, when it reads one (the source's lease end is read then).
-    pub wall_now: Option<i64>,
-}
-
-/// What a decode decides of a ticket before it submits the import to its ledger.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TicketImport {
-    /// The request's limits and how its prompt may reuse the prefix cache.
-    pub submission: ImportSubmission,
-    /// The tokens the prefill already generated.
-    pub resume: Vec<i64>,
-    /// Tokens per prefill block, when the ticket states it.
-    pub src_block_size_tokens: Option<u32>,
-    /// The import's deadline (see [`import_deadline`]).
-    pub deadline: u64,
-    /// `(lease_until_wall, now_wall)` of the source's lease (see [`source_lease_end`]).
-    pub source_lease: Option<(u64, u64)>,
-}
-
-/// A decode's reading of `ticket` for an import with sampling parameters `given`: the ticket
-/// parsed and checked against what this rank needs ([`HandoffTicket::check_for_decode`]),
-/// the digest's chunking read when it verifies, then the [`import_submission`], the
-/// [`import_deadline`] by the ticket's lease and the source's lease end, in that order.
+/// A decode's reading of `ticket` for an import with sampling parameters `given` on a rank
+/// that `needs` it (its end-of-sequence token `eos`, whether its KV transport is
+/// `two_sided`, its `clock`: the deadline's clock now, the import timeout, and its wall
+/// clock when it reads one): the ticket parsed and checked against the needs
+/// ([`HandoffTicket::check_for_decode`]), the digest's chunking read when it verifies, then
+/// the [`import_submission`], the [`import_deadline`] by the ticket's lease and the source's
+/// lease end ([`source_lease_end`]), in that order. Returns the ticket, the submission, the
+/// deadline and the source lease.
+#[allow(clippy::type_complexity)]
 pub fn ticket_import(
     ticket: &WireValue,
     given: &SamplingGiven,
-    side: &DecodeSide,
-) -> DisaggResult<TicketImport> {
-    let rid = side.needs.request_id;
+    needs: &DecodeNeeds,
+    eos: Option<i64>,
+    two_sided: bool,
+    clock: (u64, u64, Option<i64>),
+) -> DisaggResult<(HandoffTicket, ImportSubmission, u64, Option<(u64, u64)>)> {
+    let (rid, (now, timeout, wall_now)) = (needs.request_id, clock);
     let t = HandoffTicket::parse(ticket)?;
-    t.check_for_decode(&side.needs)?;
-    let chunks = if side.needs.integrity {
+    t.check_for_decode(needs)?;
+    let chunks = if needs.integrity {
         let table = Obj::of(ticket, "")?.get("integrity").unwrap_or(&WireValue::Null);
         Some(integrity::check_wire(table, None)?)
     } else {
         None
     };
     let (id, repr) = (i64::try_from(rid).ok(), || rid.to_string());
-    let submission =
-        import_submission(given, side.eos, &t.resume_tokens, id, repr, side.two_sided, chunks)?;
-    let deadline = import_deadline(rid, side.now, side.timeout, t.lease_ns.map(i128::from))?;
-    let wall = side.wall_now.map(i128::from);
-    let source_lease = source_lease_end(rid, t.lease_until_wall_ns.map(i128::from), wall)?;
-    Ok(TicketImport {
-        submission,
-        resume: t.resume_tokens,
-        src_block_size_tokens: t.src_block_size_tokens,
-        deadline,
-        source_lease,
-    })
+    let submission = import_submission(given, eos, &t.resume_tokens, id, repr, two_sided, chunks)?;
+    let deadline = import_deadline(rid, now, timeout, t.lease_ns.map(i128::from))?;
+    let wall = wall_now.map(i128::from);
+    let lease = source_lease_end(rid, t.lease_until_wall_ns.map(i128::from), wall)?;
+    Ok((t, submission, deadline, lease))
 }
 
 /// What a pull of one state kind passes its transport besides the blocks.
@@ -1086,44 +1054,40 @@ mod tests {
     #[test]
     fn a_ticket_import_checks_the_ticket_then_composes_submission_deadline_and_lease() {
         let needs = DecodeNeeds { request_id: 3, sources: vec!["kv".into()], ..Default::default() };
-        let side = DecodeSide { needs, now: 100, timeout: 1_000, ..DecodeSide::default() };
         let given = params(Some(4), None, None);
-        let plain = ticket_import(&wire_ticket(vec![]), &given, &side).unwrap();
-        let submission = import_submission(&given, None, &[7], Some(3), String::new, false, None);
-        assert_eq!(plain.submission, submission.unwrap());
-        assert_eq!((plain.resume, plain.deadline, plain.source_lease), (vec![7], 1_100, None));
+        let read = |t: &WireValue, g: &SamplingGiven, n: &DecodeNeeds, two_sided, wall| {
+            ticket_import(t, g, n, None, two_sided, (100, 1_000, wall))
+        };
+        let (t, submission, deadline, lease) =
+            read(&wire_ticket(vec![]), &given, &needs, false, None).unwrap();
+        let want = import_submission(&given, None, &[7], Some(3), String::new, false, None);
+        assert_eq!(submission, want.unwrap());
+        assert_eq!((t.resume_tokens, deadline, lease), (vec![7], 1_100, None));
         // The ticket's lease caps the deadline; its wall-clock end is read with this side's.
         let leased = wire_ticket(vec![
             ("lease_ns", WireValue::Int(200)),
             ("lease_until_wall_ns", WireValue::Int(900)),
             ("src_block_size_tokens", WireValue::Int(16)),
         ]);
-        let wall = DecodeSide { wall_now: Some(50), ..side.clone() };
-        let t = ticket_import(&leased, &given, &wall).unwrap();
-        assert_eq!(t.deadline, import_deadline(3, 100, 1_000, Some(200)).unwrap());
-        assert_eq!((t.source_lease, t.src_block_size_tokens), (Some((900, 50)), Some(16)));
-        assert_eq!(ticket_import(&leased, &given, &side).unwrap().source_lease, None);
+        let (t, _, deadline, lease) = read(&leased, &given, &needs, false, Some(50)).unwrap();
+        assert_eq!(deadline, import_deadline(3, 100, 1_000, Some(200)).unwrap());
+        assert_eq!((lease, t.src_block_size_tokens), (Some((900, 50)), Some(16)));
+        assert_eq!(read(&leased, &given, &needs, false, None).unwrap().3, None);
         // A verifying decode reuses whole digest chunks only.
         let chunked = WireValue::Map(vec![("chunk_tokens".into(), WireValue::Int(8))]);
-        let verifying = DecodeSide {
-            needs: DecodeNeeds { integrity: true, ..side.needs.clone() },
-            ..side.clone()
-        };
-        let t = ticket_import(&wire_ticket(vec![("integrity", chunked)]), &given, &verifying);
-        assert_eq!(t.unwrap().submission.reuse, PromptReuse::Chunks(8));
+        let verifying = DecodeNeeds { integrity: true, ..needs.clone() };
+        let t = read(&wire_ticket(vec![("integrity", chunked)]), &given, &verifying, false, None);
+        assert_eq!(t.unwrap().1.reuse, PromptReuse::Chunks(8));
         // The ticket first (no digest to verify), then the sampling parameters.
-        let e = ticket_import(&wire_ticket(vec![]), &SamplingGiven::default(), &verifying);
+        let none = SamplingGiven::default();
+        let e = read(&wire_ticket(vec![]), &none, &verifying, false, None);
         assert!(matches!(e, Err(DisaggError::HandoffMetadata { .. })), "{e:?}");
-        let e = ticket_import(&wire_ticket(vec![]), &SamplingGiven::default(), &side);
+        let e = read(&wire_ticket(vec![]), &none, &needs, false, None);
         assert!(
             matches!(e, Err(DisaggError::Wire { ref field, .. }) if field == "sampling_params")
         );
-        let untaggable = DecodeSide {
-            needs: DecodeNeeds { request_id: u64::MAX, ..side.needs.clone() },
-            two_sided: true,
-            ..side.clone()
-        };
-        let e = ticket_import(&wire_ticket(vec![]), &given, &untaggable).unwrap_err();
+        let untaggable = DecodeNeeds { request_id: u64::MAX, ..needs.clone() };
+        let e = read(&wire_ticket(vec![]), &given, &untaggable, true, None).unwrap_err();
         let rid = u64::MAX.to_string();
         assert_eq!(e, tags::two_sided_tag_named(None, || rid, "kv").unwrap_err());
     }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use disagg_core::handoff::SamplingGiven;
-use disagg_core::handoff::{self, DecodeSide, Polled, Posting, PromptReuse, RankKey, RankReport};
+use disagg_core::handoff::{self, Polled, Posting, PromptReuse, RankKey, RankReport};
 use disagg_core::ledger::HandleState;
 use disagg_core::wire::ticket::DecodeNeeds;
 use disagg_core::RankOutcome;
@@ -64,10 +64,12 @@ pub fn ticket_import<'py>(
 ) -> PyResult<(i64, Vec<i64>, Bound<'py, PyDict>)> {
     conv!(ticket: HandoffWire, request_id: U64);
     let needs = DecodeNeeds { request_id, sources, has_ssm, integrity };
-    let side = DecodeSide { needs, eos: eos_token, two_sided, now, timeout, wall_now };
-    let t = handoff::ticket_import(&ticket, &sampling_given(sampling_params)?, &side).py()?;
+    let given = sampling_given(sampling_params)?;
+    let clock = (now, timeout, wall_now);
+    let (t, submission, deadline, lease) =
+        handoff::ticket_import(&ticket, &given, &needs, eos_token, two_sided, clock).py()?;
     let args = PyDict::new(prompt.py());
-    match t.submission.reuse {
+    match submission.reuse {
         PromptReuse::Any => args.set_item("prompt_tokens", prompt)?,
         PromptReuse::Chunks(c) => {
             args.set_item("prompt_tokens", prompt)?;
@@ -78,12 +80,12 @@ pub fn ticket_import<'py>(
             args.set_item("prompt_hashes", Vec::<u64>::new())?;
         }
     }
-    let (lease_until_wall, now_wall) = t.source_lease.unzip();
-    let limits = t.submission.limits;
+    let (lease_until_wall, now_wall) = lease.unzip();
+    let limits = submission.limits;
     for (key, v) in [
         ("src_block_size_tokens", t.src_block_size_tokens.map(u64::from)),
-        ("resume_tokens", Some(t.resume.len() as u64)),
-        ("deadline", Some(t.deadline)),
+        ("resume_tokens", Some(t.resume_tokens.len() as u64)),
+        ("deadline", Some(deadline)),
         ("lease_until_wall", lease_until_wall),
         ("now_wall", now_wall),
         ("now", Some(now)),
@@ -92,7 +94,7 @@ pub fn ticket_import<'py>(
     }
     args.set_item("has_ssm", has_ssm)?;
     args.set_item("finished", limits.finished)?;
-    Ok((limits.max_new_tokens, t.resume, args))
+    Ok((limits.max_new_tokens, t.resume_tokens, args))
 }
 
 /// ``handoff::import_failure``: ``(reason, detail, integrity, message)`` (``mismatch``: an
