@@ -916,6 +916,7 @@ def reference_prefill_metas(
 def reference_push_metas(
     request_id: int, decode_metas: Sequence[Any], slot: int | None = None, block: int = 0
 ) -> dict[str, Any]: ...
+def reference_ticket_blocks(facts: Mapping[str, Any], kv_meta: Any, src_block_ids: Any) -> int: ...
 def check_integrity_wire(
     wire: Any, shapes: Sequence[tuple[str, Sequence[int]]] | None = None
 ) -> int | None: ...
@@ -995,16 +996,21 @@ class ReferenceImports:
     num_importing: Final[int]
     num_quarantined: Final[int]
 
-def import_submission(
+def ticket_import(
     request_id: int,
     prompt: Sequence[int],
     sampling_params: Any,
-    eos_token: int | None,
-    resume_tokens: list[int],
-    integrity: Any,
+    ticket: Any,
     *,
+    eos_token: int | None,
+    sources: list[str],
+    has_ssm: bool,
+    integrity: bool,
     two_sided: bool,
-) -> tuple[int, bool, dict[str, Any]]: ...
+    now: int,
+    timeout: int,
+    wall_now: int | None,
+) -> tuple[int, list[int], dict[str, Any]]: ...
 def import_failure(
     request_id: int, reason: str, mismatch: Any, rank_error: str | None
 ) -> tuple[str, str, bool, str]: ...
@@ -1018,20 +1024,20 @@ def import_pulls(
     kv_backend: Any = None,
 ) -> list[tuple[str, list[Any], list[int], list[int], dict[str, Any]]]: ...
 def push_sends(
+    pins: PinLedger,
     request_id: int,
-    plan: tuple[list[int], list[int], int, int | None, int | None],
     decode_metas: Sequence[Any],
     own: Sequence[Any],
     kinds: list[str],
     *,
     filler: bool,
-) -> list[tuple[str, list[Any], list[int], list[int], dict[str, Any]]]: ...
+) -> tuple[int, int, list[tuple[str, list[Any], list[int], list[int], dict[str, Any]]]]: ...
 def handoff_peer_plan(
     peers: Mapping[str, Any], kinds: list[str]
 ) -> tuple[list[tuple[str, str, list[Any]]], dict[str, str]]: ...
-def import_local_outcome(
-    failed_locally: str | None, polled: Sequence[object]
-) -> tuple[str | None, str]: ...
+def import_local_outcomes(
+    imports: Sequence[tuple[str | None, Sequence[object]]],
+) -> list[tuple[str | None, str]]: ...
 def fold_import_reports(
     ledger: ImportLedger,
     gathered: Sequence[Sequence[tuple[int, int, str, Any, str]]],

@@ -44,8 +44,11 @@ from disagg_rs._core import (
     reference_push_metas,
     reference_record_sink,
     reference_setup,
+    reference_ticket_blocks,
     refuse_reset_while_pinned,
-    transfer_block_count,
+)
+from disagg_rs._core import (
+    transfer_block_count as transfer_block_count,
 )
 from disagg_rs.decode_admission import (
     admit_prefilled_decode,
@@ -476,12 +479,11 @@ class ReferenceDesignCompat(HandoffBase):
         ref = self._ref()
         ctx = ref.context
         bs = int(ctx.block_size_tokens)
-        num_blocks = transfer_block_count(kv_meta, src_block_ids)
-        # The engine's state, then the ticket against this decode, in Rust: prefix caching,
-        # transfer setup, SSM entry, first tokens, log probabilities, source block count
-        # (HandoffStateError / HandoffMetadataError naming the first bad field).
-        check_reference(
-            "ticket",
+        # The ticket's source blocks counted, then the engine's state and the ticket against
+        # this decode, in Rust: prefix caching, transfer setup, SSM entry, first tokens, log
+        # probabilities, source block count (HandoffStateError / HandoffMetadataError naming
+        # the first bad field).
+        num_blocks = reference_ticket_blocks(
             {
                 "prefix_caching": bool(ctx.kv_block_allocator.enable_prefix_caching),
                 "hybrid": bool(ctx.is_hybrid_model),
@@ -493,10 +495,11 @@ class ReferenceDesignCompat(HandoffBase):
                 "num_speculative_tokens": int(ctx.num_speculative_tokens),
                 "return_log_probs": bool(getattr(sampling_params, "return_log_probs", False)),
                 "top_n_logprobs": getattr(sampling_params, "top_n_logprobs", None),
-                "src_blocks": num_blocks,
                 "prompt_tokens": len(prompt),
                 "block_size": bs,
             },
+            kv_meta,
+            src_block_ids,
         )
         hashes = compute_block_hashes_batched(torch.tensor(prompt, dtype=torch.int64), bs)
         handoff = DeferredKvHandoff(

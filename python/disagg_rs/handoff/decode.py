@@ -10,16 +10,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from disagg_rs._core import (
-    ImportLedger,
     LedgerAction,
-    check_handoff_ticket,
     fold_import_reports,
     import_failure,
-    import_local_outcome,
+    import_local_outcomes,
     import_pulls,
-    import_submission,
     refuse_reset_while_pinned,
     settle_quiet_quarantines,
+    ticket_import,
 )
 from disagg_rs.exceptions import (
     DisaggError,
@@ -77,56 +75,33 @@ class DecodeHandoff(HandoffBase):
         request_id, prompt, sampling_params, kv_meta, src_block_ids = submission
         engine = self._host()
         ledger = self._ledger()
-        resume = [int(t) for t in kv_meta.get("resume_tokens", [])]
         has_ssm = engine.ssm_slot_pool is not None
-        # Every field typed and range-checked once, in Rust, with what this rank needs of it:
-        # the prefill's metadata names a source of every state it reads (else it would
-        # reserve blocks, post nothing and be admitted unwritten).
-        check_handoff_ticket(
-            kv_meta,
-            request_id=request_id,
-            sources=list(self._transfer_backends()),
-            has_ssm=has_ssm,
-            integrity=self.verify_integrity,
-        )
-        integrity = self._ticket_integrity(kv_meta, len(prompt)) if self.verify_integrity else None
-        # In Rust: the token limit and whether the handed-off tokens already finish it; an id
-        # a two-sided transport cannot tag (its tags would alias another request's) refused;
-        # the prompt's arguments: a verifying decode reuses its prefix cache in whole digest
-        # chunks only (their entries are then skipped), a table without chunks allows none.
-        max_new, finished, prompt_args = import_submission(
+        now = self.handoff_now_ns
+        # In Rust, in one call: every field of the ticket typed and range-checked once, with
+        # what this rank needs of it (the prefill's metadata names a source of every state it
+        # reads, else it would reserve blocks, post nothing and be admitted unwritten); the
+        # token limit and whether the handed-off tokens already finish it; an id a two-sided
+        # transport cannot tag (its tags would alias another request's) refused; the prompt's
+        # arguments (a verifying decode reuses its prefix cache in whole digest chunks only,
+        # a table without chunks allows none); the deadline, at most a share of the ticket's
+        # lease_ns by this clock (the prefill frees the source blocks when its lease ends, the
+        # rest absorbs the transit); and the source lease's wall-clock end.
+        max_new, resume, submit_args = ticket_import(
             request_id,
             prompt,
             sampling_params,
-            engine.config.eos_token,
-            resume,
-            integrity,
-            two_sided=self._is_push,
-        )
-        now = self.handoff_now_ns
-        # The prefill frees the source blocks when its lease ends: the import's deadline is at
-        # most a share of the ticket's lease_ns by this clock, the rest absorbs the transit.
-        deadline = ImportLedger.import_deadline(
-            request_id, now, self.handoff_import_timeout_ns, kv_meta.get("lease_ns")
-        )
-        lease_end, now_wall = ImportLedger.source_lease(
-            request_id, kv_meta.get("lease_until_wall_ns"), self.handoff_wall_now_ns
-        )
-        actions = ledger.submit(
-            request_id,
-            **prompt_args,
-            src_block_ids=list(src_block_ids),
-            src_block_size_tokens=int(
-                kv_meta.get("src_block_size_tokens", engine.block_size_tokens)
-            ),
-            resume_tokens=len(resume),
+            kv_meta,
+            eos_token=engine.config.eos_token,
+            sources=list(self._transfer_backends()),
             has_ssm=has_ssm,
-            finished=bool(finished),
-            deadline=deadline,
+            integrity=self.verify_integrity,
+            two_sided=self._is_push,
             now=now,
-            lease_until_wall=lease_end,
-            now_wall=now_wall,
+            timeout=self.handoff_import_timeout_ns,
+            wall_now=self.handoff_wall_now_ns,
         )
+        integrity = self._ticket_integrity(kv_meta, len(prompt)) if self.verify_integrity else None
+        actions = ledger.submit(request_id, **submit_args, src_block_ids=list(src_block_ids))
         # Validated by the ledger: now the engine learns of it (ledger and engine agree).
         engine.expect_import(request_id, prompt, resume, max_new)
         # An engine without an event loop raises AttributeError for it (the protocol's way).
@@ -298,8 +273,13 @@ class DecodeHandoff(HandoffBase):
     def _local_outcome_detail(pending: RankImport) -> tuple[str | None, str]:
         """``_local_outcome`` and, for a failure, the first error this rank saw (the outcome
         is folded in Rust, as :meth:`disagg_rs.CompletionQuorum.local_outcome` folds it)."""
-        polled = [DecodeHandoff._poll(h) for h in pending.handles]
-        return import_local_outcome(pending.failed_locally, polled)
+        return DecodeHandoff._local_outcomes([pending])[0]
+
+    @staticmethod
+    def _local_outcomes(pending: Sequence[RankImport]) -> list[tuple[str | None, str]]:
+        """``_local_outcome_detail`` of each import, folded in one call."""
+        polled = [(p.failed_locally, [DecodeHandoff._poll(h) for h in p.handles]) for p in pending]
+        return import_local_outcomes(polled)
 
     def _report_completed_kv_imports(self) -> None:
         """Report locally terminal imports: a ledger-driven engine shares each rank's outcome
@@ -312,8 +292,8 @@ class DecodeHandoff(HandoffBase):
             # Mirrored on every rank (same ledger actions), so all ranks skip the collective.
             return
         unreported = [p for p in self._pending_imports.values() if not p.reported]
-        polled = [(p, *self._local_outcome_detail(p)) for p in unreported]
-        local = [self._local_report(p, o, d) for p, o, d in polled if o is not None]
+        polled = zip(unreported, self._local_outcomes(unreported), strict=True)
+        local = [self._local_report(p, o, d) for p, (o, d) in polled if o is not None]
         # Every rank's reports, in rank order, folded into the ledger (same on every rank):
         # each failing import keeps the first mismatch and the first rank error reported.
         gathered = self._host().handoff_all_gather(local)

@@ -20,7 +20,6 @@ from disagg_rs.handoff.base import (
     HandoffBase,
     _of_kind,
     _PreparedHandoffMetadata,
-    _tag,
 )
 from disagg_rs.integrity import (
     IntegrityPiece,
@@ -314,38 +313,33 @@ class PrefillHandoff(HandoffBase):
         self._path.push_kv(request_id, decode_metas)
 
     def _push_ledger_handoff_kv(self, request_id: int, decode_metas: list[Any]) -> None:
-        _tag(request_id, "kv")  # an id that cannot be tagged is refused before the push starts
-        # Validated (pin, destination, token range), then marked in flight: all in the ledger.
-        epoch, *plan = self._pins().start_push(request_id, decode_metas)
-        handles = self._post_push(request_id, decode_metas, tuple(plan), filler=False)
+        epoch, _, handles = self._post_push(request_id, decode_metas, filler=False)
         self._pending_pushes[request_id] = (epoch, handles)
         self.handoff_stats["pushes"] += 1
 
     def _post_push(
-        self,
-        request_id: int,
-        decode_metas: list[Any],
-        plan: tuple[Any, ...],
-        filler: bool,
-    ) -> list[Any]:
-        """Post the sends of one push (or its filler) as the pin ledger planned them
-        (``(src_block_ids, dst_block_ids, num_tokens, src_ssm_slot, dst_ssm_slot)``); returns
-        their handles."""
+        self, request_id: int, decode_metas: list[Any], filler: bool
+    ) -> tuple[int, int, list[Any]]:
+        """Plan and post the sends of one push (or its filler): the pin's epoch, the KV tokens
+        sent and the sends' handles."""
         backends = self._transfer_backends()
-        # Which states go (KV to the decode's KV ranks, each SSM kind with the slot), with
-        # their tags, in Rust.
-        sends = push_sends(
+        # In Rust, in one call: an id that cannot be tagged refused before anything starts;
+        # the push validated (pin, destination, token range) and marked in flight in the pin
+        # ledger (a filler changes nothing); which states go (KV to the decode's KV ranks,
+        # each SSM kind with the slot), with their tags.
+        epoch, num_tokens, sends = push_sends(
+            self._pins(),
             request_id,
-            plan,
             decode_metas,
             self.handoff_static_meta["ranks"],
             list(backends),
             filler=filler,
         )
-        return [
+        handles = [
             backends[kind].begin_push_blocks(metas, src, dst, **kwargs)
             for kind, metas, src, dst, kwargs in sends
         ]
+        return epoch, num_tokens, handles
 
     def push_handoff_filler(self, request_id: int, decode_metas: list[Any]) -> None:
         """Answer the receives a decode posted for a handoff this engine will not push (the
@@ -360,12 +354,10 @@ class PrefillHandoff(HandoffBase):
         sizes come from the destination (checked in the pin ledger, with this pool's size
         as the cap).
         """
-        _tag(request_id, "kv")
-        _, *plan = self._pins().filler_push(request_id, decode_metas)
-        handles = self._post_push(request_id, decode_metas, tuple(plan), filler=True)
+        _, num_tokens, handles = self._post_push(request_id, decode_metas, filler=True)
         self._filler_pushes.append((request_id, handles))
         self.handoff_stats["push_fillers"] += 1
-        self._event(("push_filler", request_id, f"{plan[2]} tokens"))
+        self._event(("push_filler", request_id, f"{num_tokens} tokens"))
 
     def _poll_pending_kv_pushes(self) -> int:
         """Reap completed push sends; unfinished ones stay pending. Returns how many ended.

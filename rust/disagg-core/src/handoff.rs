@@ -10,9 +10,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{DisaggError, DisaggResult};
-use crate::ledger::admission::resume_finishes;
-use crate::ledger::{HandleState, ImportLedger, LedgerAction, RankOutcome, StartImport};
+use crate::integrity;
+use crate::ledger::admission::{import_deadline, resume_finishes, source_lease_end};
+use crate::ledger::{
+    HandleState, ImportLedger, LedgerAction, PinLedger, PushDestination, RankOutcome, StartImport,
+};
 use crate::tags;
+use crate::wire::ticket::{DecodeNeeds, HandoffTicket};
+use crate::wire::value::{Obj, WireValue};
 
 /// A request's sampling parameters, as given: the reference design's `SamplingParams` (or any
 /// object with its attributes), or a bare number of tokens to generate (then only
@@ -163,6 +168,40 @@ pub fn import_submission(
     }
     let reuse = prompt_reuse(integrity.is_some(), integrity.flatten());
     Ok(ImportSubmission { limits, reuse })
+}
+
+/// A decode's reading of `ticket` for an import with sampling parameters `given` on a rank
+/// that `needs` it (its end-of-sequence token `eos`, whether its KV transport is
+/// `two_sided`, its `clock`: the deadline's clock now, the import timeout, and its wall
+/// clock when it reads one): the ticket parsed and checked against the needs
+/// ([`HandoffTicket::check_for_decode`]), the digest's chunking read when it verifies, then
+/// the [`import_submission`], the [`import_deadline`] by the ticket's lease and the source's
+/// lease end ([`source_lease_end`]), in that order. Returns the ticket, the submission, the
+/// deadline and the source lease.
+#[allow(clippy::type_complexity)]
+pub fn ticket_import(
+    ticket: &WireValue,
+    given: &SamplingGiven,
+    needs: &DecodeNeeds,
+    eos: Option<i64>,
+    two_sided: bool,
+    clock: (u64, u64, Option<i64>),
+) -> DisaggResult<(HandoffTicket, ImportSubmission, u64, Option<(u64, u64)>)> {
+    let (rid, (now, timeout, wall_now)) = (needs.request_id, clock);
+    let t = HandoffTicket::parse(ticket)?;
+    t.check_for_decode(needs)?;
+    let chunks = if needs.integrity {
+        let table = Obj::of(ticket, "")?.get("integrity").unwrap_or(&WireValue::Null);
+        Some(integrity::check_wire(table, None)?)
+    } else {
+        None
+    };
+    let (id, repr) = (i64::try_from(rid).ok(), || rid.to_string());
+    let submission = import_submission(given, eos, &t.resume_tokens, id, repr, two_sided, chunks)?;
+    let deadline = import_deadline(rid, now, timeout, t.lease_ns.map(i128::from))?;
+    let wall = wall_now.map(i128::from);
+    let lease = source_lease_end(rid, t.lease_until_wall_ns.map(i128::from), wall)?;
+    Ok((t, submission, deadline, lease))
 }
 
 /// What a pull of one state kind passes its transport besides the blocks.
@@ -393,6 +432,32 @@ pub fn push_postings<M: Clone>(
         Ok(Posting { src_metas: Some(src_metas), ..posting })
     };
     sends.into_iter().map(post).collect()
+}
+
+/// `request_id`'s push (or, `filler`, its filler, which changes nothing) to the decode ranks
+/// whose metadata `decode` states `destinations`, as the pin ledger plans it
+/// ([`PinLedger::start_push`], [`PinLedger::filler_push`]): an id a two-sided transport
+/// cannot tag is refused first, nothing changed. Returns the pin's epoch, the KV tokens sent
+/// and the [`push_postings`] of a rank moving state `kinds` with its `own` ranks' metadata.
+#[allow(clippy::type_complexity)]
+pub fn plan_push<M: Clone>(
+    pins: &mut PinLedger,
+    request_id: u64,
+    destinations: &[Option<PushDestination>],
+    decode: &RankMetas<M>,
+    own: &RankMetas<M>,
+    kinds: &[String],
+    filler: bool,
+) -> DisaggResult<(u64, u32, Vec<Posting<M, ()>>)> {
+    tag_of(request_id, "kv")?;
+    let plan = if filler {
+        pins.filler_push(request_id, destinations)?
+    } else {
+        pins.start_push(request_id, destinations)?
+    };
+    let (src, dst) = plan.ssm_slots.unzip();
+    let p = (plan.src_block_ids, plan.dst_block_ids, plan.num_tokens, src, dst);
+    Ok((plan.epoch, plan.num_tokens, push_postings(kinds, request_id, &p, decode, own)?))
 }
 
 impl<M, S> Posting<M, S> {
@@ -968,6 +1033,90 @@ mod tests {
         let no_limit = SamplingGiven::default();
         let e = import_submission(&no_limit, None, &[], None, || "R".into(), true, None);
         assert!(matches!(e, Err(DisaggError::Wire { .. })), "the limits are checked first");
+    }
+
+    /// A ticket of one KV prefill rank handing off `[7]`, with `extra` entries.
+    fn wire_ticket(extra: Vec<(&str, WireValue)>) -> WireValue {
+        let list = |v: Vec<WireValue>| WireValue::List(v);
+        let map = |e: Vec<(&str, WireValue)>| {
+            WireValue::Map(e.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
+        };
+        let rank = map(vec![("kv", map(vec![]))]);
+        let mut e = vec![
+            ("src_block_ids", list(vec![WireValue::Int(0)])),
+            ("resume_tokens", list(vec![WireValue::Int(7)])),
+            ("prefill_meta", map(vec![("ranks", list(vec![rank]))])),
+        ];
+        e.extend(extra);
+        map(e)
+    }
+
+    #[test]
+    fn a_ticket_import_checks_the_ticket_then_composes_submission_deadline_and_lease() {
+        let needs = DecodeNeeds { request_id: 3, sources: vec!["kv".into()], ..Default::default() };
+        let given = params(Some(4), None, None);
+        let read = |t: &WireValue, g: &SamplingGiven, n: &DecodeNeeds, two_sided, wall| {
+            ticket_import(t, g, n, None, two_sided, (100, 1_000, wall))
+        };
+        let (t, submission, deadline, lease) =
+            read(&wire_ticket(vec![]), &given, &needs, false, None).unwrap();
+        let want = import_submission(&given, None, &[7], Some(3), String::new, false, None);
+        assert_eq!(submission, want.unwrap());
+        assert_eq!((t.resume_tokens, deadline, lease), (vec![7], 1_100, None));
+        // The ticket's lease caps the deadline; its wall-clock end is read with this side's.
+        let leased = wire_ticket(vec![
+            ("lease_ns", WireValue::Int(200)),
+            ("lease_until_wall_ns", WireValue::Int(900)),
+            ("src_block_size_tokens", WireValue::Int(16)),
+        ]);
+        let (t, _, deadline, lease) = read(&leased, &given, &needs, false, Some(50)).unwrap();
+        assert_eq!(deadline, import_deadline(3, 100, 1_000, Some(200)).unwrap());
+        assert_eq!((lease, t.src_block_size_tokens), (Some((900, 50)), Some(16)));
+        assert_eq!(read(&leased, &given, &needs, false, None).unwrap().3, None);
+        // A verifying decode reuses whole digest chunks only.
+        let chunked = WireValue::Map(vec![("chunk_tokens".into(), WireValue::Int(8))]);
+        let verifying = DecodeNeeds { integrity: true, ..needs.clone() };
+        let t = read(&wire_ticket(vec![("integrity", chunked)]), &given, &verifying, false, None);
+        assert_eq!(t.unwrap().1.reuse, PromptReuse::Chunks(8));
+        // The ticket first (no digest to verify), then the sampling parameters.
+        let none = SamplingGiven::default();
+        let e = read(&wire_ticket(vec![]), &none, &verifying, false, None);
+        assert!(matches!(e, Err(DisaggError::HandoffMetadata { .. })), "{e:?}");
+        let e = read(&wire_ticket(vec![]), &none, &needs, false, None);
+        assert!(
+            matches!(e, Err(DisaggError::Wire { ref field, .. }) if field == "sampling_params")
+        );
+        let untaggable = DecodeNeeds { request_id: u64::MAX, ..needs.clone() };
+        let e = read(&wire_ticket(vec![]), &given, &untaggable, true, None).unwrap_err();
+        let rid = u64::MAX.to_string();
+        assert_eq!(e, tags::two_sided_tag_named(None, || rid, "kv").unwrap_err());
+    }
+
+    #[test]
+    fn a_push_is_tagged_then_planned_by_the_pins_and_posted_to_each_kinds_ranks() {
+        let mut pins = PinLedger::new(8, 4, 2).unwrap();
+        let blocks = pins.pool_mut().allocate(2).unwrap();
+        let epoch = pins.pin(5, &blocks, None, 1_000, 0).unwrap();
+        let dest = PushDestination {
+            dst_block_ids: Some(vec![6, 7]),
+            num_tokens: Some(8),
+            ..PushDestination::default()
+        };
+        let (decode, own) = (ranks(&[&[("kv", Some(10))]]), ranks(&[&[("kv", Some(20))]]));
+        let kinds = vec!["kv".to_string()];
+        let plan = |pins: &mut PinLedger, rid, filler| {
+            plan_push(pins, rid, &[None, Some(dest.clone())], &decode, &own, &kinds, filler)
+        };
+        let (_, n, posts) = plan(&mut pins, 5, true).unwrap();
+        assert_eq!(n, 8);
+        let (e, n, pushed) = plan(&mut pins, 5, false).unwrap();
+        assert_eq!((e, n, &pushed), (epoch, 8, &posts), "a filler sends what the push sends");
+        let p = (blocks, vec![6, 7], 8, None, None);
+        assert_eq!(pushed, push_postings(&kinds, 5, &p, &decode, &own).unwrap());
+        assert!(plan(&mut pins, 5, false).is_err(), "the push is in flight: a second refused");
+        // An untaggable id is refused before the ledger is asked (it has no pin either).
+        let untaggable = plan(&mut pins, u64::MAX, false).unwrap_err();
+        assert_eq!(untaggable, tag_of(u64::MAX, "kv").unwrap_err());
     }
 
     /// Ranks' metadata: per rank, `(kind, meta)` pairs; a `None` meta is stated as absent.

@@ -266,4 +266,35 @@ mod tests {
         assert!(e.to_string().contains("cannot remove 4 blocks from a 3-block peer"), "{e}");
         assert_eq!(drop_prefix(&meta, &ids_of(&[]), -1).unwrap_err().kind(), "Argument");
     }
+
+    #[test]
+    fn a_reference_ticket_check_counts_the_source_blocks_of_its_metadata_first() {
+        use crate::reference::{check_reference, check_ticket_blocks};
+        use crate::wire::value::WireValue;
+        let facts = |blocks: Option<i128>| {
+            let b = WireValue::Bool;
+            let mut e = vec![
+                ("prefix_caching", b(true)),
+                ("hybrid", b(false)),
+                ("has_backend", b(true)),
+                ("request_id", WireValue::Int(4)),
+                ("decode_has_ssm", b(false)),
+                ("resume_tokens", WireValue::Int(1)),
+                ("num_speculative_tokens", WireValue::Int(0)),
+                ("return_log_probs", b(false)),
+                ("prompt_tokens", WireValue::Int(9)),
+                ("block_size", WireValue::Int(4)),
+            ];
+            e.extend(blocks.map(|n| ("src_blocks", WireValue::Int(n))));
+            WireValue::Map(e.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
+        };
+        let flat = map(vec![("agent", V::Text("a"))]);
+        assert_eq!(check_ticket_blocks(facts(None), &flat, &ids_of(&[1, 2, 3])), Ok(3));
+        assert_eq!(check_ticket_blocks(facts(Some(0)), &flat, &ids_of(&[1, 2, 3])), Ok(3));
+        let short = check_ticket_blocks(facts(None), &flat, &ids_of(&[1, 2])).unwrap_err();
+        assert_eq!(short, check_reference("ticket", &facts(Some(2))).unwrap_err());
+        assert_eq!(short.kind(), "HandoffMetadata", "{short}");
+        let bad = check_ticket_blocks(facts(None), &flat, &V::Text("x")).unwrap_err();
+        assert_eq!(bad, block_count(&flat, &V::Text("x")).unwrap_err(), "the count comes first");
+    }
 }

@@ -6,6 +6,7 @@
 //! [`check_reference`] once per stage. Every refusal names the field and both values.
 
 use crate::error::{DisaggError, DisaggResult};
+use crate::peer_records::{self, MetaNode};
 use crate::wire::ticket::{ReferencePrefillBatch, ReferenceSsm, ReferenceTicket};
 use crate::wire::value::{Obj, WireValue};
 
@@ -564,6 +565,23 @@ impl ReferenceCheck {
 /// Parse and run the check named `stage` over `facts` (see [`ReferenceCheck`]).
 pub fn check_reference(stage: &str, facts: &WireValue) -> DisaggResult<()> {
     ReferenceCheck::parse(stage, facts)?.check()
+}
+
+/// The `ticket` check (see [`check_reference`]) of a ticket whose peer metadata `kv_meta`
+/// and `src_block_ids` are counted first ([`peer_records::block_count`], its errors first):
+/// `facts` with that count as `src_blocks`. Returns the count.
+pub fn check_ticket_blocks<N: MetaNode>(
+    mut facts: WireValue,
+    kv_meta: &N,
+    src_block_ids: &N,
+) -> Result<usize, N::Err> {
+    let blocks = peer_records::block_count(kv_meta, src_block_ids)?;
+    if let WireValue::Map(e) = &mut facts {
+        e.retain(|(k, _)| k != "src_blocks");
+        e.push(("src_blocks".into(), WireValue::Int(blocks as i128)));
+    }
+    check_reference("ticket", &facts).map_err(N::lift)?;
+    Ok(blocks)
 }
 
 /// One import of a reference-design engine, in admission order.

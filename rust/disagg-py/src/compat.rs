@@ -1,11 +1,12 @@
 //! Bindings of a reference-design engine's handoff steps (`disagg_core::refdecode`) and its
 //! ticket metadata (`disagg_core::refticket`).
 
-use disagg_core::{refdecode, refticket};
+use disagg_core::{refdecode, reference, refticket};
 use pyo3::prelude::*;
 use pyo3::types::PyInt;
 
-use crate::args::{Opt, Raw, I64, U64};
+use crate::args::{conv, Opt, Raw, I64, U64};
+use crate::peer_records::Node;
 use crate::pool::core_fns;
 use crate::wire::HandoffWire;
 
@@ -20,6 +21,17 @@ pub fn reference_hash_registration<'py>(
     cached: usize,
 ) -> (Items<'py>, Items<'py>, Items<'py>, Option<Items<'py>>) {
     refdecode::hash_registration(&local_blocks, &hashes, PyInt::new(py, 0).into_any(), cached)
+}
+
+/// ``reference::check_ticket_blocks``: the ticket's source block count.
+#[pyfunction]
+pub fn reference_ticket_blocks(
+    facts: Py<PyAny>,
+    kv_meta: Bound<'_, PyAny>,
+    src_block_ids: Bound<'_, PyAny>,
+) -> PyResult<usize> {
+    conv!(facts: HandoffWire);
+    reference::check_ticket_blocks(facts, &Node(kv_meta), &Node(src_block_ids))
 }
 
 core_fns! {

@@ -6,15 +6,17 @@ use std::collections::BTreeMap;
 use disagg_core::handoff::SamplingGiven;
 use disagg_core::handoff::{self, Polled, Posting, PromptReuse, RankKey, RankReport};
 use disagg_core::ledger::HandleState;
+use disagg_core::wire::ticket::DecodeNeeds;
 use disagg_core::RankOutcome;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyBool, PyDict, PyInt};
 
-use crate::args::Raw;
+use crate::args::{conv, Int, Raw, U64};
 use crate::error::{IntoPyResult, ResetRefusedError};
-use crate::ledger::{actions, PyImportLedger, PyLedgerAction};
+use crate::ledger::{actions, Destinations, PyImportLedger, PyLedgerAction, PyPinLedger};
 use crate::pool::{core_fns, lock, lock_with};
+use crate::wire::HandoffWire;
 
 /// `obj.name`, or None when `obj` has no such attribute or it is None.
 fn attr<'py, T: FromPyObjectOwned<'py>>(
@@ -40,33 +42,34 @@ fn sampling_given(sp: &Bound<'_, PyAny>) -> PyResult<SamplingGiven> {
     })
 }
 
-/// A ticket's digest table, read for its chunking.
-#[derive(FromPyObject)]
-pub struct ChunkedArg {
-    chunk_tokens: Option<u32>,
-}
-
-/// ``handoff::import_submission``: ``(max_new_tokens, finished, prompt_kwargs)`` (of ``submit``).
+/// ``handoff::ticket_import``: ``(max_new_tokens, resume_tokens, kwargs)``, the keyword
+/// arguments of ``ImportLedger.submit`` besides ``src_block_ids``.
 #[pyfunction]
-#[pyo3(signature = (request_id, prompt, sampling_params, eos_token, resume_tokens, integrity,
-    *, two_sided))]
-pub fn import_submission<'py>(
-    request_id: &Bound<'py, PyAny>,
+#[pyo3(signature = (request_id, prompt, sampling_params, ticket, *, eos_token, sources, has_ssm,
+    integrity, two_sided, now, timeout, wall_now))]
+#[allow(clippy::too_many_arguments)]
+pub fn ticket_import<'py>(
+    request_id: Int,
     prompt: &Bound<'py, PyAny>,
     sampling_params: &Bound<'py, PyAny>,
+    ticket: Py<PyAny>,
     eos_token: Option<i64>,
-    resume_tokens: Vec<i64>,
-    integrity: Option<ChunkedArg>,
+    sources: Vec<String>,
+    has_ssm: bool,
+    integrity: bool,
     two_sided: bool,
-) -> PyResult<(i64, bool, Bound<'py, PyDict>)> {
+    now: u64,
+    timeout: u64,
+    wall_now: Option<i64>,
+) -> PyResult<(i64, Vec<i64>, Bound<'py, PyDict>)> {
+    conv!(ticket: HandoffWire, request_id: U64);
+    let needs = DecodeNeeds { request_id, sources, has_ssm, integrity };
     let given = sampling_given(sampling_params)?;
-    let repr = || request_id.repr().map_or_else(|_| String::new(), |r| r.to_string());
-    let (rid, chunks) = (request_id.extract().ok(), integrity.map(|t| t.chunk_tokens));
-    let s =
-        handoff::import_submission(&given, eos_token, &resume_tokens, rid, repr, two_sided, chunks);
-    let s = s.py()?;
+    let clock = (now, timeout, wall_now);
+    let (t, submission, deadline, lease) =
+        handoff::ticket_import(&ticket, &given, &needs, eos_token, two_sided, clock).py()?;
     let args = PyDict::new(prompt.py());
-    match s.reuse {
+    match submission.reuse {
         PromptReuse::Any => args.set_item("prompt_tokens", prompt)?,
         PromptReuse::Chunks(c) => {
             args.set_item("prompt_tokens", prompt)?;
@@ -77,7 +80,21 @@ pub fn import_submission<'py>(
             args.set_item("prompt_hashes", Vec::<u64>::new())?;
         }
     }
-    Ok((s.limits.max_new_tokens, s.limits.finished, args))
+    let (lease_until_wall, now_wall) = lease.unzip();
+    let limits = submission.limits;
+    for (key, v) in [
+        ("src_block_size_tokens", t.src_block_size_tokens.map(u64::from)),
+        ("resume_tokens", Some(t.resume_tokens.len() as u64)),
+        ("deadline", Some(deadline)),
+        ("lease_until_wall", lease_until_wall),
+        ("now_wall", now_wall),
+        ("now", Some(now)),
+    ] {
+        args.set_item(key, v)?;
+    }
+    args.set_item("has_ssm", has_ssm)?;
+    args.set_item("finished", limits.finished)?;
+    Ok((limits.max_new_tokens, t.resume_tokens, args))
 }
 
 /// ``handoff::import_failure``: ``(reason, detail, integrity, message)`` (``mismatch``: an
@@ -176,20 +193,25 @@ pub fn import_pulls<'py>(
     posts.py()?.into_iter().map(|p| post(py, p, None)).collect()
 }
 
-/// ``handoff::push_postings``.
+/// ``handoff::plan_push`` by ``pins``: ``(epoch, num_tokens, sends)``.
 #[pyfunction]
-#[pyo3(signature = (request_id, plan, decode_metas, own, kinds, *, filler))]
+#[pyo3(signature = (pins, request_id, decode_metas, own, kinds, *, filler))]
 pub fn push_sends<'py>(
     py: Python<'py>,
-    request_id: u64,
-    plan: (Vec<u32>, Vec<u32>, u32, Option<u32>, Option<u32>),
-    decode_metas: Ranks<'py>,
+    pins: &Bound<'py, PyPinLedger>,
+    request_id: Int,
+    decode_metas: Vec<Py<PyAny>>,
     own: Ranks<'py>,
     kinds: Vec<String>,
     filler: bool,
-) -> PyResult<Vec<Post<'py>>> {
-    let posts = handoff::push_postings(&kinds, request_id, &plan, &decode_metas, &own).py()?;
-    posts.into_iter().map(|p| post(py, p, Some(filler))).collect()
+) -> PyResult<(u64, u32, Vec<Post<'py>>)> {
+    let decode = decode_metas.iter().map(|m| m.bind(py).extract()).collect::<PyResult<Ranks>>()?;
+    conv!(request_id: U64, decode_metas: Destinations);
+    let mut l = lock(&pins.get().inner)?;
+    let plan = handoff::plan_push(&mut l, request_id, &decode_metas, &decode, &own, &kinds, filler);
+    let (epoch, num_tokens, posts) = plan.py()?;
+    let posts = posts.into_iter().map(|p| post(py, p, Some(filler))).collect::<PyResult<_>>()?;
+    Ok((epoch, num_tokens, posts))
 }
 
 /// ``handoff::peer_registrations`` of the control plane's ``{engine_id: {"meta": ...}}``.
@@ -223,15 +245,17 @@ fn handle_state(polled: &Bound<'_, PyAny>) -> PyResult<(HandleState, String)> {
         .state())
 }
 
-/// ``handoff::local_outcome`` of one poll of each handle: ``(outcome, first_error)``.
+/// ``handoff::local_outcome`` of each import's ``(failed_locally, one poll of each handle)``.
 #[pyfunction]
-pub fn import_local_outcome(
-    failed_locally: Option<String>,
-    polled: Vec<Bound<'_, PyAny>>,
-) -> PyResult<(Option<&'static str>, String)> {
-    let polled = polled.iter().map(handle_state).collect::<PyResult<Vec<_>>>()?;
-    let (outcome, first) = handoff::local_outcome(failed_locally.as_deref(), &polled);
-    Ok((outcome.map(RankOutcome::name), first))
+pub fn import_local_outcomes(
+    imports: Vec<(Option<String>, Vec<Bound<'_, PyAny>>)>,
+) -> PyResult<Vec<(Option<&'static str>, String)>> {
+    let outcome = |(failed, polled): (Option<String>, Vec<Bound<'_, PyAny>>)| {
+        let polled = polled.iter().map(handle_state).collect::<PyResult<Vec<_>>>()?;
+        let (outcome, first) = handoff::local_outcome(failed.as_deref(), &polled);
+        Ok((outcome.map(RankOutcome::name), first))
+    };
+    imports.into_iter().map(outcome).collect()
 }
 
 /// One rank's report as gathered: ``(request_id, epoch, outcome, mismatch, error)``.

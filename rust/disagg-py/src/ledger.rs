@@ -280,7 +280,7 @@ methods {
 /// Prefill-side pin ledger over its own block and SSM slot pools.
 #[pyclass(name = "PinLedger", module = "disagg_rs", frozen)]
 pub struct PyPinLedger {
-    inner: Arc<Mutex<PinLedger>>,
+    pub(crate) inner: Arc<Mutex<PinLedger>>,
 }
 
 core_methods!(PyPinLedger, lock_with, inner, pools Pin,

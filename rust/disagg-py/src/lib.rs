@@ -66,7 +66,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             stream::PyStreamMailboxes, tags::PyPeerSteps, tracker::PyCompletionTracker
         ],
         functions: [
-            handoff::import_submission, handoff::import_failure, handoff::import_pulls, handoff::push_sends, handoff::handoff_peer_plan, handoff::import_local_outcome, handoff::fold_import_reports, handoff::settle_quiet_quarantines,
+            handoff::ticket_import, handoff::import_failure, handoff::import_pulls, handoff::push_sends, handoff::handoff_peer_plan, handoff::import_local_outcomes, handoff::fold_import_reports, handoff::settle_quiet_quarantines,
             handoff::refuse_reset_while_pinned, handoff::refuse_close_in_flight, handoff::gathered_integrity_pieces,
             error::_error_kinds, error::_raise_sample_error, control::decode_control_message, control_step::timeout_seconds, control_step::curve_mode,
             tags::two_sided_tag, tags::two_sided_tag_owner, tags::chunk_schedule, tags::p2p_matching, runs::run_table, runs::row_copy, regions::rows_by_region,
@@ -80,7 +80,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             wire::block_id_checks,
             stream::stream_abort_msgs,
             stream::staging_release,
-            compat::reference_prefill_metas, compat::reference_push_metas,
+            compat::reference_prefill_metas, compat::reference_push_metas, compat::reference_ticket_blocks,
             integrity_tables::integrity_merge, integrity_tables::integrity_shapes, integrity_tables::integrity_conv_bands,
             integrity_tables::integrity_first_mismatch, integrity_tables::integrity_mismatch_text,
             backend_rules::group_layouts, backend_rules::chunkable, backend_rules::staging_slots,
