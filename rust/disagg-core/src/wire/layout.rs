@@ -473,11 +473,17 @@ mod tests {
         let dims = Arg::D(SsmStateDims::new(8, 4, 16, 2, 4).unwrap());
         let l = call(&[Arg::N(4), dims], &[("tp_size", Arg::N(2)), ("tp_rank", Arg::N(1))]);
         let l = l.unwrap();
-        assert_eq!((l.layers.len(), l.tp_size, l.tp_rank, l.replicate_groups), (4, 2, 1, false));
+        assert_eq!(
+            (l.layers.len(), l.ranks.tp_size, l.ranks.tp_rank, l.replicate_groups),
+            (4, 2, 1, false)
+        );
         // The reference design's form: global_rank, tp_size, tp_rank, layer_start, num_layers, dims.
         let r = [Arg::N(1), Arg::N(2), Arg::N(1), Arg::N(0), Arg::N(4), dims];
         let r = call(&r, &[]).unwrap();
-        assert_eq!((r.layers, r.tp_rank, r.global_rank), (l.layers, l.tp_rank, l.global_rank));
+        assert_eq!(
+            (r.layers, r.ranks.tp_rank, r.ranks.global_rank),
+            (l.layers, l.ranks.tp_rank, l.ranks.global_rank)
+        );
         let flagged = call(&[Arg::N(4), dims], &[("replicate_groups", Arg::B(true))]);
         assert!(flagged.unwrap().replicate_groups);
         // None is as if not given; a missing dims or stage count is a type error naming it.
