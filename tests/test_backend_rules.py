@@ -79,3 +79,21 @@ def test_pipeline_windows_round_chunks_to_both_units() -> None:
     assert _core.pipeline_launches((48, 4), (48, 6), -1, 2)[0][0] == (0, 12)
     with pytest.raises(ValueError, match="gather packs 30 bytes but scatter expects 24"):
         _core.pipeline_launches((30, 4), (24, 4), 16, 2)
+
+
+def test_a_peer_dict_is_found_again_by_identity_and_reparsed_when_changed_in_place() -> None:
+    from disagg_rs.transfer_backends.nixl import NixlTransferBackend
+
+    src = NixlTransferBackend("memo-src", torch.zeros(2, 2, 4, 16, 2, 8), 4)
+    dst = NixlTransferBackend("memo-dst", torch.zeros(2, 2, 4, 16, 2, 8), 4)
+    try:
+        meta = src.export_meta()
+        first = dst._resolve_peers(meta, [0])[0][0]
+        assert dst._resolve_peers(meta, [0])[0][0] is first
+        assert dst._resolve_peers(dict(meta), [0])[0][0] is first  # equal content
+        meta["num_blocks"] = 3  # the same dict, changed: parsed again, not the stale peer
+        changed = dst._resolve_peers(meta, [0])[0][0]
+        assert changed is not first and (changed.num_blocks, first.num_blocks) == (3, 4)
+    finally:
+        src.close()
+        dst.close()

@@ -5,6 +5,7 @@
 //! functions over a [`MetaNode`] view, so the bindings walk Python objects in place and the
 //! tests walk wire values.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::chunks::wire_tag;
@@ -227,6 +228,44 @@ fn planning_entries() -> Vec<(String, WireValue)> {
 /// per-rank map counts all its lists) is empty. `counts` holds each argument's list lengths.
 pub fn nothing_to_move(counts: &[Vec<usize>]) -> bool {
     counts.iter().flatten().all(|&n| n == 0)
+}
+
+/// Objects remembered by identity (`id`) with what was derived from them, up to `limit`
+/// entries; past it the memo starts again.
+#[derive(Debug)]
+pub struct IdentityMemo<V> {
+    entries: HashMap<usize, V>,
+    limit: usize,
+}
+
+impl<V> IdentityMemo<V> {
+    /// An empty memo of at most `limit` entries.
+    pub fn new(limit: usize) -> Self {
+        Self { entries: HashMap::new(), limit }
+    }
+
+    /// The entry of `id` if `still` says it still describes the object now under that id.
+    pub fn get(&self, id: usize, still: impl FnOnce(&V) -> bool) -> Option<&V> {
+        self.entries.get(&id).filter(|v| still(v))
+    }
+
+    /// Remember `value` for `id` (a full memo is emptied first).
+    pub fn insert(&mut self, id: usize, value: V) {
+        if self.entries.len() >= self.limit {
+            self.entries.clear();
+        }
+        self.entries.insert(id, value);
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no entry is held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
 }
 
 /// The outcome of a two-sided transfer once every part completed: the first failure, in this

@@ -262,3 +262,15 @@ proptest! {
     }
 
 }
+
+#[test]
+fn the_memo_finds_an_unchanged_object_and_restarts_when_full() {
+    let mut memo = IdentityMemo::new(2);
+    memo.insert(10, "a");
+    memo.insert(11, "b");
+    assert_eq!(memo.get(10, |_| true), Some(&"a"));
+    assert_eq!(memo.get(10, |v| *v == "changed"), None);
+    memo.insert(12, "c");
+    assert_eq!((memo.len(), memo.get(10, |_| true)), (1, None));
+    assert!(!memo.is_empty());
+}

@@ -2,9 +2,9 @@
 //! conversion only.
 
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use disagg_core::backend_rules::peers::{self, MessagePeer, MetaNode};
+use disagg_core::backend_rules::peers::{self, IdentityMemo, MessagePeer, MetaNode};
 use disagg_core::backend_rules::peers::{NodeShape, PollVerdict, ResolvedIds};
 use disagg_core::backend_rules::{self as rules, WindowLaunches};
 use disagg_core::p2p_header::MessageKind;
@@ -13,13 +13,13 @@ use disagg_core::wire::peer::PeerMeta;
 use disagg_core::wire::value::WireValue;
 use disagg_core::DisaggError;
 use pyo3::prelude::*;
-use pyo3::types::{IntoPyDict, PyBytes, PyMapping, PyString, PyTuple};
+use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyMapping, PyString, PyTuple};
 
 use crate::args::{wire_dict_to_py, Raw};
 use crate::error::IntoPyResult;
 use crate::layout::{PyKvShardLayout, PySsmShardLayout};
 use crate::peer_records::Node;
-use crate::pool::{core_fns, outs};
+use crate::pool::{core_fns, lock, outs};
 use crate::stream::Bytes;
 use crate::wire::{to_wire, PyPeer, PyPeerTable};
 
@@ -285,12 +285,27 @@ pub fn p2p_sends(
 pub struct PyPeerResolver {
     table: Py<PyPeerTable>,
     local: refmeta::LocalFacts,
+    memo: Mutex<IdentityMemo<Memo>>,
 }
+
+/// Most metadata dicts a resolver remembers by identity.
+const PEER_MEMO_LIMIT: usize = 256;
+/// A metadata dict handed in before, a deep copy of it then, and its peer: the same unchanged
+/// dict skips the content conversion (a handoff hands the same dicts again and again).
+type Memo = (Py<PyAny>, Py<PyAny>, Py<PyPeer>);
 
 impl PyPeerResolver {
     /// `peers::adopt_peer` of `meta`, a new entry's `Peer` carrying its schema as a dict.
     fn entry(&self, meta: &Bound<'_, PyAny>, to_plan: bool) -> PyResult<Py<PyPeer>> {
         let py = meta.py();
+        let memo = !to_plan && meta.is_instance_of::<PyDict>();
+        let id = meta.as_ptr() as usize;
+        if memo {
+            let same = |(m, copy, _): &Memo| m.is(meta) && copy.bind(py).eq(meta).unwrap_or(false);
+            if let Some((_, _, peer)) = lock(&self.memo)?.get(id, same) {
+                return Ok(peer.clone_ref(py));
+            }
+        }
         let raw = to_wire(meta, "peer_meta")?;
         let mut made = None;
         let mut attach = |m: &Arc<PeerMeta>, schema: &WireValue| {
@@ -304,7 +319,13 @@ impl PyPeerResolver {
         };
         let mut table = self.table.borrow_mut(py);
         let out = peers::adopt_peer(&mut table.inner, (raw, to_plan), &self.local, &mut attach);
-        made.map_or_else(|| Ok(out.py()?.1.clone_ref(py)), Err)
+        let peer = made.map_or_else(|| Ok(out.py()?.1.clone_ref(py)), Err)?;
+        if memo {
+            let copy = py.import("copy")?.call_method1("deepcopy", (meta,))?.unbind();
+            let entry = (meta.clone().unbind(), copy, peer.clone_ref(py));
+            lock(&self.memo)?.insert(id, entry);
+        }
+        Ok(peer)
     }
 }
 
@@ -319,7 +340,8 @@ impl PyPeerResolver {
         element_size: u64,
         dtype: String,
     ) -> Self {
-        Self { table, local: refmeta::LocalFacts { backend, state_kind, element_size, dtype } }
+        let local = refmeta::LocalFacts { backend, state_kind, element_size, dtype };
+        Self { table, local, memo: Mutex::new(IdentityMemo::new(PEER_MEMO_LIMIT)) }
     }
 
     /// The backend's `PeerTable`.
