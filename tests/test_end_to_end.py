@@ -15,6 +15,12 @@ os.environ.setdefault("UCX_LOG_LEVEL", "error")
 
 SMALL = {"requests": 3, "max_new_tokens": 6, "timeout_s": 120.0, "quiet": True, "num_blocks": 48}
 
+# Prefill pin lease of the tests whose requests must go through a restarted or continued
+# engine. A decode may use a lease minus the ticket's transit and the 1 s clock-offset bound,
+# and a fresh incarnation's first imports on a loaded 2-core CI machine have taken over 5 s:
+# with 6 s they failed `lease_expired` (a valid end, but not the one these tests assert).
+RESTART_LEASE_S = 15.0
+
 
 def _run(**kw: object) -> DemoResult:
     result = run_demo(DemoOptions(**{**SMALL, **kw}))  # type: ignore[arg-type]
@@ -120,7 +126,13 @@ def test_an_engine_killed_mid_run_and_restarted_ends_each_request_once_and_leaks
     # SIGKILL one rank of the engine right after the first token streamed (handoffs in
     # flight); the supervisor replaces the engine by a new incarnation (own torch.distributed
     # world, new NIXL agents under the same names), then the second half is sent through it.
-    opts = {**SMALL, "requests": 4, "kill_engine": engine, "lease_s": 6.0, "timeout_s": 60.0}
+    opts = {
+        **SMALL,
+        "requests": 4,
+        "kill_engine": engine,
+        "lease_s": RESTART_LEASE_S,
+        "timeout_s": 60.0,
+    }
     result = run_demo(DemoOptions(**opts))  # type: ignore[arg-type]
     assert result.failures == [], "\n".join(result.failures)
     assert result.restarts == 1
@@ -237,7 +249,7 @@ def test_a_decode_stopped_past_the_liveness_timeout_never_admits_its_stale_hando
     # The decode is stopped (SIGSTOP) before the first half is sent: its tickets wait unread
     # while the coordinator declares it lost (4 s without a heartbeat; the demo waits for that
     # declaration, so the pause lasts past the timeout however loaded the machine is) and fails
-    # those requests, leaving the prefill's pins to their lease (6 s). After the lease, other
+    # those requests, leaving the prefill's pins to their lease (15 s). After the lease, other
     # prompts make the prefill reuse its blocks; then the decode continues (SIGCONT), reads the
     # stale tickets, registers again and the second half (the same prompts) is sent. Before,
     # the coordinator released the pins at once and the continued decode imported reused
@@ -253,7 +265,7 @@ def test_a_decode_stopped_past_the_liveness_timeout_never_admits_its_stale_hando
         "model": "attention",
         "stall_engine": "decode",
         "engine_timeout_s": 4.0,
-        "lease_s": 6.0,
+        "lease_s": RESTART_LEASE_S,
         "timeout_s": 100.0,
     }
     result = run_demo(DemoOptions(**opts))  # type: ignore[arg-type]
