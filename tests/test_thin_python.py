@@ -46,23 +46,27 @@ def f(xs, y):
     assert decision_lines(source) == {6, 7, 9, 10, 13, 14}
 
 
-def test_the_library_python_makes_no_more_decisions_than_the_bound() -> None:
-    counts = count_tree(LIBRARY, APPLICATIONS)
+def _within(counts: dict[str, int], bound: int, what: str, advice: str) -> None:
     total = sum(counts.values())
     top = sorted(counts.items(), key=lambda kv: -kv[1])[:5]
-    assert total <= BOUND, (
-        f"{total} decision lines in the library's Python (bound {BOUND}); the most in {top}: "
+    assert total <= bound, f"{total} {what} (bound {bound}); the most in {top}: {advice}"
+
+
+def test_the_library_python_makes_no_more_decisions_than_the_bound() -> None:
+    _within(
+        count_tree(LIBRARY, APPLICATIONS),
+        BOUND,
+        "decision lines in the library's Python",
         "move the new decisions into rust/disagg-core "
-        "(`python tests/decision_lines.py python/disagg_rs reference/ tools/ cli.py`)"
+        "(`python tests/decision_lines.py python/disagg_rs reference/ tools/ cli.py`)",
     )
 
 
 def test_the_bindings_grow_no_larger_than_the_bound() -> None:
-    sizes = {p.name: len(p.read_text().splitlines()) for p in sorted(BINDINGS.glob("*.rs"))}
-    total = sum(sizes.values())
-    top = sorted(sizes.items(), key=lambda kv: -kv[1])[:5]
-    assert total <= BINDING_BOUND, (
-        f"{total} lines in rust/disagg-py (bound {BINDING_BOUND}); the most in {top}: put new "
-        "rules into rust/disagg-core and keep the binding a conversion (`wc -l "
-        "rust/disagg-py/src/*.rs`)"
+    _within(
+        {p.name: len(p.read_text().splitlines()) for p in sorted(BINDINGS.glob("*.rs"))},
+        BINDING_BOUND,
+        "lines in rust/disagg-py",
+        "put new rules into rust/disagg-core and keep the binding a conversion "
+        "(`wc -l rust/disagg-py/src/*.rs`)",
     )
