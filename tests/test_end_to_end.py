@@ -126,14 +126,8 @@ def test_an_engine_killed_mid_run_and_restarted_ends_each_request_once_and_leaks
     # SIGKILL one rank of the engine right after the first token streamed (handoffs in
     # flight); the supervisor replaces the engine by a new incarnation (own torch.distributed
     # world, new NIXL agents under the same names), then the second half is sent through it.
-    opts = {
-        **SMALL,
-        "requests": 4,
-        "kill_engine": engine,
-        "lease_s": RESTART_LEASE_S,
-        "timeout_s": 60.0,
-    }
-    result = run_demo(DemoOptions(**opts))  # type: ignore[arg-type]
+    opts = {**SMALL, "requests": 4, "kill_engine": engine, "timeout_s": 60.0}
+    result = run_demo(DemoOptions(**opts, lease_s=RESTART_LEASE_S))  # type: ignore[arg-type]
     assert result.failures == [], "\n".join(result.failures)
     assert result.restarts == 1
     assert result.after_restart == (2, 3)
