@@ -102,9 +102,12 @@ def test_a_handoff_through_the_driver_parses_no_peer_metadata_and_checks_block_i
     assert all(not d.refused_peers for d in world.drivers.values())
     for rid, prompt in PROMPTS.items():
         parses, checks = _core.peer_meta_parses(), _core.block_id_checks()
+        lookups = _core.peer_meta_lookups()
         world.client.submit(rid, prompt, MAX_NEW)
         world.run(lambda rid=rid: rid in done(world.events))
         assert _core.peer_meta_parses() - parses == 0
+        # Not even found again by content: the parsed peers travel on.
+        assert _core.peer_meta_lookups() - lookups == 0
         assert _core.block_id_checks() - checks == checks_per_handoff
     stats = world.engines["decode"].handoff_stats
     assert stats["imports_admitted"] == len(PROMPTS) and stats["imports_failed"] == 0

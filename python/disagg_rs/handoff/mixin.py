@@ -406,7 +406,10 @@ class InferenceStateHandoffMixin(DecodeHandoff, PrefillHandoff, ReferenceDesignC
         backends = self._transfer_backends()
         # Each engine's ranks' metadata of each state this rank moves, read in Rust (a table
         # entry that cannot be read refuses its engine).
-        plan, refused = handoff_peer_plan(peers, list(backends))
+        # With this engine's own ranks under "" (a prefill plans its staged copies from them):
+        # every handoff after this finds each dict by identity, none by content.
+        own = {"": {"meta": self.handoff_static_meta}}
+        plan, refused = handoff_peer_plan({**peers, **own}, list(backends))
         registered: list[Any] = []
         for engine_id, kind, named in plan:
             try:

@@ -647,7 +647,7 @@ class TransferBackendBase:
         REGISTER/PEERS), so handoffs naming them only look them up. ``peer_meta`` as for a
         pull (this rank's own metadata, which plans read too, is parsed with them); returns
         how many peer buffers were named."""
-        self._as_peer(self._base_meta())
+        _ = self._own_peer  # this rank's own peer, parsed here once: handoffs pass it on
         return len(self._resolve_peers(peer_meta, None)[0])
 
     def retain_peers(self, peer_meta: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -273,12 +273,14 @@ class NcclTransferBackend(TransferBackendBase):
         )
         metas = [p.meta for p in peers]
         self.steps.refuse([int(m["dist_rank"]) for m in metas])
-        me = self._base_meta()
+        me = self._own_peer.meta
         if num_tokens is not None and pipeline.chunkable([*metas, me]):
             return self._pull_chunked(
                 peers, src_block_ids, dst_block_ids, num_tokens, tag, timeout_s
             )
-        program = self._compile(metas, me, src_block_ids, dst_block_ids, num_tokens, "staged")
+        program = self._compile(
+            peers, self._own_peer, src_block_ids, dst_block_ids, num_tokens, "staged"
+        )
         ops: list[dist.P2POp] = []
         keep: list[torch.Tensor] = []
         scatters: list[Callable[[], None]] = []
@@ -315,7 +317,7 @@ class NcclTransferBackend(TransferBackendBase):
 
         def build() -> tuple[list[int], dict[int, dp.DevicePlan]]:
             program = self._compile(
-                metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, "staged"
+                peers, self._own_peer, src_block_ids, dst_block_ids, num_tokens, "staged"
             )
             plans = {}
             for rank in program.src_ranks:

@@ -1293,7 +1293,7 @@ class NixlTransferBackend(TransferBackendBase):
         if ipc_pull is not None:
             return ipc_pull
         program = self._compile(
-            metas, self._base_meta(), src_block_ids, dst_block_ids, num_tokens, self.mode
+            peers, self._own_peer, src_block_ids, dst_block_ids, num_tokens, self.mode
         )
         # Per source in plan order: its staged copy or its blocks (decided in Rust).
         route, direct_ranks = _core.nixl_pull_route(
@@ -1406,7 +1406,7 @@ class NixlTransferBackend(TransferBackendBase):
             mapped[rank] = view
         else:
             # First handoff of this peer set: compile once (raises the compiler's errors).
-            program = self._compile(metas, self._base_meta(), *handoff, "staged")
+            program = self._compile(peers, self._own_peer, *handoff, "staged")
             plans = self._pull_plans(metas, by_rank, program)
             if plans and self._ipc_bounds_hold(plans, by_rank, mapped):
                 merged = dp.PullRoute(

@@ -490,6 +490,8 @@ impl EngineDriver {
     }
 }
 
+crate::ledger::named_counters!(DriverCounters { duplicates, malformed, unknown, forged });
+
 /// What the coordinator knows when a decode says it posted receives (`KV_RECV_POSTED`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecvPosted<'a> {

@@ -1,6 +1,6 @@
 //! Python class `EngineDriverState`: the engine-side driver's decisions (`disagg_core::driver`).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
 use disagg_core::{EngineDriver, Inbound, MsgKind, PeerIncarnations, Role};
@@ -60,6 +60,8 @@ calls {
     fn running(now_ns: U64, busy: Raw<bool>) -> bool = running(now_ns, busy);
     /// End a serving turn; returns the next poll's wait in milliseconds.
     fn turn(busy: Raw<bool>) -> u32 = turn(busy);
+    /// `{"duplicates": n, "malformed": n, "unknown": n, "forged": n}`.
+    fn counters() -> BTreeMap<&'static str, u64> = counters().named();
 }
 methods {
     #[new]
@@ -141,10 +143,4 @@ methods {
         Ok(reports.into_iter().map(|(r, x, why)| (r, x.epoch, x.ok, x.quiet, why)).collect())
     }
 
-    /// `{"duplicates": n, "malformed": n, "unknown": n, "forged": n}`.
-    fn counters(&self) -> PyResult<std::collections::BTreeMap<&'static str, u64>> {
-        let c = lock(&self.inner)?.counters();
-        let named = [("duplicates", c.duplicates), ("malformed", c.malformed)];
-        Ok(named.into_iter().chain([("unknown", c.unknown), ("forged", c.forged)]).collect())
-    }
 });

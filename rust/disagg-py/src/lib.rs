@@ -76,7 +76,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             compile::py_compile_kv_transfer, geometry::plan_buffer,
             compile::py_compile_ssm_transfer, wire::check_peer_transfer,
             wire::compile_peer_transfer, wire::parse_peer_meta, wire::check_staging_tickets_of,
-            wire::check_handoff_ticket, wire::check_reference, wire::check_integrity_wire, wire::digest_plan, wire::py_compat_hash, wire::peer_meta_parses,
+            wire::check_handoff_ticket, wire::check_reference, wire::check_integrity_wire, wire::digest_plan, wire::py_compat_hash, wire::peer_meta_parses, wire::peer_meta_lookups,
             wire::block_id_checks,
             stream::stream_abort_msgs,
             stream::staging_release,

@@ -405,6 +405,8 @@ core_fns! {
     fn py_compat_hash(facts: Wire) -> String = compat_hash(&facts);
     /// Peer metadata dicts parsed by this process (lookups of a parsed peer do not count).
     fn peer_meta_parses() -> u64 = parse_count();
+    /// Peer metadata dicts looked up by content (`disagg_core::wire::peer::lookup_count`).
+    fn peer_meta_lookups() -> u64 = disagg_core::wire::peer::lookup_count();
     /// Transfers whose KV block ids this process validated against the buffers.
     fn block_id_checks() -> u64 = block_check_count();
 }

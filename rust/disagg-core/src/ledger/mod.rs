@@ -59,6 +59,7 @@ impl Epochs {
 
 pub mod admission;
 mod import;
+pub(crate) use import::named_counters;
 mod pin;
 mod quorum;
 mod record;

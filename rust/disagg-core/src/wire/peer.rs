@@ -32,6 +32,15 @@ pub fn parse_count() -> u64 {
     PARSES.load(Ordering::Relaxed)
 }
 
+static LOOKUPS: AtomicU64 = AtomicU64::new(0);
+
+/// How many peer metadata maps this process has looked up by content (each converts and
+/// hashes a whole map a caller handed in; a parsed peer passed on, or a dict the binding
+/// remembers by identity, costs none).
+pub fn lookup_count() -> u64 {
+    LOOKUPS.load(Ordering::Relaxed)
+}
+
 static BLOCK_CHECKS: AtomicU64 = AtomicU64::new(0);
 
 /// How many times this process has validated a transfer's KV block ids against the buffers
@@ -812,6 +821,7 @@ impl<A: Clone> PeerTable<A> {
 
     /// The peer parsed from a map equal to `raw`, if any: no parse.
     pub fn lookup(&self, raw: &WireValue) -> Option<(Arc<PeerMeta>, A)> {
+        LOOKUPS.fetch_add(1, Ordering::Relaxed);
         let key = raw.content_key();
         self.by_key
             .get(&key)?
