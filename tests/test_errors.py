@@ -26,14 +26,14 @@ EXPECTED: dict[str, tuple[type[BaseException], type[BaseException]]] = {
 
 
 def test_every_rust_error_kind_has_an_expected_class() -> None:
-    assert sorted(_core._error_kinds()) == sorted(EXPECTED)
+    assert sorted(_core._sample_errors()) == sorted(EXPECTED)
 
 
 @pytest.mark.parametrize("kind", sorted(EXPECTED))
 def test_rust_error_kind_raises_its_class(kind: str) -> None:
     cls, builtin = EXPECTED[kind]
     with pytest.raises(cls) as info:
-        _core._raise_sample_error(kind)
+        raise _core._sample_errors()[kind]
     assert type(info.value) is cls
     assert isinstance(info.value, exceptions.DisaggError)
     assert isinstance(info.value, builtin)
@@ -53,12 +53,12 @@ def test_transfer_timeout_says_destinations_may_still_be_written() -> None:
 
 def test_layout_error_carries_the_field() -> None:
     with pytest.raises(exceptions.LayoutError) as info:
-        _core._raise_sample_error("Layout")
+        raise _core._sample_errors()["Layout"]
     assert info.value.field == "tp_rank"
 
 
 def test_handoff_metadata_error_carries_the_field_and_is_a_metadata_error() -> None:
     with pytest.raises(exceptions.HandoffMetadataError) as info:
-        _core._raise_sample_error("HandoffMetadata")
+        raise _core._sample_errors()["HandoffMetadata"]
     assert info.value.field == "lease_ns"
     assert isinstance(info.value, exceptions.MetadataError)

@@ -7,13 +7,8 @@ use disagg_core::{EngineDriver, Inbound, MsgKind, PeerIncarnations, Role};
 use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyDict, PyList};
 
-use crate::args::{conv, convs, Int, Kind, Raw, U64};
+use crate::args::{conv, Int, Kind, Raw, U64};
 use crate::pool::{core_methods, lock, lock_with};
-
-convs! {
-    /// A field as a non-negative int, `None` when it is anything else (the core counts it).
-    Lenient: Int => Option<u64> = |f, v| Ok(v.to_u64(Kind::Argument, f).ok());
-}
 
 /// A value as a non-negative int, `None` when it is missing or anything else.
 fn lenient(v: Option<Bound<'_, PyAny>>) -> Option<u64> {
@@ -118,16 +113,16 @@ methods {
     }
 
     /// The prefill engine the ticket of `request_id` named, until its import settled.
-    fn source_of(&self, request_id: Int) -> PyResult<Option<String>> {
-        conv!(request_id: Lenient);
+    fn source_of(&self, request_id: Bound<'_, PyAny>) -> PyResult<Option<String>> {
+        let request_id = lenient(Some(request_id));
         let d = lock(&self.inner)?;
         Ok(request_id.and_then(|r| d.source_of(r)).map(str::to_owned))
     }
 
     /// The epoch to stamp on an outcome of `request_id` (`None`: unknown, counted).
     #[pyo3(signature = (request_id, epoch = None))]
-    fn stamp(&self, request_id: Int, epoch: Option<u64>) -> PyResult<Option<u64>> {
-        conv!(request_id: Lenient);
+    fn stamp(&self, request_id: Bound<'_, PyAny>, epoch: Option<u64>) -> PyResult<Option<u64>> {
+        let request_id = lenient(Some(request_id));
         let mut d = lock(&self.inner)?;
         Ok(request_id.and_then(|r| d.stamp(r, epoch)))
     }

@@ -1,6 +1,9 @@
 //! The one mapping from core errors to the Python classes of `disagg_rs.exceptions`.
 
+use std::collections::BTreeMap;
+
 use disagg_core::DisaggError;
+use pyo3::exceptions::PyBaseException;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -65,19 +68,11 @@ impl<T> IntoPyResult<T> for Result<T, DisaggError> {
     }
 }
 
-/// The kinds of every core error variant, one sample each (for the mapping test).
+/// Each core error variant's sample as the exception the mapping makes, by kind (for the
+/// mapping test).
 #[pyfunction]
-pub fn _error_kinds() -> Vec<&'static str> {
-    DisaggError::samples().iter().map(DisaggError::kind).collect()
-}
-
-/// Raise the sample error of `kind` through the real mapping (for the mapping test).
-#[pyfunction]
-pub fn _raise_sample_error(kind: &str) -> PyResult<()> {
-    match DisaggError::samples().into_iter().find(|e| e.kind() == kind) {
-        Some(e) => Err(to_pyerr(e)),
-        None => Err(pyo3::exceptions::PyValueError::new_err(format!("no error kind {kind:?}"))),
-    }
+pub fn _sample_errors(py: Python<'_>) -> BTreeMap<&'static str, Py<PyBaseException>> {
+    DisaggError::samples().into_iter().map(|e| (e.kind(), to_pyerr(e).into_value(py))).collect()
 }
 
 /// A `MetadataError` naming `field`.

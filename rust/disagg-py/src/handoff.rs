@@ -42,6 +42,20 @@ fn sampling_given(sp: &Bound<'_, PyAny>) -> PyResult<SamplingGiven> {
     })
 }
 
+/// The ticket with its ``prefill_meta`` ranks reduced to the state kinds each exports (``True``
+/// each; `HandoffTicket::parse` reads no more): their metadata, parsed in the peer table, is
+/// not converted again per request. `None` (convert it all) when they are not dicts of kinds.
+fn slim_ticket(ticket: &Bound<'_, PyAny>) -> Option<Py<PyAny>> {
+    let ranks: Ranks<'_> =
+        ticket.get_item("prefill_meta").ok()?.get_item("ranks").ok()?.extract().ok()?;
+    let kinds =
+        |r: BTreeMap<_, Option<_>>| r.into_iter().map(|(k, v)| (k, v.map(|_| true))).collect();
+    let kinds: Vec<BTreeMap<String, Option<bool>>> = ranks.into_iter().map(kinds).collect();
+    let slim = ticket.cast::<PyDict>().ok()?.copy().ok()?;
+    slim.set_item("prefill_meta", [("ranks", kinds)].into_py_dict(ticket.py()).ok()?).ok()?;
+    Some(slim.into_any().unbind())
+}
+
 /// ``handoff::ticket_import``: ``(max_new_tokens, resume_tokens, kwargs)``, the keyword
 /// arguments of ``ImportLedger.submit`` besides ``src_block_ids``.
 #[pyfunction]
@@ -62,6 +76,7 @@ pub fn ticket_import<'py>(
     timeout: u64,
     wall_now: Option<i64>,
 ) -> PyResult<(i64, Vec<i64>, Bound<'py, PyDict>)> {
+    let ticket = slim_ticket(ticket.bind(prompt.py())).unwrap_or(ticket);
     conv!(ticket: HandoffWire, request_id: U64);
     let needs = DecodeNeeds { request_id, sources, has_ssm, integrity };
     let given = sampling_given(sampling_params)?;

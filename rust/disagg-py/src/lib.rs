@@ -63,12 +63,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             geometry::PyKvGeometry, geometry::PySsmGeometry, compile::PyTransferProgram,
             wire::PyPeer, wire::PyPeerTable, backend_rules::PyPeerResolver, driver::PyEngineDriverState,
             ledger::PyReferenceImports, stream::PyStreamSource, stream::PyStreamSink,
-            stream::PyStreamMailboxes, tags::PyPeerSteps, tracker::PyCompletionTracker
+            stream::PyStreamMailboxes, tags::PyPeerSteps, tracker::PyCompletionTracker,
+            nixl_route::PyNixlAgentPeers, packed_items::PyPackedRows
         ],
         functions: [
             handoff::ticket_import, handoff::import_failure, handoff::import_pulls, handoff::push_sends, handoff::handoff_peer_plan, handoff::import_local_outcomes, handoff::fold_import_reports, handoff::settle_quiet_quarantines,
             handoff::refuse_reset_while_pinned, handoff::refuse_close_in_flight, handoff::gathered_integrity_pieces,
-            error::_error_kinds, error::_raise_sample_error, control::decode_control_message, control_step::timeout_seconds, control_step::curve_mode,
+            error::_sample_errors, control::decode_control_message, control_step::timeout_seconds, control_step::curve_mode,
             tags::two_sided_tag, tags::two_sided_tag_owner, tags::chunk_schedule, tags::p2p_matching, runs::run_table, runs::row_copy, regions::rows_by_region,
             reshard::plan_kv_reshard, reshard::plan_ssm_reshard,
             peer_records::transfer_peer_records, peer_records::transfer_block_count,
@@ -90,14 +91,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             backend_rules::ipc_reader_gpu, backend_rules::backend_peer_records,
             backend_rules::no_blocks, backend_rules::p2p_outcome, backend_rules::p2p_receives,
             backend_rules::p2p_sends, backend_rules::poll_verdict,
-            backend_rules::buffer_tensors
-        ]
-    );
-    #[rustfmt::skip]
-    export!(
-        m,
-        classes: [nixl_route::PyNixlAgentPeers, packed_items::PyPackedRows],
-        functions: [
+            backend_rules::buffer_tensors,
             nixl_route::ucx_tls_allows_cuda, nixl_route::nixl_cuda_major_mismatch,
             nixl_route::backend_supports_vram, nixl_route::nixl_setup,
             nixl_route::nixl_source_packs, nixl_route::nixl_source_stages,
