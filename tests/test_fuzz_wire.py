@@ -165,7 +165,7 @@ def test_peer_validation_before_a_pull_rejects_typed_or_bounds_every_id(
     metas: list[Any], src: list[int], dst: list[int], num_tokens: int | None
 ) -> None:
     def go(_: None) -> Any:
-        peers = PULLER._peer_list(metas)
+        peers = PULLER._resolve_peers(metas, None)[0]
         return PULLER._validate_peers(peers, src, dst, num_tokens, local_is_dst=True)
 
     got = _typed_or_valid(go, None)

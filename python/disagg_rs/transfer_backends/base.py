@@ -593,9 +593,10 @@ class TransferBackendBase:
         siblings = _core.group_layouts(self.layout)
         return [me if sib is None else _sibling_meta(me, sib) for sib in siblings]
 
-    def _peer_list(self, peer_meta: Any) -> list[PeerMeta]:
-        """Peers' metadata in this library's schema (see ``_resolve_peers``)."""
-        return [p.meta for p in self._resolve_peers(peer_meta, None)[0]]
+    @functools.cached_property
+    def _group_peers(self) -> list[Any]:
+        """The parsed peers of ``_group_metas``, once (this rank's layout does not change)."""
+        return [self._as_peer(m) for m in self._group_metas()]
 
     def _timeout(self, timeout_s: float | None) -> float:
         """A call's time limit: ``timeout_s``, else the backend's ``timeout_s``."""
@@ -740,6 +741,12 @@ class TransferBackendBase:
 
     def close(self) -> None:
         """Release this buffer's transport resources (idempotent)."""
+
+
+def peer_set_key(peers: Sequence[Any]) -> tuple[tuple[str, int, int], ...]:
+    """What identifies a set of parsed peers' buffers (device plans are cached by it): names,
+    incarnations and global ranks."""
+    return tuple((p.agent_name, p.incarnation, p.global_rank) for p in peers)
 
 
 class TransferHandleBase:

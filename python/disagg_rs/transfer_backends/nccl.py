@@ -48,19 +48,12 @@ from disagg_rs.transfer_backends.base import (
     TransferProgramLike,
     kv_layout_from_meta,
     no_blocks,
+    peer_set_key,
 )
 
 __all__ = ["NcclTransferBackend", "NcclTransferHandle"]
 
 logger = logging.getLogger(__name__)
-
-
-def _peer_key(metas: Sequence[PeerMeta]) -> tuple[tuple[str, int, int], ...]:
-    """What identifies a set of peers' buffers: names, incarnations and global ranks."""
-    return tuple(
-        (str(m["agent_name"]), int(m["incarnation"]), int(m["layout"].get("global_rank", -1)))
-        for m in metas
-    )
 
 
 class NcclTransferHandle(TransferHandleBase):
@@ -273,8 +266,7 @@ class NcclTransferBackend(TransferBackendBase):
         )
         metas = [p.meta for p in peers]
         self.steps.refuse([int(m["dist_rank"]) for m in metas])
-        me = self._own_peer.meta
-        if num_tokens is not None and pipeline.chunkable([*metas, me]):
+        if num_tokens is not None and pipeline.chunkable([*peers, self._own_peer]):
             return self._pull_chunked(
                 peers, src_block_ids, dst_block_ids, num_tokens, tag, timeout_s
             )
@@ -312,7 +304,6 @@ class NcclTransferBackend(TransferBackendBase):
     ) -> NcclTransferHandle:
         """Receive every source's packed bytes in chunks through the staging pool and scatter
         each chunk from the cached device plan (see ``pipeline``)."""
-        metas = [p.meta for p in peers]
         by_rank = {p.global_rank: p.meta for p in peers}
 
         def build() -> tuple[list[int], dict[int, dp.DevicePlan]]:
@@ -332,7 +323,7 @@ class NcclTransferBackend(TransferBackendBase):
                 plans[rank] = plan
             return list(program.src_ranks), plans
 
-        ranks, plans = self._plans.get(("pull", _peer_key(metas)), build)
+        ranks, plans = self._plans.get(("pull", peer_set_key(peers)), build)
         ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
         needs = [plans[r].num_blocks(num_tokens) for r in ranks]
         _core.check_chunk_blocks("dst_block_ids", ids.size, num_tokens, needs)
@@ -422,10 +413,10 @@ class NcclTransferBackend(TransferBackendBase):
         cannot be sent; ``src_block_ids`` then only size the plan, any valid ids do), so the
         decode's receives complete at once and the pair stays in step.
         """
-        dsts = self._peer_list(peer_meta)
+        dsts = self._resolve_peers(peer_meta, None)[0]
         if no_blocks(src_block_ids):  # nothing to move: a settled handle
             return self._submit([], [], [], timeout_s)
-        srcs = self._peer_list(src_metas) if src_metas else self._group_metas()
+        srcs = self._resolve_peers(src_metas, None)[0] if src_metas else self._group_peers
         num_tokens = self._validate_peers(srcs, src_block_ids, None, num_tokens, local_is_dst=False)
         me = self.layout.global_rank
         if num_tokens is not None and all(pipeline.chunkable([*srcs, d]) for d in dsts):
@@ -446,14 +437,15 @@ class NcclTransferBackend(TransferBackendBase):
             buf[:head].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
             if not filler:
                 self.pack_rows(programs[i].gather(me), buf[head:])
-            ops.append(dist.P2POp(dist.isend, buf, int(dsts[i]["dist_rank"]), self.group, wire_tag))
+            to = int(dsts[i].meta["dist_rank"])
+            ops.append(dist.P2POp(dist.isend, buf, to, self.group, wire_tag))
             keep.append(buf)
         return self._submit(ops, keep, [], timeout_s)
 
     def _push_chunked(
         self,
-        srcs: Sequence[PeerMeta],
-        dsts: Sequence[PeerMeta],
+        srcs: Sequence[Any],
+        dsts: Sequence[Any],
         src_block_ids: BlockIds,
         num_tokens: int,
         tag: int,
@@ -471,14 +463,14 @@ class NcclTransferBackend(TransferBackendBase):
         (dev_ids,) = self._ids.upload(ids)
         for dst in dsts:
 
-            def build(dst: PeerMeta = dst) -> dp.DevicePlan | None:
+            def build(dst: Any = dst) -> dp.DevicePlan | None:
                 program = self._compile(srcs, dst, src_block_ids, None, num_tokens, "staged")
                 if me not in program.src_ranks:
                     return None
                 addr = int(self.buffer_info["addr"])
                 return dp.DevicePlan.from_program(program, me, src_addr=addr, dst_addr=0)
 
-            plan = self._plans.get(("push", _peer_key(srcs), _peer_key([dst])), build)
+            plan = self._plans.get(("push", peer_set_key(srcs), peer_set_key([dst])), build)
             if plan is None:
                 continue
             need = [plan.num_blocks(num_tokens)]
@@ -488,7 +480,7 @@ class NcclTransferBackend(TransferBackendBase):
                     plan,
                     dev_ids,
                     num_tokens,
-                    int(dst["dist_rank"]),
+                    int(dst.meta["dist_rank"]),
                     True,
                     tag=tag,
                     incarnation=self.incarnation,

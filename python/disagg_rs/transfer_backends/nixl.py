@@ -74,6 +74,7 @@ from disagg_rs.transfer_backends.base import (
     incarnation_of,
     kv_layout_from_meta,
     no_blocks,
+    peer_set_key,
 )
 
 __all__ = ["NixlPullHandle", "NixlTransferBackend", "StagingArena"]
@@ -738,14 +739,6 @@ def _step_stream(out: _StreamOut) -> bool:
         return True
 
 
-def _peer_key(metas: Sequence[PeerMeta]) -> tuple[tuple[str, int, int], ...]:
-    """What identifies a set of peers' buffers: names, incarnations and global ranks."""
-    return tuple(
-        (str(m["agent_name"]), int(m["incarnation"]), int(m["layout"].get("global_rank", -1)))
-        for m in metas
-    )
-
-
 def _new_read(agent: Any, local: Any, remote: Any, mems: tuple[str, str], peer: str) -> Any:
     """A NIXL READ of ``remote`` rows of ``peer`` into ``local`` rows (``mems``: their memory
     types), not posted yet. NIXL's order is (op, local, remote, peer)."""
@@ -1060,7 +1053,7 @@ class NixlTransferBackend(TransferBackendBase):
         # and lays this rank's ids out for its kernel; what it does not take (no route, SSM
         # state, another block count) is checked, and packed where the rank packs, by the
         # pair's other path (``_stage_checked`` or ``_stage_rows``).
-        key = ("stage", _peer_key([p.meta for p in src_peers]), _peer_key([dst_peer.meta]))
+        key = ("stage", peer_set_key(src_peers), peer_set_key([dst_peer]))
         check = _HandoffCheck(functools.partial(
             self._validate_peers, src_peers, src_block_ids, None, num_tokens, local_is_dst=False
         ), num_tokens)  # fmt: skip
@@ -1285,7 +1278,6 @@ class NixlTransferBackend(TransferBackendBase):
         num_tokens = self._validate_peers(
             peers, src_block_ids, dst_block_ids, num_tokens, local_is_dst=True
         )
-        metas = [p.meta for p in peers]
         by_rank = {p.global_rank: p.meta for p in peers}
         tickets = _core.check_staging_tickets_of(staged, peers)
         handoff = (src_block_ids, dst_block_ids, num_tokens)
@@ -1310,7 +1302,7 @@ class NixlTransferBackend(TransferBackendBase):
         def direct_rows(rank: int) -> tuple[Any, Any]:
             return by_peer[rank].split_descriptors(*program.direct_descriptors(rank), me)  # type: ignore[no-any-return]
 
-        plans = self._pull_plans(metas, by_rank, program)
+        plans = self._pull_plans(peers, by_rank, program)
         # Rust's read decision takes each device plan's table.
         tables = {r: p.packed for r, p in plans.items()}
         pull = _Pull(program, by_rank, tickets, plans, tables,
@@ -1340,7 +1332,7 @@ class NixlTransferBackend(TransferBackendBase):
         return handle
 
     def _pull_plans(
-        self, metas: Sequence[PeerMeta], by_rank: Mapping[int, PeerMeta], program: Any
+        self, peers: Sequence[Any], by_rank: Mapping[int, PeerMeta], program: Any
     ) -> dict[int, dp.DevicePlan]:
         """Device plans of every source rank of this peer set (cached), or none (``{}``) when
         a rank has none (SSM state, HND caches, block-size changes)."""
@@ -1355,7 +1347,7 @@ class NixlTransferBackend(TransferBackendBase):
             }
             return {} if None in plans.values() else cast(dict[int, dp.DevicePlan], plans)
 
-        plans: dict[int, dp.DevicePlan] = self._cached(("pull", _peer_key(metas)), build)
+        plans: dict[int, dp.DevicePlan] = self._cached(("pull", peer_set_key(peers)), build)
         return plans
 
     def _pull_by_ipc(
@@ -1407,7 +1399,7 @@ class NixlTransferBackend(TransferBackendBase):
         else:
             # First handoff of this peer set: compile once (raises the compiler's errors).
             program = self._compile(peers, self._own_peer, *handoff, "staged")
-            plans = self._pull_plans(metas, by_rank, program)
+            plans = self._pull_plans(peers, by_rank, program)
             if plans and self._ipc_bounds_hold(plans, by_rank, mapped):
                 merged = dp.PullRoute(
                     plans, {r: mapped[r] for r in plans}, self.memory_buffer, self._ids

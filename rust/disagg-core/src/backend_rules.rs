@@ -4,6 +4,7 @@
 //! handoff covers, and whether two CUDA IPC exports share a host. Pure functions; the
 //! backends carry the answers out. Ranges are half-open `[lo, hi)`.
 
+use crate::wire::peer::{PeerGeometry, PeerMeta, StateKind};
 use crate::wire::value::{Obj, WireValue};
 use crate::{DisaggError, DisaggResult, KvShardLayout, SsmShardLayout};
 
@@ -145,6 +146,24 @@ impl ChunkFacts {
             None => None,
         };
         Ok(Self { kv, regions, geometry })
+    }
+}
+
+impl ChunkFacts {
+    /// The facts of one parsed peer, as [`ChunkFacts::of_meta`] reads them from its metadata
+    /// (a peer that exported one buffer has that one region): no metadata is read again.
+    pub fn of_peer(peer: &PeerMeta) -> Self {
+        let geometry = match &peer.geometry {
+            Some(PeerGeometry::Kv(g)) => {
+                let s = g.spec();
+                let small = [s.tokens_per_block, s.num_heads].map(u64::from);
+                let (dim, elem) = (u64::from(s.head_dim), u64::from(s.element_size));
+                Some([small[0], small[1], s.head_stride, dim, elem])
+            }
+            _ => None,
+        };
+        let kv = peer.state_kind == StateKind::Kv;
+        Self { kv, regions: peer.buffer.regions.regions().len(), geometry }
     }
 }
 

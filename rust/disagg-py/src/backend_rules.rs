@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use disagg_core::backend_rules::peers::{self, IdentityMemo, MessagePeer, MetaNode};
 use disagg_core::backend_rules::peers::{NodeShape, PollVerdict, ResolvedIds};
-use disagg_core::backend_rules::{self as rules, WindowLaunches};
+use disagg_core::backend_rules::{self as rules, ChunkFacts, WindowLaunches};
 use disagg_core::p2p_header::MessageKind;
 use disagg_core::refmeta;
 use disagg_core::wire::peer::PeerMeta;
@@ -44,12 +44,15 @@ pub fn group_layouts(layout: &Bound<'_, PyAny>) -> PyResult<Siblings> {
     Ok(Siblings::Ssm(wrap(sibs, |inner| PySsmShardLayout { inner })))
 }
 
-/// Whether a two-sided handoff between ranks of these metadata dicts moves in chunks
-/// (`backend_rules::chunkable_metas`).
+/// Whether a two-sided handoff between these ranks moves in chunks (`backend_rules::chunkable`
+/// of each parsed `Peer`'s facts, or of a metadata dict's).
 #[pyfunction]
 pub fn chunkable(metas: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
-    let metas = metas.iter().map(|m| to_wire(m, "peer_meta")).collect::<PyResult<Vec<_>>>()?;
-    rules::chunkable_metas(&metas).py()
+    let facts = |m: &Bound<'_, PyAny>| match m.cast::<PyPeer>() {
+        Ok(p) => Ok(ChunkFacts::of_peer(&p.get().inner)),
+        Err(_) => ChunkFacts::of_meta(&to_wire(m, "peer_meta")?).py(),
+    };
+    Ok(rules::chunkable(&metas.iter().map(facts).collect::<PyResult<Vec<_>>>()?))
 }
 
 /// Python objects, in order.

@@ -960,6 +960,17 @@ pub(crate) mod tests {
         ])
     }
 
+    /// `ChunkFacts::of_peer` of the parsed export reads what `of_meta` reads from its dict.
+    #[test]
+    fn chunk_facts_of_a_parsed_peer_are_those_of_its_metadata() {
+        use crate::backend_rules::ChunkFacts;
+        let parsed = PeerMeta::parse(&meta(), "nixl").unwrap();
+        let from_dict = ChunkFacts::of_meta(&meta()).unwrap();
+        // The dict names no `regions` (0); the parse keeps the one buffer as its region.
+        assert_eq!(ChunkFacts::of_peer(&parsed), ChunkFacts { regions: 1, ..from_dict });
+        assert_eq!(from_dict.geometry, Some([2, 1, 16, 4, 4]));
+    }
+
     /// A valid export with `staging` as its staging region.
     pub(crate) fn meta_with_staging(r: Region) -> WireValue {
         let mut v = meta();
