@@ -1,6 +1,7 @@
 """Host time of the decode's pull call, end to end through the public driver: how long
 ``NixlTransferBackend.begin_pull_blocks`` takes from call to return, and how much of it is
-NIXL's own work (preparing and posting the READs) rather than the library's.
+NIXL's own work (preparing and posting the READs) rather than the library's; and how long
+the decode's intake of a handoff ticket takes.
 
 A prefill and a decode reference engine (real NIXL over UCX loopback, one process, one virtual
 clock), each served by a ``HandoffDriver`` through a ``LoopbackCoordinator``, run a few requests
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import publish, table_section
+from disagg_rs.handoff import decode
 from disagg_rs.transfer_backends import nixl
 from driver_world import MAX_NEW, PROMPTS, World, done
 
@@ -43,12 +45,14 @@ def _timed(into: list[int], call: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def measure(mode: str, requests: int) -> dict[str, float]:
-    """Median microseconds per pull call: the whole call, NIXL's part, the library's part."""
+    """Median microseconds per pull call (the whole call, NIXL's part, the library's part) and
+    per ticket checked (the decode's ticket intake, ``ticket_import``)."""
     calls: list[int] = []
     posts: list[int] = []
+    tickets: list[int] = []
     per_call: list[tuple[int, int]] = []
     cls = nixl.NixlTransferBackend
-    pull, post = cls.begin_pull_blocks, cls._post
+    pull, post, intake = cls.begin_pull_blocks, cls._post, vars(decode)["ticket_import"]
 
     def pull_call(*args: Any, **kwargs: Any) -> Any:
         before = len(posts)
@@ -58,6 +62,7 @@ def measure(mode: str, requests: int) -> dict[str, float]:
 
     cls.begin_pull_blocks = pull_call  # type: ignore[method-assign]
     cls._post = _timed(posts, post)  # type: ignore[method-assign]
+    vars(decode)["ticket_import"] = _timed(tickets, intake)
     try:
         world = World(mode=mode)
         world.turn()
@@ -65,15 +70,21 @@ def measure(mode: str, requests: int) -> dict[str, float]:
         for rid in range(_WARM + requests):
             if rid == _WARM:
                 per_call.clear()
+                tickets.clear()
             world.client.submit(rid, prompts[rid % len(prompts)], MAX_NEW)
             world.run(lambda rid=rid: rid in done(world.events))
         world.close()
     finally:
         cls.begin_pull_blocks, cls._post = pull, post  # type: ignore[method-assign]
+        vars(decode)["ticket_import"] = intake
     whole = statistics.median(c for c, _ in per_call) / 1e3
     in_nixl = statistics.median(p for _, p in per_call) / 1e3
     library = statistics.median(c - p for c, p in per_call) / 1e3
-    return {"calls": len(per_call), "whole": whole, "nixl": in_nixl, "library": library}
+    ticket = statistics.median(tickets) / 1e3
+    return {
+        "calls": len(per_call), "whole": whole, "nixl": in_nixl, "library": library,
+        "ticket": ticket,
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -87,7 +98,7 @@ def main() -> None:
         share = r["library"] / r["whole"]
         rows.append(
             f"| NIXL {mode} | {r['calls']:.0f} | {r['whole']:.0f} | {r['nixl']:.0f} "
-            f"| {r['library']:.0f} | {share:.0%} |"
+            f"| {r['library']:.0f} | {share:.0%} | {r['ticket']:.0f} |"
         )
     text = table_section(
         "Decode pull call, host time (end to end, through HandoffDriver)",
@@ -97,7 +108,9 @@ def main() -> None:
             "NIXL over UCX loopback in one process; medians per call over",
             f"{args.requests} requests after {_WARM} warm-up ones. NIXL's part is the READs the",
             "call prepares and posts, timed inside the same calls; the library's part is the",
-            "rest. Command: `python benches/bench_pull_host.py`.",
+            "rest. The ticket check is the decode's intake of the handoff ticket (`ticket_import`,",
+            "one per request: the ticket as the driver hands it over, with the prefill's ranks'",
+            "metadata attached). Command: `python benches/bench_pull_host.py`.",
         ],
         [
             "read mode",
@@ -106,6 +119,7 @@ def main() -> None:
             "NIXL prepare+post us",
             "library us",
             "library share",
+            "ticket check us",
         ],
         rows,
     )

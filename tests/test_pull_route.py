@@ -52,8 +52,8 @@ def _plans(dec: Any, metas: list[dict[str, Any]], ids: Any) -> dict[int, dp.Devi
     sids, dids, n = ids
     peers, _ = dec._resolve_peers(metas, sids)
     by_rank = {p.global_rank: p.meta for p in peers}
-    program = dec._compile(metas, dec._base_meta(), sids, dids, n, "staged")
-    plans: dict[int, dp.DevicePlan] | None = dec._pull_plans(metas, by_rank, program)
+    program = dec._compile(peers, dec._own_peer, sids, dids, n, "staged")
+    plans: dict[int, dp.DevicePlan] | None = dec._pull_plans(peers, by_rank, program)
     assert plans is not None and sorted(plans) == [0, 1]
     return plans
 
