@@ -147,30 +147,21 @@ impl ChunkFacts {
         };
         Ok(Self { kv, regions, geometry })
     }
-}
 
-impl ChunkFacts {
     /// The facts of one parsed peer, as [`ChunkFacts::of_meta`] reads them from its metadata
     /// (a peer that exported one buffer has that one region): no metadata is read again.
     pub fn of_peer(peer: &PeerMeta) -> Self {
         let geometry = match &peer.geometry {
             Some(PeerGeometry::Kv(g)) => {
                 let s = g.spec();
-                let small = [s.tokens_per_block, s.num_heads].map(u64::from);
-                let (dim, elem) = (u64::from(s.head_dim), u64::from(s.element_size));
-                Some([small[0], small[1], s.head_stride, dim, elem])
+                let head = (u64::from(s.head_dim), u64::from(s.element_size));
+                Some([s.tokens_per_block.into(), s.num_heads.into(), s.head_stride, head.0, head.1])
             }
             _ => None,
         };
         let kv = peer.state_kind == StateKind::Kv;
         Self { kv, regions: peer.buffer.regions.regions().len(), geometry }
     }
-}
-
-/// [`chunkable`] of the ranks' metadata dicts ([`ChunkFacts::of_meta`]).
-pub fn chunkable_metas(metas: &[WireValue]) -> DisaggResult<bool> {
-    let facts = metas.iter().map(ChunkFacts::of_meta).collect::<DisaggResult<Vec<_>>>()?;
-    Ok(chunkable(&facts))
 }
 
 /// Check the tensors a per-layer buffer argument flattens into (`items`: `None` for a tensor,

@@ -203,8 +203,9 @@ fn chunk_facts_are_read_from_a_metadata_dict() {
     assert!(!ChunkFacts::of_meta(&meta("ssm", WireValue::Null)).unwrap().kv);
     let bare = ChunkFacts::of_meta(&map(&[])).unwrap();
     assert_eq!(bare, ChunkFacts { kv: false, regions: 0, geometry: None });
-    assert!(chunkable_metas(&[one.clone(), one.clone()]).unwrap());
-    assert!(!chunkable_metas(&[one.clone(), map(&[])]).unwrap());
+    let bare_facts = ChunkFacts::of_meta(&map(&[])).unwrap();
+    assert!(chunkable(&[ChunkFacts::of_meta(&one).unwrap(); 2]));
+    assert!(!chunkable(&[ChunkFacts::of_meta(&one).unwrap(), bare_facts]));
     let short = map(&[("geometry", map(&[("tokens_per_block", int(16))]))]);
     let err = ChunkFacts::of_meta(&short).unwrap_err();
     assert!(matches!(&err, DisaggError::Wire { field, .. } if field == "geometry.num_heads"));

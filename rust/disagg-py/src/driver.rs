@@ -137,5 +137,4 @@ methods {
         let reports = lock(&self.inner)?.imports_settled(&settled, &quarantined, &reasons);
         Ok(reports.into_iter().map(|(r, x, why)| (r, x.epoch, x.ok, x.quiet, why)).collect())
     }
-
 });
