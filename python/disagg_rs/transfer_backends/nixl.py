@@ -1323,9 +1323,10 @@ class NixlTransferBackend(TransferBackendBase):
         handle = NixlPullHandle(self.agent, parts, timeout, self.clock, error)
         # A chunked read posts its next chunk only when polled: it asks to be polled often.
         handle.poll_interval_s = min([handle.poll_interval_s, *(p.poll_s for p in parts)])
-        # What was actually posted (a source without a staged ticket is read directly).
+        # What was actually posted (a source without a staged ticket is read directly); the
+        # bytes per source, not the program's ``stats``, which walk every descriptor.
         handle.stats = {
-            "bytes": int(program.stats.get("bytes", 0)),
+            "bytes": sum(program.packed_bytes(r) for r in program.src_ranks),
             "descriptors": sum(p.descriptors for p in parts),
             "modes": {p.src_rank: p.context.split(":", 1)[0] for p in parts},
         }
