@@ -338,7 +338,8 @@ def test_a_silent_engine_is_declared_lost_and_its_requests_fail_before_their_dea
     epoch = _submit(state, 7, now=1.0)
     state.handle(PREFILL, _msg(Msg.PREFILL_DONE, request_id=7, epoch=epoch, ticket={}), 2.0)
     ack = {"engine_id": "p0", "incarnation": 1}
-    assert _beat(state, PREFILL, "p0", 4.0) == [Outgoing("p0", None, Msg.HEARTBEAT_ACK, ack)]
+    acked = _beat(state, PREFILL, "p0", 4.0)
+    assert [(o.to_engine, o.kind, o.fields) for o in acked] == [("p0", Msg.HEARTBEAT_ACK, ack)]
     assert state.poll(5.0) == []  # the decode was last heard at 0: not yet past 5 s
     out = state.poll(5.5)
     # No RELEASE_KV: the silent decode may only be stalled and read the pins when it continues;

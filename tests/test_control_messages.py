@@ -181,3 +181,46 @@ def test_the_real_server_answers_a_submit_refused_at_decode_with_failed_naming_t
     event = decode_message(raw_dealer.recv())
     assert event["type"] is Msg.FAILED and event["request_id"] == 11
     assert "prompt" in event["error"] and served[0].malformed == 1
+
+
+_PAYLOAD = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=40)
+    | st.binary(max_size=300),
+    lambda inner: st.lists(inner, max_size=20) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, (1 << 31) - 1), min_size=1, max_size=300),
+    ticket=st.dictionaries(st.text(max_size=12), _PAYLOAD, max_size=8),
+)
+def test_the_frames_the_coordinator_encodes_are_the_bytes_msgpack_writes(
+    prompt: list[int], ticket: dict[str, Any]
+) -> None:
+    # Outgoing frames are encoded in Rust; a peer's msgpack writes the same bytes for the
+    # same fields (every int, length and float in the same form), and they decode back.
+    state = CoordinatorState()
+    for ident, eid, role in ((PREFILL, "p0", "prefill"), (DECODE, "d0", "decode")):
+        reg = encode_message(Msg.REGISTER, engine_id=eid, role=role, incarnation=5, meta={})
+        state.handle(ident, decode_message(reg), 0)
+    submit = encode_message(Msg.SUBMIT, request_id=1, prompt=prompt, max_new_tokens=4)
+    out = state.receive(CLIENT, submit, 0.0)[1]
+    epoch = out[0].fields["epoch"]
+    done = encode_message(Msg.PREFILL_DONE, request_id=1, epoch=epoch, ticket=ticket)
+    out += state.receive(PREFILL, done, 1.0)[1]
+    assert [o.kind for o in out] == [Msg.PREFILL, Msg.SUBMIT_REQUEST_WITH_KV]
+    assert out[0].fields["prompt"] == prompt
+    provenance = {"prefill_engine_id", "prefill_incarnation", "epoch"}
+    forwarded = out[1].fields["ticket"]
+    assert {k: v for k, v in forwarded.items() if k not in provenance} == {
+        k: v for k, v in ticket.items() if k not in provenance
+    }
+    for o in out:
+        assert o.frame == encode_message(o.kind, **o.fields)
+        assert decode_message(o.frame) == {"type": o.kind, "v": PROTOCOL_VERSION, **o.fields}

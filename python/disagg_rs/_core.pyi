@@ -1178,7 +1178,7 @@ def nixl_pull_route(
     staging_bytes: int,
 ) -> tuple[list[tuple[int, bool, int]], list[int]]: ...
 
-_Out: TypeAlias = tuple[str | None, bytes | None, str, dict[str, Any]]
+_Out: TypeAlias = tuple[str | None, bytes | None, str, bytes]
 _Auth: TypeAlias = tuple[str, Mapping[str, str]]
 
 @final

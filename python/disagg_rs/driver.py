@@ -337,7 +337,7 @@ class LoopbackCoordinator:
             if identity is None:  # an engine that is gone
                 self.undeliverable += 1
                 continue
-            self._inbox(identity).append(encode_message(o.kind, **o.fields))
+            self._inbox(identity).append(o.frame)
 
     def frames(self, identity: bytes) -> list[bytes]:
         """Every frame waiting for ``identity``."""

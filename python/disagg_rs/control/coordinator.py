@@ -2,23 +2,38 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from disagg_rs._core import CoordinatorCore
+from disagg_rs._core import CoordinatorCore, decode_control_message
 from disagg_rs.control.messages import Msg, check_timeout, decode_message, message_frame
 from disagg_rs.exceptions import MetadataError
 
 
 @dataclass(frozen=True)
 class Outgoing:
-    """One message the coordinator wants sent: to an engine id, or to a client identity."""
+    """One message the coordinator wants sent: to an engine id, or to a client identity, as
+    the ``frame`` that goes on the wire (encoded in Rust: what
+    :func:`~disagg_rs.control.encode_message` writes for the same fields)."""
 
     to_engine: str | None
     to_client: bytes | None
     kind: Msg
-    fields: dict[str, Any]
+    frame: bytes = field(repr=False)
+
+    @functools.cached_property
+    def fields(self) -> dict[str, Any]:
+        """The message's fields (decoded from ``frame`` when first read; no ``type``, no
+        ``v``)."""
+        fields: dict[str, Any] = decode_control_message(self.frame)
+        del fields["type"], fields["v"]
+        return fields
+
+    def __repr__(self) -> str:
+        to = self.to_engine or self.to_client
+        return f"Outgoing({self.kind.value} to {to!r}: {self.fields!r})"
 
 
 @dataclass(frozen=True)
@@ -48,8 +63,8 @@ class RequestView:
     deadline: float
 
 
-def _outgoing(out: list[tuple[str | None, bytes | None, str, dict[str, Any]]]) -> list[Outgoing]:
-    return [Outgoing(engine, client, Msg(kind), fields) for engine, client, kind, fields in out]
+def _outgoing(out: list[tuple[str | None, bytes | None, str, bytes]]) -> list[Outgoing]:
+    return [Outgoing(engine, client, Msg(kind), frame) for engine, client, kind, frame in out]
 
 
 class CoordinatorState:

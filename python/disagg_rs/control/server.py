@@ -14,12 +14,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from disagg_rs._core import FaultPlan
 from disagg_rs.control.coordinator import CoordinatorState, Outgoing
 from disagg_rs.control.keys import CurveKeys, serve_with, use_curve
-from disagg_rs.control.messages import (
-    DEFAULT_LIVENESS_TIMEOUT_S,
-    DEFAULT_SEND_HWM,
-    MAX_FRAME_BYTES,
-    encode_message,
-)
+from disagg_rs.control.messages import DEFAULT_LIVENESS_TIMEOUT_S, DEFAULT_SEND_HWM, MAX_FRAME_BYTES
 
 
 class CoordinatorServer:
@@ -112,9 +107,7 @@ class CoordinatorServer:
                 self.undeliverable += 1
                 continue
             try:
-                self._sock.send_multipart(
-                    [identity, encode_message(o.kind, **o.fields)], zmq.NOBLOCK
-                )
+                self._sock.send_multipart([identity, o.frame], zmq.NOBLOCK)
             except zmq.ZMQError as err:
                 self.undeliverable += 1
                 # Again: the peer's queue is full, it does not read (an engine is fenced).

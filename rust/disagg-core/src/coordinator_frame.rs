@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use super::{Coordinator, Event, Field, Outgoing};
 use crate::error::{DisaggError, DisaggResult};
-use crate::wire::control::{decode_message, ControlMessage, Kind};
+use crate::wire::control::{decode_message, ControlMessage, Kind, PROTOCOL_VERSION};
 use crate::wire::msgpack::{self, Value};
 
 /// What became of a frame given to [`Coordinator::receive`].
@@ -230,6 +230,21 @@ impl Field<Value> {
     }
 }
 
+impl Outgoing<Value> {
+    /// The message as the frame that goes on the wire: `type` and `v` first, then its fields
+    /// (the msgpack of `{"type": ..., "v": ..., **fields}`, as a peer's encoder writes it).
+    pub fn frame(self) -> Vec<u8> {
+        let text = |t: &str| Value::Str(t.to_owned());
+        let mut pairs =
+            vec![(text("type"), text(self.kind.name())), (text("v"), Value::Int(PROTOCOL_VERSION))];
+        if let Value::Map(fields) = self.fields.into_value() {
+            let header = |k: &Value| matches!(k, Value::Str(k) if k == "type" || k == "v");
+            pairs.extend(fields.into_iter().filter(|(k, _)| !header(k)));
+        }
+        msgpack::encode(&Value::Map(pairs))
+    }
+}
+
 /// A frame's `type` and `request_id`, where it is a msgpack map that has them.
 pub(super) fn frame_head(data: &[u8]) -> (Option<Kind>, Option<i128>) {
     let Ok(Value::Map(pairs)) = msgpack::decode(data) else {
@@ -347,6 +362,28 @@ mod tests {
         ];
         fields.extend_from_slice(extra);
         c.handle_frame(b"client", &msg("SUBMIT", &fields), 1.0)
+    }
+
+    #[test]
+    fn an_outgoing_frame_is_its_type_version_and_fields_and_decodes_as_a_message() {
+        let mut c = served();
+        let out = submit(&mut c, &[]);
+        let fields = out[0].fields.clone().into_value();
+        let frame = out[0].clone().frame();
+        let Value::Map(pairs) = msgpack::decode(&frame).unwrap() else { panic!("no map") };
+        assert_eq!(pairs[0], (s("type"), s("PREFILL")));
+        assert_eq!(pairs[1], (s("v"), Value::Int(PROTOCOL_VERSION)));
+        assert_eq!(Value::Map(pairs[2..].to_vec()), fields);
+        assert_eq!(decode_message(&frame, false).unwrap().kind, Kind::Prefill);
+        // A payload's own `type` or `v` never overrides the header.
+        let forged = Outgoing {
+            to_engine: None,
+            to_client: Some(b"c".to_vec()),
+            kind: Kind::Done,
+            fields: Field::Amended(Value::Map(vec![(s("v"), Value::Int(99))]), vec![]),
+        };
+        let Value::Map(pairs) = msgpack::decode(&forged.frame()).unwrap() else { panic!() };
+        assert_eq!(pairs, vec![(s("type"), s("DONE")), (s("v"), Value::Int(PROTOCOL_VERSION))]);
     }
 
     #[test]

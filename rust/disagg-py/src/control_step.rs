@@ -24,7 +24,7 @@ impl Clone for Obj {
     }
 }
 
-/// Outgoing messages as Python receives them: `(to_engine, to_client, type, fields)` each.
+/// Outgoing messages as Python receives them: `(to_engine, to_client, type, frame)` each.
 pub struct Outs(Vec<Outgoing<Value>>);
 
 outs! {
@@ -37,11 +37,12 @@ impl<'py> IntoPyObject<'py> for Outs {
     type Error = PyErr;
 
     fn into_pyobject(self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let row = |o: Outgoing<Value>| {
-            let client = o.to_client.map(|c| PyBytes::new(py, &c));
-            Ok((o.to_engine, client, o.kind.name(), to_py(py, &o.fields.into_value())?))
+        let row = |mut o: Outgoing<Value>| {
+            let (engine, client) = (o.to_engine.take(), o.to_client.take());
+            let client = client.map(|c| PyBytes::new(py, &c));
+            (engine, client, o.kind.name(), PyBytes::new(py, &o.frame()))
         };
-        PyList::new(py, self.0.into_iter().map(row).collect::<PyResult<Vec<_>>>()?)
+        PyList::new(py, self.0.into_iter().map(row))
     }
 }
 

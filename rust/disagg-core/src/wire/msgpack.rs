@@ -1,4 +1,5 @@
-//! A bounded msgpack decoder for frames that come from other processes.
+//! A bounded msgpack decoder for frames that come from other processes, and the encoder of
+//! the frames this library sends.
 //!
 //! Every length prefix is checked against the bytes that remain before anything is allocated
 //! (an array of `n` elements needs at least `n` more bytes, a map `2 n`), nesting is capped at
@@ -200,9 +201,141 @@ pub fn decode(data: &[u8]) -> DisaggResult<Value> {
     Ok(v)
 }
 
+/// Encode `v` as msgpack, each length and int in its smallest form, floats as float64 and bytes
+/// as bin: the bytes Python's `msgpack.packb(..., use_bin_type=True)` writes for the same value.
+pub fn encode(v: &Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    write(v, &mut out);
+    out
+}
+
+/// A length-prefixed head: `fix | n` under the fix form's cap, else the 1-byte form (where
+/// the type has one), the 2- or the 4-byte form (`tags`).
+fn head(out: &mut Vec<u8>, n: usize, fix: Option<(u8, usize)>, tags: (Option<u8>, u8, u8)) {
+    let be = n.to_be_bytes();
+    let low = |k: usize| &be[be.len() - k..];
+    match (fix, tags.0) {
+        (Some((tag, cap)), _) if n < cap => out.push(tag | low(1)[0]),
+        (_, Some(tag)) if n <= 0xff => out.extend([tag, low(1)[0]]),
+        _ if n <= 0xffff => {
+            out.push(tags.1);
+            out.extend(low(2));
+        }
+        _ => {
+            out.push(tags.2);
+            out.extend(low(4));
+        }
+    }
+}
+
+fn write_int(i: i64, out: &mut Vec<u8>) {
+    let b = i.to_be_bytes();
+    match i {
+        0..=0x7f | -32..=-1 => out.push(b[7]),
+        0x80..=0xff => out.extend([0xcc, b[7]]),
+        0x100..=0xffff => out.extend([0xcd, b[6], b[7]]),
+        0x1_0000..=0xffff_ffff => out.extend([0xce, b[4], b[5], b[6], b[7]]),
+        0x1_0000_0000.. => {
+            out.push(0xcf);
+            out.extend(b);
+        }
+        -0x80..=-33 => out.extend([0xd0, b[7]]),
+        -0x8000..=-0x81 => out.extend([0xd1, b[6], b[7]]),
+        -0x8000_0000..=-0x8001 => out.extend([0xd2, b[4], b[5], b[6], b[7]]),
+        _ => {
+            out.push(0xd3);
+            out.extend(b);
+        }
+    }
+}
+
+fn write(v: &Value, out: &mut Vec<u8>) {
+    match v {
+        Value::Nil => out.push(0xc0),
+        Value::Bool(b) => out.push(if *b { 0xc3 } else { 0xc2 }),
+        Value::Int(i) => write_int(*i, out),
+        Value::UInt(u) => {
+            out.push(0xcf);
+            out.extend(u.to_be_bytes());
+        }
+        Value::Float(f) => {
+            out.push(0xcb);
+            out.extend(f.to_bits().to_be_bytes());
+        }
+        Value::Str(s) => {
+            head(out, s.len(), Some((0xa0, 32)), (Some(0xd9), 0xda, 0xdb));
+            out.extend(s.as_bytes());
+        }
+        Value::Bin(b) => {
+            head(out, b.len(), None, (Some(0xc4), 0xc5, 0xc6));
+            out.extend(b);
+        }
+        Value::Array(items) => {
+            head(out, items.len(), Some((0x90, 16)), (None, 0xdc, 0xdd));
+            items.iter().for_each(|x| write(x, out));
+        }
+        Value::Map(pairs) => {
+            head(out, pairs.len(), Some((0x80, 16)), (None, 0xde, 0xdf));
+            for (k, x) in pairs {
+                write(k, out);
+                write(x, out);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// Any value the decoder yields (map keys scalars, as it requires).
+    fn any_value() -> impl Strategy<Value = Value> {
+        let scalar = prop_oneof![
+            Just(Value::Nil),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::Int),
+            (i64::MAX.cast_unsigned() + 1..=u64::MAX).prop_map(Value::UInt),
+            any::<f64>().prop_filter("NaN != NaN", |f| !f.is_nan()).prop_map(Value::Float),
+            ".{0,40}".prop_map(Value::Str),
+            proptest::collection::vec(any::<u8>(), 0..300).prop_map(Value::Bin),
+        ];
+        scalar.clone().prop_recursive(4, 64, 20, move |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..20).prop_map(Value::Array),
+                proptest::collection::vec((scalar.clone(), inner), 0..18).prop_map(Value::Map),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn encode_then_decode_is_the_identity(v in any_value()) {
+            prop_assert_eq!(decode(&encode(&v)).unwrap(), v);
+        }
+    }
+
+    #[test]
+    fn every_length_and_int_takes_its_smallest_form() {
+        let widths = [(0usize, 1usize), (15, 1), (16, 3), (0xffff, 3), (0x1_0000, 5)];
+        for (n, head) in widths {
+            let a = encode(&Value::Array(vec![Value::Nil; n]));
+            assert_eq!(a.len(), head + n, "array of {n}");
+        }
+        let strs = [(31usize, 1usize), (32, 2), (0xff, 2), (0x100, 3), (0x1_0000, 5)];
+        for (n, head) in strs {
+            assert_eq!(encode(&Value::Str("x".repeat(n))).len(), head + n, "str of {n}");
+        }
+        let ints = [
+            (0i64, 1usize), (127, 1), (128, 2), (255, 2), (256, 3), (65_536, 5),
+            (1 << 32, 9), (-32, 1), (-33, 2), (-128, 2), (-129, 3), (-32_769, 5),
+            (-(1 << 31) - 1, 9),
+        ];
+        for (i, len) in ints {
+            assert_eq!(encode(&Value::Int(i)).len(), len, "int {i}");
+        }
+        assert_eq!(encode(&Value::Bin(vec![])), [0xc4, 0]);
+    }
 
     #[test]
     fn scalars_and_containers_decode() {
