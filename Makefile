@@ -97,6 +97,8 @@ bench: build ## Run the benchmarks and write benches/RESULTS.md
 	$(PY) benches/bench_integrity.py --write benches/RESULTS.md
 	$(PY) benches/bench_crossings.py --write benches/RESULTS.md
 	$(PY) benches/bench_pull_host.py --write benches/RESULTS.md
+	$(PY) benches/bench_control.py --write benches/RESULTS.md
+	$(PY) benches/bench_coordinator.py --write benches/RESULTS.md
 	$(PY) benches/bench_gpu.py --write benches/RESULTS.md
 	$(PY) benches/bench_gpu.py --product --write benches/RESULTS.md
 

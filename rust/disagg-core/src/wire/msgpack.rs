@@ -231,7 +231,7 @@ fn head(out: &mut Vec<u8>, n: usize, fix: Option<(u8, usize)>, tags: (Option<u8>
 fn write_int(i: i64, out: &mut Vec<u8>) {
     let b = i.to_be_bytes();
     match i {
-        0..=0x7f | -32..=-1 => out.push(b[7]),
+        -32..=0x7f => out.push(b[7]),
         0x80..=0xff => out.extend([0xcc, b[7]]),
         0x100..=0xffff => out.extend([0xcd, b[6], b[7]]),
         0x1_0000..=0xffff_ffff => out.extend([0xce, b[4], b[5], b[6], b[7]]),
@@ -272,7 +272,9 @@ fn write(v: &Value, out: &mut Vec<u8>) {
         }
         Value::Array(items) => {
             head(out, items.len(), Some((0x90, 16)), (None, 0xdc, 0xdd));
-            items.iter().for_each(|x| write(x, out));
+            for x in items {
+                write(x, out);
+            }
         }
         Value::Map(pairs) => {
             head(out, pairs.len(), Some((0x80, 16)), (None, 0xde, 0xdf));
@@ -327,8 +329,18 @@ mod tests {
             assert_eq!(encode(&Value::Str("x".repeat(n))).len(), head + n, "str of {n}");
         }
         let ints = [
-            (0i64, 1usize), (127, 1), (128, 2), (255, 2), (256, 3), (65_536, 5),
-            (1 << 32, 9), (-32, 1), (-33, 2), (-128, 2), (-129, 3), (-32_769, 5),
+            (0i64, 1usize),
+            (127, 1),
+            (128, 2),
+            (255, 2),
+            (256, 3),
+            (65_536, 5),
+            (1 << 32, 9),
+            (-32, 1),
+            (-33, 2),
+            (-128, 2),
+            (-129, 3),
+            (-32_769, 5),
             (-(1 << 31) - 1, 9),
         ];
         for (i, len) in ints {
