@@ -114,6 +114,7 @@ fn resume_tokens(kind: Kind, ticket: &Value) -> DisaggResult<(Value, usize)> {
     match lookup(pairs, "resume_tokens") {
         None | Some(Value::Nil) => Ok((Value::Array(Vec::new()), 0)),
         Some(Value::Array(tokens)) => Ok((Value::Array(tokens.clone()), tokens.len())),
+        Some(Value::Ints(tokens)) => Ok((Value::Ints(tokens.clone()), tokens.len())),
         Some(_) => Err(unusable(kind, "ticket.resume_tokens", "must be a list")),
     }
 }

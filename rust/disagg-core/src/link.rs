@@ -179,31 +179,13 @@ impl ClientDeadlines {
 mod tests {
     use super::*;
 
-    /// The msgpack of the small values these tests send (fix-size forms only).
-    fn encode(v: &Value) -> Vec<u8> {
-        let small = |n: usize| u8::try_from(n).unwrap_or_else(|_| panic!("{n} too large"));
-        match v {
-            Value::Int(i) => vec![small(usize::try_from(*i).unwrap_or(usize::MAX))],
-            Value::Str(s) => [vec![0xa0 | small(s.len())], s.as_bytes().to_vec()].concat(),
-            Value::Array(items) => {
-                let body = items.iter().flat_map(encode);
-                std::iter::once(0x90 | small(items.len())).chain(body).collect()
-            }
-            Value::Map(pairs) => {
-                let body = pairs.iter().flat_map(|(k, v)| [encode(k), encode(v)].concat());
-                std::iter::once(0x80 | small(pairs.len())).chain(body).collect()
-            }
-            other => panic!("not encoded here: {other:?}"),
-        }
-    }
-
     fn frame(kind: &str, fields: &[(&str, Value)]) -> Vec<u8> {
         let mut pairs = vec![
             (Value::Str("type".into()), Value::Str(kind.into())),
             (Value::Str("v".into()), Value::Int(3)),
         ];
         pairs.extend(fields.iter().map(|(k, v)| (Value::Str((*k).into()), v.clone())));
-        encode(&Value::Map(pairs))
+        crate::wire::msgpack::encode(&Value::Map(pairs))
     }
 
     fn peers(n: i64) -> Value {

@@ -28,6 +28,7 @@ pub fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
             let items = items.iter().map(|x| to_py(py, x)).collect::<PyResult<Vec<_>>>()?;
             PyList::new(py, items)?.into_any().unbind()
         }
+        Value::Ints(items) => PyList::new(py, items)?.into_any().unbind(),
         Value::Map(pairs) => {
             let dict = PyDict::new(py);
             for (k, v) in pairs {

@@ -285,6 +285,7 @@ fn check(ty: FieldType, value: &Value) -> Result<(), String> {
         FieldType::Map => matches!(value, Value::Map(_)),
         FieldType::Any => true,
         FieldType::IdList(lo, hi) => match value {
+            Value::Ints(items) => (lo..=hi).contains(&items.len()) && items.iter().all(|i| *i >= 0),
             Value::Array(items) => {
                 (lo..=hi).contains(&items.len())
                     && items.iter().all(|t| int(t).is_some_and(|i| i >= 0))
@@ -571,56 +572,10 @@ pub(crate) mod tests {
         l.sent_named(Kind::Done.name(), Some(&rid), true, 2.0);
     }
 
-    /// A tiny msgpack encoder for the tests: a map of str keys to simple values.
+    /// The msgpack of a map of str keys to `pairs`' values.
     fn enc(pairs: &[(&str, Value)]) -> Vec<u8> {
-        fn val(out: &mut Vec<u8>, v: &Value) {
-            match v {
-                Value::Nil => out.push(0xc0),
-                Value::Bool(b) => out.push(if *b { 0xc3 } else { 0xc2 }),
-                Value::Int(i) => {
-                    out.push(0xd3);
-                    out.extend_from_slice(&i.to_be_bytes());
-                }
-                Value::UInt(u) => {
-                    out.push(0xcf);
-                    out.extend_from_slice(&u.to_be_bytes());
-                }
-                Value::Float(f) => {
-                    out.push(0xcb);
-                    out.extend_from_slice(&f.to_bits().to_be_bytes());
-                }
-                Value::Str(s) => {
-                    out.push(0xdb);
-                    out.extend_from_slice(&(s.len() as u32).to_be_bytes());
-                    out.extend_from_slice(s.as_bytes());
-                }
-                Value::Bin(b) => {
-                    out.push(0xc6);
-                    out.extend_from_slice(&(b.len() as u32).to_be_bytes());
-                    out.extend_from_slice(b);
-                }
-                Value::Array(items) => {
-                    out.push(0xdd);
-                    out.extend_from_slice(&(items.len() as u32).to_be_bytes());
-                    for i in items {
-                        val(out, i);
-                    }
-                }
-                Value::Map(m) => {
-                    out.push(0xdf);
-                    out.extend_from_slice(&(m.len() as u32).to_be_bytes());
-                    for (k, v) in m {
-                        val(out, k);
-                        val(out, v);
-                    }
-                }
-            }
-        }
-        let map =
-            Value::Map(pairs.iter().map(|(k, v)| (Value::Str((*k).into()), v.clone())).collect());
-        let mut out = Vec::new();
-        val(&mut out, &map);
-        out
+        let map = pairs.iter().map(|(k, v)| (Value::Str((*k).into()), v.clone())).collect();
+        msgpack::encode(&Value::Map(map))
     }
 
     fn s(x: &str) -> Value {

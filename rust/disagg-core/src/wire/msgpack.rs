@@ -13,7 +13,7 @@ use crate::error::{DisaggError, DisaggResult};
 pub const MAX_DEPTH: usize = 32;
 
 /// One decoded msgpack value.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub enum Value {
     /// `nil`.
     Nil,
@@ -31,6 +31,9 @@ pub enum Value {
     Bin(Vec<u8>),
     /// An array.
     Array(Vec<Value>),
+    /// A non-empty array whose items are all ints that fit `i64`, as the decoder holds token and
+    /// block-id lists (8 bytes an item, not a value each); equal to the `Array` of those ints.
+    Ints(Vec<i64>),
     /// A map, pairs in frame order (the last of duplicate keys wins where looked up).
     Map(Vec<(Value, Value)>),
 }
@@ -45,10 +48,37 @@ impl Value {
             Self::Float(_) => "float",
             Self::Str(_) => "str",
             Self::Bin(_) => "bytes",
-            Self::Array(_) => "list",
+            Self::Array(_) | Self::Ints(_) => "list",
             Self::Map(_) => "map",
         }
     }
+}
+
+impl PartialEq for Value {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Nil, Self::Nil) => true,
+            (Self::Bool(a), Self::Bool(b)) => a == b,
+            (Self::Int(a), Self::Int(b)) => a == b,
+            (Self::UInt(a), Self::UInt(b)) => a == b,
+            (Self::Float(a), Self::Float(b)) => a == b,
+            (Self::Str(a), Self::Str(b)) => a == b,
+            (Self::Bin(a), Self::Bin(b)) => a == b,
+            (Self::Array(a), Self::Array(b)) => a == b,
+            (Self::Ints(a), Self::Ints(b)) => a == b,
+            (Self::Ints(ints), Self::Array(items)) | (Self::Array(items), Self::Ints(ints)) => {
+                ints.len() == items.len()
+                    && ints.iter().zip(items).all(|(i, v)| matches!(v, Self::Int(x) if x == i))
+            }
+            (Self::Map(a), Self::Map(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
+/// Whether a msgpack type byte starts an int.
+fn int_tag(tag: u8) -> bool {
+    matches!(tag, 0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xcf | 0xd0..=0xd3)
 }
 
 fn uint(v: u64) -> Value {
@@ -166,11 +196,27 @@ impl<'a> Reader<'a> {
         Ok(depth + 1)
     }
 
+    /// An array of `n` items: [`Value::Ints`] when they all are ints that fit `i64`.
     fn array(&mut self, n: usize, depth: usize) -> DisaggResult<Value> {
         let depth = Self::enter(depth)?;
         self.check_count(n, 1)?;
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
+        let mut ints = Vec::with_capacity(n);
+        let mut other = None;
+        while ints.len() < n && self.data.get(self.pos).is_some_and(|t| int_tag(*t)) {
+            match self.value(depth)? {
+                Value::Int(i) => ints.push(i),
+                v => {
+                    other = Some(v);
+                    break;
+                }
+            }
+        }
+        if n > 0 && ints.len() == n {
+            return Ok(Value::Ints(ints));
+        }
+        let mut out: Vec<Value> = Vec::with_capacity(n);
+        out.extend(ints.into_iter().map(Value::Int).chain(other));
+        while out.len() < n {
             out.push(self.value(depth)?);
         }
         Ok(Value::Array(out))
@@ -276,6 +322,12 @@ fn write(v: &Value, out: &mut Vec<u8>) {
                 write(x, out);
             }
         }
+        Value::Ints(items) => {
+            head(out, items.len(), Some((0x90, 16)), (None, 0xdc, 0xdd));
+            for i in items {
+                write_int(*i, out);
+            }
+        }
         Value::Map(pairs) => {
             head(out, pairs.len(), Some((0x80, 16)), (None, 0xde, 0xdf));
             for (k, x) in pairs {
@@ -305,9 +357,30 @@ mod tests {
         scalar.clone().prop_recursive(4, 64, 20, move |inner| {
             prop_oneof![
                 proptest::collection::vec(inner.clone(), 0..20).prop_map(Value::Array),
+                proptest::collection::vec(any::<i64>(), 1..40).prop_map(Value::Ints),
                 proptest::collection::vec((scalar.clone(), inner), 0..18).prop_map(Value::Map),
             ]
         })
+    }
+
+    #[test]
+    fn a_list_of_ints_is_held_as_ints_and_equals_the_list_of_their_values() {
+        let ints = decode(&[0x93, 0x01, 0xff, 0xcd, 0x01, 0x2c]).unwrap();
+        assert!(matches!(&ints, Value::Ints(v) if v == &[1, -1, 300]));
+        let values = Value::Array(vec![Value::Int(1), Value::Int(-1), Value::Int(300)]);
+        assert_eq!(ints, values);
+        assert_eq!(values, ints);
+        assert_ne!(ints, Value::Ints(vec![1, -1]));
+        // Not all ints of i64 (a str, a u64 past it) or empty: the list of values.
+        let mixed = decode(&[0x92, 0x01, 0xa1, b'x']).unwrap();
+        assert_eq!(mixed, Value::Array(vec![Value::Int(1), Value::Str("x".into())]));
+        assert!(matches!(mixed, Value::Array(_)));
+        let big = [0x92, 0x01, 0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff];
+        assert!(matches!(decode(&big).unwrap(), Value::Array(v) if v[1] == Value::UInt(u64::MAX)));
+        assert!(matches!(decode(&[0x90]).unwrap(), Value::Array(v) if v.is_empty()));
+        // A truncated list of ints is still refused.
+        assert!(decode(&[0x93, 0x01, 0x02]).is_err());
+        assert_eq!(encode(&ints), encode(&values));
     }
 
     proptest! {
