@@ -6,13 +6,24 @@ a run replaces its own section (or appends it) and stamps machine and date.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import os
 import platform
 import re
 from pathlib import Path
 
-__all__ = ["machine_line", "publish", "table_section", "write_section"]
+__all__ = ["bench_args", "machine_line", "publish", "table_section", "write_section"]
+
+
+def bench_args(doc: str | None, section: str, **counts: int) -> argparse.Namespace:
+    """A bench's command line: ``--write`` (the results file whose section ``section`` the
+    run updates) and one int option per ``counts`` entry (its default), e.g. ``--requests``."""
+    ap = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    for name, default in counts.items():
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--write", default=None, help=f"results file to update (section: {section})")
+    return ap.parse_args()
 
 
 def machine_line() -> str:

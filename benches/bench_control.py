@@ -7,7 +7,6 @@ Run: ``python benches/bench_control.py [--write benches/RESULTS.md]`` from the r
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import subprocess
 import sys
@@ -19,11 +18,19 @@ import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import publish, table_section
+from _results import bench_args, publish, table_section
 from disagg_rs.control import Msg, check_fields, decode_message, encode_message
 
 OLD_COMMIT = "5417454"  # the last commit with the Python schema table
 OLD_VERSION = 2  # its control protocol version
+INTRO = """Python: `msgpack.unpackb` + the per-type Python schema check the library used before
+(loaded from git history; the frames re-packed under its protocol version); Rust:
+`disagg_rs.control.decode_message` (bounded msgpack decoder + per-type schema in `disagg-core`,
+dict built by the bindings). Best of 5 repeats. Command: `python benches/bench_control.py`.
+The Rust path checks every message type (the Python one checked only the types the
+coordinator accepts, and nested payloads not at all). Nested maps are slower in Rust: the
+bindings build the Python dict item by item from the decoded tree, where msgpack's C unpacker
+builds it directly."""
 
 
 def _old_module() -> object:
@@ -44,9 +51,7 @@ def _old_module() -> object:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--write", default=None, help="results file to update (section: control)")
-    args = ap.parse_args()
+    args = bench_args(__doc__, "control")
     old = _old_module()
     frames = {
         "HEARTBEAT": encode_message(Msg.HEARTBEAT, engine_id="decode-0", incarnation=1 << 40),
@@ -80,22 +85,9 @@ def main() -> None:
         t_py = min(timeit.repeat(py, number=n, repeat=5)) / n * 1e6
         t_rs = min(timeit.repeat(rs, number=n, repeat=5)) / n * 1e6
         rows.append(f"| {name} | {len(frame)} | {t_py:.2f} | {t_rs:.2f} | {t_py / t_rs:.2f}x |")
-    text = table_section(
-        "Control-message decode (benches/bench_control.py)",
-        [
-            "Python: `msgpack.unpackb` + the per-type Python schema check the library used",
-            "before (loaded from git history; the frames re-packed under its protocol version);",
-            "Rust: `disagg_rs.control.decode_message` (bounded msgpack decoder + per-type schema",
-            "in `disagg-core`, dict built by the bindings). Best of 5 repeats. Command:",
-            "`python benches/bench_control.py`. The Rust path checks every message type (the",
-            "Python one checked only the types the coordinator accepts, and nested payloads not",
-            "at all). Nested maps are slower in Rust: the bindings build the Python dict item by",
-            "item from the decoded tree, where msgpack's C unpacker builds it directly.",
-        ],
-        ["message", "bytes", "Python us", "Rust us", "ratio"],
-        rows,
-    )
-    publish(args.write, "control", text)
+    title = "Control-message decode (benches/bench_control.py)"
+    columns = ["message", "bytes", "Python us", "Rust us", "ratio"]
+    publish(args.write, "control", table_section(title, [INTRO], columns, rows))
 
 
 if __name__ == "__main__":

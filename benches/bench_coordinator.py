@@ -17,7 +17,6 @@ Usage: python benches/bench_coordinator.py [--requests N] [--write benches/RESUL
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import publish, table_section
+from _results import bench_args, publish, table_section
 from disagg_rs.control import CoordinatorState, Msg, encode_message
 from disagg_rs.driver import LoopbackCoordinator
 
@@ -107,32 +106,25 @@ def measure(prompt_tokens: int, requests: int) -> tuple[float, float, int, int]:
     return statistics.median(ours) * 1e6, statistics.median(floor) * 1e6, *shape
 
 
+INTRO = """One request through a `LoopbackCoordinator` (the coordinator's state and routing,
+every message encoded and decoded as on the wire, no sockets): SUBMIT, PREFILL_DONE,
+KV_IMPORTED, one TOKENS per generated token (16), DONE, scripted; medians over {n} requests
+after one warm-up. Baseline in the same run: `msgpack.unpackb` of every frame received plus
+`msgpack.packb` of every message sent (what a coordinator that checked and decided nothing
+would pay). Command: `python benches/bench_coordinator.py`."""
+COLUMNS = ["prompt tokens", "messages in / out", "coordinator us", "unpack+pack floor us", "ratio"]
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=40)
-    ap.add_argument("--write", default=None, help="results file to update (section: coordinator)")
-    args = ap.parse_args()
+    args = bench_args(__doc__, "coordinator", requests=40)
     rows = []
     for tokens in (16, 4096, 32768):
         ours, floor, n_in, n_out = measure(tokens, args.requests)
-        rows.append(
-            f"| {tokens} | {n_in} / {n_out} | {ours:.0f} | {floor:.0f} | {ours / floor:.2f}x |"
-        )
-    text = table_section(
-        "Coordinator time per request (benches/bench_coordinator.py)",
-        [
-            "One request through a `LoopbackCoordinator` (the coordinator's state and routing,",
-            "every message encoded and decoded as on the wire, no sockets): SUBMIT,",
-            "PREFILL_DONE, KV_IMPORTED, one TOKENS per generated token (16), DONE, scripted;",
-            f"medians over {args.requests} requests after one warm-up. Baseline in the same",
-            "run: `msgpack.unpackb` of every frame received plus `msgpack.packb` of every",
-            "message sent (what a coordinator that checked and decided nothing would pay).",
-            "Command: `python benches/bench_coordinator.py`.",
-        ],
-        ["prompt tokens", "messages in / out", "coordinator us", "unpack+pack floor us", "ratio"],
-        rows,
-    )
-    publish(args.write, "coordinator", text)
+        cells = [tokens, f"{n_in} / {n_out}", f"{ours:.0f}", f"{floor:.0f}", f"{ours / floor:.2f}x"]
+        rows.append("| " + " | ".join(map(str, cells)) + " |")
+    title = "Coordinator time per request (benches/bench_coordinator.py)"
+    intro = [INTRO.format(n=args.requests)]
+    publish(args.write, "coordinator", table_section(title, intro, COLUMNS, rows))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Usage: python benches/bench_crossings.py [--requests N] [--write benches/RESULTS
 
 from __future__ import annotations
 
-import argparse
 import collections
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import publish, table_section
+from _results import bench_args, publish, table_section
 from driver_world import MAX_NEW, PROMPTS, STEP_NS, World, done
 
 _CORE_MODULES = ("disagg_rs", "disagg_rs._core")
@@ -64,10 +63,7 @@ def count(mode: str, requests: int) -> tuple[collections.Counter[str], int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=6)
-    ap.add_argument("--write", default=None, help="results file to update (section: crossings)")
-    args = ap.parse_args()
+    args = bench_args(__doc__, "crossings", requests=6)
     rows = []
     for mode in ("direct", "staged"):
         n = args.requests
