@@ -32,8 +32,8 @@ class Outgoing:
         return fields
 
     def __repr__(self) -> str:
-        to = self.to_engine or self.to_client
-        return f"Outgoing({self.kind.value} to {to!r}: {self.fields!r})"
+        to = f"to_engine={self.to_engine!r}, to_client={self.to_client!r}"
+        return f"Outgoing({to}, kind={self.kind.value}, fields={self.fields!r})"
 
 
 @dataclass(frozen=True)

@@ -345,9 +345,7 @@ class NcclTransferBackend(TransferBackendBase):
         handle.stats = {
             "descriptors": chunks,
             "bytes": sum(plans[r].packed_bytes(num_tokens) for r in ranks),
-            "chunks": sum(
-                len(p.plan.chunks(num_tokens, self.staging_pool.slot_bytes)) for p in pairs
-            ),
+            "chunks": chunks,
         }
         return handle
 

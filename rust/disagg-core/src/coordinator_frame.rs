@@ -232,6 +232,12 @@ impl Field<Value> {
 }
 
 impl Outgoing<Value> {
+    /// `(to_engine, to_client, type name, frame)`: where the message goes, and its frame.
+    pub fn into_wire(mut self) -> (Option<String>, Option<Vec<u8>>, &'static str, Vec<u8>) {
+        let (engine, client, kind) = (self.to_engine.take(), self.to_client.take(), self.kind);
+        (engine, client, kind.name(), self.frame())
+    }
+
     /// The message as the frame that goes on the wire: `type` and `v` first, then its fields
     /// (the msgpack of `{"type": ..., "v": ..., **fields}`, as a peer's encoder writes it).
     pub fn frame(self) -> Vec<u8> {
@@ -370,7 +376,8 @@ mod tests {
         let mut c = served();
         let out = submit(&mut c, &[]);
         let fields = out[0].fields.clone().into_value();
-        let frame = out[0].clone().frame();
+        let (engine, client, kind, frame) = out[0].clone().into_wire();
+        assert_eq!((engine.as_deref(), client, kind), (Some("p0"), None, "PREFILL"));
         let Value::Map(pairs) = msgpack::decode(&frame).unwrap() else { panic!("no map") };
         assert_eq!(pairs[0], (s("type"), s("PREFILL")));
         assert_eq!(pairs[1], (s("v"), Value::Int(PROTOCOL_VERSION)));

@@ -37,10 +37,9 @@ impl<'py> IntoPyObject<'py> for Outs {
     type Error = PyErr;
 
     fn into_pyobject(self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let row = |mut o: Outgoing<Value>| {
-            let (engine, client) = (o.to_engine.take(), o.to_client.take());
-            let client = client.map(|c| PyBytes::new(py, &c));
-            (engine, client, o.kind.name(), PyBytes::new(py, &o.frame()))
+        let row = |o: Outgoing<Value>| {
+            let (engine, client, kind, frame) = o.into_wire();
+            (engine, client.map(|c| PyBytes::new(py, &c)), kind, PyBytes::new(py, &frame))
         };
         PyList::new(py, self.0.into_iter().map(row))
     }
