@@ -682,7 +682,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     if failures:  # where messages went, for the post-mortem
         failures.append(
             f"coordinator: undeliverable {server.undeliverable}, malformed {server.malformed}, "
-            f"ignored {dict(server.state.ignored)}, engines lost {dict(server.state.lost)}; "
+            f"ignored {dict(server.state.ignored)}, engines lost {dict(server.state.lost)}, "
+            f"pins left to their lease {server.state.left_to_lease}; "
             "engine imports "
             + "; ".join(
                 f"{r['role']}{r['rank']}: "
