@@ -92,6 +92,8 @@ def test_a_missing_required_field_is_named() -> None:
         b"\xdf\xff\xff\xff\xff\x01",
         b"\x91" * 40,  # nested past the depth cap
         b"\x81\x90\x01",  # an unhashable key
+        b"\x81\x91\x01\x01",  # a key that is a list of ints
+        b"\x81\xa1t\x81\x91\x01\x02",  # the same, in a nested map (a ticket)
         b"\xa1\xff",  # not UTF-8
         _submit() + b"\x00",  # trailing bytes
     ],

@@ -228,7 +228,7 @@ impl<'a> Reader<'a> {
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
             let key = self.value(depth)?;
-            if matches!(key, Value::Array(_) | Value::Map(_)) {
+            if matches!(key, Value::Array(_) | Value::Ints(_) | Value::Map(_)) {
                 return Err(frame_err(format!("a map key is a {} (unhashable)", key.type_name())));
             }
             out.push((key, self.value(depth)?));
@@ -465,6 +465,7 @@ mod tests {
             &[0xa2, b'a'],
             &[0xa1, 0xff],
             &[0x81, 0x90, 0x01],
+            &[0x81, 0x91, 0x01, 0x01],
             &[0xd4, 0x00, 0x00],
             &[],
         ] {
