@@ -99,6 +99,7 @@ bench: build ## Run the benchmarks and write benches/RESULTS.md
 	$(PY) benches/bench_pull_host.py --write benches/RESULTS.md
 	$(PY) benches/bench_control.py --write benches/RESULTS.md
 	$(PY) benches/bench_coordinator.py --write benches/RESULTS.md
+	$(PY) benches/bench_coordinator.py --sockets 300 --write benches/RESULTS.md
 	$(PY) benches/bench_gpu.py --write benches/RESULTS.md
 	$(PY) benches/bench_gpu.py --product --write benches/RESULTS.md
 
