@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
@@ -118,7 +119,7 @@ def measure(prompt_tokens: int, requests: int) -> tuple[float, float, int, int]:
     return statistics.median(ours) * 1e6, statistics.median(floor) * 1e6, *shape
 
 
-def _coordinator(endpoint_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
+def _coordinator(endpoint_out: Any, stop: Any) -> None:
     """The coordinator's process: serve until ``stop``; report its CPU seconds."""
     server = CoordinatorServer(request_timeout_s=3600.0, engine_timeout_s=None, insecure=True)
     endpoint_out.put(server.endpoint)
