@@ -200,9 +200,11 @@ impl<'a> Reader<'a> {
     fn array(&mut self, n: usize, depth: usize) -> DisaggResult<Value> {
         let depth = Self::enter(depth)?;
         self.check_count(n, 1)?;
-        let mut ints = Vec::with_capacity(n);
+        let starts_int = |r: &Self| r.data.get(r.pos).is_some_and(|t| int_tag(*t));
+        // Room for ints only when the list starts with one (a list of maps needs none).
+        let mut ints = Vec::with_capacity(if starts_int(self) { n } else { 0 });
         let mut other = None;
-        while ints.len() < n && self.data.get(self.pos).is_some_and(|t| int_tag(*t)) {
+        while ints.len() < n && starts_int(self) {
             match self.value(depth)? {
                 Value::Int(i) => ints.push(i),
                 v => {
